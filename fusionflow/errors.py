@@ -1,0 +1,21 @@
+"""FusionFlow's own runtime errors.
+
+Bad arguments and bad config files raise the builtin ValueError / TypeError (with the file, key and
+a fix); faults found while data flows (an image that cannot be decoded, a worker that died) raise
+these, so training scripts can catch FusionFlow's failures as one family.
+"""
+
+
+class FusionFlowError(RuntimeError):
+    """Base class of every runtime fault FusionFlow raises."""
+
+
+class DecodeError(FusionFlowError):
+    """An encoded sample could not be decoded into an image.
+
+    ``what`` names the sample (index, path or a short description) so the message can point at it.
+    """
+
+    def __init__(self, message: str, what: str | None = None):
+        super().__init__(f"{what}: {message}" if what else message)
+        self.what = what

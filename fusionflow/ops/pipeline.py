@@ -1,0 +1,61 @@
+"""The whole per-sample CPU pipeline of a policy: decode -> random resized crop -> flip -> policy
+ops -> uint8 CHW (or normalised float32), written into a caller-provided buffer.
+
+This is what a CPU worker runs; its output for (seed, epoch, index) equals the DALI pipeline's up
+to the per-op tolerances in tests/test_ops_dali.py.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+from PIL import Image
+
+from fusionflow.ops import cpu
+from fusionflow.ops.decode import decode_crop_resize
+from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
+
+
+class CpuPipeline:
+    """Runs a policy on one sample at a time. Holds no per-sample state; cheap to call."""
+
+    def __init__(self, policy):
+        self.policy: Policy = load_policy(policy)
+        aug = self.policy.augment
+        self.style = cpu.Style(aug.interpolation, aug.fill)
+        self.out_shape = self.policy.out_shape
+        self.out_dtype = np.dtype(self.policy.out_dtype)
+        if self.policy.normalize:
+            mean, std = (np.asarray(v, np.float32).reshape(3, 1, 1) for v in self.policy.normalize)
+            self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
+        missing = [o.name for o in aug.ops if o.name not in cpu.CPU_IMPLS]
+        if missing:
+            raise ValueError(f"{self.policy.source}: no CPU implementation for ops {missing}")
+
+    def image(self, data, d: SampleDraw, what: str | None = None) -> Image.Image:
+        """The augmented sample as an RGB image of the output size."""
+        img = decode_crop_resize(data, partial(crop_window, self.policy, d), self.policy.size,
+                                 self.policy.fast_downscale, what)
+        if d.flip:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        h, w = self.policy.size
+        for op in d.ops:
+            img = cpu.apply(op.name, img, op.value, op.params(h, w), self.style)
+        return img
+
+    def run_draw(self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None) -> np.ndarray:
+        hwc = np.asarray(self.image(data, d, what))
+        if out is None:
+            out = np.empty(self.out_shape, self.out_dtype)
+        if self.policy.normalize:
+            np.multiply(hwc.transpose(2, 0, 1), self._scale, out=out, casting="unsafe")
+            out += self._shift
+        else:
+            out[...] = hwc.transpose(2, 0, 1)
+        return out
+
+    def __call__(self, data, index: int, seed: int = 0, epoch: int = 0, out: np.ndarray | None = None,
+                 what: str | None = None) -> np.ndarray:
+        """Augment sample `index` for (seed, epoch) into `out` (allocated if None)."""
+        return self.run_draw(data, draw(self.policy, seed, epoch, index), out,
+                             what if what is not None else f"sample {index}")

@@ -1,0 +1,104 @@
+"""Per-sample augmentation draws: a pure function of (policy, seed, epoch, sample index).
+
+Whichever worker runs a sample -- a CPU process, the DALI GPU worker, or a retry after a crash --
+computes the same `SampleDraw`, so augmentation is reproducible and placement-independent.
+
+A draw is image-size independent: the random resized crop keeps its uniforms and is resolved
+against the real image size by `crop_window` (torchvision's algorithm: ten tries at a random area
+and log-uniform aspect ratio, then a centre crop of the clamped ratio).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionflow.ops.specs import OPS, ParamTuple
+from fusionflow.policy.schema import Policy
+
+CROP_TRIES = 10
+
+
+@dataclass(frozen=True)
+class OpDraw:
+    name: str
+    value: float  # in the op's unit (see fusionflow.ops.specs), sign applied
+    aux: tuple[float, float]  # two uniforms for ops that place something (Cutout)
+
+    def params(self, height: int, width: int) -> ParamTuple:
+        return OPS[self.name].resolve(self.value, self.aux, height, width)
+
+
+@dataclass(frozen=True)
+class SampleDraw:
+    crop_u: tuple[float, ...]  # CROP_TRIES * 4 uniforms: area, log-ratio, top, left
+    flip: bool
+    ops: tuple[OpDraw, ...]  # applied in order after crop and flip
+
+
+def _rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    for name, v in (("seed", seed), ("epoch", epoch), ("index", index)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+            raise ValueError(f"{name}={v!r} must be a non-negative integer")
+    return np.random.default_rng([int(seed), int(epoch), int(index)])
+
+
+def draw(policy: Policy, seed: int, epoch: int, index: int) -> SampleDraw:
+    rng = _rng(seed, epoch, index)
+    crop_u = tuple(rng.random(CROP_TRIES * 4).tolist())
+    flip = bool(rng.random() < policy.flip)
+    aug = policy.augment
+    ops: list[OpDraw] = []
+    if aug.type == "rand":
+        for _ in range(aug.num_ops):
+            choice = aug.ops[int(rng.integers(len(aug.ops)))]
+            ops.append(_op(choice, aug.magnitude, aug.num_bins, rng))
+    elif aug.type == "trivial":
+        choice = aug.ops[int(rng.integers(len(aug.ops)))]
+        bin_ = int(rng.integers(aug.num_bins))
+        ops.append(_op(choice, bin_, aug.num_bins, rng))
+    elif aug.type == "subpolicy":
+        sub = aug.subpolicies[int(rng.integers(len(aug.subpolicies)))]
+        for step in sub:
+            apply = rng.random() < step.prob
+            op = _op(aug.op(step.op), step.bin or 0, aug.num_bins, rng)
+            if apply:
+                ops.append(op)
+    return SampleDraw(crop_u=crop_u, flip=flip, ops=tuple(ops))
+
+
+def _op(choice, bin_index: int, num_bins: int, rng: np.random.Generator) -> OpDraw:
+    # Always consume the same number of draws per op so one op's settings never shift the next's.
+    negate = rng.random() < 0.5
+    aux = tuple(rng.random(2).tolist())
+    value = choice.value(bin_index, num_bins)
+    if choice.signed and negate:
+        value = -value
+    return OpDraw(choice.name, value, aux)
+
+
+def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple[int, int, int, int]:
+    """(top, left, crop_height, crop_width) of the random resized crop for an image of this size."""
+    area = height * width
+    (s0, s1), (r0, r1) = policy.scale, policy.ratio
+    log_r0, log_r1 = math.log(r0), math.log(r1)
+    u = d.crop_u
+    for t in range(CROP_TRIES):
+        ua, ur, ut, ul = u[4 * t:4 * t + 4]
+        target = area * (s0 + ua * (s1 - s0))
+        aspect = math.exp(log_r0 + ur * (log_r1 - log_r0))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = min(int(ut * (height - h + 1)), height - h)
+            left = min(int(ul * (width - w + 1)), width - w)
+            return top, left, h, w
+    in_ratio = width / height
+    if in_ratio < r0:
+        w, h = width, int(round(width / r0))
+    elif in_ratio > r1:
+        h, w = height, int(round(height * r1))
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w

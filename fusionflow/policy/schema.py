@@ -1,0 +1,362 @@
+"""Policy files -> frozen, validated `Policy` objects.
+
+The schema (documented for users in configs/README.md):
+
+    name: str                          optional; defaults to the file's stem
+    output:
+      size: int | [height, width]      every sample comes out this size, uint8 CHW
+      normalize: null | {mean: [3], std: [3]}   in 0..1 units; makes the output float32
+    decode:
+      fast_downscale: bool             JPEG DCT-domain downscaling when the crop allows (default true)
+    crop:                              random resized crop, torchvision's algorithm
+      scale: [lo, hi]                  area fraction, 0 < lo <= hi <= 1
+      ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
+    flip: float                        horizontal flip probability
+    augment:
+      type: none | rand | trivial | subpolicy
+      ops: {OpName: {range: [v0, v1], signed: bool} or {} for ops without magnitude}
+      num_bins: int                    bins b = 0..num_bins-1 map linearly onto range
+      num_ops: int                     rand: ops drawn per sample (with replacement)
+      magnitude: int                   rand: the bin every op uses
+      subpolicies: [[[Op, prob, bin?], ...], ...]   subpolicy: one drawn uniformly per sample
+      interpolation: nearest | bilinear   for the geometric ops
+      fill: int | [r, g, b]            colour for pixels uncovered by geometric ops / Cutout
+
+Every problem raises ValueError naming the file and the key path, e.g.
+``configs/mine.yaml: augment.ops.Rotat: unknown op; did you mean 'Rotate'?``.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import yaml
+
+from fusionflow.ops.specs import OPS, OpSpec
+
+AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy")
+INTERPOLATIONS = ("nearest", "bilinear")
+
+
+@dataclass(frozen=True)
+class OpChoice:
+    """One op a policy may draw, with the value range its magnitude bins map onto."""
+
+    name: str
+    range: tuple[float, float] | None  # None for ops without a magnitude
+    signed: bool = False
+
+    def value(self, bin_index: int, num_bins: int) -> float:
+        if self.range is None:
+            return 0.0
+        lo, hi = self.range
+        v = lo if num_bins == 1 else lo + (hi - lo) * bin_index / (num_bins - 1)
+        return float(round(v)) if OPS[self.name].integer else v
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of an AutoAugment-style sub-policy: apply `op` with probability `prob` at `bin`."""
+
+    op: str
+    prob: float
+    bin: int | None
+
+
+@dataclass(frozen=True)
+class Augment:
+    type: str
+    ops: tuple[OpChoice, ...] = ()
+    num_bins: int = 1
+    num_ops: int = 0
+    magnitude: int | None = None
+    subpolicies: tuple[tuple[Step, ...], ...] = ()
+    interpolation: str = "nearest"
+    fill: tuple[int, int, int] = (0, 0, 0)
+
+    def op(self, name: str) -> OpChoice:
+        for choice in self.ops:
+            if choice.name == name:
+                return choice
+        raise KeyError(name)
+
+    @property
+    def max_ops(self) -> int:
+        """Most ops one sample can get: the number of op slots a pipeline needs."""
+        if self.type == "rand":
+            return self.num_ops
+        if self.type == "trivial":
+            return 1
+        if self.type == "subpolicy":
+            return max(len(sp) for sp in self.subpolicies)
+        return 0
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    source: str
+    size: tuple[int, int]  # (height, width)
+    scale: tuple[float, float]
+    ratio: tuple[float, float]
+    flip: float
+    augment: Augment
+    normalize: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
+    fast_downscale: bool = True
+
+    @property
+    def out_dtype(self) -> str:
+        return "float32" if self.normalize else "uint8"
+
+    @property
+    def out_shape(self) -> tuple[int, int, int]:
+        return (3, *self.size)
+
+
+class _Reader:
+    """Walks a parsed config, checking keys and types, and raises errors that name the key path."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, path: str, message: str):
+        raise ValueError(f"{self.source}: {path or '<top level>'}: {message}")
+
+    def mapping(self, obj: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
+        if not isinstance(obj, Mapping):
+            self.fail(path, f"expected a mapping, got {type(obj).__name__} {obj!r}")
+        allowed = required + optional
+        for key in obj:
+            if key not in allowed:
+                hint = difflib.get_close_matches(str(key), allowed, n=1)
+                fix = f"did you mean {hint[0]!r}?" if hint else f"allowed keys: {', '.join(allowed)}"
+                self.fail(_join(path, key), f"unknown key; {fix}")
+        for key in required:
+            if key not in obj:
+                self.fail(_join(path, key), "missing required key")
+        return dict(obj)
+
+    def number(self, obj: Any, path: str, lo: float | None = None, hi: float | None = None) -> float:
+        if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+            self.fail(path, f"expected a number, got {type(obj).__name__} {obj!r}")
+        if (lo is not None and obj < lo) or (hi is not None and obj > hi):
+            self.fail(path, f"{obj!r} is out of range [{lo}, {hi}]")
+        return float(obj)
+
+    def integer(self, obj: Any, path: str, lo: int | None = None, hi: int | None = None) -> int:
+        if isinstance(obj, bool) or not isinstance(obj, int):
+            self.fail(path, f"expected an integer, got {type(obj).__name__} {obj!r}")
+        if (lo is not None and obj < lo) or (hi is not None and obj > hi):
+            self.fail(path, f"{obj!r} is out of range [{lo}, {hi}]")
+        return obj
+
+    def boolean(self, obj: Any, path: str) -> bool:
+        if not isinstance(obj, bool):
+            self.fail(path, f"expected true or false, got {type(obj).__name__} {obj!r}")
+        return obj
+
+    def choice(self, obj: Any, path: str, options: tuple[str, ...]) -> str:
+        if obj not in options:
+            hint = difflib.get_close_matches(str(obj), options, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"choose one of {', '.join(options)}"
+            self.fail(path, f"{obj!r} is not valid; {fix}")
+        return obj
+
+    def pair(self, obj: Any, path: str, lo=None, hi=None, ordered=True) -> tuple[float, float]:
+        if not isinstance(obj, (list, tuple)) or len(obj) != 2:
+            self.fail(path, f"expected a list of two numbers, got {obj!r}")
+        a = self.number(obj[0], f"{path}[0]", lo, hi)
+        b = self.number(obj[1], f"{path}[1]", lo, hi)
+        if ordered and a > b:
+            self.fail(path, f"lower bound {a} is greater than upper bound {b}")
+        return (a, b)
+
+    def triple(self, obj: Any, path: str, lo=None, hi=None) -> tuple[float, float, float]:
+        if not isinstance(obj, (list, tuple)) or len(obj) != 3:
+            self.fail(path, f"expected a list of three numbers (one per RGB channel), got {obj!r}")
+        return tuple(self.number(v, f"{path}[{i}]", lo, hi) for i, v in enumerate(obj))
+
+    def op_name(self, obj: Any, path: str) -> OpSpec:
+        if obj not in OPS:
+            hint = difflib.get_close_matches(str(obj), list(OPS), n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"registered ops: {', '.join(OPS)}"
+            self.fail(path, f"unknown op {obj!r}; {fix}")
+        return OPS[obj]
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom") -> Policy:
+    r = _Reader(source)
+    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip"))
+
+    name = top.get("name", default_name)
+    if not isinstance(name, str) or not name:
+        r.fail("name", f"expected a non-empty string, got {name!r}")
+
+    out = r.mapping(top["output"], "output", ("size",), ("normalize",))
+    size_raw = out["size"]
+    if isinstance(size_raw, int) and not isinstance(size_raw, bool):
+        size = (r.integer(size_raw, "output.size", 8, 8192),) * 2
+    elif isinstance(size_raw, (list, tuple)) and len(size_raw) == 2:
+        size = tuple(r.integer(v, f"output.size[{i}]", 8, 8192) for i, v in enumerate(size_raw))
+    else:
+        r.fail("output.size", f"expected an int or [height, width], got {size_raw!r}")
+    normalize = None
+    if out.get("normalize") is not None:
+        norm = r.mapping(out["normalize"], "output.normalize", ("mean", "std"), ())
+        mean = r.triple(norm["mean"], "output.normalize.mean", 0.0, 1.0)
+        std = r.triple(norm["std"], "output.normalize.std", 1e-6, None)
+        normalize = (mean, std)
+
+    fast = True
+    if "decode" in top:
+        dec = r.mapping(top["decode"], "decode", (), ("fast_downscale",))
+        fast = r.boolean(dec.get("fast_downscale", True), "decode.fast_downscale")
+
+    scale, ratio = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
+    if "crop" in top:
+        crop = r.mapping(top["crop"], "crop", (), ("scale", "ratio"))
+        if "scale" in crop:
+            scale = r.pair(crop["scale"], "crop.scale", 0.0, 1.0)
+            if scale[0] <= 0:
+                r.fail("crop.scale[0]", "must be > 0 (an empty crop cannot be resized)")
+        if "ratio" in crop:
+            ratio = r.pair(crop["ratio"], "crop.ratio", 1e-3, 1e3)
+    flip = r.number(top.get("flip", 0.0), "flip", 0.0, 1.0)
+
+    augment = _parse_augment(r, top["augment"], size)
+    return Policy(name=name, source=source, size=size, scale=scale, ratio=ratio, flip=flip,
+                  augment=augment, normalize=normalize, fast_downscale=fast)
+
+
+def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
+    if not isinstance(raw, Mapping):
+        r.fail("augment", f"expected a mapping, got {type(raw).__name__} {raw!r}")
+    kind = r.choice(raw.get("type"), "augment.type", AUGMENT_TYPES)
+    common = ("interpolation", "fill")
+    if kind == "none":
+        r.mapping(raw, "augment", ("type",), ())
+        return Augment(type="none")
+    if kind == "rand":
+        a = r.mapping(raw, "augment", ("type", "ops", "num_ops", "magnitude", "num_bins"), common)
+    elif kind == "trivial":
+        a = r.mapping(raw, "augment", ("type", "ops", "num_bins"), common)
+    else:
+        a = r.mapping(raw, "augment", ("type", "ops", "num_bins", "subpolicies"), common)
+
+    num_bins = r.integer(a["num_bins"], "augment.num_bins", 1, 1000)
+    ops = _parse_ops(r, a["ops"], size)
+    interpolation = r.choice(a.get("interpolation", "nearest"), "augment.interpolation", INTERPOLATIONS)
+    fill_raw = a.get("fill", 0)
+    if isinstance(fill_raw, (list, tuple)):
+        fill = tuple(int(v) for v in r.triple(fill_raw, "augment.fill", 0, 255))
+    else:
+        fill = (int(r.integer(fill_raw, "augment.fill", 0, 255)),) * 3
+
+    num_ops, magnitude, subpolicies = 0, None, ()
+    if kind == "rand":
+        num_ops = r.integer(a["num_ops"], "augment.num_ops", 1, 16)
+        magnitude = r.integer(a["magnitude"], "augment.magnitude", 0, num_bins - 1)
+    elif kind == "subpolicy":
+        subpolicies = _parse_subpolicies(r, a["subpolicies"], {o.name: o for o in ops}, num_bins)
+    return Augment(type=kind, ops=tuple(ops), num_bins=num_bins, num_ops=num_ops, magnitude=magnitude,
+                   subpolicies=subpolicies, interpolation=interpolation, fill=fill)
+
+
+def _parse_ops(r: _Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
+    if not isinstance(raw, Mapping) or not raw:
+        r.fail("augment.ops", f"expected a non-empty mapping of op name -> settings, got {raw!r}")
+    ops = []
+    for name, settings in raw.items():
+        path = f"augment.ops.{name}"
+        spec = r.op_name(name, path)
+        settings = {} if settings is None else settings
+        if spec.has_magnitude:
+            s = r.mapping(settings, path, ("range",), ("signed",))
+            lo, hi = spec.domain_for(*size)
+            rng = r.pair(s["range"], f"{path}.range", lo, hi, ordered=False)
+            ops.append(OpChoice(name, rng, r.boolean(s.get("signed", False), f"{path}.signed")))
+        else:
+            r.mapping(settings, path, (), ())  # no keys allowed: the op has no magnitude
+            ops.append(OpChoice(name, None, False))
+    return ops
+
+
+def _parse_subpolicies(r, raw, ops: dict[str, OpChoice], num_bins: int):
+    if not isinstance(raw, (list, tuple)) or not raw:
+        r.fail("augment.subpolicies", "expected a non-empty list of sub-policies")
+    subpolicies = []
+    for i, sp in enumerate(raw):
+        path = f"augment.subpolicies[{i}]"
+        if not isinstance(sp, (list, tuple)) or not sp:
+            r.fail(path, f"expected a non-empty list of [op, probability, bin] steps, got {sp!r}")
+        steps = []
+        for j, step in enumerate(sp):
+            spath = f"{path}[{j}]"
+            if not isinstance(step, (list, tuple)) or len(step) not in (2, 3):
+                r.fail(spath, f"expected [op, probability] or [op, probability, bin], got {step!r}")
+            name = step[0]
+            r.op_name(name, f"{spath}[0]")
+            if name not in ops:
+                r.fail(f"{spath}[0]", f"op {name!r} is not listed under augment.ops (add it with its range)")
+            prob = r.number(step[1], f"{spath}[1]", 0.0, 1.0)
+            has_mag = ops[name].range is not None
+            if has_mag and len(step) != 3:
+                r.fail(spath, f"op {name!r} takes a magnitude: write [{name}, {prob}, bin]")
+            if not has_mag and len(step) == 3:
+                r.fail(spath, f"op {name!r} takes no magnitude: write [{name}, {prob}]")
+            bin_ = r.integer(step[2], f"{spath}[2]", 0, num_bins - 1) if has_mag else None
+            steps.append(Step(name, prob, bin_))
+        subpolicies.append(tuple(steps))
+    return tuple(subpolicies)
+
+
+def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
+    """Load and validate a policy from a YAML file path or an already-parsed mapping.
+
+    A bare name such as ``"randaugment"`` resolves to the shipped ``configs/randaugment.yaml``.
+    """
+    if isinstance(path_or_dict, Policy):
+        return path_or_dict
+    if isinstance(path_or_dict, Mapping):
+        return parse_policy(path_or_dict, "<dict>")
+    if not isinstance(path_or_dict, (str, os.PathLike)):
+        raise TypeError(f"policy must be a path, a mapping or a Policy, got {type(path_or_dict).__name__}")
+    path = os.fspath(path_or_dict)
+    if not os.path.exists(path):
+        shipped = _shipped_config(path)
+        if shipped is None:
+            raise ValueError(f"policy file {path!r} does not exist; shipped policies: "
+                             f"{', '.join(shipped_policies())} (or give a path to your own YAML file)")
+        path = shipped
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = yaml.safe_load(f)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    stem = os.path.splitext(os.path.basename(path))[0]
+    return parse_policy(raw, path, default_name=stem)
+
+
+def configs_dir() -> str:
+    here = os.path.dirname(os.path.abspath(__file__))
+    return os.path.join(os.path.dirname(os.path.dirname(here)), "configs")
+
+
+def shipped_policies() -> list[str]:
+    d = configs_dir()
+    return sorted(f[:-5] for f in os.listdir(d) if f.endswith(".yaml")) if os.path.isdir(d) else []
+
+
+def _shipped_config(name: str) -> str | None:
+    """A bare policy name ("randaugment") or "configs/<name>.yaml" resolves to the shipped file."""
+    head, tail = os.path.split(name)
+    if head not in ("", "configs"):
+        return None
+    candidate = os.path.join(configs_dir(), tail if tail.endswith(".yaml") else tail + ".yaml")
+    return candidate if os.path.exists(candidate) else None

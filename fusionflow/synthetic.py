@@ -1,0 +1,68 @@
+"""Deterministic synthetic photographs-ish images, for the demo, the benchmarks and the tests.
+
+Smooth gradients, overlapping shapes and sensor-like noise: enough structure that JPEG sizes vary
+like real photos and that histogram and geometric ops have visible work to do.
+"""
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+from PIL import Image, ImageDraw, ImageFilter
+
+
+def make_image(height: int, width: int, seed: int) -> np.ndarray:
+    """A uint8 HxWx3 image that is a pure function of (height, width, seed)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    base = np.empty((height, width, 3), np.float32)
+    for c in range(3):
+        fx, fy, ph = rng.uniform(0.5, 3.0), rng.uniform(0.5, 3.0), rng.uniform(0, 6.28)
+        base[..., c] = 110 + 70 * np.sin(fx * 6.28 * x / width + ph) * np.cos(fy * 6.28 * y / height)
+    img = Image.fromarray(base.clip(0, 255).astype(np.uint8))
+    draw = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(4, 12))):
+        x0, x1 = sorted(rng.integers(0, width, 2).tolist())
+        y0, y1 = sorted(rng.integers(0, height, 2).tolist())
+        colour = tuple(int(v) for v in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)((x0, y0, x1 + 1, y1 + 1), fill=colour)
+    img = img.filter(ImageFilter.GaussianBlur(float(rng.uniform(0.5, 2.0))))
+    arr = np.asarray(img).astype(np.int16) + rng.normal(0, 6, (height, width, 3)).astype(np.int16)
+    return arr.clip(0, 255).astype(np.uint8)
+
+
+def encode(arr: np.ndarray, fmt: str = "JPEG", quality: int = 90) -> bytes:
+    buf = io.BytesIO()
+    img = Image.fromarray(arr)
+    img.save(buf, fmt, **({"quality": quality} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def make_jpegs(count: int, min_side: int = 200, max_side: int = 1000, seed: int = 0) -> list[bytes]:
+    """`count` JPEGs whose sides are drawn uniformly from [min_side, max_side]."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        h, w = (int(v) for v in rng.integers(min_side, max_side + 1, 2))
+        out.append(encode(make_image(h, w, seed * 1_000_003 + i)))
+    return out
+
+
+def make_image_folder(root: str, num_classes: int = 4, per_class: int = 64, min_side: int = 200,
+                      max_side: int = 1000, seed: int = 0) -> str:
+    """Write an ImageFolder tree (root/class_k/img_i.jpg) of mixed-size JPEGs; returns root.
+    Existing files are kept, so a second call is free."""
+    rng = np.random.default_rng(seed)
+    for c in range(num_classes):
+        d = os.path.join(root, f"class_{c}")
+        os.makedirs(d, exist_ok=True)
+        for i in range(per_class):
+            h, w = (int(v) for v in rng.integers(min_side, max_side + 1, 2))
+            path = os.path.join(d, f"img_{i:05d}.jpg")
+            if not os.path.exists(path):
+                tmp = path + ".tmp"
+                with open(tmp, "wb") as f:
+                    f.write(encode(make_image(h, w, seed * 1_000_003 + c * 100_003 + i)))
+                os.replace(tmp, path)
+    return root

@@ -1,0 +1,151 @@
+"""Policy files: shipped configs equal torchvision's definitions; bad files fail with file + key."""
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+import torchvision.transforms.v2 as T
+import yaml
+
+from fusionflow import load_policy
+from fusionflow.policy import shipped_policies
+
+
+def test_shipped_policies_load_and_are_frozen():
+    assert set(shipped_policies()) >= {"default", "randaugment", "randaugment-paper", "autoaugment",
+                                       "trivialaugment"}
+    for name in shipped_policies():
+        p = load_policy(name)
+        assert p.out_shape == (3, 224, 224)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            p.flip = 0.0
+    assert len(load_policy("randaugment").augment.ops) == 14
+    assert len(load_policy("randaugment-paper").augment.ops) == 16
+    assert {"SolarizeAdd", "Cutout", "Invert"} <= {o.name for o in load_policy("randaugment-paper").augment.ops}
+
+
+def _tv_values(space, name, num_bins):
+    fn, signed = space[name]
+    mags = fn(num_bins, 224, 224)
+    if mags is None or mags.ndim == 0:
+        return None, signed
+    vals = [float(m) for m in mags]
+    if name == "Solarize":  # torchvision: fraction of 255
+        vals = [255.0 * v for v in vals]
+    return vals, signed
+
+
+@pytest.mark.parametrize("config,tv_cls", [("randaugment", T.RandAugment), ("trivialaugment", T.TrivialAugmentWide),
+                                           ("autoaugment", T.AutoAugment)])
+def test_magnitude_tables_equal_torchvision(config, tv_cls):
+    aug = load_policy(config).augment
+    space = tv_cls._AUGMENTATION_SPACE
+    assert {o.name for o in aug.ops} == set(space)
+    for choice in aug.ops:
+        ref, signed = _tv_values(space, choice.name, aug.num_bins)
+        assert choice.signed == signed, choice.name
+        if ref is None:
+            assert choice.range is None, choice.name
+            continue
+        ours = [choice.value(b, aug.num_bins) for b in range(aug.num_bins)]
+        assert ours == pytest.approx(ref, abs=1e-4), choice.name
+
+
+def test_autoaugment_subpolicies_equal_torchvision():
+    aug = load_policy("autoaugment").augment
+    ref = T.AutoAugment()._policies
+    ours = [tuple((s.op, s.prob, s.bin) for s in sp) for sp in aug.subpolicies]
+    assert ours == [tuple(tuple(step) for step in sp) for sp in ref]
+
+
+def test_randaugment_settings():
+    aug = load_policy("randaugment").augment
+    assert (aug.type, aug.num_ops, aug.magnitude, aug.num_bins) == ("rand", 2, 9, 31)
+
+
+def test_policy_layer_imports_neither_torch_nor_dali():
+    code = ("import sys, fusionflow, fusionflow.policy as p; p.draw(p.load_policy('randaugment'), 0, 0, 0);"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nvidia', 'torchvision')];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+BASE = {"output": {"size": 224}, "augment": {"type": "rand", "num_ops": 2, "magnitude": 9, "num_bins": 31,
+                                             "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Equalize": {}}}}
+
+
+def _write(tmp_path, cfg):
+    path = tmp_path / "mine.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return str(path)
+
+
+def _with(path, value):
+    cfg = yaml.safe_load(yaml.safe_dump(BASE, sort_keys=False))
+    node = cfg
+    for key in path[:-1]:
+        node = node[key]
+    if value is KeyError:
+        del node[path[-1]]
+    else:
+        node[path[-1]] = value
+    return cfg
+
+
+@pytest.mark.parametrize("path,value,expect", [
+    (("augment", "ops", "Rotat"), {"range": [0, 30]}, r"augment\.ops\.Rotat: unknown op 'Rotat'; did you mean 'Rotate'"),
+    (("augment", "magnitude"), 31, r"augment\.magnitude: 31 is out of range \[0, 30\]"),
+    (("augment", "magnitude"), "9", r"augment\.magnitude: expected an integer, got str"),
+    (("augment", "num_op"), 2, r"augment\.num_op: unknown key; did you mean 'num_ops'"),
+    (("augment", "num_ops"), KeyError, r"augment\.num_ops: missing required key"),
+    (("output",), KeyError, r"output: missing required key"),
+    (("flipp",), 0.5, r"flipp: unknown key; did you mean 'flip'"),
+    (("flip",), 1.5, r"flip: 1.5 is out of range"),
+    (("augment", "ops", "Rotate"), {"range": [0, 300]}, r"augment\.ops\.Rotate\.range\[1\]: 300 is out of range"),
+    (("augment", "ops", "Rotate"), {}, r"augment\.ops\.Rotate\.range: missing required key"),
+    (("augment", "ops", "Equalize"), {"range": [0, 1]}, r"augment\.ops\.Equalize\.range: unknown key"),
+    (("augment", "ops", "TranslateX"), {"range": [0, 300]}, r"TranslateX\.range\[1\]: 300 is out of range \[-224"),
+    (("augment", "type"), "randd", r"augment\.type: 'randd' is not valid; did you mean 'rand'"),
+    (("augment", "interpolation"), "cubic", r"augment\.interpolation: 'cubic' is not valid"),
+    (("output", "size"), [224], r"output\.size: expected an int or \[height, width\]"),
+    (("crop",), {"scale": [0.9, 0.1]}, r"crop\.scale: lower bound 0.9 is greater than upper bound 0.1"),
+    (("augment", "ops", "Rotate", "signed"), "yes", r"augment\.ops\.Rotate\.signed: expected true or false"),
+])
+def test_bad_config_names_file_and_key(tmp_path, path, value, expect):
+    fname = _write(tmp_path, _with(path, value))
+    with pytest.raises(ValueError, match=expect) as info:
+        load_policy(fname)
+    assert str(info.value).startswith(fname + ": ")
+
+
+def test_subpolicy_errors(tmp_path):
+    cfg = {"output": {"size": 64}, "augment": {"type": "subpolicy", "num_bins": 10,
+                                               "ops": {"Rotate": {"range": [0, 30]}, "Invert": {}},
+                                               "subpolicies": [[["Rotate", 0.5, 3], ["Invert", 0.2]]]}}
+    assert load_policy(cfg).augment.max_ops == 2
+    cfg["augment"]["subpolicies"] = [[["Rotate", 0.5]]]
+    with pytest.raises(ValueError, match=r"subpolicies\[0\]\[0\]: op 'Rotate' takes a magnitude"):
+        load_policy(cfg)
+    cfg["augment"]["subpolicies"] = [[["Equalize", 0.5]]]
+    with pytest.raises(ValueError, match=r"subpolicies\[0\]\[0\]\[0\]: op 'Equalize' is not listed"):
+        load_policy(cfg)
+    cfg["augment"]["subpolicies"] = [[["Invert", 1.2]]]
+    with pytest.raises(ValueError, match=r"subpolicies\[0\]\[0\]\[1\]: 1.2 is out of range"):
+        load_policy(cfg)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ValueError, match=r"does not exist; shipped policies: .*randaugment"):
+        load_policy(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("output: {size: 224\naugment: [")
+    with pytest.raises(ValueError, match=r"bad\.yaml: not valid YAML"):
+        load_policy(str(bad))
+    with pytest.raises(TypeError, match="policy must be a path"):
+        load_policy(42)
+
+
+def test_user_subset_policy(tmp_path):
+    p = load_policy(_write(tmp_path, BASE))
+    assert p.name == "mine" and [o.name for o in p.augment.ops] == ["Rotate", "Equalize"]
+    assert p.augment.op("Rotate").value(9, 31) == pytest.approx(9.0)

@@ -1,0 +1,109 @@
+"""Per-sample draws: deterministic in (seed, epoch, index), distributed as the policy says."""
+import itertools
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2 as T
+from scipy import stats
+
+from fusionflow import load_policy
+from fusionflow.policy import crop_window, draw
+
+N = 6000
+P_MIN = 1e-4  # chi-square p-value below which a distribution is rejected (fixed seeds: no flakes)
+
+
+def test_draw_is_a_pure_function_of_seed_epoch_index():
+    p = load_policy("randaugment")
+    assert draw(p, 3, 1, 17) == draw(p, 3, 1, 17)
+    others = [draw(p, 4, 1, 17), draw(p, 3, 2, 17), draw(p, 3, 1, 18)]
+    assert all(o != draw(p, 3, 1, 17) for o in others)
+    with pytest.raises(ValueError, match="index=-1 must be a non-negative integer"):
+        draw(p, 0, 0, -1)
+
+
+def test_randaugment_op_choice_sign_and_magnitude():
+    p = load_policy("randaugment")
+    aug = p.augment
+    names = [o.name for o in aug.ops]
+    counts, signs = Counter(), Counter()
+    for i in range(N):
+        d = draw(p, 0, 0, i)
+        assert len(d.ops) == 2
+        for op in d.ops:
+            counts[op.name] += 1
+            choice = aug.op(op.name)
+            expect = choice.value(9, 31)
+            assert abs(op.value) == pytest.approx(abs(expect))
+            if choice.signed and expect != 0:
+                signs[op.value < 0] += 1
+    assert stats.chisquare([counts[n] for n in names]).pvalue > P_MIN
+    assert stats.binomtest(signs[True], signs[True] + signs[False], 0.5).pvalue > P_MIN
+
+
+def test_trivialaugment_op_and_bin_uniform():
+    p = load_policy("trivialaugment")
+    aug = p.augment
+    ops, bins = Counter(), Counter()
+    for i in range(N):
+        (op,) = draw(p, 1, 0, i).ops
+        ops[op.name] += 1
+        choice = aug.op(op.name)
+        if choice.name == "Rotate":  # unique values per bin, so the bin is recoverable
+            bins[round(abs(op.value) / 4.5)] += 1
+    assert stats.chisquare([ops[o.name] for o in aug.ops]).pvalue > P_MIN
+    assert sorted(bins) == list(range(31))
+    assert stats.chisquare([bins[b] for b in range(31)]).pvalue > P_MIN
+
+
+def test_autoaugment_applied_sequences_match_exact_probabilities():
+    p = load_policy("autoaugment")
+    subs = p.augment.subpolicies
+    expected = Counter()
+    for sp in subs:
+        for mask in itertools.product([0, 1], repeat=len(sp)):
+            prob = math.prod(s.prob if m else 1 - s.prob for s, m in zip(sp, mask)) / len(subs)
+            expected[tuple(s.op for s, m in zip(sp, mask) if m)] += prob
+    seen = Counter(tuple(o.name for o in draw(p, 2, 0, i).ops) for i in range(N))
+    assert set(seen) <= set(expected)
+    cats = sorted(k for k in expected if expected[k] * N >= 5)
+    rare = [k for k in expected if k not in cats and expected[k] > 0]
+    assert all(seen[k] == 0 for k in expected if expected[k] == 0)
+    obs = [seen[k] for k in cats] + ([sum(seen[k] for k in rare)] if rare else [])
+    exp = [expected[k] * N for k in cats] + ([sum(expected[k] for k in rare) * N] if rare else [])
+    exp = np.array(exp) * sum(obs) / sum(exp)
+    assert stats.chisquare(obs, exp).pvalue > P_MIN
+
+
+def test_flip_probability():
+    p = load_policy("default")
+    flips = sum(draw(p, 0, 0, i).flip for i in range(N))
+    assert stats.binomtest(flips, N, 0.5).pvalue > P_MIN
+
+
+@pytest.mark.parametrize("hw", [(480, 640), (1000, 200), (224, 224)])
+def test_crop_window_distribution_matches_torchvision(hw):
+    H, W = hw
+    p = load_policy("default")
+    ours = [crop_window(p, draw(p, 0, 0, i), H, W) for i in range(3000)]
+    torch.manual_seed(0)
+    img = torch.empty(3, H, W)
+    ref = [T.RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3]) for _ in range(3000)]
+    for top, left, h, w in ours:
+        assert 0 <= top and top + h <= H and 0 <= left and left + w <= W and h > 0 and w > 0
+    area = lambda cs: [h * w / (H * W) for _, _, h, w in cs]
+    aspect = lambda cs: [math.log(w / h) for _, _, h, w in cs]
+    centre = lambda cs: [(left + w / 2) / W for _, left, _, w in cs]
+    for f in (area, aspect, centre):
+        assert stats.ks_2samp(f(ours), f(ref)).pvalue > P_MIN, f
+
+
+def test_crop_window_fallback_equals_torchvision():
+    # a 1000:1 image: no random try can fit a 3/4..4/3 box, both fall back to the same centre crop
+    p = load_policy("default")
+    img = torch.empty(3, 10, 10000)
+    ref = T.RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3])
+    assert crop_window(p, draw(p, 0, 0, 0), 10, 10000) == tuple(ref)

@@ -1,0 +1,59 @@
+"""torchvision as the independent reference: its own op dispatch on PIL images, and its pipeline."""
+import math
+
+import numpy as np
+import torch
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as F
+from PIL import Image
+from torchvision.transforms.v2 import InterpolationMode
+
+_MODES = {"nearest": InterpolationMode.NEAREST, "bilinear": InterpolationMode.BILINEAR}
+
+
+def tv_cutout(img: Image.Image, side: float, aux, fill):
+    """Cutout by its definition: a side x side square centred on the pixel (aux * size), clipped."""
+    side = int(side)
+    w, h = img.size
+    cx, cy = int(aux[0] * w), int(aux[1] * h)
+    x0, y0 = max(0, cx - side // 2), max(0, cy - side // 2)
+    x1, y1 = min(w, cx - side // 2 + side), min(h, cy - side // 2 + side)
+    t = F.pil_to_tensor(img)
+    if x1 > x0 and y1 > y0:
+        t = F.erase(t, y0, x0, y1 - y0, x1 - x0, torch.tensor(fill, dtype=torch.uint8).view(3, 1, 1))
+    return F.to_pil_image(t)
+
+
+def tv_op(name: str, img: Image.Image, value: float, fill=(0, 0, 0), interpolation="nearest", aux=(0.5, 0.5)):
+    """Apply op `name` at `value` (FusionFlow's unit) through torchvision's own op dispatch."""
+    if name == "SolarizeAdd":  # no torchvision op: the definition, on a tensor
+        t = F.pil_to_tensor(img).to(torch.int16)
+        t = torch.where(t < 128, (t + int(value)).clamp(max=255), t)
+        return F.to_pil_image(t.to(torch.uint8))
+    if name == "Posterize" and int(value) == 0:  # Pillow refuses 0 bits; torchvision's tensor op takes it
+        return F.to_pil_image(F.posterize(F.pil_to_tensor(img), 0))
+    if name == "Cutout":
+        return tv_cutout(img, value, aux, fill)
+    aug = T.RandAugment(interpolation=_MODES[interpolation], fill=list(fill))
+    magnitude = value / 255.0 if name == "Solarize" else value  # torchvision: threshold = 255 * m
+    return aug._apply_image_or_video_transform(img, name, magnitude, interpolation=aug.interpolation,
+                                               fill=aug._fill)
+
+
+def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
+    """torchvision's path for one drawn sample: decode, resized_crop, flip, ops -> uint8 CHW."""
+    import io
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    top, left, h, w = crop
+    img = F.resized_crop(img, top, left, h, w, list(policy.size), InterpolationMode.BILINEAR, antialias=True)
+    if d.flip:
+        img = F.horizontal_flip(img)
+    aug = policy.augment
+    for op in d.ops:
+        img = tv_op(op.name, img, op.value, aug.fill, aug.interpolation, op.aux)
+    return np.asarray(img).transpose(2, 0, 1)
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
