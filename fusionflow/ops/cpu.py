@@ -80,7 +80,7 @@ def sharpness(img, value, params, style):
 @cpu_impl("Posterize")
 def posterize(img, value, params, style):
     # a LUT rather than ImageOps.posterize, which refuses 0 bits (the paper's policy can draw 0)
-    mask = (0xFF << (8 - int(params[0]))) & 0xFF
+    mask = int(params[1])
     return img.point([i & mask for i in range(256)] * len(img.getbands()))
 
 
@@ -113,11 +113,11 @@ def invert(img, value, params, style):
 
 @cpu_impl("Cutout")
 def cutout(img, value, params, style):
-    x0, y0, x1, y1 = (int(v) for v in params[:4])
-    if x1 <= x0 or y1 <= y0:
+    top, left, h, w = (int(v) for v in params[:4])
+    if h <= 0 or w <= 0:
         return img
     out = img.copy()
-    out.paste(style.fill, (x0, y0, x1, y1))
+    out.paste(style.fill, (left, top, left + w, top + h))
     return out
 
 

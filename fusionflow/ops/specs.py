@@ -113,12 +113,18 @@ def _scalar(v, aux, h, w):
     return _pad(v)
 
 
+def _posterize(v, aux, h, w):
+    bits = int(v)
+    return _pad(bits, (0xFF << (8 - bits)) & 0xFF)  # bits, and the mask that keeps them
+
+
 def _cutout(v, aux, h, w):
+    """(top, left, height, width) of the square, clipped to the image."""
     side = int(v)
     cx, cy = min(int(aux[0] * w), w - 1), min(int(aux[1] * h), h - 1)
     x0, y0 = max(0, cx - side // 2), max(0, cy - side // 2)
     x1, y1 = min(w, cx - side // 2 + side), min(h, cy - side // 2 + side)
-    return _pad(x0, y0, max(x0, x1), max(y0, y1))
+    return _pad(y0, x0, max(0, y1 - y0), max(0, x1 - x0))
 
 
 def _none(v, aux, h, w):
@@ -136,7 +142,7 @@ _SPECS = [
     OpSpec("Color", True, (-1.0, 10.0), resolve=_factor, doc="blend with grayscale (saturation), factor 1+v"),
     OpSpec("Contrast", True, (-1.0, 10.0), resolve=_factor, doc="blend with mean gray, factor 1+v"),
     OpSpec("Sharpness", True, (-1.0, 10.0), resolve=_factor, doc="blend with a smoothed copy, factor 1+v"),
-    OpSpec("Posterize", True, (0.0, 8.0), integer=True, resolve=_scalar, doc="keep the top v bits"),
+    OpSpec("Posterize", True, (0.0, 8.0), integer=True, resolve=_posterize, doc="keep the top v bits"),
     OpSpec("Solarize", True, (0.0, 256.0), resolve=_scalar, doc="invert pixels >= v"),
     OpSpec("SolarizeAdd", True, (0.0, 255.0), resolve=_scalar, doc="add v to pixels < 128, clip"),
     OpSpec("AutoContrast", False, resolve=_none, doc="stretch each channel to 0..255"),

@@ -1,0 +1,154 @@
+"""A policy as one prebuilt DALI pipeline: decode+crop -> resize -> flip -> op slots -> layout.
+
+One pipeline per policy, with per-sample conditionals (DALI's `enable_conditionals`): slot k of a
+sample runs the op its draw names, so a single graph covers every op combination and nothing is
+built after start-up. Randomness never comes from DALI: the host computes each sample's
+`SampleDraw` for (seed, epoch, index) -- exactly as a CPU worker does -- and feeds crop window,
+flip, op ids and op parameters as per-sample inputs.
+
+Works with DALI on the CPU (`device="cpu"`, device_id=None: tests and CPU-only machines) and on a
+GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
+"""
+from __future__ import annotations
+
+import io
+import logging
+import time
+
+import numpy as np
+from PIL import Image
+
+from fusionflow.errors import DecodeError
+from fusionflow.ops.dali import DALI_IMPLS, DaliStyle
+from fusionflow.ops.specs import NUM_PARAMS
+from fusionflow.policy import Policy, crop_window, draw, load_policy
+
+log = logging.getLogger(__name__)
+
+
+def image_size(data, what: str | None = None) -> tuple[int, int]:
+    """(height, width) from an encoded image's header, without decoding it."""
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+    except Exception as exc:  # Pillow raises several types for unreadable headers
+        raise DecodeError(f"cannot read the image header of {len(data)} bytes: {exc}", what) from exc
+    return h, w
+
+
+class DaliPolicyPipeline:
+    """Runs `policy` on batches of up to `batch_size` encoded samples through DALI."""
+
+    def __init__(self, policy, batch_size: int, device: str = "cpu", device_id: int | None = None,
+                 num_threads: int = 1, exec_dynamic: bool = True):
+        from nvidia.dali import fn, pipeline_def, types
+
+        if device not in ("cpu", "gpu"):
+            raise ValueError(f"device={device!r} must be 'cpu' or 'gpu'")
+        if device == "gpu" and device_id is None:
+            raise ValueError("device='gpu' needs a device_id (the CUDA device index)")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        self.policy: Policy = load_policy(policy)
+        aug = self.policy.augment
+        if len(set(aug.fill)) != 1 and any(o.name != "Cutout" and o.range is not None for o in aug.ops):
+            raise ValueError(f"{self.policy.source}: augment.fill {list(aug.fill)}: the DALI pipeline fills "
+                             "geometric ops with one gray level; use a single value such as 128")
+        self.batch_size, self.device = batch_size, device
+        # local op ids: 0 is Identity (empty slot), then the policy's ops in file order
+        self.op_names = ["Identity"] + [o.name for o in aug.ops if o.name != "Identity"]
+        self._local = {name: i for i, name in enumerate(self.op_names)}
+        self.slots = aug.max_ops
+        style = DaliStyle(aug.interpolation, aug.fill, self.policy.size, device)
+        out_h, out_w = self.policy.size
+        normalize = self.policy.normalize
+        names, slots = self.op_names, self.slots
+
+        @pipeline_def(enable_conditionals=True)
+        def graph():
+            encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+            anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
+            shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
+            flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+            images = fn.decoders.image_slice(encoded, anchor, shape, device="mixed" if device == "gpu" else "cpu",
+                                             output_type=types.RGB, normalized_anchor=False,
+                                             normalized_shape=False, axis_names="WH")
+            images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR,
+                               antialias=True)
+            images = fn.flip(images, horizontal=flip)
+            if slots:
+                op_ids = fn.external_source(name="op_ids", dtype=types.INT32, ndim=1)
+                params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
+                for k in range(slots):
+                    images = _apply_slot(images, op_ids[k], params[k], names, style)
+            if normalize:
+                mean, std = normalize
+                return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                                mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
+            return fn.transpose(images, perm=[2, 0, 1])
+
+        self._make = lambda: graph(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
+                                   exec_dynamic=exec_dynamic, prefetch_queue_depth=1)
+        self.rebuilds = 0
+        t0 = time.perf_counter()
+        self._pipe = self._build()
+        self.build_seconds = time.perf_counter() - t0
+
+    def _build(self):
+        pipe = self._make()
+        pipe.build()
+        return pipe
+
+    def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None):
+        """Host-side inputs for one sample: the same draw a CPU worker would make."""
+        d = draw(self.policy, seed, epoch, index)
+        height, width = image_size(data, what or f"sample {index}")
+        top, left, h, w = crop_window(self.policy, d, height, width)
+        out_h, out_w = self.policy.size
+        op_ids = np.zeros(self.slots, np.int32)
+        params = np.zeros((self.slots, NUM_PARAMS), np.float32)
+        for k, op in enumerate(d.ops):
+            op_ids[k] = self._local[op.name]
+            params[k] = op.params(out_h, out_w)
+        return (np.frombuffer(data, np.uint8), np.array([left, top], np.float32),
+                np.array([w, h], np.float32), np.int32(d.flip), op_ids, params)
+
+    def run(self, samples, indices, seed: int = 0, epoch: int = 0):
+        """Augment encoded `samples` (sample i has dataset index indices[i]); returns DALI's output
+        TensorList (CPU or GPU), one CHW sample per input, in order."""
+        n = len(samples)
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
+        cols = list(zip(*(self.prepare(s, i, seed, epoch) for s, i in zip(samples, indices))))
+        names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
+        if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
+            log.warning("rebuilding the DALI pipeline of %s after a failed batch", self.policy.name)
+            self._pipe = self._build()
+            self.rebuilds += 1
+        try:
+            for name, col in zip(names, cols):
+                self._pipe.feed_input(name, list(col))
+            (out,) = self._pipe.run()
+        except RuntimeError as exc:  # DALI reports decode faults as RuntimeError and is unusable after
+            self._pipe = None
+            raise DecodeError(f"DALI could not process samples {list(indices)} (one is likely corrupt or "
+                              f"truncated): {str(exc).strip().splitlines()[-1]}") from exc
+        return out
+
+    def run_numpy(self, samples, indices, seed: int = 0, epoch: int = 0) -> np.ndarray:
+        out = self.run(samples, indices, seed, epoch)
+        if self.device == "gpu":
+            out = out.as_cpu()
+        return np.stack([np.array(out[i]) for i in range(len(samples))])
+
+    def close(self):
+        self._pipe = None
+
+
+def _apply_slot(images, op_id, params, names, style):
+    """images after the op whose local id is `op_id` (a per-sample DALI conditional)."""
+    out = images
+    for i, name in enumerate(names):
+        if i and op_id == i:
+            out = DALI_IMPLS[name](images, params, style)
+    return out

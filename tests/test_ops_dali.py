@@ -1,0 +1,171 @@
+"""DALI implementations against the CPU ones, in DALI's CPU mode (device_id=None); the same
+checks on the GPU are marked `gpu` and run where one is present."""
+import dataclasses
+import warnings
+
+import numpy as np
+import pytest
+from PIL import Image
+
+dali = pytest.importorskip("nvidia.dali")
+from nvidia.dali import fn, pipeline_def, types  # noqa: E402
+
+from fusionflow import DecodeError, load_policy  # noqa: E402
+from fusionflow.ops import cpu  # noqa: E402
+from fusionflow.ops.dali import DALI_IMPLS, DaliStyle  # noqa: E402
+from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
+from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
+from fusionflow.ops.specs import OP_NAMES, OPS  # noqa: E402
+from fusionflow.policy import shipped_policies  # noqa: E402
+from fusionflow.synthetic import make_image, make_jpegs  # noqa: E402
+from test_ops_cpu import VALUES  # noqa: E402
+from tv_reference import psnr  # noqa: E402
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+IMAGES = [make_image(224, 224, s) for s in range(4)]
+AUX = (0.3, 0.6)
+
+# Per-op tolerance of DALI against the CPU op on identical input: (level, fraction of pixels
+# allowed to differ by more than level, mean |diff|). Exact unless stated:
+#  - Rotate: nearest-neighbour sampling rounds differently from Pillow's rotate on a few pixels
+#    whose source coordinate lands within float error of a pixel boundary;
+#  - AutoContrast: (x - lo) * scale vs Pillow's x * scale + offset, one level on rare pixels;
+#  - Equalize: DALI's histogram equalisation rounds its LUT differently from Pillow's.
+DEFAULT_TOL = (0, 0.0, 0.0)
+TOLERANCE = {"Rotate": (0, 0.01, 1.0), "AutoContrast": (1, 0.0, 0.02), "Equalize": (24, 0.0, 3.0)}
+# bilinear geometric ops: Pillow's and DALI's interpolation round differently (one level on many
+# pixels) and treat the pixels next to the filled area differently (large, on the edge only)
+BILINEAR_TOL = (1, 0.02, 0.6)
+CASES = [(n, v) for n, vs in VALUES.items() for v in vs if n != "Identity"] + [("Cutout", 40.0), ("Cutout", 80.0)]
+
+
+def run_dali_op(name, value, style, images=IMAGES):
+    params = [np.asarray(OPS[name].resolve(value, AUX, 224, 224), np.float32)] * len(images)
+
+    @pipeline_def(batch_size=len(images), num_threads=1, device_id=None if style.device == "cpu" else 0)
+    def graph():
+        im = fn.external_source(name="im", dtype=types.UINT8, ndim=3, layout="HWC")
+        pr = fn.external_source(name="pr", dtype=types.FLOAT, ndim=1)
+        if style.device == "gpu":
+            im = im.gpu()
+        return DALI_IMPLS[name](im, pr, style), pr  # pr as an output so it is never pruned
+
+    pipe = graph()
+    pipe.build()
+    pipe.feed_input("im", images)
+    pipe.feed_input("pr", params)
+    out, _ = pipe.run()
+    if style.device == "gpu":
+        out = out.as_cpu()
+    return np.stack([np.array(out[i]) for i in range(len(images))])
+
+
+def run_cpu_op(name, value, style, images=IMAGES):
+    params = OPS[name].resolve(value, AUX, 224, 224)
+    return np.stack([np.asarray(cpu.apply(name, Image.fromarray(im), value, params,
+                                          cpu.Style(style.interpolation, style.fill))) for im in images])
+
+
+def check(name, value, style, tol):
+    ours = run_dali_op(name, value, style).astype(int)
+    ref = run_cpu_op(name, value, style).astype(int)
+    assert ours.shape == ref.shape
+    diff = np.abs(ours - ref)
+    level, frac, mean = tol
+    assert (diff > level).mean() <= frac and diff.mean() <= mean, (
+        f"{name}({value}): {(diff > level).mean():.4f} of pixels differ by more than {level} "
+        f"(max {diff.max()}), mean {diff.mean():.4f}")
+
+
+@pytest.mark.parametrize("name,value", CASES)
+def test_dali_cpu_op_matches_cpu_op(name, value):
+    check(name, value, DaliStyle(device="cpu"), TOLERANCE.get(name, DEFAULT_TOL))
+
+
+@pytest.mark.parametrize("name,value", [("ShearX", 0.3), ("TranslateY", -30.4), ("Rotate", 30.0), ("ShearY", -0.99)])
+def test_dali_bilinear_and_gray_fill(name, value):
+    style = DaliStyle(interpolation="bilinear", fill=(128, 128, 128), device="cpu")
+    check(name, value, style, BILINEAR_TOL)
+
+
+def test_every_op_has_a_dali_impl():
+    assert set(DALI_IMPLS) == set(OP_NAMES)
+
+
+JPEGS = make_jpegs(16, 200, 1000, seed=1)
+
+
+@pytest.mark.parametrize("name", shipped_policies())
+def test_dali_pipeline_matches_cpu_pipeline(name):
+    policy = dataclasses.replace(load_policy(name), fast_downscale=False)
+    dp, cp = DaliPolicyPipeline(policy, batch_size=8), CpuPipeline(policy)
+    scores = []
+    for start in (0, 8):
+        idx = list(range(start, start + 8))
+        out = dp.run_numpy([JPEGS[i] for i in idx], idx, seed=3, epoch=1)
+        assert out.shape == (8, 3, 224, 224) and out.dtype == np.uint8
+        scores += [psnr(out[k], cp(JPEGS[i], i, seed=3, epoch=1)) for k, i in enumerate(idx)]
+    # decode + resize differ by a level or two (libjpeg vs libjpeg, DALI's vs Pillow's antialiased
+    # linear filter); threshold ops (Solarize, Posterize) and Equalize can amplify that on a sample.
+    assert np.median(scores) > 40.0, scores
+    if name == "default":
+        assert min(scores) > 45.0, scores
+
+
+def test_variable_batch_and_no_rebuild(monkeypatch):
+    dp = DaliPolicyPipeline("randaugment", batch_size=4)
+    built = dp._pipe
+    monkeypatch.setattr(dp, "_make", lambda: pytest.fail("a DALI graph was built on the hot path"))
+    cp = CpuPipeline(dataclasses.replace(load_policy("randaugment"), fast_downscale=False))
+    for n, start in [(1, 0), (4, 1), (3, 5), (2, 8)]:
+        idx = list(range(start, start + n))
+        out = dp.run_numpy([JPEGS[i] for i in idx], idx, seed=0, epoch=2)
+        assert out.shape[0] == n
+        assert psnr(out[0], cp(JPEGS[idx[0]], idx[0], seed=0, epoch=2)) > 20
+    assert dp._pipe is built and dp.rebuilds == 0
+    with pytest.raises(ValueError, match="takes 1..4 per run"):
+        dp.run(JPEGS[:5], list(range(5)))
+
+
+def test_normalized_output_matches_cpu():
+    cfg = {"output": {"size": 96, "normalize": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}},
+           "flip": 0.5, "decode": {"fast_downscale": False}, "augment": {"type": "none"}}
+    dp, cp = DaliPolicyPipeline(cfg, batch_size=2), CpuPipeline(cfg)
+    out = dp.run_numpy(JPEGS[:2], [0, 1])
+    assert out.dtype == np.float32 and out.shape == (2, 3, 96, 96)
+    assert np.abs(out[1] - cp(JPEGS[1], 1)).mean() < 0.02  # ~ a level of 255 after /std
+
+
+def test_corrupt_header_names_sample_and_bad_args():
+    dp = DaliPolicyPipeline("default", batch_size=2)
+    with pytest.raises(DecodeError, match="sample 7: cannot read the image header"):
+        dp.run([JPEGS[0], b"garbage!" * 8], [6, 7])
+    with pytest.raises(ValueError, match="device='gpu' needs a device_id"):
+        DaliPolicyPipeline("default", batch_size=2, device="gpu")
+    with pytest.raises(ValueError, match="gray level"):
+        DaliPolicyPipeline({"output": {"size": 64}, "augment": {"type": "trivial", "num_bins": 3, "fill": [1, 2, 3],
+                                                                  "ops": {"Rotate": {"range": [0, 30]}}}}, 2)
+
+
+def test_truncated_jpeg_raises_and_pipeline_recovers():
+    dp = DaliPolicyPipeline("default", batch_size=2)
+    bad = JPEGS[3][: len(JPEGS[3]) // 3]
+    with pytest.raises(DecodeError, match=r"samples \[10, 11\]"):
+        dp.run_numpy([JPEGS[2], bad], [10, 11])
+    assert dp.run_numpy([JPEGS[2]], [10]).shape == (1, 3, 224, 224)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,value", CASES)
+def test_dali_gpu_op_matches_cpu_op(name, value):
+    check(name, value, DaliStyle(device="gpu"), TOLERANCE.get(name, DEFAULT_TOL))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", shipped_policies())
+def test_dali_gpu_pipeline_matches_cpu_pipeline(name):
+    policy = dataclasses.replace(load_policy(name), fast_downscale=False)
+    dp, cp = DaliPolicyPipeline(policy, batch_size=8, device="gpu", device_id=0), CpuPipeline(policy)
+    out = dp.run_numpy(JPEGS[:8], list(range(8)), seed=3)
+    scores = [psnr(out[i], cp(JPEGS[i], i, seed=3)) for i in range(8)]
+    assert np.median(scores) > 30.0, scores  # nvJPEG's IDCT differs from libjpeg-turbo's
