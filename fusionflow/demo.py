@@ -1,0 +1,155 @@
+"""The main job: a short training run, FusionFlow's augmentation vs torch DataLoader + torchvision.
+
+Makes a small ImageFolder dataset of mixed-size JPEGs if none is given, trains a small CNN for a
+few epochs with each input pipeline -- same policy semantics, same workers, same batches -- shows
+progress, and prints both throughputs and their ratio.
+
+Until FusionFlowLoader lands (issue 3), FusionFlow's side runs its CPU pipeline inside torch's
+DataLoader workers; the comparison is then of the augmentation pipelines alone.
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import time
+
+import numpy as np
+
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "data", "demo")
+TV_POLICIES = ("default", "randaugment", "trivialaugment", "autoaugment")
+
+
+class TorchvisionSamples:
+    """Baseline dataset: decode with PIL, augment with torchvision.transforms.v2."""
+
+    def __init__(self, ds, policy_name: str, size: int):
+        self.ds, self.policy_name, self.size = ds, policy_name, size
+        self._tf = None
+
+    def _transform(self):
+        import torchvision.transforms.v2 as T
+        aug = {"default": [], "randaugment": [T.RandAugment(num_ops=2, magnitude=9)],
+               "trivialaugment": [T.TrivialAugmentWide()], "autoaugment": [T.AutoAugment()]}[self.policy_name]
+        return T.Compose([T.RandomResizedCrop(self.size, antialias=True), T.RandomHorizontalFlip(), *aug,
+                          T.PILToTensor()])
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        from PIL import Image
+        if self._tf is None:
+            self._tf = self._transform()
+        data, label = self.ds[i]
+        return self._tf(Image.open(io.BytesIO(data)).convert("RGB")), label
+
+
+class FusionFlowSamples:
+    """FusionFlow's CPU pipeline as a map-style dataset (per-sample draws from seed, epoch, index)."""
+
+    def __init__(self, ds, policy_name: str, seed: int = 0):
+        self.ds, self.policy_name, self.seed, self.epoch = ds, policy_name, seed, 0
+        self._pipe = None
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        import torch
+        from fusionflow.ops.pipeline import CpuPipeline
+        if self._pipe is None:
+            self._pipe = CpuPipeline(self.policy_name)
+        data, label = self.ds[i]
+        return torch.from_numpy(self._pipe(data, i, self.seed, self.epoch, what=self.ds.describe(i))), label
+
+
+def small_cnn(num_classes: int):
+    import torch.nn as nn
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 5, stride=4, padding=2), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes))
+
+
+def train(name: str, dataset, num_classes: int, args) -> dict:
+    import torch
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+
+    torch.manual_seed(0)
+    model = small_cnn(num_classes)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                        drop_last=True, generator=torch.Generator().manual_seed(0))
+    images, waits, t0 = 0, [], time.perf_counter()
+    steady_start, steady_images = None, 0
+    for epoch in range(args.epochs):
+        if hasattr(dataset, "epoch"):
+            dataset.epoch = epoch
+        bar = tqdm(total=len(loader), desc=f"{name} epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False, mininterval=0.5)
+        it = iter(loader)
+        while True:
+            tw = time.perf_counter()
+            try:
+                x, y = next(it)
+            except StopIteration:
+                break
+            waits.append(time.perf_counter() - tw)
+            loss = loss_fn(model(x.float().div_(255)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            images += len(y)
+            if steady_start is None:
+                steady_start = time.perf_counter()  # after the first batch: worker start-up excluded
+            else:
+                steady_images += len(y)
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.update()
+        bar.close()
+    total = time.perf_counter() - t0
+    steady = steady_images / (time.perf_counter() - steady_start) if steady_images else float("nan")
+    print(f"  {name}: {images} images in {total:.1f} s, {steady:.1f} img/s after the first batch, "
+          f"mean wait at next() {1e3 * np.mean(waits):.0f} ms, final loss {loss.item():.3f}")
+    return {"img_per_s": steady, "seconds": total, "images": images}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fusionflow", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("demo", help="short training run: FusionFlow vs DataLoader + torchvision")
+    d.add_argument("--data", default=None, help="ImageFolder root (default: make a synthetic one)")
+    d.add_argument("--policy", default="randaugment", choices=TV_POLICIES)
+    d.add_argument("--epochs", type=int, default=2)
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
+    d.add_argument("--images-per-class", type=int, default=96)
+    args = ap.parse_args(argv)
+    for name in ("epochs", "batch_size", "images_per_class"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.workers < 0:
+        ap.error("--workers must be >= 0")
+
+    import torch
+    from fusionflow.data import ImageFolder
+    from fusionflow.synthetic import make_image_folder
+
+    torch.set_num_threads(1)  # the CPUs are the loaders' to share; the tiny model needs little
+    root = args.data
+    if root is None:
+        root = DEFAULT_DATA
+        print(f"making a synthetic dataset of mixed-size JPEGs (200-1000 px) in {root} ...", flush=True)
+        make_image_folder(root, num_classes=4, per_class=args.images_per_class)
+    ds = ImageFolder(root)
+    print(f"{len(ds)} images, {len(ds.classes)} classes, policy {args.policy}, batch {args.batch_size}, "
+          f"{args.workers} workers, {args.epochs} epochs")
+    base = train("DataLoader+torchvision", TorchvisionSamples(ds, args.policy, 224), len(ds.classes), args)
+    ours = train("FusionFlow", FusionFlowSamples(ds, args.policy), len(ds.classes), args)
+    ratio = ours["img_per_s"] / base["img_per_s"]
+    print(f"throughput: FusionFlow {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
+          f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x")
+    return 0
