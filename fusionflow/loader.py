@@ -1,0 +1,371 @@
+"""FusionFlowLoader: a drop-in `torch.utils.data.DataLoader` whose batches are augmented by CPU
+worker processes writing straight into shared memory, tiny-batch by tiny-batch.
+
+    loader = FusionFlowLoader(ds, batch_size=256, shuffle=True, num_workers=8,
+                              policy="configs/randaugment.yaml", tiny_batch_size=4, seed=0)
+    for epoch in range(E):
+        loader.set_epoch(epoch)
+        for images, labels in loader:   # uint8 [B, 3, H, W] (float32 if the policy normalises), int64 [B]
+            ...
+
+Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
+forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
+previous epoch + 1, so forgetting it never repeats last epoch's augmentation.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
+
+from fusionflow.errors import SampleError
+from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.policy import load_policy
+from fusionflow.runtime.local_manager import LocalManager
+from fusionflow.runtime.shm import RingLayout
+from fusionflow.runtime.worker import describe, split_item
+
+log = logging.getLogger(__name__)
+ON_ERROR = ("raise", "skip")
+
+
+@dataclass
+class LoaderStats:
+    """What the loader did, for tuning and for the tests. Reset by `reset()`."""
+
+    batches: int = 0
+    samples: int = 0
+    skipped: int = 0
+    skipped_indices: list = field(default_factory=list)
+    wait_seconds: list = field(default_factory=list)  # time blocked in next(), per batch
+    tiny_batches_per_worker: list = field(default_factory=list)
+    worker_restarts: int = 0
+    startup_seconds: float | None = None  # worker start-up, first time
+
+    def summary(self) -> dict:
+        w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
+        return {"batches": self.batches, "samples": self.samples, "skipped": self.skipped,
+                "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
+                "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
+                "worker_restarts": self.worker_restarts, "startup_seconds": self.startup_seconds}
+
+    def reset(self) -> None:
+        keep = self.startup_seconds
+        self.__init__()
+        self.startup_seconds = keep
+
+
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+class FusionFlowLoader:
+    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: Sampler | None = None, batch_sampler=None, num_workers: int = 0, collate_fn=None,
+                 pin_memory: bool = False, drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
+                 multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
+                 persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None, seed: int = 0,
+                 device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True):
+        # ---- validation: every message names the value and the fix
+        if collate_fn is not None:
+            raise ValueError("collate_fn is not supported: FusionFlowLoader writes samples straight into one "
+                             "batch tensor; post-process (images, labels) in your training loop instead")
+        if not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
+        cores = _usable_cpus()
+        if num_workers > cores:
+            raise ValueError(f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
+                             f"FusionFlow runs one worker per core: use num_workers<={cores}")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
+                                 "drop_last: leave those at their defaults when you pass a batch_sampler")
+            capacity = getattr(batch_sampler, "batch_size", None)
+            if not isinstance(capacity, int) or capacity < 1:
+                raise ValueError("batch_sampler needs an int attribute batch_size (its largest batch): "
+                                 "FusionFlowLoader allocates shared memory for that many samples up front")
+        else:
+            if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+                raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not "
+                                 "supported)")
+            if sampler is not None and shuffle:
+                raise ValueError("sampler is mutually exclusive with shuffle=True: shuffle inside your sampler "
+                                 "(e.g. DistributedSampler(shuffle=True)) and leave shuffle unset")
+            if sampler is None:
+                sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+            capacity = batch_size
+        if tiny_batch_size is None:
+            tiny_batch_size = min(4, capacity)
+        if not isinstance(tiny_batch_size, int) or tiny_batch_size < 1:
+            raise ValueError(f"tiny_batch_size={tiny_batch_size!r} must be an integer >= 1")
+        if tiny_batch_size > capacity:
+            raise ValueError(f"tiny_batch_size={tiny_batch_size} is larger than batch_size={capacity}: "
+                             f"use tiny_batch_size <= batch_size (typically 1-8)")
+        if prefetch_factor is None:
+            prefetch_factor = 2
+        elif num_workers == 0:
+            raise ValueError("prefetch_factor needs num_workers > 0 (with 0 workers nothing runs ahead)")
+        if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+            raise ValueError(f"prefetch_factor={prefetch_factor!r} must be an integer >= 1 (mini-batches in flight)")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers=True needs num_workers > 0")
+        if timeout < 0:
+            raise ValueError(f"timeout={timeout} must be >= 0 (0 waits forever)")
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed={seed!r} must be a non-negative integer")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'")
+        self.policy = load_policy(policy)
+
+        self.dataset, self.batch_sampler = dataset, batch_sampler
+        self.sampler = getattr(batch_sampler, "sampler", sampler)
+        self.batch_size, self.drop_last, self.capacity = batch_size, drop_last, capacity
+        self.num_workers, self.prefetch_factor, self.timeout = num_workers, prefetch_factor, timeout
+        self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
+        self.persistent_workers, self.tiny_batch_size, self.seed = persistent_workers, tiny_batch_size, seed
+        self.on_error, self.max_retries, self.pin_workers = on_error, max_retries, pin_workers
+        self.pin_memory = pin_memory and self.device.type == "cpu"
+        if self.pin_memory and not torch.cuda.is_available():
+            warnings.warn("pin_memory=True but CUDA is not available: batches are returned unpinned", stacklevel=2)
+            self.pin_memory = False
+        self.sizes = getattr(dataset, "sizes", None)
+        self.stats = LoaderStats()
+        self._epoch, self._epoch_set, self._iterations = 0, False, 0
+        self._manager: LocalManager | None = None
+        self._active_generation = None
+        self._registered = None  # CUDA host registration of the ring
+        self._warned_skip = False
+        self._finalizer = weakref.finalize(self, _shutdown_manager, self._holder())
+        atexit.register(self._finalizer)
+
+    # ---------------------------------------------------------------- DataLoader surface
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch={epoch!r} must be a non-negative integer")
+        self._epoch, self._epoch_set = epoch, True
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+    def __iter__(self):
+        if self._iterations and not self._epoch_set:
+            self._epoch += 1
+        self._epoch_set = False
+        self._iterations += 1
+        if self.num_workers == 0:
+            return self._iter_inline(self._epoch)
+        return self._iter_workers(self._epoch)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Stop workers and release shared memory now. The loader can be iterated again after."""
+        self._stop_manager()
+
+    # ---------------------------------------------------------------- internals
+    def _holder(self):
+        box = [None]
+        self._box = box
+        return box
+
+    def _ensure_manager(self) -> LocalManager:
+        if self._manager is None:
+            layout = RingLayout(self.prefetch_factor, self.capacity, self.policy.out_shape, self.policy.out_dtype)
+            t0 = time.perf_counter()
+            ctx = self.multiprocessing_context
+            if isinstance(ctx, str):
+                import multiprocessing
+                ctx = multiprocessing.get_context(ctx)
+            self._manager = LocalManager(
+                self.dataset, self.policy, layout, self.num_workers, self.seed, self.worker_init_fn, ctx,
+                self.pin_workers, self.max_retries, self.sizes, self.tiny_batch_size,
+                base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31)
+            self._box[0] = self._manager
+            if self.stats.startup_seconds is None:
+                self.stats.startup_seconds = time.perf_counter() - t0
+            if self.device.type == "cuda":
+                self._register_ring()
+        return self._manager
+
+    def _stop_manager(self) -> None:
+        mgr, self._manager = self._manager, None
+        self._box[0] = None
+        if mgr is not None:
+            self.stats.worker_restarts += mgr.restarts
+            self._unregister_ring(mgr)
+            mgr.shutdown()
+
+    def _register_ring(self) -> None:
+        images = self._manager.ring.images
+        ptr = images.ctypes.data
+        err = torch.cuda.cudart().cudaHostRegister(ptr, self._manager.ring.layout.nbytes, 0)
+        if int(err) == 0:
+            self._registered = ptr
+        else:
+            log.warning("cudaHostRegister of the batch ring failed (%s); host->device copies will be synchronous", err)
+
+    def _unregister_ring(self, mgr) -> None:
+        if self._registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._registered)
+            self._registered = None
+
+    def _deliver(self, images: np.ndarray, labels: np.ndarray):
+        """Turn a filled batch (views into the ring or a local buffer) into tensors the caller owns."""
+        if self.device.type == "cuda":
+            host = torch.from_numpy(images)
+            out = host.to(self.device, non_blocking=self._registered is not None)
+            event = torch.cuda.Event()
+            event.record()
+            return out, torch.from_numpy(labels.copy()).to(self.device, non_blocking=True), event
+        if self.pin_memory:
+            out = torch.empty(images.shape, dtype=torch.from_numpy(images[:0]).dtype, pin_memory=True)
+            out.copy_(torch.from_numpy(images))
+            return out, torch.from_numpy(labels.copy()).pin_memory(), None
+        return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
+
+    def _select(self, indices, failures):
+        """Positions to deliver, after applying on_error to this batch's failures."""
+        if not failures:
+            return None
+        failures = sorted(failures, key=lambda f: f.position)
+        if self.on_error == "raise":
+            f = failures[0]
+            raise SampleError(f.index, f.what, f.exc_type, f.message, f.traceback)
+        bad = {f.position for f in failures}
+        self.stats.skipped += len(bad)
+        self.stats.skipped_indices.extend(f.index for f in failures)
+        if not self._warned_skip:
+            self._warned_skip = True
+            f = failures[0]
+            warnings.warn(f"on_error='skip': dropping {f.what} ({f.exc_type}: {f.message}); further skips are "
+                          f"counted in loader.stats.skipped without another warning", stacklevel=3)
+        return [p for p in range(len(indices)) if p not in bad]
+
+    def _account(self, wait: float, n: int) -> None:
+        self.stats.batches += 1
+        self.stats.samples += n
+        self.stats.wait_seconds.append(wait)
+
+    def _iter_inline(self, epoch: int):
+        pipe = CpuPipeline(self.policy)
+        buf = np.empty((self.capacity, *self.policy.out_shape), self.policy.out_dtype)
+        labels = np.empty(self.capacity, np.int64)
+        for indices in self.batch_sampler:
+            t0 = time.perf_counter()
+            self._check_batch(indices)
+            failures = []
+            for pos, index in enumerate(indices):
+                try:
+                    sample, labels[pos] = split_item(self.dataset[index], index)
+                    pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index))
+                except Exception as exc:
+                    import traceback
+                    from fusionflow.runtime.messages import SampleFailure
+                    failures.append(SampleFailure(pos, index, describe(self.dataset, index), type(exc).__name__,
+                                                  str(exc), traceback.format_exc()))
+            keep = self._select(indices, failures)
+            n = len(indices)
+            imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
+            self._account(time.perf_counter() - t0, len(imgs))
+            images_t, labels_t, _ = self._deliver(imgs, labs)
+            yield images_t, labels_t
+
+    def _check_batch(self, indices) -> None:
+        if len(indices) > self.capacity:
+            raise ValueError(f"the batch sampler yielded a batch of {len(indices)} samples, more than its "
+                             f"batch_size={self.capacity}")
+
+    def _iter_workers(self, epoch: int):
+        mgr = self._ensure_manager()
+        if self._active_generation is not None:  # a previous iterator was left unfinished
+            mgr.abandon(self._active_generation)
+        gen = mgr.new_generation()
+        self._active_generation = gen
+        batches = iter(self.batch_sampler)
+        submitted, delivered, exhausted = 0, 0, False
+        free_slots = list(range(self.prefetch_factor))
+        pending_release = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
+        finished = False
+        try:
+            def refill():
+                nonlocal submitted, exhausted
+                while free_slots and not exhausted:
+                    indices = next(batches, None)
+                    if indices is None:
+                        exhausted = True
+                        break
+                    self._check_batch(indices)
+                    mgr.submit(submitted, gen, free_slots.pop(0), epoch, list(indices))
+                    submitted += 1
+
+            refill()
+            while delivered < submitted:
+                if pending_release is not None:
+                    slot, event = pending_release
+                    event.synchronize()
+                    free_slots.append(slot)
+                    pending_release = None
+                    refill()
+                t0 = time.perf_counter()
+                state = mgr.wait(delivered, gen, self.timeout)
+                wait = time.perf_counter() - t0
+                n = state.size
+                keep = self._select(range(n), state.failures)
+                imgs = mgr.ring.images[state.slot]
+                labs = mgr.ring.labels[state.slot]
+                imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
+                images_t, labels_t, event = self._deliver(imgs, labs)
+                self._account(wait, len(images_t))
+                delivered += 1
+                if event is None:
+                    free_slots.append(state.slot)
+                    refill()
+                else:
+                    pending_release = (state.slot, event)
+                yield images_t, labels_t
+            finished = True
+        finally:
+            if self._manager is mgr:
+                self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
+                if not finished:
+                    mgr.abandon(gen)
+                if self._active_generation == gen:
+                    self._active_generation = None
+                if not self.persistent_workers:
+                    self._stop_manager()
+
+    def __del__(self):
+        try:
+            self._stop_manager()
+        except Exception:
+            pass
+
+
+def _shutdown_manager(box) -> None:
+    mgr = box[0]
+    box[0] = None
+    if mgr is not None:
+        mgr.shutdown()

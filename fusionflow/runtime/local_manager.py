@@ -1,0 +1,337 @@
+"""Local manager: one per loader. Owns the CPU worker processes, the shared batch ring and the
+sorted tiny-batch queue, and turns submitted mini-batches into completed ring slots.
+
+Threads and processes
+  * The training (main) thread submits mini-batches (`submit`), waits for them (`wait`), starts and
+    restarts worker processes (forking only ever happens on this thread) and shuts down.
+  * The manager thread ("fusionflow-manager") feeds workers: each live worker holds at most
+    `PER_WORKER` tasks; it takes the front of the queue -- the oldest mini-batch's smallest
+    tiny-batch -- so workers stay busy while the training step runs. It blocks in
+    `multiprocessing.connection.wait` on worker pipes *and* process sentinels, so a dead worker
+    wakes it at once instead of hanging anything.
+
+Faults
+  * A worker that dies (e.g. SIGKILL): its tasks go back to the front of the queue; the task it was
+    running is split into single samples, so the culprit is isolated; a sample whose task has killed
+    `max_retries + 1` workers fails its mini-batch with an error naming it. A replacement
+    worker is started by the main thread at its next `wait`.
+  * A sample whose decode/augment raises: reported as data (`SampleFailure`) with its traceback.
+  * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
+    traceback at the next `wait`.
+
+Shutdown procedure (`shutdown`, idempotent; also run by a finalizer at exit)
+  1. Stop the manager thread (control pipe) and join it.
+  2. Send STOP to every worker; join each for up to 2 s; terminate() the rest, then kill().
+  3. Close the pipes, drop the ring mapping, unlink the ring segment.
+  If the training process is killed instead, workers notice within `worker.WATCHDOG_S`, unlink
+  the segment and exit (runtime/worker.py).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as mp_wait
+
+from fusionflow.errors import FusionFlowError
+from fusionflow.runtime import messages as m
+from fusionflow.runtime.shm import BatchRing, RingLayout
+from fusionflow.runtime.worker import worker_loop
+from fusionflow.scheduling import split_sorted
+
+log = logging.getLogger(__name__)
+PER_WORKER = 2  # tasks queued per worker: one running, one ready to start without a round trip
+
+
+class WorkerStartError(FusionFlowError):
+    """A CPU worker could not start (its traceback is in the message)."""
+
+
+class SampleKilledWorkersError(FusionFlowError):
+    """A sample kept killing worker processes."""
+
+    def __init__(self, message: str, indices: list[int]):
+        super().__init__(message)
+        self.indices = indices
+
+
+@dataclass
+class _Work:
+    seq: int
+    generation: int
+    slot: int
+    epoch: int
+    positions: tuple[int, ...]
+    indices: tuple[int, ...]
+    deaths: int = 0
+
+
+@dataclass
+class BatchState:
+    seq: int
+    slot: int
+    size: int
+    remaining: int
+    failures: list = field(default_factory=list)
+    error: BaseException | None = None
+
+
+class _Worker:
+    def __init__(self, worker_id: int, process, conn):
+        self.worker_id, self.process, self.conn = worker_id, process, conn
+        self.outstanding: deque[tuple[int, _Work]] = deque()  # (task_id, work), in sending order
+        self.ready = False
+        self.alive = True
+
+
+class LocalManager:
+    def __init__(self, dataset, policy, layout: RingLayout, num_workers: int, seed: int,
+                 worker_init_fn=None, mp_context=None, pin_cpus: bool = True, max_retries: int = 2,
+                 sizes=None, tiny_batch_size: int = 4, base_seed: int = 0):
+        self.dataset, self.policy, self.layout = dataset, policy, layout
+        self.num_workers, self.seed, self.base_seed = num_workers, seed, base_seed
+        self.worker_init_fn, self.max_retries = worker_init_fn, max_retries
+        self.sizes, self.tiny_batch_size = sizes, tiny_batch_size
+        self.ctx = mp_context if mp_context is not None else mp.get_context()
+        cpus = sorted(os.sched_getaffinity(0))
+        self.cpus = [cpus[i % len(cpus)] for i in range(num_workers)] if pin_cpus else [None] * num_workers
+        self.ring = BatchRing(layout)
+        self.workers: list[_Worker | None] = [None] * num_workers
+        self.pending: deque[_Work] = deque()
+        self.batches: dict[tuple[int, int], BatchState] = {}
+        self.generation = 0
+        self.cond = threading.Condition()
+        self.task_ids = itertools.count()
+        self.fatal: BaseException | None = None
+        self.restarts = 0
+        self.tasks_per_worker = [0] * num_workers
+        self.startup_seconds = None
+        self._closed = False
+        self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)
+        t0 = time.perf_counter()
+        try:
+            for wid in range(num_workers):
+                self._start_worker(wid)
+        except BaseException:
+            self.shutdown()
+            raise
+        self._thread = threading.Thread(target=self._run, name="fusionflow-manager", daemon=True)
+        self._thread.start()
+        self._t0 = t0
+
+    # ---------------------------------------------------------------- main thread
+    def _start_worker(self, wid: int) -> None:
+        parent, child = self.ctx.Pipe(duplex=True)
+        proc = self.ctx.Process(
+            target=worker_loop, name=f"fusionflow-worker-{wid}", daemon=True,
+            args=(wid, self.dataset, self.policy, self.ring.name, self.layout, child, self.seed,
+                  self.base_seed, self.worker_init_fn, os.getpid(), self.cpus[wid]))
+        proc.start()
+        child.close()
+        with self.cond:
+            self.workers[wid] = _Worker(wid, proc, parent)
+        self._wake()
+
+    def submit(self, seq: int, generation: int, slot: int, epoch: int, indices) -> None:
+        """Queue mini-batch `seq` of `generation` for ring slot `slot`."""
+        tiny = split_sorted(indices, self.sizes, self.tiny_batch_size)
+        with self.cond:
+            self.batches[(generation, seq)] = BatchState(seq, slot, len(indices), len(indices))
+            # the queue stays ordered by mini-batch: this batch's tiny-batches go after earlier ones
+            self.pending.extend(_Work(seq, generation, slot, epoch, t.positions, t.indices) for t in tiny)
+        self._wake()
+
+    def wait(self, seq: int, generation: int, timeout: float | None) -> BatchState:
+        """Block until mini-batch `seq` is complete; restarts dead workers meanwhile."""
+        deadline = None if not timeout else time.monotonic() + timeout
+        key = (generation, seq)
+        with self.cond:
+            while True:
+                if self.fatal is not None:
+                    raise self.fatal
+                state = self.batches[key]
+                if state.error is not None:
+                    raise state.error
+                if state.remaining == 0:
+                    del self.batches[key]
+                    return state
+                dead = [w.worker_id for w in self.workers if w is not None and not w.alive]
+                if dead:
+                    self.cond.release()
+                    try:
+                        for wid in dead:
+                            self._reap(wid)
+                            self._start_worker(wid)
+                            self.restarts += 1
+                    finally:
+                        self.cond.acquire()
+                    continue
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise FusionFlowError(f"mini-batch {seq} was not ready within timeout={timeout} s "
+                                          f"({state.remaining} of {state.size} samples outstanding)")
+                self.cond.wait(left if left is not None else 1.0)
+
+    def abandon(self, generation: int) -> None:
+        """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""
+        with self.cond:
+            self.pending = deque(w for w in self.pending if w.generation != generation)
+            for key in [k for k in self.batches if k[0] == generation]:
+                del self.batches[key]
+
+    def new_generation(self) -> int:
+        with self.cond:
+            self.generation += 1
+            return self.generation
+
+    def _reap(self, wid: int) -> None:
+        w = self.workers[wid]
+        w.process.join(timeout=1.0)
+        w.conn.close()
+
+    def _wake(self) -> None:
+        try:
+            self._ctrl_w.send_bytes(b"w")
+        except OSError:
+            pass
+
+    def shutdown(self) -> None:
+        """The shutdown procedure in the module docstring. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = getattr(self, "_thread", None)
+        self._wake()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5.0)
+        workers = [w for w in self.workers if w is not None]
+        for w in workers:
+            try:
+                w.conn.send_bytes(m.pack_stop())
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for w in workers:
+            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for w in workers:
+            if w.process.is_alive():
+                w.process.terminate()
+                w.process.join(timeout=1.0)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join(timeout=1.0)
+            w.conn.close()
+        for c in (self._ctrl_r, self._ctrl_w):
+            c.close()
+        self.ring.close()
+        self.ring.unlink()
+
+    # ---------------------------------------------------------------- manager thread
+    def _run(self) -> None:
+        try:
+            while not self._closed:
+                with self.cond:
+                    self._dispatch()
+                    live = [w for w in self.workers if w is not None and w.alive]
+                waitables = [self._ctrl_r] + [w.conn for w in live] + [w.process.sentinel for w in live]
+                for ready in mp_wait(waitables, timeout=1.0):
+                    if self._closed:
+                        return
+                    if ready is self._ctrl_r:
+                        while self._ctrl_r.poll():
+                            self._ctrl_r.recv_bytes()
+                        continue
+                    w = next((w for w in live if ready is w.conn or ready == w.process.sentinel), None)
+                    if w is None or not w.alive:
+                        continue
+                    if ready is w.conn:
+                        self._on_message(w)
+                    elif not w.process.is_alive():
+                        while w.alive and w.conn.poll():  # what it finished before dying still counts
+                            self._on_message(w)
+                        self._on_death(w)
+        except BaseException as exc:  # a bug here must surface in the training loop, not hang it
+            log.exception("fusionflow manager thread failed")
+            with self.cond:
+                self.fatal = FusionFlowError(f"the loader's manager thread failed: {exc!r}")
+                self.cond.notify_all()
+
+    def _dispatch(self) -> None:
+        """Give queued work to workers with room (holding the lock)."""
+        if any(tid_w[1].generation != self.generation for w in self.workers if w is not None
+               for tid_w in w.outstanding):
+            return  # an abandoned iterator's tasks still write into ring slots: let them drain
+        for w in self.workers:
+            while (w is not None and w.alive and w.ready and len(w.outstanding) < PER_WORKER and self.pending):
+                work = self.pending.popleft()
+                task_id = next(self.task_ids)
+                try:
+                    w.conn.send_bytes(m.pack_task(m.Task(task_id, work.generation, work.slot, work.epoch,
+                                                         work.positions, work.indices)))
+                except OSError:
+                    self.pending.appendleft(work)
+                    break
+                w.outstanding.append((task_id, work))
+
+    def _on_message(self, w: _Worker) -> None:
+        try:
+            msg = w.conn.recv_bytes()
+        except (EOFError, OSError):
+            w.process.join(timeout=1.0)
+            self._on_death(w)
+            return
+        kind = m.kind_of(msg)
+        with self.cond:
+            if kind == m.READY:
+                w.ready = True
+            elif kind == m.FATAL:
+                self.fatal = WorkerStartError(f"CPU worker {w.worker_id} failed to start:\n{m.unpack_fatal(msg)}")
+                w.alive = False
+            elif kind == m.DONE:
+                task_id, _gen, failures = m.unpack_done(msg)
+                sent_id, work = w.outstanding.popleft()
+                if sent_id != task_id:
+                    raise RuntimeError(f"worker {w.worker_id} completed task {task_id}, expected {sent_id}")
+                self.tasks_per_worker[w.worker_id] += 1
+                state = self.batches.get((work.generation, work.seq))
+                if state is not None:
+                    state.failures.extend(failures)
+                    state.remaining -= len(work.positions)
+            self.cond.notify_all()
+
+    def _on_death(self, w: _Worker) -> None:
+        with self.cond:
+            if not w.alive:
+                return
+            w.alive = False
+            code = w.process.exitcode
+            how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            log.warning("fusionflow CPU worker %d died (%s); restarting it", w.worker_id, how)
+            requeue = []
+            for k, (_tid, work) in enumerate(w.outstanding):
+                if work.generation != self.generation or (work.generation, work.seq) not in self.batches:
+                    continue
+                if k == 0:  # the task it was running: the suspect
+                    work.deaths += 1
+                    if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
+                        requeue += [_Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths)
+                                    for p, i in zip(work.positions, work.indices)]
+                        continue
+                    if work.deaths > self.max_retries:
+                        state = self.batches[(work.generation, work.seq)]
+                        state.error = SampleKilledWorkersError(
+                            f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
+                            f"giving up after max_retries={self.max_retries}. Check that sample "
+                            f"(dataset.describe / path) for a file that crashes the decoder or exhausts memory.",
+                            list(work.indices))
+                        continue
+                requeue.append(work)
+            w.outstanding.clear()
+            self.pending.extendleft(reversed(requeue))
+            self.cond.notify_all()

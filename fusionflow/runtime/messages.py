@@ -1,0 +1,76 @@
+"""Small fixed-layout messages between the local manager and CPU workers (struct-packed bytes).
+
+No pixel data ever travels here: a task names slots and dataset indices; a completion names the
+task. Only failures carry a variable payload (the exceptions, as text, to be re-raised in the
+training process).
+"""
+from __future__ import annotations
+
+import pickle
+import struct
+from dataclasses import dataclass
+
+TASK, STOP, DONE, READY, FATAL = 1, 2, 3, 4, 5
+_HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
+_ITEM = struct.Struct("<iq")  # position in the mini-batch, dataset index
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: int
+    generation: int
+    slot: int
+    epoch: int
+    positions: tuple[int, ...]
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SampleFailure:
+    position: int
+    index: int
+    what: str  # the sample's description (its path, if the dataset knows it)
+    exc_type: str
+    message: str
+    traceback: str
+
+
+def pack_task(t: Task) -> bytes:
+    head = _HEAD.pack(TASK, t.task_id, t.generation, t.slot, t.epoch, len(t.positions))
+    return head + b"".join(_ITEM.pack(p, i) for p, i in zip(t.positions, t.indices))
+
+
+def pack_stop() -> bytes:
+    return _HEAD.pack(STOP, 0, 0, 0, 0, 0)
+
+
+def pack_done(task_id: int, generation: int, failures: list[SampleFailure]) -> bytes:
+    head = _HEAD.pack(DONE, task_id, generation, 0, 0, len(failures))
+    return head + (pickle.dumps(failures) if failures else b"")
+
+
+def pack_ready(worker_id: int) -> bytes:
+    return _HEAD.pack(READY, 0, 0, worker_id, 0, 0)
+
+
+def pack_fatal(worker_id: int, text: str) -> bytes:
+    return _HEAD.pack(FATAL, 0, 0, worker_id, 0, 0) + text.encode("utf-8", "replace")
+
+
+def kind_of(msg: bytes) -> int:
+    return _HEAD.unpack_from(msg)[0]
+
+
+def unpack_task(msg: bytes) -> Task:
+    _, task_id, gen, slot, epoch, n = _HEAD.unpack_from(msg)
+    items = [_ITEM.unpack_from(msg, _HEAD.size + k * _ITEM.size) for k in range(n)]
+    return Task(task_id, gen, slot, epoch, tuple(p for p, _ in items), tuple(i for _, i in items))
+
+
+def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure]]:
+    _, task_id, gen, _, _, n = _HEAD.unpack_from(msg)
+    return task_id, gen, (pickle.loads(msg[_HEAD.size:]) if n else [])
+
+
+def unpack_fatal(msg: bytes) -> str:
+    return msg[_HEAD.size:].decode("utf-8", "replace")

@@ -1,0 +1,312 @@
+"""FusionFlowLoader: exactly-once delivery in sampler order, faults, cleanup, argument errors."""
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+
+from fusionflow import FusionFlowError
+from fusionflow.errors import SampleError
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.runtime.local_manager import SampleKilledWorkersError, WorkerStartError
+from fusionflow.synthetic import make_image, make_jpegs
+
+SMALL = {"output": {"size": 24}, "flip": 0.5, "crop": {"scale": [0.3, 1.0]},
+         "augment": {"type": "rand", "num_ops": 2, "magnitude": 5, "num_bins": 11,
+                     "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Posterize": {"range": [8, 4]},
+                             "Equalize": {}}}}
+JPEGS = make_jpegs(61, 30, 90, seed=5)
+
+
+class Bytes:
+    """(jpeg bytes, index): the label is the index, so batches say which samples they hold."""
+
+    def __init__(self, n=61, bad=(), killers=(), sleep=0.0):
+        self.data, self.bad, self.killers, self.sleep = JPEGS[:n], set(bad), set(killers), sleep
+        self.sizes = [len(d) for d in self.data]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        if i in self.killers:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.sleep:
+            time.sleep(self.sleep)
+        return (b"not a jpeg at all" if i in self.bad else self.data[i]), i
+
+    def describe(self, i):
+        return f"/data/img_{i}.jpg"
+
+
+def ff_segments():
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ff_"))
+
+
+def collect(loader):
+    images, labels = [], []
+    for x, y in loader:
+        images.append(x)
+        labels.append(y)
+    return images, labels
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = ff_segments()
+    yield
+    deadline = time.time() + 5
+    while time.time() < deadline and (mp.active_children() or ff_segments() != before):
+        time.sleep(0.05)
+    assert not mp.active_children(), f"worker processes left: {mp.active_children()}"
+    assert ff_segments() == before, "shared-memory segments left in /dev/shm"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("shuffle,drop_last,batch_size", [(False, False, 8), (True, False, 8), (True, True, 8),
+                                                          (False, True, 7), (True, False, 61), (False, False, 1)])
+def test_every_sample_once_in_sampler_order(num_workers, shuffle, drop_last, batch_size):
+    ds = Bytes()
+    gen = torch.Generator().manual_seed(3)
+    loader = FusionFlowLoader(ds, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                              num_workers=num_workers, policy=SMALL, tiny_batch_size=min(3, batch_size),
+                              seed=1, generator=gen)
+    sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3)) if shuffle else SequentialSampler(ds)
+    expected = list(BatchSampler(sampler, batch_size, drop_last))
+    images, labels = collect(loader)
+    assert [y.tolist() for y in labels] == expected
+    assert len(loader) == len(expected)
+    pipe = CpuPipeline(SMALL)
+    for x, idx in zip(images, expected):
+        assert x.dtype == torch.uint8 and x.shape == (len(idx), 3, 24, 24)
+        for k in (0, len(idx) - 1):
+            assert np.array_equal(x[k].numpy(), pipe(ds.data[idx[k]], idx[k], seed=1, epoch=0))
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_distributed_sampler_shards(replicas):
+    ds = Bytes()
+    union = []
+    for rank in range(replicas):
+        sampler = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=True, seed=4)
+        loader = FusionFlowLoader(ds, batch_size=5, sampler=sampler, num_workers=2, policy=SMALL, tiny_batch_size=2)
+        loader.set_epoch(1)
+        _, labels = collect(loader)
+        got = [i for y in labels for i in y.tolist()]
+        ref = DistributedSampler(ds, num_replicas=replicas, rank=rank, shuffle=True, seed=4)
+        ref.set_epoch(1)
+        assert got == list(ref)
+        union += got
+    assert set(union) == set(range(len(ds)))  # padding repeats a few, as DistributedSampler does
+
+
+def test_persistent_workers_across_epochs_and_epoch_semantics():
+    ds = Bytes(40)
+    loader = FusionFlowLoader(ds, batch_size=6, shuffle=True, num_workers=2, persistent_workers=True,
+                              policy=SMALL, seed=2)
+    pids = None
+    epochs = []
+    for epoch in range(3):
+        images, labels = collect(loader)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(40))
+        now = [w.process.pid for w in loader._manager.workers]
+        assert pids is None or now == pids  # the same worker processes every epoch
+        pids = now
+        epochs.append({int(i): x for xs, ys in zip(images, labels) for x, i in zip(xs, ys)})
+    assert not torch.equal(epochs[0][5], epochs[1][5])  # no set_epoch: the epoch still advances
+    loader.set_epoch(0)
+    images, labels = collect(loader)
+    again = {int(i): x for xs, ys in zip(images, labels) for x, i in zip(xs, ys)}
+    assert all(torch.equal(again[i], epochs[0][i]) for i in range(40))  # set_epoch(0) reproduces epoch 0
+    loader.close()
+
+
+def test_killed_worker_is_replaced_and_nothing_is_lost():
+    ds = Bytes(48, sleep=0.01)
+    loader = FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=2)
+    labels = []
+    for k, (_, y) in enumerate(loader):
+        labels.append(y.tolist())
+        if k == 1:
+            os.kill(loader._manager.workers[0].process.pid, signal.SIGKILL)
+    assert labels == [list(range(s, s + 8)) for s in range(0, 48, 8)]
+    assert loader.stats.worker_restarts >= 1
+
+
+def test_sample_that_keeps_killing_workers_is_named():
+    ds = Bytes(32, killers={13})
+    loader = FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=4, max_retries=1)
+    with pytest.raises(SampleKilledWorkersError, match=r"sample 13 killed 2 CPU worker processes \(last: signal SIGKILL\)"):
+        collect(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_corrupt_image_raises_with_index_and_path(num_workers):
+    loader = FusionFlowLoader(Bytes(20, bad={11}), batch_size=4, num_workers=num_workers, policy=SMALL)
+    with pytest.raises(SampleError, match=r"sample 11 \(/data/img_11\.jpg\) failed: DecodeError: .*cannot identify") as info:
+        collect(loader)
+    assert info.value.index == 11 and "Traceback" in info.value.worker_traceback
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_corrupt_images_skipped_counted_and_warned_once(num_workers):
+    loader = FusionFlowLoader(Bytes(20, bad={3, 11, 12}), batch_size=4, num_workers=num_workers, policy=SMALL,
+                              on_error="skip")
+    with pytest.warns(UserWarning, match=r"dropping sample 3 \(/data/img_3\.jpg\)") as record:
+        _, labels = collect(loader)
+    assert len([r for r in record if "on_error='skip'" in str(r.message)]) == 1
+    assert [i for y in labels for i in y.tolist()] == [i for i in range(20) if i not in (3, 11, 12)]
+    assert loader.stats.skipped == 3 and sorted(loader.stats.skipped_indices) == [3, 11, 12]
+
+
+def test_exception_and_keyboard_interrupt_in_training_loop_clean_up():
+    for exc in (RuntimeError("boom"), KeyboardInterrupt()):
+        loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL)
+        with pytest.raises(type(exc)):
+            for _ in loader:
+                raise exc
+        # the fixture checks that no worker and no segment is left
+
+
+def test_break_then_iterate_again_with_persistent_workers():
+    loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
+    for k, _ in enumerate(loader):
+        if k == 2:
+            break
+    _, labels = collect(loader)
+    assert [i for y in labels for i in y.tolist()] == list(range(40))
+    with loader:
+        pass  # __exit__ closes
+
+
+def test_shm_name_is_private_and_unguessable():
+    loader = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, persistent_workers=True)
+    next(iter(loader))
+    name = loader._manager.ring.name
+    assert re.fullmatch(r"/ff_[0-9a-f]{24}", name)
+    assert os.stat("/dev/shm" + name).st_mode & 0o777 == 0o600
+    loader.close()
+    assert not os.path.exists("/dev/shm" + name)
+
+
+def test_training_process_killed_leaves_nothing():
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_loader import Bytes, SMALL
+        from fusionflow.loader import FusionFlowLoader
+        loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
+        it = iter(loader); next(it)
+        print(loader._manager.ring.name, *[w.process.pid for w in loader._manager.workers], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    name, *pids = out.stdout.split()
+    deadline = time.time() + 10
+    while time.time() < deadline and (os.path.exists("/dev/shm" + name) or any(_alive(int(p)) for p in pids)):
+        time.sleep(0.1)
+    assert not os.path.exists("/dev/shm" + name), "segment outlived the killed training process"
+    assert not any(_alive(int(p)) for p in pids), "workers outlived the killed training process"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class Arrays:
+    def __init__(self):
+        self.items = [make_image(50, 70, 1), Image.fromarray(make_image(64, 48, 2)), make_image(40, 40, 3)[:, :, 0]]
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, i):
+        return self.items[i], i
+
+
+def test_pil_and_array_samples():
+    images, labels = collect(FusionFlowLoader(Arrays(), batch_size=3, num_workers=1, policy=SMALL))
+    assert images[0].shape == (3, 3, 24, 24) and labels[0].tolist() == [0, 1, 2]
+
+
+def _touch(worker_id):
+    open(os.path.join(os.environ["FF_TEST_DIR"], f"w{worker_id}"), "w").close()
+
+
+def _fail(worker_id):
+    raise RuntimeError(f"init failed in {worker_id}")
+
+
+def test_worker_init_fn(tmp_path, monkeypatch):
+    monkeypatch.setenv("FF_TEST_DIR", str(tmp_path))
+    collect(FusionFlowLoader(Bytes(8), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=_touch))
+    assert sorted(os.listdir(tmp_path)) == ["w0", "w1"]
+    with pytest.raises(WorkerStartError, match="init failed in"):
+        collect(FusionFlowLoader(Bytes(8), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=_fail))
+
+
+def test_timeout():
+    loader = FusionFlowLoader(Bytes(8, sleep=3.0), batch_size=4, num_workers=1, policy=SMALL, timeout=0.5)
+    with pytest.raises(FusionFlowError, match=r"not ready within timeout=0.5 s"):
+        collect(loader)
+
+
+def test_float_output_when_policy_normalizes():
+    cfg = dict(SMALL, output={"size": 24, "normalize": {"mean": [0.5] * 3, "std": [0.25] * 3}})
+    x, _ = next(iter(FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=cfg)))
+    assert x.dtype == torch.float32 and x.shape == (4, 3, 24, 24)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"batch_size": 0}, r"batch_size=0 must be an integer >= 1"),
+    ({"num_workers": 10_000}, r"num_workers=10000 exceeds the \d+ CPU cores .* use num_workers<="),
+    ({"batch_size": 4, "tiny_batch_size": 8}, r"tiny_batch_size=8 is larger than batch_size=4"),
+    ({"policy": "/nope/policy.yaml"}, r"policy file '/nope/policy.yaml' does not exist"),
+    ({"sampler": SequentialSampler(range(8)), "shuffle": True}, r"sampler is mutually exclusive with shuffle"),
+    ({"batch_sampler": BatchSampler(SequentialSampler(range(8)), 4, False), "batch_size": 4},
+     r"batch_sampler is mutually exclusive"),
+    ({"collate_fn": lambda b: b}, r"collate_fn is not supported"),
+    ({"persistent_workers": True}, r"persistent_workers=True needs num_workers > 0"),
+    ({"on_error": "ignore"}, r"on_error='ignore' must be one of"),
+    ({"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "tpu"}, r"device="),
+    ({"num_workers": 1, "prefetch_factor": 0}, r"prefetch_factor=0 must be an integer >= 1"),
+    ({"timeout": -1}, r"timeout=-1 must be >= 0"),
+])
+def test_invalid_arguments_say_how_to_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FusionFlowLoader(Bytes(8), **{"policy": SMALL, **kwargs})
+
+
+def test_batch_sampler_and_set_epoch_forwarding():
+    sampler = DistributedSampler(Bytes(8), num_replicas=2, rank=0)
+    loader = FusionFlowLoader(Bytes(8), batch_sampler=BatchSampler(sampler, 2, False), num_workers=1, policy=SMALL)
+    loader.set_epoch(5)
+    assert sampler.epoch == 5
+    _, labels = collect(loader)
+    ref = DistributedSampler(Bytes(8), num_replicas=2, rank=0)
+    ref.set_epoch(5)
+    assert [i for y in labels for i in y.tolist()] == list(ref)
+
+
+@pytest.mark.gpu
+def test_cuda_delivery_matches_cpu():
+    ds = Bytes(16)
+    cpu_images, _ = collect(FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, seed=3))
+    gpu_images, gpu_labels = collect(FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, seed=3,
+                                                      device="cuda:0"))
+    assert gpu_images[0].device.type == "cuda" and gpu_labels[0].device.type == "cuda"
+    assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu_images, gpu_images))
