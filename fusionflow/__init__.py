@@ -1,10 +1,19 @@
 """FusionFlow: CPU-GPU cooperative data augmentation for PyTorch training.
 
-Public API: `load_policy`, `Policy`, and FusionFlow's errors. Heavier pieces (the CPU pipeline,
-which imports Pillow, and the DALI pipeline) are imported from their modules when needed.
+Public API: `FusionFlowLoader`, `ImageFolder`, `load_policy`, `Policy`, and FusionFlow's errors.
+`FusionFlowLoader` (which imports torch) is loaded on first use, so policy tooling stays light.
 """
-from fusionflow.errors import DecodeError, FusionFlowError
+from fusionflow.data import ImageFolder
+from fusionflow.errors import DecodeError, FusionFlowError, SampleError
 from fusionflow.policy import Policy, load_policy
 
-__all__ = ["DecodeError", "FusionFlowError", "Policy", "load_policy"]
+__all__ = ["DecodeError", "FusionFlowError", "FusionFlowLoader", "ImageFolder", "Policy", "SampleError",
+           "load_policy"]
+
+
+def __getattr__(name):
+    if name == "FusionFlowLoader":
+        from fusionflow.loader import FusionFlowLoader
+        return FusionFlowLoader
+    raise AttributeError(f"module 'fusionflow' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -4,8 +4,8 @@ Makes a small ImageFolder dataset of mixed-size JPEGs if none is given, trains a
 few epochs with each input pipeline -- same policy semantics, same workers, same batches -- shows
 progress, and prints both throughputs and their ratio.
 
-Until FusionFlowLoader lands (issue 3), FusionFlow's side runs its CPU pipeline inside torch's
-DataLoader workers; the comparison is then of the augmentation pipelines alone.
+FusionFlow's side is `FusionFlowLoader`; the baseline is `torch.utils.data.DataLoader` with
+torchvision.transforms.v2 on PIL images, the same number of workers and the same batch size.
 """
 from __future__ import annotations
 
@@ -45,25 +45,6 @@ class TorchvisionSamples:
         return self._tf(Image.open(io.BytesIO(data)).convert("RGB")), label
 
 
-class FusionFlowSamples:
-    """FusionFlow's CPU pipeline as a map-style dataset (per-sample draws from seed, epoch, index)."""
-
-    def __init__(self, ds, policy_name: str, seed: int = 0):
-        self.ds, self.policy_name, self.seed, self.epoch = ds, policy_name, seed, 0
-        self._pipe = None
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        import torch
-        from fusionflow.ops.pipeline import CpuPipeline
-        if self._pipe is None:
-            self._pipe = CpuPipeline(self.policy_name)
-        data, label = self.ds[i]
-        return torch.from_numpy(self._pipe(data, i, self.seed, self.epoch, what=self.ds.describe(i))), label
-
-
 def small_cnn(num_classes: int):
     import torch.nn as nn
     return nn.Sequential(
@@ -72,23 +53,20 @@ def small_cnn(num_classes: int):
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes))
 
 
-def train(name: str, dataset, num_classes: int, args) -> dict:
+def train(name: str, loader, set_epoch, num_classes: int, args) -> dict:
     import torch
-    from torch.utils.data import DataLoader
     from tqdm import tqdm
 
     torch.manual_seed(0)
     model = small_cnn(num_classes)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                        drop_last=True, generator=torch.Generator().manual_seed(0))
     images, waits, t0 = 0, [], time.perf_counter()
     steady_start, steady_images = None, 0
     for epoch in range(args.epochs):
-        if hasattr(dataset, "epoch"):
-            dataset.epoch = epoch
-        bar = tqdm(total=len(loader), desc=f"{name} epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False, mininterval=0.5)
+        set_epoch(epoch)
+        bar = tqdm(total=len(loader), desc=f"{name} epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False,
+                   mininterval=0.5)
         it = iter(loader)
         while True:
             tw = time.perf_counter()
@@ -147,9 +125,17 @@ def main(argv=None) -> int:
     ds = ImageFolder(root)
     print(f"{len(ds)} images, {len(ds.classes)} classes, policy {args.policy}, batch {args.batch_size}, "
           f"{args.workers} workers, {args.epochs} epochs")
-    base = train("DataLoader+torchvision", TorchvisionSamples(ds, args.policy, 224), len(ds.classes), args)
-    ours = train("FusionFlow", FusionFlowSamples(ds, args.policy), len(ds.classes), args)
+    from torch.utils.data import DataLoader
+
+    from fusionflow import FusionFlowLoader
+
+    common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True,
+                  persistent_workers=args.workers > 0)
+    baseline = DataLoader(TorchvisionSamples(ds, args.policy, 224), **common)
+    base = train("DataLoader+torchvision", baseline, lambda e: None, len(ds.classes), args)
+    with FusionFlowLoader(ds, policy=args.policy, seed=0, **common) as loader:
+        ours = train("FusionFlowLoader", loader, loader.set_epoch, len(ds.classes), args)
     ratio = ours["img_per_s"] / base["img_per_s"]
-    print(f"throughput: FusionFlow {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
+    print(f"throughput: FusionFlowLoader {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
           f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x")
     return 0

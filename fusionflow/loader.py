@@ -14,7 +14,6 @@ previous epoch + 1, so forgetting it never repeats last epoch's augmentation.
 """
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import time
@@ -149,10 +148,11 @@ class FusionFlowLoader:
         self._epoch, self._epoch_set, self._iterations = 0, False, 0
         self._manager: LocalManager | None = None
         self._active_generation = None
-        self._registered = None  # CUDA host registration of the ring
         self._warned_skip = False
-        self._finalizer = weakref.finalize(self, _shutdown_manager, self._holder())
-        atexit.register(self._finalizer)
+        self._restarts_before = 0  # restarts counted by managers already shut down
+        # the manager lives in a box the finalizer holds, so it runs at exit or collection without self
+        self._box = [None]
+        self._finalizer = weakref.finalize(self, _shutdown_manager, self._box)
 
     # ---------------------------------------------------------------- DataLoader surface
     def __len__(self) -> int:
@@ -186,11 +186,6 @@ class FusionFlowLoader:
         self._stop_manager()
 
     # ---------------------------------------------------------------- internals
-    def _holder(self):
-        box = [None]
-        self._box = box
-        return box
-
     def _ensure_manager(self) -> LocalManager:
         if self._manager is None:
             layout = RingLayout(self.prefetch_factor, self.capacity, self.policy.out_shape, self.policy.out_dtype)
@@ -206,37 +201,23 @@ class FusionFlowLoader:
             self._box[0] = self._manager
             if self.stats.startup_seconds is None:
                 self.stats.startup_seconds = time.perf_counter() - t0
-            if self.device.type == "cuda":
-                self._register_ring()
+            if self.device.type == "cuda" and not self._manager.register_cuda():
+                log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
         return self._manager
 
     def _stop_manager(self) -> None:
         mgr, self._manager = self._manager, None
         self._box[0] = None
         if mgr is not None:
-            self.stats.worker_restarts += mgr.restarts
-            self._unregister_ring(mgr)
+            self._restarts_before += mgr.restarts
+            self.stats.worker_restarts = self._restarts_before
             mgr.shutdown()
-
-    def _register_ring(self) -> None:
-        images = self._manager.ring.images
-        ptr = images.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(ptr, self._manager.ring.layout.nbytes, 0)
-        if int(err) == 0:
-            self._registered = ptr
-        else:
-            log.warning("cudaHostRegister of the batch ring failed (%s); host->device copies will be synchronous", err)
-
-    def _unregister_ring(self, mgr) -> None:
-        if self._registered is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._registered)
-            self._registered = None
 
     def _deliver(self, images: np.ndarray, labels: np.ndarray):
         """Turn a filled batch (views into the ring or a local buffer) into tensors the caller owns."""
         if self.device.type == "cuda":
             host = torch.from_numpy(images)
-            out = host.to(self.device, non_blocking=self._registered is not None)
+            out = host.to(self.device, non_blocking=self._manager is not None and self._manager.cuda_registered)
             event = torch.cuda.Event()
             event.record()
             return out, torch.from_numpy(labels.copy()).to(self.device, non_blocking=True), event
@@ -339,6 +320,8 @@ class FusionFlowLoader:
                 imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
                 images_t, labels_t, event = self._deliver(imgs, labs)
                 self._account(wait, len(images_t))
+                self.stats.worker_restarts = self._restarts_before + mgr.restarts
+                self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
                 delivered += 1
                 if event is None:
                     free_slots.append(state.slot)
@@ -349,19 +332,12 @@ class FusionFlowLoader:
             finished = True
         finally:
             if self._manager is mgr:
-                self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
                 if not finished:
                     mgr.abandon(gen)
                 if self._active_generation == gen:
                     self._active_generation = None
                 if not self.persistent_workers:
                     self._stop_manager()
-
-    def __del__(self):
-        try:
-            self._stop_manager()
-        except Exception:
-            pass
 
 
 def _shutdown_manager(box) -> None:

@@ -40,4 +40,4 @@ def test_image_folder_errors(tmp_path):
 def test_demo_runs_and_prints_throughput_ratio(folder, capsys):
     assert demo_main(["demo", "--data", folder, "--epochs", "1", "--batch-size", "4", "--workers", "0"]) == 0
     out = capsys.readouterr().out
-    assert "throughput: FusionFlow" in out and "DataLoader+torchvision" in out and "x\n" in out
+    assert "throughput: FusionFlowLoader" in out and "DataLoader+torchvision" in out and "x\n" in out

@@ -310,3 +310,25 @@ def test_cuda_delivery_matches_cpu():
                                                       device="cuda:0"))
     assert gpu_images[0].device.type == "cuda" and gpu_labels[0].device.type == "cuda"
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu_images, gpu_images))
+
+
+def _exit_early(worker_id):
+    os._exit(3)
+
+
+def test_worker_dying_before_ready_is_a_start_error_not_a_restart_loop():
+    loader = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=_exit_early)
+    with pytest.raises(WorkerStartError, match=r"exited \(exit code 3\) before it was ready"):
+        collect(loader)
+
+
+def test_superseded_iterator_says_so():
+    loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
+    first = iter(loader)
+    next(first)
+    second = iter(loader)
+    next(second)
+    with pytest.raises(FusionFlowError, match="a newer iter\\(loader\\) abandoned it"):
+        next(first)
+    assert [i for y in [next(second)[1]] for i in y.tolist()] == [4, 5, 6, 7]
+    loader.close()

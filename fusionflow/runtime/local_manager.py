@@ -19,10 +19,10 @@ Faults
   * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
     traceback at the next `wait`.
 
-Shutdown procedure (`shutdown`, idempotent; also run by a finalizer at exit)
+Shutdown procedure (`shutdown`, idempotent; also run by the loader's finalizer at collection/exit)
   1. Stop the manager thread (control pipe) and join it.
   2. Send STOP to every worker; join each for up to 2 s; terminate() the rest, then kill().
-  3. Close the pipes, drop the ring mapping, unlink the ring segment.
+  3. Close the pipes, unregister the ring from CUDA if registered, drop the mapping, unlink it.
   If the training process is killed instead, workers notice within `worker.WATCHDOG_S`, unlink
   the segment and exit (runtime/worker.py).
 """
@@ -111,7 +111,7 @@ class LocalManager:
         self.fatal: BaseException | None = None
         self.restarts = 0
         self.tasks_per_worker = [0] * num_workers
-        self.startup_seconds = None
+        self.cuda_registered = False  # the ring is page-locked for direct host->device copies
         self._closed = False
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)
         t0 = time.perf_counter()
@@ -155,7 +155,10 @@ class LocalManager:
             while True:
                 if self.fatal is not None:
                     raise self.fatal
-                state = self.batches[key]
+                state = self.batches.get(key)
+                if state is None:
+                    raise FusionFlowError(f"mini-batch {seq} of this iterator is no longer tracked: a newer "
+                                          "iter(loader) abandoned it (iterate one epoch at a time)")
                 if state.error is not None:
                     raise state.error
                 if state.remaining == 0:
@@ -189,6 +192,13 @@ class LocalManager:
         with self.cond:
             self.generation += 1
             return self.generation
+
+    def register_cuda(self) -> bool:
+        """Page-lock the ring (cudaHostRegister) so batches copy to the GPU without staging."""
+        import torch
+        ptr = self.ring.images.ctypes.data
+        self.cuda_registered = int(torch.cuda.cudart().cudaHostRegister(ptr, self.layout.nbytes, 0)) == 0
+        return self.cuda_registered
 
     def _reap(self, wid: int) -> None:
         w = self.workers[wid]
@@ -229,6 +239,10 @@ class LocalManager:
             w.conn.close()
         for c in (self._ctrl_r, self._ctrl_w):
             c.close()
+        if self.cuda_registered:
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self.ring.images.ctypes.data)
+            self.cuda_registered = False
         self.ring.close()
         self.ring.unlink()
 
@@ -312,6 +326,10 @@ class LocalManager:
             w.alive = False
             code = w.process.exitcode
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            if not w.ready:  # it never came up: restarting would only repeat that
+                self.fatal = WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready")
+                self.cond.notify_all()
+                return
             log.warning("fusionflow CPU worker %d died (%s); restarting it", w.worker_id, how)
             requeue = []
             for k, (_tid, work) in enumerate(w.outstanding):

@@ -1,0 +1,162 @@
+"""FusionFlowLoader vs torch DataLoader, same policy semantics, same workers, same data, one run.
+
+Candidates (persistent workers for all, one warm-up epoch each, then epochs interleaved):
+  dataloader_tv   torch DataLoader + torchvision.transforms.v2 on PIL (what users run today)
+  dataloader_ff   torch DataLoader + FusionFlow's CPU pipeline as the dataset transform
+  fusionflow      FusionFlowLoader (tiny-batches into shared memory)
+Modes: `loader` (iterate and touch each batch) and `model` (a small CNN trains on every batch).
+Reported: img/s per epoch (median over epochs), mean and p95 wait per batch at next(), ratios.
+
+    .venv/bin/python experiments/bench_loader.py [--images 512] [--epochs 5] [--workers 2] [--batch-size 32]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+class FusionFlowSamples:
+    """FusionFlow's CPU pipeline as a map-style dataset (per-sample draws from seed, epoch, index)."""
+
+    def __init__(self, ds, policy_name: str, seed: int = 0):
+        self.ds, self.policy_name, self.seed, self.epoch = ds, policy_name, seed, 0
+        self._pipe = None
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        import torch
+
+        from fusionflow.ops.pipeline import CpuPipeline
+        if self._pipe is None:
+            self._pipe = CpuPipeline(self.policy_name)
+        data, label = self.ds[i]
+        return torch.from_numpy(self._pipe(data, i, self.seed, self.epoch, what=self.ds.describe(i))), label
+
+
+def epoch_run(loader, model, opt, loss_fn, set_epoch):
+    import torch
+    set_epoch()
+    waits, n = [], 0
+    t0 = time.perf_counter()
+    it = iter(loader)
+    while True:
+        tw = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - tw)
+        n += len(y)
+        if model is None:
+            float(x[:, :, 0, 0].float().mean())  # touch the batch
+        else:
+            loss = loss_fn(model(x.float().div_(255)), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return n / (time.perf_counter() - t0), waits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=512)
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--tiny-batch-size", type=int, default=4)
+    ap.add_argument("--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment", "default"])
+    ap.add_argument("--modes", default="loader,model")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from bench_cpu_pipeline import machine
+    from fusionflow import FusionFlowLoader, ImageFolder
+    from fusionflow.demo import TorchvisionSamples, small_cnn
+    from fusionflow.synthetic import make_image_folder
+
+    torch.set_num_threads(1)
+    per_class = max(1, args.images // 4)
+    root = os.path.join(ROOT, "experiments", "data", f"bench_{per_class * 4}")
+    make_image_folder(root, num_classes=4, per_class=per_class)
+    ds = ImageFolder(root)
+    print(f"{len(ds)} images in {root}, policy {args.policy}, batch {args.batch_size}, {args.workers} workers")
+
+    def dl(dataset):
+        return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                          persistent_workers=True, drop_last=True)
+
+    ff_samples = FusionFlowSamples(ds, args.policy)
+    loaders = {
+        "dataloader_tv": (dl(TorchvisionSamples(ds, args.policy, 224)), lambda e: None),
+        "dataloader_ff": (dl(ff_samples), lambda e: None),  # per-worker epochs are fixed: fine for speed
+    }
+    ff = FusionFlowLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                          persistent_workers=True, drop_last=True, policy=args.policy,
+                          tiny_batch_size=args.tiny_batch_size)
+    loaders["fusionflow"] = (ff, ff.set_epoch)
+    results = {}
+    try:
+        for mode in args.modes.split(","):
+            model = opt = loss_fn = None
+            rates = {name: [] for name in loaders}
+            waits = {name: [] for name in loaders}
+            for name, (loader, set_epoch) in loaders.items():  # warm-up: start workers, fill caches
+                torch.manual_seed(0)
+                if mode == "model":
+                    model = small_cnn(len(ds.classes))
+                    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+                    loss_fn = torch.nn.CrossEntropyLoss()
+                epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(0))
+            for e in range(1, args.epochs + 1):
+                for name, (loader, set_epoch) in loaders.items():
+                    rate, w = epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(e))
+                    rates[name].append(rate)
+                    waits[name] += w
+                print(f"[{mode}] epoch {e}/{args.epochs}: " + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()))
+            res = {}
+            for name in loaders:
+                w = np.array(waits[name])
+                res[name] = {"img_per_s_median": statistics.median(rates[name]), "img_per_s": rates[name],
+                             "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95))}
+            base = res["dataloader_tv"]["img_per_s_median"]
+            for name in res:
+                res[name]["ratio_vs_dataloader_tv"] = res[name]["img_per_s_median"] / base
+            results[mode] = res
+            print(f"[{mode}] " + ", ".join(f"{n}: {r['img_per_s_median']:.0f} img/s ({r['ratio_vs_dataloader_tv']:.2f}x), "
+                                          f"wait mean {r['wait_mean_ms']:.0f} ms p95 {r['wait_p95_ms']:.0f} ms"
+                                          for n, r in res.items()))
+        stats = ff.stats.summary()
+    finally:
+        ff.close()
+    out = {"benchmark": "loader", "policy": args.policy, "images": len(ds), "epochs": args.epochs,
+           "workers": args.workers, "batch_size": args.batch_size, "tiny_batch_size": args.tiny_batch_size,
+           "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": machine(), "torch": torch.__version__, "results": results,
+           "fusionflow_stats": {k: v for k, v in stats.items() if k != "wait_seconds"}}
+    path = args.out or os.path.join(ROOT, "experiments", "results",
+                                    f"loader_{args.policy}_w{args.workers}_b{args.batch_size}.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
