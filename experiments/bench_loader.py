@@ -25,6 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from fusionflow.demo import TorchvisionSamples, small_cnn, timed_batches, train_step  # noqa: E402
+
 
 class FusionFlowSamples:
     """FusionFlow's CPU pipeline as a map-style dataset (per-sample draws from seed, epoch, index)."""
@@ -47,26 +49,16 @@ class FusionFlowSamples:
 
 
 def epoch_run(loader, model, opt, loss_fn, set_epoch):
-    import torch
     set_epoch()
     waits, n = [], 0
     t0 = time.perf_counter()
-    it = iter(loader)
-    while True:
-        tw = time.perf_counter()
-        try:
-            x, y = next(it)
-        except StopIteration:
-            break
-        waits.append(time.perf_counter() - tw)
+    for x, y, wait in timed_batches(loader):
+        waits.append(wait)
         n += len(y)
         if model is None:
             float(x[:, :, 0, 0].float().mean())  # touch the batch
         else:
-            loss = loss_fn(model(x.float().div_(255)), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            train_step(model, opt, loss_fn, x, y)
     return n / (time.perf_counter() - t0), waits
 
 
@@ -87,7 +79,6 @@ def main() -> None:
 
     from bench_cpu_pipeline import machine
     from fusionflow import FusionFlowLoader, ImageFolder
-    from fusionflow.demo import TorchvisionSamples, small_cnn
     from fusionflow.synthetic import make_image_folder
 
     torch.set_num_threads(1)

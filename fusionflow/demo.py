@@ -53,6 +53,26 @@ def small_cnn(num_classes: int):
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes))
 
 
+def timed_batches(loader):
+    """Iterate `loader`, yielding (images, labels, seconds blocked in next())."""
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            return
+        yield x, y, time.perf_counter() - t0
+
+
+def train_step(model, opt, loss_fn, x, y):
+    loss = loss_fn(model(x.float().div_(255)), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss
+
+
 def train(name: str, loader, set_epoch, num_classes: int, args) -> dict:
     import torch
     from tqdm import tqdm
@@ -67,18 +87,9 @@ def train(name: str, loader, set_epoch, num_classes: int, args) -> dict:
         set_epoch(epoch)
         bar = tqdm(total=len(loader), desc=f"{name} epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False,
                    mininterval=0.5)
-        it = iter(loader)
-        while True:
-            tw = time.perf_counter()
-            try:
-                x, y = next(it)
-            except StopIteration:
-                break
-            waits.append(time.perf_counter() - tw)
-            loss = loss_fn(model(x.float().div_(255)), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        for x, y, wait in timed_batches(loader):
+            waits.append(wait)
+            loss = train_step(model, opt, loss_fn, x, y)
             images += len(y)
             if steady_start is None:
                 steady_start = time.perf_counter()  # after the first batch: worker start-up excluded

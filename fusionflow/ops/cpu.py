@@ -12,7 +12,7 @@ from typing import Callable
 
 from PIL import Image, ImageEnhance, ImageOps
 
-from fusionflow.ops.specs import OPS
+from fusionflow.ops.specs import registrar
 
 CpuOp = Callable[[Image.Image, float, tuple, "Style"], Image.Image]
 CPU_IMPLS: dict[str, CpuOp] = {}
@@ -30,14 +30,7 @@ class Style:
         return _RESAMPLE[self.interpolation]
 
 
-def cpu_impl(*names: str):
-    def register(fn: CpuOp) -> CpuOp:
-        for name in names:
-            if name not in OPS:
-                raise KeyError(f"cpu_impl({name!r}): no such op in fusionflow.ops.specs")
-            CPU_IMPLS[name] = fn
-        return fn
-    return register
+cpu_impl = registrar(CPU_IMPLS, "cpu_impl")
 
 
 @cpu_impl("Identity")

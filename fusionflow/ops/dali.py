@@ -17,7 +17,7 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 
-from fusionflow.ops.specs import OPS
+from fusionflow.ops.specs import registrar
 
 DaliOp = Callable[..., object]
 
@@ -44,14 +44,7 @@ DALI_IMPLS: dict[str, DaliOp] = {}
 _INTERP = {"nearest": types.INTERP_NN, "bilinear": types.INTERP_LINEAR}
 
 
-def dali_impl(*names: str):
-    def register(fn_: DaliOp) -> DaliOp:
-        for name in names:
-            if name not in OPS:
-                raise KeyError(f"dali_impl({name!r}): no such op in fusionflow.ops.specs")
-            DALI_IMPLS[name] = fn_
-        return fn_
-    return register
+dali_impl = registrar(DALI_IMPLS, "dali_impl")
 
 
 def _u8(x):

@@ -153,5 +153,18 @@ _SPECS = [
 ]
 
 OPS: dict[str, OpSpec] = {s.name: s for s in _SPECS}
+
+
+def registrar(table: dict, kind: str):
+    """A decorator factory that files implementations of registered ops into `table`."""
+    def impl(*names: str):
+        def register(fn):
+            for name in names:
+                if name not in OPS:
+                    raise KeyError(f"{kind}({name!r}): no such op in fusionflow.ops.specs")
+                table[name] = fn
+            return fn
+        return register
+    return impl
 OP_NAMES: tuple[str, ...] = tuple(OPS)
 OP_INDEX: dict[str, int] = {name: i for i, name in enumerate(OP_NAMES)}
