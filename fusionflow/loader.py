@@ -34,6 +34,16 @@ from fusionflow.runtime.worker import describe, split_item
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
+ACCELERATORS = (None, "dali-cpu", "dali-gpu")
+SHARING = ("auto", "temporal", "spatial", "off")
+
+
+def _has_dali() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 @dataclass
@@ -48,13 +58,23 @@ class LoaderStats:
     tiny_batches_per_worker: list = field(default_factory=list)
     worker_restarts: int = 0
     startup_seconds: float | None = None  # worker start-up, first time
+    accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
+    accelerator_given_back: int = 0  # handed to the CPU workers (undecodable by DALI, or not bytes)
+    accelerator_builds: int = 0  # DALI pipeline builds (1 with AoT, one per tiny-batch without)
+    accelerator_build_seconds: float | None = None
+    taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
 
     def summary(self) -> dict:
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
         return {"batches": self.batches, "samples": self.samples, "skipped": self.skipped,
                 "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
                 "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
-                "worker_restarts": self.worker_restarts, "startup_seconds": self.startup_seconds}
+                "worker_restarts": self.worker_restarts, "startup_seconds": self.startup_seconds,
+                "accelerator_tiny_batches": self.accelerator_tiny_batches,
+                "accelerator_given_back": self.accelerator_given_back,
+                "accelerator_builds": self.accelerator_builds,
+                "accelerator_build_seconds": self.accelerator_build_seconds,
+                "taas_k_last": self.taas_k[-1] if self.taas_k else None}
 
     def reset(self) -> None:
         keep = self.startup_seconds
@@ -72,7 +92,9 @@ class FusionFlowLoader:
                  pin_memory: bool = False, drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None, seed: int = 0,
-                 device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True):
+                 device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True,
+                 accelerator: str | None = "auto", gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
+                 taas_last_k: bool = True):
         # ---- validation: every message names the value and the fix
         if collate_fn is not None:
             raise ValueError("collate_fn is not supported: FusionFlowLoader writes samples straight into one "
@@ -131,6 +153,24 @@ class FusionFlowLoader:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'")
         self.policy = load_policy(policy)
+        if gpu_sharing not in SHARING:
+            raise ValueError(f"gpu_sharing={gpu_sharing!r} must be one of {SHARING}")
+        if accelerator == "auto":
+            accelerator = "dali-gpu" if self.device.type == "cuda" and gpu_sharing != "off" and _has_dali() else None
+        if accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator={accelerator!r} must be one of {ACCELERATORS} ('auto': DALI on the "
+                             "GPU when device is CUDA, none otherwise)")
+        if accelerator == "dali-gpu" and self.device.type != "cuda":
+            raise ValueError(f"accelerator='dali-gpu' needs a CUDA device, got device={device!r}; use "
+                             "accelerator='dali-cpu' or None")
+        if accelerator is not None and not _has_dali():
+            raise ValueError(f"accelerator={accelerator!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
+        if accelerator is not None and num_workers == 0:
+            raise ValueError(f"accelerator={accelerator!r} shares mini-batches with CPU workers: use num_workers >= 1")
+        if gpu_sharing == "off":
+            accelerator = None
+        self.accelerator, self.gpu_sharing, self.aot = accelerator, gpu_sharing, aot
+        self.taas, self.taas_last_k = taas, taas_last_k
 
         self.dataset, self.batch_sampler = dataset, batch_sampler
         self.sampler = getattr(batch_sampler, "sampler", sampler)
@@ -149,7 +189,10 @@ class FusionFlowLoader:
         self._manager: LocalManager | None = None
         self._active_generation = None
         self._warned_skip = False
-        self._restarts_before = 0  # restarts counted by managers already shut down
+        # counters of managers already shut down (a manager lives one epoch without persistent workers)
+        self._counts_before = dict.fromkeys(("worker_restarts", "accelerator_tiny_batches",
+                                             "accelerator_given_back", "accelerator_builds"), 0)
+        self._device_ring = None
         # the manager lives in a box the finalizer holds, so it runs at exit or collection without self
         self._box = [None]
         self._finalizer = weakref.finalize(self, _shutdown_manager, self._box)
@@ -203,14 +246,46 @@ class FusionFlowLoader:
                 self.stats.startup_seconds = time.perf_counter() - t0
             if self.device.type == "cuda" and not self._manager.register_cuda():
                 log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
+            if self.accelerator is not None:
+                self._start_accelerator(self._manager)
         return self._manager
+
+    def _start_accelerator(self, mgr: LocalManager) -> None:
+        from fusionflow.runtime.accelerator import AcceleratorWorker
+        from fusionflow.scheduling.taas import KSearch
+
+        on_gpu = self.accelerator == "dali-gpu"
+        device_ring = None
+        if on_gpu:
+            from fusionflow.runtime.device_ring import DeviceRing
+            device_ring = DeviceRing(mgr.layout, self.device)
+        sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
+        accel = AcceleratorWorker(mgr, self.dataset, self.policy, self.tiny_batch_size, self.seed,
+                                  device="gpu" if on_gpu else "cpu",
+                                  device_id=(self.device.index or 0) if on_gpu else None, aot=self.aot,
+                                  largest_first=self.taas, device_ring=device_ring, sharing=sharing)
+        search = KSearch(k_max=-(-self.capacity // self.tiny_batch_size))
+        self.stats.accelerator_build_seconds = accel.build_seconds
+        history = self.stats.taas_k
+
+        def on_batch_done(state):  # under the manager's lock, once per completed mini-batch
+            if not (self.taas and self.taas_last_k):
+                return
+            cpu_last = state.cpu_done_at >= state.accel_done_at
+            mgr.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
+            history.append(mgr.reserved)
+
+        mgr.on_batch_done = on_batch_done
+        mgr.accelerator = accel
+        self._device_ring = device_ring
+        accel.start()
 
     def _stop_manager(self) -> None:
         mgr, self._manager = self._manager, None
         self._box[0] = None
         if mgr is not None:
-            self._restarts_before += mgr.restarts
-            self.stats.worker_restarts = self._restarts_before
+            self._sync_stats(mgr)
+            self._counts_before = {k: getattr(self.stats, k) for k in self._counts_before}
             mgr.shutdown()
 
     def _deliver(self, images: np.ndarray, labels: np.ndarray):
@@ -226,6 +301,39 @@ class FusionFlowLoader:
             out.copy_(torch.from_numpy(images))
             return out, torch.from_numpy(labels.copy()).pin_memory(), None
         return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
+
+    def _sync_stats(self, mgr: LocalManager) -> None:
+        now = {"worker_restarts": mgr.restarts}
+        if mgr.accelerator is not None:
+            a = mgr.accelerator
+            now.update(accelerator_tiny_batches=a.tiny_batches, accelerator_given_back=a.given_back,
+                       accelerator_builds=a.builds)
+        for key, base in self._counts_before.items():
+            setattr(self.stats, key, base + now.get(key, 0))
+        self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
+
+    def _mark_step(self, mgr: LocalManager) -> None:
+        """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
+        accel = mgr.accelerator
+        if accel is not None and accel.device_ring is not None and accel.sharing == "temporal":
+            event = torch.cuda.Event()
+            event.record()
+            accel.step_event = event
+
+    def _deliver_merged(self, mgr: LocalManager, state, keep):
+        """CUDA delivery of a mini-batch produced partly on the GPU: the host ring's positions are
+        copied over, the accelerator's come from the device ring."""
+        n = state.size
+        out = torch.from_numpy(mgr.ring.images[state.slot, :n]).to(self.device, non_blocking=mgr.cuda_registered)
+        idx = torch.tensor(sorted(state.accel_positions), device=self.device)
+        out[idx] = self._device_ring.images[state.slot].index_select(0, idx)
+        labels = torch.from_numpy(mgr.ring.labels[state.slot, :n].copy()).to(self.device, non_blocking=True)
+        if keep is not None:
+            keep_t = torch.tensor(keep, device=self.device)
+            out, labels = out[keep_t], labels[keep_t]
+        event = torch.cuda.Event()
+        event.record()
+        return out, labels, event
 
     def _select(self, indices, failures):
         """Positions to deliver, after applying on_error to this batch's failures."""
@@ -311,6 +419,7 @@ class FusionFlowLoader:
                     pending_release = None
                     refill()
                 t0 = time.perf_counter()
+                self._mark_step(mgr)
                 state = mgr.wait(delivered, gen, self.timeout)
                 wait = time.perf_counter() - t0
                 n = state.size
@@ -318,10 +427,12 @@ class FusionFlowLoader:
                 imgs = mgr.ring.images[state.slot]
                 labs = mgr.ring.labels[state.slot]
                 imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
-                images_t, labels_t, event = self._deliver(imgs, labs)
+                if self._device_ring is not None and state.accel_positions:
+                    images_t, labels_t, event = self._deliver_merged(mgr, state, keep)
+                else:
+                    images_t, labels_t, event = self._deliver(imgs, labs)
                 self._account(wait, len(images_t))
-                self.stats.worker_restarts = self._restarts_before + mgr.restarts
-                self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
+                self._sync_stats(mgr)
                 delivered += 1
                 if event is None:
                     free_slots.append(state.slot)

@@ -20,6 +20,7 @@ Faults
     traceback at the next `wait`.
 
 Shutdown procedure (`shutdown`, idempotent; also run by the loader's finalizer at collection/exit)
+  0. Stop the accelerator worker thread, if any (it finishes its tiny-batch) and drop its pipeline.
   1. Stop the manager thread (control pipe) and join it.
   2. Send STOP to every worker; join each for up to 2 s; terminate() the rest, then kill().
   3. Close the pipes, unregister the ring from CUDA if registered, drop the mapping, unlink it.
@@ -70,6 +71,7 @@ class _Work:
     positions: tuple[int, ...]
     indices: tuple[int, ...]
     deaths: int = 0
+    cpu_only: bool = False  # the accelerator gave it back (e.g. it could not decode it): CPU workers only
 
 
 @dataclass
@@ -80,6 +82,10 @@ class BatchState:
     remaining: int
     failures: list = field(default_factory=list)
     error: BaseException | None = None
+    submitted_at: float = 0.0
+    cpu_done_at: float = 0.0  # when its last CPU / accelerator tiny-batch completed (0: none ran there)
+    accel_done_at: float = 0.0
+    accel_positions: list = field(default_factory=list)  # positions the accelerator produced
 
 
 class _Worker:
@@ -103,7 +109,12 @@ class LocalManager:
         self.cpus = [cpus[i % len(cpus)] for i in range(num_workers)] if pin_cpus else [None] * num_workers
         self.ring = BatchRing(layout)
         self.workers: list[_Worker | None] = [None] * num_workers
-        self.pending: deque[_Work] = deque()
+        # per mini-batch (oldest first): its tiny-batches, ascending by encoded size. CPU workers take
+        # from the front, the accelerator from the back; the largest `reserved` stay the accelerator's.
+        self.queues: dict[tuple[int, int], deque[_Work]] = {}
+        self.reserved = 0
+        self.accelerator = None  # an AcceleratorWorker, attached by the loader
+        self.on_batch_done = None  # callback(state) under the lock, e.g. TAAS feedback
         self.batches: dict[tuple[int, int], BatchState] = {}
         self.generation = 0
         self.cond = threading.Condition()
@@ -142,9 +153,11 @@ class LocalManager:
         """Queue mini-batch `seq` of `generation` for ring slot `slot`."""
         tiny = split_sorted(indices, self.sizes, self.tiny_batch_size)
         with self.cond:
-            self.batches[(generation, seq)] = BatchState(seq, slot, len(indices), len(indices))
-            # the queue stays ordered by mini-batch: this batch's tiny-batches go after earlier ones
-            self.pending.extend(_Work(seq, generation, slot, epoch, t.positions, t.indices) for t in tiny)
+            self.batches[(generation, seq)] = BatchState(seq, slot, len(indices), len(indices),
+                                                         submitted_at=time.monotonic())
+            self.queues[(generation, seq)] = deque(_Work(seq, generation, slot, epoch, t.positions, t.indices)
+                                                   for t in tiny)
+            self.cond.notify_all()
         self._wake()
 
     def wait(self, seq: int, generation: int, timeout: float | None) -> BatchState:
@@ -163,6 +176,7 @@ class LocalManager:
                     raise state.error
                 if state.remaining == 0:
                     del self.batches[key]
+                    self.queues.pop(key, None)
                     return state
                 dead = [w.worker_id for w in self.workers if w is not None and not w.alive]
                 if dead:
@@ -184,9 +198,9 @@ class LocalManager:
     def abandon(self, generation: int) -> None:
         """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""
         with self.cond:
-            self.pending = deque(w for w in self.pending if w.generation != generation)
             for key in [k for k in self.batches if k[0] == generation]:
                 del self.batches[key]
+                self.queues.pop(key, None)
 
     def new_generation(self) -> int:
         with self.cond:
@@ -216,6 +230,8 @@ class LocalManager:
         if self._closed:
             return
         self._closed = True
+        if self.accelerator is not None:
+            self.accelerator.stop()
         thread = getattr(self, "_thread", None)
         self._wake()
         if thread is not None and thread is not threading.current_thread():
@@ -276,22 +292,73 @@ class LocalManager:
                 self.fatal = FusionFlowError(f"the loader's manager thread failed: {exc!r}")
                 self.cond.notify_all()
 
+    def draining(self) -> bool:
+        """Whether work of an abandoned iterator is still running (lock held)."""
+        stale = any(work.generation != self.generation for w in self.workers if w is not None
+                    for _tid, work in w.outstanding)
+        return stale or (self.accelerator is not None and self.accelerator.busy_with_stale(self.generation))
+
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""
-        if any(tid_w[1].generation != self.generation for w in self.workers if w is not None
-               for tid_w in w.outstanding):
+        if self.draining():
             return  # an abandoned iterator's tasks still write into ring slots: let them drain
         for w in self.workers:
-            while (w is not None and w.alive and w.ready and len(w.outstanding) < PER_WORKER and self.pending):
-                work = self.pending.popleft()
+            while w is not None and w.alive and w.ready and len(w.outstanding) < PER_WORKER:
+                work = self.take_cpu()
+                if work is None:
+                    return
                 task_id = next(self.task_ids)
                 try:
                     w.conn.send_bytes(m.pack_task(m.Task(task_id, work.generation, work.slot, work.epoch,
                                                          work.positions, work.indices)))
                 except OSError:
-                    self.pending.appendleft(work)
+                    self.requeue([work])
                     break
                 w.outstanding.append((task_id, work))
+
+    # ---------------------------------------------------------------- the two-ended queue (lock held)
+    def take_cpu(self) -> _Work | None:
+        """The oldest mini-batch's smallest tiny-batch that CPU workers may take."""
+        from fusionflow.scheduling.taas import cpu_may_take
+        for q in self.queues.values():
+            if q and (q[0].cpu_only or cpu_may_take(len(q), self.reserved)):
+                return q.popleft()
+        return None
+
+    def take_accel(self, largest_first: bool = True) -> _Work | None:
+        """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation)."""
+        for q in self.queues.values():
+            candidates = [w for w in q if not w.cpu_only]
+            if candidates:
+                work = candidates[-1] if largest_first else candidates[0]
+                q.remove(work)
+                return work
+        return None
+
+    def requeue(self, works) -> None:
+        """Put work back at the front of its mini-batch's queue (it was interrupted)."""
+        for work in reversed(list(works)):
+            q = self.queues.get((work.generation, work.seq))
+            if q is not None:
+                q.appendleft(work)
+        self.cond.notify_all()
+
+    def complete(self, work: _Work, failures, on_accelerator: bool) -> None:
+        """Account a finished tiny-batch (lock held)."""
+        state = self.batches.get((work.generation, work.seq))
+        if state is None:
+            return
+        state.failures.extend(failures)
+        state.remaining -= len(work.positions)
+        now = time.monotonic()
+        if on_accelerator:
+            state.accel_done_at = now
+            state.accel_positions.extend(work.positions)
+        else:
+            state.cpu_done_at = now
+        if state.remaining == 0 and self.on_batch_done is not None:
+            self.on_batch_done(state)
+        self.cond.notify_all()
 
     def _on_message(self, w: _Worker) -> None:
         try:
@@ -313,10 +380,7 @@ class LocalManager:
                 if sent_id != task_id:
                     raise RuntimeError(f"worker {w.worker_id} completed task {task_id}, expected {sent_id}")
                 self.tasks_per_worker[w.worker_id] += 1
-                state = self.batches.get((work.generation, work.seq))
-                if state is not None:
-                    state.failures.extend(failures)
-                    state.remaining -= len(work.positions)
+                self.complete(work, failures, on_accelerator=False)
             self.cond.notify_all()
 
     def _on_death(self, w: _Worker) -> None:
@@ -351,5 +415,5 @@ class LocalManager:
                         continue
                 requeue.append(work)
             w.outstanding.clear()
-            self.pending.extendleft(reversed(requeue))
+            self.requeue(requeue)
             self.cond.notify_all()

@@ -1,0 +1,118 @@
+"""The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline
+with the largest tiny-batches of the local manager's queue and writes each sample's output into
+its position of the mini-batch.
+
+`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU; outputs land in a device ring
+(`DeviceRing`) that the loader merges with the CPU workers' positions at delivery. `device="cpu"`:
+DALI's CPU backend stands in for the GPU (machines without one, and the tests): outputs land in
+the shared host ring like a CPU worker's.
+
+A tiny-batch it cannot run (a sample that is not encoded bytes, or one DALI cannot decode) goes
+back to the queue marked CPU-only; the CPU workers then produce it or report the precise sample.
+
+Sharing the GPU with training (device="gpu"): in `temporal` mode the thread waits, on the CUDA
+event the loader records at every next(), for the training work queued before it to finish before
+it starts a tiny-batch; in `spatial` mode it runs concurrently.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from fusionflow.runtime.worker import split_item
+
+log = logging.getLogger(__name__)
+
+
+class AcceleratorWorker:
+    def __init__(self, manager, dataset, policy, max_batch: int, seed: int, device: str = "cpu",
+                 device_id: int | None = None, aot: bool = True, largest_first: bool = True,
+                 num_threads: int = 1, device_ring=None, sharing: str = "spatial"):
+        from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+
+        self.mgr, self.dataset, self.seed = manager, dataset, seed
+        self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
+        self._make = lambda: DaliPolicyPipeline(policy, max_batch, device=device, device_id=device_id,
+                                                num_threads=num_threads)
+        t0 = time.perf_counter()
+        self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
+        self.build_seconds = time.perf_counter() - t0 if aot else 0.0
+        self.builds = 1 if aot else 0
+        self.tiny_batches = 0
+        self.given_back = 0
+        self.step_event = None  # set by the loader at each next() (temporal sharing)
+        self._active = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def busy_with_stale(self, generation: int) -> bool:
+        work = self._active
+        return work is not None and work.generation != generation
+
+    def stop(self) -> None:
+        with self.mgr.cond:
+            self._stop = True
+            self.mgr.cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
+        self.pipeline = None
+
+    def _run(self) -> None:
+        mgr = self.mgr
+        while True:
+            with mgr.cond:
+                while not self._stop and (mgr.draining() or (work := mgr.take_accel(self.largest_first)) is None):
+                    mgr.cond.wait(0.5)
+                if self._stop:
+                    return
+                self._active = work
+            try:
+                ok = self._process(work)
+            except Exception:  # anything unexpected: the CPU workers take it over
+                log.exception("accelerator failed on tiny-batch %s; handing it to the CPU workers", work.indices)
+                ok = False
+            with mgr.cond:
+                self._active = None
+                if ok:
+                    self.tiny_batches += 1
+                    mgr.complete(work, [], on_accelerator=True)
+                else:
+                    self.given_back += 1
+                    work.cpu_only = True
+                    mgr.requeue([work])
+            mgr._wake()
+
+    def _process(self, work) -> bool:
+        samples, labels = [], []
+        for index in work.indices:
+            sample, label = split_item(self.dataset[index], index)
+            if not isinstance(sample, (bytes, bytearray, memoryview)):
+                return False  # DALI decodes encoded images only
+            samples.append(sample)
+            labels.append(label)
+        pipeline = self.pipeline
+        if pipeline is None:  # the DALI-Naive ablation: build for every tiny-batch
+            pipeline = self._make()
+            self.builds += 1
+        if self.sharing == "temporal" and self.step_event is not None:
+            self.step_event.synchronize()  # training work queued before the last next() is done
+        from fusionflow.errors import DecodeError
+        try:
+            out = pipeline.run(samples, list(work.indices), self.seed, work.epoch)
+        except DecodeError as exc:
+            log.info("accelerator could not decode %s: %s", work.indices, exc)
+            return False
+        ring = self.mgr.ring
+        if self.device_ring is not None:
+            self.device_ring.write(work.slot, work.positions, out)
+        else:
+            for k, pos in enumerate(work.positions):
+                ring.images[work.slot, pos] = np.asarray(out[k])
+        ring.labels[work.slot, list(work.positions)] = labels
+        return True

@@ -1,0 +1,143 @@
+"""The accelerator worker (DALI; its CPU backend here) sharing mini-batches with CPU workers."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali")
+
+from fusionflow.errors import SampleError  # noqa: E402
+from fusionflow.loader import FusionFlowLoader  # noqa: E402
+from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
+from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
+from fusionflow.runtime.local_manager import LocalManager  # noqa: E402
+from fusionflow.runtime.shm import RingLayout  # noqa: E402
+from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def loader(ds, **kw):
+    args = dict(batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu", seed=4)
+    args.update(kw)
+    return FusionFlowLoader(ds, **args)
+
+
+def test_exactly_once_in_order_and_each_sample_is_its_cpu_or_dali_output():
+    ds = Bytes(61)
+    ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(1), persistent_workers=True)
+    cpu, dali = CpuPipeline(SMALL), DaliPolicyPipeline(SMALL, batch_size=1)
+    for epoch in (0, 1):
+        ld.set_epoch(epoch)
+        images, labels = collect(ld)
+        order = [i for y in labels for i in y.tolist()]
+        assert sorted(order) == list(range(61)) and len(order) == 61
+        from_dali = 0
+        for x, y in zip(images, labels):
+            for img, i in zip(x.numpy(), y.tolist()):
+                if np.array_equal(img, cpu(ds.data[i], i, seed=4, epoch=epoch)):
+                    continue
+                assert np.array_equal(img, dali.run_numpy([ds.data[i]], [i], seed=4, epoch=epoch)[0]), i
+                from_dali += 1
+        assert from_dali > 0  # the accelerator really produced samples
+    s = ld.stats
+    ld.close()
+    assert s.accelerator_tiny_batches > 0
+    assert s.accelerator_builds == 1  # ahead of time: one pipeline, never rebuilt on the hot path
+    k_max = 6  # 12 / 2 tiny-batches per mini-batch
+    assert len(s.taas_k) == 12 and all(0 <= k <= k_max for k in s.taas_k)
+
+
+def test_without_aot_a_pipeline_is_built_per_tiny_batch():
+    ld = loader(Bytes(24), aot=False)
+    collect(ld)
+    assert ld.stats.accelerator_builds == ld.stats.accelerator_tiny_batches > 0
+
+
+def test_corrupt_sample_is_given_back_and_named_by_a_cpu_worker():
+    with pytest.raises(SampleError, match=r"sample 5 \(/data/img_5\.jpg\)"):
+        collect(loader(Bytes(24, bad={5}), tiny_batch_size=1))
+    ld = loader(Bytes(24, bad={5, 17}), tiny_batch_size=1, on_error="skip")
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        _, labels = collect(ld)
+    assert [i for y in labels for i in y.tolist()] == [i for i in range(24) if i not in (5, 17)]
+
+
+def test_samples_dali_cannot_take_go_to_cpu_workers():
+    ld = loader(Arrays(), batch_size=3, tiny_batch_size=1)
+    _, labels = collect(ld)
+    assert labels[0].tolist() == [0, 1, 2]
+    assert ld.stats.accelerator_tiny_batches == 0 and ld.stats.accelerator_given_back >= 1
+
+
+@pytest.fixture
+def manager():
+    mgr = LocalManager(Bytes(8), None, RingLayout(2, 8, (3, 4, 4), "uint8"), num_workers=0, seed=0,
+                       sizes=[10, 80, 20, 70, 30, 60, 40, 50], tiny_batch_size=1)
+    yield mgr
+    mgr.shutdown()
+
+
+def test_two_ended_queue_with_reservation(manager):
+    mgr = manager
+    mgr.submit(0, 0, 0, 0, list(range(8)))
+    mgr.submit(1, 0, 1, 0, [0, 2, 4])
+    with mgr.cond:
+        mgr.reserved = 2
+        assert mgr.take_accel().indices == (1,)  # largest of the oldest mini-batch: 80 bytes
+        cpu = [mgr.take_cpu().indices[0] for _ in range(4)]
+        assert cpu == [0, 2, 4, 6]  # smallest first: 10, 20, 30, 40
+        # 50, 60, 70 remain; 2 are reserved: the CPU takes 50 and then moves on to mini-batch 1
+        assert mgr.take_cpu().indices == (7,)
+        assert mgr.take_cpu().indices == (0,)
+        assert mgr.take_cpu() is None  # 20 and 30 of mini-batch 1 are the accelerator's
+        work = mgr.take_accel()
+        assert work.indices == (3,)  # 70
+        work.cpu_only = True
+        mgr.requeue([work])  # given back: CPU-only now, even inside the reservation
+        assert mgr.take_accel().indices == (5,)
+        assert mgr.take_cpu().indices == (3,)
+        assert [mgr.take_accel().indices for _ in range(2)] == [(4,), (2,)]  # then mini-batch 1, largest first
+        assert mgr.take_accel() is None and mgr.take_cpu() is None
+
+
+def test_fifo_ablation_takes_smallest_first(manager):
+    manager.submit(0, 0, 0, 0, list(range(8)))
+    with manager.cond:
+        assert manager.take_accel(largest_first=False).indices == (0,)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"accelerator": "dali-gpu"}, r"accelerator='dali-gpu' needs a CUDA device"),
+    ({"num_workers": 0}, r"use num_workers >= 1"),
+    ({"gpu_sharing": "sometimes"}, r"gpu_sharing='sometimes' must be one of"),
+    ({"accelerator": "tpu"}, r"accelerator='tpu' must be one of"),
+])
+def test_invalid_accelerator_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        loader(Bytes(8), **kwargs)
+
+
+def test_default_is_cpu_only_on_a_cpu_device():
+    ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL)
+    assert ld.accelerator is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("sharing", ["temporal", "spatial"])
+def test_gpu_accelerator_matches_and_delivers_on_device(sharing):
+    ds = Bytes(32)
+    ld = FusionFlowLoader(ds, batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda:0",
+                          accelerator="dali-gpu", gpu_sharing=sharing, seed=4)
+    images, labels = collect(ld)
+    assert sorted(i for y in labels for i in y.tolist()) == list(range(32))
+    assert images[0].device.type == "cuda" and ld.stats.accelerator_tiny_batches > 0
+    cpu = CpuPipeline(SMALL)
+    psnrs = []
+    for x, y in zip(images, labels):
+        for img, i in zip(x.cpu().numpy(), y.tolist()):
+            ref = cpu(ds.data[i], i, seed=4, epoch=0).astype(np.float64)
+            mse = np.mean((img.astype(np.float64) - ref) ** 2)
+            psnrs.append(99.0 if mse == 0 else 10 * np.log10(255 ** 2 / mse))
+    assert np.median(psnrs) > 30  # nvJPEG vs libjpeg-turbo decode
