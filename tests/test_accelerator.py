@@ -141,3 +141,26 @@ def test_gpu_accelerator_matches_and_delivers_on_device(sharing):
             mse = np.mean((img.astype(np.float64) - ref) ** 2)
             psnrs.append(99.0 if mse == 0 else 10 * np.log10(255 ** 2 / mse))
     assert np.median(psnrs) > 30  # nvJPEG vs libjpeg-turbo decode
+
+
+def _collect_garbage(worker_id):
+    import gc
+    gc.collect()
+
+
+def test_forked_workers_never_finalize_the_parents_dali_pipelines():
+    """A DALI pipeline awaiting collection at fork time must not be finalized in the child: its
+    finalizer would wait for threads that only exist in the parent (a hang seen once in CI)."""
+    import gc
+    gc.disable()
+    try:
+        cycle = [DaliPolicyPipeline(SMALL, batch_size=1)]
+        cycle.append(cycle)
+        del cycle  # now garbage that only the cyclic collector can free
+        ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, timeout=30,
+                              worker_init_fn=_collect_garbage)
+        _, labels = collect(ld)
+        assert [i for y in labels for i in y.tolist()] == list(range(8))
+    finally:
+        gc.enable()
+        gc.collect()

@@ -29,6 +29,7 @@ Shutdown procedure (`shutdown`, idempotent; also run by the loader's finalizer a
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -143,7 +144,14 @@ class LocalManager:
             target=worker_loop, name=f"fusionflow-worker-{wid}", daemon=True,
             args=(wid, self.dataset, self.policy, self.ring.name, self.layout, child, self.seed,
                   self.base_seed, self.worker_init_fn, os.getpid(), self.cpus[wid]))
-        proc.start()
+        # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
+        # threads that only exist here) must never be finalized in the child: frozen objects are
+        # skipped by the child's collector, and the parent collects them after unfreezing.
+        gc.freeze()
+        try:
+            proc.start()
+        finally:
+            gc.unfreeze()
         child.close()
         with self.cond:
             self.workers[wid] = _Worker(wid, proc, parent)
