@@ -63,6 +63,7 @@ class LoaderStats:
     accelerator_builds: int = 0  # DALI pipeline builds (1 with AoT, one per tiny-batch without)
     accelerator_build_seconds: float | None = None
     taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
+    gpu_sharing: str | None = None  # what gpu_sharing="auto" chose, once profiled
 
     def summary(self) -> dict:
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
@@ -193,6 +194,7 @@ class FusionFlowLoader:
         self._counts_before = dict.fromkeys(("worker_restarts", "accelerator_tiny_batches",
                                              "accelerator_given_back", "accelerator_builds"), 0)
         self._device_ring = None
+        self._profiler = None  # gpu_sharing="auto" on a GPU
         # the manager lives in a box the finalizer holds, so it runs at exit or collection without self
         self._box = [None]
         self._finalizer = weakref.finalize(self, _shutdown_manager, self._box)
@@ -278,6 +280,9 @@ class FusionFlowLoader:
         mgr.on_batch_done = on_batch_done
         mgr.accelerator = accel
         self._device_ring = device_ring
+        if on_gpu and self.gpu_sharing == "auto":
+            from fusionflow.runtime.accelerator import SharingProfiler
+            self._profiler = SharingProfiler(accel)
         accel.start()
 
     def _stop_manager(self) -> None:
@@ -315,6 +320,9 @@ class FusionFlowLoader:
     def _mark_step(self, mgr: LocalManager) -> None:
         """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
         accel = mgr.accelerator
+        if self._profiler is not None:
+            self._profiler.tick()
+            self.stats.gpu_sharing = self._profiler.chosen
         if accel is not None and accel.device_ring is not None and accel.sharing == "temporal":
             event = torch.cuda.Event()
             event.record()

@@ -20,7 +20,7 @@ from PIL import Image
 
 from fusionflow.errors import DecodeError
 from fusionflow.ops.dali import DALI_IMPLS, DaliStyle
-from fusionflow.ops.specs import NUM_PARAMS
+from fusionflow.ops.specs import NUM_PARAMS, OPS
 from fusionflow.policy import Policy, crop_window, draw, load_policy
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,10 @@ class DaliPolicyPipeline:
     """Runs `policy` on batches of up to `batch_size` encoded samples through DALI."""
 
     def __init__(self, policy, batch_size: int, device: str = "cpu", device_id: int | None = None,
-                 num_threads: int = 1, exec_dynamic: bool = True):
+                 num_threads: int = 1, exec_dynamic: bool = True, fixed_ops: tuple[str, ...] | None = None):
+        """`fixed_ops`: build a pipeline for that one op sequence, without conditionals (the paper's
+        one-pipeline-per-combination design, kept for experiments/bench_aot.py); every sample fed
+        to it must draw exactly that sequence."""
         from nvidia.dali import fn, pipeline_def, types
 
         if device not in ("cpu", "gpu"):
@@ -58,7 +61,11 @@ class DaliPolicyPipeline:
         # local op ids: 0 is Identity (empty slot), then the policy's ops in file order
         self.op_names = ["Identity"] + [o.name for o in aug.ops if o.name != "Identity"]
         self._local = {name: i for i, name in enumerate(self.op_names)}
-        self.slots = aug.max_ops
+        self.slots = aug.max_ops if fixed_ops is None else len(fixed_ops)
+        self.fixed_ops = tuple(fixed_ops) if fixed_ops is not None else None
+        fixed = self.fixed_ops
+        # a fixed sequence of magnitude-free ops consumes no parameters (DALI would prune the input)
+        self._fixed_params = fixed is not None and any(OPS[n].has_magnitude for n in fixed)
         style = DaliStyle(aug.interpolation, aug.fill, self.policy.size, device)
         out_h, out_w = self.policy.size
         normalize = self.policy.normalize
@@ -76,7 +83,13 @@ class DaliPolicyPipeline:
             images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR,
                                antialias=True)
             images = fn.flip(images, horizontal=flip)
-            if slots:
+            if fixed is not None:
+                params = None
+                if self._fixed_params:
+                    params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
+                for k, name in enumerate(fixed):
+                    images = DALI_IMPLS[name](images, params[k] if params is not None else None, style)
+            elif slots:
                 op_ids = fn.external_source(name="op_ids", dtype=types.INT32, ndim=1)
                 params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
                 for k in range(slots):
@@ -107,6 +120,8 @@ class DaliPolicyPipeline:
         out_h, out_w = self.policy.size
         op_ids = np.zeros(self.slots, np.int32)
         params = np.zeros((self.slots, NUM_PARAMS), np.float32)
+        if self.fixed_ops is not None and tuple(op.name for op in d.ops) != self.fixed_ops:
+            raise ValueError(f"sample {index} draws {[op.name for op in d.ops]}, this pipeline runs {list(self.fixed_ops)}")
         for k, op in enumerate(d.ops):
             op_ids[k] = self._local[op.name]
             params[k] = op.params(out_h, out_w)
@@ -121,6 +136,8 @@ class DaliPolicyPipeline:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
         cols = list(zip(*(self.prepare(s, i, seed, epoch) for s, i in zip(samples, indices))))
         names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
+        if self.fixed_ops is not None:
+            names, cols = names[:4] + (["params"] if self._fixed_params else []), cols[:4] + cols[5:]
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
             log.warning("rebuilding the DALI pipeline of %s after a failed batch", self.policy.name)
             self._pipe = self._build()

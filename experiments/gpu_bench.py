@@ -1,0 +1,264 @@
+"""Issue 4's evidence, one run on a GPU machine: training throughput with each input pipeline.
+
+ResNet-18 and ResNet-50 (torchvision, AMP bf16, channels_last), RandAugment N=2 M=9, 224-px crops of
+JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the paper's setting) and 15:
+  (a) dataloader_tv   torch DataLoader + torchvision.transforms.v2
+  (b) dali            DALI alone: its auto_aug RandAugment pipeline on the GPU
+  (c) ff_cpu          FusionFlowLoader, CPU workers only
+  (d) ff_cpu_gpu      FusionFlowLoader, CPU workers + DALI accelerator on the GPU (TAAS)
+  (e) staged          training on batches already on the GPU (the no-stall ceiling)
+plus per-op agreement of FusionFlow's DALI GPU ops with its CPU ops, and the AoT-design numbers.
+Medians over timed iterations after warm-up, synchronised; JSON to $OUT (or --out).
+
+    export PYTHONPATH=/tmp/site:$PWD; python3 experiments/gpu_bench.py --out $OUT/gpu_bench.json
+    python experiments/gpu_bench.py --cpu-smoke      # tiny run of every code path without a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _make(args):
+    from fusionflow.synthetic import encode, make_image
+    h, w, seed = args
+    return encode(make_image(h, w, seed))
+
+
+def make_dataset(n: int, procs: int) -> list[bytes]:
+    rng = np.random.default_rng(0)
+    jobs = [(int(h), int(w), i) for i, (h, w) in enumerate(rng.integers(200, 1001, (n, 2)))]
+    with mp.get_context("fork").Pool(procs) as pool:
+        return pool.map(_make, jobs, chunksize=16)
+
+
+class Encoded:
+    def __init__(self, data, classes=1000):
+        self.data, self.classes = data, classes
+        self.sizes = [len(d) for d in data]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i], i % self.classes
+
+
+class TvDataset:
+    def __init__(self, data, classes=1000):
+        self.data, self.classes, self.tf = data, classes, None
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        import torchvision.transforms.v2 as T
+        from PIL import Image
+        if self.tf is None:
+            self.tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
+                                 T.RandAugment(num_ops=2, magnitude=9), T.PILToTensor()])
+        return self.tf(Image.open(io.BytesIO(self.data[i])).convert("RGB")), i % self.classes
+
+
+def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
+    """DALI alone: external source of encoded bytes -> random crop decode -> resize -> flip ->
+    auto_aug RandAugment (n=2, m=9) -> CHW uint8, yielded as torch tensors on the device."""
+    import torch
+    from nvidia.dali import fn, pipeline_def, types
+    from nvidia.dali.auto_aug import rand_augment
+
+    gpu = device.type == "cuda"
+
+    @pipeline_def(enable_conditionals=True, batch_size=batch_size, num_threads=num_threads,
+                  device_id=0 if gpu else None, seed=0, prefetch_queue_depth=1)
+    def pipe():
+        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        img = fn.decoders.image_random_crop(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
+        img = fn.resize(img, resize_x=224, resize_y=224, antialias=True)
+        img = fn.flip(img, horizontal=fn.random.coin_flip())
+        img = rand_augment.rand_augment(img, n=2, m=9, shape=[224, 224])
+        return fn.transpose(img, perm=[2, 0, 1])
+
+    p = pipe()
+    p.build()
+    k = 0
+    for _ in range(iters):
+        idx = [(k + j) % len(data) for j in range(batch_size)]
+        k += batch_size
+        p.feed_input("enc", [np.frombuffer(data[i], np.uint8) for i in idx])
+        (out,) = p.run()
+        t = out.as_tensor()
+        if gpu:
+            from nvidia.dali.plugin.pytorch import feed_ndarray
+            x = torch.empty(t.shape(), dtype=torch.uint8, device=device)
+            feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream())
+        else:
+            x = torch.from_numpy(np.array(t))
+        yield x, torch.tensor([i % classes for i in idx], device=device)
+
+
+def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
+    """img/s of training on the batches the generator yields (synchronised, after warm-up)."""
+    import torch
+    import torchvision
+    model = getattr(torchvision.models, model_name)(num_classes=1000).to(device, memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    amp = torch.autocast(device.type, dtype=torch.bfloat16)
+    mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
+    times = []
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    it = make_batches()
+    t_last = None
+    for k in range(warmup + iters):
+        x, y = next(it)
+        x = x.to(device, non_blocking=True)
+        y = y.to(device, non_blocking=True)
+        x = ((x.float() - mean) / std).contiguous(memory_format=torch.channels_last)
+        with amp:
+            loss = loss_fn(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if k >= warmup - 1:
+            sync()
+            now = time.perf_counter()
+            if t_last is not None:
+                times.append(now - t_last)
+            t_last = now
+    return batch_size / statistics.median(times)
+
+
+def endless(loader, set_epoch=None):
+    epoch = 0
+    while True:
+        if set_epoch:
+            set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def op_agreement():
+    """Per-op agreement of DALI GPU ops with the CPU ops on identical input (the gpu tests' numbers)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from test_ops_dali import CASES, run_cpu_op, run_dali_op
+    from fusionflow.ops.dali import DaliStyle
+    out = {}
+    for name, value in CASES:
+        a = run_dali_op(name, value, DaliStyle(device="gpu")).astype(int)
+        b = run_cpu_op(name, value, DaliStyle()).astype(int)
+        d = np.abs(a - b)
+        out[f"{name}({value})"] = {"max": int(d.max()), "mean": float(d.mean()), "differing": float((d > 0).mean())}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=4096)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--models", default="resnet18,resnet50")
+    ap.add_argument("--workers", default="4,15")
+    ap.add_argument("--variants", default="staged,dataloader_tv,dali,ff_cpu,ff_cpu_gpu")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny run on the CPU (DALI CPU backend) to check the script")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    from fusionflow import FusionFlowLoader
+
+    if args.cpu_smoke:
+        args.images, args.batch_size, args.iters, args.warmup = 48, 8, 2, 1
+        args.models, args.workers = "resnet18", "1"
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("gpu_bench.py needs a CUDA GPU (use --cpu-smoke to check the script here)")
+        device = torch.device("cuda:0")
+        torch.backends.cudnn.benchmark = True
+    t0 = time.time()
+    data = make_dataset(args.images, os.cpu_count() or 1)
+    print(f"{len(data)} JPEGs made in {time.time() - t0:.0f} s", flush=True)
+    result = {"benchmark": "gpu_bench", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
+              "torch": torch.__version__, "cpus": os.cpu_count(), "batch_size": args.batch_size,
+              "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "runs": {}}
+    bs = args.batch_size
+    for model_name in args.models.split(","):
+        for workers in (int(w) for w in args.workers.split(",")):
+            row = {}
+            for variant in args.variants.split(","):
+                key = f"{model_name}/w{workers}/{variant}"
+                try:
+                    if variant == "staged":
+                        xs = torch.randint(0, 256, (bs, 3, 224, 224), dtype=torch.uint8, device=device)
+                        ys = torch.randint(0, 1000, (bs,), device=device)
+                        rate = train_rate(lambda: iter(lambda: (xs, ys), None), model_name, device,
+                                          args.iters, args.warmup, bs)
+                    elif variant == "dataloader_tv":
+                        dl = DataLoader(TvDataset(data), batch_size=bs, shuffle=True, num_workers=workers,
+                                        pin_memory=device.type == "cuda", persistent_workers=True, drop_last=True,
+                                        prefetch_factor=4)
+                        rate = train_rate(lambda: endless(dl), model_name, device, args.iters, args.warmup, bs)
+                        del dl
+                    elif variant == "dali":
+                        rate = train_rate(lambda: dali_batches(data, bs, device, workers, args.iters + args.warmup + 1),
+                                          model_name, device, args.iters, args.warmup, bs)
+                    else:
+                        accel = "dali-gpu" if variant == "ff_cpu_gpu" and device.type == "cuda" else (
+                            "dali-cpu" if variant == "ff_cpu_gpu" else None)
+                        with FusionFlowLoader(Encoded(data), batch_size=bs, shuffle=True, num_workers=workers,
+                                              policy="randaugment", persistent_workers=True, drop_last=True,
+                                              device=device, accelerator=accel, tiny_batch_size=4) as ff:
+                            rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device,
+                                              args.iters, args.warmup, bs)
+                            row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
+                            row[f"{variant}_stats"]["gpu_sharing"] = ff.stats.gpu_sharing
+                    row[variant] = rate
+                    print(f"{key}: {rate:.0f} img/s", flush=True)
+                except Exception as exc:  # one broken variant must not lose the others' numbers
+                    row[variant] = None
+                    row[f"{variant}_error"] = "".join(traceback.format_exception(exc))[-2000:]
+                    print(f"{key}: FAILED {exc!r}", flush=True)
+            base = row.get("dataloader_tv")
+            for v in ("dali", "ff_cpu", "ff_cpu_gpu"):
+                if row.get(v) and base:
+                    row[f"{v}_vs_dataloader_tv"] = row[v] / base
+            if row.get("ff_cpu_gpu") and row.get("dali"):
+                row["ff_cpu_gpu_vs_dali"] = row["ff_cpu_gpu"] / row["dali"]
+            if row.get("ff_cpu_gpu") and row.get("staged"):
+                row["ff_cpu_gpu_of_staged"] = row["ff_cpu_gpu"] / row["staged"]
+            result["runs"][f"{model_name}/w{workers}"] = row
+    if device.type == "cuda":
+        try:
+            result["op_agreement_gpu_vs_cpu"] = op_agreement()
+        except Exception as exc:
+            result["op_agreement_error"] = repr(exc)
+    path = args.out or os.path.join(os.environ.get("OUT", os.path.join(ROOT, "experiments", "results")),
+                                    "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
