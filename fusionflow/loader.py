@@ -8,6 +8,13 @@ worker processes writing straight into shared memory, tiny-batch by tiny-batch.
         for images, labels in loader:   # uint8 [B, 3, H, W] (float32 if the policy normalises), int64 [B]
             ...
 
+Beyond DataLoader's arguments: `policy` (a shipped name, a YAML path or a dict), `tiny_batch_size`
+(default min(4, batch_size)), `seed`, `device` ("cpu" or "cuda[:N]": batches are delivered there),
+`on_error` ("raise" or "skip"), `max_retries` (worker deaths a sample may cause), `pin_workers`,
+and the accelerator: `accelerator` (None -- CPU workers only, the default until the GPU path has
+been proven on a GPU --, "dali-gpu", "dali-cpu", or "auto": DALI on the GPU when device is CUDA),
+`gpu_sharing` ("auto", "temporal", "spatial", "off"), and the ablations `aot`, `taas`, `taas_last_k`.
+
 Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
 forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
 previous epoch + 1, so forgetting it never repeats last epoch's augmentation.
@@ -17,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -29,6 +37,7 @@ from fusionflow.errors import SampleError
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import load_policy
 from fusionflow.runtime.local_manager import LocalManager
+from fusionflow.runtime.messages import SampleFailure
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.worker import describe, split_item
 
@@ -94,7 +103,7 @@ class FusionFlowLoader:
                  multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None, seed: int = 0,
                  device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True,
-                 accelerator: str | None = "auto", gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
+                 accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
                  taas_last_k: bool = True):
         # ---- validation: every message names the value and the fix
         if collate_fn is not None:
@@ -379,8 +388,6 @@ class FusionFlowLoader:
                     sample, labels[pos] = split_item(self.dataset[index], index)
                     pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index))
                 except Exception as exc:
-                    import traceback
-                    from fusionflow.runtime.messages import SampleFailure
                     failures.append(SampleFailure(pos, index, describe(self.dataset, index), type(exc).__name__,
                                                   str(exc), traceback.format_exc()))
             keep = self._select(indices, failures)

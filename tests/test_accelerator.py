@@ -119,9 +119,9 @@ def test_invalid_accelerator_arguments(kwargs, match):
         loader(Bytes(8), **kwargs)
 
 
-def test_default_is_cpu_only_on_a_cpu_device():
-    ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL)
-    assert ld.accelerator is None
+def test_default_and_auto_are_cpu_only_on_a_cpu_device():
+    assert FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL).accelerator is None
+    assert FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, accelerator="auto").accelerator is None
 
 
 @pytest.mark.gpu

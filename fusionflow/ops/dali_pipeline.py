@@ -6,6 +6,9 @@ built after start-up. Randomness never comes from DALI: the host computes each s
 `SampleDraw` for (seed, epoch, index) -- exactly as a CPU worker does -- and feeds crop window,
 flip, op ids and op parameters as per-sample inputs.
 
+The policy's `decode.fast_downscale` applies to the CPU path only: DALI decodes the crop window at
+full resolution (its ROI decode already skips most of the work a DCT downscale would save).
+
 Works with DALI on the CPU (`device="cpu"`, device_id=None: tests and CPU-only machines) and on a
 GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
 """
