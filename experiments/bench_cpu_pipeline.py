@@ -140,7 +140,7 @@ def main() -> None:
     if dali_build is not None:
         import nvidia.dali
         result["versions"]["dali"] = nvidia.dali.__version__
-    print(f"\nmedian img/s per core: " + ", ".join(f"{n} {v:.0f}" for n, v in rate.items()))
+    print("\nmedian img/s per core: " + ", ".join(f"{n} {v:.0f}" for n, v in rate.items()))
     print("ratio vs torchvision: " + ", ".join(f"{n} {v:.2f}x" for n, v in result["ratio_vs_torchvision"].items()))
     for what, p in psnr.items():
         med = "n/a" if p["median"] is None else f"{p['median']:.1f} dB"

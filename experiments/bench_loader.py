@@ -107,7 +107,7 @@ def main() -> None:
             model = opt = loss_fn = None
             rates = {name: [] for name in loaders}
             waits = {name: [] for name in loaders}
-            for name, (loader, set_epoch) in loaders.items():  # warm-up: start workers, fill caches
+            for loader, set_epoch in loaders.values():  # warm-up: start workers, fill caches
                 torch.manual_seed(0)
                 if mode == "model":
                     model = small_cnn(len(ds.classes))

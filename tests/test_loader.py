@@ -116,7 +116,7 @@ def test_persistent_workers_across_epochs_and_epoch_semantics():
                               policy=SMALL, seed=2)
     pids = None
     epochs = []
-    for epoch in range(3):
+    for _ in range(3):
         images, labels = collect(loader)
         assert sorted(i for y in labels for i in y.tolist()) == list(range(40))
         now = [w.process.pid for w in loader._manager.workers]

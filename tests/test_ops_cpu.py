@@ -3,8 +3,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
-import torchvision.transforms.v2.functional as F
 from PIL import Image
 
 from fusionflow.ops import cpu
