@@ -1,0 +1,1 @@
+"""Allocator bridge: PyTorch lends its free cached GPU blocks to DALI between training steps."""
