@@ -12,9 +12,7 @@ Both consume the same host-side draws, so their outputs are identical (checked o
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
-import json
 import os
 import statistics
 import sys
@@ -27,6 +25,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
 def rss_bytes() -> int:
@@ -62,7 +62,6 @@ def main() -> None:
     args = ap.parse_args()
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-    from bench_cpu_pipeline import machine
     from fusionflow import load_policy
     from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
     from fusionflow.policy import draw
@@ -142,17 +141,13 @@ def main() -> None:
         "gpu_bytes": {"conditional": cond_gpu, "combos": combo_gpu},
         "img_per_s_median": {k: statistics.median(v) for k, v in rates.items()}, "img_per_s": rates,
         "identical_outputs": f"{identical}/{len(a)}",
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+        **provenance(),
     }
     med = result["img_per_s_median"]
     print(f"median: conditional {med['conditional']:.0f} img/s, combos {med['combos']:.0f} img/s "
           f"({med['conditional'] / med['combos']:.2f}x); start-up {cond_build:.2f} s vs {combo_build:.2f} s; "
           f"outputs identical {identical}/{len(a)}")
-    path = args.out or os.path.join(ROOT, "experiments", "results", f"aot_{args.policy}_{args.device}.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_json(result, args.out or os.path.join(RESULTS, f"aot_{args.policy}_{args.device}.json"))
 
 
 if __name__ == "__main__":

@@ -16,11 +16,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import io
-import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -29,16 +26,9 @@ import warnings
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-
-def machine() -> dict:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "host": platform.node()}
+from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -126,9 +116,7 @@ def main() -> None:
     result = {
         "benchmark": "cpu_pipeline", "policy": args.policy, "images": len(data), "repeats": args.repeats,
         "image_sides": [args.min_side, args.max_side],
-        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **provenance(),
         "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                      "pillow": Image.__version__, "numpy": np.__version__},
         "img_per_s_median": rate,
@@ -147,12 +135,7 @@ def main() -> None:
         low = "n/a" if p["min"] is None else f"{p['min']:.1f} dB"
         print(f"fast_downscale vs exact ({what}): {p['identical_samples']} of {p['samples']} identical, "
               f"PSNR of the others median {med}, min {low}")
-    path = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                    f"cpu_pipeline_{args.policy}_{args.min_side}-{args.max_side}px.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_json(result, args.out or os.path.join(RESULTS, f"cpu_pipeline_{args.policy}_{args.min_side}-{args.max_side}px.json"))
 
 
 if __name__ == "__main__":

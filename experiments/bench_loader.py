@@ -12,8 +12,6 @@ Reported: img/s per epoch (median over epochs), mean and p95 wait per batch at n
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 import sys
@@ -26,6 +24,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fusionflow.demo import TorchvisionSamples, small_cnn, timed_batches, train_step  # noqa: E402
+from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
 class FusionFlowSamples:
@@ -73,11 +72,12 @@ def main() -> None:
     ap.add_argument("--modes", default="loader,model")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.images < args.batch_size:
+        ap.error(f"--images {args.images} is fewer than --batch-size {args.batch_size}: no full batch to time")
 
     import torch
     from torch.utils.data import DataLoader
 
-    from bench_cpu_pipeline import machine
     from fusionflow import FusionFlowLoader, ImageFolder
     from fusionflow.synthetic import make_image_folder
 
@@ -137,16 +137,9 @@ def main() -> None:
         ff.close()
     out = {"benchmark": "loader", "policy": args.policy, "images": len(ds), "epochs": args.epochs,
            "workers": args.workers, "batch_size": args.batch_size, "tiny_batch_size": args.tiny_batch_size,
-           "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": machine(), "torch": torch.__version__, "results": results,
+           **provenance(), "torch": torch.__version__, "results": results,
            "fusionflow_stats": {k: v for k, v in stats.items() if k != "wait_seconds"}}
-    path = args.out or os.path.join(ROOT, "experiments", "results",
-                                    f"loader_{args.policy}_w{args.workers}_b{args.batch_size}.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {path}")
+    write_json(out, args.out or os.path.join(RESULTS, f"loader_{args.policy}_w{args.workers}_b{args.batch_size}.json"))
 
 
 if __name__ == "__main__":

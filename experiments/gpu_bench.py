@@ -16,9 +16,7 @@ Medians over timed iterations after warm-up, synchronised; JSON to $OUT (or --ou
 from __future__ import annotations
 
 import argparse
-import datetime
 import io
-import json
 import multiprocessing as mp
 import os
 import statistics
@@ -31,6 +29,9 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
 def _make(args):
@@ -198,10 +199,9 @@ def main() -> None:
     t0 = time.time()
     data = make_dataset(args.images, os.cpu_count() or 1)
     print(f"{len(data)} JPEGs made in {time.time() - t0:.0f} s", flush=True)
-    result = {"benchmark": "gpu_bench", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = {"benchmark": "gpu_bench", **provenance(),
               "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
-              "torch": torch.__version__, "cpus": os.cpu_count(), "batch_size": args.batch_size,
-              "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]), "runs": {}}
+              "torch": torch.__version__, "batch_size": args.batch_size, "runs": {}}
     bs = args.batch_size
     for model_name in args.models.split(","):
         for workers in (int(w) for w in args.workers.split(",")):
@@ -253,11 +253,8 @@ def main() -> None:
             result["op_agreement_gpu_vs_cpu"] = op_agreement()
         except Exception as exc:
             result["op_agreement_error"] = repr(exc)
-    path = args.out or os.path.join(os.environ.get("OUT", os.path.join(ROOT, "experiments", "results")),
-                                    "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    write_json(result, args.out or os.path.join(os.environ.get("OUT", RESULTS),
+                                                "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,7 @@ they return when the borrower's iteration completes. Both runs see identical tas
 from __future__ import annotations
 
 import argparse
-import datetime
 import heapq
-import json
 import os
 import statistics
 import sys
@@ -24,7 +22,10 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 from fusionflow.scheduling.lending import Progress, plan_lending  # noqa: E402
+from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
 def iteration(times: list[list[float]], workers: int, lend: bool) -> tuple[list[float], int]:
@@ -88,7 +89,7 @@ def main() -> None:
     ap.add_argument("--sigma", type=float, default=0.6, help="log-normal spread of tiny-batch times")
     ap.add_argument("--heavy", type=float, default=1.3, help="time factor of rank 0 (heavier images)")
     ap.add_argument("--step", type=float, default=2.0, help="training step, in units of a median tiny-batch")
-    ap.add_argument("--out", default=os.path.join(ROOT, "experiments", "results", "sim_lending.json"))
+    ap.add_argument("--out", default=os.path.join(RESULTS, "sim_lending.json"))
     args = ap.parse_args()
     rng = np.random.default_rng(0)
     factor = [args.heavy] + [1.0] * (args.ranks - 1)
@@ -109,8 +110,7 @@ def main() -> None:
     on, off = res["gm_on"], res["gm_off"]
     res["throughput_ratio_on_vs_off"] = off["iteration_time_mean"] / on["iteration_time_mean"]
     res["gap_ratio_on_vs_off"] = on["straggler_gap_mean"] / off["straggler_gap_mean"]
-    res.update(vars(args), command="python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    res.update(vars(args), **provenance())
     print(f"{args.ranks} ranks x {args.workers} workers, {args.tiny} tiny-batches/iteration, sigma {args.sigma}, "
           f"rank 0 x{args.heavy}")
     for k in ("gm_off", "gm_on"):
@@ -118,10 +118,7 @@ def main() -> None:
         print(f"  {k}: straggler gap mean {r['straggler_gap_mean']:.2f}, iteration {r['iteration_time_mean']:.2f}, "
               f"workers lent/iteration {r['workers_lent_per_iteration']:.1f}")
     print(f"  gap x{res['gap_ratio_on_vs_off']:.2f}, throughput x{res['throughput_ratio_on_vs_off']:.3f}")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=2)
-    print(f"wrote {args.out}")
+    write_json(res, args.out)
 
 
 if __name__ == "__main__":

@@ -311,8 +311,8 @@ class FusionFlowLoader:
             event.record()
             return out, torch.from_numpy(labels.copy()).to(self.device, non_blocking=True), event
         if self.pin_memory:
-            out = torch.empty(images.shape, dtype=torch.from_numpy(images[:0]).dtype, pin_memory=True)
-            out.copy_(torch.from_numpy(images))
+            src = torch.from_numpy(images)
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
             return out, torch.from_numpy(labels.copy()).pin_memory(), None
         return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
 

@@ -120,7 +120,7 @@ def test_writes_into_given_buffer():
     pipe = CpuPipeline("randaugment")
     buf = np.zeros((4, 3, 224, 224), np.uint8)
     res = pipe(JPEGS[2], 9, out=buf[2])
-    assert res.base is buf or res is buf[2] or np.shares_memory(res, buf)
+    assert np.shares_memory(res, buf)
     assert np.array_equal(buf[2], pipe(JPEGS[2], 9)) and not buf[1].any()
 
 

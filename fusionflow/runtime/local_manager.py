@@ -126,7 +126,6 @@ class LocalManager:
         self.cuda_registered = False  # the ring is page-locked for direct host->device copies
         self._closed = False
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)
-        t0 = time.perf_counter()
         try:
             for wid in range(num_workers):
                 self._start_worker(wid)
@@ -135,7 +134,6 @@ class LocalManager:
             raise
         self._thread = threading.Thread(target=self._run, name="fusionflow-manager", daemon=True)
         self._thread.start()
-        self._t0 = t0
 
     # ---------------------------------------------------------------- main thread
     def _start_worker(self, wid: int) -> None:
