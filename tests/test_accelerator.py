@@ -1,4 +1,5 @@
 """The accelerator worker (DALI; its CPU backend here) sharing mini-batches with CPU workers."""
+import time
 import warnings
 
 import numpy as np
@@ -64,8 +65,18 @@ def test_corrupt_sample_is_given_back_and_named_by_a_cpu_worker():
     assert [i for y in labels for i in y.tolist()] == [i for i in range(24) if i not in (5, 17)]
 
 
+class SlowArrays(Arrays):
+    """Arrays whose samples take 0.2 s each: the one CPU worker holds two tiny-batches at a time, so
+    the third is still queued when the accelerator thread looks (without the delay the worker may
+    drain all three first on a loaded machine, and the accelerator never sees one)."""
+
+    def __getitem__(self, i):
+        time.sleep(0.2)
+        return super().__getitem__(i)
+
+
 def test_samples_dali_cannot_take_go_to_cpu_workers():
-    ld = loader(Arrays(), batch_size=3, tiny_batch_size=1)
+    ld = loader(SlowArrays(), batch_size=3, tiny_batch_size=1)
     _, labels = collect(ld)
     assert labels[0].tolist() == [0, 1, 2]
     assert ld.stats.accelerator_tiny_batches == 0 and ld.stats.accelerator_given_back >= 1
