@@ -14,6 +14,9 @@ Beyond DataLoader's arguments: `policy` (a shipped name, a YAML path or a dict),
 and the accelerator: `accelerator` (None -- CPU workers only, the default until the GPU path has
 been proven on a GPU --, "dali-gpu", "dali-cpu", or "auto": DALI on the GPU when device is CUDA),
 `gpu_sharing` ("auto", "temporal", "spatial", "off"), and the ablations `aot`, `taas`, `taas_last_k`.
+`global_manager` ("auto": under torchrun with several local ranks, the ranks' loaders lend idle CPU
+workers to each other through one global manager per node; a string: join that named job, e.g.
+train and validation loaders of one process; None: no lending) -- see runtime/global_manager.py.
 
 Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
 forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
@@ -73,6 +76,12 @@ class LoaderStats:
     accelerator_build_seconds: float | None = None
     taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
     gpu_sharing: str | None = None  # what gpu_sharing="auto" chose, once profiled
+    global_manager: str | None = None  # "active", "lost" (its GM died: own workers only) or None (off)
+    workers_lent: int = 0  # times one of this loader's idle workers was lent to another loader (rank)
+    workers_borrowed: int = 0  # workers of other loaders that served this one
+    lent_tiny_batches: int = 0  # tiny-batches this loader's workers ran for others
+    borrowed_tiny_batches: int = 0  # tiny-batches of this loader that borrowed workers ran
+    worker_count_changes: int = 0  # elastic resizes applied (GlobalManagerClient.set_workers)
 
     def summary(self) -> dict:
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
@@ -84,7 +93,10 @@ class LoaderStats:
                 "accelerator_given_back": self.accelerator_given_back,
                 "accelerator_builds": self.accelerator_builds,
                 "accelerator_build_seconds": self.accelerator_build_seconds,
-                "taas_k_last": self.taas_k[-1] if self.taas_k else None}
+                "taas_k_last": self.taas_k[-1] if self.taas_k else None,
+                "global_manager": self.global_manager, "workers_lent": self.workers_lent,
+                "workers_borrowed": self.workers_borrowed, "lent_tiny_batches": self.lent_tiny_batches,
+                "borrowed_tiny_batches": self.borrowed_tiny_batches}
 
     def reset(self) -> None:
         keep = self.startup_seconds
@@ -104,7 +116,7 @@ class FusionFlowLoader:
                  persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None, seed: int = 0,
                  device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True,
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
-                 taas_last_k: bool = True):
+                 taas_last_k: bool = True, global_manager: str | None = "auto"):
         # ---- validation: every message names the value and the fix
         if collate_fn is not None:
             raise ValueError("collate_fn is not supported: FusionFlowLoader writes samples straight into one "
@@ -179,6 +191,15 @@ class FusionFlowLoader:
             raise ValueError(f"accelerator={accelerator!r} shares mini-batches with CPU workers: use num_workers >= 1")
         if gpu_sharing == "off":
             accelerator = None
+        if global_manager is not None and not isinstance(global_manager, str):
+            raise ValueError(f"global_manager={global_manager!r} must be 'auto', a job name (str) or None")
+        if global_manager == "auto":
+            from fusionflow.runtime.gm_tables import job_key
+            global_manager = job_key()
+        elif global_manager is not None and not global_manager:
+            raise ValueError("global_manager='' : name the job (any string shared by the loaders that may lend "
+                             "workers to each other), or pass None")
+        self.job = global_manager if num_workers > 0 else None
         self.accelerator, self.gpu_sharing, self.aot = accelerator, gpu_sharing, aot
         self.taas, self.taas_last_k = taas, taas_last_k
 
@@ -201,7 +222,9 @@ class FusionFlowLoader:
         self._warned_skip = False
         # counters of managers already shut down (a manager lives one epoch without persistent workers)
         self._counts_before = dict.fromkeys(("worker_restarts", "accelerator_tiny_batches",
-                                             "accelerator_given_back", "accelerator_builds"), 0)
+                                             "accelerator_given_back", "accelerator_builds", "workers_lent",
+                                             "workers_borrowed", "lent_tiny_batches", "borrowed_tiny_batches",
+                                             "worker_count_changes"), 0)
         self._device_ring = None
         self._profiler = None  # gpu_sharing="auto" on a GPU
         # the manager lives in a box the finalizer holds, so it runs at exit or collection without self
@@ -251,7 +274,7 @@ class FusionFlowLoader:
             self._manager = LocalManager(
                 self.dataset, self.policy, layout, self.num_workers, self.seed, self.worker_init_fn, ctx,
                 self.pin_workers, self.max_retries, self.sizes, self.tiny_batch_size,
-                base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31)
+                base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31, job=self.job)
             self._box[0] = self._manager
             if self.stats.startup_seconds is None:
                 self.stats.startup_seconds = time.perf_counter() - t0
@@ -287,6 +310,7 @@ class FusionFlowLoader:
             history.append(mgr.reserved)
 
         mgr.on_batch_done = on_batch_done
+        mgr.on_capacity_change = lambda n: search.restart()  # the CPU side's speed changed: search K again
         mgr.accelerator = accel
         self._device_ring = device_ring
         if on_gpu and self.gpu_sharing == "auto":
@@ -317,7 +341,11 @@ class FusionFlowLoader:
         return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
 
     def _sync_stats(self, mgr: LocalManager) -> None:
-        now = {"worker_restarts": mgr.restarts}
+        now = {"worker_restarts": mgr.restarts, "workers_lent": mgr.lent_total, "workers_borrowed": mgr.guests_total,
+               "lent_tiny_batches": mgr.lent_tasks, "borrowed_tiny_batches": mgr.guest_tasks,
+               "worker_count_changes": mgr.capacity_changes}
+        if mgr.link is not None:
+            self.stats.global_manager = "lost" if mgr.link.gm_lost else "active"
         if mgr.accelerator is not None:
             a = mgr.accelerator
             now.update(accelerator_tiny_batches=a.tiny_batches, accelerator_given_back=a.given_back,

@@ -17,13 +17,13 @@ def main(out_dir: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
-    ds = Bytes(37)
+    ds = Bytes(37, sleep=0.03 if rank == 0 else 0.0)  # rank 0 is the straggler: heavier samples
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=7)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = {}
     with FusionFlowLoader(ds, batch_size=4, sampler=sampler, num_workers=1, policy=SMALL, persistent_workers=True,
-                          pin_workers=False) as loader:
+                          tiny_batch_size=1, pin_workers=False) as loader:
         for epoch in range(2):
             loader.set_epoch(epoch)
             seen[epoch] = []
@@ -35,7 +35,7 @@ def main(out_dir: str) -> None:
                 seen[epoch] += labels.tolist()
             ring = loader._manager.ring.name
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"seen": seen, "ring": ring, "pid": os.getpid()}, f)
+        json.dump({"seen": seen, "ring": ring, "pid": os.getpid(), "stats": loader.stats.summary()}, f)
     dist.destroy_process_group()
 
 

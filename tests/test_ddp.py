@@ -1,9 +1,11 @@
-"""FusionFlowLoader under torchrun + DDP (gloo, CPU): every sample of every shard exactly once."""
+"""FusionFlowLoader under torchrun + DDP (gloo, CPU): every sample of every shard exactly once, while
+the global manager lends the fast rank's idle worker to the slow one; nothing left behind."""
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 from torch.utils.data import DistributedSampler
@@ -25,10 +27,11 @@ def test_two_ranks_two_epochs_exactly_once(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = Bytes(37)
-    rings = []
+    rings, stats = [], []
     for rank in range(2):
         out = json.loads((tmp_path / f"rank{rank}.json").read_text())
         rings.append(out["ring"])
+        stats.append(out["stats"])
         for epoch in range(2):
             ref = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=7)
             ref.set_epoch(epoch)
@@ -36,4 +39,12 @@ def test_two_ranks_two_epochs_exactly_once(tmp_path):
     union = [i for r in range(2) for i in json.loads((tmp_path / f"rank{r}.json").read_text())["seen"]["0"]]
     assert set(union) == set(range(37)) and len(union) == 38  # one index padded, as DistributedSampler does
     assert rings[0] != rings[1]  # each rank owns its own segment
+    slow, fast = stats
+    assert slow["global_manager"] == fast["global_manager"] == "active"
+    assert fast["workers_lent"] > 0 and slow["workers_borrowed"] > 0  # the fast rank's worker helped
+    assert slow["borrowed_tiny_batches"] == fast["lent_tiny_batches"] > 0
+    assert slow["workers_lent"] == 0 and fast["borrowed_tiny_batches"] == 0
+    deadline = time.time() + 5  # the GM exits shortly after the last loader and unlinks its table
+    while ff_segments() != before and time.time() < deadline:
+        time.sleep(0.05)
     assert ff_segments() == before

@@ -19,11 +19,27 @@ Faults
   * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
     traceback at the next `wait`.
 
+Global manager (DDP, `job` given; runtime/global_manager.py)
+  * The manager thread publishes this LM's progress row on every event and, while it has idle
+    workers, polls its action row every `gm_tables`-poll: a Yield order sends up to Count idle
+    workers a LEND (they connect to the borrower's socket and report HOME when returned); lent
+    workers get no tasks here meanwhile. A lent worker that dies is restarted like any other.
+  * Workers lent *to* this LM ("guests") arrive on its socket (`GMLink.accept`), get the ring, seed
+    and spec, then take tiny-batches like local workers -- but only of the mini-batches submitted
+    before they arrived (the iteration they were lent for). When none is left for a guest, it is
+    sent RETURN. A guest whose connection drops has its tasks requeued exactly as a dead worker's.
+  * Elastic capacity: a new worker target (GM API) is applied here: the main thread starts the
+    missing workers at its next `wait`; surplus idle workers are sent STOP and not restarted;
+    `on_capacity_change(n)` tells TAAS to search again.
+
 Shutdown procedure (`shutdown`, idempotent; also run by the loader's finalizer at collection/exit)
   0. Stop the accelerator worker thread, if any (it finishes its tiny-batch) and drop its pipeline.
   1. Stop the manager thread (control pipe) and join it.
-  2. Send STOP to every worker; join each for up to 2 s; terminate() the rest, then kill().
-  3. Close the pipes, unregister the ring from CUDA if registered, drop the mapping, unlink it.
+  2. Send RETURN to guests and close their connections (their owners' workers go home); leave the
+     global-manager table (free the row, close the socket; `GMLink.close`).
+  3. Send STOP to every worker (a lent one stops too: its borrower requeues what it held); join each
+     for up to 2 s; terminate() the rest, then kill().
+  4. Close the pipes, unregister the ring from CUDA if registered, drop the mapping, unlink it.
   If the training process is killed instead, workers notice within `worker.WATCHDOG_S`, unlink
   the segment and exit (runtime/worker.py).
 """
@@ -49,6 +65,8 @@ from fusionflow.scheduling import split_sorted
 
 log = logging.getLogger(__name__)
 PER_WORKER = 2  # tasks queued per worker: one running, one ready to start without a round trip
+GM_POLL_S = 0.002  # action-table poll while this LM has idle workers (it could lend them)
+GM_IDLE_S = 0.1  # otherwise: progress heartbeat, elastic target, GM liveness
 
 
 class WorkerStartError(FusionFlowError):
@@ -90,26 +108,43 @@ class BatchState:
 
 
 class _Worker:
-    def __init__(self, worker_id: int, process, conn):
+    """One of this LM's worker processes, or (process None) a guest: another LM's worker lent to us."""
+
+    def __init__(self, worker_id, process, conn):
         self.worker_id, self.process, self.conn = worker_id, process, conn
         self.outstanding: deque[tuple[int, _Work]] = deque()  # (task_id, work), in sending order
         self.ready = False
         self.alive = True
+        self.head_since = 0.0  # when its oldest outstanding task started (CLOCK_MONOTONIC)
+        self.lent_to: int | None = None  # own worker now serving that LM
+        self.retiring = False  # sent STOP for a lower worker target: not restarted
+        self.serve_upto = None  # guest: the newest mini-batch key it may work on
+
+    @property
+    def idle(self) -> bool:
+        return self.alive and self.ready and self.lent_to is None and not self.retiring and not self.outstanding
 
 
 class LocalManager:
     def __init__(self, dataset, policy, layout: RingLayout, num_workers: int, seed: int,
                  worker_init_fn=None, mp_context=None, pin_cpus: bool = True, max_retries: int = 2,
-                 sizes=None, tiny_batch_size: int = 4, base_seed: int = 0):
+                 sizes=None, tiny_batch_size: int = 4, base_seed: int = 0, job: str | None = None):
         self.dataset, self.policy, self.layout = dataset, policy, layout
         self.num_workers, self.seed, self.base_seed = num_workers, seed, base_seed
         self.worker_init_fn, self.max_retries = worker_init_fn, max_retries
         self.sizes, self.tiny_batch_size = sizes, tiny_batch_size
         self.ctx = mp_context if mp_context is not None else mp.get_context()
-        cpus = sorted(os.sched_getaffinity(0))
-        self.cpus = [cpus[i % len(cpus)] for i in range(num_workers)] if pin_cpus else [None] * num_workers
+        self.pin_cpus = pin_cpus
         self.ring = BatchRing(layout)
         self.workers: list[_Worker | None] = [None] * num_workers
+        self.target_workers = num_workers
+        self.on_capacity_change = None  # callback(live worker count) under the lock, e.g. TAAS restart
+        self.guests: list[_Worker] = []
+        self.link = None  # GMLink when a global manager coordinates this job
+        self.lent_total = self.guests_total = self.lent_tasks = self.guest_tasks = 0
+        self.completed_batches = 0
+        self.capacity_changes = 0
+        self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
         # per mini-batch (oldest first): its tiny-batches, ascending by encoded size. CPU workers take
         # from the front, the accelerator from the back; the largest `reserved` stay the accelerator's.
         self.queues: dict[tuple[int, int], deque[_Work]] = {}
@@ -127,6 +162,9 @@ class LocalManager:
         self._closed = False
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)
         try:
+            if job is not None:
+                from fusionflow.runtime.gm_link import GMLink
+                self.link = GMLink(job, self.ring.name, dataset, policy)
             for wid in range(num_workers):
                 self._start_worker(wid)
         except BaseException:
@@ -136,12 +174,19 @@ class LocalManager:
         self._thread.start()
 
     # ---------------------------------------------------------------- main thread
+    def _cpu_for(self, wid: int) -> int | None:
+        if not self.pin_cpus:
+            return None
+        cpus = sorted(os.sched_getaffinity(0))
+        return cpus[wid % len(cpus)]
+
     def _start_worker(self, wid: int) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
+        spec_hash = self.link.spec_hash if self.link is not None else None
         proc = self.ctx.Process(
             target=worker_loop, name=f"fusionflow-worker-{wid}", daemon=True,
             args=(wid, self.dataset, self.policy, self.ring.name, self.layout, child, self.seed,
-                  self.base_seed, self.worker_init_fn, os.getpid(), self.cpus[wid]))
+                  self.base_seed, self.worker_init_fn, os.getpid(), self._cpu_for(wid), spec_hash))
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
         # threads that only exist here) must never be finalized in the child: frozen objects are
         # skipped by the child's collector, and the parent collects them after unfreezing.
@@ -185,13 +230,11 @@ class LocalManager:
                     self.queues.pop(key, None)
                     return state
                 dead = [w.worker_id for w in self.workers if w is not None and not w.alive]
-                if dead:
+                missing = self.target_workers - sum(1 for w in self.workers if w is not None and not w.retiring)
+                if dead or missing > 0:
                     self.cond.release()
                     try:
-                        for wid in dead:
-                            self._reap(wid)
-                            self._start_worker(wid)
-                            self.restarts += 1
+                        self._restart_and_resize(dead, missing)
                     finally:
                         self.cond.acquire()
                     continue
@@ -220,6 +263,39 @@ class LocalManager:
         self.cuda_registered = int(torch.cuda.cudart().cudaHostRegister(ptr, self.layout.nbytes, 0)) == 0
         return self.cuda_registered
 
+    def _restart_and_resize(self, dead: list[int], missing: int) -> None:
+        """Main thread: replace dead workers (retired ones are only reaped) and start new ones up to
+        the elastic target."""
+        for wid in dead:
+            retired = self.workers[wid].retiring
+            self._reap(wid)
+            if retired:
+                with self.cond:
+                    self.workers[wid] = None
+            else:
+                self._start_worker(wid)
+                self.restarts += 1
+        if missing > 0:
+            for _ in range(missing):
+                with self.cond:
+                    wid = next((k for k, w in enumerate(self.workers) if w is None), len(self.workers))
+                    if wid == len(self.workers):
+                        self.workers.append(None)
+                        self.tasks_per_worker.append(0)
+                self._start_worker(wid)
+        if missing > 0:
+            self._capacity_changed()
+
+    def _capacity_changed(self) -> None:
+        with self.cond:
+            self._notify_capacity()
+
+    def _notify_capacity(self) -> None:
+        """The live worker count changed (lock held)."""
+        self.capacity_changes += 1
+        if self.on_capacity_change is not None:
+            self.on_capacity_change(sum(1 for w in self.workers if w is not None and not w.retiring))
+
     def _reap(self, wid: int) -> None:
         w = self.workers[wid]
         w.process.join(timeout=1.0)
@@ -242,6 +318,15 @@ class LocalManager:
         self._wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
+        for g in self.guests:
+            try:
+                g.conn.send_bytes(m.pack_control(m.RETURN))
+            except OSError:
+                pass
+            g.conn.close()
+        self.guests = []
+        if self.link is not None:
+            self.link.close()
         workers = [w for w in self.workers if w is not None]
         for w in workers:
             try:
@@ -274,14 +359,27 @@ class LocalManager:
             while not self._closed:
                 with self.cond:
                     self._dispatch()
+                    timeout = self._gm_step() if self.link is not None else 1.0
                     live = [w for w in self.workers if w is not None and w.alive]
+                    guests = list(self.guests)
                 waitables = [self._ctrl_r] + [w.conn for w in live] + [w.process.sentinel for w in live]
-                for ready in mp_wait(waitables, timeout=1.0):
+                waitables += [g.conn for g in guests]
+                if self.link is not None:
+                    waitables.append(self.link.listener)
+                for ready in mp_wait(waitables, timeout=timeout):
                     if self._closed:
                         return
                     if ready is self._ctrl_r:
                         while self._ctrl_r.poll():
                             self._ctrl_r.recv_bytes()
+                        continue
+                    if self.link is not None and ready is self.link.listener:
+                        self._accept_guest()
+                        continue
+                    g = next((g for g in guests if ready is g.conn), None)
+                    if g is not None:
+                        if g.alive:
+                            self._on_message(g)
                         continue
                     w = next((w for w in live if ready is w.conn or ready == w.process.sentinel), None)
                     if w is None or not w.alive:
@@ -300,7 +398,7 @@ class LocalManager:
 
     def draining(self) -> bool:
         """Whether work of an abandoned iterator is still running (lock held)."""
-        stale = any(work.generation != self.generation for w in self.workers if w is not None
+        stale = any(work.generation != self.generation for w in [*self.workers, *self.guests] if w is not None
                     for _tid, work in w.outstanding)
         return stale or (self.accelerator is not None and self.accelerator.busy_with_stale(self.generation))
 
@@ -308,25 +406,119 @@ class LocalManager:
         """Give queued work to workers with room (holding the lock)."""
         if self.draining():
             return  # an abandoned iterator's tasks still write into ring slots: let them drain
-        for w in self.workers:
-            while w is not None and w.alive and w.ready and len(w.outstanding) < PER_WORKER:
-                work = self.take_cpu()
-                if work is None:
-                    return
-                task_id = next(self.task_ids)
-                try:
-                    w.conn.send_bytes(m.pack_task(m.Task(task_id, work.generation, work.slot, work.epoch,
-                                                         work.positions, work.indices)))
-                except OSError:
-                    self.requeue([work])
+        own = [w for w in self.workers if w is not None and w.alive and w.ready and w.lent_to is None
+               and not w.retiring]
+        guests = [g for g in self.guests if g.alive and g.ready]
+        for depth in range(1, PER_WORKER + 1):  # everyone gets a running task before anyone a queued one
+            for w in own + guests:
+                while len(w.outstanding) < depth:
+                    work = self.take_cpu(upto=w.serve_upto)
+                    if work is None or not self._send(w, work):
+                        break
+        for g in guests:
+            if g.alive and not g.outstanding:  # nothing left of the iteration it came for
+                self._return_guest(g)
+
+    def _send(self, w: _Worker, work: _Work) -> bool:
+        task_id = next(self.task_ids)
+        try:
+            w.conn.send_bytes(m.pack_task(m.Task(task_id, work.generation, work.slot, work.epoch,
+                                                 work.positions, work.indices)))
+        except OSError:
+            self.requeue([work])
+            return False
+        if not w.outstanding:
+            w.head_since = time.monotonic()
+        w.outstanding.append((task_id, work))
+        return True
+
+    # ---------------------------------------------------------------- global manager (lock held)
+    def _gm_step(self) -> float:
+        """Publish progress, carry out the GM's orders; returns how long the manager thread may sleep."""
+        link = self.link
+        if not link.check_gm():
+            self._publish()
+            return 1.0
+        target = link.target()
+        if target is not None and target != self.target_workers:
+            self.target_workers = target
+            self.cond.notify_all()  # the main thread starts missing workers
+        self._retire_surplus()
+        order = link.yield_order()
+        if order is not None:
+            seq, peer, count = order
+            address = link.peer_address(peer)
+            done = 0
+            for w in self.workers:
+                if address is None or done >= count:
                     break
-                w.outstanding.append((task_id, work))
+                if w is not None and w.idle:
+                    try:
+                        w.conn.send_bytes(m.pack_control(m.LEND, (peer, address, link.tables.secret, link.lm)))
+                    except OSError:
+                        continue
+                    w.lent_to = peer
+                    done += 1
+            self.lent_total += done
+            self._publish()
+            link.ack_yield(seq, done)
+        else:
+            self._publish()
+        return GM_POLL_S if any(w is not None and w.idle for w in self.workers) else GM_IDLE_S
+
+    def _retire_surplus(self) -> None:
+        live = [w for w in self.workers if w is not None and not w.retiring]
+        surplus = len(live) - self.target_workers
+        for w in reversed(live):
+            if surplus <= 0:
+                break
+            if w.idle:
+                w.retiring = True
+                surplus -= 1
+                try:
+                    w.conn.send_bytes(m.pack_stop())
+                except OSError:
+                    pass
+                self._notify_capacity()
+
+    def _publish(self) -> None:
+        if self.link is None:
+            return
+        busy = [w for w in [*self.workers, *self.guests] if w is not None and w.alive and w.lent_to is None
+                and w.outstanding]
+        own = [w for w in self.workers if w is not None and w.alive and not w.retiring]
+        self.link.publish(
+            iteration=self.completed_batches,
+            waiting=sum(max(0, len(q) - self.reserved) for q in self.queues.values()),
+            active_since=[w.head_since for w in busy], task_seconds=self.task_seconds,
+            idle=sum(1 for w in own if w.idle), workers=len(own),
+            lent=sum(1 for w in own if w.lent_to is not None), guests=len(self.guests),
+            lent_total=self.lent_total, guests_total=self.guests_total)
+
+    def _accept_guest(self) -> None:
+        conn = self.link.accept()
+        if conn is None:
+            return
+        with self.cond:
+            self.guests.append(_Worker(None, None, conn))
+
+    def _return_guest(self, g: _Worker) -> None:
+        try:
+            g.conn.send_bytes(m.pack_control(m.RETURN))
+        except OSError:
+            pass
+        g.conn.close()
+        g.alive = False
+        self.guests.remove(g)
 
     # ---------------------------------------------------------------- the two-ended queue (lock held)
-    def take_cpu(self) -> _Work | None:
-        """The oldest mini-batch's smallest tiny-batch that CPU workers may take."""
+    def take_cpu(self, upto=None) -> _Work | None:
+        """The oldest mini-batch's smallest tiny-batch that CPU workers may take (of mini-batches no
+        newer than `upto`, a (generation, seq) key, if given)."""
         from fusionflow.scheduling.taas import cpu_may_take
-        for q in self.queues.values():
+        for key, q in self.queues.items():
+            if upto is not None and key > upto:
+                break
             if q and (q[0].cpu_only or cpu_may_take(len(q), self.reserved)):
                 return q.popleft()
         return None
@@ -362,64 +554,124 @@ class LocalManager:
             state.accel_positions.extend(work.positions)
         else:
             state.cpu_done_at = now
-        if state.remaining == 0 and self.on_batch_done is not None:
-            self.on_batch_done(state)
+        if state.remaining == 0:
+            self.completed_batches += 1
+            if self.on_batch_done is not None:
+                self.on_batch_done(state)
         self.cond.notify_all()
 
     def _on_message(self, w: _Worker) -> None:
         try:
             msg = w.conn.recv_bytes()
         except (EOFError, OSError):
-            w.process.join(timeout=1.0)
+            if w.process is not None:
+                w.process.join(timeout=1.0)
             self._on_death(w)
             return
         kind = m.kind_of(msg)
         with self.cond:
-            if kind == m.READY:
+            if w.process is None:
+                self._on_guest_message(w, kind, msg)
+            elif kind == m.READY:
                 w.ready = True
             elif kind == m.FATAL:
                 self.fatal = WorkerStartError(f"CPU worker {w.worker_id} failed to start:\n{m.unpack_fatal(msg)}")
                 w.alive = False
+            elif kind == m.HOME:
+                w.lent_to = None
+                self.lent_tasks += m.unpack_control(msg)
             elif kind == m.DONE:
-                task_id, _gen, failures = m.unpack_done(msg)
-                sent_id, work = w.outstanding.popleft()
-                if sent_id != task_id:
-                    raise RuntimeError(f"worker {w.worker_id} completed task {task_id}, expected {sent_id}")
+                self._on_done(w, msg)
                 self.tasks_per_worker[w.worker_id] += 1
-                self.complete(work, failures, on_accelerator=False)
             self.cond.notify_all()
+
+    def _on_done(self, w: _Worker, msg: bytes) -> None:
+        task_id, _gen, failures = m.unpack_done(msg)
+        sent_id, work = w.outstanding.popleft()
+        if sent_id != task_id:
+            raise RuntimeError(f"worker {w.worker_id} completed task {task_id}, expected {sent_id}")
+        now = time.monotonic()
+        took = now - w.head_since
+        self.task_seconds = took if not self.task_seconds else 0.8 * self.task_seconds + 0.2 * took
+        w.head_since = now
+        self.complete(work, failures, on_accelerator=False)
+
+    def _on_guest_message(self, g: _Worker, kind: int, msg: bytes) -> None:
+        """A lent worker's handshake and completions (lock held); see worker.serve_borrower."""
+        link = self.link
+        if kind == m.HELLO:
+            g.worker_id = "lm{}:w{}".format(*m.unpack_control(msg))
+            g.conn.send_bytes(m.pack_control(m.SETUP, (self.ring.name, self.layout, self.seed, link.spec_hash)))
+        elif kind == m.NEED:
+            if link.spec is None:
+                self._return_guest(g)
+            else:
+                g.conn.send_bytes(m.pack_pickled(m.SPEC, link.spec))
+        elif kind == m.READY:
+            self.guests_total += 1
+            g.serve_upto = next(reversed(self.queues), None)  # the work this LM has now: its iteration
+            if g.serve_upto is None:  # it finished meanwhile: send the worker home at once
+                self._return_guest(g)
+            else:
+                g.ready = True
+        elif kind == m.FATAL:
+            log.warning("fusionflow: a worker lent to this loader cannot run its samples, so borrowing is off "
+                        "for it:\n%s", m.unpack_fatal(msg))
+            link.disable_borrowing()
+            self._return_guest(g)
+        elif kind == m.DONE:
+            self._on_done(g, msg)
+            self.guest_tasks += 1
 
     def _on_death(self, w: _Worker) -> None:
         with self.cond:
             if not w.alive:
                 return
             w.alive = False
+            if w.process is None:  # a guest's connection dropped: its owner restarts it if it died
+                if w in self.guests:
+                    self.guests.remove(w)
+                w.conn.close()
+                if w.outstanding:
+                    log.warning("fusionflow: worker %s lent to this loader left with %d tiny-batches; re-running them",
+                                w.worker_id, len(w.outstanding))
+                self._requeue_outstanding(w, "its connection dropped")
+                return
             code = w.process.exitcode
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            if w.retiring and code == 0:
+                self._requeue_outstanding(w, how)
+                self.cond.notify_all()  # the main thread reaps it
+                return
             if not w.ready:  # it never came up: restarting would only repeat that
                 self.fatal = WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready")
                 self.cond.notify_all()
                 return
+            w.retiring = False  # a retiring worker that crashed is replaced like any other
             log.warning("fusionflow CPU worker %d died (%s); restarting it", w.worker_id, how)
-            requeue = []
-            for k, (_tid, work) in enumerate(w.outstanding):
-                if work.generation != self.generation or (work.generation, work.seq) not in self.batches:
+            self._requeue_outstanding(w, how)
+
+    def _requeue_outstanding(self, w: _Worker, how: str) -> None:
+        """Put a dead worker's tasks back (lock held); the one it was running is suspect."""
+        requeue = []
+        for k, (_tid, work) in enumerate(w.outstanding):
+            if work.generation != self.generation or (work.generation, work.seq) not in self.batches:
+                continue
+            if k == 0:  # the task it was running: the suspect
+                work.deaths += 1
+                if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
+                    requeue += [_Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths)
+                                for p, i in zip(work.positions, work.indices)]
                     continue
-                if k == 0:  # the task it was running: the suspect
-                    work.deaths += 1
-                    if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
-                        requeue += [_Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths)
-                                    for p, i in zip(work.positions, work.indices)]
-                        continue
-                    if work.deaths > self.max_retries:
-                        state = self.batches[(work.generation, work.seq)]
-                        state.error = SampleKilledWorkersError(
-                            f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
-                            f"giving up after max_retries={self.max_retries}. Check that sample "
-                            f"(dataset.describe / path) for a file that crashes the decoder or exhausts memory.",
-                            list(work.indices))
-                        continue
-                requeue.append(work)
-            w.outstanding.clear()
-            self.requeue(requeue)
-            self.cond.notify_all()
+                if work.deaths > self.max_retries:
+                    state = self.batches[(work.generation, work.seq)]
+                    state.error = SampleKilledWorkersError(
+                        f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
+                        f"giving up after max_retries={self.max_retries}. Check that sample "
+                        f"(dataset.describe / path) for a file that crashes the decoder or exhausts memory.",
+                        list(work.indices))
+                    continue
+            requeue.append(work)
+        w.outstanding.clear()
+        self.requeue(requeue)
+        self.cond.notify_all()

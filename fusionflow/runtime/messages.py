@@ -11,6 +11,10 @@ import struct
 from dataclasses import dataclass
 
 TASK, STOP, DONE, READY, FATAL = 1, 2, 3, 4, 5
+# worker lending (runtime/gm_link.py): owner -> worker LEND, worker -> owner HOME; on the borrower's
+# socket: worker -> borrower HELLO, NEED; borrower -> worker SETUP, SPEC, RETURN. Rare control
+# messages: their small payload is pickled.
+LEND, HOME, HELLO, SETUP, NEED, SPEC, RETURN = 6, 7, 8, 9, 10, 11, 12
 _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
 _ITEM = struct.Struct("<iq")  # position in the mini-batch, dataset index
 
@@ -55,6 +59,19 @@ def pack_ready(worker_id: int) -> bytes:
 
 def pack_fatal(worker_id: int, text: str) -> bytes:
     return _HEAD.pack(FATAL, 0, 0, worker_id, 0, 0) + text.encode("utf-8", "replace")
+
+
+def pack_control(kind: int, payload=None) -> bytes:
+    return _HEAD.pack(kind, 0, 0, 0, 0, 0) + pickle.dumps(payload)
+
+
+def pack_pickled(kind: int, pickled: bytes) -> bytes:
+    """A control message whose payload is already pickled (e.g. a loader's dataset and policy)."""
+    return _HEAD.pack(kind, 0, 0, 0, 0, 0) + pickled
+
+
+def unpack_control(msg: bytes):
+    return pickle.loads(msg[_HEAD.size:])
 
 
 def kind_of(msg: bytes) -> int:

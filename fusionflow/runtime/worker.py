@@ -4,14 +4,20 @@ slot of the shared batch ring, report completion. Everything it touches is an ar
 Watchdog: the worker waits for tasks in `WATCHDOG_S` slices; when it finds itself orphaned (the
 training process died without stopping it) it unlinks the ring segment and exits, so neither the
 process nor /dev/shm outlives the job by more than a slice.
+
+Lending (DDP, runtime/global_manager.py): on LEND from its owner the worker connects to another
+local manager's socket and runs that LM's tiny-batches -- with that LM's dataset, policy and seed,
+into that LM's ring -- until it is returned, then reports HOME. See `serve_borrower`.
 """
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
 import sys
 import traceback
+from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.shm import BatchRing, RingLayout, unlink
@@ -36,8 +42,94 @@ def split_item(item, index: int):
     return sample, int(label)
 
 
+class _Orphaned(Exception):
+    """The training process that owns this worker is gone."""
+
+
+class _Stopped(Exception):
+    """The owner sent STOP while this worker was lent."""
+
+
+def run_task(task, dataset, pipe, ring, seed: int, out) -> None:
+    """Decode + augment a tiny-batch into `ring`; report DONE (with failures as data) on `out`."""
+    failures = []
+    for pos, index in zip(task.positions, task.indices):
+        try:
+            sample, label = split_item(dataset[index], index)
+            pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos], what=describe(dataset, index))
+            ring.labels[task.slot, pos] = label
+        except Exception as exc:
+            failures.append(m.SampleFailure(pos, index, describe(dataset, index), type(exc).__name__,
+                                            str(exc), traceback.format_exc()))
+    out.send_bytes(m.pack_done(task.task_id, task.generation, failures))
+
+
+def _check_orphan(parent_pid: int) -> None:
+    if os.getppid() != parent_pid:
+        raise _Orphaned
+
+
+def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pid: int) -> int:
+    """Serve another local manager (the borrower) until it returns this worker; returns the number of
+    tiny-batches run for it. `lend` is the owner's LEND payload; `home` = (dataset, pipe, spec hash).
+
+    Protocol on the borrower's socket: HELLO ->, <- SETUP (ring, layout, seed, spec hash),
+    [NEED ->, <- SPEC (its pickled dataset and policy) unless this worker already has them],
+    READY ->, then TASK / DONE as with the owner, until RETURN or the borrower closes. A worker
+    serves one LM at a time: the owner sends it nothing while it is lent.
+    """
+    from multiprocessing.connection import Client
+
+    from fusionflow.ops.pipeline import CpuPipeline
+    peer, address, secret, owner_lm = lend
+    try:
+        bconn = Client("\0" + address, family="AF_UNIX", authkey=secret)
+    except (OSError, EOFError, ConnectionError) as exc:  # the borrower left meanwhile: nothing lost
+        logging.getLogger(__name__).info("worker %d could not reach LM %d: %r", worker_id, peer, exc)
+        return 0
+    ring, done = None, 0
+    try:
+        bconn.send_bytes(m.pack_control(m.HELLO, (owner_lm, worker_id)))
+        ring_name, layout, seed, spec_hash = m.unpack_control(bconn.recv_bytes())
+        if spec_hash == home[2]:
+            dataset, pipe = home[0], home[1]
+        elif spec_hash in spec_cache:
+            dataset, pipe = spec_cache[spec_hash]
+        else:
+            bconn.send_bytes(m.pack_control(m.NEED))
+            try:
+                dataset, policy = m.unpack_control(bconn.recv_bytes())
+                pipe = CpuPipeline(policy)
+            except Exception:
+                bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
+                return 0
+            spec_cache[spec_hash] = (dataset, pipe)
+        ring = BatchRing(layout, ring_name)
+        bconn.send_bytes(m.pack_ready(worker_id))
+        while True:
+            ready = mp_wait([bconn, conn], WATCHDOG_S)
+            if not ready:
+                _check_orphan(parent_pid)
+                continue
+            if conn in ready and m.kind_of(conn.recv_bytes()) == m.STOP:
+                raise _Stopped
+            if bconn in ready:
+                msg = bconn.recv_bytes()
+                if m.kind_of(msg) == m.RETURN:
+                    return done
+                run_task(m.unpack_task(msg), dataset, pipe, ring, seed, bconn)
+                done += 1
+    except (EOFError, OSError):
+        return done  # the borrower closed (it finished, or died): what it had outstanding it requeues
+    finally:
+        bconn.close()
+        if ring is not None:
+            ring.close()
+
+
 def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLayout, conn, seed: int,
-                base_seed: int, worker_init_fn, parent_pid: int, cpu: int | None) -> None:
+                base_seed: int, worker_init_fn, parent_pid: int, cpu: int | None,
+                spec_hash: bytes | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     ring = None
     try:
@@ -59,30 +151,26 @@ def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLay
         conn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
         return
     conn.send_bytes(m.pack_ready(worker_id))
+    spec_cache = {}  # other LMs' (dataset, pipeline), by spec hash, for when this worker is lent
     try:
         while True:
             if not conn.poll(WATCHDOG_S):
-                if os.getppid() != parent_pid:  # orphaned: clean up what the owner cannot
-                    unlink(ring_name)
-                    return
+                _check_orphan(parent_pid)
                 continue
             msg = conn.recv_bytes()
-            if m.kind_of(msg) == m.STOP:
+            kind = m.kind_of(msg)
+            if kind == m.STOP:
                 return
-            task = m.unpack_task(msg)
-            failures = []
-            for pos, index in zip(task.positions, task.indices):
-                try:
-                    sample, label = split_item(dataset[index], index)
-                    pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos],
-                         what=describe(dataset, index))
-                    ring.labels[task.slot, pos] = label
-                except Exception as exc:
-                    failures.append(m.SampleFailure(pos, index, describe(dataset, index), type(exc).__name__,
-                                                    str(exc), traceback.format_exc()))
-            conn.send_bytes(m.pack_done(task.task_id, task.generation, failures))
-    except (EOFError, OSError, BrokenPipeError):
-        return  # the manager closed its end: nothing left to report to
+            if kind == m.LEND:
+                done = serve_borrower(m.unpack_control(msg), conn, worker_id, (dataset, pipe, spec_hash),
+                                      spec_cache, parent_pid)
+                conn.send_bytes(m.pack_control(m.HOME, done))
+                continue
+            run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn)
+    except _Orphaned:  # clean up what the owner cannot
+        unlink(ring_name)
+    except (_Stopped, EOFError, OSError, BrokenPipeError):
+        return  # the manager stopped us or closed its end: nothing left to report to
     finally:
         if ring is not None:
             ring.close()

@@ -3,7 +3,8 @@ Pure: it sees one snapshot of the progress table and returns loans.
 
 Rule (issue 5): an LM with no Waiting tiny-batches left in its current iteration lends its idle
 workers to the LMs still working, in proportion to their need; an LM's need is its Waiting count
-minus one for every Active tiny-batch more than half done (that worker frees up soon). Nobody gets
+minus one for every Active tiny-batch more than half done (that worker frees up soon) and minus the
+workers already on their way to it. Nobody gets
 more workers than it needs; shares are rounded by largest remainder, ties to the lower LM id, so the
 plan is deterministic. A worker serves one LM at a time, so only idle workers are lent; borrowed
 workers go home when the borrower's iteration completes (`returns`).
@@ -20,10 +21,14 @@ class Progress:
     waiting: int  # tiny-batches of the current iteration not yet started
     active: tuple[float, ...] = ()  # fraction done of each running tiny-batch
     idle_workers: int = 0  # workers it holds (own or borrowed) that run nothing now
+    incoming: int = 0  # workers already lent to it that have not arrived yet
+    can_borrow: bool = True  # False: lent workers cannot run its samples (e.g. its dataset does not pickle)
 
     @property
     def need(self) -> int:
-        return max(0, self.waiting - sum(1 for f in self.active if f > 0.5))
+        if not self.can_borrow:
+            return 0
+        return max(0, self.waiting - sum(1 for f in self.active if f > 0.5) - self.incoming)
 
     @property
     def done(self) -> bool:

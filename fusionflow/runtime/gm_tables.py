@@ -1,0 +1,203 @@
+"""The global manager's tables: one POSIX shared-memory segment per job and node, mode 0600.
+
+    header                          magic, state, the GM's pid and heartbeat, the job's secret
+    progress[MAX_LMS]  (LMs write)  per local manager: pid, iteration, Waiting tiny-batches, the start
+                                    times of its Active ones (+ its mean tiny-batch time, so readers
+                                    turn them into fractions done), idle/own/lent/borrowed workers,
+                                    its listening address and ring name
+    action[MAX_LMS]    (GM writes)  per local manager: a Yield order (lend Count workers to a peer) and
+                                    a Borrow notice (Count workers are coming from a peer), each with a
+                                    sequence number the LM acknowledges; the elastic worker target
+
+Name: ``/ff_gm_<sha256(job, uid)[:20]>`` (`table_name`): every loader of one job on one node finds the
+same table. Whoever creates the segment (O_CREX) initialises it and writes the magic last; others wait
+for the magic. Registration (claiming a row) and the GM's decision to exit hold an flock on the
+segment, so a loader never registers into a table its GM is about to unlink.
+
+Readers and writers never lock rows: every field is a naturally aligned scalar, a reader may see a
+row mid-update and acts on it only through rules that tolerate one stale poll (a lender lends at
+most the workers it has idle when the order arrives; sequence numbers are written last).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import mmap
+import os
+import secrets
+import time
+from contextlib import contextmanager
+
+import numpy as np
+import posix_ipc
+
+PREFIX = "/ff_gm_"
+MAGIC = 0x46_46_47_4D_0001  # "FFGM" v1
+MAX_LMS = 64
+MAX_ACTIVE = 64
+FREE, ACTIVE, CLOSED = 0, 1, 2  # progress row states
+OPEN, CLOSING = 0, 1  # header states
+YIELD = 1
+
+HEADER = np.dtype([("magic", "<u8"), ("state", "<i4"), ("gm_pid", "<i8"), ("gm_heartbeat", "<f8"),
+                   ("created", "<f8"), ("secret", "S32"), ("registered_total", "<i8")], align=True)
+PROGRESS = np.dtype([
+    ("state", "<i4"), ("pid", "<i8"), ("heartbeat", "<f8"),
+    ("iteration", "<i8"),  # mini-batches completed so far
+    ("waiting", "<i4"),  # tiny-batches queued, not yet started, that CPU workers may take
+    ("n_active", "<i4"), ("active_since", "<f8", (MAX_ACTIVE,)),  # CLOCK_MONOTONIC start of each running one
+    ("task_seconds", "<f8"),  # running mean of one tiny-batch's time (0: none finished yet)
+    ("idle", "<i4"), ("workers", "<i4"), ("lent", "<i4"), ("guests", "<i4"),
+    ("guests_total", "<i8"),  # borrowed workers ever accepted
+    ("lent_total", "<i8"),  # own workers ever lent
+    ("can_borrow", "<i1"),
+    ("address", "S80"), ("ring", "S40"),
+], align=True)
+ACTION = np.dtype([
+    ("yield_seq", "<i8"), ("yield_peer", "<i4"), ("yield_count", "<i4"),  # GM writes
+    ("yield_ack", "<i8"), ("yield_done", "<i4"),  # LM writes: seq handled, workers actually lent
+    ("borrow_seq", "<i8"), ("borrow_peer", "<i4"), ("borrow_count", "<i4"),  # GM writes
+    ("target_seq", "<i8"), ("target_workers", "<i4"),  # elastic capacity (GM API writes)
+], align=True)
+
+
+def job_key() -> str | None:
+    """The job this process belongs to under torchrun (None outside torchrun or with one local rank)."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return None
+    return "torchrun:{}:{}:{}".format(os.environ.get("TORCHELASTIC_RUN_ID", ""),
+                                      os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
+
+
+def table_name(job: str) -> str:
+    return PREFIX + hashlib.sha256(f"{job}\0{os.getuid()}".encode()).hexdigest()[:20]
+
+
+def _layout():
+    off_p = HEADER.itemsize
+    off_a = off_p + MAX_LMS * PROGRESS.itemsize
+    return off_p, off_a, off_a + MAX_LMS * ACTION.itemsize
+
+
+class Tables:
+    """A mapping of a job's tables. `create` or `attach`; `close` drops the mapping, `unlink` the name."""
+
+    def __init__(self, name: str, seg: posix_ipc.SharedMemory):
+        off_p, off_a, size = _layout()
+        self.name, self._fd = name, seg.fd
+        self._map = mmap.mmap(seg.fd, size)
+        buf = np.frombuffer(self._map, np.uint8)
+        self.header = buf[:HEADER.itemsize].view(HEADER)[0:1]
+        self.progress = buf[off_p:off_a].view(PROGRESS)
+        self.action = buf[off_a:size].view(ACTION)
+
+    @classmethod
+    def create(cls, name: str) -> Tables | None:
+        """Create and initialise the segment; None if it already exists."""
+        try:
+            seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=_layout()[2])
+        except posix_ipc.ExistentialError:
+            return None
+        t = cls(name, seg)
+        h = t.header[0]
+        h["created"] = time.time()
+        h["secret"] = secrets.token_hex(16).encode()
+        t.header["magic"] = MAGIC  # last: attachers wait for it
+        return t
+
+    @classmethod
+    def attach(cls, name: str, timeout: float = 5.0) -> Tables | None:
+        """Map an existing segment once its creator has initialised it; None if there is none."""
+        try:
+            seg = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            return None
+        if seg.size < _layout()[2]:  # its creator has not sized it yet
+            deadline = time.monotonic() + timeout
+            while os.fstat(seg.fd).st_size < _layout()[2]:
+                if time.monotonic() > deadline:
+                    seg.close_fd()
+                    raise TimeoutError(f"global-manager table {name} was never sized")
+                time.sleep(0.005)
+        t = cls(name, seg)
+        deadline = time.monotonic() + timeout
+        while int(t.header["magic"][0]) != MAGIC:
+            if time.monotonic() > deadline:
+                t.close()
+                raise TimeoutError(f"global-manager table {name} was never initialised (magic missing)")
+            time.sleep(0.005)
+        return t
+
+    @contextmanager
+    def locked(self):
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @property
+    def secret(self) -> bytes:
+        return bytes(self.header["secret"][0])
+
+    @property
+    def gm_pid(self) -> int:
+        return int(self.header["gm_pid"][0])
+
+    def register(self, pid: int) -> int | None:
+        """Claim a free progress row for a local manager; None if the table is closing or full."""
+        with self.locked():
+            if int(self.header["state"][0]) == CLOSING:
+                return None
+            for lm in range(MAX_LMS):
+                row = self.progress[lm]
+                if row["state"] == FREE:
+                    self.progress[lm] = np.zeros((), PROGRESS)
+                    self.action[lm] = np.zeros((), ACTION)
+                    row["pid"] = pid
+                    row["heartbeat"] = time.monotonic()
+                    row["state"] = ACTIVE
+                    self.header["registered_total"] += 1
+                    return lm
+        return None
+
+    def active_rows(self) -> list[int]:
+        return [lm for lm in range(MAX_LMS) if self.progress[lm]["state"] == ACTIVE]
+
+    def close(self) -> None:
+        self.header = self.progress = self.action = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass
+            self._map = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def unlink(self) -> None:
+        unlink(self.name)
+
+
+def unlink(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True

@@ -1,0 +1,266 @@
+"""The global manager: its tables, its loop, and loaders lending workers through it (in one process
+and across processes), with exactly-once delivery, faults on either side, and elastic capacity."""
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime.global_manager import GlobalManager, GlobalManagerClient
+from fusionflow.runtime.shm import BatchRing, RingLayout
+from fusionflow.scheduling.lending import Loan, Progress, plan_lending
+from test_loader import SMALL, Bytes, collect, ff_segments, no_leaks  # noqa: F401
+
+
+def job():
+    return "test-" + secrets.token_hex(6)
+
+
+def ordered(labels):
+    return [i for y in labels for i in y.tolist()]
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def gm_pid_of(name):
+    t = gt.Tables.attach(name)
+    try:
+        assert wait_until(lambda: t.gm_pid != 0), "the GM never took its table"
+        return t.gm_pid
+    finally:
+        t.close()
+
+
+class Unpicklable(Bytes):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.hook = lambda: None  # lambdas do not pickle
+
+
+@pytest.fixture
+def tables():
+    t = gt.Tables.create(gt.table_name(job()))
+    yield t
+    t.unlink()
+    t.close()
+
+
+# ---------------------------------------------------------------- tables and the GM loop, no processes
+
+
+def test_table_is_private_and_registration_respects_closing(tables):
+    mode = os.stat("/dev/shm" + tables.name).st_mode & 0o777
+    assert mode == 0o600
+    assert tables.register(os.getpid()) == 0 and tables.register(os.getpid()) == 1
+    other = gt.Tables.attach(tables.name)
+    assert other.secret == tables.secret and len(other.secret) == 32
+    assert other.active_rows() == [0, 1]
+    tables.header["state"] = gt.CLOSING
+    assert other.register(os.getpid()) is None  # its GM is about to unlink it
+    other.close()
+
+
+def _row(t, lm, waiting=0, idle=0, active=(), task_seconds=1.0, pid=None):
+    assert t.register(pid or os.getpid()) == lm
+    row = t.progress[lm]
+    row["waiting"], row["idle"], row["task_seconds"], row["can_borrow"] = waiting, idle, task_seconds, 1
+    row["n_active"] = len(active)
+    row["active_since"][:len(active)] = active
+
+
+def test_gm_orders_follow_the_rule_and_wait_for_acks(tables):
+    now = time.monotonic()
+    _row(tables, 0, idle=2)
+    _row(tables, 1, waiting=3, active=(now - 0.9,))  # one tiny-batch 90% done: need 2
+    _row(tables, 2, waiting=0, idle=0)
+    gm = GlobalManager(tables)
+    gm.step()
+    expect = plan_lending([Progress(0, 0, 0, (), 2), Progress(1, 0, 3, (0.9,), 0), Progress(2, 0, 0)])
+    assert expect == [Loan(0, 1, 2)]
+    a0, a1 = tables.action[0], tables.action[1]
+    assert (int(a0["yield_seq"]), int(a0["yield_peer"]), int(a0["yield_count"])) == (1, 1, 2)
+    assert (int(a1["borrow_seq"]), int(a1["borrow_peer"]), int(a1["borrow_count"])) == (1, 0, 2)
+    gm.step()
+    assert int(a0["yield_seq"]) == 1  # not acknowledged yet: no second order
+    a0["yield_done"], a0["yield_ack"] = 2, 1  # the LM lent both
+    tables.progress[0]["idle"] = 0
+    gm.step()
+    assert int(a0["yield_seq"]) == 1
+    tables.progress[2]["idle"] = 1  # another idle worker appears: LM 1's two are still on their way
+    gm.step()
+    assert int(tables.action[2]["yield_seq"]) == 0
+    tables.progress[1]["guests_total"] = 2  # they arrived; LM 1 still has 3 waiting
+    gm.step()
+    assert int(tables.action[2]["yield_seq"]) == 1 and int(tables.action[2]["yield_peer"]) == 1
+
+
+def test_gm_never_lends_to_an_lm_that_cannot_borrow(tables):
+    _row(tables, 0, idle=2)
+    _row(tables, 1, waiting=5)
+    tables.progress[1]["can_borrow"] = 0
+    GlobalManager(tables).step()
+    assert int(tables.action[0]["yield_seq"]) == 0
+
+
+def test_gm_reclaims_a_dead_lms_row_and_ring(tables):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    ring = BatchRing(RingLayout(1, 1, (1,), "uint8"))
+    _row(tables, 0, waiting=4, pid=dead.pid)
+    tables.progress[0]["ring"] = ring.name.encode()
+    assert GlobalManager(tables).step() == 0
+    assert tables.progress[0]["state"] == gt.FREE
+    assert ring.name[1:] not in os.listdir("/dev/shm")
+    ring.close()
+
+
+def test_lending_rule_counts_incoming_workers():
+    assert Progress(0, 0, waiting=4, incoming=3).need == 1
+    assert Progress(0, 0, waiting=4, can_borrow=False).need == 0
+    assert plan_lending([Progress(0, 0, 0, (), 3), Progress(1, 0, 4, incoming=3)]) == [Loan(0, 1, 1)]
+
+
+# ---------------------------------------------------------------- loaders lending to each other
+
+
+def make(ds, name, **kw):
+    args = dict(batch_size=8, num_workers=1, policy=SMALL, persistent_workers=True, pin_workers=False,
+                global_manager=name)
+    args.update(kw)
+    return FusionFlowLoader(ds, **args)
+
+
+def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws():
+    name = job()
+    slow, fast = Bytes(40, sleep=0.04), Bytes(40)
+    a, b = make(slow, name, seed=11), make(fast, name, seed=3)
+    _, labels_b = collect(b)  # b's worker is idle from now on
+    assert ordered(labels_b) == list(range(40))
+    pipe = CpuPipeline(SMALL)
+    for epoch in range(2):
+        a.set_epoch(epoch)
+        images, labels = collect(a)
+        assert ordered(labels) == list(range(40))  # every sample once, in sampler order
+        for x, y in zip(images, labels):
+            for img, i in zip(x.numpy(), y.tolist()):  # a lent worker ran a's policy with a's seed
+                assert np.array_equal(img, pipe(slow.data[i], i, seed=11, epoch=epoch)), i
+    a.close()
+    b.close()
+    assert a.stats.workers_borrowed > 0 and a.stats.borrowed_tiny_batches > 0
+    assert b.stats.workers_lent > 0 and b.stats.lent_tiny_batches == a.stats.borrowed_tiny_batches
+    assert a.stats.global_manager == b.stats.global_manager == "active"
+    assert wait_until(lambda: not any(f.startswith("ff_gm_") for f in ff_segments()))  # the GM left
+
+
+def test_a_dataset_that_does_not_pickle_is_never_borrowed_for(caplog):
+    name = job()
+    a, b = make(Unpicklable(24, sleep=0.02), name), make(Bytes(24), name)
+    collect(b)
+    _, labels = collect(a)
+    assert ordered(labels) == list(range(24))
+    a.close()
+    b.close()
+    assert a.stats.workers_borrowed == 0 and b.stats.workers_lent == 0
+    assert "cannot be pickled" in caplog.text
+
+
+def test_killed_gm_is_reported_once_and_loaders_keep_their_workers(caplog):
+    name = job()
+    a = make(Bytes(24, sleep=0.01), name)
+    collect(a)
+    pid = gm_pid_of(gt.table_name(name))
+    os.kill(pid, signal.SIGKILL)
+    for epoch in range(2):
+        a.set_epoch(epoch + 1)
+        _, labels = collect(a)
+        assert ordered(labels) == list(range(24))
+    a.close()
+    assert a.stats.global_manager == "lost"
+    assert caplog.text.count("global manager of this job") == 1
+    assert not any(f.startswith("ff_gm_") for f in ff_segments())  # the last loader unlinked the table
+
+
+def test_elastic_workers_added_and_removed_while_training():
+    name = job()
+    ds = Bytes(48, sleep=0.005)
+    a = make(ds, name, batch_size=4)
+    restarts = []
+    it = iter(a)
+    next(it)
+    a._manager.on_capacity_change = restarts.append
+    client = GlobalManagerClient(name)
+    with pytest.raises(ValueError, match="workers=0 must be an integer >= 1"):
+        client.set_workers(0)
+    client.set_workers(2)
+    got = [i for _, y in it for i in y.tolist()]
+    assert wait_until(lambda: sum(w is not None and not w.retiring for w in a._manager.workers) == 2)
+    assert restarts and restarts[-1] == 2
+    client.set_workers(1)
+    a.set_epoch(1)
+    _, labels = collect(a)
+    assert ordered(labels) == list(range(48))
+    assert wait_until(lambda: sum(w is not None and not w.retiring for w in a._manager.workers) == 1)
+    assert restarts[-1] == 1
+    assert len(got) == 44  # the first epoch lost nothing either (one batch was taken before)
+    client.close()
+    a.close()
+    assert a.stats.worker_count_changes >= 2
+
+
+BORROWER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from test_loader import SMALL, Bytes
+    from fusionflow.loader import FusionFlowLoader
+    ld = FusionFlowLoader(Bytes(60, sleep=0.05), batch_size=12, num_workers=1, policy=SMALL,
+                          pin_workers=False, global_manager={name!r})
+    for images, labels in ld:
+        print("batch", flush=True)
+""")
+
+
+def test_borrower_killed_mid_loan_lender_gets_its_worker_back(tmp_path):
+    name = job()
+    b = make(Bytes(24), name)
+    collect(b)  # b's worker is idle: the GM lends it to the borrower process
+    script = BORROWER.format(tests=os.path.dirname(__file__), name=name)
+    child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "batch\n"
+        assert wait_until(lambda: b._manager.lent_total > 0, timeout=20), "the idle loader never lent its worker"
+        child.kill()
+        child.wait()
+    finally:
+        child.kill()
+    mgr = b._manager
+    assert wait_until(lambda: all(w.lent_to is None for w in mgr.workers if w is not None))  # home again
+    b.set_epoch(1)
+    _, labels = collect(b)
+    assert ordered(labels) == list(range(24))
+    b.close()
+    # the borrower's ring (unlinked by its orphaned worker or by the GM) and the GM's table: no_leaks
+
+
+def test_global_manager_argument_errors():
+    with pytest.raises(ValueError, match="global_manager=5 must be"):
+        FusionFlowLoader(Bytes(4), batch_size=2, num_workers=1, policy=SMALL, global_manager=5)
+    with pytest.raises(ValueError, match="name the job"):
+        FusionFlowLoader(Bytes(4), batch_size=2, num_workers=1, policy=SMALL, global_manager="")
+    assert FusionFlowLoader(Bytes(4), batch_size=2, num_workers=1, policy=SMALL).job is None  # not under torchrun
+    with pytest.raises(ValueError, match="no global manager runs for job"):
+        GlobalManagerClient(job())
