@@ -256,6 +256,23 @@ def test_borrower_killed_mid_loan_lender_gets_its_worker_back(tmp_path):
     # the borrower's ring (unlinked by its orphaned worker or by the GM) and the GM's table: no_leaks
 
 
+def test_a_stale_table_of_an_earlier_job_is_replaced():
+    name = job()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = gt.Tables.create(gt.table_name(name))
+    stale.header["gm_pid"] = dead.pid  # its GM died and nobody unlinked the table
+    old_secret = stale.secret
+    stale.close()
+    a = make(Bytes(16), name)
+    collect(a)
+    fresh = gt.Tables.attach(gt.table_name(name))
+    assert fresh.secret != old_secret and wait_until(lambda: gt.pid_alive(fresh.gm_pid))
+    fresh.close()
+    a.close()
+    assert a.stats.global_manager == "active"
+
+
 def test_global_manager_argument_errors():
     with pytest.raises(ValueError, match="global_manager=5 must be"):
         FusionFlowLoader(Bytes(4), batch_size=2, num_workers=1, policy=SMALL, global_manager=5)

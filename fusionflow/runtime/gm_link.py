@@ -39,6 +39,7 @@ class GMLink:
         self.tables, self.lm = self._join()
         self.joined_at = time.monotonic()
         self.gm_lost = False
+        self._checked_at = 0.0
         self.yield_seen = self.target_seen = 0
         try:
             self.spec = pickle.dumps((dataset, policy), protocol=pickle.HIGHEST_PROTOCOL)
@@ -67,6 +68,8 @@ class GMLink:
                 t = gt.Tables.attach(self.name)
                 if t is None:
                     continue  # unlinked between our create and attach: try again
+                if self._stale(t):
+                    continue
             lm = t.register(os.getpid())
             if lm is not None:
                 return t, lm
@@ -77,6 +80,23 @@ class GMLink:
                                  "close loaders you no longer use, or pass global_manager=None")
             time.sleep(0.01)  # its GM is closing: a new table comes next
         raise TimeoutError(f"could not join the global-manager table {self.name}")
+
+    @staticmethod
+    def _stale(t: gt.Tables) -> bool:
+        """A table left by an earlier job under the same name whose GM died (e.g. torchrun reusing a
+        run id and port): unlink it so this job starts its own. Closes `t` if so."""
+        from fusionflow.runtime.global_manager import START_S
+        with t.locked():
+            pid = t.gm_pid
+            dead = (pid and not gt.pid_alive(pid)) or (not pid and time.time() - float(t.header["created"][0]) > START_S)
+            stale = dead and not t.active_rows()
+            if stale:
+                t.header["state"] = gt.CLOSING
+                t.unlink()
+        if stale:
+            log.info("fusionflow: removed a stale global-manager table %s (its GM is gone)", t.name)
+            t.close()
+        return stale
 
     # ---------------------------------------------------------------- guests
     def accept(self) -> Connection | None:
@@ -152,6 +172,10 @@ class GMLink:
         """Whether the GM is (still, or not yet known not to be) there; reports its loss once."""
         if self.gm_lost:
             return False
+        now = time.monotonic()
+        if now - self._checked_at < 0.25:  # looking at /proc every poll would cost more than it tells
+            return True
+        self._checked_at = now
         pid = self.tables.gm_pid
         if pid == 0 and time.monotonic() - self.joined_at < GM_START_S:
             return True

@@ -175,10 +175,13 @@ class LocalManager:
 
     # ---------------------------------------------------------------- main thread
     def _cpu_for(self, wid: int) -> int | None:
+        """The core worker `wid` is pinned to; under torchrun each local rank starts at its own offset,
+        so ranks' workers do not pile onto the same cores."""
         if not self.pin_cpus:
             return None
         cpus = sorted(os.sched_getaffinity(0))
-        return cpus[wid % len(cpus)]
+        offset = int(os.environ.get("LOCAL_RANK", "0")) * self.num_workers
+        return cpus[(offset + wid) % len(cpus)]
 
     def _start_worker(self, wid: int) -> None:
         parent, child = self.ctx.Pipe(duplex=True)
@@ -409,7 +412,10 @@ class LocalManager:
         own = [w for w in self.workers if w is not None and w.alive and w.ready and w.lent_to is None
                and not w.retiring]
         guests = [g for g in self.guests if g.alive and g.ready]
-        for depth in range(1, PER_WORKER + 1):  # everyone gets a running task before anyone a queued one
+        # Everyone gets a running task before anyone a queued one. Under a global manager a worker holds
+        # only the task it runs: a task queued in a worker's pipe could not move to a lent worker, and
+        # would hide this LM's need from the GM.
+        for depth in range(1, (1 if self.link is not None else PER_WORKER) + 1):
             for w in own + guests:
                 while len(w.outstanding) < depth:
                     work = self.take_cpu(upto=w.serve_upto)
@@ -484,16 +490,23 @@ class LocalManager:
     def _publish(self) -> None:
         if self.link is None:
             return
+        # the current iteration: the oldest incomplete mini-batch -- what a lent worker would serve
+        current = self._current_key()
         busy = [w for w in [*self.workers, *self.guests] if w is not None and w.alive and w.lent_to is None
-                and w.outstanding]
+                and w.outstanding and (w.outstanding[0][1].generation, w.outstanding[0][1].seq) == current]
         own = [w for w in self.workers if w is not None and w.alive and not w.retiring]
         self.link.publish(
             iteration=self.completed_batches,
-            waiting=sum(max(0, len(q) - self.reserved) for q in self.queues.values()),
+            waiting=max(0, len(self.queues[current]) - self.reserved) if current is not None else 0,
             active_since=[w.head_since for w in busy], task_seconds=self.task_seconds,
             idle=sum(1 for w in own if w.idle), workers=len(own),
             lent=sum(1 for w in own if w.lent_to is not None), guests=len(self.guests),
             lent_total=self.lent_total, guests_total=self.guests_total)
+
+    def _current_key(self):
+        """This LM's current iteration: its oldest mini-batch with samples still to produce (a finished
+        one stays queued until the training loop takes it)."""
+        return next((k for k in self.queues if (st := self.batches.get(k)) is not None and st.remaining > 0), None)
 
     def _accept_guest(self) -> None:
         conn = self.link.accept()
@@ -609,7 +622,7 @@ class LocalManager:
                 g.conn.send_bytes(m.pack_pickled(m.SPEC, link.spec))
         elif kind == m.READY:
             self.guests_total += 1
-            g.serve_upto = next(reversed(self.queues), None)  # the work this LM has now: its iteration
+            g.serve_upto = self._current_key()  # the iteration it was lent for
             if g.serve_upto is None:  # it finished meanwhile: send the worker home at once
                 self._return_guest(g)
             else:
