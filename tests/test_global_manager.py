@@ -164,7 +164,7 @@ def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws()
     assert a.stats.workers_borrowed > 0 and a.stats.borrowed_tiny_batches > 0
     assert b.stats.workers_lent > 0 and b.stats.lent_tiny_batches == a.stats.borrowed_tiny_batches
     assert a.stats.global_manager == b.stats.global_manager == "active"
-    assert wait_until(lambda: not any(f.startswith("ff_gm_") for f in ff_segments()))  # the GM left
+    assert wait_until(lambda: not os.path.exists("/dev/shm" + gt.table_name(name)))  # the GM left
 
 
 def test_a_dataset_that_does_not_pickle_is_never_borrowed_for(caplog):
@@ -192,7 +192,7 @@ def test_killed_gm_is_reported_once_and_loaders_keep_their_workers(caplog):
     a.close()
     assert a.stats.global_manager == "lost"
     assert caplog.text.count("global manager of this job") == 1
-    assert not any(f.startswith("ff_gm_") for f in ff_segments())  # the last loader unlinked the table
+    assert not os.path.exists("/dev/shm" + gt.table_name(name))  # the last loader unlinked the table
 
 
 def test_elastic_workers_added_and_removed_while_training():
@@ -271,6 +271,34 @@ def test_a_stale_table_of_an_earlier_job_is_replaced():
     fresh.close()
     a.close()
     assert a.stats.global_manager == "active"
+
+
+def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():
+    name = job()
+    gm = subprocess.Popen([sys.executable, "-m", "fusionflow", "gm", "serve", "--job", name],
+                          stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: os.path.exists("/dev/shm" + gt.table_name(name)))
+        assert gm_pid_of(gt.table_name(name)) == gm.pid
+        a = make(Bytes(16), name)
+        collect(a)
+        cli = [sys.executable, "-m", "fusionflow", "gm"]
+        out = subprocess.run(cli + ["status", "--job", name], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith("lm=0 pid=%d" % os.getpid()), out
+        bad = subprocess.run(cli + ["workers", "0", "--job", name], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 1 and "must be an integer >= 1" in bad.stderr
+        ok = subprocess.run(cli + ["workers", "2", "--job", name], capture_output=True, text=True, timeout=60)
+        assert ok.returncode == 0, ok.stderr
+        a.set_epoch(1)
+        collect(a)
+        assert wait_until(lambda: sum(w is not None for w in a._manager.workers) == 2)
+        a.close()
+        assert gm.poll() is None  # an explicit GM stays up between jobs' loaders
+        gm.send_signal(signal.SIGTERM)
+        assert gm.wait(timeout=10) == 0
+    finally:
+        gm.kill()
+    assert not os.path.exists("/dev/shm" + gt.table_name(name))
 
 
 def test_global_manager_argument_errors():

@@ -1,7 +1,8 @@
 """The global manager (GM): one process per job and node that moves idle CPU workers from local
 managers (LMs, one per loader, i.e. per rank) that are done to LMs that still have work.
 
-    python -m fusionflow.runtime.global_manager <table name>      # normally spawned by the first LM
+    python -m fusionflow.runtime.global_manager <table name>      # spawned by the first LM of a job
+    python -m fusionflow gm serve --job NAME                      # or started explicitly (see `cli`)
 
 Loop, every `POLL_S`:
   1. Read the progress table (runtime/gm_tables.py). An ACTIVE row whose process is gone is
@@ -32,6 +33,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
+
+import numpy as np
 
 from fusionflow.runtime import gm_tables as gt
 from fusionflow.runtime.shm import unlink as unlink_ring
@@ -52,14 +56,9 @@ def spawn(name: str) -> subprocess.Popen:
                             close_fds=True)
 
 
-def progress_of(t: gt.Tables, lm: int, now: float) -> Progress:
-    row = t.progress[lm]
-    n = int(row["n_active"])
-    ts = float(row["task_seconds"])
-    fractions = tuple(min(1.0, max(0.0, (now - float(s)) / ts)) if ts > 0 else 0.0
-                      for s in row["active_since"][:n])
-    return Progress(lm, int(row["iteration"]), int(row["waiting"]), fractions, int(row["idle"]),
-                    can_borrow=bool(row["can_borrow"]))
+LIVENESS_S = 0.25  # how often LMs' pids are checked (a /proc read each)
+_P = namedtuple("_P", gt.PROGRESS.names)
+_A = namedtuple("_A", gt.ACTION.names)
 
 
 class GlobalManager:
@@ -69,6 +68,7 @@ class GlobalManager:
         self.sent_since = {}  # borrower -> when its oldest unaccepted worker was confirmed
         self.counted_acks = {}  # lender -> yield seq whose ack is already in `sent`
         self.loans = 0
+        self.checked_at = 0.0
 
     def reclaim(self, lm: int) -> None:
         row = self.t.progress[lm]
@@ -85,33 +85,35 @@ class GlobalManager:
         """One poll; returns how many LMs are active."""
         t, now = self.t, time.monotonic()
         t.header["gm_heartbeat"] = now
-        live = []
-        for lm in t.active_rows():
-            if gt.pid_alive(int(t.progress[lm]["pid"])):
-                live.append(lm)
-            else:
+        live = np.flatnonzero(t.progress["state"] == gt.ACTIVE)
+        if now - self.checked_at > LIVENESS_S:
+            self.checked_at = now
+            dead = [lm for lm in live.tolist() if not gt.pid_alive(int(t.progress[lm]["pid"]))]
+            for lm in dead:
                 self.reclaim(lm)
-        table, busy = [], set()
-        for lm in live:
-            act = t.action[lm]
-            seq, ack = int(act["yield_seq"]), int(act["yield_ack"])
-            if ack < seq:
-                busy.add(lm)  # it has an order it has not carried out yet
-            elif seq and self.counted_acks.get(lm) != seq:
-                self.counted_acks[lm] = seq
-                peer = int(act["yield_peer"])
-                if int(act["yield_done"]):
-                    self.sent[peer] = self.sent.get(peer, 0) + int(act["yield_done"])
-                    self.sent_since.setdefault(peer, now)
-            p = progress_of(t, lm, now)
-            accepted = int(t.progress[lm]["guests_total"])
+            live = np.setdiff1d(live, dead)
+        # one copy each, as Python tuples (field access on numpy records costs a microsecond apiece)
+        rows, acts = t.progress[live].tolist(), t.action[live].tolist()
+        table = []
+        for k, lm in enumerate(live.tolist()):
+            row, act = _P(*rows[k]), _A(*acts[k])
+            busy = act.yield_ack < act.yield_seq  # it has an order it has not carried out yet
+            if not busy and act.yield_seq and self.counted_acks.get(lm) != act.yield_seq:
+                self.counted_acks[lm] = act.yield_seq
+                if act.yield_done:
+                    self.sent[act.yield_peer] = self.sent.get(act.yield_peer, 0) + act.yield_done
+                    self.sent_since.setdefault(act.yield_peer, now)
+            accepted = row.guests_total
             incoming = max(0, self.sent.get(lm, 0) - accepted)
             if not incoming or now - self.sent_since.get(lm, now) > INCOMING_TTL_S:
                 self.sent[lm] = accepted  # all arrived (or the rest never will)
                 self.sent_since.pop(lm, None)
                 incoming = 0
-            table.append(Progress(p.lm, p.iteration, p.waiting, p.active, 0 if lm in busy else p.idle_workers,
-                                  incoming=incoming, can_borrow=p.can_borrow))
+            ts = row.task_seconds
+            active = tuple(min(1.0, max(0.0, (now - since) / ts)) if ts > 0 else 0.0
+                           for since in row.active_since[:row.n_active].tolist())
+            table.append(Progress(lm, row.iteration, row.waiting, active, 0 if busy else row.idle,
+                                  incoming=incoming, can_borrow=bool(row.can_borrow)))
         ordered = set()
         for loan in plan_lending(table):
             if loan.lender in ordered:
@@ -123,17 +125,28 @@ class GlobalManager:
             b["borrow_peer"], b["borrow_count"] = loan.lender, loan.count
             b["borrow_seq"] = int(b["borrow_seq"]) + 1
             self.loans += 1
-        return len(live)
+        return len(table)
 
-    def run(self) -> None:
+    def run(self, linger: float | None = LINGER_S) -> None:
+        """Poll until no LM has been registered for `linger` seconds (None: until SIGINT/SIGTERM);
+        then close and unlink the table."""
         started = last_seen = time.monotonic()
         while True:
-            n = self.step()
+            try:
+                n = self.step()
+                time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                with self.t.locked():
+                    self.t.header["state"] = gt.CLOSING
+                self.t.unlink()
+                return
             now = time.monotonic()
             if n:
                 last_seen = now
+            if linger is None:
+                continue
             ever = int(self.t.header["registered_total"][0]) > 0
-            if (ever and now - last_seen > LINGER_S) or (not ever and now - started > START_S):
+            if (ever and now - last_seen > linger) or (not ever and now - started > START_S):
                 with self.t.locked():
                     if self.t.active_rows():
                         last_seen = now  # one registered meanwhile
@@ -141,7 +154,6 @@ class GlobalManager:
                     self.t.header["state"] = gt.CLOSING
                 self.t.unlink()
                 return
-            time.sleep(POLL_S)
 
 
 class GlobalManagerClient:
@@ -187,6 +199,64 @@ class GlobalManagerClient:
         self.t.close()
 
 
+def _claim(tables: gt.Tables) -> bool:
+    """Become the table's GM unless a live one already is."""
+    with tables.locked():
+        other = tables.gm_pid
+        if other and other != os.getpid() and gt.pid_alive(other):
+            return False
+        tables.header["gm_pid"] = os.getpid()
+    return True
+
+
+def cli(argv: list[str]) -> int:
+    """`python -m fusionflow gm ...`: run a job's GM explicitly, look at it, resize its workers."""
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m fusionflow gm", description=cli.__doc__)
+    sub = ap.add_subparsers(dest="action", required=True)
+    serve = sub.add_parser("serve", help="run the GM of JOB in the foreground until Ctrl-C; loaders created with "
+                                         "global_manager=JOB join it")
+    status = sub.add_parser("status", help="print the job's local managers and their lending counters")
+    workers = sub.add_parser("workers", help="set the CPU worker count of every (or one) local manager")
+    workers.add_argument("count", type=int)
+    workers.add_argument("--lm", type=int, default=None, help="only this local manager (see status)")
+    for p in (serve, status, workers):
+        p.add_argument("--job", required=True, help="the name given to FusionFlowLoader(global_manager=...)")
+    args = ap.parse_args(argv)
+    if args.action == "serve":
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+        name = gt.table_name(args.job)
+        tables = gt.Tables.create(name) or gt.Tables.attach(name)
+        if tables is None or not _claim(tables):
+            print(f"a global manager already runs for job {args.job!r} (pid {tables.gm_pid if tables else '?'})",
+                  file=sys.stderr)
+            return 1
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        log.info("fusionflow GM for job %r: table /dev/shm%s; Ctrl-C stops it", args.job, name)
+        try:
+            GlobalManager(tables).run(linger=None)
+        finally:
+            tables.close()
+        return 0
+    try:
+        client = GlobalManagerClient(args.job)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    try:
+        if args.action == "status":
+            for row in client.local_managers():
+                print(" ".join(f"{k}={v}" for k, v in row.items()))
+        else:
+            client.set_workers(args.count, lm=args.lm)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].startswith(gt.PREFIX):
         print(f"usage: python -m fusionflow.runtime.global_manager {gt.PREFIX}<id>", file=sys.stderr)
@@ -196,11 +266,9 @@ def main(argv: list[str]) -> int:
     tables = gt.Tables.attach(argv[0])
     if tables is None:
         return 0  # its creator already gave up on it
-    with tables.locked():
-        other = tables.gm_pid
-        if other and other != os.getpid() and gt.pid_alive(other):
-            return 0  # one GM per table
-        tables.header["gm_pid"] = os.getpid()
+    if not _claim(tables):
+        tables.close()
+        return 0  # one GM per table
     try:
         GlobalManager(tables).run()
     finally:
