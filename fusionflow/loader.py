@@ -274,7 +274,8 @@ class FusionFlowLoader:
             self._manager = LocalManager(
                 self.dataset, self.policy, layout, self.num_workers, self.seed, self.worker_init_fn, ctx,
                 self.pin_workers, self.max_retries, self.sizes, self.tiny_batch_size,
-                base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31, job=self.job)
+                base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31, job=self.job,
+                spec=self._lending_spec())
             self._box[0] = self._manager
             if self.stats.startup_seconds is None:
                 self.stats.startup_seconds = time.perf_counter() - t0
@@ -283,6 +284,15 @@ class FusionFlowLoader:
             if self.accelerator is not None:
                 self._start_accelerator(self._manager)
         return self._manager
+
+    def _lending_spec(self) -> bytes | None:
+        """What workers lent to this loader need (pickled once per loader, not per epoch)."""
+        if self.job is None:
+            return None
+        if not hasattr(self, "_spec"):
+            from fusionflow.runtime.gm_link import make_spec
+            self._spec = make_spec(self.dataset, self.policy, self.worker_init_fn)
+        return self._spec
 
     def _start_accelerator(self, mgr: LocalManager) -> None:
         from fusionflow.runtime.accelerator import AcceleratorWorker

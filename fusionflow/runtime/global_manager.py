@@ -38,7 +38,6 @@ from collections import namedtuple
 import numpy as np
 
 from fusionflow.runtime import gm_tables as gt
-from fusionflow.runtime.shm import unlink as unlink_ring
 from fusionflow.scheduling.lending import Progress, plan_lending
 
 log = logging.getLogger("fusionflow.gm")
@@ -47,6 +46,7 @@ POLL_S = 0.002
 LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
 START_S = 30.0
 INCOMING_TTL_S = 1.0  # workers lent but never accepted within this are written off
+STALE_S = 2.0  # an LM whose row has not been published for this long neither lends nor borrows
 
 
 def spawn(name: str) -> subprocess.Popen:
@@ -64,22 +64,20 @@ _A = namedtuple("_A", gt.ACTION.names)
 class GlobalManager:
     def __init__(self, tables: gt.Tables):
         self.t = tables
-        self.sent = {}  # borrower -> workers lenders confirmed sending, cumulative
-        self.sent_since = {}  # borrower -> when its oldest unaccepted worker was confirmed
-        self.counted_acks = {}  # lender -> yield seq whose ack is already in `sent`
+        # per row, for the LM registered there now (reset when `reg` changes: rows are reused)
+        self.reg = {}  # row -> registration number the state below belongs to
+        self.sent = {}  # borrower -> workers lenders confirmed sending to it, cumulative
+        self.written_off = {}  # borrower -> confirmed workers that never arrived within INCOMING_TTL_S
+        self.pending_since = {}  # borrower -> since when some confirmed worker has not arrived
+        self.counted_acks = {}  # lender -> yield seq whose ack is already counted in `sent`
         self.loans = 0
         self.checked_at = 0.0
 
-    def reclaim(self, lm: int) -> None:
-        row = self.t.progress[lm]
-        ring = bytes(row["ring"]).decode()
-        log.warning("fusionflow GM: local manager %d (pid %d) died; reclaiming its ring %s", lm, int(row["pid"]), ring)
-        if ring:
-            unlink_ring(ring)
+    def reclaim(self) -> None:
         with self.t.locked():
-            row["state"] = gt.FREE
-        self.sent.pop(lm, None)
-        self.sent_since.pop(lm, None)
+            for lm in self.t.reclaim_dead():
+                log.warning("fusionflow GM: local manager %d (pid %d) died; its ring is unlinked, its row freed",
+                            lm, int(self.t.progress[lm]["pid"]))
 
     def step(self) -> int:
         """One poll; returns how many LMs are active."""
@@ -88,32 +86,40 @@ class GlobalManager:
         live = np.flatnonzero(t.progress["state"] == gt.ACTIVE)
         if now - self.checked_at > LIVENESS_S:
             self.checked_at = now
-            dead = [lm for lm in live.tolist() if not gt.pid_alive(int(t.progress[lm]["pid"]))]
-            for lm in dead:
-                self.reclaim(lm)
-            live = np.setdiff1d(live, dead)
+            self.reclaim()
+            live = np.flatnonzero(t.progress["state"] == gt.ACTIVE)
         # one copy each, as Python tuples (field access on numpy records costs a microsecond apiece)
-        rows, acts = t.progress[live].tolist(), t.action[live].tolist()
-        table = []
-        for k, lm in enumerate(live.tolist()):
-            row, act = _P(*rows[k]), _A(*acts[k])
-            busy = act.yield_ack < act.yield_seq  # it has an order it has not carried out yet
-            if not busy and act.yield_seq and self.counted_acks.get(lm) != act.yield_seq:
+        rows = [_P(*r) for r in t.progress[live].tolist()]
+        acts = [_A(*a) for a in t.action[live].tolist()]
+        for lm, row in zip(live.tolist(), rows):  # a row taken over by a new LM starts with a clean slate
+            if self.reg.get(lm) != row.reg:
+                self.reg[lm] = row.reg
+                for state in (self.sent, self.written_off, self.pending_since, self.counted_acks):
+                    state.pop(lm, None)
+        for lm, act in zip(live.tolist(), acts):
+            if act.yield_ack == act.yield_seq and act.yield_seq and self.counted_acks.get(lm) != act.yield_seq:
                 self.counted_acks[lm] = act.yield_seq
-                if act.yield_done:
+                if act.yield_done and act.yield_peer in self.reg:
                     self.sent[act.yield_peer] = self.sent.get(act.yield_peer, 0) + act.yield_done
-                    self.sent_since.setdefault(act.yield_peer, now)
-            accepted = row.guests_total
-            incoming = max(0, self.sent.get(lm, 0) - accepted)
-            if not incoming or now - self.sent_since.get(lm, now) > INCOMING_TTL_S:
-                self.sent[lm] = accepted  # all arrived (or the rest never will)
-                self.sent_since.pop(lm, None)
+        table = []
+        for lm, row, act in zip(live.tolist(), rows, acts):
+            busy = act.yield_ack < act.yield_seq  # it has an order it has not carried out yet
+            # workers confirmed lent to it that have not arrived (counters only grow; a worker may arrive
+            # before its lender's ack is read, so the difference can dip below zero for a poll)
+            incoming = self.sent.get(lm, 0) - self.written_off.get(lm, 0) - row.guests_total
+            if incoming <= 0:
+                self.pending_since.pop(lm, None)
                 incoming = 0
+            elif now - self.pending_since.setdefault(lm, now) > INCOMING_TTL_S:
+                self.written_off[lm] = self.written_off.get(lm, 0) + incoming  # they never will
+                self.pending_since.pop(lm, None)
+                incoming = 0
+            stale = now - row.heartbeat > STALE_S  # its manager thread stopped publishing: lend it nothing
             ts = row.task_seconds
             active = tuple(min(1.0, max(0.0, (now - since) / ts)) if ts > 0 else 0.0
                            for since in row.active_since[:row.n_active].tolist())
-            table.append(Progress(lm, row.iteration, row.waiting, active, 0 if busy else row.idle,
-                                  incoming=incoming, can_borrow=bool(row.can_borrow)))
+            table.append(Progress(lm, row.iteration, row.waiting, active, 0 if busy or stale else row.idle,
+                                  incoming=incoming, can_borrow=bool(row.can_borrow) and not stale))
         ordered = set()
         for loan in plan_lending(table):
             if loan.lender in ordered:
@@ -182,18 +188,23 @@ class GlobalManagerClient:
         return out
 
     def set_workers(self, workers: int, lm: int | None = None) -> None:
-        """Set the CPU worker count of one LM (`lm`) or of every active one; returns at once, the LMs
-        start or retire workers between tiny-batches."""
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers={workers!r} must be an integer >= 1 (an LM with no workers of its own "
-                             "could wait forever when nobody lends)")
-        rows = self.t.active_rows() if lm is None else [lm]
-        if lm is not None and lm not in self.t.active_rows():
+        """Set the CPU worker count of one LM (`lm`) or of the whole job (every LM, and those that
+        register later, e.g. next epoch's); returns at once, the LMs start or retire workers between
+        tiny-batches."""
+        cores = len(os.sched_getaffinity(0))
+        if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= cores:
+            raise ValueError(f"workers={workers!r} must be an integer from 1 (an LM with no workers of its own "
+                             f"could wait forever when nobody lends) to {cores} (the cores here)")
+        if lm is None:
+            h = self.t.header[0]
+            h["target_workers"] = workers
+            h["target_seq"] = int(h["target_seq"]) + 1
+            return
+        if lm not in self.t.active_rows():
             raise ValueError(f"lm={lm} is not an active local manager; active: {self.t.active_rows()}")
-        for r in rows:
-            a = self.t.action[r]
-            a["target_workers"] = workers
-            a["target_seq"] = int(a["target_seq"]) + 1
+        a = self.t.action[lm]
+        a["target_workers"] = workers
+        a["target_seq"] = int(a["target_seq"]) + 1
 
     def close(self) -> None:
         self.t.close()

@@ -5,13 +5,17 @@ claim a progress row, and listen on an abstract Unix socket (no file; gone with 
 address is published in the row. Workers lent to this LM connect there and authenticate with the
 job's secret (HMAC challenge, multiprocessing.connection), which only the table's 0600 segment holds.
 
-The spec: this LM's dataset and policy, pickled once at join, sent to a lent worker that does not
-have them yet (workers cache specs by hash, and a worker whose owner has the same spec uses its
-own). A dataset that does not pickle disables borrowing for this LM (`can_borrow` = 0, logged once);
-it still lends.
+The spec (`make_spec`): the loader's dataset, policy and worker_init_fn, pickled once per loader,
+sent to a lent worker that does not have them yet (workers cache specs by hash, run the
+worker_init_fn once per spec, and a worker whose owner has the same spec uses its own). If they do
+not pickle, borrowing is off for this loader (`can_borrow` = 0, logged once); it still lends.
 
-Release (`close`, from the LM's shutdown): free the row, close the socket; if the GM is gone and
-no LM is left, unlink the table (the GM would have).
+Release (`close`, from the LM's shutdown): free the row, close the socket; reclaim rows of LMs
+that died; if the GM is gone and no LM is left, unlink the table (the GM would have).
+
+Forked children inherit the listening socket; `close_inherited` (first thing in a worker) closes
+it there, so a loader that has shut down never leaves a socket that accepts connections nobody
+serves.
 """
 from __future__ import annotations
 
@@ -30,36 +34,59 @@ from fusionflow.runtime import gm_tables as gt
 log = logging.getLogger(__name__)
 GM_START_S = 10.0  # a GM that has not shown up by then is reported lost
 HANDSHAKE_S = 2
+SEND_TIMEOUT_S = 5  # a guest that stops reading cannot block this LM's manager thread longer
+_LISTENERS: dict[int, str] = {}  # fd -> address of this process's listening sockets
+
+
+def close_inherited() -> None:
+    """In a forked child: close the listening sockets inherited from the parent's loaders."""
+    for fd in list(_LISTENERS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _LISTENERS.clear()
+
+
+def make_spec(dataset, policy, worker_init_fn) -> bytes | None:
+    """What a lent worker needs to run this loader's samples, pickled; None (logged) if it does not pickle."""
+    try:
+        return pickle.dumps((dataset, policy, worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        log.warning("fusionflow: this loader's dataset, policy or worker_init_fn cannot be pickled (%r), so "
+                    "workers lent by other ranks cannot run its samples; it still lends its own idle workers", exc)
+        return None
+
+
+def _sockopt_seconds(sock: socket.socket, opt: int, seconds: float) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
 
 
 class GMLink:
-    def __init__(self, job: str, ring_name: str, dataset, policy):
+    def __init__(self, job: str, ring_name: str, spec: bytes | None):
         self.job, self.name = job, gt.table_name(job)
         self.gm_proc = None
         self.tables, self.lm = self._join()
         self.joined_at = time.monotonic()
         self.gm_lost = False
         self._checked_at = 0.0
-        self.yield_seen = self.target_seen = 0
-        try:
-            self.spec = pickle.dumps((dataset, policy), protocol=pickle.HIGHEST_PROTOCOL)
-            self.spec_hash = hashlib.sha256(self.spec).digest()[:16]
-        except Exception as exc:
-            log.warning("fusionflow: this loader's dataset or policy cannot be pickled (%r), so workers lent by "
-                        "other ranks cannot run its samples; it still lends its own idle workers", exc)
-            self.spec, self.spec_hash = None, None
+        self.yield_seen = 0
+        self.target_seen = (0, 0)  # (own, job-wide) target sequence numbers applied
+        self.spec = spec
+        self.spec_hash = hashlib.sha256(spec).digest()[:16] if spec is not None else None
         self.address = f"ff-{self.name[len(gt.PREFIX):]}-{self.lm}-{secrets.token_hex(6)}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + self.address)
         self.listener.listen(64)
         self.listener.setblocking(False)
+        _LISTENERS[self.listener.fileno()] = self.address
         row = self.tables.progress[self.lm]
         row["address"] = self.address.encode()
         row["ring"] = ring_name.encode()
         row["can_borrow"] = self.spec is not None
 
     def _join(self):
-        for _ in range(50):
+        for _ in range(500):  # a closing GM unlinks its table within its linger time
             t = gt.Tables.create(self.name)
             if t is not None:
                 from fusionflow.runtime.global_manager import spawn
@@ -78,7 +105,7 @@ class GMLink:
             if full:
                 raise ValueError(f"the global manager of job {self.job!r} already serves {gt.MAX_LMS} loaders; "
                                  "close loaders you no longer use, or pass global_manager=None")
-            time.sleep(0.01)  # its GM is closing: a new table comes next
+            time.sleep(0.01)  # its GM is closing: a new table comes next (until then, register says no)
         raise TimeoutError(f"could not join the global-manager table {self.name}")
 
     @staticmethod
@@ -107,8 +134,8 @@ class GMLink:
             return None
         try:
             sock.setblocking(True)
-            timeout = struct.pack("ll", HANDSHAKE_S, 0)  # a stalled peer cannot hang the manager thread
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeout)
+            _sockopt_seconds(sock, socket.SO_RCVTIMEO, HANDSHAKE_S)  # a stalled peer cannot hang the manager thread
+            _sockopt_seconds(sock, socket.SO_SNDTIMEO, SEND_TIMEOUT_S)
             conn = Connection(sock.detach())
             secret = self.tables.secret
             deliver_challenge(conn, secret)
@@ -120,8 +147,8 @@ class GMLink:
             except NameError:
                 sock.close()
             return None
-        s = socket.socket(fileno=os.dup(conn.fileno()))
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        s = socket.socket(fileno=os.dup(conn.fileno()))  # options are the socket's: set them through a dup
+        _sockopt_seconds(s, socket.SO_RCVTIMEO, 0)
         s.close()
         return conn
 
@@ -160,13 +187,16 @@ class GMLink:
         return bytes(self.tables.progress[peer]["address"]).decode() or None
 
     def target(self) -> int | None:
-        """A new elastic worker target, or None."""
-        a = self.tables.action[self.lm]
-        seq = int(a["target_seq"])
-        if seq <= self.target_seen:
-            return None
-        self.target_seen = seq
-        return int(a["target_workers"])
+        """A new elastic worker target (for this LM, or job-wide: whichever was set last), or None."""
+        a, h = self.tables.action[self.lm], self.tables.header[0]
+        own, job = (int(a["target_seq"]), int(a["target_workers"])), (int(h["target_seq"]), int(h["target_workers"]))
+        if own[0] > self.target_seen[0]:
+            self.target_seen = (own[0], self.target_seen[1])
+            return own[1]
+        if job[0] > self.target_seen[1]:
+            self.target_seen = (self.target_seen[0], job[0])
+            return job[1]
+        return None
 
     def check_gm(self) -> bool:
         """Whether the GM is (still, or not yet known not to be) there; reports its loss once."""
@@ -190,10 +220,15 @@ class GMLink:
         if self.tables is None:
             return
         t, self.tables = self.tables, None
+        _LISTENERS.pop(self.listener.fileno(), None)
         self.listener.close()
         with t.locked():
             t.progress[self.lm]["state"] = gt.FREE
-            orphaned = not t.active_rows() and not gt.pid_alive(t.gm_pid)
+            spawned_gone = self.gm_proc is not None and self.gm_proc.poll() is not None
+            orphaned = spawned_gone or not t.gm_alive()
+            if orphaned:  # nobody reclaims dead LMs' rows and rings if we do not
+                t.reclaim_dead()
+                orphaned = not t.active_rows()
             if orphaned:
                 t.header["state"] = gt.CLOSING
         if orphaned and (self.gm_proc is None or self.gm_proc.poll() is not None):

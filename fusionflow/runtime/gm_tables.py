@@ -40,9 +40,11 @@ OPEN, CLOSING = 0, 1  # header states
 YIELD = 1
 
 HEADER = np.dtype([("magic", "<u8"), ("state", "<i4"), ("gm_pid", "<i8"), ("gm_heartbeat", "<f8"),
-                   ("created", "<f8"), ("secret", "S32"), ("registered_total", "<i8")], align=True)
+                   ("created", "<f8"), ("secret", "S32"), ("registered_total", "<i8"),
+                   ("target_seq", "<i8"), ("target_workers", "<i4")], align=True)  # job-wide elastic target
 PROGRESS = np.dtype([
     ("state", "<i4"), ("pid", "<i8"), ("heartbeat", "<f8"),
+    ("reg", "<i8"),  # registration number: tells a reused row's new LM from the old one
     ("iteration", "<i8"),  # mini-batches completed so far
     ("waiting", "<i4"),  # tiny-batches queued, not yet started, that CPU workers may take
     ("n_active", "<i4"), ("active_since", "<f8", (MAX_ACTIVE,)),  # CLOCK_MONOTONIC start of each running one
@@ -154,15 +156,35 @@ class Tables:
                 if row["state"] == FREE:
                     self.progress[lm] = np.zeros((), PROGRESS)
                     self.action[lm] = np.zeros((), ACTION)
+                    self.header["registered_total"] += 1
                     row["pid"] = pid
+                    row["reg"] = int(self.header["registered_total"][0])
                     row["heartbeat"] = time.monotonic()
                     row["state"] = ACTIVE
-                    self.header["registered_total"] += 1
                     return lm
         return None
 
     def active_rows(self) -> list[int]:
-        return [lm for lm in range(MAX_LMS) if self.progress[lm]["state"] == ACTIVE]
+        return np.flatnonzero(self.progress["state"] == ACTIVE).tolist()
+
+    def reclaim_dead(self) -> list[int]:
+        """Free the rows of LMs whose process is gone and unlink their rings (lock held)."""
+        from fusionflow.runtime.shm import unlink as unlink_ring
+        dead = [lm for lm in self.active_rows() if not pid_alive(int(self.progress[lm]["pid"]))]
+        for lm in dead:
+            ring = bytes(self.progress[lm]["ring"]).decode()
+            if ring:
+                unlink_ring(ring)
+            self.progress[lm]["state"] = FREE
+        return dead
+
+    def gm_alive(self) -> bool:
+        """The GM is running, or was spawned and has not claimed the table yet."""
+        pid = self.gm_pid
+        if pid:
+            return pid_alive(pid)
+        from fusionflow.runtime.global_manager import START_S
+        return time.time() - float(self.header["created"][0]) < START_S
 
     def close(self) -> None:
         self.header = self.progress = self.action = None

@@ -128,7 +128,8 @@ class _Worker:
 class LocalManager:
     def __init__(self, dataset, policy, layout: RingLayout, num_workers: int, seed: int,
                  worker_init_fn=None, mp_context=None, pin_cpus: bool = True, max_retries: int = 2,
-                 sizes=None, tiny_batch_size: int = 4, base_seed: int = 0, job: str | None = None):
+                 sizes=None, tiny_batch_size: int = 4, base_seed: int = 0, job: str | None = None,
+                 spec: bytes | None = None):
         self.dataset, self.policy, self.layout = dataset, policy, layout
         self.num_workers, self.seed, self.base_seed = num_workers, seed, base_seed
         self.worker_init_fn, self.max_retries = worker_init_fn, max_retries
@@ -164,7 +165,7 @@ class LocalManager:
         try:
             if job is not None:
                 from fusionflow.runtime.gm_link import GMLink
-                self.link = GMLink(job, self.ring.name, dataset, policy)
+                self.link = GMLink(job, self.ring.name, spec)
             for wid in range(num_workers):
                 self._start_worker(wid)
         except BaseException:
@@ -612,14 +613,28 @@ class LocalManager:
     def _on_guest_message(self, g: _Worker, kind: int, msg: bytes) -> None:
         """A lent worker's handshake and completions (lock held); see worker.serve_borrower."""
         link = self.link
-        if kind == m.HELLO:
-            g.worker_id = "lm{}:w{}".format(*m.unpack_control(msg))
-            g.conn.send_bytes(m.pack_control(m.SETUP, (self.ring.name, self.layout, self.seed, link.spec_hash)))
-        elif kind == m.NEED:
-            if link.spec is None:
-                self._return_guest(g)
-            else:
-                g.conn.send_bytes(m.pack_pickled(m.SPEC, link.spec))
+        try:
+            if kind == m.HELLO:
+                g.worker_id = "lm{}:w{}".format(*m.unpack_control(msg))
+                g.conn.send_bytes(m.pack_control(m.SETUP, (self.ring.name, self.layout, self.seed, link.spec_hash)))
+            elif kind == m.NEED:
+                if link.spec is None:
+                    self._return_guest(g)
+                else:  # once per worker and loader; the socket's send timeout bounds a peer that stops reading
+                    g.conn.send_bytes(m.pack_pickled(m.SPEC, link.spec))
+        except OSError as exc:  # it died or its owner stopped it mid-handshake: it held no task
+            log.info("fusionflow: worker %s left during its handshake (%r)", g.worker_id, exc)
+            self._on_death(g)
+            return
+        if kind in (m.HELLO, m.NEED):
+            return
+        if kind == m.LEAVING:  # its owner called it back (shutting down): what it had queued is not suspect
+            self.guests.remove(g)
+            g.alive = False
+            g.conn.close()
+            self.requeue([work for _tid, work in g.outstanding
+                          if work.generation == self.generation and (work.generation, work.seq) in self.batches])
+            g.outstanding.clear()
         elif kind == m.READY:
             self.guests_total += 1
             g.serve_upto = self._current_key()  # the iteration it was lent for

@@ -14,7 +14,7 @@ TASK, STOP, DONE, READY, FATAL = 1, 2, 3, 4, 5
 # worker lending (runtime/gm_link.py): owner -> worker LEND, worker -> owner HOME; on the borrower's
 # socket: worker -> borrower HELLO, NEED; borrower -> worker SETUP, SPEC, RETURN. Rare control
 # messages: their small payload is pickled.
-LEND, HOME, HELLO, SETUP, NEED, SPEC, RETURN = 6, 7, 8, 9, 10, 11, 12
+LEND, HOME, HELLO, SETUP, NEED, SPEC, RETURN, LEAVING = 6, 7, 8, 9, 10, 11, 12, 13  # LEAVING: its owner called it back
 _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
 _ITEM = struct.Struct("<iq")  # position in the mini-batch, dataset index
 

@@ -16,7 +16,11 @@ import os
 import random
 import signal
 import sys
+import socket
+import struct
 import traceback
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
@@ -78,13 +82,11 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
     READY ->, then TASK / DONE as with the owner, until RETURN or the borrower closes. A worker
     serves one LM at a time: the owner sends it nothing while it is lent.
     """
-    from multiprocessing.connection import Client
-
     from fusionflow.ops.pipeline import CpuPipeline
     peer, address, secret, owner_lm = lend
     try:
-        bconn = Client("\0" + address, family="AF_UNIX", authkey=secret)
-    except (OSError, EOFError, ConnectionError) as exc:  # the borrower left meanwhile: nothing lost
+        bconn = _connect(address, secret)
+    except (OSError, EOFError, ConnectionError, AuthenticationError) as exc:  # the borrower left: nothing lost
         logging.getLogger(__name__).info("worker %d could not reach LM %d: %r", worker_id, peer, exc)
         return 0
     ring, done = None, 0
@@ -97,22 +99,32 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
             dataset, pipe = spec_cache[spec_hash]
         else:
             bconn.send_bytes(m.pack_control(m.NEED))
+            spec = bconn.recv_bytes()
             try:
-                dataset, policy = m.unpack_control(bconn.recv_bytes())
+                dataset, policy, init_fn = m.unpack_control(spec)
                 pipe = CpuPipeline(policy)
+                if init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
+                    init_fn(worker_id)
             except Exception:
                 bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
                 return 0
             spec_cache[spec_hash] = (dataset, pipe)
         ring = BatchRing(layout, ring_name)
+        _receive_timeout(bconn, 0)  # handshake done: from now on the borrower paces us
         bconn.send_bytes(m.pack_ready(worker_id))
         while True:
             ready = mp_wait([bconn, conn], WATCHDOG_S)
             if not ready:
                 _check_orphan(parent_pid)
                 continue
-            if conn in ready and m.kind_of(conn.recv_bytes()) == m.STOP:
-                raise _Stopped
+            if conn in ready:
+                try:
+                    kind = m.kind_of(conn.recv_bytes())
+                except (EOFError, OSError):
+                    raise _Orphaned from None  # the owner died while we were away
+                if kind == m.STOP:  # tell the borrower first: what it queued for us is not suspect
+                    bconn.send_bytes(m.pack_control(m.LEAVING))
+                    raise _Stopped
             if bconn in ready:
                 msg = bconn.recv_bytes()
                 if m.kind_of(msg) == m.RETURN:
@@ -127,10 +139,41 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
             ring.close()
 
 
+def _receive_timeout(conn: Connection, seconds: float) -> None:
+    s = socket.socket(fileno=os.dup(conn.fileno()))  # socket options belong to the socket: set them via a dup
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
+    s.close()
+
+
+def _connect(address: str, secret: bytes) -> Connection:
+    """Connect to a borrower's socket and authenticate both ways, each step bounded by HANDSHAKE_S (a
+    borrower that has stopped serving its socket cannot keep this worker away from its owner)."""
+    from fusionflow.runtime.gm_link import HANDSHAKE_S
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(HANDSHAKE_S)
+        sock.connect("\0" + address)
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        _receive_timeout(conn, HANDSHAKE_S)
+        answer_challenge(conn, secret)
+        deliver_challenge(conn, secret)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLayout, conn, seed: int,
                 base_seed: int, worker_init_fn, parent_pid: int, cpu: int | None,
                 spec_hash: bytes | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    from fusionflow.runtime.gm_link import close_inherited
+    close_inherited()
     ring = None
     try:
         if cpu is not None:
@@ -170,7 +213,8 @@ def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLay
     except _Orphaned:  # clean up what the owner cannot
         unlink(ring_name)
     except (_Stopped, EOFError, OSError, BrokenPipeError):
-        return  # the manager stopped us or closed its end: nothing left to report to
+        if os.getppid() != parent_pid:  # the owner died (its pipe broke): clean up for it
+            unlink(ring_name)
     finally:
         if ring is not None:
             ring.close()
