@@ -1,15 +1,19 @@
 """DDP with and without the global manager's worker lending, side by side in one run.
 
 R ranks under torchrun (gloo, CPU), W CPU workers per rank, RandAugment, a small CNN trained with
-DDP (1 thread per rank). Rank 0 is the straggler: its images are larger (--heavy-side) than the
-others' (--light-side), so its data preparation is slower. For each repeat both modes run, in
+DDP (1 thread per rank) -- or, with --step-ms, a stand-in for a GPU training step: the rank sleeps
+that long (its CPU is free, as when the GPU computes) and then all-reduces a small tensor (the
+gradient synchronisation), so the CPU cores belong to the data workers as on a GPU node. Rank 0 is the straggler: its images are larger (--heavy-side) than the
+others' (--light-side), and optionally its policy heavier (--heavy-policy), so its data
+preparation is slower. For each repeat both modes run, in
 alternating order, on identical data:
   off   global_manager=None: every rank uses its own workers only
   on    global_manager="auto": idle workers of ranks that are ready are lent to ranks still working
 Reported per mode (medians over repeats): the straggler gap per iteration -- max minus min over
 ranks of the moment next() returned that iteration's batch --, throughput (images of all ranks per
 second between two barriers, after a warm-up epoch), mean wait at next() per rank, and the lending
-counters; then the ratios on/off.
+counters; then the ratios on/off: of the medians, and the median of each repeat's own on/off ratio
+(the two runs of a repeat are back to back, so they share the machine's mood).
 
     .venv/bin/python experiments/bench_ddp.py [--ranks 2] [--workers 1] [--images 64] [--repeats 3]
 
@@ -71,8 +75,17 @@ def rank_main(args) -> None:
     model = torch.nn.parallel.DistributedDataParallel(small_cnn(10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
+    grads = torch.zeros(1 << 16)
+
+    def step(x, y):
+        if not args.step_ms:
+            train_step(model, opt, loss_fn, x, y)
+            return
+        time.sleep(args.step_ms / 1e3)  # the GPU computes; this process's core is idle
+        dist.all_reduce(grads)
+    policy = args.heavy_policy if rank == 0 and args.heavy_policy else args.policy
     loader = FusionFlowLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                              policy=args.policy, tiny_batch_size=args.tiny_batch_size, persistent_workers=True,
+                              policy=policy, tiny_batch_size=args.tiny_batch_size, persistent_workers=True,
                               global_manager="auto" if args.mode == "on" else None, seed=0)
     ready, waits = [], []
     with loader:
@@ -90,7 +103,7 @@ def rank_main(args) -> None:
                 times.append(time.monotonic())  # CLOCK_MONOTONIC: comparable across ranks on one node
                 if epoch:
                     waits.append(time.perf_counter() - w0)
-                train_step(model, opt, loss_fn, *batch)
+                step(*batch)
             dist.barrier()
             if epoch:
                 ready.append(times)
@@ -115,8 +128,9 @@ def run_mode(args, mode: str, data_path: str) -> dict:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
                "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__),
                "--rank-main", "--mode", mode, "--data", data_path, "--out-dir", out_dir]
-        for key in ("workers", "batch_size", "tiny_batch_size", "epochs", "policy"):
-            cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+        for key in ("workers", "batch_size", "tiny_batch_size", "epochs", "policy", "heavy_policy", "step_ms"):
+            if getattr(args, key) is not None:
+                cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if proc.returncode:
             raise SystemExit(f"torchrun failed ({mode}):\n{proc.stderr[-4000:]}")
@@ -144,6 +158,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per run (after one warm-up epoch)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policy", default="randaugment")
+    ap.add_argument("--heavy-policy", default=None, help="rank 0's policy (default: --policy)")
+    ap.add_argument("--step-ms", type=float, default=0, help="simulated GPU step (sleep + all-reduce) instead of "
+                                                             "training the CNN on the CPU (0)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=("on", "off"), help=argparse.SUPPRESS)
@@ -174,15 +191,21 @@ def main() -> None:
                   f"lent {r['workers_lent']}, borrowed tiny-batches {r['borrowed_tiny_batches']}", flush=True)
     med = {mode: {key: statistics.median(r[key] for r in rs) for key in ("img_per_s", "gap_mean_ms", "gap_median_ms")}
            for mode, rs in runs.items()}
+    pairs = list(zip(runs["on"], runs["off"]))
     ratio = {"throughput_on_over_off": med["on"]["img_per_s"] / med["off"]["img_per_s"],
-             "gap_on_over_off": med["on"]["gap_mean_ms"] / med["off"]["gap_mean_ms"]}
+             "gap_on_over_off": med["on"]["gap_mean_ms"] / med["off"]["gap_mean_ms"],
+             "throughput_paired_median": statistics.median(a["img_per_s"] / b["img_per_s"] for a, b in pairs),
+             "throughput_paired": [a["img_per_s"] / b["img_per_s"] for a, b in pairs],
+             "gap_paired_median": statistics.median(a["gap_mean_ms"] / b["gap_mean_ms"] for a, b in pairs)}
     print(f"median throughput: off {med['off']['img_per_s']:.1f} img/s, on {med['on']['img_per_s']:.1f} img/s "
           f"({ratio['throughput_on_over_off']:.3f}x); straggler gap: off {med['off']['gap_mean_ms']:.0f} ms, "
-          f"on {med['on']['gap_mean_ms']:.0f} ms ({ratio['gap_on_over_off']:.2f}x)")
+          f"on {med['on']['gap_mean_ms']:.0f} ms ({ratio['gap_on_over_off']:.2f}x); per-repeat on/off: throughput "
+          f"median {ratio['throughput_paired_median']:.3f}x, gap median {ratio['gap_paired_median']:.2f}x")
     result = {**provenance(), "args": {k: v for k, v in vars(args).items() if k not in ("rank_main", "mode", "data",
                                                                                       "out_dir")},
               "median": med, "ratio": ratio, "runs": runs}
-    write_json(result, args.out or os.path.join(RESULTS, f"ddp_r{args.ranks}_w{args.workers}.json"))
+    tag = (f"_{args.heavy_policy}" if args.heavy_policy else "") + (f"_step{args.step_ms:g}ms" if args.step_ms else "")
+    write_json(result, args.out or os.path.join(RESULTS, f"ddp_r{args.ranks}_w{args.workers}{tag}.json"))
 
 
 if __name__ == "__main__":

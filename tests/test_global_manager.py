@@ -11,14 +11,15 @@ import time
 
 import numpy as np
 import pytest
+from test_loader import SMALL, Bytes, collect, ff_segments, no_leaks  # noqa: F401
 
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime import gm_tables as gt
 from fusionflow.runtime.global_manager import GlobalManager, GlobalManagerClient
+from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import BatchRing, RingLayout
 from fusionflow.scheduling.lending import Loan, Progress, plan_lending
-from test_loader import SMALL, Bytes, collect, ff_segments, no_leaks  # noqa: F401
 
 
 def job():
@@ -329,7 +330,7 @@ def test_a_stale_table_of_an_earlier_job_is_replaced():
     a = make(Bytes(16), name)
     collect(a)
     fresh = gt.Tables.attach(gt.table_name(name))
-    assert fresh.secret != old_secret and wait_until(lambda: gt.pid_alive(fresh.gm_pid))
+    assert fresh.secret != old_secret and wait_until(lambda: pid_alive(fresh.gm_pid))
     fresh.close()
     a.close()
     assert a.stats.global_manager == "active"

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import posix_ipc
 
+from fusionflow.runtime.procs import pid_alive
+
 FREE, LENT, BORROWED = 0, 1, 2
 LOCK_TIMEOUT_S = 5.0
 _HEADER = struct.Struct("<II")  # capacity, records in use (high-water mark)
@@ -49,16 +51,6 @@ def select_blocks(free: list[Block], budget: int) -> list[Block]:
             chosen.append(block)
             total += block.size
     return chosen
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class BlockLedger:
@@ -129,7 +121,7 @@ class BlockLedger:
         deadline = time.monotonic() + timeout
         while True:
             with self:
-                held = [(i, r) for i, r in self._records() if r[0] == BORROWED and _alive(r[6])]
+                held = [(i, r) for i, r in self._records() if r[0] == BORROWED and pid_alive(r[6])]
                 if not held:
                     back = [Block(r[3], r[2], r[1], r[4].rstrip(b"\0")) for _, r in self._records() if r[0] != FREE]
                     for i, r in self._records():

@@ -38,6 +38,7 @@ from collections import namedtuple
 import numpy as np
 
 from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime.procs import pid_alive
 from fusionflow.scheduling.lending import Progress, plan_lending
 
 log = logging.getLogger("fusionflow.gm")
@@ -214,7 +215,7 @@ def _claim(tables: gt.Tables) -> bool:
     """Become the table's GM unless a live one already is."""
     with tables.locked():
         other = tables.gm_pid
-        if other and other != os.getpid() and gt.pid_alive(other):
+        if other and other != os.getpid() and pid_alive(other):
             return False
         tables.header["gm_pid"] = os.getpid()
     return True

@@ -30,6 +30,7 @@ import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime.procs import pid_alive
 
 log = logging.getLogger(__name__)
 GM_START_S = 10.0  # a GM that has not shown up by then is reported lost
@@ -115,7 +116,7 @@ class GMLink:
         from fusionflow.runtime.global_manager import START_S
         with t.locked():
             pid = t.gm_pid
-            dead = (pid and not gt.pid_alive(pid)) or (not pid and time.time() - float(t.header["created"][0]) > START_S)
+            dead = (pid and not pid_alive(pid)) or (not pid and time.time() - float(t.header["created"][0]) > START_S)
             stale = dead and not t.active_rows()
             if stale:
                 t.header["state"] = gt.CLOSING
@@ -209,7 +210,7 @@ class GMLink:
         pid = self.tables.gm_pid
         if pid == 0 and time.monotonic() - self.joined_at < GM_START_S:
             return True
-        if pid and gt.pid_alive(pid):
+        if pid and pid_alive(pid):
             return True
         self.gm_lost = True
         log.warning("fusionflow: the global manager of this job (%s) is gone; this loader keeps training with "

@@ -31,6 +31,8 @@ from contextlib import contextmanager
 import numpy as np
 import posix_ipc
 
+from fusionflow.runtime.procs import pid_alive
+
 PREFIX = "/ff_gm_"
 MAGIC = 0x46_46_47_4D_0001  # "FFGM" v1
 MAX_LMS = 64
@@ -207,19 +209,3 @@ def unlink(name: str) -> None:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         pass
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped by its parent) is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True

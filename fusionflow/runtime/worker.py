@@ -15,9 +15,9 @@ import logging
 import os
 import random
 import signal
-import sys
 import socket
 import struct
+import sys
 import traceback
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
