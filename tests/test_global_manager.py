@@ -81,6 +81,8 @@ def _row(t, lm, waiting=0, idle=0, active=(), task_seconds=1.0, pid=None):
     assert t.register(pid or os.getpid()) == lm
     row = t.progress[lm]
     row["waiting"], row["idle"], row["task_seconds"], row["can_borrow"] = waiting, idle, task_seconds, 1
+    row["heartbeat"] = time.monotonic() + 60  # fresh for the whole test
+    row["address"] = f"ff-test-nobody-{secrets.token_hex(4)}".encode()  # no socket: the GM cannot ring it
     row["n_active"] = len(active)
     row["active_since"][:len(active)] = active
 
@@ -153,6 +155,9 @@ def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws()
     a, b = make(slow, name, seed=11), make(fast, name, seed=3)
     _, labels_b = collect(b)  # b's worker is idle from now on
     assert ordered(labels_b) == list(range(40))
+    # the GM rings each LM on a connection of its own instead of LMs polling their action rows
+    assert wait_until(lambda: b._manager.bell is not None)
+    assert not b._manager.guests  # a doorbell is not a lent worker
     pipe = CpuPipeline(SMALL)
     for epoch in range(2):
         a.set_epoch(epoch)
@@ -164,6 +169,7 @@ def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws()
     a.close()
     b.close()
     assert a.stats.workers_borrowed > 0 and a.stats.borrowed_tiny_batches > 0
+    assert a.stats.global_manager == "active"
     # (the lender counts a loan's tiny-batches when its worker is home: the last loan may not be yet)
     assert b.stats.workers_lent > 0 and 0 < b.stats.lent_tiny_batches <= a.stats.borrowed_tiny_batches
     assert a.stats.global_manager == b.stats.global_manager == "active"

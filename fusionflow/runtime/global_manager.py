@@ -14,9 +14,10 @@ Loop, every `POLL_S`:
      has not accepted them yet count against its need (`incoming`), so one slow poll never makes the
      GM send the same help twice.
   3. Write each loan as a Yield order on the lender's action row (one per lender per round) and a
-     Borrow notice on the borrower's. The LM carries it out (runtime/local_manager.py): its idle
-     workers connect to the borrower, serve the tiny-batches the borrower had when they arrived, and
-     come home.
+     Borrow notice on the borrower's, and ring the lender: the GM holds one connection to every
+     LM's socket and sends a BELL, so LMs never poll for orders. The LM carries the order out
+     (runtime/local_manager.py): its idle workers connect to the borrower, serve the tiny-batches
+     of the iteration the borrower had when they arrived, and come home.
 Exit: when no LM has been registered for `LINGER_S` (or none ever registered within `START_S`),
 the GM marks the table CLOSING under its lock, unlinks it and exits. If the GM dies instead, LMs see
 its pid gone, say so once, and keep training with their own workers; the last LM to leave unlinks.
@@ -38,6 +39,7 @@ from collections import namedtuple
 import numpy as np
 
 from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime import messages as m
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.scheduling.lending import Progress, plan_lending
 
@@ -71,6 +73,7 @@ class GlobalManager:
         self.written_off = {}  # borrower -> confirmed workers that never arrived within INCOMING_TTL_S
         self.pending_since = {}  # borrower -> since when some confirmed worker has not arrived
         self.counted_acks = {}  # lender -> yield seq whose ack is already counted in `sent`
+        self.bells = {}  # row -> (registration number, connection to that LM's socket)
         self.loans = 0
         self.checked_at = 0.0
 
@@ -93,10 +96,11 @@ class GlobalManager:
         rows = [_P(*r) for r in t.progress[live].tolist()]
         acts = [_A(*a) for a in t.action[live].tolist()]
         for lm, row in zip(live.tolist(), rows):  # a row taken over by a new LM starts with a clean slate
-            if self.reg.get(lm) != row.reg:
+            if self.reg.get(lm) != row.reg and row.address:  # (once it has published its socket)
                 self.reg[lm] = row.reg
                 for state in (self.sent, self.written_off, self.pending_since, self.counted_acks):
                     state.pop(lm, None)
+                self._hang_bell(lm, row)
         for lm, act in zip(live.tolist(), acts):
             if act.yield_ack == act.yield_seq and act.yield_seq and self.counted_acks.get(lm) != act.yield_seq:
                 self.counted_acks[lm] = act.yield_seq
@@ -132,7 +136,32 @@ class GlobalManager:
             b["borrow_peer"], b["borrow_count"] = loan.lender, loan.count
             b["borrow_seq"] = int(b["borrow_seq"]) + 1
             self.loans += 1
+            self._ring(loan.lender)
         return len(table)
+
+    def _hang_bell(self, lm: int, row) -> None:
+        """Connect to a newly registered LM's socket (its manager thread then sleeps until rung)."""
+        from fusionflow.runtime.worker import _connect
+        old = self.bells.pop(lm, None)
+        if old is not None:
+            old[1].close()
+        try:
+            conn = _connect(row.address.decode(), self.t.secret)
+            conn.send_bytes(m.pack_control(m.BELL))
+        except Exception as exc:  # it left already, or is stuck: it reads its row every GM_IDLE_S anyway
+            log.info("fusionflow GM: no doorbell for LM %d: %r", lm, exc)
+            return
+        self.bells[lm] = (row.reg, conn)
+
+    def _ring(self, lm: int) -> None:
+        bell = self.bells.get(lm)
+        if bell is None:
+            return
+        try:
+            bell[1].send_bytes(m.pack_control(m.BELL))
+        except OSError:
+            bell[1].close()
+            del self.bells[lm]
 
     def run(self, linger: float | None = LINGER_S) -> None:
         """Poll until no LM has been registered for `linger` seconds (None: until SIGINT/SIGTERM);

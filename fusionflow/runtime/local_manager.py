@@ -20,10 +20,11 @@ Faults
     traceback at the next `wait`.
 
 Global manager (DDP, `job` given; runtime/global_manager.py)
-  * The manager thread publishes this LM's progress row on every event and, while it has idle
-    workers, polls its action row every `gm_tables`-poll: a Yield order sends up to Count idle
-    workers a LEND (they connect to the borrower's socket and report HOME when returned); lent
-    workers get no tasks here meanwhile. A lent worker that dies is restarted like any other.
+  * The manager thread publishes this LM's progress row on every event and reads its action row
+    when the GM rings (a BELL on the GM's connection to this LM's socket; otherwise every
+    `GM_IDLE_S`): a Yield order sends up to Count idle workers a LEND (they connect to the
+    borrower's socket and report HOME when returned); lent workers get no tasks here meanwhile.
+    A lent worker that dies is restarted like any other.
   * Workers lent *to* this LM ("guests") arrive on its socket (`GMLink.accept`), get the ring, seed
     and spec, then take tiny-batches like local workers -- but only of the mini-batches submitted
     before they arrived (the iteration they were lent for). When none is left for a guest, it is
@@ -65,8 +66,7 @@ from fusionflow.scheduling import split_sorted
 
 log = logging.getLogger(__name__)
 PER_WORKER = 2  # tasks queued per worker: one running, one ready to start without a round trip
-GM_POLL_S = 0.002  # action-table poll while this LM has idle workers (it could lend them)
-GM_IDLE_S = 0.1  # otherwise: progress heartbeat, elastic target, GM liveness
+GM_IDLE_S = 0.1  # with a GM: progress heartbeat, elastic target and GM liveness at least this often
 
 
 class WorkerStartError(FusionFlowError):
@@ -142,6 +142,7 @@ class LocalManager:
         self.on_capacity_change = None  # callback(live worker count) under the lock, e.g. TAAS restart
         self.guests: list[_Worker] = []
         self.link = None  # GMLink when a global manager coordinates this job
+        self.bell = None  # the GM's connection to our socket (it rings when it writes us an order)
         self.lent_total = self.guests_total = self.lent_tasks = self.guest_tasks = 0
         self.completed_batches = 0
         self.capacity_changes = 0
@@ -329,6 +330,9 @@ class LocalManager:
                 pass
             g.conn.close()
         self.guests = []
+        if self.bell is not None:
+            self.bell.close()
+            self.bell = None
         if self.link is not None:
             self.link.close()
         workers = [w for w in self.workers if w is not None]
@@ -366,10 +370,13 @@ class LocalManager:
                     timeout = self._gm_step() if self.link is not None else 1.0
                     live = [w for w in self.workers if w is not None and w.alive]
                     guests = list(self.guests)
+                    bell = self.bell
                 waitables = [self._ctrl_r] + [w.conn for w in live] + [w.process.sentinel for w in live]
                 waitables += [g.conn for g in guests]
                 if self.link is not None:
                     waitables.append(self.link.listener)
+                if bell is not None:
+                    waitables.append(bell)
                 for ready in mp_wait(waitables, timeout=timeout):
                     if self._closed:
                         return
@@ -379,6 +386,9 @@ class LocalManager:
                         continue
                     if self.link is not None and ready is self.link.listener:
                         self._accept_guest()
+                        continue
+                    if ready is bell:
+                        self._drain_bell(bell)
                         continue
                     g = next((g for g in guests if ready is g.conn), None)
                     if g is not None:
@@ -471,7 +481,7 @@ class LocalManager:
             link.ack_yield(seq, done)
         else:
             self._publish()
-        return GM_POLL_S if any(w is not None and w.idle for w in self.workers) else GM_IDLE_S
+        return GM_IDLE_S
 
     def _retire_surplus(self) -> None:
         live = [w for w in self.workers if w is not None and not w.retiring]
@@ -515,6 +525,17 @@ class LocalManager:
             return
         with self.cond:
             self.guests.append(_Worker(None, None, conn))
+
+    def _drain_bell(self, bell) -> None:
+        """The GM rang: the loop's next `_gm_step` reads the order. A closed bell means the GM is gone."""
+        try:
+            while bell.poll():
+                bell.recv_bytes()
+        except (EOFError, OSError):
+            with self.cond:
+                if self.bell is bell:
+                    self.bell = None
+            bell.close()
 
     def _return_guest(self, g: _Worker) -> None:
         try:
@@ -628,7 +649,12 @@ class LocalManager:
             return
         if kind in (m.HELLO, m.NEED):
             return
-        if kind == m.LEAVING:  # its owner called it back (shutting down): what it had queued is not suspect
+        if kind == m.BELL:  # not a worker: the GM's doorbell
+            self.guests.remove(g)
+            if self.bell is not None:
+                self.bell.close()
+            self.bell = g.conn
+        elif kind == m.LEAVING:  # its owner called it back (shutting down): what it had queued is not suspect
             self.guests.remove(g)
             g.alive = False
             g.conn.close()

@@ -15,6 +15,8 @@ TASK, STOP, DONE, READY, FATAL = 1, 2, 3, 4, 5
 # socket: worker -> borrower HELLO, NEED; borrower -> worker SETUP, SPEC, RETURN. Rare control
 # messages: their small payload is pickled.
 LEND, HOME, HELLO, SETUP, NEED, SPEC, RETURN, LEAVING = 6, 7, 8, 9, 10, 11, 12, 13  # LEAVING: its owner called it back
+BELL = 14  # GM -> LM on the LM's socket: the first one says "this connection is the GM's doorbell", each
+           # later one "your action row has a new order" (no polling for orders in the training process)
 _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
 _ITEM = struct.Struct("<iq")  # position in the mini-batch, dataset index
 

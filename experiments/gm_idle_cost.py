@@ -1,0 +1,68 @@
+"""What joining a global manager costs a training process while its loader has nothing to do.
+
+A persistent FusionFlowLoader (1 worker) finishes an epoch, then the process sleeps; its CPU time
+over that window (all threads: the loader's manager thread is what could spend it) is compared with
+and without `global_manager`. Alternating, medians over repeats.
+
+    .venv/bin/python experiments/gm_idle_cost.py [--seconds 3] [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from fusionflow import FusionFlowLoader  # noqa: E402
+from fusionflow.synthetic import make_jpegs  # noqa: E402
+from results_io import RESULTS, provenance, write_json  # noqa: E402
+
+
+class Jpegs:
+    def __init__(self, data):
+        self.data, self.sizes = data, [len(d) for d in data]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i], 0
+
+
+def idle_cpu_percent(ds, job, seconds: float) -> float:
+    with FusionFlowLoader(ds, batch_size=8, num_workers=1, policy="randaugment", persistent_workers=True,
+                          global_manager=job) as loader:
+        for _ in loader:
+            pass
+        time.sleep(0.5)  # let the GM connect its doorbell
+        c0, t0 = time.process_time(), time.monotonic()
+        time.sleep(seconds)
+        return 100 * (time.process_time() - c0) / (time.monotonic() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=os.path.join(RESULTS, "gm_idle_cost.json"))
+    args = ap.parse_args()
+    ds = Jpegs(make_jpegs(16, 200, 400, seed=3))
+    runs = {"off": [], "on": []}
+    for rep in range(args.repeats):
+        for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+            job = None if mode == "off" else "idle-cost-" + secrets.token_hex(4)
+            runs[mode].append(idle_cpu_percent(ds, job, args.seconds))
+            print(f"repeat {rep + 1} {mode:>3}: {runs[mode][-1]:.2f}% of a core while idle", flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"median: without GM {med['off']:.2f}%, with GM {med['on']:.2f}% of a core")
+    write_json({**provenance(), "args": vars(args), "cpu_percent_median": med, "runs": runs}, args.out)
+
+
+if __name__ == "__main__":
+    main()
