@@ -45,6 +45,20 @@ def test_two_ranks_two_epochs_exactly_once(tmp_path):
     # (a lender counts a loan's tiny-batches when its worker is home: the last loan may not be yet)
     assert 0 < fast["lent_tiny_batches"] <= slow["borrowed_tiny_batches"]
     deadline = time.time() + 5  # the GM exits shortly after the last loader and unlinks its table
-    while ff_segments() != before and time.time() < deadline:
+    while (ff_segments() != before or gm_processes()) and time.time() < deadline:
         time.sleep(0.05)
     assert ff_segments() == before
+    assert not gm_processes()
+
+
+def gm_processes() -> list[int]:
+    """Global-manager processes of this user still running (any job)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"fusionflow.runtime.global_manager" in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
