@@ -25,6 +25,13 @@ its pid gone, say so once, and keep training with their own workers; the last LM
 Elastic capacity: `GlobalManagerClient(job).set_workers(n)` writes a worker target into the action
 rows; each LM starts or retires workers to match without blocking training, and its TAAS search
 starts over.
+
+Who owns the workers: each LM forks and owns its own; the GM owns none, it only moves them. (The
+issue sketched a GM that owns the node's workers.) Forked from their rank, workers inherit its
+dataset, worker_init_fn and imports for free; a GM-owned pool would need every rank's dataset
+shipped to one process before the first batch, and a GM crash would take every worker with it,
+where now it only stops lending. Each LM starting every iteration with its own `num_workers`
+is the issue's "equal share"; a lent worker returns when the borrower's iteration is complete.
 """
 from __future__ import annotations
 
@@ -148,6 +155,7 @@ class GlobalManager:
         try:
             conn = _connect(row.address.decode(), self.t.secret)
             conn.send_bytes(m.pack_control(m.BELL))
+            os.set_blocking(conn.fileno(), False)  # a bell an LM does not read never stalls this loop
         except Exception as exc:  # it left already, or is stuck: it reads its row every GM_IDLE_S anyway
             log.info("fusionflow GM: no doorbell for LM %d: %r", lm, exc)
             return
