@@ -81,6 +81,7 @@ class GlobalManager:
         self.pending_since = {}  # borrower -> since when some confirmed worker has not arrived
         self.counted_acks = {}  # lender -> yield seq whose ack is already counted in `sent`
         self.bells = {}  # row -> (registration number, connection to that LM's socket)
+        self.bell_retry = {}  # row -> (registration number, when to try connecting again)
         self.loans = 0
         self.checked_at = 0.0
 
@@ -103,11 +104,17 @@ class GlobalManager:
         rows = [_P(*r) for r in t.progress[live].tolist()]
         acts = [_A(*a) for a in t.action[live].tolist()]
         for lm, row in zip(live.tolist(), rows):  # a row taken over by a new LM starts with a clean slate
-            if self.reg.get(lm) != row.reg and row.address:  # (once it has published its socket)
+            if self.reg.get(lm) != row.reg:
                 self.reg[lm] = row.reg
                 for state in (self.sent, self.written_off, self.pending_since, self.counted_acks):
                     state.pop(lm, None)
-                self._hang_bell(lm, row)
+            if row.listening and self.bells.get(lm, (None,))[0] != row.reg:
+                retry = self.bell_retry.get(lm)
+                if retry is None or retry[0] != row.reg or now >= retry[1]:
+                    self._hang_bell(lm, row, now)
+        live_set = set(live.tolist())
+        for lm in [lm for lm, (reg, _) in self.bells.items() if self.reg.get(lm) != reg or lm not in live_set]:
+            self.bells.pop(lm)[1].close()  # that LM left
         for lm, act in zip(live.tolist(), acts):
             if act.yield_ack == act.yield_seq and act.yield_seq and self.counted_acks.get(lm) != act.yield_seq:
                 self.counted_acks[lm] = act.yield_seq
@@ -146,20 +153,23 @@ class GlobalManager:
             self._ring(loan.lender)
         return len(table)
 
-    def _hang_bell(self, lm: int, row) -> None:
-        """Connect to a newly registered LM's socket (its manager thread then sleeps until rung)."""
+    def _hang_bell(self, lm: int, row, now: float) -> None:
+        """Connect to a newly registered LM's socket (its manager thread then sleeps until rung);
+        on failure, try again in a second."""
         from fusionflow.runtime.worker import _connect
         old = self.bells.pop(lm, None)
         if old is not None:
             old[1].close()
+        self.bell_retry[lm] = (row.reg, now + 1.0)
         try:
             conn = _connect(row.address.decode(), self.t.secret)
             conn.send_bytes(m.pack_control(m.BELL))
             os.set_blocking(conn.fileno(), False)  # a bell an LM does not read never stalls this loop
         except Exception as exc:  # it left already, or is stuck: it reads its row every GM_IDLE_S anyway
-            log.info("fusionflow GM: no doorbell for LM %d: %r", lm, exc)
+            log.info("fusionflow GM: no doorbell for LM %d yet: %r", lm, exc)
             return
         self.bells[lm] = (row.reg, conn)
+        self.bell_retry.pop(lm, None)
 
     def _ring(self, lm: int) -> None:
         bell = self.bells.get(lm)

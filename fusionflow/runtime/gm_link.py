@@ -85,6 +85,8 @@ class GMLink:
         row["address"] = self.address.encode()
         row["ring"] = ring_name.encode()
         row["can_borrow"] = self.spec is not None
+        # `listening` stays 0 until the LM's manager thread serves the socket (`serving`): a GM or a
+        # lent worker knocking earlier would wait out its handshake timeout while workers start
 
     def _join(self):
         for _ in range(500):  # a closing GM unlinks its table within its linger time
@@ -154,6 +156,10 @@ class GMLink:
         return conn
 
     # ---------------------------------------------------------------- the tables
+    def serving(self) -> None:
+        """Called by the manager thread once it waits on the socket: peers may connect now."""
+        self.tables.progress[self.lm]["listening"] = 1
+
     def publish(self, **fields) -> None:
         row = self.tables.progress[self.lm]
         active = fields.pop("active_since", None)
@@ -183,7 +189,8 @@ class GMLink:
         a["yield_ack"] = seq  # last: the GM reads done only once the ack shows
 
     def peer_address(self, peer: int) -> str | None:
-        if not 0 <= peer < gt.MAX_LMS or self.tables.progress[peer]["state"] != gt.ACTIVE:
+        row = self.tables.progress[peer] if 0 <= peer < gt.MAX_LMS else None
+        if row is None or row["state"] != gt.ACTIVE or not row["listening"]:
             return None
         return bytes(self.tables.progress[peer]["address"]).decode() or None
 
@@ -226,7 +233,10 @@ class GMLink:
         with t.locked():
             t.progress[self.lm]["state"] = gt.FREE
             spawned_gone = self.gm_proc is not None and self.gm_proc.poll() is not None
-            orphaned = spawned_gone or not t.gm_alive()
+            # a GM that never claimed the table is not waited for by the last LM out: if it starts
+            # later, it finds no LM and lingers out
+            unclaimed_and_empty = t.gm_pid == 0 and not t.active_rows()
+            orphaned = spawned_gone or unclaimed_and_empty or not t.gm_alive()
             if orphaned:  # nobody reclaims dead LMs' rows and rings if we do not
                 t.reclaim_dead()
                 orphaned = not t.active_rows()

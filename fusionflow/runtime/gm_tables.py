@@ -55,6 +55,7 @@ PROGRESS = np.dtype([
     ("guests_total", "<i8"),  # borrowed workers ever accepted
     ("lent_total", "<i8"),  # own workers ever lent
     ("can_borrow", "<i1"),
+    ("listening", "<i1"),  # 1 once its manager thread serves `address` (written after the address)
     ("address", "S80"), ("ring", "S40"),
 ], align=True)
 ACTION = np.dtype([

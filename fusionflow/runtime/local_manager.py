@@ -364,6 +364,8 @@ class LocalManager:
     # ---------------------------------------------------------------- manager thread
     def _run(self) -> None:
         try:
+            if self.link is not None:
+                self.link.serving()  # the listener is in every wait below from now on
             while not self._closed:
                 with self.cond:
                     self._dispatch()

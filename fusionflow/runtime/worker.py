@@ -123,7 +123,10 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
                 except (EOFError, OSError):
                     raise _Orphaned from None  # the owner died while we were away
                 if kind == m.STOP:  # tell the borrower first: what it queued for us is not suspect
-                    bconn.send_bytes(m.pack_control(m.LEAVING))
+                    try:
+                        bconn.send_bytes(m.pack_control(m.LEAVING))
+                    except OSError:
+                        pass  # it closed meanwhile: nothing of ours is left there
                     raise _Stopped
             if bconn in ready:
                 msg = bconn.recv_bytes()
