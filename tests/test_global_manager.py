@@ -310,6 +310,27 @@ def test_lender_shutting_down_mid_loan_loses_nothing_at_the_borrower():
     assert a.stats.workers_borrowed > 0
 
 
+def test_lent_worker_killed_mid_task_loses_nothing_and_is_replaced_by_its_owner():
+    name = job()
+    a = make(Bytes(48, sleep=0.05), name, tiny_batch_size=1, batch_size=16)
+    b = make(Bytes(8), name)
+    collect(b)
+    it = iter(a)
+    got = next(it)[1].tolist()
+    mgr, victim = b._manager, []
+    assert wait_until(lambda: victim.extend(w for w in mgr.workers if w is not None and w.lent_to is not None)
+                      or bool(victim), timeout=20)
+    os.kill(victim[0].process.pid, signal.SIGKILL)  # while it runs one of a's samples (or is about to)
+    got += [i for _, y in it for i in y.tolist()]
+    assert got == list(range(48))  # its task went back to a's queue; nothing twice, nothing lost
+    b.set_epoch(1)
+    _, labels = collect(b)
+    assert ordered(labels) == list(range(8))
+    a.close()
+    b.close()
+    assert b.stats.worker_restarts == 1  # its owner replaced it
+
+
 def test_a_worker_never_waits_on_a_socket_nobody_serves():
     from multiprocessing import AuthenticationError
 
