@@ -334,14 +334,14 @@ def test_lent_worker_killed_mid_task_loses_nothing_and_is_replaced_by_its_owner(
 def test_a_worker_never_waits_on_a_socket_nobody_serves():
     from multiprocessing import AuthenticationError
 
-    from fusionflow.runtime.worker import _connect
+    from fusionflow.runtime.gm_link import connect
     address = "ff-test-" + secrets.token_hex(6)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + address)
     listener.listen(4)  # accepts into its backlog, never answers
     t0 = time.monotonic()
     with pytest.raises((OSError, EOFError, AuthenticationError)):
-        _connect(address, b"x" * 32)
+        connect(address, b"x" * 32)
     assert time.monotonic() - t0 < 5
     listener.close()
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from fusionflow.runtime import gm_tables as gt
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.gm_link import connect
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.scheduling.lending import Progress, plan_lending
 
@@ -156,13 +157,12 @@ class GlobalManager:
     def _hang_bell(self, lm: int, row, now: float) -> None:
         """Connect to a newly registered LM's socket (its manager thread then sleeps until rung);
         on failure, try again in a second."""
-        from fusionflow.runtime.worker import _connect
         old = self.bells.pop(lm, None)
         if old is not None:
             old[1].close()
         self.bell_retry[lm] = (row.reg, now + 1.0)
         try:
-            conn = _connect(row.address.decode(), self.t.secret)
+            conn = connect(row.address.decode(), self.t.secret)
             conn.send_bytes(m.pack_control(m.BELL))
             os.set_blocking(conn.fileno(), False)  # a bell an LM does not read never stalls this loop
         except Exception as exc:  # it left already, or is stuck: it reads its row every GM_IDLE_S anyway

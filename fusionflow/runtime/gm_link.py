@@ -63,6 +63,36 @@ def _sockopt_seconds(sock: socket.socket, opt: int, seconds: float) -> None:
     sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
 
 
+def set_receive_timeout(conn: Connection, seconds: float) -> None:
+    """Bound (0: unbound) every read on `conn`; a read that times out raises BlockingIOError."""
+    s = socket.socket(fileno=os.dup(conn.fileno()))  # options belong to the socket: set them through a dup
+    _sockopt_seconds(s, socket.SO_RCVTIMEO, seconds)
+    s.close()
+
+
+def connect(address: str, secret: bytes) -> Connection:
+    """Connect to an LM's socket (as a lent worker, or as the GM's doorbell) and authenticate both
+    ways, each step bounded by HANDSHAKE_S: a peer that does not serve its socket costs seconds, not
+    a hang."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(HANDSHAKE_S)
+        sock.connect("\0" + address)
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        set_receive_timeout(conn, HANDSHAKE_S)
+        answer_challenge(conn, secret)
+        deliver_challenge(conn, secret)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
 class GMLink:
     def __init__(self, job: str, ring_name: str, spec: bytes | None):
         self.job, self.name = job, gt.table_name(job)
@@ -77,9 +107,16 @@ class GMLink:
         self.spec_hash = hashlib.sha256(spec).digest()[:16] if spec is not None else None
         self.address = f"ff-{self.name[len(gt.PREFIX):]}-{self.lm}-{secrets.token_hex(6)}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind("\0" + self.address)
-        self.listener.listen(64)
-        self.listener.setblocking(False)
+        try:
+            self.listener.bind("\0" + self.address)
+            self.listener.listen(64)
+            self.listener.setblocking(False)
+        except BaseException:  # give the row back: an ACTIVE row of a live pid would keep the GM up
+            self.listener.close()
+            with self.tables.locked():
+                self.tables.progress[self.lm]["state"] = gt.FREE
+            self.tables.close()
+            raise
         _LISTENERS[self.listener.fileno()] = self.address
         row = self.tables.progress[self.lm]
         row["address"] = self.address.encode()
@@ -115,11 +152,8 @@ class GMLink:
     def _stale(t: gt.Tables) -> bool:
         """A table left by an earlier job under the same name whose GM died (e.g. torchrun reusing a
         run id and port): unlink it so this job starts its own. Closes `t` if so."""
-        from fusionflow.runtime.global_manager import START_S
         with t.locked():
-            pid = t.gm_pid
-            dead = (pid and not pid_alive(pid)) or (not pid and time.time() - float(t.header["created"][0]) > START_S)
-            stale = dead and not t.active_rows()
+            stale = not t.gm_alive() and not t.active_rows()
             if stale:
                 t.header["state"] = gt.CLOSING
                 t.unlink()
@@ -150,9 +184,7 @@ class GMLink:
             except NameError:
                 sock.close()
             return None
-        s = socket.socket(fileno=os.dup(conn.fileno()))  # options are the socket's: set them through a dup
-        _sockopt_seconds(s, socket.SO_RCVTIMEO, 0)
-        s.close()
+        set_receive_timeout(conn, 0)
         return conn
 
     # ---------------------------------------------------------------- the tables

@@ -15,15 +15,13 @@ import logging
 import os
 import random
 import signal
-import socket
-import struct
 import sys
 import traceback
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.gm_link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.shm import BatchRing, RingLayout, unlink
 
 WATCHDOG_S = 0.5
@@ -85,7 +83,7 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
     from fusionflow.ops.pipeline import CpuPipeline
     peer, address, secret, owner_lm = lend
     try:
-        bconn = _connect(address, secret)
+        bconn = connect(address, secret)
     except (OSError, EOFError, ConnectionError, AuthenticationError) as exc:  # the borrower left: nothing lost
         logging.getLogger(__name__).info("worker %d could not reach LM %d: %r", worker_id, peer, exc)
         return 0
@@ -110,7 +108,7 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
                 return 0
             spec_cache[spec_hash] = (dataset, pipe)
         ring = BatchRing(layout, ring_name)
-        _receive_timeout(bconn, 0)  # handshake done: from now on the borrower paces us
+        set_receive_timeout(bconn, 0)  # handshake done: from now on the borrower paces us
         bconn.send_bytes(m.pack_ready(worker_id))
         while True:
             ready = mp_wait([bconn, conn], WATCHDOG_S)
@@ -142,40 +140,10 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
             ring.close()
 
 
-def _receive_timeout(conn: Connection, seconds: float) -> None:
-    s = socket.socket(fileno=os.dup(conn.fileno()))  # socket options belong to the socket: set them via a dup
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(seconds), 0))
-    s.close()
-
-
-def _connect(address: str, secret: bytes) -> Connection:
-    """Connect to a borrower's socket and authenticate both ways, each step bounded by HANDSHAKE_S (a
-    borrower that has stopped serving its socket cannot keep this worker away from its owner)."""
-    from fusionflow.runtime.gm_link import HANDSHAKE_S
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(HANDSHAKE_S)
-        sock.connect("\0" + address)
-        sock.setblocking(True)
-        conn = Connection(sock.detach())
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        _receive_timeout(conn, HANDSHAKE_S)
-        answer_challenge(conn, secret)
-        deliver_challenge(conn, secret)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
 def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLayout, conn, seed: int,
                 base_seed: int, worker_init_fn, parent_pid: int, cpu: int | None,
                 spec_hash: bytes | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
-    from fusionflow.runtime.gm_link import close_inherited
     close_inherited()
     ring = None
     try:
