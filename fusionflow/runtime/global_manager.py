@@ -83,7 +83,6 @@ class GlobalManager:
         self.counted_acks = {}  # lender -> yield seq whose ack is already counted in `sent`
         self.bells = {}  # row -> (registration number, connection to that LM's socket)
         self.bell_retry = {}  # row -> (registration number, when to try connecting again)
-        self.loans = 0
         self.checked_at = 0.0
 
     def reclaim(self) -> None:
@@ -150,7 +149,6 @@ class GlobalManager:
             a["yield_seq"] = int(a["yield_seq"]) + 1  # written last: the order is complete
             b["borrow_peer"], b["borrow_count"] = loan.lender, loan.count
             b["borrow_seq"] = int(b["borrow_seq"]) + 1
-            self.loans += 1
             self._ring(loan.lender)
         return len(table)
 
@@ -232,7 +230,9 @@ class GlobalManagerClient:
             out.append({"lm": lm, "pid": int(row["pid"]), "iteration": int(row["iteration"]),
                         "waiting": int(row["waiting"]), "idle": int(row["idle"]), "workers": int(row["workers"]),
                         "lent": int(row["lent"]), "guests": int(row["guests"]),
-                        "lent_total": int(row["lent_total"]), "guests_total": int(row["guests_total"])})
+                        "lent_total": int(row["lent_total"]), "guests_total": int(row["guests_total"]),
+                        "orders_received": int(self.t.action[lm]["yield_seq"]),
+                        "borrow_notices": int(self.t.action[lm]["borrow_seq"])})
         return out
 
     def set_workers(self, workers: int, lm: int | None = None) -> None:

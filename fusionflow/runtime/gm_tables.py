@@ -39,7 +39,6 @@ MAX_LMS = 64
 MAX_ACTIVE = 64
 FREE, ACTIVE, CLOSED = 0, 1, 2  # progress row states
 OPEN, CLOSING = 0, 1  # header states
-YIELD = 1
 
 HEADER = np.dtype([("magic", "<u8"), ("state", "<i4"), ("gm_pid", "<i8"), ("gm_heartbeat", "<f8"),
                    ("created", "<f8"), ("secret", "S32"), ("registered_total", "<i8"),
