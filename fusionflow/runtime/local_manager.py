@@ -235,7 +235,7 @@ class LocalManager:
                     self.queues.pop(key, None)
                     return state
                 dead = [w.worker_id for w in self.workers if w is not None and not w.alive]
-                missing = self.target_workers - sum(1 for w in self.workers if w is not None and not w.retiring)
+                missing = self.target_workers - len(self._kept_workers())
                 if dead or missing > 0:
                     self.cond.release()
                     try:
@@ -295,11 +295,15 @@ class LocalManager:
         with self.cond:
             self._notify_capacity()
 
+    def _kept_workers(self) -> list[_Worker]:
+        """Own workers that count towards the target: not retiring (dead ones awaiting a restart count)."""
+        return [w for w in self.workers if w is not None and not w.retiring]
+
     def _notify_capacity(self) -> None:
         """The live worker count changed (lock held)."""
         self.capacity_changes += 1
         if self.on_capacity_change is not None:
-            self.on_capacity_change(sum(1 for w in self.workers if w is not None and not w.retiring))
+            self.on_capacity_change(len(self._kept_workers()))
 
     def _reap(self, wid: int) -> None:
         w = self.workers[wid]
@@ -486,7 +490,7 @@ class LocalManager:
         return GM_IDLE_S
 
     def _retire_surplus(self) -> None:
-        live = [w for w in self.workers if w is not None and not w.retiring]
+        live = self._kept_workers()
         surplus = len(live) - self.target_workers
         for w in reversed(live):
             if surplus <= 0:
@@ -507,7 +511,7 @@ class LocalManager:
         current = self._current_key()
         busy = [w for w in [*self.workers, *self.guests] if w is not None and w.alive and w.lent_to is None
                 and w.outstanding and (w.outstanding[0][1].generation, w.outstanding[0][1].seq) == current]
-        own = [w for w in self.workers if w is not None and w.alive and not w.retiring]
+        own = [w for w in self._kept_workers() if w.alive]
         self.link.publish(
             iteration=self.completed_batches,
             waiting=max(0, len(self.queues[current]) - self.reserved) if current is not None else 0,
@@ -540,13 +544,18 @@ class LocalManager:
             bell.close()
 
     def _return_guest(self, g: _Worker) -> None:
+        """Send a lent worker home (lock held)."""
         try:
             g.conn.send_bytes(m.pack_control(m.RETURN))
         except OSError:
             pass
-        g.conn.close()
+        self._drop_guest(g)
+
+    def _drop_guest(self, g: _Worker) -> None:
         g.alive = False
-        self.guests.remove(g)
+        g.conn.close()
+        if g in self.guests:
+            self.guests.remove(g)
 
     # ---------------------------------------------------------------- the two-ended queue (lock held)
     def take_cpu(self, upto=None) -> _Work | None:
@@ -657,12 +666,8 @@ class LocalManager:
                 self.bell.close()
             self.bell = g.conn
         elif kind == m.LEAVING:  # its owner called it back (shutting down): what it had queued is not suspect
-            self.guests.remove(g)
-            g.alive = False
-            g.conn.close()
-            self.requeue([work for _tid, work in g.outstanding
-                          if work.generation == self.generation and (work.generation, work.seq) in self.batches])
-            g.outstanding.clear()
+            self._drop_guest(g)
+            self._requeue_outstanding(g, "", suspect=False)
         elif kind == m.READY:
             self.guests_total += 1
             g.serve_upto = self._current_key()  # the iteration it was lent for
@@ -685,9 +690,7 @@ class LocalManager:
                 return
             w.alive = False
             if w.process is None:  # a guest's connection dropped: its owner restarts it if it died
-                if w in self.guests:
-                    self.guests.remove(w)
-                w.conn.close()
+                self._drop_guest(w)
                 if w.outstanding:
                     log.warning("fusionflow: worker %s lent to this loader left with %d tiny-batches; re-running them",
                                 w.worker_id, len(w.outstanding))
@@ -707,13 +710,14 @@ class LocalManager:
             log.warning("fusionflow CPU worker %d died (%s); restarting it", w.worker_id, how)
             self._requeue_outstanding(w, how)
 
-    def _requeue_outstanding(self, w: _Worker, how: str) -> None:
-        """Put a dead worker's tasks back (lock held); the one it was running is suspect."""
+    def _requeue_outstanding(self, w: _Worker, how: str, suspect: bool = True) -> None:
+        """Put a departed worker's tasks back (lock held); if it died (`suspect`), the one it was
+        running may be the cause: it counts a death and is retried sample by sample."""
         requeue = []
         for k, (_tid, work) in enumerate(w.outstanding):
             if work.generation != self.generation or (work.generation, work.seq) not in self.batches:
                 continue
-            if k == 0:  # the task it was running: the suspect
+            if k == 0 and suspect:  # the task it was running
                 work.deaths += 1
                 if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
                     requeue += [_Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths)
