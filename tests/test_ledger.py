@@ -46,6 +46,21 @@ def test_yield_borrow_release_reclaim(ledger):
     assert ledger.yield_blocks(FREE, 10**12) and ledger.totals()["lent_bytes"] == 106 * MIB  # slots reused
 
 
+def test_take_back_released_keeps_what_is_still_borrowed(ledger):
+    ledger.yield_blocks(FREE, 10**12)
+    held = ledger.borrow_block(30 * MIB)  # the 64 MiB block
+    done = ledger.borrow_block(MIB)  # the 2 MiB block, released below
+    ledger.release_block(done.address)
+    back = ledger.take_back_released()
+    assert sorted(b.size for b in back) == [2 * MIB, 20 * MIB, 20 * MIB]
+    assert ledger.totals() == {"lent_bytes": 64 * MIB, "borrowed_bytes": 64 * MIB}
+    assert ledger.take_back_released() == []
+    ledger.release_block(held.address)
+    assert [b.address for b in ledger.take_back_released()] == [held.address]
+    assert ledger.totals() == {"lent_bytes": 0, "borrowed_bytes": 0}
+    assert len(ledger.yield_blocks(FREE, 10**12)) == 4  # every record is free for reuse
+
+
 def test_ledger_full(ledger):
     with pytest.raises(RuntimeError, match="ledger full"):
         ledger.yield_blocks([Block(i, 1) for i in range(9)], 100)

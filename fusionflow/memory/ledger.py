@@ -11,6 +11,8 @@ process), lender pid, borrower pid. Protocol, one training step at a time:
   PyTorch side           reclaim(timeout)                   before the next step: wait until nothing
                                                             is BORROWED (a dead borrower's blocks are
                                                             taken back), then every record -> FREE
+                         take_back_released()               or, not waiting: LENT -> FREE now, what
+                                                            is still BORROWED stays lent
 
 The ledger is bookkeeping only: what a block *is* (from torch's caching allocator, an IPC handle)
 is the torch/DALI sides' business (fusionflow/memory, kernels/). One posix_ipc segment and one
@@ -133,6 +135,19 @@ class BlockLedger:
                 who = sorted({r[6] for _, r in held})
                 raise TimeoutError(f"{len(held)} lent GPU blocks still borrowed by pid(s) {who} after {timeout} s")
             time.sleep(poll)
+
+    def take_back_released(self) -> list[Block]:
+        """Take back, without waiting, every lent block no borrower holds (a dead borrower's
+        included); blocks still borrowed stay lent. The in-process bridge's close: DALI keeps the
+        blocks it still uses, the rest go back to PyTorch now."""
+        with self:
+            back = []
+            for i, r in self._records():
+                if r[0] == LENT or (r[0] == BORROWED and not pid_alive(r[6])):
+                    back.append(Block(r[3], r[2], r[1], r[4].rstrip(b"\0")))
+                    r[0], r[6] = FREE, 0
+                    self._write(i, r)
+            return back
 
     # ------------------------------------------------------------ DALI side
     def borrow_block(self, size: int) -> Block | None:
