@@ -14,6 +14,10 @@ Beyond DataLoader's arguments: `policy` (a shipped name, a YAML path or a dict),
 and the accelerator: `accelerator` (None -- CPU workers only, the default until the GPU path has
 been proven on a GPU --, "dali-gpu", "dali-cpu", or "auto": DALI on the GPU when device is CUDA),
 `gpu_sharing` ("auto", "temporal", "spatial", "off"), and the ablations `aot`, `taas`, `taas_last_k`.
+`memory_bridge` ("auto", "on", "off"): in temporal sharing, PyTorch lends its free cached GPU blocks
+to DALI for each prep window instead of DALI growing a pool of its own (fusionflow/memory/bridge.py);
+"auto" turns it on when the accelerator is DALI on the GPU and the native part builds, "on" makes
+that a requirement (an error says what is missing).
 `global_manager` ("auto": under torchrun with several local ranks, the ranks' loaders lend idle CPU
 workers to each other through one global manager per node; a string: join that named job, e.g.
 train and validation loaders of one process; None: no lending) -- see runtime/global_manager.py.
@@ -48,6 +52,7 @@ log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
 SHARING = ("auto", "temporal", "spatial", "off")
+BRIDGE = ("auto", "on", "off")
 
 
 def _has_dali() -> bool:
@@ -82,6 +87,12 @@ class LoaderStats:
     lent_tiny_batches: int = 0  # tiny-batches this loader's workers ran for others
     borrowed_tiny_batches: int = 0  # tiny-batches of this loader that borrowed workers ran
     worker_count_changes: int = 0  # elastic resizes applied (GlobalManagerClient.set_workers)
+    memory_bridge: str | None = None  # "on", or "off: <why>"
+    bridge_windows: int = 0  # prep windows in which PyTorch lent blocks to DALI
+    bridge_lent_bytes: int = 0  # most bytes lent in one window
+    bridge_borrowed_bytes: int = 0  # most bytes DALI had allocated from lent blocks at once
+    bridge_fallback_bytes: int = 0  # bytes DALI took from its own pool inside windows
+    bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
 
     def summary(self) -> dict:
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
@@ -96,12 +107,15 @@ class LoaderStats:
                 "taas_k_last": self.taas_k[-1] if self.taas_k else None,
                 "global_manager": self.global_manager, "workers_lent": self.workers_lent,
                 "workers_borrowed": self.workers_borrowed, "lent_tiny_batches": self.lent_tiny_batches,
-                "borrowed_tiny_batches": self.borrowed_tiny_batches}
+                "borrowed_tiny_batches": self.borrowed_tiny_batches, "memory_bridge": self.memory_bridge,
+                "bridge_windows": self.bridge_windows, "bridge_lent_bytes": self.bridge_lent_bytes,
+                "bridge_borrowed_bytes": self.bridge_borrowed_bytes,
+                "bridge_fallback_bytes": self.bridge_fallback_bytes, "bridge_pinned_bytes": self.bridge_pinned_bytes}
 
     def reset(self) -> None:
-        keep = self.startup_seconds
+        keep = self.startup_seconds, self.memory_bridge
         self.__init__()
-        self.startup_seconds = keep
+        self.startup_seconds, self.memory_bridge = keep
 
 
 def _usable_cpus() -> int:
@@ -116,7 +130,7 @@ class FusionFlowLoader:
                  persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None, seed: int = 0,
                  device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True,
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
-                 taas_last_k: bool = True, global_manager: str | None = "auto"):
+                 taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto"):
         # ---- validation: every message names the value and the fix
         if collate_fn is not None:
             raise ValueError("collate_fn is not supported: FusionFlowLoader writes samples straight into one "
@@ -191,6 +205,16 @@ class FusionFlowLoader:
             raise ValueError(f"accelerator={accelerator!r} shares mini-batches with CPU workers: use num_workers >= 1")
         if gpu_sharing == "off":
             accelerator = None
+        if memory_bridge not in BRIDGE:
+            raise ValueError(f"memory_bridge={memory_bridge!r} must be one of {BRIDGE}")
+        if memory_bridge == "on" and accelerator != "dali-gpu":
+            raise ValueError(f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
+                             f"accelerator={accelerator!r} (device={device!r}, gpu_sharing={gpu_sharing!r}): use "
+                             "accelerator='dali-gpu' with a CUDA device, or memory_bridge='auto'/'off'")
+        if memory_bridge == "on" and gpu_sharing == "spatial":
+            raise ValueError("memory_bridge='on' needs prep to run between training steps, when PyTorch's blocks "
+                             "are free, but gpu_sharing='spatial' runs it during them: use gpu_sharing='temporal' "
+                             "or 'auto', or memory_bridge='off'")
         if global_manager is not None and not isinstance(global_manager, str):
             raise ValueError(f"global_manager={global_manager!r} must be 'auto', a job name (str) or None")
         if global_manager == "auto":
@@ -202,6 +226,15 @@ class FusionFlowLoader:
         self.job = global_manager if num_workers > 0 else None
         self.accelerator, self.gpu_sharing, self.aot = accelerator, gpu_sharing, aot
         self.taas, self.taas_last_k = taas, taas_last_k
+        self.memory_bridge = memory_bridge
+        self._bridge = None
+        self._window_open = False
+        why_off = ("memory_bridge='off'" if memory_bridge == "off" else
+                   "no DALI GPU accelerator" if accelerator != "dali-gpu" else
+                   "gpu_sharing='spatial'" if gpu_sharing == "spatial" else None)
+        if why_off is None and memory_bridge == "on":
+            from fusionflow.memory import native
+            native.build_bridge()  # fail now, naming what is missing, rather than at the first batch
 
         self.dataset, self.batch_sampler = dataset, batch_sampler
         self.sampler = getattr(batch_sampler, "sampler", sampler)
@@ -216,6 +249,7 @@ class FusionFlowLoader:
             self.pin_memory = False
         self.sizes = getattr(dataset, "sizes", None)
         self.stats = LoaderStats()
+        self.stats.memory_bridge = None if why_off is None else f"off: {why_off}"
         self._epoch, self._epoch_set, self._iterations = 0, False, 0
         self._manager: LocalManager | None = None
         self._active_generation = None
@@ -227,8 +261,9 @@ class FusionFlowLoader:
                                              "worker_count_changes"), 0)
         self._device_ring = None
         self._profiler = None  # gpu_sharing="auto" on a GPU
-        # the manager lives in a box the finalizer holds, so it runs at exit or collection without self
-        self._box = [None]
+        # the manager (and the allocator bridge) live in a box the finalizer holds, so it runs at exit or
+        # collection without self
+        self._box = [None, None]
         self._finalizer = weakref.finalize(self, _shutdown_manager, self._box)
 
     # ---------------------------------------------------------------- DataLoader surface
@@ -259,8 +294,13 @@ class FusionFlowLoader:
         self.close()
 
     def close(self) -> None:
-        """Stop workers and release shared memory now. The loader can be iterated again after."""
+        """Stop workers, return lent GPU blocks and release shared memory now. The loader can be
+        iterated again after."""
         self._stop_manager()
+        bridge, self._bridge = self._bridge, None
+        self._box[1] = None
+        if bridge is not None:
+            bridge.shutdown()
 
     # ---------------------------------------------------------------- internals
     def _ensure_manager(self) -> LocalManager:
@@ -299,6 +339,8 @@ class FusionFlowLoader:
         from fusionflow.scheduling.taas import KSearch
 
         on_gpu = self.accelerator == "dali-gpu"
+        if on_gpu and self.stats.memory_bridge is None and self._bridge is None:
+            self._start_bridge()  # before any DALI pipeline exists, so all of DALI's memory passes through it
         device_ring = None
         if on_gpu:
             from fusionflow.runtime.device_ring import DeviceRing
@@ -322,19 +364,60 @@ class FusionFlowLoader:
         mgr.on_batch_done = on_batch_done
         mgr.on_capacity_change = lambda n: search.restart()  # the CPU side's speed changed: search K again
         mgr.accelerator = accel
+        accel.bridge = self._bridge
         self._device_ring = device_ring
         if on_gpu and self.gpu_sharing == "auto":
             from fusionflow.runtime.accelerator import SharingProfiler
             self._profiler = SharingProfiler(accel)
         accel.start()
 
+    def _start_bridge(self) -> None:
+        from fusionflow.memory.bridge import MemoryBridge
+        from fusionflow.memory.native import NativeBuildError
+        try:
+            self._bridge = MemoryBridge(self.device)
+        except NativeBuildError as exc:
+            if self.memory_bridge == "on":
+                raise
+            log.warning("memory_bridge='auto': the allocator bridge is off, DALI keeps its own GPU pool (%s)", exc)
+            self.stats.memory_bridge = f"off: {exc}"
+            return
+        self._box[1] = self._bridge
+        self.stats.memory_bridge = "on"
+
+    def _open_window(self, mgr: LocalManager) -> None:
+        """Temporal sharing with the bridge: the accelerator may work (and borrow) from now on."""
+        accel = mgr.accelerator
+        if self._bridge is None or accel is None or accel.bridge is None or accel.sharing != "temporal":
+            return
+        with mgr.cond:
+            self._bridge.arm(torch.cuda.current_stream(self.device))
+            accel.window_open = self._window_open = True
+            mgr.cond.notify_all()
+
+    def _close_window(self, mgr: LocalManager) -> None:
+        """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
+        if not self._window_open:
+            return
+        accel = mgr.accelerator
+        with mgr.cond:
+            self._window_open = False
+            if accel is not None:
+                accel.window_open = False
+                accel.wait_idle()
+        self._bridge.close()
+
     def _stop_manager(self) -> None:
         mgr, self._manager = self._manager, None
         self._box[0] = None
         if mgr is not None:
+            self._close_window(mgr)
             self._sync_stats(mgr)
             self._counts_before = {k: getattr(self.stats, k) for k in self._counts_before}
             mgr.shutdown()
+            if self._bridge is not None:
+                self._bridge.close()  # the DALI pipelines are gone: what they held goes back now
+                self._sync_bridge()
 
     def _deliver(self, images: np.ndarray, labels: np.ndarray):
         """Turn a filled batch (views into the ring or a local buffer) into tensors the caller owns."""
@@ -363,6 +446,14 @@ class FusionFlowLoader:
         for key, base in self._counts_before.items():
             setattr(self.stats, key, base + now.get(key, 0))
         self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
+        self._sync_bridge()
+
+    def _sync_bridge(self) -> None:
+        if self._bridge is not None:
+            b = self._bridge.stats
+            self.stats.bridge_windows, self.stats.bridge_lent_bytes = b.windows, b.lent_bytes
+            self.stats.bridge_borrowed_bytes, self.stats.bridge_fallback_bytes = b.borrowed_bytes, b.fallback_bytes
+            self.stats.bridge_pinned_bytes = b.pinned_bytes
 
     def _mark_step(self, mgr: LocalManager) -> None:
         """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
@@ -473,7 +564,11 @@ class FusionFlowLoader:
                     refill()
                 t0 = time.perf_counter()
                 self._mark_step(mgr)
-                state = mgr.wait(delivered, gen, self.timeout)
+                self._open_window(mgr)
+                try:
+                    state = mgr.wait(delivered, gen, self.timeout)
+                finally:
+                    self._close_window(mgr)
                 wait = time.perf_counter() - t0
                 n = state.size
                 keep = self._select(range(n), state.failures)
@@ -505,7 +600,9 @@ class FusionFlowLoader:
 
 
 def _shutdown_manager(box) -> None:
-    mgr = box[0]
-    box[0] = None
+    mgr, bridge = box
+    box[0] = box[1] = None
     if mgr is not None:
         mgr.shutdown()
+    if bridge is not None:
+        bridge.shutdown()

@@ -50,7 +50,7 @@ class Bytes:
 
 
 def ff_segments():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith("ff_"))
+    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(("ff_", "ffl_", "sem.ff")))
 
 
 def collect(loader):

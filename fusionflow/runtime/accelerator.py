@@ -13,6 +13,11 @@ back to the queue marked CPU-only; the CPU workers then produce it or report the
 Sharing the GPU with training (device="gpu"): in `temporal` mode the thread waits, on the CUDA
 event the loader records at every next(), for the training work queued before it to finish before
 it starts a tiny-batch; in `spatial` mode it runs concurrently.
+
+With the allocator bridge (`bridge`, temporal mode only) the thread works only inside the loader's
+prep window -- from the start of next() until the mini-batch is ready -- because that is when
+PyTorch's free blocks are lent to DALI; before its first tiny-batch of a window it asks the bridge
+to lend. The loader closes a window only once the tiny-batch in flight is done (`wait_idle`).
 """
 from __future__ import annotations
 
@@ -44,6 +49,8 @@ class AcceleratorWorker:
         self.tiny_batches = 0
         self.given_back = 0
         self.step_event = None  # set by the loader at each next() (temporal sharing)
+        self.bridge = None  # MemoryBridge, set by the loader (memory_bridge on)
+        self.window_open = False  # the loader's prep window (only consulted while gated)
         self._active = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
@@ -54,6 +61,16 @@ class AcceleratorWorker:
     def busy_with_stale(self, generation: int) -> bool:
         work = self._active
         return work is not None and work.generation != generation
+
+    @property
+    def gated(self) -> bool:
+        return self.bridge is not None and self.sharing == "temporal"
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Under mgr.cond: wait for the tiny-batch in flight (if any) to finish."""
+        deadline = time.monotonic() + timeout
+        while self._active is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            self.mgr.cond.wait(0.05)
 
     def stop(self) -> None:
         with self.mgr.cond:
@@ -67,7 +84,8 @@ class AcceleratorWorker:
         mgr = self.mgr
         while True:
             with mgr.cond:
-                while not self._stop and (mgr.draining() or (work := mgr.take_accel(self.largest_first)) is None):
+                while not self._stop and (mgr.draining() or (self.gated and not self.window_open)
+                                          or (work := mgr.take_accel(self.largest_first)) is None):
                     mgr.cond.wait(0.5)
                 if self._stop:
                     return
@@ -79,6 +97,7 @@ class AcceleratorWorker:
                 ok = False
             with mgr.cond:
                 self._active = None
+                mgr.cond.notify_all()  # a loader closing its prep window waits for this
                 if ok:
                     self.tiny_batches += 1
                     mgr.complete(work, [], on_accelerator=True)
@@ -102,6 +121,12 @@ class AcceleratorWorker:
             self.builds += 1
         if self.sharing == "temporal" and self.step_event is not None:
             self.step_event.synchronize()  # training work queued before the last next() is done
+        if self.gated:
+            try:
+                self.bridge.lend(self.tiny_batches)
+            except Exception:  # DALI still has its own pool: carry on without the bridge
+                log.exception("allocator bridge failed to lend; continuing without it")
+                self.bridge = None
         from fusionflow.errors import DecodeError
         try:
             out = pipeline.run(samples, list(work.indices), self.seed, work.epoch)

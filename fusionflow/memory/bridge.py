@@ -1,0 +1,133 @@
+"""The allocator bridge: PyTorch lends its free cached GPU blocks to DALI for the prep window of
+each iteration and takes them back before the training step needs them (temporal GPU sharing).
+
+Route (see issue 6): DALI runs in the training process (the accelerator thread), so the bridge is
+a DALI device memory resource (kernels/dali_bridge_resource.cc, installed with the stock
+libdali_core's SetDefaultDeviceResource) that serves DALI's allocations from the lent blocks and
+passes the rest to DALI's own pool. The lent blocks are recorded in a `BlockLedger` (POSIX shared
+memory), which is where another process (`python -m fusionflow`, a borrower in another process)
+reads what is lent.
+
+One window, driven by the loader at every next() in temporal mode:
+  arm(stream)     the training thread has queued its step; `stream` is its current CUDA stream
+  lend()          (accelerator thread, before its first tiny-batch of the window) PyTorch's free
+                  blocks -> ledger LENT -> ledger BORROWED by DALI -> the native resource
+  close()         (training thread, once the mini-batch is ready, before anything is allocated
+                  for it) the native resource stops serving, PyTorch's stream is ordered after
+                  DALI's streams, every block DALI no longer uses goes back to PyTorch; a block
+                  DALI still holds stays lent ("pinned") and goes back at a later close
+  shutdown()      after the DALI pipelines are gone: a last close, then the ledger is unlinked
+
+Release path for lent blocks: close() (every window) and shutdown(); a block pinned at shutdown
+stays allocated inside PyTorch's allocator (never freed under DALI) and is reported.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from fusionflow.memory import native
+from fusionflow.memory.ledger import Block, BlockLedger
+
+log = logging.getLogger(__name__)
+WARMUP_TINY_BATCHES = 2  # DALI's lasting buffers (decoder state, ...) go to its own pool first
+
+
+@dataclass
+class BridgeStats:
+    windows: int = 0  # prep windows in which blocks were lent
+    lent_bytes: int = 0  # most bytes lent in one window
+    borrowed_bytes: int = 0  # most bytes DALI had allocated from lent blocks at once
+    fallback_bytes: int = 0  # bytes DALI took from its own pool during windows (lent blocks did not fit)
+    pinned_bytes: int = 0  # lent bytes DALI still held at the last close
+    lend_seconds: float = 0.0  # time spent lending and taking back, all windows
+    refused: int = 0  # lends undone because PyTorch would have had to reserve more
+
+
+class MemoryBridge:
+    def __init__(self, device, budget: int | None = None, warmup: int = WARMUP_TINY_BATCHES):
+        import torch
+
+        from fusionflow.memory.torch_side import TorchLender
+        self.torch = torch
+        self.device = torch.device(device)
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.lib = native.load_bridge()
+        native.call(self.lib.ff_bridge_install, self.index)
+        self.lender = TorchLender(self.device)
+        self.ledger = BlockLedger(capacity=4096)
+        self.budget, self.warmup = budget, warmup
+        self.stats = BridgeStats()
+        self._lock = threading.Lock()
+        self._stream = None  # the training stream of the armed window
+        self._lent_now = False
+        self._held: dict[int, Block] = {}  # address -> block lent and not yet taken back
+
+    # ------------------------------------------------------------ window
+    def arm(self, stream) -> None:
+        with self._lock:
+            self._stream = stream
+
+    def lend(self, tiny_batches_done: int) -> None:
+        """Lend for the armed window, once; a no-op during warm-up or when nothing is armed."""
+        with self._lock:
+            if self._stream is None or self._lent_now or tiny_batches_done < self.warmup:
+                return
+            t0 = time.perf_counter()
+            native.call(self.lib.ff_bridge_open, self.index, self._stream.cuda_stream)
+            blocks = self.lender.lend(self.budget, self._stream)
+            self.stats.refused = self.lender.refused
+            if blocks:
+                self.ledger.yield_blocks(blocks, sum(b.size for b in blocks))
+                for _ in blocks:
+                    b = self.ledger.borrow_block(1)
+                    native.call(self.lib.ff_bridge_lend, self.index, b.address, b.size)
+                    self._held[b.address] = b
+                self.stats.windows += 1
+                self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in self._held.values()))
+            self._lent_now = True
+            self.stats.lend_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """End the window: give PyTorch back every block DALI is done with."""
+        with self._lock:
+            stream, self._stream = self._stream, None
+            if not self._lent_now and not self._held:
+                return
+            self._lent_now = False
+            t0 = time.perf_counter()
+            if stream is None:
+                stream = self.torch.cuda.current_stream(self.index)
+            n = len(self._held)
+            bases, sizes = (ctypes.c_uint64 * max(n, 1))(), (ctypes.c_uint64 * max(n, 1))()
+            back = native.call(self.lib.ff_bridge_close, self.index, stream.cuda_stream, bases, sizes, max(n, 1))
+            for i in range(back):
+                self.ledger.release_block(bases[i])
+            returned = self.ledger.take_back_released()
+            for b in returned:
+                del self._held[b.address]
+            self.lender.take_back(returned)
+            out = (ctypes.c_uint64 * 7)()
+            native.call(self.lib.ff_bridge_stats, self.index, out)
+            self.stats.borrowed_bytes = max(self.stats.borrowed_bytes, out[2])
+            self.stats.fallback_bytes += out[6]
+            self.stats.pinned_bytes = sum(b.size for b in self._held.values())
+            self.stats.lend_seconds += time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        """Call after the DALI pipelines are destroyed: return everything, unlink the ledger."""
+        self.close()
+        if self._held:
+            log.warning("allocator bridge: %d bytes lent to DALI are still in use at shutdown; they stay "
+                        "allocated in PyTorch's cache until the process exits", self.stats.pinned_bytes)
+        self.ledger.close()
+
+    def summary(self) -> dict:
+        s = self.stats
+        return {"bridge_windows": s.windows, "bridge_lent_bytes": s.lent_bytes,
+                "bridge_borrowed_bytes": s.borrowed_bytes, "bridge_fallback_bytes": s.fallback_bytes,
+                "bridge_pinned_bytes": s.pinned_bytes, "bridge_lend_seconds": round(s.lend_seconds, 4),
+                "bridge_refused": s.refused}

@@ -1,0 +1,81 @@
+"""The allocator bridge, PyTorch side: find the blocks PyTorch's caching allocator holds free, take
+them out of its cache for a prep window (so nothing in PyTorch can be handed them meanwhile), and
+put them back after.
+
+Lending a block = asking the caching allocator for exactly that block's size on the stream its
+segment belongs to: the allocator serves it from its free cache, without cudaMalloc. The reserved
+byte count is checked around each request; if it grew (the allocator rounded the size up, say,
+and had to map a new segment), that allocation is given back at once and lending stops for the
+window, so the bridge never makes PyTorch reserve more than it had.
+
+Only the large pool is lent (blocks of >= 2 MiB by default: what DALI's batch buffers need), and
+only non-expandable segments (expandable segments map and unmap pages under the allocator's own
+control).
+"""
+from __future__ import annotations
+
+import logging
+
+from fusionflow.memory.ledger import Block, select_blocks
+
+log = logging.getLogger(__name__)
+MIN_BLOCK = 2 << 20
+
+
+def free_cached_blocks(segments: list[dict], device: int, stream: int, min_block: int = MIN_BLOCK) -> list[Block]:
+    """Free ("inactive") blocks of at least `min_block` bytes in the large-pool, non-expandable
+    segments of `device` that belong to `stream`, from `torch.cuda.memory_snapshot()`. Pure."""
+    out = []
+    for seg in segments:
+        if (seg.get("device") != device or seg.get("stream") != stream or seg.get("segment_type") != "large"
+                or seg.get("is_expandable")):
+            continue
+        address = seg["address"]
+        for blk in seg["blocks"]:
+            start = blk.get("address", address)  # older snapshots: blocks are contiguous from the segment start
+            if blk["state"] == "inactive" and blk["size"] >= min_block:
+                out.append(Block(start, blk["size"], device))
+            address = start + blk["size"]
+    return out
+
+
+def snapshot() -> list[dict]:
+    import torch
+    try:
+        return torch.cuda.memory_snapshot(include_traces=False)  # no stack traces: cheap
+    except TypeError:  # older torch
+        return torch.cuda.memory_snapshot()
+
+
+class TorchLender:
+    """Takes free cached blocks out of PyTorch's caching allocator on one device and puts them back."""
+
+    def __init__(self, device, min_block: int = MIN_BLOCK):
+        import torch
+        self.torch = torch
+        self.device = torch.device(device)
+        self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        self.min_block = min_block
+        self.refused = 0  # lends undone because the allocator would have reserved new memory
+
+    def lend(self, budget: int | None, stream) -> list[Block]:
+        """Lend free cached blocks of `stream`, largest first, up to `budget` bytes (None: all)."""
+        cuda = self.torch.cuda
+        free = free_cached_blocks(snapshot(), self.index, stream.cuda_stream, self.min_block)
+        chosen = select_blocks(free, sum(b.size for b in free) if budget is None else budget)
+        lent = []
+        for block in chosen:
+            before = cuda.memory_reserved(self.index)
+            ptr = cuda.caching_allocator_alloc(block.size, self.index, stream)
+            if cuda.memory_reserved(self.index) > before:
+                cuda.caching_allocator_delete(ptr)
+                self.refused += 1
+                log.info("allocator bridge: a %d-byte request would have grown PyTorch's reservation; "
+                         "stopped lending for this window", block.size)
+                break
+            lent.append(Block(ptr, block.size, self.index))
+        return lent
+
+    def take_back(self, blocks: list[Block]) -> None:
+        for block in blocks:
+            self.torch.cuda.caching_allocator_delete(block.address)

@@ -1,0 +1,155 @@
+"""The allocator bridge end to end: PyTorch side (snapshot parsing, lending), the native DALI
+resource (builds and loads against the stock DALI wheel here; serves DALI on a GPU), and the
+loader's `memory_bridge` argument. GPU tests are marked and skipped without one."""
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.memory import native
+from fusionflow.memory.torch_side import MIN_BLOCK, free_cached_blocks
+from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
+
+MIB = 1 << 20
+
+
+def segment(address, blocks, stream=0, device=0, kind="large", expandable=False, with_addresses=True):
+    out, cur = [], address
+    for size, state in blocks:
+        b = {"size": size, "state": state, "requested_size": size}
+        if with_addresses:
+            b["address"] = cur
+        out.append(b)
+        cur += size
+    return {"device": device, "address": address, "total_size": cur - address, "stream": stream,
+            "segment_type": kind, "is_expandable": expandable, "blocks": out}
+
+
+@pytest.mark.parametrize("with_addresses", [True, False])
+def test_free_cached_blocks_from_a_snapshot(with_addresses):
+    segs = [
+        segment(0x10000000, [(20 * MIB, "active_allocated"), (8 * MIB, "inactive"), (MIB, "inactive"),
+                             (4 * MIB, "active_pending_free"), (6 * MIB, "inactive")], with_addresses=with_addresses),
+        segment(0x20000000, [(10 * MIB, "inactive")], stream=77),  # another stream's pool
+        segment(0x30000000, [(10 * MIB, "inactive")], device=1),
+        segment(0x40000000, [(MIB, "inactive")], kind="small"),
+        segment(0x50000000, [(10 * MIB, "inactive")], expandable=True),
+    ]
+    got = free_cached_blocks(segs, device=0, stream=0)
+    assert [(b.address, b.size) for b in got] == [(0x10000000 + 20 * MIB, 8 * MIB),
+                                                   (0x10000000 + 33 * MIB, 6 * MIB)]
+    assert MIN_BLOCK == 2 * MIB  # the 1 MiB block was left out because of it
+    assert [b.address for b in free_cached_blocks(segs, device=0, stream=77)] == [0x20000000]
+
+
+def test_bridge_library_builds_against_the_stock_dali_wheel():
+    """The native resource compiles and links against libdali_core's SetDefaultDeviceResource; without
+    a GPU, installing it fails with CUDA's reason instead of crashing."""
+    lib = native.load_bridge()
+    assert native.build_bridge().exists()
+    if not torch.cuda.is_available():
+        with pytest.raises(native.BridgeError, match="ff_bridge_install: cuda"):
+            native.call(lib.ff_bridge_install, 0)
+    with pytest.raises(native.BridgeError, match="not installed on device 7"):
+        native.call(lib.ff_bridge_open, 7, 0)
+
+
+def test_build_failure_names_the_missing_piece(tmp_path, monkeypatch):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("FUSIONFLOW_CACHE", str(tmp_path))
+    with pytest.raises(native.NativeBuildError, match="no-such-compiler could not run"):
+        native.build_arena()
+    monkeypatch.setattr(native, "KERNELS", tmp_path / "nowhere")
+    with pytest.raises(native.NativeBuildError, match="from a source checkout"):
+        native.build_arena()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"memory_bridge": "sometimes"}, r"memory_bridge='sometimes' must be one of"),
+    ({"memory_bridge": "on"}, r"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
+                              r"accelerator=None"),
+    ({"memory_bridge": "on", "accelerator": "dali-cpu"}, r"accelerator='dali-cpu'.*use accelerator='dali-gpu'"),
+])
+def test_invalid_bridge_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, **kwargs)
+
+
+def test_auto_is_off_with_its_reason_and_training_is_unchanged():
+    ld = FusionFlowLoader(Bytes(16), batch_size=4, num_workers=1, policy=SMALL, tiny_batch_size=2,
+                          accelerator="dali-cpu")
+    _, labels = collect(ld)
+    assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
+    assert ld.stats.memory_bridge == "off: no DALI GPU accelerator"
+    assert ld.stats.summary()["bridge_lent_bytes"] == 0
+    ld.close()
+
+
+# ---------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_lender_takes_free_cached_blocks_without_reserving_more():
+    from fusionflow.memory.torch_side import TorchLender
+    dev = torch.device("cuda:0")
+    x = [torch.empty(s * MIB, dtype=torch.uint8, device=dev) for s in (64, 32, 8)]
+    del x
+    reserved, allocated = torch.cuda.memory_reserved(dev), torch.cuda.memory_allocated(dev)
+    lender = TorchLender(dev)
+    stream = torch.cuda.current_stream(dev)
+    blocks = lender.lend(None, stream)
+    assert sum(b.size for b in blocks) >= 100 * MIB
+    assert torch.cuda.memory_reserved(dev) == reserved
+    assert torch.cuda.memory_allocated(dev) == allocated + sum(b.size for b in blocks)
+    y = torch.empty(8 * MIB, dtype=torch.uint8, device=dev)  # PyTorch cannot be handed a lent block
+    assert all(not (b.address <= y.data_ptr() < b.address + b.size) for b in blocks)
+    del y
+    lender.take_back(blocks)
+    assert torch.cuda.memory_allocated(dev) == allocated
+
+
+@pytest.mark.gpu
+def test_dali_runs_in_lent_blocks_and_gives_them_back():
+    from fusionflow.memory.bridge import MemoryBridge
+    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+    dev = torch.device("cuda:0")
+    bridge = MemoryBridge(dev, warmup=0)  # installed before the pipeline exists
+    ds = Bytes(16)
+    pipe = DaliPolicyPipeline(SMALL, 8, device="gpu", device_id=0)
+    ref = [np.asarray(pipe.run_numpy(ds.data[i:i + 8], list(range(i, i + 8)), seed=3)) for i in (0, 8)]
+    x = torch.empty(1024 * MIB, dtype=torch.uint8, device=dev)
+    del x
+    reserved = torch.cuda.memory_reserved(dev)
+    for i, want in zip((0, 8), ref):
+        bridge.arm(torch.cuda.current_stream(dev))
+        bridge.lend(tiny_batches_done=99)
+        got = pipe.run_numpy(ds.data[i:i + 8], list(range(i, i + 8)), seed=3)
+        bridge.close()
+        assert np.array_equal(got, want)  # same output from lent memory
+    assert bridge.stats.windows == 2 and bridge.stats.lent_bytes >= 512 * MIB
+    assert bridge.stats.borrowed_bytes > 0  # DALI really allocated from the lent blocks
+    assert torch.cuda.memory_reserved(dev) == reserved
+    pipe.close()
+    del pipe
+    bridge.shutdown()
+    assert bridge.stats.pinned_bytes == 0
+    assert not os.path.exists("/dev/shm" + bridge.ledger.name)
+
+
+@pytest.mark.gpu
+def test_loader_with_bridge_delivers_every_sample_once():
+    ds = Bytes(48)
+    ld = FusionFlowLoader(ds, batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda:0",
+                          accelerator="dali-gpu", gpu_sharing="temporal", memory_bridge="on", seed=4,
+                          persistent_workers=True)
+    x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda:0")  # something for PyTorch to lend
+    del x
+    for epoch in (0, 1):
+        ld.set_epoch(epoch)
+        _, labels = collect(ld)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(48))
+    s = ld.stats
+    assert s.memory_bridge == "on" and s.accelerator_tiny_batches > 0
+    assert s.bridge_windows > 0 and s.bridge_lent_bytes > 0 and s.bridge_borrowed_bytes > 0
+    ld.close()
+    assert ld.stats.bridge_pinned_bytes == 0
