@@ -93,6 +93,7 @@ class LoaderStats:
     bridge_borrowed_bytes: int = 0  # most bytes DALI had allocated from lent blocks at once
     bridge_fallback_bytes: int = 0  # bytes DALI took from its own pool inside windows
     bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
+    bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
 
     def summary(self) -> dict:
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
@@ -110,7 +111,8 @@ class LoaderStats:
                 "borrowed_tiny_batches": self.borrowed_tiny_batches, "memory_bridge": self.memory_bridge,
                 "bridge_windows": self.bridge_windows, "bridge_lent_bytes": self.bridge_lent_bytes,
                 "bridge_borrowed_bytes": self.bridge_borrowed_bytes,
-                "bridge_fallback_bytes": self.bridge_fallback_bytes, "bridge_pinned_bytes": self.bridge_pinned_bytes}
+                "bridge_fallback_bytes": self.bridge_fallback_bytes, "bridge_pinned_bytes": self.bridge_pinned_bytes,
+                "bridge_seconds": self.bridge_seconds}
 
     def reset(self) -> None:
         keep = self.startup_seconds, self.memory_bridge
@@ -453,7 +455,7 @@ class FusionFlowLoader:
             b = self._bridge.stats
             self.stats.bridge_windows, self.stats.bridge_lent_bytes = b.windows, b.lent_bytes
             self.stats.bridge_borrowed_bytes, self.stats.bridge_fallback_bytes = b.borrowed_bytes, b.fallback_bytes
-            self.stats.bridge_pinned_bytes = b.pinned_bytes
+            self.stats.bridge_pinned_bytes, self.stats.bridge_seconds = b.pinned_bytes, b.lend_seconds
 
     def _mark_step(self, mgr: LocalManager) -> None:
         """Temporal GPU sharing: the accelerator waits for the training work queued so far."""

@@ -87,6 +87,56 @@ def test_auto_is_off_with_its_reason_and_training_is_unchanged():
     ld.close()
 
 
+class RecordingBridge:
+    """Stands in for MemoryBridge's CUDA side, recording the window protocol the loader drives."""
+
+    def __init__(self):
+        import threading
+        self.armed, self.lends, self.closes, self.lent_outside, self.shutdowns = False, 0, 0, 0, 0
+        self.stats = type("S", (), dict(windows=0, lent_bytes=0, borrowed_bytes=0, fallback_bytes=0,
+                                        pinned_bytes=0, lend_seconds=0.0))()
+        self.main = threading.get_ident()
+
+    def arm(self, stream):
+        self.armed = True
+
+    def lend(self, tiny_batches_done):
+        import threading
+        assert threading.get_ident() != self.main  # the accelerator thread asks
+        self.lends += 1
+        self.lent_outside += not self.armed
+
+    def close(self):
+        self.armed = False
+        self.closes += 1
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
+    """With a bridge, temporal sharing is strict: the accelerator takes tiny-batches only between
+    the start of next() and the batch being ready, asks to borrow there, and every window is closed
+    before the batch is handed over. Real loader, real DALI (CPU backend); the CUDA calls are what
+    the stand-in replaces."""
+    rec = RecordingBridge()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2,
+                          accelerator="dali-cpu", seed=4)
+    ld._bridge = rec  # what _start_bridge sets up on a GPU
+    seen = []
+    for _, y in ld:
+        assert not rec.armed  # closed before the batch reached us
+        accel = ld._manager.accelerator
+        assert accel.gated and not accel.window_open and accel._active is None
+        seen += y.tolist()
+    assert sorted(seen) == list(range(40))
+    assert ld.stats.accelerator_tiny_batches > 0 and rec.lends == ld.stats.accelerator_tiny_batches
+    assert rec.lent_outside == 0 and rec.closes >= 5
+    ld.close()
+    assert rec.shutdowns == 1
+
+
 # ---------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_lender_takes_free_cached_blocks_without_reserving_more():
