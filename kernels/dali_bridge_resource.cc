@@ -76,13 +76,7 @@ class BridgeResource : public dali::mm::device_async_resource {
   // lent, live, peak_live (this window), served (total), allocations, regions, fallback (this window)
   void stats(uint64_t out[7]) {
     std::lock_guard<std::mutex> g(m_);
-    auto s = arena_.stats();
-    out[0] = s.lent_bytes;
-    out[1] = s.live_bytes;
-    out[2] = s.peak_live_bytes;
-    out[3] = s.served_bytes;
-    out[4] = s.allocations;
-    out[5] = s.regions;
+    arena_.stats_into(out);
     out[6] = fallback_in_window_;
   }
 

@@ -158,6 +158,16 @@ class LentArena {
   }
 
   Stats stats() const { return stats_; }
+
+  // lent, live, peak_live, served, allocations, regions: the order of the C entry points' arrays
+  void stats_into(uint64_t out[6]) const {
+    out[0] = stats_.lent_bytes;
+    out[1] = stats_.live_bytes;
+    out[2] = stats_.peak_live_bytes;
+    out[3] = stats_.served_bytes;
+    out[4] = stats_.allocations;
+    out[5] = stats_.regions;
+  }
   void reset_peak() { stats_.peak_live_bytes = stats_.live_bytes; }
 
  private:

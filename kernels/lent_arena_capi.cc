@@ -75,14 +75,6 @@ int ff_arena_reclaim(void* a, uint64_t* bases, uint64_t* sizes, int cap, char* e
 }
 
 // lent, live, peak_live, served, allocations, regions
-void ff_arena_stats(void* a, uint64_t out[6]) {
-  auto s = static_cast<LentArena*>(a)->stats();
-  out[0] = s.lent_bytes;
-  out[1] = s.live_bytes;
-  out[2] = s.peak_live_bytes;
-  out[3] = s.served_bytes;
-  out[4] = s.allocations;
-  out[5] = s.regions;
-}
+void ff_arena_stats(void* a, uint64_t out[6]) { static_cast<LentArena*>(a)->stats_into(out); }
 
 }  // extern "C"
