@@ -16,8 +16,9 @@ been proven on a GPU --, "dali-gpu", "dali-cpu", or "auto": DALI on the GPU when
 `gpu_sharing` ("auto", "temporal", "spatial", "off"), and the ablations `aot`, `taas`, `taas_last_k`.
 `memory_bridge` ("auto", "on", "off"): in temporal sharing, PyTorch lends its free cached GPU blocks
 to DALI for each prep window instead of DALI growing a pool of its own (fusionflow/memory/bridge.py);
-"auto" turns it on when the accelerator is DALI on the GPU and the native part builds, "on" makes
-that a requirement (an error says what is missing).
+"auto" turns it on when the accelerator is DALI on the GPU and the native part builds (it lends only
+while sharing is temporal), "on" makes that a requirement (an error says what is missing) and fixes
+gpu_sharing="auto" to "temporal".
 `global_manager` ("auto": under torchrun with several local ranks, the ranks' loaders lend idle CPU
 workers to each other through one global manager per node; a string: join that named job, e.g.
 train and validation loaders of one process; None: no lending) -- see runtime/global_manager.py.
@@ -228,6 +229,8 @@ class FusionFlowLoader:
         self.job = global_manager if num_workers > 0 else None
         self.accelerator, self.gpu_sharing, self.aot = accelerator, gpu_sharing, aot
         self.taas, self.taas_last_k = taas, taas_last_k
+        if memory_bridge == "on" and gpu_sharing == "auto":
+            self.gpu_sharing = gpu_sharing = "temporal"  # the bridge only lends between steps: no spatial trial
         self.memory_bridge = memory_bridge
         self._bridge = None
         self._window_open = False
@@ -375,10 +378,10 @@ class FusionFlowLoader:
 
     def _start_bridge(self) -> None:
         from fusionflow.memory.bridge import MemoryBridge
-        from fusionflow.memory.native import NativeBuildError
+        from fusionflow.memory.native import BridgeError
         try:
             self._bridge = MemoryBridge(self.device)
-        except NativeBuildError as exc:
+        except BridgeError as exc:  # not built, or CUDA/DALI refused the install
             if self.memory_bridge == "on":
                 raise
             log.warning("memory_bridge='auto': the allocator bridge is off, DALI keeps its own GPU pool (%s)", exc)

@@ -64,16 +64,20 @@ class TorchLender:
         free = free_cached_blocks(snapshot(), self.index, stream.cuda_stream, self.min_block)
         chosen = select_blocks(free, sum(b.size for b in free) if budget is None else budget)
         lent = []
-        for block in chosen:
-            before = cuda.memory_reserved(self.index)
-            ptr = cuda.caching_allocator_alloc(block.size, self.index, stream)
-            if cuda.memory_reserved(self.index) > before:
-                cuda.caching_allocator_delete(ptr)
-                self.refused += 1
-                log.info("allocator bridge: a %d-byte request would have grown PyTorch's reservation; "
-                         "stopped lending for this window", block.size)
-                break
-            lent.append(Block(ptr, block.size, self.index))
+        try:
+            for block in chosen:
+                before = cuda.memory_reserved(self.index)
+                ptr = cuda.caching_allocator_alloc(block.size, self.index, stream)
+                if cuda.memory_reserved(self.index) > before:
+                    cuda.caching_allocator_delete(ptr)
+                    self.refused += 1
+                    log.info("allocator bridge: a %d-byte request would have grown PyTorch's reservation; "
+                             "stopped lending for this window", block.size)
+                    break
+                lent.append(Block(ptr, block.size, self.index))
+        except BaseException:
+            self.take_back(lent)  # nothing half-lent stays out of PyTorch's cache
+            raise
         return lent
 
     def take_back(self, blocks: list[Block]) -> None:
