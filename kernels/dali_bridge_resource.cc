@@ -50,7 +50,6 @@ class BridgeResource : public dali::mm::device_async_resource {
     check(cudaEventRecord(open_event_, torch_stream), "cudaEventRecord(open)");
     waited_.clear();
     arena_.reset_peak();
-    fallback_in_window_ = 0;
     arena_.set_accepting(true);
   }
 
@@ -73,11 +72,11 @@ class BridgeResource : public dali::mm::device_async_resource {
     return arena_.reclaim();
   }
 
-  // lent, live, peak_live (this window), served (total), allocations, regions, fallback (this window)
+  // lent, live, peak_live (this window), served (total), allocations, regions, fallback (total)
   void stats(uint64_t out[7]) {
     std::lock_guard<std::mutex> g(m_);
     arena_.stats_into(out);
-    out[6] = fallback_in_window_;
+    out[6] = fallback_bytes_;
   }
 
  protected:
@@ -95,7 +94,7 @@ class BridgeResource : public dali::mm::device_async_resource {
           note_used(s);
           return reinterpret_cast<void *>(p);
         }
-        fallback_in_window_ += bytes;
+        fallback_bytes_ += bytes;
       }
     }
     return upstream_->allocate_async(bytes, alignment, stream);
@@ -146,7 +145,7 @@ class BridgeResource : public dali::mm::device_async_resource {
   cudaEvent_t open_event_ = nullptr, join_event_ = nullptr;
   std::vector<cudaStream_t> waited_;  // streams ordered after this window's open event
   std::vector<cudaStream_t> used_;    // streams that touched lent memory since the last close
-  uint64_t fallback_in_window_ = 0;   // bytes DALI took from its own pool while a window was open
+  uint64_t fallback_bytes_ = 0;       // bytes DALI took from its own pool while a window was open, total
 };
 
 std::mutex g_registry_mutex;

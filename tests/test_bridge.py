@@ -66,6 +66,16 @@ def test_build_failure_names_the_missing_piece(tmp_path, monkeypatch):
         native.build_arena()
 
 
+def test_one_bridge_per_device_and_process():
+    from fusionflow.memory import bridge
+    bridge._IN_USE.add(0)  # as a live MemoryBridge on cuda:0 leaves it
+    try:
+        with pytest.raises(native.BridgeError, match=r"another loader in this process already lends .* cuda:0"):
+            bridge.MemoryBridge("cuda:0")
+    finally:
+        bridge._IN_USE.discard(0)
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"memory_bridge": "sometimes"}, r"memory_bridge='sometimes' must be one of"),
     ({"memory_bridge": "on"}, r"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "

@@ -18,6 +18,9 @@ One window, driven by the loader at every next() in temporal mode:
                   DALI still holds stays lent ("pinned") and goes back at a later close
   shutdown()      after the DALI pipelines are gone: a last close, then the ledger is unlinked
 
+One MemoryBridge per CUDA device and process at a time (the native resource is per device): a
+second loader asking for one gets a BridgeError ("auto": it runs with the bridge off, saying why).
+
 Release path for lent blocks: close() (every window) and shutdown(); a block pinned at shutdown
 stays allocated inside PyTorch's allocator (never freed under DALI) and is reported.
 """
@@ -34,6 +37,7 @@ from fusionflow.memory.ledger import Block, BlockLedger
 
 log = logging.getLogger(__name__)
 WARMUP_TINY_BATCHES = 2  # DALI's lasting buffers (decoder state, ...) go to its own pool first
+_IN_USE: set[int] = set()  # devices whose native resource a live MemoryBridge drives (one per process)
 
 
 @dataclass
@@ -55,6 +59,9 @@ class MemoryBridge:
         self.torch = torch
         self.device = torch.device(device)
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        if self.index in _IN_USE:  # the native resource is per device and process: one driver of its windows
+            raise native.BridgeError(f"another loader in this process already lends PyTorch's blocks to DALI on "
+                                     f"cuda:{self.index}; close it first, or pass memory_bridge='off' to this one")
         self.lib = native.load_bridge()
         native.call(self.lib.ff_bridge_install, self.index)
         self.lender = TorchLender(self.device)
@@ -65,6 +72,7 @@ class MemoryBridge:
         self._stream = None  # the training stream of the armed window
         self._lent_now = False
         self._held: dict[int, Block] = {}  # address -> block lent and not yet taken back
+        _IN_USE.add(self.index)
 
     # ------------------------------------------------------------ window
     def arm(self, stream) -> None:
@@ -108,22 +116,26 @@ class MemoryBridge:
                 self.ledger.release_block(bases[i])
             returned = self.ledger.take_back_released()
             for b in returned:
-                del self._held[b.address]
+                self._held.pop(b.address, None)
             self.lender.take_back(returned)
             out = (ctypes.c_uint64 * 7)()
             native.call(self.lib.ff_bridge_stats, self.index, out)
             self.stats.borrowed_bytes = max(self.stats.borrowed_bytes, out[2])
-            self.stats.fallback_bytes += out[6]
+            self.stats.fallback_bytes = out[6]
             self.stats.pinned_bytes = sum(b.size for b in self._held.values())
             self.stats.lend_seconds += time.perf_counter() - t0
 
     def shutdown(self) -> None:
         """Call after the DALI pipelines are destroyed: return everything, unlink the ledger."""
+        if self.ledger is None:
+            return
         self.close()
+        _IN_USE.discard(self.index)
         if self._held:
             log.warning("allocator bridge: %d bytes lent to DALI are still in use at shutdown; they stay "
                         "allocated in PyTorch's cache until the process exits", self.stats.pinned_bytes)
         self.ledger.close()
+        self.ledger = None  # shut down: a second call does nothing
 
     def summary(self) -> dict:
         s = self.stats
