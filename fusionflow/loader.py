@@ -254,6 +254,7 @@ class FusionFlowLoader:
             self.pin_memory = False
         self.sizes = getattr(dataset, "sizes", None)
         self.stats = LoaderStats()
+        self._bridge_why_off = why_off  # None: start the bridge with the accelerator (again after close())
         self.stats.memory_bridge = None if why_off is None else f"off: {why_off}"
         self._epoch, self._epoch_set, self._iterations = 0, False, 0
         self._manager: LocalManager | None = None
@@ -344,7 +345,7 @@ class FusionFlowLoader:
         from fusionflow.scheduling.taas import KSearch
 
         on_gpu = self.accelerator == "dali-gpu"
-        if on_gpu and self.stats.memory_bridge is None and self._bridge is None:
+        if on_gpu and self._bridge_why_off is None and self._bridge is None:
             self._start_bridge()  # before any DALI pipeline exists, so all of DALI's memory passes through it
         device_ring = None
         if on_gpu:
@@ -385,6 +386,7 @@ class FusionFlowLoader:
             if self.memory_bridge == "on":
                 raise
             log.warning("memory_bridge='auto': the allocator bridge is off, DALI keeps its own GPU pool (%s)", exc)
+            self._bridge_why_off = str(exc)  # not retried at every epoch
             self.stats.memory_bridge = f"off: {exc}"
             return
         self._box[1] = self._bridge
@@ -393,7 +395,10 @@ class FusionFlowLoader:
     def _open_window(self, mgr: LocalManager) -> None:
         """Temporal sharing with the bridge: the accelerator may work (and borrow) from now on."""
         accel = mgr.accelerator
-        if self._bridge is None or accel is None or accel.bridge is None or accel.sharing != "temporal":
+        if self._bridge is None:
+            return
+        if accel is None or accel.bridge is None or accel.sharing != "temporal":
+            self._bridge.close()  # no windows now (spatial, or lending failed): blocks DALI let go go back
             return
         with mgr.cond:
             self._bridge.arm(torch.cuda.current_stream(self.device))
@@ -410,7 +415,10 @@ class FusionFlowLoader:
             if accel is not None:
                 accel.window_open = False
                 accel.wait_idle()
-        self._bridge.close()
+        try:
+            self._bridge.close()
+        except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
+            log.exception("allocator bridge: closing the prep window failed")
 
     def _stop_manager(self) -> None:
         mgr, self._manager = self._manager, None

@@ -1,17 +1,24 @@
 // FusionFlow allocator bridge, DALI side: a device memory resource installed as DALI's default
 // (dali::mm::SetDefaultDeviceResource, exported by the stock libdali_core) that serves DALI's
 // allocations from GPU blocks PyTorch lends for a prep window, and passes everything else to the
-// resource DALI had before (its own pool).
+// resource DALI had before (its own pool, still reachable through with_upstream).
 //
-// Stream ordering, without host waits:
-//   - open(torch_stream) records an event on PyTorch's stream; the first time a DALI stream takes
-//     lent memory in the window it waits for that event (the blocks were free in PyTorch's cache,
-//     but kernels queued before may still be reading them);
-//   - reusing a range freed on another stream waits for that stream (an event recorded now);
-//   - close(torch_stream) makes PyTorch's stream wait for every stream that used lent memory, then
-//     hands back the regions with no live allocation (regions DALI still holds stay lent and go
-//     back at a later close). PyTorch's caching allocator only reuses a
-//     returned block on the stream it was allocated on, which now comes after DALI's work.
+// Stream ordering, without host waits on the stream-ordered path:
+//   - open(torch_stream), called after the blocks are lent, records an event on PyTorch's stream;
+//     the first time a DALI stream takes lent memory in the window it waits for that event (the
+//     blocks were free in PyTorch's cache, but kernels queued before may still be reading them);
+//   - every free of lent memory on stream s records s's own event right there, so the free's
+//     dependencies are captured at the moment of the free; reusing a range freed on another stream
+//     waits for that event (all such events for a range freed on several streams);
+//   - close(torch_stream) makes PyTorch's stream wait for the events of every stream that freed
+//     lent memory since the last close, then hands back the regions with no live allocation
+//     (regions DALI still holds stay lent and go back at a later close). PyTorch's caching
+//     allocator reuses a returned block on the stream it was allocated on, now after DALI's work.
+//     close() never touches a DALI stream, so a stream DALI destroyed meanwhile does no harm.
+//   - The synchronous entry points (DALI's host-synchronous allocations) wait on the host for the
+//     same events instead, and a synchronous free needs no event (nothing is pending on it).
+// The CUDA calls of open/close/stats run with the resource's device current (a thread may have
+// another one, and stream 0 means "the current device's default stream").
 // The resource is installed once per device and never uninstalled or destroyed: DALI may free
 // through it until the process ends (static destructors included), and memory from the previous
 // resource keeps going back to it.
@@ -20,6 +27,7 @@
 #include <algorithm>
 #include <cstring>
 #include <exception>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -28,6 +36,7 @@
 
 #include "dali/core/mm/default_resources.h"
 #include "dali/core/mm/memory_resource.h"
+#include "dali/core/mm/with_upstream.h"
 #include "lent_arena.h"
 
 namespace fusionflow {
@@ -37,16 +46,37 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-class BridgeResource : public dali::mm::device_async_resource {
+class DeviceGuard {  // makes `device` current for a scope, then restores the caller's
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+    switched_ = previous_ != device;
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  bool switched_ = false;
+};
+
+using device_kind = dali::mm::memory_kind::device;
+
+class BridgeResource : public dali::mm::device_async_resource, public dali::mm::with_upstream<device_kind> {
  public:
   BridgeResource(int device, std::shared_ptr<dali::mm::device_async_resource> upstream)
       : device_(device), upstream_(std::move(upstream)) {
+    DeviceGuard d(device_);
     check(cudaEventCreateWithFlags(&open_event_, cudaEventDisableTiming), "cudaEventCreate");
-    check(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming), "cudaEventCreate");
   }
+
+  dali::mm::memory_resource<device_kind> *upstream() const override { return upstream_.get(); }
 
   void open(cudaStream_t torch_stream) {
     std::lock_guard<std::mutex> g(m_);
+    DeviceGuard d(device_);
     check(cudaEventRecord(open_event_, torch_stream), "cudaEventRecord(open)");
     waited_.clear();
     arena_.reset_peak();
@@ -60,15 +90,15 @@ class BridgeResource : public dali::mm::device_async_resource {
 
   std::vector<LentArena::Range> close(cudaStream_t torch_stream, int cap) {
     std::lock_guard<std::mutex> g(m_);
+    arena_.set_accepting(false);  // first: whatever fails below, DALI stops taking lent memory
     if (arena_.stats().regions > static_cast<size_t>(cap))  // checked before anything is handed back
       throw std::length_error("close: output arrays smaller than the number of lent regions");
-    arena_.set_accepting(false);
-    for (cudaStream_t s : used_) {
-      if (s == torch_stream) continue;
-      check(cudaEventRecord(join_event_, s), "cudaEventRecord(join)");
-      check(cudaStreamWaitEvent(torch_stream, join_event_, 0), "cudaStreamWaitEvent(join)");
+    DeviceGuard d(device_);
+    for (auto &kv : freed_) {
+      if (!kv.second.pending) continue;
+      check(cudaStreamWaitEvent(torch_stream, kv.second.event, 0), "cudaStreamWaitEvent(close)");
+      kv.second.pending = false;
     }
-    used_.clear();
     return arena_.reclaim();
   }
 
@@ -84,18 +114,10 @@ class BridgeResource : public dali::mm::device_async_resource {
     cudaStream_t s = stream.get();
     {
       std::lock_guard<std::mutex> g(m_);
-      if (arena_.accepting()) {
-        uintptr_t freed_on = LentArena::kNone;
-        uintptr_t p = arena_.allocate(bytes, std::max<size_t>(alignment, 256), reinterpret_cast<uintptr_t>(s),
-                                      &freed_on);
-        if (p) {
-          order_after_lender(s);
-          order_after_previous_user(s, freed_on);
-          note_used(s);
-          return reinterpret_cast<void *>(p);
-        }
-        fallback_bytes_ += bytes;
-      }
+      if (void *p = take(bytes, alignment, s, false, [&](cudaEvent_t ev) {
+            check(cudaStreamWaitEvent(s, ev, 0), "cudaStreamWaitEvent(lent memory)");
+          }))
+        return p;
     }
     return upstream_->allocate_async(bytes, alignment, stream);
   }
@@ -105,47 +127,100 @@ class BridgeResource : public dali::mm::device_async_resource {
       std::lock_guard<std::mutex> g(m_);
       uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
       if (arena_.owns(p)) {
-        arena_.deallocate(p, reinterpret_cast<uintptr_t>(stream.get()));
-        note_used(stream.get());
+        cudaStream_t s = stream.get();
+        Freed &f = freed_on(s);
+        check(cudaEventRecord(f.event, s), "cudaEventRecord(free)");  // what the free waits for, captured now
+        f.pending = true;
+        arena_.deallocate(p, reinterpret_cast<uintptr_t>(s));
         return;
       }
     }
     upstream_->deallocate_async(ptr, bytes, alignment, stream);
   }
 
-  bool do_is_equal(const dali::mm::memory_resource<dali::mm::memory_kind::device> &other) const noexcept override {
+  // Host-synchronous allocation: the memory must be usable by any stream when this returns.
+  void *do_allocate(size_t bytes, size_t alignment) override {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      if (void *p = take(bytes, alignment, nullptr, true, [](cudaEvent_t ev) {
+            check(cudaEventSynchronize(ev), "cudaEventSynchronize(lent memory)");
+          }))
+        return p;
+    }
+    return upstream_->allocate(bytes, alignment);
+  }
+
+  // Host-synchronous free: no work is pending on the memory, so no stream needs to wait for it.
+  void do_deallocate(void *ptr, size_t bytes, size_t alignment) override {
+    {
+      std::lock_guard<std::mutex> g(m_);
+      uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
+      if (arena_.owns(p)) {
+        arena_.deallocate(p, LentArena::kNone);
+        return;
+      }
+    }
+    upstream_->deallocate(ptr, bytes, alignment);
+  }
+
+  bool do_is_equal(const dali::mm::memory_resource<device_kind> &other) const noexcept override {
     return this == &other;
   }
 
  private:
-  void order_after_lender(cudaStream_t s) {
-    if (std::find(waited_.begin(), waited_.end(), s) != waited_.end()) return;
-    check(cudaStreamWaitEvent(s, open_event_, 0), "cudaStreamWaitEvent(open)");
-    waited_.push_back(s);
+  struct Freed {
+    cudaEvent_t event = nullptr;
+    bool pending = false;  // recorded since the last close
+  };
+
+  Freed &freed_on(cudaStream_t s) {
+    Freed &f = freed_[s];
+    if (!f.event) check(cudaEventCreateWithFlags(&f.event, cudaEventDisableTiming), "cudaEventCreate");
+    return f;
   }
 
-  void order_after_previous_user(cudaStream_t s, uintptr_t freed_on) {
-    if (freed_on == LentArena::kNone || freed_on == reinterpret_cast<uintptr_t>(s)) return;
-    for (cudaStream_t t : used_) {
-      if (t == s) continue;
-      if (freed_on != LentArena::kMixed && reinterpret_cast<uintptr_t>(t) != freed_on) continue;
-      check(cudaEventRecord(join_event_, t), "cudaEventRecord(reuse)");
-      check(cudaStreamWaitEvent(s, join_event_, 0), "cudaStreamWaitEvent(reuse)");
+  // Under m_: a range of lent memory for stream `s` (host_sync: for the host, any stream after),
+  // with `wait(event)` applied to every event it must come after -- the lender's open event (once
+  // per stream and window on the stream-ordered path) and the previous users' frees; nullptr when
+  // no window is open or nothing fits. On a CUDA failure the range goes back to the arena.
+  template <typename Wait>
+  void *take(size_t bytes, size_t alignment, cudaStream_t s, bool host_sync, Wait wait) {
+    if (!arena_.accepting()) return nullptr;
+    uintptr_t freed_on = LentArena::kNone;
+    uintptr_t p = arena_.allocate(bytes, std::max<size_t>(alignment, 256), reinterpret_cast<uintptr_t>(s),
+                                  &freed_on);
+    if (!p) {
+      fallback_bytes_ += bytes;
+      return nullptr;
     }
-  }
-
-  void note_used(cudaStream_t s) {
-    if (std::find(used_.begin(), used_.end(), s) == used_.end()) used_.push_back(s);
+    try {
+      if (host_sync) {
+        wait(open_event_);
+      } else if (std::find(waited_.begin(), waited_.end(), s) == waited_.end()) {
+        wait(open_event_);
+        waited_.push_back(s);
+      }
+      if (freed_on != LentArena::kNone) {
+        for (auto &kv : freed_) {
+          if (!host_sync && kv.first == s) continue;  // the same stream is ordered already
+          if (freed_on == LentArena::kMixed || reinterpret_cast<uintptr_t>(kv.first) == freed_on) wait(kv.second.event);
+        }
+      }
+    } catch (...) {
+      arena_.deallocate(p, freed_on);
+      throw;
+    }
+    return reinterpret_cast<void *>(p);
   }
 
   int device_;
   std::shared_ptr<dali::mm::device_async_resource> upstream_;
   std::mutex m_;
   LentArena arena_;
-  cudaEvent_t open_event_ = nullptr, join_event_ = nullptr;
-  std::vector<cudaStream_t> waited_;  // streams ordered after this window's open event
-  std::vector<cudaStream_t> used_;    // streams that touched lent memory since the last close
-  uint64_t fallback_bytes_ = 0;       // bytes DALI took from its own pool while a window was open, total
+  cudaEvent_t open_event_ = nullptr;
+  std::vector<cudaStream_t> waited_;          // streams ordered after this window's open event
+  std::map<cudaStream_t, Freed> freed_;       // per stream that freed lent memory: its last free's event
+  uint64_t fallback_bytes_ = 0;               // bytes DALI took from its own pool while a window was open
 };
 
 std::mutex g_registry_mutex;
@@ -183,15 +258,12 @@ int ff_bridge_install(int device, char *err, int errlen) {
     int count = 0;
     fusionflow::check(cudaGetDeviceCount(&count), "cudaGetDeviceCount");
     if (device >= count) throw std::invalid_argument("no CUDA device " + std::to_string(device));
-    int previous = 0;
-    fusionflow::check(cudaGetDevice(&previous), "cudaGetDevice");
-    fusionflow::check(cudaSetDevice(device), "cudaSetDevice");
+    fusionflow::DeviceGuard guard(device);
     auto upstream = dali::mm::ShareDefaultDeviceResource(device);
     auto *res = new BridgeResource(device, upstream);
     // DALI shares ownership; our registry keeps one reference forever, so it is never destroyed.
     auto shared = std::shared_ptr<dali::mm::device_async_resource>(res, [](dali::mm::device_async_resource *) {});
     dali::mm::SetDefaultDeviceResource(device, shared);
-    fusionflow::check(cudaSetDevice(previous), "cudaSetDevice");
     if (static_cast<int>(fusionflow::g_resources.size()) <= device) fusionflow::g_resources.resize(device + 1);
     fusionflow::g_resources[device] = res;
     return 0;

@@ -41,7 +41,7 @@ class LentArena {
 
   struct Stats {
     size_t lent_bytes = 0;       // regions currently held (open window or pinned)
-    size_t live_bytes = 0;       // bytes allocated to the borrower now (incl. alignment padding)
+    size_t live_bytes = 0;       // bytes allocated to the borrower now (as requested; alignment gaps stay free)
     size_t peak_live_bytes = 0;  // since the last reset_peak()
     size_t served_bytes = 0;     // total bytes ever served from lent regions
     size_t allocations = 0;      // live allocations now

@@ -11,7 +11,8 @@ reads what is lent.
 One window, driven by the loader at every next() in temporal mode:
   arm(stream)     the training thread has queued its step; `stream` is its current CUDA stream
   lend()          (accelerator thread, before its first tiny-batch of the window) PyTorch's free
-                  blocks -> ledger LENT -> ledger BORROWED by DALI -> the native resource
+                  blocks -> the native resource -> an event on PyTorch's stream that DALI's
+                  streams wait for; the ledger records them BORROWED by this process
   close()         (training thread, once the mini-batch is ready, before anything is allocated
                   for it) the native resource stops serving, PyTorch's stream is ordered after
                   DALI's streams, every block DALI no longer uses goes back to PyTorch; a block
@@ -21,8 +22,9 @@ One window, driven by the loader at every next() in temporal mode:
 One MemoryBridge per CUDA device and process at a time (the native resource is per device): a
 second loader asking for one gets a BridgeError ("auto": it runs with the bridge off, saying why).
 
-Release path for lent blocks: close() (every window) and shutdown(); a block pinned at shutdown
-stays allocated inside PyTorch's allocator (never freed under DALI) and is reported.
+Release path for lent blocks: close() (every window; every next() while there are no windows) and
+shutdown(); a block pinned at shutdown stays allocated inside PyTorch's allocator (never freed
+under DALI), is reported, and goes back through the next bridge on that device.
 """
 from __future__ import annotations
 
@@ -38,6 +40,9 @@ from fusionflow.memory.ledger import Block, BlockLedger
 log = logging.getLogger(__name__)
 WARMUP_TINY_BATCHES = 2  # DALI's lasting buffers (decoder state, ...) go to its own pool first
 _IN_USE: set[int] = set()  # devices whose native resource a live MemoryBridge drives (one per process)
+# Blocks lent to the native resource and not yet given back, per device. Process-wide like the
+# resource itself: a block still pinned when a bridge shuts down is returned by the next one.
+_HELD: dict[int, dict[int, Block]] = {}
 
 
 @dataclass
@@ -61,7 +66,9 @@ class MemoryBridge:
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         if self.index in _IN_USE:  # the native resource is per device and process: one driver of its windows
             raise native.BridgeError(f"another loader in this process already lends PyTorch's blocks to DALI on "
-                                     f"cuda:{self.index}; close it first, or pass memory_bridge='off' to this one")
+                                     f"cuda:{self.index}; this one does not lend (its DALI may still use blocks "
+                                     "the other lends, inside that loader's windows); close the other first to "
+                                     "give the bridge to this one")
         self.lib = native.load_bridge()
         native.call(self.lib.ff_bridge_install, self.index)
         self.lender = TorchLender(self.device)
@@ -71,7 +78,8 @@ class MemoryBridge:
         self._lock = threading.Lock()
         self._stream = None  # the training stream of the armed window
         self._lent_now = False
-        self._held: dict[int, Block] = {}  # address -> block lent and not yet taken back
+        self._held = _HELD.setdefault(self.index, {})  # address -> block lent and not yet taken back
+        self._ledger_add(list(self._held.values()))  # pinned blocks a previous bridge left
         _IN_USE.add(self.index)
 
     # ------------------------------------------------------------ window
@@ -80,23 +88,32 @@ class MemoryBridge:
             self._stream = stream
 
     def lend(self, tiny_batches_done: int) -> None:
-        """Lend for the armed window, once; a no-op during warm-up or when nothing is armed."""
+        """Lend for the armed window, once; a no-op during warm-up or when nothing is armed. On any
+        failure nothing stays half-lent: the window is closed and every block goes back."""
         with self._lock:
             if self._stream is None or self._lent_now or tiny_batches_done < self.warmup:
                 return
             t0 = time.perf_counter()
-            native.call(self.lib.ff_bridge_open, self.index, self._stream.cuda_stream)
+            self._lent_now = True  # from here on, close() has something to undo
             blocks = self.lender.lend(self.budget, self._stream)
             self.stats.refused = self.lender.refused
-            if blocks:
-                self.ledger.yield_blocks(blocks, sum(b.size for b in blocks))
-                for _ in blocks:
-                    b = self.ledger.borrow_block(1)
+            handed = []
+            try:
+                for i, b in enumerate(blocks):
                     native.call(self.lib.ff_bridge_lend, self.index, b.address, b.size)
                     self._held[b.address] = b
+                    handed.append(b)
+                    blocks[i] = None
+                # the event goes on PyTorch's stream after the blocks were taken: DALI orders after both
+                native.call(self.lib.ff_bridge_open, self.index, self._stream.cuda_stream)
+            except BaseException:
+                self.lender.take_back([b for b in blocks if b is not None])
+                self._close_locked(self._stream)
+                raise
+            self._ledger_add(handed)
+            if self._held:
                 self.stats.windows += 1
                 self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in self._held.values()))
-            self._lent_now = True
             self.stats.lend_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
@@ -105,25 +122,49 @@ class MemoryBridge:
             stream, self._stream = self._stream, None
             if not self._lent_now and not self._held:
                 return
-            self._lent_now = False
             t0 = time.perf_counter()
-            if stream is None:
-                stream = self.torch.cuda.current_stream(self.index)
-            n = len(self._held)
-            bases, sizes = (ctypes.c_uint64 * max(n, 1))(), (ctypes.c_uint64 * max(n, 1))()
-            back = native.call(self.lib.ff_bridge_close, self.index, stream.cuda_stream, bases, sizes, max(n, 1))
-            for i in range(back):
-                self.ledger.release_block(bases[i])
-            returned = self.ledger.take_back_released()
-            for b in returned:
-                self._held.pop(b.address, None)
-            self.lender.take_back(returned)
-            out = (ctypes.c_uint64 * 7)()
-            native.call(self.lib.ff_bridge_stats, self.index, out)
-            self.stats.borrowed_bytes = max(self.stats.borrowed_bytes, out[2])
-            self.stats.fallback_bytes = out[6]
-            self.stats.pinned_bytes = sum(b.size for b in self._held.values())
+            self._close_locked(stream)
             self.stats.lend_seconds += time.perf_counter() - t0
+
+    def _close_locked(self, stream) -> None:
+        self._lent_now = False
+        if stream is None:
+            stream = self.torch.cuda.current_stream(self.index)
+        cap = max(len(self._held), 1)
+        bases, sizes = (ctypes.c_uint64 * cap)(), (ctypes.c_uint64 * cap)()
+        back = native.call(self.lib.ff_bridge_close, self.index, stream.cuda_stream, bases, sizes, cap)
+        returned = [self._held.pop(bases[i]) for i in range(back)]
+        self.lender.take_back(returned)
+        self._ledger_remove(returned)
+        out = (ctypes.c_uint64 * 7)()
+        native.call(self.lib.ff_bridge_stats, self.index, out)
+        self.stats.borrowed_bytes = max(self.stats.borrowed_bytes, out[2])
+        self.stats.fallback_bytes = out[6]
+        self.stats.pinned_bytes = sum(b.size for b in self._held.values())
+
+    # The shared ledger mirrors what DALI holds, for other processes to read (`BORROWED` by this
+    # process). Bookkeeping only: a ledger fault is logged and never stops the bridge.
+    def _ledger_add(self, blocks) -> None:
+        try:
+            if blocks and self.ledger is not None:
+                self.ledger.yield_blocks(blocks, sum(b.size for b in blocks))
+                for _ in blocks:
+                    self.ledger.borrow_block(1)
+        except (RuntimeError, KeyError):
+            log.exception("allocator bridge: ledger bookkeeping failed")
+
+    def _ledger_remove(self, blocks) -> None:
+        try:
+            if self.ledger is None:
+                return
+            for b in blocks:
+                try:
+                    self.ledger.release_block(b.address)
+                except KeyError:
+                    pass  # lent under a previous bridge's ledger
+            self.ledger.take_back_released()
+        except RuntimeError:
+            log.exception("allocator bridge: ledger bookkeeping failed")
 
     def shutdown(self) -> None:
         """Call after the DALI pipelines are destroyed: return everything, unlink the ledger."""
@@ -132,8 +173,8 @@ class MemoryBridge:
         self.close()
         _IN_USE.discard(self.index)
         if self._held:
-            log.warning("allocator bridge: %d bytes lent to DALI are still in use at shutdown; they stay "
-                        "allocated in PyTorch's cache until the process exits", self.stats.pinned_bytes)
+            log.warning("allocator bridge: %d bytes lent to DALI are still in use at shutdown; the next bridge "
+                        "on this device (or the process's end) takes them back", self.stats.pinned_bytes)
         self.ledger.close()
         self.ledger = None  # shut down: a second call does nothing
 

@@ -94,7 +94,7 @@ def _cudart_link(lib: Path) -> list[str]:
     return [str(so), f"-Wl,-rpath,{lib}"]
 
 
-def _build(name: str, sources: list[Path], args: list[str]) -> Path:
+def _build(name: str, sources: list[Path], args: list[str], extra_key: str = "") -> Path:
     missing = [str(src) for src in sources if not src.exists()]
     if missing:
         raise NativeBuildError(f"native sources not found ({', '.join(missing)}): the allocator bridge builds "
@@ -103,7 +103,7 @@ def _build(name: str, sources: list[Path], args: list[str]) -> Path:
     key = hashlib.sha256()
     for src in sources + sorted(KERNELS.glob("*.h")):
         key.update(src.name.encode() + src.read_bytes())
-    key.update(repr((cxx, args)).encode())
+    key.update(repr((cxx, args, extra_key)).encode())
     out = cache_dir() / f"lib{name}-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out
@@ -134,9 +134,10 @@ def build_arena() -> Path:
 def build_bridge() -> Path:
     dali_inc, dali_lib = dali_paths()
     cuda_inc, cuda_lib = cuda_paths()
+    core = (dali_lib / "libdali_core.so").stat()  # a DALI upgraded in place gets a fresh build (C++ ABI)
     return _build("ff_dali_bridge", [KERNELS / "dali_bridge_resource.cc"],
                   ["-I", str(dali_inc), "-I", str(cuda_inc), "-L", str(dali_lib), "-ldali_core",
-                   f"-Wl,-rpath,{dali_lib}", *_cudart_link(cuda_lib)])
+                   f"-Wl,-rpath,{dali_lib}", *_cudart_link(cuda_lib)], extra_key=f"{core.st_size}:{core.st_mtime_ns}")
 
 
 def _declare(lib, name: str, restype, *argtypes):

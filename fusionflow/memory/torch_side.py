@@ -3,14 +3,16 @@ them out of its cache for a prep window (so nothing in PyTorch can be handed the
 put them back after.
 
 Lending a block = asking the caching allocator for exactly that block's size on the stream its
-segment belongs to: the allocator serves it from its free cache, without cudaMalloc. The reserved
-byte count is checked around each request; if it grew (the allocator rounded the size up, say,
-and had to map a new segment), that allocation is given back at once and lending stops for the
-window, so the bridge never makes PyTorch reserve more than it had.
+segment belongs to: best fit serves it from that free block, without cudaMalloc. The reserved byte
+count is checked around each request; if it grew (a `roundup_power2_divisions` setting rounded the
+size up, say, and a new segment was mapped), that allocation is given back at once and lending stops
+for the window. The new segment then stays in PyTorch's cache (reserved, free for PyTorch's own
+use): at most one segment per window, reported as `refused`.
 
-Only the large pool is lent (blocks of >= 2 MiB by default: what DALI's batch buffers need), and
-only non-expandable segments (expandable segments map and unmap pages under the allocator's own
-control).
+Only the default pool's large segments are lent (blocks of >= 2 MiB by default: what DALI's batch
+buffers need): not private pools (CUDA graphs, torch.compile's reduce-overhead), which a plain
+request can never reach, and not expandable segments (they map and unmap pages under the
+allocator's own control).
 """
 from __future__ import annotations
 
@@ -23,12 +25,13 @@ MIN_BLOCK = 2 << 20
 
 
 def free_cached_blocks(segments: list[dict], device: int, stream: int, min_block: int = MIN_BLOCK) -> list[Block]:
-    """Free ("inactive") blocks of at least `min_block` bytes in the large-pool, non-expandable
-    segments of `device` that belong to `stream`, from `torch.cuda.memory_snapshot()`. Pure."""
+    """Free ("inactive") blocks of at least `min_block` bytes in the default pool's large,
+    non-expandable segments of `device` that belong to `stream`, from `torch.cuda.memory_snapshot()`.
+    Pure."""
     out = []
     for seg in segments:
         if (seg.get("device") != device or seg.get("stream") != stream or seg.get("segment_type") != "large"
-                or seg.get("is_expandable")):
+                or seg.get("is_expandable") or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)):
             continue
         address = seg["address"]
         for blk in seg["blocks"]:
