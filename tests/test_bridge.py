@@ -213,3 +213,56 @@ def test_loader_with_bridge_delivers_every_sample_once():
     assert s.bridge_windows > 0 and s.bridge_lent_bytes > 0 and s.bridge_borrowed_bytes > 0
     ld.close()
     assert ld.stats.bridge_pinned_bytes == 0
+
+
+EXPECTED_PROTOCOL = """\
+upstream reachable: yes
+-- before any window
+upstream allocates 1048576 on S1
+upstream frees 1048576 on S1
+-- window 1
+record E0 on T
+wait S1 for E0
+p1 0x10000000
+p2 0x10100000
+record E1 on S1
+wait S2 for E0
+wait S2 for E1
+p3 0x10000000
+upstream allocates 8388608 on S1
+host waits for E0
+q 0x10200000
+record E2 on S2
+fallback 8388608 live 1572864
+wait T for E1
+wait T for E2
+close returned 0
+-- between windows
+record E1 on S1
+upstream allocates 1048576 on S1
+-- window 2
+record E0 on T
+wait T for E1
+close returned 1 0x10000000
+close refused: cap
+"""
+
+
+def test_dali_resource_orders_streams_by_events(tmp_path):
+    """The real BridgeResource class, compiled against the DALI wheel's headers with the CUDA
+    calls it makes replaced by logging fakes (tests/native/bridge_resource_harness.cc): outside a
+    window everything goes to DALI's pool; inside, the first use of lent memory on a stream waits
+    for the lender's event, reuse of a range freed on another stream waits for that free's event, a
+    host-synchronous allocation waits on the host, a free records its stream's event at the free, and
+    close makes the lender's stream wait for exactly the frees since the last close, returning only
+    blocks nothing holds."""
+    import subprocess
+    dali_inc, dali_lib = native.dali_paths()
+    cuda_inc, _ = native.cuda_paths()
+    exe = tmp_path / "harness"
+    here = os.path.dirname(os.path.abspath(__file__))
+    subprocess.run([native.compiler(), "-std=c++17", "-O1", "-I", str(native.KERNELS), "-I", str(dali_inc),
+                    "-I", str(cuda_inc), os.path.join(here, "native", "bridge_resource_harness.cc"), "-o", str(exe),
+                    "-L", str(dali_lib), "-ldali_core", f"-Wl,-rpath,{dali_lib}"], check=True, capture_output=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    assert out == EXPECTED_PROTOCOL

@@ -1,0 +1,113 @@
+// Drives kernels/dali_bridge_resource.cc's BridgeResource through DALI's memory resource interface
+// on a machine without a GPU: the CUDA runtime calls it makes are defined here as fakes that log
+// themselves (events E0, E1, ... in creation order; streams T, S1, S2), and its upstream is a fake
+// resource. tests/test_bridge.py compiles this, runs it, and checks the log against the ordering
+// protocol written at the top of dali_bridge_resource.cc.
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "dali_bridge_resource.cc"  // NOLINT: the class under test lives in that file's anonymous namespace
+
+namespace {
+std::map<const void *, std::string> g_names;
+int g_events = 0;
+
+std::string name(const void *p) {
+  auto it = g_names.find(p);
+  return it == g_names.end() ? "?" : it->second;
+}
+void say(const std::string &s) { std::printf("%s\n", s.c_str()); }
+}  // namespace
+
+extern "C" {
+cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
+cudaError_t cudaSetDevice(int d) { say("set device " + std::to_string(d)); return cudaSuccess; }
+cudaError_t cudaGetDeviceCount(int *n) { *n = 1; return cudaSuccess; }
+const char *cudaGetErrorString(cudaError_t) { return "fake"; }
+const char *cudaGetErrorName(cudaError_t) { return "fake"; }
+cudaError_t cudaGetLastError() { return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
+  *e = reinterpret_cast<cudaEvent_t>(0xE000 + g_events);
+  g_names[*e] = "E" + std::to_string(g_events++);
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) { say("record " + name(e) + " on " + name(s)); return cudaSuccess; }
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
+  say("wait " + name(s) + " for " + name(e));
+  return cudaSuccess;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) { say("host waits for " + name(e)); return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t s) { say("host syncs " + name(s)); return cudaSuccess; }
+}
+
+class FakeUpstream : public dali::mm::device_async_resource {
+ protected:
+  void *do_allocate_async(size_t bytes, size_t, dali::mm::stream_view s) override {
+    say("upstream allocates " + std::to_string(bytes) + " on " + name(s.get()));
+    return reinterpret_cast<void *>(0xF0000000);
+  }
+  void do_deallocate_async(void *, size_t bytes, size_t, dali::mm::stream_view s) override {
+    say("upstream frees " + std::to_string(bytes) + " on " + name(s.get()));
+  }
+  void *do_allocate(size_t bytes, size_t) override {
+    say("upstream allocates " + std::to_string(bytes) + " (sync)");
+    return reinterpret_cast<void *>(0xF1000000);
+  }
+  void do_deallocate(void *, size_t bytes, size_t) override { say("upstream frees " + std::to_string(bytes) + " (sync)"); }
+  bool do_is_equal(const dali::mm::memory_resource<dali::mm::memory_kind::device> &o) const noexcept override {
+    return this == &o;
+  }
+};
+
+int main() {
+  const size_t MiB = 1 << 20;
+  auto T = reinterpret_cast<cudaStream_t>(0x7), S1 = reinterpret_cast<cudaStream_t>(0x51),
+       S2 = reinterpret_cast<cudaStream_t>(0x52);
+  g_names[T] = "T";
+  g_names[S1] = "S1";
+  g_names[S2] = "S2";
+  auto up = std::make_shared<FakeUpstream>();
+  fusionflow::BridgeResource res(0, up);
+  say(std::string("upstream reachable: ") + (res.upstream() == up.get() ? "yes" : "no"));
+  auto at = [](void *p) { char b[32]; std::snprintf(b, sizeof b, "%#lx", (unsigned long)(uintptr_t)p); return std::string(b); };
+
+  say("-- before any window");
+  res.deallocate_async(res.allocate_async(MiB, 256, S1), MiB, 256, S1);
+  say("-- window 1");
+  res.lend(0x10000000, 4 * MiB);
+  res.open(T);
+  void *p1 = res.allocate_async(MiB, 256, S1);
+  say("p1 " + at(p1));
+  void *p2 = res.allocate_async(MiB, 256, S1);
+  say("p2 " + at(p2));
+  res.deallocate_async(p1, MiB, 256, S1);
+  void *p3 = res.allocate_async(MiB, 256, S2);
+  say("p3 " + at(p3));
+  res.allocate_async(8 * MiB, 256, S1);  // does not fit in what is lent
+  void *q = res.allocate(512 * 1024, 256);
+  say("q " + at(q));
+  res.deallocate_async(p3, MiB, 256, S2);
+  uint64_t stats[7];
+  res.stats(stats);
+  say("fallback " + std::to_string(stats[6]) + " live " + std::to_string(stats[1]));
+  auto back = res.close(T, 1);
+  say("close returned " + std::to_string(back.size()));
+  say("-- between windows");
+  res.deallocate_async(p2, MiB, 256, S1);
+  res.deallocate(q, 512 * 1024, 256);
+  res.allocate_async(MiB, 256, S1);
+  say("-- window 2");
+  res.open(T);
+  back = res.close(T, 1);
+  say("close returned " + std::to_string(back.size()) + (back.empty() ? "" : " " + at((void *)back[0].base)));
+  try {
+    res.close(T, 0);
+    res.lend(0x20000000, MiB);
+    res.close(T, 0);
+  } catch (const std::length_error &) {
+    say("close refused: cap");
+  }
+  return 0;
+}
