@@ -233,7 +233,6 @@ class FusionFlowLoader:
             self.gpu_sharing = gpu_sharing = "temporal"  # the bridge only lends between steps: no spatial trial
         self.memory_bridge = memory_bridge
         self._bridge = None
-        self._window_open = False
         why_off = ("memory_bridge='off'" if memory_bridge == "off" else
                    "no DALI GPU accelerator" if accelerator != "dali-gpu" else
                    "gpu_sharing='spatial'" if gpu_sharing == "spatial" else None)
@@ -402,19 +401,17 @@ class FusionFlowLoader:
             return
         with mgr.cond:
             self._bridge.arm(torch.cuda.current_stream(self.device))
-            accel.window_open = self._window_open = True
+            accel.window_open = True
             mgr.cond.notify_all()
 
     def _close_window(self, mgr: LocalManager) -> None:
         """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
-        if not self._window_open:
-            return
         accel = mgr.accelerator
+        if accel is None or not accel.window_open:
+            return
         with mgr.cond:
-            self._window_open = False
-            if accel is not None:
-                accel.window_open = False
-                accel.wait_idle()
+            accel.window_open = False
+            accel.wait_idle()
         try:
             self._bridge.close()
         except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
@@ -463,10 +460,8 @@ class FusionFlowLoader:
 
     def _sync_bridge(self) -> None:
         if self._bridge is not None:
-            b = self._bridge.stats
-            self.stats.bridge_windows, self.stats.bridge_lent_bytes = b.windows, b.lent_bytes
-            self.stats.bridge_borrowed_bytes, self.stats.bridge_fallback_bytes = b.borrowed_bytes, b.fallback_bytes
-            self.stats.bridge_pinned_bytes, self.stats.bridge_seconds = b.pinned_bytes, b.lend_seconds
+            for name in ("windows", "lent_bytes", "borrowed_bytes", "fallback_bytes", "pinned_bytes", "seconds"):
+                setattr(self.stats, f"bridge_{name}", getattr(self._bridge.stats, name))
 
     def _mark_step(self, mgr: LocalManager) -> None:
         """Temporal GPU sharing: the accelerator waits for the training work queued so far."""

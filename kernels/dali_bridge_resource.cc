@@ -25,8 +25,6 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
-#include <cstring>
-#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -37,6 +35,7 @@
 #include "dali/core/mm/default_resources.h"
 #include "dali/core/mm/memory_resource.h"
 #include "dali/core/mm/with_upstream.h"
+#include "c_api.h"
 #include "lent_arena.h"
 
 namespace fusionflow {
@@ -233,25 +232,18 @@ BridgeResource *resource(int device) {
   return g_resources[device];
 }
 
-int fail(const std::exception &e, char *err, int errlen) {
-  if (err && errlen > 0) {
-    std::strncpy(err, e.what(), errlen - 1);
-    err[errlen - 1] = '\0';
-  }
-  return -1;
-}
-
 }  // namespace
 }  // namespace fusionflow
 
 using fusionflow::BridgeResource;
+using fusionflow::c_call;
 
 extern "C" {
 
 // Installs the bridge as DALI's default device resource on `device` (idempotent). Call it before
 // any DALI pipeline is built so every DALI allocation passes through it.
 int ff_bridge_install(int device, char *err, int errlen) {
-  try {
+  return c_call(err, errlen, -1, [&] {
     std::lock_guard<std::mutex> g(fusionflow::g_registry_mutex);
     if (device < 0) throw std::invalid_argument("device must be >= 0");
     if (device < static_cast<int>(fusionflow::g_resources.size()) && fusionflow::g_resources[device]) return 0;
@@ -267,51 +259,37 @@ int ff_bridge_install(int device, char *err, int errlen) {
     if (static_cast<int>(fusionflow::g_resources.size()) <= device) fusionflow::g_resources.resize(device + 1);
     fusionflow::g_resources[device] = res;
     return 0;
-  } catch (const std::exception &e) {
-    return fusionflow::fail(e, err, errlen);
-  }
+  });
 }
 
 int ff_bridge_open(int device, uint64_t torch_stream, char *err, int errlen) {
-  try {
+  return c_call(err, errlen, -1, [&] {
     fusionflow::resource(device)->open(reinterpret_cast<cudaStream_t>(torch_stream));
     return 0;
-  } catch (const std::exception &e) {
-    return fusionflow::fail(e, err, errlen);
-  }
+  });
 }
 
 int ff_bridge_lend(int device, uint64_t base, uint64_t size, char *err, int errlen) {
-  try {
+  return c_call(err, errlen, -1, [&] {
     fusionflow::resource(device)->lend(base, size);
     return 0;
-  } catch (const std::exception &e) {
-    return fusionflow::fail(e, err, errlen);
-  }
+  });
 }
 
 // Ends the window; writes the returned regions (at most `cap`, which must be >= the regions lent).
 int ff_bridge_close(int device, uint64_t torch_stream, uint64_t *bases, uint64_t *sizes, int cap, char *err,
                     int errlen) {
-  try {
+  return c_call(err, errlen, -1, [&] {
     auto back = fusionflow::resource(device)->close(reinterpret_cast<cudaStream_t>(torch_stream), cap);
-    for (size_t i = 0; i < back.size(); ++i) {
-      bases[i] = back[i].base;
-      sizes[i] = back[i].size;
-    }
-    return static_cast<int>(back.size());
-  } catch (const std::exception &e) {
-    return fusionflow::fail(e, err, errlen);
-  }
+    return fusionflow::write_ranges(back, bases, sizes);
+  });
 }
 
 int ff_bridge_stats(int device, uint64_t out[7], char *err, int errlen) {
-  try {
+  return c_call(err, errlen, -1, [&] {
     fusionflow::resource(device)->stats(out);
     return 0;
-  } catch (const std::exception &e) {
-    return fusionflow::fail(e, err, errlen);
-  }
+  });
 }
 
 }  // extern "C"

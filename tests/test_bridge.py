@@ -112,7 +112,7 @@ class RecordingBridge:
         import threading
         self.armed, self.lends, self.closes, self.lent_outside, self.shutdowns = False, 0, 0, 0, 0
         self.stats = type("S", (), dict(windows=0, lent_bytes=0, borrowed_bytes=0, fallback_bytes=0,
-                                        pinned_bytes=0, lend_seconds=0.0))()
+                                        pinned_bytes=0, seconds=0.0))()
         self.main = threading.get_ident()
 
     def arm(self, stream):

@@ -52,7 +52,7 @@ class BridgeStats:
     borrowed_bytes: int = 0  # most bytes DALI had allocated from lent blocks at once
     fallback_bytes: int = 0  # bytes DALI took from its own pool during windows (lent blocks did not fit)
     pinned_bytes: int = 0  # lent bytes DALI still held at the last close
-    lend_seconds: float = 0.0  # time spent lending and taking back, all windows
+    seconds: float = 0.0  # time spent lending and taking back, all windows
     refused: int = 0  # lends undone because PyTorch would have had to reserve more
 
 
@@ -99,22 +99,21 @@ class MemoryBridge:
             self.stats.refused = self.lender.refused
             handed = []
             try:
-                for i, b in enumerate(blocks):
+                for b in blocks:
                     native.call(self.lib.ff_bridge_lend, self.index, b.address, b.size)
                     self._held[b.address] = b
                     handed.append(b)
-                    blocks[i] = None
                 # the event goes on PyTorch's stream after the blocks were taken: DALI orders after both
                 native.call(self.lib.ff_bridge_open, self.index, self._stream.cuda_stream)
             except BaseException:
-                self.lender.take_back([b for b in blocks if b is not None])
+                self.lender.take_back(blocks[len(handed):])
                 self._close_locked(self._stream)
                 raise
             self._ledger_add(handed)
             if self._held:
                 self.stats.windows += 1
                 self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in self._held.values()))
-            self.stats.lend_seconds += time.perf_counter() - t0
+            self.stats.seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         """End the window: give PyTorch back every block DALI is done with."""
@@ -124,7 +123,7 @@ class MemoryBridge:
                 return
             t0 = time.perf_counter()
             self._close_locked(stream)
-            self.stats.lend_seconds += time.perf_counter() - t0
+            self.stats.seconds += time.perf_counter() - t0
 
     def _close_locked(self, stream) -> None:
         self._lent_now = False
@@ -177,10 +176,3 @@ class MemoryBridge:
                         "on this device (or the process's end) takes them back", self.stats.pinned_bytes)
         self.ledger.close()
         self.ledger = None  # shut down: a second call does nothing
-
-    def summary(self) -> dict:
-        s = self.stats
-        return {"bridge_windows": s.windows, "bridge_lent_bytes": s.lent_bytes,
-                "bridge_borrowed_bytes": s.borrowed_bytes, "bridge_fallback_bytes": s.fallback_bytes,
-                "bridge_pinned_bytes": s.pinned_bytes, "bridge_lend_seconds": round(s.lend_seconds, 4),
-                "bridge_refused": s.refused}

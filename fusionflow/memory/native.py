@@ -19,7 +19,7 @@ import hashlib
 import os
 import shutil
 import subprocess
-import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
@@ -70,7 +70,7 @@ def cuda_paths() -> tuple[Path, Path]:
     if nvcc:
         roots.append(str(Path(os.path.realpath(nvcc)).parent.parent))
     roots.append("/usr/local/cuda")
-    site = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+    site = Path(sysconfig.get_paths()["purelib"])
     for wheel_dir in ("nvidia/cu13", "nvidia/cuda_runtime"):
         roots.append(str(site / wheel_dir))
     tried = []
