@@ -21,18 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fusionflow import FusionFlowLoader  # noqa: E402
 from fusionflow.synthetic import make_jpegs  # noqa: E402
+from bench_ddp import Jpegs  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-
-class Jpegs:
-    def __init__(self, data):
-        self.data, self.sizes = data, [len(d) for d in data]
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i], 0
 
 
 def idle_cpu_percent(ds, job, seconds: float) -> float:

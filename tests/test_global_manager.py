@@ -169,7 +169,6 @@ def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws()
     a.close()
     b.close()
     assert a.stats.workers_borrowed > 0 and a.stats.borrowed_tiny_batches > 0
-    assert a.stats.global_manager == "active"
     # (the lender counts a loan's tiny-batches when its worker is home: the last loan may not be yet)
     assert b.stats.workers_lent > 0 and 0 < b.stats.lent_tiny_batches <= a.stats.borrowed_tiny_batches
     assert a.stats.global_manager == b.stats.global_manager == "active"

@@ -52,6 +52,7 @@ from fusionflow.runtime.procs import pid_alive
 from fusionflow.scheduling.lending import Progress, plan_lending
 
 log = logging.getLogger("fusionflow.gm")
+_BELL = m.pack_control(m.BELL)  # the doorbell: "read your action row"
 POLL_S = 0.002
 # no LM registered for this long: the job's loaders are gone (not just between two epochs)
 LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
@@ -94,7 +95,6 @@ class GlobalManager:
     def step(self) -> int:
         """One poll; returns how many LMs are active."""
         t, now = self.t, time.monotonic()
-        t.header["gm_heartbeat"] = now
         live = np.flatnonzero(t.progress["state"] == gt.ACTIVE)
         if now - self.checked_at > LIVENESS_S:
             self.checked_at = now
@@ -161,7 +161,7 @@ class GlobalManager:
         self.bell_retry[lm] = (row.reg, now + 1.0)
         try:
             conn = connect(row.address.decode(), self.t.secret)
-            conn.send_bytes(m.pack_control(m.BELL))
+            conn.send_bytes(_BELL)
             os.set_blocking(conn.fileno(), False)  # a bell an LM does not read never stalls this loop
         except Exception as exc:  # it left already, or is stuck: it reads its row every GM_IDLE_S anyway
             log.info("fusionflow GM: no doorbell for LM %d yet: %r", lm, exc)
@@ -174,7 +174,7 @@ class GlobalManager:
         if bell is None:
             return
         try:
-            bell[1].send_bytes(m.pack_control(m.BELL))
+            bell[1].send_bytes(_BELL)
         except OSError:
             bell[1].close()
             del self.bells[lm]

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 GM_START_S = 10.0  # a GM that has not shown up by then is reported lost
 HANDSHAKE_S = 2
 SEND_TIMEOUT_S = 5  # a guest that stops reading cannot block this LM's manager thread longer
-_LISTENERS: dict[int, str] = {}  # fd -> address of this process's listening sockets
+_LISTENERS: set[int] = set()  # fds of this process's listening sockets
 
 
 def close_inherited() -> None:
@@ -117,7 +117,7 @@ class GMLink:
                 self.tables.progress[self.lm]["state"] = gt.FREE
             self.tables.close()
             raise
-        _LISTENERS[self.listener.fileno()] = self.address
+        _LISTENERS.add(self.listener.fileno())
         row = self.tables.progress[self.lm]
         row["address"] = self.address.encode()
         row["ring"] = ring_name.encode()
@@ -169,6 +169,7 @@ class GMLink:
             sock, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return None
+        conn = None
         try:
             sock.setblocking(True)
             _sockopt_seconds(sock, socket.SO_RCVTIMEO, HANDSHAKE_S)  # a stalled peer cannot hang the manager thread
@@ -179,10 +180,7 @@ class GMLink:
             answer_challenge(conn, secret)
         except Exception as exc:
             log.warning("fusionflow: refused a connection to this loader's lending socket: %r", exc)
-            try:
-                conn.close()
-            except NameError:
-                sock.close()
+            (conn or sock).close()
             return None
         set_receive_timeout(conn, 0)
         return conn
@@ -224,7 +222,7 @@ class GMLink:
         row = self.tables.progress[peer] if 0 <= peer < gt.MAX_LMS else None
         if row is None or row["state"] != gt.ACTIVE or not row["listening"]:
             return None
-        return bytes(self.tables.progress[peer]["address"]).decode() or None
+        return bytes(row["address"]).decode() or None
 
     def target(self) -> int | None:
         """A new elastic worker target (for this LM, or job-wide: whichever was set last), or None."""
@@ -260,7 +258,7 @@ class GMLink:
         if self.tables is None:
             return
         t, self.tables = self.tables, None
-        _LISTENERS.pop(self.listener.fileno(), None)
+        _LISTENERS.discard(self.listener.fileno())
         self.listener.close()
         with t.locked():
             t.progress[self.lm]["state"] = gt.FREE

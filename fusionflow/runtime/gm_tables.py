@@ -1,6 +1,6 @@
 """The global manager's tables: one POSIX shared-memory segment per job and node, mode 0600.
 
-    header                          magic, state, the GM's pid and heartbeat, the job's secret
+    header                          magic, state, the GM's pid, the job's secret
     progress[MAX_LMS]  (LMs write)  per local manager: pid, iteration, Waiting tiny-batches, the start
                                     times of its Active ones (+ its mean tiny-batch time, so readers
                                     turn them into fractions done), idle/own/lent/borrowed workers,
@@ -32,15 +32,16 @@ import numpy as np
 import posix_ipc
 
 from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.shm import unlink
 
 PREFIX = "/ff_gm_"
-MAGIC = 0x46_46_47_4D_0001  # "FFGM" v1
+MAGIC = 0x46_46_47_4D_0002  # "FFGM" v2 (layout changes bump it)
 MAX_LMS = 64
 MAX_ACTIVE = 64
-FREE, ACTIVE, CLOSED = 0, 1, 2  # progress row states
-OPEN, CLOSING = 0, 1  # header states
+FREE, ACTIVE = 0, 1  # progress row states
+CLOSING = 1  # header state (0: open)
 
-HEADER = np.dtype([("magic", "<u8"), ("state", "<i4"), ("gm_pid", "<i8"), ("gm_heartbeat", "<f8"),
+HEADER = np.dtype([("magic", "<u8"), ("state", "<i4"), ("gm_pid", "<i8"),
                    ("created", "<f8"), ("secret", "S32"), ("registered_total", "<i8"),
                    ("target_seq", "<i8"), ("target_workers", "<i4")], align=True)  # job-wide elastic target
 PROGRESS = np.dtype([
@@ -171,12 +172,11 @@ class Tables:
 
     def reclaim_dead(self) -> list[int]:
         """Free the rows of LMs whose process is gone and unlink their rings (lock held)."""
-        from fusionflow.runtime.shm import unlink as unlink_ring
         dead = [lm for lm in self.active_rows() if not pid_alive(int(self.progress[lm]["pid"]))]
         for lm in dead:
             ring = bytes(self.progress[lm]["ring"]).decode()
             if ring:
-                unlink_ring(ring)
+                unlink(ring)
             self.progress[lm]["state"] = FREE
         return dead
 
@@ -202,10 +202,3 @@ class Tables:
 
     def unlink(self) -> None:
         unlink(self.name)
-
-
-def unlink(name: str) -> None:
-    try:
-        posix_ipc.unlink_shared_memory(name)
-    except posix_ipc.ExistentialError:
-        pass

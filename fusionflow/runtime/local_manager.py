@@ -288,12 +288,8 @@ class LocalManager:
                         self.workers.append(None)
                         self.tasks_per_worker.append(0)
                 self._start_worker(wid)
-        if missing > 0:
-            self._capacity_changed()
-
-    def _capacity_changed(self) -> None:
-        with self.cond:
-            self._notify_capacity()
+            with self.cond:
+                self._notify_capacity()
 
     def _kept_workers(self) -> list[_Worker]:
         """Own workers that count towards the target: not retiring (dead ones awaiting a restart count)."""
@@ -327,13 +323,8 @@ class LocalManager:
         self._wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-        for g in self.guests:
-            try:
-                g.conn.send_bytes(m.pack_control(m.RETURN))
-            except OSError:
-                pass
-            g.conn.close()
-        self.guests = []
+        for g in list(self.guests):
+            self._return_guest(g)
         if self.bell is not None:
             self.bell.close()
             self.bell = None
@@ -468,25 +459,25 @@ class LocalManager:
             self.cond.notify_all()  # the main thread starts missing workers
         self._retire_surplus()
         order = link.yield_order()
+        done = 0
         if order is not None:
             seq, peer, count = order
             address = link.peer_address(peer)
-            done = 0
+            lend = m.pack_control(m.LEND, (peer, address, link.tables.secret, link.lm))
             for w in self.workers:
                 if address is None or done >= count:
                     break
                 if w is not None and w.idle:
                     try:
-                        w.conn.send_bytes(m.pack_control(m.LEND, (peer, address, link.tables.secret, link.lm)))
+                        w.conn.send_bytes(lend)
                     except OSError:
                         continue
                     w.lent_to = peer
                     done += 1
             self.lent_total += done
-            self._publish()
+        self._publish()  # before the ack: the GM reads the lender's counts once the ack shows
+        if order is not None:
             link.ack_yield(seq, done)
-        else:
-            self._publish()
         return GM_IDLE_S
 
     def _retire_surplus(self) -> None:
@@ -505,8 +496,6 @@ class LocalManager:
                 self._notify_capacity()
 
     def _publish(self) -> None:
-        if self.link is None:
-            return
         # the current iteration: the oldest incomplete mini-batch -- what a lent worker would serve
         current = self._current_key()
         busy = [w for w in [*self.workers, *self.guests] if w is not None and w.alive and w.lent_to is None

@@ -64,7 +64,7 @@ def pack_fatal(worker_id: int, text: str) -> bytes:
 
 
 def pack_control(kind: int, payload=None) -> bytes:
-    return _HEAD.pack(kind, 0, 0, 0, 0, 0) + pickle.dumps(payload)
+    return pack_pickled(kind, pickle.dumps(payload))
 
 
 def pack_pickled(kind: int, pickled: bytes) -> bytes:
