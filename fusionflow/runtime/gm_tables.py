@@ -5,9 +5,11 @@
                                     times of its Active ones (+ its mean tiny-batch time, so readers
                                     turn them into fractions done), idle/own/lent/borrowed workers,
                                     its listening address and ring name
-    action[MAX_LMS]    (GM writes)  per local manager: a Yield order (lend Count workers to a peer) and
-                                    a Borrow notice (Count workers are coming from a peer), each with a
-                                    sequence number the LM acknowledges; the elastic worker target
+    action[MAX_LMS]    (GM writes)  per local manager: a Yield order (lend Count workers to a peer),
+                                    with a sequence number the lender acknowledges; a Borrow notice
+                                    (Count workers are coming from a peer), a record for `gm status`
+                                    (the borrower learns of guests from their connections); the
+                                    elastic worker target
 
 Name: ``/ff_gm_<sha256(job, uid)[:20]>`` (`table_name`): every loader of one job on one node finds the
 same table. Whoever creates the segment (O_CREX) initialises it and writes the magic last; others wait
