@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fusionflow.errors import FusionFlowError
 
-KERNELS = Path(__file__).resolve().parents[2] / "kernels"
+KERNELS = Path(__file__).resolve().parents[1] / "kernels"  # package data (fusionflow/kernels)
 ERRLEN = 512
 
 

@@ -344,8 +344,9 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
 
 
 def configs_dir() -> str:
+    """The shipped policies: package data (fusionflow/configs), so a wheel carries them too."""
     here = os.path.dirname(os.path.abspath(__file__))
-    return os.path.join(os.path.dirname(os.path.dirname(here)), "configs")
+    return os.path.join(os.path.dirname(here), "configs")
 
 
 def shipped_policies() -> list[str]:
