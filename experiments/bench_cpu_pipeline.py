@@ -1,16 +1,24 @@
 """Per-core throughput of the whole CPU augmentation pipeline, FusionFlow vs torchvision.
 
-decode + RandomResizedCrop(224) + flip + RandAugment(N=2, M=9) on JPEGs of mixed sizes (sides drawn
-from 200..1000 px), one process, one thread each, in one run:
-  torchvision      torchvision.transforms.v2 on PIL images (Image.open(...).convert("RGB"))
-  ff_exact         FusionFlow CpuPipeline, exact path (bit-identical to torchvision's output)
-  ff_fast          FusionFlow CpuPipeline as shipped (JPEG DCT-domain downscaling when the crop allows)
-  dali_cpu         FusionFlow's DALI pipeline on DALI's CPU backend (batch 8, 1 thread)
+decode + RandomResizedCrop(224) + flip + RandAugment(N=2, M=9) on synthetic JPEGs (quality 90), one
+process, one thread each, in one run:
+  torchvision        torchvision.transforms.v2 on PIL images (Image.open(...).convert("RGB"))
+  ff_exact_pillow    FusionFlow exact mode decoding whole images with Pillow (the path before the
+                     window decoder; what runs where libjpeg-turbo's headers are missing)
+  ff_exact           FusionFlow exact mode: window decode + Pillow resize (bit-identical to torchvision)
+  ff_fast_pillow     the previous fast mode: Pillow draft (DCT scaling of the whole image) + Pillow resize
+  ff_fast            FusionFlow fast mode as shipped: window decode at the coarsest DCT scale that
+                     covers the output + torch's SIMD uint8 antialiased resize
+  dali_cpu           FusionFlow's DALI pipeline on DALI's CPU backend (batch 8, 1 thread)
 Candidates are interleaved repeat by repeat; medians over repeats; ratios against torchvision.
-Fidelity of ff_fast: PSNR against ff_exact on the same draws.
+Fidelity of ff_fast: PSNR against ff_exact on the same draws (median, 1st percentile, minimum),
+with the policy's ops and crop + flip only.
+
+Image sets: --sizes 200-1000 (sides uniform in 200..1000), imagenet (500x375 and 375x500, sides
+jittered by up to 10%), 800-2000.
 
     .venv/bin/python experiments/bench_cpu_pipeline.py [--images 200] [--repeats 5] [--policy randaugment]
-        [--min-side 200 --max-side 1000]
+        [--sizes 200-1000 | imagenet | 800-2000]
 """
 from __future__ import annotations
 
@@ -36,8 +44,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment"])
-    ap.add_argument("--min-side", type=int, default=200)
-    ap.add_argument("--max-side", type=int, default=1000)
+    ap.add_argument("--sizes", default="200-1000", choices=["200-1000", "imagenet", "800-2000"])
     ap.add_argument("--no-dali", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default experiments/results/cpu_pipeline_<policy>.json)")
     args = ap.parse_args()
@@ -49,12 +56,26 @@ def main() -> None:
 
     from fusionflow import load_policy
     from fusionflow.ops.pipeline import CpuPipeline
-    from fusionflow.synthetic import make_jpegs
+    from fusionflow.ops import decode
+    from fusionflow.synthetic import encode, make_image, make_jpegs
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    data = make_jpegs(args.images, args.min_side, args.max_side, seed=11)
-    print(f"{len(data)} JPEGs, {sum(map(len, data)) / len(data) / 1024:.0f} KiB average, policy {args.policy}")
+    if args.sizes == "imagenet":
+        rng = np.random.default_rng(11)
+        data = []
+        for i in range(args.images):
+            long, short = (int(round(v * rng.uniform(0.9, 1.1))) for v in (500, 375))
+            h, w = (short, long) if i % 2 == 0 else (long, short)
+            data.append(encode(make_image(h, w, 11_000_003 + i)))
+    else:
+        lo, hi = (int(v) for v in args.sizes.split("-"))
+        data = make_jpegs(args.images, lo, hi, seed=11)
+    print(f"{len(data)} JPEGs ({args.sizes}), {sum(map(len, data)) / len(data) / 1024:.0f} KiB average, "
+          f"policy {args.policy}")
+    window_available = decode.jpeg.available()
+    if not window_available:
+        sys.exit(f"the JPEG window decoder is unavailable ({decode.jpeg.why_unavailable()}): nothing to compare")
 
     tv_aug = {"randaugment": T.RandAugment(num_ops=2, magnitude=9),
               "trivialaugment": T.TrivialAugmentWide(),
@@ -69,13 +90,19 @@ def main() -> None:
         for d in data:
             tv(Image.open(io.BytesIO(d)).convert("RGB"))
 
-    def run_ff(pipe):
+    def run_ff(pipe, window=True):
         def go():
-            for i, d in enumerate(data):
-                pipe(d, i, seed=0, epoch=0, out=out)
+            decode.jpeg.available = (lambda: True) if window else (lambda: False)
+            try:
+                for i, d in enumerate(data):
+                    pipe(d, i, seed=0, epoch=0, out=out)
+            finally:
+                decode.jpeg.available = lambda: True
         return go
 
-    candidates = {"torchvision": run_tv, "ff_exact": run_ff(exact), "ff_fast": run_ff(fast)}
+    candidates = {"torchvision": run_tv, "ff_exact_pillow": run_ff(exact, window=False),
+                  "ff_exact": run_ff(exact), "ff_fast_pillow": run_ff(fast, window=False),
+                  "ff_fast": run_ff(fast)}
     dali_build = None
     if not args.no_dali:
         from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
@@ -107,15 +134,16 @@ def main() -> None:
             scores.append(float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse))
         finite = [p for p in scores if np.isfinite(p)]
         return {"identical_samples": len(scores) - len(finite), "samples": len(scores),
-                "median": statistics.median(finite) if finite else None,
-                "min": min(finite) if finite else None}
+                "median": float(np.median(scores)) if scores else None,
+                "p1": float(np.percentile(scores, 1)) if scores else None,
+                "min": min(scores) if scores else None}
 
     crop_only = load_policy("default")
     psnr = {"policy": fidelity(fast, exact),
             "crop_only": fidelity(CpuPipeline(crop_only), CpuPipeline(dataclasses.replace(crop_only, fast_downscale=False)))}
     result = {
         "benchmark": "cpu_pipeline", "policy": args.policy, "images": len(data), "repeats": args.repeats,
-        "image_sides": [args.min_side, args.max_side],
+        "image_sizes": args.sizes,
         **provenance(),
         "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                      "pillow": Image.__version__, "numpy": np.__version__},
@@ -131,11 +159,9 @@ def main() -> None:
     print("\nmedian img/s per core: " + ", ".join(f"{n} {v:.0f}" for n, v in rate.items()))
     print("ratio vs torchvision: " + ", ".join(f"{n} {v:.2f}x" for n, v in result["ratio_vs_torchvision"].items()))
     for what, p in psnr.items():
-        med = "n/a" if p["median"] is None else f"{p['median']:.1f} dB"
-        low = "n/a" if p["min"] is None else f"{p['min']:.1f} dB"
-        print(f"fast_downscale vs exact ({what}): {p['identical_samples']} of {p['samples']} identical, "
-              f"PSNR of the others median {med}, min {low}")
-    write_json(result, args.out or os.path.join(RESULTS, f"cpu_pipeline_{args.policy}_{args.min_side}-{args.max_side}px.json"))
+        print(f"fast vs exact ({what}): {p['identical_samples']} of {p['samples']} identical; PSNR median "
+              f"{p['median']:.1f} dB, 1st percentile {p['p1']:.1f} dB, min {p['min']:.1f} dB (identical = inf)")
+    write_json(result, args.out or os.path.join(RESULTS, f"cpu_pipeline_{args.policy}_{args.sizes}.json"))
 
 
 if __name__ == "__main__":

@@ -149,3 +149,15 @@ def test_user_subset_policy(tmp_path):
     p = load_policy(_write(tmp_path, BASE))
     assert p.name == "mine" and [o.name for o in p.augment.ops] == ["Rotate", "Equalize"]
     assert p.augment.op("Rotate").value(9, 31) == pytest.approx(9.0)
+
+
+def test_decode_mode_key_and_its_older_spelling():
+    base = {"output": {"size": 64}, "augment": {"type": "none"}}
+    assert load_policy(base).decode_mode == "fast"
+    assert load_policy({**base, "decode": {"mode": "exact"}}).fast_downscale is False
+    assert load_policy({**base, "decode": {"mode": "fast"}}).decode_mode == "fast"
+    assert load_policy({**base, "decode": {"fast_downscale": False}}).decode_mode == "exact"
+    with pytest.raises(ValueError, match=r"decode\.mode: 'exakt' is not valid; did you mean 'exact'\?"):
+        load_policy({**base, "decode": {"mode": "exakt"}})
+    with pytest.raises(ValueError, match=r"decode: give decode\.mode"):
+        load_policy({**base, "decode": {"mode": "fast", "fast_downscale": True}})

@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 from PIL import Image
 
-from fusionflow.ops import cpu
+from fusionflow.ops import cpu, jpeg
 from fusionflow.ops.decode import decode_crop_resize
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
 
@@ -28,6 +28,7 @@ class CpuPipeline:
         if self.policy.normalize:
             mean, std = (np.asarray(v, np.float32).reshape(3, 1, 1) for v in self.policy.normalize)
             self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
+        jpeg.available()  # build/load the window decoder now (once, logged if it cannot), not on a sample
         missing = [o.name for o in aug.ops if o.name not in cpu.CPU_IMPLS]
         if missing:
             raise ValueError(f"{self.policy.source}: no CPU implementation for ops {missing}")

@@ -7,7 +7,9 @@ The schema (documented for users in configs/README.md):
       size: int | [height, width]      every sample comes out this size, uint8 CHW
       normalize: null | {mean: [3], std: [3]}   in 0..1 units; makes the output float32
     decode:
-      fast_downscale: bool             JPEG DCT-domain downscaling when the crop allows (default true)
+      mode: exact | fast               exact: torchvision's pixels to the bit; fast (default): JPEG
+                                       window decoded at the coarsest DCT scale covering the output,
+                                       SIMD resize (`fast_downscale: bool` is the older spelling)
     crop:                              random resized crop, torchvision's algorithm
       scale: [lo, hi]                  area fraction, 0 < lo <= hi <= 1
       ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
@@ -38,6 +40,7 @@ from fusionflow.ops.specs import OPS, OpSpec
 
 AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy")
 INTERPOLATIONS = ("nearest", "bilinear")
+DECODE_MODES = ("exact", "fast")
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,11 @@ class Policy:
     flip: float
     augment: Augment
     normalize: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
-    fast_downscale: bool = True
+    fast_downscale: bool = True  # decode.mode == "fast" (the field keeps the key's older name)
+
+    @property
+    def decode_mode(self) -> str:
+        return "fast" if self.fast_downscale else "exact"
 
     @property
     def out_dtype(self) -> str:
@@ -215,8 +222,13 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
 
     fast = True
     if "decode" in top:
-        dec = r.mapping(top["decode"], "decode", (), ("fast_downscale",))
-        fast = r.boolean(dec.get("fast_downscale", True), "decode.fast_downscale")
+        dec = r.mapping(top["decode"], "decode", (), ("mode", "fast_downscale"))
+        if "mode" in dec and "fast_downscale" in dec:
+            r.fail("decode", "give decode.mode (exact | fast) or its older spelling decode.fast_downscale, not both")
+        if "mode" in dec:
+            fast = r.choice(dec["mode"], "decode.mode", DECODE_MODES) == "fast"
+        else:
+            fast = r.boolean(dec.get("fast_downscale", True), "decode.fast_downscale")
 
     scale, ratio = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
     if "crop" in top:

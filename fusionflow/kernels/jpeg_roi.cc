@@ -1,0 +1,156 @@
+// Decode only a window of a JPEG, optionally at a reduced DCT scale, with libjpeg-turbo.
+//
+// The CPU workers' random resized crop needs a window of the image at (or above) the output size.
+// libjpeg-turbo can produce exactly that and nothing else: scale_num/scale_denom runs the inverse
+// DCT at 1/2, 1/4 or 1/8 of the size (the same scaled IDCT Pillow's draft() uses),
+// jpeg_skip_scanlines skips the rows above the window (entropy decoding only, no IDCT or colour
+// conversion), jpeg_crop_scanline limits IDCT, upsampling and colour conversion to the window's
+// iMCU columns, and decoding stops after the window's last row. At scale 1 the window's pixels
+// are those of a full decode (same IDCT, same fancy upsampling), so the exact mode can use it too.
+//
+// Errors never exit the process: libjpeg's error_exit longjmps back here. Any warning (a
+// truncated or corrupt stream that libjpeg would paper over with grey) is reported as a failure,
+// so the caller falls back to Pillow, which raises its usual, sample-naming error.
+#include <csetjmp>
+#include <cstdio>
+#include <cstdint>
+#include <cstring>
+
+#include <jpeglib.h>
+
+namespace {
+
+struct ErrorManager {
+  jpeg_error_mgr pub;
+  std::jmp_buf jump;
+  bool warned;
+};
+
+void on_error(j_common_ptr cinfo) {
+  std::longjmp(reinterpret_cast<ErrorManager*>(cinfo->err)->jump, 1);
+}
+
+void on_message(j_common_ptr cinfo, int msg_level) {
+  if (msg_level < 0) reinterpret_cast<ErrorManager*>(cinfo->err)->warned = true;  // corrupt data
+}
+
+void put_error(j_decompress_ptr cinfo, char* err, int errlen) {
+  if (err && errlen > 0) (*cinfo->err->format_message)(reinterpret_cast<j_common_ptr>(cinfo), err);
+}
+
+void put_text(const char* text, char* err, int errlen) {
+  if (err && errlen > 0) std::snprintf(err, static_cast<size_t>(errlen), "%s", text);
+}
+
+}  // namespace
+
+extern "C" {
+
+// Header only: dims[0] = height, dims[1] = width, dims[2] = components. Returns 0, or -1 with err.
+int ff_jpeg_info(const unsigned char* data, unsigned long size, int* dims, char* err, int errlen) {
+  jpeg_decompress_struct cinfo;
+  ErrorManager jerr;
+  cinfo.err = jpeg_std_error(&jerr.pub);
+  jerr.pub.error_exit = on_error;
+  jerr.pub.emit_message = on_message;
+  jerr.warned = false;
+  if (setjmp(jerr.jump)) {
+    put_error(&cinfo, err, errlen);
+    jpeg_destroy_decompress(&cinfo);
+    return -1;
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, data, size);
+  jpeg_read_header(&cinfo, TRUE);
+  dims[0] = static_cast<int>(cinfo.image_height);
+  dims[1] = static_cast<int>(cinfo.image_width);
+  dims[2] = cinfo.num_components;
+  jpeg_destroy_decompress(&cinfo);
+  return 0;
+}
+
+// Decode rows [top, top + height) and columns [left, left + width) of the image scaled by
+// scale_num/scale_denom (libjpeg-turbo: M/8, M = 1..16; coordinates in the scaled image) as RGB into `out`,
+// row-major with `out_stride` bytes per row, at most `out_rows` rows of `out_stride / 3` pixels.
+// The window is clipped to the reduced image. On success returns 0 and sets
+// dims = {scaled image height, scaled image width, rows written, columns written}.
+// Returns -1 with a message in err on any error or warning; -2 if the colour space is not one
+// this decoder turns into RGB exactly as Pillow does (CMYK, YCCK): use Pillow for those.
+int ff_jpeg_decode_window(const unsigned char* data, unsigned long size, int scale_num, int scale_denom, int top,
+                          int left, int height, int width, unsigned char* out, int out_stride,
+                          int out_rows, int* dims, char* err, int errlen) {
+  jpeg_decompress_struct cinfo;
+  ErrorManager jerr;
+  cinfo.err = jpeg_std_error(&jerr.pub);
+  jerr.pub.error_exit = on_error;
+  jerr.pub.emit_message = on_message;
+  jerr.warned = false;
+  unsigned char* row_buf = nullptr;
+  if (setjmp(jerr.jump)) {
+    put_error(&cinfo, err, errlen);
+    jpeg_destroy_decompress(&cinfo);
+    delete[] row_buf;
+    return -1;
+  }
+  jpeg_create_decompress(&cinfo);
+  jpeg_mem_src(&cinfo, data, size);
+  jpeg_read_header(&cinfo, TRUE);
+  if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK ||
+      (cinfo.num_components != 1 && cinfo.num_components != 3)) {
+    put_text("colour space not decoded here (CMYK/YCCK)", err, errlen);
+    jpeg_destroy_decompress(&cinfo);
+    return -2;
+  }
+  cinfo.out_color_space = JCS_RGB;
+  cinfo.scale_num = static_cast<unsigned int>(scale_num);
+  cinfo.scale_denom = static_cast<unsigned int>(scale_denom);
+  cinfo.dct_method = JDCT_ISLOW;  // libjpeg's and Pillow's default
+  jpeg_start_decompress(&cinfo);
+  const int full_h = static_cast<int>(cinfo.output_height);
+  const int full_w = static_cast<int>(cinfo.output_width);
+  int x0 = left < 0 ? 0 : left, y0 = top < 0 ? 0 : top;
+  int x1 = left + width > full_w ? full_w : left + width;
+  int y1 = top + height > full_h ? full_h : top + height;
+  if (x1 <= x0 || y1 <= y0 || y1 - y0 > out_rows || (x1 - x0) * 3 > out_stride) {
+    put_text("window outside the image or larger than the output buffer", err, errlen);
+    jpeg_destroy_decompress(&cinfo);
+    return -1;
+  }
+  // crop_scanline widens the window to iMCU boundaries and upsamples chroma at the widened
+  // window's edges from replicated samples, not the neighbours a full decode uses; a margin of
+  // one iMCU (16 px at most) on each side keeps those edges out of what we copy.
+  const int xm0 = x0 - 16 < 0 ? 0 : x0 - 16, xm1 = x1 + 16 > full_w ? full_w : x1 + 16;
+  JDIMENSION xoff = static_cast<JDIMENSION>(xm0), cw = static_cast<JDIMENSION>(xm1 - xm0);
+  if (cw < static_cast<JDIMENSION>(full_w)) jpeg_crop_scanline(&cinfo, &xoff, &cw);
+  else xoff = 0;
+  const int skip_cols = x0 - static_cast<int>(xoff);
+  row_buf = new unsigned char[static_cast<size_t>(cinfo.output_width) * 3];
+  if (y0 > 0) jpeg_skip_scanlines(&cinfo, static_cast<JDIMENSION>(y0));
+  const size_t row_bytes = static_cast<size_t>(x1 - x0) * 3;
+  for (int y = y0; y < y1; ++y) {
+    JSAMPROW rows[1] = {row_buf};
+    if (jpeg_read_scanlines(&cinfo, rows, 1) != 1) {
+      put_text("fewer scanlines than the header promises", err, errlen);
+      jpeg_destroy_decompress(&cinfo);
+      delete[] row_buf;
+      return -1;
+    }
+    std::memcpy(out + static_cast<size_t>(y - y0) * static_cast<size_t>(out_stride),
+                row_buf + static_cast<size_t>(skip_cols) * 3, row_bytes);
+  }
+  delete[] row_buf;
+  row_buf = nullptr;
+  const bool warned = jerr.warned;
+  jpeg_destroy_decompress(&cinfo);  // rows below the window are never decoded
+  if (warned) {
+    put_text("corrupt JPEG data (libjpeg warning)", err, errlen);
+    return -1;
+  }
+  dims[0] = full_h;
+  dims[1] = full_w;
+  dims[2] = y1 - y0;
+  dims[3] = x1 - x0;
+  return 0;
+}
+
+}  // extern "C"

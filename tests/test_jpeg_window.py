@@ -1,0 +1,167 @@
+"""The JPEG window decoder (fusionflow/kernels/jpeg_roi.cc via fusionflow.ops.jpeg) against Pillow's
+full decode, and the fast decode mode against the exact one."""
+import dataclasses
+import io
+import logging
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from fusionflow import DecodeError, load_policy
+from fusionflow.ops import decode, jpeg
+from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.policy import crop_window, draw, shipped_policies
+from fusionflow.synthetic import make_image, make_jpegs
+from tv_reference import psnr, tv_sample
+
+pytestmark = pytest.mark.skipif(not jpeg.available(), reason=f"window decoder: {jpeg.why_unavailable()}")
+
+
+def _jpeg(arr, subsampling=2, progressive=False, mode=None, **kw) -> bytes:
+    buf = io.BytesIO()
+    img = Image.fromarray(arr)
+    (img.convert(mode) if mode else img).save(buf, "JPEG", quality=90, subsampling=subsampling,
+                                               progressive=progressive, **kw)
+    return buf.getvalue()
+
+
+def _pillow_scaled(data, denom):
+    img = Image.open(io.BytesIO(data))
+    if denom > 1:
+        img.draft("RGB", (img.size[0] // denom, img.size[1] // denom))
+    return np.asarray(img.convert("RGB"))
+
+
+@pytest.mark.parametrize("subsampling", [0, 1, 2])  # 4:4:4, 4:2:2, 4:2:0
+@pytest.mark.parametrize("progressive", [False, True])
+@pytest.mark.parametrize("denom", [1, 2, 4, 8])
+def test_window_equals_pillows_full_decode(subsampling, progressive, denom):
+    rng = np.random.default_rng(subsampling * 10 + progressive * 100 + denom)
+    data = _jpeg(make_image(333, 517, seed=denom), subsampling, progressive)
+    full = _pillow_scaled(data, denom)
+    H, W = full.shape[:2]
+    assert (H, W) == (-(-333 // denom), -(-517 // denom))
+    windows = [(0, 0, H, W), (0, 0, 1, 1), (H - 1, W - 1, 1, 1), (0, W - 7, H, 7), (5, 16, 9, 16)]
+    for _ in range(25):
+        h, w = int(rng.integers(1, H + 1)), int(rng.integers(1, W + 1))
+        windows.append((int(rng.integers(0, H - h + 1)), int(rng.integers(0, W - w + 1)), h, w))
+    for top, left, h, w in windows:
+        arr, scaled = jpeg.decode_window(data, top, left, h, w, (1, denom))
+        assert scaled == (H, W)
+        assert np.array_equal(arr, full[top:top + h, left:left + w]), (top, left, h, w)
+
+
+def test_grayscale_becomes_rgb_like_pillow():
+    data = _jpeg(make_image(120, 90, seed=2)[:, :, 0])
+    arr, _ = jpeg.decode_window(data, 10, 20, 50, 60)
+    assert np.array_equal(arr, np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))[10:60, 20:80])
+
+
+def test_exif_orientation_is_ignored_like_pillow_and_torchvision():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 CW on display: neither Pillow's decode nor torchvision's applies it
+    data = _jpeg(make_image(64, 96, seed=3), exif=exif.tobytes())
+    arr, scaled = jpeg.decode_window(data, 0, 0, 64, 96)
+    assert scaled == (64, 96)
+    assert np.array_equal(arr, np.asarray(Image.open(io.BytesIO(data)).convert("RGB")))
+
+
+def test_cmyk_and_truncated_jpegs_go_to_pillow():
+    cmyk = _jpeg(make_image(80, 80, seed=4), mode="CMYK")
+    with pytest.raises(jpeg.WindowDecodeError, match="CMYK"):
+        jpeg.decode_window(cmyk, 0, 0, 80, 80)
+    policy = dataclasses.replace(load_policy("default"), fast_downscale=False)
+    d = draw(policy, 0, 0, 7)
+    ref = tv_sample(policy, cmyk, d, crop_window(policy, d, 80, 80))
+    assert np.array_equal(CpuPipeline(policy)(cmyk, 7), ref)  # Pillow's CMYK -> RGB, as torchvision
+    good = make_jpegs(1, 300, 300, seed=9)[0]
+    assert jpeg.is_complete_jpeg(good) and not jpeg.is_complete_jpeg(good[:-100])
+    with pytest.raises(DecodeError, match=r"sample 3: cannot decode JPEG"):
+        CpuPipeline("randaugment")(good[:-100], 3)
+
+
+@pytest.mark.parametrize("damage", ["stray_marker", "flipped_bits"])
+def test_corrupt_entropy_data_gives_what_pillow_gives(damage, monkeypatch):
+    """A stream libjpeg only warns about is handed to Pillow: the result (pixels, or the error naming
+    the sample) equals the Pillow-only path's. A stray marker: Pillow decodes it (grey below);
+    flipped bits: Pillow raises."""
+    good = make_jpegs(1, 400, 400, seed=5)[0]
+    sos = good.index(b"\xff\xda")
+    if damage == "stray_marker":
+        bad = good[:sos + 600] + b"\xff\xd0" + good[sos + 600:]
+    else:
+        bad = bytes(b ^ 0x5A if sos + 40 <= k < sos + 2000 and (k - sos) % 7 == 0 else b for k, b in enumerate(good))
+    with pytest.raises(jpeg.WindowDecodeError, match="corrupt"):
+        jpeg.decode_window(bad, 300, 0, 100, 400)  # rows above are entropy-decoded: the damage is seen
+    pipe = CpuPipeline(dataclasses.replace(load_policy("default"), fast_downscale=False))
+
+    def outcome():
+        try:
+            return pipe(bad, 0)
+        except DecodeError as exc:
+            return str(exc)
+    with_window = outcome()
+    monkeypatch.setattr(decode.jpeg, "available", lambda: False)
+    without = outcome()
+    assert type(with_window) is type(without)
+    assert (with_window == without) if isinstance(without, str) else np.array_equal(with_window, without)
+
+
+def test_fast_mode_keeps_each_samples_draw(monkeypatch):
+    """Fast and exact resolve the same crop window from the same draw; only resampling differs."""
+    seen = {True: [], False: []}
+    real = decode._jpeg_window_crop_resize
+
+    def spy(data, window_fn, out_size, fast):
+        def recording(h, w):
+            win = window_fn(h, w)
+            seen[fast].append(win)
+            return win
+        return real(data, recording, out_size, fast)
+    monkeypatch.setattr(decode, "_jpeg_window_crop_resize", spy)
+    policy = load_policy("randaugment")
+    fast, exact = CpuPipeline(policy), CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
+    for i, data in enumerate(make_jpegs(8, 200, 900, seed=6)):
+        fast(data, i, seed=1, epoch=2)
+        exact(data, i, seed=1, epoch=2)
+    assert seen[True] == seen[False] and len(seen[True]) == 8
+
+
+# Documented fidelity of the fast mode against the exact mode (README, "CPU pipeline, per core"):
+# crop + flip only: every sample >= 30 dB; with a policy's ops, median >= 40 dB and at least 75% of
+# samples >= 30 dB (Equalize, AutoContrast, Posterize and Solarize amplify one-level differences:
+# a flipped threshold moves whole regions by many levels).
+@pytest.mark.parametrize("name", shipped_policies())
+def test_fast_mode_within_documented_tolerance(name, monkeypatch):
+    scales = []
+    real = jpeg.decode_window
+    monkeypatch.setattr(jpeg, "decode_window", lambda *a, **k: scales.append(a[5] if len(a) > 5 else (1, 1))
+                        or real(*a, **k))
+    policy = load_policy(name)
+    assert policy.decode_mode == "fast"
+    fast, exact = CpuPipeline(policy), CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
+    crop_only = dataclasses.replace(policy, augment=dataclasses.replace(policy.augment, type="none"))
+    fast_crop, exact_crop = CpuPipeline(crop_only), CpuPipeline(dataclasses.replace(crop_only, fast_downscale=False))
+    with_ops, crop = [], []
+    for i, data in enumerate(make_jpegs(24, 300, 1400, seed=8)):
+        with_ops.append(psnr(fast(data, i), exact(data, i)))
+        crop.append(psnr(fast_crop(data, i), exact_crop(data, i)))
+    assert min(crop) >= 30.0, sorted(crop)[:3]
+    assert np.median(with_ops) >= 40.0 and np.mean(np.asarray(with_ops) >= 30.0) >= 0.75, sorted(with_ops)[:5]
+    assert any(s != (1, 1) for s in scales)  # the DCT-scaled branch really ran
+
+
+def test_unavailable_decoder_logs_why_and_pillow_decodes(monkeypatch, tmp_path, caplog):
+    from fusionflow.memory import native
+    monkeypatch.setattr(native, "KERNELS", tmp_path / "nowhere")
+    monkeypatch.setattr(jpeg, "_LIB", None)
+    monkeypatch.setattr(jpeg, "_WHY_NOT", None)
+    with caplog.at_level(logging.WARNING, logger="fusionflow.ops.jpeg"):
+        assert not jpeg.available()
+    assert "JPEG window decoding unavailable" in caplog.text and "libjpeg-turbo" in caplog.text
+    policy = dataclasses.replace(load_policy("randaugment"), fast_downscale=False)
+    data = make_jpegs(1, 300, 500, seed=3)[0]
+    d = draw(policy, 0, 0, 2)
+    W, H = Image.open(io.BytesIO(data)).size
+    assert np.array_equal(CpuPipeline(policy)(data, 2), tv_sample(policy, data, d, crop_window(policy, d, H, W)))
