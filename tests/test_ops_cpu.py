@@ -83,3 +83,37 @@ def test_inverse_affine_inverts_forward_map():
     q = M @ (p - center) + center + translate
     back = np.array([a * q[0] + b * q[1] + c, d * q[0] + e * q[1] + f])
     assert np.allclose(back, p)
+
+
+@pytest.mark.parametrize("name", ["AutoContrast", "Equalize", "Invert", "Posterize", "Solarize", "SolarizeAdd"])
+def test_point_ops_on_degenerate_histograms(name):
+    """The LUT ops rebuild Pillow's tables with numpy: check the corners of its loops (a constant band,
+    two values, a narrow range, one pixel off, all 256 values) against torchvision's PIL path."""
+    rng = np.random.default_rng(3)
+    bands = {
+        "constant": np.full((31, 47), 77, np.uint8),
+        "two_values": np.where(rng.random((31, 47)) < 0.5, 10, 200).astype(np.uint8),
+        "narrow": rng.integers(120, 124, (31, 47)).astype(np.uint8),
+        "one_off": np.pad(np.full((30, 47), 5, np.uint8), ((0, 1), (0, 0)), constant_values=250),
+        "full": (np.arange(31 * 47) % 256).astype(np.uint8).reshape(31, 47),
+    }
+    keys = list(bands)
+    for k in range(len(keys)):
+        arr = np.stack([bands[keys[k]], bands[keys[(k + 1) % 5]], bands[keys[(k + 2) % 5]]], axis=2)
+        img = Image.fromarray(arr)
+        for value in VALUES[name]:
+            ours = np.asarray(run(name, img, value, cpu.Style()))
+            assert np.array_equal(ours, np.asarray(tv_op(name, img, value))), (name, value, keys[k])
+
+
+@pytest.mark.parametrize("hw", [(224, 224), (3, 3), (2, 9), (5, 7), (61, 40)])
+def test_vectorised_smooth_equals_pillows_filter(hw):
+    """Sharpness's blur is re-implemented with numpy (Pillow's filter is per pixel); it must stay
+    Pillow's SMOOTH filter bit for bit, borders and tiny images included."""
+    from PIL import ImageFilter
+    rng = np.random.default_rng(hw[0] * 1000 + hw[1])
+    for arr in (rng.integers(0, 256, hw + (3,)).astype(np.uint8),
+                __import__("fusionflow.synthetic", fromlist=["x"]).make_image(*hw, seed=hw[1]),
+                np.full(hw + (3,), 255, np.uint8)):
+        img = Image.fromarray(arr)
+        assert np.array_equal(np.asarray(cpu.smooth(img)), np.asarray(img.filter(ImageFilter.SMOOTH)))

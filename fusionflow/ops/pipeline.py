@@ -45,14 +45,16 @@ class CpuPipeline:
         return img
 
     def run_draw(self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None) -> np.ndarray:
-        hwc = np.asarray(self.image(data, d, what))
+        img = self.image(data, d, what)
         if out is None:
             out = np.empty(self.out_shape, self.out_dtype)
         if self.policy.normalize:
-            np.multiply(hwc.transpose(2, 0, 1), self._scale, out=out, casting="unsafe")
+            np.multiply(np.asarray(img).transpose(2, 0, 1), self._scale, out=out, casting="unsafe")
             out += self._shift
         else:
-            out[...] = hwc.transpose(2, 0, 1)
+            # Pillow's band split de-interleaves ~2x faster than a strided numpy transpose
+            for plane, band in zip(out, img.split()):
+                plane[...] = np.asarray(band)
         return out
 
     def __call__(self, data, index: int, seed: int = 0, epoch: int = 0, out: np.ndarray | None = None,
