@@ -199,9 +199,10 @@ def test_dali_runs_in_lent_blocks_and_gives_them_back():
     assert torch.cuda.memory_reserved(dev) == reserved
     pipe.close()
     del pipe
+    ledger_name = bridge.ledger.name  # shutdown() drops the ledger
     bridge.shutdown()
     assert bridge.stats.pinned_bytes == 0
-    assert not os.path.exists("/dev/shm" + bridge.ledger.name)
+    assert not os.path.exists("/dev/shm" + ledger_name)
 
 
 @pytest.mark.gpu
@@ -274,3 +275,47 @@ def test_dali_resource_orders_streams_by_events(tmp_path):
                     "-L", str(dali_lib), "-ldali_core", f"-Wl,-rpath,{dali_lib}"], check=True, capture_output=True)
     out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
     assert out == EXPECTED_PROTOCOL
+
+
+def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_are_contained(monkeypatch, caplog):
+    """memory_bridge='auto': a bridge that cannot start for any reason (here posix_ipc missing, an
+    ImportError, not a BridgeError) leaves it off with the reason; a bridge whose close() fails is
+    logged and training goes on. Real loader on a fake torch.cuda (tests/fake_cuda.py)."""
+    pytest.importorskip("nvidia.dali")
+    from fake_cuda import FakeCuda
+    from fusionflow.memory import bridge as bridge_mod
+    from fusionflow.ops import dali_pipeline
+    from fusionflow.runtime import device_ring
+    from test_device_ring import CpuStandIn
+    cuda = FakeCuda()
+    cuda.install(monkeypatch, torch)
+    monkeypatch.setattr(dali_pipeline, "DaliPolicyPipeline", CpuStandIn)
+    monkeypatch.setattr(device_ring, "copy_out", lambda out, dst, stream: dst.copy_(
+        torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))]))))
+
+    def no_posix_ipc(device):
+        raise ImportError("No module named 'posix_ipc'")
+    monkeypatch.setattr(bridge_mod, "MemoryBridge", no_posix_ipc)
+    args = dict(batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda:0",
+                accelerator="dali-gpu", gpu_sharing="temporal", seed=4, timeout=60)
+    ld = FusionFlowLoader(Bytes(16), **args)
+    ld._alloc_device = torch.device("cpu")
+    _, labels = collect(ld)
+    assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
+    assert ld.stats.memory_bridge.startswith("off: No module named 'posix_ipc'")
+    ld.close()
+
+    failing = RecordingBridge()
+
+    def close_fails():
+        failing.closes += 1
+        raise RuntimeError("cudaStreamWaitEvent: an illegal memory access was encountered")
+    failing.close = close_fails
+    monkeypatch.setattr(bridge_mod, "MemoryBridge", lambda device: failing)
+    ld = FusionFlowLoader(Bytes(16), **args)
+    ld._alloc_device = torch.device("cpu")
+    with caplog.at_level("ERROR", logger="fusionflow.loader"):
+        _, labels = collect(ld)
+    assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
+    assert failing.closes >= 2 and "closing the prep window failed" in caplog.text
+    ld.close()
