@@ -41,6 +41,7 @@ from fusionflow.runtime.worker import split_item
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed tiny-batches in a row before the accelerator retires
+PROFILE_BATCHES = 10  # gpu_sharing="auto": iterations timed per mode before choosing
 
 
 class AcceleratorWorker:
@@ -193,7 +194,7 @@ class SharingProfiler:
     """`gpu_sharing="auto"`: time `batches` iterations in temporal mode, then `batches` in spatial
     mode (watching free GPU memory), then let `choose_sharing` pick for the rest of the run."""
 
-    def __init__(self, accel: AcceleratorWorker, batches: int = 10):
+    def __init__(self, accel: AcceleratorWorker, batches: int = PROFILE_BATCHES):
         self.accel, self.batches = accel, batches
         self.times = {"temporal": [], "spatial": []}
         self.min_free = None
