@@ -97,7 +97,11 @@ class AcceleratorWorker:
             self._thread.join(timeout=10.0)
         pipeline, self.pipeline = self.pipeline, None
         if pipeline is not None:
-            pipeline.close()
+            if self._thread.is_alive() and self._thread is not threading.current_thread():  # stuck in a tiny-batch
+                log.warning("the accelerator thread did not stop within 10 s; its DALI pipeline is left to "
+                            "the garbage collector")
+            else:
+                pipeline.close()
 
     def _retire(self, why: str) -> None:
         """Under mgr.cond: take no more work; the CPU workers get everything, reservations included."""
