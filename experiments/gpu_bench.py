@@ -250,7 +250,8 @@ def main() -> None:
                             stats["gpu_sharing"] = ff.stats.gpu_sharing
                         if profiling and ff.stats.gpu_sharing is None:
                             raise RuntimeError("gpu_sharing='auto' had not chosen a mode by the end of the warm-up")
-                        if accel is not None and (not stats["accelerator_tiny_batches"] or stats["accelerator_retired"]):
+                        fell_back = not stats["accelerator_tiny_batches"] or stats["accelerator_retired"]
+                        if accel is not None and fell_back:
                             raise RuntimeError(f"the DALI accelerator did not run (it fell back to the CPU workers: "
                                                f"retired={stats['accelerator_retired']!r}, "
                                                f"out of memory {stats['accelerator_out_of_memory']}x): not comparable")

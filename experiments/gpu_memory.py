@@ -54,7 +54,8 @@ def ff_outcome(stats: dict) -> dict:
     """A FusionFlow trial counts only if DALI really ran on the GPU: a trial whose accelerator ran out
     of memory, retired or never ran had the CPU workers do DALI's share, and is no measurement of
     the pipeline at that batch (an OOM in DALI is an OOM of the trial)."""
-    oom, ran, retired = stats["accelerator_out_of_memory"], stats["accelerator_tiny_batches"], stats["accelerator_retired"]
+    oom, ran = stats["accelerator_out_of_memory"], stats["accelerator_tiny_batches"]
+    retired = stats["accelerator_retired"]
     if ran and not oom and not retired:
         return {"ok": True}
     return {"ok": False, "oom": bool(oom), "fell_back": True,
