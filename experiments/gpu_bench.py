@@ -31,6 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from fusionflow.runtime.accelerator import PROFILE_BATCHES  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
@@ -112,6 +113,13 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
         yield x, torch.tensor([i % classes for i in idx], device=device)
 
 
+def ff_warmup(warmup: int, profiling: bool) -> int:
+    """Warm-up iterations of a FusionFlow run: with gpu_sharing="auto" on the GPU, also the
+    next() calls it needs to choose (PROFILE_BATCHES timed intervals per mode, each mode's first
+    call only starting its clock), so the choice is made before the timed window opens."""
+    return warmup + (2 * PROFILE_BATCHES + 2 if profiling else 0)
+
+
 def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
     """img/s of training on the batches the generator yields (synchronised, after warm-up)."""
     import torch
@@ -177,6 +185,8 @@ def main() -> None:
     ap.add_argument("--models", default="resnet18,resnet50")
     ap.add_argument("--workers", default="4,15")
     ap.add_argument("--variants", default="staged,dataloader_tv,dali,ff_cpu,ff_cpu_gpu")
+    ap.add_argument("--gpu-sharing", default="auto", choices=["auto", "temporal", "spatial"],
+                    help="ff_cpu_gpu's gpu_sharing; 'auto' profiles both modes during an extended warm-up")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny run on the CPU (DALI CPU backend) to check the script")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -226,13 +236,25 @@ def main() -> None:
                     else:
                         accel = "dali-gpu" if variant == "ff_cpu_gpu" and device.type == "cuda" else (
                             "dali-cpu" if variant == "ff_cpu_gpu" else None)
+                        # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
+                        # chooses: that happens in the warm-up, never in the timed window
+                        profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
+                        warmup = ff_warmup(args.warmup, profiling)
                         with FusionFlowLoader(Encoded(data), batch_size=bs, shuffle=True, num_workers=workers,
                                               policy="randaugment", persistent_workers=True, drop_last=True,
-                                              device=device, accelerator=accel, tiny_batch_size=4) as ff:
+                                              device=device, accelerator=accel, tiny_batch_size=4,
+                                              gpu_sharing=args.gpu_sharing) as ff:
                             rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device,
-                                              args.iters, args.warmup, bs)
-                            row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
-                            row[f"{variant}_stats"]["gpu_sharing"] = ff.stats.gpu_sharing
+                                              args.iters, warmup, bs)
+                            stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
+                            stats["gpu_sharing"] = ff.stats.gpu_sharing
+                        if profiling and ff.stats.gpu_sharing is None:
+                            raise RuntimeError("gpu_sharing='auto' had not chosen a mode by the end of the warm-up")
+                        fell_back = not stats["accelerator_tiny_batches"] or stats["accelerator_retired"]
+                        if accel is not None and fell_back:
+                            raise RuntimeError(f"the DALI accelerator did not run (it fell back to the CPU workers: "
+                                               f"retired={stats['accelerator_retired']!r}, "
+                                               f"out of memory {stats['accelerator_out_of_memory']}x): not comparable")
                     row[variant] = rate
                     print(f"{key}: {rate:.0f} img/s", flush=True)
                 except Exception as exc:  # one broken variant must not lose the others' numbers

@@ -50,6 +50,19 @@ def trial_env(pipeline: str) -> dict:
     return env
 
 
+def ff_outcome(stats: dict) -> dict:
+    """A FusionFlow trial counts only if DALI really ran on the GPU: a trial whose accelerator ran out
+    of memory, retired or never ran had the CPU workers do DALI's share, and is no measurement of
+    the pipeline at that batch (an OOM in DALI is an OOM of the trial)."""
+    oom, ran = stats["accelerator_out_of_memory"], stats["accelerator_tiny_batches"]
+    retired = stats["accelerator_retired"]
+    if ran and not oom and not retired:
+        return {"ok": True}
+    return {"ok": False, "oom": bool(oom), "fell_back": True,
+            "error": f"DALI fell back to the CPU workers (tiny-batches on DALI {ran}, out of memory {oom}x, "
+                     f"retired={retired!r})"}
+
+
 def run_trial(pipeline: str, batch: int, iters: int, warmup: int, data_path: str, workers: int, gpu_gb: float,
               smoke: bool) -> dict:
     """One training run in this process; returns what happened (ok / oom / error) and the numbers."""
@@ -83,7 +96,7 @@ def run_trial(pipeline: str, batch: int, iters: int, warmup: int, data_path: str
                                   memory_bridge="off" if smoke else bridge, tiny_batch_size=4) as ff:
                 rate = train_rate(lambda: endless(ff, ff.set_epoch), "resnet18", device, iters, warmup, batch)
                 stats = ff.stats.summary()
-        out.update(ok=True, img_per_s=rate)
+        out.update(img_per_s=rate, **ff_outcome(stats) if pipeline != "dali" and not smoke else {"ok": True})
     except Exception as exc:
         text = "".join(traceback.format_exception(exc))
         oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "cudaErrorMemoryAllocation" in text
@@ -106,7 +119,16 @@ def spawn(args, pipeline: str, batch: int, iters: int, warmup: int) -> dict:
            str(iters), "--warmup", str(warmup), "--data", args.data, "--workers", str(args.workers),
            "--gpu-gb", str(args.gpu_gb)] + (["--cpu-smoke"] if args.cpu_smoke else [])
     t0 = time.time()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=trial_env(pipeline), timeout=args.trial_timeout)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=trial_env(pipeline), timeout=args.trial_timeout)
+    except subprocess.TimeoutExpired as exc:  # one hung trial must not lose the others' numbers
+        tail = (exc.stderr or b"")[-1500:]
+        res = {"pipeline": pipeline, "batch": batch, "ok": False, "oom": False, "timeout": True,
+               "error": f"no result within --trial-timeout={args.trial_timeout} s: "
+                        f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}",
+               "seconds": round(time.time() - t0, 1)}
+        print(f"  {pipeline} batch {batch}: TIMEOUT ({res['seconds']} s)", flush=True)
+        return res
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     res = json.loads(lines[-1]) if lines else {"pipeline": pipeline, "batch": batch, "ok": False,
                                                "oom": "out of memory" in proc.stderr.lower(),

@@ -29,3 +29,12 @@ class SampleError(FusionFlowError):
                          f"(pass on_error='skip' to drop such samples)\n\n"
                          f"Original traceback in the worker:\n{worker_traceback}")
         self.index, self.what, self.exc_type, self.worker_traceback = index, what, exc_type, worker_traceback
+
+
+class AcceleratorError(FusionFlowError):
+    """The accelerator's DALI pipeline failed for a reason that is not one sample's fault (it was
+    closed, it could not be rebuilt, the device ran out of memory)."""
+
+
+class DeviceOutOfMemory(AcceleratorError):
+    """DALI could not allocate device (or pinned host) memory for a tiny-batch."""

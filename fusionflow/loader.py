@@ -29,6 +29,7 @@ previous epoch + 1, so forgetting it never repeats last epoch's augmentation.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -79,6 +80,8 @@ class LoaderStats:
     accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
     accelerator_given_back: int = 0  # handed to the CPU workers (undecodable by DALI, or not bytes)
     accelerator_builds: int = 0  # DALI pipeline builds (1 with AoT, one per tiny-batch without)
+    accelerator_out_of_memory: int = 0  # tiny-batches handed to the CPU workers because DALI ran out of memory
+    accelerator_retired: str | None = None  # why the accelerator stopped taking work (repeated failures)
     accelerator_build_seconds: float | None = None
     taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
     gpu_sharing: str | None = None  # what gpu_sharing="auto" chose, once profiled
@@ -106,6 +109,8 @@ class LoaderStats:
                 "accelerator_given_back": self.accelerator_given_back,
                 "accelerator_builds": self.accelerator_builds,
                 "accelerator_build_seconds": self.accelerator_build_seconds,
+                "accelerator_out_of_memory": self.accelerator_out_of_memory,
+                "accelerator_retired": self.accelerator_retired,
                 "taas_k_last": self.taas_k[-1] if self.taas_k else None,
                 "global_manager": self.global_manager, "workers_lent": self.workers_lent,
                 "workers_borrowed": self.workers_borrowed, "lent_tiny_batches": self.lent_tiny_batches,
@@ -191,6 +196,12 @@ class FusionFlowLoader:
             raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"device={device!r}: FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'")
+        if self.device.type == "cuda":  # one device index, resolved now, for every CUDA call after
+            if self.device.index is None:
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            if self.device.index >= torch.cuda.device_count():
+                raise ValueError(f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
+        self._alloc_device = self.device  # where delivered tensors live (tests: the CPU, under a fake torch.cuda)
         self.policy = load_policy(policy)
         if gpu_sharing not in SHARING:
             raise ValueError(f"gpu_sharing={gpu_sharing!r} must be one of {SHARING}")
@@ -261,7 +272,8 @@ class FusionFlowLoader:
         self._warned_skip = False
         # counters of managers already shut down (a manager lives one epoch without persistent workers)
         self._counts_before = dict.fromkeys(("worker_restarts", "accelerator_tiny_batches",
-                                             "accelerator_given_back", "accelerator_builds", "workers_lent",
+                                             "accelerator_given_back", "accelerator_builds",
+                                             "accelerator_out_of_memory", "workers_lent",
                                              "workers_borrowed", "lent_tiny_batches", "borrowed_tiny_batches",
                                              "worker_count_changes"), 0)
         self._device_ring = None
@@ -324,7 +336,7 @@ class FusionFlowLoader:
             self._box[0] = self._manager
             if self.stats.startup_seconds is None:
                 self.stats.startup_seconds = time.perf_counter() - t0
-            if self.device.type == "cuda" and not self._manager.register_cuda():
+            if self.device.type == "cuda" and not self._manager.register_cuda(self.device.index):
                 log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
             if self.accelerator is not None:
                 self._start_accelerator(self._manager)
@@ -349,24 +361,18 @@ class FusionFlowLoader:
         device_ring = None
         if on_gpu:
             from fusionflow.runtime.device_ring import DeviceRing
-            device_ring = DeviceRing(mgr.layout, self.device)
+            device_ring = DeviceRing(mgr.layout, self.device, self._alloc_device)
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
         accel = AcceleratorWorker(mgr, self.dataset, self.policy, self.tiny_batch_size, self.seed,
                                   device="gpu" if on_gpu else "cpu",
-                                  device_id=(self.device.index or 0) if on_gpu else None, aot=self.aot,
+                                  device_id=self.device.index if on_gpu else None, aot=self.aot,
                                   largest_first=self.taas, device_ring=device_ring, sharing=sharing)
         search = KSearch(k_max=-(-self.capacity // self.tiny_batch_size))
         self.stats.accelerator_build_seconds = accel.build_seconds
-        history = self.stats.taas_k
-
-        def on_batch_done(state):  # under the manager's lock, once per completed mini-batch
-            if not (self.taas and self.taas_last_k):
-                return
-            cpu_last = state.cpu_done_at >= state.accel_done_at
-            mgr.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
-            history.append(mgr.reserved)
-
-        mgr.on_batch_done = on_batch_done
+        # The callbacks live on the manager: they must not refer to the loader (it would then live as
+        # long as its manager, i.e. until close(), and never be collected) nor strongly to the manager.
+        if self.taas and self.taas_last_k:
+            mgr.on_batch_done = functools.partial(_taas_feedback, weakref.ref(mgr), search, self.stats.taas_k)
         mgr.on_capacity_change = lambda n: search.restart()  # the CPU side's speed changed: search K again
         mgr.accelerator = accel
         accel.bridge = self._bridge
@@ -377,13 +383,15 @@ class FusionFlowLoader:
         accel.start()
 
     def _start_bridge(self) -> None:
-        from fusionflow.memory.bridge import MemoryBridge
         from fusionflow.memory.native import BridgeError
         try:
+            from fusionflow.memory.bridge import MemoryBridge  # posix_ipc, ctypes, the native build
             self._bridge = MemoryBridge(self.device)
-        except BridgeError as exc:  # not built, or CUDA/DALI refused the install
+        except Exception as exc:  # not built, not importable, or CUDA/DALI refused the install
             if self.memory_bridge == "on":
-                raise
+                if isinstance(exc, BridgeError):
+                    raise
+                raise BridgeError(f"memory_bridge='on': the allocator bridge could not start: {exc!r}") from exc
             log.warning("memory_bridge='auto': the allocator bridge is off, DALI keeps its own GPU pool (%s)", exc)
             self._bridge_why_off = str(exc)  # not retried at every epoch
             self.stats.memory_bridge = f"off: {exc}"
@@ -392,15 +400,15 @@ class FusionFlowLoader:
         self.stats.memory_bridge = "on"
 
     def _open_window(self, mgr: LocalManager) -> None:
-        """Temporal sharing with the bridge: the accelerator may work (and borrow) from now on."""
+        """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
         accel = mgr.accelerator
-        if self._bridge is None:
-            return
-        if accel is None or accel.bridge is None or accel.sharing != "temporal":
-            self._bridge.close()  # no windows now (spatial, or lending failed): blocks DALI let go go back
+        if self._bridge is not None and (accel is None or accel.bridge is None or accel.sharing != "temporal"):
+            self._close_bridge()  # no windows now (spatial, or lending failed): blocks DALI let go go back
+        if accel is None or not accel.gated:
             return
         with mgr.cond:
-            self._bridge.arm(torch.cuda.current_stream(self.device))
+            if accel.bridge is not None:
+                accel.bridge.arm(torch.cuda.current_stream(self.device))
             accel.window_open = True
             mgr.cond.notify_all()
 
@@ -412,6 +420,11 @@ class FusionFlowLoader:
         with mgr.cond:
             accel.window_open = False
             accel.wait_idle()
+        self._close_bridge()
+
+    def _close_bridge(self) -> None:
+        if self._bridge is None:
+            return
         try:
             self._bridge.close()
         except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
@@ -426,17 +439,19 @@ class FusionFlowLoader:
             self._counts_before = {k: getattr(self.stats, k) for k in self._counts_before}
             mgr.shutdown()
             if self._bridge is not None:
-                self._bridge.close()  # the DALI pipelines are gone: what they held goes back now
+                self._close_bridge()  # the DALI pipelines are gone: what they held goes back now
                 self._sync_bridge()
 
     def _deliver(self, images: np.ndarray, labels: np.ndarray):
         """Turn a filled batch (views into the ring or a local buffer) into tensors the caller owns."""
         if self.device.type == "cuda":
-            host = torch.from_numpy(images)
-            out = host.to(self.device, non_blocking=self._manager is not None and self._manager.cuda_registered)
-            event = torch.cuda.Event()
-            event.record()
-            return out, torch.from_numpy(labels.copy()).to(self.device, non_blocking=True), event
+            pinned = self._manager is not None and self._manager.cuda_registered  # the ring is page-locked
+            with torch.cuda.device(self.device.index):
+                stream = torch.cuda.current_stream(self.device)  # the caller's stream on the loader's device
+                out = torch.from_numpy(images).to(self._alloc_device, non_blocking=pinned)
+                labels_t = torch.from_numpy(labels if pinned else labels.copy()).to(self._alloc_device,
+                                                                                       non_blocking=pinned)
+                return out, labels_t, self._copied(stream)
         if self.pin_memory:
             src = torch.from_numpy(images)
             out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
@@ -452,7 +467,9 @@ class FusionFlowLoader:
         if mgr.accelerator is not None:
             a = mgr.accelerator
             now.update(accelerator_tiny_batches=a.tiny_batches, accelerator_given_back=a.given_back,
-                       accelerator_builds=a.builds)
+                       accelerator_builds=a.builds, accelerator_out_of_memory=a.out_of_memory)
+            if a.retired:
+                self.stats.accelerator_retired = a.retired
         for key, base in self._counts_before.items():
             setattr(self.stats, key, base + now.get(key, 0))
         self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
@@ -463,6 +480,15 @@ class FusionFlowLoader:
             for name in ("windows", "lent_bytes", "borrowed_bytes", "fallback_bytes", "pinned_bytes", "seconds"):
                 setattr(self.stats, f"bridge_{name}", getattr(self._bridge.stats, name))
 
+    def _copied(self, stream):
+        """A blocking event (the host sleeps on it instead of spinning) recorded on `stream` after
+        this batch's copies out of the ring: the slot is reused, or the ring unmapped, only after it."""
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        if self._manager is not None:
+            self._manager.copy_event = event
+        return event
+
     def _mark_step(self, mgr: LocalManager) -> None:
         """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
         accel = mgr.accelerator
@@ -470,24 +496,30 @@ class FusionFlowLoader:
             self._profiler.tick()
             self.stats.gpu_sharing = self._profiler.chosen
         if accel is not None and accel.device_ring is not None and accel.sharing == "temporal":
-            event = torch.cuda.Event()
-            event.record()
+            with torch.cuda.device(self.device.index):
+                event = torch.cuda.Event(blocking=True)
+                event.record(torch.cuda.current_stream(self.device))
             accel.step_event = event
 
     def _deliver_merged(self, mgr: LocalManager, state, keep):
         """CUDA delivery of a mini-batch produced partly on the GPU: the host ring's positions are
-        copied over, the accelerator's come from the device ring."""
-        n = state.size
-        out = torch.from_numpy(mgr.ring.images[state.slot, :n]).to(self.device, non_blocking=mgr.cuda_registered)
-        idx = torch.tensor(sorted(state.accel_positions), device=self.device)
-        out[idx] = self._device_ring.images[state.slot].index_select(0, idx)
-        labels = torch.from_numpy(mgr.ring.labels[state.slot, :n].copy()).to(self.device, non_blocking=True)
-        if keep is not None:
-            keep_t = torch.tensor(keep, device=self.device)
-            out, labels = out[keep_t], labels[keep_t]
-        event = torch.cuda.Event()
-        event.record()
-        return out, labels, event
+        copied over, the accelerator's come from the device ring (slices of consecutive positions:
+        no index tensor, so no host-to-device copy of indices)."""
+        from fusionflow.runtime.device_ring import accel_runs
+        n, slot, pinned = state.size, state.slot, mgr.cuda_registered
+        with torch.cuda.device(self.device.index):
+            stream = torch.cuda.current_stream(self.device)
+            self._device_ring.wait_slot(slot, stream)  # after the accelerator's copies into this slot
+            out = torch.from_numpy(mgr.ring.images[slot, :n]).to(self._alloc_device, non_blocking=pinned)
+            for start, stop in accel_runs(state.accel_positions):
+                out[start:stop] = self._device_ring.images[slot, start:stop]
+            host_labels = mgr.ring.labels[slot, :n]
+            labels = torch.from_numpy(host_labels if pinned else host_labels.copy()).to(self._alloc_device,
+                                                                                        non_blocking=pinned)
+            if keep is not None:  # on_error='skip' dropped samples (rare): gather what is kept
+                keep_t = torch.as_tensor(keep).to(self._alloc_device)
+                out, labels = out[keep_t], labels[keep_t]
+            return out, labels, self._copied(stream)
 
     def _select(self, indices, failures):
         """Positions to deliver, after applying on_error to this batch's failures."""
@@ -605,6 +637,16 @@ class FusionFlowLoader:
                     self._active_generation = None
                 if not self.persistent_workers:
                     self._stop_manager()
+
+
+def _taas_feedback(mgr_ref, search, history, state) -> None:
+    """The manager's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
+    mgr = mgr_ref()
+    if mgr is None or (mgr.accelerator is not None and mgr.accelerator.retired):
+        return
+    cpu_last = state.cpu_done_at >= state.accel_done_at
+    mgr.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
+    history.append(mgr.reserved)
 
 
 def _shutdown_manager(box) -> None:

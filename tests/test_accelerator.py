@@ -175,3 +175,68 @@ def test_forked_workers_never_finalize_the_parents_dali_pipelines():
     finally:
         gc.enable()
         gc.collect()
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_loader_with_accelerator_is_freed_on_last_reference(no_leaks, persistent):
+    """With the cyclic collector off, a loader dropped without close() (mid-epoch with persistent
+    workers, or after a full epoch) is freed by reference counting alone: its finalizer stops the
+    workers and the accelerator, closes the DALI pipeline and unlinks the ring."""
+    import gc
+    import threading
+    import weakref
+    gc.collect()
+    gc.disable()
+    try:
+        ld = loader(Bytes(24), persistent_workers=persistent)
+        it = iter(ld)
+        next(it)
+        if not persistent:
+            for _ in it:
+                pass
+        del it
+        accel = ld._manager.accelerator if persistent else None
+        refs = [weakref.ref(ld)] + ([weakref.ref(accel), weakref.ref(accel.pipeline), weakref.ref(ld._manager)]
+                                    if persistent else [])
+        del ld, accel
+        assert [r() for r in refs] == [None] * len(refs)
+        assert not [t for t in threading.enumerate() if t.name.startswith("fusionflow-") and t.is_alive()]
+    finally:
+        gc.enable()
+
+
+def test_dali_naive_ablation_closes_each_pipeline(monkeypatch):
+    """aot=False builds a pipeline per tiny-batch: each is closed right after its tiny-batch."""
+    closed = []
+    real_close = DaliPolicyPipeline.close
+    monkeypatch.setattr(DaliPolicyPipeline, "close", lambda self: (closed.append(self._pipe), real_close(self)))
+    ld = loader(Bytes(24), aot=False)
+    collect(ld)
+    assert ld.stats.accelerator_builds == ld.stats.accelerator_tiny_batches > 0
+    assert len(closed) == ld.stats.accelerator_builds and all(p is not None for p in closed)
+
+
+def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerator(monkeypatch, caplog):
+    """DALI out of memory on every tiny-batch: each goes to the CPU workers (not reported as a corrupt
+    sample), and after MAX_FAILURES in a row the accelerator retires -- no reservation is left for
+    it, so every later mini-batch is produced by the CPU workers alone."""
+    from fusionflow.errors import DeviceOutOfMemory
+    from fusionflow.runtime import accelerator as acc
+
+    def oom(self, samples, indices, seed=0, epoch=0):
+        raise DeviceOutOfMemory(f"out of memory on samples {list(indices)}")
+    monkeypatch.setattr(DaliPolicyPipeline, "run", oom)
+    ld = loader(SlowBytes(24), batch_size=6, tiny_batch_size=1, timeout=60)
+    with caplog.at_level("WARNING", logger="fusionflow.runtime.accelerator"):
+        _, labels = collect(ld)
+    assert [i for y in labels for i in y.tolist()] == list(range(24))
+    s = ld.stats
+    assert s.accelerator_tiny_batches == 0 and s.accelerator_out_of_memory == acc.MAX_FAILURES
+    assert s.accelerator_given_back == acc.MAX_FAILURES and "in a row failed" in s.accelerator_retired
+    assert "likely corrupt" not in caplog.text and "retired" in caplog.text
+
+
+class SlowBytes(Bytes):
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return super().__getitem__(i)

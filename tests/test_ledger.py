@@ -119,3 +119,18 @@ def test_lock_held_by_a_dead_process_is_reported(ledger, monkeypatch):
             ledger.totals()
     finally:
         ledger._lock.release()
+
+
+def test_bulk_lend_to_self_and_release(ledger):
+    """The in-process bridge's bulk calls: blocks recorded borrowed by this process in one pass,
+    released in one pass (unknown addresses reported, not raised), then taken back."""
+    ledger.lend_to_self(FREE[:3])
+    assert ledger.totals() == {"lent_bytes": 86 * MIB, "borrowed_bytes": 86 * MIB}
+    assert ledger.release_blocks([0x1000, 0x5000, 0xdead]) == [0xdead]
+    assert sorted(b.address for b in ledger.take_back_released()) == [0x1000, 0x5000]
+    assert ledger.totals() == {"lent_bytes": 2 * MIB, "borrowed_bytes": 2 * MIB}
+    ledger.lend_to_self(FREE)  # freed records are reused first
+    with pytest.raises(RuntimeError, match=r"block ledger full \(8 records\)"):
+        ledger.lend_to_self(FREE)
+    assert ledger.totals()["lent_bytes"] == 108 * MIB  # nothing of the refused call was recorded
+    assert ledger.release_blocks([b.address for b in FREE]) == []

@@ -17,14 +17,17 @@
 //     close() never touches a DALI stream, so a stream DALI destroyed meanwhile does no harm.
 //   - The synchronous entry points (DALI's host-synchronous allocations) wait on the host for the
 //     same events instead, and a synchronous free needs no event (nothing is pending on it).
-// The CUDA calls of open/close/stats run with the resource's device current (a thread may have
-// another one, and stream 0 means "the current device's default stream").
+// The CUDA calls of open/close/stats and of a free run with the resource's device current (a thread
+// may have another one, and stream 0 means "the current device's default stream"). Frees never
+// throw (they run in DALI's deleters): a failed event record falls back to a host wait.
 // The resource is installed once per device and never uninstalled or destroyed: DALI may free
 // through it until the process ends (static destructors included), and memory from the previous
 // resource keeps going back to it.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -121,20 +124,22 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
     return upstream_->allocate_async(bytes, alignment, stream);
   }
 
-  void do_deallocate_async(void *ptr, size_t bytes, size_t alignment, dali::mm::stream_view stream) override {
+  // Never throws: DALI frees from deleters and destructors (an exception there is std::terminate),
+  // up to the process's exit, when the CUDA runtime may already be unloading.
+  void do_deallocate_async(void *ptr, size_t bytes, size_t alignment, dali::mm::stream_view stream) noexcept override {
     {
       std::lock_guard<std::mutex> g(m_);
       uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
       if (arena_.owns(p)) {
-        cudaStream_t s = stream.get();
-        Freed &f = freed_on(s);
-        check(cudaEventRecord(f.event, s), "cudaEventRecord(free)");  // what the free waits for, captured now
-        f.pending = true;
-        arena_.deallocate(p, reinterpret_cast<uintptr_t>(s));
+        free_lent(p, stream.get());
         return;
       }
     }
-    upstream_->deallocate_async(ptr, bytes, alignment, stream);
+    try {
+      upstream_->deallocate_async(ptr, bytes, alignment, stream);
+    } catch (const std::exception &e) {
+      report("DALI's own pool failed to free", e.what());
+    }
   }
 
   // Host-synchronous allocation: the memory must be usable by any stream when this returns.
@@ -150,16 +155,25 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   }
 
   // Host-synchronous free: no work is pending on the memory, so no stream needs to wait for it.
-  void do_deallocate(void *ptr, size_t bytes, size_t alignment) override {
+  // Never throws (as do_deallocate_async).
+  void do_deallocate(void *ptr, size_t bytes, size_t alignment) noexcept override {
     {
       std::lock_guard<std::mutex> g(m_);
       uintptr_t p = reinterpret_cast<uintptr_t>(ptr);
       if (arena_.owns(p)) {
-        arena_.deallocate(p, LentArena::kNone);
+        try {
+          arena_.deallocate(p, LentArena::kNone);
+        } catch (const std::exception &e) {
+          report("freeing lent memory", e.what());
+        }
         return;
       }
     }
-    upstream_->deallocate(ptr, bytes, alignment);
+    try {
+      upstream_->deallocate(ptr, bytes, alignment);
+    } catch (const std::exception &e) {
+      report("DALI's own pool failed to free", e.what());
+    }
   }
 
   bool do_is_equal(const dali::mm::memory_resource<device_kind> &other) const noexcept override {
@@ -174,8 +188,42 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
 
   Freed &freed_on(cudaStream_t s) {
     Freed &f = freed_[s];
-    if (!f.event) check(cudaEventCreateWithFlags(&f.event, cudaEventDisableTiming), "cudaEventCreate");
+    if (!f.event) {
+      DeviceGuard d(device_);  // the event belongs to the resource's device, whatever the freeing thread has
+      check(cudaEventCreateWithFlags(&f.event, cudaEventDisableTiming), "cudaEventCreate");
+    }
     return f;
+  }
+
+  // Under m_: a free of lent memory on stream `s`. Normally it records `s`'s event right there, so
+  // the range's next user (or PyTorch, at close) waits for the work queued before the free. If
+  // that fails (a failed event record, or cudaErrorCudartUnloading at exit), the host waits for
+  // `s` instead and the range needs no event; if even that fails, nothing can still run on the
+  // memory that is worth ordering (the context is broken or going away). Never throws.
+  void free_lent(uintptr_t p, cudaStream_t s) noexcept {
+    uintptr_t tag = reinterpret_cast<uintptr_t>(s);
+    try {
+      Freed &f = freed_on(s);
+      DeviceGuard d(device_);
+      check(cudaEventRecord(f.event, s), "cudaEventRecord(free)");  // what the free waits for, captured now
+      f.pending = true;
+    } catch (const std::exception &e) {
+      cudaGetLastError();  // do not leave the failure for DALI's next error check
+      cudaError_t sync = cudaStreamSynchronize(s);
+      cudaGetLastError();
+      report(sync == cudaSuccess ? "free of lent memory: waited on the host instead of an event"
+                                 : "free of lent memory: neither an event nor a host wait worked", e.what());
+      tag = LentArena::kNone;
+    }
+    try {
+      arena_.deallocate(p, tag);
+    } catch (const std::exception &e) {
+      report("freeing lent memory", e.what());
+    }
+  }
+
+  void report(const char *what, const char *why) noexcept {
+    if (reports_++ < 8) std::fprintf(stderr, "fusionflow allocator bridge: %s (%s)\n", what, why);
   }
 
   // Under m_: a range of lent memory for stream `s` (host_sync: for the host, any stream after),
@@ -220,6 +268,7 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   std::vector<cudaStream_t> waited_;          // streams ordered after this window's open event
   std::map<cudaStream_t, Freed> freed_;       // per stream that freed lent memory: its last free's event
   uint64_t fallback_bytes_ = 0;               // bytes DALI took from its own pool while a window was open
+  std::atomic<int> reports_{0};               // failures written to stderr (the first few only)
 };
 
 std::mutex g_registry_mutex;

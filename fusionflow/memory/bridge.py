@@ -146,21 +146,15 @@ class MemoryBridge:
     def _ledger_add(self, blocks) -> None:
         try:
             if blocks and self.ledger is not None:
-                self.ledger.yield_blocks(blocks, sum(b.size for b in blocks))
-                for _ in blocks:
-                    self.ledger.borrow_block(1)
-        except (RuntimeError, KeyError):
+                self.ledger.lend_to_self(blocks)  # one pass over the ledger, whatever the block count
+        except RuntimeError:
             log.exception("allocator bridge: ledger bookkeeping failed")
 
     def _ledger_remove(self, blocks) -> None:
         try:
-            if self.ledger is None:
+            if self.ledger is None or not blocks:
                 return
-            for b in blocks:
-                try:
-                    self.ledger.release_block(b.address)
-                except KeyError:
-                    pass  # lent under a previous bridge's ledger
+            self.ledger.release_blocks([b.address for b in blocks])  # some were lent under a previous ledger
             self.ledger.take_back_released()
         except RuntimeError:
             log.exception("allocator bridge: ledger bookkeeping failed")

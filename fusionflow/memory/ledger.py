@@ -102,20 +102,32 @@ class BlockLedger:
     def yield_blocks(self, free: list[Block], budget: int) -> list[Block]:
         """Lend free blocks, largest first, up to `budget` bytes; returns what was lent."""
         lent = select_blocks(free, budget)
-        with self:
-            slots = [i for i, r in self._records() if r[0] == FREE]
-            used = self._used()
-            for block in lent:
-                if slots:
-                    i = slots.pop(0)
-                else:
-                    if used >= self.capacity:
-                        raise RuntimeError(f"block ledger full ({self.capacity} records)")
-                    i, used = used, used + 1
-                self._write(i, [LENT, block.device, block.size, block.address, block.handle.ljust(64, b"\0"),
-                                os.getpid(), 0])
-            _HEADER.pack_into(self._map, 0, self.capacity, used)
+        self._put(lent, LENT, 0)
         return lent
+
+    def lend_to_self(self, blocks: list[Block]) -> None:
+        """Record `blocks` as lent and borrowed by this process, in one pass: the in-process bridge,
+        whose lender hands its blocks straight to its own DALI (one `borrow_block` per block would
+        scan the ledger once per block)."""
+        self._put(blocks, BORROWED, os.getpid())
+
+    def _put(self, blocks: list[Block], state: int, borrower: int) -> None:
+        if not blocks:
+            return
+        me = os.getpid()
+        with self:
+            used = self._used()
+            free = [i for i, r in self._records() if r[0] == FREE]
+            if len(blocks) > len(free) + self.capacity - used:  # all or nothing
+                raise RuntimeError(f"block ledger full ({self.capacity} records)")
+            slots = iter(free)
+            for block in blocks:
+                i = next(slots, None)
+                if i is None:
+                    i, used = used, used + 1
+                self._write(i, [state, block.device, block.size, block.address, block.handle.ljust(64, b"\0"),
+                                me, borrower])
+            _HEADER.pack_into(self._map, 0, self.capacity, used)
 
     def reclaim(self, timeout: float = 5.0, poll: float = 0.001) -> list[Block]:
         """Take every lent block back; waits for borrowers to release (a dead borrower's blocks
@@ -160,6 +172,18 @@ class BlockLedger:
             r[0], r[6] = BORROWED, os.getpid()
             self._write(i, r)
             return Block(r[3], r[2], r[1], r[4].rstrip(b"\0"))
+
+    def release_blocks(self, addresses) -> list[int]:
+        """Release every block of `addresses` this process borrowed, in one pass; returns the
+        addresses that were not borrowed (by anyone)."""
+        wanted = set(addresses)
+        with self:
+            for i, r in self._records():
+                if r[0] == BORROWED and r[3] in wanted:
+                    wanted.discard(r[3])
+                    r[0], r[6] = LENT, 0
+                    self._write(i, r)
+        return sorted(wanted)
 
     def release_block(self, address: int) -> None:
         with self:

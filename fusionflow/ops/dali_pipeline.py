@@ -6,6 +6,9 @@ built after start-up. Randomness never comes from DALI: the host computes each s
 `SampleDraw` for (seed, epoch, index) -- exactly as a CPU worker does -- and feeds crop window,
 flip, op ids and op parameters as per-sample inputs.
 
+EXIF orientation is ignored, as on the CPU path (Pillow) and in torchvision: DALI's decoder would
+apply it by default (`adjust_orientation`), turning or mirroring the image on one path only.
+
 The policy's `decode.fast_downscale` applies to the CPU path only: DALI decodes the crop window at
 full resolution (its ROI decode already skips most of the work a DCT downscale would save).
 
@@ -21,7 +24,7 @@ import time
 import numpy as np
 from PIL import Image
 
-from fusionflow.errors import DecodeError
+from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.ops.dali import DALI_IMPLS, DaliStyle
 from fusionflow.ops.specs import NUM_PARAMS, OPS
 from fusionflow.policy import Policy, crop_window, draw, load_policy
@@ -68,7 +71,7 @@ class DaliPolicyPipeline:
         self.fixed_ops = tuple(fixed_ops) if fixed_ops is not None else None
         fixed = self.fixed_ops
         # a fixed sequence of magnitude-free ops consumes no parameters (DALI would prune the input)
-        self._fixed_params = fixed is not None and any(OPS[n].has_magnitude for n in fixed)
+        self._fixed_params = fixed_params = fixed is not None and any(OPS[n].has_magnitude for n in fixed)
         style = DaliStyle(aug.interpolation, aug.fill, self.policy.size, device)
         out_h, out_w = self.policy.size
         normalize = self.policy.normalize
@@ -82,13 +85,14 @@ class DaliPolicyPipeline:
             flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
             images = fn.decoders.image_slice(encoded, anchor, shape, device="mixed" if device == "gpu" else "cpu",
                                              output_type=types.RGB, normalized_anchor=False,
-                                             normalized_shape=False, axis_names="WH")
+                                             normalized_shape=False, axis_names="WH",
+                                             adjust_orientation=False)
             images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR,
                                antialias=True)
             images = fn.flip(images, horizontal=flip)
             if fixed is not None:
                 params = None
-                if self._fixed_params:
+                if fixed_params:
                     params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
                 for k, name in enumerate(fixed):
                     images = DALI_IMPLS[name](images, params[k] if params is not None else None, style)
@@ -106,6 +110,7 @@ class DaliPolicyPipeline:
         self._make = lambda: graph(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                                    exec_dynamic=exec_dynamic, prefetch_queue_depth=1)
         self.rebuilds = 0
+        self._closed = False
         t0 = time.perf_counter()
         self._pipe = self._build()
         self.build_seconds = time.perf_counter() - t0
@@ -141,19 +146,33 @@ class DaliPolicyPipeline:
         names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
         if self.fixed_ops is not None:
             names, cols = names[:4] + (["params"] if self._fixed_params else []), cols[:4] + cols[5:]
+        if self._closed:
+            raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
             log.warning("rebuilding the DALI pipeline of %s after a failed batch", self.policy.name)
-            self._pipe = self._build()
+            try:
+                self._pipe = self._build()
+            except Exception as exc:
+                raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
             self.rebuilds += 1
         try:
             for name, col in zip(names, cols):
                 self._pipe.feed_input(name, list(col))
             (out,) = self._pipe.run()
+        except MemoryError as exc:  # DALI's CUDABadAlloc (a std::bad_alloc) arrives as MemoryError
+            self._discard()
+            raise DeviceOutOfMemory(f"DALI ran out of memory on samples {list(indices)} ({self.device}): "
+                                    f"{_last_line(exc)}") from exc
         except RuntimeError as exc:  # DALI reports decode faults as RuntimeError and is unusable after
-            self._pipe = None
+            self._discard()
             raise DecodeError(f"DALI could not process samples {list(indices)} (one is likely corrupt or "
-                              f"truncated): {str(exc).strip().splitlines()[-1]}") from exc
+                              f"truncated): {_last_line(exc)}") from exc
         return out
+
+    def _discard(self) -> None:
+        """Shut down DALI's pipeline now (a failed one is never run again; the next run rebuilds)."""
+        pipe, self._pipe = self._pipe, None
+        _shutdown(pipe)
 
     def run_numpy(self, samples, indices, seed: int = 0, epoch: int = 0) -> np.ndarray:
         out = self.run(samples, indices, seed, epoch)
@@ -161,8 +180,30 @@ class DaliPolicyPipeline:
             out = out.as_cpu()
         return np.stack([np.array(out[i]) for i in range(len(samples))])
 
-    def close(self):
-        self._pipe = None
+    def close(self) -> None:
+        """Shut DALI's pipeline down now (its threads, streams and memory), not whenever the last
+        reference goes. Idempotent; the pipeline cannot run after."""
+        self._closed = True
+        self._discard()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _shutdown(pipe) -> None:
+    """DALI 2.4 has no public close: `Pipeline._shutdown` is what its `__del__` runs."""
+    if pipe is not None:
+        shutdown = getattr(pipe, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[-1] if lines else type(exc).__name__
 
 
 def _apply_slot(images, op_id, params, names, style):

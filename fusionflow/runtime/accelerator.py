@@ -10,14 +10,23 @@ the shared host ring like a CPU worker's.
 A tiny-batch it cannot run (a sample that is not encoded bytes, or one DALI cannot decode) goes
 back to the queue marked CPU-only; the CPU workers then produce it or report the precise sample.
 
-Sharing the GPU with training (device="gpu"): in `temporal` mode the thread waits, on the CUDA
-event the loader records at every next(), for the training work queued before it to finish before
-it starts a tiny-batch; in `spatial` mode it runs concurrently.
+Sharing the GPU with training (device="gpu"): in `temporal` mode the thread works only inside the
+loader's prep window -- from the start of next() until the mini-batch is ready -- and before a
+tiny-batch waits (blocking CUDA event) for the training work queued before next() to finish, so
+DALI never runs alongside a training step. In `spatial` mode it runs concurrently. Its copies into
+the device ring go on its own CUDA stream (runtime/device_ring.py).
 
-With the allocator bridge (`bridge`, temporal mode only) the thread works only inside the loader's
-prep window -- from the start of next() until the mini-batch is ready -- because that is when
-PyTorch's free blocks are lent to DALI; before its first tiny-batch of a window it asks the bridge
-to lend. The loader closes a window only once the tiny-batch in flight is done (`wait_idle`).
+With the allocator bridge (`bridge`, temporal mode only) the prep window is also when PyTorch's free
+blocks are lent to DALI; before its first tiny-batch of a window the thread asks the bridge to lend.
+The loader closes a window only once the tiny-batch in flight is done (`wait_idle`).
+
+Failures: a tiny-batch DALI cannot run goes back to the CPU workers. DALI's pipeline is shut down
+and rebuilt after a failed batch (never kept broken); out of device memory is logged as such (not
+as a corrupt sample). After `MAX_FAILURES` failed tiny-batches in a row, or a pipeline that cannot
+be rebuilt, the accelerator retires: the CPU workers take everything from then on.
+
+Pipelines are closed explicitly: at `stop()`, and (the DALI-Naive ablation, aot=False) after each
+tiny-batch it built one for.
 """
 from __future__ import annotations
 
@@ -27,9 +36,12 @@ import time
 
 import numpy as np
 
+from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.runtime.worker import split_item
 
 log = logging.getLogger(__name__)
+MAX_FAILURES = 4  # failed tiny-batches in a row before the accelerator retires
+PROFILE_BATCHES = 10  # gpu_sharing="auto": iterations timed per mode before choosing
 
 
 class AcceleratorWorker:
@@ -48,6 +60,9 @@ class AcceleratorWorker:
         self.builds = 1 if aot else 0
         self.tiny_batches = 0
         self.given_back = 0
+        self.out_of_memory = 0  # tiny-batches given back because DALI ran out of memory
+        self.failures_in_a_row = 0
+        self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # set by the loader at each next() (temporal sharing)
         self.bridge = None  # MemoryBridge, set by the loader (memory_bridge on)
         self.window_open = False  # the loader's prep window (only consulted while gated)
@@ -64,7 +79,9 @@ class AcceleratorWorker:
 
     @property
     def gated(self) -> bool:
-        return self.bridge is not None and self.sharing == "temporal"
+        """Works only inside the loader's prep window: temporal sharing of a GPU (with or without
+        the bridge; with DALI's CPU backend only when a bridge stands in, as in the tests)."""
+        return self.sharing == "temporal" and (self.device_ring is not None or self.bridge is not None)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Under mgr.cond: wait for the tiny-batch in flight (if any) to finish."""
@@ -78,20 +95,38 @@ class AcceleratorWorker:
             self.mgr.cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
-        self.pipeline = None
+        pipeline, self.pipeline = self.pipeline, None
+        if pipeline is not None:
+            if self._thread.is_alive() and self._thread is not threading.current_thread():  # stuck in a tiny-batch
+                log.warning("the accelerator thread did not stop within 10 s; its DALI pipeline is left to "
+                            "the garbage collector")
+            else:
+                pipeline.close()
+
+    def _retire(self, why: str) -> None:
+        """Under mgr.cond: take no more work; the CPU workers get everything, reservations included."""
+        self.retired = why
+        self.mgr.reserved = 0
+        self.mgr.cond.notify_all()
+        log.warning("the DALI accelerator is retired for the rest of this loader's run (%s); the CPU workers "
+                    "take every tiny-batch", why)
 
     def _run(self) -> None:
         mgr = self.mgr
         while True:
             with mgr.cond:
-                while not self._stop and (mgr.draining() or (self.gated and not self.window_open)
+                while not self._stop and not self.retired and (mgr.draining() or (self.gated and not self.window_open)
                                           or (work := mgr.take_accel(self.largest_first)) is None):
                     mgr.cond.wait(0.5)
-                if self._stop:
+                if self._stop or self.retired:
                     return
                 self._active = work
+            fatal = None
             try:
                 ok = self._process(work)
+            except AcceleratorError as exc:  # the pipeline cannot be rebuilt (or is closed)
+                log.error("accelerator failed on tiny-batch %s: %s", work.indices, exc)
+                ok, fatal = False, str(exc)
             except Exception:  # anything unexpected: the CPU workers take it over
                 log.exception("accelerator failed on tiny-batch %s; handing it to the CPU workers", work.indices)
                 ok = False
@@ -100,36 +135,52 @@ class AcceleratorWorker:
                 mgr.cond.notify_all()  # a loader closing its prep window waits for this
                 if ok:
                     self.tiny_batches += 1
+                    self.failures_in_a_row = 0
                     mgr.complete(work, [], on_accelerator=True)
                 else:
                     self.given_back += 1
+                    self.failures_in_a_row += ok is False
                     work.cpu_only = True
                     mgr.requeue([work])
+                    if fatal is not None:
+                        self._retire(fatal)
+                    elif self.failures_in_a_row >= MAX_FAILURES:
+                        self._retire(f"{self.failures_in_a_row} tiny-batches in a row failed in DALI")
             mgr._wake()
 
-    def _process(self, work) -> bool:
+    def _process(self, work) -> bool | None:
+        """True: done; False: DALI failed on it; None: not DALI's kind of sample (no failure)."""
         samples, labels = [], []
         for index in work.indices:
             sample, label = split_item(self.dataset[index], index)
             if not isinstance(sample, (bytes, bytearray, memoryview)):
-                return False  # DALI decodes encoded images only
+                return None  # DALI decodes encoded images only
             samples.append(sample)
             labels.append(label)
-        pipeline = self.pipeline
-        if pipeline is None:  # the DALI-Naive ablation: build for every tiny-batch
-            pipeline = self._make()
-            self.builds += 1
+        if self.pipeline is not None:
+            return self._run_pipeline(self.pipeline, work, samples, labels)
+        pipeline = self._make()  # the DALI-Naive ablation: build for every tiny-batch, close after it
+        self.builds += 1
+        try:
+            return self._run_pipeline(pipeline, work, samples, labels)
+        finally:
+            pipeline.close()
+
+    def _run_pipeline(self, pipeline, work, samples, labels) -> bool:
         if self.sharing == "temporal" and self.step_event is not None:
             self.step_event.synchronize()  # training work queued before the last next() is done
-        if self.gated:
+        if self.gated and self.bridge is not None:
             try:
                 self.bridge.lend(self.tiny_batches)
             except Exception:  # DALI still has its own pool: carry on without the bridge
                 log.exception("allocator bridge failed to lend; continuing without it")
                 self.bridge = None
-        from fusionflow.errors import DecodeError
         try:
             out = pipeline.run(samples, list(work.indices), self.seed, work.epoch)
+        except DeviceOutOfMemory as exc:
+            self.out_of_memory += 1
+            log.warning("accelerator out of memory on tiny-batch %s; the CPU workers take it: %s", work.indices, exc)
+            return False
         except DecodeError as exc:
             log.info("accelerator could not decode %s: %s", work.indices, exc)
             return False
@@ -147,7 +198,7 @@ class SharingProfiler:
     """`gpu_sharing="auto"`: time `batches` iterations in temporal mode, then `batches` in spatial
     mode (watching free GPU memory), then let `choose_sharing` pick for the rest of the run."""
 
-    def __init__(self, accel: AcceleratorWorker, batches: int = 10):
+    def __init__(self, accel: AcceleratorWorker, batches: int = PROFILE_BATCHES):
         self.accel, self.batches = accel, batches
         self.times = {"temporal": [], "spatial": []}
         self.min_free = None
@@ -169,7 +220,7 @@ class SharingProfiler:
             self.times[phase].append(now - self.last)
         self.last = now
         if phase == "spatial":
-            free, self.total = torch.cuda.mem_get_info()
+            free, self.total = torch.cuda.mem_get_info(self.accel.device_ring.index)
             self.min_free = free if self.min_free is None else min(self.min_free, free)
         if len(self.times[phase]) >= self.batches:
             if phase == "temporal":

@@ -1,23 +1,119 @@
 """The accelerator's half of the batch ring on the GPU: [depth, batch, C, H, W] device memory,
-allocated once, that DALI's GPU outputs are copied into (positions of a tiny-batch are contiguous)."""
+allocated once, that DALI's GPU outputs are copied into (positions of a tiny-batch are contiguous),
+and the CUDA plumbing of GPU delivery.
+
+Streams and events (one device: the loader's, resolved to an index once, made current with a
+`torch.cuda.device` guard around every CUDA call, whatever device the calling thread has):
+  * the accelerator copies DALI's output on its own stream (`DeviceRing.stream`), never on the
+    legacy default stream, so it does not serialise behind training;
+  * after a copy it records a blocking event on that stream and waits for it on the host (its own
+    thread; a blocking event sleeps instead of spinning a core): DALI may free or reuse its output
+    buffer once `run()`'s result is dropped, which DALI orders on its streams, not on ours;
+  * the event is also kept per ring slot, and the loader makes the training stream wait for it
+    before it reads the slot (`wait_slot`), so the training stream is ordered after the copy by
+    CUDA itself.
+"""
 from __future__ import annotations
+
+import ctypes
+import logging
 
 import torch
 
 from fusionflow.runtime.shm import RingLayout
 
+log = logging.getLogger(__name__)
 _DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: the pages count as pinned for every CUDA context
+
+
+def copy_out(out, dst: torch.Tensor, stream) -> None:
+    """Copy a DALI GPU TensorList into `dst` on `stream` (asynchronously)."""
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+    feed_ndarray(out.as_tensor(), dst, cuda_stream=stream)
 
 
 class DeviceRing:
-    def __init__(self, layout: RingLayout, device: torch.device):
-        self.images = torch.empty((layout.depth, layout.batch_size, *layout.sample_shape),
-                                  dtype=_DTYPES[layout.dtype], device=device)
+    def __init__(self, layout: RingLayout, device: torch.device, alloc_device: torch.device | None = None):
+        """`device` must carry its index; `alloc_device` is where the buffer lives (the same device;
+        the tests run the CUDA protocol against a fake torch.cuda with the buffer on the CPU)."""
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"device={device!r}: DeviceRing needs a CUDA device with an index, e.g. cuda:0")
+        self.device, self.index = device, device.index
+        with torch.cuda.device(self.index):
+            self.images = torch.empty((layout.depth, layout.batch_size, *layout.sample_shape),
+                                      dtype=_DTYPES[layout.dtype], device=alloc_device or device)
+            self.stream = torch.cuda.Stream(device=device)
+        self.ready = [None] * layout.depth  # per slot: the event of the accelerator's last copy into it
 
     def write(self, slot: int, positions, out) -> None:
-        """Copy a DALI GPU TensorList (one sample per position, in order) into the ring."""
-        from nvidia.dali.plugin.pytorch import feed_ndarray
+        """Copy a DALI GPU TensorList (one sample per position, in order) into the ring; returns once
+        the copy is complete (the slot may then be reported done)."""
         first = positions[0]
         dst = self.images[slot, first:first + len(positions)]
-        feed_ndarray(out.as_tensor(), dst, cuda_stream=torch.cuda.current_stream(dst.device))
-        torch.cuda.current_stream(dst.device).synchronize()  # the slot is complete before we report it
+        with torch.cuda.device(self.index):
+            copy_out(out, dst, self.stream)
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream)
+        event.synchronize()
+        self.ready[slot] = event
+
+    def wait_slot(self, slot: int, stream) -> None:
+        """Order `stream` (the training stream) after every accelerator copy into `slot` so far
+        (copies on one stream complete in order: the last event covers them all)."""
+        event = self.ready[slot]
+        if event is not None:
+            stream.wait_event(event)
+
+
+def accel_runs(positions) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive positions (the accelerator's tiny-batches, merged where
+    adjacent): the merged delivery copies slices, so it needs no index tensor on the device."""
+    runs: list[list[int]] = []
+    for p in sorted(positions):
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return [(a, b) for a, b in runs]
+
+
+def _cudart():
+    """The libcudart torch loaded (the last error is per runtime instance and thread)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "/libcudart.so" in path:
+                return ctypes.CDLL(path)
+    return None
+
+
+def clear_last_error() -> bool:
+    """Reset CUDA's last error on this thread (a failed cudaHostRegister leaves it set, and
+    PyTorch's check after the next kernel launch would report it). False if it could not be."""
+    try:
+        lib = _cudart()
+        if lib is None:
+            return False
+        lib.cudaGetLastError.restype = ctypes.c_int
+        lib.cudaGetLastError()
+        return True
+    except OSError:
+        return False
+
+
+def register_host(ptr: int, nbytes: int, device_index: int) -> bool:
+    """Page-lock [ptr, ptr + nbytes) for CUDA (portable: pinned for every context), with the
+    loader's device current. On failure CUDA's last error is cleared, so no later, unrelated
+    launch fails on it; if it cannot be cleared, a FusionFlowError says so."""
+    from fusionflow.errors import FusionFlowError
+    with torch.cuda.device(device_index):
+        rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE))
+        if rc == 0:
+            return True
+        if not clear_last_error():
+            raise FusionFlowError(f"cudaHostRegister of the {nbytes}-byte batch ring failed (CUDA error {rc}) and "
+                                  "CUDA's last error could not be reset (libcudart not found among the loaded "
+                                  "libraries): a later kernel launch would report it; use device='cpu' or fix "
+                                  "the registration (e.g. ulimit -l)")
+    return False

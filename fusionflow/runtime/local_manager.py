@@ -34,13 +34,15 @@ Global manager (DDP, `job` given; runtime/global_manager.py)
     `on_capacity_change(n)` tells TAAS to search again.
 
 Shutdown procedure (`shutdown`, idempotent; also run by the loader's finalizer at collection/exit)
-  0. Stop the accelerator worker thread, if any (it finishes its tiny-batch) and drop its pipeline.
+  0. Stop the accelerator worker thread, if any (it finishes its tiny-batch) and close its pipeline;
+     drop the loader's callbacks and the accelerator (they refer back to this manager).
   1. Stop the manager thread (control pipe) and join it.
   2. Send RETURN to guests and close their connections (their owners' workers go home); leave the
      global-manager table (free the row, close the socket; `GMLink.close`).
   3. Send STOP to every worker (a lent one stops too: its borrower requeues what it held); join each
      for up to 2 s; terminate() the rest, then kill().
-  4. Close the pipes, unregister the ring from CUDA if registered, drop the mapping, unlink it.
+  4. Close the pipes; wait (host) for the last batch's copies out of the ring (`copy_event`, GPU
+     delivery), unregister the ring from CUDA if registered, drop the mapping, unlink it.
   If the training process is killed instead, workers notice within `worker.WATCHDOG_S`, unlink
   the segment and exit (runtime/worker.py).
 """
@@ -161,6 +163,8 @@ class LocalManager:
         self.restarts = 0
         self.tasks_per_worker = [0] * num_workers
         self.cuda_registered = False  # the ring is page-locked for direct host->device copies
+        self.cuda_device = None  # the loader's CUDA device index, once registered
+        self.copy_event = None  # CUDA event after the last batch's copies out of the ring (GPU delivery)
         self._closed = False
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)
         try:
@@ -261,11 +265,11 @@ class LocalManager:
             self.generation += 1
             return self.generation
 
-    def register_cuda(self) -> bool:
-        """Page-lock the ring (cudaHostRegister) so batches copy to the GPU without staging."""
-        import torch
-        ptr = self.ring.images.ctypes.data
-        self.cuda_registered = int(torch.cuda.cudart().cudaHostRegister(ptr, self.layout.nbytes, 0)) == 0
+    def register_cuda(self, device_index: int) -> bool:
+        """Page-lock the ring (cudaHostRegister, portable) so batches copy to the GPU without staging."""
+        from fusionflow.runtime.device_ring import register_host
+        self.cuda_device = device_index
+        self.cuda_registered = register_host(self.ring.images.ctypes.data, self.layout.nbytes, device_index)
         return self.cuda_registered
 
     def _restart_and_resize(self, dead: list[int], missing: int) -> None:
@@ -319,6 +323,8 @@ class LocalManager:
         self._closed = True
         if self.accelerator is not None:
             self.accelerator.stop()
+        # the loader's callbacks and the accelerator refer back to it: drop them (no cycle outlives us)
+        self.accelerator = self.on_batch_done = self.on_capacity_change = None
         thread = getattr(self, "_thread", None)
         self._wake()
         if thread is not None and thread is not threading.current_thread():
@@ -349,9 +355,13 @@ class LocalManager:
             w.conn.close()
         for c in (self._ctrl_r, self._ctrl_w):
             c.close()
+        event, self.copy_event = self.copy_event, None
+        if event is not None:  # the last batch's copies out of the ring may still run: wait before unmapping
+            event.synchronize()
         if self.cuda_registered:
             import torch
-            torch.cuda.cudart().cudaHostUnregister(self.ring.images.ctypes.data)
+            with torch.cuda.device(self.cuda_device):
+                torch.cuda.cudart().cudaHostUnregister(self.ring.images.ctypes.data)
             self.cuda_registered = False
         self.ring.close()
         self.ring.unlink()

@@ -3,8 +3,9 @@
 The loader profiles the first iterations in each mode -- temporal (prep waits for the training
 step's GPU work) then spatial (prep runs concurrently) -- recording the iteration time (between
 successive next() calls) and the least free GPU memory seen. Spatial wins only if it was faster
-and left headroom; otherwise temporal, which can never make training run out of memory because of
-prep.
+and left headroom; otherwise temporal: prep then runs only inside next(), never alongside a training
+step's kernels. That does not make an out-of-memory impossible: DALI's own pool keeps what it grew
+across steps (the allocator bridge, memory/bridge.py, is what lends it PyTorch's free blocks instead).
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@
 namespace {
 std::map<const void *, std::string> g_names;
 int g_events = 0;
+bool g_fail_record = false;  // cudaEventRecord fails as it does while the CUDA runtime unloads
 
 std::string name(const void *p) {
   auto it = g_names.find(p);
@@ -33,7 +34,10 @@ cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned int) {
   g_names[*e] = "E" + std::to_string(g_events++);
   return cudaSuccess;
 }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) { say("record " + name(e) + " on " + name(s)); return cudaSuccess; }
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  say("record " + name(e) + " on " + name(s) + (g_fail_record ? " fails" : ""));
+  return g_fail_record ? cudaErrorCudartUnloading : cudaSuccess;
+}
 cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
   say("wait " + name(s) + " for " + name(e));
   return cudaSuccess;
@@ -109,5 +113,14 @@ int main() {
   } catch (const std::length_error &) {
     say("close refused: cap");
   }
+  say("-- a free whose event record fails");
+  res.open(T);
+  void *r = res.allocate_async(MiB, 256, S2);
+  say("r " + at(r));
+  g_fail_record = true;
+  res.deallocate_async(r, MiB, 256, S2);  // must not throw: DALI frees from deleters
+  g_fail_record = false;
+  back = res.close(T, 4);
+  say("close returned " + std::to_string(back.size()) + (back.empty() ? "" : " " + at((void *)back[0].base)));
   return 0;
 }

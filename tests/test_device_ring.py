@@ -1,0 +1,158 @@
+"""GPU delivery's CUDA protocol, run on a CPU: the real loader, local manager, accelerator thread and
+device ring, with `torch.cuda` replaced by a recording fake (tests/fake_cuda.py), DALI's CPU backend
+standing in for its GPU pipeline and the delivered tensors kept on the CPU. Checked: one device
+(the loader's, cuda:1, while cuda:0 is current) for every CUDA call; nothing on a default stream;
+the accelerator copies on its own stream; every event blocking and recorded on the stream that did
+the work; the training stream waits for the accelerator's copies; no synchronous host-to-device
+copy per batch; the ring registered portable and unregistered only after the last copy finished."""
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali")
+
+from fake_cuda import FakeCuda  # noqa: E402
+from fusionflow.errors import FusionFlowError  # noqa: E402
+from fusionflow.loader import FusionFlowLoader  # noqa: E402
+from fusionflow.ops import dali_pipeline  # noqa: E402
+from fusionflow.runtime import device_ring  # noqa: E402
+from fusionflow.runtime.device_ring import accel_runs  # noqa: E402
+from test_loader import SMALL, Bytes, no_leaks  # noqa: E402,F401
+
+
+class CpuStandIn(dali_pipeline.DaliPolicyPipeline):
+    """The accelerator's 'GPU' pipeline, on DALI's CPU backend."""
+
+    def __init__(self, policy, batch_size, device="cpu", device_id=None, **kw):
+        self.asked = (device, device_id)
+        super().__init__(policy, batch_size, device="cpu", device_id=None, **kw)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    cuda = FakeCuda(devices=2)
+    cuda.install(monkeypatch, torch)
+    monkeypatch.setattr(dali_pipeline, "DaliPolicyPipeline", CpuStandIn)
+
+    def copy_out(out, dst, stream):  # DALI's copy_to_external, on `stream`
+        cuda.log("copy", stream=stream)
+        dst.copy_(torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))])))
+    monkeypatch.setattr(device_ring, "copy_out", copy_out)
+
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):  # host->device copies: from where, blocking or not, on which stream
+        cuda.log("h2d", ptr=self.data_ptr(), nbytes=self.nbytes, non_blocking=kwargs.get("non_blocking", False),
+                 stream=cuda.current_stream(1))
+        out = real_to(self, *args, **kwargs)
+        return out.clone() if out.data_ptr() == self.data_ptr() else out  # a copy, as on a real device
+    monkeypatch.setattr(torch.Tensor, "to", to)
+
+    real_tensor = torch.tensor
+
+    def tensor(*args, **kwargs):
+        if kwargs.get("device") is not None:
+            cuda.log("h2d_tensor", non_blocking=False, ptr=0, nbytes=0, stream=cuda.current_stream(1))
+        return real_tensor(*args, **kwargs)
+    monkeypatch.setattr(torch, "tensor", tensor)
+    return cuda
+
+
+@pytest.mark.parametrize("sharing", ["temporal", "spatial"])
+def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_copies(fake, no_leaks, sharing,
+                                                                                     monkeypatch):
+    train = fake.Stream(device=1)  # the training loop's stream on the loader's device
+    ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, seed=4,
+                          device="cuda:1", accelerator="dali-gpu", gpu_sharing=sharing, memory_bridge="off",
+                          timeout=60)
+    ld._alloc_device = torch.device("cpu")  # the tensors stay on the CPU; every CUDA call goes to the fake
+    copy = device_ring.copy_out
+    windows, stepping = [], [False]
+
+    def copy_in_window(out, dst, stream):
+        windows.append(not stepping[0])  # the training thread is inside next(), not in its step
+        copy(out, dst, stream)
+    monkeypatch.setattr(device_ring, "copy_out", copy_in_window)
+    seen = []
+    with fake.stream(train):
+        for images, labels in ld:
+            assert images.shape == (len(labels), 3, 24, 24)
+            seen += labels.tolist()
+            stepping[0] = True
+            time.sleep(0.05)  # the training step: the accelerator must not work now in temporal mode
+            stepping[0] = False
+    ld.close()
+    assert sorted(seen) == list(range(40))
+    assert ld.stats.accelerator_tiny_batches > 0  # the merged delivery ran
+    assert ld._manager is None
+
+    r = fake.records
+    accel_stream = {x["stream"] for x in fake.of("copy")}
+    assert len(accel_stream) == 1
+    (accel_stream,) = accel_stream
+    assert not accel_stream.default and accel_stream.device_index == 1
+    # 1. nothing on a default stream, every CUDA call with the loader's device current
+    for x in r:
+        if "stream" in x:
+            assert not x["stream"].default and x["stream"].device_index == 1, x
+        if x["kind"] not in ("h2d", "h2d_tensor", "host_wait"):  # .to(device), event sync: any device current
+            assert x["device"] == 1, x
+    # 2. events: blocking, recorded on the stream that did the work
+    records = fake.of("record")
+    assert records and all(x["event"].blocking for x in records)
+    assert {x["stream"] for x in records if x["thread"] == "fusionflow-accelerator"} == {accel_stream}
+    assert {x["stream"] for x in records if x["thread"] != "fusionflow-accelerator"} == {train}
+    assert all(x["event"].stream is not None for x in fake.of("host_wait"))
+    # the accelerator's copies are waited for: by the host before the slot is reported, by the training stream
+    waits = fake.of("wait")
+    assert waits and all(x["stream"] is train and x["event"].stream is accel_stream for x in waits)
+    # 3. no synchronous host->device copy: every one non-blocking, from the registered (pinned) ring
+    (reg,) = fake.of("host_register")
+    assert reg["flags"] == device_ring.HOST_REGISTER_PORTABLE
+    lo, hi = reg["ptr"], reg["ptr"] + reg["size"]
+    h2d = fake.of("h2d") + fake.of("h2d_tensor")
+    assert h2d and all(x["non_blocking"] and lo <= x["ptr"] and x["ptr"] + x["nbytes"] <= hi for x in h2d), h2d
+    assert all(x["stream"] is train for x in h2d)
+    # 4. temporal: the accelerator works only inside next() (the prep window), after waiting (host,
+    # blocking) for the training stream's step event
+    if sharing == "temporal":
+        assert windows and all(windows)
+        step_waits = [x for x in fake.of("host_wait") if x["thread"] == "fusionflow-accelerator"
+                      and x["event"].stream is train]
+        assert step_waits
+    # 5. teardown: the last batch's copy event is waited for before the ring is unregistered
+    unreg = next(i for i, x in enumerate(r) if x["kind"] == "host_unregister")
+    last_record = max(i for i, x in enumerate(r) if x["kind"] == "record" and x["stream"] is train)
+    assert any(x["kind"] == "host_wait" and x["event"] is r[last_record]["event"] for x in r[last_record:unreg])
+
+
+def test_failed_host_register_clears_cudas_last_error_or_says_it_cannot(fake, monkeypatch, no_leaks):
+    fake.cudart_.register_rc = 1  # cudaErrorInvalidValue
+    cleared = []
+    monkeypatch.setattr(device_ring, "clear_last_error", lambda: cleared.append(fake.current_device()) or True)
+    ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda:1", timeout=60)
+    ld._alloc_device = torch.device("cpu")
+    seen = [y.tolist() for _, y in ld]
+    assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]] and cleared == [1]
+    assert not fake.of("host_unregister")  # nothing was registered
+    ld.close()
+    monkeypatch.setattr(device_ring, "clear_last_error", lambda: False)
+    ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda:1", timeout=60)
+    with pytest.raises(FusionFlowError, match="last error could not be reset"):
+        next(iter(ld))
+    ld.close()
+
+
+def test_a_cuda_device_without_index_is_resolved_once(fake):
+    with fake.device(1):
+        ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda")
+    assert ld.device == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device='cuda:5': this process sees 2 CUDA device"):
+        FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda:5")
+
+
+def test_accelerator_runs_are_slices():
+    assert accel_runs([6, 7, 0, 1, 4]) == [(0, 2), (4, 5), (6, 8)]
+    assert accel_runs([]) == []
