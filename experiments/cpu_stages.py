@@ -1,0 +1,131 @@
+"""Where a CPU worker's time goes per sample: the fast pipeline taken apart stage by stage.
+
+Runs the same steps as `CpuPipeline` (fast mode, JPEG window decoder) one at a time with a clock
+between them -- draw, header + crop window, window decode, resize, flip, policy ops, CHW write --
+and, in the same run, the whole pipeline and torchvision.transforms.v2 for scale. Medians over
+repeats of the per-stage mean.
+
+    .venv/bin/python experiments/cpu_stages.py [--images 200] [--repeats 5] [--sizes imagenet]
+"""
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from results_io import RESULTS, provenance, write_json  # noqa: E402
+
+STAGES = ("draw", "header_and_window", "decode", "resize", "flip", "ops", "write")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--policy", default="randaugment")
+    ap.add_argument("--sizes", default="imagenet", help="imagenet, or min-max side in px")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    import torch
+    import torchvision.transforms.v2 as T
+    from PIL import Image
+
+    from fusionflow import load_policy
+    from fusionflow.ops import cpu, decode, jpeg
+    from fusionflow.ops.pipeline import CpuPipeline
+    from fusionflow.policy import crop_window, draw
+    from fusionflow.synthetic import encode, make_image, make_jpegs
+
+    torch.set_num_threads(1)
+    if not jpeg.available():
+        sys.exit(f"the JPEG window decoder is unavailable: {jpeg.why_unavailable()}")
+    if args.sizes == "imagenet":
+        rng = np.random.default_rng(11)
+        data = []
+        for i in range(args.images):
+            long, short = (int(round(v * rng.uniform(0.9, 1.1))) for v in (500, 375))
+            data.append(encode(make_image(*((short, long) if i % 2 == 0 else (long, short)), 11_000_003 + i)))
+    else:
+        lo, hi = (int(v) for v in args.sizes.split("-"))
+        data = make_jpegs(args.images, lo, hi, seed=11)
+    policy = load_policy(args.policy)
+    pipe = CpuPipeline(policy)
+    oh, ow = policy.size
+    out = np.empty(pipe.out_shape, np.uint8)
+    tv = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
+                    T.RandAugment(num_ops=2, magnitude=9), T.PILToTensor()])
+
+    def staged() -> dict:
+        acc = dict.fromkeys(STAGES, 0.0)
+        for i, d in enumerate(data):
+            t0 = time.perf_counter()
+            dr = draw(policy, 0, 0, i)
+            t1 = time.perf_counter()
+            H, W, _ = jpeg.info(d)
+            top, left, h, w = crop_window(policy, dr, H, W)
+            t2 = time.perf_counter()
+            r = decode.dct_reduction(h, w, oh, ow)
+            if r > 1:  # the reduced branch decodes and resamples in one call: charge it to decode
+                img = decode._jpeg_window_crop_resize(d, lambda *_: (top, left, h, w), (oh, ow), True)
+                t3 = t4 = time.perf_counter()
+            else:
+                arr, _ = jpeg.decode_window(d, top, left, h, w)
+                t3 = time.perf_counter()
+                img = decode.resize_bilinear_aa(arr, oh, ow)
+                t4 = time.perf_counter()
+            if dr.flip:
+                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            t5 = time.perf_counter()
+            for op in dr.ops:
+                img = cpu.apply(op.name, img, op.value, op.params(oh, ow), pipe.style)
+            t6 = time.perf_counter()
+            for plane, band in zip(out, img.split()):
+                plane[...] = np.asarray(band)
+            t7 = time.perf_counter()
+            for k, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
+                acc[k] += b - a
+        return {k: v / len(data) for k, v in acc.items()}
+
+    def whole() -> float:
+        t = time.perf_counter()
+        for i, d in enumerate(data):
+            pipe(d, i, out=out)
+        return (time.perf_counter() - t) / len(data)
+
+    def torchvision() -> float:
+        t = time.perf_counter()
+        for d in data:
+            tv(Image.open(io.BytesIO(d)).convert("RGB"))
+        return (time.perf_counter() - t) / len(data)
+
+    staged(), whole(), torchvision()  # warm-up
+    runs = {k: [] for k in (*STAGES, "whole_pipeline", "torchvision")}
+    for r in range(args.repeats):
+        for k, v in staged().items():
+            runs[k].append(v)
+        runs["whole_pipeline"].append(whole())
+        runs["torchvision"].append(torchvision())
+        print(f"repeat {r + 1}/{args.repeats}")
+    us = {k: 1e6 * statistics.median(v) for k, v in runs.items()}
+    total = sum(us[k] for k in STAGES)
+    for k in STAGES:
+        print(f"{k:18s} {us[k]:7.0f} us  {100 * us[k] / total:4.1f}%")
+    print(f"{'sum of stages':18s} {total:7.0f} us; whole pipeline {us['whole_pipeline']:.0f} us; "
+          f"torchvision {us['torchvision']:.0f} us ({us['torchvision'] / us['whole_pipeline']:.2f}x)")
+    write_json({"benchmark": "cpu_stages", "policy": args.policy, "sizes": args.sizes, "images": len(data),
+                "repeats": args.repeats, **provenance(), "us_per_sample_median": us,
+                "share_of_stages": {k: us[k] / total for k in STAGES}},
+               args.out or os.path.join(RESULTS, f"cpu_stages_{args.policy}_{args.sizes}.json"))
+
+
+if __name__ == "__main__":
+    main()
