@@ -17,6 +17,9 @@ The schema (documented for users in configs/README.md):
     augment:
       type: none | rand | trivial | subpolicy
       ops: {OpName: {range: [v0, v1], signed: bool} or {} for ops without magnitude}
+                                       pixel-valued ops (TranslateX/Y, Cutout) also take
+                                       scale_with_size: bool (default true): a size override
+                                       (load_policy(name, size=...)) rescales the range
       num_bins: int                    bins b = 0..num_bins-1 map linearly onto range
       num_ops: int                     rand: ops drawn per sample (with replacement)
       magnitude: int                   rand: the bin every op uses
@@ -50,6 +53,7 @@ class OpChoice:
     name: str
     range: tuple[float, float] | None  # None for ops without a magnitude
     signed: bool = False
+    scale_with_size: bool = True  # pixel-valued ops: a size override rescales the range (False: fixed px)
 
     def value(self, bin_index: int, num_bins: int) -> float:
         if self.range is None:
@@ -289,10 +293,11 @@ def _parse_ops(r: _Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
         spec = r.op_name(name, path)
         settings = {} if settings is None else settings
         if spec.has_magnitude:
-            s = r.mapping(settings, path, ("range",), ("signed",))
+            s = r.mapping(settings, path, ("range",), ("signed", "scale_with_size") if spec.scale_by else ("signed",))
             lo, hi = spec.domain_for(*size)
             rng = r.pair(s["range"], f"{path}.range", lo, hi, ordered=False)
-            ops.append(OpChoice(name, rng, r.boolean(s.get("signed", False), f"{path}.signed")))
+            ops.append(OpChoice(name, rng, r.boolean(s.get("signed", False), f"{path}.signed"),
+                                r.boolean(s.get("scale_with_size", True), f"{path}.scale_with_size")))
         else:
             r.mapping(settings, path, (), ())  # no keys allowed: the op has no magnitude
             ops.append(OpChoice(name, None, False))
