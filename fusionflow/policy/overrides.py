@@ -9,6 +9,8 @@ Overrides (each validated; an unknown or invalid one raises ValueError naming it
                  width/height, Cutout by the shorter side) are rescaled with it, as torchvision's
                  RandAugment/AutoAugment scale translate with the image, unless the policy marks them
                  `scale_with_size: false` (TrivialAugmentWide's fixed 32 px).
+  resize         int: crop.mode center policies (e.g. "eval"): the shorter side before the center
+                 crop, as torchvision's Resize(resize) + CenterCrop(size); >= size
   magnitude      int: the bin every op uses (augment.type rand), 0..num_bins-1
   num_ops        int: ops per sample (augment.type rand), 1..16
   interpolation  "nearest" | "bilinear": the policy ops' geometric resampling. The random resized crop
@@ -33,7 +35,7 @@ from fusionflow.ops.specs import OPS
 from fusionflow.policy import schema
 from fusionflow.policy.schema import INTERPOLATIONS, OpChoice, Policy, _Reader
 
-OVERRIDES = ("size", "magnitude", "num_ops", "interpolation", "normalize", "flip")
+OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip")
 
 
 def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy, **overrides: Any) -> Policy:
@@ -57,6 +59,12 @@ def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
         size = _size(r, overrides["size"])
         aug = dataclasses.replace(aug, ops=tuple(_rescale(r, c, policy.size, size) for c in aug.ops))
         changes["size"] = size
+    if "resize" in overrides and policy.center_resize is None:
+        r.fail("resize", f"applies to crop.mode center policies (Resize + CenterCrop, e.g. 'eval'); policy "
+                         f"{policy.name!r} has a random resized crop: leave resize out, or use size")
+    if policy.center_resize is not None:
+        changes["center_resize"] = schema.check_center_resize(
+            r, overrides.get("resize", policy.center_resize), "resize", changes.get("size", policy.size))
     for key in ("magnitude", "num_ops"):
         if key in overrides:
             if aug.type != "rand":
