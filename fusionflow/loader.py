@@ -23,6 +23,22 @@ gpu_sharing="auto" to "temporal".
 workers to each other through one global manager per node; a string: join that named job, e.g.
 train and validation loaders of one process; None: no lending) -- see runtime/global_manager.py.
 
+`collate_fn`: DataLoader's contract. None or `torch.utils.data.default_collate` cost nothing (the batch
+is already collated in place). Any other callable is called with the batch as a list of (image, target)
+samples -- images are views of the delivered batch tensor, on the loader's `device`; targets are ints --
+in the training process, after the batch is on its device, and the iteration yields what it returns:
+torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and runs on the GPU
+when device is CUDA).
+
+`seed`: None (the default) derives it once per loader as DataLoader derives its base seed: from
+`generator.initial_seed()` if a generator is given, else from `torch.initial_seed()` -- different at
+every launch unless the script calls `torch.manual_seed`, which makes it reproducible. Pass an int to
+fix it (e.g. to resume a run with the same augmentation); `loader.seed` holds the one in use.
+
+`num_workers` above the usable CPU cores warns (as DataLoader does) and runs; the workers then share cores.
+A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
+float tensor/array (already transformed) is refused at construction.
+
 Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
 forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
 previous epoch + 1, so forgetting it never repeats last epoch's augmentation.
@@ -135,20 +151,23 @@ class FusionFlowLoader:
                  sampler: Sampler | None = None, batch_sampler=None, num_workers: int = 0, collate_fn=None,
                  pin_memory: bool = False, drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
                  multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
-                 persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None, seed: int = 0,
+                 persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None,
+                 seed: int | None = None,
                  device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True,
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
                  taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto"):
         # ---- validation: every message names the value and the fix
-        if collate_fn is not None:
-            raise ValueError("collate_fn is not supported: FusionFlowLoader writes samples straight into one "
-                             "batch tensor; post-process (images, labels) in your training loop instead")
-        if not isinstance(num_workers, int) or num_workers < 0:
+        if collate_fn is not None and not callable(collate_fn):
+            raise TypeError(f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
+                            "list of (image, target) samples, as DataLoader calls it")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
         cores = _usable_cpus()
-        if num_workers > cores:
-            raise ValueError(f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
-                             f"FusionFlow runs one worker per core: use num_workers<={cores}")
+        if num_workers > cores:  # as DataLoader does: a warning, not an error (workers then share cores)
+            warnings.warn(f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
+                          f"FusionFlow runs best with one worker per core: use num_workers<={cores}",
+                          UserWarning, stacklevel=2)
+        _check_raw_samples(dataset)
         if batch_sampler is not None:
             if batch_size != 1 or shuffle or sampler is not None or drop_last:
                 raise ValueError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
@@ -189,8 +208,11 @@ class FusionFlowLoader:
             raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
+        if seed is None:
+            seed = _default_seed(generator)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} must be a non-negative integer")
+            raise ValueError(f"seed={seed!r} must be a non-negative integer (or None: derived from torch's "
+                             "initial seed, or from generator's)")
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
@@ -258,6 +280,8 @@ class FusionFlowLoader:
         self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
         self.persistent_workers, self.tiny_batch_size, self.seed = persistent_workers, tiny_batch_size, seed
         self.on_error, self.max_retries, self.pin_workers = on_error, max_retries, pin_workers
+        self.collate_fn = collate_fn
+        self._collate = None if _is_default_collate(collate_fn) else collate_fn  # None: batches as delivered
         self.pin_memory = pin_memory and self.device.type == "cpu"
         if self.pin_memory and not torch.cuda.is_available():
             warnings.warn("pin_memory=True but CUDA is not available: batches are returned unpinned", stacklevel=2)
@@ -300,9 +324,8 @@ class FusionFlowLoader:
             self._epoch += 1
         self._epoch_set = False
         self._iterations += 1
-        if self.num_workers == 0:
-            return self._iter_inline(self._epoch)
-        return self._iter_workers(self._epoch)
+        batches = self._iter_inline(self._epoch) if self.num_workers == 0 else self._iter_workers(self._epoch)
+        return batches if self._collate is None else _collated(batches, self._collate)
 
     def __enter__(self):
         return self
@@ -637,6 +660,57 @@ class FusionFlowLoader:
                     self._active_generation = None
                 if not self.persistent_workers:
                     self._stop_manager()
+
+
+def _collated(batches, collate_fn):
+    """DataLoader's collate_fn contract on delivered batches: `collate_fn` gets the batch as a list of
+    (image, target) samples -- images are views of the delivered batch tensor (on the loader's device),
+    targets Python ints, as a dataset gives them -- and what it returns is what the iteration yields.
+    It runs here, in the training process, after the batch is on its device."""
+    try:
+        for images, labels in batches:
+            yield collate_fn(list(zip(images.unbind(0), labels.tolist())))
+    finally:
+        batches.close()  # a break or an exception in the training loop ends the inner iteration now
+
+
+def _is_default_collate(collate_fn) -> bool:
+    """None and torch's default_collate: the batch is already collated in place, nothing to do."""
+    from torch.utils.data import default_collate
+    return collate_fn is None or collate_fn is default_collate
+
+
+def _default_seed(generator) -> int:
+    """seed=None: derived as DataLoader derives its base seed -- from `generator` if given, else from
+    torch's initial seed -- but once per loader (augmentation is a function of (seed, epoch, index), so
+    it must not change between epochs). torch's initial seed differs between launches unless the
+    script calls torch.manual_seed, so two launches do not repeat the same augmentation, and a seeded
+    script stays reproducible. Nothing is drawn from torch's RNG, so the caller's random stream is unchanged."""
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
+        return generator.initial_seed() % 2**63
+    return torch.initial_seed() % 2**63
+
+
+def _check_raw_samples(dataset) -> None:
+    """FusionFlow augments raw images itself; a dataset that already transforms (float tensors or
+    arrays) would be augmented twice or fail at the first batch, so say so now."""
+    try:
+        if len(dataset) == 0:
+            return
+        item = dataset[0]
+    except Exception:  # a dataset whose first sample fails is reported, with its index, at the first batch
+        log.debug("dataset[0] could not be read at construction; not checked", exc_info=True)
+        return
+    sample = item[0] if isinstance(item, (tuple, list)) and item else item
+    dtype = getattr(sample, "dtype", None)
+    floating = (sample.is_floating_point() if isinstance(sample, torch.Tensor)
+                else isinstance(sample, np.ndarray) and np.issubdtype(dtype, np.floating))
+    if floating:
+        raise ValueError(f"dataset[0] returns an already-transformed {type(sample).__name__} of dtype {dtype} "
+                         f"(shape {tuple(sample.shape)}): FusionFlow decodes and augments the samples itself; "
+                         "give FusionFlow the raw images (fusionflow.ImageFolder) and a policy")
 
 
 def _taas_feedback(mgr_ref, search, history, state) -> None:

@@ -80,6 +80,8 @@ def _op(choice, bin_index: int, num_bins: int, rng: np.random.Generator) -> OpDr
 
 def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple[int, int, int, int]:
     """(top, left, crop_height, crop_width) of the random resized crop for an image of this size."""
+    if policy.center_resize is not None:
+        return center_window(policy.center_resize, policy.size, height, width)
     area = height * width
     (s0, s1), (r0, r1) = policy.scale, policy.ratio
     log_r0, log_r1 = math.log(r0), math.log(r1)
@@ -102,3 +104,19 @@ def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
+
+
+def center_window(resize: int, size: tuple[int, int], height: int, width: int) -> tuple[int, int, int, int]:
+    """(top, left, crop_height, crop_width) in the source image of torchvision's Resize(resize) +
+    CenterCrop(size): the resized image's centre crop mapped back through the resize, rounded to
+    whole source pixels (so it differs from torchvision by under half a source pixel at the edges)."""
+    short, long = (height, width) if height <= width else (width, height)
+    new_short, new_long = resize, int(resize * long / short)  # torchvision's Resize(int) output size
+    new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
+    crop_h, crop_w = size
+    top_r, left_r = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))  # CenterCrop
+    sy, sx = height / new_h, width / new_w
+    top, left = min(int(round(top_r * sy)), height - 1), min(int(round(left_r * sx)), width - 1)
+    h = max(1, min(int(round((top_r + crop_h) * sy)) - top, height - top))
+    w = max(1, min(int(round((left_r + crop_w) * sx)) - left, width - left))
+    return top, left, h, w

@@ -11,12 +11,18 @@ The schema (documented for users in configs/README.md):
                                        window decoded at the coarsest DCT scale covering the output,
                                        SIMD resize (`fast_downscale: bool` is the older spelling)
     crop:                              random resized crop, torchvision's algorithm
+      mode: random | center            center: torchvision's Resize(resize) + CenterCrop(output.size),
+                                       for evaluation; takes resize, not scale/ratio
       scale: [lo, hi]                  area fraction, 0 < lo <= hi <= 1
       ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
+      resize: int                      center: the shorter side is resized to this, >= output.size
     flip: float                        horizontal flip probability
     augment:
       type: none | rand | trivial | subpolicy
       ops: {OpName: {range: [v0, v1], signed: bool} or {} for ops without magnitude}
+                                       pixel-valued ops (TranslateX/Y, Cutout) also take
+                                       scale_with_size: bool (default true): a size override
+                                       (load_policy(name, size=...)) rescales the range
       num_bins: int                    bins b = 0..num_bins-1 map linearly onto range
       num_ops: int                     rand: ops drawn per sample (with replacement)
       magnitude: int                   rand: the bin every op uses
@@ -50,6 +56,7 @@ class OpChoice:
     name: str
     range: tuple[float, float] | None  # None for ops without a magnitude
     signed: bool = False
+    scale_with_size: bool = True  # pixel-valued ops: a size override rescales the range (False: fixed px)
 
     def value(self, bin_index: int, num_bins: int) -> float:
         if self.range is None:
@@ -108,6 +115,7 @@ class Policy:
     augment: Augment
     normalize: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
     fast_downscale: bool = True  # decode.mode == "fast" (the field keeps the key's older name)
+    center_resize: int | None = None  # crop.mode center: Resize(center_resize) + CenterCrop(size); None: random
 
     @property
     def decode_mode(self) -> str:
@@ -232,7 +240,8 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
 
     scale, ratio = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
     if "crop" in top:
-        crop = r.mapping(top["crop"], "crop", (), ("scale", "ratio"))
+        crop = r.mapping(top["crop"], "crop", (), ("mode", "scale", "ratio", "resize"))
+        center_resize = _center_crop(r, crop, size)
         if "scale" in crop:
             scale = r.pair(crop["scale"], "crop.scale", 0.0, 1.0)
             if scale[0] <= 0:
@@ -243,7 +252,30 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
 
     augment = _parse_augment(r, top["augment"], size)
     return Policy(name=name, source=source, size=size, scale=scale, ratio=ratio, flip=flip,
-                  augment=augment, normalize=normalize, fast_downscale=fast)
+                  augment=augment, normalize=normalize, fast_downscale=fast,
+                  center_resize=center_resize if "crop" in top else None)
+
+
+def _center_crop(r: _Reader, crop: dict, size: tuple[int, int]) -> int | None:
+    """crop.mode center (evaluation): the resize of the shorter side; None for the random resized crop."""
+    mode = r.choice(crop.get("mode", "random"), "crop.mode", ("random", "center"))
+    if mode == "random":
+        if "resize" in crop:
+            r.fail("crop.resize", "applies to crop.mode center (Resize + CenterCrop): add mode: center")
+        return None
+    for key in ("scale", "ratio"):
+        if key in crop:
+            r.fail(f"crop.{key}", "applies to the random resized crop, not crop.mode center: remove it")
+    if "resize" not in crop:
+        r.fail("crop.resize", "missing required key for crop.mode center (e.g. 256 for a 224 crop)")
+    return check_center_resize(r, crop["resize"], "crop.resize", size)
+
+
+def check_center_resize(r: _Reader, raw: Any, path: str, size: tuple[int, int]) -> int:
+    resize = r.integer(raw, path, 8, 16384)
+    if resize < max(size):
+        r.fail(path, f"{resize} is smaller than the {size[0]}x{size[1]} center crop: use resize >= {max(size)}")
+    return resize
 
 
 def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
@@ -289,10 +321,11 @@ def _parse_ops(r: _Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
         spec = r.op_name(name, path)
         settings = {} if settings is None else settings
         if spec.has_magnitude:
-            s = r.mapping(settings, path, ("range",), ("signed",))
+            s = r.mapping(settings, path, ("range",), ("signed", "scale_with_size") if spec.scale_by else ("signed",))
             lo, hi = spec.domain_for(*size)
             rng = r.pair(s["range"], f"{path}.range", lo, hi, ordered=False)
-            ops.append(OpChoice(name, rng, r.boolean(s.get("signed", False), f"{path}.signed")))
+            ops.append(OpChoice(name, rng, r.boolean(s.get("signed", False), f"{path}.signed"),
+                                r.boolean(s.get("scale_with_size", True), f"{path}.scale_with_size")))
         else:
             r.mapping(settings, path, (), ())  # no keys allowed: the op has no magnitude
             ops.append(OpChoice(name, None, False))

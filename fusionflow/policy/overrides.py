@@ -1,0 +1,129 @@
+"""`load_policy(name, **overrides)`: a shipped (or your own) policy, adjusted to a training script's
+flags without editing YAML or reaching into the frozen `Policy`.
+
+    load_policy("randaugment", size=176, magnitude=7, interpolation="bilinear",
+                normalize=((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)))
+
+Overrides (each validated; an unknown or invalid one raises ValueError naming it and what is valid):
+  size           int or (height, width): the output size. Pixel-valued op ranges (TranslateX/Y by
+                 width/height, Cutout by the shorter side) are rescaled with it, as torchvision's
+                 RandAugment/AutoAugment scale translate with the image, unless the policy marks them
+                 `scale_with_size: false` (TrivialAugmentWide's fixed 32 px).
+  resize         int: crop.mode center policies (e.g. "eval"): the shorter side before the center
+                 crop, as torchvision's Resize(resize) + CenterCrop(size); >= size
+  magnitude      int: the bin every op uses (augment.type rand), 0..num_bins-1
+  num_ops        int: ops per sample (augment.type rand), 1..16
+  interpolation  "nearest" | "bilinear": the policy ops' geometric resampling. The random resized crop
+                 always resizes with antialiased bilinear, torchvision's default. bicubic is not
+                 offered: DALI's warp_affine (the GPU path) asserts "Only nearest and linear
+                 interpolation is supported" (DALI 2.4), torchvision's own tensor affine refuses it too,
+                 and a policy must mean the same pixels on the CPU and DALI paths.
+  normalize      (mean, std), {"mean": ..., "std": ...} (0..1 units; output becomes float32), or None
+                 to drop normalisation (uint8 output)
+  flip           float: horizontal flip probability, 0..1
+
+Pure Python, like the rest of `fusionflow.policy`: no torch, no DALI.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from typing import Any, Mapping
+
+from fusionflow.ops.specs import OPS
+from fusionflow.policy import schema
+from fusionflow.policy.schema import INTERPOLATIONS, OpChoice, Policy, _Reader
+
+OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip")
+
+
+def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy, **overrides: Any) -> Policy:
+    """Load and validate a policy (a shipped name, a YAML path, a mapping or a Policy), then apply
+    `overrides` (see the module docstring). Without overrides this is `schema.load_policy`."""
+    policy = schema.load_policy(path_or_dict)
+    return apply_overrides(policy, overrides) if overrides else policy
+
+
+def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
+    """A new Policy: `policy` with `overrides` applied and validated, in the order of OVERRIDES."""
+    for key in overrides:
+        if key not in OVERRIDES:
+            hint = difflib.get_close_matches(str(key), OVERRIDES, n=1)
+            fix = f"did you mean {hint[0]!r}? " if hint else ""
+            raise ValueError(f"load_policy(): unknown override {key!r}; {fix}valid overrides: {', '.join(OVERRIDES)}")
+    r = _Reader(f"{policy.source} with override")
+    aug = policy.augment
+    changes: dict[str, Any] = {}
+    if "size" in overrides:
+        size = _size(r, overrides["size"])
+        aug = dataclasses.replace(aug, ops=tuple(_rescale(r, c, policy.size, size) for c in aug.ops))
+        changes["size"] = size
+    if "resize" in overrides and policy.center_resize is None:
+        r.fail("resize", f"applies to crop.mode center policies (Resize + CenterCrop, e.g. 'eval'); policy "
+                         f"{policy.name!r} has a random resized crop: leave resize out, or use size")
+    if policy.center_resize is not None:
+        changes["center_resize"] = schema.check_center_resize(
+            r, overrides.get("resize", policy.center_resize), "resize", changes.get("size", policy.size))
+    for key in ("magnitude", "num_ops"):
+        if key in overrides:
+            if aug.type != "rand":
+                r.fail(key, f"applies to augment.type 'rand' (RandAugment); policy {policy.name!r} is "
+                            f"{aug.type!r}: leave {key} out or use a rand policy such as 'randaugment'")
+            value = (r.integer(overrides[key], key, 0, aug.num_bins - 1) if key == "magnitude"
+                     else r.integer(overrides[key], key, 1, 16))
+            aug = dataclasses.replace(aug, **{key: value})
+    if "interpolation" in overrides:
+        value = overrides["interpolation"]
+        if value == "bicubic":
+            r.fail("interpolation", "'bicubic' is not supported (DALI's warp_affine, the GPU path, has only "
+                                    f"nearest and linear); choose one of {', '.join(INTERPOLATIONS)}")
+        value = r.choice(value, "interpolation", INTERPOLATIONS)
+        if aug.type == "none" and value != "bilinear":
+            r.fail("interpolation", f"policy {policy.name!r} has no ops to resample, and its random resized crop "
+                                    f"always resizes with antialiased bilinear: leave interpolation out or pass "
+                                    f"'bilinear'")
+        if aug.type != "none":
+            aug = dataclasses.replace(aug, interpolation=value)
+    if "normalize" in overrides:
+        changes["normalize"] = _normalize(r, overrides["normalize"])
+    if "flip" in overrides:
+        changes["flip"] = r.number(overrides["flip"], "flip", 0.0, 1.0)
+    return dataclasses.replace(policy, augment=aug, **changes)
+
+
+def _size(r: _Reader, raw: Any) -> tuple[int, int]:
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return (r.integer(raw, "size", 8, 8192),) * 2
+    if isinstance(raw, (list, tuple)) and len(raw) == 2:
+        return tuple(r.integer(v, f"size[{i}]", 8, 8192) for i, v in enumerate(raw))
+    r.fail("size", f"expected an int or (height, width), got {raw!r}")
+
+
+def _rescale(r: _Reader, choice: OpChoice, old: tuple[int, int], new: tuple[int, int]) -> OpChoice:
+    spec = OPS[choice.name]
+    if spec.scale_by is None or choice.range is None:
+        return choice
+    rng = choice.range
+    if choice.scale_with_size:
+        (oh, ow), (nh, nw) = old, new
+        factor = {"width": nw / ow, "height": nh / oh, "side": min(nh, nw) / min(oh, ow)}[spec.scale_by]
+        rng = (rng[0] * factor, rng[1] * factor)
+    lo, hi = spec.domain_for(*new)
+    if not all(lo <= v <= hi for v in rng):
+        r.fail("size", f"{choice.name}'s fixed range {list(rng)} px does not fit a {new[0]}x{new[1]} output "
+                       f"(allowed {lo}..{hi}): use a larger size, or a policy whose {choice.name} scales with size")
+    return dataclasses.replace(choice, range=rng)
+
+
+def _normalize(r: _Reader, raw: Any):
+    if raw is None:
+        return None
+    if isinstance(raw, Mapping):
+        norm = r.mapping(raw, "normalize", ("mean", "std"), ())
+        mean, std = norm["mean"], norm["std"]
+    elif isinstance(raw, (list, tuple)) and len(raw) == 2:
+        mean, std = raw
+    else:
+        r.fail("normalize", f"expected (mean, std), {{'mean': [3], 'std': [3]}} or None, got {raw!r}")
+    return (r.triple(mean, "normalize.mean", 0.0, 1.0), r.triple(std, "normalize.std", 1e-6, None))
