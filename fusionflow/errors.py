@@ -31,6 +31,12 @@ class SampleError(FusionFlowError):
         self.index, self.what, self.exc_type, self.worker_traceback = index, what, exc_type, worker_traceback
 
 
+class SharedMemoryError(FusionFlowError):
+    """The shared-memory batch ring could not be reserved (e.g. a container's small /dev/shm), or a
+    worker died of SIGBUS touching shared memory. Not a sample's fault: the message names the bytes
+    needed and free and the fixes."""
+
+
 class AcceleratorError(FusionFlowError):
     """The accelerator's DALI pipeline failed for a reason that is not one sample's fault (it was
     closed, it could not be rebuilt, the device ran out of memory)."""

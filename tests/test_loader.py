@@ -332,3 +332,33 @@ def test_superseded_iterator_says_so():
         next(first)
     assert [i for y in [next(second)[1]] for i in y.tolist()] == [4, 5, 6, 7]
     loader.close()
+
+
+class BusErrorAt(Bytes):
+    """Sample 13's worker dies of SIGBUS, as one does touching shared memory tmpfs cannot back."""
+
+    def __getitem__(self, i):
+        if i == 13:
+            import faulthandler
+            faulthandler.disable()  # pytest's handler would print a stack dump; the death is the point
+            os.kill(os.getpid(), signal.SIGBUS)
+        return super().__getitem__(i)
+
+
+def test_small_dev_shm_fails_at_start_naming_bytes_and_fixes(monkeypatch):
+    from fusionflow import SharedMemoryError
+    from fusionflow.runtime import shm
+    monkeypatch.setattr(shm, "free_bytes", lambda path=shm.SHM_DIR: 1000)
+    loader = FusionFlowLoader(Bytes(16), batch_size=8, num_workers=2, policy=SMALL)
+    with pytest.raises(SharedMemoryError, match=r"needs .* but /dev/shm has 0\.0 MiB \(1000 bytes\) free.*--shm-size"):
+        iter(loader).__next__()
+    assert loader._manager is None  # no worker was started
+
+
+def test_worker_sigbus_is_a_shared_memory_error_not_blamed_on_a_sample():
+    from fusionflow import SharedMemoryError
+    loader = FusionFlowLoader(BusErrorAt(32), batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=4,
+                              max_retries=0)
+    with pytest.raises(SharedMemoryError, match=r"CPU worker \d died of SIGBUS.*not the fault of a sample") as info:
+        collect(loader)
+    assert not isinstance(info.value, SampleKilledWorkersError)

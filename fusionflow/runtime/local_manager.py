@@ -14,7 +14,9 @@ Faults
   * A worker that dies (e.g. SIGKILL): its tasks go back to the front of the queue; the task it was
     running is split into single samples, so the culprit is isolated; a sample whose task has killed
     `max_retries + 1` workers fails its mini-batch with an error naming it. A replacement
-    worker is started by the main thread at its next `wait`.
+    worker is started by the main thread at its next `wait`. A worker killed by SIGBUS is never
+    blamed on a sample: shared memory could not be backed (the ring is reserved at creation, so
+    this means /dev/shm was exhausted under us); the loader fails with a `SharedMemoryError`.
   * A sample whose decode/augment raises: reported as data (`SampleFailure`) with its traceback.
   * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
     traceback at the next `wait`.
@@ -60,9 +62,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
-from fusionflow.errors import FusionFlowError
+from fusionflow.errors import FusionFlowError, SharedMemoryError
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.shm import BatchRing, RingLayout
+from fusionflow.runtime.shm import SHM_DIR, BatchRing, RingLayout, free_bytes
 from fusionflow.runtime.worker import worker_loop
 from fusionflow.scheduling import split_sorted
 
@@ -703,6 +705,15 @@ class LocalManager:
                 return
             if not w.ready:  # it never came up: restarting would only repeat that
                 self.fatal = WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready")
+                self.cond.notify_all()
+                return
+            if code == -signal.SIGBUS:  # it touched shared memory the system could not supply: not a sample's fault
+                self._requeue_outstanding(w, how, suspect=False)
+                self.fatal = SharedMemoryError(
+                    f"CPU worker {w.worker_id} died of SIGBUS: a process touched shared memory that could not be "
+                    f"backed (the batch ring needs {self.layout.nbytes} bytes; {SHM_DIR} has "
+                    f"{free_bytes()} bytes free now). This is not the fault of a sample. Give the container a "
+                    f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor.")
                 self.cond.notify_all()
                 return
             w.retiring = False  # a retiring worker that crashed is replaced like any other

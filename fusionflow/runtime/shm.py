@@ -6,20 +6,30 @@ guessable) and created with mode 0600. Layout, all C-contiguous:
     images  [depth, batch_size, *sample_shape]   policy's output dtype (uint8 or float32)
     labels  [depth, batch_size]                  int64
 
+Reservation: the owner checks the free space of /dev/shm (statvfs) and then reserves every page of
+the segment (posix_fallocate), so a ring that does not fit fails here, at creation, with a
+`SharedMemoryError` naming the bytes needed and free and the fixes -- not later as a SIGBUS in a
+worker that touches a page tmpfs cannot supply (ftruncate alone makes a sparse segment).
+
 Ownership: the local manager creates and unlinks it; workers attach by name. If the training
 process dies without unlinking, its orphaned workers unlink it (see runtime/worker.py), so the
 name never outlives the job by more than a watchdog period.
 """
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 import secrets
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
+from fusionflow.errors import SharedMemoryError
+
 PREFIX = "/ff_"
+SHM_DIR = "/dev/shm"  # where posix_ipc's segments live on Linux
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,14 @@ class BatchRing:
         self.owner = name is None
         if self.owner:
             name = PREFIX + secrets.token_hex(12)
+            check_room(layout)
             seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=layout.nbytes)
+            try:
+                reserve(seg.fd, layout)
+            except BaseException:
+                seg.close_fd()
+                unlink(name)
+                raise
         else:
             seg = posix_ipc.SharedMemory(name)
         self.name = name
@@ -71,6 +88,51 @@ class BatchRing:
             except BufferError:  # a view still exported (e.g. a pinned tensor); the OS frees it at exit
                 pass
             self._map = None
+
+
+def free_bytes(path: str = SHM_DIR) -> int | None:
+    """Bytes an unprivileged process may still allocate under `path` (None: no such directory)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB ({n} bytes)"
+
+
+def _too_small(layout: RingLayout, free: int | None, why: str = "") -> SharedMemoryError:
+    have = f"{SHM_DIR} has {_mb(free)} free" if free is not None else f"the free space of {SHM_DIR} is unknown"
+    if why:
+        have = f"{why}; {have}"
+    return SharedMemoryError(
+        f"the shared-memory batch ring needs {_mb(layout.nbytes)} (prefetch_factor={layout.depth} x "
+        f"batch_size={layout.batch_size} samples of shape {layout.sample_shape} {layout.dtype}) but {have}. "
+        f"Fixes: give the container a larger {SHM_DIR} (docker run --shm-size=2g, docker compose shm_size, "
+        f"Kubernetes: an emptyDir with medium: Memory mounted at {SHM_DIR}), or lower batch_size or "
+        f"prefetch_factor, or free space in {SHM_DIR} (`ls -l {SHM_DIR}`: segments of dead jobs).")
+
+
+def check_room(layout: RingLayout) -> None:
+    """Fail before creating anything when /dev/shm cannot hold the ring."""
+    free = free_bytes()
+    if free is not None and free < layout.nbytes:
+        raise _too_small(layout, free)
+
+
+def reserve(fd: int, layout: RingLayout) -> None:
+    """Allocate every page of the segment now (tmpfs honours posix_fallocate), so running out of
+    shared memory is an error here and never a SIGBUS in a worker."""
+    if not hasattr(os, "posix_fallocate"):  # not Linux: nothing to reserve with
+        return
+    try:
+        os.posix_fallocate(fd, 0, layout.nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: sparse, as before
+            return
+        raise _too_small(layout, free_bytes(), f"reserving it failed ({exc.strerror})") from None
 
 
 def unlink(name: str) -> None:
