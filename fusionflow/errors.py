@@ -21,6 +21,11 @@ class DecodeError(FusionFlowError):
         self.what = what
 
 
+class ImageTooLargeError(DecodeError):
+    """An encoded image's header declares more pixels than the policy's ``decode.max_pixels``: it is
+    refused before decoding (a decompression bomb: a few KB that would decode to gigabytes)."""
+
+
 class SampleError(FusionFlowError):
     """A sample failed to load, decode or augment in a worker; carries the worker's traceback."""
 

@@ -362,3 +362,30 @@ def test_worker_sigbus_is_a_shared_memory_error_not_blamed_on_a_sample():
     with pytest.raises(SharedMemoryError, match=r"CPU worker \d died of SIGBUS.*not the fault of a sample") as info:
         collect(loader)
     assert not isinstance(info.value, SampleKilledWorkersError)
+
+
+class WithBomb(Bytes):
+    """Bytes whose sample 7 is a 900-megapixel PNG of a few hundred bytes."""
+
+    def __getitem__(self, i):
+        from fusionflow.synthetic import png_bomb
+        return (png_bomb(30000, 30000), i) if i == 7 else super().__getitem__(i)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_decompression_bomb_is_a_sample_error_naming_index_path_and_size(num_workers):
+    loader = FusionFlowLoader(WithBomb(16), batch_size=4, num_workers=num_workers, policy=SMALL)
+    with pytest.raises(SampleError, match=r"sample 7 \(/data/img_7\.jpg\) failed: ImageTooLargeError: .*"
+                                          r"image of 900000000 pixels exceeds the policy's decode\.max_pixels=178956970"):
+        collect(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skipped_samples_are_counted_by_cause(num_workers):
+    loader = FusionFlowLoader(WithBomb(16, bad={3, 11}), batch_size=4, num_workers=num_workers, policy=SMALL,
+                              on_error="skip")
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        _, labels = collect(loader)
+    assert [i for y in labels for i in y.tolist()] == [i for i in range(16) if i not in (3, 7, 11)]
+    assert loader.stats.skipped == 3 and loader.stats.skipped_by_cause == {"corrupt": 2, "pixel_limit": 1}
+    assert loader.stats.summary()["skipped_by_cause"] == {"corrupt": 2, "pixel_limit": 1}

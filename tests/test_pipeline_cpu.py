@@ -128,3 +128,47 @@ def test_decode_crop_resize_window_is_honoured():
     rgb = make_image(100, 200, 2)
     img = decode_crop_resize(encode(rgb, "PNG"), lambda h, w: (10, 20, 50, 60), (50, 60), fast=True)
     assert np.array_equal(np.asarray(img), rgb[10:60, 20:80])
+
+
+def test_importing_fusionflow_leaves_pillows_bomb_limit_alone():
+    import subprocess
+    import sys
+    code = ("from PIL import Image; before = Image.MAX_IMAGE_PIXELS; import fusionflow.ops.pipeline, "
+            "fusionflow.loader; assert Image.MAX_IMAGE_PIXELS == before, Image.MAX_IMAGE_PIXELS")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pixel_limit_refuses_a_bomb_before_decoding_on_every_cpu_path(monkeypatch):
+    from fusionflow.errors import ImageTooLargeError
+    from fusionflow.ops import jpeg
+    from fusionflow.synthetic import png_bomb
+    bomb = png_bomb(30000, 30000)  # 900 megapixels in a few hundred bytes
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the policy's default limit does the refusing
+    with pytest.raises(ImageTooLargeError, match=r"sample 7: image of 30000x30000 = 900000000 pixels exceeds "
+                                                 r"the policy's decode\.max_pixels=178956970"):
+        CpuPipeline("default")(bomb, 7)
+    small = {"output": {"size": 16}, "decode": {"max_pixels": 1000}, "augment": {"type": "none"}}
+    rgb = make_image(30, 40, 1)  # 1200 pixels
+    for data in (encode(rgb, "JPEG"), _png(rgb), Image.open(io.BytesIO(_png(rgb)))):
+        with pytest.raises(ImageTooLargeError, match=r"/d/x: image of 40x30 = 1200 pixels exceeds"):
+            CpuPipeline(small)(data, 0, what="/d/x")
+    assert jpeg.available()  # so the JPEG above took the window decoder's header check
+    CpuPipeline({**small, "decode": {"max_pixels": None}})(encode(rgb, "JPEG"), 0)  # null: no limit
+    CpuPipeline({**small, "decode": {"max_pixels": 1200}})(_png(rgb), 0)  # at the limit: decoded
+    CpuPipeline(small)(rgb, 0)  # arrays are already decoded: not checked
+
+
+def test_pillows_own_bomb_check_neither_warns_nor_overrides_the_policy(monkeypatch):
+    import warnings
+    from fusionflow.errors import ImageTooLargeError
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the user's process-wide Pillow limit
+    rgb = make_image(30, 40, 1)  # 1200 pixels: over Pillow's warning limit, under its error limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CpuPipeline("default")(_png(rgb), 0)  # the policy allows it: no DecompressionBombWarning
+    big = _png(make_image(50, 50, 1))  # 2500 > 2 x 1000: Pillow refuses it before we see its size
+    with pytest.raises(ImageTooLargeError, match=r"sample 2: Pillow refused the image.*raise it"):
+        CpuPipeline("default")(big, 2)
+    small = {"output": {"size": 16}, "decode": {"max_pixels": 2000}, "augment": {"type": "none"}}
+    with pytest.raises(ImageTooLargeError, match=r"sample 2: image of 2500 pixels exceeds the policy's"):
+        CpuPipeline(small)(big, 2)

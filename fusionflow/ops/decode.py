@@ -14,35 +14,100 @@ decoder (`fusionflow.ops.jpeg`): only the crop window is decoded. Both modes dra
 Everything else (PNG, CMYK JPEGs, truncated or corrupt files, arrays, PIL images, or no window
 decoder on this machine) takes the Pillow path, which in fast mode uses Pillow's draft() DCT scaling
 of the whole JPEG; errors there name the sample as before.
+
+Pixel limit (decompression bombs): `max_pixels` (the policy's decode.max_pixels; None: no limit) is
+checked against the size in the image's header before any pixel is decoded, on both paths: the
+window decoder's `jpeg.info`, and the lazy `Image.open` (or a lazily opened PIL image a dataset
+returns). Over it, `ImageTooLargeError` (a DecodeError) names the sample and its size. Pillow's
+process-wide `Image.MAX_IMAGE_PIXELS` is left alone (importing FusionFlow changes nothing for the
+user's own Pillow code); since the policy's limit governs here, Pillow's DecompressionBombWarning
+is silenced while we open an image, and its DecompressionBombError -- raised only when the user
+set Pillow's limit below 1/2 of the policy's -- is reported as the same ImageTooLargeError.
+Decoded inputs (arrays, tensors) are not checked: their memory is already spent.
 """
 from __future__ import annotations
 
 import io
 import math
+import re
+import warnings
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from fusionflow.errors import DecodeError
+from fusionflow.errors import DecodeError, ImageTooLargeError
 from fusionflow.ops import jpeg
 
-Image.MAX_IMAGE_PIXELS = None  # datasets hold large images on purpose; decoding is our job
+
+def check_pixels(width: int, height: int, max_pixels: int | None, what: str | None = None) -> None:
+    """Raise ImageTooLargeError when a header's size exceeds `max_pixels` (None: no limit)."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise _too_large(f"{width}x{height} = {width * height} pixels", max_pixels, what)
 
 
-def open_image(data, what: str | None = None) -> Image.Image:
-    """A (lazily decoded) PIL image from bytes, a PIL image or a uint8 numpy array."""
+def _too_large(size: str, max_pixels: int, what) -> ImageTooLargeError:
+    return ImageTooLargeError(f"image of {size} exceeds the policy's decode.max_pixels={max_pixels} (a possible "
+                              f"decompression bomb); not decoded. If the dataset holds images this large on "
+                              f"purpose, raise decode.max_pixels in the policy (null: no limit)", what)
+
+
+def within_pixel_limit(data, max_pixels: int | None) -> bool:
+    """Whether encoded `data`'s header declares at most `max_pixels` pixels, read without decoding
+    (for the accelerator, before it hands bytes to DALI). False also when the header cannot be read:
+    the CPU path then reports the sample precisely."""
+    if max_pixels is None:
+        return True
+    if jpeg.is_complete_jpeg(data) and jpeg.available():
+        try:
+            height, width, _ = jpeg.info(bytes(data))
+            return width * height <= max_pixels
+        except jpeg.WindowDecodeError:
+            pass
+    try:
+        width, height = open_encoded(data, None, max_pixels).size
+    except (DecodeError, UnidentifiedImageError, OSError, ValueError):
+        return False
+    return width * height <= max_pixels
+
+
+def open_encoded(data, what, max_pixels: int | None = None) -> Image.Image:
+    """Image.open, lazily, without Pillow's process-wide bomb warning: the caller applies the policy's
+    limit. Pillow's DecompressionBombError (its limit, which is the user's to set, refused the size
+    before we could see it) becomes an ImageTooLargeError."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            return Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exc:
+            found = re.search(r"\((\d+) pixels\) exceeds limit of (\d+)", str(exc))
+            pixels, limit = (int(found[1]), int(found[2])) if found else (None, None)
+            if pixels is not None and max_pixels is not None and pixels > max_pixels:
+                raise _too_large(f"{pixels} pixels", max_pixels, what) from exc
+            raise ImageTooLargeError(
+                f"Pillow refused the image: {exc} This process set PIL.Image.MAX_IMAGE_PIXELS "
+                f"(2 x it = {limit}) below the policy's decode.max_pixels={max_pixels}; raise it (or set it to "
+                f"None) to let the policy's limit govern", what) from exc
+
+
+def open_image(data, what: str | None = None, max_pixels: int | None = None) -> Image.Image:
+    """A (lazily decoded) PIL image from bytes, a PIL image or a uint8 numpy array; encoded inputs
+    (bytes, or a PIL image not yet loaded) over `max_pixels` raise ImageTooLargeError."""
     if isinstance(data, Image.Image):
+        if getattr(data, "tile", None):  # opened lazily (Image.open), nothing decoded yet
+            check_pixels(*data.size, max_pixels, what)
         return data
     if isinstance(data, np.ndarray):
         return _from_array(data, what)
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
-            return Image.open(io.BytesIO(data))
+            img = open_encoded(data, what, max_pixels)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             head = bytes(data[:8]).hex()
             raise DecodeError(f"cannot identify an image in {len(data)} bytes (first bytes {head}): {exc}",
                               what) from exc
+        check_pixels(*img.size, max_pixels, what)
+        return img
     raise TypeError(f"{what or 'sample'}: expected encoded bytes, a PIL image or a uint8 array, "
                     f"got {type(data).__name__}")
 
@@ -77,15 +142,16 @@ def dct_reduction(crop_h: int, crop_w: int, out_h: int, out_w: int) -> int:
 
 
 def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
-                       what: str | None = None) -> Image.Image:
+                       what: str | None = None, max_pixels: int | None = None) -> Image.Image:
     """Decode `data`, crop the window `window_fn(height, width)` returns, resize to `out_size`
-    (height, width) with antialiased bilinear filtering. Returns an RGB image."""
+    (height, width) with antialiased bilinear filtering. Returns an RGB image. An encoded image
+    whose header declares more than `max_pixels` pixels raises ImageTooLargeError undecoded."""
     if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
         try:
-            return _jpeg_window_crop_resize(bytes(data), window_fn, out_size, fast)
+            return _jpeg_window_crop_resize(bytes(data), window_fn, out_size, fast, what, max_pixels)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
-    img = open_image(data, what)
+    img = open_image(data, what, max_pixels)
     width, height = img.size
     top, left, h, w = window_fn(height, width)
     out_h, out_w = out_size
@@ -97,9 +163,15 @@ def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
                 img.draft("RGB" if img.mode == "RGB" else None, (math.ceil(width / r), math.ceil(height / r)))
                 sx, sy = img.size[0] / width, img.size[1] / height
                 box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
-        img.load()
+        with warnings.catch_warnings():  # a frame's size (GIF) is checked on load too: the policy governs
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img.load()
     except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode {img.format or 'image'} {width}x{height}: {exc}", what) from exc
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLargeError(f"Pillow refused a frame of the {width}x{height} image while decoding: {exc} "
+                                 "(PIL.Image.MAX_IMAGE_PIXELS, the process-wide limit, applies there)",
+                                 what) from exc
     img = to_rgb(img)
     if isinstance(box[0], float):  # reduced image: resample straight from the fractional box
         return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
@@ -112,7 +184,8 @@ def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
 _MARGIN = 2
 
 
-def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool) -> Image.Image:
+def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool, what=None,
+                             max_pixels: int | None = None) -> Image.Image:
     """decode_crop_resize for a JPEG, decoding only the crop window.
 
     exact: the window's pixels equal a full decode's and Pillow resizes them: torchvision's result
@@ -123,6 +196,7 @@ def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool) -> Im
     box in the scaled image -- the geometry of a full-image Pillow draft(), so the crop is exactly
     the drawn one (rounding it to the scaled grid for torch's resize measured 2-4 dB worse)."""
     height, width, _ = jpeg.info(data)
+    check_pixels(width, height, max_pixels, what)
     top, left, h, w = window_fn(height, width)
     out_h, out_w = out_size
     r = dct_reduction(h, w, out_h, out_w) if fast else 1
