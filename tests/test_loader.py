@@ -389,3 +389,18 @@ def test_skipped_samples_are_counted_by_cause(num_workers):
     assert [i for y in labels for i in y.tolist()] == [i for i in range(16) if i not in (3, 7, 11)]
     assert loader.stats.skipped == 3 and loader.stats.skipped_by_cause == {"corrupt": 2, "pixel_limit": 1}
     assert loader.stats.summary()["skipped_by_cause"] == {"corrupt": 2, "pixel_limit": 1}
+
+
+class Tensors(Arrays):
+    """Arrays' samples as torchvision.io would give them: uint8 CHW tensors (and one HW)."""
+
+    def __getitem__(self, i):
+        arr = np.asarray(self.items[i])
+        t = torch.from_numpy(arr.copy())
+        return (t.permute(2, 0, 1) if t.ndim == 3 else t), i
+
+
+def test_tensor_samples_are_accepted_with_the_arrays_pixels():
+    want, _ = collect(FusionFlowLoader(Arrays(), batch_size=3, num_workers=0, policy=SMALL, seed=3))
+    got, labels = collect(FusionFlowLoader(Tensors(), batch_size=3, num_workers=1, policy=SMALL, seed=3))
+    assert labels[0].tolist() == [0, 1, 2] and torch.equal(got[0], want[0])

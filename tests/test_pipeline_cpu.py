@@ -172,3 +172,30 @@ def test_pillows_own_bomb_check_neither_warns_nor_overrides_the_policy(monkeypat
     small = {"output": {"size": 16}, "decode": {"max_pixels": 2000}, "augment": {"type": "none"}}
     with pytest.raises(ImageTooLargeError, match=r"sample 2: image of 2500 pixels exceeds the policy's"):
         CpuPipeline(small)(big, 2)
+
+
+def test_tensor_samples_give_the_same_pixels_as_the_equivalent_array():
+    pipe = CpuPipeline("randaugment")
+    rgb = make_image(37, 53, 4)
+    ref = pipe(rgb, 3, seed=1)
+    chw = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+    for t in (chw, torch.from_numpy(rgb), torch.from_numpy(rgb).permute(2, 0, 1)):  # CHW, HWC, non-contiguous CHW
+        assert np.array_equal(pipe(t, 3, seed=1), ref)
+    png = decode_image(torch.frombuffer(bytearray(_png(rgb)), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
+    assert tuple(png.shape) == (3, 37, 53) and np.array_equal(pipe(png, 3, seed=1), ref)  # torchvision.io's CHW
+    gray = rgb[:, :, 0].copy()
+    ref = pipe(gray, 3, seed=1)
+    for t in (torch.from_numpy(gray), torch.from_numpy(gray)[None], torch.from_numpy(gray)[:, :, None]):
+        assert np.array_equal(pipe(t, 3, seed=1), ref)  # HW, 1HW, HW1
+
+
+def test_tensor_layout_rule_and_errors():
+    from fusionflow.ops.decode import open_image
+    t = torch.arange(36, dtype=torch.uint8).reshape(3, 3, 4)  # ambiguous: first dim 3 -> CHW (3 tall, 4 wide)
+    assert open_image(t).size == (4, 3)
+    assert np.array_equal(np.asarray(open_image(t)), t.permute(1, 2, 0).numpy())
+    assert open_image(torch.zeros(5, 7, 4, dtype=torch.uint8)).size == (7, 5)  # 5 is no channel count: HWC
+    with pytest.raises(TypeError, match=r"sample 2: a tensor sample must be uint8 HW, CHW or HWC .* torch\.float32"):
+        CpuPipeline("default")(torch.zeros(3, 8, 8), 2)
+    with pytest.raises(TypeError, match=r"got torch\.uint8 \(5, 6, 7\)"):
+        open_image(torch.zeros(5, 6, 7, dtype=torch.uint8), "sample 2")

@@ -1,7 +1,12 @@
 """Encoded sample -> RGB Pillow image, cropped and resized in as few passes as possible.
 
-Accepts JPEG/PNG/any Pillow-readable bytes, a PIL image, or a uint8 HW / HWC numpy array.
-Grayscale, palette, RGBA/LA (alpha dropped) and 16-bit inputs come out as 8-bit RGB.
+Accepts JPEG/PNG/any Pillow-readable bytes, a PIL image, a uint8 HW / HWC numpy array, or a uint8
+torch tensor. Grayscale, palette, RGBA/LA (alpha dropped) and 16-bit inputs come out as 8-bit RGB.
+
+Layout of a 3-d tensor (torchvision's decoders give CHW): CHW when its first dimension is 1, 3 or 4
+channels, else HWC when its last is; so a 3x3x4 tensor is CHW, and an HWC tensor only 1, 3 or 4
+pixels tall must be permuted to CHW (or passed as a numpy array, which is always HWC, as
+np.asarray(pil_image) gives). A tensor gives the same pixels as the equivalent array.
 
 A complete JPEG (baseline or progressive, grayscale or YCbCr) goes through libjpeg-turbo's window
 decoder (`fusionflow.ops.jpeg`): only the crop window is decoded. Both modes draw the same window:
@@ -99,6 +104,8 @@ def open_image(data, what: str | None = None, max_pixels: int | None = None) -> 
         return data
     if isinstance(data, np.ndarray):
         return _from_array(data, what)
+    if isinstance(data, torch.Tensor):
+        return _from_array(_tensor_to_hwc(data, what), what)
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
             img = open_encoded(data, what, max_pixels)
@@ -108,8 +115,26 @@ def open_image(data, what: str | None = None, max_pixels: int | None = None) -> 
                               what) from exc
         check_pixels(*img.size, max_pixels, what)
         return img
-    raise TypeError(f"{what or 'sample'}: expected encoded bytes, a PIL image or a uint8 array, "
+    raise TypeError(f"{what or 'sample'}: expected encoded bytes, a PIL image, a uint8 array or a uint8 tensor, "
                     f"got {type(data).__name__}")
+
+
+CHANNELS = (1, 3, 4)
+
+
+def _tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
+    """A uint8 CPU tensor (HW, CHW or HWC; see the module docstring for the 3-d rule) as an HW/HWC array."""
+    shape = tuple(t.shape)
+    if t.dtype != torch.uint8 or t.ndim not in (2, 3) or (t.ndim == 3 and shape[0] not in CHANNELS
+                                                           and shape[2] not in CHANNELS):
+        raise TypeError(f"{what or 'sample'}: a tensor sample must be uint8 HW, CHW or HWC with 1, 3 or 4 "
+                        f"channels, got {t.dtype} {shape}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what or 'sample'}: a tensor sample must be on the CPU, got one on {t.device}; "
+                        "return it before moving it (workers write into host shared memory)")
+    if t.ndim == 3 and shape[0] in CHANNELS:
+        t = t.permute(1, 2, 0)  # CHW -> HWC (a view; _from_array makes it contiguous)
+    return t.numpy()
 
 
 def _from_array(arr: np.ndarray, what) -> Image.Image:
