@@ -14,6 +14,9 @@ Candidates are interleaved repeat by repeat; medians over repeats; ratios agains
 Fidelity of ff_fast: PSNR against ff_exact on the same draws (median, 1st percentile, minimum),
 with the policy's ops and crop + flip only.
 
+The window decoder is the native one when it builds; FUSIONFLOW_JPEG_WINDOW=0 forces the
+nvImageCodec fallback (recorded in the JSON as window_decoder).
+
 Image sets: --sizes 200-1000 (sides uniform in 200..1000), imagenet (500x375 and 375x500, sides
 jittered by up to 10%), 800-2000.
 
@@ -144,6 +147,8 @@ def main() -> None:
     result = {
         "benchmark": "cpu_pipeline", "policy": args.policy, "images": len(data), "repeats": args.repeats,
         "image_sizes": args.sizes,
+        "window_decoder": decode.jpeg.backend(),
+        "env": {k: v for k, v in os.environ.items() if k.startswith("FUSIONFLOW_")},
         **provenance(),
         "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
                      "pillow": Image.__version__, "numpy": np.__version__},

@@ -157,11 +157,54 @@ def test_unavailable_decoder_logs_why_and_pillow_decodes(monkeypatch, tmp_path, 
     monkeypatch.setattr(native, "KERNELS", tmp_path / "nowhere")
     monkeypatch.setattr(jpeg, "_LIB", None)
     monkeypatch.setattr(jpeg, "_WHY_NOT", None)
+    monkeypatch.setattr(jpeg, "_NV", False)  # and no nvImageCodec either
     with caplog.at_level(logging.WARNING, logger="fusionflow.ops.jpeg"):
-        assert not jpeg.available()
-    assert "JPEG window decoding unavailable" in caplog.text and "libjpeg-turbo" in caplog.text
+        assert not jpeg.available() and jpeg.backend() is None
+    assert "window decoder is unavailable (native sources not found" in caplog.text
+    assert "decoding whole images with Pillow" in caplog.text and "libjpeg-turbo8-dev" in caplog.text
     policy = dataclasses.replace(load_policy("randaugment"), fast_downscale=False)
     data = make_jpegs(1, 300, 500, seed=3)[0]
     d = draw(policy, 0, 0, 2)
     W, H = Image.open(io.BytesIO(data)).size
     assert np.array_equal(CpuPipeline(policy)(data, 2), tv_sample(policy, data, d, crop_window(policy, d, H, W)))
+
+
+@pytest.fixture
+def nvimgcodec_only(monkeypatch):
+    """As on a machine where the native decoder cannot be built (no compiler or no jpeglib.h)."""
+    monkeypatch.setattr(jpeg, "_LIB", None)
+    monkeypatch.setattr(jpeg, "_WHY_NOT", "simulated: no jpeglib.h")
+    if jpeg._nvimgcodec() is None:
+        pytest.skip("nvImageCodec's CPU decoder is not installed")
+    assert jpeg.backend() == "nvImageCodec CPU" and not jpeg.can_scale()
+
+
+def test_nvimgcodec_fallback_windows_equal_pillows_full_decode(nvimgcodec_only):
+    rng = np.random.default_rng(12)
+    for sub in (0, 1, 2):
+        data = _jpeg(make_image(301, 455, seed=sub), sub, progressive=bool(sub % 2))
+        full = _pillow_scaled(data, 1)
+        for _ in range(15):
+            h, w = int(rng.integers(1, 302)), int(rng.integers(1, 456))
+            top, left = int(rng.integers(0, 302 - h)), int(rng.integers(0, 456 - w))
+            arr, scaled = jpeg.decode_window(data, top, left, h, w)
+            assert scaled == (301, 455) and np.array_equal(arr, full[top:top + h, left:left + w])
+    with pytest.raises(jpeg.WindowDecodeError, match="full scale only"):
+        jpeg.decode_window(data, 0, 0, 10, 10, (1, 2))
+
+
+def test_nvimgcodec_fallback_keeps_exact_mode_and_errors(nvimgcodec_only):
+    policy = dataclasses.replace(load_policy("randaugment"), fast_downscale=False)
+    pipe = CpuPipeline(policy)
+    for i, data in enumerate(make_jpegs(6, 200, 900, seed=13)):
+        d = draw(policy, 1, 0, i)
+        W, H = Image.open(io.BytesIO(data)).size
+        assert np.array_equal(pipe(data, i, seed=1), tv_sample(policy, data, d, crop_window(policy, d, H, W)))
+    fast = CpuPipeline(load_policy("randaugment"))  # windows >= 2x the output take Pillow's draft path
+    assert fast(make_jpegs(1, 1400, 1400, seed=2)[0], 0).shape == (3, 224, 224)
+    good = make_jpegs(1, 300, 300, seed=9)[0]
+    cmyk = _jpeg(make_image(80, 80, seed=4), mode="CMYK")
+    d = draw(policy, 0, 0, 7)
+    assert np.array_equal(CpuPipeline(policy)(cmyk, 7), tv_sample(policy, cmyk, d, crop_window(policy, d, 80, 80)))
+    with pytest.raises(DecodeError, match=r"sample 3: cannot decode JPEG"):
+        pipe(good[:-100], 3)

@@ -117,3 +117,10 @@ def test_vectorised_smooth_equals_pillows_filter(hw):
                 np.full(hw + (3,), 255, np.uint8)):
         img = Image.fromarray(arr)
         assert np.array_equal(np.asarray(cpu.smooth(img)), np.asarray(img.filter(ImageFilter.SMOOTH)))
+
+
+def test_point_fast_path_equals_public_point(image224):
+    img = Image.fromarray(image224)
+    lut = [(i * 7) % 256 for i in range(256)] * 3
+    out = cpu._point(img, lut)
+    assert out.mode == "RGB" and np.array_equal(np.asarray(out), np.asarray(img.point(lut)))

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
+#include <new>
 
 #include <jpeglib.h>
 
@@ -85,7 +86,7 @@ int ff_jpeg_decode_window(const unsigned char* data, unsigned long size, int sca
   jerr.pub.error_exit = on_error;
   jerr.pub.emit_message = on_message;
   jerr.warned = false;
-  unsigned char* row_buf = nullptr;
+  unsigned char* volatile row_buf = nullptr;  // volatile: read after longjmp
   if (setjmp(jerr.jump)) {
     put_error(&cinfo, err, errlen);
     jpeg_destroy_decompress(&cinfo);
@@ -124,7 +125,12 @@ int ff_jpeg_decode_window(const unsigned char* data, unsigned long size, int sca
   if (cw < static_cast<JDIMENSION>(full_w)) jpeg_crop_scanline(&cinfo, &xoff, &cw);
   else xoff = 0;
   const int skip_cols = x0 - static_cast<int>(xoff);
-  row_buf = new unsigned char[static_cast<size_t>(cinfo.output_width) * 3];
+  row_buf = new (std::nothrow) unsigned char[static_cast<size_t>(cinfo.output_width) * 3];
+  if (row_buf == nullptr) {  // never throw across the C boundary
+    put_text("out of memory for a scanline", err, errlen);
+    jpeg_destroy_decompress(&cinfo);
+    return -1;
+  }
   if (y0 > 0) jpeg_skip_scanlines(&cinfo, static_cast<JDIMENSION>(y0));
   const size_t row_bytes = static_cast<size_t>(x1 - x0) * 3;
   for (int y = y0; y < y1; ++y) {

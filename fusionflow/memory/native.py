@@ -97,8 +97,8 @@ def _cudart_link(lib: Path) -> list[str]:
 def _build(name: str, sources: list[Path], args: list[str], extra_key: str = "") -> Path:
     missing = [str(src) for src in sources if not src.exists()]
     if missing:
-        raise NativeBuildError(f"native sources not found ({', '.join(missing)}): the allocator bridge builds "
-                               "from a source checkout of fusionflow (pip install -e .)")
+        raise NativeBuildError(f"native sources not found ({', '.join(missing)}): they ship inside the package "
+                               "(fusionflow/kernels); reinstall fusionflow")
     cxx = compiler()
     key = hashlib.sha256()
     for src in sources + sorted(KERNELS.glob("*.h")):

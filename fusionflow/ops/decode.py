@@ -8,8 +8,9 @@ channels, else HWC when its last is; so a 3x3x4 tensor is CHW, and an HWC tensor
 pixels tall must be permuted to CHW (or passed as a numpy array, which is always HWC, as
 np.asarray(pil_image) gives). A tensor gives the same pixels as the equivalent array.
 
-A complete JPEG (baseline or progressive, grayscale or YCbCr) goes through libjpeg-turbo's window
-decoder (`fusionflow.ops.jpeg`): only the crop window is decoded. Both modes draw the same window:
+A complete JPEG (baseline or progressive, grayscale or YCbCr) goes through the window decoder
+(`fusionflow.ops.jpeg`: our libjpeg-turbo kernel, else nvImageCodec's CPU backend): only the crop
+window is decoded. Both modes draw the same window:
   exact  the window at full resolution, resized by Pillow: bit-identical to torchvision's
          decode + resized_crop on a PIL image;
   fast   the window at the coarsest DCT scale (1/2, 1/4, 1/8) whose pixels still cover the output
@@ -232,6 +233,8 @@ def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool, what=
         if fast:
             return resize_bilinear_aa(arr, out_h, out_w)
         return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
+    if not jpeg.can_scale():  # nvImageCodec: no DCT scaling; Pillow's draft path scales the whole image
+        raise jpeg.WindowDecodeError("this window decoder cannot decode at a reduced scale")
     rh, rw = -(-height // r), -(-width // r)  # libjpeg's scaled size: ceil(size / r)
     sx, sy = rw / width, rh / height
     fx0, fy0, fx1, fy1 = left * sx, top * sy, (left + w) * sx, (top + h) * sy

@@ -1,14 +1,20 @@
-"""Window decoding of JPEGs with libjpeg-turbo (fusionflow/kernels/jpeg_roi.cc), loaded with ctypes.
+"""Window decoding of JPEGs: only the crop window is decoded, optionally at a reduced DCT scale.
 
 `decode_window(data, top, left, height, width, (num, denom))` returns only the pixels of that
-window of the image scaled by num/denom (libjpeg-turbo: 1/8 .. 8/8 in eighths; 1/1, 1/2, 1/4, 1/8
-have SIMD IDCTs) as uint8 HWC RGB: rows below the window are never decoded,
+window of the image scaled by num/denom as uint8 HWC RGB: rows below the window are never decoded,
 rows above it are only entropy-decoded, columns outside it are not transformed or colour-converted.
 
-The library is compiled on first use with the host C++ compiler against the system's libjpeg-turbo
-(`jpeglib.h`, e.g. Debian's libjpeg62-turbo-dev) and cached like the allocator bridge's kernels.
-If it cannot be built, `available()` is False, the reason is logged once, and the caller decodes
-with Pillow as before (slower, same pixels in the exact mode).
+Two backends, chosen once per process:
+  * fusionflow/kernels/jpeg_roi.cc over libjpeg-turbo (loaded with ctypes): window + DCT scaling
+    (1/8 .. 8/8 in eighths; 1/1, 1/2, 1/4, 1/8 have SIMD IDCTs). Compiled on first use with the host
+    C++ compiler against the system's libjpeg-turbo (`jpeglib.h`, e.g. Debian's libjpeg62-turbo-dev)
+    and cached like the allocator bridge's kernels.
+  * if that cannot be built: nvImageCodec's CPU backend (libjpeg-turbo inside; installed with DALI),
+    region decode at full scale only (`can_scale()` is False; the caller then uses Pillow's draft
+    for windows that a DCT scale would shrink).
+Both give a full decode's pixels for the window, bit for bit (tests/test_jpeg_window.py). If
+neither is usable, `available()` is False, the reason is logged once, and the caller decodes with
+Pillow as before (slower, same pixels in the exact mode).
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ class WindowDecodeError(Exception):
 
 
 def _load():
+    """The native library, building it on first use; None (reason in _WHY_NOT) if it cannot be."""
     global _LIB, _WHY_NOT
     if _LIB is not None or _WHY_NOT is not None:
         return _LIB
@@ -44,9 +51,11 @@ def _load():
         lib = ctypes.CDLL(str(path))
     except (native.NativeBuildError, OSError) as exc:
         _WHY_NOT = str(exc).splitlines()[0]
-        log.warning("fusionflow: JPEG window decoding unavailable (%s); decoding whole images with Pillow. "
-                    "Install libjpeg-turbo's headers (Debian/Ubuntu: apt-get install libjpeg-turbo8-dev or "
-                    "libjpeg62-turbo-dev) and a C++ compiler for the fast path.", _WHY_NOT)
+        fallback = ("decoding crop windows with nvImageCodec's CPU backend (no DCT scaling)" if _nvimgcodec()
+                    else "decoding whole images with Pillow")
+        log.warning("fusionflow: the libjpeg-turbo window decoder is unavailable (%s); %s. Install "
+                    "libjpeg-turbo's headers (Debian/Ubuntu: apt-get install libjpeg-turbo8-dev or "
+                    "libjpeg62-turbo-dev) and a C++ compiler for the fastest path.", _WHY_NOT, fallback)
         return None
     p, ul, i, ip, s = ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p
     lib.ff_jpeg_info.restype = i
@@ -57,8 +66,43 @@ def _load():
     return lib
 
 
+_NV = None  # (pid, nvimgcodec module, decoder, params), or False when unusable
+_NV_DISABLED = os.environ.get("FUSIONFLOW_JPEG_NVIMGCODEC", "1") == "0"
+
+
+def _nvimgcodec():
+    """nvImageCodec's CPU decoder for this process (created after fork, one thread), or None."""
+    global _NV
+    if _NV_DISABLED or _NV is False:
+        return None
+    if _NV is not None and _NV[0] == os.getpid():
+        return _NV
+    try:
+        from nvidia import nvimgcodec as nv
+        dec = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
+                         backends=[nv.Backend(nv.BackendKind.CPU_ONLY)])
+        params = nv.DecodeParams(apply_exif_orientation=False)  # as Pillow and torchvision: EXIF ignored
+    except Exception as exc:  # not installed, or a build without the CPU backend
+        log.info("nvImageCodec's CPU decoder is unavailable: %r", exc)
+        _NV = False
+        return None
+    _NV = (os.getpid(), nv, dec, params)
+    return _NV
+
+
 def available() -> bool:
+    return _load() is not None or _nvimgcodec() is not None
+
+
+def can_scale() -> bool:
+    """The backend decodes at reduced DCT scales too (the native one does; nvImageCodec does not)."""
     return _load() is not None
+
+
+def backend() -> str | None:
+    if _load() is not None:
+        return "libjpeg-turbo (fusionflow/kernels/jpeg_roi.cc)"
+    return "nvImageCodec CPU" if _nvimgcodec() is not None else None
 
 
 def why_unavailable() -> str | None:
@@ -77,9 +121,19 @@ def is_complete_jpeg(data) -> bool:
 
 def info(data: bytes) -> tuple[int, int, int]:
     """(height, width, components) from the JPEG header."""
+    lib = _LIB or _load()
+    if lib is None:
+        nv = _nvimgcodec()
+        if nv is None:
+            raise WindowDecodeError("no window decoder")
+        try:
+            stream = nv[1].CodeStream(data)
+            return stream.height, stream.width, stream.num_channels
+        except Exception as exc:
+            raise WindowDecodeError(f"nvImageCodec cannot parse the header: {exc}") from None
     dims = (ctypes.c_int * 3)()
     err = ctypes.create_string_buffer(_ERRLEN)
-    if (_LIB or _load()).ff_jpeg_info(data, len(data), dims, err, _ERRLEN) != 0:
+    if lib.ff_jpeg_info(data, len(data), dims, err, _ERRLEN) != 0:
         raise WindowDecodeError(err.value.decode(errors="replace"))
     return dims[0], dims[1], dims[2]
 
@@ -89,11 +143,41 @@ def decode_window(data: bytes, top: int, left: int, height: int, width: int,
     """The RGB pixels of rows [top, top+height) x columns [left, left+width) of the image scaled by
     scale[0]/scale[1] (coordinates in the scaled image, clipped to it), and the scaled image's
     (height, width)."""
+    lib = _LIB or _load()
+    if lib is None:
+        return _nv_decode_window(data, top, left, height, width, scale)
     out = np.empty((height, width, 3), np.uint8)
     dims = (ctypes.c_int * 4)()
     err = ctypes.create_string_buffer(_ERRLEN)
-    rc = (_LIB or _load()).ff_jpeg_decode_window(data, len(data), scale[0], scale[1], top, left, height, width,
-                                    out.ctypes.data, width * 3, height, dims, err, _ERRLEN)
+    rc = lib.ff_jpeg_decode_window(data, len(data), scale[0], scale[1], top, left, height, width,
+                                   out.ctypes.data, width * 3, height, dims, err, _ERRLEN)
     if rc != 0:
         raise WindowDecodeError(err.value.decode(errors="replace"))
     return out[:dims[2], :dims[3]], (dims[0], dims[1])
+
+
+def _nv_decode_window(data, top, left, height, width, scale):
+    nv = _nvimgcodec()
+    if nv is None:
+        raise WindowDecodeError("no window decoder")
+    if scale[0] != scale[1]:
+        raise WindowDecodeError("nvImageCodec decodes at full scale only")
+    _, mod, dec, params = nv
+    try:
+        stream = mod.CodeStream(data)
+        full = (stream.height, stream.width)
+        if stream.num_channels not in (1, 3):
+            raise WindowDecodeError(f"{stream.num_channels} channels (CMYK/YCCK): decoded by Pillow")
+        y1, x1 = min(top + height, full[0]), min(left + width, full[1])
+        region = mod.Region(max(0, top), max(0, left), y1, x1)
+        img = dec.decode(stream.get_sub_code_stream(region=region), params=params)
+    except WindowDecodeError:
+        raise
+    except Exception as exc:
+        raise WindowDecodeError(f"nvImageCodec: {exc}") from None
+    if img is None:  # nvImageCodec reports a corrupt stream as None (and logs it)
+        raise WindowDecodeError("nvImageCodec could not decode the stream")
+    arr = np.asarray(img.cpu())
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise WindowDecodeError(f"nvImageCodec returned {arr.shape}")
+    return arr, full
