@@ -194,8 +194,36 @@ def test_shm_name_is_private_and_unguessable():
     next(iter(loader))
     name = loader._manager.ring.name
     assert re.fullmatch(r"/ff_[0-9a-f]{24}", name)
-    assert os.stat("/dev/shm" + name).st_mode & 0o777 == 0o600
+    assert os.fstat(loader._manager.ring.fd).st_mode & 0o777 == 0o600
+    assert not os.path.exists("/dev/shm" + name)  # unlinked at creation: workers map its descriptor
     loader.close()
+    assert not os.path.exists("/dev/shm" + name)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_job_killed_as_a_whole_leaves_no_segment(num_workers):
+    """The OOM killer, scancel or a scheduler SIGKILLs the training process and its workers together:
+    no process is left to unlink anything, so no name may exist by then."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_loader import Bytes, SMALL
+        from fusionflow.loader import FusionFlowLoader
+        loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers={num_workers}, policy=SMALL,
+                                  persistent_workers=True)
+        it = iter(loader); next(it)
+        print(loader._manager.ring.name, flush=True)
+        sys.stdin.read()  # until the test has killed the whole group
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        name = proc.stdout.readline().strip()
+        assert name.startswith("/ff_")
+        assert not os.path.exists("/dev/shm" + name)  # nothing named while it runs
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert not os.path.exists("/dev/shm" + name)
 
 
@@ -404,3 +432,12 @@ def test_tensor_samples_are_accepted_with_the_arrays_pixels():
     want, _ = collect(FusionFlowLoader(Arrays(), batch_size=3, num_workers=0, policy=SMALL, seed=3))
     got, labels = collect(FusionFlowLoader(Tensors(), batch_size=3, num_workers=1, policy=SMALL, seed=3))
     assert labels[0].tolist() == [0, 1, 2] and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_started_without_fork_map_the_unnamed_ring(method):
+    ds = Bytes(12)
+    loader = FusionFlowLoader(ds, batch_size=4, num_workers=1, policy=SMALL, multiprocessing_context=method, seed=2)
+    images, labels = collect(loader)
+    assert [y.tolist() for y in labels] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert np.array_equal(images[2][3].numpy(), CpuPipeline(SMALL)(ds.data[11], 11, seed=2, epoch=0))

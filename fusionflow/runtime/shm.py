@@ -11,9 +11,13 @@ the segment (posix_fallocate), so a ring that does not fit fails here, at creati
 `SharedMemoryError` naming the bytes needed and free and the fixes -- not later as a SIGBUS in a
 worker that touches a page tmpfs cannot supply (ftruncate alone makes a sparse segment).
 
-Ownership: the local manager creates and unlinks it; workers attach by name. If the training
-process dies without unlinking, its orphaned workers unlink it (see runtime/worker.py), so the
-name never outlives the job by more than a watchdog period.
+Ownership: the local manager creates it, keeps its descriptor and unlinks the name at once, as
+torch's file-descriptor sharing strategy does: its own workers map the descriptor (inherited at
+fork, or duplicated by multiprocessing for spawn/forkserver: `ChildFd`), workers lent to it receive
+it over the lending socket (`send_fd`/`recv_fd`, SCM_RIGHTS). So no name is left in /dev/shm even
+when the training process and its workers are SIGKILLed together; the memory goes with the last
+process that maps it. (The global manager's table and the bridge ledger are still named: ranks
+find them by name.)
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import errno
 import mmap
 import os
 import secrets
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,11 +54,18 @@ class RingLayout:
 
 
 class BatchRing:
-    """A mapping of the ring segment; `images` and `labels` are numpy views into it."""
+    """A mapping of the ring segment; `images` and `labels` are numpy views into it.
 
-    def __init__(self, layout: RingLayout, name: str | None = None):
+    `BatchRing(layout)` creates and reserves the segment and keeps its descriptor (`fd`) open, so
+    the owner can unlink the name at once (`unlink`) and hand the descriptor to the processes that
+    map it later (forked workers inherit it; lent workers receive it over their Unix socket).
+    `BatchRing(layout, fd=fd)` maps a received descriptor; `BatchRing(layout, name)` attaches by name.
+    """
+
+    def __init__(self, layout: RingLayout, name: str | None = None, fd: int | None = None):
         self.layout = layout
-        self.owner = name is None
+        self.owner = name is None and fd is None
+        self.fd = None
         if self.owner:
             name = PREFIX + secrets.token_hex(12)
             check_room(layout)
@@ -64,13 +76,16 @@ class BatchRing:
                 seg.close_fd()
                 unlink(name)
                 raise
-        else:
+            self.fd = seg.fd  # kept: the owner's handle once the name is gone
+            _OWNED_FDS.add(self.fd)
+        elif fd is None:
             seg = posix_ipc.SharedMemory(name)
         self.name = name
         try:
-            self._map = mmap.mmap(seg.fd, layout.nbytes)
+            self._map = mmap.mmap(fd if fd is not None else seg.fd, layout.nbytes)
         finally:
-            seg.close_fd()
+            if fd is None and not self.owner:
+                seg.close_fd()
         buf = np.frombuffer(self._map, np.uint8)
         shape = (layout.depth, layout.batch_size, *layout.sample_shape)
         self.images = buf[:layout.image_bytes].view(layout.dtype).reshape(shape)
@@ -80,14 +95,67 @@ class BatchRing:
         unlink(self.name)
 
     def close(self) -> None:
-        """Drop this process's mapping (views must not be used afterwards)."""
+        """Drop this process's mapping and descriptor (views must not be used afterwards)."""
         self.images = self.labels = None
+        if self.fd is not None:
+            _OWNED_FDS.discard(self.fd)
+            os.close(self.fd)
+            self.fd = None
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:  # a view still exported (e.g. a pinned tensor); the OS frees it at exit
                 pass
             self._map = None
+
+
+_OWNED_FDS: set[int] = set()  # this process's ring descriptors (owner side), closed in forked children
+
+
+class ChildFd:
+    """A ring descriptor for a worker process: a forked child uses the (inherited) number itself; a
+    spawn/forkserver child gets a duplicate through multiprocessing's own fd passing, which happens
+    while the Process object is pickled at start()."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return (_received_fd, (reduction.DupFd(self.fd),))
+
+
+def _received_fd(dup) -> ChildFd:
+    return ChildFd(dup.detach())
+
+
+def map_from_child_fd(layout: RingLayout, child_fd: ChildFd) -> BatchRing:
+    """In a worker: map the ring from the descriptor it was handed, then close every ring
+    descriptor inherited from the parent (its own included: the mapping keeps the memory), so a
+    worker never keeps another loader's ring alive."""
+    ring = BatchRing(layout, fd=child_fd.fd)
+    for fd in _OWNED_FDS | {child_fd.fd}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OWNED_FDS.clear()
+    return ring
+
+
+def send_fd(conn, fd: int) -> None:
+    """Send descriptor `fd` over a multiprocessing Connection on a Unix socket (SCM_RIGHTS)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        socket.send_fds(sock, [b"F"], [fd])
+
+
+def recv_fd(conn) -> int:
+    """Receive one descriptor sent with `send_fd` (the caller closes it)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if len(fds) != 1:
+        raise OSError(f"expected one ring descriptor from the borrower, got {len(fds)}")
+    return fds[0]
 
 
 def free_bytes(path: str = SHM_DIR) -> int | None:
