@@ -4,11 +4,11 @@ Public API: `FusionFlowLoader`, `ImageFolder`, `load_policy`, `Policy`, and Fusi
 `FusionFlowLoader` (which imports torch) is loaded on first use, so policy tooling stays light.
 """
 from fusionflow.data import ImageFolder
-from fusionflow.errors import DecodeError, FusionFlowError, SampleError
+from fusionflow.errors import DecodeError, FusionFlowError, ImageTooLargeError, SampleError, SharedMemoryError
 from fusionflow.policy import Policy, load_policy
 
-__all__ = ["DecodeError", "FusionFlowError", "FusionFlowLoader", "ImageFolder", "Policy", "SampleError",
-           "load_policy"]
+__all__ = ["DecodeError", "FusionFlowError", "FusionFlowLoader", "ImageFolder", "ImageTooLargeError", "Policy",
+           "SampleError", "SharedMemoryError", "load_policy"]
 
 
 def __getattr__(name):

@@ -21,6 +21,11 @@ class DecodeError(FusionFlowError):
         self.what = what
 
 
+class ImageTooLargeError(DecodeError):
+    """An encoded image's header declares more pixels than the policy's ``decode.max_pixels``: it is
+    refused before decoding (a decompression bomb: a few KB that would decode to gigabytes)."""
+
+
 class SampleError(FusionFlowError):
     """A sample failed to load, decode or augment in a worker; carries the worker's traceback."""
 
@@ -29,6 +34,12 @@ class SampleError(FusionFlowError):
                          f"(pass on_error='skip' to drop such samples)\n\n"
                          f"Original traceback in the worker:\n{worker_traceback}")
         self.index, self.what, self.exc_type, self.worker_traceback = index, what, exc_type, worker_traceback
+
+
+class SharedMemoryError(FusionFlowError):
+    """The shared-memory batch ring could not be reserved (e.g. a container's small /dev/shm), or a
+    worker died of SIGBUS touching shared memory. Not a sample's fault: the message names the bytes
+    needed and free and the fixes."""
 
 
 class AcceleratorError(FusionFlowError):

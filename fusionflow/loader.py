@@ -71,6 +71,7 @@ ON_ERROR = ("raise", "skip")
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
 SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
+SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
 
 
 def _has_dali() -> bool:
@@ -89,6 +90,9 @@ class LoaderStats:
     samples: int = 0
     skipped: int = 0
     skipped_indices: list = field(default_factory=list)
+    # on_error="skip": samples dropped per cause: "pixel_limit" (over decode.max_pixels), "corrupt"
+    # (could not be decoded), "error" (anything else, e.g. the dataset raised)
+    skipped_by_cause: dict = field(default_factory=dict)
     wait_seconds: list = field(default_factory=list)  # time blocked in next(), per batch
     tiny_batches_per_worker: list = field(default_factory=list)
     worker_restarts: int = 0
@@ -118,6 +122,7 @@ class LoaderStats:
     def summary(self) -> dict:
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
         return {"batches": self.batches, "samples": self.samples, "skipped": self.skipped,
+                "skipped_by_cause": dict(self.skipped_by_cause),
                 "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
                 "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
                 "worker_restarts": self.worker_restarts, "startup_seconds": self.startup_seconds,
@@ -555,6 +560,9 @@ class FusionFlowLoader:
         bad = {f.position for f in failures}
         self.stats.skipped += len(bad)
         self.stats.skipped_indices.extend(f.index for f in failures)
+        for f in failures:
+            cause = SKIP_CAUSES.get(f.exc_type, "error")
+            self.stats.skipped_by_cause[cause] = self.stats.skipped_by_cause.get(cause, 0) + 1
         if not self._warned_skip:
             self._warned_skip = True
             f = failures[0]

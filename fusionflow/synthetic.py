@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import os
+import struct
+import zlib
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -66,3 +68,15 @@ def make_image_folder(root: str, num_classes: int = 4, per_class: int = 64, min_
                     f.write(encode(make_image(h, w, seed * 1_000_003 + c * 100_003 + i)))
                 os.replace(tmp, path)
     return root
+
+
+def png_bomb(width: int, height: int) -> bytes:
+    """A valid PNG header declaring width x height 1-bit grey pixels, with one tiny compressed row:
+    a few hundred bytes that a decoder without a pixel limit would expand to width x height bytes.
+    For tests of decode.max_pixels; nothing here allocates the image."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64, 9))
+            + chunk(b"IEND", b""))

@@ -240,3 +240,20 @@ class SlowBytes(Bytes):
     def __getitem__(self, i):
         time.sleep(0.05)
         return super().__getitem__(i)
+
+
+def test_over_the_pixel_limit_never_reaches_dali_and_is_refused_by_the_cpu_path():
+    from PIL import Image
+    import io
+    ds = Bytes(24)
+    pixels = [np.prod(Image.open(io.BytesIO(d)).size) for d in ds.data]
+    limit = int(np.median(pixels))
+    over = [i for i, p in enumerate(pixels) if p > limit]
+    assert over and len(over) < len(pixels)
+    policy = {**SMALL, "decode": {"max_pixels": limit}}
+    ld = loader(ds, policy=policy, on_error="skip", tiny_batch_size=1)
+    with pytest.warns(UserWarning, match="ImageTooLargeError"):
+        _, labels = collect(ld)
+    assert [i for y in labels for i in y.tolist()] == [i for i in range(24) if i not in over]
+    assert ld.stats.skipped_by_cause == {"pixel_limit": len(over)}
+    assert ld.stats.accelerator_tiny_batches > 0  # DALI did run the others

@@ -113,12 +113,12 @@ def test_fast_mode_keeps_each_samples_draw(monkeypatch):
     seen = {True: [], False: []}
     real = decode._jpeg_window_crop_resize
 
-    def spy(data, window_fn, out_size, fast):
+    def spy(data, window_fn, out_size, fast, *rest):  # rest: the sample's name and the pixel limit
         def recording(h, w):
             win = window_fn(h, w)
             seen[fast].append(win)
             return win
-        return real(data, recording, out_size, fast)
+        return real(data, recording, out_size, fast, *rest)
     monkeypatch.setattr(decode, "_jpeg_window_crop_resize", spy)
     policy = load_policy("randaugment")
     fast, exact = CpuPipeline(policy), CpuPipeline(dataclasses.replace(policy, fast_downscale=False))

@@ -194,8 +194,36 @@ def test_shm_name_is_private_and_unguessable():
     next(iter(loader))
     name = loader._manager.ring.name
     assert re.fullmatch(r"/ff_[0-9a-f]{24}", name)
-    assert os.stat("/dev/shm" + name).st_mode & 0o777 == 0o600
+    assert os.fstat(loader._manager.ring.fd).st_mode & 0o777 == 0o600
+    assert not os.path.exists("/dev/shm" + name)  # unlinked at creation: workers map its descriptor
     loader.close()
+    assert not os.path.exists("/dev/shm" + name)
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_job_killed_as_a_whole_leaves_no_segment(num_workers):
+    """The OOM killer, scancel or a scheduler SIGKILLs the training process and its workers together:
+    no process is left to unlink anything, so no name may exist by then."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_loader import Bytes, SMALL
+        from fusionflow.loader import FusionFlowLoader
+        loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers={num_workers}, policy=SMALL,
+                                  persistent_workers=True)
+        it = iter(loader); next(it)
+        print(loader._manager.ring.name, flush=True)
+        sys.stdin.read()  # until the test has killed the whole group
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        name = proc.stdout.readline().strip()
+        assert name.startswith("/ff_")
+        assert not os.path.exists("/dev/shm" + name)  # nothing named while it runs
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     assert not os.path.exists("/dev/shm" + name)
 
 
@@ -331,3 +359,84 @@ def test_superseded_iterator_says_so():
         next(first)
     assert [i for y in [next(second)[1]] for i in y.tolist()] == [4, 5, 6, 7]
     loader.close()
+
+
+class BusErrorAt(Bytes):
+    """Sample 13's worker dies of SIGBUS, as one does touching shared memory tmpfs cannot back."""
+
+    def __getitem__(self, i):
+        if i == 13:
+            import faulthandler
+            faulthandler.disable()  # pytest's handler would print a stack dump; the death is the point
+            os.kill(os.getpid(), signal.SIGBUS)
+        return super().__getitem__(i)
+
+
+def test_small_dev_shm_fails_at_start_naming_bytes_and_fixes(monkeypatch):
+    from fusionflow import SharedMemoryError
+    from fusionflow.runtime import shm
+    monkeypatch.setattr(shm, "free_bytes", lambda path=shm.SHM_DIR: 1000)
+    loader = FusionFlowLoader(Bytes(16), batch_size=8, num_workers=2, policy=SMALL)
+    with pytest.raises(SharedMemoryError, match=r"needs .* but /dev/shm has 0\.0 MiB \(1000 bytes\) free.*--shm-size"):
+        iter(loader).__next__()
+    assert loader._manager is None  # no worker was started
+
+
+def test_worker_sigbus_is_a_shared_memory_error_not_blamed_on_a_sample():
+    from fusionflow import SharedMemoryError
+    loader = FusionFlowLoader(BusErrorAt(32), batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=4,
+                              max_retries=0)
+    with pytest.raises(SharedMemoryError, match=r"CPU worker \d died of SIGBUS.*not the fault of a sample") as info:
+        collect(loader)
+    assert not isinstance(info.value, SampleKilledWorkersError)
+
+
+class WithBomb(Bytes):
+    """Bytes whose sample 7 is a 900-megapixel PNG of a few hundred bytes."""
+
+    def __getitem__(self, i):
+        from fusionflow.synthetic import png_bomb
+        return (png_bomb(30000, 30000), i) if i == 7 else super().__getitem__(i)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_decompression_bomb_is_a_sample_error_naming_index_path_and_size(num_workers):
+    loader = FusionFlowLoader(WithBomb(16), batch_size=4, num_workers=num_workers, policy=SMALL)
+    with pytest.raises(SampleError, match=r"sample 7 \(/data/img_7\.jpg\) failed: ImageTooLargeError: .*"
+                                          r"image of 900000000 pixels exceeds the policy's decode\.max_pixels=178956970"):
+        collect(loader)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skipped_samples_are_counted_by_cause(num_workers):
+    loader = FusionFlowLoader(WithBomb(16, bad={3, 11}), batch_size=4, num_workers=num_workers, policy=SMALL,
+                              on_error="skip")
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        _, labels = collect(loader)
+    assert [i for y in labels for i in y.tolist()] == [i for i in range(16) if i not in (3, 7, 11)]
+    assert loader.stats.skipped == 3 and loader.stats.skipped_by_cause == {"corrupt": 2, "pixel_limit": 1}
+    assert loader.stats.summary()["skipped_by_cause"] == {"corrupt": 2, "pixel_limit": 1}
+
+
+class Tensors(Arrays):
+    """Arrays' samples as torchvision.io would give them: uint8 CHW tensors (and one HW)."""
+
+    def __getitem__(self, i):
+        arr = np.asarray(self.items[i])
+        t = torch.from_numpy(arr.copy())
+        return (t.permute(2, 0, 1) if t.ndim == 3 else t), i
+
+
+def test_tensor_samples_are_accepted_with_the_arrays_pixels():
+    want, _ = collect(FusionFlowLoader(Arrays(), batch_size=3, num_workers=0, policy=SMALL, seed=3))
+    got, labels = collect(FusionFlowLoader(Tensors(), batch_size=3, num_workers=1, policy=SMALL, seed=3))
+    assert labels[0].tolist() == [0, 1, 2] and torch.equal(got[0], want[0])
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_started_without_fork_map_the_unnamed_ring(method):
+    ds = Bytes(12)
+    loader = FusionFlowLoader(ds, batch_size=4, num_workers=1, policy=SMALL, multiprocessing_context=method, seed=2)
+    images, labels = collect(loader)
+    assert [y.tolist() for y in labels] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert np.array_equal(images[2][3].numpy(), CpuPipeline(SMALL)(ds.data[11], 11, seed=2, epoch=0))

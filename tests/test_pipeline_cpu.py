@@ -128,3 +128,74 @@ def test_decode_crop_resize_window_is_honoured():
     rgb = make_image(100, 200, 2)
     img = decode_crop_resize(encode(rgb, "PNG"), lambda h, w: (10, 20, 50, 60), (50, 60), fast=True)
     assert np.array_equal(np.asarray(img), rgb[10:60, 20:80])
+
+
+def test_importing_fusionflow_leaves_pillows_bomb_limit_alone():
+    import subprocess
+    import sys
+    code = ("from PIL import Image; before = Image.MAX_IMAGE_PIXELS; import fusionflow.ops.pipeline, "
+            "fusionflow.loader; assert Image.MAX_IMAGE_PIXELS == before, Image.MAX_IMAGE_PIXELS")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_pixel_limit_refuses_a_bomb_before_decoding_on_every_cpu_path(monkeypatch):
+    from fusionflow.errors import ImageTooLargeError
+    from fusionflow.ops import jpeg
+    from fusionflow.synthetic import png_bomb
+    bomb = png_bomb(30000, 30000)  # 900 megapixels in a few hundred bytes
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the policy's default limit does the refusing
+    with pytest.raises(ImageTooLargeError, match=r"sample 7: image of 30000x30000 = 900000000 pixels exceeds "
+                                                 r"the policy's decode\.max_pixels=178956970"):
+        CpuPipeline("default")(bomb, 7)
+    small = {"output": {"size": 16}, "decode": {"max_pixels": 1000}, "augment": {"type": "none"}}
+    rgb = make_image(30, 40, 1)  # 1200 pixels
+    for data in (encode(rgb, "JPEG"), _png(rgb), Image.open(io.BytesIO(_png(rgb)))):
+        with pytest.raises(ImageTooLargeError, match=r"/d/x: image of 40x30 = 1200 pixels exceeds"):
+            CpuPipeline(small)(data, 0, what="/d/x")
+    assert jpeg.available()  # so the JPEG above took the window decoder's header check
+    CpuPipeline({**small, "decode": {"max_pixels": None}})(encode(rgb, "JPEG"), 0)  # null: no limit
+    CpuPipeline({**small, "decode": {"max_pixels": 1200}})(_png(rgb), 0)  # at the limit: decoded
+    CpuPipeline(small)(rgb, 0)  # arrays are already decoded: not checked
+
+
+def test_pillows_own_bomb_check_neither_warns_nor_overrides_the_policy(monkeypatch):
+    import warnings
+    from fusionflow.errors import ImageTooLargeError
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the user's process-wide Pillow limit
+    rgb = make_image(30, 40, 1)  # 1200 pixels: over Pillow's warning limit, under its error limit
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CpuPipeline("default")(_png(rgb), 0)  # the policy allows it: no DecompressionBombWarning
+    big = _png(make_image(50, 50, 1))  # 2500 > 2 x 1000: Pillow refuses it before we see its size
+    with pytest.raises(ImageTooLargeError, match=r"sample 2: Pillow refused the image.*raise it"):
+        CpuPipeline("default")(big, 2)
+    small = {"output": {"size": 16}, "decode": {"max_pixels": 2000}, "augment": {"type": "none"}}
+    with pytest.raises(ImageTooLargeError, match=r"sample 2: image of 2500 pixels exceeds the policy's"):
+        CpuPipeline(small)(big, 2)
+
+
+def test_tensor_samples_give_the_same_pixels_as_the_equivalent_array():
+    pipe = CpuPipeline("randaugment")
+    rgb = make_image(37, 53, 4)
+    ref = pipe(rgb, 3, seed=1)
+    chw = torch.from_numpy(rgb).permute(2, 0, 1).contiguous()
+    for t in (chw, torch.from_numpy(rgb), torch.from_numpy(rgb).permute(2, 0, 1)):  # CHW, HWC, non-contiguous CHW
+        assert np.array_equal(pipe(t, 3, seed=1), ref)
+    png = decode_image(torch.frombuffer(bytearray(_png(rgb)), dtype=torch.uint8), mode=ImageReadMode.UNCHANGED)
+    assert tuple(png.shape) == (3, 37, 53) and np.array_equal(pipe(png, 3, seed=1), ref)  # torchvision.io's CHW
+    gray = rgb[:, :, 0].copy()
+    ref = pipe(gray, 3, seed=1)
+    for t in (torch.from_numpy(gray), torch.from_numpy(gray)[None], torch.from_numpy(gray)[:, :, None]):
+        assert np.array_equal(pipe(t, 3, seed=1), ref)  # HW, 1HW, HW1
+
+
+def test_tensor_layout_rule_and_errors():
+    from fusionflow.ops.decode import open_image
+    t = torch.arange(36, dtype=torch.uint8).reshape(3, 3, 4)  # ambiguous: first dim 3 -> CHW (3 tall, 4 wide)
+    assert open_image(t).size == (4, 3)
+    assert np.array_equal(np.asarray(open_image(t)), t.permute(1, 2, 0).numpy())
+    assert open_image(torch.zeros(5, 7, 4, dtype=torch.uint8)).size == (7, 5)  # 5 is no channel count: HWC
+    with pytest.raises(TypeError, match=r"sample 2: a tensor sample must be uint8 HW, CHW or HWC .* torch\.float32"):
+        CpuPipeline("default")(torch.zeros(3, 8, 8), 2)
+    with pytest.raises(TypeError, match=r"got torch\.uint8 \(5, 6, 7\)"):
+        open_image(torch.zeros(5, 6, 7, dtype=torch.uint8), "sample 2")

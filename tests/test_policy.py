@@ -161,3 +161,14 @@ def test_decode_mode_key_and_its_older_spelling():
         load_policy({**base, "decode": {"mode": "exakt"}})
     with pytest.raises(ValueError, match=r"decode: give decode\.mode"):
         load_policy({**base, "decode": {"mode": "fast", "fast_downscale": True}})
+
+
+def test_decode_max_pixels_default_null_and_bad_values():
+    base = {"output": {"size": 64}, "augment": {"type": "none"}}
+    assert load_policy(base).max_pixels == 178_956_970  # Pillow's default DecompressionBombError size
+    assert load_policy({**base, "decode": {"max_pixels": None}}).max_pixels is None
+    assert load_policy({**base, "decode": {"max_pixels": 10**9}}).max_pixels == 10**9
+    with pytest.raises(ValueError, match=r"decode\.max_pixels: 0 is out of range"):
+        load_policy({**base, "decode": {"max_pixels": 0}})
+    with pytest.raises(ValueError, match=r"decode\.max_pixels: expected an integer, got str"):
+        load_policy({**base, "decode": {"max_pixels": "1e9"}})

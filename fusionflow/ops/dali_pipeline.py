@@ -17,12 +17,10 @@ GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
 """
 from __future__ import annotations
 
-import io
 import logging
 import time
 
 import numpy as np
-from PIL import Image
 
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.ops.dali import DALI_IMPLS, DaliStyle
@@ -34,8 +32,9 @@ log = logging.getLogger(__name__)
 
 def image_size(data, what: str | None = None) -> tuple[int, int]:
     """(height, width) from an encoded image's header, without decoding it."""
+    from fusionflow.ops.decode import open_encoded
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with open_encoded(data, what) as img:  # Pillow's bomb warning silenced: the policy's limit governs
             w, h = img.size
     except Exception as exc:  # Pillow raises several types for unreadable headers
         raise DecodeError(f"cannot read the image header of {len(data)} bytes: {exc}", what) from exc

@@ -1,7 +1,12 @@
 """Encoded sample -> RGB Pillow image, cropped and resized in as few passes as possible.
 
-Accepts JPEG/PNG/any Pillow-readable bytes, a PIL image, or a uint8 HW / HWC numpy array.
-Grayscale, palette, RGBA/LA (alpha dropped) and 16-bit inputs come out as 8-bit RGB.
+Accepts JPEG/PNG/any Pillow-readable bytes, a PIL image, a uint8 HW / HWC numpy array, or a uint8
+torch tensor. Grayscale, palette, RGBA/LA (alpha dropped) and 16-bit inputs come out as 8-bit RGB.
+
+Layout of a 3-d tensor (torchvision's decoders give CHW): CHW when its first dimension is 1, 3 or 4
+channels, else HWC when its last is; so a 3x3x4 tensor is CHW, and an HWC tensor only 1, 3 or 4
+pixels tall must be permuted to CHW (or passed as a numpy array, which is always HWC, as
+np.asarray(pil_image) gives). A tensor gives the same pixels as the equivalent array.
 
 A complete JPEG (baseline or progressive, grayscale or YCbCr) goes through the window decoder
 (`fusionflow.ops.jpeg`: our libjpeg-turbo kernel, else nvImageCodec's CPU backend): only the crop
@@ -15,37 +20,122 @@ window is decoded. Both modes draw the same window:
 Everything else (PNG, CMYK JPEGs, truncated or corrupt files, arrays, PIL images, or no window
 decoder on this machine) takes the Pillow path, which in fast mode uses Pillow's draft() DCT scaling
 of the whole JPEG; errors there name the sample as before.
+
+Pixel limit (decompression bombs): `max_pixels` (the policy's decode.max_pixels; None: no limit) is
+checked against the size in the image's header before any pixel is decoded, on both paths: the
+window decoder's `jpeg.info`, and the lazy `Image.open` (or a lazily opened PIL image a dataset
+returns). Over it, `ImageTooLargeError` (a DecodeError) names the sample and its size. Pillow's
+process-wide `Image.MAX_IMAGE_PIXELS` is left alone (importing FusionFlow changes nothing for the
+user's own Pillow code); since the policy's limit governs here, Pillow's DecompressionBombWarning
+is silenced while we open an image, and its DecompressionBombError -- raised only when the user
+set Pillow's limit below 1/2 of the policy's -- is reported as the same ImageTooLargeError.
+Decoded inputs (arrays, tensors) are not checked: their memory is already spent.
 """
 from __future__ import annotations
 
 import io
 import math
+import re
+import warnings
 
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from fusionflow.errors import DecodeError
+from fusionflow.errors import DecodeError, ImageTooLargeError
 from fusionflow.ops import jpeg
 
-Image.MAX_IMAGE_PIXELS = None  # datasets hold large images on purpose; decoding is our job
+
+def check_pixels(width: int, height: int, max_pixels: int | None, what: str | None = None) -> None:
+    """Raise ImageTooLargeError when a header's size exceeds `max_pixels` (None: no limit)."""
+    if max_pixels is not None and width * height > max_pixels:
+        raise _too_large(f"{width}x{height} = {width * height} pixels", max_pixels, what)
 
 
-def open_image(data, what: str | None = None) -> Image.Image:
-    """A (lazily decoded) PIL image from bytes, a PIL image or a uint8 numpy array."""
+def _too_large(size: str, max_pixels: int, what) -> ImageTooLargeError:
+    return ImageTooLargeError(f"image of {size} exceeds the policy's decode.max_pixels={max_pixels} (a possible "
+                              f"decompression bomb); not decoded. If the dataset holds images this large on "
+                              f"purpose, raise decode.max_pixels in the policy (null: no limit)", what)
+
+
+def within_pixel_limit(data, max_pixels: int | None) -> bool:
+    """Whether encoded `data`'s header declares at most `max_pixels` pixels, read without decoding
+    (for the accelerator, before it hands bytes to DALI). False also when the header cannot be read:
+    the CPU path then reports the sample precisely."""
+    if max_pixels is None:
+        return True
+    if jpeg.is_complete_jpeg(data) and jpeg.available():
+        try:
+            height, width, _ = jpeg.info(bytes(data))
+            return width * height <= max_pixels
+        except jpeg.WindowDecodeError:
+            pass
+    try:
+        width, height = open_encoded(data, None, max_pixels).size
+    except (DecodeError, UnidentifiedImageError, OSError, ValueError):
+        return False
+    return width * height <= max_pixels
+
+
+def open_encoded(data, what, max_pixels: int | None = None) -> Image.Image:
+    """Image.open, lazily, without Pillow's process-wide bomb warning: the caller applies the policy's
+    limit. Pillow's DecompressionBombError (its limit, which is the user's to set, refused the size
+    before we could see it) becomes an ImageTooLargeError."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        try:
+            return Image.open(io.BytesIO(data))
+        except Image.DecompressionBombError as exc:
+            found = re.search(r"\((\d+) pixels\) exceeds limit of (\d+)", str(exc))
+            pixels, limit = (int(found[1]), int(found[2])) if found else (None, None)
+            if pixels is not None and max_pixels is not None and pixels > max_pixels:
+                raise _too_large(f"{pixels} pixels", max_pixels, what) from exc
+            raise ImageTooLargeError(
+                f"Pillow refused the image: {exc} This process set PIL.Image.MAX_IMAGE_PIXELS "
+                f"(2 x it = {limit}) below the policy's decode.max_pixels={max_pixels}; raise it (or set it to "
+                f"None) to let the policy's limit govern", what) from exc
+
+
+def open_image(data, what: str | None = None, max_pixels: int | None = None) -> Image.Image:
+    """A (lazily decoded) PIL image from bytes, a PIL image or a uint8 numpy array; encoded inputs
+    (bytes, or a PIL image not yet loaded) over `max_pixels` raise ImageTooLargeError."""
     if isinstance(data, Image.Image):
+        if getattr(data, "tile", None):  # opened lazily (Image.open), nothing decoded yet
+            check_pixels(*data.size, max_pixels, what)
         return data
     if isinstance(data, np.ndarray):
         return _from_array(data, what)
+    if isinstance(data, torch.Tensor):
+        return _from_array(_tensor_to_hwc(data, what), what)
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
-            return Image.open(io.BytesIO(data))
+            img = open_encoded(data, what, max_pixels)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             head = bytes(data[:8]).hex()
             raise DecodeError(f"cannot identify an image in {len(data)} bytes (first bytes {head}): {exc}",
                               what) from exc
-    raise TypeError(f"{what or 'sample'}: expected encoded bytes, a PIL image or a uint8 array, "
+        check_pixels(*img.size, max_pixels, what)
+        return img
+    raise TypeError(f"{what or 'sample'}: expected encoded bytes, a PIL image, a uint8 array or a uint8 tensor, "
                     f"got {type(data).__name__}")
+
+
+CHANNELS = (1, 3, 4)
+
+
+def _tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
+    """A uint8 CPU tensor (HW, CHW or HWC; see the module docstring for the 3-d rule) as an HW/HWC array."""
+    shape = tuple(t.shape)
+    if t.dtype != torch.uint8 or t.ndim not in (2, 3) or (t.ndim == 3 and shape[0] not in CHANNELS
+                                                           and shape[2] not in CHANNELS):
+        raise TypeError(f"{what or 'sample'}: a tensor sample must be uint8 HW, CHW or HWC with 1, 3 or 4 "
+                        f"channels, got {t.dtype} {shape}")
+    if t.device.type != "cpu":
+        raise TypeError(f"{what or 'sample'}: a tensor sample must be on the CPU, got one on {t.device}; "
+                        "return it before moving it (workers write into host shared memory)")
+    if t.ndim == 3 and shape[0] in CHANNELS:
+        t = t.permute(1, 2, 0)  # CHW -> HWC (a view; _from_array makes it contiguous)
+    return t.numpy()
 
 
 def _from_array(arr: np.ndarray, what) -> Image.Image:
@@ -78,15 +168,16 @@ def dct_reduction(crop_h: int, crop_w: int, out_h: int, out_w: int) -> int:
 
 
 def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
-                       what: str | None = None) -> Image.Image:
+                       what: str | None = None, max_pixels: int | None = None) -> Image.Image:
     """Decode `data`, crop the window `window_fn(height, width)` returns, resize to `out_size`
-    (height, width) with antialiased bilinear filtering. Returns an RGB image."""
+    (height, width) with antialiased bilinear filtering. Returns an RGB image. An encoded image
+    whose header declares more than `max_pixels` pixels raises ImageTooLargeError undecoded."""
     if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
         try:
-            return _jpeg_window_crop_resize(bytes(data), window_fn, out_size, fast)
+            return _jpeg_window_crop_resize(bytes(data), window_fn, out_size, fast, what, max_pixels)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
-    img = open_image(data, what)
+    img = open_image(data, what, max_pixels)
     width, height = img.size
     top, left, h, w = window_fn(height, width)
     out_h, out_w = out_size
@@ -98,9 +189,15 @@ def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
                 img.draft("RGB" if img.mode == "RGB" else None, (math.ceil(width / r), math.ceil(height / r)))
                 sx, sy = img.size[0] / width, img.size[1] / height
                 box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
-        img.load()
+        with warnings.catch_warnings():  # a frame's size (GIF) is checked on load too: the policy governs
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img.load()
     except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode {img.format or 'image'} {width}x{height}: {exc}", what) from exc
+    except Image.DecompressionBombError as exc:
+        raise ImageTooLargeError(f"Pillow refused a frame of the {width}x{height} image while decoding: {exc} "
+                                 "(PIL.Image.MAX_IMAGE_PIXELS, the process-wide limit, applies there)",
+                                 what) from exc
     img = to_rgb(img)
     if isinstance(box[0], float):  # reduced image: resample straight from the fractional box
         return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
@@ -113,7 +210,8 @@ def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
 _MARGIN = 2
 
 
-def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool) -> Image.Image:
+def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool, what=None,
+                             max_pixels: int | None = None) -> Image.Image:
     """decode_crop_resize for a JPEG, decoding only the crop window.
 
     exact: the window's pixels equal a full decode's and Pillow resizes them: torchvision's result
@@ -124,6 +222,7 @@ def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool) -> Im
     box in the scaled image -- the geometry of a full-image Pillow draft(), so the crop is exactly
     the drawn one (rounding it to the scaled grid for torch's resize measured 2-4 dB worse)."""
     height, width, _ = jpeg.info(data)
+    check_pixels(width, height, max_pixels, what)
     top, left, h, w = window_fn(height, width)
     out_h, out_w = out_size
     r = dct_reduction(h, w, out_h, out_w) if fast else 1

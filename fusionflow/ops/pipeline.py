@@ -36,7 +36,7 @@ class CpuPipeline:
     def image(self, data, d: SampleDraw, what: str | None = None) -> Image.Image:
         """The augmented sample as an RGB image of the output size."""
         img = decode_crop_resize(data, partial(crop_window, self.policy, d), self.policy.size,
-                                 self.policy.fast_downscale, what)
+                                 self.policy.fast_downscale, what, self.policy.max_pixels)
         if d.flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         h, w = self.policy.size

@@ -10,6 +10,10 @@ The schema (documented for users in configs/README.md):
       mode: exact | fast               exact: torchvision's pixels to the bit; fast (default): JPEG
                                        window decoded at the coarsest DCT scale covering the output,
                                        SIMD resize (`fast_downscale: bool` is the older spelling)
+      max_pixels: int | null           refuse an encoded image whose header declares more pixels
+                                       than this (decompression bombs), before decoding; default
+                                       DEFAULT_MAX_PIXELS = 178,956,970, the size at which Pillow's
+                                       own default raises DecompressionBombError; null: no limit
     crop:                              random resized crop, torchvision's algorithm
       mode: random | center            center: torchvision's Resize(resize) + CenterCrop(output.size),
                                        for evaluation; takes resize, not scale/ratio
@@ -47,6 +51,9 @@ from fusionflow.ops.specs import OPS, OpSpec
 AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy")
 INTERPOLATIONS = ("nearest", "bilinear")
 DECODE_MODES = ("exact", "fast")
+# Pillow's default DecompressionBombError threshold (2 x its MAX_IMAGE_PIXELS of 89,478,485): images
+# a stock Pillow opens still load, and one sample's RGB decode stays under ~512 MiB per worker.
+DEFAULT_MAX_PIXELS = 178_956_970
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class Policy:
     normalize: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
     fast_downscale: bool = True  # decode.mode == "fast" (the field keeps the key's older name)
     center_resize: int | None = None  # crop.mode center: Resize(center_resize) + CenterCrop(size); None: random
+    max_pixels: int | None = DEFAULT_MAX_PIXELS  # decode.max_pixels; None: no limit
 
     @property
     def decode_mode(self) -> str:
@@ -228,9 +236,11 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         std = r.triple(norm["std"], "output.normalize.std", 1e-6, None)
         normalize = (mean, std)
 
-    fast = True
+    fast, max_pixels = True, DEFAULT_MAX_PIXELS
     if "decode" in top:
-        dec = r.mapping(top["decode"], "decode", (), ("mode", "fast_downscale"))
+        dec = r.mapping(top["decode"], "decode", (), ("mode", "fast_downscale", "max_pixels"))
+        if "max_pixels" in dec:
+            max_pixels = None if dec["max_pixels"] is None else r.integer(dec["max_pixels"], "decode.max_pixels", 1)
         if "mode" in dec and "fast_downscale" in dec:
             r.fail("decode", "give decode.mode (exact | fast) or its older spelling decode.fast_downscale, not both")
         if "mode" in dec:
@@ -253,7 +263,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     augment = _parse_augment(r, top["augment"], size)
     return Policy(name=name, source=source, size=size, scale=scale, ratio=ratio, flip=flip,
                   augment=augment, normalize=normalize, fast_downscale=fast,
-                  center_resize=center_resize if "crop" in top else None)
+                  center_resize=center_resize if "crop" in top else None, max_pixels=max_pixels)
 
 
 def _center_crop(r: _Reader, crop: dict, size: tuple[int, int]) -> int | None:

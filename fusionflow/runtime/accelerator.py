@@ -7,8 +7,10 @@ its position of the mini-batch.
 DALI's CPU backend stands in for the GPU (machines without one, and the tests): outputs land in
 the shared host ring like a CPU worker's.
 
-A tiny-batch it cannot run (a sample that is not encoded bytes, or one DALI cannot decode) goes
-back to the queue marked CPU-only; the CPU workers then produce it or report the precise sample.
+A tiny-batch it cannot run (a sample that is not encoded bytes, one whose header declares more
+pixels than the policy's decode.max_pixels -- read on the host, DALI never sees it --, or one DALI
+cannot decode) goes back to the queue marked CPU-only; the CPU workers then produce it or report
+the precise sample (an over-limit one as ImageTooLargeError).
 
 Sharing the GPU with training (device="gpu"): in `temporal` mode the thread works only inside the
 loader's prep window -- from the start of next() until the mini-batch is ready -- and before a
@@ -37,6 +39,7 @@ import time
 import numpy as np
 
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
+from fusionflow.ops.decode import within_pixel_limit
 from fusionflow.runtime.worker import split_item
 
 log = logging.getLogger(__name__)
@@ -49,8 +52,10 @@ class AcceleratorWorker:
                  device_id: int | None = None, aot: bool = True, largest_first: bool = True,
                  num_threads: int = 1, device_ring=None, sharing: str = "spatial"):
         from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+        from fusionflow.policy import load_policy
 
         self.mgr, self.dataset, self.seed = manager, dataset, seed
+        self.max_pixels = load_policy(policy).max_pixels
         self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
         self._make = lambda: DaliPolicyPipeline(policy, max_batch, device=device, device_id=device_id,
                                                 num_threads=num_threads)
@@ -155,6 +160,8 @@ class AcceleratorWorker:
             sample, label = split_item(self.dataset[index], index)
             if not isinstance(sample, (bytes, bytearray, memoryview)):
                 return None  # DALI decodes encoded images only
+            if not within_pixel_limit(sample, self.max_pixels):
+                return None  # a possible decompression bomb: the CPU path refuses it by name
             samples.append(sample)
             labels.append(label)
         if self.pipeline is not None:

@@ -14,7 +14,9 @@ Faults
   * A worker that dies (e.g. SIGKILL): its tasks go back to the front of the queue; the task it was
     running is split into single samples, so the culprit is isolated; a sample whose task has killed
     `max_retries + 1` workers fails its mini-batch with an error naming it. A replacement
-    worker is started by the main thread at its next `wait`.
+    worker is started by the main thread at its next `wait`. A worker killed by SIGBUS is never
+    blamed on a sample: shared memory could not be backed (the ring is reserved at creation, so
+    this means /dev/shm was exhausted under us); the loader fails with a `SharedMemoryError`.
   * A sample whose decode/augment raises: reported as data (`SampleFailure`) with its traceback.
   * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
     traceback at the next `wait`.
@@ -42,9 +44,11 @@ Shutdown procedure (`shutdown`, idempotent; also run by the loader's finalizer a
   3. Send STOP to every worker (a lent one stops too: its borrower requeues what it held); join each
      for up to 2 s; terminate() the rest, then kill().
   4. Close the pipes; wait (host) for the last batch's copies out of the ring (`copy_event`, GPU
-     delivery), unregister the ring from CUDA if registered, drop the mapping, unlink it.
-  If the training process is killed instead, workers notice within `worker.WATCHDOG_S`, unlink
-  the segment and exit (runtime/worker.py).
+     delivery), unregister the ring from CUDA if registered, drop the mapping and descriptor.
+  The ring's name is unlinked the moment it is created: workers map it from a descriptor
+  (inherited at fork, duplicated for spawn, sent over the Unix socket to lent workers), so its
+  memory goes when the last process holding it exits -- even when the whole job is SIGKILLed.
+  If the training process is killed alone, workers notice within `worker.WATCHDOG_S` and exit.
 """
 from __future__ import annotations
 
@@ -60,9 +64,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
-from fusionflow.errors import FusionFlowError
+from fusionflow.errors import FusionFlowError, SharedMemoryError
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.shm import BatchRing, RingLayout
+from fusionflow.runtime.shm import SHM_DIR, BatchRing, ChildFd, RingLayout, free_bytes, send_fd
 from fusionflow.runtime.worker import worker_loop
 from fusionflow.scheduling import split_sorted
 
@@ -139,6 +143,7 @@ class LocalManager:
         self.ctx = mp_context if mp_context is not None else mp.get_context()
         self.pin_cpus = pin_cpus
         self.ring = BatchRing(layout)
+        self.ring.unlink()  # no name to outlive a job killed as a whole: workers get the descriptor
         self.workers: list[_Worker | None] = [None] * num_workers
         self.target_workers = num_workers
         self.on_capacity_change = None  # callback(live worker count) under the lock, e.g. TAAS restart
@@ -194,7 +199,7 @@ class LocalManager:
         spec_hash = self.link.spec_hash if self.link is not None else None
         proc = self.ctx.Process(
             target=worker_loop, name=f"fusionflow-worker-{wid}", daemon=True,
-            args=(wid, self.dataset, self.policy, self.ring.name, self.layout, child, self.seed,
+            args=(wid, self.dataset, self.policy, ChildFd(self.ring.fd), self.layout, child, self.seed,
                   self.base_seed, self.worker_init_fn, os.getpid(), self._cpu_for(wid), spec_hash))
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
         # threads that only exist here) must never be finalized in the child: frozen objects are
@@ -648,6 +653,7 @@ class LocalManager:
             if kind == m.HELLO:
                 g.worker_id = "lm{}:w{}".format(*m.unpack_control(msg))
                 g.conn.send_bytes(m.pack_control(m.SETUP, (self.ring.name, self.layout, self.seed, link.spec_hash)))
+                send_fd(g.conn, self.ring.fd)  # the ring has no name: it maps this descriptor
             elif kind == m.NEED:
                 if link.spec is None:
                     self._return_guest(g)
@@ -703,6 +709,15 @@ class LocalManager:
                 return
             if not w.ready:  # it never came up: restarting would only repeat that
                 self.fatal = WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready")
+                self.cond.notify_all()
+                return
+            if code == -signal.SIGBUS:  # it touched shared memory the system could not supply: not a sample's fault
+                self._requeue_outstanding(w, how, suspect=False)
+                self.fatal = SharedMemoryError(
+                    f"CPU worker {w.worker_id} died of SIGBUS: a process touched shared memory that could not be "
+                    f"backed (the batch ring needs {self.layout.nbytes} bytes; {SHM_DIR} has "
+                    f"{free_bytes()} bytes free now). This is not the fault of a sample. Give the container a "
+                    f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor.")
                 self.cond.notify_all()
                 return
             w.retiring = False  # a retiring worker that crashed is replaced like any other

@@ -6,20 +6,35 @@ guessable) and created with mode 0600. Layout, all C-contiguous:
     images  [depth, batch_size, *sample_shape]   policy's output dtype (uint8 or float32)
     labels  [depth, batch_size]                  int64
 
-Ownership: the local manager creates and unlinks it; workers attach by name. If the training
-process dies without unlinking, its orphaned workers unlink it (see runtime/worker.py), so the
-name never outlives the job by more than a watchdog period.
+Reservation: the owner checks the free space of /dev/shm (statvfs) and then reserves every page of
+the segment (posix_fallocate), so a ring that does not fit fails here, at creation, with a
+`SharedMemoryError` naming the bytes needed and free and the fixes -- not later as a SIGBUS in a
+worker that touches a page tmpfs cannot supply (ftruncate alone makes a sparse segment).
+
+Ownership: the local manager creates it, keeps its descriptor and unlinks the name at once, as
+torch's file-descriptor sharing strategy does: its own workers map the descriptor (inherited at
+fork, or duplicated by multiprocessing for spawn/forkserver: `ChildFd`), workers lent to it receive
+it over the lending socket (`send_fd`/`recv_fd`, SCM_RIGHTS). So no name is left in /dev/shm even
+when the training process and its workers are SIGKILLed together; the memory goes with the last
+process that maps it. (The global manager's table and the bridge ledger are still named: ranks
+find them by name.)
 """
 from __future__ import annotations
 
+import errno
 import mmap
+import os
 import secrets
+import socket
 from dataclasses import dataclass
 
 import numpy as np
 import posix_ipc
 
+from fusionflow.errors import SharedMemoryError
+
 PREFIX = "/ff_"
+SHM_DIR = "/dev/shm"  # where posix_ipc's segments live on Linux
 
 
 @dataclass(frozen=True)
@@ -39,21 +54,38 @@ class RingLayout:
 
 
 class BatchRing:
-    """A mapping of the ring segment; `images` and `labels` are numpy views into it."""
+    """A mapping of the ring segment; `images` and `labels` are numpy views into it.
 
-    def __init__(self, layout: RingLayout, name: str | None = None):
+    `BatchRing(layout)` creates and reserves the segment and keeps its descriptor (`fd`) open, so
+    the owner can unlink the name at once (`unlink`) and hand the descriptor to the processes that
+    map it later (forked workers inherit it; lent workers receive it over their Unix socket).
+    `BatchRing(layout, fd=fd)` maps a received descriptor; `BatchRing(layout, name)` attaches by name.
+    """
+
+    def __init__(self, layout: RingLayout, name: str | None = None, fd: int | None = None):
         self.layout = layout
-        self.owner = name is None
+        self.owner = name is None and fd is None
+        self.fd = None
         if self.owner:
             name = PREFIX + secrets.token_hex(12)
+            check_room(layout)
             seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=layout.nbytes)
-        else:
+            try:
+                reserve(seg.fd, layout)
+            except BaseException:
+                seg.close_fd()
+                unlink(name)
+                raise
+            self.fd = seg.fd  # kept: the owner's handle once the name is gone
+            _OWNED_FDS.add(self.fd)
+        elif fd is None:
             seg = posix_ipc.SharedMemory(name)
         self.name = name
         try:
-            self._map = mmap.mmap(seg.fd, layout.nbytes)
+            self._map = mmap.mmap(fd if fd is not None else seg.fd, layout.nbytes)
         finally:
-            seg.close_fd()
+            if fd is None and not self.owner:
+                seg.close_fd()
         buf = np.frombuffer(self._map, np.uint8)
         shape = (layout.depth, layout.batch_size, *layout.sample_shape)
         self.images = buf[:layout.image_bytes].view(layout.dtype).reshape(shape)
@@ -63,14 +95,112 @@ class BatchRing:
         unlink(self.name)
 
     def close(self) -> None:
-        """Drop this process's mapping (views must not be used afterwards)."""
+        """Drop this process's mapping and descriptor (views must not be used afterwards)."""
         self.images = self.labels = None
+        if self.fd is not None:
+            _OWNED_FDS.discard(self.fd)
+            os.close(self.fd)
+            self.fd = None
         if self._map is not None:
             try:
                 self._map.close()
             except BufferError:  # a view still exported (e.g. a pinned tensor); the OS frees it at exit
                 pass
             self._map = None
+
+
+_OWNED_FDS: set[int] = set()  # this process's ring descriptors (owner side), closed in forked children
+
+
+class ChildFd:
+    """A ring descriptor for a worker process: a forked child uses the (inherited) number itself; a
+    spawn/forkserver child gets a duplicate through multiprocessing's own fd passing, which happens
+    while the Process object is pickled at start()."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return (_received_fd, (reduction.DupFd(self.fd),))
+
+
+def _received_fd(dup) -> ChildFd:
+    return ChildFd(dup.detach())
+
+
+def map_from_child_fd(layout: RingLayout, child_fd: ChildFd) -> BatchRing:
+    """In a worker: map the ring from the descriptor it was handed, then close every ring
+    descriptor inherited from the parent (its own included: the mapping keeps the memory), so a
+    worker never keeps another loader's ring alive."""
+    ring = BatchRing(layout, fd=child_fd.fd)
+    for fd in _OWNED_FDS | {child_fd.fd}:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _OWNED_FDS.clear()
+    return ring
+
+
+def send_fd(conn, fd: int) -> None:
+    """Send descriptor `fd` over a multiprocessing Connection on a Unix socket (SCM_RIGHTS)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        socket.send_fds(sock, [b"F"], [fd])
+
+
+def recv_fd(conn) -> int:
+    """Receive one descriptor sent with `send_fd` (the caller closes it)."""
+    with socket.socket(fileno=os.dup(conn.fileno())) as sock:
+        _, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    if len(fds) != 1:
+        raise OSError(f"expected one ring descriptor from the borrower, got {len(fds)}")
+    return fds[0]
+
+
+def free_bytes(path: str = SHM_DIR) -> int | None:
+    """Bytes an unprivileged process may still allocate under `path` (None: no such directory)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB ({n} bytes)"
+
+
+def _too_small(layout: RingLayout, free: int | None, why: str = "") -> SharedMemoryError:
+    have = f"{SHM_DIR} has {_mb(free)} free" if free is not None else f"the free space of {SHM_DIR} is unknown"
+    if why:
+        have = f"{why}; {have}"
+    return SharedMemoryError(
+        f"the shared-memory batch ring needs {_mb(layout.nbytes)} (prefetch_factor={layout.depth} x "
+        f"batch_size={layout.batch_size} samples of shape {layout.sample_shape} {layout.dtype}) but {have}. "
+        f"Fixes: give the container a larger {SHM_DIR} (docker run --shm-size=2g, docker compose shm_size, "
+        f"Kubernetes: an emptyDir with medium: Memory mounted at {SHM_DIR}), or lower batch_size or "
+        f"prefetch_factor, or free space in {SHM_DIR} (`ls -l {SHM_DIR}`: segments of dead jobs).")
+
+
+def check_room(layout: RingLayout) -> None:
+    """Fail before creating anything when /dev/shm cannot hold the ring."""
+    free = free_bytes()
+    if free is not None and free < layout.nbytes:
+        raise _too_small(layout, free)
+
+
+def reserve(fd: int, layout: RingLayout) -> None:
+    """Allocate every page of the segment now (tmpfs honours posix_fallocate), so running out of
+    shared memory is an error here and never a SIGBUS in a worker."""
+    if not hasattr(os, "posix_fallocate"):  # not Linux: nothing to reserve with
+        return
+    try:
+        os.posix_fallocate(fd, 0, layout.nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: sparse, as before
+            return
+        raise _too_small(layout, free_bytes(), f"reserving it failed ({exc.strerror})") from None
 
 
 def unlink(name: str) -> None:

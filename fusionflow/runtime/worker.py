@@ -2,8 +2,9 @@
 slot of the shared batch ring, report completion. Everything it touches is an argument.
 
 Watchdog: the worker waits for tasks in `WATCHDOG_S` slices; when it finds itself orphaned (the
-training process died without stopping it) it unlinks the ring segment and exits, so neither the
-process nor /dev/shm outlives the job by more than a slice.
+training process died without stopping it) it exits, so the process does not outlive the job by
+more than a slice. The ring has no name by then (the owner unlinks it at creation and hands out
+its descriptor): its memory is freed when the last process mapping it exits.
 
 Lending (DDP, runtime/global_manager.py): on LEND from its owner the worker connects to another
 local manager's socket and runs that LM's tiny-batches -- with that LM's dataset, policy and seed,
@@ -22,7 +23,7 @@ from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.gm_link import close_inherited, connect, set_receive_timeout
-from fusionflow.runtime.shm import BatchRing, RingLayout, unlink
+from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 
 WATCHDOG_S = 0.5
 
@@ -90,7 +91,12 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
     ring, done = None, 0
     try:
         bconn.send_bytes(m.pack_control(m.HELLO, (owner_lm, worker_id)))
-        ring_name, layout, seed, spec_hash = m.unpack_control(bconn.recv_bytes())
+        _name, layout, seed, spec_hash = m.unpack_control(bconn.recv_bytes())
+        ring_fd = recv_fd(bconn)  # the borrower's ring has no name: map the descriptor it sends
+        try:
+            ring = BatchRing(layout, fd=ring_fd)
+        finally:
+            os.close(ring_fd)
         if spec_hash == home[2]:
             dataset, pipe = home[0], home[1]
         elif spec_hash in spec_cache:
@@ -107,7 +113,6 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
                 bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
                 return 0
             spec_cache[spec_hash] = (dataset, pipe)
-        ring = BatchRing(layout, ring_name)
         set_receive_timeout(bconn, 0)  # handshake done: from now on the borrower paces us
         bconn.send_bytes(m.pack_ready(worker_id))
         while True:
@@ -140,7 +145,7 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
             ring.close()
 
 
-def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLayout, conn, seed: int,
+def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingLayout, conn, seed: int,
                 base_seed: int, worker_init_fn, parent_pid: int, cpu: int | None,
                 spec_hash: bytes | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
@@ -158,7 +163,7 @@ def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLay
             torch.manual_seed(base_seed + worker_id)
         from fusionflow.ops.pipeline import CpuPipeline
         pipe = CpuPipeline(policy)
-        ring = BatchRing(layout, ring_name)
+        ring = map_from_child_fd(layout, ring_fd)
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException:
@@ -181,11 +186,8 @@ def worker_loop(worker_id: int, dataset, policy, ring_name: str, layout: RingLay
                 conn.send_bytes(m.pack_control(m.HOME, done))
                 continue
             run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn)
-    except _Orphaned:  # clean up what the owner cannot
-        unlink(ring_name)
-    except (_Stopped, EOFError, OSError, BrokenPipeError):
-        if os.getppid() != parent_pid:  # the owner died (its pipe broke): clean up for it
-            unlink(ring_name)
+    except (_Orphaned, _Stopped, EOFError, OSError, BrokenPipeError):
+        pass  # the owner is gone (or stopped us): nothing named is left to clean up
     finally:
         if ring is not None:
             ring.close()
