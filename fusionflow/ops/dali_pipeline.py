@@ -73,7 +73,7 @@ class DaliPolicyPipeline:
         self._fixed_params = fixed_params = fixed is not None and any(OPS[n].has_magnitude for n in fixed)
         style = DaliStyle(aug.interpolation, aug.fill, self.policy.size, device)
         out_h, out_w = self.policy.size
-        normalize = self.policy.normalize
+        normalize, erase = self.policy.normalize, self.policy.erase
         names, slots = self.op_names, self.slots
 
         @pipeline_def(enable_conditionals=True)
@@ -102,9 +102,13 @@ class DaliPolicyPipeline:
                     images = _apply_slot(images, op_ids[k], params[k], names, style)
             if normalize:
                 mean, std = normalize
-                return fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                                mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
-            return fn.transpose(images, perm=[2, 0, 1])
+                images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                                  mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
+            else:
+                images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
+            if erase is not None:
+                images = _erase(images, erase, device)
+            return images
 
         self._make = lambda: graph(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                                    exec_dynamic=exec_dynamic, prefetch_queue_depth=1)
@@ -119,9 +123,9 @@ class DaliPolicyPipeline:
         pipe.build()
         return pipe
 
-    def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None):
+    def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None, copy: int = 0):
         """Host-side inputs for one sample: the same draw a CPU worker would make."""
-        d = draw(self.policy, seed, epoch, index)
+        d = draw(self.policy, seed, epoch, index, copy)
         height, width = image_size(data, what or f"sample {index}")
         top, left, h, w = crop_window(self.policy, d, height, width)
         out_h, out_w = self.policy.size
@@ -132,19 +136,40 @@ class DaliPolicyPipeline:
         for k, op in enumerate(d.ops):
             op_ids[k] = self._local[op.name]
             params[k] = op.params(out_h, out_w)
-        return (np.frombuffer(data, np.uint8), np.array([left, top], np.float32),
+        cols = (np.frombuffer(data, np.uint8), np.array([left, top], np.float32),
                 np.array([w, h], np.float32), np.int32(d.flip), op_ids, params)
+        return cols + self._erase_inputs(d)
 
-    def run(self, samples, indices, seed: int = 0, epoch: int = 0):
-        """Augment encoded `samples` (sample i has dataset index indices[i]); returns DALI's output
-        TensorList (CPU or GPU), one CHW sample per input, in order."""
+    def _erase_inputs(self, d) -> tuple:
+        """(anchor [top, left], shape [h, w]) of the erased rectangle ([0, 0] when not erased), and for
+        value 'random' the noise as a full-size CHW image, zero outside the rectangle."""
+        erase = self.policy.erase
+        if erase is None:
+            return ()
+        e = d.erase
+        anchor = np.array([e.top, e.left] if e else [0, 0], np.float32)
+        shape = np.array([e.height, e.width] if e else [0, 0], np.float32)
+        if erase.value is not None:
+            return (anchor, shape)
+        noise = np.zeros(self.policy.out_shape, np.float32)
+        if e is not None:
+            noise[:, e.top:e.top + e.height, e.left:e.left + e.width] = e.fill(erase)
+        return (anchor, shape, noise)
+
+    def run(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None):
+        """Augment encoded `samples` (sample i has dataset index indices[i], and is that index's
+        copies[i]-th occurrence in the epoch: all 0 when None); returns DALI's output TensorList
+        (CPU or GPU), one CHW sample per input, in order."""
         n = len(samples)
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
-        cols = list(zip(*(self.prepare(s, i, seed, epoch) for s, i in zip(samples, indices))))
+        copies = [0] * n if copies is None else copies
+        cols = list(zip(*(self.prepare(s, i, seed, epoch, copy=c) for s, i, c in zip(samples, indices, copies))))
+        cols, erase_cols = cols[:6], cols[6:]
         names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
         if self.fixed_ops is not None:
             names, cols = names[:4] + (["params"] if self._fixed_params else []), cols[:4] + cols[5:]
+        names, cols = names + _ERASE_INPUTS[:len(erase_cols)], cols[:len(names)] + erase_cols
         if self._closed:
             raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
@@ -173,8 +198,8 @@ class DaliPolicyPipeline:
         pipe, self._pipe = self._pipe, None
         _shutdown(pipe)
 
-    def run_numpy(self, samples, indices, seed: int = 0, epoch: int = 0) -> np.ndarray:
-        out = self.run(samples, indices, seed, epoch)
+    def run_numpy(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None) -> np.ndarray:
+        out = self.run(samples, indices, seed, epoch, copies)
         if self.device == "gpu":
             out = out.as_cpu()
         return np.stack([np.array(out[i]) for i in range(len(samples))])
@@ -203,6 +228,24 @@ def _shutdown(pipe) -> None:
 def _last_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[-1] if lines else type(exc).__name__
+
+
+_ERASE_INPUTS = ["erase_anchor", "erase_shape", "erase_noise"]
+
+
+def _erase(images, erase, device):
+    """torchvision's RandomErasing on CHW output: the drawn rectangle (empty when the sample is not
+    erased) set to the policy's value; for 'random', set to 0 and the host's noise (zero outside
+    the rectangle) added, so the rectangle holds exactly the CPU path's noise."""
+    from nvidia.dali import fn, types
+    anchor = fn.external_source(name="erase_anchor", dtype=types.FLOAT, ndim=1)
+    shape = fn.external_source(name="erase_shape", dtype=types.FLOAT, ndim=1)
+    fill = [0.0, 0.0, 0.0] if erase.value is None else [float(v) for v in erase.value]
+    images = fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=fill)
+    if erase.value is None:
+        noise = fn.external_source(name="erase_noise", dtype=types.FLOAT, ndim=3, layout="CHW")
+        images = images + (noise.gpu() if device == "gpu" else noise)
+    return images
 
 
 def _apply_slot(images, op_id, params, names, style):

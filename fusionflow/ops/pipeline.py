@@ -1,5 +1,5 @@
 """The whole per-sample CPU pipeline of a policy: decode -> random resized crop -> flip -> policy
-ops -> uint8 CHW (or normalised float32), written into a caller-provided buffer.
+ops -> uint8 CHW (or normalised float32) -> random erasing, written into a caller-provided buffer.
 
 This is what a CPU worker runs; its output for (seed, epoch, index) equals the DALI pipeline's up
 to the per-op tolerances in tests/test_ops_dali.py.
@@ -55,10 +55,14 @@ class CpuPipeline:
             # Pillow's band split de-interleaves ~2x faster than a strided numpy transpose
             for plane, band in zip(out, img.split()):
                 plane[...] = np.asarray(band)
+        if d.erase is not None:  # torchvision's F.erase on the output tensor: the rectangle := fill
+            e = d.erase
+            out[:, e.top:e.top + e.height, e.left:e.left + e.width] = e.fill(self.policy.erase)
         return out
 
     def __call__(self, data, index: int, seed: int = 0, epoch: int = 0, out: np.ndarray | None = None,
-                 what: str | None = None) -> np.ndarray:
-        """Augment sample `index` for (seed, epoch) into `out` (allocated if None)."""
-        return self.run_draw(data, draw(self.policy, seed, epoch, index), out,
+                 what: str | None = None, copy: int = 0) -> np.ndarray:
+        """Augment sample `index` for (seed, epoch) into `out` (allocated if None); `copy` is the
+        occurrence of `index` in the epoch (repeated augmentation, fusionflow.policy.sampling)."""
+        return self.run_draw(data, draw(self.policy, seed, epoch, index, copy), out,
                              what if what is not None else f"sample {index}")

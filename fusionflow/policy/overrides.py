@@ -21,6 +21,10 @@ Overrides (each validated; an unknown or invalid one raises ValueError naming it
   normalize      (mean, std), {"mean": ..., "std": ...} (0..1 units; output becomes float32), or None
                  to drop normalisation (uint8 output)
   flip           float: horizontal flip probability, 0..1
+  erase          RandomErasing on the output (after normalisation): a mapping {p, scale, ratio, value}
+                 (the policy file's `erase:` keys, torchvision's defaults for those left out), a float
+                 p (torchvision's --random-erase), an Erase, or None / 0 to turn it off. value 'random'
+                 and non-integer values need normalize.
 
 Pure Python, like the rest of `fusionflow.policy`: no torch, no DALI.
 """
@@ -35,7 +39,7 @@ from fusionflow.ops.specs import OPS
 from fusionflow.policy import schema
 from fusionflow.policy.schema import INTERPOLATIONS, OpChoice, Policy, _Reader
 
-OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip")
+OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip", "erase")
 
 
 def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy, **overrides: Any) -> Policy:
@@ -89,6 +93,13 @@ def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
         changes["normalize"] = _normalize(r, overrides["normalize"])
     if "flip" in overrides:
         changes["flip"] = r.number(overrides["flip"], "flip", 0.0, 1.0)
+    erase = overrides.get("erase", policy.erase)
+    if isinstance(erase, (int, float)) and not isinstance(erase, bool):
+        erase = {"p": erase} if erase else None
+    if erase is not None:  # checked again when only normalize changed: its units follow the output's
+        changes["erase"] = schema.parse_erase(r, erase, "erase", changes.get("normalize", policy.normalize))
+    elif "erase" in overrides:
+        changes["erase"] = None
     return dataclasses.replace(policy, augment=aug, **changes)
 
 

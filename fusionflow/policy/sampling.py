@@ -1,4 +1,9 @@
-"""Per-sample augmentation draws: a pure function of (policy, seed, epoch, sample index).
+"""Per-sample augmentation draws: a pure function of (policy, seed, epoch, sample index, copy).
+
+`copy` tells apart the occurrences of one index within an epoch (repeated augmentation: a sampler
+such as timm's RASampler yields each index several times); copy 0 -- every sample of an ordinary
+sampler -- draws from [seed, epoch, index] exactly as before copies existed, copy k > 0 from
+[seed, epoch, index, k].
 
 Whichever worker runs a sample -- a CPU process, the DALI GPU worker, or a retry after a crash --
 computes the same `SampleDraw`, so augmentation is reproducible and placement-independent.
@@ -15,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionflow.ops.specs import OPS, ParamTuple
-from fusionflow.policy.schema import Policy
+from fusionflow.policy.schema import Erase, Policy
 
 CROP_TRIES = 10
 
@@ -31,21 +36,42 @@ class OpDraw:
 
 
 @dataclass(frozen=True)
+class EraseDraw:
+    """torchvision's RandomErasing parameters at the output size: the rectangle, and the seed of
+    its standard normal noise when the policy erases with value 'random'."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    noise_seed: int
+
+    def fill(self, erase: Erase) -> np.ndarray:
+        """What goes into the rectangle, float32 broadcastable to (3, height, width)."""
+        if erase.value is None:
+            return np.random.default_rng(self.noise_seed).standard_normal((3, self.height, self.width), np.float32)
+        return np.asarray(erase.value, np.float32).reshape(3, 1, 1)
+
+
+@dataclass(frozen=True)
 class SampleDraw:
     crop_u: tuple[float, ...]  # CROP_TRIES * 4 uniforms: area, log-ratio, top, left
     flip: bool
     ops: tuple[OpDraw, ...]  # applied in order after crop and flip
+    erase: EraseDraw | None = None  # applied last, to the (normalised) output; None: not erased
 
 
-def _rng(seed: int, epoch: int, index: int) -> np.random.Generator:
-    for name, v in (("seed", seed), ("epoch", epoch), ("index", index)):
+def _rng(seed: int, epoch: int, index: int, copy: int = 0) -> np.random.Generator:
+    for name, v in (("seed", seed), ("epoch", epoch), ("index", index), ("copy", copy)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
             raise ValueError(f"{name}={v!r} must be a non-negative integer")
-    return np.random.default_rng([int(seed), int(epoch), int(index)])
+    key = [int(seed), int(epoch), int(index)] + ([int(copy)] if copy else [])
+    return np.random.default_rng(key)
 
 
-def draw(policy: Policy, seed: int, epoch: int, index: int) -> SampleDraw:
-    rng = _rng(seed, epoch, index)
+def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> SampleDraw:
+    """The sample's draw; `copy` is the occurrence of `index` in the epoch (0 for the first)."""
+    rng = _rng(seed, epoch, index, copy)
     crop_u = tuple(rng.random(CROP_TRIES * 4).tolist())
     flip = bool(rng.random() < policy.flip)
     aug = policy.augment
@@ -65,7 +91,33 @@ def draw(policy: Policy, seed: int, epoch: int, index: int) -> SampleDraw:
             op = _op(aug.op(step.op), step.bin or 0, aug.num_bins, rng)
             if apply:
                 ops.append(op)
-    return SampleDraw(crop_u=crop_u, flip=flip, ops=tuple(ops))
+    erase = _erase(policy.erase, policy.size, rng) if policy.erase is not None else None
+    return SampleDraw(crop_u=crop_u, flip=flip, ops=tuple(ops), erase=erase)
+
+
+def _erase(erase: Erase, size: tuple[int, int], rng: np.random.Generator) -> EraseDraw | None:
+    """torchvision's RandomErasing.make_params at the output size, from a fixed number of draws
+    (after every other draw, so a policy's other draws do not depend on whether it erases)."""
+    apply = rng.random() < erase.p
+    u = rng.random(CROP_TRIES * 4).tolist()
+    noise_seed = int(rng.integers(2 ** 63))
+    if not apply:
+        return None
+    img_h, img_w = size
+    area = img_h * img_w
+    (s0, s1), (r0, r1) = erase.scale, erase.ratio
+    log_r0, log_r1 = math.log(r0), math.log(r1)
+    for t in range(CROP_TRIES):
+        ua, ur, ut, ul = u[4 * t:4 * t + 4]
+        target = area * (s0 + ua * (s1 - s0))
+        aspect = math.exp(log_r0 + ur * (log_r1 - log_r0))
+        h = int(round(math.sqrt(target * aspect)))
+        w = int(round(math.sqrt(target / aspect)))
+        if h < img_h and w < img_w:
+            top = min(int(ut * (img_h - h + 1)), img_h - h)
+            left = min(int(ul * (img_w - w + 1)), img_w - w)
+            return EraseDraw(top, left, h, w, noise_seed)
+    return None  # torchvision leaves the image as it is when no try fits
 
 
 def _op(choice, bin_index: int, num_bins: int, rng: np.random.Generator) -> OpDraw:

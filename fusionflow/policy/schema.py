@@ -21,6 +21,13 @@ The schema (documented for users in configs/README.md):
       ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
       resize: int                      center: the shorter side is resized to this, >= output.size
     flip: float                        horizontal flip probability
+    erase:                             torchvision's RandomErasing, last (after normalisation if any)
+      p: float                         probability, default 0.5
+      scale: [lo, hi]                  erased area fraction, 0 <= lo <= hi <= 1, default [0.02, 0.33]
+      ratio: [lo, hi]                  aspect ratio h/w, 0 < lo <= hi, default [0.3, 3.3]
+      value: number | [r, g, b] | random   default 0; in the output's units (normalised units when
+                                       output.normalize is set, else 0..255 integers); random
+                                       (standard normal noise) needs output.normalize
     augment:
       type: none | rand | trivial | subpolicy
       ops: {OpName: {range: [v0, v1], signed: bool} or {} for ops without magnitude}
@@ -112,6 +119,16 @@ class Augment:
 
 
 @dataclass(frozen=True)
+class Erase:
+    """torchvision.transforms.v2.RandomErasing(p, scale, ratio, value), applied to the output."""
+
+    p: float = 0.5
+    scale: tuple[float, float] = (0.02, 0.33)
+    ratio: tuple[float, float] = (0.3, 3.3)
+    value: tuple[float, float, float] | None = (0.0, 0.0, 0.0)  # None: "random" (standard normal noise)
+
+
+@dataclass(frozen=True)
 class Policy:
     name: str
     source: str
@@ -124,6 +141,7 @@ class Policy:
     fast_downscale: bool = True  # decode.mode == "fast" (the field keeps the key's older name)
     center_resize: int | None = None  # crop.mode center: Resize(center_resize) + CenterCrop(size); None: random
     max_pixels: int | None = DEFAULT_MAX_PIXELS  # decode.max_pixels; None: no limit
+    erase: Erase | None = None  # RandomErasing on the output (after normalisation); None: off
 
     @property
     def decode_mode(self) -> str:
@@ -215,7 +233,7 @@ def _join(path: str, key: Any) -> str:
 
 def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom") -> Policy:
     r = _Reader(source)
-    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip"))
+    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip", "erase"))
 
     name = top.get("name", default_name)
     if not isinstance(name, str) or not name:
@@ -261,9 +279,39 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     flip = r.number(top.get("flip", 0.0), "flip", 0.0, 1.0)
 
     augment = _parse_augment(r, top["augment"], size)
+    erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
     return Policy(name=name, source=source, size=size, scale=scale, ratio=ratio, flip=flip,
                   augment=augment, normalize=normalize, fast_downscale=fast,
-                  center_resize=center_resize if "crop" in top else None, max_pixels=max_pixels)
+                  center_resize=center_resize if "crop" in top else None, max_pixels=max_pixels, erase=erase)
+
+
+def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
+    """An `erase:` mapping (or an Erase) -> Erase, checked against the output's units."""
+    if isinstance(raw, Erase):
+        raw = {"p": raw.p, "scale": raw.scale, "ratio": raw.ratio,
+               "value": "random" if raw.value is None else raw.value}
+    e = r.mapping(raw, path, (), ("p", "scale", "ratio", "value"))
+    p = r.number(e.get("p", 0.5), f"{path}.p", 0.0, 1.0)
+    scale = r.pair(e.get("scale", (0.02, 0.33)), f"{path}.scale", 0.0, 1.0)
+    ratio = r.pair(e.get("ratio", (0.3, 3.3)), f"{path}.ratio", 1e-3, 1e3)
+    raw_value = e.get("value", 0)
+    if raw_value == "random":
+        if normalize is None:
+            r.fail(f"{path}.value", "'random' (standard normal noise) needs float output: add output.normalize "
+                                    "(torchvision erases after Normalize), or use a number or [r, g, b]")
+        return Erase(p, scale, ratio, None)
+    if isinstance(raw_value, (list, tuple)) and len(raw_value) == 1:
+        raw_value = raw_value[0]
+    if isinstance(raw_value, (list, tuple)):
+        value = r.triple(raw_value, f"{path}.value")
+    elif isinstance(raw_value, (int, float)) and not isinstance(raw_value, bool):
+        value = (float(raw_value),) * 3
+    else:
+        r.fail(f"{path}.value", f"expected a number, [r, g, b] or 'random', got {raw_value!r}")
+    if normalize is None and not all(v == int(v) and 0 <= v <= 255 for v in value):
+        r.fail(f"{path}.value", f"{list(value)}: without output.normalize the output is uint8, so the value "
+                                "must be integers 0..255 (or add output.normalize to erase in normalised units)")
+    return Erase(p, scale, ratio, value)
 
 
 def _center_crop(r: _Reader, crop: dict, size: tuple[int, int]) -> int | None:
