@@ -1,14 +1,16 @@
 """FusionFlow: CPU-GPU cooperative data augmentation for PyTorch training.
 
-Public API: `FusionFlowLoader`, `ImageFolder`, `load_policy`, `Policy`, and FusionFlow's errors.
+Public API: `FusionFlowLoader`, `ImageFolder`, `load_policy`, `policy_from_transform`, `Policy`, and
+FusionFlow's errors.
 `FusionFlowLoader` (which imports torch) is loaded on first use, so policy tooling stays light.
 """
 from fusionflow.data import ImageFolder
+from fusionflow.from_torchvision import policy_from_transform  # imports torchvision only when called
 from fusionflow.errors import DecodeError, FusionFlowError, ImageTooLargeError, SampleError, SharedMemoryError
 from fusionflow.policy import Policy, load_policy
 
 __all__ = ["DecodeError", "FusionFlowError", "FusionFlowLoader", "ImageFolder", "ImageTooLargeError", "Policy",
-           "SampleError", "SharedMemoryError", "load_policy"]
+           "SampleError", "SharedMemoryError", "load_policy", "policy_from_transform"]
 
 
 def __getattr__(name):

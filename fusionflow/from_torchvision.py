@@ -1,0 +1,259 @@
+"""`policy_from_transform(t)`: a torchvision.transforms.v2 pipeline -> the equivalent FusionFlow Policy.
+
+    train = T.Compose([T.RandomResizedCrop(176), T.RandomHorizontalFlip(), T.RandAugment(magnitude=7),
+                       T.PILToTensor(), T.ToDtype(torch.float32, scale=True),
+                       T.Normalize(mean, std), T.RandomErasing(0.25)])
+    loader = FusionFlowLoader(fusionflow.ImageFolder(root), batch_size=256,
+                              policy=fusionflow.policy_from_transform(train))
+
+What it reads, in this order (the order torchvision's classification recipe uses):
+  train: RandomResizedCrop(size, scale, ratio, bilinear, antialias=True)
+         [RandomHorizontalFlip(p)]
+         [RandAugment | AutoAugment | TrivialAugmentWide, with their arguments; interpolation
+          nearest or bilinear, fill a number or [r, g, b] of integers]
+  eval:  Resize(int, bilinear, antialias=True) + CenterCrop(size)
+  then:  [PILToTensor | ToImage] [ToDtype(torch.float32, scale=True) | ConvertImageDtype(torch.float32)]
+         [Normalize(mean, std)] [RandomErasing(p, scale, ratio, value)] [ToPureTensor]
+Anything else -- another transform, another order, an argument FusionFlow does not implement
+(bicubic resampling, a crop without antialiasing, an erase before Normalize) -- raises ValueError
+naming the first transform it cannot express and why: the policy is the same recipe, or there is
+no policy.
+
+The op tables come from the torchvision object itself (its magnitude bins at the policy's output
+size), converted to FusionFlow's units (fusionflow/ops/specs.py: Solarize's threshold is 255 x
+torchvision's magnitude on uint8 images), and every bin is checked to map to torchvision's value.
+
+Imports torch and torchvision lazily, on call; fusionflow.policy stays free of both.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from fusionflow.policy.schema import Policy, parse_policy
+
+_INTERPOLATIONS = {"nearest": "nearest", "bilinear": "bilinear"}
+_TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing",
+                 "ToPureTensor")
+
+
+def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
+    """The Policy equivalent to the torchvision v2 pipeline `transform` (a Compose, a list of
+    transforms, or one transform), or ValueError naming the first transform it cannot express. `decode`: the policy's
+    decode.mode ("fast", the default, or "exact" for torchvision's pixels to the bit)."""
+    import torchvision.transforms.v2 as T
+
+    if isinstance(transform, (list, tuple)):
+        steps = list(transform)
+    else:
+        steps = list(transform.transforms) if isinstance(transform, T.Compose) else [transform]
+    cfg: dict[str, Any] = {"decode": {"mode": decode}, "augment": {"type": "none"}}
+    pos = 0
+    where = lambda k: f"policy_from_transform: transform {k} ({_describe(steps[k])})"  # noqa: E731
+
+    def fail(k: int, why: str):
+        raise ValueError(f"{where(k)}: {why}")
+
+    for k, t in enumerate(steps):
+        if not isinstance(t, T.Transform):
+            fail(k, "is not a torchvision.transforms.v2 transform; build the pipeline from "
+                    "torchvision.transforms.v2 (v1 classes and lambdas cannot be read)")
+    if not steps:
+        raise ValueError("policy_from_transform: the pipeline is empty; it needs a RandomResizedCrop "
+                         "(training) or Resize + CenterCrop (evaluation) to fix the output size")
+
+    # 1. the crop, which fixes the output size
+    t = steps[pos]
+    if isinstance(t, T.RandomResizedCrop):
+        _check_resize_mode(t, fail, pos)
+        cfg["output"] = {"size": list(t.size)}
+        cfg["crop"] = {"scale": [float(v) for v in t.scale], "ratio": [float(v) for v in t.ratio]}
+        pos += 1
+    elif isinstance(t, T.Resize):
+        _check_resize_mode(t, fail, pos)
+        if len(t.size) != 1 or t.max_size is not None:
+            fail(pos, "only Resize(int) (the shorter side, no max_size) is expressible: the eval policy "
+                      "is Resize(resize) + CenterCrop(size)")
+        if pos + 1 >= len(steps) or not isinstance(steps[pos + 1], T.CenterCrop):
+            fail(pos, "Resize must be followed by CenterCrop (the eval form); for training start with "
+                      "RandomResizedCrop")
+        cfg["output"] = {"size": list(steps[pos + 1].size)}
+        cfg["crop"] = {"mode": "center", "resize": int(t.size[0])}
+        pos += 2
+    else:
+        fail(pos, "the pipeline must start with RandomResizedCrop (training) or Resize + CenterCrop "
+                  "(evaluation): FusionFlow decodes only the crop window, so the crop comes first")
+    size = tuple(cfg["output"]["size"])
+
+    # 2. flip, then one auto-augmentation
+    if pos < len(steps) and isinstance(steps[pos], T.RandomHorizontalFlip):
+        cfg["flip"] = float(steps[pos].p)
+        pos += 1
+    if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide)):
+        cfg["augment"] = _augment(steps[pos], size, lambda why, k=pos: fail(k, why))
+        pos += 1
+
+    # 3. to tensor, dtype, normalisation, erasing
+    to_float, erase_at = False, None
+    seen: set[str] = set()
+    for k in range(pos, len(steps)):
+        t = steps[k]
+        name = type(t).__name__
+        if name not in _TENSOR_STEPS:
+            fail(k, f"cannot be expressed here: after the crop come RandomHorizontalFlip, one of RandAugment / "
+                    f"AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order")
+        if name in seen or (name in ("ToImage", "PILToTensor") and seen & {"ToImage", "PILToTensor"}):
+            fail(k, "appears twice")
+        seen.add(name)
+        if name in ("PILToTensor", "ToImage", "ToPureTensor"):
+            if to_float and name != "ToPureTensor":
+                fail(k, "comes after ToDtype: convert to a tensor first")
+            continue
+        if name in ("ToDtype", "ConvertImageDtype"):
+            dtype = _image_dtype(t)
+            import torch
+            if dtype is not torch.float32 or not getattr(t, "scale", True):
+                fail(k, f"only ToDtype(torch.float32, scale=True) is expressible (got dtype={dtype}, "
+                        f"scale={getattr(t, 'scale', True)}): FusionFlow outputs uint8 or 0..1-scaled float32")
+            if erase_at is not None:
+                fail(k, "comes after RandomErasing: erase last, as torchvision's recipe does")
+            to_float = True
+            cfg["output"]["normalize"] = {"mean": [0.0] * 3, "std": [1.0] * 3}
+        elif name == "Normalize":
+            if not to_float:
+                fail(k, "needs ToDtype(torch.float32, scale=True) before it (Normalize of uint8 is undefined)")
+            if erase_at is not None:
+                fail(k, "comes after RandomErasing: FusionFlow erases the normalised output, as "
+                        "torchvision's recipe does (Normalize, then RandomErasing)")
+            mean, std = _triple(t.mean, "mean", lambda why, k=k: fail(k, why)), _triple(t.std, "std", lambda why, k=k: fail(k, why))
+            cfg["output"]["normalize"] = {"mean": mean, "std": std}
+        elif name == "RandomErasing":
+            erase_at = k
+            value = "random" if t.value is None else list(t.value)
+            if value != "random" and not to_float:
+                value = [int(v) if float(v).is_integer() else v for v in value]
+            cfg["erase"] = {"p": float(t.p), "scale": [float(v) for v in t.scale],
+                            "ratio": [float(v) for v in t.ratio], "value": value}
+    try:
+        return parse_policy(cfg, f"policy_from_transform({type(transform).__name__})", default_name="from_torchvision")
+    except ValueError as exc:
+        raise ValueError(f"policy_from_transform: the pipeline has no FusionFlow equivalent: {exc}") from None
+
+
+def _describe(t) -> str:
+    text = repr(t).replace("\n", " ")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _mode_name(interpolation) -> str:
+    return getattr(interpolation, "value", str(interpolation))
+
+
+def _check_resize_mode(t, fail, k: int) -> None:
+    mode = _mode_name(t.interpolation)
+    if mode != "bilinear" or t.antialias is False:
+        fail(k, f"interpolation={mode!r}, antialias={t.antialias}: FusionFlow's crop resize is antialiased bilinear "
+                "(torchvision's default); bicubic is not offered (DALI's GPU path has no matching filter). Use "
+                "InterpolationMode.BILINEAR with antialias=True, or keep this transform on torchvision")
+
+
+def _image_dtype(t):
+    import torch
+    from torchvision import tv_tensors
+    dtype = t.dtype
+    if isinstance(dtype, dict):
+        for key in (tv_tensors.Image, torch.Tensor, "others"):
+            if key in dtype:
+                return dtype[key]
+        return None
+    return dtype
+
+
+def _triple(values, what: str, fail) -> list[float]:
+    values = [float(v) for v in values]
+    if len(values) == 1:
+        values = values * 3
+    if len(values) != 3:
+        fail(f"{what}={values}: expected 1 or 3 values (RGB)")
+    return values
+
+
+def _fill(t, fail):
+    fill = t.fill
+    if isinstance(fill, dict):
+        values = set(map(repr, fill.values()))
+        if len(values) != 1:
+            fail(f"fill={fill!r}: a per-type fill dict is not expressible; give one fill for images")
+        fill = next(iter(fill.values()))
+    if fill is None:
+        return 0
+    values = [fill] if isinstance(fill, (int, float)) else list(fill)
+    if not all(float(v).is_integer() and 0 <= v <= 255 for v in values) or len(values) not in (1, 3):
+        fail(f"fill={fill!r}: FusionFlow fills with integers 0..255, one value or [r, g, b]")
+    return int(values[0]) if len(values) == 1 else [int(v) for v in values]
+
+
+def _interpolation(t, fail) -> str:
+    mode = _mode_name(t.interpolation)
+    if mode not in _INTERPOLATIONS:
+        fail(f"interpolation={mode!r}: the policy ops resample with nearest or bilinear (DALI's warp_affine, the "
+             "GPU path, has no bicubic)")
+    return _INTERPOLATIONS[mode]
+
+
+def _op_entry(name: str, magnitudes, signed: bool, num_bins: int, fail) -> dict:
+    """One op's `augment.ops` entry from torchvision's magnitude bins, in FusionFlow's unit, checked
+    to reproduce every bin."""
+    from fusionflow.ops.specs import OPS
+    from fusionflow.policy.schema import OpChoice
+    if name not in OPS:
+        fail(f"op {name!r} has no FusionFlow implementation")
+    if magnitudes is None:
+        return {}
+    # torchvision's tables are float32: each value's shortest float32 spelling (0.3, not 0.30000001)
+    values = [_unit(name, float(np.format_float_positional(np.float32(m)))) for m in magnitudes.tolist()]
+    choice = OpChoice(name, (values[0], values[-1]), signed)
+    for b, want in enumerate(values):
+        got = choice.value(b, num_bins)
+        if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-4):
+            fail(f"op {name!r}: torchvision's bin {b} is {want}, a linear range gives {got}; not expressible")
+    entry: dict[str, Any] = {"range": [values[0], values[-1]]}
+    if signed:
+        entry["signed"] = True
+    return entry
+
+
+def _unit(name: str, magnitude: float) -> float:
+    """torchvision's magnitude -> FusionFlow's value (fusionflow/ops/specs.py) on uint8 images."""
+    return 255.0 * magnitude if name == "Solarize" else magnitude
+
+
+def _augment(t, size, fail) -> dict:
+    import torchvision.transforms.v2 as T
+    height, width = size
+    common = {"interpolation": _interpolation(t, fail), "fill": _fill(t, fail)}
+    space = t._AUGMENTATION_SPACE
+    if isinstance(t, T.AutoAugment):
+        num_bins = 10  # torchvision's AutoAugment always maps its bins 0..9
+        ops = {name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
+               for name, (fn, signed) in space.items()}
+        subs = [[[name, float(p)] + ([int(b)] if b is not None and ops[name] else []) for name, p, b in sub]
+                for sub in t._policies]
+        return {"type": "subpolicy", "num_bins": num_bins, "ops": ops, "subpolicies": subs, **common}
+    num_bins = int(t.num_magnitude_bins)
+    ops = {name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
+           for name, (fn, signed) in space.items()}
+    if isinstance(t, T.TrivialAugmentWide):
+        # fixed pixel ranges (32 px translate): a later size override must not rescale them
+        for name in ("TranslateX", "TranslateY"):
+            if ops.get(name):
+                ops[name]["scale_with_size"] = False
+        return {"type": "trivial", "num_bins": num_bins, "ops": ops, **common}
+    if not 0 <= t.magnitude < num_bins:
+        fail(f"magnitude={t.magnitude} must be in 0..num_magnitude_bins-1={num_bins - 1}")
+    if t.num_ops < 1:
+        fail(f"num_ops={t.num_ops}: FusionFlow draws 1..16 ops per sample; drop RandAugment for none")
+    return {"type": "rand", "num_ops": int(t.num_ops), "magnitude": int(t.magnitude), "num_bins": num_bins,
+            "ops": ops, **common}

@@ -1,0 +1,150 @@
+"""policy_from_transform: torchvision v2 pipelines -> the equivalent Policy, checked against
+torchvision's own magnitude tables and its pixels on identical draws."""
+import dataclasses
+import io
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as F
+from PIL import Image
+from torchvision.transforms.v2 import AutoAugmentPolicy, InterpolationMode
+
+from fusionflow import load_policy, policy_from_transform
+from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.policy import crop_window, draw
+from fusionflow.synthetic import make_jpegs
+from tv_reference import tv_sample
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+JPEGS = make_jpegs(6, 200, 600, seed=4)
+TAIL = [T.PILToTensor(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
+
+AUGMENTS = {
+    "rand-default": T.RandAugment(),
+    "rand-m7-bilinear": T.RandAugment(num_ops=3, magnitude=7, num_magnitude_bins=21,
+                                      interpolation=InterpolationMode.BILINEAR, fill=[128, 128, 128]),
+    "auto-imagenet": T.AutoAugment(AutoAugmentPolicy.IMAGENET),
+    "auto-cifar10": T.AutoAugment(AutoAugmentPolicy.CIFAR10, fill=7),
+    "trivial": T.TrivialAugmentWide(),
+    "trivial-bins": T.TrivialAugmentWide(num_magnitude_bins=11, interpolation=InterpolationMode.BILINEAR),
+}
+
+
+def tv_magnitude(name, value):
+    """FusionFlow's value -> torchvision's magnitude (the inverse of the unit in fusionflow/ops/specs.py)."""
+    return value / 255.0 if name == "Solarize" else value
+
+
+@pytest.mark.parametrize("key", AUGMENTS)
+@pytest.mark.parametrize("size", [224, 176, (160, 192)])
+def test_magnitude_tables_equal_torchvisions(key, size):
+    aug = AUGMENTS[key]
+    policy = policy_from_transform(T.Compose([T.RandomResizedCrop(size), aug]))
+    h, w = policy.size
+    a = policy.augment
+    space = aug._AUGMENTATION_SPACE
+    num_bins = 10 if isinstance(aug, T.AutoAugment) else aug.num_magnitude_bins
+    assert a.num_bins == num_bins
+    assert a.interpolation == getattr(aug.interpolation, "value", aug.interpolation)
+    assert a.fill == (tuple(aug.fill) if isinstance(aug.fill, list) else ((aug.fill or 0),) * 3)
+    names = [o.name for o in a.ops]
+    if isinstance(aug, T.AutoAugment):
+        assert a.type == "subpolicy"
+        assert [[(s.op, s.prob, s.bin) for s in sub] for sub in a.subpolicies] == \
+            [[(n, p, b) for n, p, b in sub] for sub in aug._policies]
+    assert names == list(space)  # the same ops (rand, trivial: each drawn with equal probability)
+    if not isinstance(aug, T.AutoAugment):
+        if isinstance(aug, T.RandAugment):
+            assert (a.type, a.num_ops, a.magnitude) == ("rand", aug.num_ops, aug.magnitude)
+        else:
+            assert a.type == "trivial"
+    for choice in a.ops:
+        table, signed = space[choice.name]
+        mags = table(num_bins, h, w)
+        assert choice.signed == signed
+        if mags is None:
+            assert choice.range is None
+            continue
+        ours = [tv_magnitude(choice.name, choice.value(b, num_bins)) for b in range(num_bins)]
+        np.testing.assert_allclose(ours, mags.double().numpy(), rtol=1e-6, atol=1e-6, err_msg=choice.name)
+
+
+@pytest.mark.parametrize("name, transform", [
+    ("randaugment", T.RandAugment()), ("autoaugment", T.AutoAugment()), ("trivialaugment", T.TrivialAugmentWide())])
+def test_torchvisions_defaults_are_the_shipped_policies(name, transform):
+    ours = policy_from_transform(T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), transform]))
+    shipped = load_policy(name)
+    assert (ours.size, ours.scale, ours.ratio, ours.flip) == (shipped.size, shipped.scale, shipped.ratio, shipped.flip)
+    a, b = ours.augment, shipped.augment
+    assert dataclasses.replace(a, ops=()) == dataclasses.replace(b, ops=())
+    assert [(o.name, o.signed, o.scale_with_size) for o in a.ops] == [(o.name, o.signed, o.scale_with_size) for o in b.ops]
+    for x, y in zip(a.ops, b.ops):
+        assert (x.range is None) == (y.range is None) and (x.range is None or np.allclose(x.range, y.range, rtol=1e-6))
+
+
+def _tv_reference(policy, data, d):
+    """torchvision on the same draw: crop, flip, ops (tv_reference), ToDtype + Normalize, F.erase."""
+    W, H = Image.open(io.BytesIO(data)).size
+    t = torch.from_numpy(tv_sample(policy, data, d, crop_window(policy, d, H, W)).copy())
+    if policy.normalize:
+        t = F.normalize(F.to_dtype(t, torch.float32, scale=True), list(policy.normalize[0]), list(policy.normalize[1]))
+    if d.erase is not None:
+        e = d.erase
+        t = F.erase(t, e.top, e.left, e.height, e.width, torch.from_numpy(e.fill(policy.erase)))
+    return t.numpy()
+
+
+@pytest.mark.parametrize("key", ["rand-default", "rand-m7-bilinear", "auto-imagenet", "trivial"])
+def test_cpu_pipeline_equals_torchvision_on_identical_draws(key):
+    aug = AUGMENTS[key]
+    t = T.Compose([T.RandomResizedCrop(176, antialias=True), T.RandomHorizontalFlip(0.5), aug, *TAIL,
+                   T.RandomErasing(0.5, value="random")])
+    policy = policy_from_transform(t, decode="exact")
+    pipe = CpuPipeline(policy)
+    for i, data in enumerate(JPEGS):
+        d = draw(policy, 3, 1, i)
+        np.testing.assert_allclose(pipe(data, i, seed=3, epoch=1), _tv_reference(policy, data, d), rtol=0, atol=1e-5)
+
+
+def test_eval_form_and_uint8_output():
+    p = policy_from_transform(T.Compose([T.Resize(232), T.CenterCrop(224), T.PILToTensor()]))
+    e = load_policy("eval", resize=232)
+    assert (p.size, p.center_resize, p.flip, p.augment, p.normalize) == (e.size, e.center_resize, 0.0, e.augment, None)
+    scaled = policy_from_transform(T.Compose([T.Resize(256), T.CenterCrop(224), T.ToImage(),
+                                              T.ToDtype(torch.float32, scale=True)]))
+    assert scaled.normalize == ((0.0,) * 3, (1.0,) * 3) and scaled.out_dtype == "float32"
+    data = JPEGS[0]
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    ref = F.center_crop(F.resize(F.pil_to_tensor(img), [256], antialias=True), [224])
+    ours = CpuPipeline(dataclasses.replace(scaled, fast_downscale=False))(data, 0)
+    assert np.abs(ours * 255 - ref.numpy()).mean() < 2.0  # the eval policy's documented sub-pixel window rounding
+
+
+@pytest.mark.parametrize("pipeline, match", [
+    ([T.RandomResizedCrop(224, interpolation=InterpolationMode.BICUBIC)], r"transform 0 \(RandomResizedCrop.*bicubic"),
+    ([T.RandomResizedCrop(224, antialias=False)], r"transform 0 .*antialias=False"),
+    ([T.RandomHorizontalFlip(), T.RandomResizedCrop(224)], r"transform 0 \(RandomHorizontalFlip.*must start with"),
+    ([T.RandomResizedCrop(224), T.ColorJitter(0.4)], r"transform 1 \(ColorJitter.*cannot be expressed here"),
+    ([T.RandomResizedCrop(224), T.RandAugment(interpolation=InterpolationMode.BICUBIC)],
+     r"transform 1 \(RandAugment.*'bicubic'"),
+    ([T.RandomResizedCrop(224), T.PILToTensor(), T.Normalize(MEAN, STD)], r"transform 2 \(Normalize.*needs ToDtype"),
+    ([T.RandomResizedCrop(224), *TAIL[:2], T.RandomErasing(), T.Normalize(MEAN, STD)],
+     r"transform 4 \(Normalize.*comes after RandomErasing"),
+    ([T.RandomResizedCrop(224), T.PILToTensor(), T.ToDtype(torch.float16, scale=True)], r"transform 2 .*float16"),
+    ([T.RandomResizedCrop(224), T.PILToTensor(), T.RandomErasing(value="random")],
+     r"no FusionFlow equivalent: .*erase\.value: 'random'"),
+    ([T.Resize(256)], r"transform 0 \(Resize.*followed by CenterCrop"),
+    ([T.Resize((256, 256)), T.CenterCrop(224)], r"only Resize\(int\)"),
+    ([], r"the pipeline is empty"),
+])
+def test_what_cannot_be_expressed_is_named(pipeline, match):
+    with pytest.raises(ValueError, match=match):
+        policy_from_transform(T.Compose(pipeline) if pipeline else pipeline)
+
+
+def test_v1_transforms_are_named():
+    import torchvision.transforms as V1
+    with pytest.raises(ValueError, match=r"transform 0 \(RandomResizedCrop.*not a torchvision\.transforms\.v2"):
+        policy_from_transform(T.Compose([V1.RandomResizedCrop(224)]))
