@@ -42,6 +42,14 @@ float tensor/array (already transformed) is refused at construction.
 Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
 forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
 previous epoch + 1, so forgetting it never repeats last epoch's augmentation.
+
+Repeated augmentation: a sampler that yields an index several times in an epoch (timm's/DeiT's and
+torchvision's RASampler) gets a different augmentation for every copy. Each sample carries a copy
+number, `occurrence * world_size + rank` (fusionflow.scheduling.tiny_batches.Copies), into the draw
+(seed, epoch, index, copy), wherever its tiny-batch runs. rank/world_size are the sampler's
+`rank`/`num_replicas` (DistributedSampler, RASampler), else torch.distributed's, else 0/1: RASampler
+deals an index's copies to different ranks, so the rank must be part of the key for them to differ.
+Copy 0 (a single process's first occurrences, rank 0's in DDP) keeps the draw (seed, epoch, index).
 """
 from __future__ import annotations
 
@@ -65,6 +73,7 @@ from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.messages import SampleFailure
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.worker import describe, split_item
+from fusionflow.scheduling.tiny_batches import Copies
 
 log = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
@@ -575,18 +584,29 @@ class FusionFlowLoader:
         self.stats.samples += n
         self.stats.wait_seconds.append(wait)
 
+    def _copies(self) -> Copies:
+        """A fresh copy counter for an epoch, on this loader's rank (repeated augmentation)."""
+        rank, world = getattr(self.sampler, "rank", None), getattr(self.sampler, "num_replicas", None)
+        if not (isinstance(rank, int) and isinstance(world, int)):
+            dist = torch.distributed
+            rank, world = ((dist.get_rank(), dist.get_world_size())
+                           if dist.is_available() and dist.is_initialized() else (0, 1))
+        return Copies(rank, world)
+
     def _iter_inline(self, epoch: int):
         pipe = CpuPipeline(self.policy)
         buf = np.empty((self.capacity, *self.policy.out_shape), self.policy.out_dtype)
         labels = np.empty(self.capacity, np.int64)
+        copies = self._copies()
         for indices in self.batch_sampler:
             t0 = time.perf_counter()
             self._check_batch(indices)
             failures = []
-            for pos, index in enumerate(indices):
+            for pos, (index, copy) in enumerate(zip(indices, copies(indices))):
                 try:
                     sample, labels[pos] = split_item(self.dataset[index], index)
-                    pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index))
+                    pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index),
+                         copy=copy)
                 except Exception as exc:
                     failures.append(SampleFailure(pos, index, describe(self.dataset, index), type(exc).__name__,
                                                   str(exc), traceback.format_exc()))
@@ -609,6 +629,7 @@ class FusionFlowLoader:
         gen = mgr.new_generation()
         self._active_generation = gen
         batches = iter(self.batch_sampler)
+        copies = self._copies()
         submitted, delivered, exhausted = 0, 0, False
         free_slots = list(range(self.prefetch_factor))
         pending_release = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
@@ -622,7 +643,7 @@ class FusionFlowLoader:
                         exhausted = True
                         break
                     self._check_batch(indices)
-                    mgr.submit(submitted, gen, free_slots.pop(0), epoch, list(indices))
+                    mgr.submit(submitted, gen, free_slots.pop(0), epoch, list(indices), copies(indices))
                     submitted += 1
 
             refill()

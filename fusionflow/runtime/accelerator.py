@@ -183,7 +183,8 @@ class AcceleratorWorker:
                 log.exception("allocator bridge failed to lend; continuing without it")
                 self.bridge = None
         try:
-            out = pipeline.run(samples, list(work.indices), self.seed, work.epoch)
+            copies = {"copies": work.copies} if work.copies else {}  # repeated augmentation's copy numbers
+            out = pipeline.run(samples, list(work.indices), self.seed, work.epoch, **copies)
         except DeviceOutOfMemory as exc:
             self.out_of_memory += 1
             log.warning("accelerator out of memory on tiny-batch %s; the CPU workers take it: %s", work.indices, exc)

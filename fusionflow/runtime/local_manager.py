@@ -97,6 +97,7 @@ class _Work:
     indices: tuple[int, ...]
     deaths: int = 0
     cpu_only: bool = False  # the accelerator gave it back (e.g. it could not decode it): CPU workers only
+    copies: tuple[int, ...] = ()  # per sample, for repeated augmentation; () when all are 0
 
 
 @dataclass
@@ -214,14 +215,15 @@ class LocalManager:
             self.workers[wid] = _Worker(wid, proc, parent)
         self._wake()
 
-    def submit(self, seq: int, generation: int, slot: int, epoch: int, indices) -> None:
-        """Queue mini-batch `seq` of `generation` for ring slot `slot`."""
-        tiny = split_sorted(indices, self.sizes, self.tiny_batch_size)
+    def submit(self, seq: int, generation: int, slot: int, epoch: int, indices, copies=None) -> None:
+        """Queue mini-batch `seq` of `generation` for ring slot `slot` (`copies`: the samples' copy
+        numbers, fusionflow.scheduling.tiny_batches.Copies; None when all are 0)."""
+        tiny = split_sorted(indices, self.sizes, self.tiny_batch_size, copies)
         with self.cond:
             self.batches[(generation, seq)] = BatchState(seq, slot, len(indices), len(indices),
                                                          submitted_at=time.monotonic())
-            self.queues[(generation, seq)] = deque(_Work(seq, generation, slot, epoch, t.positions, t.indices)
-                                                   for t in tiny)
+            self.queues[(generation, seq)] = deque(_Work(seq, generation, slot, epoch, t.positions, t.indices,
+                                                         copies=t.copies) for t in tiny)
             self.cond.notify_all()
         self._wake()
 
@@ -452,7 +454,7 @@ class LocalManager:
         task_id = next(self.task_ids)
         try:
             w.conn.send_bytes(m.pack_task(m.Task(task_id, work.generation, work.slot, work.epoch,
-                                                 work.positions, work.indices)))
+                                                 work.positions, work.indices, work.copies)))
         except OSError:
             self.requeue([work])
             return False
@@ -734,8 +736,9 @@ class LocalManager:
             if k == 0 and suspect:  # the task it was running
                 work.deaths += 1
                 if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
-                    requeue += [_Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths)
-                                for p, i in zip(work.positions, work.indices)]
+                    copies = work.copies or (0,) * len(work.positions)
+                    requeue += [_Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths,
+                                      copies=(c,) if c else ()) for p, i, c in zip(work.positions, work.indices, copies)]
                     continue
                 if work.deaths > self.max_retries:
                     state = self.batches[(work.generation, work.seq)]

@@ -18,7 +18,7 @@ LEND, HOME, HELLO, SETUP, NEED, SPEC, RETURN, LEAVING = 6, 7, 8, 9, 10, 11, 12, 
 BELL = 14  # GM -> LM on the LM's socket: the first one says "this connection is the GM's doorbell", each
            # later one "your action row has a new order" (no polling for orders in the training process)
 _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
-_ITEM = struct.Struct("<iq")  # position in the mini-batch, dataset index
+_ITEM = struct.Struct("<iqi")  # position in the mini-batch, dataset index, copy number (repeated augmentation)
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Task:
     epoch: int
     positions: tuple[int, ...]
     indices: tuple[int, ...]
+    copies: tuple[int, ...] = ()  # per sample (fusionflow.scheduling.tiny_batches.Copies); () when all are 0
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,8 @@ class SampleFailure:
 
 def pack_task(t: Task) -> bytes:
     head = _HEAD.pack(TASK, t.task_id, t.generation, t.slot, t.epoch, len(t.positions))
-    return head + b"".join(_ITEM.pack(p, i) for p, i in zip(t.positions, t.indices))
+    copies = t.copies or (0,) * len(t.positions)
+    return head + b"".join(_ITEM.pack(p, i, c) for p, i, c in zip(t.positions, t.indices, copies))
 
 
 def pack_stop() -> bytes:
@@ -83,7 +85,9 @@ def kind_of(msg: bytes) -> int:
 def unpack_task(msg: bytes) -> Task:
     _, task_id, gen, slot, epoch, n = _HEAD.unpack_from(msg)
     items = [_ITEM.unpack_from(msg, _HEAD.size + k * _ITEM.size) for k in range(n)]
-    return Task(task_id, gen, slot, epoch, tuple(p for p, _ in items), tuple(i for _, i in items))
+    copies = tuple(c for _, _, c in items)
+    return Task(task_id, gen, slot, epoch, tuple(p for p, _, _ in items), tuple(i for _, i, _ in items),
+                copies if any(copies) else ())
 
 
 def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure]]:

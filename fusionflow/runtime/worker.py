@@ -56,10 +56,12 @@ class _Stopped(Exception):
 def run_task(task, dataset, pipe, ring, seed: int, out) -> None:
     """Decode + augment a tiny-batch into `ring`; report DONE (with failures as data) on `out`."""
     failures = []
-    for pos, index in zip(task.positions, task.indices):
+    copies = task.copies or (0,) * len(task.positions)
+    for pos, index, copy in zip(task.positions, task.indices, copies):
         try:
             sample, label = split_item(dataset[index], index)
-            pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos], what=describe(dataset, index))
+            pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos], what=describe(dataset, index),
+                 copy=copy)
             ring.labels[task.slot, pos] = label
         except Exception as exc:
             failures.append(m.SampleFailure(pos, index, describe(dataset, index), type(exc).__name__,
