@@ -136,6 +136,16 @@ def test_policy_key_and_override_validation():
 def test_dali_cpu_erase_matches_cpu_pipeline(value):
     """DALI (CPU backend): the erased rectangle holds exactly the CPU path's values; the rest of the
     image is within the pipeline tolerance of tests/test_ops_dali.py (decode/resize rounding)."""
+    check_dali_erase(value, {})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", [0, "random"])
+def test_dali_gpu_erase_matches_cpu_pipeline(value):
+    check_dali_erase(value, {"device": "gpu", "device_id": 0})
+
+
+def check_dali_erase(value, where):
     pytest.importorskip("nvidia.dali")
     from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
     if value == "uint8":
@@ -143,7 +153,7 @@ def test_dali_cpu_erase_matches_cpu_pipeline(value):
     else:
         policy = load_policy("default", normalize=(MEAN, STD), erase={"p": 0.7, "value": value})
     policy = dataclasses.replace(policy, fast_downscale=False)
-    dp, cp = DaliPolicyPipeline(policy, batch_size=len(JPEGS)), CpuPipeline(policy)
+    dp, cp = DaliPolicyPipeline(policy, batch_size=len(JPEGS), **where), CpuPipeline(policy)
     idx = list(range(len(JPEGS)))
     out = dp.run_numpy(JPEGS, idx, seed=1)
     erased = 0
