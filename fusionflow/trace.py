@@ -59,49 +59,52 @@ class TraceRecorder:
         self._appended = 0
         self._tracks: dict[int, str] = {TID_TRAINING: "training loop: wait at next()"}
         self._guests: dict[str, int] = {}
-        self._lent_since: dict[int, int] = {}
+        self._lent_since: dict[int, tuple] = {}
+        self._sizes = None
 
     # ---------------------------------------------------------------- hooks
-    def _span(self, tid: int, name: str, start_ns: int, end_ns: int, args: dict) -> None:
+    # A span is a flat tuple (tid, kind, start_ns, end_ns, mini-batch, samples, detail): no dict or
+    # string per span on the hot path; a tiny-batch's detail is its work's own indices tuple (shared).
+    def _span(self, tid: int, kind: str, start_ns: int, end_ns: int, seq: int, samples: int, detail=None) -> None:
         self._appended = next(self._count) + 1
-        self._events.append((tid, name, start_ns, end_ns, args))
+        self._events.append((tid, kind, start_ns, end_ns, seq, samples, detail))
 
     def wait(self, start_ns: int, end_ns: int, batch: int, samples: int) -> None:
         """The training loop blocked in next() for mini-batch `batch`."""
-        self._span(TID_TRAINING, f"wait mb{batch}", start_ns, end_ns, {"mini_batch": batch, "samples": samples})
+        self._span(TID_TRAINING, "wait", start_ns, end_ns, batch, samples)
 
     def mini_batch(self, slot: int, seq: int, size: int, submitted_ns: int, ready_ns: int) -> None:
         tid = TID_SLOT + slot
-        self._tracks.setdefault(tid, f"ring slot {slot}: mini-batches")
-        self._span(tid, f"mb{seq}", submitted_ns, ready_ns, {"mini_batch": seq, "samples": size})
+        if tid not in self._tracks:
+            self._tracks[tid] = f"ring slot {slot}: mini-batches"
+        self._span(tid, "mini-batch", submitted_ns, ready_ns, seq, size)
 
     def tiny_batch(self, worker, work, start_ns: int, end_ns: int, sizes=None) -> None:
-        """`worker`: an own CPU worker's id (int), a borrowed worker's label (str), or None: the accelerator."""
+        """`worker`: an own CPU worker's id (int), a borrowed worker's label (str), or None: the accelerator.
+        `sizes`: the dataset's encoded sizes (for each span's bytes), or None."""
         if worker is None:
             tid = TID_ACCEL
-            self._tracks.setdefault(tid, "accelerator (DALI)")
         elif isinstance(worker, int):
             tid = TID_CPU + worker
-            self._tracks.setdefault(tid, f"CPU worker {worker}")
         else:
             tid = self._guests.get(worker)
             if tid is None:
                 tid = self._guests[worker] = TID_GUEST + len(self._guests)
-                self._tracks[tid] = f"borrowed worker {worker}"
-        args = {"mini_batch": work.seq, "samples": len(work.indices), "indices": list(work.indices)}
-        if sizes is not None:
-            args["bytes"] = int(sum(sizes[i] for i in work.indices))
-        self._span(tid, f"mb{work.seq}", start_ns, end_ns, args)
+        if tid not in self._tracks:
+            self._tracks[tid] = ("accelerator (DALI)" if worker is None else f"CPU worker {worker}"
+                                 if isinstance(worker, int) else f"borrowed worker {worker}")
+        self._sizes = sizes
+        self._span(tid, "tiny-batch", start_ns, end_ns, work.seq, len(work.indices), work.indices)
 
     def lent(self, worker: int, peer) -> None:
-        self._lent_since[worker] = time.monotonic_ns()
+        self._lent_since[worker] = (time.monotonic_ns(), peer)
 
     def home(self, worker: int, tasks: int) -> None:
-        start = self._lent_since.pop(worker, None)
-        if start is not None:
+        since = self._lent_since.pop(worker, None)
+        if since is not None:
             tid = TID_CPU + worker
             self._tracks.setdefault(tid, f"CPU worker {worker}")
-            self._span(tid, "lent", start, time.monotonic_ns(), {"tiny_batches": tasks, "lent": True})
+            self._span(tid, "lent", since[0], time.monotonic_ns(), -1, tasks, since[1])
 
     # ---------------------------------------------------------------- output
     @property
@@ -111,15 +114,24 @@ class TraceRecorder:
 
     def to_dict(self) -> dict:
         """The trace-event document (JSON object format)."""
-        o = self.origin_ns
+        o, sizes = self.origin_ns, self._sizes
         events = [{"ph": "M", "pid": PID, "tid": 0, "ts": 0, "name": "process_name",
                    "args": {"name": "fusionflow loader"}}]
         for tid, label in sorted(self._tracks.items()):
             events.append({"ph": "M", "pid": PID, "tid": tid, "ts": 0, "name": "thread_name", "args": {"name": label}})
             events.append({"ph": "M", "pid": PID, "tid": tid, "ts": 0, "name": "thread_sort_index",
                            "args": {"sort_index": tid}})
-        for tid, name, start, end, args in list(self._events):
-            events.append({"ph": "X", "pid": PID, "tid": tid, "name": name, "cat": _category(tid, args),
+        for tid, kind, start, end, seq, samples, detail in list(self._events):
+            if kind == "lent":
+                name, args = f"lent to LM {detail}", {"tiny_batches": samples, "borrower": detail}
+            else:
+                name = f"wait mb{seq}" if kind == "wait" else f"mb{seq}"
+                args = {"mini_batch": seq, "samples": samples}
+                if kind == "tiny-batch":
+                    args["indices"] = list(detail)
+                    if sizes is not None:
+                        args["bytes"] = int(sum(sizes[i] for i in detail))
+            events.append({"ph": "X", "pid": PID, "tid": tid, "name": name, "cat": kind,
                            "ts": (start - o) / 1e3, "dur": max(0, end - start) / 1e3, "args": args})
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"clock": "CLOCK_MONOTONIC (time.monotonic_ns), microseconds since origin",
@@ -130,19 +142,10 @@ class TraceRecorder:
         """Write the trace (atomically: a reader never sees half a file)."""
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
+        text = json.dumps(self.to_dict(), separators=(",", ":"))  # dumps: C encoder (dump's is Python)
         with open(tmp, "w") as f:
-            json.dump(self.to_dict(), f, separators=(",", ":"))
+            f.write(text)
         os.replace(tmp, path)
-
-
-def _category(tid: int, args: dict) -> str:
-    if tid == TID_TRAINING:
-        return "wait"
-    if TID_SLOT <= tid < TID_CPU:
-        return "mini-batch"
-    if args.get("lent"):
-        return "lent"
-    return "tiny-batch"
 
 
 def load(path) -> dict:

@@ -224,3 +224,46 @@ def test_commands_reject_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:
         cli(argv)
     assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_accelerator_tiny_batches_get_their_own_track(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    ds = Bytes(36)
+    path = tmp_path / "accel.json"
+    loader = FusionFlowLoader(ds, batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu",
+                              seed=4, trace=path)
+    list(loader)
+    loader.close()
+    trace = load(path)
+    check_trace_events(trace)
+    tiny = x_events(trace, "tiny-batch")
+    accel = [e for e in tiny if e["tid"] == 2]
+    assert len(accel) == loader.stats.accelerator_tiny_batches > 0
+    assert sorted(i for e in tiny for i in e["args"]["indices"]) == list(range(36))  # CPU + DALI: each once
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "accelerator (DALI)" in names
+
+
+def test_lent_and_borrowed_workers_show_on_both_loaders_traces(tmp_path):
+    from test_global_manager import job, make, wait_until
+    name = job()
+    a = make(Bytes(40, sleep=0.04), name, seed=11, trace=tmp_path / "a.json")
+    b = make(Bytes(40), name, seed=3, trace=tmp_path / "b.json")
+    try:
+        list(b)  # b's worker is idle from now on: the GM lends it to a
+        got = sorted(i for _, y in a for i in y.tolist())
+        assert got == list(range(40))
+        a.close()  # its guests go home
+        assert wait_until(lambda: all(w.lent_to is None for w in b._manager.workers if w is not None))
+    finally:
+        a.close()
+        b.close()
+    ta, tb = load(tmp_path / "a.json"), load(tmp_path / "b.json")
+    check_trace_events(ta)
+    check_trace_events(tb)
+    names_a = {e["tid"]: e["args"]["name"] for e in ta["traceEvents"] if e["name"] == "thread_name"}
+    borrowed = [e for e in x_events(ta, "tiny-batch") if names_a[e["tid"]].startswith("borrowed worker lm")]
+    assert len(borrowed) == a.stats.borrowed_tiny_batches > 0
+    assert sorted(i for e in x_events(ta, "tiny-batch") for i in e["args"]["indices"]) == list(range(40))
+    lent = x_events(tb, "lent")
+    assert lent and sum(e["args"]["tiny_batches"] for e in lent) == b.stats.lent_tiny_batches
