@@ -1,6 +1,7 @@
 """FusionFlowLoader vs torch DataLoader, same policy semantics, same workers, same data, one run.
 
-Candidates (persistent workers for all, one warm-up epoch each, then epochs interleaved):
+Candidates (persistent workers for all, one warm-up epoch each, then epochs interleaved, the order
+rotating each epoch):
   dataloader_tv   torch DataLoader + torchvision.transforms.v2 on PIL (what users run today)
   dataloader_ff   torch DataLoader + FusionFlow's CPU pipeline as the dataset transform
   fusionflow      FusionFlowLoader (tiny-batches into shared memory)
@@ -130,12 +131,18 @@ def main() -> None:
                     opt = torch.optim.SGD(model.parameters(), lr=0.01)
                     loss_fn = torch.nn.CrossEntropyLoss()
                 epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(0))
+            names = list(loaders)
             for e in range(1, args.epochs + 1):
-                for name, (loader, set_epoch) in loaders.items():
+                # rotate who goes first each epoch: a candidate's place in the round (e.g. right after the
+                # DataLoaders' workers went idle) otherwise biases it by more than tracing costs
+                turn = names[(e - 1) % len(names):] + names[:(e - 1) % len(names)]
+                for name in turn:
+                    loader, set_epoch = loaders[name]
                     rate, w = epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(e))
                     rates[name].append(rate)
                     waits[name] += w
-                print(f"[{mode}] epoch {e}/{args.epochs}: " + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()))
+                print(f"[{mode}] epoch {e}/{args.epochs}: " + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()),
+                      flush=True)
             res = {}
             for name in loaders:
                 w = np.array(waits[name])
