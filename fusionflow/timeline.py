@@ -15,7 +15,8 @@ WAIT_COLOUR = "#111111"
 # mini-batch colours: tab20's without its greys (black is a wait, grey a lent stretch)
 MB_COLOURS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf",
               "#aec7e8", "#ffbb78", "#98df8a", "#ff9896", "#c5b0d5", "#c49c94", "#f7b6d2", "#dbdb8d", "#9edae5"]
-MINOR_SHARE = 0.02  # stages below this share on every worker are drawn together as "other ops"
+MINOR_SHARE = 0.02  # stages below this share on every worker are drawn together as "other"
+OTHER = "other (<2% each)"
 
 
 def _tracks(trace: dict) -> dict[int, str]:
@@ -147,9 +148,9 @@ def _stage_panel(ax, stage_seconds: dict, colormaps) -> None:
     stages = [k for k in order if any(per_worker[w].get(k, 0.0) >= MINOR_SHARE for w in workers)]
     minor = [k for k in order if k not in stages]
     for w in workers:
-        per_worker[w]["other ops"] = sum(per_worker[w].get(k, 0.0) for k in minor)
+        per_worker[w][OTHER] = sum(per_worker[w].get(k, 0.0) for k in minor)
     if minor:
-        stages.insert(len(stages) - 1 if stages and stages[-1] == "write" else len(stages), "other ops")
+        stages.insert(len(stages) - 1 if stages and stages[-1] == "write" else len(stages), OTHER)
     cmap = colormaps["Set2" if len(stages) <= 8 else "tab20"]
     left = np.zeros(len(workers))
     for k, stage in enumerate(stages):
@@ -162,7 +163,8 @@ def _stage_panel(ax, stage_seconds: dict, colormaps) -> None:
     ax.set_yticks(range(len(workers)), workers)
     ax.invert_yaxis()
     ax.set_xlim(0, 1)
+    listed = ", ".join(minor[:8]) + (f" and {len(minor) - 8} more" if len(minor) > 8 else "")
     ax.set_title("share of each worker's CPU pipeline time per stage (stage_times=True)"
-                 + (f"; other ops: {', '.join(minor)}" if minor else ""), fontsize=8, loc="left")
+                 + (f"; other: {listed}" if minor else ""), fontsize=8, loc="left")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=min(len(stages), 8), frameon=False, fontsize=8)
     ax.set_xticks([])

@@ -267,3 +267,19 @@ def test_lent_and_borrowed_workers_show_on_both_loaders_traces(tmp_path):
     assert sorted(i for e in x_events(ta, "tiny-batch") for i in e["args"]["indices"]) == list(range(40))
     lent = x_events(tb, "lent")
     assert lent and sum(e["args"]["tiny_batches"] for e in lent) == b.stats.lent_tiny_batches
+
+
+@pytest.mark.gpu
+def test_gpu_accelerator_spans_on_the_trace(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    ds = Bytes(48)
+    path = tmp_path / "gpu.json"
+    loader = FusionFlowLoader(ds, batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda",
+                              accelerator="dali-gpu", seed=4, trace=path)
+    got = sorted(i for _, y in loader for i in y.tolist())
+    loader.close()
+    trace = load(path)
+    check_trace_events(trace)
+    tiny = x_events(trace, "tiny-batch")
+    assert got == list(range(48)) == sorted(i for e in tiny for i in e["args"]["indices"])
+    assert len([e for e in tiny if e["tid"] == 2]) == loader.stats.accelerator_tiny_batches
