@@ -33,19 +33,27 @@ class CpuPipeline:
         if missing:
             raise ValueError(f"{self.policy.source}: no CPU implementation for ops {missing}")
 
-    def image(self, data, d: SampleDraw, what: str | None = None) -> Image.Image:
-        """The augmented sample as an RGB image of the output size."""
+    def image(self, data, d: SampleDraw, what: str | None = None, tick=None) -> Image.Image:
+        """The augmented sample as an RGB image of the output size. `tick(stage)`, if given, is called
+        after each stage (fusionflow/stages.py)."""
         img = decode_crop_resize(data, partial(crop_window, self.policy, d), self.policy.size,
                                  self.policy.fast_downscale, what, self.policy.max_pixels)
+        if tick is not None:
+            tick("decode+crop+resize")
         if d.flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if tick is not None:
+            tick("flip")
         h, w = self.policy.size
         for op in d.ops:
             img = cpu.apply(op.name, img, op.value, op.params(h, w), self.style)
+            if tick is not None:
+                tick(op.name)
         return img
 
-    def run_draw(self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None) -> np.ndarray:
-        img = self.image(data, d, what)
+    def run_draw(self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None,
+                 tick=None) -> np.ndarray:
+        img = self.image(data, d, what, tick)
         if out is None:
             out = np.empty(self.out_shape, self.out_dtype)
         if self.policy.normalize:
@@ -55,10 +63,12 @@ class CpuPipeline:
             # Pillow's band split de-interleaves ~2x faster than a strided numpy transpose
             for plane, band in zip(out, img.split()):
                 plane[...] = np.asarray(band)
+        if tick is not None:
+            tick("write")
         return out
 
     def __call__(self, data, index: int, seed: int = 0, epoch: int = 0, out: np.ndarray | None = None,
-                 what: str | None = None) -> np.ndarray:
+                 what: str | None = None, tick=None) -> np.ndarray:
         """Augment sample `index` for (seed, epoch) into `out` (allocated if None)."""
         return self.run_draw(data, draw(self.policy, seed, epoch, index), out,
-                             what if what is not None else f"sample {index}")
+                             what if what is not None else f"sample {index}", tick)
