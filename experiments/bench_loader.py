@@ -1,13 +1,18 @@
 """FusionFlowLoader vs torch DataLoader, same policy semantics, same workers, same data, one run.
 
-Candidates (persistent workers for all, one warm-up epoch each, then epochs interleaved):
+Candidates (persistent workers for all, one warm-up epoch each, then epochs interleaved, the order
+rotating each epoch):
   dataloader_tv   torch DataLoader + torchvision.transforms.v2 on PIL (what users run today)
   dataloader_ff   torch DataLoader + FusionFlow's CPU pipeline as the dataset transform
   fusionflow      FusionFlowLoader (tiny-batches into shared memory)
+  with --observability, also (tracing off vs on):
+  fusionflow_trace   FusionFlowLoader(trace=...): the timeline recorded, and written at every epoch's end
+  fusionflow_stages  FusionFlowLoader(stage_times=True): per-sample stage timing in the workers
 Modes: `loader` (iterate and touch each batch) and `model` (a small CNN trains on every batch).
 Reported: img/s per epoch (median over epochs), mean and p95 wait per batch at next(), ratios.
 
     .venv/bin/python experiments/bench_loader.py [--images 512] [--epochs 5] [--workers 2] [--batch-size 32]
+    .venv/bin/python experiments/bench_loader.py --modes loader --observability   # tracing overhead
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ def main() -> None:
     ap.add_argument("--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment", "default"])
     ap.add_argument("--modes", default="loader,model")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--observability", action="store_true", help="add FusionFlowLoader with trace / stage_times on")
     args = ap.parse_args()
     if args.images < args.batch_size:
         ap.error(f"--images {args.images} is fewer than --batch-size {args.batch_size}: no full batch to time")
@@ -101,6 +107,17 @@ def main() -> None:
                           persistent_workers=True, drop_last=True, policy=args.policy,
                           tiny_batch_size=args.tiny_batch_size)
     loaders["fusionflow"] = (ff, ff.set_epoch)
+    extra = []
+    if args.observability:
+        import tempfile
+        trace_dir = tempfile.mkdtemp(prefix="ff_bench_trace_")
+        for name, kw in (("fusionflow_trace", {"trace": os.path.join(trace_dir, "run.json")}),
+                         ("fusionflow_stages", {"stage_times": True})):
+            other = FusionFlowLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
+                                     persistent_workers=True, drop_last=True, policy=args.policy,
+                                     tiny_batch_size=args.tiny_batch_size, **kw)
+            loaders[name] = (other, other.set_epoch)
+            extra.append(other)
     results = {}
     try:
         for mode in args.modes.split(","):
@@ -114,12 +131,18 @@ def main() -> None:
                     opt = torch.optim.SGD(model.parameters(), lr=0.01)
                     loss_fn = torch.nn.CrossEntropyLoss()
                 epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(0))
+            names = list(loaders)
             for e in range(1, args.epochs + 1):
-                for name, (loader, set_epoch) in loaders.items():
+                # rotate who goes first each epoch: a candidate's place in the round (e.g. right after the
+                # DataLoaders' workers went idle) otherwise biases it by more than tracing costs
+                turn = names[(e - 1) % len(names):] + names[:(e - 1) % len(names)]
+                for name in turn:
+                    loader, set_epoch = loaders[name]
                     rate, w = epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(e))
                     rates[name].append(rate)
                     waits[name] += w
-                print(f"[{mode}] epoch {e}/{args.epochs}: " + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()))
+                print(f"[{mode}] epoch {e}/{args.epochs}: " + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()),
+                      flush=True)
             res = {}
             for name in loaders:
                 w = np.array(waits[name])
@@ -128,6 +151,8 @@ def main() -> None:
             base = res["dataloader_tv"]["img_per_s_median"]
             for name in res:
                 res[name]["ratio_vs_dataloader_tv"] = res[name]["img_per_s_median"] / base
+                if name.startswith("fusionflow_"):
+                    res[name]["ratio_vs_fusionflow"] = res[name]["img_per_s_median"] / res["fusionflow"]["img_per_s_median"]
             results[mode] = res
             print(f"[{mode}] " + ", ".join(f"{n}: {r['img_per_s_median']:.0f} img/s ({r['ratio_vs_dataloader_tv']:.2f}x), "
                                           f"wait mean {r['wait_mean_ms']:.0f} ms p95 {r['wait_p95_ms']:.0f} ms"
@@ -135,11 +160,14 @@ def main() -> None:
         stats = ff.stats.summary()
     finally:
         ff.close()
+        for other in extra:
+            other.close()
     out = {"benchmark": "loader", "policy": args.policy, "images": len(ds), "epochs": args.epochs,
            "workers": args.workers, "batch_size": args.batch_size, "tiny_batch_size": args.tiny_batch_size,
            **provenance(), "torch": torch.__version__, "results": results,
            "fusionflow_stats": {k: v for k, v in stats.items() if k != "wait_seconds"}}
-    write_json(out, args.out or os.path.join(RESULTS, f"loader_{args.policy}_w{args.workers}_b{args.batch_size}.json"))
+    tag = "_observability" if args.observability else ""
+    write_json(out, args.out or os.path.join(RESULTS, f"loader_{args.policy}_w{args.workers}_b{args.batch_size}{tag}.json"))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """`python -m fusionflow demo [options]`: the main job (fusionflow/demo.py);
+`python -m fusionflow profile --data DIR`: trace, timeline PNG and summary on your data (fusionflow/profile.py);
+`python -m fusionflow bench --data DIR`: FusionFlowLoader vs DataLoader + torchvision on it (fusionflow/bench.py);
 `python -m fusionflow gm {serve,status,workers} --job NAME`: a job's global manager
 (fusionflow/runtime/global_manager.py)."""
 import sys

@@ -1,4 +1,4 @@
-"""The main job: a short training run, FusionFlow's augmentation vs torch DataLoader + torchvision.
+"""`python -m fusionflow demo | profile | bench`. The main job (demo): a short training run, FusionFlow's augmentation vs torch DataLoader + torchvision.
 
 Makes a small ImageFolder dataset of mixed-size JPEGs if none is given, trains a small CNN for a
 few epochs with each input pipeline -- same policy semantics, same workers, same batches -- shows
@@ -116,7 +116,22 @@ def main(argv=None) -> int:
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     d.add_argument("--images-per-class", type=int, default=96)
+    d.add_argument("--profile-dir", default=None,
+                   help="where the FusionFlow run's trace.json and timeline.png go (default: experiments/data/demo_profile)")
+    from fusionflow import bench, profile
+    p = sub.add_parser("profile", help="where the time goes on your data: trace, timeline PNG, summary",
+                       description=profile.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    profile.add_arguments(p)
+    b = sub.add_parser("bench", help="FusionFlowLoader vs DataLoader + torchvision on your data",
+                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_arguments(b)
     args = ap.parse_args(argv)
+    if args.command == "profile":
+        profile.check_arguments(p, args)
+        return profile.run(args)
+    if args.command == "bench":
+        bench.check_arguments(b, args)
+        return bench.run(args)
     for name in ("epochs", "batch_size", "images_per_class"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -144,9 +159,17 @@ def main(argv=None) -> int:
                   persistent_workers=args.workers > 0)
     baseline = DataLoader(TorchvisionSamples(ds, args.policy, 224), **common)
     base = train("DataLoader+torchvision", baseline, lambda e: None, len(ds.classes), args)
-    with FusionFlowLoader(ds, policy=args.policy, seed=0, **common) as loader:
+    out_dir = args.profile_dir or os.path.join(os.path.dirname(DEFAULT_DATA), "demo_profile")
+    os.makedirs(out_dir, exist_ok=True)
+    trace_path = os.path.join(out_dir, "trace.json")
+    with FusionFlowLoader(ds, policy=args.policy, seed=0, **common) as loader, loader.trace(trace_path):
         ours = train("FusionFlowLoader", loader, loader.set_epoch, len(ds.classes), args)
     ratio = ours["img_per_s"] / base["img_per_s"]
     print(f"throughput: FusionFlowLoader {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
           f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x")
+    from fusionflow.timeline import plot_timeline
+    from fusionflow.trace import load
+    png = plot_timeline(load(trace_path), os.path.join(out_dir, "timeline.png"))
+    print(f"where FusionFlow's time went: {png} (trace: {trace_path}, open at https://ui.perfetto.dev; "
+          f"on your data: python -m fusionflow profile --data DIR)")
     return 0

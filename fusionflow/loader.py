@@ -19,6 +19,11 @@ to DALI for each prep window instead of DALI growing a pool of its own (fusionfl
 "auto" turns it on when the accelerator is DALI on the GPU and the native part builds (it lends only
 while sharing is temporal), "on" makes that a requirement (an error says what is missing) and fixes
 gpu_sharing="auto" to "temporal".
+`trace` (a file path, or None): write a Chrome/Perfetto timeline of the run there -- every tiny-batch on
+its worker's track, the training loop's waits at next() -- at close() and at the end of each iteration;
+`loader.trace(path)` does the same for a `with` block (fusionflow/trace.py). `stage_times=True`: CPU
+workers time each stage of each sample (read, decode+crop+resize, flip, each op, write), summed per
+worker in `loader.stats.stage_seconds()` / `stage_shares()` (fusionflow/stages.py). Both are off by default.
 `global_manager` ("auto": under torchrun with several local ranks, the ranks' loaders lend idle CPU
 workers to each other through one global manager per node; a string: join that named job, e.g.
 train and validation loaders of one process; None: no lending) -- see runtime/global_manager.py.
@@ -53,6 +58,7 @@ Copy 0 (a single process's first occurrences, rank 0's in DDP) keeps the draw (s
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -127,6 +133,27 @@ class LoaderStats:
     bridge_fallback_bytes: int = 0  # bytes DALI took from its own pool inside windows
     bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
     bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
+    stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
+
+    def add_stage_times(self, names, worker, ns) -> None:
+        """A task's per-stage totals from `worker` (the manager thread, under its lock)."""
+        totals = self.stage_ns.setdefault(worker, dict.fromkeys(names, 0))
+        for name, v in zip(names, ns):
+            totals[name] += v
+
+    def stage_seconds(self, worker=None) -> dict:
+        """Seconds per stage summed over samples: of one worker, or of all workers (worker=None)."""
+        out: dict = {}
+        for w, totals in list(self.stage_ns.items()):
+            if worker is None or w == worker:
+                for name, v in list(totals.items()):
+                    out[name] = out.get(name, 0.0) + v / 1e9
+        return out
+
+    def stage_shares(self, worker=None) -> dict:
+        """Each stage's share of CPU pipeline time (largest first), e.g. {"decode+crop+resize": 0.48, ...}."""
+        from fusionflow.stages import shares
+        return shares(self.stage_seconds(worker))
 
     def summary(self) -> dict:
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
@@ -148,7 +175,7 @@ class LoaderStats:
                 "bridge_windows": self.bridge_windows, "bridge_lent_bytes": self.bridge_lent_bytes,
                 "bridge_borrowed_bytes": self.bridge_borrowed_bytes,
                 "bridge_fallback_bytes": self.bridge_fallback_bytes, "bridge_pinned_bytes": self.bridge_pinned_bytes,
-                "bridge_seconds": self.bridge_seconds}
+                "bridge_seconds": self.bridge_seconds, "stage_shares": self.stage_shares()}
 
     def reset(self) -> None:
         keep = self.startup_seconds, self.memory_bridge
@@ -169,7 +196,8 @@ class FusionFlowLoader:
                  seed: int | None = None,
                  device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True,
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
-                 taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto"):
+                 taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto",
+                 trace=None, stage_times: bool = False):
         # ---- validation: every message names the value and the fix
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
@@ -287,6 +315,16 @@ class FusionFlowLoader:
             from fusionflow.memory import native
             native.build_bridge()  # fail now, naming what is missing, rather than at the first batch
 
+        from fusionflow.trace import TraceRecorder, check_path
+        self._trace_path = None if trace is None else check_path(trace)
+        self._tracer = None if trace is None else TraceRecorder()
+        if not isinstance(stage_times, bool):
+            raise TypeError(f"stage_times={stage_times!r} must be True or False")
+        if stage_times:
+            from fusionflow.stages import stage_names
+            self._stage_names = stage_names(self.policy)
+        else:
+            self._stage_names = None
         self.dataset, self.batch_sampler = dataset, batch_sampler
         self.sampler = getattr(batch_sampler, "sampler", sampler)
         self.batch_size, self.drop_last, self.capacity = batch_size, drop_last, capacity
@@ -347,10 +385,37 @@ class FusionFlowLoader:
     def __exit__(self, *exc):
         self.close()
 
+    @contextlib.contextmanager
+    def trace(self, path, max_events: int | None = None):
+        """Record a timeline of what runs inside the block and write it to `path` (trace-event JSON,
+        fusionflow/trace.py) at its end. Yields the recorder."""
+        from fusionflow.trace import DEFAULT_MAX_EVENTS, TraceRecorder, check_path
+        path = check_path(path, "path")
+        if self._tracer is not None:
+            raise ValueError(f"loader.trace({path!r}): this loader already traces (to {self._trace_path!r}); "
+                             "one trace at a time")
+        recorder = TraceRecorder(DEFAULT_MAX_EVENTS if max_events is None else max_events)
+        self._set_tracer(recorder)
+        try:
+            yield recorder
+        finally:
+            self._set_tracer(None)
+            recorder.write(path)
+
+    def _set_tracer(self, recorder) -> None:
+        self._tracer = recorder
+        if self._manager is not None:
+            self._manager.trace = recorder
+
+    def _flush_trace(self) -> None:
+        if self._trace_path is not None and self._tracer is not None:
+            self._tracer.write(self._trace_path)
+
     def close(self) -> None:
-        """Stop workers, return lent GPU blocks and release shared memory now. The loader can be
-        iterated again after."""
+        """Stop workers, return lent GPU blocks and release shared memory now (and write the trace, if
+        any). The loader can be iterated again after."""
         self._stop_manager()
+        self._flush_trace()
         bridge, self._bridge = self._bridge, None
         self._box[1] = None
         if bridge is not None:
@@ -369,7 +434,10 @@ class FusionFlowLoader:
                 self.dataset, self.policy, layout, self.num_workers, self.seed, self.worker_init_fn, ctx,
                 self.pin_workers, self.max_retries, self.sizes, self.tiny_batch_size,
                 base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31, job=self.job,
-                spec=self._lending_spec())
+                spec=self._lending_spec(), stages=self._stage_names)
+            self._manager.trace = self._tracer
+            if self._stage_names is not None:  # the stats object, not the loader: the manager must not hold it
+                self._manager.on_stage_times = functools.partial(self.stats.add_stage_times, self._stage_names)
             self._box[0] = self._manager
             if self.stats.startup_seconds is None:
                 self.stats.startup_seconds = time.perf_counter() - t0
@@ -598,14 +666,22 @@ class FusionFlowLoader:
         buf = np.empty((self.capacity, *self.policy.out_shape), self.policy.out_dtype)
         labels = np.empty(self.capacity, np.int64)
         copies = self._copies()
-        for indices in self.batch_sampler:
+        clock = None
+        if self._stage_names is not None:
+            from fusionflow.stages import StageClock
+            clock = StageClock(self._stage_names)
+        for seq, indices in enumerate(self.batch_sampler):
             t0 = time.perf_counter()
             self._check_batch(indices)
             failures = []
             for pos, (index, copy) in enumerate(zip(indices, copies(indices))):
                 try:
+                    if clock is not None:
+                        clock.start()
                     sample, labels[pos] = split_item(self.dataset[index], index)
-                    pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index),
+                    if clock is not None:
+                        clock("read")
+                    pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index), tick=clock,
                          copy=copy)
                 except Exception as exc:
                     failures.append(SampleFailure(pos, index, describe(self.dataset, index), type(exc).__name__,
@@ -613,9 +689,20 @@ class FusionFlowLoader:
             keep = self._select(indices, failures)
             n = len(indices)
             imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
-            self._account(time.perf_counter() - t0, len(imgs))
+            wait = time.perf_counter() - t0
+            self._account(wait, len(imgs))
+            if clock is not None:
+                self.stats.add_stage_times(self._stage_names, "inline", clock.take())
+            if self._tracer is not None:
+                self._trace_wait(wait, seq, len(imgs))
             images_t, labels_t, _ = self._deliver(imgs, labs)
             yield images_t, labels_t
+        self._flush_trace()
+
+    def _trace_wait(self, wait: float, seq: int, samples: int) -> None:
+        """The wait just measured, ending now; its span lasts exactly `wait` (as in stats.wait_seconds)."""
+        end = time.monotonic_ns()
+        self._tracer.wait(end - round(wait * 1e9), end, seq, samples)
 
     def _check_batch(self, indices) -> None:
         if len(indices) > self.capacity:
@@ -672,6 +759,8 @@ class FusionFlowLoader:
                 else:
                     images_t, labels_t, event = self._deliver(imgs, labs)
                 self._account(wait, len(images_t))
+                if self._tracer is not None:
+                    self._trace_wait(wait, delivered, len(images_t))
                 self._sync_stats(mgr)
                 delivered += 1
                 if event is None:
@@ -689,6 +778,7 @@ class FusionFlowLoader:
                     self._active_generation = None
                 if not self.persistent_workers:
                     self._stop_manager()
+            self._flush_trace()
 
 
 def _collated(batches, collate_fn):

@@ -37,7 +37,11 @@ def test_image_folder_errors(tmp_path):
         ImageFolder(str(tmp_path))
 
 
-def test_demo_runs_and_prints_throughput_ratio(folder, capsys):
-    assert demo_main(["demo", "--data", folder, "--epochs", "1", "--batch-size", "4", "--workers", "0"]) == 0
+def test_demo_runs_and_prints_throughput_ratio(folder, capsys, tmp_path):
+    assert demo_main(["demo", "--data", folder, "--epochs", "1", "--batch-size", "4", "--workers", "0",
+                      "--profile-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "throughput: FusionFlowLoader" in out and "DataLoader+torchvision" in out and "x\n" in out
+    png = tmp_path / "timeline.png"
+    assert f"where FusionFlow's time went: {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "trace.json").exists()

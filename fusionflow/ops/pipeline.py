@@ -33,19 +33,27 @@ class CpuPipeline:
         if missing:
             raise ValueError(f"{self.policy.source}: no CPU implementation for ops {missing}")
 
-    def image(self, data, d: SampleDraw, what: str | None = None) -> Image.Image:
-        """The augmented sample as an RGB image of the output size."""
+    def image(self, data, d: SampleDraw, what: str | None = None, tick=None) -> Image.Image:
+        """The augmented sample as an RGB image of the output size. `tick(stage)`, if given, is called
+        after each stage (fusionflow/stages.py)."""
         img = decode_crop_resize(data, partial(crop_window, self.policy, d), self.policy.size,
                                  self.policy.fast_downscale, what, self.policy.max_pixels)
+        if tick is not None:
+            tick("decode+crop+resize")
         if d.flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if tick is not None:
+            tick("flip")
         h, w = self.policy.size
         for op in d.ops:
             img = cpu.apply(op.name, img, op.value, op.params(h, w), self.style)
+            if tick is not None:
+                tick(op.name)
         return img
 
-    def run_draw(self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None) -> np.ndarray:
-        img = self.image(data, d, what)
+    def run_draw(self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None,
+                 tick=None) -> np.ndarray:
+        img = self.image(data, d, what, tick)
         if out is None:
             out = np.empty(self.out_shape, self.out_dtype)
         if self.policy.normalize:
@@ -58,11 +66,13 @@ class CpuPipeline:
         if d.erase is not None:  # torchvision's F.erase on the output tensor: the rectangle := fill
             e = d.erase
             out[:, e.top:e.top + e.height, e.left:e.left + e.width] = e.fill(self.policy.erase)
+        if tick is not None:
+            tick("write")
         return out
 
     def __call__(self, data, index: int, seed: int = 0, epoch: int = 0, out: np.ndarray | None = None,
-                 what: str | None = None, copy: int = 0) -> np.ndarray:
+                 what: str | None = None, tick=None, copy: int = 0) -> np.ndarray:
         """Augment sample `index` for (seed, epoch) into `out` (allocated if None); `copy` is the
         occurrence of `index` in the epoch (repeated augmentation, fusionflow.policy.sampling)."""
         return self.run_draw(data, draw(self.policy, seed, epoch, index, copy), out,
-                             what if what is not None else f"sample {index}")
+                             what if what is not None else f"sample {index}", tick)

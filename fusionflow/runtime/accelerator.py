@@ -127,6 +127,7 @@ class AcceleratorWorker:
                     return
                 self._active = work
             fatal = None
+            started = time.monotonic_ns()
             try:
                 ok = self._process(work)
             except AcceleratorError as exc:  # the pipeline cannot be rebuilt (or is closed)
@@ -141,6 +142,8 @@ class AcceleratorWorker:
                 if ok:
                     self.tiny_batches += 1
                     self.failures_in_a_row = 0
+                    if mgr.trace is not None:
+                        mgr.trace.tiny_batch(None, work, started, time.monotonic_ns(), mgr.sizes)
                     mgr.complete(work, [], on_accelerator=True)
                 else:
                     self.given_back += 1

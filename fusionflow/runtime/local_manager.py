@@ -136,7 +136,7 @@ class LocalManager:
     def __init__(self, dataset, policy, layout: RingLayout, num_workers: int, seed: int,
                  worker_init_fn=None, mp_context=None, pin_cpus: bool = True, max_retries: int = 2,
                  sizes=None, tiny_batch_size: int = 4, base_seed: int = 0, job: str | None = None,
-                 spec: bytes | None = None):
+                 spec: bytes | None = None, stages: tuple[str, ...] | None = None):
         self.dataset, self.policy, self.layout = dataset, policy, layout
         self.num_workers, self.seed, self.base_seed = num_workers, seed, base_seed
         self.worker_init_fn, self.max_retries = worker_init_fn, max_retries
@@ -171,6 +171,9 @@ class LocalManager:
         self.cuda_registered = False  # the ring is page-locked for direct host->device copies
         self.cuda_device = None  # the loader's CUDA device index, once registered
         self.copy_event = None  # CUDA event after the last batch's copies out of the ring (GPU delivery)
+        self.stages = stages  # stage names workers time per sample (fusionflow/stages.py), or None
+        self.on_stage_times = None  # callback(worker label, stage ns totals) under the lock
+        self.trace = None  # a fusionflow.trace.TraceRecorder while the loader traces
         self._closed = False
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)
         try:
@@ -201,7 +204,7 @@ class LocalManager:
         proc = self.ctx.Process(
             target=worker_loop, name=f"fusionflow-worker-{wid}", daemon=True,
             args=(wid, self.dataset, self.policy, ChildFd(self.ring.fd), self.layout, child, self.seed,
-                  self.base_seed, self.worker_init_fn, os.getpid(), self._cpu_for(wid), spec_hash))
+                  self.base_seed, self.worker_init_fn, os.getpid(), self._cpu_for(wid), spec_hash, self.stages))
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
         # threads that only exist here) must never be finalized in the child: frozen objects are
         # skipped by the child's collector, and the parent collects them after unfreezing.
@@ -491,6 +494,8 @@ class LocalManager:
                         continue
                     w.lent_to = peer
                     done += 1
+                    if self.trace is not None:
+                        self.trace.lent(w.worker_id, peer)
             self.lent_total += done
         self._publish()  # before the ack: the GM reads the lender's counts once the ack shows
         if order is not None:
@@ -608,6 +613,8 @@ class LocalManager:
             state.cpu_done_at = now
         if state.remaining == 0:
             self.completed_batches += 1
+            if self.trace is not None:
+                self.trace.mini_batch(state.slot, state.seq, state.size, int(state.submitted_at * 1e9), int(now * 1e9))
             if self.on_batch_done is not None:
                 self.on_batch_done(state)
         self.cond.notify_all()
@@ -631,7 +638,10 @@ class LocalManager:
                 w.alive = False
             elif kind == m.HOME:
                 w.lent_to = None
-                self.lent_tasks += m.unpack_control(msg)
+                tasks = m.unpack_control(msg)
+                self.lent_tasks += tasks
+                if self.trace is not None:
+                    self.trace.home(w.worker_id, tasks)
             elif kind == m.DONE:
                 self._on_done(w, msg)
                 self.tasks_per_worker[w.worker_id] += 1
@@ -646,6 +656,12 @@ class LocalManager:
         took = now - w.head_since
         self.task_seconds = took if not self.task_seconds else 0.8 * self.task_seconds + 0.2 * took
         w.head_since = now
+        if self.trace is not None or self.on_stage_times is not None:
+            started, ended, stage_ns = m.unpack_done_times(msg)
+            if self.trace is not None:
+                self.trace.tiny_batch(w.worker_id, work, started, ended, self.sizes)
+            if stage_ns and self.on_stage_times is not None:
+                self.on_stage_times(w.worker_id, stage_ns)
         self.complete(work, failures, on_accelerator=False)
 
     def _on_guest_message(self, g: _Worker, kind: int, msg: bytes) -> None:

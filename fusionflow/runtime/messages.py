@@ -19,6 +19,10 @@ BELL = 14  # GM -> LM on the LM's socket: the first one says "this connection is
            # later one "your action row has a new order" (no polling for orders in the training process)
 _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
 _ITEM = struct.Struct("<iqi")  # position in the mini-batch, dataset index, copy number (repeated augmentation)
+# DONE's fixed part after the head: when the worker started and finished the task (time.monotonic_ns:
+# CLOCK_MONOTONIC, one clock for every process on the machine) and how many per-stage totals follow
+# (int64 ns each, fusionflow/stages.py; 0 when stage timing is off)
+_TIMES = struct.Struct("<qqi")
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,12 @@ def pack_stop() -> bytes:
     return _HEAD.pack(STOP, 0, 0, 0, 0, 0)
 
 
-def pack_done(task_id: int, generation: int, failures: list[SampleFailure]) -> bytes:
+def pack_done(task_id: int, generation: int, failures: list[SampleFailure], started_ns: int = 0,
+              ended_ns: int = 0, stage_ns=()) -> bytes:
     head = _HEAD.pack(DONE, task_id, generation, 0, 0, len(failures))
-    return head + (pickle.dumps(failures) if failures else b"")
+    times = _TIMES.pack(started_ns, ended_ns, len(stage_ns))
+    stages = struct.pack(f"<{len(stage_ns)}q", *stage_ns) if stage_ns else b""
+    return head + times + stages + (pickle.dumps(failures) if failures else b"")
 
 
 def pack_ready(worker_id: int) -> bytes:
@@ -92,7 +99,14 @@ def unpack_task(msg: bytes) -> Task:
 
 def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure]]:
     _, task_id, gen, _, _, n = _HEAD.unpack_from(msg)
-    return task_id, gen, (pickle.loads(msg[_HEAD.size:]) if n else [])
+    _, _, stages = _TIMES.unpack_from(msg, _HEAD.size)
+    return task_id, gen, (pickle.loads(msg[_HEAD.size + _TIMES.size + 8 * stages:]) if n else [])
+
+
+def unpack_done_times(msg: bytes) -> tuple[int, int, tuple[int, ...]]:
+    """(started_ns, ended_ns, per-stage ns totals) of a DONE message."""
+    started, ended, stages = _TIMES.unpack_from(msg, _HEAD.size)
+    return started, ended, struct.unpack_from(f"<{stages}q", msg, _HEAD.size + _TIMES.size) if stages else ()
 
 
 def unpack_fatal(msg: bytes) -> str:

@@ -17,6 +17,7 @@ import os
 import random
 import signal
 import sys
+import time
 import traceback
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import wait as mp_wait
@@ -53,20 +54,27 @@ class _Stopped(Exception):
     """The owner sent STOP while this worker was lent."""
 
 
-def run_task(task, dataset, pipe, ring, seed: int, out) -> None:
-    """Decode + augment a tiny-batch into `ring`; report DONE (with failures as data) on `out`."""
+def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
+    """Decode + augment a tiny-batch into `ring`; report DONE (with failures as data, the task's start
+    and end on CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals) on `out`."""
     failures = []
+    started = time.monotonic_ns()
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
         try:
+            if clock is not None:
+                clock.start()
             sample, label = split_item(dataset[index], index)
+            if clock is not None:
+                clock("read")
             pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos], what=describe(dataset, index),
-                 copy=copy)
+                 tick=clock, copy=copy)
             ring.labels[task.slot, pos] = label
         except Exception as exc:
             failures.append(m.SampleFailure(pos, index, describe(dataset, index), type(exc).__name__,
                                             str(exc), traceback.format_exc()))
-    out.send_bytes(m.pack_done(task.task_id, task.generation, failures))
+    out.send_bytes(m.pack_done(task.task_id, task.generation, failures, started, time.monotonic_ns(),
+                               clock.take() if clock is not None else ()))
 
 
 def _check_orphan(parent_pid: int) -> None:
@@ -149,7 +157,8 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
 
 def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingLayout, conn, seed: int,
                 base_seed: int, worker_init_fn, parent_pid: int, cpu: int | None,
-                spec_hash: bytes | None = None) -> None:
+                spec_hash: bytes | None = None, stages: tuple[str, ...] | None = None) -> None:
+    """`stages`: the stage names to time per sample (fusionflow/stages.py), or None: no stage timing."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     close_inherited()
     ring = None
@@ -165,6 +174,10 @@ def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingL
             torch.manual_seed(base_seed + worker_id)
         from fusionflow.ops.pipeline import CpuPipeline
         pipe = CpuPipeline(policy)
+        clock = None
+        if stages:
+            from fusionflow.stages import StageClock
+            clock = StageClock(stages)
         ring = map_from_child_fd(layout, ring_fd)
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
@@ -187,7 +200,7 @@ def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingL
                                       spec_cache, parent_pid)
                 conn.send_bytes(m.pack_control(m.HOME, done))
                 continue
-            run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn)
+            run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn, clock)
     except (_Orphaned, _Stopped, EOFError, OSError, BrokenPipeError):
         pass  # the owner is gone (or stopped us): nothing named is left to clean up
     finally:

@@ -1,0 +1,112 @@
+"""`python -m fusionflow bench --data DIR`: is FusionFlowLoader faster than DataLoader + torchvision
+on your data?
+
+Both loaders get the same ImageFolder, policy (torchvision's RandAugment / TrivialAugmentWide /
+AutoAugment or none, after RandomResizedCrop + flip), batch size and worker count, persistent
+workers. After one warm-up pass each, repeats alternate between them (A B A B ...) so drifts in the
+machine's load hit both alike; each repeat times --batches mini-batches after the first (start-up
+excluded). Reported: samples/s medians, wait at next() mean, and FusionFlow's ratio.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from fusionflow.demo import TV_POLICIES, TorchvisionSamples, timed_batches
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--data", required=True, help="ImageFolder root (class folders of images)")
+    p.add_argument("--policy", default="randaugment", choices=TV_POLICIES)
+    p.add_argument("--workers", type=int, default=min(4, len(os.sched_getaffinity(0))))
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batches", type=int, default=30, help="mini-batches timed per repeat")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--size", type=int, default=224, help="output side in pixels (both loaders)")
+    p.add_argument("--json", default=None, help="also write the result as JSON there")
+
+
+def check_arguments(p, args) -> None:
+    for name in ("workers", "batch_size", "batches", "repeats", "size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not os.path.isdir(args.data):
+        p.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
+
+
+def time_pass(loader, batches: int, bar) -> tuple[float, list[float]]:
+    """samples/s over `batches` mini-batches after the first one of a pass, and every wait at next()."""
+    waits, samples, t0 = [], 0, None
+    it = timed_batches(loader)
+    try:
+        for x, y, wait in itertools.islice(it, batches + 1):
+            float(x[:, :, 0, 0].float().mean())  # touch the batch
+            if t0 is None:
+                t0 = time.perf_counter()
+                continue
+            waits.append(wait)
+            samples += len(y)
+            bar.update()
+    finally:
+        it.close()
+    return (samples / (time.perf_counter() - t0) if samples else float("nan")), waits
+
+
+def run(args) -> int:
+    import torch
+    from torch.utils.data import DataLoader
+    from tqdm import tqdm
+
+    from fusionflow import FusionFlowLoader, ImageFolder
+    from fusionflow.policy import load_policy
+
+    torch.set_num_threads(1)
+    ds = ImageFolder(args.data)
+    batch_size = min(args.batch_size, len(ds))
+    if len(ds) // batch_size < 2:
+        raise SystemExit(f"bench: {len(ds)} images make fewer than 2 mini-batches of {batch_size}: use a smaller "
+                         "--batch-size (the first mini-batch of each pass is not timed)")
+    per_pass = min(args.batches, len(ds) // batch_size - 1)
+    print(f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, {args.workers} workers, "
+          f"{args.repeats} repeats x {per_pass} mini-batches")
+    common = dict(batch_size=batch_size, shuffle=True, num_workers=args.workers, drop_last=True,
+                  persistent_workers=True)
+    loaders = {
+        "DataLoader+torchvision": DataLoader(TorchvisionSamples(ds, args.policy, args.size), **common),
+        "FusionFlowLoader": FusionFlowLoader(ds, policy=load_policy(args.policy, size=args.size), seed=0, **common),
+    }
+    rates = {name: [] for name in loaders}
+    waits = {name: [] for name in loaders}
+    try:
+        for name, loader in loaders.items():
+            with tqdm(total=per_pass, desc=f"warm-up {name}", unit="batch", leave=False) as bar:
+                time_pass(loader, per_pass, bar)
+        for r in range(args.repeats):
+            for name, loader in loaders.items():
+                with tqdm(total=per_pass, desc=f"repeat {r + 1}/{args.repeats} {name}", unit="batch",
+                          leave=False) as bar:
+                    rate, w = time_pass(loader, per_pass, bar)
+                rates[name].append(rate)
+                waits[name] += w
+    finally:
+        loaders["FusionFlowLoader"].close()
+    result = {}
+    for name in loaders:
+        w = np.asarray(waits[name])
+        result[name] = {"samples_per_s_median": statistics.median(rates[name]), "samples_per_s": rates[name],
+                        "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95))}
+        print(f"  {name}: {result[name]['samples_per_s_median']:.1f} samples/s (median of {args.repeats}), "
+              f"wait at next() mean {result[name]['wait_mean_ms']:.1f} ms, p95 {result[name]['wait_p95_ms']:.1f} ms")
+    ratio = result["FusionFlowLoader"]["samples_per_s_median"] / result["DataLoader+torchvision"]["samples_per_s_median"]
+    print(f"FusionFlowLoader / DataLoader+torchvision: {ratio:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"data": args.data, "images": len(ds), "policy": args.policy, "workers": args.workers,
+                       "batch_size": batch_size, "repeats": args.repeats, "batches_per_repeat": per_pass,
+                       "results": result, "ratio": ratio}, f, indent=2)
+    return 0

@@ -1,0 +1,59 @@
+"""Per-stage timing of the CPU pipeline (opt-in: `FusionFlowLoader(..., stage_times=True)`).
+
+A worker with stage timing on runs each sample with a `StageClock` as the pipeline's `tick`: the
+clock adds the time since the previous tick to that stage's total. Stages, in order: read
+(dataset[i]), decode+crop+resize (one pass: the window decoder crops and scales while it decodes),
+flip, each policy op by name, write (into the ring slot). Per task the worker sends the totals in
+its DONE message (a fixed run of int64 ns, runtime/messages.py); the loader sums them per worker in
+`loader.stats` (`stage_seconds()`, `stage_shares()`).
+
+Off (the default) the pipeline's only cost is a `tick is None` test per stage.
+"""
+from __future__ import annotations
+
+import time
+
+READ, DECODE, FLIP, WRITE = "read", "decode+crop+resize", "flip", "write"
+
+
+def stage_names(policy) -> tuple[str, ...]:
+    """The stages a policy's samples go through, in pipeline order (each op once, by name)."""
+    ops = tuple(dict.fromkeys(op.name for op in policy.augment.ops))
+    return (READ, DECODE, FLIP, *ops, WRITE)
+
+
+class StageClock:
+    """Accumulates nanoseconds per stage; call `start()` before a sample, `clock(stage)` after each."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names = tuple(names)
+        self._index = {n: k for k, n in enumerate(self.names)}
+        self._totals = [0] * len(self.names)
+        self._last = 0
+
+    def start(self) -> None:
+        self._last = time.monotonic_ns()
+
+    def __call__(self, stage: str) -> None:
+        now = time.monotonic_ns()
+        self._totals[self._index[stage]] += now - self._last
+        self._last = now
+
+    def take(self) -> tuple[int, ...]:
+        """The totals since the last take (then zeroed)."""
+        out = tuple(self._totals)
+        self._totals = [0] * len(self.names)
+        return out
+
+
+def shares(seconds: dict[str, float]) -> dict[str, float]:
+    """Each stage's share of the total, largest first."""
+    total = sum(seconds.values())
+    if total <= 0:
+        return {}
+    return dict(sorted(((k, v / total) for k, v in seconds.items()), key=lambda kv: -kv[1]))
+
+
+def format_shares(share: dict[str, float], top: int | None = None) -> str:
+    items = list(share.items())[:top]
+    return ", ".join(f"{name} {100 * s:.0f}%" for name, s in items)

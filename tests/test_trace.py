@@ -1,0 +1,285 @@
+"""Observability: the trace (format, exactly-once tiny-batch coverage, waits = stats), stage timing,
+the timeline PNG, and the profile / bench commands."""
+import json
+import math
+import os
+import struct
+
+import numpy as np
+import pytest
+import torch
+from test_loader import SMALL, Bytes
+
+from fusionflow.demo import main as cli
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.runtime import messages as m
+from fusionflow.stages import stage_names
+from fusionflow.policy import load_policy
+from fusionflow.synthetic import make_image_folder
+from fusionflow.timeline import plot_timeline, summarize
+from fusionflow.trace import TraceRecorder, load
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def check_trace_events(trace: dict) -> None:
+    """The trace-event format's required fields (JSON object format, as Perfetto and chrome://tracing read it)."""
+    assert isinstance(trace["traceEvents"], list) and trace["traceEvents"]
+    for e in trace["traceEvents"]:
+        assert {"ph", "ts", "pid", "tid", "name"} <= e.keys(), e
+        assert isinstance(e["ph"], str) and isinstance(e["name"], str)
+        assert isinstance(e["pid"], int) and isinstance(e["tid"], int)
+        assert isinstance(e["ts"], (int, float)) and math.isfinite(e["ts"])
+        assert e["ph"] in ("X", "M"), e
+        if e["ph"] == "X":  # complete events need a duration
+            assert isinstance(e["dur"], (int, float)) and e["dur"] >= 0
+            assert isinstance(e.get("args", {}), dict)
+        else:
+            assert e["name"] in ("process_name", "thread_name", "thread_sort_index") and "args" in e
+
+
+def x_events(trace, cat):
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") == cat]
+
+
+def test_trace_file_covers_every_sample_once_and_its_waits_are_the_stats(tmp_path):
+    ds = Bytes(45)
+    order = list(np.random.default_rng(3).permutation(len(ds)))
+    path = tmp_path / "run.json"
+    loader = FusionFlowLoader(ds, batch_size=8, sampler=order, num_workers=2, policy=SMALL, tiny_batch_size=3,
+                              trace=str(path), seed=1)
+    got = [y.tolist() for _, y in loader]
+    loader.close()
+    batches = [order[k:k + 8] for k in range(0, len(order), 8)]
+    assert got == batches  # labels are indices
+
+    trace = json.loads(path.read_text())
+    check_trace_events(trace)
+    tiny = x_events(trace, "tiny-batch")
+    assert len(tiny) == sum(math.ceil(len(b) / 3) for b in batches)  # one span per tiny-batch
+    by_batch = {}
+    for e in tiny:
+        assert e["args"]["samples"] == len(e["args"]["indices"]) <= 3
+        by_batch.setdefault(e["args"]["mini_batch"], []).extend(e["args"]["indices"])
+    assert {k: sorted(v) for k, v in by_batch.items()} == {k: sorted(b) for k, b in enumerate(batches)}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    worker_tids = {e["tid"] for e in tiny}
+    assert worker_tids <= {100, 101} and {"CPU worker 0", "CPU worker 1"} & names
+    waits = x_events(trace, "wait")
+    assert [e["args"]["mini_batch"] for e in waits] == list(range(len(batches)))
+    assert [e["dur"] / 1e6 for e in waits] == pytest.approx(loader.stats.wait_seconds, abs=2e-6)
+    # a tiny-batch ends before its mini-batch's wait does (one clock for workers and the training loop)
+    wait_end = {e["args"]["mini_batch"]: e["ts"] + e["dur"] for e in waits}
+    assert all(e["ts"] + e["dur"] <= wait_end[e["args"]["mini_batch"]] + 1 for e in tiny)
+    assert len(x_events(trace, "mini-batch")) == len(batches)
+    assert trace["otherData"]["dropped_events"] == 0
+
+
+def test_trace_context_records_only_its_block(tmp_path):
+    ds = Bytes(24)
+    loader = FusionFlowLoader(ds, batch_size=6, num_workers=2, policy=SMALL, persistent_workers=True, seed=0)
+    try:
+        list(loader)
+        with loader.trace(tmp_path / "epoch2.json") as rec:
+            list(loader)
+            with pytest.raises(ValueError, match="already traces"):
+                with loader.trace(tmp_path / "other.json"):
+                    pass
+        list(loader)
+    finally:
+        loader.close()
+    trace = load(tmp_path / "epoch2.json")
+    check_trace_events(trace)
+    assert len(x_events(trace, "wait")) == len(loader) == 4
+    assert sorted(i for e in x_events(trace, "tiny-batch") for i in e["args"]["indices"]) == list(range(24))
+    assert rec.dropped == 0 and not (tmp_path / "other.json").exists()
+
+
+def test_trace_is_bounded_and_says_what_it_dropped():
+    rec = TraceRecorder(max_events=5)
+    for k in range(20):
+        rec.wait(k * 1000, k * 1000 + 10, k, 4)
+    trace = rec.to_dict()
+    check_trace_events(trace)
+    waits = x_events(trace, "wait")
+    assert [e["args"]["mini_batch"] for e in waits] == [15, 16, 17, 18, 19]  # the newest are kept
+    assert trace["otherData"]["dropped_events"] == rec.dropped == 15
+
+
+def test_inline_loader_traces_its_waits(tmp_path):
+    loader = FusionFlowLoader(Bytes(10), batch_size=4, num_workers=0, policy=SMALL, trace=tmp_path / "t.json")
+    list(loader)
+    trace = load(tmp_path / "t.json")
+    assert [e["dur"] / 1e6 for e in x_events(trace, "wait")] == pytest.approx(loader.stats.wait_seconds, abs=2e-6)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"trace": 123}, TypeError, "trace=123"),
+    ({"trace": ""}, ValueError, "trace=''"),
+    ({"trace": "/no/such/dir/run.json"}, ValueError, "/no/such/dir"),
+    ({"stage_times": "yes"}, TypeError, "stage_times='yes'"),
+])
+def test_bad_observability_arguments_name_the_value(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        FusionFlowLoader(Bytes(8), batch_size=4, policy=SMALL, **kwargs)
+
+
+def test_bad_trace_sizes_and_paths():
+    with pytest.raises(ValueError, match="max_events=0"):
+        TraceRecorder(max_events=0)
+    loader = FusionFlowLoader(Bytes(8), batch_size=4, policy=SMALL)
+    with pytest.raises(TypeError, match="path=None"):
+        with loader.trace(None):
+            pass
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stage_times_sum_per_worker_and_change_no_pixel(workers):
+    ds = Bytes(20)
+    common = dict(batch_size=5, num_workers=workers, policy=SMALL, seed=4, tiny_batch_size=2)
+    timed = FusionFlowLoader(ds, stage_times=True, **common)
+    plain = FusionFlowLoader(ds, **common)
+    try:
+        for (a, la), (b, lb) in zip(timed, plain, strict=True):
+            assert torch.equal(a, b) and torch.equal(la, lb)
+    finally:
+        timed.close()
+        plain.close()
+    names = stage_names(load_policy(SMALL))
+    assert names[:3] == ("read", "decode+crop+resize", "flip") and names[-1] == "write"
+    workers_seen = set(timed.stats.stage_ns)
+    assert workers_seen == ({"inline"} if workers == 0 else workers_seen & {0, 1}) and workers_seen
+    shares = timed.stats.stage_shares()
+    assert set(shares) <= set(names) and {"read", "decode+crop+resize", "write"} <= set(shares)
+    assert sum(shares.values()) == pytest.approx(1.0) and list(shares.values()) == sorted(shares.values(), reverse=True)
+    assert timed.stats.summary()["stage_shares"] == shares
+    assert plain.stats.stage_ns == {} and plain.stats.stage_shares() == {}
+
+
+def test_done_message_carries_times_and_stages_in_fixed_fields():
+    failure = m.SampleFailure(1, 7, "sample 7", "ValueError", "bad", "tb")
+    msg = m.pack_done(3, 2, [failure], 1_000, 2_500, (10, 20, 30))
+    assert m.unpack_done(msg) == (3, 2, [failure])
+    assert m.unpack_done_times(msg) == (1_000, 2_500, (10, 20, 30))
+    plain = m.pack_done(4, 1, [])
+    assert m.unpack_done(plain) == (4, 1, []) and m.unpack_done_times(plain) == (0, 0, ())
+    assert len(m.pack_done(4, 1, [], 5, 6, (1, 2))) == len(plain) + 2 * struct.calcsize("<q")  # no pickle
+
+
+def test_timeline_png_and_summary(tmp_path):
+    ds = Bytes(24)
+    path = tmp_path / "t.json"
+    loader = FusionFlowLoader(ds, batch_size=6, num_workers=2, policy=SMALL, trace=path, stage_times=True)
+    list(loader)
+    loader.close()
+    trace = load(path)
+    s = summarize(trace)
+    assert s["mini_batches"] == 4 and s["samples"] == 24 and s["tiny_batches"] == len(x_events(trace, "tiny-batch"))
+    assert s["wait_mean_ms"] == pytest.approx(1e3 * np.mean(loader.stats.wait_seconds), rel=1e-4)
+    assert set(s["workers"]) <= {"CPU worker 0", "CPU worker 1"}
+    assert all(0.0 <= w["idle_share"] <= 1.0 for w in s["workers"].values())
+    from fusionflow.profile import stage_seconds_by_track
+    png = plot_timeline(trace, str(tmp_path / "t.png"), stage_seconds_by_track(loader.stats))
+    data = open(png, "rb").read()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("imgs"))
+    return make_image_folder(root, num_classes=2, per_class=8, min_side=40, max_side=90)
+
+
+def test_profile_command_writes_trace_png_and_summary(folder, tmp_path, capsys):
+    out = tmp_path / "prof"
+    assert cli(["profile", "--data", folder, "--workers", "2", "--batches", "5", "--batch-size", "4",
+                "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "wait at next(): mean" in text and "CPU pipeline stages: " in text and "decode+crop+resize" in text
+    assert "idle" in text and str(out / "timeline.png") in text
+    check_trace_events(load(out / "trace.json"))
+    assert (out / "timeline.png").read_bytes()[:8] == PNG_MAGIC
+    assert "samples/s" in (out / "summary.txt").read_text()
+
+
+def test_bench_command_compares_both_loaders(folder, tmp_path, capsys):
+    result = tmp_path / "bench.json"
+    assert cli(["bench", "--data", folder, "--workers", "1", "--batch-size", "4", "--batches", "2", "--repeats", "2",
+                "--size", "32", "--json", str(result)]) == 0
+    text = capsys.readouterr().out
+    assert "FusionFlowLoader / DataLoader+torchvision:" in text
+    res = json.loads(result.read_text())
+    for name in ("FusionFlowLoader", "DataLoader+torchvision"):
+        assert len(res["results"][name]["samples_per_s"]) == 2
+    assert res["ratio"] == pytest.approx(res["results"]["FusionFlowLoader"]["samples_per_s_median"]
+                                         / res["results"]["DataLoader+torchvision"]["samples_per_s_median"])
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["profile", "--data", "/no/such/dir"], "--data '/no/such/dir' is not a directory"),
+    (["profile", "--data", ".", "--batches", "0"], "--batches must be >= 1"),
+    (["bench", "--data", ".", "--repeats", "0"], "--repeats must be >= 1"),
+])
+def test_commands_reject_bad_arguments(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli(argv)
+    assert exc.value.code == 2 and match in capsys.readouterr().err
+
+
+def test_accelerator_tiny_batches_get_their_own_track(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    ds = Bytes(36)
+    path = tmp_path / "accel.json"
+    loader = FusionFlowLoader(ds, batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu",
+                              seed=4, trace=path)
+    list(loader)
+    loader.close()
+    trace = load(path)
+    check_trace_events(trace)
+    tiny = x_events(trace, "tiny-batch")
+    accel = [e for e in tiny if e["tid"] == 2]
+    assert len(accel) == loader.stats.accelerator_tiny_batches > 0
+    assert sorted(i for e in tiny for i in e["args"]["indices"]) == list(range(36))  # CPU + DALI: each once
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert "accelerator (DALI)" in names
+
+
+def test_lent_and_borrowed_workers_show_on_both_loaders_traces(tmp_path):
+    from test_global_manager import job, make, wait_until
+    name = job()
+    a = make(Bytes(40, sleep=0.04), name, seed=11, trace=tmp_path / "a.json")
+    b = make(Bytes(40), name, seed=3, trace=tmp_path / "b.json")
+    try:
+        list(b)  # b's worker is idle from now on: the GM lends it to a
+        got = sorted(i for _, y in a for i in y.tolist())
+        assert got == list(range(40))
+        a.close()  # its guests go home
+        assert wait_until(lambda: all(w.lent_to is None for w in b._manager.workers if w is not None))
+    finally:
+        a.close()
+        b.close()
+    ta, tb = load(tmp_path / "a.json"), load(tmp_path / "b.json")
+    check_trace_events(ta)
+    check_trace_events(tb)
+    names_a = {e["tid"]: e["args"]["name"] for e in ta["traceEvents"] if e["name"] == "thread_name"}
+    borrowed = [e for e in x_events(ta, "tiny-batch") if names_a[e["tid"]].startswith("borrowed worker lm")]
+    assert len(borrowed) == a.stats.borrowed_tiny_batches > 0
+    assert sorted(i for e in x_events(ta, "tiny-batch") for i in e["args"]["indices"]) == list(range(40))
+    lent = x_events(tb, "lent")
+    assert lent and sum(e["args"]["tiny_batches"] for e in lent) == b.stats.lent_tiny_batches
+
+
+@pytest.mark.gpu
+def test_gpu_accelerator_spans_on_the_trace(tmp_path):
+    pytest.importorskip("nvidia.dali")
+    ds = Bytes(48)
+    path = tmp_path / "gpu.json"
+    loader = FusionFlowLoader(ds, batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda",
+                              accelerator="dali-gpu", seed=4, trace=path)
+    got = sorted(i for _, y in loader for i in y.tolist())
+    loader.close()
+    trace = load(path)
+    check_trace_events(trace)
+    tiny = x_events(trace, "tiny-batch")
+    assert got == list(range(48)) == sorted(i for e in tiny for i in e["args"]["indices"])
+    assert len([e for e in tiny if e["tid"] == 2]) == loader.stats.accelerator_tiny_batches
