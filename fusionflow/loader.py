@@ -25,8 +25,8 @@ train and validation loaders of one process; None: no lending) -- see runtime/gl
 
 `collate_fn`: DataLoader's contract. None or `torch.utils.data.default_collate` cost nothing (the batch
 is already collated in place). Any other callable is called with the batch as a list of (image, target)
-samples -- images are views of the delivered batch tensor, on the loader's `device`; targets are ints --
-in the training process, after the batch is on its device, and the iteration yields what it returns:
+samples -- images are views of the delivered batch tensor, on the loader's `device`; targets as the
+dataset returned them -- in the training process, after the batch is on its device, and the iteration yields what it returns:
 torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and runs on the GPU
 when device is CUDA).
 
@@ -38,6 +38,14 @@ fix it (e.g. to resume a run with the same augmentation); `loader.seed` holds th
 `num_workers` above the usable CPU cores warns (as DataLoader does) and runs; the workers then share cores.
 A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
 float tensor/array (already transformed) is refused at construction.
+
+Targets: any type `default_collate` handles, delivered as DataLoader delivers them (floats as float64,
+tensors stacked, strings as lists, dicts per key). Python int targets travel as int64 in shared memory;
+any other target is pickled with its tiny-batch's completion (targets only, never pixels) and collated
+in the training process -- see runtime/targets.py.
+
+Checkpointing: `state_dict()` anywhere in an epoch, `load_state_dict(state)` on a fresh loader (any
+num_workers) resumes with the identical remaining batches and epochs -- see fusionflow/state.py.
 
 Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
 forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
@@ -58,10 +66,12 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
+from fusionflow import state as ff_state
 from fusionflow.errors import SampleError
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import load_policy
 from fusionflow.runtime.local_manager import LocalManager
+from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.messages import SampleFailure
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.worker import describe, split_item
@@ -213,6 +223,7 @@ class FusionFlowLoader:
             raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
+        self._seed_given = seed is not None
         if seed is None:
             seed = _default_seed(generator)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -296,6 +307,9 @@ class FusionFlowLoader:
         self._bridge_why_off = why_off  # None: start the bridge with the accelerator (again after close())
         self.stats.memory_bridge = None if why_off is None else f"off: {why_off}"
         self._epoch, self._epoch_set, self._iterations = 0, False, 0
+        self._yielded = None  # batches yielded in the epoch in progress (None: none in progress)
+        self._epoch_start = None  # what reproduces that epoch's order (fusionflow/state.py)
+        self._resume = None  # (sampler state, batches to skip) for the next iteration, from load_state_dict
         self._manager: LocalManager | None = None
         self._active_generation = None
         self._warned_skip = False
@@ -330,7 +344,65 @@ class FusionFlowLoader:
         self._epoch_set = False
         self._iterations += 1
         batches = self._iter_inline(self._epoch) if self.num_workers == 0 else self._iter_workers(self._epoch)
-        return batches if self._collate is None else _collated(batches, self._collate)
+        return _plain(batches) if self._collate is None else _collated(batches, self._collate)
+
+    # ---------------------------------------------------------------- checkpointing (fusionflow/state.py)
+    def state_dict(self) -> dict:
+        """The loader's position, to resume it exactly: small (no pixels), picklable, torch.save-able.
+
+        Taken anywhere -- between epochs, or mid-epoch after k batches were yielded -- and loaded into
+        a fresh loader over the same dataset (any num_workers) with `load_state_dict`, the resumed
+        loader yields exactly the batches the original would have yielded next -- the rest of the
+        epoch, same indices and pixels -- and the same epochs after it. A loader that stopped
+        mid-epoch (`break`) resumes that epoch's remaining batches."""
+        in_epoch = self._yielded is not None
+        return {
+            "version": ff_state.VERSION,
+            "dataset_len": len(self.dataset), "batch_size": self.capacity, "drop_last": self.drop_last,
+            "num_batches": len(self), "seed": self.seed,
+            "epoch": self._epoch, "epoch_set": self._epoch_set, "iterations": self._iterations,
+            "batches_yielded": self._yielded if in_epoch else None,
+            "sampler": self._epoch_start if in_epoch else ff_state.capture(self.batch_sampler, self.sampler),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`: the next iteration continues where that loader was. The state's
+        seed replaces this loader's (the augmentation is a function of it); the loader must be built
+        over a dataset of the same length with the same batch_size, drop_last and kind of sampler."""
+        if not isinstance(state, dict) or state.get("version") != ff_state.VERSION:
+            raise ValueError(f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
+                             f"{ff_state.VERSION}: pass what loader.state_dict() returned")
+        mine = {"dataset_len": len(self.dataset), "batch_size": self.capacity, "drop_last": self.drop_last,
+                "num_batches": len(self)}
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ValueError(f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
+                                 f"{key}={value!r}: build the loader as the one that saved the state was built "
+                                 "(same dataset length, batch_size, drop_last and sampler)")
+        ff_state.check(state["sampler"], self.batch_sampler, self.sampler)
+        yielded = state["batches_yielded"]
+        if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= len(self)):
+            raise ValueError(f"state['batches_yielded']={yielded!r} must be an int in [0, {len(self)}]")
+        seed = state["seed"]
+        if self._seed_given and seed != self.seed:
+            warnings.warn(f"seed={self.seed} was given, but the state was saved with seed={seed}: the state's seed "
+                          "is used, so the resumed run augments as the saved one did", UserWarning, stacklevel=2)
+        if self.seed != seed:
+            self.seed = seed
+            self._stop_manager()  # running workers hold the old seed
+        self._epoch, self._epoch_set, self._iterations = state["epoch"], state["epoch_set"], state["iterations"]
+        if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
+            self._epoch_set, self._iterations = True, max(0, self._iterations - 1)
+        self._resume = (state["sampler"], yielded or 0)
+        self._yielded = self._epoch_start = None
+
+    def _epoch_batches(self):
+        """This epoch's batches of indices; records what reproduces them (or restores it, resuming)."""
+        saved, skip = self._resume if self._resume is not None else (None, 0)
+        self._resume = None
+        batches, self._epoch_start = ff_state.start_epoch(self.batch_sampler, self.sampler, saved, skip)
+        self._yielded = skip
+        return batches
 
     def __enter__(self):
         return self
@@ -579,23 +651,40 @@ class FusionFlowLoader:
         pipe = CpuPipeline(self.policy)
         buf = np.empty((self.capacity, *self.policy.out_shape), self.policy.out_dtype)
         labels = np.empty(self.capacity, np.int64)
-        for indices in self.batch_sampler:
+        for indices in self._epoch_batches():
             t0 = time.perf_counter()
             self._check_batch(indices)
-            failures = []
+            failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
             for pos, index in enumerate(indices):
                 try:
-                    sample, labels[pos] = split_item(self.dataset[index], index)
+                    sample, target = split_item(self.dataset[index], index)
                     pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index))
+                    ff_targets.store(labels, pos, target, side)
                 except Exception as exc:
                     failures.append(SampleFailure(pos, index, describe(self.dataset, index), type(exc).__name__,
                                                   str(exc), traceback.format_exc()))
             keep = self._select(indices, failures)
             n = len(indices)
             imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
+            objs = ff_targets.gather(labels, range(n) if keep is None else keep, side) if side else None
             self._account(time.perf_counter() - t0, len(imgs))
             images_t, labels_t, _ = self._deliver(imgs, labs)
-            yield images_t, labels_t
+            if objs is not None:
+                labels_t = self._collate_targets(objs)
+            self._yielded += 1
+            yield images_t, labels_t, objs
+        self._yielded = None  # the epoch is complete
+
+    def _collate_targets(self, objs: list):
+        """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
+        from torch.utils.data import default_collate
+        collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
+        # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
+        if self.device.type == "cuda":
+            return _map_tensors(collated, lambda t: t.to(self._alloc_device))
+        if self.pin_memory:
+            return _map_tensors(collated, lambda t: t.pin_memory())
+        return collated
 
     def _check_batch(self, indices) -> None:
         if len(indices) > self.capacity:
@@ -608,7 +697,7 @@ class FusionFlowLoader:
             mgr.abandon(self._active_generation)
         gen = mgr.new_generation()
         self._active_generation = gen
-        batches = iter(self.batch_sampler)
+        batches = self._epoch_batches()
         submitted, delivered, exhausted = 0, 0, False
         free_slots = list(range(self.prefetch_factor))
         pending_release = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
@@ -645,11 +734,15 @@ class FusionFlowLoader:
                 keep = self._select(range(n), state.failures)
                 imgs = mgr.ring.images[state.slot]
                 labs = mgr.ring.labels[state.slot]
+                objs = (ff_targets.gather(labs, range(n) if keep is None else keep, state.targets)
+                        if state.targets else None)  # targets that are not all ints: collated as DataLoader does
                 imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
                 if self._device_ring is not None and state.accel_positions:
                     images_t, labels_t, event = self._deliver_merged(mgr, state, keep)
                 else:
                     images_t, labels_t, event = self._deliver(imgs, labs)
+                if objs is not None:
+                    labels_t = self._collate_targets(objs)
                 self._account(wait, len(images_t))
                 self._sync_stats(mgr)
                 delivered += 1
@@ -658,8 +751,10 @@ class FusionFlowLoader:
                     refill()
                 else:
                     pending_release = (state.slot, event)
-                yield images_t, labels_t
+                self._yielded += 1
+                yield images_t, labels_t, objs
             finished = True
+            self._yielded = None  # the epoch is complete
         finally:
             if self._manager is mgr:
                 if not finished:
@@ -670,16 +765,42 @@ class FusionFlowLoader:
                     self._stop_manager()
 
 
+def _plain(batches):
+    """(images, targets) of the inner iteration's (images, targets, per-sample targets or None)."""
+    try:
+        for images, labels, _ in batches:
+            yield images, labels
+    finally:
+        batches.close()  # a break or an exception in the training loop ends the inner iteration now
+
+
 def _collated(batches, collate_fn):
     """DataLoader's collate_fn contract on delivered batches: `collate_fn` gets the batch as a list of
     (image, target) samples -- images are views of the delivered batch tensor (on the loader's device),
-    targets Python ints, as a dataset gives them -- and what it returns is what the iteration yields.
-    It runs here, in the training process, after the batch is on its device."""
+    targets as the dataset gave them (Python ints on the fast path) -- and what it returns is what the
+    iteration yields. It runs here, in the training process, after the batch is on its device."""
     try:
-        for images, labels in batches:
-            yield collate_fn(list(zip(images.unbind(0), labels.tolist())))
+        for images, labels, objs in batches:
+            yield collate_fn(list(zip(images.unbind(0), labels.tolist() if objs is None else objs)))
     finally:
         batches.close()  # a break or an exception in the training loop ends the inner iteration now
+
+
+def _map_tensors(obj, fn):
+    """`fn` applied to every tensor in a collated structure (dicts, lists, tuples, namedtuples)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return out if type(obj) is dict else type(obj)(out)
+        except TypeError:  # a mapping that cannot be built from a dict: as default_collate does
+            return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 def _is_default_collate(collate_fn) -> bool:

@@ -1,8 +1,8 @@
 """Small fixed-layout messages between the local manager and CPU workers (struct-packed bytes).
 
 No pixel data ever travels here: a task names slots and dataset indices; a completion names the
-task. Only failures carry a variable payload (the exceptions, as text, to be re-raised in the
-training process).
+task. Only failures (the exceptions, as text, to be re-raised in the training process) and targets
+that are not Python ints (runtime/targets.py: {position: target}, small) carry a variable payload.
 """
 from __future__ import annotations
 
@@ -50,9 +50,11 @@ def pack_stop() -> bytes:
     return _HEAD.pack(STOP, 0, 0, 0, 0, 0)
 
 
-def pack_done(task_id: int, generation: int, failures: list[SampleFailure]) -> bytes:
-    head = _HEAD.pack(DONE, task_id, generation, 0, 0, len(failures))
-    return head + (pickle.dumps(failures) if failures else b"")
+def pack_done(task_id: int, generation: int, failures: list[SampleFailure], targets: dict | None = None) -> bytes:
+    """`targets`: {position: target} of the samples whose target did not go into the ring's int64 slot."""
+    n = len(failures) + len(targets or ())  # 0: no payload (the common case: int targets, no failure)
+    head = _HEAD.pack(DONE, task_id, generation, 0, 0, n)
+    return head + (pickle.dumps((failures, targets or {})) if n else b"")
 
 
 def pack_ready(worker_id: int) -> bytes:
@@ -86,9 +88,11 @@ def unpack_task(msg: bytes) -> Task:
     return Task(task_id, gen, slot, epoch, tuple(p for p, _ in items), tuple(i for _, i in items))
 
 
-def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure]]:
+def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure], dict]:
+    """(task_id, generation, failures, {position: target} of targets sent along)."""
     _, task_id, gen, _, _, n = _HEAD.unpack_from(msg)
-    return task_id, gen, (pickle.loads(msg[_HEAD.size:]) if n else [])
+    failures, targets = pickle.loads(msg[_HEAD.size:]) if n else ([], {})
+    return task_id, gen, failures, targets
 
 
 def unpack_fatal(msg: bytes) -> str:

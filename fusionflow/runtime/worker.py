@@ -22,6 +22,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
+from fusionflow.runtime import targets
 from fusionflow.runtime.gm_link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 
@@ -39,10 +40,11 @@ def describe(dataset, index: int) -> str:
 
 
 def split_item(item, index: int):
+    """(sample, target): the target is returned as the dataset gave it (runtime/targets.py says how
+    it travels)."""
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise TypeError(f"dataset[{index}] must return (sample, label), got {type(item).__name__}")
-    sample, label = item
-    return sample, int(label)
+        raise TypeError(f"dataset[{index}] must return (sample, target), got {type(item).__name__}")
+    return item[0], item[1]
 
 
 class _Orphaned(Exception):
@@ -55,16 +57,16 @@ class _Stopped(Exception):
 
 def run_task(task, dataset, pipe, ring, seed: int, out) -> None:
     """Decode + augment a tiny-batch into `ring`; report DONE (with failures as data) on `out`."""
-    failures = []
+    failures, side = [], {}  # side: targets that are not ints, sent with DONE (runtime/targets.py)
     for pos, index in zip(task.positions, task.indices):
         try:
-            sample, label = split_item(dataset[index], index)
+            sample, target = split_item(dataset[index], index)
             pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos], what=describe(dataset, index))
-            ring.labels[task.slot, pos] = label
+            targets.store(ring.labels[task.slot], pos, target, side)
         except Exception as exc:
             failures.append(m.SampleFailure(pos, index, describe(dataset, index), type(exc).__name__,
                                             str(exc), traceback.format_exc()))
-    out.send_bytes(m.pack_done(task.task_id, task.generation, failures))
+    out.send_bytes(m.pack_done(task.task_id, task.generation, failures, side))
 
 
 def _check_orphan(parent_pid: int) -> None:
