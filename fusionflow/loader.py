@@ -334,6 +334,12 @@ class FusionFlowLoader:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r} must be a non-negative integer")
+        if self._resume is not None and self._resume[1] and epoch != self._epoch:
+            warnings.warn(f"set_epoch({epoch}) after load_state_dict of a state in the middle of epoch {self._epoch}: "
+                          f"epoch {epoch} starts from its first batch; call set_epoch({self._epoch}) (or none) to "
+                          "resume the saved epoch's remaining batches", UserWarning, stacklevel=2)
+            saved = self._resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one
+            self._resume = None if saved.get("kind") == "epoch" else (saved, 0)
         self._epoch, self._epoch_set = epoch, True
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
@@ -343,6 +349,8 @@ class FusionFlowLoader:
             self._epoch += 1
         self._epoch_set = False
         self._iterations += 1
+        # an epoch is in progress from iter() on (its order is captured when its first batch is drawn)
+        self._epoch_start, self._yielded = self._resume if self._resume is not None else (None, 0)
         batches = self._iter_inline(self._epoch) if self.num_workers == 0 else self._iter_workers(self._epoch)
         return _plain(batches) if self._collate is None else _collated(batches, self._collate)
 
@@ -362,7 +370,8 @@ class FusionFlowLoader:
             "num_batches": len(self), "seed": self.seed,
             "epoch": self._epoch, "epoch_set": self._epoch_set, "iterations": self._iterations,
             "batches_yielded": self._yielded if in_epoch else None,
-            "sampler": self._epoch_start if in_epoch else ff_state.capture(self.batch_sampler, self.sampler),
+            "sampler": (self._epoch_start if in_epoch and self._epoch_start is not None
+                        else ff_state.capture(self.batch_sampler, self.sampler)),
         }
 
     def load_state_dict(self, state: dict) -> None:
