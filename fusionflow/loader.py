@@ -26,8 +26,8 @@ train and validation loaders of one process; None: no lending) -- see runtime/gl
 `collate_fn`: DataLoader's contract. None or `torch.utils.data.default_collate` cost nothing (the batch
 is already collated in place). Any other callable is called with the batch as a list of (image, target)
 samples -- images are views of the delivered batch tensor, on the loader's `device`; targets as the
-dataset returned them -- in the training process, after the batch is on its device, and the iteration yields what it returns:
-torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and runs on the GPU
+dataset returned them -- in the training process, after the batch is on its device, and the iteration
+yields what it returns: torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and runs on the GPU
 when device is CUDA).
 
 `seed`: None (the default) derives it once per loader as DataLoader derives its base seed: from
@@ -40,7 +40,7 @@ A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one
 float tensor/array (already transformed) is refused at construction.
 
 Targets: any type `default_collate` handles, delivered as DataLoader delivers them (floats as float64,
-tensors stacked, strings as lists, dicts per key). Python int targets travel as int64 in shared memory;
+tensors stacked, strings as a tuple of str, dicts per key). Python int targets travel as int64 in shared memory;
 any other target is pickled with its tiny-batch's completion (targets only, never pixels) and collated
 in the training process -- see runtime/targets.py.
 
@@ -70,8 +70,8 @@ from fusionflow import state as ff_state
 from fusionflow.errors import SampleError
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import load_policy
-from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime import targets as ff_targets
+from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.messages import SampleFailure
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.worker import describe, split_item
@@ -310,6 +310,7 @@ class FusionFlowLoader:
         self._yielded = None  # batches yielded in the epoch in progress (None: none in progress)
         self._epoch_start = None  # what reproduces that epoch's order (fusionflow/state.py)
         self._resume = None  # (sampler state, batches to skip) for the next iteration, from load_state_dict
+        self._serial = 0  # iterations started: only the newest one counts its batches into the state
         self._manager: LocalManager | None = None
         self._active_generation = None
         self._warned_skip = False
@@ -351,7 +352,9 @@ class FusionFlowLoader:
         self._iterations += 1
         # an epoch is in progress from iter() on (its order is captured when its first batch is drawn)
         self._epoch_start, self._yielded = self._resume if self._resume is not None else (None, 0)
-        batches = self._iter_inline(self._epoch) if self.num_workers == 0 else self._iter_workers(self._epoch)
+        self._serial += 1
+        run = self._iter_inline if self.num_workers == 0 else self._iter_workers
+        batches = run(self._epoch, self._serial)
         return _plain(batches) if self._collate is None else _collated(batches, self._collate)
 
     # ---------------------------------------------------------------- checkpointing (fusionflow/state.py)
@@ -405,12 +408,18 @@ class FusionFlowLoader:
         self._resume = (state["sampler"], yielded or 0)
         self._yielded = self._epoch_start = None
 
-    def _epoch_batches(self):
+    def _yielded_one(self, serial: int, done: bool = False) -> None:
+        """Count a batch yielded by iteration `serial` (or, `done`, its epoch's end), if it is the newest."""
+        if serial == self._serial and self._yielded is not None:
+            self._yielded = None if done else self._yielded + 1
+
+    def _epoch_batches(self, serial: int):
         """This epoch's batches of indices; records what reproduces them (or restores it, resuming)."""
         saved, skip = self._resume if self._resume is not None else (None, 0)
         self._resume = None
-        batches, self._epoch_start = ff_state.start_epoch(self.batch_sampler, self.sampler, saved, skip)
-        self._yielded = skip
+        batches, snapshot = ff_state.start_epoch(self.batch_sampler, self.sampler, saved, skip)
+        if serial == self._serial:
+            self._epoch_start, self._yielded = snapshot, skip
         return batches
 
     def __enter__(self):
@@ -656,11 +665,11 @@ class FusionFlowLoader:
         self.stats.samples += n
         self.stats.wait_seconds.append(wait)
 
-    def _iter_inline(self, epoch: int):
+    def _iter_inline(self, epoch: int, serial: int):
         pipe = CpuPipeline(self.policy)
         buf = np.empty((self.capacity, *self.policy.out_shape), self.policy.out_dtype)
         labels = np.empty(self.capacity, np.int64)
-        for indices in self._epoch_batches():
+        for indices in self._epoch_batches(serial):
             t0 = time.perf_counter()
             self._check_batch(indices)
             failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
@@ -680,9 +689,9 @@ class FusionFlowLoader:
             images_t, labels_t, _ = self._deliver(imgs, labs)
             if objs is not None:
                 labels_t = self._collate_targets(objs)
-            self._yielded += 1
+            self._yielded_one(serial)
             yield images_t, labels_t, objs
-        self._yielded = None  # the epoch is complete
+        self._yielded_one(serial, done=True)  # the epoch is complete
 
     def _collate_targets(self, objs: list):
         """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
@@ -700,13 +709,13 @@ class FusionFlowLoader:
             raise ValueError(f"the batch sampler yielded a batch of {len(indices)} samples, more than its "
                              f"batch_size={self.capacity}")
 
-    def _iter_workers(self, epoch: int):
+    def _iter_workers(self, epoch: int, serial: int):
         mgr = self._ensure_manager()
         if self._active_generation is not None:  # a previous iterator was left unfinished
             mgr.abandon(self._active_generation)
         gen = mgr.new_generation()
         self._active_generation = gen
-        batches = self._epoch_batches()
+        batches = self._epoch_batches(serial)
         submitted, delivered, exhausted = 0, 0, False
         free_slots = list(range(self.prefetch_factor))
         pending_release = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
@@ -760,10 +769,10 @@ class FusionFlowLoader:
                     refill()
                 else:
                     pending_release = (state.slot, event)
-                self._yielded += 1
+                self._yielded_one(serial)
                 yield images_t, labels_t, objs
             finished = True
-            self._yielded = None  # the epoch is complete
+            self._yielded_one(serial, done=True)  # the epoch is complete
         finally:
             if self._manager is mgr:
                 if not finished:

@@ -228,3 +228,18 @@ def test_set_epoch_to_another_epoch_after_a_mid_epoch_state_warns_and_starts_tha
         fresh.set_epoch(4)
     loader.set_epoch(4)
     same_batches(batches(fresh), batches(loader))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_only_the_newest_iteration_counts_into_the_state(num_workers):
+    loader = make("sequential", num_workers, seed=5)
+    old = iter(loader)
+    next(old)
+    new = iter(loader)  # supersedes the first (with workers, the old one then raises if continued)
+    next(new), next(new)
+    if num_workers == 0:
+        next(old)  # an old iterator still running does not move the new epoch's position
+    state = loader.state_dict()
+    assert state["batches_yielded"] == 2 and state["epoch"] == 1
+    del old, new
+    loader.close()
