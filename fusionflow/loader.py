@@ -367,6 +367,7 @@ class FusionFlowLoader:
         epoch, same indices and pixels -- and the same epochs after it. A loader that stopped
         mid-epoch (`break`) resumes that epoch's remaining batches."""
         in_epoch = self._yielded is not None
+        ff_state.warn_if_unresumable(self.batch_sampler, self.sampler)
         return {
             "version": ff_state.VERSION,
             "dataset_len": len(self.dataset), "batch_size": self.capacity, "drop_last": self.drop_last,

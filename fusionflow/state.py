@@ -68,11 +68,15 @@ def capture(batch_sampler, sampler) -> dict:
     if kind == "epoch":
         return {"kind": kind, "epoch": owner.epoch, "num_replicas": getattr(owner, "num_replicas", None),
                 "rank": getattr(owner, "rank", None)}
-    if hasattr(sampler, "generator") and sampler.generator is None:
+    return {"kind": kind}
+
+
+def warn_if_unresumable(batch_sampler, sampler) -> None:
+    """A state is being taken of an order drawn from torch's global RNG: say it will not repeat."""
+    if order_owner(batch_sampler, sampler)[1] == "none" and getattr(sampler, "generator", False) is None:
         warnings.warn(f"{type(sampler).__name__} draws its order from torch's global RNG (generator=None): a "
                       "resumed epoch will not repeat it. Give the sampler a torch.Generator (generator=...) "
                       "or a state_dict()/load_state_dict() to resume it exactly", UserWarning, stacklevel=3)
-    return {"kind": kind}
 
 
 def check(saved: dict, batch_sampler, sampler) -> None:

@@ -2,6 +2,7 @@
 exactly the batches -- indices and pixels -- the original yields after it, and the same epochs after."""
 import io
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -203,6 +204,9 @@ def test_a_state_from_another_dataset_or_rank_is_refused():
 def test_sampler_on_torchs_global_rng_warns_that_it_cannot_resume_exactly():
     from torch.utils.data import SubsetRandomSampler
     loader = FusionFlowLoader(DS, batch_size=4, policy=SMALL, sampler=SubsetRandomSampler(range(10)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # iterating alone does not warn: only taking a state does
+        batches(loader)
     with pytest.warns(UserWarning, match="generator"):
         loader.state_dict()
 
