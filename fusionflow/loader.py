@@ -30,9 +30,9 @@ train and validation loaders of one process; None: no lending) -- see runtime/gl
 
 `collate_fn`: DataLoader's contract. None or `torch.utils.data.default_collate` cost nothing (the batch
 is already collated in place). Any other callable is called with the batch as a list of (image, target)
-samples -- images are views of the delivered batch tensor, on the loader's `device`; targets are ints --
-in the training process, after the batch is on its device, and the iteration yields what it returns:
-torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and runs on the GPU
+samples -- images are views of the delivered batch tensor, on the loader's `device`; targets as the
+dataset returned them -- in the training process, after the batch is on its device, and the iteration
+yields what it returns: torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and runs on the GPU
 when device is CUDA).
 
 `seed`: None (the default) derives it once per loader as DataLoader derives its base seed: from
@@ -43,6 +43,14 @@ fix it (e.g. to resume a run with the same augmentation); `loader.seed` holds th
 `num_workers` above the usable CPU cores warns (as DataLoader does) and runs; the workers then share cores.
 A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
 float tensor/array (already transformed) is refused at construction.
+
+Targets: any type `default_collate` handles, delivered as DataLoader delivers them (floats as float64,
+tensors stacked, strings as a tuple of str, dicts per key). Python int targets travel as int64 in shared memory;
+any other target is pickled with its tiny-batch's completion (targets only, never pixels) and collated
+in the training process -- see runtime/targets.py.
+
+Checkpointing: `state_dict()` anywhere in an epoch, `load_state_dict(state)` on a fresh loader (any
+num_workers) resumes with the identical remaining batches and epochs -- see fusionflow/state.py.
 
 Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
 forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
@@ -72,9 +80,11 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
 
+from fusionflow import state as ff_state
 from fusionflow.errors import SampleError
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import load_policy
+from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.messages import SampleFailure
 from fusionflow.runtime.shm import RingLayout
@@ -250,6 +260,7 @@ class FusionFlowLoader:
             raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
+        self._seed_given = seed is not None
         if seed is None:
             seed = _default_seed(generator)
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
@@ -343,6 +354,10 @@ class FusionFlowLoader:
         self._bridge_why_off = why_off  # None: start the bridge with the accelerator (again after close())
         self.stats.memory_bridge = None if why_off is None else f"off: {why_off}"
         self._epoch, self._epoch_set, self._iterations = 0, False, 0
+        self._yielded = None  # batches yielded in the epoch in progress (None: none in progress)
+        self._epoch_start = None  # what reproduces that epoch's order (fusionflow/state.py)
+        self._resume = None  # (sampler state, batches to skip) for the next iteration, from load_state_dict
+        self._serial = 0  # iterations started: only the newest one counts its batches into the state
         self._manager: LocalManager | None = None
         self._active_generation = None
         self._warned_skip = False
@@ -367,6 +382,12 @@ class FusionFlowLoader:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r} must be a non-negative integer")
+        if self._resume is not None and self._resume[1] and epoch != self._epoch:
+            warnings.warn(f"set_epoch({epoch}) after load_state_dict of a state in the middle of epoch {self._epoch}: "
+                          f"epoch {epoch} starts from its first batch; call set_epoch({self._epoch}) (or none) to "
+                          "resume the saved epoch's remaining batches", UserWarning, stacklevel=2)
+            saved = self._resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one
+            self._resume = None if saved.get("kind") == "epoch" else (saved, 0)
         self._epoch, self._epoch_set = epoch, True
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
@@ -376,8 +397,80 @@ class FusionFlowLoader:
             self._epoch += 1
         self._epoch_set = False
         self._iterations += 1
-        batches = self._iter_inline(self._epoch) if self.num_workers == 0 else self._iter_workers(self._epoch)
-        return batches if self._collate is None else _collated(batches, self._collate)
+        # an epoch is in progress from iter() on (its order is captured when its first batch is drawn)
+        self._epoch_start, self._yielded = self._resume if self._resume is not None else (None, 0)
+        self._serial += 1
+        run = self._iter_inline if self.num_workers == 0 else self._iter_workers
+        batches = run(self._epoch, self._serial)
+        return _plain(batches) if self._collate is None else _collated(batches, self._collate)
+
+    # ---------------------------------------------------------------- checkpointing (fusionflow/state.py)
+    def state_dict(self) -> dict:
+        """The loader's position, to resume it exactly: small (no pixels), picklable, torch.save-able.
+
+        Taken anywhere -- between epochs, or mid-epoch after k batches were yielded -- and loaded into
+        a fresh loader over the same dataset (any num_workers) with `load_state_dict`, the resumed
+        loader yields exactly the batches the original would have yielded next -- the rest of the
+        epoch, same indices and pixels -- and the same epochs after it. A loader that stopped
+        mid-epoch (`break`) resumes that epoch's remaining batches."""
+        in_epoch = self._yielded is not None
+        ff_state.warn_if_unresumable(self.batch_sampler, self.sampler)
+        return {
+            "version": ff_state.VERSION,
+            "dataset_len": len(self.dataset), "batch_size": self.capacity, "drop_last": self.drop_last,
+            "num_batches": len(self), "seed": self.seed,
+            "epoch": self._epoch, "epoch_set": self._epoch_set, "iterations": self._iterations,
+            "batches_yielded": self._yielded if in_epoch else None,
+            "sampler": (self._epoch_start if in_epoch and self._epoch_start is not None
+                        else ff_state.capture(self.batch_sampler, self.sampler)),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from `state_dict()`: the next iteration continues where that loader was. The state's
+        seed replaces this loader's (the augmentation is a function of it); the loader must be built
+        over a dataset of the same length with the same batch_size, drop_last and kind of sampler."""
+        if not isinstance(state, dict) or state.get("version") != ff_state.VERSION:
+            raise ValueError(f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
+                             f"{ff_state.VERSION}: pass what loader.state_dict() returned")
+        mine = {"dataset_len": len(self.dataset), "batch_size": self.capacity, "drop_last": self.drop_last,
+                "num_batches": len(self)}
+        for key, value in mine.items():
+            if state.get(key) != value:
+                raise ValueError(f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
+                                 f"{key}={value!r}: build the loader as the one that saved the state was built "
+                                 "(same dataset length, batch_size, drop_last and sampler)")
+        ff_state.check(state["sampler"], self.batch_sampler, self.sampler)
+        yielded = state["batches_yielded"]
+        if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= len(self)):
+            raise ValueError(f"state['batches_yielded']={yielded!r} must be an int in [0, {len(self)}]")
+        seed = state["seed"]
+        if self._seed_given and seed != self.seed:
+            warnings.warn(f"seed={self.seed} was given, but the state was saved with seed={seed}: the state's seed "
+                          "is used, so the resumed run augments as the saved one did", UserWarning, stacklevel=2)
+        if self.seed != seed:
+            self.seed = seed
+            self._stop_manager()  # running workers hold the old seed
+        self._epoch, self._epoch_set, self._iterations = state["epoch"], state["epoch_set"], state["iterations"]
+        if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
+            self._epoch_set, self._iterations = True, max(0, self._iterations - 1)
+        self._resume = (state["sampler"], yielded or 0)
+        self._yielded = self._epoch_start = None
+
+    def _yielded_one(self, serial: int, done: bool = False) -> None:
+        """Count a batch yielded by iteration `serial` (or, `done`, its epoch's end), if it is the newest."""
+        if serial == self._serial and self._yielded is not None:
+            self._yielded = None if done else self._yielded + 1
+
+    def _epoch_batches(self, serial: int, copies=None):
+        """This epoch's batches of indices; records what reproduces them (or restores it, resuming).
+        Batches skipped on resume still pass through `copies` (repeated augmentation's counter), so
+        the copies after the resume point get the numbers they would have had."""
+        saved, skip = self._resume if self._resume is not None else (None, 0)
+        self._resume = None
+        batches, snapshot = ff_state.start_epoch(self.batch_sampler, self.sampler, saved, skip, on_skip=copies)
+        if serial == self._serial:
+            self._epoch_start, self._yielded = snapshot, skip
+        return batches
 
     def __enter__(self):
         return self
@@ -661,7 +754,7 @@ class FusionFlowLoader:
                            if dist.is_available() and dist.is_initialized() else (0, 1))
         return Copies(rank, world)
 
-    def _iter_inline(self, epoch: int):
+    def _iter_inline(self, epoch: int, serial: int):
         pipe = CpuPipeline(self.policy)
         buf = np.empty((self.capacity, *self.policy.out_shape), self.policy.out_dtype)
         labels = np.empty(self.capacity, np.int64)
@@ -670,25 +763,27 @@ class FusionFlowLoader:
         if self._stage_names is not None:
             from fusionflow.stages import StageClock
             clock = StageClock(self._stage_names)
-        for seq, indices in enumerate(self.batch_sampler):
+        for seq, indices in enumerate(self._epoch_batches(serial, copies)):
             t0 = time.perf_counter()
             self._check_batch(indices)
-            failures = []
+            failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
             for pos, (index, copy) in enumerate(zip(indices, copies(indices))):
                 try:
                     if clock is not None:
                         clock.start()
-                    sample, labels[pos] = split_item(self.dataset[index], index)
+                    sample, target = split_item(self.dataset[index], index)
                     if clock is not None:
                         clock("read")
                     pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index), tick=clock,
                          copy=copy)
+                    ff_targets.store(labels, pos, target, side)
                 except Exception as exc:
                     failures.append(SampleFailure(pos, index, describe(self.dataset, index), type(exc).__name__,
                                                   str(exc), traceback.format_exc()))
             keep = self._select(indices, failures)
             n = len(indices)
             imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
+            objs = ff_targets.gather(labels, range(n) if keep is None else keep, side) if side else None
             wait = time.perf_counter() - t0
             self._account(wait, len(imgs))
             if clock is not None:
@@ -696,7 +791,11 @@ class FusionFlowLoader:
             if self._tracer is not None:
                 self._trace_wait(wait, seq, len(imgs))
             images_t, labels_t, _ = self._deliver(imgs, labs)
-            yield images_t, labels_t
+            if objs is not None:
+                labels_t = self._collate_targets(objs)
+            self._yielded_one(serial)
+            yield images_t, labels_t, objs
+        self._yielded_one(serial, done=True)  # the epoch is complete
         self._flush_trace()
 
     def _trace_wait(self, wait: float, seq: int, samples: int) -> None:
@@ -704,19 +803,30 @@ class FusionFlowLoader:
         end = time.monotonic_ns()
         self._tracer.wait(end - round(wait * 1e9), end, seq, samples)
 
+    def _collate_targets(self, objs: list):
+        """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
+        from torch.utils.data import default_collate
+        collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
+        # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
+        if self.device.type == "cuda":
+            return _map_tensors(collated, lambda t: t.to(self._alloc_device))
+        if self.pin_memory:
+            return _map_tensors(collated, lambda t: t.pin_memory())
+        return collated
+
     def _check_batch(self, indices) -> None:
         if len(indices) > self.capacity:
             raise ValueError(f"the batch sampler yielded a batch of {len(indices)} samples, more than its "
                              f"batch_size={self.capacity}")
 
-    def _iter_workers(self, epoch: int):
+    def _iter_workers(self, epoch: int, serial: int):
         mgr = self._ensure_manager()
         if self._active_generation is not None:  # a previous iterator was left unfinished
             mgr.abandon(self._active_generation)
         gen = mgr.new_generation()
         self._active_generation = gen
-        batches = iter(self.batch_sampler)
         copies = self._copies()
+        batches = self._epoch_batches(serial, copies)
         submitted, delivered, exhausted = 0, 0, False
         free_slots = list(range(self.prefetch_factor))
         pending_release = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
@@ -753,11 +863,15 @@ class FusionFlowLoader:
                 keep = self._select(range(n), state.failures)
                 imgs = mgr.ring.images[state.slot]
                 labs = mgr.ring.labels[state.slot]
+                objs = (ff_targets.gather(labs, range(n) if keep is None else keep, state.targets)
+                        if state.targets else None)  # targets that are not all ints: collated as DataLoader does
                 imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
                 if self._device_ring is not None and state.accel_positions:
                     images_t, labels_t, event = self._deliver_merged(mgr, state, keep)
                 else:
                     images_t, labels_t, event = self._deliver(imgs, labs)
+                if objs is not None:
+                    labels_t = self._collate_targets(objs)
                 self._account(wait, len(images_t))
                 if self._tracer is not None:
                     self._trace_wait(wait, delivered, len(images_t))
@@ -768,8 +882,10 @@ class FusionFlowLoader:
                     refill()
                 else:
                     pending_release = (state.slot, event)
-                yield images_t, labels_t
+                self._yielded_one(serial)
+                yield images_t, labels_t, objs
             finished = True
+            self._yielded_one(serial, done=True)  # the epoch is complete
         finally:
             if self._manager is mgr:
                 if not finished:
@@ -781,16 +897,42 @@ class FusionFlowLoader:
             self._flush_trace()
 
 
+def _plain(batches):
+    """(images, targets) of the inner iteration's (images, targets, per-sample targets or None)."""
+    try:
+        for images, labels, _ in batches:
+            yield images, labels
+    finally:
+        batches.close()  # a break or an exception in the training loop ends the inner iteration now
+
+
 def _collated(batches, collate_fn):
     """DataLoader's collate_fn contract on delivered batches: `collate_fn` gets the batch as a list of
     (image, target) samples -- images are views of the delivered batch tensor (on the loader's device),
-    targets Python ints, as a dataset gives them -- and what it returns is what the iteration yields.
-    It runs here, in the training process, after the batch is on its device."""
+    targets as the dataset gave them (Python ints on the fast path) -- and what it returns is what the
+    iteration yields. It runs here, in the training process, after the batch is on its device."""
     try:
-        for images, labels in batches:
-            yield collate_fn(list(zip(images.unbind(0), labels.tolist())))
+        for images, labels, objs in batches:
+            yield collate_fn(list(zip(images.unbind(0), labels.tolist() if objs is None else objs)))
     finally:
         batches.close()  # a break or an exception in the training loop ends the inner iteration now
+
+
+def _map_tensors(obj, fn):
+    """`fn` applied to every tensor in a collated structure (dicts, lists, tuples, namedtuples)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return out if type(obj) is dict else type(obj)(out)
+        except TypeError:  # a mapping that cannot be built from a dict: as default_collate does
+            return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn) for v in obj)
+    return obj
 
 
 def _is_default_collate(collate_fn) -> bool:

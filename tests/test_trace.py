@@ -159,10 +159,10 @@ def test_stage_times_sum_per_worker_and_change_no_pixel(workers):
 def test_done_message_carries_times_and_stages_in_fixed_fields():
     failure = m.SampleFailure(1, 7, "sample 7", "ValueError", "bad", "tb")
     msg = m.pack_done(3, 2, [failure], 1_000, 2_500, (10, 20, 30))
-    assert m.unpack_done(msg) == (3, 2, [failure])
+    assert m.unpack_done(msg) == (3, 2, [failure], {})
     assert m.unpack_done_times(msg) == (1_000, 2_500, (10, 20, 30))
     plain = m.pack_done(4, 1, [])
-    assert m.unpack_done(plain) == (4, 1, []) and m.unpack_done_times(plain) == (0, 0, ())
+    assert m.unpack_done(plain) == (4, 1, [], {}) and m.unpack_done_times(plain) == (0, 0, ())
     assert len(m.pack_done(4, 1, [], 5, 6, (1, 2))) == len(plain) + 2 * struct.calcsize("<q")  # no pickle
 
 

@@ -40,6 +40,7 @@ import numpy as np
 
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.ops.decode import within_pixel_limit
+from fusionflow.runtime import targets
 from fusionflow.runtime.worker import split_item
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ class AcceleratorWorker:
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
         self.builds = 1 if aot else 0
         self.tiny_batches = 0
+        self._side = {}  # the last tiny-batch's targets that are not ints
         self.given_back = 0
         self.out_of_memory = 0  # tiny-batches given back because DALI ran out of memory
         self.failures_in_a_row = 0
@@ -144,7 +146,7 @@ class AcceleratorWorker:
                     self.failures_in_a_row = 0
                     if mgr.trace is not None:
                         mgr.trace.tiny_batch(None, work, started, time.monotonic_ns(), mgr.sizes)
-                    mgr.complete(work, [], on_accelerator=True)
+                    mgr.complete(work, [], on_accelerator=True, targets=self._side)
                 else:
                     self.given_back += 1
                     self.failures_in_a_row += ok is False
@@ -201,7 +203,9 @@ class AcceleratorWorker:
         else:
             for k, pos in enumerate(work.positions):
                 ring.images[work.slot, pos] = np.asarray(out[k])
-        ring.labels[work.slot, list(work.positions)] = labels
+        self._side = {}  # targets that are not ints: completed with the tiny-batch (runtime/targets.py)
+        for pos, target in zip(work.positions, labels):
+            targets.store(ring.labels[work.slot], pos, target, self._side)
         return True
 
 

@@ -112,6 +112,7 @@ class BatchState:
     cpu_done_at: float = 0.0  # when its last CPU / accelerator tiny-batch completed (0: none ran there)
     accel_done_at: float = 0.0
     accel_positions: list = field(default_factory=list)  # positions the accelerator produced
+    targets: dict = field(default_factory=dict)  # {position: target} not in the ring (runtime/targets.py)
 
 
 class _Worker:
@@ -598,12 +599,15 @@ class LocalManager:
                 q.appendleft(work)
         self.cond.notify_all()
 
-    def complete(self, work: _Work, failures, on_accelerator: bool) -> None:
-        """Account a finished tiny-batch (lock held)."""
+    def complete(self, work: _Work, failures, on_accelerator: bool, targets: dict | None = None) -> None:
+        """Account a finished tiny-batch (lock held); `targets`: {position: target} of its samples whose
+        target is not an int (runtime/targets.py)."""
         state = self.batches.get((work.generation, work.seq))
         if state is None:
             return
         state.failures.extend(failures)
+        if targets:
+            state.targets.update(targets)
         state.remaining -= len(work.positions)
         now = time.monotonic()
         if on_accelerator:
@@ -648,7 +652,7 @@ class LocalManager:
             self.cond.notify_all()
 
     def _on_done(self, w: _Worker, msg: bytes) -> None:
-        task_id, _gen, failures = m.unpack_done(msg)
+        task_id, _gen, failures, targets = m.unpack_done(msg)
         sent_id, work = w.outstanding.popleft()
         if sent_id != task_id:
             raise RuntimeError(f"worker {w.worker_id} completed task {task_id}, expected {sent_id}")
@@ -662,7 +666,7 @@ class LocalManager:
                 self.trace.tiny_batch(w.worker_id, work, started, ended, self.sizes)
             if stage_ns and self.on_stage_times is not None:
                 self.on_stage_times(w.worker_id, stage_ns)
-        self.complete(work, failures, on_accelerator=False)
+        self.complete(work, failures, on_accelerator=False, targets=targets)
 
     def _on_guest_message(self, g: _Worker, kind: int, msg: bytes) -> None:
         """A lent worker's handshake and completions (lock held); see worker.serve_borrower."""

@@ -1,8 +1,8 @@
 """Small fixed-layout messages between the local manager and CPU workers (struct-packed bytes).
 
 No pixel data ever travels here: a task names slots and dataset indices; a completion names the
-task. Only failures carry a variable payload (the exceptions, as text, to be re-raised in the
-training process).
+task. Only failures (the exceptions, as text, to be re-raised in the training process) and targets
+that are not Python ints (runtime/targets.py: {position: target}, small) carry a variable payload.
 """
 from __future__ import annotations
 
@@ -57,11 +57,14 @@ def pack_stop() -> bytes:
 
 
 def pack_done(task_id: int, generation: int, failures: list[SampleFailure], started_ns: int = 0,
-              ended_ns: int = 0, stage_ns=()) -> bytes:
-    head = _HEAD.pack(DONE, task_id, generation, 0, 0, len(failures))
+              ended_ns: int = 0, stage_ns=(), *, targets: dict | None = None) -> bytes:
+    """`targets`: {position: target} of the samples whose target did not go into the ring's int64 slot.
+    Fixed size (head, times, stage totals) unless there are failures or such targets (pickled after)."""
+    n = len(failures) + len(targets or ())  # 0: no payload (the common case: int targets, no failure)
+    head = _HEAD.pack(DONE, task_id, generation, 0, 0, n)
     times = _TIMES.pack(started_ns, ended_ns, len(stage_ns))
     stages = struct.pack(f"<{len(stage_ns)}q", *stage_ns) if stage_ns else b""
-    return head + times + stages + (pickle.dumps(failures) if failures else b"")
+    return head + times + stages + (pickle.dumps((failures, targets or {})) if n else b"")
 
 
 def pack_ready(worker_id: int) -> bytes:
@@ -97,10 +100,12 @@ def unpack_task(msg: bytes) -> Task:
                 copies if any(copies) else ())
 
 
-def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure]]:
+def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure], dict]:
+    """(task_id, generation, failures, {position: target} of targets sent along)."""
     _, task_id, gen, _, _, n = _HEAD.unpack_from(msg)
     _, _, stages = _TIMES.unpack_from(msg, _HEAD.size)
-    return task_id, gen, (pickle.loads(msg[_HEAD.size + _TIMES.size + 8 * stages:]) if n else [])
+    failures, targets = pickle.loads(msg[_HEAD.size + _TIMES.size + 8 * stages:]) if n else ([], {})
+    return task_id, gen, failures, targets
 
 
 def unpack_done_times(msg: bytes) -> tuple[int, int, tuple[int, ...]]:

@@ -23,6 +23,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
+from fusionflow.runtime import targets
 from fusionflow.runtime.gm_link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 
@@ -40,10 +41,11 @@ def describe(dataset, index: int) -> str:
 
 
 def split_item(item, index: int):
+    """(sample, target): the target is returned as the dataset gave it (runtime/targets.py says how
+    it travels)."""
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise TypeError(f"dataset[{index}] must return (sample, label), got {type(item).__name__}")
-    sample, label = item
-    return sample, int(label)
+        raise TypeError(f"dataset[{index}] must return (sample, target), got {type(item).__name__}")
+    return item[0], item[1]
 
 
 class _Orphaned(Exception):
@@ -55,26 +57,29 @@ class _Stopped(Exception):
 
 
 def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
-    """Decode + augment a tiny-batch into `ring`; report DONE (with failures as data, the task's start
-    and end on CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals) on `out`."""
-    failures = []
+    """Decode + augment a tiny-batch into `ring`; report DONE on `out`: failures as data, targets that are
+    not ints (runtime/targets.py; ints go into the ring's label slot), the task's start and end on
+    CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals."""
+    failures, side = [], {}
     started = time.monotonic_ns()
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
         try:
             if clock is not None:
                 clock.start()
-            sample, label = split_item(dataset[index], index)
+            sample, target = split_item(dataset[index], index)
             if clock is not None:
                 clock("read")
             pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos], what=describe(dataset, index),
                  tick=clock, copy=copy)
-            ring.labels[task.slot, pos] = label
+            targets.store(ring.labels[task.slot], pos, target, side)
         except Exception as exc:
             failures.append(m.SampleFailure(pos, index, describe(dataset, index), type(exc).__name__,
                                             str(exc), traceback.format_exc()))
     out.send_bytes(m.pack_done(task.task_id, task.generation, failures, started, time.monotonic_ns(),
-                               clock.take() if clock is not None else ()))
+                               clock.take() if clock is not None else (), targets=side))
+
+
 
 
 def _check_orphan(parent_pid: int) -> None:

@@ -1,0 +1,40 @@
+"""Targets (labels) of any type, delivered as DataLoader delivers them.
+
+The mode is decided per sample, where the sample is read (a CPU worker, the accelerator, or the
+training process with num_workers=0):
+
+  * a Python `int` within int64 (class indices: ImageFolder, most datasets) is written into the
+    batch ring's int64 label slot -- the shared-memory fast path, nothing pickled;
+  * any other target (a float, a numpy scalar, a tensor -- one-hot or soft labels --, a string, a
+    dict, a tuple, ...) travels pickled with its tiny-batch's completion message, as
+    `{position: target}`. Targets are small; pixels never travel this way.
+
+The training process then delivers a mini-batch's targets in sampler order: when every kept sample's
+target was an int (the common case) as the ring's int64 tensor, exactly what `default_collate` makes
+of Python ints; otherwise it rebuilds the list of targets -- ring ints as Python ints, the others as
+they arrived -- and collates it with `torch.utils.data.default_collate`, so floats arrive as float64,
+tensors stacked, strings as lists, dicts and tuples collated per key / field, exactly as DataLoader
+would deliver them.
+"""
+from __future__ import annotations
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def in_ring(target) -> bool:
+    """Does this target take the shared-memory fast path? (bool is an int subclass but collates to a
+    bool tensor, and numpy integers collate to their own dtype: those go the general way.)"""
+    return type(target) is int and INT64_MIN <= target <= INT64_MAX
+
+
+def store(labels_row, position: int, target, side: dict) -> None:
+    """Put one sample's target where it travels: the ring's label slot, or `side` ({position: target})."""
+    if in_ring(target):
+        labels_row[position] = target
+    else:
+        side[position] = target
+
+
+def gather(labels_row, positions, side: dict) -> list:
+    """The targets of `positions` (in order) as the dataset returned them: ring ints as Python ints."""
+    return [side[p] if p in side else int(labels_row[p]) for p in positions]

@@ -1,0 +1,249 @@
+"""Mid-epoch checkpoint and resume (fusionflow/state.py): a fresh loader given `state_dict()` yields
+exactly the batches -- indices and pixels -- the original yields after it, and the same epochs after."""
+import io
+import pickle
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from test_loader import SMALL, Bytes, no_leaks  # noqa: F401
+from torch.utils.data import DistributedSampler, Sampler
+
+from fusionflow.loader import FusionFlowLoader
+
+DS = Bytes(29)  # labels are the indices: a batch says which samples it holds
+
+
+class Shuffled(Sampler):
+    """A custom sampler with its own RNG and state_dict/load_state_dict (numpy's bit generator)."""
+
+    def __init__(self, n, seed):
+        self.n, self.rng = n, np.random.default_rng(seed)
+
+    def __iter__(self):
+        return iter(self.rng.permutation(self.n).tolist())
+
+    def __len__(self):
+        return self.n
+
+    def state_dict(self):
+        return {"rng": self.rng.bit_generator.state}
+
+    def load_state_dict(self, state):
+        self.rng.bit_generator.state = state["rng"]
+
+
+CASES = {  # name: loader arguments, built fresh each time (a fresh generator / sampler)
+    "sequential": lambda: dict(batch_size=4),
+    "drop_last": lambda: dict(batch_size=4, drop_last=True, shuffle=True, generator=torch.Generator().manual_seed(2)),
+    "shuffle_generator": lambda: dict(batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(7)),
+    "distributed": lambda: dict(batch_size=3, sampler=DistributedSampler(DS, num_replicas=2, rank=1, shuffle=True,
+                                                                          seed=9)),
+    "custom_state_dict": lambda: dict(batch_size=4, sampler=Shuffled(len(DS), 5)),
+}
+
+
+def make(case, num_workers, **kw):
+    args = dict(policy=SMALL, tiny_batch_size=2, num_workers=num_workers, **CASES[case]())
+    args.update(kw)
+    return FusionFlowLoader(DS, **args)
+
+
+def batches(it):
+    return [(x.clone(), y.tolist()) for x, y in it]
+
+
+def same_batches(got, expected):
+    assert [y for _, y in got] == [y for _, y in expected]  # the same indices, in the same batches
+    for (x, y), (ex, _) in zip(got, expected):
+        assert torch.equal(x, ex), f"pixels of batch {y} differ"
+
+
+def through_torch_save(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)  # plain data and tensors only
+
+
+def reference(loader, k, set_epoch):
+    """Run epoch 0 up to k batches, take the state, finish the epoch and run the next one."""
+    if set_epoch:
+        loader.set_epoch(0)
+    it = iter(loader)
+    head = [next(it) for _ in range(k)]
+    state = loader.state_dict()
+    rest = batches(it)
+    if set_epoch:
+        loader.set_epoch(1)
+    following = batches(loader)
+    loader.close()
+    return head, state, rest, following
+
+
+def resumed(loader, state, set_epoch):
+    loader.load_state_dict(state)
+    if set_epoch:  # a training loop that calls set_epoch(epoch) for the resumed epoch too
+        loader.set_epoch(0)
+    rest = batches(loader)
+    if set_epoch:
+        loader.set_epoch(1)
+    following = batches(loader)
+    loader.close()
+    return rest, following
+
+
+@pytest.mark.parametrize("workers", [(2, 0), (0, 2), (0, 0)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_mid_epoch_yields_the_remaining_batches_and_the_next_epoch(case, workers):
+    set_epoch = case == "distributed"
+    head, state, rest, following = reference(make(case, workers[0], seed=5), 3, set_epoch)
+    assert len(pickle.dumps(state)) < 20_000  # small: no pixels
+    got_rest, got_following = resumed(make(case, workers[1]), through_torch_save(state), set_epoch)
+    same_batches(got_rest, rest)
+    same_batches(got_following, following)
+    delivered = [i for _, y in head for i in y.tolist()] + [i for _, y in got_rest for i in y]
+    if case != "distributed":  # (DistributedSampler pads its shard by repeating indices)
+        assert len(delivered) == len(set(delivered))  # nothing delivered twice, nothing dropped
+        assert len(delivered) == len(DS) - (len(DS) % 4 if case == "drop_last" else 0)
+
+
+@pytest.mark.parametrize("k", [0, 1, "all"])
+@pytest.mark.parametrize("case", ["shuffle_generator", "distributed"])
+def test_resume_at_the_edges_of_an_epoch(case, k):
+    set_epoch = case == "distributed"
+    n = len(make(case, 0))
+    k = n if k == "all" else k
+    _, state, rest, following = reference(make(case, 0, seed=5), k, set_epoch)
+    got_rest, got_following = resumed(make(case, 0), state, set_epoch)
+    assert len(got_rest) == n - k
+    same_batches(got_rest, rest)
+    same_batches(got_following, following)
+
+
+def test_state_between_epochs_resumes_at_the_next_epoch():
+    loader = make("shuffle_generator", 2, seed=5, persistent_workers=True)
+    first = batches(loader)
+    state = loader.state_dict()
+    second, third = batches(loader), batches(loader)  # no set_epoch: epochs 1 and 2
+    loader.close()
+    fresh = make("shuffle_generator", 0)
+    fresh.load_state_dict(state)
+    same_batches(batches(fresh), second)
+    same_batches(batches(fresh), third)
+    assert [y for _, y in first] != [y for _, y in second]
+
+
+def test_shuffle_without_generator_resumes_the_epoch_and_follows_torchs_rng():
+    """RandomSampler without a generator draws each epoch's order from torch's global RNG, as
+    DataLoader does: the state holds the resumed epoch's draw; the epochs after it are the same when
+    torch's RNG state is restored with the checkpoint (as a training script restores it)."""
+    torch.manual_seed(123)
+    loader = make("sequential", 2, shuffle=True, seed=5)
+    it = iter(loader)
+    next(it)
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    rest = batches(it)
+    following = batches(loader)
+    loader.close()
+    torch.manual_seed(999)  # a new process: another RNG state
+    fresh = make("sequential", 2, shuffle=True)  # (a loader starting workers draws their base seed from
+    fresh.load_state_dict(state)                  # torch's RNG too: the same worker count draws the same)
+    same_batches(batches(fresh), rest)
+    torch.set_rng_state(rng)
+    same_batches(batches(fresh), following)
+
+
+def test_order_of_shuffle_without_generator_is_still_dataloaders():
+    """Capturing the epoch's draw does not change the order a seeded DataLoader gives."""
+    from torch.utils.data import BatchSampler, RandomSampler
+    torch.manual_seed(31)
+    expected = [list(b) for b in BatchSampler(RandomSampler(DS), 6, False)]
+    torch.manual_seed(31)
+    got = [y for _, y in batches(make("sequential", 0, shuffle=True, batch_size=6))]
+    assert got == expected
+
+
+def test_resumed_loader_takes_the_states_seed():
+    loader = make("sequential", 0, seed=77)
+    state = loader.state_dict()
+    fresh = make("sequential", 0)  # seed=None: derived, then replaced by the state's
+    fresh.load_state_dict(state)
+    assert fresh.seed == 77
+    given = make("sequential", 0, seed=1)
+    with pytest.warns(UserWarning, match="seed=77"):
+        given.load_state_dict(state)
+    assert given.seed == 77
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(batch_size=5), "batch_size=4"),
+    (dict(drop_last=True), "drop_last=False"),
+    (dict(shuffle=True, generator=torch.Generator()), "'none'"),
+])
+def test_a_state_from_another_loader_is_refused_naming_the_difference(change, match):
+    state = make("sequential", 0).state_dict()
+    with pytest.raises(ValueError, match=match):
+        make("sequential", 0, **change).load_state_dict(state)
+
+
+def test_a_state_from_another_dataset_or_rank_is_refused():
+    state = make("sequential", 0).state_dict()
+    other = FusionFlowLoader(Bytes(30), batch_size=4, policy=SMALL)
+    with pytest.raises(ValueError, match="dataset_len=29"):
+        other.load_state_dict(state)
+    dist = make("distributed", 0).state_dict()
+    rank0 = make("distributed", 0, sampler=DistributedSampler(DS, num_replicas=2, rank=0, shuffle=True, seed=9))
+    with pytest.raises(ValueError, match="rank=1"):
+        rank0.load_state_dict(dist)
+    with pytest.raises(ValueError, match="state_dict"):
+        make("sequential", 0).load_state_dict({"epoch": 3})
+
+
+def test_sampler_on_torchs_global_rng_warns_that_it_cannot_resume_exactly():
+    from torch.utils.data import SubsetRandomSampler
+    loader = FusionFlowLoader(DS, batch_size=4, policy=SMALL, sampler=SubsetRandomSampler(range(10)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # iterating alone does not warn: only taking a state does
+        batches(loader)
+    with pytest.warns(UserWarning, match="generator"):
+        loader.state_dict()
+
+
+def test_sequential_sampler_state_is_tiny():
+    loader = make("sequential", 0, seed=5)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert state["batches_yielded"] == 1 and state["epoch"] == 0 and state["sampler"] == {"kind": "none"}
+    assert len(pickle.dumps(state)) < 400
+
+
+def test_set_epoch_to_another_epoch_after_a_mid_epoch_state_warns_and_starts_that_epoch():
+    loader = make("distributed", 0, seed=5)
+    loader.set_epoch(3)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    fresh = make("distributed", 0)
+    fresh.load_state_dict(state)
+    with pytest.warns(UserWarning, match="set_epoch\\(3\\)"):
+        fresh.set_epoch(4)
+    loader.set_epoch(4)
+    same_batches(batches(fresh), batches(loader))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_only_the_newest_iteration_counts_into_the_state(num_workers):
+    loader = make("sequential", num_workers, seed=5)
+    old = iter(loader)
+    next(old)
+    new = iter(loader)  # supersedes the first (with workers, the old one then raises if continued)
+    next(new), next(new)
+    if num_workers == 0:
+        next(old)  # an old iterator still running does not move the new epoch's position
+    state = loader.state_dict()
+    assert state["batches_yielded"] == 2 and state["epoch"] == 1
+    del old, new
+    loader.close()
