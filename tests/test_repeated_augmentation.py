@@ -146,3 +146,25 @@ def test_dali_accelerator_uses_the_copy_number():
             ref = CpuPipeline(SMALL)(ds.data[i], i, seed=4, epoch=2, copy=c)  # the loader's (fast) CPU path
             single = dp.run_numpy([ds.data[i]], [i], seed=4, epoch=2, copies=[c])[0]
             assert np.array_equal(img, ref) or np.array_equal(img, single), (i, c)
+
+
+@pytest.mark.parametrize("workers", [(2, 0), (0, 2)])
+def test_resume_mid_epoch_keeps_the_copy_numbers_of_repeated_indices(workers):
+    """A resumed epoch skips the batches already yielded; their occurrences must still count, or the
+    copies after the resume point would repeat the pixels of earlier copies."""
+    def make(num_workers):
+        return FusionFlowLoader(Bytes(12), batch_size=4, sampler=RepeatSampler(12, 3, seed=4), policy=SMALL,
+                                tiny_batch_size=2, num_workers=num_workers, seed=5)
+    first = make(workers[0])
+    it = iter(first)
+    next(it), next(it)  # 2 of 9 batches: some indices' first copies are behind the resume point
+    state = first.state_dict()
+    rest = [(x.clone(), y.tolist()) for x, y in it]
+    first.close()
+    second = make(workers[1])
+    second.load_state_dict(state)
+    got = [(x.clone(), y.tolist()) for x, y in second]
+    second.close()
+    assert [y for _, y in got] == [y for _, y in rest] and len(rest) == 7
+    for (x, _), (ex, _) in zip(got, rest):
+        assert torch.equal(x, ex)
