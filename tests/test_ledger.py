@@ -134,3 +134,13 @@ def test_bulk_lend_to_self_and_release(ledger):
         ledger.lend_to_self(FREE)
     assert ledger.totals()["lent_bytes"] == 108 * MIB  # nothing of the refused call was recorded
     assert ledger.release_blocks([b.address for b in FREE]) == []
+
+
+def test_private_ledger_leaves_no_name_even_while_open():
+    led = BlockLedger(capacity=8, private=True)
+    try:
+        assert not os.path.exists("/dev/shm" + led.name) and not os.path.exists("/dev/shm/sem." + led.name[1:])
+        led.yield_blocks([Block(0x1000, 4 * MIB)], 8 * MIB)  # the mapping and the lock still work
+        assert led.borrow_block(MIB) is not None
+    finally:
+        led.close()

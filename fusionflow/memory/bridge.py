@@ -72,7 +72,7 @@ class MemoryBridge:
         self.lib = native.load_bridge()
         native.call(self.lib.ff_bridge_install, self.index)
         self.lender = TorchLender(self.device)
-        self.ledger = BlockLedger(capacity=4096)
+        self.ledger = BlockLedger(capacity=4096, private=True)  # one process: no name to outlive a kill
         self.budget, self.warmup = budget, warmup
         self.stats = BridgeStats()
         self._lock = threading.Lock()

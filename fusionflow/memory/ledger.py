@@ -56,7 +56,10 @@ def select_blocks(free: list[Block], budget: int) -> list[Block]:
 
 
 class BlockLedger:
-    def __init__(self, capacity: int = 1024, name: str | None = None):
+    def __init__(self, capacity: int = 1024, name: str | None = None, private: bool = False):
+        """Create (name None) or attach to (`name`) a ledger. `private`: the creator unlinks both names
+        at once -- nothing to leave behind if the process is SIGKILLed -- and no other process can
+        attach (the bridge: lender and DALI borrower live in one process)."""
         self.owner = name is None
         self.name = name or "/ffl_" + secrets.token_hex(12)
         size = _HEADER.size + capacity * _RECORD.size
@@ -72,6 +75,8 @@ class BlockLedger:
             seg.close_fd()
         if self.owner:
             _HEADER.pack_into(self._map, 0, capacity, 0)
+            if private:
+                self._unlink_names()
         self.capacity = _HEADER.unpack_from(self._map, 0)[0]
 
     # ------------------------------------------------------------ records (lock held)
@@ -208,8 +213,11 @@ class BlockLedger:
             self._map = None
         self._lock.close()
         if self.owner:
-            for unlink in (posix_ipc.unlink_shared_memory, posix_ipc.unlink_semaphore):
-                try:
-                    unlink(self.name)
-                except posix_ipc.ExistentialError:
-                    pass
+            self._unlink_names()
+
+    def _unlink_names(self) -> None:
+        for unlink in (posix_ipc.unlink_shared_memory, posix_ipc.unlink_semaphore):
+            try:
+                unlink(self.name)
+            except posix_ipc.ExistentialError:
+                pass
