@@ -10,7 +10,9 @@ worker processes writing straight into shared memory, tiny-batch by tiny-batch.
 
 Beyond DataLoader's arguments: `policy` (a shipped name, a YAML path or a dict), `tiny_batch_size`
 (default min(4, batch_size)), `seed`, `device` ("cpu" or "cuda[:N]": batches are delivered there),
-`on_error` ("raise" or "skip"), `max_retries` (worker deaths a sample may cause), `pin_workers`,
+`on_error` ("raise" or "skip"), `max_retries` (worker deaths a sample may cause), `pin_workers`
+("auto": pin each worker to a core only when all local ranks' workers and their training processes
+get a core each; True/False force it),
 and the accelerator: `accelerator` (None -- CPU workers only, the default until the GPU path has
 been proven on a GPU --, "dali-gpu", "dali-cpu", or "auto": DALI on the GPU when device is CUDA),
 `gpu_sharing` ("auto", "temporal", "spatial", "off"), and the ablations `aot`, `taas`, `taas_last_k`.
@@ -204,7 +206,7 @@ class FusionFlowLoader:
                  multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
                  persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None,
                  seed: int | None = None,
-                 device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool = True,
+                 device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool | str = "auto",
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
                  taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto",
                  trace=None, stage_times: bool = False):
@@ -260,6 +262,8 @@ class FusionFlowLoader:
             raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
         if not isinstance(max_retries, int) or max_retries < 0:
             raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
+        if pin_workers not in (True, False, "auto"):
+            raise ValueError(f"pin_workers={pin_workers!r} must be 'auto', True or False")
         self._seed_given = seed is not None
         if seed is None:
             seed = _default_seed(generator)
