@@ -53,8 +53,9 @@ def test_wheel_holds_runtime_policies_and_kernels(wheel):
 
 
 def test_wheel_runs_a_loader_from_outside_the_repository(wheel, tmp_path):
-    site = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(site)
+    site = tmp_path / "site"  # a fresh install target: pip installs the wheel there (its deps are this venv's)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--target", str(site),
+                    str(wheel)], check=True, capture_output=True, timeout=300)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(site)  # ahead of site-packages, so the editable install is not used
     run = subprocess.run([sys.executable, "-c", PROBE, str(site)], cwd=tmp_path, env=env,
