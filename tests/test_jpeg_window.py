@@ -208,3 +208,22 @@ def test_nvimgcodec_fallback_keeps_exact_mode_and_errors(nvimgcodec_only):
     assert np.array_equal(CpuPipeline(policy)(cmyk, 7), tv_sample(policy, cmyk, d, crop_window(policy, d, 80, 80)))
     with pytest.raises(DecodeError, match=r"sample 3: cannot decode JPEG"):
         pipe(good[:-100], 3)
+
+
+def test_pillow_draft_fallback_reduces_by_the_intended_factor(monkeypatch):
+    """Without a window decoder, fast mode asks Pillow's draft() for the DCT reduction the window allows:
+    a 1001-px image whose window covers 4x the output must be decoded at 1/4 (ceil-sized requests used to
+    make draft() pick 1/2)."""
+    from PIL import JpegImagePlugin
+    monkeypatch.setattr(decode.jpeg, "available", lambda: False)
+    sizes = []
+    real = JpegImagePlugin.JpegImageFile.draft
+
+    def spy(self, mode, size):
+        out = real(self, mode, size)
+        sizes.append(self.size)
+        return out
+    monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
+    data = _jpeg(make_image(1001, 1003, seed=1))
+    decode.decode_crop_resize(data, lambda h, w: (0, 0, h, w), (224, 224), fast=True)
+    assert sizes == [(251, 251)]  # ceil(1003 / 4), ceil(1001 / 4)

@@ -186,7 +186,9 @@ def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
         if fast and img.format == "JPEG":
             r = dct_reduction(h, w, out_h, out_w)
             if r > 1:
-                img.draft("RGB" if img.mode == "RGB" else None, (math.ceil(width / r), math.ceil(height / r)))
+                # draft() picks the largest scale s with s <= min(W // w, H // h) of the size asked for:
+                # asking floor(W / r) makes that r (asking ceil(W / r) often gave r / 2)
+                img.draft("RGB" if img.mode == "RGB" else None, (max(1, width // r), max(1, height // r)))
                 sx, sy = img.size[0] / width, img.size[1] / height
                 box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
         with warnings.catch_warnings():  # a frame's size (GIF) is checked on load too: the policy governs
