@@ -9,8 +9,9 @@ flip, op ids and op parameters as per-sample inputs.
 EXIF orientation is ignored, as on the CPU path (Pillow) and in torchvision: DALI's decoder would
 apply it by default (`adjust_orientation`), turning or mirroring the image on one path only.
 
-The policy's `decode.fast_downscale` applies to the CPU path only: DALI decodes the crop window at
-full resolution (its ROI decode already skips most of the work a DCT downscale would save).
+The policy's `decode.mode` applies to the CPU path only: DALI decodes the crop window at full
+resolution and resizes it with its own antialiased filter (its ROI decode already skips what lies
+outside the window; a DCT-scaled decode is what the CPU's fast mode adds).
 
 Works with DALI on the CPU (`device="cpu"`, device_id=None: tests and CPU-only machines) and on a
 GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
