@@ -64,7 +64,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
-from fusionflow.errors import FusionFlowError, SharedMemoryError
+from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, SharedMemoryError, WorkerStartError
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.shm import SHM_DIR, BatchRing, ChildFd, RingLayout, free_bytes, send_fd
 from fusionflow.runtime.worker import worker_loop
@@ -73,18 +73,6 @@ from fusionflow.scheduling import split_sorted
 log = logging.getLogger(__name__)
 PER_WORKER = 2  # tasks queued per worker: one running, one ready to start without a round trip
 GM_IDLE_S = 0.1  # with a GM: progress heartbeat, elastic target and GM liveness at least this often
-
-
-class WorkerStartError(FusionFlowError):
-    """A CPU worker could not start (its traceback is in the message)."""
-
-
-class SampleKilledWorkersError(FusionFlowError):
-    """A sample kept killing worker processes."""
-
-    def __init__(self, message: str, indices: list[int]):
-        super().__init__(message)
-        self.indices = indices
 
 
 @dataclass
