@@ -32,6 +32,7 @@ import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime import messages as m
 from fusionflow.runtime.gm_timing import GM_START_S, HANDSHAKE_S, LIVENESS_S, SEND_TIMEOUT_S
 from fusionflow.runtime.procs import pid_alive
 
@@ -60,7 +61,7 @@ def close_inherited() -> None:
 def make_spec(dataset, policy, worker_init_fn) -> bytes | None:
     """What a lent worker needs to run this loader's samples, pickled; None (logged) if it does not pickle."""
     try:
-        return pickle.dumps((dataset, policy, worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(m.Spec(dataset, policy, worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         log.warning("fusionflow: this loader's dataset, policy or worker_init_fn cannot be pickled (%r), so "
                     "workers lent by other ranks cannot run its samples; it still lends its own idle workers", exc)

@@ -480,7 +480,7 @@ class LocalManager:
         if order is not None:
             seq, peer, count = order
             address = link.peer_address(peer)
-            lend = m.pack_control(m.LEND, (peer, address, link.tables.secret, link.lm))
+            lend = m.pack_message(m.Lend(peer, address, link.tables.secret, link.lm))
             for w in self.workers:
                 if address is None or done >= count:
                     break
@@ -638,7 +638,7 @@ class LocalManager:
                 w.alive = False
             elif kind == m.HOME:
                 w.lent_to = None
-                tasks = m.unpack_control(msg)
+                tasks = m.unpack_message(msg, m.Home).tasks
                 self.lent_tasks += tasks
                 if self.trace is not None:
                     self.trace.home(w.worker_id, tasks)
@@ -669,8 +669,9 @@ class LocalManager:
         link = self.link
         try:
             if kind == m.HELLO:
-                g.worker_id = "lm{}:w{}".format(*m.unpack_control(msg))
-                g.conn.send_bytes(m.pack_control(m.SETUP, (self.ring.name, self.layout, self.seed, link.spec_hash)))
+                hello = m.unpack_message(msg, m.Hello)
+                g.worker_id = f"lm{hello.owner_lm}:w{hello.worker_id}"
+                g.conn.send_bytes(m.pack_message(m.Setup(self.ring.name, self.layout, self.seed, link.spec_hash)))
                 send_fd(g.conn, self.ring.fd)  # the ring has no name: it maps this descriptor
             elif kind == m.NEED:
                 if link.spec is None:
