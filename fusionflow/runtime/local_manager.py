@@ -118,7 +118,7 @@ class LocalManager:
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
         # per mini-batch (oldest first): its tiny-batches, ascending by encoded size. CPU workers take
         # from the front, the accelerator from the back; the largest `reserved` stay the accelerator's.
-        self.tiny = TinyBatchQueue()  # pure; guarded by `cond`
+        self.queue = TinyBatchQueue()  # pure; guarded by `cond`
         self.accelerator = None  # an AcceleratorWorker, attached by the loader
         self.on_batch_done = None  # callback(state) under the lock, e.g. TAAS feedback
         self.generation = 0
@@ -190,7 +190,7 @@ class LocalManager:
         numbers, fusionflow.scheduling.tiny_batches.Copies; None when all are 0)."""
         tiny = split_sorted(indices, self.sizes, self.tiny_batch_size, copies)
         with self.cond:
-            self.tiny.add(generation, seq, slot, epoch, tiny, len(indices), time.monotonic())
+            self.queue.add(generation, seq, slot, epoch, tiny, len(indices), time.monotonic())
             self.cond.notify_all()
         self._wake()
 
@@ -202,14 +202,14 @@ class LocalManager:
             while True:
                 if self.fatal is not None:
                     raise self.fatal
-                state = self.tiny.batches.get(key)
+                state = self.queue.batches.get(key)
                 if state is None:
                     raise FusionFlowError(f"mini-batch {seq} of this iterator is no longer tracked: a newer "
                                           "iter(loader) abandoned it (iterate one epoch at a time)")
                 if state.error is not None:
                     raise state.error
                 if state.remaining == 0:
-                    self.tiny.forget(key)
+                    self.queue.forget(key)
                     return state
                 dead = [w.worker_id for w in self.workers if w is not None and not w.alive]
                 missing = self.target_workers - len(self._kept_workers())
@@ -229,7 +229,7 @@ class LocalManager:
     def abandon(self, generation: int) -> None:
         """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""
         with self.cond:
-            self.tiny.forget_generation(generation)
+            self.queue.forget_generation(generation)
 
     def new_generation(self) -> int:
         with self.cond:
@@ -486,7 +486,7 @@ class LocalManager:
         own = [w for w in self._kept_workers() if w.alive]
         self.link.publish(
             iteration=self.completed_batches,
-            waiting=self.tiny.waiting(current),
+            waiting=self.queue.waiting(current),
             active_since=[w.head_since for w in busy], task_seconds=self.task_seconds,
             idle=sum(1 for w in own if w.idle), workers=len(own),
             lent=sum(1 for w in own if w.lent_to is not None), guests=len(self.guests),
@@ -495,7 +495,7 @@ class LocalManager:
     def _current_key(self):
         """This LM's current iteration: its oldest mini-batch with samples still to produce (a finished
         one stays queued until the training loop takes it)."""
-        return self.tiny.current_key()
+        return self.queue.current_key()
 
     def _accept_guest(self) -> None:
         conn = self.link.accept()
@@ -535,31 +535,31 @@ class LocalManager:
     def reserved(self) -> int:
         """TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator (the loader's
         search sets it; the accelerator clears it when it stops)."""
-        return self.tiny.reserved
+        return self.queue.reserved
 
     @reserved.setter
     def reserved(self, k: int) -> None:
-        self.tiny.reserved = k
+        self.queue.reserved = k
 
     def take_cpu(self, upto=None) -> Work | None:
         """The oldest mini-batch's smallest tiny-batch that CPU workers may take (of mini-batches no
         newer than `upto`, a (generation, seq) key, if given)."""
-        return self.tiny.take_cpu(upto)
+        return self.queue.take_cpu(upto)
 
     def take_accel(self, largest_first: bool = True) -> Work | None:
         """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation)."""
-        return self.tiny.take_accel(largest_first)
+        return self.queue.take_accel(largest_first)
 
     def requeue(self, works) -> None:
         """Put work back at the front of its mini-batch's queue (it was interrupted)."""
-        self.tiny.requeue(works)
+        self.queue.requeue(works)
         self.cond.notify_all()
 
     def complete(self, work: Work, failures, on_accelerator: bool, targets: dict | None = None) -> None:
         """Account a finished tiny-batch (lock held); `targets`: {position: target} of its samples whose
         target is not an int (runtime/targets.py)."""
         now = time.monotonic()
-        state = self.tiny.complete(work, failures, on_accelerator, targets, now)
+        state = self.queue.complete(work, failures, on_accelerator, targets, now)
         if state is None:
             return
         if state.remaining == 0:
@@ -699,7 +699,7 @@ class LocalManager:
         running may be the cause: it counts a death and is retried sample by sample."""
         requeue = []
         for k, (_tid, work) in enumerate(w.outstanding):
-            if work.generation != self.generation or not self.tiny.tracks(work):
+            if work.generation != self.generation or not self.queue.tracks(work):
                 continue
             if k == 0 and suspect:  # the task it was running
                 work.deaths += 1
@@ -709,7 +709,7 @@ class LocalManager:
                                       copies=(c,) if c else ()) for p, i, c in zip(work.positions, work.indices, copies)]
                     continue
                 if work.deaths > self.max_retries:
-                    state = self.tiny.batches[work.key]
+                    state = self.queue.batches[work.key]
                     state.error = SampleKilledWorkersError(
                         f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
                         f"giving up after max_retries={self.max_retries}. Check that sample "
