@@ -6,11 +6,14 @@ FusionFlow's errors.
 """
 from fusionflow.data import ImageFolder
 from fusionflow.from_torchvision import policy_from_transform  # imports torchvision only when called
-from fusionflow.errors import DecodeError, FusionFlowError, ImageTooLargeError, SampleError, SharedMemoryError
+from fusionflow.errors import (AcceleratorError, BridgeError, DecodeError, DeviceOutOfMemory, FusionFlowError,
+                               ImageTooLargeError, NativeBuildError, SampleError, SampleKilledWorkersError,
+                               SharedMemoryError, WorkerStartError)
 from fusionflow.policy import Policy, load_policy
 
-__all__ = ["DecodeError", "FusionFlowError", "FusionFlowLoader", "ImageFolder", "ImageTooLargeError", "Policy",
-           "SampleError", "SharedMemoryError", "load_policy", "policy_from_transform"]
+__all__ = ["AcceleratorError", "BridgeError", "DecodeError", "DeviceOutOfMemory", "FusionFlowError", "FusionFlowLoader",
+           "ImageFolder", "ImageTooLargeError", "NativeBuildError", "Policy", "SampleError", "SampleKilledWorkersError",
+           "SharedMemoryError", "WorkerStartError", "load_policy", "policy_from_transform"]
 
 
 def __getattr__(name):

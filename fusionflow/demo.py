@@ -10,39 +10,14 @@ torchvision.transforms.v2 on PIL images, the same number of workers and the same
 from __future__ import annotations
 
 import argparse
-import io
 import os
 import time
 
 import numpy as np
 
+from fusionflow.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
+
 DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "data", "demo")
-TV_POLICIES = ("default", "randaugment", "trivialaugment", "autoaugment")
-
-
-class TorchvisionSamples:
-    """Baseline dataset: decode with PIL, augment with torchvision.transforms.v2."""
-
-    def __init__(self, ds, policy_name: str, size: int):
-        self.ds, self.policy_name, self.size = ds, policy_name, size
-        self._tf = None
-
-    def _transform(self):
-        import torchvision.transforms.v2 as T
-        aug = {"default": [], "randaugment": [T.RandAugment(num_ops=2, magnitude=9)],
-               "trivialaugment": [T.TrivialAugmentWide()], "autoaugment": [T.AutoAugment()]}[self.policy_name]
-        return T.Compose([T.RandomResizedCrop(self.size, antialias=True), T.RandomHorizontalFlip(), *aug,
-                          T.PILToTensor()])
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        from PIL import Image
-        if self._tf is None:
-            self._tf = self._transform()
-        data, label = self.ds[i]
-        return self._tf(Image.open(io.BytesIO(data)).convert("RGB")), label
 
 
 def small_cnn(num_classes: int):
@@ -51,18 +26,6 @@ def small_cnn(num_classes: int):
         nn.Conv2d(3, 16, 5, stride=4, padding=2), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
         nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes))
-
-
-def timed_batches(loader):
-    """Iterate `loader`, yielding (images, labels, seconds blocked in next())."""
-    it = iter(loader)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            x, y = next(it)
-        except StopIteration:
-            return
-        yield x, y, time.perf_counter() - t0
 
 
 def train_step(model, opt, loss_fn, x, y):

@@ -49,3 +49,23 @@ class AcceleratorError(FusionFlowError):
 
 class DeviceOutOfMemory(AcceleratorError):
     """DALI could not allocate device (or pinned host) memory for a tiny-batch."""
+
+
+class WorkerStartError(FusionFlowError):
+    """A CPU worker could not start (its traceback is in the message)."""
+
+
+class SampleKilledWorkersError(FusionFlowError):
+    """A sample kept killing worker processes; ``indices`` are the samples of the tiny-batch."""
+
+    def __init__(self, message: str, indices: list[int]):
+        super().__init__(message)
+        self.indices = indices
+
+
+class BridgeError(FusionFlowError):
+    """The allocator bridge's native side reported a failure."""
+
+
+class NativeBuildError(BridgeError):
+    """A native part of the allocator bridge could not be built or loaded."""

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from fusionflow.scheduling.lending import Loan, Progress, plan_lending, returns
+from fusionflow.scheduling.lending import Loan, Progress, plan_lending
 
 
 def random_table(rng, lms):
@@ -47,9 +47,3 @@ def test_active_past_half_counts_as_one_fewer():
 def test_proportional_split_with_largest_remainder():
     table = [Progress(0, 1, 0, (), 3), Progress(1, 1, 4), Progress(2, 1, 2), Progress(3, 1, 0, (), 0)]
     assert plan_lending(table) == [Loan(0, 1, 2), Loan(0, 2, 1)]  # 3 * 4/6 = 2, 3 * 2/6 = 1
-
-
-def test_returns_when_borrower_iteration_completes():
-    loans = [Loan(0, 1, 2), Loan(0, 2, 1)]
-    table = [Progress(0, 1, 0), Progress(1, 1, 0, ()), Progress(2, 1, 0, (0.3,))]
-    assert returns(table, loans) == [Loan(0, 1, 2)]

@@ -23,18 +23,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from fusionflow.errors import FusionFlowError
+from fusionflow.errors import BridgeError, NativeBuildError  # defined with the other public errors; used as native.BridgeError
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"  # package data (fusionflow/kernels)
 ERRLEN = 512
-
-
-class BridgeError(FusionFlowError):
-    """The allocator bridge's native side reported a failure."""
-
-
-class NativeBuildError(BridgeError):
-    """A native part of the allocator bridge could not be built or loaded."""
 
 
 def cache_dir() -> Path:

@@ -25,7 +25,7 @@ import numpy as np
 
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.ops.dali import DALI_IMPLS, DaliStyle
-from fusionflow.ops.specs import NUM_PARAMS, OPS
+from fusionflow.ops.specs import NUM_PARAMS
 from fusionflow.policy import Policy, crop_window, draw, load_policy
 
 log = logging.getLogger(__name__)
@@ -46,10 +46,7 @@ class DaliPolicyPipeline:
     """Runs `policy` on batches of up to `batch_size` encoded samples through DALI."""
 
     def __init__(self, policy, batch_size: int, device: str = "cpu", device_id: int | None = None,
-                 num_threads: int = 1, exec_dynamic: bool = True, fixed_ops: tuple[str, ...] | None = None):
-        """`fixed_ops`: build a pipeline for that one op sequence, without conditionals (the paper's
-        one-pipeline-per-combination design, kept for experiments/bench_aot.py); every sample fed
-        to it must draw exactly that sequence."""
+                 num_threads: int = 1, exec_dynamic: bool = True):
         from nvidia.dali import fn, pipeline_def, types
 
         if device not in ("cpu", "gpu"):
@@ -67,15 +64,11 @@ class DaliPolicyPipeline:
         # local op ids: 0 is Identity (empty slot), then the policy's ops in file order
         self.op_names = ["Identity"] + [o.name for o in aug.ops if o.name != "Identity"]
         self._local = {name: i for i, name in enumerate(self.op_names)}
-        self.slots = aug.max_ops if fixed_ops is None else len(fixed_ops)
-        self.fixed_ops = tuple(fixed_ops) if fixed_ops is not None else None
-        fixed = self.fixed_ops
-        # a fixed sequence of magnitude-free ops consumes no parameters (DALI would prune the input)
-        self._fixed_params = fixed_params = fixed is not None and any(OPS[n].has_magnitude for n in fixed)
+        self.slots = self._slot_count()
         style = DaliStyle(aug.interpolation, aug.fill, self.policy.size, device)
         out_h, out_w = self.policy.size
         normalize, erase = self.policy.normalize, self.policy.erase
-        names, slots = self.op_names, self.slots
+        augment = self._op_graph(style)
 
         @pipeline_def(enable_conditionals=True)
         def graph():
@@ -90,17 +83,7 @@ class DaliPolicyPipeline:
             images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR,
                                antialias=True)
             images = fn.flip(images, horizontal=flip)
-            if fixed is not None:
-                params = None
-                if fixed_params:
-                    params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
-                for k, name in enumerate(fixed):
-                    images = DALI_IMPLS[name](images, params[k] if params is not None else None, style)
-            elif slots:
-                op_ids = fn.external_source(name="op_ids", dtype=types.INT32, ndim=1)
-                params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
-                for k in range(slots):
-                    images = _apply_slot(images, op_ids[k], params[k], names, style)
+            images = augment(images)
             if normalize:
                 mean, std = normalize
                 images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
@@ -119,6 +102,35 @@ class DaliPolicyPipeline:
         self._pipe = self._build()
         self.build_seconds = time.perf_counter() - t0
 
+    # The graph's op section, as three methods so that an experiment can build another design of it
+    # (experiments/bench_aot.py: one pipeline per op combination) on the same decode, feed and output.
+    def _slot_count(self) -> int:
+        """How many op slots a sample has (its draw's ops fill the first ones, Identity the rest)."""
+        return self.policy.augment.max_ops
+
+    def _op_graph(self, style):
+        """The op slots, as a function of the graph's images: slot k of a sample runs the op its draw
+        names there (a per-sample conditional). It holds plain values, never `self`: DALI keeps the
+        graph as long as its pipeline, which must go with this object's last reference."""
+        from nvidia.dali import fn, types
+        slots, names = self.slots, self.op_names
+
+        def augment(images):
+            if not slots:
+                return images
+            op_ids = fn.external_source(name="op_ids", dtype=types.INT32, ndim=1)
+            params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
+            for k in range(slots):
+                images = _apply_slot(images, op_ids[k], params[k], names, style)
+            return images
+        return augment
+
+    def _op_feeds(self, cols: list) -> tuple[list[str], list]:
+        """The external sources `graph` declares, and their columns out of `prepare`'s first six
+        (encoded, anchor, shape, flip, op ids, params)."""
+        names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
+        return names, cols[:len(names)]
+
     def _build(self):
         pipe = self._make()
         pipe.build()
@@ -132,8 +144,6 @@ class DaliPolicyPipeline:
         out_h, out_w = self.policy.size
         op_ids = np.zeros(self.slots, np.int32)
         params = np.zeros((self.slots, NUM_PARAMS), np.float32)
-        if self.fixed_ops is not None and tuple(op.name for op in d.ops) != self.fixed_ops:
-            raise ValueError(f"sample {index} draws {[op.name for op in d.ops]}, this pipeline runs {list(self.fixed_ops)}")
         for k, op in enumerate(d.ops):
             op_ids[k] = self._local[op.name]
             params[k] = op.params(out_h, out_w)
@@ -166,11 +176,9 @@ class DaliPolicyPipeline:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
         copies = [0] * n if copies is None else copies
         cols = list(zip(*(self.prepare(s, i, seed, epoch, copy=c) for s, i, c in zip(samples, indices, copies))))
-        cols, erase_cols = cols[:6], cols[6:]
-        names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
-        if self.fixed_ops is not None:
-            names, cols = names[:4] + (["params"] if self._fixed_params else []), cols[:4] + cols[5:]
-        names, cols = names + _ERASE_INPUTS[:len(erase_cols)], cols[:len(names)] + erase_cols
+        names, op_cols = self._op_feeds(cols[:6])
+        erase_cols = cols[6:]
+        names, cols = names + _ERASE_INPUTS[:len(erase_cols)], op_cols + erase_cols
         if self._closed:
             raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up

@@ -167,4 +167,3 @@ def registrar(table: dict, kind: str):
         return register
     return impl
 OP_NAMES: tuple[str, ...] = tuple(OPS)
-OP_INDEX: dict[str, int] = {name: i for i, name in enumerate(OP_NAMES)}

@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections import namedtuple
@@ -48,27 +47,12 @@ import numpy as np
 from fusionflow.runtime import gm_tables as gt
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.gm_link import connect
+from fusionflow.runtime.gm_timing import INCOMING_TTL_S, LINGER_S, LIVENESS_S, POLL_S, STALE_S, START_S
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.scheduling.lending import Progress, plan_lending
 
 log = logging.getLogger("fusionflow.gm")
 _BELL = m.pack_control(m.BELL)  # the doorbell: "read your action row"
-POLL_S = 0.002
-# no LM registered for this long: the job's loaders are gone (not just between two epochs)
-LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
-START_S = 30.0
-INCOMING_TTL_S = 1.0  # workers lent but never accepted within this are written off
-STALE_S = 2.0  # an LM whose row has not been published for this long neither lends nor borrows
-
-
-def spawn(name: str) -> subprocess.Popen:
-    """Start the GM for table `name` in its own session, so no rank's exit or Ctrl-C takes it down."""
-    return subprocess.Popen([sys.executable, "-m", "fusionflow.runtime.global_manager", name],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-                            close_fds=True)
-
-
-LIVENESS_S = 0.25  # how often LMs' pids are checked (a /proc read each)
 _P = namedtuple("_P", gt.PROGRESS.names)
 _A = namedtuple("_A", gt.ACTION.names)
 

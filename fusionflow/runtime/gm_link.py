@@ -26,17 +26,26 @@ import pickle
 import secrets
 import socket
 import struct
+import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime import messages as m
+from fusionflow.runtime.gm_timing import GM_START_S, HANDSHAKE_S, LIVENESS_S, SEND_TIMEOUT_S
 from fusionflow.runtime.procs import pid_alive
 
 log = logging.getLogger(__name__)
-GM_START_S = 10.0  # a GM that has not shown up by then is reported lost
-HANDSHAKE_S = 2
-SEND_TIMEOUT_S = 5  # a guest that stops reading cannot block this LM's manager thread longer
 _LISTENERS: set[int] = set()  # fds of this process's listening sockets
+
+
+def spawn(name: str) -> subprocess.Popen:
+    """Start the GM (runtime/global_manager.py) for table `name` in its own session, so no rank's exit
+    or Ctrl-C takes it down. It runs as its own program, so nothing here imports the GM's module."""
+    return subprocess.Popen([sys.executable, "-m", "fusionflow.runtime.global_manager", name],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
+                            close_fds=True)
 
 
 def close_inherited() -> None:
@@ -52,7 +61,7 @@ def close_inherited() -> None:
 def make_spec(dataset, policy, worker_init_fn) -> bytes | None:
     """What a lent worker needs to run this loader's samples, pickled; None (logged) if it does not pickle."""
     try:
-        return pickle.dumps((dataset, policy, worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(m.Spec(dataset, policy, worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         log.warning("fusionflow: this loader's dataset, policy or worker_init_fn cannot be pickled (%r), so "
                     "workers lent by other ranks cannot run its samples; it still lends its own idle workers", exc)
@@ -129,7 +138,6 @@ class GMLink:
         for _ in range(500):  # a closing GM unlinks its table within its linger time
             t = gt.Tables.create(self.name)
             if t is not None:
-                from fusionflow.runtime.global_manager import spawn
                 self.gm_proc = spawn(self.name)
             else:
                 t = gt.Tables.attach(self.name)
@@ -241,7 +249,7 @@ class GMLink:
         if self.gm_lost:
             return False
         now = time.monotonic()
-        if now - self._checked_at < 0.25:  # looking at /proc every poll would cost more than it tells
+        if now - self._checked_at < LIVENESS_S:  # looking at /proc every poll would cost more than it tells
             return True
         self._checked_at = now
         pid = self.tables.gm_pid

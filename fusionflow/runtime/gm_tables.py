@@ -33,6 +33,7 @@ from contextlib import contextmanager
 import numpy as np
 import posix_ipc
 
+from fusionflow.runtime.gm_timing import START_S
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import unlink
 
@@ -187,7 +188,6 @@ class Tables:
         pid = self.gm_pid
         if pid:
             return pid_alive(pid)
-        from fusionflow.runtime.global_manager import START_S
         return time.time() - float(self.header["created"][0]) < START_S
 
     def close(self) -> None:

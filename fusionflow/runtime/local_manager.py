@@ -61,58 +61,18 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 
-from fusionflow.errors import FusionFlowError, SharedMemoryError
+from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, SharedMemoryError, WorkerStartError
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.shm import SHM_DIR, BatchRing, ChildFd, RingLayout, free_bytes, send_fd
 from fusionflow.runtime.worker import worker_loop
 from fusionflow.scheduling import split_sorted
+from fusionflow.scheduling.queue import BatchState, TinyBatchQueue, Work
 
 log = logging.getLogger(__name__)
 PER_WORKER = 2  # tasks queued per worker: one running, one ready to start without a round trip
 GM_IDLE_S = 0.1  # with a GM: progress heartbeat, elastic target and GM liveness at least this often
-
-
-class WorkerStartError(FusionFlowError):
-    """A CPU worker could not start (its traceback is in the message)."""
-
-
-class SampleKilledWorkersError(FusionFlowError):
-    """A sample kept killing worker processes."""
-
-    def __init__(self, message: str, indices: list[int]):
-        super().__init__(message)
-        self.indices = indices
-
-
-@dataclass
-class _Work:
-    seq: int
-    generation: int
-    slot: int
-    epoch: int
-    positions: tuple[int, ...]
-    indices: tuple[int, ...]
-    deaths: int = 0
-    cpu_only: bool = False  # the accelerator gave it back (e.g. it could not decode it): CPU workers only
-    copies: tuple[int, ...] = ()  # per sample, for repeated augmentation; () when all are 0
-
-
-@dataclass
-class BatchState:
-    seq: int
-    slot: int
-    size: int
-    remaining: int
-    failures: list = field(default_factory=list)
-    error: BaseException | None = None
-    submitted_at: float = 0.0
-    cpu_done_at: float = 0.0  # when its last CPU / accelerator tiny-batch completed (0: none ran there)
-    accel_done_at: float = 0.0
-    accel_positions: list = field(default_factory=list)  # positions the accelerator produced
-    targets: dict = field(default_factory=dict)  # {position: target} not in the ring (runtime/targets.py)
 
 
 class _Worker:
@@ -120,7 +80,7 @@ class _Worker:
 
     def __init__(self, worker_id, process, conn):
         self.worker_id, self.process, self.conn = worker_id, process, conn
-        self.outstanding: deque[tuple[int, _Work]] = deque()  # (task_id, work), in sending order
+        self.outstanding: deque[tuple[int, Work]] = deque()  # (task_id, work), in sending order
         self.ready = False
         self.alive = True
         self.head_since = 0.0  # when its oldest outstanding task started (CLOCK_MONOTONIC)
@@ -158,11 +118,9 @@ class LocalManager:
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
         # per mini-batch (oldest first): its tiny-batches, ascending by encoded size. CPU workers take
         # from the front, the accelerator from the back; the largest `reserved` stay the accelerator's.
-        self.queues: dict[tuple[int, int], deque[_Work]] = {}
-        self.reserved = 0
+        self.queue = TinyBatchQueue()  # pure; guarded by `cond`
         self.accelerator = None  # an AcceleratorWorker, attached by the loader
         self.on_batch_done = None  # callback(state) under the lock, e.g. TAAS feedback
-        self.batches: dict[tuple[int, int], BatchState] = {}
         self.generation = 0
         self.cond = threading.Condition()
         self.task_ids = itertools.count()
@@ -232,10 +190,7 @@ class LocalManager:
         numbers, fusionflow.scheduling.tiny_batches.Copies; None when all are 0)."""
         tiny = split_sorted(indices, self.sizes, self.tiny_batch_size, copies)
         with self.cond:
-            self.batches[(generation, seq)] = BatchState(seq, slot, len(indices), len(indices),
-                                                         submitted_at=time.monotonic())
-            self.queues[(generation, seq)] = deque(_Work(seq, generation, slot, epoch, t.positions, t.indices,
-                                                         copies=t.copies) for t in tiny)
+            self.queue.add(generation, seq, slot, epoch, tiny, len(indices), time.monotonic())
             self.cond.notify_all()
         self._wake()
 
@@ -247,15 +202,14 @@ class LocalManager:
             while True:
                 if self.fatal is not None:
                     raise self.fatal
-                state = self.batches.get(key)
+                state = self.queue.batches.get(key)
                 if state is None:
                     raise FusionFlowError(f"mini-batch {seq} of this iterator is no longer tracked: a newer "
                                           "iter(loader) abandoned it (iterate one epoch at a time)")
                 if state.error is not None:
                     raise state.error
                 if state.remaining == 0:
-                    del self.batches[key]
-                    self.queues.pop(key, None)
+                    self.queue.forget(key)
                     return state
                 dead = [w.worker_id for w in self.workers if w is not None and not w.alive]
                 missing = self.target_workers - len(self._kept_workers())
@@ -275,9 +229,7 @@ class LocalManager:
     def abandon(self, generation: int) -> None:
         """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""
         with self.cond:
-            for key in [k for k in self.batches if k[0] == generation]:
-                del self.batches[key]
-                self.queues.pop(key, None)
+            self.queue.forget_generation(generation)
 
     def new_generation(self) -> int:
         with self.cond:
@@ -462,7 +414,7 @@ class LocalManager:
             if g.alive and not g.outstanding:  # nothing left of the iteration it came for
                 self._return_guest(g)
 
-    def _send(self, w: _Worker, work: _Work) -> bool:
+    def _send(self, w: _Worker, work: Work) -> bool:
         task_id = next(self.task_ids)
         try:
             w.conn.send_bytes(m.pack_task(m.Task(task_id, work.generation, work.slot, work.epoch,
@@ -492,7 +444,7 @@ class LocalManager:
         if order is not None:
             seq, peer, count = order
             address = link.peer_address(peer)
-            lend = m.pack_control(m.LEND, (peer, address, link.tables.secret, link.lm))
+            lend = m.pack_message(m.Lend(peer, address, link.tables.secret, link.lm))
             for w in self.workers:
                 if address is None or done >= count:
                     break
@@ -534,7 +486,7 @@ class LocalManager:
         own = [w for w in self._kept_workers() if w.alive]
         self.link.publish(
             iteration=self.completed_batches,
-            waiting=max(0, len(self.queues[current]) - self.reserved) if current is not None else 0,
+            waiting=self.queue.waiting(current),
             active_since=[w.head_since for w in busy], task_seconds=self.task_seconds,
             idle=sum(1 for w in own if w.idle), workers=len(own),
             lent=sum(1 for w in own if w.lent_to is not None), guests=len(self.guests),
@@ -543,7 +495,7 @@ class LocalManager:
     def _current_key(self):
         """This LM's current iteration: its oldest mini-batch with samples still to produce (a finished
         one stays queued until the training loop takes it)."""
-        return next((k for k in self.queues if (st := self.batches.get(k)) is not None and st.remaining > 0), None)
+        return self.queue.current_key()
 
     def _accept_guest(self) -> None:
         conn = self.link.accept()
@@ -578,51 +530,38 @@ class LocalManager:
             self.guests.remove(g)
 
     # ---------------------------------------------------------------- the two-ended queue (lock held)
-    def take_cpu(self, upto=None) -> _Work | None:
+    # scheduling/queue.py holds the queue; these keep it behind the manager's lock and wake waiters.
+    @property
+    def reserved(self) -> int:
+        """TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator (the loader's
+        search sets it; the accelerator clears it when it stops)."""
+        return self.queue.reserved
+
+    @reserved.setter
+    def reserved(self, k: int) -> None:
+        self.queue.reserved = k
+
+    def take_cpu(self, upto=None) -> Work | None:
         """The oldest mini-batch's smallest tiny-batch that CPU workers may take (of mini-batches no
         newer than `upto`, a (generation, seq) key, if given)."""
-        from fusionflow.scheduling.taas import cpu_may_take
-        for key, q in self.queues.items():
-            if upto is not None and key > upto:
-                break
-            if q and (q[0].cpu_only or cpu_may_take(len(q), self.reserved)):
-                return q.popleft()
-        return None
+        return self.queue.take_cpu(upto)
 
-    def take_accel(self, largest_first: bool = True) -> _Work | None:
+    def take_accel(self, largest_first: bool = True) -> Work | None:
         """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation)."""
-        for q in self.queues.values():
-            candidates = [w for w in q if not w.cpu_only]
-            if candidates:
-                work = candidates[-1] if largest_first else candidates[0]
-                q.remove(work)
-                return work
-        return None
+        return self.queue.take_accel(largest_first)
 
     def requeue(self, works) -> None:
         """Put work back at the front of its mini-batch's queue (it was interrupted)."""
-        for work in reversed(list(works)):
-            q = self.queues.get((work.generation, work.seq))
-            if q is not None:
-                q.appendleft(work)
+        self.queue.requeue(works)
         self.cond.notify_all()
 
-    def complete(self, work: _Work, failures, on_accelerator: bool, targets: dict | None = None) -> None:
+    def complete(self, work: Work, failures, on_accelerator: bool, targets: dict | None = None) -> None:
         """Account a finished tiny-batch (lock held); `targets`: {position: target} of its samples whose
         target is not an int (runtime/targets.py)."""
-        state = self.batches.get((work.generation, work.seq))
+        now = time.monotonic()
+        state = self.queue.complete(work, failures, on_accelerator, targets, now)
         if state is None:
             return
-        state.failures.extend(failures)
-        if targets:
-            state.targets.update(targets)
-        state.remaining -= len(work.positions)
-        now = time.monotonic()
-        if on_accelerator:
-            state.accel_done_at = now
-            state.accel_positions.extend(work.positions)
-        else:
-            state.cpu_done_at = now
         if state.remaining == 0:
             self.completed_batches += 1
             if self.trace is not None:
@@ -650,7 +589,7 @@ class LocalManager:
                 w.alive = False
             elif kind == m.HOME:
                 w.lent_to = None
-                tasks = m.unpack_control(msg)
+                tasks = m.unpack_message(msg, m.Home).tasks
                 self.lent_tasks += tasks
                 if self.trace is not None:
                     self.trace.home(w.worker_id, tasks)
@@ -681,8 +620,9 @@ class LocalManager:
         link = self.link
         try:
             if kind == m.HELLO:
-                g.worker_id = "lm{}:w{}".format(*m.unpack_control(msg))
-                g.conn.send_bytes(m.pack_control(m.SETUP, (self.ring.name, self.layout, self.seed, link.spec_hash)))
+                hello = m.unpack_message(msg, m.Hello)
+                g.worker_id = f"lm{hello.owner_lm}:w{hello.worker_id}"
+                g.conn.send_bytes(m.pack_message(m.Setup(self.ring.name, self.layout, self.seed, link.spec_hash)))
                 send_fd(g.conn, self.ring.fd)  # the ring has no name: it maps this descriptor
             elif kind == m.NEED:
                 if link.spec is None:
@@ -759,17 +699,17 @@ class LocalManager:
         running may be the cause: it counts a death and is retried sample by sample."""
         requeue = []
         for k, (_tid, work) in enumerate(w.outstanding):
-            if work.generation != self.generation or (work.generation, work.seq) not in self.batches:
+            if work.generation != self.generation or not self.queue.tracks(work):
                 continue
             if k == 0 and suspect:  # the task it was running
                 work.deaths += 1
                 if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
                     copies = work.copies or (0,) * len(work.positions)
-                    requeue += [_Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths,
+                    requeue += [Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths,
                                       copies=(c,) if c else ()) for p, i, c in zip(work.positions, work.indices, copies)]
                     continue
                 if work.deaths > self.max_retries:
-                    state = self.batches[(work.generation, work.seq)]
+                    state = self.queue.batches[work.key]
                     state.error = SampleKilledWorkersError(
                         f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
                         f"giving up after max_retries={self.max_retries}. Check that sample "

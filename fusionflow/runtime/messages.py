@@ -9,14 +9,38 @@ from __future__ import annotations
 import pickle
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, ClassVar
 
-TASK, STOP, DONE, READY, FATAL = 1, 2, 3, 4, 5
-# worker lending (runtime/gm_link.py): owner -> worker LEND, worker -> owner HOME; on the borrower's
-# socket: worker -> borrower HELLO, NEED; borrower -> worker SETUP, SPEC, RETURN. Rare control
-# messages: their small payload is pickled.
-LEND, HOME, HELLO, SETUP, NEED, SPEC, RETURN, LEAVING = 6, 7, 8, 9, 10, 11, 12, 13  # LEAVING: its owner called it back
-BELL = 14  # GM -> LM on the LM's socket: the first one says "this connection is the GM's doorbell", each
-           # later one "your action row has a new order" (no polling for orders in the training process)
+if TYPE_CHECKING:
+    from fusionflow.runtime.shm import RingLayout
+
+
+class Kind(IntEnum):
+    """The first field of every message. Worker lending (runtime/gm_link.py): owner -> worker LEND,
+    worker -> owner HOME; on the borrower's socket: worker -> borrower HELLO, NEED, LEAVING (its
+    owner called it back); borrower -> worker SETUP, SPEC, RETURN. Those are rare control messages:
+    their payload, one of the dataclasses below (or none), is pickled."""
+    TASK = 1
+    STOP = 2
+    DONE = 3
+    READY = 4
+    FATAL = 5
+    LEND = 6
+    HOME = 7
+    HELLO = 8
+    SETUP = 9
+    NEED = 10
+    SPEC = 11
+    RETURN = 12
+    LEAVING = 13
+    BELL = 14  # GM -> LM on the LM's socket: the first one says "this connection is the GM's doorbell",
+               # each later one "your action row has a new order" (no polling for orders in training)
+
+
+TASK, STOP, DONE, READY, FATAL = Kind.TASK, Kind.STOP, Kind.DONE, Kind.READY, Kind.FATAL
+LEND, HOME, HELLO, SETUP, NEED, SPEC = Kind.LEND, Kind.HOME, Kind.HELLO, Kind.SETUP, Kind.NEED, Kind.SPEC
+RETURN, LEAVING, BELL = Kind.RETURN, Kind.LEAVING, Kind.BELL
 _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
 _ITEM = struct.Struct("<iqi")  # position in the mini-batch, dataset index, copy number (repeated augmentation)
 # DONE's fixed part after the head: when the worker started and finished the task (time.monotonic_ns:
@@ -73,6 +97,68 @@ def pack_ready(worker_id: int) -> bytes:
 
 def pack_fatal(worker_id: int, text: str) -> bytes:
     return _HEAD.pack(FATAL, 0, 0, worker_id, 0, 0) + text.encode("utf-8", "replace")
+
+
+@dataclass(frozen=True)
+class Lend:
+    """Owner LM -> its idle worker: serve LM `peer`, listening at `address`, until it sends you home."""
+    KIND: ClassVar[Kind] = Kind.LEND
+    peer: int  # the borrower's row in the job's table
+    address: str  # the borrower's abstract Unix socket
+    secret: bytes  # the job's secret, to authenticate there
+    owner_lm: int  # the lender's own row
+
+
+@dataclass(frozen=True)
+class Home:
+    """Lent worker -> its owner, back from a loan."""
+    KIND: ClassVar[Kind] = Kind.HOME
+    tasks: int  # tiny-batches it ran for the borrower
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Lent worker -> borrower, first thing on the borrower's socket."""
+    KIND: ClassVar[Kind] = Kind.HELLO
+    owner_lm: int
+    worker_id: int  # within its owner
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Borrower -> lent worker: its batch ring (whose descriptor follows), seed and spec."""
+    KIND: ClassVar[Kind] = Kind.SETUP
+    ring_name: str
+    layout: RingLayout
+    seed: int
+    spec_hash: bytes | None  # None: the borrower's spec does not pickle (the worker is sent home)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """Borrower -> lent worker that does not have it yet: what runs the borrower's samples. Pickled
+    once per loader (runtime/gm_link.py, `make_spec`) and sent as those bytes (`pack_pickled`)."""
+    KIND: ClassVar[Kind] = Kind.SPEC
+    dataset: Any
+    policy: Any
+    worker_init_fn: Any
+
+
+LENDING_MESSAGES = (Lend, Home, Hello, Setup, Spec)
+
+
+def pack_message(msg: Lend | Home | Hello | Setup | Spec) -> bytes:
+    """A typed control message: its kind in the head, the dataclass pickled after it."""
+    return pack_pickled(msg.KIND, pickle.dumps(msg))
+
+
+def unpack_message(msg: bytes, expected: type):
+    """The dataclass a `pack_message` message carries; TypeError if it is not an `expected`."""
+    payload = unpack_control(msg)
+    if type(payload) is not expected or kind_of(msg) != expected.KIND:
+        raise TypeError(f"expected a {expected.__name__} message, got kind {kind_of(msg)} carrying "
+                        f"{type(payload).__name__}")
+    return payload
 
 
 def pack_control(kind: int, payload=None) -> bytes:

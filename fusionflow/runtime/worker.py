@@ -89,7 +89,7 @@ def _check_orphan(parent_pid: int) -> None:
 
 def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pid: int) -> int:
     """Serve another local manager (the borrower) until it returns this worker; returns the number of
-    tiny-batches run for it. `lend` is the owner's LEND payload; `home` = (dataset, pipe, spec hash).
+    tiny-batches run for it. `lend` is the owner's `Lend` message; `home` = (dataset, pipe, spec hash).
 
     Protocol on the borrower's socket: HELLO ->, <- SETUP (ring, layout, seed, spec hash),
     [NEED ->, <- SPEC (its pickled dataset and policy) unless this worker already has them],
@@ -97,16 +97,16 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
     serves one LM at a time: the owner sends it nothing while it is lent.
     """
     from fusionflow.ops.pipeline import CpuPipeline
-    peer, address, secret, owner_lm = lend
     try:
-        bconn = connect(address, secret)
+        bconn = connect(lend.address, lend.secret)
     except (OSError, EOFError, ConnectionError, AuthenticationError) as exc:  # the borrower left: nothing lost
-        logging.getLogger(__name__).info("worker %d could not reach LM %d: %r", worker_id, peer, exc)
+        logging.getLogger(__name__).info("worker %d could not reach LM %d: %r", worker_id, lend.peer, exc)
         return 0
     ring, done = None, 0
     try:
-        bconn.send_bytes(m.pack_control(m.HELLO, (owner_lm, worker_id)))
-        _name, layout, seed, spec_hash = m.unpack_control(bconn.recv_bytes())
+        bconn.send_bytes(m.pack_message(m.Hello(lend.owner_lm, worker_id)))
+        setup = m.unpack_message(bconn.recv_bytes(), m.Setup)
+        layout, seed, spec_hash = setup.layout, setup.seed, setup.spec_hash
         ring_fd = recv_fd(bconn)  # the borrower's ring has no name: map the descriptor it sends
         try:
             ring = BatchRing(layout, fd=ring_fd)
@@ -120,10 +120,10 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
             bconn.send_bytes(m.pack_control(m.NEED))
             spec = bconn.recv_bytes()
             try:
-                dataset, policy, init_fn = m.unpack_control(spec)
-                pipe = CpuPipeline(policy)
-                if init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
-                    init_fn(worker_id)
+                spec = m.unpack_message(spec, m.Spec)
+                dataset, pipe = spec.dataset, CpuPipeline(spec.policy)
+                if spec.worker_init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
+                    spec.worker_init_fn(worker_id)
             except Exception:
                 bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
                 return 0
@@ -201,9 +201,9 @@ def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingL
             if kind == m.STOP:
                 return
             if kind == m.LEND:
-                done = serve_borrower(m.unpack_control(msg), conn, worker_id, (dataset, pipe, spec_hash),
+                done = serve_borrower(m.unpack_message(msg, m.Lend), conn, worker_id, (dataset, pipe, spec_hash),
                                       spec_cache, parent_pid)
-                conn.send_bytes(m.pack_control(m.HOME, done))
+                conn.send_bytes(m.pack_message(m.Home(done)))
                 continue
             run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn, clock)
     except (_Orphaned, _Stopped, EOFError, OSError, BrokenPipeError):

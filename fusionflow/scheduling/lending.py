@@ -7,7 +7,9 @@ minus one for every Active tiny-batch more than half done (that worker frees up 
 workers already on their way to it. Nobody gets
 more workers than it needs; shares are rounded by largest remainder, ties to the lower LM id, so the
 plan is deterministic. A worker serves one LM at a time, so only idle workers are lent; borrowed
-workers go home when the borrower's iteration completes (`returns`).
+workers go home when the borrower's iteration completes: that is not a GM decision but the
+borrower's own (runtime/local_manager.py: a guest takes tiny-batches only up to the iteration it was
+lent for, and is sent home when none of those is left for it).
 """
 from __future__ import annotations
 
@@ -29,11 +31,6 @@ class Progress:
         if not self.can_borrow:
             return 0
         return max(0, self.waiting - sum(1 for f in self.active if f > 0.5) - self.incoming)
-
-    @property
-    def done(self) -> bool:
-        return self.waiting == 0 and not self.active
-
 
 @dataclass(frozen=True)
 class Loan:
@@ -70,9 +67,3 @@ def plan_lending(table: list[Progress]) -> list[Loan]:
                 entry[1] -= take
                 want -= take
     return loans
-
-
-def returns(table: list[Progress], outstanding: list[Loan]) -> list[Loan]:
-    """Loans to end now: those whose borrower finished its iteration."""
-    done = {p.lm for p in table if p.done}
-    return [loan for loan in outstanding if loan.borrower in done]

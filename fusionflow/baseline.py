@@ -1,0 +1,45 @@
+"""The torch DataLoader + torchvision baseline that the demo and `python -m fusionflow bench` compare
+FusionFlow against, and the timing of a loader's iteration they share."""
+from __future__ import annotations
+
+import io
+import time
+
+TV_POLICIES = ("default", "randaugment", "trivialaugment", "autoaugment")
+
+
+class TorchvisionSamples:
+    """Baseline dataset: decode with PIL, augment with torchvision.transforms.v2."""
+
+    def __init__(self, ds, policy_name: str, size: int):
+        self.ds, self.policy_name, self.size = ds, policy_name, size
+        self._tf = None
+
+    def _transform(self):
+        import torchvision.transforms.v2 as T
+        aug = {"default": [], "randaugment": [T.RandAugment(num_ops=2, magnitude=9)],
+               "trivialaugment": [T.TrivialAugmentWide()], "autoaugment": [T.AutoAugment()]}[self.policy_name]
+        return T.Compose([T.RandomResizedCrop(self.size, antialias=True), T.RandomHorizontalFlip(), *aug,
+                          T.PILToTensor()])
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        from PIL import Image
+        if self._tf is None:
+            self._tf = self._transform()
+        data, label = self.ds[i]
+        return self._tf(Image.open(io.BytesIO(data)).convert("RGB")), label
+
+
+def timed_batches(loader):
+    """Iterate `loader`, yielding (images, labels, seconds blocked in next())."""
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            return
+        yield x, y, time.perf_counter() - t0

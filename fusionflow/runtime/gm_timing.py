@@ -1,0 +1,24 @@
+"""The clocks of the global-manager protocol, in one place: the GM (runtime/global_manager.py), a
+local manager's seat at its table (runtime/gm_link.py) and the table itself (runtime/gm_tables.py)
+all reason about the same times, so each is defined once here. Imports nothing from the package:
+it sits below the tables, the link and the manager.
+
+Two start-up windows, on purpose of different lengths:
+  START_S     a table's creator spawned a GM that has not claimed the table yet: for this long
+              the table counts as having a live GM (`Tables.gm_alive`), and a GM that no LM ever
+              registered with exits after it.
+  GM_START_S  an LM that joined a table whose GM has not claimed it within this reports the GM
+              lost once and keeps training without lending (`GMLink.check_gm`).
+"""
+import os
+
+START_S = 30.0
+GM_START_S = 10.0
+LIVENESS_S = 0.25  # how often pids are checked: GM for its LMs, an LM for its GM (a /proc read each)
+POLL_S = 0.002  # the GM's loop period
+# no LM registered for this long: the job's loaders are gone (not just between two epochs)
+LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
+INCOMING_TTL_S = 1.0  # workers lent but never accepted within this are written off
+STALE_S = 2.0  # an LM whose row has not been published for this long neither lends nor borrows
+HANDSHAKE_S = 2  # each step of connecting to a peer's socket (connect, authenticate, first message)
+SEND_TIMEOUT_S = 5  # a guest that stops reading cannot block an LM's manager thread longer

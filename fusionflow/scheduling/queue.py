@@ -1,0 +1,137 @@
+"""A loader's tiny-batch queue, pure: no threads, processes, clocks or I/O. Its caller (the local
+manager, runtime/local_manager.py) holds the lock that guards it and passes the time in.
+
+Per mini-batch, keyed (generation, seq) and oldest first, its tiny-batches sorted ascending by
+encoded size (scheduling/tiny_batches.py). CPU workers take from the front -- the oldest
+mini-batch's smallest tiny-batch -- unless only the `reserved` largest are left (TAAS,
+scheduling/taas.py); the accelerator takes from the back, largest first. Work given back (its worker
+died, the accelerator could not run it) goes to the front of its mini-batch. Completions are
+counted per mini-batch in its `BatchState`; a mini-batch stays tracked until the training loop
+takes it (`forget`), or its iterator is abandoned (`forget_generation`).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from fusionflow.scheduling.taas import cpu_may_take
+from fusionflow.scheduling.tiny_batches import TinyBatch
+
+Key = tuple[int, int]  # (generation, seq): generations order iterators, seqs mini-batches within one
+
+
+@dataclass
+class Work:
+    """One tiny-batch to run: which ring slot, which positions of the mini-batch, which samples."""
+    seq: int
+    generation: int
+    slot: int
+    epoch: int
+    positions: tuple[int, ...]
+    indices: tuple[int, ...]
+    deaths: int = 0
+    cpu_only: bool = False  # the accelerator gave it back (e.g. it could not decode it): CPU workers only
+    copies: tuple[int, ...] = ()  # per sample, for repeated augmentation; () when all are 0
+
+    @property
+    def key(self) -> Key:
+        return (self.generation, self.seq)
+
+
+@dataclass
+class BatchState:
+    seq: int
+    slot: int
+    size: int
+    remaining: int
+    failures: list = field(default_factory=list)
+    error: BaseException | None = None
+    submitted_at: float = 0.0
+    cpu_done_at: float = 0.0  # when its last CPU / accelerator tiny-batch completed (0: none ran there)
+    accel_done_at: float = 0.0
+    accel_positions: list = field(default_factory=list)  # positions the accelerator produced
+    targets: dict = field(default_factory=dict)  # {position: target} not in the ring (runtime/targets.py)
+
+
+class TinyBatchQueue:
+    def __init__(self):
+        self.queues: dict[Key, deque[Work]] = {}  # insertion order = age: oldest mini-batch first
+        self.batches: dict[Key, BatchState] = {}
+        self.reserved = 0  # TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
+
+    def add(self, generation: int, seq: int, slot: int, epoch: int, tiny: Iterable[TinyBatch],
+            size: int, submitted_at: float) -> BatchState:
+        """Queue mini-batch `seq` of `generation` (its `size` samples as `tiny`, sorted ascending)."""
+        state = BatchState(seq, slot, size, size, submitted_at=submitted_at)
+        self.batches[(generation, seq)] = state
+        self.queues[(generation, seq)] = deque(Work(seq, generation, slot, epoch, t.positions, t.indices,
+                                                    copies=t.copies) for t in tiny)
+        return state
+
+    def take_cpu(self, upto: Key | None = None) -> Work | None:
+        """The oldest mini-batch's smallest tiny-batch that CPU workers may take (of mini-batches no
+        newer than `upto`, if given)."""
+        for key, q in self.queues.items():
+            if upto is not None and key > upto:
+                break
+            if q and (q[0].cpu_only or cpu_may_take(len(q), self.reserved)):
+                return q.popleft()
+        return None
+
+    def take_accel(self, largest_first: bool = True) -> Work | None:
+        """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation)."""
+        for q in self.queues.values():
+            candidates = [w for w in q if not w.cpu_only]
+            if candidates:
+                work = candidates[-1] if largest_first else candidates[0]
+                q.remove(work)
+                return work
+        return None
+
+    def requeue(self, works: Iterable[Work]) -> None:
+        """Put work back at the front of its mini-batch's queue, in the given order (it was
+        interrupted); work of a mini-batch no longer tracked is dropped."""
+        for work in reversed(list(works)):
+            q = self.queues.get(work.key)
+            if q is not None:
+                q.appendleft(work)
+
+    def complete(self, work: Work, failures, on_accelerator: bool, targets: dict | None, now: float) -> BatchState | None:
+        """Count a finished tiny-batch; its mini-batch's state (done when `remaining` is 0), or None
+        when that mini-batch is no longer tracked."""
+        state = self.batches.get(work.key)
+        if state is None:
+            return None
+        state.failures.extend(failures)
+        if targets:
+            state.targets.update(targets)
+        state.remaining -= len(work.positions)
+        if on_accelerator:
+            state.accel_done_at = now
+            state.accel_positions.extend(work.positions)
+        else:
+            state.cpu_done_at = now
+        return state
+
+    def tracks(self, work: Work) -> bool:
+        return work.key in self.batches
+
+    def forget(self, key: Key) -> None:
+        """The training loop took this mini-batch (or gave it up)."""
+        self.batches.pop(key, None)
+        self.queues.pop(key, None)
+
+    def forget_generation(self, generation: int) -> None:
+        """An iterator stopped early: forget its unfinished mini-batches."""
+        for key in [k for k in self.batches if k[0] == generation]:
+            self.forget(key)
+
+    def current_key(self) -> Key | None:
+        """The oldest mini-batch with samples still to produce (a finished one stays queued until
+        the training loop takes it)."""
+        return next((k for k in self.queues if (st := self.batches.get(k)) is not None and st.remaining > 0), None)
+
+    def waiting(self, key: Key | None) -> int:
+        """Tiny-batches of mini-batch `key` that no worker has started and CPU workers may take."""
+        return max(0, len(self.queues[key]) - self.reserved) if key is not None else 0

@@ -1,0 +1,54 @@
+"""The message kinds' wire values and the typed lending messages' round trips."""
+import pickle
+
+import pytest
+
+from fusionflow.runtime import messages as m
+from fusionflow.runtime.gm_link import make_spec
+from fusionflow.runtime.shm import RingLayout
+
+
+def test_kinds_keep_their_wire_values():
+    # a message's first int32; a worker and a borrower from the same install must agree on them
+    assert {k.name: int(k) for k in m.Kind} == {
+        "TASK": 1, "STOP": 2, "DONE": 3, "READY": 4, "FATAL": 5, "LEND": 6, "HOME": 7, "HELLO": 8,
+        "SETUP": 9, "NEED": 10, "SPEC": 11, "RETURN": 12, "LEAVING": 13, "BELL": 14}
+    assert m.LEND is m.Kind.LEND and m.BELL == 14
+
+
+LENDING = [
+    m.Lend(peer=3, address="fusionflow-abc", secret=b"s" * 32, owner_lm=1),
+    m.Home(tasks=17),
+    m.Hello(owner_lm=2, worker_id=5),
+    m.Setup(ring_name="ffring", layout=RingLayout(2, 8, (3, 4, 4), "uint8"), seed=7, spec_hash=b"h" * 16),
+    m.Setup(ring_name="ffring", layout=RingLayout(1, 1, (1,), "uint8"), seed=0, spec_hash=None),
+    m.Spec(dataset=[b"a", b"b"], policy={"ops": []}, worker_init_fn=None),
+]
+
+
+@pytest.mark.parametrize("msg", LENDING, ids=lambda x: type(x).__name__)
+def test_lending_message_round_trip(msg):
+    wire = m.pack_message(msg)
+    assert m.kind_of(wire) == type(msg).KIND
+    assert m.unpack_message(wire, type(msg)) == msg
+
+
+def test_every_lending_kind_has_one_message():
+    assert sorted(cls.KIND for cls in m.LENDING_MESSAGES) == [m.LEND, m.HOME, m.HELLO, m.SETUP, m.SPEC]
+
+
+@pytest.mark.parametrize("wire", [m.pack_message(m.Home(1)), m.pack_control(m.RETURN),
+                                  m.pack_pickled(m.LEND, pickle.dumps(m.Home(1)))])
+def test_unpack_message_refuses_another_kind(wire):
+    with pytest.raises(TypeError, match="expected a Lend message"):
+        m.unpack_message(wire, m.Lend)
+
+
+def test_spec_travels_pre_pickled():
+    spec = make_spec([1, 2], {"ops": []}, None)
+    wire = m.pack_pickled(m.SPEC, spec)
+    assert m.unpack_message(wire, m.Spec) == m.Spec([1, 2], {"ops": []}, None)
+
+
+def test_spec_that_does_not_pickle_is_none():
+    assert make_spec([1], {"ops": []}, lambda wid: None) is None

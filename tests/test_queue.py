@@ -1,0 +1,139 @@
+"""TinyBatchQueue (fusionflow/scheduling/queue.py): the two-ended tiny-batch queue, without a
+manager, processes or shared memory."""
+import itertools
+
+import pytest
+
+from fusionflow.scheduling.queue import BatchState, TinyBatchQueue, Work
+from fusionflow.scheduling.tiny_batches import split_sorted
+
+
+def queue_with(*batches, reserved=0, tiny_batch_size=1):
+    """A queue holding one mini-batch per `batches` entry (a list of encoded sizes, one per sample;
+    dataset index = position + 100 * its number), generation 1."""
+    q = TinyBatchQueue()
+    q.reserved = reserved
+    for seq, sizes in enumerate(batches):
+        indices = [100 * seq + p for p in range(len(sizes))]
+        all_sizes = {i: s for i, s in zip(indices, sizes)}
+        size_of = [all_sizes.get(i, 0) for i in range(max(indices) + 1)]
+        q.add(1, seq, slot=seq, epoch=0, tiny=split_sorted(indices, size_of, tiny_batch_size),
+              size=len(sizes), submitted_at=10.0 + seq)
+    return q
+
+
+def test_cpu_takes_the_oldest_mini_batch_smallest_first():
+    q = queue_with([30, 10, 20], [5, 1])
+    assert [q.take_cpu().indices for _ in range(5)] == [(1,), (2,), (0,), (101,), (100,)]
+    assert q.take_cpu() is None
+
+
+def test_accelerator_takes_the_oldest_mini_batch_largest_first():
+    q = queue_with([30, 10, 20], [5, 1])
+    assert [q.take_accel().indices for _ in range(5)] == [(0,), (2,), (1,), (100,), (101,)]
+    assert q.take_accel() is None
+
+
+def test_fifo_ablation_takes_the_smallest_on_the_accelerator():
+    q = queue_with([30, 10, 20])
+    assert q.take_accel(largest_first=False).indices == (1,)
+
+
+def test_reserved_largest_are_left_to_the_accelerator():
+    q = queue_with([30, 10, 20, 40], [7, 8], reserved=2)
+    assert [q.take_cpu().indices for _ in range(2)] == [(1,), (2,)]  # 30 and 40 are the accelerator's
+    assert q.take_cpu() is None  # mini-batch 1 is not reached: its 2 are reserved too
+    assert q.take_accel().indices == (3,)
+    assert q.take_cpu() is None  # one left of mini-batch 0, inside the reservation
+
+
+def test_given_back_work_is_cpu_only_and_skips_the_reservation():
+    q = queue_with([30, 10, 20], reserved=3)
+    work = q.take_accel()
+    work.cpu_only = True
+    q.requeue([work])
+    assert q.take_accel().indices == (2,)  # the accelerator does not get it again
+    assert q.take_cpu().indices == (0,)  # CPU workers do, although 3 are reserved
+
+
+def test_upto_stops_at_newer_mini_batches():
+    q = queue_with([1], [2])
+    assert q.take_cpu(upto=(1, 0)).indices == (0,)
+    assert q.take_cpu(upto=(1, 0)) is None
+    assert q.take_cpu(upto=(1, 1)).indices == (100,)
+
+
+def test_requeue_puts_work_back_at_the_front_in_order_and_drops_forgotten_work():
+    q = queue_with([3, 1, 2, 4])
+    taken = [q.take_cpu() for _ in range(3)]
+    q.requeue(taken)
+    assert [q.take_cpu().indices for _ in range(4)] == [(1,), (2,), (0,), (3,)]
+    q.forget((1, 0))
+    q.requeue(taken)
+    assert q.take_cpu() is None
+
+
+def test_complete_counts_per_mini_batch():
+    q = queue_with([3, 1, 2, 4], tiny_batch_size=2)
+    a, b = q.take_cpu(), q.take_accel()
+    state = q.complete(a, ["f"], on_accelerator=False, targets={0: "x"}, now=11.0)
+    assert state.remaining == 2 and state.failures == ["f"] and state.targets == {0: "x"}
+    assert state.cpu_done_at == 11.0 and state.accel_done_at == 0.0
+    state = q.complete(b, [], on_accelerator=True, targets=None, now=12.5)
+    assert state.remaining == 0 and state.accel_done_at == 12.5
+    assert sorted(state.accel_positions) == sorted(b.positions)
+    assert q.current_key() is None  # done: it stays tracked until forgotten
+    assert (1, 0) in q.batches
+    q.forget((1, 0))
+    assert q.complete(a, [], on_accelerator=False, targets=None, now=13.0) is None
+    assert not q.tracks(a)
+
+
+def test_current_key_and_waiting():
+    q = queue_with([1, 2, 3], [4, 5], reserved=1)
+    assert q.current_key() == (1, 0) and q.waiting((1, 0)) == 2 and q.waiting(None) == 0
+    for work in [q.take_cpu(), q.take_cpu(), q.take_accel()]:
+        q.complete(work, [], False, None, 0.0)
+    assert q.current_key() == (1, 1) and q.waiting((1, 0)) == 0
+
+
+def test_forget_generation_keeps_other_iterators():
+    q = queue_with([1, 2])
+    q.add(2, 0, slot=1, epoch=0, tiny=split_sorted([5], [0] * 6, 1), size=1, submitted_at=0.0)
+    q.forget_generation(1)
+    assert list(q.batches) == [(2, 0)] and list(q.queues) == [(2, 0)]
+    assert q.take_cpu().indices == (5,)
+
+
+def test_add_returns_the_tracked_state():
+    q = TinyBatchQueue()
+    state = q.add(3, 7, slot=2, epoch=1, tiny=split_sorted([0, 1], [1, 2], 1, [0, 1]), size=2, submitted_at=4.0)
+    assert state == BatchState(7, 2, 2, 2, submitted_at=4.0) and q.batches[(3, 7)] is state
+    works = list(q.queues[(3, 7)])
+    assert all(isinstance(w, Work) and w.key == (3, 7) and w.epoch == 1 for w in works)
+    assert works[1].copies == (1,)
+
+
+@pytest.mark.parametrize("n", range(1, 7))
+def test_every_interleaving_takes_each_tiny_batch_once_and_respects_the_reservation(n):
+    """All 2^n orders of CPU / accelerator requests, every reservation K: each tiny-batch is taken
+    exactly once; the accelerator always gets the largest left; the CPU the smallest left, and
+    never one of the K largest while the reservation holds."""
+    sizes = [10 * ((4 * p) % 7) + p for p in range(n)]  # distinct, not in position order
+    for k in range(n + 1):
+        for order in itertools.product("ca", repeat=n):
+            q = queue_with(sizes, reserved=k)
+            left, taken = sorted(sizes), []
+            for who in order:
+                work = q.take_cpu() if who == "c" else q.take_accel()
+                if who == "c" and len(left) <= k:
+                    assert work is None
+                    continue
+                assert work is not None
+                size = sizes[work.positions[0]]
+                assert size == (left[0] if who == "c" else left[-1])
+                left.remove(size)
+                taken.append(work.indices)
+            while (work := q.take_accel()) is not None:
+                taken.append(work.indices)
+            assert sorted(taken) == [(p,) for p in range(n)]
