@@ -60,20 +60,11 @@ def main() -> None:
     from fusionflow import load_policy
     from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.ops import decode
-    from fusionflow.synthetic import encode, make_image, make_jpegs
+    from fusionflow.synthetic import sample_set
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
-    if args.sizes == "imagenet":
-        rng = np.random.default_rng(11)
-        data = []
-        for i in range(args.images):
-            long, short = (int(round(v * rng.uniform(0.9, 1.1))) for v in (500, 375))
-            h, w = (short, long) if i % 2 == 0 else (long, short)
-            data.append(encode(make_image(h, w, 11_000_003 + i)))
-    else:
-        lo, hi = (int(v) for v in args.sizes.split("-"))
-        data = make_jpegs(args.images, lo, hi, seed=11)
+    data = sample_set(args.sizes, args.images, seed=11)
     print(f"{len(data)} JPEGs ({args.sizes}), {sum(map(len, data)) / len(data) / 1024:.0f} KiB average, "
           f"policy {args.policy}")
     window_available = decode.jpeg.available()

@@ -43,20 +43,12 @@ def main() -> None:
     from fusionflow.ops import cpu, decode, jpeg
     from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.policy import crop_window, draw
-    from fusionflow.synthetic import encode, make_image, make_jpegs
+    from fusionflow.synthetic import sample_set
 
     torch.set_num_threads(1)
     if not jpeg.available():
         sys.exit(f"the JPEG window decoder is unavailable: {jpeg.why_unavailable()}")
-    if args.sizes == "imagenet":
-        rng = np.random.default_rng(11)
-        data = []
-        for i in range(args.images):
-            long, short = (int(round(v * rng.uniform(0.9, 1.1))) for v in (500, 375))
-            data.append(encode(make_image(*((short, long) if i % 2 == 0 else (long, short)), 11_000_003 + i)))
-    else:
-        lo, hi = (int(v) for v in args.sizes.split("-"))
-        data = make_jpegs(args.images, lo, hi, seed=11)
+    data = sample_set(args.sizes, args.images, seed=11)
     policy = load_policy(args.policy)
     pipe = CpuPipeline(policy)
     oh, ow = policy.size

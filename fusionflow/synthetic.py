@@ -51,6 +51,26 @@ def make_jpegs(count: int, min_side: int = 200, max_side: int = 1000, seed: int 
     return out
 
 
+def make_imagenet_like_jpegs(count: int, seed: int = 11) -> list[bytes]:
+    """`count` JPEGs shaped like ImageNet's typical photo: 500x375 and 375x500 alternating, each side
+    jittered by up to 10%."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(count):
+        long, short = (int(round(v * rng.uniform(0.9, 1.1))) for v in (500, 375))
+        h, w = (short, long) if i % 2 == 0 else (long, short)
+        out.append(encode(make_image(h, w, seed * 1_000_000 + 3 + i)))
+    return out
+
+
+def sample_set(sizes: str, count: int, seed: int = 11) -> list[bytes]:
+    """The benchmarks' image sets: "imagenet", or "lo-hi" (sides uniform in lo..hi px)."""
+    if sizes == "imagenet":
+        return make_imagenet_like_jpegs(count, seed)
+    lo, hi = (int(v) for v in sizes.split("-"))
+    return make_jpegs(count, lo, hi, seed=seed)
+
+
 def make_image_folder(root: str, num_classes: int = 4, per_class: int = 64, min_side: int = 200,
                       max_side: int = 1000, seed: int = 0) -> str:
     """Write an ImageFolder tree (root/class_k/img_i.jpg) of mixed-size JPEGs; returns root.

@@ -4,9 +4,7 @@ DataLoader's contract, warnings instead of errors where DataLoader warns, raw-sa
 The reference is DataLoader itself, over a dataset that runs torchvision's pipeline with the same
 per-sample draws (tests/tv_reference.py), so "the same recipe" is checked end to end."""
 import io
-import multiprocessing as mp
 import os
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +16,7 @@ from torch.utils.data import DataLoader, default_collate
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.policy import crop_window, draw, load_policy
 from fusionflow.synthetic import make_jpegs
+from test_loader import no_leaks  # noqa: F401  (autouse: no process or segment left)
 from tv_reference import tv_sample
 
 NUM_CLASSES = 5
@@ -57,21 +56,6 @@ class Torchvision:
         if self.policy.normalize:
             x = v2.Normalize(MEAN, STD)(v2.ToDtype(torch.float32, scale=True)(x))
         return x, i % NUM_CLASSES
-
-
-def ff_segments():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(("ff_", "ffl_", "sem.ff")))
-
-
-@pytest.fixture(autouse=True)
-def no_leaks():
-    before = ff_segments()
-    yield
-    deadline = time.time() + 5
-    while time.time() < deadline and (mp.active_children() or ff_segments() != before):
-        time.sleep(0.05)
-    assert not mp.active_children(), f"worker processes left: {mp.active_children()}"
-    assert ff_segments() == before, "shared-memory segments left in /dev/shm"
 
 
 def both(policy, collate_fn, num_workers, batch_size=6):

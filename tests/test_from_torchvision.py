@@ -13,9 +13,9 @@ from torchvision.transforms.v2 import AutoAugmentPolicy, InterpolationMode
 
 from fusionflow import load_policy, policy_from_transform
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.policy import crop_window, draw
+from fusionflow.policy import draw
 from fusionflow.synthetic import make_jpegs
-from tv_reference import tv_sample
+from tv_reference import tv_recipe
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 JPEGS = make_jpegs(6, 200, 600, seed=4)
@@ -84,18 +84,6 @@ def test_torchvisions_defaults_are_the_shipped_policies(name, transform):
         assert (x.range is None) == (y.range is None) and (x.range is None or np.allclose(x.range, y.range, rtol=1e-6))
 
 
-def _tv_reference(policy, data, d):
-    """torchvision on the same draw: crop, flip, ops (tv_reference), ToDtype + Normalize, F.erase."""
-    W, H = Image.open(io.BytesIO(data)).size
-    t = torch.from_numpy(tv_sample(policy, data, d, crop_window(policy, d, H, W)).copy())
-    if policy.normalize:
-        t = F.normalize(F.to_dtype(t, torch.float32, scale=True), list(policy.normalize[0]), list(policy.normalize[1]))
-    if d.erase is not None:
-        e = d.erase
-        t = F.erase(t, e.top, e.left, e.height, e.width, torch.from_numpy(e.fill(policy.erase)))
-    return t.numpy()
-
-
 @pytest.mark.parametrize("key", ["rand-default", "rand-m7-bilinear", "auto-imagenet", "trivial"])
 def test_cpu_pipeline_equals_torchvision_on_identical_draws(key):
     aug = AUGMENTS[key]
@@ -105,7 +93,7 @@ def test_cpu_pipeline_equals_torchvision_on_identical_draws(key):
     pipe = CpuPipeline(policy)
     for i, data in enumerate(JPEGS):
         d = draw(policy, 3, 1, i)
-        np.testing.assert_allclose(pipe(data, i, seed=3, epoch=1), _tv_reference(policy, data, d), rtol=0, atol=1e-5)
+        np.testing.assert_allclose(pipe(data, i, seed=3, epoch=1), tv_recipe(policy, data, d), rtol=0, atol=1e-5)
 
 
 def test_eval_form_and_uint8_output():

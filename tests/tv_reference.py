@@ -54,6 +54,21 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
     return np.asarray(img).transpose(2, 0, 1)
 
 
+def tv_recipe(policy, data: bytes, d) -> np.ndarray:
+    """torchvision's whole recipe on draw `d`: the pipeline (tv_sample), then ToDtype(scale) + Normalize
+    when the policy normalises, then F.erase with the draw's rectangle and fill."""
+    import io
+    from fusionflow.policy import crop_window
+    W, H = Image.open(io.BytesIO(data)).size
+    t = torch.from_numpy(tv_sample(policy, data, d, crop_window(policy, d, H, W)).copy())
+    if policy.normalize:
+        t = F.normalize(F.to_dtype(t, torch.float32, scale=True), list(policy.normalize[0]), list(policy.normalize[1]))
+    if d.erase is not None:
+        e = d.erase
+        t = F.erase(t, e.top, e.left, e.height, e.width, torch.from_numpy(e.fill(policy.erase)))
+    return t.numpy()
+
+
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
     return float("inf") if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
