@@ -43,6 +43,15 @@ void put_text(const char* text, char* err, int errlen) {
   if (err && errlen > 0) std::snprintf(err, static_cast<size_t>(errlen), "%s", text);
 }
 
+// Errors longjmp back to the caller's setjmp (which must be in the calling function's own frame),
+// warnings are remembered.
+void attach_errors(jpeg_decompress_struct* cinfo, ErrorManager* jerr) {
+  cinfo->err = jpeg_std_error(&jerr->pub);
+  jerr->pub.error_exit = on_error;
+  jerr->pub.emit_message = on_message;
+  jerr->warned = false;
+}
+
 }  // namespace
 
 extern "C" {
@@ -51,10 +60,7 @@ extern "C" {
 int ff_jpeg_info(const unsigned char* data, unsigned long size, int* dims, char* err, int errlen) {
   jpeg_decompress_struct cinfo;
   ErrorManager jerr;
-  cinfo.err = jpeg_std_error(&jerr.pub);
-  jerr.pub.error_exit = on_error;
-  jerr.pub.emit_message = on_message;
-  jerr.warned = false;
+  attach_errors(&cinfo, &jerr);
   if (setjmp(jerr.jump)) {
     put_error(&cinfo, err, errlen);
     jpeg_destroy_decompress(&cinfo);
@@ -82,10 +88,7 @@ int ff_jpeg_decode_window(const unsigned char* data, unsigned long size, int sca
                           int out_rows, int* dims, char* err, int errlen) {
   jpeg_decompress_struct cinfo;
   ErrorManager jerr;
-  cinfo.err = jpeg_std_error(&jerr.pub);
-  jerr.pub.error_exit = on_error;
-  jerr.pub.emit_message = on_message;
-  jerr.warned = false;
+  attach_errors(&cinfo, &jerr);
   unsigned char* volatile row_buf = nullptr;  // volatile: read after longjmp
   if (setjmp(jerr.jump)) {
     put_error(&cinfo, err, errlen);

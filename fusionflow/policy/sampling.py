@@ -104,20 +104,26 @@ def _erase(erase: Erase, size: tuple[int, int], rng: np.random.Generator) -> Era
     if not apply:
         return None
     img_h, img_w = size
-    area = img_h * img_w
-    (s0, s1), (r0, r1) = erase.scale, erase.ratio
-    log_r0, log_r1 = math.log(r0), math.log(r1)
-    for t in range(CROP_TRIES):
-        ua, ur, ut, ul = u[4 * t:4 * t + 4]
-        target = area * (s0 + ua * (s1 - s0))
-        aspect = math.exp(log_r0 + ur * (log_r1 - log_r0))
-        h = int(round(math.sqrt(target * aspect)))
-        w = int(round(math.sqrt(target / aspect)))
+    for h, w, ut, ul in _area_ratio_tries(u, img_h * img_w, erase.scale, erase.ratio):  # h from target*aspect
         if h < img_h and w < img_w:
             top = min(int(ut * (img_h - h + 1)), img_h - h)
             left = min(int(ul * (img_w - w + 1)), img_w - w)
             return EraseDraw(top, left, h, w, noise_seed)
     return None  # torchvision leaves the image as it is when no try fits
+
+
+def _area_ratio_tries(u, area: float, scale, ratio):
+    """torchvision's CROP_TRIES tries of a rectangle of random area (a fraction in `scale` of `area`) and
+    log-uniform aspect ratio in `ratio`, four uniforms of `u` each: yields (round(sqrt(target * aspect)),
+    round(sqrt(target / aspect)), u_top, u_left). RandomResizedCrop reads the first as the width,
+    RandomErasing as the height."""
+    (s0, s1), (r0, r1) = scale, ratio
+    log_r0, log_r1 = math.log(r0), math.log(r1)
+    for t in range(CROP_TRIES):
+        ua, ur, ut, ul = u[4 * t:4 * t + 4]
+        target = area * (s0 + ua * (s1 - s0))
+        aspect = math.exp(log_r0 + ur * (log_r1 - log_r0))
+        yield int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect))), ut, ul
 
 
 def _op(choice, bin_index: int, num_bins: int, rng: np.random.Generator) -> OpDraw:
@@ -134,21 +140,12 @@ def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple
     """(top, left, crop_height, crop_width) of the random resized crop for an image of this size."""
     if policy.center_resize is not None:
         return center_window(policy.center_resize, policy.size, height, width)
-    area = height * width
-    (s0, s1), (r0, r1) = policy.scale, policy.ratio
-    log_r0, log_r1 = math.log(r0), math.log(r1)
-    u = d.crop_u
-    for t in range(CROP_TRIES):
-        ua, ur, ut, ul = u[4 * t:4 * t + 4]
-        target = area * (s0 + ua * (s1 - s0))
-        aspect = math.exp(log_r0 + ur * (log_r1 - log_r0))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
+    for w, h, ut, ul in _area_ratio_tries(d.crop_u, height * width, policy.scale, policy.ratio):
         if 0 < w <= width and 0 < h <= height:
             top = min(int(ut * (height - h + 1)), height - h)
             left = min(int(ul * (width - w + 1)), width - w)
             return top, left, h, w
-    in_ratio = width / height
+    in_ratio, (r0, r1) = width / height, policy.ratio  # no try fit: centre crop of the clamped ratio
     if in_ratio < r0:
         w, h = width, int(round(width / r0))
     elif in_ratio > r1:
