@@ -49,8 +49,46 @@ class Bytes:
         return f"/data/img_{i}.jpg"
 
 
+def _our_tree() -> set[int]:
+    """This process and its descendants."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    tree, todo = set(), [os.getpid()]
+    while todo:
+        pid = todo.pop()
+        tree.add(pid)
+        todo += children.get(pid, [])
+    return tree
+
+
+def _held_elsewhere(names: set[str]) -> set[str]:
+    """Those of `names` that a process outside this test run holds open or mapped: another test run's
+    live segments on a shared machine, not a leak of ours (a leak is held by no one, or by a process
+    of ours, which the process check reports)."""
+    ours, held = _our_tree(), set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) in ours:
+            continue
+        try:
+            with open(f"/proc/{d}/maps") as f:
+                maps = f.read()
+            fds = {os.readlink(f"/proc/{d}/fd/{fd}") for fd in os.listdir(f"/proc/{d}/fd")}
+        except OSError:
+            continue
+        held |= {n for n in names if f"/dev/shm/{n}" in maps or f"/dev/shm/{n}" in fds}
+    return held
+
+
 def ff_segments():
-    return sorted(f for f in os.listdir("/dev/shm") if f.startswith(("ff_", "ffl_", "sem.ff")))
+    names = {f for f in os.listdir("/dev/shm") if f.startswith(("ff_", "ffl_", "sem.ff"))}
+    return sorted(names - _held_elsewhere(names)) if names else []
 
 
 def collect(loader):
