@@ -73,7 +73,6 @@ import functools
 import logging
 import os
 import time
-import traceback
 import warnings
 import weakref
 import numpy as np
@@ -86,9 +85,8 @@ from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import load_policy
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.local_manager import LocalManager
-from fusionflow.runtime.messages import SampleFailure
 from fusionflow.runtime.shm import RingLayout
-from fusionflow.runtime.worker import describe, split_item
+from fusionflow.sample import run_sample
 from fusionflow.scheduling.tiny_batches import Copies
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
 
@@ -685,18 +683,9 @@ class FusionFlowLoader:
             self._check_batch(indices)
             failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
             for pos, (index, copy) in enumerate(zip(indices, copies(indices))):
-                try:
-                    if clock is not None:
-                        clock.start()
-                    sample, target = split_item(self.dataset[index], index)
-                    if clock is not None:
-                        clock("read")
-                    pipe(sample, index, self.seed, epoch, out=buf[pos], what=describe(self.dataset, index), tick=clock,
-                         copy=copy)
-                    ff_targets.store(labels, pos, target, side)
-                except Exception as exc:
-                    failures.append(SampleFailure(pos, index, describe(self.dataset, index), type(exc).__name__,
-                                                  str(exc), traceback.format_exc()))
+                failure = run_sample(self.dataset, pipe, pos, index, copy, self.seed, epoch, buf, labels, side, clock)
+                if failure is not None:
+                    failures.append(failure)
             keep = self._select(indices, failures)
             n = len(indices)
             imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
