@@ -69,6 +69,7 @@ Copy 0 (a single process's first occurrences, rank 0's in DDP) keeps the draw (s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -77,12 +78,12 @@ import warnings
 import weakref
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import Sampler
 
 from fusionflow import state as ff_state
 from fusionflow.errors import SampleError
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.policy import load_policy
+from fusionflow.loader_config import Host, LoaderConfig, resolve_config
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
@@ -91,19 +92,7 @@ from fusionflow.scheduling.tiny_batches import Copies
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
 
 log = logging.getLogger(__name__)
-ON_ERROR = ("raise", "skip")
-ACCELERATORS = (None, "dali-cpu", "dali-gpu")
-SHARING = ("auto", "temporal", "spatial", "off")
-BRIDGE = ("auto", "on", "off")
 SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
-
-
-def _has_dali() -> bool:
-    try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _usable_cpus() -> int:
@@ -121,153 +110,30 @@ class FusionFlowLoader:
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
                  taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto",
                  trace=None, stage_times: bool = False):
-        # ---- validation: every message names the value and the fix
-        if collate_fn is not None and not callable(collate_fn):
-            raise TypeError(f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
-                            "list of (image, target) samples, as DataLoader calls it")
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
-        cores = _usable_cpus()
-        if num_workers > cores:  # as DataLoader does: a warning, not an error (workers then share cores)
-            warnings.warn(f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
-                          f"FusionFlow runs best with one worker per core: use num_workers<={cores}",
-                          UserWarning, stacklevel=2)
-        _check_raw_samples(dataset)
-        if batch_sampler is not None:
-            if batch_size != 1 or shuffle or sampler is not None or drop_last:
-                raise ValueError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
-                                 "drop_last: leave those at their defaults when you pass a batch_sampler")
-            capacity = getattr(batch_sampler, "batch_size", None)
-            if not isinstance(capacity, int) or capacity < 1:
-                raise ValueError("batch_sampler needs an int attribute batch_size (its largest batch): "
-                                 "FusionFlowLoader allocates shared memory for that many samples up front")
-        else:
-            if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-                raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not "
-                                 "supported)")
-            if sampler is not None and shuffle:
-                raise ValueError("sampler is mutually exclusive with shuffle=True: shuffle inside your sampler "
-                                 "(e.g. DistributedSampler(shuffle=True)) and leave shuffle unset")
-            if sampler is None:
-                sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
-            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
-            capacity = batch_size
-        if tiny_batch_size is None:
-            tiny_batch_size = min(4, capacity)
-        if not isinstance(tiny_batch_size, int) or tiny_batch_size < 1:
-            raise ValueError(f"tiny_batch_size={tiny_batch_size!r} must be an integer >= 1")
-        if tiny_batch_size > capacity:
-            raise ValueError(f"tiny_batch_size={tiny_batch_size} is larger than batch_size={capacity}: "
-                             f"use tiny_batch_size <= batch_size (typically 1-8)")
-        if prefetch_factor is None:
-            prefetch_factor = 2
-        elif num_workers == 0:
-            raise ValueError("prefetch_factor needs num_workers > 0 (with 0 workers nothing runs ahead)")
-        if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
-            raise ValueError(f"prefetch_factor={prefetch_factor!r} must be an integer >= 1 (mini-batches in flight)")
-        if persistent_workers and num_workers == 0:
-            raise ValueError("persistent_workers=True needs num_workers > 0")
-        if timeout < 0:
-            raise ValueError(f"timeout={timeout} must be >= 0 (0 waits forever)")
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
-        if not isinstance(max_retries, int) or max_retries < 0:
-            raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
-        if pin_workers not in (True, False, "auto"):
-            raise ValueError(f"pin_workers={pin_workers!r} must be 'auto', True or False")
-        self._seed_given = seed is not None
-        if seed is None:
-            seed = _default_seed(generator)
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed={seed!r} must be a non-negative integer (or None: derived from torch's "
-                             "initial seed, or from generator's)")
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
-        if self.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device={device!r}: FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'")
-        if self.device.type == "cuda":  # one device index, resolved now, for every CUDA call after
-            if self.device.index is None:
-                self.device = torch.device("cuda", torch.cuda.current_device())
-            if self.device.index >= torch.cuda.device_count():
-                raise ValueError(f"device={device!r}: this process sees {torch.cuda.device_count()} CUDA device(s)")
-        self._alloc_device = self.device  # where delivered tensors live (tests: the CPU, under a fake torch.cuda)
-        self.policy = load_policy(policy)
-        if gpu_sharing not in SHARING:
-            raise ValueError(f"gpu_sharing={gpu_sharing!r} must be one of {SHARING}")
-        if accelerator == "auto":
-            accelerator = "dali-gpu" if self.device.type == "cuda" and gpu_sharing != "off" and _has_dali() else None
-        if accelerator not in ACCELERATORS:
-            raise ValueError(f"accelerator={accelerator!r} must be one of {ACCELERATORS} ('auto': DALI on the "
-                             "GPU when device is CUDA, none otherwise)")
-        if accelerator == "dali-gpu" and self.device.type != "cuda":
-            raise ValueError(f"accelerator='dali-gpu' needs a CUDA device, got device={device!r}; use "
-                             "accelerator='dali-cpu' or None")
-        if accelerator is not None and not _has_dali():
-            raise ValueError(f"accelerator={accelerator!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
-        if accelerator is not None and num_workers == 0:
-            raise ValueError(f"accelerator={accelerator!r} shares mini-batches with CPU workers: use num_workers >= 1")
-        if gpu_sharing == "off":
-            accelerator = None
-        if memory_bridge not in BRIDGE:
-            raise ValueError(f"memory_bridge={memory_bridge!r} must be one of {BRIDGE}")
-        if memory_bridge == "on" and accelerator != "dali-gpu":
-            raise ValueError(f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
-                             f"accelerator={accelerator!r} (device={device!r}, gpu_sharing={gpu_sharing!r}): use "
-                             "accelerator='dali-gpu' with a CUDA device, or memory_bridge='auto'/'off'")
-        if memory_bridge == "on" and gpu_sharing == "spatial":
-            raise ValueError("memory_bridge='on' needs prep to run between training steps, when PyTorch's blocks "
-                             "are free, but gpu_sharing='spatial' runs it during them: use gpu_sharing='temporal' "
-                             "or 'auto', or memory_bridge='off'")
-        if global_manager is not None and not isinstance(global_manager, str):
-            raise ValueError(f"global_manager={global_manager!r} must be 'auto', a job name (str) or None")
-        if global_manager == "auto":
-            from fusionflow.runtime.gm_tables import job_key
-            global_manager = job_key()
-        elif global_manager is not None and not global_manager:
-            raise ValueError("global_manager='' : name the job (any string shared by the loaders that may lend "
-                             "workers to each other), or pass None")
-        self.job = global_manager if num_workers > 0 else None
-        self.accelerator, self.gpu_sharing, self.aot = accelerator, gpu_sharing, aot
-        self.taas, self.taas_last_k = taas, taas_last_k
-        if memory_bridge == "on" and gpu_sharing == "auto":
-            self.gpu_sharing = gpu_sharing = "temporal"  # the bridge only lends between steps: no spatial trial
-        self.memory_bridge = memory_bridge
-        self._bridge = None
-        why_off = ("memory_bridge='off'" if memory_bridge == "off" else
-                   "no DALI GPU accelerator" if accelerator != "dali-gpu" else
-                   "gpu_sharing='spatial'" if gpu_sharing == "spatial" else None)
-        if why_off is None and memory_bridge == "on":
-            from fusionflow.memory import native
-            native.build_bridge()  # fail now, naming what is missing, rather than at the first batch
-
-        from fusionflow.trace import TraceRecorder, check_path
-        self._trace_path = None if trace is None else check_path(trace)
+        # ---- resolution and validation (fusionflow/loader_config.py): every message names the value and the fix
+        notes: list = []  # warnings for the caller, given even when a later argument is refused
+        try:
+            cfg = resolve_config(
+                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
+                num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
+                timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
+                generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                policy=policy, tiny_batch_size=tiny_batch_size, seed=seed, device=device, on_error=on_error,
+                max_retries=max_retries, pin_workers=pin_workers, accelerator=accelerator,
+                gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k,
+                global_manager=global_manager, memory_bridge=memory_bridge, trace=trace,
+                stage_times=stage_times, host=Host(cores=lambda: _usable_cpus()), notes=notes)
+        finally:
+            for note in notes:
+                warnings.warn(note, UserWarning, stacklevel=2)
+        self.config = cfg  # as resolved at construction (load_state_dict may replace the seed)
+        self._apply_config(dataset, cfg)
+        from fusionflow.trace import TraceRecorder
         self._tracer = None if trace is None else TraceRecorder()
-        if not isinstance(stage_times, bool):
-            raise TypeError(f"stage_times={stage_times!r} must be True or False")
-        if stage_times:
-            from fusionflow.stages import stage_names
-            self._stage_names = stage_names(self.policy)
-        else:
-            self._stage_names = None
-        self.dataset, self.batch_sampler = dataset, batch_sampler
-        self.sampler = getattr(batch_sampler, "sampler", sampler)
-        self.batch_size, self.drop_last, self.capacity = batch_size, drop_last, capacity
-        self.num_workers, self.prefetch_factor, self.timeout = num_workers, prefetch_factor, timeout
-        self.worker_init_fn, self.multiprocessing_context = worker_init_fn, multiprocessing_context
-        self.persistent_workers, self.tiny_batch_size, self.seed = persistent_workers, tiny_batch_size, seed
-        self.on_error, self.max_retries, self.pin_workers = on_error, max_retries, pin_workers
-        self.collate_fn = collate_fn
-        self._collate = None if _is_default_collate(collate_fn) else collate_fn  # None: batches as delivered
-        self.pin_memory = pin_memory and self.device.type == "cpu"
-        if self.pin_memory and not torch.cuda.is_available():
-            warnings.warn("pin_memory=True but CUDA is not available: batches are returned unpinned", stacklevel=2)
-            self.pin_memory = False
         self.sizes = getattr(dataset, "sizes", None)
         self.stats = LoaderStats()
-        self._bridge_why_off = why_off  # None: start the bridge with the accelerator (again after close())
-        self.stats.memory_bridge = None if why_off is None else f"off: {why_off}"
+        self._bridge_why_off = cfg.bridge_why_off  # None: start the bridge with the accelerator (again after close())
+        self.stats.memory_bridge = None if cfg.bridge_why_off is None else f"off: {cfg.bridge_why_off}"
         self._epoch, self._epoch_set, self._iterations = 0, False, 0
         self._yielded = None  # batches yielded in the epoch in progress (None: none in progress)
         self._epoch_start = None  # what reproduces that epoch's order (fusionflow/state.py)
@@ -288,6 +154,27 @@ class FusionFlowLoader:
         # collection without self
         self._box = [None, None]
         self._finalizer = weakref.finalize(self, _shutdown_manager, self._box)
+
+    def _apply_config(self, dataset, cfg: LoaderConfig) -> None:
+        """The resolved configuration as the attributes the loader (and DataLoader's users) read."""
+        self.dataset, self.batch_sampler, self.sampler = dataset, cfg.batch_sampler, cfg.sampler
+        self.batch_size, self.drop_last, self.capacity = cfg.batch_size, cfg.drop_last, cfg.capacity
+        self.num_workers, self.prefetch_factor, self.timeout = cfg.num_workers, cfg.prefetch_factor, cfg.timeout
+        self.worker_init_fn, self.multiprocessing_context = cfg.worker_init_fn, cfg.multiprocessing_context
+        self.persistent_workers, self.tiny_batch_size, self.seed = (cfg.persistent_workers, cfg.tiny_batch_size,
+                                                                    cfg.seed)
+        self._seed_given = cfg.seed_given
+        self.on_error, self.max_retries, self.pin_workers = cfg.on_error, cfg.max_retries, cfg.pin_workers
+        self.device = cfg.device
+        self._alloc_device = self.device  # where delivered tensors live (tests: the CPU, under a fake torch.cuda)
+        self.policy, self.job = cfg.policy, cfg.job
+        self.accelerator, self.gpu_sharing, self.aot = cfg.accelerator, cfg.gpu_sharing, cfg.aot
+        self.taas, self.taas_last_k = cfg.taas, cfg.taas_last_k
+        self.memory_bridge = cfg.memory_bridge
+        self._bridge = None
+        self._trace_path, self._stage_names = cfg.trace_path, cfg.stage_names
+        self.collate_fn, self._collate = cfg.collate_fn, cfg.collate  # _collate None: batches as delivered
+        self.pin_memory = cfg.pin_memory
 
     # ---------------------------------------------------------------- DataLoader surface
     def __len__(self) -> int:
@@ -364,6 +251,7 @@ class FusionFlowLoader:
                           "is used, so the resumed run augments as the saved one did", UserWarning, stacklevel=2)
         if self.seed != seed:
             self.seed = seed
+            self.config = dataclasses.replace(self.config, seed=seed)
             self._stop_manager()  # running workers hold the old seed
         self._epoch, self._epoch_set, self._iterations = state["epoch"], state["epoch_set"], state["iterations"]
         if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
@@ -839,45 +727,6 @@ def _map_tensors(obj, fn):
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(v, fn) for v in obj)
     return obj
-
-
-def _is_default_collate(collate_fn) -> bool:
-    """None and torch's default_collate: the batch is already collated in place, nothing to do."""
-    from torch.utils.data import default_collate
-    return collate_fn is None or collate_fn is default_collate
-
-
-def _default_seed(generator) -> int:
-    """seed=None: derived as DataLoader derives its base seed -- from `generator` if given, else from
-    torch's initial seed -- but once per loader (augmentation is a function of (seed, epoch, index), so
-    it must not change between epochs). torch's initial seed differs between launches unless the
-    script calls torch.manual_seed, so two launches do not repeat the same augmentation, and a seeded
-    script stays reproducible. Nothing is drawn from torch's RNG, so the caller's random stream is unchanged."""
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
-        return generator.initial_seed() % 2**63
-    return torch.initial_seed() % 2**63
-
-
-def _check_raw_samples(dataset) -> None:
-    """FusionFlow augments raw images itself; a dataset that already transforms (float tensors or
-    arrays) would be augmented twice or fail at the first batch, so say so now."""
-    try:
-        if len(dataset) == 0:
-            return
-        item = dataset[0]
-    except Exception:  # a dataset whose first sample fails is reported, with its index, at the first batch
-        log.debug("dataset[0] could not be read at construction; not checked", exc_info=True)
-        return
-    sample = item[0] if isinstance(item, (tuple, list)) and item else item
-    dtype = getattr(sample, "dtype", None)
-    floating = (sample.is_floating_point() if isinstance(sample, torch.Tensor)
-                else isinstance(sample, np.ndarray) and np.issubdtype(dtype, np.floating))
-    if floating:
-        raise ValueError(f"dataset[0] returns an already-transformed {type(sample).__name__} of dtype {dtype} "
-                         f"(shape {tuple(sample.shape)}): FusionFlow decodes and augments the samples itself; "
-                         "give FusionFlow the raw images (fusionflow.ImageFolder) and a policy")
 
 
 def _taas_feedback(mgr_ref, search, history, state) -> None:
