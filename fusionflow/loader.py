@@ -69,37 +69,33 @@ Copy 0 (a single process's first occurrences, rank 0's in DDP) keeps the draw (s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import os
 import time
 import warnings
 import weakref
-import numpy as np
+
 import torch
 from torch.utils.data import Sampler
 
-from fusionflow import state as ff_state
-from fusionflow.errors import SampleError
-from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.delivery import BatchDelivery, collated, plain
+from fusionflow.delivery import map_tensors as _map_tensors  # noqa: F401 (its former name, tests import it)
 from fusionflow.loader_config import Host, LoaderConfig, resolve_config
+from fusionflow.loader_state import Checkpointing
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
-from fusionflow.sample import run_sample
-from fusionflow.scheduling.tiny_batches import Copies
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
 
 log = logging.getLogger(__name__)
-SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
 
 
 def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-class FusionFlowLoader:
+class FusionFlowLoader(Checkpointing, BatchDelivery):
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None,
                  sampler: Sampler | None = None, batch_sampler=None, num_workers: int = 0, collate_fn=None,
                  pin_memory: bool = False, drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
@@ -204,76 +200,7 @@ class FusionFlowLoader:
         self._serial += 1
         run = self._iter_inline if self.num_workers == 0 else self._iter_workers
         batches = run(self._epoch, self._serial)
-        return _plain(batches) if self._collate is None else _collated(batches, self._collate)
-
-    # ---------------------------------------------------------------- checkpointing (fusionflow/state.py)
-    def state_dict(self) -> dict:
-        """The loader's position, to resume it exactly: small (no pixels), picklable, torch.save-able.
-
-        Taken anywhere -- between epochs, or mid-epoch after k batches were yielded -- and loaded into
-        a fresh loader over the same dataset (any num_workers) with `load_state_dict`, the resumed
-        loader yields exactly the batches the original would have yielded next -- the rest of the
-        epoch, same indices and pixels -- and the same epochs after it. A loader that stopped
-        mid-epoch (`break`) resumes that epoch's remaining batches."""
-        in_epoch = self._yielded is not None
-        ff_state.warn_if_unresumable(self.batch_sampler, self.sampler)
-        return {
-            "version": ff_state.VERSION,
-            "dataset_len": len(self.dataset), "batch_size": self.capacity, "drop_last": self.drop_last,
-            "num_batches": len(self), "seed": self.seed,
-            "epoch": self._epoch, "epoch_set": self._epoch_set, "iterations": self._iterations,
-            "batches_yielded": self._yielded if in_epoch else None,
-            "sampler": (self._epoch_start if in_epoch and self._epoch_start is not None
-                        else ff_state.capture(self.batch_sampler, self.sampler)),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume from `state_dict()`: the next iteration continues where that loader was. The state's
-        seed replaces this loader's (the augmentation is a function of it); the loader must be built
-        over a dataset of the same length with the same batch_size, drop_last and kind of sampler."""
-        if not isinstance(state, dict) or state.get("version") != ff_state.VERSION:
-            raise ValueError(f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
-                             f"{ff_state.VERSION}: pass what loader.state_dict() returned")
-        mine = {"dataset_len": len(self.dataset), "batch_size": self.capacity, "drop_last": self.drop_last,
-                "num_batches": len(self)}
-        for key, value in mine.items():
-            if state.get(key) != value:
-                raise ValueError(f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
-                                 f"{key}={value!r}: build the loader as the one that saved the state was built "
-                                 "(same dataset length, batch_size, drop_last and sampler)")
-        ff_state.check(state["sampler"], self.batch_sampler, self.sampler)
-        yielded = state["batches_yielded"]
-        if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= len(self)):
-            raise ValueError(f"state['batches_yielded']={yielded!r} must be an int in [0, {len(self)}]")
-        seed = state["seed"]
-        if self._seed_given and seed != self.seed:
-            warnings.warn(f"seed={self.seed} was given, but the state was saved with seed={seed}: the state's seed "
-                          "is used, so the resumed run augments as the saved one did", UserWarning, stacklevel=2)
-        if self.seed != seed:
-            self.seed = seed
-            self.config = dataclasses.replace(self.config, seed=seed)
-            self._stop_manager()  # running workers hold the old seed
-        self._epoch, self._epoch_set, self._iterations = state["epoch"], state["epoch_set"], state["iterations"]
-        if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
-            self._epoch_set, self._iterations = True, max(0, self._iterations - 1)
-        self._resume = (state["sampler"], yielded or 0)
-        self._yielded = self._epoch_start = None
-
-    def _yielded_one(self, serial: int, done: bool = False) -> None:
-        """Count a batch yielded by iteration `serial` (or, `done`, its epoch's end), if it is the newest."""
-        if serial == self._serial and self._yielded is not None:
-            self._yielded = None if done else self._yielded + 1
-
-    def _epoch_batches(self, serial: int, copies=None):
-        """This epoch's batches of indices; records what reproduces them (or restores it, resuming).
-        Batches skipped on resume still pass through `copies` (repeated augmentation's counter), so
-        the copies after the resume point get the numbers they would have had."""
-        saved, skip = self._resume if self._resume is not None else (None, 0)
-        self._resume = None
-        batches, snapshot = ff_state.start_epoch(self.batch_sampler, self.sampler, saved, skip, on_skip=copies)
-        if serial == self._serial:
-            self._epoch_start, self._yielded = snapshot, skip
-        return batches
+        return plain(batches) if self._collate is None else collated(batches, self._collate)
 
     def __enter__(self):
         return self
@@ -443,22 +370,6 @@ class FusionFlowLoader:
                 self._close_bridge()  # the DALI pipelines are gone: what they held goes back now
                 self._sync_bridge()
 
-    def _deliver(self, images: np.ndarray, labels: np.ndarray):
-        """Turn a filled batch (views into the ring or a local buffer) into tensors the caller owns."""
-        if self.device.type == "cuda":
-            pinned = self._manager is not None and self._manager.cuda_registered  # the ring is page-locked
-            with torch.cuda.device(self.device.index):
-                stream = torch.cuda.current_stream(self.device)  # the caller's stream on the loader's device
-                out = torch.from_numpy(images).to(self._alloc_device, non_blocking=pinned)
-                labels_t = torch.from_numpy(labels if pinned else labels.copy()).to(self._alloc_device,
-                                                                                       non_blocking=pinned)
-                return out, labels_t, self._copied(stream)
-        if self.pin_memory:
-            src = torch.from_numpy(images)
-            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
-            return out, torch.from_numpy(labels.copy()).pin_memory(), None
-        return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
-
     def _sync_stats(self, mgr: LocalManager) -> None:
         now = {"worker_restarts": mgr.restarts, "workers_lent": mgr.lent_total, "workers_borrowed": mgr.guests_total,
                "lent_tiny_batches": mgr.lent_tasks, "borrowed_tiny_batches": mgr.guest_tasks,
@@ -480,15 +391,6 @@ class FusionFlowLoader:
         if self._bridge is not None:
             for name in ("windows", "lent_bytes", "borrowed_bytes", "fallback_bytes", "pinned_bytes", "seconds"):
                 setattr(self.stats, f"bridge_{name}", getattr(self._bridge.stats, name))
-
-    def _copied(self, stream):
-        """A blocking event (the host sleeps on it instead of spinning) recorded on `stream` after
-        this batch's copies out of the ring: the slot is reused, or the ring unmapped, only after it."""
-        event = torch.cuda.Event(blocking=True)
-        event.record(stream)
-        if self._manager is not None:
-            self._manager.copy_event = event
-        return event
 
     def _mark_step(self, mgr: LocalManager) -> None:
         """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
@@ -521,97 +423,6 @@ class FusionFlowLoader:
                 keep_t = torch.as_tensor(keep).to(self._alloc_device)
                 out, labels = out[keep_t], labels[keep_t]
             return out, labels, self._copied(stream)
-
-    def _select(self, indices, failures):
-        """Positions to deliver, after applying on_error to this batch's failures."""
-        if not failures:
-            return None
-        failures = sorted(failures, key=lambda f: f.position)
-        if self.on_error == "raise":
-            f = failures[0]
-            raise SampleError(f.index, f.what, f.exc_type, f.message, f.traceback)
-        bad = {f.position for f in failures}
-        self.stats.skipped += len(bad)
-        self.stats.skipped_indices.extend(f.index for f in failures)
-        for f in failures:
-            cause = SKIP_CAUSES.get(f.exc_type, "error")
-            self.stats.skipped_by_cause[cause] = self.stats.skipped_by_cause.get(cause, 0) + 1
-        if not self._warned_skip:
-            self._warned_skip = True
-            f = failures[0]
-            warnings.warn(f"on_error='skip': dropping {f.what} ({f.exc_type}: {f.message}); further skips are "
-                          f"counted in loader.stats.skipped without another warning", stacklevel=3)
-        return [p for p in range(len(indices)) if p not in bad]
-
-    def _account(self, wait: float, n: int) -> None:
-        self.stats.batches += 1
-        self.stats.samples += n
-        self.stats.wait_seconds.append(wait)
-
-    def _copies(self) -> Copies:
-        """A fresh copy counter for an epoch, on this loader's rank (repeated augmentation)."""
-        rank, world = getattr(self.sampler, "rank", None), getattr(self.sampler, "num_replicas", None)
-        if not (isinstance(rank, int) and isinstance(world, int)):
-            dist = torch.distributed
-            rank, world = ((dist.get_rank(), dist.get_world_size())
-                           if dist.is_available() and dist.is_initialized() else (0, 1))
-        return Copies(rank, world)
-
-    def _iter_inline(self, epoch: int, serial: int):
-        pipe = CpuPipeline(self.policy)
-        buf = np.empty((self.capacity, *self.policy.out_shape), self.policy.out_dtype)
-        labels = np.empty(self.capacity, np.int64)
-        copies = self._copies()
-        clock = None
-        if self._stage_names is not None:
-            from fusionflow.stages import StageClock
-            clock = StageClock(self._stage_names)
-        for seq, indices in enumerate(self._epoch_batches(serial, copies)):
-            t0 = time.perf_counter()
-            self._check_batch(indices)
-            failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
-            for pos, (index, copy) in enumerate(zip(indices, copies(indices))):
-                failure = run_sample(self.dataset, pipe, pos, index, copy, self.seed, epoch, buf, labels, side, clock)
-                if failure is not None:
-                    failures.append(failure)
-            keep = self._select(indices, failures)
-            n = len(indices)
-            imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
-            objs = ff_targets.gather(labels, range(n) if keep is None else keep, side) if side else None
-            wait = time.perf_counter() - t0
-            self._account(wait, len(imgs))
-            if clock is not None:
-                self.stats.add_stage_times(self._stage_names, "inline", clock.take())
-            if self._tracer is not None:
-                self._trace_wait(wait, seq, len(imgs))
-            images_t, labels_t, _ = self._deliver(imgs, labs)
-            if objs is not None:
-                labels_t = self._collate_targets(objs)
-            self._yielded_one(serial)
-            yield images_t, labels_t, objs
-        self._yielded_one(serial, done=True)  # the epoch is complete
-        self._flush_trace()
-
-    def _trace_wait(self, wait: float, seq: int, samples: int) -> None:
-        """The wait just measured, ending now; its span lasts exactly `wait` (as in stats.wait_seconds)."""
-        end = time.monotonic_ns()
-        self._tracer.wait(end - round(wait * 1e9), end, seq, samples)
-
-    def _collate_targets(self, objs: list):
-        """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
-        from torch.utils.data import default_collate
-        collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
-        # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
-        if self.device.type == "cuda":
-            return _map_tensors(collated, lambda t: t.to(self._alloc_device))
-        if self.pin_memory:
-            return _map_tensors(collated, lambda t: t.pin_memory())
-        return collated
-
-    def _check_batch(self, indices) -> None:
-        if len(indices) > self.capacity:
-            raise ValueError(f"the batch sampler yielded a batch of {len(indices)} samples, more than its "
-                             f"batch_size={self.capacity}")
 
     def _iter_workers(self, epoch: int, serial: int):
         mgr = self._ensure_manager()
@@ -689,44 +500,6 @@ class FusionFlowLoader:
                 if not self.persistent_workers:
                     self._stop_manager()
             self._flush_trace()
-
-
-def _plain(batches):
-    """(images, targets) of the inner iteration's (images, targets, per-sample targets or None)."""
-    try:
-        for images, labels, _ in batches:
-            yield images, labels
-    finally:
-        batches.close()  # a break or an exception in the training loop ends the inner iteration now
-
-
-def _collated(batches, collate_fn):
-    """DataLoader's collate_fn contract on delivered batches: `collate_fn` gets the batch as a list of
-    (image, target) samples -- images are views of the delivered batch tensor (on the loader's device),
-    targets as the dataset gave them (Python ints on the fast path) -- and what it returns is what the
-    iteration yields. It runs here, in the training process, after the batch is on its device."""
-    try:
-        for images, labels, objs in batches:
-            yield collate_fn(list(zip(images.unbind(0), labels.tolist() if objs is None else objs)))
-    finally:
-        batches.close()  # a break or an exception in the training loop ends the inner iteration now
-
-
-def _map_tensors(obj, fn):
-    """`fn` applied to every tensor in a collated structure (dicts, lists, tuples, namedtuples)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        out = {k: _map_tensors(v, fn) for k, v in obj.items()}
-        try:
-            return out if type(obj) is dict else type(obj)(out)
-        except TypeError:  # a mapping that cannot be built from a dict: as default_collate does
-            return out
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(v, fn) for v in obj)
-    return obj
 
 
 def _taas_feedback(mgr_ref, search, history, state) -> None:
