@@ -42,6 +42,10 @@ when device is CUDA).
 every launch unless the script calls `torch.manual_seed`, which makes it reproducible. Pass an int to
 fix it (e.g. to resume a run with the same augmentation); `loader.seed` holds the one in use.
 
+The arguments are resolved once, at construction, into `loader.config`, a frozen LoaderConfig
+(fusionflow/loader_config.py: every default chosen, every value checked; nothing is started or built
+until the first iteration).
+
 `num_workers` above the usable CPU cores warns (as DataLoader does) and runs; the workers then share cores.
 A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
 float tensor/array (already transformed) is refused at construction.

@@ -20,7 +20,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from fusionflow.policy import load_policy
 
-log = logging.getLogger("fusionflow.loader")
+log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
 ON_ERROR = ("raise", "skip")
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
 SHARING = ("auto", "temporal", "spatial", "off")
