@@ -68,7 +68,8 @@ def train(name: str, loader, set_epoch, num_classes: int, args) -> dict:
     return {"img_per_s": steady, "seconds": total, "images": images}
 
 
-def main(argv=None) -> int:
+def _parser():
+    """The command line: (parser, profile's subparser, bench's subparser)."""
     ap = argparse.ArgumentParser(prog="python -m fusionflow", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -88,6 +89,12 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="FusionFlowLoader vs DataLoader + torchvision on your data",
                        description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     bench.add_arguments(b)
+    return ap, p, b
+
+
+def main(argv=None) -> int:
+    from fusionflow import bench, profile
+    ap, p, b = _parser()
     args = ap.parse_args(argv)
     if args.command == "profile":
         profile.check_arguments(p, args)
@@ -100,7 +107,11 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers < 0:
         ap.error("--workers must be >= 0")
+    return demo(args)
 
+
+def demo(args) -> int:
+    """The main job: train with DataLoader + torchvision, then with FusionFlowLoader; print both."""
     import torch
     from fusionflow.data import ImageFolder
     from fusionflow.synthetic import make_image_folder

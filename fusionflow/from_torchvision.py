@@ -50,7 +50,6 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     else:
         steps = list(transform.transforms) if isinstance(transform, T.Compose) else [transform]
     cfg: dict[str, Any] = {"decode": {"mode": decode}, "augment": {"type": "none"}}
-    pos = 0
     where = lambda k: f"policy_from_transform: transform {k} ({_describe(steps[k])})"  # noqa: E731
 
     def fail(k: int, why: str):
@@ -64,7 +63,28 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         raise ValueError("policy_from_transform: the pipeline is empty; it needs a RandomResizedCrop "
                          "(training) or Resize + CenterCrop (evaluation) to fix the output size")
 
-    # 1. the crop, which fixes the output size
+    pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
+    size = tuple(cfg["output"]["size"])
+
+    # 2. flip, then one auto-augmentation
+    if pos < len(steps) and isinstance(steps[pos], T.RandomHorizontalFlip):
+        cfg["flip"] = float(steps[pos].p)
+        pos += 1
+    if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide)):
+        cfg["augment"] = _augment(steps[pos], size, lambda why, k=pos: fail(k, why))
+        pos += 1
+
+    _read_tensor_steps(steps, pos, cfg, fail)  # 3. to tensor, dtype, normalisation, erasing
+    try:
+        return parse_policy(cfg, f"policy_from_transform({type(transform).__name__})", default_name="from_torchvision")
+    except ValueError as exc:
+        raise ValueError(f"policy_from_transform: the pipeline has no FusionFlow equivalent: {exc}") from None
+
+
+def _read_crop(steps, T, cfg: dict, fail) -> int:
+    """The pipeline's first step(s): RandomResizedCrop, or Resize + CenterCrop, into cfg's output and
+    crop; returns the index of the next step."""
+    pos = 0
     t = steps[pos]
     if isinstance(t, T.RandomResizedCrop):
         _check_resize_mode(t, fail, pos)
@@ -85,17 +105,11 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     else:
         fail(pos, "the pipeline must start with RandomResizedCrop (training) or Resize + CenterCrop "
                   "(evaluation): FusionFlow decodes only the crop window, so the crop comes first")
-    size = tuple(cfg["output"]["size"])
+    return pos
 
-    # 2. flip, then one auto-augmentation
-    if pos < len(steps) and isinstance(steps[pos], T.RandomHorizontalFlip):
-        cfg["flip"] = float(steps[pos].p)
-        pos += 1
-    if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide)):
-        cfg["augment"] = _augment(steps[pos], size, lambda why, k=pos: fail(k, why))
-        pos += 1
 
-    # 3. to tensor, dtype, normalisation, erasing
+def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
+    """The steps after the augmentation (to tensor, dtype, normalisation, erasing), into cfg."""
     to_float, erase_at = False, None
     seen: set[str] = set()
     for k in range(pos, len(steps)):
@@ -136,10 +150,6 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
                 value = [int(v) if float(v).is_integer() else v for v in value]
             cfg["erase"] = {"p": float(t.p), "scale": [float(v) for v in t.scale],
                             "ratio": [float(v) for v in t.ratio], "value": value}
-    try:
-        return parse_policy(cfg, f"policy_from_transform({type(transform).__name__})", default_name="from_torchvision")
-    except ValueError as exc:
-        raise ValueError(f"policy_from_transform: the pipeline has no FusionFlow equivalent: {exc}") from None
 
 
 def _describe(t) -> str:

@@ -14,6 +14,7 @@ from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.runtime.local_manager import LocalManager  # noqa: E402
 from fusionflow.runtime.shm import RingLayout  # noqa: E402
+from dali_numpy import run_numpy  # noqa: E402
 from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -39,7 +40,7 @@ def test_exactly_once_in_order_and_each_sample_is_its_cpu_or_dali_output():
             for img, i in zip(x.numpy(), y.tolist()):
                 if np.array_equal(img, cpu(ds.data[i], i, seed=4, epoch=epoch)):
                     continue
-                assert np.array_equal(img, dali.run_numpy([ds.data[i]], [i], seed=4, epoch=epoch)[0]), i
+                assert np.array_equal(img, run_numpy(dali, [ds.data[i]], [i], seed=4, epoch=epoch)[0]), i
                 from_dali += 1
         assert from_dali > 0  # the accelerator really produced samples
     s = ld.stats

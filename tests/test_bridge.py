@@ -11,6 +11,7 @@ from fusionflow.loader import FusionFlowLoader
 from fusionflow.memory import native
 from fusionflow.memory.ledger import Block
 from fusionflow.memory.torch_side import MIN_BLOCK, free_cached_blocks, plan_requests
+from dali_numpy import run_numpy
 from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
 
 MIB = 1 << 20
@@ -184,14 +185,14 @@ def test_dali_runs_in_lent_blocks_and_gives_them_back():
     bridge = MemoryBridge(dev, warmup=0)  # installed before the pipeline exists
     ds = Bytes(16)
     pipe = DaliPolicyPipeline(SMALL, 8, device="gpu", device_id=0)
-    ref = [np.asarray(pipe.run_numpy(ds.data[i:i + 8], list(range(i, i + 8)), seed=3)) for i in (0, 8)]
+    ref = [np.asarray(run_numpy(pipe, ds.data[i:i + 8], list(range(i, i + 8)), seed=3)) for i in (0, 8)]
     x = torch.empty(1024 * MIB, dtype=torch.uint8, device=dev)
     del x
     reserved = torch.cuda.memory_reserved(dev)
     for i, want in zip((0, 8), ref):
         bridge.arm(torch.cuda.current_stream(dev))
         bridge.lend(tiny_batches_done=99)
-        got = pipe.run_numpy(ds.data[i:i + 8], list(range(i, i + 8)), seed=3)
+        got = run_numpy(pipe, ds.data[i:i + 8], list(range(i, i + 8)), seed=3)
         bridge.close()
         assert np.array_equal(got, want)  # same output from lent memory
     assert bridge.stats.windows == 2 and bridge.stats.lent_bytes >= 512 * MIB

@@ -10,6 +10,7 @@ from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import Erase, draw
 from fusionflow.synthetic import make_jpegs
+from dali_numpy import run_numpy
 from tv_reference import tv_recipe
 
 JPEGS = make_jpegs(6, 200, 500, seed=3)
@@ -138,7 +139,7 @@ def check_dali_erase(value, where):
     policy = dataclasses.replace(policy, fast_downscale=False)
     dp, cp = DaliPolicyPipeline(policy, batch_size=len(JPEGS), **where), CpuPipeline(policy)
     idx = list(range(len(JPEGS)))
-    out = dp.run_numpy(JPEGS, idx, seed=1)
+    out = run_numpy(dp, JPEGS, idx, seed=1)
     erased = 0
     for i in idx:
         ref, d = cp(JPEGS[i], i, seed=1), draw(policy, 1, 0, i)

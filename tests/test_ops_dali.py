@@ -19,6 +19,7 @@ from fusionflow.ops.specs import OP_NAMES, OPS  # noqa: E402
 from fusionflow.policy import shipped_policies  # noqa: E402
 from fusionflow.synthetic import make_image, make_jpegs  # noqa: E402
 from test_ops_cpu import VALUES  # noqa: E402
+from dali_numpy import run_numpy  # noqa: E402
 from tv_reference import psnr  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -107,7 +108,7 @@ def test_dali_pipeline_matches_cpu_pipeline(name):
     scores = []
     for start in (0, 8):
         idx = list(range(start, start + 8))
-        out = dp.run_numpy([JPEGS[i] for i in idx], idx, seed=3, epoch=1)
+        out = run_numpy(dp, [JPEGS[i] for i in idx], idx, seed=3, epoch=1)
         assert out.shape == (8, 3, 224, 224) and out.dtype == np.uint8
         scores += [psnr(out[k], cp(JPEGS[i], i, seed=3, epoch=1)) for k, i in enumerate(idx)]
     # decode + resize differ by a level or two (libjpeg vs libjpeg, DALI's vs Pillow's antialiased
@@ -124,7 +125,7 @@ def test_variable_batch_and_no_rebuild(monkeypatch):
     cp = CpuPipeline(dataclasses.replace(load_policy("randaugment"), fast_downscale=False))
     for n, start in [(1, 0), (4, 1), (3, 5), (2, 8)]:
         idx = list(range(start, start + n))
-        out = dp.run_numpy([JPEGS[i] for i in idx], idx, seed=0, epoch=2)
+        out = run_numpy(dp, [JPEGS[i] for i in idx], idx, seed=0, epoch=2)
         assert out.shape[0] == n
         assert psnr(out[0], cp(JPEGS[idx[0]], idx[0], seed=0, epoch=2)) > 20
     assert dp._pipe is built and dp.rebuilds == 0
@@ -136,7 +137,7 @@ def test_normalized_output_matches_cpu():
     cfg = {"output": {"size": 96, "normalize": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}},
            "flip": 0.5, "decode": {"fast_downscale": False}, "augment": {"type": "none"}}
     dp, cp = DaliPolicyPipeline(cfg, batch_size=2), CpuPipeline(cfg)
-    out = dp.run_numpy(JPEGS[:2], [0, 1])
+    out = run_numpy(dp, JPEGS[:2], [0, 1])
     assert out.dtype == np.float32 and out.shape == (2, 3, 96, 96)
     assert np.abs(out[1] - cp(JPEGS[1], 1)).mean() < 0.02  # ~ a level of 255 after /std
 
@@ -156,8 +157,8 @@ def test_truncated_jpeg_raises_and_pipeline_recovers():
     dp = DaliPolicyPipeline("default", batch_size=2)
     bad = JPEGS[3][: len(JPEGS[3]) // 3]
     with pytest.raises(DecodeError, match=r"samples \[10, 11\]"):
-        dp.run_numpy([JPEGS[2], bad], [10, 11])
-    assert dp.run_numpy([JPEGS[2]], [10]).shape == (1, 3, 224, 224)
+        run_numpy(dp, [JPEGS[2], bad], [10, 11])
+    assert run_numpy(dp, [JPEGS[2]], [10]).shape == (1, 3, 224, 224)
 
 
 @pytest.mark.gpu
@@ -171,7 +172,7 @@ def test_dali_gpu_op_matches_cpu_op(name, value):
 def test_dali_gpu_pipeline_matches_cpu_pipeline(name):
     policy = dataclasses.replace(load_policy(name), fast_downscale=False)
     dp, cp = DaliPolicyPipeline(policy, batch_size=8, device="gpu", device_id=0), CpuPipeline(policy)
-    out = dp.run_numpy(JPEGS[:8], list(range(8)), seed=3)
+    out = run_numpy(dp, JPEGS[:8], list(range(8)), seed=3)
     scores = [psnr(out[i], cp(JPEGS[i], i, seed=3)) for i in range(8)]
     assert np.median(scores) > 30.0, scores  # nvJPEG's IDCT differs from libjpeg-turbo's
 
@@ -186,7 +187,7 @@ def test_pipeline_is_freed_on_last_reference_and_close_shuts_dali_down():
     gc.disable()
     try:
         pipe = DaliPolicyPipeline(load_policy("default"), batch_size=2)
-        pipe.run_numpy(data, [0, 1])
+        run_numpy(pipe, data, [0, 1])
         outer, inner = weakref.ref(pipe), weakref.ref(pipe._pipe)
         del pipe
         assert outer() is None and inner() is None
@@ -218,7 +219,7 @@ def test_exif_orientation_is_ignored_on_both_paths():
     dp, cp = DaliPolicyPipeline(policy, batch_size=8), CpuPipeline(policy)
     data = [exif_jpeg(o) for o in range(1, 9)]
     assert [Image.open(__import__("io").BytesIO(d)).getexif()[0x0112] for d in data] == list(range(1, 9))
-    out = dp.run_numpy(data, list(range(8)), seed=2)
+    out = run_numpy(dp, data, list(range(8)), seed=2)
     scores = [psnr(out[k], cp(d, k, seed=2)) for k, d in enumerate(data)]
     assert min(scores) > 45.0, scores  # the default policy's bound in test_dali_pipeline_matches_cpu_pipeline
     assert dp.rebuilds == 0
@@ -236,4 +237,4 @@ def test_out_of_memory_is_not_a_corrupt_sample_and_the_pipeline_is_rebuilt():
         dp.run([JPEGS[4]], [4])
     assert not isinstance(info.value, DecodeError)
     assert broken._pipe is None  # the failed pipeline was shut down, not kept
-    assert dp.run_numpy([JPEGS[4]], [4]).shape == (1, 3, 224, 224) and dp.rebuilds == 1
+    assert run_numpy(dp, [JPEGS[4]], [4]).shape == (1, 3, 224, 224) and dp.rebuilds == 1

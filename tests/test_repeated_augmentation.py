@@ -12,6 +12,7 @@ from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import draw, load_policy
 from fusionflow.runtime import messages as m
 from fusionflow.scheduling.tiny_batches import Copies, split_sorted
+from dali_numpy import run_numpy
 from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
 
 
@@ -126,7 +127,7 @@ def test_dali_accelerator_uses_the_copy_number():
     ds = Bytes(4)
     dp = DaliPolicyPipeline(SMALL, batch_size=6)
     idx, copies = [0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]
-    out = dp.run_numpy([ds.data[i] for i in idx], idx, seed=4, epoch=2, copies=copies)
+    out = run_numpy(dp, [ds.data[i] for i in idx], idx, seed=4, epoch=2, copies=copies)
     cpu = CpuPipeline(load_policy({**SMALL, "decode": {"mode": "exact"}}))
     for k, (i, c) in enumerate(zip(idx, copies)):
         # DALI and the CPU differ by decode/resize rounding (amplified by Posterize at 24 px), far less
@@ -144,7 +145,7 @@ def test_dali_accelerator_uses_the_copy_number():
     for i, imgs in seen.items():
         for c, img in enumerate(imgs):
             ref = CpuPipeline(SMALL)(ds.data[i], i, seed=4, epoch=2, copy=c)  # the loader's (fast) CPU path
-            single = dp.run_numpy([ds.data[i]], [i], seed=4, epoch=2, copies=[c])[0]
+            single = run_numpy(dp, [ds.data[i]], [i], seed=4, epoch=2, copies=[c])[0]
             assert np.array_equal(img, ref) or np.array_equal(img, single), (i, c)
 
 

@@ -4,9 +4,12 @@ each iteration and takes them back before the training step needs them (temporal
 Route (see issue 6): DALI runs in the training process (the accelerator thread), so the bridge is
 a DALI device memory resource (kernels/dali_bridge_resource.cc, installed with the stock
 libdali_core's SetDefaultDeviceResource) that serves DALI's allocations from the lent blocks and
-passes the rest to DALI's own pool. The lent blocks are recorded in a `BlockLedger` (POSIX shared
-memory), which is where another process (`python -m fusionflow`, a borrower in another process)
-reads what is lent.
+passes the rest to DALI's own pool. The blocks DALI holds are also recorded in a `BlockLedger`,
+private to this process: its shared-memory names are unlinked at creation, so nothing outlives a
+SIGKILL and no other process can attach or read it. Nothing reads it today (the bridge's stats come
+from its own bookkeeping); it is kept as the protocol a borrower in another process would use
+(`BlockLedger(name=...)`, tests/test_ledger.py), the one the bridge would switch to for such a
+borrower. There is no command that shows it.
 
 One window, driven by the loader at every next() in temporal mode:
   arm(stream)     the training thread has queued its step; `stream` is its current CUDA stream
@@ -17,7 +20,8 @@ One window, driven by the loader at every next() in temporal mode:
                   for it) the native resource stops serving, PyTorch's stream is ordered after
                   DALI's streams, every block DALI no longer uses goes back to PyTorch; a block
                   DALI still holds stays lent ("pinned") and goes back at a later close
-  shutdown()      after the DALI pipelines are gone: a last close, then the ledger is unlinked
+  shutdown()      after the DALI pipelines are gone: a last close, then the ledger is unmapped (its
+                  names were unlinked at creation)
 
 One MemoryBridge per CUDA device and process at a time (the native resource is per device): a
 second loader asking for one gets a BridgeError ("auto": it runs with the bridge off, saying why).
@@ -141,8 +145,8 @@ class MemoryBridge:
         self.stats.fallback_bytes = out[6]
         self.stats.pinned_bytes = sum(b.size for b in self._held.values())
 
-    # The shared ledger mirrors what DALI holds, for other processes to read (`BORROWED` by this
-    # process). Bookkeeping only: a ledger fault is logged and never stops the bridge.
+    # The private ledger mirrors what DALI holds (`BORROWED` by this process); see the module docstring.
+    # Bookkeeping only: a ledger fault is logged and never stops the bridge.
     def _ledger_add(self, blocks) -> None:
         try:
             if blocks and self.ledger is not None:
@@ -160,7 +164,7 @@ class MemoryBridge:
             log.exception("allocator bridge: ledger bookkeeping failed")
 
     def shutdown(self) -> None:
-        """Call after the DALI pipelines are destroyed: return everything, unlink the ledger."""
+        """Call after the DALI pipelines are destroyed: return everything, close the ledger."""
         if self.ledger is None:
             return
         self.close()

@@ -1,5 +1,8 @@
 """The allocator bridge's block ledger: which GPU blocks PyTorch has lent to DALI, in POSIX shared
-memory so the lender (the training process) and a borrower in another process see one truth.
+memory so that a lender and a borrower in another process could see one truth. The bridge
+(memory/bridge.py) keeps its ledger private (`private=True`: names unlinked at creation, since lender
+and DALI live in one process), so no other process reads it; the named mode serves the tests and a
+future cross-process borrower.
 
 Each record: state, device, size, address, a 64-byte CUDA IPC handle (for a borrower in another
 process), lender pid, borrower pid. Protocol, one training step at a time:

@@ -207,12 +207,6 @@ class DaliPolicyPipeline:
         pipe, self._pipe = self._pipe, None
         _shutdown(pipe)
 
-    def run_numpy(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None) -> np.ndarray:
-        out = self.run(samples, indices, seed, epoch, copies)
-        if self.device == "gpu":
-            out = out.as_cpu()
-        return np.stack([np.array(out[i]) for i in range(len(samples))])
-
     def close(self) -> None:
         """Shut DALI's pipeline down now (its threads, streams and memory), not whenever the last
         reference goes. Idempotent; the pipeline cannot run after."""

@@ -37,7 +37,8 @@ from typing import Any, Mapping
 
 from fusionflow.ops.specs import OPS
 from fusionflow.policy import schema
-from fusionflow.policy.schema import INTERPOLATIONS, OpChoice, Policy, _Reader
+from fusionflow.policy.reader import _Reader
+from fusionflow.policy.schema import INTERPOLATIONS, OpChoice, Policy
 
 OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip", "erase")
 

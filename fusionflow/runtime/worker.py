@@ -23,29 +23,11 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
-from fusionflow.runtime import targets
 from fusionflow.runtime.gm_link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
+from fusionflow.sample import run_sample, split_item  # noqa: F401 (split_item: runtime/accelerator.py imports it from here)
 
 WATCHDOG_S = 0.5
-
-
-def describe(dataset, index: int) -> str:
-    fn = getattr(dataset, "describe", None)
-    if fn is not None:
-        try:
-            return f"sample {index} ({fn(index)})"
-        except Exception:  # a describe() that fails must not hide the real error
-            pass
-    return f"sample {index}"
-
-
-def split_item(item, index: int):
-    """(sample, target): the target is returned as the dataset gave it (runtime/targets.py says how
-    it travels)."""
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise TypeError(f"dataset[{index}] must return (sample, target), got {type(item).__name__}")
-    return item[0], item[1]
 
 
 class _Orphaned(Exception):
@@ -64,18 +46,10 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
     started = time.monotonic_ns()
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
-        try:
-            if clock is not None:
-                clock.start()
-            sample, target = split_item(dataset[index], index)
-            if clock is not None:
-                clock("read")
-            pipe(sample, index, seed, task.epoch, out=ring.images[task.slot, pos], what=describe(dataset, index),
-                 tick=clock, copy=copy)
-            targets.store(ring.labels[task.slot], pos, target, side)
-        except Exception as exc:
-            failures.append(m.SampleFailure(pos, index, describe(dataset, index), type(exc).__name__,
-                                            str(exc), traceback.format_exc()))
+        failure = run_sample(dataset, pipe, pos, index, copy, seed, task.epoch, ring.images[task.slot],
+                             ring.labels[task.slot], side, clock)
+        if failure is not None:
+            failures.append(failure)
     out.send_bytes(m.pack_done(task.task_id, task.generation, failures, started, time.monotonic_ns(),
                                clock.take() if clock is not None else (), targets=side))
 

@@ -1,0 +1,84 @@
+"""Walking a parsed policy config: every key and type checked, every problem a ValueError that names
+the file and the key path (``configs/mine.yaml: augment.ops.Rotat: unknown op; did you mean 'Rotate'?``).
+Used by schema.py (the file) and overrides.py (load_policy's keyword overrides)."""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Mapping
+
+from fusionflow.ops.specs import OPS, OpSpec
+
+
+class _Reader:
+    """Walks a parsed config, checking keys and types, and raises errors that name the key path."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def fail(self, path: str, message: str):
+        raise ValueError(f"{self.source}: {path or '<top level>'}: {message}")
+
+    def mapping(self, obj: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
+        if not isinstance(obj, Mapping):
+            self.fail(path, f"expected a mapping, got {type(obj).__name__} {obj!r}")
+        allowed = required + optional
+        for key in obj:
+            if key not in allowed:
+                hint = difflib.get_close_matches(str(key), allowed, n=1)
+                fix = f"did you mean {hint[0]!r}?" if hint else f"allowed keys: {', '.join(allowed)}"
+                self.fail(_join(path, key), f"unknown key; {fix}")
+        for key in required:
+            if key not in obj:
+                self.fail(_join(path, key), "missing required key")
+        return dict(obj)
+
+    def number(self, obj: Any, path: str, lo: float | None = None, hi: float | None = None) -> float:
+        if isinstance(obj, bool) or not isinstance(obj, (int, float)):
+            self.fail(path, f"expected a number, got {type(obj).__name__} {obj!r}")
+        if (lo is not None and obj < lo) or (hi is not None and obj > hi):
+            self.fail(path, f"{obj!r} is out of range [{lo}, {hi}]")
+        return float(obj)
+
+    def integer(self, obj: Any, path: str, lo: int | None = None, hi: int | None = None) -> int:
+        if isinstance(obj, bool) or not isinstance(obj, int):
+            self.fail(path, f"expected an integer, got {type(obj).__name__} {obj!r}")
+        if (lo is not None and obj < lo) or (hi is not None and obj > hi):
+            self.fail(path, f"{obj!r} is out of range [{lo}, {hi}]")
+        return obj
+
+    def boolean(self, obj: Any, path: str) -> bool:
+        if not isinstance(obj, bool):
+            self.fail(path, f"expected true or false, got {type(obj).__name__} {obj!r}")
+        return obj
+
+    def choice(self, obj: Any, path: str, options: tuple[str, ...]) -> str:
+        if obj not in options:
+            hint = difflib.get_close_matches(str(obj), options, n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"choose one of {', '.join(options)}"
+            self.fail(path, f"{obj!r} is not valid; {fix}")
+        return obj
+
+    def pair(self, obj: Any, path: str, lo=None, hi=None, ordered=True) -> tuple[float, float]:
+        if not isinstance(obj, (list, tuple)) or len(obj) != 2:
+            self.fail(path, f"expected a list of two numbers, got {obj!r}")
+        a = self.number(obj[0], f"{path}[0]", lo, hi)
+        b = self.number(obj[1], f"{path}[1]", lo, hi)
+        if ordered and a > b:
+            self.fail(path, f"lower bound {a} is greater than upper bound {b}")
+        return (a, b)
+
+    def triple(self, obj: Any, path: str, lo=None, hi=None) -> tuple[float, float, float]:
+        if not isinstance(obj, (list, tuple)) or len(obj) != 3:
+            self.fail(path, f"expected a list of three numbers (one per RGB channel), got {obj!r}")
+        return tuple(self.number(v, f"{path}[{i}]", lo, hi) for i, v in enumerate(obj))
+
+    def op_name(self, obj: Any, path: str) -> OpSpec:
+        if obj not in OPS:
+            hint = difflib.get_close_matches(str(obj), list(OPS), n=1)
+            fix = f"did you mean {hint[0]!r}?" if hint else f"registered ops: {', '.join(OPS)}"
+            self.fail(path, f"unknown op {obj!r}; {fix}")
+        return OPS[obj]
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)

@@ -1,0 +1,40 @@
+"""fusionflow/stats.py: LoaderStats' reset and the bridge maxima's names."""
+import dataclasses
+
+import pytest
+
+from fusionflow.loader import LoaderStats as FromLoader
+from fusionflow.stats import LoaderStats
+
+
+def test_importable_from_its_former_home():
+    assert FromLoader is LoaderStats
+
+
+def test_reset_restores_every_default_but_what_describes_the_loader():
+    s = LoaderStats()
+    lists = s.wait_seconds
+    for f in dataclasses.fields(s):
+        setattr(s, f.name, {"x": 1} if isinstance(getattr(s, f.name), dict) else
+                [1] if isinstance(getattr(s, f.name), list) else "set")
+    s.reset()
+    fresh = LoaderStats()
+    for f in dataclasses.fields(s):
+        if f.name in ("startup_seconds", "memory_bridge"):
+            assert getattr(s, f.name) == "set"  # measured once / the bridge's state: kept
+        else:
+            assert getattr(s, f.name) == getattr(fresh, f.name), f.name
+    assert s.wait_seconds is not lists  # a fresh list, not the old one emptied
+
+
+def test_the_bridge_maxima_and_their_deprecated_names():
+    s = LoaderStats(bridge_max_lent_bytes=5, bridge_max_borrowed_bytes=3)
+    with pytest.deprecated_call():
+        assert s.bridge_lent_bytes == 5
+    with pytest.deprecated_call():
+        assert s.bridge_borrowed_bytes == 3
+    s.bridge_lent_bytes = 7  # the runtime's bridge sync still copies by the old name
+    assert s.bridge_max_lent_bytes == 7
+    summary = s.summary()
+    assert summary["bridge_max_lent_bytes"] == summary["bridge_lent_bytes"] == 7
+    assert summary["bridge_max_borrowed_bytes"] == summary["bridge_borrowed_bytes"] == 3
