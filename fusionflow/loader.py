@@ -365,12 +365,6 @@ class FusionFlowLoader:
         self._manager: LocalManager | None = None
         self._active_generation = None
         self._warned_skip = False
-        # counters of managers already shut down (a manager lives one epoch without persistent workers)
-        self._counts_before = dict.fromkeys(("worker_restarts", "accelerator_tiny_batches",
-                                             "accelerator_given_back", "accelerator_builds",
-                                             "accelerator_out_of_memory", "workers_lent",
-                                             "workers_borrowed", "lent_tiny_batches", "borrowed_tiny_batches",
-                                             "worker_count_changes"), 0)
         self._device_ring = None
         self._profiler = None  # gpu_sharing="auto" on a GPU
         # the manager (and the allocator bridge) live in a box the finalizer holds, so it runs at exit or
@@ -511,12 +505,10 @@ class FusionFlowLoader:
     def close(self) -> None:
         """Stop workers, return lent GPU blocks and release shared memory now (and write the trace, if
         any). The loader can be iterated again after."""
-        self._stop_manager()
+        self._box[:] = self._manager, self._bridge  # the finalizer's box holds what the loader holds
+        self._manager = self._bridge = None
+        _shutdown_manager(self._box, self.stats)
         self._flush_trace()
-        bridge, self._bridge = self._bridge, None
-        self._box[1] = None
-        if bridge is not None:
-            bridge.shutdown()
 
     # ---------------------------------------------------------------- internals
     def _ensure_manager(self) -> LocalManager:
@@ -527,21 +519,26 @@ class FusionFlowLoader:
             if isinstance(ctx, str):
                 import multiprocessing
                 ctx = multiprocessing.get_context(ctx)
+            # the stats object, not the loader, goes to the manager: the manager must not hold the loader
+            stage_times = (None if self._stage_names is None else
+                           functools.partial(self.stats.add_stage_times, self._stage_names))
             self._manager = LocalManager(
                 self.dataset, self.policy, layout, self.num_workers, self.seed, self.worker_init_fn, ctx,
                 self.pin_workers, self.max_retries, self.sizes, self.tiny_batch_size,
                 base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31, job=self.job,
-                spec=self._lending_spec(), stages=self._stage_names)
-            self._manager.trace = self._tracer
-            if self._stage_names is not None:  # the stats object, not the loader: the manager must not hold it
-                self._manager.on_stage_times = functools.partial(self.stats.add_stage_times, self._stage_names)
+                spec=self._lending_spec(), stages=self._stage_names, counters=self.stats, trace=self._tracer,
+                on_stage_times=stage_times)
             self._box[0] = self._manager
-            if self.stats.startup_seconds is None:
-                self.stats.startup_seconds = time.perf_counter() - t0
-            if self.device.type == "cuda" and not self._manager.register_cuda(self.device.index):
-                log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
-            if self.accelerator is not None:
-                self._start_accelerator(self._manager)
+            try:
+                if self.stats.startup_seconds is None:
+                    self.stats.startup_seconds = time.perf_counter() - t0
+                if self.device.type == "cuda" and not self._manager.register_cuda(self.device.index):
+                    log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
+                if self.accelerator is not None:
+                    self._start_accelerator(self._manager)
+            except BaseException:  # no half-started manager stays behind
+                self._stop_manager()
+                raise
         return self._manager
 
     def _lending_spec(self) -> bytes | None:
@@ -568,21 +565,20 @@ class FusionFlowLoader:
         accel = AcceleratorWorker(mgr, self.dataset, self.policy, self.tiny_batch_size, self.seed,
                                   device="gpu" if on_gpu else "cpu",
                                   device_id=self.device.index if on_gpu else None, aot=self.aot,
-                                  largest_first=self.taas, device_ring=device_ring, sharing=sharing)
+                                  largest_first=self.taas, device_ring=device_ring, sharing=sharing,
+                                  counters=self.stats, bridge=self._bridge)
         search = KSearch(k_max=-(-self.capacity // self.tiny_batch_size))
         self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader (it would then live as
         # long as its manager, i.e. until close(), and never be collected) nor strongly to the manager.
-        if self.taas and self.taas_last_k:
-            mgr.on_batch_done = functools.partial(_taas_feedback, weakref.ref(mgr), search, self.stats.taas_k)
-        mgr.on_capacity_change = lambda n: search.restart()  # the CPU side's speed changed: search K again
-        mgr.accelerator = accel
-        accel.bridge = self._bridge
+        mgr.attach(on_batch_done=(functools.partial(_taas_feedback, weakref.ref(mgr), search, self.stats.taas_k)
+                                  if self.taas and self.taas_last_k else None),
+                   on_capacity_change=lambda n: search.restart())  # the CPU side's speed changed: search K again
         self._device_ring = device_ring
         if on_gpu and self.gpu_sharing == "auto":
             from fusionflow.runtime.accelerator import SharingProfiler
             self._profiler = SharingProfiler(accel)
-        accel.start()
+        mgr.add_worker_kind(accel)  # starts its thread
 
     def _start_bridge(self) -> None:
         from fusionflow.memory.native import BridgeError
@@ -605,7 +601,7 @@ class FusionFlowLoader:
         """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
         accel = mgr.accelerator
         if self._bridge is not None and (accel is None or accel.bridge is None or accel.sharing != "temporal"):
-            self._close_bridge()  # no windows now (spatial, or lending failed): blocks DALI let go go back
+            _close_bridge_window(self._bridge)  # no windows now (spatial, or lending failed): blocks DALI let go go back
         if accel is None or not accel.gated:
             return
         with mgr.cond:
@@ -622,27 +618,13 @@ class FusionFlowLoader:
         with mgr.cond:
             accel.window_open = False
             accel.wait_idle()
-        self._close_bridge()
-
-    def _close_bridge(self) -> None:
-        if self._bridge is None:
-            return
-        try:
-            self._bridge.close()
-        except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
-            log.exception("allocator bridge: closing the prep window failed")
+        _close_bridge_window(self._bridge)
 
     def _stop_manager(self) -> None:
-        mgr, self._manager = self._manager, None
-        self._box[0] = None
-        if mgr is not None:
-            self._close_window(mgr)
-            self._sync_stats(mgr)
-            self._counts_before = {k: getattr(self.stats, k) for k in self._counts_before}
-            mgr.shutdown()
-            if self._bridge is not None:
-                self._close_bridge()  # the DALI pipelines are gone: what they held goes back now
-                self._sync_bridge()
+        """Shut the manager down (`_shutdown_manager`); the allocator bridge stays for the next one."""
+        self._box[:] = self._manager, self._bridge  # the finalizer's box holds what the loader holds
+        self._manager = None
+        _shutdown_manager(self._box, self.stats, keep_bridge=True)
 
     def _deliver(self, images: np.ndarray, labels: np.ndarray):
         """Turn a filled batch (views into the ring or a local buffer) into tensors the caller owns."""
@@ -660,27 +642,9 @@ class FusionFlowLoader:
             return out, torch.from_numpy(labels.copy()).pin_memory(), None
         return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
 
-    def _sync_stats(self, mgr: LocalManager) -> None:
-        now = {"worker_restarts": mgr.restarts, "workers_lent": mgr.lent_total, "workers_borrowed": mgr.guests_total,
-               "lent_tiny_batches": mgr.lent_tasks, "borrowed_tiny_batches": mgr.guest_tasks,
-               "worker_count_changes": mgr.capacity_changes}
-        if mgr.link is not None:
-            self.stats.global_manager = "lost" if mgr.link.gm_lost else "active"
-        if mgr.accelerator is not None:
-            a = mgr.accelerator
-            now.update(accelerator_tiny_batches=a.tiny_batches, accelerator_given_back=a.given_back,
-                       accelerator_builds=a.builds, accelerator_out_of_memory=a.out_of_memory)
-            if a.retired:
-                self.stats.accelerator_retired = a.retired
-        for key, base in self._counts_before.items():
-            setattr(self.stats, key, base + now.get(key, 0))
-        self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
-        self._sync_bridge()
-
     def _sync_bridge(self) -> None:
-        if self._bridge is not None:
-            for name in ("windows", "lent_bytes", "borrowed_bytes", "fallback_bytes", "pinned_bytes", "seconds"):
-                setattr(self.stats, f"bridge_{name}", getattr(self._bridge.stats, name))
+        """The allocator bridge's own counters into loader.stats (the manager's parts count there directly)."""
+        _copy_bridge_stats(self._bridge, self.stats)
 
     def _copied(self, stream):
         """A blocking event (the host sleeps on it instead of spinning) recorded on `stream` after
@@ -879,7 +843,7 @@ class FusionFlowLoader:
                 self._account(wait, len(images_t))
                 if self._tracer is not None:
                     self._trace_wait(wait, delivered, len(images_t))
-                self._sync_stats(mgr)
+                self._sync_bridge()
                 delivered += 1
                 if event is None:
                     free_slots.append(state.slot)
@@ -988,10 +952,51 @@ def _taas_feedback(mgr_ref, search, history, state) -> None:
     history.append(mgr.reserved)
 
 
-def _shutdown_manager(box) -> None:
+def _shutdown_manager(box, stats=None, keep_bridge: bool = False) -> None:
+    """The loader's one shutdown procedure for its manager and allocator bridge, run by every path:
+    `close()`, the end of an iteration without persistent workers, a new seed, a manager that failed
+    to start its accelerator, and the finalizer at the loader's collection or interpreter exit (which
+    holds only `box`, [manager, bridge], never the loader). Idempotent.
+
+    1. Take the manager (and, unless `keep_bridge`, the bridge) out of the box: a second run finds
+       nothing to do.
+    2. Close the accelerator's prep window, if open: the tiny-batch in flight finishes first
+       (`wait_idle`), then PyTorch takes its lent blocks back (`bridge.close`).
+    3. Shut the manager down (`LocalManager.shutdown`, its own numbered procedure: worker kinds,
+       manager thread, lending agent, worker processes, ring).
+    4. Allocator bridge: take back what DALI's pipelines held (they are gone now) and copy its
+       counters into `stats`; unless it is kept for the next manager, shut it down (every block goes
+       back, the ledger is unlinked).
+    """
     mgr, bridge = box
-    box[0] = box[1] = None
+    box[0] = None
+    if not keep_bridge:
+        box[1] = None
     if mgr is not None:
+        accel = mgr.accelerator
+        if accel is not None and accel.window_open:
+            with mgr.cond:
+                accel.window_open = False
+                accel.wait_idle()
+            _close_bridge_window(bridge)
         mgr.shutdown()
-    if bridge is not None:
+        _close_bridge_window(bridge)
+        if stats is not None:
+            _copy_bridge_stats(bridge, stats)
+    if bridge is not None and not keep_bridge:
         bridge.shutdown()
+
+
+def _close_bridge_window(bridge) -> None:
+    if bridge is None:
+        return
+    try:
+        bridge.close()
+    except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
+        log.exception("allocator bridge: closing the prep window failed")
+
+
+def _copy_bridge_stats(bridge, stats) -> None:
+    if bridge is not None:
+        for name in ("windows", "lent_bytes", "borrowed_bytes", "fallback_bytes", "pinned_bytes", "seconds"):
+            setattr(stats, f"bridge_{name}", getattr(bridge.stats, name))
