@@ -500,3 +500,25 @@ def test_pin_workers_auto_pins_only_with_a_core_to_spare(monkeypatch):
     assert mgr.cpu_for(0) == 4  # forced
     with pytest.raises(ValueError, match=r"pin_workers='yes' must be 'auto', True or False"):
         FusionFlowLoader(Bytes(8), batch_size=4, pin_workers="yes")
+
+
+def test_counters_go_on_across_managers_and_tiny_batches_are_counted_per_worker():
+    """The manager counts straight into loader.stats: restarts add up over epochs that each start a
+    manager of their own; tiny_batches_per_worker is the current manager's, by worker id."""
+    loader = FusionFlowLoader(Bytes(16, sleep=0.02), batch_size=4, num_workers=2, policy=SMALL, tiny_batch_size=2,
+                              pin_workers=False)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        _, labels = collect(loader)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
+        assert len(loader.stats.tiny_batches_per_worker) == 2
+        assert sum(loader.stats.tiny_batches_per_worker) == 8  # this epoch's 16 samples, 2 per tiny-batch
+    assert loader._manager is None and loader.stats.worker_restarts == 0
+    loader.stats.worker_restarts = 5  # counts go on from what the stats hold
+    it = iter(loader)
+    next(it)
+    os.kill(loader._manager.pool.workers[0].process.pid, signal.SIGKILL)
+    for _ in it:
+        pass
+    assert loader.stats.worker_restarts == 6
+    loader.close()
