@@ -601,7 +601,7 @@ class FusionFlowLoader:
         """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
         accel = mgr.accelerator
         if self._bridge is not None and (accel is None or accel.bridge is None or accel.sharing != "temporal"):
-            _close_bridge_window(self._bridge)  # no windows now (spatial, or lending failed): blocks DALI let go go back
+            _close_bridge_window(self._bridge)  # no windows now (spatial, lending failed): what DALI let go goes back
         if accel is None or not accel.gated:
             return
         with mgr.cond:

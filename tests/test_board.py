@@ -3,6 +3,7 @@ through a real LocalManager with a worker kind of the test's own (as remote work
 import threading
 
 import numpy as np
+import pytest
 
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import load_policy
@@ -92,6 +93,9 @@ def test_kinds_are_started_on_registration_asked_when_draining_and_stopped_lates
     board.stop_worker_kinds()
     assert log[-2:] == [("stop", "b"), ("stop", "a")]
     assert board.kinds == [] and not board.draining()  # forgotten: they refer back to the board
+    with pytest.raises(RuntimeError, match="shut down; no worker kind can join"):
+        board.add_worker_kind(Kind(log, "late"))
+    assert ("start", "late") not in log
     board.close_wake_pipe()
     board.wake()  # after shutdown: a kind's late wake() is harmless
 

@@ -48,19 +48,22 @@ class Board:
         self.completed_batches = 0
         self.on_batch_done = None  # callback(state) under the lock, e.g. TAAS feedback
         self.kinds: list = []  # registered worker kinds, in registration order
+        self._kinds_stopped = False  # shutdown has begun: no kind may join
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)  # wake(): the manager thread waits on _ctrl_r
 
     # ---------------------------------------------------------------- worker kinds
     def add_worker_kind(self, kind) -> None:
         """Register `kind` and start it; its `stop()` is called first by the manager's shutdown."""
         with self.cond:
+            if self._kinds_stopped:
+                raise RuntimeError(f"add_worker_kind({kind!r}): this manager is shut down; no worker kind can join")
             self.kinds.append(kind)
         kind.start()
 
     def stop_worker_kinds(self) -> None:
         """Stop every registered kind (latest first) and forget them: they refer back to the board."""
         with self.cond:
-            kinds, self.kinds = self.kinds, []
+            kinds, self.kinds, self._kinds_stopped = self.kinds, [], True
         for kind in reversed(kinds):
             kind.stop()
 

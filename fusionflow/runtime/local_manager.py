@@ -179,8 +179,9 @@ class LocalManager(Board):
            tiny-batch and closes its DALI pipeline) and forget them; drop the loader's callbacks (they
            refer back to this manager, so no cycle outlives it).
         2. Stop the manager thread (wake it; it sees `_closed`) and join it.
-        3. Drop the pool and the agent (they refer back to this manager). Lending agent, if any: RETURN to guests, close their connections and the doorbell (their
-           owners' workers go home); leave the global manager's table (free the row, close the socket).
+        3. Drop the pool and the agent (they refer back to this manager). Lending agent, if any:
+           RETURN to guests, close their connections and the doorbell (their owners' workers go
+           home); leave the global manager's table (free the row, close the socket).
         4. Worker pool: STOP to every worker (a lent one stops too: its borrower requeues what it
            held); join each for up to 2 s; terminate() the rest, then kill(); close their pipes.
         5. Close the wake pipe; wait (host) for the last batch's copies out of the ring
