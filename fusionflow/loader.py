@@ -578,7 +578,8 @@ class FusionFlowLoader:
         if on_gpu and self.gpu_sharing == "auto":
             from fusionflow.runtime.accelerator import SharingProfiler
             self._profiler = SharingProfiler(accel)
-        mgr.add_worker_kind(accel)  # starts its thread
+        mgr.add_worker_kind(accel)  # registered first: the manager's shutdown stops it even if start() fails
+        accel.start()
 
     def _start_bridge(self) -> None:
         from fusionflow.memory.native import BridgeError

@@ -81,7 +81,7 @@ class AcceleratorWorker:
         self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
 
     def start(self) -> None:
-        """Start the thread (the board's `add_worker_kind` calls it)."""
+        """Start the thread (after the board's `add_worker_kind`)."""
         self._thread.start()
 
     def busy_with_stale(self, generation: int) -> bool:

@@ -17,12 +17,14 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     requeue(works)                              cond held
     draining() -> bool                          cond held: an abandoned iterator's work still runs
     wake()                                      WITHOUT the lock: wakes the manager thread
-    add_worker_kind(kind)                       registers and starts a kind
+    add_worker_kind(kind)                       registers a kind (its owner then calls kind.start())
 
 A kind's thread loops: with `cond` held take work (waiting on `cond` while there is none or while
 `draining()`), release the lock to compute and write the ring, then with `cond` held `complete` (or
 `requeue`) it, then `wake()`. A kind has `start()`, `stop()` (idempotent; finishes or abandons its
-work in flight; the manager's shutdown calls it first) and `busy_with_stale(generation) -> bool`.
+work in flight; the manager's shutdown calls it first, also for a kind whose start() failed) and
+`busy_with_stale(generation) -> bool`. Whoever registers a kind starts it after `add_worker_kind`,
+so a start that fails half-way is still stopped by the shutdown.
 
 The board holds no threads or processes itself; the queue is the pure TinyBatchQueue.
 """
@@ -53,12 +55,11 @@ class Board:
 
     # ---------------------------------------------------------------- worker kinds
     def add_worker_kind(self, kind) -> None:
-        """Register `kind` and start it; its `stop()` is called first by the manager's shutdown."""
+        """Register `kind` (then call its `start()`); its `stop()` is called first by the manager's shutdown."""
         with self.cond:
             if self._kinds_stopped:
                 raise RuntimeError(f"add_worker_kind({kind!r}): this manager is shut down; no worker kind can join")
             self.kinds.append(kind)
-        kind.start()
 
     def stop_worker_kinds(self) -> None:
         """Stop every registered kind (latest first) and forget them: they refer back to the board."""
