@@ -72,7 +72,6 @@ Copy 0 (a single process's first occurrences, rank 0's in DDP) keeps the draw (s
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import os
@@ -83,6 +82,7 @@ import weakref
 import torch
 from torch.utils.data import Sampler
 
+from fusionflow.accelerator_control import AcceleratorControl, close_bridge_window, copy_bridge_stats
 from fusionflow.delivery import BatchDelivery, collated, plain
 from fusionflow.delivery import map_tensors as _map_tensors  # noqa: F401 (its former name, tests import it)
 from fusionflow.loader_config import Host, LoaderConfig, resolve_config
@@ -91,6 +91,7 @@ from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
+from fusionflow.trace import Tracing
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
-class FusionFlowLoader(Checkpointing, BatchDelivery):
+class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing):
     def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None,
                  sampler: Sampler | None = None, batch_sampler=None, num_workers: int = 0, collate_fn=None,
                  pin_memory: bool = False, drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
@@ -142,12 +143,6 @@ class FusionFlowLoader(Checkpointing, BatchDelivery):
         self._manager: LocalManager | None = None
         self._active_generation = None
         self._warned_skip = False
-        # counters of managers already shut down (a manager lives one epoch without persistent workers)
-        self._counts_before = dict.fromkeys(("worker_restarts", "accelerator_tiny_batches",
-                                             "accelerator_given_back", "accelerator_builds",
-                                             "accelerator_out_of_memory", "workers_lent",
-                                             "workers_borrowed", "lent_tiny_batches", "borrowed_tiny_batches",
-                                             "worker_count_changes"), 0)
         self._device_ring = None
         self._profiler = None  # gpu_sharing="auto" on a GPU
         # the manager (and the allocator bridge) live in a box the finalizer holds, so it runs at exit or
@@ -212,41 +207,13 @@ class FusionFlowLoader(Checkpointing, BatchDelivery):
     def __exit__(self, *exc):
         self.close()
 
-    @contextlib.contextmanager
-    def trace(self, path, max_events: int | None = None):
-        """Record a timeline of what runs inside the block and write it to `path` (trace-event JSON,
-        fusionflow/trace.py) at its end. Yields the recorder."""
-        from fusionflow.trace import DEFAULT_MAX_EVENTS, TraceRecorder, check_path
-        path = check_path(path, "path")
-        if self._tracer is not None:
-            raise ValueError(f"loader.trace({path!r}): this loader already traces (to {self._trace_path!r}); "
-                             "one trace at a time")
-        recorder = TraceRecorder(DEFAULT_MAX_EVENTS if max_events is None else max_events)
-        self._set_tracer(recorder)
-        try:
-            yield recorder
-        finally:
-            self._set_tracer(None)
-            recorder.write(path)
-
-    def _set_tracer(self, recorder) -> None:
-        self._tracer = recorder
-        if self._manager is not None:
-            self._manager.trace = recorder
-
-    def _flush_trace(self) -> None:
-        if self._trace_path is not None and self._tracer is not None:
-            self._tracer.write(self._trace_path)
-
     def close(self) -> None:
         """Stop workers, return lent GPU blocks and release shared memory now (and write the trace, if
         any). The loader can be iterated again after."""
-        self._stop_manager()
+        self._box[:] = self._manager, self._bridge  # the finalizer's box holds what the loader holds
+        self._manager = self._bridge = None
+        _shutdown_manager(self._box, self.stats)
         self._flush_trace()
-        bridge, self._bridge = self._bridge, None
-        self._box[1] = None
-        if bridge is not None:
-            bridge.shutdown()
 
     # ---------------------------------------------------------------- internals
     def _ensure_manager(self) -> LocalManager:
@@ -257,21 +224,26 @@ class FusionFlowLoader(Checkpointing, BatchDelivery):
             if isinstance(ctx, str):
                 import multiprocessing
                 ctx = multiprocessing.get_context(ctx)
+            # the stats object, not the loader, goes to the manager: the manager must not hold the loader
+            stage_times = (None if self._stage_names is None else
+                           functools.partial(self.stats.add_stage_times, self._stage_names))
             self._manager = LocalManager(
                 self.dataset, self.policy, layout, self.num_workers, self.seed, self.worker_init_fn, ctx,
                 self.pin_workers, self.max_retries, self.sizes, self.tiny_batch_size,
                 base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31, job=self.job,
-                spec=self._lending_spec(), stages=self._stage_names)
-            self._manager.trace = self._tracer
-            if self._stage_names is not None:  # the stats object, not the loader: the manager must not hold it
-                self._manager.on_stage_times = functools.partial(self.stats.add_stage_times, self._stage_names)
+                spec=self._lending_spec(), stages=self._stage_names, counters=self.stats, trace=self._tracer,
+                on_stage_times=stage_times)
             self._box[0] = self._manager
-            if self.stats.startup_seconds is None:
-                self.stats.startup_seconds = time.perf_counter() - t0
-            if self.device.type == "cuda" and not self._manager.register_cuda(self.device.index):
-                log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
-            if self.accelerator is not None:
-                self._start_accelerator(self._manager)
+            try:
+                if self.stats.startup_seconds is None:
+                    self.stats.startup_seconds = time.perf_counter() - t0
+                if self.device.type == "cuda" and not self._manager.register_cuda(self.device.index):
+                    log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
+                if self.accelerator is not None:
+                    self._start_accelerator(self._manager)
+            except BaseException:  # no half-started manager stays behind
+                self._stop_manager()
+                raise
         return self._manager
 
     def _lending_spec(self) -> bytes | None:
@@ -283,150 +255,30 @@ class FusionFlowLoader(Checkpointing, BatchDelivery):
             self._spec = make_spec(self.dataset, self.policy, self.worker_init_fn)
         return self._spec
 
-    def _start_accelerator(self, mgr: LocalManager) -> None:
-        from fusionflow.runtime.accelerator import AcceleratorWorker
-        from fusionflow.scheduling.taas import KSearch
-
-        on_gpu = self.accelerator == "dali-gpu"
-        if on_gpu and self._bridge_why_off is None and self._bridge is None:
-            self._start_bridge()  # before any DALI pipeline exists, so all of DALI's memory passes through it
-        device_ring = None
-        if on_gpu:
-            from fusionflow.runtime.device_ring import DeviceRing
-            device_ring = DeviceRing(mgr.layout, self.device, self._alloc_device)
-        sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        accel = AcceleratorWorker(mgr, self.dataset, self.policy, self.tiny_batch_size, self.seed,
-                                  device="gpu" if on_gpu else "cpu",
-                                  device_id=self.device.index if on_gpu else None, aot=self.aot,
-                                  largest_first=self.taas, device_ring=device_ring, sharing=sharing)
-        search = KSearch(k_max=-(-self.capacity // self.tiny_batch_size))
-        self.stats.accelerator_build_seconds = accel.build_seconds
-        # The callbacks live on the manager: they must not refer to the loader (it would then live as
-        # long as its manager, i.e. until close(), and never be collected) nor strongly to the manager.
-        if self.taas and self.taas_last_k:
-            mgr.on_batch_done = functools.partial(_taas_feedback, weakref.ref(mgr), search, self.stats.taas_k)
-        mgr.on_capacity_change = lambda n: search.restart()  # the CPU side's speed changed: search K again
-        mgr.accelerator = accel
-        accel.bridge = self._bridge
-        self._device_ring = device_ring
-        if on_gpu and self.gpu_sharing == "auto":
-            from fusionflow.runtime.accelerator import SharingProfiler
-            self._profiler = SharingProfiler(accel)
-        accel.start()
-
-    def _start_bridge(self) -> None:
-        from fusionflow.memory.native import BridgeError
-        try:
-            from fusionflow.memory.bridge import MemoryBridge  # posix_ipc, ctypes, the native build
-            self._bridge = MemoryBridge(self.device)
-        except Exception as exc:  # not built, not importable, or CUDA/DALI refused the install
-            if self.memory_bridge == "on":
-                if isinstance(exc, BridgeError):
-                    raise
-                raise BridgeError(f"memory_bridge='on': the allocator bridge could not start: {exc!r}") from exc
-            log.warning("memory_bridge='auto': the allocator bridge is off, DALI keeps its own GPU pool (%s)", exc)
-            self._bridge_why_off = str(exc)  # not retried at every epoch
-            self.stats.memory_bridge = f"off: {exc}"
-            return
-        self._box[1] = self._bridge
-        self.stats.memory_bridge = "on"
-
-    def _open_window(self, mgr: LocalManager) -> None:
-        """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
-        accel = mgr.accelerator
-        if self._bridge is not None and (accel is None or accel.bridge is None or accel.sharing != "temporal"):
-            self._close_bridge()  # no windows now (spatial, or lending failed): blocks DALI let go go back
-        if accel is None or not accel.gated:
-            return
-        with mgr.cond:
-            if accel.bridge is not None:
-                accel.bridge.arm(torch.cuda.current_stream(self.device))
-            accel.window_open = True
-            mgr.cond.notify_all()
-
-    def _close_window(self, mgr: LocalManager) -> None:
-        """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
-        accel = mgr.accelerator
-        if accel is None or not accel.window_open:
-            return
-        with mgr.cond:
-            accel.window_open = False
-            accel.wait_idle()
-        self._close_bridge()
-
-    def _close_bridge(self) -> None:
-        if self._bridge is None:
-            return
-        try:
-            self._bridge.close()
-        except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
-            log.exception("allocator bridge: closing the prep window failed")
-
     def _stop_manager(self) -> None:
-        mgr, self._manager = self._manager, None
-        self._box[0] = None
-        if mgr is not None:
-            self._close_window(mgr)
-            self._sync_stats(mgr)
-            self._counts_before = {k: getattr(self.stats, k) for k in self._counts_before}
-            mgr.shutdown()
-            if self._bridge is not None:
-                self._close_bridge()  # the DALI pipelines are gone: what they held goes back now
-                self._sync_bridge()
+        """Shut the manager down (`_shutdown_manager`); the allocator bridge stays for the next one."""
+        self._box[:] = self._manager, self._bridge  # the finalizer's box holds what the loader holds
+        self._manager = None
+        _shutdown_manager(self._box, self.stats, keep_bridge=True)
 
-    def _sync_stats(self, mgr: LocalManager) -> None:
-        now = {"worker_restarts": mgr.restarts, "workers_lent": mgr.lent_total, "workers_borrowed": mgr.guests_total,
-               "lent_tiny_batches": mgr.lent_tasks, "borrowed_tiny_batches": mgr.guest_tasks,
-               "worker_count_changes": mgr.capacity_changes}
-        if mgr.link is not None:
-            self.stats.global_manager = "lost" if mgr.link.gm_lost else "active"
-        if mgr.accelerator is not None:
-            a = mgr.accelerator
-            now.update(accelerator_tiny_batches=a.tiny_batches, accelerator_given_back=a.given_back,
-                       accelerator_builds=a.builds, accelerator_out_of_memory=a.out_of_memory)
-            if a.retired:
-                self.stats.accelerator_retired = a.retired
-        for key, base in self._counts_before.items():
-            setattr(self.stats, key, base + now.get(key, 0))
-        self.stats.tiny_batches_per_worker = list(mgr.tasks_per_worker)
-        self._sync_bridge()
 
-    def _sync_bridge(self) -> None:
-        if self._bridge is not None:
-            for name in ("windows", "lent_bytes", "borrowed_bytes", "fallback_bytes", "pinned_bytes", "seconds"):
-                setattr(self.stats, f"bridge_{name}", getattr(self._bridge.stats, name))
-
-    def _mark_step(self, mgr: LocalManager) -> None:
-        """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
-        accel = mgr.accelerator
-        if self._profiler is not None:
-            self._profiler.tick()
-            self.stats.gpu_sharing = self._profiler.chosen
-        if accel is not None and accel.device_ring is not None and accel.sharing == "temporal":
-            with torch.cuda.device(self.device.index):
-                event = torch.cuda.Event(blocking=True)
-                event.record(torch.cuda.current_stream(self.device))
-            accel.step_event = event
-
-    def _deliver_merged(self, mgr: LocalManager, state, keep):
-        """CUDA delivery of a mini-batch produced partly on the GPU: the host ring's positions are
-        copied over, the accelerator's come from the device ring (slices of consecutive positions:
-        no index tensor, so no host-to-device copy of indices)."""
-        from fusionflow.runtime.device_ring import accel_runs
-        n, slot, pinned = state.size, state.slot, mgr.cuda_registered
-        with torch.cuda.device(self.device.index):
-            stream = torch.cuda.current_stream(self.device)
-            self._device_ring.wait_slot(slot, stream)  # after the accelerator's copies into this slot
-            out = torch.from_numpy(mgr.ring.images[slot, :n]).to(self._alloc_device, non_blocking=pinned)
-            for start, stop in accel_runs(state.accel_positions):
-                out[start:stop] = self._device_ring.images[slot, start:stop]
-            host_labels = mgr.ring.labels[slot, :n]
-            labels = torch.from_numpy(host_labels if pinned else host_labels.copy()).to(self._alloc_device,
-                                                                                        non_blocking=pinned)
-            if keep is not None:  # on_error='skip' dropped samples (rare): gather what is kept
-                keep_t = torch.as_tensor(keep).to(self._alloc_device)
-                out, labels = out[keep_t], labels[keep_t]
-            return out, labels, self._copied(stream)
+    def _from_ring(self, mgr: LocalManager, state):
+        """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them
+        when not all are ints, the CUDA event after the copies out of the slot or None)."""
+        n = state.size
+        keep = self._select(range(n), state.failures)
+        imgs = mgr.ring.images[state.slot]
+        labs = mgr.ring.labels[state.slot]
+        objs = (ff_targets.gather(labs, range(n) if keep is None else keep, state.targets)
+                if state.targets else None)  # targets that are not all ints: collated as DataLoader does
+        imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
+        if self._device_ring is not None and state.accel_positions:
+            images_t, labels_t, event = self._deliver_merged(mgr, state, keep)
+        else:
+            images_t, labels_t, event = self._deliver(imgs, labs)
+        if objs is not None:
+            labels_t = self._collate_targets(objs)
+        return images_t, labels_t, objs, event
 
     def _iter_workers(self, epoch: int, serial: int):
         mgr = self._ensure_manager()
@@ -468,23 +320,11 @@ class FusionFlowLoader(Checkpointing, BatchDelivery):
                 finally:
                     self._close_window(mgr)
                 wait = time.perf_counter() - t0
-                n = state.size
-                keep = self._select(range(n), state.failures)
-                imgs = mgr.ring.images[state.slot]
-                labs = mgr.ring.labels[state.slot]
-                objs = (ff_targets.gather(labs, range(n) if keep is None else keep, state.targets)
-                        if state.targets else None)  # targets that are not all ints: collated as DataLoader does
-                imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
-                if self._device_ring is not None and state.accel_positions:
-                    images_t, labels_t, event = self._deliver_merged(mgr, state, keep)
-                else:
-                    images_t, labels_t, event = self._deliver(imgs, labs)
-                if objs is not None:
-                    labels_t = self._collate_targets(objs)
+                images_t, labels_t, objs, event = self._from_ring(mgr, state)
                 self._account(wait, len(images_t))
                 if self._tracer is not None:
                     self._trace_wait(wait, delivered, len(images_t))
-                self._sync_stats(mgr)
+                self._sync_bridge()
                 delivered += 1
                 if event is None:
                     free_slots.append(state.slot)
@@ -496,30 +336,51 @@ class FusionFlowLoader(Checkpointing, BatchDelivery):
             finished = True
             self._yielded_one(serial, done=True)  # the epoch is complete
         finally:
-            if self._manager is mgr:
-                if not finished:
-                    mgr.abandon(gen)
-                if self._active_generation == gen:
-                    self._active_generation = None
-                if not self.persistent_workers:
-                    self._stop_manager()
-            self._flush_trace()
+            self._end_iteration(mgr, gen, finished)
+
+    def _end_iteration(self, mgr: LocalManager, gen: int, finished: bool) -> None:
+        """An iteration ended (its last batch, an exception, or the caller dropped it): forget its unfinished
+        work; without persistent workers, shut the manager down."""
+        if self._manager is mgr:
+            if not finished:
+                mgr.abandon(gen)
+            if self._active_generation == gen:
+                self._active_generation = None
+            if not self.persistent_workers:
+                self._stop_manager()
+        self._flush_trace()
 
 
-def _taas_feedback(mgr_ref, search, history, state) -> None:
-    """The manager's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
-    mgr = mgr_ref()
-    if mgr is None or (mgr.accelerator is not None and mgr.accelerator.retired):
-        return
-    cpu_last = state.cpu_done_at >= state.accel_done_at
-    mgr.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
-    history.append(mgr.reserved)
+def _shutdown_manager(box, stats=None, keep_bridge: bool = False) -> None:
+    """The loader's one shutdown procedure for its manager and allocator bridge, run by every path:
+    `close()`, the end of an iteration without persistent workers, a new seed, a manager that failed
+    to start its accelerator, and the finalizer at the loader's collection or interpreter exit (which
+    holds only `box`, [manager, bridge], never the loader). Idempotent.
 
-
-def _shutdown_manager(box) -> None:
+    1. Take the manager (and, unless `keep_bridge`, the bridge) out of the box: a second run finds
+       nothing to do.
+    2. Close the accelerator's prep window, if open: the tiny-batch in flight finishes first
+       (`wait_idle`), then PyTorch takes its lent blocks back (`bridge.close`).
+    3. Shut the manager down (`LocalManager.shutdown`, its own numbered procedure: worker kinds,
+       manager thread, lending agent, worker processes, ring).
+    4. Allocator bridge: take back what DALI's pipelines held (they are gone now) and copy its
+       counters into `stats`; unless it is kept for the next manager, shut it down (every block goes
+       back, the ledger is unlinked).
+    """
     mgr, bridge = box
-    box[0] = box[1] = None
+    box[0] = None
+    if not keep_bridge:
+        box[1] = None
     if mgr is not None:
+        accel = mgr.accelerator
+        if accel is not None and accel.window_open:
+            with mgr.cond:
+                accel.window_open = False
+                accel.wait_idle()
+            close_bridge_window(bridge)
         mgr.shutdown()
-    if bridge is not None:
+        close_bridge_window(bridge)
+        if stats is not None:
+            copy_bridge_stats(bridge, stats)
+    if bridge is not None and not keep_bridge:
         bridge.shutdown()

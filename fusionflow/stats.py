@@ -46,9 +46,7 @@ class LoaderStats:
     bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
     stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
 
-    # The two maxima were first named like totals. The old names stay as deprecated aliases. They can
-    # still be assigned because the loader's bridge sync (`_sync_bridge`, runtime side) copies the
-    # bridge's `lent_bytes`/`borrowed_bytes` by those names; make them read-only when it copies by the new ones.
+    # The two maxima were first named like totals; the old names stay as read-only deprecated aliases.
     @property
     def bridge_lent_bytes(self) -> int:
         """Deprecated: `bridge_max_lent_bytes` (a maximum over windows, not a total)."""
@@ -56,20 +54,12 @@ class LoaderStats:
                       "not a total)", DeprecationWarning, stacklevel=2)
         return self.bridge_max_lent_bytes
 
-    @bridge_lent_bytes.setter
-    def bridge_lent_bytes(self, value: int) -> None:
-        self.bridge_max_lent_bytes = value
-
     @property
     def bridge_borrowed_bytes(self) -> int:
         """Deprecated: `bridge_max_borrowed_bytes` (a maximum, not a total)."""
         warnings.warn("LoaderStats.bridge_borrowed_bytes is deprecated: use bridge_max_borrowed_bytes (a "
                       "maximum, not a total)", DeprecationWarning, stacklevel=2)
         return self.bridge_max_borrowed_bytes
-
-    @bridge_borrowed_bytes.setter
-    def bridge_borrowed_bytes(self, value: int) -> None:
-        self.bridge_max_borrowed_bytes = value
 
     def add_stage_times(self, names, worker, ns) -> None:
         """A task's per-stage totals from `worker` (the manager thread, under its lock)."""

@@ -22,6 +22,8 @@ otherData.dropped_events says how many). Off (no recorder), each hook is one `is
 """
 from __future__ import annotations
 
+import contextlib
+
 import itertools
 import json
 import os
@@ -151,3 +153,33 @@ class TraceRecorder:
 def load(path) -> dict:
     with open(path) as f:
         return json.load(f)
+
+
+class Tracing:
+    """FusionFlowLoader's tracing surface (a mixin): `loader.trace(path)` for a block, and the file
+    a loader built with `trace=path` rewrites at close() and at each iteration's end."""
+
+    @contextlib.contextmanager
+    def trace(self, path, max_events: int | None = None):
+        """Record a timeline of what runs inside the block and write it to `path` (trace-event JSON,
+        fusionflow/trace.py) at its end. Yields the recorder."""
+        path = check_path(path, "path")
+        if self._tracer is not None:
+            raise ValueError(f"loader.trace({path!r}): this loader already traces (to {self._trace_path!r}); "
+                             "one trace at a time")
+        recorder = TraceRecorder(DEFAULT_MAX_EVENTS if max_events is None else max_events)
+        self._set_tracer(recorder)
+        try:
+            yield recorder
+        finally:
+            self._set_tracer(None)
+            recorder.write(path)
+
+    def _set_tracer(self, recorder) -> None:
+        self._tracer = recorder
+        if self._manager is not None:
+            self._manager.trace = recorder
+
+    def _flush_trace(self) -> None:
+        if self._trace_path is not None and self._tracer is not None:
+            self._tracer.write(self._trace_path)

@@ -258,3 +258,13 @@ def test_over_the_pixel_limit_never_reaches_dali_and_is_refused_by_the_cpu_path(
     assert [i for y in labels for i in y.tolist()] == [i for i in range(24) if i not in over]
     assert ld.stats.skipped_by_cause == {"pixel_limit": len(over)}
     assert ld.stats.accelerator_tiny_batches > 0  # DALI did run the others
+
+
+def test_accelerator_counts_go_on_across_epochs_without_persistent_workers():
+    ld = loader(Bytes(24))
+    for epoch in range(2):
+        ld.set_epoch(epoch)
+        _, labels = collect(ld)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
+    assert ld.stats.accelerator_builds == 2  # one ahead-of-time build per epoch's manager
+    ld.close()

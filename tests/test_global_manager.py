@@ -156,8 +156,8 @@ def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws()
     _, labels_b = collect(b)  # b's worker is idle from now on
     assert ordered(labels_b) == list(range(40))
     # the GM rings each LM on a connection of its own instead of LMs polling their action rows
-    assert wait_until(lambda: b._manager.bell is not None)
-    assert not b._manager.guests  # a doorbell is not a lent worker
+    assert wait_until(lambda: b._manager.agent.bell is not None)
+    assert not b._manager.agent.guests  # a doorbell is not a lent worker
     pipe = CpuPipeline(SMALL)
     for epoch in range(2):
         a.set_epoch(epoch)
@@ -219,13 +219,13 @@ def test_elastic_workers_added_and_removed_while_training():
         client.set_workers(cores + 1)
     client.set_workers(2)
     got = [i for _, y in it for i in y.tolist()]
-    assert wait_until(lambda: sum(w is not None and not w.retiring for w in a._manager.workers) == 2)
+    assert wait_until(lambda: sum(w is not None and not w.retiring for w in a._manager.pool.workers) == 2)
     assert restarts and restarts[-1] == 2
     client.set_workers(1)
     a.set_epoch(1)
     _, labels = collect(a)
     assert ordered(labels) == list(range(48))
-    assert wait_until(lambda: sum(w is not None and not w.retiring for w in a._manager.workers) == 1)
+    assert wait_until(lambda: sum(w is not None and not w.retiring for w in a._manager.pool.workers) == 1)
     assert restarts[-1] == 1
     assert len(got) == 44  # the first epoch lost nothing either (one batch was taken before)
     client.close()
@@ -253,13 +253,13 @@ def test_borrower_killed_mid_loan_lender_gets_its_worker_back(tmp_path):
     child = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline() == "batch\n"
-        lent = lambda: any(w is not None and w.lent_to is not None for w in b._manager.workers)  # noqa: E731
+        lent = lambda: any(w is not None and w.lent_to is not None for w in b._manager.pool.workers)  # noqa: E731
         assert wait_until(lent, timeout=20), "the idle loader never lent its worker"
         child.kill()  # mid-loan
         child.wait()
     finally:
         child.kill()
-    mgr = b._manager
+    mgr = b._manager.pool
     assert wait_until(lambda: all(w.lent_to is None for w in mgr.workers if w is not None))  # home again
     b.set_epoch(1)
     _, labels = collect(b)
@@ -300,7 +300,7 @@ def test_lender_shutting_down_mid_loan_loses_nothing_at_the_borrower():
     collect(b)
     it = iter(a)
     got = next(it)[1].tolist()
-    lent = lambda: any(w is not None and w.lent_to is not None for w in b._manager.workers)  # noqa: E731
+    lent = lambda: any(w is not None and w.lent_to is not None for w in b._manager.pool.workers)  # noqa: E731
     assert wait_until(lent, timeout=20)
     b.close()  # STOP to its worker while it serves a
     got += [i for _, y in it for i in y.tolist()]
@@ -316,7 +316,7 @@ def test_lent_worker_killed_mid_task_loses_nothing_and_is_replaced_by_its_owner(
     collect(b)
     it = iter(a)
     got = next(it)[1].tolist()
-    mgr, victim = b._manager, []
+    mgr, victim = b._manager.pool, []
     assert wait_until(lambda: victim.extend(w for w in mgr.workers if w is not None and w.lent_to is not None)
                       or bool(victim), timeout=20)
     os.kill(victim[0].process.pid, signal.SIGKILL)  # while it runs one of a's samples (or is about to)
@@ -380,7 +380,7 @@ def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():
         assert ok.returncode == 0, ok.stderr
         a.set_epoch(1)
         collect(a)
-        assert wait_until(lambda: sum(w is not None for w in a._manager.workers) == 2)
+        assert wait_until(lambda: sum(w is not None for w in a._manager.pool.workers) == 2)
         a.close()
         assert gm.poll() is None  # an explicit GM stays up between jobs' loaders
         gm.send_signal(signal.SIGTERM)

@@ -157,7 +157,7 @@ def test_persistent_workers_across_epochs_and_epoch_semantics():
     for _ in range(3):
         images, labels = collect(loader)
         assert sorted(i for y in labels for i in y.tolist()) == list(range(40))
-        now = [w.process.pid for w in loader._manager.workers]
+        now = [w.process.pid for w in loader._manager.pool.workers]
         assert pids is None or now == pids  # the same worker processes every epoch
         pids = now
         epochs.append({int(i): x for xs, ys in zip(images, labels) for x, i in zip(xs, ys)})
@@ -176,7 +176,7 @@ def test_killed_worker_is_replaced_and_nothing_is_lost():
     for k, (_, y) in enumerate(loader):
         labels.append(y.tolist())
         if k == 1:
-            os.kill(loader._manager.workers[0].process.pid, signal.SIGKILL)
+            os.kill(loader._manager.pool.workers[0].process.pid, signal.SIGKILL)
     assert labels == [list(range(s, s + 8)) for s in range(0, 48, 8)]
     assert loader.stats.worker_restarts >= 1
 
@@ -273,7 +273,7 @@ def test_training_process_killed_leaves_nothing():
         from fusionflow.loader import FusionFlowLoader
         loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
         it = iter(loader); next(it)
-        print(loader._manager.ring.name, *[w.process.pid for w in loader._manager.workers], flush=True)
+        print(loader._manager.ring.name, *[w.process.pid for w in loader._manager.pool.workers], flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -483,20 +483,42 @@ def test_workers_started_without_fork_map_the_unnamed_ring(method):
 def test_pin_workers_auto_pins_only_with_a_core_to_spare(monkeypatch):
     """A pinned worker cannot move off a core the training process is using: 'auto' pins only when every
     worker and the training process get a core each."""
-    from fusionflow.runtime.local_manager import LocalManager
+    from fusionflow.runtime.worker_pool import WorkerPool
     cpus = sorted(os.sched_getaffinity(0))
-    mgr = LocalManager.__new__(LocalManager)
+    mgr = WorkerPool.__new__(WorkerPool)
     mgr.pin_cpus, mgr.num_workers = "auto", len(cpus)
-    assert mgr._cpu_for(0) is None  # as many workers as cores: nothing left for the training process
+    assert mgr.cpu_for(0) is None  # as many workers as cores: nothing left for the training process
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     mgr.num_workers = 3
-    assert [mgr._cpu_for(w) for w in range(3)] == [0, 1, 2]
+    assert [mgr.cpu_for(w) for w in range(3)] == [0, 1, 2]
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert [mgr._cpu_for(w) for w in range(3)] == [3, 4, 5]  # (3 + 1) * 2 ranks <= 8 cores
+    assert [mgr.cpu_for(w) for w in range(3)] == [3, 4, 5]  # (3 + 1) * 2 ranks <= 8 cores
     mgr.num_workers = 4
-    assert mgr._cpu_for(0) is None  # (4 + 1) * 2 > 8
+    assert mgr.cpu_for(0) is None  # (4 + 1) * 2 > 8
     mgr.pin_cpus = True
-    assert mgr._cpu_for(0) == 4  # forced
+    assert mgr.cpu_for(0) == 4  # forced
     with pytest.raises(ValueError, match=r"pin_workers='yes' must be 'auto', True or False"):
         FusionFlowLoader(Bytes(8), batch_size=4, pin_workers="yes")
+
+
+def test_counters_go_on_across_managers_and_tiny_batches_are_counted_per_worker():
+    """The manager counts straight into loader.stats: restarts add up over epochs that each start a
+    manager of their own; tiny_batches_per_worker is the current manager's, by worker id."""
+    loader = FusionFlowLoader(Bytes(16, sleep=0.02), batch_size=4, num_workers=2, policy=SMALL, tiny_batch_size=2,
+                              pin_workers=False)
+    for epoch in range(2):
+        loader.set_epoch(epoch)
+        _, labels = collect(loader)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
+        assert len(loader.stats.tiny_batches_per_worker) == 2
+        assert sum(loader.stats.tiny_batches_per_worker) == 8  # this epoch's 16 samples, 2 per tiny-batch
+    assert loader._manager is None and loader.stats.worker_restarts == 0
+    loader.stats.worker_restarts = 5  # counts go on from what the stats hold
+    it = iter(loader)
+    next(it)
+    os.kill(loader._manager.pool.workers[0].process.pid, signal.SIGKILL)
+    for _ in it:
+        pass
+    assert loader.stats.worker_restarts == 6
+    loader.close()

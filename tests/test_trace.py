@@ -254,7 +254,7 @@ def test_lent_and_borrowed_workers_show_on_both_loaders_traces(tmp_path):
         got = sorted(i for _, y in a for i in y.tolist())
         assert got == list(range(40))
         a.close()  # its guests go home
-        assert wait_until(lambda: all(w.lent_to is None for w in b._manager.workers if w is not None))
+        assert wait_until(lambda: all(w.lent_to is None for w in b._manager.pool.workers if w is not None))
     finally:
         a.close()
         b.close()

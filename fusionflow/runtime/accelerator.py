@@ -22,6 +22,10 @@ With the allocator bridge (`bridge`, temporal mode only) the prep window is also
 blocks are lent to DALI; before its first tiny-batch of a window the thread asks the bridge to lend.
 The loader closes a window only once the tiny-batch in flight is done (`wait_idle`).
 
+It is a worker kind (runtime/board.py): registered with the manager's `add_worker_kind`, it uses only
+the board's interface (`cond`, `take_accel`, `complete`, `requeue`, `draining`, `wake`, `ring`,
+`trace`, `sizes`, `reserved`) and counts into the counters it is given (runtime/counters.py).
+
 Failures: a tiny-batch DALI cannot run goes back to the CPU workers. DALI's pipeline is shut down
 and rebuilt after a failed batch (never kept broken); out of device memory is logged as such (not
 as a corrupt sample). After `MAX_FAILURES` failed tiny-batches in a row, or a pipeline that cannot
@@ -49,13 +53,14 @@ PROFILE_BATCHES = 10  # gpu_sharing="auto": iterations timed per mode before cho
 
 
 class AcceleratorWorker:
-    def __init__(self, manager, dataset, policy, max_batch: int, seed: int, device: str = "cpu",
+    def __init__(self, board, dataset, policy, max_batch: int, seed: int, device: str = "cpu",
                  device_id: int | None = None, aot: bool = True, largest_first: bool = True,
-                 num_threads: int = 1, device_ring=None, sharing: str = "spatial"):
+                 num_threads: int = 1, device_ring=None, sharing: str = "spatial", counters=None, bridge=None):
         from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
         from fusionflow.policy import load_policy
 
-        self.mgr, self.dataset, self.seed = manager, dataset, seed
+        self.board, self.dataset, self.seed = board, dataset, seed
+        self.counters = counters if counters is not None else board.counters
         self.max_pixels = load_policy(policy).max_pixels
         self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
         self._make = lambda: DaliPolicyPipeline(policy, max_batch, device=device, device_id=device_id,
@@ -63,21 +68,20 @@ class AcceleratorWorker:
         t0 = time.perf_counter()
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
-        self.builds = 1 if aot else 0
-        self.tiny_batches = 0
+        self.counters.accelerator_builds += 1 if aot else 0
+        self.tiny_batches = 0  # done by this accelerator (the bridge lends after a warm-up count of them)
         self._side = {}  # the last tiny-batch's targets that are not ints
-        self.given_back = 0
-        self.out_of_memory = 0  # tiny-batches given back because DALI ran out of memory
         self.failures_in_a_row = 0
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # set by the loader at each next() (temporal sharing)
-        self.bridge = None  # MemoryBridge, set by the loader (memory_bridge on)
+        self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails
         self.window_open = False  # the loader's prep window (only consulted while gated)
         self._active = None
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
 
     def start(self) -> None:
+        """Start the thread (after the board's `add_worker_kind`)."""
         self._thread.start()
 
     def busy_with_stale(self, generation: int) -> bool:
@@ -91,15 +95,16 @@ class AcceleratorWorker:
         return self.sharing == "temporal" and (self.device_ring is not None or self.bridge is not None)
 
     def wait_idle(self, timeout: float = 30.0) -> None:
-        """Under mgr.cond: wait for the tiny-batch in flight (if any) to finish."""
+        """Under board.cond: wait for the tiny-batch in flight (if any) to finish."""
         deadline = time.monotonic() + timeout
         while self._active is not None and self._thread.is_alive() and time.monotonic() < deadline:
-            self.mgr.cond.wait(0.05)
+            self.board.cond.wait(0.05)
 
     def stop(self) -> None:
-        with self.mgr.cond:
+        """Idempotent: the tiny-batch in flight finishes, the thread ends, the pipeline is closed."""
+        with self.board.cond:
             self._stop = True
-            self.mgr.cond.notify_all()
+            self.board.cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
         pipeline, self.pipeline = self.pipeline, None
@@ -111,20 +116,20 @@ class AcceleratorWorker:
                 pipeline.close()
 
     def _retire(self, why: str) -> None:
-        """Under mgr.cond: take no more work; the CPU workers get everything, reservations included."""
-        self.retired = why
-        self.mgr.reserved = 0
-        self.mgr.cond.notify_all()
+        """Under board.cond: take no more work; the CPU workers get everything, reservations included."""
+        self.retired = self.counters.accelerator_retired = why
+        self.board.reserved = 0
+        self.board.cond.notify_all()
         log.warning("the DALI accelerator is retired for the rest of this loader's run (%s); the CPU workers "
                     "take every tiny-batch", why)
 
     def _run(self) -> None:
-        mgr = self.mgr
+        board = self.board
         while True:
-            with mgr.cond:
-                while not self._stop and not self.retired and (mgr.draining() or (self.gated and not self.window_open)
-                                          or (work := mgr.take_accel(self.largest_first)) is None):
-                    mgr.cond.wait(0.5)
+            with board.cond:
+                while not self._stop and not self.retired and (board.draining() or (self.gated and not self.window_open)
+                                          or (work := board.take_accel(self.largest_first)) is None):
+                    board.cond.wait(0.5)
                 if self._stop or self.retired:
                     return
                 self._active = work
@@ -138,25 +143,26 @@ class AcceleratorWorker:
             except Exception:  # anything unexpected: the CPU workers take it over
                 log.exception("accelerator failed on tiny-batch %s; handing it to the CPU workers", work.indices)
                 ok = False
-            with mgr.cond:
+            with board.cond:
                 self._active = None
-                mgr.cond.notify_all()  # a loader closing its prep window waits for this
+                board.cond.notify_all()  # a loader closing its prep window waits for this
                 if ok:
                     self.tiny_batches += 1
+                    self.counters.accelerator_tiny_batches += 1
                     self.failures_in_a_row = 0
-                    if mgr.trace is not None:
-                        mgr.trace.tiny_batch(None, work, started, time.monotonic_ns(), mgr.sizes)
-                    mgr.complete(work, [], on_accelerator=True, targets=self._side)
+                    if board.trace is not None:
+                        board.trace.tiny_batch(None, work, started, time.monotonic_ns(), board.sizes)
+                    board.complete(work, [], on_accelerator=True, targets=self._side)
                 else:
-                    self.given_back += 1
+                    self.counters.accelerator_given_back += 1
                     self.failures_in_a_row += ok is False
                     work.cpu_only = True
-                    mgr.requeue([work])
+                    board.requeue([work])
                     if fatal is not None:
                         self._retire(fatal)
                     elif self.failures_in_a_row >= MAX_FAILURES:
                         self._retire(f"{self.failures_in_a_row} tiny-batches in a row failed in DALI")
-            mgr._wake()
+            board.wake()
 
     def _process(self, work) -> bool | None:
         """True: done; False: DALI failed on it; None: not DALI's kind of sample (no failure)."""
@@ -172,7 +178,7 @@ class AcceleratorWorker:
         if self.pipeline is not None:
             return self._run_pipeline(self.pipeline, work, samples, labels)
         pipeline = self._make()  # the DALI-Naive ablation: build for every tiny-batch, close after it
-        self.builds += 1
+        self.counters.accelerator_builds += 1
         try:
             return self._run_pipeline(pipeline, work, samples, labels)
         finally:
@@ -191,13 +197,13 @@ class AcceleratorWorker:
             copies = {"copies": work.copies} if work.copies else {}  # repeated augmentation's copy numbers
             out = pipeline.run(samples, list(work.indices), self.seed, work.epoch, **copies)
         except DeviceOutOfMemory as exc:
-            self.out_of_memory += 1
+            self.counters.accelerator_out_of_memory += 1
             log.warning("accelerator out of memory on tiny-batch %s; the CPU workers take it: %s", work.indices, exc)
             return False
         except DecodeError as exc:
             log.info("accelerator could not decode %s: %s", work.indices, exc)
             return False
-        ring = self.mgr.ring
+        ring = self.board.ring
         if self.device_ring is not None:
             self.device_ring.write(work.slot, work.positions, out)
         else:

@@ -16,7 +16,7 @@ Loop, every `POLL_S`:
   3. Write each loan as a Yield order on the lender's action row (one per lender per round) and a
      Borrow notice on the borrower's, and ring the lender: the GM holds one connection to every
      LM's socket and sends a BELL, so LMs never poll for orders. The LM carries the order out
-     (runtime/local_manager.py): its idle workers connect to the borrower, serve the tiny-batches
+     (runtime/lending_agent.py): its idle workers connect to the borrower, serve the tiny-batches
      of the iteration the borrower had when they arrived, and come home.
 Exit: when no LM has been registered for `LINGER_S` (or none ever registered within `START_S`),
 the GM marks the table CLOSING under its lock, unlinks it and exits. If the GM dies instead, LMs see

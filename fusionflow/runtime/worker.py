@@ -61,6 +61,28 @@ def _check_orphan(parent_pid: int) -> None:
         raise _Orphaned
 
 
+def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
+    """(dataset, pipeline) for the borrower's spec: this worker's own, one it served before, or the
+    one it asks the borrower for (NEED -> SPEC); None if that cannot be set up (FATAL sent)."""
+    from fusionflow.ops.pipeline import CpuPipeline
+    if spec_hash == home[2]:
+        return home[0], home[1]
+    if spec_hash in spec_cache:
+        return spec_cache[spec_hash]
+    bconn.send_bytes(m.pack_control(m.NEED))
+    spec = bconn.recv_bytes()
+    try:
+        spec = m.unpack_message(spec, m.Spec)
+        dataset, pipe = spec.dataset, CpuPipeline(spec.policy)
+        if spec.worker_init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
+            spec.worker_init_fn(worker_id)
+    except Exception:
+        bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
+        return None
+    spec_cache[spec_hash] = (dataset, pipe)
+    return dataset, pipe
+
+
 def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pid: int) -> int:
     """Serve another local manager (the borrower) until it returns this worker; returns the number of
     tiny-batches run for it. `lend` is the owner's `Lend` message; `home` = (dataset, pipe, spec hash).
@@ -70,7 +92,6 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
     READY ->, then TASK / DONE as with the owner, until RETURN or the borrower closes. A worker
     serves one LM at a time: the owner sends it nothing while it is lent.
     """
-    from fusionflow.ops.pipeline import CpuPipeline
     try:
         bconn = connect(lend.address, lend.secret)
     except (OSError, EOFError, ConnectionError, AuthenticationError) as exc:  # the borrower left: nothing lost
@@ -86,22 +107,10 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
             ring = BatchRing(layout, fd=ring_fd)
         finally:
             os.close(ring_fd)
-        if spec_hash == home[2]:
-            dataset, pipe = home[0], home[1]
-        elif spec_hash in spec_cache:
-            dataset, pipe = spec_cache[spec_hash]
-        else:
-            bconn.send_bytes(m.pack_control(m.NEED))
-            spec = bconn.recv_bytes()
-            try:
-                spec = m.unpack_message(spec, m.Spec)
-                dataset, pipe = spec.dataset, CpuPipeline(spec.policy)
-                if spec.worker_init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
-                    spec.worker_init_fn(worker_id)
-            except Exception:
-                bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
-                return 0
-            spec_cache[spec_hash] = (dataset, pipe)
+        found = _borrower_spec(bconn, spec_hash, home, spec_cache, worker_id)
+        if found is None:
+            return 0
+        dataset, pipe = found
         set_receive_timeout(bconn, 0)  # handshake done: from now on the borrower paces us
         bconn.send_bytes(m.pack_ready(worker_id))
         while True:

@@ -1,5 +1,5 @@
-"""A loader's tiny-batch queue, pure: no threads, processes, clocks or I/O. Its caller (the local
-manager, runtime/local_manager.py) holds the lock that guards it and passes the time in.
+"""A loader's tiny-batch queue, pure: no threads, processes, clocks or I/O. Its caller (the board,
+runtime/board.py, which the local manager is) holds the lock that guards it and passes the time in.
 
 Per mini-batch, keyed (generation, seq) and oldest first, its tiny-batches sorted ascending by
 encoded size (scheduling/tiny_batches.py). CPU workers take from the front -- the oldest

@@ -1,0 +1,124 @@
+"""The board: the one interface every worker kind works through.
+
+A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything that produces tiny-batches
+-- is handed the board (the `LocalManager` is one) and uses only these members:
+
+    cond         threading.Condition guarding everything below
+    ring         the BatchRing: `.images[slot, pos]`, `.labels[slot]` (writes into a taken tiny-batch's
+                 positions may happen without the lock)
+    sizes        the dataset's encoded sample sizes, or None
+    trace        a fusionflow.trace.TraceRecorder while the loader traces, else None
+    generation   the current iterator's number (int)
+    counters     the loader's counters (runtime/counters.py)
+    reserved     TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
+    take_cpu(upto=None) -> Work | None          cond held
+    take_accel(largest_first=True) -> Work | None   cond held
+    complete(work, failures, on_accelerator, targets=None)   cond held
+    requeue(works)                              cond held
+    draining() -> bool                          cond held: an abandoned iterator's work still runs
+    wake()                                      WITHOUT the lock: wakes the manager thread
+    add_worker_kind(kind)                       registers a kind (its owner then calls kind.start())
+
+A kind's thread loops: with `cond` held take work (waiting on `cond` while there is none or while
+`draining()`), release the lock to compute and write the ring, then with `cond` held `complete` (or
+`requeue`) it, then `wake()`. A kind has `start()`, `stop()` (idempotent; finishes or abandons its
+work in flight; the manager's shutdown calls it first, also for a kind whose start() failed) and
+`busy_with_stale(generation) -> bool`. Whoever registers a kind starts it after `add_worker_kind`,
+so a start that fails half-way is still stopped by the shutdown.
+
+The board holds no threads or processes itself; the queue is the pure TinyBatchQueue.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+
+from fusionflow.runtime.counters import RuntimeCounters
+from fusionflow.scheduling.queue import TinyBatchQueue, Work
+
+
+class Board:
+    def __init__(self, ring, sizes=None, counters=None, trace=None):
+        self.ring, self.sizes, self.trace = ring, sizes, trace
+        self.counters = counters if counters is not None else RuntimeCounters()
+        self.cond = threading.Condition()
+        self.generation = 0
+        # per mini-batch (oldest first): its tiny-batches, ascending by encoded size. CPU workers take
+        # from the front, the accelerator from the back; the largest `reserved` stay the accelerator's.
+        self.queue = TinyBatchQueue()  # pure; guarded by `cond`
+        self.completed_batches = 0
+        self.on_batch_done = None  # callback(state) under the lock, e.g. TAAS feedback
+        self.kinds: list = []  # registered worker kinds, in registration order
+        self._kinds_stopped = False  # shutdown has begun: no kind may join
+        self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)  # wake(): the manager thread waits on _ctrl_r
+
+    # ---------------------------------------------------------------- worker kinds
+    def add_worker_kind(self, kind) -> None:
+        """Register `kind` (then call its `start()`); its `stop()` is called first by the manager's shutdown."""
+        with self.cond:
+            if self._kinds_stopped:
+                raise RuntimeError(f"add_worker_kind({kind!r}): this manager is shut down; no worker kind can join")
+            self.kinds.append(kind)
+
+    def stop_worker_kinds(self) -> None:
+        """Stop every registered kind (latest first) and forget them: they refer back to the board."""
+        with self.cond:
+            kinds, self.kinds, self._kinds_stopped = self.kinds, [], True
+        for kind in reversed(kinds):
+            kind.stop()
+
+    def draining(self) -> bool:
+        """Whether work of an abandoned iterator is still running (lock held)."""
+        return any(kind.busy_with_stale(self.generation) for kind in self.kinds)
+
+    def wake(self) -> None:
+        """Wake the manager thread (called without the lock)."""
+        try:
+            self._ctrl_w.send_bytes(b"w")
+        except OSError:  # closed: the manager is shut down
+            pass
+
+    # ---------------------------------------------------------------- the two-ended queue (lock held)
+    @property
+    def reserved(self) -> int:
+        """TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator (the loader's
+        search sets it; the accelerator clears it when it retires)."""
+        return self.queue.reserved
+
+    @reserved.setter
+    def reserved(self, k: int) -> None:
+        self.queue.reserved = k
+
+    def take_cpu(self, upto=None) -> Work | None:
+        """The oldest mini-batch's smallest tiny-batch that CPU workers may take (of mini-batches no
+        newer than `upto`, a (generation, seq) key, if given)."""
+        return self.queue.take_cpu(upto)
+
+    def take_accel(self, largest_first: bool = True) -> Work | None:
+        """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation)."""
+        return self.queue.take_accel(largest_first)
+
+    def requeue(self, works) -> None:
+        """Put work back at the front of its mini-batch's queue (it was interrupted)."""
+        self.queue.requeue(works)
+        self.cond.notify_all()
+
+    def complete(self, work: Work, failures, on_accelerator: bool, targets: dict | None = None) -> None:
+        """Account a finished tiny-batch (lock held); `targets`: {position: target} of its samples whose
+        target is not an int (runtime/targets.py)."""
+        now = time.monotonic()
+        state = self.queue.complete(work, failures, on_accelerator, targets, now)
+        if state is None:
+            return
+        if state.remaining == 0:
+            self.completed_batches += 1
+            if self.trace is not None:
+                self.trace.mini_batch(state.slot, state.seq, state.size, int(state.submitted_at * 1e9), int(now * 1e9))
+            if self.on_batch_done is not None:
+                self.on_batch_done(state)
+        self.cond.notify_all()
+
+    def close_wake_pipe(self) -> None:
+        for c in (self._ctrl_r, self._ctrl_w):
+            c.close()
