@@ -146,6 +146,8 @@ class LoaderStats:
     bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
     bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
     stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
+    remote_tiny_batches: int = 0  # run by remote (Ray) CPU workers (remote_workers=RayWorkers(...))
+    remote_workers_lost: int = 0  # Ray workers that died or whose node left (their tiny-batches re-ran)
 
     def add_stage_times(self, names, worker, ns) -> None:
         """A task's per-stage totals from `worker` (the manager thread, under its lock)."""
@@ -187,12 +189,25 @@ class LoaderStats:
                 "bridge_windows": self.bridge_windows, "bridge_lent_bytes": self.bridge_lent_bytes,
                 "bridge_borrowed_bytes": self.bridge_borrowed_bytes,
                 "bridge_fallback_bytes": self.bridge_fallback_bytes, "bridge_pinned_bytes": self.bridge_pinned_bytes,
-                "bridge_seconds": self.bridge_seconds, "stage_shares": self.stage_shares()}
+                "bridge_seconds": self.bridge_seconds, "stage_shares": self.stage_shares(),
+                "remote_tiny_batches": self.remote_tiny_batches, "remote_workers_lost": self.remote_workers_lost}
 
     def reset(self) -> None:
         keep = self.startup_seconds, self.memory_bridge
         self.__init__()
         self.startup_seconds, self.memory_bridge = keep
+
+
+def _check_remote_workers(remote_workers, num_workers: int) -> None:
+    if remote_workers is None:
+        return
+    from fusionflow.remote_workers import RayWorkers
+    if not isinstance(remote_workers, RayWorkers):
+        raise TypeError(f"remote_workers={remote_workers!r} must be None or fusionflow.RayWorkers(...) "
+                        "(e.g. remote_workers=RayWorkers(8, address='auto'))")
+    if num_workers == 0:
+        raise ValueError("remote_workers needs num_workers >= 1: remote workers join the local worker processes "
+                         "(num_workers=0 runs everything in the training process)")
 
 
 def _usable_cpus() -> int:
@@ -209,8 +224,10 @@ class FusionFlowLoader:
                  device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool | str = "auto",
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
                  taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto",
-                 trace=None, stage_times: bool = False):
+                 trace=None, stage_times: bool = False, remote_workers=None):
         # ---- validation: every message names the value and the fix
+        _check_remote_workers(remote_workers, num_workers)
+        self.remote_workers = remote_workers
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
                             "list of (image, target) samples, as DataLoader calls it")
@@ -542,7 +559,22 @@ class FusionFlowLoader:
                 log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
             if self.accelerator is not None:
                 self._start_accelerator(self._manager)
+            if self.remote_workers is not None:
+                self._start_remote(self._manager)
         return self._manager
+
+    def _start_remote(self, mgr: LocalManager) -> None:
+        """Ray actors as one more worker kind on the manager (fusionflow/runtime/remote.py); a dataset
+        that cannot be pickled or read on a remote node fails here, at start-up."""
+        from fusionflow.runtime.remote import RemoteWorkers
+        kind = RemoteWorkers(mgr, self.remote_workers, self.dataset, self.policy, self.seed, self.stats,
+                             first_worker_id=self.num_workers, worker_init_fn=self.worker_init_fn)
+        mgr.add_worker_kind(kind)
+        try:
+            kind.start()
+        except BaseException:
+            self._stop_manager()
+            raise
 
     def _lending_spec(self) -> bytes | None:
         """What workers lent to this loader need (pickled once per loader, not per epoch)."""

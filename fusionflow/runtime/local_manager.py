@@ -36,7 +36,7 @@ Global manager (DDP, `job` given; runtime/global_manager.py)
     `on_capacity_change(n)` tells TAAS to search again.
 
 Shutdown procedure (`shutdown`, idempotent; also run by the loader's finalizer at collection/exit)
-  0. Stop the accelerator worker thread, if any (it finishes its tiny-batch) and close its pipeline;
+  0. Stop the other worker kinds (`add_worker_kind`, e.g. Ray actors), then the accelerator worker thread, if any (it finishes its tiny-batch) and close its pipeline;
      drop the loader's callbacks and the accelerator (they refer back to this manager).
   1. Stop the manager thread (control pipe) and join it.
   2. Send RETURN to guests and close their connections (their owners' workers go home); leave the
@@ -133,6 +133,7 @@ class LocalManager:
         self.stages = stages  # stage names workers time per sample (fusionflow/stages.py), or None
         self.on_stage_times = None  # callback(worker label, stage ns totals) under the lock
         self.trace = None  # a fusionflow.trace.TraceRecorder while the loader traces
+        self.worker_kinds = []  # other kinds of workers on this queue (e.g. runtime/remote.py's Ray actors)
         self._closed = False
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)
         try:
@@ -287,11 +288,24 @@ class LocalManager:
         except OSError:
             pass
 
+    def wake(self) -> None:
+        """Nudge the manager thread (without the lock): a worker kind freed or requeued work."""
+        self._wake()
+
+    def add_worker_kind(self, kind) -> None:
+        """Attach another kind of worker (start(), stop(), busy_with_stale(generation)); it takes work
+        through this manager's queue methods under `cond`. `shutdown` stops it first."""
+        with self.cond:
+            self.worker_kinds.append(kind)
+
     def shutdown(self) -> None:
         """The shutdown procedure in the module docstring. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        for kind in self.worker_kinds:
+            kind.stop()
+        self.worker_kinds = []
         if self.accelerator is not None:
             self.accelerator.stop()
         # the loader's callbacks and the accelerator refer back to it: drop them (no cycle outlives us)
@@ -392,7 +406,8 @@ class LocalManager:
         """Whether work of an abandoned iterator is still running (lock held)."""
         stale = any(work.generation != self.generation for w in [*self.workers, *self.guests] if w is not None
                     for _tid, work in w.outstanding)
-        return stale or (self.accelerator is not None and self.accelerator.busy_with_stale(self.generation))
+        return (stale or (self.accelerator is not None and self.accelerator.busy_with_stale(self.generation))
+                or any(kind.busy_with_stale(self.generation) for kind in self.worker_kinds))
 
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""
