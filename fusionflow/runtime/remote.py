@@ -47,6 +47,7 @@ from fusionflow.runtime import targets
 log = logging.getLogger(__name__)
 POLL_S = 0.005  # longest wait for a result before looking for new work again
 MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
+SETTLE_S = 3.0  # start-up: how long to wait for CPUs that are being released to fit the asked-for actors
 MAX_FAILURES = 4  # tiny-batches in a row that fail on the actors (not a sample's fault) before they retire
 
 
@@ -158,6 +159,14 @@ class RemoteWorkers:
         self._cls = actor_class(ray)
         for _ in range(self._wanted()):
             self._spawn()
+        # CPUs a loader closed a moment ago (this one's previous epoch, without persistent_workers) come
+        # back within a second or so: wait for them briefly rather than start short of workers
+        settle = time.monotonic() + min(SETTLE_S, self.config.startup_timeout)
+        while self.config.num_workers != "auto" and len(self.actors) < self.config.num_workers \
+                and time.monotonic() < settle:
+            time.sleep(0.05)
+            for _ in range(self._wanted()):
+                self._spawn()
         if not self.actors:
             log.warning("remote_workers: the Ray cluster has no free CPU for a worker of %s CPUs now; local workers "
                         "run everything until one frees up", self.config.cpus_per_worker)
