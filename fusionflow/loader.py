@@ -198,7 +198,7 @@ class LoaderStats:
         self.startup_seconds, self.memory_bridge = keep
 
 
-def _check_remote_workers(remote_workers, num_workers: int) -> None:
+def _check_remote_workers(remote_workers, num_workers: int, persistent_workers: bool) -> None:
     if remote_workers is None:
         return
     from fusionflow.remote_workers import RayWorkers
@@ -208,6 +208,9 @@ def _check_remote_workers(remote_workers, num_workers: int) -> None:
     if num_workers == 0:
         raise ValueError("remote_workers needs num_workers >= 1: remote workers join the local worker processes "
                          "(num_workers=0 runs everything in the training process)")
+    if not persistent_workers:
+        warnings.warn("remote_workers without persistent_workers=True starts its Ray actors (and sends them the "
+                      "dataset) again every epoch; pass persistent_workers=True", stacklevel=3)
 
 
 def _usable_cpus() -> int:
@@ -226,7 +229,7 @@ class FusionFlowLoader:
                  taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto",
                  trace=None, stage_times: bool = False, remote_workers=None):
         # ---- validation: every message names the value and the fix
-        _check_remote_workers(remote_workers, num_workers)
+        _check_remote_workers(remote_workers, num_workers, persistent_workers)
         self.remote_workers = remote_workers
         if collate_fn is not None and not callable(collate_fn):
             raise TypeError(f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
