@@ -30,6 +30,10 @@ def _init_env(monkeypatch):
     monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
 
 
+RAY_MARKS = ("raylet", "gcs_server", "ray::", "/ray/_private/", "/ray/dashboard/", "/ray/autoscaler/",
+             "default_worker.py", "/ray/core/")
+
+
 def _ray_processes() -> list[str]:
     """Processes of this test run (descendants) that belong to Ray."""
     out = []
@@ -39,9 +43,19 @@ def _ray_processes() -> list[str]:
                 cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "ray" in cmd:
+        if any(mark in cmd for mark in RAY_MARKS):
             out.append(f"{pid}: {cmd[:120]}")
     return out
+
+
+@pytest.fixture
+def cpus_free():
+    """Start each test with every CPU of the cluster free: a previous test's actors give theirs back a
+    moment after its loader closed (the loader waits for them only briefly, then adds workers later)."""
+    import ray
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) and time.time() < deadline:
+        time.sleep(0.1)
 
 
 def _wait_gone(deadline_s=15.0) -> list[str]:
@@ -145,6 +159,7 @@ class TestFusionFlowOwnsRay:
 
 
 @pytest.mark.ray
+@pytest.mark.usefixtures("cpus_free")
 class TestLocalRay:
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
@@ -260,6 +275,7 @@ class TestLocalRay:
 
 
 @pytest.mark.ray
+@pytest.mark.usefixtures("cpus_free")
 class TestSimulatedCluster:
     """A head without CPUs and two 1-CPU worker nodes on this machine (Ray's own test utility)."""
 
@@ -314,11 +330,7 @@ class TestSimulatedCluster:
 
     def test_auto_uses_the_free_cpus_of_every_node(self, cluster):
         from fusionflow import RayWorkers
-        import ray
         ds = Bytes(24)
-        deadline = time.time() + 20  # the previous test's actors have given their CPUs back
-        while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
-            time.sleep(0.1)
         with _loader(ds, RayWorkers("auto"), shuffle=False) as loader:
             images, labels = collect(loader)
             kind = loader._manager.worker_kinds[0]
