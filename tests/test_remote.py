@@ -242,6 +242,20 @@ class TestLocalRay:
             assert sorted(torch.cat(labels).tolist()) == list(range(48))
             assert loader.stats.remote_tiny_batches > before
 
+    def test_a_failing_sample_travels_as_data(self, local_ray):
+        from fusionflow.runtime.remote import actor_class
+        ds = Bytes(8, bad={3})
+        actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, 0)
+        try:
+            images, labels, failures, _s = local_ray.get(actor.run.remote(0, (5, 6), (2, 3), ()), timeout=60)
+        finally:
+            local_ray.kill(actor)
+        assert labels == [2, None]
+        assert np.array_equal(images[0], CpuPipeline(SMALL)(ds.data[2], 2, seed=1, epoch=0))
+        [f] = failures
+        assert (f.position, f.index, f.what, f.exc_type) == (6, 3, "sample 3 (/data/img_3.jpg)", "DecodeError")
+        assert "Traceback" in f.traceback
+
     def test_unpicklable_dataset_fails_at_start_naming_it(self):
         from fusionflow import RayWorkers
         loader = _loader(Unpicklable(), RayWorkers(1))
@@ -337,3 +351,8 @@ class TestSimulatedCluster:
             assert kind.live == 2  # both 1-CPU worker nodes, none on the head
             assert sorted(torch.cat(labels).tolist()) == list(range(24))
             _expected_pixels(ds, images, [y.tolist() for y in labels], 0)
+            cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)  # a node joins: one more worker
+            deadline = time.time() + 30
+            while kind.live < 3 and time.time() < deadline:
+                time.sleep(0.1)
+            assert kind.live == 3
