@@ -153,8 +153,9 @@ def loader_runs(ray, ds, policy, args) -> dict:
         for name in order:
             cfg = configs[name]
             remote = RayWorkers(1, **cfg) if isinstance(cfg, dict) else None
-            loader = FusionFlowLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=2 if cfg == "local2" else 1,
-                                      policy=policy, tiny_batch_size=args.tiny, seed=0, persistent_workers=True,
+            loader = FusionFlowLoader(ds, batch_size=args.batch_size, shuffle=True,
+                                      num_workers=2 if cfg == "local2" else 1, policy=policy,
+                                      tiny_batch_size=args.tiny, seed=0, persistent_workers=True,
                                       generator=torch.Generator().manual_seed(r), remote_workers=remote)
             with loader:
                 for epoch in range(args.epochs + 1):
@@ -241,7 +242,8 @@ def main() -> None:
     from fusionflow.synthetic import make_jpegs
     ds = Jpegs(make_jpegs(args.images, 200, 1000, seed=1))
     policy = load_policy(args.policy)
-    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])  # Ray's workers: this fusionflow
+    # Ray's worker processes import this checkout's fusionflow
+    os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
     ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING")
     try:
         o = overhead(ray, ds, policy, args.tiny, args.calls)

@@ -34,7 +34,6 @@ last loader shuts down a Ray instance FusionFlow started or connected).
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 import traceback
