@@ -10,7 +10,7 @@ $(STAMP): setup.cfg Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.14.1 torchvision==0.29.1
-	$(BIN)/pip install -q -e '.[test,plot]'
+	$(BIN)/pip install -q -e '.[test,plot,ray]'
 	rm -f $(VENV)/.installed-* && touch $@
 
 install: $(STAMP)

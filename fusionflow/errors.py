@@ -69,3 +69,8 @@ class BridgeError(FusionFlowError):
 
 class NativeBuildError(BridgeError):
     """A native part of the allocator bridge could not be built or loaded."""
+
+
+class RemoteWorkerError(FusionFlowError):
+    """Remote (Ray) CPU workers could not start or cannot run this loader's samples (e.g. the dataset's
+    files are not readable on a remote node); the message names the node and the sample."""

@@ -110,7 +110,7 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
                  device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool | str = "auto",
                  accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
                  taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto",
-                 trace=None, stage_times: bool = False):
+                 trace=None, stage_times: bool = False, remote_workers=None):
         # ---- resolution and validation (fusionflow/loader_config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
         try:
@@ -123,7 +123,7 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
                 max_retries=max_retries, pin_workers=pin_workers, accelerator=accelerator,
                 gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k,
                 global_manager=global_manager, memory_bridge=memory_bridge, trace=trace,
-                stage_times=stage_times, host=Host(cores=lambda: _usable_cpus()), notes=notes)
+                stage_times=stage_times, remote_workers=remote_workers, host=Host(cores=lambda: _usable_cpus()), notes=notes)
         finally:
             for note in notes:
                 warnings.warn(note, UserWarning, stacklevel=2)
@@ -170,6 +170,7 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
         self._trace_path, self._stage_names = cfg.trace_path, cfg.stage_names
         self.collate_fn, self._collate = cfg.collate_fn, cfg.collate  # _collate None: batches as delivered
         self.pin_memory = cfg.pin_memory
+        self.remote_workers = cfg.remote_workers
 
     # ---------------------------------------------------------------- DataLoader surface
     def __len__(self) -> int:
@@ -241,10 +242,21 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
                     log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
                 if self.accelerator is not None:
                     self._start_accelerator(self._manager)
+                if self.remote_workers is not None:
+                    self._start_remote(self._manager)
             except BaseException:  # no half-started manager stays behind
                 self._stop_manager()
                 raise
         return self._manager
+
+    def _start_remote(self, mgr: LocalManager) -> None:
+        """Ray actors as one more worker kind on the board (fusionflow/runtime/remote.py); a dataset that
+        cannot be pickled or read on a remote node fails here, at start-up (the caller stops the manager)."""
+        from fusionflow.runtime.remote import RemoteWorkers
+        kind = RemoteWorkers(mgr, self.remote_workers, self.dataset, self.policy, self.seed, self.stats,
+                             first_worker_id=self.num_workers, worker_init_fn=self.worker_init_fn)
+        mgr.add_worker_kind(kind)  # registered first: the manager's shutdown stops it even if start() fails
+        kind.start()
 
     def _lending_spec(self) -> bytes | None:
         """What workers lent to this loader need (pickled once per loader, not per epoch)."""

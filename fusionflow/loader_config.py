@@ -91,6 +91,7 @@ class LoaderConfig:
     stage_names: tuple | None  # stage_times=True: the policy's stages
     worker_init_fn: Any
     multiprocessing_context: Any
+    remote_workers: Any = None  # a fusionflow.RayWorkers, or None
 
 
 def resolve_collate(collate_fn):
@@ -309,11 +310,27 @@ def resolve_pin_memory(pin_memory, device: torch.device, cuda_available: Callabl
     return pin
 
 
+def check_remote_workers(remote_workers, num_workers: int, persistent_workers: bool, notes: list) -> None:
+    """remote_workers: None or a RayWorkers beside at least one local worker process."""
+    if remote_workers is None:
+        return
+    from fusionflow.remote_workers import RayWorkers
+    if not isinstance(remote_workers, RayWorkers):
+        raise TypeError(f"remote_workers={remote_workers!r} must be None or fusionflow.RayWorkers(...) "
+                        "(e.g. remote_workers=RayWorkers(8, address='auto'))")
+    if num_workers == 0:
+        raise ValueError("remote_workers needs num_workers >= 1: remote workers join the local worker processes "
+                         "(num_workers=0 runs everything in the training process)")
+    if not persistent_workers:
+        notes.append("remote_workers without persistent_workers=True starts its Ray actors (and sends them the "
+                     "dataset) again every epoch; pass persistent_workers=True")
+
+
 def resolve_config(dataset, *, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
                    pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
                    prefetch_factor, persistent_workers, policy, tiny_batch_size, seed, device, on_error,
                    max_retries, pin_workers, accelerator, gpu_sharing, aot, taas, taas_last_k, global_manager,
-                   memory_bridge, trace, stage_times, host: Host | None = None,
+                   memory_bridge, trace, stage_times, remote_workers=None, host: Host | None = None,
                    notes: list | None = None) -> LoaderConfig:
     """FusionFlowLoader's arguments (the same names; no defaults here: the loader's signature holds
     them) resolved and checked, in the order the loader reports them. Warnings to give the caller
@@ -338,6 +355,7 @@ def resolve_config(dataset, *, batch_size, shuffle, sampler, batch_sampler, num_
     gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
     trace_path = resolve_trace(trace)
     stage_names = resolve_stage_names(stage_times, policy)
+    check_remote_workers(remote_workers, num_workers, persistent_workers, notes)
     return LoaderConfig(
         batch_sampler=batch_sampler, sampler=sampler, batch_size=batch_size, drop_last=drop_last,
         capacity=capacity, tiny_batch_size=tiny_batch_size, num_workers=num_workers,
@@ -348,4 +366,4 @@ def resolve_config(dataset, *, batch_size, shuffle, sampler, batch_sampler, num_
         collate_fn=collate_fn, collate=collate,
         pin_memory=resolve_pin_memory(pin_memory, resolved, host.cuda_available, notes),
         trace_path=trace_path, stage_names=stage_names, worker_init_fn=worker_init_fn,
-        multiprocessing_context=multiprocessing_context)
+        multiprocessing_context=multiprocessing_context, remote_workers=remote_workers)

@@ -45,6 +45,8 @@ class LoaderStats:
     bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
     bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
     stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
+    remote_tiny_batches: int = 0  # run by remote (Ray) CPU workers (remote_workers=RayWorkers(...))
+    remote_workers_lost: int = 0  # Ray workers that died or whose node left (their tiny-batches re-ran)
 
     # The two maxima were first named like totals; the old names stay as read-only deprecated aliases.
     @property
@@ -106,7 +108,8 @@ class LoaderStats:
                 "bridge_lent_bytes": self.bridge_max_lent_bytes,
                 "bridge_borrowed_bytes": self.bridge_max_borrowed_bytes,
                 "bridge_fallback_bytes": self.bridge_fallback_bytes, "bridge_pinned_bytes": self.bridge_pinned_bytes,
-                "bridge_seconds": self.bridge_seconds, "stage_shares": self.stage_shares()}
+                "bridge_seconds": self.bridge_seconds, "stage_shares": self.stage_shares(),
+                "remote_tiny_batches": self.remote_tiny_batches, "remote_workers_lost": self.remote_workers_lost}
 
     def reset(self) -> None:
         """Every field back to its default (fresh lists and dicts), except what describes the loader

@@ -1,0 +1,132 @@
+"""`RayWorkers`: CPU workers on other machines, through Ray (`remote_workers=` of FusionFlowLoader).
+
+A tiny-batch's pixels are a pure function of (dataset, policy, seed, epoch, index, copy), so a Ray
+actor anywhere in the cluster computes the same bytes as a local CPU worker. This module is the
+public configuration and the connection to the cluster; the worker kind itself (the thread that
+keeps tiny-batches in flight on the actors) is fusionflow/runtime/remote.py.
+
+Ray is an optional dependency: `pip install 'fusionflow[ray]'`. Every Ray node needs FusionFlow
+importable (the same version), e.g. installed in the nodes' image, or shipped with
+`runtime_env={"py_modules": [fusionflow]}`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = ("remote_workers=RayWorkers(...) needs Ray: pip install 'fusionflow[ray]' "
+                "(or pip install ray==2.60.0)")
+TAKE = ("back", "front")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return ray
+
+
+class RayWorkers:
+    """Remote CPU workers: `num_workers` Ray actors of `cpus_per_worker` CPUs each.
+
+    num_workers: an int, or "auto": as many as the cluster's free CPUs allow, at start-up and as
+        nodes join later.
+    address: None -- connect to the Ray instance this process already uses, else to a running
+        cluster (RAY_ADDRESS, or one started with `ray start` on this machine), else start a local
+        one (stopped again at loader.close()); "auto", "host:port" or "ray://host:port" -- connect
+        to that running cluster (a ConnectionError if there is none).
+    in_flight: tiny-batches queued on each actor, so that it starts the next one while the result
+        of the previous travels back (2 hides the round trip when it is shorter than a tiny-batch's
+        compute; see README "More CPUs than the node has").
+    take: which end of the size-sorted queue the actors take from: "back" (the largest tiny-batches,
+        as the accelerator does: the most compute per byte sent back) or "front" (the smallest).
+    runtime_env: passed to the actors (e.g. {"py_modules": [fusionflow]}), None for the cluster's.
+    startup_timeout: seconds to wait for the actors that fit in the cluster to come up.
+    init_kwargs: extra keyword arguments for `ray.init` (e.g. num_cpus of a local instance).
+    """
+
+    def __init__(self, num_workers: int | str = "auto", address: str | None = None, cpus_per_worker: float = 1,
+                 in_flight: int = 2, take: str = "back", runtime_env: dict | None = None,
+                 startup_timeout: float = 60.0, init_kwargs: dict | None = None):
+        import_ray()  # fail here, with the install hint, not when the loader starts
+        if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
+                                      or num_workers < 1):
+            raise ValueError(f"{num_workers=} must be an integer >= 1 or 'auto'")
+        if address is not None and not isinstance(address, str):
+            raise TypeError(f"address={address!r} must be None, 'auto', 'host:port' or 'ray://host:port'")
+        if isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, (int, float)) or cpus_per_worker <= 0:
+            raise ValueError(f"{cpus_per_worker=} must be a number > 0")
+        if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
+            raise ValueError(f"{in_flight=} must be an integer >= 1")
+        if take not in TAKE:
+            raise ValueError(f"take={take!r} must be one of {TAKE}")
+        if startup_timeout <= 0:
+            raise ValueError(f"{startup_timeout=} must be > 0")
+        self.num_workers, self.address, self.cpus_per_worker = num_workers, address, cpus_per_worker
+        self.in_flight, self.take, self.runtime_env = in_flight, take, runtime_env
+        self.startup_timeout, self.init_kwargs = startup_timeout, dict(init_kwargs or {})
+
+    def __repr__(self) -> str:
+        return (f"RayWorkers({self.num_workers!r}, address={self.address!r}, cpus_per_worker={self.cpus_per_worker}, "
+                f"in_flight={self.in_flight}, take={self.take!r})")
+
+
+class _Connection:
+    """This process's use of Ray: who called ray.init, and how many loaders use it. The last loader to
+    let go of an instance FusionFlow connected (or started) calls ray.shutdown; one the application
+    initialised itself is left alone."""
+
+    lock = threading.Lock()
+    users = 0
+    ours = False  # FusionFlow called ray.init (a local instance it started, or a connection it made)
+    started = False  # ... and that started a local instance
+
+
+def connect(config: RayWorkers):
+    """ray.init as `config.address` says (or reuse this process's connection); returns the ray module.
+    Pair with `release()`."""
+    ray = import_ray()
+    with _Connection.lock:
+        if ray.is_initialized():
+            if _Connection.ours:
+                _Connection.users += 1
+            return ray
+        kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **config.init_kwargs}
+        if config.address is not None:
+            try:
+                ray.init(address=config.address, **kwargs)
+            except ConnectionError as exc:
+                raise ConnectionError(f"RayWorkers(address={config.address!r}): no Ray cluster there ({exc}). "
+                                      "Start one (`ray start --head` / your cluster launcher), or pass "
+                                      "address=None to start a local one") from exc
+            started = False
+        else:
+            try:
+                ray.init(address="auto", **kwargs)
+                started = False
+            except ConnectionError:  # no cluster is running: start a local one
+                if config.num_workers != "auto":
+                    kwargs.setdefault("num_cpus", int(-(-config.num_workers * config.cpus_per_worker // 1)))
+                ray.init(**kwargs)
+                started = True
+                log.info("fusionflow started a local Ray instance for its remote workers (%s CPUs)",
+                         ray.cluster_resources().get("CPU"))
+        _Connection.ours, _Connection.started, _Connection.users = True, started, 1
+        return ray
+
+
+def release() -> None:
+    """One loader is done with Ray: the last one shuts down what FusionFlow initialised."""
+    ray = import_ray()
+    with _Connection.lock:
+        if not _Connection.ours:
+            return
+        _Connection.users -= 1
+        if _Connection.users <= 0:
+            _Connection.ours = _Connection.started = False
+            _Connection.users = 0
+            if ray.is_initialized():
+                ray.shutdown()

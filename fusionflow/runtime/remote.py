@@ -1,0 +1,358 @@
+"""Remote CPU workers: Ray actors as a third kind of worker beside the local CPU processes and the
+accelerator (configuration: fusionflow/remote_workers.py).
+
+Each actor holds the dataset (put into Ray's object store once per loader, fetched once per actor)
+and a CpuPipeline of the policy. It receives (epoch, positions, indices, copies), runs exactly the
+code a local CPU worker runs (runtime/worker.py `run_task`: same pipeline, same seed, so the same
+bytes) and returns the tiny-batch's output as one numpy array, its targets and its failures (as
+data) through the object store. A thread in the training process ("fusionflow-remote") keeps
+`in_flight` tiny-batches queued on each ready actor, waits on all of them at once (`ray.wait`),
+writes each result into its ring positions and completes it on the local manager (the board):
+take under `cond`, wait and write outside it, complete under it, as the accelerator does.
+
+Which tiny-batches: `take="back"` (default) takes the oldest mini-batch's largest tiny-batch, as the
+accelerator does; "front" takes the smallest, as the local CPU workers do. The output's size is the
+same for every sample, the compute grows with the encoded size: the back gives the round trip the
+most compute to hide behind (README, "More CPUs than the node has", has the measurement).
+
+Faults: an actor that dies, or whose node goes away (`RayActorError`), loses nothing: its
+tiny-batches in flight go back to the front of their mini-batches (local workers or other actors
+run them), the loss is counted (`stats.remote_workers_lost`) and logged once, and a replacement
+actor is asked for; Ray places it when the cluster has room. With `num_workers="auto"` new actors
+are added as free CPUs appear (nodes joining). A result that arrives for an iterator that was
+abandoned meanwhile is dropped, never written.
+
+Start-up preflight (`start`): the dataset must pickle (a TypeError naming it otherwise), and every
+actor reads one sample where it runs before it gets work: an actor that cannot (the dataset's files
+are on this machine's disk only) fails start-up with a RemoteWorkerError naming the node, the sample
+and the exception.
+
+Shutdown (`stop`, idempotent; the local manager calls it first in its shutdown): stop and join the
+thread, kill the actors, drop the dataset's object, and release Ray (remote_workers.release: the
+last loader shuts down a Ray instance FusionFlow started or connected).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from fusionflow.errors import RemoteWorkerError
+from fusionflow.runtime import targets
+from fusionflow.runtime.remote_task import actor_class
+
+log = logging.getLogger(__name__)
+POLL_S = 0.005  # longest wait for a result before looking for new work again
+MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
+SETTLE_S = 3.0  # start-up: how long to wait for CPUs that are being released to fit the asked-for actors
+MAX_FAILURES = 4  # tiny-batches in a row that fail on the actors (not a sample's fault) before they retire
+
+
+class _Actor:
+    def __init__(self, name: str, handle, probe_ref):
+        self.name, self.handle, self.probe_ref = name, handle, probe_ref
+        self.ready = False
+        self.host = "?"
+        self.inflight = 0
+
+
+class RemoteWorkers:
+    """The Ray worker kind on a local manager (`board`): start(), stop(), busy_with_stale()."""
+
+    def __init__(self, board, config, dataset, policy, seed: int, stats, first_worker_id: int = 0,
+                 worker_init_fn=None):
+        self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
+        self.stats, self.first_worker_id, self.worker_init_fn = stats, first_worker_id, worker_init_fn
+        self.ray = None
+        self.actors: list[_Actor] = []
+        self.inflight: dict = {}  # ObjectRef -> (actor, work, sent at ns), in submission order
+        self.seconds = 0.0  # running mean of a tiny-batch's compute time on an actor
+        self.round_trip = 0.0  # running mean of submit -> result minus queueing, per tiny-batch
+        self.failures_in_a_row = 0
+        self.retired: str | None = None
+        self._writing = None  # the work whose result is being written into the ring
+        self._dataset_ref = None
+        self._cls = None
+        self._spawned = 0
+        self._last_maintain = 0.0
+        self._started = self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="fusionflow-remote", daemon=True)
+
+    # ---------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Connect, put the dataset into the object store, start the actors that fit and wait until
+        each has read a sample where it runs. Raises TypeError (dataset cannot be pickled),
+        RemoteWorkerError (an actor cannot read the dataset), ConnectionError (no cluster at address)."""
+        if self._started:
+            return
+        self._started = True
+        from fusionflow import remote_workers
+        self.ray = remote_workers.connect(self.config)
+        try:
+            self._preflight()
+        except BaseException:
+            self.stop()
+            raise
+        self._thread.start()
+
+    def _preflight(self) -> None:
+        ray = self.ray
+        try:
+            self._dataset_ref = ray.put(self.dataset)
+        except Exception as exc:
+            raise TypeError(f"remote_workers: the dataset {type(self.dataset).__name__} cannot be pickled to send it "
+                            f"to the Ray workers ({type(exc).__name__}: {exc}). Keep no open files, locks or "
+                            "lambdas in its attributes (open them lazily in __getitem__), or use "
+                            "remote_workers=None") from exc
+        self._cls = actor_class(ray)
+        for _ in range(self._wanted()):
+            self._spawn()
+        # CPUs a loader closed a moment ago (this one's previous epoch, without persistent_workers) come
+        # back within a second or so: wait for them briefly rather than start short of workers
+        settle = time.monotonic() + min(SETTLE_S, self.config.startup_timeout)
+        while self.config.num_workers != "auto" and len(self.actors) < self.config.num_workers \
+                and time.monotonic() < settle:
+            time.sleep(0.05)
+            for _ in range(self._wanted()):
+                self._spawn()
+        if not self.actors:
+            log.warning("remote_workers: the Ray cluster has no free CPU for a worker of %s CPUs now; local workers "
+                        "run everything until one frees up", self.config.cpus_per_worker)
+            return
+        deadline = time.monotonic() + self.config.startup_timeout
+        pending = {a.probe_ref: a for a in self.actors}
+        while pending and time.monotonic() < deadline:
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in done:
+                actor = pending.pop(ref)
+                self._on_probe(actor, ref, at_start=True)
+        if not any(a.ready for a in self.actors):
+            raise RemoteWorkerError(f"remote_workers: none of the {len(self.actors)} Ray workers started within "
+                                    f"startup_timeout={self.config.startup_timeout} s (cluster resources: "
+                                    f"{ray.cluster_resources()}); check the cluster, or raise startup_timeout")
+
+    def stop(self) -> None:
+        """Idempotent: stop the thread, kill the actors, release Ray."""
+        if self._stopped:
+            return
+        board = self.board
+        with board.cond:
+            self._stopped = True
+            board.cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=10.0)
+        ray = self.ray
+        if ray is None:
+            return
+        with board.cond:
+            lost = [work for _a, work, _t in self.inflight.values()]
+            self.inflight.clear()
+            board.requeue(lost)
+        for a in self.actors:
+            try:
+                ray.kill(a.handle)
+            except Exception:  # already gone with its node
+                pass
+        self.actors = []
+        self._dataset_ref = None
+        from fusionflow import remote_workers
+        remote_workers.release()
+        self.ray = None
+
+    def busy_with_stale(self, generation: int) -> bool:
+        """Lock held. Results of older iterators are dropped, not written: only a write under way counts."""
+        work = self._writing
+        return work is not None and work.generation != generation
+
+    @property
+    def live(self) -> int:
+        return sum(1 for a in self.actors if a.ready)
+
+    # ---------------------------------------------------------------- actors
+    def _wanted(self) -> int:
+        """How many more actors to ask for now: up to the target, and no more than the free CPUs allow."""
+        n = self.config.num_workers
+        free = self.ray.available_resources().get("CPU", 0.0)
+        fit = int(free // self.config.cpus_per_worker + 1e-9)
+        if n == "auto":
+            return fit if not any(not a.ready for a in self.actors) else 0
+        return max(0, min(n - len(self.actors), fit))
+
+    def _spawn(self) -> None:
+        k = self._spawned
+        self._spawned += 1
+        options = {"num_cpus": self.config.cpus_per_worker, "max_restarts": 0}
+        if self.config.runtime_env is not None:
+            options["runtime_env"] = self.config.runtime_env
+        handle = self._cls.options(**options).remote(self._dataset_ref, self.policy, self.seed,
+                                                     self.first_worker_id + k, self.worker_init_fn)
+        self.actors.append(_Actor(f"ray{k}", handle, handle.probe.remote(0)))
+
+    def _on_probe(self, actor: _Actor, ref, at_start: bool) -> None:
+        ray = self.ray
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:  # it died before it came up (e.g. its node left)
+            if at_start:  # most likely its set-up failed (unpickling the dataset, the policy, worker_init_fn)
+                raise RemoteWorkerError(f"remote_workers: Ray worker {actor.name} failed to start:\n{exc}") from None
+            log.warning("remote_workers: Ray worker %s did not start (%s)", actor.name, type(exc).__name__)
+            self._drop(actor)
+            return
+        actor.host = info["host"]
+        if info["error"] is not None:
+            msg = (f"remote_workers: Ray worker {actor.name} on node {info['host']} cannot read the dataset there: "
+                   f"{info['error'].splitlines()[0]}. Every Ray node must be able to read the dataset's files at "
+                   f"the same path (a shared filesystem), or the dataset must carry its bytes; "
+                   f"worker traceback:\n{info['error']}")
+            if at_start:
+                raise RemoteWorkerError(msg)
+            log.error("%s\n(this node's workers are left out)", msg)
+            self._drop(actor)
+            return
+        actor.ready = True
+        log.info("remote_workers: Ray worker %s ready on %s (pid %s)", actor.name, info["host"], info["pid"])
+
+    def _drop(self, actor: _Actor) -> None:
+        if actor in self.actors:
+            self.actors.remove(actor)
+        try:
+            self.ray.kill(actor.handle)
+        except Exception:
+            pass
+
+    def _lost(self, actor: _Actor, exc) -> None:
+        """Lock held: an actor died; its tiny-batches go back, counted and logged once."""
+        if actor not in self.actors:
+            return
+        works = [work for a, work, _t in self.inflight.values() if a is actor]
+        for ref in [ref for ref, (a, _w, _t) in self.inflight.items() if a is actor]:
+            del self.inflight[ref]
+        self.board.requeue(works)
+        self.stats.remote_workers_lost += 1
+        log.warning("remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
+                    "the cluster for a replacement", actor.name, actor.host, type(exc).__name__, len(works))
+        self._drop(actor)
+
+    # ---------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        board, ray = self.board, self.ray
+        try:
+            while True:
+                with board.cond:
+                    if self._stopped:
+                        return
+                    if not self.retired:
+                        self._fill()
+                    refs = list(self.inflight)
+                starting = [a.probe_ref for a in self.actors if not a.ready]
+                if time.monotonic() - self._last_maintain > MAINTAIN_S:
+                    self._maintain()
+                if not refs and not starting:
+                    with board.cond:
+                        if not self._stopped:
+                            board.cond.wait(0.1)  # submit() notifies
+                    continue
+                ready, _ = ray.wait(refs + starting, num_returns=1, timeout=POLL_S)
+                if ready:  # everything else already there too
+                    ready, _ = ray.wait(refs + starting, num_returns=len(refs) + len(starting), timeout=0)
+                for ref in ready:
+                    actor = next((a for a in self.actors if a.probe_ref is ref and not a.ready), None)
+                    if actor is not None:
+                        self._on_probe(actor, ref, at_start=False)
+                    elif ref in self.inflight:
+                        self._on_result(ref)
+        except Exception:  # a bug here must not hang training: give everything back to the local workers
+            log.exception("remote_workers: the remote worker thread failed; local workers take over")
+            with board.cond:
+                self.retired = "the remote worker thread failed"
+                board.requeue([work for _a, work, _t in self.inflight.values()])
+                self.inflight.clear()
+            board.wake()
+
+    def _maintain(self) -> None:
+        self._last_maintain = time.monotonic()
+        if self.retired or self._stopped:
+            return
+        try:
+            for _ in range(self._wanted()):
+                self._spawn()
+        except Exception as exc:  # the cluster is unreachable for now: try again later
+            log.info("remote_workers: could not ask for more Ray workers: %r", exc)
+
+    def _fill(self) -> None:
+        """Lock held: queue work on every ready actor with room (in turns, so each gets some)."""
+        board = self.board
+        if board.draining():
+            return
+        take = ((lambda: board.take_accel(largest_first=True)) if self.config.take == "back"
+                else (lambda: board.take_cpu()))
+        ready = [a for a in self.actors if a.ready]
+        for depth in range(1, self.config.in_flight + 1):
+            for a in ready:
+                if a.inflight < depth:
+                    work = take()
+                    if work is None:
+                        return
+                    ref = a.handle.run.remote(work.epoch, work.positions, work.indices, work.copies)
+                    self.inflight[ref] = (a, work, time.monotonic_ns())
+                    a.inflight += 1
+
+    def _on_result(self, ref) -> None:
+        ray, board = self.ray, self.board
+        actor, work, sent_ns = self.inflight[ref]
+        try:
+            images, labels, failures, seconds = ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            with board.cond:
+                self._lost(actor, exc)
+                board.cond.notify_all()
+            board.wake()
+            return
+        except Exception as exc:  # the object was lost, or a bug on the actor: the local workers take it
+            log.warning("remote_workers: tiny-batch %s failed on Ray worker %s: %r; running it locally",
+                        work.indices, actor.name, exc)
+            with board.cond:
+                self.inflight.pop(ref, None)
+                actor.inflight -= 1
+                work.cpu_only = True
+                board.requeue([work])
+                self.failures_in_a_row += 1
+                if self.failures_in_a_row >= MAX_FAILURES:
+                    self._retire(f"{self.failures_in_a_row} tiny-batches in a row failed on the Ray workers")
+            board.wake()
+            return
+        with board.cond:
+            self.inflight.pop(ref, None)
+            actor.inflight -= 1
+            self.failures_in_a_row = 0
+            if work.generation != board.generation:  # its iterator was abandoned: drop, never write
+                return
+            self._writing = work
+        try:
+            side = {}
+            bad = {f.position for f in failures}
+            ring = board.ring
+            for k, (pos, target) in enumerate(zip(work.positions, labels)):
+                if pos in bad:
+                    continue
+                ring.images[work.slot, pos] = images[k]
+                targets.store(ring.labels[work.slot], pos, target, side)
+        finally:
+            with board.cond:
+                self._writing = None
+                ended = time.monotonic_ns()
+                took = (ended - sent_ns) / 1e9
+                self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
+                self.round_trip = took if not self.round_trip else 0.8 * self.round_trip + 0.2 * took
+                self.stats.remote_tiny_batches += 1
+                if board.trace is not None:
+                    board.trace.tiny_batch(actor.name, work, ended - int(seconds * 1e9), ended, board.sizes)
+                board.complete(work, failures, on_accelerator=False, targets=side)
+                board.cond.notify_all()
+        board.wake()
+
+    def _retire(self, why: str) -> None:
+        """Lock held: the actors take no more work."""
+        self.retired = why
+        log.warning("remote_workers: retired for the rest of this loader's run (%s); the local workers take "
+                    "every tiny-batch", why)

@@ -1,0 +1,58 @@
+"""What runs on a remote node: the Ray actor's body for runtime/remote.py's worker kind. It holds the
+dataset and a CpuPipeline and runs a local CPU worker's per-sample code (fusionflow/sample.py), so a
+tiny-batch's bytes are the same wherever it runs; it returns them instead of writing shared memory."""
+from __future__ import annotations
+
+import time
+import traceback
+
+import numpy as np
+
+
+class RemoteTask:
+    """The body of the Ray actor (wrapped with ray.remote by `actor_class`): a local CPU worker's
+    tiny-batch code, returning its output instead of writing into shared memory."""
+
+    def __init__(self, dataset, policy, seed: int, worker_id: int, worker_init_fn=None):
+        from fusionflow.ops.pipeline import CpuPipeline
+        self.dataset, self.seed = dataset, seed
+        self.pipe = CpuPipeline(policy)
+        if worker_init_fn is not None:
+            worker_init_fn(worker_id)
+
+    def probe(self, index: int) -> dict:
+        """Where this actor runs, and whether it can read sample `index` there (None: yes)."""
+        import os
+        import socket
+
+        from fusionflow.sample import describe, split_item
+        error = None
+        try:
+            split_item(self.dataset[index], index)
+        except Exception as exc:
+            error = (f"{describe(self.dataset, index)}: {type(exc).__name__}: {exc}\n"
+                     f"{traceback.format_exc()}")
+        return {"host": socket.gethostname(), "pid": os.getpid(), "error": error}
+
+    def run(self, epoch: int, positions, indices, copies):
+        """(images [n, *out_shape], targets, failures, seconds): a local worker's per-sample body
+        (fusionflow/sample.py run_sample) into a local array; failed samples' rows are undefined and
+        their targets None; failures carry their ring positions, as a local worker reports them."""
+        import dataclasses
+
+        from fusionflow.sample import run_sample
+        t0 = time.perf_counter()
+        n = len(indices)
+        out = np.empty((n, *self.pipe.out_shape), self.pipe.out_dtype)
+        ints, side, failures = np.zeros(n, np.int64), {}, []
+        for k, (index, copy) in enumerate(zip(indices, copies or (0,) * n)):
+            failure = run_sample(self.dataset, self.pipe, k, index, copy, self.seed, epoch, out, ints, side)
+            if failure is not None:
+                failures.append(dataclasses.replace(failure, position=positions[k]))
+        bad = {f.position for f in failures}
+        labels = [None if pos in bad else side.get(k, int(ints[k])) for k, pos in enumerate(positions)]
+        return out, labels, failures, time.perf_counter() - t0
+
+
+def actor_class(ray):
+    return ray.remote(RemoteTask)

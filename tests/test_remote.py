@@ -1,0 +1,358 @@
+"""Remote CPU workers on Ray (fusionflow/remote_workers.py, fusionflow/runtime/remote.py): same pixels
+and labels as local-only, every sample exactly once, an actor killed and a node removed mid-epoch,
+start-up errors, clean shutdown. On one local Ray instance per class and a simulated multi-node
+cluster (ray.cluster_utils.Cluster); skipped only when ray is not installed."""
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
+
+from fusionflow import FusionFlowLoader, RemoteWorkerError
+from fusionflow.ops.pipeline import CpuPipeline
+from test_loader import SMALL, Bytes, _our_tree, collect, no_leaks  # noqa: F401  (autouse: no process or segment left)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+# Ray's worker processes must import this checkout's fusionflow and these test datasets
+PYTHONPATH = os.pathsep.join([os.path.dirname(HERE), HERE, os.environ.get("PYTHONPATH", "")])
+
+
+def _ray():
+    return pytest.importorskip("ray", reason="ray is not installed (pip install 'fusionflow[ray]')")
+
+
+def _init_env(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)
+    monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
+
+
+RAY_MARKS = ("raylet", "gcs_server", "ray::", "/ray/_private/", "/ray/dashboard/", "/ray/autoscaler/",
+             "default_worker.py", "/ray/core/")
+
+
+def _ray_processes() -> list[str]:
+    """Processes of this test run (descendants) that belong to Ray."""
+    out = []
+    for pid in _our_tree() - {os.getpid()}:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if any(mark in cmd for mark in RAY_MARKS):
+            out.append(f"{pid}: {cmd[:120]}")
+    return out
+
+
+@pytest.fixture
+def cpus_free():
+    """Start each test with every CPU of the cluster free: a previous test's actors give theirs back a
+    moment after its loader closed (the loader waits for them only briefly, then adds workers later)."""
+    import ray
+    deadline = time.time() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) and time.time() < deadline:
+        time.sleep(0.1)
+
+
+def _wait_gone(deadline_s=15.0) -> list[str]:
+    deadline = time.time() + deadline_s
+    while (left := _ray_processes()) and time.time() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+class Unpicklable(Bytes):
+    def __init__(self):
+        super().__init__(8)
+        self.lock = threading.Lock()
+
+
+class LocalFiles(Bytes):
+    """Files only this machine's processes can read: the training process and its forked workers read
+    them, a Ray actor (started by Ray, not forked from us) gets FileNotFoundError, as it would on a
+    node without the dataset's disk."""
+
+    def __init__(self):
+        super().__init__(8)
+        self.owner = os.getpid()
+
+    def __getitem__(self, i):
+        if self.owner not in (os.getpid(), os.getppid()):
+            raise FileNotFoundError(2, "No such file or directory", self.describe(i))
+        return super().__getitem__(i)
+
+
+class FloatTargets(Bytes):
+    def __getitem__(self, i):
+        sample, index = super().__getitem__(i)
+        return sample, index + 0.5
+
+
+def _loader(ds, remote=None, **kw):
+    args = dict(batch_size=8, shuffle=True, num_workers=1, policy=SMALL, tiny_batch_size=2, seed=1,
+                generator=torch.Generator().manual_seed(3), persistent_workers=True)
+    args.update(kw)
+    return FusionFlowLoader(ds, remote_workers=remote, **args)
+
+
+def _expected_pixels(ds, images, batches, epoch, copy=0):
+    """`copy`: a DistributedSampler's rank (fusionflow.scheduling.tiny_batches.Copies)."""
+    pipe = CpuPipeline(SMALL)
+    for x, idx in zip(images, batches):
+        for k, i in enumerate(idx):
+            assert np.array_equal(x[k].numpy(), pipe(ds.data[i], i, seed=1, epoch=epoch, copy=copy)), (i, epoch)
+
+
+def test_without_ray_the_error_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    from fusionflow import RayWorkers
+    with pytest.raises(ImportError, match=r"pip install 'fusionflow\[ray\]'"):
+        RayWorkers(2)
+
+
+def test_argument_errors():
+    _ray()
+    from fusionflow import RayWorkers
+    with pytest.raises(TypeError, match="remote_workers='ray' must be None or fusionflow.RayWorkers"):
+        FusionFlowLoader(Bytes(8), num_workers=1, remote_workers="ray")
+    with pytest.raises(ValueError, match="remote_workers needs num_workers >= 1"):
+        FusionFlowLoader(Bytes(8), num_workers=0, remote_workers=RayWorkers(1))
+    with pytest.raises(ValueError, match="num_workers=0 must be"):
+        RayWorkers(0)
+    with pytest.raises(ValueError, match="take='middle'"):
+        RayWorkers(1, take="middle")
+    with pytest.raises(ValueError, match="in_flight=0"):
+        RayWorkers(1, in_flight=0)
+
+
+@pytest.mark.ray
+class TestFusionFlowOwnsRay:
+    """No Ray in this process: FusionFlow starts a local instance and stops it at close()."""
+
+    def test_starts_a_local_instance_and_leaves_nothing_running(self, monkeypatch):
+        ray = _ray()
+        from fusionflow import RayWorkers
+        _init_env(monkeypatch)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        assert not ray.is_initialized()
+        ds = Bytes(24)
+        loader = _loader(ds, RayWorkers(1))
+        _images, labels = collect(loader)
+        assert sorted(torch.cat(labels).tolist()) == list(range(24))
+        assert loader.stats.remote_tiny_batches > 0
+        loader.close()
+        assert not ray.is_initialized()
+        assert _wait_gone() == [], "Ray processes left after close()"
+
+    def test_address_without_a_cluster(self, monkeypatch):
+        _ray()
+        from fusionflow import RayWorkers
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        loader = _loader(Bytes(8), RayWorkers(1, address="auto"))
+        with pytest.raises(ConnectionError, match="no Ray cluster there"):
+            collect(loader)
+        loader.close()
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("cpus_free")
+class TestLocalRay:
+    @pytest.fixture(autouse=True, scope="class")
+    @classmethod
+    def local_ray(cls):
+        ray = _ray()
+        mp = pytest.MonkeyPatch()
+        _init_env(mp)
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        yield ray
+        ray.shutdown()
+        mp.undo()
+        assert _wait_gone() == [], "Ray processes left after ray.shutdown()"
+
+    @pytest.mark.parametrize("take", ["back", "front"])
+    def test_same_pixels_and_labels_as_local_only(self, take):
+        from fusionflow import RayWorkers
+        ds = Bytes(40)
+        with _loader(ds) as local:
+            local.set_epoch(2)
+            want_x, want_y = collect(local)
+        with _loader(ds, RayWorkers(2, take=take)) as both:
+            both.set_epoch(2)
+            got_x, got_y = collect(both)
+            assert both.stats.remote_tiny_batches > 0
+            assert both.stats.remote_workers_lost == 0
+        assert [y.tolist() for y in got_y] == [y.tolist() for y in want_y]
+        assert all(torch.equal(a, b) for a, b in zip(got_x, want_x))
+
+    def test_targets_that_are_not_ints(self):
+        from fusionflow import RayWorkers
+        ds = FloatTargets(16)
+        with _loader(ds, RayWorkers(2), shuffle=False) as loader:
+            _x, labels = collect(loader)
+            assert loader.stats.remote_tiny_batches > 0
+        got = torch.cat(labels)
+        assert got.dtype == torch.float64 and got.tolist() == [i + 0.5 for i in range(16)]
+
+    def test_every_sample_once_with_distributed_sampler_across_epochs(self):
+        from fusionflow import RayWorkers
+        ds = Bytes(45)
+        union = []
+        for rank in range(2):
+            sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=4)
+            with _loader(ds, RayWorkers(2), sampler=sampler, shuffle=None, generator=None, batch_size=5) as loader:
+                for epoch in (0, 1):
+                    sampler.set_epoch(epoch)
+                    loader.set_epoch(epoch)
+                    images, labels = collect(loader)
+                    expected = list(BatchSampler(list(sampler), 5, False))
+                    assert [y.tolist() for y in labels] == expected
+                    _expected_pixels(ds, images, expected, epoch, copy=rank)
+                    if epoch == 0:
+                        union += torch.cat(labels).tolist()
+                assert loader.stats.remote_tiny_batches > 0
+        assert len(union) == 46 and sorted(set(union)) == list(range(45))  # padded to 46: one index twice
+
+    def test_actor_killed_mid_epoch(self):
+        import ray
+
+        from fusionflow import RayWorkers
+        ds = Bytes(48, sleep=0.01)
+        with _loader(ds, RayWorkers(2)) as loader:
+            sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+            expected = list(BatchSampler(sampler, 8, False))
+            it = iter(loader)
+            first = next(it)
+            kind = loader._manager.kinds[0]
+            ray.kill(kind.actors[0].handle, no_restart=True)
+            rest = list(it)
+            images, labels = [first[0]] + [x for x, _ in rest], [first[1]] + [y for _, y in rest]
+            assert [y.tolist() for y in labels] == expected  # every sample exactly once, in order
+            _expected_pixels(ds, images, expected, 0)
+            assert loader.stats.remote_workers_lost == 1
+            deadline = time.time() + 20  # a replacement comes up (the CPU it held is free again)
+            while kind.live < 2 and time.time() < deadline:
+                time.sleep(0.1)
+            assert kind.live == 2
+            before = loader.stats.remote_tiny_batches
+            _x, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(48))
+            assert loader.stats.remote_tiny_batches > before
+
+    def test_a_failing_sample_travels_as_data(self, local_ray):
+        from fusionflow.runtime.remote import actor_class
+        ds = Bytes(8, bad={3})
+        actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, 0)
+        try:
+            images, labels, failures, _s = local_ray.get(actor.run.remote(0, (5, 6), (2, 3), ()), timeout=60)
+        finally:
+            local_ray.kill(actor)
+        assert labels == [2, None]
+        assert np.array_equal(images[0], CpuPipeline(SMALL)(ds.data[2], 2, seed=1, epoch=0))
+        [f] = failures
+        assert (f.position, f.index, f.what, f.exc_type) == (6, 3, "sample 3 (/data/img_3.jpg)", "DecodeError")
+        assert "Traceback" in f.traceback
+
+    def test_unpicklable_dataset_fails_at_start_naming_it(self):
+        from fusionflow import RayWorkers
+        loader = _loader(Unpicklable(), RayWorkers(1))
+        with pytest.raises(TypeError, match="the dataset Unpicklable cannot be pickled"):
+            next(iter(loader))
+        loader.close()
+
+    def test_files_missing_on_the_remote_node_fail_at_start(self):
+        from fusionflow import RayWorkers
+        loader = _loader(LocalFiles(), RayWorkers(1))
+        with pytest.raises(RemoteWorkerError, match=r"cannot read the dataset there: sample 0 \(/data/img_0.jpg\): "
+                                                     r"FileNotFoundError"):
+            next(iter(loader))
+        loader.close()
+
+    def test_close_releases_the_actors_but_not_an_instance_it_did_not_start(self, local_ray):
+        from fusionflow import RayWorkers
+        loader = _loader(Bytes(16), RayWorkers(2))
+        collect(loader)
+        kind = loader._manager.kinds[0]
+        handles = [a.handle for a in kind.actors]
+        loader.close()
+        assert local_ray.is_initialized()
+        for h in handles:
+            with pytest.raises(local_ray.exceptions.RayActorError):
+                local_ray.get(h.probe.remote(0), timeout=30)
+        deadline = time.time() + 20
+        while local_ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert local_ray.available_resources().get("CPU", 0) == 2
+
+
+@pytest.mark.ray
+@pytest.mark.usefixtures("cpus_free")
+class TestSimulatedCluster:
+    """A head without CPUs and two 1-CPU worker nodes on this machine (Ray's own test utility)."""
+
+    @pytest.fixture(autouse=True, scope="class")
+    @classmethod
+    def cluster(cls):
+        ray = _ray()
+        from ray.cluster_utils import Cluster
+        mp = pytest.MonkeyPatch()
+        _init_env(mp)
+        small = {"object_store_memory": 80 * 2**20}
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, **small})
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, **small)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")
+        yield cluster
+        ray.shutdown()
+        cluster.shutdown()
+        mp.undo()
+        assert _wait_gone() == [], "Ray processes left after the cluster's shutdown"
+
+    def test_node_removed_mid_epoch_then_a_node_joins(self, cluster):
+        from fusionflow import RayWorkers
+        ds = Bytes(48, sleep=0.01)
+        with _loader(ds, RayWorkers(2)) as loader:
+            sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
+            expected = list(BatchSampler(sampler, 8, False))
+            it = iter(loader)
+            first = next(it)
+            kind = loader._manager.kinds[0]
+            assert kind.live == 2
+            worker_nodes = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
+            cluster.remove_node(worker_nodes[0])
+            rest = list(it)
+            images, labels = [first[0]] + [x for x, _ in rest], [first[1]] + [y for _, y in rest]
+            assert [y.tolist() for y in labels] == expected
+            _expected_pixels(ds, images, expected, 0)
+            deadline = time.time() + 30  # the node's death may be noticed after the epoch is done
+            while loader.stats.remote_workers_lost < 1 and time.time() < deadline:
+                time.sleep(0.1)
+            assert loader.stats.remote_workers_lost == 1
+            cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)  # a node joins: a worker comes back
+            deadline = time.time() + 30
+            while kind.live < 2 and time.time() < deadline:
+                time.sleep(0.1)
+            assert kind.live == 2
+            before = loader.stats.remote_tiny_batches
+            images, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(48))
+            assert loader.stats.remote_tiny_batches > before
+
+    def test_auto_uses_the_free_cpus_of_every_node(self, cluster):
+        from fusionflow import RayWorkers
+        ds = Bytes(24)
+        with _loader(ds, RayWorkers("auto"), shuffle=False) as loader:
+            images, labels = collect(loader)
+            kind = loader._manager.kinds[0]
+            assert kind.live == 2  # both 1-CPU worker nodes, none on the head
+            assert sorted(torch.cat(labels).tolist()) == list(range(24))
+            _expected_pixels(ds, images, [y.tolist() for y in labels], 0)
+            cluster.add_node(num_cpus=1, object_store_memory=80 * 2**20)  # a node joins: one more worker
+            deadline = time.time() + 30
+            while kind.live < 3 and time.time() < deadline:
+                time.sleep(0.1)
+            assert kind.live == 3
