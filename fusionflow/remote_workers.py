@@ -34,10 +34,11 @@ class RayWorkers:
 
     num_workers: an int, or "auto": as many as the cluster's free CPUs allow, at start-up and as
         nodes join later.
-    address: None -- connect to the Ray instance this process already uses, else to a running
-        cluster (RAY_ADDRESS, or one started with `ray start` on this machine), else start a local
-        one (stopped again at loader.close()); "auto", "host:port" or "ray://host:port" -- connect
-        to that running cluster (a ConnectionError if there is none).
+    address: None or "auto" -- connect to the Ray instance this process already uses, else to a
+        running cluster (RAY_ADDRESS, or one started with `ray start` on this machine), else start a
+        local one (stopped again at loader.close(); "auto" logs a warning that it found no cluster);
+        "host:port" or "ray://host:port" -- connect to that running cluster (a ConnectionError if
+        there is none).
     in_flight: tiny-batches queued on each actor, so that it starts the next one while the result
         of the previous travels back (2 hides the round trip when it is shorter than a tiny-batch's
         compute; see README "More CPUs than the node has").
@@ -95,7 +96,7 @@ def connect(config: RayWorkers):
                 _Connection.users += 1
             return ray
         kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **config.init_kwargs}
-        if config.address is not None:
+        if config.address not in (None, "auto"):  # a named cluster: it must be there
             try:
                 ray.init(address=config.address, **kwargs)
             except ConnectionError as exc:
@@ -108,6 +109,9 @@ def connect(config: RayWorkers):
                 ray.init(address="auto", **kwargs)
                 started = False
             except ConnectionError:  # no cluster is running: start a local one
+                if config.address == "auto":
+                    log.warning("RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
+                                "start` on this machine); starting a local Ray instance for the remote workers")
                 if config.num_workers != "auto":
                     kwargs.setdefault("num_cpus", int(-(-config.num_workers * config.cpus_per_worker // 1)))
                 ray.init(**kwargs)

@@ -148,14 +148,19 @@ class TestFusionFlowOwnsRay:
         assert not ray.is_initialized()
         assert _wait_gone() == [], "Ray processes left after close()"
 
-    def test_address_without_a_cluster(self, monkeypatch):
-        _ray()
+    def test_auto_address_without_a_cluster_starts_a_local_instance(self, monkeypatch, caplog):
+        ray = _ray()
         from fusionflow import RayWorkers
+        _init_env(monkeypatch)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
-        loader = _loader(Bytes(8), RayWorkers(1, address="auto"))
-        with pytest.raises(ConnectionError, match="no Ray cluster there"):
-            collect(loader)
+        loader = _loader(Bytes(12), RayWorkers(1, address="auto"))
+        with caplog.at_level("WARNING", logger="fusionflow.remote_workers"):
+            _images, labels = collect(loader)
+        assert sorted(torch.cat(labels).tolist()) == list(range(12))
+        assert "no running Ray cluster found" in caplog.text
         loader.close()
+        assert not ray.is_initialized()
+        assert _wait_gone() == [], "Ray processes left after close()"
 
 
 @pytest.mark.ray
