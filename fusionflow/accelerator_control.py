@@ -37,6 +37,8 @@ class AcceleratorControl:
                                   device_id=self.device.index if on_gpu else None, aot=self.aot,
                                   largest_first=self.taas, device_ring=device_ring, sharing=sharing,
                                   counters=self.stats, bridge=self._bridge)
+        mgr.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
+        # anything below, or start(), raises
         search = KSearch(k_max=-(-self.capacity // self.tiny_batch_size))
         self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader (it would then live as
@@ -48,7 +50,6 @@ class AcceleratorControl:
         if on_gpu and self.gpu_sharing == "auto":
             from fusionflow.runtime.accelerator import SharingProfiler
             self._profiler = SharingProfiler(accel)
-        mgr.add_worker_kind(accel)  # registered first: the manager's shutdown stops it even if start() fails
         accel.start()
 
     def _start_bridge(self) -> None:

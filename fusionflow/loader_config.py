@@ -323,7 +323,8 @@ def check_remote_workers(remote_workers, num_workers: int, persistent_workers: b
                          "(num_workers=0 runs everything in the training process)")
     if not persistent_workers:
         notes.append("remote_workers without persistent_workers=True starts its Ray actors (and sends them the "
-                     "dataset) again every epoch; pass persistent_workers=True")
+                     "dataset, and starts a local Ray instance if FusionFlow started one) again every epoch; pass "
+                     "persistent_workers=True")
 
 
 def resolve_config(dataset, *, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,

@@ -36,7 +36,8 @@ class RayWorkers:
         nodes join later.
     address: None or "auto" -- connect to the Ray instance this process already uses, else to a
         running cluster (RAY_ADDRESS, or one started with `ray start` on this machine), else start a
-        local one (stopped again at loader.close(); "auto" logs a warning that it found no cluster);
+        local one (stopped when the loader's workers stop: at close(), or at each epoch's end without
+        persistent_workers; "auto" logs a warning that it found no cluster);
         "host:port" or "ray://host:port" -- connect to that running cluster (a ConnectionError if
         there is none).
     in_flight: tiny-batches queued on each actor, so that it starts the next one while the result
@@ -87,14 +88,14 @@ class _Connection:
 
 
 def connect(config: RayWorkers):
-    """ray.init as `config.address` says (or reuse this process's connection); returns the ray module.
-    Pair with `release()`."""
+    """ray.init as `config.address` says (or reuse this process's connection); returns (the ray
+    module, whether this use is counted). Call `release()` once for each counted use."""
     ray = import_ray()
     with _Connection.lock:
         if ray.is_initialized():
             if _Connection.ours:
                 _Connection.users += 1
-            return ray
+            return ray, _Connection.ours
         kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **config.init_kwargs}
         if config.address not in (None, "auto"):  # a named cluster: it must be there
             try:
@@ -119,7 +120,7 @@ def connect(config: RayWorkers):
                 log.info("fusionflow started a local Ray instance for its remote workers (%s CPUs)",
                          ray.cluster_resources().get("CPU"))
         _Connection.ours, _Connection.started, _Connection.users = True, started, 1
-        return ray
+        return ray, True
 
 
 def release() -> None:

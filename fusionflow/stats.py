@@ -112,9 +112,10 @@ class LoaderStats:
                 "remote_tiny_batches": self.remote_tiny_batches, "remote_workers_lost": self.remote_workers_lost}
 
     def reset(self) -> None:
-        """Every field back to its default (fresh lists and dicts), except what describes the loader
-        rather than the run: startup_seconds (measured once) and memory_bridge (on, or why off)."""
+        """Every field back to its default (fresh lists and dicts), except what describes the loader's
+        state rather than the run: startup_seconds (measured once), memory_bridge (on, or why off),
+        global_manager (active / lost) and accelerator_retired (why, once retired)."""
         for f in dataclasses.fields(self):
-            if f.name in ("startup_seconds", "memory_bridge"):
+            if f.name in ("startup_seconds", "memory_bridge", "global_manager", "accelerator_retired"):
                 continue
             setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)

@@ -94,7 +94,8 @@ class TraceRecorder:
                 tid = self._guests[worker] = TID_GUEST + len(self._guests)
         if tid not in self._tracks:
             self._tracks[tid] = ("accelerator (DALI)" if worker is None else f"CPU worker {worker}"
-                                 if isinstance(worker, int) else f"borrowed worker {worker}")
+                                 if isinstance(worker, int) else f"remote worker {worker} (Ray)"
+                                 if worker.startswith("ray") else f"borrowed worker {worker}")
         self._sizes = sizes
         self._span(tid, "tiny-batch", start_ns, end_ns, work.seq, len(work.indices), work.indices)
 

@@ -208,3 +208,15 @@ def test_a_kind_with_nothing_submitted_takes_nothing_and_is_stopped():
     kind.start()
     mgr.shutdown()
     assert kind.done == [] and kind.stops == 1
+
+
+def test_waiting_on_a_shut_down_manager_fails_clearly_instead_of_hanging():
+    from fusionflow.errors import FusionFlowError
+    policy = load_policy(SMALL)
+    mgr = LocalManager(Bytes(), policy, RingLayout(1, 4, policy.out_shape, policy.out_dtype), 0, seed=0)
+    gen = mgr.new_generation()
+    mgr.submit(0, gen, 0, 0, [0, 1, 2, 3])
+    mgr.shutdown()
+    with pytest.raises(FusionFlowError, match="shut down during this iteration"):
+        mgr.wait(0, gen, timeout=0)
+

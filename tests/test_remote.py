@@ -193,6 +193,27 @@ class TestLocalRay:
         assert [y.tolist() for y in got_y] == [y.tolist() for y in want_y]
         assert all(torch.equal(a, b) for a, b in zip(got_x, want_x))
 
+    def test_results_that_cannot_be_written_run_locally_and_retire_the_remote_workers(self, monkeypatch):
+        # an actor of another FusionFlow version would return another shape: stand in for it with a
+        # policy of another output size on the actors; nothing it returns may reach a batch
+        from fusionflow import RayWorkers
+        from fusionflow.policy import load_policy
+        from fusionflow.runtime import remote
+        init = remote.RemoteWorkers.__init__
+        other = load_policy(SMALL, size=16)
+
+        def mismatched(self, board, config, dataset, policy, *args, **kwargs):
+            init(self, board, config, dataset, other, *args, **kwargs)
+        monkeypatch.setattr(remote.RemoteWorkers, "__init__", mismatched)
+        ds = Bytes(40)
+        with _loader(ds, RayWorkers(2, take="front"), shuffle=False) as loader:
+            images, labels = collect(loader)
+            assert loader.stats.remote_tiny_batches == 0
+            kind = loader._manager.kinds[0]
+            assert kind.retired is not None and "in a row failed" in kind.retired
+        assert sorted(torch.cat(labels).tolist()) == list(range(40))
+        _expected_pixels(ds, images, [y.tolist() for y in labels], epoch=0)
+
     def test_targets_that_are_not_ints(self):
         from fusionflow import RayWorkers
         ds = FloatTargets(16)

@@ -19,8 +19,8 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     wake()                                      WITHOUT the lock: wakes the manager thread
     add_worker_kind(kind)                       registers a kind (its owner then calls kind.start())
 
-A kind's thread loops: with `cond` held take work (waiting on `cond` while there is none or while
-`draining()`), release the lock to compute and write the ring, then with `cond` held `complete` (or
+A kind's thread loops: with `cond` held take work (taking none while `draining()`; waiting on
+`cond`, or polling its own results meanwhile, while there is none), release the lock to compute and write the ring, then with `cond` held `complete` (or
 `requeue`) it, then `wake()`. A kind has `start()`, `stop()` (idempotent; finishes or abandons its
 work in flight; the manager's shutdown calls it first, also for a kind whose start() failed) and
 `busy_with_stale(generation) -> bool`. Whoever registers a kind starts it after `add_worker_kind`,

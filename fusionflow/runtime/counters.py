@@ -2,7 +2,9 @@
 
 The loader passes its `LoaderStats` (it has these fields, among others); a manager built without one
 (tests, tools) gets a `RuntimeCounters`. Every part increments the same object directly, from its own
-thread, under the board's lock: the CPU worker pool, the lending agent, the accelerator. Counts go on
+thread: the CPU worker pool, the lending agent, the accelerator, the remote workers -- under the
+board's lock, except the accelerator's pipeline builds and out-of-memory counts, which only its
+own thread writes. Counts go on
 across managers (a loader without persistent workers builds one per epoch) because the object does;
 `tiny_batches_per_worker` is per worker id of the current manager and starts again with each one.
 """

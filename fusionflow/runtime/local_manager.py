@@ -130,6 +130,9 @@ class LocalManager(Board):
             while True:
                 if self.fatal is not None:
                     raise self.fatal
+                if self._closed:
+                    raise FusionFlowError(f"mini-batch {seq} cannot arrive: the loader's workers were shut down "
+                                          "during this iteration (close(), or load_state_dict with a new seed)")
                 state = self.queue.batches.get(key)
                 if state is None:
                     raise FusionFlowError(f"mini-batch {seq} of this iterator is no longer tracked: a newer "

@@ -3,8 +3,8 @@ accelerator (configuration: fusionflow/remote_workers.py).
 
 Each actor holds the dataset (put into Ray's object store once per loader, fetched once per actor)
 and a CpuPipeline of the policy. It receives (epoch, positions, indices, copies), runs exactly the
-code a local CPU worker runs (runtime/worker.py `run_task`: same pipeline, same seed, so the same
-bytes) and returns the tiny-batch's output as one numpy array, its targets and its failures (as
+per-sample code a local CPU worker runs (fusionflow/sample.py `run_sample`, in runtime/remote_task.py:
+same pipeline, same seed, so the same bytes) and returns the tiny-batch's output as one numpy array, its targets and its failures (as
 data) through the object store. A thread in the training process ("fusionflow-remote") keeps
 `in_flight` tiny-batches queued on each ready actor, waits on all of them at once (`ray.wait`),
 writes each result into its ring positions and completes it on the local manager (the board):
@@ -74,6 +74,9 @@ class RemoteWorkers:
         self._dataset_ref = None
         self._cls = None
         self._spawned = 0
+        self._probe_failures = 0  # workers asked for after start-up that did not come up
+        self._bad_hosts: set = set()  # nodes where a worker could not read the dataset
+        self._counted = False  # this kind holds a use of FusionFlow's Ray connection (remote_workers.connect)
         self._last_maintain = 0.0
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-remote", daemon=True)
@@ -87,7 +90,7 @@ class RemoteWorkers:
             return
         self._started = True
         from fusionflow import remote_workers
-        self.ray = remote_workers.connect(self.config)
+        self.ray, self._counted = remote_workers.connect(self.config)
         try:
             self._preflight()
         except BaseException:
@@ -155,8 +158,10 @@ class RemoteWorkers:
                 pass
         self.actors = []
         self._dataset_ref = None
-        from fusionflow import remote_workers
-        remote_workers.release()
+        if self._counted:
+            from fusionflow import remote_workers
+            remote_workers.release()
+            self._counted = False
         self.ray = None
 
     def busy_with_stale(self, generation: int) -> bool:
@@ -192,11 +197,12 @@ class RemoteWorkers:
         ray = self.ray
         try:
             info = ray.get(ref)
-        except ray.exceptions.RayActorError as exc:  # it died before it came up (e.g. its node left)
-            if at_start:  # most likely its set-up failed (unpickling the dataset, the policy, worker_init_fn)
+        except Exception as exc:  # it died before it came up (its node left), or its set-up failed
+            if at_start:  # unpickling the dataset or the policy, worker_init_fn, the runtime_env, ...
                 raise RemoteWorkerError(f"remote_workers: Ray worker {actor.name} failed to start:\n{exc}") from None
             log.warning("remote_workers: Ray worker %s did not start (%s)", actor.name, type(exc).__name__)
             self._drop(actor)
+            self._probe_failed()
             return
         actor.host = info["host"]
         if info["error"] is not None:
@@ -206,11 +212,22 @@ class RemoteWorkers:
                    f"worker traceback:\n{info['error']}")
             if at_start:
                 raise RemoteWorkerError(msg)
-            log.error("%s\n(this node's workers are left out)", msg)
+            if info["host"] not in self._bad_hosts:  # once per node, not at every replacement
+                self._bad_hosts.add(info["host"])
+                log.error("%s\n(this worker is left out)", msg)
             self._drop(actor)
+            self._probe_failed()
             return
         actor.ready = True
         log.info("remote_workers: Ray worker %s ready on %s (pid %s)", actor.name, info["host"], info["pid"])
+
+    def _probe_failed(self) -> None:
+        """A worker asked for after start-up did not come up: after MAX_FAILURES of them, ask for no
+        more (Ray may keep placing them on a node that cannot run them); those that run go on."""
+        self._probe_failures += 1
+        if self._probe_failures == MAX_FAILURES:
+            log.warning("remote_workers: %d Ray workers asked for after start-up did not come up; asking for no "
+                        "more (%d running)", self._probe_failures, self.live)
 
     def _drop(self, actor: _Actor) -> None:
         if actor in self.actors:
@@ -227,6 +244,8 @@ class RemoteWorkers:
         works = [work for a, work, _t in self.inflight.values() if a is actor]
         for ref in [ref for ref, (a, _w, _t) in self.inflight.items() if a is actor]:
             del self.inflight[ref]
+        for work in works:  # it may have died of one of them: local workers run them, where a sample that
+            work.cpu_only = True  # kills processes is isolated and counted against max_retries
         self.board.requeue(works)
         self.stats.remote_workers_lost += 1
         log.warning("remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
@@ -271,7 +290,7 @@ class RemoteWorkers:
 
     def _maintain(self) -> None:
         self._last_maintain = time.monotonic()
-        if self.retired or self._stopped:
+        if self.retired or self._stopped or self._probe_failures >= MAX_FAILURES:
             return
         try:
             for _ in range(self._wanted()):
@@ -293,7 +312,14 @@ class RemoteWorkers:
                     work = take()
                     if work is None:
                         return
-                    ref = a.handle.run.remote(work.epoch, work.positions, work.indices, work.copies)
+                    if work.cpu_only:  # given back by a remote path or the accelerator: the local workers' own
+                        board.requeue([work])
+                        return
+                    try:
+                        ref = a.handle.run.remote(work.epoch, work.positions, work.indices, work.copies)
+                    except BaseException:  # e.g. Ray was shut down under us: the work must not vanish
+                        board.requeue([work])
+                        raise
                     self.inflight[ref] = (a, work, time.monotonic_ns())
                     a.inflight += 1
 
@@ -312,19 +338,15 @@ class RemoteWorkers:
             log.warning("remote_workers: tiny-batch %s failed on Ray worker %s: %r; running it locally",
                         work.indices, actor.name, exc)
             with board.cond:
-                self.inflight.pop(ref, None)
-                actor.inflight -= 1
-                work.cpu_only = True
-                board.requeue([work])
-                self.failures_in_a_row += 1
-                if self.failures_in_a_row >= MAX_FAILURES:
-                    self._retire(f"{self.failures_in_a_row} tiny-batches in a row failed on the Ray workers")
+                if self.inflight.pop(ref, None) is not None and not self._stopped:
+                    actor.inflight -= 1
+                    self._give_back(work)
             board.wake()
             return
         with board.cond:
-            self.inflight.pop(ref, None)
+            if self.inflight.pop(ref, None) is None or self._stopped:  # stop() gave it back already
+                return
             actor.inflight -= 1
-            self.failures_in_a_row = 0
             if work.generation != board.generation:  # its iterator was abandoned: drop, never write
                 return
             self._writing = work
@@ -337,19 +359,36 @@ class RemoteWorkers:
                     continue
                 ring.images[work.slot, pos] = images[k]
                 targets.store(ring.labels[work.slot], pos, target, side)
-        finally:
+        except Exception as exc:  # e.g. another FusionFlow version on the node returned another shape
+            log.warning("remote_workers: the result of tiny-batch %s from Ray worker %s could not be written (%r); "
+                        "running it locally", work.indices, actor.name, exc)
             with board.cond:
                 self._writing = None
-                ended = time.monotonic_ns()
-                took = (ended - sent_ns) / 1e9
-                self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
-                self.round_trip = took if not self.round_trip else 0.8 * self.round_trip + 0.2 * took
-                self.stats.remote_tiny_batches += 1
-                if board.trace is not None:
-                    board.trace.tiny_batch(actor.name, work, ended - int(seconds * 1e9), ended, board.sizes)
-                board.complete(work, failures, on_accelerator=False, targets=side)
-                board.cond.notify_all()
+                self._give_back(work)
+            board.wake()
+            return
+        with board.cond:
+            self._writing = None
+            self.failures_in_a_row = 0
+            ended = time.monotonic_ns()
+            took = (ended - sent_ns) / 1e9
+            self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
+            self.round_trip = took if not self.round_trip else 0.8 * self.round_trip + 0.2 * took
+            self.stats.remote_tiny_batches += 1
+            if board.trace is not None:
+                board.trace.tiny_batch(actor.name, work, ended - int(seconds * 1e9), ended, board.sizes)
+            board.complete(work, failures, on_accelerator=False, targets=side)
+            board.cond.notify_all()
         board.wake()
+
+    def _give_back(self, work) -> None:
+        """Lock held: a tiny-batch that failed on the remote path (not a sample's fault) runs locally;
+        after MAX_FAILURES in a row the remote workers retire."""
+        work.cpu_only = True
+        self.board.requeue([work])
+        self.failures_in_a_row += 1
+        if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
+            self._retire(f"{self.failures_in_a_row} tiny-batches in a row failed on the Ray workers")
 
     def _retire(self, why: str) -> None:
         """Lock held: the actors take no more work."""
