@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow.runtime.remote import RemoteTask  # noqa: E402
+from fusionflow.runtime.remote_task import RemoteTask  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
@@ -148,6 +148,8 @@ def loader_runs(ray, ds, policy, args) -> dict:
     rates = {n: [] for n in names}
     waits = {n: [] for n in names}
     remote_share = {n: [] for n in names}
+    cpu_per_img = {n: [] for n in names}  # this (the training) process's CPU per image: manager, receiving
+    remote_tb_per_img = {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % len(names):] + names[:r % len(names)]
         for name in order:
@@ -161,19 +163,32 @@ def loader_runs(ray, ds, policy, args) -> dict:
                 for epoch in range(args.epochs + 1):
                     loader.set_epoch(epoch)
                     loader.stats.reset()
-                    t0 = time.perf_counter()
+                    t0, p0 = time.perf_counter(), time.process_time()
                     n = 0
                     for x, _y in loader:
                         n += len(x)
-                    took = time.perf_counter() - t0
+                    took, cpu = time.perf_counter() - t0, time.process_time() - p0
                     if epoch:  # the first epoch warms up
                         rates[name].append(n / took)
                         waits[name].append(1e3 * float(np.mean(loader.stats.wait_seconds)))
                         total = sum(loader.stats.tiny_batches_per_worker) + loader.stats.remote_tiny_batches
                         remote_share[name].append(loader.stats.remote_tiny_batches / max(1, total))
+                        cpu_per_img[name].append(cpu / n)
+                        remote_tb_per_img[name].append(loader.stats.remote_tiny_batches / n)
             print(f"round {r} {name}: {median(rates[name][-args.epochs:]):.0f} img/s", flush=True)
     return {n: {"img_per_s": median(rates[n]), "img_per_s_all": rates[n], "wait_mean_ms": median(waits[n]),
-                "remote_share": median(remote_share[n])} for n in names}
+                "remote_share": median(remote_share[n]), "train_process_cpu_us_per_img": 1e6 * median(cpu_per_img[n]),
+                "remote_tiny_batches_per_img": median(remote_tb_per_img[n])} for n in names}
+
+
+def receive_cost(runs: dict) -> float | None:
+    """The training process's CPU per remote tiny-batch inside a loader: its CPU per image with one
+    actor (back, in_flight 2) minus that with local workers only, per remote tiny-batch."""
+    remote, local = runs.get("local 1 + remote 1 (back, in_flight 2)"), runs.get("local 1 worker")
+    if not remote or not local or not remote["remote_tiny_batches_per_img"]:
+        return None
+    extra = (remote["train_process_cpu_us_per_img"] - local["train_process_cpu_us_per_img"]) / 1e6
+    return max(0.0, extra / remote["remote_tiny_batches_per_img"])
 
 
 def model(o: dict, local_cores: int = 4, max_remote: int = 64, nic_gbit: float = 10.0,
@@ -208,7 +223,10 @@ def plot(m: dict, path: str) -> None:
     import matplotlib.pyplot as plt
     n = [r["remote_cpus"] for r in m["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(n, [r["speedup"] for r in m["rows"]], label="model (measured costs)")
+    ax.plot(n, [r["speedup"] for r in m["rows"]], label="model, receive cost of a bare round trip")
+    if "in_loader" in m:
+        ax.plot(n, [r["speedup"] for r in m["in_loader"]["rows"]],
+                label=f"model, receive cost measured in a loader ({1e3 * m['in_loader']['local_cpu_s']:.1f} ms)")
     ax.plot(n, [1 + k / (m["local_cores"] - m["train_process_cores"]) for k in n], "--", color="grey",
             label="ideal (remote CPU = local core)")
     ax.set_xlabel("remote CPUs (Ray actors)")
@@ -252,6 +270,10 @@ def main() -> None:
     finally:
         ray.shutdown()
     m = model(o)
+    h_loader = receive_cost(runs)
+    if h_loader is not None:  # the same model with what receiving costs inside a loader (Ray's threads,
+        o_loader = {**o, "local_cpu_s": h_loader}  # the ring copy, the remote thread), not the bare echo
+        m["in_loader"] = {"local_cpu_s": h_loader, "rows": model(o_loader)["rows"]}
     result = {**provenance(), "overhead": o, "loader": runs, "model": m,
               "setup": {"images": args.images, "sides": [200, 1000], "batch_size": args.batch_size,
                         "policy": args.policy, "ray_num_cpus": 1}}
