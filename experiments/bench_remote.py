@@ -7,7 +7,7 @@ loader on this machine, and what N remote CPUs would add to a GPU node with 4 lo
    costs the training process and the CPU it costs the actor; and an actor's tiny-batches/s at
    `in_flight` 1, 2, 3 (how deep a queue hides the round trip).
 2. loader: img/s of FusionFlowLoader local-only vs local + a Ray actor on this machine (1 local worker
-   + 1 actor on a 2-core VM), for both ends of the queue and in_flight 1/2/3; configurations rotate
+   + 1 actor on a 2-core VM), for both ends of the queue, in_flight 1/2/3 and per_call 1/2; configurations rotate
    every round, medians over rounds.
 3. model: throughput of a GPU node with 4 local cores and N remote CPUs, from the measured compute
    time and the measured per-tiny-batch costs (each remote tiny-batch costs the GPU node `local CPU`
@@ -143,6 +143,7 @@ def loader_runs(ray, ds, policy, args) -> dict:
                "local 1 + remote 1 (front, in_flight 2)": dict(take="front", in_flight=2),
                "local 1 + remote 1 (back, in_flight 1)": dict(take="back", in_flight=1),
                "local 1 + remote 1 (back, in_flight 3)": dict(take="back", in_flight=3),
+               "local 1 + remote 1 (back, in_flight 2, per_call 1)": dict(take="back", in_flight=2, per_call=1),
                "local 2 workers": "local2"}
     names = [n for n in configs if not args.configs or any(c in n for c in args.configs.split(";"))]
     rates = {n: [] for n in names}

@@ -40,9 +40,11 @@ class RayWorkers:
         persistent_workers; "auto" logs a warning that it found no cluster);
         "host:port" or "ray://host:port" -- connect to that running cluster (a ConnectionError if
         there is none).
-    in_flight: tiny-batches queued on each actor, so that it starts the next one while the result
-        of the previous travels back (2 hides the round trip when it is shorter than a tiny-batch's
-        compute; see README "More CPUs than the node has").
+    in_flight: calls queued on each actor, so that it starts the next one while the result of the
+        previous travels back (2 hides the round trip when it is shorter than a call's compute; see
+        README "More CPUs than the node has").
+    per_call: tiny-batches sent in one call (at most; fewer when the queue holds fewer): Ray's cost
+        -- the training process's CPU above all -- is per call, so 2 halves it per tiny-batch.
     take: which end of the size-sorted queue the actors take from: "back" (the largest tiny-batches,
         as the accelerator does: the most compute per byte sent back) or "front" (the smallest).
     runtime_env: passed to the actors (e.g. {"py_modules": [fusionflow]}), None for the cluster's.
@@ -52,7 +54,7 @@ class RayWorkers:
 
     def __init__(self, num_workers: int | str = "auto", address: str | None = None, cpus_per_worker: float = 1,
                  in_flight: int = 2, take: str = "back", runtime_env: dict | None = None,
-                 startup_timeout: float = 60.0, init_kwargs: dict | None = None):
+                 startup_timeout: float = 60.0, init_kwargs: dict | None = None, per_call: int = 2):
         import_ray()  # fail here, with the install hint, not when the loader starts
         if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
                                       or num_workers < 1):
@@ -63,17 +65,19 @@ class RayWorkers:
             raise ValueError(f"{cpus_per_worker=} must be a number > 0")
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"{in_flight=} must be an integer >= 1")
+        if isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1:
+            raise ValueError(f"{per_call=} must be an integer >= 1")
         if take not in TAKE:
             raise ValueError(f"take={take!r} must be one of {TAKE}")
         if startup_timeout <= 0:
             raise ValueError(f"{startup_timeout=} must be > 0")
         self.num_workers, self.address, self.cpus_per_worker = num_workers, address, cpus_per_worker
-        self.in_flight, self.take, self.runtime_env = in_flight, take, runtime_env
+        self.in_flight, self.take, self.runtime_env, self.per_call = in_flight, take, runtime_env, per_call
         self.startup_timeout, self.init_kwargs = startup_timeout, dict(init_kwargs or {})
 
     def __repr__(self) -> str:
         return (f"RayWorkers({self.num_workers!r}, address={self.address!r}, cpus_per_worker={self.cpus_per_worker}, "
-                f"in_flight={self.in_flight}, take={self.take!r})")
+                f"in_flight={self.in_flight}, per_call={self.per_call}, take={self.take!r})")
 
 
 class _Connection:

@@ -127,6 +127,8 @@ def test_argument_errors():
         RayWorkers(1, take="middle")
     with pytest.raises(ValueError, match="in_flight=0"):
         RayWorkers(1, in_flight=0)
+    with pytest.raises(ValueError, match="per_call=0"):
+        RayWorkers(1, per_call=0)
 
 
 @pytest.mark.ray
@@ -178,14 +180,14 @@ class TestLocalRay:
         mp.undo()
         assert _wait_gone() == [], "Ray processes left after ray.shutdown()"
 
-    @pytest.mark.parametrize("take", ["back", "front"])
-    def test_same_pixels_and_labels_as_local_only(self, take):
+    @pytest.mark.parametrize("take,per_call", [("back", 2), ("front", 2), ("back", 1), ("front", 3)])
+    def test_same_pixels_and_labels_as_local_only(self, take, per_call):
         from fusionflow import RayWorkers
         ds = Bytes(40)
         with _loader(ds) as local:
             local.set_epoch(2)
             want_x, want_y = collect(local)
-        with _loader(ds, RayWorkers(2, take=take)) as both:
+        with _loader(ds, RayWorkers(2, take=take, per_call=per_call)) as both:
             both.set_epoch(2)
             got_x, got_y = collect(both)
             assert both.stats.remote_tiny_batches > 0

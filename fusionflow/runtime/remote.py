@@ -1,35 +1,25 @@
 """Remote CPU workers: Ray actors as a third kind of worker beside the local CPU processes and the
-accelerator (configuration: fusionflow/remote_workers.py).
+accelerator (configuration: fusionflow/remote_workers.py; the actor's body: runtime/remote_task.py,
+the local workers' per-sample code, so the same bytes). README "More CPUs than the node has" and its
+measurements say why the defaults are what they are.
 
-Each actor holds the dataset (put into Ray's object store once per loader, fetched once per actor)
-and a CpuPipeline of the policy. It receives (epoch, positions, indices, copies), runs exactly the
-per-sample code a local CPU worker runs (fusionflow/sample.py `run_sample`, in runtime/remote_task.py:
-same pipeline, same seed, so the same bytes) and returns the tiny-batch's output as one numpy array, its targets and its failures (as
-data) through the object store. A thread in the training process ("fusionflow-remote") keeps
-`in_flight` tiny-batches queued on each ready actor, waits on all of them at once (`ray.wait`),
-writes each result into its ring positions and completes it on the local manager (the board):
-take under `cond`, wait and write outside it, complete under it, as the accelerator does.
-
-Which tiny-batches: `take="back"` (default) takes the oldest mini-batch's largest tiny-batch, as the
-accelerator does; "front" takes the smallest, as the local CPU workers do. The output's size is the
-same for every sample, the compute grows with the encoded size: the back gives the round trip the
-most compute to hide behind (README, "More CPUs than the node has", has the measurement).
+A thread in the training process ("fusionflow-remote") keeps `in_flight` calls of up to `per_call`
+tiny-batches queued on each ready actor, waits on all of them at once (`ray.wait`), writes each
+result into its ring positions and completes it on the board: take under `cond`, wait and write
+outside it, complete under it, as the accelerator does. `take="back"` takes the oldest mini-batch's
+largest tiny-batches (as the accelerator does), "front" the smallest (as the local workers do).
 
 Faults: an actor that dies, or whose node goes away (`RayActorError`), loses nothing: its
-tiny-batches in flight go back to the front of their mini-batches (local workers or other actors
-run them), the loss is counted (`stats.remote_workers_lost`) and logged once, and a replacement
-actor is asked for; Ray places it when the cluster has room. With `num_workers="auto"` new actors
-are added as free CPUs appear (nodes joining). A result that arrives for an iterator that was
-abandoned meanwhile is dropped, never written.
+tiny-batches in flight go back to the front of their mini-batches for the local workers, the loss is
+counted (`stats.remote_workers_lost`) and logged once, and a replacement is asked for (Ray places it
+when the cluster has room; with `num_workers="auto"` actors are added as nodes join). A result for an
+abandoned iterator is dropped, never written; one that cannot be written runs locally.
 
-Start-up preflight (`start`): the dataset must pickle (a TypeError naming it otherwise), and every
-actor reads one sample where it runs before it gets work: an actor that cannot (the dataset's files
-are on this machine's disk only) fails start-up with a RemoteWorkerError naming the node, the sample
-and the exception.
-
-Shutdown (`stop`, idempotent; the local manager calls it first in its shutdown): stop and join the
-thread, kill the actors, drop the dataset's object, and release Ray (remote_workers.release: the
-last loader shuts down a Ray instance FusionFlow started or connected).
+Start-up (`start`): the dataset must pickle (a TypeError naming it), and every actor reads one sample
+where it runs before it gets work (a RemoteWorkerError naming the node, the sample and the exception).
+Shutdown (`stop`, idempotent; the manager's shutdown calls it first): stop and join the thread, give
+back what is in flight, kill the actors, release Ray (the last user shuts down an instance FusionFlow
+started or connected).
 """
 from __future__ import annotations
 
@@ -51,9 +41,7 @@ MAX_FAILURES = 4  # tiny-batches in a row that fail on the actors (not a sample'
 class _Actor:
     def __init__(self, name: str, handle, probe_ref):
         self.name, self.handle, self.probe_ref = name, handle, probe_ref
-        self.ready = False
-        self.host = "?"
-        self.inflight = 0
+        self.ready, self.host, self.inflight = False, "?", 0  # inflight: calls queued on it
 
 
 class RemoteWorkers:
@@ -65,12 +53,12 @@ class RemoteWorkers:
         self.stats, self.first_worker_id, self.worker_init_fn = stats, first_worker_id, worker_init_fn
         self.ray = None
         self.actors: list[_Actor] = []
-        self.inflight: dict = {}  # ObjectRef -> (actor, work, sent at ns), in submission order
+        self.inflight: dict = {}  # ObjectRef -> (actor, [work, ...] of one call, sent at ns), in submission order
         self.seconds = 0.0  # running mean of a tiny-batch's compute time on an actor
         self.round_trip = 0.0  # running mean of submit -> result minus queueing, per tiny-batch
         self.failures_in_a_row = 0
         self.retired: str | None = None
-        self._writing = None  # the work whose result is being written into the ring
+        self._writing = None  # the works whose results are being written into the ring
         self._dataset_ref = None
         self._cls = None
         self._spawned = 0
@@ -148,7 +136,7 @@ class RemoteWorkers:
         if ray is None:
             return
         with board.cond:
-            lost = [work for _a, work, _t in self.inflight.values()]
+            lost = [work for _a, works, _t in self.inflight.values() for work in works]
             self.inflight.clear()
             board.requeue(lost)
         for a in self.actors:
@@ -166,8 +154,7 @@ class RemoteWorkers:
 
     def busy_with_stale(self, generation: int) -> bool:
         """Lock held. Results of older iterators are dropped, not written: only a write under way counts."""
-        work = self._writing
-        return work is not None and work.generation != generation
+        return any(work.generation != generation for work in self._writing or ())
 
     @property
     def live(self) -> int:
@@ -241,7 +228,7 @@ class RemoteWorkers:
         """Lock held: an actor died; its tiny-batches go back, counted and logged once."""
         if actor not in self.actors:
             return
-        works = [work for a, work, _t in self.inflight.values() if a is actor]
+        works = [work for a, ws, _t in self.inflight.values() if a is actor for work in ws]
         for ref in [ref for ref, (a, _w, _t) in self.inflight.items() if a is actor]:
             del self.inflight[ref]
         for work in works:  # it may have died of one of them: local workers run them, where a sample that
@@ -284,7 +271,7 @@ class RemoteWorkers:
             log.exception("remote_workers: the remote worker thread failed; local workers take over")
             with board.cond:
                 self.retired = "the remote worker thread failed"
-                board.requeue([work for _a, work, _t in self.inflight.values()])
+                board.requeue([work for _a, works, _t in self.inflight.values() for work in works])
                 self.inflight.clear()
             board.wake()
 
@@ -299,7 +286,8 @@ class RemoteWorkers:
             log.info("remote_workers: could not ask for more Ray workers: %r", exc)
 
     def _fill(self) -> None:
-        """Lock held: queue work on every ready actor with room (in turns, so each gets some)."""
+        """Lock held: queue calls on every ready actor with room (in turns, so each gets some); a call
+        carries up to `per_call` tiny-batches (Ray's cost is per call: README, remote workers measured)."""
         board = self.board
         if board.draining():
             return
@@ -308,26 +296,33 @@ class RemoteWorkers:
         ready = [a for a in self.actors if a.ready]
         for depth in range(1, self.config.in_flight + 1):
             for a in ready:
-                if a.inflight < depth:
+                if a.inflight >= depth:
+                    continue
+                works = []
+                while len(works) < self.config.per_call:
                     work = take()
+                    if work is not None and work.cpu_only:  # given back by a remote path or the accelerator:
+                        board.requeue([work])  # the local workers' own
+                        work = None
                     if work is None:
-                        return
-                    if work.cpu_only:  # given back by a remote path or the accelerator: the local workers' own
-                        board.requeue([work])
-                        return
+                        break
+                    works.append(work)
+                if works:
                     try:
-                        ref = a.handle.run.remote(work.epoch, work.positions, work.indices, work.copies)
+                        ref = a.handle.run_many.remote([(w.epoch, w.positions, w.indices, w.copies) for w in works])
                     except BaseException:  # e.g. Ray was shut down under us: the work must not vanish
-                        board.requeue([work])
+                        board.requeue(works)
                         raise
-                    self.inflight[ref] = (a, work, time.monotonic_ns())
+                    self.inflight[ref] = (a, works, time.monotonic_ns())
                     a.inflight += 1
+                if len(works) < self.config.per_call:
+                    return  # nothing more to take now
 
     def _on_result(self, ref) -> None:
         ray, board = self.ray, self.board
-        actor, work, sent_ns = self.inflight[ref]
+        actor, works, sent_ns = self.inflight[ref]
         try:
-            images, labels, failures, seconds = ray.get(ref)
+            results = ray.get(ref)
         except ray.exceptions.RayActorError as exc:
             with board.cond:
                 self._lost(actor, exc)
@@ -335,51 +330,59 @@ class RemoteWorkers:
             board.wake()
             return
         except Exception as exc:  # the object was lost, or a bug on the actor: the local workers take it
-            log.warning("remote_workers: tiny-batch %s failed on Ray worker %s: %r; running it locally",
-                        work.indices, actor.name, exc)
+            log.warning("remote_workers: tiny-batches %s failed on Ray worker %s: %r; running them locally",
+                        [w.indices for w in works], actor.name, exc)
             with board.cond:
                 if self.inflight.pop(ref, None) is not None and not self._stopped:
                     actor.inflight -= 1
-                    self._give_back(work)
+                    for work in works:
+                        self._give_back(work)
             board.wake()
             return
         with board.cond:
-            if self.inflight.pop(ref, None) is None or self._stopped:  # stop() gave it back already
+            if self.inflight.pop(ref, None) is None or self._stopped:  # stop() gave them back already
                 return
             actor.inflight -= 1
-            if work.generation != board.generation:  # its iterator was abandoned: drop, never write
-                return
-            self._writing = work
-        try:
-            side = {}
-            bad = {f.position for f in failures}
-            ring = board.ring
-            for k, (pos, target) in enumerate(zip(work.positions, labels)):
-                if pos in bad:
-                    continue
-                ring.images[work.slot, pos] = images[k]
-                targets.store(ring.labels[work.slot], pos, target, side)
-        except Exception as exc:  # e.g. another FusionFlow version on the node returned another shape
-            log.warning("remote_workers: the result of tiny-batch %s from Ray worker %s could not be written (%r); "
-                        "running it locally", work.indices, actor.name, exc)
-            with board.cond:
-                self._writing = None
-                self._give_back(work)
-            board.wake()
-            return
+            # an abandoned iterator's results are dropped, never written
+            todo = [(w, r) for w, r in zip(works, results) if w.generation == board.generation]
+            self._writing = [w for w, _r in todo]
+        done, failed = [], []
+        for work, result in todo:
+            try:
+                done.append((work, result, self._write(work, result)))
+            except Exception as exc:  # e.g. another FusionFlow version on the node returned another shape
+                log.warning("remote_workers: the result of tiny-batch %s from Ray worker %s could not be written "
+                            "(%r); running it locally", work.indices, actor.name, exc)
+                failed.append(work)
         with board.cond:
             self._writing = None
-            self.failures_in_a_row = 0
+            for work in failed:
+                self._give_back(work)
             ended = time.monotonic_ns()
-            took = (ended - sent_ns) / 1e9
-            self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
-            self.round_trip = took if not self.round_trip else 0.8 * self.round_trip + 0.2 * took
-            self.stats.remote_tiny_batches += 1
-            if board.trace is not None:
-                board.trace.tiny_batch(actor.name, work, ended - int(seconds * 1e9), ended, board.sizes)
-            board.complete(work, failures, on_accelerator=False, targets=side)
+            for work, (_images, _labels, failures, seconds), side in done:
+                self.failures_in_a_row = 0
+                took = (ended - sent_ns) / 1e9
+                self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
+                self.round_trip = took if not self.round_trip else 0.8 * self.round_trip + 0.2 * took
+                self.stats.remote_tiny_batches += 1
+                if board.trace is not None:
+                    board.trace.tiny_batch(actor.name, work, ended - int(seconds * 1e9), ended, board.sizes)
+                board.complete(work, failures, on_accelerator=False, targets=side)
             board.cond.notify_all()
         board.wake()
+
+    def _write(self, work, result) -> dict:
+        """A tiny-batch's result into its ring positions (without the lock: the positions are this
+        work's alone); returns its targets that are not ints (runtime/targets.py)."""
+        images, labels, failures, _seconds = result
+        side, bad = {}, {f.position for f in failures}
+        ring = self.board.ring
+        for k, (pos, target) in enumerate(zip(work.positions, labels)):
+            if pos in bad:
+                continue
+            ring.images[work.slot, pos] = images[k]
+            targets.store(ring.labels[work.slot], pos, target, side)
+        return side
 
     def _give_back(self, work) -> None:
         """Lock held: a tiny-batch that failed on the remote path (not a sample's fault) runs locally;

@@ -53,6 +53,10 @@ class RemoteTask:
         labels = [None if pos in bad else side.get(k, int(ints[k])) for k, pos in enumerate(positions)]
         return out, labels, failures, time.perf_counter() - t0
 
+    def run_many(self, units):
+        """`run` for each (epoch, positions, indices, copies) of one call: Ray's cost is per call."""
+        return [self.run(*unit) for unit in units]
+
 
 def actor_class(ray):
     return ray.remote(RemoteTask)
