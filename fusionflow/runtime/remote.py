@@ -29,22 +29,17 @@ import time
 
 from fusionflow.errors import RemoteWorkerError
 from fusionflow.runtime import targets
+from fusionflow.runtime.remote_actors import MAX_FAILURES, RemoteActors, Actor
 from fusionflow.runtime.remote_task import actor_class
 
 log = logging.getLogger(__name__)
 POLL_S = 0.005  # longest wait for a result before looking for new work again
 MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
 SETTLE_S = 3.0  # start-up: how long to wait for CPUs that are being released to fit the asked-for actors
-MAX_FAILURES = 4  # tiny-batches in a row that fail on the actors (not a sample's fault) before they retire
 
 
-class _Actor:
-    def __init__(self, name: str, handle, probe_ref):
-        self.name, self.handle, self.probe_ref = name, handle, probe_ref
-        self.ready, self.host, self.inflight = False, "?", 0  # inflight: calls queued on it
 
-
-class RemoteWorkers:
+class RemoteWorkers(RemoteActors):
     """The Ray worker kind on a local manager (`board`): start(), stop(), busy_with_stale()."""
 
     def __init__(self, board, config, dataset, policy, seed: int, stats, first_worker_id: int = 0,
@@ -52,10 +47,8 @@ class RemoteWorkers:
         self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
         self.stats, self.first_worker_id, self.worker_init_fn = stats, first_worker_id, worker_init_fn
         self.ray = None
-        self.actors: list[_Actor] = []
+        self.actors: list[Actor] = []
         self.inflight: dict = {}  # ObjectRef -> (actor, [work, ...] of one call, sent at ns), in submission order
-        self.seconds = 0.0  # running mean of a tiny-batch's compute time on an actor
-        self.round_trip = 0.0  # running mean of submit -> result minus queueing, per tiny-batch
         self.failures_in_a_row = 0
         self.retired: str | None = None
         self._writing = None  # the works whose results are being written into the ring
@@ -132,6 +125,9 @@ class RemoteWorkers:
             board.cond.notify_all()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
+            if self._thread.is_alive():
+                log.warning("remote_workers: the remote worker thread did not stop within 10 s (stuck in a Ray "
+                            "call); its actors are killed and Ray released without it")
         ray = self.ray
         if ray is None:
             return
@@ -161,73 +157,11 @@ class RemoteWorkers:
         return sum(1 for a in self.actors if a.ready)
 
     # ---------------------------------------------------------------- actors
-    def _wanted(self) -> int:
-        """How many more actors to ask for now: up to the target, and no more than the free CPUs allow."""
-        n = self.config.num_workers
-        free = self.ray.available_resources().get("CPU", 0.0)
-        fit = int(free // self.config.cpus_per_worker + 1e-9)
-        if n == "auto":
-            return fit if not any(not a.ready for a in self.actors) else 0
-        return max(0, min(n - len(self.actors), fit))
-
-    def _spawn(self) -> None:
-        k = self._spawned
-        self._spawned += 1
-        options = {"num_cpus": self.config.cpus_per_worker, "max_restarts": 0}
-        if self.config.runtime_env is not None:
-            options["runtime_env"] = self.config.runtime_env
-        handle = self._cls.options(**options).remote(self._dataset_ref, self.policy, self.seed,
-                                                     self.first_worker_id + k, self.worker_init_fn)
-        self.actors.append(_Actor(f"ray{k}", handle, handle.probe.remote(0)))
-
-    def _on_probe(self, actor: _Actor, ref, at_start: bool) -> None:
-        ray = self.ray
-        try:
-            info = ray.get(ref)
-        except Exception as exc:  # it died before it came up (its node left), or its set-up failed
-            if at_start:  # unpickling the dataset or the policy, worker_init_fn, the runtime_env, ...
-                raise RemoteWorkerError(f"remote_workers: Ray worker {actor.name} failed to start:\n{exc}") from None
-            log.warning("remote_workers: Ray worker %s did not start (%s)", actor.name, type(exc).__name__)
-            self._drop(actor)
-            self._probe_failed()
-            return
-        actor.host = info["host"]
-        if info["error"] is not None:
-            msg = (f"remote_workers: Ray worker {actor.name} on node {info['host']} cannot read the dataset there: "
-                   f"{info['error'].splitlines()[0]}. Every Ray node must be able to read the dataset's files at "
-                   f"the same path (a shared filesystem), or the dataset must carry its bytes; "
-                   f"worker traceback:\n{info['error']}")
-            if at_start:
-                raise RemoteWorkerError(msg)
-            if info["host"] not in self._bad_hosts:  # once per node, not at every replacement
-                self._bad_hosts.add(info["host"])
-                log.error("%s\n(this worker is left out)", msg)
-            self._drop(actor)
-            self._probe_failed()
-            return
-        actor.ready = True
-        log.info("remote_workers: Ray worker %s ready on %s (pid %s)", actor.name, info["host"], info["pid"])
-
-    def _probe_failed(self) -> None:
-        """A worker asked for after start-up did not come up: after MAX_FAILURES of them, ask for no
-        more (Ray may keep placing them on a node that cannot run them); those that run go on."""
-        self._probe_failures += 1
-        if self._probe_failures == MAX_FAILURES:
-            log.warning("remote_workers: %d Ray workers asked for after start-up did not come up; asking for no "
-                        "more (%d running)", self._probe_failures, self.live)
-
-    def _drop(self, actor: _Actor) -> None:
-        if actor in self.actors:
-            self.actors.remove(actor)
-        try:
-            self.ray.kill(actor.handle)
-        except Exception:
-            pass
-
-    def _lost(self, actor: _Actor, exc) -> None:
-        """Lock held: an actor died; its tiny-batches go back, counted and logged once."""
+    def _lost(self, actor: Actor, exc) -> bool:
+        """Lock held: an actor died; its tiny-batches go back, counted and logged once. True: the
+        caller kills it (once the lock is released)."""
         if actor not in self.actors:
-            return
+            return False
         works = [work for a, ws, _t in self.inflight.values() if a is actor for work in ws]
         for ref in [ref for ref, (a, _w, _t) in self.inflight.items() if a is actor]:
             del self.inflight[ref]
@@ -237,7 +171,8 @@ class RemoteWorkers:
         self.stats.remote_workers_lost += 1
         log.warning("remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
                     "the cluster for a replacement", actor.name, actor.host, type(exc).__name__, len(works))
-        self._drop(actor)
+        self.actors.remove(actor)
+        return True  # the caller kills it, without the lock (a Ray call)
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -275,16 +210,6 @@ class RemoteWorkers:
                 self.inflight.clear()
             board.wake()
 
-    def _maintain(self) -> None:
-        self._last_maintain = time.monotonic()
-        if self.retired or self._stopped or self._probe_failures >= MAX_FAILURES:
-            return
-        try:
-            for _ in range(self._wanted()):
-                self._spawn()
-        except Exception as exc:  # the cluster is unreachable for now: try again later
-            log.info("remote_workers: could not ask for more Ray workers: %r", exc)
-
     def _fill(self) -> None:
         """Lock held: queue calls on every ready actor with room (in turns, so each gets some); a call
         carries up to `per_call` tiny-batches (Ray's cost is per call: README, remote workers measured)."""
@@ -320,27 +245,30 @@ class RemoteWorkers:
 
     def _on_result(self, ref) -> None:
         ray, board = self.ray, self.board
-        actor, works, sent_ns = self.inflight[ref]
+        actor, works, _sent = self.inflight[ref]
         try:
             results = ray.get(ref)
+            if not isinstance(results, list) or len(results) != len(works):  # another FusionFlow on the node?
+                raise RemoteWorkerError(f"{len(works)} tiny-batches sent, {type(results).__name__} back")
         except ray.exceptions.RayActorError as exc:
             with board.cond:
-                self._lost(actor, exc)
+                kill = self._lost(actor, exc)
                 board.cond.notify_all()
+            if kill:
+                self._kill(actor)
             board.wake()
             return
         except Exception as exc:  # the object was lost, or a bug on the actor: the local workers take it
             log.warning("remote_workers: tiny-batches %s failed on Ray worker %s: %r; running them locally",
                         [w.indices for w in works], actor.name, exc)
             with board.cond:
-                if self.inflight.pop(ref, None) is not None and not self._stopped:
+                if not self._stopped and self.inflight.pop(ref, None) is not None:  # stopped: stop() gives back
                     actor.inflight -= 1
-                    for work in works:
-                        self._give_back(work)
+                    self._give_back(works)
             board.wake()
             return
         with board.cond:
-            if self.inflight.pop(ref, None) is None or self._stopped:  # stop() gave them back already
+            if self._stopped or self.inflight.pop(ref, None) is None:  # stopped: stop() gives them back
                 return
             actor.inflight -= 1
             # an abandoned iterator's results are dropped, never written
@@ -356,17 +284,16 @@ class RemoteWorkers:
                 failed.append(work)
         with board.cond:
             self._writing = None
-            for work in failed:
-                self._give_back(work)
-            ended = time.monotonic_ns()
-            for work, (_images, _labels, failures, seconds), side in done:
+            if done:
                 self.failures_in_a_row = 0
-                took = (ended - sent_ns) / 1e9
-                self.seconds = seconds if not self.seconds else 0.8 * self.seconds + 0.2 * seconds
-                self.round_trip = took if not self.round_trip else 0.8 * self.round_trip + 0.2 * took
+            if failed:
+                self._give_back(failed)
+            start = time.monotonic_ns() - sum(int(r[3] * 1e9) for _w, r, _s in done)  # the call's compute, back to back
+            for work, (_images, _labels, failures, seconds), side in done:
                 self.stats.remote_tiny_batches += 1
                 if board.trace is not None:
-                    board.trace.tiny_batch(actor.name, work, ended - int(seconds * 1e9), ended, board.sizes)
+                    board.trace.tiny_batch(actor.name, work, start, start + int(seconds * 1e9), board.sizes)
+                start += int(seconds * 1e9)
                 board.complete(work, failures, on_accelerator=False, targets=side)
             board.cond.notify_all()
         board.wake()
@@ -384,14 +311,15 @@ class RemoteWorkers:
             targets.store(ring.labels[work.slot], pos, target, side)
         return side
 
-    def _give_back(self, work) -> None:
-        """Lock held: a tiny-batch that failed on the remote path (not a sample's fault) runs locally;
-        after MAX_FAILURES in a row the remote workers retire."""
-        work.cpu_only = True
-        self.board.requeue([work])
+    def _give_back(self, works) -> None:
+        """Lock held: a call's tiny-batches that failed on the remote path (not a sample's fault) run
+        locally; after MAX_FAILURES failed calls in a row the remote workers retire."""
+        for work in works:
+            work.cpu_only = True
+        self.board.requeue(works)
         self.failures_in_a_row += 1
         if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
-            self._retire(f"{self.failures_in_a_row} tiny-batches in a row failed on the Ray workers")
+            self._retire(f"{self.failures_in_a_row} calls in a row failed on the Ray workers")
 
     def _retire(self, why: str) -> None:
         """Lock held: the actors take no more work."""
