@@ -2,7 +2,9 @@
 and labels as local-only, every sample exactly once, an actor killed and a node removed mid-epoch,
 start-up errors, clean shutdown. On one local Ray instance per class and a simulated multi-node
 cluster (ray.cluster_utils.Cluster); skipped only when ray is not installed."""
+import glob
 import os
+import shutil
 import sys
 import threading
 import time
@@ -46,6 +48,19 @@ def _ray_processes() -> list[str]:
         if any(mark in cmd for mark in RAY_MARKS):
             out.append(f"{pid}: {cmd[:120]}")
     return out
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_ray_sessions_left():
+    """Ray keeps each instance's logs and sockets under /tmp/ray/session_*: the instances these tests
+    start are theirs to remove (tens of MB a run otherwise)."""
+    before = set(glob.glob("/tmp/ray/session_*"))
+    yield
+    for path in set(glob.glob("/tmp/ray/session_*")) - before:
+        if os.path.islink(path):  # session_latest
+            os.unlink(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture
