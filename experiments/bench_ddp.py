@@ -39,23 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
-class Jpegs:
-    """In-memory (jpeg bytes, label) dataset with encoded sizes, as ImageFolder returns."""
-
-    def __init__(self, data: list[bytes]):
-        self.data = data
-        self.sizes = [len(d) for d in data]
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i], i % 10
-
-    def describe(self, i):
-        return f"synthetic image {i}"
-
-
 def rank_main(args) -> None:
     import torch
     import torch.distributed as dist
@@ -63,13 +46,14 @@ def rank_main(args) -> None:
 
     from fusionflow import FusionFlowLoader
     from fusionflow.demo import small_cnn, train_step
+    from fusionflow.synthetic import EncodedImages
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     with open(args.data, "rb") as f:
         sets = pickle.load(f)
-    ds = Jpegs(sets["heavy" if rank == 0 else "light"])
+    ds = EncodedImages(sets["heavy" if rank == 0 else "light"])
     sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=0)
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(small_cnn(10))

@@ -31,21 +31,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fusionflow.runtime.remote_task import RemoteTask  # noqa: E402
+from fusionflow.synthetic import EncodedImages  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-
-class Jpegs:
-    """In-memory JPEGs (bytes, label): the dataset carries its bytes, so any node can read it."""
-
-    def __init__(self, data):
-        self.data = data
-        self.sizes = [len(d) for d in data]
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i], i % 10
 
 
 class BenchTask(RemoteTask):
@@ -259,7 +246,7 @@ def main() -> None:
 
     from fusionflow.policy import load_policy
     from fusionflow.synthetic import make_jpegs
-    ds = Jpegs(make_jpegs(args.images, 200, 1000, seed=1))
+    ds = EncodedImages(make_jpegs(args.images, 200, 1000, seed=1))
     policy = load_policy(args.policy)
     # Ray's worker processes import this checkout's fusionflow
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])

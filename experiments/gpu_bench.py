@@ -48,18 +48,6 @@ def make_dataset(n: int, procs: int) -> list[bytes]:
         return pool.map(_make, jobs, chunksize=16)
 
 
-class Encoded:
-    def __init__(self, data, classes=1000):
-        self.data, self.classes = data, classes
-        self.sizes = [len(d) for d in data]
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i], i % self.classes
-
-
 class TvDataset:
     def __init__(self, data, classes=1000):
         self.data, self.classes, self.tf = data, classes, None
@@ -196,6 +184,7 @@ def main() -> None:
     from torch.utils.data import DataLoader
 
     from fusionflow import FusionFlowLoader
+    from fusionflow.synthetic import EncodedImages
 
     if args.cpu_smoke:
         args.images, args.batch_size, args.iters, args.warmup = 48, 8, 2, 1
@@ -240,7 +229,7 @@ def main() -> None:
                         # chooses: that happens in the warm-up, never in the timed window
                         profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
                         warmup = ff_warmup(args.warmup, profiling)
-                        with FusionFlowLoader(Encoded(data), batch_size=bs, shuffle=True, num_workers=workers,
+                        with FusionFlowLoader(EncodedImages(data, classes=1000), batch_size=bs, shuffle=True, num_workers=workers,
                                               policy="randaugment", persistent_workers=True, drop_last=True,
                                               device=device, accelerator=accel, tiny_batch_size=4,
                                               gpu_sharing=args.gpu_sharing) as ff:

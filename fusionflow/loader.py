@@ -84,7 +84,6 @@ from torch.utils.data import Sampler
 
 from fusionflow.accelerator_control import AcceleratorControl, close_bridge_window, copy_bridge_stats
 from fusionflow.delivery import BatchDelivery, collated, plain
-from fusionflow.delivery import map_tensors as _map_tensors  # noqa: F401 (its former name, tests import it)
 from fusionflow.loader_config import Host, LoaderConfig, resolve_config
 from fusionflow.loader_state import Checkpointing
 from fusionflow.runtime import targets as ff_targets

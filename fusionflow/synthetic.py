@@ -71,6 +71,25 @@ def sample_set(sizes: str, count: int, seed: int = 11) -> list[bytes]:
     return make_jpegs(count, lo, hi, seed=seed)
 
 
+class EncodedImages:
+    """An in-memory dataset of encoded images: (bytes, label), with the encoded sizes FusionFlow sorts
+    tiny-batches by, as ImageFolder gives them. It carries its bytes, so it pickles to any worker or
+    node. Labels cycle through `classes`."""
+
+    def __init__(self, data: list[bytes], classes: int = 10):
+        self.data, self.classes = data, classes
+        self.sizes = [len(d) for d in data]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i], i % self.classes
+
+    def describe(self, i):
+        return f"synthetic image {i}"
+
+
 def make_image_folder(root: str, num_classes: int = 4, per_class: int = 64, min_side: int = 200,
                       max_side: int = 1000, seed: int = 0) -> str:
     """Write an ImageFolder tree (root/class_k/img_i.jpg) of mixed-size JPEGs; returns root.

@@ -157,11 +157,10 @@ def _run_batches(mgr, batches):
     return out
 
 
-def test_a_worker_kind_registered_on_the_board_serves_every_sample_once_and_is_stopped():
-    """End to end without CPU workers: only the registered kind produces; it is stopped at shutdown."""
-    ds = Bytes(20)
-    batches = [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))]
-    mgr = _manager(ds, 0, batches)
+def _run_with_kind(ds, workers, batches, counters=None):
+    """A manager with `workers` CPU workers and a registered ThreadKind runs `batches`, then shuts
+    down: (manager, kind, {index: image})."""
+    mgr = _manager(ds, workers, batches, counters)
     kind = ThreadKind(mgr)
     mgr.add_worker_kind(kind)
     kind.start()
@@ -169,6 +168,14 @@ def test_a_worker_kind_registered_on_the_board_serves_every_sample_once_and_is_s
         images = _run_batches(mgr, batches)
     finally:
         mgr.shutdown()
+    return mgr, kind, images
+
+
+def test_a_worker_kind_registered_on_the_board_serves_every_sample_once_and_is_stopped():
+    """End to end without CPU workers: only the registered kind produces; it is stopped at shutdown."""
+    ds = Bytes(20)
+    batches = [list(range(0, 8)), list(range(8, 16)), list(range(16, 20))]
+    mgr, kind, images = _run_with_kind(ds, 0, batches)
     assert sorted(kind.done) == list(range(20))  # each sample exactly once
     assert all((img == MARK).all() for img in images.values())
     assert kind.starts == 1 and kind.stops == 1 and not kind._thread.is_alive()
@@ -183,14 +190,7 @@ def test_a_worker_kind_shares_mini_batches_with_cpu_workers_exactly_once():
     ds = Bytes(24, sleep=0.01)
     batches = [list(range(0, 8)), list(range(8, 16)), list(range(16, 24))]
     counters = RuntimeCounters()
-    mgr = _manager(ds, 1, batches, counters)
-    kind = ThreadKind(mgr)
-    mgr.add_worker_kind(kind)
-    kind.start()
-    try:
-        images = _run_batches(mgr, batches)
-    finally:
-        mgr.shutdown()
+    _mgr, kind, images = _run_with_kind(ds, 1, batches, counters)
     assert kind.stops == 1
     by_kind = set(kind.done)
     assert len(kind.done) == len(by_kind) > 0

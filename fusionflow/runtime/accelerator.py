@@ -45,7 +45,7 @@ import numpy as np
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.ops.decode import within_pixel_limit
 from fusionflow.runtime import targets
-from fusionflow.runtime.worker import split_item
+from fusionflow.sample import split_item
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed tiny-batches in a row before the accelerator retires

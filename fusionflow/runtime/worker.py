@@ -25,7 +25,7 @@ from multiprocessing.connection import wait as mp_wait
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.gm_link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
-from fusionflow.sample import run_sample, split_item  # noqa: F401 (split_item: runtime/accelerator.py imports it from here)
+from fusionflow.sample import run_sample
 
 WATCHDOG_S = 0.5
 
