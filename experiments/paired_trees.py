@@ -12,7 +12,8 @@ the median over runs of each version plus the median of the per-round ratios.
     .venv/bin/python experiments/paired_trees.py --before /tmp/before --after . --bench ddp -- --repeats 1
 
 Metrics: `loader` reads FusionFlowLoader's img/s and its ratio to DataLoader + torchvision (that
-ratio cancels most of the machine's drift); `ddp` reads the lending-on img/s and the on/off ratio.
+ratio cancels most of the machine's drift); `cpu` reads the per-core pipeline's fast and exact modes
+against torchvision (bench_cpu_pipeline.py); `ddp` reads the lending-on img/s and the on/off ratio.
 """
 from __future__ import annotations
 
@@ -31,6 +32,11 @@ BENCHES = {
     "loader": ("experiments/bench_loader.py", {
         "fusionflow_img_per_s": ("results", "loader", "fusionflow", "img_per_s_median"),
         "fusionflow_over_dataloader_tv": ("results", "loader", "fusionflow", "ratio_vs_dataloader_tv"),
+    }),
+    "cpu": ("experiments/bench_cpu_pipeline.py", {
+        "ff_fast_img_per_s": ("img_per_s_median", "ff_fast"),
+        "ff_fast_over_torchvision": ("ratio_vs_torchvision", "ff_fast"),
+        "ff_exact_over_torchvision": ("ratio_vs_torchvision", "ff_exact"),
     }),
     "ddp": ("experiments/bench_ddp.py", {
         "lending_on_img_per_s": ("median", "on", "img_per_s"),
