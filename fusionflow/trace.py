@@ -157,30 +157,44 @@ def load(path) -> dict:
 
 
 class Tracing:
-    """FusionFlowLoader's tracing surface (a mixin): `loader.trace(path)` for a block, and the file
-    a loader built with `trace=path` rewrites at close() and at each iteration's end."""
+    """A loader's tracing: the recorder in use -- the whole run's (`trace=path`, rewritten at each
+    iteration's end and at close()), or a `loader.trace(path)` block's -- and the hook that installs
+    a new recorder into a running runtime (`on_change`, set by the loader's `Workers`)."""
+
+    def __init__(self, path=None):
+        self.path = path  # the trace= file, or None
+        self.recorder = None if path is None else TraceRecorder()
+        self.on_change = None  # callback(recorder or None) when the recorder changes
 
     @contextlib.contextmanager
-    def trace(self, path, max_events: int | None = None):
-        """Record a timeline of what runs inside the block and write it to `path` (trace-event JSON,
-        fusionflow/trace.py) at its end. Yields the recorder."""
+    def block(self, path, max_events: int | None = None):
+        """Record a timeline of what runs inside the block and write it to `path` (trace-event JSON)
+        at its end. Yields the recorder."""
         path = check_path(path, "path")
-        if self._tracer is not None:
-            raise ValueError(f"loader.trace({path!r}): this loader already traces (to {self._trace_path!r}); "
+        if self.recorder is not None:
+            raise ValueError(f"loader.trace({path!r}): this loader already traces (to {self.path!r}); "
                              "one trace at a time")
         recorder = TraceRecorder(DEFAULT_MAX_EVENTS if max_events is None else max_events)
-        self._set_tracer(recorder)
+        self._set(recorder)
         try:
             yield recorder
         finally:
-            self._set_tracer(None)
+            self._set(None)
             recorder.write(path)
 
-    def _set_tracer(self, recorder) -> None:
-        self._tracer = recorder
-        if self._manager is not None:
-            self._manager.trace = recorder
+    def _set(self, recorder) -> None:
+        self.recorder = recorder
+        if self.on_change is not None:
+            self.on_change(recorder)
 
-    def _flush_trace(self) -> None:
-        if self._trace_path is not None and self._tracer is not None:
-            self._tracer.write(self._trace_path)
+    def wait(self, wait: float, seq: int, samples: int) -> None:
+        """The training loop's wait just measured, ending now; its span lasts exactly `wait` (as in
+        stats.wait_seconds). Nothing when not tracing."""
+        if self.recorder is not None:
+            end = time.monotonic_ns()
+            self.recorder.wait(end - round(wait * 1e9), end, seq, samples)
+
+    def flush(self) -> None:
+        """Rewrite the trace= file with what was recorded so far."""
+        if self.path is not None and self.recorder is not None:
+            self.recorder.write(self.path)

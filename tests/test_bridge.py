@@ -142,11 +142,11 @@ def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2,
                           accelerator="dali-cpu", seed=4)
-    ld._bridge = rec  # what _start_bridge sets up on a GPU
+    ld._gpu.bridge = rec  # what GpuSession._start_bridge sets up on a GPU
     seen = []
     for _, y in ld:
         assert not rec.armed  # closed before the batch reached us
-        accel = ld._manager.accelerator
+        accel = ld._gpu.accel
         assert accel.gated and not accel.window_open and accel._active is None
         seen += y.tolist()
     assert sorted(seen) == list(range(40))
@@ -310,7 +310,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     args = dict(batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda:0",
                 accelerator="dali-gpu", gpu_sharing="temporal", seed=4, timeout=60)
     ld = FusionFlowLoader(Bytes(16), **args)
-    ld._alloc_device = torch.device("cpu")
+    ld._delivery.alloc_device = torch.device("cpu")
     _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
     assert ld.stats.memory_bridge.startswith("off: No module named 'posix_ipc'")
@@ -324,7 +324,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     failing.close = close_fails
     monkeypatch.setattr(bridge_mod, "MemoryBridge", lambda device: failing)
     ld = FusionFlowLoader(Bytes(16), **args)
-    ld._alloc_device = torch.device("cpu")
+    ld._delivery.alloc_device = torch.device("cpu")
     with caplog.at_level("ERROR", logger="fusionflow.loader"):
         _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(16))

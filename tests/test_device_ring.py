@@ -67,7 +67,7 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
     ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, seed=4,
                           device="cuda:1", accelerator="dali-gpu", gpu_sharing=sharing, memory_bridge="off",
                           timeout=60)
-    ld._alloc_device = torch.device("cpu")  # the tensors stay on the CPU; every CUDA call goes to the fake
+    ld._delivery.alloc_device = torch.device("cpu")  # the tensors stay on the CPU; every CUDA call goes to the fake
     copy = device_ring.copy_out
     windows, stepping = [], [False]
 
@@ -133,7 +133,7 @@ def test_failed_host_register_clears_cudas_last_error_or_says_it_cannot(fake, mo
     cleared = []
     monkeypatch.setattr(device_ring, "clear_last_error", lambda: cleared.append(fake.current_device()) or True)
     ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda:1", timeout=60)
-    ld._alloc_device = torch.device("cpu")
+    ld._delivery.alloc_device = torch.device("cpu")
     seen = [y.tolist() for _, y in ld]
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]] and cleared == [1]
     assert not fake.of("host_unregister")  # nothing was registered
@@ -156,3 +156,18 @@ def test_a_cuda_device_without_index_is_resolved_once(fake):
 def test_accelerator_runs_are_slices():
     assert accel_runs([6, 7, 0, 1, 4]) == [(0, 2), (4, 5), (6, 8)]
     assert accel_runs([]) == []
+
+
+@pytest.mark.parametrize("accelerator", [None, "dali-gpu"])
+def test_one_slot_on_the_gpu_path_delivers_the_whole_epoch(fake, no_leaks, accelerator):
+    """prefetch_factor=1 with CUDA delivery: the only ring slot is held until the caller's next
+    next() (its copies may still run), so that call must release it and submit the next mini-batch
+    before deciding the epoch is over. The whole epoch arrives, each sample once."""
+    ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, seed=4,
+                          device="cuda:1", accelerator=accelerator, memory_bridge="off", prefetch_factor=1,
+                          timeout=60)
+    ld._delivery.alloc_device = torch.device("cpu")
+    with fake.stream(fake.Stream(device=1)):
+        seen = [y for _, labels in ld for y in labels.tolist()]
+    ld.close()
+    assert sorted(seen) == list(range(40))

@@ -1,4 +1,6 @@
-"""Mid-epoch checkpoint and resume: what reproduces an epoch's batch order, and how it is restored.
+"""Mid-epoch checkpoint and resume: the loader's epoch bookkeeping (`Checkpoint`, which
+FusionFlowLoader's `state_dict()` / `load_state_dict()` and `set_epoch()` delegate to), what
+reproduces an epoch's batch order, and how it is restored.
 
 A sample's pixels are a pure function of (seed, epoch, index), so a loader's state needs no pixels:
 the seed, the epoch bookkeeping, the number of batches already yielded in the epoch in progress,
@@ -30,6 +32,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import RandomSampler
@@ -71,12 +74,12 @@ def capture(batch_sampler, sampler) -> dict:
     return {"kind": kind}
 
 
-def warn_if_unresumable(batch_sampler, sampler) -> None:
+def warn_if_unresumable(batch_sampler, sampler, stacklevel: int = 3) -> None:
     """A state is being taken of an order drawn from torch's global RNG: say it will not repeat."""
     if order_owner(batch_sampler, sampler)[1] == "none" and getattr(sampler, "generator", False) is None:
         warnings.warn(f"{type(sampler).__name__} draws its order from torch's global RNG (generator=None): a "
                       "resumed epoch will not repeat it. Give the sampler a torch.Generator (generator=...) "
-                      "or a state_dict()/load_state_dict() to resume it exactly", UserWarning, stacklevel=3)
+                      "or a state_dict()/load_state_dict() to resume it exactly", UserWarning, stacklevel=stacklevel)
 
 
 def check(saved: dict, batch_sampler, sampler) -> None:
@@ -130,3 +133,96 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
         if on_skip is not None:
             on_skip(skipped)
     return batches, snapshot
+
+
+@dataclass
+class EpochProgress:
+    """One iteration's place in its epoch, owned by its iterator: batches yielded so far, what
+    reproduces the epoch's order (`start`, None until its first batch is drawn), and whether the
+    epoch is complete. Only the `Checkpoint`'s current one is read by `state_dict()`."""
+
+    yielded: int = 0
+    start: dict | None = None
+    done: bool = False
+
+
+class Checkpoint:
+    """The loader's position across epochs: the epoch number (set, or counted by iterations), the
+    pending resume from `load_state_dict`, and the newest iteration's `EpochProgress`. Knows nothing
+    of workers; the loader passes what a state is checked against (`LoaderShape`)."""
+
+    def __init__(self):
+        self.epoch, self.epoch_set, self.iterations = 0, False, 0
+        self.resume: tuple | None = None  # (sampler state, batches to skip) for the next iteration
+        self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
+
+    def set_epoch(self, epoch: int, sampler) -> None:
+        """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch={epoch!r} must be a non-negative integer")
+        if self.resume is not None and self.resume[1] and epoch != self.epoch:
+            warnings.warn(f"set_epoch({epoch}) after load_state_dict of a state in the middle of epoch "
+                          f"{self.epoch}: epoch {epoch} starts from its first batch; call set_epoch({self.epoch}) "
+                          "(or none) to resume the saved epoch's remaining batches", UserWarning, stacklevel=3)
+            saved = self.resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one
+            self.resume = None if saved.get("kind") == "epoch" else (saved, 0)
+        self.epoch, self.epoch_set = epoch, True
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+
+    def begin(self) -> tuple[int, EpochProgress]:
+        """A new iteration: its epoch (the previous + 1 unless `set_epoch` was called) and its
+        progress, which becomes the current one (an epoch is in progress from iter() on)."""
+        if self.iterations and not self.epoch_set:
+            self.epoch += 1
+        self.epoch_set = False
+        self.iterations += 1
+        start, yielded = self.resume if self.resume is not None else (None, 0)
+        self.current = EpochProgress(yielded=yielded, start=start)
+        return self.epoch, self.current
+
+    def batches(self, progress: EpochProgress, batch_sampler, sampler, copies=None):
+        """The epoch's batches of indices, drawn when the iteration starts; records what reproduces
+        them (or restores it, resuming). Batches skipped on resume still pass through `copies`
+        (repeated augmentation's counter), so the copies after the resume point get the numbers
+        they would have had."""
+        saved, skip = self.resume if self.resume is not None else (None, 0)
+        self.resume = None
+        batches, snapshot = start_epoch(batch_sampler, sampler, saved, skip, on_skip=copies)
+        if progress is self.current:
+            progress.start, progress.yielded = snapshot, skip
+        return batches
+
+    def state_dict(self, shape: dict, seed: int, batch_sampler, sampler) -> dict:
+        """See FusionFlowLoader.state_dict; `shape`: the loader's dataset_len, batch_size,
+        drop_last and num_batches."""
+        cur = self.current
+        in_epoch = cur is not None and not cur.done
+        warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
+        return {
+            "version": VERSION, **shape, "seed": seed,
+            "epoch": self.epoch, "epoch_set": self.epoch_set, "iterations": self.iterations,
+            "batches_yielded": cur.yielded if in_epoch else None,
+            "sampler": (cur.start if in_epoch and cur.start is not None else capture(batch_sampler, sampler)),
+        }
+
+    def load_state_dict(self, state: dict, shape: dict, batch_sampler, sampler) -> None:
+        """Check `state` against this loader (`shape`, the sampler) and make the next iteration
+        resume it. The seed is the caller's to apply (`state["seed"]`)."""
+        if not isinstance(state, dict) or state.get("version") != VERSION:
+            raise ValueError(f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
+                             f"{VERSION}: pass what loader.state_dict() returned")
+        for key, value in shape.items():
+            if state.get(key) != value:
+                raise ValueError(f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
+                                 f"{key}={value!r}: build the loader as the one that saved the state was built "
+                                 "(same dataset length, batch_size, drop_last and sampler)")
+        check(state["sampler"], batch_sampler, sampler)
+        yielded, num_batches = state["batches_yielded"], shape["num_batches"]
+        if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= num_batches):
+            raise ValueError(f"state['batches_yielded']={yielded!r} must be an int in [0, {num_batches}]")
+        self.epoch, self.epoch_set, self.iterations = state["epoch"], state["epoch_set"], state["iterations"]
+        if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
+            self.epoch_set, self.iterations = True, max(0, self.iterations - 1)
+        self.resume = (state["sampler"], yielded or 0)
+        self.current = None

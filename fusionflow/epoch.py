@@ -1,0 +1,219 @@
+"""The per-epoch iterators `iter(FusionFlowLoader)` returns: each owns its epoch's state.
+
+`_WorkerIterator` (num_workers > 0): the epoch's generation on the loader's runtime (a newer
+iterator abandons an older one's unfinished work), the free ring slots, the mini-batches submitted
+and delivered, the slot whose GPU copies the caller still holds (released at the next call), and the
+epoch's `EpochProgress` (batches yielded, for checkpoints). `_InlineIterator` (num_workers=0): the
+same batches made in the training process itself, with the per-sample body CPU workers run
+(fusionflow/sample.py).
+
+Both start lazily, as a generator would: nothing is started or drawn until the first `next()`. An
+iteration ends at its last batch, at an exception (re-raised), at `close()`, or when the iterator is
+dropped: its unfinished work is forgotten, and without persistent workers the runtime is stopped.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from fusionflow.runtime import targets as ff_targets
+from fusionflow.scheduling.tiny_batches import Copies
+
+
+def copies_for(sampler) -> Copies:
+    """A fresh copy counter for an epoch, on this loader's rank (repeated augmentation): the sampler's
+    rank/num_replicas, else torch.distributed's, else 0/1."""
+    rank, world = getattr(sampler, "rank", None), getattr(sampler, "num_replicas", None)
+    if not (isinstance(rank, int) and isinstance(world, int)):
+        dist = torch.distributed
+        rank, world = ((dist.get_rank(), dist.get_world_size())
+                       if dist.is_available() and dist.is_initialized() else (0, 1))
+    return Copies(rank, world)
+
+
+def check_batch(indices, capacity: int) -> None:
+    if len(indices) > capacity:
+        raise ValueError(f"the batch sampler yielded a batch of {len(indices)} samples, more than its "
+                         f"batch_size={capacity}")
+
+
+class _EpochIterator:
+    """What both iterators share: the loader's parts they use, the epoch, its progress, and the
+    output as the caller gets it (the batch, or what the user's collate_fn returns)."""
+
+    def __init__(self, loader, epoch: int, progress):
+        self.config = loader.config  # this epoch's configuration (load_state_dict may replace the loader's)
+        self.dataset, self.epoch, self.progress = loader.dataset, epoch, progress
+        self._checkpoint, self._delivery, self._tracing = loader._checkpoint, loader._delivery, loader._tracing
+        self._stats = loader.stats
+        self._started = self._ended = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        try:
+            if not self._started:
+                self._started = True
+                self._start()
+            images_t, labels_t, objs = self._next_batch()
+        except StopIteration:
+            self.progress.done = True  # the epoch is complete
+            self._end(finished=True)
+            raise
+        except BaseException:
+            self._end(finished=False)
+            raise
+        self.progress.yielded += 1
+        collate = self.config.collate
+        if collate is None:
+            return images_t, labels_t
+        # DataLoader's collate_fn contract: the batch as a list of (image, target) samples -- images
+        # are views of the delivered batch tensor (on the loader's device), targets as the dataset
+        # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
+        return collate(list(zip(images_t.unbind(0), labels_t.tolist() if objs is None else objs)))
+
+    def close(self) -> None:
+        """End the iteration now (as a `break` out of the loop does, once the iterator is dropped)."""
+        if self._started and not self._ended:
+            self._end(finished=False)
+        self._ended = True
+
+    def __del__(self):
+        self.close()
+
+    def _batches(self, copies):
+        return self._checkpoint.batches(self.progress, self.config.batch_sampler, self.config.sampler, copies)
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _next_batch(self):
+        raise NotImplementedError
+
+    def _end(self, finished: bool) -> None:
+        self._ended = True
+        self._tracing.flush()
+
+
+class _WorkerIterator(_EpochIterator):
+    """One epoch on the loader's worker processes (and accelerator / remote worker kinds)."""
+
+    def __init__(self, loader, epoch: int, progress):
+        super().__init__(loader, epoch, progress)
+        self._workers, self._gpu = loader._workers, loader._gpu
+        self._mgr = None  # the runtime this epoch runs on (started at the first next())
+        self._gen = None  # this epoch's generation on it
+        self._free = list(range(self.config.prefetch_factor))  # ring slots with no mini-batch in them
+        self._pending = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
+        self._submitted = self._delivered = 0
+        self._exhausted = False
+
+    def _start(self) -> None:
+        self._mgr = mgr = self._workers.start(self.config, self._delivery.alloc_device)
+        self._gen = mgr.new_generation()
+        mgr.abandon(self._gen - 1)  # a previous iterator left unfinished: its work is forgotten
+        self._copies = copies_for(self.config.sampler)
+        self._indices = self._batches(self._copies)
+        self._refill()
+
+    def _refill(self) -> None:
+        """Submit the epoch's next mini-batches into the free ring slots."""
+        while self._free and not self._exhausted:
+            indices = next(self._indices, None)
+            if indices is None:
+                self._exhausted = True
+                break
+            check_batch(indices, self.config.capacity)
+            self._mgr.submit(self._submitted, self._gen, self._free.pop(0), self.epoch, list(indices),
+                             self._copies(indices))
+            self._submitted += 1
+
+    def _next_batch(self):
+        mgr, gpu = self._mgr, self._gpu
+        if self._pending is not None:  # the caller is done with the previous batch's GPU copies
+            slot, event = self._pending
+            self._pending = None
+            event.synchronize()
+            self._free.append(slot)
+            self._refill()
+        if self._delivered >= self._submitted:
+            raise StopIteration
+        t0 = time.perf_counter()
+        if gpu is not None:
+            gpu.mark_step()
+            gpu.open_window(mgr)
+        try:
+            state = mgr.wait(self._delivered, self._gen, self.config.timeout)
+        finally:
+            if gpu is not None:
+                gpu.close_window(mgr)
+        wait = time.perf_counter() - t0
+        images_t, labels_t, objs, event = self._delivery.from_ring(mgr, state, gpu)
+        self._delivery.account(wait, len(images_t))
+        self._tracing.wait(wait, self._delivered, len(images_t))
+        if gpu is not None:
+            gpu.sync_stats()
+        self._delivered += 1
+        if event is None:
+            self._free.append(state.slot)
+            self._refill()
+        else:
+            self._pending = (state.slot, event)
+        return images_t, labels_t, objs
+
+    def _end(self, finished: bool) -> None:
+        self._ended = True
+        self._pending = None
+        if self._mgr is not None:
+            self._workers.end_iteration(self._mgr, self._gen, finished, self.config.persistent_workers)
+        self._tracing.flush()
+
+
+class _InlineIterator(_EpochIterator):
+    """One epoch made in the training process (num_workers=0), sample by sample."""
+
+    def _start(self) -> None:
+        from fusionflow.ops.pipeline import CpuPipeline
+        cfg = self.config
+        self._pipe = CpuPipeline(cfg.policy)
+        self._buf = np.empty((cfg.capacity, *cfg.policy.out_shape), cfg.policy.out_dtype)
+        self._labels = np.empty(cfg.capacity, np.int64)
+        self._copies = copies_for(cfg.sampler)
+        self._clock = None
+        if cfg.stage_names is not None:
+            from fusionflow.stages import StageClock
+            self._clock = StageClock(cfg.stage_names)
+        self._seq = 0
+        self._indices = self._batches(self._copies)
+
+    def _next_batch(self):
+        from fusionflow.sample import run_sample
+        cfg, buf, labels = self.config, self._buf, self._labels
+        indices = next(self._indices)  # StopIteration: the epoch is complete
+        t0 = time.perf_counter()
+        check_batch(indices, cfg.capacity)
+        failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
+        for pos, (index, copy) in enumerate(zip(indices, self._copies(indices))):
+            failure = run_sample(self.dataset, self._pipe, pos, index, copy, cfg.seed, self.epoch, buf, labels,
+                                 side, self._clock)
+            if failure is not None:
+                failures.append(failure)
+        n = len(indices)
+        keep = self._delivery.select(n, failures)
+        imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
+        objs = ff_targets.gather(labels, range(n) if keep is None else keep, side) if side else None
+        wait = time.perf_counter() - t0
+        self._delivery.account(wait, len(imgs))
+        if self._clock is not None:
+            self._stats.add_stage_times(cfg.stage_names, "inline", self._clock.take())
+        self._tracing.wait(wait, self._seq, len(imgs))
+        self._seq += 1
+        images_t, labels_t, _ = self._delivery.deliver(imgs, labs)
+        if objs is not None:
+            labels_t = self._delivery.collate_targets(objs)
+        return images_t, labels_t, objs
