@@ -68,3 +68,10 @@ def test_every_allowlist_entry_has_a_reason_and_is_in_the_architecture_note():
 def test_the_measure_counts_nested_and_qualified_functions():
     tree = ast.parse("class A:\n    def f(self):\n        def g():\n            pass\n        return g\n")
     assert dict(_functions(tree)) == {"A.f": 4, "A.f.g": 2}
+
+
+def test_the_loader_is_composed_not_mixed_in():
+    """FusionFlowLoader holds its parts (fusionflow/loader.py's docstring names them); no base class
+    spreads its state over other files."""
+    from fusionflow.loader import FusionFlowLoader
+    assert FusionFlowLoader.__bases__ == (object,)
