@@ -1,6 +1,7 @@
-"""The package's shape, checked from the source (ast): no file over 400 lines, no function over 60
-lines, except the allowlist below, each entry with its reason. README's layout section repeats the
-allowlist, and an entry that no longer exceeds its limit must leave the list (so it only shrinks)."""
+"""The package's shape, checked from the source (ast): no file over 400 lines, no function body over
+60 lines, except the allowlist below, each entry with its reason. docs/architecture.md's "Code shape"
+section repeats the allowlist, and an entry that no longer exceeds its limit must leave the list (so
+it only shrinks)."""
 import ast
 from pathlib import Path
 
@@ -16,11 +17,22 @@ ALLOWED: dict[str, str] = {
 }
 
 
+def _body_lines(fn) -> int:
+    """A function's length: its body's lines, from the first statement after the docstring to its
+    end. The signature is not counted (the formatter puts one parameter a line once they do not fit
+    on one: a DataLoader-compatible signature is long by necessity, not by logic), nor the docstring."""
+    body = fn.body
+    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]
+    return fn.end_lineno - body[0].lineno + 1
+
+
 def _functions(node, prefix=""):
-    """(qualified name, lines) of every function and method, nested ones included."""
+    """(qualified name, body lines) of every function and method, nested ones included."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            yield prefix + child.name, child.end_lineno - child.lineno + 1
+            yield prefix + child.name, _body_lines(child)
             yield from _functions(child, f"{prefix}{child.name}.")
         elif isinstance(child, ast.ClassDef):
             yield from _functions(child, f"{prefix}{child.name}.")
@@ -46,13 +58,13 @@ def oversized() -> dict[str, str]:
 def test_no_file_or_function_over_its_limit_outside_the_allowlist():
     over = oversized()
     unlisted = {name: size for name, size in over.items() if name not in ALLOWED}
-    assert not unlisted, (f"split these, or add them to ALLOWED with a reason (and to README's layout "
+    assert not unlisted, (f"split these, or add them to ALLOWED with a reason (and to docs/architecture.md's Code shape "
                           f"section): {unlisted}")
 
 
 def test_the_allowlist_only_holds_what_still_needs_it():
     stale = sorted(set(ALLOWED) - set(oversized()))
-    assert not stale, f"within the limits now: remove from ALLOWED and README's layout section: {stale}"
+    assert not stale, f"within the limits now: remove from ALLOWED and docs/architecture.md's Code shape section: {stale}"
 
 
 def test_every_allowlist_entry_has_a_reason_and_is_in_the_architecture_note():
@@ -67,7 +79,9 @@ def test_every_allowlist_entry_has_a_reason_and_is_in_the_architecture_note():
 
 def test_the_measure_counts_nested_and_qualified_functions():
     tree = ast.parse("class A:\n    def f(self):\n        def g():\n            pass\n        return g\n")
-    assert dict(_functions(tree)) == {"A.f": 4, "A.f.g": 2}
+    assert dict(_functions(tree)) == {"A.f": 3, "A.f.g": 1}
+    signature_and_docstring = ast.parse('def f(\n    a,\n    b,\n):\n    """Doc.\n\n    More."""\n    x = a\n    return x\n')
+    assert dict(_functions(signature_and_docstring)) == {"f": 2}
 
 
 def test_the_loader_is_composed_not_mixed_in():
