@@ -2,6 +2,7 @@
 lines, except the allowlist below, each entry with its reason. README's layout section repeats the
 allowlist, and an entry that no longer exceeds its limit must leave the list (so it only shrinks)."""
 import ast
+import inspect
 from pathlib import Path
 
 import fusionflow
@@ -66,3 +67,35 @@ def test_every_allowlist_entry_has_a_reason_and_is_in_the_readme():
 def test_the_measure_counts_nested_and_qualified_functions():
     tree = ast.parse("class A:\n    def f(self):\n        def g():\n            pass\n        return g\n")
     assert dict(_functions(tree)) == {"A.f": 4, "A.f.g": 2}
+
+
+def _protocol_members(proto) -> dict:
+    """A Protocol's own methods: name -> signature."""
+    return {name: inspect.signature(value) for name, value in vars(proto).items()
+            if callable(value) and not name.startswith("_")}
+
+
+def test_every_worker_kind_satisfies_the_board_s_worker_kind_protocol():
+    """runtime/board.py writes the contract down as a Protocol; each kind's class has every member,
+    callable with the protocol's arguments, by position and by name (checked on the classes: a kind
+    is not constructed here)."""
+    from fusionflow.runtime import board
+    from fusionflow.runtime.accelerator import AcceleratorWorker
+    from fusionflow.runtime.remote import RemoteWorkers
+    from fusionflow.runtime.worker_pool import WorkerPool
+
+    proto = board.WorkerKind
+    assert getattr(proto, "_is_protocol", False) and getattr(proto, "_is_runtime_protocol", False)
+    assert proto.__module__ == board.__name__
+    members = _protocol_members(proto)
+    assert set(members) == {"start", "stop", "busy_with_stale"}
+    for cls in (WorkerPool, AcceleratorWorker, RemoteWorkers):
+        assert issubclass(cls, proto), cls
+        for name, want in members.items():
+            impl = getattr(cls, name, None)
+            assert callable(impl), f"{cls.__name__}.{name} is missing"
+            have = inspect.signature(impl)
+            params = list(want.parameters.values())
+            have.bind(*[object()] * len(params))  # raises TypeError when incompatible
+            have.bind(object(), **{p.name: object() for p in params[1:]})
+            assert have.return_annotation in (want.return_annotation, inspect.Signature.empty), (cls, name)

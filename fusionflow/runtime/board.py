@@ -20,11 +20,10 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     add_worker_kind(kind)                       registers a kind (its owner then calls kind.start())
 
 A kind's thread loops: with `cond` held take work (taking none while `draining()`; waiting on
-`cond`, or polling its own results meanwhile, while there is none), release the lock to compute and write the ring, then with `cond` held `complete` (or
-`requeue`) it, then `wake()`. A kind has `start()`, `stop()` (idempotent; finishes or abandons its
-work in flight; the manager's shutdown calls it first, also for a kind whose start() failed) and
-`busy_with_stale(generation) -> bool`. Whoever registers a kind starts it after `add_worker_kind`,
-so a start that fails half-way is still stopped by the shutdown.
+`cond`, or polling its own results meanwhile, while there is none), release the lock to compute and
+write the ring, then with `cond` held `complete` (or `requeue`) it, then `wake()`. What a kind itself
+provides -- `start()`, `stop()`, `busy_with_stale(generation)` -- is the `WorkerKind` protocol below,
+each method with its contract.
 
 The board holds no threads or processes itself; the queue is the pure TinyBatchQueue.
 """
@@ -33,9 +32,36 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
+from typing import Protocol, runtime_checkable
 
 from fusionflow.runtime.counters import RuntimeCounters
 from fusionflow.scheduling.queue import TinyBatchQueue, Work
+
+
+@runtime_checkable
+class WorkerKind(Protocol):
+    """What a worker kind provides to the board that it is registered with (`Board.add_worker_kind`).
+    The CPU worker pool (runtime/worker_pool.py), the DALI accelerator (runtime/accelerator.py) and the
+    Ray workers (runtime/remote.py) satisfy it; tests/test_code_shape.py checks that they do."""
+
+    def start(self) -> None:
+        """Begin taking work from the board: start the kind's threads, processes or connections.
+        Called once, by whoever registered the kind, AFTER `Board.add_worker_kind`: a start that fails
+        half-way (it may raise) is then still stopped by the owner's shutdown."""
+        ...
+
+    def stop(self) -> None:
+        """Idempotent, and valid before, during or after a failed `start()` (or with none at all).
+        Finish or abandon the work in flight (what is abandoned goes back with `Board.requeue`), end
+        the kind's threads and release what it holds. The owner's shutdown calls it first, latest
+        registered kind first, then forgets the kind (it refers back to the board)."""
+        ...
+
+    def busy_with_stale(self, generation: int) -> bool:
+        """Called with the board's `cond` held, so it must neither block nor take that lock: whether
+        the kind is still writing ring positions of an iterator older than `generation`. While any
+        part is, `Board.draining()` is true and nobody takes new work (its ring slots are reused)."""
+        ...
 
 
 class Board:
@@ -54,8 +80,11 @@ class Board:
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)  # wake(): the manager thread waits on _ctrl_r
 
     # ---------------------------------------------------------------- worker kinds
-    def add_worker_kind(self, kind) -> None:
+    def add_worker_kind(self, kind: WorkerKind) -> None:
         """Register `kind` (then call its `start()`); its `stop()` is called first by the manager's shutdown."""
+        if not isinstance(kind, WorkerKind):
+            raise TypeError(f"add_worker_kind({kind!r}): a worker kind has start(), stop() and "
+                            "busy_with_stale(generation) (fusionflow/runtime/board.py, WorkerKind)")
         with self.cond:
             if self._kinds_stopped:
                 raise RuntimeError(f"add_worker_kind({kind!r}): this manager is shut down; no worker kind can join")

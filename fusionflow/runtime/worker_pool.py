@@ -69,6 +69,7 @@ class WorkerPool:
         self.task_ids = itertools.count()
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
         self._live: list[_Worker] = []  # the manager thread's snapshot for its current wait
+        self._stopped = False
         board.counters.tiny_batches_per_worker = [0] * num_workers
 
     # ---------------------------------------------------------------- processes (main thread)
@@ -90,6 +91,7 @@ class WorkerPool:
         return cpus[(offset + wid) % len(cpus)]
 
     def start(self) -> None:
+        """Start every worker process (the training thread: forking happens there only)."""
         for wid in range(self.num_workers):
             self.start_worker(wid)
 
@@ -175,7 +177,11 @@ class WorkerPool:
 
     def stop(self) -> None:
         """Shutdown step: STOP to every worker (a lent one stops too: its borrower requeues what it
-        held); join each for up to STOP_GRACE_S in all; terminate() the rest, then kill(); close the pipes."""
+        held); join each for up to STOP_GRACE_S in all; terminate() the rest, then kill(); close the pipes.
+        Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         workers = [w for w in self.workers if w is not None]
         for w in workers:
             try:
@@ -196,6 +202,7 @@ class WorkerPool:
 
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
+        """Whether a worker (own, or lent out) still holds a task of an iterator older than `generation`."""
         return any(work.generation != generation for w in self.workers if w is not None
                    for _tid, work in w.outstanding)
 
