@@ -32,18 +32,20 @@ class AcceleratorControl:
             from fusionflow.runtime.device_ring import DeviceRing
             device_ring = DeviceRing(mgr.layout, self.device, self._alloc_device)
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        accel = AcceleratorWorker(mgr, self.dataset, self.policy, self.tiny_batch_size, self.seed,
+        accel = AcceleratorWorker(mgr.board, self.dataset, self.policy, self.tiny_batch_size, self.seed,
                                   device="gpu" if on_gpu else "cpu",
                                   device_id=self.device.index if on_gpu else None, aot=self.aot,
                                   largest_first=self.taas, device_ring=device_ring, sharing=sharing,
                                   counters=self.stats, bridge=self._bridge)
-        mgr.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
-        # anything below, or start(), raises
+        mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline)
+        # if anything below, or start(), raises
+        self._accel = self._box[2] = accel  # the loader's reference (the finalizer's box holds it too)
         search = KSearch(k_max=-(-self.capacity // self.tiny_batch_size))
         self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader (it would then live as
         # long as its manager, i.e. until close(), and never be collected) nor strongly to the manager.
-        mgr.attach(on_batch_done=(functools.partial(_taas_feedback, weakref.ref(mgr), search, self.stats.taas_k)
+        mgr.attach(on_batch_done=(functools.partial(_taas_feedback, weakref.ref(mgr.board), weakref.ref(accel),
+                                                    search, self.stats.taas_k)
                                   if self.taas and self.taas_last_k else None),
                    on_capacity_change=lambda n: search.restart())  # the CPU side's speed changed: search K again
         self._device_ring = device_ring
@@ -71,23 +73,23 @@ class AcceleratorControl:
 
     def _open_window(self, mgr: LocalManager) -> None:
         """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
-        accel = mgr.accelerator
+        accel = self._accel
         if self._bridge is not None and (accel is None or accel.bridge is None or accel.sharing != "temporal"):
             close_bridge_window(self._bridge)  # no windows now (spatial, lending failed): what DALI let go goes back
         if accel is None or not accel.gated:
             return
-        with mgr.cond:
+        with mgr.board.cond:
             if accel.bridge is not None:
                 accel.bridge.arm(torch.cuda.current_stream(self.device))
             accel.window_open = True
-            mgr.cond.notify_all()
+            mgr.board.cond.notify_all()
 
     def _close_window(self, mgr: LocalManager) -> None:
         """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
-        accel = mgr.accelerator
+        accel = self._accel
         if accel is None or not accel.window_open:
             return
-        with mgr.cond:
+        with mgr.board.cond:
             accel.window_open = False
             accel.wait_idle()
         close_bridge_window(self._bridge)
@@ -98,7 +100,7 @@ class AcceleratorControl:
 
     def _mark_step(self, mgr: LocalManager) -> None:
         """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
-        accel = mgr.accelerator
+        accel = self._accel
         if self._profiler is not None:
             self._profiler.tick()
             self.stats.gpu_sharing = self._profiler.chosen
@@ -117,10 +119,10 @@ class AcceleratorControl:
         with torch.cuda.device(self.device.index):
             stream = torch.cuda.current_stream(self.device)
             self._device_ring.wait_slot(slot, stream)  # after the accelerator's copies into this slot
-            out = torch.from_numpy(mgr.ring.images[slot, :n]).to(self._alloc_device, non_blocking=pinned)
+            out = torch.from_numpy(mgr.board.ring.images[slot, :n]).to(self._alloc_device, non_blocking=pinned)
             for start, stop in accel_runs(state.accel_positions):
                 out[start:stop] = self._device_ring.images[slot, start:stop]
-            host_labels = mgr.ring.labels[slot, :n]
+            host_labels = mgr.board.ring.labels[slot, :n]
             labels = torch.from_numpy(host_labels if pinned else host_labels.copy()).to(self._alloc_device,
                                                                                         non_blocking=pinned)
             if keep is not None:  # on_error='skip' dropped samples (rare): gather what is kept
@@ -129,14 +131,14 @@ class AcceleratorControl:
             return out, labels, self._copied(stream)
 
 
-def _taas_feedback(mgr_ref, search, history, state) -> None:
-    """The manager's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
-    mgr = mgr_ref()
-    if mgr is None or (mgr.accelerator is not None and mgr.accelerator.retired):
+def _taas_feedback(board_ref, accel_ref, search, history, state) -> None:
+    """The board's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
+    board, accel = board_ref(), accel_ref()
+    if board is None or (accel is not None and accel.retired):
         return
     cpu_last = state.cpu_done_at >= state.accel_done_at
-    mgr.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
-    history.append(mgr.reserved)
+    board.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
+    history.append(board.reserved)
 
 
 def close_bridge_window(bridge) -> None:

@@ -144,9 +144,10 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
         self._warned_skip = False
         self._device_ring = None
         self._profiler = None  # gpu_sharing="auto" on a GPU
-        # the manager (and the allocator bridge) live in a box the finalizer holds, so it runs at exit or
-        # collection without self
-        self._box = [None, None]
+        self._accel = None  # the DALI accelerator worker kind this loader started on its manager
+        # the manager (and the allocator bridge, and the accelerator) live in a box the finalizer holds, so
+        # it runs at exit or collection without self
+        self._box = [None, None, None]
         self._finalizer = weakref.finalize(self, _shutdown_manager, self._box)
 
     def _apply_config(self, dataset, cfg: LoaderConfig) -> None:
@@ -210,8 +211,8 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
     def close(self) -> None:
         """Stop workers, return lent GPU blocks and release shared memory now (and write the trace, if
         any). The loader can be iterated again after."""
-        self._box[:] = self._manager, self._bridge  # the finalizer's box holds what the loader holds
-        self._manager = self._bridge = None
+        self._box[:] = self._manager, self._bridge, self._accel  # the finalizer's box holds what the loader holds
+        self._manager = self._bridge = self._accel = None
         _shutdown_manager(self._box, self.stats)
         self._flush_trace()
 
@@ -252,9 +253,9 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
         """Ray actors as one more worker kind on the board (fusionflow/runtime/remote.py); a dataset that
         cannot be pickled or read on a remote node fails here, at start-up (the caller stops the manager)."""
         from fusionflow.runtime.remote import RemoteWorkers
-        kind = RemoteWorkers(mgr, self.remote_workers, self.dataset, self.policy, self.seed, self.stats,
+        kind = RemoteWorkers(mgr.board, self.remote_workers, self.dataset, self.policy, self.seed, self.stats,
                              first_worker_id=self.num_workers, worker_init_fn=self.worker_init_fn)
-        mgr.add_worker_kind(kind)  # registered first: the manager's shutdown stops it even if start() fails
+        mgr.board.add_worker_kind(kind)  # registered first: the manager's shutdown stops it even if start() fails
         kind.start()
 
     def _lending_spec(self) -> bytes | None:
@@ -268,8 +269,8 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
 
     def _stop_manager(self) -> None:
         """Shut the manager down (`_shutdown_manager`); the allocator bridge stays for the next one."""
-        self._box[:] = self._manager, self._bridge  # the finalizer's box holds what the loader holds
-        self._manager = None
+        self._box[:] = self._manager, self._bridge, self._accel  # the finalizer's box holds what the loader holds
+        self._manager = self._accel = None
         _shutdown_manager(self._box, self.stats, keep_bridge=True)
 
 
@@ -278,8 +279,8 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
         when not all are ints, the CUDA event after the copies out of the slot or None)."""
         n = state.size
         keep = self._select(range(n), state.failures)
-        imgs = mgr.ring.images[state.slot]
-        labs = mgr.ring.labels[state.slot]
+        imgs = mgr.board.ring.images[state.slot]
+        labs = mgr.board.ring.labels[state.slot]
         objs = (ff_targets.gather(labs, range(n) if keep is None else keep, state.targets)
                 if state.targets else None)  # targets that are not all ints: collated as DataLoader does
         imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
@@ -366,10 +367,10 @@ def _shutdown_manager(box, stats=None, keep_bridge: bool = False) -> None:
     """The loader's one shutdown procedure for its manager and allocator bridge, run by every path:
     `close()`, the end of an iteration without persistent workers, a new seed, a manager that failed
     to start its accelerator, and the finalizer at the loader's collection or interpreter exit (which
-    holds only `box`, [manager, bridge], never the loader). Idempotent.
+    holds only `box`, [manager, bridge, accelerator], never the loader). Idempotent.
 
-    1. Take the manager (and, unless `keep_bridge`, the bridge) out of the box: a second run finds
-       nothing to do.
+    1. Take the manager and its accelerator (and, unless `keep_bridge`, the bridge) out of the box: a
+       second run finds nothing to do.
     2. Close the accelerator's prep window, if open: the tiny-batch in flight finishes first
        (`wait_idle`), then PyTorch takes its lent blocks back (`bridge.close`).
     3. Shut the manager down (`LocalManager.shutdown`, its own numbered procedure: worker kinds,
@@ -378,14 +379,13 @@ def _shutdown_manager(box, stats=None, keep_bridge: bool = False) -> None:
        counters into `stats`; unless it is kept for the next manager, shut it down (every block goes
        back, the ledger is unlinked).
     """
-    mgr, bridge = box
-    box[0] = None
+    mgr, bridge, accel = box
+    box[0] = box[2] = None
     if not keep_bridge:
         box[1] = None
     if mgr is not None:
-        accel = mgr.accelerator
         if accel is not None and accel.window_open:
-            with mgr.cond:
+            with mgr.board.cond:
                 accel.window_open = False
                 accel.wait_idle()
             close_bridge_window(bridge)

@@ -179,7 +179,7 @@ class Tracing:
     def _set_tracer(self, recorder) -> None:
         self._tracer = recorder
         if self._manager is not None:
-            self._manager.trace = recorder
+            self._manager.board.trace = recorder
 
     def _flush_trace(self) -> None:
         if self._trace_path is not None and self._tracer is not None:

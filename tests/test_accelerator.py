@@ -92,9 +92,9 @@ def manager():
 
 
 def test_two_ended_queue_with_reservation(manager):
-    mgr = manager
-    mgr.submit(0, 0, 0, 0, list(range(8)))
-    mgr.submit(1, 0, 1, 0, [0, 2, 4])
+    mgr = manager.board
+    manager.submit(0, 0, 0, 0, list(range(8)))
+    manager.submit(1, 0, 1, 0, [0, 2, 4])
     with mgr.cond:
         mgr.reserved = 2
         assert mgr.take_accel().indices == (1,)  # largest of the oldest mini-batch: 80 bytes
@@ -116,8 +116,8 @@ def test_two_ended_queue_with_reservation(manager):
 
 def test_fifo_ablation_takes_smallest_first(manager):
     manager.submit(0, 0, 0, 0, list(range(8)))
-    with manager.cond:
-        assert manager.take_accel(largest_first=False).indices == (0,)
+    with manager.board.cond:
+        assert manager.board.take_accel(largest_first=False).indices == (0,)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -196,7 +196,7 @@ def test_loader_with_accelerator_is_freed_on_last_reference(no_leaks, persistent
             for _ in it:
                 pass
         del it
-        accel = ld._manager.accelerator if persistent else None
+        accel = ld._accel if persistent else None
         refs = [weakref.ref(ld)] + ([weakref.ref(accel), weakref.ref(accel.pipeline), weakref.ref(ld._manager)]
                                     if persistent else [])
         del ld, accel

@@ -146,7 +146,7 @@ def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
     seen = []
     for _, y in ld:
         assert not rec.armed  # closed before the batch reached us
-        accel = ld._manager.accelerator
+        accel = ld._accel
         assert accel.gated and not accel.window_open and accel._active is None
         seen += y.tolist()
     assert sorted(seen) == list(range(40))

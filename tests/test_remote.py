@@ -226,7 +226,7 @@ class TestLocalRay:
         with _loader(ds, RayWorkers(2, take="front"), shuffle=False) as loader:
             images, labels = collect(loader)
             assert loader.stats.remote_tiny_batches == 0
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             assert kind.retired is not None and "in a row failed" in kind.retired
         assert sorted(torch.cat(labels).tolist()) == list(range(40))
         _expected_pixels(ds, images, [y.tolist() for y in labels], epoch=0)
@@ -269,7 +269,7 @@ class TestLocalRay:
             expected = list(BatchSampler(sampler, 8, False))
             it = iter(loader)
             first = next(it)
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             ray.kill(kind.actors[0].handle, no_restart=True)
             rest = list(it)
             images, labels = [first[0]] + [x for x, _ in rest], [first[1]] + [y for _, y in rest]
@@ -318,7 +318,7 @@ class TestLocalRay:
         from fusionflow import RayWorkers
         loader = _loader(Bytes(16), RayWorkers(2))
         collect(loader)
-        kind = loader._manager.kinds[0]
+        kind = loader._manager.board.kinds[0]
         handles = [a.handle for a in kind.actors]
         loader.close()
         assert local_ray.is_initialized()
@@ -363,7 +363,7 @@ class TestSimulatedCluster:
             expected = list(BatchSampler(sampler, 8, False))
             it = iter(loader)
             first = next(it)
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             assert kind.live == 2
             worker_nodes = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
             cluster.remove_node(worker_nodes[0])
@@ -390,7 +390,7 @@ class TestSimulatedCluster:
         ds = Bytes(24)
         with _loader(ds, RayWorkers("auto"), shuffle=False) as loader:
             images, labels = collect(loader)
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             assert kind.live == 2  # both 1-CPU worker nodes, none on the head
             assert sorted(torch.cat(labels).tolist()) == list(range(24))
             _expected_pixels(ds, images, [y.tolist() for y in labels], 0)

@@ -1,7 +1,7 @@
 """The board: the one interface every worker kind works through.
 
 A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything that produces tiny-batches
--- is handed the board (the `LocalManager` is one) and uses only these members:
+-- is handed the board (a `LocalManager` holds one: `mgr.board`) and uses only these members:
 
     cond         threading.Condition guarding everything below
     ring         the BatchRing: `.images[slot, pos]`, `.labels[slot]` (writes into a taken tiny-batch's
@@ -18,6 +18,11 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     draining() -> bool                          cond held: an abandoned iterator's work still runs
     wake()                                      WITHOUT the lock: wakes the manager thread
     add_worker_kind(kind)                       registers a kind (its owner then calls kind.start())
+
+The board's owner (the LocalManager) also uses `queue`, `completed_batches`, `on_batch_done`,
+`watch_stale` (parts it runs itself, such as the CPU worker pool and the lending agent, that
+`draining()` asks as it asks the kinds), `stop_worker_kinds`, `wake_conn` / `clear_wakes` (what its
+thread waits on) and `close_wake_pipe`.
 
 A kind's thread loops: with `cond` held take work (taking none while `draining()`; waiting on
 `cond`, or polling its own results meanwhile, while there is none), release the lock to compute and
@@ -77,6 +82,7 @@ class Board:
         self.on_batch_done = None  # callback(state) under the lock, e.g. TAAS feedback
         self.kinds: list = []  # registered worker kinds, in registration order
         self._kinds_stopped = False  # shutdown has begun: no kind may join
+        self._watched: list = []  # parts the owner runs itself whose stale work draining() counts too
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)  # wake(): the manager thread waits on _ctrl_r
 
     # ---------------------------------------------------------------- worker kinds
@@ -97,9 +103,23 @@ class Board:
         for kind in reversed(kinds):
             kind.stop()
 
+    def watch_stale(self, part) -> None:
+        """Let `draining()` ask `part.busy_with_stale(generation)` too: a part that takes work from this
+        board but whose start and stop its owner drives itself (the CPU worker pool, the lending agent),
+        so it is no registered kind."""
+        with self.cond:
+            self._watched.append(part)
+
+    def unwatch_stale(self) -> None:
+        """Forget every watched part (the owner drops them at shutdown: they refer back to the board)."""
+        with self.cond:
+            self._watched = []
+
     def draining(self) -> bool:
-        """Whether work of an abandoned iterator is still running (lock held)."""
-        return any(kind.busy_with_stale(self.generation) for kind in self.kinds)
+        """Whether work of an abandoned iterator is still running (lock held): on a watched part or a
+        registered worker kind."""
+        gen = self.generation
+        return any(part.busy_with_stale(gen) for part in self._watched + self.kinds)
 
     def wake(self) -> None:
         """Wake the manager thread (called without the lock)."""
@@ -107,6 +127,16 @@ class Board:
             self._ctrl_w.send_bytes(b"w")
         except OSError:  # closed: the manager is shut down
             pass
+
+    @property
+    def wake_conn(self):
+        """The read end of `wake()`'s pipe: the owner's thread waits on it (with its other waitables)."""
+        return self._ctrl_r
+
+    def clear_wakes(self) -> None:
+        """Consume the pending wake-ups (the owner's thread, once `wake_conn` was ready)."""
+        while self._ctrl_r.poll():
+            self._ctrl_r.recv_bytes()
 
     # ---------------------------------------------------------------- the two-ended queue (lock held)
     @property
