@@ -286,7 +286,7 @@ class TestLocalRay:
             assert loader.stats.remote_tiny_batches > before
 
     def test_a_failing_sample_travels_as_data(self, local_ray):
-        from fusionflow.runtime.remote import actor_class
+        from fusionflow.runtime.remote_task import actor_class
         ds = Bytes(8, bad={3})
         actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, 0)
         try:
