@@ -28,7 +28,7 @@ workers time each stage of each sample (read, decode+crop+resize, flip, each op,
 worker in `loader.stats.stage_seconds()` / `stage_shares()` (fusionflow/stages.py). Both are off by default.
 `global_manager` ("auto": under torchrun with several local ranks, the ranks' loaders lend idle CPU
 workers to each other through one global manager per node; a string: join that named job, e.g.
-train and validation loaders of one process; None: no lending) -- see runtime/global_manager.py.
+train and validation loaders of one process; None: no lending) -- see runtime/gm/manager.py.
 
 `collate_fn`: DataLoader's contract. None or `torch.utils.data.default_collate` cost nothing (the batch
 is already collated in place). Any other callable is called with the batch as a list of (image, target)
@@ -250,9 +250,9 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
         return self._manager
 
     def _start_remote(self, mgr: LocalManager) -> None:
-        """Ray actors as one more worker kind on the board (fusionflow/runtime/remote.py); a dataset that
+        """Ray actors as one more worker kind on the board (fusionflow/remote/kind.py); a dataset that
         cannot be pickled or read on a remote node fails here, at start-up (the caller stops the manager)."""
-        from fusionflow.runtime.remote import RemoteWorkers
+        from fusionflow.remote.kind import RemoteWorkers
         kind = RemoteWorkers(mgr.board, self.remote_workers, self.dataset, self.policy, self.seed, self.stats,
                              first_worker_id=self.num_workers, worker_init_fn=self.worker_init_fn)
         mgr.board.add_worker_kind(kind)  # registered first: the manager's shutdown stops it even if start() fails
@@ -263,7 +263,7 @@ class FusionFlowLoader(Checkpointing, BatchDelivery, AcceleratorControl, Tracing
         if self.job is None:
             return None
         if not hasattr(self, "_spec"):
-            from fusionflow.runtime.gm_link import make_spec
+            from fusionflow.runtime.gm.link import make_spec
             self._spec = make_spec(self.dataset, self.policy, self.worker_init_fn)
         return self._spec
 

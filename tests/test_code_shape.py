@@ -81,7 +81,7 @@ def test_every_worker_kind_satisfies_the_board_s_worker_kind_protocol():
     is not constructed here)."""
     from fusionflow.runtime import board
     from fusionflow.runtime.accelerator import AcceleratorWorker
-    from fusionflow.runtime.remote import RemoteWorkers
+    from fusionflow.remote.kind import RemoteWorkers
     from fusionflow.runtime.worker_pool import WorkerPool
 
     proto = board.WorkerKind

@@ -19,7 +19,7 @@ from fusionflow.errors import SampleError
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime.local_manager import SampleKilledWorkersError, WorkerStartError
-from fusionflow.synthetic import make_image, make_jpegs
+from fusionflow.tools.synthetic import make_image, make_jpegs
 
 SMALL = {"output": {"size": 24}, "flip": 0.5, "crop": {"scale": [0.3, 1.0]},
          "augment": {"type": "rand", "num_ops": 2, "magnitude": 5, "num_bins": 11,
@@ -433,7 +433,7 @@ class WithBomb(Bytes):
     """Bytes whose sample 7 is a 900-megapixel PNG of a few hundred bytes."""
 
     def __getitem__(self, i):
-        from fusionflow.synthetic import png_bomb
+        from fusionflow.tools.synthetic import png_bomb
         return (png_bomb(30000, 30000), i) if i == 7 else super().__getitem__(i)
 
 

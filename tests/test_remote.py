@@ -1,4 +1,4 @@
-"""Remote CPU workers on Ray (fusionflow/remote_workers.py, fusionflow/runtime/remote.py): same pixels
+"""Remote CPU workers on Ray (fusionflow/remote/config.py, fusionflow/remote/kind.py): same pixels
 and labels as local-only, every sample exactly once, an actor killed and a node removed mid-epoch,
 start-up errors, clean shutdown. On one local Ray instance per class and a simulated multi-node
 cluster (ray.cluster_utils.Cluster); skipped only when ray is not installed."""
@@ -171,7 +171,7 @@ class TestFusionFlowOwnsRay:
         _init_env(monkeypatch)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         loader = _loader(Bytes(12), RayWorkers(1, address="auto"))
-        with caplog.at_level("WARNING", logger="fusionflow.remote_workers"):
+        with caplog.at_level("WARNING", logger="fusionflow.remote.config"):
             _images, labels = collect(loader)
         assert sorted(torch.cat(labels).tolist()) == list(range(12))
         assert "no running Ray cluster found" in caplog.text
@@ -215,7 +215,7 @@ class TestLocalRay:
         # policy of another output size on the actors; nothing it returns may reach a batch
         from fusionflow import RayWorkers
         from fusionflow.policy import load_policy
-        from fusionflow.runtime import remote
+        from fusionflow.remote import kind as remote
         init = remote.RemoteWorkers.__init__
         other = load_policy(SMALL, size=16)
 
@@ -286,7 +286,7 @@ class TestLocalRay:
             assert loader.stats.remote_tiny_batches > before
 
     def test_a_failing_sample_travels_as_data(self, local_ray):
-        from fusionflow.runtime.remote_task import actor_class
+        from fusionflow.remote.task import actor_class
         ds = Bytes(8, bad={3})
         actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, 0)
         try:

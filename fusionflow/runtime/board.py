@@ -47,7 +47,7 @@ from fusionflow.scheduling.queue import TinyBatchQueue, Work
 class WorkerKind(Protocol):
     """What a worker kind provides to the board that it is registered with (`Board.add_worker_kind`).
     The CPU worker pool (runtime/worker_pool.py), the DALI accelerator (runtime/accelerator.py) and the
-    Ray workers (runtime/remote.py) satisfy it; tests/test_code_shape.py checks that they do."""
+    Ray workers (remote/kind.py) satisfy it; tests/test_code_shape.py checks that they do."""
 
     def start(self) -> None:
         """Begin taking work from the board: start the kind's threads, processes or connections.

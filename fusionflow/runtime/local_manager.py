@@ -1,7 +1,7 @@
 """Local manager: one per loader. The coordinator of one loader's runtime: it holds the board every
 worker kind works through (`self.board`, runtime/board.py: the shared batch ring, the sorted
 tiny-batch queue and completion accounting), owns the CPU worker pool (runtime/worker_pool.py) and,
-with a global manager, the lending agent (runtime/lending_agent.py), runs the manager thread, and
+with a global manager, the lending agent (runtime/gm/agent.py), runs the manager thread, and
 turns submitted mini-batches into completed ring slots. The pool, the agent and every worker kind get
 the board (and what else they use, explicitly), never the manager.
 
@@ -32,7 +32,7 @@ Faults
   * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
     traceback at the next `wait`.
 
-Global manager (DDP, `job` given; runtime/global_manager.py): the lending agent publishes this LM's
+Global manager (DDP, `job` given; runtime/gm/manager.py): the lending agent publishes this LM's
 progress, lends idle workers on the GM's orders, serves workers lent to this LM, and applies a new
 elastic worker target (the main thread starts missing workers at its next `wait`; surplus idle
 workers are sent STOP and not restarted; `on_capacity_change(n)` tells TAAS to search again).
@@ -86,7 +86,7 @@ class LocalManager:
         self._thread = None
         try:
             if job is not None:
-                from fusionflow.runtime.lending_agent import LendingAgent
+                from fusionflow.runtime.gm.agent import LendingAgent
                 self.agent = LendingAgent(board, job, spec)
             self.pool = WorkerPool(
                 board, dataset, policy, layout, num_workers, seed, base_seed, worker_init_fn,

@@ -17,7 +17,7 @@ the task it was running is split into single samples so the culprit is isolated;
 task has killed `max_retries + 1` workers fails its mini-batch with an error naming it.
 
 Lent-out workers stay records here (`lent_to` says where they serve); workers lent *to* this loader
-are guests of the lending agent (runtime/lending_agent.py), but get tasks and report completions
+are guests of the lending agent (runtime/gm/agent.py), but get tasks and report completions
 through `send` / `on_done` / `requeue_outstanding` here like own workers.
 """
 from __future__ import annotations

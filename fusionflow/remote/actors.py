@@ -1,4 +1,4 @@
-"""The Ray actors of one remote worker kind (runtime/remote.py's RemoteWorkers holds them as
+"""The Ray actors of one remote worker kind (remote/kind.py's RemoteWorkers holds them as
 `self.actors`): the dataset in the object store, how many actors to ask for, starting them, their
 start-up probe (can this node read the dataset?), replacing lost ones and adding more as nodes join,
 and killing them. The kind keeps what is in flight on them and decides when they take work."""
@@ -8,9 +8,9 @@ import logging
 import time
 
 from fusionflow.errors import RemoteWorkerError
-from fusionflow.runtime.remote_task import actor_class
+from fusionflow.remote.task import actor_class
 
-log = logging.getLogger("fusionflow.runtime.remote")
+log = logging.getLogger("fusionflow.remote.kind")
 MAX_FAILURES = 4  # failed calls in a row before the remote workers retire; failed probes before no more are asked for
 SETTLE_S = 3.0  # start-up: how long to wait for CPUs that are being released to fit the asked-for actors
 

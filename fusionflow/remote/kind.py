@@ -1,6 +1,6 @@
 """Remote CPU workers: Ray actors as a third kind of worker beside the local CPU processes and the
-accelerator (configuration: fusionflow/remote_workers.py; the actor's body: runtime/remote_task.py,
-the local workers' per-sample code, so the same bytes). README "More CPUs than the node has" and its
+accelerator (configuration: remote/config.py; the actors: remote/actors.py; the actor's body:
+remote/task.py, the local workers' per-sample code, so the same bytes). README "More CPUs than the node has" and its
 measurements say why the defaults are what they are.
 
 A thread in the training process ("fusionflow-remote") keeps `in_flight` calls of up to `per_call`
@@ -28,8 +28,9 @@ import threading
 import time
 
 from fusionflow.errors import RemoteWorkerError
+from fusionflow.remote import config as remote_config
+from fusionflow.remote.actors import MAX_FAILURES, Actor, RemoteActors
 from fusionflow.runtime import targets
-from fusionflow.runtime.remote_actors import MAX_FAILURES, Actor, RemoteActors
 
 log = logging.getLogger(__name__)
 POLL_S = 0.005  # longest wait for a result before looking for new work again
@@ -38,7 +39,7 @@ MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, 
 
 class RemoteWorkers:
     """The Ray worker kind on a board (runtime/board.py WorkerKind: start(), stop(), busy_with_stale());
-    its actors are `self.actors` (runtime/remote_actors.py), from start() on."""
+    its actors are `self.actors` (remote/actors.py), from start() on."""
 
     def __init__(self, board, config, dataset, policy, seed: int, stats, first_worker_id: int = 0,
                  worker_init_fn=None):
@@ -50,7 +51,7 @@ class RemoteWorkers:
         self.failures_in_a_row = 0
         self.retired: str | None = None
         self._writing = None  # the works whose results are being written into the ring
-        self._counted = False  # this kind holds a use of FusionFlow's Ray connection (remote_workers.connect)
+        self._counted = False  # this kind holds a use of FusionFlow's Ray connection (remote/config.py connect)
         self._last_maintain = 0.0
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-remote", daemon=True)
@@ -63,8 +64,7 @@ class RemoteWorkers:
         if self._started:
             return
         self._started = True
-        from fusionflow import remote_workers
-        self.ray, self._counted = remote_workers.connect(self.config)
+        self.ray, self._counted = remote_config.connect(self.config)
         try:
             self.actors = RemoteActors(self.ray, self.config, self.dataset, self.policy, self.seed,
                                        self.first_worker_id, self.worker_init_fn)
@@ -97,8 +97,7 @@ class RemoteWorkers:
         if self.actors is not None:
             self.actors.kill_all()
         if self._counted:
-            from fusionflow import remote_workers
-            remote_workers.release()
+            remote_config.release()
             self._counted = False
         self.ray = None
 
