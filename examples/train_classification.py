@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
     rank = dist.get_rank() if world > 1 else 0
     torch.manual_seed(args.seed)
     if args.synthetic and rank == 0:
-        from fusionflow.synthetic import make_image_folder
+        from fusionflow.tools.synthetic import make_image_folder
         for split, per_class in (("train", args.synthetic_per_class), ("val", max(2, args.synthetic_per_class // 4))):
             make_image_folder(os.path.join(args.data_path, split), num_classes=args.synthetic_classes,
                               per_class=per_class, min_side=48, max_side=160, seed=0 if split == "train" else 1)

@@ -108,7 +108,7 @@ def main() -> None:
     from fusionflow import load_policy
     from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
     from fusionflow.policy import draw
-    from fusionflow.synthetic import make_jpegs
+    from fusionflow.tools.synthetic import make_jpegs
 
     policy = load_policy(args.policy)
     if policy.augment.type != "rand":

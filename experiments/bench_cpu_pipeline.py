@@ -60,7 +60,7 @@ def main() -> None:
     from fusionflow import load_policy
     from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.ops import decode
-    from fusionflow.synthetic import sample_set
+    from fusionflow.tools.synthetic import sample_set
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=DeprecationWarning)

@@ -45,8 +45,8 @@ def rank_main(args) -> None:
     from torch.utils.data import DistributedSampler
 
     from fusionflow import FusionFlowLoader
-    from fusionflow.demo import small_cnn, train_step
-    from fusionflow.synthetic import EncodedImages
+    from fusionflow.tools.demo import small_cnn, train_step
+    from fusionflow.tools.synthetic import EncodedImages
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -156,7 +156,7 @@ def main() -> None:
     if args.ranks * args.workers > (os.cpu_count() or 1):
         print(f"note: {args.ranks} ranks x {args.workers} workers exceed {os.cpu_count()} cores; workers share cores")
 
-    from fusionflow.synthetic import make_jpegs
+    from fusionflow.tools.synthetic import make_jpegs
     n = args.images * args.ranks  # each rank's sampler takes 1/ranks of its own dataset
     data_path = os.path.join(ROOT, "experiments", "data", f"ddp_{n}_{args.heavy_side}_{args.light_side}.pkl"
                              .replace(" ", "").replace("[", "").replace("]", "").replace(",", "-"))

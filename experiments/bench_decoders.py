@@ -47,7 +47,7 @@ def main() -> None:
     from fusionflow import load_policy
     from fusionflow.ops import decode, jpeg
     from fusionflow.policy import crop_window, draw
-    from fusionflow.synthetic import make_jpegs
+    from fusionflow.tools.synthetic import make_jpegs
 
     torch.set_num_threads(1)
     lo, hi = (int(v) for v in args.sizes.split("-"))

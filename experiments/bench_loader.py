@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow.demo import TorchvisionSamples, small_cnn, timed_batches, train_step  # noqa: E402
+from fusionflow.tools.demo import TorchvisionSamples, small_cnn, timed_batches, train_step  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def main() -> None:
     from torch.utils.data import DataLoader
 
     from fusionflow import FusionFlowLoader, ImageFolder
-    from fusionflow.synthetic import make_image_folder
+    from fusionflow.tools.synthetic import make_image_folder
 
     torch.set_num_threads(1)
     per_class = max(1, args.images // 4)

@@ -30,8 +30,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow.runtime.remote_task import RemoteTask  # noqa: E402
-from fusionflow.synthetic import EncodedImages  # noqa: E402
+from fusionflow.remote.task import RemoteTask  # noqa: E402
+from fusionflow.tools.synthetic import EncodedImages  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
@@ -245,7 +245,7 @@ def main() -> None:
     import ray
 
     from fusionflow.policy import load_policy
-    from fusionflow.synthetic import make_jpegs
+    from fusionflow.tools.synthetic import make_jpegs
     ds = EncodedImages(make_jpegs(args.images, 200, 1000, seed=1))
     policy = load_policy(args.policy)
     # Ray's worker processes import this checkout's fusionflow

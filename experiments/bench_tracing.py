@@ -51,7 +51,7 @@ def main() -> None:
     from fusionflow.policy import load_policy
     from fusionflow.runtime import messages as m
     from fusionflow.stages import StageClock, stage_names
-    from fusionflow.synthetic import make_jpegs
+    from fusionflow.tools.synthetic import make_jpegs
     from fusionflow.trace import TraceRecorder
 
     policy = load_policy(args.policy)

@@ -43,7 +43,7 @@ def main() -> None:
     from fusionflow.ops import cpu, decode, jpeg
     from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.policy import crop_window, draw
-    from fusionflow.synthetic import sample_set
+    from fusionflow.tools.synthetic import sample_set
 
     torch.set_num_threads(1)
     if not jpeg.available():

@@ -20,7 +20,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from fusionflow import FusionFlowLoader  # noqa: E402
-from fusionflow.synthetic import make_jpegs  # noqa: E402
+from fusionflow.tools.synthetic import make_jpegs  # noqa: E402
 from bench_ddp import Jpegs  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 

@@ -36,7 +36,7 @@ from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
 def _make(args):
-    from fusionflow.synthetic import encode, make_image
+    from fusionflow.tools.synthetic import encode, make_image
     h, w, seed = args
     return encode(make_image(h, w, seed))
 
@@ -184,7 +184,7 @@ def main() -> None:
     from torch.utils.data import DataLoader
 
     from fusionflow import FusionFlowLoader
-    from fusionflow.synthetic import EncodedImages
+    from fusionflow.tools.synthetic import EncodedImages
 
     if args.cpu_smoke:
         args.images, args.batch_size, args.iters, args.warmup = 48, 8, 2, 1

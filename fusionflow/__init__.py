@@ -22,7 +22,7 @@ def __getattr__(name):
         from fusionflow.loader import FusionFlowLoader
         return FusionFlowLoader
     if name == "RayWorkers":  # imports ray only when constructed (an optional extra: fusionflow[ray])
-        from fusionflow.remote_workers import RayWorkers
+        from fusionflow.remote.config import RayWorkers
         return RayWorkers
     raise AttributeError(f"module 'fusionflow' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -35,13 +35,13 @@ class Delivery:
         when not all are ints, the CUDA event after the copies out of the slot or None)."""
         n = state.size
         keep = self.select(n, state.failures)
-        objs = (ff_targets.gather(mgr.ring.labels[state.slot], range(n) if keep is None else keep, state.targets)
+        objs = (ff_targets.gather(mgr.board.ring.labels[state.slot], range(n) if keep is None else keep, state.targets)
                 if state.targets else None)  # targets that are not all ints: collated as DataLoader does
         merged = gpu.deliver_merged(mgr, state, keep) if gpu is not None else None
         if merged is not None:
             images_t, labels_t, event = merged
         else:
-            imgs, labs = mgr.ring.images[state.slot], mgr.ring.labels[state.slot]
+            imgs, labs = mgr.board.ring.images[state.slot], mgr.board.ring.labels[state.slot]
             imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
             images_t, labels_t, event = self.deliver(imgs, labs, mgr)
         if objs is not None:

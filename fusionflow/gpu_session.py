@@ -46,19 +46,19 @@ class GpuSession:
             from fusionflow.runtime.device_ring import DeviceRing
             device_ring = DeviceRing(mgr.layout, self.device, alloc_device)
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        accel = AcceleratorWorker(mgr, dataset, policy, tiny_batch_size, seed,
+        accel = AcceleratorWorker(mgr.board, dataset, policy, tiny_batch_size, seed,
                                   device="gpu" if on_gpu else "cpu",
                                   device_id=self.device.index if on_gpu else None, aot=self.aot,
                                   largest_first=self.taas, device_ring=device_ring, sharing=sharing,
                                   counters=self.stats, bridge=self.bridge)
-        mgr.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
+        mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
         # anything below, or start(), raises
         self.accel, self.device_ring, self.alloc_device = accel, device_ring, alloc_device
         search = KSearch(k_max=-(-capacity // tiny_batch_size))
         self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader or this session (they
         # would live as long as the manager) nor strongly to the manager or the accelerator.
-        mgr.attach(on_batch_done=(functools.partial(_taas_feedback, weakref.ref(mgr), weakref.ref(accel), search,
+        mgr.attach(on_batch_done=(functools.partial(_taas_feedback, weakref.ref(mgr.board), weakref.ref(accel), search,
                                                     self.stats.taas_k)
                                   if self.taas and self.taas_last_k else None),
                    on_capacity_change=lambda n: search.restart())  # the CPU side's speed changed: search K again
@@ -103,18 +103,18 @@ class GpuSession:
             close_bridge_window(self.bridge)  # no windows now (spatial, lending failed): what DALI let go goes back
         if accel is None or not accel.gated:
             return
-        with mgr.cond:
+        with mgr.board.cond:
             if accel.bridge is not None:
                 accel.bridge.arm(torch.cuda.current_stream(self.device))
             accel.window_open = True
-            mgr.cond.notify_all()
+            mgr.board.cond.notify_all()
 
     def close_window(self, mgr: LocalManager) -> None:
         """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
         accel = self.accel
         if accel is None or not accel.window_open:
             return
-        with mgr.cond:
+        with mgr.board.cond:
             accel.window_open = False
             accel.wait_idle()
         close_bridge_window(self.bridge)
@@ -136,10 +136,10 @@ class GpuSession:
         with torch.cuda.device(self.device.index):
             stream = torch.cuda.current_stream(self.device)
             self.device_ring.wait_slot(slot, stream)  # after the accelerator's copies into this slot
-            out = torch.from_numpy(mgr.ring.images[slot, :n]).to(dev, non_blocking=pinned)
+            out = torch.from_numpy(mgr.board.ring.images[slot, :n]).to(dev, non_blocking=pinned)
             for start, stop in accel_runs(state.accel_positions):
                 out[start:stop] = self.device_ring.images[slot, start:stop]
-            host_labels = mgr.ring.labels[slot, :n]
+            host_labels = mgr.board.ring.labels[slot, :n]
             labels = torch.from_numpy(host_labels if pinned else host_labels.copy()).to(dev, non_blocking=pinned)
             if keep is not None:  # on_error='skip' dropped samples (rare): gather what is kept
                 keep_t = torch.as_tensor(keep).to(dev)
@@ -152,7 +152,7 @@ class GpuSession:
         finishes first, then PyTorch takes its lent blocks back)."""
         accel = self.accel
         if accel is not None and accel.window_open:
-            with mgr.cond:
+            with mgr.board.cond:
                 accel.window_open = False
                 accel.wait_idle()
             close_bridge_window(self.bridge)
@@ -172,14 +172,14 @@ class GpuSession:
             bridge.shutdown()
 
 
-def _taas_feedback(mgr_ref, accel_ref, search, history, state) -> None:
-    """The manager's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
-    mgr, accel = mgr_ref(), accel_ref()
-    if mgr is None or accel is None or accel.retired:
+def _taas_feedback(board_ref, accel_ref, search, history, state) -> None:
+    """The board's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
+    board, accel = board_ref(), accel_ref()
+    if board is None or accel is None or accel.retired:
         return
     cpu_last = state.cpu_done_at >= state.accel_done_at
-    mgr.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
-    history.append(mgr.reserved)
+    board.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
+    history.append(board.reserved)
 
 
 def close_bridge_window(bridge) -> None:

@@ -71,7 +71,7 @@ class FusionFlowLoader:
     worker in `loader.stats.stage_seconds()` / `stage_shares()` (fusionflow/stages.py). Both are off by default.
     `global_manager` ("auto": under torchrun with several local ranks, the ranks' loaders lend idle CPU
     workers to each other through one global manager per node; a string: join that named job, e.g.
-    train and validation loaders of one process; None: no lending) -- see runtime/global_manager.py.
+    train and validation loaders of one process; None: no lending) -- see runtime/gm/manager.py.
 
     `collate_fn`: DataLoader's contract. None or `torch.utils.data.default_collate` cost nothing (the batch
     is already collated in place). Any other callable is called with the batch as a list of (image, target)

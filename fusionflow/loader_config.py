@@ -36,7 +36,7 @@ def _has_dali() -> bool:
 
 
 def _job_key():
-    from fusionflow.runtime.gm_tables import job_key
+    from fusionflow.runtime.gm.tables import job_key
     return job_key()
 
 
@@ -314,7 +314,7 @@ def check_remote_workers(remote_workers, num_workers: int, persistent_workers: b
     """remote_workers: None or a RayWorkers beside at least one local worker process."""
     if remote_workers is None:
         return
-    from fusionflow.remote_workers import RayWorkers
+    from fusionflow.remote.config import RayWorkers
     if not isinstance(remote_workers, RayWorkers):
         raise TypeError(f"remote_workers={remote_workers!r} must be None or fusionflow.RayWorkers(...) "
                         "(e.g. remote_workers=RayWorkers(8, address='auto'))")

@@ -69,12 +69,12 @@ class Workers:
         return self.manager
 
     def _start_remote(self, cfg) -> None:
-        """Ray actors as one more worker kind on the board (fusionflow/runtime/remote.py); a dataset that
+        """Ray actors as one more worker kind on the board (fusionflow/remote/kind.py); a dataset that
         cannot be pickled or read on a remote node fails here, at start-up (the caller stops the manager)."""
-        from fusionflow.runtime.remote import RemoteWorkers
-        kind = RemoteWorkers(self.manager, cfg.remote_workers, self.dataset, cfg.policy, cfg.seed, self.stats,
+        from fusionflow.remote.kind import RemoteWorkers
+        kind = RemoteWorkers(self.manager.board, cfg.remote_workers, self.dataset, cfg.policy, cfg.seed, self.stats,
                              first_worker_id=cfg.num_workers, worker_init_fn=cfg.worker_init_fn)
-        self.manager.add_worker_kind(kind)  # registered first: the manager's shutdown stops it even if start() fails
+        self.manager.board.add_worker_kind(kind)  # registered first: the manager's shutdown stops it even if start() fails
         kind.start()
 
     def _lending_spec(self, cfg) -> bytes | None:
@@ -82,7 +82,7 @@ class Workers:
         if cfg.job is None:
             return None
         if self._spec is None:
-            from fusionflow.runtime.gm_link import make_spec
+            from fusionflow.runtime.gm.link import make_spec
             self._spec = make_spec(self.dataset, cfg.policy, cfg.worker_init_fn)
         return self._spec
 
@@ -110,7 +110,7 @@ def _set_trace(workers_ref, recorder) -> None:
     """A new trace recorder (or None) for the running manager, if any."""
     workers = workers_ref()
     if workers is not None and workers.manager is not None:
-        workers.manager.trace = recorder
+        workers.manager.board.trace = recorder
 
 
 def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:

@@ -7,7 +7,7 @@ import pytest
 # last loader instead of 2 s, so the leak checks need not wait for them.
 os.environ["FUSIONFLOW_GM_LINGER_S"] = "0.3"
 
-from fusionflow.synthetic import make_image
+from fusionflow.tools.synthetic import make_image
 
 
 def has_gpu() -> bool:

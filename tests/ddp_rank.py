@@ -33,7 +33,7 @@ def main(out_dir: str) -> None:
                 loss.backward()
                 opt.step()
                 seen[epoch] += labels.tolist()
-            ring = loader._manager.ring.name
+            ring = loader._manager.board.ring.name
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"seen": seen, "ring": ring, "pid": os.getpid(), "stats": loader.stats.summary()}, f)
     dist.destroy_process_group()

@@ -92,9 +92,9 @@ def manager():
 
 
 def test_two_ended_queue_with_reservation(manager):
-    mgr = manager
-    mgr.submit(0, 0, 0, 0, list(range(8)))
-    mgr.submit(1, 0, 1, 0, [0, 2, 4])
+    mgr = manager.board
+    manager.submit(0, 0, 0, 0, list(range(8)))
+    manager.submit(1, 0, 1, 0, [0, 2, 4])
     with mgr.cond:
         mgr.reserved = 2
         assert mgr.take_accel().indices == (1,)  # largest of the oldest mini-batch: 80 bytes
@@ -116,8 +116,8 @@ def test_two_ended_queue_with_reservation(manager):
 
 def test_fifo_ablation_takes_smallest_first(manager):
     manager.submit(0, 0, 0, 0, list(range(8)))
-    with manager.cond:
-        assert manager.take_accel(largest_first=False).indices == (0,)
+    with manager.board.cond:
+        assert manager.board.take_accel(largest_first=False).indices == (0,)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -129,7 +129,7 @@ def test_manager_without_a_job_has_no_lending_agent():
     mgr = LocalManager(Bytes(8), None, RingLayout(2, 8, (3, 4, 4), "uint8"), num_workers=0, seed=0)
     try:
         assert mgr.agent is None and mgr.pool is not None
-        assert mgr.counters.global_manager is None  # nothing counts lending
+        assert mgr.board.counters.global_manager is None  # nothing counts lending
     finally:
         mgr.shutdown()
     assert mgr.pool is None and mgr.agent is None  # the parts are dropped: they refer back to the manager
@@ -151,9 +151,9 @@ def _run_batches(mgr, batches):
     for seq, indices in enumerate(batches):
         state = mgr.wait(seq, gen, timeout=60)
         assert state.size == len(indices) and not state.failures
-        labels = mgr.ring.labels[state.slot][:state.size].tolist()
+        labels = mgr.board.ring.labels[state.slot][:state.size].tolist()
         assert labels == indices  # every position holds the sample submitted there
-        out.update({i: mgr.ring.images[state.slot, p].copy() for p, i in enumerate(indices)})
+        out.update({i: mgr.board.ring.images[state.slot, p].copy() for p, i in enumerate(indices)})
     return out
 
 
@@ -161,8 +161,8 @@ def _run_with_kind(ds, workers, batches, counters=None):
     """A manager with `workers` CPU workers and a registered ThreadKind runs `batches`, then shuts
     down: (manager, kind, {index: image})."""
     mgr = _manager(ds, workers, batches, counters)
-    kind = ThreadKind(mgr)
-    mgr.add_worker_kind(kind)
+    kind = ThreadKind(mgr.board)
+    mgr.board.add_worker_kind(kind)
     kind.start()
     try:
         images = _run_batches(mgr, batches)
@@ -179,7 +179,7 @@ def test_a_worker_kind_registered_on_the_board_serves_every_sample_once_and_is_s
     assert sorted(kind.done) == list(range(20))  # each sample exactly once
     assert all((img == MARK).all() for img in images.values())
     assert kind.starts == 1 and kind.stops == 1 and not kind._thread.is_alive()
-    assert mgr.kinds == []
+    assert mgr.board.kinds == []
     mgr.shutdown()  # idempotent: the kind is not stopped twice
     assert kind.stops == 1
 
@@ -203,8 +203,8 @@ def test_a_worker_kind_shares_mini_batches_with_cpu_workers_exactly_once():
 
 def test_a_kind_with_nothing_submitted_takes_nothing_and_is_stopped():
     mgr = _manager(Bytes(4), 0, [[0]])
-    kind = ThreadKind(mgr)
-    mgr.add_worker_kind(kind)
+    kind = ThreadKind(mgr.board)
+    mgr.board.add_worker_kind(kind)
     kind.start()
     mgr.shutdown()
     assert kind.done == [] and kind.stops == 1

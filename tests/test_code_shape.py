@@ -3,6 +3,7 @@
 section repeats the allowlist, and an entry that no longer exceeds its limit must leave the list (so
 it only shrinks)."""
 import ast
+import inspect
 from pathlib import Path
 
 import fusionflow
@@ -89,3 +90,35 @@ def test_the_loader_is_composed_not_mixed_in():
     spreads its state over other files."""
     from fusionflow.loader import FusionFlowLoader
     assert FusionFlowLoader.__bases__ == (object,)
+
+
+def _protocol_members(proto) -> dict:
+    """A Protocol's own methods: name -> signature."""
+    return {name: inspect.signature(value) for name, value in vars(proto).items()
+            if callable(value) and not name.startswith("_")}
+
+
+def test_every_worker_kind_satisfies_the_board_s_worker_kind_protocol():
+    """runtime/board.py writes the contract down as a Protocol; each kind's class has every member,
+    callable with the protocol's arguments, by position and by name (checked on the classes: a kind
+    is not constructed here)."""
+    from fusionflow.runtime import board
+    from fusionflow.runtime.accelerator import AcceleratorWorker
+    from fusionflow.remote.kind import RemoteWorkers
+    from fusionflow.runtime.worker_pool import WorkerPool
+
+    proto = board.WorkerKind
+    assert getattr(proto, "_is_protocol", False) and getattr(proto, "_is_runtime_protocol", False)
+    assert proto.__module__ == board.__name__
+    members = _protocol_members(proto)
+    assert set(members) == {"start", "stop", "busy_with_stale"}
+    for cls in (WorkerPool, AcceleratorWorker, RemoteWorkers):
+        assert issubclass(cls, proto), cls
+        for name, want in members.items():
+            impl = getattr(cls, name, None)
+            assert callable(impl), f"{cls.__name__}.{name} is missing"
+            have = inspect.signature(impl)
+            params = list(want.parameters.values())
+            have.bind(*[object()] * len(params))  # raises TypeError when incompatible
+            have.bind(object(), **{p.name: object() for p in params[1:]})
+            assert have.return_annotation in (want.return_annotation, inspect.Signature.empty), (cls, name)

@@ -4,8 +4,8 @@ import os
 import pytest
 
 from fusionflow.data import ImageFolder
-from fusionflow.demo import main as demo_main
-from fusionflow.synthetic import make_image_folder
+from fusionflow.tools.demo import main as demo_main
+from fusionflow.tools.synthetic import make_image_folder
 
 
 @pytest.fixture(scope="module")

@@ -57,7 +57,7 @@ def gm_processes() -> list[int]:
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"fusionflow.runtime.global_manager" in f.read():
+                if b"fusionflow.runtime.gm.manager" in f.read():
                     pids.append(int(pid))
         except OSError:
             pass

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.policy import crop_window, draw, load_policy
-from fusionflow.synthetic import make_jpegs
+from fusionflow.tools.synthetic import make_jpegs
 from test_loader import no_leaks  # noqa: F401  (autouse: no process or segment left)
 from tv_reference import tv_sample
 

@@ -9,7 +9,7 @@ import torchvision.transforms.v2 as T
 from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import Erase, draw
-from fusionflow.synthetic import make_jpegs
+from fusionflow.tools.synthetic import make_jpegs
 from dali_numpy import run_numpy
 from tv_reference import tv_recipe
 

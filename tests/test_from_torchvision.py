@@ -14,7 +14,7 @@ from torchvision.transforms.v2 import AutoAugmentPolicy, InterpolationMode
 from fusionflow import load_policy, policy_from_transform
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import draw
-from fusionflow.synthetic import make_jpegs
+from fusionflow.tools.synthetic import make_jpegs
 from tv_reference import tv_recipe
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

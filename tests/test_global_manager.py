@@ -15,8 +15,8 @@ from test_loader import SMALL, Bytes, collect, ff_segments, no_leaks  # noqa: F4
 
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.runtime import gm_tables as gt
-from fusionflow.runtime.global_manager import GlobalManager, GlobalManagerClient
+from fusionflow.runtime.gm import tables as gt
+from fusionflow.runtime.gm.manager import GlobalManager, GlobalManagerClient
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import BatchRing, RingLayout
 from fusionflow.scheduling.lending import Loan, Progress, plan_lending
@@ -333,7 +333,7 @@ def test_lent_worker_killed_mid_task_loses_nothing_and_is_replaced_by_its_owner(
 def test_a_worker_never_waits_on_a_socket_nobody_serves():
     from multiprocessing import AuthenticationError
 
-    from fusionflow.runtime.gm_link import connect
+    from fusionflow.runtime.gm.link import connect
     address = "ff-test-" + secrets.token_hex(6)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + address)

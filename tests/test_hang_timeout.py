@@ -29,7 +29,7 @@ HANGS = textwrap.dedent('''
 
     from fusionflow.loader import FusionFlowLoader
     from fusionflow.scheduling.queue import TinyBatchQueue
-    from fusionflow.synthetic import make_jpegs
+    from fusionflow.tools.synthetic import make_jpegs
 
     JPEGS = make_jpegs(32, 30, 60, seed=5)
     POLICY = {"output": {"size": 24}, "augment": {"type": "none"}}

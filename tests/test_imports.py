@@ -90,7 +90,7 @@ def test_find_cycle_finds_one_and_only_one():
 
 def test_graph_sees_function_local_imports():
     graph = import_graph()
-    assert "fusionflow.runtime.gm_tables" in graph["fusionflow.runtime.global_manager"]
+    assert "fusionflow.runtime.gm.tables" in graph["fusionflow.runtime.gm.manager"]
     assert "fusionflow.loader" in graph["fusionflow"]  # the lazy FusionFlowLoader inside __getattr__
 
 

@@ -12,7 +12,7 @@ from fusionflow import DecodeError, load_policy
 from fusionflow.ops import decode, jpeg
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw, shipped_policies
-from fusionflow.synthetic import make_image, make_jpegs
+from fusionflow.tools.synthetic import make_image, make_jpegs
 from tv_reference import psnr, tv_sample
 
 pytestmark = pytest.mark.skipif(not jpeg.available(), reason=f"window decoder: {jpeg.why_unavailable()}")

@@ -19,7 +19,7 @@ from fusionflow.errors import SampleError
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime.local_manager import SampleKilledWorkersError, WorkerStartError
-from fusionflow.synthetic import make_image, make_jpegs
+from fusionflow.tools.synthetic import make_image, make_jpegs
 
 SMALL = {"output": {"size": 24}, "flip": 0.5, "crop": {"scale": [0.3, 1.0]},
          "augment": {"type": "rand", "num_ops": 2, "magnitude": 5, "num_bins": 11,
@@ -230,9 +230,9 @@ def test_break_then_iterate_again_with_persistent_workers():
 def test_shm_name_is_private_and_unguessable():
     loader = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, persistent_workers=True)
     next(iter(loader))
-    name = loader._manager.ring.name
+    name = loader._manager.board.ring.name
     assert re.fullmatch(r"/ff_[0-9a-f]{24}", name)
-    assert os.fstat(loader._manager.ring.fd).st_mode & 0o777 == 0o600
+    assert os.fstat(loader._manager.board.ring.fd).st_mode & 0o777 == 0o600
     assert not os.path.exists("/dev/shm" + name)  # unlinked at creation: workers map its descriptor
     loader.close()
     assert not os.path.exists("/dev/shm" + name)
@@ -250,7 +250,7 @@ def test_job_killed_as_a_whole_leaves_no_segment(num_workers):
         loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers={num_workers}, policy=SMALL,
                                   persistent_workers=True)
         it = iter(loader); next(it)
-        print(loader._manager.ring.name, flush=True)
+        print(loader._manager.board.ring.name, flush=True)
         sys.stdin.read()  # until the test has killed the whole group
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -273,7 +273,7 @@ def test_training_process_killed_leaves_nothing():
         from fusionflow.loader import FusionFlowLoader
         loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
         it = iter(loader); next(it)
-        print(loader._manager.ring.name, *[w.process.pid for w in loader._manager.pool.workers], flush=True)
+        print(loader._manager.board.ring.name, *[w.process.pid for w in loader._manager.pool.workers], flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -433,7 +433,7 @@ class WithBomb(Bytes):
     """Bytes whose sample 7 is a 900-megapixel PNG of a few hundred bytes."""
 
     def __getitem__(self, i):
-        from fusionflow.synthetic import png_bomb
+        from fusionflow.tools.synthetic import png_bomb
         return (png_bomb(30000, 30000), i) if i == 7 else super().__getitem__(i)
 
 

@@ -4,7 +4,7 @@ import pickle
 import pytest
 
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.gm_link import make_spec
+from fusionflow.runtime.gm.link import make_spec
 from fusionflow.runtime.shm import RingLayout
 
 

@@ -51,7 +51,7 @@ def test_op_matches_torchvision(image224, name, value, fill, interp):
 
 
 def test_ops_on_non_square_image():
-    img = Image.fromarray(np.ascontiguousarray(__import__("fusionflow.synthetic", fromlist=["x"]).make_image(160, 240, 3)))
+    img = Image.fromarray(np.ascontiguousarray(__import__("fusionflow.tools.synthetic", fromlist=["x"]).make_image(160, 240, 3)))
     for name, value in [("ShearX", 0.3), ("TranslateY", -40.0), ("Rotate", 25.0), ("Sharpness", 0.5)]:
         ours = np.asarray(run(name, img, value, cpu.Style()))
         assert np.array_equal(ours, np.asarray(tv_op(name, img, value))), name
@@ -113,7 +113,7 @@ def test_vectorised_smooth_equals_pillows_filter(hw):
     from PIL import ImageFilter
     rng = np.random.default_rng(hw[0] * 1000 + hw[1])
     for arr in (rng.integers(0, 256, hw + (3,)).astype(np.uint8),
-                __import__("fusionflow.synthetic", fromlist=["x"]).make_image(*hw, seed=hw[1]),
+                __import__("fusionflow.tools.synthetic", fromlist=["x"]).make_image(*hw, seed=hw[1]),
                 np.full(hw + (3,), 255, np.uint8)):
         img = Image.fromarray(arr)
         assert np.array_equal(np.asarray(cpu.smooth(img)), np.asarray(img.filter(ImageFilter.SMOOTH)))

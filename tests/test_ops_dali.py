@@ -17,7 +17,7 @@ from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.ops.specs import OP_NAMES, OPS  # noqa: E402
 from fusionflow.policy import shipped_policies  # noqa: E402
-from fusionflow.synthetic import make_image, make_jpegs  # noqa: E402
+from fusionflow.tools.synthetic import make_image, make_jpegs  # noqa: E402
 from test_ops_cpu import VALUES  # noqa: E402
 from dali_numpy import run_numpy  # noqa: E402
 from tv_reference import psnr  # noqa: E402

@@ -17,7 +17,7 @@ import fusionflow
 from fusionflow import FusionFlowLoader, load_policy
 from fusionflow.memory import native
 from fusionflow.policy.schema import shipped_policies
-from fusionflow.synthetic import encode, make_image
+from fusionflow.tools.synthetic import encode, make_image
 root = sys.argv[1]
 assert fusionflow.__file__.startswith(root), fusionflow.__file__
 assert {"default", "randaugment", "autoaugment", "trivialaugment"} <= set(shipped_policies()), shipped_policies()

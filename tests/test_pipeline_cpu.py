@@ -12,7 +12,7 @@ from fusionflow import DecodeError, load_policy
 from fusionflow.ops.decode import decode_crop_resize, open_image, to_rgb
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw, shipped_policies
-from fusionflow.synthetic import encode, make_image, make_jpegs
+from fusionflow.tools.synthetic import encode, make_image, make_jpegs
 from tv_reference import psnr, tv_sample
 
 JPEGS = make_jpegs(12, 200, 1000, seed=1)
@@ -141,7 +141,7 @@ def test_importing_fusionflow_leaves_pillows_bomb_limit_alone():
 def test_pixel_limit_refuses_a_bomb_before_decoding_on_every_cpu_path(monkeypatch):
     from fusionflow.errors import ImageTooLargeError
     from fusionflow.ops import jpeg
-    from fusionflow.synthetic import png_bomb
+    from fusionflow.tools.synthetic import png_bomb
     bomb = png_bomb(30000, 30000)  # 900 megapixels in a few hundred bytes
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the policy's default limit does the refusing
     with pytest.raises(ImageTooLargeError, match=r"sample 7: image of 30000x30000 = 900000000 pixels exceeds "

@@ -14,7 +14,7 @@ from PIL import Image
 from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import OVERRIDES, crop_window, draw
-from fusionflow.synthetic import make_jpegs
+from fusionflow.tools.synthetic import make_jpegs
 from tv_reference import tv_sample
 
 JPEGS = make_jpegs(6, 200, 400, seed=3)

@@ -1,4 +1,4 @@
-"""Remote CPU workers on Ray (fusionflow/remote_workers.py, fusionflow/runtime/remote.py): same pixels
+"""Remote CPU workers on Ray (fusionflow/remote/config.py, fusionflow/remote/kind.py): same pixels
 and labels as local-only, every sample exactly once, an actor killed and a node removed mid-epoch,
 start-up errors, clean shutdown. On one local Ray instance per class and a simulated multi-node
 cluster (ray.cluster_utils.Cluster); skipped only when ray is not installed."""
@@ -171,7 +171,7 @@ class TestFusionFlowOwnsRay:
         _init_env(monkeypatch)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         loader = _loader(Bytes(12), RayWorkers(1, address="auto"))
-        with caplog.at_level("WARNING", logger="fusionflow.remote_workers"):
+        with caplog.at_level("WARNING", logger="fusionflow.remote.config"):
             _images, labels = collect(loader)
         assert sorted(torch.cat(labels).tolist()) == list(range(12))
         assert "no running Ray cluster found" in caplog.text
@@ -215,7 +215,7 @@ class TestLocalRay:
         # policy of another output size on the actors; nothing it returns may reach a batch
         from fusionflow import RayWorkers
         from fusionflow.policy import load_policy
-        from fusionflow.runtime import remote
+        from fusionflow.remote import kind as remote
         init = remote.RemoteWorkers.__init__
         other = load_policy(SMALL, size=16)
 
@@ -226,7 +226,7 @@ class TestLocalRay:
         with _loader(ds, RayWorkers(2, take="front"), shuffle=False) as loader:
             images, labels = collect(loader)
             assert loader.stats.remote_tiny_batches == 0
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             assert kind.retired is not None and "in a row failed" in kind.retired
         assert sorted(torch.cat(labels).tolist()) == list(range(40))
         _expected_pixels(ds, images, [y.tolist() for y in labels], epoch=0)
@@ -269,7 +269,7 @@ class TestLocalRay:
             expected = list(BatchSampler(sampler, 8, False))
             it = iter(loader)
             first = next(it)
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             ray.kill(kind.actors[0].handle, no_restart=True)
             rest = list(it)
             images, labels = [first[0]] + [x for x, _ in rest], [first[1]] + [y for _, y in rest]
@@ -286,7 +286,7 @@ class TestLocalRay:
             assert loader.stats.remote_tiny_batches > before
 
     def test_a_failing_sample_travels_as_data(self, local_ray):
-        from fusionflow.runtime.remote import actor_class
+        from fusionflow.remote.task import actor_class
         ds = Bytes(8, bad={3})
         actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, 0)
         try:
@@ -318,7 +318,7 @@ class TestLocalRay:
         from fusionflow import RayWorkers
         loader = _loader(Bytes(16), RayWorkers(2))
         collect(loader)
-        kind = loader._manager.kinds[0]
+        kind = loader._manager.board.kinds[0]
         handles = [a.handle for a in kind.actors]
         loader.close()
         assert local_ray.is_initialized()
@@ -363,7 +363,7 @@ class TestSimulatedCluster:
             expected = list(BatchSampler(sampler, 8, False))
             it = iter(loader)
             first = next(it)
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             assert kind.live == 2
             worker_nodes = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
             cluster.remove_node(worker_nodes[0])
@@ -390,7 +390,7 @@ class TestSimulatedCluster:
         ds = Bytes(24)
         with _loader(ds, RayWorkers("auto"), shuffle=False) as loader:
             images, labels = collect(loader)
-            kind = loader._manager.kinds[0]
+            kind = loader._manager.board.kinds[0]
             assert kind.live == 2  # both 1-CPU worker nodes, none on the head
             assert sorted(torch.cat(labels).tolist()) == list(range(24))
             _expected_pixels(ds, images, [y.tolist() for y in labels], 0)

@@ -127,7 +127,7 @@ def test_accelerator_samples_carry_any_target():
 
 
 def test_lent_workers_deliver_any_target():
-    """A worker lent by another loader (worker lending, runtime/global_manager.py) sends the borrower's
+    """A worker lent by another loader (worker lending, runtime/gm/manager.py) sends the borrower's
     targets along with its completions, as the borrower's own workers do."""
     name = "test-" + secrets.token_hex(6)
     slow, fast = Targets("dict", n=40), Bytes(40)

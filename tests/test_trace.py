@@ -10,13 +10,13 @@ import pytest
 import torch
 from test_loader import SMALL, Bytes
 
-from fusionflow.demo import main as cli
+from fusionflow.tools.demo import main as cli
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.runtime import messages as m
 from fusionflow.stages import stage_names
 from fusionflow.policy import load_policy
-from fusionflow.synthetic import make_image_folder
-from fusionflow.timeline import plot_timeline, summarize
+from fusionflow.tools.synthetic import make_image_folder
+from fusionflow.tools.timeline import plot_timeline, summarize
 from fusionflow.trace import TraceRecorder, load
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -178,7 +178,7 @@ def test_timeline_png_and_summary(tmp_path):
     assert s["wait_mean_ms"] == pytest.approx(1e3 * np.mean(loader.stats.wait_seconds), rel=1e-4)
     assert set(s["workers"]) <= {"CPU worker 0", "CPU worker 1"}
     assert all(0.0 <= w["idle_share"] <= 1.0 for w in s["workers"].values())
-    from fusionflow.profile import stage_seconds_by_track
+    from fusionflow.tools.profile import stage_seconds_by_track
     png = plot_timeline(trace, str(tmp_path / "t.png"), stage_seconds_by_track(loader.stats))
     data = open(png, "rb").read()
     assert data[:8] == PNG_MAGIC and len(data) > 10_000

@@ -22,7 +22,7 @@ With the allocator bridge (`bridge`, temporal mode only) the prep window is also
 blocks are lent to DALI; before its first tiny-batch of a window the thread asks the bridge to lend.
 The loader closes a window only once the tiny-batch in flight is done (`wait_idle`).
 
-It is a worker kind (runtime/board.py): registered with the manager's `add_worker_kind`, it uses only
+It is a worker kind (runtime/board.py): registered with the board's `add_worker_kind`, it uses only
 the board's interface (`cond`, `take_accel`, `complete`, `requeue`, `draining`, `wake`, `ring`,
 `trace`, `sizes`, `reserved`) and counts into the counters it is given (runtime/counters.py).
 

@@ -1,7 +1,7 @@
 """The board: the one interface every worker kind works through.
 
 A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything that produces tiny-batches
--- is handed the board (the `LocalManager` is one) and uses only these members:
+-- is handed the board (a `LocalManager` holds one: `mgr.board`) and uses only these members:
 
     cond         threading.Condition guarding everything below
     ring         the BatchRing: `.images[slot, pos]`, `.labels[slot]` (writes into a taken tiny-batch's
@@ -19,12 +19,16 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     wake()                                      WITHOUT the lock: wakes the manager thread
     add_worker_kind(kind)                       registers a kind (its owner then calls kind.start())
 
+The board's owner (the LocalManager) also uses `queue`, `completed_batches`, `on_batch_done`,
+`watch_stale` (parts it runs itself, such as the CPU worker pool and the lending agent, that
+`draining()` asks as it asks the kinds), `stop_worker_kinds`, `wake_conn` / `clear_wakes` (what its
+thread waits on) and `close_wake_pipe`.
+
 A kind's thread loops: with `cond` held take work (taking none while `draining()`; waiting on
-`cond`, or polling its own results meanwhile, while there is none), release the lock to compute and write the ring, then with `cond` held `complete` (or
-`requeue`) it, then `wake()`. A kind has `start()`, `stop()` (idempotent; finishes or abandons its
-work in flight; the manager's shutdown calls it first, also for a kind whose start() failed) and
-`busy_with_stale(generation) -> bool`. Whoever registers a kind starts it after `add_worker_kind`,
-so a start that fails half-way is still stopped by the shutdown.
+`cond`, or polling its own results meanwhile, while there is none), release the lock to compute and
+write the ring, then with `cond` held `complete` (or `requeue`) it, then `wake()`. What a kind itself
+provides -- `start()`, `stop()`, `busy_with_stale(generation)` -- is the `WorkerKind` protocol below,
+each method with its contract.
 
 The board holds no threads or processes itself; the queue is the pure TinyBatchQueue.
 """
@@ -33,9 +37,36 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 import time
+from typing import Protocol, runtime_checkable
 
 from fusionflow.runtime.counters import RuntimeCounters
 from fusionflow.scheduling.queue import TinyBatchQueue, Work
+
+
+@runtime_checkable
+class WorkerKind(Protocol):
+    """What a worker kind provides to the board that it is registered with (`Board.add_worker_kind`).
+    The CPU worker pool (runtime/worker_pool.py), the DALI accelerator (runtime/accelerator.py) and the
+    Ray workers (remote/kind.py) satisfy it; tests/test_code_shape.py checks that they do."""
+
+    def start(self) -> None:
+        """Begin taking work from the board: start the kind's threads, processes or connections.
+        Called once, by whoever registered the kind, AFTER `Board.add_worker_kind`: a start that fails
+        half-way (it may raise) is then still stopped by the owner's shutdown."""
+        ...
+
+    def stop(self) -> None:
+        """Idempotent, and valid before, during or after a failed `start()` (or with none at all).
+        Finish or abandon the work in flight (what is abandoned goes back with `Board.requeue`), end
+        the kind's threads and release what it holds. The owner's shutdown calls it first, latest
+        registered kind first, then forgets the kind (it refers back to the board)."""
+        ...
+
+    def busy_with_stale(self, generation: int) -> bool:
+        """Called with the board's `cond` held, so it must neither block nor take that lock: whether
+        the kind is still writing ring positions of an iterator older than `generation`. While any
+        part is, `Board.draining()` is true and nobody takes new work (its ring slots are reused)."""
+        ...
 
 
 class Board:
@@ -51,11 +82,15 @@ class Board:
         self.on_batch_done = None  # callback(state) under the lock, e.g. TAAS feedback
         self.kinds: list = []  # registered worker kinds, in registration order
         self._kinds_stopped = False  # shutdown has begun: no kind may join
+        self._watched: list = []  # parts the owner runs itself whose stale work draining() counts too
         self._ctrl_r, self._ctrl_w = mp.Pipe(duplex=False)  # wake(): the manager thread waits on _ctrl_r
 
     # ---------------------------------------------------------------- worker kinds
-    def add_worker_kind(self, kind) -> None:
+    def add_worker_kind(self, kind: WorkerKind) -> None:
         """Register `kind` (then call its `start()`); its `stop()` is called first by the manager's shutdown."""
+        if not isinstance(kind, WorkerKind):
+            raise TypeError(f"add_worker_kind({kind!r}): a worker kind has start(), stop() and "
+                            "busy_with_stale(generation) (fusionflow/runtime/board.py, WorkerKind)")
         with self.cond:
             if self._kinds_stopped:
                 raise RuntimeError(f"add_worker_kind({kind!r}): this manager is shut down; no worker kind can join")
@@ -68,9 +103,23 @@ class Board:
         for kind in reversed(kinds):
             kind.stop()
 
+    def watch_stale(self, part) -> None:
+        """Let `draining()` ask `part.busy_with_stale(generation)` too: a part that takes work from this
+        board but whose start and stop its owner drives itself (the CPU worker pool, the lending agent),
+        so it is no registered kind."""
+        with self.cond:
+            self._watched.append(part)
+
+    def unwatch_stale(self) -> None:
+        """Forget every watched part (the owner drops them at shutdown: they refer back to the board)."""
+        with self.cond:
+            self._watched = []
+
     def draining(self) -> bool:
-        """Whether work of an abandoned iterator is still running (lock held)."""
-        return any(kind.busy_with_stale(self.generation) for kind in self.kinds)
+        """Whether work of an abandoned iterator is still running (lock held): on a watched part or a
+        registered worker kind."""
+        gen = self.generation
+        return any(part.busy_with_stale(gen) for part in self._watched + self.kinds)
 
     def wake(self) -> None:
         """Wake the manager thread (called without the lock)."""
@@ -78,6 +127,16 @@ class Board:
             self._ctrl_w.send_bytes(b"w")
         except OSError:  # closed: the manager is shut down
             pass
+
+    @property
+    def wake_conn(self):
+        """The read end of `wake()`'s pipe: the owner's thread waits on it (with its other waitables)."""
+        return self._ctrl_r
+
+    def clear_wakes(self) -> None:
+        """Consume the pending wake-ups (the owner's thread, once `wake_conn` was ready)."""
+        while self._ctrl_r.poll():
+            self._ctrl_r.recv_bytes()
 
     # ---------------------------------------------------------------- the two-ended queue (lock held)
     @property

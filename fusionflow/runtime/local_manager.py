@@ -1,8 +1,9 @@
-"""Local manager: one per loader. The coordinator of one loader's runtime: it is the board every
-worker kind works through (runtime/board.py: the shared batch ring, the sorted tiny-batch queue and
-completion accounting), owns the CPU worker pool (runtime/worker_pool.py) and, with a global
-manager, the lending agent (runtime/lending_agent.py), runs the manager thread, and turns submitted
-mini-batches into completed ring slots.
+"""Local manager: one per loader. The coordinator of one loader's runtime: it holds the board every
+worker kind works through (`self.board`, runtime/board.py: the shared batch ring, the sorted
+tiny-batch queue and completion accounting), owns the CPU worker pool (runtime/worker_pool.py) and,
+with a global manager, the lending agent (runtime/gm/agent.py), runs the manager thread, and
+turns submitted mini-batches into completed ring slots. The pool, the agent and every worker kind get
+the board (and what else they use, explicitly), never the manager.
 
 Threads and processes
   * The training (main) thread submits mini-batches (`submit`), waits for them (`wait`), starts and
@@ -14,7 +15,11 @@ Threads and processes
     manager, the agent's socket, doorbell and guests), so a dead worker wakes it at once instead of
     hanging anything.
   * Other worker kinds (the DALI accelerator thread, remote workers) run their own threads and are
-    registered with `add_worker_kind`: they take work from the board and complete it there.
+    registered with `board.add_worker_kind`: they take work from the board and complete it there.
+  * The board's `draining()` asks every registered kind and, registered with `board.watch_stale`,
+    the pool and the agent: the manager drives their lifecycles itself (the pool starts on the
+    training thread at construction, and stops only after the manager thread, which waits on its
+    pipes, has ended), so they are not registered as kinds.
 
 Faults
   * A worker that dies (e.g. SIGKILL): its tasks go back to the front of the queue; the task it was
@@ -27,7 +32,7 @@ Faults
   * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
     traceback at the next `wait`.
 
-Global manager (DDP, `job` given; runtime/global_manager.py): the lending agent publishes this LM's
+Global manager (DDP, `job` given; runtime/gm/manager.py): the lending agent publishes this LM's
 progress, lends idle workers on the GM's orders, serves workers lent to this LM, and applies a new
 elastic worker target (the main thread starts missing workers at its next `wait`; surplus idle
 workers are sent STOP and not restarted; `on_capacity_change(n)` tells TAAS to search again).
@@ -48,7 +53,6 @@ import time
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, WorkerStartError
-from fusionflow.runtime.accelerator import AcceleratorWorker
 from fusionflow.runtime.board import Board
 from fusionflow.runtime.shm import BatchRing, RingLayout
 from fusionflow.runtime.worker_pool import PER_WORKER, WorkerPool
@@ -60,7 +64,7 @@ log = logging.getLogger(__name__)
 __all__ = ["LocalManager", "SampleKilledWorkersError", "WorkerStartError"]
 
 
-class LocalManager(Board):
+class LocalManager:
     def __init__(self, dataset, policy, layout: RingLayout, num_workers: int, seed: int,
                  worker_init_fn=None, mp_context=None, pin_cpus: bool | str = True, max_retries: int = 2,
                  sizes=None, tiny_batch_size: int = 4, base_seed: int = 0, job: str | None = None,
@@ -68,9 +72,9 @@ class LocalManager(Board):
                  trace=None, on_stage_times=None, on_batch_done=None, on_capacity_change=None):
         ring = BatchRing(layout)
         ring.unlink()  # no name to outlive a job killed as a whole: workers get the descriptor
-        super().__init__(ring, sizes, counters, trace)
+        self.board = board = Board(ring, sizes, counters, trace)
         self.layout, self.tiny_batch_size = layout, tiny_batch_size
-        self.on_batch_done = on_batch_done  # callback(state) under the lock, e.g. TAAS feedback
+        board.on_batch_done = on_batch_done  # callback(state) under the lock, e.g. TAAS feedback
         self.on_capacity_change = on_capacity_change  # callback(live worker count) under the lock
         self.fatal: BaseException | None = None  # a fault the next `wait` raises
         self.cuda_registered = False  # the ring is page-locked for direct host->device copies
@@ -82,15 +86,17 @@ class LocalManager(Board):
         self._thread = None
         try:
             if job is not None:
-                from fusionflow.runtime.lending_agent import LendingAgent
-                self.agent = LendingAgent(self, job, spec)
+                from fusionflow.runtime.gm.agent import LendingAgent
+                self.agent = LendingAgent(board, job, spec)
             self.pool = WorkerPool(
-                self, dataset, policy, layout, num_workers, seed, base_seed, worker_init_fn,
+                board, dataset, policy, layout, num_workers, seed, base_seed, worker_init_fn,
                 mp_context if mp_context is not None else mp.get_context(), pin_cpus, max_retries, stages,
                 spec_hash=self.agent.spec_hash if self.agent is not None else None,
-                on_stage_times=on_stage_times, on_capacity=self._capacity_changed)
+                on_stage_times=on_stage_times, on_capacity=self._capacity_changed, on_fatal=self._fail)
+            board.watch_stale(self.pool)
             if self.agent is not None:
                 self.agent.pool = self.pool
+                board.watch_stale(self.agent)
             self.pool.start()
         except BaseException:
             self.shutdown()
@@ -100,77 +106,78 @@ class LocalManager(Board):
 
     def attach(self, on_batch_done=None, on_capacity_change=None) -> None:
         """Set the loader's callbacks (called under the lock; they must not refer to the loader)."""
-        with self.cond:
-            self.on_batch_done, self.on_capacity_change = on_batch_done, on_capacity_change
-
-    @property
-    def accelerator(self):
-        """The registered DALI accelerator worker kind, if any (read-only)."""
-        return next((k for k in self.kinds if isinstance(k, AcceleratorWorker)), None)
+        with self.board.cond:
+            self.board.on_batch_done, self.on_capacity_change = on_batch_done, on_capacity_change
 
     def _capacity_changed(self, live: int) -> None:
         if self.on_capacity_change is not None:
             self.on_capacity_change(live)
 
+    def _fail(self, exc: BaseException) -> None:
+        """Lock held: a fault (a worker that could not start, shared memory gone) the next `wait` raises."""
+        self.fatal = exc
+
     # ---------------------------------------------------------------- main thread
     def submit(self, seq: int, generation: int, slot: int, epoch: int, indices, copies=None) -> None:
         """Queue mini-batch `seq` of `generation` for ring slot `slot` (`copies`: the samples' copy
         numbers, fusionflow.scheduling.tiny_batches.Copies; None when all are 0)."""
-        tiny = split_sorted(indices, self.sizes, self.tiny_batch_size, copies)
-        with self.cond:
-            self.queue.add(generation, seq, slot, epoch, tiny, len(indices), time.monotonic())
-            self.cond.notify_all()
-        self.wake()
+        board = self.board
+        tiny = split_sorted(indices, board.sizes, self.tiny_batch_size, copies)
+        with board.cond:
+            board.queue.add(generation, seq, slot, epoch, tiny, len(indices), time.monotonic())
+            board.cond.notify_all()
+        board.wake()
 
     def wait(self, seq: int, generation: int, timeout: float | None) -> BatchState:
         """Block until mini-batch `seq` is complete; restarts dead workers meanwhile."""
         deadline = None if not timeout else time.monotonic() + timeout
         key = (generation, seq)
-        with self.cond:
+        board = self.board
+        with board.cond:
             while True:
                 if self.fatal is not None:
                     raise self.fatal
                 if self._closed:
                     raise FusionFlowError(f"mini-batch {seq} cannot arrive: the loader's workers were shut down "
                                           "during this iteration (close(), or load_state_dict with a new seed)")
-                state = self.queue.batches.get(key)
+                state = board.queue.batches.get(key)
                 if state is None:
                     raise FusionFlowError(f"mini-batch {seq} of this iterator is no longer tracked: a newer "
                                           "iter(loader) abandoned it (iterate one epoch at a time)")
                 if state.error is not None:
                     raise state.error
                 if state.remaining == 0:
-                    self.queue.forget(key)
+                    board.queue.forget(key)
                     return state
                 dead, missing = self.pool.wanted()
                 if dead or missing > 0:
-                    self.cond.release()
+                    board.cond.release()
                     try:
                         self.pool.restart_and_resize(dead, missing)
                     finally:
-                        self.cond.acquire()
+                        board.cond.acquire()
                     continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise FusionFlowError(f"mini-batch {seq} was not ready within timeout={timeout} s "
                                           f"({state.remaining} of {state.size} samples outstanding)")
-                self.cond.wait(left if left is not None else 1.0)
+                board.cond.wait(left if left is not None else 1.0)
 
     def abandon(self, generation: int) -> None:
         """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""
-        with self.cond:
-            self.queue.forget_generation(generation)
+        with self.board.cond:
+            self.board.queue.forget_generation(generation)
 
     def new_generation(self) -> int:
-        with self.cond:
-            self.generation += 1
-            return self.generation
+        with self.board.cond:
+            self.board.generation += 1
+            return self.board.generation
 
     def register_cuda(self, device_index: int) -> bool:
         """Page-lock the ring (cudaHostRegister, portable) so batches copy to the GPU without staging."""
         from fusionflow.runtime.device_ring import register_host
         self.cuda_device = device_index
-        self.cuda_registered = register_host(self.ring.images.ctypes.data, self.layout.nbytes, device_index)
+        self.cuda_registered = register_host(self.board.ring.images.ctypes.data, self.layout.nbytes, device_index)
         return self.cuda_registered
 
     def shutdown(self) -> None:
@@ -182,7 +189,8 @@ class LocalManager(Board):
            tiny-batch and closes its DALI pipeline) and forget them; drop the loader's callbacks (they
            refer back to this manager, so no cycle outlives it).
         2. Stop the manager thread (wake it; it sees `_closed`) and join it.
-        3. Drop the pool and the agent (they refer back to this manager). Lending agent, if any:
+        3. Drop the pool and the agent (they refer back to the board), and the board's watch of
+           them. Lending agent, if any:
            RETURN to guests, close their connections and the doorbell (their owners' workers go
            home); leave the global manager's table (free the row, close the socket).
         4. Worker pool: STOP to every worker (a lent one stops too: its borrower requeues what it
@@ -194,66 +202,60 @@ class LocalManager(Board):
         if self._closed:
             return
         self._closed = True
-        self.stop_worker_kinds()  # 1
-        self.on_batch_done = self.on_capacity_change = None
+        board = self.board
+        board.stop_worker_kinds()  # 1
+        board.on_batch_done = self.on_capacity_change = None
         thread = self._thread  # 2
-        self.wake()
+        board.wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5.0)
-        agent, pool, self.agent, self.pool = self.agent, self.pool, None, None  # they refer back to us
+        agent, pool, self.agent, self.pool = self.agent, self.pool, None, None  # they refer back to the board
+        board.unwatch_stale()
         if agent is not None:  # 3
             agent.close()
         if pool is not None:  # 4
             pool.stop()
-        self.close_wake_pipe()  # 5
+        board.close_wake_pipe()  # 5
         event, self.copy_event = self.copy_event, None
         if event is not None:  # the last batch's copies out of the ring may still run: wait before unmapping
             event.synchronize()
         if self.cuda_registered:
             import torch
             with torch.cuda.device(self.cuda_device):
-                torch.cuda.cudart().cudaHostUnregister(self.ring.images.ctypes.data)
+                torch.cuda.cudart().cudaHostUnregister(board.ring.images.ctypes.data)
             self.cuda_registered = False
-        self.ring.close()
-        self.ring.unlink()
+        board.ring.close()
+        board.ring.unlink()
 
     # ---------------------------------------------------------------- manager thread
     def _run(self) -> None:
-        agent = self.agent
+        board, agent = self.board, self.agent
         try:
             if agent is not None:
                 agent.serving()  # the listener is in every wait below from now on
             while not self._closed:
-                with self.cond:
+                with board.cond:
                     self._dispatch()
                     timeout = agent.step() if agent is not None else 1.0
-                    waitables = [self._ctrl_r] + self.pool.waitables()
+                    waitables = [board.wake_conn] + self.pool.waitables()
                     if agent is not None:
                         waitables += agent.waitables()
                 for ready in mp_wait(waitables, timeout=timeout):
                     if self._closed:
                         return
-                    if ready is self._ctrl_r:
-                        while self._ctrl_r.poll():
-                            self._ctrl_r.recv_bytes()
+                    if ready is board.wake_conn:
+                        board.clear_wakes()
                     elif agent is None or not agent.handle(ready):
                         self.pool.handle(ready)
         except BaseException as exc:  # a bug here must surface in the training loop, not hang it
             log.exception("fusionflow manager thread failed")
-            with self.cond:
+            with board.cond:
                 self.fatal = FusionFlowError(f"the loader's manager thread failed: {exc!r}")
-                self.cond.notify_all()
-
-    def draining(self) -> bool:
-        """Whether work of an abandoned iterator is still running (lock held): on own workers, guests
-        or any registered worker kind."""
-        gen, pool, agent = self.generation, self.pool, self.agent
-        return ((pool is not None and pool.busy_with_stale(gen))
-                or (agent is not None and agent.busy_with_stale(gen)) or super().draining())
+                board.cond.notify_all()
 
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""
-        if self.draining():
+        if self.board.draining():  # own workers, guests (the agent) or any registered worker kind
             return  # an abandoned iterator's tasks still write into ring slots: let them drain
         # Under a global manager a worker holds only the task it runs: a task queued in a worker's pipe
         # could not move to a lent worker, and would hide this LM's need from the GM.

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class Kind(IntEnum):
-    """The first field of every message. Worker lending (runtime/gm_link.py): owner -> worker LEND,
+    """The first field of every message. Worker lending (runtime/gm/link.py): owner -> worker LEND,
     worker -> owner HOME; on the borrower's socket: worker -> borrower HELLO, NEED, LEAVING (its
     owner called it back); borrower -> worker SETUP, SPEC, RETURN. Those are rare control messages:
     their payload, one of the dataclasses below (or none), is pickled."""
@@ -137,7 +137,7 @@ class Setup:
 @dataclass(frozen=True)
 class Spec:
     """Borrower -> lent worker that does not have it yet: what runs the borrower's samples. Pickled
-    once per loader (runtime/gm_link.py, `make_spec`) and sent as those bytes (`pack_pickled`)."""
+    once per loader (runtime/gm/link.py, `make_spec`) and sent as those bytes (`pack_pickled`)."""
     KIND: ClassVar[Kind] = Kind.SPEC
     dataset: Any
     policy: Any

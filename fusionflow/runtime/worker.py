@@ -6,7 +6,7 @@ training process died without stopping it) it exits, so the process does not out
 more than a slice. The ring has no name by then (the owner unlinks it at creation and hands out
 its descriptor): its memory is freed when the last process mapping it exits.
 
-Lending (DDP, runtime/global_manager.py): on LEND from its owner the worker connects to another
+Lending (DDP, runtime/gm/manager.py): on LEND from its owner the worker connects to another
 local manager's socket and runs that LM's tiny-batches -- with that LM's dataset, policy and seed,
 into that LM's ring -- until it is returned, then reports HOME. See `serve_borrower`.
 """
@@ -23,7 +23,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.gm_link import close_inherited, connect, set_receive_timeout
+from fusionflow.runtime.gm.link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 from fusionflow.sample import run_sample
 

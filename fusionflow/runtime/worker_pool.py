@@ -6,12 +6,18 @@ tasks from the board's queue, reads their messages (READY, FATAL, DONE, HOME) an
 their process sentinels, and stops them at shutdown. The manager thread drives it: `waitables()` and
 `handle(ready)` plug into the manager's one wait.
 
+It is handed the board (runtime/board.py) and callbacks for what goes back to its owner (capacity
+changes, stage times, faults). It keeps the worker-kind contract (`WorkerKind`: start, idempotent
+stop, busy_with_stale), but the local manager drives its start and stop itself rather than
+registering it (its stop must follow the manager thread's, which waits on its pipes); the board's
+`draining()` asks it through `board.watch_stale`.
+
 Retry policy (`requeue_outstanding`): a departed worker's tasks go back to the front of the queue;
 the task it was running is split into single samples so the culprit is isolated; a sample whose
 task has killed `max_retries + 1` workers fails its mini-batch with an error naming it.
 
 Lent-out workers stay records here (`lent_to` says where they serve); workers lent *to* this loader
-are guests of the lending agent (runtime/lending_agent.py), but get tasks and report completions
+are guests of the lending agent (runtime/gm/agent.py), but get tasks and report completions
 through `send` / `on_done` / `requeue_outstanding` here like own workers.
 """
 from __future__ import annotations
@@ -57,18 +63,20 @@ class _Worker:
 class WorkerPool:
     def __init__(self, board, dataset, policy, layout, num_workers: int, seed: int, base_seed: int = 0,
                  worker_init_fn=None, ctx=None, pin_cpus: bool | str = True, max_retries: int = 2,
-                 stages=None, spec_hash: bytes | None = None, on_stage_times=None, on_capacity=None):
+                 stages=None, spec_hash: bytes | None = None, on_stage_times=None, on_capacity=None, on_fatal=None):
         self.board, self.dataset, self.policy, self.layout = board, dataset, policy, layout
         self.num_workers, self.seed, self.base_seed = num_workers, seed, base_seed
         self.worker_init_fn, self.ctx, self.pin_cpus, self.max_retries = worker_init_fn, ctx, pin_cpus, max_retries
         self.stages, self.spec_hash = stages, spec_hash  # stage names workers time per sample, or None
         self.on_stage_times = on_stage_times  # callback(worker label, stage ns totals) under the lock
         self.on_capacity = on_capacity  # callback(live worker count) under the lock: the count changed
+        self.on_fatal = on_fatal  # callback(exception) under the lock: a fault the owner's next wait raises
         self.workers: list[_Worker | None] = [None] * num_workers
         self.target_workers = num_workers
         self.task_ids = itertools.count()
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
         self._live: list[_Worker] = []  # the manager thread's snapshot for its current wait
+        self._stopped = False
         board.counters.tiny_batches_per_worker = [0] * num_workers
 
     # ---------------------------------------------------------------- processes (main thread)
@@ -90,6 +98,7 @@ class WorkerPool:
         return cpus[(offset + wid) % len(cpus)]
 
     def start(self) -> None:
+        """Start every worker process (the training thread: forking happens there only)."""
         for wid in range(self.num_workers):
             self.start_worker(wid)
 
@@ -175,7 +184,11 @@ class WorkerPool:
 
     def stop(self) -> None:
         """Shutdown step: STOP to every worker (a lent one stops too: its borrower requeues what it
-        held); join each for up to STOP_GRACE_S in all; terminate() the rest, then kill(); close the pipes."""
+        held); join each for up to STOP_GRACE_S in all; terminate() the rest, then kill(); close the pipes.
+        Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         workers = [w for w in self.workers if w is not None]
         for w in workers:
             try:
@@ -196,6 +209,7 @@ class WorkerPool:
 
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
+        """Whether a worker (own, or lent out) still holds a task of an iterator older than `generation`."""
         return any(work.generation != generation for w in self.workers if w is not None
                    for _tid, work in w.outstanding)
 
@@ -300,7 +314,7 @@ class WorkerPool:
             if kind == m.READY:
                 w.ready = True
             elif kind == m.FATAL:
-                board.fatal = WorkerStartError(f"CPU worker {w.worker_id} failed to start:\n{m.unpack_fatal(msg)}")
+                self._fail(WorkerStartError(f"CPU worker {w.worker_id} failed to start:\n{m.unpack_fatal(msg)}"))
                 w.alive = False
             elif kind == m.HOME:  # back from a loan
                 w.lent_to = None
@@ -313,6 +327,10 @@ class WorkerPool:
                 count_worker_task(board.counters, w.worker_id)
             board.cond.notify_all()
 
+    def _fail(self, exc: BaseException) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(exc)
+
     def _on_death(self, w: _Worker) -> None:
         board = self.board
         with board.cond:
@@ -324,14 +342,14 @@ class WorkerPool:
             if w.retiring and code == 0:
                 self.requeue_outstanding(w, how)
             elif not w.ready:  # it never came up: restarting would only repeat that
-                board.fatal = WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready")
+                self._fail(WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready"))
             elif code == -signal.SIGBUS:  # it touched shared memory the system could not supply: not a sample's fault
                 self.requeue_outstanding(w, how, suspect=False)
-                board.fatal = SharedMemoryError(
+                self._fail(SharedMemoryError(
                     f"CPU worker {w.worker_id} died of SIGBUS: a process touched shared memory that could not be "
                     f"backed (the batch ring needs {self.layout.nbytes} bytes; {SHM_DIR} has "
                     f"{free_bytes()} bytes free now). This is not the fault of a sample. Give the container a "
-                    f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor.")
+                    f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor."))
             else:
                 w.retiring = False  # a retiring worker that crashed is replaced like any other
                 log.warning("fusionflow CPU worker %d died (%s); restarting it", w.worker_id, how)

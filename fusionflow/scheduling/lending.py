@@ -8,7 +8,7 @@ workers already on their way to it. Nobody gets
 more workers than it needs; shares are rounded by largest remainder, ties to the lower LM id, so the
 plan is deterministic. A worker serves one LM at a time, so only idle workers are lent; borrowed
 workers go home when the borrower's iteration completes: that is not a GM decision but the
-borrower's own (runtime/lending_agent.py: a guest takes tiny-batches only up to the iteration it was
+borrower's own (runtime/gm/agent.py: a guest takes tiny-batches only up to the iteration it was
 lent for, and is sent home when none of those is left for it).
 """
 from __future__ import annotations

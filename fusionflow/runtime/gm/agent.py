@@ -1,4 +1,4 @@
-"""The lending agent: this loader's side of worker lending under a global manager (runtime/global_manager.py).
+"""The lending agent: this loader's side of worker lending under a global manager (runtime/gm/manager.py).
 
 It exists only when a job is given; a loader without one has no agent at all. The manager thread
 drives it: `step()` on every turn of its loop, `waitables()` / `handle(ready)` in its one wait.
@@ -30,7 +30,7 @@ GM_IDLE_S = 0.1  # with a GM: progress heartbeat, elastic target and GM liveness
 
 class LendingAgent:
     def __init__(self, board, job: str, spec: bytes | None):
-        from fusionflow.runtime.gm_link import GMLink
+        from fusionflow.runtime.gm.link import GMLink
         self.board, self.pool = board, None  # the pool is attached once it exists (it needs our spec hash)
         self.link = GMLink(job, board.ring.name, spec)
         self.guests: list[_Worker] = []

@@ -3,7 +3,7 @@
 A tiny-batch's pixels are a pure function of (dataset, policy, seed, epoch, index, copy), so a Ray
 actor anywhere in the cluster computes the same bytes as a local CPU worker. This module is the
 public configuration and the connection to the cluster; the worker kind itself (the thread that
-keeps tiny-batches in flight on the actors) is fusionflow/runtime/remote.py.
+keeps tiny-batches in flight on the actors) is fusionflow/remote/kind.py.
 
 Ray is an optional dependency: `pip install 'fusionflow[ray]'`. Every Ray node needs FusionFlow
 importable (the same version), e.g. installed in the nodes' image, or shipped with

@@ -1,11 +1,11 @@
 """The global manager (GM): one process per job and node that moves idle CPU workers from local
 managers (LMs, one per loader, i.e. per rank) that are done to LMs that still have work.
 
-    python -m fusionflow.runtime.global_manager <table name>      # spawned by the first LM of a job
+    python -m fusionflow.runtime.gm.manager <table name>      # spawned by the first LM of a job
     python -m fusionflow gm serve --job NAME                      # or started explicitly (see `cli`)
 
 Loop, every `POLL_S`:
-  1. Read the progress table (runtime/gm_tables.py). An ACTIVE row whose process is gone is
+  1. Read the progress table (runtime/gm/tables.py). An ACTIVE row whose process is gone is
      reclaimed: its batch-ring segment is unlinked, the row freed (its workers notice their owner is
      gone and exit; workers it borrowed see the connection close and go home).
   2. Turn the rows into `scheduling.lending.Progress` -- fractions done from the Active tiny-batches'
@@ -16,7 +16,7 @@ Loop, every `POLL_S`:
   3. Write each loan as a Yield order on the lender's action row (one per lender per round) and a
      Borrow notice on the borrower's, and ring the lender: the GM holds one connection to every
      LM's socket and sends a BELL, so LMs never poll for orders. The LM carries the order out
-     (runtime/lending_agent.py): its idle workers connect to the borrower, serve the tiny-batches
+     (runtime/gm/agent.py): its idle workers connect to the borrower, serve the tiny-batches
      of the iteration the borrower had when they arrived, and come home.
 Exit: when no LM has been registered for `LINGER_S` (or none ever registered within `START_S`),
 the GM marks the table CLOSING under its lock, unlinks it and exits. If the GM dies instead, LMs see
@@ -44,10 +44,10 @@ from collections import namedtuple
 
 import numpy as np
 
-from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.gm_link import connect
-from fusionflow.runtime.gm_timing import INCOMING_TTL_S, LINGER_S, LIVENESS_S, POLL_S, STALE_S, START_S
+from fusionflow.runtime.gm.link import connect
+from fusionflow.runtime.gm.timing import INCOMING_TTL_S, LINGER_S, LIVENESS_S, POLL_S, STALE_S, START_S
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.scheduling.lending import Progress, plan_lending
 
@@ -302,7 +302,7 @@ def cli(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].startswith(gt.PREFIX):
-        print(f"usage: python -m fusionflow.runtime.global_manager {gt.PREFIX}<id>", file=sys.stderr)
+        print(f"usage: python -m fusionflow.runtime.gm.manager {gt.PREFIX}<id>", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a rank's Ctrl-C is not ours; LMs leaving is

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from fusionflow.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
+from fusionflow.tools.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
 
 
 def add_arguments(p) -> None:

@@ -1,4 +1,4 @@
-"""What runs on a remote node: the Ray actor's body for runtime/remote.py's worker kind. It holds the
+"""What runs on a remote node: the Ray actor's body for remote/kind.py's worker kind. It holds the
 dataset and a CpuPipeline and runs a local CPU worker's per-sample code (fusionflow/sample.py), so a
 tiny-batch's bytes are the same wherever it runs; it returns them instead of writing shared memory."""
 from __future__ import annotations

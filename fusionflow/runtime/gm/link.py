@@ -1,6 +1,6 @@
-"""A local manager's seat at its job's global-manager table (runtime/gm_tables.py).
+"""A local manager's seat at its job's global-manager table (runtime/gm/tables.py).
 
-Joining: create the job's table (and spawn the GM, runtime/global_manager.py) or attach to it,
+Joining: create the job's table (and spawn the GM, runtime/gm/manager.py) or attach to it,
 claim a progress row, and listen on an abstract Unix socket (no file; gone with the process) whose
 address is published in the row. Workers lent to this LM connect there and authenticate with the
 job's secret (HMAC challenge, multiprocessing.connection), which only the table's 0600 segment holds.
@@ -31,9 +31,9 @@ import sys
 import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-from fusionflow.runtime import gm_tables as gt
+from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.gm_timing import GM_START_S, HANDSHAKE_S, LIVENESS_S, SEND_TIMEOUT_S
+from fusionflow.runtime.gm.timing import GM_START_S, HANDSHAKE_S, LIVENESS_S, SEND_TIMEOUT_S
 from fusionflow.runtime.procs import pid_alive
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,9 @@ _LISTENERS: set[int] = set()  # fds of this process's listening sockets
 
 
 def spawn(name: str) -> subprocess.Popen:
-    """Start the GM (runtime/global_manager.py) for table `name` in its own session, so no rank's exit
+    """Start the GM (runtime/gm/manager.py) for table `name` in its own session, so no rank's exit
     or Ctrl-C takes it down. It runs as its own program, so nothing here imports the GM's module."""
-    return subprocess.Popen([sys.executable, "-m", "fusionflow.runtime.global_manager", name],
+    return subprocess.Popen([sys.executable, "-m", "fusionflow.runtime.gm.manager", name],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
                             close_fds=True)
 

@@ -33,7 +33,7 @@ from contextlib import contextmanager
 import numpy as np
 import posix_ipc
 
-from fusionflow.runtime.gm_timing import START_S
+from fusionflow.runtime.gm.timing import START_S
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import unlink
 

@@ -1,6 +1,6 @@
 """Remote CPU workers: Ray actors as a third kind of worker beside the local CPU processes and the
-accelerator (configuration: fusionflow/remote_workers.py; the actor's body: runtime/remote_task.py,
-the local workers' per-sample code, so the same bytes). README "More CPUs than the node has" and its
+accelerator (configuration: remote/config.py; the actors: remote/actors.py; the actor's body:
+remote/task.py, the local workers' per-sample code, so the same bytes). README "More CPUs than the node has" and its
 measurements say why the defaults are what they are.
 
 A thread in the training process ("fusionflow-remote") keeps `in_flight` calls of up to `per_call`
@@ -28,36 +28,30 @@ import threading
 import time
 
 from fusionflow.errors import RemoteWorkerError
+from fusionflow.remote import config as remote_config
+from fusionflow.remote.actors import MAX_FAILURES, Actor, RemoteActors
 from fusionflow.runtime import targets
-from fusionflow.runtime.remote_actors import MAX_FAILURES, RemoteActors, Actor
-from fusionflow.runtime.remote_task import actor_class
 
 log = logging.getLogger(__name__)
 POLL_S = 0.005  # longest wait for a result before looking for new work again
 MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
-SETTLE_S = 3.0  # start-up: how long to wait for CPUs that are being released to fit the asked-for actors
 
 
-
-class RemoteWorkers(RemoteActors):
-    """The Ray worker kind on a local manager (`board`): start(), stop(), busy_with_stale()."""
+class RemoteWorkers:
+    """The Ray worker kind on a board (runtime/board.py WorkerKind: start(), stop(), busy_with_stale());
+    its actors are `self.actors` (remote/actors.py), from start() on."""
 
     def __init__(self, board, config, dataset, policy, seed: int, stats, first_worker_id: int = 0,
                  worker_init_fn=None):
         self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
         self.stats, self.first_worker_id, self.worker_init_fn = stats, first_worker_id, worker_init_fn
         self.ray = None
-        self.actors: list[Actor] = []
+        self.actors: RemoteActors | None = None  # from start() on
         self.inflight: dict = {}  # ObjectRef -> (actor, [work, ...] of one call, sent at ns), in submission order
         self.failures_in_a_row = 0
         self.retired: str | None = None
         self._writing = None  # the works whose results are being written into the ring
-        self._dataset_ref = None
-        self._cls = None
-        self._spawned = 0
-        self._probe_failures = 0  # workers asked for after start-up that did not come up
-        self._bad_hosts: set = set()  # nodes where a worker could not read the dataset
-        self._counted = False  # this kind holds a use of FusionFlow's Ray connection (remote_workers.connect)
+        self._counted = False  # this kind holds a use of FusionFlow's Ray connection (remote/config.py connect)
         self._last_maintain = 0.0
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-remote", daemon=True)
@@ -70,50 +64,15 @@ class RemoteWorkers(RemoteActors):
         if self._started:
             return
         self._started = True
-        from fusionflow import remote_workers
-        self.ray, self._counted = remote_workers.connect(self.config)
+        self.ray, self._counted = remote_config.connect(self.config)
         try:
-            self._preflight()
+            self.actors = RemoteActors(self.ray, self.config, self.dataset, self.policy, self.seed,
+                                       self.first_worker_id, self.worker_init_fn)
+            self.actors.start_up()
         except BaseException:
             self.stop()
             raise
         self._thread.start()
-
-    def _preflight(self) -> None:
-        ray = self.ray
-        try:
-            self._dataset_ref = ray.put(self.dataset)
-        except Exception as exc:
-            raise TypeError(f"remote_workers: the dataset {type(self.dataset).__name__} cannot be pickled to send it "
-                            f"to the Ray workers ({type(exc).__name__}: {exc}). Keep no open files, locks or "
-                            "lambdas in its attributes (open them lazily in __getitem__), or use "
-                            "remote_workers=None") from exc
-        self._cls = actor_class(ray)
-        for _ in range(self._wanted()):
-            self._spawn()
-        # CPUs a loader closed a moment ago (this one's previous epoch, without persistent_workers) come
-        # back within a second or so: wait for them briefly rather than start short of workers
-        settle = time.monotonic() + min(SETTLE_S, self.config.startup_timeout)
-        while self.config.num_workers != "auto" and len(self.actors) < self.config.num_workers \
-                and time.monotonic() < settle:
-            time.sleep(0.05)
-            for _ in range(self._wanted()):
-                self._spawn()
-        if not self.actors:
-            log.warning("remote_workers: the Ray cluster has no free CPU for a worker of %s CPUs now; local workers "
-                        "run everything until one frees up", self.config.cpus_per_worker)
-            return
-        deadline = time.monotonic() + self.config.startup_timeout
-        pending = {a.probe_ref: a for a in self.actors}
-        while pending and time.monotonic() < deadline:
-            done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            for ref in done:
-                actor = pending.pop(ref)
-                self._on_probe(actor, ref, at_start=True)
-        if not any(a.ready for a in self.actors):
-            raise RemoteWorkerError(f"remote_workers: none of the {len(self.actors)} Ray workers started within "
-                                    f"startup_timeout={self.config.startup_timeout} s (cluster resources: "
-                                    f"{ray.cluster_resources()}); check the cluster, or raise startup_timeout")
 
     def stop(self) -> None:
         """Idempotent: stop the thread, kill the actors, release Ray."""
@@ -135,16 +94,10 @@ class RemoteWorkers(RemoteActors):
             lost = [work for _a, works, _t in self.inflight.values() for work in works]
             self.inflight.clear()
             board.requeue(lost)
-        for a in self.actors:
-            try:
-                ray.kill(a.handle)
-            except Exception:  # already gone with its node
-                pass
-        self.actors = []
-        self._dataset_ref = None
+        if self.actors is not None:
+            self.actors.kill_all()
         if self._counted:
-            from fusionflow import remote_workers
-            remote_workers.release()
+            remote_config.release()
             self._counted = False
         self.ray = None
 
@@ -154,7 +107,8 @@ class RemoteWorkers(RemoteActors):
 
     @property
     def live(self) -> int:
-        return sum(1 for a in self.actors if a.ready)
+        """Actors ready for work."""
+        return self.actors.live if self.actors is not None else 0
 
     # ---------------------------------------------------------------- actors
     def _lost(self, actor: Actor, exc) -> bool:
@@ -187,7 +141,9 @@ class RemoteWorkers(RemoteActors):
                     refs = list(self.inflight)
                 starting = [a.probe_ref for a in self.actors if not a.ready]
                 if time.monotonic() - self._last_maintain > MAINTAIN_S:
-                    self._maintain()
+                    self._last_maintain = time.monotonic()
+                    if not self.retired and not self._stopped:
+                        self.actors.maintain()
                 if not refs and not starting:
                     with board.cond:
                         if not self._stopped:
@@ -199,7 +155,7 @@ class RemoteWorkers(RemoteActors):
                 for ref in ready:
                     actor = next((a for a in self.actors if a.probe_ref is ref and not a.ready), None)
                     if actor is not None:
-                        self._on_probe(actor, ref, at_start=False)
+                        self.actors.on_probe(actor, ref, at_start=False)
                     elif ref in self.inflight:
                         self._on_result(ref)
         except Exception:  # a bug here must not hang training: give everything back to the local workers
@@ -255,7 +211,7 @@ class RemoteWorkers(RemoteActors):
                 kill = self._lost(actor, exc)
                 board.cond.notify_all()
             if kill:
-                self._kill(actor)
+                self.actors.kill(actor)
             board.wake()
             return
         except Exception as exc:  # the object was lost, or a bug on the actor: the local workers take it

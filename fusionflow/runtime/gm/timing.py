@@ -1,5 +1,5 @@
-"""The clocks of the global-manager protocol, in one place: the GM (runtime/global_manager.py), a
-local manager's seat at its table (runtime/gm_link.py) and the table itself (runtime/gm_tables.py)
+"""The clocks of the global-manager protocol, in one place: the GM (runtime/gm/manager.py), a
+local manager's seat at its table (runtime/gm/link.py) and the table itself (runtime/gm/tables.py)
 all reason about the same times, so each is defined once here. Imports nothing from the package:
 it sits below the tables, the link and the manager.
 

@@ -15,9 +15,11 @@ import time
 
 import numpy as np
 
-from fusionflow.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
+from fusionflow.tools.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
 
-DEFAULT_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments", "data", "demo")
+# the repository's experiments/data (fusionflow/tools/demo.py -> three levels up), as `make clean` expects
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_DATA = os.path.join(REPO, "experiments", "data", "demo")
 
 
 def small_cnn(num_classes: int):
@@ -82,7 +84,7 @@ def _parser():
     d.add_argument("--images-per-class", type=int, default=96)
     d.add_argument("--profile-dir", default=None,
                    help="where the FusionFlow run's trace.json and timeline.png go (default: experiments/data/demo_profile)")
-    from fusionflow import bench, profile
+    from fusionflow.tools import bench, profile
     p = sub.add_parser("profile", help="where the time goes on your data: trace, timeline PNG, summary",
                        description=profile.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     profile.add_arguments(p)
@@ -93,7 +95,7 @@ def _parser():
 
 
 def main(argv=None) -> int:
-    from fusionflow import bench, profile
+    from fusionflow.tools import bench, profile
     ap, p, b = _parser()
     args = ap.parse_args(argv)
     if args.command == "profile":
@@ -114,7 +116,7 @@ def demo(args) -> int:
     """The main job: train with DataLoader + torchvision, then with FusionFlowLoader; print both."""
     import torch
     from fusionflow.data import ImageFolder
-    from fusionflow.synthetic import make_image_folder
+    from fusionflow.tools.synthetic import make_image_folder
 
     torch.set_num_threads(1)  # the CPUs are the loaders' to share; the tiny model needs little
     root = args.data
@@ -141,7 +143,7 @@ def demo(args) -> int:
     ratio = ours["img_per_s"] / base["img_per_s"]
     print(f"throughput: FusionFlowLoader {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
           f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x")
-    from fusionflow.timeline import plot_timeline
+    from fusionflow.tools.timeline import plot_timeline
     from fusionflow.trace import load
     png = plot_timeline(load(trace_path), os.path.join(out_dir, "timeline.png"))
     print(f"where FusionFlow's time went: {png} (trace: {trace_path}, open at https://ui.perfetto.dev; "

@@ -49,7 +49,7 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from fusionflow import FusionFlowLoader, ImageFolder
-    from fusionflow.timeline import format_summary, plot_timeline, summarize
+    from fusionflow.tools.timeline import format_summary, plot_timeline, summarize
     from fusionflow.trace import load
 
     ds = ImageFolder(args.data)
