@@ -22,7 +22,8 @@ from torch.utils.data import Sampler
 from fusionflow.checkpoint import Checkpoint
 from fusionflow.delivery import Delivery
 from fusionflow.epoch import _InlineIterator, _WorkerIterator
-from fusionflow.loader_config import Host, resolve_config
+from fusionflow.loader_config import resolve_config
+from fusionflow.loader_resources import Host
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
 from fusionflow.trace import Tracing
 from fusionflow.workers import Workers

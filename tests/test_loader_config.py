@@ -13,7 +13,8 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, default_collate
 
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.loader_config import Host, LoaderConfig, resolve_config
+from fusionflow.loader_config import LoaderConfig, resolve_config
+from fusionflow.loader_resources import Host
 
 DATA = [(b"\xff\xd8 not decoded at construction", i % 3) for i in range(10)]
 DEFAULTS = {name: p.default for name, p in inspect.signature(FusionFlowLoader.__init__).parameters.items()

@@ -19,7 +19,8 @@ from fusionflow.epoch import _InlineIterator, _WorkerIterator
 from fusionflow.errors import SampleError
 from fusionflow.gpu_session import GpuSession
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.loader_config import Host, resolve_config
+from fusionflow.loader_config import resolve_config
+from fusionflow.loader_resources import Host
 from fusionflow.runtime.messages import SampleFailure
 from fusionflow.stats import LoaderStats
 from fusionflow.trace import Tracing

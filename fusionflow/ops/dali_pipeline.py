@@ -47,53 +47,17 @@ class DaliPolicyPipeline:
 
     def __init__(self, policy, batch_size: int, device: str = "cpu", device_id: int | None = None,
                  num_threads: int = 1, exec_dynamic: bool = True):
-        from nvidia.dali import fn, pipeline_def, types
-
-        if device not in ("cpu", "gpu"):
-            raise ValueError(f"device={device!r} must be 'cpu' or 'gpu'")
-        if device == "gpu" and device_id is None:
-            raise ValueError("device='gpu' needs a device_id (the CUDA device index)")
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1")
+        _check_args(batch_size, device, device_id)
         self.policy: Policy = load_policy(policy)
+        _check_fill(self.policy)
         aug = self.policy.augment
-        if len(set(aug.fill)) != 1 and any(o.name != "Cutout" and o.range is not None for o in aug.ops):
-            raise ValueError(f"{self.policy.source}: augment.fill {list(aug.fill)}: the DALI pipeline fills "
-                             "geometric ops with one gray level; use a single value such as 128")
         self.batch_size, self.device = batch_size, device
         # local op ids: 0 is Identity (empty slot), then the policy's ops in file order
         self.op_names = ["Identity"] + [o.name for o in aug.ops if o.name != "Identity"]
         self._local = {name: i for i, name in enumerate(self.op_names)}
         self.slots = self._slot_count()
-        style = DaliStyle(aug.interpolation, aug.fill, self.policy.size, device)
-        out_h, out_w = self.policy.size
-        normalize, erase = self.policy.normalize, self.policy.erase
-        augment = self._op_graph(style)
-
-        @pipeline_def(enable_conditionals=True)
-        def graph():
-            encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
-            anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
-            shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
-            flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
-            images = fn.decoders.image_slice(encoded, anchor, shape, device="mixed" if device == "gpu" else "cpu",
-                                             output_type=types.RGB, normalized_anchor=False,
-                                             normalized_shape=False, axis_names="WH",
-                                             adjust_orientation=False)
-            images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR,
-                               antialias=True)
-            images = fn.flip(images, horizontal=flip)
-            images = augment(images)
-            if normalize:
-                mean, std = normalize
-                images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                                  mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
-            else:
-                images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
-            if erase is not None:
-                images = _erase(images, erase, device)
-            return images
-
+        augment = self._op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
+        graph = _policy_graph(self.policy, device, augment)
         self._make = lambda: graph(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
                                    exec_dynamic=exec_dynamic, prefetch_queue_depth=1)
         self.rebuilds = 0
@@ -218,6 +182,57 @@ class DaliPolicyPipeline:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _check_args(batch_size: int, device: str, device_id: int | None) -> None:
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device={device!r} must be 'cpu' or 'gpu'")
+    if device == "gpu" and device_id is None:
+        raise ValueError("device='gpu' needs a device_id (the CUDA device index)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+
+
+def _check_fill(policy: Policy) -> None:
+    """DALI's geometric ops fill with one gray level: an RGB fill is refused (Cutout alone may have one)."""
+    aug = policy.augment
+    if len(set(aug.fill)) != 1 and any(o.name != "Cutout" and o.range is not None for o in aug.ops):
+        raise ValueError(f"{policy.source}: augment.fill {list(aug.fill)}: the DALI pipeline fills "
+                         "geometric ops with one gray level; use a single value such as 128")
+
+
+def _policy_graph(policy: Policy, device: str, augment):
+    """The pipeline definition (DALI's `pipeline_def`): feed -> decode+crop -> resize -> flip ->
+    `augment` (the op slots) -> normalize or transpose to CHW -> erase. It holds plain values, never
+    the DaliPolicyPipeline: DALI keeps the graph as long as its pipeline."""
+    from nvidia.dali import fn, pipeline_def, types
+    out_h, out_w = policy.size
+    normalize, erase = policy.normalize, policy.erase
+
+    @pipeline_def(enable_conditionals=True)
+    def graph():
+        encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+        anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
+        shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
+        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+        images = fn.decoders.image_slice(encoded, anchor, shape, device="mixed" if device == "gpu" else "cpu",
+                                         output_type=types.RGB, normalized_anchor=False,
+                                         normalized_shape=False, axis_names="WH",
+                                         adjust_orientation=False)
+        images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR,
+                           antialias=True)
+        images = fn.flip(images, horizontal=flip)
+        images = augment(images)
+        if normalize:
+            mean, std = normalize
+            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
+                                              mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
+        else:
+            images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
+        if erase is not None:
+            images = _erase(images, erase, device)
+        return images
+    return graph
 
 
 def _shutdown(pipe) -> None:

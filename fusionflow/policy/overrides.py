@@ -37,8 +37,9 @@ from typing import Any, Mapping
 
 from fusionflow.ops.specs import OPS
 from fusionflow.policy import schema
+from fusionflow.policy.image_sections import Erase, check_center_resize, parse_erase
 from fusionflow.policy.reader import _Reader
-from fusionflow.policy.schema import INTERPOLATIONS, OpChoice, Policy
+from fusionflow.policy.schema import INTERPOLATIONS, Augment, OpChoice, Policy
 
 OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip", "erase")
 
@@ -52,11 +53,7 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy, **overrides:
 
 def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
     """A new Policy: `policy` with `overrides` applied and validated, in the order of OVERRIDES."""
-    for key in overrides:
-        if key not in OVERRIDES:
-            hint = difflib.get_close_matches(str(key), OVERRIDES, n=1)
-            fix = f"did you mean {hint[0]!r}? " if hint else ""
-            raise ValueError(f"load_policy(): unknown override {key!r}; {fix}valid overrides: {', '.join(OVERRIDES)}")
+    _check_names(overrides)
     r = _Reader(f"{policy.source} with override")
     aug = policy.augment
     changes: dict[str, Any] = {}
@@ -64,44 +61,68 @@ def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
         size = _size(r, overrides["size"])
         aug = dataclasses.replace(aug, ops=tuple(_rescale(r, c, policy.size, size) for c in aug.ops))
         changes["size"] = size
-    if "resize" in overrides and policy.center_resize is None:
-        r.fail("resize", f"applies to crop.mode center policies (Resize + CenterCrop, e.g. 'eval'); policy "
-                         f"{policy.name!r} has a random resized crop: leave resize out, or use size")
-    if policy.center_resize is not None:
-        changes["center_resize"] = schema.check_center_resize(
-            r, overrides.get("resize", policy.center_resize), "resize", changes.get("size", policy.size))
-    for key in ("magnitude", "num_ops"):
-        if key in overrides:
-            if aug.type != "rand":
-                r.fail(key, f"applies to augment.type 'rand' (RandAugment); policy {policy.name!r} is "
-                            f"{aug.type!r}: leave {key} out or use a rand policy such as 'randaugment'")
-            value = (r.integer(overrides[key], key, 0, aug.num_bins - 1) if key == "magnitude"
-                     else r.integer(overrides[key], key, 1, 16))
-            aug = dataclasses.replace(aug, **{key: value})
+    if "resize" in overrides or policy.center_resize is not None:
+        changes["center_resize"] = _center_resize(r, policy, overrides, changes.get("size", policy.size))
+    aug = _rand_counts(r, policy.name, aug, overrides)
     if "interpolation" in overrides:
-        value = overrides["interpolation"]
-        if value == "bicubic":
-            r.fail("interpolation", "'bicubic' is not supported (DALI's warp_affine, the GPU path, has only "
-                                    f"nearest and linear); choose one of {', '.join(INTERPOLATIONS)}")
-        value = r.choice(value, "interpolation", INTERPOLATIONS)
-        if aug.type == "none" and value != "bilinear":
-            r.fail("interpolation", f"policy {policy.name!r} has no ops to resample, and its random resized crop "
-                                    f"always resizes with antialiased bilinear: leave interpolation out or pass "
-                                    f"'bilinear'")
-        if aug.type != "none":
-            aug = dataclasses.replace(aug, interpolation=value)
+        aug = _interpolation(r, policy.name, aug, overrides["interpolation"])
     if "normalize" in overrides:
         changes["normalize"] = _normalize(r, overrides["normalize"])
     if "flip" in overrides:
         changes["flip"] = r.number(overrides["flip"], "flip", 0.0, 1.0)
-    erase = overrides.get("erase", policy.erase)
+    # checked again when only normalize changed: its units follow the output's
+    changes["erase"] = _erase(r, overrides.get("erase", policy.erase), changes.get("normalize", policy.normalize))
+    return dataclasses.replace(policy, augment=aug, **changes)
+
+
+def _check_names(overrides: Mapping[str, Any]) -> None:
+    """Every override is one of OVERRIDES (else a ValueError with the closest name and the list)."""
+    for key in overrides:
+        if key not in OVERRIDES:
+            hint = difflib.get_close_matches(str(key), OVERRIDES, n=1)
+            fix = f"did you mean {hint[0]!r}? " if hint else ""
+            raise ValueError(f"load_policy(): unknown override {key!r}; {fix}valid overrides: {', '.join(OVERRIDES)}")
+
+
+def _center_resize(r: _Reader, policy: Policy, overrides: Mapping[str, Any], size: tuple[int, int]) -> int:
+    """A crop.mode center policy's resize (the override's, else its own), checked against the output size."""
+    if policy.center_resize is None:
+        r.fail("resize", f"applies to crop.mode center policies (Resize + CenterCrop, e.g. 'eval'); policy "
+                         f"{policy.name!r} has a random resized crop: leave resize out, or use size")
+    return check_center_resize(r, overrides.get("resize", policy.center_resize), "resize", size)
+
+
+def _rand_counts(r: _Reader, name: str, aug: Augment, overrides: Mapping[str, Any]) -> Augment:
+    """magnitude and num_ops: only for augment.type rand (RandAugment)."""
+    for key in ("magnitude", "num_ops"):
+        if key in overrides:
+            if aug.type != "rand":
+                r.fail(key, f"applies to augment.type 'rand' (RandAugment); policy {name!r} is "
+                            f"{aug.type!r}: leave {key} out or use a rand policy such as 'randaugment'")
+            value = (r.integer(overrides[key], key, 0, aug.num_bins - 1) if key == "magnitude"
+                     else r.integer(overrides[key], key, 1, 16))
+            aug = dataclasses.replace(aug, **{key: value})
+    return aug
+
+
+def _interpolation(r: _Reader, name: str, aug: Augment, value: Any) -> Augment:
+    """The ops' geometric resampling; a policy without ops only accepts 'bilinear' (its crop's)."""
+    if value == "bicubic":
+        r.fail("interpolation", "'bicubic' is not supported (DALI's warp_affine, the GPU path, has only "
+                                f"nearest and linear); choose one of {', '.join(INTERPOLATIONS)}")
+    value = r.choice(value, "interpolation", INTERPOLATIONS)
+    if aug.type == "none" and value != "bilinear":
+        r.fail("interpolation", f"policy {name!r} has no ops to resample, and its random resized crop "
+                                f"always resizes with antialiased bilinear: leave interpolation out or pass "
+                                f"'bilinear'")
+    return aug if aug.type == "none" else dataclasses.replace(aug, interpolation=value)
+
+
+def _erase(r: _Reader, erase: Any, normalize) -> Erase | None:
+    """The erase override (or the policy's Erase): a mapping, an Erase, a float p, or None / 0 for off."""
     if isinstance(erase, (int, float)) and not isinstance(erase, bool):
         erase = {"p": erase} if erase else None
-    if erase is not None:  # checked again when only normalize changed: its units follow the output's
-        changes["erase"] = schema.parse_erase(r, erase, "erase", changes.get("normalize", policy.normalize))
-    elif "erase" in overrides:
-        changes["erase"] = None
-    return dataclasses.replace(policy, augment=aug, **changes)
+    return None if erase is None else parse_erase(r, erase, "erase", normalize)
 
 
 def _size(r: _Reader, raw: Any) -> tuple[int, int]:

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fusionflow.ops.specs import OPS, ParamTuple
-from fusionflow.policy.schema import Erase, Policy
+from fusionflow.policy.image_sections import Erase
+from fusionflow.policy.schema import Policy
 
 CROP_TRIES = 10
 

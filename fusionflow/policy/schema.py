@@ -53,14 +53,12 @@ from typing import Any, Mapping
 import yaml
 
 from fusionflow.ops.specs import OPS
+from fusionflow.policy.image_sections import (DEFAULT_MAX_PIXELS, Erase, parse_crop, parse_decode, parse_erase,
+                                              parse_output)
 from fusionflow.policy.reader import _Reader
 
 AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy")
 INTERPOLATIONS = ("nearest", "bilinear")
-DECODE_MODES = ("exact", "fast")
-# Pillow's default DecompressionBombError threshold (2 x its MAX_IMAGE_PIXELS of 89,478,485): images
-# a stock Pillow opens still load, and one sample's RGB decode stays under ~512 MiB per worker.
-DEFAULT_MAX_PIXELS = 178_956_970
 
 
 @dataclass(frozen=True)
@@ -119,16 +117,6 @@ class Augment:
 
 
 @dataclass(frozen=True)
-class Erase:
-    """torchvision.transforms.v2.RandomErasing(p, scale, ratio, value), applied to the output."""
-
-    p: float = 0.5
-    scale: tuple[float, float] = (0.02, 0.33)
-    ratio: tuple[float, float] = (0.3, 3.3)
-    value: tuple[float, float, float] | None = (0.0, 0.0, 0.0)  # None: "random" (standard normal noise)
-
-
-@dataclass(frozen=True)
 class Policy:
     name: str
     source: str
@@ -164,101 +152,16 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     if not isinstance(name, str) or not name:
         r.fail("name", f"expected a non-empty string, got {name!r}")
 
-    out = r.mapping(top["output"], "output", ("size",), ("normalize",))
-    size_raw = out["size"]
-    if isinstance(size_raw, int) and not isinstance(size_raw, bool):
-        size = (r.integer(size_raw, "output.size", 8, 8192),) * 2
-    elif isinstance(size_raw, (list, tuple)) and len(size_raw) == 2:
-        size = tuple(r.integer(v, f"output.size[{i}]", 8, 8192) for i, v in enumerate(size_raw))
-    else:
-        r.fail("output.size", f"expected an int or [height, width], got {size_raw!r}")
-    normalize = None
-    if out.get("normalize") is not None:
-        norm = r.mapping(out["normalize"], "output.normalize", ("mean", "std"), ())
-        mean = r.triple(norm["mean"], "output.normalize.mean", 0.0, 1.0)
-        std = r.triple(norm["std"], "output.normalize.std", 1e-6, None)
-        normalize = (mean, std)
-
-    fast, max_pixels = True, DEFAULT_MAX_PIXELS
-    if "decode" in top:
-        dec = r.mapping(top["decode"], "decode", (), ("mode", "fast_downscale", "max_pixels"))
-        if "max_pixels" in dec:
-            max_pixels = None if dec["max_pixels"] is None else r.integer(dec["max_pixels"], "decode.max_pixels", 1)
-        if "mode" in dec and "fast_downscale" in dec:
-            r.fail("decode", "give decode.mode (exact | fast) or its older spelling decode.fast_downscale, not both")
-        if "mode" in dec:
-            fast = r.choice(dec["mode"], "decode.mode", DECODE_MODES) == "fast"
-        else:
-            fast = r.boolean(dec.get("fast_downscale", True), "decode.fast_downscale")
-
-    scale, ratio = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
-    if "crop" in top:
-        crop = r.mapping(top["crop"], "crop", (), ("mode", "scale", "ratio", "resize"))
-        center_resize = _center_crop(r, crop, size)
-        if "scale" in crop:
-            scale = r.pair(crop["scale"], "crop.scale", 0.0, 1.0)
-            if scale[0] <= 0:
-                r.fail("crop.scale[0]", "must be > 0 (an empty crop cannot be resized)")
-        if "ratio" in crop:
-            ratio = r.pair(crop["ratio"], "crop.ratio", 1e-3, 1e3)
+    size, normalize = parse_output(r, top["output"])
+    fast, max_pixels = parse_decode(r, top)
+    scale, ratio, center_resize = parse_crop(r, top, size)
     flip = r.number(top.get("flip", 0.0), "flip", 0.0, 1.0)
 
     augment = _parse_augment(r, top["augment"], size)
     erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
     return Policy(name=name, source=source, size=size, scale=scale, ratio=ratio, flip=flip,
-                  augment=augment, normalize=normalize, fast_downscale=fast,
-                  center_resize=center_resize if "crop" in top else None, max_pixels=max_pixels, erase=erase)
-
-
-def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
-    """An `erase:` mapping (or an Erase) -> Erase, checked against the output's units."""
-    if isinstance(raw, Erase):
-        raw = {"p": raw.p, "scale": raw.scale, "ratio": raw.ratio,
-               "value": "random" if raw.value is None else raw.value}
-    e = r.mapping(raw, path, (), ("p", "scale", "ratio", "value"))
-    p = r.number(e.get("p", 0.5), f"{path}.p", 0.0, 1.0)
-    scale = r.pair(e.get("scale", (0.02, 0.33)), f"{path}.scale", 0.0, 1.0)
-    ratio = r.pair(e.get("ratio", (0.3, 3.3)), f"{path}.ratio", 1e-3, 1e3)
-    raw_value = e.get("value", 0)
-    if raw_value == "random":
-        if normalize is None:
-            r.fail(f"{path}.value", "'random' (standard normal noise) needs float output: add output.normalize "
-                                    "(torchvision erases after Normalize), or use a number or [r, g, b]")
-        return Erase(p, scale, ratio, None)
-    if isinstance(raw_value, (list, tuple)) and len(raw_value) == 1:
-        raw_value = raw_value[0]
-    if isinstance(raw_value, (list, tuple)):
-        value = r.triple(raw_value, f"{path}.value")
-    elif isinstance(raw_value, (int, float)) and not isinstance(raw_value, bool):
-        value = (float(raw_value),) * 3
-    else:
-        r.fail(f"{path}.value", f"expected a number, [r, g, b] or 'random', got {raw_value!r}")
-    if normalize is None and not all(v == int(v) and 0 <= v <= 255 for v in value):
-        r.fail(f"{path}.value", f"{list(value)}: without output.normalize the output is uint8, so the value "
-                                "must be integers 0..255 (or add output.normalize to erase in normalised units)")
-    return Erase(p, scale, ratio, value)
-
-
-def _center_crop(r: _Reader, crop: dict, size: tuple[int, int]) -> int | None:
-    """crop.mode center (evaluation): the resize of the shorter side; None for the random resized crop."""
-    mode = r.choice(crop.get("mode", "random"), "crop.mode", ("random", "center"))
-    if mode == "random":
-        if "resize" in crop:
-            r.fail("crop.resize", "applies to crop.mode center (Resize + CenterCrop): add mode: center")
-        return None
-    for key in ("scale", "ratio"):
-        if key in crop:
-            r.fail(f"crop.{key}", "applies to the random resized crop, not crop.mode center: remove it")
-    if "resize" not in crop:
-        r.fail("crop.resize", "missing required key for crop.mode center (e.g. 256 for a 224 crop)")
-    return check_center_resize(r, crop["resize"], "crop.resize", size)
-
-
-def check_center_resize(r: _Reader, raw: Any, path: str, size: tuple[int, int]) -> int:
-    resize = r.integer(raw, path, 8, 16384)
-    if resize < max(size):
-        r.fail(path, f"{resize} is smaller than the {size[0]}x{size[1]} center crop: use resize >= {max(size)}")
-    return resize
+                  augment=augment, normalize=normalize, fast_downscale=fast, center_resize=center_resize,
+                  max_pixels=max_pixels, erase=erase)
 
 
 def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
