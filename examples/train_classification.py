@@ -15,6 +15,7 @@ A couple of steps on a synthetic ImageFolder, on the CPU:
 Under torchrun (DDP) each rank loads its share through the sampler (DistributedSampler or RASampler);
 FusionFlow's ranks also lend each other CPU workers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,15 @@ def train_transform(args) -> T.Compose:
 
 def eval_transform(args) -> T.Compose:
     interpolation = InterpolationMode(args.interpolation)
-    return T.Compose([T.Resize(args.val_resize_size, interpolation=interpolation, antialias=True),
-                      T.CenterCrop(args.val_crop_size), T.PILToTensor(), T.ToDtype(torch.float32, scale=True),
-                      T.Normalize(MEAN, STD)])
+    return T.Compose(
+        [
+            T.Resize(args.val_resize_size, interpolation=interpolation, antialias=True),
+            T.CenterCrop(args.val_crop_size),
+            T.PILToTensor(),
+            T.ToDtype(torch.float32, scale=True),
+            T.Normalize(MEAN, STD),
+        ]
+    )
 
 
 class RASampler(Sampler):
@@ -79,8 +86,8 @@ class RASampler(Sampler):
         order = torch.randperm(self.n, generator=g).tolist() if self.shuffle else list(range(self.n))
         order = [i for i in order for _ in range(self.repeats)]
         total = self.per_rank * self.num_replicas
-        order += order[:total - len(order)]
-        return iter(order[self.rank:total:self.num_replicas][:self.selected])
+        order += order[: total - len(order)]
+        return iter(order[self.rank : total : self.num_replicas][: self.selected])
 
     def __len__(self) -> int:
         return self.selected
@@ -92,6 +99,7 @@ def make_loaders(args, rank: int, world: int):
     train_root, val_root = os.path.join(args.data_path, "train"), os.path.join(args.data_path, "val")
     if args.loader == "fusionflow":
         import fusionflow
+
         train_ds, val_ds = fusionflow.ImageFolder(train_root), fusionflow.ImageFolder(val_root)
     else:
         train_ds = torchvision.datasets.ImageFolder(train_root, train_tf)
@@ -104,8 +112,11 @@ def make_loaders(args, rank: int, world: int):
         train_sampler = DistributedSampler(train_ds, world, rank, seed=args.seed)
     else:
         train_sampler = torch.utils.data.RandomSampler(train_ds, generator=torch.Generator().manual_seed(args.seed))
-    val_sampler = (DistributedSampler(val_ds, world, rank, shuffle=False) if world > 1
-                   else torch.utils.data.SequentialSampler(val_ds))
+    val_sampler = (
+        DistributedSampler(val_ds, world, rank, shuffle=False)
+        if world > 1
+        else torch.utils.data.SequentialSampler(val_ds)
+    )
 
     collate_fn = default_collate
     mixes = [T.MixUp(alpha=args.mixup_alpha, num_classes=num_classes)] if args.mixup_alpha > 0 else []
@@ -117,13 +128,23 @@ def make_loaders(args, rank: int, world: int):
     common = dict(batch_size=args.batch_size, num_workers=args.workers)
     if args.loader == "fusionflow":
         from fusionflow import FusionFlowLoader, policy_from_transform
-        train = FusionFlowLoader(train_ds, sampler=train_sampler, collate_fn=collate_fn, seed=args.seed,
-                                 policy=policy_from_transform(train_tf), device=args.device, **common)
-        val = FusionFlowLoader(val_ds, sampler=val_sampler, policy=policy_from_transform(eval_tf),
-                               device=args.device, **common)
+
+        train = FusionFlowLoader(
+            train_ds,
+            sampler=train_sampler,
+            collate_fn=collate_fn,
+            seed=args.seed,
+            policy=policy_from_transform(train_tf),
+            device=args.device,
+            **common,
+        )
+        val = FusionFlowLoader(
+            val_ds, sampler=val_sampler, policy=policy_from_transform(eval_tf), device=args.device, **common
+        )
     else:
-        train = DataLoader(train_ds, sampler=train_sampler, collate_fn=collate_fn, pin_memory=args.device != "cpu",
-                           **common)
+        train = DataLoader(
+            train_ds, sampler=train_sampler, collate_fn=collate_fn, pin_memory=args.device != "cpu", **common
+        )
         val = DataLoader(val_ds, sampler=val_sampler, **common)
     return train, val, train_sampler, num_classes
 
@@ -138,9 +159,16 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     if args.synthetic and rank == 0:
         from fusionflow.tools.synthetic import make_image_folder
+
         for split, per_class in (("train", args.synthetic_per_class), ("val", max(2, args.synthetic_per_class // 4))):
-            make_image_folder(os.path.join(args.data_path, split), num_classes=args.synthetic_classes,
-                              per_class=per_class, min_side=48, max_side=160, seed=0 if split == "train" else 1)
+            make_image_folder(
+                os.path.join(args.data_path, split),
+                num_classes=args.synthetic_classes,
+                per_class=per_class,
+                min_side=48,
+                max_side=160,
+                seed=0 if split == "train" else 1,
+            )
     if world > 1:
         dist.barrier()
 
@@ -166,8 +194,14 @@ def main(argv=None) -> dict:
             loss.backward()
             optimizer.step()
             result["train_losses"].append(loss.item())
-            log.info("epoch %d step %d loss %.4f (%s, %.2f s)", epoch, step, result["train_losses"][-1], args.loader,
-                     time.perf_counter() - t0)
+            log.info(
+                "epoch %d step %d loss %.4f (%s, %.2f s)",
+                epoch,
+                step,
+                result["train_losses"][-1],
+                args.loader,
+                time.perf_counter() - t0,
+            )
             if args.steps and step + 1 >= args.steps:
                 break
         model.eval()

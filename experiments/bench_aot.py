@@ -9,6 +9,7 @@ Both consume the same host-side draws, so their outputs are identical (checked o
 
     .venv/bin/python experiments/bench_aot.py [--device cpu|gpu] [--tiny-batch-size 4] [--tiny-batches 150]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,6 +38,7 @@ def rss_bytes() -> int:
 def gpu_used_bytes() -> int | None:
     try:
         import torch
+
         if not torch.cuda.is_available():
             return None
         free, total = torch.cuda.mem_get_info()
@@ -79,6 +81,7 @@ def fixed_ops_pipeline_class():
                 for k, name in enumerate(fixed):
                     images = DALI_IMPLS[name](images, params[k] if params is not None else None, style)
                 return images
+
             return augment
 
         def _op_feeds(self, cols):
@@ -141,7 +144,7 @@ def main() -> None:
     combo_rss, combo_gpu = rss_bytes() - rss0, (gpu_used_bytes() - gpu0) if gpu0 is not None else None
     print(f"combos: {len(per_combo)} built in {combo_build:.2f} s, +{combo_rss / 2**20:.0f} MiB RSS")
 
-    tiny = [samples[i:i + tb] for i in range(0, n, tb)]
+    tiny = [samples[i : i + tb] for i in range(0, n, tb)]
     drawn = {i: tuple(op.name for op in draw(policy, 0, 0, i).ops) for _, i in samples}
 
     def run_conditional():
@@ -173,22 +176,32 @@ def main() -> None:
         t0 = time.perf_counter()
         b, runs = run_combos()
         rates["combos"].append(n / (time.perf_counter() - t0))
-        print(f"repeat {r + 1}: conditional {rates['conditional'][-1]:.0f} img/s, combos {rates['combos'][-1]:.0f} img/s")
+        print(
+            f"repeat {r + 1}: conditional {rates['conditional'][-1]:.0f} img/s, combos {rates['combos'][-1]:.0f} img/s"
+        )
     identical = sum(np.array_equal(a[i], b[i]) for i in a)
     result = {
-        "benchmark": "aot_designs", "device": args.device, "policy": args.policy, "tiny_batch_size": tb,
-        "samples": n, "combinations": len(combos), "pipeline_runs_per_pass": {"conditional": len(tiny), "combos": runs},
+        "benchmark": "aot_designs",
+        "device": args.device,
+        "policy": args.policy,
+        "tiny_batch_size": tb,
+        "samples": n,
+        "combinations": len(combos),
+        "pipeline_runs_per_pass": {"conditional": len(tiny), "combos": runs},
         "build_seconds": {"conditional": cond_build, "combos": combo_build, "dali_library_init": library_init},
         "rss_bytes": {"conditional": cond_rss, "combos": combo_rss},
         "gpu_bytes": {"conditional": cond_gpu, "combos": combo_gpu},
-        "img_per_s_median": {k: statistics.median(v) for k, v in rates.items()}, "img_per_s": rates,
+        "img_per_s_median": {k: statistics.median(v) for k, v in rates.items()},
+        "img_per_s": rates,
         "identical_outputs": f"{identical}/{len(a)}",
         **provenance(),
     }
     med = result["img_per_s_median"]
-    print(f"median: conditional {med['conditional']:.0f} img/s, combos {med['combos']:.0f} img/s "
-          f"({med['conditional'] / med['combos']:.2f}x); start-up {cond_build:.2f} s vs {combo_build:.2f} s; "
-          f"outputs identical {identical}/{len(a)}")
+    print(
+        f"median: conditional {med['conditional']:.0f} img/s, combos {med['combos']:.0f} img/s "
+        f"({med['conditional'] / med['combos']:.2f}x); start-up {cond_build:.2f} s vs {combo_build:.2f} s; "
+        f"outputs identical {identical}/{len(a)}"
+    )
     write_json(result, args.out or os.path.join(RESULTS, f"aot_{args.policy}_{args.device}.json"))
 
 

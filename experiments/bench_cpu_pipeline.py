@@ -23,6 +23,7 @@ jittered by up to 10%), 800-2000.
     .venv/bin/python experiments/bench_cpu_pipeline.py [--images 200] [--repeats 5] [--policy randaugment]
         [--sizes 200-1000 | imagenet | 800-2000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,22 +59,26 @@ def main() -> None:
     from PIL import Image
 
     from fusionflow import load_policy
-    from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.ops import decode
+    from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.tools.synthetic import sample_set
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     data = sample_set(args.sizes, args.images, seed=11)
-    print(f"{len(data)} JPEGs ({args.sizes}), {sum(map(len, data)) / len(data) / 1024:.0f} KiB average, "
-          f"policy {args.policy}")
+    print(
+        f"{len(data)} JPEGs ({args.sizes}), {sum(map(len, data)) / len(data) / 1024:.0f} KiB average, "
+        f"policy {args.policy}"
+    )
     window_available = decode.jpeg.available()
     if not window_available:
         sys.exit(f"the JPEG window decoder is unavailable ({decode.jpeg.why_unavailable()}): nothing to compare")
 
-    tv_aug = {"randaugment": T.RandAugment(num_ops=2, magnitude=9),
-              "trivialaugment": T.TrivialAugmentWide(),
-              "autoaugment": T.AutoAugment()}[args.policy]
+    tv_aug = {
+        "randaugment": T.RandAugment(num_ops=2, magnitude=9),
+        "trivialaugment": T.TrivialAugmentWide(),
+        "autoaugment": T.AutoAugment(),
+    }[args.policy]
     tv = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(), tv_aug, T.PILToTensor()])
     policy = load_policy(args.policy)
     exact = CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
@@ -92,14 +97,20 @@ def main() -> None:
                     pipe(d, i, seed=0, epoch=0, out=out)
             finally:
                 decode.jpeg.available = lambda: True
+
         return go
 
-    candidates = {"torchvision": run_tv, "ff_exact_pillow": run_ff(exact, window=False),
-                  "ff_exact": run_ff(exact), "ff_fast_pillow": run_ff(fast, window=False),
-                  "ff_fast": run_ff(fast)}
+    candidates = {
+        "torchvision": run_tv,
+        "ff_exact_pillow": run_ff(exact, window=False),
+        "ff_exact": run_ff(exact),
+        "ff_fast_pillow": run_ff(fast, window=False),
+        "ff_fast": run_ff(fast),
+    }
     dali_build = None
     if not args.no_dali:
         from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+
         dp = DaliPolicyPipeline(policy, batch_size=8, device="cpu", num_threads=1)
         dali_build = dp.build_seconds
 
@@ -107,6 +118,7 @@ def main() -> None:
             for s in range(0, len(data), 8):
                 idx = list(range(s, min(s + 8, len(data))))
                 dp.run([data[i] for i in idx], idx)
+
         candidates["dali_cpu"] = run_dali
 
     for go in candidates.values():  # warm-up: caches, lazy imports, first-call costs
@@ -117,32 +129,50 @@ def main() -> None:
             t0 = time.perf_counter()
             go()
             times[name].append(time.perf_counter() - t0)
-        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {len(data) / t[-1]:.0f} img/s" for n, t in times.items()))
+        print(
+            f"repeat {r + 1}/{args.repeats}: "
+            + ", ".join(f"{n} {len(data) / t[-1]:.0f} img/s" for n, t in times.items())
+        )
 
     rate = {n: len(data) / statistics.median(t) for n, t in times.items()}
+
     def fidelity(fast_pipe, exact_pipe) -> dict:
         scores = []
         for i, d in enumerate(data):
             a, b = fast_pipe(d, i).astype(np.float64), exact_pipe(d, i).astype(np.float64)
             mse = np.mean((a - b) ** 2)
-            scores.append(float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse))
+            scores.append(float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse))
         finite = [p for p in scores if np.isfinite(p)]
-        return {"identical_samples": len(scores) - len(finite), "samples": len(scores),
-                "median": float(np.median(scores)) if scores else None,
-                "p1": float(np.percentile(scores, 1)) if scores else None,
-                "min": min(scores) if scores else None}
+        return {
+            "identical_samples": len(scores) - len(finite),
+            "samples": len(scores),
+            "median": float(np.median(scores)) if scores else None,
+            "p1": float(np.percentile(scores, 1)) if scores else None,
+            "min": min(scores) if scores else None,
+        }
 
     crop_only = load_policy("default")
-    psnr = {"policy": fidelity(fast, exact),
-            "crop_only": fidelity(CpuPipeline(crop_only), CpuPipeline(dataclasses.replace(crop_only, fast_downscale=False)))}
+    psnr = {
+        "policy": fidelity(fast, exact),
+        "crop_only": fidelity(
+            CpuPipeline(crop_only), CpuPipeline(dataclasses.replace(crop_only, fast_downscale=False))
+        ),
+    }
     result = {
-        "benchmark": "cpu_pipeline", "policy": args.policy, "images": len(data), "repeats": args.repeats,
+        "benchmark": "cpu_pipeline",
+        "policy": args.policy,
+        "images": len(data),
+        "repeats": args.repeats,
         "image_sizes": args.sizes,
         "window_decoder": decode.jpeg.backend(),
         "env": {k: v for k, v in os.environ.items() if k.startswith("FUSIONFLOW_")},
         **provenance(),
-        "versions": {"torch": torch.__version__, "torchvision": torchvision.__version__,
-                     "pillow": Image.__version__, "numpy": np.__version__},
+        "versions": {
+            "torch": torch.__version__,
+            "torchvision": torchvision.__version__,
+            "pillow": Image.__version__,
+            "numpy": np.__version__,
+        },
         "img_per_s_median": rate,
         "seconds_per_repeat": times,
         "ratio_vs_torchvision": {n: rate[n] / rate["torchvision"] for n in rate if n != "torchvision"},
@@ -151,12 +181,15 @@ def main() -> None:
     }
     if dali_build is not None:
         import nvidia.dali
+
         result["versions"]["dali"] = nvidia.dali.__version__
     print("\nmedian img/s per core: " + ", ".join(f"{n} {v:.0f}" for n, v in rate.items()))
     print("ratio vs torchvision: " + ", ".join(f"{n} {v:.2f}x" for n, v in result["ratio_vs_torchvision"].items()))
     for what, p in psnr.items():
-        print(f"fast vs exact ({what}): {p['identical_samples']} of {p['samples']} identical; PSNR median "
-              f"{p['median']:.1f} dB, 1st percentile {p['p1']:.1f} dB, min {p['min']:.1f} dB (identical = inf)")
+        print(
+            f"fast vs exact ({what}): {p['identical_samples']} of {p['samples']} identical; PSNR median "
+            f"{p['median']:.1f} dB, 1st percentile {p['p1']:.1f} dB, min {p['min']:.1f} dB (identical = inf)"
+        )
     write_json(result, args.out or os.path.join(RESULTS, f"cpu_pipeline_{args.policy}_{args.sizes}.json"))
 
 

@@ -3,7 +3,8 @@
 R ranks under torchrun (gloo, CPU), W CPU workers per rank, RandAugment, a small CNN trained with
 DDP (1 thread per rank) -- or, with --step-ms, a stand-in for a GPU training step: the rank sleeps
 that long (its CPU is free, as when the GPU computes) and then all-reduces a small tensor (the
-gradient synchronisation), so the CPU cores belong to the data workers as on a GPU node. Rank 0 is the straggler: its images are larger (--heavy-side) than the
+gradient synchronisation), so the CPU cores belong to the data workers as on a GPU node. Rank 0 is the straggler: its
+images are larger (--heavy-side) than the
 others' (--light-side), and optionally its policy heavier (--heavy-policy), so its data
 preparation is slower. For each repeat both modes run, in
 alternating order, on identical data:
@@ -19,6 +20,7 @@ counters; then the ratios on/off: of the medians, and the median of each repeat'
 
 Each rank runs this file with --rank-main (torchrun sets RANK, WORLD_SIZE, ...).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,10 +69,19 @@ def rank_main(args) -> None:
             return
         time.sleep(args.step_ms / 1e3)  # the GPU computes; this process's core is idle
         dist.all_reduce(grads)
+
     policy = args.heavy_policy if rank == 0 and args.heavy_policy else args.policy
-    loader = FusionFlowLoader(ds, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
-                              policy=policy, tiny_batch_size=args.tiny_batch_size, persistent_workers=True,
-                              global_manager="auto" if args.mode == "on" else None, seed=0)
+    loader = FusionFlowLoader(
+        ds,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.workers,
+        policy=policy,
+        tiny_batch_size=args.tiny_batch_size,
+        persistent_workers=True,
+        global_manager="auto" if args.mode == "on" else None,
+        seed=0,
+    )
     ready, waits = [], []
     with loader:
         for epoch in range(args.epochs + 1):  # epoch 0 warms up (worker start, GM start, first lending)
@@ -94,8 +105,14 @@ def rank_main(args) -> None:
                 if epoch == 1:
                     start = t0
         end = time.perf_counter()
-    out = {"rank": rank, "ready": ready, "seconds": end - start, "images": len(sampler) * args.epochs,
-           "wait_mean_ms": 1e3 * statistics.fmean(waits), "stats": loader.stats.summary()}
+    out = {
+        "rank": rank,
+        "ready": ready,
+        "seconds": end - start,
+        "images": len(sampler) * args.epochs,
+        "wait_mean_ms": 1e3 * statistics.fmean(waits),
+        "stats": loader.stats.summary(),
+    }
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     dist.destroy_process_group()
@@ -109,9 +126,25 @@ def free_port() -> int:
 
 def run_mode(args, mode: str, data_path: str) -> dict:
     with tempfile.TemporaryDirectory() as out_dir:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()), os.path.abspath(__file__),
-               "--rank-main", "--mode", mode, "--data", data_path, "--out-dir", out_dir]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(args.ranks),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            os.path.abspath(__file__),
+            "--rank-main",
+            "--mode",
+            mode,
+            "--data",
+            data_path,
+            "--out-dir",
+            out_dir,
+        ]
         for key in ("workers", "batch_size", "tiny_batch_size", "epochs", "policy", "heavy_policy", "step_ms"):
             if getattr(args, key) is not None:
                 cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
@@ -119,15 +152,23 @@ def run_mode(args, mode: str, data_path: str) -> dict:
         if proc.returncode:
             raise SystemExit(f"torchrun failed ({mode}):\n{proc.stderr[-4000:]}")
         ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(args.ranks)]
-    gaps = [max(r["ready"][e][i] for r in ranks) - min(r["ready"][e][i] for r in ranks)
-            for e in range(args.epochs) for i in range(len(ranks[0]["ready"][e]))]
+    gaps = [
+        max(r["ready"][e][i] for r in ranks) - min(r["ready"][e][i] for r in ranks)
+        for e in range(args.epochs)
+        for i in range(len(ranks[0]["ready"][e]))
+    ]
     seconds = max(r["seconds"] for r in ranks)
     images = sum(r["images"] for r in ranks)
-    return {"mode": mode, "img_per_s": images / seconds, "seconds": seconds,
-            "gap_mean_ms": 1e3 * statistics.fmean(gaps), "gap_median_ms": 1e3 * statistics.median(gaps),
-            "wait_mean_ms": [r["wait_mean_ms"] for r in ranks],
-            "workers_lent": [r["stats"]["workers_lent"] for r in ranks],
-            "borrowed_tiny_batches": [r["stats"]["borrowed_tiny_batches"] for r in ranks]}
+    return {
+        "mode": mode,
+        "img_per_s": images / seconds,
+        "seconds": seconds,
+        "gap_mean_ms": 1e3 * statistics.fmean(gaps),
+        "gap_median_ms": 1e3 * statistics.median(gaps),
+        "wait_mean_ms": [r["wait_mean_ms"] for r in ranks],
+        "workers_lent": [r["stats"]["workers_lent"] for r in ranks],
+        "borrowed_tiny_batches": [r["stats"]["borrowed_tiny_batches"] for r in ranks],
+    }
 
 
 def main() -> None:
@@ -143,8 +184,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--policy", default="randaugment")
     ap.add_argument("--heavy-policy", default=None, help="rank 0's policy (default: --policy)")
-    ap.add_argument("--step-ms", type=float, default=0, help="simulated GPU step (sleep + all-reduce) instead of "
-                                                             "training the CNN on the CPU (0)")
+    ap.add_argument(
+        "--step-ms",
+        type=float,
+        default=0,
+        help="simulated GPU step (sleep + all-reduce) instead of training the CNN on the CPU (0)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=("on", "off"), help=argparse.SUPPRESS)
@@ -157,9 +202,17 @@ def main() -> None:
         print(f"note: {args.ranks} ranks x {args.workers} workers exceed {os.cpu_count()} cores; workers share cores")
 
     from fusionflow.tools.synthetic import make_jpegs
+
     n = args.images * args.ranks  # each rank's sampler takes 1/ranks of its own dataset
-    data_path = os.path.join(ROOT, "experiments", "data", f"ddp_{n}_{args.heavy_side}_{args.light_side}.pkl"
-                             .replace(" ", "").replace("[", "").replace("]", "").replace(",", "-"))
+    data_path = os.path.join(
+        ROOT,
+        "experiments",
+        "data",
+        f"ddp_{n}_{args.heavy_side}_{args.light_side}.pkl".replace(" ", "")
+        .replace("[", "")
+        .replace("]", "")
+        .replace(",", "-"),
+    )
     if not os.path.exists(data_path):
         os.makedirs(os.path.dirname(data_path), exist_ok=True)
         sets = {"heavy": make_jpegs(n, *args.heavy_side, seed=1), "light": make_jpegs(n, *args.light_side, seed=2)}
@@ -167,27 +220,40 @@ def main() -> None:
             pickle.dump(sets, f)
     runs = {"off": [], "on": []}
     for rep in range(args.repeats):
-        for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
             r = run_mode(args, mode, data_path)
             runs[mode].append(r)
-            print(f"repeat {rep + 1}/{args.repeats} {mode:>3}: {r['img_per_s']:.1f} img/s, straggler gap "
-                  f"mean {r['gap_mean_ms']:.0f} ms (median {r['gap_median_ms']:.0f}), waits {r['wait_mean_ms']} ms, "
-                  f"lent {r['workers_lent']}, borrowed tiny-batches {r['borrowed_tiny_batches']}", flush=True)
-    med = {mode: {key: statistics.median(r[key] for r in rs) for key in ("img_per_s", "gap_mean_ms", "gap_median_ms")}
-           for mode, rs in runs.items()}
+            print(
+                f"repeat {rep + 1}/{args.repeats} {mode:>3}: {r['img_per_s']:.1f} img/s, straggler gap "
+                f"mean {r['gap_mean_ms']:.0f} ms (median {r['gap_median_ms']:.0f}), waits {r['wait_mean_ms']} ms, "
+                f"lent {r['workers_lent']}, borrowed tiny-batches {r['borrowed_tiny_batches']}",
+                flush=True,
+            )
+    med = {
+        mode: {key: statistics.median(r[key] for r in rs) for key in ("img_per_s", "gap_mean_ms", "gap_median_ms")}
+        for mode, rs in runs.items()
+    }
     pairs = list(zip(runs["on"], runs["off"]))
-    ratio = {"throughput_on_over_off": med["on"]["img_per_s"] / med["off"]["img_per_s"],
-             "gap_on_over_off": med["on"]["gap_mean_ms"] / med["off"]["gap_mean_ms"],
-             "throughput_paired_median": statistics.median(a["img_per_s"] / b["img_per_s"] for a, b in pairs),
-             "throughput_paired": [a["img_per_s"] / b["img_per_s"] for a, b in pairs],
-             "gap_paired_median": statistics.median(a["gap_mean_ms"] / b["gap_mean_ms"] for a, b in pairs)}
-    print(f"median throughput: off {med['off']['img_per_s']:.1f} img/s, on {med['on']['img_per_s']:.1f} img/s "
-          f"({ratio['throughput_on_over_off']:.3f}x); straggler gap: off {med['off']['gap_mean_ms']:.0f} ms, "
-          f"on {med['on']['gap_mean_ms']:.0f} ms ({ratio['gap_on_over_off']:.2f}x); per-repeat on/off: throughput "
-          f"median {ratio['throughput_paired_median']:.3f}x, gap median {ratio['gap_paired_median']:.2f}x")
-    result = {**provenance(), "args": {k: v for k, v in vars(args).items() if k not in ("rank_main", "mode", "data",
-                                                                                      "out_dir")},
-              "median": med, "ratio": ratio, "runs": runs}
+    ratio = {
+        "throughput_on_over_off": med["on"]["img_per_s"] / med["off"]["img_per_s"],
+        "gap_on_over_off": med["on"]["gap_mean_ms"] / med["off"]["gap_mean_ms"],
+        "throughput_paired_median": statistics.median(a["img_per_s"] / b["img_per_s"] for a, b in pairs),
+        "throughput_paired": [a["img_per_s"] / b["img_per_s"] for a, b in pairs],
+        "gap_paired_median": statistics.median(a["gap_mean_ms"] / b["gap_mean_ms"] for a, b in pairs),
+    }
+    print(
+        f"median throughput: off {med['off']['img_per_s']:.1f} img/s, on {med['on']['img_per_s']:.1f} img/s "
+        f"({ratio['throughput_on_over_off']:.3f}x); straggler gap: off {med['off']['gap_mean_ms']:.0f} ms, "
+        f"on {med['on']['gap_mean_ms']:.0f} ms ({ratio['gap_on_over_off']:.2f}x); per-repeat on/off: throughput "
+        f"median {ratio['throughput_paired_median']:.3f}x, gap median {ratio['gap_paired_median']:.2f}x"
+    )
+    result = {
+        **provenance(),
+        "args": {k: v for k, v in vars(args).items() if k not in ("rank_main", "mode", "data", "out_dir")},
+        "median": med,
+        "ratio": ratio,
+        "runs": runs,
+    }
     tag = (f"_{args.heavy_policy}" if args.heavy_policy else "") + (f"_step{args.step_ms:g}ms" if args.step_ms else "")
     write_json(result, args.out or os.path.join(RESULTS, f"ddp_r{args.ranks}_w{args.workers}{tag}.json"))
 

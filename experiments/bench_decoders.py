@@ -16,6 +16,7 @@ not FusionFlow dependencies; `pip install simplejpeg opencv-python-headless` to 
 
     .venv/bin/python experiments/bench_decoders.py [--images 150] [--repeats 5] [--sizes 200-1000]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,9 @@ def main() -> None:
 
     def pillow_full():
         for d, H, W, (t, l, h, w) in jobs:
-            Image.open(io.BytesIO(d)).convert("RGB").crop((l, t, l + w, t + h)).resize((out, out), bilinear,
-                                                                                     reducing_gap=None)
+            Image.open(io.BytesIO(d)).convert("RGB").crop((l, t, l + w, t + h)).resize(
+                (out, out), bilinear, reducing_gap=None
+            )
 
     def pillow_draft():
         for d, H, W, win in jobs:
@@ -81,12 +83,14 @@ def main() -> None:
         def go():
             for d, H, W, win in jobs:
                 decode._jpeg_window_crop_resize(d, lambda *_: win, (out, out), fast)
+
         return go
 
     candidates = {"pillow_full": pillow_full, "pillow_draft": pillow_draft}
     skipped = {}
     try:
         from nvidia import nvimgcodec as nv
+
         dec = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[nv.Backend(nv.BackendKind.CPU_ONLY)])
         params = nv.DecodeParams(apply_exif_orientation=False)
 
@@ -95,6 +99,7 @@ def main() -> None:
                 cs = nv.CodeStream(d).get_sub_code_stream(region=nv.Region(t, l, t + h, l + w))
                 arr = np.asarray(dec.decode(cs, params=params).cpu())
                 decode.resize_bilinear_aa(arr, out, out)
+
         candidates["nvimgcodec_roi"] = nvimgcodec_roi
     except Exception as exc:  # not installed, or no CPU backend in this build
         skipped["nvimgcodec_roi"] = repr(exc)
@@ -106,24 +111,31 @@ def main() -> None:
                 r = decode.dct_reduction(h, w, out, out)
                 arr = simplejpeg.decode_jpeg(d, colorspace="RGB", min_height=-(-H // r), min_width=-(-W // r))
                 sy, sx = arr.shape[0] / H, arr.shape[1] / W
-                win = arr[round(t * sy):round((t + h) * sy), round(l * sx):round((l + w) * sx)]
+                win = arr[round(t * sy) : round((t + h) * sy), round(l * sx) : round((l + w) * sx)]
                 decode.resize_bilinear_aa(np.ascontiguousarray(win), out, out)
+
         candidates["simplejpeg_scaled"] = simplejpeg_scaled
     except ImportError as exc:
         skipped["simplejpeg_scaled"] = repr(exc)
     try:
         import cv2
+
         cv2.setNumThreads(1)
-        flags = {1: cv2.IMREAD_COLOR, 2: cv2.IMREAD_REDUCED_COLOR_2, 4: cv2.IMREAD_REDUCED_COLOR_4,
-                 8: cv2.IMREAD_REDUCED_COLOR_8}
+        flags = {
+            1: cv2.IMREAD_COLOR,
+            2: cv2.IMREAD_REDUCED_COLOR_2,
+            4: cv2.IMREAD_REDUCED_COLOR_4,
+            8: cv2.IMREAD_REDUCED_COLOR_8,
+        }
 
         def opencv_reduced():
             for d, H, W, (t, l, h, w) in jobs:
                 r = decode.dct_reduction(h, w, out, out)
                 arr = cv2.imdecode(np.frombuffer(d, np.uint8), flags[r])
                 sy, sx = arr.shape[0] / H, arr.shape[1] / W
-                win = arr[round(t * sy):round((t + h) * sy), round(l * sx):round((l + w) * sx)]
+                win = arr[round(t * sy) : round((t + h) * sy), round(l * sx) : round((l + w) * sx)]
                 cv2.cvtColor(cv2.resize(win, (out, out), interpolation=cv2.INTER_AREA), cv2.COLOR_BGR2RGB)
+
         candidates["opencv_reduced"] = opencv_reduced
     except ImportError as exc:
         skipped["opencv_reduced"] = repr(exc)
@@ -144,19 +156,33 @@ def main() -> None:
         print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {len(jobs) / t[-1]:.0f}" for n, t in times.items()))
     rate = {n: len(jobs) / statistics.median(t) for n, t in times.items()}
     ratio = {n: v / rate["pillow_full"] for n, v in rate.items()}
-    print("img/s (decode + crop + resize to 224, 1 thread): " + ", ".join(
-        f"{n} {rate[n]:.0f} ({ratio[n]:.2f}x)" for n in rate))
+    print(
+        "img/s (decode + crop + resize to 224, 1 thread): "
+        + ", ".join(f"{n} {rate[n]:.0f} ({ratio[n]:.2f}x)" for n in rate)
+    )
     for n, why in skipped.items():
         print(f"skipped {n}: {why}")
     import PIL
+
     versions = {"pillow": PIL.__version__, "torch": torch.__version__}
     for mod in ("simplejpeg", "cv2"):
         if mod in sys.modules:
             versions[mod] = sys.modules[mod].__version__
-    write_json({"benchmark": "decoders", "images": len(jobs), "repeats": args.repeats, "sizes": args.sizes,
-                **provenance(), "versions": versions, "img_per_s_median": rate, "ratio_vs_pillow_full": ratio,
-                "seconds_per_repeat": times, "skipped": skipped},
-               args.out or os.path.join(RESULTS, f"decoders_{args.sizes}.json"))
+    write_json(
+        {
+            "benchmark": "decoders",
+            "images": len(jobs),
+            "repeats": args.repeats,
+            "sizes": args.sizes,
+            **provenance(),
+            "versions": versions,
+            "img_per_s_median": rate,
+            "ratio_vs_pillow_full": ratio,
+            "seconds_per_repeat": times,
+            "skipped": skipped,
+        },
+        args.out or os.path.join(RESULTS, f"decoders_{args.sizes}.json"),
+    )
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ Reported: img/s per epoch (median over epochs), mean and p95 wait per batch at n
     .venv/bin/python experiments/bench_loader.py [--images 512] [--epochs 5] [--workers 2] [--batch-size 32]
     .venv/bin/python experiments/bench_loader.py --modes loader --observability   # tracing overhead
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow.tools.demo import TorchvisionSamples, small_cnn, timed_batches, train_step  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
+
+from fusionflow.tools.demo import TorchvisionSamples, small_cnn, timed_batches, train_step  # noqa: E402
 
 
 class FusionFlowSamples:
@@ -46,6 +48,7 @@ class FusionFlowSamples:
         import torch
 
         from fusionflow.ops.pipeline import CpuPipeline
+
         if self._pipe is None:
             self._pipe = CpuPipeline(self.policy_name)
         data, label = self.ds[i]
@@ -73,7 +76,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--tiny-batch-size", type=int, default=4)
-    ap.add_argument("--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment", "default"])
+    ap.add_argument(
+        "--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment", "default"]
+    )
     ap.add_argument("--modes", default="loader,model")
     ap.add_argument("--out", default=None)
     ap.add_argument("--observability", action="store_true", help="add FusionFlowLoader with trace / stage_times on")
@@ -95,27 +100,51 @@ def main() -> None:
     print(f"{len(ds)} images in {root}, policy {args.policy}, batch {args.batch_size}, {args.workers} workers")
 
     def dl(dataset):
-        return DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                          persistent_workers=True, drop_last=True)
+        return DataLoader(
+            dataset,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            persistent_workers=True,
+            drop_last=True,
+        )
 
     ff_samples = FusionFlowSamples(ds, args.policy)
     loaders = {
         "dataloader_tv": (dl(TorchvisionSamples(ds, args.policy, 224)), lambda e: None),
         "dataloader_ff": (dl(ff_samples), lambda e: None),  # per-worker epochs are fixed: fine for speed
     }
-    ff = FusionFlowLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                          persistent_workers=True, drop_last=True, policy=args.policy,
-                          tiny_batch_size=args.tiny_batch_size)
+    ff = FusionFlowLoader(
+        ds,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=True,
+        drop_last=True,
+        policy=args.policy,
+        tiny_batch_size=args.tiny_batch_size,
+    )
     loaders["fusionflow"] = (ff, ff.set_epoch)
     extra = []
     if args.observability:
         import tempfile
+
         trace_dir = tempfile.mkdtemp(prefix="ff_bench_trace_")
-        for name, kw in (("fusionflow_trace", {"trace": os.path.join(trace_dir, "run.json")}),
-                         ("fusionflow_stages", {"stage_times": True})):
-            other = FusionFlowLoader(ds, batch_size=args.batch_size, shuffle=True, num_workers=args.workers,
-                                     persistent_workers=True, drop_last=True, policy=args.policy,
-                                     tiny_batch_size=args.tiny_batch_size, **kw)
+        for name, kw in (
+            ("fusionflow_trace", {"trace": os.path.join(trace_dir, "run.json")}),
+            ("fusionflow_stages", {"stage_times": True}),
+        ):
+            other = FusionFlowLoader(
+                ds,
+                batch_size=args.batch_size,
+                shuffle=True,
+                num_workers=args.workers,
+                persistent_workers=True,
+                drop_last=True,
+                policy=args.policy,
+                tiny_batch_size=args.tiny_batch_size,
+                **kw,
+            )
             loaders[name] = (other, other.set_epoch)
             extra.append(other)
     results = {}
@@ -135,39 +164,64 @@ def main() -> None:
             for e in range(1, args.epochs + 1):
                 # rotate who goes first each epoch: a candidate's place in the round (e.g. right after the
                 # DataLoaders' workers went idle) otherwise biases it by more than tracing costs
-                turn = names[(e - 1) % len(names):] + names[:(e - 1) % len(names)]
+                turn = names[(e - 1) % len(names) :] + names[: (e - 1) % len(names)]
                 for name in turn:
                     loader, set_epoch = loaders[name]
                     rate, w = epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(e))
                     rates[name].append(rate)
                     waits[name] += w
-                print(f"[{mode}] epoch {e}/{args.epochs}: " + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()),
-                      flush=True)
+                print(
+                    f"[{mode}] epoch {e}/{args.epochs}: "
+                    + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()),
+                    flush=True,
+                )
             res = {}
             for name in loaders:
                 w = np.array(waits[name])
-                res[name] = {"img_per_s_median": statistics.median(rates[name]), "img_per_s": rates[name],
-                             "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95))}
+                res[name] = {
+                    "img_per_s_median": statistics.median(rates[name]),
+                    "img_per_s": rates[name],
+                    "wait_mean_ms": 1e3 * float(w.mean()),
+                    "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
+                }
             base = res["dataloader_tv"]["img_per_s_median"]
             for name in res:
                 res[name]["ratio_vs_dataloader_tv"] = res[name]["img_per_s_median"] / base
                 if name.startswith("fusionflow_"):
-                    res[name]["ratio_vs_fusionflow"] = res[name]["img_per_s_median"] / res["fusionflow"]["img_per_s_median"]
+                    res[name]["ratio_vs_fusionflow"] = (
+                        res[name]["img_per_s_median"] / res["fusionflow"]["img_per_s_median"]
+                    )
             results[mode] = res
-            print(f"[{mode}] " + ", ".join(f"{n}: {r['img_per_s_median']:.0f} img/s ({r['ratio_vs_dataloader_tv']:.2f}x), "
-                                          f"wait mean {r['wait_mean_ms']:.0f} ms p95 {r['wait_p95_ms']:.0f} ms"
-                                          for n, r in res.items()))
+            print(
+                f"[{mode}] "
+                + ", ".join(
+                    f"{n}: {r['img_per_s_median']:.0f} img/s ({r['ratio_vs_dataloader_tv']:.2f}x), "
+                    f"wait mean {r['wait_mean_ms']:.0f} ms p95 {r['wait_p95_ms']:.0f} ms"
+                    for n, r in res.items()
+                )
+            )
         stats = ff.stats.summary()
     finally:
         ff.close()
         for other in extra:
             other.close()
-    out = {"benchmark": "loader", "policy": args.policy, "images": len(ds), "epochs": args.epochs,
-           "workers": args.workers, "batch_size": args.batch_size, "tiny_batch_size": args.tiny_batch_size,
-           **provenance(), "torch": torch.__version__, "results": results,
-           "fusionflow_stats": {k: v for k, v in stats.items() if k != "wait_seconds"}}
+    out = {
+        "benchmark": "loader",
+        "policy": args.policy,
+        "images": len(ds),
+        "epochs": args.epochs,
+        "workers": args.workers,
+        "batch_size": args.batch_size,
+        "tiny_batch_size": args.tiny_batch_size,
+        **provenance(),
+        "torch": torch.__version__,
+        "results": results,
+        "fusionflow_stats": {k: v for k, v in stats.items() if k != "wait_seconds"},
+    }
     tag = "_observability" if args.observability else ""
-    write_json(out, args.out or os.path.join(RESULTS, f"loader_{args.policy}_w{args.workers}_b{args.batch_size}{tag}.json"))
+    write_json(
+        out, args.out or os.path.join(RESULTS, f"loader_{args.policy}_w{args.workers}_b{args.batch_size}{tag}.json")
+    )
 
 
 if __name__ == "__main__":

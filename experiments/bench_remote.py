@@ -16,6 +16,7 @@ loader on this machine, and what N remote CPUs would add to a GPU node with 4 lo
 
     python experiments/bench_remote.py                   # ~3 min on 2 cores
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,9 +31,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from results_io import RESULTS, provenance, write_json  # noqa: E402
+
 from fusionflow.remote.task import RemoteTask  # noqa: E402
 from fusionflow.tools.synthetic import EncodedImages  # noqa: E402
-from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 
 class BenchTask(RemoteTask):
@@ -54,12 +56,13 @@ def median(xs):
 
 def overhead(ray, ds, policy, tiny: int, calls: int) -> dict:
     from fusionflow.ops.pipeline import CpuPipeline
+
     pipe = CpuPipeline(policy)
     rng = np.random.default_rng(0)
     groups = [rng.choice(len(ds), tiny, replace=False).tolist() for _ in range(calls)]
     out = np.empty((tiny, *pipe.out_shape), pipe.out_dtype)
     compute = []
-    for k, idx in enumerate(groups):
+    for idx in groups:
         t0 = time.perf_counter()
         for j, i in enumerate(idx):
             pipe(ds[i][0], i, 0, 0, out=out[j])
@@ -79,6 +82,7 @@ def overhead(ray, ds, policy, tiny: int, calls: int) -> dict:
     actor_cpu = (ray.get(actor.cpu.remote()) - a0) / calls
     pickled = []
     import pickle
+
     for _ in range(calls):
         t0 = time.perf_counter()
         bufs = []
@@ -105,6 +109,7 @@ def overhead(ray, ds, policy, tiny: int, calls: int) -> dict:
     # which end of the queue: compute of a mini-batch's smallest vs largest tiny-batch (size-sorted as
     # the loader sorts them); the remote overhead per tiny-batch is the same at both ends
     from fusionflow.scheduling import split_sorted
+
     ends = {"front": [], "back": []}
     for _ in range(max(4, calls // 8)):
         tb = split_sorted(rng.choice(len(ds), 32, replace=False).tolist(), ds.sizes, tiny)
@@ -113,25 +118,36 @@ def overhead(ray, ds, policy, tiny: int, calls: int) -> dict:
             for j, i in enumerate(t.indices):
                 pipe(ds[i][0], i, 0, 0, out=out[j])
             ends[end].append(time.perf_counter() - t0)
-    return {"tiny_batch_size": tiny, "output_bytes": int(out.nbytes), "compute_s": c,
-            "compute_front_s": median(ends["front"]), "compute_back_s": median(ends["back"]),
-            "round_trip_s": median(lat), "round_trip_p90_s": float(np.percentile(lat, 90)),
-            "local_cpu_s": local_cpu, "actor_cpu_s": actor_cpu, "pickle_s": median(pickled),
-            "actor_tiny_batches_per_s": {str(k): v for k, v in depth.items()},
-            "compute_bound_tiny_batches_per_s": 1.0 / c}
+    return {
+        "tiny_batch_size": tiny,
+        "output_bytes": int(out.nbytes),
+        "compute_s": c,
+        "compute_front_s": median(ends["front"]),
+        "compute_back_s": median(ends["back"]),
+        "round_trip_s": median(lat),
+        "round_trip_p90_s": float(np.percentile(lat, 90)),
+        "local_cpu_s": local_cpu,
+        "actor_cpu_s": actor_cpu,
+        "pickle_s": median(pickled),
+        "actor_tiny_batches_per_s": {str(k): v for k, v in depth.items()},
+        "compute_bound_tiny_batches_per_s": 1.0 / c,
+    }
 
 
 def loader_runs(ray, ds, policy, args) -> dict:
     import torch
 
     from fusionflow import FusionFlowLoader, RayWorkers
-    configs = {"local 1 worker": None,
-               "local 1 + remote 1 (back, in_flight 2)": dict(take="back", in_flight=2),
-               "local 1 + remote 1 (front, in_flight 2)": dict(take="front", in_flight=2),
-               "local 1 + remote 1 (back, in_flight 1)": dict(take="back", in_flight=1),
-               "local 1 + remote 1 (back, in_flight 3)": dict(take="back", in_flight=3),
-               "local 1 + remote 1 (back, in_flight 2, per_call 1)": dict(take="back", in_flight=2, per_call=1),
-               "local 2 workers": "local2"}
+
+    configs = {
+        "local 1 worker": None,
+        "local 1 + remote 1 (back, in_flight 2)": dict(take="back", in_flight=2),
+        "local 1 + remote 1 (front, in_flight 2)": dict(take="front", in_flight=2),
+        "local 1 + remote 1 (back, in_flight 1)": dict(take="back", in_flight=1),
+        "local 1 + remote 1 (back, in_flight 3)": dict(take="back", in_flight=3),
+        "local 1 + remote 1 (back, in_flight 2, per_call 1)": dict(take="back", in_flight=2, per_call=1),
+        "local 2 workers": "local2",
+    }
     names = [n for n in configs if not args.configs or any(c in n for c in args.configs.split(";"))]
     rates = {n: [] for n in names}
     waits = {n: [] for n in names}
@@ -139,14 +155,22 @@ def loader_runs(ray, ds, policy, args) -> dict:
     cpu_per_img = {n: [] for n in names}  # this (the training) process's CPU per image: manager, receiving
     remote_tb_per_img = {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             cfg = configs[name]
             remote = RayWorkers(1, **cfg) if isinstance(cfg, dict) else None
-            loader = FusionFlowLoader(ds, batch_size=args.batch_size, shuffle=True,
-                                      num_workers=2 if cfg == "local2" else 1, policy=policy,
-                                      tiny_batch_size=args.tiny, seed=0, persistent_workers=True,
-                                      generator=torch.Generator().manual_seed(r), remote_workers=remote)
+            loader = FusionFlowLoader(
+                ds,
+                batch_size=args.batch_size,
+                shuffle=True,
+                num_workers=2 if cfg == "local2" else 1,
+                policy=policy,
+                tiny_batch_size=args.tiny,
+                seed=0,
+                persistent_workers=True,
+                generator=torch.Generator().manual_seed(r),
+                remote_workers=remote,
+            )
             with loader:
                 for epoch in range(args.epochs + 1):
                     loader.set_epoch(epoch)
@@ -163,10 +187,18 @@ def loader_runs(ray, ds, policy, args) -> dict:
                         remote_share[name].append(loader.stats.remote_tiny_batches / max(1, total))
                         cpu_per_img[name].append(cpu / n)
                         remote_tb_per_img[name].append(loader.stats.remote_tiny_batches / n)
-            print(f"round {r} {name}: {median(rates[name][-args.epochs:]):.0f} img/s", flush=True)
-    return {n: {"img_per_s": median(rates[n]), "img_per_s_all": rates[n], "wait_mean_ms": median(waits[n]),
-                "remote_share": median(remote_share[n]), "train_process_cpu_us_per_img": 1e6 * median(cpu_per_img[n]),
-                "remote_tiny_batches_per_img": median(remote_tb_per_img[n])} for n in names}
+            print(f"round {r} {name}: {median(rates[name][-args.epochs :]):.0f} img/s", flush=True)
+    return {
+        n: {
+            "img_per_s": median(rates[n]),
+            "img_per_s_all": rates[n],
+            "wait_mean_ms": median(waits[n]),
+            "remote_share": median(remote_share[n]),
+            "train_process_cpu_us_per_img": 1e6 * median(cpu_per_img[n]),
+            "remote_tiny_batches_per_img": median(remote_tb_per_img[n]),
+        }
+        for n in names
+    }
 
 
 def receive_cost(runs: dict) -> float | None:
@@ -179,8 +211,9 @@ def receive_cost(runs: dict) -> float | None:
     return max(0.0, extra / remote["remote_tiny_batches_per_img"])
 
 
-def model(o: dict, local_cores: int = 4, max_remote: int = 64, nic_gbit: float = 10.0,
-          train_process_cores: float = 0.5) -> dict:
+def model(
+    o: dict, local_cores: int = 4, max_remote: int = 64, nic_gbit: float = 10.0, train_process_cores: float = 0.5
+) -> dict:
     """img/s of a GPU node's loader with `local_cores` and N remote CPUs (the GPU's own demand not
     capping it): local workers get the cores the training process and the receiving of remote
     results leave; each remote CPU runs tiny-batches at compute / (compute + actor overhead); the
@@ -199,24 +232,40 @@ def model(o: dict, local_cores: int = 4, max_remote: int = 64, nic_gbit: float =
         receive_cores = remote_tb * h
         local = (cores - receive_cores) * per_core
         total = local + remote_tb * tiny
-        rows.append({"remote_cpus": n, "img_per_s": total, "speedup": total / base,
-                     "receive_cores": receive_cores})
-    return {"local_cores": local_cores, "train_process_cores": train_process_cores, "nic_gbit": nic_gbit,
-            "per_core_img_s": per_core, "remote_efficiency": remote_eff, "nic_img_s": nic_img_s, "rows": rows}
+        rows.append({"remote_cpus": n, "img_per_s": total, "speedup": total / base, "receive_cores": receive_cores})
+    return {
+        "local_cores": local_cores,
+        "train_process_cores": train_process_cores,
+        "nic_gbit": nic_gbit,
+        "per_core_img_s": per_core,
+        "remote_efficiency": remote_eff,
+        "nic_img_s": nic_img_s,
+        "rows": rows,
+    }
 
 
 def plot(m: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     n = [r["remote_cpus"] for r in m["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(n, [r["speedup"] for r in m["rows"]], label="model, receive cost of a bare round trip")
     if "in_loader" in m:
-        ax.plot(n, [r["speedup"] for r in m["in_loader"]["rows"]],
-                label=f"model, receive cost measured in a loader ({1e3 * m['in_loader']['local_cpu_s']:.1f} ms)")
-    ax.plot(n, [1 + k / (m["local_cores"] - m["train_process_cores"]) for k in n], "--", color="grey",
-            label="ideal (remote CPU = local core)")
+        ax.plot(
+            n,
+            [r["speedup"] for r in m["in_loader"]["rows"]],
+            label=f"model, receive cost measured in a loader ({1e3 * m['in_loader']['local_cpu_s']:.1f} ms)",
+        )
+    ax.plot(
+        n,
+        [1 + k / (m["local_cores"] - m["train_process_cores"]) for k in n],
+        "--",
+        color="grey",
+        label="ideal (remote CPU = local core)",
+    )
     ax.set_xlabel("remote CPUs (Ray actors)")
     ax.set_ylabel(f"loader throughput vs {m['local_cores']} local cores")
     ax.set_title(f"GPU node, {m['local_cores']} cores + N remote CPUs ({m['nic_gbit']:.0f} Gbit/s NIC)")
@@ -237,8 +286,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=60, help="tiny-batches per overhead measurement")
     ap.add_argument("--policy", default="randaugment")
     ap.add_argument("--skip-loader", action="store_true")
-    ap.add_argument("--configs", default="", help="';'-separated substrings: run only the loader configurations "
-                    "whose name contains one (e.g. 'back, in_flight 2;front')")
+    ap.add_argument(
+        "--configs",
+        default="",
+        help="';'-separated substrings: run only the loader configurations "
+        "whose name contains one (e.g. 'back, in_flight 2;front')",
+    )
     ap.add_argument("--out", default=os.path.join(RESULTS, "remote_randaugment.json"))
     args = ap.parse_args()
 
@@ -246,6 +299,7 @@ def main() -> None:
 
     from fusionflow.policy import load_policy
     from fusionflow.tools.synthetic import make_jpegs
+
     ds = EncodedImages(make_jpegs(args.images, 200, 1000, seed=1))
     policy = load_policy(args.policy)
     # Ray's worker processes import this checkout's fusionflow
@@ -262,9 +316,19 @@ def main() -> None:
     if h_loader is not None:  # the same model with what receiving costs inside a loader (Ray's threads,
         o_loader = {**o, "local_cpu_s": h_loader}  # the ring copy, the remote thread), not the bare echo
         m["in_loader"] = {"local_cpu_s": h_loader, "rows": model(o_loader)["rows"]}
-    result = {**provenance(), "overhead": o, "loader": runs, "model": m,
-              "setup": {"images": args.images, "sides": [200, 1000], "batch_size": args.batch_size,
-                        "policy": args.policy, "ray_num_cpus": 1}}
+    result = {
+        **provenance(),
+        "overhead": o,
+        "loader": runs,
+        "model": m,
+        "setup": {
+            "images": args.images,
+            "sides": [200, 1000],
+            "batch_size": args.batch_size,
+            "policy": args.policy,
+            "ray_num_cpus": 1,
+        },
+    }
     write_json(result, args.out)
     plot(m, os.path.splitext(args.out)[0].replace("remote_randaugment", "remote_model") + ".png")
 

@@ -14,6 +14,7 @@ is `experiments/bench_loader.py --modes loader --observability`.
 
     .venv/bin/python experiments/bench_tracing.py [--samples 64] [--repeats 15]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -131,16 +132,26 @@ def main() -> None:
         "done_message_pack_unpack_ns_without_times": statistics.median(msg_old),
         "done_message_pack_unpack_ns_with_times": statistics.median(msg_new),
         "tiny_batch_of_4_ms": tiny_batch_ms,
-        "trace_off_overhead_per_tiny_batch": (statistics.median(stamps) + statistics.median(msg_new)
-                                              - statistics.median(msg_old)) / (tiny_batch_ms * 1e6),
+        "trace_off_overhead_per_tiny_batch": (
+            statistics.median(stamps) + statistics.median(msg_new) - statistics.median(msg_old)
+        )
+        / (tiny_batch_ms * 1e6),
         "trace_on_span_ns": statistics.median(span),
         "trace_write_ns_per_span": statistics.median(write),
     }
     for k, v in res.items():
         print(f"{k}: {v:.6g}")
-    write_json({"benchmark": "tracing", "policy": args.policy, "samples": args.samples, "repeats": args.repeats,
-                **provenance(), "results": res},
-               args.out or os.path.join(RESULTS, f"tracing_{args.policy}.json"))
+    write_json(
+        {
+            "benchmark": "tracing",
+            "policy": args.policy,
+            "samples": args.samples,
+            "repeats": args.repeats,
+            **provenance(),
+            "results": res,
+        },
+        args.out or os.path.join(RESULTS, f"tracing_{args.policy}.json"),
+    )
 
 
 if __name__ == "__main__":

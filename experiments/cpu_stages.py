@@ -7,6 +7,7 @@ repeats of the per-stage mean.
 
     .venv/bin/python experiments/cpu_stages.py [--images 200] [--repeats 5] [--sizes imagenet]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,14 @@ def main() -> None:
     pipe = CpuPipeline(policy)
     oh, ow = policy.size
     out = np.empty(pipe.out_shape, np.uint8)
-    tv = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
-                    T.RandAugment(num_ops=2, magnitude=9), T.PILToTensor()])
+    tv = T.Compose(
+        [
+            T.RandomResizedCrop(224, antialias=True),
+            T.RandomHorizontalFlip(),
+            T.RandAugment(num_ops=2, magnitude=9),
+            T.PILToTensor(),
+        ]
+    )
 
     def staged() -> dict:
         acc = dict.fromkeys(STAGES, 0.0)
@@ -111,12 +118,23 @@ def main() -> None:
     total = sum(us[k] for k in STAGES)
     for k in STAGES:
         print(f"{k:18s} {us[k]:7.0f} us  {100 * us[k] / total:4.1f}%")
-    print(f"{'sum of stages':18s} {total:7.0f} us; whole pipeline {us['whole_pipeline']:.0f} us; "
-          f"torchvision {us['torchvision']:.0f} us ({us['torchvision'] / us['whole_pipeline']:.2f}x)")
-    write_json({"benchmark": "cpu_stages", "policy": args.policy, "sizes": args.sizes, "images": len(data),
-                "repeats": args.repeats, **provenance(), "us_per_sample_median": us,
-                "share_of_stages": {k: us[k] / total for k in STAGES}},
-               args.out or os.path.join(RESULTS, f"cpu_stages_{args.policy}_{args.sizes}.json"))
+    print(
+        f"{'sum of stages':18s} {total:7.0f} us; whole pipeline {us['whole_pipeline']:.0f} us; "
+        f"torchvision {us['torchvision']:.0f} us ({us['torchvision'] / us['whole_pipeline']:.2f}x)"
+    )
+    write_json(
+        {
+            "benchmark": "cpu_stages",
+            "policy": args.policy,
+            "sizes": args.sizes,
+            "images": len(data),
+            "repeats": args.repeats,
+            **provenance(),
+            "us_per_sample_median": us,
+            "share_of_stages": {k: us[k] / total for k in STAGES},
+        },
+        args.out or os.path.join(RESULTS, f"cpu_stages_{args.policy}_{args.sizes}.json"),
+    )
 
 
 if __name__ == "__main__":

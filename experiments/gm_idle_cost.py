@@ -6,6 +6,7 @@ and without `global_manager`. Alternating, medians over repeats.
 
     .venv/bin/python experiments/gm_idle_cost.py [--seconds 3] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow import FusionFlowLoader  # noqa: E402
-from fusionflow.tools.synthetic import make_jpegs  # noqa: E402
 from bench_ddp import Jpegs  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
+from fusionflow import FusionFlowLoader  # noqa: E402
+from fusionflow.tools.synthetic import make_jpegs  # noqa: E402
+
 
 def idle_cpu_percent(ds, job, seconds: float) -> float:
-    with FusionFlowLoader(ds, batch_size=8, num_workers=1, policy="randaugment", persistent_workers=True,
-                          global_manager=job) as loader:
+    with FusionFlowLoader(
+        ds, batch_size=8, num_workers=1, policy="randaugment", persistent_workers=True, global_manager=job
+    ) as loader:
         for _ in loader:
             pass
         time.sleep(0.5)  # let the GM connect its doorbell
@@ -45,7 +48,7 @@ def main() -> None:
     ds = Jpegs(make_jpegs(16, 200, 400, seed=3))
     runs = {"off": [], "on": []}
     for rep in range(args.repeats):
-        for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):
+        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
             job = None if mode == "off" else "idle-cost-" + secrets.token_hex(4)
             runs[mode].append(idle_cpu_percent(ds, job, args.seconds))
             print(f"repeat {rep + 1} {mode:>3}: {runs[mode][-1]:.2f}% of a core while idle", flush=True)

@@ -13,6 +13,7 @@ Medians over timed iterations after warm-up, synchronised; JSON to $OUT (or --ou
     export PYTHONPATH=/tmp/site:$PWD; python3 experiments/gpu_bench.py --out $OUT/gpu_bench.json
     python experiments/gpu_bench.py --cpu-smoke      # tiny run of every code path without a GPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,12 +32,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow.runtime.accelerator import PROFILE_BATCHES  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
+
+from fusionflow.runtime.accelerator import PROFILE_BATCHES  # noqa: E402
 
 
 def _make(args):
     from fusionflow.tools.synthetic import encode, make_image
+
     h, w, seed = args
     return encode(make_image(h, w, seed))
 
@@ -58,9 +61,16 @@ class TvDataset:
     def __getitem__(self, i):
         import torchvision.transforms.v2 as T
         from PIL import Image
+
         if self.tf is None:
-            self.tf = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(),
-                                 T.RandAugment(num_ops=2, magnitude=9), T.PILToTensor()])
+            self.tf = T.Compose(
+                [
+                    T.RandomResizedCrop(224, antialias=True),
+                    T.RandomHorizontalFlip(),
+                    T.RandAugment(num_ops=2, magnitude=9),
+                    T.PILToTensor(),
+                ]
+            )
         return self.tf(Image.open(io.BytesIO(self.data[i])).convert("RGB")), i % self.classes
 
 
@@ -73,8 +83,14 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
 
     gpu = device.type == "cuda"
 
-    @pipeline_def(enable_conditionals=True, batch_size=batch_size, num_threads=num_threads,
-                  device_id=0 if gpu else None, seed=0, prefetch_queue_depth=1)
+    @pipeline_def(
+        enable_conditionals=True,
+        batch_size=batch_size,
+        num_threads=num_threads,
+        device_id=0 if gpu else None,
+        seed=0,
+        prefetch_queue_depth=1,
+    )
     def pipe():
         enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
         img = fn.decoders.image_random_crop(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
@@ -94,6 +110,7 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
         t = out.as_tensor()
         if gpu:
             from nvidia.dali.plugin.pytorch import feed_ndarray
+
             x = torch.empty(t.shape(), dtype=torch.uint8, device=device)
             feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream())
         else:
@@ -112,6 +129,7 @@ def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
     """img/s of training on the batches the generator yields (synchronised, after warm-up)."""
     import torch
     import torchvision
+
     model = getattr(torchvision.models, model_name)(num_classes=1000).to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -154,7 +172,9 @@ def op_agreement():
     """Per-op agreement of DALI GPU ops with the CPU ops on identical input (the gpu tests' numbers)."""
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_ops_dali import CASES, run_cpu_op, run_dali_op
+
     from fusionflow.ops.dali import DaliStyle
+
     out = {}
     for name, value in CASES:
         a = run_dali_op(name, value, DaliStyle(device="gpu")).astype(int)
@@ -173,9 +193,15 @@ def main() -> None:
     ap.add_argument("--models", default="resnet18,resnet50")
     ap.add_argument("--workers", default="4,15")
     ap.add_argument("--variants", default="staged,dataloader_tv,dali,ff_cpu,ff_cpu_gpu")
-    ap.add_argument("--gpu-sharing", default="auto", choices=["auto", "temporal", "spatial"],
-                    help="ff_cpu_gpu's gpu_sharing; 'auto' profiles both modes during an extended warm-up")
-    ap.add_argument("--cpu-smoke", action="store_true", help="tiny run on the CPU (DALI CPU backend) to check the script")
+    ap.add_argument(
+        "--gpu-sharing",
+        default="auto",
+        choices=["auto", "temporal", "spatial"],
+        help="ff_cpu_gpu's gpu_sharing; 'auto' profiles both modes during an extended warm-up",
+    )
+    ap.add_argument(
+        "--cpu-smoke", action="store_true", help="tiny run on the CPU (DALI CPU backend) to check the script"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     warnings.filterwarnings("ignore")
@@ -198,9 +224,14 @@ def main() -> None:
     t0 = time.time()
     data = make_dataset(args.images, os.cpu_count() or 1)
     print(f"{len(data)} JPEGs made in {time.time() - t0:.0f} s", flush=True)
-    result = {"benchmark": "gpu_bench", **provenance(),
-              "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
-              "torch": torch.__version__, "batch_size": args.batch_size, "runs": {}}
+    result = {
+        "benchmark": "gpu_bench",
+        **provenance(),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)",
+        "torch": torch.__version__,
+        "batch_size": args.batch_size,
+        "runs": {},
+    }
     bs = args.batch_size
     for model_name in args.models.split(","):
         for workers in (int(w) for w in args.workers.split(",")):
@@ -211,39 +242,68 @@ def main() -> None:
                     if variant == "staged":
                         xs = torch.randint(0, 256, (bs, 3, 224, 224), dtype=torch.uint8, device=device)
                         ys = torch.randint(0, 1000, (bs,), device=device)
-                        rate = train_rate(lambda: iter(lambda: (xs, ys), None), model_name, device,
-                                          args.iters, args.warmup, bs)
+                        rate = train_rate(
+                            lambda: iter(lambda: (xs, ys), None), model_name, device, args.iters, args.warmup, bs
+                        )
                     elif variant == "dataloader_tv":
-                        dl = DataLoader(TvDataset(data), batch_size=bs, shuffle=True, num_workers=workers,
-                                        pin_memory=device.type == "cuda", persistent_workers=True, drop_last=True,
-                                        prefetch_factor=4)
+                        dl = DataLoader(
+                            TvDataset(data),
+                            batch_size=bs,
+                            shuffle=True,
+                            num_workers=workers,
+                            pin_memory=device.type == "cuda",
+                            persistent_workers=True,
+                            drop_last=True,
+                            prefetch_factor=4,
+                        )
                         rate = train_rate(lambda: endless(dl), model_name, device, args.iters, args.warmup, bs)
                         del dl
                     elif variant == "dali":
-                        rate = train_rate(lambda: dali_batches(data, bs, device, workers, args.iters + args.warmup + 1),
-                                          model_name, device, args.iters, args.warmup, bs)
+                        rate = train_rate(
+                            lambda: dali_batches(data, bs, device, workers, args.iters + args.warmup + 1),
+                            model_name,
+                            device,
+                            args.iters,
+                            args.warmup,
+                            bs,
+                        )
                     else:
-                        accel = "dali-gpu" if variant == "ff_cpu_gpu" and device.type == "cuda" else (
-                            "dali-cpu" if variant == "ff_cpu_gpu" else None)
+                        accel = (
+                            "dali-gpu"
+                            if variant == "ff_cpu_gpu" and device.type == "cuda"
+                            else ("dali-cpu" if variant == "ff_cpu_gpu" else None)
+                        )
                         # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
                         # chooses: that happens in the warm-up, never in the timed window
                         profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
                         warmup = ff_warmup(args.warmup, profiling)
-                        with FusionFlowLoader(EncodedImages(data, classes=1000), batch_size=bs, shuffle=True, num_workers=workers,
-                                              policy="randaugment", persistent_workers=True, drop_last=True,
-                                              device=device, accelerator=accel, tiny_batch_size=4,
-                                              gpu_sharing=args.gpu_sharing) as ff:
-                            rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device,
-                                              args.iters, warmup, bs)
+                        with FusionFlowLoader(
+                            EncodedImages(data, classes=1000),
+                            batch_size=bs,
+                            shuffle=True,
+                            num_workers=workers,
+                            policy="randaugment",
+                            persistent_workers=True,
+                            drop_last=True,
+                            device=device,
+                            accelerator=accel,
+                            tiny_batch_size=4,
+                            gpu_sharing=args.gpu_sharing,
+                        ) as ff:
+                            rate = train_rate(
+                                lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs
+                            )
                             stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
                             stats["gpu_sharing"] = ff.stats.gpu_sharing
                         if profiling and ff.stats.gpu_sharing is None:
                             raise RuntimeError("gpu_sharing='auto' had not chosen a mode by the end of the warm-up")
                         fell_back = not stats["accelerator_tiny_batches"] or stats["accelerator_retired"]
                         if accel is not None and fell_back:
-                            raise RuntimeError(f"the DALI accelerator did not run (it fell back to the CPU workers: "
-                                               f"retired={stats['accelerator_retired']!r}, "
-                                               f"out of memory {stats['accelerator_out_of_memory']}x): not comparable")
+                            raise RuntimeError(
+                                f"the DALI accelerator did not run (it fell back to the CPU workers: "
+                                f"retired={stats['accelerator_retired']!r}, "
+                                f"out of memory {stats['accelerator_out_of_memory']}x): not comparable"
+                            )
                     row[variant] = rate
                     print(f"{key}: {rate:.0f} img/s", flush=True)
                 except Exception as exc:  # one broken variant must not lose the others' numbers
@@ -264,8 +324,13 @@ def main() -> None:
             result["op_agreement_gpu_vs_cpu"] = op_agreement()
         except Exception as exc:
             result["op_agreement_error"] = repr(exc)
-    write_json(result, args.out or os.path.join(os.environ.get("OUT", RESULTS),
-                                                "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"))
+    write_json(
+        result,
+        args.out
+        or os.path.join(
+            os.environ.get("OUT", RESULTS), "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ for --iters timed iterations (median img/s, synchronised, after warm-up).
     export PYTHONPATH=/tmp/site:$PWD; python3 experiments/gpu_memory.py --out $OUT/gpu_memory.json
     python experiments/gpu_memory.py --cpu-smoke     # every code path, tiny, on the CPU (no search)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,18 +59,23 @@ def ff_outcome(stats: dict) -> dict:
     retired = stats["accelerator_retired"]
     if ran and not oom and not retired:
         return {"ok": True}
-    return {"ok": False, "oom": bool(oom), "fell_back": True,
-            "error": f"DALI fell back to the CPU workers (tiny-batches on DALI {ran}, out of memory {oom}x, "
-                     f"retired={retired!r})"}
+    return {
+        "ok": False,
+        "oom": bool(oom),
+        "fell_back": True,
+        "error": f"DALI fell back to the CPU workers (tiny-batches on DALI {ran}, out of memory {oom}x, "
+        f"retired={retired!r})",
+    }
 
 
-def run_trial(pipeline: str, batch: int, iters: int, warmup: int, data_path: str, workers: int, gpu_gb: float,
-              smoke: bool) -> dict:
+def run_trial(
+    pipeline: str, batch: int, iters: int, warmup: int, data_path: str, workers: int, gpu_gb: float, smoke: bool
+) -> dict:
     """One training run in this process; returns what happened (ok / oom / error) and the numbers."""
     import torch
+    from gpu_bench import Encoded, dali_batches, endless, train_rate
 
     from fusionflow import FusionFlowLoader
-    from gpu_bench import Encoded, dali_batches, endless, train_rate
 
     with open(data_path, "rb") as f:
         data = pickle.load(f)
@@ -85,21 +91,41 @@ def run_trial(pipeline: str, batch: int, iters: int, warmup: int, data_path: str
     stats = {}
     try:
         if pipeline == "dali":
-            rate = train_rate(lambda: dali_batches(data, batch, device, workers, iters + warmup + 1),
-                              "resnet18", device, iters, warmup, batch)
+            rate = train_rate(
+                lambda: dali_batches(data, batch, device, workers, iters + warmup + 1),
+                "resnet18",
+                device,
+                iters,
+                warmup,
+                batch,
+            )
         else:
             bridge = "on" if pipeline == "ff_bridge_on" else "off"
             accel = "dali-cpu" if smoke else "dali-gpu"
-            with FusionFlowLoader(Encoded(data), batch_size=batch, shuffle=True, num_workers=workers,
-                                  policy="randaugment", persistent_workers=True, drop_last=True, device=device,
-                                  accelerator=accel, gpu_sharing="off" if smoke else "temporal",
-                                  memory_bridge="off" if smoke else bridge, tiny_batch_size=4) as ff:
+            with FusionFlowLoader(
+                Encoded(data),
+                batch_size=batch,
+                shuffle=True,
+                num_workers=workers,
+                policy="randaugment",
+                persistent_workers=True,
+                drop_last=True,
+                device=device,
+                accelerator=accel,
+                gpu_sharing="off" if smoke else "temporal",
+                memory_bridge="off" if smoke else bridge,
+                tiny_batch_size=4,
+            ) as ff:
                 rate = train_rate(lambda: endless(ff, ff.set_epoch), "resnet18", device, iters, warmup, batch)
                 stats = ff.stats.summary()
         out.update(img_per_s=rate, **ff_outcome(stats) if pipeline != "dali" and not smoke else {"ok": True})
     except Exception as exc:
         text = "".join(traceback.format_exception(exc))
-        oom = isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text.lower() or "cudaErrorMemoryAllocation" in text
+        oom = (
+            isinstance(exc, torch.OutOfMemoryError)
+            or "out of memory" in text.lower()
+            or "cudaErrorMemoryAllocation" in text
+        )
         out.update(ok=False, oom=oom, error=text[-1500:])
     if device.type == "cuda":  # the ballast is left out of every number
         held = ballast.numel() if ballast is not None else 0
@@ -115,27 +141,59 @@ def run_trial(pipeline: str, batch: int, iters: int, warmup: int, data_path: str
 
 
 def spawn(args, pipeline: str, batch: int, iters: int, warmup: int) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--trial", pipeline, "--batch", str(batch), "--iters",
-           str(iters), "--warmup", str(warmup), "--data", args.data, "--workers", str(args.workers),
-           "--gpu-gb", str(args.gpu_gb)] + (["--cpu-smoke"] if args.cpu_smoke else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--trial",
+        pipeline,
+        "--batch",
+        str(batch),
+        "--iters",
+        str(iters),
+        "--warmup",
+        str(warmup),
+        "--data",
+        args.data,
+        "--workers",
+        str(args.workers),
+        "--gpu-gb",
+        str(args.gpu_gb),
+    ] + (["--cpu-smoke"] if args.cpu_smoke else [])
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, env=trial_env(pipeline), timeout=args.trial_timeout)
     except subprocess.TimeoutExpired as exc:  # one hung trial must not lose the others' numbers
         tail = (exc.stderr or b"")[-1500:]
-        res = {"pipeline": pipeline, "batch": batch, "ok": False, "oom": False, "timeout": True,
-               "error": f"no result within --trial-timeout={args.trial_timeout} s: "
-                        f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}",
-               "seconds": round(time.time() - t0, 1)}
+        res = {
+            "pipeline": pipeline,
+            "batch": batch,
+            "ok": False,
+            "oom": False,
+            "timeout": True,
+            "error": f"no result within --trial-timeout={args.trial_timeout} s: "
+            f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}",
+            "seconds": round(time.time() - t0, 1),
+        }
         print(f"  {pipeline} batch {batch}: TIMEOUT ({res['seconds']} s)", flush=True)
         return res
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    res = json.loads(lines[-1]) if lines else {"pipeline": pipeline, "batch": batch, "ok": False,
-                                               "oom": "out of memory" in proc.stderr.lower(),
-                                               "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
+    res = (
+        json.loads(lines[-1])
+        if lines
+        else {
+            "pipeline": pipeline,
+            "batch": batch,
+            "ok": False,
+            "oom": "out of memory" in proc.stderr.lower(),
+            "error": f"exit {proc.returncode}: {proc.stderr[-1500:]}",
+        }
+    )
     res["seconds"] = round(time.time() - t0, 1)
-    print(f"  {pipeline} batch {batch}: {'ok' if res['ok'] else ('OOM' if res.get('oom') else 'ERROR')} "
-          f"({res['seconds']} s)", flush=True)
+    print(
+        f"  {pipeline} batch {batch}: {'ok' if res['ok'] else ('OOM' if res.get('oom') else 'ERROR')} "
+        f"({res['seconds']} s)",
+        flush=True,
+    )
     return res
 
 
@@ -189,14 +247,15 @@ def main() -> None:
     warnings.filterwarnings("ignore")
 
     if args.trial:
-        res = run_trial(args.trial, args.batch, args.iters, args.warmup, args.data, args.workers, args.gpu_gb,
-                        args.cpu_smoke)
+        res = run_trial(
+            args.trial, args.batch, args.iters, args.warmup, args.data, args.workers, args.gpu_gb, args.cpu_smoke
+        )
         print(json.dumps(res), flush=True)
         return
 
     import torch
-
     from gpu_bench import make_dataset
+
     if args.cpu_smoke:
         args.images, args.workers, args.batch_size, args.iters, args.warmup = 32, 1, 8, 2, 1
     elif not torch.cuda.is_available():
@@ -208,10 +267,20 @@ def main() -> None:
     pipelines = args.pipelines.split(",")
     if args.cpu_smoke:
         pipelines = [p for p in pipelines if p != "ff_async_pool"]  # the same code path as ff_bridge_off on a CPU
-    result = {"benchmark": "gpu_memory", **provenance(), "model": "resnet18", "amp": "bf16", "image": 224,
-              "policy": "randaugment", "workers": args.workers, "gpu_gb": args.gpu_gb,
-              "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke)",
-              "torch": torch.__version__, "largest_batch": {}, "fixed_batch": {"batch": args.batch_size}}
+    result = {
+        "benchmark": "gpu_memory",
+        **provenance(),
+        "model": "resnet18",
+        "amp": "bf16",
+        "image": 224,
+        "policy": "randaugment",
+        "workers": args.workers,
+        "gpu_gb": args.gpu_gb,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke)",
+        "torch": torch.__version__,
+        "largest_batch": {},
+        "fixed_batch": {"batch": args.batch_size},
+    }
     try:
         for p in pipelines:
             print(f"{p}: throughput at batch {args.batch_size}", flush=True)
@@ -225,8 +294,7 @@ def main() -> None:
     lb, fb = result["largest_batch"], result["fixed_batch"]
     summary = {}
     for p in pipelines:
-        summary[p] = {"largest_batch": (lb.get(p) or {}).get("largest"),
-                      "img_per_s": fb.get(p, {}).get("img_per_s")}
+        summary[p] = {"largest_batch": (lb.get(p) or {}).get("largest"), "img_per_s": fb.get(p, {}).get("img_per_s")}
     for p in pipelines:
         if p != "dali" and summary.get("dali", {}).get("largest_batch") and summary[p]["largest_batch"]:
             summary[p]["batch_vs_dali"] = summary[p]["largest_batch"] / summary["dali"]["largest_batch"]

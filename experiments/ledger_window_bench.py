@@ -8,6 +8,7 @@ Alternating, medians over repeats, in one process.
 
     .venv/bin/python experiments/ledger_window_bench.py [--blocks 320 1000] [--repeats 7]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow.memory.ledger import Block, BlockLedger  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
+
+from fusionflow.memory.ledger import Block, BlockLedger  # noqa: E402
 
 PIECE = 64 << 20  # the bridge lends in pieces of at most 64 MiB
 
@@ -55,7 +57,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for n in args.blocks:
-        blocks = [Block(0x7f0000000000 + k * PIECE, PIECE, 0) for k in range(n)]
+        blocks = [Block(0x7F0000000000 + k * PIECE, PIECE, 0) for k in range(n)]
         ledger = BlockLedger(capacity=max(4096, n))
         try:
             times = {"per_block": [], "bulk": []}
@@ -66,10 +68,19 @@ def main() -> None:
         finally:
             ledger.close()
         med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append({"blocks": n, "per_block_ms": med["per_block"], "bulk_ms": med["bulk"],
-                     "speedup": med["per_block"] / med["bulk"], "samples_ms": times})
-        print(f"{n:5d} blocks: per-block {med['per_block']:8.2f} ms   bulk {med['bulk']:6.2f} ms   "
-              f"x{med['per_block'] / med['bulk']:.0f}")
+        rows.append(
+            {
+                "blocks": n,
+                "per_block_ms": med["per_block"],
+                "bulk_ms": med["bulk"],
+                "speedup": med["per_block"] / med["bulk"],
+                "samples_ms": times,
+            }
+        )
+        print(
+            f"{n:5d} blocks: per-block {med['per_block']:8.2f} ms   bulk {med['bulk']:6.2f} ms   "
+            f"x{med['per_block'] / med['bulk']:.0f}"
+        )
     write_json({**provenance(), "repeats": args.repeats, "piece_bytes": PIECE, "results": rows}, args.out)
 
 

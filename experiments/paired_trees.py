@@ -15,6 +15,7 @@ Metrics: `loader` reads FusionFlowLoader's img/s and its ratio to DataLoader + t
 ratio cancels most of the machine's drift); `cpu` reads the per-core pipeline's fast and exact modes
 against torchvision (bench_cpu_pipeline.py); `ddp` reads the lending-on img/s and the on/off ratio.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,20 +30,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 BENCHES = {
-    "loader": ("experiments/bench_loader.py", {
-        "fusionflow_img_per_s": ("results", "loader", "fusionflow", "img_per_s_median"),
-        "fusionflow_over_dataloader_tv": ("results", "loader", "fusionflow", "ratio_vs_dataloader_tv"),
-    }),
-    "cpu": ("experiments/bench_cpu_pipeline.py", {
-        "ff_fast_img_per_s": ("img_per_s_median", "ff_fast"),
-        "ff_fast_over_torchvision": ("ratio_vs_torchvision", "ff_fast"),
-        "ff_exact_over_torchvision": ("ratio_vs_torchvision", "ff_exact"),
-    }),
-    "ddp": ("experiments/bench_ddp.py", {
-        "lending_on_img_per_s": ("median", "on", "img_per_s"),
-        "lending_off_img_per_s": ("median", "off", "img_per_s"),
-        "on_over_off": ("ratio", "throughput_on_over_off"),
-    }),
+    "loader": (
+        "experiments/bench_loader.py",
+        {
+            "fusionflow_img_per_s": ("results", "loader", "fusionflow", "img_per_s_median"),
+            "fusionflow_over_dataloader_tv": ("results", "loader", "fusionflow", "ratio_vs_dataloader_tv"),
+        },
+    ),
+    "cpu": (
+        "experiments/bench_cpu_pipeline.py",
+        {
+            "ff_fast_img_per_s": ("img_per_s_median", "ff_fast"),
+            "ff_fast_over_torchvision": ("ratio_vs_torchvision", "ff_fast"),
+            "ff_exact_over_torchvision": ("ratio_vs_torchvision", "ff_exact"),
+        },
+    ),
+    "ddp": (
+        "experiments/bench_ddp.py",
+        {
+            "lending_on_img_per_s": ("median", "on", "img_per_s"),
+            "lending_off_img_per_s": ("median", "off", "img_per_s"),
+            "on_over_off": ("ratio", "throughput_on_over_off"),
+        },
+    ),
 }
 
 
@@ -55,8 +65,12 @@ def dig(d, path):
 def run_once(tree: str, script: str, extra: list[str], metrics: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
-        subprocess.run([sys.executable, os.path.join(tree, script), *extra, "--out", out], cwd=tree, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, os.path.join(tree, script), *extra, "--out", out],
+            cwd=tree,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         with open(out) as f:
             d = json.load(f)
     return {name: dig(d, path) for name, path in metrics.items()}
@@ -84,18 +98,34 @@ def main() -> None:
     for k in metrics:
         b = [x[k] for x in runs["before"]]
         a = [x[k] for x in runs["after"]]
-        summary[k] = {"before_median": statistics.median(b), "after_median": statistics.median(a),
-                      "after_over_before": statistics.median(a) / statistics.median(b),
-                      "paired_ratio_median": statistics.median(x / y for x, y in zip(a, b))}
-        print(f"{k}: before {summary[k]['before_median']:.3f}  after {summary[k]['after_median']:.3f}  "
-              f"after/before {summary[k]['after_over_before']:.3f} (paired median "
-              f"{summary[k]['paired_ratio_median']:.3f})")
-    git = lambda t: subprocess.run(["git", "-C", t, "rev-parse", "--short", "HEAD"], capture_output=True,  # noqa: E731
-                                   text=True).stdout.strip()
+        summary[k] = {
+            "before_median": statistics.median(b),
+            "after_median": statistics.median(a),
+            "after_over_before": statistics.median(a) / statistics.median(b),
+            "paired_ratio_median": statistics.median(x / y for x, y in zip(a, b)),
+        }
+        print(
+            f"{k}: before {summary[k]['before_median']:.3f}  after {summary[k]['after_median']:.3f}  "
+            f"after/before {summary[k]['after_over_before']:.3f} (paired median "
+            f"{summary[k]['paired_ratio_median']:.3f})"
+        )
+    git = lambda t: subprocess.run(
+        ["git", "-C", t, "rev-parse", "--short", "HEAD"],
+        capture_output=True,  # noqa: E731
+        text=True,
+    ).stdout.strip()
     label = args.label or args.bench
-    write_json({"benchmark": f"paired {args.bench}", **provenance(),
-                "commits": {k: git(t) for k, t in trees.items()}, "bench_args": args.extra,
-                "runs": runs, "summary": summary}, os.path.join(RESULTS, f"paired_{label}.json"))
+    write_json(
+        {
+            "benchmark": f"paired {args.bench}",
+            **provenance(),
+            "commits": {k: git(t) for k, t in trees.items()},
+            "bench_args": args.extra,
+            "runs": runs,
+            "summary": summary,
+        },
+        os.path.join(RESULTS, f"paired_{label}.json"),
+    )
 
 
 if __name__ == "__main__":

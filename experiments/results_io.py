@@ -1,5 +1,6 @@
 """What every experiment records beside its numbers: the command, the date, the machine; and how it
 writes its JSON under experiments/results/."""
+
 from __future__ import annotations
 
 import datetime
@@ -22,9 +23,11 @@ def machine() -> dict:
 
 
 def provenance() -> dict:
-    return {"command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine()}
+    return {
+        "command": "python " + " ".join([os.path.relpath(sys.argv[0])] + sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+    }
 
 
 def write_json(result: dict, path: str) -> None:

@@ -9,6 +9,7 @@ they return when the borrower's iteration completes. Both runs see identical tas
 
     .venv/bin/python experiments/sim_lending.py [--ranks 8] [--workers 4] [--tiny 16] [--iters 200]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,9 @@ sys.path.insert(0, ROOT)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fusionflow.scheduling.lending import Progress, plan_lending  # noqa: E402
 from results_io import RESULTS, provenance, write_json  # noqa: E402
+
+from fusionflow.scheduling.lending import Progress, plan_lending  # noqa: E402
 
 
 def iteration(times: list[list[float]], workers: int, lend: bool) -> tuple[list[float], int]:
@@ -64,7 +66,7 @@ def iteration(times: list[list[float]], workers: int, lend: bool) -> tuple[list[
             table.append(Progress(r, 0, len(queue[r]), active, len(idle)))
         for loan in plan_lending(table):
             idle = [w for w in range(len(serving)) if serving[w] == loan.lender and w not in running]
-            for w in idle[:loan.count]:
+            for w in idle[: loan.count]:
                 serving[w] = loan.borrower
                 lent_total += 1
 
@@ -94,8 +96,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     factor = [args.heavy] + [1.0] * (args.ranks - 1)
     res = {}
-    draws = [[(rng.lognormal(0.0, args.sigma, args.tiny) * factor[r]).tolist() for r in range(args.ranks)]
-             for _ in range(args.iters)]
+    draws = [
+        [(rng.lognormal(0.0, args.sigma, args.tiny) * factor[r]).tolist() for r in range(args.ranks)]
+        for _ in range(args.iters)
+    ]
     for lend in (False, True):
         gaps, iters, lent = [], [], 0
         for times in draws:
@@ -103,20 +107,26 @@ def main() -> None:
             gaps.append(max(ready) - min(ready))
             iters.append(max(ready) + args.step)
             lent += n
-        res["gm_on" if lend else "gm_off"] = {"straggler_gap_median": statistics.median(gaps),
-                                             "straggler_gap_mean": statistics.fmean(gaps),
-                                             "iteration_time_mean": statistics.fmean(iters),
-                                             "workers_lent_per_iteration": lent / args.iters}
+        res["gm_on" if lend else "gm_off"] = {
+            "straggler_gap_median": statistics.median(gaps),
+            "straggler_gap_mean": statistics.fmean(gaps),
+            "iteration_time_mean": statistics.fmean(iters),
+            "workers_lent_per_iteration": lent / args.iters,
+        }
     on, off = res["gm_on"], res["gm_off"]
     res["throughput_ratio_on_vs_off"] = off["iteration_time_mean"] / on["iteration_time_mean"]
     res["gap_ratio_on_vs_off"] = on["straggler_gap_mean"] / off["straggler_gap_mean"]
     res.update(vars(args), **provenance())
-    print(f"{args.ranks} ranks x {args.workers} workers, {args.tiny} tiny-batches/iteration, sigma {args.sigma}, "
-          f"rank 0 x{args.heavy}")
+    print(
+        f"{args.ranks} ranks x {args.workers} workers, {args.tiny} tiny-batches/iteration, sigma {args.sigma}, "
+        f"rank 0 x{args.heavy}"
+    )
     for k in ("gm_off", "gm_on"):
         r = res[k]
-        print(f"  {k}: straggler gap mean {r['straggler_gap_mean']:.2f}, iteration {r['iteration_time_mean']:.2f}, "
-              f"workers lent/iteration {r['workers_lent_per_iteration']:.1f}")
+        print(
+            f"  {k}: straggler gap mean {r['straggler_gap_mean']:.2f}, iteration {r['iteration_time_mean']:.2f}, "
+            f"workers lent/iteration {r['workers_lent_per_iteration']:.1f}"
+        )
     print(f"  gap x{res['gap_ratio_on_vs_off']:.2f}, throughput x{res['throughput_ratio_on_vs_off']:.3f}")
     write_json(res, args.out)
 

@@ -4,25 +4,57 @@ Public API: `FusionFlowLoader`, `RayWorkers` (remote CPU workers; needs the `ray
 `load_policy`, `policy_from_transform`, `Policy`, and FusionFlow's errors.
 `FusionFlowLoader` (which imports torch) is loaded on first use, so policy tooling stays light.
 """
+
 from fusionflow.data import ImageFolder
+from fusionflow.errors import (
+    AcceleratorError,
+    BridgeError,
+    DecodeError,
+    DeviceOutOfMemory,
+    FusionFlowError,
+    ImageTooLargeError,
+    NativeBuildError,
+    RemoteWorkerError,
+    SampleError,
+    SampleKilledWorkersError,
+    SharedMemoryError,
+    WorkerStartError,
+)
 from fusionflow.from_torchvision import policy_from_transform  # imports torchvision only when called
-from fusionflow.errors import (AcceleratorError, BridgeError, DecodeError, DeviceOutOfMemory, FusionFlowError,
-                               ImageTooLargeError, NativeBuildError, RemoteWorkerError, SampleError,
-                               SampleKilledWorkersError, SharedMemoryError, WorkerStartError)
 from fusionflow.policy import Policy, load_policy
 
-__all__ = ["AcceleratorError", "BridgeError", "DecodeError", "DeviceOutOfMemory", "FusionFlowError", "FusionFlowLoader",
-           "ImageFolder", "ImageTooLargeError", "NativeBuildError", "Policy", "RayWorkers", "RemoteWorkerError",
-           "SampleError", "SampleKilledWorkersError",
-           "SharedMemoryError", "WorkerStartError", "load_policy", "policy_from_transform"]
+__all__ = [
+    "AcceleratorError",
+    "BridgeError",
+    "DecodeError",
+    "DeviceOutOfMemory",
+    "FusionFlowError",
+    "FusionFlowLoader",
+    "ImageFolder",
+    "ImageTooLargeError",
+    "NativeBuildError",
+    "Policy",
+    "RayWorkers",
+    "RemoteWorkerError",
+    "SampleError",
+    "SampleKilledWorkersError",
+    "SharedMemoryError",
+    "WorkerStartError",
+    "load_policy",
+    "policy_from_transform",
+]
 
 
 def __getattr__(name):
     if name == "FusionFlowLoader":
         from fusionflow.loader import FusionFlowLoader
+
         return FusionFlowLoader
     if name == "RayWorkers":  # imports ray only when constructed (an optional extra: fusionflow[ray])
         from fusionflow.remote.config import RayWorkers
+
         return RayWorkers
     raise AttributeError(f"module 'fusionflow' has no attribute {name!r}")
+
+
 __version__ = "0.1.0"

@@ -5,11 +5,14 @@
 (fusionflow/tools/bench.py);
 `python -m fusionflow gm {serve,status,workers} --job NAME`: a job's global manager
 (fusionflow/runtime/gm/manager.py)."""
+
 import sys
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["gm"]:
         from fusionflow.runtime.gm.manager import cli
+
         sys.exit(cli(sys.argv[2:]))
     from fusionflow.tools.demo import main
+
     sys.exit(main(sys.argv[1:]))

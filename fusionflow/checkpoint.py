@@ -27,6 +27,7 @@ How the order is captured, by sampler (checked in this order):
     same order every time it is iterated in the same state. A sampler that draws from torch's global
     RNG cannot be resumed exactly: give it a `generator` attribute or a `state_dict`/`load_state_dict`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -69,17 +70,25 @@ def capture(batch_sampler, sampler) -> dict:
     if kind == "generator":
         return {"kind": kind, "state": owner.generator.get_state()}
     if kind == "epoch":
-        return {"kind": kind, "epoch": owner.epoch, "num_replicas": getattr(owner, "num_replicas", None),
-                "rank": getattr(owner, "rank", None)}
+        return {
+            "kind": kind,
+            "epoch": owner.epoch,
+            "num_replicas": getattr(owner, "num_replicas", None),
+            "rank": getattr(owner, "rank", None),
+        }
     return {"kind": kind}
 
 
 def warn_if_unresumable(batch_sampler, sampler, stacklevel: int = 3) -> None:
     """A state is being taken of an order drawn from torch's global RNG: say it will not repeat."""
     if order_owner(batch_sampler, sampler)[1] == "none" and getattr(sampler, "generator", False) is None:
-        warnings.warn(f"{type(sampler).__name__} draws its order from torch's global RNG (generator=None): a "
-                      "resumed epoch will not repeat it. Give the sampler a torch.Generator (generator=...) "
-                      "or a state_dict()/load_state_dict() to resume it exactly", UserWarning, stacklevel=stacklevel)
+        warnings.warn(
+            f"{type(sampler).__name__} draws its order from torch's global RNG (generator=None): a "
+            "resumed epoch will not repeat it. Give the sampler a torch.Generator (generator=...) "
+            "or a state_dict()/load_state_dict() to resume it exactly",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def check(saved: dict, batch_sampler, sampler) -> None:
@@ -88,15 +97,19 @@ def check(saved: dict, batch_sampler, sampler) -> None:
     if not isinstance(saved, dict) or "kind" not in saved:
         raise ValueError(f"state['sampler']={saved!r} is not a FusionFlowLoader sampler state")
     if saved["kind"] != kind:
-        raise ValueError(f"the state's order was captured as {saved['kind']!r} but this loader's "
-                         f"{type(owner).__name__} is captured as {kind!r}: build the loader with the same kind of "
-                         "sampler (and generator=... or not) as the one that saved the state")
+        raise ValueError(
+            f"the state's order was captured as {saved['kind']!r} but this loader's "
+            f"{type(owner).__name__} is captured as {kind!r}: build the loader with the same kind of "
+            "sampler (and generator=... or not) as the one that saved the state"
+        )
     if kind == "epoch":
         for key in ("num_replicas", "rank"):
             mine = getattr(owner, key, None)
             if saved.get(key) != mine:
-                raise ValueError(f"the state is from a {type(owner).__name__} with {key}={saved.get(key)}, this "
-                                 f"loader's has {key}={mine}: load each rank's own state into that rank's loader")
+                raise ValueError(
+                    f"the state is from a {type(owner).__name__} with {key}={saved.get(key)}, this "
+                    f"loader's has {key}={mine}: load each rank's own state into that rank's loader"
+                )
 
 
 def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=None):
@@ -161,9 +174,13 @@ class Checkpoint:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r} must be a non-negative integer")
         if self.resume is not None and self.resume[1] and epoch != self.epoch:
-            warnings.warn(f"set_epoch({epoch}) after load_state_dict of a state in the middle of epoch "
-                          f"{self.epoch}: epoch {epoch} starts from its first batch; call set_epoch({self.epoch}) "
-                          "(or none) to resume the saved epoch's remaining batches", UserWarning, stacklevel=3)
+            warnings.warn(
+                f"set_epoch({epoch}) after load_state_dict of a state in the middle of epoch "
+                f"{self.epoch}: epoch {epoch} starts from its first batch; call set_epoch({self.epoch}) "
+                "(or none) to resume the saved epoch's remaining batches",
+                UserWarning,
+                stacklevel=3,
+            )
             saved = self.resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one
             self.resume = None if saved.get("kind") == "epoch" else (saved, 0)
         self.epoch, self.epoch_set = epoch, True
@@ -200,8 +217,12 @@ class Checkpoint:
         in_epoch = cur is not None and not cur.done
         warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
         return {
-            "version": VERSION, **shape, "seed": seed,
-            "epoch": self.epoch, "epoch_set": self.epoch_set, "iterations": self.iterations,
+            "version": VERSION,
+            **shape,
+            "seed": seed,
+            "epoch": self.epoch,
+            "epoch_set": self.epoch_set,
+            "iterations": self.iterations,
             "batches_yielded": cur.yielded if in_epoch else None,
             "sampler": (cur.start if in_epoch and cur.start is not None else capture(batch_sampler, sampler)),
         }
@@ -210,13 +231,17 @@ class Checkpoint:
         """Check `state` against this loader (`shape`, the sampler) and make the next iteration
         resume it. The seed is the caller's to apply (`state["seed"]`)."""
         if not isinstance(state, dict) or state.get("version") != VERSION:
-            raise ValueError(f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
-                             f"{VERSION}: pass what loader.state_dict() returned")
+            raise ValueError(
+                f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
+                f"{VERSION}: pass what loader.state_dict() returned"
+            )
         for key, value in shape.items():
             if state.get(key) != value:
-                raise ValueError(f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
-                                 f"{key}={value!r}: build the loader as the one that saved the state was built "
-                                 "(same dataset length, batch_size, drop_last and sampler)")
+                raise ValueError(
+                    f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
+                    f"{key}={value!r}: build the loader as the one that saved the state was built "
+                    "(same dataset length, batch_size, drop_last and sampler)"
+                )
         check(state["sampler"], batch_sampler, sampler)
         yielded, num_batches = state["batches_yielded"], shape["num_batches"]
         if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= num_batches):

@@ -3,6 +3,7 @@
 Decoding and augmentation belong to the pipeline (CPU worker or DALI), so a dataset only reads
 bytes. `sizes` lets the loader sort tiny-batches by encoded size without reading any file.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,8 +31,10 @@ class ImageFolder:
         self.sizes: list[int] = []
         exts = tuple(e.lower() for e in extensions)
         for c in self.classes:
-            entries = sorted((e for e in os.scandir(os.path.join(root, c))
-                              if e.is_file() and e.name.lower().endswith(exts)), key=lambda e: e.name)
+            entries = sorted(
+                (e for e in os.scandir(os.path.join(root, c)) if e.is_file() and e.name.lower().endswith(exts)),
+                key=lambda e: e.name,
+            )
             for e in entries:
                 self.paths.append(e.path)
                 self.targets.append(self.class_to_idx[c])

@@ -7,6 +7,7 @@ that are not all ints collated as DataLoader collates them (`collate_targets`), 
 stats per batch (`account`). The per-epoch iterators (fusionflow/epoch.py) call it; it holds no
 epoch state.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -35,8 +36,11 @@ class Delivery:
         when not all are ints, the CUDA event after the copies out of the slot or None)."""
         n = state.size
         keep = self.select(n, state.failures)
-        objs = (ff_targets.gather(mgr.board.ring.labels[state.slot], range(n) if keep is None else keep, state.targets)
-                if state.targets else None)  # targets that are not all ints: collated as DataLoader does
+        objs = (
+            ff_targets.gather(mgr.board.ring.labels[state.slot], range(n) if keep is None else keep, state.targets)
+            if state.targets
+            else None
+        )  # targets that are not all ints: collated as DataLoader does
         merged = gpu.deliver_merged(mgr, state, keep) if gpu is not None else None
         if merged is not None:
             images_t, labels_t, event = merged
@@ -55,8 +59,9 @@ class Delivery:
             with torch.cuda.device(self.device.index):
                 stream = torch.cuda.current_stream(self.device)  # the caller's stream on the loader's device
                 out = torch.from_numpy(images).to(self.alloc_device, non_blocking=pinned)
-                labels_t = torch.from_numpy(labels if pinned else labels.copy()).to(self.alloc_device,
-                                                                                       non_blocking=pinned)
+                labels_t = torch.from_numpy(labels if pinned else labels.copy()).to(
+                    self.alloc_device, non_blocking=pinned
+                )
                 return out, labels_t, record_copies(stream, mgr)
         if self.pin_memory:
             src = torch.from_numpy(images)
@@ -81,8 +86,11 @@ class Delivery:
         if not self.warned_skip:
             self.warned_skip = True
             f = failures[0]
-            warnings.warn(f"on_error='skip': dropping {f.what} ({f.exc_type}: {f.message}); further skips are "
-                          f"counted in loader.stats.skipped without another warning", stacklevel=4)
+            warnings.warn(
+                f"on_error='skip': dropping {f.what} ({f.exc_type}: {f.message}); further skips are "
+                f"counted in loader.stats.skipped without another warning",
+                stacklevel=4,
+            )
         return [p for p in range(n) if p not in bad]
 
     def account(self, wait: float, n: int) -> None:
@@ -94,6 +102,7 @@ class Delivery:
     def collate_targets(self, objs: list):
         """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
         from torch.utils.data import default_collate
+
         collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
         # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
         if self.device.type == "cuda":

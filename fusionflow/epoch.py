@@ -11,6 +11,7 @@ Both start lazily, as a generator would: nothing is started or drawn until the f
 iteration ends at its last batch, at an exception (re-raised), at `close()`, or when the iterator is
 dropped: its unfinished work is forgotten, and without persistent workers the runtime is stopped.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,15 +29,17 @@ def copies_for(sampler) -> Copies:
     rank, world = getattr(sampler, "rank", None), getattr(sampler, "num_replicas", None)
     if not (isinstance(rank, int) and isinstance(world, int)):
         dist = torch.distributed
-        rank, world = ((dist.get_rank(), dist.get_world_size())
-                       if dist.is_available() and dist.is_initialized() else (0, 1))
+        rank, world = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        )
     return Copies(rank, world)
 
 
 def check_batch(indices, capacity: int) -> None:
     if len(indices) > capacity:
-        raise ValueError(f"the batch sampler yielded a batch of {len(indices)} samples, more than its "
-                         f"batch_size={capacity}")
+        raise ValueError(
+            f"the batch sampler yielded a batch of {len(indices)} samples, more than its batch_size={capacity}"
+        )
 
 
 class _EpochIterator:
@@ -129,8 +132,9 @@ class _WorkerIterator(_EpochIterator):
                 self._exhausted = True
                 break
             check_batch(indices, self.config.capacity)
-            self._mgr.submit(self._submitted, self._gen, self._free.pop(0), self.epoch, list(indices),
-                             self._copies(indices))
+            self._mgr.submit(
+                self._submitted, self._gen, self._free.pop(0), self.epoch, list(indices), self._copies(indices)
+            )
             self._submitted += 1
 
     def _next_batch(self):
@@ -179,6 +183,7 @@ class _InlineIterator(_EpochIterator):
 
     def _start(self) -> None:
         from fusionflow.ops.pipeline import CpuPipeline
+
         cfg = self.config
         self._pipe = CpuPipeline(cfg.policy)
         self._buf = np.empty((cfg.capacity, *cfg.policy.out_shape), cfg.policy.out_dtype)
@@ -187,20 +192,23 @@ class _InlineIterator(_EpochIterator):
         self._clock = None
         if cfg.stage_names is not None:
             from fusionflow.stages import StageClock
+
             self._clock = StageClock(cfg.stage_names)
         self._seq = 0
         self._indices = self._batches(self._copies)
 
     def _next_batch(self):
         from fusionflow.sample import run_sample
+
         cfg, buf, labels = self.config, self._buf, self._labels
         indices = next(self._indices)  # StopIteration: the epoch is complete
         t0 = time.perf_counter()
         check_batch(indices, cfg.capacity)
         failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
         for pos, (index, copy) in enumerate(zip(indices, self._copies(indices))):
-            failure = run_sample(self.dataset, self._pipe, pos, index, copy, cfg.seed, self.epoch, buf, labels,
-                                 side, self._clock)
+            failure = run_sample(
+                self.dataset, self._pipe, pos, index, copy, cfg.seed, self.epoch, buf, labels, side, self._clock
+            )
             if failure is not None:
                 failures.append(failure)
         n = len(indices)

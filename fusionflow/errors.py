@@ -30,9 +30,11 @@ class SampleError(FusionFlowError):
     """A sample failed to load, decode or augment in a worker; carries the worker's traceback."""
 
     def __init__(self, index: int, what: str, exc_type: str, message: str, worker_traceback: str):
-        super().__init__(f"{what} failed: {exc_type}: {message}\n"
-                         f"(pass on_error='skip' to drop such samples)\n\n"
-                         f"Original traceback in the worker:\n{worker_traceback}")
+        super().__init__(
+            f"{what} failed: {exc_type}: {message}\n"
+            f"(pass on_error='skip' to drop such samples)\n\n"
+            f"Original traceback in the worker:\n{worker_traceback}"
+        )
         self.index, self.what, self.exc_type, self.worker_traceback = index, what, exc_type, worker_traceback
 
 

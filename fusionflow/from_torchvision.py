@@ -25,6 +25,7 @@ torchvision's magnitude on uint8 images), and every bin is checked to map to tor
 
 Imports torch and torchvision lazily, on call; fusionflow.policy stays free of both.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,7 @@ import numpy as np
 from fusionflow.policy.schema import Policy, parse_policy
 
 _INTERPOLATIONS = {"nearest": "nearest", "bilinear": "bilinear"}
-_TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing",
-                 "ToPureTensor")
+_TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing", "ToPureTensor")
 
 
 def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
@@ -57,11 +57,16 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
 
     for k, t in enumerate(steps):
         if not isinstance(t, T.Transform):
-            fail(k, "is not a torchvision.transforms.v2 transform; build the pipeline from "
-                    "torchvision.transforms.v2 (v1 classes and lambdas cannot be read)")
+            fail(
+                k,
+                "is not a torchvision.transforms.v2 transform; build the pipeline from "
+                "torchvision.transforms.v2 (v1 classes and lambdas cannot be read)",
+            )
     if not steps:
-        raise ValueError("policy_from_transform: the pipeline is empty; it needs a RandomResizedCrop "
-                         "(training) or Resize + CenterCrop (evaluation) to fix the output size")
+        raise ValueError(
+            "policy_from_transform: the pipeline is empty; it needs a RandomResizedCrop "
+            "(training) or Resize + CenterCrop (evaluation) to fix the output size"
+        )
 
     pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
     size = tuple(cfg["output"]["size"])
@@ -94,17 +99,24 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
     elif isinstance(t, T.Resize):
         _check_resize_mode(t, fail, pos)
         if len(t.size) != 1 or t.max_size is not None:
-            fail(pos, "only Resize(int) (the shorter side, no max_size) is expressible: the eval policy "
-                      "is Resize(resize) + CenterCrop(size)")
+            fail(
+                pos,
+                "only Resize(int) (the shorter side, no max_size) is expressible: the eval policy "
+                "is Resize(resize) + CenterCrop(size)",
+            )
         if pos + 1 >= len(steps) or not isinstance(steps[pos + 1], T.CenterCrop):
-            fail(pos, "Resize must be followed by CenterCrop (the eval form); for training start with "
-                      "RandomResizedCrop")
+            fail(
+                pos, "Resize must be followed by CenterCrop (the eval form); for training start with RandomResizedCrop"
+            )
         cfg["output"] = {"size": list(steps[pos + 1].size)}
         cfg["crop"] = {"mode": "center", "resize": int(t.size[0])}
         pos += 2
     else:
-        fail(pos, "the pipeline must start with RandomResizedCrop (training) or Resize + CenterCrop "
-                  "(evaluation): FusionFlow decodes only the crop window, so the crop comes first")
+        fail(
+            pos,
+            "the pipeline must start with RandomResizedCrop (training) or Resize + CenterCrop "
+            "(evaluation): FusionFlow decodes only the crop window, so the crop comes first",
+        )
     return pos
 
 
@@ -116,8 +128,11 @@ def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
         t = steps[k]
         name = type(t).__name__
         if name not in _TENSOR_STEPS:
-            fail(k, f"cannot be expressed here: after the crop come RandomHorizontalFlip, one of RandAugment / "
-                    f"AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order")
+            fail(
+                k,
+                f"cannot be expressed here: after the crop come RandomHorizontalFlip, one of RandAugment / "
+                f"AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order",
+            )
         if name in seen or (name in ("ToImage", "PILToTensor") and seen & {"ToImage", "PILToTensor"}):
             fail(k, "appears twice")
         seen.add(name)
@@ -128,9 +143,13 @@ def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
         if name in ("ToDtype", "ConvertImageDtype"):
             dtype = _image_dtype(t)
             import torch
+
             if dtype is not torch.float32 or not getattr(t, "scale", True):
-                fail(k, f"only ToDtype(torch.float32, scale=True) is expressible (got dtype={dtype}, "
-                        f"scale={getattr(t, 'scale', True)}): FusionFlow outputs uint8 or 0..1-scaled float32")
+                fail(
+                    k,
+                    f"only ToDtype(torch.float32, scale=True) is expressible (got dtype={dtype}, "
+                    f"scale={getattr(t, 'scale', True)}): FusionFlow outputs uint8 or 0..1-scaled float32",
+                )
             if erase_at is not None:
                 fail(k, "comes after RandomErasing: erase last, as torchvision's recipe does")
             to_float = True
@@ -139,17 +158,27 @@ def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
             if not to_float:
                 fail(k, "needs ToDtype(torch.float32, scale=True) before it (Normalize of uint8 is undefined)")
             if erase_at is not None:
-                fail(k, "comes after RandomErasing: FusionFlow erases the normalised output, as "
-                        "torchvision's recipe does (Normalize, then RandomErasing)")
-            mean, std = _triple(t.mean, "mean", lambda why, k=k: fail(k, why)), _triple(t.std, "std", lambda why, k=k: fail(k, why))
+                fail(
+                    k,
+                    "comes after RandomErasing: FusionFlow erases the normalised output, as "
+                    "torchvision's recipe does (Normalize, then RandomErasing)",
+                )
+            mean, std = (
+                _triple(t.mean, "mean", lambda why, k=k: fail(k, why)),
+                _triple(t.std, "std", lambda why, k=k: fail(k, why)),
+            )
             cfg["output"]["normalize"] = {"mean": mean, "std": std}
         elif name == "RandomErasing":
             erase_at = k
             value = "random" if t.value is None else list(t.value)
             if value != "random" and not to_float:
                 value = [int(v) if float(v).is_integer() else v for v in value]
-            cfg["erase"] = {"p": float(t.p), "scale": [float(v) for v in t.scale],
-                            "ratio": [float(v) for v in t.ratio], "value": value}
+            cfg["erase"] = {
+                "p": float(t.p),
+                "scale": [float(v) for v in t.scale],
+                "ratio": [float(v) for v in t.ratio],
+                "value": value,
+            }
 
 
 def _describe(t) -> str:
@@ -164,14 +193,18 @@ def _mode_name(interpolation) -> str:
 def _check_resize_mode(t, fail, k: int) -> None:
     mode = _mode_name(t.interpolation)
     if mode != "bilinear" or t.antialias is False:
-        fail(k, f"interpolation={mode!r}, antialias={t.antialias}: FusionFlow's crop resize is antialiased bilinear "
-                "(torchvision's default); bicubic is not offered (DALI's GPU path has no matching filter). Use "
-                "InterpolationMode.BILINEAR with antialias=True, or keep this transform on torchvision")
+        fail(
+            k,
+            f"interpolation={mode!r}, antialias={t.antialias}: FusionFlow's crop resize is antialiased bilinear "
+            "(torchvision's default); bicubic is not offered (DALI's GPU path has no matching filter). Use "
+            "InterpolationMode.BILINEAR with antialias=True, or keep this transform on torchvision",
+        )
 
 
 def _image_dtype(t):
     import torch
     from torchvision import tv_tensors
+
     dtype = t.dtype
     if isinstance(dtype, dict):
         for key in (tv_tensors.Image, torch.Tensor, "others"):
@@ -208,8 +241,10 @@ def _fill(t, fail):
 def _interpolation(t, fail) -> str:
     mode = _mode_name(t.interpolation)
     if mode not in _INTERPOLATIONS:
-        fail(f"interpolation={mode!r}: the policy ops resample with nearest or bilinear (DALI's warp_affine, the "
-             "GPU path, has no bicubic)")
+        fail(
+            f"interpolation={mode!r}: the policy ops resample with nearest or bilinear (DALI's warp_affine, the "
+            "GPU path, has no bicubic)"
+        )
     return _INTERPOLATIONS[mode]
 
 
@@ -218,6 +253,7 @@ def _op_entry(name: str, magnitudes, signed: bool, num_bins: int, fail) -> dict:
     to reproduce every bin."""
     from fusionflow.ops.specs import OPS
     from fusionflow.policy.schema import OpChoice
+
     if name not in OPS:
         fail(f"op {name!r} has no FusionFlow implementation")
     if magnitudes is None:
@@ -242,19 +278,26 @@ def _unit(name: str, magnitude: float) -> float:
 
 def _augment(t, size, fail) -> dict:
     import torchvision.transforms.v2 as T
+
     height, width = size
     common = {"interpolation": _interpolation(t, fail), "fill": _fill(t, fail)}
     space = t._AUGMENTATION_SPACE
     if isinstance(t, T.AutoAugment):
         num_bins = 10  # torchvision's AutoAugment always maps its bins 0..9
-        ops = {name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
-               for name, (fn, signed) in space.items()}
-        subs = [[[name, float(p)] + ([int(b)] if b is not None and ops[name] else []) for name, p, b in sub]
-                for sub in t._policies]
+        ops = {
+            name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
+            for name, (fn, signed) in space.items()
+        }
+        subs = [
+            [[name, float(p)] + ([int(b)] if b is not None and ops[name] else []) for name, p, b in sub]
+            for sub in t._policies
+        ]
         return {"type": "subpolicy", "num_bins": num_bins, "ops": ops, "subpolicies": subs, **common}
     num_bins = int(t.num_magnitude_bins)
-    ops = {name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
-           for name, (fn, signed) in space.items()}
+    ops = {
+        name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
+        for name, (fn, signed) in space.items()
+    }
     if isinstance(t, T.TrivialAugmentWide):
         # fixed pixel ranges (32 px translate): a later size override must not rescale them
         for name in ("TranslateX", "TranslateY"):
@@ -265,5 +308,11 @@ def _augment(t, size, fail) -> dict:
         fail(f"magnitude={t.magnitude} must be in 0..num_magnitude_bins-1={num_bins - 1}")
     if t.num_ops < 1:
         fail(f"num_ops={t.num_ops}: FusionFlow draws 1..16 ops per sample; drop RandAugment for none")
-    return {"type": "rand", "num_ops": int(t.num_ops), "magnitude": int(t.magnitude), "num_bins": num_bins,
-            "ops": ops, **common}
+    return {
+        "type": "rand",
+        "num_ops": int(t.num_ops),
+        "magnitude": int(t.magnitude),
+        "num_bins": num_bins,
+        "ops": ops,
+        **common,
+    }

@@ -4,6 +4,7 @@ temporal sharing's prep windows around each wait, and delivery of mini-batches m
 GPU. One per loader built with an accelerator; it owns the bridge, the device ring, the sharing
 profiler and the loader's reference to the accelerator it started (never the loader or its manager:
 the manager is passed to each call)."""
+
 from __future__ import annotations
 
 import functools
@@ -21,8 +22,19 @@ log = logging.getLogger("fusionflow.loader")
 
 
 class GpuSession:
-    def __init__(self, stats, *, accelerator: str, device: torch.device, gpu_sharing: str, aot: bool,
-                 taas: bool, taas_last_k: bool, memory_bridge: str, bridge_why_off: str | None):
+    def __init__(
+        self,
+        stats,
+        *,
+        accelerator: str,
+        device: torch.device,
+        gpu_sharing: str,
+        aot: bool,
+        taas: bool,
+        taas_last_k: bool,
+        memory_bridge: str,
+        bridge_why_off: str | None,
+    ):
         self.stats = stats
         self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing
         self.aot, self.taas, self.taas_last_k, self.memory_bridge = aot, taas, taas_last_k, memory_bridge
@@ -32,8 +44,16 @@ class GpuSession:
         self.device_ring = None
         self.profiler = None  # gpu_sharing="auto" on a GPU
 
-    def start(self, mgr: LocalManager, dataset, policy, seed: int, capacity: int, tiny_batch_size: int,
-              alloc_device: torch.device) -> None:
+    def start(
+        self,
+        mgr: LocalManager,
+        dataset,
+        policy,
+        seed: int,
+        capacity: int,
+        tiny_batch_size: int,
+        alloc_device: torch.device,
+    ) -> None:
         """Start the accelerator as a worker kind on `mgr` (the bridge first, on the GPU)."""
         from fusionflow.runtime.accelerator import AcceleratorWorker
         from fusionflow.scheduling.taas import KSearch
@@ -44,13 +64,24 @@ class GpuSession:
         device_ring = None
         if on_gpu:
             from fusionflow.runtime.device_ring import DeviceRing
+
             device_ring = DeviceRing(mgr.layout, self.device, alloc_device)
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        accel = AcceleratorWorker(mgr.board, dataset, policy, tiny_batch_size, seed,
-                                  device="gpu" if on_gpu else "cpu",
-                                  device_id=self.device.index if on_gpu else None, aot=self.aot,
-                                  largest_first=self.taas, device_ring=device_ring, sharing=sharing,
-                                  counters=self.stats, bridge=self.bridge)
+        accel = AcceleratorWorker(
+            mgr.board,
+            dataset,
+            policy,
+            tiny_batch_size,
+            seed,
+            device="gpu" if on_gpu else "cpu",
+            device_id=self.device.index if on_gpu else None,
+            aot=self.aot,
+            largest_first=self.taas,
+            device_ring=device_ring,
+            sharing=sharing,
+            counters=self.stats,
+            bridge=self.bridge,
+        )
         mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
         # anything below, or start(), raises
         self.accel, self.device_ring, self.alloc_device = accel, device_ring, alloc_device
@@ -58,19 +89,26 @@ class GpuSession:
         self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader or this session (they
         # would live as long as the manager) nor strongly to the manager or the accelerator.
-        mgr.attach(on_batch_done=(functools.partial(_taas_feedback, weakref.ref(mgr.board), weakref.ref(accel), search,
-                                                    self.stats.taas_k)
-                                  if self.taas and self.taas_last_k else None),
-                   on_capacity_change=lambda n: search.restart())  # the CPU side's speed changed: search K again
+        mgr.attach(
+            on_batch_done=(
+                functools.partial(_taas_feedback, weakref.ref(mgr.board), weakref.ref(accel), search, self.stats.taas_k)
+                if self.taas and self.taas_last_k
+                else None
+            ),
+            on_capacity_change=lambda n: search.restart(),
+        )  # the CPU side's speed changed: search K again
         if on_gpu and self.gpu_sharing == "auto":
             from fusionflow.runtime.accelerator import SharingProfiler
+
             self.profiler = SharingProfiler(accel)
         accel.start()
 
     def _start_bridge(self) -> None:
         from fusionflow.memory.native import BridgeError
+
         try:
             from fusionflow.memory.bridge import MemoryBridge  # posix_ipc, ctypes, the native build
+
             self.bridge = MemoryBridge(self.device)
         except Exception as exc:  # not built, not importable, or CUDA/DALI refused the install
             if self.memory_bridge == "on":
@@ -132,6 +170,7 @@ class GpuSession:
             return None
         from fusionflow.delivery import record_copies
         from fusionflow.runtime.device_ring import accel_runs
+
         n, slot, pinned, dev = state.size, state.slot, mgr.cuda_registered, self.alloc_device
         with torch.cuda.device(self.device.index):
             stream = torch.cuda.current_stream(self.device)
@@ -192,9 +231,14 @@ def close_bridge_window(bridge) -> None:
 
 
 # loader.stats field <- MemoryBridge.stats field (the bridge's lent/borrowed bytes are maxima over windows)
-BRIDGE_STATS = (("bridge_windows", "windows"), ("bridge_max_lent_bytes", "lent_bytes"),
-                ("bridge_max_borrowed_bytes", "borrowed_bytes"), ("bridge_fallback_bytes", "fallback_bytes"),
-                ("bridge_pinned_bytes", "pinned_bytes"), ("bridge_seconds", "seconds"))
+BRIDGE_STATS = (
+    ("bridge_windows", "windows"),
+    ("bridge_max_lent_bytes", "lent_bytes"),
+    ("bridge_max_borrowed_bytes", "borrowed_bytes"),
+    ("bridge_fallback_bytes", "fallback_bytes"),
+    ("bridge_pinned_bytes", "pinned_bytes"),
+    ("bridge_seconds", "seconds"),
+)
 
 
 def copy_bridge_stats(bridge, stats) -> None:

@@ -11,6 +11,7 @@ frozen LoaderConfig; the DataLoader attributes are read from it) and the parts t
 `iter(loader)` returns a per-epoch iterator (fusionflow/epoch.py) that owns the epoch's state.
 The argument reference is FusionFlowLoader's docstring.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -78,7 +79,8 @@ class FusionFlowLoader:
     is already collated in place). Any other callable is called with the batch as a list of (image, target)
     samples -- images are views of the delivered batch tensor, on the loader's `device`; targets as the
     dataset returned them -- in the training process, after the batch is on its device, and the iteration
-    yields what it returns: torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and runs on the GPU
+    yields what it returns: torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and
+    runs on the GPU
     when device is CUDA).
 
     `seed`: None (the default) derives it once per loader as DataLoader derives its base seed: from
@@ -115,30 +117,81 @@ class FusionFlowLoader:
     Copy 0 (a single process's first occurrences, rank 0's in DDP) keeps the draw (seed, epoch, index).
     """
 
-    def __init__(self, dataset, batch_size: int | None = 1, shuffle: bool | None = None,
-                 sampler: Sampler | None = None, batch_sampler=None, num_workers: int = 0, collate_fn=None,
-                 pin_memory: bool = False, drop_last: bool = False, timeout: float = 0, worker_init_fn=None,
-                 multiprocessing_context=None, generator=None, *, prefetch_factor: int | None = None,
-                 persistent_workers: bool = False, policy="default", tiny_batch_size: int | None = None,
-                 seed: int | None = None,
-                 device="cpu", on_error: str = "raise", max_retries: int = 2, pin_workers: bool | str = "auto",
-                 accelerator: str | None = None, gpu_sharing: str = "auto", aot: bool = True, taas: bool = True,
-                 taas_last_k: bool = True, global_manager: str | None = "auto", memory_bridge: str = "auto",
-                 trace=None, stage_times: bool = False, remote_workers=None):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Sampler | None = None,
+        batch_sampler=None,
+        num_workers: int = 0,
+        collate_fn=None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn=None,
+        multiprocessing_context=None,
+        generator=None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        policy="default",
+        tiny_batch_size: int | None = None,
+        seed: int | None = None,
+        device="cpu",
+        on_error: str = "raise",
+        max_retries: int = 2,
+        pin_workers: bool | str = "auto",
+        accelerator: str | None = None,
+        gpu_sharing: str = "auto",
+        aot: bool = True,
+        taas: bool = True,
+        taas_last_k: bool = True,
+        global_manager: str | None = "auto",
+        memory_bridge: str = "auto",
+        trace=None,
+        stage_times: bool = False,
+        remote_workers=None,
+    ):
         # ---- resolution and validation (fusionflow/loader_config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
         try:
             cfg = resolve_config(
-                dataset, batch_size=batch_size, shuffle=shuffle, sampler=sampler, batch_sampler=batch_sampler,
-                num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory, drop_last=drop_last,
-                timeout=timeout, worker_init_fn=worker_init_fn, multiprocessing_context=multiprocessing_context,
-                generator=generator, prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
-                policy=policy, tiny_batch_size=tiny_batch_size, seed=seed, device=device, on_error=on_error,
-                max_retries=max_retries, pin_workers=pin_workers, accelerator=accelerator,
-                gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k,
-                global_manager=global_manager, memory_bridge=memory_bridge, trace=trace,
-                stage_times=stage_times, remote_workers=remote_workers, host=Host(cores=lambda: _usable_cpus()),
-                notes=notes)
+                dataset,
+                batch_size=batch_size,
+                shuffle=shuffle,
+                sampler=sampler,
+                batch_sampler=batch_sampler,
+                num_workers=num_workers,
+                collate_fn=collate_fn,
+                pin_memory=pin_memory,
+                drop_last=drop_last,
+                timeout=timeout,
+                worker_init_fn=worker_init_fn,
+                multiprocessing_context=multiprocessing_context,
+                generator=generator,
+                prefetch_factor=prefetch_factor,
+                persistent_workers=persistent_workers,
+                policy=policy,
+                tiny_batch_size=tiny_batch_size,
+                seed=seed,
+                device=device,
+                on_error=on_error,
+                max_retries=max_retries,
+                pin_workers=pin_workers,
+                accelerator=accelerator,
+                gpu_sharing=gpu_sharing,
+                aot=aot,
+                taas=taas,
+                taas_last_k=taas_last_k,
+                global_manager=global_manager,
+                memory_bridge=memory_bridge,
+                trace=trace,
+                stage_times=stage_times,
+                remote_workers=remote_workers,
+                host=Host(cores=lambda: _usable_cpus()),
+                notes=notes,
+            )
         finally:
             for note in notes:
                 warnings.warn(note, UserWarning, stacklevel=2)
@@ -152,10 +205,18 @@ class FusionFlowLoader:
         self._gpu = None
         if cfg.accelerator is not None:
             from fusionflow.gpu_session import GpuSession
-            self._gpu = GpuSession(self.stats, accelerator=cfg.accelerator, device=cfg.device,
-                                   gpu_sharing=cfg.gpu_sharing, aot=cfg.aot, taas=cfg.taas,
-                                   taas_last_k=cfg.taas_last_k, memory_bridge=cfg.memory_bridge,
-                                   bridge_why_off=cfg.bridge_why_off)
+
+            self._gpu = GpuSession(
+                self.stats,
+                accelerator=cfg.accelerator,
+                device=cfg.device,
+                gpu_sharing=cfg.gpu_sharing,
+                aot=cfg.aot,
+                taas=cfg.taas,
+                taas_last_k=cfg.taas_last_k,
+                memory_bridge=cfg.memory_bridge,
+                bridge_why_off=cfg.bridge_why_off,
+            )
         self._workers = Workers(dataset, self.stats, self._tracing, self._gpu)
 
     # ---------------------------------------------------------------- configuration, as DataLoader names it
@@ -235,8 +296,12 @@ class FusionFlowLoader:
         self._checkpoint.load_state_dict(state, self._shape(), cfg.batch_sampler, cfg.sampler)
         seed = state["seed"]
         if cfg.seed_given and seed != cfg.seed:
-            warnings.warn(f"seed={cfg.seed} was given, but the state was saved with seed={seed}: the state's seed "
-                          "is used, so the resumed run augments as the saved one did", UserWarning, stacklevel=2)
+            warnings.warn(
+                f"seed={cfg.seed} was given, but the state was saved with seed={seed}: the state's seed "
+                "is used, so the resumed run augments as the saved one did",
+                UserWarning,
+                stacklevel=2,
+            )
         if cfg.seed != seed:
             self.config = dataclasses.replace(cfg, seed=seed)
             self._workers.stop()  # running workers hold the old seed
@@ -244,8 +309,12 @@ class FusionFlowLoader:
     def _shape(self) -> dict:
         """What a state is checked against: a state fits only a loader of the same shape."""
         cfg = self.config
-        return {"dataset_len": len(self.dataset), "batch_size": cfg.capacity, "drop_last": cfg.drop_last,
-                "num_batches": len(self)}
+        return {
+            "dataset_len": len(self.dataset),
+            "batch_size": cfg.capacity,
+            "drop_last": cfg.drop_last,
+            "num_batches": len(self),
+        }
 
     # ---------------------------------------------------------------- tracing (fusionflow/trace.py)
     def trace(self, path, max_events: int | None = None):

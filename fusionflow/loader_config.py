@@ -9,18 +9,28 @@ native code: that happens at the first iteration (the allocator bridge's native 
 wrong argument is the one reported. tests/test_loader_config.py drives it with a table of argument
 combinations.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from fusionflow.loader_resources import (Host, check_memory_bridge, check_remote_workers, resolve_accelerator,
-                                         resolve_bridge, resolve_device, resolve_job, resolve_pin_memory)
+from fusionflow.loader_resources import (
+    Host,
+    check_memory_bridge,
+    check_remote_workers,
+    resolve_accelerator,
+    resolve_bridge,
+    resolve_device,
+    resolve_job,
+    resolve_pin_memory,
+)
 from fusionflow.policy import load_policy
 
 log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
@@ -70,9 +80,12 @@ def resolve_collate(collate_fn):
     """None when the batch is delivered as is (None or torch's default_collate: it is already collated
     in place), else the callable."""
     from torch.utils.data import default_collate
+
     if collate_fn is not None and not callable(collate_fn):
-        raise TypeError(f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
-                        "list of (image, target) samples, as DataLoader calls it")
+        raise TypeError(
+            f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
+            "list of (image, target) samples, as DataLoader calls it"
+        )
     return None if collate_fn is None or collate_fn is default_collate else collate_fn
 
 
@@ -80,8 +93,10 @@ def resolve_num_workers(num_workers, cores: int, notes: list) -> int:
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
     if num_workers > cores:  # as DataLoader does: a warning, not an error (workers then share cores)
-        notes.append(f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
-                     f"FusionFlow runs best with one worker per core: use num_workers<={cores}")
+        notes.append(
+            f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
+            f"FusionFlow runs best with one worker per core: use num_workers<={cores}"
+        )
     return num_workers
 
 
@@ -97,31 +112,41 @@ def check_raw_samples(dataset) -> None:
         return
     sample = item[0] if isinstance(item, (tuple, list)) and item else item
     dtype = getattr(sample, "dtype", None)
-    floating = (sample.is_floating_point() if isinstance(sample, torch.Tensor)
-                else isinstance(sample, np.ndarray) and np.issubdtype(dtype, np.floating))
+    floating = (
+        sample.is_floating_point()
+        if isinstance(sample, torch.Tensor)
+        else isinstance(sample, np.ndarray) and np.issubdtype(dtype, np.floating)
+    )
     if floating:
-        raise ValueError(f"dataset[0] returns an already-transformed {type(sample).__name__} of dtype {dtype} "
-                         f"(shape {tuple(sample.shape)}): FusionFlow decodes and augments the samples itself; "
-                         "give FusionFlow the raw images (fusionflow.ImageFolder) and a policy")
+        raise ValueError(
+            f"dataset[0] returns an already-transformed {type(sample).__name__} of dtype {dtype} "
+            f"(shape {tuple(sample.shape)}): FusionFlow decodes and augments the samples itself; "
+            "give FusionFlow the raw images (fusionflow.ImageFolder) and a policy"
+        )
 
 
 def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator):
     """(batch_sampler, sampler, capacity) as DataLoader combines its arguments; capacity is the largest batch."""
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
-            raise ValueError("batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
-                             "drop_last: leave those at their defaults when you pass a batch_sampler")
+            raise ValueError(
+                "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
+                "drop_last: leave those at their defaults when you pass a batch_sampler"
+            )
         capacity = getattr(batch_sampler, "batch_size", None)
         if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError("batch_sampler needs an int attribute batch_size (its largest batch): "
-                             "FusionFlowLoader allocates shared memory for that many samples up front")
+            raise ValueError(
+                "batch_sampler needs an int attribute batch_size (its largest batch): "
+                "FusionFlowLoader allocates shared memory for that many samples up front"
+            )
     else:
         if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not "
-                             "supported)")
+            raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not supported)")
         if sampler is not None and shuffle:
-            raise ValueError("sampler is mutually exclusive with shuffle=True: shuffle inside your sampler "
-                             "(e.g. DistributedSampler(shuffle=True)) and leave shuffle unset")
+            raise ValueError(
+                "sampler is mutually exclusive with shuffle=True: shuffle inside your sampler "
+                "(e.g. DistributedSampler(shuffle=True)) and leave shuffle unset"
+            )
         if sampler is None:
             sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         batch_sampler = BatchSampler(sampler, batch_size, drop_last)
@@ -135,8 +160,10 @@ def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
     if not isinstance(tiny_batch_size, int) or tiny_batch_size < 1:
         raise ValueError(f"tiny_batch_size={tiny_batch_size!r} must be an integer >= 1")
     if tiny_batch_size > capacity:
-        raise ValueError(f"tiny_batch_size={tiny_batch_size} is larger than batch_size={capacity}: "
-                         f"use tiny_batch_size <= batch_size (typically 1-8)")
+        raise ValueError(
+            f"tiny_batch_size={tiny_batch_size} is larger than batch_size={capacity}: "
+            f"use tiny_batch_size <= batch_size (typically 1-8)"
+        )
     return tiny_batch_size
 
 
@@ -180,13 +207,16 @@ def resolve_seed(seed, generator, initial_seed: Callable[[], int] = torch.initia
     if seed is None:
         seed = default_seed(generator, initial_seed)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be a non-negative integer (or None: derived from torch's "
-                         "initial seed, or from generator's)")
+        raise ValueError(
+            f"seed={seed!r} must be a non-negative integer (or None: derived from torch's "
+            "initial seed, or from generator's)"
+        )
     return seed
 
 
 def resolve_trace(trace):
     from fusionflow.trace import check_path
+
     return None if trace is None else check_path(trace)
 
 
@@ -196,15 +226,47 @@ def resolve_stage_names(stage_times, policy):
     if not stage_times:
         return None
     from fusionflow.stages import stage_names
+
     return stage_names(policy)
 
 
-def resolve_config(dataset, *, batch_size, shuffle, sampler, batch_sampler, num_workers, collate_fn,
-                   pin_memory, drop_last, timeout, worker_init_fn, multiprocessing_context, generator,
-                   prefetch_factor, persistent_workers, policy, tiny_batch_size, seed, device, on_error,
-                   max_retries, pin_workers, accelerator, gpu_sharing, aot, taas, taas_last_k, global_manager,
-                   memory_bridge, trace, stage_times, remote_workers=None, host: Host | None = None,
-                   notes: list | None = None) -> LoaderConfig:
+def resolve_config(
+    dataset,
+    *,
+    batch_size,
+    shuffle,
+    sampler,
+    batch_sampler,
+    num_workers,
+    collate_fn,
+    pin_memory,
+    drop_last,
+    timeout,
+    worker_init_fn,
+    multiprocessing_context,
+    generator,
+    prefetch_factor,
+    persistent_workers,
+    policy,
+    tiny_batch_size,
+    seed,
+    device,
+    on_error,
+    max_retries,
+    pin_workers,
+    accelerator,
+    gpu_sharing,
+    aot,
+    taas,
+    taas_last_k,
+    global_manager,
+    memory_bridge,
+    trace,
+    stage_times,
+    remote_workers=None,
+    host: Host | None = None,
+    notes: list | None = None,
+) -> LoaderConfig:
     """FusionFlowLoader's arguments (the same names; no defaults here: the loader's signature holds
     them) resolved and checked, in the order the loader reports them. Warnings to give the caller
     (UserWarning) are appended to `notes` as messages, also when a later argument raises."""
@@ -213,8 +275,9 @@ def resolve_config(dataset, *, batch_size, shuffle, sampler, batch_sampler, num_
     collate = resolve_collate(collate_fn)
     num_workers = resolve_num_workers(num_workers, host.cores(), notes)
     check_raw_samples(dataset)
-    batch_sampler, sampler, capacity = resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler,
-                                                        drop_last, generator)
+    batch_sampler, sampler, capacity = resolve_batching(
+        dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
+    )
     tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
     prefetch_factor = resolve_prefetch(prefetch_factor, num_workers)
     check_run_options(persistent_workers, num_workers, timeout, on_error, max_retries, pin_workers)
@@ -230,13 +293,37 @@ def resolve_config(dataset, *, batch_size, shuffle, sampler, batch_sampler, num_
     stage_names = resolve_stage_names(stage_times, policy)
     check_remote_workers(remote_workers, num_workers, persistent_workers, notes)
     return LoaderConfig(
-        batch_sampler=batch_sampler, sampler=sampler, batch_size=batch_size, drop_last=drop_last,
-        capacity=capacity, tiny_batch_size=tiny_batch_size, num_workers=num_workers,
-        prefetch_factor=prefetch_factor, persistent_workers=persistent_workers, timeout=timeout,
-        on_error=on_error, max_retries=max_retries, pin_workers=pin_workers, seed=seed, seed_given=seed_given,
-        device=resolved, policy=policy, accelerator=accelerator, gpu_sharing=gpu_sharing, aot=aot, taas=taas,
-        taas_last_k=taas_last_k, memory_bridge=memory_bridge, bridge_why_off=why_off, job=job,
-        collate_fn=collate_fn, collate=collate,
+        batch_sampler=batch_sampler,
+        sampler=sampler,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        capacity=capacity,
+        tiny_batch_size=tiny_batch_size,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+        timeout=timeout,
+        on_error=on_error,
+        max_retries=max_retries,
+        pin_workers=pin_workers,
+        seed=seed,
+        seed_given=seed_given,
+        device=resolved,
+        policy=policy,
+        accelerator=accelerator,
+        gpu_sharing=gpu_sharing,
+        aot=aot,
+        taas=taas,
+        taas_last_k=taas_last_k,
+        memory_bridge=memory_bridge,
+        bridge_why_off=why_off,
+        job=job,
+        collate_fn=collate_fn,
+        collate=collate,
         pin_memory=resolve_pin_memory(pin_memory, resolved, host.cuda_available, notes),
-        trace_path=trace_path, stage_names=stage_names, worker_init_fn=worker_init_fn,
-        multiprocessing_context=multiprocessing_context, remote_workers=remote_workers)
+        trace_path=trace_path,
+        stage_names=stage_names,
+        worker_init_fn=worker_init_fn,
+        multiprocessing_context=multiprocessing_context,
+        remote_workers=remote_workers,
+    )

@@ -5,11 +5,13 @@ each other, and remote workers. Each function takes the arguments it needs and r
 or raises the ValueError/TypeError that names the value and the fix; nothing here initialises CUDA or
 imports DALI unless an argument needs it.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -28,6 +30,7 @@ def _has_dali() -> bool:
 
 def _job_key():
     from fusionflow.runtime.gm.tables import job_key
+
     return job_key()
 
 
@@ -61,8 +64,7 @@ def resolve_device(device, host: Host) -> torch.device:
     return resolved
 
 
-def resolve_accelerator(accelerator, gpu_sharing, device, resolved: torch.device, num_workers: int,
-                        host: Host):
+def resolve_accelerator(accelerator, gpu_sharing, device, resolved: torch.device, num_workers: int, host: Host):
     """The accelerator to run (None, 'dali-cpu', 'dali-gpu'): 'auto' is DALI on the GPU when the
     device is CUDA; gpu_sharing='off' turns any accelerator off. `device` is the argument as given
     (for the messages), `resolved` the device."""
@@ -71,11 +73,14 @@ def resolve_accelerator(accelerator, gpu_sharing, device, resolved: torch.device
     if accelerator == "auto":
         accelerator = "dali-gpu" if resolved.type == "cuda" and gpu_sharing != "off" and host.has_dali() else None
     if accelerator not in ACCELERATORS:
-        raise ValueError(f"accelerator={accelerator!r} must be one of {ACCELERATORS} ('auto': DALI on the "
-                         "GPU when device is CUDA, none otherwise)")
+        raise ValueError(
+            f"accelerator={accelerator!r} must be one of {ACCELERATORS} ('auto': DALI on the "
+            "GPU when device is CUDA, none otherwise)"
+        )
     if accelerator == "dali-gpu" and resolved.type != "cuda":
-        raise ValueError(f"accelerator='dali-gpu' needs a CUDA device, got device={device!r}; use "
-                         "accelerator='dali-cpu' or None")
+        raise ValueError(
+            f"accelerator='dali-gpu' needs a CUDA device, got device={device!r}; use accelerator='dali-cpu' or None"
+        )
     if accelerator is not None and not host.has_dali():
         raise ValueError(f"accelerator={accelerator!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
     if accelerator is not None and num_workers == 0:
@@ -87,13 +92,17 @@ def check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device) -> None
     if memory_bridge not in BRIDGE:
         raise ValueError(f"memory_bridge={memory_bridge!r} must be one of {BRIDGE}")
     if memory_bridge == "on" and accelerator != "dali-gpu":
-        raise ValueError(f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
-                         f"accelerator={accelerator!r} (device={device!r}, gpu_sharing={gpu_sharing!r}): use "
-                         "accelerator='dali-gpu' with a CUDA device, or memory_bridge='auto'/'off'")
+        raise ValueError(
+            f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
+            f"accelerator={accelerator!r} (device={device!r}, gpu_sharing={gpu_sharing!r}): use "
+            "accelerator='dali-gpu' with a CUDA device, or memory_bridge='auto'/'off'"
+        )
     if memory_bridge == "on" and gpu_sharing == "spatial":
-        raise ValueError("memory_bridge='on' needs prep to run between training steps, when PyTorch's blocks "
-                         "are free, but gpu_sharing='spatial' runs it during them: use gpu_sharing='temporal' "
-                         "or 'auto', or memory_bridge='off'")
+        raise ValueError(
+            "memory_bridge='on' needs prep to run between training steps, when PyTorch's blocks "
+            "are free, but gpu_sharing='spatial' runs it during them: use gpu_sharing='temporal' "
+            "or 'auto', or memory_bridge='off'"
+        )
 
 
 def resolve_bridge(memory_bridge, accelerator, gpu_sharing):
@@ -102,9 +111,15 @@ def resolve_bridge(memory_bridge, accelerator, gpu_sharing):
     is found out at the first iteration, when the accelerator starts ('on': an error naming what is missing)."""
     if memory_bridge == "on" and gpu_sharing == "auto":
         gpu_sharing = "temporal"
-    why_off = ("memory_bridge='off'" if memory_bridge == "off" else
-               "no DALI GPU accelerator" if accelerator != "dali-gpu" else
-               "gpu_sharing='spatial'" if gpu_sharing == "spatial" else None)
+    why_off = (
+        "memory_bridge='off'"
+        if memory_bridge == "off"
+        else "no DALI GPU accelerator"
+        if accelerator != "dali-gpu"
+        else "gpu_sharing='spatial'"
+        if gpu_sharing == "spatial"
+        else None
+    )
     return gpu_sharing, why_off
 
 
@@ -115,8 +130,10 @@ def resolve_job(global_manager, num_workers: int, job_key: Callable[[], Any]):
     if global_manager == "auto":
         global_manager = job_key()
     elif global_manager is not None and not global_manager:
-        raise ValueError("global_manager='' : name the job (any string shared by the loaders that may lend "
-                         "workers to each other), or pass None")
+        raise ValueError(
+            "global_manager='' : name the job (any string shared by the loaders that may lend "
+            "workers to each other), or pass None"
+        )
     return global_manager if num_workers > 0 else None
 
 
@@ -134,13 +151,20 @@ def check_remote_workers(remote_workers, num_workers: int, persistent_workers: b
     if remote_workers is None:
         return
     from fusionflow.remote.config import RayWorkers
+
     if not isinstance(remote_workers, RayWorkers):
-        raise TypeError(f"remote_workers={remote_workers!r} must be None or fusionflow.RayWorkers(...) "
-                        "(e.g. remote_workers=RayWorkers(8, address='auto'))")
+        raise TypeError(
+            f"remote_workers={remote_workers!r} must be None or fusionflow.RayWorkers(...) "
+            "(e.g. remote_workers=RayWorkers(8, address='auto'))"
+        )
     if num_workers == 0:
-        raise ValueError("remote_workers needs num_workers >= 1: remote workers join the local worker processes "
-                         "(num_workers=0 runs everything in the training process)")
+        raise ValueError(
+            "remote_workers needs num_workers >= 1: remote workers join the local worker processes "
+            "(num_workers=0 runs everything in the training process)"
+        )
     if not persistent_workers:
-        notes.append("remote_workers without persistent_workers=True starts its Ray actors (and sends them the "
-                     "dataset, and starts a local Ray instance if FusionFlow started one) again every epoch; pass "
-                     "persistent_workers=True")
+        notes.append(
+            "remote_workers without persistent_workers=True starts its Ray actors (and sends them the "
+            "dataset, and starts a local Ray instance if FusionFlow started one) again every epoch; pass "
+            "persistent_workers=True"
+        )

@@ -1,6 +1,7 @@
 """One sample, read and augmented into its slot: the body that every CPU path runs per sample -- a
 CPU worker process (runtime/worker.py `run_task`) and the training process itself with
 num_workers=0 (`FusionFlowLoader`'s inline iteration) -- so both report failures and targets alike."""
+
 from __future__ import annotations
 
 import traceback
@@ -27,8 +28,9 @@ def split_item(item, index: int):
     return item[0], item[1]
 
 
-def run_sample(dataset, pipe, pos: int, index: int, copy: int, seed: int, epoch: int, images, labels,
-               side: dict, clock=None) -> SampleFailure | None:
+def run_sample(
+    dataset, pipe, pos: int, index: int, copy: int, seed: int, epoch: int, images, labels, side: dict, clock=None
+) -> SampleFailure | None:
     """Read dataset[index] and augment it for (seed, epoch, copy) into images[pos]; its target goes
     into labels[pos] if it is an int, else into `side` (runtime/targets.py). `clock` (a
     stages.StageClock), if given, times the stages. Any exception is returned as a SampleFailure
@@ -42,6 +44,5 @@ def run_sample(dataset, pipe, pos: int, index: int, copy: int, seed: int, epoch:
         pipe(sample, index, seed, epoch, out=images[pos], what=describe(dataset, index), tick=clock, copy=copy)
         targets.store(labels, pos, target, side)
     except Exception as exc:
-        return SampleFailure(pos, index, describe(dataset, index), type(exc).__name__, str(exc),
-                             traceback.format_exc())
+        return SampleFailure(pos, index, describe(dataset, index), type(exc).__name__, str(exc), traceback.format_exc())
     return None

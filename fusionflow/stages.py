@@ -9,6 +9,7 @@ its DONE message (a fixed run of int64 ns, runtime/messages.py); the loader sums
 
 Off (the default) the pipeline's only cost is a `tick is None` test per stage.
 """
+
 from __future__ import annotations
 
 import time

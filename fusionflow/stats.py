@@ -1,4 +1,5 @@
 """LoaderStats: what a FusionFlowLoader did, for tuning and for the tests (`loader.stats`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,15 +53,21 @@ class LoaderStats:
     @property
     def bridge_lent_bytes(self) -> int:
         """Deprecated: `bridge_max_lent_bytes` (a maximum over windows, not a total)."""
-        warnings.warn("LoaderStats.bridge_lent_bytes is deprecated: use bridge_max_lent_bytes (a maximum, "
-                      "not a total)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "LoaderStats.bridge_lent_bytes is deprecated: use bridge_max_lent_bytes (a maximum, not a total)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.bridge_max_lent_bytes
 
     @property
     def bridge_borrowed_bytes(self) -> int:
         """Deprecated: `bridge_max_borrowed_bytes` (a maximum, not a total)."""
-        warnings.warn("LoaderStats.bridge_borrowed_bytes is deprecated: use bridge_max_borrowed_bytes (a "
-                      "maximum, not a total)", DeprecationWarning, stacklevel=2)
+        warnings.warn(
+            "LoaderStats.bridge_borrowed_bytes is deprecated: use bridge_max_borrowed_bytes (a maximum, not a total)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return self.bridge_max_borrowed_bytes
 
     def add_stage_times(self, names, worker, ns) -> None:
@@ -81,35 +88,48 @@ class LoaderStats:
     def stage_shares(self, worker=None) -> dict:
         """Each stage's share of CPU pipeline time (largest first), e.g. {"decode+crop+resize": 0.48, ...}."""
         from fusionflow.stages import shares
+
         return shares(self.stage_seconds(worker))
 
     def summary(self) -> dict:
         """Plain values for logging. The bridge maxima appear under their names and, deprecated, under
         the old ones (bridge_lent_bytes, bridge_borrowed_bytes) for readers of older summaries."""
         w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
-        return {"batches": self.batches, "samples": self.samples, "skipped": self.skipped,
-                "skipped_by_cause": dict(self.skipped_by_cause),
-                "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
-                "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
-                "worker_restarts": self.worker_restarts, "startup_seconds": self.startup_seconds,
-                "accelerator_tiny_batches": self.accelerator_tiny_batches,
-                "accelerator_given_back": self.accelerator_given_back,
-                "accelerator_builds": self.accelerator_builds,
-                "accelerator_build_seconds": self.accelerator_build_seconds,
-                "accelerator_out_of_memory": self.accelerator_out_of_memory,
-                "accelerator_retired": self.accelerator_retired,
-                "taas_k_last": self.taas_k[-1] if self.taas_k else None,
-                "global_manager": self.global_manager, "workers_lent": self.workers_lent,
-                "workers_borrowed": self.workers_borrowed, "lent_tiny_batches": self.lent_tiny_batches,
-                "borrowed_tiny_batches": self.borrowed_tiny_batches, "memory_bridge": self.memory_bridge,
-                "bridge_windows": self.bridge_windows,
-                "bridge_max_lent_bytes": self.bridge_max_lent_bytes,
-                "bridge_max_borrowed_bytes": self.bridge_max_borrowed_bytes,
-                "bridge_lent_bytes": self.bridge_max_lent_bytes,
-                "bridge_borrowed_bytes": self.bridge_max_borrowed_bytes,
-                "bridge_fallback_bytes": self.bridge_fallback_bytes, "bridge_pinned_bytes": self.bridge_pinned_bytes,
-                "bridge_seconds": self.bridge_seconds, "stage_shares": self.stage_shares(),
-                "remote_tiny_batches": self.remote_tiny_batches, "remote_workers_lost": self.remote_workers_lost}
+        return {
+            "batches": self.batches,
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "skipped_by_cause": dict(self.skipped_by_cause),
+            "wait_mean_ms": 1e3 * float(w.mean()),
+            "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
+            "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
+            "worker_restarts": self.worker_restarts,
+            "startup_seconds": self.startup_seconds,
+            "accelerator_tiny_batches": self.accelerator_tiny_batches,
+            "accelerator_given_back": self.accelerator_given_back,
+            "accelerator_builds": self.accelerator_builds,
+            "accelerator_build_seconds": self.accelerator_build_seconds,
+            "accelerator_out_of_memory": self.accelerator_out_of_memory,
+            "accelerator_retired": self.accelerator_retired,
+            "taas_k_last": self.taas_k[-1] if self.taas_k else None,
+            "global_manager": self.global_manager,
+            "workers_lent": self.workers_lent,
+            "workers_borrowed": self.workers_borrowed,
+            "lent_tiny_batches": self.lent_tiny_batches,
+            "borrowed_tiny_batches": self.borrowed_tiny_batches,
+            "memory_bridge": self.memory_bridge,
+            "bridge_windows": self.bridge_windows,
+            "bridge_max_lent_bytes": self.bridge_max_lent_bytes,
+            "bridge_max_borrowed_bytes": self.bridge_max_borrowed_bytes,
+            "bridge_lent_bytes": self.bridge_max_lent_bytes,
+            "bridge_borrowed_bytes": self.bridge_max_borrowed_bytes,
+            "bridge_fallback_bytes": self.bridge_fallback_bytes,
+            "bridge_pinned_bytes": self.bridge_pinned_bytes,
+            "bridge_seconds": self.bridge_seconds,
+            "stage_shares": self.stage_shares(),
+            "remote_tiny_batches": self.remote_tiny_batches,
+            "remote_workers_lost": self.remote_workers_lost,
+        }
 
     def reset(self) -> None:
         """Every field back to its default (fresh lists and dicts), except what describes the loader's

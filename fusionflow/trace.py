@@ -20,10 +20,10 @@ loop's waits share an axis. Timestamps in the file are microseconds since the re
 Memory: the recorder keeps at most `max_events` spans (a ring: the oldest go first; the file's
 otherData.dropped_events says how many). Off (no recorder), each hook is one `is None` test.
 """
+
 from __future__ import annotations
 
 import contextlib
-
 import itertools
 import json
 import os
@@ -93,9 +93,15 @@ class TraceRecorder:
             if tid is None:
                 tid = self._guests[worker] = TID_GUEST + len(self._guests)
         if tid not in self._tracks:
-            self._tracks[tid] = ("accelerator (DALI)" if worker is None else f"CPU worker {worker}"
-                                 if isinstance(worker, int) else f"remote worker {worker} (Ray)"
-                                 if worker.startswith("ray") else f"borrowed worker {worker}")
+            self._tracks[tid] = (
+                "accelerator (DALI)"
+                if worker is None
+                else f"CPU worker {worker}"
+                if isinstance(worker, int)
+                else f"remote worker {worker} (Ray)"
+                if worker.startswith("ray")
+                else f"borrowed worker {worker}"
+            )
         self._sizes = sizes
         self._span(tid, "tiny-batch", start_ns, end_ns, work.seq, len(work.indices), work.indices)
 
@@ -118,12 +124,14 @@ class TraceRecorder:
     def to_dict(self) -> dict:
         """The trace-event document (JSON object format)."""
         o, sizes = self.origin_ns, self._sizes
-        events = [{"ph": "M", "pid": PID, "tid": 0, "ts": 0, "name": "process_name",
-                   "args": {"name": "fusionflow loader"}}]
+        events = [
+            {"ph": "M", "pid": PID, "tid": 0, "ts": 0, "name": "process_name", "args": {"name": "fusionflow loader"}}
+        ]
         for tid, label in sorted(self._tracks.items()):
             events.append({"ph": "M", "pid": PID, "tid": tid, "ts": 0, "name": "thread_name", "args": {"name": label}})
-            events.append({"ph": "M", "pid": PID, "tid": tid, "ts": 0, "name": "thread_sort_index",
-                           "args": {"sort_index": tid}})
+            events.append(
+                {"ph": "M", "pid": PID, "tid": tid, "ts": 0, "name": "thread_sort_index", "args": {"sort_index": tid}}
+            )
         for tid, kind, start, end, seq, samples, detail in list(self._events):
             if kind == "lent":
                 name, args = f"lent to LM {detail}", {"tiny_batches": samples, "borrower": detail}
@@ -134,12 +142,28 @@ class TraceRecorder:
                     args["indices"] = list(detail)
                     if sizes is not None:
                         args["bytes"] = int(sum(sizes[i] for i in detail))
-            events.append({"ph": "X", "pid": PID, "tid": tid, "name": name, "cat": kind,
-                           "ts": (start - o) / 1e3, "dur": max(0, end - start) / 1e3, "args": args})
-        return {"traceEvents": events, "displayTimeUnit": "ms",
-                "otherData": {"clock": "CLOCK_MONOTONIC (time.monotonic_ns), microseconds since origin",
-                              "origin_monotonic_ns": o, "max_events": self.max_events,
-                              "dropped_events": self.dropped}}
+            events.append(
+                {
+                    "ph": "X",
+                    "pid": PID,
+                    "tid": tid,
+                    "name": name,
+                    "cat": kind,
+                    "ts": (start - o) / 1e3,
+                    "dur": max(0, end - start) / 1e3,
+                    "args": args,
+                }
+            )
+        return {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "otherData": {
+                "clock": "CLOCK_MONOTONIC (time.monotonic_ns), microseconds since origin",
+                "origin_monotonic_ns": o,
+                "max_events": self.max_events,
+                "dropped_events": self.dropped,
+            },
+        }
 
     def write(self, path) -> None:
         """Write the trace (atomically: a reader never sees half a file)."""
@@ -172,8 +196,9 @@ class Tracing:
         at its end. Yields the recorder."""
         path = check_path(path, "path")
         if self.recorder is not None:
-            raise ValueError(f"loader.trace({path!r}): this loader already traces (to {self.path!r}); "
-                             "one trace at a time")
+            raise ValueError(
+                f"loader.trace({path!r}): this loader already traces (to {self.path!r}); one trace at a time"
+            )
         recorder = TraceRecorder(DEFAULT_MAX_EVENTS if max_events is None else max_events)
         self._set(recorder)
         try:

@@ -8,6 +8,7 @@ The finalizer holds only `box` ([manager, GpuSession or None]), never the loader
 nothing in the runtime refers back to the loader, so an abandoned loader is collected and its
 workers, shared memory and lent GPU blocks go with it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -43,24 +44,41 @@ class Workers:
         ctx = cfg.multiprocessing_context
         if isinstance(ctx, str):
             import multiprocessing
+
             ctx = multiprocessing.get_context(ctx)
         # the stats object, not the loader, goes to the manager: the manager must not hold the loader
-        stage_times = (None if cfg.stage_names is None else
-                       functools.partial(self.stats.add_stage_times, cfg.stage_names))
+        stage_times = (
+            None if cfg.stage_names is None else functools.partial(self.stats.add_stage_times, cfg.stage_names)
+        )
         self.manager = self._box[0] = LocalManager(
-            self.dataset, cfg.policy, layout, cfg.num_workers, cfg.seed, cfg.worker_init_fn, ctx,
-            cfg.pin_workers, cfg.max_retries, getattr(self.dataset, "sizes", None), cfg.tiny_batch_size,
-            base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31, job=cfg.job,
-            spec=self._lending_spec(cfg), stages=cfg.stage_names, counters=self.stats,
-            trace=self.tracing.recorder, on_stage_times=stage_times)
+            self.dataset,
+            cfg.policy,
+            layout,
+            cfg.num_workers,
+            cfg.seed,
+            cfg.worker_init_fn,
+            ctx,
+            cfg.pin_workers,
+            cfg.max_retries,
+            getattr(self.dataset, "sizes", None),
+            cfg.tiny_batch_size,
+            base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31,
+            job=cfg.job,
+            spec=self._lending_spec(cfg),
+            stages=cfg.stage_names,
+            counters=self.stats,
+            trace=self.tracing.recorder,
+            on_stage_times=stage_times,
+        )
         try:
             if self.stats.startup_seconds is None:
                 self.stats.startup_seconds = time.perf_counter() - t0
             if cfg.device.type == "cuda" and not self.manager.register_cuda(cfg.device.index):
                 log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
             if self.gpu is not None:
-                self.gpu.start(self.manager, self.dataset, cfg.policy, cfg.seed, cfg.capacity,
-                               cfg.tiny_batch_size, alloc_device)
+                self.gpu.start(
+                    self.manager, self.dataset, cfg.policy, cfg.seed, cfg.capacity, cfg.tiny_batch_size, alloc_device
+                )
             if cfg.remote_workers is not None:
                 self._start_remote(cfg)
         except BaseException:  # no half-started manager stays behind
@@ -72,9 +90,20 @@ class Workers:
         """Ray actors as one more worker kind on the board (fusionflow/remote/kind.py); a dataset that
         cannot be pickled or read on a remote node fails here, at start-up (the caller stops the manager)."""
         from fusionflow.remote.kind import RemoteWorkers
-        kind = RemoteWorkers(self.manager.board, cfg.remote_workers, self.dataset, cfg.policy, cfg.seed, self.stats,
-                             first_worker_id=cfg.num_workers, worker_init_fn=cfg.worker_init_fn)
-        self.manager.board.add_worker_kind(kind)  # registered first: the manager's shutdown stops it even if start() fails
+
+        kind = RemoteWorkers(
+            self.manager.board,
+            cfg.remote_workers,
+            self.dataset,
+            cfg.policy,
+            cfg.seed,
+            self.stats,
+            first_worker_id=cfg.num_workers,
+            worker_init_fn=cfg.worker_init_fn,
+        )
+        self.manager.board.add_worker_kind(
+            kind
+        )  # registered first: the manager's shutdown stops it even if start() fails
         kind.start()
 
     def _lending_spec(self, cfg) -> bytes | None:
@@ -83,6 +112,7 @@ class Workers:
             return None
         if self._spec is None:
             from fusionflow.runtime.gm.link import make_spec
+
             self._spec = make_spec(self.dataset, cfg.policy, cfg.worker_init_fn)
         return self._spec
 

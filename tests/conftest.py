@@ -13,6 +13,7 @@ from fusionflow.tools.synthetic import make_image
 def has_gpu() -> bool:
     try:
         import torch
+
         return torch.cuda.is_available()
     except ImportError:
         return False

@@ -1,5 +1,6 @@
 """A DALI policy pipeline's output for a few samples as one numpy array (tests only: the runtime
 copies DALI's output into the ring, fusionflow/runtime/accelerator.py)."""
+
 import numpy as np
 
 

@@ -1,4 +1,5 @@
 """One rank of tests/test_ddp.py, run under torchrun: DDP (gloo) training over FusionFlowLoader."""
+
 import json
 import os
 import sys
@@ -22,8 +23,16 @@ def main(out_dir: str) -> None:
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     seen = {}
-    with FusionFlowLoader(ds, batch_size=4, sampler=sampler, num_workers=1, policy=SMALL, persistent_workers=True,
-                          tiny_batch_size=1, pin_workers=False) as loader:
+    with FusionFlowLoader(
+        ds,
+        batch_size=4,
+        sampler=sampler,
+        num_workers=1,
+        policy=SMALL,
+        persistent_workers=True,
+        tiny_batch_size=1,
+        pin_workers=False,
+    ) as loader:
         for epoch in range(2):
             loader.set_epoch(epoch)
             seen[epoch] = []

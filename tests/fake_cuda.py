@@ -6,6 +6,7 @@ Per thread, as in CUDA and PyTorch: the current device (0 to start with) and eac
 stream (its default stream to start with). Streams and events remember their device; recording an
 event on a stream of another device than the current one is refused, as PyTorch refuses it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -88,8 +89,9 @@ class FakeCuda:
 
     def log(self, kind, **kw):
         with self._lock:
-            self.records.append(dict(kind=kind, thread=threading.current_thread().name,
-                                     device=self.current_device(), **kw))
+            self.records.append(
+                dict(kind=kind, thread=threading.current_thread().name, device=self.current_device(), **kw)
+            )
 
     def of(self, kind):
         return [r for r in self.records if r["kind"] == kind]
@@ -151,6 +153,17 @@ class FakeCuda:
         self.log("device_sync", of=self._index(device))
 
     def install(self, monkeypatch, torch):
-        for name in ("is_available", "device_count", "current_device", "device", "current_stream", "stream",
-                     "Stream", "Event", "cudart", "mem_get_info", "synchronize"):
+        for name in (
+            "is_available",
+            "device_count",
+            "current_device",
+            "device",
+            "current_stream",
+            "stream",
+            "Stream",
+            "Event",
+            "cudart",
+            "mem_get_info",
+            "synchronize",
+        ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))

@@ -1,4 +1,5 @@
 """The accelerator worker (DALI; its CPU backend here) sharing mini-batches with CPU workers."""
+
 import time
 import warnings
 
@@ -8,14 +9,15 @@ import torch
 
 pytest.importorskip("nvidia.dali")
 
+from dali_numpy import run_numpy  # noqa: E402
+from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
+
 from fusionflow.errors import SampleError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
 from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.runtime.local_manager import LocalManager  # noqa: E402
 from fusionflow.runtime.shm import RingLayout  # noqa: E402
-from dali_numpy import run_numpy  # noqa: E402
-from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -85,8 +87,15 @@ def test_samples_dali_cannot_take_go_to_cpu_workers():
 
 @pytest.fixture
 def manager():
-    mgr = LocalManager(Bytes(8), None, RingLayout(2, 8, (3, 4, 4), "uint8"), num_workers=0, seed=0,
-                       sizes=[10, 80, 20, 70, 30, 60, 40, 50], tiny_batch_size=1)
+    mgr = LocalManager(
+        Bytes(8),
+        None,
+        RingLayout(2, 8, (3, 4, 4), "uint8"),
+        num_workers=0,
+        seed=0,
+        sizes=[10, 80, 20, 70, 30, 60, 40, 50],
+        tiny_batch_size=1,
+    )
     yield mgr
     mgr.shutdown()
 
@@ -120,12 +129,15 @@ def test_fifo_ablation_takes_smallest_first(manager):
         assert manager.board.take_accel(largest_first=False).indices == (0,)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"accelerator": "dali-gpu"}, r"accelerator='dali-gpu' needs a CUDA device"),
-    ({"num_workers": 0}, r"use num_workers >= 1"),
-    ({"gpu_sharing": "sometimes"}, r"gpu_sharing='sometimes' must be one of"),
-    ({"accelerator": "tpu"}, r"accelerator='tpu' must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"accelerator": "dali-gpu"}, r"accelerator='dali-gpu' needs a CUDA device"),
+        ({"num_workers": 0}, r"use num_workers >= 1"),
+        ({"gpu_sharing": "sometimes"}, r"gpu_sharing='sometimes' must be one of"),
+        ({"accelerator": "tpu"}, r"accelerator='tpu' must be one of"),
+    ],
+)
 def test_invalid_accelerator_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         loader(Bytes(8), **kwargs)
@@ -140,8 +152,17 @@ def test_default_and_auto_are_cpu_only_on_a_cpu_device():
 @pytest.mark.parametrize("sharing", ["temporal", "spatial"])
 def test_gpu_accelerator_matches_and_delivers_on_device(sharing):
     ds = Bytes(32)
-    ld = FusionFlowLoader(ds, batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda:0",
-                          accelerator="dali-gpu", gpu_sharing=sharing, seed=4)
+    ld = FusionFlowLoader(
+        ds,
+        batch_size=8,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        device="cuda:0",
+        accelerator="dali-gpu",
+        gpu_sharing=sharing,
+        seed=4,
+    )
     images, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(32))
     assert images[0].device.type == "cuda" and ld.stats.accelerator_tiny_batches > 0
@@ -151,12 +172,13 @@ def test_gpu_accelerator_matches_and_delivers_on_device(sharing):
         for img, i in zip(x.cpu().numpy(), y.tolist()):
             ref = cpu(ds.data[i], i, seed=4, epoch=0).astype(np.float64)
             mse = np.mean((img.astype(np.float64) - ref) ** 2)
-            psnrs.append(99.0 if mse == 0 else 10 * np.log10(255 ** 2 / mse))
+            psnrs.append(99.0 if mse == 0 else 10 * np.log10(255**2 / mse))
     assert np.median(psnrs) > 30  # nvJPEG vs libjpeg-turbo decode
 
 
 def _collect_garbage(worker_id):
     import gc
+
     gc.collect()
 
 
@@ -164,13 +186,15 @@ def test_forked_workers_never_finalize_the_parents_dali_pipelines():
     """A DALI pipeline awaiting collection at fork time must not be finalized in the child: its
     finalizer would wait for threads that only exist in the parent (a hang seen once in CI)."""
     import gc
+
     gc.disable()
     try:
         cycle = [DaliPolicyPipeline(SMALL, batch_size=1)]
         cycle.append(cycle)
         del cycle  # now garbage that only the cyclic collector can free
-        ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, timeout=30,
-                              worker_init_fn=_collect_garbage)
+        ld = FusionFlowLoader(
+            Bytes(8), batch_size=4, num_workers=1, policy=SMALL, timeout=30, worker_init_fn=_collect_garbage
+        )
         _, labels = collect(ld)
         assert [i for y in labels for i in y.tolist()] == list(range(8))
     finally:
@@ -186,6 +210,7 @@ def test_loader_with_accelerator_is_freed_on_last_reference(no_leaks, persistent
     import gc
     import threading
     import weakref
+
     gc.collect()
     gc.disable()
     try:
@@ -197,8 +222,9 @@ def test_loader_with_accelerator_is_freed_on_last_reference(no_leaks, persistent
                 pass
         del it
         accel = ld._gpu.accel if persistent else None
-        refs = [weakref.ref(ld)] + ([weakref.ref(accel), weakref.ref(accel.pipeline), weakref.ref(ld._manager)]
-                                    if persistent else [])
+        refs = [weakref.ref(ld)] + (
+            [weakref.ref(accel), weakref.ref(accel.pipeline), weakref.ref(ld._manager)] if persistent else []
+        )
         del ld, accel
         assert [r() for r in refs] == [None] * len(refs)
         assert not [t for t in threading.enumerate() if t.name.startswith("fusionflow-") and t.is_alive()]
@@ -226,6 +252,7 @@ def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerat
 
     def oom(self, samples, indices, seed=0, epoch=0):
         raise DeviceOutOfMemory(f"out of memory on samples {list(indices)}")
+
     monkeypatch.setattr(DaliPolicyPipeline, "run", oom)
     ld = loader(SlowBytes(24), batch_size=6, tiny_batch_size=1, timeout=60)
     with caplog.at_level("WARNING", logger="fusionflow.runtime.accelerator"):
@@ -244,8 +271,10 @@ class SlowBytes(Bytes):
 
 
 def test_over_the_pixel_limit_never_reaches_dali_and_is_refused_by_the_cpu_path():
-    from PIL import Image
     import io
+
+    from PIL import Image
+
     ds = Bytes(24)
     pixels = [np.prod(Image.open(io.BytesIO(d)).size) for d in ds.data]
     limit = int(np.median(pixels))

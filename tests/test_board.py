@@ -1,9 +1,11 @@
 """The board (fusionflow/runtime/board.py): the one interface every worker kind uses, alone and
 through a real LocalManager with a worker kind of the test's own (as remote workers plug in)."""
+
 import threading
 
 import numpy as np
 import pytest
+from test_loader import SMALL, Bytes, no_leaks  # noqa: F401
 
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import load_policy
@@ -12,7 +14,6 @@ from fusionflow.runtime.counters import RuntimeCounters, count_worker_task
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.scheduling import split_sorted
-from test_loader import SMALL, Bytes, no_leaks  # noqa: F401
 
 MARK = 7  # the pixel value the test's worker kind writes: tells its samples from a CPU worker's
 
@@ -138,8 +139,9 @@ def test_manager_without_a_job_has_no_lending_agent():
 def _manager(ds, num_workers, batches, counters=None):
     policy = load_policy(SMALL)
     layout = RingLayout(len(batches), 8, policy.out_shape, policy.out_dtype)
-    return LocalManager(ds, policy, layout, num_workers, seed=5, pin_cpus=False, sizes=ds.sizes,
-                        tiny_batch_size=2, counters=counters)
+    return LocalManager(
+        ds, policy, layout, num_workers, seed=5, pin_cpus=False, sizes=ds.sizes, tiny_batch_size=2, counters=counters
+    )
 
 
 def _run_batches(mgr, batches):
@@ -151,7 +153,7 @@ def _run_batches(mgr, batches):
     for seq, indices in enumerate(batches):
         state = mgr.wait(seq, gen, timeout=60)
         assert state.size == len(indices) and not state.failures
-        labels = mgr.board.ring.labels[state.slot][:state.size].tolist()
+        labels = mgr.board.ring.labels[state.slot][: state.size].tolist()
         assert labels == indices  # every position holds the sample submitted there
         out.update({i: mgr.board.ring.images[state.slot, p].copy() for p, i in enumerate(indices)})
     return out
@@ -212,6 +214,7 @@ def test_a_kind_with_nothing_submitted_takes_nothing_and_is_stopped():
 
 def test_waiting_on_a_shut_down_manager_fails_clearly_instead_of_hanging():
     from fusionflow.errors import FusionFlowError
+
     policy = load_policy(SMALL)
     mgr = LocalManager(Bytes(), policy, RingLayout(1, 4, policy.out_shape, policy.out_dtype), 0, seed=0)
     gen = mgr.new_generation()
@@ -219,4 +222,3 @@ def test_waiting_on_a_shut_down_manager_fails_clearly_instead_of_hanging():
     mgr.shutdown()
     with pytest.raises(FusionFlowError, match="shut down during this iteration"):
         mgr.wait(0, gen, timeout=0)
-

@@ -1,18 +1,19 @@
 """The allocator bridge end to end: PyTorch side (snapshot parsing, lending), the native DALI
 resource (builds and loads against the stock DALI wheel here; serves DALI on a GPU), and the
 loader's `memory_bridge` argument. GPU tests are marked and skipped without one."""
+
 import os
 
 import numpy as np
 import pytest
 import torch
+from dali_numpy import run_numpy
+from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
 
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.memory import native
 from fusionflow.memory.ledger import Block
 from fusionflow.memory.torch_side import MIN_BLOCK, free_cached_blocks, plan_requests
-from dali_numpy import run_numpy
-from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
 
 MIB = 1 << 20
 
@@ -25,23 +26,38 @@ def segment(address, blocks, stream=0, device=0, kind="large", expandable=False,
             b["address"] = cur
         out.append(b)
         cur += size
-    return {"device": device, "address": address, "total_size": cur - address, "stream": stream,
-            "segment_type": kind, "is_expandable": expandable, "blocks": out}
+    return {
+        "device": device,
+        "address": address,
+        "total_size": cur - address,
+        "stream": stream,
+        "segment_type": kind,
+        "is_expandable": expandable,
+        "blocks": out,
+    }
 
 
 @pytest.mark.parametrize("with_addresses", [True, False])
 def test_free_cached_blocks_from_a_snapshot(with_addresses):
     segs = [
-        segment(0x10000000, [(20 * MIB, "active_allocated"), (8 * MIB, "inactive"), (MIB, "inactive"),
-                             (4 * MIB, "active_pending_free"), (6 * MIB, "inactive")], with_addresses=with_addresses),
+        segment(
+            0x10000000,
+            [
+                (20 * MIB, "active_allocated"),
+                (8 * MIB, "inactive"),
+                (MIB, "inactive"),
+                (4 * MIB, "active_pending_free"),
+                (6 * MIB, "inactive"),
+            ],
+            with_addresses=with_addresses,
+        ),
         segment(0x20000000, [(10 * MIB, "inactive")], stream=77),  # another stream's pool
         segment(0x30000000, [(10 * MIB, "inactive")], device=1),
         segment(0x40000000, [(MIB, "inactive")], kind="small"),
         segment(0x50000000, [(10 * MIB, "inactive")], expandable=True),
     ]
     got = free_cached_blocks(segs, device=0, stream=0)
-    assert [(b.address, b.size) for b in got] == [(0x10000000 + 20 * MIB, 8 * MIB),
-                                                   (0x10000000 + 33 * MIB, 6 * MIB)]
+    assert [(b.address, b.size) for b in got] == [(0x10000000 + 20 * MIB, 8 * MIB), (0x10000000 + 33 * MIB, 6 * MIB)]
     assert MIN_BLOCK == 2 * MIB  # the 1 MiB block was left out because of it
     assert [b.address for b in free_cached_blocks(segs, device=0, stream=77)] == [0x20000000]
 
@@ -77,6 +93,7 @@ def test_build_failure_names_the_missing_piece(tmp_path, monkeypatch):
 
 def test_one_bridge_per_device_and_process():
     from fusionflow.memory import bridge
+
     bridge._IN_USE.add(0)  # as a live MemoryBridge on cuda:0 leaves it
     try:
         with pytest.raises(native.BridgeError, match=r"another loader in this process already lends .* cuda:0"):
@@ -85,20 +102,27 @@ def test_one_bridge_per_device_and_process():
         bridge._IN_USE.discard(0)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"memory_bridge": "sometimes"}, r"memory_bridge='sometimes' must be one of"),
-    ({"memory_bridge": "on"}, r"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
-                              r"accelerator=None"),
-    ({"memory_bridge": "on", "accelerator": "dali-cpu"}, r"accelerator='dali-cpu'.*use accelerator='dali-gpu'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"memory_bridge": "sometimes"}, r"memory_bridge='sometimes' must be one of"),
+        (
+            {"memory_bridge": "on"},
+            r"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
+            r"accelerator=None",
+        ),
+        ({"memory_bridge": "on", "accelerator": "dali-cpu"}, r"accelerator='dali-cpu'.*use accelerator='dali-gpu'"),
+    ],
+)
 def test_invalid_bridge_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, **kwargs)
 
 
 def test_auto_is_off_with_its_reason_and_training_is_unchanged():
-    ld = FusionFlowLoader(Bytes(16), batch_size=4, num_workers=1, policy=SMALL, tiny_batch_size=2,
-                          accelerator="dali-cpu")
+    ld = FusionFlowLoader(
+        Bytes(16), batch_size=4, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu"
+    )
     _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
     assert ld.stats.memory_bridge == "off: no DALI GPU accelerator"
@@ -111,9 +135,11 @@ class RecordingBridge:
 
     def __init__(self):
         import threading
+
         self.armed, self.lends, self.closes, self.lent_outside, self.shutdowns = False, 0, 0, 0, 0
-        self.stats = type("S", (), dict(windows=0, lent_bytes=0, borrowed_bytes=0, fallback_bytes=0,
-                                        pinned_bytes=0, seconds=0.0))()
+        self.stats = type(
+            "S", (), dict(windows=0, lent_bytes=0, borrowed_bytes=0, fallback_bytes=0, pinned_bytes=0, seconds=0.0)
+        )()
         self.main = threading.get_ident()
 
     def arm(self, stream):
@@ -121,6 +147,7 @@ class RecordingBridge:
 
     def lend(self, tiny_batches_done):
         import threading
+
         assert threading.get_ident() != self.main  # the accelerator thread asks
         self.lends += 1
         self.lent_outside += not self.armed
@@ -140,8 +167,9 @@ def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
     the stand-in replaces."""
     rec = RecordingBridge()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2,
-                          accelerator="dali-cpu", seed=4)
+    ld = FusionFlowLoader(
+        Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu", seed=4
+    )
     ld._gpu.bridge = rec  # what GpuSession._start_bridge sets up on a GPU
     seen = []
     for _, y in ld:
@@ -160,6 +188,7 @@ def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
 @pytest.mark.gpu
 def test_lender_takes_free_cached_blocks_without_reserving_more():
     from fusionflow.memory.torch_side import TorchLender
+
     dev = torch.device("cuda:0")
     x = [torch.empty(s * MIB, dtype=torch.uint8, device=dev) for s in (64, 32, 8)]
     del x
@@ -181,18 +210,19 @@ def test_lender_takes_free_cached_blocks_without_reserving_more():
 def test_dali_runs_in_lent_blocks_and_gives_them_back():
     from fusionflow.memory.bridge import MemoryBridge
     from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+
     dev = torch.device("cuda:0")
     bridge = MemoryBridge(dev, warmup=0)  # installed before the pipeline exists
     ds = Bytes(16)
     pipe = DaliPolicyPipeline(SMALL, 8, device="gpu", device_id=0)
-    ref = [np.asarray(run_numpy(pipe, ds.data[i:i + 8], list(range(i, i + 8)), seed=3)) for i in (0, 8)]
+    ref = [np.asarray(run_numpy(pipe, ds.data[i : i + 8], list(range(i, i + 8)), seed=3)) for i in (0, 8)]
     x = torch.empty(1024 * MIB, dtype=torch.uint8, device=dev)
     del x
     reserved = torch.cuda.memory_reserved(dev)
     for i, want in zip((0, 8), ref):
         bridge.arm(torch.cuda.current_stream(dev))
         bridge.lend(tiny_batches_done=99)
-        got = run_numpy(pipe, ds.data[i:i + 8], list(range(i, i + 8)), seed=3)
+        got = run_numpy(pipe, ds.data[i : i + 8], list(range(i, i + 8)), seed=3)
         bridge.close()
         assert np.array_equal(got, want)  # same output from lent memory
     assert bridge.stats.windows == 2 and bridge.stats.lent_bytes >= 512 * MIB
@@ -209,9 +239,19 @@ def test_dali_runs_in_lent_blocks_and_gives_them_back():
 @pytest.mark.gpu
 def test_loader_with_bridge_delivers_every_sample_once():
     ds = Bytes(48)
-    ld = FusionFlowLoader(ds, batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda:0",
-                          accelerator="dali-gpu", gpu_sharing="temporal", memory_bridge="on", seed=4,
-                          persistent_workers=True)
+    ld = FusionFlowLoader(
+        ds,
+        batch_size=8,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        device="cuda:0",
+        accelerator="dali-gpu",
+        gpu_sharing="temporal",
+        memory_bridge="on",
+        seed=4,
+        persistent_workers=True,
+    )
     x = torch.empty(256 * MIB, dtype=torch.uint8, device="cuda:0")  # something for PyTorch to lend
     del x
     for epoch in (0, 1):
@@ -275,13 +315,33 @@ def test_dali_resource_orders_streams_by_events(tmp_path):
     blocks nothing holds. A free whose event record fails (cudaErrorCudartUnloading at exit) never
     throws into DALI's deleter (that would be std::terminate): the host waits for the stream instead."""
     import subprocess
+
     dali_inc, dali_lib = native.dali_paths()
     cuda_inc, _ = native.cuda_paths()
     exe = tmp_path / "harness"
     here = os.path.dirname(os.path.abspath(__file__))
-    subprocess.run([native.compiler(), "-std=c++17", "-O1", "-I", str(native.KERNELS), "-I", str(dali_inc),
-                    "-I", str(cuda_inc), os.path.join(here, "native", "bridge_resource_harness.cc"), "-o", str(exe),
-                    "-L", str(dali_lib), "-ldali_core", f"-Wl,-rpath,{dali_lib}"], check=True, capture_output=True)
+    subprocess.run(
+        [
+            native.compiler(),
+            "-std=c++17",
+            "-O1",
+            "-I",
+            str(native.KERNELS),
+            "-I",
+            str(dali_inc),
+            "-I",
+            str(cuda_inc),
+            os.path.join(here, "native", "bridge_resource_harness.cc"),
+            "-o",
+            str(exe),
+            "-L",
+            str(dali_lib),
+            "-ldali_core",
+            f"-Wl,-rpath,{dali_lib}",
+        ],
+        check=True,
+        capture_output=True,
+    )
     run = subprocess.run([str(exe)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr  # an exception out of a free would abort the harness
     assert run.stdout == EXPECTED_PROTOCOL
@@ -294,21 +354,36 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     logged and training goes on. Real loader on a fake torch.cuda (tests/fake_cuda.py)."""
     pytest.importorskip("nvidia.dali")
     from fake_cuda import FakeCuda
+    from test_device_ring import CpuStandIn
+
     from fusionflow.memory import bridge as bridge_mod
     from fusionflow.ops import dali_pipeline
     from fusionflow.runtime import device_ring
-    from test_device_ring import CpuStandIn
+
     cuda = FakeCuda()
     cuda.install(monkeypatch, torch)
     monkeypatch.setattr(dali_pipeline, "DaliPolicyPipeline", CpuStandIn)
-    monkeypatch.setattr(device_ring, "copy_out", lambda out, dst, stream: dst.copy_(
-        torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))]))))
+    monkeypatch.setattr(
+        device_ring,
+        "copy_out",
+        lambda out, dst, stream: dst.copy_(torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))]))),
+    )
 
     def no_posix_ipc(device):
         raise ImportError("No module named 'posix_ipc'")
+
     monkeypatch.setattr(bridge_mod, "MemoryBridge", no_posix_ipc)
-    args = dict(batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda:0",
-                accelerator="dali-gpu", gpu_sharing="temporal", seed=4, timeout=60)
+    args = dict(
+        batch_size=8,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        device="cuda:0",
+        accelerator="dali-gpu",
+        gpu_sharing="temporal",
+        seed=4,
+        timeout=60,
+    )
     ld = FusionFlowLoader(Bytes(16), **args)
     ld._delivery.alloc_device = torch.device("cpu")
     _, labels = collect(ld)
@@ -321,6 +396,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     def close_fails():
         failing.closes += 1
         raise RuntimeError("cudaStreamWaitEvent: an illegal memory access was encountered")
+
     failing.close = close_fails
     monkeypatch.setattr(bridge_mod, "MemoryBridge", lambda device: failing)
     ld = FusionFlowLoader(Bytes(16), **args)

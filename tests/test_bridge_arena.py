@@ -4,6 +4,7 @@ and driven through its C API with made-up addresses (the arena never touches the
 The reference is independent: the free gaps of each region are recomputed from the live
 allocations alone, and the arena must pick the smallest gap that fits at the requested alignment.
 """
+
 import ctypes
 import random
 
@@ -82,8 +83,7 @@ def gaps(regions, live):
 
 
 def expected_pointer(regions, live, n, align):
-    fits = [(size, start) for size, start, base in gaps(regions, live)
-            if align_up(start, align) + n <= start + size]
+    fits = [(size, start) for size, start, base in gaps(regions, live) if align_up(start, align) + n <= start + size]
     if not fits:
         return 0
     best = min(size for size, _ in fits)
@@ -177,7 +177,7 @@ def test_bad_calls_are_refused_without_damage(arena):
 def test_random_against_gap_reference(arena, seed):
     rng = random.Random(seed)
     regions = {}
-    base = 0x7f0000000000
+    base = 0x7F0000000000
     for _ in range(rng.randint(1, 5)):
         size = rng.choice([1, 2, 3, 8]) * MIB + rng.randrange(0, 4096, 512)
         regions[base] = size

@@ -2,6 +2,7 @@
 60 lines, except the allowlist below, each entry with its reason. docs/architecture.md's "Code shape"
 section repeats the allowlist, and an entry that no longer exceeds its limit must leave the list (so
 it only shrinks)."""
+
 import ast
 import inspect
 from pathlib import Path
@@ -14,8 +15,7 @@ MAX_FILE_LINES = 400
 MAX_FUNCTION_LINES = 60
 
 # "path" for a file, "path::Qualified.name" for a function; path relative to the repository root
-ALLOWED: dict[str, str] = {
-}
+ALLOWED: dict[str, str] = {}
 
 
 def _body_lines(fn) -> int:
@@ -23,8 +23,12 @@ def _body_lines(fn) -> int:
     end. The signature is not counted (the formatter puts one parameter a line once they do not fit
     on one: a DataLoader-compatible signature is long by necessity, not by logic), nor the docstring."""
     body = fn.body
-    if len(body) > 1 and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
+    if (
+        len(body) > 1
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         body = body[1:]
     return fn.end_lineno - body[0].lineno + 1
 
@@ -59,29 +63,36 @@ def oversized() -> dict[str, str]:
 def test_no_file_or_function_over_its_limit_outside_the_allowlist():
     over = oversized()
     unlisted = {name: size for name, size in over.items() if name not in ALLOWED}
-    assert not unlisted, (f"split these, or add them to ALLOWED with a reason (and to docs/architecture.md's Code shape "
-                          f"section): {unlisted}")
+    assert not unlisted, (
+        f"split these, or add them to ALLOWED with a reason (and to docs/architecture.md's Code shape "
+        f"section): {unlisted}"
+    )
 
 
 def test_the_allowlist_only_holds_what_still_needs_it():
     stale = sorted(set(ALLOWED) - set(oversized()))
-    assert not stale, f"within the limits now: remove from ALLOWED and docs/architecture.md's Code shape section: {stale}"
+    assert not stale, (
+        f"within the limits now: remove from ALLOWED and docs/architecture.md's Code shape section: {stale}"
+    )
 
 
 def test_every_allowlist_entry_has_a_reason_and_is_in_the_architecture_note():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    section = doc[doc.index("## Code shape"):]
-    section = section[:section.find("\n## ")] if "\n## " in section else section
+    section = doc[doc.index("## Code shape") :]
+    section = section[: section.find("\n## ")] if "\n## " in section else section
     for name, reason in ALLOWED.items():
         assert reason.strip(), name
-        assert name in section and reason in section, \
+        assert name in section and reason in section, (
             f"docs/architecture.md's code shape section must list {name!r} ({reason})"
+        )
 
 
 def test_the_measure_counts_nested_and_qualified_functions():
     tree = ast.parse("class A:\n    def f(self):\n        def g():\n            pass\n        return g\n")
     assert dict(_functions(tree)) == {"A.f": 3, "A.f.g": 1}
-    signature_and_docstring = ast.parse('def f(\n    a,\n    b,\n):\n    """Doc.\n\n    More."""\n    x = a\n    return x\n')
+    signature_and_docstring = ast.parse(
+        'def f(\n    a,\n    b,\n):\n    """Doc.\n\n    More."""\n    x = a\n    return x\n'
+    )
     assert dict(_functions(signature_and_docstring)) == {"f": 2}
 
 
@@ -89,22 +100,26 @@ def test_the_loader_is_composed_not_mixed_in():
     """FusionFlowLoader holds its parts (fusionflow/loader.py's docstring names them); no base class
     spreads its state over other files."""
     from fusionflow.loader import FusionFlowLoader
+
     assert FusionFlowLoader.__bases__ == (object,)
 
 
 def _protocol_members(proto) -> dict:
     """A Protocol's own methods: name -> signature."""
-    return {name: inspect.signature(value) for name, value in vars(proto).items()
-            if callable(value) and not name.startswith("_")}
+    return {
+        name: inspect.signature(value)
+        for name, value in vars(proto).items()
+        if callable(value) and not name.startswith("_")
+    }
 
 
 def test_every_worker_kind_satisfies_the_board_s_worker_kind_protocol():
     """runtime/board.py writes the contract down as a Protocol; each kind's class has every member,
     callable with the protocol's arguments, by position and by name (checked on the classes: a kind
     is not constructed here)."""
+    from fusionflow.remote.kind import RemoteWorkers
     from fusionflow.runtime import board
     from fusionflow.runtime.accelerator import AcceleratorWorker
-    from fusionflow.remote.kind import RemoteWorkers
     from fusionflow.runtime.worker_pool import WorkerPool
 
     proto = board.WorkerKind

@@ -1,4 +1,5 @@
 """ImageFolder: exact sample set, sizes without reading, clear errors; and the demo end to end."""
+
 import os
 
 import pytest
@@ -38,8 +39,24 @@ def test_image_folder_errors(tmp_path):
 
 
 def test_demo_runs_and_prints_throughput_ratio(folder, capsys, tmp_path):
-    assert demo_main(["demo", "--data", folder, "--epochs", "1", "--batch-size", "4", "--workers", "0",
-                      "--profile-dir", str(tmp_path)]) == 0
+    assert (
+        demo_main(
+            [
+                "demo",
+                "--data",
+                folder,
+                "--epochs",
+                "1",
+                "--batch-size",
+                "4",
+                "--workers",
+                "0",
+                "--profile-dir",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "throughput: FusionFlowLoader" in out and "DataLoader+torchvision" in out and "x\n" in out
     png = tmp_path / "timeline.png"

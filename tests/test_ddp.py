@@ -1,5 +1,6 @@
 """FusionFlowLoader under torchrun + DDP (gloo, CPU): every sample of every shard exactly once, while
 the global manager lends the fast rank's idle worker to the slow one; nothing left behind."""
+
 import json
 import os
 import socket
@@ -8,9 +9,8 @@ import sys
 import time
 
 import pytest
-from torch.utils.data import DistributedSampler
-
 from test_loader import Bytes, ff_segments
+from torch.utils.data import DistributedSampler
 
 
 def _free_port() -> int:
@@ -22,8 +22,19 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_two_ranks_two_epochs_exactly_once(tmp_path):
     before = ff_segments()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), os.path.join(os.path.dirname(__file__), "ddp_rank.py"), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(_free_port()),
+        os.path.join(os.path.dirname(__file__), "ddp_rank.py"),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ds = Bytes(37)

@@ -5,6 +5,7 @@ standing in for its GPU pipeline and the delivered tensors kept on the CPU. Chec
 the accelerator copies on its own stream; every event blocking and recorded on the stream that did
 the work; the training stream waits for the accelerator's copies; no synchronous host-to-device
 copy per batch; the ring registered portable and unregistered only after the last copy finished."""
+
 import time
 
 import numpy as np
@@ -14,12 +15,13 @@ import torch
 pytest.importorskip("nvidia.dali")
 
 from fake_cuda import FakeCuda  # noqa: E402
+from test_loader import SMALL, Bytes, no_leaks  # noqa: E402,F401
+
 from fusionflow.errors import FusionFlowError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
 from fusionflow.ops import dali_pipeline  # noqa: E402
 from fusionflow.runtime import device_ring  # noqa: E402
 from fusionflow.runtime.device_ring import accel_runs  # noqa: E402
-from test_loader import SMALL, Bytes, no_leaks  # noqa: E402,F401
 
 
 class CpuStandIn(dali_pipeline.DaliPolicyPipeline):
@@ -39,15 +41,22 @@ def fake(monkeypatch):
     def copy_out(out, dst, stream):  # DALI's copy_to_external, on `stream`
         cuda.log("copy", stream=stream)
         dst.copy_(torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))])))
+
     monkeypatch.setattr(device_ring, "copy_out", copy_out)
 
     real_to = torch.Tensor.to
 
     def to(self, *args, **kwargs):  # host->device copies: from where, blocking or not, on which stream
-        cuda.log("h2d", ptr=self.data_ptr(), nbytes=self.nbytes, non_blocking=kwargs.get("non_blocking", False),
-                 stream=cuda.current_stream(1))
+        cuda.log(
+            "h2d",
+            ptr=self.data_ptr(),
+            nbytes=self.nbytes,
+            non_blocking=kwargs.get("non_blocking", False),
+            stream=cuda.current_stream(1),
+        )
         out = real_to(self, *args, **kwargs)
         return out.clone() if out.data_ptr() == self.data_ptr() else out  # a copy, as on a real device
+
     monkeypatch.setattr(torch.Tensor, "to", to)
 
     real_tensor = torch.tensor
@@ -56,17 +65,29 @@ def fake(monkeypatch):
         if kwargs.get("device") is not None:
             cuda.log("h2d_tensor", non_blocking=False, ptr=0, nbytes=0, stream=cuda.current_stream(1))
         return real_tensor(*args, **kwargs)
+
     monkeypatch.setattr(torch, "tensor", tensor)
     return cuda
 
 
 @pytest.mark.parametrize("sharing", ["temporal", "spatial"])
-def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_copies(fake, no_leaks, sharing,
-                                                                                     monkeypatch):
+def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_copies(
+    fake, no_leaks, sharing, monkeypatch
+):
     train = fake.Stream(device=1)  # the training loop's stream on the loader's device
-    ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, seed=4,
-                          device="cuda:1", accelerator="dali-gpu", gpu_sharing=sharing, memory_bridge="off",
-                          timeout=60)
+    ld = FusionFlowLoader(
+        Bytes(40),
+        batch_size=8,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        seed=4,
+        device="cuda:1",
+        accelerator="dali-gpu",
+        gpu_sharing=sharing,
+        memory_bridge="off",
+        timeout=60,
+    )
     ld._delivery.alloc_device = torch.device("cpu")  # the tensors stay on the CPU; every CUDA call goes to the fake
     copy = device_ring.copy_out
     windows, stepping = [], [False]
@@ -74,6 +95,7 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
     def copy_in_window(out, dst, stream):
         windows.append(not stepping[0])  # the training thread is inside next(), not in its step
         copy(out, dst, stream)
+
     monkeypatch.setattr(device_ring, "copy_out", copy_in_window)
     seen = []
     with fake.stream(train):
@@ -119,8 +141,9 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
     # blocking) for the training stream's step event
     if sharing == "temporal":
         assert windows and all(windows)
-        step_waits = [x for x in fake.of("host_wait") if x["thread"] == "fusionflow-accelerator"
-                      and x["event"].stream is train]
+        step_waits = [
+            x for x in fake.of("host_wait") if x["thread"] == "fusionflow-accelerator" and x["event"].stream is train
+        ]
         assert step_waits
     # 5. teardown: the last batch's copy event is waited for before the ring is unregistered
     unreg = next(i for i, x in enumerate(r) if x["kind"] == "host_unregister")
@@ -163,9 +186,19 @@ def test_one_slot_on_the_gpu_path_delivers_the_whole_epoch(fake, no_leaks, accel
     """prefetch_factor=1 with CUDA delivery: the only ring slot is held until the caller's next
     next() (its copies may still run), so that call must release it and submit the next mini-batch
     before deciding the epoch is over. The whole epoch arrives, each sample once."""
-    ld = FusionFlowLoader(Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, seed=4,
-                          device="cuda:1", accelerator=accelerator, memory_bridge="off", prefetch_factor=1,
-                          timeout=60)
+    ld = FusionFlowLoader(
+        Bytes(40),
+        batch_size=8,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        seed=4,
+        device="cuda:1",
+        accelerator=accelerator,
+        memory_bridge="off",
+        prefetch_factor=1,
+        timeout=60,
+    )
     ld._delivery.alloc_device = torch.device("cpu")
     with fake.stream(fake.Stream(device=1)):
         seen = [y for _, labels in ld for y in labels.tolist()]

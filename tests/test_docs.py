@@ -1,6 +1,7 @@
 """The documentation's checkable promises: docs/architecture.md's ownership table names paths that
 exist, and README.md stays a user's page (short, no internal issue numbers, no links out of the
 repository, the Quick start's two commands)."""
+
 import re
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def ownership_rows() -> list[tuple[str, str]]:
     start = lines.index(TABLE_HEADER)  # ValueError: the table's header is missing or changed
     assert re.fullmatch(r"\|(\s*:?-+:?\s*\|){2}", lines[start + 1].strip()), "the header needs a separator row"
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.strip().startswith("|"):
             break
         cells = _cells(line)
@@ -41,7 +42,7 @@ def owner_path(cell: str) -> str:
 def quick_start_commands() -> list[str]:
     """The commands of README's Quick start code block, comments dropped."""
     text = README.read_text()
-    section = text[text.index("## Quick start"):]
+    section = text[text.index("## Quick start") :]
     block = re.search(r"```(?:bash|sh)?\n(.*?)```", section, re.S)
     assert block, "README's Quick start has a code block"
     return [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.split("#")[0].strip()]
@@ -59,8 +60,9 @@ def test_every_owner_path_exists():
     missing = []
     for behaviour, owner in ownership_rows():
         path = owner_path(owner)
-        assert not path.startswith(("/", "../")) and ".." not in Path(path).parts, \
+        assert not path.startswith(("/", "../")) and ".." not in Path(path).parts, (
             f"{path!r} ({behaviour}): a path inside the repository, relative to its root"
+        )
         target = ROOT / path
         exists = target.is_dir() if path.endswith("/") else target.is_file()
         if not exists:
@@ -70,9 +72,11 @@ def test_every_owner_path_exists():
 
 def test_the_readme_is_short():
     lines = len(README.read_text().splitlines())
-    assert lines <= MAX_README_LINES, (f"README.md has {lines} lines (limit {MAX_README_LINES}): move measurements "
-                                       "to experiments/README.md, design to docs/architecture.md, "
-                                       "status to docs/status.md")
+    assert lines <= MAX_README_LINES, (
+        f"README.md has {lines} lines (limit {MAX_README_LINES}): move measurements "
+        "to experiments/README.md, design to docs/architecture.md, "
+        "status to docs/status.md"
+    )
 
 
 def test_the_readme_names_no_issue_numbers():

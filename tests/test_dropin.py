@@ -3,6 +3,7 @@ DataLoader's contract, warnings instead of errors where DataLoader warns, raw-sa
 
 The reference is DataLoader itself, over a dataset that runs torchvision's pipeline with the same
 per-sample draws (tests/tv_reference.py), so "the same recipe" is checked end to end."""
+
 import io
 import os
 
@@ -11,19 +12,28 @@ import pytest
 import torch
 import torchvision.transforms.v2 as v2
 from PIL import Image
+from test_loader import no_leaks  # noqa: F401  (autouse: no process or segment left)
 from torch.utils.data import DataLoader, default_collate
+from tv_reference import tv_sample
 
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.policy import crop_window, draw, load_policy
 from fusionflow.tools.synthetic import make_jpegs
-from test_loader import no_leaks  # noqa: F401  (autouse: no process or segment left)
-from tv_reference import tv_sample
 
 NUM_CLASSES = 5
-EXACT = {"output": {"size": 24}, "flip": 0.5, "crop": {"scale": [0.3, 1.0]}, "decode": {"mode": "exact"},
-         "augment": {"type": "rand", "num_ops": 2, "magnitude": 5, "num_bins": 11,
-                     "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Posterize": {"range": [8, 4]},
-                             "Equalize": {}}}}
+EXACT = {
+    "output": {"size": 24},
+    "flip": 0.5,
+    "crop": {"scale": [0.3, 1.0]},
+    "decode": {"mode": "exact"},
+    "augment": {
+        "type": "rand",
+        "num_ops": 2,
+        "magnitude": 5,
+        "num_bins": 11,
+        "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Posterize": {"range": [8, 4]}, "Equalize": {}},
+    },
+}
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 NORMALIZED = dict(EXACT, output={"size": 24, "normalize": {"mean": MEAN, "std": STD}})
 JPEGS = make_jpegs(21, 30, 90, seed=11)
@@ -60,8 +70,9 @@ class Torchvision:
 
 def both(policy, collate_fn, num_workers, batch_size=6):
     """(FusionFlowLoader's batches, DataLoader's batches) for one epoch with the same collate_fn."""
-    ff = FusionFlowLoader(Raw(), batch_size=batch_size, num_workers=num_workers, policy=policy, seed=3,
-                          collate_fn=collate_fn)
+    ff = FusionFlowLoader(
+        Raw(), batch_size=batch_size, num_workers=num_workers, policy=policy, seed=3, collate_fn=collate_fn
+    )
     dl = DataLoader(Torchvision(policy, seed=3), batch_size=batch_size, collate_fn=collate_fn)
     return list(ff), list(dl)
 
@@ -110,8 +121,9 @@ def test_collate_gets_views_of_the_delivered_batch():
     assert [t for _, t in seen[0]] == y.tolist()
 
 
-_cutmix_or_mixup = v2.RandomChoice([v2.MixUp(alpha=0.8, num_classes=NUM_CLASSES),
-                                    v2.CutMix(alpha=1.0, num_classes=NUM_CLASSES)])
+_cutmix_or_mixup = v2.RandomChoice(
+    [v2.MixUp(alpha=0.8, num_classes=NUM_CLASSES), v2.CutMix(alpha=1.0, num_classes=NUM_CLASSES)]
+)
 
 
 def mixup_cutmix(batch):
@@ -141,7 +153,7 @@ def test_collate_fn_must_be_callable():
 
 def test_break_out_of_a_collated_iteration_cleans_up():
     ff = FusionFlowLoader(Raw(), batch_size=4, num_workers=2, policy=EXACT, collate_fn=to_dict)
-    for batch in ff:
+    for batch in ff:  # noqa: B007 (the batch outlives the loop on purpose)
         break
     del batch
     assert ff._manager is None  # the worker iteration under the collate ended with the break
@@ -150,6 +162,7 @@ def test_break_out_of_a_collated_iteration_cleans_up():
 # ---------------------------------------------------------------- small frictions
 def test_more_workers_than_cores_warns_and_runs(monkeypatch):
     import fusionflow.loader as loader_mod
+
     monkeypatch.setattr(loader_mod, "_usable_cpus", lambda: 1)
     with pytest.warns(UserWarning, match=r"num_workers=2 exceeds the 1 CPU cores"):
         ff = FusionFlowLoader(Raw(), batch_size=7, num_workers=2, policy=EXACT, seed=0)
@@ -211,9 +224,14 @@ def test_launches_without_manual_seed_differ():
     """A fresh process (torch seeds itself from the OS) gets a fresh seed; DataLoader's base seed does too."""
     import subprocess
     import sys
-    code = ("from fusionflow.loader import FusionFlowLoader\n"
-            "print(FusionFlowLoader([(b'x', 0)], batch_size=1, policy='default').seed)")
+
+    code = (
+        "from fusionflow.loader import FusionFlowLoader\n"
+        "print(FusionFlowLoader([(b'x', 0)], batch_size=1, policy='default').seed)"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    seeds = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                            cwd=root).stdout for _ in range(2)}
+    seeds = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root).stdout
+        for _ in range(2)
+    }
     assert len(seeds) == 2

@@ -1,17 +1,18 @@
 """RandomErasing: torchvision.transforms.v2.RandomErasing semantics, drawn per (seed, epoch, index)."""
+
 import dataclasses
 
 import numpy as np
 import pytest
 import torch
 import torchvision.transforms.v2 as T
+from dali_numpy import run_numpy
+from tv_reference import tv_recipe
 
 from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import Erase, draw
 from fusionflow.tools.synthetic import make_jpegs
-from dali_numpy import run_numpy
-from tv_reference import tv_recipe
 
 JPEGS = make_jpegs(6, 200, 500, seed=3)
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -37,7 +38,9 @@ def test_uint8_erase_with_a_colour():
         ours = CpuPipeline(policy)(data, i)
         assert ours.dtype == np.uint8 and np.array_equal(ours, tv_recipe(policy, data, d))
         e = d.erase
-        assert (ours[:, e.top:e.top + e.height, e.left:e.left + e.width] == np.array([10, 200, 30]).reshape(3, 1, 1)).all()
+        assert (
+            ours[:, e.top : e.top + e.height, e.left : e.left + e.width] == np.array([10, 200, 30]).reshape(3, 1, 1)
+        ).all()
 
 
 class _Replay:
@@ -98,8 +101,11 @@ def test_probability_and_determinism():
 
 
 def test_policy_key_and_override_validation():
-    cfg = {"output": {"size": 32, "normalize": {"mean": list(MEAN), "std": list(STD)}}, "augment": {"type": "none"},
-           "erase": {"p": 0.25, "value": "random"}}
+    cfg = {
+        "output": {"size": 32, "normalize": {"mean": list(MEAN), "std": list(STD)}},
+        "augment": {"type": "none"},
+        "erase": {"p": 0.25, "value": "random"},
+    }
     assert load_policy(cfg).erase == Erase(0.25, (0.02, 0.33), (0.3, 3.3), None)
     with pytest.raises(ValueError, match=r"erase\.value: 'random' \(standard normal noise\) needs float output"):
         load_policy("default", erase={"value": "random"})
@@ -132,6 +138,7 @@ def test_dali_gpu_erase_matches_cpu_pipeline(value):
 def check_dali_erase(value, where):
     pytest.importorskip("nvidia.dali")
     from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+
     if value == "uint8":
         policy = load_policy("default", erase={"p": 0.7, "value": [10, 200, 30]})
     else:
@@ -147,7 +154,7 @@ def check_dali_erase(value, where):
         mask = np.zeros(ref.shape[1:], bool)
         if d.erase is not None:
             e = d.erase
-            mask[e.top:e.top + e.height, e.left:e.left + e.width] = True
+            mask[e.top : e.top + e.height, e.left : e.left + e.width] = True
             erased += 1
             assert np.array_equal(out[i][:, mask], ref[:, mask])  # exact: both write the same values
         level = 1.0 if value == "uint8" else 1.0 / (255 * min(STD))  # ~ a level of 255, as test_ops_dali

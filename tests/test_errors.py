@@ -1,5 +1,6 @@
 """Every runtime error FusionFlow can raise is importable from `fusionflow`, so a training script can
 catch it without knowing which internal module defines it."""
+
 import ast
 from pathlib import Path
 
@@ -16,8 +17,11 @@ def _error_classes_defined_in_package() -> dict[str, Path]:
     for path in PACKAGE.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.ClassDef):
-                names = {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
-                         if isinstance(b, (ast.Name, ast.Attribute))}
+                names = {
+                    b.id if isinstance(b, ast.Name) else b.attr
+                    for b in node.bases
+                    if isinstance(b, (ast.Name, ast.Attribute))
+                }
                 bases[node.name] = (names, path)
     found = {"FusionFlowError": PACKAGE / "errors.py"}
     grew = True
@@ -42,6 +46,7 @@ def test_every_fusionflow_error_is_exported():
 def test_errors_keep_their_old_import_paths():
     from fusionflow.memory import native
     from fusionflow.runtime import local_manager
+
     assert local_manager.WorkerStartError is fusionflow.WorkerStartError
     assert local_manager.SampleKilledWorkersError is fusionflow.SampleKilledWorkersError
     assert native.BridgeError is fusionflow.BridgeError

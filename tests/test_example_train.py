@@ -1,5 +1,6 @@
 """examples/train_classification.py runs a couple of steps both ways: DataLoader + torchvision, and
 FusionFlowLoader with the same recipe converted by policy_from_transform."""
+
 import importlib.util
 import os
 
@@ -10,16 +11,47 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def _script():
     spec = importlib.util.spec_from_file_location(
-        "train_classification", os.path.join(HERE, "..", "examples", "train_classification.py"))
+        "train_classification", os.path.join(HERE, "..", "examples", "train_classification.py")
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-FLAGS = ["--synthetic", "--synthetic-classes", "3", "--synthetic-per-class", "8", "--model", "resnet18",
-         "--device", "cpu", "--train-crop-size", "64", "--val-resize-size", "72", "--val-crop-size", "64",
-         "-b", "6", "-j", "1", "--steps", "2", "--auto-augment", "ra", "--ra-magnitude", "7",
-         "--random-erase", "0.25", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--ra-sampler"]
+FLAGS = [
+    "--synthetic",
+    "--synthetic-classes",
+    "3",
+    "--synthetic-per-class",
+    "8",
+    "--model",
+    "resnet18",
+    "--device",
+    "cpu",
+    "--train-crop-size",
+    "64",
+    "--val-resize-size",
+    "72",
+    "--val-crop-size",
+    "64",
+    "-b",
+    "6",
+    "-j",
+    "1",
+    "--steps",
+    "2",
+    "--auto-augment",
+    "ra",
+    "--ra-magnitude",
+    "7",
+    "--random-erase",
+    "0.25",
+    "--mixup-alpha",
+    "0.2",
+    "--cutmix-alpha",
+    "1.0",
+    "--ra-sampler",
+]
 
 
 @pytest.mark.parametrize("loader", ["torchvision", "fusionflow"])
@@ -34,9 +66,12 @@ def test_script_trains_a_couple_of_steps(tmp_path_factory, loader):
 @pytest.mark.parametrize("auto_augment", ["ra", "ta_wide", "imagenet", None])
 def test_the_scripts_recipes_convert(auto_augment):
     from fusionflow import load_policy, policy_from_transform
+
     mod = _script()
-    args = mod.parse_args(["--data-path", "x", "--train-crop-size", "176", "--random-erase", "0.1"]
-                          + (["--auto-augment", auto_augment] if auto_augment else []))
+    args = mod.parse_args(
+        ["--data-path", "x", "--train-crop-size", "176", "--random-erase", "0.1"]
+        + (["--auto-augment", auto_augment] if auto_augment else [])
+    )
     train = policy_from_transform(mod.train_transform(args))
     assert train.size == (176, 176) and train.erase.p == 0.1 and train.normalize == (mod.MEAN, mod.STD)
     evalp = policy_from_transform(mod.eval_transform(args))

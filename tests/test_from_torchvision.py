@@ -1,5 +1,6 @@
 """policy_from_transform: torchvision v2 pipelines -> the equivalent Policy, checked against
 torchvision's own magnitude tables and its pixels on identical draws."""
+
 import dataclasses
 import io
 
@@ -10,12 +11,12 @@ import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.transforms.v2 import AutoAugmentPolicy, InterpolationMode
+from tv_reference import tv_recipe
 
 from fusionflow import load_policy, policy_from_transform
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import draw
 from fusionflow.tools.synthetic import make_jpegs
-from tv_reference import tv_recipe
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 JPEGS = make_jpegs(6, 200, 600, seed=4)
@@ -23,8 +24,9 @@ TAIL = [T.PILToTensor(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN,
 
 AUGMENTS = {
     "rand-default": T.RandAugment(),
-    "rand-m7-bilinear": T.RandAugment(num_ops=3, magnitude=7, num_magnitude_bins=21,
-                                      interpolation=InterpolationMode.BILINEAR, fill=[128, 128, 128]),
+    "rand-m7-bilinear": T.RandAugment(
+        num_ops=3, magnitude=7, num_magnitude_bins=21, interpolation=InterpolationMode.BILINEAR, fill=[128, 128, 128]
+    ),
     "auto-imagenet": T.AutoAugment(AutoAugmentPolicy.IMAGENET),
     "auto-cifar10": T.AutoAugment(AutoAugmentPolicy.CIFAR10, fill=7),
     "trivial": T.TrivialAugmentWide(),
@@ -52,8 +54,9 @@ def test_magnitude_tables_equal_torchvisions(key, size):
     names = [o.name for o in a.ops]
     if isinstance(aug, T.AutoAugment):
         assert a.type == "subpolicy"
-        assert [[(s.op, s.prob, s.bin) for s in sub] for sub in a.subpolicies] == \
-            [[(n, p, b) for n, p, b in sub] for sub in aug._policies]
+        assert [[(s.op, s.prob, s.bin) for s in sub] for sub in a.subpolicies] == [
+            [(n, p, b) for n, p, b in sub] for sub in aug._policies
+        ]
     assert names == list(space)  # the same ops (rand, trivial: each drawn with equal probability)
     if not isinstance(aug, T.AutoAugment):
         if isinstance(aug, T.RandAugment):
@@ -71,15 +74,19 @@ def test_magnitude_tables_equal_torchvisions(key, size):
         np.testing.assert_allclose(ours, mags.double().numpy(), rtol=1e-6, atol=1e-6, err_msg=choice.name)
 
 
-@pytest.mark.parametrize("name, transform", [
-    ("randaugment", T.RandAugment()), ("autoaugment", T.AutoAugment()), ("trivialaugment", T.TrivialAugmentWide())])
+@pytest.mark.parametrize(
+    "name, transform",
+    [("randaugment", T.RandAugment()), ("autoaugment", T.AutoAugment()), ("trivialaugment", T.TrivialAugmentWide())],
+)
 def test_torchvisions_defaults_are_the_shipped_policies(name, transform):
     ours = policy_from_transform(T.Compose([T.RandomResizedCrop(224), T.RandomHorizontalFlip(), transform]))
     shipped = load_policy(name)
     assert (ours.size, ours.scale, ours.ratio, ours.flip) == (shipped.size, shipped.scale, shipped.ratio, shipped.flip)
     a, b = ours.augment, shipped.augment
     assert dataclasses.replace(a, ops=()) == dataclasses.replace(b, ops=())
-    assert [(o.name, o.signed, o.scale_with_size) for o in a.ops] == [(o.name, o.signed, o.scale_with_size) for o in b.ops]
+    assert [(o.name, o.signed, o.scale_with_size) for o in a.ops] == [
+        (o.name, o.signed, o.scale_with_size) for o in b.ops
+    ]
     for x, y in zip(a.ops, b.ops):
         assert (x.range is None) == (y.range is None) and (x.range is None or np.allclose(x.range, y.range, rtol=1e-6))
 
@@ -87,8 +94,15 @@ def test_torchvisions_defaults_are_the_shipped_policies(name, transform):
 @pytest.mark.parametrize("key", ["rand-default", "rand-m7-bilinear", "auto-imagenet", "trivial"])
 def test_cpu_pipeline_equals_torchvision_on_identical_draws(key):
     aug = AUGMENTS[key]
-    t = T.Compose([T.RandomResizedCrop(176, antialias=True), T.RandomHorizontalFlip(0.5), aug, *TAIL,
-                   T.RandomErasing(0.5, value="random")])
+    t = T.Compose(
+        [
+            T.RandomResizedCrop(176, antialias=True),
+            T.RandomHorizontalFlip(0.5),
+            aug,
+            *TAIL,
+            T.RandomErasing(0.5, value="random"),
+        ]
+    )
     policy = policy_from_transform(t, decode="exact")
     pipe = CpuPipeline(policy)
     for i, data in enumerate(JPEGS):
@@ -100,8 +114,9 @@ def test_eval_form_and_uint8_output():
     p = policy_from_transform(T.Compose([T.Resize(232), T.CenterCrop(224), T.PILToTensor()]))
     e = load_policy("eval", resize=232)
     assert (p.size, p.center_resize, p.flip, p.augment, p.normalize) == (e.size, e.center_resize, 0.0, e.augment, None)
-    scaled = policy_from_transform(T.Compose([T.Resize(256), T.CenterCrop(224), T.ToImage(),
-                                              T.ToDtype(torch.float32, scale=True)]))
+    scaled = policy_from_transform(
+        T.Compose([T.Resize(256), T.CenterCrop(224), T.ToImage(), T.ToDtype(torch.float32, scale=True)])
+    )
     assert scaled.normalize == ((0.0,) * 3, (1.0,) * 3) and scaled.out_dtype == "float32"
     data = JPEGS[0]
     img = Image.open(io.BytesIO(data)).convert("RGB")
@@ -110,23 +125,38 @@ def test_eval_form_and_uint8_output():
     assert np.abs(ours * 255 - ref.numpy()).mean() < 2.0  # the eval policy's documented sub-pixel window rounding
 
 
-@pytest.mark.parametrize("pipeline, match", [
-    ([T.RandomResizedCrop(224, interpolation=InterpolationMode.BICUBIC)], r"transform 0 \(RandomResizedCrop.*bicubic"),
-    ([T.RandomResizedCrop(224, antialias=False)], r"transform 0 .*antialias=False"),
-    ([T.RandomHorizontalFlip(), T.RandomResizedCrop(224)], r"transform 0 \(RandomHorizontalFlip.*must start with"),
-    ([T.RandomResizedCrop(224), T.ColorJitter(0.4)], r"transform 1 \(ColorJitter.*cannot be expressed here"),
-    ([T.RandomResizedCrop(224), T.RandAugment(interpolation=InterpolationMode.BICUBIC)],
-     r"transform 1 \(RandAugment.*'bicubic'"),
-    ([T.RandomResizedCrop(224), T.PILToTensor(), T.Normalize(MEAN, STD)], r"transform 2 \(Normalize.*needs ToDtype"),
-    ([T.RandomResizedCrop(224), *TAIL[:2], T.RandomErasing(), T.Normalize(MEAN, STD)],
-     r"transform 4 \(Normalize.*comes after RandomErasing"),
-    ([T.RandomResizedCrop(224), T.PILToTensor(), T.ToDtype(torch.float16, scale=True)], r"transform 2 .*float16"),
-    ([T.RandomResizedCrop(224), T.PILToTensor(), T.RandomErasing(value="random")],
-     r"no FusionFlow equivalent: .*erase\.value: 'random'"),
-    ([T.Resize(256)], r"transform 0 \(Resize.*followed by CenterCrop"),
-    ([T.Resize((256, 256)), T.CenterCrop(224)], r"only Resize\(int\)"),
-    ([], r"the pipeline is empty"),
-])
+@pytest.mark.parametrize(
+    "pipeline, match",
+    [
+        (
+            [T.RandomResizedCrop(224, interpolation=InterpolationMode.BICUBIC)],
+            r"transform 0 \(RandomResizedCrop.*bicubic",
+        ),
+        ([T.RandomResizedCrop(224, antialias=False)], r"transform 0 .*antialias=False"),
+        ([T.RandomHorizontalFlip(), T.RandomResizedCrop(224)], r"transform 0 \(RandomHorizontalFlip.*must start with"),
+        ([T.RandomResizedCrop(224), T.ColorJitter(0.4)], r"transform 1 \(ColorJitter.*cannot be expressed here"),
+        (
+            [T.RandomResizedCrop(224), T.RandAugment(interpolation=InterpolationMode.BICUBIC)],
+            r"transform 1 \(RandAugment.*'bicubic'",
+        ),
+        (
+            [T.RandomResizedCrop(224), T.PILToTensor(), T.Normalize(MEAN, STD)],
+            r"transform 2 \(Normalize.*needs ToDtype",
+        ),
+        (
+            [T.RandomResizedCrop(224), *TAIL[:2], T.RandomErasing(), T.Normalize(MEAN, STD)],
+            r"transform 4 \(Normalize.*comes after RandomErasing",
+        ),
+        ([T.RandomResizedCrop(224), T.PILToTensor(), T.ToDtype(torch.float16, scale=True)], r"transform 2 .*float16"),
+        (
+            [T.RandomResizedCrop(224), T.PILToTensor(), T.RandomErasing(value="random")],
+            r"no FusionFlow equivalent: .*erase\.value: 'random'",
+        ),
+        ([T.Resize(256)], r"transform 0 \(Resize.*followed by CenterCrop"),
+        ([T.Resize((256, 256)), T.CenterCrop(224)], r"only Resize\(int\)"),
+        ([], r"the pipeline is empty"),
+    ],
+)
 def test_what_cannot_be_expressed_is_named(pipeline, match):
     with pytest.raises(ValueError, match=match):
         policy_from_transform(T.Compose(pipeline) if pipeline else pipeline)
@@ -134,5 +164,6 @@ def test_what_cannot_be_expressed_is_named(pipeline, match):
 
 def test_v1_transforms_are_named():
     import torchvision.transforms as V1
+
     with pytest.raises(ValueError, match=r"transform 0 \(RandomResizedCrop.*not a torchvision\.transforms\.v2"):
         policy_from_transform(T.Compose([V1.RandomResizedCrop(224)]))

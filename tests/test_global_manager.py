@@ -1,5 +1,6 @@
 """The global manager: its tables, its loop, and loaders lending workers through it (in one process
 and across processes), with exactly-once delivery, faults on either side, and elastic capacity."""
+
 import os
 import secrets
 import signal
@@ -84,7 +85,7 @@ def _row(t, lm, waiting=0, idle=0, active=(), task_seconds=1.0, pid=None):
     row["heartbeat"] = time.monotonic() + 60  # fresh for the whole test
     row["address"] = f"ff-test-nobody-{secrets.token_hex(4)}".encode()  # no socket: the GM cannot ring it
     row["n_active"] = len(active)
-    row["active_since"][:len(active)] = active
+    row["active_since"][: len(active)] = active
 
 
 def test_gm_orders_follow_the_rule_and_wait_for_acks(tables):
@@ -143,8 +144,9 @@ def test_lending_rule_counts_incoming_workers():
 
 
 def make(ds, name, **kw):
-    args = dict(batch_size=8, num_workers=1, policy=SMALL, persistent_workers=True, pin_workers=False,
-                global_manager=name)
+    args = dict(
+        batch_size=8, num_workers=1, policy=SMALL, persistent_workers=True, pin_workers=False, global_manager=name
+    )
     args.update(kw)
     return FusionFlowLoader(ds, **args)
 
@@ -317,8 +319,10 @@ def test_lent_worker_killed_mid_task_loses_nothing_and_is_replaced_by_its_owner(
     it = iter(a)
     got = next(it)[1].tolist()
     mgr, victim = b._manager.pool, []
-    assert wait_until(lambda: victim.extend(w for w in mgr.workers if w is not None and w.lent_to is not None)
-                      or bool(victim), timeout=20)
+    assert wait_until(
+        lambda: victim.extend(w for w in mgr.workers if w is not None and w.lent_to is not None) or bool(victim),
+        timeout=20,
+    )
     os.kill(victim[0].process.pid, signal.SIGKILL)  # while it runs one of a's samples (or is about to)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))  # its task went back to a's queue; nothing twice, nothing lost
@@ -334,6 +338,7 @@ def test_a_worker_never_waits_on_a_socket_nobody_serves():
     from multiprocessing import AuthenticationError
 
     from fusionflow.runtime.gm.link import connect
+
     address = "ff-test-" + secrets.token_hex(6)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind("\0" + address)
@@ -364,8 +369,9 @@ def test_a_stale_table_of_an_earlier_job_is_replaced():
 
 def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():
     name = job()
-    gm = subprocess.Popen([sys.executable, "-m", "fusionflow", "gm", "serve", "--job", name],
-                          stderr=subprocess.PIPE, text=True)
+    gm = subprocess.Popen(
+        [sys.executable, "-m", "fusionflow", "gm", "serve", "--job", name], stderr=subprocess.PIPE, text=True
+    )
     try:
         assert wait_until(lambda: os.path.exists("/dev/shm" + gt.table_name(name)))
         assert gm_pid_of(gt.table_name(name)) == gm.pid
@@ -373,7 +379,7 @@ def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():
         collect(a)
         cli = [sys.executable, "-m", "fusionflow", "gm"]
         out = subprocess.run(cli + ["status", "--job", name], capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0 and out.stdout.startswith("lm=0 pid=%d" % os.getpid()), out
+        assert out.returncode == 0 and out.stdout.startswith(f"lm=0 pid={os.getpid()}"), out
         bad = subprocess.run(cli + ["workers", "0", "--job", name], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "must be an integer from 1" in bad.stderr
         ok = subprocess.run(cli + ["workers", "2", "--job", name], capture_output=True, text=True, timeout=60)

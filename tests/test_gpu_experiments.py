@@ -1,15 +1,15 @@
 """The GPU experiments' bookkeeping, checked without a GPU (experiments/gpu_bench.py, gpu_memory.py)."""
+
 import os
 import subprocess
 import sys
 import types
 
-import pytest
-
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
 
 import gpu_bench  # noqa: E402
 import gpu_memory  # noqa: E402
+
 from fusionflow.runtime.accelerator import PROFILE_BATCHES, SharingProfiler  # noqa: E402
 
 
@@ -19,6 +19,7 @@ def test_auto_sharing_profiles_inside_the_warm_up(monkeypatch):
     accel = types.SimpleNamespace(sharing="temporal", device_ring=types.SimpleNamespace(index=0))
     prof = SharingProfiler(accel)
     import torch
+
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
     ticks = 0
     while prof.chosen is None:
@@ -40,6 +41,7 @@ def test_a_trial_whose_dali_fell_back_is_not_comparable():
 def test_a_hung_trial_is_recorded_not_raised(monkeypatch):
     def hang(cmd, **kw):
         raise subprocess.TimeoutExpired(cmd, kw["timeout"], stderr=b"still decoding")
+
     monkeypatch.setattr(gpu_memory.subprocess, "run", hang)
     args = types.SimpleNamespace(data="/nowhere", workers=1, gpu_gb=0.0, cpu_smoke=True, trial_timeout=7)
     res = gpu_memory.spawn(args, "ff_bridge_on", 64, 2, 1)

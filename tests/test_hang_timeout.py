@@ -1,6 +1,7 @@
 """Every test has a time limit (setup.cfg: [tool:pytest] timeout, pytest-timeout): a hang fails the
 test instead of stalling the run. Proven here on a real hang: a pytest session in a subprocess runs a
-generated test (and its control without the fault) that breaks the retry path -- a dead worker's tiny-batches are never requeued -- and
+generated test (and its control without the fault) that breaks the retry path -- a dead worker's tiny-batches are never
+requeued -- and
 SIGKILLs the workers mid-epoch, so the iteration waits forever. The session must fail with
 pytest-timeout's "Timeout" well within a minute.
 
@@ -8,6 +9,7 @@ The fault is injected at a seam that outlives refactors of the runtime: the pure
 `TinyBatchQueue.requeue` (fusionflow/scheduling/queue.py), which every requeue goes through, and
 the workers are found as this process's multiprocessing children, not through manager internals.
 """
+
 import os
 import subprocess
 import sys
@@ -69,12 +71,31 @@ HANGS = textwrap.dedent('''
 @pytest.mark.slow
 def test_a_hanging_test_fails_with_a_timeout(tmp_path):
     (tmp_path / "test_hangs.py").write_text(HANGS)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-               PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+    )
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "pytest_timeout", "--timeout=20",
-                          "-p", "no:cacheprovider", "test_hangs.py"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "pytest_timeout",
+            "--timeout=20",
+            "-p",
+            "no:cacheprovider",
+            "test_hangs.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     output = run.stdout + run.stderr
     assert run.returncode != 0, output

@@ -4,6 +4,7 @@ Read from the source (ast), so imports inside functions count too: a cycle hidde
 import still ties two layers together, and only works as long as nobody moves the import to the top.
 Imports under ``if TYPE_CHECKING:`` are not run, so they do not count.
 """
+
 import ast
 from pathlib import Path
 
@@ -18,12 +19,14 @@ def _module_name(path: Path) -> str:
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-        (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 def _imports(tree: ast.AST, me: str, is_package: bool, modules: set[str]):
     """The package modules `tree` imports (explicitly: a submodule's parent packages are not counted)."""
+
     def visit(node):
         if isinstance(node, ast.If) and _is_type_checking(node.test):
             yield from (m for child in node.orelse for m in visit(child))
@@ -35,7 +38,7 @@ def _imports(tree: ast.AST, me: str, is_package: bool, modules: set[str]):
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: resolve against this module's package
                 base = me.split(".") if is_package else me.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
@@ -47,6 +50,7 @@ def _imports(tree: ast.AST, me: str, is_package: bool, modules: set[str]):
                     yield source
         for child in ast.iter_child_nodes(node):
             yield from visit(child)
+
     yield from visit(tree)
 
 
@@ -69,7 +73,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state and (cycle := dfs(nxt)):
                 return cycle
         state[node] = "done"

@@ -1,5 +1,6 @@
 """The JPEG window decoder (fusionflow/kernels/jpeg_roi.cc via fusionflow.ops.jpeg) against Pillow's
 full decode, and the fast decode mode against the exact one."""
+
 import dataclasses
 import io
 import logging
@@ -7,13 +8,13 @@ import logging
 import numpy as np
 import pytest
 from PIL import Image
+from tv_reference import psnr, tv_sample
 
 from fusionflow import DecodeError, load_policy
 from fusionflow.ops import decode, jpeg
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw, shipped_policies
 from fusionflow.tools.synthetic import make_image, make_jpegs
-from tv_reference import psnr, tv_sample
 
 pytestmark = pytest.mark.skipif(not jpeg.available(), reason=f"window decoder: {jpeg.why_unavailable()}")
 
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.skipif(not jpeg.available(), reason=f"window decoder: {
 def _jpeg(arr, subsampling=2, progressive=False, mode=None, **kw) -> bytes:
     buf = io.BytesIO()
     img = Image.fromarray(arr)
-    (img.convert(mode) if mode else img).save(buf, "JPEG", quality=90, subsampling=subsampling,
-                                               progressive=progressive, **kw)
+    (img.convert(mode) if mode else img).save(
+        buf, "JPEG", quality=90, subsampling=subsampling, progressive=progressive, **kw
+    )
     return buf.getvalue()
 
 
@@ -49,7 +51,7 @@ def test_window_equals_pillows_full_decode(subsampling, progressive, denom):
     for top, left, h, w in windows:
         arr, scaled = jpeg.decode_window(data, top, left, h, w, (1, denom))
         assert scaled == (H, W)
-        assert np.array_equal(arr, full[top:top + h, left:left + w]), (top, left, h, w)
+        assert np.array_equal(arr, full[top : top + h, left : left + w]), (top, left, h, w)
 
 
 def test_grayscale_becomes_rgb_like_pillow():
@@ -89,7 +91,7 @@ def test_corrupt_entropy_data_gives_what_pillow_gives(damage, monkeypatch):
     good = make_jpegs(1, 400, 400, seed=5)[0]
     sos = good.index(b"\xff\xda")
     if damage == "stray_marker":
-        bad = good[:sos + 600] + b"\xff\xd0" + good[sos + 600:]
+        bad = good[: sos + 600] + b"\xff\xd0" + good[sos + 600 :]
     else:
         bad = bytes(b ^ 0x5A if sos + 40 <= k < sos + 2000 and (k - sos) % 7 == 0 else b for k, b in enumerate(good))
     with pytest.raises(jpeg.WindowDecodeError, match="corrupt"):
@@ -101,6 +103,7 @@ def test_corrupt_entropy_data_gives_what_pillow_gives(damage, monkeypatch):
             return pipe(bad, 0)
         except DecodeError as exc:
             return str(exc)
+
     with_window = outcome()
     monkeypatch.setattr(decode.jpeg, "available", lambda: False)
     without = outcome()
@@ -118,7 +121,9 @@ def test_fast_mode_keeps_each_samples_draw(monkeypatch):
             win = window_fn(h, w)
             seen[fast].append(win)
             return win
+
         return real(data, recording, out_size, fast, *rest)
+
     monkeypatch.setattr(decode, "_jpeg_window_crop_resize", spy)
     policy = load_policy("randaugment")
     fast, exact = CpuPipeline(policy), CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
@@ -136,8 +141,9 @@ def test_fast_mode_keeps_each_samples_draw(monkeypatch):
 def test_fast_mode_within_documented_tolerance(name, monkeypatch):
     scales = []
     real = jpeg.decode_window
-    monkeypatch.setattr(jpeg, "decode_window", lambda *a, **k: scales.append(a[5] if len(a) > 5 else (1, 1))
-                        or real(*a, **k))
+    monkeypatch.setattr(
+        jpeg, "decode_window", lambda *a, **k: scales.append(a[5] if len(a) > 5 else (1, 1)) or real(*a, **k)
+    )
     policy = load_policy(name)
     assert policy.decode_mode == "fast"
     fast, exact = CpuPipeline(policy), CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
@@ -154,6 +160,7 @@ def test_fast_mode_within_documented_tolerance(name, monkeypatch):
 
 def test_unavailable_decoder_logs_why_and_pillow_decodes(monkeypatch, tmp_path, caplog):
     from fusionflow.memory import native
+
     monkeypatch.setattr(native, "KERNELS", tmp_path / "nowhere")
     monkeypatch.setattr(jpeg, "_LIB", None)
     monkeypatch.setattr(jpeg, "_WHY_NOT", None)
@@ -188,7 +195,7 @@ def test_nvimgcodec_fallback_windows_equal_pillows_full_decode(nvimgcodec_only):
             h, w = int(rng.integers(1, 302)), int(rng.integers(1, 456))
             top, left = int(rng.integers(0, 302 - h)), int(rng.integers(0, 456 - w))
             arr, scaled = jpeg.decode_window(data, top, left, h, w)
-            assert scaled == (301, 455) and np.array_equal(arr, full[top:top + h, left:left + w])
+            assert scaled == (301, 455) and np.array_equal(arr, full[top : top + h, left : left + w])
     with pytest.raises(jpeg.WindowDecodeError, match="full scale only"):
         jpeg.decode_window(data, 0, 0, 10, 10, (1, 2))
 
@@ -215,6 +222,7 @@ def test_pillow_draft_fallback_reduces_by_the_intended_factor(monkeypatch):
     a 1001-px image whose window covers 4x the output must be decoded at 1/4 (ceil-sized requests used to
     make draft() pick 1/2)."""
     from PIL import JpegImagePlugin
+
     monkeypatch.setattr(decode.jpeg, "available", lambda: False)
     sizes = []
     real = JpegImagePlugin.JpegImageFile.draft
@@ -223,6 +231,7 @@ def test_pillow_draft_fallback_reduces_by_the_intended_factor(monkeypatch):
         out = real(self, mode, size)
         sizes.append(self.size)
         return out
+
     monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
     data = _jpeg(make_image(1001, 1003, seed=1))
     decode.decode_crop_resize(data, lambda h, w: (0, 0, h, w), (224, 224), fast=True)

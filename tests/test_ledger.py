@@ -1,4 +1,5 @@
 """The allocator bridge's block ledger, across processes, without a GPU."""
+
 import multiprocessing as mp
 import os
 import re
@@ -112,6 +113,7 @@ def test_names_are_private(ledger):
 
 def test_lock_held_by_a_dead_process_is_reported(ledger, monkeypatch):
     import fusionflow.memory.ledger as L
+
     monkeypatch.setattr(L, "LOCK_TIMEOUT_S", 0.05)
     ledger._lock.acquire()  # as if a process died inside the critical section
     try:
@@ -126,7 +128,7 @@ def test_bulk_lend_to_self_and_release(ledger):
     released in one pass (unknown addresses reported, not raised), then taken back."""
     ledger.lend_to_self(FREE[:3])
     assert ledger.totals() == {"lent_bytes": 86 * MIB, "borrowed_bytes": 86 * MIB}
-    assert ledger.release_blocks([0x1000, 0x5000, 0xdead]) == [0xdead]
+    assert ledger.release_blocks([0x1000, 0x5000, 0xDEAD]) == [0xDEAD]
     assert sorted(b.address for b in ledger.take_back_released()) == [0x1000, 0x5000]
     assert ledger.totals() == {"lent_bytes": 2 * MIB, "borrowed_bytes": 2 * MIB}
     ledger.lend_to_self(FREE)  # freed records are reused first

@@ -1,4 +1,5 @@
 """The global manager's lending rule, over many random progress tables."""
+
 import numpy as np
 import pytest
 

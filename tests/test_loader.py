@@ -1,4 +1,5 @@
 """FusionFlowLoader: exactly-once delivery in sampler order, faults, cleanup, argument errors."""
+
 import multiprocessing as mp
 import os
 import re
@@ -21,10 +22,18 @@ from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime.local_manager import SampleKilledWorkersError, WorkerStartError
 from fusionflow.tools.synthetic import make_image, make_jpegs
 
-SMALL = {"output": {"size": 24}, "flip": 0.5, "crop": {"scale": [0.3, 1.0]},
-         "augment": {"type": "rand", "num_ops": 2, "magnitude": 5, "num_bins": 11,
-                     "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Posterize": {"range": [8, 4]},
-                             "Equalize": {}}}}
+SMALL = {
+    "output": {"size": 24},
+    "flip": 0.5,
+    "crop": {"scale": [0.3, 1.0]},
+    "augment": {
+        "type": "rand",
+        "num_ops": 2,
+        "magnitude": 5,
+        "num_bins": 11,
+        "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Posterize": {"range": [8, 4]}, "Equalize": {}},
+    },
+}
 JPEGS = make_jpegs(61, 30, 90, seed=5)
 
 
@@ -111,14 +120,24 @@ def no_leaks():
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("shuffle,drop_last,batch_size", [(False, False, 8), (True, False, 8), (True, True, 8),
-                                                          (False, True, 7), (True, False, 61), (False, False, 1)])
+@pytest.mark.parametrize(
+    "shuffle,drop_last,batch_size",
+    [(False, False, 8), (True, False, 8), (True, True, 8), (False, True, 7), (True, False, 61), (False, False, 1)],
+)
 def test_every_sample_once_in_sampler_order(num_workers, shuffle, drop_last, batch_size):
     ds = Bytes()
     gen = torch.Generator().manual_seed(3)
-    loader = FusionFlowLoader(ds, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-                              num_workers=num_workers, policy=SMALL, tiny_batch_size=min(3, batch_size),
-                              seed=1, generator=gen)
+    loader = FusionFlowLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        policy=SMALL,
+        tiny_batch_size=min(3, batch_size),
+        seed=1,
+        generator=gen,
+    )
     sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3)) if shuffle else SequentialSampler(ds)
     expected = list(BatchSampler(sampler, batch_size, drop_last))
     images, labels = collect(loader)
@@ -150,8 +169,9 @@ def test_distributed_sampler_shards(replicas):
 
 def test_persistent_workers_across_epochs_and_epoch_semantics():
     ds = Bytes(40)
-    loader = FusionFlowLoader(ds, batch_size=6, shuffle=True, num_workers=2, persistent_workers=True,
-                              policy=SMALL, seed=2)
+    loader = FusionFlowLoader(
+        ds, batch_size=6, shuffle=True, num_workers=2, persistent_workers=True, policy=SMALL, seed=2
+    )
     pids = None
     epochs = []
     for _ in range(3):
@@ -184,22 +204,27 @@ def test_killed_worker_is_replaced_and_nothing_is_lost():
 def test_sample_that_keeps_killing_workers_is_named():
     ds = Bytes(32, killers={13})
     loader = FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=4, max_retries=1)
-    with pytest.raises(SampleKilledWorkersError, match=r"sample 13 killed 2 CPU worker processes \(last: signal SIGKILL\)"):
+    with pytest.raises(
+        SampleKilledWorkersError, match=r"sample 13 killed 2 CPU worker processes \(last: signal SIGKILL\)"
+    ):
         collect(loader)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_corrupt_image_raises_with_index_and_path(num_workers):
     loader = FusionFlowLoader(Bytes(20, bad={11}), batch_size=4, num_workers=num_workers, policy=SMALL)
-    with pytest.raises(SampleError, match=r"sample 11 \(/data/img_11\.jpg\) failed: DecodeError: .*cannot identify") as info:
+    with pytest.raises(
+        SampleError, match=r"sample 11 \(/data/img_11\.jpg\) failed: DecodeError: .*cannot identify"
+    ) as info:
         collect(loader)
     assert info.value.index == 11 and "Traceback" in info.value.worker_traceback
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_corrupt_images_skipped_counted_and_warned_once(num_workers):
-    loader = FusionFlowLoader(Bytes(20, bad={3, 11, 12}), batch_size=4, num_workers=num_workers, policy=SMALL,
-                              on_error="skip")
+    loader = FusionFlowLoader(
+        Bytes(20, bad={3, 11, 12}), batch_size=4, num_workers=num_workers, policy=SMALL, on_error="skip"
+    )
     with pytest.warns(UserWarning, match=r"dropping sample 3 \(/data/img_3\.jpg\)") as record:
         _, labels = collect(loader)
     assert len([r for r in record if "on_error='skip'" in str(r.message)]) == 1
@@ -253,8 +278,9 @@ def test_job_killed_as_a_whole_leaves_no_segment(num_workers):
         print(loader._manager.board.ring.name, flush=True)
         sys.stdin.read()  # until the test has killed the whole group
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         name = proc.stdout.readline().strip()
         assert name.startswith("/ff_")
@@ -337,20 +363,25 @@ def test_float_output_when_policy_normalizes():
     assert x.dtype == torch.float32 and x.shape == (4, 3, 24, 24)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"batch_size": 0}, r"batch_size=0 must be an integer >= 1"),
-    ({"batch_size": 4, "tiny_batch_size": 8}, r"tiny_batch_size=8 is larger than batch_size=4"),
-    ({"policy": "/nope/policy.yaml"}, r"policy file '/nope/policy.yaml' does not exist"),
-    ({"sampler": SequentialSampler(range(8)), "shuffle": True}, r"sampler is mutually exclusive with shuffle"),
-    ({"batch_sampler": BatchSampler(SequentialSampler(range(8)), 4, False), "batch_size": 4},
-     r"batch_sampler is mutually exclusive"),
-    ({"persistent_workers": True}, r"persistent_workers=True needs num_workers > 0"),
-    ({"on_error": "ignore"}, r"on_error='ignore' must be one of"),
-    ({"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "tpu"}, r"device="),
-    ({"num_workers": 1, "prefetch_factor": 0}, r"prefetch_factor=0 must be an integer >= 1"),
-    ({"timeout": -1}, r"timeout=-1 must be >= 0"),
-    ({"seed": -1}, r"seed=-1 must be a non-negative integer"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"batch_size": 0}, r"batch_size=0 must be an integer >= 1"),
+        ({"batch_size": 4, "tiny_batch_size": 8}, r"tiny_batch_size=8 is larger than batch_size=4"),
+        ({"policy": "/nope/policy.yaml"}, r"policy file '/nope/policy.yaml' does not exist"),
+        ({"sampler": SequentialSampler(range(8)), "shuffle": True}, r"sampler is mutually exclusive with shuffle"),
+        (
+            {"batch_sampler": BatchSampler(SequentialSampler(range(8)), 4, False), "batch_size": 4},
+            r"batch_sampler is mutually exclusive",
+        ),
+        ({"persistent_workers": True}, r"persistent_workers=True needs num_workers > 0"),
+        ({"on_error": "ignore"}, r"on_error='ignore' must be one of"),
+        ({"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "tpu"}, r"device="),
+        ({"num_workers": 1, "prefetch_factor": 0}, r"prefetch_factor=0 must be an integer >= 1"),
+        ({"timeout": -1}, r"timeout=-1 must be >= 0"),
+        ({"seed": -1}, r"seed=-1 must be a non-negative integer"),
+    ],
+)
 def test_invalid_arguments_say_how_to_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         FusionFlowLoader(Bytes(8), **{"policy": SMALL, **kwargs})
@@ -371,8 +402,9 @@ def test_batch_sampler_and_set_epoch_forwarding():
 def test_cuda_delivery_matches_cpu():
     ds = Bytes(16)
     cpu_images, _ = collect(FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, seed=3))
-    gpu_images, gpu_labels = collect(FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, seed=3,
-                                                      device="cuda:0"))
+    gpu_images, gpu_labels = collect(
+        FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, seed=3, device="cuda:0")
+    )
     assert gpu_images[0].device.type == "cuda" and gpu_labels[0].device.type == "cuda"
     assert all(torch.equal(a, b.cpu()) for a, b in zip(cpu_images, gpu_images))
 
@@ -405,6 +437,7 @@ class BusErrorAt(Bytes):
     def __getitem__(self, i):
         if i == 13:
             import faulthandler
+
             faulthandler.disable()  # pytest's handler would print a stack dump; the death is the point
             os.kill(os.getpid(), signal.SIGBUS)
         return super().__getitem__(i)
@@ -413,6 +446,7 @@ class BusErrorAt(Bytes):
 def test_small_dev_shm_fails_at_start_naming_bytes_and_fixes(monkeypatch):
     from fusionflow import SharedMemoryError
     from fusionflow.runtime import shm
+
     monkeypatch.setattr(shm, "free_bytes", lambda path=shm.SHM_DIR: 1000)
     loader = FusionFlowLoader(Bytes(16), batch_size=8, num_workers=2, policy=SMALL)
     with pytest.raises(SharedMemoryError, match=r"needs .* but /dev/shm has 0\.0 MiB \(1000 bytes\) free.*--shm-size"):
@@ -422,8 +456,10 @@ def test_small_dev_shm_fails_at_start_naming_bytes_and_fixes(monkeypatch):
 
 def test_worker_sigbus_is_a_shared_memory_error_not_blamed_on_a_sample():
     from fusionflow import SharedMemoryError
-    loader = FusionFlowLoader(BusErrorAt(32), batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=4,
-                              max_retries=0)
+
+    loader = FusionFlowLoader(
+        BusErrorAt(32), batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=4, max_retries=0
+    )
     with pytest.raises(SharedMemoryError, match=r"CPU worker \d died of SIGBUS.*not the fault of a sample") as info:
         collect(loader)
     assert not isinstance(info.value, SampleKilledWorkersError)
@@ -434,21 +470,26 @@ class WithBomb(Bytes):
 
     def __getitem__(self, i):
         from fusionflow.tools.synthetic import png_bomb
+
         return (png_bomb(30000, 30000), i) if i == 7 else super().__getitem__(i)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_decompression_bomb_is_a_sample_error_naming_index_path_and_size(num_workers):
     loader = FusionFlowLoader(WithBomb(16), batch_size=4, num_workers=num_workers, policy=SMALL)
-    with pytest.raises(SampleError, match=r"sample 7 \(/data/img_7\.jpg\) failed: ImageTooLargeError: .*"
-                                          r"image of 900000000 pixels exceeds the policy's decode\.max_pixels=178956970"):
+    with pytest.raises(
+        SampleError,
+        match=r"sample 7 \(/data/img_7\.jpg\) failed: ImageTooLargeError: .*"
+        r"image of 900000000 pixels exceeds the policy's decode\.max_pixels=178956970",
+    ):
         collect(loader)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_skipped_samples_are_counted_by_cause(num_workers):
-    loader = FusionFlowLoader(WithBomb(16, bad={3, 11}), batch_size=4, num_workers=num_workers, policy=SMALL,
-                              on_error="skip")
+    loader = FusionFlowLoader(
+        WithBomb(16, bad={3, 11}), batch_size=4, num_workers=num_workers, policy=SMALL, on_error="skip"
+    )
     with pytest.warns(UserWarning, match="on_error='skip'"):
         _, labels = collect(loader)
     assert [i for y in labels for i in y.tolist()] == [i for i in range(16) if i not in (3, 7, 11)]
@@ -484,6 +525,7 @@ def test_pin_workers_auto_pins_only_with_a_core_to_spare(monkeypatch):
     """A pinned worker cannot move off a core the training process is using: 'auto' pins only when every
     worker and the training process get a core each."""
     from fusionflow.runtime.worker_pool import WorkerPool
+
     cpus = sorted(os.sched_getaffinity(0))
     mgr = WorkerPool.__new__(WorkerPool)
     mgr.pin_cpus, mgr.num_workers = "auto", len(cpus)
@@ -505,8 +547,9 @@ def test_pin_workers_auto_pins_only_with_a_core_to_spare(monkeypatch):
 def test_counters_go_on_across_managers_and_tiny_batches_are_counted_per_worker():
     """The manager counts straight into loader.stats: restarts add up over epochs that each start a
     manager of their own; tiny_batches_per_worker is the current manager's, by worker id."""
-    loader = FusionFlowLoader(Bytes(16, sleep=0.02), batch_size=4, num_workers=2, policy=SMALL, tiny_batch_size=2,
-                              pin_workers=False)
+    loader = FusionFlowLoader(
+        Bytes(16, sleep=0.02), batch_size=4, num_workers=2, policy=SMALL, tiny_batch_size=2, pin_workers=False
+    )
     for epoch in range(2):
         loader.set_epoch(epoch)
         _, labels = collect(loader)

@@ -4,6 +4,7 @@ Each row: the arguments that differ from FusionFlowLoader's defaults, what the m
 (a stand-in Host: no CUDA, no DALI, 4 cores unless the row says otherwise), and the resolved values
 or the exact error type and a fragment of its message.
 """
+
 import dataclasses
 import inspect
 
@@ -17,10 +18,20 @@ from fusionflow.loader_config import LoaderConfig, resolve_config
 from fusionflow.loader_resources import Host
 
 DATA = [(b"\xff\xd8 not decoded at construction", i % 3) for i in range(10)]
-DEFAULTS = {name: p.default for name, p in inspect.signature(FusionFlowLoader.__init__).parameters.items()
-            if name not in ("self", "dataset")}
-CPU_HOST = dict(cores=lambda: 4, cuda_available=lambda: False, current_device=lambda: 0, device_count=lambda: 0,
-                has_dali=lambda: False, job_key=lambda: None, initial_seed=lambda: 2**64 + 123)
+DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(FusionFlowLoader.__init__).parameters.items()
+    if name not in ("self", "dataset")
+}
+CPU_HOST = dict(
+    cores=lambda: 4,
+    cuda_available=lambda: False,
+    current_device=lambda: 0,
+    device_count=lambda: 0,
+    has_dali=lambda: False,
+    job_key=lambda: None,
+    initial_seed=lambda: 2**64 + 123,
+)
 GPU = dict(cuda_available=lambda: True, current_device=lambda: 1, device_count=lambda: 2)
 DALI = dict(GPU, has_dali=lambda: True)
 
@@ -37,14 +48,33 @@ def collate_list(batch):
 
 RESOLVED = [
     # (arguments, host, expected values)
-    ({}, None, dict(capacity=1, tiny_batch_size=1, prefetch_factor=2, seed=123, seed_given=False,
-                    device=torch.device("cpu"), accelerator=None, gpu_sharing="auto", job=None,
-                    bridge_why_off="no DALI GPU accelerator", collate=None, pin_memory=False, stage_names=None,
-                    trace_path=None)),
+    (
+        {},
+        None,
+        dict(
+            capacity=1,
+            tiny_batch_size=1,
+            prefetch_factor=2,
+            seed=123,
+            seed_given=False,
+            device=torch.device("cpu"),
+            accelerator=None,
+            gpu_sharing="auto",
+            job=None,
+            bridge_why_off="no DALI GPU accelerator",
+            collate=None,
+            pin_memory=False,
+            stage_names=None,
+            trace_path=None,
+        ),
+    ),
     (dict(batch_size=32), None, dict(capacity=32, tiny_batch_size=4, batch_size=32)),
     (dict(batch_size=32, tiny_batch_size=8), None, dict(tiny_batch_size=8)),
-    (dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 5, False)), None,
-     dict(capacity=5, tiny_batch_size=4, batch_size=1)),  # batch_size stays as given (its default)
+    (
+        dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 5, False)),
+        None,
+        dict(capacity=5, tiny_batch_size=4, batch_size=1),
+    ),  # batch_size stays as given (its default)
     (dict(num_workers=2, prefetch_factor=3), None, dict(prefetch_factor=3)),
     (dict(seed=7), None, dict(seed=7, seed_given=True)),
     (dict(generator=torch.Generator().manual_seed(5)), None, dict(seed=5, seed_given=False)),
@@ -59,14 +89,26 @@ RESOLVED = [
     (dict(accelerator="auto"), dict(has_dali=lambda: True), dict(accelerator=None)),  # on the CPU: none
     (dict(device="cuda", accelerator="auto", gpu_sharing="off", num_workers=1), DALI, dict(accelerator=None)),
     (dict(device="cuda", accelerator="dali-gpu", gpu_sharing="off", num_workers=1), DALI, dict(accelerator=None)),
-    (dict(accelerator="dali-cpu", num_workers=1), DALI,
-     dict(accelerator="dali-cpu", bridge_why_off="no DALI GPU accelerator")),
-    (dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="on"), DALI,
-     dict(gpu_sharing="temporal", bridge_why_off=None, memory_bridge="on")),
-    (dict(device="cuda", accelerator="dali-gpu", num_workers=1, gpu_sharing="spatial"), DALI,
-     dict(gpu_sharing="spatial", bridge_why_off="gpu_sharing='spatial'")),
-    (dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="off"), DALI,
-     dict(gpu_sharing="auto", bridge_why_off="memory_bridge='off'")),
+    (
+        dict(accelerator="dali-cpu", num_workers=1),
+        DALI,
+        dict(accelerator="dali-cpu", bridge_why_off="no DALI GPU accelerator"),
+    ),
+    (
+        dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="on"),
+        DALI,
+        dict(gpu_sharing="temporal", bridge_why_off=None, memory_bridge="on"),
+    ),
+    (
+        dict(device="cuda", accelerator="dali-gpu", num_workers=1, gpu_sharing="spatial"),
+        DALI,
+        dict(gpu_sharing="spatial", bridge_why_off="gpu_sharing='spatial'"),
+    ),
+    (
+        dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="off"),
+        DALI,
+        dict(gpu_sharing="auto", bridge_why_off="memory_bridge='off'"),
+    ),
     (dict(collate_fn=default_collate), None, dict(collate=None, collate_fn=default_collate)),
     (dict(collate_fn=collate_list), None, dict(collate=collate_list)),
     (dict(pin_memory=True), GPU, dict(pin_memory=True)),
@@ -88,14 +130,21 @@ ERRORS = [
     (dict(collate_fn=3), None, TypeError, "collate_fn=3 must be callable"),
     (dict(num_workers=-1), None, ValueError, "num_workers=-1 must be an integer >= 0"),
     (dict(num_workers=True), None, ValueError, "num_workers=True must be an integer >= 0"),
-    (dict(batch_size=4, batch_sampler=BatchSampler(SequentialSampler(range(10)), 5, False)), None, ValueError,
-     "batch_sampler is mutually exclusive with batch_size"),
-    (dict(batch_sampler=[[0, 1]]), None, ValueError,
-     "batch_sampler needs an int attribute batch_size"),
+    (
+        dict(batch_size=4, batch_sampler=BatchSampler(SequentialSampler(range(10)), 5, False)),
+        None,
+        ValueError,
+        "batch_sampler is mutually exclusive with batch_size",
+    ),
+    (dict(batch_sampler=[[0, 1]]), None, ValueError, "batch_sampler needs an int attribute batch_size"),
     (dict(batch_size=0), None, ValueError, "batch_size=0 must be an integer >= 1"),
     (dict(batch_size=None), None, ValueError, "batch_size=None must be an integer >= 1"),
-    (dict(sampler=SequentialSampler(range(10)), shuffle=True), None, ValueError,
-     "sampler is mutually exclusive with shuffle=True"),
+    (
+        dict(sampler=SequentialSampler(range(10)), shuffle=True),
+        None,
+        ValueError,
+        "sampler is mutually exclusive with shuffle=True",
+    ),
     (dict(tiny_batch_size=0), None, ValueError, "tiny_batch_size=0 must be an integer >= 1"),
     (dict(batch_size=4, tiny_batch_size=5), None, ValueError, "tiny_batch_size=5 is larger than batch_size=4"),
     (dict(prefetch_factor=2), None, ValueError, "prefetch_factor needs num_workers > 0"),
@@ -119,8 +168,12 @@ ERRORS = [
     (dict(accelerator="dali-cpu"), DALI, ValueError, "shares mini-batches with CPU workers: use num_workers >= 1"),
     (dict(memory_bridge="sometimes"), None, ValueError, "memory_bridge='sometimes' must be one of"),
     (dict(memory_bridge="on"), None, ValueError, "memory_bridge='on' lends PyTorch's free GPU blocks to DALI"),
-    (dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="on", gpu_sharing="spatial"), DALI,
-     ValueError, "gpu_sharing='spatial' runs it during them"),
+    (
+        dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="on", gpu_sharing="spatial"),
+        DALI,
+        ValueError,
+        "gpu_sharing='spatial' runs it during them",
+    ),
     (dict(global_manager=3), None, ValueError, "global_manager=3 must be 'auto', a job name (str) or None"),
     (dict(global_manager=""), None, ValueError, "global_manager='' : name the job"),
     (dict(trace=3), None, TypeError, "trace=3 must be a file path"),
@@ -148,8 +201,10 @@ def test_the_first_wrong_argument_is_the_one_reported():
 
 def test_warnings_are_notes_for_the_caller_even_when_a_later_argument_is_refused():
     _, notes = resolve(dict(num_workers=8))
-    assert notes == ["num_workers=8 exceeds the 4 CPU cores this process may use; FusionFlow runs best with "
-                     "one worker per core: use num_workers<=4"]
+    assert notes == [
+        "num_workers=8 exceeds the 4 CPU cores this process may use; FusionFlow runs best with "
+        "one worker per core: use num_workers<=4"
+    ]
     _, notes = resolve(dict(pin_memory=True))
     assert notes == ["pin_memory=True but CUDA is not available: batches are returned unpinned"]
     notes = []
@@ -173,10 +228,14 @@ def test_the_sampler_is_built_as_dataloader_builds_it():
 
 def test_host_facts_are_asked_only_when_an_argument_needs_them():
     """A CPU loader never asks about CUDA devices or DALI (importing DALI takes seconds)."""
+
     def never():
         raise AssertionError("asked")
-    resolve(dict(num_workers=2, global_manager="train", seed=1),
-            dict(current_device=never, device_count=never, has_dali=never, job_key=never, initial_seed=never))
+
+    resolve(
+        dict(num_workers=2, global_manager="train", seed=1),
+        dict(current_device=never, device_count=never, has_dali=never, job_key=never, initial_seed=never),
+    )
 
 
 def test_resolution_builds_nothing(monkeypatch):
@@ -186,6 +245,7 @@ def test_resolution_builds_nothing(monkeypatch):
 
     def no_build(*a, **k):
         raise AssertionError("native code built at construction")
+
     monkeypatch.setattr(native, "build_bridge", no_build)
     monkeypatch.setattr(native, "_build", no_build)
     cfg, _ = resolve(dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="on"), DALI)

@@ -1,6 +1,7 @@
 """The loader's parts, each built and driven alone (fusionflow/checkpoint.py, delivery.py, trace.py,
 gpu_session.py, workers.py, epoch.py), and the loader's shape: it holds its configuration and the
 parts; each iteration's state lives in the iterator it returns."""
+
 import gc
 import json
 import threading
@@ -10,6 +11,7 @@ import weakref
 import numpy as np
 import pytest
 import torch
+from test_loader import SMALL, Bytes, no_leaks  # noqa: F401
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from fusionflow import FusionFlowError
@@ -25,7 +27,6 @@ from fusionflow.runtime.messages import SampleFailure
 from fusionflow.stats import LoaderStats
 from fusionflow.trace import Tracing
 from fusionflow.workers import Workers
-from test_loader import SMALL, Bytes, no_leaks  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------- Checkpoint
@@ -66,15 +67,19 @@ def test_checkpoint_reads_only_the_newest_iterations_progress():
     epoch, progress = resumed.begin()
     assert epoch == 1 and progress.yielded == 1
     assert [b for b in resumed.batches(progress, bsampler, sampler)] == [[3, 4, 5], [6, 7, 8], [9]]
-    with pytest.raises(ValueError, match=r"the state is from a loader with batch_size=3, this loader has "
-                                         r"batch_size=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"the state is from a loader with batch_size=3, this loader has "
+        r"batch_size=4",
+    ):
         Checkpoint().load_state_dict(state, {**shape, "batch_size": 4}, bsampler, sampler)
 
 
 # ---------------------------------------------------------------------------------- Delivery
 def _failure(position, index):
-    return SampleFailure(position=position, index=index, what=f"sample {index}", exc_type="DecodeError",
-                         message="bad", traceback="tb")
+    return SampleFailure(
+        position=position, index=index, what=f"sample {index}", exc_type="DecodeError", message="bad", traceback="tb"
+    )
 
 
 def test_delivery_applies_on_error_and_counts():
@@ -101,7 +106,10 @@ def test_delivery_hands_out_copies_the_caller_owns():
     ring[:] = 0  # the ring slot is reused
     labels[:] = 0
     assert event is None and images_t.sum() > 0 and labels_t.tolist() == [4, 5]
-    assert Delivery(LoaderStats(), torch.device("cpu"), False, "raise").collate_targets([0.5, 1.5]).tolist() == [0.5, 1.5]
+    assert Delivery(LoaderStats(), torch.device("cpu"), False, "raise").collate_targets([0.5, 1.5]).tolist() == [
+        0.5,
+        1.5,
+    ]
 
 
 # ---------------------------------------------------------------------------------- Tracing
@@ -129,8 +137,18 @@ def test_tracing_block_installs_the_recorder_and_writes_the_file(tmp_path):
 class _Bridge:
     def __init__(self):
         self.closes = self.shutdowns = 0
-        self.stats = type("S", (), {"windows": 2, "lent_bytes": 10, "borrowed_bytes": 5, "fallback_bytes": 0,
-                                    "pinned_bytes": 0, "seconds": 0.25})()
+        self.stats = type(
+            "S",
+            (),
+            {
+                "windows": 2,
+                "lent_bytes": 10,
+                "borrowed_bytes": 5,
+                "fallback_bytes": 0,
+                "pinned_bytes": 0,
+                "seconds": 0.25,
+            },
+        )()
 
     def close(self):
         self.closes += 1
@@ -141,8 +159,17 @@ class _Bridge:
 
 def test_gpu_session_shutdown_steps_with_nothing_started():
     stats = LoaderStats()
-    gpu = GpuSession(stats, accelerator="dali-gpu", device=torch.device("cuda", 0), gpu_sharing="auto", aot=True,
-                     taas=True, taas_last_k=True, memory_bridge="auto", bridge_why_off=None)
+    gpu = GpuSession(
+        stats,
+        accelerator="dali-gpu",
+        device=torch.device("cuda", 0),
+        gpu_sharing="auto",
+        aot=True,
+        taas=True,
+        taas_last_k=True,
+        memory_bridge="auto",
+        bridge_why_off=None,
+    )
     bridge = gpu.bridge = _Bridge()
     gpu.end_window_now(mgr=None)  # no accelerator: no window to close
     gpu.manager_stopped(stats)
@@ -157,14 +184,52 @@ def test_gpu_session_shutdown_steps_with_nothing_started():
 def _config(**kw):
     ds = Bytes(16)
     kw = {"batch_size": 4, "num_workers": 1, "policy": SMALL, "tiny_batch_size": 2, "seed": 3, **kw}
-    names = ("shuffle", "sampler", "batch_sampler", "collate_fn", "pin_memory", "drop_last", "timeout",
-             "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor", "persistent_workers",
-             "device", "on_error", "max_retries", "pin_workers", "accelerator", "gpu_sharing", "aot", "taas",
-             "taas_last_k", "global_manager", "memory_bridge", "trace", "stage_times", "remote_workers")
+    names = (
+        "shuffle",
+        "sampler",
+        "batch_sampler",
+        "collate_fn",
+        "pin_memory",
+        "drop_last",
+        "timeout",
+        "worker_init_fn",
+        "multiprocessing_context",
+        "generator",
+        "prefetch_factor",
+        "persistent_workers",
+        "device",
+        "on_error",
+        "max_retries",
+        "pin_workers",
+        "accelerator",
+        "gpu_sharing",
+        "aot",
+        "taas",
+        "taas_last_k",
+        "global_manager",
+        "memory_bridge",
+        "trace",
+        "stage_times",
+        "remote_workers",
+    )
     defaults = {n: None for n in names}
-    defaults.update(pin_memory=False, drop_last=False, timeout=0, persistent_workers=False, device="cpu",
-                    on_error="raise", max_retries=2, pin_workers=False, gpu_sharing="auto", aot=True, taas=True,
-                    taas_last_k=True, global_manager=None, memory_bridge="auto", stage_times=False)
+    defaults.update(
+        pin_memory=False,
+        drop_last=False,
+        timeout=0,
+        persistent_workers=False,
+        device="cpu",
+        on_error="raise",
+        max_retries=2,
+        pin_workers=False,
+        gpu_sharing="auto",
+        aot=True,
+        taas=True,
+        taas_last_k=True,
+        global_manager=None,
+        memory_bridge="auto",
+        stage_times=False,
+    )
     return ds, resolve_config(ds, **{**defaults, **kw}, host=Host(cores=lambda: 2), notes=[])
 
 

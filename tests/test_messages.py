@@ -1,4 +1,5 @@
 """The message kinds' wire values and the typed lending messages' round trips."""
+
 import pickle
 
 import pytest
@@ -11,8 +12,21 @@ from fusionflow.runtime.shm import RingLayout
 def test_kinds_keep_their_wire_values():
     # a message's first int32; a worker and a borrower from the same install must agree on them
     assert {k.name: int(k) for k in m.Kind} == {
-        "TASK": 1, "STOP": 2, "DONE": 3, "READY": 4, "FATAL": 5, "LEND": 6, "HOME": 7, "HELLO": 8,
-        "SETUP": 9, "NEED": 10, "SPEC": 11, "RETURN": 12, "LEAVING": 13, "BELL": 14}
+        "TASK": 1,
+        "STOP": 2,
+        "DONE": 3,
+        "READY": 4,
+        "FATAL": 5,
+        "LEND": 6,
+        "HOME": 7,
+        "HELLO": 8,
+        "SETUP": 9,
+        "NEED": 10,
+        "SPEC": 11,
+        "RETURN": 12,
+        "LEAVING": 13,
+        "BELL": 14,
+    }
     assert m.LEND is m.Kind.LEND and m.BELL == 14
 
 
@@ -37,8 +51,9 @@ def test_every_lending_kind_has_one_message():
     assert sorted(cls.KIND for cls in m.LENDING_MESSAGES) == [m.LEND, m.HOME, m.HELLO, m.SETUP, m.SPEC]
 
 
-@pytest.mark.parametrize("wire", [m.pack_message(m.Home(1)), m.pack_control(m.RETURN),
-                                  m.pack_pickled(m.LEND, pickle.dumps(m.Home(1)))])
+@pytest.mark.parametrize(
+    "wire", [m.pack_message(m.Home(1)), m.pack_control(m.RETURN), m.pack_pickled(m.LEND, pickle.dumps(m.Home(1)))]
+)
 def test_unpack_message_refuses_another_kind(wire):
     with pytest.raises(TypeError, match="expected a Lend message"):
         m.unpack_message(wire, m.Lend)

@@ -1,13 +1,14 @@
 """CPU ops against torchvision.transforms.v2's functional ops on the same PIL input."""
+
 import math
 
 import numpy as np
 import pytest
 from PIL import Image
+from tv_reference import tv_op
 
 from fusionflow.ops import cpu
-from fusionflow.ops.specs import OPS, OP_NAMES, inverse_affine
-from tv_reference import tv_op
+from fusionflow.ops.specs import OP_NAMES, OPS, inverse_affine
 
 # op -> values to test at, in the op's unit (both signs for signed ops, the ends of the ranges the
 # shipped policies use, and the exact 90-degree rotation TrivialAugment can draw)
@@ -51,7 +52,9 @@ def test_op_matches_torchvision(image224, name, value, fill, interp):
 
 
 def test_ops_on_non_square_image():
-    img = Image.fromarray(np.ascontiguousarray(__import__("fusionflow.tools.synthetic", fromlist=["x"]).make_image(160, 240, 3)))
+    img = Image.fromarray(
+        np.ascontiguousarray(__import__("fusionflow.tools.synthetic", fromlist=["x"]).make_image(160, 240, 3))
+    )
     for name, value in [("ShearX", 0.3), ("TranslateY", -40.0), ("Rotate", 25.0), ("Sharpness", 0.5)]:
         ours = np.asarray(run(name, img, value, cpu.Style()))
         assert np.array_equal(ours, np.asarray(tv_op(name, img, value))), name
@@ -111,10 +114,13 @@ def test_vectorised_smooth_equals_pillows_filter(hw):
     """Sharpness's blur is re-implemented with numpy (Pillow's filter is per pixel); it must stay
     Pillow's SMOOTH filter bit for bit, borders and tiny images included."""
     from PIL import ImageFilter
+
     rng = np.random.default_rng(hw[0] * 1000 + hw[1])
-    for arr in (rng.integers(0, 256, hw + (3,)).astype(np.uint8),
-                __import__("fusionflow.tools.synthetic", fromlist=["x"]).make_image(*hw, seed=hw[1]),
-                np.full(hw + (3,), 255, np.uint8)):
+    for arr in (
+        rng.integers(0, 256, hw + (3,)).astype(np.uint8),
+        __import__("fusionflow.tools.synthetic", fromlist=["x"]).make_image(*hw, seed=hw[1]),
+        np.full(hw + (3,), 255, np.uint8),
+    ):
         img = Image.fromarray(arr)
         assert np.array_equal(np.asarray(cpu.smooth(img)), np.asarray(img.filter(ImageFilter.SMOOTH)))
 

@@ -1,5 +1,6 @@
 """DALI implementations against the CPU ones, in DALI's CPU mode (device_id=None); the same
 checks on the GPU are marked `gpu` and run where one is present."""
+
 import dataclasses
 import warnings
 
@@ -8,7 +9,10 @@ import pytest
 from PIL import Image
 
 dali = pytest.importorskip("nvidia.dali")
+from dali_numpy import run_numpy  # noqa: E402
 from nvidia.dali import fn, pipeline_def, types  # noqa: E402
+from test_ops_cpu import VALUES  # noqa: E402
+from tv_reference import psnr  # noqa: E402
 
 from fusionflow import DecodeError, FusionFlowError, load_policy  # noqa: E402
 from fusionflow.ops import cpu  # noqa: E402
@@ -18,9 +22,6 @@ from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.ops.specs import OP_NAMES, OPS  # noqa: E402
 from fusionflow.policy import shipped_policies  # noqa: E402
 from fusionflow.tools.synthetic import make_image, make_jpegs  # noqa: E402
-from test_ops_cpu import VALUES  # noqa: E402
-from dali_numpy import run_numpy  # noqa: E402
-from tv_reference import psnr  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 IMAGES = [make_image(224, 224, s) for s in range(4)]
@@ -37,8 +38,11 @@ TOLERANCE = {"Rotate": (0, 0.01, 1.0), "AutoContrast": (1, 0.0, 0.02), "Equalize
 # On the GPU, DALI's kernels contract multiply-adds (FMA): a nearest-neighbour source coordinate
 # within float error of a pixel boundary can land on the neighbour (as Rotate's does on the CPU),
 # and Sharpness's blend can round one level differently. Same bounds as the CPU's for those cases.
-GPU_TOLERANCE = {**TOLERANCE, **dict.fromkeys(("ShearX", "ShearY", "TranslateX", "TranslateY"), TOLERANCE["Rotate"]),
-                 "Sharpness": (1, 0.0, 0.05)}
+GPU_TOLERANCE = {
+    **TOLERANCE,
+    **dict.fromkeys(("ShearX", "ShearY", "TranslateX", "TranslateY"), TOLERANCE["Rotate"]),
+    "Sharpness": (1, 0.0, 0.05),
+}
 # bilinear geometric ops: Pillow's and DALI's interpolation round differently (one level on many
 # pixels) and treat the pixels next to the filled area differently (large, on the edge only)
 BILINEAR_TOL = (1, 0.02, 0.6)
@@ -68,8 +72,12 @@ def run_dali_op(name, value, style, images=IMAGES):
 
 def run_cpu_op(name, value, style, images=IMAGES):
     params = OPS[name].resolve(value, AUX, 224, 224)
-    return np.stack([np.asarray(cpu.apply(name, Image.fromarray(im), value, params,
-                                          cpu.Style(style.interpolation, style.fill))) for im in images])
+    return np.stack(
+        [
+            np.asarray(cpu.apply(name, Image.fromarray(im), value, params, cpu.Style(style.interpolation, style.fill)))
+            for im in images
+        ]
+    )
 
 
 def check(name, value, style, tol):
@@ -80,7 +88,8 @@ def check(name, value, style, tol):
     level, frac, mean = tol
     assert (diff > level).mean() <= frac and diff.mean() <= mean, (
         f"{name}({value}): {(diff > level).mean():.4f} of pixels differ by more than {level} "
-        f"(max {diff.max()}), mean {diff.mean():.4f}")
+        f"(max {diff.max()}), mean {diff.mean():.4f}"
+    )
 
 
 @pytest.mark.parametrize("name,value", CASES)
@@ -134,8 +143,12 @@ def test_variable_batch_and_no_rebuild(monkeypatch):
 
 
 def test_normalized_output_matches_cpu():
-    cfg = {"output": {"size": 96, "normalize": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}},
-           "flip": 0.5, "decode": {"fast_downscale": False}, "augment": {"type": "none"}}
+    cfg = {
+        "output": {"size": 96, "normalize": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}},
+        "flip": 0.5,
+        "decode": {"fast_downscale": False},
+        "augment": {"type": "none"},
+    }
     dp, cp = DaliPolicyPipeline(cfg, batch_size=2), CpuPipeline(cfg)
     out = run_numpy(dp, JPEGS[:2], [0, 1])
     assert out.dtype == np.float32 and out.shape == (2, 3, 96, 96)
@@ -149,8 +162,13 @@ def test_corrupt_header_names_sample_and_bad_args():
     with pytest.raises(ValueError, match="device='gpu' needs a device_id"):
         DaliPolicyPipeline("default", batch_size=2, device="gpu")
     with pytest.raises(ValueError, match="gray level"):
-        DaliPolicyPipeline({"output": {"size": 64}, "augment": {"type": "trivial", "num_bins": 3, "fill": [1, 2, 3],
-                                                                  "ops": {"Rotate": {"range": [0, 30]}}}}, 2)
+        DaliPolicyPipeline(
+            {
+                "output": {"size": 64},
+                "augment": {"type": "trivial", "num_bins": 3, "fill": [1, 2, 3], "ops": {"Rotate": {"range": [0, 30]}}},
+            },
+            2,
+        )
 
 
 def test_truncated_jpeg_raises_and_pipeline_recovers():
@@ -182,6 +200,7 @@ def test_pipeline_is_freed_on_last_reference_and_close_shuts_dali_down():
     pipeline and DALI's pipeline inside it; close() shuts DALI's pipeline down at once."""
     import gc
     import weakref
+
     data = make_jpegs(2, 40, 60, seed=1)
     gc.collect()
     gc.disable()
@@ -204,6 +223,7 @@ def test_pipeline_is_freed_on_last_reference_and_close_shuts_dali_down():
 
 def exif_jpeg(orientation: int) -> bytes:
     import io
+
     exif = Image.Exif()
     exif[0x0112] = orientation  # the Orientation tag
     buf = io.BytesIO()
@@ -227,11 +247,13 @@ def test_exif_orientation_is_ignored_on_both_paths():
 
 def test_out_of_memory_is_not_a_corrupt_sample_and_the_pipeline_is_rebuilt():
     from fusionflow.errors import DeviceOutOfMemory
+
     dp = DaliPolicyPipeline("default", batch_size=2)
     broken = dp._pipe
 
     def oom():
         raise MemoryError("Can't allocate 1073741824 bytes on device 0.")
+
     broken.run = oom
     with pytest.raises(DeviceOutOfMemory, match=r"out of memory on samples \[4\].*1073741824") as info:
         dp.run([JPEGS[4]], [4])

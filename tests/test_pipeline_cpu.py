@@ -1,4 +1,5 @@
 """The whole CPU pipeline against torchvision's, and decoding of every input kind."""
+
 import dataclasses
 import io
 
@@ -7,13 +8,13 @@ import pytest
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_image
+from tv_reference import psnr, tv_sample
 
 from fusionflow import DecodeError, load_policy
 from fusionflow.ops.decode import decode_crop_resize, open_image, to_rgb
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw, shipped_policies
 from fusionflow.tools.synthetic import encode, make_image, make_jpegs
-from tv_reference import psnr, tv_sample
 
 JPEGS = make_jpegs(12, 200, 1000, seed=1)
 
@@ -70,7 +71,7 @@ def test_decode_to_rgb_matches_torchvision(kind):
 
 
 def test_sixteen_bit_png_and_array_and_pil_inputs():
-    arr16 = (np.arange(40 * 30, dtype=np.uint16).reshape(30, 40) * 50)
+    arr16 = np.arange(40 * 30, dtype=np.uint16).reshape(30, 40) * 50
     buf = io.BytesIO()
     Image.fromarray(arr16).save(buf, "PNG")
     img = to_rgb(open_image(buf.getvalue()))
@@ -105,8 +106,11 @@ def test_corrupt_and_truncated_inputs_name_the_sample():
 
 
 def test_normalize_makes_float_output():
-    cfg = {"output": {"size": [96, 128], "normalize": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}},
-           "flip": 0.5, "augment": {"type": "none"}}
+    cfg = {
+        "output": {"size": [96, 128], "normalize": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}},
+        "flip": 0.5,
+        "augment": {"type": "none"},
+    }
     norm = CpuPipeline(cfg)
     raw = CpuPipeline({**cfg, "output": {"size": [96, 128]}})
     out, ref = norm(JPEGS[1], 4), raw(JPEGS[1], 4).astype(np.float32)
@@ -133,8 +137,11 @@ def test_decode_crop_resize_window_is_honoured():
 def test_importing_fusionflow_leaves_pillows_bomb_limit_alone():
     import subprocess
     import sys
-    code = ("from PIL import Image; before = Image.MAX_IMAGE_PIXELS; import fusionflow.ops.pipeline, "
-            "fusionflow.loader; assert Image.MAX_IMAGE_PIXELS == before, Image.MAX_IMAGE_PIXELS")
+
+    code = (
+        "from PIL import Image; before = Image.MAX_IMAGE_PIXELS; import fusionflow.ops.pipeline, "
+        "fusionflow.loader; assert Image.MAX_IMAGE_PIXELS == before, Image.MAX_IMAGE_PIXELS"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -142,10 +149,14 @@ def test_pixel_limit_refuses_a_bomb_before_decoding_on_every_cpu_path(monkeypatc
     from fusionflow.errors import ImageTooLargeError
     from fusionflow.ops import jpeg
     from fusionflow.tools.synthetic import png_bomb
+
     bomb = png_bomb(30000, 30000)  # 900 megapixels in a few hundred bytes
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", None)  # the policy's default limit does the refusing
-    with pytest.raises(ImageTooLargeError, match=r"sample 7: image of 30000x30000 = 900000000 pixels exceeds "
-                                                 r"the policy's decode\.max_pixels=178956970"):
+    with pytest.raises(
+        ImageTooLargeError,
+        match=r"sample 7: image of 30000x30000 = 900000000 pixels exceeds "
+        r"the policy's decode\.max_pixels=178956970",
+    ):
         CpuPipeline("default")(bomb, 7)
     small = {"output": {"size": 16}, "decode": {"max_pixels": 1000}, "augment": {"type": "none"}}
     rgb = make_image(30, 40, 1)  # 1200 pixels
@@ -160,7 +171,9 @@ def test_pixel_limit_refuses_a_bomb_before_decoding_on_every_cpu_path(monkeypatc
 
 def test_pillows_own_bomb_check_neither_warns_nor_overrides_the_policy(monkeypatch):
     import warnings
+
     from fusionflow.errors import ImageTooLargeError
+
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # the user's process-wide Pillow limit
     rgb = make_image(30, 40, 1)  # 1200 pixels: over Pillow's warning limit, under its error limit
     with warnings.catch_warnings():
@@ -191,6 +204,7 @@ def test_tensor_samples_give_the_same_pixels_as_the_equivalent_array():
 
 def test_tensor_layout_rule_and_errors():
     from fusionflow.ops.decode import open_image
+
     t = torch.arange(36, dtype=torch.uint8).reshape(3, 3, 4)  # ambiguous: first dim 3 -> CHW (3 tall, 4 wide)
     assert open_image(t).size == (4, 3)
     assert np.array_equal(np.asarray(open_image(t)), t.permute(1, 2, 0).numpy())

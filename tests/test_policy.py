@@ -1,4 +1,5 @@
 """Policy files: shipped configs equal torchvision's definitions; bad files fail with file + key."""
+
 import dataclasses
 import subprocess
 import sys
@@ -12,8 +13,7 @@ from fusionflow.policy import shipped_policies
 
 
 def test_shipped_policies_load_and_are_frozen():
-    assert set(shipped_policies()) >= {"default", "randaugment", "randaugment-paper", "autoaugment",
-                                       "trivialaugment"}
+    assert set(shipped_policies()) >= {"default", "randaugment", "randaugment-paper", "autoaugment", "trivialaugment"}
     for name in shipped_policies():
         p = load_policy(name)
         assert p.out_shape == (3, 224, 224)
@@ -35,8 +35,10 @@ def _tv_values(space, name, num_bins):
     return vals, signed
 
 
-@pytest.mark.parametrize("config,tv_cls", [("randaugment", T.RandAugment), ("trivialaugment", T.TrivialAugmentWide),
-                                           ("autoaugment", T.AutoAugment)])
+@pytest.mark.parametrize(
+    "config,tv_cls",
+    [("randaugment", T.RandAugment), ("trivialaugment", T.TrivialAugmentWide), ("autoaugment", T.AutoAugment)],
+)
 def test_magnitude_tables_equal_torchvision(config, tv_cls):
     aug = load_policy(config).augment
     space = tv_cls._AUGMENTATION_SPACE
@@ -64,14 +66,24 @@ def test_randaugment_settings():
 
 
 def test_policy_layer_imports_neither_torch_nor_dali():
-    code = ("import sys, fusionflow, fusionflow.policy as p; p.draw(p.load_policy('randaugment'), 0, 0, 0);"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nvidia', 'torchvision')];"
-            "assert not bad, bad")
+    code = (
+        "import sys, fusionflow, fusionflow.policy as p; p.draw(p.load_policy('randaugment'), 0, 0, 0);"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nvidia', 'torchvision')];"
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-BASE = {"output": {"size": 224}, "augment": {"type": "rand", "num_ops": 2, "magnitude": 9, "num_bins": 31,
-                                             "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Equalize": {}}}}
+BASE = {
+    "output": {"size": 224},
+    "augment": {
+        "type": "rand",
+        "num_ops": 2,
+        "magnitude": 9,
+        "num_bins": 31,
+        "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Equalize": {}},
+    },
+}
 
 
 def _write(tmp_path, cfg):
@@ -92,25 +104,32 @@ def _with(path, value):
     return cfg
 
 
-@pytest.mark.parametrize("path,value,expect", [
-    (("augment", "ops", "Rotat"), {"range": [0, 30]}, r"augment\.ops\.Rotat: unknown op 'Rotat'; did you mean 'Rotate'"),
-    (("augment", "magnitude"), 31, r"augment\.magnitude: 31 is out of range \[0, 30\]"),
-    (("augment", "magnitude"), "9", r"augment\.magnitude: expected an integer, got str"),
-    (("augment", "num_op"), 2, r"augment\.num_op: unknown key; did you mean 'num_ops'"),
-    (("augment", "num_ops"), KeyError, r"augment\.num_ops: missing required key"),
-    (("output",), KeyError, r"output: missing required key"),
-    (("flipp",), 0.5, r"flipp: unknown key; did you mean 'flip'"),
-    (("flip",), 1.5, r"flip: 1.5 is out of range"),
-    (("augment", "ops", "Rotate"), {"range": [0, 300]}, r"augment\.ops\.Rotate\.range\[1\]: 300 is out of range"),
-    (("augment", "ops", "Rotate"), {}, r"augment\.ops\.Rotate\.range: missing required key"),
-    (("augment", "ops", "Equalize"), {"range": [0, 1]}, r"augment\.ops\.Equalize\.range: unknown key"),
-    (("augment", "ops", "TranslateX"), {"range": [0, 300]}, r"TranslateX\.range\[1\]: 300 is out of range \[-224"),
-    (("augment", "type"), "randd", r"augment\.type: 'randd' is not valid; did you mean 'rand'"),
-    (("augment", "interpolation"), "cubic", r"augment\.interpolation: 'cubic' is not valid"),
-    (("output", "size"), [224], r"output\.size: expected an int or \[height, width\]"),
-    (("crop",), {"scale": [0.9, 0.1]}, r"crop\.scale: lower bound 0.9 is greater than upper bound 0.1"),
-    (("augment", "ops", "Rotate", "signed"), "yes", r"augment\.ops\.Rotate\.signed: expected true or false"),
-])
+@pytest.mark.parametrize(
+    "path,value,expect",
+    [
+        (
+            ("augment", "ops", "Rotat"),
+            {"range": [0, 30]},
+            r"augment\.ops\.Rotat: unknown op 'Rotat'; did you mean 'Rotate'",
+        ),
+        (("augment", "magnitude"), 31, r"augment\.magnitude: 31 is out of range \[0, 30\]"),
+        (("augment", "magnitude"), "9", r"augment\.magnitude: expected an integer, got str"),
+        (("augment", "num_op"), 2, r"augment\.num_op: unknown key; did you mean 'num_ops'"),
+        (("augment", "num_ops"), KeyError, r"augment\.num_ops: missing required key"),
+        (("output",), KeyError, r"output: missing required key"),
+        (("flipp",), 0.5, r"flipp: unknown key; did you mean 'flip'"),
+        (("flip",), 1.5, r"flip: 1.5 is out of range"),
+        (("augment", "ops", "Rotate"), {"range": [0, 300]}, r"augment\.ops\.Rotate\.range\[1\]: 300 is out of range"),
+        (("augment", "ops", "Rotate"), {}, r"augment\.ops\.Rotate\.range: missing required key"),
+        (("augment", "ops", "Equalize"), {"range": [0, 1]}, r"augment\.ops\.Equalize\.range: unknown key"),
+        (("augment", "ops", "TranslateX"), {"range": [0, 300]}, r"TranslateX\.range\[1\]: 300 is out of range \[-224"),
+        (("augment", "type"), "randd", r"augment\.type: 'randd' is not valid; did you mean 'rand'"),
+        (("augment", "interpolation"), "cubic", r"augment\.interpolation: 'cubic' is not valid"),
+        (("output", "size"), [224], r"output\.size: expected an int or \[height, width\]"),
+        (("crop",), {"scale": [0.9, 0.1]}, r"crop\.scale: lower bound 0.9 is greater than upper bound 0.1"),
+        (("augment", "ops", "Rotate", "signed"), "yes", r"augment\.ops\.Rotate\.signed: expected true or false"),
+    ],
+)
 def test_bad_config_names_file_and_key(tmp_path, path, value, expect):
     fname = _write(tmp_path, _with(path, value))
     with pytest.raises(ValueError, match=expect) as info:
@@ -119,9 +138,15 @@ def test_bad_config_names_file_and_key(tmp_path, path, value, expect):
 
 
 def test_subpolicy_errors(tmp_path):
-    cfg = {"output": {"size": 64}, "augment": {"type": "subpolicy", "num_bins": 10,
-                                               "ops": {"Rotate": {"range": [0, 30]}, "Invert": {}},
-                                               "subpolicies": [[["Rotate", 0.5, 3], ["Invert", 0.2]]]}}
+    cfg = {
+        "output": {"size": 64},
+        "augment": {
+            "type": "subpolicy",
+            "num_bins": 10,
+            "ops": {"Rotate": {"range": [0, 30]}, "Invert": {}},
+            "subpolicies": [[["Rotate", 0.5, 3], ["Invert", 0.2]]],
+        },
+    }
     assert load_policy(cfg).augment.max_ops == 2
     cfg["augment"]["subpolicies"] = [[["Rotate", 0.5]]]
     with pytest.raises(ValueError, match=r"subpolicies\[0\]\[0\]: op 'Rotate' takes a magnitude"):

@@ -1,5 +1,6 @@
 """load_policy(name, **overrides): a training script's flags (crop size, RandAugment magnitude and
 num_ops, interpolation, normalisation, flip) applied to a policy, checked against torchvision."""
+
 import dataclasses
 import io
 import subprocess
@@ -10,12 +11,12 @@ import pytest
 import torch
 import torchvision.transforms.v2 as T
 from PIL import Image
+from tv_reference import tv_sample
 
 from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import OVERRIDES, crop_window, draw
 from fusionflow.tools.synthetic import make_jpegs
-from tv_reference import tv_sample
 
 JPEGS = make_jpegs(6, 200, 400, seed=3)
 TV = {"randaugment": T.RandAugment, "trivialaugment": T.TrivialAugmentWide, "autoaugment": T.AutoAugment}
@@ -52,7 +53,8 @@ def test_size_override_rescales_cutout_by_the_shorter_side_and_leaves_the_file_u
     scale = 112 / 224
     assert small.augment.op("Cutout").range == pytest.approx(tuple(v * scale for v in base.augment.op("Cutout").range))
     assert small.augment.op("TranslateX").range == pytest.approx(
-        tuple(v * 160 / 224 for v in base.augment.op("TranslateX").range))
+        tuple(v * 160 / 224 for v in base.augment.op("TranslateX").range)
+    )
     assert small.augment.op("Rotate") == base.augment.op("Rotate")
     assert load_policy("randaugment-paper") == base  # overrides make a new Policy
 
@@ -70,8 +72,10 @@ def test_magnitude_and_num_ops_follow_torchvision_randaugment():
             assert abs(op.value) == pytest.approx(abs(ref_table[7]), abs=1e-4), op.name
 
 
-@pytest.mark.parametrize("overrides", [{"interpolation": "bilinear"},
-                                       {"interpolation": "bilinear", "size": 96, "magnitude": 15, "flip": 1.0}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{"interpolation": "bilinear"}, {"interpolation": "bilinear", "size": 96, "magnitude": 15, "flip": 1.0}],
+)
 def test_overridden_policy_pixels_equal_torchvision(overrides):
     policy = dataclasses.replace(load_policy("randaugment", **overrides), fast_downscale=False)
     assert policy.augment.interpolation == "bilinear"
@@ -106,32 +110,51 @@ def test_flip_override():
 
 def test_loader_takes_an_overridden_policy():
     from fusionflow.loader import FusionFlowLoader
+
     ds = [(data, 0) for data in JPEGS]
     x, _ = next(iter(FusionFlowLoader(ds, batch_size=3, seed=0, policy=load_policy("randaugment", size=(64, 48)))))
     assert x.shape == (3, 3, 64, 48) and x.dtype == torch.uint8
 
 
-@pytest.mark.parametrize("name,overrides,match", [
-    ("randaugment", {"magnitud": 5}, r"unknown override 'magnitud'; did you mean 'magnitude'\? valid overrides: "
-                                     + ", ".join(OVERRIDES)),
-    ("randaugment", {"colour": 5}, r"unknown override 'colour'; valid overrides: size, resize, magnitude"),
-    ("randaugment", {"magnitude": 31}, r"magnitude: 31 is out of range \[0, 30\]"),
-    ("randaugment", {"magnitude": 2.5}, r"magnitude: expected an integer"),
-    ("randaugment", {"num_ops": 0}, r"num_ops: 0 is out of range \[1, 16\]"),
-    ("trivialaugment", {"magnitude": 5}, r"magnitude: applies to augment.type 'rand'.*'trivialaugment' is 'trivial'"),
-    ("autoaugment", {"num_ops": 2}, r"num_ops: applies to augment.type 'rand'"),
-    ("randaugment", {"interpolation": "bicubic"}, r"interpolation: 'bicubic' is not supported .* nearest, bilinear"),
-    ("randaugment", {"interpolation": "bilinaer"}, r"interpolation: 'bilinaer' is not valid; did you mean 'bilinear'"),
-    ("default", {"interpolation": "nearest"}, r"interpolation: policy 'default' has no ops to resample"),
-    ("randaugment", {"size": 4}, r"size: 4 is out of range \[8, 8192\]"),
-    ("randaugment", {"size": "224"}, r"size: expected an int or \(height, width\)"),
-    ("trivialaugment", {"size": 24}, r"size: TranslateX's fixed range \[0.0, 32.0\] px does not fit a 24x24"),
-    ("randaugment", {"normalize": ([0.5] * 3,)}, r"normalize: expected \(mean, std\)"),
-    ("randaugment", {"normalize": ([0.5] * 3, [0.0] * 3)}, r"normalize.std\[0\]: 0.0 is out of range"),
-    ("randaugment", {"normalize": {"mean": [0.5] * 3}}, r"normalize.std: missing required key"),
-    ("randaugment", {"flip": 1.5}, r"flip: 1.5 is out of range \[0.0, 1.0\]"),
-    ("randaugment", {"flip": True}, r"flip: expected a number"),
-])
+@pytest.mark.parametrize(
+    "name,overrides,match",
+    [
+        (
+            "randaugment",
+            {"magnitud": 5},
+            r"unknown override 'magnitud'; did you mean 'magnitude'\? valid overrides: " + ", ".join(OVERRIDES),
+        ),
+        ("randaugment", {"colour": 5}, r"unknown override 'colour'; valid overrides: size, resize, magnitude"),
+        ("randaugment", {"magnitude": 31}, r"magnitude: 31 is out of range \[0, 30\]"),
+        ("randaugment", {"magnitude": 2.5}, r"magnitude: expected an integer"),
+        ("randaugment", {"num_ops": 0}, r"num_ops: 0 is out of range \[1, 16\]"),
+        (
+            "trivialaugment",
+            {"magnitude": 5},
+            r"magnitude: applies to augment.type 'rand'.*'trivialaugment' is 'trivial'",
+        ),
+        ("autoaugment", {"num_ops": 2}, r"num_ops: applies to augment.type 'rand'"),
+        (
+            "randaugment",
+            {"interpolation": "bicubic"},
+            r"interpolation: 'bicubic' is not supported .* nearest, bilinear",
+        ),
+        (
+            "randaugment",
+            {"interpolation": "bilinaer"},
+            r"interpolation: 'bilinaer' is not valid; did you mean 'bilinear'",
+        ),
+        ("default", {"interpolation": "nearest"}, r"interpolation: policy 'default' has no ops to resample"),
+        ("randaugment", {"size": 4}, r"size: 4 is out of range \[8, 8192\]"),
+        ("randaugment", {"size": "224"}, r"size: expected an int or \(height, width\)"),
+        ("trivialaugment", {"size": 24}, r"size: TranslateX's fixed range \[0.0, 32.0\] px does not fit a 24x24"),
+        ("randaugment", {"normalize": ([0.5] * 3,)}, r"normalize: expected \(mean, std\)"),
+        ("randaugment", {"normalize": ([0.5] * 3, [0.0] * 3)}, r"normalize.std\[0\]: 0.0 is out of range"),
+        ("randaugment", {"normalize": {"mean": [0.5] * 3}}, r"normalize.std: missing required key"),
+        ("randaugment", {"flip": 1.5}, r"flip: 1.5 is out of range \[0.0, 1.0\]"),
+        ("randaugment", {"flip": True}, r"flip: expected a number"),
+    ],
+)
 def test_invalid_overrides_name_the_override_and_the_choices(name, overrides, match):
     with pytest.raises(ValueError, match=match):
         load_policy(name, **overrides)
@@ -151,10 +174,12 @@ def test_scale_with_size_only_for_pixel_valued_ops():
 
 
 def test_overrides_keep_the_policy_layer_free_of_torch():
-    code = ("import sys, fusionflow.policy as p; p.load_policy('randaugment', size=176, magnitude=5, "
-            "interpolation='bilinear', normalize=([0.5]*3, [0.2]*3), flip=0.0);"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nvidia', 'torchvision')];"
-            "assert not bad, bad")
+    code = (
+        "import sys, fusionflow.policy as p; p.load_policy('randaugment', size=176, magnitude=5, "
+        "interpolation='bilinear', normalize=([0.5]*3, [0.2]*3), flip=0.0);"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'nvidia', 'torchvision')];"
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -169,6 +194,7 @@ def test_eval_policy_matches_torchvision_resize_center_crop(overrides, fast, min
     tolerance: the centre crop is mapped to whole source pixels and resized once (measured here:
     exact mode >= 42 dB, median ~50; fast >= 37 dB, median ~45)."""
     from tv_reference import psnr
+
     policy = dataclasses.replace(load_policy("eval", **overrides), fast_downscale=fast)
     assert policy.flip == 0 and policy.augment.type == "none"
     pipe = CpuPipeline(policy)
@@ -186,6 +212,7 @@ def test_eval_policy_matches_torchvision_resize_center_crop(overrides, fast, min
 @pytest.mark.parametrize("height,width", [(375, 500), (500, 375), (256, 256), (224, 900), (1000, 257)])
 def test_center_window_is_torchvisions_center_crop_in_source_pixels(height, width):
     from fusionflow.policy.sampling import center_window
+
     top, left, h, w = center_window(256, (224, 224), height, width)
     assert 0 <= top and 0 <= left and top + h <= height and left + w <= width
     # torchvision's geometry: the resized image's centre crop, scaled back
@@ -195,22 +222,28 @@ def test_center_window_is_torchvisions_center_crop_in_source_pixels(height, widt
     assert abs(left - round((resized[1] - 224) / 2) * sx) <= 0.5 and abs(w - 224 * sx) <= 1
 
 
-@pytest.mark.parametrize("cfg,match", [
-    ({"mode": "center"}, r"crop.resize: missing required key for crop.mode center"),
-    ({"mode": "center", "resize": 200}, r"crop.resize: 200 is smaller than the 224x224 center crop"),
-    ({"mode": "center", "resize": 256, "scale": [0.5, 1]}, r"crop.scale: applies to the random resized crop"),
-    ({"resize": 256}, r"crop.resize: applies to crop.mode center"),
-    ({"mode": "centre", "resize": 256}, r"crop.mode: 'centre' is not valid; did you mean 'center'"),
-])
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        ({"mode": "center"}, r"crop.resize: missing required key for crop.mode center"),
+        ({"mode": "center", "resize": 200}, r"crop.resize: 200 is smaller than the 224x224 center crop"),
+        ({"mode": "center", "resize": 256, "scale": [0.5, 1]}, r"crop.scale: applies to the random resized crop"),
+        ({"resize": 256}, r"crop.resize: applies to crop.mode center"),
+        ({"mode": "centre", "resize": 256}, r"crop.mode: 'centre' is not valid; did you mean 'center'"),
+    ],
+)
 def test_center_crop_config_errors(cfg, match):
     with pytest.raises(ValueError, match=match):
         load_policy({"output": {"size": 224}, "crop": cfg, "augment": {"type": "none"}})
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"resize": 100}, r"resize: 100 is smaller than the 224x224 center crop: use resize >= 224"),
-    ({"size": 300}, r"resize: 256 is smaller than the 300x300 center crop"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"resize": 100}, r"resize: 100 is smaller than the 224x224 center crop: use resize >= 224"),
+        ({"size": 300}, r"resize: 256 is smaller than the 300x300 center crop"),
+    ],
+)
 def test_eval_override_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_policy("eval", **overrides)
@@ -220,9 +253,10 @@ def test_eval_override_errors(overrides, match):
 
 def test_eval_policy_through_the_loader():
     from fusionflow.loader import FusionFlowLoader
+
     ds = [(data, i) for i, data in enumerate(EVAL_JPEGS[:6])]
     policy = load_policy("eval", size=96, resize=110)
-    (x, y), = list(FusionFlowLoader(ds, batch_size=6, num_workers=1, policy=policy, seed=0))
+    ((x, y),) = list(FusionFlowLoader(ds, batch_size=6, num_workers=1, policy=policy, seed=0))
     pipe = CpuPipeline(policy)
     assert x.shape == (6, 3, 96, 96)
     assert all(np.array_equal(x[i].numpy(), pipe(ds[i][0], i)) for i in range(6))

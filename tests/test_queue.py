@@ -1,5 +1,6 @@
 """TinyBatchQueue (fusionflow/scheduling/queue.py): the two-ended tiny-batch queue, without a
 manager, processes or shared memory."""
+
 import itertools
 
 import pytest
@@ -17,8 +18,15 @@ def queue_with(*batches, reserved=0, tiny_batch_size=1):
         indices = [100 * seq + p for p in range(len(sizes))]
         all_sizes = {i: s for i, s in zip(indices, sizes)}
         size_of = [all_sizes.get(i, 0) for i in range(max(indices) + 1)]
-        q.add(1, seq, slot=seq, epoch=0, tiny=split_sorted(indices, size_of, tiny_batch_size),
-              size=len(sizes), submitted_at=10.0 + seq)
+        q.add(
+            1,
+            seq,
+            slot=seq,
+            epoch=0,
+            tiny=split_sorted(indices, size_of, tiny_batch_size),
+            size=len(sizes),
+            submitted_at=10.0 + seq,
+        )
     return q
 
 

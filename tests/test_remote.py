@@ -2,6 +2,7 @@
 and labels as local-only, every sample exactly once, an actor killed and a node removed mid-epoch,
 start-up errors, clean shutdown. On one local Ray instance per class and a simulated multi-node
 cluster (ray.cluster_utils.Cluster); skipped only when ray is not installed."""
+
 import glob
 import os
 import shutil
@@ -12,11 +13,11 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_loader import SMALL, Bytes, _our_tree, collect, no_leaks  # noqa: F401  (autouse: no process or segment left)
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
 from fusionflow import FusionFlowLoader, RemoteWorkerError
 from fusionflow.ops.pipeline import CpuPipeline
-from test_loader import SMALL, Bytes, _our_tree, collect, no_leaks  # noqa: F401  (autouse: no process or segment left)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # Ray's worker processes must import this checkout's fusionflow and these test datasets
@@ -32,8 +33,16 @@ def _init_env(monkeypatch):
     monkeypatch.setenv("RAY_DEDUP_LOGS", "0")
 
 
-RAY_MARKS = ("raylet", "gcs_server", "ray::", "/ray/_private/", "/ray/dashboard/", "/ray/autoscaler/",
-             "default_worker.py", "/ray/core/")
+RAY_MARKS = (
+    "raylet",
+    "gcs_server",
+    "ray::",
+    "/ray/_private/",
+    "/ray/dashboard/",
+    "/ray/autoscaler/",
+    "default_worker.py",
+    "/ray/core/",
+)
 
 
 def _ray_processes() -> list[str]:
@@ -68,6 +77,7 @@ def cpus_free():
     """Start each test with every CPU of the cluster free: a previous test's actors give theirs back a
     moment after its loader closed (the loader waits for them only briefly, then adds workers later)."""
     import ray
+
     deadline = time.time() + 30
     while ray.available_resources().get("CPU", 0) < ray.cluster_resources().get("CPU", 0) and time.time() < deadline:
         time.sleep(0.1)
@@ -108,8 +118,16 @@ class FloatTargets(Bytes):
 
 
 def _loader(ds, remote=None, **kw):
-    args = dict(batch_size=8, shuffle=True, num_workers=1, policy=SMALL, tiny_batch_size=2, seed=1,
-                generator=torch.Generator().manual_seed(3), persistent_workers=True)
+    args = dict(
+        batch_size=8,
+        shuffle=True,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        seed=1,
+        generator=torch.Generator().manual_seed(3),
+        persistent_workers=True,
+    )
     args.update(kw)
     return FusionFlowLoader(ds, remote_workers=remote, **args)
 
@@ -125,6 +143,7 @@ def _expected_pixels(ds, images, batches, epoch, copy=0):
 def test_without_ray_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
     from fusionflow import RayWorkers
+
     with pytest.raises(ImportError, match=r"pip install 'fusionflow\[ray\]'"):
         RayWorkers(2)
 
@@ -132,6 +151,7 @@ def test_without_ray_the_error_says_how_to_install(monkeypatch):
 def test_argument_errors():
     _ray()
     from fusionflow import RayWorkers
+
     with pytest.raises(TypeError, match="remote_workers='ray' must be None or fusionflow.RayWorkers"):
         FusionFlowLoader(Bytes(8), num_workers=1, remote_workers="ray")
     with pytest.raises(ValueError, match="remote_workers needs num_workers >= 1"):
@@ -153,6 +173,7 @@ class TestFusionFlowOwnsRay:
     def test_starts_a_local_instance_and_leaves_nothing_running(self, monkeypatch):
         ray = _ray()
         from fusionflow import RayWorkers
+
         _init_env(monkeypatch)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         assert not ray.is_initialized()
@@ -168,6 +189,7 @@ class TestFusionFlowOwnsRay:
     def test_auto_address_without_a_cluster_starts_a_local_instance(self, monkeypatch, caplog):
         ray = _ray()
         from fusionflow import RayWorkers
+
         _init_env(monkeypatch)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         loader = _loader(Bytes(12), RayWorkers(1, address="auto"))
@@ -198,6 +220,7 @@ class TestLocalRay:
     @pytest.mark.parametrize("take,per_call", [("back", 2), ("front", 2), ("back", 1), ("front", 3)])
     def test_same_pixels_and_labels_as_local_only(self, take, per_call):
         from fusionflow import RayWorkers
+
         ds = Bytes(40)
         with _loader(ds) as local:
             local.set_epoch(2)
@@ -216,11 +239,13 @@ class TestLocalRay:
         from fusionflow import RayWorkers
         from fusionflow.policy import load_policy
         from fusionflow.remote import kind as remote
+
         init = remote.RemoteWorkers.__init__
         other = load_policy(SMALL, size=16)
 
         def mismatched(self, board, config, dataset, policy, *args, **kwargs):
             init(self, board, config, dataset, other, *args, **kwargs)
+
         monkeypatch.setattr(remote.RemoteWorkers, "__init__", mismatched)
         ds = Bytes(40)
         with _loader(ds, RayWorkers(2, take="front"), shuffle=False) as loader:
@@ -233,6 +258,7 @@ class TestLocalRay:
 
     def test_targets_that_are_not_ints(self):
         from fusionflow import RayWorkers
+
         ds = FloatTargets(16)
         with _loader(ds, RayWorkers(2), shuffle=False) as loader:
             _x, labels = collect(loader)
@@ -242,6 +268,7 @@ class TestLocalRay:
 
     def test_every_sample_once_with_distributed_sampler_across_epochs(self):
         from fusionflow import RayWorkers
+
         ds = Bytes(45)
         union = []
         for rank in range(2):
@@ -263,6 +290,7 @@ class TestLocalRay:
         import ray
 
         from fusionflow import RayWorkers
+
         ds = Bytes(48, sleep=0.01)
         with _loader(ds, RayWorkers(2)) as loader:
             sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
@@ -287,6 +315,7 @@ class TestLocalRay:
 
     def test_a_failing_sample_travels_as_data(self, local_ray):
         from fusionflow.remote.task import actor_class
+
         ds = Bytes(8, bad={3})
         actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, 0)
         try:
@@ -301,6 +330,7 @@ class TestLocalRay:
 
     def test_unpicklable_dataset_fails_at_start_naming_it(self):
         from fusionflow import RayWorkers
+
         loader = _loader(Unpicklable(), RayWorkers(1))
         with pytest.raises(TypeError, match="the dataset Unpicklable cannot be pickled"):
             next(iter(loader))
@@ -308,14 +338,19 @@ class TestLocalRay:
 
     def test_files_missing_on_the_remote_node_fail_at_start(self):
         from fusionflow import RayWorkers
+
         loader = _loader(LocalFiles(), RayWorkers(1))
-        with pytest.raises(RemoteWorkerError, match=r"cannot read the dataset there: sample 0 \(/data/img_0.jpg\): "
-                                                     r"FileNotFoundError"):
+        with pytest.raises(
+            RemoteWorkerError,
+            match=r"cannot read the dataset there: sample 0 \(/data/img_0.jpg\): "
+            r"FileNotFoundError",
+        ):
             next(iter(loader))
         loader.close()
 
     def test_close_releases_the_actors_but_not_an_instance_it_did_not_start(self, local_ray):
         from fusionflow import RayWorkers
+
         loader = _loader(Bytes(16), RayWorkers(2))
         collect(loader)
         kind = loader._manager.board.kinds[0]
@@ -341,6 +376,7 @@ class TestSimulatedCluster:
     def cluster(cls):
         ray = _ray()
         from ray.cluster_utils import Cluster
+
         mp = pytest.MonkeyPatch()
         _init_env(mp)
         small = {"object_store_memory": 80 * 2**20}
@@ -357,6 +393,7 @@ class TestSimulatedCluster:
 
     def test_node_removed_mid_epoch_then_a_node_joins(self, cluster):
         from fusionflow import RayWorkers
+
         ds = Bytes(48, sleep=0.01)
         with _loader(ds, RayWorkers(2)) as loader:
             sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
@@ -387,6 +424,7 @@ class TestSimulatedCluster:
 
     def test_auto_uses_the_free_cpus_of_every_node(self, cluster):
         from fusionflow import RayWorkers
+
         ds = Bytes(24)
         with _loader(ds, RayWorkers("auto"), shuffle=False) as loader:
             images, labels = collect(loader)

@@ -1,10 +1,13 @@
 """Repeated augmentation: every copy of an index a sampler yields in one epoch is augmented
 differently, reproducibly, wherever its tiny-batch runs."""
+
 import math
 
 import numpy as np
 import pytest
 import torch
+from dali_numpy import run_numpy
+from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
 from torch.utils.data import Sampler
 
 from fusionflow.loader import FusionFlowLoader
@@ -12,8 +15,6 @@ from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import draw, load_policy
 from fusionflow.runtime import messages as m
 from fusionflow.scheduling.tiny_batches import Copies, split_sorted
-from dali_numpy import run_numpy
-from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
 
 
 class RepeatSampler(Sampler):
@@ -21,7 +22,14 @@ class RepeatSampler(Sampler):
     a shuffled order with each index repeated `repeats` times in a row, split round-robin over ranks."""
 
     def __init__(self, n, repeats=3, rank=0, num_replicas=1, seed=0):
-        self.n, self.repeats, self.rank, self.num_replicas, self.seed, self.epoch = n, repeats, rank, num_replicas, seed, 0
+        self.n, self.repeats, self.rank, self.num_replicas, self.seed, self.epoch = (
+            n,
+            repeats,
+            rank,
+            num_replicas,
+            seed,
+            0,
+        )
 
     def set_epoch(self, epoch):
         self.epoch = epoch
@@ -30,8 +38,8 @@ class RepeatSampler(Sampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = [i for i in torch.randperm(self.n, generator=g).tolist() for _ in range(self.repeats)]
         total = math.ceil(len(order) / self.num_replicas) * self.num_replicas
-        order += order[:total - len(order)]
-        return iter(order[self.rank:total:self.num_replicas])
+        order += order[: total - len(order)]
+        return iter(order[self.rank : total : self.num_replicas])
 
     def __len__(self):
         return math.ceil(self.n * self.repeats / self.num_replicas)
@@ -85,8 +93,9 @@ def _images_by_copy(loader, epoch):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_each_copy_is_distinct_and_equals_the_pipeline_with_its_copy_number(num_workers):
     ds = Bytes(12)
-    ld = FusionFlowLoader(ds, batch_size=6, sampler=RepeatSampler(12, 3), num_workers=num_workers, policy=SMALL,
-                          tiny_batch_size=2, seed=4)
+    ld = FusionFlowLoader(
+        ds, batch_size=6, sampler=RepeatSampler(12, 3), num_workers=num_workers, policy=SMALL, tiny_batch_size=2, seed=4
+    )
     pipe = CpuPipeline(SMALL)
     try:
         seen = _images_by_copy(ld, 1)
@@ -104,16 +113,19 @@ def test_same_images_with_zero_and_two_workers_and_across_ranks():
     ds = Bytes(12)
     runs = []
     for workers in (0, 2):
-        ld = FusionFlowLoader(ds, batch_size=6, sampler=RepeatSampler(12, 3), num_workers=workers, policy=SMALL,
-                              tiny_batch_size=2, seed=4)
+        ld = FusionFlowLoader(
+            ds, batch_size=6, sampler=RepeatSampler(12, 3), num_workers=workers, policy=SMALL, tiny_batch_size=2, seed=4
+        )
         try:
             runs.append(_images_by_copy(ld, 0))
         finally:
             ld.close()
     assert all(np.array_equal(a, b) for i in runs[0] for a, b in zip(runs[0][i], runs[1][i]))
     # three ranks (the sampler's rank/num_replicas): each gets one copy of every index; all differ
-    per_rank = [_images_by_copy(FusionFlowLoader(ds, batch_size=4, sampler=RepeatSampler(12, 3, r, 3), policy=SMALL,
-                                                 seed=4), 0) for r in range(3)]
+    per_rank = [
+        _images_by_copy(FusionFlowLoader(ds, batch_size=4, sampler=RepeatSampler(12, 3, r, 3), policy=SMALL, seed=4), 0)
+        for r in range(3)
+    ]
     for i in range(12):
         imgs = [img for run in per_rank for img in run[i]]
         assert len(imgs) == 3 and len({img.tobytes() for img in imgs}) == 3, i
@@ -122,8 +134,10 @@ def test_same_images_with_zero_and_two_workers_and_across_ranks():
 
 def test_dali_accelerator_uses_the_copy_number():
     pytest.importorskip("nvidia.dali")
-    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
     from tv_reference import psnr
+
+    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+
     ds = Bytes(4)
     dp = DaliPolicyPipeline(SMALL, batch_size=6)
     idx, copies = [0, 0, 0, 1, 1, 1], [0, 1, 2, 0, 1, 2]
@@ -135,8 +149,16 @@ def test_dali_accelerator_uses_the_copy_number():
         scores = [psnr(out[k], cpu(ds.data[i], i, seed=4, epoch=2, copy=o)) for o in range(3)]
         assert int(np.argmax(scores)) == c, (i, c, scores)
     # and through the loader: CPU workers and the accelerator share mini-batches
-    ld = FusionFlowLoader(ds, batch_size=6, sampler=RepeatSampler(4, 3), num_workers=1, policy=SMALL,
-                          tiny_batch_size=2, accelerator="dali-cpu", seed=4)
+    ld = FusionFlowLoader(
+        ds,
+        batch_size=6,
+        sampler=RepeatSampler(4, 3),
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        accelerator="dali-cpu",
+        seed=4,
+    )
     try:
         seen = _images_by_copy(ld, 2)
         assert ld.stats.accelerator_tiny_batches > 0
@@ -153,9 +175,18 @@ def test_dali_accelerator_uses_the_copy_number():
 def test_resume_mid_epoch_keeps_the_copy_numbers_of_repeated_indices(workers):
     """A resumed epoch skips the batches already yielded; their occurrences must still count, or the
     copies after the resume point would repeat the pixels of earlier copies."""
+
     def make(num_workers):
-        return FusionFlowLoader(Bytes(12), batch_size=4, sampler=RepeatSampler(12, 3, seed=4), policy=SMALL,
-                                tiny_batch_size=2, num_workers=num_workers, seed=5)
+        return FusionFlowLoader(
+            Bytes(12),
+            batch_size=4,
+            sampler=RepeatSampler(12, 3, seed=4),
+            policy=SMALL,
+            tiny_batch_size=2,
+            num_workers=num_workers,
+            seed=5,
+        )
+
     first = make(workers[0])
     it = iter(first)
     next(it), next(it)  # 2 of 9 batches: some indices' first copies are behind the resume point

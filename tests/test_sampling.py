@@ -1,4 +1,5 @@
 """Per-sample draws: deterministic in (seed, epoch, index), distributed as the policy says."""
+
 import itertools
 import math
 from collections import Counter

@@ -1,4 +1,5 @@
 """Tiny-batch split and sort: every position exactly once, sorted by bytes, deterministic."""
+
 import itertools
 
 import numpy as np

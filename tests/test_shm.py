@@ -1,4 +1,5 @@
 """The shared-memory batch ring: reserved at creation, so a small /dev/shm fails there with a fix."""
+
 import errno
 import os
 

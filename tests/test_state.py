@@ -1,5 +1,6 @@
 """Mid-epoch checkpoint and resume (fusionflow/checkpoint.py): a fresh loader given `state_dict()` yields
 exactly the batches -- indices and pixels -- the original yields after it, and the same epochs after."""
+
 import io
 import pickle
 import warnings
@@ -38,8 +39,9 @@ CASES = {  # name: loader arguments, built fresh each time (a fresh generator / 
     "sequential": lambda: dict(batch_size=4),
     "drop_last": lambda: dict(batch_size=4, drop_last=True, shuffle=True, generator=torch.Generator().manual_seed(2)),
     "shuffle_generator": lambda: dict(batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(7)),
-    "distributed": lambda: dict(batch_size=3, sampler=DistributedSampler(DS, num_replicas=2, rank=1, shuffle=True,
-                                                                          seed=9)),
+    "distributed": lambda: dict(
+        batch_size=3, sampler=DistributedSampler(DS, num_replicas=2, rank=1, shuffle=True, seed=9)
+    ),
     "custom_state_dict": lambda: dict(batch_size=4, sampler=Shuffled(len(DS), 5)),
 }
 
@@ -149,7 +151,7 @@ def test_shuffle_without_generator_resumes_the_epoch_and_follows_torchs_rng():
     loader.close()
     torch.manual_seed(999)  # a new process: another RNG state
     fresh = make("sequential", 2, shuffle=True)  # (a loader starting workers draws their base seed from
-    fresh.load_state_dict(state)                  # torch's RNG too: the same worker count draws the same)
+    fresh.load_state_dict(state)  # torch's RNG too: the same worker count draws the same)
     same_batches(batches(fresh), rest)
     torch.set_rng_state(rng)
     same_batches(batches(fresh), following)
@@ -158,6 +160,7 @@ def test_shuffle_without_generator_resumes_the_epoch_and_follows_torchs_rng():
 def test_order_of_shuffle_without_generator_is_still_dataloaders():
     """Capturing the epoch's draw does not change the order a seeded DataLoader gives."""
     from torch.utils.data import BatchSampler, RandomSampler
+
     torch.manual_seed(31)
     expected = [list(b) for b in BatchSampler(RandomSampler(DS), 6, False)]
     torch.manual_seed(31)
@@ -177,11 +180,14 @@ def test_resumed_loader_takes_the_states_seed():
     assert given.seed == 77
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(batch_size=5), "batch_size=4"),
-    (dict(drop_last=True), "drop_last=False"),
-    (dict(shuffle=True, generator=torch.Generator()), "'none'"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(batch_size=5), "batch_size=4"),
+        (dict(drop_last=True), "drop_last=False"),
+        (dict(shuffle=True, generator=torch.Generator()), "'none'"),
+    ],
+)
 def test_a_state_from_another_loader_is_refused_naming_the_difference(change, match):
     state = make("sequential", 0).state_dict()
     with pytest.raises(ValueError, match=match):
@@ -203,6 +209,7 @@ def test_a_state_from_another_dataset_or_rank_is_refused():
 
 def test_sampler_on_torchs_global_rng_warns_that_it_cannot_resume_exactly():
     from torch.utils.data import SubsetRandomSampler
+
     loader = FusionFlowLoader(DS, batch_size=4, policy=SMALL, sampler=SubsetRandomSampler(range(10)))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # iterating alone does not warn: only taking a state does

@@ -1,4 +1,5 @@
 """fusionflow/stats.py: LoaderStats' reset and the bridge maxima's names."""
+
 import dataclasses
 
 import pytest
@@ -15,8 +16,15 @@ def test_reset_restores_every_default_but_what_describes_the_loader():
     s = LoaderStats()
     lists = s.wait_seconds
     for f in dataclasses.fields(s):
-        setattr(s, f.name, {"x": 1} if isinstance(getattr(s, f.name), dict) else
-                [1] if isinstance(getattr(s, f.name), list) else "set")
+        setattr(
+            s,
+            f.name,
+            {"x": 1}
+            if isinstance(getattr(s, f.name), dict)
+            else [1]
+            if isinstance(getattr(s, f.name), list)
+            else "set",
+        )
     s.reset()
     fresh = LoaderStats()
     for f in dataclasses.fields(s):

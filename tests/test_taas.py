@@ -1,4 +1,5 @@
 """TAAS K search: exhaustive over small worlds where the truth is known."""
+
 import itertools
 
 import pytest
@@ -48,6 +49,7 @@ def test_cpu_may_take():
 
 def test_choose_sharing():
     from fusionflow.scheduling.sharing import choose_sharing
+
     gib = 1 << 30
     assert choose_sharing([1.0, 1.1, 1.2], [0.8, 0.9, 0.7], 10 * gib, 80 * gib) == "spatial"
     assert choose_sharing([1.0, 1.1, 1.2], [1.3, 1.4, 1.2], 10 * gib, 80 * gib) == "temporal"

@@ -1,5 +1,6 @@
 """Targets of any type arrive exactly as torch's DataLoader delivers them (runtime/targets.py): ints on
 the shared-memory fast path, everything else collated with default_collate in the training process."""
+
 import secrets
 
 import numpy as np
@@ -91,8 +92,9 @@ def test_float_label_keeps_its_fraction():
 def test_skipped_samples_are_dropped_from_the_targets_too(kind, num_workers):
     bad = {3, 9, 10}
     ds = Targets(kind, bad=bad)
-    loader = FusionFlowLoader(ds, batch_size=7, num_workers=num_workers, policy=SMALL, tiny_batch_size=2,
-                              on_error="skip")
+    loader = FusionFlowLoader(
+        ds, batch_size=7, num_workers=num_workers, policy=SMALL, tiny_batch_size=2, on_error="skip"
+    )
     with pytest.warns(UserWarning, match="on_error='skip'"):
         _, got = collect(loader)
     kept = [[i for i in b if i not in bad] for b in BatchSampler(SequentialSampler(ds), 7, False)]
@@ -117,8 +119,7 @@ def test_collate_fn_gets_targets_as_the_dataset_returned_them(num_workers):
 def test_accelerator_samples_carry_any_target():
     pytest.importorskip("nvidia.dali")
     ds = Targets("soft", n=30)
-    loader = FusionFlowLoader(ds, batch_size=10, num_workers=1, policy=SMALL, tiny_batch_size=2,
-                              accelerator="dali-cpu")
+    loader = FusionFlowLoader(ds, batch_size=10, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu")
     _, got = collect(loader)
     assert loader.stats.accelerator_tiny_batches > 0
     expected = dataloader_targets(ds, list(BatchSampler(SequentialSampler(ds), 10, False)))
@@ -132,8 +133,9 @@ def test_lent_workers_deliver_any_target():
     name = "test-" + secrets.token_hex(6)
     slow, fast = Targets("dict", n=40), Bytes(40)
     slow.sleep = 0.04
-    args = dict(batch_size=8, num_workers=1, policy=SMALL, persistent_workers=True, pin_workers=False,
-                global_manager=name)
+    args = dict(
+        batch_size=8, num_workers=1, policy=SMALL, persistent_workers=True, pin_workers=False, global_manager=name
+    )
     a, b = FusionFlowLoader(slow, seed=11, **args), FusionFlowLoader(fast, seed=3, **args)
     try:
         collect(b)  # b's worker is idle from now on: the GM lends it to a
@@ -171,6 +173,7 @@ def test_collated_targets_move_to_the_device_structure_kept():
     from collections import namedtuple
 
     from fusionflow.delivery import map_tensors as _map_tensors
+
     Pair = namedtuple("Pair", "a b")
     collated = {"y": torch.tensor([1.0]), "p": Pair(torch.tensor([2]), ("s", "t")), "l": [torch.tensor([3])]}
     moved = _map_tensors(collated, lambda t: t + 10)

@@ -1,8 +1,8 @@
 """Observability: the trace (format, exactly-once tiny-batch coverage, waits = stats), stage timing,
 the timeline PNG, and the profile / bench commands."""
+
 import json
 import math
-import os
 import struct
 
 import numpy as np
@@ -10,11 +10,11 @@ import pytest
 import torch
 from test_loader import SMALL, Bytes
 
-from fusionflow.tools.demo import main as cli
 from fusionflow.loader import FusionFlowLoader
+from fusionflow.policy import load_policy
 from fusionflow.runtime import messages as m
 from fusionflow.stages import stage_names
-from fusionflow.policy import load_policy
+from fusionflow.tools.demo import main as cli
 from fusionflow.tools.synthetic import make_image_folder
 from fusionflow.tools.timeline import plot_timeline, summarize
 from fusionflow.trace import TraceRecorder, load
@@ -46,11 +46,12 @@ def test_trace_file_covers_every_sample_once_and_its_waits_are_the_stats(tmp_pat
     ds = Bytes(45)
     order = list(np.random.default_rng(3).permutation(len(ds)))
     path = tmp_path / "run.json"
-    loader = FusionFlowLoader(ds, batch_size=8, sampler=order, num_workers=2, policy=SMALL, tiny_batch_size=3,
-                              trace=str(path), seed=1)
+    loader = FusionFlowLoader(
+        ds, batch_size=8, sampler=order, num_workers=2, policy=SMALL, tiny_batch_size=3, trace=str(path), seed=1
+    )
     got = [y.tolist() for _, y in loader]
     loader.close()
-    batches = [order[k:k + 8] for k in range(0, len(order), 8)]
+    batches = [order[k : k + 8] for k in range(0, len(order), 8)]
     assert got == batches  # labels are indices
 
     trace = json.loads(path.read_text())
@@ -113,12 +114,15 @@ def test_inline_loader_traces_its_waits(tmp_path):
     assert [e["dur"] / 1e6 for e in x_events(trace, "wait")] == pytest.approx(loader.stats.wait_seconds, abs=2e-6)
 
 
-@pytest.mark.parametrize("kwargs, error, match", [
-    ({"trace": 123}, TypeError, "trace=123"),
-    ({"trace": ""}, ValueError, "trace=''"),
-    ({"trace": "/no/such/dir/run.json"}, ValueError, "/no/such/dir"),
-    ({"stage_times": "yes"}, TypeError, "stage_times='yes'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"trace": 123}, TypeError, "trace=123"),
+        ({"trace": ""}, ValueError, "trace=''"),
+        ({"trace": "/no/such/dir/run.json"}, ValueError, "/no/such/dir"),
+        ({"stage_times": "yes"}, TypeError, "stage_times='yes'"),
+    ],
+)
 def test_bad_observability_arguments_name_the_value(kwargs, error, match):
     with pytest.raises(error, match=match):
         FusionFlowLoader(Bytes(8), batch_size=4, policy=SMALL, **kwargs)
@@ -179,6 +183,7 @@ def test_timeline_png_and_summary(tmp_path):
     assert set(s["workers"]) <= {"CPU worker 0", "CPU worker 1"}
     assert all(0.0 <= w["idle_share"] <= 1.0 for w in s["workers"].values())
     from fusionflow.tools.profile import stage_seconds_by_track
+
     png = plot_timeline(trace, str(tmp_path / "t.png"), stage_seconds_by_track(loader.stats))
     data = open(png, "rb").read()
     assert data[:8] == PNG_MAGIC and len(data) > 10_000
@@ -192,8 +197,10 @@ def folder(tmp_path_factory):
 
 def test_profile_command_writes_trace_png_and_summary(folder, tmp_path, capsys):
     out = tmp_path / "prof"
-    assert cli(["profile", "--data", folder, "--workers", "2", "--batches", "5", "--batch-size", "4",
-                "--out", str(out)]) == 0
+    assert (
+        cli(["profile", "--data", folder, "--workers", "2", "--batches", "5", "--batch-size", "4", "--out", str(out)])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "wait at next(): mean" in text and "CPU pipeline stages: " in text and "decode+crop+resize" in text
     assert "idle" in text and str(out / "timeline.png") in text
@@ -204,22 +211,47 @@ def test_profile_command_writes_trace_png_and_summary(folder, tmp_path, capsys):
 
 def test_bench_command_compares_both_loaders(folder, tmp_path, capsys):
     result = tmp_path / "bench.json"
-    assert cli(["bench", "--data", folder, "--workers", "1", "--batch-size", "4", "--batches", "2", "--repeats", "2",
-                "--size", "32", "--json", str(result)]) == 0
+    assert (
+        cli(
+            [
+                "bench",
+                "--data",
+                folder,
+                "--workers",
+                "1",
+                "--batch-size",
+                "4",
+                "--batches",
+                "2",
+                "--repeats",
+                "2",
+                "--size",
+                "32",
+                "--json",
+                str(result),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "FusionFlowLoader / DataLoader+torchvision:" in text
     res = json.loads(result.read_text())
     for name in ("FusionFlowLoader", "DataLoader+torchvision"):
         assert len(res["results"][name]["samples_per_s"]) == 2
-    assert res["ratio"] == pytest.approx(res["results"]["FusionFlowLoader"]["samples_per_s_median"]
-                                         / res["results"]["DataLoader+torchvision"]["samples_per_s_median"])
+    assert res["ratio"] == pytest.approx(
+        res["results"]["FusionFlowLoader"]["samples_per_s_median"]
+        / res["results"]["DataLoader+torchvision"]["samples_per_s_median"]
+    )
 
 
-@pytest.mark.parametrize("argv, match", [
-    (["profile", "--data", "/no/such/dir"], "--data '/no/such/dir' is not a directory"),
-    (["profile", "--data", ".", "--batches", "0"], "--batches must be >= 1"),
-    (["bench", "--data", ".", "--repeats", "0"], "--repeats must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["profile", "--data", "/no/such/dir"], "--data '/no/such/dir' is not a directory"),
+        (["profile", "--data", ".", "--batches", "0"], "--batches must be >= 1"),
+        (["bench", "--data", ".", "--repeats", "0"], "--repeats must be >= 1"),
+    ],
+)
 def test_commands_reject_bad_arguments(argv, match, capsys):
     with pytest.raises(SystemExit) as exc:
         cli(argv)
@@ -230,8 +262,9 @@ def test_accelerator_tiny_batches_get_their_own_track(tmp_path):
     pytest.importorskip("nvidia.dali")
     ds = Bytes(36)
     path = tmp_path / "accel.json"
-    loader = FusionFlowLoader(ds, batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu",
-                              seed=4, trace=path)
+    loader = FusionFlowLoader(
+        ds, batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu", seed=4, trace=path
+    )
     list(loader)
     loader.close()
     trace = load(path)
@@ -246,6 +279,7 @@ def test_accelerator_tiny_batches_get_their_own_track(tmp_path):
 
 def test_lent_and_borrowed_workers_show_on_both_loaders_traces(tmp_path):
     from test_global_manager import job, make, wait_until
+
     name = job()
     a = make(Bytes(40, sleep=0.04), name, seed=11, trace=tmp_path / "a.json")
     b = make(Bytes(40), name, seed=3, trace=tmp_path / "b.json")
@@ -274,8 +308,17 @@ def test_gpu_accelerator_spans_on_the_trace(tmp_path):
     pytest.importorskip("nvidia.dali")
     ds = Bytes(48)
     path = tmp_path / "gpu.json"
-    loader = FusionFlowLoader(ds, batch_size=12, num_workers=1, policy=SMALL, tiny_batch_size=2, device="cuda",
-                              accelerator="dali-gpu", seed=4, trace=path)
+    loader = FusionFlowLoader(
+        ds,
+        batch_size=12,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        device="cuda",
+        accelerator="dali-gpu",
+        seed=4,
+        trace=path,
+    )
     got = sorted(i for _, y in loader for i in y.tolist())
     loader.close()
     trace = load(path)

@@ -1,4 +1,5 @@
 """torchvision as the independent reference: its own op dispatch on PIL images, and its pipeline."""
+
 import math
 
 import numpy as np
@@ -36,13 +37,13 @@ def tv_op(name: str, img: Image.Image, value: float, fill=(0, 0, 0), interpolati
         return tv_cutout(img, value, aux, fill)
     aug = T.RandAugment(interpolation=_MODES[interpolation], fill=list(fill))
     magnitude = value / 255.0 if name == "Solarize" else value  # torchvision: threshold = 255 * m
-    return aug._apply_image_or_video_transform(img, name, magnitude, interpolation=aug.interpolation,
-                                               fill=aug._fill)
+    return aug._apply_image_or_video_transform(img, name, magnitude, interpolation=aug.interpolation, fill=aug._fill)
 
 
 def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
     """torchvision's path for one drawn sample: decode, resized_crop, flip, ops -> uint8 CHW."""
     import io
+
     img = Image.open(io.BytesIO(data)).convert("RGB")
     top, left, h, w = crop
     img = F.resized_crop(img, top, left, h, w, list(policy.size), InterpolationMode.BILINEAR, antialias=True)
@@ -58,7 +59,9 @@ def tv_recipe(policy, data: bytes, d) -> np.ndarray:
     """torchvision's whole recipe on draw `d`: the pipeline (tv_sample), then ToDtype(scale) + Normalize
     when the policy normalises, then F.erase with the draw's rectangle and fill."""
     import io
+
     from fusionflow.policy import crop_window
+
     W, H = Image.open(io.BytesIO(data)).size
     t = torch.from_numpy(tv_sample(policy, data, d, crop_window(policy, d, H, W)).copy())
     if policy.normalize:
@@ -71,4 +74,4 @@ def tv_recipe(policy, data: bytes, d) -> np.ndarray:
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
     mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * math.log10(255.0 ** 2 / mse)
+    return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)

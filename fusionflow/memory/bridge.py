@@ -30,6 +30,7 @@ Release path for lent blocks: close() (every window; every next() while there ar
 shutdown(); a block pinned at shutdown stays allocated inside PyTorch's allocator (never freed
 under DALI), is reported, and goes back through the next bridge on that device.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -65,14 +66,17 @@ class MemoryBridge:
         import torch
 
         from fusionflow.memory.torch_side import TorchLender
+
         self.torch = torch
         self.device = torch.device(device)
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         if self.index in _IN_USE:  # the native resource is per device and process: one driver of its windows
-            raise native.BridgeError(f"another loader in this process already lends PyTorch's blocks to DALI on "
-                                     f"cuda:{self.index}; this one does not lend (its DALI may still use blocks "
-                                     "the other lends, inside that loader's windows); close the other first to "
-                                     "give the bridge to this one")
+            raise native.BridgeError(
+                f"another loader in this process already lends PyTorch's blocks to DALI on "
+                f"cuda:{self.index}; this one does not lend (its DALI may still use blocks "
+                "the other lends, inside that loader's windows); close the other first to "
+                "give the bridge to this one"
+            )
         self.lib = native.load_bridge()
         native.call(self.lib.ff_bridge_install, self.index)
         self.lender = TorchLender(self.device)
@@ -110,7 +114,7 @@ class MemoryBridge:
                 # the event goes on PyTorch's stream after the blocks were taken: DALI orders after both
                 native.call(self.lib.ff_bridge_open, self.index, self._stream.cuda_stream)
             except BaseException:
-                self.lender.take_back(blocks[len(handed):])
+                self.lender.take_back(blocks[len(handed) :])
                 self._close_locked(self._stream)
                 raise
             self._ledger_add(handed)
@@ -170,7 +174,10 @@ class MemoryBridge:
         self.close()
         _IN_USE.discard(self.index)
         if self._held:
-            log.warning("allocator bridge: %d bytes lent to DALI are still in use at shutdown; the next bridge "
-                        "on this device (or the process's end) takes them back", self.stats.pinned_bytes)
+            log.warning(
+                "allocator bridge: %d bytes lent to DALI are still in use at shutdown; the next bridge "
+                "on this device (or the process's end) takes them back",
+                self.stats.pinned_bytes,
+            )
         self.ledger.close()
         self.ledger = None  # shut down: a second call does nothing

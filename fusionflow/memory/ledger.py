@@ -21,6 +21,7 @@ The ledger is bookkeeping only: what a block *is* (from torch's caching allocato
 is the torch/DALI sides' business (fusionflow/memory, kernels/). One posix_ipc segment and one
 semaphore (the lock), both named ``/ffl_<random>`` and created 0600; the owner unlinks both.
 """
+
 from __future__ import annotations
 
 import mmap
@@ -99,8 +100,10 @@ class BlockLedger:
         try:
             self._lock.acquire(LOCK_TIMEOUT_S)  # held for microseconds; a long wait means a holder died in it
         except posix_ipc.BusyError:
-            raise RuntimeError(f"block ledger {self.name} lock not acquired within {LOCK_TIMEOUT_S} s: a process "
-                               "probably died while holding it; restart the job") from None
+            raise RuntimeError(
+                f"block ledger {self.name} lock not acquired within {LOCK_TIMEOUT_S} s: a process "
+                "probably died while holding it; restart the job"
+            ) from None
         return self
 
     def __exit__(self, *exc):
@@ -133,8 +136,9 @@ class BlockLedger:
                 i = next(slots, None)
                 if i is None:
                     i, used = used, used + 1
-                self._write(i, [state, block.device, block.size, block.address, block.handle.ljust(64, b"\0"),
-                                me, borrower])
+                self._write(
+                    i, [state, block.device, block.size, block.address, block.handle.ljust(64, b"\0"), me, borrower]
+                )
             _HEADER.pack_into(self._map, 0, self.capacity, used)
 
     def reclaim(self, timeout: float = 5.0, poll: float = 0.001) -> list[Block]:
@@ -206,8 +210,10 @@ class BlockLedger:
     def totals(self) -> dict:
         with self:
             recs = [r for _, r in self._records()]
-        return {"lent_bytes": sum(r[2] for r in recs if r[0] in (LENT, BORROWED)),
-                "borrowed_bytes": sum(r[2] for r in recs if r[0] == BORROWED)}
+        return {
+            "lent_bytes": sum(r[2] for r in recs if r[0] in (LENT, BORROWED)),
+            "borrowed_bytes": sum(r[2] for r in recs if r[0] == BORROWED),
+        }
 
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment and the semaphore."""

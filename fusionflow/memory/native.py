@@ -12,6 +12,7 @@ concurrent processes never load a half-written library. A build that cannot run 
 `NativeBuildError` whose message says what is missing and how to provide it; the runtime turns
 that into a logged fallback (memory_bridge="auto") or an error (memory_bridge="on").
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -23,7 +24,10 @@ import sysconfig
 import tempfile
 from pathlib import Path
 
-from fusionflow.errors import BridgeError, NativeBuildError  # defined with the other public errors; used as native.BridgeError
+from fusionflow.errors import (
+    BridgeError,
+    NativeBuildError,
+)  # defined with the other public errors; used as native.BridgeError
 
 KERNELS = Path(__file__).resolve().parents[1] / "kernels"  # package data (fusionflow/kernels)
 ERRLEN = 512
@@ -75,8 +79,10 @@ def cuda_paths() -> tuple[Path, Path]:
             if (lib / "libcudart_static.a").exists() or any(lib.glob("libcudart.so*")):
                 return inc, lib
         tried.append(root)
-    raise NativeBuildError("CUDA runtime headers and libcudart not found (looked in "
-                           f"{', '.join(tried) or 'nothing'}): set CUDA_HOME to a CUDA toolkit")
+    raise NativeBuildError(
+        "CUDA runtime headers and libcudart not found (looked in "
+        f"{', '.join(tried) or 'nothing'}): set CUDA_HOME to a CUDA toolkit"
+    )
 
 
 def _cudart_link(lib: Path) -> list[str]:
@@ -89,8 +95,10 @@ def _cudart_link(lib: Path) -> list[str]:
 def _build(name: str, sources: list[Path], args: list[str], extra_key: str = "") -> Path:
     missing = [str(src) for src in sources if not src.exists()]
     if missing:
-        raise NativeBuildError(f"native sources not found ({', '.join(missing)}): they ship inside the package "
-                               "(fusionflow/kernels); reinstall fusionflow")
+        raise NativeBuildError(
+            f"native sources not found ({', '.join(missing)}): they ship inside the package "
+            "(fusionflow/kernels); reinstall fusionflow"
+        )
     cxx = compiler()
     key = hashlib.sha256()
     for src in sources + sorted(KERNELS.glob("*.h")):
@@ -107,8 +115,9 @@ def _build(name: str, sources: list[Path], args: list[str], extra_key: str = "")
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as exc:
-            raise NativeBuildError(f"building {name}: the compiler {cxx} could not run ({exc}); set CXX to a "
-                                   "working C++ compiler") from None
+            raise NativeBuildError(
+                f"building {name}: the compiler {cxx} could not run ({exc}); set CXX to a working C++ compiler"
+            ) from None
         if proc.returncode != 0:
             tail = "\n".join(proc.stderr.strip().splitlines()[-15:])
             raise NativeBuildError(f"building {name} failed ({' '.join(cmd[:2])} ... exit {proc.returncode}):\n{tail}")
@@ -127,9 +136,22 @@ def build_bridge() -> Path:
     dali_inc, dali_lib = dali_paths()
     cuda_inc, cuda_lib = cuda_paths()
     core = (dali_lib / "libdali_core.so").stat()  # a DALI upgraded in place gets a fresh build (C++ ABI)
-    return _build("ff_dali_bridge", [KERNELS / "dali_bridge_resource.cc"],
-                  ["-I", str(dali_inc), "-I", str(cuda_inc), "-L", str(dali_lib), "-ldali_core",
-                   f"-Wl,-rpath,{dali_lib}", *_cudart_link(cuda_lib)], extra_key=f"{core.st_size}:{core.st_mtime_ns}")
+    return _build(
+        "ff_dali_bridge",
+        [KERNELS / "dali_bridge_resource.cc"],
+        [
+            "-I",
+            str(dali_inc),
+            "-I",
+            str(cuda_inc),
+            "-L",
+            str(dali_lib),
+            "-ldali_core",
+            f"-Wl,-rpath,{dali_lib}",
+            *_cudart_link(cuda_lib),
+        ],
+        extra_key=f"{core.st_size}:{core.st_mtime_ns}",
+    )
 
 
 def _declare(lib, name: str, restype, *argtypes):
@@ -161,6 +183,7 @@ def load_bridge() -> ctypes.CDLL:
     global _BRIDGE
     if _BRIDGE is None:
         import nvidia.dali.backend  # noqa: F401  (loads libdali_core into the process)
+
         path = build_bridge()
         try:
             lib = ctypes.CDLL(str(path))

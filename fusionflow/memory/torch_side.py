@@ -10,11 +10,13 @@ for the window. The new segment then stays in PyTorch's cache (reserved, free fo
 use): at most one segment per window, reported as `refused`.
 
 Blocks go out in pieces of at most 64 MiB (`plan_requests`), so a DALI allocation that outlives the
-window pins one piece, not a whole block. Only the default pool's large segments are lent (blocks of >= 2 MiB by default: what DALI's batch
+window pins one piece, not a whole block. Only the default pool's large segments are lent (blocks of >= 2 MiB by
+default: what DALI's batch
 buffers need): not private pools (CUDA graphs, torch.compile's reduce-overhead), which a plain
 request can never reach, and not expandable segments (they map and unmap pages under the
 allocator's own control).
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,8 +34,13 @@ def free_cached_blocks(segments: list[dict], device: int, stream: int, min_block
     Pure."""
     out = []
     for seg in segments:
-        if (seg.get("device") != device or seg.get("stream") != stream or seg.get("segment_type") != "large"
-                or seg.get("is_expandable") or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)):
+        if (
+            seg.get("device") != device
+            or seg.get("stream") != stream
+            or seg.get("segment_type") != "large"
+            or seg.get("is_expandable")
+            or tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0)
+        ):
             continue
         address = seg["address"]
         for blk in seg["blocks"]:
@@ -58,6 +65,7 @@ def plan_requests(blocks: list[Block], chunk: int = CHUNK, min_block: int = MIN_
 
 def snapshot() -> list[dict]:
     import torch
+
     try:
         return torch.cuda.memory_snapshot(include_traces=False)  # no stack traces: cheap
     except TypeError:  # older torch
@@ -69,6 +77,7 @@ class TorchLender:
 
     def __init__(self, device, min_block: int = MIN_BLOCK, chunk: int = CHUNK):
         import torch
+
         self.torch = torch
         self.device = torch.device(device)
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -89,8 +98,11 @@ class TorchLender:
                 if cuda.memory_reserved(self.index) > before:
                     cuda.caching_allocator_delete(ptr)
                     self.refused += 1
-                    log.info("allocator bridge: a %d-byte request would have grown PyTorch's reservation; "
-                             "stopped lending for this window", size)
+                    log.info(
+                        "allocator bridge: a %d-byte request would have grown PyTorch's reservation; "
+                        "stopped lending for this window",
+                        size,
+                    )
                     break
                 lent.append(Block(ptr, size, self.index))
         except BaseException:

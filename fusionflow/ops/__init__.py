@@ -5,6 +5,7 @@
 'gpu'). `pipeline` runs a whole policy on CPU; `dali_pipeline` builds the equivalent DALI pipeline.
 Import the implementation modules explicitly; this package import stays light.
 """
+
 from fusionflow.ops.specs import OP_NAMES, OPS, OpSpec
 
 __all__ = ["OPS", "OP_NAMES", "OpSpec"]

@@ -5,11 +5,12 @@ Each takes (image, value, params, style) -- `value` in the op's unit, `params` f
 new image. Semantics equal torchvision.transforms.v2's functional op of the same name on a PIL
 image (checked op by op in tests/test_ops_cpu.py).
 """
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from PIL import Image, ImageEnhance

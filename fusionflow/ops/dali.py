@@ -8,10 +8,11 @@ The pixel arithmetic reproduces Pillow's where DALI allows it (blends truncate l
 gray is Pillow's fixed-point ITU-R 601 luma); Equalize uses DALI's own histogram equalisation,
 whose rounding differs. tests/test_ops_dali.py states each op's tolerance against the CPU ops.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from nvidia.dali import fn, types
@@ -39,6 +40,8 @@ class DaliStyle:
     def dev(self, node):
         """A per-sample parameter (a CPU input) moved to where the pixels are, for arithmetic."""
         return node.gpu() if self.device == "gpu" else node
+
+
 DALI_IMPLS: dict[str, DaliOp] = {}
 
 _INTERP = {"nearest": types.INTERP_NN, "bilinear": types.INTERP_LINEAR}
@@ -73,8 +76,13 @@ def identity(images, params, style):
 def affine(images, params, style):
     # Output -> input matrix in Pillow's pixel-centre convention, which DALI's warp_affine shares.
     matrix = fn.reshape(params[0:6], shape=[2, 3])
-    return fn.warp_affine(images, matrix=matrix, fill_value=float(style.fill[0]),
-                          interp_type=_INTERP[style.interpolation], inverse_map=True)
+    return fn.warp_affine(
+        images,
+        matrix=matrix,
+        fill_value=float(style.fill[0]),
+        interp_type=_INTERP[style.interpolation],
+        inverse_map=True,
+    )
 
 
 @dali_impl("Brightness")
@@ -93,7 +101,7 @@ def contrast(images, params, style):
     return _blend(images, dmath.floor(mean + 0.5), style.dev(params[0]))
 
 
-_SMOOTH = (np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13.0)
+_SMOOTH = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13.0
 
 
 @dali_impl("Sharpness")
@@ -154,5 +162,6 @@ def invert(images, params, style):
 
 @dali_impl("Cutout")
 def cutout(images, params, style):
-    return fn.erase(images, anchor=params[0:2], shape=params[2:4], axis_names="HW",
-                    fill_value=[float(c) for c in style.fill])
+    return fn.erase(
+        images, anchor=params[0:2], shape=params[2:4], axis_names="HW", fill_value=[float(c) for c in style.fill]
+    )

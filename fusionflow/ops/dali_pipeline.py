@@ -16,6 +16,7 @@ outside the window; a DCT-scaled decode is what the CPU's fast mode adds).
 Works with DALI on the CPU (`device="cpu"`, device_id=None: tests and CPU-only machines) and on a
 GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 def image_size(data, what: str | None = None) -> tuple[int, int]:
     """(height, width) from an encoded image's header, without decoding it."""
     from fusionflow.ops.decode import open_encoded
+
     try:
         with open_encoded(data, what) as img:  # Pillow's bomb warning silenced: the policy's limit governs
             w, h = img.size
@@ -45,8 +47,15 @@ def image_size(data, what: str | None = None) -> tuple[int, int]:
 class DaliPolicyPipeline:
     """Runs `policy` on batches of up to `batch_size` encoded samples through DALI."""
 
-    def __init__(self, policy, batch_size: int, device: str = "cpu", device_id: int | None = None,
-                 num_threads: int = 1, exec_dynamic: bool = True):
+    def __init__(
+        self,
+        policy,
+        batch_size: int,
+        device: str = "cpu",
+        device_id: int | None = None,
+        num_threads: int = 1,
+        exec_dynamic: bool = True,
+    ):
         _check_args(batch_size, device, device_id)
         self.policy: Policy = load_policy(policy)
         _check_fill(self.policy)
@@ -58,8 +67,13 @@ class DaliPolicyPipeline:
         self.slots = self._slot_count()
         augment = self._op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
         graph = _policy_graph(self.policy, device, augment)
-        self._make = lambda: graph(batch_size=batch_size, num_threads=num_threads, device_id=device_id,
-                                   exec_dynamic=exec_dynamic, prefetch_queue_depth=1)
+        self._make = lambda: graph(
+            batch_size=batch_size,
+            num_threads=num_threads,
+            device_id=device_id,
+            exec_dynamic=exec_dynamic,
+            prefetch_queue_depth=1,
+        )
         self.rebuilds = 0
         self._closed = False
         t0 = time.perf_counter()
@@ -77,6 +91,7 @@ class DaliPolicyPipeline:
         names there (a per-sample conditional). It holds plain values, never `self`: DALI keeps the
         graph as long as its pipeline, which must go with this object's last reference."""
         from nvidia.dali import fn, types
+
         slots, names = self.slots, self.op_names
 
         def augment(images):
@@ -87,13 +102,14 @@ class DaliPolicyPipeline:
             for k in range(slots):
                 images = _apply_slot(images, op_ids[k], params[k], names, style)
             return images
+
         return augment
 
     def _op_feeds(self, cols: list) -> tuple[list[str], list]:
         """The external sources `graph` declares, and their columns out of `prepare`'s first six
         (encoded, anchor, shape, flip, op ids, params)."""
         names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
-        return names, cols[:len(names)]
+        return names, cols[: len(names)]
 
     def _build(self):
         pipe = self._make()
@@ -111,8 +127,14 @@ class DaliPolicyPipeline:
         for k, op in enumerate(d.ops):
             op_ids[k] = self._local[op.name]
             params[k] = op.params(out_h, out_w)
-        cols = (np.frombuffer(data, np.uint8), np.array([left, top], np.float32),
-                np.array([w, h], np.float32), np.int32(d.flip), op_ids, params)
+        cols = (
+            np.frombuffer(data, np.uint8),
+            np.array([left, top], np.float32),
+            np.array([w, h], np.float32),
+            np.int32(d.flip),
+            op_ids,
+            params,
+        )
         return cols + self._erase_inputs(d)
 
     def _erase_inputs(self, d) -> tuple:
@@ -128,7 +150,7 @@ class DaliPolicyPipeline:
             return (anchor, shape)
         noise = np.zeros(self.policy.out_shape, np.float32)
         if e is not None:
-            noise[:, e.top:e.top + e.height, e.left:e.left + e.width] = e.fill(erase)
+            noise[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(erase)
         return (anchor, shape, noise)
 
     def run(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None):
@@ -142,7 +164,7 @@ class DaliPolicyPipeline:
         cols = list(zip(*(self.prepare(s, i, seed, epoch, copy=c) for s, i, c in zip(samples, indices, copies))))
         names, op_cols = self._op_feeds(cols[:6])
         erase_cols = cols[6:]
-        names, cols = names + _ERASE_INPUTS[:len(erase_cols)], op_cols + erase_cols
+        names, cols = names + _ERASE_INPUTS[: len(erase_cols)], op_cols + erase_cols
         if self._closed:
             raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
@@ -158,12 +180,15 @@ class DaliPolicyPipeline:
             (out,) = self._pipe.run()
         except MemoryError as exc:  # DALI's CUDABadAlloc (a std::bad_alloc) arrives as MemoryError
             self._discard()
-            raise DeviceOutOfMemory(f"DALI ran out of memory on samples {list(indices)} ({self.device}): "
-                                    f"{_last_line(exc)}") from exc
+            raise DeviceOutOfMemory(
+                f"DALI ran out of memory on samples {list(indices)} ({self.device}): {_last_line(exc)}"
+            ) from exc
         except RuntimeError as exc:  # DALI reports decode faults as RuntimeError and is unusable after
             self._discard()
-            raise DecodeError(f"DALI could not process samples {list(indices)} (one is likely corrupt or "
-                              f"truncated): {_last_line(exc)}") from exc
+            raise DecodeError(
+                f"DALI could not process samples {list(indices)} (one is likely corrupt or "
+                f"truncated): {_last_line(exc)}"
+            ) from exc
         return out
 
     def _discard(self) -> None:
@@ -197,8 +222,10 @@ def _check_fill(policy: Policy) -> None:
     """DALI's geometric ops fill with one gray level: an RGB fill is refused (Cutout alone may have one)."""
     aug = policy.augment
     if len(set(aug.fill)) != 1 and any(o.name != "Cutout" and o.range is not None for o in aug.ops):
-        raise ValueError(f"{policy.source}: augment.fill {list(aug.fill)}: the DALI pipeline fills "
-                         "geometric ops with one gray level; use a single value such as 128")
+        raise ValueError(
+            f"{policy.source}: augment.fill {list(aug.fill)}: the DALI pipeline fills "
+            "geometric ops with one gray level; use a single value such as 128"
+        )
 
 
 def _policy_graph(policy: Policy, device: str, augment):
@@ -206,6 +233,7 @@ def _policy_graph(policy: Policy, device: str, augment):
     `augment` (the op slots) -> normalize or transpose to CHW -> erase. It holds plain values, never
     the DaliPolicyPipeline: DALI keeps the graph as long as its pipeline."""
     from nvidia.dali import fn, pipeline_def, types
+
     out_h, out_w = policy.size
     normalize, erase = policy.normalize, policy.erase
 
@@ -215,23 +243,35 @@ def _policy_graph(policy: Policy, device: str, augment):
         anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
         shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
         flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
-        images = fn.decoders.image_slice(encoded, anchor, shape, device="mixed" if device == "gpu" else "cpu",
-                                         output_type=types.RGB, normalized_anchor=False,
-                                         normalized_shape=False, axis_names="WH",
-                                         adjust_orientation=False)
-        images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR,
-                           antialias=True)
+        images = fn.decoders.image_slice(
+            encoded,
+            anchor,
+            shape,
+            device="mixed" if device == "gpu" else "cpu",
+            output_type=types.RGB,
+            normalized_anchor=False,
+            normalized_shape=False,
+            axis_names="WH",
+            adjust_orientation=False,
+        )
+        images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR, antialias=True)
         images = fn.flip(images, horizontal=flip)
         images = augment(images)
         if normalize:
             mean, std = normalize
-            images = fn.crop_mirror_normalize(images, dtype=types.FLOAT, output_layout="CHW",
-                                              mean=[255.0 * m for m in mean], std=[255.0 * s for s in std])
+            images = fn.crop_mirror_normalize(
+                images,
+                dtype=types.FLOAT,
+                output_layout="CHW",
+                mean=[255.0 * m for m in mean],
+                std=[255.0 * s for s in std],
+            )
         else:
             images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
         if erase is not None:
             images = _erase(images, erase, device)
         return images
+
     return graph
 
 
@@ -256,6 +296,7 @@ def _erase(images, erase, device):
     erased) set to the policy's value; for 'random', set to 0 and the host's noise (zero outside
     the rectangle) added, so the rectangle holds exactly the CPU path's noise."""
     from nvidia.dali import fn, types
+
     anchor = fn.external_source(name="erase_anchor", dtype=types.FLOAT, ndim=1)
     shape = fn.external_source(name="erase_shape", dtype=types.FLOAT, ndim=1)
     fill = [0.0, 0.0, 0.0] if erase.value is None else [float(v) for v in erase.value]

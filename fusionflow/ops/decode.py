@@ -31,6 +31,7 @@ is silenced while we open an image, and its DecompressionBombError -- raised onl
 set Pillow's limit below 1/2 of the policy's -- is reported as the same ImageTooLargeError.
 Decoded inputs (arrays, tensors) are not checked: their memory is already spent.
 """
+
 from __future__ import annotations
 
 import io
@@ -53,9 +54,12 @@ def check_pixels(width: int, height: int, max_pixels: int | None, what: str | No
 
 
 def _too_large(size: str, max_pixels: int, what) -> ImageTooLargeError:
-    return ImageTooLargeError(f"image of {size} exceeds the policy's decode.max_pixels={max_pixels} (a possible "
-                              f"decompression bomb); not decoded. If the dataset holds images this large on "
-                              f"purpose, raise decode.max_pixels in the policy (null: no limit)", what)
+    return ImageTooLargeError(
+        f"image of {size} exceeds the policy's decode.max_pixels={max_pixels} (a possible "
+        f"decompression bomb); not decoded. If the dataset holds images this large on "
+        f"purpose, raise decode.max_pixels in the policy (null: no limit)",
+        what,
+    )
 
 
 def within_pixel_limit(data, max_pixels: int | None) -> bool:
@@ -93,7 +97,9 @@ def open_encoded(data, what, max_pixels: int | None = None) -> Image.Image:
             raise ImageTooLargeError(
                 f"Pillow refused the image: {exc} This process set PIL.Image.MAX_IMAGE_PIXELS "
                 f"(2 x it = {limit}) below the policy's decode.max_pixels={max_pixels}; raise it (or set it to "
-                f"None) to let the policy's limit govern", what) from exc
+                f"None) to let the policy's limit govern",
+                what,
+            ) from exc
 
 
 def open_image(data, what: str | None = None, max_pixels: int | None = None) -> Image.Image:
@@ -112,12 +118,15 @@ def open_image(data, what: str | None = None, max_pixels: int | None = None) -> 
             img = open_encoded(data, what, max_pixels)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             head = bytes(data[:8]).hex()
-            raise DecodeError(f"cannot identify an image in {len(data)} bytes (first bytes {head}): {exc}",
-                              what) from exc
+            raise DecodeError(
+                f"cannot identify an image in {len(data)} bytes (first bytes {head}): {exc}", what
+            ) from exc
         check_pixels(*img.size, max_pixels, what)
         return img
-    raise TypeError(f"{what or 'sample'}: expected encoded bytes, a PIL image, a uint8 array or a uint8 tensor, "
-                    f"got {type(data).__name__}")
+    raise TypeError(
+        f"{what or 'sample'}: expected encoded bytes, a PIL image, a uint8 array or a uint8 tensor, "
+        f"got {type(data).__name__}"
+    )
 
 
 CHANNELS = (1, 3, 4)
@@ -126,13 +135,20 @@ CHANNELS = (1, 3, 4)
 def _tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
     """A uint8 CPU tensor (HW, CHW or HWC; see the module docstring for the 3-d rule) as an HW/HWC array."""
     shape = tuple(t.shape)
-    if t.dtype != torch.uint8 or t.ndim not in (2, 3) or (t.ndim == 3 and shape[0] not in CHANNELS
-                                                           and shape[2] not in CHANNELS):
-        raise TypeError(f"{what or 'sample'}: a tensor sample must be uint8 HW, CHW or HWC with 1, 3 or 4 "
-                        f"channels, got {t.dtype} {shape}")
+    if (
+        t.dtype != torch.uint8
+        or t.ndim not in (2, 3)
+        or (t.ndim == 3 and shape[0] not in CHANNELS and shape[2] not in CHANNELS)
+    ):
+        raise TypeError(
+            f"{what or 'sample'}: a tensor sample must be uint8 HW, CHW or HWC with 1, 3 or 4 "
+            f"channels, got {t.dtype} {shape}"
+        )
     if t.device.type != "cpu":
-        raise TypeError(f"{what or 'sample'}: a tensor sample must be on the CPU, got one on {t.device}; "
-                        "return it before moving it (workers write into host shared memory)")
+        raise TypeError(
+            f"{what or 'sample'}: a tensor sample must be on the CPU, got one on {t.device}; "
+            "return it before moving it (workers write into host shared memory)"
+        )
     if t.ndim == 3 and shape[0] in CHANNELS:
         t = t.permute(1, 2, 0)  # CHW -> HWC (a view; _from_array makes it contiguous)
     return t.numpy()
@@ -140,8 +156,10 @@ def _tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
 
 def _from_array(arr: np.ndarray, what) -> Image.Image:
     if arr.dtype != np.uint8 or arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[2] not in (1, 3, 4)):
-        raise TypeError(f"{what or 'sample'}: an array sample must be uint8 HW or HWC with 1, 3 or 4 "
-                        f"channels, got {arr.dtype} {arr.shape}")
+        raise TypeError(
+            f"{what or 'sample'}: an array sample must be uint8 HW or HWC with 1, 3 or 4 "
+            f"channels, got {arr.dtype} {arr.shape}"
+        )
     if arr.ndim == 3 and arr.shape[2] == 1:
         arr = arr[:, :, 0]
     return Image.fromarray(np.ascontiguousarray(arr))
@@ -167,8 +185,9 @@ def dct_reduction(crop_h: int, crop_w: int, out_h: int, out_w: int) -> int:
     return r
 
 
-def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
-                       what: str | None = None, max_pixels: int | None = None) -> Image.Image:
+def decode_crop_resize(
+    data, window_fn, out_size: tuple[int, int], fast: bool, what: str | None = None, max_pixels: int | None = None
+) -> Image.Image:
     """Decode `data`, crop the window `window_fn(height, width)` returns, resize to `out_size`
     (height, width) with antialiased bilinear filtering. Returns an RGB image. An encoded image
     whose header declares more than `max_pixels` pixels raises ImageTooLargeError undecoded."""
@@ -197,9 +216,11 @@ def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
     except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode {img.format or 'image'} {width}x{height}: {exc}", what) from exc
     except Image.DecompressionBombError as exc:
-        raise ImageTooLargeError(f"Pillow refused a frame of the {width}x{height} image while decoding: {exc} "
-                                 "(PIL.Image.MAX_IMAGE_PIXELS, the process-wide limit, applies there)",
-                                 what) from exc
+        raise ImageTooLargeError(
+            f"Pillow refused a frame of the {width}x{height} image while decoding: {exc} "
+            "(PIL.Image.MAX_IMAGE_PIXELS, the process-wide limit, applies there)",
+            what,
+        ) from exc
     img = to_rgb(img)
     if isinstance(box[0], float):  # reduced image: resample straight from the fractional box
         return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
@@ -212,8 +233,9 @@ def decode_crop_resize(data, window_fn, out_size: tuple[int, int], fast: bool,
 _MARGIN = 2
 
 
-def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool, what=None,
-                             max_pixels: int | None = None) -> Image.Image:
+def _jpeg_window_crop_resize(
+    data: bytes, window_fn, out_size, fast: bool, what=None, max_pixels: int | None = None
+) -> Image.Image:
     """decode_crop_resize for a JPEG, decoding only the crop window.
 
     exact: the window's pixels equal a full decode's and Pillow resizes them: torchvision's result
@@ -245,8 +267,9 @@ def _jpeg_window_crop_resize(data: bytes, window_fn, out_size, fast: bool, what=
     arr, scaled = jpeg.decode_window(data, y0, x0, y1 - y0, x1 - x0, (1, r))
     if scaled != (rh, rw) or arr.shape[:2] != (y1 - y0, x1 - x0):
         raise jpeg.WindowDecodeError(f"scaled size {scaled} != {(rh, rw)}")
-    return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR,
-                                       box=(fx0 - x0, fy0 - y0, fx1 - x0, fy1 - y0), reducing_gap=None)
+    return Image.fromarray(arr).resize(
+        (out_w, out_h), Image.Resampling.BILINEAR, box=(fx0 - x0, fy0 - y0, fx1 - x0, fy1 - y0), reducing_gap=None
+    )
 
 
 def resize_bilinear_aa(arr: np.ndarray, out_h: int, out_w: int) -> Image.Image:
@@ -256,7 +279,6 @@ def resize_bilinear_aa(arr: np.ndarray, out_h: int, out_w: int) -> Image.Image:
     if arr.shape[:2] == (out_h, out_w):
         return Image.fromarray(arr)
     x = torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)  # a channels-last view, no copy
-    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True,
-                                        align_corners=False)
+    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
     planes = y[0].contiguous().numpy()
     return Image.merge("RGB", [Image.fromarray(p) for p in planes])

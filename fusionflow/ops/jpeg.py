@@ -16,6 +16,7 @@ Both give a full decode's pixels for the window, bit for bit (tests/test_jpeg_wi
 neither is usable, `available()` is False, the reason is logged once, and the caller decodes with
 Pillow as before (slower, same pixels in the exact mode).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -46,16 +47,24 @@ def _load():
         _WHY_NOT = "turned off by FUSIONFLOW_JPEG_WINDOW=0"
         return None
     from fusionflow.memory import native
+
     try:
         path = native._build("ff_jpeg_roi", [native.KERNELS / "jpeg_roi.cc"], ["-ljpeg"])
         lib = ctypes.CDLL(str(path))
     except (native.NativeBuildError, OSError) as exc:
         _WHY_NOT = str(exc).splitlines()[0]
-        fallback = ("decoding crop windows with nvImageCodec's CPU backend (no DCT scaling)" if _nvimgcodec()
-                    else "decoding whole images with Pillow")
-        log.warning("fusionflow: the libjpeg-turbo window decoder is unavailable (%s); %s. Install "
-                    "libjpeg-turbo's headers (Debian/Ubuntu: apt-get install libjpeg-turbo8-dev or "
-                    "libjpeg62-turbo-dev) and a C++ compiler for the fastest path.", _WHY_NOT, fallback)
+        fallback = (
+            "decoding crop windows with nvImageCodec's CPU backend (no DCT scaling)"
+            if _nvimgcodec()
+            else "decoding whole images with Pillow"
+        )
+        log.warning(
+            "fusionflow: the libjpeg-turbo window decoder is unavailable (%s); %s. Install "
+            "libjpeg-turbo's headers (Debian/Ubuntu: apt-get install libjpeg-turbo8-dev or "
+            "libjpeg62-turbo-dev) and a C++ compiler for the fastest path.",
+            _WHY_NOT,
+            fallback,
+        )
         return None
     p, ul, i, ip, s = ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p
     lib.ff_jpeg_info.restype = i
@@ -79,8 +88,12 @@ def _nvimgcodec():
         return _NV
     try:
         from nvidia import nvimgcodec as nv
-        dec = nv.Decoder(device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=1,
-                         backends=[nv.Backend(nv.BackendKind.CPU_ONLY)])
+
+        dec = nv.Decoder(
+            device_id=nv.NVIMGCODEC_DEVICE_CPU_ONLY,
+            max_num_cpu_threads=1,
+            backends=[nv.Backend(nv.BackendKind.CPU_ONLY)],
+        )
         params = nv.DecodeParams(apply_exif_orientation=False)  # as Pillow and torchvision: EXIF ignored
     except Exception as exc:  # not installed, or a build without the CPU backend
         log.info("nvImageCodec's CPU decoder is unavailable: %r", exc)
@@ -138,8 +151,9 @@ def info(data: bytes) -> tuple[int, int, int]:
     return dims[0], dims[1], dims[2]
 
 
-def decode_window(data: bytes, top: int, left: int, height: int, width: int,
-                  scale: tuple[int, int] = (1, 1)) -> tuple[np.ndarray, tuple[int, int]]:
+def decode_window(
+    data: bytes, top: int, left: int, height: int, width: int, scale: tuple[int, int] = (1, 1)
+) -> tuple[np.ndarray, tuple[int, int]]:
     """The RGB pixels of rows [top, top+height) x columns [left, left+width) of the image scaled by
     scale[0]/scale[1] (coordinates in the scaled image, clipped to it), and the scaled image's
     (height, width)."""
@@ -149,11 +163,25 @@ def decode_window(data: bytes, top: int, left: int, height: int, width: int,
     out = np.empty((height, width, 3), np.uint8)
     dims = (ctypes.c_int * 4)()
     err = ctypes.create_string_buffer(_ERRLEN)
-    rc = lib.ff_jpeg_decode_window(data, len(data), scale[0], scale[1], top, left, height, width,
-                                   out.ctypes.data, width * 3, height, dims, err, _ERRLEN)
+    rc = lib.ff_jpeg_decode_window(
+        data,
+        len(data),
+        scale[0],
+        scale[1],
+        top,
+        left,
+        height,
+        width,
+        out.ctypes.data,
+        width * 3,
+        height,
+        dims,
+        err,
+        _ERRLEN,
+    )
     if rc != 0:
         raise WindowDecodeError(err.value.decode(errors="replace"))
-    return out[:dims[2], :dims[3]], (dims[0], dims[1])
+    return out[: dims[2], : dims[3]], (dims[0], dims[1])
 
 
 def _nv_decode_window(data, top, left, height, width, scale):

@@ -4,6 +4,7 @@ ops -> uint8 CHW (or normalised float32) -> random erasing, written into a calle
 This is what a CPU worker runs; its output for (seed, epoch, index) equals the DALI pipeline's up
 to the per-op tolerances in tests/test_ops_dali.py.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -36,8 +37,14 @@ class CpuPipeline:
     def image(self, data, d: SampleDraw, what: str | None = None, tick=None) -> Image.Image:
         """The augmented sample as an RGB image of the output size. `tick(stage)`, if given, is called
         after each stage (fusionflow/stages.py)."""
-        img = decode_crop_resize(data, partial(crop_window, self.policy, d), self.policy.size,
-                                 self.policy.fast_downscale, what, self.policy.max_pixels)
+        img = decode_crop_resize(
+            data,
+            partial(crop_window, self.policy, d),
+            self.policy.size,
+            self.policy.fast_downscale,
+            what,
+            self.policy.max_pixels,
+        )
         if tick is not None:
             tick("decode+crop+resize")
         if d.flip:
@@ -51,8 +58,9 @@ class CpuPipeline:
                 tick(op.name)
         return img
 
-    def run_draw(self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None,
-                 tick=None) -> np.ndarray:
+    def run_draw(
+        self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None, tick=None
+    ) -> np.ndarray:
         img = self.image(data, d, what, tick)
         if out is None:
             out = np.empty(self.out_shape, self.out_dtype)
@@ -65,14 +73,28 @@ class CpuPipeline:
                 plane[...] = np.asarray(band)
         if d.erase is not None:  # torchvision's F.erase on the output tensor: the rectangle := fill
             e = d.erase
-            out[:, e.top:e.top + e.height, e.left:e.left + e.width] = e.fill(self.policy.erase)
+            out[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(self.policy.erase)
         if tick is not None:
             tick("write")
         return out
 
-    def __call__(self, data, index: int, seed: int = 0, epoch: int = 0, out: np.ndarray | None = None,
-                 what: str | None = None, tick=None, copy: int = 0) -> np.ndarray:
+    def __call__(
+        self,
+        data,
+        index: int,
+        seed: int = 0,
+        epoch: int = 0,
+        out: np.ndarray | None = None,
+        what: str | None = None,
+        tick=None,
+        copy: int = 0,
+    ) -> np.ndarray:
         """Augment sample `index` for (seed, epoch) into `out` (allocated if None); `copy` is the
         occurrence of `index` in the epoch (repeated augmentation, fusionflow.policy.sampling)."""
-        return self.run_draw(data, draw(self.policy, seed, epoch, index, copy), out,
-                             what if what is not None else f"sample {index}", tick)
+        return self.run_draw(
+            data,
+            draw(self.policy, seed, epoch, index, copy),
+            out,
+            what if what is not None else f"sample {index}",
+            tick,
+        )

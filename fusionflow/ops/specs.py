@@ -19,11 +19,12 @@ Value conventions (the unit of an op's `range` in a policy file):
                    position drawn uniformly over the image
   Identity, AutoContrast, Equalize, Invert take no magnitude.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 # Parameters handed to implementations: a fixed-length tuple of floats, so a DALI pipeline can take
 # them as one per-sample tensor input. Unused slots are zero.
@@ -148,8 +149,15 @@ _SPECS = [
     OpSpec("AutoContrast", False, resolve=_none, doc="stretch each channel to 0..255"),
     OpSpec("Equalize", False, resolve=_none, doc="histogram-equalize each channel"),
     OpSpec("Invert", False, resolve=_none, doc="255 - pixel"),
-    OpSpec("Cutout", True, (0.0, 1.0), scale_by="side", needs_aux=True, resolve=_cutout,
-           doc="fill a v-pixel square at a random position"),
+    OpSpec(
+        "Cutout",
+        True,
+        (0.0, 1.0),
+        scale_by="side",
+        needs_aux=True,
+        resolve=_cutout,
+        doc="fill a v-pixel square at a random position",
+    ),
 ]
 
 OPS: dict[str, OpSpec] = {s.name: s for s in _SPECS}
@@ -157,6 +165,7 @@ OPS: dict[str, OpSpec] = {s.name: s for s in _SPECS}
 
 def registrar(table: dict, kind: str):
     """A decorator factory that files implementations of registered ops into `table`."""
+
     def impl(*names: str):
         def register(fn):
             for name in names:
@@ -164,6 +173,10 @@ def registrar(table: dict, kind: str):
                     raise KeyError(f"{kind}({name!r}): no such op in fusionflow.ops.specs")
                 table[name] = fn
             return fn
+
         return register
+
     return impl
+
+
 OP_NAMES: tuple[str, ...] = tuple(OPS)

@@ -2,10 +2,24 @@
 
 Pure Python + numpy + PyYAML; nothing here imports torch or DALI.
 """
-from fusionflow.policy.sampling import EraseDraw, OpDraw, SampleDraw, crop_window, draw
-from fusionflow.policy.image_sections import Erase
-from fusionflow.policy.schema import Augment, OpChoice, Policy, Step, shipped_policies
-from fusionflow.policy.overrides import OVERRIDES, load_policy  # noqa: E402 (after schema: it builds on it)
 
-__all__ = ["Augment", "Erase", "EraseDraw", "OVERRIDES", "OpChoice", "OpDraw", "Policy", "SampleDraw", "Step", "crop_window", "draw",
-           "load_policy", "shipped_policies"]
+from fusionflow.policy.image_sections import Erase
+from fusionflow.policy.overrides import OVERRIDES, load_policy  # noqa: E402 (after schema: it builds on it)
+from fusionflow.policy.sampling import EraseDraw, OpDraw, SampleDraw, crop_window, draw
+from fusionflow.policy.schema import Augment, OpChoice, Policy, Step, shipped_policies
+
+__all__ = [
+    "Augment",
+    "Erase",
+    "EraseDraw",
+    "OVERRIDES",
+    "OpChoice",
+    "OpDraw",
+    "Policy",
+    "SampleDraw",
+    "Step",
+    "crop_window",
+    "draw",
+    "load_policy",
+    "shipped_policies",
+]

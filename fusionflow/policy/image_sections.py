@@ -4,6 +4,7 @@
 overrides.py reuses `parse_erase` and `check_center_resize` for load_policy's keyword overrides; each
 raises the ValueError naming the file and the key path (configs/README.md documents the keys).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -84,8 +85,12 @@ def parse_crop(r: _Reader, top: dict, size: tuple[int, int]):
 def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
     """An `erase:` mapping (or an Erase) -> Erase, checked against the output's units."""
     if isinstance(raw, Erase):
-        raw = {"p": raw.p, "scale": raw.scale, "ratio": raw.ratio,
-               "value": "random" if raw.value is None else raw.value}
+        raw = {
+            "p": raw.p,
+            "scale": raw.scale,
+            "ratio": raw.ratio,
+            "value": "random" if raw.value is None else raw.value,
+        }
     e = r.mapping(raw, path, (), ("p", "scale", "ratio", "value"))
     p = r.number(e.get("p", 0.5), f"{path}.p", 0.0, 1.0)
     scale = r.pair(e.get("scale", (0.02, 0.33)), f"{path}.scale", 0.0, 1.0)
@@ -93,8 +98,11 @@ def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
     raw_value = e.get("value", 0)
     if raw_value == "random":
         if normalize is None:
-            r.fail(f"{path}.value", "'random' (standard normal noise) needs float output: add output.normalize "
-                                    "(torchvision erases after Normalize), or use a number or [r, g, b]")
+            r.fail(
+                f"{path}.value",
+                "'random' (standard normal noise) needs float output: add output.normalize "
+                "(torchvision erases after Normalize), or use a number or [r, g, b]",
+            )
         return Erase(p, scale, ratio, None)
     if isinstance(raw_value, (list, tuple)) and len(raw_value) == 1:
         raw_value = raw_value[0]
@@ -105,8 +113,11 @@ def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
     else:
         r.fail(f"{path}.value", f"expected a number, [r, g, b] or 'random', got {raw_value!r}")
     if normalize is None and not all(v == int(v) and 0 <= v <= 255 for v in value):
-        r.fail(f"{path}.value", f"{list(value)}: without output.normalize the output is uint8, so the value "
-                                "must be integers 0..255 (or add output.normalize to erase in normalised units)")
+        r.fail(
+            f"{path}.value",
+            f"{list(value)}: without output.normalize the output is uint8, so the value "
+            "must be integers 0..255 (or add output.normalize to erase in normalised units)",
+        )
     return Erase(p, scale, ratio, value)
 
 

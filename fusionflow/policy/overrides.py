@@ -28,12 +28,14 @@ Overrides (each validated; an unknown or invalid one raises ValueError naming it
 
 Pure Python, like the rest of `fusionflow.policy`: no torch, no DALI.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fusionflow.ops.specs import OPS
 from fusionflow.policy import schema
@@ -87,8 +89,11 @@ def _check_names(overrides: Mapping[str, Any]) -> None:
 def _center_resize(r: _Reader, policy: Policy, overrides: Mapping[str, Any], size: tuple[int, int]) -> int:
     """A crop.mode center policy's resize (the override's, else its own), checked against the output size."""
     if policy.center_resize is None:
-        r.fail("resize", f"applies to crop.mode center policies (Resize + CenterCrop, e.g. 'eval'); policy "
-                         f"{policy.name!r} has a random resized crop: leave resize out, or use size")
+        r.fail(
+            "resize",
+            f"applies to crop.mode center policies (Resize + CenterCrop, e.g. 'eval'); policy "
+            f"{policy.name!r} has a random resized crop: leave resize out, or use size",
+        )
     return check_center_resize(r, overrides.get("resize", policy.center_resize), "resize", size)
 
 
@@ -97,10 +102,16 @@ def _rand_counts(r: _Reader, name: str, aug: Augment, overrides: Mapping[str, An
     for key in ("magnitude", "num_ops"):
         if key in overrides:
             if aug.type != "rand":
-                r.fail(key, f"applies to augment.type 'rand' (RandAugment); policy {name!r} is "
-                            f"{aug.type!r}: leave {key} out or use a rand policy such as 'randaugment'")
-            value = (r.integer(overrides[key], key, 0, aug.num_bins - 1) if key == "magnitude"
-                     else r.integer(overrides[key], key, 1, 16))
+                r.fail(
+                    key,
+                    f"applies to augment.type 'rand' (RandAugment); policy {name!r} is "
+                    f"{aug.type!r}: leave {key} out or use a rand policy such as 'randaugment'",
+                )
+            value = (
+                r.integer(overrides[key], key, 0, aug.num_bins - 1)
+                if key == "magnitude"
+                else r.integer(overrides[key], key, 1, 16)
+            )
             aug = dataclasses.replace(aug, **{key: value})
     return aug
 
@@ -108,13 +119,19 @@ def _rand_counts(r: _Reader, name: str, aug: Augment, overrides: Mapping[str, An
 def _interpolation(r: _Reader, name: str, aug: Augment, value: Any) -> Augment:
     """The ops' geometric resampling; a policy without ops only accepts 'bilinear' (its crop's)."""
     if value == "bicubic":
-        r.fail("interpolation", "'bicubic' is not supported (DALI's warp_affine, the GPU path, has only "
-                                f"nearest and linear); choose one of {', '.join(INTERPOLATIONS)}")
+        r.fail(
+            "interpolation",
+            "'bicubic' is not supported (DALI's warp_affine, the GPU path, has only "
+            f"nearest and linear); choose one of {', '.join(INTERPOLATIONS)}",
+        )
     value = r.choice(value, "interpolation", INTERPOLATIONS)
     if aug.type == "none" and value != "bilinear":
-        r.fail("interpolation", f"policy {name!r} has no ops to resample, and its random resized crop "
-                                f"always resizes with antialiased bilinear: leave interpolation out or pass "
-                                f"'bilinear'")
+        r.fail(
+            "interpolation",
+            f"policy {name!r} has no ops to resample, and its random resized crop "
+            f"always resizes with antialiased bilinear: leave interpolation out or pass "
+            f"'bilinear'",
+        )
     return aug if aug.type == "none" else dataclasses.replace(aug, interpolation=value)
 
 
@@ -144,8 +161,11 @@ def _rescale(r: _Reader, choice: OpChoice, old: tuple[int, int], new: tuple[int,
         rng = (rng[0] * factor, rng[1] * factor)
     lo, hi = spec.domain_for(*new)
     if not all(lo <= v <= hi for v in rng):
-        r.fail("size", f"{choice.name}'s fixed range {list(rng)} px does not fit a {new[0]}x{new[1]} output "
-                       f"(allowed {lo}..{hi}): use a larger size, or a policy whose {choice.name} scales with size")
+        r.fail(
+            "size",
+            f"{choice.name}'s fixed range {list(rng)} px does not fit a {new[0]}x{new[1]} output "
+            f"(allowed {lo}..{hi}): use a larger size, or a policy whose {choice.name} scales with size",
+        )
     return dataclasses.replace(choice, range=rng)
 
 

@@ -1,10 +1,12 @@
 """Walking a parsed policy config: every key and type checked, every problem a ValueError that names
 the file and the key path (``configs/mine.yaml: augment.ops.Rotat: unknown op; did you mean 'Rotate'?``).
 Used by schema.py (the file) and overrides.py (load_policy's keyword overrides)."""
+
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from fusionflow.ops.specs import OPS, OpSpec
 

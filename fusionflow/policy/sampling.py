@@ -12,6 +12,7 @@ A draw is image-size independent: the random resized crop keeps its uniforms and
 against the real image size by `crop_window` (torchvision's algorithm: ten tries at a random area
 and log-uniform aspect ratio, then a centre crop of the clamped ratio).
 """
+
 from __future__ import annotations
 
 import math
@@ -101,7 +102,7 @@ def _erase(erase: Erase, size: tuple[int, int], rng: np.random.Generator) -> Era
     (after every other draw, so a policy's other draws do not depend on whether it erases)."""
     apply = rng.random() < erase.p
     u = rng.random(CROP_TRIES * 4).tolist()
-    noise_seed = int(rng.integers(2 ** 63))
+    noise_seed = int(rng.integers(2**63))
     if not apply:
         return None
     img_h, img_w = size
@@ -121,7 +122,7 @@ def _area_ratio_tries(u, area: float, scale, ratio):
     (s0, s1), (r0, r1) = scale, ratio
     log_r0, log_r1 = math.log(r0), math.log(r1)
     for t in range(CROP_TRIES):
-        ua, ur, ut, ul = u[4 * t:4 * t + 4]
+        ua, ur, ut, ul = u[4 * t : 4 * t + 4]
         target = area * (s0 + ua * (s1 - s0))
         aspect = math.exp(log_r0 + ur * (log_r1 - log_r0))
         yield int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect))), ut, ul

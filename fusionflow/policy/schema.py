@@ -44,17 +44,25 @@ The schema (documented for users in configs/README.md):
 Every problem raises ValueError naming the file and the key path, e.g.
 ``configs/mine.yaml: augment.ops.Rotat: unknown op; did you mean 'Rotate'?``.
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import yaml
 
 from fusionflow.ops.specs import OPS
-from fusionflow.policy.image_sections import (DEFAULT_MAX_PIXELS, Erase, parse_crop, parse_decode, parse_erase,
-                                              parse_output)
+from fusionflow.policy.image_sections import (
+    DEFAULT_MAX_PIXELS,
+    Erase,
+    parse_crop,
+    parse_decode,
+    parse_erase,
+    parse_output,
+)
 from fusionflow.policy.reader import _Reader
 
 AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy")
@@ -159,9 +167,20 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
 
     augment = _parse_augment(r, top["augment"], size)
     erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
-    return Policy(name=name, source=source, size=size, scale=scale, ratio=ratio, flip=flip,
-                  augment=augment, normalize=normalize, fast_downscale=fast, center_resize=center_resize,
-                  max_pixels=max_pixels, erase=erase)
+    return Policy(
+        name=name,
+        source=source,
+        size=size,
+        scale=scale,
+        ratio=ratio,
+        flip=flip,
+        augment=augment,
+        normalize=normalize,
+        fast_downscale=fast,
+        center_resize=center_resize,
+        max_pixels=max_pixels,
+        erase=erase,
+    )
 
 
 def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
@@ -194,8 +213,16 @@ def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
         magnitude = r.integer(a["magnitude"], "augment.magnitude", 0, num_bins - 1)
     elif kind == "subpolicy":
         subpolicies = _parse_subpolicies(r, a["subpolicies"], {o.name: o for o in ops}, num_bins)
-    return Augment(type=kind, ops=tuple(ops), num_bins=num_bins, num_ops=num_ops, magnitude=magnitude,
-                   subpolicies=subpolicies, interpolation=interpolation, fill=fill)
+    return Augment(
+        type=kind,
+        ops=tuple(ops),
+        num_bins=num_bins,
+        num_ops=num_ops,
+        magnitude=magnitude,
+        subpolicies=subpolicies,
+        interpolation=interpolation,
+        fill=fill,
+    )
 
 
 def _parse_ops(r: _Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
@@ -210,8 +237,14 @@ def _parse_ops(r: _Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
             s = r.mapping(settings, path, ("range",), ("signed", "scale_with_size") if spec.scale_by else ("signed",))
             lo, hi = spec.domain_for(*size)
             rng = r.pair(s["range"], f"{path}.range", lo, hi, ordered=False)
-            ops.append(OpChoice(name, rng, r.boolean(s.get("signed", False), f"{path}.signed"),
-                                r.boolean(s.get("scale_with_size", True), f"{path}.scale_with_size")))
+            ops.append(
+                OpChoice(
+                    name,
+                    rng,
+                    r.boolean(s.get("signed", False), f"{path}.signed"),
+                    r.boolean(s.get("scale_with_size", True), f"{path}.scale_with_size"),
+                )
+            )
         else:
             r.mapping(settings, path, (), ())  # no keys allowed: the op has no magnitude
             ops.append(OpChoice(name, None, False))
@@ -262,8 +295,10 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
     if not os.path.exists(path):
         shipped = _shipped_config(path)
         if shipped is None:
-            raise ValueError(f"policy file {path!r} does not exist; shipped policies: "
-                             f"{', '.join(shipped_policies())} (or give a path to your own YAML file)")
+            raise ValueError(
+                f"policy file {path!r} does not exist; shipped policies: "
+                f"{', '.join(shipped_policies())} (or give a path to your own YAML file)"
+            )
         path = shipped
     try:
         with open(path, encoding="utf-8") as f:

@@ -2,6 +2,7 @@
 `self.actors`): the dataset in the object store, how many actors to ask for, starting them, their
 start-up probe (can this node read the dataset?), replacing lost ones and adding more as nodes join,
 and killing them. The kind keeps what is in flight on them and decides when they take work."""
+
 from __future__ import annotations
 
 import logging
@@ -32,14 +33,21 @@ class RemoteActors:
         """Put `dataset` into Ray's object store (a TypeError naming it if it cannot be pickled); no
         actor is asked for yet (`start_up`)."""
         self.ray, self.config = ray, config
-        self.policy, self.seed, self.first_worker_id, self.worker_init_fn = policy, seed, first_worker_id, worker_init_fn
+        self.policy, self.seed, self.first_worker_id, self.worker_init_fn = (
+            policy,
+            seed,
+            first_worker_id,
+            worker_init_fn,
+        )
         try:
             self._dataset_ref = ray.put(dataset)
         except Exception as exc:
-            raise TypeError(f"remote_workers: the dataset {type(dataset).__name__} cannot be pickled to send it "
-                            f"to the Ray workers ({type(exc).__name__}: {exc}). Keep no open files, locks or "
-                            "lambdas in its attributes (open them lazily in __getitem__), or use "
-                            "remote_workers=None") from exc
+            raise TypeError(
+                f"remote_workers: the dataset {type(dataset).__name__} cannot be pickled to send it "
+                f"to the Ray workers ({type(exc).__name__}: {exc}). Keep no open files, locks or "
+                "lambdas in its attributes (open them lazily in __getitem__), or use "
+                "remote_workers=None"
+            ) from exc
         self._cls = actor_class(ray)
         self._actors: list[Actor] = []
         self._spawned = 0  # actors asked for, ever: names them (ray0, ray1, ...) and their worker ids
@@ -80,8 +88,11 @@ class RemoteActors:
             for _ in range(self.wanted()):
                 self.spawn()
         if not self._actors:
-            log.warning("remote_workers: the Ray cluster has no free CPU for a worker of %s CPUs now; local workers "
-                        "run everything until one frees up", config.cpus_per_worker)
+            log.warning(
+                "remote_workers: the Ray cluster has no free CPU for a worker of %s CPUs now; local workers "
+                "run everything until one frees up",
+                config.cpus_per_worker,
+            )
             return
         deadline = time.monotonic() + config.startup_timeout
         pending = {a.probe_ref: a for a in self._actors}
@@ -91,9 +102,11 @@ class RemoteActors:
                 actor = pending.pop(ref)
                 self.on_probe(actor, ref, at_start=True)
         if not any(a.ready for a in self._actors):
-            raise RemoteWorkerError(f"remote_workers: none of the {len(self._actors)} Ray workers started within "
-                                    f"startup_timeout={config.startup_timeout} s (cluster resources: "
-                                    f"{ray.cluster_resources()}); check the cluster, or raise startup_timeout")
+            raise RemoteWorkerError(
+                f"remote_workers: none of the {len(self._actors)} Ray workers started within "
+                f"startup_timeout={config.startup_timeout} s (cluster resources: "
+                f"{ray.cluster_resources()}); check the cluster, or raise startup_timeout"
+            )
 
     def wanted(self) -> int:
         """How many more actors to ask for now: up to the target, and no more than the free CPUs allow."""
@@ -110,8 +123,9 @@ class RemoteActors:
         options = {"num_cpus": self.config.cpus_per_worker, "max_restarts": 0}
         if self.config.runtime_env is not None:
             options["runtime_env"] = self.config.runtime_env
-        handle = self._cls.options(**options).remote(self._dataset_ref, self.policy, self.seed,
-                                                     self.first_worker_id + k, self.worker_init_fn)
+        handle = self._cls.options(**options).remote(
+            self._dataset_ref, self.policy, self.seed, self.first_worker_id + k, self.worker_init_fn
+        )
         self._actors.append(Actor(f"ray{k}", handle, handle.probe.remote(0)))
 
     def on_probe(self, actor: Actor, ref, at_start: bool) -> None:
@@ -129,10 +143,12 @@ class RemoteActors:
             return
         actor.host = info["host"]
         if info["error"] is not None:
-            msg = (f"remote_workers: Ray worker {actor.name} on node {info['host']} cannot read the dataset there: "
-                   f"{info['error'].splitlines()[0]}. Every Ray node must be able to read the dataset's files at "
-                   f"the same path (a shared filesystem), or the dataset must carry its bytes; "
-                   f"worker traceback:\n{info['error']}")
+            msg = (
+                f"remote_workers: Ray worker {actor.name} on node {info['host']} cannot read the dataset there: "
+                f"{info['error'].splitlines()[0]}. Every Ray node must be able to read the dataset's files at "
+                f"the same path (a shared filesystem), or the dataset must carry its bytes; "
+                f"worker traceback:\n{info['error']}"
+            )
             if at_start:
                 raise RemoteWorkerError(msg)
             if info["host"] not in self._bad_hosts:  # once per node, not at every replacement
@@ -149,8 +165,12 @@ class RemoteActors:
         more (Ray may keep placing them on a node that cannot run them); those that run go on."""
         self._probe_failures += 1
         if self._probe_failures == MAX_FAILURES:
-            log.warning("remote_workers: %d Ray workers asked for after start-up did not come up; asking for no "
-                        "more (%d running)", self._probe_failures, self.live)
+            log.warning(
+                "remote_workers: %d Ray workers asked for after start-up did not come up; asking for no "
+                "more (%d running)",
+                self._probe_failures,
+                self.live,
+            )
 
     def maintain(self) -> None:
         """Ask for missing actors (replacements, nodes that joined), unless too many did not come up."""

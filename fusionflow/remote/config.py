@@ -9,6 +9,7 @@ Ray is an optional dependency: `pip install 'fusionflow[ray]'`. Every Ray node n
 importable (the same version), e.g. installed in the nodes' image, or shipped with
 `runtime_env={"py_modules": [fusionflow]}`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,7 @@ import threading
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = ("remote_workers=RayWorkers(...) needs Ray: pip install 'fusionflow[ray]' "
-                "(or pip install ray==2.60.0)")
+INSTALL_HINT = "remote_workers=RayWorkers(...) needs Ray: pip install 'fusionflow[ray]' (or pip install ray==2.60.0)"
 TAKE = ("back", "front")
 
 
@@ -52,12 +52,22 @@ class RayWorkers:
     init_kwargs: extra keyword arguments for `ray.init` (e.g. num_cpus of a local instance).
     """
 
-    def __init__(self, num_workers: int | str = "auto", address: str | None = None, cpus_per_worker: float = 1,
-                 in_flight: int = 2, take: str = "back", runtime_env: dict | None = None,
-                 startup_timeout: float = 60.0, init_kwargs: dict | None = None, per_call: int = 2):
+    def __init__(
+        self,
+        num_workers: int | str = "auto",
+        address: str | None = None,
+        cpus_per_worker: float = 1,
+        in_flight: int = 2,
+        take: str = "back",
+        runtime_env: dict | None = None,
+        startup_timeout: float = 60.0,
+        init_kwargs: dict | None = None,
+        per_call: int = 2,
+    ):
         import_ray()  # fail here, with the install hint, not when the loader starts
-        if num_workers != "auto" and (isinstance(num_workers, bool) or not isinstance(num_workers, int)
-                                      or num_workers < 1):
+        if num_workers != "auto" and (
+            isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
+        ):
             raise ValueError(f"{num_workers=} must be an integer >= 1 or 'auto'")
         if address is not None and not isinstance(address, str):
             raise TypeError(f"address={address!r} must be None, 'auto', 'host:port' or 'ray://host:port'")
@@ -76,8 +86,10 @@ class RayWorkers:
         self.startup_timeout, self.init_kwargs = startup_timeout, dict(init_kwargs or {})
 
     def __repr__(self) -> str:
-        return (f"RayWorkers({self.num_workers!r}, address={self.address!r}, cpus_per_worker={self.cpus_per_worker}, "
-                f"in_flight={self.in_flight}, per_call={self.per_call}, take={self.take!r})")
+        return (
+            f"RayWorkers({self.num_workers!r}, address={self.address!r}, cpus_per_worker={self.cpus_per_worker}, "
+            f"in_flight={self.in_flight}, per_call={self.per_call}, take={self.take!r})"
+        )
 
 
 class _Connection:
@@ -105,9 +117,11 @@ def connect(config: RayWorkers):
             try:
                 ray.init(address=config.address, **kwargs)
             except ConnectionError as exc:
-                raise ConnectionError(f"RayWorkers(address={config.address!r}): no Ray cluster there ({exc}). "
-                                      "Start one (`ray start --head` / your cluster launcher), or pass "
-                                      "address=None to start a local one") from exc
+                raise ConnectionError(
+                    f"RayWorkers(address={config.address!r}): no Ray cluster there ({exc}). "
+                    "Start one (`ray start --head` / your cluster launcher), or pass "
+                    "address=None to start a local one"
+                ) from exc
             started = False
         else:
             try:
@@ -115,14 +129,18 @@ def connect(config: RayWorkers):
                 started = False
             except ConnectionError:  # no cluster is running: start a local one
                 if config.address == "auto":
-                    log.warning("RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
-                                "start` on this machine); starting a local Ray instance for the remote workers")
+                    log.warning(
+                        "RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
+                        "start` on this machine); starting a local Ray instance for the remote workers"
+                    )
                 if config.num_workers != "auto":
                     kwargs.setdefault("num_cpus", int(-(-config.num_workers * config.cpus_per_worker // 1)))
                 ray.init(**kwargs)
                 started = True
-                log.info("fusionflow started a local Ray instance for its remote workers (%s CPUs)",
-                         ray.cluster_resources().get("CPU"))
+                log.info(
+                    "fusionflow started a local Ray instance for its remote workers (%s CPUs)",
+                    ray.cluster_resources().get("CPU"),
+                )
         _Connection.ours, _Connection.started, _Connection.users = True, started, 1
         return ray, True
 

@@ -21,6 +21,7 @@ Shutdown (`stop`, idempotent; the manager's shutdown calls it first): stop and j
 back what is in flight, kill the actors, release Ray (the last user shuts down an instance FusionFlow
 started or connected).
 """
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,7 @@ class RemoteWorkers:
     """The Ray worker kind on a board (runtime/board.py WorkerKind: start(), stop(), busy_with_stale());
     its actors are `self.actors` (remote/actors.py), from start() on."""
 
-    def __init__(self, board, config, dataset, policy, seed: int, stats, first_worker_id: int = 0,
-                 worker_init_fn=None):
+    def __init__(self, board, config, dataset, policy, seed: int, stats, first_worker_id: int = 0, worker_init_fn=None):
         self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
         self.stats, self.first_worker_id, self.worker_init_fn = stats, first_worker_id, worker_init_fn
         self.ray = None
@@ -66,8 +66,9 @@ class RemoteWorkers:
         self._started = True
         self.ray, self._counted = remote_config.connect(self.config)
         try:
-            self.actors = RemoteActors(self.ray, self.config, self.dataset, self.policy, self.seed,
-                                       self.first_worker_id, self.worker_init_fn)
+            self.actors = RemoteActors(
+                self.ray, self.config, self.dataset, self.policy, self.seed, self.first_worker_id, self.worker_init_fn
+            )
             self.actors.start_up()
         except BaseException:
             self.stop()
@@ -85,8 +86,10 @@ class RemoteWorkers:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
             if self._thread.is_alive():
-                log.warning("remote_workers: the remote worker thread did not stop within 10 s (stuck in a Ray "
-                            "call); its actors are killed and Ray released without it")
+                log.warning(
+                    "remote_workers: the remote worker thread did not stop within 10 s (stuck in a Ray "
+                    "call); its actors are killed and Ray released without it"
+                )
         ray = self.ray
         if ray is None:
             return
@@ -123,8 +126,14 @@ class RemoteWorkers:
             work.cpu_only = True  # kills processes is isolated and counted against max_retries
         self.board.requeue(works)
         self.stats.remote_workers_lost += 1
-        log.warning("remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
-                    "the cluster for a replacement", actor.name, actor.host, type(exc).__name__, len(works))
+        log.warning(
+            "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
+            "the cluster for a replacement",
+            actor.name,
+            actor.host,
+            type(exc).__name__,
+            len(works),
+        )
         self.actors.remove(actor)
         return True  # the caller kills it, without the lock (a Ray call)
 
@@ -172,8 +181,9 @@ class RemoteWorkers:
         board = self.board
         if board.draining():
             return
-        take = ((lambda: board.take_accel(largest_first=True)) if self.config.take == "back"
-                else (lambda: board.take_cpu()))
+        take = (
+            (lambda: board.take_accel(largest_first=True)) if self.config.take == "back" else (lambda: board.take_cpu())
+        )
         ready = [a for a in self.actors if a.ready]
         for depth in range(1, self.config.in_flight + 1):
             for a in ready:
@@ -215,8 +225,12 @@ class RemoteWorkers:
             board.wake()
             return
         except Exception as exc:  # the object was lost, or a bug on the actor: the local workers take it
-            log.warning("remote_workers: tiny-batches %s failed on Ray worker %s: %r; running them locally",
-                        [w.indices for w in works], actor.name, exc)
+            log.warning(
+                "remote_workers: tiny-batches %s failed on Ray worker %s: %r; running them locally",
+                [w.indices for w in works],
+                actor.name,
+                exc,
+            )
             with board.cond:
                 if not self._stopped and self.inflight.pop(ref, None) is not None:  # stopped: stop() gives back
                     actor.inflight -= 1
@@ -235,8 +249,13 @@ class RemoteWorkers:
             try:
                 done.append((work, result, self._write(work, result)))
             except Exception as exc:  # e.g. another FusionFlow version on the node returned another shape
-                log.warning("remote_workers: the result of tiny-batch %s from Ray worker %s could not be written "
-                            "(%r); running it locally", work.indices, actor.name, exc)
+                log.warning(
+                    "remote_workers: the result of tiny-batch %s from Ray worker %s could not be written "
+                    "(%r); running it locally",
+                    work.indices,
+                    actor.name,
+                    exc,
+                )
                 failed.append(work)
         with board.cond:
             self._writing = None
@@ -280,5 +299,7 @@ class RemoteWorkers:
     def _retire(self, why: str) -> None:
         """Lock held: the actors take no more work."""
         self.retired = why
-        log.warning("remote_workers: retired for the rest of this loader's run (%s); the local workers take "
-                    "every tiny-batch", why)
+        log.warning(
+            "remote_workers: retired for the rest of this loader's run (%s); the local workers take every tiny-batch",
+            why,
+        )

@@ -1,6 +1,7 @@
 """What runs on a remote node: the Ray actor's body for remote/kind.py's worker kind. It holds the
 dataset and a CpuPipeline and runs a local CPU worker's per-sample code (fusionflow/sample.py), so a
 tiny-batch's bytes are the same wherever it runs; it returns them instead of writing shared memory."""
+
 from __future__ import annotations
 
 import time
@@ -15,6 +16,7 @@ class RemoteTask:
 
     def __init__(self, dataset, policy, seed: int, worker_id: int, worker_init_fn=None):
         from fusionflow.ops.pipeline import CpuPipeline
+
         self.dataset, self.seed = dataset, seed
         self.pipe = CpuPipeline(policy)
         if worker_init_fn is not None:
@@ -26,12 +28,12 @@ class RemoteTask:
         import socket
 
         from fusionflow.sample import describe, split_item
+
         error = None
         try:
             split_item(self.dataset[index], index)
         except Exception as exc:
-            error = (f"{describe(self.dataset, index)}: {type(exc).__name__}: {exc}\n"
-                     f"{traceback.format_exc()}")
+            error = f"{describe(self.dataset, index)}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         return {"host": socket.gethostname(), "pid": os.getpid(), "error": error}
 
     def run(self, epoch: int, positions, indices, copies):
@@ -41,6 +43,7 @@ class RemoteTask:
         import dataclasses
 
         from fusionflow.sample import run_sample
+
         t0 = time.perf_counter()
         n = len(indices)
         out = np.empty((n, *self.pipe.out_shape), self.pipe.out_dtype)

@@ -34,6 +34,7 @@ be rebuilt, the accelerator retires: the CPU workers take everything from then o
 Pipelines are closed explicitly: at `stop()`, and (the DALI-Naive ablation, aot=False) after each
 tiny-batch it built one for.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,9 +54,23 @@ PROFILE_BATCHES = 10  # gpu_sharing="auto": iterations timed per mode before cho
 
 
 class AcceleratorWorker:
-    def __init__(self, board, dataset, policy, max_batch: int, seed: int, device: str = "cpu",
-                 device_id: int | None = None, aot: bool = True, largest_first: bool = True,
-                 num_threads: int = 1, device_ring=None, sharing: str = "spatial", counters=None, bridge=None):
+    def __init__(
+        self,
+        board,
+        dataset,
+        policy,
+        max_batch: int,
+        seed: int,
+        device: str = "cpu",
+        device_id: int | None = None,
+        aot: bool = True,
+        largest_first: bool = True,
+        num_threads: int = 1,
+        device_ring=None,
+        sharing: str = "spatial",
+        counters=None,
+        bridge=None,
+    ):
         from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
         from fusionflow.policy import load_policy
 
@@ -63,8 +78,9 @@ class AcceleratorWorker:
         self.counters = counters if counters is not None else board.counters
         self.max_pixels = load_policy(policy).max_pixels
         self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
-        self._make = lambda: DaliPolicyPipeline(policy, max_batch, device=device, device_id=device_id,
-                                                num_threads=num_threads)
+        self._make = lambda: DaliPolicyPipeline(
+            policy, max_batch, device=device, device_id=device_id, num_threads=num_threads
+        )
         t0 = time.perf_counter()
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
@@ -110,8 +126,10 @@ class AcceleratorWorker:
         pipeline, self.pipeline = self.pipeline, None
         if pipeline is not None:
             if self._thread.is_alive() and self._thread is not threading.current_thread():  # stuck in a tiny-batch
-                log.warning("the accelerator thread did not stop within 10 s; its DALI pipeline is left to "
-                            "the garbage collector")
+                log.warning(
+                    "the accelerator thread did not stop within 10 s; its DALI pipeline is left to "
+                    "the garbage collector"
+                )
             else:
                 pipeline.close()
 
@@ -120,15 +138,25 @@ class AcceleratorWorker:
         self.retired = self.counters.accelerator_retired = why
         self.board.reserved = 0
         self.board.cond.notify_all()
-        log.warning("the DALI accelerator is retired for the rest of this loader's run (%s); the CPU workers "
-                    "take every tiny-batch", why)
+        log.warning(
+            "the DALI accelerator is retired for the rest of this loader's run (%s); the CPU workers "
+            "take every tiny-batch",
+            why,
+        )
 
     def _run(self) -> None:
         board = self.board
         while True:
             with board.cond:
-                while not self._stop and not self.retired and (board.draining() or (self.gated and not self.window_open)
-                                          or (work := board.take_accel(self.largest_first)) is None):
+                while (
+                    not self._stop
+                    and not self.retired
+                    and (
+                        board.draining()
+                        or (self.gated and not self.window_open)
+                        or (work := board.take_accel(self.largest_first)) is None
+                    )
+                ):
                     board.cond.wait(0.5)
                 if self._stop or self.retired:
                     return
@@ -233,6 +261,7 @@ class SharingProfiler:
         import torch
 
         from fusionflow.scheduling.sharing import choose_sharing
+
         if self.chosen is not None:
             return
         now = time.perf_counter()
@@ -248,9 +277,13 @@ class SharingProfiler:
                 self.accel.sharing = "spatial"
                 self.last = None  # the switch itself is not an iteration
             else:
-                self.chosen = choose_sharing(self.times["temporal"], self.times["spatial"],
-                                             self.min_free or 0, self.total or 1)
+                self.chosen = choose_sharing(
+                    self.times["temporal"], self.times["spatial"], self.min_free or 0, self.total or 1
+                )
                 self.accel.sharing = self.chosen
-                log.info("gpu_sharing='auto' chose %s (median iteration temporal %.1f ms, spatial %.1f ms)",
-                         self.chosen, 1e3 * sorted(self.times["temporal"])[len(self.times["temporal"]) // 2],
-                         1e3 * sorted(self.times["spatial"])[len(self.times["spatial"]) // 2])
+                log.info(
+                    "gpu_sharing='auto' chose %s (median iteration temporal %.1f ms, spatial %.1f ms)",
+                    self.chosen,
+                    1e3 * sorted(self.times["temporal"])[len(self.times["temporal"]) // 2],
+                    1e3 * sorted(self.times["spatial"])[len(self.times["spatial"]) // 2],
+                )

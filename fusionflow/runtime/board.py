@@ -32,6 +32,7 @@ each method with its contract.
 
 The board holds no threads or processes itself; the queue is the pure TinyBatchQueue.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -89,8 +90,10 @@ class Board:
     def add_worker_kind(self, kind: WorkerKind) -> None:
         """Register `kind` (then call its `start()`); its `stop()` is called first by the manager's shutdown."""
         if not isinstance(kind, WorkerKind):
-            raise TypeError(f"add_worker_kind({kind!r}): a worker kind has start(), stop() and "
-                            "busy_with_stale(generation) (fusionflow/runtime/board.py, WorkerKind)")
+            raise TypeError(
+                f"add_worker_kind({kind!r}): a worker kind has start(), stop() and "
+                "busy_with_stale(generation) (fusionflow/runtime/board.py, WorkerKind)"
+            )
         with self.cond:
             if self._kinds_stopped:
                 raise RuntimeError(f"add_worker_kind({kind!r}): this manager is shut down; no worker kind can join")

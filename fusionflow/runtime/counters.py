@@ -8,6 +8,7 @@ own thread writes. Counts go on
 across managers (a loader without persistent workers builds one per epoch) because the object does;
 `tiny_batches_per_worker` is per worker id of the current manager and starts again with each one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

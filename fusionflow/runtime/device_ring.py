@@ -13,6 +13,7 @@ Streams and events (one device: the loader's, resolved to an index once, made cu
     before it reads the slot (`wait_slot`), so the training stream is ordered after the copy by
     CUDA itself.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -30,6 +31,7 @@ HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: the pages count as pinne
 def copy_out(out, dst: torch.Tensor, stream) -> None:
     """Copy a DALI GPU TensorList into `dst` on `stream` (asynchronously)."""
     from nvidia.dali.plugin.pytorch import feed_ndarray
+
     feed_ndarray(out.as_tensor(), dst, cuda_stream=stream)
 
 
@@ -41,8 +43,11 @@ class DeviceRing:
             raise ValueError(f"device={device!r}: DeviceRing needs a CUDA device with an index, e.g. cuda:0")
         self.device, self.index = device, device.index
         with torch.cuda.device(self.index):
-            self.images = torch.empty((layout.depth, layout.batch_size, *layout.sample_shape),
-                                      dtype=_DTYPES[layout.dtype], device=alloc_device or device)
+            self.images = torch.empty(
+                (layout.depth, layout.batch_size, *layout.sample_shape),
+                dtype=_DTYPES[layout.dtype],
+                device=alloc_device or device,
+            )
             self.stream = torch.cuda.Stream(device=device)
         self.ready = [None] * layout.depth  # per slot: the event of the accelerator's last copy into it
 
@@ -50,7 +55,7 @@ class DeviceRing:
         """Copy a DALI GPU TensorList (one sample per position, in order) into the ring; returns once
         the copy is complete (the slot may then be reported done)."""
         first = positions[0]
-        dst = self.images[slot, first:first + len(positions)]
+        dst = self.images[slot, first : first + len(positions)]
         with torch.cuda.device(self.index):
             copy_out(out, dst, self.stream)
             event = torch.cuda.Event(blocking=True)
@@ -107,13 +112,16 @@ def register_host(ptr: int, nbytes: int, device_index: int) -> bool:
     loader's device current. On failure CUDA's last error is cleared, so no later, unrelated
     launch fails on it; if it cannot be cleared, a FusionFlowError says so."""
     from fusionflow.errors import FusionFlowError
+
     with torch.cuda.device(device_index):
         rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, HOST_REGISTER_PORTABLE))
         if rc == 0:
             return True
         if not clear_last_error():
-            raise FusionFlowError(f"cudaHostRegister of the {nbytes}-byte batch ring failed (CUDA error {rc}) and "
-                                  "CUDA's last error could not be reset (libcudart not found among the loaded "
-                                  "libraries): a later kernel launch would report it; use device='cpu' or fix "
-                                  "the registration (e.g. ulimit -l)")
+            raise FusionFlowError(
+                f"cudaHostRegister of the {nbytes}-byte batch ring failed (CUDA error {rc}) and "
+                "CUDA's last error could not be reset (libcudart not found among the loaded "
+                "libraries): a later kernel launch would report it; use device='cpu' or fix "
+                "the registration (e.g. ulimit -l)"
+            )
     return False

@@ -44,6 +44,7 @@ descriptor (inherited at fork, duplicated for spawn, sent over the Unix socket t
 its memory goes when the last process holding it exits -- even when the whole job is SIGKILLed.
 If the training process is killed alone, workers notice within `worker.WATCHDOG_S` and exit.
 """
+
 from __future__ import annotations
 
 import logging
@@ -65,11 +66,30 @@ __all__ = ["LocalManager", "SampleKilledWorkersError", "WorkerStartError"]
 
 
 class LocalManager:
-    def __init__(self, dataset, policy, layout: RingLayout, num_workers: int, seed: int,
-                 worker_init_fn=None, mp_context=None, pin_cpus: bool | str = True, max_retries: int = 2,
-                 sizes=None, tiny_batch_size: int = 4, base_seed: int = 0, job: str | None = None,
-                 spec: bytes | None = None, stages: tuple[str, ...] | None = None, *, counters=None,
-                 trace=None, on_stage_times=None, on_batch_done=None, on_capacity_change=None):
+    def __init__(
+        self,
+        dataset,
+        policy,
+        layout: RingLayout,
+        num_workers: int,
+        seed: int,
+        worker_init_fn=None,
+        mp_context=None,
+        pin_cpus: bool | str = True,
+        max_retries: int = 2,
+        sizes=None,
+        tiny_batch_size: int = 4,
+        base_seed: int = 0,
+        job: str | None = None,
+        spec: bytes | None = None,
+        stages: tuple[str, ...] | None = None,
+        *,
+        counters=None,
+        trace=None,
+        on_stage_times=None,
+        on_batch_done=None,
+        on_capacity_change=None,
+    ):
         ring = BatchRing(layout)
         ring.unlink()  # no name to outlive a job killed as a whole: workers get the descriptor
         self.board = board = Board(ring, sizes, counters, trace)
@@ -87,12 +107,26 @@ class LocalManager:
         try:
             if job is not None:
                 from fusionflow.runtime.gm.agent import LendingAgent
+
                 self.agent = LendingAgent(board, job, spec)
             self.pool = WorkerPool(
-                board, dataset, policy, layout, num_workers, seed, base_seed, worker_init_fn,
-                mp_context if mp_context is not None else mp.get_context(), pin_cpus, max_retries, stages,
+                board,
+                dataset,
+                policy,
+                layout,
+                num_workers,
+                seed,
+                base_seed,
+                worker_init_fn,
+                mp_context if mp_context is not None else mp.get_context(),
+                pin_cpus,
+                max_retries,
+                stages,
                 spec_hash=self.agent.spec_hash if self.agent is not None else None,
-                on_stage_times=on_stage_times, on_capacity=self._capacity_changed, on_fatal=self._fail)
+                on_stage_times=on_stage_times,
+                on_capacity=self._capacity_changed,
+                on_fatal=self._fail,
+            )
             board.watch_stale(self.pool)
             if self.agent is not None:
                 self.agent.pool = self.pool
@@ -138,12 +172,16 @@ class LocalManager:
                 if self.fatal is not None:
                     raise self.fatal
                 if self._closed:
-                    raise FusionFlowError(f"mini-batch {seq} cannot arrive: the loader's workers were shut down "
-                                          "during this iteration (close(), or load_state_dict with a new seed)")
+                    raise FusionFlowError(
+                        f"mini-batch {seq} cannot arrive: the loader's workers were shut down "
+                        "during this iteration (close(), or load_state_dict with a new seed)"
+                    )
                 state = board.queue.batches.get(key)
                 if state is None:
-                    raise FusionFlowError(f"mini-batch {seq} of this iterator is no longer tracked: a newer "
-                                          "iter(loader) abandoned it (iterate one epoch at a time)")
+                    raise FusionFlowError(
+                        f"mini-batch {seq} of this iterator is no longer tracked: a newer "
+                        "iter(loader) abandoned it (iterate one epoch at a time)"
+                    )
                 if state.error is not None:
                     raise state.error
                 if state.remaining == 0:
@@ -159,8 +197,10 @@ class LocalManager:
                     continue
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise FusionFlowError(f"mini-batch {seq} was not ready within timeout={timeout} s "
-                                          f"({state.remaining} of {state.size} samples outstanding)")
+                    raise FusionFlowError(
+                        f"mini-batch {seq} was not ready within timeout={timeout} s "
+                        f"({state.remaining} of {state.size} samples outstanding)"
+                    )
                 board.cond.wait(left if left is not None else 1.0)
 
     def abandon(self, generation: int) -> None:
@@ -176,6 +216,7 @@ class LocalManager:
     def register_cuda(self, device_index: int) -> bool:
         """Page-lock the ring (cudaHostRegister, portable) so batches copy to the GPU without staging."""
         from fusionflow.runtime.device_ring import register_host
+
         self.cuda_device = device_index
         self.cuda_registered = register_host(self.board.ring.images.ctypes.data, self.layout.nbytes, device_index)
         return self.cuda_registered
@@ -221,6 +262,7 @@ class LocalManager:
             event.synchronize()
         if self.cuda_registered:
             import torch
+
             with torch.cuda.device(self.cuda_device):
                 torch.cuda.cudart().cudaHostUnregister(board.ring.images.ctypes.data)
             self.cuda_registered = False

@@ -4,6 +4,7 @@ No pixel data ever travels here: a task names slots and dataset indices; a compl
 task. Only failures (the exceptions, as text, to be re-raised in the training process) and targets
 that are not Python ints (runtime/targets.py: {position: target}, small) carry a variable payload.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -21,6 +22,7 @@ class Kind(IntEnum):
     worker -> owner HOME; on the borrower's socket: worker -> borrower HELLO, NEED, LEAVING (its
     owner called it back); borrower -> worker SETUP, SPEC, RETURN. Those are rare control messages:
     their payload, one of the dataclasses below (or none), is pickled."""
+
     TASK = 1
     STOP = 2
     DONE = 3
@@ -35,7 +37,7 @@ class Kind(IntEnum):
     RETURN = 12
     LEAVING = 13
     BELL = 14  # GM -> LM on the LM's socket: the first one says "this connection is the GM's doorbell",
-               # each later one "your action row has a new order" (no polling for orders in training)
+    # each later one "your action row has a new order" (no polling for orders in training)
 
 
 TASK, STOP, DONE, READY, FATAL = Kind.TASK, Kind.STOP, Kind.DONE, Kind.READY, Kind.FATAL
@@ -80,8 +82,16 @@ def pack_stop() -> bytes:
     return _HEAD.pack(STOP, 0, 0, 0, 0, 0)
 
 
-def pack_done(task_id: int, generation: int, failures: list[SampleFailure], started_ns: int = 0,
-              ended_ns: int = 0, stage_ns=(), *, targets: dict | None = None) -> bytes:
+def pack_done(
+    task_id: int,
+    generation: int,
+    failures: list[SampleFailure],
+    started_ns: int = 0,
+    ended_ns: int = 0,
+    stage_ns=(),
+    *,
+    targets: dict | None = None,
+) -> bytes:
     """`targets`: {position: target} of the samples whose target did not go into the ring's int64 slot.
     Fixed size (head, times, stage totals) unless there are failures or such targets (pickled after)."""
     n = len(failures) + len(targets or ())  # 0: no payload (the common case: int targets, no failure)
@@ -102,6 +112,7 @@ def pack_fatal(worker_id: int, text: str) -> bytes:
 @dataclass(frozen=True)
 class Lend:
     """Owner LM -> its idle worker: serve LM `peer`, listening at `address`, until it sends you home."""
+
     KIND: ClassVar[Kind] = Kind.LEND
     peer: int  # the borrower's row in the job's table
     address: str  # the borrower's abstract Unix socket
@@ -112,6 +123,7 @@ class Lend:
 @dataclass(frozen=True)
 class Home:
     """Lent worker -> its owner, back from a loan."""
+
     KIND: ClassVar[Kind] = Kind.HOME
     tasks: int  # tiny-batches it ran for the borrower
 
@@ -119,6 +131,7 @@ class Home:
 @dataclass(frozen=True)
 class Hello:
     """Lent worker -> borrower, first thing on the borrower's socket."""
+
     KIND: ClassVar[Kind] = Kind.HELLO
     owner_lm: int
     worker_id: int  # within its owner
@@ -127,6 +140,7 @@ class Hello:
 @dataclass(frozen=True)
 class Setup:
     """Borrower -> lent worker: its batch ring (whose descriptor follows), seed and spec."""
+
     KIND: ClassVar[Kind] = Kind.SETUP
     ring_name: str
     layout: RingLayout
@@ -138,6 +152,7 @@ class Setup:
 class Spec:
     """Borrower -> lent worker that does not have it yet: what runs the borrower's samples. Pickled
     once per loader (runtime/gm/link.py, `make_spec`) and sent as those bytes (`pack_pickled`)."""
+
     KIND: ClassVar[Kind] = Kind.SPEC
     dataset: Any
     policy: Any
@@ -156,8 +171,9 @@ def unpack_message(msg: bytes, expected: type):
     """The dataclass a `pack_message` message carries; TypeError if it is not an `expected`."""
     payload = unpack_control(msg)
     if type(payload) is not expected or kind_of(msg) != expected.KIND:
-        raise TypeError(f"expected a {expected.__name__} message, got kind {kind_of(msg)} carrying "
-                        f"{type(payload).__name__}")
+        raise TypeError(
+            f"expected a {expected.__name__} message, got kind {kind_of(msg)} carrying {type(payload).__name__}"
+        )
     return payload
 
 
@@ -171,7 +187,7 @@ def pack_pickled(kind: int, pickled: bytes) -> bytes:
 
 
 def unpack_control(msg: bytes):
-    return pickle.loads(msg[_HEAD.size:])
+    return pickle.loads(msg[_HEAD.size :])
 
 
 def kind_of(msg: bytes) -> int:
@@ -182,15 +198,22 @@ def unpack_task(msg: bytes) -> Task:
     _, task_id, gen, slot, epoch, n = _HEAD.unpack_from(msg)
     items = [_ITEM.unpack_from(msg, _HEAD.size + k * _ITEM.size) for k in range(n)]
     copies = tuple(c for _, _, c in items)
-    return Task(task_id, gen, slot, epoch, tuple(p for p, _, _ in items), tuple(i for _, i, _ in items),
-                copies if any(copies) else ())
+    return Task(
+        task_id,
+        gen,
+        slot,
+        epoch,
+        tuple(p for p, _, _ in items),
+        tuple(i for _, i, _ in items),
+        copies if any(copies) else (),
+    )
 
 
 def unpack_done(msg: bytes) -> tuple[int, int, list[SampleFailure], dict]:
     """(task_id, generation, failures, {position: target} of targets sent along)."""
     _, task_id, gen, _, _, n = _HEAD.unpack_from(msg)
     _, _, stages = _TIMES.unpack_from(msg, _HEAD.size)
-    failures, targets = pickle.loads(msg[_HEAD.size + _TIMES.size + 8 * stages:]) if n else ([], {})
+    failures, targets = pickle.loads(msg[_HEAD.size + _TIMES.size + 8 * stages :]) if n else ([], {})
     return task_id, gen, failures, targets
 
 
@@ -201,4 +224,4 @@ def unpack_done_times(msg: bytes) -> tuple[int, int, tuple[int, ...]]:
 
 
 def unpack_fatal(msg: bytes) -> str:
-    return msg[_HEAD.size:].decode("utf-8", "replace")
+    return msg[_HEAD.size :].decode("utf-8", "replace")

@@ -1,4 +1,5 @@
 """Whether a process is alive, as the owners of shared resources need to know it."""
+
 from __future__ import annotations
 
 import os

@@ -19,6 +19,7 @@ when the training process and its workers are SIGKILLed together; the memory goe
 process that maps it. (The global manager's table and the bridge ledger are still named: ranks
 find them by name.)
 """
+
 from __future__ import annotations
 
 import errno
@@ -88,8 +89,8 @@ class BatchRing:
                 seg.close_fd()
         buf = np.frombuffer(self._map, np.uint8)
         shape = (layout.depth, layout.batch_size, *layout.sample_shape)
-        self.images = buf[:layout.image_bytes].view(layout.dtype).reshape(shape)
-        self.labels = buf[layout.image_bytes:layout.nbytes].view(np.int64).reshape(layout.depth, layout.batch_size)
+        self.images = buf[: layout.image_bytes].view(layout.dtype).reshape(shape)
+        self.labels = buf[layout.image_bytes : layout.nbytes].view(np.int64).reshape(layout.depth, layout.batch_size)
 
     def unlink(self) -> None:
         unlink(self.name)
@@ -122,6 +123,7 @@ class ChildFd:
 
     def __reduce__(self):
         from multiprocessing import reduction
+
         return (_received_fd, (reduction.DupFd(self.fd),))
 
 
@@ -180,7 +182,8 @@ def _too_small(layout: RingLayout, free: int | None, why: str = "") -> SharedMem
         f"batch_size={layout.batch_size} samples of shape {layout.sample_shape} {layout.dtype}) but {have}. "
         f"Fixes: give the container a larger {SHM_DIR} (docker run --shm-size=2g, docker compose shm_size, "
         f"Kubernetes: an emptyDir with medium: Memory mounted at {SHM_DIR}), or lower batch_size or "
-        f"prefetch_factor, or free space in {SHM_DIR} (`ls -l {SHM_DIR}`: segments of dead jobs).")
+        f"prefetch_factor, or free space in {SHM_DIR} (`ls -l {SHM_DIR}`: segments of dead jobs)."
+    )
 
 
 def check_room(layout: RingLayout) -> None:

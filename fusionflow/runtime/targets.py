@@ -16,6 +16,7 @@ they arrived -- and collates it with `torch.utils.data.default_collate`, so floa
 tensors stacked, strings as lists, dicts and tuples collated per key / field, exactly as DataLoader
 would deliver them.
 """
+
 from __future__ import annotations
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -10,6 +10,7 @@ Lending (DDP, runtime/gm/manager.py): on LEND from its owner the worker connects
 local manager's socket and runs that LM's tiny-batches -- with that LM's dataset, policy and seed,
 into that LM's ring -- until it is returned, then reports HOME. See `serve_borrower`.
 """
+
 from __future__ import annotations
 
 import logging
@@ -46,14 +47,32 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
     started = time.monotonic_ns()
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
-        failure = run_sample(dataset, pipe, pos, index, copy, seed, task.epoch, ring.images[task.slot],
-                             ring.labels[task.slot], side, clock)
+        failure = run_sample(
+            dataset,
+            pipe,
+            pos,
+            index,
+            copy,
+            seed,
+            task.epoch,
+            ring.images[task.slot],
+            ring.labels[task.slot],
+            side,
+            clock,
+        )
         if failure is not None:
             failures.append(failure)
-    out.send_bytes(m.pack_done(task.task_id, task.generation, failures, started, time.monotonic_ns(),
-                               clock.take() if clock is not None else (), targets=side))
-
-
+    out.send_bytes(
+        m.pack_done(
+            task.task_id,
+            task.generation,
+            failures,
+            started,
+            time.monotonic_ns(),
+            clock.take() if clock is not None else (),
+            targets=side,
+        )
+    )
 
 
 def _check_orphan(parent_pid: int) -> None:
@@ -65,6 +84,7 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
     """(dataset, pipeline) for the borrower's spec: this worker's own, one it served before, or the
     one it asks the borrower for (NEED -> SPEC); None if that cannot be set up (FATAL sent)."""
     from fusionflow.ops.pipeline import CpuPipeline
+
     if spec_hash == home[2]:
         return home[0], home[1]
     if spec_hash in spec_cache:
@@ -143,9 +163,21 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
             ring.close()
 
 
-def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingLayout, conn, seed: int,
-                base_seed: int, worker_init_fn, parent_pid: int, cpu: int | None,
-                spec_hash: bytes | None = None, stages: tuple[str, ...] | None = None) -> None:
+def worker_loop(
+    worker_id: int,
+    dataset,
+    policy,
+    ring_fd: ChildFd,
+    layout: RingLayout,
+    conn,
+    seed: int,
+    base_seed: int,
+    worker_init_fn,
+    parent_pid: int,
+    cpu: int | None,
+    spec_hash: bytes | None = None,
+    stages: tuple[str, ...] | None = None,
+) -> None:
     """`stages`: the stage names to time per sample (fusionflow/stages.py), or None: no stage timing."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     close_inherited()
@@ -161,10 +193,12 @@ def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingL
             torch.set_num_threads(1)
             torch.manual_seed(base_seed + worker_id)
         from fusionflow.ops.pipeline import CpuPipeline
+
         pipe = CpuPipeline(policy)
         clock = None
         if stages:
             from fusionflow.stages import StageClock
+
             clock = StageClock(stages)
         ring = map_from_child_fd(layout, ring_fd)
         if worker_init_fn is not None:
@@ -184,8 +218,9 @@ def worker_loop(worker_id: int, dataset, policy, ring_fd: ChildFd, layout: RingL
             if kind == m.STOP:
                 return
             if kind == m.LEND:
-                done = serve_borrower(m.unpack_message(msg, m.Lend), conn, worker_id, (dataset, pipe, spec_hash),
-                                      spec_cache, parent_pid)
+                done = serve_borrower(
+                    m.unpack_message(msg, m.Lend), conn, worker_id, (dataset, pipe, spec_hash), spec_cache, parent_pid
+                )
                 conn.send_bytes(m.pack_message(m.Home(done)))
                 continue
             run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn, clock)

@@ -20,6 +20,7 @@ Lent-out workers stay records here (`lent_to` says where they serve); workers le
 are guests of the lending agent (runtime/gm/agent.py), but get tasks and report completions
 through `send` / `on_done` / `requeue_outstanding` here like own workers.
 """
+
 from __future__ import annotations
 
 import gc
@@ -61,9 +62,25 @@ class _Worker:
 
 
 class WorkerPool:
-    def __init__(self, board, dataset, policy, layout, num_workers: int, seed: int, base_seed: int = 0,
-                 worker_init_fn=None, ctx=None, pin_cpus: bool | str = True, max_retries: int = 2,
-                 stages=None, spec_hash: bytes | None = None, on_stage_times=None, on_capacity=None, on_fatal=None):
+    def __init__(
+        self,
+        board,
+        dataset,
+        policy,
+        layout,
+        num_workers: int,
+        seed: int,
+        base_seed: int = 0,
+        worker_init_fn=None,
+        ctx=None,
+        pin_cpus: bool | str = True,
+        max_retries: int = 2,
+        stages=None,
+        spec_hash: bytes | None = None,
+        on_stage_times=None,
+        on_capacity=None,
+        on_fatal=None,
+    ):
         self.board, self.dataset, self.policy, self.layout = board, dataset, policy, layout
         self.num_workers, self.seed, self.base_seed = num_workers, seed, base_seed
         self.worker_init_fn, self.ctx, self.pin_cpus, self.max_retries = worker_init_fn, ctx, pin_cpus, max_retries
@@ -106,9 +123,25 @@ class WorkerPool:
         board = self.board
         parent, child = self.ctx.Pipe(duplex=True)
         proc = self.ctx.Process(
-            target=worker_loop, name=f"fusionflow-worker-{wid}", daemon=True,
-            args=(wid, self.dataset, self.policy, ChildFd(board.ring.fd), self.layout, child, self.seed,
-                  self.base_seed, self.worker_init_fn, os.getpid(), self.cpu_for(wid), self.spec_hash, self.stages))
+            target=worker_loop,
+            name=f"fusionflow-worker-{wid}",
+            daemon=True,
+            args=(
+                wid,
+                self.dataset,
+                self.policy,
+                ChildFd(board.ring.fd),
+                self.layout,
+                child,
+                self.seed,
+                self.base_seed,
+                self.worker_init_fn,
+                os.getpid(),
+                self.cpu_for(wid),
+                self.spec_hash,
+                self.stages,
+            ),
+        )
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
         # threads that only exist here) must never be finalized in the child: frozen objects are
         # skipped by the child's collector, and the parent collects them after unfreezing.
@@ -210,13 +243,13 @@ class WorkerPool:
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
         """Whether a worker (own, or lent out) still holds a task of an iterator older than `generation`."""
-        return any(work.generation != generation for w in self.workers if w is not None
-                   for _tid, work in w.outstanding)
+        return any(work.generation != generation for w in self.workers if w is not None for _tid, work in w.outstanding)
 
     def dispatch(self, guests, per_worker: int) -> None:
         """Give queued work to own workers and `guests` with room, up to `per_worker` tasks each."""
-        own = [w for w in self.workers if w is not None and w.alive and w.ready and w.lent_to is None
-               and not w.retiring]
+        own = [
+            w for w in self.workers if w is not None and w.alive and w.ready and w.lent_to is None and not w.retiring
+        ]
         guests = [g for g in guests if g.alive and g.ready]
         for depth in range(1, per_worker + 1):  # everyone gets a running task before anyone a queued one
             for w in own + guests:
@@ -228,8 +261,11 @@ class WorkerPool:
     def send(self, w: _Worker, work: Work) -> bool:
         task_id = next(self.task_ids)
         try:
-            w.conn.send_bytes(m.pack_task(m.Task(task_id, work.generation, work.slot, work.epoch,
-                                                 work.positions, work.indices, work.copies)))
+            w.conn.send_bytes(
+                m.pack_task(
+                    m.Task(task_id, work.generation, work.slot, work.epoch, work.positions, work.indices, work.copies)
+                )
+            )
         except OSError:
             self.board.requeue([work])
             return False
@@ -268,15 +304,27 @@ class WorkerPool:
                 work.deaths += 1
                 if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
                     copies = work.copies or (0,) * len(work.positions)
-                    requeue += [Work(work.seq, work.generation, work.slot, work.epoch, (p,), (i,), work.deaths,
-                                      copies=(c,) if c else ()) for p, i, c in zip(work.positions, work.indices, copies)]
+                    requeue += [
+                        Work(
+                            work.seq,
+                            work.generation,
+                            work.slot,
+                            work.epoch,
+                            (p,),
+                            (i,),
+                            work.deaths,
+                            copies=(c,) if c else (),
+                        )
+                        for p, i, c in zip(work.positions, work.indices, copies)
+                    ]
                     continue
                 if work.deaths > self.max_retries:
                     board.queue.batches[work.key].error = SampleKilledWorkersError(
                         f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
                         f"giving up after max_retries={self.max_retries}. Check that sample "
                         f"(dataset.describe / path) for a file that crashes the decoder or exhausts memory.",
-                        list(work.indices))
+                        list(work.indices),
+                    )
                     continue
             requeue.append(work)
         w.outstanding.clear()
@@ -345,11 +393,14 @@ class WorkerPool:
                 self._fail(WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready"))
             elif code == -signal.SIGBUS:  # it touched shared memory the system could not supply: not a sample's fault
                 self.requeue_outstanding(w, how, suspect=False)
-                self._fail(SharedMemoryError(
-                    f"CPU worker {w.worker_id} died of SIGBUS: a process touched shared memory that could not be "
-                    f"backed (the batch ring needs {self.layout.nbytes} bytes; {SHM_DIR} has "
-                    f"{free_bytes()} bytes free now). This is not the fault of a sample. Give the container a "
-                    f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor."))
+                self._fail(
+                    SharedMemoryError(
+                        f"CPU worker {w.worker_id} died of SIGBUS: a process touched shared memory that could not be "
+                        f"backed (the batch ring needs {self.layout.nbytes} bytes; {SHM_DIR} has "
+                        f"{free_bytes()} bytes free now). This is not the fault of a sample. Give the container a "
+                        f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor."
+                    )
+                )
             else:
                 w.retiring = False  # a retiring worker that crashed is replaced like any other
                 log.warning("fusionflow CPU worker %d died (%s); restarting it", w.worker_id, how)

@@ -11,6 +11,7 @@ workers go home when the borrower's iteration completes: that is not a GM decisi
 borrower's own (runtime/gm/agent.py: a guest takes tiny-batches only up to the iteration it was
 lent for, and is sent home when none of those is left for it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class Progress:
         if not self.can_borrow:
             return 0
         return max(0, self.waiting - sum(1 for f in self.active if f > 0.5) - self.incoming)
+
 
 @dataclass(frozen=True)
 class Loan:

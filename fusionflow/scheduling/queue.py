@@ -9,11 +9,12 @@ died, the accelerator could not run it) goes to the front of its mini-batch. Com
 counted per mini-batch in its `BatchState`; a mini-batch stays tracked until the training loop
 takes it (`forget`), or its iterator is abandoned (`forget_generation`).
 """
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from fusionflow.scheduling.taas import cpu_may_take
 from fusionflow.scheduling.tiny_batches import TinyBatch
@@ -24,6 +25,7 @@ Key = tuple[int, int]  # (generation, seq): generations order iterators, seqs mi
 @dataclass
 class Work:
     """One tiny-batch to run: which ring slot, which positions of the mini-batch, which samples."""
+
     seq: int
     generation: int
     slot: int
@@ -60,13 +62,22 @@ class TinyBatchQueue:
         self.batches: dict[Key, BatchState] = {}
         self.reserved = 0  # TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
 
-    def add(self, generation: int, seq: int, slot: int, epoch: int, tiny: Iterable[TinyBatch],
-            size: int, submitted_at: float) -> BatchState:
+    def add(
+        self,
+        generation: int,
+        seq: int,
+        slot: int,
+        epoch: int,
+        tiny: Iterable[TinyBatch],
+        size: int,
+        submitted_at: float,
+    ) -> BatchState:
         """Queue mini-batch `seq` of `generation` (its `size` samples as `tiny`, sorted ascending)."""
         state = BatchState(seq, slot, size, size, submitted_at=submitted_at)
         self.batches[(generation, seq)] = state
-        self.queues[(generation, seq)] = deque(Work(seq, generation, slot, epoch, t.positions, t.indices,
-                                                    copies=t.copies) for t in tiny)
+        self.queues[(generation, seq)] = deque(
+            Work(seq, generation, slot, epoch, t.positions, t.indices, copies=t.copies) for t in tiny
+        )
         return state
 
     def take_cpu(self, upto: Key | None = None) -> Work | None:
@@ -97,7 +108,9 @@ class TinyBatchQueue:
             if q is not None:
                 q.appendleft(work)
 
-    def complete(self, work: Work, failures, on_accelerator: bool, targets: dict | None, now: float) -> BatchState | None:
+    def complete(
+        self, work: Work, failures, on_accelerator: bool, targets: dict | None, now: float
+    ) -> BatchState | None:
         """Count a finished tiny-batch; its mini-batch's state (done when `remaining` is 0), or None
         when that mini-batch is no longer tracked."""
         state = self.batches.get(work.key)

@@ -7,13 +7,15 @@ and left headroom; otherwise temporal: prep then runs only inside next(), never 
 step's kernels. That does not make an out-of-memory impossible: DALI's own pool keeps what it grew
 across steps (the allocator bridge, memory/bridge.py, is what lends it PyTorch's free blocks instead).
 """
+
 from __future__ import annotations
 
 from statistics import median
 
 
-def choose_sharing(temporal_iter_s, spatial_iter_s, spatial_min_free_bytes: int, total_bytes: int,
-                   headroom: float = 0.05) -> str:
+def choose_sharing(
+    temporal_iter_s, spatial_iter_s, spatial_min_free_bytes: int, total_bytes: int, headroom: float = 0.05
+) -> str:
     if not temporal_iter_s or not spatial_iter_s:
         return "temporal"
     if spatial_min_free_bytes < headroom * total_bytes:

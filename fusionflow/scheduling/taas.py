@@ -10,6 +10,7 @@ more); if the GPU side did, K -= 1. When the direction has flipped `settle_flips
 has found the boundary: K settles on the value between the two it oscillates across with the lower
 mean makespan, and stays there until `restart()` (e.g. when the worker count changes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -5,10 +5,11 @@ Consecutive samples of the mini-batch (in sampler order) form tiny-batches of `t
 ties broken by position, so the order is deterministic. CPU workers take from the front (smallest
 first); the GPU worker takes from the back (largest first).
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -21,15 +22,16 @@ class TinyBatch:
     copies: tuple[int, ...] = ()  # their copy numbers (Copies); () when all are 0
 
 
-def split_sorted(indices: Sequence[int], sizes: Sequence[int] | None, tiny_batch_size: int,
-                 copies: Sequence[int] | None = None) -> list[TinyBatch]:
+def split_sorted(
+    indices: Sequence[int], sizes: Sequence[int] | None, tiny_batch_size: int, copies: Sequence[int] | None = None
+) -> list[TinyBatch]:
     if tiny_batch_size < 1:
         raise ValueError(f"tiny_batch_size={tiny_batch_size} must be >= 1")
     tiny = []
     for start in range(0, len(indices), tiny_batch_size):
-        idx = tuple(int(i) for i in indices[start:start + tiny_batch_size])
+        idx = tuple(int(i) for i in indices[start : start + tiny_batch_size])
         nbytes = sum(int(sizes[i]) for i in idx) if sizes is not None else 0
-        cps = tuple(int(c) for c in copies[start:start + tiny_batch_size]) if copies is not None else ()
+        cps = tuple(int(c) for c in copies[start : start + tiny_batch_size]) if copies is not None else ()
         tiny.append(TinyBatch(tuple(range(start, start + len(idx))), idx, nbytes, cps if any(cps) else ()))
     tiny.sort(key=lambda t: (t.nbytes, t.positions[0]))
     return tiny
@@ -57,8 +59,9 @@ class Copies:
         """The copy numbers of the next batch of the epoch's sampler order."""
         top = max((int(i) for i in indices), default=-1)
         if top >= len(self._seen):
-            self._seen = np.concatenate([self._seen, np.zeros(max(top + 1, 2 * len(self._seen)) - len(self._seen),
-                                                               np.uint32)])
+            self._seen = np.concatenate(
+                [self._seen, np.zeros(max(top + 1, 2 * len(self._seen)) - len(self._seen), np.uint32)]
+            )
         out = []
         for i in map(int, indices):
             occurrence = int(self._seen[i])

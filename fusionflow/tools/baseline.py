@@ -1,5 +1,6 @@
 """The torch DataLoader + torchvision baseline that the demo and `python -m fusionflow bench` compare
 FusionFlow against, and the timing of a loader's iteration they share."""
+
 from __future__ import annotations
 
 import io
@@ -17,16 +18,23 @@ class TorchvisionSamples:
 
     def _transform(self):
         import torchvision.transforms.v2 as T
-        aug = {"default": [], "randaugment": [T.RandAugment(num_ops=2, magnitude=9)],
-               "trivialaugment": [T.TrivialAugmentWide()], "autoaugment": [T.AutoAugment()]}[self.policy_name]
-        return T.Compose([T.RandomResizedCrop(self.size, antialias=True), T.RandomHorizontalFlip(), *aug,
-                          T.PILToTensor()])
+
+        aug = {
+            "default": [],
+            "randaugment": [T.RandAugment(num_ops=2, magnitude=9)],
+            "trivialaugment": [T.TrivialAugmentWide()],
+            "autoaugment": [T.AutoAugment()],
+        }[self.policy_name]
+        return T.Compose(
+            [T.RandomResizedCrop(self.size, antialias=True), T.RandomHorizontalFlip(), *aug, T.PILToTensor()]
+        )
 
     def __len__(self):
         return len(self.ds)
 
     def __getitem__(self, i):
         from PIL import Image
+
         if self._tf is None:
             self._tf = self._transform()
         data, label = self.ds[i]

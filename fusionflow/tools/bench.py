@@ -7,6 +7,7 @@ workers. After one warm-up pass each, repeats alternate between them (A B A B ..
 machine's load hit both alike; each repeat times --batches mini-batches after the first (start-up
 excluded). Reported: samples/s medians, wait at next() mean, and FusionFlow's ratio.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -69,13 +70,18 @@ def run(args) -> int:
     ds = ImageFolder(args.data)
     batch_size = min(args.batch_size, len(ds))
     if len(ds) // batch_size < 2:
-        raise SystemExit(f"bench: {len(ds)} images make fewer than 2 mini-batches of {batch_size}: use a smaller "
-                         "--batch-size (the first mini-batch of each pass is not timed)")
+        raise SystemExit(
+            f"bench: {len(ds)} images make fewer than 2 mini-batches of {batch_size}: use a smaller "
+            "--batch-size (the first mini-batch of each pass is not timed)"
+        )
     per_pass = min(args.batches, len(ds) // batch_size - 1)
-    print(f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, {args.workers} workers, "
-          f"{args.repeats} repeats x {per_pass} mini-batches")
-    common = dict(batch_size=batch_size, shuffle=True, num_workers=args.workers, drop_last=True,
-                  persistent_workers=True)
+    print(
+        f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, {args.workers} workers, "
+        f"{args.repeats} repeats x {per_pass} mini-batches"
+    )
+    common = dict(
+        batch_size=batch_size, shuffle=True, num_workers=args.workers, drop_last=True, persistent_workers=True
+    )
     loaders = {
         "DataLoader+torchvision": DataLoader(TorchvisionSamples(ds, args.policy, args.size), **common),
         "FusionFlowLoader": FusionFlowLoader(ds, policy=load_policy(args.policy, size=args.size), seed=0, **common),
@@ -88,8 +94,9 @@ def run(args) -> int:
                 time_pass(loader, per_pass, bar)
         for r in range(args.repeats):
             for name, loader in loaders.items():
-                with tqdm(total=per_pass, desc=f"repeat {r + 1}/{args.repeats} {name}", unit="batch",
-                          leave=False) as bar:
+                with tqdm(
+                    total=per_pass, desc=f"repeat {r + 1}/{args.repeats} {name}", unit="batch", leave=False
+                ) as bar:
                     rate, w = time_pass(loader, per_pass, bar)
                 rates[name].append(rate)
                 waits[name] += w
@@ -98,15 +105,35 @@ def run(args) -> int:
     result = {}
     for name in loaders:
         w = np.asarray(waits[name])
-        result[name] = {"samples_per_s_median": statistics.median(rates[name]), "samples_per_s": rates[name],
-                        "wait_mean_ms": 1e3 * float(w.mean()), "wait_p95_ms": 1e3 * float(np.percentile(w, 95))}
-        print(f"  {name}: {result[name]['samples_per_s_median']:.1f} samples/s (median of {args.repeats}), "
-              f"wait at next() mean {result[name]['wait_mean_ms']:.1f} ms, p95 {result[name]['wait_p95_ms']:.1f} ms")
-    ratio = result["FusionFlowLoader"]["samples_per_s_median"] / result["DataLoader+torchvision"]["samples_per_s_median"]
+        result[name] = {
+            "samples_per_s_median": statistics.median(rates[name]),
+            "samples_per_s": rates[name],
+            "wait_mean_ms": 1e3 * float(w.mean()),
+            "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
+        }
+        print(
+            f"  {name}: {result[name]['samples_per_s_median']:.1f} samples/s (median of {args.repeats}), "
+            f"wait at next() mean {result[name]['wait_mean_ms']:.1f} ms, p95 {result[name]['wait_p95_ms']:.1f} ms"
+        )
+    ratio = (
+        result["FusionFlowLoader"]["samples_per_s_median"] / result["DataLoader+torchvision"]["samples_per_s_median"]
+    )
     print(f"FusionFlowLoader / DataLoader+torchvision: {ratio:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"data": args.data, "images": len(ds), "policy": args.policy, "workers": args.workers,
-                       "batch_size": batch_size, "repeats": args.repeats, "batches_per_repeat": per_pass,
-                       "results": result, "ratio": ratio}, f, indent=2)
+            json.dump(
+                {
+                    "data": args.data,
+                    "images": len(ds),
+                    "policy": args.policy,
+                    "workers": args.workers,
+                    "batch_size": batch_size,
+                    "repeats": args.repeats,
+                    "batches_per_repeat": per_pass,
+                    "results": result,
+                    "ratio": ratio,
+                },
+                f,
+                indent=2,
+            )
     return 0

@@ -1,4 +1,5 @@
-"""`python -m fusionflow demo | profile | bench`. The main job (demo): a short training run, FusionFlow's augmentation vs torch DataLoader + torchvision.
+"""`python -m fusionflow demo | profile | bench`. The main job (demo): a short training run, FusionFlow's augmentation
+vs torch DataLoader + torchvision.
 
 Makes a small ImageFolder dataset of mixed-size JPEGs if none is given, trains a small CNN for a
 few epochs with each input pipeline -- same policy semantics, same workers, same batches -- shows
@@ -7,6 +8,7 @@ progress, and prints both throughputs and their ratio.
 FusionFlow's side is `FusionFlowLoader`; the baseline is `torch.utils.data.DataLoader` with
 torchvision.transforms.v2 on PIL images, the same number of workers and the same batch size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +26,18 @@ DEFAULT_DATA = os.path.join(REPO, "experiments", "data", "demo")
 
 def small_cnn(num_classes: int):
     import torch.nn as nn
+
     return nn.Sequential(
-        nn.Conv2d(3, 16, 5, stride=4, padding=2), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(inplace=True),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, num_classes))
+        nn.Conv2d(3, 16, 5, stride=4, padding=2),
+        nn.BatchNorm2d(16),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(inplace=True),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, num_classes),
+    )
 
 
 def train_step(model, opt, loss_fn, x, y):
@@ -50,8 +60,13 @@ def train(name: str, loader, set_epoch, num_classes: int, args) -> dict:
     steady_start, steady_images = None, 0
     for epoch in range(args.epochs):
         set_epoch(epoch)
-        bar = tqdm(total=len(loader), desc=f"{name} epoch {epoch + 1}/{args.epochs}", unit="batch", leave=False,
-                   mininterval=0.5)
+        bar = tqdm(
+            total=len(loader),
+            desc=f"{name} epoch {epoch + 1}/{args.epochs}",
+            unit="batch",
+            leave=False,
+            mininterval=0.5,
+        )
         for x, y, wait in timed_batches(loader):
             waits.append(wait)
             loss = train_step(model, opt, loss_fn, x, y)
@@ -65,15 +80,18 @@ def train(name: str, loader, set_epoch, num_classes: int, args) -> dict:
         bar.close()
     total = time.perf_counter() - t0
     steady = steady_images / (time.perf_counter() - steady_start) if steady_images else float("nan")
-    print(f"  {name}: {images} images in {total:.1f} s, {steady:.1f} img/s after the first batch, "
-          f"mean wait at next() {1e3 * np.mean(waits):.0f} ms, final loss {loss.item():.3f}")
+    print(
+        f"  {name}: {images} images in {total:.1f} s, {steady:.1f} img/s after the first batch, "
+        f"mean wait at next() {1e3 * np.mean(waits):.0f} ms, final loss {loss.item():.3f}"
+    )
     return {"img_per_s": steady, "seconds": total, "images": images}
 
 
 def _parser():
     """The command line: (parser, profile's subparser, bench's subparser)."""
-    ap = argparse.ArgumentParser(prog="python -m fusionflow", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m fusionflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="short training run: FusionFlow vs DataLoader + torchvision")
     d.add_argument("--data", default=None, help="ImageFolder root (default: make a synthetic one)")
@@ -82,20 +100,33 @@ def _parser():
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
     d.add_argument("--images-per-class", type=int, default=96)
-    d.add_argument("--profile-dir", default=None,
-                   help="where the FusionFlow run's trace.json and timeline.png go (default: experiments/data/demo_profile)")
+    d.add_argument(
+        "--profile-dir",
+        default=None,
+        help="where the FusionFlow run's trace.json and timeline.png go (default: experiments/data/demo_profile)",
+    )
     from fusionflow.tools import bench, profile
-    p = sub.add_parser("profile", help="where the time goes on your data: trace, timeline PNG, summary",
-                       description=profile.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    p = sub.add_parser(
+        "profile",
+        help="where the time goes on your data: trace, timeline PNG, summary",
+        description=profile.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     profile.add_arguments(p)
-    b = sub.add_parser("bench", help="FusionFlowLoader vs DataLoader + torchvision on your data",
-                       description=bench.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    b = sub.add_parser(
+        "bench",
+        help="FusionFlowLoader vs DataLoader + torchvision on your data",
+        description=bench.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench.add_arguments(b)
     return ap, p, b
 
 
 def main(argv=None) -> int:
     from fusionflow.tools import bench, profile
+
     ap, p, b = _parser()
     args = ap.parse_args(argv)
     if args.command == "profile":
@@ -115,6 +146,7 @@ def main(argv=None) -> int:
 def demo(args) -> int:
     """The main job: train with DataLoader + torchvision, then with FusionFlowLoader; print both."""
     import torch
+
     from fusionflow.data import ImageFolder
     from fusionflow.tools.synthetic import make_image_folder
 
@@ -125,14 +157,21 @@ def demo(args) -> int:
         print(f"making a synthetic dataset of mixed-size JPEGs (200-1000 px) in {root} ...", flush=True)
         make_image_folder(root, num_classes=4, per_class=args.images_per_class)
     ds = ImageFolder(root)
-    print(f"{len(ds)} images, {len(ds.classes)} classes, policy {args.policy}, batch {args.batch_size}, "
-          f"{args.workers} workers, {args.epochs} epochs")
+    print(
+        f"{len(ds)} images, {len(ds.classes)} classes, policy {args.policy}, batch {args.batch_size}, "
+        f"{args.workers} workers, {args.epochs} epochs"
+    )
     from torch.utils.data import DataLoader
 
     from fusionflow import FusionFlowLoader
 
-    common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, drop_last=True,
-                  persistent_workers=args.workers > 0)
+    common = dict(
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        drop_last=True,
+        persistent_workers=args.workers > 0,
+    )
     baseline = DataLoader(TorchvisionSamples(ds, args.policy, 224), **common)
     base = train("DataLoader+torchvision", baseline, lambda e: None, len(ds.classes), args)
     out_dir = args.profile_dir or os.path.join(os.path.dirname(DEFAULT_DATA), "demo_profile")
@@ -141,11 +180,16 @@ def demo(args) -> int:
     with FusionFlowLoader(ds, policy=args.policy, seed=0, **common) as loader, loader.trace(trace_path):
         ours = train("FusionFlowLoader", loader, loader.set_epoch, len(ds.classes), args)
     ratio = ours["img_per_s"] / base["img_per_s"]
-    print(f"throughput: FusionFlowLoader {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
-          f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x")
+    print(
+        f"throughput: FusionFlowLoader {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
+        f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x"
+    )
     from fusionflow.tools.timeline import plot_timeline
     from fusionflow.trace import load
+
     png = plot_timeline(load(trace_path), os.path.join(out_dir, "timeline.png"))
-    print(f"where FusionFlow's time went: {png} (trace: {trace_path}, open at https://ui.perfetto.dev; "
-          f"on your data: python -m fusionflow profile --data DIR)")
+    print(
+        f"where FusionFlow's time went: {png} (trace: {trace_path}, open at https://ui.perfetto.dev; "
+        f"on your data: python -m fusionflow profile --data DIR)"
+    )
     return 0

@@ -7,6 +7,7 @@ training step) with tracing and stage timing on, and writes to --out:
                 and each worker's stage shares
   summary.txt   throughput, wait mean/p95, stage shares, idle share per worker (also printed)
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,12 @@ def add_arguments(p) -> None:
     p.add_argument("--batches", type=int, default=40, help="mini-batches to run (epochs repeat if needed)")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--tiny-batch-size", type=int, default=4)
-    p.add_argument("--step-ms", type=float, default=0.0,
-                   help="simulated training step per mini-batch (sleep), to see prefetch at work")
+    p.add_argument(
+        "--step-ms",
+        type=float,
+        default=0.0,
+        help="simulated training step per mini-batch (sleep), to see prefetch at work",
+    )
     p.add_argument("--out", default="fusionflow-profile", help="directory for trace.json, timeline.png, summary.txt")
 
 
@@ -39,8 +44,13 @@ def stage_seconds_by_track(stats) -> dict:
     """loader.stats' per-worker stage seconds, keyed by the trace's track names."""
     out = {}
     for worker in list(stats.stage_ns):
-        name = (f"CPU worker {worker}" if isinstance(worker, int) else
-                "in-process" if worker == "inline" else f"borrowed worker {worker}")
+        name = (
+            f"CPU worker {worker}"
+            if isinstance(worker, int)
+            else "in-process"
+            if worker == "inline"
+            else f"borrowed worker {worker}"
+        )
         out[name] = stats.stage_seconds(worker)
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].startswith("CPU"), len(kv[0]), kv[0])))
 
@@ -57,11 +67,21 @@ def run(args) -> int:
     trace_path = os.path.join(args.out, "trace.json")
     png_path = os.path.join(args.out, "timeline.png")
     batch_size = min(args.batch_size, len(ds))
-    print(f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, "
-          f"{args.workers} workers, {args.batches} mini-batches")
-    loader = FusionFlowLoader(ds, batch_size=batch_size, shuffle=True, num_workers=args.workers,
-                              persistent_workers=True, policy=args.policy, seed=0,
-                              tiny_batch_size=min(args.tiny_batch_size, batch_size), stage_times=True)
+    print(
+        f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, "
+        f"{args.workers} workers, {args.batches} mini-batches"
+    )
+    loader = FusionFlowLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=True,
+        policy=args.policy,
+        seed=0,
+        tiny_batch_size=min(args.tiny_batch_size, batch_size),
+        stage_times=True,
+    )
     done, samples = 0, 0
     t_first = None
     try:
@@ -87,8 +107,10 @@ def run(args) -> int:
     s = summarize(trace)
     text = format_summary(s, loader.stats.stage_shares(), {k: _shares(v) for k, v in by_track.items()})
     if samples:
-        text = (f"throughput after the first mini-batch: {samples / seconds:.1f} samples/s "
-                f"(start-up {loader.stats.startup_seconds:.2f} s)\n") + text
+        text = (
+            f"throughput after the first mini-batch: {samples / seconds:.1f} samples/s "
+            f"(start-up {loader.stats.startup_seconds:.2f} s)\n"
+        ) + text
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
@@ -98,4 +120,5 @@ def run(args) -> int:
 
 def _shares(seconds: dict) -> dict:
     from fusionflow.stages import shares
+
     return shares(seconds)

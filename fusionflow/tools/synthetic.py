@@ -3,6 +3,7 @@
 Smooth gradients, overlapping shapes and sensor-like noise: enough structure that JPEG sizes vary
 like real photos and that histogram and geometric ops have visible work to do.
 """
+
 from __future__ import annotations
 
 import io
@@ -90,8 +91,9 @@ class EncodedImages:
         return f"synthetic image {i}"
 
 
-def make_image_folder(root: str, num_classes: int = 4, per_class: int = 64, min_side: int = 200,
-                      max_side: int = 1000, seed: int = 0) -> str:
+def make_image_folder(
+    root: str, num_classes: int = 4, per_class: int = 64, min_side: int = 200, max_side: int = 1000, seed: int = 0
+) -> str:
     """Write an ImageFolder tree (root/class_k/img_i.jpg) of mixed-size JPEGs; returns root.
     Existing files are kept, so a second call is free."""
     rng = np.random.default_rng(seed)
@@ -113,9 +115,11 @@ def png_bomb(width: int, height: int) -> bytes:
     """A valid PNG header declaring width x height 1-bit grey pixels, with one tiny compressed row:
     a few hundred bytes that a decoder without a pixel limit would expand to width x height bytes.
     For tests of decode.max_pixels; nothing here allocates the image."""
+
     def chunk(kind: bytes, body: bytes) -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64, 9))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64, 9)) + chunk(b"IEND", b"")
+    )

@@ -16,6 +16,7 @@ drives it: `step()` on every turn of its loop, `waitables()` / `handle(ready)` i
     a dead worker's.
   * Elastic capacity: a new worker target from the GM goes to the pool; surplus idle workers retire.
 """
+
 from __future__ import annotations
 
 import logging
@@ -31,6 +32,7 @@ GM_IDLE_S = 0.1  # with a GM: progress heartbeat, elastic target and GM liveness
 class LendingAgent:
     def __init__(self, board, job: str, spec: bytes | None):
         from fusionflow.runtime.gm.link import GMLink
+
         self.board, self.pool = board, None  # the pool is attached once it exists (it needs our spec hash)
         self.link = GMLink(job, board.ring.name, spec)
         self.guests: list[_Worker] = []
@@ -94,16 +96,28 @@ class LendingAgent:
         board, pool = self.board, self.pool
         # the current iteration: the oldest incomplete mini-batch -- what a lent worker would serve
         current = board.queue.current_key()
-        busy = [w for w in [*pool.workers, *self.guests] if w is not None and w.alive and w.lent_to is None
-                and w.outstanding and (w.outstanding[0][1].generation, w.outstanding[0][1].seq) == current]
+        busy = [
+            w
+            for w in [*pool.workers, *self.guests]
+            if w is not None
+            and w.alive
+            and w.lent_to is None
+            and w.outstanding
+            and (w.outstanding[0][1].generation, w.outstanding[0][1].seq) == current
+        ]
         own = [w for w in pool.kept_workers() if w.alive]
         self.link.publish(
             iteration=board.completed_batches,
             waiting=board.queue.waiting(current),
-            active_since=[w.head_since for w in busy], task_seconds=pool.task_seconds,
-            idle=sum(1 for w in own if w.idle), workers=len(own),
-            lent=sum(1 for w in own if w.lent_to is not None), guests=len(self.guests),
-            lent_total=self.lent_total, guests_total=self.guests_total)
+            active_since=[w.head_since for w in busy],
+            task_seconds=pool.task_seconds,
+            idle=sum(1 for w in own if w.idle),
+            workers=len(own),
+            lent=sum(1 for w in own if w.lent_to is not None),
+            guests=len(self.guests),
+            lent_total=self.lent_total,
+            guests_total=self.guests_total,
+        )
 
     # ---------------------------------------------------------------- guests (lock held)
     def busy_with_stale(self, generation: int) -> bool:
@@ -183,8 +197,9 @@ class LendingAgent:
             if kind == m.HELLO:
                 hello = m.unpack_message(msg, m.Hello)
                 g.worker_id = f"lm{hello.owner_lm}:w{hello.worker_id}"
-                g.conn.send_bytes(m.pack_message(m.Setup(board.ring.name, self.pool.layout, self.pool.seed,
-                                                         link.spec_hash)))
+                g.conn.send_bytes(
+                    m.pack_message(m.Setup(board.ring.name, self.pool.layout, self.pool.seed, link.spec_hash))
+                )
                 send_fd(g.conn, board.ring.fd)  # the ring has no name: it maps this descriptor
             elif link.spec is None:
                 self._return_guest(g)
@@ -216,8 +231,10 @@ class LendingAgent:
             else:
                 g.ready = True
         elif kind == m.FATAL:
-            log.warning("fusionflow: a worker lent to this loader cannot run its samples, so borrowing is off "
-                        "for it:\n%s", m.unpack_fatal(msg))
+            log.warning(
+                "fusionflow: a worker lent to this loader cannot run its samples, so borrowing is off for it:\n%s",
+                m.unpack_fatal(msg),
+            )
             self.link.disable_borrowing()
             self._return_guest(g)
         elif kind == m.DONE:
@@ -232,8 +249,11 @@ class LendingAgent:
             g.alive = False
             self._drop_guest(g)
             if g.outstanding:
-                log.warning("fusionflow: worker %s lent to this loader left with %d tiny-batches; re-running them",
-                            g.worker_id, len(g.outstanding))
+                log.warning(
+                    "fusionflow: worker %s lent to this loader left with %d tiny-batches; re-running them",
+                    g.worker_id,
+                    len(g.outstanding),
+                )
             self.pool.requeue_outstanding(g, "its connection dropped")
 
     # ---------------------------------------------------------------- shutdown

@@ -17,6 +17,7 @@ Forked children inherit the listening socket; `close_inherited` (first thing in 
 it there, so a loader that has shut down never leaves a socket that accepts connections nobody
 serves.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,8 @@ import sys
 import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime.gm.timing import GM_START_S, HANDSHAKE_S, LIVENESS_S, SEND_TIMEOUT_S
 from fusionflow.runtime.procs import pid_alive
 
@@ -43,9 +44,13 @@ _LISTENERS: set[int] = set()  # fds of this process's listening sockets
 def spawn(name: str) -> subprocess.Popen:
     """Start the GM (runtime/gm/manager.py) for table `name` in its own session, so no rank's exit
     or Ctrl-C takes it down. It runs as its own program, so nothing here imports the GM's module."""
-    return subprocess.Popen([sys.executable, "-m", "fusionflow.runtime.gm.manager", name],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True,
-                            close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "fusionflow.runtime.gm.manager", name],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
 
 
 def close_inherited() -> None:
@@ -63,8 +68,11 @@ def make_spec(dataset, policy, worker_init_fn) -> bytes | None:
     try:
         return pickle.dumps(m.Spec(dataset, policy, worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        log.warning("fusionflow: this loader's dataset, policy or worker_init_fn cannot be pickled (%r), so "
-                    "workers lent by other ranks cannot run its samples; it still lends its own idle workers", exc)
+        log.warning(
+            "fusionflow: this loader's dataset, policy or worker_init_fn cannot be pickled (%r), so "
+            "workers lent by other ranks cannot run its samples; it still lends its own idle workers",
+            exc,
+        )
         return None
 
 
@@ -114,7 +122,7 @@ class GMLink:
         self.target_seen = (0, 0)  # (own, job-wide) target sequence numbers applied
         self.spec = spec
         self.spec_hash = hashlib.sha256(spec).digest()[:16] if spec is not None else None
-        self.address = f"ff-{self.name[len(gt.PREFIX):]}-{self.lm}-{secrets.token_hex(6)}"
+        self.address = f"ff-{self.name[len(gt.PREFIX) :]}-{self.lm}-{secrets.token_hex(6)}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self.listener.bind("\0" + self.address)
@@ -151,8 +159,10 @@ class GMLink:
             full = int(t.header["state"][0]) != gt.CLOSING
             t.close()
             if full:
-                raise ValueError(f"the global manager of job {self.job!r} already serves {gt.MAX_LMS} loaders; "
-                                 "close loaders you no longer use, or pass global_manager=None")
+                raise ValueError(
+                    f"the global manager of job {self.job!r} already serves {gt.MAX_LMS} loaders; "
+                    "close loaders you no longer use, or pass global_manager=None"
+                )
             time.sleep(0.01)  # its GM is closing: a new table comes next (until then, register says no)
         raise TimeoutError(f"could not join the global-manager table {self.name}")
 
@@ -258,8 +268,11 @@ class GMLink:
         if pid and pid_alive(pid):
             return True
         self.gm_lost = True
-        log.warning("fusionflow: the global manager of this job (%s) is gone; this loader keeps training with "
-                    "its own workers, without lending or borrowing", f"pid {pid}" if pid else "never started")
+        log.warning(
+            "fusionflow: the global manager of this job (%s) is gone; this loader keeps training with "
+            "its own workers, without lending or borrowing",
+            f"pid {pid}" if pid else "never started",
+        )
         return False
 
     def close(self) -> None:

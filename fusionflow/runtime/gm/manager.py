@@ -33,6 +33,7 @@ shipped to one process before the first batch, and a GM crash would take every w
 where now it only stops lending. Each LM starting every iteration with its own `num_workers`
 is the issue's "equal share"; a lent worker returns when the borrower's iteration is complete.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,8 +45,8 @@ from collections import namedtuple
 
 import numpy as np
 
-from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime.gm.link import connect
 from fusionflow.runtime.gm.timing import INCOMING_TTL_S, LINGER_S, LIVENESS_S, POLL_S, STALE_S, START_S
 from fusionflow.runtime.procs import pid_alive
@@ -73,8 +74,11 @@ class GlobalManager:
     def reclaim(self) -> None:
         with self.t.locked():
             for lm in self.t.reclaim_dead():
-                log.warning("fusionflow GM: local manager %d (pid %d) died; its ring is unlinked, its row freed",
-                            lm, int(self.t.progress[lm]["pid"]))
+                log.warning(
+                    "fusionflow GM: local manager %d (pid %d) died; its ring is unlinked, its row freed",
+                    lm,
+                    int(self.t.progress[lm]["pid"]),
+                )
 
     def step(self) -> int:
         """One poll; returns how many LMs are active."""
@@ -119,10 +123,21 @@ class GlobalManager:
                 incoming = 0
             stale = now - row.heartbeat > STALE_S  # its manager thread stopped publishing: lend it nothing
             ts = row.task_seconds
-            active = tuple(min(1.0, max(0.0, (now - since) / ts)) if ts > 0 else 0.0
-                           for since in row.active_since[:row.n_active].tolist())
-            table.append(Progress(lm, row.iteration, row.waiting, active, 0 if busy or stale else row.idle,
-                                  incoming=incoming, can_borrow=bool(row.can_borrow) and not stale))
+            active = tuple(
+                min(1.0, max(0.0, (now - since) / ts)) if ts > 0 else 0.0
+                for since in row.active_since[: row.n_active].tolist()
+            )
+            table.append(
+                Progress(
+                    lm,
+                    row.iteration,
+                    row.waiting,
+                    active,
+                    0 if busy or stale else row.idle,
+                    incoming=incoming,
+                    can_borrow=bool(row.can_borrow) and not stale,
+                )
+            )
         ordered = set()
         for loan in plan_lending(table):
             if loan.lender in ordered:
@@ -195,8 +210,8 @@ class GlobalManager:
 class GlobalManagerClient:
     """Talk to a running GM's tables: look at the progress table, set the elastic worker target.
 
-        client = GlobalManagerClient("my-job")   # the name passed as global_manager=..., or None
-        client.set_workers(3)                    # every LM of the job: 3 CPU workers each
+    client = GlobalManagerClient("my-job")   # the name passed as global_manager=..., or None
+    client.set_workers(3)                    # every LM of the job: 3 CPU workers each
     """
 
     def __init__(self, job: str | None = None):
@@ -211,12 +226,22 @@ class GlobalManagerClient:
         out = []
         for lm in self.t.active_rows():
             row = self.t.progress[lm]
-            out.append({"lm": lm, "pid": int(row["pid"]), "iteration": int(row["iteration"]),
-                        "waiting": int(row["waiting"]), "idle": int(row["idle"]), "workers": int(row["workers"]),
-                        "lent": int(row["lent"]), "guests": int(row["guests"]),
-                        "lent_total": int(row["lent_total"]), "guests_total": int(row["guests_total"]),
-                        "orders_received": int(self.t.action[lm]["yield_seq"]),
-                        "borrow_notices": int(self.t.action[lm]["borrow_seq"])})
+            out.append(
+                {
+                    "lm": lm,
+                    "pid": int(row["pid"]),
+                    "iteration": int(row["iteration"]),
+                    "waiting": int(row["waiting"]),
+                    "idle": int(row["idle"]),
+                    "workers": int(row["workers"]),
+                    "lent": int(row["lent"]),
+                    "guests": int(row["guests"]),
+                    "lent_total": int(row["lent_total"]),
+                    "guests_total": int(row["guests_total"]),
+                    "orders_received": int(self.t.action[lm]["yield_seq"]),
+                    "borrow_notices": int(self.t.action[lm]["borrow_seq"]),
+                }
+            )
         return out
 
     def set_workers(self, workers: int, lm: int | None = None) -> None:
@@ -225,8 +250,10 @@ class GlobalManagerClient:
         tiny-batches."""
         cores = len(os.sched_getaffinity(0))
         if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= cores:
-            raise ValueError(f"workers={workers!r} must be an integer from 1 (an LM with no workers of its own "
-                             f"could wait forever when nobody lends) to {cores} (the cores here)")
+            raise ValueError(
+                f"workers={workers!r} must be an integer from 1 (an LM with no workers of its own "
+                f"could wait forever when nobody lends) to {cores} (the cores here)"
+            )
         if lm is None:
             h = self.t.header[0]
             h["target_workers"] = workers
@@ -255,10 +282,13 @@ def _claim(tables: gt.Tables) -> bool:
 def cli(argv: list[str]) -> int:
     """`python -m fusionflow gm ...`: run a job's GM explicitly, look at it, resize its workers."""
     import argparse
+
     ap = argparse.ArgumentParser(prog="python -m fusionflow gm", description=cli.__doc__)
     sub = ap.add_subparsers(dest="action", required=True)
-    serve = sub.add_parser("serve", help="run the GM of JOB in the foreground until Ctrl-C; loaders created with "
-                                         "global_manager=JOB join it")
+    serve = sub.add_parser(
+        "serve",
+        help="run the GM of JOB in the foreground until Ctrl-C; loaders created with global_manager=JOB join it",
+    )
     status = sub.add_parser("status", help="print the job's local managers and their lending counters")
     workers = sub.add_parser("workers", help="set the CPU worker count of every (or one) local manager")
     workers.add_argument("count", type=int)
@@ -271,8 +301,10 @@ def cli(argv: list[str]) -> int:
         name = gt.table_name(args.job)
         tables = gt.Tables.create(name) or gt.Tables.attach(name)
         if tables is None or not _claim(tables):
-            print(f"a global manager already runs for job {args.job!r} (pid {tables.gm_pid if tables else '?'})",
-                  file=sys.stderr)
+            print(
+                f"a global manager already runs for job {args.job!r} (pid {tables.gm_pid if tables else '?'})",
+                file=sys.stderr,
+            )
             return 1
         signal.signal(signal.SIGTERM, signal.default_int_handler)
         log.info("fusionflow GM for job %r: table /dev/shm%s; Ctrl-C stops it", args.job, name)

@@ -20,6 +20,7 @@ Readers and writers never lock rows: every field is a naturally aligned scalar, 
 row mid-update and acts on it only through rules that tolerate one stale poll (a lender lends at
 most the workers it has idle when the order arrives; sequence numbers are written last).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -44,37 +45,67 @@ MAX_ACTIVE = 64
 FREE, ACTIVE = 0, 1  # progress row states
 CLOSING = 1  # header state (0: open)
 
-HEADER = np.dtype([("magic", "<u8"), ("state", "<i4"), ("gm_pid", "<i8"),
-                   ("created", "<f8"), ("secret", "S32"), ("registered_total", "<i8"),
-                   ("target_seq", "<i8"), ("target_workers", "<i4")], align=True)  # job-wide elastic target
-PROGRESS = np.dtype([
-    ("state", "<i4"), ("pid", "<i8"), ("heartbeat", "<f8"),
-    ("reg", "<i8"),  # registration number: tells a reused row's new LM from the old one
-    ("iteration", "<i8"),  # mini-batches completed so far
-    ("waiting", "<i4"),  # tiny-batches queued, not yet started, that CPU workers may take
-    ("n_active", "<i4"), ("active_since", "<f8", (MAX_ACTIVE,)),  # CLOCK_MONOTONIC start of each running one
-    ("task_seconds", "<f8"),  # running mean of one tiny-batch's time (0: none finished yet)
-    ("idle", "<i4"), ("workers", "<i4"), ("lent", "<i4"), ("guests", "<i4"),
-    ("guests_total", "<i8"),  # borrowed workers ever accepted
-    ("lent_total", "<i8"),  # own workers ever lent
-    ("can_borrow", "<i1"),
-    ("listening", "<i1"),  # 1 once its manager thread serves `address` (written after the address)
-    ("address", "S80"), ("ring", "S40"),
-], align=True)
-ACTION = np.dtype([
-    ("yield_seq", "<i8"), ("yield_peer", "<i4"), ("yield_count", "<i4"),  # GM writes
-    ("yield_ack", "<i8"), ("yield_done", "<i4"),  # LM writes: seq handled, workers actually lent
-    ("borrow_seq", "<i8"), ("borrow_peer", "<i4"), ("borrow_count", "<i4"),  # GM writes
-    ("target_seq", "<i8"), ("target_workers", "<i4"),  # elastic capacity (GM API writes)
-], align=True)
+HEADER = np.dtype(
+    [
+        ("magic", "<u8"),
+        ("state", "<i4"),
+        ("gm_pid", "<i8"),
+        ("created", "<f8"),
+        ("secret", "S32"),
+        ("registered_total", "<i8"),
+        ("target_seq", "<i8"),
+        ("target_workers", "<i4"),
+    ],
+    align=True,
+)  # job-wide elastic target
+PROGRESS = np.dtype(
+    [
+        ("state", "<i4"),
+        ("pid", "<i8"),
+        ("heartbeat", "<f8"),
+        ("reg", "<i8"),  # registration number: tells a reused row's new LM from the old one
+        ("iteration", "<i8"),  # mini-batches completed so far
+        ("waiting", "<i4"),  # tiny-batches queued, not yet started, that CPU workers may take
+        ("n_active", "<i4"),
+        ("active_since", "<f8", (MAX_ACTIVE,)),  # CLOCK_MONOTONIC start of each running one
+        ("task_seconds", "<f8"),  # running mean of one tiny-batch's time (0: none finished yet)
+        ("idle", "<i4"),
+        ("workers", "<i4"),
+        ("lent", "<i4"),
+        ("guests", "<i4"),
+        ("guests_total", "<i8"),  # borrowed workers ever accepted
+        ("lent_total", "<i8"),  # own workers ever lent
+        ("can_borrow", "<i1"),
+        ("listening", "<i1"),  # 1 once its manager thread serves `address` (written after the address)
+        ("address", "S80"),
+        ("ring", "S40"),
+    ],
+    align=True,
+)
+ACTION = np.dtype(
+    [
+        ("yield_seq", "<i8"),
+        ("yield_peer", "<i4"),
+        ("yield_count", "<i4"),  # GM writes
+        ("yield_ack", "<i8"),
+        ("yield_done", "<i4"),  # LM writes: seq handled, workers actually lent
+        ("borrow_seq", "<i8"),
+        ("borrow_peer", "<i4"),
+        ("borrow_count", "<i4"),  # GM writes
+        ("target_seq", "<i8"),
+        ("target_workers", "<i4"),  # elastic capacity (GM API writes)
+    ],
+    align=True,
+)
 
 
 def job_key() -> str | None:
     """The job this process belongs to under torchrun (None outside torchrun or with one local rank)."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
         return None
-    return "torchrun:{}:{}:{}".format(os.environ.get("TORCHELASTIC_RUN_ID", ""),
-                                      os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", ""))
+    return "torchrun:{}:{}:{}".format(
+        os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    )
 
 
 def table_name(job: str) -> str:
@@ -95,7 +126,7 @@ class Tables:
         self.name, self._fd = name, seg.fd
         self._map = mmap.mmap(seg.fd, size)
         buf = np.frombuffer(self._map, np.uint8)
-        self.header = buf[:HEADER.itemsize].view(HEADER)[0:1]
+        self.header = buf[: HEADER.itemsize].view(HEADER)[0:1]
         self.progress = buf[off_p:off_a].view(PROGRESS)
         self.action = buf[off_a:size].view(ACTION)
 

@@ -10,6 +10,7 @@ Two start-up windows, on purpose of different lengths:
   GM_START_S  an LM that joined a table whose GM has not claimed it within this reports the GM
               lost once and keeps training without lending (`GMLink.check_gm`).
 """
+
 import os
 
 START_S = 30.0
