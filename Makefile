@@ -19,6 +19,8 @@ demo: $(STAMP)
 	$(BIN)/python -m fusionflow demo
 
 test: $(STAMP)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
