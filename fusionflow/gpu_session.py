@@ -44,6 +44,21 @@ class GpuSession:
         self.device_ring = None
         self.profiler = None  # gpu_sharing="auto" on a GPU
 
+    @classmethod
+    def for_config(cls, stats, cfg) -> GpuSession:
+        """The session a loader's resolved configuration (LoaderConfig) asks for."""
+        return cls(
+            stats,
+            accelerator=cfg.accelerator,
+            device=cfg.device,
+            gpu_sharing=cfg.gpu_sharing,
+            aot=cfg.aot,
+            taas=cfg.taas,
+            taas_last_k=cfg.taas_last_k,
+            memory_bridge=cfg.memory_bridge,
+            bridge_why_off=cfg.bridge_why_off,
+        )
+
     def start(
         self,
         mgr: LocalManager,

@@ -202,21 +202,11 @@ class FusionFlowLoader:
         self._checkpoint = Checkpoint()
         self._delivery = Delivery(self.stats, cfg.device, cfg.pin_memory, cfg.on_error)
         self._tracing = Tracing(cfg.trace_path)
-        self._gpu = None
+        self._gpu = None  # with an accelerator: its session (fusionflow/gpu_session.py)
         if cfg.accelerator is not None:
             from fusionflow.gpu_session import GpuSession
 
-            self._gpu = GpuSession(
-                self.stats,
-                accelerator=cfg.accelerator,
-                device=cfg.device,
-                gpu_sharing=cfg.gpu_sharing,
-                aot=cfg.aot,
-                taas=cfg.taas,
-                taas_last_k=cfg.taas_last_k,
-                memory_bridge=cfg.memory_bridge,
-                bridge_why_off=cfg.bridge_why_off,
-            )
+            self._gpu = GpuSession.for_config(self.stats, cfg)
         self._workers = Workers(dataset, self.stats, self._tracing, self._gpu)
 
     # ---------------------------------------------------------------- configuration, as DataLoader names it
