@@ -8,10 +8,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fusionflow.runtime.counters import RuntimeCounters
+
 
 @dataclass
-class LoaderStats:
-    """What the loader did, for tuning and for the tests. Reset by `reset()`."""
+class LoaderStats(RuntimeCounters):
+    """What the loader did, for tuning and for the tests. Reset by `reset()`. The runtime's parts
+    count into the fields of `RuntimeCounters` (fusionflow/runtime/counters.py: workers, lending,
+    accelerator, remote workers); those declared here are what the loader itself measures or sets."""
 
     batches: int = 0
     samples: int = 0
@@ -21,23 +25,10 @@ class LoaderStats:
     # (could not be decoded), "error" (anything else, e.g. the dataset raised)
     skipped_by_cause: dict = field(default_factory=dict)
     wait_seconds: list = field(default_factory=list)  # time blocked in next(), per batch
-    tiny_batches_per_worker: list = field(default_factory=list)
-    worker_restarts: int = 0
     startup_seconds: float | None = None  # worker start-up, first time
-    accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
-    accelerator_given_back: int = 0  # handed to the CPU workers (undecodable by DALI, or not bytes)
-    accelerator_builds: int = 0  # DALI pipeline builds (1 with AoT, one per tiny-batch without)
-    accelerator_out_of_memory: int = 0  # tiny-batches handed to the CPU workers because DALI ran out of memory
-    accelerator_retired: str | None = None  # why the accelerator stopped taking work (repeated failures)
     accelerator_build_seconds: float | None = None
     taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
     gpu_sharing: str | None = None  # what gpu_sharing="auto" chose, once profiled
-    global_manager: str | None = None  # "active", "lost" (its GM died: own workers only) or None (off)
-    workers_lent: int = 0  # times one of this loader's idle workers was lent to another loader (rank)
-    workers_borrowed: int = 0  # workers of other loaders that served this one
-    lent_tiny_batches: int = 0  # tiny-batches this loader's workers ran for others
-    borrowed_tiny_batches: int = 0  # tiny-batches of this loader that borrowed workers ran
-    worker_count_changes: int = 0  # elastic resizes applied (GlobalManagerClient.set_workers)
     memory_bridge: str | None = None  # "on", or "off: <why>"
     bridge_windows: int = 0  # prep windows in which PyTorch lent blocks to DALI
     bridge_max_lent_bytes: int = 0  # most bytes lent in one window
@@ -46,8 +37,6 @@ class LoaderStats:
     bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
     bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
     stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
-    remote_tiny_batches: int = 0  # run by remote (Ray) CPU workers (remote_workers=RayWorkers(...))
-    remote_workers_lost: int = 0  # Ray workers that died or whose node left (their tiny-batches re-ran)
 
     # The two maxima were first named like totals; the old names stay as read-only deprecated aliases.
     @property

@@ -1,6 +1,6 @@
-"""fusionflow/stats.py: LoaderStats' reset and the bridge maxima's names."""
-
+"""fusionflow/stats.py: LoaderStats' reset, the bridge maxima's names, and its fields beside the runtime's counters."""
 import dataclasses
+import inspect
 
 import pytest
 
@@ -47,3 +47,14 @@ def test_the_bridge_maxima_and_their_deprecated_names():
     summary = s.summary()
     assert summary["bridge_max_lent_bytes"] == summary["bridge_lent_bytes"] == 7
     assert summary["bridge_max_borrowed_bytes"] == summary["bridge_borrowed_bytes"] == 3
+
+
+def test_every_field_is_declared_once_the_runtime_s_in_runtime_counters():
+    """LoaderStats extends the runtime's counters with what the loader measures: no field is declared
+    in both (a redeclared one could get another default or comment and drift from the runtime's)."""
+    from fusionflow.runtime.counters import RuntimeCounters
+    assert issubclass(LoaderStats, RuntimeCounters)
+    ours, runtime = inspect.get_annotations(LoaderStats), inspect.get_annotations(RuntimeCounters)
+    assert ours and runtime
+    assert not set(ours) & set(runtime), sorted(set(ours) & set(runtime))
+    assert {f.name for f in dataclasses.fields(LoaderStats)} == set(ours) | set(runtime)

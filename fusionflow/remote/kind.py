@@ -11,7 +11,7 @@ largest tiny-batches (as the accelerator does), "front" the smallest (as the loc
 
 Faults: an actor that dies, or whose node goes away (`RayActorError`), loses nothing: its
 tiny-batches in flight go back to the front of their mini-batches for the local workers, the loss is
-counted (`stats.remote_workers_lost`) and logged once, and a replacement is asked for (Ray places it
+counted (`counters.remote_workers_lost`) and logged once, and a replacement is asked for (Ray places it
 when the cluster has room; with `num_workers="auto"` actors are added as nodes join). A result for an
 abandoned iterator is dropped, never written; one that cannot be written runs locally.
 
@@ -40,11 +40,14 @@ MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, 
 
 class RemoteWorkers:
     """The Ray worker kind on a board (runtime/board.py WorkerKind: start(), stop(), busy_with_stale());
-    its actors are `self.actors` (remote/actors.py), from start() on."""
+    its actors are `self.actors` (remote/actors.py), from start() on. It counts remote tiny-batches
+    and lost actors into `counters` (runtime/counters.py; the board's own when None)."""
 
-    def __init__(self, board, config, dataset, policy, seed: int, stats, first_worker_id: int = 0, worker_init_fn=None):
+    def __init__(self, board, config, dataset, policy, seed: int, counters=None, first_worker_id: int = 0,
+                 worker_init_fn=None):
         self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
-        self.stats, self.first_worker_id, self.worker_init_fn = stats, first_worker_id, worker_init_fn
+        self.counters = counters if counters is not None else board.counters
+        self.first_worker_id, self.worker_init_fn = first_worker_id, worker_init_fn
         self.ray = None
         self.actors: RemoteActors | None = None  # from start() on
         self.inflight: dict = {}  # ObjectRef -> (actor, [work, ...] of one call, sent at ns), in submission order
@@ -125,15 +128,9 @@ class RemoteWorkers:
         for work in works:  # it may have died of one of them: local workers run them, where a sample that
             work.cpu_only = True  # kills processes is isolated and counted against max_retries
         self.board.requeue(works)
-        self.stats.remote_workers_lost += 1
-        log.warning(
-            "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
-            "the cluster for a replacement",
-            actor.name,
-            actor.host,
-            type(exc).__name__,
-            len(works),
-        )
+        self.counters.remote_workers_lost += 1
+        log.warning("remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
+                    "the cluster for a replacement", actor.name, actor.host, type(exc).__name__, len(works))
         self.actors.remove(actor)
         return True  # the caller kills it, without the lock (a Ray call)
 
@@ -265,7 +262,7 @@ class RemoteWorkers:
                 self._give_back(failed)
             start = time.monotonic_ns() - sum(int(r[3] * 1e9) for _w, r, _s in done)  # the call's compute, back to back
             for work, (_images, _labels, failures, seconds), side in done:
-                self.stats.remote_tiny_batches += 1
+                self.counters.remote_tiny_batches += 1
                 if board.trace is not None:
                     board.trace.tiny_batch(actor.name, work, start, start + int(seconds * 1e9), board.sizes)
                 start += int(seconds * 1e9)

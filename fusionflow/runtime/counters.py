@@ -1,7 +1,8 @@
 """What the runtime counts, in one object handed once to the parts that count.
 
-The loader passes its `LoaderStats` (it has these fields, among others); a manager built without one
-(tests, tools) gets a `RuntimeCounters`. Every part increments the same object directly, from its own
+The loader passes its `LoaderStats` (fusionflow/stats.py: a subclass that adds what the loader
+itself measures); a manager built without one (tests, tools) gets a `RuntimeCounters`. Each field is
+declared once, here or there. Every part increments the same object directly, from its own
 thread: the CPU worker pool, the lending agent, the accelerator, the remote workers -- under the
 board's lock, except the accelerator's pipeline builds and out-of-memory counts, which only its
 own thread writes. Counts go on
@@ -16,19 +17,21 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RuntimeCounters:
-    worker_restarts: int = 0  # CPU workers replaced after they died
-    worker_count_changes: int = 0  # elastic resizes applied
     tiny_batches_per_worker: list = field(default_factory=list)  # by worker id, this manager's workers
-    workers_lent: int = 0  # own idle workers lent to another loader
-    workers_borrowed: int = 0  # other loaders' workers that served this one
-    lent_tiny_batches: int = 0  # tiny-batches own workers ran for others (counted when they are home)
-    borrowed_tiny_batches: int = 0  # tiny-batches borrowed workers ran here
-    global_manager: str | None = None  # "active", "lost" (it died: own workers only) or None (no GM)
-    accelerator_tiny_batches: int = 0
-    accelerator_given_back: int = 0  # handed to the CPU workers
-    accelerator_builds: int = 0  # DALI pipeline builds
-    accelerator_out_of_memory: int = 0
-    accelerator_retired: str | None = None  # why the accelerator stopped taking work
+    worker_restarts: int = 0  # CPU workers replaced after they died
+    accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
+    accelerator_given_back: int = 0  # handed to the CPU workers (undecodable by DALI, or not bytes)
+    accelerator_builds: int = 0  # DALI pipeline builds (1 with AoT, one per tiny-batch without)
+    accelerator_out_of_memory: int = 0  # tiny-batches handed to the CPU workers because DALI ran out of memory
+    accelerator_retired: str | None = None  # why the accelerator stopped taking work (repeated failures)
+    global_manager: str | None = None  # "active", "lost" (its GM died: own workers only) or None (off)
+    workers_lent: int = 0  # times one of this loader's idle workers was lent to another loader (rank)
+    workers_borrowed: int = 0  # workers of other loaders that served this one
+    lent_tiny_batches: int = 0  # tiny-batches this loader's workers ran for others (counted when they are home)
+    borrowed_tiny_batches: int = 0  # tiny-batches of this loader that borrowed workers ran
+    worker_count_changes: int = 0  # elastic resizes applied (GlobalManagerClient.set_workers)
+    remote_tiny_batches: int = 0  # run by remote (Ray) CPU workers (remote_workers=RayWorkers(...))
+    remote_workers_lost: int = 0  # Ray workers that died or whose node left (their tiny-batches re-ran)
 
 
 def count_worker_task(counters, worker_id: int) -> None:
