@@ -1,4 +1,5 @@
 """fusionflow/stats.py: LoaderStats' reset, the bridge maxima's names, and its fields beside the runtime's counters."""
+
 import dataclasses
 import inspect
 
@@ -53,6 +54,7 @@ def test_every_field_is_declared_once_the_runtime_s_in_runtime_counters():
     """LoaderStats extends the runtime's counters with what the loader measures: no field is declared
     in both (a redeclared one could get another default or comment and drift from the runtime's)."""
     from fusionflow.runtime.counters import RuntimeCounters
+
     assert issubclass(LoaderStats, RuntimeCounters)
     ours, runtime = inspect.get_annotations(LoaderStats), inspect.get_annotations(RuntimeCounters)
     assert ours and runtime

@@ -43,8 +43,9 @@ class RemoteWorkers:
     its actors are `self.actors` (remote/actors.py), from start() on. It counts remote tiny-batches
     and lost actors into `counters` (runtime/counters.py; the board's own when None)."""
 
-    def __init__(self, board, config, dataset, policy, seed: int, counters=None, first_worker_id: int = 0,
-                 worker_init_fn=None):
+    def __init__(
+        self, board, config, dataset, policy, seed: int, counters=None, first_worker_id: int = 0, worker_init_fn=None
+    ):
         self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
         self.counters = counters if counters is not None else board.counters
         self.first_worker_id, self.worker_init_fn = first_worker_id, worker_init_fn
@@ -129,8 +130,14 @@ class RemoteWorkers:
             work.cpu_only = True  # kills processes is isolated and counted against max_retries
         self.board.requeue(works)
         self.counters.remote_workers_lost += 1
-        log.warning("remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
-                    "the cluster for a replacement", actor.name, actor.host, type(exc).__name__, len(works))
+        log.warning(
+            "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
+            "the cluster for a replacement",
+            actor.name,
+            actor.host,
+            type(exc).__name__,
+            len(works),
+        )
         self.actors.remove(actor)
         return True  # the caller kills it, without the lock (a Ray call)
 
