@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from fusionflow.runtime import targets as ff_targets
+from fusionflow.sample import run_sample
 from fusionflow.scheduling.tiny_batches import Copies
 
 
@@ -198,8 +199,6 @@ class _InlineIterator(_EpochIterator):
         self._indices = self._batches(self._copies)
 
     def _next_batch(self):
-        from fusionflow.sample import run_sample
-
         cfg, buf, labels = self.config, self._buf, self._labels
         indices = next(self._indices)  # StopIteration: the epoch is complete
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from fusionflow.workers import Workers
 
 
 # ---------------------------------------------------------------------------------- Checkpoint
-def _batches(cp, progress, n=10, bs=3, generator=None):
+def _samplers(n=10, bs=3, generator=None):
     sampler = RandomSampler(range(n), generator=generator) if generator is not None else SequentialSampler(range(n))
     return sampler, BatchSampler(sampler, bs, False)
 
@@ -47,7 +47,7 @@ def test_checkpoint_counts_epochs_as_the_loader_does():
 
 def test_checkpoint_reads_only_the_newest_iterations_progress():
     cp = Checkpoint()
-    sampler, bsampler = _batches(cp, None)
+    sampler, bsampler = _samplers()
     shape = {"dataset_len": 10, "batch_size": 3, "drop_last": False, "num_batches": 4}
     _, old = cp.begin()
     list(cp.batches(old, bsampler, sampler))
