@@ -214,20 +214,31 @@ class RemoteWorkers:
                     return  # nothing more to take now
 
     def _on_result(self, ref) -> None:
-        ray, board = self.ray, self.board
+        """One finished call: its results written into the ring and completed on the board, or its
+        tiny-batches given back to the local workers when the call failed."""
         actor, works, _sent = self.inflight[ref]
+        results = self._fetch(ref, actor, works)
+        if results is not None:
+            todo = self._accept(ref, actor, works, results)
+            if todo is not None:
+                self._complete(actor, *self._write_all(actor, todo))
+        self.board.wake()
+
+    def _fetch(self, ref, actor, works):
+        """The call's results, or None when it failed (the actor is counted lost, or its tiny-batches
+        go back to the local workers)."""
+        ray, board = self.ray, self.board
         try:
             results = ray.get(ref)
             if not isinstance(results, list) or len(results) != len(works):  # another FusionFlow on the node?
                 raise RemoteWorkerError(f"{len(works)} tiny-batches sent, {type(results).__name__} back")
+            return results
         except ray.exceptions.RayActorError as exc:
             with board.cond:
                 kill = self._lost(actor, exc)
                 board.cond.notify_all()
             if kill:
                 self.actors.kill(actor)
-            board.wake()
-            return
         except Exception as exc:  # the object was lost, or a bug on the actor: the local workers take it
             log.warning(
                 "remote_workers: tiny-batches %s failed on Ray worker %s: %r; running them locally",
@@ -239,15 +250,23 @@ class RemoteWorkers:
                 if not self._stopped and self.inflight.pop(ref, None) is not None:  # stopped: stop() gives back
                     actor.inflight -= 1
                     self._give_back(works)
-            board.wake()
-            return
+        return None
+
+    def _accept(self, ref, actor, works, results):
+        """Lock taken: the call leaves the in-flight table; returns the (work, result) pairs of the
+        current generation to write (an abandoned iterator's are dropped, never written), or None
+        when stop() has taken the call back."""
+        board = self.board
         with board.cond:
             if self._stopped or self.inflight.pop(ref, None) is None:  # stopped: stop() gives them back
-                return
+                return None
             actor.inflight -= 1
-            # an abandoned iterator's results are dropped, never written
             todo = [(w, r) for w, r in zip(works, results) if w.generation == board.generation]
             self._writing = [w for w, _r in todo]
+        return todo
+
+    def _write_all(self, actor, todo):
+        """Without the lock: each result into its ring positions; returns (done, failed)."""
         done, failed = [], []
         for work, result in todo:
             try:
@@ -261,6 +280,12 @@ class RemoteWorkers:
                     exc,
                 )
                 failed.append(work)
+        return done, failed
+
+    def _complete(self, actor, done, failed) -> None:
+        """Lock taken: written tiny-batches complete on the board (traced back to back over the call's
+        compute time); unwritten ones run locally."""
+        board = self.board
         with board.cond:
             self._writing = None
             if done:
@@ -275,7 +300,6 @@ class RemoteWorkers:
                 start += int(seconds * 1e9)
                 board.complete(work, failures, on_accelerator=False, targets=side)
             board.cond.notify_all()
-        board.wake()
 
     def _write(self, work, result) -> dict:
         """A tiny-batch's result into its ring positions (without the lock: the positions are this

@@ -60,11 +60,8 @@ def time_pass(loader, batches: int, bar) -> tuple[float, list[float]]:
 
 def run(args) -> int:
     import torch
-    from torch.utils.data import DataLoader
-    from tqdm import tqdm
 
-    from fusionflow import FusionFlowLoader, ImageFolder
-    from fusionflow.policy import load_policy
+    from fusionflow import ImageFolder
 
     torch.set_num_threads(1)
     ds = ImageFolder(args.data)
@@ -79,42 +76,12 @@ def run(args) -> int:
         f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, {args.workers} workers, "
         f"{args.repeats} repeats x {per_pass} mini-batches"
     )
-    common = dict(
-        batch_size=batch_size, shuffle=True, num_workers=args.workers, drop_last=True, persistent_workers=True
-    )
-    loaders = {
-        "DataLoader+torchvision": DataLoader(TorchvisionSamples(ds, args.policy, args.size), **common),
-        "FusionFlowLoader": FusionFlowLoader(ds, policy=load_policy(args.policy, size=args.size), seed=0, **common),
-    }
-    rates = {name: [] for name in loaders}
-    waits = {name: [] for name in loaders}
+    loaders = _loaders(args, ds, batch_size)
     try:
-        for name, loader in loaders.items():
-            with tqdm(total=per_pass, desc=f"warm-up {name}", unit="batch", leave=False) as bar:
-                time_pass(loader, per_pass, bar)
-        for r in range(args.repeats):
-            for name, loader in loaders.items():
-                with tqdm(
-                    total=per_pass, desc=f"repeat {r + 1}/{args.repeats} {name}", unit="batch", leave=False
-                ) as bar:
-                    rate, w = time_pass(loader, per_pass, bar)
-                rates[name].append(rate)
-                waits[name] += w
+        rates, waits = _alternate(loaders, args.repeats, per_pass)
     finally:
         loaders["FusionFlowLoader"].close()
-    result = {}
-    for name in loaders:
-        w = np.asarray(waits[name])
-        result[name] = {
-            "samples_per_s_median": statistics.median(rates[name]),
-            "samples_per_s": rates[name],
-            "wait_mean_ms": 1e3 * float(w.mean()),
-            "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
-        }
-        print(
-            f"  {name}: {result[name]['samples_per_s_median']:.1f} samples/s (median of {args.repeats}), "
-            f"wait at next() mean {result[name]['wait_mean_ms']:.1f} ms, p95 {result[name]['wait_p95_ms']:.1f} ms"
-        )
+    result = _summary(rates, waits, args.repeats)
     ratio = (
         result["FusionFlowLoader"]["samples_per_s_median"] / result["DataLoader+torchvision"]["samples_per_s_median"]
     )
@@ -137,3 +104,55 @@ def run(args) -> int:
                 indent=2,
             )
     return 0
+
+
+def _loaders(args, ds, batch_size: int) -> dict:
+    """The two loaders under test, with the same dataset, policy, batch size and workers."""
+    from torch.utils.data import DataLoader
+
+    from fusionflow import FusionFlowLoader
+    from fusionflow.policy import load_policy
+
+    common = dict(
+        batch_size=batch_size, shuffle=True, num_workers=args.workers, drop_last=True, persistent_workers=True
+    )
+    return {
+        "DataLoader+torchvision": DataLoader(TorchvisionSamples(ds, args.policy, args.size), **common),
+        "FusionFlowLoader": FusionFlowLoader(ds, policy=load_policy(args.policy, size=args.size), seed=0, **common),
+    }
+
+
+def _alternate(loaders: dict, repeats: int, per_pass: int) -> tuple[dict, dict]:
+    """One warm-up pass each, then `repeats` rounds alternating the loaders: rates and waits by name."""
+    from tqdm import tqdm
+
+    rates = {name: [] for name in loaders}
+    waits = {name: [] for name in loaders}
+    for name, loader in loaders.items():
+        with tqdm(total=per_pass, desc=f"warm-up {name}", unit="batch", leave=False) as bar:
+            time_pass(loader, per_pass, bar)
+    for r in range(repeats):
+        for name, loader in loaders.items():
+            with tqdm(total=per_pass, desc=f"repeat {r + 1}/{repeats} {name}", unit="batch", leave=False) as bar:
+                rate, w = time_pass(loader, per_pass, bar)
+            rates[name].append(rate)
+            waits[name] += w
+    return rates, waits
+
+
+def _summary(rates: dict, waits: dict, repeats: int) -> dict:
+    """Per loader: the median rate, every rate, and the wait at next() (mean, p95); printed too."""
+    result = {}
+    for name in rates:
+        w = np.asarray(waits[name])
+        result[name] = {
+            "samples_per_s_median": statistics.median(rates[name]),
+            "samples_per_s": rates[name],
+            "wait_mean_ms": 1e3 * float(w.mean()),
+            "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
+        }
+        print(
+            f"  {name}: {result[name]['samples_per_s_median']:.1f} samples/s (median of {repeats}), "
+            f"wait at next() mean {result[name]['wait_mean_ms']:.1f} ms, p95 {result[name]['wait_p95_ms']:.1f} ms"
+        )
+    return result

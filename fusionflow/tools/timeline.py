@@ -137,12 +137,10 @@ def plot_timeline(trace: dict, path: str, stage_seconds: dict | None = None, tit
             "(or matplotlib==3.11.2); the trace JSON is written without it"
         ) from exc
     from matplotlib.figure import Figure  # no pyplot: the caller's backend and figures are left alone
-    from matplotlib.patches import Patch
 
     names = _tracks(trace)
     events = spans(trace)
     rows = _row_order({e["tid"] for e in events} | {TID_TRAINING})
-    y_of = {tid: k for k, tid in enumerate(rows)}
     panels = 2 if stage_seconds else 1
     height = 0.9 + 0.42 * len(rows) + (0.35 * len(stage_seconds) + 1.2 if stage_seconds else 0)
     fig = Figure(figsize=(13, max(3.0, height)))
@@ -152,7 +150,19 @@ def plot_timeline(trace: dict, path: str, stage_seconds: dict | None = None, tit
         squeeze=False,
         gridspec_kw={"height_ratios": [len(rows) + 1, len(stage_seconds) + 1.5] if stage_seconds else [1]},
     )
-    ax = axes[0][0]
+    _spans_panel(axes[0][0], trace, events, rows, names, title)
+    if stage_seconds:
+        _stage_panel(axes[1][0], stage_seconds, matplotlib.colormaps)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _spans_panel(ax, trace: dict, events: list, rows: list, names: dict, title: str | None) -> None:
+    """The timeline itself: one row per track, waits, loans and tiny-batches (coloured by mini-batch)."""
+    from matplotlib.patches import Patch
+
+    y_of = {tid: k for k, tid in enumerate(rows)}
     for e in events:
         y = y_of[e["tid"]]
         x, w = e["ts"] / 1e6, e["dur"] / 1e6
@@ -187,11 +197,6 @@ def plot_timeline(trace: dict, path: str, stage_seconds: dict | None = None, tit
         fontsize=9,
         loc="left",
     )
-    if stage_seconds:
-        _stage_panel(axes[1][0], stage_seconds, matplotlib.colormaps)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
 
 
 def _stage_panel(ax, stage_seconds: dict, colormaps) -> None:

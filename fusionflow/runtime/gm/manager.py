@@ -91,7 +91,17 @@ class GlobalManager:
         # one copy each, as Python tuples (field access on numpy records costs a microsecond apiece)
         rows = [_P(*r) for r in t.progress[live].tolist()]
         acts = [_A(*a) for a in t.action[live].tolist()]
-        for lm, row in zip(live.tolist(), rows):  # a row taken over by a new LM starts with a clean slate
+        lms = live.tolist()
+        self._follow_registrations(lms, rows, now)
+        self._count_acks(lms, acts)
+        table = [self._progress(lm, row, act, now) for lm, row, act in zip(lms, rows, acts)]
+        self._order(plan_lending(table))
+        return len(table)
+
+    def _follow_registrations(self, lms, rows, now: float) -> None:
+        """A row taken over by a new LM starts with a clean slate; listening LMs get a bell, and the
+        bells of LMs that left are closed."""
+        for lm, row in zip(lms, rows):
             if self.reg.get(lm) != row.reg:
                 self.reg[lm] = row.reg
                 for state in (self.sent, self.written_off, self.pending_since, self.counted_acks):
@@ -100,48 +110,54 @@ class GlobalManager:
                 retry = self.bell_retry.get(lm)
                 if retry is None or retry[0] != row.reg or now >= retry[1]:
                     self._hang_bell(lm, row, now)
-        live_set = set(live.tolist())
+        live_set = set(lms)
         for lm in [lm for lm, (reg, _) in self.bells.items() if self.reg.get(lm) != reg or lm not in live_set]:
             self.bells.pop(lm)[1].close()  # that LM left
-        for lm, act in zip(live.tolist(), acts):
+
+    def _count_acks(self, lms, acts) -> None:
+        """A lender's newly acknowledged order: the workers it gave count as sent to its borrower."""
+        for lm, act in zip(lms, acts):
             if act.yield_ack == act.yield_seq and act.yield_seq and self.counted_acks.get(lm) != act.yield_seq:
                 self.counted_acks[lm] = act.yield_seq
                 if act.yield_done and act.yield_peer in self.reg:
                     self.sent[act.yield_peer] = self.sent.get(act.yield_peer, 0) + act.yield_done
-        table = []
-        for lm, row, act in zip(live.tolist(), rows, acts):
-            busy = act.yield_ack < act.yield_seq  # it has an order it has not carried out yet
-            # workers confirmed lent to it that have not arrived (counters only grow; a worker may arrive
-            # before its lender's ack is read, so the difference can dip below zero for a poll)
-            incoming = self.sent.get(lm, 0) - self.written_off.get(lm, 0) - row.guests_total
-            if incoming <= 0:
-                self.pending_since.pop(lm, None)
-                incoming = 0
-            elif now - self.pending_since.setdefault(lm, now) > INCOMING_TTL_S:
-                self.written_off[lm] = self.written_off.get(lm, 0) + incoming  # they never will
-                self.pending_since.pop(lm, None)
-                incoming = 0
-            stale = now - row.heartbeat > STALE_S  # its manager thread stopped publishing: lend it nothing
-            ts = row.task_seconds
-            active = tuple(
-                min(1.0, max(0.0, (now - since) / ts)) if ts > 0 else 0.0
-                for since in row.active_since[: row.n_active].tolist()
-            )
-            table.append(
-                Progress(
-                    lm,
-                    row.iteration,
-                    row.waiting,
-                    active,
-                    0 if busy or stale else row.idle,
-                    incoming=incoming,
-                    can_borrow=bool(row.can_borrow) and not stale,
-                )
-            )
-        ordered = set()
-        for loan in plan_lending(table):
+
+    def _progress(self, lm: int, row, act, now: float) -> Progress:
+        """One LM's row as the lending plan reads it."""
+        busy = act.yield_ack < act.yield_seq  # it has an order it has not carried out yet
+        # workers confirmed lent to it that have not arrived (counters only grow; a worker may arrive
+        # before its lender's ack is read, so the difference can dip below zero for a poll)
+        incoming = self.sent.get(lm, 0) - self.written_off.get(lm, 0) - row.guests_total
+        if incoming <= 0:
+            self.pending_since.pop(lm, None)
+            incoming = 0
+        elif now - self.pending_since.setdefault(lm, now) > INCOMING_TTL_S:
+            self.written_off[lm] = self.written_off.get(lm, 0) + incoming  # they never will
+            self.pending_since.pop(lm, None)
+            incoming = 0
+        stale = now - row.heartbeat > STALE_S  # its manager thread stopped publishing: lend it nothing
+        ts = row.task_seconds
+        active = tuple(
+            min(1.0, max(0.0, (now - since) / ts)) if ts > 0 else 0.0
+            for since in row.active_since[: row.n_active].tolist()
+        )
+        return Progress(
+            lm,
+            row.iteration,
+            row.waiting,
+            active,
+            0 if busy or stale else row.idle,
+            incoming=incoming,
+            can_borrow=bool(row.can_borrow) and not stale,
+        )
+
+    def _order(self, loans) -> None:
+        """Write the plan's orders into the action table, one per lender per round (the rest is
+        re-planned next poll), and ring the lenders."""
+        t, ordered = self.t, set()
+        for loan in loans:
             if loan.lender in ordered:
-                continue  # one order per lender per round; the rest is re-planned next poll
+                continue
             ordered.add(loan.lender)
             a, b = t.action[loan.lender], t.action[loan.borrower]
             a["yield_peer"], a["yield_count"] = loan.borrower, loan.count
@@ -149,7 +165,6 @@ class GlobalManager:
             b["borrow_peer"], b["borrow_count"] = loan.lender, loan.count
             b["borrow_seq"] = int(b["borrow_seq"]) + 1
             self._ring(loan.lender)
-        return len(table)
 
     def _hang_bell(self, lm: int, row, now: float) -> None:
         """Connect to a newly registered LM's socket (its manager thread then sleeps until rung);
