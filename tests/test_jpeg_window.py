@@ -114,17 +114,20 @@ def test_corrupt_entropy_data_gives_what_pillow_gives(damage, monkeypatch):
 def test_fast_mode_keeps_each_samples_draw(monkeypatch):
     """Fast and exact resolve the same crop window from the same draw; only resampling differs."""
     seen = {True: [], False: []}
-    real = decode._jpeg_window_crop_resize
 
-    def spy(data, window_fn, out_size, fast, *rest):  # rest: the sample's name and the pixel limit
-        def recording(h, w):
-            win = window_fn(h, w)
-            seen[fast].append(win)
-            return win
+    def spy(real, fast):  # the exact path's Pillow-image decode, the fast path's array decode
+        def run(data, window_fn, out_size, *rest):
+            def recording(h, w):
+                win = window_fn(h, w)
+                seen[fast].append(win)
+                return win
 
-        return real(data, recording, out_size, fast, *rest)
+            return real(data, recording, out_size, *rest)
 
-    monkeypatch.setattr(decode, "_jpeg_window_crop_resize", spy)
+        return run
+
+    monkeypatch.setattr(decode, "_jpeg_window_crop_resize", spy(decode._jpeg_window_crop_resize, False))
+    monkeypatch.setattr(decode, "_jpeg_window_array", spy(decode._jpeg_window_array, True))
     policy = load_policy("randaugment")
     fast, exact = CpuPipeline(policy), CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
     for i, data in enumerate(make_jpegs(8, 200, 900, seed=6)):

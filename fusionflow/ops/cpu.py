@@ -63,9 +63,22 @@ def rotate(img, value, params, style):
     return img.rotate(value, style.resample, fillcolor=style.fill)
 
 
+_LEVELS = np.arange(256, dtype=np.float32)
+
+
+def blend_lut(degenerate: int, factor: float) -> np.ndarray:
+    """Image.blend(constant image of `degenerate`, image, factor) as a 256-entry uint8 table: per
+    entry in1 + alpha * (in2 - in1) in float32 (Pillow's alpha is a C float), truncated, and clipped
+    to 0..255 when the factor extrapolates, as Pillow's ImagingBlend computes each byte."""
+    alpha = np.float32(factor)
+    out = np.float32(degenerate) + alpha * (_LEVELS - np.float32(degenerate))
+    return np.clip(out, 0, 255).astype(np.uint8)  # truncation toward zero of values in 0..255
+
+
 @cpu_impl("Brightness")
 def brightness(img, value, params, style):
-    return ImageEnhance.Brightness(img).enhance(params[0])
+    """ImageEnhance.Brightness(img).enhance(f), a blend with black: one table (bit for bit)."""
+    return _point(img, blend_lut(0, params[0]).tolist() * 3)
 
 
 @cpu_impl("Color")
@@ -80,8 +93,7 @@ def contrast(img, value, params, style):
     by the pixel count -- with numpy instead of its 256-step Python loop."""
     h = np.asarray(img.convert("L").histogram(), dtype=np.int64)
     mean = int(int(h @ _IDENTITY) / int(h.sum()) + 0.5)
-    degenerate = Image.new("L", img.size, mean).convert(img.mode)
-    return Image.blend(degenerate, img, params[0])
+    return _point(img, blend_lut(mean, params[0]).tolist() * 3)  # a blend with a constant: a table
 
 
 # Pillow's SMOOTH kernel (1 1 1 / 1 5 1 / 1 1 1) / 13, each weight a float32 divided by 13 as Pillow does
@@ -158,11 +170,10 @@ def solarize_add(img, value, params, style):
     return _point(img, _rgb_lut("solarize_add", float(params[0])))
 
 
-@cpu_impl("AutoContrast")
-def autocontrast(img, value, params, style):
-    """ImageOps.autocontrast(img): per band, stretch [lowest, highest] present value to 0..255."""
+def autocontrast_lut(hists) -> list:
+    """ImageOps.autocontrast's table: per band, stretch [lowest, highest] present value to 0..255."""
     lut = []
-    for h in _band_histograms(img):
+    for h in hists:
         present = np.flatnonzero(h)
         lo, hi = (int(present[0]), int(present[-1])) if present.size else (255, 0)
         if hi <= lo:
@@ -171,15 +182,14 @@ def autocontrast(img, value, params, style):
         scale = 255.0 / (hi - lo)
         offset = -lo * scale
         lut.extend(np.clip(np.trunc(_IDENTITY * scale + offset), 0, 255).astype(np.int64).tolist())
-    return _point(img, lut)
+    return lut
 
 
-@cpu_impl("Equalize")
-def equalize(img, value, params, style):
-    """ImageOps.equalize(img): per band, the cumulative histogram in steps of (pixels minus the
+def equalize_lut(hists) -> list:
+    """ImageOps.equalize's table: per band, the cumulative histogram in steps of (pixels minus the
     last present value's count) // 255, rounded by half a step."""
     lut = []
-    for h in _band_histograms(img):
+    for h in hists:
         present = h[h > 0]
         step = int(present.sum() - present[-1]) // 255 if present.size > 1 else 0
         if not step:
@@ -187,7 +197,17 @@ def equalize(img, value, params, style):
             continue
         before = np.concatenate(([0], np.cumsum(h)[:-1]))  # pixels below each value
         lut.extend(((step // 2 + before) // step).tolist())
-    return _point(img, lut)
+    return lut
+
+
+@cpu_impl("AutoContrast")
+def autocontrast(img, value, params, style):
+    return _point(img, autocontrast_lut(_band_histograms(img)))
+
+
+@cpu_impl("Equalize")
+def equalize(img, value, params, style):
+    return _point(img, equalize_lut(_band_histograms(img)))
 
 
 @cpu_impl("Invert")

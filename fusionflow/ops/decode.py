@@ -39,6 +39,7 @@ import math
 import re
 import warnings
 
+import cv2
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -257,8 +258,17 @@ def _jpeg_window_crop_resize(
         if fast:
             return resize_bilinear_aa(arr, out_h, out_w)
         return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
+    arr, box = decode_scaled_window(data, height, width, (top, left, h, w), r)
+    return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
+
+
+def decode_scaled_window(data: bytes, height: int, width: int, window, r: int):
+    """The window (top, left, h, w) of a height x width JPEG decoded at DCT scale 1/r, with a margin
+    of _MARGIN scaled pixels: (uint8 HWC array, the window's exact fractional box (x0, y0, x1, y1) in
+    that array)."""
     if not jpeg.can_scale():  # nvImageCodec: no DCT scaling; Pillow's draft path scales the whole image
         raise jpeg.WindowDecodeError("this window decoder cannot decode at a reduced scale")
+    top, left, h, w = window
     rh, rw = -(-height // r), -(-width // r)  # libjpeg's scaled size: ceil(size / r)
     sx, sy = rw / width, rh / height
     fx0, fy0, fx1, fy1 = left * sx, top * sy, (left + w) * sx, (top + h) * sy
@@ -267,9 +277,68 @@ def _jpeg_window_crop_resize(
     arr, scaled = jpeg.decode_window(data, y0, x0, y1 - y0, x1 - x0, (1, r))
     if scaled != (rh, rw) or arr.shape[:2] != (y1 - y0, x1 - x0):
         raise jpeg.WindowDecodeError(f"scaled size {scaled} != {(rh, rw)}")
-    return Image.fromarray(arr).resize(
-        (out_w, out_h), Image.Resampling.BILINEAR, box=(fx0 - x0, fy0 - y0, fx1 - x0, fy1 - y0), reducing_gap=None
-    )
+    return arr, (fx0 - x0, fy0 - y0, fx1 - x0, fy1 - y0)
+
+
+def decode_crop_resize_array(
+    data, window_fn, out_size: tuple[int, int], what: str | None = None, max_pixels: int | None = None
+) -> np.ndarray:
+    """The fast mode's decode_crop_resize as a uint8 HWC RGB array (the array pipeline's input): a
+    JPEG's window through the window decoder and OpenCV/torch resampling (`_jpeg_window_array`),
+    anything else through the Pillow path."""
+    if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
+        try:
+            return _jpeg_window_array(bytes(data), window_fn, out_size, what, max_pixels)
+        except jpeg.WindowDecodeError:
+            pass
+    return np.asarray(decode_crop_resize(data, window_fn, out_size, True, what, max_pixels))
+
+
+def _jpeg_window_array(data: bytes, window_fn, out_size, what=None, max_pixels: int | None = None) -> np.ndarray:
+    """The window decoded at the coarsest DCT scale that still covers the output (as in
+    `_jpeg_window_crop_resize`), resampled to the output by `resize_window` (full scale) or
+    `resample_box` (DCT-scaled, from the window's exact fractional box)."""
+    height, width, _ = jpeg.info(data)
+    check_pixels(width, height, max_pixels, what)
+    top, left, h, w = window_fn(height, width)
+    out_h, out_w = out_size
+    r = dct_reduction(h, w, out_h, out_w)
+    if r == 1:
+        arr, _ = jpeg.decode_window(data, top, left, h, w)
+        if arr.shape[:2] != (h, w):
+            raise jpeg.WindowDecodeError(f"decoded window {arr.shape[:2]} != {(h, w)}")
+        return resize_window(arr, out_h, out_w)
+    arr, box = decode_scaled_window(data, height, width, (top, left, h, w), r)
+    return resample_box(arr, box, out_h, out_w)
+
+
+# Largest window / output ratio resized with OpenCV's bilinear (no antialiasing). Enlarging, it is
+# Pillow's filter (within a level: 55 dB); shrinking by up to 1.25x it aliases little (>= 41 dB on
+# a 1/f-spectrum image), by 1.5-1.9x it drops to 34-38 dB, where torch's antialiased filter keeps
+# 60+ dB (experiments/bench_ops.py, resize section; experiments/README.md).
+LINEAR_UP_TO = 1.25
+
+
+def resize_window(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """A full-scale window (under 2x the output) to (out_h, out_w), HWC uint8: OpenCV's bilinear up
+    to LINEAR_UP_TO times the output, else torch's antialiased bilinear (Pillow's filter, SIMD),
+    whose planar output OpenCV interleaves."""
+    h, w = arr.shape[:2]
+    if (h, w) == (out_h, out_w):
+        return arr
+    if h <= out_h * LINEAR_UP_TO and w <= out_w * LINEAR_UP_TO:
+        return cv2.resize(arr, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
+    x = torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)  # a channels-last view, no copy
+    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
+    return cv2.merge(list(y[0].numpy()))
+
+
+def resample_box(arr: np.ndarray, box, out_h: int, out_w: int) -> np.ndarray:
+    """A DCT-scaled window (1-2x the output) resampled from its exact fractional `box` (x0, y0, x1,
+    y1) to (out_h, out_w): Pillow's antialiased bilinear over the box, the geometry of a full-image
+    Pillow draft()."""
+    img = Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
+    return np.asarray(img)
 
 
 def resize_bilinear_aa(arr: np.ndarray, out_h: int, out_w: int) -> Image.Image:

@@ -12,13 +12,17 @@ from functools import partial
 import numpy as np
 from PIL import Image
 
-from fusionflow.ops import cpu, jpeg
-from fusionflow.ops.decode import decode_crop_resize
+from fusionflow.ops import cpu, cpu_array, jpeg
+from fusionflow.ops.decode import decode_crop_resize, decode_crop_resize_array
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
 
 
 class CpuPipeline:
-    """Runs a policy on one sample at a time. Holds no per-sample state; cheap to call."""
+    """Runs a policy on one sample at a time. Holds no per-sample state; cheap to call.
+
+    exact mode works on Pillow images (torchvision's PIL path, to the bit); fast mode on uint8 HWC
+    arrays from the window decoder to the ring, with each op's fastest kernel
+    (fusionflow/ops/cpu_array.py) and OpenCV's split writing the planes straight into the slot."""
 
     def __init__(self, policy):
         self.policy: Policy = load_policy(policy)
@@ -26,6 +30,8 @@ class CpuPipeline:
         self.style = cpu.Style(aug.interpolation, aug.fill)
         self.out_shape = self.policy.out_shape
         self.out_dtype = np.dtype(self.policy.out_dtype)
+        self.fast = self.policy.fast_downscale
+        self._kernels = cpu_array.kernels(True)
         if self.policy.normalize:
             mean, std = (np.asarray(v, np.float32).reshape(3, 1, 1) for v in self.policy.normalize)
             self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
@@ -58,12 +64,41 @@ class CpuPipeline:
                 tick(op.name)
         return img
 
+    def array(self, data, d: SampleDraw, what: str | None = None, tick=None) -> np.ndarray:
+        """fast mode: the augmented sample as a uint8 HWC RGB array of the output size."""
+        arr = decode_crop_resize_array(
+            data, partial(crop_window, self.policy, d), self.policy.size, what, self.policy.max_pixels
+        )
+        if tick is not None:
+            tick("decode+crop+resize")
+        if d.flip:
+            arr = cpu_array.flip(arr)
+        if tick is not None:
+            tick("flip")
+        h, w = self.policy.size
+        for op in d.ops:
+            arr = self._kernels[op.name](arr, op.value, op.params(h, w), self.style)
+            if tick is not None:
+                tick(op.name)
+        return arr
+
     def run_draw(
         self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None, tick=None
     ) -> np.ndarray:
-        img = self.image(data, d, what, tick)
         if out is None:
             out = np.empty(self.out_shape, self.out_dtype)
+        if self.fast:
+            self._write_array(self.array(data, d, what, tick), out)
+        else:
+            self._write_image(self.image(data, d, what, tick), out)
+        if d.erase is not None:  # torchvision's F.erase on the output tensor: the rectangle := fill
+            e = d.erase
+            out[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(self.policy.erase)
+        if tick is not None:
+            tick("write")
+        return out
+
+    def _write_image(self, img: Image.Image, out: np.ndarray) -> None:
         if self.policy.normalize:
             np.multiply(np.asarray(img).transpose(2, 0, 1), self._scale, out=out, casting="unsafe")
             out += self._shift
@@ -71,12 +106,16 @@ class CpuPipeline:
             # Pillow's band split de-interleaves ~2x faster than a strided numpy transpose
             for plane, band in zip(out, img.split()):
                 plane[...] = np.asarray(band)
-        if d.erase is not None:  # torchvision's F.erase on the output tensor: the rectangle := fill
-            e = d.erase
-            out[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(self.policy.erase)
-        if tick is not None:
-            tick("write")
-        return out
+
+    def _write_array(self, arr: np.ndarray, out: np.ndarray) -> None:
+        if self.policy.normalize:
+            for c, plane in enumerate(cpu_array.split(arr)):
+                np.multiply(plane, self._scale[c], out=out[c], casting="unsafe")
+                out[c] += self._shift[c]
+        elif out.flags.c_contiguous and out.dtype == np.uint8:
+            cpu_array.write_planes(arr, out)  # straight into the slot's planes
+        else:
+            np.copyto(out, arr.transpose(2, 0, 1), casting="unsafe")
 
     def __call__(
         self,
