@@ -64,6 +64,9 @@ def main() -> None:
     from fusionflow.tools.synthetic import sample_set
 
     torch.set_num_threads(1)
+    import cv2
+
+    cv2.setNumThreads(1)  # per core: OpenCV on one thread, as in a worker process
     warnings.filterwarnings("ignore", category=DeprecationWarning)
     data = sample_set(args.sizes, args.images, seed=11)
     print(

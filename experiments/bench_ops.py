@@ -339,6 +339,8 @@ def main(argv=None) -> int:
     import PIL
     import torch
 
+    cv2.setNumThreads(1)  # per core, as in a worker process
+    torch.set_num_threads(1)
     images = _images(args.images)
     result = {
         "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",

@@ -47,6 +47,9 @@ def main() -> None:
     from fusionflow.tools.synthetic import sample_set
 
     torch.set_num_threads(1)
+    import cv2
+
+    cv2.setNumThreads(1)  # per core: OpenCV on one thread, as in a worker process
     if not jpeg.available():
         sys.exit(f"the JPEG window decoder is unavailable: {jpeg.why_unavailable()}")
     data = sample_set(args.sizes, args.images, seed=11)

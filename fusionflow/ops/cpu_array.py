@@ -32,8 +32,6 @@ from PIL import Image
 
 from fusionflow.ops import cpu
 
-cv2.setNumThreads(1)  # one sample per worker process: OpenCV's own threads would only contend
-
 ArrayOp = Callable[[np.ndarray, float, tuple, cpu.Style], np.ndarray]
 EXACT: dict[str, ArrayOp] = {}
 FAST: dict[str, ArrayOp] = {}

@@ -192,8 +192,11 @@ def worker_loop(
             torch = sys.modules["torch"]
             torch.set_num_threads(1)
             torch.manual_seed(base_seed + worker_id)
+        import cv2
+
         from fusionflow.ops.pipeline import CpuPipeline
 
+        cv2.setNumThreads(1)  # one sample at a time per worker: OpenCV's own threads would only contend
         pipe = CpuPipeline(policy)
         clock = None
         if stages:
