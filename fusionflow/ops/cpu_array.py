@@ -2,7 +2,7 @@
 out of the decoder as arrays and the ring wants planes, so the pipeline stays in arrays from the
 resize to the write and wraps an array as a Pillow image only for an op whose kernel is Pillow's.
 
-Each op has two kernels, chosen per op by the policy's decode mode (`kernels(fast)`):
+Each op has two kernels: FAST is what the fast mode runs; EXACT proves the shared tables exact:
 
   exact  bit-identical to `fusionflow.ops.cpu` (Pillow, which is torchvision's PIL path). The point
          ops are 256-entry tables applied with OpenCV's LUT: Posterize, Solarize, SolarizeAdd,
@@ -281,11 +281,6 @@ def sharpness_fast(arr, value, params, style):
     smooth[0], smooth[-1], smooth[:, 0], smooth[:, -1] = arr[0], arr[-1], arr[:, 0], arr[:, -1]
     f = float(params[0])
     return cv2.addWeighted(arr, f, smooth, 1.0 - f, 0.0)
-
-
-def kernels(fast: bool) -> dict[str, ArrayOp]:
-    """Op name -> kernel for a policy's decode mode."""
-    return FAST if fast else EXACT
 
 
 def flip(arr: np.ndarray) -> np.ndarray:

@@ -31,7 +31,7 @@ class CpuPipeline:
         self.out_shape = self.policy.out_shape
         self.out_dtype = np.dtype(self.policy.out_dtype)
         self.fast = self.policy.fast_downscale
-        self._kernels = cpu_array.kernels(True)
+        self._kernels = cpu_array.FAST  # used in fast mode only; exact mode runs cpu.py on Pillow images
         if self.policy.normalize:
             mean, std = (np.asarray(v, np.float32).reshape(3, 1, 1) for v in self.policy.normalize)
             self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
