@@ -11,7 +11,7 @@ from tv_reference import tv_recipe
 
 from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.policy import Erase, draw
+from fusionflow.policy import Erase, draw, uniforms
 from fusionflow.tools.synthetic import make_jpegs
 
 JPEGS = make_jpegs(6, 200, 500, seed=3)
@@ -74,9 +74,8 @@ def test_erase_draw_equals_torchvision_make_params(monkeypatch):
     monkeypatch.setattr(torch, "randint", lambda lo, hi, size: torch.tensor([replay.randint(lo, hi)]))
     gave_up = 0
     for i in range(300):
-        rng = np.random.default_rng([7, 0, i])
-        rng.random(42)  # crop (40), flip, then erase's apply draw
-        replay = _Replay(rng.random(40).tolist())
+        u = uniforms(7, 0, i, n=82)  # crop (40), flip, then erase's apply draw, then its 40 tries
+        replay = _Replay(u[42:82].tolist())
         params = tv.make_params([img])
         d = draw(policy, 7, 0, i)
         got = None if d.erase is None else (d.erase.top, d.erase.left, d.erase.height, d.erase.width)

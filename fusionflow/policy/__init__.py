@@ -5,7 +5,7 @@ Pure Python + numpy + PyYAML; nothing here imports torch or DALI.
 
 from fusionflow.policy.image_sections import Erase
 from fusionflow.policy.overrides import OVERRIDES, load_policy  # noqa: E402 (after schema: it builds on it)
-from fusionflow.policy.sampling import EraseDraw, OpDraw, SampleDraw, crop_window, draw
+from fusionflow.policy.sampling import EraseDraw, OpDraw, SampleDraw, crop_window, draw, uniforms
 from fusionflow.policy.schema import Augment, OpChoice, Policy, Step, shipped_policies
 
 __all__ = [
@@ -22,4 +22,5 @@ __all__ = [
     "draw",
     "load_policy",
     "shipped_policies",
+    "uniforms",
 ]

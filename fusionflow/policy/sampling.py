@@ -1,9 +1,15 @@
 """Per-sample augmentation draws: a pure function of (policy, seed, epoch, sample index, copy).
 
 `copy` tells apart the occurrences of one index within an epoch (repeated augmentation: a sampler
-such as timm's RASampler yields each index several times); copy 0 -- every sample of an ordinary
-sampler -- draws from [seed, epoch, index] exactly as before copies existed, copy k > 0 from
-[seed, epoch, index, k].
+such as timm's RASampler yields each index several times); copy 0 is every sample of an ordinary
+sampler.
+
+The uniforms come from a counter-based generator (`uniforms`): numpy's Philox4x64 (Salmon et al.,
+SC'11) keyed by the seed, its 256-bit counter holding (position, copy, index, epoch), so samples'
+streams are disjoint by construction. Re-keying one thread-local generator and taking the sample's
+uniforms as one block costs about a tenth of seeding numpy's PCG64 through a SeedSequence per sample
+as before. Draws made before this change came from `numpy.random.default_rng([seed, epoch, index(,
+copy)])`: the same seed now gives other, equally distributed augmentations (docs/status.md).
 
 Whichever worker runs a sample -- a CPU process, the DALI GPU worker, or a retry after a crash --
 computes the same `SampleDraw`, so augmentation is reproducible and placement-independent.
@@ -16,6 +22,7 @@ and log-uniform aspect ratio, then a centre crop of the clamped ratio).
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,18 +70,78 @@ class SampleDraw:
     erase: EraseDraw | None = None  # applied last, to the (normalised) output; None: not erased
 
 
-def _rng(seed: int, epoch: int, index: int, copy: int = 0) -> np.random.Generator:
-    for name, v in (("seed", seed), ("epoch", epoch), ("index", index), ("copy", copy)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
-            raise ValueError(f"{name}={v!r} must be a non-negative integer")
-    key = [int(seed), int(epoch), int(index)] + ([int(copy)] if copy else [])
-    return np.random.default_rng(key)
+_WORD = (1 << 64) - 1
+_DRAWS = 96  # uniforms taken per sample at once: a shipped policy's draw uses 41 to about 90
+_local = threading.local()  # one Philox per thread, re-keyed per sample (cheaper than a new one)
+
+
+def _check(name: str, v) -> int:
+    if type(v) is int and 0 <= v <= _WORD:
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+        raise ValueError(f"{name}={v!r} must be a non-negative integer")
+    if name != "seed" and v > _WORD:
+        raise ValueError(f"{name}={v!r} must be below 2**64")
+    return int(v)
+
+
+def _generator(seed: int, epoch: int, index: int, copy: int) -> np.random.Generator:
+    """numpy's Philox4x64 positioned at the start of the sample's stream: key = the seed (128 bits;
+    wider seeds fold their higher words in), counter = (position, copy, index, epoch)."""
+    seed, epoch, index, copy = (
+        _check("seed", seed),
+        _check("epoch", epoch),
+        _check("index", index),
+        _check("copy", copy),
+    )
+    key0, key1 = seed & _WORD, (seed >> 64) & _WORD
+    seed >>= 128
+    while seed:
+        key0, key1, seed = key0 ^ (seed & _WORD), key1 ^ ((seed >> 64) & _WORD), seed >> 128
+    gen = getattr(_local, "gen", None)
+    if gen is None:
+        gen = _local.gen = np.random.Generator(np.random.Philox(key=0))
+    gen.bit_generator.state = {
+        "bit_generator": "Philox",
+        "state": {"counter": np.array([0, copy, index, epoch], np.uint64), "key": np.array([key0, key1], np.uint64)},
+        "buffer": np.zeros(4, np.uint64),
+        "buffer_pos": 4,  # nothing buffered: the next word is the counter's first block
+        "has_uint32": 0,
+        "uinteger": 0,
+    }
+    return gen
+
+
+def uniforms(seed: int, epoch: int, index: int, copy: int = 0, n: int = _DRAWS) -> np.ndarray:
+    """The first n uniforms in [0, 1) of the sample's stream (float64, 53 random bits each): a pure
+    function of (seed, epoch, index, copy) that any process, thread or retry recomputes. `draw`
+    consumes them in a fixed order: crop (40), flip (1), then the policy's ops, then erasing."""
+    return _generator(seed, epoch, index, copy).random(n)
+
+
+class _Stream:
+    """The sample's uniforms consumed in order, with the two calls `draw` makes of a Generator."""
+
+    def __init__(self, seed: int, epoch: int, index: int, copy: int):
+        self._gen = _generator(seed, epoch, index, copy)
+        self._u = self._gen.random(_DRAWS).tolist()
+        self._next = 0
+
+    def random(self, n: int | None = None):
+        while self._next + (n or 1) > len(self._u):  # a policy with many ops: the stream goes on
+            self._u += self._gen.random(_DRAWS).tolist()
+        i = self._next
+        self._next += n or 1
+        return self._u[i] if n is None else self._u[i : i + n]
+
+    def integers(self, high: int) -> int:
+        return min(int(self.random() * high), high - 1)
 
 
 def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> SampleDraw:
     """The sample's draw; `copy` is the occurrence of `index` in the epoch (0 for the first)."""
-    rng = _rng(seed, epoch, index, copy)
-    crop_u = tuple(rng.random(CROP_TRIES * 4).tolist())
+    rng = _Stream(seed, epoch, index, copy)
+    crop_u = tuple(rng.random(CROP_TRIES * 4))
     flip = bool(rng.random() < policy.flip)
     aug = policy.augment
     ops: list[OpDraw] = []
@@ -97,12 +164,12 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
     return SampleDraw(crop_u=crop_u, flip=flip, ops=tuple(ops), erase=erase)
 
 
-def _erase(erase: Erase, size: tuple[int, int], rng: np.random.Generator) -> EraseDraw | None:
+def _erase(erase: Erase, size: tuple[int, int], rng: _Stream) -> EraseDraw | None:
     """torchvision's RandomErasing.make_params at the output size, from a fixed number of draws
     (after every other draw, so a policy's other draws do not depend on whether it erases)."""
     apply = rng.random() < erase.p
-    u = rng.random(CROP_TRIES * 4).tolist()
-    noise_seed = int(rng.integers(2**63))
+    u = rng.random(CROP_TRIES * 4)
+    noise_seed = rng.integers(1 << 53)
     if not apply:
         return None
     img_h, img_w = size
@@ -128,10 +195,10 @@ def _area_ratio_tries(u, area: float, scale, ratio):
         yield int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect))), ut, ul
 
 
-def _op(choice, bin_index: int, num_bins: int, rng: np.random.Generator) -> OpDraw:
+def _op(choice, bin_index: int, num_bins: int, rng: _Stream) -> OpDraw:
     # Always consume the same number of draws per op so one op's settings never shift the next's.
     negate = rng.random() < 0.5
-    aux = tuple(rng.random(2).tolist())
+    aux = tuple(rng.random(2))
     value = choice.value(bin_index, num_bins)
     if choice.signed and negate:
         value = -value
