@@ -36,7 +36,14 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from torch.utils.data import RandomSampler
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 VERSION = 1
 
@@ -146,6 +153,45 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
         if on_skip is not None:
             on_skip(skipped)
     return batches, snapshot
+
+
+_PEEKABLE = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
+
+
+def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int) -> list | None:
+    """The first `k` batches the next epoch's `start_epoch` will draw if nothing changes until then,
+    computed now and leaving every state as it was: the sampler's, its generator's, torch's global
+    RNG. None where that cannot be known without side effects: a batch sampler other than torch's
+    BatchSampler, or a sampler other than torch's own (a custom one might draw from a global RNG or
+    count its iterations), or a resume pending. A guess, not a promise: the caller compares it with
+    the batches the epoch really draws (the user may reseed torch or call set_epoch in between)."""
+    if type(batch_sampler) is not BatchSampler or type(sampler) not in _PEEKABLE:
+        return None
+    owner, kind = order_owner(batch_sampler, sampler)
+    if owner is not sampler or kind == "state_dict":
+        return None
+    if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
+        rng = torch.Generator().set_state(torch.get_rng_state())
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
+        sampler.generator = torch.Generator().manual_seed(seed)
+        try:
+            return list(itertools.islice(iter(batch_sampler), k))
+        finally:
+            sampler.generator = None
+    if kind == "generator":
+        state = sampler.generator.get_state()
+        try:
+            return list(itertools.islice(iter(batch_sampler), k))
+        finally:
+            sampler.generator.set_state(state)
+    if kind == "epoch":  # DistributedSampler: an epoch that follows the loader's is taken to go on doing so
+        was = sampler.epoch
+        sampler.set_epoch(was + next_epoch - epoch if was == epoch else was)
+        try:
+            return list(itertools.islice(iter(batch_sampler), k))
+        finally:
+            sampler.set_epoch(was)
+    return list(itertools.islice(iter(batch_sampler), k))  # SequentialSampler: the same order every epoch
 
 
 @dataclass

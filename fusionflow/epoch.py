@@ -14,6 +14,7 @@ dropped: its unfinished work is forgotten, and without persistent workers the ru
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -105,38 +106,55 @@ class _EpochIterator:
 
 
 class _WorkerIterator(_EpochIterator):
-    """One epoch on the loader's worker processes (and accelerator / remote worker kinds)."""
+    """One epoch on the loader's worker processes (and accelerator / remote worker kinds). Its
+    mini-batches are seqs first_seq, first_seq + 1, ... of its generation: 0 on, or after those the
+    previous epoch's iterator speculated for it (fusionflow/next_epoch.py)."""
 
     def __init__(self, loader, epoch: int, progress):
         super().__init__(loader, epoch, progress)
         self._workers, self._gpu = loader._workers, loader._gpu
+        self._next_epoch = loader._next_epoch
         self._mgr = None  # the runtime this epoch runs on (started at the first next())
         self._gen = None  # this epoch's generation on it
         self._free = list(range(self.config.prefetch_factor))  # ring slots with no mini-batch in them
         self._pending = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
-        self._submitted = self._delivered = 0
+        self._first_seq = self._submitted = self._delivered = 0
         self._exhausted = False
 
     def _start(self) -> None:
         self._mgr = mgr = self._workers.start(self.config, self._delivery.alloc_device)
-        self._gen = mgr.new_generation()
-        mgr.abandon(self._gen - 1)  # a previous iterator left unfinished: its work is forgotten
-        self._copies = copies_for(self.config.sampler)
-        self._indices = self._batches(self._copies)
+        copies = self._copies = copies_for(self.config.sampler)
+        # (indices, copy numbers) of each mini-batch; the generator must not refer to self (no cycle:
+        # a dropped iterator ends at once)
+        self._work = ((indices, copies(indices)) for indices in self._batches(copies))
+        adopted, read = self._next_epoch.adopt(mgr, self.epoch, self.config, self._work)
+        if adopted is not None:  # the previous iterator already submitted this epoch's first mini-batches
+            self._gen = adopted.generation
+            self._first_seq = self._delivered = adopted.first_seq
+            self._submitted = adopted.next_seq
+            self._free = [s for s in self._free if s not in adopted.slots]
+        else:
+            self._gen = mgr.new_generation()
+            mgr.abandon(self._gen - 1)  # a previous iterator left unfinished: its work is forgotten
+            self._work = itertools.chain(read, self._work)
         self._refill()
 
     def _refill(self) -> None:
-        """Submit the epoch's next mini-batches into the free ring slots."""
+        """Submit the epoch's next mini-batches into the free ring slots; once the epoch has none
+        left, offer the slots to the next epoch's speculation (persistent workers only)."""
         while self._free and not self._exhausted:
-            indices = next(self._indices, None)
-            if indices is None:
+            item = next(self._work, None)
+            if item is None:
                 self._exhausted = True
                 break
+            indices, copies = item
             check_batch(indices, self.config.capacity)
-            self._mgr.submit(
-                self._submitted, self._gen, self._free.pop(0), self.epoch, list(indices), self._copies(indices)
-            )
+            self._mgr.submit(self._submitted, self._gen, self._free.pop(0), self.epoch, list(indices), copies)
             self._submitted += 1
+        if self._exhausted and self._free and self.config.persistent_workers:
+            self._next_epoch.offer(
+                self, self._mgr, self._gen, self._submitted, self.config, self.epoch, self._checkpoint, self._free
+            )
 
     def _next_batch(self):
         mgr, gpu = self._mgr, self._gpu
@@ -175,7 +193,10 @@ class _WorkerIterator(_EpochIterator):
         self._ended = True
         self._pending = None
         if self._mgr is not None:
-            self._workers.end_iteration(self._mgr, self._gen, finished, self.config.persistent_workers)
+            # every batch delivered (the caller stopped right after the last, without StopIteration): clean too
+            clean = finished or (self._exhausted and self._delivered >= self._submitted)
+            self._next_epoch.seal(self, clean)
+            self._workers.end_iteration(self._mgr, self._gen, clean, self.config.persistent_workers)
         self._tracing.flush()
 
 

@@ -6,7 +6,9 @@ frozen LoaderConfig; the DataLoader attributes are read from it) and the parts t
   * `Delivery` (fusionflow/delivery.py): on_error, batches out of the ring as tensors, targets, stats;
   * `Tracing` (fusionflow/trace.py): the trace= file and `loader.trace(path)` blocks;
   * `GpuSession` (fusionflow/gpu_session.py), with an accelerator: DALI, the allocator bridge, prep windows;
-  * `Workers` (fusionflow/workers.py): the runtime, started at the first iteration, one shutdown procedure.
+  * `Workers` (fusionflow/workers.py): the runtime, started at the first iteration, one shutdown procedure;
+  * `NextEpoch` (fusionflow/next_epoch.py), persistent workers: the next epoch's first mini-batches,
+    speculated while the current epoch's last ones are consumed.
 
 `iter(loader)` returns a per-epoch iterator (fusionflow/epoch.py) that owns the epoch's state.
 The argument reference is FusionFlowLoader's docstring.
@@ -25,6 +27,7 @@ from fusionflow.delivery import Delivery
 from fusionflow.epoch import _InlineIterator, _WorkerIterator
 from fusionflow.loader_config import resolve_config
 from fusionflow.loader_resources import Host
+from fusionflow.next_epoch import NextEpoch
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
 from fusionflow.trace import Tracing
 from fusionflow.workers import Workers
@@ -208,6 +211,7 @@ class FusionFlowLoader:
 
             self._gpu = GpuSession.for_config(self.stats, cfg)
         self._workers = Workers(dataset, self.stats, self._tracing, self._gpu)
+        self._next_epoch = NextEpoch(self.stats)
 
     # ---------------------------------------------------------------- configuration, as DataLoader names it
     batch_size = _configured("batch_size", "As given (1 by default, also when a batch_sampler is given).")
@@ -247,6 +251,7 @@ class FusionFlowLoader:
     def set_epoch(self, epoch: int) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
         self._checkpoint.set_epoch(epoch, self.config.sampler)
+        self._next_epoch.on_set_epoch(epoch)
 
     def __iter__(self):
         """A new epoch: its iterator (it starts the workers, if they are not running, at its first next())."""
@@ -263,6 +268,7 @@ class FusionFlowLoader:
     def close(self) -> None:
         """Stop workers, return lent GPU blocks and release shared memory now (and write the trace, if
         any). The loader can be iterated again after."""
+        self._next_epoch.discard()
         self._workers.close()
         self._tracing.flush()
 
@@ -284,6 +290,7 @@ class FusionFlowLoader:
         over a dataset of the same length with the same batch_size, drop_last and kind of sampler."""
         cfg = self.config
         self._checkpoint.load_state_dict(state, self._shape(), cfg.batch_sampler, cfg.sampler)
+        self._next_epoch.discard()
         seed = state["seed"]
         if cfg.seed_given and seed != cfg.seed:
             warnings.warn(

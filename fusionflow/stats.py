@@ -37,6 +37,10 @@ class LoaderStats(RuntimeCounters):
     bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
     bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
     stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
+    # persistent workers: next-epoch mini-batches submitted before its iter(), then taken or discarded
+    next_epoch_speculated: int = 0
+    next_epoch_adopted: int = 0
+    next_epoch_discarded: int = 0
 
     # The two maxima were first named like totals; the old names stay as read-only deprecated aliases.
     @property

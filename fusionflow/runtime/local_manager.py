@@ -184,9 +184,8 @@ class LocalManager:
                     )
                 if state.error is not None:
                     raise state.error
-                if state.remaining == 0:
-                    board.queue.forget(key)
-                    return state
+                # dead workers are replaced here, also when the batch is ready (it may have been made
+                # before this call, e.g. speculated for this epoch: fusionflow/next_epoch.py)
                 dead, missing = self.pool.wanted()
                 if dead or missing > 0:
                     board.cond.release()
@@ -195,6 +194,9 @@ class LocalManager:
                     finally:
                         board.cond.acquire()
                     continue
+                if state.remaining == 0:
+                    board.queue.forget(key)
+                    return state
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise FusionFlowError(
@@ -208,9 +210,22 @@ class LocalManager:
         with self.board.cond:
             self.board.queue.forget_generation(generation)
 
+    def forget(self, generation: int, seqs) -> None:
+        """Forget these mini-batches of `generation` (work speculated for an epoch that did not come).
+        Their slots may still be written by running tasks: reuse them only in a newer generation."""
+        with self.board.cond:
+            for seq in seqs:
+                self.board.queue.forget((generation, seq))
+
     def new_generation(self) -> int:
         with self.board.cond:
             self.board.generation += 1
+            return self.board.generation
+
+    @property
+    def generation(self) -> int:
+        """The newest generation (the iterator that runs on this manager now)."""
+        with self.board.cond:
             return self.board.generation
 
     def register_cuda(self, device_index: int) -> bool:
