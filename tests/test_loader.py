@@ -566,3 +566,17 @@ def test_counters_go_on_across_managers_and_tiny_batches_are_counted_per_worker(
         pass
     assert loader.stats.worker_restarts == 6
     loader.close()
+
+
+def test_workers_start_right_after_opencv_work_in_the_training_process():
+    """A worker forked while OpenCV's thread pool was busy in this process hung in cv2.setNumThreads
+    (inherited locks, no threads behind them): the fork now happens with the pool held at one thread."""
+    import cv2
+
+    before = cv2.getNumThreads()
+    big = np.random.default_rng(0).integers(0, 255, (600, 600, 3), np.uint8)
+    for _ in range(4):
+        loader = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=2, policy=SMALL, timeout=60)
+        cv2.GaussianBlur(big, (0, 0), 0.8)  # the pool's threads are busy a moment before the fork
+        assert [i for _, y in loader for i in y.tolist()] == list(range(8))
+    assert cv2.getNumThreads() == before  # the caller's OpenCV setting is left as it was

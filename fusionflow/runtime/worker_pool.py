@@ -34,6 +34,7 @@ from collections import deque
 from fusionflow.errors import SampleKilledWorkersError, SharedMemoryError, WorkerStartError
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.counters import count_worker_task
+from fusionflow.runtime.procs import opencv_quiet_for_fork
 from fusionflow.runtime.shm import SHM_DIR, ChildFd, free_bytes
 from fusionflow.runtime.worker import worker_loop
 from fusionflow.scheduling.queue import Work
@@ -147,7 +148,8 @@ class WorkerPool:
         # skipped by the child's collector, and the parent collects them after unfreezing.
         gc.freeze()
         try:
-            proc.start()
+            with opencv_quiet_for_fork():  # the user's (or our inline) OpenCV work must not hang the child
+                proc.start()
         finally:
             gc.unfreeze()
         child.close()
