@@ -10,7 +10,10 @@ process, one thread each, in one run:
   ff_fast            FusionFlow fast mode as shipped: window decode at the coarsest DCT scale that
                      covers the output + torch's SIMD uint8 antialiased resize
   dali_cpu           FusionFlow's DALI pipeline on DALI's CPU backend (batch 8, 1 thread)
-Candidates are interleaved repeat by repeat; medians over repeats; ratios against torchvision.
+  decode_only        the limit: ff_fast's crop windows (drawn beforehand) decoded at ff_fast's DCT
+                     scales, nothing else (no draw, resize, ops or write)
+Candidates are interleaved repeat by repeat; medians over repeats; ratios against torchvision, and
+ff_fast's share of the decode-only rate.
 Fidelity of ff_fast: PSNR against ff_exact on the same draws (median, 1st percentile, minimum),
 with the policy's ops and crop + flip only.
 
@@ -34,6 +37,7 @@ import statistics
 import sys
 import time
 import warnings
+from functools import partial
 
 import numpy as np
 
@@ -61,6 +65,7 @@ def main() -> None:
     from fusionflow import load_policy
     from fusionflow.ops import decode
     from fusionflow.ops.pipeline import CpuPipeline
+    from fusionflow.policy import crop_window, draw
     from fusionflow.tools.synthetic import sample_set
 
     torch.set_num_threads(1)
@@ -103,7 +108,14 @@ def main() -> None:
 
         return go
 
+    draws = [draw(policy, 0, 0, i) for i in range(len(data))]
+
+    def run_decode_only():
+        for d, dr in zip(data, draws):
+            decode.decode_fast_window(d, partial(crop_window, policy, dr), policy.size)
+
     candidates = {
+        "decode_only": run_decode_only,
         "torchvision": run_tv,
         "ff_exact_pillow": run_ff(exact, window=False),
         "ff_exact": run_ff(exact),
@@ -179,6 +191,7 @@ def main() -> None:
         "img_per_s_median": rate,
         "seconds_per_repeat": times,
         "ratio_vs_torchvision": {n: rate[n] / rate["torchvision"] for n in rate if n != "torchvision"},
+        "share_of_decode_only": {n: rate[n] / rate["decode_only"] for n in rate if n != "decode_only"},
         "fast_downscale_psnr_db": psnr,
         "dali_build_seconds": dali_build,
     }
@@ -188,6 +201,7 @@ def main() -> None:
         result["versions"]["dali"] = nvidia.dali.__version__
     print("\nmedian img/s per core: " + ", ".join(f"{n} {v:.0f}" for n, v in rate.items()))
     print("ratio vs torchvision: " + ", ".join(f"{n} {v:.2f}x" for n, v in result["ratio_vs_torchvision"].items()))
+    print("share of decode-only: " + ", ".join(f"{n} {v:.0%}" for n, v in result["share_of_decode_only"].items()))
     for what, p in psnr.items():
         print(
             f"fast vs exact ({what}): {p['identical_samples']} of {p['samples']} identical; PSNR median "

@@ -1,7 +1,8 @@
 """Where a CPU worker's time goes per sample: the fast pipeline taken apart stage by stage.
 
-Runs the same steps as `CpuPipeline` (fast mode, JPEG window decoder) one at a time with a clock
-between them -- draw, header + crop window, window decode, resize, flip, policy ops, CHW write --
+Runs the same steps as `CpuPipeline` (fast mode on arrays, JPEG window decoder) one at a time with
+a clock between them -- draw, header + crop window, window decode at its DCT scale, resize (OpenCV /
+torch, or Pillow's box resample from a DCT-scaled window), flip, the FAST kernels, CHW write --
 and, in the same run, the whole pipeline and torchvision.transforms.v2 for scale. Medians over
 repeats of the per-stage mean.
 
@@ -41,7 +42,7 @@ def main() -> None:
     from PIL import Image
 
     from fusionflow import load_policy
-    from fusionflow.ops import cpu, decode, jpeg
+    from fusionflow.ops import cpu_array, decode, jpeg
     from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.policy import crop_window, draw
     from fusionflow.tools.synthetic import sample_set
@@ -73,25 +74,19 @@ def main() -> None:
             dr = draw(policy, 0, 0, i)
             t1 = time.perf_counter()
             H, W, _ = jpeg.info(d)
-            top, left, h, w = crop_window(policy, dr, H, W)
+            window = crop_window(policy, dr, H, W)
             t2 = time.perf_counter()
-            r = decode.dct_reduction(h, w, oh, ow)
-            if r > 1:  # the reduced branch decodes and resamples in one call: charge it to decode
-                img = decode._jpeg_window_crop_resize(d, lambda *_: (top, left, h, w), (oh, ow), True)
-                t3 = t4 = time.perf_counter()
-            else:
-                arr, _ = jpeg.decode_window(d, top, left, h, w)
-                t3 = time.perf_counter()
-                img = decode.resize_bilinear_aa(arr, oh, ow)
-                t4 = time.perf_counter()
+            arr, box = decode.decode_fast_window(d, lambda *_: window, (oh, ow))  # reads the header again (~1 us)
+            t3 = time.perf_counter()
+            arr = decode.resize_window(arr, oh, ow) if box is None else decode.resample_box(arr, box, oh, ow)
+            t4 = time.perf_counter()
             if dr.flip:
-                img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+                arr = cpu_array.flip(arr)
             t5 = time.perf_counter()
             for op in dr.ops:
-                img = cpu.apply(op.name, img, op.value, op.params(oh, ow), pipe.style)
+                arr = cpu_array.FAST[op.name](arr, op.value, op.params(oh, ow), pipe.style)
             t6 = time.perf_counter()
-            for plane, band in zip(out, img.split()):
-                plane[...] = np.asarray(band)
+            cpu_array.write_planes(arr, out)
             t7 = time.perf_counter()
             for k, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
                 acc[k] += b - a

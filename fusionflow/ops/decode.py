@@ -295,42 +295,56 @@ def decode_crop_resize_array(
 
 
 def _jpeg_window_array(data: bytes, window_fn, out_size, what=None, max_pixels: int | None = None) -> np.ndarray:
-    """The window decoded at the coarsest DCT scale that still covers the output (as in
-    `_jpeg_window_crop_resize`), resampled to the output by `resize_window` (full scale) or
+    """The window decoded at the coarsest DCT scale that still covers the output
+    (`decode_fast_window`), resampled to the output by `resize_window` (full scale) or
     `resample_box` (DCT-scaled, from the window's exact fractional box)."""
+    arr, box = decode_fast_window(data, window_fn, out_size, what, max_pixels)
+    if box is None:
+        return resize_window(arr, *out_size)
+    return resample_box(arr, box, *out_size)
+
+
+def decode_fast_window(data: bytes, window_fn, out_size, what=None, max_pixels: int | None = None):
+    """The fast mode's decode alone (the limit of the CPU pipeline, experiments/bench_cpu_pipeline.py's
+    decode-only column): the window `window_fn(height, width)` of a JPEG decoded at the coarsest DCT
+    scale that still covers `out_size`, as (uint8 HWC array, None) at full scale or (array, the
+    window's fractional box in it) when scaled (`decode_scaled_window`)."""
     height, width, _ = jpeg.info(data)
     check_pixels(width, height, max_pixels, what)
     top, left, h, w = window_fn(height, width)
-    out_h, out_w = out_size
-    r = dct_reduction(h, w, out_h, out_w)
+    r = dct_reduction(h, w, *out_size)
     if r == 1:
         arr, _ = jpeg.decode_window(data, top, left, h, w)
         if arr.shape[:2] != (h, w):
             raise jpeg.WindowDecodeError(f"decoded window {arr.shape[:2]} != {(h, w)}")
-        return resize_window(arr, out_h, out_w)
-    arr, box = decode_scaled_window(data, height, width, (top, left, h, w), r)
-    return resample_box(arr, box, out_h, out_w)
+        return arr, None
+    return decode_scaled_window(data, height, width, (top, left, h, w), r)
 
 
-# Largest window / output ratio resized with OpenCV's bilinear (no antialiasing). Enlarging, it is
-# Pillow's filter (within a level: 55 dB); shrinking by up to 1.25x it aliases little (>= 41 dB on
-# a 1/f-spectrum image), by 1.5-1.9x it drops to 34-38 dB, where torch's antialiased filter keeps
-# 60+ dB (experiments/bench_ops.py, resize section; experiments/README.md).
+# Largest window / output ratio resized with OpenCV's bilinear alone. Enlarging, it is Pillow's
+# filter (within a level: 55 dB); shrinking by up to 1.25x it aliases little (>= 41 dB on a
+# 1/f-spectrum image). Beyond, a Gaussian pre-blur of sigma = PRE_BLUR * sqrt(s^2 - 1) per axis
+# (s: that axis's ratio) takes the aliasing out first: 48-52 dB against Pillow's antialiased filter,
+# at about half the time of torch's antialiased resize (experiments/README.md, "Arrays").
 LINEAR_UP_TO = 1.25
+PRE_BLUR = 0.5
 
 
 def resize_window(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
-    """A full-scale window (under 2x the output) to (out_h, out_w), HWC uint8: OpenCV's bilinear up
-    to LINEAR_UP_TO times the output, else torch's antialiased bilinear (Pillow's filter, SIMD),
-    whose planar output OpenCV interleaves."""
+    """A full-scale window (under 2x the output) to (out_h, out_w), HWC uint8: OpenCV's bilinear,
+    after a Gaussian pre-blur along each axis shrunk by more than LINEAR_UP_TO."""
     h, w = arr.shape[:2]
     if (h, w) == (out_h, out_w):
         return arr
-    if h <= out_h * LINEAR_UP_TO and w <= out_w * LINEAR_UP_TO:
-        return cv2.resize(arr, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
-    x = torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)  # a channels-last view, no copy
-    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
-    return cv2.merge(list(y[0].numpy()))
+    if h > out_h * LINEAR_UP_TO or w > out_w * LINEAR_UP_TO:
+        sy, sx = _pre_blur_sigma(h / out_h), _pre_blur_sigma(w / out_w)
+        ky, kx = 2 * math.ceil(3 * sy) + 1 if sy else 1, 2 * math.ceil(3 * sx) + 1 if sx else 1
+        arr = cv2.GaussianBlur(arr, (kx, ky), sigmaX=sx or 1.0, sigmaY=sy or 1.0)  # a size-1 kernel ignores its sigma
+    return cv2.resize(arr, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
+
+
+def _pre_blur_sigma(ratio: float) -> float:
+    return PRE_BLUR * math.sqrt(ratio * ratio - 1.0) if ratio > 1.0 else 0.0
 
 
 def resample_box(arr: np.ndarray, box, out_h: int, out_w: int) -> np.ndarray:
