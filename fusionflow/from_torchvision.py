@@ -1,10 +1,18 @@
-"""`policy_from_transform(t)`: a torchvision.transforms.v2 pipeline -> the equivalent FusionFlow Policy.
+"""`policy_from_transform(t)`: a torchvision pipeline -> the equivalent FusionFlow Policy.
 
     train = T.Compose([T.RandomResizedCrop(176), T.RandomHorizontalFlip(), T.RandAugment(magnitude=7),
                        T.PILToTensor(), T.ToDtype(torch.float32, scale=True),
                        T.Normalize(mean, std), T.RandomErasing(0.25)])
     loader = FusionFlowLoader(fusionflow.ImageFolder(root), batch_size=256,
                               policy=fusionflow.policy_from_transform(train))
+
+What it takes: a Compose (torchvision.transforms v1 or v2, nested ones opened), a list, one transform,
+an object holding its Compose in `.transforms` (the classification reference's presets), or
+`weights.transforms()` (ImageClassification: Resize + CenterCrop + float + Normalize). v1 transforms
+are read as the v2 ones with the same parameters (ToTensor as PILToTensor + ToDtype(float32, scale=
+True)); a leading PILToTensor / ToImage (the reference's `--backend tensor`) is skipped: FusionFlow
+decodes itself and computes with the PIL backend's arithmetic, so tensor-backend pixels may differ
+from torchvision's by its resampling's rounding.
 
 What it reads, in this order (the order torchvision's classification recipe uses):
   train: RandomResizedCrop(size, scale, ratio, bilinear, antialias=True)
@@ -45,23 +53,30 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     decode.mode ("fast", the default, or "exact" for torchvision's pixels to the bit)."""
     import torchvision.transforms.v2 as T
 
-    if isinstance(transform, (list, tuple)):
-        steps = list(transform)
-    else:
-        steps = list(transform.transforms) if isinstance(transform, T.Compose) else [transform]
-    cfg: dict[str, Any] = {"decode": {"mode": decode}, "augment": {"type": "none"}}
-    where = lambda k: f"policy_from_transform: transform {k} ({_describe(steps[k])})"  # noqa: E731
+    originals = _flatten(transform)
+    where = lambda k: f"policy_from_transform: transform {k} ({_describe(originals[k])})"  # noqa: E731
 
     def fail(k: int, why: str):
         raise ValueError(f"{where(k)}: {why}")
 
-    for k, t in enumerate(steps):
-        if not isinstance(t, T.Transform):
+    steps, read = [], []
+    for k, t in enumerate(originals):
+        v2 = _as_v2(t)
+        if v2 is None:
             fail(
                 k,
-                "is not a torchvision.transforms.v2 transform; build the pipeline from "
-                "torchvision.transforms.v2 (v1 classes and lambdas cannot be read)",
+                "is not a torchvision transform FusionFlow can read; build the pipeline from torchvision.transforms "
+                "or torchvision.transforms.v2 classes (lambdas and other callables cannot be read)",
             )
+        steps += v2
+        read += [t] * len(v2)  # error messages name the transform as the caller wrote it
+    originals = read
+    # the tensor backend converts first (torchvision's recipe, --backend tensor); FusionFlow decodes
+    # itself and computes every op with the PIL backend's arithmetic either way
+    while steps and type(steps[0]).__name__ in ("PILToTensor", "ToImage"):
+        steps.pop(0)
+        originals.pop(0)
+    cfg: dict[str, Any] = {"decode": {"mode": decode}, "augment": {"type": "none"}}
     if not steps:
         raise ValueError(
             "policy_from_transform: the pipeline is empty; it needs a RandomResizedCrop "
@@ -179,6 +194,63 @@ def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
                 "ratio": [float(v) for v in t.ratio],
                 "value": value,
             }
+
+
+def _flatten(transform) -> list:
+    """The pipeline as a flat list of transforms: a Compose (v1 or v2, nested ones opened), a list, a
+    recipe preset holding its Compose in `.transforms` (torchvision's ClassificationPresetTrain/Eval),
+    weights.transforms() (ImageClassification: Resize + CenterCrop + float + Normalize), or one transform."""
+    import torch
+    import torchvision.transforms as T1
+    import torchvision.transforms.v2 as T
+    from torchvision.transforms._presets import ImageClassification
+
+    if isinstance(transform, (list, tuple)):
+        return [t for part in transform for t in _flatten(part)]
+    if isinstance(transform, (T.Compose, T1.Compose)):
+        return _flatten(list(transform.transforms))
+    if isinstance(transform, ImageClassification):
+        return [
+            T.Resize(list(transform.resize_size), transform.interpolation, antialias=transform.antialias),
+            T.CenterCrop(list(transform.crop_size)),
+            T.PILToTensor(),
+            T.ToDtype(torch.float32, scale=True),
+            T.Normalize(list(transform.mean), list(transform.std)),
+        ]
+    inner = getattr(transform, "transforms", None)
+    if isinstance(inner, (T.Compose, T1.Compose, list, tuple)):  # a preset object wrapping its pipeline
+        return _flatten(inner)
+    return [transform]
+
+
+def _as_v2(t) -> list | None:
+    """[t] for a v2 transform; for a torchvision.transforms (v1) one, the v2 transform(s) with the same
+    parameters (ToTensor: PILToTensor + ToDtype(float32, scale=True)); None for anything else."""
+    import torch
+    import torchvision.transforms as T1
+    import torchvision.transforms.v2 as T
+
+    if isinstance(t, T.Transform):
+        return [t]
+    name = type(t).__name__
+    if type(t) is not getattr(T1, name, None):
+        return None  # a lambda, a subclass, another library's class: its behaviour may differ
+    convert = {
+        "RandomResizedCrop": lambda: T.RandomResizedCrop(t.size, t.scale, t.ratio, t.interpolation, t.antialias),
+        "Resize": lambda: T.Resize(t.size, t.interpolation, t.max_size, t.antialias),
+        "CenterCrop": lambda: T.CenterCrop(t.size),
+        "RandomHorizontalFlip": lambda: T.RandomHorizontalFlip(t.p),
+        "RandAugment": lambda: T.RandAugment(t.num_ops, t.magnitude, t.num_magnitude_bins, t.interpolation, t.fill),
+        "TrivialAugmentWide": lambda: T.TrivialAugmentWide(t.num_magnitude_bins, t.interpolation, t.fill),
+        "AutoAugment": lambda: T.AutoAugment(t.policy, t.interpolation, t.fill),
+        "PILToTensor": lambda: T.PILToTensor(),
+        "ConvertImageDtype": lambda: T.ConvertImageDtype(t.dtype),
+        "Normalize": lambda: T.Normalize(t.mean, t.std),
+        "RandomErasing": lambda: T.RandomErasing(t.p, t.scale, t.ratio, t.value),
+    }
+    if name == "ToTensor":
+        return [T.PILToTensor(), T.ToDtype(torch.float32, scale=True)]
+    return [convert[name]()] if name in convert else None
 
 
 def _describe(t) -> str:

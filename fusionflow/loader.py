@@ -56,7 +56,8 @@ class FusionFlowLoader:
             for images, labels in loader:   # uint8 [B, 3, H, W] (float32 if the policy normalises), int64 [B]
                 ...
 
-    Beyond DataLoader's arguments: `policy` (a shipped name, a YAML path or a dict), `tiny_batch_size`
+    Beyond DataLoader's arguments: `policy` (a shipped name, a YAML path or a dict; None: "default",
+    the training crop + flip, with a log line once per process), `tiny_batch_size`
     (default min(4, batch_size)), `seed`, `device` ("cpu" or "cuda[:N]": batches are delivered there),
     `on_error` ("raise" or "skip"), `max_retries` (worker deaths a sample may cause), `pin_workers`
     ("auto": pin each worker to a core only when all local ranks' workers and their training processes
@@ -138,7 +139,7 @@ class FusionFlowLoader:
         *,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
-        policy="default",
+        policy=None,
         tiny_batch_size: int | None = None,
         seed: int | None = None,
         device="cpu",

@@ -220,6 +220,27 @@ def resolve_trace(trace):
     return None if trace is None else check_path(trace)
 
 
+_SAID_DEFAULT_POLICY = False
+
+
+def resolve_policy(policy):
+    """The frozen Policy; without one (policy=None) the training default, said once per process: a
+    validation loader that forgets policy= would otherwise evaluate random crops without a word."""
+    global _SAID_DEFAULT_POLICY
+    if policy is None:
+        policy = load_policy("default")
+        if not _SAID_DEFAULT_POLICY:
+            _SAID_DEFAULT_POLICY = True
+            log.warning(
+                "FusionFlowLoader: no policy= given, so the training default applies (RandomResizedCrop to "
+                '%dx%d + horizontal flip, random per sample). For validation pass policy="eval" (Resize + '
+                "CenterCrop), or policy_from_transform(your_eval_transform)",
+                *policy.size,
+            )
+        return policy
+    return load_policy(policy)
+
+
 def resolve_stage_names(stage_times, policy):
     if not isinstance(stage_times, bool):
         raise TypeError(f"stage_times={stage_times!r} must be True or False")
@@ -284,7 +305,7 @@ def resolve_config(
     seed_given = seed is not None
     seed = resolve_seed(seed, generator, host.initial_seed)
     resolved = resolve_device(device, host)
-    policy = load_policy(policy)
+    policy = resolve_policy(policy)
     accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host)
     check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device)
     job = resolve_job(global_manager, num_workers, host.job_key)

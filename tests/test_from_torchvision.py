@@ -162,8 +162,112 @@ def test_what_cannot_be_expressed_is_named(pipeline, match):
         policy_from_transform(T.Compose(pipeline) if pipeline else pipeline)
 
 
-def test_v1_transforms_are_named():
+def _v1_and_v2(augment: str, erase: float, eval_form: bool = False):
+    """One recipe written with torchvision.transforms (v1) and with v2, the same parameters."""
     import torchvision.transforms as V1
 
-    with pytest.raises(ValueError, match=r"transform 0 \(RandomResizedCrop.*not a torchvision\.transforms\.v2"):
-        policy_from_transform(T.Compose([V1.RandomResizedCrop(224)]))
+    def build(M, to_float):
+        if eval_form:
+            head = [M.Resize(232, antialias=True), M.CenterCrop(224)]
+        else:
+            head = [M.RandomResizedCrop(176, antialias=True), M.RandomHorizontalFlip(0.5)]
+            head += {
+                "ra": [M.RandAugment(magnitude=7, interpolation=M.InterpolationMode.BILINEAR)],
+                "ta_wide": [M.TrivialAugmentWide()],
+                "autoaugment": [M.AutoAugment(M.AutoAugmentPolicy.IMAGENET)],
+                "none": [],
+            }[augment]
+        tail = [M.PILToTensor(), to_float, M.Normalize(MEAN, STD)] + ([M.RandomErasing(erase)] if erase else [])
+        return M.Compose(head + tail)
+
+    return build(V1, V1.ConvertImageDtype(torch.float)), build(T, T.ToDtype(torch.float32, scale=True))
+
+
+@pytest.mark.parametrize("augment", ["ra", "ta_wide", "autoaugment", "none"])
+def test_v1_pipelines_read_as_their_v2_twins(augment):
+    v1, v2 = _v1_and_v2(augment, 0.25)
+    assert policy_from_transform(v1) == policy_from_transform(v2)
+    v1, v2 = _v1_and_v2(augment, 0.0, eval_form=True)
+    assert policy_from_transform(v1, decode="exact") == policy_from_transform(v2, decode="exact")
+    # ToTensor is PILToTensor + ToDtype(float32, scale=True)
+    import torchvision.transforms as V1
+
+    totensor = V1.Compose([V1.Resize(256), V1.CenterCrop(224), V1.ToTensor(), V1.Normalize(MEAN, STD)])
+    same = T.Compose([T.Resize(256), T.CenterCrop(224), T.PILToTensor(), T.ToDtype(torch.float32, scale=True)])
+    assert policy_from_transform(totensor) == policy_from_transform(
+        T.Compose([*same.transforms, T.Normalize(MEAN, STD)])
+    )
+
+
+class Preset:
+    """A recipe preset as torchvision's classification reference builds one (its published
+    parameters: crop size, flip, auto-augment, erasing, backend pil/tensor, v1/v2), holding its
+    pipeline in `.transforms` and called on an image."""
+
+    def __init__(self, train: bool, use_v2: bool, backend: str, auto_augment: str | None = "ra", erase: float = 0.1):
+        import torchvision.transforms as V1
+
+        M = T if use_v2 else V1
+        steps = [M.PILToTensor()] if backend == "tensor" else []
+        if train:
+            steps += [M.RandomResizedCrop(176, antialias=True), M.RandomHorizontalFlip(0.5)]
+            if auto_augment == "ra":
+                steps.append(M.RandAugment(magnitude=9))
+            elif auto_augment == "ta_wide":
+                steps.append(M.TrivialAugmentWide())
+        else:
+            steps += [M.Resize(232, antialias=True), M.CenterCrop(224)]
+        if backend == "pil":
+            steps.append(M.PILToTensor())
+        steps += [M.ToDtype(torch.float, scale=True) if use_v2 else M.ConvertImageDtype(torch.float)]
+        steps.append(M.Normalize(MEAN, STD))
+        if train and erase:
+            steps.append(M.RandomErasing(erase))
+        if use_v2:
+            steps.append(T.ToPureTensor())
+        self.transforms = M.Compose(steps)
+
+    def __call__(self, img):
+        return self.transforms(img)
+
+
+@pytest.mark.parametrize("use_v2", [False, True])
+@pytest.mark.parametrize("backend", ["pil", "tensor"])
+def test_the_reference_recipes_presets_convert_as_they_are(use_v2, backend):
+    def recipe(p):  # the policy without its `source` (which names what it was read from)
+        return dataclasses.replace(p, source=None, name=None)
+
+    train = policy_from_transform(Preset(True, use_v2, backend))
+    want = policy_from_transform(Preset(True, True, "pil").transforms)
+    assert recipe(train) == recipe(want) and train.augment.type == "rand" and train.erase is not None
+    evaluation = policy_from_transform(Preset(False, use_v2, backend))
+    assert recipe(evaluation) == recipe(
+        load_policy("eval", resize=232, normalize={"mean": list(MEAN), "std": list(STD)})
+    )
+
+
+def test_pretrained_weights_eval_transform():
+    from torchvision.models import ResNet50_Weights
+
+    preset = ResNet50_Weights.IMAGENET1K_V2.transforms()  # resize 232, crop 224, bilinear, ImageNet mean/std
+    policy = policy_from_transform(preset, decode="exact")
+    assert (policy.size, policy.center_resize) == ((224, 224), 232)
+    assert policy.normalize == (tuple(preset.mean), tuple(preset.std))
+    pipe = CpuPipeline(policy)
+    for i, data in enumerate(JPEGS[:4]):
+        ref = preset(Image.open(io.BytesIO(data)).convert("RGB")).numpy()
+        # the eval policy's documented sub-pixel window rounding, in normalised units (std ~0.225)
+        assert np.abs(pipe(data, i) - ref).mean() < 2.0 / 255 / 0.224
+
+
+def test_what_is_not_torchvision_is_named():
+    import torchvision.transforms as V1
+
+    class MyCrop(V1.RandomResizedCrop):
+        pass
+
+    for pipeline, k in (([V1.RandomResizedCrop(224), V1.Lambda(lambda x: x)], 1), ([MyCrop(224)], 0)):
+        with pytest.raises(ValueError, match=rf"transform {k} \(.*not a torchvision transform FusionFlow can read"):
+            policy_from_transform(pipeline)
+    with pytest.raises(ValueError, match=r"transform 0 \(RandomResizedCrop.*bicubic"):
+        policy_from_transform(V1.Compose([V1.RandomResizedCrop(224, interpolation=V1.InterpolationMode.BICUBIC)]))

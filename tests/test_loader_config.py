@@ -258,3 +258,18 @@ def test_the_loader_keeps_its_configuration_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         ld.config.seed = 4
     ld.close()
+
+
+def test_a_loader_without_policy_says_once_which_it_applies(caplog, monkeypatch):
+    import logging
+
+    from fusionflow import loader_config
+
+    monkeypatch.setattr(loader_config, "_SAID_DEFAULT_POLICY", False)
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
+        first = FusionFlowLoader(range(4))
+        FusionFlowLoader(range(4))
+        FusionFlowLoader(range(4), policy="eval")
+    said = [r.getMessage() for r in caplog.records if "no policy= given" in r.getMessage()]
+    assert len(said) == 1 and 'policy="eval"' in said[0] and "224x224" in said[0]
+    assert first.policy == loader_config.load_policy("default")
