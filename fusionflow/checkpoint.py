@@ -170,6 +170,8 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int) -> li
     owner, kind = order_owner(batch_sampler, sampler)
     if owner is not sampler or kind == "state_dict":
         return None
+    if kind == "none" and type(sampler) is not SequentialSampler:
+        return None  # e.g. SubsetRandomSampler / WeightedRandomSampler without a generator: global RNG
     if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
         rng = torch.Generator().set_state(torch.get_rng_state())
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())

@@ -191,6 +191,11 @@ class _WorkerIterator(_EpochIterator):
 
     def _end(self, finished: bool) -> None:
         self._ended = True
+        if self._pending is not None:  # the last batch's copy out of its slot must end before the slot is reused
+            try:
+                self._pending[1].synchronize()
+            except Exception:  # a CUDA error at teardown: the slot is not reused by this iterator anyway
+                pass
         self._pending = None
         if self._mgr is not None:
             # every batch delivered (the caller stopped right after the last, without StopIteration): clean too

@@ -26,11 +26,14 @@ work sooner); the check at adoption alone keeps every batch, order and exactly-o
 
 from __future__ import annotations
 
+import logging
 import weakref
 from dataclasses import dataclass, field
 
 from fusionflow.checkpoint import peek_next
 from fusionflow.epoch import check_batch, copies_for
+
+log = logging.getLogger("fusionflow.loader")
 
 
 @dataclass
@@ -64,7 +67,16 @@ class NextEpoch:
         self._tried = None  # weakref to the iterator that already guessed (or found it could not)
 
     def offer(self, owner, mgr, generation: int, next_seq: int, config, epoch: int, checkpoint, free: list) -> None:
-        """The exhausted iterator `owner` offers its free ring slots (`free`; used ones are taken out)."""
+        """The exhausted iterator `owner` offers its free ring slots (`free`; used ones are taken out).
+        A guess that fails (a sampler that raises, say) is dropped: the current epoch goes on, and the
+        next one draws its batches itself, raising there if the sampler still does."""
+        try:
+            self._offer(owner, mgr, generation, next_seq, config, epoch, checkpoint, free)
+        except Exception:
+            log.debug("next-epoch speculation dropped", exc_info=True)
+            self.discard()
+
+    def _offer(self, owner, mgr, generation, next_seq, config, epoch, checkpoint, free) -> None:
         if self._tried is None or self._tried() is not owner:
             self._tried = weakref.ref(owner)
             self.discard()
@@ -123,11 +135,16 @@ class NextEpoch:
         if g is None or not g.slots:
             return None, []
         read = []
-        for _ in g.slots:
-            item = next(work, None)
-            if item is None:
-                break
-            read.append(item)
+        try:
+            for _ in g.slots:
+                item = next(work, None)
+                if item is None:
+                    break
+                read.append(item)
+        except BaseException:  # the real epoch's sampler raised: the guess goes, the error stays
+            self._guess = g
+            self.discard()
+            raise
         real = [(tuple(indices), copies) for indices, copies in read]
         fits = (
             g.sealed

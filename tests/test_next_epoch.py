@@ -8,7 +8,15 @@ import itertools
 import pytest
 import torch
 from test_loader import SMALL, Bytes, no_leaks  # noqa: F401
-from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from fusionflow.checkpoint import peek_next
 from fusionflow.loader import FusionFlowLoader
@@ -216,4 +224,38 @@ def test_peek_leaves_every_state_as_it_was():
     custom = Custom()
     assert peek_next(BatchSampler(custom, 3, False), custom, 0, 1, 2) is None and custom.calls == 0
     assert peek_next([[0, 1]], SequentialSampler(range(2)), 0, 1, 2) is None
+    # samplers that draw from torch's global RNG with no generator to copy are not peeked at
+    for sampler in (SubsetRandomSampler(range(10)), WeightedRandomSampler([1.0] * 10, 10)):
+        assert peek_next(BatchSampler(sampler, 3, False), sampler, 0, 1, 2) is None
+    sampler = SubsetRandomSampler(range(10), generator=gen)
+    assert peek_next(BatchSampler(sampler, 3, False), sampler, 0, 1, 2) == list(BatchSampler(sampler, 3, False))[:2]
     assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+class Failing(Sampler):
+    """Iterates once, then raises: the guess for the next epoch fails, the current one must not."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __len__(self):
+        return 30
+
+    def __iter__(self):
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError("the dataset changed")
+        return iter(range(30))
+
+
+def test_a_guess_that_fails_leaves_the_epoch_alone(monkeypatch):
+    # made peekable for the test: a SequentialSampler-typed object whose second iteration raises
+    sampler = Failing()
+    monkeypatch.setattr("fusionflow.checkpoint.SequentialSampler", Failing)
+    monkeypatch.setattr("fusionflow.checkpoint._PEEKABLE", (Failing,))
+    loader = make(True, monkeypatch, sampler=sampler)
+    assert [i for _, y in loader for i in y.tolist()] == list(range(30))  # the guess raised inside this epoch
+    assert sampler.calls == 2 and loader.stats.next_epoch_speculated == 0  # it was tried, and dropped
+    with pytest.raises(RuntimeError, match="the dataset changed"):
+        next(iter(loader))  # the real next epoch raises it
+    loader.close()
