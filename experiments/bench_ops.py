@@ -241,12 +241,8 @@ def _resize_candidates(out: int = 224) -> dict:
         return cv2.resize(a, (out, out), interpolation=inter)
 
     def cv_preblur_linear(data, win, arr, scaled=None):
-        """Gaussian pre-blur (sigma = PRE_BLUR * sqrt(s^2 - 1) per axis shrunk by s) + bilinear."""
-        sy, sx = (decode._pre_blur_sigma(n / out) for n in arr.shape[:2])
-        if sx or sy:
-            ky, kx = 2 * math.ceil(3 * sy) + 1 if sy else 1, 2 * math.ceil(3 * sx) + 1 if sx else 1
-            arr = cv2.GaussianBlur(arr, (kx, ky), sigmaX=sx or 1.0, sigmaY=sy or 1.0)
-        return cv2.resize(arr, (out, out), interpolation=cv2.INTER_LINEAR)
+        """decode.pre_blur at any shrink (the shipped path blurs only beyond LINEAR_UP_TO) + bilinear."""
+        return cv2.resize(decode.pre_blur(arr, out, out), (out, out), interpolation=cv2.INTER_LINEAR)
 
     def shipped_window(data, win, arr, scaled=None):  # what the array fast path runs on a full-scale window
         return decode.resize_window(arr, out, out)

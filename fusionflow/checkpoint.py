@@ -172,28 +172,29 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int) -> li
         return None
     if kind == "none" and type(sampler) is not SequentialSampler:
         return None  # e.g. SubsetRandomSampler / WeightedRandomSampler without a generator: global RNG
+    take = lambda: list(itertools.islice(iter(batch_sampler), k))  # noqa: E731
     if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
         rng = torch.Generator().set_state(torch.get_rng_state())
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
         sampler.generator = torch.Generator().manual_seed(seed)
         try:
-            return list(itertools.islice(iter(batch_sampler), k))
+            return take()
         finally:
             sampler.generator = None
     if kind == "generator":
         state = sampler.generator.get_state()
         try:
-            return list(itertools.islice(iter(batch_sampler), k))
+            return take()
         finally:
             sampler.generator.set_state(state)
     if kind == "epoch":  # DistributedSampler: an epoch that follows the loader's is taken to go on doing so
         was = sampler.epoch
         sampler.set_epoch(was + next_epoch - epoch if was == epoch else was)
         try:
-            return list(itertools.islice(iter(batch_sampler), k))
+            return take()
         finally:
             sampler.set_epoch(was)
-    return list(itertools.islice(iter(batch_sampler), k))  # SequentialSampler: the same order every epoch
+    return take()  # SequentialSampler: the same order every epoch
 
 
 @dataclass

@@ -337,10 +337,18 @@ def resize_window(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     if (h, w) == (out_h, out_w):
         return arr
     if h > out_h * LINEAR_UP_TO or w > out_w * LINEAR_UP_TO:
-        sy, sx = _pre_blur_sigma(h / out_h), _pre_blur_sigma(w / out_w)
-        ky, kx = 2 * math.ceil(3 * sy) + 1 if sy else 1, 2 * math.ceil(3 * sx) + 1 if sx else 1
-        arr = cv2.GaussianBlur(arr, (kx, ky), sigmaX=sx or 1.0, sigmaY=sy or 1.0)  # a size-1 kernel ignores its sigma
+        arr = pre_blur(arr, out_h, out_w)
     return cv2.resize(arr, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
+
+
+def pre_blur(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """The Gaussian that takes the aliasing out of a bilinear shrink of `arr` to (out_h, out_w):
+    sigma = PRE_BLUR * sqrt(s^2 - 1) along each axis shrunk by s, none along the others."""
+    sy, sx = _pre_blur_sigma(arr.shape[0] / out_h), _pre_blur_sigma(arr.shape[1] / out_w)
+    if not (sx or sy):
+        return arr
+    ky, kx = 2 * math.ceil(3 * sy) + 1 if sy else 1, 2 * math.ceil(3 * sx) + 1 if sx else 1
+    return cv2.GaussianBlur(arr, (kx, ky), sigmaX=sx or 1.0, sigmaY=sy or 1.0)  # a size-1 kernel ignores its sigma
 
 
 def _pre_blur_sigma(ratio: float) -> float:
