@@ -114,16 +114,21 @@ def main() -> None:
         "dataloader_tv": (dl(TorchvisionSamples(ds, args.policy, 224)), lambda e: None),
         "dataloader_ff": (dl(ff_samples), lambda e: None),  # per-worker epochs are fixed: fine for speed
     }
-    ff = FusionFlowLoader(
-        ds,
-        batch_size=args.batch_size,
-        shuffle=True,
-        num_workers=args.workers,
-        persistent_workers=True,
-        drop_last=True,
-        policy=args.policy,
-        tiny_batch_size=args.tiny_batch_size,
-    )
+
+    def ff_loader(**kw):  # the same settings as the DataLoaders', plus FusionFlow's own
+        return FusionFlowLoader(
+            ds,
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            persistent_workers=True,
+            drop_last=True,
+            policy=args.policy,
+            tiny_batch_size=args.tiny_batch_size,
+            **kw,
+        )
+
+    ff = ff_loader()
     loaders["fusionflow"] = (ff, ff.set_epoch)
     extra = []
     if args.observability:
@@ -134,17 +139,7 @@ def main() -> None:
             ("fusionflow_trace", {"trace": os.path.join(trace_dir, "run.json")}),
             ("fusionflow_stages", {"stage_times": True}),
         ):
-            other = FusionFlowLoader(
-                ds,
-                batch_size=args.batch_size,
-                shuffle=True,
-                num_workers=args.workers,
-                persistent_workers=True,
-                drop_last=True,
-                policy=args.policy,
-                tiny_batch_size=args.tiny_batch_size,
-                **kw,
-            )
+            other = ff_loader(**kw)
             loaders[name] = (other, other.set_epoch)
             extra.append(other)
     results = {}
