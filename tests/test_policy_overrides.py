@@ -14,8 +14,10 @@ from PIL import Image
 from tv_reference import tv_sample
 
 from fusionflow import load_policy
+from fusionflow.ops.decode import dct_reduction
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import OVERRIDES, crop_window, draw
+from fusionflow.policy.sampling import center_box
 from fusionflow.tools.synthetic import make_jpegs
 
 JPEGS = make_jpegs(6, 200, 400, seed=3)
@@ -187,26 +189,47 @@ def test_overrides_keep_the_policy_layer_free_of_torch():
 EVAL_JPEGS = make_jpegs(24, 200, 1000, seed=4)
 
 
-@pytest.mark.parametrize("fast,min_db,median_db", [(False, 40.0, 47.0), (True, 35.0, 42.0)])
+def _checkerboard(height: int, width: int, period: int) -> bytes:
+    """Squares of `period` pixels in three colours: the worst case for a crop that moves by a fraction
+    of a pixel."""
+    y, x = np.mgrid[:height, :width]
+    base = (((y // period) + (x // period)) % 2 * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(np.stack([base, 255 - base, base // 2], -1)).save(out, "JPEG", quality=95)
+    return out.getvalue()
+
+
+CHECKERBOARDS = [_checkerboard(h, w, p) for h, w, p in ((375, 500, 1), (500, 375, 2), (480, 640, 3), (333, 517, 1))]
+
+
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("overrides", [{}, {"size": 176, "resize": 232}, {"size": (160, 200), "resize": 240}])
-def test_eval_policy_matches_torchvision_resize_center_crop(overrides, fast, min_db, median_db):
+def test_eval_policy_matches_torchvision_resize_center_crop(overrides, fast):
     """torchvision's validation transform, Resize(resize) + CenterCrop(size), within the documented
-    tolerance: the centre crop is mapped to whole source pixels and resized once (measured here:
-    exact mode >= 42 dB, median ~50; fast >= 37 dB, median ~45)."""
+    tolerance on photo-like images and on 1-3 px checkerboards (where a crop moved by half a pixel
+    fell to 12-30 dB): the unrounded centre crop resampled at the resize's own scale, every pixel
+    within 2 levels, >= 50 dB (measured >= 55); Pillow's coefficients, computed from the box, can
+    round differently. In fast mode the same, except boxes of 2x the output or more: DCT-scaled."""
     from tv_reference import psnr
 
     policy = dataclasses.replace(load_policy("eval", **overrides), fast_downscale=fast)
     assert policy.flip == 0 and policy.augment.type == "none"
     pipe = CpuPipeline(policy)
     ref = T.Compose([T.Resize(policy.center_resize, antialias=True), T.CenterCrop(list(policy.size))])
-    scores = []
-    for i, data in enumerate(EVAL_JPEGS):
-        expected = np.asarray(ref(Image.open(io.BytesIO(data)).convert("RGB"))).transpose(2, 0, 1)
+    photos, boards, diffs = [], [], []
+    for i, data in enumerate(EVAL_JPEGS + CHECKERBOARDS):
+        img = Image.open(io.BytesIO(data))
+        x0, y0, x1, y1 = center_box(policy.center_resize, policy.size, img.height, img.width)
+        if fast and dct_reduction(int(y1 - y0), int(x1 - x0), *policy.size) > 1:
+            continue  # a box of 2x the output or more is DCT-scaled in fast mode (training crops' fidelity)
+        expected = np.asarray(ref(img.convert("RGB"))).transpose(2, 0, 1)
         ours = pipe(data, i, seed=i, epoch=3 * i)  # no randomness: seed and epoch must not matter
         assert ours.shape == expected.shape
         assert np.array_equal(ours, pipe(data, i, seed=0, epoch=0))
-        scores.append(psnr(ours, expected))
-    assert min(scores) >= min_db and np.median(scores) >= median_db, scores
+        diffs.append(int(np.abs(ours.astype(int) - expected).max()))
+        (photos if i < len(EVAL_JPEGS) else boards).append(psnr(ours, expected))
+    assert len(photos) >= 8 and boards  # enough of both decoded at full scale
+    assert max(diffs) <= 2 and min(photos + boards) >= 50.0, (diffs, photos, boards)
 
 
 @pytest.mark.parametrize("height,width", [(375, 500), (500, 375), (256, 256), (224, 900), (1000, 257)])

@@ -211,6 +211,19 @@ def decode_crop_resize(
                 img.draft("RGB" if img.mode == "RGB" else None, (max(1, width // r), max(1, height // r)))
                 sx, sy = img.size[0] / width, img.size[1] / height
                 box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise DecodeError(f"cannot decode {img.format or 'image'} {width}x{height}: {exc}", what) from exc
+    img = _load_rgb(img, what)
+    if isinstance(box[0], float):  # reduced image: resample straight from the fractional box
+        return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
+    # crop first so border pixels never read outside the window (torchvision's resized_crop)
+    return img.crop(box).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
+
+
+def _load_rgb(img: Image.Image, what) -> Image.Image:
+    """Decode a lazily opened image (its errors named) and convert it to RGB."""
+    width, height = img.size
+    try:
         with warnings.catch_warnings():  # a frame's size (GIF) is checked on load too: the policy governs
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             img.load()
@@ -222,11 +235,50 @@ def decode_crop_resize(
             "(PIL.Image.MAX_IMAGE_PIXELS, the process-wide limit, applies there)",
             what,
         ) from exc
-    img = to_rgb(img)
-    if isinstance(box[0], float):  # reduced image: resample straight from the fractional box
-        return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
-    # crop first so border pixels never read outside the window (torchvision's resized_crop)
-    return img.crop(box).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
+    return to_rgb(img)
+
+
+def decode_box_resize(
+    data, box_fn, out_size: tuple[int, int], fast: bool, what: str | None = None, max_pixels: int | None = None
+) -> Image.Image:
+    """The fractional box `box_fn(height, width)` = (x0, y0, x1, y1) of the image resampled to
+    `out_size` by Pillow's antialiased bilinear filter at the box's own scale: torchvision's Resize +
+    CenterCrop (the eval policy) without rounding the crop to whole source pixels -- the same filter
+    taps, the same pixels within a level or two (Pillow's coefficients, computed from the box rather
+    than from the whole resized image, can round differently). A JPEG decodes only the box and the
+    filter's support around it; `fast`, a box of 2x the output or more is decoded at a DCT scale
+    first (as the fast mode's training crops are)."""
+    out_h, out_w = out_size
+    if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
+        data = bytes(data)
+        height, width, _ = jpeg.info(data)
+        check_pixels(width, height, max_pixels, what)
+        x0, y0, x1, y1 = box_fn(height, width)
+        r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if fast and jpeg.can_scale() else 1
+        if r > 1:
+            try:
+                arr, box = decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
+                return Image.fromarray(arr).resize(
+                    (out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None
+                )
+            except jpeg.WindowDecodeError:
+                pass
+        # the bilinear filter reads max(1, scale) pixels either side of each centre: decode them too
+        mx, my = math.ceil(max(1.0, (x1 - x0) / out_w)) + 2, math.ceil(max(1.0, (y1 - y0) / out_h)) + 2
+        wx0, wy0 = max(0, math.floor(x0) - mx), max(0, math.floor(y0) - my)
+        wx1, wy1 = min(width, math.ceil(x1) + mx), min(height, math.ceil(y1) + my)
+        try:
+            arr, _ = jpeg.decode_window(data, wy0, wx0, wy1 - wy0, wx1 - wx0)
+            if arr.shape[:2] == (wy1 - wy0, wx1 - wx0):
+                box = (x0 - wx0, y0 - wy0, x1 - wx0, y1 - wy0)
+                return Image.fromarray(arr).resize(
+                    (out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None
+                )
+        except jpeg.WindowDecodeError:
+            pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
+    img = _load_rgb(open_image(data, what, max_pixels), what)
+    box = box_fn(img.size[1], img.size[0])
+    return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
 
 
 # Scaled-image pixels read around a fractional box: the bilinear filter's support at a downscale of
@@ -263,9 +315,9 @@ def _jpeg_window_crop_resize(
 
 
 def decode_scaled_window(data: bytes, height: int, width: int, window, r: int):
-    """The window (top, left, h, w) of a height x width JPEG decoded at DCT scale 1/r, with a margin
-    of _MARGIN scaled pixels: (uint8 HWC array, the window's exact fractional box (x0, y0, x1, y1) in
-    that array)."""
+    """The window (top, left, h, w; whole or fractional pixels) of a height x width JPEG decoded at
+    DCT scale 1/r, with a margin of _MARGIN scaled pixels: (uint8 HWC array, the window's exact
+    fractional box (x0, y0, x1, y1) in that array)."""
     if not jpeg.can_scale():  # nvImageCodec: no DCT scaling; Pillow's draft path scales the whole image
         raise jpeg.WindowDecodeError("this window decoder cannot decode at a reduced scale")
     top, left, h, w = window

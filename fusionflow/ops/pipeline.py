@@ -13,8 +13,9 @@ import numpy as np
 from PIL import Image
 
 from fusionflow.ops import cpu, cpu_array, jpeg
-from fusionflow.ops.decode import decode_crop_resize, decode_crop_resize_array
+from fusionflow.ops.decode import decode_box_resize, decode_crop_resize, decode_crop_resize_array
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
+from fusionflow.policy.sampling import center_box
 
 
 class CpuPipeline:
@@ -43,14 +44,11 @@ class CpuPipeline:
     def image(self, data, d: SampleDraw, what: str | None = None, tick=None) -> Image.Image:
         """The augmented sample as an RGB image of the output size. `tick(stage)`, if given, is called
         after each stage (fusionflow/stages.py)."""
-        img = decode_crop_resize(
-            data,
-            partial(crop_window, self.policy, d),
-            self.policy.size,
-            self.policy.fast_downscale,
-            what,
-            self.policy.max_pixels,
-        )
+        p = self.policy
+        if p.center_resize is not None:  # eval: the unrounded centre crop
+            img = self._center(data, what)
+        else:
+            img = decode_crop_resize(data, partial(crop_window, p, d), p.size, p.fast_downscale, what, p.max_pixels)
         if tick is not None:
             tick("decode+crop+resize")
         if d.flip:
@@ -64,11 +62,21 @@ class CpuPipeline:
                 tick(op.name)
         return img
 
+    def _center(self, data, what) -> Image.Image:
+        """The eval policy's Resize + CenterCrop from the fractional box (both modes: eval has no ops, so
+        the fast mode's only saving would be the rounded crop, which moved 1-3 px patterns by half a pixel)."""
+        p = self.policy
+        box_fn = partial(center_box, p.center_resize, p.size)
+        return decode_box_resize(data, box_fn, p.size, p.fast_downscale, what, p.max_pixels)
+
     def array(self, data, d: SampleDraw, what: str | None = None, tick=None) -> np.ndarray:
         """fast mode: the augmented sample as a uint8 HWC RGB array of the output size."""
-        arr = decode_crop_resize_array(
-            data, partial(crop_window, self.policy, d), self.policy.size, what, self.policy.max_pixels
-        )
+        if self.policy.center_resize is not None:
+            arr = np.asarray(self._center(data, what))
+        else:
+            arr = decode_crop_resize_array(
+                data, partial(crop_window, self.policy, d), self.policy.size, what, self.policy.max_pixels
+            )
         if tick is not None:
             tick("decode+crop+resize")
         if d.flip:
