@@ -46,7 +46,7 @@ def main() -> None:
     from PIL import Image
 
     from fusionflow import load_policy
-    from fusionflow.ops import decode, jpeg
+    from fusionflow.ops import decode, jpeg, resample
     from fusionflow.policy import crop_window, draw
     from fusionflow.tools.synthetic import make_jpegs
 
@@ -98,7 +98,7 @@ def main() -> None:
             for d, H, W, (t, l, h, w) in jobs:
                 cs = nv.CodeStream(d).get_sub_code_stream(region=nv.Region(t, l, t + h, l + w))
                 arr = np.asarray(dec.decode(cs, params=params).cpu())
-                decode.resize_bilinear_aa(arr, out, out)
+                resample.resize_bilinear_aa(arr, out, out)
 
         candidates["nvimgcodec_roi"] = nvimgcodec_roi
     except Exception as exc:  # not installed, or no CPU backend in this build
@@ -112,7 +112,7 @@ def main() -> None:
                 arr = simplejpeg.decode_jpeg(d, colorspace="RGB", min_height=-(-H // r), min_width=-(-W // r))
                 sy, sx = arr.shape[0] / H, arr.shape[1] / W
                 win = arr[round(t * sy) : round((t + h) * sy), round(l * sx) : round((l + w) * sx)]
-                decode.resize_bilinear_aa(np.ascontiguousarray(win), out, out)
+                resample.resize_bilinear_aa(np.ascontiguousarray(win), out, out)
 
         candidates["simplejpeg_scaled"] = simplejpeg_scaled
     except ImportError as exc:

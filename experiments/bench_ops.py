@@ -210,13 +210,13 @@ def _resize_candidates(out: int = 224) -> dict:
     import cv2
     from PIL import Image
 
-    from fusionflow.ops import decode, jpeg
+    from fusionflow.ops import decode, jpeg, resample
 
     def pillow(data, win, arr, scaled=None):
         return np.asarray(Image.fromarray(arr).resize((out, out), Image.Resampling.BILINEAR, reducing_gap=None))
 
     def torch_aa(data, win, arr, scaled=None):
-        return np.asarray(decode.resize_bilinear_aa(arr, out, out))
+        return np.asarray(resample.resize_bilinear_aa(arr, out, out))
 
     def cv_linear(data, win, arr, scaled=None):
         return cv2.resize(arr, (out, out), interpolation=cv2.INTER_LINEAR)
@@ -241,11 +241,11 @@ def _resize_candidates(out: int = 224) -> dict:
         return cv2.resize(a, (out, out), interpolation=inter)
 
     def cv_preblur_linear(data, win, arr, scaled=None):
-        """decode.pre_blur at any shrink (the shipped path blurs only beyond LINEAR_UP_TO) + bilinear."""
-        return cv2.resize(decode.pre_blur(arr, out, out), (out, out), interpolation=cv2.INTER_LINEAR)
+        """resample.pre_blur at any shrink (the shipped path blurs only beyond LINEAR_UP_TO) + bilinear."""
+        return cv2.resize(resample.pre_blur(arr, out, out), (out, out), interpolation=cv2.INTER_LINEAR)
 
     def shipped_window(data, win, arr, scaled=None):  # what the array fast path runs on a full-scale window
-        return decode.resize_window(arr, out, out)
+        return resample.resize_window(arr, out, out)
 
     return {
         "pillow (exact)": pillow,

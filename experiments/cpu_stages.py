@@ -42,7 +42,7 @@ def main() -> None:
     from PIL import Image
 
     from fusionflow import load_policy
-    from fusionflow.ops import cpu_array, decode, jpeg
+    from fusionflow.ops import cpu_array, decode, jpeg, resample
     from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.policy import crop_window, draw
     from fusionflow.tools.synthetic import sample_set
@@ -78,7 +78,7 @@ def main() -> None:
             t2 = time.perf_counter()
             arr, box = decode.decode_fast_window(d, lambda *_: window, (oh, ow))  # reads the header again (~1 us)
             t3 = time.perf_counter()
-            arr = decode.resize_window(arr, oh, ow) if box is None else decode.resample_box(arr, box, oh, ow)
+            arr = resample.resize_window(arr, oh, ow) if box is None else resample.resample_box(arr, box, oh, ow)
             t4 = time.perf_counter()
             if dr.flip:
                 arr = cpu_array.flip(arr)

@@ -8,7 +8,7 @@ from PIL import Image
 from test_ops_cpu import VALUES
 from tv_reference import psnr
 
-from fusionflow.ops import cpu, cpu_array, decode
+from fusionflow.ops import cpu, cpu_array, resample
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.ops.specs import OP_NAMES, OPS
 from fusionflow.tools.synthetic import make_image
@@ -98,7 +98,7 @@ def test_resize_window_per_scale_ratio_against_pillow():
         if side == 445:  # tall and narrow: only the height is shrunk beyond 1.25x
             win = np.ascontiguousarray(src[:side, 17 : 17 + 200])
         want = np.asarray(Image.fromarray(win).resize((224, 224), Image.Resampling.BILINEAR, reducing_gap=None))
-        got = decode.resize_window(win, 224, 224)
+        got = resample.resize_window(win, 224, 224)
         assert got.shape == (224, 224, 3) and got.dtype == np.uint8
         assert psnr(got, want) >= min(bound, 98.0), (side, psnr(got, want))
 

@@ -1,0 +1,64 @@
+"""Resampling a decoded window to the output size, fast mode (fusionflow/ops/decode.py decodes; this
+chooses the filter per scale ratio, by measurement: experiments/bench_ops.py's resize section)."""
+
+from __future__ import annotations
+
+import math
+
+import cv2
+import numpy as np
+import torch
+from PIL import Image
+
+# Largest window / output ratio resized with OpenCV's bilinear alone. Enlarging, it is Pillow's
+# filter (within a level: 55 dB); shrinking by up to 1.25x it aliases little (>= 41 dB on a
+# 1/f-spectrum image). Beyond, a Gaussian pre-blur of sigma = PRE_BLUR * sqrt(s^2 - 1) per axis
+# (s: that axis's ratio) takes the aliasing out first: 48-52 dB against Pillow's antialiased filter,
+# at about half the time of torch's antialiased resize (experiments/README.md, "Arrays").
+LINEAR_UP_TO = 1.25
+PRE_BLUR = 0.5
+
+
+def resize_window(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """A full-scale window (under 2x the output) to (out_h, out_w), HWC uint8: OpenCV's bilinear,
+    after a Gaussian pre-blur along each axis shrunk by more than LINEAR_UP_TO."""
+    h, w = arr.shape[:2]
+    if (h, w) == (out_h, out_w):
+        return arr
+    if h > out_h * LINEAR_UP_TO or w > out_w * LINEAR_UP_TO:
+        arr = pre_blur(arr, out_h, out_w)
+    return cv2.resize(arr, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
+
+
+def pre_blur(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """The Gaussian that takes the aliasing out of a bilinear shrink of `arr` to (out_h, out_w):
+    sigma = PRE_BLUR * sqrt(s^2 - 1) along each axis shrunk by s, none along the others."""
+    sy, sx = _pre_blur_sigma(arr.shape[0] / out_h), _pre_blur_sigma(arr.shape[1] / out_w)
+    if not (sx or sy):
+        return arr
+    ky, kx = 2 * math.ceil(3 * sy) + 1 if sy else 1, 2 * math.ceil(3 * sx) + 1 if sx else 1
+    return cv2.GaussianBlur(arr, (kx, ky), sigmaX=sx or 1.0, sigmaY=sy or 1.0)  # a size-1 kernel ignores its sigma
+
+
+def _pre_blur_sigma(ratio: float) -> float:
+    return PRE_BLUR * math.sqrt(ratio * ratio - 1.0) if ratio > 1.0 else 0.0
+
+
+def resample_box(arr: np.ndarray, box, out_h: int, out_w: int) -> np.ndarray:
+    """A DCT-scaled window (1-2x the output) resampled from its exact fractional `box` (x0, y0, x1,
+    y1) to (out_h, out_w): Pillow's antialiased bilinear over the box, the geometry of a full-image
+    Pillow draft()."""
+    img = Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
+    return np.asarray(img)
+
+
+def resize_bilinear_aa(arr: np.ndarray, out_h: int, out_w: int) -> Image.Image:
+    """uint8 HWC -> RGB image of (out_h, out_w): antialiased bilinear with torch's vectorised uint8
+    kernel (channels-last input, no float copy); its planar output is interleaved by Pillow's merge,
+    several times faster than a strided numpy transpose."""
+    if arr.shape[:2] == (out_h, out_w):
+        return Image.fromarray(arr)
+    x = torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)  # a channels-last view, no copy
+    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
+    planes = y[0].contiguous().numpy()
+    return Image.merge("RGB", [Image.fromarray(p) for p in planes])
