@@ -179,7 +179,7 @@ def bench_stages(images, repeats: int) -> dict:
     return rows
 
 
-def _windows(n: int, out: int = 224):
+def _windows(n: int, out: int = 224, sizes: str = "imagenet"):
     """Decoded crop windows as the fast path sees them: (group, data, window, full-res window array,
     exact reference). group: 'up' (window smaller than the output), 'down<2' (up to 2x: no DCT
     reduction applies), 'dct' (2x or more: decoded at 1/2, 1/4, 1/8)."""
@@ -188,11 +188,11 @@ def _windows(n: int, out: int = 224):
     from fusionflow.ops import decode, jpeg
     from fusionflow.ops.decode import dct_reduction
     from fusionflow.policy import crop_window, draw, load_policy
-    from fusionflow.tools.synthetic import make_imagenet_like_jpegs
+    from fusionflow.tools.synthetic import sample_set
 
     policy = load_policy("randaugment")
     rows = []
-    for i, data in enumerate(make_imagenet_like_jpegs(n)):
+    for i, data in enumerate(sample_set(sizes, n)):
         height, width, _ = jpeg.info(data)
         top, left, h, w = crop_window(policy, draw(policy, 0, 0, i), height, width)
         arr, _ = jpeg.decode_window(data, top, left, h, w)
@@ -266,6 +266,8 @@ def _box_candidates(out: int = 224) -> dict:
     import torch
     from PIL import Image
 
+    from fusionflow.ops import resample
+
     def pillow_box(s):
         arr, box = s
         return np.asarray(
@@ -295,8 +297,12 @@ def _box_candidates(out: int = 224) -> dict:
         y = torch.nn.functional.interpolate(x, size=(out, out), mode="bilinear", antialias=True, align_corners=False)
         return cv2.merge(list(y[0].numpy()))
 
+    def shipped_box(s):
+        return resample.resample_box(*s, out, out)
+
     return {
-        "pillow, fractional box (today)": pillow_box,
+        "pillow, fractional box (exact's geometry)": pillow_box,
+        "shipped resample_box (pre-blur + warpAffine INTER_LINEAR)": shipped_box,
         "opencv warpAffine INTER_LINEAR, fractional box": cv_warp_linear,
         "opencv INTER_AREA, rounded box": cv_area_rounded,
         "opencv INTER_LINEAR, rounded box": cv_linear_rounded,
@@ -304,12 +310,12 @@ def _box_candidates(out: int = 224) -> dict:
     }
 
 
-def bench_resize(n: int, repeats: int) -> dict:
+def bench_resize(n: int, repeats: int, sizes: str = "imagenet") -> dict:
     """Per window group: microseconds and PSNR against exact for each resize candidate. Candidates
     marked 'bytes -> output' include their decode; the others start from the full-res window."""
     from fusionflow.ops import jpeg
 
-    windows = _windows(n)
+    windows = _windows(n, sizes=sizes)
     decode_us = {}
     result = {}
     for group in ("up", "down<2", "dct"):
@@ -344,6 +350,9 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=120, help="crop windows for the resize section")
     p.add_argument("--json", default=None)
     p.add_argument("--sections", default="ops,stages,resize", help="comma-separated: ops, stages, resize")
+    p.add_argument(
+        "--sizes", default="imagenet", choices=["200-1000", "imagenet", "800-2000"], help="image set of the resize section"
+    )
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     import cv2
@@ -364,7 +373,7 @@ def main(argv=None) -> int:
     if "stages" in sections:
         result["stages"] = bench_stages(images, args.repeats)
     if "resize" in sections:
-        result["resize"] = bench_resize(args.windows, args.repeats)
+        result["resize"] = bench_resize(args.windows, args.repeats, args.sizes)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -10,11 +10,13 @@ Each op has two kernels: FAST is what the fast mode runs; EXACT proves the share
          are blends with a constant image, so a table too, with Pillow's float32 arithmetic and
          truncation reproduced per entry. The geometric ops, Color and Sharpness run Pillow's code.
   fast   the fastest kernel measured per op at 224x224 (experiments/bench_ops.py, the table in
-         experiments/README.md): OpenCV's warpAffine for the geometric ops, cvtColor+addWeighted for
-         Color, filter2D+addWeighted for Sharpness; the exact kernel where it is already the fastest.
-         These differ from exact by rounding (a blend rounds where Pillow truncates) and, for the
-         warps, by pixels whose source lies on a sampling boundary; tests/test_ops_cpu.py bounds
-         each against the exact kernel.
+         experiments/README.md): native kernels (fusionflow/kernels/pixel_ops.cc, Pillow's own
+         pixels) for the nearest warps, Equalize and AutoContrast; cvtColor+addWeighted for Color,
+         a box blur + addWeighted for Sharpness; OpenCV's warpAffine for bilinear warps (or where
+         the native kernels cannot be built); the exact kernel where it is already the fastest.
+         These differ from exact by rounding (a blend rounds where Pillow truncates) and, for
+         OpenCV's warps, by pixels whose source lies on a sampling boundary; tests/test_cpu_array.py
+         bounds each against the exact kernel.
 
 A kernel takes (arr, value, params, style) as the Pillow ops do and returns a new array or `arr`
 itself (never modified in place: a decoder's buffer may be shared).
@@ -30,7 +32,7 @@ import cv2
 import numpy as np
 from PIL import Image
 
-from fusionflow.ops import cpu
+from fusionflow.ops import cpu, pixel_kernels
 
 ArrayOp = Callable[[np.ndarray, float, tuple, cpu.Style], np.ndarray]
 EXACT: dict[str, ArrayOp] = {}
@@ -139,8 +141,11 @@ def _table(lut: list) -> np.ndarray:
 
 @_register(FAST, "AutoContrast")
 def autocontrast_fast(arr, value, params, style):
-    """Pillow's tables (the lowest and highest present value are each plane's minimum and maximum),
-    each plane through its own: the same pixels."""
+    """Pillow's tables (the lowest and highest present value are each plane's minimum and maximum):
+    the same pixels. The native kernel's one min/max pass and one lookup pass; else per plane."""
+    out = pixel_kernels.autocontrast(arr)
+    if out is not None:
+        return out
     planes = cv2.split(arr)
     out = []
     for plane in planes:
@@ -156,7 +161,11 @@ def autocontrast_fast(arr, value, params, style):
 
 @_register(FAST, "Equalize")
 def equalize_fast(arr, value, params, style):
-    """Pillow's tables, each plane through its own (one-channel lookups beat a three-channel one)."""
+    """Pillow's tables: the same pixels. The native kernel's histogram and lookup passes; else each
+    plane through its own (one-channel lookups beat a three-channel one)."""
+    out = pixel_kernels.equalize(arr)
+    if out is not None:
+        return out
     planes = cv2.split(arr)
     hists = [cv2.calcHist([p], [0], None, [256], [0, 256]).ravel().astype(np.int64) for p in planes]
     lut = _table(cpu.equalize_lut(hists))
@@ -250,6 +259,12 @@ def translate(arr, value, params, style):
 
 @_register(FAST, "ShearX", "ShearY", "Rotate")
 def warp(arr, value, params, style):
+    """Nearest: the native kernel walks Pillow's fixed-point coordinates (the same pixels). Bilinear,
+    or without the native kernel: OpenCV's warpAffine (boundary pixels may differ)."""
+    if style.interpolation == "nearest":
+        out = pixel_kernels.affine_nearest(arr, params, style.fill)
+        if out is not None:
+            return out
     h, w = arr.shape[:2]
     return cv2.warpAffine(
         arr,
@@ -268,19 +283,18 @@ def color_fast(arr, value, params, style):
     return cv2.addWeighted(arr, f, grey, 1.0 - f, 0.0)
 
 
-_SMOOTH = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / np.float32(13)
-
-
 @_register(FAST, "Sharpness")
 def sharpness_fast(arr, value, params, style):
-    """blend(smooth, image, f) with Pillow's SMOOTH kernel; the one-pixel border stays unfiltered as in
-    Pillow."""
+    """blend(smooth, image, f) with Pillow's SMOOTH kernel (1 1 1 / 1 5 1 / 1 1 1) / 13, which is
+    (9 * box3x3 + 4 * centre) / 13: one SIMD box blur and one weighted sum (the box mean rounds to a
+    level, so within two of Pillow). The one-pixel border stays unfiltered as in Pillow."""
     if arr.shape[0] < 3 or arr.shape[1] < 3:
         return arr
-    smooth = cv2.filter2D(arr, -1, _SMOOTH, borderType=cv2.BORDER_REPLICATE)
-    smooth[0], smooth[-1], smooth[:, 0], smooth[:, -1] = arr[0], arr[-1], arr[:, 0], arr[:, -1]
     f = float(params[0])
-    return cv2.addWeighted(arr, f, smooth, 1.0 - f, 0.0)
+    box = cv2.blur(arr, (3, 3), borderType=cv2.BORDER_REPLICATE)
+    out = cv2.addWeighted(arr, f + (1.0 - f) * 4.0 / 13.0, box, (1.0 - f) * 9.0 / 13.0, 0.0)
+    out[0], out[-1], out[:, 0], out[:, -1] = arr[0], arr[-1], arr[:, 0], arr[:, -1]
+    return out
 
 
 def flip(arr: np.ndarray) -> np.ndarray:
