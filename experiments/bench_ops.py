@@ -351,7 +351,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--sections", default="ops,stages,resize", help="comma-separated: ops, stages, resize")
     p.add_argument(
-        "--sizes", default="imagenet", choices=["200-1000", "imagenet", "800-2000"], help="image set of the resize section"
+        "--sizes",
+        default="imagenet",
+        choices=["200-1000", "imagenet", "800-2000"],
+        help="image set of the resize section",
     )
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))

@@ -108,8 +108,9 @@ int ff_affine_nearest(const uint8_t* src, int h, int w, uint8_t* dst, int oh, in
     // The source position is linear along the row, so the pixels whose source lies inside the
     // image form one run: find its ends, fill outside it, copy inside it without bounds checks.
     // (Accumulating in 32 bits as Pillow does; the corner check keeps every value in range.)
-    auto inside = [&](int x) {
-      const int32_t xi = (x_row + x * dx) >> 16, yi = (y_row + x * ex) >> 16;
+    auto inside = [&](int x) {  // 64-bit: x * dx alone may leave the 32-bit range the sum stays in
+      const int64_t xi = (static_cast<int64_t>(x_row) + static_cast<int64_t>(x) * dx) >> 16;
+      const int64_t yi = (static_cast<int64_t>(y_row) + static_cast<int64_t>(x) * ex) >> 16;
       return xi >= 0 && xi < w && yi >= 0 && yi < h;
     };
     int lo = 0, hi = ow;
@@ -117,7 +118,8 @@ int ff_affine_nearest(const uint8_t* src, int h, int w, uint8_t* dst, int oh, in
     while (hi > lo && !inside(hi - 1)) --hi;
     for (int x = 0; x < lo; ++x) std::memcpy(out + 3 * x, fill, 3);
     for (int x = hi; x < ow; ++x) std::memcpy(out + 3 * x, fill, 3);
-    int32_t xx = x_row + lo * dx, yy = y_row + lo * ex;
+    int32_t xx = static_cast<int32_t>(x_row + static_cast<int64_t>(lo) * dx);  // inside the image: in range
+    int32_t yy = static_cast<int32_t>(y_row + static_cast<int64_t>(lo) * ex);
     uint8_t* __restrict o = out + 3 * lo;
     // Four-byte moves: each writes one byte past its pixel, which the next pixel overwrites; the
     // run's last pixel moves three bytes (it may end the row or the buffer), and so does a source
