@@ -1,11 +1,12 @@
 """FusionFlow: CPU-GPU cooperative data augmentation for PyTorch training.
 
 Public API: `FusionFlowLoader`, `RayWorkers` (remote CPU workers; needs the `ray` extra), `ImageFolder`,
-`load_policy`, `policy_from_transform`, `Policy`, and FusionFlow's errors.
+`TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`,
+`Policy`, and FusionFlow's errors.
 `FusionFlowLoader` (which imports torch) is loaded on first use, so policy tooling stays light.
 """
 
-from fusionflow.data import ImageFolder
+from fusionflow.data import DictSamples, ImageFolder
 from fusionflow.errors import (
     AcceleratorError,
     BridgeError,
@@ -22,12 +23,14 @@ from fusionflow.errors import (
 )
 from fusionflow.from_torchvision import policy_from_transform  # imports torchvision only when called
 from fusionflow.policy import Policy, load_policy
+from fusionflow.shards import ShardError, TarShards
 
 __all__ = [
     "AcceleratorError",
     "BridgeError",
     "DecodeError",
     "DeviceOutOfMemory",
+    "DictSamples",
     "FusionFlowError",
     "FusionFlowLoader",
     "ImageFolder",
@@ -38,7 +41,9 @@ __all__ = [
     "RemoteWorkerError",
     "SampleError",
     "SampleKilledWorkersError",
+    "ShardError",
     "SharedMemoryError",
+    "TarShards",
     "WorkerStartError",
     "load_policy",
     "policy_from_transform",

@@ -51,3 +51,100 @@ class ImageFolder:
 
     def describe(self, index: int) -> str:
         return self.paths[index]
+
+
+class DictSamples:
+    """A dataset whose items are dicts, seen as (encoded image, target): what
+    `FusionFlowLoader(..., sample_keys=(image_key, target_key))` wraps the dataset in.
+
+    A key matches with or without a leading dot (`"jpg"` finds `".jpg"`, as `wids` names them), and
+    a tuple of keys gives alternatives (the first present wins). An image value may be bytes, a PIL
+    image or a uint8 array, or Hugging Face's `Image(decode=False)` dict `{"bytes": ..., "path": ...}`
+    (the file at `path` is read when `bytes` is None). A target given as bytes holding an integer (a
+    WebDataset `.cls` member) becomes an int; other targets are kept as given; `target_key=None`
+    gives None targets. The wrapped dataset's `sizes` and `describe` carry over; pickles as the
+    dataset does.
+    """
+
+    def __init__(self, dataset, image_key, target_key=None):
+        self.dataset = dataset
+        self.image_keys = _dict_keys(image_key, "sample_keys' image key")
+        self.target_keys = None if target_key is None else _dict_keys(target_key, "sample_keys' target key")
+        sizes = getattr(dataset, "sizes", None)
+        if sizes is not None:
+            self.sizes = sizes
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        item = self.dataset[index]
+        if not isinstance(item, dict):
+            raise TypeError(
+                f"dataset[{index}] is a {type(item).__name__}, not a dict: sample_keys applies to datasets "
+                "whose samples are dicts; leave it out for (image, target) samples"
+            )
+        image = _image_value(_lookup(item, self.image_keys, index, "image"), index)
+        if self.target_keys is None:
+            return image, None
+        return image, _target_value(_lookup(item, self.target_keys, index, "target"))
+
+    def describe(self, index: int) -> str:
+        fn = getattr(self.dataset, "describe", None)
+        return fn(index) if fn is not None else f"index {index}"
+
+
+def _dict_keys(key, what: str) -> tuple[str, ...]:
+    keys = (key,) if isinstance(key, str) else tuple(key)
+    if not keys or not all(isinstance(k, str) and k.lstrip(".") for k in keys):
+        raise ValueError(f"{what} {key!r} must be a key such as 'jpg' or 'image' (or a tuple of them)")
+    return tuple(k.lstrip(".") for k in keys)
+
+
+def _lookup(item: dict, keys: tuple[str, ...], index: int, what: str):
+    for k in keys:
+        for name in (k, "." + k):
+            if name in item:
+                return item[name]
+    raise KeyError(
+        f"dataset[{index}] has no {what} key {' or '.join(repr(k) for k in keys)} (its keys: "
+        f"{', '.join(map(repr, item))}); set sample_keys=(image key, target key) to the sample's own keys"
+    )
+
+
+def _image_value(value, index: int):
+    if isinstance(value, dict):  # Hugging Face datasets' Image(decode=False): {"bytes": ..., "path": ...}
+        data, path = value.get("bytes"), value.get("path")
+        if data is not None:
+            return data
+        if path:
+            with open(path, "rb") as f:
+                return f.read()
+        raise ValueError(f"dataset[{index}]'s image is a dict with neither 'bytes' nor 'path': {sorted(value)}")
+    return value
+
+
+def _target_value(value):
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        text = bytes(value).strip()
+        if text.lstrip(b"+-").isdigit():
+            return int(text)
+        return bytes(value)
+    return value
+
+
+def dict_sample_error(item: dict, index: int) -> ValueError:
+    keys = ", ".join(repr(k) for k in item)
+    image = next(
+        (k for k in item if str(k).lstrip(".").lower() in ("jpg", "jpeg", "png", "webp", "image", "img")), None
+    )
+    target = next((k for k in item if str(k).lstrip(".").lower() in ("cls", "label", "labels", "target", "txt")), None)
+    hint = (
+        f"sample_keys=({image!r}, {target!r})"
+        if image is not None and target is not None
+        else "sample_keys=(image key, target key)"
+    )
+    return ValueError(
+        f"dataset[{index}] is a dict (keys: {keys}), not (image, target): tell FusionFlowLoader which keys "
+        f"hold the image and the target, e.g. FusionFlowLoader(dataset, ..., {hint})"
+    )

@@ -25,7 +25,7 @@ from torch.utils.data import Sampler
 from fusionflow.checkpoint import Checkpoint
 from fusionflow.delivery import Delivery
 from fusionflow.epoch import _InlineIterator, _WorkerIterator
-from fusionflow.loader_config import resolve_config
+from fusionflow.loader_config import resolve_config, wrap_samples
 from fusionflow.loader_resources import Host
 from fusionflow.next_epoch import NextEpoch
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
@@ -97,6 +97,11 @@ class FusionFlowLoader:
     until the first iteration).
 
     `num_workers` above the usable CPU cores warns (as DataLoader does) and runs; the workers then share cores.
+    `sample_keys` ((image key, target key), or (image key,) for no targets): the dataset's samples are
+    dicts -- WebDataset/`wids` samples (`("jpg", "cls")`, dotted keys match too), Hugging Face datasets
+    with `Image(decode=False)` (`("image", "label")`) -- see fusionflow.data.DictSamples. The dataset must
+    be map-style (random access: augmentation is a function of the sample index); for tar shards use
+    fusionflow.TarShards.
     A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
     float tensor/array (already transformed) is refused at construction.
 
@@ -156,6 +161,7 @@ class FusionFlowLoader:
         trace=None,
         stage_times: bool = False,
         remote_workers=None,
+        sample_keys=None,
     ):
         # ---- resolution and validation (fusionflow/loader_config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
@@ -193,6 +199,7 @@ class FusionFlowLoader:
                 trace=trace,
                 stage_times=stage_times,
                 remote_workers=remote_workers,
+                sample_keys=sample_keys,
                 host=Host(cores=lambda: _usable_cpus()),
                 notes=notes,
             )
@@ -211,7 +218,8 @@ class FusionFlowLoader:
             from fusionflow.gpu_session import GpuSession
 
             self._gpu = GpuSession.for_config(self.stats, cfg)
-        self._workers = Workers(dataset, self.stats, self._tracing, self._gpu)
+        samples = wrap_samples(dataset, cfg.sample_keys)  # dict samples -> (image, target)
+        self._workers = Workers(samples, self.stats, self._tracing, self._gpu)
         self._next_epoch = NextEpoch(self.stats)
 
     # ---------------------------------------------------------------- configuration, as DataLoader names it

@@ -74,6 +74,7 @@ class LoaderConfig:
     worker_init_fn: Any
     multiprocessing_context: Any
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
+    sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (fusionflow.data.DictSamples)
 
 
 def resolve_collate(collate_fn):
@@ -100,9 +101,48 @@ def resolve_num_workers(num_workers, cores: int, notes: list) -> int:
     return num_workers
 
 
+def check_map_style(dataset) -> None:
+    """Augmentation is a pure function of (seed, epoch, sample index): FusionFlow needs random access."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not (
+        hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
+    ):
+        raise TypeError(
+            f"FusionFlowLoader needs a map-style dataset (len() and dataset[i]); got {type(dataset).__name__}, "
+            "a stream: FusionFlow's augmentation is a function of (seed, epoch, sample index), its epochs are "
+            "orders of indices (shuffle, DistributedSampler, checkpoints) and its tiny-batches are sorted by "
+            "each sample's size, which all need random access. For WebDataset tar shards use "
+            "fusionflow.TarShards(shards) (indexed, random access); for a map-style dataset of dict samples "
+            "(wids.ShardListDataset, Hugging Face datasets) pass sample_keys=(image key, target key)"
+        )
+
+
+def resolve_sample_keys(sample_keys) -> tuple | None:
+    if sample_keys is None:
+        return None
+    keys = (sample_keys,) if isinstance(sample_keys, str) else sample_keys
+    if not isinstance(keys, (tuple, list)) or not 1 <= len(keys) <= 2:
+        raise ValueError(
+            f"sample_keys={sample_keys!r} must be (image key, target key) -- e.g. ('jpg', 'cls') or "
+            "('image', 'label') -- or (image key,) for samples without targets"
+        )
+    return tuple(keys)
+
+
+def wrap_samples(dataset, sample_keys):
+    """The dataset as the loader reads it: `dataset` itself, or its dict samples seen through
+    `sample_keys` (resolved; fusionflow.data.DictSamples). A stream is refused (check_map_style)."""
+    check_map_style(dataset)
+    if sample_keys is None:
+        return dataset
+    from fusionflow.data import DictSamples
+
+    return DictSamples(dataset, *sample_keys)
+
+
 def check_raw_samples(dataset) -> None:
     """FusionFlow augments raw images itself; a dataset that already transforms (float tensors or
-    arrays) would be augmented twice or fail at the first batch, so say so now."""
+    arrays) would be augmented twice or fail at the first batch, so say so now. Dict samples without
+    sample_keys: say which keys to give."""
     try:
         if len(dataset) == 0:
             return
@@ -110,6 +150,10 @@ def check_raw_samples(dataset) -> None:
     except Exception:  # a dataset whose first sample fails is reported, with its index, at the first batch
         log.debug("dataset[0] could not be read at construction; not checked", exc_info=True)
         return
+    if isinstance(item, dict):
+        from fusionflow.data import dict_sample_error
+
+        raise dict_sample_error(item, 0)
     sample = item[0] if isinstance(item, (tuple, list)) and item else item
     dtype = getattr(sample, "dtype", None)
     floating = (
@@ -285,6 +329,7 @@ def resolve_config(
     trace,
     stage_times,
     remote_workers=None,
+    sample_keys=None,
     host: Host | None = None,
     notes: list | None = None,
 ) -> LoaderConfig:
@@ -295,7 +340,8 @@ def resolve_config(
     notes = [] if notes is None else notes
     collate = resolve_collate(collate_fn)
     num_workers = resolve_num_workers(num_workers, host.cores(), notes)
-    check_raw_samples(dataset)
+    sample_keys = resolve_sample_keys(sample_keys)
+    check_raw_samples(wrap_samples(dataset, sample_keys))
     batch_sampler, sampler, capacity = resolve_batching(
         dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
     )
@@ -347,4 +393,5 @@ def resolve_config(
         worker_init_fn=worker_init_fn,
         multiprocessing_context=multiprocessing_context,
         remote_workers=remote_workers,
+        sample_keys=sample_keys,
     )

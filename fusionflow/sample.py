@@ -23,6 +23,10 @@ def describe(dataset, index: int) -> str:
 def split_item(item, index: int):
     """(sample, target): the target is returned as the dataset gave it (runtime/targets.py says how
     it travels)."""
+    if isinstance(item, dict):
+        from fusionflow.data import dict_sample_error
+
+        raise dict_sample_error(item, index)
     if not isinstance(item, (tuple, list)) or len(item) != 2:
         raise TypeError(f"dataset[{index}] must return (sample, target), got {type(item).__name__}")
     return item[0], item[1]

@@ -1,0 +1,272 @@
+"""TarShards (fusionflow/shards.py) against the files it was written from, its index cache, its
+errors; dict samples (sample_keys) and streams at the loader."""
+
+import io
+import json
+import os
+import pickle
+import tarfile
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler, IterableDataset
+
+from fusionflow import DictSamples, ImageFolder, ShardError, TarShards
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.shards import expand_shards, split_member
+from fusionflow.tools.synthetic import make_image_folder
+
+SMALL = {
+    "output": {"size": 24},
+    "flip": 0.5,
+    "crop": {"scale": [0.3, 1.0]},
+    "augment": {"type": "rand", "num_ops": 1, "magnitude": 5, "num_bins": 11, "ops": {"Rotate": {"range": [0, 30]}}},
+}
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shards(folder: ImageFolder, out_dir: str, per_shard: int, extra=None, fmt=tarfile.USTAR_FORMAT) -> str:
+    """WebDataset layout: sample i is KEY.jpg + KEY.cls (+ extra(i) -> {ext: bytes}); returns the
+    brace pattern of the shards written."""
+    os.makedirs(out_dir, exist_ok=True)
+    n = len(folder)
+    shards = (n + per_shard - 1) // per_shard
+    for s in range(shards):
+        with tarfile.open(os.path.join(out_dir, f"train-{s:06d}.tar"), "w", format=fmt) as tar:
+            for i in range(s * per_shard, min(n, (s + 1) * per_shard)):
+                key = f"{folder.targets[i]:02d}/sample_{i:06d}"
+                with open(folder.paths[i], "rb") as f:
+                    _add(tar, f"{key}.jpg", f.read())
+                _add(tar, f"{key}.cls", str(folder.targets[i]).encode())
+                for ext, data in (extra(i) if extra else {}).items():
+                    _add(tar, f"{key}.{ext}", data)
+    return os.path.join(out_dir, f"train-{{000000..{shards - 1:06d}}}.tar")
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("folder")
+    return ImageFolder(make_image_folder(str(root), num_classes=3, per_class=9, min_side=40, max_side=120, seed=4))
+
+
+@pytest.fixture
+def shards(folder, tmp_path):
+    return write_shards(folder, str(tmp_path / "shards"), per_shard=10)
+
+
+def test_same_bytes_targets_and_sizes_as_the_files(folder, shards):
+    ds = TarShards(shards)
+    assert len(ds) == len(folder) == 27 and len(ds.shards) == 3
+    for i in range(len(folder)):
+        data, target = ds[i]
+        assert data == folder[i][0] and target == folder.targets[i] and type(target) is int
+    assert ds.sizes == folder.sizes
+    assert ds.keys[11] == f"{folder.targets[11]:02d}/sample_000011"
+    assert ds.describe(11).endswith("train-000001.tar:" + ds.keys[11])
+
+
+def test_shard_lists_globs_and_braces(folder, shards, tmp_path):
+    paths = sorted(str(p) for p in (tmp_path / "shards").glob("*.tar"))
+    assert expand_shards(shards) == paths
+    assert expand_shards(str(tmp_path / "shards" / "train-*.tar")) == paths
+    assert TarShards(paths).sizes == TarShards(str(tmp_path / "shards" / "*.tar")).sizes
+    assert expand_shards("a-{08..11}.tar") == ["a-08.tar", "a-09.tar", "a-10.tar", "a-11.tar"]
+    assert expand_shards("{train,val}-{0..1}.tar") == ["train-0.tar", "train-1.tar", "val-0.tar", "val-1.tar"]
+    assert split_member("d.x/k.seg.jpg") == ("d.x/k", "seg.jpg") and split_member("d/noext") is None
+    with pytest.raises(ShardError, match="no file matches"):
+        TarShards(str(tmp_path / "nothing-*.tar"))
+    with pytest.raises(ShardError, match="cannot be opened"):
+        TarShards(str(tmp_path / "missing.tar"))
+
+
+def test_target_kinds_and_alternative_keys(folder, tmp_path):
+    meta = lambda i: {"json": json.dumps({"i": i}).encode(), "txt": b" 7\n", "raw": b"\x00\x01"}  # noqa: E731
+    pattern = write_shards(folder, str(tmp_path / "s"), per_shard=30, extra=meta)
+    assert TarShards(pattern, target_key="json")[5][1] == {"i": 5}
+    assert TarShards(pattern, target_key=".txt")[5][1] == 7
+    assert TarShards(pattern, target_key="raw")[5][1] == b"\x00\x01"
+    assert TarShards(pattern, target_key=None)[5][1] is None
+    assert TarShards(pattern, image_key=("png", "jpg"))[5][0] == folder[5][0]
+    with pytest.raises(ShardError, match=r"sample '00/sample_000000' has no '.npy' member for its target"):
+        TarShards(pattern, target_key="npy")[0]
+
+
+def test_index_is_cached_reused_and_rebuilt_after_a_change(folder, shards, tmp_path, monkeypatch):
+    from fusionflow import shards as mod
+
+    first = TarShards(shards)
+    index = first.shards[0] + mod.INDEX_SUFFIX
+    assert os.path.exists(index)
+    calls = []
+    real_scan = mod.scan
+    monkeypatch.setattr(mod, "scan", lambda *a, **k: calls.append(a[0]) or real_scan(*a, **k))
+    assert TarShards(shards).sizes == first.sizes and calls == []  # all three from their indexes
+    # shard 1 rewritten with one sample fewer: only its index is rebuilt
+    path = first.shards[1]
+    with tarfile.open(path) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar.getmembers()][:-2]
+    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for name, data in members:
+            _add(tar, name, data)
+    os.utime(path, ns=(1, 1))
+    again = TarShards(shards)
+    assert calls == [path] and len(again) == len(first) - 1
+    assert again[18][0] == folder[18][0] and again[19][0] == folder[20][0]  # sample 19 went
+
+
+def test_index_dir_and_a_read_only_shard_directory(folder, shards, tmp_path, monkeypatch):
+    from fusionflow import shards as mod
+
+    TarShards(shards, index_dir=tmp_path / "idx")
+    assert len(list((tmp_path / "idx").glob("*.ffindex"))) == 3
+    assert not list((tmp_path / "shards").glob("*.ffindex"))
+    # a directory we cannot write (simulated: the tests run as root) -> the user's cache directory
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    real = mod._write_index
+    monkeypatch.setattr(mod, "_write_index", lambda place, data: "cache" in place and real(place, data))
+    ds = TarShards(shards)
+    assert len(list((tmp_path / "cache" / "fusionflow" / "tar-index").glob("*.ffindex"))) == 3
+    assert ds[3][0] == folder[3][0]
+
+
+def test_pax_and_gnu_long_names(folder, tmp_path):
+    for fmt in (tarfile.PAX_FORMAT, tarfile.GNU_FORMAT):
+        out = tmp_path / str(fmt)
+        out.mkdir()
+        long_key = "x" * 150 + "/sample"
+        with tarfile.open(out / "s-0.tar", "w", format=fmt) as tar:
+            _add(tar, f"{long_key}.jpg", folder[0][0])
+            _add(tar, f"{long_key}.cls", b"2")
+        ds = TarShards(str(out / "s-0.tar"))
+        assert ds.keys == [long_key] and ds[0] == (folder[0][0], 2)
+
+
+def test_errors_name_the_shard_the_sample_and_the_key(folder, shards, tmp_path):
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    with tarfile.open(bad / "nojpg.tar", "w") as tar:
+        _add(tar, "k1.jpg", folder[0][0])
+        _add(tar, "k2.png", folder[1][0])
+        _add(tar, "k2.cls", b"1")
+    with pytest.raises(ShardError, match=r"nojpg.tar', sample 'k2' has no '.jpg' member \(its members: cls, png\)"):
+        TarShards(str(bad / "nojpg.tar"))
+    (bad / "notatar.tar").write_bytes(b"hello, not a tar" * 100)
+    with pytest.raises(ShardError, match="notatar.tar' is not a tar file"):
+        TarShards(str(bad / "notatar.tar"))
+    path = TarShards(shards).shards[0]
+    data = open(path, "rb").read()
+    with tarfile.open(path) as tar:
+        last = tar.getmembers()[-1]
+    # cut inside a member's data, inside a header, exactly at a header, and right after the last member
+    for k, cut in enumerate([len(data) // 2, last.offset + 100, last.offset, last.offset_data + last.size]):
+        (bad / f"cut{k}.tar").write_bytes(data[:cut])
+        with pytest.raises(ShardError, match=rf"cut{k}.tar' is truncated"):
+            TarShards(str(bad / f"cut{k}.tar"))
+    garbled = bytearray(data)
+    garbled[last.offset : last.offset + 512] = b"\x07" * 512
+    (bad / "garbled.tar").write_bytes(bytes(garbled))
+    with pytest.raises(ShardError, match=r"garbled.tar' is truncated or damaged after member"):
+        TarShards(str(bad / "garbled.tar"))
+    with pytest.raises(ValueError, match="image_key"):
+        TarShards(shards, image_key="")
+
+
+def test_pickles_without_file_handles(folder, shards):
+    ds = TarShards(shards)
+    ds[0]
+    blob = pickle.dumps(ds)
+    assert len(blob) < 20_000
+    copy = pickle.loads(blob)
+    assert copy[26] == ds[26] and copy._fds.keys() == {2}
+
+
+def _batches(loader):
+    return [(x.clone(), y.clone()) for x, y in loader]
+
+
+def test_loader_over_shards_equals_loader_over_the_folder(folder, shards):
+    kw = dict(
+        batch_size=5, shuffle=True, num_workers=2, policy=SMALL, seed=3, generator=torch.Generator().manual_seed(1)
+    )
+    want = _batches(FusionFlowLoader(folder, **kw))
+    kw["generator"] = torch.Generator().manual_seed(1)
+    got = _batches(FusionFlowLoader(TarShards(shards), **kw))
+    assert len(got) == len(want) == 6
+    for (x, y), (x2, y2) in zip(got, want):
+        assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+def test_exactly_once_with_a_distributed_sampler_over_shards(folder, tmp_path):
+    ident = lambda i: {"json": json.dumps(i).encode()}  # noqa: E731
+    ds = TarShards(write_shards(folder, str(tmp_path / "s"), per_shard=4, extra=ident), target_key="json")
+    seen, dealt = [], []
+    for rank in range(2):
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=5, drop_last=False)
+        loader = FusionFlowLoader(ds, batch_size=4, sampler=sampler, num_workers=2, policy=SMALL)
+        seen += [int(v) for _, y in loader for v in y]
+        dealt += list(sampler)
+    assert sorted(seen) == sorted(dealt) and set(seen) == set(range(27))  # the sampler pads 27 to 28
+
+
+class DictDataset:
+    def __init__(self, folder, style):
+        self.folder, self.style = folder, style
+
+    def __len__(self):
+        return len(self.folder)
+
+    def __getitem__(self, i):
+        data, target = self.folder[i]
+        if self.style == "wids":
+            return {"__key__": f"s{i}", ".jpg": data, ".cls": str(target).encode()}
+        if self.style == "hf":
+            return {"image": {"bytes": data, "path": None}, "label": target}
+        return {"image": {"bytes": None, "path": self.folder.paths[i]}, "label": target}
+
+
+@pytest.mark.parametrize(
+    "style,keys", [("wids", ("jpg", "cls")), ("hf", ("image", "label")), ("hf-path", ("image", "label"))]
+)
+def test_dict_samples_through_sample_keys(folder, style, keys):
+    kw = dict(batch_size=6, num_workers=2, policy=SMALL, seed=1)
+    want = _batches(FusionFlowLoader(folder, **kw))
+    got = _batches(FusionFlowLoader(DictDataset(folder, style), sample_keys=keys, **kw))
+    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(got, want))
+    assert DictSamples(DictDataset(folder, style), keys[0])[4] == (folder[4][0], None)
+
+
+def test_dict_samples_without_sample_keys_say_which_keys_to_give(folder):
+    with pytest.raises(ValueError, match=r"keys: '__key__', '.jpg', '.cls'.*sample_keys=\('.jpg', '.cls'\)"):
+        FusionFlowLoader(DictDataset(folder, "wids"), batch_size=4, policy=SMALL)
+    with pytest.raises(KeyError, match=r"no image key 'png' \(its keys: 'image', 'label'\)"):
+        DictSamples(DictDataset(folder, "hf"), "png", "label")[0]
+    with pytest.raises(ValueError, match="sample_keys"):
+        FusionFlowLoader(DictDataset(folder, "hf"), batch_size=4, policy=SMALL, sample_keys=("a", "b", "c"))
+
+
+def test_a_stream_is_refused_at_construction_with_what_to_use():
+    class Stream(IterableDataset):
+        def __iter__(self):
+            yield b"", 0
+
+    with pytest.raises(TypeError, match=r"map-style dataset.*got Stream, a stream.*fusionflow.TarShards"):
+        FusionFlowLoader(Stream(), batch_size=4, policy=SMALL)
+
+
+def test_the_make_shards_example_writes_what_tarshards_reads(folder, tmp_path):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "make_shards.py")
+    spec = importlib.util.spec_from_file_location("make_shards", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    ds = TarShards(mod.write_shards(folder.root, str(tmp_path / "out"), per_shard=8, shuffle_seed=2))
+    assert len(ds.shards) == 4 and sorted(int(k) for k in ds.keys) == list(range(len(folder)))
+    assert ds.keys != sorted(ds.keys)  # shuffled across shards
+    for i, key in enumerate(ds.keys):
+        assert ds[i] == (folder[int(key)][0], folder.targets[int(key)])
