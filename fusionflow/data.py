@@ -70,9 +70,9 @@ class DictSamples:
         self.dataset = dataset
         self.image_keys = _dict_keys(image_key, "sample_keys' image key")
         self.target_keys = None if target_key is None else _dict_keys(target_key, "sample_keys' target key")
-        sizes = getattr(dataset, "sizes", None)
-        if sizes is not None:
-            self.sizes = sizes
+        for name in ("sizes", "describe"):  # what the loader reads from a dataset, when it has them
+            if getattr(dataset, name, None) is not None:
+                setattr(self, name, getattr(dataset, name))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -88,10 +88,6 @@ class DictSamples:
         if self.target_keys is None:
             return image, None
         return image, _target_value(_lookup(item, self.target_keys, index, "target"))
-
-    def describe(self, index: int) -> str:
-        fn = getattr(self.dataset, "describe", None)
-        return fn(index) if fn is not None else f"index {index}"
 
 
 def _dict_keys(key, what: str) -> tuple[str, ...]:

@@ -103,11 +103,9 @@ def resolve_num_workers(num_workers, cores: int, notes: list) -> int:
 
 def check_map_style(dataset) -> None:
     """Augmentation is a pure function of (seed, epoch, sample index): FusionFlow needs random access."""
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not (
-        hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")
-    ):
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
         raise TypeError(
-            f"FusionFlowLoader needs a map-style dataset (len() and dataset[i]); got {type(dataset).__name__}, "
+            f"FusionFlowLoader needs a map-style dataset (dataset[i]); got {type(dataset).__name__}, "
             "a stream: FusionFlow's augmentation is a function of (seed, epoch, sample index), its epochs are "
             "orders of indices (shuffle, DistributedSampler, checkpoints) and its tiny-batches are sorted by "
             "each sample's size, which all need random access. For WebDataset tar shards use "

@@ -270,3 +270,16 @@ def test_the_make_shards_example_writes_what_tarshards_reads(folder, tmp_path):
     assert ds.keys != sorted(ds.keys)  # shuffled across shards
     for i, key in enumerate(ds.keys):
         assert ds[i] == (folder[int(key)][0], folder.targets[int(key)])
+
+
+class Named(DictDataset):
+    sizes = property(lambda self: self.folder.sizes)
+
+    def describe(self, i):
+        return self.folder.paths[i]
+
+
+def test_dict_samples_keep_the_datasets_sizes_and_names(folder):
+    wrapped = pickle.loads(pickle.dumps(DictSamples(Named(folder, "wids"), "jpg", "cls")))
+    assert wrapped.sizes == folder.sizes and wrapped.describe(3) == folder.paths[3]
+    assert not hasattr(DictSamples(DictDataset(folder, "wids"), "jpg"), "describe")
