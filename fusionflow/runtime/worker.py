@@ -82,7 +82,8 @@ def _check_orphan(parent_pid: int) -> None:
 
 def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
     """(dataset, pipeline) for the borrower's spec: this worker's own, one it served before, or the
-    one it asks the borrower for (NEED -> SPEC); None if that cannot be set up (FATAL sent)."""
+    one it asks the borrower for (NEED -> SPEC); None if that cannot be set up (FATAL sent) or the
+    borrower answered RETURN (it is closing)."""
     from fusionflow.ops.pipeline import CpuPipeline
 
     if spec_hash == home[2]:
@@ -91,6 +92,8 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
         return spec_cache[spec_hash]
     bconn.send_bytes(m.pack_control(m.NEED))
     spec = bconn.recv_bytes()
+    if m.kind_of(spec) == m.RETURN:  # the borrower is closing: nothing to set up
+        return None
     try:
         spec = m.unpack_message(spec, m.Spec)
         dataset, pipe = spec.dataset, CpuPipeline(spec.policy)
@@ -109,7 +112,8 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
 
     Protocol on the borrower's socket: HELLO ->, <- SETUP (ring, layout, seed, spec hash),
     [NEED ->, <- SPEC (its pickled dataset and policy) unless this worker already has them],
-    READY ->, then TASK / DONE as with the owner, until RETURN or the borrower closes. A worker
+    READY ->, then TASK / DONE as with the owner, until RETURN or the borrower closes. RETURN may
+    also come in place of SETUP or SPEC (the borrower closing while the worker arrives). A worker
     serves one LM at a time: the owner sends it nothing while it is lent.
     """
     try:
@@ -120,7 +124,10 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
     ring, done = None, 0
     try:
         bconn.send_bytes(m.pack_message(m.Hello(lend.owner_lm, worker_id)))
-        setup = m.unpack_message(bconn.recv_bytes(), m.Setup)
+        first = bconn.recv_bytes()
+        if m.kind_of(first) == m.RETURN:  # the borrower began closing as we arrived: go home
+            return 0
+        setup = m.unpack_message(first, m.Setup)
         layout, seed, spec_hash = setup.layout, setup.seed, setup.spec_hash
         ring_fd = recv_fd(bconn)  # the borrower's ring has no name: map the descriptor it sends
         try:
