@@ -144,3 +144,52 @@ def dict_sample_error(item: dict, index: int) -> ValueError:
         f"dataset[{index}] is a dict (keys: {keys}), not (image, target): tell FusionFlowLoader which keys "
         f"hold the image and the target, e.g. FusionFlowLoader(dataset, ..., {hint})"
     )
+
+
+class ReadAhead:
+    """`dataset` with its reads started ahead: what `FusionFlowLoader(..., read_ahead=N)` wraps the
+    dataset in, for storage where a read waits (network filesystems, object stores).
+
+    A CPU worker calls `prefetch(indices)` with its tiny-batch's sample indices before it reads the
+    first; up to `threads` reads then run at once on a thread pool of the worker's own (reads release
+    the GIL), while the worker augments the samples already read. What is read ahead is at most one
+    tiny-batch per worker, so the memory it holds is bounded by the tiny-batch's encoded bytes. A read
+    that fails raises when its sample is taken, exactly where the plain read would have. The
+    dataset's `sizes` and `describe` carry over; pickles without its pool (each process starts its own).
+    """
+
+    def __init__(self, dataset, threads: int):
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"read_ahead={threads!r} must be an integer >= 1 (0 or None: no read-ahead)")
+        self.dataset, self.threads = dataset, threads
+        for name in ("sizes", "describe"):
+            if getattr(dataset, name, None) is not None:
+                setattr(self, name, getattr(dataset, name))
+        self._pool, self._pending, self._pid = None, {}, os.getpid()
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def prefetch(self, indices) -> None:
+        """Start reading these samples (dropping any started earlier and never taken)."""
+        if self._pool is None or self._pid != os.getpid():
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fusionflow-read")
+            self._pid = os.getpid()
+        read = self.dataset.__getitem__
+        self._pending = {}
+        for i in indices:
+            if i not in self._pending:
+                self._pending[i] = self._pool.submit(read, i)
+
+    def __getitem__(self, index: int):
+        pending = self._pending.pop(index, None)
+        if pending is not None:
+            return pending.result()
+        return self.dataset[index]
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        state["_pool"], state["_pending"] = None, {}
+        return state

@@ -50,7 +50,8 @@ class _EpochIterator:
 
     def __init__(self, loader, epoch: int, progress):
         self.config = loader.config  # this epoch's configuration (load_state_dict may replace the loader's)
-        self.dataset, self.epoch, self.progress = loader.dataset, epoch, progress
+        # the samples as the loader reads them (sample_keys, read_ahead: loader_samples.wrap_samples)
+        self.dataset, self.epoch, self.progress = loader._workers.dataset, epoch, progress
         self._checkpoint, self._delivery, self._tracing = loader._checkpoint, loader._delivery, loader._tracing
         self._stats = loader.stats
         self._started = self._ended = False
@@ -230,6 +231,9 @@ class _InlineIterator(_EpochIterator):
         t0 = time.perf_counter()
         check_batch(indices, cfg.capacity)
         failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
+        prefetch = getattr(self.dataset, "prefetch", None)  # fusionflow.data.ReadAhead
+        if prefetch is not None:
+            prefetch(indices)
         for pos, (index, copy) in enumerate(zip(indices, self._copies(indices))):
             failure = run_sample(
                 self.dataset, self._pipe, pos, index, copy, cfg.seed, self.epoch, buf, labels, side, self._clock

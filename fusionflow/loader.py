@@ -25,8 +25,9 @@ from torch.utils.data import Sampler
 from fusionflow.checkpoint import Checkpoint
 from fusionflow.delivery import Delivery
 from fusionflow.epoch import _InlineIterator, _WorkerIterator
-from fusionflow.loader_config import resolve_config, wrap_samples
+from fusionflow.loader_config import resolve_config
 from fusionflow.loader_resources import Host
+from fusionflow.loader_samples import wrap_samples
 from fusionflow.next_epoch import NextEpoch
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
 from fusionflow.trace import Tracing
@@ -101,7 +102,8 @@ class FusionFlowLoader:
     dicts -- WebDataset/`wids` samples (`("jpg", "cls")`, dotted keys match too), Hugging Face datasets
     with `Image(decode=False)` (`("image", "label")`) -- see fusionflow.data.DictSamples. The dataset must
     be map-style (random access: augmentation is a function of the sample index); for tar shards use
-    fusionflow.TarShards.
+    fusionflow.TarShards. `read_ahead` (None): for slow storage, the number of reads each CPU worker runs
+    at once, ahead of the sample it augments (fusionflow.data.ReadAhead; e.g. 4 on a network filesystem).
     A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
     float tensor/array (already transformed) is refused at construction.
 
@@ -162,6 +164,7 @@ class FusionFlowLoader:
         stage_times: bool = False,
         remote_workers=None,
         sample_keys=None,
+        read_ahead=None,
     ):
         # ---- resolution and validation (fusionflow/loader_config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
@@ -200,6 +203,7 @@ class FusionFlowLoader:
                 stage_times=stage_times,
                 remote_workers=remote_workers,
                 sample_keys=sample_keys,
+                read_ahead=read_ahead,
                 host=Host(cores=lambda: _usable_cpus()),
                 notes=notes,
             )
@@ -218,7 +222,7 @@ class FusionFlowLoader:
             from fusionflow.gpu_session import GpuSession
 
             self._gpu = GpuSession.for_config(self.stats, cfg)
-        samples = wrap_samples(dataset, cfg.sample_keys)  # dict samples -> (image, target)
+        samples = wrap_samples(dataset, cfg.sample_keys, cfg.read_ahead)  # dict samples, reads ahead
         self._workers = Workers(samples, self.stats, self._tracing, self._gpu)
         self._next_epoch = NextEpoch(self.stats)
 

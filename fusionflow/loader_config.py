@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
@@ -31,6 +30,7 @@ from fusionflow.loader_resources import (
     resolve_job,
     resolve_pin_memory,
 )
+from fusionflow.loader_samples import resolve_samples
 from fusionflow.policy import load_policy
 
 log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
@@ -75,6 +75,7 @@ class LoaderConfig:
     multiprocessing_context: Any
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (fusionflow.data.DictSamples)
+    read_ahead: int | None = None  # reads each CPU worker runs ahead (fusionflow.data.ReadAhead), or None
 
 
 def resolve_collate(collate_fn):
@@ -99,72 +100,6 @@ def resolve_num_workers(num_workers, cores: int, notes: list) -> int:
             f"FusionFlow runs best with one worker per core: use num_workers<={cores}"
         )
     return num_workers
-
-
-def check_map_style(dataset) -> None:
-    """Augmentation is a pure function of (seed, epoch, sample index): FusionFlow needs random access."""
-    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
-        raise TypeError(
-            f"FusionFlowLoader needs a map-style dataset (dataset[i]); got {type(dataset).__name__}, "
-            "a stream: FusionFlow's augmentation is a function of (seed, epoch, sample index), its epochs are "
-            "orders of indices (shuffle, DistributedSampler, checkpoints) and its tiny-batches are sorted by "
-            "each sample's size, which all need random access. For WebDataset tar shards use "
-            "fusionflow.TarShards(shards) (indexed, random access); for a map-style dataset of dict samples "
-            "(wids.ShardListDataset, Hugging Face datasets) pass sample_keys=(image key, target key)"
-        )
-
-
-def resolve_sample_keys(sample_keys) -> tuple | None:
-    if sample_keys is None:
-        return None
-    keys = (sample_keys,) if isinstance(sample_keys, str) else sample_keys
-    if not isinstance(keys, (tuple, list)) or not 1 <= len(keys) <= 2:
-        raise ValueError(
-            f"sample_keys={sample_keys!r} must be (image key, target key) -- e.g. ('jpg', 'cls') or "
-            "('image', 'label') -- or (image key,) for samples without targets"
-        )
-    return tuple(keys)
-
-
-def wrap_samples(dataset, sample_keys):
-    """The dataset as the loader reads it: `dataset` itself, or its dict samples seen through
-    `sample_keys` (resolved; fusionflow.data.DictSamples). A stream is refused (check_map_style)."""
-    check_map_style(dataset)
-    if sample_keys is None:
-        return dataset
-    from fusionflow.data import DictSamples
-
-    return DictSamples(dataset, *sample_keys)
-
-
-def check_raw_samples(dataset) -> None:
-    """FusionFlow augments raw images itself; a dataset that already transforms (float tensors or
-    arrays) would be augmented twice or fail at the first batch, so say so now. Dict samples without
-    sample_keys: say which keys to give."""
-    try:
-        if len(dataset) == 0:
-            return
-        item = dataset[0]
-    except Exception:  # a dataset whose first sample fails is reported, with its index, at the first batch
-        log.debug("dataset[0] could not be read at construction; not checked", exc_info=True)
-        return
-    if isinstance(item, dict):
-        from fusionflow.data import dict_sample_error
-
-        raise dict_sample_error(item, 0)
-    sample = item[0] if isinstance(item, (tuple, list)) and item else item
-    dtype = getattr(sample, "dtype", None)
-    floating = (
-        sample.is_floating_point()
-        if isinstance(sample, torch.Tensor)
-        else isinstance(sample, np.ndarray) and np.issubdtype(dtype, np.floating)
-    )
-    if floating:
-        raise ValueError(
-            f"dataset[0] returns an already-transformed {type(sample).__name__} of dtype {dtype} "
-            f"(shape {tuple(sample.shape)}): FusionFlow decodes and augments the samples itself; "
-            "give FusionFlow the raw images (fusionflow.ImageFolder) and a policy"
-        )
 
 
 def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator):
@@ -328,6 +263,7 @@ def resolve_config(
     stage_times,
     remote_workers=None,
     sample_keys=None,
+    read_ahead=None,
     host: Host | None = None,
     notes: list | None = None,
 ) -> LoaderConfig:
@@ -338,8 +274,7 @@ def resolve_config(
     notes = [] if notes is None else notes
     collate = resolve_collate(collate_fn)
     num_workers = resolve_num_workers(num_workers, host.cores(), notes)
-    sample_keys = resolve_sample_keys(sample_keys)
-    check_raw_samples(wrap_samples(dataset, sample_keys))
+    sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead)
     batch_sampler, sampler, capacity = resolve_batching(
         dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
     )
@@ -392,4 +327,5 @@ def resolve_config(
         multiprocessing_context=multiprocessing_context,
         remote_workers=remote_workers,
         sample_keys=sample_keys,
+        read_ahead=read_ahead,
     )

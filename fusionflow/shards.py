@@ -175,8 +175,12 @@ class TarShards:
         if self._pid != os.getpid():  # a forked worker: the parent's descriptors share its file offsets
             self._fds, self._pid = {}, os.getpid()  # (pread does not move them, but keep each process's own)
         fd = self._fds.get(s)
-        if fd is None:
-            fd = self._fds[s] = os.open(self.shards[s], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        if fd is None:  # reader threads (ReadAhead) may race here: one descriptor is kept, others closed
+            fd = os.open(self.shards[s], os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            kept = self._fds.setdefault(s, fd)
+            if kept != fd:
+                os.close(fd)
+            fd = kept
         return fd
 
     def close(self) -> None:

@@ -1,17 +1,20 @@
 """TarShards (fusionflow/shards.py) against the files it was written from, its index cache, its
-errors; dict samples (sample_keys) and streams at the loader."""
+errors; dict samples (sample_keys), read-ahead (read_ahead) and streams at the loader."""
 
 import io
 import json
 import os
 import pickle
 import tarfile
+import time
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from fusionflow import DictSamples, ImageFolder, ShardError, TarShards
+from fusionflow.data import ReadAhead
+from fusionflow.errors import SampleError
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.shards import expand_shards, split_member
 from fusionflow.tools.synthetic import make_image_folder
@@ -283,3 +286,72 @@ def test_dict_samples_keep_the_datasets_sizes_and_names(folder):
     wrapped = pickle.loads(pickle.dumps(DictSamples(Named(folder, "wids"), "jpg", "cls")))
     assert wrapped.sizes == folder.sizes and wrapped.describe(3) == folder.paths[3]
     assert not hasattr(DictSamples(DictDataset(folder, "wids"), "jpg"), "describe")
+
+
+class SlowReads:
+    """ImageFolder's samples, each read taking `seconds` (a network filesystem's wait); records the
+    most reads in flight at once within a process, and fails sample `bad`."""
+
+    def __init__(self, folder, seconds, bad=None):
+        self.folder, self.seconds, self.bad = folder, seconds, bad
+        self.sizes = folder.sizes
+        self.in_flight = self.most = 0
+
+    def __len__(self):
+        return len(self.folder)
+
+    def __getitem__(self, i):
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            time.sleep(self.seconds)
+            if i == self.bad:
+                raise OSError(f"read of sample {i} failed")
+            return self.folder[i]
+        finally:
+            self.in_flight -= 1
+
+    def describe(self, i):
+        return self.folder.paths[i]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_read_ahead_gives_the_same_batches(folder, num_workers):
+    kw = dict(batch_size=6, shuffle=True, num_workers=num_workers, policy=SMALL, seed=2, tiny_batch_size=3)
+    want = _batches(FusionFlowLoader(folder, generator=torch.Generator().manual_seed(4), **kw))
+    loader = FusionFlowLoader(SlowReads(folder, 0.002), read_ahead=3, generator=torch.Generator().manual_seed(4), **kw)
+    got = _batches(loader)
+    assert len(got) == len(want) and all(
+        torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(got, want)
+    )
+    assert DictSamples(DictDataset(folder, "wids"), "jpg", "cls")[2] == folder[2]  # and inline, dicts work too
+
+
+def test_read_ahead_overlaps_reads_and_keeps_failures_where_they_were(folder):
+    slow = SlowReads(folder, 0.02)
+    loader = FusionFlowLoader(slow, batch_size=8, num_workers=0, policy=SMALL, read_ahead=4)
+    assert sum(len(y) for _, y in loader) == len(folder) and slow.most >= 3  # inline: reads ran together
+    plain = SlowReads(folder, 0.0)
+    list(FusionFlowLoader(plain, batch_size=8, num_workers=0, policy=SMALL))
+    assert plain.most == 1
+    bad = FusionFlowLoader(SlowReads(folder, 0.001, bad=5), batch_size=8, num_workers=2, policy=SMALL, read_ahead=2)
+    with pytest.raises(SampleError, match=r"sample 5 \(.*img_.*\).*OSError: read of sample 5 failed"):
+        list(bad)
+    bad.close()
+    skip = FusionFlowLoader(
+        SlowReads(folder, 0.001, bad=5), batch_size=8, num_workers=2, policy=SMALL, read_ahead=2, on_error="skip"
+    )
+    with pytest.warns(UserWarning):
+        assert sorted(int(v) for _, y in skip for v in y) == sorted(folder.targets[i] for i in range(27) if i != 5)
+
+
+def test_read_ahead_arguments_and_pickling(folder):
+    for bad in (-1, 1.5, True, "4"):
+        with pytest.raises(ValueError, match="read_ahead"):
+            FusionFlowLoader(folder, batch_size=4, policy=SMALL, read_ahead=bad)
+    assert FusionFlowLoader(folder, batch_size=4, policy=SMALL, read_ahead=0).config.read_ahead is None
+    ra = ReadAhead(folder, 2)
+    ra.prefetch([0, 1])
+    copy = pickle.loads(pickle.dumps(ra))
+    assert copy._pool is None and copy._pending == {} and copy[1] == ra[1] == folder[1]
+    assert ra.sizes == folder.sizes and ra.describe(1) == folder.paths[1]

@@ -45,6 +45,9 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
     CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals."""
     failures, side = [], {}
     started = time.monotonic_ns()
+    prefetch = getattr(dataset, "prefetch", None)  # fusionflow.data.ReadAhead: the reads start now
+    if prefetch is not None:
+        prefetch(task.indices)
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
         failure = run_sample(
