@@ -60,10 +60,11 @@ class DictSamples:
     A key matches with or without a leading dot (`"jpg"` finds `".jpg"`, as `wids` names them), and
     a tuple of keys gives alternatives (the first present wins). An image value may be bytes, a PIL
     image or a uint8 array, or Hugging Face's `Image(decode=False)` dict `{"bytes": ..., "path": ...}`
-    (the file at `path` is read when `bytes` is None). A target given as bytes holding an integer (a
-    WebDataset `.cls` member) becomes an int; other targets are kept as given; `target_key=None`
-    gives None targets. The wrapped dataset's `sizes` and `describe` carry over; pickles as the
-    dataset does.
+    (the file at `path` is read when `bytes` is None), or a file-like object (`wids` with
+    `transformations=[]` gives io.BytesIO: the fast path, encoded bytes). A target given as bytes (or a
+    file-like object) holding an integer (a WebDataset `.cls` member) becomes an int; other targets
+    are kept as given; `target_key=None` gives None targets. The wrapped dataset's `sizes` and
+    `describe` carry over; pickles as the dataset does.
     """
 
     def __init__(self, dataset, image_key, target_key=None):
@@ -108,7 +109,17 @@ def _lookup(item: dict, keys: tuple[str, ...], index: int, what: str):
     )
 
 
+def _file_bytes(value):
+    """A file-like value (wids without transformations gives io.BytesIO) -> its bytes; else the value."""
+    if hasattr(value, "getvalue"):
+        return value.getvalue()
+    if hasattr(value, "read"):
+        return value.read()
+    return value
+
+
 def _image_value(value, index: int):
+    value = _file_bytes(value)
     if isinstance(value, dict):  # Hugging Face datasets' Image(decode=False): {"bytes": ..., "path": ...}
         data, path = value.get("bytes"), value.get("path")
         if data is not None:
@@ -121,6 +132,7 @@ def _image_value(value, index: int):
 
 
 def _target_value(value):
+    value = _file_bytes(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         text = bytes(value).strip()
         if text.lstrip(b"+-").isdigit():

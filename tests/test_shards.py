@@ -355,3 +355,33 @@ def test_read_ahead_arguments_and_pickling(folder):
     copy = pickle.loads(pickle.dumps(ra))
     assert copy._pool is None and copy._pending == {} and copy[1] == ra[1] == folder[1]
     assert ra.sizes == folder.sizes and ra.describe(1) == folder.paths[1]
+
+
+def test_shards_written_by_webdatasets_shardwriter(folder, tmp_path):
+    wds = pytest.importorskip("webdataset")
+    pattern = str(tmp_path / "w-%06d.tar")
+    with wds.ShardWriter(pattern, maxcount=10, verbose=0) as sink:
+        for i in range(len(folder)):
+            sink.write({"__key__": f"s{i:05d}", "jpg": folder[i][0], "cls": folder.targets[i]})
+    ds = TarShards(str(tmp_path / "w-{000000..000002}.tar"))
+    assert [ds[i] for i in range(len(folder))] == [folder[i] for i in range(len(folder))]
+
+
+def test_wids_and_hugging_face_datasets_through_sample_keys(folder, shards, tmp_path):
+    wids = pytest.importorskip("wids")
+    datasets = pytest.importorskip("datasets")
+    kw = dict(batch_size=6, num_workers=2, policy=SMALL, seed=1)
+    want = _batches(FusionFlowLoader(folder, **kw))
+    spec = [{"url": p, "nsamples": n} for p, n in zip(TarShards(shards).shards, (10, 10, 7))]
+    raw = wids.ShardListDataset(spec, transformations=[], cache_dir=str(tmp_path / "wids"))  # BytesIO values
+    hf = datasets.Dataset.from_dict(
+        {"image": [{"bytes": folder[i][0], "path": None} for i in range(len(folder))], "label": folder.targets}
+    ).cast_column("image", datasets.Image(decode=False))
+    for ds, keys in ((raw, ("jpg", "cls")), (hf, ("image", "label"))):
+        got = _batches(FusionFlowLoader(ds, sample_keys=keys, **kw))
+        assert len(got) == len(want) and all(
+            torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(got, want)
+        )
+    decoded = wids.ShardListDataset(spec, cache_dir=str(tmp_path / "wids2"))  # its default: PIL images, int targets
+    labels = [int(v) for _, y in FusionFlowLoader(decoded, sample_keys=("jpg", "cls"), **kw) for v in y]
+    assert labels == [int(v) for _, y in want for v in y]
