@@ -15,15 +15,15 @@ decodes itself and computes with the PIL backend's arithmetic, so tensor-backend
 from torchvision's by its resampling's rounding.
 
 What it reads, in this order (the order torchvision's classification recipe uses):
-  train: RandomResizedCrop(size, scale, ratio, bilinear, antialias=True)
+  train: RandomResizedCrop(size, scale, ratio, bilinear | bicubic | nearest, antialias=True)
          [RandomHorizontalFlip(p)]
          [RandAugment | AutoAugment | TrivialAugmentWide, with their arguments; interpolation
-          nearest or bilinear, fill a number or [r, g, b] of integers]
-  eval:  Resize(int, bilinear, antialias=True) + CenterCrop(size)
+          nearest, bilinear or bicubic, fill a number or [r, g, b] of integers]
+  eval:  Resize(int, bilinear | bicubic | nearest, antialias=True) + CenterCrop(size)
   then:  [PILToTensor | ToImage] [ToDtype(torch.float32, scale=True) | ConvertImageDtype(torch.float32)]
          [Normalize(mean, std)] [RandomErasing(p, scale, ratio, value)] [ToPureTensor]
 Anything else -- another transform, another order, an argument FusionFlow does not implement
-(bicubic resampling, a crop without antialiasing, an erase before Normalize) -- raises ValueError
+(a crop without antialiasing, an erase before Normalize) -- raises ValueError
 naming the first transform it cannot express and why: the policy is the same recipe, or there is
 no policy.
 
@@ -43,7 +43,7 @@ import numpy as np
 
 from fusionflow.policy.schema import Policy, parse_policy
 
-_INTERPOLATIONS = {"nearest": "nearest", "bilinear": "bilinear"}
+_INTERPOLATIONS = {"nearest": "nearest", "bilinear": "bilinear", "bicubic": "bicubic"}
 _TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing", "ToPureTensor")
 
 
@@ -107,12 +107,13 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
     pos = 0
     t = steps[pos]
     if isinstance(t, T.RandomResizedCrop):
-        _check_resize_mode(t, fail, pos)
+        mode = _check_resize_mode(t, fail, pos)
         cfg["output"] = {"size": list(t.size)}
         cfg["crop"] = {"scale": [float(v) for v in t.scale], "ratio": [float(v) for v in t.ratio]}
+        cfg["crop"]["interpolation"] = mode
         pos += 1
     elif isinstance(t, T.Resize):
-        _check_resize_mode(t, fail, pos)
+        mode = _check_resize_mode(t, fail, pos)
         if len(t.size) != 1 or t.max_size is not None:
             fail(
                 pos,
@@ -124,7 +125,7 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
                 pos, "Resize must be followed by CenterCrop (the eval form); for training start with RandomResizedCrop"
             )
         cfg["output"] = {"size": list(steps[pos + 1].size)}
-        cfg["crop"] = {"mode": "center", "resize": int(t.size[0])}
+        cfg["crop"] = {"mode": "center", "resize": int(t.size[0]), "interpolation": mode}
         pos += 2
     else:
         fail(
@@ -262,15 +263,20 @@ def _mode_name(interpolation) -> str:
     return getattr(interpolation, "value", str(interpolation))
 
 
-def _check_resize_mode(t, fail, k: int) -> None:
+def _check_resize_mode(t, fail, k: int) -> str:
+    """The crop's / Resize's interpolation as a policy names it. FusionFlow decodes and resizes with
+    Pillow's filters, which always antialias (torchvision's PIL path ignores antialias=False too):
+    an explicit antialias=False with bilinear or bicubic asks for the tensor backend's other pixels."""
     mode = _mode_name(t.interpolation)
-    if mode != "bilinear" or t.antialias is False:
+    if mode not in _INTERPOLATIONS:
+        fail(k, f"interpolation={mode!r}: the crop resizes with one of {', '.join(_INTERPOLATIONS)}")
+    if t.antialias is False and mode != "nearest":
         fail(
             k,
-            f"interpolation={mode!r}, antialias={t.antialias}: FusionFlow's crop resize is antialiased bilinear "
-            "(torchvision's default); bicubic is not offered (DALI's GPU path has no matching filter). Use "
-            "InterpolationMode.BILINEAR with antialias=True, or keep this transform on torchvision",
+            f"interpolation={mode!r}, antialias=False: FusionFlow's crop resize is Pillow's antialiased filter "
+            "(torchvision's PIL path, and its default). Use antialias=True, or keep this transform on torchvision",
         )
+    return _INTERPOLATIONS[mode]
 
 
 def _image_dtype(t):
@@ -313,10 +319,7 @@ def _fill(t, fail):
 def _interpolation(t, fail) -> str:
     mode = _mode_name(t.interpolation)
     if mode not in _INTERPOLATIONS:
-        fail(
-            f"interpolation={mode!r}: the policy ops resample with nearest or bilinear (DALI's warp_affine, the "
-            "GPU path, has no bicubic)"
-        )
+        fail(f"interpolation={mode!r}: the policy ops resample with one of {', '.join(_INTERPOLATIONS)}")
     return _INTERPOLATIONS[mode]
 
 

@@ -285,7 +285,7 @@ def resolve_config(
     seed = resolve_seed(seed, generator, host.initial_seed)
     resolved = resolve_device(device, host)
     policy = resolve_policy(policy)
-    accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host)
+    accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy)
     check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device)
     job = resolve_job(global_manager, num_workers, host.job_key)
     gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)

@@ -8,6 +8,7 @@ imports DALI unless an argument needs it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ import torch
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
 SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
+log = logging.getLogger("fusionflow.loader")
 
 
 def _has_dali() -> bool:
@@ -64,10 +66,25 @@ def resolve_device(device, host: Host) -> torch.device:
     return resolved
 
 
-def resolve_accelerator(accelerator, gpu_sharing, device, resolved: torch.device, num_workers: int, host: Host):
+def dali_declines(policy) -> str | None:
+    """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
+    filter matching Pillow's bicubic or nearest crop resize, and its warp_affine no bicubic."""
+    if policy is None:
+        return None
+    if policy.crop_interpolation != "bilinear":
+        return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
+    if policy.augment.type != "none" and policy.augment.interpolation == "bicubic":
+        return "augment.interpolation 'bicubic' (DALI's warp_affine has only nearest and linear)"
+    return None
+
+
+def resolve_accelerator(
+    accelerator, gpu_sharing, device, resolved: torch.device, num_workers: int, host: Host, policy=None
+):
     """The accelerator to run (None, 'dali-cpu', 'dali-gpu'): 'auto' is DALI on the GPU when the
     device is CUDA; gpu_sharing='off' turns any accelerator off. `device` is the argument as given
-    (for the messages), `resolved` the device."""
+    (for the messages), `resolved` the device. A policy DALI cannot run (dali_declines) turns it off
+    with one log line: the CPU workers take every tiny-batch, and the policy means the same pixels."""
     if gpu_sharing not in SHARING:
         raise ValueError(f"gpu_sharing={gpu_sharing!r} must be one of {SHARING}")
     if accelerator == "auto":
@@ -85,6 +102,15 @@ def resolve_accelerator(accelerator, gpu_sharing, device, resolved: torch.device
         raise ValueError(f"accelerator={accelerator!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
     if accelerator is not None and num_workers == 0:
         raise ValueError(f"accelerator={accelerator!r} shares mini-batches with CPU workers: use num_workers >= 1")
+    why = dali_declines(policy) if accelerator is not None and gpu_sharing != "off" else None
+    if why is not None:
+        log.warning(
+            "FusionFlowLoader: accelerator=%r declines policy %r: %s; the CPU workers take every tiny-batch",
+            accelerator,
+            policy.name,
+            why,
+        )
+        return None
     return None if gpu_sharing == "off" else accelerator
 
 

@@ -81,5 +81,7 @@ def test_the_scripts_recipes_convert(auto_augment):
         assert [o.name for o in train.augment.ops] == [o.name for o in ref.augment.ops]
         assert train.augment.interpolation == "bilinear" and train.augment.magnitude == 9
     bicubic = mod.parse_args(["--data-path", "x", "--interpolation", "bicubic"])
-    with pytest.raises(ValueError, match=r"transform 0 \(RandomResizedCrop.*bicubic"):
-        policy_from_transform(mod.train_transform(bicubic))
+    train_bicubic = policy_from_transform(mod.train_transform(bicubic))
+    assert train_bicubic.crop_interpolation == "bicubic"
+    assert train_bicubic.augment.type == "none" or train_bicubic.augment.interpolation == "bicubic"
+    assert policy_from_transform(mod.eval_transform(bicubic)).crop_interpolation == "bicubic"

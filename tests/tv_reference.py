@@ -9,7 +9,11 @@ import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.transforms.v2 import InterpolationMode
 
-_MODES = {"nearest": InterpolationMode.NEAREST, "bilinear": InterpolationMode.BILINEAR}
+_MODES = {
+    "nearest": InterpolationMode.NEAREST,
+    "bilinear": InterpolationMode.BILINEAR,
+    "bicubic": InterpolationMode.BICUBIC,
+}
 
 
 def tv_cutout(img: Image.Image, side: float, aux, fill):
@@ -46,7 +50,8 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
 
     img = Image.open(io.BytesIO(data)).convert("RGB")
     top, left, h, w = crop
-    img = F.resized_crop(img, top, left, h, w, list(policy.size), InterpolationMode.BILINEAR, antialias=True)
+    mode = _MODES[getattr(policy, "crop_interpolation", "bilinear")]
+    img = F.resized_crop(img, top, left, h, w, list(policy.size), mode, antialias=True)
     if d.flip:
         img = F.horizontal_flip(img)
     aug = policy.augment

@@ -20,7 +20,12 @@ from fusionflow.ops.specs import registrar
 CpuOp = Callable[[Image.Image, float, tuple, "Style"], Image.Image]
 CPU_IMPLS: dict[str, CpuOp] = {}
 
-_RESAMPLE = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR}
+_RESAMPLE = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+}
+RESAMPLE = _RESAMPLE  # the policies' interpolation names -> Pillow's filters (crop and ops)
 
 
 @dataclass(frozen=True)

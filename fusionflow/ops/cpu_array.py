@@ -257,10 +257,13 @@ def translate(arr, value, params, style):
     return cv2.copyMakeBorder(src, max(0, dy), max(0, -dy), max(0, dx), max(0, -dx), cv2.BORDER_CONSTANT, value=fill)
 
 
-@_register(FAST, "ShearX", "ShearY", "Rotate")
+@_register(FAST, "ShearX", "ShearY")
 def warp(arr, value, params, style):
     """Nearest: the native kernel walks Pillow's fixed-point coordinates (the same pixels). Bilinear,
-    or without the native kernel: OpenCV's warpAffine (boundary pixels may differ)."""
+    or without the native kernel: OpenCV's warpAffine (boundary pixels may differ). Bicubic: Pillow's
+    own (nothing faster has its filter)."""
+    if style.interpolation == "bicubic":
+        return _PILLOW_AFFINE(arr, value, params, style)
     if style.interpolation == "nearest":
         out = pixel_kernels.affine_nearest(arr, params, style.fill)
         if out is not None:
@@ -274,6 +277,16 @@ def warp(arr, value, params, style):
         borderMode=cv2.BORDER_CONSTANT,
         borderValue=tuple(int(v) for v in style.fill),
     )
+
+
+@_register(FAST, "Rotate")
+def rotate(arr, value, params, style):
+    if style.interpolation == "bicubic":
+        return _PILLOW_ROTATE(arr, value, params, style)
+    return warp(arr, value, params, style)
+
+
+_PILLOW_AFFINE, _PILLOW_ROTATE = via_pillow("ShearX"), via_pillow("Rotate")
 
 
 @_register(FAST, "Color")

@@ -238,8 +238,36 @@ def _load_rgb(img: Image.Image, what) -> Image.Image:
     return to_rgb(img)
 
 
+def decode_crop_resize_filtered(
+    data, window_fn, out_size: tuple[int, int], resample, what: str | None = None, max_pixels: int | None = None
+) -> Image.Image:
+    """decode_crop_resize with Pillow's bicubic or nearest, in both decode modes: the full-scale window
+    (a full decode's pixels) resized by Pillow, torchvision's PIL path (crop, then resize) to the bit."""
+    out_h, out_w = out_size
+    if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
+        data = bytes(data)
+        height, width, _ = jpeg.info(data)
+        check_pixels(width, height, max_pixels, what)
+        top, left, h, w = window_fn(height, width)
+        try:
+            arr, _ = jpeg.decode_window(data, top, left, h, w)
+            if arr.shape[:2] == (h, w):
+                return Image.fromarray(arr).resize((out_w, out_h), resample, reducing_gap=None)
+        except jpeg.WindowDecodeError:
+            pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
+    img = _load_rgb(open_image(data, what, max_pixels), what)
+    top, left, h, w = window_fn(img.size[1], img.size[0])
+    return img.crop((left, top, left + w, top + h)).resize((out_w, out_h), resample, reducing_gap=None)
+
+
 def decode_box_resize(
-    data, box_fn, out_size: tuple[int, int], fast: bool, what: str | None = None, max_pixels: int | None = None
+    data,
+    box_fn,
+    out_size: tuple[int, int],
+    fast: bool,
+    what: str | None = None,
+    max_pixels: int | None = None,
+    resample=Image.Resampling.BILINEAR,
 ) -> Image.Image:
     """The fractional box `box_fn(height, width)` = (x0, y0, x1, y1) of the image resampled to
     `out_size` by Pillow's antialiased bilinear filter at the box's own scale: torchvision's Resize +
@@ -247,38 +275,37 @@ def decode_box_resize(
     taps, the same pixels within a level or two (Pillow's coefficients, computed from the box rather
     than from the whole resized image, can round differently). A JPEG decodes only the box and the
     filter's support around it; `fast`, a box of 2x the output or more is decoded at a DCT scale
-    first (as the fast mode's training crops are)."""
+    first (as the fast mode's training crops are). `resample`: Pillow's filter (Resize's
+    interpolation); bicubic and nearest are never DCT-scaled (the same pixels in both modes)."""
     out_h, out_w = out_size
     if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
         data = bytes(data)
         height, width, _ = jpeg.info(data)
         check_pixels(width, height, max_pixels, what)
         x0, y0, x1, y1 = box_fn(height, width)
-        r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if fast and jpeg.can_scale() else 1
+        scaled = fast and jpeg.can_scale() and resample == Image.Resampling.BILINEAR  # others: Pillow's
+        r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if scaled else 1
         if r > 1:
             try:
                 arr, box = decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
-                return Image.fromarray(arr).resize(
-                    (out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None
-                )
+                return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
             except jpeg.WindowDecodeError:
                 pass
-        # the bilinear filter reads max(1, scale) pixels either side of each centre: decode them too
-        mx, my = math.ceil(max(1.0, (x1 - x0) / out_w)) + 2, math.ceil(max(1.0, (y1 - y0) / out_h)) + 2
+        # the filter reads support x max(1, scale) pixels either side of each centre: decode them too
+        support = 2.0 if resample == Image.Resampling.BICUBIC else 1.0
+        mx, my = (math.ceil(support * max(1.0, v / o)) + 2 for v, o in ((x1 - x0, out_w), (y1 - y0, out_h)))
         wx0, wy0 = max(0, math.floor(x0) - mx), max(0, math.floor(y0) - my)
         wx1, wy1 = min(width, math.ceil(x1) + mx), min(height, math.ceil(y1) + my)
         try:
             arr, _ = jpeg.decode_window(data, wy0, wx0, wy1 - wy0, wx1 - wx0)
             if arr.shape[:2] == (wy1 - wy0, wx1 - wx0):
                 box = (x0 - wx0, y0 - wy0, x1 - wx0, y1 - wy0)
-                return Image.fromarray(arr).resize(
-                    (out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None
-                )
+                return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
     img = _load_rgb(open_image(data, what, max_pixels), what)
     box = box_fn(img.size[1], img.size[0])
-    return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
+    return img.resize((out_w, out_h), resample, box=box, reducing_gap=None)
 
 
 # Scaled-image pixels read around a fractional box: the bilinear filter's support at a downscale of

@@ -13,7 +13,12 @@ import numpy as np
 from PIL import Image
 
 from fusionflow.ops import cpu, cpu_array, jpeg
-from fusionflow.ops.decode import decode_box_resize, decode_crop_resize, decode_crop_resize_array
+from fusionflow.ops.decode import (
+    decode_box_resize,
+    decode_crop_resize,
+    decode_crop_resize_array,
+    decode_crop_resize_filtered,
+)
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
 from fusionflow.policy.sampling import center_box
 
@@ -47,6 +52,8 @@ class CpuPipeline:
         p = self.policy
         if p.center_resize is not None:  # eval: the unrounded centre crop
             img = self._center(data, what)
+        elif p.crop_interpolation != "bilinear":
+            img = self._filtered(data, d, what)
         else:
             img = decode_crop_resize(data, partial(crop_window, p, d), p.size, p.fast_downscale, what, p.max_pixels)
         if tick is not None:
@@ -67,12 +74,22 @@ class CpuPipeline:
         the fast mode's only saving would be the rounded crop, which moved 1-3 px patterns by half a pixel)."""
         p = self.policy
         box_fn = partial(center_box, p.center_resize, p.size)
-        return decode_box_resize(data, box_fn, p.size, p.fast_downscale, what, p.max_pixels)
+        resample = cpu.RESAMPLE[p.crop_interpolation]
+        return decode_box_resize(data, box_fn, p.size, p.fast_downscale, what, p.max_pixels, resample)
+
+    def _filtered(self, data, d: SampleDraw, what) -> Image.Image:
+        """A random resized crop with bicubic or nearest: Pillow's filter on the full-scale window in
+        both modes (the fast mode's kernels are bilinear ones)."""
+        p = self.policy
+        resample = cpu.RESAMPLE[p.crop_interpolation]
+        return decode_crop_resize_filtered(data, partial(crop_window, p, d), p.size, resample, what, p.max_pixels)
 
     def array(self, data, d: SampleDraw, what: str | None = None, tick=None) -> np.ndarray:
         """fast mode: the augmented sample as a uint8 HWC RGB array of the output size."""
         if self.policy.center_resize is not None:
             arr = np.asarray(self._center(data, what))
+        elif self.policy.crop_interpolation != "bilinear":
+            arr = np.asarray(self._filtered(data, d, what))
         else:
             arr = decode_crop_resize_array(
                 data, partial(crop_window, self.policy, d), self.policy.size, what, self.policy.max_pixels

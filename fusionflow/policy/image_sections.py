@@ -65,13 +65,18 @@ def parse_decode(r: _Reader, top: dict) -> tuple[bool, int | None]:
     return fast, max_pixels
 
 
+CROP_INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+
+
 def parse_crop(r: _Reader, top: dict, size: tuple[int, int]):
     """The top level's `crop:` section -> (scale, ratio, center_resize: None for the random resized
-    crop); without the section, the random resized crop with torchvision's scale and ratio."""
+    crop, interpolation of its resize); without the section, the random resized crop with
+    torchvision's scale, ratio and (antialiased) bilinear resize."""
     scale, ratio = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
     if "crop" not in top:
-        return scale, ratio, None
-    crop = r.mapping(top["crop"], "crop", (), ("mode", "scale", "ratio", "resize"))
+        return scale, ratio, None, "bilinear"
+    crop = r.mapping(top["crop"], "crop", (), ("mode", "scale", "ratio", "resize", "interpolation"))
+    interpolation = r.choice(crop.get("interpolation", "bilinear"), "crop.interpolation", CROP_INTERPOLATIONS)
     center_resize = _center_crop(r, crop, size)
     if "scale" in crop:
         scale = r.pair(crop["scale"], "crop.scale", 0.0, 1.0)
@@ -79,7 +84,7 @@ def parse_crop(r: _Reader, top: dict, size: tuple[int, int]):
             r.fail("crop.scale[0]", "must be > 0 (an empty crop cannot be resized)")
     if "ratio" in crop:
         ratio = r.pair(crop["ratio"], "crop.ratio", 1e-3, 1e3)
-    return scale, ratio, center_resize
+    return scale, ratio, center_resize, interpolation
 
 
 def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:

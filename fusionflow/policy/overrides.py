@@ -13,11 +13,10 @@ Overrides (each validated; an unknown or invalid one raises ValueError naming it
                  crop, as torchvision's Resize(resize) + CenterCrop(size); >= size
   magnitude      int: the bin every op uses (augment.type rand), 0..num_bins-1
   num_ops        int: ops per sample (augment.type rand), 1..16
-  interpolation  "nearest" | "bilinear": the policy ops' geometric resampling. The random resized crop
-                 always resizes with antialiased bilinear, torchvision's default. bicubic is not
-                 offered: DALI's warp_affine (the GPU path) asserts "Only nearest and linear
-                 interpolation is supported" (DALI 2.4), torchvision's own tensor affine refuses it too,
-                 and a policy must mean the same pixels on the CPU and DALI paths.
+  interpolation  "nearest" | "bilinear" | "bicubic": the policy ops' geometric resampling (the crop's
+                 filter is the policy file's crop.interpolation). bicubic runs on the CPU workers only:
+                 DALI's warp_affine (the GPU path) has only nearest and linear, so the DALI
+                 accelerator declines such a policy (a policy means the same pixels everywhere).
   normalize      (mean, std), {"mean": ..., "std": ...} (0..1 units; output becomes float32), or None
                  to drop normalisation (uint8 output)
   flip           float: horizontal flip probability, 0..1
@@ -118,12 +117,6 @@ def _rand_counts(r: _Reader, name: str, aug: Augment, overrides: Mapping[str, An
 
 def _interpolation(r: _Reader, name: str, aug: Augment, value: Any) -> Augment:
     """The ops' geometric resampling; a policy without ops only accepts 'bilinear' (its crop's)."""
-    if value == "bicubic":
-        r.fail(
-            "interpolation",
-            "'bicubic' is not supported (DALI's warp_affine, the GPU path, has only "
-            f"nearest and linear); choose one of {', '.join(INTERPOLATIONS)}",
-        )
     value = r.choice(value, "interpolation", INTERPOLATIONS)
     if aug.type == "none" and value != "bilinear":
         r.fail(

@@ -20,6 +20,9 @@ The schema (documented for users in configs/README.md):
       scale: [lo, hi]                  area fraction, 0 < lo <= hi <= 1
       ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
       resize: int                      center: the shorter side is resized to this, >= output.size
+      interpolation: bilinear | bicubic | nearest   the crop's (or Resize's) filter, Pillow's as
+                                       torchvision's PIL path uses it (antialiased); default bilinear.
+                                       Not bilinear: the DALI accelerator declines the policy
     flip: float                        horizontal flip probability
     erase:                             torchvision's RandomErasing, last (after normalisation if any)
       p: float                         probability, default 0.5
@@ -38,7 +41,8 @@ The schema (documented for users in configs/README.md):
       num_ops: int                     rand: ops drawn per sample (with replacement)
       magnitude: int                   rand: the bin every op uses
       subpolicies: [[[Op, prob, bin?], ...], ...]   subpolicy: one drawn uniformly per sample
-      interpolation: nearest | bilinear   for the geometric ops
+      interpolation: nearest | bilinear | bicubic   for the geometric ops (bicubic: CPU only, the
+                                       DALI accelerator declines the policy)
       fill: int | [r, g, b]            colour for pixels uncovered by geometric ops / Cutout
 
 Every problem raises ValueError naming the file and the key path, e.g.
@@ -66,7 +70,7 @@ from fusionflow.policy.image_sections import (
 from fusionflow.policy.reader import _Reader
 
 AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy")
-INTERPOLATIONS = ("nearest", "bilinear")
+INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 
 
 @dataclass(frozen=True)
@@ -138,6 +142,7 @@ class Policy:
     center_resize: int | None = None  # crop.mode center: Resize(center_resize) + CenterCrop(size); None: random
     max_pixels: int | None = DEFAULT_MAX_PIXELS  # decode.max_pixels; None: no limit
     erase: Erase | None = None  # RandomErasing on the output (after normalisation); None: off
+    crop_interpolation: str = "bilinear"  # the crop's / Resize's filter: bilinear, bicubic, nearest
 
     @property
     def decode_mode(self) -> str:
@@ -162,7 +167,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
 
     size, normalize = parse_output(r, top["output"])
     fast, max_pixels = parse_decode(r, top)
-    scale, ratio, center_resize = parse_crop(r, top, size)
+    scale, ratio, center_resize, crop_interpolation = parse_crop(r, top, size)
     flip = r.number(top.get("flip", 0.0), "flip", 0.0, 1.0)
 
     augment = _parse_augment(r, top["augment"], size)
@@ -180,6 +185,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         center_resize=center_resize,
         max_pixels=max_pixels,
         erase=erase,
+        crop_interpolation=crop_interpolation,
     )
 
 

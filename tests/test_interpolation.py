@@ -1,0 +1,127 @@
+"""Bicubic and nearest, for the crop resize, the eval Resize and the policy ops, on the CPU path:
+exact mode equal to torchvision's PIL path to the bit (the eval centre crop within its documented
+levels), fast mode the same pixels (Pillow's filters in both modes), and the DALI accelerator
+declining such a policy while the loader still delivers every sample."""
+
+import dataclasses
+import io
+import logging
+
+import numpy as np
+import pytest
+import torchvision.transforms.v2 as T
+from PIL import Image
+from torchvision.transforms.v2 import InterpolationMode
+from tv_reference import tv_sample
+
+from fusionflow import load_policy, policy_from_transform
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.ops import cpu, cpu_array
+from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.ops.specs import OPS
+from fusionflow.policy import crop_window, draw
+from fusionflow.tools.synthetic import make_image, make_jpegs
+
+JPEGS = make_jpegs(10, 120, 700, seed=9)
+MODES = {"bicubic": InterpolationMode.BICUBIC, "nearest": InterpolationMode.NEAREST}
+
+
+def _policy(crop: str, ops: str, fast: bool):
+    p = policy_from_transform(
+        T.Compose(
+            [
+                T.RandomResizedCrop(160, interpolation=MODES[crop]),
+                T.RandomHorizontalFlip(),
+                T.RandAugment(num_ops=3, magnitude=12, interpolation=MODES[ops], fill=[10, 20, 30]),
+            ]
+        )
+    )
+    return dataclasses.replace(p, fast_downscale=fast)
+
+
+@pytest.mark.parametrize("crop,ops", [("bicubic", "bicubic"), ("nearest", "nearest"), ("bicubic", "nearest")])
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_crop_and_ops_equal_torchvision_to_the_bit(crop, ops, fast):
+    policy = _policy(crop, ops, fast)
+    assert (policy.crop_interpolation, policy.augment.interpolation) == (crop, ops)
+    pipe, compared = CpuPipeline(policy), 0
+    for i, data in enumerate(JPEGS):
+        for epoch in range(3):
+            d = draw(policy, 1, epoch, i)
+            W, H = Image.open(io.BytesIO(data)).size
+            ref = tv_sample(policy, data, d, crop_window(policy, d, H, W))
+            ours = pipe(data, i, seed=1, epoch=epoch)
+            if fast and any(op.name in ("Brightness", "Color", "Contrast", "Sharpness") for op in d.ops):
+                continue  # the fast blends round where Pillow truncates (test_cpu_array bounds them)
+            compared += 1
+            assert np.array_equal(ours, ref), (i, epoch, [op.name for op in d.ops])
+    assert compared >= 10
+
+
+@pytest.mark.parametrize("name", ["ShearX", "ShearY", "Rotate", "TranslateX", "TranslateY"])
+def test_bicubic_warps_fast_equal_exact(name):
+    style = cpu.Style("bicubic", (128, 30, 200))
+    for arr in (make_image(224, 224, 1), make_image(97, 61, 3)):
+        for value in (-30.0, -0.3, 0.2, 17.0, 90.0):
+            params = OPS[name].resolve(value, (0.3, 0.7), *arr.shape[:2])
+            want = np.asarray(cpu.apply(name, Image.fromarray(arr), value, params, style))
+            np.testing.assert_array_equal(cpu_array.FAST[name](arr, value, params, style), want)
+            np.testing.assert_array_equal(cpu_array.EXACT[name](arr, value, params, style), want)
+
+
+@pytest.mark.parametrize("mode", ["bicubic", "nearest"])
+def test_eval_resize_follows_its_interpolation(mode):
+    tv = T.Compose([T.Resize(140, MODES[mode]), T.CenterCrop(128)])
+    policy = policy_from_transform(tv)
+    assert (policy.crop_interpolation, policy.center_resize) == (mode, 140)
+    for fast in (False, True):
+        pipe = CpuPipeline(dataclasses.replace(policy, fast_downscale=fast))
+        for i, data in enumerate(JPEGS):
+            ref = np.asarray(tv(Image.open(io.BytesIO(data)).convert("RGB"))).transpose(2, 0, 1)
+            ours = pipe(data, i)
+            diff = np.abs(ours.astype(int) - ref)
+            # the fractional centre box (decode.decode_box_resize) computes Pillow's coefficients from the
+            # box, not from the whole resized image: a few levels at most, bicubic's overshoot included
+            assert diff.max() <= (6 if mode == "bicubic" else 0) and diff.mean() < 0.5, (mode, fast, i, diff.max())
+
+
+def test_policy_files_and_overrides_take_the_new_filters():
+    p = load_policy(
+        {
+            "output": {"size": 64},
+            "crop": {"interpolation": "bicubic"},
+            "augment": {"type": "trivial", "num_bins": 31, "ops": {"Rotate": {"range": [0, 135]}}},
+        }
+    )
+    assert p.crop_interpolation == "bicubic" and p.augment.interpolation == "nearest"
+    assert load_policy("randaugment", interpolation="bicubic").augment.interpolation == "bicubic"
+    with pytest.raises(ValueError, match=r"crop.interpolation: .*'lanczos'.*bilinear, bicubic, nearest"):
+        load_policy({"output": {"size": 64}, "crop": {"interpolation": "lanczos"}, "augment": {"type": "none"}})
+
+
+class Bytes:
+    def __init__(self, n):
+        self.data = make_jpegs(n, 60, 200, seed=3)
+        self.sizes = [len(d) for d in self.data]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i], i
+
+
+@pytest.mark.parametrize("crop,ops", [("bicubic", "nearest"), ("bilinear", "bicubic")])
+def test_the_accelerator_declines_and_the_cpu_workers_deliver_every_sample(crop, ops, caplog):
+    pytest.importorskip("nvidia.dali")
+    policy = dataclasses.replace(
+        _policy("bicubic" if crop == "bicubic" else "nearest", ops, True),
+        crop_interpolation=crop,
+    )
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
+        loader = FusionFlowLoader(Bytes(24), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
+    said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
+    assert len(said) == 1 and ("bicubic" in said[0]) and loader.config.accelerator is None
+    with loader:
+        seen = sorted(int(v) for _, y in loader for v in y)
+    assert seen == list(range(24)) and loader.stats.accelerator_tiny_batches == 0
