@@ -121,9 +121,8 @@ def _interpolation(r: _Reader, name: str, aug: Augment, value: Any) -> Augment:
     if aug.type == "none" and value != "bilinear":
         r.fail(
             "interpolation",
-            f"policy {name!r} has no ops to resample, and its random resized crop "
-            f"always resizes with antialiased bilinear: leave interpolation out or pass "
-            f"'bilinear'",
+            f"policy {name!r} has no ops to resample: leave interpolation out or pass 'bilinear' (the "
+            f"crop's own filter is the policy file's crop.interpolation)",
         )
     return aug if aug.type == "none" else dataclasses.replace(aug, interpolation=value)
 
