@@ -244,6 +244,15 @@ def _resize_candidates(out: int = 224) -> dict:
         """resample.pre_blur at any shrink (the shipped path blurs only beyond LINEAR_UP_TO) + bilinear."""
         return cv2.resize(resample.pre_blur(arr, out, out), (out, out), interpolation=cv2.INTER_LINEAR)
 
+    def cv_preblur_3sigma_linear(data, win, arr, scaled=None):
+        """The pre-blur as shipped before its 3-tap kernel: taps out to +-3 sigma (5-7), then bilinear."""
+        h, w = arr.shape[:2]
+        if h > out * resample.LINEAR_UP_TO or w > out * resample.LINEAR_UP_TO:
+            sy, sx = resample._pre_blur_sigma(h / out), resample._pre_blur_sigma(w / out)
+            k = [2 * math.ceil(3 * v) + 1 if v else 1 for v in (sx, sy)]
+            arr = cv2.GaussianBlur(arr, tuple(k), sigmaX=sx or 1.0, sigmaY=sy or 1.0)
+        return cv2.resize(arr, (out, out), interpolation=cv2.INTER_LINEAR)
+
     def shipped_window(data, win, arr, scaled=None):  # what the array fast path runs on a full-scale window
         return resample.resize_window(arr, out, out)
 
@@ -252,6 +261,7 @@ def _resize_candidates(out: int = 224) -> dict:
         "torch AA": torch_aa,
         "opencv INTER_LINEAR": cv_linear,
         "opencv Gaussian pre-blur + INTER_LINEAR": cv_preblur_linear,
+        "pre-blur on +-3 sigma taps + INTER_LINEAR (before the 3 taps)": cv_preblur_3sigma_linear,
         "shipped resize_window": shipped_window,
         "opencv INTER_AREA": cv_area,
         "fast, Pillow-image path (bytes -> output)": shipped_fast,

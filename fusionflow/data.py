@@ -71,9 +71,7 @@ class DictSamples:
         self.dataset = dataset
         self.image_keys = _dict_keys(image_key, "sample_keys' image key")
         self.target_keys = None if target_key is None else _dict_keys(target_key, "sample_keys' target key")
-        for name in ("sizes", "describe"):  # what the loader reads from a dataset, when it has them
-            if getattr(dataset, name, None) is not None:
-                setattr(self, name, getattr(dataset, name))
+        _carry_sizes_and_names(self, dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -89,6 +87,14 @@ class DictSamples:
         if self.target_keys is None:
             return image, None
         return image, _target_value(_lookup(item, self.target_keys, index, "target"))
+
+
+def _carry_sizes_and_names(wrapper, dataset) -> None:
+    """What the loader reads from a dataset besides its samples (`sizes`, `describe`), on a wrapper,
+    where the dataset has them."""
+    for name in ("sizes", "describe"):
+        if getattr(dataset, name, None) is not None:
+            setattr(wrapper, name, getattr(dataset, name))
 
 
 def _dict_keys(key, what: str) -> tuple[str, ...]:
@@ -174,9 +180,7 @@ class ReadAhead:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ValueError(f"read_ahead={threads!r} must be an integer >= 1 (0 or None: no read-ahead)")
         self.dataset, self.threads = dataset, threads
-        for name in ("sizes", "describe"):
-            if getattr(dataset, name, None) is not None:
-                setattr(self, name, getattr(dataset, name))
+        _carry_sizes_and_names(self, dataset)
         self._pool, self._pending, self._pid = None, {}, os.getpid()
 
     def __len__(self) -> int:

@@ -192,6 +192,12 @@ def _batches(loader):
     return [(x.clone(), y.clone()) for x, y in loader]
 
 
+def _same_batches(got, want) -> bool:
+    return len(got) == len(want) > 0 and all(
+        torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(got, want)
+    )
+
+
 def test_loader_over_shards_equals_loader_over_the_folder(folder, shards):
     kw = dict(
         batch_size=5, shuffle=True, num_workers=2, policy=SMALL, seed=3, generator=torch.Generator().manual_seed(1)
@@ -199,9 +205,7 @@ def test_loader_over_shards_equals_loader_over_the_folder(folder, shards):
     want = _batches(FusionFlowLoader(folder, **kw))
     kw["generator"] = torch.Generator().manual_seed(1)
     got = _batches(FusionFlowLoader(TarShards(shards), **kw))
-    assert len(got) == len(want) == 6
-    for (x, y), (x2, y2) in zip(got, want):
-        assert torch.equal(x, x2) and torch.equal(y, y2)
+    assert len(got) == 6 and _same_batches(got, want)
 
 
 def test_exactly_once_with_a_distributed_sampler_over_shards(folder, tmp_path):
@@ -239,7 +243,7 @@ def test_dict_samples_through_sample_keys(folder, style, keys):
     kw = dict(batch_size=6, num_workers=2, policy=SMALL, seed=1)
     want = _batches(FusionFlowLoader(folder, **kw))
     got = _batches(FusionFlowLoader(DictDataset(folder, style), sample_keys=keys, **kw))
-    assert all(torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(got, want))
+    assert _same_batches(got, want)
     assert DictSamples(DictDataset(folder, style), keys[0])[4] == (folder[4][0], None)
 
 
@@ -321,9 +325,7 @@ def test_read_ahead_gives_the_same_batches(folder, num_workers):
     want = _batches(FusionFlowLoader(folder, generator=torch.Generator().manual_seed(4), **kw))
     loader = FusionFlowLoader(SlowReads(folder, 0.002), read_ahead=3, generator=torch.Generator().manual_seed(4), **kw)
     got = _batches(loader)
-    assert len(got) == len(want) and all(
-        torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(got, want)
-    )
+    assert _same_batches(got, want)
     assert DictSamples(DictDataset(folder, "wids"), "jpg", "cls")[2] == folder[2]  # and inline, dicts work too
 
 
@@ -379,9 +381,7 @@ def test_wids_and_hugging_face_datasets_through_sample_keys(folder, shards, tmp_
     ).cast_column("image", datasets.Image(decode=False))
     for ds, keys in ((raw, ("jpg", "cls")), (hf, ("image", "label"))):
         got = _batches(FusionFlowLoader(ds, sample_keys=keys, **kw))
-        assert len(got) == len(want) and all(
-            torch.equal(x, x2) and torch.equal(y, y2) for (x, y), (x2, y2) in zip(got, want)
-        )
+        assert _same_batches(got, want)
     decoded = wids.ShardListDataset(spec, cache_dir=str(tmp_path / "wids2"))  # its default: PIL images, int targets
     labels = [int(v) for _, y in FusionFlowLoader(decoded, sample_keys=("jpg", "cls"), **kw) for v in y]
     assert labels == [int(v) for _, y in want for v in y]

@@ -20,12 +20,11 @@ from fusionflow.ops.specs import registrar
 CpuOp = Callable[[Image.Image, float, tuple, "Style"], Image.Image]
 CPU_IMPLS: dict[str, CpuOp] = {}
 
-_RESAMPLE = {
+RESAMPLE = {  # the policies' interpolation names -> Pillow's filters (crop and ops)
     "nearest": Image.Resampling.NEAREST,
     "bilinear": Image.Resampling.BILINEAR,
     "bicubic": Image.Resampling.BICUBIC,
 }
-RESAMPLE = _RESAMPLE  # the policies' interpolation names -> Pillow's filters (crop and ops)
 
 
 @dataclass(frozen=True)
@@ -35,7 +34,7 @@ class Style:
 
     @property
     def resample(self):
-        return _RESAMPLE[self.interpolation]
+        return RESAMPLE[self.interpolation]
 
 
 cpu_impl = registrar(CPU_IMPLS, "cpu_impl")

@@ -46,8 +46,8 @@ def _blur_for(arr: np.ndarray, ratio_y: float, ratio_x: float) -> np.ndarray:
 
 def _taps(sigma: float) -> int:
     """Three taps below sigma 0.9 (every window under 2x the output: sigma < 0.87): there the taps at
-    +-1 px hold most of the weight, and the PSNR against Pillow is that of +-3 sigma (5-7 taps) in
-    about 70% of the time (experiments/README.md, "Arrays"); +-3 sigma beyond; 1 (no blur) at 0."""
+    +-1 px hold most of the weight, and the PSNR against Pillow is that of +-3 sigma (5-7 taps) or a
+    little better, with fewer taps (experiments/README.md, "Arrays"); +-3 sigma beyond; 1 at 0."""
     if not sigma:
         return 1
     return 3 if sigma < 0.9 else 2 * math.ceil(3 * sigma) + 1
