@@ -18,6 +18,8 @@ VALUES = {
     "ShearY": [-0.3, 0.09, 0.5, 0.99],
     "TranslateX": [-101.5, -30.4, 7.0, 32.0],
     "TranslateY": [-32.0, 30.45, 101.5],
+    "ShiftX": [-100.8, -0.5, 22.4, 67.2],
+    "ShiftY": [-67.2, 0.25, 33.6],
     "Rotate": [-135.0, -30.0, 9.0, 90.0, 180.0],
     "Brightness": [-0.9, -0.27, 0.27, 0.99],
     "Color": [-0.9, -0.27, 0.27, 0.99],
@@ -32,6 +34,9 @@ VALUES = {
 }
 # Per-op tolerance on max |difference|: every op here reproduces torchvision's PIL path exactly.
 TOLERANCE = {name: 0 for name in VALUES}
+# but ShiftX/Y (timm's fractional translation, whose exact reference is timm: tests/test_timm.py): torchvision's
+# affine adds and subtracts the image centre, moving the offset by ~1e-14 px -- one level on rare bilinear pixels
+TOLERANCE.update(ShiftX=1, ShiftY=1)
 
 CASES = [(n, v) for n, vs in VALUES.items() for v in vs]
 

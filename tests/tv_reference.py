@@ -39,6 +39,9 @@ def tv_op(name: str, img: Image.Image, value: float, fill=(0, 0, 0), interpolati
         return F.to_pil_image(F.posterize(F.pil_to_tensor(img), 0))
     if name == "Cutout":
         return tv_cutout(img, value, aux, fill)
+    if name in ("ShiftX", "ShiftY"):  # a fractional translation: torchvision's affine takes float offsets
+        shift = [value, 0.0] if name == "ShiftX" else [0.0, value]
+        return F.affine(img, 0.0, shift, 1.0, [0.0, 0.0], _MODES[interpolation], list(fill))
     aug = T.RandAugment(interpolation=_MODES[interpolation], fill=list(fill))
     magnitude = value / 255.0 if name == "Solarize" else value  # torchvision: threshold = 255 * m
     return aug._apply_image_or_video_transform(img, name, magnitude, interpolation=aug.interpolation, fill=aug._fill)

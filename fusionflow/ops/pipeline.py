@@ -12,7 +12,7 @@ from functools import partial
 import numpy as np
 from PIL import Image
 
-from fusionflow.ops import cpu, cpu_array, jpeg
+from fusionflow.ops import cpu, cpu_array, jpeg, mix
 from fusionflow.ops.decode import (
     decode_box_resize,
     decode_crop_resize,
@@ -34,6 +34,8 @@ class CpuPipeline:
         self.policy: Policy = load_policy(policy)
         aug = self.policy.augment
         self.style = cpu.Style(aug.interpolation, aug.fill)
+        # ops whose interpolation is drawn per op (timm's 'random') carry it: one style per filter
+        self._styles = {name: cpu.Style(name, aug.fill) for name in cpu.RESAMPLE}
         self.out_shape = self.policy.out_shape
         self.out_dtype = np.dtype(self.policy.out_dtype)
         self.fast = self.policy.fast_downscale
@@ -52,7 +54,7 @@ class CpuPipeline:
         p = self.policy
         if p.center_resize is not None:  # eval: the unrounded centre crop
             img = self._center(data, what)
-        elif p.crop_interpolation != "bilinear":
+        elif (d.crop_resample or p.crop_interpolation) != "bilinear":
             img = self._filtered(data, d, what)
         else:
             img = decode_crop_resize(data, partial(crop_window, p, d), p.size, p.fast_downscale, what, p.max_pixels)
@@ -62,9 +64,29 @@ class CpuPipeline:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if tick is not None:
             tick("flip")
+        img = self._run_ops(img, d.ops, self._pillow_op, tick)
+        if d.mix is not None:
+            base = img
+            img = Image.fromarray(
+                mix.augmix(np.asarray(base), d.mix, lambda ops: np.asarray(self._run_ops(base, ops, self._pillow_op)))
+            )
+            if tick is not None:
+                tick("augmix")
+        return img
+
+    def _style(self, op) -> cpu.Style:
+        return self.style if op.resample is None else self._styles[op.resample]
+
+    def _pillow_op(self, img, op, h, w):
+        return cpu.apply(op.name, img, op.value, op.params(h, w), self._style(op))
+
+    def _array_op(self, arr, op, h, w):
+        return self._kernels[op.name](arr, op.value, op.params(h, w), self._style(op))
+
+    def _run_ops(self, img, ops, run_op, tick=None):
         h, w = self.policy.size
-        for op in d.ops:
-            img = cpu.apply(op.name, img, op.value, op.params(h, w), self.style)
+        for op in ops:
+            img = run_op(img, op, h, w)
             if tick is not None:
                 tick(op.name)
         return img
@@ -81,14 +103,14 @@ class CpuPipeline:
         """A random resized crop with bicubic or nearest: Pillow's filter on the full-scale window in
         both modes (the fast mode's kernels are bilinear ones)."""
         p = self.policy
-        resample = cpu.RESAMPLE[p.crop_interpolation]
+        resample = cpu.RESAMPLE[d.crop_resample or p.crop_interpolation]
         return decode_crop_resize_filtered(data, partial(crop_window, p, d), p.size, resample, what, p.max_pixels)
 
     def array(self, data, d: SampleDraw, what: str | None = None, tick=None) -> np.ndarray:
         """fast mode: the augmented sample as a uint8 HWC RGB array of the output size."""
         if self.policy.center_resize is not None:
             arr = np.asarray(self._center(data, what))
-        elif self.policy.crop_interpolation != "bilinear":
+        elif (d.crop_resample or self.policy.crop_interpolation) != "bilinear":
             arr = np.asarray(self._filtered(data, d, what))
         else:
             arr = decode_crop_resize_array(
@@ -100,11 +122,12 @@ class CpuPipeline:
             arr = cpu_array.flip(arr)
         if tick is not None:
             tick("flip")
-        h, w = self.policy.size
-        for op in d.ops:
-            arr = self._kernels[op.name](arr, op.value, op.params(h, w), self.style)
+        arr = self._run_ops(arr, d.ops, self._array_op, tick)
+        if d.mix is not None:
+            base = arr
+            arr = mix.augmix(base, d.mix, lambda ops: self._run_ops(base, ops, self._array_op))
             if tick is not None:
-                tick(op.name)
+                tick("augmix")
         return arr
 
     def run_draw(
@@ -116,9 +139,9 @@ class CpuPipeline:
             self._write_array(self.array(data, d, what, tick), out)
         else:
             self._write_image(self.image(data, d, what, tick), out)
-        if d.erase is not None:  # torchvision's F.erase on the output tensor: the rectangle := fill
-            e = d.erase
-            out[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(self.policy.erase)
+        if d.erase is not None:  # torchvision's / timm's erase on the output tensor: each rectangle := fill
+            for (top, left, h, w), fill in zip(d.erase.rects, d.erase.fills(self.policy.erase)):
+                out[:, top : top + h, left : left + w] = fill
         if tick is not None:
             tick("write")
         return out

@@ -20,12 +20,15 @@ DEFAULT_MAX_PIXELS = 178_956_970
 
 @dataclass(frozen=True)
 class Erase:
-    """torchvision.transforms.v2.RandomErasing(p, scale, ratio, value), applied to the output."""
+    """torchvision.transforms.v2.RandomErasing(p, scale, ratio, value), applied to the output; with
+    `count` and `noise`, timm's RandomErasing (max_count, modes const / rand / pixel)."""
 
     p: float = 0.5
     scale: tuple[float, float] = (0.02, 0.33)
     ratio: tuple[float, float] = (0.3, 3.3)
-    value: tuple[float, float, float] | None = (0.0, 0.0, 0.0)  # None: "random" (standard normal noise)
+    value: tuple[float, float, float] | None = (0.0, 0.0, 0.0)  # None: standard normal noise
+    noise: str = "pixel"  # value None: "pixel" (per pixel, 'random') or "color" (per channel, 'random_color')
+    count: tuple[int, int] = (1, 1)  # rectangles per erased sample, drawn uniformly; each gets area / count
 
 
 def parse_output(r: _Reader, raw: Any):
@@ -65,7 +68,7 @@ def parse_decode(r: _Reader, top: dict) -> tuple[bool, int | None]:
     return fast, max_pixels
 
 
-CROP_INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+CROP_INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "random")  # random: bilinear or bicubic per sample (timm)
 
 
 def parse_crop(r: _Reader, top: dict, size: tuple[int, int]):
@@ -78,6 +81,8 @@ def parse_crop(r: _Reader, top: dict, size: tuple[int, int]):
     crop = r.mapping(top["crop"], "crop", (), ("mode", "scale", "ratio", "resize", "interpolation"))
     interpolation = r.choice(crop.get("interpolation", "bilinear"), "crop.interpolation", CROP_INTERPOLATIONS)
     center_resize = _center_crop(r, crop, size)
+    if center_resize is not None and interpolation == "random":
+        r.fail("crop.interpolation", "'random' (drawn per sample) is for the random resized crop, not crop.mode center")
     if "scale" in crop:
         scale = r.pair(crop["scale"], "crop.scale", 0.0, 1.0)
         if scale[0] <= 0:
@@ -94,21 +99,29 @@ def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
             "p": raw.p,
             "scale": raw.scale,
             "ratio": raw.ratio,
-            "value": "random" if raw.value is None else raw.value,
+            "value": {"pixel": "random", "color": "random_color"}[raw.noise] if raw.value is None else raw.value,
+            "count": list(raw.count),
         }
-    e = r.mapping(raw, path, (), ("p", "scale", "ratio", "value"))
+    e = r.mapping(raw, path, (), ("p", "scale", "ratio", "value", "count"))
     p = r.number(e.get("p", 0.5), f"{path}.p", 0.0, 1.0)
     scale = r.pair(e.get("scale", (0.02, 0.33)), f"{path}.scale", 0.0, 1.0)
     ratio = r.pair(e.get("ratio", (0.3, 3.3)), f"{path}.ratio", 1e-3, 1e3)
+    raw_count = e.get("count", 1)
+    if isinstance(raw_count, (list, tuple)):
+        count = tuple(int(v) for v in r.pair(raw_count, f"{path}.count", 1, 100))
+        if any(v != int(v) for v in raw_count):
+            r.fail(f"{path}.count", f"expected integers, got {list(raw_count)!r}")
+    else:
+        count = (r.integer(raw_count, f"{path}.count", 1, 100),) * 2
     raw_value = e.get("value", 0)
-    if raw_value == "random":
+    if raw_value in ("random", "random_color"):
         if normalize is None:
             r.fail(
                 f"{path}.value",
-                "'random' (standard normal noise) needs float output: add output.normalize "
-                "(torchvision erases after Normalize), or use a number or [r, g, b]",
+                f"{raw_value!r} (standard normal noise) needs float output: add output.normalize "
+                "(torchvision and timm erase after Normalize), or use a number or [r, g, b]",
             )
-        return Erase(p, scale, ratio, None)
+        return Erase(p, scale, ratio, None, "pixel" if raw_value == "random" else "color", count)
     if isinstance(raw_value, (list, tuple)) and len(raw_value) == 1:
         raw_value = raw_value[0]
     if isinstance(raw_value, (list, tuple)):
@@ -116,14 +129,14 @@ def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
     elif isinstance(raw_value, (int, float)) and not isinstance(raw_value, bool):
         value = (float(raw_value),) * 3
     else:
-        r.fail(f"{path}.value", f"expected a number, [r, g, b] or 'random', got {raw_value!r}")
+        r.fail(f"{path}.value", f"expected a number, [r, g, b], 'random' or 'random_color', got {raw_value!r}")
     if normalize is None and not all(v == int(v) and 0 <= v <= 255 for v in value):
         r.fail(
             f"{path}.value",
             f"{list(value)}: without output.normalize the output is uint8, so the value "
             "must be integers 0..255 (or add output.normalize to erase in normalised units)",
         )
-    return Erase(p, scale, ratio, value)
+    return Erase(p, scale, ratio, value, count=count)
 
 
 def _center_crop(r: _Reader, crop: dict, size: tuple[int, int]) -> int | None:

@@ -23,51 +23,17 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 
-from fusionflow.ops.specs import OPS, ParamTuple
+from fusionflow.policy.draws import EraseDraw, MixDraw, OpDraw, SampleDraw, TimmStep
 from fusionflow.policy.image_sections import Erase
 from fusionflow.policy.schema import Policy
+from fusionflow.policy.timm_augment import draw_timm
+
+__all__ = ["EraseDraw", "MixDraw", "OpDraw", "SampleDraw", "TimmStep", "crop_window", "draw", "uniforms"]
 
 CROP_TRIES = 10
-
-
-@dataclass(frozen=True)
-class OpDraw:
-    name: str
-    value: float  # in the op's unit (see fusionflow.ops.specs), sign applied
-    aux: tuple[float, float]  # two uniforms for ops that place something (Cutout)
-
-    def params(self, height: int, width: int) -> ParamTuple:
-        return OPS[self.name].resolve(self.value, self.aux, height, width)
-
-
-@dataclass(frozen=True)
-class EraseDraw:
-    """torchvision's RandomErasing parameters at the output size: the rectangle, and the seed of
-    its standard normal noise when the policy erases with value 'random'."""
-
-    top: int
-    left: int
-    height: int
-    width: int
-    noise_seed: int
-
-    def fill(self, erase: Erase) -> np.ndarray:
-        """What goes into the rectangle, float32 broadcastable to (3, height, width)."""
-        if erase.value is None:
-            return np.random.default_rng(self.noise_seed).standard_normal((3, self.height, self.width), np.float32)
-        return np.asarray(erase.value, np.float32).reshape(3, 1, 1)
-
-
-@dataclass(frozen=True)
-class SampleDraw:
-    crop_u: tuple[float, ...]  # CROP_TRIES * 4 uniforms: area, log-ratio, top, left
-    flip: bool
-    ops: tuple[OpDraw, ...]  # applied in order after crop and flip
-    erase: EraseDraw | None = None  # applied last, to the (normalised) output; None: not erased
 
 
 _WORD = (1 << 64) - 1
@@ -160,37 +126,58 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
             op = _op(aug.op(step.op), step.bin or 0, aug.num_bins, rng)
             if apply:
                 ops.append(op)
+    mix, steps = None, ()
+    if aug.timm is not None:
+        ops, mix, steps = draw_timm(aug, policy.size, rng)
     erase = _erase(policy.erase, policy.size, rng) if policy.erase is not None else None
-    return SampleDraw(crop_u=crop_u, flip=flip, ops=tuple(ops), erase=erase)
+    crop_resample = None
+    if policy.crop_interpolation == "random":  # timm's RandomResizedCropAndInterpolation: one of two per sample
+        crop_resample = "bilinear" if rng.random() < 0.5 else "bicubic"
+    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps)
 
 
 def _erase(erase: Erase, size: tuple[int, int], rng: _Stream) -> EraseDraw | None:
-    """torchvision's RandomErasing.make_params at the output size, from a fixed number of draws
-    (after every other draw, so a policy's other draws do not depend on whether it erases)."""
+    """RandomErasing at the output size from a fixed number of draws (after every other draw, so a
+    policy's other draws do not depend on whether it erases): torchvision's make_params, and for
+    count > 1 timm's -- the count, then one rectangle of area / count per count, each given up after
+    CROP_TRIES misses."""
     apply = rng.random() < erase.p
-    u = rng.random(CROP_TRIES * 4)
+    tries = [rng.random(CROP_TRIES * 4)]
     noise_seed = rng.integers(1 << 53)
+    lo, hi = erase.count
+    count = lo
+    if hi > 1:  # more draws only for timm's counts: a torchvision policy's draws stay as they were
+        count = lo + rng.integers(hi - lo + 1)
+        tries += [rng.random(CROP_TRIES * 4) for _ in range(hi - 1)]
     if not apply:
         return None
     img_h, img_w = size
-    for h, w, ut, ul in _area_ratio_tries(u, img_h * img_w, erase.scale, erase.ratio):  # h from target*aspect
-        if h < img_h and w < img_w:
-            top = min(int(ut * (img_h - h + 1)), img_h - h)
-            left = min(int(ul * (img_w - w + 1)), img_w - w)
-            return EraseDraw(top, left, h, w, noise_seed)
-    return None  # torchvision leaves the image as it is when no try fits
+    rects = []
+    for u in tries[:count]:
+        for h, w, ut, ul in _area_ratio_tries(
+            u, img_h * img_w, erase.scale, erase.ratio, count
+        ):  # h from target*aspect
+            if h < img_h and w < img_w:
+                top = min(int(ut * (img_h - h + 1)), img_h - h)
+                left = min(int(ul * (img_w - w + 1)), img_w - w)
+                rects.append((top, left, h, w))
+                break
+    if not rects:
+        return None  # torchvision leaves the image as it is when no try fits
+    return EraseDraw(*rects[0], noise_seed, tuple(rects[1:]))
 
 
-def _area_ratio_tries(u, area: float, scale, ratio):
+def _area_ratio_tries(u, area: float, scale, ratio, count: int = 1):
     """torchvision's CROP_TRIES tries of a rectangle of random area (a fraction in `scale` of `area`) and
-    log-uniform aspect ratio in `ratio`, four uniforms of `u` each: yields (round(sqrt(target * aspect)),
+    log-uniform aspect ratio in `ratio` (the area divided by `count`: timm's erasing), four uniforms
+    of `u` each: yields (round(sqrt(target * aspect)),
     round(sqrt(target / aspect)), u_top, u_left). RandomResizedCrop reads the first as the width,
     RandomErasing as the height."""
     (s0, s1), (r0, r1) = scale, ratio
     log_r0, log_r1 = math.log(r0), math.log(r1)
     for t in range(CROP_TRIES):
         ua, ur, ut, ul = u[4 * t : 4 * t + 4]
-        target = area * (s0 + ua * (s1 - s0))
+        target = area * (s0 + ua * (s1 - s0)) / count  # timm's erasing: area / count per rectangle
         aspect = math.exp(log_r0 + ur * (log_r1 - log_r0))
         yield int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect))), ut, ul
 

@@ -20,19 +20,24 @@ The schema (documented for users in configs/README.md):
       scale: [lo, hi]                  area fraction, 0 < lo <= hi <= 1
       ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
       resize: int                      center: the shorter side is resized to this, >= output.size
-      interpolation: bilinear | bicubic | nearest   the crop's (or Resize's) filter, Pillow's as
-                                       torchvision's PIL path uses it (antialiased); default bilinear.
-                                       Not bilinear: the DALI accelerator declines the policy
+      interpolation: bilinear | bicubic | nearest | random   the crop's (or Resize's) filter, Pillow's
+                                       as torchvision's PIL path uses it (antialiased); default bilinear;
+                                       random: bilinear or bicubic drawn per sample (timm's
+                                       RandomResizedCropAndInterpolation). Not bilinear: the DALI
+                                       accelerator declines the policy
     flip: float                        horizontal flip probability
     erase:                             torchvision's RandomErasing, last (after normalisation if any)
       p: float                         probability, default 0.5
       scale: [lo, hi]                  erased area fraction, 0 <= lo <= hi <= 1, default [0.02, 0.33]
       ratio: [lo, hi]                  aspect ratio h/w, 0 < lo <= hi, default [0.3, 3.3]
-      value: number | [r, g, b] | random   default 0; in the output's units (normalised units when
-                                       output.normalize is set, else 0..255 integers); random
-                                       (standard normal noise) needs output.normalize
-    augment:
-      type: none | rand | trivial | subpolicy
+      value: number | [r, g, b] | random | random_color   default 0; in the output's units
+                                       (normalised units when output.normalize is set, else 0..255
+                                       integers); random (standard normal noise per pixel) and
+                                       random_color (per channel: timm's mode 'rand') need output.normalize
+      count: int | [lo, hi]            rectangles per erased sample, drawn uniformly, each of area / count
+                                       (timm's max_count); default 1
+    augment:                           (the timm-rand / timm-auto / timm-augmix types: policy/timm_augment.py)
+      type: none | rand | trivial | subpolicy | timm-rand | timm-auto | timm-augmix
       ops: {OpName: {range: [v0, v1], signed: bool} or {} for ops without magnitude}
                                        pixel-valued ops (TranslateX/Y, Cutout) also take
                                        scale_with_size: bool (default true): a size override
@@ -68,8 +73,10 @@ from fusionflow.policy.image_sections import (
     parse_output,
 )
 from fusionflow.policy.reader import _Reader
+from fusionflow.policy.timm_augment import TIMM_TYPES, TimmAugment, parse_timm
+from fusionflow.policy.timm_augment import max_ops as timm_max_ops
 
-AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy")
+AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy", *TIMM_TYPES)
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 
 
@@ -107,8 +114,9 @@ class Augment:
     num_ops: int = 0
     magnitude: int | None = None
     subpolicies: tuple[tuple[Step, ...], ...] = ()
-    interpolation: str = "nearest"
+    interpolation: str = "nearest"  # timm types: bilinear, bicubic or random (drawn per op)
     fill: tuple[int, int, int] = (0, 0, 0)
+    timm: TimmAugment | None = None  # the timm-* types' settings
 
     def op(self, name: str) -> OpChoice:
         for choice in self.ops:
@@ -125,6 +133,8 @@ class Augment:
             return 1
         if self.type == "subpolicy":
             return max(len(sp) for sp in self.subpolicies)
+        if self.timm is not None:
+            return timm_max_ops(self.type, self.timm)
         return 0
 
 
@@ -197,6 +207,9 @@ def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
     if kind == "none":
         r.mapping(raw, "augment", ("type",), ())
         return Augment(type="none")
+    if kind in TIMM_TYPES:
+        timm, interpolation, fill = parse_timm(r, raw, kind)
+        return Augment(type=kind, interpolation=interpolation, fill=fill, timm=timm)
     if kind == "rand":
         a = r.mapping(raw, "augment", ("type", "ops", "num_ops", "magnitude", "num_bins"), common)
     elif kind == "trivial":

@@ -1,0 +1,90 @@
+"""What one sample's draw decided, as plain frozen data: the ops with their values, the erased
+rectangles, timm's AugMix mixture. `fusionflow.policy.sampling.draw` makes them (a pure function of
+policy, seed, epoch, index and copy); every worker kind executes them the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionflow.ops.specs import OPS, ParamTuple
+from fusionflow.policy.image_sections import Erase
+
+
+@dataclass(frozen=True)
+class OpDraw:
+    name: str
+    value: float  # in the op's unit (see fusionflow.ops.specs), sign applied
+    aux: tuple[float, float]  # two uniforms for ops that place something (Cutout)
+    resample: str | None = None  # this op's interpolation when drawn per op (timm's 'random'); None: the policy's
+
+    def params(self, height: int, width: int) -> ParamTuple:
+        return OPS[self.name].resolve(self.value, self.aux, height, width)
+
+
+@dataclass(frozen=True)
+class EraseDraw:
+    """RandomErasing's parameters at the output size: the rectangle (timm's count > 1: more in
+    `more`), and the seed of the standard normal noise when the policy erases with noise."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    noise_seed: int
+    more: tuple[tuple[int, int, int, int], ...] = ()  # further (top, left, height, width), in order
+
+    @property
+    def rects(self) -> tuple[tuple[int, int, int, int], ...]:
+        return ((self.top, self.left, self.height, self.width), *self.more)
+
+    def fill(self, erase: Erase) -> np.ndarray:
+        """What goes into the first rectangle, float32 broadcastable to (3, height, width)."""
+        return self.fills(erase)[0]
+
+    def fills(self, erase: Erase) -> list[np.ndarray]:
+        """What goes into each rectangle: the value, or noise (per pixel, or per channel for
+        'random_color') from one generator in rectangle order."""
+        if erase.value is not None:
+            return [np.asarray(erase.value, np.float32).reshape(3, 1, 1)] * len(self.rects)
+        rng = np.random.default_rng(self.noise_seed)
+        shape = (lambda h, w: (3, 1, 1)) if erase.noise == "color" else (lambda h, w: (3, h, w))
+        return [rng.standard_normal(shape(h, w), np.float32) for _, _, h, w in self.rects]
+
+
+@dataclass(frozen=True)
+class TimmStep:
+    """One of timm's AugmentOp calls as drawn, in timm's terms (what a test feeds timm's own objects):
+    the op, whether it applied, the magnitude before clamping, the sign, the interpolation, and for
+    AugMix the chain it belongs to."""
+
+    op: str
+    applied: bool
+    level: float
+    negate: bool
+    resample: str
+    chain: int = 0
+
+
+@dataclass(frozen=True)
+class MixDraw:
+    """timm's AugMix on the sample: `chains[k]` applied to the image, the results summed with
+    weights[k] (Dirichlet), then blended with the image by m (Beta); float64 as drawn, used as float32."""
+
+    weights: tuple[float, ...]
+    m: float
+    chains: tuple[tuple[OpDraw, ...], ...]
+    blended: bool = False  # timm's 'b1': each chain blended into the running image, no final blend
+
+
+@dataclass(frozen=True)
+class SampleDraw:
+    crop_u: tuple[float, ...]  # CROP_TRIES * 4 uniforms: area, log-ratio, top, left
+    flip: bool
+    ops: tuple[OpDraw, ...]  # applied in order after crop and flip
+    erase: EraseDraw | None = None  # applied last, to the (normalised) output; None: not erased
+    mix: MixDraw | None = None  # timm's AugMix, after crop and flip (then `ops` is empty)
+    crop_resample: str | None = None  # the crop's filter when drawn per sample; None: the policy's
+    steps: tuple[TimmStep, ...] = ()  # timm policies: the draw in timm's terms
