@@ -1,8 +1,9 @@
 """FusionFlow: CPU-GPU cooperative data augmentation for PyTorch training.
 
 Public API: `FusionFlowLoader`, `RayWorkers` (remote CPU workers; needs the `ray` extra), `ImageFolder`,
-`TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`,
-`Policy`, and FusionFlow's errors.
+`TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`
+(torchvision and timm transforms), `from_timm` (timm's create_transform arguments), `Policy`, and
+FusionFlow's errors.
 `FusionFlowLoader` (which imports torch) is loaded on first use, so policy tooling stays light.
 """
 
@@ -24,6 +25,7 @@ from fusionflow.errors import (
 from fusionflow.from_torchvision import policy_from_transform  # imports torchvision only when called
 from fusionflow.policy import Policy, load_policy
 from fusionflow.shards import ShardError, TarShards
+from fusionflow.timm_transforms import from_timm  # imports timm only when called
 
 __all__ = [
     "AcceleratorError",
@@ -45,6 +47,7 @@ __all__ = [
     "SharedMemoryError",
     "TarShards",
     "WorkerStartError",
+    "from_timm",
     "load_policy",
     "policy_from_transform",
 ]

@@ -42,6 +42,17 @@ class ImageFolder:
         if not self.paths:
             raise ValueError(f"ImageFolder root {root!r} holds no files ending in {', '.join(exts)}")
 
+    @classmethod
+    def of_samples(cls, root: str, samples, classes) -> ImageFolder:
+        """The reader of a list of (path, class index), e.g. torchvision's `ImageFolder.samples`, in its order."""
+        self = cls.__new__(cls)
+        self.root, self.classes = root, list(classes)
+        self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
+        self.paths = [os.fspath(p) for p, _ in samples]
+        self.targets = [int(t) for _, t in samples]
+        self.sizes = [os.stat(p).st_size for p in self.paths]
+        return self
+
     def __len__(self) -> int:
         return len(self.paths)
 

@@ -27,23 +27,20 @@ Anything else -- another transform, another order, an argument FusionFlow does n
 naming the first transform it cannot express and why: the policy is the same recipe, or there is
 no policy.
 
-The op tables come from the torchvision object itself (its magnitude bins at the policy's output
-size), converted to FusionFlow's units (fusionflow/ops/specs.py: Solarize's threshold is 255 x
-torchvision's magnitude on uint8 images), and every bin is checked to map to torchvision's value.
+The auto-augmentation's tables: fusionflow/from_torchvision_augment.py; timm's transforms (its
+RandomResizedCropAndInterpolation, RandAugment / AutoAugment / AugMix, RandomErasing): fusionflow/timm_transforms.py.
 
 Imports torch and torchvision lazily, on call; fusionflow.policy stays free of both.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
-import numpy as np
-
+from fusionflow import timm_transforms
+from fusionflow.from_torchvision_augment import INTERPOLATIONS, augment_section, mode_name
 from fusionflow.policy.schema import Policy, parse_policy
 
-_INTERPOLATIONS = {"nearest": "nearest", "bilinear": "bilinear", "bicubic": "bicubic"}
 _TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing", "ToPureTensor")
 
 
@@ -61,13 +58,9 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
 
     steps, read = [], []
     for k, t in enumerate(originals):
-        v2 = _as_v2(t)
+        v2 = timm_transforms.convert(t, lambda why, k=k: fail(k, why)) if timm_transforms.is_timm(t) else _as_v2(t)
         if v2 is None:
-            fail(
-                k,
-                "is not a torchvision transform FusionFlow can read; build the pipeline from torchvision.transforms "
-                "or torchvision.transforms.v2 classes (lambdas and other callables cannot be read)",
-            )
+            fail(k, _unreadable(t))
         steps += v2
         read += [t] * len(v2)  # error messages name the transform as the caller wrote it
     originals = read
@@ -91,7 +84,10 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         cfg["flip"] = float(steps[pos].p)
         pos += 1
     if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide)):
-        cfg["augment"] = _augment(steps[pos], size, lambda why, k=pos: fail(k, why))
+        cfg["augment"] = augment_section(steps[pos], size, lambda why, k=pos: fail(k, why))
+        pos += 1
+    elif pos < len(steps) and _part(steps[pos], "augment"):  # timm's RandAugment / AutoAugment / AugMix
+        cfg["augment"] = steps[pos].cfg
         pos += 1
 
     _read_tensor_steps(steps, pos, cfg, fail)  # 3. to tensor, dtype, normalisation, erasing
@@ -106,7 +102,11 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
     crop; returns the index of the next step."""
     pos = 0
     t = steps[pos]
-    if isinstance(t, T.RandomResizedCrop):
+    if _part(t, "crop"):  # timm's RandomResizedCropAndInterpolation
+        cfg["output"] = {"size": t.cfg["size"]}
+        cfg["crop"] = {k: t.cfg[k] for k in ("scale", "ratio", "interpolation")}
+        pos += 1
+    elif isinstance(t, T.RandomResizedCrop):
         mode = _check_resize_mode(t, fail, pos)
         cfg["output"] = {"size": list(t.size)}
         cfg["crop"] = {"scale": [float(v) for v in t.scale], "ratio": [float(v) for v in t.ratio]}
@@ -142,7 +142,7 @@ def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
     seen: set[str] = set()
     for k in range(pos, len(steps)):
         t = steps[k]
-        name = type(t).__name__
+        name = "RandomErasing" if _part(t, "erase") else type(t).__name__
         if name not in _TENSOR_STEPS:
             fail(
                 k,
@@ -186,6 +186,9 @@ def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
             cfg["output"]["normalize"] = {"mean": mean, "std": std}
         elif name == "RandomErasing":
             erase_at = k
+            if _part(t, "erase"):  # timm's RandomErasing (after Normalize, as timm's pipeline has it)
+                cfg["erase"] = t.cfg
+                continue
             value = "random" if t.value is None else list(t.value)
             if value != "random" and not to_float:
                 value = [int(v) if float(v).is_integer() else v for v in value]
@@ -254,29 +257,43 @@ def _as_v2(t) -> list | None:
     return [convert[name]()] if name in convert else None
 
 
+def _part(t, role: str) -> bool:
+    return isinstance(t, timm_transforms.TimmPart) and t.role == role
+
+
+def _unreadable(t) -> str:
+    import torchvision.transforms as T1
+    import torchvision.transforms.v2 as T
+
+    name = type(t).__name__
+    if type(t) in (getattr(T1, name, None), getattr(T, name, None)) and name != "Lambda":
+        hint = " (timm adds it when no auto_augment is given: pass color_jitter=None)" if name == "ColorJitter" else ""
+        return f"torchvision's {name} has no FusionFlow equivalent{hint}"
+    return (
+        "is not a torchvision or timm transform FusionFlow can read; build the pipeline from "
+        "torchvision.transforms(.v2) or timm.data classes (lambdas and other callables cannot be read)"
+    )
+
+
 def _describe(t) -> str:
     text = repr(t).replace("\n", " ")
     return text if len(text) <= 120 else text[:117] + "..."
-
-
-def _mode_name(interpolation) -> str:
-    return getattr(interpolation, "value", str(interpolation))
 
 
 def _check_resize_mode(t, fail, k: int) -> str:
     """The crop's / Resize's interpolation as a policy names it. FusionFlow decodes and resizes with
     Pillow's filters, which always antialias (torchvision's PIL path ignores antialias=False too):
     an explicit antialias=False with bilinear or bicubic asks for the tensor backend's other pixels."""
-    mode = _mode_name(t.interpolation)
-    if mode not in _INTERPOLATIONS:
-        fail(k, f"interpolation={mode!r}: the crop resizes with one of {', '.join(_INTERPOLATIONS)}")
+    mode = mode_name(t.interpolation)
+    if mode not in INTERPOLATIONS:
+        fail(k, f"interpolation={mode!r}: the crop resizes with one of {', '.join(INTERPOLATIONS)}")
     if t.antialias is False and mode != "nearest":
         fail(
             k,
             f"interpolation={mode!r}, antialias=False: FusionFlow's crop resize is Pillow's antialiased filter "
             "(torchvision's PIL path, and its default). Use antialias=True, or keep this transform on torchvision",
         )
-    return _INTERPOLATIONS[mode]
+    return mode
 
 
 def _image_dtype(t):
@@ -299,95 +316,3 @@ def _triple(values, what: str, fail) -> list[float]:
     if len(values) != 3:
         fail(f"{what}={values}: expected 1 or 3 values (RGB)")
     return values
-
-
-def _fill(t, fail):
-    fill = t.fill
-    if isinstance(fill, dict):
-        values = set(map(repr, fill.values()))
-        if len(values) != 1:
-            fail(f"fill={fill!r}: a per-type fill dict is not expressible; give one fill for images")
-        fill = next(iter(fill.values()))
-    if fill is None:
-        return 0
-    values = [fill] if isinstance(fill, (int, float)) else list(fill)
-    if not all(float(v).is_integer() and 0 <= v <= 255 for v in values) or len(values) not in (1, 3):
-        fail(f"fill={fill!r}: FusionFlow fills with integers 0..255, one value or [r, g, b]")
-    return int(values[0]) if len(values) == 1 else [int(v) for v in values]
-
-
-def _interpolation(t, fail) -> str:
-    mode = _mode_name(t.interpolation)
-    if mode not in _INTERPOLATIONS:
-        fail(f"interpolation={mode!r}: the policy ops resample with one of {', '.join(_INTERPOLATIONS)}")
-    return _INTERPOLATIONS[mode]
-
-
-def _op_entry(name: str, magnitudes, signed: bool, num_bins: int, fail) -> dict:
-    """One op's `augment.ops` entry from torchvision's magnitude bins, in FusionFlow's unit, checked
-    to reproduce every bin."""
-    from fusionflow.ops.specs import OPS
-    from fusionflow.policy.schema import OpChoice
-
-    if name not in OPS:
-        fail(f"op {name!r} has no FusionFlow implementation")
-    if magnitudes is None:
-        return {}
-    # torchvision's tables are float32: each value's shortest float32 spelling (0.3, not 0.30000001)
-    values = [_unit(name, float(np.format_float_positional(np.float32(m)))) for m in magnitudes.tolist()]
-    choice = OpChoice(name, (values[0], values[-1]), signed)
-    for b, want in enumerate(values):
-        got = choice.value(b, num_bins)
-        if not math.isclose(got, want, rel_tol=1e-5, abs_tol=1e-4):
-            fail(f"op {name!r}: torchvision's bin {b} is {want}, a linear range gives {got}; not expressible")
-    entry: dict[str, Any] = {"range": [values[0], values[-1]]}
-    if signed:
-        entry["signed"] = True
-    return entry
-
-
-def _unit(name: str, magnitude: float) -> float:
-    """torchvision's magnitude -> FusionFlow's value (fusionflow/ops/specs.py) on uint8 images."""
-    return 255.0 * magnitude if name == "Solarize" else magnitude
-
-
-def _augment(t, size, fail) -> dict:
-    import torchvision.transforms.v2 as T
-
-    height, width = size
-    common = {"interpolation": _interpolation(t, fail), "fill": _fill(t, fail)}
-    space = t._AUGMENTATION_SPACE
-    if isinstance(t, T.AutoAugment):
-        num_bins = 10  # torchvision's AutoAugment always maps its bins 0..9
-        ops = {
-            name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
-            for name, (fn, signed) in space.items()
-        }
-        subs = [
-            [[name, float(p)] + ([int(b)] if b is not None and ops[name] else []) for name, p, b in sub]
-            for sub in t._policies
-        ]
-        return {"type": "subpolicy", "num_bins": num_bins, "ops": ops, "subpolicies": subs, **common}
-    num_bins = int(t.num_magnitude_bins)
-    ops = {
-        name: _op_entry(name, fn(num_bins, height, width), signed, num_bins, fail)
-        for name, (fn, signed) in space.items()
-    }
-    if isinstance(t, T.TrivialAugmentWide):
-        # fixed pixel ranges (32 px translate): a later size override must not rescale them
-        for name in ("TranslateX", "TranslateY"):
-            if ops.get(name):
-                ops[name]["scale_with_size"] = False
-        return {"type": "trivial", "num_bins": num_bins, "ops": ops, **common}
-    if not 0 <= t.magnitude < num_bins:
-        fail(f"magnitude={t.magnitude} must be in 0..num_magnitude_bins-1={num_bins - 1}")
-    if t.num_ops < 1:
-        fail(f"num_ops={t.num_ops}: FusionFlow draws 1..16 ops per sample; drop RandAugment for none")
-    return {
-        "type": "rand",
-        "num_ops": int(t.num_ops),
-        "magnitude": int(t.magnitude),
-        "num_bins": num_bins,
-        "ops": ops,
-        **common,
-    }

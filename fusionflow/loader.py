@@ -27,7 +27,7 @@ from fusionflow.delivery import Delivery
 from fusionflow.epoch import _InlineIterator, _WorkerIterator
 from fusionflow.loader_config import resolve_config
 from fusionflow.loader_resources import Host
-from fusionflow.loader_samples import wrap_samples
+from fusionflow.loader_samples import adopt_folder, wrap_samples
 from fusionflow.next_epoch import NextEpoch
 from fusionflow.stats import LoaderStats  # also re-exported: `from fusionflow.loader import LoaderStats` works
 from fusionflow.trace import Tracing
@@ -168,6 +168,7 @@ class FusionFlowLoader:
     ):
         # ---- resolution and validation (fusionflow/loader_config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
+        given, (dataset, policy) = dataset, adopt_folder(dataset, policy)  # torchvision's ImageFolder + transform
         try:
             cfg = resolve_config(
                 dataset,
@@ -211,7 +212,7 @@ class FusionFlowLoader:
             for note in notes:
                 warnings.warn(note, UserWarning, stacklevel=2)
         self.config = cfg  # as resolved at construction (load_state_dict may replace the seed)
-        self.dataset = dataset
+        self.dataset = given  # as DataLoader keeps it (the samples read are `dataset`'s)
         self.stats = LoaderStats()
         self.stats.memory_bridge = None if cfg.bridge_why_off is None else f"off: {cfg.bridge_why_off}"
         self._checkpoint = Checkpoint()

@@ -1,7 +1,9 @@
 """The dataset as FusionFlowLoader reads it, resolved at construction: a map-style dataset (a stream
 is refused, saying what to use), its dict samples seen through `sample_keys`
 (fusionflow.data.DictSamples), its reads started ahead with `read_ahead` (fusionflow.data.ReadAhead),
-and a look at dataset[0] (already-transformed samples and dicts without sample_keys are refused)."""
+and a look at dataset[0] (already-transformed samples and dicts without sample_keys are refused).
+A torchvision ImageFolder given without `policy=` is adopted (`adopt_folder`): its files, and its
+transform as the policy."""
 
 from __future__ import annotations
 
@@ -11,6 +13,46 @@ import numpy as np
 import torch
 
 log = logging.getLogger("fusionflow.loader")
+
+
+def adopt_folder(dataset, policy):
+    """(dataset, policy) as the loader uses them: a torchvision ImageFolder / DatasetFolder with a
+    transform and no `policy=` becomes FusionFlow's reader of the same files (same order and
+    targets) with `policy_from_transform(dataset.transform)`, said in one log line -- so replacing
+    DataLoader by FusionFlowLoader is the whole change. Anything else passes through."""
+    try:
+        from torchvision.datasets import DatasetFolder
+        from torchvision.datasets.folder import default_loader, pil_loader
+    except ImportError:
+        return dataset, policy
+    if policy is not None or not isinstance(dataset, DatasetFolder) or dataset.transform is None:
+        return dataset, policy
+    name = type(dataset).__name__
+    if dataset.target_transform is not None:
+        raise ValueError(
+            f"dataset: a torchvision {name} with a target_transform: FusionFlow reads the files itself and "
+            "delivers class indices; apply the target transform in collate_fn, or pass fusionflow.ImageFolder(root) "
+            "and policy="
+        )
+    if dataset.loader not in (default_loader, pil_loader):
+        raise ValueError(
+            f"dataset: a torchvision {name} with its own loader {dataset.loader!r}: FusionFlow decodes the files "
+            "itself; pass fusionflow.ImageFolder(root) and policy="
+        )
+    from fusionflow.data import ImageFolder
+    from fusionflow.from_torchvision import policy_from_transform
+
+    adopted = policy_from_transform(dataset.transform)  # raises, naming the transform, when not expressible
+    log.info(
+        "fusionflow: reading the %d files of torchvision %s %r itself, augmenting with its transform "
+        "(policy_from_transform: output %s, augment %s)",
+        len(dataset.samples),
+        name,
+        dataset.root,
+        "x".join(map(str, adopted.size)),
+        adopted.augment.type,
+    )
+    return ImageFolder.of_samples(dataset.root, dataset.samples, dataset.classes), adopted
 
 
 def resolve_samples(dataset, sample_keys, read_ahead) -> tuple[tuple | None, int | None]:

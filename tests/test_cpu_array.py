@@ -20,7 +20,15 @@ VALUES = {**VALUES, "Cutout": [0.0, 40.0, 300.0]}
 # pixels off by more than two levels, most of them on the fill border of a small image; PSNR >= 30 dB).
 FAST_TOLERANCE = {name: "same" for name in OP_NAMES}
 FAST_TOLERANCE.update(Brightness="level", Contrast="level", Color="level", Sharpness="level", AutoContrast="same")
-FAST_TOLERANCE.update(ShearX="geometry", ShearY="geometry", Rotate="geometry", ShiftX="geometry", ShiftY="geometry")
+FAST_TOLERANCE.update(
+    ShearX="geometry",
+    ShearY="geometry",
+    Rotate="geometry",
+    ShiftX="geometry",
+    ShiftY="geometry",
+    SkewX="geometry",
+    SkewY="geometry",
+)
 STYLES = [cpu.Style("nearest", (0, 0, 0)), cpu.Style("bilinear", (128, 30, 200))]
 IMAGES = [make_image(224, 224, 1), make_image(120, 200, 2), make_image(97, 61, 3)]
 CASES = [(n, v) for n, vs in VALUES.items() for v in vs]

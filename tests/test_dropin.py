@@ -235,3 +235,33 @@ def test_launches_without_manual_seed_differ():
         for _ in range(2)
     }
     assert len(seeds) == 2
+
+
+def test_a_torchvision_imagefolder_with_its_transform_is_the_whole_change(tmp_path, caplog):
+    """torchvision's train.py passes ImageFolder(root, preset) to DataLoader: FusionFlowLoader given the
+    same object reads the same files in the same order and augments with the transform as policy."""
+    import logging
+
+    import torchvision
+
+    from fusionflow import policy_from_transform
+
+    for k, data in enumerate(make_jpegs(10, 60, 140, seed=5)):
+        os.makedirs(tmp_path / f"c{k % 3}", exist_ok=True)
+        (tmp_path / f"c{k % 3}" / f"{k}.jpg").write_bytes(data)
+    tf = v2.Compose([v2.RandomResizedCrop(48), v2.RandomHorizontalFlip(), v2.TrivialAugmentWide(), v2.PILToTensor()])
+    ds = torchvision.datasets.ImageFolder(str(tmp_path), tf)
+    with caplog.at_level(logging.INFO, logger="fusionflow.loader"):
+        loader = FusionFlowLoader(ds, batch_size=4, num_workers=1, seed=2)
+    assert loader.dataset is ds and loader.policy == policy_from_transform(tf)
+    assert any("augmenting with its transform" in r.getMessage() for r in caplog.records)
+    with loader:
+        got = [(x.shape, y.tolist()) for x, y in loader]
+    assert [y for _, ys in got for y in ys] == [t for _, t in ds.samples]
+    assert all(shape[1:] == (3, 48, 48) for shape, _ in got)
+    ds.target_transform = lambda t: t + 1
+    with pytest.raises(ValueError, match="target_transform"):
+        FusionFlowLoader(ds, batch_size=4)
+    ds.target_transform, ds.transform = None, v2.Compose([v2.ColorJitter(0.4), v2.PILToTensor()])
+    with pytest.raises(ValueError, match="transform 0 .*ColorJitter"):
+        FusionFlowLoader(ds, batch_size=4)

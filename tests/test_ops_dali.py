@@ -40,7 +40,9 @@ TOLERANCE = {"Rotate": (0, 0.01, 1.0), "AutoContrast": (1, 0.0, 0.02), "Equalize
 # and Sharpness's blend can round one level differently. Same bounds as the CPU's for those cases.
 GPU_TOLERANCE = {
     **TOLERANCE,
-    **dict.fromkeys(("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY"), TOLERANCE["Rotate"]),
+    **dict.fromkeys(
+        ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "SkewX", "SkewY"), TOLERANCE["Rotate"]
+    ),
     "Sharpness": (1, 0.0, 0.05),
 }
 # bilinear geometric ops: Pillow's and DALI's interpolation round differently (one level on many

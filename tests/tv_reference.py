@@ -42,6 +42,10 @@ def tv_op(name: str, img: Image.Image, value: float, fill=(0, 0, 0), interpolati
     if name in ("ShiftX", "ShiftY"):  # a fractional translation: torchvision's affine takes float offsets
         shift = [value, 0.0] if name == "ShiftX" else [0.0, value]
         return F.affine(img, 0.0, shift, 1.0, [0.0, 0.0], _MODES[interpolation], list(fill))
+    if name in ("SkewX", "SkewY"):  # a shear factor: torchvision's affine about the top-left corner
+        shear = math.degrees(math.atan(value))
+        shear = [shear, 0.0] if name == "SkewX" else [0.0, shear]
+        return F.affine(img, 0.0, [0, 0], 1.0, shear, _MODES[interpolation], list(fill), center=[0, 0])
     aug = T.RandAugment(interpolation=_MODES[interpolation], fill=list(fill))
     magnitude = value / 255.0 if name == "Solarize" else value  # torchvision: threshold = 255 * m
     return aug._apply_image_or_video_transform(img, name, magnitude, interpolation=aug.interpolation, fill=aug._fill)

@@ -55,7 +55,7 @@ def identity(img, value, params, style):
     return img
 
 
-@cpu_impl("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY")
+@cpu_impl("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "SkewX", "SkewY")
 def affine(img, value, params, style):
     return img.transform(img.size, Image.Transform.AFFINE, params[:6], style.resample, fillcolor=style.fill)
 

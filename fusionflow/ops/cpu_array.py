@@ -61,7 +61,19 @@ def via_pillow(name: str) -> ArrayOp:
     return run
 
 
-for _name in ("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate", "Color", "Sharpness"):
+for _name in (
+    "ShearX",
+    "ShearY",
+    "TranslateX",
+    "TranslateY",
+    "ShiftX",
+    "ShiftY",
+    "SkewX",
+    "SkewY",
+    "Rotate",
+    "Color",
+    "Sharpness",
+):
     EXACT[_name] = via_pillow(_name)
 
 
@@ -257,7 +269,7 @@ def translate(arr, value, params, style):
     return cv2.copyMakeBorder(src, max(0, dy), max(0, -dy), max(0, dx), max(0, -dx), cv2.BORDER_CONSTANT, value=fill)
 
 
-@_register(FAST, "ShearX", "ShearY", "ShiftX", "ShiftY")
+@_register(FAST, "ShearX", "ShearY", "ShiftX", "ShiftY", "SkewX", "SkewY")
 def warp(arr, value, params, style):
     """Nearest: the native kernel walks Pillow's fixed-point coordinates (the same pixels). Bilinear,
     or without the native kernel: OpenCV's warpAffine (boundary pixels may differ). Bicubic: Pillow's

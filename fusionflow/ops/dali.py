@@ -72,7 +72,7 @@ def identity(images, params, style):
     return images
 
 
-@dali_impl("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "Rotate")
+@dali_impl("ShearX", "ShearY", "TranslateX", "TranslateY", "ShiftX", "ShiftY", "SkewX", "SkewY", "Rotate")
 def affine(images, params, style):
     # Output -> input matrix in Pillow's pixel-centre convention, which DALI's warp_affine shares.
     matrix = fn.reshape(params[0:6], shape=[2, 3])

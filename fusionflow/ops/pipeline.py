@@ -64,15 +64,28 @@ class CpuPipeline:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if tick is not None:
             tick("flip")
+        return self.augment_image(img, d, tick)
+
+    def augment_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
+        """The draw's ops (and timm's AugMix mixture) on an output-size image, exact mode's kernels."""
         img = self._run_ops(img, d.ops, self._pillow_op, tick)
         if d.mix is not None:
             base = img
-            img = Image.fromarray(
-                mix.augmix(np.asarray(base), d.mix, lambda ops: np.asarray(self._run_ops(base, ops, self._pillow_op)))
-            )
+            chain = lambda ops: np.asarray(self._run_ops(base, ops, self._pillow_op))  # noqa: E731
+            img = Image.fromarray(mix.augmix(np.asarray(base), d.mix, chain))
             if tick is not None:
                 tick("augmix")
         return img
+
+    def augment_array(self, arr: np.ndarray, d: SampleDraw, tick=None) -> np.ndarray:
+        """The draw's ops (and timm's AugMix mixture) on an output-size uint8 HWC array, fast kernels."""
+        arr = self._run_ops(arr, d.ops, self._array_op, tick)
+        if d.mix is not None:
+            base = arr
+            arr = mix.augmix(base, d.mix, lambda ops: self._run_ops(base, ops, self._array_op))
+            if tick is not None:
+                tick("augmix")
+        return arr
 
     def _style(self, op) -> cpu.Style:
         return self.style if op.resample is None else self._styles[op.resample]
@@ -122,13 +135,7 @@ class CpuPipeline:
             arr = cpu_array.flip(arr)
         if tick is not None:
             tick("flip")
-        arr = self._run_ops(arr, d.ops, self._array_op, tick)
-        if d.mix is not None:
-            base = arr
-            arr = mix.augmix(base, d.mix, lambda ops: self._run_ops(base, ops, self._array_op))
-            if tick is not None:
-                tick("augmix")
-        return arr
+        return self.augment_array(arr, d, tick)
 
     def run_draw(
         self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None, tick=None

@@ -11,6 +11,8 @@ Value conventions (the unit of an op's `range` in a policy file):
   TranslateX/Y     pixels (truncated to an int), of the op's input, i.e. the output size
   ShiftX/Y         pixels, fractional (timm's translations): the image moves right / down by v
                    pixels, resampled with the policy's interpolation
+  SkewX/Y          shear factor as ShearX/Y, but the matrix (1, v, 0, 0, 1, 0) as written (timm's
+                   shears; ShearX/Y go through torchvision's angle arithmetic, an ulp away)
   Rotate           degrees, counter-clockwise
   Brightness, Color, Contrast, Sharpness
                    v, enhancement factor = 1 + v (0 = unchanged, -1 = fully degenerate)
@@ -104,6 +106,14 @@ def _translate_y(v, aux, h, w):
     return _pad(*inverse_affine((w * 0.5, h * 0.5), 0.0, (0, int(v)), (0.0, 0.0)))
 
 
+def _skew_x(v, aux, h, w):
+    return _pad(1.0, v, 0.0, 0.0, 1.0, 0.0)
+
+
+def _skew_y(v, aux, h, w):
+    return _pad(1.0, 0.0, 0.0, v, 1.0, 0.0)
+
+
 def _shift_x(v, aux, h, w):
     return _pad(1.0, 0.0, -v, 0.0, 1.0, 0.0)  # x_in = x - v, the matrix as written (no centre terms)
 
@@ -148,6 +158,8 @@ _SPECS = [
     OpSpec("ShearY", True, (-2.0, 2.0), resolve=_shear_y, doc="vertical shear about the top-left corner"),
     OpSpec("TranslateX", True, (-1.0, 1.0), scale_by="width", resolve=_translate_x, doc="shift right by pixels"),
     OpSpec("TranslateY", True, (-1.0, 1.0), scale_by="height", resolve=_translate_y, doc="shift down by pixels"),
+    OpSpec("SkewX", True, (-2.0, 2.0), resolve=_skew_x, doc="horizontal shear, the factor's matrix as written"),
+    OpSpec("SkewY", True, (-2.0, 2.0), resolve=_skew_y, doc="vertical shear, the factor's matrix as written"),
     OpSpec("ShiftX", True, (-1.0, 1.0), scale_by="width", resolve=_shift_x, doc="shift right by fractional pixels"),
     OpSpec("ShiftY", True, (-1.0, 1.0), scale_by="height", resolve=_shift_y, doc="shift down by fractional pixels"),
     OpSpec("Rotate", True, (-180.0, 180.0), resolve=_rotate, doc="counter-clockwise rotation in degrees"),

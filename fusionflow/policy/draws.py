@@ -57,15 +57,15 @@ class EraseDraw:
 @dataclass(frozen=True)
 class TimmStep:
     """One of timm's AugmentOp calls as drawn, in timm's terms (what a test feeds timm's own objects):
-    the op, whether it applied, the magnitude before clamping, the sign, the interpolation, and for
-    AugMix the chain it belongs to."""
+    the op, whether it applied, the magnitude before clamping, the sign, the interpolation, and its
+    group: AutoAugment's sub-policy index, AugMix's chain (0 for RandAugment)."""
 
     op: str
     applied: bool
     level: float
     negate: bool
     resample: str
-    chain: int = 0
+    group: int = 0
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ signed ones flip sign with p = 0.5; the geometric ones resample bilinear, bicubi
 'random' -- one of the two drawn per op call, and fill with the dataset mean. The level -> argument
 formulas below follow its functions in meaning and arithmetic (so a draw gives the same pixels);
 the values land in FusionFlow's op units (fusionflow/ops/specs.py): enhancement factor f as f - 1,
-timm's translations (fractional pixels, matrix x_in = x + p) as ShiftX/ShiftY by -p.
+timm's translations (fractional pixels, matrix x_in = x + p) as ShiftX/ShiftY by -p, its shears as
+SkewX/SkewY (the factor's matrix as written).
 
 Keys (configs/README.md documents them for users):
   timm-rand    ops [names], num_ops (2), magnitude (10), prob (0.5), weights (optional: the ops are then
@@ -86,8 +87,8 @@ TIMM_OPS = {
     "SolarizeAdd": ("SolarizeAdd", lambda level, n, t, h, w: min(128, int((level / LEVEL_DENOM) * 110))),
     **{name: (name, _enhance) for name in ("Color", "Contrast", "Brightness", "Sharpness")},
     **{f"{name}Increasing": (name, _enhance_increasing) for name in ("Color", "Contrast", "Brightness", "Sharpness")},
-    "ShearX": ("ShearX", _shear),
-    "ShearY": ("ShearY", _shear),
+    "ShearX": ("SkewX", _shear),
+    "ShearY": ("SkewY", _shear),
     "TranslateX": ("ShiftX", _translate_abs),
     "TranslateY": ("ShiftY", _translate_abs),
     "TranslateXRel": ("ShiftX", _translate_rel_x),
@@ -221,8 +222,8 @@ def draw_timm(augment, size: tuple[int, int], rng):
     if augment.type == "timm-augmix":
         return _draw_augmix(augment, t, size, rng)
     if augment.type == "timm-auto":
-        sub = t.subpolicies[rng.integers(len(t.subpolicies))]
-        steps = [_step(augment, t, name, prob, level, rng) for name, prob, level in sub]
+        k = rng.integers(len(t.subpolicies))
+        steps = [_step(augment, t, name, prob, level, rng, k) for name, prob, level in t.subpolicies[k]]
     else:
         steps = [_step(augment, t, name, t.prob, t.magnitude, rng) for name in _choose(t, rng)]
     ops = tuple(op for op in (_op(s, t, size) for s in steps) if op is not None)
@@ -247,7 +248,7 @@ def _choose(t: TimmAugment, rng) -> list[str]:
     return chosen
 
 
-def _step(augment, t: TimmAugment, name: str, prob: float, magnitude: float, rng, chain: int = 0) -> TimmStep:
+def _step(augment, t: TimmAugment, name: str, prob: float, magnitude: float, rng, group: int = 0) -> TimmStep:
     u_apply, u1, u2, u_sign, u_interp = rng.random(5)
     applied = not (prob < 1.0 and u_apply > prob)  # timm skips the op when random() > prob
     level = magnitude
@@ -258,7 +259,7 @@ def _step(augment, t: TimmAugment, name: str, prob: float, magnitude: float, rng
     resample = augment.interpolation
     if resample == "random":
         resample = "bilinear" if u_interp < 0.5 else "bicubic"
-    return TimmStep(name, applied, level, u_sign > 0.5, resample, chain)
+    return TimmStep(name, applied, level, u_sign > 0.5, resample, group)
 
 
 def _op(step: TimmStep, t: TimmAugment, size: tuple[int, int]) -> OpDraw | None:
