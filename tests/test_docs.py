@@ -103,3 +103,32 @@ def test_the_checks_catch_what_they_are_for():
             continue
         raise AssertionError(f"owner_path accepted {bad!r}")
     assert re.search(r"issues? \d", "see (Issues 2, 11)", re.I) and re.search(r"issues? \d", "issue 16", re.I)
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.S)
+
+
+def test_the_torchvision_drop_in_diff_is_the_two_loader_lines():
+    """README's diff for torchvision's train.py: the import and each DataLoader( call renamed -- what
+    the script needs, because FusionFlowLoader adopts a torchvision ImageFolder and its transform
+    (tests/test_dropin.py runs that)."""
+    changed = [line for line in _blocks("diff")[0].splitlines() if line[:1] in "+-"]
+    assert changed[0] == "+import fusionflow" and len(changed) == 5, changed
+    for minus, plus in zip(changed[1::2], changed[2::2]):
+        assert minus.startswith("-") and "torch.utils.data.DataLoader(" in minus, minus
+        assert plus[1:] == minus[1:].replace("torch.utils.data.DataLoader(", "fusionflow.FusionFlowLoader("), plus
+    assert "the two loader lines" in README.read_text()
+
+
+def test_the_timm_section_calls_from_timm_with_create_transform_arguments():
+    import ast
+    import inspect
+
+    timm_data = __import__("pytest").importorskip("timm.data")
+    code = next(b for b in _blocks("python") if "from_timm(" in b)
+    calls = [
+        n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_timm"
+    ]
+    accepted = set(inspect.signature(timm_data.create_transform).parameters)
+    assert calls and {k.arg for k in calls[0].keywords} <= accepted

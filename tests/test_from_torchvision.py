@@ -267,7 +267,9 @@ def test_what_is_not_torchvision_is_named():
         pass
 
     for pipeline, k in (([V1.RandomResizedCrop(224), V1.Lambda(lambda x: x)], 1), ([MyCrop(224)], 0)):
-        with pytest.raises(ValueError, match=rf"transform {k} \(.*not a torchvision or timm transform FusionFlow can read"):
+        with pytest.raises(
+            ValueError, match=rf"transform {k} \(.*not a torchvision or timm transform FusionFlow can read"
+        ):
             policy_from_transform(pipeline)
     v1_bicubic = policy_from_transform(
         V1.Compose([V1.RandomResizedCrop(224, interpolation=V1.InterpolationMode.BICUBIC)])
