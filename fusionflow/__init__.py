@@ -22,10 +22,9 @@ from fusionflow.errors import (
     SharedMemoryError,
     WorkerStartError,
 )
-from fusionflow.from_torchvision import policy_from_transform  # imports torchvision only when called
+from fusionflow.from_torchvision import from_timm, policy_from_transform  # torchvision / timm: when called
 from fusionflow.policy import Policy, load_policy
 from fusionflow.shards import ShardError, TarShards
-from fusionflow.timm_transforms import from_timm  # imports timm only when called
 
 __all__ = [
     "AcceleratorError",

@@ -316,3 +316,11 @@ def _triple(values, what: str, fail) -> list[float]:
     if len(values) != 3:
         fail(f"{what}={values}: expected 1 or 3 values (RGB)")
     return values
+
+
+def from_timm(*args, decode: str = "fast", **create_transform_kwargs) -> Policy:
+    """The Policy of `timm.data.create_transform(*args, **create_transform_kwargs)` (timm's train or
+    eval transform, as its train.py builds them); `decode` as in policy_from_transform."""
+    from timm.data import create_transform
+
+    return policy_from_transform(create_transform(*args, **create_transform_kwargs), decode=decode)

@@ -1,4 +1,4 @@
-"""timm's transforms in `policy_from_transform`, and `from_timm(**create_transform_kwargs)`.
+"""timm's transforms in `policy_from_transform` (and so in `from_timm(**create_transform_kwargs)`).
 
     train = timm.data.create_transform(224, is_training=True, auto_augment="rand-m9-mstd0.5-inc1",
                                        interpolation="random", re_prob=0.25, re_mode="pixel")
@@ -161,13 +161,3 @@ def _erasing(t, fail) -> dict:
         "value": {"rand": "random_color", "pixel": "random"}.get(t.mode, 0),
         "count": [int(t.min_count), int(t.max_count)],
     }
-
-
-def from_timm(*args, decode: str = "fast", **create_transform_kwargs):
-    """The Policy of `timm.data.create_transform(*args, **create_transform_kwargs)` (timm's train or
-    eval transform, as its train.py builds them); `decode` as in policy_from_transform."""
-    from timm.data import create_transform
-
-    from fusionflow.from_torchvision import policy_from_transform
-
-    return policy_from_transform(create_transform(*args, **create_transform_kwargs), decode=decode)
