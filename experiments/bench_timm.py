@@ -101,7 +101,6 @@ def main() -> None:
         }
         print(f"{name}: " + ", ".join(f"{c} {rate[c]:.0f} img/s ({rate[c] / rate['timm']:.2f}x)" for c in rate))
     write_json({"provenance": provenance(), "images": len(data), "sizes": args.sizes, "results": results}, args.out)
-    print("wrote", args.out)
 
 
 if __name__ == "__main__":
