@@ -74,6 +74,17 @@ class _Reader:
             self.fail(path, f"expected a list of three numbers (one per RGB channel), got {obj!r}")
         return tuple(self.number(v, f"{path}[{i}]", lo, hi) for i, v in enumerate(obj))
 
+    def subpolicy_steps(self, raw: Any, path: str, shape: str):
+        """A non-empty list of sub-policies, each a non-empty list of steps: yields (sub-policy index,
+        the step's path, the step) in order; `shape` names a step's form for the messages."""
+        if not isinstance(raw, (list, tuple)) or not raw:
+            self.fail(path, "expected a non-empty list of sub-policies")
+        for i, sp in enumerate(raw):
+            if not isinstance(sp, (list, tuple)) or not sp:
+                self.fail(f"{path}[{i}]", f"expected a non-empty list of {shape} steps, got {sp!r}")
+            for j, step in enumerate(sp):
+                yield i, f"{path}[{i}][{j}]", step
+
     def op_name(self, obj: Any, path: str) -> OpSpec:
         if obj not in OPS:
             hint = difflib.get_close_matches(str(obj), list(OPS), n=1)

@@ -271,32 +271,25 @@ def _parse_ops(r: _Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
 
 
 def _parse_subpolicies(r, raw, ops: dict[str, OpChoice], num_bins: int):
-    if not isinstance(raw, (list, tuple)) or not raw:
-        r.fail("augment.subpolicies", "expected a non-empty list of sub-policies")
-    subpolicies = []
-    for i, sp in enumerate(raw):
-        path = f"augment.subpolicies[{i}]"
-        if not isinstance(sp, (list, tuple)) or not sp:
-            r.fail(path, f"expected a non-empty list of [op, probability, bin] steps, got {sp!r}")
-        steps = []
-        for j, step in enumerate(sp):
-            spath = f"{path}[{j}]"
-            if not isinstance(step, (list, tuple)) or len(step) not in (2, 3):
-                r.fail(spath, f"expected [op, probability] or [op, probability, bin], got {step!r}")
-            name = step[0]
-            r.op_name(name, f"{spath}[0]")
-            if name not in ops:
-                r.fail(f"{spath}[0]", f"op {name!r} is not listed under augment.ops (add it with its range)")
-            prob = r.number(step[1], f"{spath}[1]", 0.0, 1.0)
-            has_mag = ops[name].range is not None
-            if has_mag and len(step) != 3:
-                r.fail(spath, f"op {name!r} takes a magnitude: write [{name}, {prob}, bin]")
-            if not has_mag and len(step) == 3:
-                r.fail(spath, f"op {name!r} takes no magnitude: write [{name}, {prob}]")
-            bin_ = r.integer(step[2], f"{spath}[2]", 0, num_bins - 1) if has_mag else None
-            steps.append(Step(name, prob, bin_))
-        subpolicies.append(tuple(steps))
-    return tuple(subpolicies)
+    subpolicies: list[list[Step]] = []
+    for i, spath, step in r.subpolicy_steps(raw, "augment.subpolicies", "[op, probability, bin]"):
+        if not isinstance(step, (list, tuple)) or len(step) not in (2, 3):
+            r.fail(spath, f"expected [op, probability] or [op, probability, bin], got {step!r}")
+        name = step[0]
+        r.op_name(name, f"{spath}[0]")
+        if name not in ops:
+            r.fail(f"{spath}[0]", f"op {name!r} is not listed under augment.ops (add it with its range)")
+        prob = r.number(step[1], f"{spath}[1]", 0.0, 1.0)
+        has_mag = ops[name].range is not None
+        if has_mag and len(step) != 3:
+            r.fail(spath, f"op {name!r} takes a magnitude: write [{name}, {prob}, bin]")
+        if not has_mag and len(step) == 3:
+            r.fail(spath, f"op {name!r} takes no magnitude: write [{name}, {prob}]")
+        bin_ = r.integer(step[2], f"{spath}[2]", 0, num_bins - 1) if has_mag else None
+        if i == len(subpolicies):  # the first step of sub-policy i
+            subpolicies.append([])
+        subpolicies[i].append(Step(name, prob, bin_))
+    return tuple(tuple(sp) for sp in subpolicies)
 
 
 def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:

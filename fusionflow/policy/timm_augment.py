@@ -185,22 +185,16 @@ def _weights(r: _Reader, raw: Any, n: int, num_ops: int) -> tuple[float, ...]:
 
 
 def _subpolicies(r: _Reader, raw: Any):
-    if not isinstance(raw, (list, tuple)) or not raw:
-        r.fail("augment.subpolicies", "expected a non-empty list of sub-policies")
-    out = []
-    for i, sp in enumerate(raw):
-        path = f"augment.subpolicies[{i}]"
-        if not isinstance(sp, (list, tuple)) or not sp:
-            r.fail(path, f"expected a non-empty list of [op, probability, level] steps, got {sp!r}")
-        steps = []
-        for j, step in enumerate(sp):
-            if not isinstance(step, (list, tuple)) or len(step) != 3:
-                r.fail(f"{path}[{j}]", f"expected [op, probability, level], got {step!r}")
-            _timm_op_name(r, step[0], f"{path}[{j}][0]")
-            prob = r.number(step[1], f"{path}[{j}][1]", 0.0, 1.0)
-            steps.append((step[0], prob, r.number(step[2], f"{path}[{j}][2]", 0.0, 100.0)))
-        out.append(tuple(steps))
-    return tuple(out)
+    out: list[list[tuple[str, float, float]]] = []
+    for i, spath, step in r.subpolicy_steps(raw, "augment.subpolicies", "[op, probability, level]"):
+        if not isinstance(step, (list, tuple)) or len(step) != 3:
+            r.fail(spath, f"expected [op, probability, level], got {step!r}")
+        _timm_op_name(r, step[0], f"{spath}[0]")
+        prob = r.number(step[1], f"{spath}[1]", 0.0, 1.0)
+        if i == len(out):  # the first step of sub-policy i
+            out.append([])
+        out[i].append((step[0], prob, r.number(step[2], f"{spath}[2]", 0.0, 100.0)))
+    return tuple(tuple(sp) for sp in out)
 
 
 def max_ops(kind: str, t: TimmAugment) -> int:
