@@ -99,15 +99,13 @@ def main() -> None:
     ds = ImageFolder(root)
     print(f"{len(ds)} images in {root}, policy {args.policy}, batch {args.batch_size}, {args.workers} workers")
 
+    # the settings both loaders share (DataLoader's arguments, as FusionFlowLoader takes them too)
+    common = dict(
+        batch_size=args.batch_size, shuffle=True, num_workers=args.workers, persistent_workers=True, drop_last=True
+    )
+
     def dl(dataset):
-        return DataLoader(
-            dataset,
-            batch_size=args.batch_size,
-            shuffle=True,
-            num_workers=args.workers,
-            persistent_workers=True,
-            drop_last=True,
-        )
+        return DataLoader(dataset, **common)
 
     ff_samples = FusionFlowSamples(ds, args.policy)
     loaders = {
@@ -116,17 +114,7 @@ def main() -> None:
     }
 
     def ff_loader(**kw):  # the same settings as the DataLoaders', plus FusionFlow's own
-        return FusionFlowLoader(
-            ds,
-            batch_size=args.batch_size,
-            shuffle=True,
-            num_workers=args.workers,
-            persistent_workers=True,
-            drop_last=True,
-            policy=args.policy,
-            tiny_batch_size=args.tiny_batch_size,
-            **kw,
-        )
+        return FusionFlowLoader(ds, policy=args.policy, tiny_batch_size=args.tiny_batch_size, **common, **kw)
 
     ff = ff_loader()
     loaders["fusionflow"] = (ff, ff.set_epoch)

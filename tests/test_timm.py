@@ -24,6 +24,7 @@ from fusionflow.tools.synthetic import make_image, make_jpegs
 timm = pytest.importorskip("timm")
 aa = pytest.importorskip("timm.data.auto_augment")
 re_mod = pytest.importorskip("timm.data.random_erasing")
+timm_tf = pytest.importorskip("timm.data.transforms")
 from timm.data import create_transform  # noqa: E402
 
 JPEGS = make_jpegs(12, 150, 500, seed=21)
@@ -215,9 +216,7 @@ def test_whole_train_transform_equals_timm_with_crop_flip_and_erasing(monkeypatc
         replay = Replay()
         replay.q["choice"].append(F.InterpolationMode(d.crop_resample))
         monkeypatch.setattr(type(crop_t), "get_params", staticmethod(lambda *a, _c=(top, left, h, w): _c))
-        import timm.data.transforms as tt
-
-        monkeypatch.setattr(tt, "random", replay)
+        monkeypatch.setattr(timm_tf, "random", replay)
         x = crop_t(img)
         x = F.horizontal_flip(x) if d.flip else x
         queue_ops(replay, timm_aug, d, policy)

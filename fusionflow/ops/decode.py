@@ -13,13 +13,10 @@ A complete JPEG (baseline or progressive, grayscale or YCbCr) goes through the w
 window is decoded. Both modes draw the same window:
   exact  the window at full resolution, resized by Pillow: bit-identical to torchvision's
          decode + resized_crop on a PIL image;
-  fast   the window at the coarsest DCT scale (1/2, 1/4, 1/8) whose pixels still cover the output
-         size (then resampled by Pillow from the exact fractional box), or, when no reduction
-         applies, resized with torch's SIMD uint8 antialiased bilinear filter. Fidelity against
-         exact is measured by experiments/bench_cpu_pipeline.py (PSNR) and bounded in the tests.
-Everything else (PNG, CMYK JPEGs, truncated or corrupt files, arrays, PIL images, or no window
-decoder on this machine) takes the Pillow path, which in fast mode uses Pillow's draft() DCT scaling
-of the whole JPEG; errors there name the sample as before.
+  fast   the window at the coarsest DCT scale (1/2, 1/4, 1/8) that still covers the output, then
+         OpenCV's kernels (fusionflow/ops/resample.py); fidelity: bench_cpu_pipeline.py, the tests.
+Everything else (PNG, CMYK or corrupt JPEGs, arrays, PIL images, no window decoder) takes the Pillow
+path (fast mode: Pillow's draft() DCT scaling of the whole JPEG); its errors name the sample.
 
 Pixel limit (decompression bombs): `max_pixels` (the policy's decode.max_pixels; None: no limit) is
 checked against the size in the image's header before any pixel is decoded, on both paths: the
@@ -46,6 +43,16 @@ from PIL import Image, UnidentifiedImageError
 from fusionflow.errors import DecodeError, ImageTooLargeError
 from fusionflow.ops import jpeg
 from fusionflow.ops.resample import resample_box, resize_bilinear_aa, resize_window
+
+
+def _window_decodable(data) -> bool:  # complete JPEG bytes, and the window decoder loaded
+    return isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available()
+
+
+def _checked_header(data: bytes, what, max_pixels) -> tuple[int, int]:  # refused before decoding
+    height, width, _ = jpeg.info(data)
+    check_pixels(width, height, max_pixels, what)
+    return height, width
 
 
 def check_pixels(width: int, height: int, max_pixels: int | None, what: str | None = None) -> None:
@@ -192,7 +199,7 @@ def decode_crop_resize(
     """Decode `data`, crop the window `window_fn(height, width)` returns, resize to `out_size`
     (height, width) with antialiased bilinear filtering. Returns an RGB image. An encoded image
     whose header declares more than `max_pixels` pixels raises ImageTooLargeError undecoded."""
-    if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
+    if _window_decodable(data):
         try:
             return _jpeg_window_crop_resize(bytes(data), window_fn, out_size, fast, what, max_pixels)
         except jpeg.WindowDecodeError:
@@ -244,10 +251,9 @@ def decode_crop_resize_filtered(
     """decode_crop_resize with Pillow's bicubic or nearest, in both decode modes: the full-scale window
     (a full decode's pixels) resized by Pillow, torchvision's PIL path (crop, then resize) to the bit."""
     out_h, out_w = out_size
-    if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
+    if _window_decodable(data):
         data = bytes(data)
-        height, width, _ = jpeg.info(data)
-        check_pixels(width, height, max_pixels, what)
+        height, width = _checked_header(data, what, max_pixels)
         top, left, h, w = window_fn(height, width)
         try:
             arr, _ = jpeg.decode_window(data, top, left, h, w)
@@ -269,19 +275,15 @@ def decode_box_resize(
     max_pixels: int | None = None,
     resample=Image.Resampling.BILINEAR,
 ) -> Image.Image:
-    """The fractional box `box_fn(height, width)` = (x0, y0, x1, y1) of the image resampled to
-    `out_size` by Pillow's antialiased bilinear filter at the box's own scale: torchvision's Resize +
-    CenterCrop (the eval policy) without rounding the crop to whole source pixels -- the same filter
-    taps, the same pixels within a level or two (Pillow's coefficients, computed from the box rather
-    than from the whole resized image, can round differently). A JPEG decodes only the box and the
-    filter's support around it; `fast`, a box of 2x the output or more is decoded at a DCT scale
-    first (as the fast mode's training crops are). `resample`: Pillow's filter (Resize's
-    interpolation); bicubic and nearest are never DCT-scaled (the same pixels in both modes)."""
+    """The fractional box `box_fn(height, width)` = (x0, y0, x1, y1) resampled to `out_size` by Pillow's
+    antialiased filter `resample` at the box's own scale: torchvision's Resize + CenterCrop (the eval
+    policy) without rounding the crop to whole source pixels (within a level or two: Pillow's
+    coefficients from the box can round differently). A JPEG decodes only the box and the filter's
+    support; `fast` and bilinear: a box of 2x the output or more is decoded at a DCT scale first."""
     out_h, out_w = out_size
-    if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
+    if _window_decodable(data):
         data = bytes(data)
-        height, width, _ = jpeg.info(data)
-        check_pixels(width, height, max_pixels, what)
+        height, width = _checked_header(data, what, max_pixels)
         x0, y0, x1, y1 = box_fn(height, width)
         scaled = fast and jpeg.can_scale() and resample == Image.Resampling.BILINEAR  # others: Pillow's
         r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if scaled else 1
@@ -325,8 +327,7 @@ def _jpeg_window_crop_resize(
     them measured slower) with a margin, and resampled by Pillow from the window's exact fractional
     box in the scaled image -- the geometry of a full-image Pillow draft(), so the crop is exactly
     the drawn one (rounding it to the scaled grid for torch's resize measured 2-4 dB worse)."""
-    height, width, _ = jpeg.info(data)
-    check_pixels(width, height, max_pixels, what)
+    height, width = _checked_header(data, what, max_pixels)
     top, left, h, w = window_fn(height, width)
     out_h, out_w = out_size
     r = dct_reduction(h, w, out_h, out_w) if fast else 1
@@ -365,7 +366,7 @@ def decode_crop_resize_array(
     """The fast mode's decode_crop_resize as a uint8 HWC RGB array (the array pipeline's input): a
     JPEG's window through the window decoder and OpenCV/torch resampling (`_jpeg_window_array`),
     anything else through the Pillow path."""
-    if isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available():
+    if _window_decodable(data):
         try:
             return _jpeg_window_array(bytes(data), window_fn, out_size, what, max_pixels)
         except jpeg.WindowDecodeError:
@@ -388,8 +389,7 @@ def decode_fast_window(data: bytes, window_fn, out_size, what=None, max_pixels: 
     decode-only column): the window `window_fn(height, width)` of a JPEG decoded at the coarsest DCT
     scale that still covers `out_size`, as (uint8 HWC array, None) at full scale or (array, the
     window's fractional box in it) when scaled (`decode_scaled_window`)."""
-    height, width, _ = jpeg.info(data)
-    check_pixels(width, height, max_pixels, what)
+    height, width = _checked_header(data, what, max_pixels)
     top, left, h, w = window_fn(height, width)
     r = dct_reduction(h, w, *out_size)
     if r == 1:
