@@ -20,7 +20,6 @@ import argparse
 import io
 import multiprocessing as mp
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -35,6 +34,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
 from fusionflow.runtime.accelerator import PROFILE_BATCHES  # noqa: E402
+
+DALI_PREFETCH = 2  # batches DALI runs ahead (its pipelines' default)
+TV_PREFETCH = 2  # DataLoader's prefetch_factor (its default): workers x 2 batches buffered
 
 
 def _make(args):
@@ -76,12 +78,21 @@ class TvDataset:
 
 def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
     """DALI alone: external source of encoded bytes -> random crop decode -> resize -> flip ->
-    auto_aug RandAugment (n=2, m=9) -> CHW uint8, yielded as torch tensors on the device."""
+    auto_aug RandAugment (n=2, m=9) -> CHW uint8, yielded as torch tensors on the device. The
+    source is a callback and the pipeline prefetches DALI_PREFETCH batches, so DALI works ahead of
+    the training step as its own framework iterators run it."""
     import torch
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.auto_aug import rand_augment
 
     gpu = device.type == "cuda"
+    order: list[list[int]] = []
+
+    def source(info):  # batch_info: DALI asks for batches in order, ahead of run()
+        start = info.iteration * batch_size
+        idx = [(start + j) % len(data) for j in range(batch_size)]
+        order.append(idx)
+        return [np.frombuffer(data[i], np.uint8) for i in idx]
 
     @pipeline_def(
         enable_conditionals=True,
@@ -89,10 +100,10 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
         num_threads=num_threads,
         device_id=0 if gpu else None,
         seed=0,
-        prefetch_queue_depth=1,
+        prefetch_queue_depth=DALI_PREFETCH,
     )
     def pipe():
-        enc = fn.external_source(name="enc", dtype=types.UINT8, ndim=1)
+        enc = fn.external_source(source=source, batch=True, batch_info=True, dtype=types.UINT8, ndim=1)
         img = fn.decoders.image_random_crop(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
         img = fn.resize(img, resize_x=224, resize_y=224, antialias=True)
         img = fn.flip(img, horizontal=fn.random.coin_flip())
@@ -101,12 +112,9 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
 
     p = pipe()
     p.build()
-    k = 0
     for _ in range(iters):
-        idx = [(k + j) % len(data) for j in range(batch_size)]
-        k += batch_size
-        p.feed_input("enc", [np.frombuffer(data[i], np.uint8) for i in idx])
         (out,) = p.run()
+        idx = order.pop(0)
         t = out.as_tensor()
         if gpu:
             from nvidia.dali.plugin.pytorch import feed_ndarray
@@ -126,7 +134,13 @@ def ff_warmup(warmup: int, profiling: bool) -> int:
 
 
 def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
-    """img/s of training on the batches the generator yields (synchronised, after warm-up)."""
+    """img/s of training on the batches the generator yields: the timed window's images over its
+    wall time (synchronised at both ends), after `warmup` iterations.
+
+    The mean over the window, not a median of per-iteration intervals: a loader that buffers B
+    batches hands out B of them at the GPU's pace after any slow start, so the interval median of a
+    short window measures the buffer, not the loader (the first GPU run read 11k img/s from 4
+    DataLoader workers that way). Callers size `warmup` to drain the loader's buffer first."""
     import torch
     import torchvision
 
@@ -136,11 +150,13 @@ def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
     amp = torch.autocast(device.type, dtype=torch.bfloat16)
     mean = torch.tensor([0.485, 0.456, 0.406], device=device).view(1, 3, 1, 1) * 255
     std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
-    times = []
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     it = make_batches()
-    t_last = None
+    t_start = None
     for k in range(warmup + iters):
+        if k == warmup:
+            sync()
+            t_start = time.perf_counter()
         x, y = next(it)
         x = x.to(device, non_blocking=True)
         y = y.to(device, non_blocking=True)
@@ -150,13 +166,22 @@ def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        if k >= warmup - 1:
-            sync()
-            now = time.perf_counter()
-            if t_last is not None:
-                times.append(now - t_last)
-            t_last = now
-    return batch_size / statistics.median(times)
+    sync()
+    return iters * batch_size / (time.perf_counter() - t_start)
+
+
+def drain_warmup(warmup: int, buffered: int) -> int:
+    """Warm-up iterations that also drain a loader's buffer of `buffered` batches (filled while the
+    model's first iterations were slow): twice its depth, so the timed window sees the loader's
+    steady rate."""
+    return warmup + 2 * buffered
+
+
+def epoch_of(data: list, batches: int, batch_size: int) -> list:
+    """The dataset repeated (references, not copies) so one epoch holds `batches` batches: the timed
+    window then crosses no epoch boundary, as at ImageNet scale (5,000 batches per epoch)."""
+    reps = max(1, -(-batches * batch_size // len(data)))
+    return data * reps
 
 
 def endless(loader, set_epoch=None):
@@ -246,25 +271,27 @@ def main() -> None:
                             lambda: iter(lambda: (xs, ys), None), model_name, device, args.iters, args.warmup, bs
                         )
                     elif variant == "dataloader_tv":
+                        warmup = drain_warmup(args.warmup, workers * TV_PREFETCH)
                         dl = DataLoader(
-                            TvDataset(data),
+                            TvDataset(epoch_of(data, warmup + args.iters + 1, bs)),
                             batch_size=bs,
                             shuffle=True,
                             num_workers=workers,
                             pin_memory=device.type == "cuda",
                             persistent_workers=True,
                             drop_last=True,
-                            prefetch_factor=4,
+                            prefetch_factor=TV_PREFETCH,
                         )
-                        rate = train_rate(lambda: endless(dl), model_name, device, args.iters, args.warmup, bs)
+                        rate = train_rate(lambda: endless(dl), model_name, device, args.iters, warmup, bs)
                         del dl
                     elif variant == "dali":
+                        warmup = drain_warmup(args.warmup, DALI_PREFETCH)
                         rate = train_rate(
-                            lambda: dali_batches(data, bs, device, workers, args.iters + args.warmup + 1),
+                            lambda: dali_batches(data, bs, device, workers, args.iters + warmup + 1),
                             model_name,
                             device,
                             args.iters,
-                            args.warmup,
+                            warmup,
                             bs,
                         )
                     else:
@@ -276,9 +303,9 @@ def main() -> None:
                         # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
                         # chooses: that happens in the warm-up, never in the timed window
                         profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
-                        warmup = ff_warmup(args.warmup, profiling)
+                        warmup = drain_warmup(ff_warmup(args.warmup, profiling), 2)  # prefetch_factor 2
                         with FusionFlowLoader(
-                            EncodedImages(data, classes=1000),
+                            EncodedImages(epoch_of(data, warmup + args.iters + 1, bs), classes=1000),
                             batch_size=bs,
                             shuffle=True,
                             num_workers=workers,

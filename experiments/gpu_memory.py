@@ -73,9 +73,10 @@ def run_trial(
 ) -> dict:
     """One training run in this process; returns what happened (ok / oom / error) and the numbers."""
     import torch
-    from gpu_bench import Encoded, dali_batches, endless, train_rate
+    from gpu_bench import DALI_PREFETCH, dali_batches, drain_warmup, endless, epoch_of, train_rate
 
     from fusionflow import FusionFlowLoader
+    from fusionflow.tools.synthetic import EncodedImages
 
     with open(data_path, "rb") as f:
         data = pickle.load(f)
@@ -91,6 +92,7 @@ def run_trial(
     stats = {}
     try:
         if pipeline == "dali":
+            warmup = drain_warmup(warmup, DALI_PREFETCH)
             rate = train_rate(
                 lambda: dali_batches(data, batch, device, workers, iters + warmup + 1),
                 "resnet18",
@@ -102,8 +104,9 @@ def run_trial(
         else:
             bridge = "on" if pipeline == "ff_bridge_on" else "off"
             accel = "dali-cpu" if smoke else "dali-gpu"
+            warmup = drain_warmup(warmup, 2)  # FusionFlowLoader's prefetch_factor
             with FusionFlowLoader(
-                Encoded(data),
+                EncodedImages(epoch_of(data, warmup + iters + 1, batch), classes=1000),
                 batch_size=batch,
                 shuffle=True,
                 num_workers=workers,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.v2 as T
-from dali_numpy import run_numpy
+from dali_numpy import nvjpeg_gap, run_numpy
 from tv_reference import tv_recipe
 
 from fusionflow import load_policy
@@ -146,6 +146,8 @@ def check_dali_erase(value, where):
     dp, cp = DaliPolicyPipeline(policy, batch_size=len(JPEGS), **where), CpuPipeline(policy)
     idx = list(range(len(JPEGS)))
     out = run_numpy(dp, JPEGS, idx, seed=1)
+    # the GPU's decoder (nvJPEG) is its own gap from libjpeg-turbo's, before any op (tests/dali_numpy.py)
+    gap = nvjpeg_gap(JPEGS)[0] if where.get("device") == "gpu" else 0.0
     erased = 0
     for i in idx:
         ref, d = cp(JPEGS[i], i, seed=1), draw(policy, 1, 0, i)
@@ -157,5 +159,5 @@ def check_dali_erase(value, where):
             erased += 1
             assert np.array_equal(out[i][:, mask], ref[:, mask])  # exact: both write the same values
         level = 1.0 if value == "uint8" else 1.0 / (255 * min(STD))  # ~ a level of 255, as test_ops_dali
-        assert np.abs(out[i][:, ~mask].astype(np.float32) - ref[:, ~mask]).mean() < level
+        assert np.abs(out[i][:, ~mask].astype(np.float32) - ref[:, ~mask]).mean() < level * (1.0 + gap), gap
     assert erased >= 2
