@@ -128,6 +128,7 @@ def run_trial(
             isinstance(exc, torch.OutOfMemoryError)
             or "out of memory" in text.lower()
             or "cudaErrorMemoryAllocation" in text
+            or "Can't allocate" in text  # DALI's device allocation failure (seen on an H100)
         )
         out.update(ok=False, oom=oom, error=text[-1500:])
     if device.type == "cuda":  # the ballast is left out of every number
