@@ -70,7 +70,7 @@ class GpuSession:
         alloc_device: torch.device,
     ) -> None:
         """Start the accelerator as a worker kind on `mgr` (the bridge first, on the GPU)."""
-        from fusionflow.runtime.accelerator import AcceleratorWorker
+        from fusionflow.runtime.accelerator import RUN_IMAGES, AcceleratorWorker
         from fusionflow.scheduling.taas import KSearch
 
         on_gpu = self.accelerator == "dali-gpu"
@@ -86,7 +86,7 @@ class GpuSession:
             mgr.board,
             dataset,
             policy,
-            tiny_batch_size,
+            min(capacity, max(tiny_batch_size, RUN_IMAGES)),  # samples per DALI run (several tiny-batches)
             seed,
             device="gpu" if on_gpu else "cpu",
             device_id=self.device.index if on_gpu else None,

@@ -99,6 +99,7 @@ class LoaderStats(RuntimeCounters):
             "worker_restarts": self.worker_restarts,
             "startup_seconds": self.startup_seconds,
             "accelerator_tiny_batches": self.accelerator_tiny_batches,
+            "accelerator_runs": self.accelerator_runs,
             "accelerator_given_back": self.accelerator_given_back,
             "accelerator_builds": self.accelerator_builds,
             "accelerator_build_seconds": self.accelerator_build_seconds,

@@ -54,10 +54,38 @@ def test_exactly_once_in_order_and_each_sample_is_its_cpu_or_dali_output():
     assert len(s.taas_k) == 12 + s.next_epoch_discarded and all(0 <= k <= k_max for k in s.taas_k)
 
 
-def test_without_aot_a_pipeline_is_built_per_tiny_batch():
+def test_without_aot_a_pipeline_is_built_per_run():
     ld = loader(Bytes(24), aot=False)
     collect(ld)
-    assert ld.stats.accelerator_builds == ld.stats.accelerator_tiny_batches > 0
+    assert ld.stats.accelerator_builds == ld.stats.accelerator_runs > 0
+
+
+def test_one_dali_run_takes_the_reserved_tiny_batches_and_writes_each_to_its_position():
+    """With K=4 reserved and room for 6 samples per run, the accelerator alone (no CPU workers) runs a
+    mini-batch of four 2-sample tiny-batches in two DALI runs (3 tiny-batches, then 1), and each
+    sample lands in its own position with its own DALI output (labels too)."""
+    from fusionflow.runtime.accelerator import AcceleratorWorker
+
+    ds = Bytes(8)
+    layout = RingLayout(1, 8, (3, 24, 24), "uint8")
+    mgr = LocalManager(ds, None, layout, num_workers=0, seed=4, sizes=ds.sizes, tiny_batch_size=2)
+    try:
+        accel = AcceleratorWorker(mgr.board, ds, SMALL, max_images=6, seed=4, device="cpu")
+        mgr.board.add_worker_kind(accel)
+        mgr.board.reserved = 4
+        order = [5, 1, 7, 0, 3, 6, 2, 4]
+        mgr.submit(0, 0, 0, 0, order)
+        accel.start()
+        mgr.wait(0, 0, timeout=60)
+        dali = DaliPolicyPipeline(SMALL, batch_size=1)
+        ring = mgr.board.ring
+        for pos, i in enumerate(order):
+            assert np.array_equal(ring.images[0, pos], run_numpy(dali, [ds.data[i]], [i], seed=4)[0]), (pos, i)
+            assert int(ring.labels[0][pos]) == i
+        c = mgr.board.counters
+        assert (c.accelerator_tiny_batches, c.accelerator_runs, c.accelerator_given_back) == (4, 2, 0)
+    finally:
+        mgr.shutdown()
 
 
 def test_corrupt_sample_is_given_back_and_named_by_a_cpu_worker():
@@ -107,27 +135,27 @@ def test_two_ended_queue_with_reservation(manager):
     manager.submit(1, 0, 1, 0, [0, 2, 4])
     with mgr.cond:
         mgr.reserved = 2
-        assert mgr.take_accel().indices == (1,)  # largest of the oldest mini-batch: 80 bytes
+        assert [w.indices for w in mgr.take_accel()] == [(1,)]  # largest of the oldest mini-batch: 80 bytes
         cpu = [mgr.take_cpu().indices[0] for _ in range(4)]
         assert cpu == [0, 2, 4, 6]  # smallest first: 10, 20, 30, 40
         # 50, 60, 70 remain; 2 are reserved: the CPU takes 50 and then moves on to mini-batch 1
         assert mgr.take_cpu().indices == (7,)
         assert mgr.take_cpu().indices == (0,)
         assert mgr.take_cpu() is None  # 20 and 30 of mini-batch 1 are the accelerator's
-        work = mgr.take_accel()
+        (work,) = mgr.take_accel()  # max_images 0: one tiny-batch per take
         assert work.indices == (3,)  # 70
         work.cpu_only = True
         mgr.requeue([work])  # given back: CPU-only now, even inside the reservation
-        assert mgr.take_accel().indices == (5,)
+        assert mgr.take_accel()[0].indices == (5,)
         assert mgr.take_cpu().indices == (3,)
-        assert [mgr.take_accel().indices for _ in range(2)] == [(4,), (2,)]  # then mini-batch 1, largest first
-        assert mgr.take_accel() is None and mgr.take_cpu() is None
+        assert [mgr.take_accel()[0].indices for _ in range(2)] == [(4,), (2,)]  # then mini-batch 1, largest first
+        assert mgr.take_accel() == [] and mgr.take_cpu() is None
 
 
 def test_fifo_ablation_takes_smallest_first(manager):
     manager.submit(0, 0, 0, 0, list(range(8)))
     with manager.board.cond:
-        assert manager.board.take_accel(largest_first=False).indices == (0,)
+        assert [w.indices for w in manager.board.take_accel(largest_first=False)] == [(0,)]
 
 
 @pytest.mark.parametrize(
@@ -245,8 +273,8 @@ def test_dali_naive_ablation_closes_each_pipeline(monkeypatch):
 
 
 def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerator(monkeypatch, caplog):
-    """DALI out of memory on every tiny-batch: each goes to the CPU workers (not reported as a corrupt
-    sample), and after MAX_FAILURES in a row the accelerator retires -- no reservation is left for
+    """DALI out of memory on every run: its tiny-batches go to the CPU workers (not reported as a corrupt
+    sample), and after MAX_FAILURES runs in a row the accelerator retires -- no reservation is left for
     it, so every later mini-batch is produced by the CPU workers alone."""
     from fusionflow.errors import DeviceOutOfMemory
     from fusionflow.runtime import accelerator as acc
@@ -261,7 +289,8 @@ def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerat
     assert [i for y in labels for i in y.tolist()] == list(range(24))
     s = ld.stats
     assert s.accelerator_tiny_batches == 0 and s.accelerator_out_of_memory == acc.MAX_FAILURES
-    assert s.accelerator_given_back == acc.MAX_FAILURES and "in a row failed" in s.accelerator_retired
+    # a failed run gives back each of its tiny-batches (a run may hold several: up to K)
+    assert s.accelerator_given_back >= acc.MAX_FAILURES and "in a row failed" in s.accelerator_retired
     assert "likely corrupt" not in caplog.text and "retired" in caplog.text
 
 

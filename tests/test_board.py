@@ -107,7 +107,7 @@ def test_complete_counts_mini_batches_and_calls_back_once_each():
     board.on_batch_done = done.append
     board.queue.add(0, 0, 0, 0, split_sorted([0, 1, 2], board.sizes, 1), 3, 0.0)
     with board.cond:
-        big = board.take_accel()
+        (big,) = board.take_accel()
         small = [board.take_cpu(), board.take_cpu()]
         assert big.indices == (1,) and [w.indices for w in small] == [(0,), (2,)] and board.take_cpu() is None
         for work in small:

@@ -30,6 +30,13 @@ def queue_with(*batches, reserved=0, tiny_batch_size=1):
     return q
 
 
+def accel(q, **kw):
+    """The accelerator's single take (max_images 0: one tiny-batch per DALI run); None when none."""
+    group = q.take_accel(**kw)
+    assert len(group) <= 1
+    return group[0] if group else None
+
+
 def test_cpu_takes_the_oldest_mini_batch_smallest_first():
     q = queue_with([30, 10, 20], [5, 1])
     assert [q.take_cpu().indices for _ in range(5)] == [(1,), (2,), (0,), (101,), (100,)]
@@ -38,30 +45,52 @@ def test_cpu_takes_the_oldest_mini_batch_smallest_first():
 
 def test_accelerator_takes_the_oldest_mini_batch_largest_first():
     q = queue_with([30, 10, 20], [5, 1])
-    assert [q.take_accel().indices for _ in range(5)] == [(0,), (2,), (1,), (100,), (101,)]
-    assert q.take_accel() is None
+    assert [accel(q).indices for _ in range(5)] == [(0,), (2,), (1,), (100,), (101,)]
+    assert accel(q) is None
 
 
 def test_fifo_ablation_takes_the_smallest_on_the_accelerator():
     q = queue_with([30, 10, 20])
-    assert q.take_accel(largest_first=False).indices == (1,)
+    assert accel(q, largest_first=False).indices == (1,)
 
 
 def test_reserved_largest_are_left_to_the_accelerator():
     q = queue_with([30, 10, 20, 40], [7, 8], reserved=2)
     assert [q.take_cpu().indices for _ in range(2)] == [(1,), (2,)]  # 30 and 40 are the accelerator's
     assert q.take_cpu() is None  # mini-batch 1 is not reached: its 2 are reserved too
-    assert q.take_accel().indices == (3,)
+    assert accel(q).indices == (3,)
     assert q.take_cpu() is None  # one left of mini-batch 0, inside the reservation
 
 
 def test_given_back_work_is_cpu_only_and_skips_the_reservation():
     q = queue_with([30, 10, 20], reserved=3)
-    work = q.take_accel()
+    work = accel(q)
     work.cpu_only = True
     q.requeue([work])
-    assert q.take_accel().indices == (2,)  # the accelerator does not get it again
+    assert accel(q).indices == (2,)  # the accelerator does not get it again
     assert q.take_cpu().indices == (0,)  # CPU workers do, although 3 are reserved
+
+
+def test_accelerator_group_is_the_reserved_largest_of_one_mini_batch_within_max_images():
+    q = queue_with([30, 10, 20, 40, 50], [7, 8], reserved=3)
+    assert [w.indices for w in q.take_accel(max_images=100)] == [(4,), (3,), (0,)]  # K=3 largest, one run
+    assert [w.indices for w in q.take_accel(max_images=100)] == [(2,), (1,)]  # never into mini-batch 1
+    assert [w.indices for w in q.take_accel(max_images=2)] == [(101,), (100,)]
+    q = queue_with([30, 10, 20, 40, 50, 60], reserved=4, tiny_batch_size=2)  # tiny-batches of 2 samples
+    assert [len(w.positions) for w in q.take_accel(max_images=5)] == [2, 2]  # a third would make 6
+    q = queue_with([30, 10, 20, 40], reserved=0)
+    assert len(q.take_accel(max_images=100)) == 1  # K=0: one at a time, as before the grouping
+    q = queue_with([30, 10, 20, 40], reserved=3)
+    assert [w.indices for w in q.take_accel(largest_first=False, max_images=100)] == [(1,), (2,), (0,)]
+
+
+def test_accelerator_group_skips_given_back_work():
+    q = queue_with([30, 10, 20, 40], reserved=4)
+    work = accel(q)
+    work.cpu_only = True
+    q.requeue([work])
+    assert [w.indices for w in q.take_accel(max_images=100)] == [(0,), (2,), (1,)]
+    assert q.take_accel(max_images=100) == [] and q.take_cpu().indices == (3,)
 
 
 def test_upto_stops_at_newer_mini_batches():
@@ -83,7 +112,7 @@ def test_requeue_puts_work_back_at_the_front_in_order_and_drops_forgotten_work()
 
 def test_complete_counts_per_mini_batch():
     q = queue_with([3, 1, 2, 4], tiny_batch_size=2)
-    a, b = q.take_cpu(), q.take_accel()
+    a, b = q.take_cpu(), accel(q)
     state = q.complete(a, ["f"], on_accelerator=False, targets={0: "x"}, now=11.0)
     assert state.remaining == 2 and state.failures == ["f"] and state.targets == {0: "x"}
     assert state.cpu_done_at == 11.0 and state.accel_done_at == 0.0
@@ -100,7 +129,7 @@ def test_complete_counts_per_mini_batch():
 def test_current_key_and_waiting():
     q = queue_with([1, 2, 3], [4, 5], reserved=1)
     assert q.current_key() == (1, 0) and q.waiting((1, 0)) == 2 and q.waiting(None) == 0
-    for work in [q.take_cpu(), q.take_cpu(), q.take_accel()]:
+    for work in [q.take_cpu(), q.take_cpu(), accel(q)]:
         q.complete(work, [], False, None, 0.0)
     assert q.current_key() == (1, 1) and q.waiting((1, 0)) == 0
 
@@ -133,7 +162,7 @@ def test_every_interleaving_takes_each_tiny_batch_once_and_respects_the_reservat
             q = queue_with(sizes, reserved=k)
             left, taken = sorted(sizes), []
             for who in order:
-                work = q.take_cpu() if who == "c" else q.take_accel()
+                work = q.take_cpu() if who == "c" else accel(q)
                 if who == "c" and len(left) <= k:
                     assert work is None
                     continue
@@ -142,6 +171,35 @@ def test_every_interleaving_takes_each_tiny_batch_once_and_respects_the_reservat
                 assert size == (left[0] if who == "c" else left[-1])
                 left.remove(size)
                 taken.append(work.indices)
-            while (work := q.take_accel()) is not None:
+            while (work := accel(q)) is not None:
                 taken.append(work.indices)
+            assert sorted(taken) == [(p,) for p in range(n)]
+
+
+@pytest.mark.parametrize("max_images", [1, 2, 3, 100])
+def test_every_interleaving_with_grouped_accelerator_takes_each_tiny_batch_once(max_images):
+    """As above with the accelerator taking groups (one DALI run each): every tiny-batch exactly
+    once; a group is the largest left, at most max(1, K) of them and `max_images` samples."""
+    n = 6
+    sizes = [10 * ((4 * p) % 7) + p for p in range(n)]
+    for k in range(n + 1):
+        for order in itertools.product("ca", repeat=n):
+            q = queue_with(sizes, reserved=k)
+            left, taken = sorted(sizes), []
+            for who in order:
+                if who == "c":
+                    work = q.take_cpu()
+                    if work is None:
+                        assert len(left) <= k
+                        continue
+                    assert sizes[work.positions[0]] == left.pop(0)
+                    taken.append(work.indices)
+                    continue
+                group = q.take_accel(max_images=max_images)
+                assert len(group) == min(len(left), max(1, min(k, max_images)))
+                for work in group:
+                    assert sizes[work.positions[0]] == left.pop()
+                    taken.append(work.indices)
+            while group := q.take_accel(max_images=max_images):
+                taken.extend(w.indices for w in group)
             assert sorted(taken) == [(p,) for p in range(n)]

@@ -12,7 +12,7 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     counters     the loader's counters (runtime/counters.py)
     reserved     TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
     take_cpu(upto=None) -> Work | None          cond held
-    take_accel(largest_first=True) -> Work | None   cond held
+    take_accel(largest_first, max_images) -> [Work]   cond held
     complete(work, failures, on_accelerator, targets=None)   cond held
     requeue(works)                              cond held
     draining() -> bool                          cond held: an abandoned iterator's work still runs
@@ -157,9 +157,10 @@ class Board:
         newer than `upto`, a (generation, seq) key, if given)."""
         return self.queue.take_cpu(upto)
 
-    def take_accel(self, largest_first: bool = True) -> Work | None:
-        """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation)."""
-        return self.queue.take_accel(largest_first)
+    def take_accel(self, largest_first: bool = True, max_images: int = 0) -> list[Work]:
+        """The accelerator's next DALI run: the oldest mini-batch's largest tiny-batch (its smallest,
+        for the FIFO ablation) and more of its largest, up to TAAS's K and `max_images` samples."""
+        return self.queue.take_accel(largest_first, max_images)
 
     def requeue(self, works) -> None:
         """Put work back at the front of its mini-batch's queue (it was interrupted)."""

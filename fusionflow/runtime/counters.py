@@ -20,9 +20,10 @@ class RuntimeCounters:
     tiny_batches_per_worker: list = field(default_factory=list)  # by worker id, this manager's workers
     worker_restarts: int = 0  # CPU workers replaced after they died
     accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
+    accelerator_runs: int = 0  # its DALI runs that produced them (one run: several tiny-batches of one mini-batch)
     accelerator_given_back: int = 0  # handed to the CPU workers (undecodable by DALI, or not bytes)
-    accelerator_builds: int = 0  # DALI pipeline builds (1 with AoT, one per tiny-batch without)
-    accelerator_out_of_memory: int = 0  # tiny-batches handed to the CPU workers because DALI ran out of memory
+    accelerator_builds: int = 0  # DALI pipeline builds (1 with AoT, one per run without)
+    accelerator_out_of_memory: int = 0  # DALI runs out of memory (their tiny-batches went to the CPU workers)
     accelerator_retired: str | None = None  # why the accelerator stopped taking work (repeated failures)
     global_manager: str | None = None  # "active", "lost" (its GM died: own workers only) or None (off)
     workers_lent: int = 0  # times one of this loader's idle workers was lent to another loader (rank)

@@ -90,15 +90,26 @@ class TinyBatchQueue:
                 return q.popleft()
         return None
 
-    def take_accel(self, largest_first: bool = True) -> Work | None:
-        """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation)."""
+    def take_accel(self, largest_first: bool = True, max_images: int = 0) -> list[Work]:
+        """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation), and
+        with it, for one DALI run, more of that mini-batch's largest: up to the `reserved` (TAAS's K)
+        in all and `max_images` samples. [] when there is nothing for the accelerator."""
         for q in self.queues.values():
             candidates = [w for w in q if not w.cpu_only]
-            if candidates:
-                work = candidates[-1] if largest_first else candidates[0]
+            if not candidates:
+                continue
+            if largest_first:
+                candidates.reverse()
+            group, images = [candidates[0]], len(candidates[0].positions)
+            for work in candidates[1 : max(1, self.reserved)]:
+                if images + len(work.positions) > max_images:
+                    break
+                group.append(work)
+                images += len(work.positions)
+            for work in group:
                 q.remove(work)
-                return work
-        return None
+            return group
+        return []
 
     def requeue(self, works: Iterable[Work]) -> None:
         """Put work back at the front of its mini-batch's queue, in the given order (it was
