@@ -204,3 +204,22 @@ def test_one_slot_on_the_gpu_path_delivers_the_whole_epoch(fake, no_leaks, accel
         seen = [y for _, labels in ld for y in labels.tolist()]
     ld.close()
     assert sorted(seen) == list(range(40))
+
+
+def test_a_dali_run_of_several_tiny_batches_lands_in_their_positions(fake):
+    """One DALI run holding tiny-batches at positions 4-5 and 0-1 (not adjacent): staged on the
+    accelerator's stream, then copied slice by slice; no host-to-device copy, nothing on a default
+    stream, and the slot's event recorded after the copies."""
+    from fusionflow.runtime.shm import RingLayout
+
+    ring = device_ring.DeviceRing(RingLayout(2, 6, (1, 2, 2), "uint8"), torch.device("cuda:1"), torch.device("cpu"))
+    ring.images.zero_()
+    out = [np.full((1, 2, 2), v, np.uint8) for v in (10, 11, 20, 21)]
+    ring.write(1, [4, 5, 0, 1], out)
+    assert [int(ring.images[1, p, 0, 0, 0]) for p in range(6)] == [20, 21, 0, 0, 10, 11]
+    assert int(ring.images[0].sum()) == 0
+    assert not fake.of("h2d") and not fake.of("h2d_tensor")
+    (copy,) = fake.of("copy")
+    assert copy["stream"] is ring.stream
+    ring.write(0, [2, 3], out[:2])  # adjacent positions: straight into the slot
+    assert [int(ring.images[0, p, 0, 0, 0]) for p in range(6)] == [0, 0, 10, 11, 0, 0]

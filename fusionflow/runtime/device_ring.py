@@ -54,10 +54,20 @@ class DeviceRing:
     def write(self, slot: int, positions, out) -> None:
         """Copy a DALI GPU TensorList (one sample per position, in order) into the ring; returns once
         the copy is complete (the slot may then be reported done)."""
-        first = positions[0]
-        dst = self.images[slot, first : first + len(positions)]
+        first, n = positions[0], len(positions)
         with torch.cuda.device(self.index):
-            copy_out(out, dst, self.stream)
+            if list(positions) == list(range(first, first + n)):  # one tiny-batch, or adjacent ones
+                copy_out(out, self.images[slot, first : first + n], self.stream)
+            else:  # several tiny-batches in one DALI run: staged, then a device copy per run of positions
+                with torch.cuda.stream(self.stream):  # the staging block belongs to the accelerator's stream
+                    staged = torch.empty(
+                        (n, *self.images.shape[2:]), dtype=self.images.dtype, device=self.images.device
+                    )
+                    copy_out(out, staged, self.stream)
+                    k = 0
+                    for a, b in _runs_in_order(positions):
+                        self.images[slot, a:b].copy_(staged[k : k + b - a], non_blocking=True)
+                        k += b - a
             event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         event.synchronize()
@@ -76,6 +86,17 @@ def accel_runs(positions) -> list[tuple[int, int]]:
     adjacent): the merged delivery copies slices, so it needs no index tensor on the device."""
     runs: list[list[int]] = []
     for p in sorted(positions):
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return [(a, b) for a, b in runs]
+
+
+def _runs_in_order(positions) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive positions, in the order given (a DALI run's samples)."""
+    runs: list[list[int]] = []
+    for p in positions:
         if runs and runs[-1][1] == p:
             runs[-1][1] = p + 1
         else:
