@@ -185,9 +185,10 @@ class RemoteWorkers:
         board = self.board
         if board.draining():
             return
-        take = (
-            (lambda: board.take_accel(largest_first=True)) if self.config.take == "back" else (lambda: board.take_cpu())
-        )
+        if self.config.take == "back":  # one tiny-batch per take (max_images 0), the largest left
+            take = lambda: next(iter(board.take_accel(largest_first=True)), None)  # noqa: E731
+        else:
+            take = board.take_cpu
         ready = [a for a in self.actors if a.ready]
         for depth in range(1, self.config.in_flight + 1):
             for a in ready:

@@ -54,7 +54,7 @@ from fusionflow.runtime import targets
 from fusionflow.sample import split_item
 
 log = logging.getLogger(__name__)
-MAX_FAILURES = 4  # failed tiny-batches in a row before the accelerator retires
+MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
 PROFILE_BATCHES = 10  # gpu_sharing="auto": iterations timed per mode before choosing
 RUN_IMAGES = 128  # samples per DALI run at most: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
 
