@@ -33,7 +33,7 @@ the board's interface (`cond`, `take_accel`, `complete`, `requeue`, `draining`, 
 
 Failures: a tiny-batch DALI cannot run goes back to the CPU workers. DALI's pipeline is shut down
 and rebuilt after a failed batch (never kept broken); out of device memory is logged as such (not
-as a corrupt sample). After `MAX_FAILURES` failed tiny-batches in a row, or a pipeline that cannot
+as a corrupt sample). After `MAX_FAILURES` failed DALI runs in a row, or a pipeline that cannot
 be rebuilt, the accelerator retires: the CPU workers take everything from then on.
 
 Pipelines are closed explicitly: at `stop()`, and (the DALI-Naive ablation, aot=False) after each

@@ -84,13 +84,7 @@ class DeviceRing:
 def accel_runs(positions) -> list[tuple[int, int]]:
     """[start, stop) runs of consecutive positions (the accelerator's tiny-batches, merged where
     adjacent): the merged delivery copies slices, so it needs no index tensor on the device."""
-    runs: list[list[int]] = []
-    for p in sorted(positions):
-        if runs and runs[-1][1] == p:
-            runs[-1][1] = p + 1
-        else:
-            runs.append([p, p + 1])
-    return [(a, b) for a, b in runs]
+    return _runs_in_order(sorted(positions))
 
 
 def _runs_in_order(positions) -> list[tuple[int, int]]:
