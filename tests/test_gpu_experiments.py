@@ -47,3 +47,31 @@ def test_a_hung_trial_is_recorded_not_raised(monkeypatch):
     res = gpu_memory.spawn(args, "ff_bridge_on", 64, 2, 1)
     assert res["ok"] is False and res["timeout"] and not res["oom"]
     assert "--trial-timeout=7" in res["error"] and "still decoding" in res["error"]
+
+
+def test_every_name_the_gpu_scripts_import_from_each_other_exists():
+    """gpu_memory.py imports its trial's helpers from gpu_bench.py inside a function (a trial runs in
+    its own process): a helper renamed in gpu_bench once broke every trial on the first GPU run,
+    unnoticed on CPUs. Read the imports from the source and check each name."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(gpu_memory))
+    names = [
+        a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "gpu_bench"
+        for a in node.names
+    ]
+    assert "train_rate" in names and "dali_batches" in names
+    assert [n for n in names if not hasattr(gpu_bench, n)] == []
+
+
+def test_timed_window_helpers():
+    """The warm-up drains a loader's buffer (twice its depth); a repeated dataset holds references,
+    not copies, and at least the batches asked for."""
+    assert gpu_bench.drain_warmup(5, 8) == 21
+    data = [b"a" * 10, b"b" * 20, b"c" * 30]
+    ep = gpu_bench.epoch_of(data, batches=5, batch_size=4)
+    assert len(ep) >= 20 and len(ep) % 3 == 0 and all(x is data[i % 3] for i, x in enumerate(ep))
+    assert gpu_bench.epoch_of(data, batches=1, batch_size=2) == data
