@@ -33,9 +33,7 @@ import argparse
 import dataclasses
 import io
 import os
-import statistics
 import sys
-import time
 import warnings
 from functools import partial
 
@@ -44,7 +42,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from results_io import RESULTS, interleaved_rates, provenance, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -136,20 +134,7 @@ def main() -> None:
 
         candidates["dali_cpu"] = run_dali
 
-    for go in candidates.values():  # warm-up: caches, lazy imports, first-call costs
-        go()
-    times = {name: [] for name in candidates}
-    for r in range(args.repeats):
-        for name, go in candidates.items():
-            t0 = time.perf_counter()
-            go()
-            times[name].append(time.perf_counter() - t0)
-        print(
-            f"repeat {r + 1}/{args.repeats}: "
-            + ", ".join(f"{n} {len(data) / t[-1]:.0f} img/s" for n, t in times.items())
-        )
-
-    rate = {n: len(data) / statistics.median(t) for n, t in times.items()}
+    times, rate = interleaved_rates(candidates, len(data), args.repeats)
 
     def fidelity(fast_pipe, exact_pipe) -> dict:
         scores = []

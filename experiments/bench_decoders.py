@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from results_io import RESULTS, interleaved_rates, provenance, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -145,16 +143,7 @@ def main() -> None:
     else:
         skipped["ff_window"] = jpeg.why_unavailable()
 
-    for go in candidates.values():
-        go()
-    times = {n: [] for n in candidates}
-    for r in range(args.repeats):
-        for n, go in candidates.items():
-            t0 = time.perf_counter()
-            go()
-            times[n].append(time.perf_counter() - t0)
-        print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(f"{n} {len(jobs) / t[-1]:.0f}" for n, t in times.items()))
-    rate = {n: len(jobs) / statistics.median(t) for n, t in times.items()}
+    times, rate = interleaved_rates(candidates, len(jobs), args.repeats)
     ratio = {n: v / rate["pillow_full"] for n, v in rate.items()}
     print(
         "img/s (decode + crop + resize to 224, 1 thread): "

@@ -18,9 +18,7 @@ import argparse
 import dataclasses
 import io
 import os
-import statistics
 import sys
-import time
 import warnings
 
 import numpy as np
@@ -28,7 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from results_io import RESULTS, interleaved_rates, provenance, write_json  # noqa: E402
 
 RECIPES = {
     "rand-m9-mstd0.5-inc1": dict(auto_augment="rand-m9-mstd0.5-inc1", interpolation="random", re_prob=0.25),
@@ -80,19 +78,7 @@ def main() -> None:
             return go
 
         candidates = {"timm": run_timm, "ff_exact": run_ff(exact), "ff_fast": run_ff(fast)}
-        for go in candidates.values():
-            go()  # warm-up
-        times = {c: [] for c in candidates}
-        for r in range(args.repeats):
-            for c, go in candidates.items():
-                t0 = time.perf_counter()
-                go()
-                times[c].append(time.perf_counter() - t0)
-            print(
-                f"{name} repeat {r + 1}/{args.repeats}: "
-                + ", ".join(f"{c} {len(data) / t[-1]:.0f} img/s" for c, t in times.items())
-            )
-        rate = {c: len(data) / statistics.median(t) for c, t in times.items()}
+        times, rate = interleaved_rates(candidates, len(data), args.repeats, label=f"{name} ")
         results[name] = {
             "recipe": recipe,
             "img_per_s": rate,

@@ -35,3 +35,26 @@ def write_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
     print(f"wrote {path}")
+
+
+def interleaved_rates(candidates: dict, items: int, repeats: int, label: str = "") -> tuple[dict, dict]:
+    """Time each candidate (a no-argument callable that processes `items` items) once for warm-up,
+    then `repeats` rounds with the candidates interleaved, so a noisy neighbour hits them all alike.
+    Prints each round; returns ({name: [seconds per round]}, {name: items/s at the median round})."""
+    import statistics
+    import time
+
+    for go in candidates.values():  # warm-up: caches, lazy imports, first-call costs
+        go()
+    times = {name: [] for name in candidates}
+    for r in range(repeats):
+        for name, go in candidates.items():
+            t0 = time.perf_counter()
+            go()
+            times[name].append(time.perf_counter() - t0)
+        print(
+            f"{label}repeat {r + 1}/{repeats}: "
+            + ", ".join(f"{n} {items / t[-1]:.0f} img/s" for n, t in times.items()),
+            flush=True,
+        )
+    return times, {n: items / statistics.median(t) for n, t in times.items()}
