@@ -46,6 +46,8 @@ def train_transform(args) -> T.Compose:
         steps.append(T.RandAugment(interpolation=interpolation, magnitude=args.ra_magnitude))
     elif args.auto_augment == "ta_wide":
         steps.append(T.TrivialAugmentWide(interpolation=interpolation))
+    elif args.auto_augment == "augmix":
+        steps.append(T.AugMix(interpolation=interpolation, severity=args.augmix_severity))
     elif args.auto_augment is not None:
         steps.append(T.AutoAugment(T.AutoAugmentPolicy(args.auto_augment), interpolation=interpolation))
     steps += [T.PILToTensor(), T.ToDtype(torch.float32, scale=True), T.Normalize(MEAN, STD)]
@@ -239,8 +241,9 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--label-smoothing", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--auto-augment", default=None, help="ra | ta_wide | imagenet | cifar10 | svhn")
+    p.add_argument("--auto-augment", default=None, help="ra | ta_wide | augmix | imagenet | cifar10 | svhn")
     p.add_argument("--ra-magnitude", type=int, default=9)
+    p.add_argument("--augmix-severity", type=int, default=3)
     p.add_argument("--hflip-prob", type=float, default=0.5)
     p.add_argument("--interpolation", default="bilinear", help="bilinear (FusionFlow also takes nearest)")
     p.add_argument("--train-crop-size", type=int, default=224)

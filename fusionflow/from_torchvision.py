@@ -83,7 +83,7 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     if pos < len(steps) and isinstance(steps[pos], T.RandomHorizontalFlip):
         cfg["flip"] = float(steps[pos].p)
         pos += 1
-    if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide)):
+    if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide, T.AugMix)):
         cfg["augment"] = augment_section(steps[pos], size, lambda why, k=pos: fail(k, why))
         pos += 1
     elif pos < len(steps) and _part(steps[pos], "augment"):  # timm's RandAugment / AutoAugment / AugMix
@@ -247,6 +247,9 @@ def _as_v2(t) -> list | None:
         "RandAugment": lambda: T.RandAugment(t.num_ops, t.magnitude, t.num_magnitude_bins, t.interpolation, t.fill),
         "TrivialAugmentWide": lambda: T.TrivialAugmentWide(t.num_magnitude_bins, t.interpolation, t.fill),
         "AutoAugment": lambda: T.AutoAugment(t.policy, t.interpolation, t.fill),
+        "AugMix": lambda: T.AugMix(
+            t.severity, t.mixture_width, t.chain_depth, t.alpha, t.all_ops, t.interpolation, t.fill
+        ),
         "PILToTensor": lambda: T.PILToTensor(),
         "ConvertImageDtype": lambda: T.ConvertImageDtype(t.dtype),
         "Normalize": lambda: T.Normalize(t.mean, t.std),

@@ -1,4 +1,4 @@
-"""torchvision's RandAugment / AutoAugment / TrivialAugmentWide objects -> a policy's `augment` section
+"""torchvision's RandAugment / AutoAugment / TrivialAugmentWide / AugMix objects -> a policy's `augment` section
 (for `policy_from_transform`, fusionflow/from_torchvision.py).
 
 The op tables come from the torchvision object itself (its magnitude bins at the policy's output
@@ -75,6 +75,8 @@ def augment_section(t, size, fail) -> dict:
     import torchvision.transforms.v2 as T
 
     height, width = size
+    if isinstance(t, T.AugMix):
+        return _augmix_section(t, fail)
     common = {"interpolation": _interpolation(t, fail), "fill": _fill(t, fail)}
     space = t._AUGMENTATION_SPACE
     if isinstance(t, T.AutoAugment):
@@ -111,3 +113,29 @@ def augment_section(t, size, fail) -> dict:
         "ops": ops,
         **common,
     }
+
+
+def _augmix_section(t, fail) -> dict:
+    """torchvision's AugMix: its parameters as they are (policy/tv_augmix.py draws and mixes as it does)."""
+    mode = mode_name(t.interpolation)
+    if mode not in ("nearest", "bilinear"):
+        fail(
+            f"interpolation={mode!r}: torchvision's AugMix runs its chains on tensors, which take nearest or "
+            "bilinear (torchvision itself raises at the first geometric op)"
+        )
+    if t.mixture_width < 1 or t.mixture_width > 16 or t.chain_depth == 0 or t.chain_depth > 16:
+        fail(
+            f"mixture_width={t.mixture_width}, chain_depth={t.chain_depth}: FusionFlow takes 1..16 chains of 1..16 ops"
+        )
+    section = {
+        "type": "augmix",
+        "severity": int(t.severity),
+        "mixture_width": int(t.mixture_width),
+        "chain_depth": max(-1, int(t.chain_depth)),
+        "alpha": float(t.alpha),
+        "all_ops": bool(t.all_ops),
+        "interpolation": mode,
+    }
+    if t.fill is not None:
+        section["fill"] = _fill(t, fail)
+    return section

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fusionflow.ops.dali_support import dali_declines
+
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
 SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
@@ -64,24 +66,6 @@ def resolve_device(device, host: Host) -> torch.device:
         if resolved.index >= host.device_count():
             raise ValueError(f"device={device!r}: this process sees {host.device_count()} CUDA device(s)")
     return resolved
-
-
-def dali_declines(policy) -> str | None:
-    """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
-    filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
-    none of timm's augmentations."""
-    if policy is None:
-        return None
-    if policy.crop_interpolation != "bilinear":
-        return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
-    if policy.augment.timm is not None:
-        return f"augment.type {policy.augment.type!r} (timm's ops, magnitude noise and mixing are CPU-only)"
-    if policy.augment.type != "none" and policy.augment.interpolation == "bicubic":
-        return "augment.interpolation 'bicubic' (DALI's warp_affine has only nearest and linear)"
-    erase = policy.erase
-    if erase is not None and (erase.count != (1, 1) or (erase.value is None and erase.noise == "color")):
-        return "timm's erase (count > 1 or value random_color: the DALI graph erases one rectangle)"
-    return None
 
 
 def resolve_accelerator(

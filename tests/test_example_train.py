@@ -63,7 +63,17 @@ def test_script_trains_a_couple_of_steps(tmp_path_factory, loader):
     assert len(result["val_acc"]) == 1
 
 
-@pytest.mark.parametrize("auto_augment", ["ra", "ta_wide", "imagenet", None])
+def test_script_trains_with_augmix_through_fusionflow(tmp_path_factory):
+    """torchvision's recipe flag --auto-augment augmix switches loaders (the AugMix policy on CPU workers)."""
+    root = str(tmp_path_factory.getbasetemp() / "synthetic-imagefolder")
+    flags = [f for f in FLAGS if f not in ("--ra-sampler",)]
+    flags[flags.index("ra")] = "augmix"
+    flags[flags.index("--ra-magnitude") : flags.index("--ra-magnitude") + 2] = ["--augmix-severity", "5"]
+    result = _script().main(["--data-path", root, "--loader", "fusionflow", *flags])
+    assert len(result["train_losses"]) == 2 and all(loss == loss for loss in result["train_losses"])
+
+
+@pytest.mark.parametrize("auto_augment", ["ra", "ta_wide", "augmix", "imagenet", None])
 def test_the_scripts_recipes_convert(auto_augment):
     from fusionflow import load_policy, policy_from_transform
 
@@ -80,7 +90,15 @@ def test_the_scripts_recipes_convert(auto_augment):
         ref = load_policy("randaugment", size=176, interpolation="bilinear")
         assert [o.name for o in train.augment.ops] == [o.name for o in ref.augment.ops]
         assert train.augment.interpolation == "bilinear" and train.augment.magnitude == 9
-    bicubic = mod.parse_args(["--data-path", "x", "--interpolation", "bicubic"])
+    if auto_augment == "augmix":
+        assert train.augment.augmix == load_policy("augmix").augment.augmix  # severity 3, torchvision's defaults
+        assert train.augment.interpolation == "bilinear"
+    bicubic_args = ["--data-path", "x", "--interpolation", "bicubic"]
+    bicubic = mod.parse_args(bicubic_args)
+    if auto_augment == "augmix":  # torchvision's own AugMix raises on tensors with bicubic: so does the conversion
+        with pytest.raises(ValueError, match="bicubic"):
+            policy_from_transform(mod.train_transform(mod.parse_args([*bicubic_args, "--auto-augment", "augmix"])))
+        return
     train_bicubic = policy_from_transform(mod.train_transform(bicubic))
     assert train_bicubic.crop_interpolation == "bicubic"
     assert train_bicubic.augment.type == "none" or train_bicubic.augment.interpolation == "bicubic"

@@ -18,6 +18,7 @@ from fusionflow import DecodeError, FusionFlowError, load_policy  # noqa: E402
 from fusionflow.ops import cpu  # noqa: E402
 from fusionflow.ops.dali import DALI_IMPLS, DaliStyle  # noqa: E402
 from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
+from fusionflow.ops.dali_support import dali_declines  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.ops.specs import OP_NAMES, OPS  # noqa: E402
 from fusionflow.policy import shipped_policies  # noqa: E402
@@ -115,6 +116,10 @@ JPEGS = make_jpegs(16, 200, 1000, seed=1)
 @pytest.mark.parametrize("name", shipped_policies())
 def test_dali_pipeline_matches_cpu_pipeline(name):
     policy = dataclasses.replace(load_policy(name), fast_downscale=False)
+    if dali_declines(policy) is not None:  # AugMix: the loader's CPU workers run it (test_augmix.py)
+        with pytest.raises(ValueError, match="the DALI pipeline cannot run"):
+            DaliPolicyPipeline(policy, batch_size=8)
+        return
     dp, cp = DaliPolicyPipeline(policy, batch_size=8), CpuPipeline(policy)
     scores = []
     for start in (0, 8):

@@ -1,6 +1,7 @@
 """torchvision as the independent reference: its own op dispatch on PIL images, and its pipeline."""
 
 import math
+from unittest import mock
 
 import numpy as np
 import torch
@@ -64,7 +65,46 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
     aug = policy.augment
     for op in d.ops:
         img = tv_op(op.name, img, op.value, aug.fill, aug.interpolation, op.aux)
+    if aug.augmix is not None:
+        img = Image.fromarray(tv_augmix(augmix_transform(aug), img, d))
     return np.asarray(img).transpose(2, 0, 1)
+
+
+def augmix_transform(aug):
+    """torchvision's AugMix (v1, the recipe's) with a policy's augmix settings."""
+    import torchvision.transforms as T1
+
+    s = aug.augmix
+    fill = None if s.fill is None else list(s.fill)
+    mode = T1.InterpolationMode(aug.interpolation)
+    return T1.AugMix(s.severity, s.mixture_width, s.chain_depth, s.alpha, s.all_ops, mode, fill)
+
+
+def tv_augmix(t, img: Image.Image, d) -> np.ndarray:
+    """torchvision's AugMix `t` on `img` with FusionFlow's draw `d` injected: its two Dirichlet samples and,
+    in its call order, every randint (chain depth, op index, magnitude bin, sign)."""
+    space = t._augmentation_space(t._PARAMETER_MAX, (img.height, img.width))
+    names = list(space)
+    ints = []
+    for k, chain in enumerate(d.mix.chains):
+        if t.chain_depth <= 0:
+            ints.append(len(chain))
+        for step in (s for s in d.steps if s.group == k):
+            ints.append(names.index(step.op))
+            magnitudes, signed = space[step.op]
+            if magnitudes.ndim > 0:
+                ints.append(int(step.level))
+            if signed:
+                ints.append(int(step.negate))
+    answers = iter(ints)
+    dirichlet = iter([torch.tensor([[d.mix.m, d.mix.m_mix]]), torch.tensor([list(d.mix.weights)])])
+    with (
+        mock.patch.object(t, "_sample_dirichlet", lambda params: next(dirichlet)),
+        mock.patch("torch.randint", lambda *a, **k: torch.tensor([next(answers)])),
+    ):
+        out = np.asarray(t(img))
+    assert next(answers, None) is None, "torchvision asked for fewer draws than FusionFlow made"
+    return out
 
 
 def tv_recipe(policy, data: bytes, d) -> np.ndarray:

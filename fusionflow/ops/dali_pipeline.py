@@ -26,6 +26,7 @@ import numpy as np
 
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.ops.dali import DALI_IMPLS, DaliStyle
+from fusionflow.ops.dali_support import dali_declines
 from fusionflow.ops.specs import NUM_PARAMS
 from fusionflow.policy import Policy, crop_window, draw, load_policy
 
@@ -58,6 +59,9 @@ class DaliPolicyPipeline:
     ):
         _check_args(batch_size, device, device_id)
         self.policy: Policy = load_policy(policy)
+        why = dali_declines(self.policy)
+        if why is not None:
+            raise ValueError(f"{self.policy.source}: the DALI pipeline cannot run {why}; the CPU pipeline runs it")
         _check_fill(self.policy)
         aug = self.policy.augment
         self.batch_size, self.device = batch_size, device

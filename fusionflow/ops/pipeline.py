@@ -12,7 +12,7 @@ from functools import partial
 import numpy as np
 from PIL import Image
 
-from fusionflow.ops import cpu, cpu_array, jpeg, mix
+from fusionflow.ops import cpu, cpu_array, jpeg, mix, tv_tensor
 from fusionflow.ops.decode import (
     decode_box_resize,
     decode_crop_resize,
@@ -47,6 +47,8 @@ class CpuPipeline:
         missing = [o.name for o in aug.ops if o.name not in cpu.CPU_IMPLS]
         if missing:
             raise ValueError(f"{self.policy.source}: no CPU implementation for ops {missing}")
+        if aug.augmix is not None and not self.fast and tv_tensor.available() is not None:
+            raise ValueError(f"{self.policy.source}: {tv_tensor.available()}; or use decode.mode fast")
 
     def image(self, data, d: SampleDraw, what: str | None = None, tick=None) -> Image.Image:
         """The augmented sample as an RGB image of the output size. `tick(stage)`, if given, is called
@@ -67,22 +69,28 @@ class CpuPipeline:
         return self.augment_image(img, d, tick)
 
     def augment_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
-        """The draw's ops (and timm's AugMix mixture) on an output-size image, exact mode's kernels."""
+        """The draw's ops (and an AugMix mixture) on an output-size image, exact mode's kernels: Pillow's,
+        and for torchvision's AugMix torchvision's tensor ops (fusionflow/ops/tv_tensor.py)."""
         img = self._run_ops(img, d.ops, self._pillow_op, tick)
-        if d.mix is not None:
+        if d.mix is not None and d.mix.style == "torchvision":  # its chains run on tensors: its tensor ops
+            base = np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
+            aug = self.policy.augment
+            chain = lambda ops: tv_tensor.chain(base, ops, aug.interpolation, aug.augmix.fill)  # noqa: E731
+            img = Image.fromarray(np.ascontiguousarray(mix.tv_augmix(base, d.mix, chain).transpose(1, 2, 0)))
+        elif d.mix is not None:
             base = img
             chain = lambda ops: np.asarray(self._run_ops(base, ops, self._pillow_op))  # noqa: E731
             img = Image.fromarray(mix.augmix(np.asarray(base), d.mix, chain))
-            if tick is not None:
-                tick("augmix")
+        if d.mix is not None and tick is not None:
+            tick("augmix")
         return img
 
     def augment_array(self, arr: np.ndarray, d: SampleDraw, tick=None) -> np.ndarray:
-        """The draw's ops (and timm's AugMix mixture) on an output-size uint8 HWC array, fast kernels."""
+        """The draw's ops (and an AugMix mixture) on an output-size uint8 HWC array, fast kernels."""
         arr = self._run_ops(arr, d.ops, self._array_op, tick)
         if d.mix is not None:
             base = arr
-            arr = mix.augmix(base, d.mix, lambda ops: self._run_ops(base, ops, self._array_op))
+            arr = mix.mix(base, d.mix, lambda ops: self._run_ops(base, ops, self._array_op))
             if tick is not None:
                 tick("augmix")
         return arr

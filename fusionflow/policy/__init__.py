@@ -1,6 +1,7 @@
 """Augmentation policies: config file -> frozen Policy (with validated overrides), and per-sample draws.
 
-Pure Python + numpy + PyYAML; nothing here imports torch or DALI.
+Pure Python + numpy + PyYAML; nothing here imports DALI, and torch only inside torchvision's AugMix
+tables (policy/tv_augmix.py, computed by torch.linspace as torchvision's are).
 """
 
 from fusionflow.policy.image_sections import Erase

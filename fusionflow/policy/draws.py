@@ -56,9 +56,10 @@ class EraseDraw:
 
 @dataclass(frozen=True)
 class TimmStep:
-    """One of timm's AugmentOp calls as drawn, in timm's terms (what a test feeds timm's own objects):
-    the op, whether it applied, the magnitude before clamping, the sign, the interpolation, and its
-    group: AutoAugment's sub-policy index, AugMix's chain (0 for RandAugment)."""
+    """One op call as drawn, in its library's terms (what a test feeds that library's own objects). timm's
+    AugmentOp: the op, whether it applied, the magnitude before clamping, the sign, the interpolation,
+    and its group: AutoAugment's sub-policy index, AugMix's chain (0 for RandAugment). torchvision's
+    AugMix: `level` is the magnitude bin, `group` the chain. DeepAA: `level` the bin, `group` the layer."""
 
     op: str
     applied: bool
@@ -70,13 +71,17 @@ class TimmStep:
 
 @dataclass(frozen=True)
 class MixDraw:
-    """timm's AugMix on the sample: `chains[k]` applied to the image, the results summed with
-    weights[k] (Dirichlet), then blended with the image by m (Beta); float64 as drawn, used as float32."""
+    """AugMix on the sample: `chains[k]` applied to the image. timm's (style "timm"): the results summed
+    with weights[k] (Dirichlet), then blended with the image by m (Beta). torchvision's (style
+    "torchvision"): m * image + sum_k m_mix * weights[k] * chain_k, (m, m_mix) its Beta pair as a
+    2-Dirichlet. float64 as drawn, used as float32 (fusionflow/ops/mix.py)."""
 
     weights: tuple[float, ...]
     m: float
     chains: tuple[tuple[OpDraw, ...], ...]
     blended: bool = False  # timm's 'b1': each chain blended into the running image, no final blend
+    style: str = "timm"  # timm | torchvision: whose arithmetic mixes the chains
+    m_mix: float = 0.0  # torchvision: the mixture's share (m[1] of its Dirichlet pair)
 
 
 @dataclass(frozen=True)

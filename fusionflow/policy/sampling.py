@@ -30,6 +30,7 @@ from fusionflow.policy.draws import EraseDraw, MixDraw, OpDraw, SampleDraw, Timm
 from fusionflow.policy.image_sections import Erase
 from fusionflow.policy.schema import Policy
 from fusionflow.policy.timm_augment import draw_timm
+from fusionflow.policy.tv_augmix import draw_augmix
 
 __all__ = ["EraseDraw", "MixDraw", "OpDraw", "SampleDraw", "TimmStep", "crop_window", "draw", "uniforms"]
 
@@ -129,6 +130,8 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
     mix, steps = None, ()
     if aug.timm is not None:
         ops, mix, steps = draw_timm(aug, policy.size, rng)
+    elif aug.augmix is not None:
+        mix, steps = draw_augmix(aug.augmix, policy.size, rng)
     erase = _erase(policy.erase, policy.size, rng) if policy.erase is not None else None
     crop_resample = None
     if policy.crop_interpolation == "random":  # timm's RandomResizedCropAndInterpolation: one of two per sample

@@ -37,7 +37,8 @@ The schema (documented for users in configs/README.md):
       count: int | [lo, hi]            rectangles per erased sample, drawn uniformly, each of area / count
                                        (timm's max_count); default 1
     augment:                           (the timm-rand / timm-auto / timm-augmix types: policy/timm_augment.py)
-      type: none | rand | trivial | subpolicy | timm-rand | timm-auto | timm-augmix
+      type: none | rand | trivial | subpolicy | augmix | timm-rand | timm-auto | timm-augmix
+                                       (augmix: torchvision's AugMix, policy/tv_augmix.py)
       ops: {OpName: {range: [v0, v1], signed: bool} or {} for ops without magnitude}
                                        pixel-valued ops (TranslateX/Y, Cutout) also take
                                        scale_with_size: bool (default true): a size override
@@ -75,8 +76,9 @@ from fusionflow.policy.image_sections import (
 from fusionflow.policy.reader import _Reader
 from fusionflow.policy.timm_augment import TIMM_TYPES, TimmAugment, parse_timm
 from fusionflow.policy.timm_augment import max_ops as timm_max_ops
+from fusionflow.policy.tv_augmix import AugMixSettings, parse_augmix
 
-AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy", *TIMM_TYPES)
+AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy", "augmix", *TIMM_TYPES)
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 
 
@@ -117,6 +119,7 @@ class Augment:
     interpolation: str = "nearest"  # timm types: bilinear, bicubic or random (drawn per op)
     fill: tuple[int, int, int] = (0, 0, 0)
     timm: TimmAugment | None = None  # the timm-* types' settings
+    augmix: AugMixSettings | None = None  # type augmix: torchvision's AugMix (policy/tv_augmix.py)
 
     def op(self, name: str) -> OpChoice:
         for choice in self.ops:
@@ -135,6 +138,8 @@ class Augment:
             return max(len(sp) for sp in self.subpolicies)
         if self.timm is not None:
             return timm_max_ops(self.type, self.timm)
+        if self.augmix is not None:
+            return self.augmix.max_ops
         return 0
 
 
@@ -210,6 +215,9 @@ def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
     if kind in TIMM_TYPES:
         timm, interpolation, fill = parse_timm(r, raw, kind)
         return Augment(type=kind, interpolation=interpolation, fill=fill, timm=timm)
+    if kind == "augmix":
+        settings, interpolation, fill = parse_augmix(r, raw)
+        return Augment(type=kind, interpolation=interpolation, fill=fill, augmix=settings)
     if kind == "rand":
         a = r.mapping(raw, "augment", ("type", "ops", "num_ops", "magnitude", "num_bins"), common)
     elif kind == "trivial":

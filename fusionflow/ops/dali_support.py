@@ -1,0 +1,24 @@
+"""Which policies the DALI graph (fusionflow/ops/dali_pipeline.py) can run with the CPU path's pixels;
+importable without DALI (the loader asks before it builds anything)."""
+
+from __future__ import annotations
+
+
+def dali_declines(policy) -> str | None:
+    """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
+    filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
+    none of timm's augmentations nor AugMix's mixtures."""
+    if policy is None:
+        return None
+    if policy.crop_interpolation != "bilinear":
+        return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
+    if policy.augment.timm is not None:
+        return f"augment.type {policy.augment.type!r} (timm's ops, magnitude noise and mixing are CPU-only)"
+    if policy.augment.augmix is not None:
+        return "augment.type 'augmix' (the DALI graph has no per-sample mixture of op chains)"
+    if policy.augment.type != "none" and policy.augment.interpolation == "bicubic":
+        return "augment.interpolation 'bicubic' (DALI's warp_affine has only nearest and linear)"
+    erase = policy.erase
+    if erase is not None and (erase.count != (1, 1) or (erase.value is None and erase.noise == "color")):
+        return "timm's erase (count > 1 or value random_color: the DALI graph erases one rectangle)"
+    return None
