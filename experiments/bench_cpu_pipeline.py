@@ -1,15 +1,19 @@
 """Per-core throughput of the whole CPU augmentation pipeline, FusionFlow vs torchvision.
 
-decode + RandomResizedCrop(224) + flip + RandAugment(N=2, M=9) on synthetic JPEGs (quality 90), one
-process, one thread each, in one run:
-  torchvision        torchvision.transforms.v2 on PIL images (Image.open(...).convert("RGB"))
+decode + RandomResizedCrop(224) + flip + RandAugment(N=2, M=9) (or --policy's) on synthetic JPEGs
+(quality 90), one process, one thread each, in one run:
+  torchvision        torchvision.transforms.v2 on PIL images (Image.open(...).convert("RGB")); for
+                     --policy augmix its AugMix; for --policy deepaa, which torchvision does not ship,
+                     the authors' algorithm in their order on PIL images, given FusionFlow's draws
+                     (experiments/deepaa_reference.py)
   ff_exact_pillow    FusionFlow exact mode decoding whole images with Pillow (the path before the
                      window decoder; what runs where libjpeg-turbo's headers are missing)
   ff_exact           FusionFlow exact mode: window decode + Pillow resize (bit-identical to torchvision)
   ff_fast_pillow     the previous fast mode: Pillow draft (DCT scaling of the whole image) + Pillow resize
   ff_fast            FusionFlow fast mode as shipped: window decode at the coarsest DCT scale that
                      covers the output + torch's SIMD uint8 antialiased resize
-  dali_cpu           FusionFlow's DALI pipeline on DALI's CPU backend (batch 8, 1 thread)
+  dali_cpu           FusionFlow's DALI pipeline on DALI's CPU backend (batch 8, 1 thread); not for a
+                     policy the DALI graph declines (augmix, deepaa)
   decode_only        the limit: ff_fast's crop windows (drawn beforehand) decoded at ff_fast's DCT
                      scales, nothing else (no draw, resize, ops or write)
 Candidates are interleaved repeat by repeat; medians over repeats; ratios against torchvision, and
@@ -49,7 +53,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment"])
+    ap.add_argument(
+        "--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment", "augmix", "deepaa"]
+    )
     ap.add_argument("--sizes", default="200-1000", choices=["200-1000", "imagenet", "800-2000"])
     ap.add_argument("--no-dali", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default experiments/results/cpu_pipeline_<policy>.json)")
@@ -80,20 +86,30 @@ def main() -> None:
     if not window_available:
         sys.exit(f"the JPEG window decoder is unavailable ({decode.jpeg.why_unavailable()}): nothing to compare")
 
-    tv_aug = {
-        "randaugment": T.RandAugment(num_ops=2, magnitude=9),
-        "trivialaugment": T.TrivialAugmentWide(),
-        "autoaugment": T.AutoAugment(),
-    }[args.policy]
-    tv = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(), tv_aug, T.PILToTensor()])
     policy = load_policy(args.policy)
     exact = CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
     fast = CpuPipeline(policy)
     out = np.empty((3, 224, 224), np.uint8)
+    draws = [draw(policy, 0, 0, i) for i in range(len(data))]
+    if args.policy == "deepaa":  # the authors' algorithm (their order, PIL) on the same draws
+        from deepaa_reference import authors_sample
 
-    def run_tv():
-        for d in data:
-            tv(Image.open(io.BytesIO(d)).convert("RGB"))
+        def run_tv():
+            for d, dr in zip(data, draws):
+                T.functional.pil_to_tensor(authors_sample(policy, d, dr))
+
+    else:
+        tv_aug = {
+            "randaugment": T.RandAugment(num_ops=2, magnitude=9),
+            "trivialaugment": T.TrivialAugmentWide(),
+            "autoaugment": T.AutoAugment(),
+            "augmix": T.AugMix(),
+        }[args.policy]
+        tv = T.Compose([T.RandomResizedCrop(224, antialias=True), T.RandomHorizontalFlip(), tv_aug, T.PILToTensor()])
+
+        def run_tv():
+            for d in data:
+                tv(Image.open(io.BytesIO(d)).convert("RGB"))
 
     def run_ff(pipe, window=True):
         def go():
@@ -105,8 +121,6 @@ def main() -> None:
                 decode.jpeg.available = lambda: True
 
         return go
-
-    draws = [draw(policy, 0, 0, i) for i in range(len(data))]
 
     def run_decode_only():
         for d, dr in zip(data, draws):
@@ -121,7 +135,9 @@ def main() -> None:
         "ff_fast": run_ff(fast),
     }
     dali_build = None
-    if not args.no_dali:
+    from fusionflow.ops.dali_support import dali_declines
+
+    if not args.no_dali and dali_declines(policy) is None:
         from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
 
         dp = DaliPolicyPipeline(policy, batch_size=8, device="cpu", num_threads=1)

@@ -33,6 +33,7 @@ VALUES = {
     "AutoContrast": [0.0],
     "Equalize": [0.0],
     "Invert": [0.0],
+    "FlipX": [0.0],
 }
 # Per-op tolerance on max |difference|: every op here reproduces torchvision's PIL path exactly.
 TOLERANCE = {name: 0 for name in VALUES}

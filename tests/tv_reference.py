@@ -40,6 +40,8 @@ def tv_op(name: str, img: Image.Image, value: float, fill=(0, 0, 0), interpolati
         return F.to_pil_image(F.posterize(F.pil_to_tensor(img), 0))
     if name == "Cutout":
         return tv_cutout(img, value, aux, fill)
+    if name == "FlipX":
+        return F.horizontal_flip(img)
     if name in ("ShiftX", "ShiftY"):  # a fractional translation: torchvision's affine takes float offsets
         shift = [value, 0.0] if name == "ShiftX" else [0.0, value]
         return F.affine(img, 0.0, shift, 1.0, [0.0, 0.0], _MODES[interpolation], list(fill))

@@ -60,6 +60,11 @@ def affine(img, value, params, style):
     return img.transform(img.size, Image.Transform.AFFINE, params[:6], style.resample, fillcolor=style.fill)
 
 
+@cpu_impl("FlipX")
+def flip_x(img, value, params, style):
+    return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+
+
 @cpu_impl("Rotate")
 def rotate(img, value, params, style):
     # Pillow's own rotate (not the shared matrix): it turns exact multiples of 90 degrees into

@@ -326,6 +326,12 @@ def flip(arr: np.ndarray) -> np.ndarray:
     return cv2.flip(arr, 1)
 
 
+@_register(EXACT, "FlipX")
+@_register(FAST, "FlipX")
+def flip_x(arr, value, params, style):
+    return flip(arr)
+
+
 def split(arr: np.ndarray) -> list[np.ndarray]:
     """HWC -> three contiguous HW planes."""
     return list(cv2.split(arr))

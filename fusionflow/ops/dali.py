@@ -85,6 +85,11 @@ def affine(images, params, style):
     )
 
 
+@dali_impl("FlipX")
+def flip_x(images, params, style):
+    return fn.flip(images, horizontal=1)
+
+
 @dali_impl("Brightness")
 def brightness(images, params, style):
     return _u8(fn.cast(images, dtype=types.FLOAT) * style.dev(params[0]))

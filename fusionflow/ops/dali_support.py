@@ -14,6 +14,8 @@ def dali_declines(policy) -> str | None:
         return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
     if policy.augment.timm is not None:
         return f"augment.type {policy.augment.type!r} (timm's ops, magnitude noise and mixing are CPU-only)"
+    if policy.augment.deepaa is not None:
+        return "augment.type 'deepaa' (its crops are ops of the policy and its cutout has its own fill)"
     if policy.augment.augmix is not None:
         return "augment.type 'augmix' (the DALI graph has no per-sample mixture of op chains)"
     if policy.augment.type != "none" and policy.augment.interpolation == "bicubic":

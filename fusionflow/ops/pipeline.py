@@ -96,6 +96,8 @@ class CpuPipeline:
         return arr
 
     def _style(self, op) -> cpu.Style:
+        if op.fill is not None:  # a per-op fill (DeepAA's cutout colour)
+            return cpu.Style(op.resample or self.style.interpolation, op.fill)
         return self.style if op.resample is None else self._styles[op.resample]
 
     def _pillow_op(self, img, op, h, w):

@@ -21,7 +21,7 @@ Value conventions (the unit of an op's `range` in a policy file):
   SolarizeAdd      value added to pixels below 128, clipped to 255
   Cutout           side in pixels of a square filled with the policy's fill colour, centred at a
                    position drawn uniformly over the image
-  Identity, AutoContrast, Equalize, Invert take no magnitude.
+  Identity, AutoContrast, Equalize, Invert, FlipX (a left-right mirror) take no magnitude.
 """
 
 from __future__ import annotations
@@ -173,6 +173,7 @@ _SPECS = [
     OpSpec("AutoContrast", False, resolve=_none, doc="stretch each channel to 0..255"),
     OpSpec("Equalize", False, resolve=_none, doc="histogram-equalize each channel"),
     OpSpec("Invert", False, resolve=_none, doc="255 - pixel"),
+    OpSpec("FlipX", False, resolve=_none, doc="mirror left-right (DeepAA's RandFlip, an op of its policy)"),
     OpSpec(
         "Cutout",
         True,

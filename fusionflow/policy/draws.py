@@ -19,6 +19,7 @@ class OpDraw:
     value: float  # in the op's unit (see fusionflow.ops.specs), sign applied
     aux: tuple[float, float]  # two uniforms for ops that place something (Cutout)
     resample: str | None = None  # this op's interpolation when drawn per op (timm's 'random'); None: the policy's
+    fill: tuple[int, int, int] | None = None  # this op's fill (DeepAA's cutout colour); None: the policy's
 
     def params(self, height: int, width: int) -> ParamTuple:
         return OPS[self.name].resolve(self.value, self.aux, height, width)
@@ -59,7 +60,8 @@ class TimmStep:
     """One op call as drawn, in its library's terms (what a test feeds that library's own objects). timm's
     AugmentOp: the op, whether it applied, the magnitude before clamping, the sign, the interpolation,
     and its group: AutoAugment's sub-policy index, AugMix's chain (0 for RandAugment). torchvision's
-    AugMix: `level` is the magnitude bin, `group` the chain. DeepAA: `level` the bin, `group` the layer."""
+    AugMix: `level` is the magnitude bin, `group` the chain. DeepAA: `level` the bin, `group` the layer,
+    `negate` the sign flipped (RandFlip: the mirror taken)."""
 
     op: str
     applied: bool
@@ -92,4 +94,7 @@ class SampleDraw:
     erase: EraseDraw | None = None  # applied last, to the (normalised) output; None: not erased
     mix: MixDraw | None = None  # timm's AugMix, after crop and flip (then `ops` is empty)
     crop_resample: str | None = None  # the crop's filter when drawn per sample; None: the policy's
-    steps: tuple[TimmStep, ...] = ()  # timm policies: the draw in timm's terms
+    steps: tuple[TimmStep, ...] = ()  # timm, AugMix, DeepAA policies: the draw in the library's terms
+    crops: tuple[tuple[float, ...], ...] | None = None  # DeepAA: its layers' random resized crops, each
+    # CROP_TRIES * 4 uniforms, composed in order (empty: no layer cropped, the centre output-size window);
+    # None: the policy's crop

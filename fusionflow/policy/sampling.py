@@ -26,6 +26,7 @@ import threading
 
 import numpy as np
 
+from fusionflow.policy.deepaa import draw_deepaa
 from fusionflow.policy.draws import EraseDraw, MixDraw, OpDraw, SampleDraw, TimmStep
 from fusionflow.policy.image_sections import Erase
 from fusionflow.policy.schema import Policy
@@ -132,11 +133,14 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
         ops, mix, steps = draw_timm(aug, policy.size, rng)
     elif aug.augmix is not None:
         mix, steps = draw_augmix(aug.augmix, policy.size, rng)
+    crops = None
+    if aug.deepaa is not None:
+        ops, crops, steps = draw_deepaa(aug.deepaa, policy.size, rng, CROP_TRIES * 4)
     erase = _erase(policy.erase, policy.size, rng) if policy.erase is not None else None
     crop_resample = None
     if policy.crop_interpolation == "random":  # timm's RandomResizedCropAndInterpolation: one of two per sample
         crop_resample = "bilinear" if rng.random() < 0.5 else "bicubic"
-    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps)
+    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops)
 
 
 def _erase(erase: Erase, size: tuple[int, int], rng: _Stream) -> EraseDraw | None:
@@ -199,7 +203,32 @@ def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple
     """(top, left, crop_height, crop_width) of the random resized crop for an image of this size."""
     if policy.center_resize is not None:
         return center_window(policy.center_resize, policy.size, height, width)
-    for w, h, ut, ul in _area_ratio_tries(d.crop_u, height * width, policy.scale, policy.ratio):
+    if d.crops is not None:
+        return layered_window(policy, d.crops, height, width)
+    return _random_window(policy, d.crop_u, height, width)
+
+
+def layered_window(policy: Policy, crops, height: int, width: int) -> tuple[int, int, int, int]:
+    """DeepAA's crops as one window of the source image: none -> the centre output-size window at the
+    image's own resolution (an image smaller than the output: its centre, resized up, where theirs pads
+    with black); one -> that random resized crop; more -> each later crop drawn on the output-size image
+    of the one before, mapped back into the source and rounded to whole source pixels."""
+    out_h, out_w = policy.size
+    if not crops:
+        h, w = min(out_h, height), min(out_w, width)
+        return int(round((height - h) / 2.0)), int(round((width - w) / 2.0)), h, w
+    top, left, h, w = (float(v) for v in _random_window(policy, crops[0], height, width))
+    for u in crops[1:]:
+        t2, l2, h2, w2 = _random_window(policy, u, out_h, out_w)
+        sy, sx = h / out_h, w / out_w
+        top, left, h, w = top + t2 * sy, left + l2 * sx, h2 * sy, w2 * sx
+    t, le = min(int(round(top)), height - 1), min(int(round(left)), width - 1)
+    return t, le, max(1, min(int(round(top + h)) - t, height - t)), max(1, min(int(round(left + w)) - le, width - le))
+
+
+def _random_window(policy: Policy, crop_u, height: int, width: int) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop window from 40 uniforms."""
+    for w, h, ut, ul in _area_ratio_tries(crop_u, height * width, policy.scale, policy.ratio):
         if 0 < w <= width and 0 < h <= height:
             top = min(int(ut * (height - h + 1)), height - h)
             left = min(int(ul * (width - w + 1)), width - w)

@@ -37,8 +37,9 @@ The schema (documented for users in configs/README.md):
       count: int | [lo, hi]            rectangles per erased sample, drawn uniformly, each of area / count
                                        (timm's max_count); default 1
     augment:                           (the timm-rand / timm-auto / timm-augmix types: policy/timm_augment.py)
-      type: none | rand | trivial | subpolicy | augmix | timm-rand | timm-auto | timm-augmix
-                                       (augmix: torchvision's AugMix, policy/tv_augmix.py)
+      type: none | rand | trivial | subpolicy | augmix | deepaa | timm-rand | timm-auto | timm-augmix
+                                       (augmix: torchvision's AugMix, policy/tv_augmix.py;
+                                       deepaa: Deep AutoAugment's layers, policy/deepaa.py)
       ops: {OpName: {range: [v0, v1], signed: bool} or {} for ops without magnitude}
                                        pixel-valued ops (TranslateX/Y, Cutout) also take
                                        scale_with_size: bool (default true): a size override
@@ -65,6 +66,7 @@ from typing import Any
 import yaml
 
 from fusionflow.ops.specs import OPS
+from fusionflow.policy.deepaa import DeepAASettings, parse_deepaa
 from fusionflow.policy.image_sections import (
     DEFAULT_MAX_PIXELS,
     Erase,
@@ -78,7 +80,7 @@ from fusionflow.policy.timm_augment import TIMM_TYPES, TimmAugment, parse_timm
 from fusionflow.policy.timm_augment import max_ops as timm_max_ops
 from fusionflow.policy.tv_augmix import AugMixSettings, parse_augmix
 
-AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy", "augmix", *TIMM_TYPES)
+AUGMENT_TYPES = ("none", "rand", "trivial", "subpolicy", "augmix", "deepaa", *TIMM_TYPES)
 INTERPOLATIONS = ("nearest", "bilinear", "bicubic")
 
 
@@ -120,6 +122,7 @@ class Augment:
     fill: tuple[int, int, int] = (0, 0, 0)
     timm: TimmAugment | None = None  # the timm-* types' settings
     augmix: AugMixSettings | None = None  # type augmix: torchvision's AugMix (policy/tv_augmix.py)
+    deepaa: DeepAASettings | None = None  # type deepaa: Deep AutoAugment's layers (policy/deepaa.py)
 
     def op(self, name: str) -> OpChoice:
         for choice in self.ops:
@@ -140,6 +143,8 @@ class Augment:
             return timm_max_ops(self.type, self.timm)
         if self.augmix is not None:
             return self.augmix.max_ops
+        if self.deepaa is not None:
+            return self.deepaa.max_ops
         return 0
 
 
@@ -218,6 +223,9 @@ def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
     if kind == "augmix":
         settings, interpolation, fill = parse_augmix(r, raw)
         return Augment(type=kind, interpolation=interpolation, fill=fill, augmix=settings)
+    if kind == "deepaa":
+        deepaa, interpolation, fill = parse_deepaa(r, raw)
+        return Augment(type=kind, interpolation=interpolation, fill=fill, deepaa=deepaa)
     if kind == "rand":
         a = r.mapping(raw, "augment", ("type", "ops", "num_ops", "magnitude", "num_bins"), common)
     elif kind == "trivial":
