@@ -18,9 +18,22 @@ READ, DECODE, FLIP, WRITE = "read", "decode+crop+resize", "flip", "write"
 
 
 def stage_names(policy) -> tuple[str, ...]:
-    """The stages a policy's samples go through, in pipeline order (each op once, by name)."""
-    ops = tuple(dict.fromkeys(op.name for op in policy.augment.ops))
-    return (READ, DECODE, FLIP, *ops, WRITE)
+    """The stages a policy's samples go through, in pipeline order (each op once, by name; an AugMix
+    mixture, its chains included, as one stage "augmix")."""
+    aug = policy.augment
+    names = [op.name for op in aug.ops]
+    if aug.type in ("augmix", "timm-augmix"):
+        names.append("augmix")
+    elif aug.timm is not None:
+        from fusionflow.policy.timm_augment import TIMM_OPS
+
+        timm_ops = aug.timm.ops or tuple(step[0] for sub in aug.timm.subpolicies for step in sub)
+        names += [TIMM_OPS[name][0] for name in timm_ops]
+    elif aug.type == "deepaa":
+        from fusionflow.policy.deepaa import fusionflow_ops
+
+        names += fusionflow_ops(aug.deepaa)
+    return (READ, DECODE, FLIP, *dict.fromkeys(names), WRITE)
 
 
 class StageClock:

@@ -159,7 +159,8 @@ def test_fast_mode_within_documented_tolerance(name, monkeypatch):
         crop.append(psnr(fast_crop(data, i), exact_crop(data, i)))
     assert min(crop) >= 30.0, sorted(crop)[:3]
     assert np.median(with_ops) >= 38.0 and np.mean(np.asarray(with_ops) >= 30.0) >= 0.75, sorted(with_ops)[:5]
-    assert any(s != (1, 1) for s in scales)  # the DCT-scaled branch really ran
+    if policy.crop_interpolation == "bilinear":  # bicubic crops (deepaa) resample the full-scale window
+        assert any(s != (1, 1) for s in scales)  # the DCT-scaled branch really ran
 
 
 def test_unavailable_decoder_logs_why_and_pillow_decodes(monkeypatch, tmp_path, caplog):

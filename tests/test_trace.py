@@ -13,7 +13,7 @@ import torch
 from test_loader import SMALL, Bytes
 
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.policy import load_policy
+from fusionflow.policy import load_policy, shipped_policies
 from fusionflow.runtime import messages as m
 from fusionflow.stages import stage_names
 from fusionflow.tools.demo import main as cli
@@ -321,3 +321,27 @@ def test_gpu_accelerator_spans_on_the_trace(tmp_path):
     tiny = x_events(trace, "tiny-batch")
     assert got == list(range(48)) == sorted(i for e in tiny for i in e["args"]["indices"])
     assert len([e for e in tiny if e["tid"] == 2]) == loader.stats.accelerator_tiny_batches
+
+
+@pytest.mark.parametrize("name", [*shipped_policies(), "timm-rand", "timm-augmix"])
+def test_stage_clock_knows_every_stage_a_policy_ticks(name):
+    """stage_times=True: every stage the pipeline ticks (AugMix's mixture, DeepAA's and timm's ops under
+    FusionFlow's names) is one of the policy's stage names, and the clock takes time in some op stage."""
+    from fusionflow import from_timm
+    from fusionflow.ops.pipeline import CpuPipeline
+    from fusionflow.stages import StageClock
+    from fusionflow.tools.synthetic import make_jpegs
+
+    if name.startswith("timm"):
+        pytest.importorskip("timm")
+        policy = from_timm(96, is_training=True, auto_augment="rand-m9-n3" if name == "timm-rand" else "augmix-m3")
+    else:
+        policy = load_policy(name)
+    clock, pipe = StageClock(stage_names(policy)), CpuPipeline(policy)
+    for i, data in enumerate(make_jpegs(8, 150, 400, seed=3)):
+        clock.start()
+        pipe(data, i, tick=clock)
+    totals = dict(zip(clock.names, clock.take()))
+    assert totals["decode+crop+resize"] > 0 and totals["write"] > 0
+    ops = {k: v for k, v in totals.items() if k not in ("read", "decode+crop+resize", "flip", "write")}
+    assert not ops or sum(ops.values()) > 0

@@ -66,8 +66,8 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
         img = F.horizontal_flip(img)
     aug = policy.augment
     for op in d.ops:
-        img = tv_op(op.name, img, op.value, aug.fill, aug.interpolation, op.aux)
-    if aug.augmix is not None:
+        img = tv_op(op.name, img, op.value, op.fill or aug.fill, aug.interpolation, op.aux)
+    if aug.type == "augmix":
         img = Image.fromarray(tv_augmix(augmix_transform(aug), img, d))
     return np.asarray(img).transpose(2, 0, 1)
 

@@ -86,6 +86,11 @@ class DeepAASettings:
         return tuple(b - a for a, b in zip((0.0, *cdf[:-1]), cdf))
 
 
+def fusionflow_ops(s: DeepAASettings) -> list[str]:
+    """The FusionFlow ops a policy's draws can contain, in pair order."""
+    return [_MAPPED[name] for name, _ in s.pairs if _MAPPED[name] is not None]
+
+
 def parse_deepaa(r: _Reader, raw: Mapping):
     """`augment:` of type deepaa -> (DeepAASettings, interpolation, fill); ValueError naming the key."""
     keys = ("magnitude_bins", "ops", "pairs", "layers")

@@ -131,10 +131,10 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
     mix, steps = None, ()
     if aug.timm is not None:
         ops, mix, steps = draw_timm(aug, policy.size, rng)
-    elif aug.augmix is not None:
+    elif aug.type == "augmix":
         mix, steps = draw_augmix(aug.augmix, policy.size, rng)
     crops = None
-    if aug.deepaa is not None:
+    if aug.type == "deepaa":
         ops, crops, steps = draw_deepaa(aug.deepaa, policy.size, rng, CROP_TRIES * 4)
     erase = _erase(policy.erase, policy.size, rng) if policy.erase is not None else None
     crop_resample = None
