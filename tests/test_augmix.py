@@ -140,14 +140,25 @@ def test_what_does_not_convert_says_why():
         _policy(num_ops=2)
 
 
-def test_loader_runs_augmix_exactly_once_and_the_accelerator_declines(caplog):
+def loader_runs_it_once_and_dali_declines(policy, caplog, word):
+    """The loader with accelerator='dali-cpu' on a policy DALI declines: one log line naming it, every
+    sample exactly once from the CPU workers, at the policy's size."""
     pytest.importorskip("nvidia.dali")
-    policy = load_policy("augmix", size=64)
     with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
         loader = FusionFlowLoader(Bytes(20), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
     said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
-    assert len(said) == 1 and "augmix" in said[0] and loader.config.accelerator is None
+    assert len(said) == 1 and word in said[0] and loader.config.accelerator is None
     with loader:
         batches = list(loader)
     assert sorted(int(v) for _, y in batches for v in y) == list(range(20))
-    assert batches[0][0].shape[1:] == (3, 64, 64) and loader.stats.accelerator_tiny_batches == 0
+    assert batches[0][0].shape[1:] == (3, *policy.size) and loader.stats.accelerator_tiny_batches == 0
+
+
+def test_loader_runs_augmix_exactly_once_and_the_accelerator_declines(caplog):
+    loader_runs_it_once_and_dali_declines(load_policy("augmix", size=64), caplog, "augmix")
+
+
+def test_interpolation_override_keeps_to_what_augmix_takes():
+    assert load_policy("augmix", interpolation="nearest").augment.interpolation == "nearest"
+    with pytest.raises(ValueError, match="interpolation.*AugMix"):
+        load_policy("augmix", interpolation="bicubic")

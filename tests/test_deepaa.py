@@ -6,7 +6,6 @@ loader runs it exactly once per sample (the DALI accelerator declines it)."""
 
 import dataclasses
 import io
-import logging
 import os
 import sys
 
@@ -14,10 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 from scipy import stats
-from test_interpolation import Bytes  # a dataset of encoded bytes and their sizes
+from test_augmix import loader_runs_it_once_and_dali_declines
 
 from fusionflow import load_policy
-from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw
 from fusionflow.policy.deepaa import MIRRORED, _op
@@ -163,16 +161,7 @@ def test_bad_files_name_the_key(change, match):
 
 
 def test_loader_runs_deepaa_exactly_once_and_the_accelerator_declines(caplog):
-    pytest.importorskip("nvidia.dali")
-    policy = load_policy("deepaa", size=64)
-    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
-        loader = FusionFlowLoader(Bytes(20), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
-    said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
-    assert len(said) == 1 and "deepaa" in said[0] and loader.config.accelerator is None
-    with loader:
-        batches = list(loader)
-    assert sorted(int(v) for _, y in batches for v in y) == list(range(20))
-    assert batches[0][0].shape[1:] == (3, 64, 64)
+    loader_runs_it_once_and_dali_declines(load_policy("deepaa", size=64), caplog, "deepaa")
 
 
 def test_every_sample_is_the_output_size_whatever_the_crops():

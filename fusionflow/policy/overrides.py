@@ -124,6 +124,12 @@ def _interpolation(r: _Reader, name: str, aug: Augment, value: Any) -> Augment:
             f"policy {name!r} has no ops to resample: leave interpolation out or pass 'bilinear' (the "
             f"crop's own filter is the policy file's crop.interpolation)",
         )
+    if aug.type == "augmix" and value not in ("nearest", "bilinear"):
+        r.fail(
+            "interpolation",
+            f"policy {name!r} is torchvision's AugMix, whose chains run on tensors: nearest or bilinear "
+            f"(torchvision itself raises on {value!r})",
+        )
     return aug if aug.type == "none" else dataclasses.replace(aug, interpolation=value)
 
 
