@@ -14,9 +14,9 @@ def dali_declines(policy) -> str | None:
         return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
     if policy.augment.timm is not None:
         return f"augment.type {policy.augment.type!r} (timm's ops, magnitude noise and mixing are CPU-only)"
-    if policy.augment.deepaa is not None:
+    if policy.augment.type == "deepaa":
         return "augment.type 'deepaa' (its crops are ops of the policy and its cutout has its own fill)"
-    if policy.augment.augmix is not None:
+    if policy.augment.type == "augmix":
         return "augment.type 'augmix' (the DALI graph has no per-sample mixture of op chains)"
     if policy.augment.type != "none" and policy.augment.interpolation == "bicubic":
         return "augment.interpolation 'bicubic' (DALI's warp_affine has only nearest and linear)"

@@ -47,7 +47,7 @@ class CpuPipeline:
         missing = [o.name for o in aug.ops if o.name not in cpu.CPU_IMPLS]
         if missing:
             raise ValueError(f"{self.policy.source}: no CPU implementation for ops {missing}")
-        if aug.augmix is not None and not self.fast and tv_tensor.available() is not None:
+        if aug.type == "augmix" and not self.fast and tv_tensor.available() is not None:
             raise ValueError(f"{self.policy.source}: {tv_tensor.available()}; or use decode.mode fast")
 
     def image(self, data, d: SampleDraw, what: str | None = None, tick=None) -> Image.Image:
@@ -96,8 +96,11 @@ class CpuPipeline:
         return arr
 
     def _style(self, op) -> cpu.Style:
-        if op.fill is not None:  # a per-op fill (DeepAA's cutout colour)
-            return cpu.Style(op.resample or self.style.interpolation, op.fill)
+        if op.fill is not None:  # a per-op fill (DeepAA's cutout colour): one Style per (filter, fill)
+            key = (op.resample or self.style.interpolation, op.fill)
+            if key not in self._styles:
+                self._styles[key] = cpu.Style(*key)
+            return self._styles[key]
         return self.style if op.resample is None else self._styles[op.resample]
 
     def _pillow_op(self, img, op, h, w):

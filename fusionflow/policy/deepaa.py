@@ -109,7 +109,7 @@ def parse_deepaa(r: _Reader, raw: Mapping):
         cutout_fill=tuple(int(v) for v in r.triple(cut.get("fill", [125, 123, 114]), "augment.cutout.fill", 0, 255)),
     )
     interpolation = r.choice(a.get("interpolation", "nearest"), "augment.interpolation", ("nearest", "bilinear"))
-    fill = (int(r.integer(a.get("fill", 0), "augment.fill", 0, 255)),) * 3
+    fill = r.fill(a.get("fill", 0), "augment.fill")
     return settings, interpolation, fill
 
 

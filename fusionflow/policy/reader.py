@@ -74,6 +74,12 @@ class _Reader:
             self.fail(path, f"expected a list of three numbers (one per RGB channel), got {obj!r}")
         return tuple(self.number(v, f"{path}[{i}]", lo, hi) for i, v in enumerate(obj))
 
+    def fill(self, obj: Any, path: str) -> tuple[int, int, int]:
+        """A fill colour: one integer 0..255 for every channel, or [r, g, b]."""
+        if isinstance(obj, (list, tuple)):
+            return tuple(int(v) for v in self.triple(obj, path, 0, 255))
+        return (int(self.integer(obj, path, 0, 255)),) * 3
+
     def subpolicy_steps(self, raw: Any, path: str, shape: str):
         """A non-empty list of sub-policies, each a non-empty list of steps: yields (sub-policy index,
         the step's path, the step) in order; `shape` names a step's form for the messages."""

@@ -222,8 +222,7 @@ def layered_window(policy: Policy, crops, height: int, width: int) -> tuple[int,
         t2, l2, h2, w2 = _random_window(policy, u, out_h, out_w)
         sy, sx = h / out_h, w / out_w
         top, left, h, w = top + t2 * sy, left + l2 * sx, h2 * sy, w2 * sx
-    t, le = min(int(round(top)), height - 1), min(int(round(left)), width - 1)
-    return t, le, max(1, min(int(round(top + h)) - t, height - t)), max(1, min(int(round(left + w)) - le, width - le))
+    return _whole_pixels(left, top, left + w, top + h, height, width)
 
 
 def _random_window(policy: Policy, crop_u, height: int, width: int) -> tuple[int, int, int, int]:
@@ -259,7 +258,11 @@ def center_window(resize: int, size: tuple[int, int], height: int, width: int) -
     """(top, left, crop_height, crop_width) in the source image of torchvision's Resize(resize) +
     CenterCrop(size): `center_box` rounded to whole source pixels (so it differs from torchvision by
     under half a source pixel at the edges; the exact mode resamples the fractional box itself)."""
-    x0, y0, x1, y1 = center_box(resize, size, height, width)
+    return _whole_pixels(*center_box(resize, size, height, width), height, width)
+
+
+def _whole_pixels(x0: float, y0: float, x1: float, y1: float, height: int, width: int) -> tuple[int, int, int, int]:
+    """A fractional box (x0, y0, x1, y1) as (top, left, height, width) of whole source pixels, inside the image."""
     top, left = min(int(round(y0)), height - 1), min(int(round(x0)), width - 1)
     h = max(1, min(int(round(y1)) - top, height - top))
     w = max(1, min(int(round(x1)) - left, width - left))

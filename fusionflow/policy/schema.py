@@ -236,11 +236,7 @@ def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
     num_bins = r.integer(a["num_bins"], "augment.num_bins", 1, 1000)
     ops = _parse_ops(r, a["ops"], size)
     interpolation = r.choice(a.get("interpolation", "nearest"), "augment.interpolation", INTERPOLATIONS)
-    fill_raw = a.get("fill", 0)
-    if isinstance(fill_raw, (list, tuple)):
-        fill = tuple(int(v) for v in r.triple(fill_raw, "augment.fill", 0, 255))
-    else:
-        fill = (int(r.integer(fill_raw, "augment.fill", 0, 255)),) * 3
+    fill = r.fill(a.get("fill", 0), "augment.fill")
 
     num_ops, magnitude, subpolicies = 0, None, ()
     if kind == "rand":

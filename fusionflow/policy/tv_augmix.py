@@ -56,13 +56,7 @@ def parse_augmix(r: _Reader, raw: Mapping):
     """`augment:` of type augmix -> (AugMixSettings, interpolation, fill); ValueError naming the key."""
     keys = ("severity", "mixture_width", "chain_depth", "alpha", "all_ops", "interpolation", "fill")
     a = r.mapping(raw, "augment", ("type",), keys)
-    fill_raw = a.get("fill")
-    if fill_raw is None:
-        fill = None
-    elif isinstance(fill_raw, (list, tuple)):
-        fill = tuple(int(v) for v in r.triple(fill_raw, "augment.fill", 0, 255))
-    else:
-        fill = (int(r.integer(fill_raw, "augment.fill", 0, 255)),) * 3
+    fill = None if a.get("fill") is None else r.fill(a["fill"], "augment.fill")
     settings = AugMixSettings(
         severity=r.integer(a.get("severity", 3), "augment.severity", 1, NUM_BINS),
         mixture_width=r.integer(a.get("mixture_width", 3), "augment.mixture_width", 1, 16),
