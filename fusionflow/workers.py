@@ -87,8 +87,9 @@ class Workers:
         return self.manager
 
     def _start_remote(self, cfg) -> None:
-        """Ray actors as one more worker kind on the board (fusionflow/remote/kind.py); a dataset that
-        cannot be pickled or read on a remote node fails here, at start-up (the caller stops the manager)."""
+        """Ray actors, through a gateway process, as one more worker kind on the board
+        (fusionflow/remote/kind.py); a dataset that cannot be pickled or read on a remote node fails
+        here, at start-up (the caller stops the manager)."""
         from fusionflow.remote.kind import RemoteWorkers
 
         kind = RemoteWorkers(
@@ -100,10 +101,13 @@ class Workers:
             self.stats,
             first_worker_id=cfg.num_workers,
             worker_init_fn=cfg.worker_init_fn,
+            stages=cfg.stage_names,
+            on_stage_times=None
+            if cfg.stage_names is None
+            else functools.partial(self.stats.add_stage_times, cfg.stage_names),
         )
-        self.manager.board.add_worker_kind(
-            kind
-        )  # registered first: the manager's shutdown stops it even if start() fails
+        # registered first: the manager's shutdown stops it even if start() fails
+        self.manager.board.add_worker_kind(kind)
         kind.start()
 
     def _lending_spec(self, cfg) -> bytes | None:

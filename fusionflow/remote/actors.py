@@ -1,7 +1,7 @@
-"""The Ray actors of one remote worker kind (remote/kind.py's RemoteWorkers holds them as
-`self.actors`): the dataset in the object store, how many actors to ask for, starting them, their
-start-up probe (can this node read the dataset?), replacing lost ones and adding more as nodes join,
-and killing them. The kind keeps what is in flight on them and decides when they take work."""
+"""The Ray actors of one Ray gateway (remote/gateway.py holds them as `self.actors`; runs in the
+gateway process only): the dataset in the object store, how many actors to ask for, starting them,
+their start-up probe (can this node read the dataset?), replacing lost ones and adding more as nodes
+join, and killing them. The gateway keeps what is in flight on them and decides when they take work."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ SETTLE_S = 3.0  # start-up: how long to wait for CPUs that are being released to
 class Actor:
     """One Ray actor of the remote worker kind, as the training process tracks it."""
 
-    def __init__(self, name: str, handle, probe_ref):
-        self.name, self.handle, self.probe_ref = name, handle, probe_ref
-        self.ready, self.host, self.inflight = False, "?", 0  # inflight: calls queued on it
+    def __init__(self, number: int, handle, probe_ref):
+        self.number, self.name, self.handle, self.probe_ref = number, f"ray{number}", handle, probe_ref
+        self.ready, self.host, self.pid, self.inflight = False, "?", None, 0  # inflight: calls queued on it
 
 
 class RemoteActors:
@@ -29,10 +29,12 @@ class RemoteActors:
     still probing), in the order they were asked for. Used by the kind's thread (and by its stop()
     once that thread has ended)."""
 
-    def __init__(self, ray, config, dataset, policy, seed: int, first_worker_id: int = 0, worker_init_fn=None):
+    def __init__(
+        self, ray, config, dataset, policy, seed: int, first_worker_id: int = 0, worker_init_fn=None, stages=None
+    ):
         """Put `dataset` into Ray's object store (a TypeError naming it if it cannot be pickled); no
-        actor is asked for yet (`start_up`)."""
-        self.ray, self.config = ray, config
+        actor is asked for yet (`start_up`). `stages`: the stage names actors time, or None."""
+        self.ray, self.config, self.stages = ray, config, stages
         self.policy, self.seed, self.first_worker_id, self.worker_init_fn = (
             policy,
             seed,
@@ -124,9 +126,9 @@ class RemoteActors:
         if self.config.runtime_env is not None:
             options["runtime_env"] = self.config.runtime_env
         handle = self._cls.options(**options).remote(
-            self._dataset_ref, self.policy, self.seed, self.first_worker_id + k, self.worker_init_fn
+            self._dataset_ref, self.policy, self.seed, self.first_worker_id + k, self.worker_init_fn, self.stages
         )
-        self._actors.append(Actor(f"ray{k}", handle, handle.probe.remote(0)))
+        self._actors.append(Actor(k, handle, handle.probe.remote(0)))
 
     def on_probe(self, actor: Actor, ref, at_start: bool) -> None:
         """`actor`'s probe answered: it is ready, or (at start-up) a RemoteWorkerError, or (later) it is
@@ -141,7 +143,7 @@ class RemoteActors:
             self.drop(actor)
             self._probe_failed()
             return
-        actor.host = info["host"]
+        actor.host, actor.pid = info["host"], info["pid"]
         if info["error"] is not None:
             msg = (
                 f"remote_workers: Ray worker {actor.name} on node {info['host']} cannot read the dataset there: "

@@ -2,8 +2,9 @@
 
 A tiny-batch's pixels are a pure function of (dataset, policy, seed, epoch, index, copy), so a Ray
 actor anywhere in the cluster computes the same bytes as a local CPU worker. This module is the
-public configuration and the connection to the cluster; the worker kind itself (the thread that
-keeps tiny-batches in flight on the actors) is fusionflow/remote/kind.py.
+public configuration (read by the training process, which never imports ray) and the gateway
+process's connection to the cluster (`connect`, run in remote/gateway.py only); the worker kind is
+remote/kind.py.
 
 Ray is an optional dependency: `pip install 'fusionflow[ray]'`. Every Ray node needs FusionFlow
 importable (the same version), e.g. installed in the nodes' image, or shipped with
@@ -12,13 +13,33 @@ importable (the same version), e.g. installed in the nodes' image, or shipped wi
 
 from __future__ import annotations
 
+import importlib.util
 import logging
-import threading
+import sys
 
 log = logging.getLogger(__name__)
 
-INSTALL_HINT = "remote_workers=RayWorkers(...) needs Ray: pip install 'fusionflow[ray]' (or pip install ray==2.60.0)"
+INSTALL_HINT = (
+    "remote_workers=RayWorkers(...) needs Ray and cloudpickle: pip install 'fusionflow[ray]' "
+    "(or pip install ray==2.60.0 cloudpickle==3.1.2)"
+)
 TAKE = ("back", "front")
+
+
+def ray_installed() -> bool:
+    """Whether ray and cloudpickle can be imported, found without importing them (importing ray
+    costs a training process ~1 s of modules and threads; only the gateway process imports it)."""
+    for name in ("ray", "cloudpickle"):
+        if name in sys.modules:
+            if sys.modules[name] is None:  # blocked (tests do this)
+                return False
+            continue
+        try:
+            if importlib.util.find_spec(name) is None:
+                return False
+        except (ImportError, ValueError):
+            return False
+    return True
 
 
 def import_ray():
@@ -29,12 +50,21 @@ def import_ray():
     return ray
 
 
+def app_address() -> str | None:
+    """The GCS address of a Ray instance this (training) process already uses, without importing
+    ray: the application's own, which the gateway joins and leaves running."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().gcs_address
+
+
 class RayWorkers:
     """Remote CPU workers: `num_workers` Ray actors of `cpus_per_worker` CPUs each.
 
     num_workers: an int, or "auto": as many as the cluster's free CPUs allow, at start-up and as
         nodes join later.
-    address: None or "auto" -- connect to the Ray instance this process already uses, else to a
+    address: None or "auto" -- join the Ray instance the training process already uses, else a
         running cluster (RAY_ADDRESS, or one started with `ray start` on this machine), else start a
         local one (stopped when the loader's workers stop: at close(), or at each epoch's end without
         persistent_workers; "auto" logs a warning that it found no cluster);
@@ -64,7 +94,8 @@ class RayWorkers:
         init_kwargs: dict | None = None,
         per_call: int = 2,
     ):
-        import_ray()  # fail here, with the install hint, not when the loader starts
+        if not ray_installed():  # fail here, with the install hint, not when the loader starts
+            raise ImportError(INSTALL_HINT)
         if num_workers != "auto" and (
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
         ):
@@ -92,68 +123,39 @@ class RayWorkers:
         )
 
 
-class _Connection:
-    """This process's use of Ray: who called ray.init, and how many loaders use it. The last loader to
-    let go of an instance FusionFlow connected (or started) calls ray.shutdown; one the application
-    initialised itself is left alone."""
-
-    lock = threading.Lock()
-    users = 0
-    ours = False  # FusionFlow called ray.init (a local instance it started, or a connection it made)
-    started = False  # ... and that started a local instance
-
-
-def connect(config: RayWorkers):
-    """ray.init as `config.address` says (or reuse this process's connection); returns (the ray
-    module, whether this use is counted). Call `release()` once for each counted use."""
+def connect(config: RayWorkers, joined: str | None = None):
+    """In the gateway process: ray.init as `config.address` says (`joined`: the address of the
+    training process's own Ray instance, joined first). Returns (the ray module, whether this
+    started a local instance)."""
     ray = import_ray()
-    with _Connection.lock:
-        if ray.is_initialized():
-            if _Connection.ours:
-                _Connection.users += 1
-            return ray, _Connection.ours
-        kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **config.init_kwargs}
-        if config.address not in (None, "auto"):  # a named cluster: it must be there
-            try:
-                ray.init(address=config.address, **kwargs)
-            except ConnectionError as exc:
-                raise ConnectionError(
-                    f"RayWorkers(address={config.address!r}): no Ray cluster there ({exc}). "
-                    "Start one (`ray start --head` / your cluster launcher), or pass "
-                    "address=None to start a local one"
-                ) from exc
-            started = False
-        else:
-            try:
-                ray.init(address="auto", **kwargs)
-                started = False
-            except ConnectionError:  # no cluster is running: start a local one
-                if config.address == "auto":
-                    log.warning(
-                        "RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
-                        "start` on this machine); starting a local Ray instance for the remote workers"
-                    )
-                if config.num_workers != "auto":
-                    kwargs.setdefault("num_cpus", int(-(-config.num_workers * config.cpus_per_worker // 1)))
-                ray.init(**kwargs)
-                started = True
-                log.info(
-                    "fusionflow started a local Ray instance for its remote workers (%s CPUs)",
-                    ray.cluster_resources().get("CPU"),
-                )
-        _Connection.ours, _Connection.started, _Connection.users = True, started, 1
-        return ray, True
-
-
-def release() -> None:
-    """One loader is done with Ray: the last one shuts down what FusionFlow initialised."""
-    ray = import_ray()
-    with _Connection.lock:
-        if not _Connection.ours:
-            return
-        _Connection.users -= 1
-        if _Connection.users <= 0:
-            _Connection.ours = _Connection.started = False
-            _Connection.users = 0
-            if ray.is_initialized():
-                ray.shutdown()
+    kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **config.init_kwargs}
+    if joined is not None and config.address in (None, "auto"):
+        ray.init(address=joined, **kwargs)
+        return ray, False
+    if config.address not in (None, "auto"):  # a named cluster: it must be there
+        try:
+            ray.init(address=config.address, **kwargs)
+        except ConnectionError as exc:
+            raise ConnectionError(
+                f"RayWorkers(address={config.address!r}): no Ray cluster there ({exc}). "
+                "Start one (`ray start --head` / your cluster launcher), or pass "
+                "address=None to start a local one"
+            ) from exc
+        return ray, False
+    try:
+        ray.init(address="auto", **kwargs)
+        return ray, False
+    except ConnectionError:  # no cluster is running: start a local one
+        if config.address == "auto":
+            log.warning(
+                "RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
+                "start` on this machine); starting a local Ray instance for the remote workers"
+            )
+    if config.num_workers != "auto":
+        kwargs.setdefault("num_cpus", int(-(-config.num_workers * config.cpus_per_worker // 1)))
+    ray.init(**kwargs)
+    log.info(
+        "fusionflow started a local Ray instance for its remote workers (%s CPUs)",
+        ray.cluster_resources().get("CPU"),
+    )
+    return ray, True

@@ -1,25 +1,31 @@
 """Remote CPU workers: Ray actors as a third kind of worker beside the local CPU processes and the
-accelerator (configuration: remote/config.py; the actors: remote/actors.py; the actor's body:
-remote/task.py, the local workers' per-sample code, so the same bytes). README "More CPUs than the node has" and its
-measurements say why the defaults are what they are.
+accelerator (configuration: remote/config.py). The training process never imports ray: a gateway
+process (remote/gateway.py, started and ended by remote/link.py) is Ray's driver, starts and feeds
+the actors and writes their results into the ring itself; this kind, in the training process, only
+moves tiny-batches between the board and the gateway's socket, as the worker pool does with a
+worker's pipe. README "More CPUs than the node has" says why the defaults are what they are.
 
-A thread in the training process ("fusionflow-remote") keeps `in_flight` calls of up to `per_call`
-tiny-batches queued on each ready actor, waits on all of them at once (`ray.wait`), writes each
-result into its ring positions and completes it on the board: take under `cond`, wait and write
-outside it, complete under it, as the accelerator does. `take="back"` takes the oldest mini-batch's
-largest tiny-batches (as the accelerator does), "front" the smallest (as the local workers do).
+Two threads: "fusionflow-remote" takes work from the board (under `cond`; `take="back"` takes the
+oldest mini-batch's largest tiny-batches, as the accelerator does, "front" the smallest, as the
+local workers do) up to what the gateway's ready actors can hold (`in_flight` calls of `per_call`
+tiny-batches each) and sends it; "fusionflow-gateway-reader" blocks on the socket and completes what
+comes back (DONE), requeues what the gateway gives back (a lost actor, a failed call) and logs the
+gateway's log records as its own.
 
-Faults: an actor that dies, or whose node goes away (`RayActorError`), loses nothing: its
-tiny-batches in flight go back to the front of their mini-batches for the local workers, the loss is
-counted (`counters.remote_workers_lost`) and logged once, and a replacement is asked for (Ray places it
-when the cluster has room; with `num_workers="auto"` actors are added as nodes join). A result for an
-abandoned iterator is dropped, never written; one that cannot be written runs locally.
+Faults: an actor that dies or whose node goes away loses nothing (the gateway gives its tiny-batches
+back for the local workers, counted in `counters.remote_workers_lost`, and asks for a replacement).
+The gateway itself may die -- Ray ends a driver whose raylet died, and a raylet dies with its
+dashboard agent, the OOM killer's usual pick -- or be killed: everything it held goes back to the
+local workers exactly as a dead worker's does, one warning names how it ended and its last Ray
+error, its session (the Ray instance it started, what Ray left) is killed, the epoch goes on, and a
+new gateway is started at the next epoch or after a back-off; after `MAX_GATEWAY_FAILURES` deaths
+in a row with nothing delivered between them the remote workers retire for the run.
 
-Start-up (`start`): the dataset must pickle (a TypeError naming it), and every actor reads one sample
-where it runs before it gets work (a RemoteWorkerError naming the node, the sample and the exception).
-Shutdown (`stop`, idempotent; the manager's shutdown calls it first): stop and join the thread, give
-back what is in flight, kill the actors, release Ray (the last user shuts down an instance FusionFlow
-started or connected).
+Start-up (`start`, on the training thread): the dataset must pickle (a TypeError naming it, here),
+and every actor reads one sample where it runs before it gets work (the gateway's RemoteWorkerError
+naming the node, the sample and the exception, raised here). Shutdown (`stop`, idempotent): stop the
+threads, STOP the gateway (it kills its actors and shuts down a Ray instance it started), kill its
+session, give back what was in flight.
 """
 
 from __future__ import annotations
@@ -27,308 +33,336 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import NamedTuple
 
-from fusionflow.errors import RemoteWorkerError
-from fusionflow.remote import config as remote_config
-from fusionflow.remote.actors import MAX_FAILURES, Actor, RemoteActors
-from fusionflow.runtime import targets
+from fusionflow.remote.link import GatewayLink, forward_log, pickle_spec
+from fusionflow.runtime import messages as m
 
 log = logging.getLogger(__name__)
-POLL_S = 0.005  # longest wait for a result before looking for new work again
-MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
+MAX_GATEWAY_FAILURES = 3  # gateway deaths (or failed restarts) in a row before the remote workers retire
+BACKOFF_S = 10.0  # a new gateway after this long (doubling with each failure), or at the next epoch
+
+
+class ActorInfo(NamedTuple):
+    """One Ray actor as the gateway last reported it."""
+
+    number: int
+    name: str
+    host: str
+    pid: int | None
+    ready: bool
+
+
+class _Gateway:
+    """One gateway process's life as this kind sees it: the tiny-batches it holds."""
+
+    def __init__(self, link: GatewayLink):
+        self.link = link
+        self.outstanding: dict = {}  # task id -> Work sent to it and neither done nor given back
+        self.delivered = 0
+        self.last_error: str | None = None
+        self.reader: threading.Thread | None = None
 
 
 class RemoteWorkers:
-    """The Ray worker kind on a board (runtime/board.py WorkerKind: start(), stop(), busy_with_stale());
-    its actors are `self.actors` (remote/actors.py), from start() on. It counts remote tiny-batches
-    and lost actors into `counters` (runtime/counters.py; the board's own when None)."""
+    """The Ray worker kind on a board (runtime/board.py WorkerKind: start(), stop(), busy_with_stale()).
+    `actors` and `live`: the gateway's actors as it last reported them; `retired`: why the kind takes
+    no more work, or None; `sessions`: the pid of every gateway started (each led its own session)."""
 
     def __init__(
-        self, board, config, dataset, policy, seed: int, counters=None, first_worker_id: int = 0, worker_init_fn=None
+        self,
+        board,
+        config,
+        dataset,
+        policy,
+        seed: int,
+        counters=None,
+        first_worker_id: int = 0,
+        worker_init_fn=None,
+        stages=None,
+        on_stage_times=None,
     ):
         self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
         self.counters = counters if counters is not None else board.counters
-        self.first_worker_id, self.worker_init_fn = first_worker_id, worker_init_fn
-        self.ray = None
-        self.actors: RemoteActors | None = None  # from start() on
-        self.inflight: dict = {}  # ObjectRef -> (actor, [work, ...] of one call, sent at ns), in submission order
-        self.failures_in_a_row = 0
+        self.first_worker_id, self.worker_init_fn, self.stages = first_worker_id, worker_init_fn, stages
+        self.on_stage_times = on_stage_times  # callback(actor name, stage ns totals) under the lock
+        self.actors: list[ActorInfo] = []
         self.retired: str | None = None
-        self._writing = None  # the works whose results are being written into the ring
-        self._counted = False  # this kind holds a use of FusionFlow's Ray connection (remote/config.py connect)
-        self._last_maintain = 0.0
+        self.sessions: list[int] = []
+        self._spec: bytes | None = None
+        self._gw: _Gateway | None = None  # the running gateway, if any
+        self._starting: GatewayLink | None = None  # a gateway in its start-up handshake
+        self._task_ids = 0
+        self._deaths_in_a_row = 0
+        self._restart_gen, self._retry_at = None, 0.0  # when a new gateway is due (after a death)
         self._started = self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="fusionflow-remote", daemon=True)
+        self._thread = threading.Thread(target=self._feed, name="fusionflow-remote", daemon=True)
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> None:
-        """Connect, put the dataset into the object store, start the actors that fit and wait until
-        each has read a sample where it runs. Raises TypeError (dataset cannot be pickled),
-        RemoteWorkerError (an actor cannot read the dataset), ConnectionError (no cluster at address)."""
+        """Pickle the spec, start the gateway and wait until its actors are up. Raises TypeError
+        (dataset cannot be pickled), RemoteWorkerError (an actor cannot read the dataset, or none
+        came up), ConnectionError (no cluster at address)."""
         if self._started:
             return
         self._started = True
-        self.ray, self._counted = remote_config.connect(self.config)
-        try:
-            self.actors = RemoteActors(
-                self.ray, self.config, self.dataset, self.policy, self.seed, self.first_worker_id, self.worker_init_fn
-            )
-            self.actors.start_up()
-        except BaseException:
-            self.stop()
-            raise
+        from fusionflow.remote.config import app_address
+
+        self._spec = pickle_spec(
+            {
+                "config": self.config,
+                "dataset": self.dataset,
+                "policy": self.policy,
+                "seed": self.seed,
+                "first_worker_id": self.first_worker_id,
+                "worker_init_fn": self.worker_init_fn,
+                "stages": self.stages,
+                "layout": self.board.ring.layout,
+                "joined": app_address(),
+                "log_level": logging.getLogger("fusionflow.remote").getEffectiveLevel(),
+            }
+        )
+        self._launch()  # raises the start-up errors
         self._thread.start()
 
+    def _launch(self) -> None:
+        """Start a gateway and wait for its actors (raises what its start-up raises)."""
+        link = GatewayLink(self._spec, self.board.ring.fd)
+        with self.board.cond:
+            self.sessions.append(link.pid)
+            if self._stopped:
+                link.kill()
+                link.close()
+                return
+            self._starting = link
+        try:
+            info = link.wait_started(self.config.startup_timeout + 60.0)  # + connecting, starting Ray
+        except BaseException:
+            link.kill()
+            link.close()
+            raise
+        finally:
+            with self.board.cond:
+                self._starting = None
+        gw = _Gateway(link)
+        with self.board.cond:
+            self._gw = gw
+            self._set_actors(info["actors"])
+            self.board.cond.notify_all()
+        gw.reader = threading.Thread(target=self._read, args=(gw,), name="fusionflow-gateway-reader", daemon=True)
+        gw.reader.start()
+
     def stop(self) -> None:
-        """Idempotent: stop the thread, kill the actors, release Ray."""
-        if self._stopped:
-            return
+        """Idempotent: stop the threads and the gateway (and its session), give back what it held."""
         board = self.board
         with board.cond:
+            if self._stopped:
+                return
             self._stopped = True
+            gw, starting = self._gw, self._starting
             board.cond.notify_all()
+        if starting is not None:
+            starting.kill()  # its handshake ends with an error the feeder thread drops
+        if gw is not None:
+            gw.link.stop()  # the reader sees the socket close and gives back what was in flight
+            gw.reader.join(timeout=10.0)
+            gw.link.close()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=10.0)
-            if self._thread.is_alive():
-                log.warning(
-                    "remote_workers: the remote worker thread did not stop within 10 s (stuck in a Ray "
-                    "call); its actors are killed and Ray released without it"
-                )
-        ray = self.ray
-        if ray is None:
-            return
-        with board.cond:
-            lost = [work for _a, works, _t in self.inflight.values() for work in works]
-            self.inflight.clear()
-            board.requeue(lost)
-        if self.actors is not None:
-            self.actors.kill_all()
-        if self._counted:
-            remote_config.release()
-            self._counted = False
-        self.ray = None
 
     def busy_with_stale(self, generation: int) -> bool:
-        """Lock held. Results of older iterators are dropped, not written: only a write under way counts."""
-        return any(work.generation != generation for work in self._writing or ())
+        """Lock held: the gateway writes every tiny-batch it holds (it knows no generations), so an
+        older iterator's tiny-batches count until they are back."""
+        gw = self._gw
+        return gw is not None and any(w.generation != generation for w in gw.outstanding.values())
 
     @property
     def live(self) -> int:
         """Actors ready for work."""
-        return self.actors.live if self.actors is not None else 0
+        return sum(1 for a in self.actors if a.ready)
 
-    # ---------------------------------------------------------------- actors
-    def _lost(self, actor: Actor, exc) -> bool:
-        """Lock held: an actor died; its tiny-batches go back, counted and logged once. True: the
-        caller kills it (once the lock is released)."""
-        if actor not in self.actors:
-            return False
-        works = [work for a, ws, _t in self.inflight.values() if a is actor for work in ws]
-        for ref in [ref for ref, (a, _w, _t) in self.inflight.items() if a is actor]:
-            del self.inflight[ref]
-        for work in works:  # it may have died of one of them: local workers run them, where a sample that
-            work.cpu_only = True  # kills processes is isolated and counted against max_retries
-        self.board.requeue(works)
-        self.counters.remote_workers_lost += 1
-        log.warning(
-            "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
-            "the cluster for a replacement",
-            actor.name,
-            actor.host,
-            type(exc).__name__,
-            len(works),
-        )
-        self.actors.remove(actor)
-        return True  # the caller kills it, without the lock (a Ray call)
+    def _set_actors(self, table) -> None:
+        self.actors = [ActorInfo(*row) for row in table]
 
-    # ---------------------------------------------------------------- the thread
-    def _run(self) -> None:
-        board, ray = self.board, self.ray
+    # ---------------------------------------------------------------- the feeding thread
+    def _feed(self) -> None:
+        board = self.board
         try:
             while True:
                 with board.cond:
-                    if self._stopped:
-                        return
-                    if not self.retired:
-                        self._fill()
-                    refs = list(self.inflight)
-                starting = [a.probe_ref for a in self.actors if not a.ready]
-                if time.monotonic() - self._last_maintain > MAINTAIN_S:
-                    self._last_maintain = time.monotonic()
-                    if not self.retired and not self._stopped:
-                        self.actors.maintain()
-                if not refs and not starting:
-                    with board.cond:
-                        if not self._stopped:
-                            board.cond.wait(0.1)  # submit() notifies
+                    while True:
+                        if self._stopped:
+                            return
+                        gw = self._gw
+                        if gw is not None and not self.retired:
+                            works = self._take(gw)
+                            if works:
+                                break
+                        elif gw is None and not self.retired and self._restart_due():
+                            works = None
+                            break
+                        board.cond.wait(1.0)
+                if works is None:
+                    self._restart()
                     continue
-                ready, _ = ray.wait(refs + starting, num_returns=1, timeout=POLL_S)
-                if ready:  # everything else already there too
-                    ready, _ = ray.wait(refs + starting, num_returns=len(refs) + len(starting), timeout=0)
-                for ref in ready:
-                    actor = next((a for a in self.actors if a.probe_ref is ref and not a.ready), None)
-                    if actor is not None:
-                        self.actors.on_probe(actor, ref, at_start=False)
-                    elif ref in self.inflight:
-                        self._on_result(ref)
-        except Exception:  # a bug here must not hang training: give everything back to the local workers
+                for task_id, w in works:
+                    gw.link.send(
+                        m.pack_task(m.Task(task_id, w.generation, w.slot, w.epoch, w.positions, w.indices, w.copies))
+                    )
+        except Exception:  # a bug here must not hang training: the local workers take everything
             log.exception("remote_workers: the remote worker thread failed; local workers take over")
             with board.cond:
                 self.retired = "the remote worker thread failed"
-                board.requeue([work for _a, works, _t in self.inflight.values() for work in works])
-                self.inflight.clear()
+                gw = self._gw
+                if gw is not None:
+                    board.requeue(list(gw.outstanding.values()))
+                    gw.outstanding.clear()
             board.wake()
 
-    def _fill(self) -> None:
-        """Lock held: queue calls on every ready actor with room (in turns, so each gets some); a call
-        carries up to `per_call` tiny-batches (Ray's cost is per call: README, remote workers measured)."""
-        board = self.board
-        if board.draining():
-            return
-        if self.config.take == "back":  # one tiny-batch per take (max_images 0), the largest left
+    def _take(self, gw: _Gateway) -> list:
+        """Lock held: (task id, work) for the gateway, up to what its ready actors can hold."""
+        board, config = self.board, self.config
+        room = self.live * config.in_flight * config.per_call - len(gw.outstanding)
+        if room <= 0 or board.draining():
+            return []
+        if config.take == "back":  # one tiny-batch per take (max_images 0), the largest left
             take = lambda: next(iter(board.take_accel(largest_first=True)), None)  # noqa: E731
         else:
             take = board.take_cpu
-        ready = [a for a in self.actors if a.ready]
-        for depth in range(1, self.config.in_flight + 1):
-            for a in ready:
-                if a.inflight >= depth:
-                    continue
-                works = []
-                while len(works) < self.config.per_call:
-                    work = take()
-                    if work is not None and work.cpu_only:  # given back by a remote path or the accelerator:
-                        board.requeue([work])  # the local workers' own
-                        work = None
-                    if work is None:
-                        break
-                    works.append(work)
-                if works:
-                    try:
-                        ref = a.handle.run_many.remote([(w.epoch, w.positions, w.indices, w.copies) for w in works])
-                    except BaseException:  # e.g. Ray was shut down under us: the work must not vanish
-                        board.requeue(works)
-                        raise
-                    self.inflight[ref] = (a, works, time.monotonic_ns())
-                    a.inflight += 1
-                if len(works) < self.config.per_call:
-                    return  # nothing more to take now
+        works = []
+        while len(works) < room:
+            work = take()
+            if work is not None and work.cpu_only:  # given back by a remote path or the accelerator:
+                board.requeue([work])  # the local workers' own
+                work = None
+            if work is None:
+                break
+            self._task_ids += 1
+            gw.outstanding[self._task_ids] = work
+            works.append((self._task_ids, work))
+        return works
 
-    def _on_result(self, ref) -> None:
-        """One finished call: its results written into the ring and completed on the board, or its
-        tiny-batches given back to the local workers when the call failed."""
-        actor, works, _sent = self.inflight[ref]
-        results = self._fetch(ref, actor, works)
-        if results is not None:
-            todo = self._accept(ref, actor, works, results)
-            if todo is not None:
-                self._complete(actor, *self._write_all(actor, todo))
-        self.board.wake()
+    def _restart_due(self) -> bool:
+        return self.board.generation != self._restart_gen or time.monotonic() >= self._retry_at
 
-    def _fetch(self, ref, actor, works):
-        """The call's results, or None when it failed (the actor is counted lost, or its tiny-batches
-        go back to the local workers)."""
-        ray, board = self.ray, self.board
+    def _restart(self) -> None:
+        """A new gateway (on this thread: a fresh process, no fork of the training process)."""
+        generation = self.board.generation
         try:
-            results = ray.get(ref)
-            if not isinstance(results, list) or len(results) != len(works):  # another FusionFlow on the node?
-                raise RemoteWorkerError(f"{len(works)} tiny-batches sent, {type(results).__name__} back")
-            return results
-        except ray.exceptions.RayActorError as exc:
-            with board.cond:
-                kill = self._lost(actor, exc)
-                board.cond.notify_all()
-            if kill:
-                self.actors.kill(actor)
-        except Exception as exc:  # the object was lost, or a bug on the actor: the local workers take it
+            self._launch()
+        except Exception as exc:
+            with self.board.cond:
+                if self._stopped:
+                    return
+                why = f"a new Ray gateway could not start ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+                log.warning("remote_workers: %s", why)
+                self._failed(why, generation)
+            return
+        log.warning("remote_workers: a new Ray gateway is up (%d Ray workers ready)", self.live)
+
+    def _failed(self, why: str, generation: int) -> None:
+        """Lock held: a gateway died or did not start while iterator `generation` ran; retire after too
+        many in a row, else try again at the next epoch (iterator) or after the back-off."""
+        self._deaths_in_a_row += 1
+        if self._deaths_in_a_row >= MAX_GATEWAY_FAILURES:
+            self.retired = f"{why}; {self._deaths_in_a_row} Ray gateways in a row failed"
             log.warning(
-                "remote_workers: tiny-batches %s failed on Ray worker %s: %r; running them locally",
-                [w.indices for w in works],
-                actor.name,
-                exc,
+                "remote_workers: retired for the rest of this loader's run (%s); the local workers take every "
+                "tiny-batch",
+                self.retired,
             )
-            with board.cond:
-                if not self._stopped and self.inflight.pop(ref, None) is not None:  # stopped: stop() gives back
-                    actor.inflight -= 1
-                    self._give_back(works)
-        return None
+            return
+        self._restart_gen = generation
+        self._retry_at = time.monotonic() + BACKOFF_S * 2 ** (self._deaths_in_a_row - 1)
 
-    def _accept(self, ref, actor, works, results):
-        """Lock taken: the call leaves the in-flight table; returns the (work, result) pairs of the
-        current generation to write (an abandoned iterator's are dropped, never written), or None
-        when stop() has taken the call back."""
-        board = self.board
+    # ---------------------------------------------------------------- the reading thread
+    def _read(self, gw: _Gateway) -> None:
+        board, conn = self.board, gw.link.conn
+        try:
+            while True:
+                msg = conn.recv_bytes()
+                with board.cond:
+                    self._on_message(gw, msg)
+        except (EOFError, OSError):
+            pass  # the gateway ended (stopped, or died)
+        except Exception:
+            log.exception("remote_workers: a message from the Ray gateway could not be read; it is stopped")
+        with board.cond:  # first of all, what it held goes to the local workers
+            died_in = board.generation
+            works = list(gw.outstanding.values())
+            gw.outstanding.clear()
+            board.requeue(works)
+            if self._gw is gw:
+                self._gw = None
+                self.actors = []
+        board.wake()
+        gw.link.kill()  # whatever ended it: its Ray processes go with it
         with board.cond:
-            if self._stopped or self.inflight.pop(ref, None) is None:  # stopped: stop() gives them back
-                return None
-            actor.inflight -= 1
-            todo = [(w, r) for w, r in zip(works, results) if w.generation == board.generation]
-            self._writing = [w for w, _r in todo]
-        return todo
-
-    def _write_all(self, actor, todo):
-        """Without the lock: each result into its ring positions; returns (done, failed)."""
-        done, failed = [], []
-        for work, result in todo:
-            try:
-                done.append((work, result, self._write(work, result)))
-            except Exception as exc:  # e.g. another FusionFlow version on the node returned another shape
+            if not self._stopped:
+                self.counters.remote_gateways_lost += 1
+                why = f"the Ray gateway (pid {gw.link.pid}) {gw.link.how_it_ended()}"
+                if gw.last_error:
+                    why += f"; its last Ray error: {gw.last_error}"
                 log.warning(
-                    "remote_workers: the result of tiny-batch %s from Ray worker %s could not be written "
-                    "(%r); running it locally",
-                    work.indices,
-                    actor.name,
-                    exc,
+                    "remote_workers: %s; its %d tiny-batches in flight run on the local workers, and a new "
+                    "gateway is tried at the next epoch",
+                    why,
+                    len(works),
                 )
-                failed.append(work)
-        return done, failed
-
-    def _complete(self, actor, done, failed) -> None:
-        """Lock taken: written tiny-batches complete on the board (traced back to back over the call's
-        compute time); unwritten ones run locally."""
-        board = self.board
-        with board.cond:
-            self._writing = None
-            if done:
-                self.failures_in_a_row = 0
-            if failed:
-                self._give_back(failed)
-            start = time.monotonic_ns() - sum(int(r[3] * 1e9) for _w, r, _s in done)  # the call's compute, back to back
-            for work, (_images, _labels, failures, seconds), side in done:
-                self.counters.remote_tiny_batches += 1
-                if board.trace is not None:
-                    board.trace.tiny_batch(actor.name, work, start, start + int(seconds * 1e9), board.sizes)
-                start += int(seconds * 1e9)
-                board.complete(work, failures, on_accelerator=False, targets=side)
+                if gw.delivered:  # failures in a row: gateways that died with nothing delivered
+                    self._deaths_in_a_row = 0
+                self._failed(why, died_in)
             board.cond.notify_all()
 
-    def _write(self, work, result) -> dict:
-        """A tiny-batch's result into its ring positions (without the lock: the positions are this
-        work's alone); returns its targets that are not ints (runtime/targets.py)."""
-        images, labels, failures, _seconds = result
-        side, bad = {}, {f.position for f in failures}
-        ring = self.board.ring
-        for k, (pos, target) in enumerate(zip(work.positions, labels)):
-            if pos in bad:
-                continue
-            ring.images[work.slot, pos] = images[k]
-            targets.store(ring.labels[work.slot], pos, target, side)
-        return side
-
-    def _give_back(self, works) -> None:
-        """Lock held: a call's tiny-batches that failed on the remote path (not a sample's fault) run
-        locally; after MAX_FAILURES failed calls in a row the remote workers retire."""
-        for work in works:
-            work.cpu_only = True
-        self.board.requeue(works)
-        self.failures_in_a_row += 1
-        if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
-            self._retire(f"{self.failures_in_a_row} calls in a row failed on the Ray workers")
-
-    def _retire(self, why: str) -> None:
-        """Lock held: the actors take no more work."""
-        self.retired = why
-        log.warning(
-            "remote_workers: retired for the rest of this loader's run (%s); the local workers take every tiny-batch",
-            why,
-        )
+    def _on_message(self, gw: _Gateway, msg: bytes) -> None:
+        """Lock held: a DONE (complete it on the board) or an EVENT from the gateway."""
+        board = self.board
+        if m.kind_of(msg) == m.DONE:
+            task_id, _gen, failures, side = m.unpack_done(msg)
+            work = gw.outstanding.pop(task_id, None)
+            if work is None:
+                return
+            gw.delivered += 1
+            self.counters.remote_tiny_batches += 1
+            if board.trace is not None or self.on_stage_times is not None:
+                started, ended, stage_ns = m.unpack_done_times(msg)
+                name = f"ray{m.unpack_done_worker(msg)}"
+                if board.trace is not None:
+                    board.trace.tiny_batch(name, work, started, ended, board.sizes)
+                if stage_ns and self.on_stage_times is not None:
+                    self.on_stage_times(name, stage_ns)
+            board.complete(work, failures, on_accelerator=False, targets=side)
+            return
+        event = m.unpack_control(msg)
+        what = event[0]
+        if what == "log":
+            forward_log(event)
+            if event[1] >= logging.WARNING:
+                gw.last_error = event[3].splitlines()[0]
+        elif what == "actors":
+            self._set_actors(event[1])
+            board.cond.notify_all()
+        elif what == "back":
+            works = [w for w in (gw.outstanding.pop(t, None) for t in event[1]) if w is not None]
+            for work in works:  # a lost actor may have died of one: the local workers isolate such samples
+                work.cpu_only = True
+            board.requeue(works)
+        elif what == "lost":
+            _what, name, host, error, n = event
+            self.counters.remote_workers_lost += 1
+            gw.last_error = f"Ray worker {name} on {host} lost ({error})"
+            log.warning(
+                "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
+                "the cluster for a replacement",
+                name,
+                host,
+                error,
+                n,
+            )
+        elif what == "retired":
+            self.retired = event[1]
+            log.warning(
+                "remote_workers: retired for the rest of this loader's run (%s); the local workers take every "
+                "tiny-batch",
+                event[1],
+            )

@@ -14,11 +14,17 @@ class RemoteTask:
     """The body of the Ray actor (wrapped with ray.remote by `actor_class`): a local CPU worker's
     tiny-batch code, returning its output instead of writing into shared memory."""
 
-    def __init__(self, dataset, policy, seed: int, worker_id: int, worker_init_fn=None):
+    def __init__(self, dataset, policy, seed: int, worker_id: int, worker_init_fn=None, stages=None):
+        """`stages`: the stage names to time per sample (fusionflow/stages.py), or None."""
         from fusionflow.ops.pipeline import CpuPipeline
 
         self.dataset, self.seed = dataset, seed
         self.pipe = CpuPipeline(policy)
+        self.clock = None
+        if stages:
+            from fusionflow.stages import StageClock
+
+            self.clock = StageClock(stages)
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
 
@@ -49,7 +55,7 @@ class RemoteTask:
         out = np.empty((n, *self.pipe.out_shape), self.pipe.out_dtype)
         ints, side, failures = np.zeros(n, np.int64), {}, []
         for k, (index, copy) in enumerate(zip(indices, copies or (0,) * n)):
-            failure = run_sample(self.dataset, self.pipe, k, index, copy, self.seed, epoch, out, ints, side)
+            failure = run_sample(self.dataset, self.pipe, k, index, copy, self.seed, epoch, out, ints, side, self.clock)
             if failure is not None:
                 failures.append(dataclasses.replace(failure, position=positions[k]))
         bad = {f.position for f in failures}
@@ -57,8 +63,10 @@ class RemoteTask:
         return out, labels, failures, time.perf_counter() - t0
 
     def run_many(self, units):
-        """`run` for each (epoch, positions, indices, copies) of one call: Ray's cost is per call."""
-        return [self.run(*unit) for unit in units]
+        """`run` for each (epoch, positions, indices, copies) of one call (Ray's cost is per call), and
+        the call's per-stage totals (() without stage timing)."""
+        results = [self.run(*unit) for unit in units]
+        return results, self.clock.take() if self.clock is not None else ()
 
 
 def actor_class(ray):

@@ -33,6 +33,7 @@ class RuntimeCounters:
     worker_count_changes: int = 0  # elastic resizes applied (GlobalManagerClient.set_workers)
     remote_tiny_batches: int = 0  # run by remote (Ray) CPU workers (remote_workers=RayWorkers(...))
     remote_workers_lost: int = 0  # Ray workers that died or whose node left (their tiny-batches re-ran)
+    remote_gateways_lost: int = 0  # Ray gateway processes that died (their tiny-batches re-ran locally)
 
 
 def count_worker_task(counters, worker_id: int) -> None:

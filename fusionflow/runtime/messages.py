@@ -38,11 +38,12 @@ class Kind(IntEnum):
     LEAVING = 13
     BELL = 14  # GM -> LM on the LM's socket: the first one says "this connection is the GM's doorbell",
     # each later one "your action row has a new order" (no polling for orders in training)
+    EVENT = 15  # Ray gateway -> its loader (remote/gateway.py): a pickled (what, ...) tuple, rare
 
 
 TASK, STOP, DONE, READY, FATAL = Kind.TASK, Kind.STOP, Kind.DONE, Kind.READY, Kind.FATAL
 LEND, HOME, HELLO, SETUP, NEED, SPEC = Kind.LEND, Kind.HOME, Kind.HELLO, Kind.SETUP, Kind.NEED, Kind.SPEC
-RETURN, LEAVING, BELL = Kind.RETURN, Kind.LEAVING, Kind.BELL
+RETURN, LEAVING, BELL, EVENT = Kind.RETURN, Kind.LEAVING, Kind.BELL, Kind.EVENT
 _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, count
 _ITEM = struct.Struct("<iqi")  # position in the mini-batch, dataset index, copy number (repeated augmentation)
 # DONE's fixed part after the head: when the worker started and finished the task (time.monotonic_ns:
@@ -91,11 +92,13 @@ def pack_done(
     stage_ns=(),
     *,
     targets: dict | None = None,
+    worker: int = 0,
 ) -> bytes:
     """`targets`: {position: target} of the samples whose target did not go into the ring's int64 slot.
+    `worker`: which of the sender's workers ran it (the Ray gateway's actor number; 0 for a CPU worker).
     Fixed size (head, times, stage totals) unless there are failures or such targets (pickled after)."""
     n = len(failures) + len(targets or ())  # 0: no payload (the common case: int targets, no failure)
-    head = _HEAD.pack(DONE, task_id, generation, 0, 0, n)
+    head = _HEAD.pack(DONE, task_id, generation, worker, 0, n)
     times = _TIMES.pack(started_ns, ended_ns, len(stage_ns))
     stages = struct.pack(f"<{len(stage_ns)}q", *stage_ns) if stage_ns else b""
     return head + times + stages + (pickle.dumps((failures, targets or {})) if n else b"")
@@ -221,6 +224,11 @@ def unpack_done_times(msg: bytes) -> tuple[int, int, tuple[int, ...]]:
     """(started_ns, ended_ns, per-stage ns totals) of a DONE message."""
     started, ended, stages = _TIMES.unpack_from(msg, _HEAD.size)
     return started, ended, struct.unpack_from(f"<{stages}q", msg, _HEAD.size + _TIMES.size) if stages else ()
+
+
+def unpack_done_worker(msg: bytes) -> int:
+    """The `worker` of a DONE message."""
+    return _HEAD.unpack_from(msg)[3]
 
 
 def unpack_fatal(msg: bytes) -> str:

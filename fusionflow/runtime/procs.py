@@ -1,11 +1,14 @@
-"""Processes: whether one is alive (as the owners of shared resources need to know it), and what
-starting one by fork needs of the libraries loaded in this process."""
+"""Processes: whether one is alive (as the owners of shared resources need to know it), what
+starting one by fork needs of the libraries loaded in this process, and ending a whole session (a
+child that led one, and whatever it started)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import time
 
 
 def pid_alive(pid: int) -> bool:
@@ -44,3 +47,35 @@ def opencv_quiet_for_fork():
         yield
     finally:
         cv2.setNumThreads(before)
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session `sid` (a process started with `start_new_session=True` leads
+    the session of its pid, and everything it starts stays in it unless it calls setsid itself)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
+            out.append(int(name))
+    return out
+
+
+def kill_session(sid: int, wait_s: float = 5.0) -> list[int]:
+    """SIGKILL every process of session `sid` and wait up to `wait_s` for them to go; returns those
+    still there (none, normally). For a child that led its own session: what it started must not
+    outlive it, even when it died without stopping them."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = [pid for pid in session_pids(sid) if pid != os.getpid()]
+        if not left or time.monotonic() > deadline:
+            return left
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)

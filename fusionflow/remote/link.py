@@ -1,0 +1,158 @@
+"""The training process's handle on one Ray gateway process (remote/gateway.py): starting it, its
+start-up handshake, its socket, and ending it and everything it started. No ray import here.
+
+Start: the loader's dataset, policy and worker_init_fn are pickled here with cloudpickle (as Ray
+would: lambdas and classes of the training script travel by value), so a dataset that cannot be
+pickled fails in the training process with a TypeError naming it, before any process starts. The
+gateway is `python -m fusionflow.remote.gateway` (a fresh interpreter: nothing of the training
+process's threads, CUDA context or locks is inherited), in a session of its own, with the socket's
+and the ring's descriptors passed; it gets the training process's sys.path first, so it imports
+what the training process imports.
+
+End (`stop`: STOP, a grace period, SIGKILL; `kill`): the gateway's whole session is killed after it
+(runtime/procs.py kill_session) -- the Ray instance it started, and what Ray left when its node died
+under it (a raylet's agents) -- so no Ray process of ours outlives the loader.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as mp_wait
+
+from fusionflow.errors import RemoteWorkerError
+from fusionflow.runtime import messages as m
+from fusionflow.runtime.procs import kill_session
+
+log = logging.getLogger("fusionflow.remote.kind")
+STOP_GRACE_S = 10.0  # the gateway's ray.shutdown() of a local instance takes a few seconds
+ERRORS = {"TypeError": TypeError, "ConnectionError": ConnectionError, "ImportError": ImportError}
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pickle_spec(spec: dict) -> bytes:
+    """The gateway's start-up spec, pickled with cloudpickle; TypeError naming the dataset if it cannot be."""
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(spec["dataset"])
+    except Exception as exc:
+        raise TypeError(
+            f"remote_workers: the dataset {type(spec['dataset']).__name__} cannot be pickled to send it "
+            f"to the Ray workers ({type(exc).__name__}: {exc}). Keep no open files, locks or "
+            "lambdas in its attributes (open them lazily in __getitem__), or use "
+            "remote_workers=None"
+        ) from exc
+    return cloudpickle.dumps(spec)
+
+
+class GatewayLink:
+    """One gateway process: `conn` (its socket), `pid`, `returncode` once it ended."""
+
+    def __init__(self, spec_bytes: bytes, ring_fd: int):
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "fusionflow.remote.gateway",
+                    str(theirs.fileno()),
+                    str(ring_fd),
+                    str(os.getpid()),
+                ],
+                pass_fds=(theirs.fileno(), ring_fd),
+                start_new_session=True,  # its session: everything it starts, to end with it
+                env=env,
+            )
+        finally:
+            theirs.close()
+        self.pid = self.proc.pid
+        self.conn = Connection(ours.detach())
+        os.set_inheritable(self.conn.fileno(), False)
+        self.conn.send_bytes(pickle.dumps({"sys_path": list(sys.path), "spec": spec_bytes}))
+        self.last_error: str | None = None  # the last Ray error the gateway reported
+
+    def wait_started(self, timeout: float) -> dict:
+        """The gateway's ("started", info), after forwarding its log records; raises the error it
+        reports (TypeError, ConnectionError, RemoteWorkerError ...) or a RemoteWorkerError when it
+        exits or does not answer within `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not mp_wait([self.conn], min(left, 1.0)):
+                if self.proc.poll() is not None or left <= 0:
+                    raise RemoteWorkerError(
+                        f"remote_workers: the Ray gateway process {self.how_it_ended()} during start-up"
+                        if self.proc.poll() is not None
+                        else f"remote_workers: the Ray gateway did not start within {timeout:.0f} s"
+                    )
+                continue
+            try:
+                event = m.unpack_control(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                self.proc.wait()
+                raise RemoteWorkerError(
+                    f"remote_workers: the Ray gateway process {self.how_it_ended()} during start-up"
+                ) from None
+            if event[0] == "log":
+                forward_log(event)
+            elif event[0] == "error":
+                raise ERRORS.get(event[1], RemoteWorkerError)(event[2])
+            elif event[0] == "started":
+                return event[1]
+
+    def how_it_ended(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "is still running"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with status {code}"
+
+    def send(self, msg: bytes) -> bool:
+        try:
+            self.conn.send_bytes(msg)
+            return True
+        except OSError:  # it died: its reader finds out and requeues
+            return False
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """STOP, up to `grace` seconds to shut Ray down, then SIGKILL; then its session."""
+        self.send(m.pack_stop())
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            log.warning("remote_workers: the Ray gateway did not stop within %.0f s; killing it", grace)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL the gateway (if it still runs) and every process of its session; reap it."""
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        left = kill_session(self.pid)
+        if left:
+            log.warning("remote_workers: processes %s of the Ray gateway's session did not exit", left)
+
+    def close(self) -> None:
+        """Close the socket (after its reader has ended: the gateway's death is its EOF)."""
+        self.conn.close()
+
+
+def forward_log(event) -> None:
+    """A ("log", level, logger, message) event: logged here, under the gateway's logger name."""
+    _what, level, name, text = event
+    logging.getLogger(name).log(level, "%s", text)

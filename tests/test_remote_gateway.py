@@ -1,0 +1,171 @@
+"""The Ray gateway (fusionflow/remote/gateway.py, link.py, kind.py): Ray's failures must not end
+training. A training process (a child Python, so its exit status is the verdict) runs three epochs
+with one local worker and one Ray actor on a local Ray instance FusionFlow started; mid-epoch the
+node's dashboard agent (the raylet fate-shares with it, and Ray ends its drivers) or the raylet is
+SIGKILLed. The training process must finish every epoch with every sample exactly once, never import
+ray, exit 0, and leave no process of the gateways' sessions behind. Plus what the kind reports:
+stage times and trace spans per actor. Skipped only when ray is not installed."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401  (autouse: no process or segment left)
+from test_remote import PYTHONPATH, _init_env, _loader, _ray, no_ray_sessions_left  # noqa: F401
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+TRAINING = r"""
+import json, os, signal, sys, time
+from test_loader import SMALL, Bytes
+from fusionflow import FusionFlowLoader, RayWorkers
+from fusionflow.runtime.procs import session_pids
+
+
+def cmdline(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+victim = sys.argv[1]
+loader = FusionFlowLoader(Bytes(48, sleep=0.02), batch_size=8, shuffle=True, num_workers=1, policy=SMALL,
+                          tiny_batch_size=2, seed=1, persistent_workers=True, remote_workers=RayWorkers(1))
+out = {"epochs": [], "remote": [], "victims": [], "ray_imported": []}
+with loader:
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        before = loader.stats.remote_tiny_batches
+        labels = []
+        for k, (_x, y) in enumerate(loader):
+            labels += y.tolist()
+            kind = loader._manager.board.kinds[0]
+            out["ray_imported"].append("ray" in sys.modules)
+            if epoch == 0 and k == 1:
+                victims = [p for p in session_pids(kind.sessions[0]) if victim in cmdline(p)]
+                out["victims"] = [cmdline(p)[:40] for p in victims]
+                for p in victims:
+                    os.kill(p, signal.SIGKILL)
+        out["epochs"].append(labels)
+        out["remote"].append(loader.stats.remote_tiny_batches - before)
+        if epoch == 1:  # a new gateway was tried at this epoch: let it come up before the last one
+            deadline = time.time() + 90
+            while kind.live < 1 and time.time() < deadline:
+                time.sleep(0.1)
+    out["gateways_lost"] = loader.stats.remote_gateways_lost
+    sessions = list(kind.sessions)
+deadline = time.time() + 15
+while (left := [p for s in sessions for p in session_pids(s)]) and time.time() < deadline:
+    time.sleep(0.2)
+out["left"] = [cmdline(p)[:80] for p in left]
+out["ray_imported"].append("ray" in sys.modules)
+print("RESULT " + json.dumps(out), flush=True)
+"""
+
+
+def _train(tmp_path, victim: str) -> dict:
+    script = tmp_path / "train.py"
+    script.write_text(TRAINING)
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RAY_DEDUP_LOGS": "0"}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run(
+        [sys.executable, str(script), victim], env=env, cwd=HERE, capture_output=True, text=True, timeout=240
+    )
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, (
+        f"training exited {run.returncode}:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    )
+    return json.loads(lines[0][len("RESULT ") :]), run.stderr
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["ray::DashboardAgent", "raylet --raylet_socket"])
+def test_training_survives_the_node_dying_under_its_ray_driver(tmp_path, victim):
+    _ray()
+    out, stderr = _train(tmp_path, victim)
+    assert len(out["victims"]) == 1, out["victims"]
+    for labels in out["epochs"]:
+        assert sorted(labels) == list(range(48))  # every sample exactly once, each epoch
+    assert not any(out["ray_imported"]), "the training process imported ray"
+    assert out["left"] == [], "Ray processes of the gateways outlived the loader"
+    if victim == "ray::DashboardAgent":  # the raylet follows its agent, Ray ends the gateway
+        assert out["gateways_lost"] == 1
+        assert "the Ray gateway (pid" in stderr and "run on the local workers" in stderr
+        assert out["remote"][2] > 0, "no new gateway served the last epoch"
+    else:  # the actor may outlive its raylet for a while; either way nothing is lost
+        assert sum(out["remote"]) > 0
+
+
+@pytest.mark.ray
+class TestWhatTheKindReports:
+    @pytest.fixture(autouse=True, scope="class")
+    @classmethod
+    def local_ray(cls):
+        ray = _ray()
+        mp = pytest.MonkeyPatch()
+        _init_env(mp)
+        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+        yield ray
+        ray.shutdown()
+        mp.undo()
+
+    def test_stage_times_and_trace_spans_per_actor(self, tmp_path):
+        from fusionflow import RayWorkers
+
+        path = tmp_path / "trace.json"
+        with _loader(Bytes(32), RayWorkers(2, take="front"), stage_times=True, num_workers=1) as loader:
+            with loader.trace(str(path)):
+                _x, labels = collect(loader)
+            remote = loader.stats.remote_tiny_batches
+            actors = {w for w in loader.stats.stage_ns if isinstance(w, str) and w.startswith("ray")}
+            stage = loader.stats.stage_seconds(sorted(actors)[0]) if actors else {}
+        assert sorted(torch.cat(labels).tolist()) == list(range(32))
+        assert remote > 0 and actors and sum(stage.values()) > 0
+        doc = json.loads(path.read_text())
+        events = doc["traceEvents"] if isinstance(doc, dict) else doc
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        ray_tids = {tid for tid, name in tracks.items() if "(Ray)" in name}
+        spans = [e for e in events if e.get("tid") in ray_tids and e.get("ph") == "X"]
+        assert ray_tids and len(spans) == remote
+
+    def test_the_training_process_does_not_import_ray(self):
+        # this test process imported ray itself (the fixture): a child training process must not
+        code = (
+            "import sys; from test_loader import SMALL, Bytes; from fusionflow import FusionFlowLoader, RayWorkers\n"
+            "l = FusionFlowLoader(Bytes(16), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2,\n"
+            "                     remote_workers=RayWorkers(1))\n"
+            "n = sum(len(y) for _x, y in l); s = l.stats.remote_tiny_batches; l.close()\n"
+            "print('OUT', n, s, 'ray' in sys.modules)\n"
+        )
+        env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+        run = subprocess.run(
+            [sys.executable, "-c", code], env=env, cwd=HERE, capture_output=True, text=True, timeout=180
+        )
+        out = [line for line in run.stdout.splitlines() if line.startswith("OUT")]
+        assert run.returncode == 0 and out, run.stderr[-3000:]
+        assert out[0].split()[1] == "16" and out[0].split()[3] == "False"
+
+    def test_failed_restarts_do_not_raise_and_retire_the_remote_workers(self, monkeypatch):
+        from fusionflow import RayWorkers
+        from fusionflow.remote import kind as remote_kind
+
+        monkeypatch.setattr(remote_kind, "BACKOFF_S", 0.0)
+        with _loader(Bytes(24, sleep=0.01), RayWorkers(1)) as loader:
+            collect(loader)
+            kind = loader._manager.board.kinds[0]
+            kind._spec = b"not a spec"  # every later gateway fails at start-up
+            os.kill(kind.sessions[0], 9)
+            for _ in range(4):  # the gateway's death, then failed restarts, each counted once
+                _x, labels = collect(loader)
+                assert sorted(torch.cat(labels).tolist()) == list(range(24))
+            deadline = time.time() + 30
+            while kind.retired is None and time.time() < deadline:
+                time.sleep(0.1)
+            assert kind.retired is not None and "Ray gateways in a row failed" in kind.retired
