@@ -8,7 +8,9 @@ loader on this machine, and what N remote CPUs would add to a GPU node with 4 lo
    `in_flight` 1, 2, 3 (how deep a queue hides the round trip).
 2. loader: img/s of FusionFlowLoader local-only vs local + a Ray actor on this machine (1 local worker
    + 1 actor on a 2-core VM), for both ends of the queue, in_flight 1/2/3 and per_call 1/2; configurations rotate
-   every round, medians over rounds.
+   every round, medians over rounds; the training process's CPU per image and the Ray gateway
+   process's CPU per remote tiny-batch (run first, before this process imports ray: the training
+   process of a user never does).
 3. model: throughput of a GPU node with 4 local cores and N remote CPUs, from the measured compute
    time and the measured per-tiny-batch costs (each remote tiny-batch costs the GPU node `local CPU`
    of receive time; an actor spends `actor CPU` on top of its compute), capped by an assumed NIC.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -134,7 +137,21 @@ def overhead(ray, ds, policy, tiny: int, calls: int) -> dict:
     }
 
 
-def loader_runs(ray, ds, policy, args) -> dict:
+def _cpu_s(pid: int | None) -> float:
+    """utime + stime of process `pid` so far (0 when it is gone)."""
+    if not pid:
+        return 0.0
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loader_runs(ds, policy, args) -> dict:
+    """Before ray is imported here: the loader's gateway process starts a local Ray instance of
+    its own per configuration (1 CPU: one actor), as a user's training process would."""
     import torch
 
     from fusionflow import FusionFlowLoader, RayWorkers
@@ -146,6 +163,7 @@ def loader_runs(ray, ds, policy, args) -> dict:
         "local 1 + remote 1 (back, in_flight 1)": dict(take="back", in_flight=1),
         "local 1 + remote 1 (back, in_flight 3)": dict(take="back", in_flight=3),
         "local 1 + remote 1 (back, in_flight 2, per_call 1)": dict(take="back", in_flight=2, per_call=1),
+        "local 1 + remote 1 (back, in_flight 2, per_call 4)": dict(take="back", in_flight=2, per_call=4),
         "local 2 workers": "local2",
     }
     names = [n for n in configs if not args.configs or any(c in n for c in args.configs.split(";"))]
@@ -153,12 +171,13 @@ def loader_runs(ray, ds, policy, args) -> dict:
     waits = {n: [] for n in names}
     remote_share = {n: [] for n in names}
     cpu_per_img = {n: [] for n in names}  # this (the training) process's CPU per image: manager, receiving
+    gateway_cpu = {n: [] for n in names}  # the Ray gateway process's CPU per remote tiny-batch
     remote_tb_per_img = {n: [] for n in names}
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             cfg = configs[name]
-            remote = RayWorkers(1, **cfg) if isinstance(cfg, dict) else None
+            remote = RayWorkers(1, address="auto", **cfg) if isinstance(cfg, dict) else None
             loader = FusionFlowLoader(
                 ds,
                 batch_size=args.batch_size,
@@ -175,11 +194,14 @@ def loader_runs(ray, ds, policy, args) -> dict:
                 for epoch in range(args.epochs + 1):
                     loader.set_epoch(epoch)
                     loader.stats.reset()
-                    t0, p0 = time.perf_counter(), time.process_time()
+                    kinds = loader._manager.board.kinds if loader._manager is not None else []  # from epoch 1
+                    gateway = kinds[0].sessions[-1] if kinds else None
+                    t0, p0, g0 = time.perf_counter(), time.process_time(), _cpu_s(gateway)
                     n = 0
                     for x, _y in loader:
                         n += len(x)
                     took, cpu = time.perf_counter() - t0, time.process_time() - p0
+                    g = _cpu_s(gateway) - g0
                     if epoch:  # the first epoch warms up
                         rates[name].append(n / took)
                         waits[name].append(1e3 * float(np.mean(loader.stats.wait_seconds)))
@@ -187,6 +209,8 @@ def loader_runs(ray, ds, policy, args) -> dict:
                         remote_share[name].append(loader.stats.remote_tiny_batches / max(1, total))
                         cpu_per_img[name].append(cpu / n)
                         remote_tb_per_img[name].append(loader.stats.remote_tiny_batches / n)
+                        if loader.stats.remote_tiny_batches:
+                            gateway_cpu[name].append(g / loader.stats.remote_tiny_batches)
             print(f"round {r} {name}: {median(rates[name][-args.epochs :]):.0f} img/s", flush=True)
     return {
         n: {
@@ -196,6 +220,7 @@ def loader_runs(ray, ds, policy, args) -> dict:
             "remote_share": median(remote_share[n]),
             "train_process_cpu_us_per_img": 1e6 * median(cpu_per_img[n]),
             "remote_tiny_batches_per_img": median(remote_tb_per_img[n]),
+            "gateway_cpu_ms_per_remote_tiny_batch": 1e3 * median(gateway_cpu[n]),
         }
         for n in names
     }
@@ -295,8 +320,6 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(RESULTS, "remote_randaugment.json"))
     args = ap.parse_args()
 
-    import ray
-
     from fusionflow.policy import load_policy
     from fusionflow.tools.synthetic import make_jpegs
 
@@ -304,13 +327,23 @@ def main() -> None:
     policy = load_policy(args.policy)
     # Ray's worker processes import this checkout's fusionflow
     os.environ["PYTHONPATH"] = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="WARNING")
+    # one warm Ray instance of 1 CPU for every configuration, as on a cluster (`ray start`), so that no
+    # configuration's timed epochs overlap a fresh instance's start-up; this process does not import ray
+    # before its loaders ran, as a user's training process never does
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    subprocess.run([ray_cli, "start", "--head", "--num-cpus=1", "--include-dashboard=false"], check=True)
     try:
-        o = overhead(ray, ds, policy, args.tiny, args.calls)
-        print({k: v for k, v in o.items()}, flush=True)
-        runs = {} if args.skip_loader else loader_runs(ray, ds, policy, args)
+        runs = {} if args.skip_loader else loader_runs(ds, policy, args)
+        import ray
+
+        ray.init(address="auto", logging_level="WARNING")
+        try:
+            o = overhead(ray, ds, policy, args.tiny, args.calls)
+            print({k: v for k, v in o.items()}, flush=True)
+        finally:
+            ray.shutdown()
     finally:
-        ray.shutdown()
+        subprocess.run([ray_cli, "stop", "--force"], check=False)
     m = model(o)
     h_loader = receive_cost(runs)
     if h_loader is not None:  # the same model with what receiving costs inside a loader (Ray's threads,

@@ -13,7 +13,9 @@ the median over runs of each version plus the median of the per-round ratios.
 
 Metrics: `loader` reads FusionFlowLoader's img/s and its ratio to DataLoader + torchvision (that
 ratio cancels most of the machine's drift); `cpu` reads the per-core pipeline's fast and exact modes
-against torchvision (bench_cpu_pipeline.py); `ddp` reads the lending-on img/s and the on/off ratio.
+against torchvision (bench_cpu_pipeline.py); `ddp` reads the lending-on img/s and the on/off ratio;
+`remote` reads bench_remote.py's 1 local + 1 actor and 2 local img/s, the training process's CPU per
+image with and without the actor, and the bare Ray round trip.
 """
 
 from __future__ import annotations
@@ -51,6 +53,20 @@ BENCHES = {
             "lending_on_img_per_s": ("median", "on", "img_per_s"),
             "lending_off_img_per_s": ("median", "off", "img_per_s"),
             "on_over_off": ("ratio", "throughput_on_over_off"),
+        },
+    ),
+    "remote": (
+        "experiments/bench_remote.py",
+        {
+            "one_local_one_actor_img_per_s": ("loader", "local 1 + remote 1 (back, in_flight 2)", "img_per_s"),
+            "two_local_img_per_s": ("loader", "local 2 workers", "img_per_s"),
+            "training_cpu_us_per_img_with_actor": (
+                "loader",
+                "local 1 + remote 1 (back, in_flight 2)",
+                "train_process_cpu_us_per_img",
+            ),
+            "training_cpu_us_per_img_local_only": ("loader", "local 1 worker", "train_process_cpu_us_per_img"),
+            "round_trip_s": ("overhead", "round_trip_s"),
         },
     ),
 }

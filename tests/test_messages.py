@@ -26,8 +26,9 @@ def test_kinds_keep_their_wire_values():
         "RETURN": 12,
         "LEAVING": 13,
         "BELL": 14,
+        "EVENT": 15,
     }
-    assert m.LEND is m.Kind.LEND and m.BELL == 14
+    assert m.LEND is m.Kind.LEND and m.BELL == 14 and m.EVENT == 15
 
 
 LENDING = [
@@ -67,3 +68,14 @@ def test_spec_travels_pre_pickled():
 
 def test_spec_that_does_not_pickle_is_none():
     assert make_spec([1], {"ops": []}, lambda wid: None) is None
+
+
+def test_done_carries_the_gateways_actor_number_and_events_round_trip():
+    failure = m.SampleFailure(6, 3, "sample 3", "DecodeError", "bad", "Traceback ...")
+    msg = m.pack_done(9, 2, [failure], 100, 250, (5, 7), targets={4: 0.5}, worker=3)
+    assert m.kind_of(msg) == m.DONE and m.unpack_done_worker(msg) == 3
+    assert m.unpack_done(msg) == (9, 2, [failure], {4: 0.5})
+    assert m.unpack_done_times(msg) == (100, 250, (5, 7))
+    assert m.unpack_done_worker(m.pack_done(1, 1, [])) == 0  # a CPU worker's
+    event = ("back", [1, 2], "lost")
+    assert m.unpack_control(m.pack_control(m.EVENT, event)) == event

@@ -146,6 +146,10 @@ class RemoteWorkers:
                 self._starting = None
         gw = _Gateway(link)
         with self.board.cond:
+            if self._stopped:  # stop() came during the handshake and found no gateway to stop
+                link.kill()
+                link.close()
+                return
             self._gw = gw
             self._set_actors(info["actors"])
             self.board.cond.notify_all()
