@@ -226,14 +226,18 @@ def loader_runs(ds, policy, args) -> dict:
     }
 
 
-def receive_cost(runs: dict) -> float | None:
-    """The training process's CPU per remote tiny-batch inside a loader: its CPU per image with one
-    actor (back, in_flight 2) minus that with local workers only, per remote tiny-batch."""
-    remote, local = runs.get("local 1 + remote 1 (back, in_flight 2)"), runs.get("local 1 worker")
+DEFAULT = "local 1 + remote 1 (back, in_flight 1)"  # RayWorkers' defaults
+
+
+def receive_cost(runs: dict) -> tuple[float, float] | None:
+    """What receiving a remote tiny-batch costs the node inside a loader, in two parts: the training
+    process's CPU (its CPU per image with one actor at the defaults minus that with local workers
+    only, per remote tiny-batch) and the Ray gateway process's CPU per remote tiny-batch."""
+    remote, local = runs.get(DEFAULT), runs.get("local 1 worker")
     if not remote or not local or not remote["remote_tiny_batches_per_img"]:
         return None
     extra = (remote["train_process_cpu_us_per_img"] - local["train_process_cpu_us_per_img"]) / 1e6
-    return max(0.0, extra / remote["remote_tiny_batches_per_img"])
+    return max(0.0, extra / remote["remote_tiny_batches_per_img"]), remote["gateway_cpu_ms_per_remote_tiny_batch"] / 1e3
 
 
 def model(
@@ -345,10 +349,16 @@ def main() -> None:
     finally:
         subprocess.run([ray_cli, "stop", "--force"], check=False)
     m = model(o)
-    h_loader = receive_cost(runs)
-    if h_loader is not None:  # the same model with what receiving costs inside a loader (Ray's threads,
-        o_loader = {**o, "local_cpu_s": h_loader}  # the ring copy, the remote thread), not the bare echo
-        m["in_loader"] = {"local_cpu_s": h_loader, "rows": model(o_loader)["rows"]}
+    costs = receive_cost(runs)
+    if costs is not None:  # the same model with what receiving costs the node inside a loader (the
+        h_loader = sum(costs)  # training process's part and the gateway's), not the bare echo
+        o_loader = {**o, "local_cpu_s": h_loader}
+        m["in_loader"] = {
+            "local_cpu_s": h_loader,
+            "training_process_cpu_s": costs[0],
+            "gateway_cpu_s": costs[1],
+            "rows": model(o_loader)["rows"],
+        }
     result = {
         **provenance(),
         "overhead": o,

@@ -70,9 +70,10 @@ class RayWorkers:
         persistent_workers; "auto" logs a warning that it found no cluster);
         "host:port" or "ray://host:port" -- connect to that running cluster (a ConnectionError if
         there is none).
-    in_flight: calls queued on each actor, so that it starts the next one while the result of the
-        previous travels back (2 hides the round trip when it is shorter than a call's compute; see
-        README "More CPUs than the node has").
+    in_flight: calls queued on each actor. 1 (the default) holds the fewest of a mini-batch's
+        tiny-batches away from the local workers (measured best on one node: experiments/README.md,
+        remote workers); 2 lets an actor start its next call while a result travels back, for
+        networks whose round trip is long against a call's compute.
     per_call: tiny-batches sent in one call (at most; fewer when the queue holds fewer): Ray's cost
         -- the training process's CPU above all -- is per call, so 2 halves it per tiny-batch.
     take: which end of the size-sorted queue the actors take from: "back" (the largest tiny-batches,
@@ -87,7 +88,7 @@ class RayWorkers:
         num_workers: int | str = "auto",
         address: str | None = None,
         cpus_per_worker: float = 1,
-        in_flight: int = 2,
+        in_flight: int = 1,
         take: str = "back",
         runtime_env: dict | None = None,
         startup_timeout: float = 60.0,
