@@ -1,10 +1,13 @@
 """Remote CPU workers on a Ray cluster (`remote_workers=fusionflow.RayWorkers(...)`), one worker kind
-beside the local CPU workers and the accelerator:
+beside the local CPU workers and the accelerator. The training process never imports ray:
 
-  config.py   RayWorkers, the public configuration, and this process's connection to Ray
-  kind.py     RemoteWorkers, the worker kind on the loader's board (runtime/board.py WorkerKind)
-  actors.py   RemoteActors, the kind's Ray actors: asked for, probed, replaced, killed
+  config.py   RayWorkers, the public configuration; `connect`, run by the gateway only
+  kind.py     RemoteWorkers, the worker kind on the loader's board (runtime/board.py WorkerKind), in the
+              training process: feeds the gateway, completes what it returns, restarts it
+  link.py     GatewayLink, the training process's handle on one gateway process (start, stop, its session)
+  gateway.py  the gateway process, Ray's driver: actors, calls in flight, results into the ring
+  actors.py   RemoteActors, the gateway's Ray actors: asked for, probed, replaced, killed
   task.py     RemoteTask, what runs inside an actor (a local worker's per-sample code)
 
-Ray is imported only when a RayWorkers is constructed (the `ray` extra).
+Ray (and cloudpickle) are the `ray` extra.
 """
