@@ -85,6 +85,18 @@ def cpus_free():
         time.sleep(0.1)
 
 
+def local_instance():
+    """A class's own local Ray instance of 2 CPUs, in this (the test) process, as an application's."""
+    ray = _ray()
+    mp = pytest.MonkeyPatch()
+    _init_env(mp)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+    mp.undo()
+    assert _wait_gone() == [], "Ray processes left after ray.shutdown()"
+
+
 def _wait_gone(deadline_s=15.0) -> list[str]:
     deadline = time.time() + deadline_s
     while (left := _ray_processes()) and time.time() < deadline:
@@ -210,14 +222,7 @@ class TestLocalRay:
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
     def local_ray(cls):
-        ray = _ray()
-        mp = pytest.MonkeyPatch()
-        _init_env(mp)
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-        yield ray
-        ray.shutdown()
-        mp.undo()
-        assert _wait_gone() == [], "Ray processes left after ray.shutdown()"
+        yield from local_instance()
 
     @pytest.mark.parametrize("take,per_call", [("back", 2), ("front", 2), ("back", 1), ("front", 3)])
     def test_same_pixels_and_labels_as_local_only(self, take, per_call):

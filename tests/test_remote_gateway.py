@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401  (autouse: no process or segment left)
-from test_remote import PYTHONPATH, _init_env, _loader, _ray, no_ray_sessions_left  # noqa: F401
+from test_remote import PYTHONPATH, _loader, _ray, local_instance, no_ray_sessions_left  # noqa: F401
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -108,13 +108,7 @@ class TestWhatTheKindReports:
     @pytest.fixture(autouse=True, scope="class")
     @classmethod
     def local_ray(cls):
-        ray = _ray()
-        mp = pytest.MonkeyPatch()
-        _init_env(mp)
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-        yield ray
-        ray.shutdown()
-        mp.undo()
+        yield from local_instance()
 
     def test_stage_times_and_trace_spans_per_actor(self, tmp_path):
         from fusionflow import RayWorkers
