@@ -46,10 +46,6 @@ class Workers:
             import multiprocessing
 
             ctx = multiprocessing.get_context(ctx)
-        # the stats object, not the loader, goes to the manager: the manager must not hold the loader
-        stage_times = (
-            None if cfg.stage_names is None else functools.partial(self.stats.add_stage_times, cfg.stage_names)
-        )
         self.manager = self._box[0] = LocalManager(
             self.dataset,
             cfg.policy,
@@ -68,7 +64,7 @@ class Workers:
             stages=cfg.stage_names,
             counters=self.stats,
             trace=self.tracing.recorder,
-            on_stage_times=stage_times,
+            on_stage_times=self._stage_times(cfg),
         )
         try:
             if self.stats.startup_seconds is None:
@@ -86,6 +82,11 @@ class Workers:
             raise
         return self.manager
 
+    def _stage_times(self, cfg):
+        """Where workers' per-stage totals go (the stats object, not the loader: the runtime must not
+        hold the loader), or None without stage timing."""
+        return None if cfg.stage_names is None else functools.partial(self.stats.add_stage_times, cfg.stage_names)
+
     def _start_remote(self, cfg) -> None:
         """Ray actors, through a gateway process, as one more worker kind on the board
         (fusionflow/remote/kind.py); a dataset that cannot be pickled or read on a remote node fails
@@ -102,9 +103,7 @@ class Workers:
             first_worker_id=cfg.num_workers,
             worker_init_fn=cfg.worker_init_fn,
             stages=cfg.stage_names,
-            on_stage_times=None
-            if cfg.stage_names is None
-            else functools.partial(self.stats.add_stage_times, cfg.stage_names),
+            on_stage_times=self._stage_times(cfg),
         )
         # registered first: the manager's shutdown stops it even if start() fails
         self.manager.board.add_worker_kind(kind)

@@ -131,15 +131,13 @@ class RemoteWorkers:
         with self.board.cond:
             self.sessions.append(link.pid)
             if self._stopped:
-                link.kill()
-                link.close()
+                link.discard()
                 return
             self._starting = link
         try:
             info = link.wait_started(self.config.startup_timeout + 60.0)  # + connecting, starting Ray
         except BaseException:
-            link.kill()
-            link.close()
+            link.discard()
             raise
         finally:
             with self.board.cond:
@@ -147,8 +145,7 @@ class RemoteWorkers:
         gw = _Gateway(link)
         with self.board.cond:
             if self._stopped:  # stop() came during the handshake and found no gateway to stop
-                link.kill()
-                link.close()
+                link.discard()
                 return
             self._gw = gw
             self._set_actors(info["actors"])
@@ -269,15 +266,19 @@ class RemoteWorkers:
         many in a row, else try again at the next epoch (iterator) or after the back-off."""
         self._deaths_in_a_row += 1
         if self._deaths_in_a_row >= MAX_GATEWAY_FAILURES:
-            self.retired = f"{why}; {self._deaths_in_a_row} Ray gateways in a row failed"
-            log.warning(
-                "remote_workers: retired for the rest of this loader's run (%s); the local workers take every "
-                "tiny-batch",
-                self.retired,
-            )
+            self._retire(f"{why}; {self._deaths_in_a_row} Ray gateways in a row failed")
             return
         self._restart_gen = generation
         self._retry_at = time.monotonic() + BACKOFF_S * 2 ** (self._deaths_in_a_row - 1)
+
+    def _retire(self, why: str) -> None:
+        """Lock held: no more work for the remote workers this run (the gateway's calls failed, or
+        gateways did)."""
+        self.retired = why
+        log.warning(
+            "remote_workers: retired for the rest of this loader's run (%s); the local workers take every tiny-batch",
+            why,
+        )
 
     # ---------------------------------------------------------------- the reading thread
     def _read(self, gw: _Gateway) -> None:
@@ -364,9 +365,4 @@ class RemoteWorkers:
                 n,
             )
         elif what == "retired":
-            self.retired = event[1]
-            log.warning(
-                "remote_workers: retired for the rest of this loader's run (%s); the local workers take every "
-                "tiny-batch",
-                event[1],
-            )
+            self._retire(event[1])

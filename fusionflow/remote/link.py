@@ -151,6 +151,11 @@ class GatewayLink:
         """Close the socket (after its reader has ended: the gateway's death is its EOF)."""
         self.conn.close()
 
+    def discard(self) -> None:
+        """A gateway that never got a reader (its start-up failed or was cut short): kill, close."""
+        self.kill()
+        self.close()
+
 
 def forward_log(event) -> None:
     """A ("log", level, logger, message) event: logged here, under the gateway's logger name."""
