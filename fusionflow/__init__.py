@@ -1,10 +1,11 @@
 """FusionFlow: CPU-GPU cooperative data augmentation for PyTorch training.
 
-Public API: `FusionFlowLoader`, `RayWorkers` (remote CPU workers; needs the `ray` extra), `ImageFolder`,
+Public API: `FusionFlowLoader`, `RayWorkers` (remote CPU workers; needs the `ray` extra), `SharedLoader` and
+`SharedLoaderClient` (one loader's batches shared by co-located training jobs), `ImageFolder`,
 `TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`
 (torchvision and timm transforms), `from_timm` (timm's create_transform arguments), `Policy`, and
 FusionFlow's errors.
-`FusionFlowLoader` (which imports torch) is loaded on first use, so policy tooling stays light.
+`FusionFlowLoader` and the shared loader (which import torch) are loaded on first use, so policy tooling stays light.
 """
 
 from fusionflow.data import DictSamples, ImageFolder
@@ -19,6 +20,7 @@ from fusionflow.errors import (
     RemoteWorkerError,
     SampleError,
     SampleKilledWorkersError,
+    SharedLoaderError,
     SharedMemoryError,
     WorkerStartError,
 )
@@ -43,6 +45,9 @@ __all__ = [
     "SampleError",
     "SampleKilledWorkersError",
     "ShardError",
+    "SharedLoader",
+    "SharedLoaderClient",
+    "SharedLoaderError",
     "SharedMemoryError",
     "TarShards",
     "WorkerStartError",
@@ -61,6 +66,14 @@ def __getattr__(name):
         from fusionflow.remote.config import RayWorkers
 
         return RayWorkers
+    if name == "SharedLoader":  # one loader's batches served to co-located training jobs (fusionflow/shared/)
+        from fusionflow.shared.producer import SharedLoader
+
+        return SharedLoader
+    if name == "SharedLoaderClient":
+        from fusionflow.shared.client import SharedLoaderClient
+
+        return SharedLoaderClient
     raise AttributeError(f"module 'fusionflow' has no attribute {name!r}")
 
 

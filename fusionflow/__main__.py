@@ -4,7 +4,9 @@
 `python -m fusionflow bench --data DIR`: FusionFlowLoader vs DataLoader + torchvision on it
 (fusionflow/tools/bench.py);
 `python -m fusionflow gm {serve,status,workers} --job NAME`: a job's global manager
-(fusionflow/runtime/gm/manager.py)."""
+(fusionflow/runtime/gm/manager.py);
+`python -m fusionflow serve --data DIR --name NAME --epochs N`: a SharedLoader for co-located jobs
+(fusionflow/shared/cli.py)."""
 
 import sys
 
@@ -13,6 +15,10 @@ if __name__ == "__main__":
         from fusionflow.runtime.gm.manager import cli
 
         sys.exit(cli(sys.argv[2:]))
+    if sys.argv[1:2] == ["serve"]:
+        from fusionflow.shared.cli import main as serve
+
+        sys.exit(serve(sys.argv[2:]))
     from fusionflow.tools.demo import main
 
     sys.exit(main(sys.argv[1:]))

@@ -60,13 +60,25 @@ class _EpochIterator:
         return self
 
     def __next__(self):
+        images_t, labels_t, objs = self._advance(self._next_batch)
+        collate = self.config.collate
+        if collate is None:
+            return images_t, labels_t
+        # DataLoader's collate_fn contract: the batch as a list of (image, target) samples -- images
+        # are views of the delivered batch tensor (on the loader's device), targets as the dataset
+        # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
+        return collate(list(zip(images_t.unbind(0), labels_t.tolist() if objs is None else objs)))
+
+    def _advance(self, step):
+        """One step of the iteration (the epoch starts at the first): what `step()` returns. The
+        epoch's end (StopIteration) and any exception end the iteration."""
         if self._ended:
             raise StopIteration
         try:
             if not self._started:
                 self._started = True
                 self._start()
-            images_t, labels_t, objs = self._next_batch()
+            out = step()
         except StopIteration:
             self.progress.done = True  # the epoch is complete
             self._end(finished=True)
@@ -75,13 +87,7 @@ class _EpochIterator:
             self._end(finished=False)
             raise
         self.progress.yielded += 1
-        collate = self.config.collate
-        if collate is None:
-            return images_t, labels_t
-        # DataLoader's collate_fn contract: the batch as a list of (image, target) samples -- images
-        # are views of the delivered batch tensor (on the loader's device), targets as the dataset
-        # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
-        return collate(list(zip(images_t.unbind(0), labels_t.tolist() if objs is None else objs)))
+        return out
 
     def close(self) -> None:
         """End the iteration now (as a `break` out of the loop does, once the iterator is dropped)."""

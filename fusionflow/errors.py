@@ -76,3 +76,9 @@ class NativeBuildError(BridgeError):
 class RemoteWorkerError(FusionFlowError):
     """Remote (Ray) CPU workers could not start or cannot run this loader's samples (e.g. the dataset's
     files are not readable on a remote node); the message names the node and the sample."""
+
+
+class SharedLoaderError(FusionFlowError):
+    """A SharedLoaderClient lost its producer: the SharedLoader it named is not serving, exited, was
+    killed, stopped, failed (its error is in the message), or did not answer within the client's
+    timeout. The message names the producer (its name and pid)."""

@@ -25,16 +25,15 @@ import logging
 import os
 import pickle
 import secrets
-import socket
-import struct
 import subprocess
 import sys
 import time
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from multiprocessing.connection import Connection
 
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout  # noqa: F401 (re-exported)
 from fusionflow.runtime.gm import tables as gt
-from fusionflow.runtime.gm.timing import GM_START_S, HANDSHAKE_S, LIVENESS_S, SEND_TIMEOUT_S
+from fusionflow.runtime.gm.timing import GM_START_S, LIVENESS_S
 from fusionflow.runtime.procs import pid_alive
 
 log = logging.getLogger(__name__)
@@ -76,40 +75,6 @@ def make_spec(dataset, policy, worker_init_fn) -> bytes | None:
         return None
 
 
-def _sockopt_seconds(sock: socket.socket, opt: int, seconds: float) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
-
-
-def set_receive_timeout(conn: Connection, seconds: float) -> None:
-    """Bound (0: unbound) every read on `conn`; a read that times out raises BlockingIOError."""
-    s = socket.socket(fileno=os.dup(conn.fileno()))  # options belong to the socket: set them through a dup
-    _sockopt_seconds(s, socket.SO_RCVTIMEO, seconds)
-    s.close()
-
-
-def connect(address: str, secret: bytes) -> Connection:
-    """Connect to an LM's socket (as a lent worker, or as the GM's doorbell) and authenticate both
-    ways, each step bounded by HANDSHAKE_S: a peer that does not serve its socket costs seconds, not
-    a hang."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.settimeout(HANDSHAKE_S)
-        sock.connect("\0" + address)
-        sock.setblocking(True)
-        conn = Connection(sock.detach())
-    except BaseException:
-        sock.close()
-        raise
-    try:
-        set_receive_timeout(conn, HANDSHAKE_S)
-        answer_challenge(conn, secret)
-        deliver_challenge(conn, secret)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
 class GMLink:
     def __init__(self, job: str, ring_name: str, spec: bytes | None):
         self.job, self.name = job, gt.table_name(job)
@@ -123,13 +88,9 @@ class GMLink:
         self.spec = spec
         self.spec_hash = hashlib.sha256(spec).digest()[:16] if spec is not None else None
         self.address = f"ff-{self.name[len(gt.PREFIX) :]}-{self.lm}-{secrets.token_hex(6)}"
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.listener.bind("\0" + self.address)
-            self.listener.listen(64)
-            self.listener.setblocking(False)
+            self.listener = listen(self.address)
         except BaseException:  # give the row back: an ACTIVE row of a live pid would keep the GM up
-            self.listener.close()
             with self.tables.locked():
                 self.tables.progress[self.lm]["state"] = gt.FREE
             self.tables.close()
@@ -183,25 +144,7 @@ class GMLink:
     # ---------------------------------------------------------------- guests
     def accept(self) -> Connection | None:
         """A lent worker knocking: authenticate it (both ways) and return its connection."""
-        try:
-            sock, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return None
-        conn = None
-        try:
-            sock.setblocking(True)
-            _sockopt_seconds(sock, socket.SO_RCVTIMEO, HANDSHAKE_S)  # a stalled peer cannot hang the manager thread
-            _sockopt_seconds(sock, socket.SO_SNDTIMEO, SEND_TIMEOUT_S)
-            conn = Connection(sock.detach())
-            secret = self.tables.secret
-            deliver_challenge(conn, secret)
-            answer_challenge(conn, secret)
-        except Exception as exc:
-            log.warning("fusionflow: refused a connection to this loader's lending socket: %r", exc)
-            (conn or sock).close()
-            return None
-        set_receive_timeout(conn, 0)
-        return conn
+        return accept(self.listener, self.tables.secret, "this loader's lending socket")
 
     # ---------------------------------------------------------------- the tables
     def serving(self) -> None:

@@ -1,0 +1,93 @@
+"""Authenticated abstract Unix sockets: how FusionFlow's processes of one user talk on a node.
+
+An abstract socket has no file and vanishes with the process that listens on it, so a SIGKILLed
+owner leaves nothing behind; but anyone on the node may connect to it. So each side proves it
+knows the owner's secret (an HMAC challenge each way, multiprocessing.connection's), and the
+secret travels only through something that is the user's alone (a 0600 shared-memory table for
+the global manager's lending, a 0600 file in a 0700 directory for a SharedLoader). Every step of a
+handshake is bounded by HANDSHAKE_S: a peer that connects and says nothing costs seconds, never a
+hang.
+
+Used by the lending sockets (runtime/gm/link.py) and the SharedLoader's (fusionflow/shared/).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import struct
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+
+from fusionflow.runtime.gm.timing import HANDSHAKE_S, SEND_TIMEOUT_S
+
+log = logging.getLogger(__name__)
+
+
+def sockopt_seconds(sock: socket.socket, opt: int, seconds: float) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, opt, struct.pack("ll", int(seconds), int((seconds % 1) * 1e6)))
+
+
+def set_receive_timeout(conn: Connection, seconds: float) -> None:
+    """Bound (0: unbound) every read on `conn`; a read that times out raises BlockingIOError."""
+    s = socket.socket(fileno=os.dup(conn.fileno()))  # options belong to the socket: set them through a dup
+    sockopt_seconds(s, socket.SO_RCVTIMEO, seconds)
+    s.close()
+
+
+def listen(address: str, backlog: int = 64) -> socket.socket:
+    """A non-blocking listening socket at abstract `address`."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + address)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def connect(address: str, secret: bytes) -> Connection:
+    """Connect to abstract `address` and authenticate both ways, each step bounded by HANDSHAKE_S."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(HANDSHAKE_S)
+        sock.connect("\0" + address)
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        set_receive_timeout(conn, HANDSHAKE_S)
+        answer_challenge(conn, secret)
+        deliver_challenge(conn, secret)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def accept(listener: socket.socket, secret: bytes, what: str) -> Connection | None:
+    """A peer knocking on `listener` (non-blocking): authenticate it both ways and return its
+    connection (reads unbounded again, sends bounded by SEND_TIMEOUT_S), or None (nobody knocked, or
+    a peer that failed the handshake: logged, naming `what` it knocked on)."""
+    try:
+        sock, _ = listener.accept()
+    except (BlockingIOError, InterruptedError):
+        return None
+    conn = None
+    try:
+        sock.setblocking(True)
+        sockopt_seconds(sock, socket.SO_RCVTIMEO, HANDSHAKE_S)  # a stalled peer cannot hang the accepting thread
+        sockopt_seconds(sock, socket.SO_SNDTIMEO, SEND_TIMEOUT_S)
+        conn = Connection(sock.detach())
+        deliver_challenge(conn, secret)
+        answer_challenge(conn, secret)
+    except Exception as exc:
+        log.warning("fusionflow: refused a connection to %s: %r", what, exc)
+        (conn or sock).close()
+        return None
+    set_receive_timeout(conn, 0)
+    return conn

@@ -1,0 +1,364 @@
+"""SharedLoaderClient: a training job's end of a SharedLoader (fusionflow/shared/producer.py).
+
+    loader = SharedLoaderClient("sweep1", batch_size=64, device="cuda:0")
+    for epoch in range(90):
+        for images, labels in loader:      # one producer epoch per iter(), as a DataLoader
+            ...
+
+Attaching: the client waits (up to `timeout`) for a producer of that name to appear, connects and
+authenticates (fusionflow/shared/rendezvous.py), and maps the producer's ring from the read-only
+descriptor it is handed. It starts at the producer's next epoch: one that is already under way is
+not joined half-way (a log line says so once).
+
+A batch: each producer mini-batch announced on the connection is copied out of the ring into a
+tensor this process owns (page-locked with `pin_memory`, then moved to `device`) and released at
+once, so the producer can reuse its slot; a client batch is `batch_size // producer's` whole
+mini-batches, or a piece of one when batch_size divides the producer's (the slot is released after
+its last piece). The last partial batch follows the producer's drop_last.
+
+Faults: an iterator dropped mid-epoch tells the producer it left the epoch ("drop"; the next iter()
+is the next epoch); a producer that exits, is killed, closes or fails raises SharedLoaderError at
+once; one that says nothing -- not even to a ping sent every second of waiting -- for `timeout`
+seconds raises it too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from fusionflow.delivery import Delivery
+from fusionflow.errors import SharedLoaderError
+from fusionflow.runtime.authsock import connect, set_receive_timeout
+from fusionflow.runtime.gm.timing import HANDSHAKE_S
+from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.shm import recv_fd
+from fusionflow.shared import rendezvous
+
+log = logging.getLogger("fusionflow.shared")
+PING_S = 1.0  # a waiting client asks the producer whether it is there this often
+
+
+@dataclass
+class ClientStats:
+    batches: int = 0
+    samples: int = 0
+    epochs: int = 0  # epochs iterated to their end
+    wait_seconds: list = field(default_factory=list)  # per batch: time blocked waiting for the producer
+
+
+def _check_batch_size(batch_size, producer: int) -> int:
+    if batch_size is None:
+        return producer
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1, or None (the producer's)")
+    if batch_size % producer and producer % batch_size:
+        fits = [d for d in range(1, producer + 1) if producer % d == 0][-3:] + [2 * producer, 4 * producer]
+        raise ValueError(
+            f"batch_size={batch_size} must be the producer's batch size ({producer}), a multiple of it or a "
+            f"divisor of it, e.g. one of {fits}: client batches are whole producer batches or even pieces of one"
+        )
+    return batch_size
+
+
+def _attach(name: str, timeout: float):
+    """(connection, Hello, ring) of producer `name`, waiting up to `timeout` s for it to appear."""
+    deadline, said = time.monotonic() + timeout, False
+    while True:
+        rec = rendezvous.read(name)
+        if rec is not None:
+            try:
+                conn = connect(rec["address"], rec["secret"])
+                break
+            except OSError:  # starting or just gone: look again
+                pass
+        if time.monotonic() >= deadline:
+            raise SharedLoaderError(
+                f"no SharedLoader named {name!r} is serving on this node (waited {timeout:g} s for "
+                f"{rendezvous.path_of(name)}): start it first (SharedLoader(loader, name={name!r}) or "
+                f"`python -m fusionflow serve --name {name} ...`), or check the name"
+            )
+        if not said and time.monotonic() > deadline - timeout + 1.0:
+            said = True
+            log.warning("fusionflow: waiting up to %g s for SharedLoader %r to start", timeout, name)
+        time.sleep(0.05)
+    try:
+        conn.send(("attach", os.getpid()))
+        set_receive_timeout(conn, HANDSHAKE_S)
+        kind, hello = conn.recv()
+        ring = rendezvous.ReadOnlyRing(hello.layout, recv_fd(conn))
+        set_receive_timeout(conn, 0)
+    except (OSError, EOFError, ValueError) as exc:
+        conn.close()
+        raise SharedLoaderError(
+            f"SharedLoader {name!r} (pid {rec['pid']}) did not complete the attach: {exc!r}"
+        ) from None
+    return conn, hello, ring
+
+
+def _release_all(conn, ring) -> None:
+    conn.close()
+    ring.close()
+
+
+class SharedLoaderClient:
+    """The batches of SharedLoader `name` on this node, as a DataLoader would give them.
+
+    `batch_size`: None (the producer's), or the producer's times or divided by a whole number.
+    `device`: where batches are delivered ("cpu", "cuda", "cuda:N"). `pin_memory`: "auto" (page-locked
+    when CUDA is available), True or False. `timeout`: seconds to wait for the producer to appear, and
+    for a word from it while waiting for a batch. Attaches at construction."""
+
+    def __init__(self, name: str, batch_size: int | None = None, *, device="cpu", pin_memory="auto", timeout=30.0):
+        self.name = rendezvous.check_name(name)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0")
+        self.device = torch.device(device)
+        if pin_memory == "auto":
+            pin_memory = torch.cuda.is_available()
+        if not isinstance(pin_memory, bool):
+            raise ValueError(f"pin_memory={pin_memory!r} must be 'auto', True or False")
+        self.timeout, self.pin_memory = float(timeout), pin_memory
+        self.stats = ClientStats()
+        self._conn, self.producer, self._ring = _attach(self.name, self.timeout)
+        try:
+            self.batch_size = _check_batch_size(batch_size, self.producer.batch_size)
+        except ValueError:
+            _release_all(self._conn, self._ring)
+            raise
+        self._send(("ready",))
+        self._finalizer = weakref.finalize(self, _release_all, self._conn, self._ring)
+        self._delivery = Delivery(self.stats, self.device, pin_memory, "raise")  # collates non-int targets
+        self._dropped: set = set()  # producer epochs this client left before their end
+        self._iterator = None  # weakref to the newest iterator
+        self.epoch = None  # the producer's epoch of the newest iteration
+        if self.producer.running is not None:
+            epoch, published = self.producer.running
+            log.warning(
+                "fusionflow: SharedLoader %r is in epoch %d (%d of %d batches published): this client starts at "
+                "its next epoch, and iter() waits until then",
+                self.name,
+                epoch,
+                published,
+                self.producer.batches,
+            )
+
+    def __len__(self) -> int:
+        p, b = self.producer, self.batch_size
+        if b >= p.batch_size:
+            k = b // p.batch_size
+            return p.batches // k if p.drop_last else -(-p.batches // k)
+        k = p.batch_size // b
+        if p.drop_last:
+            return p.batches * k
+        return (p.samples // p.batch_size) * k + -(-(p.samples % p.batch_size) // b)
+
+    def __iter__(self):
+        old = self._iterator() if self._iterator is not None else None
+        if old is not None:
+            old.close()  # a newer iteration abandons the older one's epoch
+        it = _ClientEpoch(self)
+        self._iterator = weakref.ref(it)
+        return it
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:
+        """Detach from the producer (its slots held by this client are released) and unmap its ring."""
+        self._finalizer()
+
+    # ---------------------------------------------------------------- the connection
+    def _recv(self):
+        """The next message from the producer, waiting at most `timeout` s for any word from it."""
+        conn, pid = self._conn, self.producer.pid
+        if conn.closed:
+            raise SharedLoaderError(f"this client of SharedLoader {self.name!r} was closed")
+        deadline = time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SharedLoaderError(
+                    f"SharedLoader {self.name!r} (pid {pid}) said nothing for {self.timeout:g} s, not even to a "
+                    "ping: it hangs or is stopped"
+                )
+            try:
+                if not conn.poll(min(left, PING_S)):
+                    conn.send(("ping",))
+                    continue
+                msg = conn.recv()
+            except (EOFError, OSError):
+                how = "exited" if not pid_alive(pid) else "closed its connection"
+                raise SharedLoaderError(f"SharedLoader {self.name!r} (pid {pid}) is gone: it {how}") from None
+            if msg[0] == "pong":
+                deadline = time.monotonic() + self.timeout
+            elif msg[0] == "error":
+                raise SharedLoaderError(f"SharedLoader {self.name!r} (pid {pid}) failed: {msg[1]}")
+            elif msg[0] == "finished":
+                raise SharedLoaderError(
+                    f"SharedLoader {self.name!r} (pid {pid}) finished after serving {msg[1]} epochs; this client "
+                    f"iterated {self.stats.epochs}"
+                )
+            else:
+                return msg
+
+    def _send(self, msg) -> None:
+        try:
+            self._conn.send(msg)
+        except OSError:  # the producer is gone: the next receive says so
+            pass
+
+    def _copy(self, slot: int, rows: slice, out, out_labels, at: int) -> int:
+        """Rows `rows` of ring slot `slot` into out[at:], out_labels[at:]; the number copied."""
+        src = self._ring.images[slot][rows]
+        np.copyto(out.numpy()[at : at + len(src)], src)
+        np.copyto(out_labels.numpy()[at : at + len(src)], self._ring.labels[slot][rows])
+        return len(src)
+
+    def _alloc(self, rows: int):
+        layout = self._ring_layout
+        dtype = torch.from_numpy(np.empty(0, layout.dtype)).dtype
+        images = torch.empty((rows, *layout.sample_shape), dtype=dtype, pin_memory=self.pin_memory)
+        return images, torch.empty(rows, dtype=torch.int64, pin_memory=self.pin_memory)
+
+    @property
+    def _ring_layout(self):
+        return self.producer.layout
+
+    def _out(self, images, labels, objs):
+        """A finished client batch: to the device, targets collated when they are not all ints."""
+        if self.device.type == "cuda":
+            images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        if objs is not None:
+            labels = self._delivery.collate_targets(objs)
+        self.stats.batches += 1
+        self.stats.samples += len(images)
+        return images, labels
+
+
+class _ClientEpoch:
+    """One producer epoch as this client's batches (an iterator; `close()` leaves the epoch)."""
+
+    def __init__(self, client: SharedLoaderClient):
+        self._c = client
+        self.epoch = None
+        self._ended = False
+        self._piece = None  # [batch message, next row] of a producer batch given out in pieces
+        self._wait = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._ended:
+            raise StopIteration
+        try:
+            self._wait = 0.0
+            if self.epoch is None:
+                self._begin()
+            out = self._whole() if self._c.batch_size >= self._c.producer.batch_size else self._piece_of()
+        except StopIteration:
+            self._ended = True
+            self._c.stats.epochs += 1
+            raise
+        except BaseException:
+            self.close()
+            raise
+        self._c.stats.wait_seconds.append(self._wait)
+        return out
+
+    def close(self) -> None:
+        """Leave the epoch: the producer stops counting on this client for it (its slots are released)."""
+        if not self._ended and self.epoch is not None:
+            self._c._dropped.add(self.epoch)
+            self._c._send(("drop", self.epoch))
+        self._ended = True
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _recv(self):
+        t0 = time.perf_counter()
+        try:
+            return self._c._recv()
+        finally:
+            self._wait += time.perf_counter() - t0
+
+    def _begin(self) -> None:
+        while True:
+            msg = self._recv()
+            if msg[0] == "epoch" and msg[1] not in self._c._dropped:
+                self.epoch = self._c.epoch = msg[1]
+                return
+            # anything else is what was on the way from an epoch this client left: ignored
+
+    def _next_batch(self):
+        """The epoch's next producer batch message, or None at its end."""
+        while True:
+            msg = self._recv()
+            if msg[1] != self.epoch:
+                continue
+            if msg[0] == "end":
+                return None
+            if msg[0] == "batch":
+                return msg
+
+    def _release(self, msg) -> None:
+        _, epoch, seq, slot, _, _ = msg
+        self._c._send(("release", epoch, seq, slot))
+
+    def _whole(self):
+        """Whole producer batches, copied one by one as they come (each released at once)."""
+        c = self._c
+        k = c.batch_size // c.producer.batch_size
+        images = labels = None
+        got, objs, complete = 0, [], True
+        for _ in range(k):
+            msg = self._next_batch()
+            if msg is None:
+                complete = False
+                break
+            _, _, _, slot, n, targets = msg
+            if images is None:
+                images, labels = c._alloc(k * c.producer.batch_size)
+            got += c._copy(slot, slice(0, n), images, labels, got)
+            self._release(msg)
+            if targets is not None:
+                objs.extend(targets)
+        if got == 0 or (not complete and c.producer.drop_last):
+            raise StopIteration
+        return c._out(images[:got], labels[:got], objs if objs else None)
+
+    def _piece_of(self):
+        """The next `batch_size` rows of the current producer batch (released after its last piece)."""
+        c = self._c
+        while self._piece is None or self._piece[1] >= self._piece[0][4]:
+            if self._piece is not None:
+                self._release(self._piece[0])
+                self._piece = None
+            msg = self._next_batch()
+            if msg is None:
+                raise StopIteration
+            self._piece = [msg, 0]
+        msg, row = self._piece
+        _, _, _, slot, n, targets = msg
+        stop = min(row + c.batch_size, n)
+        images, labels = c._alloc(stop - row)
+        c._copy(slot, slice(row, stop), images, labels, 0)
+        self._piece[1] = stop
+        if stop >= n:
+            self._release(msg)
+            self._piece = None
+        return c._out(images, labels, None if targets is None else list(targets[row:stop]))

@@ -1,0 +1,242 @@
+"""The producer's side of its clients: who is attached, which ring slots each still holds, and the
+thread that serves their connections.
+
+`Hub` owns the listening socket, the rendezvous record (fusionflow/shared/rendezvous.py), every
+client's connection, and the slot holds: a slot published to an epoch's recipients is held by each
+of them until it says "release" (it copied the batch out), says "drop" (it left the epoch), or is
+detached (its connection closed: close(), exit, SIGKILL -- the kernel closes a dead process's
+socket, so a dead client is seen at once). A slot that nobody holds any more goes back to the
+producer (`on_free`, called with the lock held).
+
+Threads: the hub's thread accepts, authenticates (both ways, and the peer's uid) and reads clients;
+the producer's main thread (fusionflow/shared/producer.py) begins epochs, publishes batches and
+ends epochs. Both work under one Condition (`cond`), which the producer also waits on for slots; a
+connection is closed only by the hub's thread (the main thread marks a client gone and wakes it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import selectors
+import socket
+import struct
+import threading
+from dataclasses import dataclass, field
+
+from fusionflow.runtime.authsock import accept, listen, set_receive_timeout
+from fusionflow.runtime.gm.timing import HANDSHAKE_S
+from fusionflow.runtime.shm import send_fd
+from fusionflow.shared import rendezvous
+
+log = logging.getLogger("fusionflow.shared")
+
+
+@dataclass(eq=False)
+class Client:
+    cid: int
+    conn: object  # multiprocessing.connection.Connection
+    pid: int
+    holds: dict = field(default_factory=dict)  # slot -> (epoch, seq) this client has not released
+    ready: bool = False  # it accepted the producer's terms (batch size): it counts, and gets epochs
+    gone: str | None = None  # why it was detached (its connection is closed by the hub's thread)
+
+
+class Hub:
+    def __init__(self, name: str, ring_fd: int, hello, on_free):
+        """`hello(running)`: the Hello a new client gets; `on_free(slot)`: a slot nobody holds."""
+        self.name, self.cond = name, threading.Condition()
+        self._hello, self._on_free = hello, on_free
+        self.clients: dict[int, Client] = {}
+        self.holders: dict[int, set] = {}  # slot -> cids holding it
+        self.stamps: dict[int, tuple] = {}  # slot -> (epoch, seq) it was published as
+        self.recipients: set = set()  # cids the running epoch goes to
+        self.running: tuple | None = None  # [epoch, published] while an epoch runs
+        self._next_cid = 0
+        self._stopping = False
+        self._ro_fd = rendezvous.read_only_fd(ring_fd)
+        existing = rendezvous.read(name)
+        if existing is not None:
+            os.close(self._ro_fd)
+            raise ValueError(
+                f"a SharedLoader named {name!r} is already serving on this node (pid {existing['pid']}): "
+                "give this one another name, or stop that one"
+            )
+        self._secret = secrets.token_bytes(32)
+        self.address = f"fusionflow-shared-{os.getuid()}-{name}-{secrets.token_hex(8)}"
+        self._listener = listen(self.address)
+        self._wake_r, self._wake_w = os.pipe()
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, selectors.EVENT_READ, None)
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self.path = rendezvous.write(name, self.address, self._secret)
+        self._thread = threading.Thread(target=self._run, name=f"fusionflow-shared-{name}", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- the producer's main thread (lock held)
+    def live(self) -> list[Client]:
+        return [c for c in self.clients.values() if c.gone is None and c.ready]
+
+    def begin_epoch(self, epoch: int, batches: int) -> None:
+        self.running = [epoch, 0]
+        self.recipients = {c.cid for c in self.live()}
+        for cid in list(self.recipients):
+            self._send(self.clients[cid], ("epoch", epoch, batches))
+
+    def publish(self, slot: int, n: int, targets) -> None:
+        """The running epoch's next batch is in `slot`: every recipient holds it until it releases it."""
+        epoch, seq = self.running
+        self.running[1] += 1
+        if not self.recipients:
+            self._on_free(slot)
+            return
+        self.holders[slot], self.stamps[slot] = set(self.recipients), (epoch, seq)
+        for cid in self.recipients:
+            self.clients[cid].holds[slot] = (epoch, seq)
+        for cid in list(self.recipients):  # a client that fails here is detached: its hold goes with it
+            self._send(self.clients[cid], ("batch", epoch, seq, slot, n, targets))
+
+    def end_epoch(self) -> None:
+        epoch, batches = self.running
+        for cid in list(self.recipients):
+            self._send(self.clients[cid], ("end", epoch, batches))
+        self.running, self.recipients = None, set()
+
+    def held_slots(self) -> set:
+        return set(self.holders)
+
+    def broadcast(self, msg) -> None:
+        for c in self.live():
+            self._send(c, msg)
+
+    def close(self) -> None:
+        """Stop accepting and serving, close every connection (clients see the end), remove the record."""
+        with self.cond:
+            self._stopping = True
+            for c in self.clients.values():
+                self._detach(c, "the producer closed")
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=10)
+        rendezvous.remove(self.name, os.getpid())
+        for fd in (self._wake_r, self._wake_w, self._ro_fd):
+            os.close(fd)
+
+    # ---------------------------------------------------------------- holds (lock held)
+    def _free(self, slot: int) -> None:
+        self.holders.pop(slot, None)
+        self.stamps.pop(slot, None)
+        self._on_free(slot)
+        self.cond.notify_all()
+
+    def _release(self, c: Client, slot: int, stamp: tuple) -> None:
+        if c.holds.get(slot) != stamp:  # a release of an older use of the slot, or of a dropped epoch
+            return
+        del c.holds[slot]
+        held = self.holders.get(slot)
+        if held is not None:
+            held.discard(c.cid)
+            if not held:
+                self._free(slot)
+
+    def _drop_epoch(self, c: Client, epoch: int) -> None:
+        for slot, stamp in list(c.holds.items()):
+            if stamp[0] == epoch:
+                self._release(c, slot, stamp)
+        if self.running is not None and self.running[0] == epoch:
+            self.recipients.discard(c.cid)
+        self.cond.notify_all()
+
+    def _detach(self, c: Client, why: str) -> None:
+        if c.gone is not None:
+            return
+        c.gone = why
+        self.recipients.discard(c.cid)
+        for slot, stamp in list(c.holds.items()):
+            self._release(c, slot, stamp)
+        log.info("fusionflow: SharedLoader %r: client pid %d detached (%s)", self.name, c.pid, why)
+        self.cond.notify_all()
+        if threading.current_thread() is not self._thread:
+            os.write(self._wake_w, b"x")  # its connection is closed by the hub's thread
+
+    def _send(self, c: Client, msg) -> None:
+        try:
+            c.conn.send(msg)
+        except OSError as exc:  # a dead client (EPIPE), or one whose socket stayed full for SEND_TIMEOUT_S
+            self._detach(c, f"sending failed: {exc!r}")
+
+    # ---------------------------------------------------------------- the hub's thread
+    def _run(self) -> None:
+        while True:
+            for key, _ in self._sel.select(timeout=1.0):
+                if key.data is None:
+                    self._admit()
+                elif key.data == "wake":
+                    os.read(self._wake_r, 4096)
+                else:
+                    self._read(key.data)
+            with self.cond:
+                for c in [c for c in self.clients.values() if c.gone is not None]:
+                    self._sel.unregister(c.conn)
+                    c.conn.close()
+                    del self.clients[c.cid]
+                if self._stopping:
+                    break
+        self._sel.close()
+        self._listener.close()
+
+    def _admit(self) -> None:
+        conn = accept(self._listener, self._secret, f"SharedLoader {self.name!r}")
+        if conn is None:
+            return
+        try:
+            with socket.socket(fileno=os.dup(conn.fileno())) as s:
+                _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            if uid != os.getuid():
+                raise PermissionError(f"peer uid {uid} is not this user's")
+            set_receive_timeout(conn, HANDSHAKE_S)
+            kind, pid = conn.recv()
+            set_receive_timeout(conn, 0)
+            if kind != "attach":
+                raise ValueError(f"expected 'attach', got {kind!r}")
+        except Exception as exc:
+            log.warning("fusionflow: SharedLoader %r refused a connection: %r", self.name, exc)
+            conn.close()
+            return
+        with self.cond:
+            if self._stopping:
+                conn.close()
+                return
+            c = Client(self._next_cid, conn, int(pid))
+            self._next_cid += 1
+            try:
+                conn.send(("hello", self._hello(None if self.running is None else tuple(self.running))))
+                send_fd(conn, self._ro_fd)
+            except OSError:
+                conn.close()
+                return
+            self.clients[c.cid] = c
+            self._sel.register(conn, selectors.EVENT_READ, c)
+
+    def _read(self, c: Client) -> None:
+        try:
+            msg = c.conn.recv()
+        except (EOFError, OSError):
+            msg = None
+        with self.cond:
+            if c.gone is not None:
+                return
+            if msg is None:
+                self._detach(c, "its connection closed")
+            elif msg[0] == "ready":
+                c.ready = True
+                log.info("fusionflow: SharedLoader %r: client pid %d attached", self.name, c.pid)
+                self.cond.notify_all()
+            elif msg[0] == "release":
+                self._release(c, msg[3], (msg[1], msg[2]))
+            elif msg[0] == "drop":
+                self._drop_epoch(c, msg[1])
+            elif msg[0] == "ping":
+                self._send(c, ("pong",))
+            else:
+                self._detach(c, f"it sent {msg[0]!r}")

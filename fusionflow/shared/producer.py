@@ -1,0 +1,246 @@
+"""SharedLoader: one FusionFlowLoader's batches served to the training jobs of one node.
+
+    loader = FusionFlowLoader(ds, batch_size=32, shuffle=True, num_workers=8, policy="randaugment", seed=0)
+    with SharedLoader(loader, name="sweep1") as shared:
+        shared.serve(epochs=90, min_clients=4)
+
+Each epoch runs on the loader's own runtime (its workers, worker lending, remote workers) as an
+iteration of it (`_HeldEpoch`), except that a completed mini-batch is not copied out and its ring
+slot is not reused at once: it is published to every client attached when the epoch began (the
+epoch's recipients, fusionflow/shared/hub.py), and its slot returns to the iteration only when the
+last of them released it. The ring has `buffer` slots, so the producer is at most `buffer`
+mini-batches ahead of the slowest client; the loader's next-epoch speculation fills slots freed in
+an epoch's last batches, as in a plain loader.
+
+Shutdown (`close()`, the `with` block's end): the clients are told the producer finished (after an
+error, that error first), their connections closed, the rendezvous record removed, the loader
+closed and its configuration restored. SIGKILLed instead, the kernel closes the socket (clients
+raise SharedLoaderError at once), the workers' watchdogs end them, and the ring's memory goes with
+the last process that maps it; its name was never in /dev/shm after creation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+from fusionflow.epoch import _WorkerIterator
+from fusionflow.errors import FusionFlowError
+from fusionflow.runtime import targets as ff_targets
+from fusionflow.shared import rendezvous
+from fusionflow.shared.hub import Hub
+
+log = logging.getLogger("fusionflow.shared")
+
+
+class _Unwanted(Exception):
+    """Every recipient of the running epoch left it: the epoch is not worth finishing."""
+
+
+class _HeldEpoch(_WorkerIterator):
+    """One epoch of the producer's loader whose mini-batches stay in their ring slots until released.
+    Runs with the hub's lock held (`cond`), except while it waits for workers; `release` is called
+    with it held, from either thread."""
+
+    def __init__(self, loader, epoch: int, progress, free: list, cond, unwanted):
+        super().__init__(loader, epoch, progress)
+        self._free, self._cond, self._unwanted = free, cond, unwanted
+
+    def next_held(self):
+        """The next completed mini-batch's state (its slot stays taken until `release`)."""
+        return self._advance(self._next_held)
+
+    def release(self, slot: int) -> None:
+        if not self._ended:
+            self._free.append(slot)
+            self._refill()
+
+    def _next_held(self):
+        while self._delivered >= self._submitted:
+            if self._exhausted:
+                raise StopIteration
+            if self._unwanted():
+                raise _Unwanted
+            self._cond.wait(0.5)  # every slot is held by clients: a release refills
+        if self._unwanted():
+            raise _Unwanted
+        seq, t0 = self._delivered, time.perf_counter()
+        self._cond.release()
+        try:
+            state = self._mgr.wait(seq, self._gen, self.config.timeout)
+        finally:
+            self._cond.acquire()
+        self._delivered += 1
+        wait = time.perf_counter() - t0
+        self._delivery.account(wait, state.size)
+        self._tracing.wait(wait, seq, state.size)
+        return state
+
+
+class SharedLoader:
+    """Serve `loader`'s batches to `SharedLoaderClient(name)`s on this node: every client of an epoch
+    gets every sample once, in the loader's order, with identical pixels and targets.
+
+    `loader`: a FusionFlowLoader with num_workers >= 1 and no accelerator or collate_fn (clients
+    apply their own). Its ring gets `buffer` slots (default 2 x its prefetch_factor) and its workers
+    persist while it serves; `close()` restores it. `name`: how clients find it (letters, digits,
+    '.', '_', '-'). Clients may attach from construction on; serve() runs the epochs."""
+
+    def __init__(self, loader, name: str, *, buffer: int | None = None):
+        from fusionflow.loader import FusionFlowLoader
+
+        if not isinstance(loader, FusionFlowLoader):
+            raise TypeError(f"SharedLoader serves a FusionFlowLoader, not {type(loader).__name__}")
+        cfg = loader.config
+        if cfg.num_workers < 1:
+            raise ValueError("SharedLoader needs a loader with num_workers >= 1 (clients read its worker ring)")
+        if cfg.accelerator is not None:
+            raise ValueError(
+                f"SharedLoader serves batches made in shared memory; accelerator={cfg.accelerator!r} makes "
+                "part of each batch on the GPU: build the loader with accelerator=None"
+            )
+        if cfg.collate is not None:
+            raise ValueError(
+                "SharedLoader sends (images, targets): pass collate_fn to nothing, apply it in each client"
+            )
+        if buffer is None:
+            buffer = 2 * cfg.prefetch_factor
+        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
+            raise ValueError(f"buffer={buffer!r} must be an integer >= 1 (mini-batches ahead of the slowest client)")
+        self.name, self.buffer, self.loader = rendezvous.check_name(name), buffer, loader
+        self.epochs_served = 0
+        self._original, self._current, self._waited = cfg, None, False
+        loader._workers.stop()  # a running runtime has the old ring depth
+        loader.config = dataclasses.replace(cfg, prefetch_factor=buffer, persistent_workers=True)
+        try:
+            self._mgr = loader._workers.start(loader.config, loader._delivery.alloc_device)
+            self._hub = Hub(self.name, self._mgr.board.ring.fd, self._hello, self._slot_free)
+        except BaseException:
+            loader.close()
+            loader.config = cfg
+            raise
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @property
+    def clients(self) -> int:
+        """Clients attached now."""
+        with self._hub.cond:
+            return len(self._hub.live())
+
+    def serve(self, epochs: int, min_clients: int = 1) -> None:
+        """Run `epochs` epochs of the loader and hand each to the clients attached when it begins; the
+        first waits for `min_clients` of them, each later one for at least one. Returns once every
+        batch went to (was released by, or left with) every client it was published to."""
+        for value, what in ((epochs, "epochs"), (min_clients, "min_clients")):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{what}={value!r} must be an integer >= 1")
+        hub = self._hub
+        for _ in range(epochs):
+            self._wait_for(min_clients if not self._waited else 1)
+            self._waited = True
+            self._serve_epoch()
+        with hub.cond:
+            while hub.held_slots():
+                hub.cond.wait(0.5)
+
+    def close(self) -> None:
+        """Tell the clients this producer finished, close their connections, close the loader."""
+        hub, self._hub = getattr(self, "_hub", None), None
+        if hub is None:
+            return
+        with hub.cond:
+            hub.broadcast(("finished", self.epochs_served))
+        hub.close()
+        self.loader.close()
+        self.loader.config = self._original
+
+    # ---------------------------------------------------------------- epochs
+    def _wait_for(self, k: int) -> None:
+        hub, said = self._hub, False
+        with hub.cond:
+            while len(hub.live()) < k:
+                if not said:
+                    said = True
+                    log.warning(
+                        "fusionflow: SharedLoader %r waits for %d client%s (%d attached): "
+                        "SharedLoaderClient(%r) in each training job",
+                        self.name,
+                        k,
+                        "s" if k > 1 else "",
+                        len(hub.live()),
+                        self.name,
+                    )
+                hub.cond.wait(1.0)
+
+    def _serve_epoch(self) -> None:
+        hub, loader = self._hub, self.loader
+        if loader._workers.manager is not self._mgr:
+            raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
+        with hub.cond:
+            epoch, progress = loader._checkpoint.begin()
+            free = [s for s in range(self.buffer) if s not in hub.held_slots()]
+            it = self._current = _HeldEpoch(loader, epoch, progress, free, hub.cond, lambda: not hub.recipients)
+            hub.begin_epoch(epoch, len(loader))
+            try:
+                while True:
+                    try:
+                        state = it.next_held()
+                    except StopIteration:
+                        break
+                    except _Unwanted:
+                        log.info(
+                            "fusionflow: SharedLoader %r: epoch %d has no client left; ended early", self.name, epoch
+                        )
+                        break
+                    n, targets = self._compact(state)
+                    hub.publish(state.slot, n, targets)
+            except BaseException as exc:
+                hub.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+            finally:
+                self._current = None
+                it.close()
+            hub.end_epoch()
+            self.epochs_served += 1
+
+    def _compact(self, state) -> tuple[int, list | None]:
+        """on_error applied to a completed slot (kept samples moved to its front, in order); its size
+        and, when not all targets are ints, the targets as the dataset gave them."""
+        ring, slot, n = self._mgr.board.ring, state.slot, state.size
+        keep = self.loader._delivery.select(n, state.failures)
+        rows = range(n) if keep is None else keep
+        targets = ff_targets.gather(ring.labels[slot], rows, state.targets) if state.targets else None
+        if keep is not None:
+            ring.images[slot][: len(keep)] = ring.images[slot][keep]
+            ring.labels[slot][: len(keep)] = ring.labels[slot][keep]
+            n = len(keep)
+        return n, targets
+
+    def _slot_free(self, slot: int) -> None:
+        """The hub's lock held: no client holds `slot` any more."""
+        if self._current is not None:
+            self._current.release(slot)
+
+    def _hello(self, running):
+        cfg = self.loader.config
+        try:
+            samples = len(cfg.sampler)
+        except TypeError:
+            samples = len(self.loader) * cfg.capacity
+        return rendezvous.Hello(
+            self.name,
+            os.getpid(),
+            self._mgr.board.ring.layout,
+            cfg.capacity,
+            cfg.drop_last,
+            len(self.loader),
+            samples,
+            running,
+        )

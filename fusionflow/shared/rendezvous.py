@@ -1,0 +1,152 @@
+"""How a SharedLoaderClient finds its producer, and what they say to each other.
+
+The rendezvous: a producer named `name` listens on an abstract Unix socket at a random address and
+writes {pid, address, secret} to `<dir>/<name>.json`, mode 0600, where `<dir>` is
+`$XDG_RUNTIME_DIR/fusionflow` (or `/tmp/fusionflow-<uid>`), a 0700 directory that must be the user's
+own (a directory another user could write is refused). So only the user's processes learn the
+secret, and every connection proves it both ways (runtime/authsock.py); the producer also checks
+the peer's uid (SO_PEERCRED). Nothing is in /dev/shm: the ring's name is unlinked at birth and its
+descriptor is handed over the socket, and the socket vanishes with the producer. A file left by a
+SIGKILLed producer is stale (its pid is gone): the next producer of that name, or a client that
+finds it, removes it.
+
+The wire: small pickled tuples on the authenticated connection (the same user's processes on
+both ends, after the HMAC handshake); pixels never -- they are in the ring the client maps read-only
+from the descriptor it receives (SCM_RIGHTS) right after HELLO.
+
+    client -> producer   ("attach", pid)  ("ready",)  ("release", epoch, seq, slot)  ("drop", epoch)  ("ping",)
+    producer -> client   ("hello", Hello)  ("epoch", epoch, batches)  ("batch", epoch, seq, slot, n, targets)
+                         ("end", epoch, batches)  ("pong",)  ("finished", epochs)  ("error", text)
+
+`targets` is None when the labels are the ring's int64 row, else the batch's targets as the dataset
+gave them (a list, pickled: targets only). A client counts (for min_clients, and as an epoch's
+recipient) from "ready" on: one that refuses the producer's terms (its batch size) never did.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+import numpy as np
+
+from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.shm import RingLayout
+
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_name(name) -> str:
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise ValueError(
+            f"name={name!r} must be 1-64 characters of letters, digits, '.', '_' or '-' (starting with a "
+            "letter or digit): it names the shared loader on this node, e.g. name='sweep1'"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What a client learns when it attaches: the producer, the ring, the epochs' shape, and where
+    this client starts."""
+
+    name: str
+    pid: int
+    layout: RingLayout
+    batch_size: int  # the producer's mini-batch (its ring rows)
+    drop_last: bool
+    batches: int  # the producer's mini-batches per epoch
+    samples: int  # samples per epoch (before any on_error='skip')
+    running: tuple | None  # (epoch, batches published) of the epoch under way, else None
+
+
+def directory() -> str:
+    """The user's rendezvous directory, created 0700; refused if it is not the user's alone."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "fusionflow") if base and os.path.isdir(base) else f"/tmp/fusionflow-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} must be a directory of this user's with mode 0700 (it holds shared loaders' secrets); "
+            f"it is mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}: remove it or fix it"
+        )
+    return path
+
+
+def path_of(name: str) -> str:
+    return os.path.join(directory(), f"{name}.json")
+
+
+def write(name: str, address: str, secret: bytes) -> str:
+    """Publish this process as producer `name` (atomically, 0600). Returns the file's path."""
+    path = path_of(name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "address": address, "secret": secret.hex()}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def read(name: str) -> dict | None:
+    """The producer's record, or None when there is none (a stale record of a dead pid is removed)."""
+    path = path_of(name)
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        rec["secret"] = bytes.fromhex(rec["secret"])
+    except (OSError, ValueError, KeyError):
+        return None
+    if not pid_alive(int(rec["pid"])):
+        remove(name, int(rec["pid"]))
+        return None
+    return rec
+
+
+def remove(name: str, pid: int) -> None:
+    """Remove `name`'s record if it is still `pid`'s (a newer producer's stays)."""
+    path = path_of(name)
+    try:
+        with open(path) as f:
+            if int(json.load(f)["pid"]) != pid:
+                return
+        os.unlink(path)
+    except (OSError, ValueError, KeyError):
+        pass
+
+
+def read_only_fd(fd: int) -> int:
+    """A new descriptor of the same (unlinked) shared-memory file, opened read-only: whoever gets it
+    can map the ring for reading and not for writing."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+class ReadOnlyRing:
+    """A client's read-only mapping of a producer's ring: `images` and `labels` views (not writable)."""
+
+    def __init__(self, layout: RingLayout, fd: int):
+        try:
+            self._map = mmap.mmap(fd, layout.nbytes, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+        buf = np.frombuffer(self._map, np.uint8)
+        shape = (layout.depth, layout.batch_size, *layout.sample_shape)
+        self.images = buf[: layout.image_bytes].view(layout.dtype).reshape(shape)
+        self.labels = buf[layout.image_bytes : layout.nbytes].view(np.int64).reshape(layout.depth, layout.batch_size)
+
+    def close(self) -> None:
+        self.images = self.labels = None
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a view still exported; the OS frees it at exit
+                pass
+            self._map = None

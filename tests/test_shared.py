@@ -1,0 +1,299 @@
+"""SharedLoader / SharedLoaderClient (fusionflow/shared/): a producer process and client processes
+(tests/shared_jobs.py), as co-located training jobs run them. The reference for the batches is the
+producer's loader iterated in this process: every client of an epoch must get exactly its samples,
+in its order, with its pixels. After each test: no process of the test's producer left, nothing
+new in /dev/shm, no rendezvous record left."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+from shared_jobs import digests, make_loader
+from test_loader import ff_segments
+
+from fusionflow import SharedLoader, SharedLoaderClient, SharedLoaderError
+from fusionflow.shared import rendezvous
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+JOBS = os.path.join(HERE, "shared_jobs.py")
+
+
+def processes_named(token: str) -> list[int]:
+    """Pids whose command line holds `token` (a producer and its forked workers carry its name)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if token.encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+class Jobs:
+    """The processes of one test, all carrying its producer's unique name."""
+
+    def __init__(self, tmp_path):
+        self.tmp, self.name, self.procs = tmp_path, f"t-{uuid.uuid4().hex[:10]}", []
+        self.shm_before = set(ff_segments())
+
+    def start(self, role: str, *args, tag: str = "") -> subprocess.Popen:
+        log = open(self.tmp / f"{role}{tag}.log", "w")
+        p = subprocess.Popen(
+            [sys.executable, JOBS, role, "--name", self.name, *map(str, args)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        self.procs.append(p)
+        return p
+
+    def client(self, tag: str, *args) -> subprocess.Popen:
+        return self.start("client", "--out", self.tmp / f"{tag}.json", *args, tag=tag)
+
+    def result(self, tag: str) -> dict:
+        with open(self.tmp / f"{tag}.json") as f:
+            return json.load(f)
+
+    def log(self, role_tag: str) -> str:
+        return (self.tmp / f"{role_tag}.log").read_text()
+
+    def wait(self, p: subprocess.Popen, timeout: float = 120) -> int:
+        try:
+            return p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.dump()
+            raise
+
+    def dump(self) -> None:
+        for path in sorted(self.tmp.glob("*.log")):
+            print(f"---- {path.name}\n{path.read_text()}")
+
+    def file(self, name: str) -> str:
+        return str(self.tmp / name)
+
+    def until_exists(self, name: str, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while not os.path.exists(self.file(name)):
+            assert time.time() < deadline, f"{name} never appeared"
+            assert all(p.poll() is None for p in self.procs), self.dump() or "a process ended early"
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        deadline = time.time() + 5
+        while time.time() < deadline and (processes_named(self.name) or set(ff_segments()) - self.shm_before):
+            time.sleep(0.05)
+        assert not processes_named(self.name), f"processes left: {processes_named(self.name)}"
+        assert not set(ff_segments()) - self.shm_before, "shared-memory segments left in /dev/shm"
+        assert rendezvous.read(self.name) is None
+
+
+@pytest.fixture
+def jobs(tmp_path):
+    j = Jobs(tmp_path)
+    yield j
+    j.close()
+
+
+def reference(batch_size: int, n: int, epochs: int, drop_last: bool = False) -> list[dict]:
+    """The producer's loader's epochs, iterated here: labels and pixel digests, sample by sample."""
+    out = []
+    with make_loader(batch_size, n, drop_last) as loader:
+        for _ in range(epochs):
+            got = {"labels": [], "digests": [], "sizes": []}
+            for images, labels in loader:
+                got["labels"] += labels.tolist()
+                got["digests"] += digests(images)
+                got["sizes"].append(len(labels))
+            out.append(got)
+    return out
+
+
+def samples(epoch: dict) -> tuple:
+    return epoch["labels"], epoch["digests"]
+
+
+def test_three_clients_get_identical_epochs_each_sample_once(jobs):
+    producer = jobs.start("producer", "--batch-size", 8, "--n", 40, "--epochs", 2, "--min-clients", 3)
+    clients = [jobs.client(f"c{i}", "--epochs", 2) for i in range(3)]
+    for p in [*clients, producer]:
+        assert jobs.wait(p) == 0, jobs.dump()
+    ref = reference(8, 40, 2)
+    results = [jobs.result(f"c{i}") for i in range(3)]
+    for got in results:
+        assert got["len"] == 5
+        assert [e["epoch"] for e in got["epochs"]] == [0, 1]
+        for e, r in zip(got["epochs"], ref):
+            assert sorted(e["labels"]) == list(range(40))  # each sample exactly once
+            assert samples(e) == samples(r)  # the producer's order and pixels
+            assert e["sizes"] == r["sizes"]
+    assert ref[0]["labels"] != ref[1]["labels"]  # shuffled per epoch: the comparison can tell epochs apart
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_client_batch_sizes_reslice_the_producers_batches(jobs, drop_last):
+    n = 100  # 3 full batches of 32 and 4 left over
+    flags = ["--drop-last"] if drop_last else []
+    producer = jobs.start("producer", "--batch-size", 32, "--n", n, "--epochs", 1, "--min-clients", 4, *flags)
+    sizes = {"b16": 16, "b32": 32, "b64": 64, "none": None}
+    clients = [jobs.client(tag, "--epochs", 1, *(["--batch-size", b] if b else [])) for tag, b in sizes.items()]
+    for p in [*clients, producer]:
+        assert jobs.wait(p) == 0, jobs.dump()
+    (ref,) = reference(32, n, 1, drop_last)
+    expect_sizes = {
+        False: {"b16": [16] * 6 + [4], "b32": [32, 32, 32, 4], "b64": [64, 36], "none": [32, 32, 32, 4]},
+        True: {"b16": [16] * 6, "b32": [32] * 3, "b64": [64], "none": [32] * 3},
+    }[drop_last]
+    kept = sum(expect_sizes["b64"])  # drop_last: the last group of fewer than 2 producer batches goes
+    for tag in sizes:
+        got = jobs.result(tag)
+        (epoch,) = got["epochs"]
+        assert epoch["sizes"] == expect_sizes[tag], tag
+        assert got["len"] == len(expect_sizes[tag]), tag
+        m = len(epoch["labels"])
+        assert (epoch["labels"], epoch["digests"]) == (ref["labels"][:m], ref["digests"][:m]), tag
+        assert m == (kept if tag == "b64" else sum(ref["sizes"])), tag
+
+
+def test_a_sigkilled_client_is_detached_and_the_others_finish(jobs):
+    producer = jobs.start("producer", "--batch-size", 4, "--n", 40, "--epochs", 2, "--min-clients", 3, "--buffer", 2)
+    good = [jobs.client(f"c{i}", "--epochs", 2) for i in range(2)]
+    victim = jobs.client("victim", "--epochs", 2, "--pause-after", 1, "--paused", jobs.file("paused"))
+    jobs.until_exists("paused")  # it holds slots now, and with buffer=2 the producer waits for it
+    t0 = time.time()
+    victim.send_signal(signal.SIGKILL)
+    for p in [*good, producer]:
+        assert jobs.wait(p) == 0, jobs.dump()
+    assert time.time() - t0 < 60
+    ref = reference(4, 40, 2)
+    for i in range(2):
+        assert [samples(e) for e in jobs.result(f"c{i}")["epochs"]] == [samples(r) for r in ref]
+
+
+def test_a_dead_client_is_detached_within_a_second(jobs):
+    with SharedLoader(make_loader(4, 8, False), name=jobs.name) as shared:
+        victim = jobs.client("victim", "--pause-after", 1, "--paused", jobs.file("paused"))
+        deadline = time.time() + 60
+        while shared.clients == 0:
+            assert time.time() < deadline and victim.poll() is None, jobs.dump()
+            time.sleep(0.01)
+        victim.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        while shared.clients:
+            time.sleep(0.01)
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_a_late_client_starts_at_the_next_epoch_and_says_so(jobs):
+    producer = jobs.start("producer", "--batch-size", 4, "--n", 24, "--epochs", 3, "--min-clients", 1, "--buffer", 2)
+    early = jobs.client(
+        "early", "--epochs", 3, "--pause-after", 2, "--paused", jobs.file("paused"), "--resume-after", jobs.file("late")
+    )
+    late = jobs.client("late", "--epochs", 2, "--start-after", jobs.file("paused"), "--attached", jobs.file("late"))
+    for p in [early, late, producer]:
+        assert jobs.wait(p) == 0, jobs.dump()
+    ref = reference(4, 24, 3)
+    assert [e["epoch"] for e in jobs.result("early")["epochs"]] == [0, 1, 2]
+    assert [e["epoch"] for e in jobs.result("late")["epochs"]] == [1, 2]
+    assert [samples(e) for e in jobs.result("late")["epochs"]] == [samples(r) for r in ref[1:]]
+    said = jobs.log("clientlate")
+    assert said.count("this client starts at its next epoch") == 1, said
+
+
+def test_a_sigkilled_producer_makes_clients_raise_within_their_timeout(jobs):
+    producer = jobs.start("producer", "--batch-size", 4, "--n", 40, "--epochs", 2)
+    script = (
+        "import sys, time\n"
+        "from fusionflow import SharedLoaderClient, SharedLoaderError\n"
+        f"c = SharedLoaderClient({jobs.name!r}, timeout=10)\n"
+        "it = iter(c); next(it)\n"
+        f"open({jobs.file('paused')!r}, 'w').close()\n"
+        f"while not __import__('os').path.exists({jobs.file('killed')!r}): time.sleep(0.01)\n"
+        "t0 = time.monotonic()\n"
+        "try:\n"
+        "    for _ in range(100): next(it)\n"
+        "except SharedLoaderError as e:\n"
+        "    print('raised after', time.monotonic() - t0, repr(e)); sys.exit(7)\n"
+    )
+    log = open(jobs.tmp / "killed_client.log", "w")
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=log, stderr=subprocess.STDOUT)
+    jobs.procs.append(client)
+    jobs.until_exists("paused")
+    producer.send_signal(signal.SIGKILL)
+    producer.wait()
+    open(jobs.file("killed"), "w").close()
+    assert jobs.wait(client, 30) == 7, jobs.dump()
+    out = jobs.log("killed_client")
+    seconds = float(out.split("raised after ")[1].split()[0])
+    assert seconds < 10, out
+    assert jobs.name in out and f"pid {producer.pid}" in out and "is gone" in out, out
+
+
+def test_a_stopped_producer_makes_clients_raise_after_their_timeout(jobs):
+    producer = jobs.start("producer", "--batch-size", 4, "--n", 40, "--epochs", 1)
+    try:
+        with SharedLoaderClient(jobs.name, timeout=60) as c:
+            it = iter(c)
+            next(it)
+            c.timeout = 2.0
+            producer.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            with pytest.raises(SharedLoaderError, match="said nothing for 2 s"):
+                for _ in it:
+                    pass
+            assert time.monotonic() - t0 < 6
+    finally:
+        producer.send_signal(signal.SIGCONT)
+
+
+def test_no_producer_of_that_name_raises_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(SharedLoaderError, match="no SharedLoader named 'nobody-here' is serving"):
+        SharedLoaderClient("nobody-here", timeout=0.5)
+    assert time.monotonic() - t0 < 3
+
+
+def test_bad_arguments_are_refused_clearly(jobs):
+    with pytest.raises(ValueError, match="name="):
+        SharedLoaderClient("bad name!", timeout=1)
+    with pytest.raises(ValueError, match="timeout="):
+        SharedLoaderClient("x", timeout=0)
+    from fusionflow import FusionFlowLoader
+
+    with pytest.raises(ValueError, match="num_workers >= 1"):
+        SharedLoader(FusionFlowLoader(make_loader(4, 8, False).dataset, batch_size=4, policy="eval"), name="x")
+    with pytest.raises(ValueError, match="buffer=0"):
+        SharedLoader(make_loader(4, 8, False), name="x", buffer=0)
+    with pytest.raises(TypeError, match="FusionFlowLoader"):
+        SharedLoader(object(), name="x")
+    producer = jobs.start("producer", "--batch-size", 8, "--n", 16, "--epochs", 1)
+    with pytest.raises(ValueError, match=r"batch_size=12 must be the producer's batch size \(8\)"):
+        SharedLoaderClient(jobs.name, batch_size=12, timeout=60)
+    with pytest.raises(ValueError, match="already serving"):
+        SharedLoader(make_loader(4, 8, False), name=jobs.name)
+    with SharedLoaderClient(jobs.name, timeout=60) as c:  # the refused ones left nothing attached
+        assert sum(len(y) for _, y in c) == 16
+    assert jobs.wait(producer) == 0
+
+
+def test_the_ring_is_mapped_read_only_and_the_record_is_the_users_alone(jobs):
+    producer = jobs.start("producer", "--batch-size", 4, "--n", 8, "--epochs", 1)
+    with SharedLoaderClient(jobs.name, timeout=60) as c:
+        assert not c._ring.images.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            c._ring.images[0, 0, 0, 0, 0] = 1
+        path = rendezvous.path_of(jobs.name)
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
+        assert sum(len(y) for _, y in c) == 8
+    assert jobs.wait(producer) == 0
