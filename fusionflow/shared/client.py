@@ -225,14 +225,10 @@ class SharedLoaderClient:
         return len(src)
 
     def _alloc(self, rows: int):
-        layout = self._ring_layout
+        layout = self.producer.layout
         dtype = torch.from_numpy(np.empty(0, layout.dtype)).dtype
         images = torch.empty((rows, *layout.sample_shape), dtype=dtype, pin_memory=self.pin_memory)
         return images, torch.empty(rows, dtype=torch.int64, pin_memory=self.pin_memory)
-
-    @property
-    def _ring_layout(self):
-        return self.producer.layout
 
     def _out(self, images, labels, objs):
         """A finished client batch: to the device, targets collated when they are not all ints."""
