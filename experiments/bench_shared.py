@@ -12,9 +12,10 @@ on the same ImageFolder (mixed-size JPEGs, 200-1000 px), policy, batch size and 
 
 Models: "cnn" trains the small CNN on the CPU (1.45 ms of CPU per image here, a cost a GPU node does
 not pay on its CPUs); "none" stands for the GPU node: the job takes each batch into its own memory
-and trains nothing on the CPU. Independent jobs run with pin_workers=False: with "auto", three
-1-worker jobs on 2 cores each pin their worker to the first core (537 vs 1095 img/s measured), a
-trap of co-located independent loaders that would flatter the shared one.
+and trains nothing on the CPU. Independent jobs pin their workers as `--pin-workers` says (default
+"auto", the product's default: loaders on one node claim disjoint cores, runtime/cores.py; before
+that, three 1-worker jobs on 2 cores each pinned their worker to the first core, 537 vs 940 img/s).
+`--only own` runs the own-loader configurations alone (to compare pinning across trees).
 
 Per configuration: aggregate img/s (every job's images over the window in which all jobs are past their
 first batch and none has finished: start-up excluded) and busy CPU-seconds per image over that window
@@ -66,7 +67,7 @@ def job(a) -> int:
             seed=0,
             drop_last=True,
             persistent_workers=True,
-            pin_workers=False,  # "auto" would pin each job's worker 0 to the same core: see the docstring
+            pin_workers={"auto": "auto", "false": False, "true": True}[a.pin_workers],
         )
     else:
         from fusionflow import SharedLoaderClient
@@ -151,6 +152,7 @@ def run_config(shared: bool, jobs: int, model: str, a, tmp: str) -> dict:
     for out in outs:
         mode = ["--mode", "client", "--name", name] if shared else ["--mode", "own", "--workers", str(per_job_workers)]
         args = [__file__, "job", *mode, "--model", model, "--epochs", str(a.epochs), "--out", out, *common]
+        args += ["--pin-workers", a.pin_workers]
         procs.append(_spawn(args, log))
     for p in procs:
         if p.wait(timeout=1800) != 0:
@@ -171,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--data", default=DATA)
     ap.add_argument("--json", default=os.path.join(RESULTS, "shared_loader.json"))
     ap.add_argument("--models", default="cnn,none", help="cnn: the small CNN trains on the CPU; none: a GPU would")
+    ap.add_argument("--pin-workers", choices=["auto", "false", "true"], default="auto", help="own loaders' pinning")
+    ap.add_argument("--only", choices=["own", "shared"], help="run only these configurations")
     ap.add_argument("--mode", choices=["own", "client"])  # job only
     ap.add_argument("--model", choices=["cnn", "none"])
     ap.add_argument("--name")
@@ -190,6 +194,7 @@ def main(argv=None) -> int:
             f"{model}: own x 1": (False, 1, model),
             f"{model}: shared x 1": (True, 1, model),
         }
+    configs = {k: v for k, v in configs.items() if a.only is None or k.split(": ")[1].startswith(a.only)}
     runs = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
@@ -208,13 +213,14 @@ def main(argv=None) -> int:
         "images": 4 * a.images_per_class,
         "batch_size": a.batch_size,
         "policy": a.policy,
+        "pin_workers": a.pin_workers,
         "cores": len(os.sched_getaffinity(0)),
         "rounds": runs,
         "medians": med,
     }
     for k, v in med.items():
         print(f"{k:>18}: {v['img_per_s']:7.1f} img/s  {1e3 * v['cpu_s_per_image']:6.2f} CPU-ms/image")
-    for model in a.models.split(","):
+    for model in a.models.split(",") if a.only is None else []:
         own, shared = med[f"{model}: own x {a.jobs}"], med[f"{model}: shared x {a.jobs}"]
         one = 1 - med[f"{model}: shared x 1"]["img_per_s"] / med[f"{model}: own x 1"]["img_per_s"]
         result[model] = {

@@ -33,6 +33,7 @@ from collections import deque
 
 from fusionflow.errors import SampleKilledWorkersError, SharedMemoryError, WorkerStartError
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_worker_task
 from fusionflow.runtime.procs import opencv_quiet_for_fork
 from fusionflow.runtime.shm import SHM_DIR, ChildFd, free_bytes
@@ -93,30 +94,20 @@ class WorkerPool:
         self.target_workers = num_workers
         self.task_ids = itertools.count()
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
+        self.cores = CoreClaim(0, False)  # claimed at start
         self._live: list[_Worker] = []  # the manager thread's snapshot for its current wait
         self._stopped = False
         board.counters.tiny_batches_per_worker = [0] * num_workers
 
     # ---------------------------------------------------------------- processes (main thread)
     def cpu_for(self, wid: int) -> int | None:
-        """The core worker `wid` is pinned to; under torchrun each local rank starts at its own offset,
-        so ranks' workers do not pile onto the same cores.
-
-        pin_cpus "auto" pins only when every local rank's workers get a core of their own and a core
-        is left for each training process: otherwise a pinned worker waits for its core while the
-        training process holds it and another core idles (measured on 2 cores, 2 workers: 690 img/s
-        pinned vs 762 not)."""
-        if not self.pin_cpus:
-            return None
-        cpus = sorted(os.sched_getaffinity(0))
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if self.pin_cpus == "auto" and (self.num_workers + 1) * ranks > len(cpus):
-            return None
-        offset = int(os.environ.get("LOCAL_RANK", "0")) * self.num_workers
-        return cpus[(offset + wid) % len(cpus)]
+        """The core worker `wid` is pinned to, or None (runtime/cores.py: claimed node-wide, so
+        co-located jobs' and local ranks' workers do not pile onto the same cores)."""
+        return self.cores.cores[wid] if wid < len(self.cores.cores) else None
 
     def start(self) -> None:
-        """Start every worker process (the training thread: forking happens there only)."""
+        """Claim cores, then start every worker process (the training thread: forking happens there only)."""
+        self.cores = CoreClaim(self.num_workers, self.pin_cpus)
         for wid in range(self.num_workers):
             self.start_worker(wid)
 
@@ -224,6 +215,7 @@ class WorkerPool:
         if self._stopped:
             return
         self._stopped = True
+        self.cores.release()
         workers = [w for w in self.workers if w is not None]
         for w in workers:
             try:

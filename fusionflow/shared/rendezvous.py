@@ -29,13 +29,13 @@ import json
 import mmap
 import os
 import re
-import stat
 from dataclasses import dataclass
 
 import numpy as np
 
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import RingLayout
+from fusionflow.runtime.userdir import directory
 
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -62,23 +62,6 @@ class Hello:
     batches: int  # the producer's mini-batches per epoch
     samples: int  # samples per epoch (before any on_error='skip')
     running: tuple | None  # (epoch, batches published) of the epoch under way, else None
-
-
-def directory() -> str:
-    """The user's rendezvous directory, created 0700; refused if it is not the user's alone."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = os.path.join(base, "fusionflow") if base and os.path.isdir(base) else f"/tmp/fusionflow-{os.getuid()}"
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(
-            f"{path} must be a directory of this user's with mode 0700 (it holds shared loaders' secrets); "
-            f"it is mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}: remove it or fix it"
-        )
-    return path
 
 
 def path_of(name: str) -> str:

@@ -1,0 +1,25 @@
+"""The user's own directory on this node for what FusionFlow's processes agree on between them:
+shared loaders' rendezvous records (fusionflow/shared/rendezvous.py) and the cores loaders have
+pinned workers to (runtime/cores.py). `$XDG_RUNTIME_DIR/fusionflow`, or `/tmp/fusionflow-<uid>`."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+
+def directory() -> str:
+    """The directory, created 0700; refused if it is not the user's alone."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = os.path.join(base, "fusionflow") if base and os.path.isdir(base) else f"/tmp/fusionflow-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(
+            f"{path} must be a directory of this user's with mode 0700 (it holds shared loaders' secrets and "
+            f"core claims); it is mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}: remove it or fix it"
+        )
+    return path

@@ -1,0 +1,105 @@
+"""Worker pinning agreed between co-located loaders (runtime/cores.py): claims in the user's node
+directory keep jobs and local ranks off each other's cores; 'auto' pins only with a whole claim free."""
+
+import multiprocessing
+import os
+
+import pytest
+
+from fusionflow import FusionFlowLoader
+from fusionflow.runtime import cores
+from fusionflow.runtime.cores import CoreClaim
+from tests.test_loader import SMALL, Bytes
+
+
+@pytest.fixture
+def node(tmp_path, monkeypatch):
+    """An 8-core process affinity and a fresh user directory."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    return tmp_path
+
+
+def test_auto_claims_disjoint_cores_and_leaves_one_to_each_trainer(node):
+    a = CoreClaim(3, "auto")
+    assert a.cores == [0, 1, 2]  # core 3 left to a's training process
+    b = CoreClaim(3, "auto")
+    assert b.cores == [4, 5, 6]  # core 7 left to b's
+    c = CoreClaim(1, "auto")
+    assert c.cores == [None]  # nothing free: unpinned rather than stacked onto a's or b's cores
+    a.release()
+    a.release()  # idempotent
+    assert CoreClaim(1, "auto").cores == [0]
+    assert CoreClaim(8, "auto").cores == [None] * 8  # 8 workers + a trainer > 8 cores
+    assert CoreClaim(2, False).cores == [None, None]
+    assert os.stat(node / "fusionflow" / cores.FILE).st_mode & 0o777 == 0o600
+
+
+def test_forced_pinning_takes_free_cores_first_then_wraps(node):
+    CoreClaim(5, "auto")  # cores 0-5 claimed
+    assert CoreClaim(4, True).cores == [6, 7, 0, 1]
+
+
+def test_local_ranks_get_their_own_cores_and_auto_needs_room_for_all(node, monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert CoreClaim(3, "auto").cores == [0, 1, 2]  # (3 + 1) * 2 ranks <= 8 cores
+    assert CoreClaim(3, "auto").cores == [4, 5, 6]
+    assert CoreClaim(4, "auto").cores == [None] * 4  # (4 + 1) * 2 > 8: no rank pins
+
+
+def _claim_and_die(tmp, conn):
+    os.environ["XDG_RUNTIME_DIR"] = tmp
+    os.sched_getaffinity = lambda pid: set(range(8))
+    conn.send(CoreClaim(3, "auto").cores)
+    os._exit(0)  # no release: the claim must free itself with the process
+
+
+def test_claims_of_a_process_that_is_gone_are_dropped(node):
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    p = ctx.Process(target=_claim_and_die, args=(str(node), child))
+    p.start()
+    assert parent.poll(30) and parent.recv() == [0, 1, 2]
+    p.join(timeout=30)
+    assert CoreClaim(3, "auto").cores == [0, 1, 2]
+
+
+def test_claims_of_a_reused_pid_are_dropped(node):
+    import json
+
+    path = os.path.join(str(node), "fusionflow", cores.FILE)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    with open(path, "w") as f:  # this pid, but a start time that is not this process's
+        json.dump({"old": {"pid": os.getpid(), "start": -1, "cores": [0, 1, 2, 3]}}, f)
+    assert CoreClaim(2, "auto").cores == [0, 1]
+
+
+def test_an_unusable_claims_directory_leaves_auto_unpinned(node, monkeypatch, caplog):
+    (node / "fusionflow").write_text("not a directory")
+    assert CoreClaim(2, "auto").cores == [None, None]
+    assert "core claims file is unusable" in caplog.text
+    assert CoreClaim(2, True).cores == [0, 1]
+
+
+def test_two_loaders_in_one_process_do_not_pin_onto_the_same_core(tmp_path, monkeypatch):
+    """Real workers: the first loader pins its worker, the second finds no free core and leaves its
+    worker to the scheduler; the claim goes with the first loader's workers."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cpus = os.sched_getaffinity(0)
+    if len(cpus) < 2:
+        pytest.skip("needs 2 cores to have one to spare")
+    loaders = [FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, persistent_workers=True)
+               for _ in range(2)]  # fmt: skip
+    try:
+        for loader in loaders:
+            next(iter(loader))
+        affinity = [os.sched_getaffinity(ld._manager.pool.workers[0].process.pid) for ld in loaders]
+        assert len(affinity[0]) == 1 and affinity[0] < cpus
+        assert affinity[1] == cpus if len(cpus) < 4 else affinity[1].isdisjoint(affinity[0])
+    finally:
+        for loader in loaders:
+            loader.close()
+    with open(os.path.join(str(tmp_path), "fusionflow", cores.FILE)) as f:
+        assert f.read() == "{}"  # both released at close
