@@ -57,6 +57,9 @@ def producer(a) -> int:
     from fusionflow import SharedLoader
 
     loader = make_loader(a.batch_size, a.n, a.drop_last)
+    if a.no_close:  # the process ends without close(): the record must go with it
+        SharedLoader(loader, name=a.name, buffer=a.buffer).serve(epochs=a.epochs, min_clients=a.min_clients)
+        return 0
     with SharedLoader(loader, name=a.name, buffer=a.buffer) as shared:
         shared.serve(epochs=a.epochs, min_clients=a.min_clients)
     return 0
@@ -107,6 +110,7 @@ def main() -> int:
     ap.add_argument("--buffer", type=int, default=None)
     ap.add_argument("--min-clients", type=int, default=1)
     ap.add_argument("--out")
+    ap.add_argument("--no-close", action="store_true", help="producer: end without SharedLoader.close()")
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--start-after", help="attach once this file exists")
     ap.add_argument("--attached", help="create this file once attached")

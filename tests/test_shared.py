@@ -140,6 +140,15 @@ def test_three_clients_get_identical_epochs_each_sample_once(jobs):
     assert ref[0]["labels"] != ref[1]["labels"]  # shuffled per epoch: the comparison can tell epochs apart
 
 
+def test_a_producer_that_exits_without_close_removes_its_record(jobs):
+    producer = jobs.start("producer", "--batch-size", 8, "--n", 16, "--epochs", 1, "--no-close")
+    client = jobs.client("c", "--epochs", 1)
+    for p in (client, producer):
+        assert jobs.wait(p) == 0, jobs.dump()
+    assert sorted(jobs.result("c")["epochs"][0]["labels"]) == list(range(16))
+    assert not os.path.exists(rendezvous.path_of(jobs.name))  # removed at exit, not left for a reader
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_client_batch_sizes_reslice_the_producers_batches(jobs, drop_last):
     n = 100  # 3 full batches of 32 and 4 left over

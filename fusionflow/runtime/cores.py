@@ -5,10 +5,10 @@ by side) each start a loader; pinning each loader's workers to "the first cores"
 on the same cores while others idle (three 1-worker jobs on 2 cores: 537 vs 940 img/s unpinned).
 So loaders claim cores in a file of the user's node directory (runtime/userdir.py), `cores.json`,
 read and rewritten under an exclusive `flock`: a claim is the workers' cores and, for
-`pin_workers="auto"`, one more left to the loader's training process (a pinned worker cannot move
-off a core its trainer holds while another idles: 690 vs 762 img/s pinned on 2 cores, 2 workers). Claims of processes that are
-gone (pid and start time both checked, so a reused pid frees them too) are dropped by whoever
-claims next; a loader drops its own at stop.
+`pin_workers="auto"`, one more left to the loader's training process (a pinned worker cannot move off
+a core its trainer holds while another idles: 690 vs 762 img/s pinned on 2 cores, 2 workers). Claims
+of processes that are gone (pid and start time both checked, so a reused pid frees them too) are
+dropped by whoever claims next; a loader drops its own at stop.
 
 `"auto"` pins only when the free cores hold the whole claim (and, under torchrun, when every local
 rank's claim fits the process's cores), else the workers run unpinned and the scheduler places

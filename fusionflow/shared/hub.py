@@ -23,6 +23,7 @@ import selectors
 import socket
 import struct
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 from fusionflow.runtime.authsock import accept, listen, set_receive_timeout
@@ -41,6 +42,12 @@ class Client:
     holds: dict = field(default_factory=dict)  # slot -> (epoch, seq) this client has not released
     ready: bool = False  # it accepted the producer's terms (batch size): it counts, and gets epochs
     gone: str | None = None  # why it was detached (its connection is closed by the hub's thread)
+
+
+def _unpublish(name: str, pid: int) -> None:
+    """Remove the record, in the process that wrote it only (a forked child inherits atexit hooks)."""
+    if os.getpid() == pid:
+        rendezvous.remove(name, pid)
 
 
 class Hub:
@@ -71,6 +78,8 @@ class Hub:
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self.path = rendezvous.write(name, self.address, self._secret)
+        # at close, at collection, or at interpreter exit when close() never ran
+        self._unpublish = weakref.finalize(self, _unpublish, name, os.getpid())
         self._thread = threading.Thread(target=self._run, name=f"fusionflow-shared-{name}", daemon=True)
         self._thread.start()
 
@@ -118,7 +127,7 @@ class Hub:
                 self._detach(c, "the producer closed")
         os.write(self._wake_w, b"x")
         self._thread.join(timeout=10)
-        rendezvous.remove(self.name, os.getpid())
+        self._unpublish()
         for fd in (self._wake_r, self._wake_w, self._ro_fd):
             os.close(fd)
 
