@@ -5,11 +5,11 @@ import multiprocessing
 import os
 
 import pytest
+from test_loader import SMALL, Bytes
 
 from fusionflow import FusionFlowLoader
 from fusionflow.runtime import cores
 from fusionflow.runtime.cores import CoreClaim
-from tests.test_loader import SMALL, Bytes
 
 
 @pytest.fixture

@@ -54,6 +54,14 @@ class Jobs:
         self.procs.append(p)
         return p
 
+    def serve(self, *args) -> subprocess.Popen:
+        """`python -m fusionflow serve` as a user runs it."""
+        log = open(self.tmp / "serve.log", "w")
+        cmd = [sys.executable, "-m", "fusionflow", "serve", "--name", self.name, *map(str, args)]
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(HERE))
+        self.procs.append(p)
+        return p
+
     def client(self, tag: str, *args) -> subprocess.Popen:
         return self.start("client", "--out", self.tmp / f"{tag}.json", *args, tag=tag)
 
@@ -306,3 +314,36 @@ def test_the_ring_is_mapped_read_only_and_the_record_is_the_users_alone(jobs):
         assert os.stat(os.path.dirname(path)).st_mode & 0o777 == 0o700
         assert sum(len(y) for _, y in c) == 8
     assert jobs.wait(producer) == 0
+
+
+@pytest.mark.parametrize("source", ["folder", "shards"])
+def test_serve_from_a_shell_gives_the_loaders_epoch(jobs, tmp_path, source):
+    """The CLI over an ImageFolder and over tar shards of it: a client gets exactly the epoch of the
+    same loader iterated here (samples, order, pixels)."""
+    import torch
+    from test_shards import write_shards
+
+    from fusionflow import FusionFlowLoader, ImageFolder, TarShards
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), num_classes=2, per_class=5, min_side=40, max_side=90)
+    folder = ImageFolder(root)
+    data = root if source == "folder" else write_shards(folder, str(tmp_path / "s"), per_shard=4)
+    ds = folder if source == "folder" else TarShards(data)
+    producer = jobs.serve("--data", data, "--epochs", 1, "--batch-size", 4, "--workers", 1, "--seed", 3)
+    with SharedLoaderClient(jobs.name, timeout=60) as client:
+        got = [(x.clone(), y.clone()) for x, y in client]
+    assert jobs.wait(producer) == 0, jobs.dump()
+    assert "1/1: 10 images to 1 clients" in jobs.log("serve"), jobs.dump()
+    order = torch.Generator().manual_seed(3)  # --seed sets the shuffle order too: the run repeats
+    with FusionFlowLoader(ds, batch_size=4, shuffle=True, num_workers=1, seed=3, generator=order) as loader:
+        ref = list(loader)
+    assert [y.tolist() for _, y in got] == [y.tolist() for _, y in ref]
+    assert all(digests(a) == digests(b) for (a, _), (b, _) in zip(got, ref))
+
+
+def test_serve_refuses_data_it_cannot_read(jobs, tmp_path):
+    for data, says in ((tmp_path / "nothing", "is neither a directory"), (tmp_path / "x-*.tar", "x-*.tar")):
+        p = jobs.serve("--data", data, "--epochs", 1)
+        assert jobs.wait(p) == 2
+        assert says in jobs.log("serve"), jobs.dump()

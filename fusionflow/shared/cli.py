@@ -1,4 +1,7 @@
-"""`python -m fusionflow serve --data DIR --name NAME --epochs N [...]`: a SharedLoader from a shell.
+"""`python -m fusionflow serve --data DATA --name NAME --epochs N [...]`: a SharedLoader from a shell.
+
+DATA: an ImageFolder root (one folder per class), or WebDataset tar shards (a `.tar` path, a glob
+or brace notation: `/data/train-{000000..000146}.tar`) with --image-key / --target-key.
 
 One producer per (dataset, policy, seed) on a node: it augments each epoch once and serves it to
 every training job that opened `SharedLoaderClient(NAME)`. It waits for --min-clients before the
@@ -19,13 +22,15 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m fusionflow serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--data", required=True, help="ImageFolder root (one folder per class)")
+    ap.add_argument("--data", required=True, help="an ImageFolder root, or tar shards (path, glob, {a..b})")
+    ap.add_argument("--image-key", default="jpg", help="tar shards: the image member's extension(s), comma-separated")
+    ap.add_argument("--target-key", default="cls", help="tar shards: the target member's extension ('none': none)")
     ap.add_argument("--name", required=True, help="what clients call it: SharedLoaderClient(NAME)")
     ap.add_argument("--epochs", type=int, required=True)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--policy", default=None, help="a shipped policy name or a YAML path (default: crop + flip)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="augmentation and shuffle order: a run repeats exactly")
     ap.add_argument("--min-clients", type=int, default=1)
     ap.add_argument("--buffer", type=int, default=None, help="mini-batches ahead of the slowest client")
     ap.add_argument("--tiny-batch-size", type=int, default=None)
@@ -40,12 +45,25 @@ def main(argv=None) -> int:
     for name in ("epochs", "batch_size", "workers", "min_clients"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    if not os.path.isdir(a.data):
-        ap.error(f"--data {a.data!r} is not a directory (an ImageFolder root: one folder per class)")
+    is_shards = a.data.endswith(".tar") or not os.path.isdir(a.data) and any(c in a.data for c in "*?[{")
+    if not os.path.isdir(a.data) and not is_shards:
+        ap.error(
+            f"--data {a.data!r} is neither a directory (an ImageFolder root: one folder per class) nor tar "
+            "shards (a .tar path, a glob or brace notation)"
+        )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    from fusionflow import FusionFlowLoader, ImageFolder, SharedLoader
+    import torch
 
-    ds = ImageFolder(a.data)
+    from fusionflow import FusionFlowLoader, ImageFolder, SharedLoader, TarShards
+
+    if is_shards:
+        try:
+            target = None if a.target_key == "none" else tuple(a.target_key.split(","))
+            ds = TarShards(a.data, image_key=tuple(a.image_key.split(",")), target_key=target)
+        except (OSError, ValueError) as e:
+            ap.error(f"--data {a.data!r}: {e}")
+    else:
+        ds = ImageFolder(a.data)
     loader = FusionFlowLoader(
         ds,
         batch_size=a.batch_size,
@@ -53,6 +71,7 @@ def main(argv=None) -> int:
         num_workers=a.workers,
         policy=a.policy,
         seed=a.seed,
+        generator=torch.Generator().manual_seed(a.seed),
         tiny_batch_size=a.tiny_batch_size,
         drop_last=a.drop_last,
     )
