@@ -12,9 +12,10 @@ on the same ImageFolder (mixed-size JPEGs, 200-1000 px), policy, batch size and 
 
 Models: "cnn" trains the small CNN on the CPU (1.6 ms of CPU per image alone here, ~2.2 with both
 cores busy, a cost a GPU node does not pay on its CPUs); "none" stands for the GPU node: the job takes
-each batch into its own memory and trains nothing on the CPU. Independent jobs pin their workers as `--pin-workers` says (default
-"auto", the product's default: loaders on one node claim disjoint cores, runtime/cores.py; before
-that, three 1-worker jobs on 2 cores each pinned their worker to the first core, 537 vs 940 img/s).
+each batch into its own memory and trains nothing on the CPU. Independent jobs pin their workers as
+`--pin-workers` says (default "auto", the product's default: loaders on one node claim disjoint
+cores, runtime/cores.py; before that, three 1-worker jobs on 2 cores each pinned their worker to the
+first core, 537 vs 940 img/s).
 `--only own` runs the own-loader configurations alone (to compare pinning across trees).
 
 Per configuration: aggregate img/s (every job's images over the window in which all jobs are past their
