@@ -94,17 +94,12 @@ class WorkerPool:
         self.target_workers = num_workers
         self.task_ids = itertools.count()
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
-        self.cores = CoreClaim(0, False)  # claimed at start
+        self.cores = CoreClaim(0, False)  # workers' cores, claimed node-wide at start
         self._live: list[_Worker] = []  # the manager thread's snapshot for its current wait
         self._stopped = False
         board.counters.tiny_batches_per_worker = [0] * num_workers
 
     # ---------------------------------------------------------------- processes (main thread)
-    def cpu_for(self, wid: int) -> int | None:
-        """The core worker `wid` is pinned to, or None (runtime/cores.py: claimed node-wide, so
-        co-located jobs' and local ranks' workers do not pile onto the same cores)."""
-        return self.cores.cores[wid] if wid < len(self.cores.cores) else None
-
     def start(self) -> None:
         """Claim cores, then start every worker process (the training thread: forking happens there only)."""
         self.cores = CoreClaim(self.num_workers, self.pin_cpus)
@@ -129,7 +124,7 @@ class WorkerPool:
                 self.base_seed,
                 self.worker_init_fn,
                 os.getpid(),
-                self.cpu_for(wid),
+                self.cores.cores[wid],  # its core (runtime/cores.py), or None
                 self.spec_hash,
                 self.stages,
             ),
@@ -210,12 +205,11 @@ class WorkerPool:
 
     def stop(self) -> None:
         """Shutdown step: STOP to every worker (a lent one stops too: its borrower requeues what it
-        held); join each for up to STOP_GRACE_S in all; terminate() the rest, then kill(); close the pipes.
-        Idempotent."""
+        held); join each for up to STOP_GRACE_S in all; terminate() the rest, then kill(); close the pipes;
+        release the cores once no worker runs on them. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
-        self.cores.release()
         workers = [w for w in self.workers if w is not None]
         for w in workers:
             try:
@@ -233,6 +227,7 @@ class WorkerPool:
                 w.process.kill()
                 w.process.join(timeout=1.0)
             w.conn.close()
+        self.cores.release()
 
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
