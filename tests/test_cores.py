@@ -24,6 +24,7 @@ def node(tmp_path, monkeypatch):
 def test_auto_claims_disjoint_cores_and_leaves_one_to_each_trainer(node):
     a = CoreClaim(3, "auto")
     assert a.cores == [0, 1, 2]  # core 3 left to a's training process
+    assert a.core_of(2) == 2 and a.core_of(3) is None  # a 4th worker (an elastic target's) runs unpinned
     b = CoreClaim(3, "auto")
     assert b.cores == [4, 5, 6]  # core 7 left to b's
     c = CoreClaim(1, "auto")

@@ -97,6 +97,10 @@ class CoreClaim:
             self._key = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
             claims[self._key] = {"pid": os.getpid(), "start": _start_time(os.getpid()), "cores": mine}
 
+    def core_of(self, wid: int) -> int | None:
+        """Worker `wid`'s core; None when unpinned or beyond the claim (a worker an elastic target added)."""
+        return self.cores[wid] if wid < len(self.cores) else None
+
     def release(self) -> None:
         """Drop this claim (idempotent; a claim of a process that is gone drops itself)."""
         key, self._key = self._key, None

@@ -124,7 +124,7 @@ class WorkerPool:
                 self.base_seed,
                 self.worker_init_fn,
                 os.getpid(),
-                self.cores.cores[wid],  # its core (runtime/cores.py), or None
+                self.cores.core_of(wid),
                 self.spec_hash,
                 self.stages,
             ),
