@@ -53,13 +53,13 @@ class Host:
     initial_seed: Callable[[], int] = lambda: torch.initial_seed()
 
 
-def resolve_device(device, host: Host) -> torch.device:
+def resolve_device(device, host: Host, who: str = "FusionFlowLoader") -> torch.device:
     """'cpu', or 'cuda' with one device index, resolved now, for every CUDA call after."""
     resolved = torch.device(device)
     if resolved.type == "cuda" and not host.cuda_available():
         raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
     if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'")
+        raise ValueError(f"device={device!r}: {who} delivers to 'cpu' or 'cuda[:N]'")
     if resolved.type == "cuda":
         if resolved.index is None:
             resolved = torch.device("cuda", host.current_device())

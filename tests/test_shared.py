@@ -13,6 +13,7 @@ import time
 import uuid
 
 import pytest
+import torch
 from shared_jobs import digests, make_loader
 from test_loader import ff_segments
 
@@ -285,6 +286,13 @@ def test_bad_arguments_are_refused_clearly(jobs):
         SharedLoaderClient("bad name!", timeout=1)
     with pytest.raises(ValueError, match="timeout="):
         SharedLoaderClient("x", timeout=0)
+    with pytest.raises(ValueError, match="pin_memory="):
+        SharedLoaderClient("x", pin_memory="yes", timeout=1)
+    with pytest.raises(ValueError, match="SharedLoaderClient delivers to 'cpu' or 'cuda"):
+        SharedLoaderClient("x", device="meta", timeout=1)
+    if not torch.cuda.is_available():  # refused before it looks for the producer
+        with pytest.raises(ValueError, match="CUDA is not available here"):
+            SharedLoaderClient("x", device="cuda", timeout=1)
     from fusionflow import FusionFlowLoader
 
     with pytest.raises(ValueError, match="num_workers >= 1"):
@@ -298,8 +306,9 @@ def test_bad_arguments_are_refused_clearly(jobs):
         SharedLoaderClient(jobs.name, batch_size=12, timeout=60)
     with pytest.raises(ValueError, match="already serving"):
         SharedLoader(make_loader(4, 8, False), name=jobs.name)
-    with SharedLoaderClient(jobs.name, timeout=60) as c:  # the refused ones left nothing attached
-        assert sum(len(y) for _, y in c) == 16
+    pin = True if not torch.cuda.is_available() else "auto"  # no CUDA: a log line, batches unpinned
+    with SharedLoaderClient(jobs.name, timeout=60, pin_memory=pin) as c:  # the refused ones left nothing attached
+        assert sum(len(y) for _, y in c) == 16 and c.pin_memory == torch.cuda.is_available()
     assert jobs.wait(producer) == 0
 
 

@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                 shared.serve(epochs=1, min_clients=a.min_clients)
                 n, dt = loader.stats.samples - before, time.perf_counter() - t0
                 print(
-                    f"epoch {epoch + 1}/{a.epochs}: {n} images to {shared.clients} clients in {dt:.1f} s "
+                    f"epoch {epoch + 1}/{a.epochs}: {n} images to {shared.epoch_clients} clients in {dt:.1f} s "
                     f"({n / dt:.0f} img/s)",
                     flush=True,
                 )

@@ -35,6 +35,7 @@ import torch
 
 from fusionflow.delivery import Delivery
 from fusionflow.errors import SharedLoaderError
+from fusionflow.loader_resources import Host, resolve_device
 from fusionflow.runtime.authsock import connect, set_receive_timeout
 from fusionflow.runtime.gm.timing import HANDSHAKE_S
 from fusionflow.runtime.procs import pid_alive
@@ -119,11 +120,14 @@ class SharedLoaderClient:
         self.name = rendezvous.check_name(name)
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
             raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0")
-        self.device = torch.device(device)
+        self.device = resolve_device(device, Host(), "SharedLoaderClient")
         if pin_memory == "auto":
             pin_memory = torch.cuda.is_available()
         if not isinstance(pin_memory, bool):
             raise ValueError(f"pin_memory={pin_memory!r} must be 'auto', True or False")
+        if pin_memory and not torch.cuda.is_available():
+            log.warning("fusionflow: pin_memory=True but CUDA is not available: batches are returned unpinned")
+            pin_memory = False
         self.timeout, self.pin_memory = float(timeout), pin_memory
         self.stats = ClientStats()
         self._conn, self.producer, self._ring = _attach(self.name, self.timeout)

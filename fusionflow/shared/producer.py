@@ -111,6 +111,7 @@ class SharedLoader:
             raise ValueError(f"buffer={buffer!r} must be an integer >= 1 (mini-batches ahead of the slowest client)")
         self.name, self.buffer, self.loader = rendezvous.check_name(name), buffer, loader
         self.epochs_served = 0
+        self.epoch_clients = 0  # clients the latest epoch went to (those attached when it began)
         self._original, self._current, self._waited = cfg, None, False
         loader._workers.stop()  # a running runtime has the old ring depth
         loader.config = dataclasses.replace(cfg, prefetch_factor=buffer, persistent_workers=True)
@@ -188,6 +189,7 @@ class SharedLoader:
             free = [s for s in range(self.buffer) if s not in hub.held_slots()]
             it = self._current = _HeldEpoch(loader, epoch, progress, free, hub.cond, lambda: not hub.recipients)
             hub.begin_epoch(epoch, len(loader))
+            self.epoch_clients = len(hub.recipients)
             try:
                 while True:
                     try:
