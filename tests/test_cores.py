@@ -66,13 +66,19 @@ def test_claims_of_a_process_that_is_gone_are_dropped(node):
     assert CoreClaim(3, "auto").cores == [0, 1, 2]
 
 
-def test_claims_of_a_reused_pid_are_dropped(node):
+def test_claims_of_a_reused_pid_or_damaged_are_dropped(node):
     import json
 
     path = os.path.join(str(node), "fusionflow", cores.FILE)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     with open(path, "w") as f:  # this pid, but a start time that is not this process's
         json.dump({"old": {"pid": os.getpid(), "start": -1, "cores": [0, 1, 2, 3]}}, f)
+    assert CoreClaim(2, "auto").cores == [0, 1]
+    with open(path, "w") as f:  # a damaged file: nothing in it counts, nothing fails
+        json.dump({"a": {"pid": "x"}, "b": [1], "c": {"pid": os.getpid(), "start": 0, "cores": "0-3"}}, f)
+    assert CoreClaim(2, "auto").cores == [0, 1]
+    with open(path, "w") as f:
+        f.write("[1, 2]")
     assert CoreClaim(2, "auto").cores == [0, 1]
 
 

@@ -42,6 +42,14 @@ def _start_time(pid: int) -> int | None:
     return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
+def _live(claim) -> bool:
+    """A well-formed claim of a process that still runs (anything else in the file is dropped)."""
+    try:
+        return _start_time(int(claim["pid"])) == claim["start"] and all(isinstance(c, int) for c in claim["cores"])
+    except (TypeError, KeyError, ValueError):
+        return False
+
+
 @contextlib.contextmanager
 def _claims():
     """The live claims {key: {"pid", "start", "cores"}}, locked; what the caller leaves in the dict
@@ -54,7 +62,7 @@ def _claims():
             claims = json.loads(f.read() or "{}")
         except ValueError:
             claims = {}
-        claims = {k: v for k, v in claims.items() if _start_time(int(v["pid"])) == v.get("start")}
+        claims = {k: v for k, v in claims.items() if _live(v)} if isinstance(claims, dict) else {}
         yield claims
         f.seek(0)
         f.truncate()
