@@ -16,7 +16,7 @@ from torchvision's by its resampling's rounding.
 
 What it reads, in this order (the order torchvision's classification recipe uses):
   train: RandomResizedCrop(size, scale, ratio, bilinear | bicubic | nearest, antialias=True)
-         [RandomHorizontalFlip(p)]
+         [RandomHorizontalFlip(p)] [ColorJitter(...) | RandomApply([ColorJitter(...)], p)] (either order)
          [RandAugment | AutoAugment | TrivialAugmentWide, with their arguments; interpolation
           nearest, bilinear or bicubic, fill a number or [r, g, b] of integers]
   eval:  Resize(int, bilinear | bicubic | nearest, antialias=True) + CenterCrop(size)
@@ -79,10 +79,17 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
     size = tuple(cfg["output"]["size"])
 
-    # 2. flip, then one auto-augmentation
-    if pos < len(steps) and isinstance(steps[pos], T.RandomHorizontalFlip):
-        cfg["flip"] = float(steps[pos].p)
+    # 2. flip and colour jitter (in either order: they commute), then one auto-augmentation
+    while pos < len(steps):
+        if isinstance(steps[pos], T.RandomHorizontalFlip) and "flip" not in cfg:
+            cfg["flip"] = float(steps[pos].p)
+        elif _jitter_section(steps[pos], T) is not None and "jitter" not in cfg:
+            cfg["jitter"] = _jitter_section(steps[pos], T)
+        else:
+            break
         pos += 1
+    if not cfg.get("jitter", True):
+        del cfg["jitter"]  # a ColorJitter that adjusts nothing
     if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide, T.AugMix)):
         cfg["augment"] = augment_section(steps[pos], size, lambda why, k=pos: fail(k, why))
         pos += 1
@@ -95,6 +102,19 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         return parse_policy(cfg, f"policy_from_transform({type(transform).__name__})", default_name="from_torchvision")
     except ValueError as exc:
         raise ValueError(f"policy_from_transform: the pipeline has no FusionFlow equivalent: {exc}") from None
+
+
+def _jitter_section(t, T) -> dict | None:
+    """ColorJitter, or RandomApply([ColorJitter], p) (SimCLR's, timm's color_jitter_prob), as the
+    policy's jitter section ({} when it adjusts nothing); None for any other transform."""
+    p = 1.0
+    if type(t) is T.RandomApply and len(t.transforms) == 1:
+        p, t = float(t.p), t.transforms[0]
+    if type(t) is not T.ColorJitter:
+        return None
+    keys = ("brightness", "contrast", "saturation", "hue")
+    section = {k: [float(v) for v in getattr(t, k)] for k in keys if getattr(t, k) is not None}
+    return {**section, "p": p} if section else {}
 
 
 def _read_crop(steps, T, cfg: dict, fail) -> int:
@@ -136,19 +156,33 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
     return pos
 
 
+def _misplaced(t, name: str) -> str | None:
+    """Why step `t` (named `name`) cannot come after the augmentation, or None if it may."""
+    import torchvision.transforms.v2 as T
+
+    if name in ("RandomChoice", "RandomOrder"):
+        return f"torchvision's {name} has no FusionFlow equivalent (a policy's stages run in a fixed order)"
+    if name == "RandomApply" and _jitter_section(t, T) is None:
+        return "RandomApply is expressible only around a single ColorJitter (after the crop)"
+    if name not in _TENSOR_STEPS:
+        return (
+            f"cannot be expressed here: after the crop come RandomHorizontalFlip and ColorJitter, one of "
+            f"RandAugment / AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order"
+        )
+    return None
+
+
 def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
     """The steps after the augmentation (to tensor, dtype, normalisation, erasing), into cfg."""
+
     to_float, erase_at = False, None
     seen: set[str] = set()
     for k in range(pos, len(steps)):
         t = steps[k]
         name = "RandomErasing" if _part(t, "erase") else type(t).__name__
-        if name not in _TENSOR_STEPS:
-            fail(
-                k,
-                f"cannot be expressed here: after the crop come RandomHorizontalFlip, one of RandAugment / "
-                f"AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order",
-            )
+        why = _misplaced(t, name)
+        if why is not None:
+            fail(k, why)
         if name in seen or (name in ("ToImage", "PILToTensor") and seen & {"ToImage", "PILToTensor"}):
             fail(k, "appears twice")
         seen.add(name)
@@ -221,6 +255,8 @@ def _flatten(transform) -> list:
             T.ToDtype(torch.float32, scale=True),
             T.Normalize(list(transform.mean), list(transform.std)),
         ]
+    if type(transform) in {getattr(mod, n) for mod in (T, T1) for n in ("RandomApply", "RandomChoice", "RandomOrder")}:
+        return [transform]  # random containers: read (RandomApply([ColorJitter])) or refused, never opened
     inner = getattr(transform, "transforms", None)
     if isinstance(inner, (T.Compose, T1.Compose, list, tuple)):  # a preset object wrapping its pipeline
         return _flatten(inner)
@@ -239,11 +275,15 @@ def _as_v2(t) -> list | None:
     name = type(t).__name__
     if type(t) is not getattr(T1, name, None):
         return None  # a lambda, a subclass, another library's class: its behaviour may differ
+    if name == "RandomApply":
+        inner = [_as_v2(u) for u in t.transforms]
+        return None if None in inner else [T.RandomApply([u for part in inner for u in part], t.p)]
     convert = {
         "RandomResizedCrop": lambda: T.RandomResizedCrop(t.size, t.scale, t.ratio, t.interpolation, t.antialias),
         "Resize": lambda: T.Resize(t.size, t.interpolation, t.max_size, t.antialias),
         "CenterCrop": lambda: T.CenterCrop(t.size),
         "RandomHorizontalFlip": lambda: T.RandomHorizontalFlip(t.p),
+        "ColorJitter": lambda: T.ColorJitter(t.brightness, t.contrast, t.saturation, t.hue),
         "RandAugment": lambda: T.RandAugment(t.num_ops, t.magnitude, t.num_magnitude_bins, t.interpolation, t.fill),
         "TrivialAugmentWide": lambda: T.TrivialAugmentWide(t.num_magnitude_bins, t.interpolation, t.fill),
         "AutoAugment": lambda: T.AutoAugment(t.policy, t.interpolation, t.fill),
@@ -270,8 +310,7 @@ def _unreadable(t) -> str:
 
     name = type(t).__name__
     if type(t) in (getattr(T1, name, None), getattr(T, name, None)) and name != "Lambda":
-        hint = " (timm adds it when no auto_augment is given: pass color_jitter=None)" if name == "ColorJitter" else ""
-        return f"torchvision's {name} has no FusionFlow equivalent{hint}"
+        return f"torchvision's {name} has no FusionFlow equivalent"
     return (
         "is not a torchvision or timm transform FusionFlow can read; build the pipeline from "
         "torchvision.transforms(.v2) or timm.data classes (lambdas and other callables cannot be read)"

@@ -3,9 +3,9 @@
 A worker with stage timing on runs each sample with a `StageClock` as the pipeline's `tick`: the
 clock adds the time since the previous tick to that stage's total. Stages, in order: read
 (dataset[i]), decode+crop+resize (one pass: the window decoder crops and scales while it decodes),
-flip, each policy op by name, write (into the ring slot). Per task the worker sends the totals in
-its DONE message (a fixed run of int64 ns, runtime/messages.py); the loader sums them per worker in
-`loader.stats` (`stage_seconds()`, `stage_shares()`).
+flip, each ColorJitter adjustment and policy op by name, write (into the ring slot). Per task the
+worker sends the totals in its DONE message (a fixed run of int64 ns, runtime/messages.py); the
+loader sums them per worker in `loader.stats` (`stage_seconds()`, `stage_shares()`).
 
 Off (the default) the pipeline's only cost is a `tick is None` test per stage.
 """
@@ -21,7 +21,9 @@ def stage_names(policy) -> tuple[str, ...]:
     """The stages a policy's samples go through, in pipeline order (each op once, by name; an AugMix
     mixture, its chains included, as one stage "augmix")."""
     aug = policy.augment
-    names = [op.name for op in aug.ops]
+    jitter = getattr(policy, "jitter", None)  # ColorJitter's ops come first, after the flip
+    names = [op for op, r in zip(jitter.OPS, jitter.ranges) if r is not None] if jitter is not None else []
+    names += [op.name for op in aug.ops]
     if aug.type in ("augmix", "timm-augmix"):
         names.append("augmix")
     elif aug.timm is not None:

@@ -10,10 +10,10 @@ accepts converts): RandomResizedCropAndInterpolation (interpolation bilinear, bi
 their hparams: magnitude_std, magnitude_max, translate_pct / translate_const, fill colour,
 interpolation), MaybeToTensor / MaybePILToTensor and timm's RandomErasing (modes const / rand / pixel,
 counts). Everything else in timm's pipelines is torchvision's (RandomHorizontalFlip, Resize,
-CenterCrop, Normalize) and is read as such. Not expressible, with the reason: ColorJitter (timm's
-train default without auto_augment: pass color_jitter=None or an auto_augment), RandomVerticalFlip,
-grayscale / blur, the '3a' ops (Desaturate, GaussianBlur), the rkrc/rkrr crops and the eval 'squash'
-/ 'border' crops.
+CenterCrop, Normalize, ColorJitter: the train default without auto_augment, color_jitter_prob's
+RandomApply) and is read as such. Not expressible, with the reason: RandomVerticalFlip, grayscale /
+blur, the '3a' ops (Desaturate, GaussianBlur), the rkrc/rkrr crops and the eval 'squash' / 'border'
+crops.
 
 The policy's semantics are in fusionflow/policy/timm_augment.py; tests/test_timm.py checks the pixels
 against timm's objects given the same draws.

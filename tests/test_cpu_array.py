@@ -20,6 +20,9 @@ VALUES = {**VALUES, "Cutout": [0.0, 40.0, 300.0]}
 # pixels off by more than two levels, most of them on the fill border of a small image; PSNR >= 30 dB).
 FAST_TOLERANCE = {name: "same" for name in OP_NAMES}
 FAST_TOLERANCE.update(Brightness="level", Contrast="level", Color="level", Sharpness="level", AutoContrast="same")
+# "hue": the fast Hue turns the hue in float without Pillow's 8-bit HSV round trip, which alone moves
+# pixels by up to 5 levels: at most 8 levels anywhere, under half a level on average
+FAST_TOLERANCE.update(Hue="hue")
 FAST_TOLERANCE.update(
     ShearX="geometry",
     ShearY="geometry",
@@ -81,6 +84,8 @@ def test_fast_kernels_within_their_stated_tolerance(name, value, style, kernels)
             np.testing.assert_array_equal(got, want)
         elif kind == "level":
             assert diff.max() <= 2 and psnr(got, want) >= 40.0, (diff.max(), psnr(got, want))
+        elif kind == "hue":
+            assert diff.max() <= 8 and diff.mean() < 0.5, (diff.max(), diff.mean())
         else:
             moved = np.mean(diff.max(axis=2) > 2)  # bilinear weights may round a level apart anywhere
             assert moved <= 0.03 and psnr(got, want) >= 30.0, (moved, psnr(got, want))

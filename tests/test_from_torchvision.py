@@ -134,7 +134,18 @@ def test_eval_form_and_uint8_output():
         ),
         ([T.RandomResizedCrop(224, antialias=False)], r"transform 0 .*antialias=False"),
         ([T.RandomHorizontalFlip(), T.RandomResizedCrop(224)], r"transform 0 \(RandomHorizontalFlip.*must start with"),
-        ([T.RandomResizedCrop(224), T.ColorJitter(0.4)], r"transform 1 \(ColorJitter.*cannot be expressed here"),
+        (
+            [T.RandomResizedCrop(224), T.RandAugment(), T.ColorJitter(0.4)],
+            r"transform 2 \(ColorJitter.*cannot be expressed here",
+        ),
+        (
+            [T.RandomResizedCrop(224), T.RandomApply([T.RandomHorizontalFlip()], p=0.5)],
+            r"transform 1 \(RandomApply.*only around a single ColorJitter",
+        ),
+        (
+            [T.RandomResizedCrop(224), T.RandomChoice([T.ColorJitter(0.4)])],
+            r"transform 1 \(RandomChoice.*no FusionFlow",
+        ),
         (
             [T.RandomResizedCrop(224), T.RandAugment(interpolation=InterpolationMode.BOX)],
             r"transform 1 \(RandAugment.*'box'",

@@ -34,6 +34,7 @@ VALUES = {
     "Equalize": [0.0],
     "Invert": [0.0],
     "FlipX": [0.0],
+    "Hue": [-0.5, -0.27, -0.001, 0.0, 0.004, 0.1, 0.5],
 }
 # Per-op tolerance on max |difference|: every op here reproduces torchvision's PIL path exactly.
 TOLERANCE = {name: 0 for name in VALUES}

@@ -42,6 +42,8 @@ def tv_op(name: str, img: Image.Image, value: float, fill=(0, 0, 0), interpolati
         return tv_cutout(img, value, aux, fill)
     if name == "FlipX":
         return F.horizontal_flip(img)
+    if name == "Hue":  # ColorJitter's hue; RandAugment has none
+        return F.adjust_hue(img, value)
     if name in ("ShiftX", "ShiftY"):  # a fractional translation: torchvision's affine takes float offsets
         shift = [value, 0.0] if name == "ShiftX" else [0.0, value]
         return F.affine(img, 0.0, shift, 1.0, [0.0, 0.0], _MODES[interpolation], list(fill))
@@ -64,12 +66,35 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
     img = F.resized_crop(img, top, left, h, w, list(policy.size), mode, antialias=True)
     if d.flip:
         img = F.horizontal_flip(img)
+    if getattr(policy, "jitter", None) is not None:
+        img = tv_color_jitter(policy.jitter, img, d)
     aug = policy.augment
     for op in d.ops:
         img = tv_op(op.name, img, op.value, op.fill or aug.fill, aug.interpolation, op.aux)
     if aug.type == "augmix":
         img = Image.fromarray(tv_augmix(augmix_transform(aug), img, d))
     return np.asarray(img).transpose(2, 0, 1)
+
+
+def tv_color_jitter(jitter, img: Image.Image, d) -> Image.Image:
+    """torchvision's ColorJitter with the policy's ranges on `img`, FusionFlow's draw injected as its
+    make_params (the order and the factors); RandomApply's miss (no adjustments drawn) leaves img."""
+    if not d.jitter:
+        return img
+    t = T.ColorJitter(*(None if r is None else list(r) for r in jitter.ranges))
+    names = ("Brightness", "Contrast", "Color", "Hue")
+    drawn = {op.name: op.value for op in d.jitter}
+    order = [names.index(op.name) for op in d.jitter] + [k for k, n in enumerate(names) if n not in drawn]
+    factor = lambda n: None if n not in drawn else drawn[n] if n == "Hue" else 1.0 + drawn[n]  # noqa: E731
+    params = dict(
+        fn_idx=torch.tensor(order),
+        brightness_factor=factor("Brightness"),
+        contrast_factor=factor("Contrast"),
+        saturation_factor=factor("Color"),
+        hue_factor=factor("Hue"),
+    )
+    with mock.patch.object(t, "make_params", lambda flat_inputs: params):
+        return t(img)
 
 
 def augmix_transform(aug):

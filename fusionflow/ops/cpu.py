@@ -105,6 +105,18 @@ def contrast(img, value, params, style):
     return _point(img, blend_lut(mean, params[0]).tolist() * 3)  # a blend with a constant: a table
 
 
+@cpu_impl("Hue")
+def hue(img, value, params, style):
+    """torchvision's adjust_hue on a PIL image: Pillow's 8-bit HSV, the hue band plus int(255 v)
+    wrapped as a uint8 add wraps, back to RGB. Pillow's HSV round trip alone moves pixels by a few
+    levels, so even v = 0 takes it (as torchvision does)."""
+    h, s, v = img.convert("HSV").split()
+    shift = int(params[0] * 255) & 0xFF  # truncated toward zero, as np.int32(); & 0xFF: astype(uint8)
+    if shift:
+        h = _point(h, [(i + shift) & 0xFF for i in range(256)])
+    return Image.merge("HSV", (h, s, v)).convert("RGB")
+
+
 # Pillow's SMOOTH kernel (1 1 1 / 1 5 1 / 1 1 1) / 13, each weight a float32 divided by 13 as Pillow does
 _SMOOTH_SIDE = np.float32(1) / np.float32(13)
 _SMOOTH_CENTRE = np.float32(5) / np.float32(13)

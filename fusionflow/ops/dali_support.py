@@ -3,11 +3,14 @@ importable without DALI (the loader asks before it builds anything)."""
 
 from __future__ import annotations
 
+from fusionflow.ops.specs import OPS
+
 
 def dali_declines(policy) -> str | None:
     """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
     filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
-    none of timm's augmentations nor AugMix's mixtures."""
+    none of timm's augmentations, AugMix's mixtures, ColorJitter or the Hue op."""
+
     if policy is None:
         return None
     if policy.crop_interpolation != "bilinear":
@@ -20,6 +23,11 @@ def dali_declines(policy) -> str | None:
         return "augment.type 'augmix' (the DALI graph has no per-sample mixture of op chains)"
     if policy.augment.type != "none" and policy.augment.interpolation == "bicubic":
         return "augment.interpolation 'bicubic' (DALI's warp_affine has only nearest and linear)"
+    if policy.jitter is not None:
+        return "jitter (ColorJitter: its random order and Pillow's HSV hue are CPU-only)"
+    cpu_only = [o.name for o in policy.augment.ops if not OPS[o.name].dali]
+    if cpu_only:
+        return f"augment.ops {cpu_only} (no DALI implementation)"
     erase = policy.erase
     if erase is not None and (erase.count != (1, 1) or (erase.value is None and erase.noise == "color")):
         return "timm's erase (count > 1 or value random_color: the DALI graph erases one rectangle)"

@@ -1,5 +1,5 @@
-"""The whole per-sample CPU pipeline of a policy: decode -> random resized crop -> flip -> policy
-ops -> uint8 CHW (or normalised float32) -> random erasing, written into a caller-provided buffer.
+"""The whole per-sample CPU pipeline of a policy: decode -> random resized crop -> flip -> colour
+jitter -> policy ops -> uint8 CHW (or normalised float32) -> random erasing, written into a caller-provided buffer.
 
 This is what a CPU worker runs; its output for (seed, epoch, index) equals the DALI pipeline's up
 to the per-op tolerances in tests/test_ops_dali.py.
@@ -66,6 +66,7 @@ class CpuPipeline:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
         if tick is not None:
             tick("flip")
+        img = self._run_ops(img, d.jitter, self._pillow_op, tick)  # ColorJitter, in its drawn order
         return self.augment_image(img, d, tick)
 
     def augment_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
@@ -148,6 +149,7 @@ class CpuPipeline:
             arr = cpu_array.flip(arr)
         if tick is not None:
             tick("flip")
+        arr = self._run_ops(arr, d.jitter, self._array_op, tick)
         return self.augment_array(arr, d, tick)
 
     def run_draw(

@@ -16,6 +16,8 @@ Value conventions (the unit of an op's `range` in a policy file):
   Rotate           degrees, counter-clockwise
   Brightness, Color, Contrast, Sharpness
                    v, enhancement factor = 1 + v (0 = unchanged, -1 = fully degenerate)
+  Hue              v in [-0.5, 0.5], torchvision's hue_factor: the hue turns by int(255 v) of
+                   Pillow's 255 hue steps (ColorJitter's hue; CPU only, the DALI graph has none)
   Posterize        bits kept per channel (integer, 0..8)
   Solarize         threshold in pixel values: pixels >= threshold are inverted (256 = no-op)
   SolarizeAdd      value added to pixels below 128, clipped to 255
@@ -47,6 +49,7 @@ class OpSpec:
     needs_aux: bool = False  # consumes the two extra uniforms drawn per op (Cutout's position)
     resolve: Callable[[float, tuple, int, int], ParamTuple] | None = None
     doc: str = ""
+    dali: bool = True  # the DALI graph has it (fusionflow/ops/dali.py); else the accelerator declines
 
     def domain_for(self, height: int, width: int) -> tuple[float, float]:
         scale = {"width": width, "height": height, "side": min(height, width), None: 1}[self.scale_by]
@@ -167,6 +170,7 @@ _SPECS = [
     OpSpec("Color", True, (-1.0, 10.0), resolve=_factor, doc="blend with grayscale (saturation), factor 1+v"),
     OpSpec("Contrast", True, (-1.0, 10.0), resolve=_factor, doc="blend with mean gray, factor 1+v"),
     OpSpec("Sharpness", True, (-1.0, 10.0), resolve=_factor, doc="blend with a smoothed copy, factor 1+v"),
+    OpSpec("Hue", True, (-0.5, 0.5), resolve=_scalar, doc="turn the hue by v of a full turn", dali=False),
     OpSpec("Posterize", True, (0.0, 8.0), integer=True, resolve=_posterize, doc="keep the top v bits"),
     OpSpec("Solarize", True, (0.0, 256.0), resolve=_scalar, doc="invert pixels >= v"),
     OpSpec("SolarizeAdd", True, (0.0, 255.0), resolve=_scalar, doc="add v to pixels < 128, clip"),

@@ -98,3 +98,4 @@ class SampleDraw:
     crops: tuple[tuple[float, ...], ...] | None = None  # DeepAA: its layers' random resized crops, each
     # CROP_TRIES * 4 uniforms, composed in order (empty: no layer cropped, the centre output-size window);
     # None: the policy's crop
+    jitter: tuple[OpDraw, ...] = ()  # ColorJitter's adjustments in their drawn order, after the flip, before `ops`

@@ -1,7 +1,8 @@
 """The policy sections that say what image a sample becomes, apart from the augment ops: `output`
-(size, normalize), `decode` (mode, max_pixels), `crop` (random resized or center) and `erase`
-(RandomErasing on the output). schema.py's `parse_policy` calls one parser per section, and
-overrides.py reuses `parse_erase` and `check_center_resize` for load_policy's keyword overrides; each
+(size, normalize), `decode` (mode, max_pixels), `crop` (random resized or center), `jitter`
+(ColorJitter after the flip) and `erase` (RandomErasing on the output). schema.py's `parse_policy`
+calls one parser per section, and overrides.py reuses `parse_erase`, `parse_jitter` and
+`check_center_resize` for load_policy's keyword overrides; each
 raises the ValueError naming the file and the key path (configs/README.md documents the keys).
 """
 
@@ -29,6 +30,51 @@ class Erase:
     value: tuple[float, float, float] | None = (0.0, 0.0, 0.0)  # None: standard normal noise
     noise: str = "pixel"  # value None: "pixel" (per pixel, 'random') or "color" (per channel, 'random_color')
     count: tuple[int, int] = (1, 1)  # rectangles per erased sample, drawn uniformly; each gets area / count
+
+
+@dataclass(frozen=True)
+class Jitter:
+    """torchvision's ColorJitter (in RandomApply's p): per sample, in a random order, brightness,
+    contrast, saturation and hue adjusted by factors drawn uniformly from these ranges; None: not
+    adjusted. Factors as torchvision's adjust_* take them (hue: a fraction of a turn)."""
+
+    brightness: tuple[float, float] | None = None
+    contrast: tuple[float, float] | None = None
+    saturation: tuple[float, float] | None = None
+    hue: tuple[float, float] | None = None
+    p: float = 1.0
+
+    KEYS = ("brightness", "contrast", "saturation", "hue")  # torchvision's fn_idx 0..3
+    OPS = ("Brightness", "Contrast", "Color", "Hue")  # the ops that run them (fusionflow/ops/specs.py)
+
+    @property
+    def ranges(self) -> tuple:
+        return (self.brightness, self.contrast, self.saturation, self.hue)
+
+
+def parse_jitter(r: _Reader, raw: Any, path: str = "jitter") -> Jitter | None:
+    """A `jitter:` mapping (or a Jitter) -> Jitter; None when it adjusts nothing. A number v means
+    torchvision's [max(0, 1 - v), 1 + v] (hue: [-v, v], v <= 0.5); a pair is the range itself."""
+    if isinstance(raw, Jitter):
+        raw = {k: v for k, v in zip(Jitter.KEYS, raw.ranges) if v is not None} | {"p": raw.p}
+    j = r.mapping(raw, path, (), (*Jitter.KEYS, "p"))
+    if not any(k in j for k in Jitter.KEYS):
+        r.fail(path, f"name at least one of {', '.join(Jitter.KEYS)}")
+    ranges = [_jitter_range(r, j.get(k), f"{path}.{k}", k == "hue") for k in Jitter.KEYS]
+    p = r.number(j.get("p", 1.0), f"{path}.p", 0.0, 1.0)
+    return Jitter(*ranges, p=p) if any(ranges) and p > 0 else None
+
+
+def _jitter_range(r: _Reader, raw: Any, path: str, hue: bool) -> tuple[float, float] | None:
+    if raw is None:
+        return None
+    if isinstance(raw, (list, tuple)):
+        lo, hi = r.pair(raw, path, -0.5 if hue else 0.0, 0.5 if hue else None)
+    else:
+        v = r.number(raw, path, 0.0, 0.5 if hue else None)
+        lo, hi = (-v, v) if hue else (max(0.0, 1.0 - v), 1.0 + v)
+    centre = 0.0 if hue else 1.0
+    return None if lo == hi == centre else (float(lo), float(hi))
 
 
 def parse_output(r: _Reader, raw: Any):

@@ -24,6 +24,10 @@ Overrides (each validated; an unknown or invalid one raises ValueError naming it
                  (the policy file's `erase:` keys, torchvision's defaults for those left out), a float
                  p (torchvision's --random-erase), an Erase, or None / 0 to turn it off. value 'random'
                  and non-integer values need normalize.
+  jitter         ColorJitter after the flip: a mapping {brightness, contrast, saturation, hue, p} (the
+                 policy file's `jitter:` keys), a float v (timm's color_jitter: brightness, contrast
+                 and saturation v), a tuple (brightness, contrast, saturation[, hue]) as ColorJitter's
+                 arguments, a Jitter, or None / 0 to turn it off. CPU only (the DALI accelerator declines).
 
 Pure Python, like the rest of `fusionflow.policy`: no torch, no DALI.
 """
@@ -38,11 +42,11 @@ from typing import Any
 
 from fusionflow.ops.specs import OPS
 from fusionflow.policy import schema
-from fusionflow.policy.image_sections import Erase, check_center_resize, parse_erase
+from fusionflow.policy.image_sections import Erase, Jitter, check_center_resize, parse_erase, parse_jitter
 from fusionflow.policy.reader import _Reader
 from fusionflow.policy.schema import INTERPOLATIONS, Augment, OpChoice, Policy
 
-OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip", "erase")
+OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip", "jitter", "erase")
 
 
 def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy, **overrides: Any) -> Policy:
@@ -71,6 +75,8 @@ def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
         changes["normalize"] = _normalize(r, overrides["normalize"])
     if "flip" in overrides:
         changes["flip"] = r.number(overrides["flip"], "flip", 0.0, 1.0)
+    if "jitter" in overrides:
+        changes["jitter"] = _jitter(r, overrides["jitter"])
     # checked again when only normalize changed: its units follow the output's
     changes["erase"] = _erase(r, overrides.get("erase", policy.erase), changes.get("normalize", policy.normalize))
     return dataclasses.replace(policy, augment=aug, **changes)
@@ -138,6 +144,18 @@ def _erase(r: _Reader, erase: Any, normalize) -> Erase | None:
     if isinstance(erase, (int, float)) and not isinstance(erase, bool):
         erase = {"p": erase} if erase else None
     return None if erase is None else parse_erase(r, erase, "erase", normalize)
+
+
+def _jitter(r: _Reader, jitter: Any) -> Jitter | None:
+    """The jitter override: a mapping, a Jitter, a float (timm's color_jitter), a tuple of ColorJitter's
+    arguments, or None / 0 for off."""
+    if isinstance(jitter, (int, float)) and not isinstance(jitter, bool):
+        jitter = dict.fromkeys(("brightness", "contrast", "saturation"), jitter) if jitter else None
+    elif isinstance(jitter, (list, tuple)):
+        if len(jitter) not in (3, 4):
+            r.fail("jitter", f"a tuple is (brightness, contrast, saturation[, hue]), got {jitter!r}")
+        jitter = dict(zip(Jitter.KEYS, jitter))
+    return None if jitter is None else parse_jitter(r, jitter, "jitter")
 
 
 def _size(r: _Reader, raw: Any) -> tuple[int, int]:

@@ -28,7 +28,7 @@ import numpy as np
 
 from fusionflow.policy.deepaa import draw_deepaa
 from fusionflow.policy.draws import EraseDraw, MixDraw, OpDraw, SampleDraw, TimmStep
-from fusionflow.policy.image_sections import Erase
+from fusionflow.policy.image_sections import Erase, Jitter
 from fusionflow.policy.schema import Policy
 from fusionflow.policy.timm_augment import draw_timm
 from fusionflow.policy.tv_augmix import draw_augmix
@@ -83,7 +83,8 @@ def _generator(seed: int, epoch: int, index: int, copy: int) -> np.random.Genera
 def uniforms(seed: int, epoch: int, index: int, copy: int = 0, n: int = _DRAWS) -> np.ndarray:
     """The first n uniforms in [0, 1) of the sample's stream (float64, 53 random bits each): a pure
     function of (seed, epoch, index, copy) that any process, thread or retry recomputes. `draw`
-    consumes them in a fixed order: crop (40), flip (1), then the policy's ops, then erasing."""
+    consumes them in a fixed order: crop (40), flip (1), then the policy's ops, then erasing, then
+    the crop's filter when drawn, then ColorJitter (9)."""
     return _generator(seed, epoch, index, copy).random(n)
 
 
@@ -140,7 +141,26 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
     crop_resample = None
     if policy.crop_interpolation == "random":  # timm's RandomResizedCropAndInterpolation: one of two per sample
         crop_resample = "bilinear" if rng.random() < 0.5 else "bicubic"
-    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops)
+    jitter = _jitter(policy.jitter, rng) if policy.jitter is not None else ()
+    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops, jitter)
+
+
+def _jitter(jitter: Jitter, rng: _Stream) -> tuple[OpDraw, ...]:
+    """ColorJitter's draw, last of all (a policy's other draws are the same with or without it) and
+    always nine uniforms: whether it applies (RandomApply's p), a uniform order of the four (the
+    argsort of four uniforms, as torchvision's randperm(4)), a uniform factor per range. The ops
+    take factor - 1 (Brightness, Contrast, Color: factor 1 + v) or the hue turn itself."""
+    apply = rng.random() < jitter.p
+    keys, u = rng.random(4), rng.random(4)
+    if not apply:
+        return ()
+    ops = []
+    for k in sorted(range(4), key=keys.__getitem__):
+        if jitter.ranges[k] is not None:
+            lo, hi = jitter.ranges[k]
+            factor = lo + u[k] * (hi - lo)
+            ops.append(OpDraw(Jitter.OPS[k], factor if k == 3 else factor - 1.0, (0.0, 0.0)))
+    return tuple(ops)
 
 
 def _erase(erase: Erase, size: tuple[int, int], rng: _Stream) -> EraseDraw | None:

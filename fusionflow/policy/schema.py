@@ -26,6 +26,14 @@ The schema (documented for users in configs/README.md):
                                        RandomResizedCropAndInterpolation). Not bilinear: the DALI
                                        accelerator declines the policy
     flip: float                        horizontal flip probability
+    jitter:                            torchvision's ColorJitter, after the flip, before augment
+      brightness: v | [lo, hi]         factor drawn uniformly from [max(0, 1 - v), 1 + v] or [lo, hi]
+      contrast: v | [lo, hi]           likewise (blend with the mean grey)
+      saturation: v | [lo, hi]         likewise (blend with the greyscale image)
+      hue: v | [lo, hi]                turn drawn from [-v, v] or [lo, hi], within [-0.5, 0.5]
+      p: float                         probability the jitter applies at all (RandomApply), default 1
+                                       The four run in a random order per sample, as torchvision's.
+                                       CPU only: the DALI accelerator declines a policy with jitter
     erase:                             torchvision's RandomErasing, last (after normalisation if any)
       p: float                         probability, default 0.5
       scale: [lo, hi]                  erased area fraction, 0 <= lo <= hi <= 1, default [0.02, 0.33]
@@ -70,9 +78,11 @@ from fusionflow.policy.deepaa import DeepAASettings, parse_deepaa
 from fusionflow.policy.image_sections import (
     DEFAULT_MAX_PIXELS,
     Erase,
+    Jitter,
     parse_crop,
     parse_decode,
     parse_erase,
+    parse_jitter,
     parse_output,
 )
 from fusionflow.policy.reader import _Reader
@@ -162,6 +172,7 @@ class Policy:
     center_resize: int | None = None  # crop.mode center: Resize(center_resize) + CenterCrop(size); None: random
     max_pixels: int | None = DEFAULT_MAX_PIXELS  # decode.max_pixels; None: no limit
     erase: Erase | None = None  # RandomErasing on the output (after normalisation); None: off
+    jitter: Jitter | None = None  # ColorJitter after the flip, before the augment ops; None: off
     crop_interpolation: str = "bilinear"  # the crop's / Resize's filter: bilinear, bicubic, nearest
 
     @property
@@ -179,7 +190,7 @@ class Policy:
 
 def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom") -> Policy:
     r = _Reader(source)
-    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip", "erase"))
+    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip", "jitter", "erase"))
 
     name = top.get("name", default_name)
     if not isinstance(name, str) or not name:
@@ -192,6 +203,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
 
     augment = _parse_augment(r, top["augment"], size)
     erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
+    jitter = parse_jitter(r, top["jitter"]) if top.get("jitter") is not None else None
     return Policy(
         name=name,
         source=source,
@@ -205,6 +217,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         center_resize=center_resize,
         max_pixels=max_pixels,
         erase=erase,
+        jitter=jitter,
         crop_interpolation=crop_interpolation,
     )
 
