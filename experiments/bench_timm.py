@@ -32,6 +32,7 @@ RECIPES = {
     "rand-m9-mstd0.5-inc1": dict(auto_augment="rand-m9-mstd0.5-inc1", interpolation="random", re_prob=0.25),
     "augmix-m5-w4-d2": dict(auto_augment="augmix-m5-w4-d2"),
     "original-mstd0.5": dict(auto_augment="original-mstd0.5", re_prob=0.25, re_mode="pixel"),
+    "jitter-0.4": dict(),  # timm's default train transform: no auto_augment, so ColorJitter(0.4, 0.4, 0.4)
 }
 
 
