@@ -174,7 +174,6 @@ def _misplaced(t, name: str) -> str | None:
 
 def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
     """The steps after the augmentation (to tensor, dtype, normalisation, erasing), into cfg."""
-
     to_float, erase_at = False, None
     seen: set[str] = set()
     for k in range(pos, len(steps)):

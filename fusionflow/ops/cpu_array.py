@@ -313,7 +313,7 @@ def color_fast(arr, value, params, style):
 def hue_fast(arr, value, params, style):
     """The hue turned in float (OpenCV's HSV in degrees), by Pillow's steps as the exact op: int(255 v)
     of 255 per turn, added with its uint8 wrap-around (past 255 the shift drops by 256 steps). No 8-bit
-    HSV round trip (which alone moves Pillow's pixels by up to 5 levels): within about 10 levels of
+    HSV round trip (which alone moves Pillow's pixels by up to 5 levels): within 8 levels of
     exact, a fraction of a level on average (tests/test_cpu_array.py)."""
     shift = int(params[0] * 255) & 0xFF
     hsv = cv2.cvtColor(arr.astype(np.float32) * np.float32(1 / 255), cv2.COLOR_RGB2HSV)

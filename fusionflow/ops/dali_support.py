@@ -10,7 +10,6 @@ def dali_declines(policy) -> str | None:
     """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
     filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
     none of timm's augmentations, AugMix's mixtures, ColorJitter or the Hue op."""
-
     if policy is None:
         return None
     if policy.crop_interpolation != "bilinear":

@@ -1,5 +1,6 @@
 """The whole per-sample CPU pipeline of a policy: decode -> random resized crop -> flip -> colour
-jitter -> policy ops -> uint8 CHW (or normalised float32) -> random erasing, written into a caller-provided buffer.
+jitter -> policy ops -> uint8 CHW (or normalised float32) -> random erasing, written into a
+caller-provided buffer.
 
 This is what a CPU worker runs; its output for (seed, epoch, index) equals the DALI pipeline's up
 to the per-op tolerances in tests/test_ops_dali.py.
