@@ -16,7 +16,8 @@ from torchvision's by its resampling's rounding.
 
 What it reads, in this order (the order torchvision's classification recipe uses):
   train: RandomResizedCrop(size, scale, ratio, bilinear | bicubic | nearest, antialias=True)
-         [RandomHorizontalFlip(p)] [ColorJitter(...) | RandomApply([ColorJitter(...)], p)] (either order)
+         [RandomHorizontalFlip(p)] [ColorJitter(...) | RandomApply([ColorJitter(...)], p)]
+         [RandomGrayscale(p) | Grayscale(3)]   (in this order; the flip may stand anywhere among them)
          [RandAugment | AutoAugment | TrivialAugmentWide, with their arguments; interpolation
           nearest, bilinear or bicubic, fill a number or [r, g, b] of integers]
   eval:  Resize(int, bilinear | bicubic | nearest, antialias=True) + CenterCrop(size)
@@ -41,6 +42,7 @@ from fusionflow import timm_transforms
 from fusionflow.from_torchvision_augment import INTERPOLATIONS, augment_section, mode_name
 from fusionflow.policy.schema import Policy, parse_policy
 
+_RANDOM_APPLY = "RandomApply is expressible only around a single ColorJitter (after the crop)"
 _TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing", "ToPureTensor")
 
 
@@ -79,12 +81,16 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
     size = tuple(cfg["output"]["size"])
 
-    # 2. flip and colour jitter (in either order: they commute), then one auto-augmentation
+    # 2. flip, colour jitter, grayscale (the flip in any place: it commutes with both), then one
+    # auto-augmentation
     while pos < len(steps):
-        if isinstance(steps[pos], T.RandomHorizontalFlip) and "flip" not in cfg:
-            cfg["flip"] = float(steps[pos].p)
-        elif _jitter_section(steps[pos], T) is not None and "jitter" not in cfg:
-            cfg["jitter"] = _jitter_section(steps[pos], T)
+        t = steps[pos]
+        if isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
+            cfg["flip"] = float(t.p)
+        elif _jitter_section(t, T) is not None and not {"jitter", "grayscale"} & set(cfg):
+            cfg["jitter"] = _jitter_section(t, T)
+        elif _grayscale_p(t, T) is not None and "grayscale" not in cfg:
+            cfg["grayscale"] = _grayscale_p(t, T)
         else:
             break
         pos += 1
@@ -115,6 +121,16 @@ def _jitter_section(t, T) -> dict | None:
     keys = ("brightness", "contrast", "saturation", "hue")
     section = {k: [float(v) for v in getattr(t, k)] for k in keys if getattr(t, k) is not None}
     return {**section, "p": p} if section else {}
+
+
+def _grayscale_p(t, T) -> float | None:
+    """RandomGrayscale(p) -> p, Grayscale(3) -> 1; None for any other transform (Grayscale(1) too:
+    FusionFlow's output has three channels)."""
+    if type(t) is T.RandomGrayscale:
+        return float(t.p)
+    if type(t) is T.Grayscale and t.num_output_channels == 3:
+        return 1.0
+    return None
 
 
 def _read_crop(steps, T, cfg: dict, fail) -> int:
@@ -162,11 +178,13 @@ def _misplaced(t, name: str) -> str | None:
 
     if name in ("RandomChoice", "RandomOrder"):
         return f"torchvision's {name} has no FusionFlow equivalent (a policy's stages run in a fixed order)"
+    if name == "Grayscale":
+        return "only Grayscale(num_output_channels=3) is expressible (FusionFlow's output has three channels)"
     if name == "RandomApply" and _jitter_section(t, T) is None:
-        return "RandomApply is expressible only around a single ColorJitter (after the crop)"
+        return _RANDOM_APPLY
     if name not in _TENSOR_STEPS:
         return (
-            f"cannot be expressed here: after the crop come RandomHorizontalFlip and ColorJitter, one of "
+            f"cannot be expressed here: after the crop come RandomHorizontalFlip, ColorJitter, RandomGrayscale, one of "
             f"RandAugment / AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order"
         )
     return None
@@ -283,6 +301,8 @@ def _as_v2(t) -> list | None:
         "CenterCrop": lambda: T.CenterCrop(t.size),
         "RandomHorizontalFlip": lambda: T.RandomHorizontalFlip(t.p),
         "ColorJitter": lambda: T.ColorJitter(t.brightness, t.contrast, t.saturation, t.hue),
+        "RandomGrayscale": lambda: T.RandomGrayscale(t.p),
+        "Grayscale": lambda: T.Grayscale(t.num_output_channels),
         "RandAugment": lambda: T.RandAugment(t.num_ops, t.magnitude, t.num_magnitude_bins, t.interpolation, t.fill),
         "TrivialAugmentWide": lambda: T.TrivialAugmentWide(t.num_magnitude_bins, t.interpolation, t.fill),
         "AutoAugment": lambda: T.AutoAugment(t.policy, t.interpolation, t.fill),
@@ -308,6 +328,8 @@ def _unreadable(t) -> str:
     import torchvision.transforms.v2 as T
 
     name = type(t).__name__
+    if name == "RandomApply" and type(t) in (T1.RandomApply, T.RandomApply):
+        return _RANDOM_APPLY
     if type(t) in (getattr(T1, name, None), getattr(T, name, None)) and name != "Lambda":
         return f"torchvision's {name} has no FusionFlow equivalent"
     return (

@@ -3,7 +3,7 @@
 A worker with stage timing on runs each sample with a `StageClock` as the pipeline's `tick`: the
 clock adds the time since the previous tick to that stage's total. Stages, in order: read
 (dataset[i]), decode+crop+resize (one pass: the window decoder crops and scales while it decodes),
-flip, each ColorJitter adjustment and policy op by name, write (into the ring slot). Per task the
+flip, each ColorJitter adjustment, grayscale, each policy op by name, write (into the ring slot). Per task the
 worker sends the totals in its DONE message (a fixed run of int64 ns, runtime/messages.py); the
 loader sums them per worker in `loader.stats` (`stage_seconds()`, `stage_shares()`).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 
-READ, DECODE, FLIP, WRITE = "read", "decode+crop+resize", "flip", "write"
+READ, DECODE, FLIP, GRAYSCALE, WRITE = "read", "decode+crop+resize", "flip", "grayscale", "write"
 
 
 def stage_names(policy) -> tuple[str, ...]:
@@ -23,6 +23,7 @@ def stage_names(policy) -> tuple[str, ...]:
     aug = policy.augment
     jitter = getattr(policy, "jitter", None)  # ColorJitter's ops come first, after the flip
     names = [op for op, r in zip(jitter.OPS, jitter.ranges) if r is not None] if jitter is not None else []
+    names += [GRAYSCALE] if getattr(policy, "grayscale", 0) > 0 else []
     names += [op.name for op in aug.ops]
     if aug.type in ("augmix", "timm-augmix"):
         names.append("augmix")

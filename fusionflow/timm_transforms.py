@@ -11,9 +11,9 @@ their hparams: magnitude_std, magnitude_max, translate_pct / translate_const, fi
 interpolation), MaybeToTensor / MaybePILToTensor and timm's RandomErasing (modes const / rand / pixel,
 counts). Everything else in timm's pipelines is torchvision's (RandomHorizontalFlip, Resize,
 CenterCrop, Normalize, ColorJitter: the train default without auto_augment, color_jitter_prob's
-RandomApply) and is read as such. Not expressible, with the reason: RandomVerticalFlip, grayscale /
-blur, the '3a' ops (Desaturate, GaussianBlur), the rkrc/rkrr crops and the eval 'squash' / 'border'
-crops.
+RandomApply, grayscale_prob's RandomGrayscale) and is read as such. Not expressible, with the reason:
+RandomVerticalFlip, gaussian_blur_prob's blur, the '3a' ops (Desaturate, GaussianBlur), the rkrc/rkrr
+crops and the eval 'squash' / 'border' crops.
 
 The policy's semantics are in fusionflow/policy/timm_augment.py; tests/test_timm.py checks the pixels
 against timm's objects given the same draws.

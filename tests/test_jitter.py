@@ -1,5 +1,5 @@
-"""ColorJitter (the policy's `jitter:` stage): torchvision's ColorJitter semantics, drawn per (seed,
-epoch, index); read from torchvision and timm pipelines; through the loader."""
+"""ColorJitter and RandomGrayscale (the policy's `jitter:` and `grayscale:` stages): torchvision's
+semantics, drawn per (seed, epoch, index); read from torchvision and timm pipelines; through the loader."""
 
 import dataclasses
 import io
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torchvision.transforms as T1
 import torchvision.transforms.v2 as T
+import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from test_loader import Bytes, collect, no_leaks  # noqa: F401  (the fixture checks /dev/shm after each test)
 from tv_reference import psnr, tv_color_jitter, tv_recipe
@@ -208,3 +209,60 @@ def test_reference_helper_is_torchvision_color_jitter():
     want = np.asarray(cj(img))
     got = np.asarray(tv_color_jitter(fusionflow.policy.Jitter((0.6, 1.4), (0.7, 1.3), (0.8, 1.2), (-0.1, 0.1)), img, d))
     assert np.abs(got.astype(int) - want).max() <= 1  # factors re-derived as 1 + (f - 1): an ulp apart at most
+
+
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_grayscale_equals_torchvision_after_the_jitter(mode):
+    """RandomGrayscale after ColorJitter (SimCLR's order): torchvision's rgb_to_grayscale on the jittered
+    crop, in both modes (Pillow's luma either way, so the fast mode's grayscale step is exact too)."""
+    policy = _policy(FULL, mode=mode, grayscale=0.5)
+    pipe, grey = CpuPipeline(policy), 0
+    for i, data in enumerate(JPEGS):
+        d = draw(policy, 2, 0, i)
+        grey += d.grayscale
+        out = pipe(data, i, seed=2)
+        if mode == "exact":
+            want = tv_recipe(policy, data, d)
+        else:  # torchvision's grayscale on the fast mode's own jittered crop
+            base = Image.fromarray(pipe.array(data, dataclasses.replace(d, grayscale=False)))
+            want = np.asarray(TF.rgb_to_grayscale(base, num_output_channels=3) if d.grayscale else base)
+            want = want.transpose(2, 0, 1)
+        np.testing.assert_array_equal(out, want)
+        assert d.grayscale == ((out[0] == out[1]).all() and (out[1] == out[2]).all())
+    assert 0 < grey < len(JPEGS)
+
+
+def test_grayscale_draw_rate_and_other_draws_untouched():
+    policy, plain = _policy(FULL, grayscale=0.2), _policy(FULL)
+    n, grey = 4000, 0
+    for i in range(n):
+        d, d0 = draw(policy, 1, 0, i), draw(plain, 1, 0, i)
+        assert (d.crop_u, d.flip, d.jitter) == (d0.crop_u, d0.flip, d0.jitter) and not d0.grayscale
+        grey += d.grayscale
+    assert abs(grey / n - 0.2) < 4 * math.sqrt(0.16 / n)
+
+
+def test_grayscale_read_checked_and_declined():
+    simclr = T1.Compose(
+        [
+            T1.RandomResizedCrop(32),
+            T1.RandomHorizontalFlip(),
+            T1.RandomApply([T1.ColorJitter(0.4, 0.4, 0.4, 0.1)], p=0.8),
+            T1.RandomGrayscale(p=0.2),
+            T1.ToTensor(),
+        ]
+    )
+    p = policy_from_transform(simclr)
+    assert (p.grayscale, p.jitter.p, p.flip) == (0.2, 0.8, 0.5)
+    assert policy_from_transform([T.RandomResizedCrop(32), T.Grayscale(3)]).grayscale == 1.0
+    with pytest.raises(ValueError, match=r"transform 1 \(Grayscale.*only Grayscale\(num_output_channels=3\)"):
+        policy_from_transform([T.RandomResizedCrop(32), T.Grayscale(1)])
+    with pytest.raises(ValueError, match=r"transform 2 \(ColorJitter.*cannot be expressed here"):
+        policy_from_transform([T.RandomResizedCrop(32), T.RandomGrayscale(0.2), T.ColorJitter(0.4)])
+    with pytest.raises(ValueError, match=r"grayscale"):
+        _policy(None, grayscale=1.5)
+    assert load_policy("default", grayscale=0.1).grayscale == 0.1
+    assert load_policy(load_policy("default", grayscale=0.1), grayscale=None).grayscale == 0.0
+    assert "grayscale" in dali_declines(_policy(None, grayscale=0.1))
+    timm_data = pytest.importorskip("timm.data")
+    assert policy_from_transform(timm_data.create_transform(48, is_training=True, grayscale_prob=0.2)).grayscale == 0.2

@@ -280,7 +280,7 @@ def test_what_converts_reads_timm_objects():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(grayscale_prob=0.2), r"transform 3 \(RandomGrayscale.*has no FusionFlow equivalent"),
+        (dict(gaussian_blur_prob=0.2), r"transform 3 \(RandomApply.*only around a single ColorJitter"),
         (dict(auto_augment="3a"), r"op 'Desaturate' has no FusionFlow implementation"),
         (dict(auto_augment="rand-m9", vflip=0.5), r"RandomVerticalFlip has no FusionFlow equivalent"),
     ],

@@ -68,6 +68,8 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
         img = F.horizontal_flip(img)
     if getattr(policy, "jitter", None) is not None:
         img = tv_color_jitter(policy.jitter, img, d)
+    if getattr(d, "grayscale", False):
+        img = F.rgb_to_grayscale(img, num_output_channels=3)
     aug = policy.augment
     for op in d.ops:
         img = tv_op(op.name, img, op.value, op.fill or aug.fill, aug.interpolation, op.aux)

@@ -338,6 +338,11 @@ def sharpness_fast(arr, value, params, style):
     return out
 
 
+def grayscale(arr: np.ndarray) -> np.ndarray:
+    """RandomGrayscale's output: Pillow's luma (its own RGB -> L, exact) in all three channels."""
+    return cv2.cvtColor(np.asarray(Image.fromarray(arr).convert("L")), cv2.COLOR_GRAY2RGB)
+
+
 def flip(arr: np.ndarray) -> np.ndarray:
     return cv2.flip(arr, 1)
 

@@ -9,7 +9,7 @@ from fusionflow.ops.specs import OPS
 def dali_declines(policy) -> str | None:
     """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
     filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
-    none of timm's augmentations, AugMix's mixtures, ColorJitter or the Hue op."""
+    none of timm's augmentations, AugMix's mixtures, ColorJitter, RandomGrayscale or the Hue op."""
     if policy is None:
         return None
     if policy.crop_interpolation != "bilinear":
@@ -24,6 +24,8 @@ def dali_declines(policy) -> str | None:
         return "augment.interpolation 'bicubic' (DALI's warp_affine has only nearest and linear)"
     if policy.jitter is not None:
         return "jitter (ColorJitter: its random order and Pillow's HSV hue are CPU-only)"
+    if policy.grayscale > 0:
+        return "grayscale (RandomGrayscale is CPU-only)"
     cpu_only = [o.name for o in policy.augment.ops if not OPS[o.name].dali]
     if cpu_only:
         return f"augment.ops {cpu_only} (no DALI implementation)"

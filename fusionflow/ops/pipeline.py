@@ -1,5 +1,5 @@
 """The whole per-sample CPU pipeline of a policy: decode -> random resized crop -> flip -> colour
-jitter -> policy ops -> uint8 CHW (or normalised float32) -> random erasing, written into a
+jitter -> grayscale -> policy ops -> uint8 CHW (or normalised float32) -> random erasing, written into a
 caller-provided buffer.
 
 This is what a CPU worker runs; its output for (seed, epoch, index) equals the DALI pipeline's up
@@ -22,6 +22,7 @@ from fusionflow.ops.decode import (
 )
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
 from fusionflow.policy.sampling import center_box
+from fusionflow.stages import GRAYSCALE
 
 
 class CpuPipeline:
@@ -68,6 +69,10 @@ class CpuPipeline:
         if tick is not None:
             tick("flip")
         img = self._run_ops(img, d.jitter, self._pillow_op, tick)  # ColorJitter, in its drawn order
+        if d.grayscale:  # torchvision's rgb_to_grayscale(3 channels) on PIL: the L image in each channel
+            img = img.convert("L").convert("RGB")
+            if tick is not None:
+                tick(GRAYSCALE)
         return self.augment_image(img, d, tick)
 
     def augment_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
@@ -151,6 +156,10 @@ class CpuPipeline:
         if tick is not None:
             tick("flip")
         arr = self._run_ops(arr, d.jitter, self._array_op, tick)
+        if d.grayscale:
+            arr = cpu_array.grayscale(arr)
+            if tick is not None:
+                tick(GRAYSCALE)
         return self.augment_array(arr, d, tick)
 
     def run_draw(

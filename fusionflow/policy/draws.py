@@ -99,3 +99,4 @@ class SampleDraw:
     # CROP_TRIES * 4 uniforms, composed in order (empty: no layer cropped, the centre output-size window);
     # None: the policy's crop
     jitter: tuple[OpDraw, ...] = ()  # ColorJitter's adjustments in their drawn order, after the flip, before `ops`
+    grayscale: bool = False  # RandomGrayscale drew this sample: Pillow's luma in all three channels, after the jitter

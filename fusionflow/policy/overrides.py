@@ -28,6 +28,7 @@ Overrides (each validated; an unknown or invalid one raises ValueError naming it
                  policy file's `jitter:` keys), a float v (timm's color_jitter: brightness, contrast
                  and saturation v), a tuple (brightness, contrast, saturation[, hue]) as ColorJitter's
                  arguments, a Jitter, or None / 0 to turn it off. CPU only (the DALI accelerator declines).
+  grayscale      float: RandomGrayscale's probability (after the jitter), 0..1; CPU only.
 
 Pure Python, like the rest of `fusionflow.policy`: no torch, no DALI.
 """
@@ -46,7 +47,18 @@ from fusionflow.policy.image_sections import Erase, Jitter, check_center_resize,
 from fusionflow.policy.reader import _Reader
 from fusionflow.policy.schema import INTERPOLATIONS, Augment, OpChoice, Policy
 
-OVERRIDES = ("size", "resize", "magnitude", "num_ops", "interpolation", "normalize", "flip", "jitter", "erase")
+OVERRIDES = (
+    "size",
+    "resize",
+    "magnitude",
+    "num_ops",
+    "interpolation",
+    "normalize",
+    "flip",
+    "jitter",
+    "grayscale",
+    "erase",
+)
 
 
 def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy, **overrides: Any) -> Policy:
@@ -77,6 +89,8 @@ def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
         changes["flip"] = r.number(overrides["flip"], "flip", 0.0, 1.0)
     if "jitter" in overrides:
         changes["jitter"] = _jitter(r, overrides["jitter"])
+    if "grayscale" in overrides:
+        changes["grayscale"] = r.number(overrides["grayscale"] or 0.0, "grayscale", 0.0, 1.0)
     # checked again when only normalize changed: its units follow the output's
     changes["erase"] = _erase(r, overrides.get("erase", policy.erase), changes.get("normalize", policy.normalize))
     return dataclasses.replace(policy, augment=aug, **changes)

@@ -84,7 +84,7 @@ def uniforms(seed: int, epoch: int, index: int, copy: int = 0, n: int = _DRAWS) 
     """The first n uniforms in [0, 1) of the sample's stream (float64, 53 random bits each): a pure
     function of (seed, epoch, index, copy) that any process, thread or retry recomputes. `draw`
     consumes them in a fixed order: crop (40), flip (1), then the policy's ops, then erasing, then
-    the crop's filter when drawn, then ColorJitter (9)."""
+    the crop's filter when drawn, then ColorJitter (9), then RandomGrayscale (1)."""
     return _generator(seed, epoch, index, copy).random(n)
 
 
@@ -142,7 +142,8 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
     if policy.crop_interpolation == "random":  # timm's RandomResizedCropAndInterpolation: one of two per sample
         crop_resample = "bilinear" if rng.random() < 0.5 else "bicubic"
     jitter = _jitter(policy.jitter, rng) if policy.jitter is not None else ()
-    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops, jitter)
+    gray = bool(rng.random() < policy.grayscale) if policy.grayscale > 0 else False
+    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops, jitter, gray)
 
 
 def _jitter(jitter: Jitter, rng: _Stream) -> tuple[OpDraw, ...]:

@@ -34,6 +34,8 @@ The schema (documented for users in configs/README.md):
       p: float                         probability the jitter applies at all (RandomApply), default 1
                                        The four run in a random order per sample, as torchvision's.
                                        CPU only: the DALI accelerator declines a policy with jitter
+    grayscale: float                   torchvision's RandomGrayscale(p), after jitter: Pillow's luma in
+                                       all three channels; default 0. CPU only (the accelerator declines)
     erase:                             torchvision's RandomErasing, last (after normalisation if any)
       p: float                         probability, default 0.5
       scale: [lo, hi]                  erased area fraction, 0 <= lo <= hi <= 1, default [0.02, 0.33]
@@ -173,6 +175,7 @@ class Policy:
     max_pixels: int | None = DEFAULT_MAX_PIXELS  # decode.max_pixels; None: no limit
     erase: Erase | None = None  # RandomErasing on the output (after normalisation); None: off
     jitter: Jitter | None = None  # ColorJitter after the flip, before the augment ops; None: off
+    grayscale: float = 0.0  # RandomGrayscale's probability, after the jitter
     crop_interpolation: str = "bilinear"  # the crop's / Resize's filter: bilinear, bicubic, nearest
 
     @property
@@ -190,7 +193,7 @@ class Policy:
 
 def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom") -> Policy:
     r = _Reader(source)
-    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip", "jitter", "erase"))
+    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip", "jitter", "grayscale", "erase"))
 
     name = top.get("name", default_name)
     if not isinstance(name, str) or not name:
@@ -204,6 +207,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     augment = _parse_augment(r, top["augment"], size)
     erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
     jitter = parse_jitter(r, top["jitter"]) if top.get("jitter") is not None else None
+    grayscale = r.number(top.get("grayscale", 0.0), "grayscale", 0.0, 1.0)
     return Policy(
         name=name,
         source=source,
@@ -218,6 +222,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         max_pixels=max_pixels,
         erase=erase,
         jitter=jitter,
+        grayscale=grayscale,
         crop_interpolation=crop_interpolation,
     )
 
