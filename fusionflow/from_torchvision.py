@@ -87,10 +87,10 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         t = steps[pos]
         if isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
             cfg["flip"] = float(t.p)
-        elif _jitter_section(t, T) is not None and not {"jitter", "grayscale"} & set(cfg):
-            cfg["jitter"] = _jitter_section(t, T)
-        elif _grayscale_p(t, T) is not None and "grayscale" not in cfg:
-            cfg["grayscale"] = _grayscale_p(t, T)
+        elif (jitter := _jitter_section(t, T)) is not None and not {"jitter", "grayscale"} & set(cfg):
+            cfg["jitter"] = jitter
+        elif (gray := _grayscale_p(t, T)) is not None and "grayscale" not in cfg:
+            cfg["grayscale"] = gray
         else:
             break
         pos += 1

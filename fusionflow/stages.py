@@ -21,9 +21,9 @@ def stage_names(policy) -> tuple[str, ...]:
     """The stages a policy's samples go through, in pipeline order (each op once, by name; an AugMix
     mixture, its chains included, as one stage "augmix")."""
     aug = policy.augment
-    jitter = getattr(policy, "jitter", None)  # ColorJitter's ops come first, after the flip
+    jitter = policy.jitter  # ColorJitter's ops come first, after the flip, then the grayscale
     names = [op for op, r in zip(jitter.OPS, jitter.ranges) if r is not None] if jitter is not None else []
-    names += [GRAYSCALE] if getattr(policy, "grayscale", 0) > 0 else []
+    names += [GRAYSCALE] if policy.grayscale > 0 else []
     names += [op.name for op in aug.ops]
     if aug.type in ("augmix", "timm-augmix"):
         names.append("augmix")

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     for name in ("epochs", "batch_size", "workers", "min_clients"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    is_shards = a.data.endswith(".tar") or not os.path.isdir(a.data) and any(c in a.data for c in "*?[{")
+    is_shards = a.data.endswith(".tar") or (not os.path.isdir(a.data) and any(c in a.data for c in "*?[{"))
     if not os.path.isdir(a.data) and not is_shards:
         ap.error(
             f"--data {a.data!r} is neither a directory (an ImageFolder root: one folder per class) nor tar "

@@ -35,7 +35,7 @@ import torch
 
 from fusionflow.delivery import Delivery
 from fusionflow.errors import SharedLoaderError
-from fusionflow.loader_resources import Host, resolve_device
+from fusionflow.loader_resources import Host, resolve_device, resolve_pin_memory
 from fusionflow.runtime.authsock import connect, set_receive_timeout
 from fusionflow.runtime.gm.timing import HANDSHAKE_S
 from fusionflow.runtime.procs import pid_alive
@@ -125,9 +125,10 @@ class SharedLoaderClient:
             pin_memory = torch.cuda.is_available()
         if not isinstance(pin_memory, bool):
             raise ValueError(f"pin_memory={pin_memory!r} must be 'auto', True or False")
-        if pin_memory and not torch.cuda.is_available():
-            log.warning("fusionflow: pin_memory=True but CUDA is not available: batches are returned unpinned")
-            pin_memory = False
+        notes: list[str] = []  # pinning is of the CPU staging tensor, whatever the device: the loader's rule
+        pin_memory = resolve_pin_memory(pin_memory, torch.device("cpu"), torch.cuda.is_available, notes)
+        for note in notes:
+            log.warning("fusionflow: %s", note)
         self.timeout, self.pin_memory = float(timeout), pin_memory
         self.stats = ClientStats()
         self._conn, self.producer, self._ring = _attach(self.name, self.timeout)
