@@ -58,10 +58,10 @@ def fixed_ops_pipeline_class():
     op combination. Every sample fed to it must draw exactly that sequence."""
     from nvidia.dali import fn, types
 
-    from fusionflow.ops.dali import DALI_IMPLS
-    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
-    from fusionflow.ops.specs import OPS
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+    from fusionflow.accel.dali_ops import DALI_IMPLS
     from fusionflow.policy import draw
+    from fusionflow.policy.op_specs import OPS
 
     class FixedOpsPipeline(DaliPolicyPipeline):
         def __init__(self, policy, batch_size: int, fixed_ops: tuple[str, ...], **kw):
@@ -109,7 +109,7 @@ def main() -> None:
     warnings.filterwarnings("ignore", category=DeprecationWarning)
 
     from fusionflow import load_policy
-    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
     from fusionflow.policy import draw
     from fusionflow.tools.synthetic import make_jpegs
 

@@ -135,10 +135,10 @@ def main() -> None:
         "ff_fast": run_ff(fast),
     }
     dali_build = None
-    from fusionflow.ops.dali_support import dali_declines
+    from fusionflow.accel.declines import dali_declines
 
     if not args.no_dali and dali_declines(policy) is None:
-        from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+        from fusionflow.accel.dali_graph import DaliPolicyPipeline
 
         dp = DaliPolicyPipeline(policy, batch_size=8, device="cpu", num_threads=1)
         dali_build = dp.build_seconds

@@ -1,13 +1,13 @@
 """Per-op kernel table for the CPU pipeline: every op of every shipped policy at 224x224, and the
 other per-sample stages (resize of the decoded window, flip, CHW write, the draw), timed per
-candidate library on one core. The product's `fast` kernel per op (fusionflow/ops/cpu_array.py FAST)
+candidate library on one core. The product's `fast` kernel per op (fusionflow/ops/fast.py FAST)
 is the fastest candidate within its fidelity bound; this script is the measurement behind that
 choice.
 
 Candidates per op:
-  pillow        fusionflow.ops.cpu on a PIL image (the pipeline before arrays; = torchvision's PIL path)
-  exact         cpu_array.EXACT on an HWC array (bit-identical to pillow; checked here too)
-  fast          cpu_array.FAST (OpenCV where it won)
+  pillow        fusionflow.ops.exact on a PIL image (the pipeline before arrays; = torchvision's PIL path)
+  exact         fast.EXACT on an HWC array (bit-identical to pillow; checked here too)
+  fast          fast.FAST (OpenCV where it won)
   torchvision   torchvision.transforms.v2.functional on a uint8 CHW tensor (the other library a
                 user would reach for)
 Each op runs at the magnitude RandAugment's default draws (bin 9 of 31) on real decoded windows
@@ -116,20 +116,20 @@ def bench_op_table(images, repeats: int) -> dict:
     import torch
     from PIL import Image
 
-    from fusionflow.ops import cpu, cpu_array
-    from fusionflow.ops.specs import OPS
+    from fusionflow.ops import exact, fast
+    from fusionflow.policy.op_specs import OPS
 
     torch.set_num_threads(1)
-    style = cpu.Style()
+    style = exact.Style()
     pils = [Image.fromarray(a) for a in images]
     tensors = [torch.from_numpy(a).permute(2, 0, 1).contiguous() for a in images]
     rows = {}
     for name, value in op_cases().items():
         params = OPS[name].resolve(value, (0.3, 0.6), 224, 224)
-        ref = [np.asarray(cpu.apply(name, p, value, params, style)) for p in pils]
+        ref = [np.asarray(exact.apply(name, p, value, params, style)) for p in pils]
         row = {"value": value}
-        row["pillow_us"] = _time(lambda p: cpu.apply(name, p, value, params, style), pils, repeats)
-        for kind, table in (("exact", cpu_array.EXACT), ("fast", cpu_array.FAST)):
+        row["pillow_us"] = _time(lambda p: exact.apply(name, p, value, params, style), pils, repeats)
+        for kind, table in (("exact", fast.EXACT), ("fast", fast.FAST)):
             fn = table[name]
             row[f"{kind}_us"] = _time(lambda a, fn=fn: fn(a, value, params, style), images, repeats)
             outs = [fn(a, value, params, style) for a in images]
@@ -154,7 +154,7 @@ def bench_stages(images, repeats: int) -> dict:
     import cv2
     from PIL import Image
 
-    from fusionflow.ops import cpu_array
+    from fusionflow.ops import fast
 
     pils = [Image.fromarray(a) for a in images]
     out = np.empty((3, 224, 224), np.uint8)
@@ -165,10 +165,10 @@ def bench_stages(images, repeats: int) -> dict:
 
     rows = {
         "flip_pillow_us": _time(lambda p: p.transpose(Image.Transpose.FLIP_LEFT_RIGHT), pils, repeats),
-        "flip_opencv_us": _time(cpu_array.flip, images, repeats),
+        "flip_opencv_us": _time(fast.flip, images, repeats),
         "flip_numpy_us": _time(lambda a: np.ascontiguousarray(a[:, ::-1]), images, repeats),
         "write_pillow_split_us": _time(write_pillow, pils, repeats),
-        "write_opencv_split_us": _time(lambda a: cpu_array.write_planes(a, out), images, repeats),
+        "write_opencv_split_us": _time(lambda a: fast.write_planes(a, out), images, repeats),
         "write_numpy_transpose_us": _time(lambda a: np.copyto(out, a.transpose(2, 0, 1)), images, repeats),
         "array_to_pillow_us": _time(Image.fromarray, images, repeats),
         "pillow_to_array_us": _time(np.asarray, pils, repeats),

@@ -48,12 +48,12 @@ def main() -> None:
 
     import numpy as np
 
+    from fusionflow.loader.trace import TraceRecorder
     from fusionflow.ops.pipeline import CpuPipeline
+    from fusionflow.ops.stages import StageClock, stage_names
     from fusionflow.policy import load_policy
     from fusionflow.runtime import messages as m
-    from fusionflow.stages import StageClock, stage_names
     from fusionflow.tools.synthetic import make_jpegs
-    from fusionflow.trace import TraceRecorder
 
     policy = load_policy(args.policy)
     pipe = CpuPipeline(policy)

@@ -42,7 +42,7 @@ def main() -> None:
     from PIL import Image
 
     from fusionflow import load_policy
-    from fusionflow.ops import cpu_array, decode, jpeg, resample
+    from fusionflow.ops import decode, fast, jpeg, resample
     from fusionflow.ops.pipeline import CpuPipeline
     from fusionflow.policy import crop_window, draw
     from fusionflow.tools.synthetic import sample_set
@@ -81,12 +81,12 @@ def main() -> None:
             arr = resample.resize_window(arr, oh, ow) if box is None else resample.resample_box(arr, box, oh, ow)
             t4 = time.perf_counter()
             if dr.flip:
-                arr = cpu_array.flip(arr)
+                arr = fast.flip(arr)
             t5 = time.perf_counter()
             for op in dr.ops:
-                arr = cpu_array.FAST[op.name](arr, op.value, op.params(oh, ow), pipe.style)
+                arr = fast.FAST[op.name](arr, op.value, op.params(oh, ow), pipe.style)
             t6 = time.perf_counter()
-            cpu_array.write_planes(arr, out)
+            fast.write_planes(arr, out)
             t7 = time.perf_counter()
             for k, a, b in zip(STAGES, (t0, t1, t2, t3, t4, t5, t6), (t1, t2, t3, t4, t5, t6, t7)):
                 acc[k] += b - a

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
-from fusionflow.runtime.accelerator import PROFILE_BATCHES  # noqa: E402
+from fusionflow.accel.accelerator import PROFILE_BATCHES  # noqa: E402
 
 DALI_PREFETCH = 2  # batches DALI runs ahead (its pipelines' default)
 TV_PREFETCH = 2  # DataLoader's prefetch_factor (its default): workers x 2 batches buffered
@@ -198,7 +198,7 @@ def op_agreement():
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     from test_ops_dali import CASES, run_cpu_op, run_dali_op
 
-    from fusionflow.ops.dali import DaliStyle
+    from fusionflow.accel.dali_ops import DaliStyle
 
     out = {}
     for name, value in CASES:

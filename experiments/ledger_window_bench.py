@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from results_io import RESULTS, provenance, write_json  # noqa: E402
 
-from fusionflow.memory.ledger import Block, BlockLedger  # noqa: E402
+from fusionflow.accel.bridge.ledger import Block, BlockLedger  # noqa: E402
 
 PIECE = 64 << 20  # the bridge lends in pieces of at most 64 MiB
 

@@ -8,7 +8,9 @@ FusionFlow's errors.
 `FusionFlowLoader` and the shared loader (which import torch) are loaded on first use, so policy tooling stays light.
 """
 
-from fusionflow.data import DictSamples, ImageFolder
+from fusionflow.datasets.folder import ImageFolder
+from fusionflow.datasets.shards import ShardError, TarShards
+from fusionflow.datasets.wrappers import DictSamples
 from fusionflow.errors import (
     AcceleratorError,
     BridgeError,
@@ -24,9 +26,8 @@ from fusionflow.errors import (
     SharedMemoryError,
     WorkerStartError,
 )
-from fusionflow.from_torchvision import from_timm, policy_from_transform  # torchvision / timm: when called
 from fusionflow.policy import Policy, load_policy
-from fusionflow.shards import ShardError, TarShards
+from fusionflow.policy.from_torchvision import from_timm, policy_from_transform  # torchvision / timm: when called
 
 __all__ = [
     "AcceleratorError",

@@ -12,9 +12,9 @@ pytest.importorskip("nvidia.dali")
 from dali_numpy import run_numpy  # noqa: E402
 from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
 
+from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
 from fusionflow.errors import SampleError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
-from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.runtime.local_manager import LocalManager  # noqa: E402
 from fusionflow.runtime.shm import RingLayout  # noqa: E402
@@ -64,7 +64,7 @@ def test_one_dali_run_takes_the_reserved_tiny_batches_and_writes_each_to_its_pos
     """With K=4 reserved and room for 6 samples per run, the accelerator alone (no CPU workers) runs a
     mini-batch of four 2-sample tiny-batches in two DALI runs (3 tiny-batches, then 1), and each
     sample lands in its own position with its own DALI output (labels too)."""
-    from fusionflow.runtime.accelerator import AcceleratorWorker
+    from fusionflow.accel.accelerator import AcceleratorWorker
 
     ds = Bytes(8)
     layout = RingLayout(1, 8, (3, 24, 24), "uint8")
@@ -276,15 +276,15 @@ def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerat
     """DALI out of memory on every run: its tiny-batches go to the CPU workers (not reported as a corrupt
     sample), and after MAX_FAILURES runs in a row the accelerator retires -- no reservation is left for
     it, so every later mini-batch is produced by the CPU workers alone."""
+    from fusionflow.accel import accelerator as acc
     from fusionflow.errors import DeviceOutOfMemory
-    from fusionflow.runtime import accelerator as acc
 
     def oom(self, samples, indices, seed=0, epoch=0):
         raise DeviceOutOfMemory(f"out of memory on samples {list(indices)}")
 
     monkeypatch.setattr(DaliPolicyPipeline, "run", oom)
     ld = loader(SlowBytes(24), batch_size=6, tiny_batch_size=1, timeout=60)
-    with caplog.at_level("WARNING", logger="fusionflow.runtime.accelerator"):
+    with caplog.at_level("WARNING", logger="fusionflow.accel.accelerator"):
         _, labels = collect(ld)
     assert [i for y in labels for i in y.tolist()] == list(range(24))
     s = ld.stats

@@ -10,10 +10,10 @@ import torch
 from dali_numpy import run_numpy
 from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
 
+from fusionflow import native
+from fusionflow.accel.bridge.ledger import Block
+from fusionflow.accel.bridge.torch_side import MIN_BLOCK, free_cached_blocks, plan_requests
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.memory import native
-from fusionflow.memory.ledger import Block
-from fusionflow.memory.torch_side import MIN_BLOCK, free_cached_blocks, plan_requests
 
 MIB = 1 << 20
 
@@ -92,14 +92,14 @@ def test_build_failure_names_the_missing_piece(tmp_path, monkeypatch):
 
 
 def test_one_bridge_per_device_and_process():
-    from fusionflow.memory import bridge
+    from fusionflow.accel.bridge import memory_bridge
 
-    bridge._IN_USE.add(0)  # as a live MemoryBridge on cuda:0 leaves it
+    memory_bridge._IN_USE.add(0)  # as a live MemoryBridge on cuda:0 leaves it
     try:
         with pytest.raises(native.BridgeError, match=r"another loader in this process already lends .* cuda:0"):
-            bridge.MemoryBridge("cuda:0")
+            memory_bridge.MemoryBridge("cuda:0")
     finally:
-        bridge._IN_USE.discard(0)
+        memory_bridge._IN_USE.discard(0)
 
 
 @pytest.mark.parametrize(
@@ -187,7 +187,7 @@ def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
 # ---------------------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 def test_lender_takes_free_cached_blocks_without_reserving_more():
-    from fusionflow.memory.torch_side import TorchLender
+    from fusionflow.accel.bridge.torch_side import TorchLender
 
     dev = torch.device("cuda:0")
     x = [torch.empty(s * MIB, dtype=torch.uint8, device=dev) for s in (64, 32, 8)]
@@ -208,8 +208,8 @@ def test_lender_takes_free_cached_blocks_without_reserving_more():
 
 @pytest.mark.gpu
 def test_dali_runs_in_lent_blocks_and_gives_them_back():
-    from fusionflow.memory.bridge import MemoryBridge
-    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+    from fusionflow.accel.bridge.memory_bridge import MemoryBridge
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
 
     dev = torch.device("cuda:0")
     bridge = MemoryBridge(dev, warmup=0)  # installed before the pipeline exists
@@ -356,13 +356,12 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     from fake_cuda import FakeCuda
     from test_device_ring import CpuStandIn
 
-    from fusionflow.memory import bridge as bridge_mod
-    from fusionflow.ops import dali_pipeline
-    from fusionflow.runtime import device_ring
+    from fusionflow.accel import dali_graph, device_ring
+    from fusionflow.accel.bridge import memory_bridge as bridge_mod
 
     cuda = FakeCuda()
     cuda.install(monkeypatch, torch)
-    monkeypatch.setattr(dali_pipeline, "DaliPolicyPipeline", CpuStandIn)
+    monkeypatch.setattr(dali_graph, "DaliPolicyPipeline", CpuStandIn)
     monkeypatch.setattr(
         device_ring,
         "copy_out",
@@ -401,7 +400,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     monkeypatch.setattr(bridge_mod, "MemoryBridge", lambda device: failing)
     ld = FusionFlowLoader(Bytes(16), **args)
     ld._delivery.alloc_device = torch.device("cpu")
-    with caplog.at_level("ERROR", logger="fusionflow.loader"):
+    with caplog.at_level("ERROR", logger="fusionflow.loader.front"):
         _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
     assert failing.closes >= 2 and "closing the prep window failed" in caplog.text

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from fusionflow.memory import native
+from fusionflow import native
 
 MIB = 1 << 20
 NONE, MIXED = 2**64 - 2, 2**64 - 1

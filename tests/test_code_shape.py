@@ -97,7 +97,7 @@ def test_the_measure_counts_nested_and_qualified_functions():
 
 
 def test_the_loader_is_composed_not_mixed_in():
-    """FusionFlowLoader holds its parts (fusionflow/loader.py's docstring names them); no base class
+    """FusionFlowLoader holds its parts (fusionflow/loader/front.py's docstring names them); no base class
     spreads its state over other files."""
     from fusionflow.loader import FusionFlowLoader
 
@@ -117,9 +117,9 @@ def test_every_worker_kind_satisfies_the_board_s_worker_kind_protocol():
     """runtime/board.py writes the contract down as a Protocol; each kind's class has every member,
     callable with the protocol's arguments, by position and by name (checked on the classes: a kind
     is not constructed here)."""
+    from fusionflow.accel.accelerator import AcceleratorWorker
     from fusionflow.remote.kind import RemoteWorkers
     from fusionflow.runtime import board
-    from fusionflow.runtime.accelerator import AcceleratorWorker
     from fusionflow.runtime.worker_pool import WorkerPool
 
     proto = board.WorkerKind

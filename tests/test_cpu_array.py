@@ -1,4 +1,4 @@
-"""The array kernels (fusionflow/ops/cpu_array.py) against the exact Pillow ops (fusionflow/ops/cpu.py,
+"""The array kernels (fusionflow/ops/fast.py) against the exact Pillow ops (fusionflow/ops/exact.py,
 themselves checked against torchvision in test_ops_cpu.py), op by op, with each fast kernel's stated
 tolerance; the array pipeline's resize and write."""
 
@@ -8,9 +8,9 @@ from PIL import Image
 from test_ops_cpu import VALUES
 from tv_reference import psnr
 
-from fusionflow.ops import cpu, cpu_array, pixel_kernels, resample
+from fusionflow.ops import exact, fast, pixel_kernels, resample
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.ops.specs import OP_NAMES, OPS
+from fusionflow.policy.op_specs import OP_NAMES, OPS
 from fusionflow.tools.synthetic import make_image
 
 VALUES = {**VALUES, "Cutout": [0.0, 40.0, 300.0]}
@@ -32,7 +32,7 @@ FAST_TOLERANCE.update(
     SkewX="geometry",
     SkewY="geometry",
 )
-STYLES = [cpu.Style("nearest", (0, 0, 0)), cpu.Style("bilinear", (128, 30, 200))]
+STYLES = [exact.Style("nearest", (0, 0, 0)), exact.Style("bilinear", (128, 30, 200))]
 IMAGES = [make_image(224, 224, 1), make_image(120, 200, 2), make_image(97, 61, 3)]
 CASES = [(n, v) for n, vs in VALUES.items() for v in vs]
 
@@ -40,21 +40,21 @@ CASES = [(n, v) for n, vs in VALUES.items() for v in vs]
 def _pair(name, value, arr, style, table):
     h, w = arr.shape[:2]
     params = OPS[name].resolve(value, (0.3, 0.7), h, w)
-    want = np.asarray(cpu.apply(name, Image.fromarray(arr), value, params, style))
+    want = np.asarray(exact.apply(name, Image.fromarray(arr), value, params, style))
     got = table[name](arr, value, params, style)
     assert got.dtype == np.uint8 and got.shape == arr.shape and got.flags.c_contiguous
     return got, want
 
 
 def test_every_op_has_both_kernels():
-    assert set(cpu_array.EXACT) == set(OP_NAMES) == set(cpu_array.FAST) == set(FAST_TOLERANCE)
+    assert set(fast.EXACT) == set(OP_NAMES) == set(fast.FAST) == set(FAST_TOLERANCE)
 
 
 @pytest.mark.parametrize("name,value", CASES)
 @pytest.mark.parametrize("style", STYLES, ids=["nearest", "bilinear-fill"])
 def test_exact_kernels_equal_pillow_to_the_bit(name, value, style):
     for arr in IMAGES:
-        got, want = _pair(name, value, arr, style, cpu_array.EXACT)
+        got, want = _pair(name, value, arr, style, fast.EXACT)
         np.testing.assert_array_equal(got, want)
 
 
@@ -75,7 +75,7 @@ def kernels(request, monkeypatch):
 def test_fast_kernels_within_their_stated_tolerance(name, value, style, kernels):
     arr0 = IMAGES[0].copy()
     for arr in IMAGES:
-        got, want = _pair(name, value, arr, style, cpu_array.FAST)
+        got, want = _pair(name, value, arr, style, fast.FAST)
         diff = np.abs(got.astype(int) - want)
         kind = FAST_TOLERANCE[name]
         if kernels == "native" and kind == "geometry" and style.interpolation == "nearest":
@@ -93,18 +93,18 @@ def test_fast_kernels_within_their_stated_tolerance(name, value, style, kernels)
 
 
 def test_translate_past_the_image_is_all_fill_and_solarize_thresholds():
-    arr, style = IMAGES[1], cpu.Style("nearest", (9, 8, 7))
+    arr, style = IMAGES[1], exact.Style("nearest", (9, 8, 7))
     for v in (-200.0, 200.0, -119.0):
         params = OPS["TranslateX"].resolve(v, (0, 0), *arr.shape[:2])
-        want = np.asarray(cpu.apply("TranslateX", Image.fromarray(arr), v, params, style))
-        np.testing.assert_array_equal(cpu_array.FAST["TranslateX"](arr, v, params, style), want)
+        want = np.asarray(exact.apply("TranslateX", Image.fromarray(arr), v, params, style))
+        np.testing.assert_array_equal(fast.FAST["TranslateX"](arr, v, params, style), want)
     assert (
-        cpu_array.FAST["TranslateX"](arr, 200.0, OPS["TranslateX"].resolve(200.0, (0, 0), 120, 200), style) == (9, 8, 7)
+        fast.FAST["TranslateX"](arr, 200.0, OPS["TranslateX"].resolve(200.0, (0, 0), 120, 200), style) == (9, 8, 7)
     ).all()
     for thr in (0.0, 0.5, 100.5, 255.0, 255.5, 256.0):
         params = OPS["Solarize"].resolve(thr, (0, 0), 120, 200)
         want = np.where(arr >= thr, 255 - arr, arr)
-        np.testing.assert_array_equal(cpu_array.FAST["Solarize"](arr, thr, params, style), want)
+        np.testing.assert_array_equal(fast.FAST["Solarize"](arr, thr, params, style), want)
 
 
 def test_blend_table_is_pillows_blend_for_every_level_and_factor():
@@ -113,7 +113,7 @@ def test_blend_table_is_pillows_blend_for_every_level_and_factor():
     for degenerate in (0, 1, 77, 128, 254):
         for factor in (0.0, 0.1, 0.27, 0.5, 0.73, 1.0, 1.27, 1.9, 3.0, -0.3):
             want = np.asarray(Image.blend(Image.new("RGB", img.size, (degenerate,) * 3), img, factor))[..., 0]
-            np.testing.assert_array_equal(cpu.blend_lut(degenerate, factor)[levels], want)
+            np.testing.assert_array_equal(exact.blend_lut(degenerate, factor)[levels], want)
 
 
 def test_resize_window_per_scale_ratio_against_pillow():

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fusionflow.data import ImageFolder
+from fusionflow.datasets.folder import ImageFolder
 from fusionflow.tools.demo import main as demo_main
 from fusionflow.tools.synthetic import make_image_folder
 

@@ -17,14 +17,17 @@ pytest.importorskip("nvidia.dali")
 from fake_cuda import FakeCuda  # noqa: E402
 from test_loader import SMALL, Bytes, no_leaks  # noqa: E402,F401
 
+from fusionflow.accel import (
+    dali_graph,  # noqa: E402
+    device_ring,  # noqa: E402
+)
+from fusionflow.accel.device_ring import accel_runs  # noqa: E402
 from fusionflow.errors import FusionFlowError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
-from fusionflow.ops import dali_pipeline  # noqa: E402
-from fusionflow.runtime import device_ring  # noqa: E402
-from fusionflow.runtime.device_ring import accel_runs  # noqa: E402
+from fusionflow.runtime import cuda_host  # noqa: E402
 
 
-class CpuStandIn(dali_pipeline.DaliPolicyPipeline):
+class CpuStandIn(dali_graph.DaliPolicyPipeline):
     """The accelerator's 'GPU' pipeline, on DALI's CPU backend."""
 
     def __init__(self, policy, batch_size, device="cpu", device_id=None, **kw):
@@ -36,7 +39,7 @@ class CpuStandIn(dali_pipeline.DaliPolicyPipeline):
 def fake(monkeypatch):
     cuda = FakeCuda(devices=2)
     cuda.install(monkeypatch, torch)
-    monkeypatch.setattr(dali_pipeline, "DaliPolicyPipeline", CpuStandIn)
+    monkeypatch.setattr(dali_graph, "DaliPolicyPipeline", CpuStandIn)
 
     def copy_out(out, dst, stream):  # DALI's copy_to_external, on `stream`
         cuda.log("copy", stream=stream)
@@ -132,7 +135,7 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
     assert waits and all(x["stream"] is train and x["event"].stream is accel_stream for x in waits)
     # 3. no synchronous host->device copy: every one non-blocking, from the registered (pinned) ring
     (reg,) = fake.of("host_register")
-    assert reg["flags"] == device_ring.HOST_REGISTER_PORTABLE
+    assert reg["flags"] == cuda_host.HOST_REGISTER_PORTABLE
     lo, hi = reg["ptr"], reg["ptr"] + reg["size"]
     h2d = fake.of("h2d") + fake.of("h2d_tensor")
     assert h2d and all(x["non_blocking"] and lo <= x["ptr"] and x["ptr"] + x["nbytes"] <= hi for x in h2d), h2d
@@ -154,14 +157,14 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
 def test_failed_host_register_clears_cudas_last_error_or_says_it_cannot(fake, monkeypatch, no_leaks):
     fake.cudart_.register_rc = 1  # cudaErrorInvalidValue
     cleared = []
-    monkeypatch.setattr(device_ring, "clear_last_error", lambda: cleared.append(fake.current_device()) or True)
+    monkeypatch.setattr(cuda_host, "clear_last_error", lambda: cleared.append(fake.current_device()) or True)
     ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda:1", timeout=60)
     ld._delivery.alloc_device = torch.device("cpu")
     seen = [y.tolist() for _, y in ld]
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]] and cleared == [1]
     assert not fake.of("host_unregister")  # nothing was registered
     ld.close()
-    monkeypatch.setattr(device_ring, "clear_last_error", lambda: False)
+    monkeypatch.setattr(cuda_host, "clear_last_error", lambda: False)
     ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda:1", timeout=60)
     with pytest.raises(FusionFlowError, match="last error could not be reset"):
         next(iter(ld))

@@ -95,8 +95,8 @@ def test_the_quick_start_is_the_two_make_commands():
 
 def test_the_checks_catch_what_they_are_for():
     assert _cells("| a `x` | `fusionflow/` |") == ["a `x`", "`fusionflow/`"]
-    assert owner_path("`fusionflow/loader.py`") == "fusionflow/loader.py"
-    for bad in ("`a.py`, `b.py`", "`a.py` (the loader)", "fusionflow/loader.py", "``"):
+    assert owner_path("`fusionflow/loader/front.py`") == "fusionflow/loader/front.py"
+    for bad in ("`a.py`, `b.py`", "`a.py` (the loader)", "fusionflow/loader/front.py", "``"):
         try:
             owner_path(bad)
         except AssertionError:

@@ -136,7 +136,7 @@ def test_dali_gpu_erase_matches_cpu_pipeline(value):
 
 def check_dali_erase(value, where):
     pytest.importorskip("nvidia.dali")
-    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
 
     if value == "uint8":
         policy = load_policy("default", erase={"p": 0.7, "value": [10, 200, 30]})

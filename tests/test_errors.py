@@ -44,7 +44,7 @@ def test_every_fusionflow_error_is_exported():
 
 
 def test_errors_keep_their_old_import_paths():
-    from fusionflow.memory import native
+    from fusionflow import native
     from fusionflow.runtime import local_manager
 
     assert local_manager.WorkerStartError is fusionflow.WorkerStartError

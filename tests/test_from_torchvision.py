@@ -35,7 +35,7 @@ AUGMENTS = {
 
 
 def tv_magnitude(name, value):
-    """FusionFlow's value -> torchvision's magnitude (the inverse of the unit in fusionflow/ops/specs.py)."""
+    """FusionFlow's value -> torchvision's magnitude (the inverse of the unit in fusionflow/policy/op_specs.py)."""
     return value / 255.0 if name == "Solarize" else value
 
 

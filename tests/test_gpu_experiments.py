@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import gpu_bench  # noqa: E402
 import gpu_memory  # noqa: E402
 
-from fusionflow.runtime.accelerator import PROFILE_BATCHES, SharingProfiler  # noqa: E402
+from fusionflow.accel.accelerator import PROFILE_BATCHES, SharingProfiler  # noqa: E402
 
 
 def test_auto_sharing_profiles_inside_the_warm_up(monkeypatch):

@@ -101,3 +101,75 @@ def test_graph_sees_function_local_imports():
 def test_package_imports_have_no_cycle():
     cycle = find_cycle(import_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+# Which packages each package may import (besides itself). The loader drives the runtime, the GPU wing
+# and the remote workers; they build on the runtime, which builds on the pure layers; the shared loader
+# serves a loader's batches, so it sits above the loader. `fusionflow` (the public API), `__main__` and
+# `tools` stand above everything.
+BASE = {"errors", "native"}
+MAY_IMPORT = {
+    "shared": {"loader", "accel", "remote", "runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
+    "loader": {"accel", "remote", "runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
+    "accel": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
+    "remote": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
+    "runtime": {"scheduling", "ops", "policy", "datasets"} | BASE,
+    "ops": {"policy"} | BASE,
+    "scheduling": BASE,
+    "policy": {"errors"},
+    "datasets": {"errors"},
+    "native": {"errors"},
+    "errors": set(),
+}
+TOP = {"", "__main__", "tools"}  # the public API, the command line and the tools may import anything
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_packages_import_only_downwards():
+    """loader -> runtime/accel/remote -> scheduling/ops/policy, never back (docs/architecture.md)."""
+    wrong = []
+    for module, deps in sorted(import_graph().items()):
+        mine = _package(module)
+        if mine in TOP:
+            continue
+        assert mine in MAY_IMPORT, f"{module}: a new package; say in MAY_IMPORT what it may import"
+        for dep in sorted(deps):
+            theirs = _package(dep)
+            if theirs not in (mine, "") and theirs not in MAY_IMPORT[mine]:
+                wrong.append(f"{module} imports {dep}")
+            if theirs == "" and dep != "fusionflow":
+                wrong.append(f"{module} imports {dep}")
+    assert not wrong, "imports against the package direction:\n" + "\n".join(wrong)
+
+
+def test_the_package_top_level_holds_few_modules():
+    """The public API, the command line, the errors and the native build helper; the rest lives in a
+    package that says what it is."""
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= 6, top
+
+
+def test_nothing_outside_tests_imports_from_tests():
+    root = PACKAGE.parent
+    offenders = []
+    for path in [*PACKAGE.rglob("*.py"), *(root / "experiments").rglob("*.py"), *(root / "examples").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            if any(n == "tests" or n.startswith("tests.") or n in TEST_MODULES for n in names):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno}")
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.rstrip("/") == "tests":
+                offenders.append(f"{path.relative_to(root)}:{node.lineno} (a path into tests/)")
+    assert not offenders, offenders
+
+
+TEST_MODULES = {p.stem for p in (PACKAGE.parent / "tests").glob("*.py")}

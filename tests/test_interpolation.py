@@ -16,10 +16,10 @@ from tv_reference import tv_sample
 
 from fusionflow import load_policy, policy_from_transform
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.ops import cpu, cpu_array
+from fusionflow.ops import exact, fast
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.ops.specs import OPS
 from fusionflow.policy import crop_window, draw
+from fusionflow.policy.op_specs import OPS
 from fusionflow.tools.synthetic import make_image, make_jpegs
 
 JPEGS = make_jpegs(10, 120, 700, seed=9)
@@ -60,13 +60,13 @@ def test_crop_and_ops_equal_torchvision_to_the_bit(crop, ops, fast):
 
 @pytest.mark.parametrize("name", ["ShearX", "ShearY", "Rotate", "TranslateX", "TranslateY"])
 def test_bicubic_warps_fast_equal_exact(name):
-    style = cpu.Style("bicubic", (128, 30, 200))
+    style = exact.Style("bicubic", (128, 30, 200))
     for arr in (make_image(224, 224, 1), make_image(97, 61, 3)):
         for value in (-30.0, -0.3, 0.2, 17.0, 90.0):
             params = OPS[name].resolve(value, (0.3, 0.7), *arr.shape[:2])
-            want = np.asarray(cpu.apply(name, Image.fromarray(arr), value, params, style))
-            np.testing.assert_array_equal(cpu_array.FAST[name](arr, value, params, style), want)
-            np.testing.assert_array_equal(cpu_array.EXACT[name](arr, value, params, style), want)
+            want = np.asarray(exact.apply(name, Image.fromarray(arr), value, params, style))
+            np.testing.assert_array_equal(fast.FAST[name](arr, value, params, style), want)
+            np.testing.assert_array_equal(fast.EXACT[name](arr, value, params, style), want)
 
 
 @pytest.mark.parametrize("mode", ["bicubic", "nearest"])
@@ -74,8 +74,8 @@ def test_eval_resize_follows_its_interpolation(mode):
     tv = T.Compose([T.Resize(140, MODES[mode]), T.CenterCrop(128)])
     policy = policy_from_transform(tv)
     assert (policy.crop_interpolation, policy.center_resize) == (mode, 140)
-    for fast in (False, True):
-        pipe = CpuPipeline(dataclasses.replace(policy, fast_downscale=fast))
+    for downscale in (False, True):
+        pipe = CpuPipeline(dataclasses.replace(policy, fast_downscale=downscale))
         for i, data in enumerate(JPEGS):
             ref = np.asarray(tv(Image.open(io.BytesIO(data)).convert("RGB"))).transpose(2, 0, 1)
             ours = pipe(data, i)
@@ -118,7 +118,7 @@ def test_the_accelerator_declines_and_the_cpu_workers_deliver_every_sample(crop,
         _policy("bicubic" if crop == "bicubic" else "nearest", ops, True),
         crop_interpolation=crop,
     )
-    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader.front"):
         loader = FusionFlowLoader(Bytes(24), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
     said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
     assert len(said) == 1 and ("bicubic" in said[0]) and loader.config.accelerator is None

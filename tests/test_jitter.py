@@ -18,8 +18,8 @@ from tv_reference import psnr, tv_color_jitter, tv_recipe
 
 import fusionflow
 from fusionflow import FusionFlowLoader, load_policy, policy_from_transform
-from fusionflow.ops import cpu_array
-from fusionflow.ops.dali_support import dali_declines
+from fusionflow.accel.declines import dali_declines
+from fusionflow.ops import fast
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import draw
 from fusionflow.policy.schema import parse_policy
@@ -96,7 +96,7 @@ def test_fast_mode_close_to_exact():
         base = pipe.array(data, dataclasses.replace(d, jitter=()))
         want = base
         for op in d.jitter:
-            want = cpu_array.EXACT[op.name](want, op.value, op.params(*policy.size), pipe.style)
+            want = fast.EXACT[op.name](want, op.value, op.params(*policy.size), pipe.style)
         got = pipe(data, i, seed=4).transpose(1, 2, 0)
         assert psnr(got, want) > 35.0 and np.abs(got.astype(int) - want).max() <= 16, (i, psnr(got, want))
 

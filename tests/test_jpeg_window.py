@@ -164,7 +164,7 @@ def test_fast_mode_within_documented_tolerance(name, monkeypatch):
 
 
 def test_unavailable_decoder_logs_why_and_pillow_decodes(monkeypatch, tmp_path, caplog):
-    from fusionflow.memory import native
+    from fusionflow import native
 
     monkeypatch.setattr(native, "KERNELS", tmp_path / "nowhere")
     monkeypatch.setattr(jpeg, "_LIB", None)

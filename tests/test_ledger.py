@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from fusionflow.memory.ledger import Block, BlockLedger, select_blocks
+from fusionflow.accel.bridge.ledger import Block, BlockLedger, select_blocks
 
 MIB = 1 << 20
 FREE = [Block(0x1000, 64 * MIB), Block(0x9000, 2 * MIB), Block(0x5000, 20 * MIB), Block(0x7000, 20 * MIB)]
@@ -112,7 +112,7 @@ def test_names_are_private(ledger):
 
 
 def test_lock_held_by_a_dead_process_is_reported(ledger, monkeypatch):
-    import fusionflow.memory.ledger as L
+    import fusionflow.accel.bridge.ledger as L
 
     monkeypatch.setattr(L, "LOCK_TIMEOUT_S", 0.05)
     ledger._lock.acquire()  # as if a process died inside the critical section

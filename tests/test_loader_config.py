@@ -1,4 +1,4 @@
-"""fusionflow/loader_config.py: FusionFlowLoader's arguments -> a frozen LoaderConfig, as tables.
+"""fusionflow/loader/config.py: FusionFlowLoader's arguments -> a frozen LoaderConfig, as tables.
 
 Each row: the arguments that differ from FusionFlowLoader's defaults, what the machine looks like
 (a stand-in Host: no CUDA, no DALI, 4 cores unless the row says otherwise), and the resolved values
@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, default_collate
 
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.loader_config import LoaderConfig, resolve_config
-from fusionflow.loader_resources import Host
+from fusionflow.loader.config import LoaderConfig, resolve_config
+from fusionflow.loader.host import Host
 
 DATA = [(b"\xff\xd8 not decoded at construction", i % 3) for i in range(10)]
 DEFAULTS = {
@@ -241,13 +241,13 @@ def test_host_facts_are_asked_only_when_an_argument_needs_them():
 def test_resolution_builds_nothing(monkeypatch):
     """memory_bridge='on' used to compile the bridge's native part in the constructor: now it is built
     when the accelerator starts (the first iteration)."""
-    from fusionflow.memory import native
+    from fusionflow import native
 
     def no_build(*a, **k):
         raise AssertionError("native code built at construction")
 
     monkeypatch.setattr(native, "build_bridge", no_build)
-    monkeypatch.setattr(native, "_build", no_build)
+    monkeypatch.setattr(native, "build", no_build)
     cfg, _ = resolve(dict(device="cuda", accelerator="dali-gpu", num_workers=1, memory_bridge="on"), DALI)
     assert cfg.bridge_why_off is None
 
@@ -263,13 +263,13 @@ def test_the_loader_keeps_its_configuration_frozen():
 def test_a_loader_without_policy_says_once_which_it_applies(caplog, monkeypatch):
     import logging
 
-    from fusionflow import loader_config
+    from fusionflow.loader import config
 
-    monkeypatch.setattr(loader_config, "_SAID_DEFAULT_POLICY", False)
-    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
+    monkeypatch.setattr(config, "_SAID_DEFAULT_POLICY", False)
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader.front"):
         first = FusionFlowLoader(range(4))
         FusionFlowLoader(range(4))
         FusionFlowLoader(range(4), policy="eval")
     said = [r.getMessage() for r in caplog.records if "no policy= given" in r.getMessage()]
     assert len(said) == 1 and 'policy="eval"' in said[0] and "224x224" in said[0]
-    assert first.policy == loader_config.load_policy("default")
+    assert first.policy == config.load_policy("default")

@@ -1,6 +1,6 @@
-"""The loader's parts, each built and driven alone (fusionflow/checkpoint.py, delivery.py, trace.py,
-gpu_session.py, workers.py, epoch.py), and the loader's shape: it holds its configuration and the
-parts; each iteration's state lives in the iterator it returns."""
+"""The loader's parts, each built and driven alone (fusionflow/loader/checkpoint.py, loader/delivery.py,
+loader/trace.py, accel/session.py, loader/lifecycle.py, loader/epoch.py), and the loader's shape: it holds its
+configuration and the parts; each iteration's state lives in the iterator it returns."""
 
 import gc
 import json
@@ -15,18 +15,18 @@ from test_loader import SMALL, Bytes, no_leaks  # noqa: F401
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from fusionflow import FusionFlowError
-from fusionflow.checkpoint import Checkpoint
-from fusionflow.delivery import Delivery
-from fusionflow.epoch import _InlineIterator, _WorkerIterator
+from fusionflow.accel.session import GpuSession
 from fusionflow.errors import SampleError
-from fusionflow.gpu_session import GpuSession
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.loader_config import resolve_config
-from fusionflow.loader_resources import Host
+from fusionflow.loader.checkpoint import Checkpoint
+from fusionflow.loader.config import resolve_config
+from fusionflow.loader.delivery import Delivery
+from fusionflow.loader.epoch import _InlineIterator, _WorkerIterator
+from fusionflow.loader.host import Host
+from fusionflow.loader.lifecycle import LoaderRuntime
+from fusionflow.loader.stats import LoaderStats
+from fusionflow.loader.trace import Tracing
 from fusionflow.runtime.messages import SampleFailure
-from fusionflow.stats import LoaderStats
-from fusionflow.trace import Tracing
-from fusionflow.workers import Workers
 
 
 # ---------------------------------------------------------------------------------- Checkpoint
@@ -180,7 +180,7 @@ def test_gpu_session_shutdown_steps_with_nothing_started():
     assert bridge.shutdowns == 1 and gpu.bridge is None
 
 
-# ---------------------------------------------------------------------------------- Workers
+# ---------------------------------------------------------------------------------- LoaderRuntime
 def _config(**kw):
     ds = Bytes(16)
     kw = {"batch_size": 4, "num_workers": 1, "policy": SMALL, "tiny_batch_size": 2, "seed": 3, **kw}
@@ -235,7 +235,7 @@ def _config(**kw):
 
 def test_workers_start_once_stop_and_are_finalized_when_dropped(no_leaks):
     ds, cfg = _config()
-    workers = Workers(ds, LoaderStats(), Tracing())
+    workers = LoaderRuntime(ds, LoaderStats(), Tracing())
     mgr = workers.start(cfg, torch.device("cpu"))
     assert workers.start(cfg, torch.device("cpu")) is mgr and workers.manager is mgr
     workers.stop()

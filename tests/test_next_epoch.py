@@ -1,4 +1,4 @@
-"""Epoch-boundary speculation (fusionflow/next_epoch.py): with persistent workers the next epoch's
+"""Epoch-boundary speculation (fusionflow/loader/next_epoch.py): with persistent workers the next epoch's
 first mini-batches start before its iter(). The reference for every test is the same loader with
 speculation switched off: every batch -- indices, order, pixels -- must be identical, whatever the
 caller does between epochs."""
@@ -18,9 +18,9 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from fusionflow.checkpoint import peek_next
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.next_epoch import NextEpoch
+from fusionflow.loader.checkpoint import peek_next
+from fusionflow.loader.next_epoch import NextEpoch
 
 
 def make(speculate: bool, monkeypatch, **kw):
@@ -251,8 +251,8 @@ class Failing(Sampler):
 def test_a_guess_that_fails_leaves_the_epoch_alone(monkeypatch):
     # made peekable for the test: a SequentialSampler-typed object whose second iteration raises
     sampler = Failing()
-    monkeypatch.setattr("fusionflow.checkpoint.SequentialSampler", Failing)
-    monkeypatch.setattr("fusionflow.checkpoint._PEEKABLE", (Failing,))
+    monkeypatch.setattr("fusionflow.loader.checkpoint.SequentialSampler", Failing)
+    monkeypatch.setattr("fusionflow.loader.checkpoint._PEEKABLE", (Failing,))
     loader = make(True, monkeypatch, sampler=sampler)
     assert [i for _, y in loader for i in y.tolist()] == list(range(30))  # the guess raised inside this epoch
     assert sampler.calls == 2 and loader.stats.next_epoch_speculated == 0  # it was tried, and dropped

@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 from tv_reference import tv_op
 
-from fusionflow.ops import cpu
-from fusionflow.ops.specs import OP_NAMES, OPS, inverse_affine
+from fusionflow.ops import exact
+from fusionflow.policy.op_specs import OP_NAMES, OPS, inverse_affine
 
 # op -> values to test at, in the op's unit (both signs for signed ops, the ends of the ranges the
 # shipped policies use, and the exact 90-degree rotation TrivialAugment can draw)
@@ -48,14 +48,14 @@ CASES = [(n, v) for n, vs in VALUES.items() for v in vs]
 
 def run(name, img, value, style):
     h, w = img.size[1], img.size[0]
-    return cpu.apply(name, img, value, OPS[name].resolve(value, (0.5, 0.5), h, w), style)
+    return exact.apply(name, img, value, OPS[name].resolve(value, (0.5, 0.5), h, w), style)
 
 
 @pytest.mark.parametrize("name,value", CASES)
 @pytest.mark.parametrize("fill,interp", [((0, 0, 0), "nearest"), ((128, 64, 32), "bilinear")])
 def test_op_matches_torchvision(image224, name, value, fill, interp):
     img = Image.fromarray(image224)
-    ours = np.asarray(run(name, img, value, cpu.Style(interp, fill))).astype(int)
+    ours = np.asarray(run(name, img, value, exact.Style(interp, fill))).astype(int)
     ref = np.asarray(tv_op(name, img, value, fill, interp)).astype(int)
     assert ours.shape == ref.shape
     assert np.abs(ours - ref).max() <= TOLERANCE[name], f"{name}({value}) differs from torchvision"
@@ -66,7 +66,7 @@ def test_ops_on_non_square_image():
         np.ascontiguousarray(__import__("fusionflow.tools.synthetic", fromlist=["x"]).make_image(160, 240, 3))
     )
     for name, value in [("ShearX", 0.3), ("TranslateY", -40.0), ("Rotate", 25.0), ("Sharpness", 0.5)]:
-        ours = np.asarray(run(name, img, value, cpu.Style()))
+        ours = np.asarray(run(name, img, value, exact.Style()))
         assert np.array_equal(ours, np.asarray(tv_op(name, img, value))), name
 
 
@@ -74,12 +74,12 @@ def test_ops_on_non_square_image():
 def test_cutout_matches_erase(image224, side, aux):
     img = Image.fromarray(image224)
     fill = (128, 128, 128)
-    ours = cpu.apply("Cutout", img, side, OPS["Cutout"].resolve(side, aux, 224, 224), cpu.Style(fill=fill))
+    ours = exact.apply("Cutout", img, side, OPS["Cutout"].resolve(side, aux, 224, 224), exact.Style(fill=fill))
     assert np.array_equal(np.asarray(ours), np.asarray(tv_op("Cutout", img, side, fill, aux=aux)))
 
 
 def test_every_op_has_a_cpu_impl_and_a_test():
-    assert set(cpu.CPU_IMPLS) == set(OP_NAMES)
+    assert set(exact.CPU_IMPLS) == set(OP_NAMES)
     assert set(VALUES) | {"Cutout"} == set(OP_NAMES)
 
 
@@ -115,7 +115,7 @@ def test_point_ops_on_degenerate_histograms(name):
         arr = np.stack([bands[keys[k]], bands[keys[(k + 1) % 5]], bands[keys[(k + 2) % 5]]], axis=2)
         img = Image.fromarray(arr)
         for value in VALUES[name]:
-            ours = np.asarray(run(name, img, value, cpu.Style()))
+            ours = np.asarray(run(name, img, value, exact.Style()))
             assert np.array_equal(ours, np.asarray(tv_op(name, img, value))), (name, value, keys[k])
 
 
@@ -132,11 +132,11 @@ def test_vectorised_smooth_equals_pillows_filter(hw):
         np.full(hw + (3,), 255, np.uint8),
     ):
         img = Image.fromarray(arr)
-        assert np.array_equal(np.asarray(cpu.smooth(img)), np.asarray(img.filter(ImageFilter.SMOOTH)))
+        assert np.array_equal(np.asarray(exact.smooth(img)), np.asarray(img.filter(ImageFilter.SMOOTH)))
 
 
 def test_point_fast_path_equals_public_point(image224):
     img = Image.fromarray(image224)
     lut = [(i * 7) % 256 for i in range(256)] * 3
-    out = cpu._point(img, lut)
+    out = exact._point(img, lut)
     assert out.mode == "RGB" and np.array_equal(np.asarray(out), np.asarray(img.point(lut)))

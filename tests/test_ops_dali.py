@@ -15,13 +15,13 @@ from test_ops_cpu import VALUES  # noqa: E402
 from tv_reference import psnr  # noqa: E402
 
 from fusionflow import DecodeError, FusionFlowError, load_policy  # noqa: E402
-from fusionflow.ops import cpu  # noqa: E402
-from fusionflow.ops.dali import DALI_IMPLS, DaliStyle  # noqa: E402
-from fusionflow.ops.dali_pipeline import DaliPolicyPipeline  # noqa: E402
-from fusionflow.ops.dali_support import dali_declines  # noqa: E402
+from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
+from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle  # noqa: E402
+from fusionflow.accel.declines import dali_declines  # noqa: E402
+from fusionflow.ops import exact  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
-from fusionflow.ops.specs import OP_NAMES, OPS  # noqa: E402
 from fusionflow.policy import shipped_policies  # noqa: E402
+from fusionflow.policy.op_specs import OP_NAMES, OPS  # noqa: E402
 from fusionflow.tools.synthetic import make_image, make_jpegs  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -78,7 +78,9 @@ def run_cpu_op(name, value, style, images=IMAGES):
     params = OPS[name].resolve(value, AUX, 224, 224)
     return np.stack(
         [
-            np.asarray(cpu.apply(name, Image.fromarray(im), value, params, cpu.Style(style.interpolation, style.fill)))
+            np.asarray(
+                exact.apply(name, Image.fromarray(im), value, params, exact.Style(style.interpolation, style.fill))
+            )
             for im in images
         ]
     )

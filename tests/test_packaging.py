@@ -16,7 +16,7 @@ PROBE = r"""
 import sys, numpy as np
 import fusionflow
 from fusionflow import FusionFlowLoader, load_policy
-from fusionflow.memory import native
+from fusionflow import native
 from fusionflow.policy.schema import shipped_policies
 from fusionflow.tools.synthetic import encode, make_image
 root = sys.argv[1]

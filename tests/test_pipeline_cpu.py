@@ -146,7 +146,7 @@ def test_importing_fusionflow_leaves_pillows_bomb_limit_alone():
 
     code = (
         "from PIL import Image; before = Image.MAX_IMAGE_PIXELS; import fusionflow.ops.pipeline, "
-        "fusionflow.loader; assert Image.MAX_IMAGE_PIXELS == before, Image.MAX_IMAGE_PIXELS"
+        "fusionflow.loader.front; assert Image.MAX_IMAGE_PIXELS == before, Image.MAX_IMAGE_PIXELS"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fusionflow.ops import cpu, cpu_array, pixel_kernels
-from fusionflow.ops.specs import OPS
+from fusionflow.ops import exact, fast, pixel_kernels
+from fusionflow.policy.op_specs import OPS
 from fusionflow.tools.synthetic import make_image
 
 SIZES = [(224, 224), (120, 200), (97, 61), (1, 1), (5, 300), (300, 2)]
@@ -23,7 +23,7 @@ def _native():
 
 
 def _pillow(name, arr, value, params, style):
-    return np.asarray(cpu.apply(name, Image.fromarray(arr), value, params, style))
+    return np.asarray(exact.apply(name, Image.fromarray(arr), value, params, style))
 
 
 @pytest.mark.parametrize("name", sorted(RANGES))
@@ -34,7 +34,7 @@ def test_affine_nearest_is_pillows_transform(name):
         arr = make_image(h, w, k + 1)
         for value in [*rng.uniform(-RANGES[name], RANGES[name], 12), *extremes]:
             for fill in FILLS:
-                style = cpu.Style("nearest", fill)
+                style = exact.Style("nearest", fill)
                 params = OPS[name].resolve(float(value), (0.3, 0.7), h, w)
                 got = pixel_kernels.affine_nearest(arr, params, fill)
                 assert got is not None
@@ -60,8 +60,8 @@ def test_affine_nearest_declines_past_fixed_point_and_the_op_still_matches():
     arr = make_image(64, 64, 5)
     far = (1.0, 0.2, 40000.0, 0.0, 1.0, 0.0)  # corners beyond Pillow's 16.16 range
     assert pixel_kernels.affine_nearest(arr, far, (9, 9, 9)) is None
-    style = cpu.Style("nearest", (9, 9, 9))
-    got = cpu_array.FAST["ShearX"](arr, 0.2, far, style)  # OpenCV's warp takes over
+    style = exact.Style("nearest", (9, 9, 9))
+    got = fast.FAST["ShearX"](arr, 0.2, far, style)  # OpenCV's warp takes over
     np.testing.assert_array_equal(got, np.full_like(arr, 9))
 
 
@@ -87,7 +87,7 @@ def test_table_ops_are_pillows(name):
     for arr in _table_images():
         before = arr.copy()
         got = fn(arr)
-        np.testing.assert_array_equal(got, _pillow(name, arr, 0.0, (), cpu.Style()), err_msg=str(arr.shape))
+        np.testing.assert_array_equal(got, _pillow(name, arr, 0.0, (), exact.Style()), err_msg=str(arr.shape))
         np.testing.assert_array_equal(arr, before)
 
 
@@ -99,14 +99,14 @@ def test_inputs_the_kernels_do_not_take_are_declined():
 
 
 def test_unbuildable_kernels_warn_once_and_the_fast_ops_fall_back(monkeypatch, caplog):
-    from fusionflow.memory import native
+    from fusionflow import native
 
     def fail(*a, **k):
         raise native.NativeBuildError("building ff_pixel_ops failed (c++ ... exit 1)")
 
     monkeypatch.setattr(pixel_kernels, "_LIB", None)
     monkeypatch.setattr(pixel_kernels, "_WHY_NOT", None)
-    monkeypatch.setattr(native, "_build", fail)
+    monkeypatch.setattr(native, "build", fail)
     arr = make_image(40, 40, 2)
     with caplog.at_level(logging.WARNING, logger="fusionflow"):
         assert pixel_kernels.equalize(arr) is None
@@ -114,5 +114,5 @@ def test_unbuildable_kernels_warn_once_and_the_fast_ops_fall_back(monkeypatch, c
     said = [r for r in caplog.records if "native pixel kernels are unavailable" in r.getMessage()]
     assert len(said) == 1 and "ff_pixel_ops failed" in said[0].getMessage()
     np.testing.assert_array_equal(
-        cpu_array.FAST["Equalize"](arr, 0.0, (), cpu.Style()), _pillow("Equalize", arr, 0.0, (), cpu.Style())
+        fast.FAST["Equalize"](arr, 0.0, (), exact.Style()), _pillow("Equalize", arr, 0.0, (), exact.Style())
     )

@@ -136,7 +136,7 @@ def test_dali_accelerator_uses_the_copy_number():
     pytest.importorskip("nvidia.dali")
     from tv_reference import psnr
 
-    from fusionflow.ops.dali_pipeline import DaliPolicyPipeline
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
 
     ds = Bytes(4)
     dp = DaliPolicyPipeline(SMALL, batch_size=6)

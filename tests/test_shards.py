@@ -1,4 +1,4 @@
-"""TarShards (fusionflow/shards.py) against the files it was written from, its index cache, its
+"""TarShards (fusionflow/datasets/shards.py) against the files it was written from, its index cache, its
 errors; dict samples (sample_keys), read-ahead (read_ahead) and streams at the loader."""
 
 import io
@@ -13,10 +13,10 @@ import torch
 from torch.utils.data import DistributedSampler, IterableDataset
 
 from fusionflow import DictSamples, ImageFolder, ShardError, TarShards
-from fusionflow.data import ReadAhead
+from fusionflow.datasets.shards import expand_shards, split_member
+from fusionflow.datasets.wrappers import ReadAhead
 from fusionflow.errors import SampleError
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.shards import expand_shards, split_member
 from fusionflow.tools.synthetic import make_image_folder
 
 SMALL = {
@@ -100,7 +100,7 @@ def test_target_kinds_and_alternative_keys(folder, tmp_path):
 
 
 def test_index_is_cached_reused_and_rebuilt_after_a_change(folder, shards, tmp_path, monkeypatch):
-    from fusionflow import shards as mod
+    from fusionflow.datasets import shards as mod
 
     first = TarShards(shards)
     index = first.shards[0] + mod.INDEX_SUFFIX
@@ -123,7 +123,7 @@ def test_index_is_cached_reused_and_rebuilt_after_a_change(folder, shards, tmp_p
 
 
 def test_index_dir_and_a_read_only_shard_directory(folder, shards, tmp_path, monkeypatch):
-    from fusionflow import shards as mod
+    from fusionflow.datasets import shards as mod
 
     TarShards(shards, index_dir=tmp_path / "idx")
     assert len(list((tmp_path / "idx").glob("*.ffindex"))) == 3

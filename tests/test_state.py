@@ -1,4 +1,4 @@
-"""Mid-epoch checkpoint and resume (fusionflow/checkpoint.py): a fresh loader given `state_dict()` yields
+"""Mid-epoch checkpoint and resume (fusionflow/loader/checkpoint.py): a fresh loader given `state_dict()` yields
 exactly the batches -- indices and pixels -- the original yields after it, and the same epochs after."""
 
 import io

@@ -1,12 +1,13 @@
-"""fusionflow/stats.py: LoaderStats' reset, the bridge maxima's names, and its fields beside the runtime's counters."""
+"""fusionflow/loader/stats.py: LoaderStats' reset, the bridge maxima's names, and its fields beside the runtime's
+counters."""
 
 import dataclasses
 import inspect
 
 import pytest
 
-from fusionflow.loader import LoaderStats as FromLoader
-from fusionflow.stats import LoaderStats
+from fusionflow.loader.front import LoaderStats as FromLoader
+from fusionflow.loader.stats import LoaderStats
 
 
 def test_importable_from_its_former_home():

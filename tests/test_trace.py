@@ -13,13 +13,13 @@ import torch
 from test_loader import SMALL, Bytes
 
 from fusionflow.loader import FusionFlowLoader
+from fusionflow.loader.trace import TraceRecorder, load
+from fusionflow.ops.stages import stage_names
 from fusionflow.policy import load_policy, shipped_policies
 from fusionflow.runtime import messages as m
-from fusionflow.stages import stage_names
 from fusionflow.tools.demo import main as cli
 from fusionflow.tools.synthetic import make_image_folder
 from fusionflow.tools.timeline import plot_timeline, summarize
-from fusionflow.trace import TraceRecorder, load
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -329,7 +329,7 @@ def test_stage_clock_knows_every_stage_a_policy_ticks(name):
     FusionFlow's names) is one of the policy's stage names, and the clock takes time in some op stage."""
     from fusionflow import from_timm
     from fusionflow.ops.pipeline import CpuPipeline
-    from fusionflow.stages import StageClock
+    from fusionflow.ops.stages import StageClock
     from fusionflow.tools.synthetic import make_jpegs
 
     if name.startswith("timm"):

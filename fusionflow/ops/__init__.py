@@ -6,6 +6,6 @@
 Import the implementation modules explicitly; this package import stays light.
 """
 
-from fusionflow.ops.specs import OP_NAMES, OPS, OpSpec
+from fusionflow.policy.op_specs import OP_NAMES, OPS, OpSpec
 
 __all__ = ["OPS", "OP_NAMES", "OpSpec"]

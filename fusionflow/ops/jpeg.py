@@ -46,10 +46,10 @@ def _load():
     if os.environ.get("FUSIONFLOW_JPEG_WINDOW", "1") == "0":
         _WHY_NOT = "turned off by FUSIONFLOW_JPEG_WINDOW=0"
         return None
-    from fusionflow.memory import native
+    from fusionflow import native
 
     try:
-        path = native._build("ff_jpeg_roi", [native.KERNELS / "jpeg_roi.cc"], ["-ljpeg"])
+        path = native.build("ff_jpeg_roi", [native.KERNELS / "jpeg_roi.cc"], ["-ljpeg"])
         lib = ctypes.CDLL(str(path))
     except (native.NativeBuildError, OSError) as exc:
         _WHY_NOT = str(exc).splitlines()[0]

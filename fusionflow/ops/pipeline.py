@@ -13,16 +13,16 @@ from functools import partial
 import numpy as np
 from PIL import Image
 
-from fusionflow.ops import cpu, cpu_array, jpeg, mix, tv_tensor
+from fusionflow.ops import augmix, augmix_torchvision, exact, fast, jpeg
 from fusionflow.ops.decode import (
     decode_box_resize,
     decode_crop_resize,
     decode_crop_resize_array,
     decode_crop_resize_filtered,
 )
+from fusionflow.ops.stages import GRAYSCALE
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
 from fusionflow.policy.sampling import center_box
-from fusionflow.stages import GRAYSCALE
 
 
 class CpuPipeline:
@@ -30,31 +30,31 @@ class CpuPipeline:
 
     exact mode works on Pillow images (torchvision's PIL path, to the bit); fast mode on uint8 HWC
     arrays from the window decoder to the ring, with each op's fastest kernel
-    (fusionflow/ops/cpu_array.py) and OpenCV's split writing the planes straight into the slot."""
+    (fusionflow/ops/fast.py) and OpenCV's split writing the planes straight into the slot."""
 
     def __init__(self, policy):
         self.policy: Policy = load_policy(policy)
         aug = self.policy.augment
-        self.style = cpu.Style(aug.interpolation, aug.fill)
+        self.style = exact.Style(aug.interpolation, aug.fill)
         # ops whose interpolation is drawn per op (timm's 'random') carry it: one style per filter
-        self._styles = {name: cpu.Style(name, aug.fill) for name in cpu.RESAMPLE}
+        self._styles = {name: exact.Style(name, aug.fill) for name in exact.RESAMPLE}
         self.out_shape = self.policy.out_shape
         self.out_dtype = np.dtype(self.policy.out_dtype)
         self.fast = self.policy.fast_downscale
-        self._kernels = cpu_array.FAST  # used in fast mode only; exact mode runs cpu.py on Pillow images
+        self._kernels = fast.FAST  # used in fast mode only; exact mode runs exact.py on Pillow images
         if self.policy.normalize:
             mean, std = (np.asarray(v, np.float32).reshape(3, 1, 1) for v in self.policy.normalize)
             self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
         jpeg.available()  # build/load the window decoder now (once, logged if it cannot), not on a sample
-        missing = [o.name for o in aug.ops if o.name not in cpu.CPU_IMPLS]
+        missing = [o.name for o in aug.ops if o.name not in exact.CPU_IMPLS]
         if missing:
             raise ValueError(f"{self.policy.source}: no CPU implementation for ops {missing}")
-        if aug.type == "augmix" and not self.fast and tv_tensor.available() is not None:
-            raise ValueError(f"{self.policy.source}: {tv_tensor.available()}; or use decode.mode fast")
+        if aug.type == "augmix" and not self.fast and augmix_torchvision.available() is not None:
+            raise ValueError(f"{self.policy.source}: {augmix_torchvision.available()}; or use decode.mode fast")
 
     def image(self, data, d: SampleDraw, what: str | None = None, tick=None) -> Image.Image:
         """The augmented sample as an RGB image of the output size. `tick(stage)`, if given, is called
-        after each stage (fusionflow/stages.py)."""
+        after each stage (fusionflow/ops/stages.py)."""
         p = self.policy
         if p.center_resize is not None:  # eval: the unrounded centre crop
             img = self._center(data, what)
@@ -77,17 +77,17 @@ class CpuPipeline:
 
     def augment_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
         """The draw's ops (and an AugMix mixture) on an output-size image, exact mode's kernels: Pillow's,
-        and for torchvision's AugMix torchvision's tensor ops (fusionflow/ops/tv_tensor.py)."""
+        and for torchvision's AugMix torchvision's tensor ops (fusionflow/ops/augmix_torchvision.py)."""
         img = self._run_ops(img, d.ops, self._pillow_op, tick)
         if d.mix is not None and d.mix.style == "torchvision":  # its chains run on tensors: its tensor ops
             base = np.ascontiguousarray(np.asarray(img).transpose(2, 0, 1))
             aug = self.policy.augment
-            chain = lambda ops: tv_tensor.chain(base, ops, aug.interpolation, aug.augmix.fill)  # noqa: E731
-            img = Image.fromarray(np.ascontiguousarray(mix.tv_augmix(base, d.mix, chain).transpose(1, 2, 0)))
+            chain = lambda ops: augmix_torchvision.chain(base, ops, aug.interpolation, aug.augmix.fill)  # noqa: E731
+            img = Image.fromarray(np.ascontiguousarray(augmix.tv_augmix(base, d.mix, chain).transpose(1, 2, 0)))
         elif d.mix is not None:
             base = img
             chain = lambda ops: np.asarray(self._run_ops(base, ops, self._pillow_op))  # noqa: E731
-            img = Image.fromarray(mix.augmix(np.asarray(base), d.mix, chain))
+            img = Image.fromarray(augmix.augmix(np.asarray(base), d.mix, chain))
         if d.mix is not None and tick is not None:
             tick("augmix")
         return img
@@ -97,21 +97,21 @@ class CpuPipeline:
         arr = self._run_ops(arr, d.ops, self._array_op, tick)
         if d.mix is not None:
             base = arr
-            arr = mix.mix(base, d.mix, lambda ops: self._run_ops(base, ops, self._array_op))
+            arr = augmix.mix(base, d.mix, lambda ops: self._run_ops(base, ops, self._array_op))
             if tick is not None:
                 tick("augmix")
         return arr
 
-    def _style(self, op) -> cpu.Style:
+    def _style(self, op) -> exact.Style:
         if op.fill is not None:  # a per-op fill (DeepAA's cutout colour): one Style per (filter, fill)
             key = (op.resample or self.style.interpolation, op.fill)
             if key not in self._styles:
-                self._styles[key] = cpu.Style(*key)
+                self._styles[key] = exact.Style(*key)
             return self._styles[key]
         return self.style if op.resample is None else self._styles[op.resample]
 
     def _pillow_op(self, img, op, h, w):
-        return cpu.apply(op.name, img, op.value, op.params(h, w), self._style(op))
+        return exact.apply(op.name, img, op.value, op.params(h, w), self._style(op))
 
     def _array_op(self, arr, op, h, w):
         return self._kernels[op.name](arr, op.value, op.params(h, w), self._style(op))
@@ -129,14 +129,14 @@ class CpuPipeline:
         the fast mode's only saving would be the rounded crop, which moved 1-3 px patterns by half a pixel)."""
         p = self.policy
         box_fn = partial(center_box, p.center_resize, p.size)
-        resample = cpu.RESAMPLE[p.crop_interpolation]
+        resample = exact.RESAMPLE[p.crop_interpolation]
         return decode_box_resize(data, box_fn, p.size, p.fast_downscale, what, p.max_pixels, resample)
 
     def _filtered(self, data, d: SampleDraw, what) -> Image.Image:
         """A random resized crop with bicubic or nearest: Pillow's filter on the full-scale window in
         both modes (the fast mode's kernels are bilinear ones)."""
         p = self.policy
-        resample = cpu.RESAMPLE[d.crop_resample or p.crop_interpolation]
+        resample = exact.RESAMPLE[d.crop_resample or p.crop_interpolation]
         return decode_crop_resize_filtered(data, partial(crop_window, p, d), p.size, resample, what, p.max_pixels)
 
     def array(self, data, d: SampleDraw, what: str | None = None, tick=None) -> np.ndarray:
@@ -152,12 +152,12 @@ class CpuPipeline:
         if tick is not None:
             tick("decode+crop+resize")
         if d.flip:
-            arr = cpu_array.flip(arr)
+            arr = fast.flip(arr)
         if tick is not None:
             tick("flip")
         arr = self._run_ops(arr, d.jitter, self._array_op, tick)
         if d.grayscale:
-            arr = cpu_array.grayscale(arr)
+            arr = fast.grayscale(arr)
             if tick is not None:
                 tick(GRAYSCALE)
         return self.augment_array(arr, d, tick)
@@ -189,11 +189,11 @@ class CpuPipeline:
 
     def _write_array(self, arr: np.ndarray, out: np.ndarray) -> None:
         if self.policy.normalize:
-            for c, plane in enumerate(cpu_array.split(arr)):
+            for c, plane in enumerate(fast.split(arr)):
                 np.multiply(plane, self._scale[c], out=out[c], casting="unsafe")
                 out[c] += self._shift[c]
         elif out.flags.c_contiguous and out.dtype == np.uint8:
-            cpu_array.write_planes(arr, out)  # straight into the slot's planes
+            fast.write_planes(arr, out)  # straight into the slot's planes
         else:
             np.copyto(out, arr.transpose(2, 0, 1), casting="unsafe")
 

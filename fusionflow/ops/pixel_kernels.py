@@ -25,11 +25,11 @@ def _load():
     if os.environ.get("FUSIONFLOW_PIXEL_KERNELS", "1") == "0":
         _WHY_NOT = "turned off by FUSIONFLOW_PIXEL_KERNELS=0"
         return None
-    from fusionflow.memory import native
+    from fusionflow import native
 
     try:
         # No FMA contraction: AutoContrast's table must round as Python's float64 arithmetic does.
-        path = native._build("ff_pixel_ops", [native.KERNELS / "pixel_ops.cc"], ["-ffp-contract=off"])
+        path = native.build("ff_pixel_ops", [native.KERNELS / "pixel_ops.cc"], ["-ffp-contract=off"])
         lib = ctypes.CDLL(str(path))
     except (native.NativeBuildError, OSError) as exc:
         _WHY_NOT = str(exc).splitlines()[0]

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusionflow.ops.specs import OPS, ParamTuple
 from fusionflow.policy.image_sections import Erase
+from fusionflow.policy.op_specs import OPS, ParamTuple
 
 
 @dataclass(frozen=True)
 class OpDraw:
     name: str
-    value: float  # in the op's unit (see fusionflow.ops.specs), sign applied
+    value: float  # in the op's unit (see fusionflow.policy.op_specs), sign applied
     aux: tuple[float, float]  # two uniforms for ops that place something (Cutout)
     resample: str | None = None  # this op's interpolation when drawn per op (timm's 'random'); None: the policy's
     fill: tuple[int, int, int] | None = None  # this op's fill (DeepAA's cutout colour); None: the policy's
@@ -76,7 +76,7 @@ class MixDraw:
     """AugMix on the sample: `chains[k]` applied to the image. timm's (style "timm"): the results summed
     with weights[k] (Dirichlet), then blended with the image by m (Beta). torchvision's (style
     "torchvision"): m * image + sum_k m_mix * weights[k] * chain_k, (m, m_mix) its Beta pair as a
-    2-Dirichlet. float64 as drawn, used as float32 (fusionflow/ops/mix.py)."""
+    2-Dirichlet. float64 as drawn, used as float32 (fusionflow/ops/augmix.py)."""
 
     weights: tuple[float, ...]
     m: float

@@ -45,7 +45,7 @@ class Jitter:
     p: float = 1.0
 
     KEYS = ("brightness", "contrast", "saturation", "hue")  # torchvision's fn_idx 0..3
-    OPS = ("Brightness", "Contrast", "Color", "Hue")  # the ops that run them (fusionflow/ops/specs.py)
+    OPS = ("Brightness", "Contrast", "Color", "Hue")  # the ops that run them (fusionflow/policy/op_specs.py)
 
     @property
     def ranges(self) -> tuple:

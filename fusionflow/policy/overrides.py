@@ -41,9 +41,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from fusionflow.ops.specs import OPS
 from fusionflow.policy import schema
 from fusionflow.policy.image_sections import Erase, Jitter, check_center_resize, parse_erase, parse_jitter
+from fusionflow.policy.op_specs import OPS
 from fusionflow.policy.reader import _Reader
 from fusionflow.policy.schema import INTERPOLATIONS, Augment, OpChoice, Policy
 

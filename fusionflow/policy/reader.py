@@ -8,7 +8,7 @@ import difflib
 from collections.abc import Mapping
 from typing import Any
 
-from fusionflow.ops.specs import OPS, OpSpec
+from fusionflow.policy.op_specs import OPS, OpSpec
 
 
 class _Reader:

@@ -75,7 +75,6 @@ from typing import Any
 
 import yaml
 
-from fusionflow.ops.specs import OPS
 from fusionflow.policy.deepaa import DeepAASettings, parse_deepaa
 from fusionflow.policy.image_sections import (
     DEFAULT_MAX_PIXELS,
@@ -87,6 +86,7 @@ from fusionflow.policy.image_sections import (
     parse_jitter,
     parse_output,
 )
+from fusionflow.policy.op_specs import OPS
 from fusionflow.policy.reader import _Reader
 from fusionflow.policy.timm_augment import TIMM_TYPES, TimmAugment, parse_timm
 from fusionflow.policy.timm_augment import max_ops as timm_max_ops

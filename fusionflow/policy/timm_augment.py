@@ -7,7 +7,7 @@ config strings; inf: uniform in [0, magnitude]) and clamped; each op applies wit
 signed ones flip sign with p = 0.5; the geometric ones resample bilinear, bicubic or -- timm's
 'random' -- one of the two drawn per op call, and fill with the dataset mean. The level -> argument
 formulas below follow its functions in meaning and arithmetic (so a draw gives the same pixels);
-the values land in FusionFlow's op units (fusionflow/ops/specs.py): enhancement factor f as f - 1,
+the values land in FusionFlow's op units (fusionflow/policy/op_specs.py): enhancement factor f as f - 1,
 timm's translations (fractional pixels, matrix x_in = x + p) as ShiftX/ShiftY by -p, its shears as
 SkewX/SkewY (the factor's matrix as written).
 

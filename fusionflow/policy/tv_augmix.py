@@ -7,13 +7,13 @@ original's weight m[0], the mixture's m[1]); w = Dirichlet(alpha x mixture_width
 depth (chain_depth, or 1..3 uniformly when chain_depth <= 0) and per op of the chain an op uniformly from
 its table, a magnitude bin uniformly from the table's first `severity` of 10 bins, and for a signed op a
 sign with p = 0.5. The output is m[0] * image + sum_i w_i * chain_i(image), computed in float32 and
-truncated to uint8 (fusionflow/ops/mix.py). Here the same quantities come from the sample's stream, so
+truncated to uint8 (fusionflow/ops/augmix.py). Here the same quantities come from the sample's stream, so
 (seed, epoch, index, copy) fixes them, and `SampleDraw.steps` records them in torchvision's terms (a
 test feeds them to torchvision's own AugMix).
 
 The tables are torchvision's `_augmentation_space(10, (height, width))` at the output size, computed by
 torch.linspace as torchvision computes them (float32; computed once per size and process); each op's
-value is in FusionFlow's unit (fusionflow/ops/specs.py), which for these ops is torchvision's magnitude.
+value is in FusionFlow's unit (fusionflow/policy/op_specs.py), which for these ops is torchvision's magnitude.
 """
 
 from __future__ import annotations

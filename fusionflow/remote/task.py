@@ -1,5 +1,5 @@
 """What runs on a remote node: the Ray actor's body for remote/kind.py's worker kind. It holds the
-dataset and a CpuPipeline and runs a local CPU worker's per-sample code (fusionflow/sample.py), so a
+dataset and a CpuPipeline and runs a local CPU worker's per-sample code (fusionflow/runtime/sample.py), so a
 tiny-batch's bytes are the same wherever it runs; it returns them instead of writing shared memory."""
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ class RemoteTask:
     tiny-batch code, returning its output instead of writing into shared memory."""
 
     def __init__(self, dataset, policy, seed: int, worker_id: int, worker_init_fn=None, stages=None):
-        """`stages`: the stage names to time per sample (fusionflow/stages.py), or None."""
+        """`stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None."""
         from fusionflow.ops.pipeline import CpuPipeline
 
         self.dataset, self.seed = dataset, seed
         self.pipe = CpuPipeline(policy)
         self.clock = None
         if stages:
-            from fusionflow.stages import StageClock
+            from fusionflow.ops.stages import StageClock
 
             self.clock = StageClock(stages)
         if worker_init_fn is not None:
@@ -33,7 +33,7 @@ class RemoteTask:
         import os
         import socket
 
-        from fusionflow.sample import describe, split_item
+        from fusionflow.runtime.sample import describe, split_item
 
         error = None
         try:
@@ -44,11 +44,11 @@ class RemoteTask:
 
     def run(self, epoch: int, positions, indices, copies):
         """(images [n, *out_shape], targets, failures, seconds): a local worker's per-sample body
-        (fusionflow/sample.py run_sample) into a local array; failed samples' rows are undefined and
+        (fusionflow/runtime/sample.py run_sample) into a local array; failed samples' rows are undefined and
         their targets None; failures carry their ring positions, as a local worker reports them."""
         import dataclasses
 
-        from fusionflow.sample import run_sample
+        from fusionflow.runtime.sample import run_sample
 
         t0 = time.perf_counter()
         n = len(indices)

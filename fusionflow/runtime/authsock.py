@@ -19,9 +19,10 @@ import socket
 import struct
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
-from fusionflow.runtime.gm.timing import HANDSHAKE_S, SEND_TIMEOUT_S
-
 log = logging.getLogger(__name__)
+
+HANDSHAKE_S = 2  # each step of connecting to a peer's socket (connect, authenticate, first message)
+SEND_TIMEOUT_S = 5  # a peer that stops reading cannot block a sending thread longer
 
 
 def sockopt_seconds(sock: socket.socket, opt: int, seconds: float) -> None:

@@ -7,7 +7,7 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     ring         the BatchRing: `.images[slot, pos]`, `.labels[slot]` (writes into a taken tiny-batch's
                  positions may happen without the lock)
     sizes        the dataset's encoded sample sizes, or None
-    trace        a fusionflow.trace.TraceRecorder while the loader traces, else None
+    trace        a fusionflow.loader.trace.TraceRecorder while the loader traces, else None
     generation   the current iterator's number (int)
     counters     the loader's counters (runtime/counters.py)
     reserved     TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
@@ -47,7 +47,7 @@ from fusionflow.scheduling.queue import TinyBatchQueue, Work
 @runtime_checkable
 class WorkerKind(Protocol):
     """What a worker kind provides to the board that it is registered with (`Board.add_worker_kind`).
-    The CPU worker pool (runtime/worker_pool.py), the DALI accelerator (runtime/accelerator.py) and the
+    The CPU worker pool (runtime/worker_pool.py), the DALI accelerator (accel/accelerator.py) and the
     Ray workers (remote/kind.py) satisfy it; tests/test_code_shape.py checks that they do."""
 
     def start(self) -> None:

@@ -1,6 +1,6 @@
 """What the runtime counts, in one object handed once to the parts that count.
 
-The loader passes its `LoaderStats` (fusionflow/stats.py: a subclass that adds what the loader
+The loader passes its `LoaderStats` (fusionflow/loader/stats.py: a subclass that adds what the loader
 itself measures); a manager built without one (tests, tools) gets a `RuntimeCounters`. Each field is
 declared once, here or there. Every part increments the same object directly, from its own
 thread: the CPU worker pool, the lending agent, the accelerator, the remote workers -- under the

@@ -185,7 +185,7 @@ class LocalManager:
                 if state.error is not None:
                     raise state.error
                 # dead workers are replaced here, also when the batch is ready (it may have been made
-                # before this call, e.g. speculated for this epoch: fusionflow/next_epoch.py)
+                # before this call, e.g. speculated for this epoch: fusionflow/loader/next_epoch.py)
                 dead, missing = self.pool.wanted()
                 if dead or missing > 0:
                     board.cond.release()
@@ -230,7 +230,7 @@ class LocalManager:
 
     def register_cuda(self, device_index: int) -> bool:
         """Page-lock the ring (cudaHostRegister, portable) so batches copy to the GPU without staging."""
-        from fusionflow.runtime.device_ring import register_host
+        from fusionflow.runtime.cuda_host import register_host
 
         self.cuda_device = device_index
         self.cuda_registered = register_host(self.board.ring.images.ctypes.data, self.layout.nbytes, device_index)

@@ -48,7 +48,7 @@ _HEAD = struct.Struct("<iqiiqi")  # kind, task_id, generation, slot, epoch, coun
 _ITEM = struct.Struct("<iqi")  # position in the mini-batch, dataset index, copy number (repeated augmentation)
 # DONE's fixed part after the head: when the worker started and finished the task (time.monotonic_ns:
 # CLOCK_MONOTONIC, one clock for every process on the machine) and how many per-stage totals follow
-# (int64 ns each, fusionflow/stages.py; 0 when stage timing is off)
+# (int64 ns each, fusionflow/ops/stages.py; 0 when stage timing is off)
 _TIMES = struct.Struct("<qqi")
 
 

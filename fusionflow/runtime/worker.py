@@ -25,8 +25,8 @@ from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.gm.link import close_inherited, connect, set_receive_timeout
+from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
-from fusionflow.sample import run_sample
 
 WATCHDOG_S = 0.5
 
@@ -45,7 +45,7 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
     CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals."""
     failures, side = [], {}
     started = time.monotonic_ns()
-    prefetch = getattr(dataset, "prefetch", None)  # fusionflow.data.ReadAhead: the reads start now
+    prefetch = getattr(dataset, "prefetch", None)  # fusionflow.datasets.wrappers.ReadAhead: the reads start now
     if prefetch is not None:
         prefetch(task.indices)
     copies = task.copies or (0,) * len(task.positions)
@@ -188,7 +188,7 @@ def worker_loop(
     spec_hash: bytes | None = None,
     stages: tuple[str, ...] | None = None,
 ) -> None:
-    """`stages`: the stage names to time per sample (fusionflow/stages.py), or None: no stage timing."""
+    """`stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None: no stage timing."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     close_inherited()
     ring = None
@@ -210,7 +210,7 @@ def worker_loop(
         pipe = CpuPipeline(policy)
         clock = None
         if stages:
-            from fusionflow.stages import StageClock
+            from fusionflow.ops.stages import StageClock
 
             clock = StageClock(stages)
         ring = map_from_child_fd(layout, ring_fd)

@@ -45,8 +45,9 @@ PER_WORKER = 2  # tasks queued per worker: one running, one ready to start witho
 STOP_GRACE_S = 2.0  # shutdown: how long workers get to exit after STOP before terminate()
 
 
-class _Worker:
-    """One of this LM's worker processes, or (process None) a guest: another LM's worker lent to us."""
+class WorkerConn:
+    """The manager's handle on one worker: one of this LM's worker processes, or (process None) a guest,
+    another LM's worker lent to us (runtime/gm/agent.py serves those); its connection and outstanding work."""
 
     def __init__(self, worker_id, process, conn):
         self.worker_id, self.process, self.conn = worker_id, process, conn
@@ -90,12 +91,12 @@ class WorkerPool:
         self.on_stage_times = on_stage_times  # callback(worker label, stage ns totals) under the lock
         self.on_capacity = on_capacity  # callback(live worker count) under the lock: the count changed
         self.on_fatal = on_fatal  # callback(exception) under the lock: a fault the owner's next wait raises
-        self.workers: list[_Worker | None] = [None] * num_workers
+        self.workers: list[WorkerConn | None] = [None] * num_workers
         self.target_workers = num_workers
         self.task_ids = itertools.count()
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
         self.cores = CoreClaim(0, False)  # workers' cores, claimed node-wide at start
-        self._live: list[_Worker] = []  # the manager thread's snapshot for its current wait
+        self._live: list[WorkerConn] = []  # the manager thread's snapshot for its current wait
         self._stopped = False
         board.counters.tiny_batches_per_worker = [0] * num_workers
 
@@ -140,7 +141,7 @@ class WorkerPool:
             gc.unfreeze()
         child.close()
         with board.cond:
-            self.workers[wid] = _Worker(wid, proc, parent)
+            self.workers[wid] = WorkerConn(wid, proc, parent)
         board.wake()
 
     def wanted(self) -> tuple[list[int], int]:
@@ -172,7 +173,7 @@ class WorkerPool:
             with board.cond:
                 self.notify_capacity()
 
-    def kept_workers(self) -> list[_Worker]:
+    def kept_workers(self) -> list[WorkerConn]:
         """Own workers that count towards the target: not retiring (dead ones awaiting a restart count)."""
         return [w for w in self.workers if w is not None and not w.retiring]
 
@@ -247,7 +248,7 @@ class WorkerPool:
                     if work is None or not self.send(w, work):
                         break
 
-    def send(self, w: _Worker, work: Work) -> bool:
+    def send(self, w: WorkerConn, work: Work) -> bool:
         task_id = next(self.task_ids)
         try:
             w.conn.send_bytes(
@@ -263,7 +264,7 @@ class WorkerPool:
         w.outstanding.append((task_id, work))
         return True
 
-    def on_done(self, w: _Worker, msg: bytes) -> None:
+    def on_done(self, w: WorkerConn, msg: bytes) -> None:
         """A DONE from an own worker or a guest: account its oldest outstanding task."""
         board = self.board
         task_id, _gen, failures, targets = m.unpack_done(msg)
@@ -282,7 +283,7 @@ class WorkerPool:
                 self.on_stage_times(w.worker_id, stage_ns)
         board.complete(work, failures, on_accelerator=False, targets=targets)
 
-    def requeue_outstanding(self, w: _Worker, how: str, suspect: bool = True) -> None:
+    def requeue_outstanding(self, w: WorkerConn, how: str, suspect: bool = True) -> None:
         """Put a departed worker's tasks back (lock held); if it died (`suspect`), the one it was
         running may be the cause: it counts a death and is retried sample by sample."""
         board, requeue = self.board, []
@@ -338,7 +339,7 @@ class WorkerPool:
                 self._on_message(w)
             self._on_death(w)
 
-    def _on_message(self, w: _Worker) -> None:
+    def _on_message(self, w: WorkerConn) -> None:
         board = self.board
         try:
             msg = w.conn.recv_bytes()
@@ -368,7 +369,7 @@ class WorkerPool:
         if self.on_fatal is not None:
             self.on_fatal(exc)
 
-    def _on_death(self, w: _Worker) -> None:
+    def _on_death(self, w: WorkerConn) -> None:
         board = self.board
         with board.cond:
             if not w.alive:

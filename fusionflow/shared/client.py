@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fusionflow.delivery import Delivery
 from fusionflow.errors import SharedLoaderError
-from fusionflow.loader_resources import Host, resolve_device, resolve_pin_memory
-from fusionflow.runtime.authsock import connect, set_receive_timeout
-from fusionflow.runtime.gm.timing import HANDSHAKE_S
+from fusionflow.loader.delivery import Delivery
+from fusionflow.loader.host import Host, resolve_device, resolve_pin_memory
+from fusionflow.runtime.authsock import HANDSHAKE_S, connect, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import recv_fd
 from fusionflow.shared import rendezvous

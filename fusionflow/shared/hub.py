@@ -26,8 +26,7 @@ import threading
 import weakref
 from dataclasses import dataclass, field
 
-from fusionflow.runtime.authsock import accept, listen, set_receive_timeout
-from fusionflow.runtime.gm.timing import HANDSHAKE_S
+from fusionflow.runtime.authsock import HANDSHAKE_S, accept, listen, set_receive_timeout
 from fusionflow.runtime.shm import send_fd
 from fusionflow.shared import rendezvous
 

@@ -26,8 +26,8 @@ import logging
 import os
 import time
 
-from fusionflow.epoch import _WorkerIterator
 from fusionflow.errors import FusionFlowError
+from fusionflow.loader.epoch import _WorkerIterator
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import Hub
@@ -113,10 +113,10 @@ class SharedLoader:
         self.epochs_served = 0
         self.epoch_clients = 0  # clients the latest epoch went to (those attached when it began)
         self._original, self._current, self._waited = cfg, None, False
-        loader._workers.stop()  # a running runtime has the old ring depth
+        loader._runtime.stop()  # a running runtime has the old ring depth
         loader.config = dataclasses.replace(cfg, prefetch_factor=buffer, persistent_workers=True)
         try:
-            self._mgr = loader._workers.start(loader.config, loader._delivery.alloc_device)
+            self._mgr = loader._runtime.start(loader.config, loader._delivery.alloc_device)
             self._hub = Hub(self.name, self._mgr.board.ring.fd, self._hello, self._slot_free)
         except BaseException:
             loader.close()
@@ -182,7 +182,7 @@ class SharedLoader:
 
     def _serve_epoch(self) -> None:
         hub, loader = self._hub, self.loader
-        if loader._workers.manager is not self._mgr:
+        if loader._runtime.manager is not self._mgr:
             raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
         with hub.cond:
             epoch, progress = loader._checkpoint.begin()

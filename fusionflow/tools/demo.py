@@ -147,7 +147,7 @@ def demo(args) -> int:
     """The main job: train with DataLoader + torchvision, then with FusionFlowLoader; print both."""
     import torch
 
-    from fusionflow.data import ImageFolder
+    from fusionflow.datasets.folder import ImageFolder
     from fusionflow.tools.synthetic import make_image_folder
 
     torch.set_num_threads(1)  # the CPUs are the loaders' to share; the tiny model needs little
@@ -184,8 +184,8 @@ def demo(args) -> int:
         f"throughput: FusionFlowLoader {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
         f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x"
     )
+    from fusionflow.loader.trace import load
     from fusionflow.tools.timeline import plot_timeline
-    from fusionflow.trace import load
 
     png = plot_timeline(load(trace_path), os.path.join(out_dir, "timeline.png"))
     print(

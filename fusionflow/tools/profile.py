@@ -59,8 +59,8 @@ def run(args) -> int:
     from tqdm import tqdm
 
     from fusionflow import FusionFlowLoader, ImageFolder
+    from fusionflow.loader.trace import load
     from fusionflow.tools.timeline import format_summary, plot_timeline, summarize
-    from fusionflow.trace import load
 
     ds = ImageFolder(args.data)
     os.makedirs(args.out, exist_ok=True)
@@ -119,6 +119,6 @@ def run(args) -> int:
 
 
 def _shares(seconds: dict) -> dict:
-    from fusionflow.stages import shares
+    from fusionflow.ops.stages import shares
 
     return shares(seconds)

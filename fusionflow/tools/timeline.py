@@ -1,4 +1,4 @@
-"""Read a loader trace (fusionflow/trace.py): a short summary, and a timeline PNG (matplotlib).
+"""Read a loader trace (fusionflow/loader/trace.py): a short summary, and a timeline PNG (matplotlib).
 
 The PNG has one row per track -- the training loop's waits at next() (red), each ring slot's
 mini-batches, the accelerator, each CPU worker and each borrowed worker -- with every tiny-batch a
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from fusionflow.trace import TID_ACCEL, TID_CPU, TID_GUEST, TID_SLOT, TID_TRAINING
+from fusionflow.loader.trace import TID_ACCEL, TID_CPU, TID_GUEST, TID_SLOT, TID_TRAINING
 
 WAIT_COLOUR = "#111111"
 # mini-batch colours: tab20's without its greys (black is a wait, grey a lent stretch)
@@ -85,7 +85,7 @@ def summarize(trace: dict) -> dict:
 
 
 def format_summary(s: dict, stage_shares: dict | None = None, per_worker_shares: dict | None = None) -> str:
-    from fusionflow.stages import format_shares
+    from fusionflow.ops.stages import format_shares
 
     lines = [
         f"{s['mini_batches']} mini-batches, {s['tiny_batches']} tiny-batches, {s['samples']} samples "
@@ -200,7 +200,7 @@ def _spans_panel(ax, trace: dict, events: list, rows: list, names: dict, title: 
 
 
 def _stage_panel(ax, stage_seconds: dict, colormaps) -> None:
-    from fusionflow.stages import shares
+    from fusionflow.ops.stages import shares
 
     workers = list(stage_seconds)
     per_worker = {w: shares(stage_seconds[w]) for w in workers}

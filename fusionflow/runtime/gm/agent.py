@@ -23,7 +23,7 @@ import logging
 
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.shm import send_fd
-from fusionflow.runtime.worker_pool import _Worker
+from fusionflow.runtime.worker_pool import WorkerConn
 
 log = logging.getLogger(__name__)
 GM_IDLE_S = 0.1  # with a GM: progress heartbeat, elastic target and GM liveness at least this often
@@ -35,10 +35,10 @@ class LendingAgent:
 
         self.board, self.pool = board, None  # the pool is attached once it exists (it needs our spec hash)
         self.link = GMLink(job, board.ring.name, spec)
-        self.guests: list[_Worker] = []
+        self.guests: list[WorkerConn] = []
         self.bell = None  # the GM's connection to our socket (it rings when it writes us an order)
         self.lent_total = self.guests_total = 0  # published: what the GM reads of this LM's loans
-        self._guests: list[_Worker] = []  # the manager thread's snapshot for its current wait
+        self._guests: list[WorkerConn] = []  # the manager thread's snapshot for its current wait
         self._bell = None
         board.counters.global_manager = "active"
 
@@ -129,7 +129,7 @@ class LendingAgent:
             if g.alive and not g.outstanding:
                 self._return_guest(g)
 
-    def _return_guest(self, g: _Worker) -> None:
+    def _return_guest(self, g: WorkerConn) -> None:
         """Send a lent worker home (lock held)."""
         try:
             g.conn.send_bytes(m.pack_control(m.RETURN))
@@ -137,7 +137,7 @@ class LendingAgent:
             pass
         self._drop_guest(g)
 
-    def _drop_guest(self, g: _Worker) -> None:
+    def _drop_guest(self, g: WorkerConn) -> None:
         g.alive = False
         g.conn.close()
         if g in self.guests:
@@ -155,7 +155,7 @@ class LendingAgent:
             conn = self.link.accept()
             if conn is not None:
                 with self.board.cond:
-                    self.guests.append(_Worker(None, None, conn))
+                    self.guests.append(WorkerConn(None, None, conn))
             return True
         if ready is self._bell:
             self._drain_bell(ready)
@@ -178,7 +178,7 @@ class LendingAgent:
                     self.bell = None
             bell.close()
 
-    def _on_message(self, g: _Worker) -> None:
+    def _on_message(self, g: WorkerConn) -> None:
         try:
             msg = g.conn.recv_bytes()
         except (EOFError, OSError):
@@ -188,7 +188,7 @@ class LendingAgent:
             self._on_guest_message(g, m.kind_of(msg), msg)
             self.board.cond.notify_all()
 
-    def _handshake(self, g: _Worker, kind: int, msg: bytes) -> bool:
+    def _handshake(self, g: WorkerConn, kind: int, msg: bytes) -> bool:
         """HELLO / NEED of a guest's handshake (lock held); whether `msg` was one (see worker.serve_borrower)."""
         link, board = self.link, self.board
         if kind not in (m.HELLO, m.NEED):
@@ -210,7 +210,7 @@ class LendingAgent:
             self._on_lost(g)
         return True
 
-    def _on_guest_message(self, g: _Worker, kind: int, msg: bytes) -> None:
+    def _on_guest_message(self, g: WorkerConn, kind: int, msg: bytes) -> None:
         """A lent worker's handshake and completions, or the GM's doorbell (lock held)."""
         if self._handshake(g, kind, msg):
             return
@@ -241,7 +241,7 @@ class LendingAgent:
             self.pool.on_done(g, msg)
             self.board.counters.borrowed_tiny_batches += 1
 
-    def _on_lost(self, g: _Worker) -> None:
+    def _on_lost(self, g: WorkerConn) -> None:
         """A guest's connection dropped: its owner restarts it if it died; its tasks run again here."""
         with self.board.cond:
             if not g.alive:

@@ -1,6 +1,7 @@
 """The clocks of the global-manager protocol, in one place: the GM (runtime/gm/manager.py), a
 local manager's seat at its table (runtime/gm/link.py) and the table itself (runtime/gm/tables.py)
-all reason about the same times, so each is defined once here. Imports nothing from the package:
+all reason about the same times, so each is defined once here (the sockets' own bounds are
+runtime/authsock.py's, which every socket user shares). Imports nothing from the package:
 it sits below the tables, the link and the manager.
 
 Two start-up windows, on purpose of different lengths:
@@ -21,5 +22,3 @@ POLL_S = 0.002  # the GM's loop period
 LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
 INCOMING_TTL_S = 1.0  # workers lent but never accepted within this are written off
 STALE_S = 2.0  # an LM whose row has not been published for this long neither lends nor borrows
-HANDSHAKE_S = 2  # each step of connecting to a peer's socket (connect, authenticate, first message)
-SEND_TIMEOUT_S = 5  # a guest that stops reading cannot block an LM's manager thread longer

@@ -1,0 +1,14 @@
+"""The GPU path, one wing: everything that runs DALI or touches the device for the accelerator.
+
+  session.py      GpuSession: the loader's side of the accelerator (start, TAAS's K, prep windows,
+                  delivery of mini-batches made partly on the GPU)
+  accelerator.py  AcceleratorWorker: the DALI worker kind on the loader's board (its pipeline thread)
+  device_ring.py  the accelerator's half of the batch ring in device memory; streams and events
+  dali_graph.py   a policy as one prebuilt DALI pipeline (decode+crop, resize, flip, op slots)
+  dali_ops.py     each registered op as a DALI graph fragment
+  declines.py     which policies the DALI graph cannot run (importable without DALI)
+  bridge/         the allocator bridge: PyTorch's free cached blocks lent to DALI
+
+It builds on `runtime/` (the board a worker kind joins) and `ops/`/`policy/`; the loader imports it,
+never the reverse.
+"""

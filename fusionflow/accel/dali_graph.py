@@ -1,0 +1,320 @@
+"""A policy as one prebuilt DALI pipeline: decode+crop -> resize -> flip -> op slots -> layout.
+
+One pipeline per policy, with per-sample conditionals (DALI's `enable_conditionals`): slot k of a
+sample runs the op its draw names, so a single graph covers every op combination and nothing is
+built after start-up. Randomness never comes from DALI: the host computes each sample's
+`SampleDraw` for (seed, epoch, index) -- exactly as a CPU worker does -- and feeds crop window,
+flip, op ids and op parameters as per-sample inputs.
+
+EXIF orientation is ignored, as on the CPU path (Pillow) and in torchvision: DALI's decoder would
+apply it by default (`adjust_orientation`), turning or mirroring the image on one path only.
+
+The policy's `decode.mode` applies to the CPU path only: DALI decodes the crop window at full
+resolution and resizes it with its own antialiased filter (its ROI decode already skips what lies
+outside the window; a DCT-scaled decode is what the CPU's fast mode adds).
+
+Works with DALI on the CPU (`device="cpu"`, device_id=None: tests and CPU-only machines) and on a
+GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle
+from fusionflow.accel.declines import dali_declines
+from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
+from fusionflow.policy import Policy, crop_window, draw, load_policy
+from fusionflow.policy.op_specs import NUM_PARAMS
+
+log = logging.getLogger(__name__)
+
+
+def image_size(data, what: str | None = None) -> tuple[int, int]:
+    """(height, width) from an encoded image's header, without decoding it."""
+    from fusionflow.ops.decode import open_encoded
+
+    try:
+        with open_encoded(data, what) as img:  # Pillow's bomb warning silenced: the policy's limit governs
+            w, h = img.size
+    except Exception as exc:  # Pillow raises several types for unreadable headers
+        raise DecodeError(f"cannot read the image header of {len(data)} bytes: {exc}", what) from exc
+    return h, w
+
+
+class DaliPolicyPipeline:
+    """Runs `policy` on batches of up to `batch_size` encoded samples through DALI."""
+
+    def __init__(
+        self,
+        policy,
+        batch_size: int,
+        device: str = "cpu",
+        device_id: int | None = None,
+        num_threads: int = 1,
+        exec_dynamic: bool = True,
+    ):
+        _check_args(batch_size, device, device_id)
+        self.policy: Policy = load_policy(policy)
+        why = dali_declines(self.policy)
+        if why is not None:
+            raise ValueError(f"{self.policy.source}: the DALI pipeline cannot run {why}; the CPU pipeline runs it")
+        _check_fill(self.policy)
+        aug = self.policy.augment
+        self.batch_size, self.device = batch_size, device
+        # local op ids: 0 is Identity (empty slot), then the policy's ops in file order
+        self.op_names = ["Identity"] + [o.name for o in aug.ops if o.name != "Identity"]
+        self._local = {name: i for i, name in enumerate(self.op_names)}
+        self.slots = self._slot_count()
+        augment = self._op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
+        graph = _policy_graph(self.policy, device, augment)
+        self._make = lambda: graph(
+            batch_size=batch_size,
+            num_threads=num_threads,
+            device_id=device_id,
+            exec_dynamic=exec_dynamic,
+            prefetch_queue_depth=1,
+        )
+        self.rebuilds = 0
+        self._closed = False
+        t0 = time.perf_counter()
+        self._pipe = self._build()
+        self.build_seconds = time.perf_counter() - t0
+
+    # The graph's op section, as three methods so that an experiment can build another design of it
+    # (experiments/bench_aot.py: one pipeline per op combination) on the same decode, feed and output.
+    def _slot_count(self) -> int:
+        """How many op slots a sample has (its draw's ops fill the first ones, Identity the rest)."""
+        return self.policy.augment.max_ops
+
+    def _op_graph(self, style):
+        """The op slots, as a function of the graph's images: slot k of a sample runs the op its draw
+        names there (a per-sample conditional). It holds plain values, never `self`: DALI keeps the
+        graph as long as its pipeline, which must go with this object's last reference."""
+        from nvidia.dali import fn, types
+
+        slots, names = self.slots, self.op_names
+
+        def augment(images):
+            if not slots:
+                return images
+            op_ids = fn.external_source(name="op_ids", dtype=types.INT32, ndim=1)
+            params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
+            for k in range(slots):
+                images = _apply_slot(images, op_ids[k], params[k], names, style)
+            return images
+
+        return augment
+
+    def _op_feeds(self, cols: list) -> tuple[list[str], list]:
+        """The external sources `graph` declares, and their columns out of `prepare`'s first six
+        (encoded, anchor, shape, flip, op ids, params)."""
+        names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
+        return names, cols[: len(names)]
+
+    def _build(self):
+        pipe = self._make()
+        pipe.build()
+        return pipe
+
+    def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None, copy: int = 0):
+        """Host-side inputs for one sample: the same draw a CPU worker would make."""
+        d = draw(self.policy, seed, epoch, index, copy)
+        height, width = image_size(data, what or f"sample {index}")
+        top, left, h, w = crop_window(self.policy, d, height, width)
+        out_h, out_w = self.policy.size
+        op_ids = np.zeros(self.slots, np.int32)
+        params = np.zeros((self.slots, NUM_PARAMS), np.float32)
+        for k, op in enumerate(d.ops):
+            op_ids[k] = self._local[op.name]
+            params[k] = op.params(out_h, out_w)
+        cols = (
+            np.frombuffer(data, np.uint8),
+            np.array([left, top], np.float32),
+            np.array([w, h], np.float32),
+            np.int32(d.flip),
+            op_ids,
+            params,
+        )
+        return cols + self._erase_inputs(d)
+
+    def _erase_inputs(self, d) -> tuple:
+        """(anchor [top, left], shape [h, w]) of the erased rectangle ([0, 0] when not erased), and for
+        value 'random' the noise as a full-size CHW image, zero outside the rectangle."""
+        erase = self.policy.erase
+        if erase is None:
+            return ()
+        e = d.erase
+        anchor = np.array([e.top, e.left] if e else [0, 0], np.float32)
+        shape = np.array([e.height, e.width] if e else [0, 0], np.float32)
+        if erase.value is not None:
+            return (anchor, shape)
+        noise = np.zeros(self.policy.out_shape, np.float32)
+        if e is not None:
+            noise[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(erase)
+        return (anchor, shape, noise)
+
+    def run(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None):
+        """Augment encoded `samples` (sample i has dataset index indices[i], and is that index's
+        copies[i]-th occurrence in the epoch: all 0 when None); returns DALI's output TensorList
+        (CPU or GPU), one CHW sample per input, in order."""
+        n = len(samples)
+        if not 1 <= n <= self.batch_size:
+            raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
+        copies = [0] * n if copies is None else copies
+        cols = list(zip(*(self.prepare(s, i, seed, epoch, copy=c) for s, i, c in zip(samples, indices, copies))))
+        names, op_cols = self._op_feeds(cols[:6])
+        erase_cols = cols[6:]
+        names, cols = names + _ERASE_INPUTS[: len(erase_cols)], op_cols + erase_cols
+        if self._closed:
+            raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
+        if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
+            log.warning("rebuilding the DALI pipeline of %s after a failed batch", self.policy.name)
+            try:
+                self._pipe = self._build()
+            except Exception as exc:
+                raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
+            self.rebuilds += 1
+        try:
+            for name, col in zip(names, cols):
+                self._pipe.feed_input(name, list(col))
+            (out,) = self._pipe.run()
+        except MemoryError as exc:  # DALI's CUDABadAlloc (a std::bad_alloc) arrives as MemoryError
+            self._discard()
+            raise DeviceOutOfMemory(
+                f"DALI ran out of memory on samples {list(indices)} ({self.device}): {_last_line(exc)}"
+            ) from exc
+        except RuntimeError as exc:  # DALI reports decode faults as RuntimeError and is unusable after
+            self._discard()
+            raise DecodeError(
+                f"DALI could not process samples {list(indices)} (one is likely corrupt or "
+                f"truncated): {_last_line(exc)}"
+            ) from exc
+        return out
+
+    def _discard(self) -> None:
+        """Shut down DALI's pipeline now (a failed one is never run again; the next run rebuilds)."""
+        pipe, self._pipe = self._pipe, None
+        _shutdown(pipe)
+
+    def close(self) -> None:
+        """Shut DALI's pipeline down now (its threads, streams and memory), not whenever the last
+        reference goes. Idempotent; the pipeline cannot run after."""
+        self._closed = True
+        self._discard()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_args(batch_size: int, device: str, device_id: int | None) -> None:
+    if device not in ("cpu", "gpu"):
+        raise ValueError(f"device={device!r} must be 'cpu' or 'gpu'")
+    if device == "gpu" and device_id is None:
+        raise ValueError("device='gpu' needs a device_id (the CUDA device index)")
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1")
+
+
+def _check_fill(policy: Policy) -> None:
+    """DALI's geometric ops fill with one gray level: an RGB fill is refused (Cutout alone may have one)."""
+    aug = policy.augment
+    if len(set(aug.fill)) != 1 and any(o.name != "Cutout" and o.range is not None for o in aug.ops):
+        raise ValueError(
+            f"{policy.source}: augment.fill {list(aug.fill)}: the DALI pipeline fills "
+            "geometric ops with one gray level; use a single value such as 128"
+        )
+
+
+def _policy_graph(policy: Policy, device: str, augment):
+    """The pipeline definition (DALI's `pipeline_def`): feed -> decode+crop -> resize -> flip ->
+    `augment` (the op slots) -> normalize or transpose to CHW -> erase. It holds plain values, never
+    the DaliPolicyPipeline: DALI keeps the graph as long as its pipeline."""
+    from nvidia.dali import fn, pipeline_def, types
+
+    out_h, out_w = policy.size
+    normalize, erase = policy.normalize, policy.erase
+
+    @pipeline_def(enable_conditionals=True)
+    def graph():
+        encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+        anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
+        shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
+        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+        images = fn.decoders.image_slice(
+            encoded,
+            anchor,
+            shape,
+            device="mixed" if device == "gpu" else "cpu",
+            output_type=types.RGB,
+            normalized_anchor=False,
+            normalized_shape=False,
+            axis_names="WH",
+            adjust_orientation=False,
+        )
+        images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR, antialias=True)
+        images = fn.flip(images, horizontal=flip)
+        images = augment(images)
+        if normalize:
+            mean, std = normalize
+            images = fn.crop_mirror_normalize(
+                images,
+                dtype=types.FLOAT,
+                output_layout="CHW",
+                mean=[255.0 * m for m in mean],
+                std=[255.0 * s for s in std],
+            )
+        else:
+            images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
+        if erase is not None:
+            images = _erase(images, erase, device)
+        return images
+
+    return graph
+
+
+def _shutdown(pipe) -> None:
+    """DALI 2.4 has no public close: `Pipeline._shutdown` is what its `__del__` runs."""
+    if pipe is not None:
+        shutdown = getattr(pipe, "_shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+def _last_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[-1] if lines else type(exc).__name__
+
+
+_ERASE_INPUTS = ["erase_anchor", "erase_shape", "erase_noise"]
+
+
+def _erase(images, erase, device):
+    """torchvision's RandomErasing on CHW output: the drawn rectangle (empty when the sample is not
+    erased) set to the policy's value; for 'random', set to 0 and the host's noise (zero outside
+    the rectangle) added, so the rectangle holds exactly the CPU path's noise."""
+    from nvidia.dali import fn, types
+
+    anchor = fn.external_source(name="erase_anchor", dtype=types.FLOAT, ndim=1)
+    shape = fn.external_source(name="erase_shape", dtype=types.FLOAT, ndim=1)
+    fill = [0.0, 0.0, 0.0] if erase.value is None else [float(v) for v in erase.value]
+    images = fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=fill)
+    if erase.value is None:
+        noise = fn.external_source(name="erase_noise", dtype=types.FLOAT, ndim=3, layout="CHW")
+        images = images + (noise.gpu() if device == "gpu" else noise)
+    return images
+
+
+def _apply_slot(images, op_id, params, names, style):
+    """images after the op whose local id is `op_id` (a per-sample DALI conditional)."""
+    out = images
+    for i, name in enumerate(names):
+        if i and op_id == i:
+            out = DALI_IMPLS[name](images, params, style)
+    return out

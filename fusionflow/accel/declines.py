@@ -1,0 +1,35 @@
+"""Which policies the DALI graph (fusionflow/accel/dali_graph.py) can run with the CPU path's pixels;
+importable without DALI (the loader asks before it builds anything)."""
+
+from __future__ import annotations
+
+from fusionflow.policy.op_specs import OPS
+
+
+def dali_declines(policy) -> str | None:
+    """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
+    filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
+    none of timm's augmentations, AugMix's mixtures, ColorJitter, RandomGrayscale or the Hue op."""
+    if policy is None:
+        return None
+    if policy.crop_interpolation != "bilinear":
+        return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
+    if policy.augment.timm is not None:
+        return f"augment.type {policy.augment.type!r} (timm's ops, magnitude noise and mixing are CPU-only)"
+    if policy.augment.type == "deepaa":
+        return "augment.type 'deepaa' (its crops are ops of the policy and its cutout has its own fill)"
+    if policy.augment.type == "augmix":
+        return "augment.type 'augmix' (the DALI graph has no per-sample mixture of op chains)"
+    if policy.augment.type != "none" and policy.augment.interpolation == "bicubic":
+        return "augment.interpolation 'bicubic' (DALI's warp_affine has only nearest and linear)"
+    if policy.jitter is not None:
+        return "jitter (ColorJitter: its random order and Pillow's HSV hue are CPU-only)"
+    if policy.grayscale > 0:
+        return "grayscale (RandomGrayscale is CPU-only)"
+    cpu_only = [o.name for o in policy.augment.ops if not OPS[o.name].dali]
+    if cpu_only:
+        return f"augment.ops {cpu_only} (no DALI implementation)"
+    erase = policy.erase
+    if erase is not None and (erase.count != (1, 1) or (erase.value is None and erase.noise == "color")):
+        return "timm's erase (count > 1 or value random_color: the DALI graph erases one rectangle)"
+    return None

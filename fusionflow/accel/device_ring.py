@@ -1,0 +1,97 @@
+"""The accelerator's half of the batch ring on the GPU: [depth, batch, C, H, W] device memory,
+allocated once, that DALI's GPU outputs are copied into (positions of a tiny-batch are contiguous),
+and its streams and events (the ring's host registration and the copy events of CPU-made batches are
+runtime/cuda_host.py's).
+
+Streams and events (one device: the loader's, resolved to an index once, made current with a
+`torch.cuda.device` guard around every CUDA call, whatever device the calling thread has):
+  * the accelerator copies DALI's output on its own stream (`DeviceRing.stream`), never on the
+    legacy default stream, so it does not serialise behind training;
+  * after a copy it records a blocking event on that stream and waits for it on the host (its own
+    thread; a blocking event sleeps instead of spinning a core): DALI may free or reuse its output
+    buffer once `run()`'s result is dropped, which DALI orders on its streams, not on ours;
+  * the event is also kept per ring slot, and the loader makes the training stream wait for it
+    before it reads the slot (`wait_slot`), so the training stream is ordered after the copy by
+    CUDA itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from fusionflow.runtime.shm import RingLayout
+
+log = logging.getLogger(__name__)
+_DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
+
+
+def copy_out(out, dst: torch.Tensor, stream) -> None:
+    """Copy a DALI GPU TensorList into `dst` on `stream` (asynchronously)."""
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    feed_ndarray(out.as_tensor(), dst, cuda_stream=stream)
+
+
+class DeviceRing:
+    def __init__(self, layout: RingLayout, device: torch.device, alloc_device: torch.device | None = None):
+        """`device` must carry its index; `alloc_device` is where the buffer lives (the same device;
+        the tests run the CUDA protocol against a fake torch.cuda with the buffer on the CPU)."""
+        if device.type != "cuda" or device.index is None:
+            raise ValueError(f"device={device!r}: DeviceRing needs a CUDA device with an index, e.g. cuda:0")
+        self.device, self.index = device, device.index
+        with torch.cuda.device(self.index):
+            self.images = torch.empty(
+                (layout.depth, layout.batch_size, *layout.sample_shape),
+                dtype=_DTYPES[layout.dtype],
+                device=alloc_device or device,
+            )
+            self.stream = torch.cuda.Stream(device=device)
+        self.ready = [None] * layout.depth  # per slot: the event of the accelerator's last copy into it
+
+    def write(self, slot: int, positions, out) -> None:
+        """Copy a DALI GPU TensorList (one sample per position, in order) into the ring; returns once
+        the copy is complete (the slot may then be reported done)."""
+        first, n = positions[0], len(positions)
+        with torch.cuda.device(self.index):
+            if list(positions) == list(range(first, first + n)):  # one tiny-batch, or adjacent ones
+                copy_out(out, self.images[slot, first : first + n], self.stream)
+            else:  # several tiny-batches in one DALI run: staged, then a device copy per run of positions
+                with torch.cuda.stream(self.stream):  # the staging block belongs to the accelerator's stream
+                    staged = torch.empty(
+                        (n, *self.images.shape[2:]), dtype=self.images.dtype, device=self.images.device
+                    )
+                    copy_out(out, staged, self.stream)
+                    k = 0
+                    for a, b in _runs_in_order(positions):
+                        self.images[slot, a:b].copy_(staged[k : k + b - a], non_blocking=True)
+                        k += b - a
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream)
+        event.synchronize()
+        self.ready[slot] = event
+
+    def wait_slot(self, slot: int, stream) -> None:
+        """Order `stream` (the training stream) after every accelerator copy into `slot` so far
+        (copies on one stream complete in order: the last event covers them all)."""
+        event = self.ready[slot]
+        if event is not None:
+            stream.wait_event(event)
+
+
+def accel_runs(positions) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive positions (the accelerator's tiny-batches, merged where
+    adjacent): the merged delivery copies slices, so it needs no index tensor on the device."""
+    return _runs_in_order(sorted(positions))
+
+
+def _runs_in_order(positions) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive positions, in the order given (a DALI run's samples)."""
+    runs: list[list[int]] = []
+    for p in positions:
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return [(a, b) for a, b in runs]

@@ -1,0 +1,262 @@
+"""GpuSession: the loader's side of the accelerator and the GPU -- starting the DALI worker kind (and
+the allocator bridge before any DALI pipeline exists), TAAS's K search fed by completed mini-batches,
+temporal sharing's prep windows around each wait, and delivery of mini-batches made partly on the
+GPU. One per loader built with an accelerator; it owns the bridge, the device ring, the sharing
+profiler and the loader's reference to the accelerator it started (never the loader or its manager:
+the manager is passed to each call)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from fusionflow.runtime.local_manager import LocalManager
+
+log = logging.getLogger("fusionflow.loader.front")
+
+
+class GpuSession:
+    def __init__(
+        self,
+        stats,
+        *,
+        accelerator: str,
+        device: torch.device,
+        gpu_sharing: str,
+        aot: bool,
+        taas: bool,
+        taas_last_k: bool,
+        memory_bridge: str,
+        bridge_why_off: str | None,
+    ):
+        self.stats = stats
+        self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing
+        self.aot, self.taas, self.taas_last_k, self.memory_bridge = aot, taas, taas_last_k, memory_bridge
+        self.bridge = None  # the MemoryBridge, while it runs (kept across managers until close())
+        self.bridge_why_off = bridge_why_off  # None: start the bridge with the accelerator (again after close())
+        self.accel = None  # the accelerator worker kind this session started, while its manager runs
+        self.device_ring = None
+        self.profiler = None  # gpu_sharing="auto" on a GPU
+
+    @classmethod
+    def for_config(cls, stats, cfg) -> GpuSession:
+        """The session a loader's resolved configuration (LoaderConfig) asks for."""
+        return cls(
+            stats,
+            accelerator=cfg.accelerator,
+            device=cfg.device,
+            gpu_sharing=cfg.gpu_sharing,
+            aot=cfg.aot,
+            taas=cfg.taas,
+            taas_last_k=cfg.taas_last_k,
+            memory_bridge=cfg.memory_bridge,
+            bridge_why_off=cfg.bridge_why_off,
+        )
+
+    def start(
+        self,
+        mgr: LocalManager,
+        dataset,
+        policy,
+        seed: int,
+        capacity: int,
+        tiny_batch_size: int,
+        alloc_device: torch.device,
+    ) -> None:
+        """Start the accelerator as a worker kind on `mgr` (the bridge first, on the GPU)."""
+        from fusionflow.accel.accelerator import RUN_IMAGES, AcceleratorWorker
+        from fusionflow.scheduling.taas import KSearch
+
+        on_gpu = self.accelerator == "dali-gpu"
+        if on_gpu and self.bridge_why_off is None and self.bridge is None:
+            self._start_bridge()  # before any DALI pipeline exists, so all of DALI's memory passes through it
+        device_ring = None
+        if on_gpu:
+            from fusionflow.accel.device_ring import DeviceRing
+
+            device_ring = DeviceRing(mgr.layout, self.device, alloc_device)
+        sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
+        accel = AcceleratorWorker(
+            mgr.board,
+            dataset,
+            policy,
+            min(capacity, max(tiny_batch_size, RUN_IMAGES)),  # samples per DALI run (several tiny-batches)
+            seed,
+            device="gpu" if on_gpu else "cpu",
+            device_id=self.device.index if on_gpu else None,
+            aot=self.aot,
+            largest_first=self.taas,
+            device_ring=device_ring,
+            sharing=sharing,
+            counters=self.stats,
+            bridge=self.bridge,
+        )
+        mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
+        # anything below, or start(), raises
+        self.accel, self.device_ring, self.alloc_device = accel, device_ring, alloc_device
+        search = KSearch(k_max=-(-capacity // tiny_batch_size))
+        self.stats.accelerator_build_seconds = accel.build_seconds
+        # The callbacks live on the manager: they must not refer to the loader or this session (they
+        # would live as long as the manager) nor strongly to the manager or the accelerator.
+        mgr.attach(
+            on_batch_done=(
+                functools.partial(_taas_feedback, weakref.ref(mgr.board), weakref.ref(accel), search, self.stats.taas_k)
+                if self.taas and self.taas_last_k
+                else None
+            ),
+            on_capacity_change=lambda n: search.restart(),
+        )  # the CPU side's speed changed: search K again
+        if on_gpu and self.gpu_sharing == "auto":
+            from fusionflow.accel.accelerator import SharingProfiler
+
+            self.profiler = SharingProfiler(accel)
+        accel.start()
+
+    def _start_bridge(self) -> None:
+        from fusionflow.native import BridgeError
+
+        try:
+            from fusionflow.accel.bridge.memory_bridge import MemoryBridge  # posix_ipc, ctypes, the native build
+
+            self.bridge = MemoryBridge(self.device)
+        except Exception as exc:  # not built, not importable, or CUDA/DALI refused the install
+            if self.memory_bridge == "on":
+                if isinstance(exc, BridgeError):
+                    raise
+                raise BridgeError(f"memory_bridge='on': the allocator bridge could not start: {exc!r}") from exc
+            log.warning("memory_bridge='auto': the allocator bridge is off, DALI keeps its own GPU pool (%s)", exc)
+            self.bridge_why_off = str(exc)  # not retried at every epoch
+            self.stats.memory_bridge = f"off: {exc}"
+            return
+        self.stats.memory_bridge = "on"
+
+    # ---------------------------------------------------------------- around each wait at next()
+    def mark_step(self) -> None:
+        """Temporal GPU sharing: the accelerator waits for the training work queued so far."""
+        accel = self.accel
+        if self.profiler is not None:
+            self.profiler.tick()
+            self.stats.gpu_sharing = self.profiler.chosen
+        if accel is not None and accel.device_ring is not None and accel.sharing == "temporal":
+            with torch.cuda.device(self.device.index):
+                event = torch.cuda.Event(blocking=True)
+                event.record(torch.cuda.current_stream(self.device))
+            accel.step_event = event
+
+    def open_window(self, mgr: LocalManager) -> None:
+        """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
+        accel = self.accel
+        if self.bridge is not None and (accel is None or accel.bridge is None or accel.sharing != "temporal"):
+            close_bridge_window(self.bridge)  # no windows now (spatial, lending failed): what DALI let go goes back
+        if accel is None or not accel.gated:
+            return
+        with mgr.board.cond:
+            if accel.bridge is not None:
+                accel.bridge.arm(torch.cuda.current_stream(self.device))
+            accel.window_open = True
+            mgr.board.cond.notify_all()
+
+    def close_window(self, mgr: LocalManager) -> None:
+        """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
+        accel = self.accel
+        if accel is None or not accel.window_open:
+            return
+        with mgr.board.cond:
+            accel.window_open = False
+            accel.wait_idle()
+        close_bridge_window(self.bridge)
+
+    def sync_stats(self) -> None:
+        """The allocator bridge's own counters into loader.stats (the manager's parts count there directly)."""
+        copy_bridge_stats(self.bridge, self.stats)
+
+    def deliver_merged(self, mgr: LocalManager, state, keep):
+        """CUDA delivery of a mini-batch produced partly on the GPU (None when it was not: the caller
+        delivers from the host ring): the host ring's positions are copied over, the accelerator's
+        come from the device ring (slices of consecutive positions: no index tensor, so no
+        host-to-device copy of indices). Returns (images, labels, the event after the copies)."""
+        if self.device_ring is None or not state.accel_positions:
+            return None
+        from fusionflow.accel.device_ring import accel_runs
+        from fusionflow.runtime.cuda_host import record_copies
+
+        n, slot, pinned, dev = state.size, state.slot, mgr.cuda_registered, self.alloc_device
+        with torch.cuda.device(self.device.index):
+            stream = torch.cuda.current_stream(self.device)
+            self.device_ring.wait_slot(slot, stream)  # after the accelerator's copies into this slot
+            out = torch.from_numpy(mgr.board.ring.images[slot, :n]).to(dev, non_blocking=pinned)
+            for start, stop in accel_runs(state.accel_positions):
+                out[start:stop] = self.device_ring.images[slot, start:stop]
+            host_labels = mgr.board.ring.labels[slot, :n]
+            labels = torch.from_numpy(host_labels if pinned else host_labels.copy()).to(dev, non_blocking=pinned)
+            if keep is not None:  # on_error='skip' dropped samples (rare): gather what is kept
+                keep_t = torch.as_tensor(keep).to(dev)
+                out, labels = out[keep_t], labels[keep_t]
+            return out, labels, record_copies(stream, mgr)
+
+    # ---------------------------------------------------------------- the shutdown procedure's GPU steps
+    def end_window_now(self, mgr: LocalManager) -> None:
+        """Shutdown, before the manager's: close an open prep window (the tiny-batch in flight
+        finishes first, then PyTorch takes its lent blocks back)."""
+        accel = self.accel
+        if accel is not None and accel.window_open:
+            with mgr.board.cond:
+                accel.window_open = False
+                accel.wait_idle()
+            close_bridge_window(self.bridge)
+
+    def manager_stopped(self, stats=None) -> None:
+        """Shutdown, after the manager's: take back what DALI's pipelines held (they are gone now),
+        copy the bridge's counters into `stats`, forget the accelerator and what belonged to it."""
+        close_bridge_window(self.bridge)
+        if stats is not None:
+            copy_bridge_stats(self.bridge, stats)
+        self.accel = self.device_ring = self.profiler = None
+
+    def shutdown_bridge(self) -> None:
+        """Every lent block goes back and the ledger is unlinked; a later start builds a new bridge."""
+        bridge, self.bridge = self.bridge, None
+        if bridge is not None:
+            bridge.shutdown()
+
+
+def _taas_feedback(board_ref, accel_ref, search, history, state) -> None:
+    """The board's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
+    board, accel = board_ref(), accel_ref()
+    if board is None or accel is None or accel.retired:
+        return
+    cpu_last = state.cpu_done_at >= state.accel_done_at
+    board.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
+    history.append(board.reserved)
+
+
+def close_bridge_window(bridge) -> None:
+    if bridge is None:
+        return
+    try:
+        bridge.close()
+    except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
+        log.exception("allocator bridge: closing the prep window failed")
+
+
+# loader.stats field <- MemoryBridge.stats field (the bridge's lent/borrowed bytes are maxima over windows)
+BRIDGE_STATS = (
+    ("bridge_windows", "windows"),
+    ("bridge_max_lent_bytes", "lent_bytes"),
+    ("bridge_max_borrowed_bytes", "borrowed_bytes"),
+    ("bridge_fallback_bytes", "fallback_bytes"),
+    ("bridge_pinned_bytes", "pinned_bytes"),
+    ("bridge_seconds", "seconds"),
+)
+
+
+def copy_bridge_stats(bridge, stats) -> None:
+    if bridge is not None:
+        for ours, theirs in BRIDGE_STATS:
+            setattr(stats, ours, getattr(bridge.stats, theirs))

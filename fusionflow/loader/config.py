@@ -1,0 +1,333 @@
+"""FusionFlowLoader's arguments, resolved once into a frozen `LoaderConfig`.
+
+Each `resolve_*` function takes the arguments it needs (and, where a default depends on the machine,
+a `Host`) and returns resolved values or raises the ValueError/TypeError that names the value and
+the fix; those that ask the machine (device, accelerator, memory bridge, job, remote workers) are in
+fusionflow/loader/host.py. Nothing here starts a process, allocates shared memory or builds
+native code: that happens at the first iteration (the allocator bridge's native part included).
+`resolve_config` applies them in the order the loader always validated its arguments, so the first
+wrong argument is the one reported. tests/test_loader_config.py drives it with a table of argument
+combinations.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+from fusionflow.loader.dataset import resolve_samples
+from fusionflow.loader.host import (
+    Host,
+    check_memory_bridge,
+    check_remote_workers,
+    resolve_accelerator,
+    resolve_bridge,
+    resolve_device,
+    resolve_job,
+    resolve_pin_memory,
+)
+from fusionflow.policy import load_policy
+
+log = logging.getLogger("fusionflow.loader.front")  # its messages keep the loader's logger name, as before the move
+ON_ERROR = ("raise", "skip")
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """FusionFlowLoader's arguments after resolution: every default chosen, every value checked."""
+
+    batch_sampler: Any  # the caller's, or BatchSampler(sampler, batch_size, drop_last)
+    sampler: Any  # what the batch sampler draws from (set_epoch and checkpoints reach it)
+    batch_size: int | None  # as given (1 by default, also when a batch_sampler is given)
+    drop_last: bool
+    capacity: int  # the largest mini-batch: shared memory is allocated for this many samples
+    tiny_batch_size: int
+    num_workers: int
+    prefetch_factor: int  # mini-batches in flight
+    persistent_workers: bool
+    timeout: float
+    on_error: str
+    max_retries: int
+    pin_workers: bool | str
+    seed: int
+    seed_given: bool  # False: derived (torch's initial seed, or the generator's)
+    device: torch.device  # "cpu", or "cuda" with its index resolved
+    policy: Any  # the frozen Policy
+    accelerator: str | None  # None, "dali-cpu" or "dali-gpu" ("auto" resolved)
+    gpu_sharing: str  # "auto", "temporal", "spatial" or "off" (memory_bridge="on" fixes auto to temporal)
+    aot: bool
+    taas: bool
+    taas_last_k: bool
+    memory_bridge: str  # as given: "auto", "on" or "off"
+    bridge_why_off: str | None  # None: lend PyTorch's blocks to DALI (if the bridge starts)
+    job: str | None  # the global manager's job name; None: no lending
+    collate_fn: Any  # as given
+    collate: Any  # None: batches as delivered (None or default_collate); else the callable
+    pin_memory: bool
+    trace_path: str | None
+    stage_names: tuple | None  # stage_times=True: the policy's stages
+    worker_init_fn: Any
+    multiprocessing_context: Any
+    remote_workers: Any = None  # a fusionflow.RayWorkers, or None
+    sample_keys: tuple | None = (
+        None  # (image key[, target key]) for dict samples (fusionflow.datasets.wrappers.DictSamples)
+    )
+    read_ahead: int | None = None  # reads each CPU worker runs ahead (fusionflow.datasets.wrappers.ReadAhead), or None
+
+
+def resolve_collate(collate_fn):
+    """None when the batch is delivered as is (None or torch's default_collate: it is already collated
+    in place), else the callable."""
+    from torch.utils.data import default_collate
+
+    if collate_fn is not None and not callable(collate_fn):
+        raise TypeError(
+            f"collate_fn={collate_fn!r} must be callable (or None): it is called with the batch's "
+            "list of (image, target) samples, as DataLoader calls it"
+        )
+    return None if collate_fn is None or collate_fn is default_collate else collate_fn
+
+
+def resolve_num_workers(num_workers, cores: int, notes: list) -> int:
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
+    if num_workers > cores:  # as DataLoader does: a warning, not an error (workers then share cores)
+        notes.append(
+            f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
+            f"FusionFlow runs best with one worker per core: use num_workers<={cores}"
+        )
+    return num_workers
+
+
+def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator):
+    """(batch_sampler, sampler, capacity) as DataLoader combines its arguments; capacity is the largest batch."""
+    if batch_sampler is not None:
+        if batch_size != 1 or shuffle or sampler is not None or drop_last:
+            raise ValueError(
+                "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
+                "drop_last: leave those at their defaults when you pass a batch_sampler"
+            )
+        capacity = getattr(batch_sampler, "batch_size", None)
+        if not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(
+                "batch_sampler needs an int attribute batch_size (its largest batch): "
+                "FusionFlowLoader allocates shared memory for that many samples up front"
+            )
+    else:
+        if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not supported)")
+        if sampler is not None and shuffle:
+            raise ValueError(
+                "sampler is mutually exclusive with shuffle=True: shuffle inside your sampler "
+                "(e.g. DistributedSampler(shuffle=True)) and leave shuffle unset"
+            )
+        if sampler is None:
+            sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+        batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        capacity = batch_size
+    return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity
+
+
+def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
+    if tiny_batch_size is None:
+        tiny_batch_size = min(4, capacity)
+    if not isinstance(tiny_batch_size, int) or tiny_batch_size < 1:
+        raise ValueError(f"tiny_batch_size={tiny_batch_size!r} must be an integer >= 1")
+    if tiny_batch_size > capacity:
+        raise ValueError(
+            f"tiny_batch_size={tiny_batch_size} is larger than batch_size={capacity}: "
+            f"use tiny_batch_size <= batch_size (typically 1-8)"
+        )
+    return tiny_batch_size
+
+
+def resolve_prefetch(prefetch_factor, num_workers: int) -> int:
+    if prefetch_factor is None:
+        prefetch_factor = 2
+    elif num_workers == 0:
+        raise ValueError("prefetch_factor needs num_workers > 0 (with 0 workers nothing runs ahead)")
+    if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+        raise ValueError(f"prefetch_factor={prefetch_factor!r} must be an integer >= 1 (mini-batches in flight)")
+    return prefetch_factor
+
+
+def check_run_options(persistent_workers, num_workers: int, timeout, on_error, max_retries, pin_workers) -> None:
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers=True needs num_workers > 0")
+    if timeout < 0:
+        raise ValueError(f"timeout={timeout} must be >= 0 (0 waits forever)")
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
+    if not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
+    if pin_workers not in (True, False, "auto"):
+        raise ValueError(f"pin_workers={pin_workers!r} must be 'auto', True or False")
+
+
+def default_seed(generator, initial_seed: Callable[[], int] = torch.initial_seed) -> int:
+    """seed=None: derived as DataLoader derives its base seed -- from `generator` if given, else from
+    torch's initial seed -- but once per loader (augmentation is a function of (seed, epoch, index), so
+    it must not change between epochs). torch's initial seed differs between launches unless the
+    script calls torch.manual_seed, so two launches do not repeat the same augmentation, and a seeded
+    script stays reproducible. Nothing is drawn from torch's RNG, so the caller's random stream is unchanged."""
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
+        return generator.initial_seed() % 2**63
+    return initial_seed() % 2**63
+
+
+def resolve_seed(seed, generator, initial_seed: Callable[[], int] = torch.initial_seed) -> int:
+    if seed is None:
+        seed = default_seed(generator, initial_seed)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(
+            f"seed={seed!r} must be a non-negative integer (or None: derived from torch's "
+            "initial seed, or from generator's)"
+        )
+    return seed
+
+
+def resolve_trace(trace):
+    from fusionflow.loader.trace import check_path
+
+    return None if trace is None else check_path(trace)
+
+
+_SAID_DEFAULT_POLICY = False
+
+
+def resolve_policy(policy):
+    """The frozen Policy; without one (policy=None) the training default, said once per process: a
+    validation loader that forgets policy= would otherwise evaluate random crops without a word."""
+    global _SAID_DEFAULT_POLICY
+    if policy is None:
+        policy = load_policy("default")
+        if not _SAID_DEFAULT_POLICY:
+            _SAID_DEFAULT_POLICY = True
+            log.warning(
+                "FusionFlowLoader: no policy= given, so the training default applies (RandomResizedCrop to "
+                '%dx%d + horizontal flip, random per sample). For validation pass policy="eval" (Resize + '
+                "CenterCrop), or policy_from_transform(your_eval_transform)",
+                *policy.size,
+            )
+        return policy
+    return load_policy(policy)
+
+
+def resolve_stage_names(stage_times, policy):
+    if not isinstance(stage_times, bool):
+        raise TypeError(f"stage_times={stage_times!r} must be True or False")
+    if not stage_times:
+        return None
+    from fusionflow.ops.stages import stage_names
+
+    return stage_names(policy)
+
+
+def resolve_config(
+    dataset,
+    *,
+    batch_size,
+    shuffle,
+    sampler,
+    batch_sampler,
+    num_workers,
+    collate_fn,
+    pin_memory,
+    drop_last,
+    timeout,
+    worker_init_fn,
+    multiprocessing_context,
+    generator,
+    prefetch_factor,
+    persistent_workers,
+    policy,
+    tiny_batch_size,
+    seed,
+    device,
+    on_error,
+    max_retries,
+    pin_workers,
+    accelerator,
+    gpu_sharing,
+    aot,
+    taas,
+    taas_last_k,
+    global_manager,
+    memory_bridge,
+    trace,
+    stage_times,
+    remote_workers=None,
+    sample_keys=None,
+    read_ahead=None,
+    host: Host | None = None,
+    notes: list | None = None,
+) -> LoaderConfig:
+    """FusionFlowLoader's arguments (the same names; no defaults here: the loader's signature holds
+    them) resolved and checked, in the order the loader reports them. Warnings to give the caller
+    (UserWarning) are appended to `notes` as messages, also when a later argument raises."""
+    host = Host() if host is None else host
+    notes = [] if notes is None else notes
+    collate = resolve_collate(collate_fn)
+    num_workers = resolve_num_workers(num_workers, host.cores(), notes)
+    sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead)
+    batch_sampler, sampler, capacity = resolve_batching(
+        dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
+    )
+    tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
+    prefetch_factor = resolve_prefetch(prefetch_factor, num_workers)
+    check_run_options(persistent_workers, num_workers, timeout, on_error, max_retries, pin_workers)
+    seed_given = seed is not None
+    seed = resolve_seed(seed, generator, host.initial_seed)
+    resolved = resolve_device(device, host)
+    policy = resolve_policy(policy)
+    accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy)
+    check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device)
+    job = resolve_job(global_manager, num_workers, host.job_key)
+    gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
+    trace_path = resolve_trace(trace)
+    stage_names = resolve_stage_names(stage_times, policy)
+    check_remote_workers(remote_workers, num_workers, persistent_workers, notes)
+    return LoaderConfig(
+        batch_sampler=batch_sampler,
+        sampler=sampler,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        capacity=capacity,
+        tiny_batch_size=tiny_batch_size,
+        num_workers=num_workers,
+        prefetch_factor=prefetch_factor,
+        persistent_workers=persistent_workers,
+        timeout=timeout,
+        on_error=on_error,
+        max_retries=max_retries,
+        pin_workers=pin_workers,
+        seed=seed,
+        seed_given=seed_given,
+        device=resolved,
+        policy=policy,
+        accelerator=accelerator,
+        gpu_sharing=gpu_sharing,
+        aot=aot,
+        taas=taas,
+        taas_last_k=taas_last_k,
+        memory_bridge=memory_bridge,
+        bridge_why_off=why_off,
+        job=job,
+        collate_fn=collate_fn,
+        collate=collate,
+        pin_memory=resolve_pin_memory(pin_memory, resolved, host.cuda_available, notes),
+        trace_path=trace_path,
+        stage_names=stage_names,
+        worker_init_fn=worker_init_fn,
+        multiprocessing_context=multiprocessing_context,
+        remote_workers=remote_workers,
+        sample_keys=sample_keys,
+        read_ahead=read_ahead,
+    )

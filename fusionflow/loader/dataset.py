@@ -1,0 +1,143 @@
+"""The dataset as FusionFlowLoader reads it, resolved at construction: a map-style dataset (a stream
+is refused, saying what to use), its dict samples seen through `sample_keys`
+(fusionflow.datasets.wrappers.DictSamples), its reads started ahead with `read_ahead`
+(fusionflow.datasets.wrappers.ReadAhead),
+and a look at dataset[0] (already-transformed samples and dicts without sample_keys are refused).
+A torchvision ImageFolder given without `policy=` is adopted (`adopt_folder`): its files, and its
+transform as the policy."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger("fusionflow.loader.front")
+
+
+def adopt_folder(dataset, policy):
+    """(dataset, policy) as the loader uses them: a torchvision ImageFolder / DatasetFolder with a
+    transform and no `policy=` becomes FusionFlow's reader of the same files (same order and
+    targets) with `policy_from_transform(dataset.transform)`, said in one log line -- so replacing
+    DataLoader by FusionFlowLoader is the whole change. Anything else passes through."""
+    try:
+        from torchvision.datasets import DatasetFolder
+        from torchvision.datasets.folder import default_loader, pil_loader
+    except ImportError:
+        return dataset, policy
+    if policy is not None or not isinstance(dataset, DatasetFolder) or dataset.transform is None:
+        return dataset, policy
+    name = type(dataset).__name__
+    if dataset.target_transform is not None:
+        raise ValueError(
+            f"dataset: a torchvision {name} with a target_transform: FusionFlow reads the files itself and "
+            "delivers class indices; apply the target transform in collate_fn, or pass fusionflow.ImageFolder(root) "
+            "and policy="
+        )
+    if dataset.loader not in (default_loader, pil_loader):
+        raise ValueError(
+            f"dataset: a torchvision {name} with its own loader {dataset.loader!r}: FusionFlow decodes the files "
+            "itself; pass fusionflow.ImageFolder(root) and policy="
+        )
+    from fusionflow.datasets.folder import ImageFolder
+    from fusionflow.policy.from_torchvision import policy_from_transform
+
+    adopted = policy_from_transform(dataset.transform)  # raises, naming the transform, when not expressible
+    log.info(
+        "fusionflow: reading the %d files of torchvision %s %r itself, augmenting with its transform "
+        "(policy_from_transform: output %s, augment %s)",
+        len(dataset.samples),
+        name,
+        dataset.root,
+        "x".join(map(str, adopted.size)),
+        adopted.augment.type,
+    )
+    return ImageFolder.of_samples(dataset.root, dataset.samples, dataset.classes), adopted
+
+
+def resolve_samples(dataset, sample_keys, read_ahead) -> tuple[tuple | None, int | None]:
+    """(sample_keys, read_ahead) resolved, after the dataset they describe was checked."""
+    sample_keys, read_ahead = resolve_sample_keys(sample_keys), resolve_read_ahead(read_ahead)
+    check_raw_samples(wrap_samples(dataset, sample_keys))
+    return sample_keys, read_ahead
+
+
+def check_map_style(dataset) -> None:
+    """Augmentation is a pure function of (seed, epoch, sample index): FusionFlow needs random access."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__getitem__"):
+        raise TypeError(
+            f"FusionFlowLoader needs a map-style dataset (dataset[i]); got {type(dataset).__name__}, "
+            "a stream: FusionFlow's augmentation is a function of (seed, epoch, sample index), its epochs are "
+            "orders of indices (shuffle, DistributedSampler, checkpoints) and its tiny-batches are sorted by "
+            "each sample's size, which all need random access. For WebDataset tar shards use "
+            "fusionflow.TarShards(shards) (indexed, random access); for a map-style dataset of dict samples "
+            "(wids.ShardListDataset, Hugging Face datasets) pass sample_keys=(image key, target key)"
+        )
+
+
+def resolve_sample_keys(sample_keys) -> tuple | None:
+    if sample_keys is None:
+        return None
+    keys = (sample_keys,) if isinstance(sample_keys, str) else sample_keys
+    if not isinstance(keys, (tuple, list)) or not 1 <= len(keys) <= 2:
+        raise ValueError(
+            f"sample_keys={sample_keys!r} must be (image key, target key) -- e.g. ('jpg', 'cls') or "
+            "('image', 'label') -- or (image key,) for samples without targets"
+        )
+    return tuple(keys)
+
+
+def resolve_read_ahead(read_ahead) -> int | None:
+    if read_ahead is None or read_ahead == 0 and not isinstance(read_ahead, bool):
+        return None
+    if isinstance(read_ahead, bool) or not isinstance(read_ahead, int) or read_ahead < 0:
+        raise ValueError(
+            f"read_ahead={read_ahead!r} must be an integer >= 0: the reads each CPU worker runs at once "
+            "ahead of the sample it augments (e.g. 4 for a network filesystem; 0 or None: off)"
+        )
+    return read_ahead
+
+
+def wrap_samples(dataset, sample_keys, read_ahead=None):
+    """The dataset as the loader reads it: `dataset` itself, its dict samples seen through
+    `sample_keys` (resolved; fusionflow.datasets.wrappers.DictSamples), its reads started ahead (`read_ahead`,
+    fusionflow.datasets.wrappers.ReadAhead). A stream is refused (check_map_style)."""
+    check_map_style(dataset)
+    from fusionflow.datasets.wrappers import DictSamples, ReadAhead
+
+    if sample_keys is not None:
+        dataset = DictSamples(dataset, *sample_keys)
+    if read_ahead is not None:
+        dataset = ReadAhead(dataset, read_ahead)
+    return dataset
+
+
+def check_raw_samples(dataset) -> None:
+    """FusionFlow augments raw images itself; a dataset that already transforms (float tensors or
+    arrays) would be augmented twice or fail at the first batch, so say so now. Dict samples without
+    sample_keys: say which keys to give."""
+    try:
+        if len(dataset) == 0:
+            return
+        item = dataset[0]
+    except Exception:  # a dataset whose first sample fails is reported, with its index, at the first batch
+        log.debug("dataset[0] could not be read at construction; not checked", exc_info=True)
+        return
+    if isinstance(item, dict):
+        from fusionflow.datasets.wrappers import dict_sample_error
+
+        raise dict_sample_error(item, 0)
+    sample = item[0] if isinstance(item, (tuple, list)) and item else item
+    dtype = getattr(sample, "dtype", None)
+    floating = (
+        sample.is_floating_point()
+        if isinstance(sample, torch.Tensor)
+        else isinstance(sample, np.ndarray) and np.issubdtype(dtype, np.floating)
+    )
+    if floating:
+        raise ValueError(
+            f"dataset[0] returns an already-transformed {type(sample).__name__} of dtype {dtype} "
+            f"(shape {tuple(sample.shape)}): FusionFlow decodes and augments the samples itself; "
+            "give FusionFlow the raw images (fusionflow.ImageFolder) and a policy"
+        )

@@ -1,0 +1,130 @@
+"""Delivery: turning a filled batch into what a FusionFlowLoader iteration yields.
+
+on_error applied to a batch's failures (`select`), the batch as tensors the caller owns -- copied
+out of the ring, pinned, or copied to the CUDA device with an event that frees the ring slot
+(`deliver`; a mini-batch made partly on the GPU comes through the loader's GpuSession) --, targets
+that are not all ints collated as DataLoader collates them (`collate_targets`), and the loader's
+stats per batch (`account`). The per-epoch iterators (fusionflow/loader/epoch.py) call it; it holds no
+epoch state.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+
+from fusionflow.errors import SampleError
+from fusionflow.runtime import targets as ff_targets
+from fusionflow.runtime.cuda_host import record_copies
+
+SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
+
+
+class Delivery:
+    """Batches out to the caller: where they go (`device`; `alloc_device` is where delivered tensors
+    live -- the device itself, or the CPU when tests replace torch.cuda with a fake), pinned or not,
+    what a failed sample does (`on_error`), and the stats that count each batch."""
+
+    def __init__(self, stats, device: torch.device, pin_memory: bool, on_error: str):
+        self.stats, self.device, self.pin_memory, self.on_error = stats, device, pin_memory, on_error
+        self.alloc_device = device
+        self.warned_skip = False  # on_error='skip' warns once per loader
+
+    def from_ring(self, mgr, state, gpu=None):
+        """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them
+        when not all are ints, the CUDA event after the copies out of the slot or None)."""
+        n = state.size
+        keep = self.select(n, state.failures)
+        objs = (
+            ff_targets.gather(mgr.board.ring.labels[state.slot], range(n) if keep is None else keep, state.targets)
+            if state.targets
+            else None
+        )  # targets that are not all ints: collated as DataLoader does
+        merged = gpu.deliver_merged(mgr, state, keep) if gpu is not None else None
+        if merged is not None:
+            images_t, labels_t, event = merged
+        else:
+            imgs, labs = mgr.board.ring.images[state.slot], mgr.board.ring.labels[state.slot]
+            imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
+            images_t, labels_t, event = self.deliver(imgs, labs, mgr)
+        if objs is not None:
+            labels_t = self.collate_targets(objs)
+        return images_t, labels_t, objs, event
+
+    def deliver(self, images: np.ndarray, labels: np.ndarray, mgr=None):
+        """Turn a filled batch (views into the ring, or the inline buffer) into tensors the caller owns."""
+        if self.device.type == "cuda":
+            pinned = mgr is not None and mgr.cuda_registered  # the ring is page-locked
+            with torch.cuda.device(self.device.index):
+                stream = torch.cuda.current_stream(self.device)  # the caller's stream on the loader's device
+                out = torch.from_numpy(images).to(self.alloc_device, non_blocking=pinned)
+                labels_t = torch.from_numpy(labels if pinned else labels.copy()).to(
+                    self.alloc_device, non_blocking=pinned
+                )
+                return out, labels_t, record_copies(stream, mgr)
+        if self.pin_memory:
+            src = torch.from_numpy(images)
+            out = torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src)
+            return out, torch.from_numpy(labels.copy()).pin_memory(), None
+        return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
+
+    def select(self, n: int, failures):
+        """Positions of a batch of `n` to deliver after applying on_error to its failures (None: all)."""
+        if not failures:
+            return None
+        failures = sorted(failures, key=lambda f: f.position)
+        if self.on_error == "raise":
+            f = failures[0]
+            raise SampleError(f.index, f.what, f.exc_type, f.message, f.traceback)
+        bad = {f.position for f in failures}
+        self.stats.skipped += len(bad)
+        self.stats.skipped_indices.extend(f.index for f in failures)
+        for f in failures:
+            cause = SKIP_CAUSES.get(f.exc_type, "error")
+            self.stats.skipped_by_cause[cause] = self.stats.skipped_by_cause.get(cause, 0) + 1
+        if not self.warned_skip:
+            self.warned_skip = True
+            f = failures[0]
+            warnings.warn(
+                f"on_error='skip': dropping {f.what} ({f.exc_type}: {f.message}); further skips are "
+                f"counted in loader.stats.skipped without another warning",
+                stacklevel=4,
+            )
+        return [p for p in range(n) if p not in bad]
+
+    def account(self, wait: float, n: int) -> None:
+        """One batch of `n` samples delivered after the training loop waited `wait` s for it."""
+        self.stats.batches += 1
+        self.stats.samples += n
+        self.stats.wait_seconds.append(wait)
+
+    def collate_targets(self, objs: list):
+        """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
+        from torch.utils.data import default_collate
+
+        collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
+        # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
+        if self.device.type == "cuda":
+            return map_tensors(collated, lambda t: t.to(self.alloc_device))
+        if self.pin_memory:
+            return map_tensors(collated, lambda t: t.pin_memory())
+        return collated
+
+
+def map_tensors(obj, fn):
+    """`fn` applied to every tensor in a collated structure (dicts, lists, tuples, namedtuples)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = {k: map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return out if type(obj) is dict else type(obj)(out)
+        except TypeError:  # a mapping that cannot be built from a dict: as default_collate does
+            return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj

@@ -1,0 +1,262 @@
+"""The per-epoch iterators `iter(FusionFlowLoader)` returns: each owns its epoch's state.
+
+`_WorkerIterator` (num_workers > 0): the epoch's generation on the loader's runtime (a newer
+iterator abandons an older one's unfinished work), the free ring slots, the mini-batches submitted
+and delivered, the slot whose GPU copies the caller still holds (released at the next call), and the
+epoch's `EpochProgress` (batches yielded, for checkpoints). `_InlineIterator` (num_workers=0): the
+same batches made in the training process itself, with the per-sample body CPU workers run
+(fusionflow/runtime/sample.py).
+
+Both start lazily, as a generator would: nothing is started or drawn until the first `next()`. An
+iteration ends at its last batch, at an exception (re-raised), at `close()`, or when the iterator is
+dropped: its unfinished work is forgotten, and without persistent workers the runtime is stopped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import torch
+
+from fusionflow.runtime import targets as ff_targets
+from fusionflow.runtime.sample import run_sample
+from fusionflow.scheduling.tiny_batches import Copies
+
+
+def copies_for(sampler) -> Copies:
+    """A fresh copy counter for an epoch, on this loader's rank (repeated augmentation): the sampler's
+    rank/num_replicas, else torch.distributed's, else 0/1."""
+    rank, world = getattr(sampler, "rank", None), getattr(sampler, "num_replicas", None)
+    if not (isinstance(rank, int) and isinstance(world, int)):
+        dist = torch.distributed
+        rank, world = (
+            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+        )
+    return Copies(rank, world)
+
+
+def check_batch(indices, capacity: int) -> None:
+    if len(indices) > capacity:
+        raise ValueError(
+            f"the batch sampler yielded a batch of {len(indices)} samples, more than its batch_size={capacity}"
+        )
+
+
+class _EpochIterator:
+    """What both iterators share: the loader's parts they use, the epoch, its progress, and the
+    output as the caller gets it (the batch, or what the user's collate_fn returns)."""
+
+    def __init__(self, loader, epoch: int, progress):
+        self.config = loader.config  # this epoch's configuration (load_state_dict may replace the loader's)
+        # the samples as the loader reads them (sample_keys, read_ahead: loader_samples.wrap_samples)
+        self.dataset, self.epoch, self.progress = loader._runtime.dataset, epoch, progress
+        self._checkpoint, self._delivery, self._tracing = loader._checkpoint, loader._delivery, loader._tracing
+        self._stats = loader.stats
+        self._started = self._ended = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        images_t, labels_t, objs = self._advance(self._next_batch)
+        collate = self.config.collate
+        if collate is None:
+            return images_t, labels_t
+        # DataLoader's collate_fn contract: the batch as a list of (image, target) samples -- images
+        # are views of the delivered batch tensor (on the loader's device), targets as the dataset
+        # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
+        return collate(list(zip(images_t.unbind(0), labels_t.tolist() if objs is None else objs)))
+
+    def _advance(self, step):
+        """One step of the iteration (the epoch starts at the first): what `step()` returns. The
+        epoch's end (StopIteration) and any exception end the iteration."""
+        if self._ended:
+            raise StopIteration
+        try:
+            if not self._started:
+                self._started = True
+                self._start()
+            out = step()
+        except StopIteration:
+            self.progress.done = True  # the epoch is complete
+            self._end(finished=True)
+            raise
+        except BaseException:
+            self._end(finished=False)
+            raise
+        self.progress.yielded += 1
+        return out
+
+    def close(self) -> None:
+        """End the iteration now (as a `break` out of the loop does, once the iterator is dropped)."""
+        if self._started and not self._ended:
+            self._end(finished=False)
+        self._ended = True
+
+    def __del__(self):
+        self.close()
+
+    def _batches(self, copies):
+        return self._checkpoint.batches(self.progress, self.config.batch_sampler, self.config.sampler, copies)
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _next_batch(self):
+        raise NotImplementedError
+
+    def _end(self, finished: bool) -> None:
+        self._ended = True
+        self._tracing.flush()
+
+
+class _WorkerIterator(_EpochIterator):
+    """One epoch on the loader's worker processes (and accelerator / remote worker kinds). Its
+    mini-batches are seqs first_seq, first_seq + 1, ... of its generation: 0 on, or after those the
+    previous epoch's iterator speculated for it (fusionflow/loader/next_epoch.py)."""
+
+    def __init__(self, loader, epoch: int, progress):
+        super().__init__(loader, epoch, progress)
+        self._runtime, self._gpu = loader._runtime, loader._gpu
+        self._next_epoch = loader._next_epoch
+        self._mgr = None  # the runtime this epoch runs on (started at the first next())
+        self._gen = None  # this epoch's generation on it
+        self._free = list(range(self.config.prefetch_factor))  # ring slots with no mini-batch in them
+        self._pending = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
+        self._first_seq = self._submitted = self._delivered = 0
+        self._exhausted = False
+
+    def _start(self) -> None:
+        self._mgr = mgr = self._runtime.start(self.config, self._delivery.alloc_device)
+        copies = self._copies = copies_for(self.config.sampler)
+        # (indices, copy numbers) of each mini-batch; the generator must not refer to self (no cycle:
+        # a dropped iterator ends at once)
+        self._work = ((indices, copies(indices)) for indices in self._batches(copies))
+        adopted, read = self._next_epoch.adopt(mgr, self.epoch, self.config, self._work)
+        if adopted is not None:  # the previous iterator already submitted this epoch's first mini-batches
+            self._gen = adopted.generation
+            self._first_seq = self._delivered = adopted.first_seq
+            self._submitted = adopted.next_seq
+            self._free = [s for s in self._free if s not in adopted.slots]
+        else:
+            self._gen = mgr.new_generation()
+            mgr.abandon(self._gen - 1)  # a previous iterator left unfinished: its work is forgotten
+            self._work = itertools.chain(read, self._work)
+        self._refill()
+
+    def _refill(self) -> None:
+        """Submit the epoch's next mini-batches into the free ring slots; once the epoch has none
+        left, offer the slots to the next epoch's speculation (persistent workers only)."""
+        while self._free and not self._exhausted:
+            item = next(self._work, None)
+            if item is None:
+                self._exhausted = True
+                break
+            indices, copies = item
+            check_batch(indices, self.config.capacity)
+            self._mgr.submit(self._submitted, self._gen, self._free.pop(0), self.epoch, list(indices), copies)
+            self._submitted += 1
+        if self._exhausted and self._free and self.config.persistent_workers:
+            self._next_epoch.offer(
+                self, self._mgr, self._gen, self._submitted, self.config, self.epoch, self._checkpoint, self._free
+            )
+
+    def _next_batch(self):
+        mgr, gpu = self._mgr, self._gpu
+        if self._pending is not None:  # the caller is done with the previous batch's GPU copies
+            slot, event = self._pending
+            self._pending = None
+            event.synchronize()
+            self._free.append(slot)
+            self._refill()
+        if self._delivered >= self._submitted:
+            raise StopIteration
+        t0 = time.perf_counter()
+        if gpu is not None:
+            gpu.mark_step()
+            gpu.open_window(mgr)
+        try:
+            state = mgr.wait(self._delivered, self._gen, self.config.timeout)
+        finally:
+            if gpu is not None:
+                gpu.close_window(mgr)
+        wait = time.perf_counter() - t0
+        images_t, labels_t, objs, event = self._delivery.from_ring(mgr, state, gpu)
+        self._delivery.account(wait, len(images_t))
+        self._tracing.wait(wait, self._delivered, len(images_t))
+        if gpu is not None:
+            gpu.sync_stats()
+        self._delivered += 1
+        if event is None:
+            self._free.append(state.slot)
+            self._refill()
+        else:
+            self._pending = (state.slot, event)
+        return images_t, labels_t, objs
+
+    def _end(self, finished: bool) -> None:
+        self._ended = True
+        if self._pending is not None:  # the last batch's copy out of its slot must end before the slot is reused
+            try:
+                self._pending[1].synchronize()
+            except Exception:  # a CUDA error at teardown: the slot is not reused by this iterator anyway
+                pass
+        self._pending = None
+        if self._mgr is not None:
+            # every batch delivered (the caller stopped right after the last, without StopIteration): clean too
+            clean = finished or (self._exhausted and self._delivered >= self._submitted)
+            self._next_epoch.seal(self, clean)
+            self._runtime.end_iteration(self._mgr, self._gen, clean, self.config.persistent_workers)
+        self._tracing.flush()
+
+
+class _InlineIterator(_EpochIterator):
+    """One epoch made in the training process (num_workers=0), sample by sample."""
+
+    def _start(self) -> None:
+        from fusionflow.ops.pipeline import CpuPipeline
+
+        cfg = self.config
+        self._pipe = CpuPipeline(cfg.policy)
+        self._buf = np.empty((cfg.capacity, *cfg.policy.out_shape), cfg.policy.out_dtype)
+        self._labels = np.empty(cfg.capacity, np.int64)
+        self._copies = copies_for(cfg.sampler)
+        self._clock = None
+        if cfg.stage_names is not None:
+            from fusionflow.ops.stages import StageClock
+
+            self._clock = StageClock(cfg.stage_names)
+        self._seq = 0
+        self._indices = self._batches(self._copies)
+
+    def _next_batch(self):
+        cfg, buf, labels = self.config, self._buf, self._labels
+        indices = next(self._indices)  # StopIteration: the epoch is complete
+        t0 = time.perf_counter()
+        check_batch(indices, cfg.capacity)
+        failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
+        prefetch = getattr(self.dataset, "prefetch", None)  # fusionflow.datasets.wrappers.ReadAhead
+        if prefetch is not None:
+            prefetch(indices)
+        for pos, (index, copy) in enumerate(zip(indices, self._copies(indices))):
+            failure = run_sample(
+                self.dataset, self._pipe, pos, index, copy, cfg.seed, self.epoch, buf, labels, side, self._clock
+            )
+            if failure is not None:
+                failures.append(failure)
+        n = len(indices)
+        keep = self._delivery.select(n, failures)
+        imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
+        objs = ff_targets.gather(labels, range(n) if keep is None else keep, side) if side else None
+        wait = time.perf_counter() - t0
+        self._delivery.account(wait, len(imgs))
+        if self._clock is not None:
+            self._stats.add_stage_times(cfg.stage_names, "inline", self._clock.take())
+        self._tracing.wait(wait, self._seq, len(imgs))
+        self._seq += 1
+        images_t, labels_t, _ = self._delivery.deliver(imgs, labs)
+        if objs is not None:
+            labels_t = self._delivery.collate_targets(objs)
+        return images_t, labels_t, objs

@@ -1,0 +1,186 @@
+"""What FusionFlowLoader's arguments ask of the machine, resolved and checked for `resolve_config`
+(fusionflow/loader/config.py): the `Host` it reads (cores, CUDA, DALI, the torchrun job), the device,
+the accelerator and GPU sharing, the memory bridge, pinned memory, the job whose loaders lend workers to
+each other, and remote workers. Each function takes the arguments it needs and returns resolved values
+or raises the ValueError/TypeError that names the value and the fix; nothing here initialises CUDA or
+imports DALI unless an argument needs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fusionflow.accel.declines import dali_declines
+
+ACCELERATORS = (None, "dali-cpu", "dali-gpu")
+SHARING = ("auto", "temporal", "spatial", "off")
+BRIDGE = ("auto", "on", "off")
+log = logging.getLogger("fusionflow.loader.front")
+
+
+def _has_dali() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _job_key():
+    from fusionflow.runtime.gm.tables import job_key
+
+    return job_key()
+
+
+@dataclass(frozen=True)
+class Host:
+    """What resolution reads from this process, each asked only when an argument needs it (a CPU
+    loader never initialises CUDA or imports DALI). The callables are looked up when called, so a
+    test's monkeypatched torch.cuda is seen; tests/test_loader_config.py passes stand-ins."""
+
+    cores: Callable[[], int] = lambda: len(os.sched_getaffinity(0))
+    cuda_available: Callable[[], bool] = lambda: torch.cuda.is_available()
+    current_device: Callable[[], int] = lambda: torch.cuda.current_device()
+    device_count: Callable[[], int] = lambda: torch.cuda.device_count()
+    has_dali: Callable[[], bool] = lambda: _has_dali()
+    job_key: Callable[[], Any] = lambda: _job_key()  # the torchrun job (global_manager="auto"), or None
+    initial_seed: Callable[[], int] = lambda: torch.initial_seed()
+
+
+def resolve_device(device, host: Host, who: str = "FusionFlowLoader") -> torch.device:
+    """'cpu', or 'cuda' with one device index, resolved now, for every CUDA call after."""
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not host.cuda_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: {who} delivers to 'cpu' or 'cuda[:N]'")
+    if resolved.type == "cuda":
+        if resolved.index is None:
+            resolved = torch.device("cuda", host.current_device())
+        if resolved.index >= host.device_count():
+            raise ValueError(f"device={device!r}: this process sees {host.device_count()} CUDA device(s)")
+    return resolved
+
+
+def resolve_accelerator(
+    accelerator, gpu_sharing, device, resolved: torch.device, num_workers: int, host: Host, policy=None
+):
+    """The accelerator to run (None, 'dali-cpu', 'dali-gpu'): 'auto' is DALI on the GPU when the
+    device is CUDA; gpu_sharing='off' turns any accelerator off. `device` is the argument as given
+    (for the messages), `resolved` the device. A policy DALI cannot run (dali_declines) turns it off
+    with one log line: the CPU workers take every tiny-batch, and the policy means the same pixels."""
+    if gpu_sharing not in SHARING:
+        raise ValueError(f"gpu_sharing={gpu_sharing!r} must be one of {SHARING}")
+    if accelerator == "auto":
+        accelerator = "dali-gpu" if resolved.type == "cuda" and gpu_sharing != "off" and host.has_dali() else None
+    if accelerator not in ACCELERATORS:
+        raise ValueError(
+            f"accelerator={accelerator!r} must be one of {ACCELERATORS} ('auto': DALI on the "
+            "GPU when device is CUDA, none otherwise)"
+        )
+    if accelerator == "dali-gpu" and resolved.type != "cuda":
+        raise ValueError(
+            f"accelerator='dali-gpu' needs a CUDA device, got device={device!r}; use accelerator='dali-cpu' or None"
+        )
+    if accelerator is not None and not host.has_dali():
+        raise ValueError(f"accelerator={accelerator!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
+    if accelerator is not None and num_workers == 0:
+        raise ValueError(f"accelerator={accelerator!r} shares mini-batches with CPU workers: use num_workers >= 1")
+    why = dali_declines(policy) if accelerator is not None and gpu_sharing != "off" else None
+    if why is not None:
+        log.warning(
+            "FusionFlowLoader: accelerator=%r declines policy %r: %s; the CPU workers take every tiny-batch",
+            accelerator,
+            policy.name,
+            why,
+        )
+        return None
+    return None if gpu_sharing == "off" else accelerator
+
+
+def check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device) -> None:
+    if memory_bridge not in BRIDGE:
+        raise ValueError(f"memory_bridge={memory_bridge!r} must be one of {BRIDGE}")
+    if memory_bridge == "on" and accelerator != "dali-gpu":
+        raise ValueError(
+            f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
+            f"accelerator={accelerator!r} (device={device!r}, gpu_sharing={gpu_sharing!r}): use "
+            "accelerator='dali-gpu' with a CUDA device, or memory_bridge='auto'/'off'"
+        )
+    if memory_bridge == "on" and gpu_sharing == "spatial":
+        raise ValueError(
+            "memory_bridge='on' needs prep to run between training steps, when PyTorch's blocks "
+            "are free, but gpu_sharing='spatial' runs it during them: use gpu_sharing='temporal' "
+            "or 'auto', or memory_bridge='off'"
+        )
+
+
+def resolve_bridge(memory_bridge, accelerator, gpu_sharing):
+    """(gpu_sharing, why the bridge is off or None). memory_bridge='on' fixes gpu_sharing='auto' to
+    'temporal' (the bridge only lends between steps: no spatial trial). Whether its native part builds
+    is found out at the first iteration, when the accelerator starts ('on': an error naming what is missing)."""
+    if memory_bridge == "on" and gpu_sharing == "auto":
+        gpu_sharing = "temporal"
+    why_off = (
+        "memory_bridge='off'"
+        if memory_bridge == "off"
+        else "no DALI GPU accelerator"
+        if accelerator != "dali-gpu"
+        else "gpu_sharing='spatial'"
+        if gpu_sharing == "spatial"
+        else None
+    )
+    return gpu_sharing, why_off
+
+
+def resolve_job(global_manager, num_workers: int, job_key: Callable[[], Any]):
+    """The job whose loaders lend workers to each other, or None (no lending; always None without workers)."""
+    if global_manager is not None and not isinstance(global_manager, str):
+        raise ValueError(f"global_manager={global_manager!r} must be 'auto', a job name (str) or None")
+    if global_manager == "auto":
+        global_manager = job_key()
+    elif global_manager is not None and not global_manager:
+        raise ValueError(
+            "global_manager='' : name the job (any string shared by the loaders that may lend "
+            "workers to each other), or pass None"
+        )
+    return global_manager if num_workers > 0 else None
+
+
+def resolve_pin_memory(pin_memory, device: torch.device, cuda_available: Callable[[], bool], notes: list) -> bool:
+    """pin_memory only means something for CPU delivery, and only where CUDA is."""
+    pin = bool(pin_memory) and device.type == "cpu"
+    if pin and not cuda_available():
+        notes.append("pin_memory=True but CUDA is not available: batches are returned unpinned")
+        pin = False
+    return pin
+
+
+def check_remote_workers(remote_workers, num_workers: int, persistent_workers: bool, notes: list) -> None:
+    """remote_workers: None or a RayWorkers beside at least one local worker process."""
+    if remote_workers is None:
+        return
+    from fusionflow.remote.config import RayWorkers
+
+    if not isinstance(remote_workers, RayWorkers):
+        raise TypeError(
+            f"remote_workers={remote_workers!r} must be None or fusionflow.RayWorkers(...) "
+            "(e.g. remote_workers=RayWorkers(8, address='auto'))"
+        )
+    if num_workers == 0:
+        raise ValueError(
+            "remote_workers needs num_workers >= 1: remote workers join the local worker processes "
+            "(num_workers=0 runs everything in the training process)"
+        )
+    if not persistent_workers:
+        notes.append(
+            "remote_workers without persistent_workers=True starts its Ray actors (and sends them the "
+            "dataset, and starts a local Ray instance if FusionFlow started one) again every epoch; pass "
+            "persistent_workers=True"
+        )

@@ -1,0 +1,173 @@
+"""LoaderRuntime: a FusionFlowLoader's runtime -- its LocalManager (the board, the CPU worker pool, the
+lending agent) and the worker kinds started on it (the DALI accelerator through the loader's
+GpuSession, Ray remote workers) -- started at the first iteration, stopped by one procedure
+(`shutdown_runtime`) on every path, and a finalizer that runs that procedure when the loader is
+collected or the interpreter exits.
+
+The finalizer holds only `box` ([manager, GpuSession or None]), never the loader or this object:
+nothing in the runtime refers back to the loader, so an abandoned loader is collected and its
+workers, shared memory and lent GPU blocks go with it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+import weakref
+
+import torch
+
+from fusionflow.runtime.local_manager import LocalManager
+from fusionflow.runtime.shm import RingLayout
+
+log = logging.getLogger("fusionflow.loader.front")
+
+
+class LoaderRuntime:
+    def __init__(self, dataset, stats, tracing, gpu=None):
+        self.dataset, self.stats, self.tracing, self.gpu = dataset, stats, tracing, gpu
+        self.manager: LocalManager | None = None
+        self._spec = None  # what workers lent to this loader need (pickled once per loader)
+        self._box = [None, gpu]  # what the finalizer shuts down: [manager, GpuSession]
+        self._finalizer = weakref.finalize(self, shutdown_runtime, self._box)
+        tracing.on_change = functools.partial(_set_trace, weakref.ref(self))  # weak: no cycle through tracing
+
+    def start(self, config, alloc_device: torch.device) -> LocalManager:
+        """The running manager, started now if there is none (with the accelerator and remote
+        workers the config asks for). A start that fails half-way leaves nothing running."""
+        if self.manager is not None:
+            return self.manager
+        cfg = config
+        layout = RingLayout(cfg.prefetch_factor, cfg.capacity, cfg.policy.out_shape, cfg.policy.out_dtype)
+        t0 = time.perf_counter()
+        ctx = cfg.multiprocessing_context
+        if isinstance(ctx, str):
+            import multiprocessing
+
+            ctx = multiprocessing.get_context(ctx)
+        self.manager = self._box[0] = LocalManager(
+            self.dataset,
+            cfg.policy,
+            layout,
+            cfg.num_workers,
+            cfg.seed,
+            cfg.worker_init_fn,
+            ctx,
+            cfg.pin_workers,
+            cfg.max_retries,
+            getattr(self.dataset, "sizes", None),
+            cfg.tiny_batch_size,
+            base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31,
+            job=cfg.job,
+            spec=self._lending_spec(cfg),
+            stages=cfg.stage_names,
+            counters=self.stats,
+            trace=self.tracing.recorder,
+            on_stage_times=self._stage_times(cfg),
+        )
+        try:
+            if self.stats.startup_seconds is None:
+                self.stats.startup_seconds = time.perf_counter() - t0
+            if cfg.device.type == "cuda" and not self.manager.register_cuda(cfg.device.index):
+                log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
+            if self.gpu is not None:
+                self.gpu.start(
+                    self.manager, self.dataset, cfg.policy, cfg.seed, cfg.capacity, cfg.tiny_batch_size, alloc_device
+                )
+            if cfg.remote_workers is not None:
+                self._start_remote(cfg)
+        except BaseException:  # no half-started manager stays behind
+            self.stop()
+            raise
+        return self.manager
+
+    def _stage_times(self, cfg):
+        """Where workers' per-stage totals go (the stats object, not the loader: the runtime must not
+        hold the loader), or None without stage timing."""
+        return None if cfg.stage_names is None else functools.partial(self.stats.add_stage_times, cfg.stage_names)
+
+    def _start_remote(self, cfg) -> None:
+        """Ray actors, through a gateway process, as one more worker kind on the board
+        (fusionflow/remote/kind.py); a dataset that cannot be pickled or read on a remote node fails
+        here, at start-up (the caller stops the manager)."""
+        from fusionflow.remote.kind import RemoteWorkers
+
+        kind = RemoteWorkers(
+            self.manager.board,
+            cfg.remote_workers,
+            self.dataset,
+            cfg.policy,
+            cfg.seed,
+            self.stats,
+            first_worker_id=cfg.num_workers,
+            worker_init_fn=cfg.worker_init_fn,
+            stages=cfg.stage_names,
+            on_stage_times=self._stage_times(cfg),
+        )
+        # registered first: the manager's shutdown stops it even if start() fails
+        self.manager.board.add_worker_kind(kind)
+        kind.start()
+
+    def _lending_spec(self, cfg) -> bytes | None:
+        """What workers lent to this loader need (pickled once per loader, not per epoch)."""
+        if cfg.job is None:
+            return None
+        if self._spec is None:
+            from fusionflow.runtime.gm.link import make_spec
+
+            self._spec = make_spec(self.dataset, cfg.policy, cfg.worker_init_fn)
+        return self._spec
+
+    def end_iteration(self, mgr: LocalManager, generation: int, finished: bool, persistent: bool) -> None:
+        """An iteration on `mgr` ended (its last batch, an exception, or the caller dropped it): forget
+        its unfinished work; without persistent workers, stop the runtime (the bridge stays)."""
+        if self.manager is mgr:
+            if not finished:
+                mgr.abandon(generation)
+            if not persistent:
+                self.stop()
+
+    def stop(self) -> None:
+        """Shut the manager down; the allocator bridge stays for the next one."""
+        self.manager = None
+        shutdown_runtime(self._box, self.stats, keep_bridge=True)
+
+    def close(self) -> None:
+        """Shut everything down, the allocator bridge too (the loader may start again after)."""
+        self.manager = None
+        shutdown_runtime(self._box, self.stats)
+
+
+def _set_trace(workers_ref, recorder) -> None:
+    """A new trace recorder (or None) for the running manager, if any."""
+    workers = workers_ref()
+    if workers is not None and workers.manager is not None:
+        workers.manager.board.trace = recorder
+
+
+def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
+    """The loader's one shutdown procedure for its manager and allocator bridge, run by every path:
+    `close()`, the end of an iteration without persistent workers, a new seed, a manager that failed
+    to start its accelerator, and the finalizer at the loader's collection or interpreter exit (which
+    holds only `box`, [manager, GpuSession or None], never the loader). Idempotent.
+
+    1. Take the manager out of the box: a second run finds nothing to stop.
+    2. Close the accelerator's prep window, if open: the tiny-batch in flight finishes first
+       (`wait_idle`), then PyTorch takes its lent blocks back (`GpuSession.end_window_now`).
+    3. Shut the manager down (`LocalManager.shutdown`, its own numbered procedure: worker kinds,
+       manager thread, lending agent, worker processes, ring).
+    4. Allocator bridge: take back what DALI's pipelines held (they are gone now) and copy its
+       counters into `stats` (`GpuSession.manager_stopped`); unless it is kept for the next
+       manager, shut it down (every block goes back, the ledger is unlinked).
+    """
+    mgr, gpu = box
+    box[0] = None
+    if mgr is not None:
+        if gpu is not None:
+            gpu.end_window_now(mgr)
+        mgr.shutdown()
+        if gpu is not None:
+            gpu.manager_stopped(stats)
+    if gpu is not None and not keep_bridge:
+        gpu.shutdown_bridge()

@@ -1,0 +1,135 @@
+"""LoaderStats: what a FusionFlowLoader did, for tuning and for the tests (`loader.stats`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusionflow.runtime.counters import RuntimeCounters
+
+
+@dataclass
+class LoaderStats(RuntimeCounters):
+    """What the loader did, for tuning and for the tests. Reset by `reset()`. The runtime's parts
+    count into the fields of `RuntimeCounters` (fusionflow/runtime/counters.py: workers, lending,
+    accelerator, remote workers); those declared here are what the loader itself measures or sets."""
+
+    batches: int = 0
+    samples: int = 0
+    skipped: int = 0
+    skipped_indices: list = field(default_factory=list)
+    # on_error="skip": samples dropped per cause: "pixel_limit" (over decode.max_pixels), "corrupt"
+    # (could not be decoded), "error" (anything else, e.g. the dataset raised)
+    skipped_by_cause: dict = field(default_factory=dict)
+    wait_seconds: list = field(default_factory=list)  # time blocked in next(), per batch
+    startup_seconds: float | None = None  # worker start-up, first time
+    accelerator_build_seconds: float | None = None
+    taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
+    gpu_sharing: str | None = None  # what gpu_sharing="auto" chose, once profiled
+    memory_bridge: str | None = None  # "on", or "off: <why>"
+    bridge_windows: int = 0  # prep windows in which PyTorch lent blocks to DALI
+    bridge_max_lent_bytes: int = 0  # most bytes lent in one window
+    bridge_max_borrowed_bytes: int = 0  # most bytes DALI had allocated from lent blocks at once
+    bridge_fallback_bytes: int = 0  # bytes DALI took from its own pool inside windows
+    bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
+    bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
+    stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
+    # persistent workers: next-epoch mini-batches submitted before its iter(), then taken or discarded
+    next_epoch_speculated: int = 0
+    next_epoch_adopted: int = 0
+    next_epoch_discarded: int = 0
+
+    # The two maxima were first named like totals; the old names stay as read-only deprecated aliases.
+    @property
+    def bridge_lent_bytes(self) -> int:
+        """Deprecated: `bridge_max_lent_bytes` (a maximum over windows, not a total)."""
+        warnings.warn(
+            "LoaderStats.bridge_lent_bytes is deprecated: use bridge_max_lent_bytes (a maximum, not a total)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.bridge_max_lent_bytes
+
+    @property
+    def bridge_borrowed_bytes(self) -> int:
+        """Deprecated: `bridge_max_borrowed_bytes` (a maximum, not a total)."""
+        warnings.warn(
+            "LoaderStats.bridge_borrowed_bytes is deprecated: use bridge_max_borrowed_bytes (a maximum, not a total)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.bridge_max_borrowed_bytes
+
+    def add_stage_times(self, names, worker, ns) -> None:
+        """A task's per-stage totals from `worker` (the manager thread, under its lock)."""
+        totals = self.stage_ns.setdefault(worker, dict.fromkeys(names, 0))
+        for name, v in zip(names, ns):
+            totals[name] += v
+
+    def stage_seconds(self, worker=None) -> dict:
+        """Seconds per stage summed over samples: of one worker, or of all workers (worker=None)."""
+        out: dict = {}
+        for w, totals in list(self.stage_ns.items()):
+            if worker is None or w == worker:
+                for name, v in list(totals.items()):
+                    out[name] = out.get(name, 0.0) + v / 1e9
+        return out
+
+    def stage_shares(self, worker=None) -> dict:
+        """Each stage's share of CPU pipeline time (largest first), e.g. {"decode+crop+resize": 0.48, ...}."""
+        from fusionflow.ops.stages import shares
+
+        return shares(self.stage_seconds(worker))
+
+    def summary(self) -> dict:
+        """Plain values for logging. The bridge maxima appear under their names and, deprecated, under
+        the old ones (bridge_lent_bytes, bridge_borrowed_bytes) for readers of older summaries."""
+        w = np.asarray(self.wait_seconds) if self.wait_seconds else np.zeros(1)
+        return {
+            "batches": self.batches,
+            "samples": self.samples,
+            "skipped": self.skipped,
+            "skipped_by_cause": dict(self.skipped_by_cause),
+            "wait_mean_ms": 1e3 * float(w.mean()),
+            "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
+            "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
+            "worker_restarts": self.worker_restarts,
+            "startup_seconds": self.startup_seconds,
+            "accelerator_tiny_batches": self.accelerator_tiny_batches,
+            "accelerator_runs": self.accelerator_runs,
+            "accelerator_given_back": self.accelerator_given_back,
+            "accelerator_builds": self.accelerator_builds,
+            "accelerator_build_seconds": self.accelerator_build_seconds,
+            "accelerator_out_of_memory": self.accelerator_out_of_memory,
+            "accelerator_retired": self.accelerator_retired,
+            "taas_k_last": self.taas_k[-1] if self.taas_k else None,
+            "global_manager": self.global_manager,
+            "workers_lent": self.workers_lent,
+            "workers_borrowed": self.workers_borrowed,
+            "lent_tiny_batches": self.lent_tiny_batches,
+            "borrowed_tiny_batches": self.borrowed_tiny_batches,
+            "memory_bridge": self.memory_bridge,
+            "bridge_windows": self.bridge_windows,
+            "bridge_max_lent_bytes": self.bridge_max_lent_bytes,
+            "bridge_max_borrowed_bytes": self.bridge_max_borrowed_bytes,
+            "bridge_lent_bytes": self.bridge_max_lent_bytes,
+            "bridge_borrowed_bytes": self.bridge_max_borrowed_bytes,
+            "bridge_fallback_bytes": self.bridge_fallback_bytes,
+            "bridge_pinned_bytes": self.bridge_pinned_bytes,
+            "bridge_seconds": self.bridge_seconds,
+            "stage_shares": self.stage_shares(),
+            "remote_tiny_batches": self.remote_tiny_batches,
+            "remote_workers_lost": self.remote_workers_lost,
+        }
+
+    def reset(self) -> None:
+        """Every field back to its default (fresh lists and dicts), except what describes the loader's
+        state rather than the run: startup_seconds (measured once), memory_bridge (on, or why off),
+        global_manager (active / lost) and accelerator_retired (why, once retired)."""
+        for f in dataclasses.fields(self):
+            if f.name in ("startup_seconds", "memory_bridge", "global_manager", "accelerator_retired"):
+                continue
+            setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)

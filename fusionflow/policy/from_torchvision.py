@@ -1,0 +1,390 @@
+"""`policy_from_transform(t)`: a torchvision pipeline -> the equivalent FusionFlow Policy.
+
+    train = T.Compose([T.RandomResizedCrop(176), T.RandomHorizontalFlip(), T.RandAugment(magnitude=7),
+                       T.PILToTensor(), T.ToDtype(torch.float32, scale=True),
+                       T.Normalize(mean, std), T.RandomErasing(0.25)])
+    loader = FusionFlowLoader(fusionflow.ImageFolder(root), batch_size=256,
+                              policy=fusionflow.policy_from_transform(train))
+
+What it takes: a Compose (torchvision.transforms v1 or v2, nested ones opened), a list, one transform,
+an object holding its Compose in `.transforms` (the classification reference's presets), or
+`weights.transforms()` (ImageClassification: Resize + CenterCrop + float + Normalize). v1 transforms
+are read as the v2 ones with the same parameters (ToTensor as PILToTensor + ToDtype(float32, scale=
+True)); a leading PILToTensor / ToImage (the reference's `--backend tensor`) is skipped: FusionFlow
+decodes itself and computes with the PIL backend's arithmetic, so tensor-backend pixels may differ
+from torchvision's by its resampling's rounding.
+
+What it reads, in this order (the order torchvision's classification recipe uses):
+  train: RandomResizedCrop(size, scale, ratio, bilinear | bicubic | nearest, antialias=True)
+         [RandomHorizontalFlip(p)] [ColorJitter(...) | RandomApply([ColorJitter(...)], p)]
+         [RandomGrayscale(p) | Grayscale(3)]   (in this order; the flip may stand anywhere among them)
+         [RandAugment | AutoAugment | TrivialAugmentWide, with their arguments; interpolation
+          nearest, bilinear or bicubic, fill a number or [r, g, b] of integers]
+  eval:  Resize(int, bilinear | bicubic | nearest, antialias=True) + CenterCrop(size)
+  then:  [PILToTensor | ToImage] [ToDtype(torch.float32, scale=True) | ConvertImageDtype(torch.float32)]
+         [Normalize(mean, std)] [RandomErasing(p, scale, ratio, value)] [ToPureTensor]
+Anything else -- another transform, another order, an argument FusionFlow does not implement
+(a crop without antialiasing, an erase before Normalize) -- raises ValueError
+naming the first transform it cannot express and why: the policy is the same recipe, or there is
+no policy.
+
+The auto-augmentation's tables: fusionflow/policy/torchvision_tables.py; timm's transforms (its
+RandomResizedCropAndInterpolation, RandAugment / AutoAugment / AugMix, RandomErasing):
+fusionflow/policy/timm_transforms.py.
+
+Imports torch and torchvision lazily, on call; fusionflow.policy stays free of both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fusionflow.policy import timm_transforms
+from fusionflow.policy.schema import Policy, parse_policy
+from fusionflow.policy.torchvision_tables import INTERPOLATIONS, augment_section, mode_name
+
+_RANDOM_APPLY = "RandomApply is expressible only around a single ColorJitter (after the crop)"
+_TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing", "ToPureTensor")
+
+
+def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
+    """The Policy equivalent to the torchvision v2 pipeline `transform` (a Compose, a list of
+    transforms, or one transform), or ValueError naming the first transform it cannot express. `decode`: the policy's
+    decode.mode ("fast", the default, or "exact" for torchvision's pixels to the bit)."""
+    import torchvision.transforms.v2 as T
+
+    originals = _flatten(transform)
+    where = lambda k: f"policy_from_transform: transform {k} ({_describe(originals[k])})"  # noqa: E731
+
+    def fail(k: int, why: str):
+        raise ValueError(f"{where(k)}: {why}")
+
+    steps, read = [], []
+    for k, t in enumerate(originals):
+        v2 = timm_transforms.convert(t, lambda why, k=k: fail(k, why)) if timm_transforms.is_timm(t) else _as_v2(t)
+        if v2 is None:
+            fail(k, _unreadable(t))
+        steps += v2
+        read += [t] * len(v2)  # error messages name the transform as the caller wrote it
+    originals = read
+    # the tensor backend converts first (torchvision's recipe, --backend tensor); FusionFlow decodes
+    # itself and computes every op with the PIL backend's arithmetic either way
+    while steps and type(steps[0]).__name__ in ("PILToTensor", "ToImage"):
+        steps.pop(0)
+        originals.pop(0)
+    cfg: dict[str, Any] = {"decode": {"mode": decode}, "augment": {"type": "none"}}
+    if not steps:
+        raise ValueError(
+            "policy_from_transform: the pipeline is empty; it needs a RandomResizedCrop "
+            "(training) or Resize + CenterCrop (evaluation) to fix the output size"
+        )
+
+    pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
+    size = tuple(cfg["output"]["size"])
+
+    # 2. flip, colour jitter, grayscale (the flip in any place: it commutes with both), then one
+    # auto-augmentation
+    while pos < len(steps):
+        t = steps[pos]
+        if isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
+            cfg["flip"] = float(t.p)
+        elif (jitter := _jitter_section(t, T)) is not None and not {"jitter", "grayscale"} & set(cfg):
+            cfg["jitter"] = jitter
+        elif (gray := _grayscale_p(t, T)) is not None and "grayscale" not in cfg:
+            cfg["grayscale"] = gray
+        else:
+            break
+        pos += 1
+    if not cfg.get("jitter", True):
+        del cfg["jitter"]  # a ColorJitter that adjusts nothing
+    if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide, T.AugMix)):
+        cfg["augment"] = augment_section(steps[pos], size, lambda why, k=pos: fail(k, why))
+        pos += 1
+    elif pos < len(steps) and _part(steps[pos], "augment"):  # timm's RandAugment / AutoAugment / AugMix
+        cfg["augment"] = steps[pos].cfg
+        pos += 1
+
+    _read_tensor_steps(steps, pos, cfg, fail)  # 3. to tensor, dtype, normalisation, erasing
+    try:
+        return parse_policy(cfg, f"policy_from_transform({type(transform).__name__})", default_name="from_torchvision")
+    except ValueError as exc:
+        raise ValueError(f"policy_from_transform: the pipeline has no FusionFlow equivalent: {exc}") from None
+
+
+def _jitter_section(t, T) -> dict | None:
+    """ColorJitter, or RandomApply([ColorJitter], p) (SimCLR's, timm's color_jitter_prob), as the
+    policy's jitter section ({} when it adjusts nothing); None for any other transform."""
+    p = 1.0
+    if type(t) is T.RandomApply and len(t.transforms) == 1:
+        p, t = float(t.p), t.transforms[0]
+    if type(t) is not T.ColorJitter:
+        return None
+    keys = ("brightness", "contrast", "saturation", "hue")
+    section = {k: [float(v) for v in getattr(t, k)] for k in keys if getattr(t, k) is not None}
+    return {**section, "p": p} if section else {}
+
+
+def _grayscale_p(t, T) -> float | None:
+    """RandomGrayscale(p) -> p, Grayscale(3) -> 1; None for any other transform (Grayscale(1) too:
+    FusionFlow's output has three channels)."""
+    if type(t) is T.RandomGrayscale:
+        return float(t.p)
+    if type(t) is T.Grayscale and t.num_output_channels == 3:
+        return 1.0
+    return None
+
+
+def _read_crop(steps, T, cfg: dict, fail) -> int:
+    """The pipeline's first step(s): RandomResizedCrop, or Resize + CenterCrop, into cfg's output and
+    crop; returns the index of the next step."""
+    pos = 0
+    t = steps[pos]
+    if _part(t, "crop"):  # timm's RandomResizedCropAndInterpolation
+        cfg["output"] = {"size": t.cfg["size"]}
+        cfg["crop"] = {k: t.cfg[k] for k in ("scale", "ratio", "interpolation")}
+        pos += 1
+    elif isinstance(t, T.RandomResizedCrop):
+        mode = _check_resize_mode(t, fail, pos)
+        cfg["output"] = {"size": list(t.size)}
+        cfg["crop"] = {"scale": [float(v) for v in t.scale], "ratio": [float(v) for v in t.ratio]}
+        cfg["crop"]["interpolation"] = mode
+        pos += 1
+    elif isinstance(t, T.Resize):
+        mode = _check_resize_mode(t, fail, pos)
+        if len(t.size) != 1 or t.max_size is not None:
+            fail(
+                pos,
+                "only Resize(int) (the shorter side, no max_size) is expressible: the eval policy "
+                "is Resize(resize) + CenterCrop(size)",
+            )
+        if pos + 1 >= len(steps) or not isinstance(steps[pos + 1], T.CenterCrop):
+            fail(
+                pos, "Resize must be followed by CenterCrop (the eval form); for training start with RandomResizedCrop"
+            )
+        cfg["output"] = {"size": list(steps[pos + 1].size)}
+        cfg["crop"] = {"mode": "center", "resize": int(t.size[0]), "interpolation": mode}
+        pos += 2
+    else:
+        fail(
+            pos,
+            "the pipeline must start with RandomResizedCrop (training) or Resize + CenterCrop "
+            "(evaluation): FusionFlow decodes only the crop window, so the crop comes first",
+        )
+    return pos
+
+
+def _misplaced(t, name: str) -> str | None:
+    """Why step `t` (named `name`) cannot come after the augmentation, or None if it may."""
+    import torchvision.transforms.v2 as T
+
+    if name in ("RandomChoice", "RandomOrder"):
+        return f"torchvision's {name} has no FusionFlow equivalent (a policy's stages run in a fixed order)"
+    if name == "Grayscale":
+        return "only Grayscale(num_output_channels=3) is expressible (FusionFlow's output has three channels)"
+    if name == "RandomApply" and _jitter_section(t, T) is None:
+        return _RANDOM_APPLY
+    if name not in _TENSOR_STEPS:
+        return (
+            f"cannot be expressed here: after the crop come RandomHorizontalFlip, ColorJitter, RandomGrayscale, one of "
+            f"RandAugment / AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order"
+        )
+    return None
+
+
+def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
+    """The steps after the augmentation (to tensor, dtype, normalisation, erasing), into cfg."""
+    to_float, erase_at = False, None
+    seen: set[str] = set()
+    for k in range(pos, len(steps)):
+        t = steps[k]
+        name = "RandomErasing" if _part(t, "erase") else type(t).__name__
+        why = _misplaced(t, name)
+        if why is not None:
+            fail(k, why)
+        if name in seen or (name in ("ToImage", "PILToTensor") and seen & {"ToImage", "PILToTensor"}):
+            fail(k, "appears twice")
+        seen.add(name)
+        if name in ("PILToTensor", "ToImage", "ToPureTensor"):
+            if to_float and name != "ToPureTensor":
+                fail(k, "comes after ToDtype: convert to a tensor first")
+            continue
+        if name in ("ToDtype", "ConvertImageDtype"):
+            dtype = _image_dtype(t)
+            import torch
+
+            if dtype is not torch.float32 or not getattr(t, "scale", True):
+                fail(
+                    k,
+                    f"only ToDtype(torch.float32, scale=True) is expressible (got dtype={dtype}, "
+                    f"scale={getattr(t, 'scale', True)}): FusionFlow outputs uint8 or 0..1-scaled float32",
+                )
+            if erase_at is not None:
+                fail(k, "comes after RandomErasing: erase last, as torchvision's recipe does")
+            to_float = True
+            cfg["output"]["normalize"] = {"mean": [0.0] * 3, "std": [1.0] * 3}
+        elif name == "Normalize":
+            if not to_float:
+                fail(k, "needs ToDtype(torch.float32, scale=True) before it (Normalize of uint8 is undefined)")
+            if erase_at is not None:
+                fail(
+                    k,
+                    "comes after RandomErasing: FusionFlow erases the normalised output, as "
+                    "torchvision's recipe does (Normalize, then RandomErasing)",
+                )
+            mean, std = (
+                _triple(t.mean, "mean", lambda why, k=k: fail(k, why)),
+                _triple(t.std, "std", lambda why, k=k: fail(k, why)),
+            )
+            cfg["output"]["normalize"] = {"mean": mean, "std": std}
+        elif name == "RandomErasing":
+            erase_at = k
+            if _part(t, "erase"):  # timm's RandomErasing (after Normalize, as timm's pipeline has it)
+                cfg["erase"] = t.cfg
+                continue
+            value = "random" if t.value is None else list(t.value)
+            if value != "random" and not to_float:
+                value = [int(v) if float(v).is_integer() else v for v in value]
+            cfg["erase"] = {
+                "p": float(t.p),
+                "scale": [float(v) for v in t.scale],
+                "ratio": [float(v) for v in t.ratio],
+                "value": value,
+            }
+
+
+def _flatten(transform) -> list:
+    """The pipeline as a flat list of transforms: a Compose (v1 or v2, nested ones opened), a list, a
+    recipe preset holding its Compose in `.transforms` (torchvision's ClassificationPresetTrain/Eval),
+    weights.transforms() (ImageClassification: Resize + CenterCrop + float + Normalize), or one transform."""
+    import torch
+    import torchvision.transforms as T1
+    import torchvision.transforms.v2 as T
+    from torchvision.transforms._presets import ImageClassification
+
+    if isinstance(transform, (list, tuple)):
+        return [t for part in transform for t in _flatten(part)]
+    if isinstance(transform, (T.Compose, T1.Compose)):
+        return _flatten(list(transform.transforms))
+    if isinstance(transform, ImageClassification):
+        return [
+            T.Resize(list(transform.resize_size), transform.interpolation, antialias=transform.antialias),
+            T.CenterCrop(list(transform.crop_size)),
+            T.PILToTensor(),
+            T.ToDtype(torch.float32, scale=True),
+            T.Normalize(list(transform.mean), list(transform.std)),
+        ]
+    if type(transform) in {getattr(mod, n) for mod in (T, T1) for n in ("RandomApply", "RandomChoice", "RandomOrder")}:
+        return [transform]  # random containers: read (RandomApply([ColorJitter])) or refused, never opened
+    inner = getattr(transform, "transforms", None)
+    if isinstance(inner, (T.Compose, T1.Compose, list, tuple)):  # a preset object wrapping its pipeline
+        return _flatten(inner)
+    return [transform]
+
+
+def _as_v2(t) -> list | None:
+    """[t] for a v2 transform; for a torchvision.transforms (v1) one, the v2 transform(s) with the same
+    parameters (ToTensor: PILToTensor + ToDtype(float32, scale=True)); None for anything else."""
+    import torch
+    import torchvision.transforms as T1
+    import torchvision.transforms.v2 as T
+
+    if isinstance(t, T.Transform):
+        return [t]
+    name = type(t).__name__
+    if type(t) is not getattr(T1, name, None):
+        return None  # a lambda, a subclass, another library's class: its behaviour may differ
+    if name == "RandomApply":
+        inner = [_as_v2(u) for u in t.transforms]
+        return None if None in inner else [T.RandomApply([u for part in inner for u in part], t.p)]
+    convert = {
+        "RandomResizedCrop": lambda: T.RandomResizedCrop(t.size, t.scale, t.ratio, t.interpolation, t.antialias),
+        "Resize": lambda: T.Resize(t.size, t.interpolation, t.max_size, t.antialias),
+        "CenterCrop": lambda: T.CenterCrop(t.size),
+        "RandomHorizontalFlip": lambda: T.RandomHorizontalFlip(t.p),
+        "ColorJitter": lambda: T.ColorJitter(t.brightness, t.contrast, t.saturation, t.hue),
+        "RandomGrayscale": lambda: T.RandomGrayscale(t.p),
+        "Grayscale": lambda: T.Grayscale(t.num_output_channels),
+        "RandAugment": lambda: T.RandAugment(t.num_ops, t.magnitude, t.num_magnitude_bins, t.interpolation, t.fill),
+        "TrivialAugmentWide": lambda: T.TrivialAugmentWide(t.num_magnitude_bins, t.interpolation, t.fill),
+        "AutoAugment": lambda: T.AutoAugment(t.policy, t.interpolation, t.fill),
+        "AugMix": lambda: T.AugMix(
+            t.severity, t.mixture_width, t.chain_depth, t.alpha, t.all_ops, t.interpolation, t.fill
+        ),
+        "PILToTensor": lambda: T.PILToTensor(),
+        "ConvertImageDtype": lambda: T.ConvertImageDtype(t.dtype),
+        "Normalize": lambda: T.Normalize(t.mean, t.std),
+        "RandomErasing": lambda: T.RandomErasing(t.p, t.scale, t.ratio, t.value),
+    }
+    if name == "ToTensor":
+        return [T.PILToTensor(), T.ToDtype(torch.float32, scale=True)]
+    return [convert[name]()] if name in convert else None
+
+
+def _part(t, role: str) -> bool:
+    return isinstance(t, timm_transforms.TimmPart) and t.role == role
+
+
+def _unreadable(t) -> str:
+    import torchvision.transforms as T1
+    import torchvision.transforms.v2 as T
+
+    name = type(t).__name__
+    if name == "RandomApply" and type(t) in (T1.RandomApply, T.RandomApply):
+        return _RANDOM_APPLY
+    if type(t) in (getattr(T1, name, None), getattr(T, name, None)) and name != "Lambda":
+        return f"torchvision's {name} has no FusionFlow equivalent"
+    return (
+        "is not a torchvision or timm transform FusionFlow can read; build the pipeline from "
+        "torchvision.transforms(.v2) or timm.data classes (lambdas and other callables cannot be read)"
+    )
+
+
+def _describe(t) -> str:
+    text = repr(t).replace("\n", " ")
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _check_resize_mode(t, fail, k: int) -> str:
+    """The crop's / Resize's interpolation as a policy names it. FusionFlow decodes and resizes with
+    Pillow's filters, which always antialias (torchvision's PIL path ignores antialias=False too):
+    an explicit antialias=False with bilinear or bicubic asks for the tensor backend's other pixels."""
+    mode = mode_name(t.interpolation)
+    if mode not in INTERPOLATIONS:
+        fail(k, f"interpolation={mode!r}: the crop resizes with one of {', '.join(INTERPOLATIONS)}")
+    if t.antialias is False and mode != "nearest":
+        fail(
+            k,
+            f"interpolation={mode!r}, antialias=False: FusionFlow's crop resize is Pillow's antialiased filter "
+            "(torchvision's PIL path, and its default). Use antialias=True, or keep this transform on torchvision",
+        )
+    return mode
+
+
+def _image_dtype(t):
+    import torch
+    from torchvision import tv_tensors
+
+    dtype = t.dtype
+    if isinstance(dtype, dict):
+        for key in (tv_tensors.Image, torch.Tensor, "others"):
+            if key in dtype:
+                return dtype[key]
+        return None
+    return dtype
+
+
+def _triple(values, what: str, fail) -> list[float]:
+    values = [float(v) for v in values]
+    if len(values) == 1:
+        values = values * 3
+    if len(values) != 3:
+        fail(f"{what}={values}: expected 1 or 3 values (RGB)")
+    return values
+
+
+def from_timm(*args, decode: str = "fast", **create_transform_kwargs) -> Policy:
+    """The Policy of `timm.data.create_transform(*args, **create_transform_kwargs)` (timm's train or
+    eval transform, as its train.py builds them); `decode` as in policy_from_transform."""
+    from timm.data import create_transform
+
+    return policy_from_transform(create_transform(*args, **create_transform_kwargs), decode=decode)

@@ -1,0 +1,52 @@
+"""One sample, read and augmented into its slot: the body that every CPU path runs per sample -- a
+CPU worker process (runtime/worker.py `run_task`) and the training process itself with
+num_workers=0 (`FusionFlowLoader`'s inline iteration) -- so both report failures and targets alike."""
+
+from __future__ import annotations
+
+import traceback
+
+from fusionflow.runtime import targets
+from fusionflow.runtime.messages import SampleFailure
+
+
+def describe(dataset, index: int) -> str:
+    fn = getattr(dataset, "describe", None)
+    if fn is not None:
+        try:
+            return f"sample {index} ({fn(index)})"
+        except Exception:  # a describe() that fails must not hide the real error
+            pass
+    return f"sample {index}"
+
+
+def split_item(item, index: int):
+    """(sample, target): the target is returned as the dataset gave it (runtime/targets.py says how
+    it travels)."""
+    if isinstance(item, dict):
+        from fusionflow.datasets.wrappers import dict_sample_error
+
+        raise dict_sample_error(item, index)
+    if not isinstance(item, (tuple, list)) or len(item) != 2:
+        raise TypeError(f"dataset[{index}] must return (sample, target), got {type(item).__name__}")
+    return item[0], item[1]
+
+
+def run_sample(
+    dataset, pipe, pos: int, index: int, copy: int, seed: int, epoch: int, images, labels, side: dict, clock=None
+) -> SampleFailure | None:
+    """Read dataset[index] and augment it for (seed, epoch, copy) into images[pos]; its target goes
+    into labels[pos] if it is an int, else into `side` (runtime/targets.py). `clock` (a
+    stages.StageClock), if given, times the stages. Any exception is returned as a SampleFailure
+    (data: it travels to the training process and on_error decides), never raised."""
+    try:
+        if clock is not None:
+            clock.start()
+        sample, target = split_item(dataset[index], index)
+        if clock is not None:
+            clock("read")
+        pipe(sample, index, seed, epoch, out=images[pos], what=describe(dataset, index), tick=clock, copy=copy)
+        targets.store(labels, pos, target, side)
+    except Exception as exc:
+        return SampleFailure(pos, index, describe(dataset, index), type(exc).__name__, str(exc), traceback.format_exc())
+    return None
