@@ -250,7 +250,7 @@ def test_loader_with_accelerator_is_freed_on_last_reference(no_leaks, persistent
             for _ in it:
                 pass
         del it
-        accel = ld._gpu.accel if persistent else None
+        accel = ld.parts.gpu.accel if persistent else None
         refs = [weakref.ref(ld)] + (
             [weakref.ref(accel), weakref.ref(accel.pipeline), weakref.ref(ld._manager)] if persistent else []
         )

@@ -170,11 +170,11 @@ def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
     ld = FusionFlowLoader(
         Bytes(40), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2, accelerator="dali-cpu", seed=4
     )
-    ld._gpu.bridge = rec  # what GpuSession._start_bridge sets up on a GPU
+    ld.parts.gpu.bridge = rec  # what GpuSession._start_bridge sets up on a GPU
     seen = []
     for _, y in ld:
         assert not rec.armed  # closed before the batch reached us
-        accel = ld._gpu.accel
+        accel = ld.parts.gpu.accel
         assert accel.gated and not accel.window_open and accel._active is None
         seen += y.tolist()
     assert sorted(seen) == list(range(40))
@@ -384,7 +384,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
         timeout=60,
     )
     ld = FusionFlowLoader(Bytes(16), **args)
-    ld._delivery.alloc_device = torch.device("cpu")
+    ld.parts.delivery.alloc_device = torch.device("cpu")
     _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
     assert ld.stats.memory_bridge.startswith("off: No module named 'posix_ipc'")
@@ -399,7 +399,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     failing.close = close_fails
     monkeypatch.setattr(bridge_mod, "MemoryBridge", lambda device: failing)
     ld = FusionFlowLoader(Bytes(16), **args)
-    ld._delivery.alloc_device = torch.device("cpu")
+    ld.parts.delivery.alloc_device = torch.device("cpu")
     with caplog.at_level("ERROR", logger="fusionflow.loader.front"):
         _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(16))

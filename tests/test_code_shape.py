@@ -137,3 +137,68 @@ def test_every_worker_kind_satisfies_the_board_s_worker_kind_protocol():
             have.bind(*[object()] * len(params))  # raises TypeError when incompatible
             have.bind(object(), **{p.name: object() for p in params[1:]})
             assert have.return_annotation in (want.return_annotation, inspect.Signature.empty), (cls, name)
+
+
+# Private names of other projects read on purpose, each with its reason (path -> {"base.attr": reason}).
+FOREIGN_PRIVATE: dict[str, dict[str, str]] = {
+    "fusionflow/ops/exact.py": {
+        "img._new": "Pillow: Image.point without its per-entry round(), falling back to the public call",
+    },
+    "fusionflow/policy/torchvision_tables.py": {
+        "t._AUGMENTATION_SPACE": "torchvision keeps its auto-augmentation op tables private; we convert them",
+        "t._policies": "torchvision's AutoAugment sub-policies, private too",
+    },
+}
+
+
+def _defined_here(tree) -> set[str]:
+    """The private names a module defines: functions, classes, globals, attributes it assigns."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+    return {n for n in names if n.startswith("_")}
+
+
+def _private_reads_in(tree, rel: str) -> list[str]:
+    mine, allowed, found = _defined_here(tree), FOREIGN_PRIVATE.get(rel, {}), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fusionflow"):
+            found += [
+                f"{rel}:{node.lineno} imports {node.module}.{a.name}"
+                for a in node.names
+                if a.name.startswith("_") and not a.name.startswith("__")
+            ]
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            what = f"{ast.unparse(node.value)}.{node.attr}"
+            if node.attr not in mine and what not in allowed:
+                found.append(f"{rel}:{node.lineno} reads {what}")
+    return found
+
+
+def private_reads() -> list[str]:
+    """Each place a module imports another module's private name, or reads a private attribute that
+    it does not define itself (a name-based reading: `x._y` is fine where this module assigns `_y`)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        found += _private_reads_in(ast.parse(path.read_text(), rel), rel)
+    return found
+
+
+def test_no_module_reads_another_module_s_private_names():
+    reads = private_reads()
+    assert not reads, "give these a public name, or a method on their owner:\n" + "\n".join(reads)
+
+
+def test_the_private_name_check_sees_imports_and_foreign_attributes():
+    src = "from fusionflow.x import _a\nclass C:\n    def f(self, o):\n        self._own = o._theirs + o._own\n"
+    assert _private_reads_in(ast.parse(src), "m.py") == ["m.py:1 imports fusionflow.x._a", "m.py:4 reads o._theirs"]
+    subclass = "class D(Base):\n    def g(self):\n        return self._base_state\n"  # a base class's private state
+    assert _private_reads_in(ast.parse(subclass), "m.py") == ["m.py:3 reads self._base_state"]

@@ -91,7 +91,9 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
         memory_bridge="off",
         timeout=60,
     )
-    ld._delivery.alloc_device = torch.device("cpu")  # the tensors stay on the CPU; every CUDA call goes to the fake
+    ld.parts.delivery.alloc_device = torch.device(
+        "cpu"
+    )  # the tensors stay on the CPU; every CUDA call goes to the fake
     copy = device_ring.copy_out
     windows, stepping = [], [False]
 
@@ -159,7 +161,7 @@ def test_failed_host_register_clears_cudas_last_error_or_says_it_cannot(fake, mo
     cleared = []
     monkeypatch.setattr(cuda_host, "clear_last_error", lambda: cleared.append(fake.current_device()) or True)
     ld = FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, device="cuda:1", timeout=60)
-    ld._delivery.alloc_device = torch.device("cpu")
+    ld.parts.delivery.alloc_device = torch.device("cpu")
     seen = [y.tolist() for _, y in ld]
     assert seen == [[0, 1, 2, 3], [4, 5, 6, 7]] and cleared == [1]
     assert not fake.of("host_unregister")  # nothing was registered
@@ -202,7 +204,7 @@ def test_one_slot_on_the_gpu_path_delivers_the_whole_epoch(fake, no_leaks, accel
         prefetch_factor=1,
         timeout=60,
     )
-    ld._delivery.alloc_device = torch.device("cpu")
+    ld.parts.delivery.alloc_device = torch.device("cpu")
     with fake.stream(fake.Stream(device=1)):
         seen = [y for _, labels in ld for y in labels.tolist()]
     ld.close()

@@ -21,7 +21,7 @@ from fusionflow.loader import FusionFlowLoader
 from fusionflow.loader.checkpoint import Checkpoint
 from fusionflow.loader.config import resolve_config
 from fusionflow.loader.delivery import Delivery
-from fusionflow.loader.epoch import _InlineIterator, _WorkerIterator
+from fusionflow.loader.epoch import InlineIterator, WorkerIterator
 from fusionflow.loader.host import Host
 from fusionflow.loader.lifecycle import LoaderRuntime
 from fusionflow.loader.stats import LoaderStats
@@ -254,13 +254,13 @@ def test_the_loader_is_composed_and_each_iteration_owns_its_state(no_leaks):
     assert FusionFlowLoader.__bases__ == (object,)
     assert "tiny_batch_size" in FusionFlowLoader.__doc__ and "memory_bridge" in FusionFlowLoader.__doc__
     inline = FusionFlowLoader(Bytes(8), batch_size=4, policy=SMALL)
-    assert isinstance(iter(inline), _InlineIterator)
+    assert isinstance(iter(inline), InlineIterator)
     loader = FusionFlowLoader(Bytes(16), batch_size=4, num_workers=1, policy=SMALL, persistent_workers=True)
     assert loader.batch_size == 4 and loader.num_workers == 1 and loader.seed == loader.config.seed
     with pytest.raises(AttributeError):
         loader.batch_size = 8  # as DataLoader: configuration is fixed after construction
     first, second = iter(loader), iter(loader)
-    assert isinstance(first, _WorkerIterator) and first is not second
+    assert isinstance(first, WorkerIterator) and first is not second
     assert loader._manager is None  # nothing starts before the first next()
     next(first)
     next(second)  # a newer iteration abandons the older one's unfinished work

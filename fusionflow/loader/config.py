@@ -12,6 +12,7 @@ combinations.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,10 +75,13 @@ class LoaderConfig:
     worker_init_fn: Any
     multiprocessing_context: Any
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
-    sample_keys: tuple | None = (
-        None  # (image key[, target key]) for dict samples (fusionflow.datasets.wrappers.DictSamples)
-    )
-    read_ahead: int | None = None  # reads each CPU worker runs ahead (fusionflow.datasets.wrappers.ReadAhead), or None
+    sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
+    read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
+
+    def with_config(self, **changes) -> LoaderConfig:
+        """A copy with `changes` (field=value): a loader's resumed seed, a SharedLoader's ring depth.
+        The configuration itself never changes; whoever needs another one derives it."""
+        return dataclasses.replace(self, **changes)
 
 
 def resolve_collate(collate_fn):

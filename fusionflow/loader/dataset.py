@@ -101,8 +101,8 @@ def resolve_read_ahead(read_ahead) -> int | None:
 
 def wrap_samples(dataset, sample_keys, read_ahead=None):
     """The dataset as the loader reads it: `dataset` itself, its dict samples seen through
-    `sample_keys` (resolved; fusionflow.datasets.wrappers.DictSamples), its reads started ahead (`read_ahead`,
-    fusionflow.datasets.wrappers.ReadAhead). A stream is refused (check_map_style)."""
+    `sample_keys` (resolved; datasets/wrappers.py DictSamples), its reads started ahead (`read_ahead`,
+    datasets/wrappers.py ReadAhead). A stream is refused (check_map_style)."""
     check_map_style(dataset)
     from fusionflow.datasets.wrappers import DictSamples, ReadAhead
 

@@ -1,9 +1,9 @@
 """The per-epoch iterators `iter(FusionFlowLoader)` returns: each owns its epoch's state.
 
-`_WorkerIterator` (num_workers > 0): the epoch's generation on the loader's runtime (a newer
+`WorkerIterator` (num_workers > 0): the epoch's generation on the loader's runtime (a newer
 iterator abandons an older one's unfinished work), the free ring slots, the mini-batches submitted
 and delivered, the slot whose GPU copies the caller still holds (released at the next call), and the
-epoch's `EpochProgress` (batches yielded, for checkpoints). `_InlineIterator` (num_workers=0): the
+epoch's `EpochProgress` (batches yielded, for checkpoints). `InlineIterator` (num_workers=0): the
 same batches made in the training process itself, with the per-sample body CPU workers run
 (fusionflow/runtime/sample.py).
 
@@ -44,16 +44,16 @@ def check_batch(indices, capacity: int) -> None:
         )
 
 
-class _EpochIterator:
+class EpochIterator:
     """What both iterators share: the loader's parts they use, the epoch, its progress, and the
     output as the caller gets it (the batch, or what the user's collate_fn returns)."""
 
-    def __init__(self, loader, epoch: int, progress):
-        self.config = loader.config  # this epoch's configuration (load_state_dict may replace the loader's)
-        # the samples as the loader reads them (sample_keys, read_ahead: loader_samples.wrap_samples)
-        self.dataset, self.epoch, self.progress = loader._runtime.dataset, epoch, progress
-        self._checkpoint, self._delivery, self._tracing = loader._checkpoint, loader._delivery, loader._tracing
-        self._stats = loader.stats
+    def __init__(self, parts, config, epoch: int, progress):
+        self.config = config  # this epoch's configuration (load_state_dict may replace the loader's)
+        # the samples as the loader reads them (sample_keys, read_ahead: loader/dataset.py wrap_samples)
+        self.dataset, self.epoch, self.progress = parts.runtime.dataset, epoch, progress
+        self._checkpoint, self._delivery, self._tracing = parts.checkpoint, parts.delivery, parts.tracing
+        self._stats = parts.stats
         self._started = self._ended = False
 
     def __iter__(self):
@@ -112,18 +112,18 @@ class _EpochIterator:
         self._tracing.flush()
 
 
-class _WorkerIterator(_EpochIterator):
+class WorkerIterator(EpochIterator):
     """One epoch on the loader's worker processes (and accelerator / remote worker kinds). Its
     mini-batches are seqs first_seq, first_seq + 1, ... of its generation: 0 on, or after those the
     previous epoch's iterator speculated for it (fusionflow/loader/next_epoch.py)."""
 
-    def __init__(self, loader, epoch: int, progress):
-        super().__init__(loader, epoch, progress)
-        self._runtime, self._gpu = loader._runtime, loader._gpu
-        self._next_epoch = loader._next_epoch
+    def __init__(self, parts, config, epoch: int, progress, free: list | None = None):
+        super().__init__(parts, config, epoch, progress)
+        self._runtime, self._gpu, self._next_epoch = parts.runtime, parts.gpu, parts.next_epoch
         self._mgr = None  # the runtime this epoch runs on (started at the first next())
         self._gen = None  # this epoch's generation on it
-        self._free = list(range(self.config.prefetch_factor))  # ring slots with no mini-batch in them
+        # ring slots with no mini-batch in them (all of them, unless the caller holds some: a SharedLoader)
+        self._free = list(range(self.config.prefetch_factor)) if free is None else free
         self._pending = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
         self._first_seq = self._submitted = self._delivered = 0
         self._exhausted = False
@@ -162,6 +162,40 @@ class _WorkerIterator(_EpochIterator):
             self._next_epoch.offer(
                 self, self._mgr, self._gen, self._submitted, self.config, self.epoch, self._checkpoint, self._free
             )
+
+    # ---------------------------------------------------------------- for a holder of ring slots (SharedLoader)
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def advance(self, step):
+        """One step of the iteration, as `next()` takes one, with `step()` in place of the batch's
+        delivery (the epoch starts at the first; its end and any exception end the iteration)."""
+        return self._advance(step)
+
+    def in_flight(self) -> bool | None:
+        """True: a submitted mini-batch is not yet delivered; False: none is, but the epoch has more
+        to submit once a slot is free; None: the epoch has nothing left."""
+        if self._delivered < self._submitted:
+            return True
+        return None if self._exhausted else False
+
+    def wait_next(self):
+        """The next mini-batch's filled ring state, its slot kept (neither copied out nor reused):
+        the caller returns the slot with `give_back`. Counted in stats and the trace as a wait."""
+        seq, t0 = self._delivered, time.perf_counter()
+        state = self._mgr.wait(seq, self._gen, self.config.timeout)
+        self._delivered += 1
+        wait = time.perf_counter() - t0
+        self._delivery.account(wait, state.size)
+        self._tracing.wait(wait, seq, state.size)
+        return state
+
+    def give_back(self, slot: int) -> None:
+        """A ring slot taken with `wait_next` is free again: the next mini-batch is submitted into it."""
+        if not self._ended:
+            self._free.append(slot)
+            self._refill()
 
     def _next_batch(self):
         mgr, gpu = self._mgr, self._gpu
@@ -212,7 +246,7 @@ class _WorkerIterator(_EpochIterator):
         self._tracing.flush()
 
 
-class _InlineIterator(_EpochIterator):
+class InlineIterator(EpochIterator):
     """One epoch made in the training process (num_workers=0), sample by sample."""
 
     def _start(self) -> None:

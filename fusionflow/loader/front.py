@@ -1,15 +1,7 @@
 """FusionFlowLoader: the DataLoader-compatible front. It holds its configuration (`loader.config`, a
-frozen LoaderConfig; the DataLoader attributes are read from it) and the parts that own the rest:
-
-  * `Checkpoint` (fusionflow/loader/checkpoint.py): the epoch number, a pending resume, the newest
-    iteration's progress -- `set_epoch`, `state_dict`, `load_state_dict`;
-  * `Delivery` (fusionflow/loader/delivery.py): on_error, batches out of the ring as tensors, targets, stats;
-  * `Tracing` (fusionflow/loader/trace.py): the trace= file and `loader.trace(path)` blocks;
-  * `GpuSession` (fusionflow/accel/session.py), with an accelerator: DALI, the allocator bridge, prep windows;
-  * `LoaderRuntime` (fusionflow/loader/lifecycle.py): the runtime, started at the first iteration, one shutdown
-    procedure;
-  * `NextEpoch` (fusionflow/loader/next_epoch.py), persistent workers: the next epoch's first mini-batches,
-    speculated while the current epoch's last ones are consumed.
+frozen LoaderConfig; the DataLoader attributes are read from it) and its parts (`loader.parts`,
+fusionflow/loader/parts.py: checkpoint, delivery, tracing, the GPU session, the runtime, the
+next-epoch speculation), which own the rest.
 
 `iter(loader)` returns a per-epoch iterator (fusionflow/loader/epoch.py) that owns the epoch's state.
 The argument reference is FusionFlowLoader's docstring.
@@ -17,24 +9,17 @@ The argument reference is FusionFlowLoader's docstring.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 
 from torch.utils.data import Sampler
 
-from fusionflow.loader.checkpoint import Checkpoint
 from fusionflow.loader.config import resolve_config
-from fusionflow.loader.dataset import adopt_folder, wrap_samples
-from fusionflow.loader.delivery import Delivery
-from fusionflow.loader.epoch import _InlineIterator, _WorkerIterator
+from fusionflow.loader.dataset import adopt_folder
+from fusionflow.loader.epoch import InlineIterator, WorkerIterator
 from fusionflow.loader.host import Host
-from fusionflow.loader.lifecycle import LoaderRuntime
-from fusionflow.loader.next_epoch import NextEpoch
-from fusionflow.loader.stats import (
-    LoaderStats,  # also re-exported: `from fusionflow.loader.front import LoaderStats` works
-)
-from fusionflow.loader.trace import Tracing
+from fusionflow.loader.parts import LoaderParts
+from fusionflow.loader.stats import LoaderStats  # also re-exported: `from fusionflow.loader.front import LoaderStats`
 
 __all__ = ["FusionFlowLoader", "LoaderStats"]
 
@@ -216,19 +201,8 @@ class FusionFlowLoader:
                 warnings.warn(note, UserWarning, stacklevel=2)
         self.config = cfg  # as resolved at construction (load_state_dict may replace the seed)
         self.dataset = given  # as DataLoader keeps it (the samples read are `dataset`'s)
-        self.stats = LoaderStats()
-        self.stats.memory_bridge = None if cfg.bridge_why_off is None else f"off: {cfg.bridge_why_off}"
-        self._checkpoint = Checkpoint()
-        self._delivery = Delivery(self.stats, cfg.device, cfg.pin_memory, cfg.on_error)
-        self._tracing = Tracing(cfg.trace_path)
-        self._gpu = None  # with an accelerator: its session (fusionflow/accel/session.py)
-        if cfg.accelerator is not None:
-            from fusionflow.accel.session import GpuSession
-
-            self._gpu = GpuSession.for_config(self.stats, cfg)
-        samples = wrap_samples(dataset, cfg.sample_keys, cfg.read_ahead)  # dict samples, reads ahead
-        self._runtime = LoaderRuntime(samples, self.stats, self._tracing, self._gpu)
-        self._next_epoch = NextEpoch(self.stats)
+        self.parts = LoaderParts.build(cfg, dataset)  # what the loader is made of (fusionflow/loader/parts.py)
+        self.stats = self.parts.stats
 
     # ---------------------------------------------------------------- configuration, as DataLoader names it
     batch_size = _configured("batch_size", "As given (1 by default, also when a batch_sampler is given).")
@@ -267,14 +241,14 @@ class FusionFlowLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
-        self._checkpoint.set_epoch(epoch, self.config.sampler)
-        self._next_epoch.on_set_epoch(epoch)
+        self.parts.checkpoint.set_epoch(epoch, self.config.sampler)
+        self.parts.next_epoch.on_set_epoch(epoch)
 
     def __iter__(self):
         """A new epoch: its iterator (it starts the workers, if they are not running, at its first next())."""
-        epoch, progress = self._checkpoint.begin()
-        kind = _InlineIterator if self.config.num_workers == 0 else _WorkerIterator
-        return kind(self, epoch, progress)
+        epoch, progress = self.parts.checkpoint.begin()
+        kind = InlineIterator if self.config.num_workers == 0 else WorkerIterator
+        return kind(self.parts, self.config, epoch, progress)
 
     def __enter__(self):
         return self
@@ -285,9 +259,9 @@ class FusionFlowLoader:
     def close(self) -> None:
         """Stop workers, return lent GPU blocks and release shared memory now (and write the trace, if
         any). The loader can be iterated again after."""
-        self._next_epoch.discard()
-        self._runtime.close()
-        self._tracing.flush()
+        self.parts.next_epoch.discard()
+        self.parts.runtime.close()
+        self.parts.tracing.flush()
 
     # ---------------------------------------------------------------- checkpointing (fusionflow/loader/checkpoint.py)
     def state_dict(self) -> dict:
@@ -299,15 +273,15 @@ class FusionFlowLoader:
         epoch, same indices and pixels -- and the same epochs after it. A loader that stopped
         mid-epoch (`break`) resumes that epoch's remaining batches."""
         cfg = self.config
-        return self._checkpoint.state_dict(self._shape(), cfg.seed, cfg.batch_sampler, cfg.sampler)
+        return self.parts.checkpoint.state_dict(self._shape(), cfg.seed, cfg.batch_sampler, cfg.sampler)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`: the next iteration continues where that loader was. The state's
         seed replaces this loader's (the augmentation is a function of it); the loader must be built
         over a dataset of the same length with the same batch_size, drop_last and kind of sampler."""
         cfg = self.config
-        self._checkpoint.load_state_dict(state, self._shape(), cfg.batch_sampler, cfg.sampler)
-        self._next_epoch.discard()
+        self.parts.checkpoint.load_state_dict(state, self._shape(), cfg.batch_sampler, cfg.sampler)
+        self.parts.next_epoch.discard()
         seed = state["seed"]
         if cfg.seed_given and seed != cfg.seed:
             warnings.warn(
@@ -317,8 +291,8 @@ class FusionFlowLoader:
                 stacklevel=2,
             )
         if cfg.seed != seed:
-            self.config = dataclasses.replace(cfg, seed=seed)
-            self._runtime.stop()  # running workers hold the old seed
+            self.config = cfg.with_config(seed=seed)
+            self.parts.runtime.stop()  # running workers hold the old seed
 
     def _shape(self) -> dict:
         """What a state is checked against: a state fits only a loader of the same shape."""
@@ -334,13 +308,13 @@ class FusionFlowLoader:
     def trace(self, path, max_events: int | None = None):
         """Record a timeline of what runs inside a `with` block and write it to `path` (trace-event
         JSON, fusionflow/loader/trace.py) at its end. Yields the recorder."""
-        return self._tracing.block(path, max_events)
+        return self.parts.tracing.block(path, max_events)
 
     # ---------------------------------------------------------------- for tests and tools
     @property
     def _manager(self):
         """The running LocalManager, or None."""
-        return self._runtime.manager
+        return self.parts.runtime.manager
 
     @property
     def _collate(self):

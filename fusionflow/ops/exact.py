@@ -38,7 +38,7 @@ class Style:
 
 
 cpu_impl = registrar(CPU_IMPLS, "cpu_impl")
-_IDENTITY = np.arange(256, dtype=np.int64)
+IDENTITY = np.arange(256, dtype=np.int64)
 
 
 def _point(img: Image.Image, lut: list) -> Image.Image:
@@ -101,7 +101,7 @@ def contrast(img, value, params, style):
     (rounded half up); the mean as ImageStat computes it -- integer sum over the L histogram divided
     by the pixel count -- with numpy instead of its 256-step Python loop."""
     h = np.asarray(img.convert("L").histogram(), dtype=np.int64)
-    mean = int(int(h @ _IDENTITY) / int(h.sum()) + 0.5)
+    mean = int(int(h @ IDENTITY) / int(h.sum()) + 0.5)
     return _point(img, blend_lut(mean, params[0]).tolist() * 3)  # a blend with a constant: a table
 
 
@@ -157,8 +157,8 @@ def sharpness(img, value, params, style):
 # path), so they stay bit-identical; fixed tables are cached per parameter and histogram-driven ones
 # are computed with numpy instead of Pillow's per-entry Python loops.
 @functools.lru_cache(maxsize=1024)
-def _rgb_lut(kind: str, param: float) -> list:
-    i = _IDENTITY
+def rgb_lut(kind: str, param: float) -> list:
+    i = IDENTITY
     if kind == "posterize":  # a LUT rather than ImageOps.posterize, which refuses 0 bits
         lut = i & int(param)
     elif kind == "solarize":
@@ -178,17 +178,17 @@ def _band_histograms(img: Image.Image) -> np.ndarray:
 
 @cpu_impl("Posterize")
 def posterize(img, value, params, style):
-    return _point(img, _rgb_lut("posterize", int(params[1])))
+    return _point(img, rgb_lut("posterize", int(params[1])))
 
 
 @cpu_impl("Solarize")
 def solarize(img, value, params, style):
-    return _point(img, _rgb_lut("solarize", float(params[0])))
+    return _point(img, rgb_lut("solarize", float(params[0])))
 
 
 @cpu_impl("SolarizeAdd")
 def solarize_add(img, value, params, style):
-    return _point(img, _rgb_lut("solarize_add", float(params[0])))
+    return _point(img, rgb_lut("solarize_add", float(params[0])))
 
 
 def autocontrast_lut(hists) -> list:
@@ -202,7 +202,7 @@ def autocontrast_lut(hists) -> list:
             continue
         scale = 255.0 / (hi - lo)
         offset = -lo * scale
-        lut.extend(np.clip(np.trunc(_IDENTITY * scale + offset), 0, 255).astype(np.int64).tolist())
+        lut.extend(np.clip(np.trunc(IDENTITY * scale + offset), 0, 255).astype(np.int64).tolist())
     return lut
 
 
@@ -233,7 +233,7 @@ def equalize(img, value, params, style):
 
 @cpu_impl("Invert")
 def invert(img, value, params, style):
-    return _point(img, _rgb_lut("invert", 0.0))
+    return _point(img, rgb_lut("invert", 0.0))
 
 
 @cpu_impl("Cutout")

@@ -96,7 +96,7 @@ def apply_lut(arr: np.ndarray, lut: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1024)
 def _fixed_lut(kind: str, param: float) -> np.ndarray:
-    return np.asarray(exact._rgb_lut(kind, param)[:256], np.uint8)
+    return np.asarray(exact.rgb_lut(kind, param)[:256], np.uint8)
 
 
 @_register(FAST, "Posterize")
@@ -167,7 +167,7 @@ def autocontrast_fast(arr, value, params, style):
             out.append(plane)
             continue
         scale = 255.0 / (hi - lo)
-        lut = np.clip(np.trunc(exact._IDENTITY * scale + (-lo * scale)), 0, 255).astype(np.uint8)
+        lut = np.clip(np.trunc(exact.IDENTITY * scale + (-lo * scale)), 0, 255).astype(np.uint8)
         out.append(cv2.LUT(plane, lut))
     return cv2.merge(out)
 
@@ -219,7 +219,7 @@ def mean_luma_exact(arr: np.ndarray) -> int:
     """ImageStat's mean of the L image, rounded half up (exact.contrast): the integer sum over L's
     histogram divided by the pixel count."""
     h = np.bincount(luma(arr).ravel(), minlength=256)
-    return int(int(h @ exact._IDENTITY) / int(h.sum()) + 0.5)
+    return int(int(h @ exact.IDENTITY) / int(h.sum()) + 0.5)
 
 
 @_register(EXACT, "Contrast")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionflow.policy.draws import OpDraw, TimmStep
-from fusionflow.policy.reader import _Reader
+from fusionflow.policy.reader import Reader
 
 CROP_OP = "RandResizeCrop_imagenet"
 # the authors' op -> FusionFlow's op, and whether it takes a range
@@ -91,7 +91,7 @@ def fusionflow_ops(s: DeepAASettings) -> list[str]:
     return [_MAPPED[name] for name, _ in s.pairs if _MAPPED[name] is not None]
 
 
-def parse_deepaa(r: _Reader, raw: Mapping):
+def parse_deepaa(r: Reader, raw: Mapping):
     """`augment:` of type deepaa -> (DeepAASettings, interpolation, fill); ValueError naming the key."""
     keys = ("magnitude_bins", "ops", "pairs", "layers")
     a = r.mapping(raw, "augment", ("type", *keys), ("interpolation", "fill", "cutout"))
@@ -113,14 +113,14 @@ def parse_deepaa(r: _Reader, raw: Mapping):
     return settings, interpolation, fill
 
 
-def _list(r: _Reader, a: Mapping, key: str) -> list:
+def _list(r: Reader, a: Mapping, key: str) -> list:
     value = a[key]
     if not isinstance(value, (list, tuple)) or not value:
         r.fail(f"augment.{key}", f"expected a non-empty list, got {value!r}")
     return list(value)
 
 
-def _ranges(r: _Reader, raw: Any) -> tuple[tuple[tuple[str, float, float], ...], set[str]]:
+def _ranges(r: Reader, raw: Any) -> tuple[tuple[tuple[str, float, float], ...], set[str]]:
     """(the ops with a range as (op, lo, hi), the names of those without)."""
     if not isinstance(raw, Mapping) or not raw:
         r.fail("augment.ops", f"expected a mapping of DeepAA op -> [lo, hi] or null, got {raw!r}")
@@ -139,7 +139,7 @@ def _ranges(r: _Reader, raw: Any) -> tuple[tuple[tuple[str, float, float], ...],
     return tuple(out), plain
 
 
-def _pairs(r: _Reader, raw: Any, known: set[str], bins: int) -> tuple[tuple[str, int], ...]:
+def _pairs(r: Reader, raw: Any, known: set[str], bins: int) -> tuple[tuple[str, int], ...]:
     if not isinstance(raw, (list, tuple)) or not raw:
         r.fail("augment.pairs", f"expected a non-empty list of [op, bin], got {raw!r}")
     out = []
@@ -153,7 +153,7 @@ def _pairs(r: _Reader, raw: Any, known: set[str], bins: int) -> tuple[tuple[str,
     return tuple(out)
 
 
-def _layer(r: _Reader, raw: Any, n: int, path: str) -> tuple[float, ...]:
+def _layer(r: Reader, raw: Any, n: int, path: str) -> tuple[float, ...]:
     if not isinstance(raw, (list, tuple)) or len(raw) != n:
         r.fail(path, f"expected {n} probabilities, one per pair, got {len(raw) if isinstance(raw, list) else raw!r}")
     probs = [r.number(p, f"{path}[{i}]", 0.0, 1.0) for i, p in enumerate(raw)]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from fusionflow.policy.reader import _Reader
+from fusionflow.policy.reader import Reader
 
 DECODE_MODES = ("exact", "fast")
 # Pillow's default DecompressionBombError threshold (2 x its MAX_IMAGE_PIXELS of 89,478,485): images
@@ -52,7 +52,7 @@ class Jitter:
         return (self.brightness, self.contrast, self.saturation, self.hue)
 
 
-def parse_jitter(r: _Reader, raw: Any, path: str = "jitter") -> Jitter | None:
+def parse_jitter(r: Reader, raw: Any, path: str = "jitter") -> Jitter | None:
     """A `jitter:` mapping (or a Jitter) -> Jitter; None when it adjusts nothing. A number v means
     torchvision's [max(0, 1 - v), 1 + v] (hue: [-v, v], v <= 0.5); a pair is the range itself."""
     if isinstance(raw, Jitter):
@@ -65,7 +65,7 @@ def parse_jitter(r: _Reader, raw: Any, path: str = "jitter") -> Jitter | None:
     return Jitter(*ranges, p=p) if any(ranges) and p > 0 else None
 
 
-def _jitter_range(r: _Reader, raw: Any, path: str, hue: bool) -> tuple[float, float] | None:
+def _jitter_range(r: Reader, raw: Any, path: str, hue: bool) -> tuple[float, float] | None:
     if raw is None:
         return None
     if isinstance(raw, (list, tuple)):
@@ -77,7 +77,7 @@ def _jitter_range(r: _Reader, raw: Any, path: str, hue: bool) -> tuple[float, fl
     return None if lo == hi == centre else (float(lo), float(hi))
 
 
-def parse_output(r: _Reader, raw: Any):
+def parse_output(r: Reader, raw: Any):
     """The `output:` mapping -> (size as (height, width), normalize as (mean, std) or None)."""
     out = r.mapping(raw, "output", ("size",), ("normalize",))
     size_raw = out["size"]
@@ -96,7 +96,7 @@ def parse_output(r: _Reader, raw: Any):
     return size, normalize
 
 
-def parse_decode(r: _Reader, top: dict) -> tuple[bool, int | None]:
+def parse_decode(r: Reader, top: dict) -> tuple[bool, int | None]:
     """The top level's `decode:` section -> (fast: mode is "fast", max_pixels or None for no limit);
     without the section, fast decoding with DEFAULT_MAX_PIXELS."""
     if "decode" not in top:
@@ -117,7 +117,7 @@ def parse_decode(r: _Reader, top: dict) -> tuple[bool, int | None]:
 CROP_INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "random")  # random: bilinear or bicubic per sample (timm)
 
 
-def parse_crop(r: _Reader, top: dict, size: tuple[int, int]):
+def parse_crop(r: Reader, top: dict, size: tuple[int, int]):
     """The top level's `crop:` section -> (scale, ratio, center_resize: None for the random resized
     crop, interpolation of its resize); without the section, the random resized crop with
     torchvision's scale, ratio and (antialiased) bilinear resize."""
@@ -138,7 +138,7 @@ def parse_crop(r: _Reader, top: dict, size: tuple[int, int]):
     return scale, ratio, center_resize, interpolation
 
 
-def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
+def parse_erase(r: Reader, raw: Any, path: str, normalize) -> Erase:
     """An `erase:` mapping (or an Erase) -> Erase, checked against the output's units."""
     if isinstance(raw, Erase):
         raw = {
@@ -185,7 +185,7 @@ def parse_erase(r: _Reader, raw: Any, path: str, normalize) -> Erase:
     return Erase(p, scale, ratio, value, count=count)
 
 
-def _center_crop(r: _Reader, crop: dict, size: tuple[int, int]) -> int | None:
+def _center_crop(r: Reader, crop: dict, size: tuple[int, int]) -> int | None:
     """crop.mode center (evaluation): the resize of the shorter side; None for the random resized crop."""
     mode = r.choice(crop.get("mode", "random"), "crop.mode", ("random", "center"))
     if mode == "random":
@@ -200,7 +200,7 @@ def _center_crop(r: _Reader, crop: dict, size: tuple[int, int]) -> int | None:
     return check_center_resize(r, crop["resize"], "crop.resize", size)
 
 
-def check_center_resize(r: _Reader, raw: Any, path: str, size: tuple[int, int]) -> int:
+def check_center_resize(r: Reader, raw: Any, path: str, size: tuple[int, int]) -> int:
     resize = r.integer(raw, path, 8, 16384)
     if resize < max(size):
         r.fail(path, f"{resize} is smaller than the {size[0]}x{size[1]} center crop: use resize >= {max(size)}")

@@ -44,7 +44,7 @@ from typing import Any
 from fusionflow.policy import schema
 from fusionflow.policy.image_sections import Erase, Jitter, check_center_resize, parse_erase, parse_jitter
 from fusionflow.policy.op_specs import OPS
-from fusionflow.policy.reader import _Reader
+from fusionflow.policy.reader import Reader
 from fusionflow.policy.schema import INTERPOLATIONS, Augment, OpChoice, Policy
 
 OVERRIDES = (
@@ -71,7 +71,7 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy, **overrides:
 def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
     """A new Policy: `policy` with `overrides` applied and validated, in the order of OVERRIDES."""
     _check_names(overrides)
-    r = _Reader(f"{policy.source} with override")
+    r = Reader(f"{policy.source} with override")
     aug = policy.augment
     changes: dict[str, Any] = {}
     if "size" in overrides:
@@ -105,7 +105,7 @@ def _check_names(overrides: Mapping[str, Any]) -> None:
             raise ValueError(f"load_policy(): unknown override {key!r}; {fix}valid overrides: {', '.join(OVERRIDES)}")
 
 
-def _center_resize(r: _Reader, policy: Policy, overrides: Mapping[str, Any], size: tuple[int, int]) -> int:
+def _center_resize(r: Reader, policy: Policy, overrides: Mapping[str, Any], size: tuple[int, int]) -> int:
     """A crop.mode center policy's resize (the override's, else its own), checked against the output size."""
     if policy.center_resize is None:
         r.fail(
@@ -116,7 +116,7 @@ def _center_resize(r: _Reader, policy: Policy, overrides: Mapping[str, Any], siz
     return check_center_resize(r, overrides.get("resize", policy.center_resize), "resize", size)
 
 
-def _rand_counts(r: _Reader, name: str, aug: Augment, overrides: Mapping[str, Any]) -> Augment:
+def _rand_counts(r: Reader, name: str, aug: Augment, overrides: Mapping[str, Any]) -> Augment:
     """magnitude and num_ops: only for augment.type rand (RandAugment)."""
     for key in ("magnitude", "num_ops"):
         if key in overrides:
@@ -135,7 +135,7 @@ def _rand_counts(r: _Reader, name: str, aug: Augment, overrides: Mapping[str, An
     return aug
 
 
-def _interpolation(r: _Reader, name: str, aug: Augment, value: Any) -> Augment:
+def _interpolation(r: Reader, name: str, aug: Augment, value: Any) -> Augment:
     """The ops' geometric resampling; a policy without ops only accepts 'bilinear' (its crop's)."""
     value = r.choice(value, "interpolation", INTERPOLATIONS)
     if aug.type == "none" and value != "bilinear":
@@ -153,14 +153,14 @@ def _interpolation(r: _Reader, name: str, aug: Augment, value: Any) -> Augment:
     return aug if aug.type == "none" else dataclasses.replace(aug, interpolation=value)
 
 
-def _erase(r: _Reader, erase: Any, normalize) -> Erase | None:
+def _erase(r: Reader, erase: Any, normalize) -> Erase | None:
     """The erase override (or the policy's Erase): a mapping, an Erase, a float p, or None / 0 for off."""
     if isinstance(erase, (int, float)) and not isinstance(erase, bool):
         erase = {"p": erase} if erase else None
     return None if erase is None else parse_erase(r, erase, "erase", normalize)
 
 
-def _jitter(r: _Reader, jitter: Any) -> Jitter | None:
+def _jitter(r: Reader, jitter: Any) -> Jitter | None:
     """The jitter override: a mapping, a Jitter, a float (timm's color_jitter), a tuple of ColorJitter's
     arguments, or None / 0 for off."""
     if isinstance(jitter, (int, float)) and not isinstance(jitter, bool):
@@ -172,7 +172,7 @@ def _jitter(r: _Reader, jitter: Any) -> Jitter | None:
     return None if jitter is None else parse_jitter(r, jitter, "jitter")
 
 
-def _size(r: _Reader, raw: Any) -> tuple[int, int]:
+def _size(r: Reader, raw: Any) -> tuple[int, int]:
     if isinstance(raw, int) and not isinstance(raw, bool):
         return (r.integer(raw, "size", 8, 8192),) * 2
     if isinstance(raw, (list, tuple)) and len(raw) == 2:
@@ -180,7 +180,7 @@ def _size(r: _Reader, raw: Any) -> tuple[int, int]:
     r.fail("size", f"expected an int or (height, width), got {raw!r}")
 
 
-def _rescale(r: _Reader, choice: OpChoice, old: tuple[int, int], new: tuple[int, int]) -> OpChoice:
+def _rescale(r: Reader, choice: OpChoice, old: tuple[int, int], new: tuple[int, int]) -> OpChoice:
     spec = OPS[choice.name]
     if spec.scale_by is None or choice.range is None:
         return choice
@@ -199,7 +199,7 @@ def _rescale(r: _Reader, choice: OpChoice, old: tuple[int, int], new: tuple[int,
     return dataclasses.replace(choice, range=rng)
 
 
-def _normalize(r: _Reader, raw: Any):
+def _normalize(r: Reader, raw: Any):
     if raw is None:
         return None
     if isinstance(raw, Mapping):

@@ -11,7 +11,7 @@ from typing import Any
 from fusionflow.policy.op_specs import OPS, OpSpec
 
 
-class _Reader:
+class Reader:
     """Walks a parsed config, checking keys and types, and raises errors that name the key path."""
 
     def __init__(self, source: str):

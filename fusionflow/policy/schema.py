@@ -87,7 +87,7 @@ from fusionflow.policy.image_sections import (
     parse_output,
 )
 from fusionflow.policy.op_specs import OPS
-from fusionflow.policy.reader import _Reader
+from fusionflow.policy.reader import Reader
 from fusionflow.policy.timm_augment import TIMM_TYPES, TimmAugment, parse_timm
 from fusionflow.policy.timm_augment import max_ops as timm_max_ops
 from fusionflow.policy.tv_augmix import AugMixSettings, parse_augmix
@@ -192,7 +192,7 @@ class Policy:
 
 
 def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom") -> Policy:
-    r = _Reader(source)
+    r = Reader(source)
     top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip", "jitter", "grayscale", "erase"))
 
     name = top.get("name", default_name)
@@ -227,7 +227,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     )
 
 
-def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
+def _parse_augment(r: Reader, raw: Any, size: tuple[int, int]) -> Augment:
     if not isinstance(raw, Mapping):
         r.fail("augment", f"expected a mapping, got {type(raw).__name__} {raw!r}")
     kind = r.choice(raw.get("type"), "augment.type", AUGMENT_TYPES)
@@ -274,7 +274,7 @@ def _parse_augment(r: _Reader, raw: Any, size: tuple[int, int]) -> Augment:
     )
 
 
-def _parse_ops(r: _Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
+def _parse_ops(r: Reader, raw: Any, size: tuple[int, int]) -> list[OpChoice]:
     if not isinstance(raw, Mapping) or not raw:
         r.fail("augment.ops", f"expected a non-empty mapping of op name -> settings, got {raw!r}")
     ops = []

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from fusionflow.policy.draws import MixDraw, OpDraw, TimmStep
-from fusionflow.policy.reader import _Reader
+from fusionflow.policy.reader import Reader
 
 TIMM_TYPES = ("timm-rand", "timm-auto", "timm-augmix")
 TIMM_INTERPOLATIONS = ("bilinear", "bicubic", "random")
@@ -116,7 +116,7 @@ class TimmAugment:
     translate_const: float = 250.0
 
 
-def parse_timm(r: _Reader, raw: Mapping, kind: str):
+def parse_timm(r: Reader, raw: Mapping, kind: str):
     """`augment:` of a timm-* type -> (TimmAugment, interpolation, fill); ValueError naming the key."""
     common = ("magnitude_std", "magnitude_max", "translate_pct", "translate_const", "interpolation", "fill")
     if kind == "timm-rand":
@@ -155,7 +155,7 @@ def parse_timm(r: _Reader, raw: Mapping, kind: str):
     return TimmAugment(**fields), interpolation, fill
 
 
-def _op_names(r: _Reader, raw: Any, path: str) -> tuple[str, ...]:
+def _op_names(r: Reader, raw: Any, path: str) -> tuple[str, ...]:
     if not isinstance(raw, (list, tuple)) or not raw:
         r.fail(path, f"expected a non-empty list of timm op names, got {raw!r}")
     for i, name in enumerate(raw):
@@ -163,7 +163,7 @@ def _op_names(r: _Reader, raw: Any, path: str) -> tuple[str, ...]:
     return tuple(raw)
 
 
-def _timm_op_name(r: _Reader, name: Any, path: str) -> None:
+def _timm_op_name(r: Reader, name: Any, path: str) -> None:
     if name not in TIMM_OPS:
         import difflib
 
@@ -172,7 +172,7 @@ def _timm_op_name(r: _Reader, name: Any, path: str) -> None:
         r.fail(path, f"unknown timm op {name!r}{hint}")
 
 
-def _weights(r: _Reader, raw: Any, n: int, num_ops: int) -> tuple[float, ...]:
+def _weights(r: Reader, raw: Any, n: int, num_ops: int) -> tuple[float, ...]:
     if not isinstance(raw, (list, tuple)) or len(raw) != n:
         r.fail("augment.weights", f"expected {n} numbers, one per op, got {raw!r}")
     w = [r.number(v, f"augment.weights[{i}]", 0.0, None) for i, v in enumerate(raw)]
@@ -184,7 +184,7 @@ def _weights(r: _Reader, raw: Any, n: int, num_ops: int) -> tuple[float, ...]:
     return tuple(v / total for v in w)
 
 
-def _subpolicies(r: _Reader, raw: Any):
+def _subpolicies(r: Reader, raw: Any):
     out: list[list[tuple[str, float, float]]] = []
     for i, spath, step in r.subpolicy_steps(raw, "augment.subpolicies", "[op, probability, level]"):
         if not isinstance(step, (list, tuple)) or len(step) != 3:

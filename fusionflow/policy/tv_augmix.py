@@ -25,7 +25,7 @@ from functools import lru_cache
 import numpy as np
 
 from fusionflow.policy.draws import MixDraw, OpDraw, TimmStep
-from fusionflow.policy.reader import _Reader
+from fusionflow.policy.reader import Reader
 
 NUM_BINS = 10  # torchvision's AugMix._PARAMETER_MAX: the tables' length; severity picks a prefix
 INTERPOLATIONS = ("nearest", "bilinear")  # torchvision's AugMix on tensors takes only these two
@@ -52,7 +52,7 @@ class AugMixSettings:
         return self.mixture_width * (self.chain_depth if self.chain_depth > 0 else 3)
 
 
-def parse_augmix(r: _Reader, raw: Mapping):
+def parse_augmix(r: Reader, raw: Mapping):
     """`augment:` of type augmix -> (AugMixSettings, interpolation, fill); ValueError naming the key."""
     keys = ("severity", "mixture_width", "chain_depth", "alpha", "all_ops", "interpolation", "fill")
     a = r.mapping(raw, "augment", ("type",), keys)

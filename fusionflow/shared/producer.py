@@ -14,20 +14,19 @@ an epoch's last batches, as in a plain loader.
 
 Shutdown (`close()`, the `with` block's end): the clients are told the producer finished (after an
 error, that error first), their connections closed, the rendezvous record removed, the loader
-closed and its configuration restored. SIGKILLed instead, the kernel closes the socket (clients
-raise SharedLoaderError at once), the workers' watchdogs end them, and the ring's memory goes with
-the last process that maps it; its name was never in /dev/shm after creation.
+closed (its configuration was never changed: the producer runs with its own, derived from it).
+SIGKILLed instead, the kernel closes the socket (clients raise SharedLoaderError at once), the
+workers' watchdogs end them, and the ring's memory goes with the last process that maps it; its name
+was never in /dev/shm after creation.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import time
 
 from fusionflow.errors import FusionFlowError
-from fusionflow.loader.epoch import _WorkerIterator
+from fusionflow.loader.epoch import WorkerIterator
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import Hub
@@ -39,44 +38,40 @@ class _Unwanted(Exception):
     """Every recipient of the running epoch left it: the epoch is not worth finishing."""
 
 
-class _HeldEpoch(_WorkerIterator):
-    """One epoch of the producer's loader whose mini-batches stay in their ring slots until released.
-    Runs with the hub's lock held (`cond`), except while it waits for workers; `release` is called
-    with it held, from either thread."""
+class _HeldEpoch:
+    """One epoch of the producer's loader whose mini-batches stay in their ring slots until released:
+    a WorkerIterator (loader/epoch.py) driven through its slot-holding methods. Runs with the hub's
+    lock held (`cond`), except while it waits for workers; `release` is called with it held, from
+    either thread."""
 
-    def __init__(self, loader, epoch: int, progress, free: list, cond, unwanted):
-        super().__init__(loader, epoch, progress)
-        self._free, self._cond, self._unwanted = free, cond, unwanted
+    def __init__(self, parts, config, epoch: int, progress, free: list, cond, unwanted):
+        self.it = WorkerIterator(parts, config, epoch, progress, free)
+        self._cond, self._unwanted = cond, unwanted
 
     def next_held(self):
         """The next completed mini-batch's state (its slot stays taken until `release`)."""
-        return self._advance(self._next_held)
+        return self.it.advance(self._next_held)
 
     def release(self, slot: int) -> None:
-        if not self._ended:
-            self._free.append(slot)
-            self._refill()
+        self.it.give_back(slot)
+
+    def close(self) -> None:
+        self.it.close()
 
     def _next_held(self):
-        while self._delivered >= self._submitted:
-            if self._exhausted:
+        while not (flight := self.it.in_flight()):
+            if flight is None:
                 raise StopIteration
             if self._unwanted():
                 raise _Unwanted
             self._cond.wait(0.5)  # every slot is held by clients: a release refills
         if self._unwanted():
             raise _Unwanted
-        seq, t0 = self._delivered, time.perf_counter()
         self._cond.release()
         try:
-            state = self._mgr.wait(seq, self._gen, self.config.timeout)
+            return self.it.wait_next()
         finally:
             self._cond.acquire()
-        self._delivered += 1
-        wait = time.perf_counter() - t0
-        self._delivery.account(wait, state.size)
-        self._tracing.wait(wait, seq, state.size)
-        return state
 
 
 class SharedLoader:
@@ -85,8 +80,9 @@ class SharedLoader:
 
     `loader`: a FusionFlowLoader with num_workers >= 1 and no accelerator or collate_fn (clients
     apply their own). Its ring gets `buffer` slots (default 2 x its prefetch_factor) and its workers
-    persist while it serves; `close()` restores it. `name`: how clients find it (letters, digits,
-    '.', '_', '-'). Clients may attach from construction on; serve() runs the epochs."""
+    persist while it serves (the producer's own configuration: `loader.config` is left as built).
+    `name`: how clients find it (letters, digits, '.', '_', '-'). Clients may attach from construction
+    on; serve() runs the epochs."""
 
     def __init__(self, loader, name: str, *, buffer: int | None = None):
         from fusionflow.loader import FusionFlowLoader
@@ -112,15 +108,17 @@ class SharedLoader:
         self.name, self.buffer, self.loader = rendezvous.check_name(name), buffer, loader
         self.epochs_served = 0
         self.epoch_clients = 0  # clients the latest epoch went to (those attached when it began)
-        self._original, self._current, self._waited = cfg, None, False
-        loader._runtime.stop()  # a running runtime has the old ring depth
-        loader.config = dataclasses.replace(cfg, prefetch_factor=buffer, persistent_workers=True)
+        self._current, self._waited = None, False
+        # the producer's own configuration, derived from the loader's (which stays as the user built it):
+        # `buffer` ring slots, workers that persist while it serves
+        self.config = cfg.with_config(prefetch_factor=buffer, persistent_workers=True)
+        parts = loader.parts
+        parts.runtime.stop()  # a running runtime has the old ring depth
         try:
-            self._mgr = loader._runtime.start(loader.config, loader._delivery.alloc_device)
+            self._mgr = parts.runtime.start(self.config, parts.delivery.alloc_device)
             self._hub = Hub(self.name, self._mgr.board.ring.fd, self._hello, self._slot_free)
         except BaseException:
             loader.close()
-            loader.config = cfg
             raise
 
     def __enter__(self):
@@ -159,8 +157,7 @@ class SharedLoader:
         with hub.cond:
             hub.broadcast(("finished", self.epochs_served))
         hub.close()
-        self.loader.close()
-        self.loader.config = self._original
+        self.loader.close()  # its runtime ran with the producer's ring depth: the next iteration starts its own
 
     # ---------------------------------------------------------------- epochs
     def _wait_for(self, k: int) -> None:
@@ -181,13 +178,14 @@ class SharedLoader:
                 hub.cond.wait(1.0)
 
     def _serve_epoch(self) -> None:
-        hub, loader = self._hub, self.loader
-        if loader._runtime.manager is not self._mgr:
+        hub, loader, parts = self._hub, self.loader, self.loader.parts
+        if parts.runtime.manager is not self._mgr:
             raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
         with hub.cond:
-            epoch, progress = loader._checkpoint.begin()
+            epoch, progress = parts.checkpoint.begin()
             free = [s for s in range(self.buffer) if s not in hub.held_slots()]
-            it = self._current = _HeldEpoch(loader, epoch, progress, free, hub.cond, lambda: not hub.recipients)
+            unwanted = lambda: not hub.recipients  # noqa: E731
+            it = self._current = _HeldEpoch(parts, self.config, epoch, progress, free, hub.cond, unwanted)
             hub.begin_epoch(epoch, len(loader))
             self.epoch_clients = len(hub.recipients)
             try:
@@ -216,7 +214,7 @@ class SharedLoader:
         """on_error applied to a completed slot (kept samples moved to its front, in order); its size
         and, when not all targets are ints, the targets as the dataset gave them."""
         ring, slot, n = self._mgr.board.ring, state.slot, state.size
-        keep = self.loader._delivery.select(n, state.failures)
+        keep = self.loader.parts.delivery.select(n, state.failures)
         rows = range(n) if keep is None else keep
         targets = ff_targets.gather(ring.labels[slot], rows, state.targets) if state.targets else None
         if keep is not None:
@@ -231,7 +229,7 @@ class SharedLoader:
             self._current.release(slot)
 
     def _hello(self, running):
-        cfg = self.loader.config
+        cfg = self.config
         try:
             samples = len(cfg.sampler)
         except TypeError:

@@ -140,19 +140,28 @@ def _alternate(loaders: dict, repeats: int, per_pass: int) -> tuple[dict, dict]:
     return rates, waits
 
 
-def _summary(rates: dict, waits: dict, repeats: int) -> dict:
-    """Per loader: the median rate, every rate, and the wait at next() (mean, p95); printed too."""
+def summarize(rates: dict, waits: dict, unit: str = "samples_per_s") -> dict:
+    """The loader-vs-loader summary, per loader name: the median rate (`<unit>_median`), every rate
+    (`<unit>`), and the wait at next() in ms (mean, p95). `rates` and `waits`: lists by loader name.
+    The owner of this summary: experiments/bench_loader.py calls it too (with unit "img_per_s")."""
     result = {}
     for name in rates:
         w = np.asarray(waits[name])
         result[name] = {
-            "samples_per_s_median": statistics.median(rates[name]),
-            "samples_per_s": rates[name],
+            f"{unit}_median": statistics.median(rates[name]),
+            unit: rates[name],
             "wait_mean_ms": 1e3 * float(w.mean()),
             "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
         }
+    return result
+
+
+def _summary(rates: dict, waits: dict, repeats: int) -> dict:
+    """`summarize`, each loader's line printed."""
+    result = summarize(rates, waits)
+    for name, row in result.items():
         print(
-            f"  {name}: {result[name]['samples_per_s_median']:.1f} samples/s (median of {repeats}), "
-            f"wait at next() mean {result[name]['wait_mean_ms']:.1f} ms, p95 {result[name]['wait_p95_ms']:.1f} ms"
+            f"  {name}: {row['samples_per_s_median']:.1f} samples/s (median of {repeats}), "
+            f"wait at next() mean {row['wait_mean_ms']:.1f} ms, p95 {row['wait_p95_ms']:.1f} ms"
         )
     return result

@@ -1,0 +1,59 @@
+"""LoaderParts: what a FusionFlowLoader is made of besides its frozen configuration, built once at
+construction. The loader holds them (`loader.parts`); the per-epoch iterators (loader/epoch.py) and
+the SharedLoader (shared/producer.py) are handed the parts and the configuration they run with,
+never the loader itself, so each part keeps one owner and nobody reads the loader's private fields.
+
+  stats       LoaderStats, `loader.stats`
+  checkpoint  the epoch bookkeeping (set_epoch, state_dict, load_state_dict)
+  delivery    on_error, batches out of the ring as tensors, the device
+  tracing     the trace= file and `loader.trace(path)` blocks
+  gpu         GpuSession with an accelerator (accel/session.py), else None
+  runtime     LoaderRuntime: the workers, started at the first iteration, one shutdown procedure
+  next_epoch  the next epoch's first mini-batches, speculated at an epoch's end
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fusionflow.loader.checkpoint import Checkpoint
+from fusionflow.loader.dataset import wrap_samples
+from fusionflow.loader.delivery import Delivery
+from fusionflow.loader.lifecycle import LoaderRuntime
+from fusionflow.loader.next_epoch import NextEpoch
+from fusionflow.loader.stats import LoaderStats
+from fusionflow.loader.trace import Tracing
+
+
+@dataclass(frozen=True)
+class LoaderParts:
+    stats: LoaderStats
+    checkpoint: Checkpoint
+    delivery: Delivery
+    tracing: Tracing
+    gpu: Any  # accel.session.GpuSession, or None
+    runtime: LoaderRuntime
+    next_epoch: NextEpoch
+
+    @classmethod
+    def build(cls, cfg, dataset) -> LoaderParts:
+        """The parts a resolved configuration (LoaderConfig) asks for, over `dataset` as given."""
+        stats = LoaderStats()
+        stats.memory_bridge = None if cfg.bridge_why_off is None else f"off: {cfg.bridge_why_off}"
+        tracing = Tracing(cfg.trace_path)
+        gpu = None
+        if cfg.accelerator is not None:
+            from fusionflow.accel.session import GpuSession
+
+            gpu = GpuSession.for_config(stats, cfg)
+        samples = wrap_samples(dataset, cfg.sample_keys, cfg.read_ahead)  # dict samples, reads ahead
+        return cls(
+            stats=stats,
+            checkpoint=Checkpoint(),
+            delivery=Delivery(stats, cfg.device, cfg.pin_memory, cfg.on_error),
+            tracing=tracing,
+            gpu=gpu,
+            runtime=LoaderRuntime(samples, stats, tracing, gpu),
+            next_epoch=NextEpoch(stats),
+        )
