@@ -95,9 +95,9 @@ class AcceleratorWorker:
         self.tiny_batches = 0  # done by this accelerator (the bridge lends after a warm-up count of them)
         self.failures_in_a_row = 0
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
-        self.step_event = None  # set by the loader at each next() (temporal sharing)
+        self.step_event = None  # the training work before the loader's last next() (mark_step)
         self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails
-        self.window_open = False  # the loader's prep window (only consulted while gated)
+        self.window_open = False  # the loader's prep window (open_window / close_window; consulted while gated)
         self._active = None  # the tiny-batches of the DALI run in flight
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
@@ -115,6 +115,31 @@ class AcceleratorWorker:
         """Works only inside the loader's prep window: temporal sharing of a GPU (with or without
         the bridge; with DALI's CPU backend only when a bridge stands in, as in the tests)."""
         return self.sharing == "temporal" and (self.device_ring is not None or self.bridge is not None)
+
+    # ---------------------------------------------------------------- the loader's prep window (GpuSession)
+    def mark_step(self, event) -> None:
+        """Temporal sharing: the training work queued before the loader's next() ends with `event`;
+        each DALI run waits for it first."""
+        self.step_event = event
+
+    def open_window(self, stream) -> None:
+        """The loader waits for a mini-batch: a gated accelerator may run now (and borrow the blocks
+        the bridge lends, armed on the training `stream`)."""
+        with self.board.cond:
+            if self.bridge is not None:
+                self.bridge.arm(stream)
+            self.window_open = True
+            self.board.cond.notify_all()
+
+    def close_window(self) -> bool:
+        """The mini-batch is ready: the run in flight finishes, and no other starts until the next
+        window. False when no window was open."""
+        if not self.window_open:
+            return False
+        with self.board.cond:
+            self.window_open = False
+            self.wait_idle()
+        return True
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Under board.cond: wait for the tiny-batch in flight (if any) to finish."""

@@ -147,7 +147,7 @@ class GpuSession:
             with torch.cuda.device(self.device.index):
                 event = torch.cuda.Event(blocking=True)
                 event.record(torch.cuda.current_stream(self.device))
-            accel.step_event = event
+            accel.mark_step(event)
 
     def open_window(self, mgr: LocalManager) -> None:
         """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
@@ -156,21 +156,12 @@ class GpuSession:
             close_bridge_window(self.bridge)  # no windows now (spatial, lending failed): what DALI let go goes back
         if accel is None or not accel.gated:
             return
-        with mgr.board.cond:
-            if accel.bridge is not None:
-                accel.bridge.arm(torch.cuda.current_stream(self.device))
-            accel.window_open = True
-            mgr.board.cond.notify_all()
+        accel.open_window(torch.cuda.current_stream(self.device))
 
     def close_window(self, mgr: LocalManager) -> None:
         """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
-        accel = self.accel
-        if accel is None or not accel.window_open:
-            return
-        with mgr.board.cond:
-            accel.window_open = False
-            accel.wait_idle()
-        close_bridge_window(self.bridge)
+        if self.accel is not None and self.accel.close_window():
+            close_bridge_window(self.bridge)
 
     def sync_stats(self) -> None:
         """The allocator bridge's own counters into loader.stats (the manager's parts count there directly)."""
@@ -204,11 +195,7 @@ class GpuSession:
     def end_window_now(self, mgr: LocalManager) -> None:
         """Shutdown, before the manager's: close an open prep window (the tiny-batch in flight
         finishes first, then PyTorch takes its lent blocks back)."""
-        accel = self.accel
-        if accel is not None and accel.window_open:
-            with mgr.board.cond:
-                accel.window_open = False
-                accel.wait_idle()
+        if self.accel is not None and self.accel.close_window():
             close_bridge_window(self.bridge)
 
     def manager_stopped(self, stats=None) -> None:
