@@ -52,7 +52,7 @@ def test_crop_and_ops_equal_torchvision_to_the_bit(crop, ops, fast):
             ref = tv_sample(policy, data, d, crop_window(policy, d, H, W))
             ours = pipe(data, i, seed=1, epoch=epoch)
             if fast and any(op.name in ("Brightness", "Color", "Contrast", "Sharpness") for op in d.ops):
-                continue  # the fast blends round where Pillow truncates (test_cpu_array bounds them)
+                continue  # the fast blends round where Pillow truncates (test_ops_fast bounds them)
             compared += 1
             assert np.array_equal(ours, ref), (i, epoch, [op.name for op in d.ops])
     assert compared >= 10

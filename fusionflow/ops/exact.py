@@ -3,7 +3,7 @@
 Each takes (image, value, params, style) -- `value` in the op's unit, `params` from the op's
 `resolve` in `fusionflow.policy.op_specs`, `style` the policy's interpolation and fill -- and returns a
 new image. Semantics equal torchvision.transforms.v2's functional op of the same name on a PIL
-image (checked op by op in tests/test_ops_cpu.py).
+image (checked op by op in tests/test_ops_exact.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Each op has two kernels: FAST is what the fast mode runs; EXACT proves the share
          a box blur + addWeighted for Sharpness; OpenCV's warpAffine for bilinear warps (or where
          the native kernels cannot be built); the exact kernel where it is already the fastest.
          These differ from exact by rounding (a blend rounds where Pillow truncates) and, for
-         OpenCV's warps, by pixels whose source lies on a sampling boundary; tests/test_cpu_array.py
+         OpenCV's warps, by pixels whose source lies on a sampling boundary; tests/test_ops_fast.py
          bounds each against the exact kernel.
 
 A kernel takes (arr, value, params, style) as the Pillow ops do and returns a new array or `arr`
@@ -314,7 +314,7 @@ def hue_fast(arr, value, params, style):
     """The hue turned in float (OpenCV's HSV in degrees), by Pillow's steps as the exact op: int(255 v)
     of 255 per turn, added with its uint8 wrap-around (past 255 the shift drops by 256 steps). No 8-bit
     HSV round trip (which alone moves Pillow's pixels by up to 5 levels): within 8 levels of
-    exact, a fraction of a level on average (tests/test_cpu_array.py)."""
+    exact, a fraction of a level on average (tests/test_ops_fast.py)."""
     shift = int(params[0] * 255) & 0xFF
     hsv = cv2.cvtColor(arr.astype(np.float32) * np.float32(1 / 255), cv2.COLOR_RGB2HSV)
     steps = hsv[..., 0] * np.float32(255 / 360) + np.float32(shift)

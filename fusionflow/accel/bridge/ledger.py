@@ -18,7 +18,7 @@ process), lender pid, borrower pid. Protocol, one training step at a time:
                                                             is still BORROWED stays lent
 
 The ledger is bookkeeping only: what a block *is* (from torch's caching allocator, an IPC handle)
-is the torch/DALI sides' business (fusionflow/memory, kernels/). One posix_ipc segment and one
+is the torch/DALI sides' business (fusionflow/accel/bridge/, kernels/). One posix_ipc segment and one
 semaphore (the lock), both named ``/ffl_<random>`` and created 0600; the owner unlinks both.
 """
 

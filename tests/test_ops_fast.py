@@ -1,11 +1,11 @@
 """The array kernels (fusionflow/ops/fast.py) against the exact Pillow ops (fusionflow/ops/exact.py,
-themselves checked against torchvision in test_ops_cpu.py), op by op, with each fast kernel's stated
+themselves checked against torchvision in test_ops_exact.py), op by op, with each fast kernel's stated
 tolerance; the array pipeline's resize and write."""
 
 import numpy as np
 import pytest
 from PIL import Image
-from test_ops_cpu import VALUES
+from test_ops_exact import VALUES
 from tv_reference import psnr
 
 from fusionflow.ops import exact, fast, pixel_kernels, resample
