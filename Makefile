@@ -24,7 +24,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python experiments/bench_cpu_pipeline.py
+	$(BIN)/python -m experiments.bench_cpu_pipeline
 
 clean:
 	rm -rf $(VENV) experiments/data

@@ -7,7 +7,7 @@ per-sample conditionals (ours). Start-up time, memory, and throughput on a strea
 
 Both consume the same host-side draws, so their outputs are identical (checked on every sample).
 
-    .venv/bin/python experiments/bench_aot.py [--device cpu|gpu] [--tiny-batch-size 4] [--tiny-batches 150]
+    .venv/bin/python -m experiments.bench_aot [--device cpu|gpu] [--tiny-batch-size 4] [--tiny-batches 150]
 """
 
 from __future__ import annotations
@@ -16,18 +16,13 @@ import argparse
 import itertools
 import os
 import statistics
-import sys
 import time
 import warnings
 from collections import defaultdict
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from experiments.harness import provenance, result_path, rounds, timed, write_json
 
 
 def rss_bytes() -> int:
@@ -167,18 +162,22 @@ def main() -> None:
                     outs[i] = img
         return outs, runs
 
-    run_conditional(), run_combos()  # warm-up
-    rates = {"conditional": [], "combos": []}
-    for r in range(args.repeats):
-        t0 = time.perf_counter()
-        a = run_conditional()
-        rates["conditional"].append(n / (time.perf_counter() - t0))
-        t0 = time.perf_counter()
-        b, runs = run_combos()
-        rates["combos"].append(n / (time.perf_counter() - t0))
-        print(
-            f"repeat {r + 1}: conditional {rates['conditional'][-1]:.0f} img/s, combos {rates['combos'][-1]:.0f} img/s"
-        )
+    last = {}  # the outputs of the latest pass of each design
+
+    def pass_conditional():
+        last["conditional"] = run_conditional()
+
+    def pass_combos():
+        last["combos"], last["runs"] = run_combos()
+
+    def report(r, seconds):
+        rate = {k: n / v[-1] for k, v in seconds.items()}
+        print(f"repeat {r + 1}: conditional {rate['conditional']:.0f} img/s, combos {rate['combos']:.0f} img/s")
+
+    designs = {"conditional": timed(pass_conditional), "combos": timed(pass_combos)}
+    seconds = rounds(designs, args.repeats, report=report)
+    rates = {k: [n / t for t in v] for k, v in seconds.items()}
+    a, b, runs = last["conditional"], last["combos"], last["runs"]
     identical = sum(np.array_equal(a[i], b[i]) for i in a)
     result = {
         "benchmark": "aot_designs",
@@ -202,7 +201,7 @@ def main() -> None:
         f"({med['conditional'] / med['combos']:.2f}x); start-up {cond_build:.2f} s vs {combo_build:.2f} s; "
         f"outputs identical {identical}/{len(a)}"
     )
-    write_json(result, args.out or os.path.join(RESULTS, f"aot_{args.policy}_{args.device}.json"))
+    write_json(result, result_path(args.out, f"aot_{args.policy}_{args.device}.json"))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ nvImageCodec fallback (recorded in the JSON as window_decoder).
 Image sets: --sizes 200-1000 (sides uniform in 200..1000), imagenet (500x375 and 375x500, sides
 jittered by up to 10%), 800-2000.
 
-    .venv/bin/python experiments/bench_cpu_pipeline.py [--images 200] [--repeats 5] [--policy randaugment]
+    .venv/bin/python -m experiments.bench_cpu_pipeline [--images 200] [--repeats 5] [--policy randaugment]
         [--sizes 200-1000 | imagenet | 800-2000]
 """
 
@@ -43,10 +43,7 @@ from functools import partial
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, interleaved_rates, provenance, write_json  # noqa: E402
+from experiments.harness import interleaved_rates, provenance, result_path, write_json
 
 
 def main() -> None:
@@ -92,7 +89,7 @@ def main() -> None:
     out = np.empty((3, 224, 224), np.uint8)
     draws = [draw(policy, 0, 0, i) for i in range(len(data))]
     if args.policy == "deepaa":  # the authors' algorithm (their order, PIL) on the same draws
-        from deepaa_reference import authors_sample
+        from experiments.deepaa_reference import authors_sample
 
         def run_tv():
             for d, dr in zip(data, draws):
@@ -208,7 +205,7 @@ def main() -> None:
             f"fast vs exact ({what}): {p['identical_samples']} of {p['samples']} identical; PSNR median "
             f"{p['median']:.1f} dB, 1st percentile {p['p1']:.1f} dB, min {p['min']:.1f} dB (identical = inf)"
         )
-    write_json(result, args.out or os.path.join(RESULTS, f"cpu_pipeline_{args.policy}_{args.sizes}.json"))
+    write_json(result, result_path(args.out, f"cpu_pipeline_{args.policy}_{args.sizes}.json"))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """FusionFlowLoader over tar shards vs an ImageFolder, on local disk and with slow reads, with and
 without read-ahead.
 
-    .venv/bin/python experiments/bench_datasets.py [--images 512] [--epochs 4] [--latency-ms 2]
+    .venv/bin/python -m experiments.bench_datasets [--images 512] [--epochs 4] [--latency-ms 2]
 
 The same images as an ImageFolder and as WebDataset shards (examples/make_shards.py, 64 samples a
 shard); RandAugment, batch 32, 2 workers, persistent workers, one warm-up epoch per loader, then the
@@ -15,14 +15,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments.harness import ROOT, image_folder, medians, provenance, result_path, rotation, write_json
 
 
 class SlowReads:
@@ -60,14 +55,11 @@ def main() -> None:
     import torch
 
     from fusionflow import FusionFlowLoader, ImageFolder, TarShards
-    from fusionflow.tools.synthetic import make_image_folder
 
     torch.set_num_threads(1)
-    per_class = max(1, args.images // 4)
-    root = os.path.join(ROOT, "experiments", "data", f"bench_{per_class * 4}")
-    make_image_folder(root, num_classes=4, per_class=per_class)
+    root = image_folder(args.images)
     folder = ImageFolder(root)
-    pattern = _make_shards(root, os.path.join(ROOT, "experiments", "data", f"bench_{per_class * 4}_shards"))
+    pattern = _make_shards(root, root + "_shards")
     shards = TarShards(pattern)
     lat = args.latency_ms / 1000
     ra = args.read_ahead
@@ -103,7 +95,7 @@ def main() -> None:
                 pass
         names = list(loaders)
         for e in range(args.epochs):
-            for name in names[e % len(names) :] + names[: e % len(names)]:
+            for name in rotation(names, e):
                 loader = loaders[name]
                 loader.set_epoch(e + 1)
                 t0, n = time.perf_counter(), 0
@@ -114,7 +106,7 @@ def main() -> None:
     finally:
         for loader in loaders.values():
             loader.close()
-    med = {k: statistics.median(v) for k, v in rates.items()}
+    med = medians(rates)
     for k, v in med.items():
         print(f"{k:32s} {v:6.0f} img/s ({v / med['folder']:.2f}x folder)")
     write_json(
@@ -130,7 +122,7 @@ def main() -> None:
             "img_per_s_median": med,
             "img_per_s_runs": rates,
         },
-        args.out or os.path.join(RESULTS, "datasets_randaugment.json"),
+        result_path(args.out, "datasets_randaugment.json"),
     )
 
 

@@ -16,9 +16,10 @@ second between two barriers, after a warm-up epoch), mean wait at next() per ran
 counters; then the ratios on/off: of the medians, and the median of each repeat's own on/off ratio
 (the two runs of a repeat are back to back, so they share the machine's mood).
 
-    .venv/bin/python experiments/bench_ddp.py [--ranks 2] [--workers 1] [--images 64] [--repeats 3]
+    .venv/bin/python -m experiments.bench_ddp [--ranks 2] [--workers 1] [--images 64] [--repeats 3]
 
-Each rank runs this file with --rank-main (torchrun sets RANK, WORLD_SIZE, ...).
+Each rank runs this module with --rank-main (torchrun -m, from the repository root; torchrun sets RANK,
+WORLD_SIZE, ...).
 """
 
 from __future__ import annotations
@@ -34,11 +35,7 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from experiments.harness import ROOT, cached_pickle, data_path, provenance, result_path, rotation, write_json
 
 
 def rank_main(args) -> None:
@@ -124,7 +121,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_mode(args, mode: str, data_path: str) -> dict:
+def run_mode(args, mode: str, data_file: str) -> dict:
     with tempfile.TemporaryDirectory() as out_dir:
         cmd = [
             sys.executable,
@@ -136,19 +133,20 @@ def run_mode(args, mode: str, data_path: str) -> dict:
             "127.0.0.1",
             "--master_port",
             str(free_port()),
-            os.path.abspath(__file__),
+            "-m",
+            "experiments.bench_ddp",
             "--rank-main",
             "--mode",
             mode,
             "--data",
-            data_path,
+            data_file,
             "--out-dir",
             out_dir,
         ]
         for key in ("workers", "batch_size", "tiny_batch_size", "epochs", "policy", "heavy_policy", "step_ms"):
             if getattr(args, key) is not None:
                 cmd += ["--" + key.replace("_", "-"), str(getattr(args, key))]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
         if proc.returncode:
             raise SystemExit(f"torchrun failed ({mode}):\n{proc.stderr[-4000:]}")
         ranks = [json.load(open(os.path.join(out_dir, f"rank{r}.json"))) for r in range(args.ranks)]
@@ -204,24 +202,15 @@ def main() -> None:
     from fusionflow.tools.synthetic import make_jpegs
 
     n = args.images * args.ranks  # each rank's sampler takes 1/ranks of its own dataset
-    data_path = os.path.join(
-        ROOT,
-        "experiments",
-        "data",
-        f"ddp_{n}_{args.heavy_side}_{args.light_side}.pkl".replace(" ", "")
-        .replace("[", "")
-        .replace("]", "")
-        .replace(",", "-"),
+    name = f"ddp_{n}_{args.heavy_side}_{args.light_side}.pkl".replace(" ", "").replace("[", "").replace("]", "")
+    data = cached_pickle(
+        data_path(name.replace(",", "-")),
+        lambda: {"heavy": make_jpegs(n, *args.heavy_side, seed=1), "light": make_jpegs(n, *args.light_side, seed=2)},
     )
-    if not os.path.exists(data_path):
-        os.makedirs(os.path.dirname(data_path), exist_ok=True)
-        sets = {"heavy": make_jpegs(n, *args.heavy_side, seed=1), "light": make_jpegs(n, *args.light_side, seed=2)}
-        with open(data_path, "wb") as f:
-            pickle.dump(sets, f)
     runs = {"off": [], "on": []}
     for rep in range(args.repeats):
-        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
-            r = run_mode(args, mode, data_path)
+        for mode in rotation(("off", "on"), rep):
+            r = run_mode(args, mode, data)
             runs[mode].append(r)
             print(
                 f"repeat {rep + 1}/{args.repeats} {mode:>3}: {r['img_per_s']:.1f} img/s, straggler gap "
@@ -255,7 +244,7 @@ def main() -> None:
         "runs": runs,
     }
     tag = (f"_{args.heavy_policy}" if args.heavy_policy else "") + (f"_step{args.step_ms:g}ms" if args.step_ms else "")
-    write_json(result, args.out or os.path.join(RESULTS, f"ddp_r{args.ranks}_w{args.workers}{tag}.json"))
+    write_json(result, result_path(args.out, f"ddp_r{args.ranks}_w{args.workers}{tag}.json"))
 
 
 if __name__ == "__main__":

@@ -9,27 +9,24 @@ image -- on the same draws, one thread, interleaved repeats, medians:
                      (CodeStream.get_sub_code_stream(region=...)), torch antialiased resize
   simplejpeg_scaled  simplejpeg: DCT-scaled decode of the whole image, slice, torch resize
   opencv_reduced     OpenCV IMREAD_REDUCED_COLOR_2/4/8 of the whole image, slice, cv2 INTER_AREA
-  ff_window_exact    ours (fusionflow/kernels/jpeg_roi.cc): window at full scale, Pillow resize
+  ff_window_exact    ours (fusionflow/kernels/jpeg_roi.cc, called through decode.decode_crop_resize):
+                     window at full scale, Pillow resize
   ff_window_fast     ours: window at 1/2-1/8 DCT scale when it covers the output, else torch resize
 Candidates whose library is not installed are skipped (simplejpeg and opencv-python-headless are
 not FusionFlow dependencies; `pip install simplejpeg opencv-python-headless` to include them).
 
-    .venv/bin/python experiments/bench_decoders.py [--images 150] [--repeats 5] [--sizes 200-1000]
+    .venv/bin/python -m experiments.bench_decoders [--images 150] [--repeats 5] [--sizes 200-1000]
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, interleaved_rates, provenance, write_json  # noqa: E402
+from experiments.harness import interleaved_rates, provenance, result_path, write_json
 
 
 def main() -> None:
@@ -80,7 +77,7 @@ def main() -> None:
     def ff(fast):
         def go():
             for d, H, W, win in jobs:
-                decode._jpeg_window_crop_resize(d, lambda *_: win, (out, out), fast)
+                decode.decode_crop_resize(d, lambda *_: win, (out, out), fast)
 
         return go
 
@@ -170,7 +167,7 @@ def main() -> None:
             "seconds_per_repeat": times,
             "skipped": skipped,
         },
-        args.out or os.path.join(RESULTS, f"decoders_{args.sizes}.json"),
+        result_path(args.out, f"decoders_{args.sizes}.json"),
     )
 
 

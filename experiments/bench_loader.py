@@ -11,27 +11,23 @@ rotating each epoch):
 Modes: `loader` (iterate and touch each batch) and `model` (a small CNN trains on every batch).
 Reported: img/s per epoch (median over epochs), mean and p95 wait per batch at next(), ratios.
 
-    .venv/bin/python experiments/bench_loader.py [--images 512] [--epochs 5] [--workers 2] [--batch-size 32]
-    .venv/bin/python experiments/bench_loader.py --modes loader --observability   # tracing overhead
+    .venv/bin/python -m experiments.bench_loader [--images 512] [--epochs 5] [--workers 2] [--batch-size 32]
+    .venv/bin/python -m experiments.bench_loader --modes loader --observability   # tracing overhead
+
+The per-loader summary (median, every rate, wait at next() mean and p95) is fusionflow/tools/bench.py's
+`summarize`, the one `python -m fusionflow bench` prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
 import time
 
-import numpy as np
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-from fusionflow.tools.demo import TorchvisionSamples, small_cnn, timed_batches, train_step  # noqa: E402
+from experiments.harness import image_folder, provenance, result_path, rotation, write_json
+from fusionflow.tools.baseline import TorchvisionSamples, timed_batches
+from fusionflow.tools.bench import summarize
+from fusionflow.tools.demo import small_cnn, train_step
 
 
 class FusionFlowSamples:
@@ -69,7 +65,7 @@ def epoch_run(loader, model, opt, loss_fn, set_epoch):
     return n / (time.perf_counter() - t0), waits
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=512)
     ap.add_argument("--epochs", type=int, default=5)
@@ -85,109 +81,108 @@ def main() -> None:
     args = ap.parse_args()
     if args.images < args.batch_size:
         ap.error(f"--images {args.images} is fewer than --batch-size {args.batch_size}: no full batch to time")
+    return args
 
-    import torch
+
+def make_loaders(args, ds) -> tuple[dict, list]:
+    """The candidates, {name: (loader, its set_epoch)}, and the FusionFlowLoaders among them (to close)."""
     from torch.utils.data import DataLoader
 
-    from fusionflow import FusionFlowLoader, ImageFolder
-    from fusionflow.tools.synthetic import make_image_folder
-
-    torch.set_num_threads(1)
-    per_class = max(1, args.images // 4)
-    root = os.path.join(ROOT, "experiments", "data", f"bench_{per_class * 4}")
-    make_image_folder(root, num_classes=4, per_class=per_class)
-    ds = ImageFolder(root)
-    print(f"{len(ds)} images in {root}, policy {args.policy}, batch {args.batch_size}, {args.workers} workers")
+    from fusionflow import FusionFlowLoader
 
     # the settings both loaders share (DataLoader's arguments, as FusionFlowLoader takes them too)
     common = dict(
         batch_size=args.batch_size, shuffle=True, num_workers=args.workers, persistent_workers=True, drop_last=True
     )
-
-    def dl(dataset):
-        return DataLoader(dataset, **common)
-
-    ff_samples = FusionFlowSamples(ds, args.policy)
     loaders = {
-        "dataloader_tv": (dl(TorchvisionSamples(ds, args.policy, 224)), lambda e: None),
-        "dataloader_ff": (dl(ff_samples), lambda e: None),  # per-worker epochs are fixed: fine for speed
+        "dataloader_tv": (DataLoader(TorchvisionSamples(ds, args.policy, 224), **common), lambda e: None),
+        # per-worker epochs are fixed: fine for speed
+        "dataloader_ff": (DataLoader(FusionFlowSamples(ds, args.policy), **common), lambda e: None),
     }
-
-    def ff_loader(**kw):  # the same settings as the DataLoaders', plus FusionFlow's own
-        return FusionFlowLoader(ds, policy=args.policy, tiny_batch_size=args.tiny_batch_size, **common, **kw)
-
-    ff = ff_loader()
-    loaders["fusionflow"] = (ff, ff.set_epoch)
-    extra = []
+    variants = [("fusionflow", {})]
     if args.observability:
         import tempfile
 
         trace_dir = tempfile.mkdtemp(prefix="ff_bench_trace_")
-        for name, kw in (
+        variants += [
             ("fusionflow_trace", {"trace": os.path.join(trace_dir, "run.json")}),
             ("fusionflow_stages", {"stage_times": True}),
-        ):
-            other = ff_loader(**kw)
-            loaders[name] = (other, other.set_epoch)
-            extra.append(other)
-    results = {}
+        ]
+    owned = []
+    for name, kw in variants:  # the same settings as the DataLoaders', plus FusionFlow's own
+        ff = FusionFlowLoader(ds, policy=args.policy, tiny_batch_size=args.tiny_batch_size, **common, **kw)
+        loaders[name] = (ff, ff.set_epoch)
+        owned.append(ff)
+    return loaders, owned
+
+
+def run_mode(mode: str, loaders: dict, num_classes: int, epochs: int) -> dict:
+    """One warm-up epoch per loader, then `epochs` epochs with the loaders' order rotating; the summary."""
+    import torch
+
+    model = opt = loss_fn = None
+    rates = {name: [] for name in loaders}
+    waits = {name: [] for name in loaders}
+    for loader, set_epoch in loaders.values():  # warm-up: start workers, fill caches
+        torch.manual_seed(0)
+        if mode == "model":
+            model = small_cnn(num_classes)
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            loss_fn = torch.nn.CrossEntropyLoss()
+        epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(0))
+    names = list(loaders)
+    for e in range(1, epochs + 1):
+        # rotate who goes first each epoch: a candidate's place in the round (e.g. right after the
+        # DataLoaders' workers went idle) otherwise biases it by more than tracing costs
+        for name in rotation(names, e - 1):
+            loader, set_epoch = loaders[name]
+            rate, w = epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(e))
+            rates[name].append(rate)
+            waits[name] += w
+        print(
+            f"[{mode}] epoch {e}/{epochs}: " + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()),
+            flush=True,
+        )
+    return with_ratios(mode, summarize(rates, waits, unit="img_per_s"))
+
+
+def with_ratios(mode: str, res: dict) -> dict:
+    """The summary with each loader's ratio to DataLoader + torchvision (and the FusionFlowLoader
+    variants' to plain FusionFlowLoader), printed."""
+    base = res["dataloader_tv"]["img_per_s_median"]
+    for name in res:
+        res[name]["ratio_vs_dataloader_tv"] = res[name]["img_per_s_median"] / base
+        if name.startswith("fusionflow_"):
+            res[name]["ratio_vs_fusionflow"] = res[name]["img_per_s_median"] / res["fusionflow"]["img_per_s_median"]
+    print(
+        f"[{mode}] "
+        + ", ".join(
+            f"{n}: {r['img_per_s_median']:.0f} img/s ({r['ratio_vs_dataloader_tv']:.2f}x), "
+            f"wait mean {r['wait_mean_ms']:.0f} ms p95 {r['wait_p95_ms']:.0f} ms"
+            for n, r in res.items()
+        )
+    )
+    return res
+
+
+def main() -> None:
+    args = parse_args()
+
+    import torch
+
+    from fusionflow import ImageFolder
+
+    torch.set_num_threads(1)
+    root = image_folder(args.images)
+    ds = ImageFolder(root)
+    print(f"{len(ds)} images in {root}, policy {args.policy}, batch {args.batch_size}, {args.workers} workers")
+    loaders, owned = make_loaders(args, ds)
     try:
-        for mode in args.modes.split(","):
-            model = opt = loss_fn = None
-            rates = {name: [] for name in loaders}
-            waits = {name: [] for name in loaders}
-            for loader, set_epoch in loaders.values():  # warm-up: start workers, fill caches
-                torch.manual_seed(0)
-                if mode == "model":
-                    model = small_cnn(len(ds.classes))
-                    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-                    loss_fn = torch.nn.CrossEntropyLoss()
-                epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(0))
-            names = list(loaders)
-            for e in range(1, args.epochs + 1):
-                # rotate who goes first each epoch: a candidate's place in the round (e.g. right after the
-                # DataLoaders' workers went idle) otherwise biases it by more than tracing costs
-                turn = names[(e - 1) % len(names) :] + names[: (e - 1) % len(names)]
-                for name in turn:
-                    loader, set_epoch = loaders[name]
-                    rate, w = epoch_run(loader, model, opt, loss_fn, lambda: set_epoch(e))
-                    rates[name].append(rate)
-                    waits[name] += w
-                print(
-                    f"[{mode}] epoch {e}/{args.epochs}: "
-                    + ", ".join(f"{n} {r[-1]:.0f} img/s" for n, r in rates.items()),
-                    flush=True,
-                )
-            res = {}
-            for name in loaders:
-                w = np.array(waits[name])
-                res[name] = {
-                    "img_per_s_median": statistics.median(rates[name]),
-                    "img_per_s": rates[name],
-                    "wait_mean_ms": 1e3 * float(w.mean()),
-                    "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
-                }
-            base = res["dataloader_tv"]["img_per_s_median"]
-            for name in res:
-                res[name]["ratio_vs_dataloader_tv"] = res[name]["img_per_s_median"] / base
-                if name.startswith("fusionflow_"):
-                    res[name]["ratio_vs_fusionflow"] = (
-                        res[name]["img_per_s_median"] / res["fusionflow"]["img_per_s_median"]
-                    )
-            results[mode] = res
-            print(
-                f"[{mode}] "
-                + ", ".join(
-                    f"{n}: {r['img_per_s_median']:.0f} img/s ({r['ratio_vs_dataloader_tv']:.2f}x), "
-                    f"wait mean {r['wait_mean_ms']:.0f} ms p95 {r['wait_p95_ms']:.0f} ms"
-                    for n, r in res.items()
-                )
-            )
-        stats = ff.stats.summary()
+        results = {mode: run_mode(mode, loaders, len(ds.classes), args.epochs) for mode in args.modes.split(",")}
+        stats = owned[0].stats.summary()
     finally:
-        ff.close()
-        for other in extra:
-            other.close()
+        for ff in owned:
+            ff.close()
     out = {
         "benchmark": "loader",
         "policy": args.policy,
@@ -202,9 +197,7 @@ def main() -> None:
         "fusionflow_stats": {k: v for k, v in stats.items() if k != "wait_seconds"},
     }
     tag = "_observability" if args.observability else ""
-    write_json(
-        out, args.out or os.path.join(RESULTS, f"loader_{args.policy}_w{args.workers}_b{args.batch_size}{tag}.json")
-    )
+    write_json(out, result_path(args.out, f"loader_{args.policy}_w{args.workers}_b{args.batch_size}{tag}.json"))
 
 
 if __name__ == "__main__":

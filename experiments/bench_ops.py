@@ -14,23 +14,19 @@ Each op runs at the magnitude RandAugment's default draws (bin 9 of 31) on real 
 (synthetic JPEGs, resized to 224x224). Reported: median microseconds per call over interleaved
 repeats, and the largest pixel difference and PSNR of each candidate against pillow.
 
-    .venv/bin/python experiments/bench_ops.py --repeats 7 --json experiments/results/bench_ops.json
+    .venv/bin/python -m experiments.bench_ops --repeats 7 --json experiments/results/bench_ops.json
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import platform
 import statistics
-import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from experiments.harness import provenance, write_json
 
 
 def _images(n: int, size: int = 224) -> list[np.ndarray]:
@@ -248,7 +244,7 @@ def _resize_candidates(out: int = 224) -> dict:
         """The pre-blur as shipped before its 3-tap kernel: taps out to +-3 sigma (5-7), then bilinear."""
         h, w = arr.shape[:2]
         if h > out * resample.LINEAR_UP_TO or w > out * resample.LINEAR_UP_TO:
-            sy, sx = resample._pre_blur_sigma(h / out), resample._pre_blur_sigma(w / out)
+            sy, sx = _pre_blur_sigma(h / out), _pre_blur_sigma(w / out)
             k = [2 * math.ceil(3 * v) + 1 if v else 1 for v in (sx, sy)]
             arr = cv2.GaussianBlur(arr, tuple(k), sigmaX=sx or 1.0, sigmaY=sy or 1.0)
         return cv2.resize(arr, (out, out), interpolation=cv2.INTER_LINEAR)
@@ -267,6 +263,13 @@ def _resize_candidates(out: int = 224) -> dict:
         "fast, Pillow-image path (bytes -> output)": shipped_fast,
         "DCT M/8 + opencv INTER_AREA (bytes -> output)": dct_m8,
     }
+
+
+def _pre_blur_sigma(ratio: float) -> float:
+    """The shipped pre-blur's sigma for a shrink by `ratio` (resample.pre_blur's docstring)."""
+    from fusionflow.ops import resample
+
+    return resample.PRE_BLUR * math.sqrt(ratio * ratio - 1.0) if ratio > 1.0 else 0.0
 
 
 def _box_candidates(out: int = 224) -> dict:
@@ -376,10 +379,8 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     images = _images(args.images)
     result = {
-        "machine": f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores",
-        "date": time.strftime("%Y-%m-%d"),
+        **provenance(),
         "versions": {"opencv": cv2.__version__, "pillow": PIL.__version__, "torch": torch.__version__},
-        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
     if "ops" in sections:
         result["ops"] = bench_op_table(images, args.repeats)
@@ -388,8 +389,7 @@ def main(argv=None) -> int:
     if "resize" in sections:
         result["resize"] = bench_resize(args.windows, args.repeats, args.sizes)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(result, args.json)
     return 0
 
 

@@ -16,7 +16,7 @@ loader on this machine, and what N remote CPUs would add to a GPU node with 4 lo
    of receive time; an actor spends `actor CPU` on top of its compute), capped by an assumed NIC.
    Plot: experiments/results/remote_model.png.
 
-    python experiments/bench_remote.py                   # ~3 min on 2 cores
+    .venv/bin/python -m experiments.bench_remote          # ~3 min on 2 cores
 """
 
 from __future__ import annotations
@@ -30,14 +30,9 @@ import time
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-from fusionflow.remote.task import RemoteTask  # noqa: E402
-from fusionflow.tools.synthetic import EncodedImages  # noqa: E402
+from experiments.harness import RESULTS, ROOT, provenance, rotation, write_json
+from fusionflow.remote.task import RemoteTask
+from fusionflow.tools.synthetic import EncodedImages
 
 
 class BenchTask(RemoteTask):
@@ -149,6 +144,14 @@ def _cpu_s(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _gateway_pid(loader) -> int | None:
+    """The pid of the loader's newest Ray gateway process (its remote worker kind's latest session), or
+    None before its workers started (the first epoch) or without remote workers."""
+    manager = loader.parts.runtime.manager
+    kinds = manager.board.kinds if manager is not None else []
+    return kinds[0].sessions[-1] if kinds and kinds[0].sessions else None
+
+
 def loader_runs(ds, policy, args) -> dict:
     """Before ray is imported here: the loader's gateway process starts a local Ray instance of
     its own per configuration (1 CPU: one actor), as a user's training process would."""
@@ -174,8 +177,7 @@ def loader_runs(ds, policy, args) -> dict:
     gateway_cpu = {n: [] for n in names}  # the Ray gateway process's CPU per remote tiny-batch
     remote_tb_per_img = {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
+        for name in rotation(names, r):
             cfg = configs[name]
             remote = RayWorkers(1, address="auto", **cfg) if isinstance(cfg, dict) else None
             loader = FusionFlowLoader(
@@ -194,8 +196,7 @@ def loader_runs(ds, policy, args) -> dict:
                 for epoch in range(args.epochs + 1):
                     loader.set_epoch(epoch)
                     loader.stats.reset()
-                    kinds = loader._manager.board.kinds if loader._manager is not None else []  # from epoch 1
-                    gateway = kinds[0].sessions[-1] if kinds else None
+                    gateway = _gateway_pid(loader)  # from epoch 1
                     t0, p0, g0 = time.perf_counter(), time.process_time(), _cpu_s(gateway)
                     n = 0
                     for x, _y in loader:

@@ -24,7 +24,7 @@ first batch and none has finished: start-up excluded) and busy CPU-seconds per i
 Reported: medians over rounds, shared / own (required >= 2x for J = 3, goal 2.7x) and the client's
 overhead for one job (1 - shared x 1 / own x 1; goal < 5%).
 
-    python experiments/bench_shared.py                 # ~5 min on 2 cores
+    .venv/bin/python -m experiments.bench_shared       # ~5 min on 2 cores
 """
 
 from __future__ import annotations
@@ -40,13 +40,9 @@ import threading
 import time
 import uuid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from experiments.harness import RESULTS, ROOT, data_path, image_folder, module_command, provenance, rotation, write_json
 
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-DATA = os.path.join(ROOT, "experiments", "data", "shared")
+DATA = data_path("shared")
 
 
 def job(a) -> int:
@@ -129,8 +125,8 @@ def steady(stamps: list, cpu: CpuSampler) -> dict:
     return {"img_per_s": images / (t1 - t0), "cpu_s_per_image": (cpu.at(t1) - cpu.at(t0)) / images}
 
 
-def _spawn(args: list[str], log) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *args], stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+def _spawn(cmd: list[str], log) -> subprocess.Popen:
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
 
 
 def run_config(shared: bool, jobs: int, model: str, a, tmp: str) -> dict:
@@ -141,20 +137,16 @@ def run_config(shared: bool, jobs: int, model: str, a, tmp: str) -> dict:
     procs = []
     common = ["--data", a.data, "--batch-size", str(a.batch_size), "--policy", a.policy]
     if shared:
-        procs.append(
-            _spawn(
-                ["-m", "fusionflow", "serve", "--name", name, "--epochs", str(a.epochs), "--workers", str(cores),
-                 "--min-clients", str(jobs), "--drop-last", "--seed", "0", *common],
-                log,
-            )
-        )  # fmt: skip
+        serve = [sys.executable, "-m", "fusionflow", "serve", "--name", name, "--epochs", str(a.epochs)]
+        serve += ["--workers", str(cores), "--min-clients", str(jobs), "--drop-last", "--seed", "0", *common]
+        procs.append(_spawn(serve, log))
     outs = [os.path.join(tmp, f"{name}-{i}.json") for i in range(jobs)]
     per_job_workers = cores if jobs == 1 else max(1, cores // jobs)
     for out in outs:
         mode = ["--mode", "client", "--name", name] if shared else ["--mode", "own", "--workers", str(per_job_workers)]
-        args = [__file__, "job", *mode, "--model", model, "--epochs", str(a.epochs), "--out", out, *common]
-        args += ["--pin-workers", a.pin_workers]
-        procs.append(_spawn(args, log))
+        cmd = [*module_command("bench_shared"), "job", *mode, "--model", model, "--epochs", str(a.epochs)]
+        cmd += ["--out", out, *common, "--pin-workers", a.pin_workers]
+        procs.append(_spawn(cmd, log))
     for p in procs:
         if p.wait(timeout=1800) != 0:
             raise RuntimeError(f"a process of the configuration failed: see {log.name}")
@@ -184,9 +176,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.role == "job":
         return job(a)
-    from fusionflow.tools.synthetic import make_image_folder
-
-    make_image_folder(a.data, num_classes=4, per_class=a.images_per_class)
+    image_folder(4 * a.images_per_class, root=a.data)
     configs = {}
     for model in a.models.split(","):
         configs |= {
@@ -199,8 +189,7 @@ def main(argv=None) -> int:
     runs = {k: [] for k in configs}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):
-            order = list(configs)[r % len(configs) :] + list(configs)[: r % len(configs)]
-            for key in order:
+            for key in rotation(configs, r):
                 runs[key].append(run_config(*configs[key], a, tmp))
                 print(f"round {r + 1}/{a.rounds} {key}: {runs[key][-1]['img_per_s']:.0f} img/s, "
                       f"{1e3 * runs[key][-1]['cpu_s_per_image']:.1f} CPU-ms/image", flush=True)  # fmt: skip

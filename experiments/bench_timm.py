@@ -9,7 +9,7 @@ For each recipe, one process and one thread each, in one run, candidates interle
   ff_fast    the same policy in the default fast mode
 Medians over repeats; ratios against timm.
 
-    .venv/bin/python experiments/bench_timm.py [--images 100] [--repeats 3] [--sizes imagenet]
+    .venv/bin/python -m experiments.bench_timm [--images 100] [--repeats 3] [--sizes imagenet]
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ import argparse
 import dataclasses
 import io
 import os
-import sys
 import warnings
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, interleaved_rates, provenance, write_json  # noqa: E402
+from experiments.harness import RESULTS, interleaved_rates, provenance, write_json
 
 RECIPES = {
     "rand-m9-mstd0.5-inc1": dict(auto_augment="rand-m9-mstd0.5-inc1", interpolation="random", re_prob=0.25),

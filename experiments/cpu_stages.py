@@ -6,24 +6,19 @@ torch, or Pillow's box resample from a DCT-scaled window), flip, the FAST kernel
 and, in the same run, the whole pipeline and torchvision.transforms.v2 for scale. Medians over
 repeats of the per-stage mean.
 
-    .venv/bin/python experiments/cpu_stages.py [--images 200] [--repeats 5] [--sizes imagenet]
+    .venv/bin/python -m experiments.cpu_stages [--images 200] [--repeats 5] [--sizes imagenet]
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import os
-import statistics
 import sys
 import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from experiments.harness import medians, provenance, result_path, rounds, write_json
 
 STAGES = ("draw", "header_and_window", "decode", "resize", "flip", "ops", "write")
 
@@ -104,15 +99,13 @@ def main() -> None:
             tv(Image.open(io.BytesIO(d)).convert("RGB"))
         return (time.perf_counter() - t) / len(data)
 
-    staged(), whole(), torchvision()  # warm-up
-    runs = {k: [] for k in (*STAGES, "whole_pipeline", "torchvision")}
-    for r in range(args.repeats):
-        for k, v in staged().items():
-            runs[k].append(v)
-        runs["whole_pipeline"].append(whole())
-        runs["torchvision"].append(torchvision())
-        print(f"repeat {r + 1}/{args.repeats}")
-    us = {k: 1e6 * statistics.median(v) for k, v in runs.items()}
+    values = rounds(
+        {"staged": staged, "whole_pipeline": whole, "torchvision": torchvision},
+        args.repeats,
+        report=lambda r, _: print(f"repeat {r + 1}/{args.repeats}"),
+    )
+    runs = {k: [per_stage[k] for per_stage in values.pop("staged")] for k in STAGES} | values
+    us = {k: 1e6 * v for k, v in medians(runs).items()}
     total = sum(us[k] for k in STAGES)
     for k in STAGES:
         print(f"{k:18s} {us[k]:7.0f} us  {100 * us[k] / total:4.1f}%")
@@ -131,7 +124,7 @@ def main() -> None:
             "us_per_sample_median": us,
             "share_of_stages": {k: us[k] / total for k in STAGES},
         },
-        args.out or os.path.join(RESULTS, f"cpu_stages_{args.policy}_{args.sizes}.json"),
+        result_path(args.out, f"cpu_stages_{args.policy}_{args.sizes}.json"),
     )
 
 

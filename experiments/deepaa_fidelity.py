@@ -10,7 +10,7 @@ PSNR of FusionFlow's exact and fast samples against the authors' order on synthe
                     Contrast), Sharpness or the cutout before the crop: applied to the crop instead
   uncropped         no layer crops: theirs runs every op on the full image, then takes the centre 224
 
-    .venv/bin/python experiments/deepaa_fidelity.py [--draws 20000] [--images 200]
+    .venv/bin/python -m experiments.deepaa_fidelity [--draws 20000] [--images 200]
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from deepaa_reference import authors_sample  # noqa: E402
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from experiments.deepaa_reference import authors_sample
+from experiments.harness import RESULTS, provenance, write_json
 
 POINT = {"Invert", "Solarize", "Posterize", "Brightness", "Color", "RandFlip", "Identity"}
 

@@ -13,7 +13,7 @@ import io
 
 from PIL import Image, ImageDraw, ImageEnhance, ImageOps
 
-from fusionflow.policy.sampling import _random_window
+from fusionflow.policy.sampling import layered_window
 
 ENHANCERS = {
     "Contrast": ImageEnhance.Contrast,
@@ -78,7 +78,8 @@ def authors_sample(policy, data: bytes, d) -> Image.Image:
     ops, crops = iter(d.ops), iter(d.crops)
     for step in d.steps:
         if step.op == "RandResizeCrop_imagenet":
-            t, le, h, w = _random_window(policy, next(crops), img.height, img.width)
+            # torchvision's RandomResizedCrop window from the crop's uniforms (one crop: no composition)
+            t, le, h, w = layered_window(policy, [next(crops)], img.height, img.width)
             img = img.resize((out_w, out_h), Image.Resampling.BICUBIC, box=(le, t, le + w, t + h))
             continue
         aux = (0.5, 0.5)

@@ -4,7 +4,7 @@ A persistent FusionFlowLoader (1 worker) finishes an epoch, then the process sle
 over that window (all threads: the loader's manager thread is what could spend it) is compared with
 and without `global_manager`. Alternating, medians over repeats.
 
-    .venv/bin/python experiments/gm_idle_cost.py [--seconds 3] [--repeats 3]
+    .venv/bin/python -m experiments.gm_idle_cost [--seconds 3] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -12,19 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_ddp import Jpegs  # noqa: E402
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-from fusionflow import FusionFlowLoader  # noqa: E402
-from fusionflow.tools.synthetic import make_jpegs  # noqa: E402
+from experiments.harness import RESULTS, medians, provenance, rotation, write_json
+from fusionflow import FusionFlowLoader
+from fusionflow.tools.synthetic import EncodedImages, make_jpegs
 
 
 def idle_cpu_percent(ds, job, seconds: float) -> float:
@@ -45,14 +37,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=os.path.join(RESULTS, "gm_idle_cost.json"))
     args = ap.parse_args()
-    ds = Jpegs(make_jpegs(16, 200, 400, seed=3))
+    ds = EncodedImages(make_jpegs(16, 200, 400, seed=3))
     runs = {"off": [], "on": []}
     for rep in range(args.repeats):
-        for mode in ("off", "on") if rep % 2 == 0 else ("on", "off"):
+        for mode in rotation(("off", "on"), rep):
             job = None if mode == "off" else "idle-cost-" + secrets.token_hex(4)
             runs[mode].append(idle_cpu_percent(ds, job, args.seconds))
             print(f"repeat {rep + 1} {mode:>3}: {runs[mode][-1]:.2f}% of a core while idle", flush=True)
-    med = {k: statistics.median(v) for k, v in runs.items()}
+    med = medians(runs)
     print(f"median: without GM {med['off']:.2f}%, with GM {med['on']:.2f}% of a core")
     write_json({**provenance(), "args": vars(args), "cpu_percent_median": med, "runs": runs}, args.out)
 

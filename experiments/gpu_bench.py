@@ -8,49 +8,29 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
   (d) ff_cpu_gpu      FusionFlowLoader, CPU workers + DALI accelerator on the GPU (TAAS)
   (e) staged          training on batches already on the GPU (the no-stall ceiling)
 plus per-op agreement of FusionFlow's DALI GPU ops with its CPU ops, and the AoT-design numbers.
-Medians over timed iterations after warm-up, synchronised; JSON to $OUT (or --out).
+Medians over timed iterations after warm-up, synchronised; JSON to $OUT (or --out). From the
+repository root (on the device machine: experiments/gpu_run.sh bench ARGS):
 
-    export PYTHONPATH=/tmp/site:$PWD; python3 experiments/gpu_bench.py --out $OUT/gpu_bench.json
-    python experiments/gpu_bench.py --cpu-smoke      # tiny run of every code path without a GPU
+    export PYTHONPATH=/tmp/site; python3 -m experiments.gpu_bench --out $OUT/gpu_bench.json
+    .venv/bin/python -m experiments.gpu_bench --cpu-smoke      # tiny run of every code path without a GPU
 """
 
 from __future__ import annotations
 
 import argparse
 import io
-import multiprocessing as mp
 import os
-import sys
 import time
 import traceback
 import warnings
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-from fusionflow.accel.accelerator import PROFILE_BATCHES  # noqa: E402
+from experiments.harness import RESULTS, mixed_jpegs, provenance, result_path, write_json
+from fusionflow.accel.accelerator import PROFILE_BATCHES
 
 DALI_PREFETCH = 2  # batches DALI runs ahead (its pipelines' default)
 TV_PREFETCH = 2  # DataLoader's prefetch_factor (its default): workers x 2 batches buffered
-
-
-def _make(args):
-    from fusionflow.tools.synthetic import encode, make_image
-
-    h, w, seed = args
-    return encode(make_image(h, w, seed))
-
-
-def make_dataset(n: int, procs: int) -> list[bytes]:
-    rng = np.random.default_rng(0)
-    jobs = [(int(h), int(w), i) for i, (h, w) in enumerate(rng.integers(200, 1001, (n, 2)))]
-    with mp.get_context("fork").Pool(procs) as pool:
-        return pool.map(_make, jobs, chunksize=16)
 
 
 class TvDataset:
@@ -193,23 +173,7 @@ def endless(loader, set_epoch=None):
         epoch += 1
 
 
-def op_agreement():
-    """Per-op agreement of DALI GPU ops with the CPU ops on identical input (the gpu tests' numbers)."""
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from test_ops_dali import CASES, run_cpu_op, run_dali_op
-
-    from fusionflow.accel.dali_ops import DaliStyle
-
-    out = {}
-    for name, value in CASES:
-        a = run_dali_op(name, value, DaliStyle(device="gpu")).astype(int)
-        b = run_cpu_op(name, value, DaliStyle()).astype(int)
-        d = np.abs(a - b)
-        out[f"{name}({value})"] = {"max": int(d.max()), "mean": float(d.mean()), "differing": float((d > 0).mean())}
-    return out
-
-
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=4096)
     ap.add_argument("--batch-size", type=int, default=256)
@@ -228,14 +192,121 @@ def main() -> None:
         "--cpu-smoke", action="store_true", help="tiny run on the CPU (DALI CPU backend) to check the script"
     )
     ap.add_argument("--out", default=None)
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def staged_rate(model_name, device, args) -> float:
+    """Training on one batch already on the device, again and again: the no-stall ceiling."""
+    import torch
+
+    bs = args.batch_size
+    xs = torch.randint(0, 256, (bs, 3, 224, 224), dtype=torch.uint8, device=device)
+    ys = torch.randint(0, 1000, (bs,), device=device)
+    return train_rate(lambda: iter(lambda: (xs, ys), None), model_name, device, args.iters, args.warmup, bs)
+
+
+def dataloader_rate(data, model_name, workers, device, args) -> float:
+    from torch.utils.data import DataLoader
+
+    bs = args.batch_size
+    warmup = drain_warmup(args.warmup, workers * TV_PREFETCH)
+    dl = DataLoader(
+        TvDataset(epoch_of(data, warmup + args.iters + 1, bs)),
+        batch_size=bs,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=True,
+        drop_last=True,
+        prefetch_factor=TV_PREFETCH,
+    )
+    return train_rate(lambda: endless(dl), model_name, device, args.iters, warmup, bs)
+
+
+def dali_rate(data, model_name, workers, device, args) -> float:
+    bs = args.batch_size
+    warmup = drain_warmup(args.warmup, DALI_PREFETCH)
+    batches = lambda: dali_batches(data, bs, device, workers, args.iters + warmup + 1)  # noqa: E731
+    return train_rate(batches, model_name, device, args.iters, warmup, bs)
+
+
+def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> float:
+    """FusionFlowLoader's rate, CPU workers only (ff_cpu) or with the DALI accelerator (ff_cpu_gpu); its
+    stats go into `row`. A run whose accelerator fell back to the CPU workers raises: not comparable."""
+    from fusionflow import FusionFlowLoader
+    from fusionflow.tools.synthetic import EncodedImages
+
+    bs = args.batch_size
+    accel = None if variant != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
+    # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
+    # chooses: that happens in the warm-up, never in the timed window
+    profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
+    warmup = drain_warmup(ff_warmup(args.warmup, profiling), 2)  # prefetch_factor 2
+    with FusionFlowLoader(
+        EncodedImages(epoch_of(data, warmup + args.iters + 1, bs), classes=1000),
+        batch_size=bs,
+        shuffle=True,
+        num_workers=workers,
+        policy="randaugment",
+        persistent_workers=True,
+        drop_last=True,
+        device=device,
+        accelerator=accel,
+        tiny_batch_size=4,
+        gpu_sharing=args.gpu_sharing,
+    ) as ff:
+        rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs)
+        stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
+        stats["gpu_sharing"] = ff.stats.gpu_sharing
+    if profiling and ff.stats.gpu_sharing is None:
+        raise RuntimeError("gpu_sharing='auto' had not chosen a mode by the end of the warm-up")
+    fell_back = not stats["accelerator_tiny_batches"] or stats["accelerator_retired"]
+    if accel is not None and fell_back:
+        raise RuntimeError(
+            f"the DALI accelerator did not run (it fell back to the CPU workers: "
+            f"retired={stats['accelerator_retired']!r}, "
+            f"out of memory {stats['accelerator_out_of_memory']}x): not comparable"
+        )
+    return rate
+
+
+def run_row(data, model_name, workers, device, args) -> dict:
+    """Every variant's rate for one model and worker count (a failed variant: None and its error),
+    and the ratios between them."""
+    row = {}
+    for variant in args.variants.split(","):
+        key = f"{model_name}/w{workers}/{variant}"
+        try:
+            if variant == "staged":
+                rate = staged_rate(model_name, device, args)
+            elif variant == "dataloader_tv":
+                rate = dataloader_rate(data, model_name, workers, device, args)
+            elif variant == "dali":
+                rate = dali_rate(data, model_name, workers, device, args)
+            else:
+                rate = fusionflow_rate(variant, data, model_name, workers, device, args, row)
+            row[variant] = rate
+            print(f"{key}: {rate:.0f} img/s", flush=True)
+        except Exception as exc:  # one broken variant must not lose the others' numbers
+            row[variant] = None
+            row[f"{variant}_error"] = "".join(traceback.format_exception(exc))[-2000:]
+            print(f"{key}: FAILED {exc!r}", flush=True)
+    base = row.get("dataloader_tv")
+    for v in ("dali", "ff_cpu", "ff_cpu_gpu"):
+        if row.get(v) and base:
+            row[f"{v}_vs_dataloader_tv"] = row[v] / base
+    if row.get("ff_cpu_gpu") and row.get("dali"):
+        row["ff_cpu_gpu_vs_dali"] = row["ff_cpu_gpu"] / row["dali"]
+    if row.get("ff_cpu_gpu") and row.get("staged"):
+        row["ff_cpu_gpu_of_staged"] = row["ff_cpu_gpu"] / row["staged"]
+    return row
+
+
+def main() -> None:
+    args = parse_args()
     warnings.filterwarnings("ignore")
 
     import torch
-    from torch.utils.data import DataLoader
-
-    from fusionflow import FusionFlowLoader
-    from fusionflow.tools.synthetic import EncodedImages
 
     if args.cpu_smoke:
         args.images, args.batch_size, args.iters, args.warmup = 48, 8, 2, 1
@@ -243,11 +314,11 @@ def main() -> None:
         device = torch.device("cpu")
     else:
         if not torch.cuda.is_available():
-            raise SystemExit("gpu_bench.py needs a CUDA GPU (use --cpu-smoke to check the script here)")
+            raise SystemExit("experiments.gpu_bench needs a CUDA GPU (use --cpu-smoke to check the script here)")
         device = torch.device("cuda:0")
         torch.backends.cudnn.benchmark = True
     t0 = time.time()
-    data = make_dataset(args.images, os.cpu_count() or 1)
+    data = mixed_jpegs(args.images)
     print(f"{len(data)} JPEGs made in {time.time() - t0:.0f} s", flush=True)
     result = {
         "benchmark": "gpu_bench",
@@ -257,107 +328,18 @@ def main() -> None:
         "batch_size": args.batch_size,
         "runs": {},
     }
-    bs = args.batch_size
     for model_name in args.models.split(","):
         for workers in (int(w) for w in args.workers.split(",")):
-            row = {}
-            for variant in args.variants.split(","):
-                key = f"{model_name}/w{workers}/{variant}"
-                try:
-                    if variant == "staged":
-                        xs = torch.randint(0, 256, (bs, 3, 224, 224), dtype=torch.uint8, device=device)
-                        ys = torch.randint(0, 1000, (bs,), device=device)
-                        rate = train_rate(
-                            lambda: iter(lambda: (xs, ys), None), model_name, device, args.iters, args.warmup, bs
-                        )
-                    elif variant == "dataloader_tv":
-                        warmup = drain_warmup(args.warmup, workers * TV_PREFETCH)
-                        dl = DataLoader(
-                            TvDataset(epoch_of(data, warmup + args.iters + 1, bs)),
-                            batch_size=bs,
-                            shuffle=True,
-                            num_workers=workers,
-                            pin_memory=device.type == "cuda",
-                            persistent_workers=True,
-                            drop_last=True,
-                            prefetch_factor=TV_PREFETCH,
-                        )
-                        rate = train_rate(lambda: endless(dl), model_name, device, args.iters, warmup, bs)
-                        del dl
-                    elif variant == "dali":
-                        warmup = drain_warmup(args.warmup, DALI_PREFETCH)
-                        rate = train_rate(
-                            lambda: dali_batches(data, bs, device, workers, args.iters + warmup + 1),
-                            model_name,
-                            device,
-                            args.iters,
-                            warmup,
-                            bs,
-                        )
-                    else:
-                        accel = (
-                            "dali-gpu"
-                            if variant == "ff_cpu_gpu" and device.type == "cuda"
-                            else ("dali-cpu" if variant == "ff_cpu_gpu" else None)
-                        )
-                        # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
-                        # chooses: that happens in the warm-up, never in the timed window
-                        profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
-                        warmup = drain_warmup(ff_warmup(args.warmup, profiling), 2)  # prefetch_factor 2
-                        with FusionFlowLoader(
-                            EncodedImages(epoch_of(data, warmup + args.iters + 1, bs), classes=1000),
-                            batch_size=bs,
-                            shuffle=True,
-                            num_workers=workers,
-                            policy="randaugment",
-                            persistent_workers=True,
-                            drop_last=True,
-                            device=device,
-                            accelerator=accel,
-                            tiny_batch_size=4,
-                            gpu_sharing=args.gpu_sharing,
-                        ) as ff:
-                            rate = train_rate(
-                                lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs
-                            )
-                            stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
-                            stats["gpu_sharing"] = ff.stats.gpu_sharing
-                        if profiling and ff.stats.gpu_sharing is None:
-                            raise RuntimeError("gpu_sharing='auto' had not chosen a mode by the end of the warm-up")
-                        fell_back = not stats["accelerator_tiny_batches"] or stats["accelerator_retired"]
-                        if accel is not None and fell_back:
-                            raise RuntimeError(
-                                f"the DALI accelerator did not run (it fell back to the CPU workers: "
-                                f"retired={stats['accelerator_retired']!r}, "
-                                f"out of memory {stats['accelerator_out_of_memory']}x): not comparable"
-                            )
-                    row[variant] = rate
-                    print(f"{key}: {rate:.0f} img/s", flush=True)
-                except Exception as exc:  # one broken variant must not lose the others' numbers
-                    row[variant] = None
-                    row[f"{variant}_error"] = "".join(traceback.format_exception(exc))[-2000:]
-                    print(f"{key}: FAILED {exc!r}", flush=True)
-            base = row.get("dataloader_tv")
-            for v in ("dali", "ff_cpu", "ff_cpu_gpu"):
-                if row.get(v) and base:
-                    row[f"{v}_vs_dataloader_tv"] = row[v] / base
-            if row.get("ff_cpu_gpu") and row.get("dali"):
-                row["ff_cpu_gpu_vs_dali"] = row["ff_cpu_gpu"] / row["dali"]
-            if row.get("ff_cpu_gpu") and row.get("staged"):
-                row["ff_cpu_gpu_of_staged"] = row["ff_cpu_gpu"] / row["staged"]
-            result["runs"][f"{model_name}/w{workers}"] = row
+            result["runs"][f"{model_name}/w{workers}"] = run_row(data, model_name, workers, device, args)
     if device.type == "cuda":
-        try:
-            result["op_agreement_gpu_vs_cpu"] = op_agreement()
+        try:  # the DALI GPU ops against the CPU ops on identical input (tests/test_ops_dali.py's cases)
+            from experiments.dali_agreement import agreement
+
+            result["op_agreement_gpu_vs_cpu"] = agreement("gpu")
         except Exception as exc:
             result["op_agreement_error"] = repr(exc)
-    write_json(
-        result,
-        args.out
-        or os.path.join(
-            os.environ.get("OUT", RESULTS), "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"
-        ),
-    )
+    name = "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"
+    write_json(result, result_path(args.out, name, os.environ.get("OUT", RESULTS)))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,10 @@ at batch sizes a paper-era GPU would see (and in minutes); 0 uses the whole GPU.
 found by doubling from --start, then bisecting to --step. Then each pipeline trains at --batch-size
 for --iters timed iterations (median img/s, synchronised, after warm-up).
 
-    export PYTHONPATH=/tmp/site:$PWD; python3 experiments/gpu_memory.py --out $OUT/gpu_memory.json
-    python experiments/gpu_memory.py --cpu-smoke     # every code path, tiny, on the CPU (no search)
+From the repository root (on the device machine: experiments/gpu_run.sh memory ARGS):
+
+    export PYTHONPATH=/tmp/site; python3 -m experiments.gpu_memory --out $OUT/gpu_memory.json
+    .venv/bin/python -m experiments.gpu_memory --cpu-smoke     # every code path, tiny, on the CPU (no search)
 """
 
 from __future__ import annotations
@@ -26,18 +28,12 @@ import json
 import os
 import pickle
 import subprocess
-import sys
 import tempfile
 import time
 import traceback
 import warnings
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-sys.path.insert(0, ROOT)
-sys.path.insert(0, HERE)
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from experiments.harness import RESULTS, ROOT, mixed_jpegs, module_command, provenance, result_path, write_json
 
 PIPELINES = ("dali", "ff_bridge_off", "ff_bridge_on", "ff_async_pool")
 GIB = 1 << 30
@@ -73,8 +69,8 @@ def run_trial(
 ) -> dict:
     """One training run in this process; returns what happened (ok / oom / error) and the numbers."""
     import torch
-    from gpu_bench import DALI_PREFETCH, dali_batches, drain_warmup, endless, epoch_of, train_rate
 
+    from experiments.gpu_bench import DALI_PREFETCH, dali_batches, drain_warmup, endless, epoch_of, train_rate
     from fusionflow import FusionFlowLoader
     from fusionflow.tools.synthetic import EncodedImages
 
@@ -146,8 +142,7 @@ def run_trial(
 
 def spawn(args, pipeline: str, batch: int, iters: int, warmup: int) -> dict:
     cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
+        *module_command("gpu_memory"),
         "--trial",
         pipeline,
         "--batch",
@@ -165,7 +160,9 @@ def spawn(args, pipeline: str, batch: int, iters: int, warmup: int) -> dict:
     ] + (["--cpu-smoke"] if args.cpu_smoke else [])
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=trial_env(pipeline), timeout=args.trial_timeout)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=trial_env(pipeline), timeout=args.trial_timeout, cwd=ROOT
+        )
     except subprocess.TimeoutExpired as exc:  # one hung trial must not lose the others' numbers
         tail = (exc.stderr or b"")[-1500:]
         res = {
@@ -258,13 +255,12 @@ def main() -> None:
         return
 
     import torch
-    from gpu_bench import make_dataset
 
     if args.cpu_smoke:
         args.images, args.workers, args.batch_size, args.iters, args.warmup = 32, 1, 8, 2, 1
     elif not torch.cuda.is_available():
-        raise SystemExit("gpu_memory.py needs a CUDA GPU (use --cpu-smoke to check the script here)")
-    data = make_dataset(args.images, os.cpu_count() or 1)
+        raise SystemExit("experiments.gpu_memory needs a CUDA GPU (use --cpu-smoke to check the script here)")
+    data = mixed_jpegs(args.images)
     fd, args.data = tempfile.mkstemp(prefix="ff_gpu_memory_", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
         pickle.dump(data, f)
@@ -307,7 +303,7 @@ def main() -> None:
     result["summary"] = summary
     print(json.dumps(summary, indent=1))
     name = "gpu_memory.json" if torch.cuda.is_available() else "gpu_memory_cpu_smoke.json"
-    write_json(result, args.out or os.path.join(os.environ.get("OUT", RESULTS), name))
+    write_json(result, result_path(args.out, name, os.environ.get("OUT", RESULTS)))
 
 
 if __name__ == "__main__":

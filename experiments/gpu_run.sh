@@ -8,9 +8,11 @@
 #   experiments/gpu_run.sh smoke           machine, versions, native builds, CUDA tests without DALI
 #   experiments/gpu_run.sh diag            the GPU JPEG decoder's gap from libjpeg-turbo on the tests' JPEGs
 #   experiments/gpu_run.sh tests           pytest -m gpu (every GPU test)
-#   experiments/gpu_run.sh bench ARGS      experiments/gpu_bench.py ARGS
-#   experiments/gpu_run.sh memory ARGS     experiments/gpu_memory.py ARGS
-#   experiments/gpu_run.sh aot ARGS        experiments/bench_aot.py --device gpu ARGS
+#   experiments/gpu_run.sh bench ARGS      python3 -m experiments.gpu_bench ARGS
+#   experiments/gpu_run.sh memory ARGS     python3 -m experiments.gpu_memory ARGS
+#   experiments/gpu_run.sh aot ARGS        python3 -m experiments.bench_aot --device gpu ARGS
+# Every step runs from the repository root (the script cds there), so `-m experiments.<name>` imports this
+# checkout's experiments and fusionflow; /tmp/site (the installed DALI wheels) comes first on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_out}
@@ -39,7 +41,7 @@ smoke)
     } 2>&1 | tee "$OUT/smoke.log"
     ;;
 diag)
-    python3 -c "import sys; sys.path.insert(0, 'tests'); from dali_numpy import nvjpeg_gap
+    python3 -c "from experiments.dali_agreement import nvjpeg_gap
 from fusionflow.tools.synthetic import make_jpegs
 print('nvJPEG vs libjpeg-turbo (mean levels, median PSNR dB):', nvjpeg_gap(make_jpegs(16, 200, 1000, seed=1)))" 2>&1 |
         grep -v -i deprecat | tee "$OUT/diag.log"
@@ -52,13 +54,13 @@ tests)
         "${files[@]}" 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
 bench)
-    python3 experiments/gpu_bench.py --out "$OUT/gpu_bench.json" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
+    python3 -m experiments.gpu_bench --out "$OUT/gpu_bench.json" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
     ;;
 memory)
-    python3 experiments/gpu_memory.py --out "$OUT/gpu_memory.json" "$@" 2>&1 | tee "$OUT/gpu_memory.log"
+    python3 -m experiments.gpu_memory --out "$OUT/gpu_memory.json" "$@" 2>&1 | tee "$OUT/gpu_memory.log"
     ;;
 aot)
-    python3 experiments/bench_aot.py --device gpu --out "$OUT/aot_gpu.json" "$@" 2>&1 | tee "$OUT/aot_gpu.log"
+    python3 -m experiments.bench_aot --device gpu --out "$OUT/aot_gpu.json" "$@" 2>&1 | tee "$OUT/aot_gpu.log"
     ;;
 *)
     echo "unknown step $step" >&2

@@ -6,24 +6,17 @@ each). Both end with `take_back_released`. No GPU needed: the ledger is plain sh
 GPU side of a window -- torch.cuda.memory_snapshot(), the native resource -- is not included).
 Alternating, medians over repeats, in one process.
 
-    .venv/bin/python experiments/ledger_window_bench.py [--blocks 320 1000] [--repeats 7]
+    .venv/bin/python -m experiments.ledger_window_bench [--blocks 320 1000] [--repeats 7]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-from fusionflow.accel.bridge.ledger import Block, BlockLedger  # noqa: E402
+from experiments.harness import RESULTS, medians, provenance, rounds, write_json
+from fusionflow.accel.bridge.ledger import Block, BlockLedger
 
 PIECE = 64 << 20  # the bridge lends in pieces of at most 64 MiB
 
@@ -59,15 +52,20 @@ def main() -> None:
     for n in args.blocks:
         blocks = [Block(0x7F0000000000 + k * PIECE, PIECE, 0) for k in range(n)]
         ledger = BlockLedger(capacity=max(4096, n))
+
+        def window(fn):
+            def go() -> float:
+                ms = window_ms(fn, ledger, blocks)
+                assert ledger.totals() == {"lent_bytes": 0, "borrowed_bytes": 0}
+                return ms
+
+            return go
+
         try:
-            times = {"per_block": [], "bulk": []}
-            for _ in range(args.repeats):
-                for name, fn in (("per_block", per_block), ("bulk", bulk)):
-                    times[name].append(window_ms(fn, ledger, blocks))
-                    assert ledger.totals() == {"lent_bytes": 0, "borrowed_bytes": 0}
+            times = rounds({"per_block": window(per_block), "bulk": window(bulk)}, args.repeats, warmup=False)
         finally:
             ledger.close()
-        med = {k: statistics.median(v) for k, v in times.items()}
+        med = medians(times)
         rows.append(
             {
                 "blocks": n,

@@ -2,18 +2,23 @@
 
 A refactor must not cost speed, and this 2-core VM's throughput drifts by 10-20% over minutes, so
 the two versions are measured in alternation (A B B A A B ...), each run a fresh process of the
-benchmark script *in its own tree* (the scripts put their tree first on sys.path), and the result is
-the median over runs of each version plus the median of the per-round ratios.
+benchmark *in its own tree*, and the result is the median over runs of each version plus the median
+of the per-round ratios.
+
+Each run starts in its tree (cwd = the tree), so the tree's own experiments and fusionflow are the
+ones imported. How depends on the tree: one whose experiments/ is a package (experiments/__init__.py)
+runs `python -m experiments.<bench>`; an older one, whose scripts put their tree on sys.path
+themselves, runs `python experiments/<bench>.py`. So "before" may be any old commit.
 
     # a tree of the old commit beside the current one
     git worktree add /tmp/before <commit>
-    .venv/bin/python experiments/paired_trees.py --before /tmp/before --after . --repeats 5 \
+    .venv/bin/python -m experiments.paired_trees --before /tmp/before --after . --repeats 5 \
         --bench loader -- --modes loader --images 256 --epochs 3
-    .venv/bin/python experiments/paired_trees.py --before /tmp/before --after . --bench ddp -- --repeats 1
+    .venv/bin/python -m experiments.paired_trees --before /tmp/before --after . --bench ddp -- --repeats 1
 
 Metrics: `loader` reads FusionFlowLoader's img/s and its ratio to DataLoader + torchvision (that
 ratio cancels most of the machine's drift); `cpu` reads the per-core pipeline's fast and exact modes
-against torchvision (bench_cpu_pipeline.py); `ddp` reads the lending-on img/s and the on/off ratio;
+against torchvision (bench_cpu_pipeline); `ddp` reads the lending-on img/s and the on/off ratio;
 `remote` reads bench_remote.py's 1 local + 1 actor and 2 local img/s, the training process's CPU per
 image with and without the actor, and the bare Ray round trip.
 """
@@ -28,19 +33,19 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from results_io import RESULTS, provenance, write_json  # noqa: E402
+from experiments.harness import git_commit, provenance, result_path, rotation, write_json
 
+# --bench: (the experiment's module name, {metric: its path in the experiment's JSON})
 BENCHES = {
     "loader": (
-        "experiments/bench_loader.py",
+        "bench_loader",
         {
             "fusionflow_img_per_s": ("results", "loader", "fusionflow", "img_per_s_median"),
             "fusionflow_over_dataloader_tv": ("results", "loader", "fusionflow", "ratio_vs_dataloader_tv"),
         },
     ),
     "cpu": (
-        "experiments/bench_cpu_pipeline.py",
+        "bench_cpu_pipeline",
         {
             "ff_fast_img_per_s": ("img_per_s_median", "ff_fast"),
             "ff_fast_over_torchvision": ("ratio_vs_torchvision", "ff_fast"),
@@ -48,7 +53,7 @@ BENCHES = {
         },
     ),
     "ddp": (
-        "experiments/bench_ddp.py",
+        "bench_ddp",
         {
             "lending_on_img_per_s": ("median", "on", "img_per_s"),
             "lending_off_img_per_s": ("median", "off", "img_per_s"),
@@ -56,7 +61,7 @@ BENCHES = {
         },
     ),
     "remote": (
-        "experiments/bench_remote.py",
+        "bench_remote",
         {
             "one_local_one_actor_img_per_s": ("loader", "local 1 + remote 1 (back, in_flight 2)", "img_per_s"),
             "two_local_img_per_s": ("loader", "local 2 workers", "img_per_s"),
@@ -78,14 +83,25 @@ def dig(d, path):
     return float(d)
 
 
-def run_once(tree: str, script: str, extra: list[str], metrics: dict) -> dict:
+def is_package_tree(tree: str) -> bool:
+    """Whether the tree's experiments run as modules (`python -m experiments.x`): its experiments/ is a
+    package. Older trees' scripts run as files and put their tree on sys.path themselves."""
+    return os.path.isfile(os.path.join(tree, "experiments", "__init__.py"))
+
+
+def bench_command(tree: str, bench: str) -> list[str]:
+    """The command that runs experiment `bench` (a module name, e.g. "bench_loader") of `tree`, in the
+    tree's own way; it runs with cwd = the tree."""
+    if is_package_tree(tree):
+        return [sys.executable, "-m", f"experiments.{bench}"]
+    return [sys.executable, os.path.join(tree, "experiments", f"{bench}.py")]
+
+
+def run_once(tree: str, bench: str, extra: list[str], metrics: dict) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         subprocess.run(
-            [sys.executable, os.path.join(tree, script), *extra, "--out", out],
-            cwd=tree,
-            check=True,
-            stdout=subprocess.DEVNULL,
+            [*bench_command(tree, bench), *extra, "--out", out], cwd=tree, check=True, stdout=subprocess.DEVNULL
         )
         with open(out) as f:
             d = json.load(f)
@@ -98,16 +114,16 @@ def main() -> None:
     ap.add_argument("--after", required=True)
     ap.add_argument("--bench", choices=sorted(BENCHES), default="loader")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--label", default=None, help="names the result file")
+    ap.add_argument("--label", default=None, help="names the result file (experiments/results/paired_<label>.json)")
+    ap.add_argument("--out", default=None, help="the result file (default: named by --label)")
     ap.add_argument("extra", nargs="*", help="arguments for the benchmark script (after --)")
     args = ap.parse_args()
-    script, metrics = BENCHES[args.bench]
+    bench, metrics = BENCHES[args.bench]
     trees = {"before": os.path.abspath(args.before), "after": os.path.abspath(args.after)}
     runs: dict = {"before": [], "after": []}
     for r in range(args.repeats):
-        order = ("before", "after") if r % 2 == 0 else ("after", "before")
-        for name in order:
-            res = run_once(trees[name], script, args.extra, metrics)
+        for name in rotation(("before", "after"), r):
+            res = run_once(trees[name], bench, args.extra, metrics)
             runs[name].append(res)
             print(f"round {r} {name:6s} " + " ".join(f"{k}={v:.3f}" for k, v in res.items()), flush=True)
     summary = {}
@@ -125,22 +141,18 @@ def main() -> None:
             f"after/before {summary[k]['after_over_before']:.3f} (paired median "
             f"{summary[k]['paired_ratio_median']:.3f})"
         )
-    git = lambda t: subprocess.run(
-        ["git", "-C", t, "rev-parse", "--short", "HEAD"],
-        capture_output=True,  # noqa: E731
-        text=True,
-    ).stdout.strip()
     label = args.label or args.bench
     write_json(
         {
             "benchmark": f"paired {args.bench}",
             **provenance(),
-            "commits": {k: git(t) for k, t in trees.items()},
+            "commits": {k: git_commit(t) for k, t in trees.items()},
+            "invocations": {k: " ".join(bench_command(t, bench)[1:]) for k, t in trees.items()},
             "bench_args": args.extra,
             "runs": runs,
             "summary": summary,
         },
-        os.path.join(RESULTS, f"paired_{label}.json"),
+        result_path(args.out, f"paired_{label}.json"),
     )
 
 

@@ -7,7 +7,7 @@ entries' op index and magnitude bin), `op_names` ('Name:(lo,,hi)', 18 ops), `l_m
 numbers are carried over as data, float32 as stored (each printed as the shortest decimal that reads
 back as the same float32); the op semantics are FusionFlow's own (fusionflow/policy/deepaa.py).
 
-    .venv/bin/python experiments/port_deepaa_policy.py PATH/TO/policy_DeepAA_imagenet_1.npz
+    .venv/bin/python -m experiments.port_deepaa_policy PATH/TO/policy_DeepAA_imagenet_1.npz
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import os
 
 import numpy as np
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "..", "fusionflow", "configs", "deepaa.yaml")
+from experiments.harness import ROOT
+
+OUT = os.path.join(ROOT, "fusionflow", "configs", "deepaa.yaml")
 REPO, FILE_COMMIT = "github.com/AIoT-MLSys-Lab/DeepAA", "e77688de44d90417c759764b3bb1b5451892195a"
 
 HEADER = """\

@@ -7,7 +7,7 @@ slowest rank's batch is ready plus a fixed training step. With lending, `plan_le
 runtime uses -- runs at every event, moving idle workers of finished ranks to ranks still working;
 they return when the borrower's iteration completes. Both runs see identical task times.
 
-    .venv/bin/python experiments/sim_lending.py [--ranks 8] [--workers 4] [--tiny 16] [--iters 200]
+    .venv/bin/python -m experiments.sim_lending [--ranks 8] [--workers 4] [--tiny 16] [--iters 200]
 """
 
 from __future__ import annotations
@@ -16,18 +16,11 @@ import argparse
 import heapq
 import os
 import statistics
-import sys
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from results_io import RESULTS, provenance, write_json  # noqa: E402
-
-from fusionflow.scheduling.lending import Progress, plan_lending  # noqa: E402
+from experiments.harness import RESULTS, provenance, write_json
+from fusionflow.scheduling.lending import Progress, plan_lending
 
 
 def iteration(times: list[list[float]], workers: int, lend: bool) -> tuple[list[float], int]:

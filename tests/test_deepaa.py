@@ -6,8 +6,6 @@ loader runs it exactly once per sample (the DALI accelerator declines it)."""
 
 import dataclasses
 import io
-import os
-import sys
 
 import numpy as np
 import pytest
@@ -15,6 +13,7 @@ from PIL import Image
 from scipy import stats
 from test_augmix import loader_runs_it_once_and_dali_declines
 
+from experiments.deepaa_reference import authors_op, authors_sample
 from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw
@@ -22,9 +21,6 @@ from fusionflow.policy.deepaa import MIRRORED, _op
 from fusionflow.policy.draws import SampleDraw
 from fusionflow.policy.sampling import _random_window
 from fusionflow.tools.synthetic import make_jpegs, sample_set
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "experiments"))
-from deepaa_reference import authors_op, authors_sample  # noqa: E402
 
 POLICY = load_policy("deepaa")
 S = POLICY.augment.deepaa

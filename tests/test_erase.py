@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 import torchvision.transforms.v2 as T
-from dali_numpy import nvjpeg_gap, run_numpy
+from dali_numpy import run_numpy
 from tv_reference import tv_recipe
 
+from experiments.dali_agreement import nvjpeg_gap
 from fusionflow import load_policy
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import Erase, draw, uniforms

@@ -1,16 +1,18 @@
-"""The GPU experiments' bookkeeping, checked without a GPU (experiments/gpu_bench.py, gpu_memory.py)."""
+"""The experiments' bookkeeping, checked without a GPU: the GPU scripts' warm-ups, trials and imports
+(experiments/gpu_bench.py, gpu_memory.py), the shared harness (experiments/harness.py), paired runs
+across trees of any age (paired_trees.py), and the package's rules: every script runs as
+`python -m experiments.<name>`, touches no sys.path and uses no private name of fusionflow."""
 
-import os
+import ast
 import subprocess
 import sys
 import types
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+from experiments import gpu_bench, gpu_memory, harness, paired_trees
+from fusionflow.accel.accelerator import PROFILE_BATCHES, SharingProfiler
 
-import gpu_bench  # noqa: E402
-import gpu_memory  # noqa: E402
-
-from fusionflow.accel.accelerator import PROFILE_BATCHES, SharingProfiler  # noqa: E402
+EXPERIMENTS = Path(harness.__file__).resolve().parent
 
 
 def test_auto_sharing_profiles_inside_the_warm_up(monkeypatch):
@@ -53,14 +55,13 @@ def test_every_name_the_gpu_scripts_import_from_each_other_exists():
     """gpu_memory.py imports its trial's helpers from gpu_bench.py inside a function (a trial runs in
     its own process): a helper renamed in gpu_bench once broke every trial on the first GPU run,
     unnoticed on CPUs. Read the imports from the source and check each name."""
-    import ast
     import inspect
 
     tree = ast.parse(inspect.getsource(gpu_memory))
     names = [
         a.name
         for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module == "gpu_bench"
+        if isinstance(node, ast.ImportFrom) and node.module == "experiments.gpu_bench"
         for a in node.names
     ]
     assert "train_rate" in names and "dali_batches" in names
@@ -75,3 +76,79 @@ def test_timed_window_helpers():
     ep = gpu_bench.epoch_of(data, batches=5, batch_size=4)
     assert len(ep) >= 20 and len(ep) % 3 == 0 and all(x is data[i % 3] for i, x in enumerate(ep))
     assert gpu_bench.epoch_of(data, batches=1, batch_size=2) == data
+
+
+def test_rounds_warm_up_then_interleave_and_rotation_alternates_two():
+    calls = []
+    values = harness.rounds({"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}, 2)
+    assert calls == ["a", "b", "a", "b", "a", "b"] and values == {"a": [1, 1], "b": [2, 2]}
+    calls.clear()
+    harness.rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, 2, warmup=False, rotate=True)
+    assert calls == ["a", "b", "b", "a"]
+    assert [harness.rotation("xyz", r) for r in range(4)] == [list("xyz"), list("yzx"), list("zxy"), list("xyz")]
+
+
+def test_provenance_names_the_module_command_and_the_commit(monkeypatch):
+    monkeypatch.setattr(sys, "argv", [str(EXPERIMENTS / "bench_loader.py"), "--images", "8", "--out", "a b.json"])
+    monkeypatch.setattr(sys.modules["__main__"], "__spec__", types.SimpleNamespace(name="experiments.bench_loader"))
+    p = harness.provenance()
+    assert p["command"] == "python -m experiments.bench_loader --images 8 --out 'a b.json'"
+    assert set(p) == {"command", "date", "machine", "git_commit"} and p["machine"]["cores"]
+
+
+def test_paired_trees_runs_each_tree_its_own_way(tmp_path):
+    """A tree whose experiments/ is a package runs its bench as a module; an older tree, whose scripts
+    put their tree on sys.path, runs the script file (each with cwd = its tree)."""
+    old, new = tmp_path / "old", tmp_path / "new"
+    for tree in (old, new):
+        (tree / "experiments").mkdir(parents=True)
+        (tree / "experiments" / "bench_loader.py").write_text("")
+    (new / "experiments" / "__init__.py").write_text("")
+    assert paired_trees.bench_command(str(old), "bench_loader") == [
+        sys.executable,
+        str(old / "experiments" / "bench_loader.py"),
+    ]
+    assert paired_trees.bench_command(str(new), "bench_loader") == [sys.executable, "-m", "experiments.bench_loader"]
+    assert all((EXPERIMENTS / f"{bench}.py").is_file() for bench, _ in paired_trees.BENCHES.values())
+
+
+def test_the_loader_summary_has_one_owner():
+    from experiments import bench_loader
+    from fusionflow.tools import bench
+
+    assert bench_loader.summarize is bench.summarize
+    row = bench.summarize({"x": [3.0, 1.0, 2.0]}, {"x": [0.01, 0.03]}, unit="img_per_s")["x"]
+    assert row["img_per_s_median"] == 2.0 and row["img_per_s"] == [3.0, 1.0, 2.0]
+    assert abs(row["wait_mean_ms"] - 20.0) < 1e-9 and 20.0 < row["wait_p95_ms"] <= 30.0
+
+
+def _scripts():
+    return [p for p in sorted(EXPERIMENTS.glob("*.py")) if 'if __name__ == "__main__":' in p.read_text()]
+
+
+def test_every_script_says_how_to_run_it_as_a_module():
+    scripts = _scripts()
+    assert len(scripts) >= 15
+    wrong = [
+        p.name for p in scripts if f"python -m experiments.{p.stem}" not in ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert not wrong, f"their docstrings do not say `python -m experiments.<name>`: {wrong}"
+
+
+def test_no_experiment_touches_sys_path_or_a_private_fusionflow_name():
+    """Scripts run as modules of the package (no sys.path edits), and use fusionflow's public names only:
+    nothing imported from it starts with _, nor any attribute read off anything but `self` (a module of
+    fusionflow, a loader, ...)."""
+    offenders = []
+    for path in sorted(EXPERIMENTS.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "fusionflow":
+                offenders += [f"{where} imports {a.name}" for a in node.names if a.name.startswith("_")]
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id == "sys" and node.attr == "path":
+                    offenders.append(f"{where} sys.path")
+                private = node.attr.startswith("_") and not node.attr.startswith("__")
+                if private and node.value.id != "self":  # a fusionflow module's or object's private name
+                    offenders.append(f"{where} {node.value.id}.{node.attr}")
+    assert not offenders, offenders

@@ -9,24 +9,20 @@ import pytest
 from PIL import Image
 
 dali = pytest.importorskip("nvidia.dali")
-from dali_numpy import nvjpeg_gap, run_numpy  # noqa: E402
-from nvidia.dali import fn, pipeline_def, types  # noqa: E402
-from test_ops_cpu import VALUES  # noqa: E402
+from dali_numpy import run_numpy  # noqa: E402
 from tv_reference import psnr  # noqa: E402
 
+from experiments.dali_agreement import CASES, nvjpeg_gap, run_cpu_op, run_dali_op  # noqa: E402
 from fusionflow import DecodeError, FusionFlowError, load_policy  # noqa: E402
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
 from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle  # noqa: E402
 from fusionflow.accel.declines import dali_declines  # noqa: E402
-from fusionflow.ops import exact  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.policy import shipped_policies  # noqa: E402
 from fusionflow.policy.op_specs import OP_NAMES, OPS  # noqa: E402
 from fusionflow.tools.synthetic import make_image, make_jpegs  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
-IMAGES = [make_image(224, 224, s) for s in range(4)]
-AUX = (0.3, 0.6)
 
 # Per-op tolerance of DALI against the CPU op on identical input: (level, fraction of pixels
 # allowed to differ by more than level, mean |diff|). Exact unless stated:
@@ -49,41 +45,8 @@ GPU_TOLERANCE = {
 # bilinear geometric ops: Pillow's and DALI's interpolation round differently (one level on many
 # pixels) and treat the pixels next to the filled area differently (large, on the edge only)
 BILINEAR_TOL = (1, 0.02, 0.6)
-CASES = [(n, v) for n, vs in VALUES.items() for v in vs if n != "Identity" and OPS[n].dali]
-CASES += [("Cutout", 40.0), ("Cutout", 80.0)]
-
-
-def run_dali_op(name, value, style, images=IMAGES):
-    params = [np.asarray(OPS[name].resolve(value, AUX, 224, 224), np.float32)] * len(images)
-
-    @pipeline_def(batch_size=len(images), num_threads=1, device_id=None if style.device == "cpu" else 0)
-    def graph():
-        im = fn.external_source(name="im", dtype=types.UINT8, ndim=3, layout="HWC")
-        pr = fn.external_source(name="pr", dtype=types.FLOAT, ndim=1)
-        if style.device == "gpu":
-            im = im.gpu()
-        return DALI_IMPLS[name](im, pr, style), pr  # pr as an output so it is never pruned
-
-    pipe = graph()
-    pipe.build()
-    pipe.feed_input("im", images)
-    pipe.feed_input("pr", params)
-    out, _ = pipe.run()
-    if style.device == "gpu":
-        out = out.as_cpu()
-    return np.stack([np.array(out[i]) for i in range(len(images))])
-
-
-def run_cpu_op(name, value, style, images=IMAGES):
-    params = OPS[name].resolve(value, AUX, 224, 224)
-    return np.stack(
-        [
-            np.asarray(
-                exact.apply(name, Image.fromarray(im), value, params, exact.Style(style.interpolation, style.fill))
-            )
-            for im in images
-        ]
-    )
+# CASES, and the two runners on identical input: experiments/dali_agreement.py (gpu_bench reports the
+# same cases' differences on a GPU)
 
 
 def check(name, value, style, tol):

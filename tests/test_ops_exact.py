@@ -7,35 +7,12 @@ import pytest
 from PIL import Image
 from tv_reference import tv_op
 
+# VALUES: op -> values to test at, in the op's unit (experiments/dali_agreement.py: the GPU agreement
+# check and the DALI tests use the same table)
+from experiments.dali_agreement import VALUES
 from fusionflow.ops import exact
 from fusionflow.policy.op_specs import OP_NAMES, OPS, inverse_affine
 
-# op -> values to test at, in the op's unit (both signs for signed ops, the ends of the ranges the
-# shipped policies use, and the exact 90-degree rotation TrivialAugment can draw)
-VALUES = {
-    "Identity": [0.0],
-    "ShearX": [-0.99, -0.3, 0.09, 0.3],
-    "ShearY": [-0.3, 0.09, 0.5, 0.99],
-    "TranslateX": [-101.5, -30.4, 7.0, 32.0],
-    "TranslateY": [-32.0, 30.45, 101.5],
-    "ShiftX": [-100.8, -0.5, 22.4, 67.2],
-    "ShiftY": [-67.2, 0.25, 33.6],
-    "SkewX": [-0.3, 0.09, 0.45],
-    "SkewY": [-0.45, 0.27],
-    "Rotate": [-135.0, -30.0, 9.0, 90.0, 180.0],
-    "Brightness": [-0.9, -0.27, 0.27, 0.99],
-    "Color": [-0.9, -0.27, 0.27, 0.99],
-    "Contrast": [-0.9, -0.27, 0.27, 0.99],
-    "Sharpness": [-0.9, -0.27, 0.27, 0.99],
-    "Posterize": [0.0, 2.0, 4.0, 7.0, 8.0],
-    "Solarize": [0.0, 76.5, 178.5, 255.0, 256.0],
-    "SolarizeAdd": [0.0, 33.0, 110.0],
-    "AutoContrast": [0.0],
-    "Equalize": [0.0],
-    "Invert": [0.0],
-    "FlipX": [0.0],
-    "Hue": [-0.5, -0.27, -0.001, 0.0, 0.004, 0.1, 0.5],
-}
 # Per-op tolerance on max |difference|: every op here reproduces torchvision's PIL path exactly.
 TOLERANCE = {name: 0 for name in VALUES}
 # but ShiftX/Y and SkewX/Y, timm's translation and shear (exact against timm in tests/test_timm.py):
