@@ -18,6 +18,7 @@ from fusionflow.loader import FusionFlowLoader  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.runtime.local_manager import LocalManager  # noqa: E402
 from fusionflow.runtime.shm import RingLayout  # noqa: E402
+from fusionflow.runtime.spec import RuntimeSpec  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -68,7 +69,7 @@ def test_one_dali_run_takes_the_reserved_tiny_batches_and_writes_each_to_its_pos
 
     ds = Bytes(8)
     layout = RingLayout(1, 8, (3, 24, 24), "uint8")
-    mgr = LocalManager(ds, None, layout, num_workers=0, seed=4, sizes=ds.sizes, tiny_batch_size=2)
+    mgr = LocalManager(ds, RuntimeSpec(None, layout, num_workers=0, seed=4, tiny_batch_size=2), sizes=ds.sizes)
     try:
         accel = AcceleratorWorker(mgr.board, ds, SMALL, max_images=6, seed=4, device="cpu")
         mgr.board.add_worker_kind(accel)
@@ -118,12 +119,8 @@ def test_samples_dali_cannot_take_go_to_cpu_workers():
 def manager():
     mgr = LocalManager(
         Bytes(8),
-        None,
-        RingLayout(2, 8, (3, 4, 4), "uint8"),
-        num_workers=0,
-        seed=0,
+        RuntimeSpec(None, RingLayout(2, 8, (3, 4, 4), "uint8"), num_workers=0, seed=0, tiny_batch_size=1),
         sizes=[10, 80, 20, 70, 30, 60, 40, 50],
-        tiny_batch_size=1,
     )
     yield mgr
     mgr.shutdown()

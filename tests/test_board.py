@@ -13,6 +13,7 @@ from fusionflow.runtime.board import Board
 from fusionflow.runtime.counters import RuntimeCounters, count_worker_task
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
+from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.scheduling import split_sorted
 
 MARK = 7  # the pixel value the test's worker kind writes: tells its samples from a CPU worker's
@@ -127,7 +128,7 @@ def test_count_worker_task_grows_with_the_pool():
 
 
 def test_manager_without_a_job_has_no_lending_agent():
-    mgr = LocalManager(Bytes(8), None, RingLayout(2, 8, (3, 4, 4), "uint8"), num_workers=0, seed=0)
+    mgr = LocalManager(Bytes(8), RuntimeSpec(None, RingLayout(2, 8, (3, 4, 4), "uint8"), num_workers=0, seed=0))
     try:
         assert mgr.agent is None and mgr.pool is not None
         assert mgr.board.counters.global_manager is None  # nothing counts lending
@@ -139,9 +140,8 @@ def test_manager_without_a_job_has_no_lending_agent():
 def _manager(ds, num_workers, batches, counters=None):
     policy = load_policy(SMALL)
     layout = RingLayout(len(batches), 8, policy.out_shape, policy.out_dtype)
-    return LocalManager(
-        ds, policy, layout, num_workers, seed=5, pin_cpus=False, sizes=ds.sizes, tiny_batch_size=2, counters=counters
-    )
+    spec = RuntimeSpec(policy, layout, num_workers, seed=5, pin_workers=False, tiny_batch_size=2)
+    return LocalManager(ds, spec, sizes=ds.sizes, counters=counters)
 
 
 def _run_batches(mgr, batches):
@@ -216,7 +216,7 @@ def test_waiting_on_a_shut_down_manager_fails_clearly_instead_of_hanging():
     from fusionflow.errors import FusionFlowError
 
     policy = load_policy(SMALL)
-    mgr = LocalManager(Bytes(), policy, RingLayout(1, 4, policy.out_shape, policy.out_dtype), 0, seed=0)
+    mgr = LocalManager(Bytes(), RuntimeSpec(policy, RingLayout(1, 4, policy.out_shape, policy.out_dtype), 0, seed=0))
     gen = mgr.new_generation()
     mgr.submit(0, gen, 0, 0, [0, 1, 2, 3])
     mgr.shutdown()

@@ -20,6 +20,7 @@ import torch
 
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
+from fusionflow.runtime.spec import RuntimeSpec
 
 log = logging.getLogger("fusionflow.loader.front")
 
@@ -46,22 +47,25 @@ class LoaderRuntime:
             import multiprocessing
 
             ctx = multiprocessing.get_context(ctx)
+        spec = RuntimeSpec(
+            policy=cfg.policy,
+            layout=layout,
+            num_workers=cfg.num_workers,
+            seed=cfg.seed,
+            base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31,
+            worker_init_fn=cfg.worker_init_fn,
+            mp_context=ctx,
+            pin_workers=cfg.pin_workers,
+            max_retries=cfg.max_retries,
+            tiny_batch_size=cfg.tiny_batch_size,
+            stages=cfg.stage_names,
+            job=cfg.job,
+        )
         self.manager = self._box[0] = LocalManager(
             self.dataset,
-            cfg.policy,
-            layout,
-            cfg.num_workers,
-            cfg.seed,
-            cfg.worker_init_fn,
-            ctx,
-            cfg.pin_workers,
-            cfg.max_retries,
-            getattr(self.dataset, "sizes", None),
-            cfg.tiny_batch_size,
-            base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31,
-            job=cfg.job,
-            spec=self._lending_spec(cfg),
-            stages=cfg.stage_names,
+            spec,
+            sizes=getattr(self.dataset, "sizes", None),
+            lend_spec=self._lending_spec(cfg),
             counters=self.stats,
             trace=self.tracing.recorder,
             on_stage_times=self._stage_times(cfg),

@@ -48,14 +48,14 @@ If the training process is killed alone, workers notice within `worker.WATCHDOG_
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
 import threading
 import time
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, WorkerStartError
 from fusionflow.runtime.board import Board
-from fusionflow.runtime.shm import BatchRing, RingLayout
+from fusionflow.runtime.shm import BatchRing
+from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.runtime.worker_pool import PER_WORKER, WorkerPool
 from fusionflow.scheduling import split_sorted
 from fusionflow.scheduling.queue import BatchState
@@ -69,31 +69,21 @@ class LocalManager:
     def __init__(
         self,
         dataset,
-        policy,
-        layout: RingLayout,
-        num_workers: int,
-        seed: int,
-        worker_init_fn=None,
-        mp_context=None,
-        pin_cpus: bool | str = True,
-        max_retries: int = 2,
-        sizes=None,
-        tiny_batch_size: int = 4,
-        base_seed: int = 0,
-        job: str | None = None,
-        spec: bytes | None = None,
-        stages: tuple[str, ...] | None = None,
+        spec: RuntimeSpec,
         *,
+        sizes=None,
+        lend_spec: bytes | None = None,
         counters=None,
         trace=None,
         on_stage_times=None,
         on_batch_done=None,
         on_capacity_change=None,
     ):
+        layout = spec.layout
         ring = BatchRing(layout)
         ring.unlink()  # no name to outlive a job killed as a whole: workers get the descriptor
         self.board = board = Board(ring, sizes, counters, trace)
-        self.layout, self.tiny_batch_size = layout, tiny_batch_size
+        self.spec, self.layout, self.tiny_batch_size = spec, layout, spec.tiny_batch_size
         board.on_batch_done = on_batch_done  # callback(state) under the lock, e.g. TAAS feedback
         self.on_capacity_change = on_capacity_change  # callback(live worker count) under the lock
         self.fatal: BaseException | None = None  # a fault the next `wait` raises
@@ -105,23 +95,14 @@ class LocalManager:
         self._closed = False
         self._thread = None
         try:
-            if job is not None:
+            if spec.job is not None:
                 from fusionflow.runtime.gm.agent import LendingAgent
 
-                self.agent = LendingAgent(board, job, spec)
+                self.agent = LendingAgent(board, spec.job, lend_spec)
             self.pool = WorkerPool(
                 board,
                 dataset,
-                policy,
-                layout,
-                num_workers,
-                seed,
-                base_seed,
-                worker_init_fn,
-                mp_context if mp_context is not None else mp.get_context(),
-                pin_cpus,
-                max_retries,
-                stages,
+                spec,
                 spec_hash=self.agent.spec_hash if self.agent is not None else None,
                 on_stage_times=on_stage_times,
                 on_capacity=self._capacity_changed,

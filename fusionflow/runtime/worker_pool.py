@@ -26,6 +26,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -37,6 +38,7 @@ from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_worker_task
 from fusionflow.runtime.procs import opencv_quiet_for_fork
 from fusionflow.runtime.shm import SHM_DIR, ChildFd, free_bytes
+from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.runtime.worker import worker_loop
 from fusionflow.scheduling.queue import Work
 
@@ -69,25 +71,16 @@ class WorkerPool:
         self,
         board,
         dataset,
-        policy,
-        layout,
-        num_workers: int,
-        seed: int,
-        base_seed: int = 0,
-        worker_init_fn=None,
-        ctx=None,
-        pin_cpus: bool | str = True,
-        max_retries: int = 2,
-        stages=None,
+        spec: RuntimeSpec,
         spec_hash: bytes | None = None,
         on_stage_times=None,
         on_capacity=None,
         on_fatal=None,
     ):
-        self.board, self.dataset, self.policy, self.layout = board, dataset, policy, layout
-        self.num_workers, self.seed, self.base_seed = num_workers, seed, base_seed
-        self.worker_init_fn, self.ctx, self.pin_cpus, self.max_retries = worker_init_fn, ctx, pin_cpus, max_retries
-        self.stages, self.spec_hash = stages, spec_hash  # stage names workers time per sample, or None
+        self.board, self.dataset, self.spec = board, dataset, spec
+        self.ctx = spec.mp_context if spec.mp_context is not None else mp.get_context()
+        num_workers = spec.num_workers
+        self.spec_hash = spec_hash  # the lending spec's hash (workers lent to other LMs check it), or None
         self.on_stage_times = on_stage_times  # callback(worker label, stage ns totals) under the lock
         self.on_capacity = on_capacity  # callback(live worker count) under the lock: the count changed
         self.on_fatal = on_fatal  # callback(exception) under the lock: a fault the owner's next wait raises
@@ -103,12 +96,12 @@ class WorkerPool:
     # ---------------------------------------------------------------- processes (main thread)
     def start(self) -> None:
         """Claim cores, then start every worker process (the training thread: forking happens there only)."""
-        self.cores = CoreClaim(self.num_workers, self.pin_cpus)
-        for wid in range(self.num_workers):
+        self.cores = CoreClaim(self.spec.num_workers, self.spec.pin_workers)
+        for wid in range(self.spec.num_workers):
             self.start_worker(wid)
 
     def start_worker(self, wid: int) -> None:
-        board = self.board
+        board, spec = self.board, self.spec
         parent, child = self.ctx.Pipe(duplex=True)
         proc = self.ctx.Process(
             target=worker_loop,
@@ -117,17 +110,17 @@ class WorkerPool:
             args=(
                 wid,
                 self.dataset,
-                self.policy,
+                spec.policy,
                 ChildFd(board.ring.fd),
-                self.layout,
+                spec.layout,
                 child,
-                self.seed,
-                self.base_seed,
-                self.worker_init_fn,
+                spec.seed,
+                spec.base_seed,
+                spec.worker_init_fn,
                 os.getpid(),
                 self.cores.core_of(wid),
                 self.spec_hash,
-                self.stages,
+                spec.stages,
             ),
         )
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
@@ -308,10 +301,10 @@ class WorkerPool:
                         for p, i, c in zip(work.positions, work.indices, copies)
                     ]
                     continue
-                if work.deaths > self.max_retries:
+                if work.deaths > self.spec.max_retries:
                     board.queue.batches[work.key].error = SampleKilledWorkersError(
                         f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
-                        f"giving up after max_retries={self.max_retries}. Check that sample "
+                        f"giving up after max_retries={self.spec.max_retries}. Check that sample "
                         f"(dataset.describe / path) for a file that crashes the decoder or exhausts memory.",
                         list(work.indices),
                     )
@@ -386,7 +379,7 @@ class WorkerPool:
                 self._fail(
                     SharedMemoryError(
                         f"CPU worker {w.worker_id} died of SIGBUS: a process touched shared memory that could not be "
-                        f"backed (the batch ring needs {self.layout.nbytes} bytes; {SHM_DIR} has "
+                        f"backed (the batch ring needs {self.spec.layout.nbytes} bytes; {SHM_DIR} has "
                         f"{free_bytes()} bytes free now). This is not the fault of a sample. Give the container a "
                         f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor."
                     )

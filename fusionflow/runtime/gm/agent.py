@@ -198,7 +198,7 @@ class LendingAgent:
                 hello = m.unpack_message(msg, m.Hello)
                 g.worker_id = f"lm{hello.owner_lm}:w{hello.worker_id}"
                 g.conn.send_bytes(
-                    m.pack_message(m.Setup(board.ring.name, self.pool.layout, self.pool.seed, link.spec_hash))
+                    m.pack_message(m.Setup(board.ring.name, self.pool.spec.layout, self.pool.spec.seed, link.spec_hash))
                 )
                 send_fd(g.conn, board.ring.fd)  # the ring has no name: it maps this descriptor
             elif link.spec is None:
