@@ -269,3 +269,15 @@ def test_the_loader_is_composed_and_each_iteration_owns_its_state(no_leaks):
     assert len(list(second)) == 3
     assert loader.state_dict()["batches_yielded"] is None  # the newest epoch completed
     loader.close()
+
+
+def test_slot_pool_hands_out_the_longest_free_slot_and_withdraws_adopted_ones():
+    from fusionflow.loader.slots import SlotPool
+
+    pool = SlotPool(range(4))
+    assert (pool.take(), pool.take()) == (0, 1) and len(pool) == 2
+    pool.give(0)
+    pool.withdraw([2])  # a slot the previous epoch's speculation already filled
+    assert [pool.take(), pool.take()] == [3, 0] and not pool and 0 not in pool
+    with pytest.raises(IndexError):
+        pool.take()

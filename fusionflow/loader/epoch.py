@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from fusionflow.loader.slots import SlotPool
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
 from fusionflow.scheduling.tiny_batches import Copies
@@ -35,6 +37,20 @@ def copies_for(sampler) -> Copies:
             (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
         )
     return Copies(rank, world)
+
+
+@dataclass(frozen=True)
+class EpochTail:
+    """What an iteration that has submitted its last mini-batch tells the next epoch's speculation
+    (loader/next_epoch.py): who it is, the runtime and generation it runs on, the seq the next
+    submission gets, its configuration and epoch."""
+
+    owner: object  # the iterator (its `progress` says whether it is still the loader's newest)
+    mgr: object  # the LocalManager
+    generation: int
+    next_seq: int
+    config: object
+    epoch: int
 
 
 def check_batch(indices, capacity: int) -> None:
@@ -117,13 +133,13 @@ class WorkerIterator(EpochIterator):
     mini-batches are seqs first_seq, first_seq + 1, ... of its generation: 0 on, or after those the
     previous epoch's iterator speculated for it (fusionflow/loader/next_epoch.py)."""
 
-    def __init__(self, parts, config, epoch: int, progress, free: list | None = None):
+    def __init__(self, parts, config, epoch: int, progress, slots: SlotPool | None = None):
         super().__init__(parts, config, epoch, progress)
         self._runtime, self._gpu, self._next_epoch = parts.runtime, parts.gpu, parts.next_epoch
         self._mgr = None  # the runtime this epoch runs on (started at the first next())
         self._gen = None  # this epoch's generation on it
         # ring slots with no mini-batch in them (all of them, unless the caller holds some: a SharedLoader)
-        self._free = list(range(self.config.prefetch_factor)) if free is None else free
+        self._slots = SlotPool(range(self.config.prefetch_factor)) if slots is None else slots
         self._pending = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
         self._first_seq = self._submitted = self._delivered = 0
         self._exhausted = False
@@ -139,7 +155,7 @@ class WorkerIterator(EpochIterator):
             self._gen = adopted.generation
             self._first_seq = self._delivered = adopted.first_seq
             self._submitted = adopted.next_seq
-            self._free = [s for s in self._free if s not in adopted.slots]
+            self._slots.withdraw(adopted.slots)
         else:
             self._gen = mgr.new_generation()
             mgr.abandon(self._gen - 1)  # a previous iterator left unfinished: its work is forgotten
@@ -149,19 +165,18 @@ class WorkerIterator(EpochIterator):
     def _refill(self) -> None:
         """Submit the epoch's next mini-batches into the free ring slots; once the epoch has none
         left, offer the slots to the next epoch's speculation (persistent workers only)."""
-        while self._free and not self._exhausted:
+        while self._slots and not self._exhausted:
             item = next(self._work, None)
             if item is None:
                 self._exhausted = True
                 break
             indices, copies = item
             check_batch(indices, self.config.capacity)
-            self._mgr.submit(self._submitted, self._gen, self._free.pop(0), self.epoch, list(indices), copies)
+            self._mgr.submit(self._submitted, self._gen, self._slots.take(), self.epoch, list(indices), copies)
             self._submitted += 1
-        if self._exhausted and self._free and self.config.persistent_workers:
-            self._next_epoch.offer(
-                self, self._mgr, self._gen, self._submitted, self.config, self.epoch, self._checkpoint, self._free
-            )
+        if self._exhausted and self._slots and self.config.persistent_workers:
+            tail = EpochTail(self, self._mgr, self._gen, self._submitted, self.config, self.epoch)
+            self._next_epoch.offer(tail, self._slots)
 
     # ---------------------------------------------------------------- for a holder of ring slots (SharedLoader)
     @property
@@ -194,7 +209,7 @@ class WorkerIterator(EpochIterator):
     def give_back(self, slot: int) -> None:
         """A ring slot taken with `wait_next` is free again: the next mini-batch is submitted into it."""
         if not self._ended:
-            self._free.append(slot)
+            self._slots.give(slot)
             self._refill()
 
     def _next_batch(self):
@@ -203,7 +218,7 @@ class WorkerIterator(EpochIterator):
             slot, event = self._pending
             self._pending = None
             event.synchronize()
-            self._free.append(slot)
+            self._slots.give(slot)
             self._refill()
         if self._delivered >= self._submitted:
             raise StopIteration
@@ -224,7 +239,7 @@ class WorkerIterator(EpochIterator):
             gpu.sync_stats()
         self._delivered += 1
         if event is None:
-            self._free.append(state.slot)
+            self._slots.give(state.slot)
             self._refill()
         else:
             self._pending = (state.slot, event)

@@ -61,39 +61,43 @@ class Adoption:
 
 
 class NextEpoch:
-    def __init__(self, stats):
+    def __init__(self, stats, checkpoint):
         self._stats = stats  # counts speculated, adopted and discarded mini-batches
+        self._checkpoint = checkpoint  # the loader's: a pending resume or a newer iteration stops a guess
         self._guess: _Guess | None = None
         self._tried = None  # weakref to the iterator that already guessed (or found it could not)
 
-    def offer(self, owner, mgr, generation: int, next_seq: int, config, epoch: int, checkpoint, free: list) -> None:
-        """The exhausted iterator `owner` offers its free ring slots (`free`; used ones are taken out).
+    def offer(self, tail, slots) -> None:
+        """The exhausted iterator `tail.owner` (an epoch.EpochTail) offers its free ring slots (a
+        SlotPool; the slots used are taken from it).
         A guess that fails (a sampler that raises, say) is dropped: the current epoch goes on, and the
         next one draws its batches itself, raising there if the sampler still does."""
         try:
-            self._offer(owner, mgr, generation, next_seq, config, epoch, checkpoint, free)
+            self._offer(tail, slots)
         except Exception:
             log.debug("next-epoch speculation dropped", exc_info=True)
             self.discard()
 
-    def _offer(self, owner, mgr, generation, next_seq, config, epoch, checkpoint, free) -> None:
+    def _offer(self, tail, slots) -> None:
+        owner = tail.owner
         if self._tried is None or self._tried() is not owner:
             self._tried = weakref.ref(owner)
             self.discard()
-            self._guess = self._make(owner, mgr, generation, next_seq, config, epoch, checkpoint)
+            self._guess = self._make(tail)
         g = self._guess
         if g is None or g.owner() is not owner:
             return
-        while free and len(g.slots) < len(g.batches):
-            slot = free.pop(0)
+        while slots and len(g.slots) < len(g.batches):
+            slot = slots.take()
             indices, copies = g.batches[len(g.slots)]
-            mgr.submit(g.next_seq, generation, slot, g.epoch, list(indices), copies)
+            tail.mgr.submit(g.next_seq, tail.generation, slot, g.epoch, list(indices), copies)
             g.slots.append(slot)
             g.next_seq += 1
             self._stats.next_epoch_speculated += 1
 
-    def _make(self, owner, mgr, generation, next_seq, config, epoch, checkpoint) -> _Guess | None:
-        if checkpoint.resume is not None or checkpoint.current is not owner.progress:
+    def _make(self, tail) -> _Guess | None:
+        checkpoint, config, epoch = self._checkpoint, tail.config, tail.epoch
+        if checkpoint.resume is not None or checkpoint.current is not tail.owner.progress:
             return None  # a load_state_dict is pending, or a newer iterator began
         guessed = peek_next(config.batch_sampler, config.sampler, epoch, epoch + 1, config.prefetch_factor)
         if not guessed:
@@ -106,7 +110,7 @@ class NextEpoch:
             except ValueError:  # the real epoch raises it, not the speculation
                 break
             batches.append((tuple(indices), copies(indices)))
-        return _Guess(mgr, generation, epoch + 1, config, batches, next_seq, weakref.ref(owner))
+        return _Guess(tail.mgr, tail.generation, epoch + 1, config, batches, tail.next_seq, weakref.ref(tail.owner))
 
     def seal(self, owner, clean: bool) -> None:
         """`owner` ended: clean (all its batches delivered) keeps the speculation for the next iterator."""

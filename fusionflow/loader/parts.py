@@ -48,12 +48,13 @@ class LoaderParts:
 
             gpu = GpuSession.for_config(stats, cfg)
         samples = wrap_samples(dataset, cfg.sample_keys, cfg.read_ahead)  # dict samples, reads ahead
+        checkpoint = Checkpoint()
         return cls(
             stats=stats,
-            checkpoint=Checkpoint(),
+            checkpoint=checkpoint,
             delivery=Delivery(stats, cfg.device, cfg.pin_memory, cfg.on_error),
             tracing=tracing,
             gpu=gpu,
             runtime=LoaderRuntime(samples, stats, tracing, gpu),
-            next_epoch=NextEpoch(stats),
+            next_epoch=NextEpoch(stats, checkpoint),
         )

@@ -27,6 +27,7 @@ import os
 
 from fusionflow.errors import FusionFlowError
 from fusionflow.loader.epoch import WorkerIterator
+from fusionflow.loader.slots import SlotPool
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import Hub
@@ -44,8 +45,8 @@ class _HeldEpoch:
     lock held (`cond`), except while it waits for workers; `release` is called with it held, from
     either thread."""
 
-    def __init__(self, parts, config, epoch: int, progress, free: list, cond, unwanted):
-        self.it = WorkerIterator(parts, config, epoch, progress, free)
+    def __init__(self, parts, config, epoch: int, progress, slots: SlotPool, cond, unwanted):
+        self.it = WorkerIterator(parts, config, epoch, progress, slots)
         self._cond, self._unwanted = cond, unwanted
 
     def next_held(self):
@@ -183,7 +184,7 @@ class SharedLoader:
             raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
         with hub.cond:
             epoch, progress = parts.checkpoint.begin()
-            free = [s for s in range(self.buffer) if s not in hub.held_slots()]
+            free = SlotPool(s for s in range(self.buffer) if s not in hub.held_slots())
             unwanted = lambda: not hub.recipients  # noqa: E731
             it = self._current = _HeldEpoch(parts, self.config, epoch, progress, free, hub.cond, unwanted)
             hub.begin_epoch(epoch, len(loader))
