@@ -61,3 +61,35 @@ def test_every_field_is_declared_once_the_runtime_s_in_runtime_counters():
     assert ours and runtime
     assert not set(ours) & set(runtime), sorted(set(ours) & set(runtime))
     assert {f.name for f in dataclasses.fields(LoaderStats)} == set(ours) | set(runtime)
+
+
+def _stats_writers() -> dict[str, set[str]]:
+    """field -> the modules that assign, increment or append to `<...>stats.<field>` or
+    `<...>counters.<field>` (the loader's LoaderStats, handed to the runtime as its counters).
+    shared/client.py writes its own ClientStats, not a LoaderStats; stats.py and counters.py define them."""
+    import re
+    from pathlib import Path
+
+    import fusionflow
+
+    package = Path(fusionflow.__file__).parent
+    skip = {"loader/stats.py", "runtime/counters.py", "shared/client.py"}
+    write = re.compile(r"\b(?:stats|counters)\.([a-z_]+)(?:\[[^]\n]*\])?\s*(?:[+\-]?=(?!=)|\.append\(|\.extend\()")
+    found: dict[str, set[str]] = {}
+    for path in package.rglob("*.py"):
+        rel = path.relative_to(package).as_posix()
+        if rel in skip:
+            continue
+        for name in write.findall(path.read_text()):
+            found.setdefault(name, set()).add(rel)
+    return found
+
+
+def test_every_stats_field_has_one_writer():
+    """One owner per piece of state: each field of loader.stats is written by one module (the part that
+    measures it); the others read it."""
+    fields = {f.name for f in dataclasses.fields(LoaderStats)}
+    writers = {name: mods for name, mods in _stats_writers().items() if name in fields}
+    assert "worker_restarts" in writers and "batches" in writers  # the scan sees the runtime's and the loader's
+    several = {name: sorted(mods) for name, mods in writers.items() if len(mods) > 1}
+    assert not several, f"fields written by more than one module: {several}"

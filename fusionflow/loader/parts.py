@@ -39,8 +39,8 @@ class LoaderParts:
     @classmethod
     def build(cls, cfg, dataset) -> LoaderParts:
         """The parts a resolved configuration (LoaderConfig) asks for, over `dataset` as given."""
-        stats = LoaderStats()
-        stats.memory_bridge = None if cfg.bridge_why_off is None else f"off: {cfg.bridge_why_off}"
+        # the bridge's state from the start (the GPU session, its one writer, says "on" once it lends)
+        stats = LoaderStats(memory_bridge=None if cfg.bridge_why_off is None else f"off: {cfg.bridge_why_off}")
         tracing = Tracing(cfg.trace_path)
         gpu = None
         if cfg.accelerator is not None:
