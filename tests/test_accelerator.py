@@ -73,7 +73,7 @@ def test_one_dali_run_takes_the_reserved_tiny_batches_and_writes_each_to_its_pos
     try:
         accel = AcceleratorWorker(mgr.board, ds, SMALL, max_images=6, seed=4, device="cpu")
         mgr.board.add_worker_kind(accel)
-        mgr.board.reserved = 4
+        mgr.board.reserve(4)
         order = [5, 1, 7, 0, 3, 6, 2, 4]
         mgr.submit(0, 0, 0, 0, order)
         accel.start()
@@ -131,7 +131,7 @@ def test_two_ended_queue_with_reservation(manager):
     manager.submit(0, 0, 0, 0, list(range(8)))
     manager.submit(1, 0, 1, 0, [0, 2, 4])
     with mgr.cond:
-        mgr.reserved = 2
+        mgr.reserve(2)
         assert [w.indices for w in mgr.take_accel()] == [(1,)]  # largest of the oldest mini-batch: 80 bytes
         cpu = [mgr.take_cpu().indices[0] for _ in range(4)]
         assert cpu == [0, 2, 4, 6]  # smallest first: 10, 20, 30, 40

@@ -167,8 +167,7 @@ class AcceleratorWorker:
     def _retire(self, why: str) -> None:
         """Under board.cond: take no more work; the CPU workers get everything, reservations included."""
         self.retired = self.counters.accelerator_retired = why
-        self.board.reserved = 0
-        self.board.cond.notify_all()
+        self.board.drop_reservations()
         log.warning(
             "the DALI accelerator is retired for the rest of this loader's run (%s); the CPU workers "
             "take every tiny-batch",

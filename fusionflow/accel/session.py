@@ -219,7 +219,7 @@ def _taas_feedback(board_ref, accel_ref, search, history, state) -> None:
     if board is None or accel is None or accel.retired:
         return
     cpu_last = state.cpu_done_at >= state.accel_done_at
-    board.reserved = search.observe(cpu_last, time.monotonic() - state.submitted_at)
+    board.reserve(search.observe(cpu_last, time.monotonic() - state.submitted_at))
     history.append(board.reserved)
 
 

@@ -148,9 +148,14 @@ class Board:
         search sets it; the accelerator clears it when it retires)."""
         return self.queue.reserved
 
-    @reserved.setter
-    def reserved(self, k: int) -> None:
+    def reserve(self, k: int) -> None:
+        """TAAS's K for the mini-batches from now on: what the GPU session's K search measured."""
         self.queue.reserved = k
+
+    def drop_reservations(self) -> None:
+        """The accelerator takes no more work (it retired): the CPU workers may take every tiny-batch."""
+        self.queue.reserved = 0
+        self.cond.notify_all()
 
     def take_cpu(self, upto=None) -> Work | None:
         """The oldest mini-batch's smallest tiny-batch that CPU workers may take (of mini-batches no
