@@ -65,10 +65,10 @@ def fixed_ops_pipeline_class():
             self.fixed_params = any(OPS[n].has_magnitude for n in self.fixed_ops)
             super().__init__(policy, batch_size, **kw)
 
-        def _slot_count(self) -> int:
+        def slot_count(self) -> int:
             return len(self.fixed_ops)
 
-        def _op_graph(self, style):
+        def op_graph(self, style):
             fixed, with_params = self.fixed_ops, self.fixed_params
 
             def augment(images):
@@ -79,7 +79,7 @@ def fixed_ops_pipeline_class():
 
             return augment
 
-        def _op_feeds(self, cols):
+        def op_feeds(self, cols):
             names = ["encoded", "anchor", "shape", "flip"] + (["params"] if self.fixed_params else [])
             return names, cols[:4] + (cols[5:6] if self.fixed_params else [])
 

@@ -19,7 +19,7 @@ from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw
 from fusionflow.policy.deepaa import MIRRORED, _op
 from fusionflow.policy.draws import SampleDraw
-from fusionflow.policy.sampling import _random_window
+from fusionflow.policy.sampling import random_window
 from fusionflow.tools.synthetic import make_jpegs, sample_set
 
 POLICY = load_policy("deepaa")
@@ -110,10 +110,10 @@ def test_crops_compose_as_documented():
     assert crop_window(POLICY, by_count[0], H, W) == (76, 138, 224, 224)
     assert crop_window(POLICY, by_count[0], 200, 300) == (0, 38, 200, 224)  # smaller than the output
     d1 = by_count[1]
-    assert crop_window(POLICY, d1, H, W) == _random_window(POLICY, d1.crops[0], H, W)
+    assert crop_window(POLICY, d1, H, W) == random_window(POLICY, d1.crops[0], H, W)
     d2 = by_count[2]
-    t1, l1, h1, w1 = _random_window(POLICY, d2.crops[0], H, W)
-    t2, l2, h2, w2 = _random_window(POLICY, d2.crops[1], 224, 224)
+    t1, l1, h1, w1 = random_window(POLICY, d2.crops[0], H, W)
+    t2, l2, h2, w2 = random_window(POLICY, d2.crops[1], 224, 224)
     top, left, h, w = crop_window(POLICY, d2, H, W)
     assert abs(top - (t1 + t2 * h1 / 224)) <= 0.5 and abs(left - (l1 + l2 * w1 / 224)) <= 0.5
     assert abs(h - h2 * h1 / 224) <= 1 and abs(w - w2 * w1 / 224) <= 1

@@ -68,8 +68,8 @@ class DaliPolicyPipeline:
         # local op ids: 0 is Identity (empty slot), then the policy's ops in file order
         self.op_names = ["Identity"] + [o.name for o in aug.ops if o.name != "Identity"]
         self._local = {name: i for i, name in enumerate(self.op_names)}
-        self.slots = self._slot_count()
-        augment = self._op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
+        self.slots = self.slot_count()
+        augment = self.op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
         graph = _policy_graph(self.policy, device, augment)
         self._make = lambda: graph(
             batch_size=batch_size,
@@ -86,11 +86,12 @@ class DaliPolicyPipeline:
 
     # The graph's op section, as three methods so that an experiment can build another design of it
     # (experiments/bench_aot.py: one pipeline per op combination) on the same decode, feed and output.
-    def _slot_count(self) -> int:
-        """How many op slots a sample has (its draw's ops fill the first ones, Identity the rest)."""
+    def slot_count(self) -> int:
+        """How many op slots a sample has (its draw's ops fill the first ones, Identity the rest).
+        With `op_graph` and `op_feeds`, the hooks a variant graph overrides (experiments/bench_aot.py)."""
         return self.policy.augment.max_ops
 
-    def _op_graph(self, style):
+    def op_graph(self, style):
         """The op slots, as a function of the graph's images: slot k of a sample runs the op its draw
         names there (a per-sample conditional). It holds plain values, never `self`: DALI keeps the
         graph as long as its pipeline, which must go with this object's last reference."""
@@ -109,7 +110,7 @@ class DaliPolicyPipeline:
 
         return augment
 
-    def _op_feeds(self, cols: list) -> tuple[list[str], list]:
+    def op_feeds(self, cols: list) -> tuple[list[str], list]:
         """The external sources `graph` declares, and their columns out of `prepare`'s first six
         (encoded, anchor, shape, flip, op ids, params)."""
         names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
@@ -166,7 +167,7 @@ class DaliPolicyPipeline:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
         copies = [0] * n if copies is None else copies
         cols = list(zip(*(self.prepare(s, i, seed, epoch, copy=c) for s, i, c in zip(samples, indices, copies))))
-        names, op_cols = self._op_feeds(cols[:6])
+        names, op_cols = self.op_feeds(cols[:6])
         erase_cols = cols[6:]
         names, cols = names + _ERASE_INPUTS[: len(erase_cols)], op_cols + erase_cols
         if self._closed:

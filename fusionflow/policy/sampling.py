@@ -226,7 +226,7 @@ def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple
         return center_window(policy.center_resize, policy.size, height, width)
     if d.crops is not None:
         return layered_window(policy, d.crops, height, width)
-    return _random_window(policy, d.crop_u, height, width)
+    return random_window(policy, d.crop_u, height, width)
 
 
 def layered_window(policy: Policy, crops, height: int, width: int) -> tuple[int, int, int, int]:
@@ -238,15 +238,15 @@ def layered_window(policy: Policy, crops, height: int, width: int) -> tuple[int,
     if not crops:
         h, w = min(out_h, height), min(out_w, width)
         return int(round((height - h) / 2.0)), int(round((width - w) / 2.0)), h, w
-    top, left, h, w = (float(v) for v in _random_window(policy, crops[0], height, width))
+    top, left, h, w = (float(v) for v in random_window(policy, crops[0], height, width))
     for u in crops[1:]:
-        t2, l2, h2, w2 = _random_window(policy, u, out_h, out_w)
+        t2, l2, h2, w2 = random_window(policy, u, out_h, out_w)
         sy, sx = h / out_h, w / out_w
         top, left, h, w = top + t2 * sy, left + l2 * sx, h2 * sy, w2 * sx
     return _whole_pixels(left, top, left + w, top + h, height, width)
 
 
-def _random_window(policy: Policy, crop_u, height: int, width: int) -> tuple[int, int, int, int]:
+def random_window(policy: Policy, crop_u, height: int, width: int) -> tuple[int, int, int, int]:
     """torchvision's RandomResizedCrop window from 40 uniforms."""
     for w, h, ut, ul in _area_ratio_tries(crop_u, height * width, policy.scale, policy.ratio):
         if 0 < w <= width and 0 < h <= height:
