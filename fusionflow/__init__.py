@@ -1,6 +1,7 @@
 """FusionFlow: CPU-GPU cooperative data augmentation for PyTorch training.
 
-Public API: `FusionFlowLoader`, `RayWorkers` (remote CPU workers; needs the `ray` extra), `SharedLoader` and
+Public API: `FusionFlowLoader`, `DaliAccelerator` (the DALI accelerator's settings, `accelerator=`),
+`RayWorkers` (remote CPU workers; needs the `ray` extra), `SharedLoader` and
 `SharedLoaderClient` (one loader's batches shared by co-located training jobs), `ImageFolder`,
 `TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`
 (torchvision and timm transforms), `from_timm` (timm's create_transform arguments), `Policy`, and
@@ -8,6 +9,7 @@ FusionFlow's errors.
 `FusionFlowLoader` and the shared loader (which import torch) are loaded on first use, so policy tooling stays light.
 """
 
+from fusionflow.accel.config import DaliAccelerator  # no torch, no DALI: a frozen, checked configuration
 from fusionflow.datasets.folder import ImageFolder
 from fusionflow.datasets.shards import ShardError, TarShards
 from fusionflow.datasets.wrappers import DictSamples
@@ -32,6 +34,7 @@ from fusionflow.policy.from_torchvision import from_timm, policy_from_transform 
 __all__ = [
     "AcceleratorError",
     "BridgeError",
+    "DaliAccelerator",
     "DecodeError",
     "DeviceOutOfMemory",
     "DictSamples",

@@ -1,5 +1,6 @@
 """The GPU path, one wing: everything that runs DALI or touches the device for the accelerator.
 
+  config.py       DaliAccelerator: the accelerator's settings as one frozen, checked object (no torch, no DALI)
   session.py      GpuSession: the loader's side of the accelerator (start, TAAS's K, prep windows,
                   delivery of mini-batches made partly on the GPU)
   accelerator.py  AcceleratorWorker: the DALI worker kind on the loader's board (its pipeline thread)

@@ -24,10 +24,8 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import (
     Host,
-    check_memory_bridge,
     check_remote_workers,
-    resolve_accelerator,
-    resolve_bridge,
+    resolve_dali,
     resolve_device,
     resolve_job,
     resolve_pin_memory,
@@ -59,12 +57,12 @@ class LoaderConfig:
     seed_given: bool  # False: derived (torch's initial seed, or the generator's)
     device: torch.device  # "cpu", or "cuda" with its index resolved
     policy: Any  # the frozen Policy
-    accelerator: str | None  # None, "dali-cpu" or "dali-gpu" ("auto" resolved)
+    accelerator: str | None  # None, "dali-cpu" or "dali-gpu" ("auto" and a DaliAccelerator resolved)
     gpu_sharing: str  # "auto", "temporal", "spatial" or "off" (memory_bridge="on" fixes auto to temporal)
     aot: bool
     taas: bool
     taas_last_k: bool
-    memory_bridge: str  # as given: "auto", "on" or "off"
+    memory_bridge: str  # as given (or a DaliAccelerator's): "auto", "on" or "off"
     bridge_why_off: str | None  # None: lend PyTorch's blocks to DALI (if the bridge starts)
     job: str | None  # the global manager's job name; None: no lending
     collate_fn: Any  # as given
@@ -291,10 +289,9 @@ def resolve_config(
     seed = resolve_seed(seed, generator, host.initial_seed)
     resolved = resolve_device(device, host)
     policy = resolve_policy(policy)
-    accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy)
-    check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device)
+    loose = dict(gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k, memory_bridge=memory_bridge)
+    dali = resolve_dali(accelerator, loose, device, resolved, num_workers, host, policy)  # a DaliAccelerator too
     job = resolve_job(global_manager, num_workers, host.job_key)
-    gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
     trace_path = resolve_trace(trace)
     stage_names = resolve_stage_names(stage_times, policy)
     check_remote_workers(remote_workers, num_workers, persistent_workers, notes)
@@ -316,13 +313,7 @@ def resolve_config(
         seed_given=seed_given,
         device=resolved,
         policy=policy,
-        accelerator=accelerator,
-        gpu_sharing=gpu_sharing,
-        aot=aot,
-        taas=taas,
-        taas_last_k=taas_last_k,
-        memory_bridge=memory_bridge,
-        bridge_why_off=why_off,
+        **dali,  # accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge, bridge_why_off
         job=job,
         collate_fn=collate_fn,
         collate=collate,

@@ -14,6 +14,7 @@ import warnings
 
 from torch.utils.data import Sampler
 
+from fusionflow.accel.config import DaliAccelerator
 from fusionflow.loader.config import resolve_config
 from fusionflow.loader.dataset import adopt_folder
 from fusionflow.loader.epoch import InlineIterator, WorkerIterator
@@ -52,13 +53,21 @@ class FusionFlowLoader:
     ("auto": pin each worker to a core only when all local ranks' workers and their training processes
     get a core each; True/False force it),
     and the accelerator: `accelerator` (None -- CPU workers only, the default until the GPU path has
-    been proven on a GPU --, "dali-gpu", "dali-cpu", or "auto": DALI on the GPU when device is CUDA),
-    `gpu_sharing` ("auto", "temporal", "spatial", "off"), and the ablations `aot`, `taas`, `taas_last_k`.
-    `memory_bridge` ("auto", "on", "off"): in temporal sharing, PyTorch lends its free cached GPU blocks
-    to DALI for each prep window instead of DALI growing a pool of its own (fusionflow/accel/bridge/memory_bridge.py);
-    "auto" turns it on when the accelerator is DALI on the GPU and the native part builds (it lends only
-    while sharing is temporal), "on" makes that a requirement (an error says what is missing) and fixes
-    gpu_sharing="auto" to "temporal".
+    been proven on a GPU -- or `fusionflow.DaliAccelerator(...)`, which configures DALI in one checked
+    object: DALI takes each mini-batch's largest tiny-batches while the CPU workers take the smallest).
+    `DaliAccelerator(device="gpu", sharing="auto", memory_bridge="auto", aot=True, taas=True,
+    taas_last_k=True)` (fusionflow/accel/config.py): `device` "gpu" (the loader's device must be CUDA),
+    "cpu" (DALI's CPU backend) or "auto" (the GPU when device is CUDA and DALI is installed, else no
+    accelerator); `sharing` ("auto", "temporal", "spatial", "off") how DALI shares the GPU with training;
+    the ablations `aot`, `taas`, `taas_last_k`. `memory_bridge` ("auto", "on", "off"): in temporal sharing,
+    PyTorch lends its free cached GPU blocks to DALI for each prep window instead of DALI growing a pool
+    of its own (fusionflow/accel/bridge/memory_bridge.py); "auto" turns it on when the accelerator is DALI
+    on the GPU and the native part builds (it lends only while sharing is temporal), "on" makes that a
+    requirement (an error says what is missing) and fixes sharing="auto" to "temporal".
+    The string forms are still accepted and resolve to the same `loader.config`: `accelerator="dali-gpu"`,
+    "dali-cpu" or "auto" with the loose arguments `gpu_sharing`, `memory_bridge`, `aot`, `taas`,
+    `taas_last_k`; a loose one set beside a DaliAccelerator is refused (set it on the object).
+    `loader.accelerator`, `loader.gpu_sharing`, ... hold the resolved values either way.
     `trace` (a file path, or None): write a Chrome/Perfetto timeline of the run there -- every tiny-batch on
     its worker's track, the training loop's waits at next() -- at close() and at the end of each iteration;
     `loader.trace(path)` does the same for a `with` block (fusionflow/loader/trace.py). `stage_times=True`: CPU
@@ -141,7 +150,7 @@ class FusionFlowLoader:
         on_error: str = "raise",
         max_retries: int = 2,
         pin_workers: bool | str = "auto",
-        accelerator: str | None = None,
+        accelerator: str | DaliAccelerator | None = None,
         gpu_sharing: str = "auto",
         aot: bool = True,
         taas: bool = True,
@@ -226,7 +235,7 @@ class FusionFlowLoader:
     on_error = _configured("on_error", "'raise' or 'skip': what a sample that fails does.")
     max_retries = _configured("max_retries", "Worker deaths a sample may cause before its batch fails.")
     pin_workers = _configured("pin_workers", "Whether workers are pinned to cores ('auto' resolved).")
-    accelerator = _configured("accelerator", "None, 'dali-cpu' or 'dali-gpu' ('auto' resolved).")
+    accelerator = _configured("accelerator", "None, 'dali-cpu' or 'dali-gpu' ('auto', a DaliAccelerator resolved).")
     gpu_sharing = _configured("gpu_sharing", "'auto', 'temporal', 'spatial' or 'off'.")
     aot = _configured("aot", "One prebuilt DALI pipeline per policy (ahead of time).")
     taas = _configured("taas", "The accelerator takes the largest tiny-batches.")

@@ -1,9 +1,10 @@
 """What FusionFlowLoader's arguments ask of the machine, resolved and checked for `resolve_config`
 (fusionflow/loader/config.py): the `Host` it reads (cores, CUDA, DALI, the torchrun job), the device,
-the accelerator and GPU sharing, the memory bridge, pinned memory, the job whose loaders lend workers to
-each other, and remote workers. Each function takes the arguments it needs and returns resolved values
-or raises the ValueError/TypeError that names the value and the fix; nothing here initialises CUDA or
-imports DALI unless an argument needs it.
+the accelerator (a string form with its loose arguments, or a fusionflow.DaliAccelerator: the same
+fields either way) and GPU sharing, the memory bridge, pinned memory, the job whose loaders lend
+workers to each other, and remote workers. Each function takes the arguments it needs and returns
+resolved values or raises the ValueError/TypeError that names the value and the fix; nothing here
+initialises CUDA or imports DALI unless an argument needs it.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from typing import Any
 
 import torch
 
+from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, SHARING, DaliAccelerator
 from fusionflow.accel.declines import dali_declines
 
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
-SHARING = ("auto", "temporal", "spatial", "off")
-BRIDGE = ("auto", "on", "off")
+# the loose accelerator arguments' defaults (FusionFlowLoader's signature; a test holds them equal):
+# beside a DaliAccelerator, any other value is refused
+LOOSE_DEFAULTS = {"gpu_sharing": "auto", "aot": True, "taas": True, "taas_last_k": True, "memory_bridge": "auto"}
 log = logging.getLogger("fusionflow.loader.front")
 
 
@@ -68,13 +71,46 @@ def resolve_device(device, host: Host, who: str = "FusionFlowLoader") -> torch.d
     return resolved
 
 
+def unpack_accelerator(accelerator, loose: dict) -> tuple[Any, dict]:
+    """(accelerator, loose arguments) in the string form: a DaliAccelerator becomes the strings it stands
+    for (`loose`: gpu_sharing, aot, taas, taas_last_k, memory_bridge as given). The object holds the
+    accelerator's settings, so a loose one given beside it is refused rather than silently dropped."""
+    if isinstance(accelerator, type) and issubclass(accelerator, DaliAccelerator):
+        raise TypeError("accelerator=DaliAccelerator is the class: build one, e.g. accelerator=DaliAccelerator('gpu')")
+    if not isinstance(accelerator, DaliAccelerator):
+        return accelerator, loose
+    for name, value in loose.items():
+        if value != LOOSE_DEFAULTS[name]:
+            field = next(f for f, argument in ARGUMENT_OF.items() if argument == name)
+            raise ValueError(
+                f"{name}={value!r} beside accelerator={accelerator!r}: a DaliAccelerator holds the accelerator's "
+                f"settings, so set it there -- DaliAccelerator(..., {field}={value!r}) -- and leave {name} unset"
+            )
+    arguments = accelerator.loader_arguments()
+    return arguments.pop("accelerator"), arguments
+
+
+def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_workers: int, host: Host, policy):
+    """The accelerator's LoaderConfig fields (accelerator, gpu_sharing, aot, taas, taas_last_k,
+    memory_bridge, bridge_why_off) from the loader's `accelerator` -- a string form or a DaliAccelerator
+    -- and its loose arguments (`loose`, by name): the object is resolved as the strings it stands for."""
+    given = accelerator if isinstance(accelerator, DaliAccelerator) else None
+    accelerator, loose = unpack_accelerator(accelerator, loose)
+    gpu_sharing, memory_bridge = loose["gpu_sharing"], loose["memory_bridge"]
+    accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy, given)
+    check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given)
+    gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
+    return {**loose, "accelerator": accelerator, "gpu_sharing": gpu_sharing, "bridge_why_off": why_off}
+
+
 def resolve_accelerator(
-    accelerator, gpu_sharing, device, resolved: torch.device, num_workers: int, host: Host, policy=None
+    accelerator, gpu_sharing, device, resolved: torch.device, num_workers: int, host: Host, policy=None, given=None
 ):
     """The accelerator to run (None, 'dali-cpu', 'dali-gpu'): 'auto' is DALI on the GPU when the
     device is CUDA; gpu_sharing='off' turns any accelerator off. `device` is the argument as given
-    (for the messages), `resolved` the device. A policy DALI cannot run (dali_declines) turns it off
-    with one log line: the CPU workers take every tiny-batch, and the policy means the same pixels."""
+    (for the messages), `resolved` the device; `given`: the DaliAccelerator the strings came from, named
+    in the messages instead of them. A policy DALI cannot run (dali_declines) turns it off with one log
+    line: the CPU workers take every tiny-batch, and the policy means the same pixels."""
     if gpu_sharing not in SHARING:
         raise ValueError(f"gpu_sharing={gpu_sharing!r} must be one of {SHARING}")
     if accelerator == "auto":
@@ -82,21 +118,23 @@ def resolve_accelerator(
     if accelerator not in ACCELERATORS:
         raise ValueError(
             f"accelerator={accelerator!r} must be one of {ACCELERATORS} ('auto': DALI on the "
-            "GPU when device is CUDA, none otherwise)"
+            "GPU when device is CUDA, none otherwise), or fusionflow.DaliAccelerator(...)"
         )
+    shown = accelerator if given is None else given
     if accelerator == "dali-gpu" and resolved.type != "cuda":
-        raise ValueError(
-            f"accelerator='dali-gpu' needs a CUDA device, got device={device!r}; use accelerator='dali-cpu' or None"
-        )
+        fix = "use accelerator='dali-cpu' or None"
+        if given is not None:
+            fix = "pass device='cuda[:N]', or use DaliAccelerator('cpu') (DALI's CPU backend) or accelerator=None"
+        raise ValueError(f"accelerator={shown!r} needs a CUDA device, got device={device!r}; {fix}")
     if accelerator is not None and not host.has_dali():
-        raise ValueError(f"accelerator={accelerator!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
+        raise ValueError(f"accelerator={shown!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
     if accelerator is not None and num_workers == 0:
-        raise ValueError(f"accelerator={accelerator!r} shares mini-batches with CPU workers: use num_workers >= 1")
+        raise ValueError(f"accelerator={shown!r} shares mini-batches with CPU workers: use num_workers >= 1")
     why = dali_declines(policy) if accelerator is not None and gpu_sharing != "off" else None
     if why is not None:
         log.warning(
             "FusionFlowLoader: accelerator=%r declines policy %r: %s; the CPU workers take every tiny-batch",
-            accelerator,
+            shown,
             policy.name,
             why,
         )
@@ -104,9 +142,16 @@ def resolve_accelerator(
     return None if gpu_sharing == "off" else accelerator
 
 
-def check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device) -> None:
+def check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given=None) -> None:
+    """`accelerator` resolved; `given`: the DaliAccelerator it came from (named in the message), or None."""
     if memory_bridge not in BRIDGE:
         raise ValueError(f"memory_bridge={memory_bridge!r} must be one of {BRIDGE}")
+    if memory_bridge == "on" and accelerator != "dali-gpu" and given is not None:
+        raise ValueError(
+            f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but accelerator={given!r} "
+            f"resolved to {accelerator!r} (device={device!r}): use DaliAccelerator('gpu', memory_bridge='on') "
+            "with a CUDA device, or memory_bridge='auto'/'off'"
+        )
     if memory_bridge == "on" and accelerator != "dali-gpu":
         raise ValueError(
             f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "

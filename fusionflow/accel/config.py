@@ -1,0 +1,110 @@
+"""`DaliAccelerator`: the DALI accelerator's settings as one object (`accelerator=` of FusionFlowLoader).
+
+The loader has always taken them as loose arguments -- `accelerator="dali-gpu"`, `gpu_sharing`,
+`memory_bridge`, `aot`, `taas`, `taas_last_k` -- and still does; the object groups them, checks
+them when it is built, and stands for exactly that string form (`DaliAccelerator.loader_arguments`),
+which fusionflow/loader/host.py resolves as it resolves the strings: a loader configured either way
+has the same `loader.config`. Importable without torch or DALI (only the loader's first iteration
+builds a pipeline).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DEVICES = ("gpu", "cpu", "auto")
+SHARING = ("auto", "temporal", "spatial", "off")
+BRIDGE = ("auto", "on", "off")
+ACCELERATOR_OF = {"gpu": "dali-gpu", "cpu": "dali-cpu", "auto": "auto"}  # device -> the string form
+ARGUMENT_OF = {  # each field -> the loose FusionFlowLoader argument it stands for
+    "device": "accelerator",
+    "sharing": "gpu_sharing",
+    "memory_bridge": "memory_bridge",
+    "aot": "aot",
+    "taas": "taas",
+    "taas_last_k": "taas_last_k",
+}
+
+
+def _device_hint(device) -> str:
+    if device in ("dali-gpu", "dali-cpu"):
+        return f": write device={device[5:]!r} (the 'dali-' prefix belongs to the string form accelerator={device!r})"
+    if isinstance(device, str) and device.startswith("cuda"):
+        return (
+            ": the accelerator runs on the loader's device, so pass device='cuda[:N]' to FusionFlowLoader "
+            "and device='gpu' here"
+        )
+    return (
+        " ('gpu': DALI on the loader's CUDA device; 'cpu': DALI's CPU backend; 'auto': the GPU when the "
+        "loader's device is CUDA and DALI is installed, else no accelerator)"
+    )
+
+
+@dataclass(frozen=True)
+class DaliAccelerator:
+    """The DALI accelerator: a prebuilt DALI pipeline takes each mini-batch's largest tiny-batches
+    while the CPU workers take the smallest. `FusionFlowLoader(..., accelerator=DaliAccelerator())`.
+
+    device: "gpu" (DALI on the loader's CUDA device; the loader needs device="cuda[:N]"), "cpu"
+        (DALI's CPU backend), or "auto" (the GPU when the loader's device is CUDA and DALI is
+        installed, else no accelerator). The string forms accelerator="dali-gpu" / "dali-cpu" / "auto".
+    sharing: how DALI shares the GPU with training: "auto" (measured: both modes timed, the faster kept),
+        "temporal" (only inside next(), between training steps), "spatial" (concurrently), "off" (the
+        accelerator does not run). The string form's gpu_sharing.
+    memory_bridge: "auto" (PyTorch lends its free cached GPU blocks to DALI for each temporal prep window
+        when DALI runs on the GPU and the bridge's native part builds), "on" (required: an error says what
+        is missing; fixes sharing="auto" to "temporal"), "off" (DALI keeps a pool of its own).
+    aot, taas, taas_last_k: the paper's ablations; False: a DALI pipeline built per run (DALI-Naive);
+        tiny-batches first in, first out instead of the largest to DALI; no last K tiny-batches reserved.
+
+    Frozen and checked here (the machine -- CUDA, DALI, the loader's device -- is checked by the
+    loader); `dataclasses.replace(acc, sharing="spatial")` derives another, checked again.
+    """
+
+    device: str = "gpu"
+    sharing: str = field(default="auto", kw_only=True)
+    memory_bridge: str = field(default="auto", kw_only=True)
+    aot: bool = field(default=True, kw_only=True)
+    taas: bool = field(default=True, kw_only=True)
+    taas_last_k: bool = field(default=True, kw_only=True)
+
+    def __post_init__(self):
+        device, sharing, memory_bridge = self.device, self.sharing, self.memory_bridge
+        if device not in DEVICES:
+            raise ValueError(f"{device=!r} must be one of {DEVICES}{_device_hint(device)}")
+        if sharing not in SHARING:
+            raise ValueError(f"{sharing=!r} must be one of {SHARING} (the string form's gpu_sharing)")
+        if memory_bridge not in BRIDGE:
+            raise ValueError(f"{memory_bridge=!r} must be one of {BRIDGE}")
+        for name in ("aot", "taas", "taas_last_k"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"{name}={value!r} must be True or False")
+        if memory_bridge == "on" and device == "cpu":
+            raise ValueError(
+                "memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but device='cpu' "
+                "runs DALI's CPU backend: use device='gpu', or memory_bridge='auto'/'off'"
+            )
+        if memory_bridge == "on" and sharing in ("spatial", "off"):
+            raise ValueError(
+                f"memory_bridge='on' needs DALI's prep to run between training steps, when PyTorch's blocks "
+                f"are free, but {sharing=!r} "
+                + ("runs it during them" if sharing == "spatial" else "turns the accelerator off")
+                + ": use sharing='temporal' or 'auto', or memory_bridge='auto'/'off'"
+            )
+
+    def loader_arguments(self) -> dict:
+        """The string form this object stands for: FusionFlowLoader's loose arguments, by name."""
+        return {
+            ARGUMENT_OF[f.name]: ACCELERATOR_OF[self.device] if f.name == "device" else getattr(self, f.name)
+            for f in fields(self)
+        }
+
+    def __repr__(self) -> str:
+        """The device, then every field that differs from its default: what was asked for."""
+        shown = [f"device={self.device!r}"] + [
+            f"{f.name}={getattr(self, f.name)!r}"
+            for f in fields(self)
+            if f.name != "device" and getattr(self, f.name) != f.default
+        ]
+        return f"DaliAccelerator({', '.join(shown)})"
