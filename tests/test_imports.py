@@ -103,14 +103,14 @@ def test_package_imports_have_no_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
-# Which packages each package may import (besides itself). The loader drives the runtime, the GPU wing
-# and the remote workers; they build on the runtime, which builds on the pure layers; the shared loader
-# serves a loader's batches, so it sits above the loader. `fusionflow` (the public API), `__main__` and
-# `tools` stand above everything.
+# Which packages each package may import (besides itself): loader -> runtime/accel/remote/shared ->
+# scheduling/ops/policy, never back. The loader drives the runtime, the GPU wing, the remote workers
+# and (through the loader object it is given) the shared loader; those build on the runtime, which
+# builds on the pure layers. `fusionflow` (the public API), `__main__` and `tools` stand above everything.
 BASE = {"errors", "native"}
 MAY_IMPORT = {
-    "shared": {"loader", "accel", "remote", "runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
-    "loader": {"accel", "remote", "runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
+    "loader": {"accel", "remote", "shared", "runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
+    "shared": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
     "accel": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
     "remote": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
     "runtime": {"scheduling", "ops", "policy", "datasets"} | BASE,

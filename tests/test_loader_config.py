@@ -15,7 +15,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler, def
 
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.loader.config import LoaderConfig, resolve_config
-from fusionflow.loader.host import Host
+from fusionflow.runtime.host import Host
 
 DATA = [(b"\xff\xd8 not decoded at construction", i % 3) for i in range(10)]
 DEFAULTS = {

@@ -22,10 +22,10 @@ from fusionflow.loader.checkpoint import Checkpoint
 from fusionflow.loader.config import resolve_config
 from fusionflow.loader.delivery import Delivery
 from fusionflow.loader.epoch import InlineIterator, WorkerIterator
-from fusionflow.loader.host import Host
 from fusionflow.loader.lifecycle import LoaderRuntime
 from fusionflow.loader.stats import LoaderStats
 from fusionflow.loader.trace import Tracing
+from fusionflow.runtime.host import Host
 from fusionflow.runtime.messages import SampleFailure
 
 
@@ -272,7 +272,7 @@ def test_the_loader_is_composed_and_each_iteration_owns_its_state(no_leaks):
 
 
 def test_slot_pool_hands_out_the_longest_free_slot_and_withdraws_adopted_ones():
-    from fusionflow.loader.slots import SlotPool
+    from fusionflow.runtime.slots import SlotPool
 
     pool = SlotPool(range(4))
     assert (pool.take(), pool.take()) == (0, 1) and len(pool) == 2

@@ -172,7 +172,7 @@ def test_collated_targets_move_to_the_device_structure_kept():
     dicts, namedtuples, tuples, lists, strings -- is kept. (Checked here with a marking function.)"""
     from collections import namedtuple
 
-    from fusionflow.loader.delivery import map_tensors as _map_tensors
+    from fusionflow.runtime.targets import map_tensors as _map_tensors
 
     Pair = namedtuple("Pair", "a b")
     collated = {"y": torch.tensor([1.0]), "p": Pair(torch.tensor([2]), ("s", "t")), "l": [torch.tensor([3])]}

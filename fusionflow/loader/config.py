@@ -22,15 +22,9 @@ import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from fusionflow.loader.dataset import resolve_samples
-from fusionflow.loader.host import (
-    Host,
-    check_remote_workers,
-    resolve_dali,
-    resolve_device,
-    resolve_job,
-    resolve_pin_memory,
-)
+from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
 from fusionflow.policy import load_policy
+from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 
 log = logging.getLogger("fusionflow.loader.front")  # its messages keep the loader's logger name, as before the move
 ON_ERROR = ("raise", "skip")

@@ -102,29 +102,4 @@ class Delivery:
 
     def collate_targets(self, objs: list):
         """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
-        from torch.utils.data import default_collate
-
-        collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
-        # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
-        if self.device.type == "cuda":
-            return map_tensors(collated, lambda t: t.to(self.alloc_device))
-        if self.pin_memory:
-            return map_tensors(collated, lambda t: t.pin_memory())
-        return collated
-
-
-def map_tensors(obj, fn):
-    """`fn` applied to every tensor in a collated structure (dicts, lists, tuples, namedtuples)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        out = {k: map_tensors(v, fn) for k, v in obj.items()}
-        try:
-            return out if type(obj) is dict else type(obj)(out)
-        except TypeError:  # a mapping that cannot be built from a dict: as default_collate does
-            return out
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(map_tensors(v, fn) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(v, fn) for v in obj)
-    return obj
+        return ff_targets.collate(objs, self.alloc_device if self.device.type == "cuda" else None, self.pin_memory)

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fusionflow.loader.slots import SlotPool
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
+from fusionflow.runtime.slots import SlotPool
 from fusionflow.scheduling.tiny_batches import Copies
 
 

@@ -18,9 +18,9 @@ from fusionflow.accel.config import DaliAccelerator
 from fusionflow.loader.config import resolve_config
 from fusionflow.loader.dataset import adopt_folder
 from fusionflow.loader.epoch import InlineIterator, WorkerIterator
-from fusionflow.loader.host import Host
 from fusionflow.loader.parts import LoaderParts
 from fusionflow.loader.stats import LoaderStats  # also re-exported: `from fusionflow.loader.front import LoaderStats`
+from fusionflow.runtime.host import Host
 
 __all__ = ["FusionFlowLoader", "LoaderStats"]
 

@@ -1,7 +1,7 @@
 """What FusionFlowLoader's arguments ask of the machine, resolved and checked for `resolve_config`
-(fusionflow/loader/config.py): the `Host` it reads (cores, CUDA, DALI, the torchrun job), the device,
+(fusionflow/loader/config.py), against the `Host` (runtime/host.py, with the device and pinned memory):
 the accelerator (a string form with its loose arguments, or a fusionflow.DaliAccelerator: the same
-fields either way) and GPU sharing, the memory bridge, pinned memory, the job whose loaders lend
+fields either way) and GPU sharing, the memory bridge, the job whose loaders lend
 workers to each other, and remote workers. Each function takes the arguments it needs and returns
 resolved values or raises the ValueError/TypeError that names the value and the fix; nothing here
 initialises CUDA or imports DALI unless an argument needs it.
@@ -10,65 +10,20 @@ initialises CUDA or imports DALI unless an argument needs it.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, SHARING, DaliAccelerator
 from fusionflow.accel.declines import dali_declines
+from fusionflow.runtime.host import Host
 
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
 # the loose accelerator arguments' defaults (FusionFlowLoader's signature; a test holds them equal):
 # beside a DaliAccelerator, any other value is refused
 LOOSE_DEFAULTS = {"gpu_sharing": "auto", "aot": True, "taas": True, "taas_last_k": True, "memory_bridge": "auto"}
 log = logging.getLogger("fusionflow.loader.front")
-
-
-def _has_dali() -> bool:
-    try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _job_key():
-    from fusionflow.runtime.gm.tables import job_key
-
-    return job_key()
-
-
-@dataclass(frozen=True)
-class Host:
-    """What resolution reads from this process, each asked only when an argument needs it (a CPU
-    loader never initialises CUDA or imports DALI). The callables are looked up when called, so a
-    test's monkeypatched torch.cuda is seen; tests/test_loader_config.py passes stand-ins."""
-
-    cores: Callable[[], int] = lambda: len(os.sched_getaffinity(0))
-    cuda_available: Callable[[], bool] = lambda: torch.cuda.is_available()
-    current_device: Callable[[], int] = lambda: torch.cuda.current_device()
-    device_count: Callable[[], int] = lambda: torch.cuda.device_count()
-    has_dali: Callable[[], bool] = lambda: _has_dali()
-    job_key: Callable[[], Any] = lambda: _job_key()  # the torchrun job (global_manager="auto"), or None
-    initial_seed: Callable[[], int] = lambda: torch.initial_seed()
-
-
-def resolve_device(device, host: Host, who: str = "FusionFlowLoader") -> torch.device:
-    """'cpu', or 'cuda' with one device index, resolved now, for every CUDA call after."""
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not host.cuda_available():
-        raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: {who} delivers to 'cpu' or 'cuda[:N]'")
-    if resolved.type == "cuda":
-        if resolved.index is None:
-            resolved = torch.device("cuda", host.current_device())
-        if resolved.index >= host.device_count():
-            raise ValueError(f"device={device!r}: this process sees {host.device_count()} CUDA device(s)")
-    return resolved
 
 
 def unpack_accelerator(accelerator, loose: dict) -> tuple[Any, dict]:
@@ -196,15 +151,6 @@ def resolve_job(global_manager, num_workers: int, job_key: Callable[[], Any]):
             "workers to each other), or pass None"
         )
     return global_manager if num_workers > 0 else None
-
-
-def resolve_pin_memory(pin_memory, device: torch.device, cuda_available: Callable[[], bool], notes: list) -> bool:
-    """pin_memory only means something for CPU delivery, and only where CUDA is."""
-    pin = bool(pin_memory) and device.type == "cpu"
-    if pin and not cuda_available():
-        notes.append("pin_memory=True but CUDA is not available: batches are returned unpinned")
-        pin = False
-    return pin
 
 
 def check_remote_workers(remote_workers, num_workers: int, persistent_workers: bool, notes: list) -> None:

@@ -10,6 +10,9 @@ never the loader itself, so each part keeps one owner and nobody reads the loade
   gpu         GpuSession with an accelerator (accel/session.py), else None
   runtime     LoaderRuntime: the workers, started at the first iteration, one shutdown procedure
   next_epoch  the next epoch's first mini-batches, speculated at an epoch's end
+
+`held_epoch` starts an epoch for a SharedLoader, which drives the loader through its parts and
+imports nothing of the loader package (it sits beside the runtime).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 from fusionflow.loader.checkpoint import Checkpoint
 from fusionflow.loader.dataset import wrap_samples
 from fusionflow.loader.delivery import Delivery
+from fusionflow.loader.epoch import WorkerIterator
 from fusionflow.loader.lifecycle import LoaderRuntime
 from fusionflow.loader.next_epoch import NextEpoch
 from fusionflow.loader.stats import LoaderStats
@@ -58,3 +62,10 @@ class LoaderParts:
             runtime=LoaderRuntime(samples, stats, tracing, gpu),
             next_epoch=NextEpoch(stats, checkpoint),
         )
+
+    def held_epoch(self, config, slots):
+        """The next epoch as a WorkerIterator on `config` over ring `slots` (a SlotPool), for a caller
+        that holds delivered slots itself (shared/producer.py: batches stay in the ring until every
+        client released them) and drives it with `wait_next` / `give_back`."""
+        epoch, progress = self.checkpoint.begin()
+        return WorkerIterator(self, config, epoch, progress, slots)

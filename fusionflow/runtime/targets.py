@@ -39,3 +39,36 @@ def store(labels_row, position: int, target, side: dict) -> None:
 def gather(labels_row, positions, side: dict) -> list:
     """The targets of `positions` (in order) as the dataset returned them: ring ints as Python ints."""
     return [side[p] if p in side else int(labels_row[p]) for p in positions]
+
+
+def collate(objs: list, device=None, pin_memory: bool = False):
+    """Targets that are not all ints, as DataLoader delivers them: default_collate, then each tensor
+    moved to `device` (a torch.device, or None to stay on the host), else pinned if `pin_memory`."""
+    from torch.utils.data import default_collate
+
+    collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
+    # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
+    if device is not None:
+        return map_tensors(collated, lambda t: t.to(device))
+    if pin_memory:
+        return map_tensors(collated, lambda t: t.pin_memory())
+    return collated
+
+
+def map_tensors(obj, fn):
+    """`fn` applied to every tensor in a collated structure (dicts, lists, tuples, namedtuples)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        out = {k: map_tensors(v, fn) for k, v in obj.items()}
+        try:
+            return out if type(obj) is dict else type(obj)(out)
+        except TypeError:  # a mapping that cannot be built from a dict: as default_collate does
+            return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(map_tensors(v, fn) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_tensors(v, fn) for v in obj)
+    return obj

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from fusionflow.errors import SharedLoaderError
-from fusionflow.loader.delivery import Delivery
-from fusionflow.loader.host import Host, resolve_device, resolve_pin_memory
+from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.authsock import HANDSHAKE_S, connect, set_receive_timeout
+from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import recv_fd
 from fusionflow.shared import rendezvous
@@ -138,7 +138,6 @@ class SharedLoaderClient:
             raise
         self._send(("ready",))
         self._finalizer = weakref.finalize(self, _release_all, self._conn, self._ring)
-        self._delivery = Delivery(self.stats, self.device, pin_memory, "raise")  # collates non-int targets
         self._dropped: set = set()  # producer epochs this client left before their end
         self._iterator = None  # weakref to the newest iterator
         self.epoch = None  # the producer's epoch of the newest iteration
@@ -239,7 +238,7 @@ class SharedLoaderClient:
         if self.device.type == "cuda":
             images, labels = images.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
         if objs is not None:
-            labels = self._delivery.collate_targets(objs)
+            labels = ff_targets.collate(objs, self.device if self.device.type == "cuda" else None, self.pin_memory)
         self.stats.batches += 1
         self.stats.samples += len(images)
         return images, labels

@@ -26,9 +26,8 @@ import logging
 import os
 
 from fusionflow.errors import FusionFlowError
-from fusionflow.loader.epoch import WorkerIterator
-from fusionflow.loader.slots import SlotPool
 from fusionflow.runtime import targets as ff_targets
+from fusionflow.runtime.slots import SlotPool
 from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import Hub
 
@@ -45,8 +44,8 @@ class _HeldEpoch:
     lock held (`cond`), except while it waits for workers; `release` is called with it held, from
     either thread."""
 
-    def __init__(self, parts, config, epoch: int, progress, slots: SlotPool, cond, unwanted):
-        self.it = WorkerIterator(parts, config, epoch, progress, slots)
+    def __init__(self, it, cond, unwanted):
+        self.it, self.epoch = it, it.epoch  # a WorkerIterator of the loader (LoaderParts.held_epoch)
         self._cond, self._unwanted = cond, unwanted
 
     def next_held(self):
@@ -86,9 +85,7 @@ class SharedLoader:
     on; serve() runs the epochs."""
 
     def __init__(self, loader, name: str, *, buffer: int | None = None):
-        from fusionflow.loader import FusionFlowLoader
-
-        if not isinstance(loader, FusionFlowLoader):
+        if not hasattr(getattr(loader, "parts", None), "held_epoch"):  # shared/ does not import the loader
             raise TypeError(f"SharedLoader serves a FusionFlowLoader, not {type(loader).__name__}")
         cfg = loader.config
         if cfg.num_workers < 1:
@@ -183,10 +180,9 @@ class SharedLoader:
         if parts.runtime.manager is not self._mgr:
             raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
         with hub.cond:
-            epoch, progress = parts.checkpoint.begin()
             free = SlotPool(s for s in range(self.buffer) if s not in hub.held_slots())
-            unwanted = lambda: not hub.recipients  # noqa: E731
-            it = self._current = _HeldEpoch(parts, self.config, epoch, progress, free, hub.cond, unwanted)
+            it = self._current = _HeldEpoch(parts.held_epoch(self.config, free), hub.cond, lambda: not hub.recipients)
+            epoch = it.epoch
             hub.begin_epoch(epoch, len(loader))
             self.epoch_clients = len(hub.recipients)
             try:
