@@ -144,7 +144,7 @@ def loader_runs_it_once_and_dali_declines(policy, caplog, word):
     """The loader with accelerator='dali-cpu' on a policy DALI declines: one log line naming it, every
     sample exactly once from the CPU workers, at the policy's size."""
     pytest.importorskip("nvidia.dali")
-    with caplog.at_level(logging.WARNING, logger="fusionflow.loader.front"):
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
         loader = FusionFlowLoader(Bytes(20), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
     said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
     assert len(said) == 1 and word in said[0] and loader.config.accelerator is None

@@ -401,7 +401,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_window_close_failures_a
     monkeypatch.setattr(bridge_mod, "MemoryBridge", lambda device: failing)
     ld = FusionFlowLoader(Bytes(16), **args)
     ld.parts.delivery.alloc_device = torch.device("cpu")
-    with caplog.at_level("ERROR", logger="fusionflow.loader.front"):
+    with caplog.at_level("ERROR", logger="fusionflow.loader"):
         _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
     assert failing.closes >= 2 and "closing the prep window failed" in caplog.text

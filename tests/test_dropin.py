@@ -251,7 +251,7 @@ def test_a_torchvision_imagefolder_with_its_transform_is_the_whole_change(tmp_pa
         (tmp_path / f"c{k % 3}" / f"{k}.jpg").write_bytes(data)
     tf = v2.Compose([v2.RandomResizedCrop(48), v2.RandomHorizontalFlip(), v2.TrivialAugmentWide(), v2.PILToTensor()])
     ds = torchvision.datasets.ImageFolder(str(tmp_path), tf)
-    with caplog.at_level(logging.INFO, logger="fusionflow.loader.front"):
+    with caplog.at_level(logging.INFO, logger="fusionflow.loader"):
         loader = FusionFlowLoader(ds, batch_size=4, num_workers=1, seed=2)
     assert loader.dataset is ds and loader.policy == policy_from_transform(tf)
     assert any("augmenting with its transform" in r.getMessage() for r in caplog.records)

@@ -118,7 +118,7 @@ def test_the_accelerator_declines_and_the_cpu_workers_deliver_every_sample(crop,
         _policy("bicubic" if crop == "bicubic" else "nearest", ops, True),
         crop_interpolation=crop,
     )
-    with caplog.at_level(logging.WARNING, logger="fusionflow.loader.front"):
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
         loader = FusionFlowLoader(Bytes(24), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
     said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
     assert len(said) == 1 and ("bicubic" in said[0]) and loader.config.accelerator is None

@@ -266,7 +266,7 @@ def test_a_loader_without_policy_says_once_which_it_applies(caplog, monkeypatch)
     from fusionflow.loader import config
 
     monkeypatch.setattr(config, "_SAID_DEFAULT_POLICY", False)
-    with caplog.at_level(logging.WARNING, logger="fusionflow.loader.front"):
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
         first = FusionFlowLoader(range(4))
         FusionFlowLoader(range(4))
         FusionFlowLoader(range(4), policy="eval")

@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 
-from fusionflow.loader.front import LoaderStats as FromLoader
+from fusionflow.loader import LoaderStats as FromLoader
 from fusionflow.loader.stats import LoaderStats
 
 

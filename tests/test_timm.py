@@ -340,7 +340,7 @@ def test_erase_rectangles_follow_timm():
 def test_loader_runs_a_timm_policy_and_the_accelerator_declines(caplog):
     pytest.importorskip("nvidia.dali")
     policy = fusionflow.from_timm(96, is_training=True, auto_augment="augmix-m3-w2", re_prob=0.5, re_count=2)
-    with caplog.at_level(logging.WARNING, logger="fusionflow.loader.front"):
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
         loader = FusionFlowLoader(Bytes(24), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
     said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
     assert len(said) == 1 and "timm-augmix" in said[0] and loader.config.accelerator is None

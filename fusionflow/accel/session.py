@@ -18,7 +18,7 @@ import torch
 if TYPE_CHECKING:
     from fusionflow.runtime.local_manager import LocalManager
 
-log = logging.getLogger("fusionflow.loader.front")
+log = logging.getLogger("fusionflow.loader")
 
 
 class GpuSession:

@@ -17,5 +17,6 @@ workers); none of them imports it back.
 """
 
 from fusionflow.loader.front import FusionFlowLoader
+from fusionflow.loader.stats import LoaderStats  # `loader.stats`'s type, importable from here as before
 
-__all__ = ["FusionFlowLoader"]
+__all__ = ["FusionFlowLoader", "LoaderStats"]

@@ -26,7 +26,7 @@ from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_j
 from fusionflow.policy import load_policy
 from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 
-log = logging.getLogger("fusionflow.loader.front")  # its messages keep the loader's logger name, as before the move
+log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
 ON_ERROR = ("raise", "skip")
 
 

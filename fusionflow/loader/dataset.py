@@ -13,7 +13,7 @@ import logging
 import numpy as np
 import torch
 
-log = logging.getLogger("fusionflow.loader.front")
+log = logging.getLogger("fusionflow.loader")
 
 
 def adopt_folder(dataset, policy):

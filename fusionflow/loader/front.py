@@ -19,7 +19,7 @@ from fusionflow.loader.config import resolve_config
 from fusionflow.loader.dataset import adopt_folder
 from fusionflow.loader.epoch import InlineIterator, WorkerIterator
 from fusionflow.loader.parts import LoaderParts
-from fusionflow.loader.stats import LoaderStats  # also re-exported: `from fusionflow.loader.front import LoaderStats`
+from fusionflow.loader.stats import LoaderStats  # noqa: F401 (re-exported, as the loader module always did)
 from fusionflow.runtime.host import Host
 
 __all__ = ["FusionFlowLoader", "LoaderStats"]

@@ -23,7 +23,7 @@ ACCELERATORS = (None, "dali-cpu", "dali-gpu")
 # the loose accelerator arguments' defaults (FusionFlowLoader's signature; a test holds them equal):
 # beside a DaliAccelerator, any other value is refused
 LOOSE_DEFAULTS = {"gpu_sharing": "auto", "aot": True, "taas": True, "taas_last_k": True, "memory_bridge": "auto"}
-log = logging.getLogger("fusionflow.loader.front")
+log = logging.getLogger("fusionflow.loader")
 
 
 def unpack_accelerator(accelerator, loose: dict) -> tuple[Any, dict]:

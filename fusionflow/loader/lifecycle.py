@@ -22,7 +22,7 @@ from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.spec import RuntimeSpec
 
-log = logging.getLogger("fusionflow.loader.front")
+log = logging.getLogger("fusionflow.loader")
 
 
 class LoaderRuntime:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from fusionflow.loader.checkpoint import peek_next
 from fusionflow.loader.epoch import check_batch, copies_for
 
-log = logging.getLogger("fusionflow.loader.front")
+log = logging.getLogger("fusionflow.loader")
 
 
 @dataclass
