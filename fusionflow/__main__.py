@@ -6,7 +6,7 @@
 `python -m fusionflow gm {serve,status,workers} --job NAME`: a job's global manager
 (fusionflow/runtime/gm/manager.py);
 `python -m fusionflow serve --data DIR --name NAME --epochs N`: a SharedLoader for co-located jobs
-(fusionflow/shared/cli.py)."""
+(fusionflow/tools/serve.py)."""
 
 import sys
 
@@ -16,7 +16,7 @@ if __name__ == "__main__":
 
         sys.exit(cli(sys.argv[2:]))
     if sys.argv[1:2] == ["serve"]:
-        from fusionflow.shared.cli import main as serve
+        from fusionflow.tools.serve import main as serve
 
         sys.exit(serve(sys.argv[2:]))
     from fusionflow.tools.demo import main

@@ -104,9 +104,10 @@ def test_package_imports_have_no_cycle():
 
 
 # Which packages each package may import (besides itself): loader -> runtime/accel/remote/shared ->
-# scheduling/ops/policy, never back. The loader drives the runtime, the GPU wing, the remote workers
-# and (through the loader object it is given) the shared loader; those build on the runtime, which
-# builds on the pure layers. `fusionflow` (the public API), `__main__` and `tools` stand above everything.
+# scheduling/ops/policy, never back. The loader drives the runtime, the GPU wing and the remote
+# workers; the shared loader drives a loader object it is given, without importing the loader
+# package; all of them build on the runtime, which builds on the pure layers. `fusionflow` (the public
+# API), `__main__` and `tools` stand above everything.
 BASE = {"errors", "native"}
 MAY_IMPORT = {
     "loader": {"accel", "remote", "shared", "runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
@@ -130,7 +131,7 @@ def _package(module: str) -> str:
 
 
 def test_packages_import_only_downwards():
-    """loader -> runtime/accel/remote -> scheduling/ops/policy, never back (docs/architecture.md)."""
+    """loader -> runtime/accel/remote/shared -> scheduling/ops/policy, never back (docs/architecture.md)."""
     wrong = []
     for module, deps in sorted(import_graph().items()):
         mine = _package(module)
@@ -143,7 +144,27 @@ def test_packages_import_only_downwards():
                 wrong.append(f"{module} imports {dep}")
             if theirs == "" and dep != "fusionflow":
                 wrong.append(f"{module} imports {dep}")
+    # `from fusionflow import X` reaches the public API (the loader, the shared loader, ...): below the
+    # top, only the root's own light modules may be taken that way
+    for module, names in sorted(_root_imports().items()):
+        if _package(module) not in TOP:
+            wrong += [f"{module} imports fusionflow.{n}" for n in names if n not in BASE]
     assert not wrong, "imports against the package direction:\n" + "\n".join(wrong)
+
+
+def _root_imports() -> dict[str, set[str]]:
+    """module -> the names it imports from the package root (`from fusionflow import X`)."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        names = {
+            alias.name
+            for node in ast.walk(ast.parse(path.read_text(), str(path)))
+            if isinstance(node, ast.ImportFrom) and node.module == "fusionflow" and not node.level
+            for alias in node.names
+        }
+        if names:
+            out[_module_name(path)] = names
+    return out
 
 
 def test_the_package_top_level_holds_few_modules():

@@ -356,3 +356,51 @@ def test_serve_refuses_data_it_cannot_read(jobs, tmp_path):
         p = jobs.serve("--data", data, "--epochs", 1)
         assert jobs.wait(p) == 2
         assert says in jobs.log("serve"), jobs.dump()
+
+
+def test_the_producer_derives_its_config_and_holds_slots_through_the_loaders_parts(jobs):
+    """In this process, no client: the SharedLoader runs the loader's runtime on a configuration of its
+    own (buffer slots, persistent workers) and leaves `loader.config` as built; an epoch held slot by
+    slot through `loader.parts.held_epoch` (wait_next / give_back, two slots held at once as slow clients
+    hold them) gives the loader's own epoch; after close() the loader iterates on its own ring depth."""
+    from fusionflow.runtime.slots import SlotPool
+
+    want = reference(8, 40, 1)[0]["labels"]
+    loader = make_loader(8, 40, False)
+    built = loader.config
+    shared = SharedLoader(loader, name=jobs.name, buffer=3)
+    try:
+        assert loader.config is built and built.prefetch_factor != 3
+        assert (shared.config.prefetch_factor, shared.config.persistent_workers) == (3, True)
+        mgr = loader.parts.runtime.manager
+        assert mgr.layout.depth == 3
+        it = loader.parts.held_epoch(shared.config, SlotPool(range(3)))
+
+        def step():
+            flight = it.in_flight()
+            if flight is None:
+                raise StopIteration
+            assert flight, "at most two slots are held: a third mini-batch is in flight"
+            return it.wait_next()
+
+        got, held = [], []
+        while True:
+            try:
+                state = it.advance(step)
+            except StopIteration:
+                break
+            got += mgr.board.ring.labels[state.slot][: state.size].tolist()
+            held.append(state.slot)
+            if len(held) == 2:
+                it.give_back(held.pop(0))
+        it.close()
+        assert got == want
+    finally:
+        shared.close()
+    assert loader.config is built
+    epoch = iter(loader)
+    labels = [next(epoch)[1]]
+    assert loader.parts.runtime.manager.layout.depth == built.prefetch_factor  # its own ring again
+    labels += [y for _, y in epoch]
+    assert sorted(torch.cat(labels).tolist()) == list(range(40))
+    loader.close()

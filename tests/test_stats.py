@@ -63,10 +63,12 @@ def test_every_field_is_declared_once_the_runtime_s_in_runtime_counters():
     assert {f.name for f in dataclasses.fields(LoaderStats)} == set(ours) | set(runtime)
 
 
-def _stats_writers() -> dict[str, set[str]]:
-    """field -> the modules that assign, increment or append to `<...>stats.<field>` or
-    `<...>counters.<field>` (the loader's LoaderStats, handed to the runtime as its counters).
+def _stats_writers(fields: set[str]) -> dict[str, set[str]]:
+    """field -> the modules that assign, increment or append to `<...>stats.<field>`, `_stats.<field>`
+    or `<...>counters.<field>` (the loader's LoaderStats, handed to the runtime as its counters), or
+    set it by name (`setattr(stats, name, ...)`: every field named in a string of that module).
     shared/client.py writes its own ClientStats, not a LoaderStats; stats.py and counters.py define them."""
+    import ast
     import re
     from pathlib import Path
 
@@ -74,13 +76,19 @@ def _stats_writers() -> dict[str, set[str]]:
 
     package = Path(fusionflow.__file__).parent
     skip = {"loader/stats.py", "runtime/counters.py", "shared/client.py"}
-    write = re.compile(r"\b(?:stats|counters)\.([a-z_]+)(?:\[[^]\n]*\])?\s*(?:[+\-]?=(?!=)|\.append\(|\.extend\()")
+    write = re.compile(r"\b_?(?:stats|counters)\.([a-z_]+)(?:\[[^]\n]*\])?\s*(?:[+\-]?=(?!=)|\.append\(|\.extend\()")
+    by_name = re.compile(r"\bsetattr\(\s*(?:self\.)?_?(?:stats|counters)\b")
     found: dict[str, set[str]] = {}
     for path in package.rglob("*.py"):
         rel = path.relative_to(package).as_posix()
         if rel in skip:
             continue
-        for name in write.findall(path.read_text()):
+        text = path.read_text()
+        names = set(write.findall(text))
+        if by_name.search(text):
+            strings = {n.value for n in ast.walk(ast.parse(text)) if isinstance(n, ast.Constant)}
+            names |= fields & {v for v in strings if isinstance(v, str)}
+        for name in names:
             found.setdefault(name, set()).add(rel)
     return found
 
@@ -89,7 +97,8 @@ def test_every_stats_field_has_one_writer():
     """One owner per piece of state: each field of loader.stats is written by one module (the part that
     measures it); the others read it."""
     fields = {f.name for f in dataclasses.fields(LoaderStats)}
-    writers = {name: mods for name, mods in _stats_writers().items() if name in fields}
-    assert "worker_restarts" in writers and "batches" in writers  # the scan sees the runtime's and the loader's
+    writers = {name: mods for name, mods in _stats_writers(fields).items() if name in fields}
+    # the scan sees the runtime's writes, the loader's, private handles (self._stats) and writes by name
+    assert {"worker_restarts", "batches", "next_epoch_adopted", "bridge_windows"} <= set(writers)
     several = {name: sorted(mods) for name, mods in writers.items() if len(mods) > 1}
     assert not several, f"fields written by more than one module: {several}"

@@ -29,7 +29,7 @@ The loader closes a window only once the tiny-batch in flight is done (`wait_idl
 
 It is a worker kind (runtime/board.py): registered with the board's `add_worker_kind`, it uses only
 the board's interface (`cond`, `take_accel`, `complete`, `requeue`, `draining`, `wake`, `ring`,
-`trace`, `sizes`, `reserved`) and counts into the counters it is given (runtime/counters.py).
+`trace`, `sizes`, `drop_reservations`) and counts into the counters it is given (runtime/counters.py).
 
 Failures: a tiny-batch DALI cannot run goes back to the CPU workers. DALI's pipeline is shut down
 and rebuilt after a failed batch (never kept broken); out of device memory is logged as such (not

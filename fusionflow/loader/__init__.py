@@ -2,7 +2,8 @@
 
   front.py       FusionFlowLoader: arguments, attributes, iteration, close; holds the parts below
   config.py      its arguments resolved once into a frozen LoaderConfig (errors name the value and fix)
-  host.py        what the arguments ask of the machine: cores, CUDA, DALI, the torchrun job, devices
+  host.py        the accelerator, bridge, job and remote-worker arguments checked against the machine
+                 (the machine itself, `Host`, and the device: runtime/host.py)
   dataset.py     the dataset as the loader reads it (streams refused, dict samples, read-ahead, adoption)
   lifecycle.py   the loader's runtime started at the first iteration, stopped by one procedure
   epoch.py       the per-epoch iterators (worker processes, or inline with num_workers=0)

@@ -179,10 +179,6 @@ class WorkerIterator(EpochIterator):
             self._next_epoch.offer(tail, self._slots)
 
     # ---------------------------------------------------------------- for a holder of ring slots (SharedLoader)
-    @property
-    def ended(self) -> bool:
-        return self._ended
-
     def advance(self, step):
         """One step of the iteration, as `next()` takes one, with `step()` in place of the batch's
         delivery (the epoch starts at the first; its end and any exception end the iteration)."""

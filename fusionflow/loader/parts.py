@@ -1,7 +1,8 @@
 """LoaderParts: what a FusionFlowLoader is made of besides its frozen configuration, built once at
-construction. The loader holds them (`loader.parts`); the per-epoch iterators (loader/epoch.py) and
-the SharedLoader (shared/producer.py) are handed the parts and the configuration they run with,
-never the loader itself, so each part keeps one owner and nobody reads the loader's private fields.
+construction. The loader holds them (`loader.parts`); the per-epoch iterators (loader/epoch.py) are
+handed the parts and the configuration they run with, never the loader itself, and the SharedLoader
+(shared/producer.py) reaches them through `loader.parts`: each part keeps one owner and nobody reads
+the loader's private fields.
 
   stats       LoaderStats, `loader.stats`
   checkpoint  the epoch bookkeeping (set_epoch, state_dict, load_state_dict)

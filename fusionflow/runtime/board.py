@@ -10,7 +10,8 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     trace        a fusionflow.loader.trace.TraceRecorder while the loader traces, else None
     generation   the current iterator's number (int)
     counters     the loader's counters (runtime/counters.py)
-    reserved     TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
+    reserved     TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator (read-only;
+                 reserve(k) and drop_reservations() set it)
     take_cpu(upto=None) -> Work | None          cond held
     take_accel(largest_first, max_images) -> [Work]   cond held
     complete(work, failures, on_accelerator, targets=None)   cond held

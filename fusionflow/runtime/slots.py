@@ -1,7 +1,7 @@
 """SlotPool: the free slots of the batch ring, as one iteration sees them. The iteration takes a slot
 for each mini-batch it submits and gives it back once the batch is delivered (or, on the GPU path,
-once its copies are done); at the epoch's end it offers what is free to the next epoch's speculation
-(the loader's next-epoch speculation), which takes slots from the same pool. A SharedLoader's epoch starts with the
+once its copies are done); at the epoch's end it offers what is free to the loader's next-epoch
+speculation, which takes slots from the same pool. A SharedLoader's epoch starts with the
 slots its clients do not hold and gives a slot back when the last client releases it. One owner: the
 iterator; the others are handed the pool, never a list to edit.
 """

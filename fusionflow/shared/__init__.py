@@ -5,5 +5,7 @@ one node (a sweep, a seeds study), so each image is decoded and augmented once, 
   hub.py         the producer's clients: connections, slot holds, the thread that serves them
   client.py      SharedLoaderClient: a job's DataLoader-like end; copies out of the read-only ring
   rendezvous.py  how a client finds and trusts its producer; the messages they exchange
-  cli.py         `python -m fusionflow serve`
+
+`python -m fusionflow serve` (a SharedLoader from a shell) is fusionflow/tools/serve.py: it builds the
+loader, which this package never imports.
 """

@@ -41,8 +41,8 @@ class _Unwanted(Exception):
 class _HeldEpoch:
     """One epoch of the producer's loader whose mini-batches stay in their ring slots until released:
     a WorkerIterator (loader/epoch.py) driven through its slot-holding methods. Runs with the hub's
-    lock held (`cond`), except while it waits for workers; `release` is called with it held, from
-    either thread."""
+    lock held (`cond`), except in `wait_next` (the wait for workers, and counting it in stats and
+    trace); `release` is called with it held, from either thread."""
 
     def __init__(self, it, cond, unwanted):
         self.it, self.epoch = it, it.epoch  # a WorkerIterator of the loader (LoaderParts.held_epoch)
