@@ -3,6 +3,7 @@ and labels as local-only, every sample exactly once, an actor killed and a node 
 start-up errors, clean shutdown. On one local Ray instance per class and a simulated multi-node
 cluster (ray.cluster_utils.Cluster); skipped only when ray is not installed."""
 
+import dataclasses
 import glob
 import os
 import shutil
@@ -250,8 +251,8 @@ class TestLocalRay:
         init = remote.RemoteWorkers.__init__
         other = load_policy(SMALL, size=16)
 
-        def mismatched(self, board, config, dataset, policy, *args, **kwargs):
-            init(self, board, config, dataset, other, *args, **kwargs)
+        def mismatched(self, board, config, dataset, spec, *args, **kwargs):  # the actors get the other policy
+            init(self, board, config, dataset, dataclasses.replace(spec, policy=other), *args, **kwargs)
 
         monkeypatch.setattr(remote.RemoteWorkers, "__init__", mismatched)
         ds = Bytes(40)

@@ -63,13 +63,12 @@ class GpuSession:
         self,
         mgr: LocalManager,
         dataset,
-        policy,
-        seed: int,
-        capacity: int,
-        tiny_batch_size: int,
         alloc_device: torch.device,
     ) -> None:
-        """Start the accelerator as a worker kind on `mgr` (the bridge first, on the GPU)."""
+        """Start the accelerator as a worker kind on `mgr` (the bridge first, on the GPU), with the
+        policy, seed and sizes of the manager's RuntimeSpec."""
+        spec = mgr.spec
+        policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
         from fusionflow.accel.accelerator import RUN_IMAGES, AcceleratorWorker
         from fusionflow.scheduling.taas import KSearch
 

@@ -76,9 +76,7 @@ class LoaderRuntime:
             if cfg.device.type == "cuda" and not self.manager.register_cuda(cfg.device.index):
                 log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
             if self.gpu is not None:
-                self.gpu.start(
-                    self.manager, self.dataset, cfg.policy, cfg.seed, cfg.capacity, cfg.tiny_batch_size, alloc_device
-                )
+                self.gpu.start(self.manager, self.dataset, alloc_device)
             if cfg.remote_workers is not None:
                 self._start_remote(cfg)
         except BaseException:  # no half-started manager stays behind
@@ -101,12 +99,8 @@ class LoaderRuntime:
             self.manager.board,
             cfg.remote_workers,
             self.dataset,
-            cfg.policy,
-            cfg.seed,
+            self.manager.spec,
             self.stats,
-            first_worker_id=cfg.num_workers,
-            worker_init_fn=cfg.worker_init_fn,
-            stages=cfg.stage_names,
             on_stage_times=self._stage_times(cfg),
         )
         # registered first: the manager's shutdown stops it even if start() fails

@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 from fusionflow.remote.link import GatewayLink, forward_log, pickle_spec
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.spec import RuntimeSpec
 
 log = logging.getLogger(__name__)
 MAX_GATEWAY_FAILURES = 3  # gateway deaths (or failed restarts) in a row before the remote workers retire
@@ -74,17 +75,14 @@ class RemoteWorkers:
         board,
         config,
         dataset,
-        policy,
-        seed: int,
+        spec: RuntimeSpec,
         counters=None,
-        first_worker_id: int = 0,
-        worker_init_fn=None,
-        stages=None,
         on_stage_times=None,
     ):
-        self.board, self.config, self.dataset, self.policy, self.seed = board, config, dataset, policy, seed
+        """`config`: the RayWorkers; `spec`: the local runtime's (the actors augment with its policy,
+        seed, worker_init_fn and stage names; their worker ids follow the local workers')."""
+        self.board, self.config, self.dataset, self.spec = board, config, dataset, spec
         self.counters = counters if counters is not None else board.counters
-        self.first_worker_id, self.worker_init_fn, self.stages = first_worker_id, worker_init_fn, stages
         self.on_stage_times = on_stage_times  # callback(actor name, stage ns totals) under the lock
         self.actors: list[ActorInfo] = []
         self.retired: str | None = None
@@ -112,11 +110,11 @@ class RemoteWorkers:
             {
                 "config": self.config,
                 "dataset": self.dataset,
-                "policy": self.policy,
-                "seed": self.seed,
-                "first_worker_id": self.first_worker_id,
-                "worker_init_fn": self.worker_init_fn,
-                "stages": self.stages,
+                "policy": self.spec.policy,
+                "seed": self.spec.seed,
+                "first_worker_id": self.spec.num_workers,
+                "worker_init_fn": self.spec.worker_init_fn,
+                "stages": self.spec.stages,
                 "layout": self.board.ring.layout,
                 "joined": app_address(),
                 "log_level": logging.getLogger("fusionflow.remote").getEffectiveLevel(),
