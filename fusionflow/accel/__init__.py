@@ -13,3 +13,7 @@
 It builds on `runtime/` (the board a worker kind joins) and `ops/`/`policy/`; the loader imports it,
 never the reverse.
 """
+
+from fusionflow.accel.config import DaliAccelerator  # no torch, no DALI: the settings object only
+
+__all__ = ["DaliAccelerator"]

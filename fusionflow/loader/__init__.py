@@ -18,6 +18,7 @@ workers); none of them imports it back.
 """
 
 from fusionflow.loader.front import FusionFlowLoader
+from fusionflow.loader.parts import LoaderParts
 from fusionflow.loader.stats import LoaderStats  # `loader.stats`'s type, importable from here as before
 
-__all__ = ["FusionFlowLoader", "LoaderStats"]
+__all__ = ["FusionFlowLoader", "LoaderParts", "LoaderStats"]
