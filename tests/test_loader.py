@@ -420,6 +420,38 @@ def test_worker_dying_before_ready_is_a_start_error_not_a_restart_loop():
         collect(loader)
 
 
+def _killed_at_first_start(marker_dir, worker_id):
+    """As the OOM killer or a kill from outside would: each worker's first start-up is SIGKILLed."""
+    marker = os.path.join(marker_dir, f"started-{worker_id}")
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _killed_at_every_start(worker_id):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_while_it_starts_is_replaced_and_nothing_is_lost(tmp_path):
+    import functools
+
+    init = functools.partial(_killed_at_first_start, str(tmp_path))
+    loader = FusionFlowLoader(Bytes(24), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=init, timeout=120)
+    _, labels = collect(loader)
+    assert sorted(torch.cat(labels).tolist()) == list(range(24))  # every sample once
+    assert loader.stats.worker_restarts == 2  # each worker's first start was killed, the second came up
+    assert sorted(os.listdir(tmp_path)) == ["started-0", "started-1"]
+
+
+def test_a_worker_killed_at_every_start_fails_after_max_retries():
+    loader = FusionFlowLoader(
+        Bytes(8), batch_size=4, num_workers=1, policy=SMALL, worker_init_fn=_killed_at_every_start, max_retries=1
+    )
+    with pytest.raises(WorkerStartError, match=r"exited \(signal SIGKILL\) before it was ready \(2 start-ups in a row"):
+        collect(loader)
+    assert loader.stats.worker_restarts == 1
+
+
 def test_superseded_iterator_says_so():
     loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
     first = iter(loader)

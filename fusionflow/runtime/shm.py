@@ -211,3 +211,13 @@ def unlink(name: str) -> None:
         posix_ipc.unlink_shared_memory(name)
     except posix_ipc.ExistentialError:
         pass
+
+
+def sigbus_error(who: str, nbytes: int) -> SharedMemoryError:
+    """What a process that died of SIGBUS means: shared memory the system could not back."""
+    return SharedMemoryError(
+        f"{who} died of SIGBUS: a process touched shared memory that could not be backed (the batch ring "
+        f"needs {nbytes} bytes; {SHM_DIR} has {free_bytes()} bytes free now). This is not the fault of a "
+        f"sample. Give the container a larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or "
+        "prefetch_factor."
+    )

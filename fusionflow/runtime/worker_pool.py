@@ -32,12 +32,12 @@ import signal
 import time
 from collections import deque
 
-from fusionflow.errors import SampleKilledWorkersError, SharedMemoryError, WorkerStartError
+from fusionflow.errors import SampleKilledWorkersError, WorkerStartError
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_worker_task
 from fusionflow.runtime.procs import opencv_quiet_for_fork
-from fusionflow.runtime.shm import SHM_DIR, ChildFd, free_bytes
+from fusionflow.runtime.shm import ChildFd, sigbus_error
 from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.runtime.worker import worker_loop
 from fusionflow.scheduling.queue import Work
@@ -91,6 +91,7 @@ class WorkerPool:
         self.cores = CoreClaim(0, False)  # workers' cores, claimed node-wide at start
         self._live: list[WorkerConn] = []  # the manager thread's snapshot for its current wait
         self._stopped = False
+        self._start_kills: dict[int, int] = {}  # worker id -> start-ups in a row a signal ended (before READY)
         board.counters.tiny_batches_per_worker = [0] * num_workers
 
     # ---------------------------------------------------------------- processes (main thread)
@@ -344,6 +345,7 @@ class WorkerPool:
         with board.cond:
             if kind == m.READY:
                 w.ready = True
+                self._start_kills.pop(w.worker_id, None)
             elif kind == m.FATAL:
                 self._fail(WorkerStartError(f"CPU worker {w.worker_id} failed to start:\n{m.unpack_fatal(msg)}"))
                 w.alive = False
@@ -357,6 +359,16 @@ class WorkerPool:
                 self.on_done(w, msg)
                 count_worker_task(board.counters, w.worker_id)
             board.cond.notify_all()
+
+    def _killed_while_starting(self, w: WorkerConn, code, how: str) -> bool:
+        """(lock held) A worker that a signal from outside ended before it was ready (not SIGBUS: that
+        is the shared memory's fault) is started again, up to max_retries times in a row."""
+        kills = self._start_kills.get(w.worker_id, 0)
+        if code is None or code >= 0 or code == -signal.SIGBUS or kills >= self.spec.max_retries:
+            return False
+        self._start_kills[w.worker_id] = kills + 1
+        log.warning("fusionflow CPU worker %d was killed (%s) while it started; starting it again", w.worker_id, how)
+        return True
 
     def _fail(self, exc: BaseException) -> None:
         if self.on_fatal is not None:
@@ -372,18 +384,15 @@ class WorkerPool:
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             if w.retiring and code == 0:
                 self.requeue_outstanding(w, how)
+            elif not w.ready and self._killed_while_starting(w, code, how):
+                self.requeue_outstanding(w, how, suspect=False)
             elif not w.ready:  # it never came up: restarting would only repeat that
-                self._fail(WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready"))
+                kills = self._start_kills.get(w.worker_id, 0)
+                again = f" ({kills + 1} start-ups in a row; max_retries={self.spec.max_retries})" if kills else ""
+                self._fail(WorkerStartError(f"CPU worker {w.worker_id} exited ({how}) before it was ready{again}"))
             elif code == -signal.SIGBUS:  # it touched shared memory the system could not supply: not a sample's fault
                 self.requeue_outstanding(w, how, suspect=False)
-                self._fail(
-                    SharedMemoryError(
-                        f"CPU worker {w.worker_id} died of SIGBUS: a process touched shared memory that could not be "
-                        f"backed (the batch ring needs {self.spec.layout.nbytes} bytes; {SHM_DIR} has "
-                        f"{free_bytes()} bytes free now). This is not the fault of a sample. Give the container a "
-                        f"larger {SHM_DIR} (docker run --shm-size=2g) or lower batch_size or prefetch_factor."
-                    )
-                )
+                self._fail(sigbus_error(f"CPU worker {w.worker_id}", self.spec.layout.nbytes))
             else:
                 w.retiring = False  # a retiring worker that crashed is replaced like any other
                 log.warning("fusionflow CPU worker %d died (%s); restarting it", w.worker_id, how)
