@@ -173,6 +173,26 @@ def endless(loader, set_epoch=None):
         epoch += 1
 
 
+def ff_loader(data, batches: int, batch_size: int, workers: int, device, **accelerator):
+    """The benchmarks' FusionFlowLoader: RandAugment over `batches` mini-batches of `data`, persistent
+    workers, tiny-batches of 4; `accelerator` holds accelerator= and its loose arguments."""
+    from fusionflow import FusionFlowLoader
+    from fusionflow.tools.synthetic import EncodedImages
+
+    return FusionFlowLoader(
+        EncodedImages(epoch_of(data, batches, batch_size), classes=1000),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        policy="randaugment",
+        persistent_workers=True,
+        drop_last=True,
+        device=device,
+        tiny_batch_size=4,
+        **accelerator,
+    )
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--images", type=int, default=4096)
@@ -233,27 +253,14 @@ def dali_rate(data, model_name, workers, device, args) -> float:
 def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> float:
     """FusionFlowLoader's rate, CPU workers only (ff_cpu) or with the DALI accelerator (ff_cpu_gpu); its
     stats go into `row`. A run whose accelerator fell back to the CPU workers raises: not comparable."""
-    from fusionflow import FusionFlowLoader
-    from fusionflow.tools.synthetic import EncodedImages
-
     bs = args.batch_size
     accel = None if variant != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
     profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
     warmup = drain_warmup(ff_warmup(args.warmup, profiling), 2)  # prefetch_factor 2
-    with FusionFlowLoader(
-        EncodedImages(epoch_of(data, warmup + args.iters + 1, bs), classes=1000),
-        batch_size=bs,
-        shuffle=True,
-        num_workers=workers,
-        policy="randaugment",
-        persistent_workers=True,
-        drop_last=True,
-        device=device,
-        accelerator=accel,
-        tiny_batch_size=4,
-        gpu_sharing=args.gpu_sharing,
+    with ff_loader(
+        data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, gpu_sharing=args.gpu_sharing
     ) as ff:
         rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs)
         stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}

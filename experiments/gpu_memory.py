@@ -70,9 +70,7 @@ def run_trial(
     """One training run in this process; returns what happened (ok / oom / error) and the numbers."""
     import torch
 
-    from experiments.gpu_bench import DALI_PREFETCH, dali_batches, drain_warmup, endless, epoch_of, train_rate
-    from fusionflow import FusionFlowLoader
-    from fusionflow.tools.synthetic import EncodedImages
+    from experiments.gpu_bench import DALI_PREFETCH, dali_batches, drain_warmup, endless, ff_loader, train_rate
 
     with open(data_path, "rb") as f:
         data = pickle.load(f)
@@ -101,20 +99,12 @@ def run_trial(
             bridge = "on" if pipeline == "ff_bridge_on" else "off"
             accel = "dali-cpu" if smoke else "dali-gpu"
             warmup = drain_warmup(warmup, 2)  # FusionFlowLoader's prefetch_factor
-            with FusionFlowLoader(
-                EncodedImages(epoch_of(data, warmup + iters + 1, batch), classes=1000),
-                batch_size=batch,
-                shuffle=True,
-                num_workers=workers,
-                policy="randaugment",
-                persistent_workers=True,
-                drop_last=True,
-                device=device,
+            accel = dict(
                 accelerator=accel,
                 gpu_sharing="off" if smoke else "temporal",
                 memory_bridge="off" if smoke else bridge,
-                tiny_batch_size=4,
-            ) as ff:
+            )
+            with ff_loader(data, warmup + iters + 1, batch, workers, device, **accel) as ff:
                 rate = train_rate(lambda: endless(ff, ff.set_epoch), "resnet18", device, iters, warmup, batch)
                 stats = ff.stats.summary()
         out.update(img_per_s=rate, **ff_outcome(stats) if pipeline != "dali" and not smoke else {"ok": True})

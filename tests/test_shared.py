@@ -373,7 +373,7 @@ def test_the_producer_derives_its_config_and_holds_slots_through_the_loaders_par
         assert loader.config is built and built.prefetch_factor != 3
         assert (shared.config.prefetch_factor, shared.config.persistent_workers) == (3, True)
         mgr = loader.parts.runtime.manager
-        assert mgr.layout.depth == 3
+        assert mgr.spec.layout.depth == 3
         it = loader.parts.held_epoch(shared.config, SlotPool(range(3)))
 
         def step():
@@ -400,7 +400,7 @@ def test_the_producer_derives_its_config_and_holds_slots_through_the_loaders_par
     assert loader.config is built
     epoch = iter(loader)
     labels = [next(epoch)[1]]
-    assert loader.parts.runtime.manager.layout.depth == built.prefetch_factor  # its own ring again
+    assert loader.parts.runtime.manager.spec.layout.depth == built.prefetch_factor  # its own ring again
     labels += [y for _, y in epoch]
     assert sorted(torch.cat(labels).tolist()) == list(range(40))
     loader.close()

@@ -79,7 +79,7 @@ class GpuSession:
         if on_gpu:
             from fusionflow.accel.device_ring import DeviceRing
 
-            device_ring = DeviceRing(mgr.layout, self.device, alloc_device)
+            device_ring = DeviceRing(mgr.spec.layout, self.device, alloc_device)
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
         accel = AcceleratorWorker(
             mgr.board,

@@ -79,11 +79,10 @@ class LocalManager:
         on_batch_done=None,
         on_capacity_change=None,
     ):
-        layout = spec.layout
-        ring = BatchRing(layout)
+        ring = BatchRing(spec.layout)
         ring.unlink()  # no name to outlive a job killed as a whole: workers get the descriptor
         self.board = board = Board(ring, sizes, counters, trace)
-        self.spec, self.layout, self.tiny_batch_size = spec, layout, spec.tiny_batch_size
+        self.spec = spec  # the ring layout, tiny-batch size, ... this manager runs with
         board.on_batch_done = on_batch_done  # callback(state) under the lock, e.g. TAAS feedback
         self.on_capacity_change = on_capacity_change  # callback(live worker count) under the lock
         self.fatal: BaseException | None = None  # a fault the next `wait` raises
@@ -137,7 +136,7 @@ class LocalManager:
         """Queue mini-batch `seq` of `generation` for ring slot `slot` (`copies`: the samples' copy
         numbers, fusionflow.scheduling.tiny_batches.Copies; None when all are 0)."""
         board = self.board
-        tiny = split_sorted(indices, board.sizes, self.tiny_batch_size, copies)
+        tiny = split_sorted(indices, board.sizes, self.spec.tiny_batch_size, copies)
         with board.cond:
             board.queue.add(generation, seq, slot, epoch, tiny, len(indices), time.monotonic())
             board.cond.notify_all()
@@ -214,7 +213,7 @@ class LocalManager:
         from fusionflow.runtime.cuda_host import register_host
 
         self.cuda_device = device_index
-        self.cuda_registered = register_host(self.board.ring.images.ctypes.data, self.layout.nbytes, device_index)
+        self.cuda_registered = register_host(self.board.ring.images.ctypes.data, self.spec.layout.nbytes, device_index)
         return self.cuda_registered
 
     def shutdown(self) -> None:
