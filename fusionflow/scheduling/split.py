@@ -1,0 +1,132 @@
+"""How much of each mini-batch the accelerator takes: G, its largest samples, in one DALI run. Pure.
+
+TAAS's K search (scheduling/taas.py) moved K by one tiny-batch per mini-batch after "which side
+finished last": a latency signal. A synchronous GPU run always finished after a small CPU
+tiny-batch, so K fell to 0 and the accelerator ran four samples at a time (the H100 run of
+2026-11-24: 1,615 img/s against DALI alone's 6,799). The split is computed from measured rates
+instead, so that both sides finish a mini-batch together.
+
+The model, per mini-batch of B samples with G on the accelerator:
+    the CPU workers take (B - G) * p seconds     p: CPU seconds per sample, all live workers together
+    the accelerator's device is busy t * B + G * g seconds
+                                                 g: the accelerator's seconds per sample (a run's
+                                                    fixed cost spread over its samples)
+                                                 t: the training step's seconds per sample on the
+                                                    same device (0 when DALI does not share one with
+                                                    training: its CPU backend)
+    the period is the larger of the two, and the best G balances them:
+        G* = B * (p - t) / (g + p), clamped to [0, B].
+In throughput terms, with c = 1/p: R = (1 + c*g) / (t + g) when the device bounds it (issue 41's R).
+
+`ShareController` estimates p, g and t online (moving averages) and returns G for the next
+mini-batch: p from the CPU workers' tiny-batch times and how many live, g from the accelerator's completion intervals
+(taken at the size it runs, so a run's fixed cost f is folded in: g = g0 + f/G, whose fixed point is
+the exact optimum of the model with f), and t from the iteration period whenever the CPU side was
+not what training waited for (then the period is the device's: t*B + G*g). While the CPU side is
+the bottleneck the period bounds t from above, and t is decayed a little, so a training step that
+got faster is noticed. G never falls below one
+tiny-batch (the accelerator's rate stays measured) nor leaves the CPU side less than one (its rate
+too): neither side starves -- except where training needs the whole device (c*t >= 1, or a run's
+fixed cost is not worth paying): then G is 0 until the CPU side bounds iterations again, which
+pushes G up from 0 as above.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MARGIN = 0.02  # a measured device time this much below the estimate contradicts it
+
+
+def best_share(batch: int, cpu_s: float, accel_s: float, train_s: float = 0.0) -> int:
+    """G in [0, batch] that minimises max(train_s*batch + G*accel_s, (batch - G)*cpu_s): the balance
+    point rounded to the better of its two neighbours. All rates are seconds per sample (`cpu_s`: of
+    the CPU workers together)."""
+    if batch < 1:
+        raise ValueError(f"batch={batch} must be >= 1")
+    if min(cpu_s, accel_s, train_s) < 0:
+        raise ValueError(f"rates must be >= 0: cpu_s={cpu_s}, accel_s={accel_s}, train_s={train_s}")
+    if accel_s + cpu_s == 0:
+        return batch // 2
+    g_star = batch * (cpu_s - train_s) / (accel_s + cpu_s)
+    lo = min(batch, max(0, math.floor(g_star)))
+    hi = min(batch, max(0, math.ceil(g_star)))
+    return min((lo, hi), key=lambda g: period(batch, g, cpu_s, accel_s, train_s))
+
+
+def period(batch: int, g: int, cpu_s: float, accel_s: float, train_s: float = 0.0) -> float:
+    """The model's seconds per mini-batch with `g` samples on the accelerator."""
+    return max(train_s * batch + g * accel_s, (batch - g) * cpu_s)
+
+
+@dataclass
+class ShareController:
+    """Online estimates of the model's rates, and the G they give. Feed it `cpu_tiny_batch`,
+    `accel_run` and `iteration` observations as they happen; ask `share(batch)`.
+
+    `shares_device`: the accelerator runs on the device training runs on (DALI on the GPU), so the
+    training step's time there counts against it; False for DALI's CPU backend.
+    `step`: the smallest share and the smallest CPU remainder (a tiny-batch's samples).
+    `alpha`: the moving averages' weight of a new observation."""
+
+    shares_device: bool = True
+    step: int = 1
+    alpha: float = 0.5
+    cpu_s: float | None = None  # seconds per sample on one CPU worker
+    accel_s: float | None = None  # accelerator seconds per sample, at the size it runs
+    train_s: float = 0.0  # the training step's device seconds per sample (0 until measured)
+    last_share: int | None = None  # the G last returned, and the one the observations were made at
+    _push: int = 0  # samples added to the model's G while the CPU side keeps bounding iterations
+    _cpu_bound: bool = False  # the last iteration was the CPU side's
+
+    def cpu_tiny_batch(self, seconds: float, samples: int) -> None:
+        """A CPU worker took `seconds` for a tiny-batch of `samples` samples."""
+        if samples > 0 and seconds >= 0:
+            self.cpu_s = self._avg(self.cpu_s, seconds / samples)
+
+    def accel_run(self, seconds: float, samples: int) -> None:
+        """The accelerator completed a run of `samples` samples `seconds` after the later of its previous
+        completion and its own start (its completion interval while busy)."""
+        if samples > 0 and seconds >= 0:
+            self.accel_s = self._avg(self.accel_s, seconds / samples)
+
+    def iteration(self, seconds: float, batch: int, cpu_bound: bool) -> None:
+        """Training took a mini-batch of `batch` samples `seconds` after the previous one; `cpu_bound`:
+        it waited for the CPU workers' part of it."""
+        if not self.shares_device or batch < 1 or self.accel_s is None or self.last_share is None:
+            return
+        device = max(0.0, seconds - self.last_share * self.accel_s) / batch  # exact when the device bounded it
+        if not cpu_bound:
+            self.train_s, self._push, self._cpu_bound = device, 0, False
+            return
+        # The period was the CPU side's: the device's time is at most that. If the estimate said more,
+        # it was wrong (training got faster); if the CPU side bounds twice in a row, G is too small.
+        # Either way G grows by a step that doubles until the device bounds an iteration again,
+        # which measures t afresh.
+        contradicted = device < (1 - MARGIN) * self.train_s
+        self.train_s = min(self.train_s, device)
+        self._push = max(2 * self.step, 2 * self._push) if contradicted or self._cpu_bound else 0
+        self._cpu_bound = True
+
+    def share(self, batch: int, workers: int = 1) -> int:
+        """G for the next mini-batch of `batch` samples while `workers` CPU workers live: all of it
+        without any, half until both sides' rates are measured."""
+        step = min(self.step, batch)
+        if workers < 1:
+            g = batch
+        elif self.cpu_s is None or self.accel_s is None:
+            g = batch // 2
+        else:
+            g = best_share(batch, self.cpu_s / workers, self.accel_s, self.train_s)
+            if self._push and self.last_share is not None:
+                g = max(g, self.last_share + self._push)
+        if g == 0 and self.shares_device and self.accel_s is not None:
+            pass  # training needs the device more than the CPU workers need help: no run at all
+        elif workers >= 1 and batch >= 2 * step:
+            g = min(max(g, step), batch - step)
+        self.last_share = g
+        return g
+
+    def _avg(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.alpha) * old + self.alpha * new
