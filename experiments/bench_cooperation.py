@@ -50,8 +50,11 @@ def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
 
     batches = max(args.min_batches, args.images // batch_size)
     step_s = args.step_us * 1e-6
-    y = ff_loader(data, 1000 * batches, batch_size, args.workers, "cpu")
-    x = ff_loader(data, 1000 * batches, batch_size, args.workers, "cpu", accelerator=dali_cpu(args.dali_threads))
+    ring = {"prefetch_factor": args.prefetch} if args.prefetch else {}
+    y = ff_loader(data, 1000 * batches, batch_size, args.workers, "cpu", **ring)
+    x = ff_loader(
+        data, 1000 * batches, batch_size, args.workers, "cpu", accelerator=dali_cpu(args.dali_threads), **ring
+    )
     z = dali_batches(data, batch_size, torch.device("cpu"), args.dali_threads, 10**9)
     streams = {"cpu_only": endless(y), "dali_alone": z, "ff_dali": endless(x)}
 
@@ -145,6 +148,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--dali-threads", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, default=None, help="prefetch_factor of both loaders (default: theirs)")
     ap.add_argument("--step-us", type=float, default=100.0, help="training step's sleep per image")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

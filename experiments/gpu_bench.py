@@ -27,7 +27,7 @@ import warnings
 import numpy as np
 
 from experiments.harness import RESULTS, mixed_jpegs, provenance, result_path, write_json
-from fusionflow.accel.accelerator import PROFILE_BATCHES
+from fusionflow.accel.sharing_profiler import PROFILE_BATCHES
 
 DALI_PREFETCH = 2  # batches DALI runs ahead (its pipelines' default)
 TV_PREFETCH = 2  # DataLoader's prefetch_factor (its default): workers x 2 batches buffered

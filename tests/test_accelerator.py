@@ -135,17 +135,16 @@ def test_two_ended_queue_with_reservation(manager):
         assert [w.indices for w in mgr.take_accel()] == [(1,)]  # largest of the oldest mini-batch: 80 bytes
         cpu = [mgr.take_cpu().indices[0] for _ in range(4)]
         assert cpu == [0, 2, 4, 6]  # smallest first: 10, 20, 30, 40
-        # 50, 60, 70 remain; 2 are reserved: the CPU takes 50 and then moves on to mini-batch 1
-        assert mgr.take_cpu().indices == (7,)
-        assert mgr.take_cpu().indices == (0,)
-        assert mgr.take_cpu() is None  # 20 and 30 of mini-batch 1 are the accelerator's
-        (work,) = mgr.take_accel()  # max_images 0: one tiny-batch per take
+        # 50, 60, 70 remain; the share was 2 and the accelerator took 1: only 70 stays its own
+        assert [mgr.take_cpu().indices for _ in range(2)] == [(7,), (5,)]
+        assert mgr.take_cpu().indices == (0,)  # then mini-batch 1, whose share of 2 is not taken yet
+        assert mgr.take_cpu() is None
+        (work,) = mgr.take_accel()  # max_images 0: one tiny-batch per take; the rest of mini-batch 0's share
         assert work.indices == (3,)  # 70
         work.cpu_only = True
-        mgr.requeue([work])  # given back: CPU-only now, even inside the reservation
-        assert mgr.take_accel()[0].indices == (5,)
+        mgr.requeue([work])  # given back: CPU-only now
+        assert [mgr.take_accel()[0].indices for _ in range(2)] == [(4,), (2,)]  # mini-batch 1's share, largest first
         assert mgr.take_cpu().indices == (3,)
-        assert [mgr.take_accel()[0].indices for _ in range(2)] == [(4,), (2,)]  # then mini-batch 1, largest first
         assert mgr.take_accel() == [] and mgr.take_cpu() is None
 
 
@@ -259,13 +258,13 @@ def test_loader_with_accelerator_is_freed_on_last_reference(no_leaks, persistent
 
 
 def test_dali_naive_ablation_closes_each_pipeline(monkeypatch):
-    """aot=False builds a pipeline per tiny-batch: each is closed right after its tiny-batch."""
+    """aot=False builds a pipeline per DALI run: each is closed right after its run."""
     closed = []
     real_close = DaliPolicyPipeline.close
     monkeypatch.setattr(DaliPolicyPipeline, "close", lambda self: (closed.append(self._pipe), real_close(self)))
     ld = loader(Bytes(24), aot=False)
     collect(ld)
-    assert ld.stats.accelerator_builds == ld.stats.accelerator_tiny_batches > 0
+    assert ld.stats.accelerator_builds == ld.stats.accelerator_runs > 0
     assert len(closed) == ld.stats.accelerator_builds and all(p is not None for p in closed)
 
 
@@ -276,10 +275,10 @@ def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerat
     from fusionflow.accel import accelerator as acc
     from fusionflow.errors import DeviceOutOfMemory
 
-    def oom(self, samples, indices, seed=0, epoch=0):
+    def oom(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None):
         raise DeviceOutOfMemory(f"out of memory on samples {list(indices)}")
 
-    monkeypatch.setattr(DaliPolicyPipeline, "run", oom)
+    monkeypatch.setattr(DaliPolicyPipeline, "submit", oom)
     ld = loader(SlowBytes(24), batch_size=6, tiny_batch_size=1, timeout=60)
     with caplog.at_level("WARNING", logger="fusionflow.accel.accelerator"):
         _, labels = collect(ld)

@@ -175,7 +175,7 @@ def test_window_protocol_accelerator_works_only_inside_next(monkeypatch):
     for _, y in ld:
         assert not rec.armed  # closed before the batch reached us
         accel = ld.parts.gpu.accel
-        assert accel.gated and not accel.window_open and accel._active is None
+        assert accel.gated and not accel.window_open and accel.in_flight == 0
         seen += y.tolist()
     assert sorted(seen) == list(range(40))
     # one lend per DALI run (a run may take several tiny-batches of one mini-batch: max_images)

@@ -152,6 +152,8 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
     },
     "fusionflow/accel/dali_graph.py": {
         "getattr(pipe, '_shutdown')": "DALI's pipeline teardown, called when present (its close is not enough)",
+        "pipe._first_iter": "DALI 2.4's first schedule_run runs prefetch_queue_depth iterations; fed one run "
+        "at a time (feed_input), each schedule_run must run exactly one",
     },
     "fusionflow/runtime/targets.py": {
         "hasattr(obj, '_fields')": "how a namedtuple is told from a tuple (Python's own protocol)",

@@ -13,7 +13,7 @@ import torch
 from test_loader_config import DALI, DATA, DEFAULTS, GPU, resolve
 
 from fusionflow import DaliAccelerator, ImageFolder
-from fusionflow.accel.config import ARGUMENT_OF
+from fusionflow.accel.config import ARGUMENT_OF, OBJECT_ONLY
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.loader.host import LOOSE_DEFAULTS
 from fusionflow.tools.synthetic import make_image_folder
@@ -91,9 +91,17 @@ def test_its_defaults_are_the_loaders_loose_defaults():
     """The loose arguments' defaults (what may stand beside the object) are FusionFlowLoader's own, and
     each field but the device has the default of the loose argument it stands for."""
     assert LOOSE_DEFAULTS == {name: DEFAULTS[name] for name in LOOSE_DEFAULTS}
-    fields = {f.name: f.default for f in dataclasses.fields(DaliAccelerator)}
+    fields = {f.name: f.default for f in dataclasses.fields(DaliAccelerator) if f.name not in OBJECT_ONLY}
     assert set(ARGUMENT_OF) == set(fields) and set(ARGUMENT_OF.values()) == {"accelerator", *LOOSE_DEFAULTS}
     assert {ARGUMENT_OF[name]: default for name, default in fields.items() if name != "device"} == LOOSE_DEFAULTS
+
+
+def test_threads_is_set_on_the_object_only_and_reaches_the_loaders_config():
+    assert DaliAccelerator("cpu").threads == 1 and "threads" not in DaliAccelerator("cpu").loader_arguments()
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="threads"):
+            DaliAccelerator("cpu", threads=bad)
+    assert repr(DaliAccelerator("cpu", threads=3)) == "DaliAccelerator(device='cpu', threads=3)"
 
 
 def test_importing_and_building_it_loads_neither_torch_nor_dali():

@@ -10,7 +10,7 @@ import types
 from pathlib import Path
 
 from experiments import gpu_bench, gpu_memory, harness, paired_trees
-from fusionflow.accel.accelerator import PROFILE_BATCHES, SharingProfiler
+from fusionflow.accel.sharing_profiler import PROFILE_BATCHES, SharingProfiler
 
 EXPERIMENTS = Path(harness.__file__).resolve().parent
 

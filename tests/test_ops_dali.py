@@ -230,10 +230,10 @@ def test_out_of_memory_is_not_a_corrupt_sample_and_the_pipeline_is_rebuilt():
     dp = DaliPolicyPipeline("default", batch_size=2)
     broken = dp._pipe
 
-    def oom():
+    def oom(*_):
         raise MemoryError("Can't allocate 1073741824 bytes on device 0.")
 
-    broken.run = oom
+    broken.outputs = oom
     with pytest.raises(DeviceOutOfMemory, match=r"out of memory on samples \[4\].*1073741824") as info:
         dp.run([JPEGS[4]], [4])
     assert not isinstance(info.value, DecodeError)

@@ -74,14 +74,29 @@ def test_given_back_work_is_cpu_only_and_skips_the_reservation():
 def test_accelerator_group_is_the_reserved_largest_of_one_mini_batch_within_max_images():
     q = queue_with([30, 10, 20, 40, 50], [7, 8], reserved=3)
     assert [w.indices for w in q.take_accel(max_images=100)] == [(4,), (3,), (0,)]  # K=3 largest, one run
-    assert [w.indices for w in q.take_accel(max_images=100)] == [(2,), (1,)]  # never into mini-batch 1
-    assert [w.indices for w in q.take_accel(max_images=2)] == [(101,), (100,)]
+    assert q.take_cpu().indices == (1,)  # the rest of mini-batch 0 is the CPU workers'
+    assert [w.indices for w in q.take_accel(max_images=100)] == [(101,), (100,)]  # runs ahead: mini-batch 1's share
+    assert [w.indices for w in q.take_accel(max_images=100)] == [(2,)]  # no split rule: the oldest's largest
     q = queue_with([30, 10, 20, 40, 50, 60], reserved=4, tiny_batch_size=2)  # tiny-batches of 2 samples
     assert [len(w.positions) for w in q.take_accel(max_images=5)] == [2, 2]  # a third would make 6
+    assert q.take_cpu() is None  # the share's last tiny-batch is still the accelerator's: above the cap,
+    assert [len(w.positions) for w in q.take_accel(max_images=5)] == [2]  # it takes another run
     q = queue_with([30, 10, 20, 40], reserved=0)
     assert len(q.take_accel(max_images=100)) == 1  # K=0: one at a time, as before the grouping
     q = queue_with([30, 10, 20, 40], reserved=3)
     assert [w.indices for w in q.take_accel(largest_first=False, max_images=100)] == [(1,), (2,), (0,)]
+
+
+def test_tail_run_only_for_the_awaited_mini_batch_sized_by_the_fraction():
+    q = queue_with([30, 10, 20, 40, 50, 60], [7, 8], reserved=1)
+    assert [w.indices for w in q.take_accel(tail_fraction=0.5)] == [(5,)]  # mini-batch 0's share
+    assert [w.indices for w in q.take_accel(tail_fraction=0.5)] == [(101,)]  # mini-batch 1's
+    assert q.take_accel(tail_fraction=0.5) == []  # nobody waits: the CPU side is not late
+    q.awaited = (1, 0)
+    assert [w.indices for w in q.take_accel(max_images=10, tail_fraction=0.5)] == [(4,), (3,), (0,)]  # half of 5
+    assert [q.take_cpu().indices for _ in range(2)] == [(1,), (2,)]
+    q.awaited = (1, 7)  # no longer tracked
+    assert q.take_accel(tail_fraction=0.5) == []
 
 
 def test_accelerator_group_skips_given_back_work():
@@ -155,18 +170,20 @@ def test_add_returns_the_tracked_state():
 def test_every_interleaving_takes_each_tiny_batch_once_and_respects_the_reservation(n):
     """All 2^n orders of CPU / accelerator requests, every reservation K: each tiny-batch is taken
     exactly once; the accelerator always gets the largest left; the CPU the smallest left, and
-    never one of the K largest while the reservation holds."""
+    never one of the largest the accelerator's share has yet to take (K less what it took)."""
     sizes = [10 * ((4 * p) % 7) + p for p in range(n)]  # distinct, not in position order
     for k in range(n + 1):
         for order in itertools.product("ca", repeat=n):
             q = queue_with(sizes, reserved=k)
-            left, taken = sorted(sizes), []
+            left, taken, share_left = sorted(sizes), [], k
             for who in order:
                 work = q.take_cpu() if who == "c" else accel(q)
-                if who == "c" and len(left) <= k:
+                if who == "c" and len(left) <= share_left:
                     assert work is None
                     continue
                 assert work is not None
+                if who == "a":
+                    share_left = max(0, share_left - 1)
                 size = sizes[work.positions[0]]
                 assert size == (left[0] if who == "c" else left[-1])
                 left.remove(size)
@@ -179,24 +196,26 @@ def test_every_interleaving_takes_each_tiny_batch_once_and_respects_the_reservat
 @pytest.mark.parametrize("max_images", [1, 2, 3, 100])
 def test_every_interleaving_with_grouped_accelerator_takes_each_tiny_batch_once(max_images):
     """As above with the accelerator taking groups (one DALI run each): every tiny-batch exactly
-    once; a group is the largest left, at most max(1, K) of them and `max_images` samples."""
+    once; a group is the largest left, the share's remainder (one without a share) within
+    `max_images` samples, at least one."""
     n = 6
     sizes = [10 * ((4 * p) % 7) + p for p in range(n)]
     for k in range(n + 1):
         for order in itertools.product("ca", repeat=n):
             q = queue_with(sizes, reserved=k)
-            left, taken = sorted(sizes), []
+            left, taken, share_left = sorted(sizes), [], k
             for who in order:
                 if who == "c":
                     work = q.take_cpu()
                     if work is None:
-                        assert len(left) <= k
+                        assert len(left) <= share_left
                         continue
                     assert sizes[work.positions[0]] == left.pop(0)
                     taken.append(work.indices)
                     continue
                 group = q.take_accel(max_images=max_images)
-                assert len(group) == min(len(left), max(1, min(k, max_images)))
+                assert len(group) == min(len(left), max(1, min(share_left, max_images)))
+                share_left = max(0, share_left - len(group)) if group else 0
                 for work in group:
                     assert sizes[work.positions[0]] == left.pop()
                     taken.append(work.indices)

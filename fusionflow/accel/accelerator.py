@@ -1,11 +1,20 @@
-"""The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline
-with the largest tiny-batches of the local manager's queue and writes each sample's output into
-its position of the mini-batch.
+"""The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline the
+largest tiny-batches of the local manager's queue and writes each output to its mini-batch position.
 
-One DALI run takes several tiny-batches of one mini-batch: its largest, up to TAAS's K (the ones
-reserved for the accelerator) and `max_images` samples. A GPU pipeline's cost per run hardly
-depends on its batch below a hundred images, so one tiny-batch per run (the first GPU run,
-2026-11-24: 4 images, ~15 ms) left an H100 doing ~270 img/s while DALI alone did 6,800.
+One DALI run takes the accelerator's share of one mini-batch: its G largest samples, as whole
+tiny-batches (the board's `reserved`; more than one run only above `max_images` samples). G comes
+from the split rule (scheduling/split.py), fed here: each mini-batch done (`batch_done`: the CPU
+workers' time per tiny-batch, whether training waited for it, the period) and each run's completion
+interval. (A run's cost hardly depends on its size below a hundred images on a GPU: runs of one
+tiny-batch left an H100 at ~270 img/s, DALI alone at 6,800; docs/experiments-log.md, 2026-11-24.)
+
+Running ahead, as DALI's own iterators do: up to DEPTH runs are in flight (DALI's dynamic executor,
+prefetch queue of DEPTH): the thread takes the share of the oldest mini-batch whose share nobody has
+taken -- ahead of the one training waits for -- prepares and submits it while DALI works on the one
+before, and collects runs in order. When training waits for a mini-batch whose CPU side is late,
+it takes a tail run of that mini-batch's largest unstarted tiny-batches (the share's fraction).
+Header sizes are read once (accel/header_sizes.py); inputs go to DALI as dense arrays. Its thread's
+CPU time is `accelerator_feed_cpu_seconds`: what the GPU half costs the training process.
 
 `device="gpu"`: DALI decodes with nvJPEG and augments on the GPU; outputs land in a device ring
 (`DeviceRing`) that the loader merges with the CPU workers' positions at delivery. `device="cpu"`:
@@ -18,26 +27,24 @@ cannot decode) goes back to the queue marked CPU-only; the CPU workers then prod
 the precise sample (an over-limit one as ImageTooLargeError).
 
 Sharing the GPU with training (device="gpu"): in `temporal` mode the thread works only inside the
-loader's prep window -- from the start of next() until the mini-batch is ready -- and before a
-tiny-batch waits (blocking CUDA event) for the training work queued before next() to finish, so
-DALI never runs alongside a training step. In `spatial` mode it runs concurrently. Its copies into
-the device ring go on its own CUDA stream (accel/device_ring.py).
+loader's prep window (from the start of next() until the mini-batch is ready), one run in flight,
+each after a blocking CUDA event of the training work queued before next(): DALI never runs beside
+a training step. `spatial`: concurrently. Copies into the device ring go on its own CUDA stream.
 
-With the allocator bridge (`bridge`, temporal mode only) the prep window is also when PyTorch's free
-blocks are lent to DALI; before its first tiny-batch of a window the thread asks the bridge to lend.
-The loader closes a window only once the tiny-batch in flight is done (`wait_idle`).
+With the allocator bridge (temporal only) PyTorch's free blocks are lent to DALI for the window (the
+thread asks before a run); the loader closes a window once the run in flight is done (`wait_idle`).
 
-It is a worker kind (runtime/board.py): registered with the board's `add_worker_kind`, it uses only
-the board's interface (`cond`, `take_accel`, `complete`, `requeue`, `draining`, `wake`, `ring`,
-`trace`, `sizes`, `drop_reservations`) and counts into the counters it is given (runtime/counters.py).
+A worker kind (runtime/board.py, `add_worker_kind`): it uses the board's interface only (`cond`,
+`take_accel`, `complete`, `requeue`, `draining`, `wake`, `ring`, `trace`, `sizes`, `reserve`,
+`drop_reservations`) and counts into the counters it is given (runtime/counters.py).
 
-Failures: a tiny-batch DALI cannot run goes back to the CPU workers. DALI's pipeline is shut down
-and rebuilt after a failed batch (never kept broken); out of device memory is logged as such (not
-as a corrupt sample). After `MAX_FAILURES` failed DALI runs in a row, or a pipeline that cannot
-be rebuilt, the accelerator retires: the CPU workers take everything from then on.
+Failures: DALI's pipeline is shut down and rebuilt after a failed run (never kept broken); out of
+device memory is logged as such, not as a corrupt sample. After `MAX_FAILURES` failed runs in a row,
+or a pipeline that cannot be rebuilt, the accelerator retires: the CPU workers take everything.
 
 Pipelines are closed explicitly: at `stop()`, and (the DALI-Naive ablation, aot=False) after each
-tiny-batch it built one for.
+run it built one for. A failed run discards the pipeline and with it every run in flight: all their
+tiny-batches go to the CPU workers; the runs still in flight at `stop()` go back to the queue.
 """
 
 from __future__ import annotations
@@ -48,15 +55,15 @@ import time
 
 import numpy as np
 
+from fusionflow.accel.header_sizes import HeaderSizes
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
-from fusionflow.ops.decode import within_pixel_limit
 from fusionflow.runtime import targets
 from fusionflow.runtime.sample import split_item
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
-PROFILE_BATCHES = 10  # gpu_sharing="auto": iterations timed per mode before choosing
-RUN_IMAGES = 128  # samples per DALI run at most: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
+RUN_IMAGES = 256  # samples per DALI run at most: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
+DEPTH = 2  # DALI runs in flight at once (not gated): DALI works on one while the next is prepared
 
 
 class AcceleratorWorker:
@@ -76,6 +83,9 @@ class AcceleratorWorker:
         sharing: str = "spatial",
         counters=None,
         bridge=None,
+        split=None,
+        cpu_workers: int = 1,
+        tiny_batch_size: int = 1,
     ):
         from fusionflow.accel.dali_graph import DaliPolicyPipeline
         from fusionflow.policy import load_policy
@@ -85,7 +95,7 @@ class AcceleratorWorker:
         self.max_pixels = load_policy(policy).max_pixels
         self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
         self._make = lambda: DaliPolicyPipeline(
-            policy, max_images, device=device, device_id=device_id, num_threads=num_threads
+            policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=DEPTH
         )
         self.max_images = max_images  # samples per DALI run: several tiny-batches of one mini-batch
         t0 = time.perf_counter()
@@ -98,7 +108,13 @@ class AcceleratorWorker:
         self.step_event = None  # the training work before the loader's last next() (mark_step)
         self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails
         self.window_open = False  # the loader's prep window (open_window / close_window; consulted while gated)
-        self._active = None  # the tiny-batches of the DALI run in flight
+        self.split = split  # the ShareController (scheduling/split.py) that sets the share; None: the ablations
+        self.cpu_workers, self.tiny_batch_size = cpu_workers, tiny_batch_size
+        self.tail_fraction: float | None = None  # the share's fraction of a mini-batch, once the split rule runs
+        self.dims = HeaderSizes(len(dataset) if hasattr(dataset, "__len__") else 0)  # (height, width) per sample
+        self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
+        self._last_done = 0.0  # when the last run completed (its completion interval)
+        self._last_batch_at = 0.0  # when the last mini-batch completed (the split rule's period)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
 
@@ -106,9 +122,13 @@ class AcceleratorWorker:
         """Start the thread (after the board's `add_worker_kind`)."""
         self._thread.start()
 
+    @property
+    def in_flight(self) -> int:
+        """DALI runs taken and not yet accounted."""
+        return len(self._active)
+
     def busy_with_stale(self, generation: int) -> bool:
-        group = self._active
-        return group is not None and any(w.generation != generation for w in group)
+        return any(w.generation != generation for group, *_ in self._active for w in group)
 
     @property
     def gated(self) -> bool:
@@ -144,7 +164,7 @@ class AcceleratorWorker:
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Under board.cond: wait for the tiny-batch in flight (if any) to finish."""
         deadline = time.monotonic() + timeout
-        while self._active is not None and self._thread.is_alive() and time.monotonic() < deadline:
+        while self._active and self._thread.is_alive() and time.monotonic() < deadline:
             self.board.cond.wait(0.05)
 
     def stop(self) -> None:
@@ -174,44 +194,170 @@ class AcceleratorWorker:
             why,
         )
 
+    # ---------------------------------------------------------------- the split rule (under board.cond)
+    def batch_done(self, state, cpu_task_seconds: float, awaited: bool, now: float) -> None:
+        """A mini-batch is complete (the board's on_batch_done): feed the split rule its observations and
+        reserve the next share. `cpu_task_seconds`: the CPU workers' running mean per tiny-batch;
+        `awaited`: training was waiting for this mini-batch."""
+        split = self.split
+        if split is None or self.retired:
+            return
+        if cpu_task_seconds > 0:
+            split.cpu_tiny_batch(cpu_task_seconds, self.tiny_batch_size)
+        if self._last_batch_at:
+            cpu_last = state.cpu_done_at >= state.accel_done_at
+            split.iteration(now - self._last_batch_at, state.size, cpu_bound=awaited and cpu_last)
+        self._last_batch_at = now
+        share = split.share(state.size, self.cpu_workers)
+        self.tail_fraction = share / state.size
+        self.board.reserve(-(-share // self.tiny_batch_size))
+
+    def capacity(self, workers: int) -> None:
+        """The CPU workers now live (the board's owner tells, under board.cond)."""
+        self.cpu_workers = workers
+
+    # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
-        board = self.board
+        """Take a run, prepare and submit it, and collect the oldest when `DEPTH` are in flight (one
+        while gated: temporal sharing's window must close on a finished run) or nothing else is to be
+        had: DALI works on one run while this thread prepares the next."""
+        board, inflight = self.board, self._active
         while True:
             with board.cond:
-                while (
-                    not self._stop
-                    and not self.retired
-                    and (
-                        board.draining()
-                        or (self.gated and not self.window_open)
-                        or not (group := board.take_accel(self.largest_first, self.max_images))
-                    )
-                ):
+                group = None
+                while not self._stop and not self.retired:
+                    if len(inflight) < (1 if self.gated else DEPTH) and not (
+                        board.draining() or (self.gated and not self.window_open)
+                    ):
+                        group = board.take_accel(self.largest_first, self.max_images, self.tail_fraction)
+                        if group:
+                            break
+                    if inflight:
+                        break
                     board.cond.wait(0.5)
                 if self._stop or self.retired:
+                    lost, inflight[:] = list(inflight), []
+                    board.requeue([w for g, *_ in lost for w in g])
+                    board.cond.notify_all()
                     return
-                self._active = group
-            fatal = None
-            started = time.monotonic_ns()
-            try:
-                done, given_back, ok = self._process(group)
-            except AcceleratorError as exc:  # the pipeline cannot be rebuilt (or is closed)
-                log.error("accelerator failed on tiny-batches %s: %s", [w.indices for w in group], exc)
-                done, given_back, ok, fatal = [], group, False, str(exc)
-            except Exception:  # anything unexpected: the CPU workers take it over
-                log.exception(
-                    "accelerator failed on tiny-batches %s; the CPU workers take them", [w.indices for w in group]
-                )
-                done, given_back, ok = [], group, False
+                if group:
+                    inflight.append((group, time.monotonic(), None))
+            cpu0 = time.thread_time()
+            if group:
+                self._guarded(self._submit, group)
+            else:
+                self._guarded(self._collect, None)
             with board.cond:
-                self._active = None
-                board.cond.notify_all()  # a loader closing its prep window waits for this
-                self._account(done, given_back, ok, started)
-                if fatal is not None:
-                    self._retire(fatal)
-                elif self.failures_in_a_row >= MAX_FAILURES:
-                    self._retire(f"{self.failures_in_a_row} DALI runs in a row failed")
+                self.counters.accelerator_feed_cpu_seconds += time.thread_time() - cpu0
             board.wake()
+
+    def _guarded(self, step, group) -> None:
+        """Run `step` (submit or collect); an unexpected failure gives every run in flight back to the
+        CPU workers (the pipeline is rebuilt on the next run), an AcceleratorError also retires."""
+        fatal = None
+        try:
+            step(group)
+            return
+        except AcceleratorError as exc:  # the pipeline cannot be rebuilt (or is closed)
+            log.error("accelerator failed: %s", exc)
+            fatal = str(exc)
+        except Exception:  # anything unexpected: the CPU workers take it over
+            log.exception("accelerator failed; the CPU workers take its tiny-batches")
+        if self.pipeline is not None:
+            self.pipeline.close() if fatal else self.pipeline.reset()
+        with self.board.cond:
+            self._lose_all()
+            if fatal is not None:
+                self._retire(fatal)
+
+    def _submit(self, group) -> None:
+        """Prepare the group's samples and submit its DALI run; a tiny-batch that is not DALI's kind of
+        sample (not encoded bytes, or over the policy's max_pixels: the CPU path refuses it by name)
+        is given back and the rest run."""
+        runnable, samples, labels, sizes, given_back = [], [], [], [], []
+        for work in group:
+            items = [split_item(self.dataset[index], index) for index in work.indices]
+            dims = [self.dims.get(index, s) for index, (s, _) in zip(work.indices, items)]
+            if all(d is not None and (self.max_pixels is None or d[0] * d[1] <= self.max_pixels) for d in dims):
+                runnable.append(work)
+                samples += [s for s, _ in items]
+                labels += [label for _, label in items]
+                sizes += dims
+            else:
+                given_back.append(work)
+        board = self.board
+        if given_back:
+            with board.cond:
+                self._account([], given_back, None, 0)
+        if not runnable:
+            with board.cond:
+                self._active.remove(next(e for e in self._active if e[0] is group))
+                board.cond.notify_all()
+            return
+        pipeline = self.pipeline
+        if pipeline is None:  # the DALI-Naive ablation: build for every run, close after it
+            pipeline = self._make()
+            self.counters.accelerator_builds += 1
+        indices = [i for w in runnable for i in w.indices]
+        copies = [c for w in runnable for c in (w.copies or (0,) * len(w.indices))]
+        with board.cond:  # the run in flight is what DALI was given
+            entry = next(e for e in self._active if e[0] is group)
+            self._active[self._active.index(entry)] = (runnable, entry[1], (pipeline, labels))
+        if self.sharing == "temporal" and self.step_event is not None:
+            self.step_event.synchronize()  # training work queued before the last next() is done
+        if self.gated and self.bridge is not None:
+            try:
+                self.bridge.lend(self.tiny_batches)
+            except Exception:  # DALI still has its own pool: carry on without the bridge
+                log.exception("allocator bridge failed to lend; continuing without it")
+                self.bridge = None
+        try:
+            pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies if any(copies) else None, sizes)
+        except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
+            self._failed_run(exc, indices)
+            with board.cond:
+                self._lose_all()
+            return
+        if pipeline is not self.pipeline:  # DALI-Naive: collect at once, then close
+            try:
+                self._collect(None)
+            finally:
+                pipeline.close()
+
+    def _collect(self, _unused) -> None:
+        """Wait for the oldest run in flight, write its samples into their ring positions, account it."""
+        with self.board.cond:
+            group, started, (pipeline, labels) = self._active[0]
+        indices = [i for w in group for i in w.indices]
+        try:
+            out = pipeline.collect()
+        except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
+            self._failed_run(exc, indices)
+            with self.board.cond:
+                self._lose_all()
+            return
+        positions = [p for w in group for p in w.positions]  # one mini-batch, one ring slot
+        if self.device_ring is not None:
+            self.device_ring.write(group[0].slot, positions, out)
+        else:
+            self.board.ring.images[group[0].slot, positions] = np.asarray(out.as_tensor())
+        done = self._store_targets(group, labels)
+        now = time.monotonic()
+        with self.board.cond:
+            self._active.pop(0)
+            if self.split is not None:  # the completion interval: from the later of the last completion and its start
+                self.split.accel_run(now - max(started, self._last_done), len(indices))
+            self._last_done = now
+            self._account(done, [], True, int(started * 1e9))
+            self.counters.accelerator_samples += len(indices)
+            self.board.cond.notify_all()
+
+    def _lose_all(self) -> None:
+        """Under board.cond: the runs in flight are lost (a failed DALI run discards the pipeline): their
+        tiny-batches go to the CPU workers, counted as one failed run."""
+        lost, self._active[:] = list(self._active), []
+        self._account([], [w for g, *_ in lost for w in g], False, 0)
+        self.board.cond.notify_all()
 
     def _account(self, done, given_back, ok: bool | None, started: int) -> None:
         """Under board.cond: complete what DALI produced, give the rest back to the CPU workers (marked
@@ -232,68 +378,15 @@ class AcceleratorWorker:
             work.cpu_only = True
         if given_back:
             board.requeue(given_back)
+        if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
+            self._retire(f"{self.failures_in_a_row} DALI runs in a row failed")
 
-    def _process(self, group) -> tuple[list, list, bool | None]:
-        """One DALI run over the group's samples: ([(work, targets)] done, [work] given back, ok).
-        A tiny-batch that is not DALI's kind of sample (not encoded bytes, or over the policy's
-        max_pixels: the CPU path refuses it by name) is given back and the rest run."""
-        runnable, samples, labels, given_back = [], [], [], []
-        for work in group:
-            items = [split_item(self.dataset[index], index) for index in work.indices]
-            if all(
-                isinstance(s, (bytes, bytearray, memoryview)) and within_pixel_limit(s, self.max_pixels)
-                for s, _ in items
-            ):
-                runnable.append(work)
-                samples += [s for s, _ in items]
-                labels += [label for _, label in items]
-            else:
-                given_back.append(work)
-        if not runnable:
-            return [], given_back, None
-        if self.pipeline is not None:
-            ok = self._run_pipeline(self.pipeline, runnable, samples)
-        else:
-            pipeline = self._make()  # the DALI-Naive ablation: build for every run, close after it
-            self.counters.accelerator_builds += 1
-            try:
-                ok = self._run_pipeline(pipeline, runnable, samples)
-            finally:
-                pipeline.close()
-        if not ok:
-            return [], given_back + runnable, False
-        return self._store_targets(runnable, labels), given_back, True
-
-    def _run_pipeline(self, pipeline, group, samples) -> bool:
-        """Run DALI on the group's samples and write each into its ring position; False if DALI failed."""
-        if self.sharing == "temporal" and self.step_event is not None:
-            self.step_event.synchronize()  # training work queued before the last next() is done
-        if self.gated and self.bridge is not None:
-            try:
-                self.bridge.lend(self.tiny_batches)
-            except Exception:  # DALI still has its own pool: carry on without the bridge
-                log.exception("allocator bridge failed to lend; continuing without it")
-                self.bridge = None
-        indices = [i for w in group for i in w.indices]
-        try:
-            copies = [c for w in group for c in (w.copies or (0,) * len(w.indices))]
-            kw = {"copies": copies} if any(copies) else {}  # repeated augmentation's copy numbers
-            out = pipeline.run(samples, indices, self.seed, group[0].epoch, **kw)
-        except DeviceOutOfMemory as exc:
+    def _failed_run(self, exc, indices) -> None:
+        if isinstance(exc, DeviceOutOfMemory):
             self.counters.accelerator_out_of_memory += 1
             log.warning("accelerator out of memory on samples %s; the CPU workers take them: %s", indices, exc)
-            return False
-        except DecodeError as exc:
-            log.info("accelerator could not decode %s: %s", indices, exc)
-            return False
-        positions = [p for w in group for p in w.positions]  # one mini-batch, one ring slot
-        if self.device_ring is not None:
-            self.device_ring.write(group[0].slot, positions, out)
         else:
-            images = self.board.ring.images
-            for k, pos in enumerate(positions):
-                images[group[0].slot, pos] = np.asarray(out[k])
-        return True
+            log.info("accelerator could not decode %s: %s", indices, exc)
 
     def _store_targets(self, group, labels) -> list:
         """Each sample's target into the ring; [(work, targets that are not ints)] (runtime/targets.py)."""
@@ -305,49 +398,3 @@ class AcceleratorWorker:
                 k += 1
             done.append((work, side))
         return done
-
-
-class SharingProfiler:
-    """`gpu_sharing="auto"`: time `batches` iterations in temporal mode, then `batches` in spatial
-    mode (watching free GPU memory), then let `choose_sharing` pick for the rest of the run."""
-
-    def __init__(self, accel: AcceleratorWorker, batches: int = PROFILE_BATCHES):
-        self.accel, self.batches = accel, batches
-        self.times = {"temporal": [], "spatial": []}
-        self.min_free = None
-        self.total = None
-        self.last = None
-        self.chosen = None
-        accel.sharing = "temporal"
-
-    def tick(self) -> None:
-        """Call at every next(): one iteration of training plus loading has passed."""
-        import torch
-
-        from fusionflow.scheduling.sharing import choose_sharing
-
-        if self.chosen is not None:
-            return
-        now = time.perf_counter()
-        phase = self.accel.sharing
-        if self.last is not None:
-            self.times[phase].append(now - self.last)
-        self.last = now
-        if phase == "spatial":
-            free, self.total = torch.cuda.mem_get_info(self.accel.device_ring.index)
-            self.min_free = free if self.min_free is None else min(self.min_free, free)
-        if len(self.times[phase]) >= self.batches:
-            if phase == "temporal":
-                self.accel.sharing = "spatial"
-                self.last = None  # the switch itself is not an iteration
-            else:
-                self.chosen = choose_sharing(
-                    self.times["temporal"], self.times["spatial"], self.min_free or 0, self.total or 1
-                )
-                self.accel.sharing = self.chosen
-                log.info(
-                    "gpu_sharing='auto' chose %s (median iteration temporal %.1f ms, spatial %.1f ms)",
-                    self.chosen,
-                    1e3 * sorted(self.times["temporal"])[len(self.times["temporal"]) // 2],
-                    1e3 * sorted(self.times["spatial"])[len(self.times["spatial"]) // 2],
-                )

@@ -16,7 +16,8 @@ DEVICES = ("gpu", "cpu", "auto")
 SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
 ACCELERATOR_OF = {"gpu": "dali-gpu", "cpu": "dali-cpu", "auto": "auto"}  # device -> the string form
-ARGUMENT_OF = {  # each field -> the loose FusionFlowLoader argument it stands for
+OBJECT_ONLY = ("threads",)  # fields with no loose FusionFlowLoader argument: set on the object only
+ARGUMENT_OF = {  # each other field -> the loose FusionFlowLoader argument it stands for
     "device": "accelerator",
     "sharing": "gpu_sharing",
     "memory_bridge": "memory_bridge",
@@ -55,7 +56,10 @@ class DaliAccelerator:
         when DALI runs on the GPU and the bridge's native part builds), "on" (required: an error says what
         is missing; fixes sharing="auto" to "temporal"), "off" (DALI keeps a pool of its own).
     aot, taas, taas_last_k: the paper's ablations; False: a DALI pipeline built per run (DALI-Naive);
-        tiny-batches first in, first out instead of the largest to DALI; no last K tiny-batches reserved.
+        tiny-batches first in, first out instead of the largest to DALI; no share of each mini-batch
+        reserved (the split rule off: the accelerator takes one tiny-batch at a time).
+    threads: DALI's CPU threads (its CPU backend's workers; on the GPU, the decoder's host stage).
+        No loose form: `loader_arguments` leaves it out.
 
     Frozen and checked here (the machine -- CUDA, DALI, the loader's device -- is checked by the
     loader); `dataclasses.replace(acc, sharing="spatial")` derives another, checked again.
@@ -67,6 +71,7 @@ class DaliAccelerator:
     aot: bool = field(default=True, kw_only=True)
     taas: bool = field(default=True, kw_only=True)
     taas_last_k: bool = field(default=True, kw_only=True)
+    threads: int = field(default=1, kw_only=True)
 
     def __post_init__(self):
         device, sharing, memory_bridge = self.device, self.sharing, self.memory_bridge
@@ -76,6 +81,8 @@ class DaliAccelerator:
             raise ValueError(f"{sharing=!r} must be one of {SHARING} (the string form's gpu_sharing)")
         if memory_bridge not in BRIDGE:
             raise ValueError(f"{memory_bridge=!r} must be one of {BRIDGE}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads={self.threads!r} must be an int >= 1 (DALI's CPU threads)")
         for name in ("aot", "taas", "taas_last_k"):
             value = getattr(self, name)
             if not isinstance(value, bool):
@@ -98,6 +105,7 @@ class DaliAccelerator:
         return {
             ARGUMENT_OF[f.name]: ACCELERATOR_OF[self.device] if f.name == "device" else getattr(self, f.name)
             for f in fields(self)
+            if f.name not in OBJECT_ONLY
         }
 
     def __repr__(self) -> str:

@@ -19,8 +19,10 @@ GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections import deque
 
 import numpy as np
 
@@ -56,6 +58,7 @@ class DaliPolicyPipeline:
         device_id: int | None = None,
         num_threads: int = 1,
         exec_dynamic: bool = True,
+        depth: int = 2,
     ):
         _check_args(batch_size, device, device_id)
         self.policy: Policy = load_policy(policy)
@@ -76,8 +79,10 @@ class DaliPolicyPipeline:
             num_threads=num_threads,
             device_id=device_id,
             exec_dynamic=exec_dynamic,
-            prefetch_queue_depth=1,
+            prefetch_queue_depth=depth,
         )
+        self.depth = depth  # runs that may be in flight at once (submit ahead, collect in order)
+        self._pending: deque = deque()  # the dataset indices of each run submitted and not collected
         self.rebuilds = 0
         self._closed = False
         t0 = time.perf_counter()
@@ -119,12 +124,17 @@ class DaliPolicyPipeline:
     def _build(self):
         pipe = self._make()
         pipe.build()
+        # DALI 2.4's first schedule_run() runs `prefetch_queue_depth` iterations at once, for sources
+        # that a callback fills; ours are fed one run at a time (feed_input), so every schedule_run,
+        # the first included, must run exactly the one iteration just fed.
+        pipe._first_iter = False
         return pipe
 
-    def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None, copy: int = 0):
-        """Host-side inputs for one sample: the same draw a CPU worker would make."""
+    def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None, copy: int = 0, size=None):
+        """Host-side inputs for one sample: the same draw a CPU worker would make. `size`: the image's
+        (height, width) when the caller knows it (else read from its header)."""
         d = draw(self.policy, seed, epoch, index, copy)
-        height, width = image_size(data, what or f"sample {index}")
+        height, width = size if size is not None else image_size(data, what or f"sample {index}")
         top, left, h, w = crop_window(self.policy, d, height, width)
         out_h, out_w = self.policy.size
         op_ids = np.zeros(self.slots, np.int32)
@@ -161,12 +171,29 @@ class DaliPolicyPipeline:
     def run(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None):
         """Augment encoded `samples` (sample i has dataset index indices[i], and is that index's
         copies[i]-th occurrence in the epoch: all 0 when None); returns DALI's output TensorList
-        (CPU or GPU), one CHW sample per input, in order."""
+        (CPU or GPU), one CHW sample per input, in order. `submit` then `collect`."""
+        self.submit(samples, indices, seed, epoch, copies)
+        return self.collect()
+
+    def submit(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None, sizes=None) -> None:
+        """Feed one run and schedule it without waiting for it (at most `depth` in flight); `collect`
+        returns the outputs of the runs in the order they were submitted. `sizes`: each sample's
+        (height, width), when known. Raises as `run` does; a failure loses every run in flight."""
         n = len(samples)
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
+        if len(self._pending) >= self.depth:
+            raise RuntimeError(f"{self.depth} runs are in flight already: collect one first")
         copies = [0] * n if copies is None else copies
-        cols = list(zip(*(self.prepare(s, i, seed, epoch, copy=c) for s, i, c in zip(samples, indices, copies))))
+        sizes = [None] * n if sizes is None else sizes
+        cols = list(
+            zip(
+                *(
+                    self.prepare(s, i, seed, epoch, copy=c, size=z)
+                    for s, i, c, z in zip(samples, indices, copies, sizes)
+                )
+            )
+        )
         names, op_cols = self.op_feeds(cols[:6])
         erase_cols = cols[6:]
         names, cols = names + _ERASE_INPUTS[: len(erase_cols)], op_cols + erase_cols
@@ -179,10 +206,32 @@ class DaliPolicyPipeline:
             except Exception as exc:
                 raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
             self.rebuilds += 1
+        with self._failures(indices):
+            for k, (name, col) in enumerate(zip(names, cols)):
+                # the encoded bytes are ragged: a list of views; every other input one dense array
+                self._pipe.feed_input(name, list(col) if k == 0 else np.stack(col))
+            self._pipe.schedule_run()
+        self._pending.append(list(indices))
+
+    def collect(self):
+        """The outputs of the oldest run in flight (waits for it)."""
+        if not self._pending:
+            raise RuntimeError("no run in flight: submit one first")
+        with self._failures(self._pending[0]):
+            (out,) = self._pipe.outputs()
+        self._pending.popleft()
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        """Runs submitted and not yet collected."""
+        return len(self._pending)
+
+    @contextlib.contextmanager
+    def _failures(self, indices):
+        """DALI's errors as ours; the pipeline is discarded (and the runs in flight with it)."""
         try:
-            for name, col in zip(names, cols):
-                self._pipe.feed_input(name, list(col))
-            (out,) = self._pipe.run()
+            yield
         except MemoryError as exc:  # DALI's CUDABadAlloc (a std::bad_alloc) arrives as MemoryError
             self._discard()
             raise DeviceOutOfMemory(
@@ -194,11 +243,15 @@ class DaliPolicyPipeline:
                 f"DALI could not process samples {list(indices)} (one is likely corrupt or "
                 f"truncated): {_last_line(exc)}"
             ) from exc
-        return out
+
+    def reset(self) -> None:
+        """Drop the pipeline and the runs in flight (after a failure outside DALI); the next submit rebuilds."""
+        self._discard()
 
     def _discard(self) -> None:
         """Shut down DALI's pipeline now (a failed one is never run again; the next run rebuilds)."""
         pipe, self._pipe = self._pipe, None
+        self._pending.clear()
         _shutdown(pipe)
 
     def close(self) -> None:

@@ -34,10 +34,12 @@ class GpuSession:
         taas_last_k: bool,
         memory_bridge: str,
         bridge_why_off: str | None,
+        threads: int = 1,
     ):
         self.stats = stats
         self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing
         self.aot, self.taas, self.taas_last_k, self.memory_bridge = aot, taas, taas_last_k, memory_bridge
+        self.threads = threads  # DALI's CPU threads
         self.bridge = None  # the MemoryBridge, while it runs (kept across managers until close())
         self.bridge_why_off = bridge_why_off  # None: start the bridge with the accelerator (again after close())
         self.accel = None  # the accelerator worker kind this session started, while its manager runs
@@ -57,6 +59,7 @@ class GpuSession:
             taas_last_k=cfg.taas_last_k,
             memory_bridge=cfg.memory_bridge,
             bridge_why_off=cfg.bridge_why_off,
+            threads=cfg.dali_threads,
         )
 
     def start(
@@ -70,7 +73,7 @@ class GpuSession:
         spec = mgr.spec
         policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
         from fusionflow.accel.accelerator import RUN_IMAGES, AcceleratorWorker
-        from fusionflow.scheduling.taas import KSearch
+        from fusionflow.scheduling.split import ShareController
 
         on_gpu = self.accelerator == "dali-gpu"
         if on_gpu and self.bridge_why_off is None and self.bridge is None:
@@ -95,24 +98,31 @@ class GpuSession:
             sharing=sharing,
             counters=self.stats,
             bridge=self.bridge,
+            num_threads=self.threads,
+            split=ShareController(shares_device=on_gpu, step=tiny_batch_size) if self.taas_last_k else None,
+            cpu_workers=spec.num_workers,
+            tiny_batch_size=tiny_batch_size,
         )
         mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
         # anything below, or start(), raises
         self.accel, self.device_ring, self.alloc_device = accel, device_ring, alloc_device
-        search = KSearch(k_max=-(-capacity // tiny_batch_size))
         self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader or this session (they
         # would live as long as the manager) nor strongly to the manager or the accelerator.
+        accel_ref = weakref.ref(accel)
+        if accel.split is not None:
+            with mgr.board.cond:  # the first mini-batches' share, until rates are measured
+                mgr.board.reserve(-(-accel.split.share(capacity, spec.num_workers) // tiny_batch_size))
         mgr.attach(
             on_batch_done=(
-                functools.partial(_taas_feedback, weakref.ref(mgr.board), weakref.ref(accel), search, self.stats.taas_k)
-                if self.taas and self.taas_last_k
+                functools.partial(_split_feedback, weakref.ref(mgr), accel_ref, self.stats.taas_k)
+                if accel.split is not None
                 else None
             ),
-            on_capacity_change=lambda n: search.restart(),
-        )  # the CPU side's speed changed: search K again
+            on_capacity_change=functools.partial(_capacity, accel_ref),
+        )
         if on_gpu and self.gpu_sharing == "auto":
-            from fusionflow.accel.accelerator import SharingProfiler
+            from fusionflow.accel.sharing_profiler import SharingProfiler
 
             self.profiler = SharingProfiler(accel)
         accel.start()
@@ -212,14 +222,23 @@ class GpuSession:
             bridge.shutdown()
 
 
-def _taas_feedback(board_ref, accel_ref, search, history, state) -> None:
-    """The board's on_batch_done (under its lock, once per completed mini-batch): TAAS's K search."""
-    board, accel = board_ref(), accel_ref()
-    if board is None or accel is None or accel.retired:
+def _split_feedback(mgr_ref, accel_ref, history, state) -> None:
+    """The board's on_batch_done (under its lock, once per completed mini-batch): the split rule's
+    observations, and the next share (scheduling/split.py)."""
+    mgr, accel = mgr_ref(), accel_ref()
+    if mgr is None or accel is None or accel.retired:
         return
-    cpu_last = state.cpu_done_at >= state.accel_done_at
-    board.reserve(search.observe(cpu_last, time.monotonic() - state.submitted_at))
+    board = mgr.board
+    awaited = board.queue.awaited == (board.generation, state.seq)
+    accel.batch_done(state, mgr.pool.task_seconds if mgr.pool is not None else 0.0, awaited, time.monotonic())
     history.append(board.reserved)
+
+
+def _capacity(accel_ref, workers: int) -> None:
+    """The manager's on_capacity_change (under the board's lock): the CPU workers now live."""
+    accel = accel_ref()
+    if accel is not None:
+        accel.capacity(workers)
 
 
 def close_bridge_window(bridge) -> None:

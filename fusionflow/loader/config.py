@@ -68,6 +68,7 @@ class LoaderConfig:
     multiprocessing_context: Any
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
+    dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
     read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
 
     def with_config(self, **changes) -> LoaderConfig:
@@ -140,6 +141,9 @@ def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
             f"use tiny_batch_size <= batch_size (typically 1-8)"
         )
     return tiny_batch_size
+
+
+ACCELERATOR_PREFETCH = 4  # ring slots by default with an accelerator (bench_cooperation, 2026-11-25)
 
 
 def resolve_prefetch(prefetch_factor, num_workers: int) -> int:
@@ -277,7 +281,7 @@ def resolve_config(
         dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
     )
     tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
-    prefetch_factor = resolve_prefetch(prefetch_factor, num_workers)
+    prefetch = resolve_prefetch(prefetch_factor, num_workers)
     check_run_options(persistent_workers, num_workers, timeout, on_error, max_retries, pin_workers)
     seed_given = seed is not None
     seed = resolve_seed(seed, generator, host.initial_seed)
@@ -285,6 +289,8 @@ def resolve_config(
     policy = resolve_policy(policy)
     loose = dict(gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k, memory_bridge=memory_bridge)
     dali = resolve_dali(accelerator, loose, device, resolved, num_workers, host, policy)  # a DaliAccelerator too
+    if prefetch_factor is None and dali["accelerator"] is not None:
+        prefetch = ACCELERATOR_PREFETCH  # the accelerator runs ahead: its shares of the next mini-batches
     job = resolve_job(global_manager, num_workers, host.job_key)
     trace_path = resolve_trace(trace)
     stage_names = resolve_stage_names(stage_times, policy)
@@ -297,7 +303,7 @@ def resolve_config(
         capacity=capacity,
         tiny_batch_size=tiny_batch_size,
         num_workers=num_workers,
-        prefetch_factor=prefetch_factor,
+        prefetch_factor=prefetch,
         persistent_workers=persistent_workers,
         timeout=timeout,
         on_error=on_error,
@@ -307,7 +313,7 @@ def resolve_config(
         seed_given=seed_given,
         device=resolved,
         policy=policy,
-        **dali,  # accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge, bridge_why_off
+        **dali,  # accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge, bridge_why_off, dali_threads
         job=job,
         collate_fn=collate_fn,
         collate=collate,

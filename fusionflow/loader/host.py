@@ -47,7 +47,7 @@ def unpack_accelerator(accelerator, loose: dict) -> tuple[Any, dict]:
 
 def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_workers: int, host: Host, policy):
     """The accelerator's LoaderConfig fields (accelerator, gpu_sharing, aot, taas, taas_last_k,
-    memory_bridge, bridge_why_off) from the loader's `accelerator` -- a string form or a DaliAccelerator
+    memory_bridge, bridge_why_off, dali_threads) from the loader's `accelerator` -- a string form or a DaliAccelerator
     -- and its loose arguments (`loose`, by name): the object is resolved as the strings it stands for."""
     given = accelerator if isinstance(accelerator, DaliAccelerator) else None
     accelerator, loose = unpack_accelerator(accelerator, loose)
@@ -55,7 +55,14 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
     accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy, given)
     check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given)
     gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
-    return {**loose, "accelerator": accelerator, "gpu_sharing": gpu_sharing, "bridge_why_off": why_off}
+    threads = given.threads if given is not None else 1
+    return {
+        **loose,
+        "accelerator": accelerator,
+        "gpu_sharing": gpu_sharing,
+        "bridge_why_off": why_off,
+        "dali_threads": threads,
+    }
 
 
 def resolve_accelerator(

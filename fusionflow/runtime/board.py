@@ -163,10 +163,13 @@ class Board:
         newer than `upto`, a (generation, seq) key, if given)."""
         return self.queue.take_cpu(upto)
 
-    def take_accel(self, largest_first: bool = True, max_images: int = 0) -> list[Work]:
-        """The accelerator's next DALI run: the oldest mini-batch's largest tiny-batch (its smallest,
-        for the FIFO ablation) and more of its largest, up to TAAS's K and `max_images` samples."""
-        return self.queue.take_accel(largest_first, max_images)
+    def take_accel(
+        self, largest_first: bool = True, max_images: int = 0, tail_fraction: float | None = None
+    ) -> list[Work]:
+        """The accelerator's next DALI run: its share (the `reserved` largest tiny-batches) of the
+        oldest mini-batch whose share it has not taken, else a tail run of the mini-batch training
+        waits for (scheduling/queue.py, `TinyBatchQueue.take_accel`)."""
+        return self.queue.take_accel(largest_first, max_images, tail_fraction)
 
     def requeue(self, works) -> None:
         """Put work back at the front of its mini-batch's queue (it was interrupted)."""

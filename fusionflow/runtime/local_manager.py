@@ -148,42 +148,52 @@ class LocalManager:
         key = (generation, seq)
         board = self.board
         with board.cond:
-            while True:
-                if self.fatal is not None:
-                    raise self.fatal
-                if self._closed:
-                    raise FusionFlowError(
-                        f"mini-batch {seq} cannot arrive: the loader's workers were shut down "
-                        "during this iteration (close(), or load_state_dict with a new seed)"
-                    )
-                state = board.queue.batches.get(key)
-                if state is None:
-                    raise FusionFlowError(
-                        f"mini-batch {seq} of this iterator is no longer tracked: a newer "
-                        "iter(loader) abandoned it (iterate one epoch at a time)"
-                    )
-                if state.error is not None:
-                    raise state.error
-                # dead workers are replaced here, also when the batch is ready (it may have been made
-                # before this call, e.g. speculated for this epoch: fusionflow/loader/next_epoch.py)
-                dead, missing = self.pool.wanted()
-                if dead or missing > 0:
-                    board.cond.release()
-                    try:
-                        self.pool.restart_and_resize(dead, missing)
-                    finally:
-                        board.cond.acquire()
-                    continue
-                if state.remaining == 0:
-                    board.queue.forget(key)
-                    return state
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise FusionFlowError(
-                        f"mini-batch {seq} was not ready within timeout={timeout} s "
-                        f"({state.remaining} of {state.size} samples outstanding)"
-                    )
-                board.cond.wait(left if left is not None else 1.0)
+            board.queue.awaited = key  # the accelerator may help with it (a tail run) while it is late
+            board.cond.notify_all()
+            try:
+                return self._wait(key, seq, deadline, timeout)
+            finally:
+                board.queue.awaited = None
+
+    def _wait(self, key, seq: int, deadline: float | None, timeout: float | None) -> BatchState:
+        """`wait`'s loop, lock held."""
+        board = self.board
+        while True:
+            if self.fatal is not None:
+                raise self.fatal
+            if self._closed:
+                raise FusionFlowError(
+                    f"mini-batch {seq} cannot arrive: the loader's workers were shut down "
+                    "during this iteration (close(), or load_state_dict with a new seed)"
+                )
+            state = board.queue.batches.get(key)
+            if state is None:
+                raise FusionFlowError(
+                    f"mini-batch {seq} of this iterator is no longer tracked: a newer "
+                    "iter(loader) abandoned it (iterate one epoch at a time)"
+                )
+            if state.error is not None:
+                raise state.error
+            # dead workers are replaced here, also when the batch is ready (it may have been made
+            # before this call, e.g. speculated for this epoch: fusionflow/loader/next_epoch.py)
+            dead, missing = self.pool.wanted()
+            if dead or missing > 0:
+                board.cond.release()
+                try:
+                    self.pool.restart_and_resize(dead, missing)
+                finally:
+                    board.cond.acquire()
+                continue
+            if state.remaining == 0:
+                board.queue.forget(key)
+                return state
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise FusionFlowError(
+                    f"mini-batch {seq} was not ready within timeout={timeout} s "
+                    f"({state.remaining} of {state.size} samples outstanding)"
+                )
+            board.cond.wait(left if left is not None else 1.0)
 
     def abandon(self, generation: int) -> None:
         """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""

@@ -12,6 +12,7 @@ takes it (`forget`), or its iterator is abandoned (`forget_generation`).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -61,6 +62,8 @@ class TinyBatchQueue:
         self.queues: dict[Key, deque[Work]] = {}  # insertion order = age: oldest mini-batch first
         self.batches: dict[Key, BatchState] = {}
         self.reserved = 0  # TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
+        self.share_taken: dict[Key, int] = {}  # per mini-batch, tiny-batches of the accelerator's share it took
+        self.awaited: Key | None = None  # the mini-batch the training loop is waiting for, while it waits
 
     def add(
         self,
@@ -86,30 +89,58 @@ class TinyBatchQueue:
         for key, q in self.queues.items():
             if upto is not None and key > upto:
                 break
-            if q and (q[0].cpu_only or cpu_may_take(len(q), self.reserved)):
+            if q and (q[0].cpu_only or cpu_may_take(len(q), self._share_left(key))):
                 return q.popleft()
         return None
 
-    def take_accel(self, largest_first: bool = True, max_images: int = 0) -> list[Work]:
-        """The oldest mini-batch's largest tiny-batch (or its smallest, for the FIFO ablation), and
-        with it, for one DALI run, more of that mini-batch's largest: up to the `reserved` (TAAS's K)
-        in all and `max_images` samples. [] when there is nothing for the accelerator."""
-        for q in self.queues.values():
-            candidates = [w for w in q if not w.cpu_only]
-            if not candidates:
+    def take_accel(
+        self, largest_first: bool = True, max_images: int = 0, tail_fraction: float | None = None
+    ) -> list[Work]:
+        """The accelerator's next run, [] when there is none.
+
+        First its share of a mini-batch, in one run (more only above `max_images` samples), oldest
+        mini-batch first, so it runs ahead of the one training waits for: the `reserved` largest
+        tiny-batches (TAAS's K, from the split rule's G) of a mini-batch whose share it has not
+        taken. Once taken, that mini-batch's other tiny-batches are the CPU workers'.
+        Then, with `tail_fraction`, a tail run when the CPU side is late: the largest unstarted
+        tiny-batches of the mini-batch training is waiting for (`awaited`), that fraction of them
+        (at least one). Without `tail_fraction` (the ablations: no split, or FIFO), the oldest
+        mini-batch's largest tiny-batch (its smallest with `largest_first` False), as before shares."""
+        for key, q in self.queues.items():
+            left = self._share_left(key)
+            if not left:
                 continue
-            if largest_first:
-                candidates.reverse()
-            group, images = [candidates[0]], len(candidates[0].positions)
-            for work in candidates[1 : max(1, self.reserved)]:
-                if images + len(work.positions) > max_images:
-                    break
-                group.append(work)
-                images += len(work.positions)
-            for work in group:
-                q.remove(work)
-            return group
-        return []
+            group = self._largest(q, largest_first, left, max_images)
+            self.share_taken[key] = self.share_taken.get(key, 0) + (len(group) or left)  # none left to take: done
+            if group:
+                return group
+        if tail_fraction is None:
+            for q in self.queues.values():
+                if group := self._largest(q, largest_first, 1, max_images):
+                    return group
+            return []
+        q = self.queues.get(self.awaited) if self.awaited is not None else None
+        if not q:
+            return []
+        unstarted = sum(not w.cpu_only for w in q)
+        return self._largest(q, largest_first, max(1, math.ceil(unstarted * tail_fraction)), max_images)
+
+    @staticmethod
+    def _largest(q: deque, largest_first: bool, count: int, max_images: int) -> list[Work]:
+        """Remove and return up to `count` of `q`'s tiny-batches the accelerator may run, largest first
+        (smallest with `largest_first` False), within `max_images` samples (at least one tiny-batch)."""
+        candidates = [w for w in q if not w.cpu_only]
+        if largest_first:
+            candidates.reverse()
+        group, images = [], 0
+        for work in candidates[:count]:
+            if group and images + len(work.positions) > max_images:
+                break
+            group.append(work)
+            images += len(work.positions)
+        for work in group:
+            q.remove(work)
+        return group
 
     def requeue(self, works: Iterable[Work]) -> None:
         """Put work back at the front of its mini-batch's queue, in the given order (it was
@@ -145,6 +176,7 @@ class TinyBatchQueue:
         """The training loop took this mini-batch (or gave it up)."""
         self.batches.pop(key, None)
         self.queues.pop(key, None)
+        self.share_taken.pop(key, None)
 
     def forget_generation(self, generation: int) -> None:
         """An iterator stopped early: forget its unfinished mini-batches."""
@@ -158,4 +190,8 @@ class TinyBatchQueue:
 
     def waiting(self, key: Key | None) -> int:
         """Tiny-batches of mini-batch `key` that no worker has started and CPU workers may take."""
-        return max(0, len(self.queues[key]) - self.reserved) if key is not None else 0
+        return max(0, len(self.queues[key]) - self._share_left(key)) if key is not None else 0
+
+    def _share_left(self, key: Key) -> int:
+        """Tiny-batches of mini-batch `key`'s share that the accelerator has yet to take."""
+        return max(0, self.reserved - self.share_taken.get(key, 0))

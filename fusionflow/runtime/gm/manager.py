@@ -23,7 +23,7 @@ the GM marks the table CLOSING under its lock, unlinks it and exits. If the GM d
 its pid gone, say so once, and keep training with their own workers; the last LM to leave unlinks.
 
 Elastic capacity: `GlobalManagerClient(job).set_workers(n)` writes a worker target into the action
-rows; each LM starts or retires workers to match without blocking training, and its TAAS search
+rows; each LM starts or retires workers to match without blocking training, and its split rule
 starts over.
 
 Who owns the workers: each LM forks and owns its own; the GM owns none, it only moves them. (The
