@@ -99,6 +99,21 @@ def test_tail_run_only_for_the_awaited_mini_batch_sized_by_the_fraction():
     assert q.take_accel(tail_fraction=0.5) == []
 
 
+def test_idle_cpu_workers_steal_the_smallest_of_an_untaken_share_oldest_first():
+    q = queue_with([30, 10, 20, 40], [7, 8, 9], reserved=2)
+    assert [q.take_cpu().indices for _ in range(3)] == [(1,), (2,), (100,)]
+    assert q.take_cpu() is None  # without steal the shares hold
+    q.steal = True
+    assert q.take_cpu().indices == (0,)  # mini-batch 0's share: its smaller one (30)
+    assert [w.indices for w in q.take_accel(max_images=10)] == [(3,)]  # one left of its share for the accelerator
+    assert [w.indices for w in q.take_accel(max_images=10)] == [(102,), (101,)]
+    assert q.take_cpu() is None and q.take_accel(max_images=10) == []
+    q = queue_with([30, 10], [7, 8], reserved=2)
+    q.steal = True
+    assert q.take_cpu(upto=(1, 0)).indices == (1,) and q.take_cpu(upto=(1, 0)).indices == (0,)
+    assert q.take_cpu(upto=(1, 0)) is None  # never past `upto`
+
+
 def test_accelerator_group_skips_given_back_work():
     q = queue_with([30, 10, 20, 40], reserved=4)
     work = accel(q)

@@ -210,7 +210,7 @@ class AcceleratorWorker:
         self._last_batch_at = now
         share = split.share(state.size, self.cpu_workers)
         self.tail_fraction = share / state.size
-        self.board.reserve(-(-share // self.tiny_batch_size))
+        self.board.reserve(-(-share // self.tiny_batch_size), steal=True)
 
     def capacity(self, workers: int) -> None:
         """The CPU workers now live (the board's owner tells, under board.cond)."""

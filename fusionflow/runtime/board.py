@@ -149,9 +149,10 @@ class Board:
         search sets it; the accelerator clears it when it retires)."""
         return self.queue.reserved
 
-    def reserve(self, k: int) -> None:
-        """TAAS's K for the mini-batches from now on: what the GPU session's K search measured."""
-        self.queue.reserved = k
+    def reserve(self, k: int, steal: bool = False) -> None:
+        """TAAS's K for the mini-batches from now on: the accelerator's share (the split rule's G in
+        tiny-batches). `steal`: CPU workers with nothing else to do take from shares it has not taken."""
+        self.queue.reserved, self.queue.steal = k, steal
 
     def drop_reservations(self) -> None:
         """The accelerator takes no more work (it retired): the CPU workers may take every tiny-batch."""

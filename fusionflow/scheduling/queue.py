@@ -64,6 +64,7 @@ class TinyBatchQueue:
         self.reserved = 0  # TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
         self.share_taken: dict[Key, int] = {}  # per mini-batch, tiny-batches of the accelerator's share it took
         self.awaited: Key | None = None  # the mini-batch the training loop is waiting for, while it waits
+        self.steal = False  # CPU workers with nothing else take from shares the accelerator has not taken
 
     def add(
         self,
@@ -85,11 +86,22 @@ class TinyBatchQueue:
 
     def take_cpu(self, upto: Key | None = None) -> Work | None:
         """The oldest mini-batch's smallest tiny-batch that CPU workers may take (of mini-batches no
-        newer than `upto`, if given)."""
+        newer than `upto`, if given); with `steal`, when there is none, the smallest of the oldest share
+        the accelerator has not taken (one less for it to take)."""
         for key, q in self.queues.items():
             if upto is not None and key > upto:
                 break
             if q and (q[0].cpu_only or cpu_may_take(len(q), self._share_left(key))):
+                return q.popleft()
+        if not self.steal:
+            return None
+        # Nothing else left: the smallest of a share the accelerator has not taken yet, oldest first --
+        # the split is an estimate, and a CPU worker left idle is throughput lost either way.
+        for key, q in self.queues.items():
+            if upto is not None and key > upto:
+                break
+            if q and self._share_left(key):
+                self.share_taken[key] = self.share_taken.get(key, 0) + 1
                 return q.popleft()
         return None
 
