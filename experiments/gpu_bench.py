@@ -6,7 +6,10 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
   (b) dali            DALI alone: its auto_aug RandAugment pipeline on the GPU
   (c) ff_cpu          FusionFlowLoader, CPU workers only
   (d) ff_cpu_gpu      FusionFlowLoader, CPU workers + DALI accelerator on the GPU (TAAS)
-  (e) staged          training on batches already on the GPU (the no-stall ceiling)
+  (e) staged          training on batches already on the GPU (the no-stall ceiling): t = 1/staged
+  (f) dali_only       DALI alone's pipeline without training: its augmentation time g = 1/dali_only
+and, from t, g and ff_cpu's rate c, issue 41's model bound R = (1 + c*g)/(t + g) (CPU workers and
+DALI sharing each mini-batch, the GPU running training and DALI) with each FusionFlow rate's share of it
 plus per-op agreement of FusionFlow's DALI GPU ops with its CPU ops, and the AoT-design numbers.
 Medians over timed iterations after warm-up, synchronised; JSON to $OUT (or --out). From the
 repository root (on the device machine: experiments/gpu_run.sh bench ARGS):
@@ -28,6 +31,7 @@ import numpy as np
 
 from experiments.harness import RESULTS, mixed_jpegs, provenance, result_path, write_json
 from fusionflow.accel.sharing_profiler import PROFILE_BATCHES
+from fusionflow.loader.config import ACCELERATOR_PREFETCH
 
 DALI_PREFETCH = 2  # batches DALI runs ahead (its pipelines' default)
 TV_PREFETCH = 2  # DataLoader's prefetch_factor (its default): workers x 2 batches buffered
@@ -201,7 +205,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--models", default="resnet18,resnet50")
     ap.add_argument("--workers", default="4,15")
-    ap.add_argument("--variants", default="staged,dataloader_tv,dali,ff_cpu,ff_cpu_gpu")
+    ap.add_argument("--variants", default="staged,dali_only,dataloader_tv,dali,ff_cpu,ff_cpu_gpu")
     ap.add_argument(
         "--gpu-sharing",
         default="auto",
@@ -250,6 +254,30 @@ def dali_rate(data, model_name, workers, device, args) -> float:
     return train_rate(batches, model_name, device, args.iters, warmup, bs)
 
 
+def dali_only_rate(data, workers, device, args) -> float:
+    """DALI alone's pipeline without training (synchronised at both ends): g, its time per image."""
+    import torch
+
+    bs = args.batch_size
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    it = dali_batches(data, bs, device, workers, args.iters + args.warmup + 1)
+    for _ in range(args.warmup):
+        next(it)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.iters):
+        next(it)
+    sync()
+    return args.iters * bs / (time.perf_counter() - t0)
+
+
+def model_bound(train_rate_: float, dali_rate_: float, cpu_rate: float) -> float:
+    """Issue 41's bound for CPU workers (c img/s) and DALI (g s/img on the GPU) sharing mini-batches
+    with training (t s/img): R = (1 + c*g) / (t + g) while the GPU bounds it, c where the CPU does."""
+    t, g, c = 1 / train_rate_, 1 / dali_rate_, cpu_rate
+    return min((1 + c * g) / (t + g), 1 / t) if c * t < 1 else 1 / t
+
+
 def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> float:
     """FusionFlowLoader's rate, CPU workers only (ff_cpu) or with the DALI accelerator (ff_cpu_gpu); its
     stats go into `row`. A run whose accelerator fell back to the CPU workers raises: not comparable."""
@@ -258,7 +286,7 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
     profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
-    warmup = drain_warmup(ff_warmup(args.warmup, profiling), 2)  # prefetch_factor 2
+    warmup = drain_warmup(ff_warmup(args.warmup, profiling), ACCELERATOR_PREFETCH if accel else 2)  # ring slots
     with ff_loader(
         data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, gpu_sharing=args.gpu_sharing
     ) as ff:
@@ -290,6 +318,8 @@ def run_row(data, model_name, workers, device, args) -> dict:
                 rate = dataloader_rate(data, model_name, workers, device, args)
             elif variant == "dali":
                 rate = dali_rate(data, model_name, workers, device, args)
+            elif variant == "dali_only":
+                rate = dali_only_rate(data, workers, device, args)
             else:
                 rate = fusionflow_rate(variant, data, model_name, workers, device, args, row)
             row[variant] = rate
@@ -306,6 +336,19 @@ def run_row(data, model_name, workers, device, args) -> dict:
         row["ff_cpu_gpu_vs_dali"] = row["ff_cpu_gpu"] / row["dali"]
     if row.get("ff_cpu_gpu") and row.get("staged"):
         row["ff_cpu_gpu_of_staged"] = row["ff_cpu_gpu"] / row["staged"]
+    if row.get("staged") and row.get("dali_only") and row.get("ff_cpu"):
+        row["model_bound"] = model_bound(row["staged"], row["dali_only"], row["ff_cpu"])
+        for v in ("dali", "ff_cpu", "ff_cpu_gpu"):
+            if row.get(v):
+                row[f"{v}_of_bound"] = row[v] / row["model_bound"]
+    if row.get("ff_cpu_gpu") and row.get("dali") and row.get("ff_cpu"):  # issue 41: >= max(DALI, CPU alone)
+        row["ff_cpu_gpu_vs_best_alone"] = row["ff_cpu_gpu"] / max(row["dali"], row["ff_cpu"])
+    stats = row.get("ff_cpu_gpu_stats") or {}
+    if stats.get("accelerator_samples"):
+        row["accelerator_samples_per_run"] = stats["accelerator_samples"] / max(1, stats["accelerator_runs"])
+        row["accelerator_feed_cpu_us_per_sample"] = (
+            1e6 * stats["accelerator_feed_cpu_seconds"] / stats["accelerator_samples"]
+        )
     return row
 
 

@@ -100,6 +100,8 @@ class LoaderStats(RuntimeCounters):
             "startup_seconds": self.startup_seconds,
             "accelerator_tiny_batches": self.accelerator_tiny_batches,
             "accelerator_runs": self.accelerator_runs,
+            "accelerator_samples": self.accelerator_samples,
+            "accelerator_feed_cpu_seconds": self.accelerator_feed_cpu_seconds,
             "accelerator_given_back": self.accelerator_given_back,
             "accelerator_builds": self.accelerator_builds,
             "accelerator_build_seconds": self.accelerator_build_seconds,
