@@ -452,6 +452,44 @@ def test_a_worker_killed_at_every_start_fails_after_max_retries():
     assert loader.stats.worker_restarts == 1
 
 
+class StopsItselfAt(Bytes):
+    """Sample 13's worker stops itself (SIGSTOP) the first time, as a paused container or a read that
+    never returns would leave it: alive, silent, no progress."""
+
+    def __init__(self, n, marker_dir):
+        super().__init__(n)
+        self.marker = os.path.join(marker_dir, "stopped")
+
+    def __getitem__(self, i):
+        if i == 13 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return super().__getitem__(i)
+
+
+def test_a_stopped_worker_is_killed_and_replaced_and_the_epoch_completes_without_a_timeout(tmp_path, monkeypatch):
+    """timeout=0 (wait forever, DataLoader's default): the stuck worker is killed past the stuck bound
+    (lowered here from 30 s), its tiny-batches run again, every sample arrives exactly once."""
+    from fusionflow.runtime import liveness
+
+    monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 2.0)
+    loader = FusionFlowLoader(StopsItselfAt(32, str(tmp_path)), batch_size=4, num_workers=2, policy=SMALL)
+    _, labels = collect(loader)
+    assert sorted(torch.cat(labels).tolist()) == list(range(32))
+    assert os.path.exists(os.path.join(tmp_path, "stopped"))
+    assert loader.stats.workers_stuck >= 1 and loader.stats.worker_restarts >= 1
+    assert loader.stats.summary()["workers_stuck"] == loader.stats.workers_stuck
+
+
+def test_the_stuck_bound_follows_the_tiny_batch_time_above_a_floor():
+    from fusionflow.runtime import liveness
+
+    assert liveness.stuck_bound(0.0) == liveness.FIRST_TASK_S  # nothing finished yet: kernels may be building
+    assert liveness.stuck_bound(0.01) == liveness.STUCK_FLOOR_S
+    assert liveness.stuck_bound(10.0) == 10.0 * liveness.STUCK_FACTOR
+    assert liveness.is_stuck(31.0, 0.01) and not liveness.is_stuck(29.0, 0.01)
+
+
 def test_superseded_iterator_says_so():
     loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
     first = iter(loader)

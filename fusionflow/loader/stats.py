@@ -97,6 +97,7 @@ class LoaderStats(RuntimeCounters):
             "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
             "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
             "worker_restarts": self.worker_restarts,
+            "workers_stuck": self.workers_stuck,
             "startup_seconds": self.startup_seconds,
             "accelerator_tiny_batches": self.accelerator_tiny_batches,
             "accelerator_runs": self.accelerator_runs,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 class RuntimeCounters:
     tiny_batches_per_worker: list = field(default_factory=list)  # by worker id, this manager's workers
     worker_restarts: int = 0  # CPU workers replaced after they died
+    workers_stuck: int = 0  # CPU workers killed for making no progress (runtime/liveness.py), then replaced
     accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
     accelerator_runs: int = 0  # its DALI runs that produced them (one run: several tiny-batches of one mini-batch)
     accelerator_samples: int = 0  # samples those runs produced

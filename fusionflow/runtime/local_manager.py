@@ -28,6 +28,8 @@ Faults
     worker is started by the main thread at its next `wait`. A worker killed by SIGBUS is never
     blamed on a sample: shared memory could not be backed (the ring is reserved at creation, so
     this means /dev/shm was exhausted under us); the loader fails with a `SharedMemoryError`.
+  * A worker that makes no progress (stopped, swapping, a read that never returns): killed once its
+    oldest tiny-batch has run past the stuck bound (runtime/liveness.py), then handled as a death.
   * A sample whose decode/augment raises: reported as data (`SampleFailure`) with its traceback.
   * A worker that fails to start (e.g. `worker_init_fn` raised): a `WorkerStartError` with its
     traceback at the next `wait`.
@@ -53,6 +55,7 @@ import time
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, WorkerStartError
+from fusionflow.runtime import liveness
 from fusionflow.runtime.board import Board
 from fusionflow.runtime.shm import BatchRing
 from fusionflow.runtime.spec import RuntimeSpec
@@ -282,6 +285,7 @@ class LocalManager:
                 agent.serving()  # the listener is in every wait below from now on
             while not self._closed:
                 with board.cond:
+                    self._kill_stuck()
                     self._dispatch()
                     timeout = agent.step() if agent is not None else 1.0
                     waitables = [board.wake_conn] + self.pool.waitables()
@@ -299,6 +303,29 @@ class LocalManager:
             with board.cond:
                 self.fatal = FusionFlowError(f"the loader's manager thread failed: {exc!r}")
                 board.cond.notify_all()
+
+    def _kill_stuck(self) -> None:
+        """(lock held) Kill own workers whose oldest tiny-batch has run past the stuck bound
+        (runtime/liveness.py); the death path requeues their work and the next `wait` replaces them."""
+        pool, now = self.pool, time.monotonic()
+        for w in pool.workers:
+            if w is None or not w.alive or w.process is None or not w.outstanding or w.lent_to is not None:
+                continue
+            running_for = now - w.head_since
+            if not liveness.is_stuck(running_for, pool.task_seconds):
+                continue
+            work = w.outstanding[0][1]
+            log.warning(
+                "fusionflow CPU worker %d made no progress for %.0f s on samples %s (bound %.0f s); killing "
+                "it: its tiny-batches run again, a replacement starts",
+                w.worker_id,
+                running_for,
+                list(work.indices),
+                liveness.stuck_bound(pool.task_seconds),
+            )
+            self.board.counters.workers_stuck += 1
+            w.process.kill()  # SIGKILL reaches a stopped process too; its sentinel wakes this thread
+            w.head_since = now  # not killed again while it dies
 
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""

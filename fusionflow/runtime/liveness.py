@@ -1,0 +1,33 @@
+"""When a CPU worker counts as stuck: a tiny-batch it has run far longer than the recent ones. Pure.
+
+A worker that is stopped (SIGSTOP, a paused container), swapping, or caught in a read that never
+returns makes no progress and sends nothing: its pipe and its process sentinel stay quiet, so
+nothing else wakes the manager. The manager thread looks at each own worker's oldest outstanding
+tiny-batch once a second (runtime/local_manager.py); past the bound it kills the worker, which then
+goes through the death path like any other: its tiny-batches requeued (the one it was running
+retried sample by sample, counted against `max_retries`, so a sample that hangs every worker is
+reported by name), a replacement started at the next `wait`. A sample's pixels are a pure function
+of (seed, epoch, index, copy), so the work runs again elsewhere with the same result.
+
+The bound: `STUCK_FACTOR` times the running mean of a tiny-batch's time, never below `STUCK_FLOOR_S`
+(a busy machine slows every tiny-batch alike: the mean follows it), and `FIRST_TASK_S` while no
+tiny-batch has finished yet (a worker's first one may build native kernels). DataLoader's `timeout=`
+stays the last resort.
+"""
+
+from __future__ import annotations
+
+STUCK_FLOOR_S = 30.0
+STUCK_FACTOR = 20.0
+FIRST_TASK_S = 120.0
+
+
+def stuck_bound(task_seconds: float) -> float:
+    """Seconds a worker's oldest outstanding tiny-batch may run before the worker counts as stuck."""
+    if task_seconds <= 0:
+        return max(FIRST_TASK_S, STUCK_FLOOR_S)
+    return max(STUCK_FLOOR_S, STUCK_FACTOR * task_seconds)
+
+
+def is_stuck(running_for: float, task_seconds: float) -> bool:
+    return running_for > stuck_bound(task_seconds)
