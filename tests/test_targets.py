@@ -12,7 +12,8 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.targets import gather, in_ring, store
+from fusionflow.runtime.targets import gather, in_ring, store, store_works
+from fusionflow.scheduling.queue import Work
 
 TARGETS = {
     "int": lambda i: i,
@@ -79,6 +80,14 @@ def test_every_target_kind_arrives_as_dataloader_delivers_it(kind, num_workers):
         same(a, b, f"batch {k}")
     pipe = CpuPipeline(SMALL)  # pixels are unaffected by the target's type
     assert np.array_equal(images[1][2].numpy(), pipe(ds.data[9], 9, seed=1, epoch=0))
+
+
+def test_store_works_puts_each_target_in_its_works_slot_in_order():
+    ring = np.zeros((2, 4), np.int64)
+    works = [Work(0, 1, 1, 0, (2, 0), (7, 5)), Work(0, 1, 0, 0, (3,), (9,))]
+    done = store_works(ring, works, [11, "cat", 13])
+    assert ring.tolist() == [[0, 0, 0, 13], [0, 0, 11, 0]]
+    assert [(w is works[i], side) for i, (w, side) in enumerate(done)] == [(True, {0: "cat"}), (True, {})]
 
 
 def test_float_label_keeps_its_fraction():

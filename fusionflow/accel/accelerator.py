@@ -208,13 +208,17 @@ class AcceleratorWorker:
             cpu_last = state.cpu_done_at >= state.accel_done_at
             split.iteration(now - self._last_batch_at, state.size, cpu_bound=awaited and cpu_last)
         self._last_batch_at = now
-        share = split.share(state.size, self.cpu_workers)
-        self.tail_fraction = share / state.size
+        self.reserve_share(state.size)
+
+    def reserve_share(self, batch: int) -> None:
+        """Under board.cond: the split rule's share of the next mini-batches of `batch` samples (at start:
+        half, until rates are measured), and the tail runs' fraction with it."""
+        share = self.split.share(batch, self.cpu_workers)
+        self.tail_fraction = share / batch
         self.board.reserve(-(-share // self.tiny_batch_size), steal=True)
 
     def capacity(self, workers: int) -> None:
-        """The CPU workers now live (the board's owner tells, under board.cond)."""
-        self.cpu_workers = workers
+        self.cpu_workers = workers  # the CPU workers now live (the board's owner tells, under board.cond)
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -315,8 +319,6 @@ class AcceleratorWorker:
             pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies if any(copies) else None, sizes)
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
-            with board.cond:
-                self._lose_all()
             return
         if pipeline is not self.pipeline:  # DALI-Naive: collect at once, then close
             try:
@@ -333,15 +335,13 @@ class AcceleratorWorker:
             out = pipeline.collect()
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
-            with self.board.cond:
-                self._lose_all()
             return
         positions = [p for w in group for p in w.positions]  # one mini-batch, one ring slot
         if self.device_ring is not None:
             self.device_ring.write(group[0].slot, positions, out)
         else:
             self.board.ring.images[group[0].slot, positions] = np.asarray(out.as_tensor())
-        done = self._store_targets(group, labels)
+        done = targets.store_works(self.board.ring.labels, group, labels)  # [(work, targets not in the ring)]
         now = time.monotonic()
         with self.board.cond:
             self._active.pop(0)
@@ -382,19 +382,12 @@ class AcceleratorWorker:
             self._retire(f"{self.failures_in_a_row} DALI runs in a row failed")
 
     def _failed_run(self, exc, indices) -> None:
+        """A DALI run failed (out of memory, or a sample it could not decode): the pipeline is discarded,
+        and every run in flight with it goes to the CPU workers."""
         if isinstance(exc, DeviceOutOfMemory):
             self.counters.accelerator_out_of_memory += 1
             log.warning("accelerator out of memory on samples %s; the CPU workers take them: %s", indices, exc)
         else:
             log.info("accelerator could not decode %s: %s", indices, exc)
-
-    def _store_targets(self, group, labels) -> list:
-        """Each sample's target into the ring; [(work, targets that are not ints)] (runtime/targets.py)."""
-        ring, done, k = self.board.ring, [], 0
-        for work in group:
-            side = {}
-            for pos in work.positions:
-                targets.store(ring.labels[work.slot], pos, labels[k], side)
-                k += 1
-            done.append((work, side))
-        return done
+        with self.board.cond:
+            self._lose_all()

@@ -112,7 +112,7 @@ class GpuSession:
         accel_ref = weakref.ref(accel)
         if accel.split is not None:
             with mgr.board.cond:  # the first mini-batches' share, until rates are measured
-                mgr.board.reserve(-(-accel.split.share(capacity, spec.num_workers) // tiny_batch_size), steal=True)
+                accel.reserve_share(capacity)
         mgr.attach(
             on_batch_done=(
                 functools.partial(_split_feedback, weakref.ref(mgr), accel_ref, self.stats.taas_k)

@@ -36,6 +36,19 @@ def store(labels_row, position: int, target, side: dict) -> None:
         side[position] = target
 
 
+def store_works(ring_labels, works, targets) -> list:
+    """Store `targets` (in the order of the works' positions) for each work's ring slot; returns
+    [(work, its side dict of targets that are not ints)], as `complete` takes them."""
+    done, k = [], 0
+    for work in works:
+        side = {}
+        for pos in work.positions:
+            store(ring_labels[work.slot], pos, targets[k], side)
+            k += 1
+        done.append((work, side))
+    return done
+
+
 def gather(labels_row, positions, side: dict) -> list:
     """The targets of `positions` (in order) as the dataset returned them: ring ints as Python ints."""
     return [side[p] if p in side else int(labels_row[p]) for p in positions]
