@@ -89,6 +89,37 @@ def test_one_dali_run_takes_the_reserved_tiny_batches_and_writes_each_to_its_pos
         mgr.shutdown()
 
 
+def test_one_dali_run_holds_the_shares_of_two_mini_batches_and_writes_each_slot():
+    """Two mini-batches queued before the accelerator starts, a share of 2 tiny-batches each: one DALI
+    run holds both shares (MERGE_SHARES), each sample lands in its own slot and position."""
+    from fusionflow.accel.accelerator import MERGE_SHARES, AcceleratorWorker
+
+    assert MERGE_SHARES >= 2
+    ds = Bytes(8)
+    layout = RingLayout(2, 4, (3, 24, 24), "uint8")
+    mgr = LocalManager(ds, RuntimeSpec(None, layout, num_workers=0, seed=4, tiny_batch_size=2), sizes=ds.sizes)
+    try:
+        accel = AcceleratorWorker(mgr.board, ds, SMALL, max_images=8, seed=4, device="cpu")
+        mgr.board.add_worker_kind(accel)
+        mgr.board.reserve(2)
+        orders = [[5, 1, 7, 0], [3, 6, 2, 4]]
+        mgr.submit(0, 0, 0, 0, orders[0])
+        mgr.submit(1, 0, 1, 0, orders[1])
+        accel.start()
+        mgr.wait(0, 0, timeout=60)
+        mgr.wait(1, 0, timeout=60)
+        dali = DaliPolicyPipeline(SMALL, batch_size=1)
+        ring = mgr.board.ring
+        for slot, order in enumerate(orders):
+            for pos, i in enumerate(order):
+                assert np.array_equal(ring.images[slot, pos], run_numpy(dali, [ds.data[i]], [i], seed=4)[0]), (slot, i)
+                assert int(ring.labels[slot][pos]) == i
+        c = mgr.board.counters
+        assert (c.accelerator_tiny_batches, c.accelerator_runs, c.accelerator_samples) == (4, 1, 8)
+    finally:
+        mgr.shutdown()
+
+
 def test_corrupt_sample_is_given_back_and_named_by_a_cpu_worker():
     with pytest.raises(SampleError, match=r"sample 5 \(/data/img_5\.jpg\)"):
         collect(loader(Bytes(24, bad={5}), tiny_batch_size=1))

@@ -228,3 +228,17 @@ def test_a_dali_run_of_several_tiny_batches_lands_in_their_positions(fake):
     assert copy["stream"] is ring.stream
     ring.write(0, [2, 3], out[:2])  # adjacent positions: straight into the slot
     assert [int(ring.images[0, p, 0, 0, 0]) for p in range(6)] == [0, 0, 10, 11, 0, 0]
+
+
+def test_a_run_holding_shares_of_two_mini_batches_lands_in_both_slots(fake):
+    """Positions 0-1 of slot 1 and 0-1 of slot 0 in one run: staged, copied per (slot, run of
+    positions), and both slots' events are the copy's."""
+    from fusionflow.runtime.shm import RingLayout
+
+    ring = device_ring.DeviceRing(RingLayout(2, 4, (1, 2, 2), "uint8"), torch.device("cuda:1"), torch.device("cpu"))
+    ring.images.zero_()
+    out = [np.full((1, 2, 2), v, np.uint8) for v in (10, 11, 20, 21)]
+    ring.write([1, 1, 0, 0], [0, 1, 0, 1], out)
+    assert [int(ring.images[s, p, 0, 0, 0]) for s in (0, 1) for p in range(4)] == [20, 21, 0, 0, 10, 11, 0, 0]
+    assert ring.ready[0] is ring.ready[1] is not None
+    assert not fake.of("h2d") and not fake.of("h2d_tensor")

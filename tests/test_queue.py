@@ -87,6 +87,22 @@ def test_accelerator_group_is_the_reserved_largest_of_one_mini_batch_within_max_
     assert [w.indices for w in q.take_accel(largest_first=False, max_images=100)] == [(1,), (2,), (0,)]
 
 
+def test_a_run_merges_whole_shares_of_the_next_mini_batches_that_fit():
+    q = queue_with([30, 10, 20, 40], [7, 8, 9], [1, 2, 3], reserved=2)
+    run = q.take_accel(max_images=100, merge=2)
+    assert [w.indices for w in run] == [(3,), (0,), (102,), (101,)]  # mini-batches 0 and 1: two shares
+    assert [w.indices for w in q.take_accel(max_images=100, merge=2)] == [(202,), (201,)]
+    q = queue_with([30, 10, 20, 40], [7, 8, 9], reserved=2)
+    assert len(q.take_accel(max_images=3, merge=2)) == 2  # mini-batch 1's share would not fit whole
+    assert [w.indices for w in q.take_accel(max_images=3, merge=2)] == [(102,), (101,)]
+    q = queue_with([30, 10, 20, 40], [7, 8, 9], reserved=2)
+    q.awaited = (1, 0)
+    assert len(q.take_accel(max_images=100, merge=2)) == 2  # training waits for mini-batch 0: no merging
+    q = queue_with([30, 10, 20, 40], reserved=2)
+    q.add(1, 1, slot=1, epoch=1, tiny=split_sorted([5, 6], [0] * 5 + [4, 5], 1), size=2, submitted_at=0.0)
+    assert len(q.take_accel(max_images=100, merge=2)) == 2  # the next epoch's mini-batch is not merged
+
+
 def test_tail_run_only_for_the_awaited_mini_batch_sized_by_the_fraction():
     q = queue_with([30, 10, 20, 40, 50, 60], [7, 8], reserved=1)
     assert [w.indices for w in q.take_accel(tail_fraction=0.5)] == [(5,)]  # mini-batch 0's share

@@ -1,8 +1,9 @@
 """The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline the
 largest tiny-batches of the local manager's queue and writes each output to its mini-batch position.
 
-One DALI run takes the accelerator's share of one mini-batch: its G largest samples, as whole
-tiny-batches (the board's `reserved`; more than one run only above `max_images` samples). G comes
+One DALI run takes the accelerator's share of a mini-batch: its G largest samples, as whole
+tiny-batches (the board's `reserved`; more than one run only above `max_images` samples), with the
+whole shares of up to MERGE_SHARES - 1 next mini-batches that fit. G comes
 from the split rule (scheduling/split.py), fed here: each mini-batch done (`batch_done`: the CPU
 workers' time per tiny-batch, whether training waited for it, the period) and each run's completion
 interval. (A run's cost hardly depends on its size below a hundred images on a GPU: runs of one
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
 RUN_IMAGES = 256  # samples per DALI run at most: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
 DEPTH = 2  # DALI runs in flight at once (not gated): DALI works on one while the next is prepared
+MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed cost paid once for them
 
 
 class AcceleratorWorker:
@@ -233,7 +235,8 @@ class AcceleratorWorker:
                     if len(inflight) < (1 if self.gated else DEPTH) and not (
                         board.draining() or (self.gated and not self.window_open)
                     ):
-                        group = board.take_accel(self.largest_first, self.max_images, self.tail_fraction)
+                        merge = 1 if self.gated else MERGE_SHARES
+                        group = board.take_accel(self.largest_first, self.max_images, self.tail_fraction, merge)
                         if group:
                             break
                     if inflight:
@@ -336,11 +339,12 @@ class AcceleratorWorker:
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
             return
-        positions = [p for w in group for p in w.positions]  # one mini-batch, one ring slot
+        slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
+        positions = [p for w in group for p in w.positions]
         if self.device_ring is not None:
-            self.device_ring.write(group[0].slot, positions, out)
+            self.device_ring.write(slots, positions, out)
         else:
-            self.board.ring.images[group[0].slot, positions] = np.asarray(out.as_tensor())
+            self.board.ring.images[slots, positions] = np.asarray(out.as_tensor())
         done = targets.store_works(self.board.ring.labels, group, labels)  # [(work, targets not in the ring)]
         now = time.monotonic()
         with self.board.cond:

@@ -50,27 +50,31 @@ class DeviceRing:
             self.stream = torch.cuda.Stream(device=device)
         self.ready = [None] * layout.depth  # per slot: the event of the accelerator's last copy into it
 
-    def write(self, slot: int, positions, out) -> None:
+    def write(self, slot, positions, out) -> None:
         """Copy a DALI GPU TensorList (one sample per position, in order) into the ring; returns once
-        the copy is complete (the slot may then be reported done)."""
-        first, n = positions[0], len(positions)
+        the copy is complete (the slots may then be reported done). `slot`: the ring slot, or each
+        sample's (a run holding the shares of several mini-batches)."""
+        slots = [slot] * len(positions) if isinstance(slot, int) else list(slot)
+        runs = _runs_in_order(positions, slots)
         with torch.cuda.device(self.index):
-            if list(positions) == list(range(first, first + n)):  # one tiny-batch, or adjacent ones
-                copy_out(out, self.images[slot, first : first + n], self.stream)
-            else:  # several tiny-batches in one DALI run: staged, then a device copy per run of positions
+            if len(runs) == 1:  # one tiny-batch, or adjacent ones of one slot
+                s, a, b = runs[0]
+                copy_out(out, self.images[s, a:b], self.stream)
+            else:  # staged, then a device copy per run of positions
                 with torch.cuda.stream(self.stream):  # the staging block belongs to the accelerator's stream
                     staged = torch.empty(
-                        (n, *self.images.shape[2:]), dtype=self.images.dtype, device=self.images.device
+                        (len(positions), *self.images.shape[2:]), dtype=self.images.dtype, device=self.images.device
                     )
                     copy_out(out, staged, self.stream)
                     k = 0
-                    for a, b in _runs_in_order(positions):
-                        self.images[slot, a:b].copy_(staged[k : k + b - a], non_blocking=True)
+                    for s, a, b in runs:
+                        self.images[s, a:b].copy_(staged[k : k + b - a], non_blocking=True)
                         k += b - a
             event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         event.synchronize()
-        self.ready[slot] = event
+        for s in set(slots):
+            self.ready[s] = event
 
     def wait_slot(self, slot: int, stream) -> None:
         """Order `stream` (the training stream) after every accelerator copy into `slot` so far
@@ -83,15 +87,16 @@ class DeviceRing:
 def accel_runs(positions) -> list[tuple[int, int]]:
     """[start, stop) runs of consecutive positions (the accelerator's tiny-batches, merged where
     adjacent): the merged delivery copies slices, so it needs no index tensor on the device."""
-    return _runs_in_order(sorted(positions))
+    return [(a, b) for _, a, b in _runs_in_order(sorted(positions))]
 
 
-def _runs_in_order(positions) -> list[tuple[int, int]]:
-    """[start, stop) runs of consecutive positions, in the order given (a DALI run's samples)."""
+def _runs_in_order(positions, slots=None) -> list[tuple[int, int, int]]:
+    """(slot, start, stop) runs of consecutive positions of one slot, in the order given (a DALI run's
+    samples); `slots`: each position's slot (all 0 when None)."""
     runs: list[list[int]] = []
-    for p in positions:
-        if runs and runs[-1][1] == p:
-            runs[-1][1] = p + 1
+    for p, s in zip(positions, slots if slots is not None else [0] * len(positions)):
+        if runs and runs[-1][0] == s and runs[-1][2] == p:
+            runs[-1][2] = p + 1
         else:
-            runs.append([p, p + 1])
-    return [(a, b) for a, b in runs]
+            runs.append([s, p, p + 1])
+    return [(s, a, b) for s, a, b in runs]

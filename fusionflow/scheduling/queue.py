@@ -106,14 +106,17 @@ class TinyBatchQueue:
         return None
 
     def take_accel(
-        self, largest_first: bool = True, max_images: int = 0, tail_fraction: float | None = None
+        self, largest_first: bool = True, max_images: int = 0, tail_fraction: float | None = None, merge: int = 1
     ) -> list[Work]:
         """The accelerator's next run, [] when there is none.
 
         First its share of a mini-batch, in one run (more only above `max_images` samples), oldest
         mini-batch first, so it runs ahead of the one training waits for: the `reserved` largest
         tiny-batches (TAAS's K, from the split rule's G) of a mini-batch whose share it has not
-        taken. Once taken, that mini-batch's other tiny-batches are the CPU workers'.
+        taken. Once taken, that mini-batch's other tiny-batches are the CPU workers'. With `merge`
+        > 1, the whole shares of the next mini-batches (of the same iterator and epoch) join the run,
+        up to `merge` shares and `max_images` samples -- a run's fixed cost paid once for them --
+        unless training is waiting for the first one.
         Then, with `tail_fraction`, a tail run when the CPU side is late: the largest unstarted
         tiny-batches of the mini-batch training is waiting for (`awaited`), that fraction of them
         (at least one). Without `tail_fraction` (the ablations: no split, or FIFO), the oldest
@@ -125,6 +128,8 @@ class TinyBatchQueue:
             group = self._largest(q, largest_first, left, max_images)
             self.share_taken[key] = self.share_taken.get(key, 0) + (len(group) or left)  # none left to take: done
             if group:
+                if merge > 1 and key != self.awaited:
+                    group += self._merged(key, group, largest_first, max_images, merge - 1)
                 return group
         if tail_fraction is None:
             for q in self.queues.values():
@@ -136,6 +141,27 @@ class TinyBatchQueue:
             return []
         unstarted = sum(not w.cpu_only for w in q)
         return self._largest(q, largest_first, max(1, math.ceil(unstarted * tail_fraction)), max_images)
+
+    def _merged(self, first: Key, group: list[Work], largest_first: bool, max_images: int, shares: int) -> list[Work]:
+        """Up to `shares` whole shares of the mini-batches after `first` (its iterator and epoch) that fit
+        in `max_images` beside `group`."""
+        images, more, epoch = sum(len(w.positions) for w in group), [], group[0].epoch
+        for key, q in self.queues.items():
+            if key <= first or not q:
+                continue
+            left = self._share_left(key)
+            if shares < 1 or key[0] != first[0] or q[0].epoch != epoch:
+                break
+            if not left:
+                continue
+            candidates = [w for w in q if not w.cpu_only][:: -1 if largest_first else 1][:left]
+            size = sum(len(w.positions) for w in candidates)
+            if len(candidates) < left or images + size > max_images:
+                break
+            more += self._largest(q, largest_first, left, max_images)
+            self.share_taken[key] = self.share_taken.get(key, 0) + left
+            images, shares = images + size, shares - 1
+        return more
 
     @staticmethod
     def _largest(q: deque, largest_first: bool, count: int, max_images: int) -> list[Work]:
