@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 import time
 
 from experiments.gpu_bench import dali_batches, endless, ff_loader
-from experiments.harness import mixed_jpegs, provenance, result_path, rotation, write_json
+from experiments.harness import medians, mixed_jpegs, provenance, result_path, rounds, write_json
 
 SKIP = 3  # batches consumed untimed at a round's start: what the pipeline banked while the others ran
 
@@ -59,8 +58,9 @@ def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
     streams = {"cpu_only": endless(y), "dali_alone": z, "ff_dali": endless(x)}
 
     def timed(stream):
-        def go():
-            return take(stream, batches, step_s)
+        def go():  # the round's rate, img/s
+            images, seconds = take(stream, batches, step_s)
+            return images / seconds
 
         return go
 
@@ -85,17 +85,13 @@ def run_batch_size(data, args, batch_size: int) -> dict:
     for go in runs.values():  # warm-up: pipelines built, workers started, caches filled
         go()
     x_stats0 = dict(vars(loaders["ff_dali"].stats))
-    rates: dict[str, list[float]] = {name: [] for name in runs}
-    for r in range(args.rounds):
-        for name in rotation(runs, r):
-            n, s = runs[name]()
-            rates[name].append(n / s)
-        print(
-            f"batch {batch_size} round {r + 1}/{args.rounds}: "
-            + ", ".join(f"{n} {v[-1]:.0f} img/s" for n, v in rates.items()),
-            flush=True,
-        )
-    med = {name: statistics.median(v) for name, v in rates.items()}
+
+    def report(r: int, rates: dict) -> None:
+        shown = ", ".join(f"{n} {v[-1]:.0f} img/s" for n, v in rates.items())
+        print(f"batch {batch_size} round {r + 1}/{args.rounds}: {shown}", flush=True)
+
+    rates = rounds(runs, args.rounds, warmup=False, rotate=True, report=report)
+    med = medians(rates)
     y, z, x = med["cpu_only"], med["dali_alone"], med["ff_dali"]
     row = {
         "batch_size": batch_size,

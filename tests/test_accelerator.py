@@ -1,5 +1,6 @@
 """The accelerator worker (DALI; its CPU backend here) sharing mini-batches with CPU workers."""
 
+import contextlib
 import time
 import warnings
 
@@ -61,19 +62,28 @@ def test_without_aot_a_pipeline_is_built_per_run():
     assert ld.stats.accelerator_builds == ld.stats.accelerator_runs > 0
 
 
+@contextlib.contextmanager
+def accelerator_alone(ds, layout, max_images: int, reserve: int):
+    """A manager without CPU workers (tiny-batches of 2) and an accelerator on DALI's CPU backend with
+    `reserve` tiny-batches reserved; started by the caller after its submits."""
+    from fusionflow.accel.accelerator import AcceleratorWorker
+
+    mgr = LocalManager(ds, RuntimeSpec(None, layout, num_workers=0, seed=4, tiny_batch_size=2), sizes=ds.sizes)
+    try:
+        accel = AcceleratorWorker(mgr.board, ds, SMALL, max_images=max_images, seed=4, device="cpu")
+        mgr.board.add_worker_kind(accel)
+        mgr.board.reserve(reserve)
+        yield mgr, accel
+    finally:
+        mgr.shutdown()
+
+
 def test_one_dali_run_takes_the_reserved_tiny_batches_and_writes_each_to_its_position():
     """With K=4 reserved and room for 6 samples per run, the accelerator alone (no CPU workers) runs a
     mini-batch of four 2-sample tiny-batches in two DALI runs (3 tiny-batches, then 1), and each
     sample lands in its own position with its own DALI output (labels too)."""
-    from fusionflow.accel.accelerator import AcceleratorWorker
-
     ds = Bytes(8)
-    layout = RingLayout(1, 8, (3, 24, 24), "uint8")
-    mgr = LocalManager(ds, RuntimeSpec(None, layout, num_workers=0, seed=4, tiny_batch_size=2), sizes=ds.sizes)
-    try:
-        accel = AcceleratorWorker(mgr.board, ds, SMALL, max_images=6, seed=4, device="cpu")
-        mgr.board.add_worker_kind(accel)
-        mgr.board.reserve(4)
+    with accelerator_alone(ds, RingLayout(1, 8, (3, 24, 24), "uint8"), max_images=6, reserve=4) as (mgr, accel):
         order = [5, 1, 7, 0, 3, 6, 2, 4]
         mgr.submit(0, 0, 0, 0, order)
         accel.start()
@@ -85,23 +95,16 @@ def test_one_dali_run_takes_the_reserved_tiny_batches_and_writes_each_to_its_pos
             assert int(ring.labels[0][pos]) == i
         c = mgr.board.counters
         assert (c.accelerator_tiny_batches, c.accelerator_runs, c.accelerator_given_back) == (4, 2, 0)
-    finally:
-        mgr.shutdown()
 
 
 def test_one_dali_run_holds_the_shares_of_two_mini_batches_and_writes_each_slot():
     """Two mini-batches queued before the accelerator starts, a share of 2 tiny-batches each: one DALI
     run holds both shares (MERGE_SHARES), each sample lands in its own slot and position."""
-    from fusionflow.accel.accelerator import MERGE_SHARES, AcceleratorWorker
+    from fusionflow.accel.accelerator import MERGE_SHARES
 
     assert MERGE_SHARES >= 2
     ds = Bytes(8)
-    layout = RingLayout(2, 4, (3, 24, 24), "uint8")
-    mgr = LocalManager(ds, RuntimeSpec(None, layout, num_workers=0, seed=4, tiny_batch_size=2), sizes=ds.sizes)
-    try:
-        accel = AcceleratorWorker(mgr.board, ds, SMALL, max_images=8, seed=4, device="cpu")
-        mgr.board.add_worker_kind(accel)
-        mgr.board.reserve(2)
+    with accelerator_alone(ds, RingLayout(2, 4, (3, 24, 24), "uint8"), max_images=8, reserve=2) as (mgr, accel):
         orders = [[5, 1, 7, 0], [3, 6, 2, 4]]
         mgr.submit(0, 0, 0, 0, orders[0])
         mgr.submit(1, 0, 1, 0, orders[1])
@@ -116,8 +119,6 @@ def test_one_dali_run_holds_the_shares_of_two_mini_batches_and_writes_each_slot(
                 assert int(ring.labels[slot][pos]) == i
         c = mgr.board.counters
         assert (c.accelerator_tiny_batches, c.accelerator_runs, c.accelerator_samples) == (4, 1, 8)
-    finally:
-        mgr.shutdown()
 
 
 def test_corrupt_sample_is_given_back_and_named_by_a_cpu_worker():
