@@ -10,6 +10,8 @@ README = ROOT / "README.md"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 TABLE_HEADER = "| Behaviour (README) | Owner module |"
 MAX_README_LINES = 300
+EXPERIMENTS_README = ROOT / "experiments" / "README.md"
+MAX_EXPERIMENTS_README_LINES = 250
 MIN_ROWS = 15
 
 
@@ -76,6 +78,14 @@ def test_the_readme_is_short():
         f"README.md has {lines} lines (limit {MAX_README_LINES}): move measurements "
         "to experiments/README.md, design to docs/architecture.md, "
         "status to docs/status.md"
+    )
+
+
+def test_the_measurements_page_holds_today_s_numbers_not_the_history():
+    lines = len(EXPERIMENTS_README.read_text().splitlines())
+    assert lines <= MAX_EXPERIMENTS_README_LINES, (
+        f"experiments/README.md has {lines} lines (limit {MAX_EXPERIMENTS_README_LINES}): it holds the "
+        "reference numbers; superseded runs and before/after comparisons go to docs/experiments-log.md"
     )
 
 
