@@ -98,6 +98,8 @@ class LoaderStats(RuntimeCounters):
             "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
             "worker_restarts": self.worker_restarts,
             "workers_stuck": self.workers_stuck,
+            "tiny_batches_rerun": self.tiny_batches_rerun,
+            "reruns_won": self.reruns_won,
             "startup_seconds": self.startup_seconds,
             "accelerator_tiny_batches": self.accelerator_tiny_batches,
             "accelerator_runs": self.accelerator_runs,

@@ -105,6 +105,13 @@ class TraceRecorder:
         self._sizes = sizes
         self._span(tid, "tiny-batch", start_ns, end_ns, work.seq, len(work.indices), work.indices)
 
+    def discarded(self, worker: int, work, start_ns: int, end_ns: int) -> None:
+        """Own CPU worker `worker`'s copy of a tiny-batch that ran twice (runtime/reruns.py), stopped
+        because the other copy finished first."""
+        tid = TID_CPU + worker
+        self._tracks.setdefault(tid, f"CPU worker {worker}")
+        self._span(tid, "discarded", start_ns, end_ns, work.seq, len(work.indices), work.indices)
+
     def lent(self, worker: int, peer) -> None:
         self._lent_since[worker] = (time.monotonic_ns(), peer)
 
@@ -137,8 +144,9 @@ class TraceRecorder:
                 name, args = f"lent to LM {detail}", {"tiny_batches": samples, "borrower": detail}
             else:
                 name = f"wait mb{seq}" if kind == "wait" else f"mb{seq}"
+                name += " (discarded: its other copy finished first)" if kind == "discarded" else ""
                 args = {"mini_batch": seq, "samples": samples}
-                if kind == "tiny-batch":
+                if kind in ("tiny-batch", "discarded"):
                     args["indices"] = list(detail)
                     if sizes is not None:
                         args["bytes"] = int(sum(sizes[i] for i in detail))

@@ -20,6 +20,8 @@ class RuntimeCounters:
     tiny_batches_per_worker: list = field(default_factory=list)  # by worker id, this manager's workers
     worker_restarts: int = 0  # CPU workers replaced after they died
     workers_stuck: int = 0  # CPU workers killed for making no progress (runtime/liveness.py), then replaced
+    tiny_batches_rerun: int = 0  # straggling tiny-batches started again on an idle worker (runtime/reruns.py)
+    reruns_won: int = 0  # of those, the ones whose second copy finished first (the first's worker was stopped)
     accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
     accelerator_runs: int = 0  # its DALI runs that produced them (one run: several tiny-batches of one mini-batch)
     accelerator_samples: int = 0  # samples those runs produced

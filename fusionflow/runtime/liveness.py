@@ -1,4 +1,8 @@
-"""When a CPU worker counts as stuck: a tiny-batch it has run far longer than the recent ones. Pure.
+"""When a CPU worker's tiny-batch straggles, and when the worker counts as stuck. Pure.
+
+A straggler -- a tiny-batch running `STRAGGLER_FACTOR` times longer than the recent mean, at least
+`STRAGGLER_FLOOR_S` -- is started again on an idle worker and the first copy to finish wins
+(runtime/reruns.py): the slow worker may be fine, its tiny-batch merely unlucky (a slow read).
 
 A worker that is stopped (SIGSTOP, a paused container), swapping, or caught in a read that never
 returns makes no progress and sends nothing: its pipe and its process sentinel stay quiet, so
@@ -20,6 +24,20 @@ from __future__ import annotations
 STUCK_FLOOR_S = 30.0
 STUCK_FACTOR = 20.0
 FIRST_TASK_S = 120.0
+STRAGGLER_FLOOR_S = 5.0
+STRAGGLER_FACTOR = 8.0
+
+
+def straggler_bound(task_seconds: float) -> float:
+    """Seconds a tiny-batch may run before it is started again on an idle worker (inf while no
+    tiny-batch has finished: the first ones may build native kernels, and there is no mean yet)."""
+    if task_seconds <= 0:
+        return float("inf")
+    return max(STRAGGLER_FLOOR_S, STRAGGLER_FACTOR * task_seconds)
+
+
+def is_straggler(running_for: float, task_seconds: float) -> bool:
+    return running_for > straggler_bound(task_seconds)
 
 
 def stuck_bound(task_seconds: float) -> float:

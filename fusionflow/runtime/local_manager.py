@@ -28,6 +28,9 @@ Faults
     worker is started by the main thread at its next `wait`. A worker killed by SIGBUS is never
     blamed on a sample: shared memory could not be backed (the ring is reserved at creation, so
     this means /dev/shm was exhausted under us); the loader fails with a `SharedMemoryError`.
+  * A tiny-batch that straggles (a multiple of the recent mean, with a floor: runtime/liveness.py)
+    is started again on an idle worker; the first copy wins, the other's worker is stopped before
+    that completion counts (runtime/reruns.py).
   * A worker that makes no progress (stopped, swapping, a read that never returns): killed once its
     oldest tiny-batch has run past the stuck bound (runtime/liveness.py), then handled as a death.
   * A sample whose decode/augment raises: reported as data (`SampleFailure`) with its traceback.
@@ -286,6 +289,8 @@ class LocalManager:
             while not self._closed:
                 with board.cond:
                     self._kill_stuck()
+                    if not board.draining():
+                        self.pool.rerun_stragglers(time.monotonic())
                     self._dispatch()
                     timeout = agent.step() if agent is not None else 1.0
                     waitables = [board.wake_conn] + self.pool.waitables()
@@ -310,6 +315,8 @@ class LocalManager:
         pool, now = self.pool, time.monotonic()
         for w in pool.workers:
             if w is None or not w.alive or w.process is None or not w.outstanding or w.lent_to is not None:
+                continue
+            if w.lost is not None:  # being stopped already (its tiny-batch's other copy won)
                 continue
             running_for = now - w.head_since
             if not liveness.is_stuck(running_for, pool.task_seconds):

@@ -29,6 +29,21 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def end_processes(processes, grace: float) -> None:
+    """Join `processes` (multiprocessing.Process, already asked to stop) for up to `grace` seconds in
+    all, then terminate() those still running, then kill(): each step waits up to 1 s."""
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(timeout=1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=1.0)
+
+
 @contextlib.contextmanager
 def opencv_quiet_for_fork():
     """Around a fork: OpenCV's thread pool (pthreads) held at one thread, then restored. A child

@@ -6,19 +6,18 @@ tasks from the board's queue, reads their messages (READY, FATAL, DONE, HOME) an
 their process sentinels, and stops them at shutdown. The manager thread drives it: `waitables()` and
 `handle(ready)` plug into the manager's one wait.
 
-It is handed the board (runtime/board.py) and callbacks for what goes back to its owner (capacity
-changes, stage times, faults). It keeps the worker-kind contract (`WorkerKind`: start, idempotent
-stop, busy_with_stale), but the local manager drives its start and stop itself rather than
-registering it (its stop must follow the manager thread's, which waits on its pipes); the board's
+It is handed the board (runtime/board.py) and callbacks for its owner (capacity changes, stage
+times, faults). It keeps the `WorkerKind` contract, but the local manager drives its start and stop
+itself (its stop must follow the manager thread's, which waits on its pipes); the board's
 `draining()` asks it through `board.watch_stale`.
 
 Retry policy (`requeue_outstanding`): a departed worker's tasks go back to the front of the queue;
 the task it was running is split into single samples so the culprit is isolated; a sample whose
-task has killed `max_retries + 1` workers fails its mini-batch with an error naming it.
+task has killed `max_retries + 1` workers fails its mini-batch with an error naming it. A straggling
+task is started again on an idle worker, the first copy wins (`rerun_stragglers`, runtime/reruns.py).
 
-Lent-out workers stay records here (`lent_to` says where they serve); workers lent *to* this loader
-are guests of the lending agent (runtime/gm/agent.py), but get tasks and report completions
-through `send` / `on_done` / `requeue_outstanding` here like own workers.
+Lent-out workers stay records here (`lent_to`); workers lent *to* this loader are guests of the
+lending agent (runtime/gm/agent.py), but get tasks and report completions here like own workers.
 """
 
 from __future__ import annotations
@@ -30,40 +29,22 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from collections import deque
 
 from fusionflow.errors import SampleKilledWorkersError, WorkerStartError
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_worker_task
-from fusionflow.runtime.procs import opencv_quiet_for_fork
+from fusionflow.runtime.procs import end_processes, opencv_quiet_for_fork
+from fusionflow.runtime.reruns import Reruns
 from fusionflow.runtime.shm import ChildFd, sigbus_error
 from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.runtime.worker import worker_loop
+from fusionflow.runtime.worker_conn import WorkerConn
 from fusionflow.scheduling.queue import Work
 
 log = logging.getLogger(__name__)
 PER_WORKER = 2  # tasks queued per worker: one running, one ready to start without a round trip
 STOP_GRACE_S = 2.0  # shutdown: how long workers get to exit after STOP before terminate()
-
-
-class WorkerConn:
-    """The manager's handle on one worker: one of this LM's worker processes, or (process None) a guest,
-    another LM's worker lent to us (runtime/gm/agent.py serves those); its connection and outstanding work."""
-
-    def __init__(self, worker_id, process, conn):
-        self.worker_id, self.process, self.conn = worker_id, process, conn
-        self.outstanding: deque[tuple[int, Work]] = deque()  # (task_id, work), in sending order
-        self.ready = False
-        self.alive = True
-        self.head_since = 0.0  # when its oldest outstanding task started (CLOCK_MONOTONIC)
-        self.lent_to: int | None = None  # own worker now serving that LM
-        self.retiring = False  # sent STOP for a lower worker target: not restarted
-        self.serve_upto = None  # guest: the newest mini-batch key it may work on
-
-    @property
-    def idle(self) -> bool:
-        return self.alive and self.ready and self.lent_to is None and not self.retiring and not self.outstanding
 
 
 class WorkerPool:
@@ -92,6 +73,7 @@ class WorkerPool:
         self._live: list[WorkerConn] = []  # the manager thread's snapshot for its current wait
         self._stopped = False
         self._start_kills: dict[int, int] = {}  # worker id -> start-ups in a row a signal ended (before READY)
+        self.reruns = Reruns(board.counters)  # stragglers running on a second worker (runtime/reruns.py)
         board.counters.tiny_batches_per_worker = [0] * num_workers
 
     # ---------------------------------------------------------------- processes (main thread)
@@ -187,10 +169,7 @@ class WorkerPool:
             if w.idle:
                 w.retiring = True
                 surplus -= 1
-                try:
-                    w.conn.send_bytes(m.pack_stop())
-                except OSError:
-                    pass
+                w.send_stop()
                 self.notify_capacity()
 
     def _reap(self, wid: int) -> None:
@@ -207,20 +186,9 @@ class WorkerPool:
         self._stopped = True
         workers = [w for w in self.workers if w is not None]
         for w in workers:
-            try:
-                w.conn.send_bytes(m.pack_stop())
-            except OSError:
-                pass
-        deadline = time.monotonic() + STOP_GRACE_S
+            w.send_stop()
+        end_processes([w.process for w in workers], STOP_GRACE_S)
         for w in workers:
-            w.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        for w in workers:
-            if w.process.is_alive():
-                w.process.terminate()
-                w.process.join(timeout=1.0)
-            if w.process.is_alive():
-                w.process.kill()
-                w.process.join(timeout=1.0)
             w.conn.close()
         self.cores.release()
 
@@ -231,9 +199,8 @@ class WorkerPool:
 
     def dispatch(self, guests, per_worker: int) -> None:
         """Give queued work to own workers and `guests` with room, up to `per_worker` tasks each."""
-        own = [
-            w for w in self.workers if w is not None and w.alive and w.ready and w.lent_to is None and not w.retiring
-        ]
+        own = [w for w in self.workers if w is not None and w.alive and w.ready and w.lent_to is None]
+        own = [w for w in own if not w.retiring and w.lost is None]
         guests = [g for g in guests if g.alive and g.ready]
         for depth in range(1, per_worker + 1):  # everyone gets a running task before anyone a queued one
             for w in own + guests:
@@ -242,7 +209,13 @@ class WorkerPool:
                     if work is None or not self.send(w, work):
                         break
 
-    def send(self, w: WorkerConn, work: Work) -> bool:
+    def rerun_stragglers(self, now: float) -> None:
+        """Start tiny-batches that straggle again on idle own workers; the first copy wins (runtime/reruns.py)."""
+        for work, first, second in self.reruns.pick(self.workers, self.task_seconds, now, self.board.generation):
+            if self.send(second, work, requeue=False):
+                self.reruns.started(work, first, second, now)
+
+    def send(self, w: WorkerConn, work: Work, requeue: bool = True) -> bool:
         task_id = next(self.task_ids)
         try:
             w.conn.send_bytes(
@@ -251,20 +224,27 @@ class WorkerPool:
                 )
             )
         except OSError:
-            self.board.requeue([work])
+            if requeue:
+                self.board.requeue([work])
             return False
         if not w.outstanding:
             w.head_since = time.monotonic()
         w.outstanding.append((task_id, work))
         return True
 
-    def on_done(self, w: WorkerConn, msg: bytes) -> None:
-        """A DONE from an own worker or a guest: account its oldest outstanding task."""
+    def on_done(self, w: WorkerConn, msg: bytes) -> bool:
+        """A DONE from an own worker or a guest: account its oldest outstanding task (False: a copy
+        of a tiny-batch that ran twice whose other copy was counted)."""
         board = self.board
         task_id, _gen, failures, targets = m.unpack_done(msg)
         sent_id, work = w.outstanding.popleft()
         if sent_id != task_id:
             raise RuntimeError(f"worker {w.worker_id} completed task {task_id}, expected {sent_id}")
+        if work is w.lost:
+            return False
+        loser = self.reruns.settle(work, w)
+        if loser is not None:
+            self._stop_loser(loser, work)
         now = time.monotonic()
         took = now - w.head_since
         self.task_seconds = took if not self.task_seconds else 0.8 * self.task_seconds + 0.2 * took
@@ -276,31 +256,21 @@ class WorkerPool:
             if stage_ns and self.on_stage_times is not None:
                 self.on_stage_times(w.worker_id, stage_ns)
         board.complete(work, failures, on_accelerator=False, targets=targets)
+        return True
 
     def requeue_outstanding(self, w: WorkerConn, how: str, suspect: bool = True) -> None:
         """Put a departed worker's tasks back (lock held); if it died (`suspect`), the one it was
         running may be the cause: it counts a death and is retried sample by sample."""
         board, requeue = self.board, []
         for k, (_tid, work) in enumerate(w.outstanding):
-            if work.generation != board.generation or not board.queue.tracks(work):
+            if work.generation != board.generation or not board.queue.tracks(work) or work is w.lost:
+                continue
+            if self.reruns.forget(work):  # its other copy runs on
                 continue
             if k == 0 and suspect:  # the task it was running
                 work.deaths += 1
                 if len(work.positions) > 1:  # isolate the culprit: retry sample by sample
-                    copies = work.copies or (0,) * len(work.positions)
-                    requeue += [
-                        Work(
-                            work.seq,
-                            work.generation,
-                            work.slot,
-                            work.epoch,
-                            (p,),
-                            (i,),
-                            work.deaths,
-                            copies=(c,) if c else (),
-                        )
-                        for p, i, c in zip(work.positions, work.indices, copies)
-                    ]
+                    requeue += work.singles()
                     continue
                 if work.deaths > self.spec.max_retries:
                     board.queue.batches[work.key].error = SampleKilledWorkersError(
@@ -333,6 +303,18 @@ class WorkerPool:
                 self._on_message(w)
             self._on_death(w)
 
+    def _stop_loser(self, w: WorkerConn, work: Work) -> None:
+        """(lock held) Another copy of `work` finished first: end `w` before that completion is accounted
+        (the mini-batch may then be delivered and its slot reused: `w` must never write again)."""
+        w.lost = work
+        if self.board.trace is not None:
+            self.board.trace.discarded(w.worker_id, work, int(w.head_since * 1e9), time.monotonic_ns())
+        w.process.kill()
+        w.process.join(timeout=1.0)  # reaped; one still in the kernel (a read) never returns to its own code
+        while w.alive and w.conn.poll():  # what it finished before still counts; its copy of `work` does not
+            self._on_message(w)
+        self._on_death(w)
+
     def _on_message(self, w: WorkerConn) -> None:
         board = self.board
         try:
@@ -356,8 +338,8 @@ class WorkerPool:
                 if board.trace is not None:
                     board.trace.home(w.worker_id, tasks)
             elif kind == m.DONE:
-                self.on_done(w, msg)
-                count_worker_task(board.counters, w.worker_id)
+                if self.on_done(w, msg):
+                    count_worker_task(board.counters, w.worker_id)
             board.cond.notify_all()
 
     def _killed_while_starting(self, w: WorkerConn, code, how: str) -> bool:
@@ -384,6 +366,9 @@ class WorkerPool:
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
             if w.retiring and code == 0:
                 self.requeue_outstanding(w, how)
+            elif w.lost is not None:  # stopped: another copy of its tiny-batch finished first
+                log.info("fusionflow CPU worker %d stopped (its tiny-batch's other copy won): replaced", w.worker_id)
+                self.requeue_outstanding(w, how, suspect=False)
             elif not w.ready and self._killed_while_starting(w, code, how):
                 self.requeue_outstanding(w, how, suspect=False)
             elif not w.ready:  # it never came up: restarting would only repeat that

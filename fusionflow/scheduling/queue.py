@@ -41,6 +41,15 @@ class Work:
     def key(self) -> Key:
         return (self.generation, self.seq)
 
+    def singles(self) -> list[Work]:
+        """This tiny-batch as one-sample tiny-batches (a retry that isolates the sample at fault),
+        carrying its death count."""
+        copies = self.copies or (0,) * len(self.positions)
+        return [
+            Work(self.seq, self.generation, self.slot, self.epoch, (p,), (i,), self.deaths, copies=(c,) if c else ())
+            for p, i, c in zip(self.positions, self.indices, copies)
+        ]
+
 
 @dataclass
 class BatchState:

@@ -23,7 +23,7 @@ import logging
 
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.shm import send_fd
-from fusionflow.runtime.worker_pool import WorkerConn
+from fusionflow.runtime.worker_conn import WorkerConn
 
 log = logging.getLogger(__name__)
 GM_IDLE_S = 0.1  # with a GM: progress heartbeat, elastic target and GM liveness at least this often

@@ -1,0 +1,38 @@
+"""The manager's handle on one CPU worker: its process, its pipe and the tiny-batches it holds.
+
+One of this loader's worker processes (runtime/worker_pool.py owns them), or, with `process` None, a
+guest: another loader's worker lent to this one (runtime/gm/agent.py serves those).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from fusionflow.runtime import messages as m
+from fusionflow.scheduling.queue import Work
+
+
+class WorkerConn:
+    """The manager's handle on one worker (own, or a guest with `process` None)."""
+
+    def __init__(self, worker_id, process, conn):
+        self.worker_id, self.process, self.conn = worker_id, process, conn
+        self.outstanding: deque[tuple[int, Work]] = deque()  # (task_id, work), in sending order
+        self.ready = False
+        self.alive = True
+        self.head_since = 0.0  # when its oldest outstanding task started (CLOCK_MONOTONIC)
+        self.lent_to: int | None = None  # own worker now serving that LM
+        self.retiring = False  # sent STOP for a lower worker target: not restarted
+        self.serve_upto = None  # guest: the newest mini-batch key it may work on
+        self.lost: Work | None = None  # another copy of this tiny-batch finished first: being stopped
+
+    @property
+    def idle(self) -> bool:
+        return self.alive and self.ready and self.lent_to is None and not self.retiring and not self.outstanding
+
+    def send_stop(self) -> None:
+        """Ask it to exit (a worker already gone has nothing to hear)."""
+        try:
+            self.conn.send_bytes(m.pack_stop())
+        except OSError:
+            pass

@@ -1,0 +1,170 @@
+"""A straggling tiny-batch is started again on an idle CPU worker; the first copy wins, the other's
+worker is stopped; every sample arrives exactly once with the pixels of a run without stragglers."""
+
+import json
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401
+
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.runtime import liveness
+from fusionflow.runtime.counters import RuntimeCounters
+from fusionflow.runtime.reruns import Reruns
+from fusionflow.scheduling.queue import Work
+
+SLOW = 13  # the sample whose first worker straggles
+N = 32
+
+
+class Straggles(Bytes):
+    """Sample SLOW's first read straggles: `first` says how (its worker stops itself, as a paused
+    container would, or waits until the second copy has started); the second read (the copy started
+    again elsewhere) does what `second` says. Markers in `marker_dir` order the two without a clock."""
+
+    def __init__(self, marker_dir, first, second):
+        super().__init__(N)
+        self.dir, self.first, self.second = marker_dir, first, second
+
+    def _mark(self, name):
+        open(os.path.join(self.dir, name), "w").close()
+
+    def _has(self, name):
+        return os.path.exists(os.path.join(self.dir, name))
+
+    def _act(self, how):
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif how == "wait for the second":
+            deadline = time.monotonic() + 120
+            while not self._has("second") and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    def __getitem__(self, i):
+        if i == SLOW and not self._has("first"):
+            self._mark("first")
+            self._act(self.first)
+        elif i == SLOW and not self._has("second"):
+            self._mark("second")
+            self._act(self.second)
+        return super().__getitem__(i)
+
+
+def _loader(dataset, **kw):
+    return FusionFlowLoader(dataset, batch_size=4, num_workers=2, policy=SMALL, seed=3, **kw)
+
+
+@pytest.fixture
+def fast_reruns(monkeypatch):
+    """A straggler bound of 0.3 s (5 s by default); the stuck bound stays 30 s, far beyond these tests."""
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 0.3)
+
+
+def _check_exactly_once_with_the_reference_pixels(images, labels):
+    reference_images, reference_labels = collect(_loader(Bytes(N)))
+    assert sorted(torch.cat(labels).tolist()) == list(range(N))
+    assert torch.equal(torch.cat(labels), torch.cat(reference_labels))  # sampler order unchanged
+    assert torch.equal(torch.cat(images), torch.cat(reference_images))  # both copies wrote the same bytes
+
+
+def test_a_stopped_worker_s_tiny_batch_runs_again_on_the_idle_one_and_wins(tmp_path, fast_reruns):
+    trace = tmp_path / "trace.json"
+    loader = _loader(Straggles(str(tmp_path), first="stop", second=None), trace=str(trace))
+    images, labels = collect(loader)
+    _check_exactly_once_with_the_reference_pixels(images, labels)
+    stats = loader.stats
+    assert stats.tiny_batches_rerun == 1 and stats.reruns_won == 1
+    assert stats.workers_stuck == 0  # no 30 s stuck bound waited for: the stopped worker lost the race
+    assert stats.worker_restarts >= 1  # the stopped worker was killed and replaced
+    assert stats.summary()["tiny_batches_rerun"] == 1 and stats.summary()["reruns_won"] == 1
+    assert sum(stats.tiny_batches_per_worker) * 4 >= N  # counted once per tiny-batch, the lost copy not
+    spans = [e for e in json.loads(trace.read_text())["traceEvents"] if e.get("cat") == "discarded"]
+    assert len(spans) == 1 and SLOW in spans[0]["args"]["indices"]
+    done = [
+        i
+        for e in json.loads(trace.read_text())["traceEvents"]
+        if e.get("cat") == "tiny-batch"
+        for i in e["args"]["indices"]
+    ]
+    assert sorted(done) == list(range(N))  # the winning copy traced once, as an ordinary tiny-batch
+
+
+def test_when_the_first_copy_wins_the_second_copy_s_worker_is_stopped(tmp_path, fast_reruns):
+    loader = _loader(Straggles(str(tmp_path), first="wait for the second", second="stop"))
+    images, labels = collect(loader)
+    _check_exactly_once_with_the_reference_pixels(images, labels)
+    assert loader.stats.tiny_batches_rerun == 1 and loader.stats.reruns_won == 0
+    assert loader.stats.worker_restarts >= 1 and loader.stats.workers_stuck == 0
+
+
+def test_without_stragglers_nothing_runs_twice(tmp_path):
+    loader = _loader(Bytes(N))
+    collect(loader)
+    assert loader.stats.tiny_batches_rerun == 0 and loader.stats.worker_restarts == 0
+
+
+# ---------------------------------------------------------------- the rule, pure
+
+
+def test_the_straggler_bound_follows_the_tiny_batch_time_above_a_floor_and_waits_for_a_mean():
+    assert liveness.straggler_bound(0.0) == float("inf")  # nothing finished yet: no mean to compare with
+    assert liveness.straggler_bound(0.01) == liveness.STRAGGLER_FLOOR_S
+    assert liveness.straggler_bound(10.0) == 10.0 * liveness.STRAGGLER_FACTOR
+    assert liveness.straggler_bound(0.01) < liveness.stuck_bound(0.01)  # run again long before killed as stuck
+    assert liveness.is_straggler(liveness.STRAGGLER_FLOOR_S + 0.1, 0.01)
+    assert not liveness.is_straggler(liveness.STRAGGLER_FLOOR_S - 0.1, 0.01)
+
+
+def _worker(wid, *works, since=0.0, ready=True):
+    from collections import deque
+
+    w = SimpleNamespace(worker_id=wid, process=object(), alive=True, ready=ready, lent_to=None, retiring=False)
+    w.lost, w.head_since, w.outstanding = None, since, deque((k, work) for k, work in enumerate(works))
+    w.idle = w.alive and w.ready and not w.outstanding
+    return w
+
+
+def _work(seq, gen=1):
+    return Work(seq, gen, slot=0, epoch=0, positions=(0, 1), indices=(2 * seq, 2 * seq + 1))
+
+
+def test_pick_pairs_each_straggler_with_an_idle_worker_once():
+    counters = RuntimeCounters()
+    reruns = Reruns(counters)
+    slow, late, fresh = _work(1), _work(2), _work(3)
+    a, b, c = _worker(0, slow, since=0.0), _worker(1, late, since=1.0), _worker(2, fresh, since=99.0)
+    idle = _worker(3)
+    picks = reruns.pick([a, None, b, c, idle], task_seconds=0.01, now=100.0, generation=1)
+    assert picks == [(slow, a, idle)]  # one idle worker: the first straggler; c's tiny-batch is young
+    reruns.started(slow, a, idle, 100.0)
+    assert counters.tiny_batches_rerun == 1
+    assert reruns.pick([a, b, c, _worker(4)], 0.01, 100.0, 1)[0][0] is late  # slow runs twice already
+    assert reruns.pick([a, b, _worker(4)], 0.01, 100.0, generation=2) == []  # an older iterator's work
+    assert reruns.pick([a, b, _worker(4, ready=False)], 0.01, 100.0, 1) == []  # nobody idle
+
+
+def test_settle_names_the_loser_and_counts_a_won_rerun():
+    counters = RuntimeCounters()
+    reruns = Reruns(counters)
+    first, again = _work(1), _work(2)
+    a, b, c, d = _worker(0, first), _worker(1), _worker(2, again), _worker(3)
+    reruns.started(first, a, b, 0.0)
+    reruns.started(again, c, d, 0.0)
+    assert reruns.settle(first, a) is b and counters.reruns_won == 0  # the first copy won
+    assert reruns.settle(again, d) is c and counters.reruns_won == 1  # the second copy won
+    assert reruns.settle(first, b) is None  # settled once: the late copy is no pair any more
+    once = _work(3)
+    assert reruns.settle(once, a) is None and not reruns.forget(once)
+
+
+def test_a_copy_whose_worker_died_leaves_the_other_running_alone():
+    reruns = Reruns(RuntimeCounters())
+    work = _work(1)
+    a, b = _worker(0, work), _worker(1)
+    reruns.started(work, a, b, 0.0)
+    assert reruns.forget(work)  # a died: not requeued, b's copy goes on
+    assert reruns.settle(work, b) is None  # b's DONE then completes it as an ordinary tiny-batch
