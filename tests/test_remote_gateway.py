@@ -167,3 +167,40 @@ class TestWhatTheKindReports:
             while kind.retired is None and time.time() < deadline:
                 time.sleep(0.1)
             assert kind.retired is not None and "Ray gateways in a row failed" in kind.retired
+
+    def test_a_stopped_gateway_is_killed_past_the_call_deadline_and_its_work_runs_locally(self, caplog):
+        """A gateway alive but silent (SIGSTOP here; in the field, stuck in a Ray call or alive with its
+        raylet gone) holds its tiny-batches: past `call_timeout` it is killed, they run locally."""
+        import signal
+
+        from fusionflow import RayWorkers
+
+        with _loader(Bytes(48, sleep=0.01), RayWorkers(1, call_timeout=2.0)) as loader:
+            collect(loader)
+            kind = loader._manager.board.kinds[0]
+            assert kind.call_deadline() == 2.0 and loader.stats.remote_tiny_batches > 0
+            os.kill(kind.sessions[0], signal.SIGSTOP)
+            with caplog.at_level("WARNING", logger="fusionflow.remote.kind"):
+                _x, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(48))  # every sample once, the epoch done
+            assert loader.stats.remote_gateways_lost == 1
+        assert "returned nothing for" in caplog.text and "call deadline 2 s" in caplog.text
+
+
+def test_the_call_deadline_is_measured_or_given_and_checked(monkeypatch):
+    _ray()
+    from types import SimpleNamespace
+
+    from fusionflow import RayWorkers
+    from fusionflow.remote.kind import CALL_FACTOR, CALL_FLOOR_S, RemoteWorkers
+
+    for bad in (0, -1.0, True, "30"):
+        with pytest.raises(ValueError, match="call_timeout"):
+            RayWorkers(1, call_timeout=bad)
+    kind = RemoteWorkers.__new__(RemoteWorkers)  # only what call_deadline reads
+    kind.config, kind._round_trip = SimpleNamespace(call_timeout=None), 0.0
+    assert kind.call_deadline() == CALL_FLOOR_S  # nothing measured yet
+    kind._round_trip = 10.0
+    assert kind.call_deadline() == CALL_FACTOR * 10.0  # slow calls: a multiple of the measured round trip
+    kind.config = RayWorkers(1, call_timeout=7.5)
+    assert kind.call_deadline() == 7.5

@@ -81,6 +81,9 @@ class RayWorkers:
     runtime_env: passed to the actors (e.g. {"py_modules": [fusionflow]}), None for the cluster's.
     startup_timeout: seconds to wait for the actors that fit in the cluster to come up.
     init_kwargs: extra keyword arguments for `ray.init` (e.g. num_cpus of a local instance).
+    call_timeout: seconds a tiny-batch may be away at the gateway (sent, not back) before the gateway
+        counts as unresponsive: it is killed, what it held runs on the local workers, and a new one is
+        tried at the next epoch. None (the default): 20x the mean round trip measured, at least 30 s.
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class RayWorkers:
         startup_timeout: float = 60.0,
         init_kwargs: dict | None = None,
         per_call: int = 2,
+        call_timeout: float | None = None,
     ):
         if not ray_installed():  # fail here, with the install hint, not when the loader starts
             raise ImportError(INSTALL_HINT)
@@ -113,9 +117,14 @@ class RayWorkers:
             raise ValueError(f"take={take!r} must be one of {TAKE}")
         if startup_timeout <= 0:
             raise ValueError(f"{startup_timeout=} must be > 0")
+        if call_timeout is not None and (
+            isinstance(call_timeout, bool) or not isinstance(call_timeout, (int, float)) or call_timeout <= 0
+        ):
+            raise ValueError(f"{call_timeout=} must be None (measured) or a number of seconds > 0")
         self.num_workers, self.address, self.cpus_per_worker = num_workers, address, cpus_per_worker
         self.in_flight, self.take, self.runtime_env, self.per_call = in_flight, take, runtime_env, per_call
         self.startup_timeout, self.init_kwargs = startup_timeout, dict(init_kwargs or {})
+        self.call_timeout = call_timeout
 
     def __repr__(self) -> str:
         return (

@@ -14,12 +14,13 @@ gateway's log records as its own.
 
 Faults: an actor that dies or whose node goes away loses nothing (the gateway gives its tiny-batches
 back for the local workers, counted in `counters.remote_workers_lost`, and asks for a replacement).
-The gateway itself may die -- Ray ends a driver whose raylet died, and a raylet dies with its
-dashboard agent, the OOM killer's usual pick -- or be killed: everything it held goes back to the
-local workers exactly as a dead worker's does, one warning names how it ended and its last Ray
-error, its session (the Ray instance it started, what Ray left) is killed, the epoch goes on, and a
-new gateway is started at the next epoch or after a back-off; after `MAX_GATEWAY_FAILURES` deaths
-in a row with nothing delivered between them the remote workers retire for the run.
+The gateway may die -- Ray ends a driver whose raylet died, and a raylet dies with its dashboard
+agent, the OOM killer's usual pick -- or be killed, also by this kind when it holds a tiny-batch past
+the call deadline (`call_deadline`: stopped, stuck in a Ray call, alive with its raylet gone).
+Then everything it held goes back to the local workers as a dead worker's does, one warning says
+how it ended and its last Ray error, its session (its Ray instance, what Ray left) is killed, the
+epoch goes on, and a new gateway is started at the next epoch or after a back-off; after
+`MAX_GATEWAY_FAILURES` in a row with nothing delivered between them the remote workers retire.
 
 Start-up (`start`, on the training thread): the dataset must pickle (a TypeError naming it, here),
 and every actor reads one sample where it runs before it gets work (the gateway's RemoteWorkerError
@@ -41,6 +42,7 @@ from fusionflow.runtime.spec import RuntimeSpec
 
 log = logging.getLogger(__name__)
 MAX_GATEWAY_FAILURES = 3  # gateway deaths (or failed restarts) in a row before the remote workers retire
+CALL_FLOOR_S, CALL_FACTOR = 30.0, 20.0  # call_timeout=None: the call deadline, max(30 s, 20x the mean round trip)
 BACKOFF_S = 10.0  # a new gateway after this long (doubling with each failure), or at the next epoch
 
 
@@ -60,6 +62,8 @@ class _Gateway:
     def __init__(self, link: GatewayLink):
         self.link = link
         self.outstanding: dict = {}  # task id -> Work sent to it and neither done nor given back
+        self.sent_at: dict = {}  # task id -> when it was sent (monotonic), for the same tasks
+        self.unresponsive: str | None = None  # why it was killed for holding work too long
         self.delivered = 0
         self.last_error: str | None = None
         self.reader: threading.Thread | None = None
@@ -91,6 +95,7 @@ class RemoteWorkers:
         self._gw: _Gateway | None = None  # the running gateway, if any
         self._starting: GatewayLink | None = None  # a gateway in its start-up handshake
         self._task_ids = 0
+        self._round_trip = 0.0  # running mean of a tiny-batch's time away (sent -> DONE), seconds
         self._deaths_in_a_row = 0
         self._restart_gen, self._retry_at = None, 0.0  # when a new gateway is due (after a death)
         self._started = self._stopped = False
@@ -193,6 +198,9 @@ class RemoteWorkers:
                         if self._stopped:
                             return
                         gw = self._gw
+                        overdue = gw is not None and self._overdue(gw)
+                        if overdue:
+                            break
                         if gw is not None and not self.retired:
                             works = self._take(gw)
                             if works:
@@ -201,6 +209,9 @@ class RemoteWorkers:
                             works = None
                             break
                         board.cond.wait(1.0)
+                if overdue:  # its reader sees the socket close and requeues what it held
+                    gw.link.kill()
+                    continue
                 if works is None:
                     self._restart()
                     continue
@@ -228,7 +239,7 @@ class RemoteWorkers:
             take = lambda: next(iter(board.take_accel(largest_first=True)), None)  # noqa: E731
         else:
             take = board.take_cpu
-        works = []
+        works, now = [], time.monotonic()
         while len(works) < room:
             work = take()
             if work is not None and work.cpu_only:  # given back by a remote path or the accelerator:
@@ -238,8 +249,27 @@ class RemoteWorkers:
                 break
             self._task_ids += 1
             gw.outstanding[self._task_ids] = work
+            gw.sent_at[self._task_ids] = now
             works.append((self._task_ids, work))
         return works
+
+    def call_deadline(self) -> float:
+        """Seconds a tiny-batch may be away at the gateway before the gateway counts as unresponsive:
+        RayWorkers(call_timeout=...), or max(CALL_FLOOR_S, CALL_FACTOR x the mean round trip)."""
+        if self.config.call_timeout is not None:
+            return self.config.call_timeout
+        return max(CALL_FLOOR_S, CALL_FACTOR * self._round_trip)
+
+    def _overdue(self, gw: _Gateway) -> bool:
+        """Lock held: whether `gw` has held a tiny-batch past the call deadline -- a gateway stopped,
+        stuck in a Ray call, or whose raylet is gone while it lives on. Marks it (once) if so."""
+        if gw.unresponsive is not None or not gw.sent_at:
+            return False
+        away, deadline = time.monotonic() - min(gw.sent_at.values()), self.call_deadline()
+        if away <= deadline:
+            return False
+        gw.unresponsive = f"returned nothing for {away:.0f} s (call deadline {deadline:.0f} s) and was killed"
+        return True
 
     def _restart_due(self) -> bool:
         return self.board.generation != self._restart_gen or time.monotonic() >= self._retry_at
@@ -303,7 +333,7 @@ class RemoteWorkers:
         with board.cond:
             if not self._stopped:
                 self.counters.remote_gateways_lost += 1
-                why = f"the Ray gateway (pid {gw.link.pid}) {gw.link.how_it_ended()}"
+                why = f"the Ray gateway (pid {gw.link.pid}) {gw.unresponsive or gw.link.how_it_ended()}"
                 if gw.last_error:
                     why += f"; its last Ray error: {gw.last_error}"
                 log.warning(
@@ -325,6 +355,8 @@ class RemoteWorkers:
             work = gw.outstanding.pop(task_id, None)
             if work is None:
                 return
+            away = time.monotonic() - gw.sent_at.pop(task_id)
+            self._round_trip = away if not self._round_trip else 0.8 * self._round_trip + 0.2 * away
             gw.delivered += 1
             self.counters.remote_tiny_batches += 1
             if board.trace is not None or self.on_stage_times is not None:
@@ -347,6 +379,8 @@ class RemoteWorkers:
             board.cond.notify_all()
         elif what == "back":
             works = [w for w in (gw.outstanding.pop(t, None) for t in event[1]) if w is not None]
+            for t in event[1]:
+                gw.sent_at.pop(t, None)
             for work in works:  # a lost actor may have died of one: the local workers isolate such samples
                 work.cpu_only = True
             board.requeue(works)
