@@ -443,6 +443,52 @@ def test_a_worker_killed_while_it_starts_is_replaced_and_nothing_is_lost(tmp_pat
     assert sorted(os.listdir(tmp_path)) == ["started-0", "started-1"]
 
 
+def _stopped_at_first_start(marker_dir, worker_id):
+    """A worker that stops during its start-up (a paused container, SIGSTOP), the first time only."""
+    marker = os.path.join(marker_dir, f"stopped-{worker_id}")
+    if worker_id == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _hangs_at_every_start(worker_id):
+    time.sleep(3600)
+
+
+def test_a_worker_stopped_while_it_starts_is_killed_past_the_start_bound_and_replaced(tmp_path, monkeypatch):
+    import functools
+
+    from fusionflow.runtime import liveness
+
+    monkeypatch.setattr(liveness, "START_S", 1.0)
+    init = functools.partial(_stopped_at_first_start, str(tmp_path))
+    loader = FusionFlowLoader(
+        Bytes(24), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=init, persistent_workers=True
+    )
+    deadline = time.monotonic() + 120
+    with loader:  # worker 0 carries the epochs meanwhile; worker 1 is replaced once past the bound
+        while time.monotonic() < deadline:
+            _, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(24))
+            per_worker = loader.stats.tiny_batches_per_worker
+            if loader.stats.worker_restarts and len(per_worker) > 1 and per_worker[1]:
+                break
+        assert loader.stats.worker_restarts == 1 and per_worker[1] > 0  # the replacement works
+    assert os.listdir(tmp_path) == ["stopped-1"]
+
+
+def test_a_worker_that_never_becomes_ready_fails_with_the_reason_after_max_retries(monkeypatch):
+    from fusionflow.runtime import liveness
+
+    monkeypatch.setattr(liveness, "START_S", 0.5)
+    loader = FusionFlowLoader(
+        Bytes(8), batch_size=4, num_workers=1, policy=SMALL, worker_init_fn=_hangs_at_every_start, max_retries=1
+    )
+    with pytest.raises(WorkerStartError, match=r"killed: not ready \d+ s after its start\) before it was ready"):
+        collect(loader)
+    assert loader.stats.worker_restarts == 1
+
+
 def test_a_worker_killed_at_every_start_fails_after_max_retries():
     loader = FusionFlowLoader(
         Bytes(8), batch_size=4, num_workers=1, policy=SMALL, worker_init_fn=_killed_at_every_start, max_retries=1

@@ -204,3 +204,27 @@ def test_the_call_deadline_is_measured_or_given_and_checked(monkeypatch):
     assert kind.call_deadline() == CALL_FACTOR * 10.0  # slow calls: a multiple of the measured round trip
     kind.config = RayWorkers(1, call_timeout=7.5)
     assert kind.call_deadline() == 7.5
+
+
+def test_a_gateway_stopped_before_it_reads_its_start_up_spec_cannot_hold_the_loader(tmp_path):
+    """The spec (the dataset travels in it) is larger than the socket's buffer: a gateway stopped before
+    reading it once blocked the starting thread for good, outside every deadline, and outlived the
+    loader (found by experiments/chaos.py). Now the send has the start-up deadline."""
+    import signal
+
+    from fusionflow.errors import RemoteWorkerError
+    from fusionflow.remote.link import GatewayLink
+    from fusionflow.runtime.procs import session_pids
+
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        link = GatewayLink(b"x" * (32 << 20), fd)
+        os.kill(link.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteWorkerError, match="did not take its start-up spec within 2 s"):
+            link.wait_started(2.0)
+        assert time.monotonic() - t0 < 60  # bounded (2 s here), not forever
+        link.discard()
+        assert link.proc.returncode is not None and session_pids(link.pid) == []
+    finally:
+        os.close(fd)

@@ -128,6 +128,7 @@ class LoaderStats(RuntimeCounters):
             "stage_shares": self.stage_shares(),
             "remote_tiny_batches": self.remote_tiny_batches,
             "remote_workers_lost": self.remote_workers_lost,
+            "remote_gateways_lost": self.remote_gateways_lost,
         }
 
     def reset(self) -> None:

@@ -261,8 +261,7 @@ class RemoteWorkers:
         return max(CALL_FLOOR_S, CALL_FACTOR * self._round_trip)
 
     def _overdue(self, gw: _Gateway) -> bool:
-        """Lock held: whether `gw` has held a tiny-batch past the call deadline -- a gateway stopped,
-        stuck in a Ray call, or whose raylet is gone while it lives on. Marks it (once) if so."""
+        """Lock held: whether `gw` has held a tiny-batch past the call deadline (it is marked, once)."""
         if gw.unresponsive is not None or not gw.sent_at:
             return False
         away, deadline = time.monotonic() - min(gw.sent_at.values()), self.call_deadline()
@@ -328,11 +327,12 @@ class RemoteWorkers:
             if self._gw is gw:
                 self._gw = None
                 self.actors = []
+            lost = not self._stopped  # counted now: stop() may come while its session is killed below
+            self.counters.remote_gateways_lost += lost
         board.wake()
-        gw.link.kill()  # whatever ended it: its Ray processes go with it
+        gw.link.kill()  # whatever ended it: its Ray processes go with it (this may take seconds)
         with board.cond:
-            if not self._stopped:
-                self.counters.remote_gateways_lost += 1
+            if lost:
                 why = f"the Ray gateway (pid {gw.link.pid}) {gw.unresponsive or gw.link.how_it_ended()}"
                 if gw.last_error:
                     why += f"; its last Ray error: {gw.last_error}"

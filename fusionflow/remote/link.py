@@ -29,6 +29,7 @@ from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.errors import RemoteWorkerError
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.authsock import set_send_timeout
 from fusionflow.runtime.procs import kill_session
 
 log = logging.getLogger("fusionflow.remote.kind")
@@ -79,14 +80,25 @@ class GatewayLink:
         self.pid = self.proc.pid
         self.conn = Connection(ours.detach())
         os.set_inheritable(self.conn.fileno(), False)
-        self.conn.send_bytes(pickle.dumps({"sys_path": list(sys.path), "spec": spec_bytes}))
+        self._hello = pickle.dumps({"sys_path": list(sys.path), "spec": spec_bytes})  # sent by wait_started
         self.last_error: str | None = None  # the last Ray error the gateway reported
 
     def wait_started(self, timeout: float) -> dict:
         """The gateway's ("started", info), after forwarding its log records; raises the error it
         reports (TypeError, ConnectionError, RemoteWorkerError ...) or a RemoteWorkerError when it
-        exits or does not answer within `timeout`."""
+        exits or does not answer within `timeout`. It first sends the start-up spec, within the same
+        bound: a gateway stopped before it reads a spec larger than the socket's buffer (the dataset
+        travels in it) cannot hold this thread, and `kill()` from another thread ends the send."""
         deadline = time.monotonic() + timeout
+        set_send_timeout(self.conn, timeout)
+        try:
+            self.conn.send_bytes(self._hello)
+        except OSError as exc:
+            raise RemoteWorkerError(
+                f"remote_workers: the Ray gateway did not take its start-up spec within {timeout:.0f} s ({exc!r})"
+            ) from None
+        finally:
+            set_send_timeout(self.conn, 0)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not mp_wait([self.conn], min(left, 1.0)):

@@ -31,8 +31,17 @@ def sockopt_seconds(sock: socket.socket, opt: int, seconds: float) -> None:
 
 def set_receive_timeout(conn: Connection, seconds: float) -> None:
     """Bound (0: unbound) every read on `conn`; a read that times out raises BlockingIOError."""
+    _set_timeout(conn, socket.SO_RCVTIMEO, seconds)
+
+
+def set_send_timeout(conn: Connection, seconds: float) -> None:
+    """Bound (0: unbound) every write on `conn` that cannot make progress; it raises BlockingIOError."""
+    _set_timeout(conn, socket.SO_SNDTIMEO, seconds)
+
+
+def _set_timeout(conn: Connection, opt: int, seconds: float) -> None:
     s = socket.socket(fileno=os.dup(conn.fileno()))  # options belong to the socket: set them through a dup
-    sockopt_seconds(s, socket.SO_RCVTIMEO, seconds)
+    sockopt_seconds(s, opt, seconds)
     s.close()
 
 

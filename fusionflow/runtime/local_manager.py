@@ -310,13 +310,23 @@ class LocalManager:
                 board.cond.notify_all()
 
     def _kill_stuck(self) -> None:
-        """(lock held) Kill own workers whose oldest tiny-batch has run past the stuck bound
-        (runtime/liveness.py); the death path requeues their work and the next `wait` replaces them."""
+        """(lock held) Kill own workers whose oldest tiny-batch has run past the stuck bound, or that
+        are not ready START_S after their start (runtime/liveness.py); the death path requeues their
+        work and the next `wait` replaces them (a start-up: `max_retries` times in a row)."""
         pool, now = self.pool, time.monotonic()
         for w in pool.workers:
-            if w is None or not w.alive or w.process is None or not w.outstanding or w.lent_to is not None:
+            if w is None or not w.alive or w.process is None or w.lent_to is not None or w.lost is not None:
+                continue  # (lost: being stopped already, its tiny-batch's other copy won)
+            if not w.ready and now - w.started_at > liveness.START_S and w.killed_for is None:
+                w.killed_for = f"not ready {now - w.started_at:.0f} s after its start"
+                log.warning(
+                    "fusionflow CPU worker %d is %s (stopped, or worker_init_fn hangs?); killing it",
+                    w.worker_id,
+                    w.killed_for,
+                )
+                w.process.kill()
                 continue
-            if w.lost is not None:  # being stopped already (its tiny-batch's other copy won)
+            if not w.outstanding:
                 continue
             running_for = now - w.head_since
             if not liveness.is_stuck(running_for, pool.task_seconds):
@@ -331,6 +341,7 @@ class LocalManager:
                 liveness.stuck_bound(pool.task_seconds),
             )
             self.board.counters.workers_stuck += 1
+            w.killed_for = f"no progress for {running_for:.0f} s"
             w.process.kill()  # SIGKILL reaches a stopped process too; its sentinel wakes this thread
             w.head_since = now  # not killed again while it dies
 

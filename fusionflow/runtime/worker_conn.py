@@ -6,6 +6,7 @@ guest: another loader's worker lent to this one (runtime/gm/agent.py serves thos
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from fusionflow.runtime import messages as m
@@ -25,6 +26,8 @@ class WorkerConn:
         self.retiring = False  # sent STOP for a lower worker target: not restarted
         self.serve_upto = None  # guest: the newest mini-batch key it may work on
         self.lost: Work | None = None  # another copy of this tiny-batch finished first: being stopped
+        self.started_at = time.monotonic()  # when its process was started (a start-up is bounded too)
+        self.killed_for: str | None = None  # why the manager killed it, for the death's log line and error
 
     @property
     def idle(self) -> bool:

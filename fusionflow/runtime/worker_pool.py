@@ -364,6 +364,7 @@ class WorkerPool:
             w.alive = False
             code = w.process.exitcode
             how = f"signal {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit code {code}"
+            how = f"killed: {w.killed_for}" if w.killed_for else how
             if w.retiring and code == 0:
                 self.requeue_outstanding(w, how)
             elif w.lost is not None:  # stopped: another copy of its tiny-batch finished first

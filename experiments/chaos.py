@@ -1,0 +1,231 @@
+"""Chaos soak: a training loop of many epochs with a fault injected at a random moment of each.
+
+    .venv/bin/python -m experiments.chaos --epochs 30 --images 128
+    .venv/bin/python -m experiments.chaos --epochs 12 --ray --faults gateway-kill,gateway-stop,actor-kill
+
+Each epoch draws one fault from `--faults` and a random mini-batch at which the training loop injects
+it (after receiving that batch):
+  worker-kill   SIGKILL one of the loader's own CPU worker processes
+  worker-stop   SIGSTOP one (never resumed: the loader must notice it by itself)
+  gateway-kill  SIGKILL the Ray gateway process (with --ray)
+  gateway-stop  SIGSTOP it (with --ray; the call deadline, `--call-timeout`, must end it)
+  actor-kill    SIGKILL one Ray actor process of the gateway's session (with --ray)
+  none          nothing (a control epoch)
+Per epoch it checks that every sample arrived exactly once (the label is the index) and records the
+longest wait at next() -- the stall the fault cost -- beside the epoch's median wait. At the end, after
+close(): no process this run started is left, and no /dev/shm segment. The loader's own counters say
+what handled each fault (reruns, stuck kills, restarts, gateways lost).
+
+Not here (they need several ranks or jobs): lent workers and the global manager (tests/test_ddp.py,
+tests/test_global_manager.py), the shared loader's producer and clients (tests/test_shared.py), the
+raylet and dashboard agent (tests/test_remote_gateway.py). tests/test_chaos.py runs a short form.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import signal
+import statistics
+import time
+
+from experiments import harness
+
+FAULTS = ("worker-kill", "worker-stop", "gateway-kill", "gateway-stop", "actor-kill", "none")
+LOCAL_FAULTS = ("worker-kill", "worker-stop", "none")
+
+
+class Indexed:
+    """(encoded JPEG, index): a batch's labels say which samples it holds."""
+
+    def __init__(self, jpegs):
+        self.data, self.sizes = jpegs, [len(b) for b in jpegs]
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i], i
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(root: int | None = None) -> set[int]:
+    """Live processes below `root` (this process by default), zombies excluded."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(int(name))
+    out, todo = set(), [root or os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def shm_segments() -> set[str]:
+    return {f for f in os.listdir("/dev/shm") if f.startswith(("ff_", "ffl_", "sem.ff"))}
+
+
+def victims(fault: str) -> list[int]:
+    """The processes `fault` may hit now."""
+    if fault.startswith("worker"):
+        return [p.pid for p in mp.active_children() if p.name.startswith("fusionflow-worker-") and p.is_alive()]
+    gateways = [p for p in descendants() if "fusionflow.remote.gateway" in _cmdline(p)]
+    if fault.startswith("gateway"):
+        return gateways
+    return [p for g in gateways for p in descendants(g) if "ray::" in _cmdline(p)]  # actor-kill
+
+
+def inject(fault: str, rng: random.Random) -> dict:
+    """Hit one process as `fault` says; what was hit (or why nothing was)."""
+    if fault == "none":
+        return {"fault": fault}
+    pids = victims(fault)
+    if not pids:
+        return {"fault": fault, "victim": None, "why": "no such process at that moment"}
+    pid = rng.choice(sorted(pids))
+    sig = signal.SIGSTOP if fault.endswith("stop") else signal.SIGKILL
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return {"fault": fault, "victim": None, "why": "it exited first"}
+    return {"fault": fault, "victim": pid, "signal": sig.name}
+
+
+def soak(
+    epochs: int,
+    images: int,
+    faults: tuple[str, ...],
+    seed: int = 0,
+    workers: int = 2,
+    batch_size: int = 16,
+    step_s: float = 0.005,
+    remote_workers=None,
+    policy: str = "randaugment",
+    jpegs=None,
+    progress=print,
+) -> dict:
+    """Run the soak; a dict of per-epoch results, the loader's counters and what was left behind."""
+    from fusionflow import FusionFlowLoader
+
+    rng = random.Random(seed)
+    dataset = Indexed(jpegs if jpegs is not None else harness.mixed_jpegs(images))
+    before_procs, before_shm = descendants(), shm_segments()
+    loader = FusionFlowLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        policy=policy,
+        seed=seed,
+        persistent_workers=True,
+        remote_workers=remote_workers,
+    )
+    results = []
+    with loader:
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            fault, at = rng.choice(faults), rng.randrange(max(1, len(loader) - 1))
+            labels, waits, hit = [], [], {"fault": fault, "victim": None, "why": "epoch ended first"}
+            start = time.monotonic()
+            batches = iter(loader)
+            while True:
+                t0 = time.monotonic()
+                try:
+                    _x, y = next(batches)
+                except StopIteration:
+                    break
+                waits.append(time.monotonic() - t0)
+                labels += y.tolist()
+                if len(waits) - 1 == at:
+                    hit = inject(fault, rng)
+                time.sleep(step_s)
+            exact = sorted(labels) == list(range(len(dataset)))
+            results.append(
+                {
+                    "epoch": epoch,
+                    **hit,
+                    "at_batch": at,
+                    "exactly_once": exact,
+                    "seconds": time.monotonic() - start,
+                    "longest_wait_s": max(waits),
+                    "median_wait_s": statistics.median(waits),
+                }
+            )
+            r = results[-1]
+            progress(
+                f"epoch {epoch:3d}  {fault:13s} at batch {at:3d}  exactly once: {exact}  "
+                f"longest wait {r['longest_wait_s']:.2f} s (median {r['median_wait_s'] * 1e3:.0f} ms)"
+            )
+        stats = loader.stats.summary()
+    deadline = time.monotonic() + 20  # what close() ended may take a moment to be reaped
+    while time.monotonic() < deadline and (descendants() - before_procs or shm_segments() - before_shm):
+        time.sleep(0.2)
+    return {
+        "epochs": results,
+        "counters": {
+            k: stats.get(k)
+            for k in ("worker_restarts", "workers_stuck", "tiny_batches_rerun", "reruns_won", "remote_gateways_lost")
+        },
+        "processes_left": sorted(_cmdline(p)[:100] for p in descendants() - before_procs),
+        "shm_left": sorted(shm_segments() - before_shm),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--epochs", type=int, default=30)
+    ap.add_argument("--images", type=int, default=128)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--faults", default=None, help=f"comma-separated, of {', '.join(FAULTS)}")
+    ap.add_argument("--ray", action="store_true", help="one Ray actor beside the local workers (a local instance)")
+    ap.add_argument("--call-timeout", type=float, default=None, help="RayWorkers(call_timeout=...)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    faults = tuple(args.faults.split(",")) if args.faults else (FAULTS if args.ray else LOCAL_FAULTS)
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown or (not args.ray and set(faults) - set(LOCAL_FAULTS)):
+        ap.error(f"--faults: {unknown or sorted(set(faults) - set(LOCAL_FAULTS))} (Ray faults need --ray)")
+    remote = None
+    if args.ray:
+        from fusionflow import RayWorkers
+
+        remote = RayWorkers(1, call_timeout=args.call_timeout, init_kwargs={"num_cpus": 1})
+    out = soak(args.epochs, args.images, faults, args.seed, args.workers, args.batch_size, remote_workers=remote)
+    epochs = out["epochs"]
+    summary = {
+        "epochs": len(epochs),
+        "all_exactly_once": all(e["exactly_once"] for e in epochs),
+        "faults_hit": sum(e.get("victim") is not None for e in epochs),
+        "longest_stall_s": max(e["longest_wait_s"] for e in epochs),
+        "longest_stall_by_fault": {
+            f: max(e["longest_wait_s"] for e in epochs if e["fault"] == f) for f in sorted({e["fault"] for e in epochs})
+        },
+        "clean": not out["processes_left"] and not out["shm_left"],
+    }
+    print(summary, out["counters"], "left:", out["processes_left"], out["shm_left"])
+    path = harness.result_path(args.out, "chaos_ray.json" if args.ray else "chaos.json")
+    harness.write_json({**harness.provenance(), "summary": summary, **out}, path)
+
+
+if __name__ == "__main__":
+    main()
