@@ -404,3 +404,32 @@ def test_global_manager_argument_errors():
     assert FusionFlowLoader(Bytes(4), batch_size=2, num_workers=1, policy=SMALL).job is None  # not under torchrun
     with pytest.raises(ValueError, match="no global manager runs for job"):
         GlobalManagerClient(job())
+
+
+def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_owner(monkeypatch):
+    """A worker lent to `a` stops (SIGSTOP) while it holds a's tiny-batch: past the stuck bound (lowered
+    here) `a` kills it by its pid (a borrower cannot leave it alive: it may write into a reused slot),
+    re-runs its tiny-batch, and its owner `b` replaces it."""
+    from fusionflow.runtime import liveness
+
+    monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 1.0)
+    name = job()
+    a = make(Bytes(48, sleep=0.05), name, tiny_batch_size=1, batch_size=16)
+    b = make(Bytes(8), name)
+    collect(b)
+    it = iter(a)
+    got = next(it)[1].tolist()
+    mgr, victim = b._manager.pool, []
+    assert wait_until(
+        lambda: victim.extend(w for w in mgr.workers if w is not None and w.lent_to is not None) or bool(victim),
+        timeout=20,
+    )
+    os.kill(victim[0].process.pid, signal.SIGSTOP)
+    got += [i for _, y in it for i in y.tolist()]
+    assert got == list(range(48))  # nothing twice, nothing lost, and no timeout= needed
+    b.set_epoch(1)
+    _, labels = collect(b)
+    assert ordered(labels) == list(range(8))
+    a.close()
+    b.close()
+    assert b.stats.worker_restarts == 1  # its owner replaced it

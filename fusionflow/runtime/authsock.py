@@ -39,6 +39,19 @@ def set_send_timeout(conn: Connection, seconds: float) -> None:
     _set_timeout(conn, socket.SO_SNDTIMEO, seconds)
 
 
+def peer_pid(conn: Connection) -> int | None:
+    """The pid of the process at the other end of a connected Unix socket (SO_PEERCRED), or None."""
+    try:
+        s = socket.socket(fileno=os.dup(conn.fileno()))
+        try:
+            pid, _uid, _gid = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        finally:
+            s.close()
+    except (OSError, AttributeError):  # not a Unix socket, or no SO_PEERCRED here
+        return None
+    return pid or None
+
+
 def _set_timeout(conn: Connection, opt: int, seconds: float) -> None:
     s = socket.socket(fileno=os.dup(conn.fileno()))  # options belong to the socket: set them through a dup
     sockopt_seconds(s, opt, seconds)

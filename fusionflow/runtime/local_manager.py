@@ -53,6 +53,8 @@ If the training process is killed alone, workers notice within `worker.WATCHDOG_
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 from multiprocessing.connection import wait as mp_wait
@@ -344,6 +346,23 @@ class LocalManager:
             w.killed_for = f"no progress for {running_for:.0f} s"
             w.process.kill()  # SIGKILL reaches a stopped process too; its sentinel wakes this thread
             w.head_since = now  # not killed again while it dies
+        self._kill_stuck_guests(now)
+
+    def _kill_stuck_guests(self, now: float) -> None:
+        """(lock held) Workers lent to this loader whose oldest tiny-batch has run past the stuck bound:
+        SIGKILLed by pid (their connection then drops, and the agent requeues what they held)."""
+        for g in self.agent.guests if self.agent is not None else ():
+            if not g.alive or not g.outstanding or g.peer_pid is None or g.killed_for is not None:
+                continue
+            running_for = now - g.head_since
+            if liveness.is_stuck(running_for, self.pool.task_seconds):
+                g.killed_for = f"no progress for {running_for:.0f} s"
+                log.warning("fusionflow worker %s lent to this loader made %s; killing it", g.worker_id, g.killed_for)
+                self.board.counters.workers_stuck += 1
+                try:
+                    os.kill(g.peer_pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""

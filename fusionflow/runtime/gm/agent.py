@@ -14,6 +14,9 @@ drives it: `step()` on every turn of its loop, `waitables()` / `handle(ready)` i
     mini-batches submitted before they arrived (the iteration they were lent for). When none is left
     for a guest, it is sent RETURN. A guest whose connection drops has its tasks requeued exactly as
     a dead worker's.
+  * A guest whose tiny-batch runs past the stuck bound (stopped, swapping) is SIGKILLed here by its
+    pid (SO_PEERCRED; a borrower may reuse the ring slot, so it must never write again): its
+    connection drops, its tasks run again here, its owner restarts it as a dead worker.
   * Elastic capacity: a new worker target from the GM goes to the pool; surplus idle workers retire.
 """
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import logging
 
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.authsock import peer_pid
 from fusionflow.runtime.shm import send_fd
 from fusionflow.runtime.worker_conn import WorkerConn
 
@@ -154,8 +158,10 @@ class LendingAgent:
         if ready is self.link.listener:
             conn = self.link.accept()
             if conn is not None:
+                g = WorkerConn(None, None, conn)
+                g.peer_pid = peer_pid(conn)  # the same user's process (the handshake's HMAC and uid)
                 with self.board.cond:
-                    self.guests.append(WorkerConn(None, None, conn))
+                    self.guests.append(g)
             return True
         if ready is self._bell:
             self._drain_bell(ready)
