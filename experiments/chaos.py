@@ -3,8 +3,8 @@
     .venv/bin/python -m experiments.chaos --epochs 30 --images 128
     .venv/bin/python -m experiments.chaos --epochs 12 --ray --faults gateway-kill,gateway-stop,actor-kill
 
-Each epoch draws one fault from `--faults` and a random mini-batch at which the training loop injects
-it (after receiving that batch):
+Each epoch draws `--per-epoch` faults from `--faults`, each with a random mini-batch after whose
+receipt the training loop injects it:
   worker-kill   SIGKILL one of the loader's own CPU worker processes
   worker-stop   SIGSTOP one (never resumed: the loader must notice it by itself)
   gateway-kill  SIGKILL the Ray gateway process (with --ray)
@@ -121,6 +121,7 @@ def soak(
     policy: str = "randaugment",
     jpegs=None,
     progress=print,
+    per_epoch: int = 1,
 ) -> dict:
     """Run the soak; a dict of per-epoch results, the loader's counters and what was left behind."""
     from fusionflow import FusionFlowLoader
@@ -142,8 +143,8 @@ def soak(
     with loader:
         for epoch in range(epochs):
             loader.set_epoch(epoch)
-            fault, at = rng.choice(faults), rng.randrange(max(1, len(loader) - 1))
-            labels, waits, hit = [], [], {"fault": fault, "victim": None, "why": "epoch ended first"}
+            plan = sorted((rng.randrange(max(1, len(loader) - 1)), rng.choice(faults)) for _ in range(per_epoch))
+            labels, waits, hits = [], [], []
             start = time.monotonic()
             batches = iter(loader)
             while True:
@@ -154,15 +155,13 @@ def soak(
                     break
                 waits.append(time.monotonic() - t0)
                 labels += y.tolist()
-                if len(waits) - 1 == at:
-                    hit = inject(fault, rng)
+                hits += [{**inject(fault, rng), "at_batch": at} for at, fault in plan if at == len(waits) - 1]
                 time.sleep(step_s)
             exact = sorted(labels) == list(range(len(dataset)))
             results.append(
                 {
                     "epoch": epoch,
-                    **hit,
-                    "at_batch": at,
+                    "faults": hits,
                     "exactly_once": exact,
                     "seconds": time.monotonic() - start,
                     "longest_wait_s": max(waits),
@@ -170,9 +169,10 @@ def soak(
                 }
             )
             r = results[-1]
+            what = ", ".join(f"{h['fault']}@{h['at_batch']}" + ("" if h.get("victim") else " (missed)") for h in hits)
             progress(
-                f"epoch {epoch:3d}  {fault:13s} at batch {at:3d}  exactly once: {exact}  "
-                f"longest wait {r['longest_wait_s']:.2f} s (median {r['median_wait_s'] * 1e3:.0f} ms)"
+                f"epoch {epoch:3d}  exactly once: {exact}  longest wait {r['longest_wait_s']:.2f} s "
+                f"(median {r['median_wait_s'] * 1e3:.0f} ms)  {what}"
             )
         stats = loader.stats.summary()
     deadline = time.monotonic() + 20  # what close() ended may take a moment to be reaped
@@ -189,6 +189,28 @@ def soak(
     }
 
 
+def summarize(out: dict) -> dict:
+    """The soak's table: per fault kind, faults injected (a process hit), the longest stall of an epoch
+    holding one, and whether every such epoch delivered each sample exactly once."""
+    epochs, table = out["epochs"], {}
+    for e in epochs:
+        for h in e["faults"]:
+            row = table.setdefault(
+                h["fault"], {"injected": 0, "missed": 0, "longest_stall_s": 0.0, "exactly_once": True}
+            )
+            row["injected" if h.get("victim") or h["fault"] == "none" else "missed"] += 1
+            row["longest_stall_s"] = max(row["longest_stall_s"], e["longest_wait_s"])
+            row["exactly_once"] &= e["exactly_once"]
+    return {
+        "epochs": len(epochs),
+        "faults_injected": sum(r["injected"] for f, r in table.items() if f != "none"),
+        "all_exactly_once": all(e["exactly_once"] for e in epochs),
+        "longest_stall_s": max(e["longest_wait_s"] for e in epochs),
+        "by_fault": table,
+        "clean": not out["processes_left"] and not out["shm_left"],
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--epochs", type=int, default=30)
@@ -196,6 +218,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--per-epoch", type=int, default=1, help="faults injected per epoch")
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--ray", action="store_true", help="one Ray actor beside the local workers (a local instance)")
     ap.add_argument("--call-timeout", type=float, default=None, help="RayWorkers(call_timeout=...)")
@@ -210,18 +233,17 @@ def main() -> None:
         from fusionflow import RayWorkers
 
         remote = RayWorkers(1, call_timeout=args.call_timeout, init_kwargs={"num_cpus": 1})
-    out = soak(args.epochs, args.images, faults, args.seed, args.workers, args.batch_size, remote_workers=remote)
-    epochs = out["epochs"]
-    summary = {
-        "epochs": len(epochs),
-        "all_exactly_once": all(e["exactly_once"] for e in epochs),
-        "faults_hit": sum(e.get("victim") is not None for e in epochs),
-        "longest_stall_s": max(e["longest_wait_s"] for e in epochs),
-        "longest_stall_by_fault": {
-            f: max(e["longest_wait_s"] for e in epochs if e["fault"] == f) for f in sorted({e["fault"] for e in epochs})
-        },
-        "clean": not out["processes_left"] and not out["shm_left"],
-    }
+    out = soak(
+        args.epochs,
+        args.images,
+        faults,
+        args.seed,
+        args.workers,
+        args.batch_size,
+        remote_workers=remote,
+        per_epoch=args.per_epoch,
+    )
+    summary = summarize(out)
     print(summary, out["counters"], "left:", out["processes_left"], out["shm_left"])
     path = harness.result_path(args.out, "chaos_ray.json" if args.ray else "chaos.json")
     harness.write_json({**harness.provenance(), "summary": summary, **out}, path)

@@ -1,3 +1,4 @@
+import functools
 import os
 
 import numpy as np
@@ -8,6 +9,8 @@ import pytest
 os.environ["FUSIONFLOW_GM_LINGER_S"] = "0.3"
 
 from fusionflow.tools.synthetic import make_image
+
+LOADER_TIMEOUT_S = 120.0  # below pytest's 300 s (setup.cfg), above a cold start that compiles the kernels
 
 
 def has_gpu() -> bool:
@@ -31,3 +34,20 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def image224() -> np.ndarray:
     return make_image(224, 224, seed=7)
+
+
+@pytest.fixture(autouse=True)
+def loaders_wait_with_a_bound(monkeypatch):
+    """A loader built in a test without `timeout=` waits at most LOADER_TIMEOUT_S for a mini-batch: a
+    defect that loses work fails fast with "mini-batch N was not ready within timeout", not at
+    pytest's timeout with no word. Tests of `timeout=0` (DataLoader's default: wait forever) pass it."""
+    from fusionflow.loader.front import FusionFlowLoader
+
+    init = FusionFlowLoader.__init__
+
+    @functools.wraps(init)
+    def bounded(self, *args, **kwargs):
+        kwargs.setdefault("timeout", LOADER_TIMEOUT_S)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusionFlowLoader, "__init__", bounded)

@@ -24,11 +24,9 @@ def test_every_epoch_exactly_once_under_killed_and_stopped_workers(monkeypatch):
         jpegs=JPEGS[:48],
         progress=lambda line: None,
     )
-    epochs = out["epochs"]
-    assert [e["exactly_once"] for e in epochs] == [True] * 6
-    hit = {e["fault"] for e in epochs if e.get("victim") is not None}
-    assert hit == {"worker-kill", "worker-stop"}, epochs  # seed 1 draws both, each hitting a live worker
-    stopped = [e["longest_wait_s"] for e in epochs if e["fault"] == "worker-stop" and e.get("victim")]
-    assert max(stopped) < liveness.STUCK_FLOOR_S  # a second copy won long before the stuck bound
+    assert [e["exactly_once"] for e in out["epochs"]] == [True] * 6
+    table = chaos.summarize(out)["by_fault"]
+    assert {f for f, row in table.items() if row["injected"]} == {"worker-kill", "worker-stop"}, out["epochs"]
+    assert table["worker-stop"]["longest_stall_s"] < liveness.STUCK_FLOOR_S  # bounded well below 30 s
     assert out["counters"]["worker_restarts"] >= 1  # what was hit was replaced (the last hit may not be yet)
     assert out["processes_left"] == [] and out["shm_left"] == []

@@ -520,7 +520,7 @@ def test_a_stopped_worker_is_killed_and_replaced_and_the_epoch_completes_without
 
     monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 2.0)
     monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1e9)  # no second copy (tests/test_reruns.py): the kill itself
-    loader = FusionFlowLoader(StopsItselfAt(32, str(tmp_path)), batch_size=4, num_workers=2, policy=SMALL)
+    loader = FusionFlowLoader(StopsItselfAt(32, str(tmp_path)), batch_size=4, num_workers=2, policy=SMALL, timeout=0)
     _, labels = collect(loader)
     assert sorted(torch.cat(labels).tolist()) == list(range(32))
     assert os.path.exists(os.path.join(tmp_path, "stopped"))

@@ -259,3 +259,18 @@ def test_a_guess_that_fails_leaves_the_epoch_alone(monkeypatch):
     with pytest.raises(RuntimeError, match="the dataset changed"):
         next(iter(loader))  # the real next epoch raises it
     loader.close()
+
+
+def test_set_epoch_to_an_epoch_not_guessed_discards_before_it_returns(monkeypatch):
+    """The workers turn to real work at once, not at the next iter() (results would stay right either way:
+    only the discard's timing is checked here)."""
+    loader = make(True, monkeypatch, shuffle=True, generator=torch.Generator().manual_seed(4))
+    for _ in loader:
+        pass  # epoch 0 ends with epoch 1's first batches speculated
+    speculated = loader.stats.next_epoch_speculated
+    assert speculated > 0 and loader.stats.next_epoch_discarded == 0
+    loader.set_epoch(5)
+    assert loader.stats.next_epoch_discarded == speculated
+    loader.set_epoch(6)  # nothing left to discard: counted once
+    assert loader.stats.next_epoch_discarded == speculated
+    loader.close()

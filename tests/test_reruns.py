@@ -1,5 +1,6 @@
 """A straggling tiny-batch is started again on an idle CPU worker; the first copy wins, the other's
-worker is stopped; every sample arrives exactly once with the pixels of a run without stragglers."""
+worker is stopped; every sample arrives exactly once with the pixels of a run without stragglers --
+with timeout=0 (DataLoader's default, wait forever): nothing but the loader itself ends the wait."""
 
 import json
 import os
@@ -55,7 +56,7 @@ class Straggles(Bytes):
 
 
 def _loader(dataset, **kw):
-    return FusionFlowLoader(dataset, batch_size=4, num_workers=2, policy=SMALL, seed=3, **kw)
+    return FusionFlowLoader(dataset, batch_size=4, num_workers=2, policy=SMALL, seed=3, timeout=0, **kw)
 
 
 @pytest.fixture

@@ -83,7 +83,7 @@ class RayWorkers:
     init_kwargs: extra keyword arguments for `ray.init` (e.g. num_cpus of a local instance).
     call_timeout: seconds a tiny-batch may be away at the gateway (sent, not back) before the gateway
         counts as unresponsive: it is killed, what it held runs on the local workers, and a new one is
-        tried at the next epoch. None (the default): 20x the mean round trip measured, at least 30 s.
+        tried at the next epoch. None (the default): 20x the mean round trip measured, at least 10 s.
     """
 
     def __init__(

@@ -42,7 +42,7 @@ from fusionflow.runtime.spec import RuntimeSpec
 
 log = logging.getLogger(__name__)
 MAX_GATEWAY_FAILURES = 3  # gateway deaths (or failed restarts) in a row before the remote workers retire
-CALL_FLOOR_S, CALL_FACTOR = 30.0, 20.0  # call_timeout=None: the call deadline, max(30 s, 20x the mean round trip)
+CALL_FLOOR_S, CALL_FACTOR = 10.0, 20.0  # call_timeout=None: the call deadline, max(10 s, 20x the mean round trip)
 BACKOFF_S = 10.0  # a new gateway after this long (doubling with each failure), or at the next epoch
 
 
