@@ -27,6 +27,6 @@ def test_every_epoch_exactly_once_under_killed_and_stopped_workers(monkeypatch):
     assert [e["exactly_once"] for e in out["epochs"]] == [True] * 6
     table = chaos.summarize(out)["by_fault"]
     assert {f for f, row in table.items() if row["injected"]} == {"worker-kill", "worker-stop"}, out["epochs"]
-    assert table["worker-stop"]["longest_stall_s"] < liveness.STUCK_FLOOR_S  # bounded well below 30 s
+    assert table["worker-stop"]["longest_stall_s"] < liveness.STUCK_FLOOR_S  # bounded well below the stuck bound
     assert out["counters"]["worker_restarts"] >= 1  # what was hit was replaced (the last hit may not be yet)
     assert out["processes_left"] == [] and out["shm_left"] == []

@@ -406,30 +406,75 @@ def test_global_manager_argument_errors():
         GlobalManagerClient(job())
 
 
-def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_owner(monkeypatch):
-    """A worker lent to `a` stops (SIGSTOP) while it holds a's tiny-batch: past the stuck bound (lowered
+class StopsInAGuest(Bytes):
+    """A sample read by a worker that is not one of the borrower's own (listed in `own`, once known)
+    stops that process (SIGSTOP), the first time: a lent worker stopped mid-task."""
+
+    def __init__(self, n, marker_dir):
+        super().__init__(n, sleep=0.05)
+        self.own, self.stopped = os.path.join(marker_dir, "own"), os.path.join(marker_dir, "stopped")
+
+    def __getitem__(self, i):
+        if os.path.exists(self.own) and not os.path.exists(self.stopped):
+            with open(self.own) as f:
+                if str(os.getpid()) not in f.read().split():
+                    open(self.stopped, "w").close()
+                    os.kill(os.getpid(), signal.SIGSTOP)
+        return super().__getitem__(i)
+
+
+def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_owner(monkeypatch, tmp_path):
+    """A worker lent to `a` stops (SIGSTOP) while it runs a's tiny-batch: past the stuck bound (lowered
     here) `a` kills it by its pid (a borrower cannot leave it alive: it may write into a reused slot),
     re-runs its tiny-batch, and its owner `b` replaces it."""
     from fusionflow.runtime import liveness
 
     monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 1.0)
     name = job()
-    a = make(Bytes(48, sleep=0.05), name, tiny_batch_size=1, batch_size=16)
+    a = make(StopsInAGuest(48, str(tmp_path)), name, tiny_batch_size=1, batch_size=16, timeout=0)
     b = make(Bytes(8), name)
     collect(b)
     it = iter(a)
     got = next(it)[1].tolist()
-    mgr, victim = b._manager.pool, []
-    assert wait_until(
-        lambda: victim.extend(w for w in mgr.workers if w is not None and w.lent_to is not None) or bool(victim),
-        timeout=20,
-    )
-    os.kill(victim[0].process.pid, signal.SIGSTOP)
+    (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
+    lent = [w for w in b._manager.pool.workers if w is not None]
+    assert wait_until(lambda: lent[0].lent_to is not None, timeout=20)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))  # nothing twice, nothing lost, and no timeout= needed
+    assert (tmp_path / "stopped").exists() and a.stats.workers_stuck == 1
     b.set_epoch(1)
     _, labels = collect(b)
     assert ordered(labels) == list(range(8))
     a.close()
     b.close()
     assert b.stats.worker_restarts == 1  # its owner replaced it
+
+
+def test_a_lent_worker_whose_borrower_falls_silent_goes_home(monkeypatch):
+    """The borrower stops giving its guest work and never sends RETURN (as a stopped or hung borrower
+    would): past BORROWER_SILENT_S (lowered here, before the lender forks its worker) the worker
+    leaves -- its owner gets it back -- and the borrower's epoch still completes on its own worker."""
+    from fusionflow.runtime import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "BORROWER_SILENT_S", 1.0)
+    name = job()
+    a = make(Bytes(48, sleep=0.05), name, tiny_batch_size=1, batch_size=16)
+    b = make(Bytes(8), name)
+    collect(b)
+    it = iter(a)
+    got = next(it)[1].tolist()
+    lent = [w for w in b._manager.pool.workers if w is not None]
+    assert wait_until(lambda: lent[0].lent_to is not None, timeout=20)
+    pool, agent = a._manager.pool, a._manager.agent
+    dispatch = pool.dispatch
+    monkeypatch.setattr(pool, "dispatch", lambda guests, per_worker: dispatch((), per_worker))  # guests: nothing
+    monkeypatch.setattr(agent, "return_finished_guests", lambda: None)  # ... and no RETURN either
+    assert wait_until(lambda: lent[0].lent_to is None, timeout=60)  # home, though the borrower never said so
+    got += [i for _, y in it for i in y.tolist()]
+    assert got == list(range(48))
+    b.set_epoch(1)
+    _, labels = collect(b)  # the worker serves its owner again
+    assert ordered(labels) == list(range(8))
+    a.close()
+    b.close()
+    assert b.stats.worker_restarts == 0

@@ -534,7 +534,8 @@ def test_the_stuck_bound_follows_the_tiny_batch_time_above_a_floor():
     assert liveness.stuck_bound(0.0) == liveness.FIRST_TASK_S  # nothing finished yet: kernels may be building
     assert liveness.stuck_bound(0.01) == liveness.STUCK_FLOOR_S
     assert liveness.stuck_bound(10.0) == 10.0 * liveness.STUCK_FACTOR
-    assert liveness.is_stuck(31.0, 0.01) and not liveness.is_stuck(29.0, 0.01)
+    floor = liveness.STUCK_FLOOR_S
+    assert liveness.is_stuck(floor + 1.0, 0.01) and not liveness.is_stuck(floor - 1.0, 0.01)
 
 
 def test_superseded_iterator_says_so():

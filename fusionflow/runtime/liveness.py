@@ -21,7 +21,7 @@ stays the last resort.
 
 from __future__ import annotations
 
-STUCK_FLOOR_S = 30.0
+STUCK_FLOOR_S = 25.0
 STUCK_FACTOR = 20.0
 FIRST_TASK_S = 120.0
 START_S = 120.0  # a worker not READY this long after its start (stopped, or a worker_init_fn that hangs) is killed

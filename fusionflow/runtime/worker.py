@@ -29,6 +29,7 @@ from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 
 WATCHDOG_S = 0.5
+BORROWER_SILENT_S = 10.0  # a lent worker with no task and no word from its borrower this long goes home
 
 
 class _Orphaned(Exception):
@@ -109,6 +110,14 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
     return dataset, pipe
 
 
+def _leave(bconn) -> None:
+    """Tell the borrower this worker leaves: what it queued for it is not suspect (it re-runs it)."""
+    try:
+        bconn.send_bytes(m.pack_control(m.LEAVING))
+    except OSError:
+        pass  # it closed meanwhile: nothing of ours is left there
+
+
 def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pid: int) -> int:
     """Serve another local manager (the borrower) until it returns this worker; returns the number of
     tiny-batches run for it. `lend` is the owner's `Lend` message; `home` = (dataset, pipe, spec hash).
@@ -117,7 +126,9 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
     [NEED ->, <- SPEC (its pickled dataset and policy) unless this worker already has them],
     READY ->, then TASK / DONE as with the owner, until RETURN or the borrower closes. RETURN may
     also come in place of SETUP or SPEC (the borrower closing while the worker arrives). A worker
-    serves one LM at a time: the owner sends it nothing while it is lent.
+    serves one LM at a time: the owner sends it nothing while it is lent. A borrower that leaves it
+    without a task and says nothing for BORROWER_SILENT_S (stopped, hung) is left (LEAVING): a live
+    borrower sends RETURN when it has nothing left for a guest, within its manager's next turns.
     """
     try:
         bconn = connect(lend.address, lend.secret)
@@ -143,10 +154,14 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
         dataset, pipe = found
         set_receive_timeout(bconn, 0)  # handshake done: from now on the borrower paces us
         bconn.send_bytes(m.pack_ready(worker_id))
+        heard = time.monotonic()
         while True:
             ready = mp_wait([bconn, conn], WATCHDOG_S)
             if not ready:
                 _check_orphan(parent_pid)
+                if time.monotonic() - heard > BORROWER_SILENT_S:
+                    _leave(bconn)
+                    return done
                 continue
             if conn in ready:
                 try:
@@ -154,10 +169,7 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
                 except (EOFError, OSError):
                     raise _Orphaned from None  # the owner died while we were away
                 if kind == m.STOP:  # tell the borrower first: what it queued for us is not suspect
-                    try:
-                        bconn.send_bytes(m.pack_control(m.LEAVING))
-                    except OSError:
-                        pass  # it closed meanwhile: nothing of ours is left there
+                    _leave(bconn)
                     raise _Stopped
             if bconn in ready:
                 msg = bconn.recv_bytes()
@@ -165,6 +177,7 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
                     return done
                 run_task(m.unpack_task(msg), dataset, pipe, ring, seed, bconn)
                 done += 1
+                heard = time.monotonic()
     except (EOFError, OSError):
         return done  # the borrower closed (it finished, or died): what it had outstanding it requeues
     finally:
