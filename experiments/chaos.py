@@ -35,6 +35,7 @@ from experiments import harness
 
 FAULTS = ("worker-kill", "worker-stop", "gateway-kill", "gateway-stop", "actor-kill", "none")
 LOCAL_FAULTS = ("worker-kill", "worker-stop", "none")
+MIN_AGE_S = 3.0  # workers younger than this are spared: see `victims`
 
 
 class Indexed:
@@ -83,21 +84,39 @@ def shm_segments() -> set[str]:
     return {f for f in os.listdir("/dev/shm") if f.startswith(("ff_", "ffl_", "sem.ff"))}
 
 
-def victims(fault: str) -> list[int]:
-    """The processes `fault` may hit now."""
+def _age(pid: int) -> float:
+    """Seconds since process `pid` started (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - started
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def victims(fault: str, min_age: float = MIN_AGE_S) -> list[int]:
+    """The processes `fault` may hit now. CPU workers younger than MIN_AGE_S are spared: a worker
+    killed `max_retries` + 1 times in a row while it starts fails the loader with WorkerStartError by
+    design (a worker that cannot start must not restart forever), and random hits at two per epoch
+    would provoke exactly that; tests/test_loader.py covers kills and stops during start-up."""
     if fault.startswith("worker"):
-        return [p.pid for p in mp.active_children() if p.name.startswith("fusionflow-worker-") and p.is_alive()]
+        return [
+            p.pid
+            for p in mp.active_children()
+            if p.name.startswith("fusionflow-worker-") and p.is_alive() and _age(p.pid) >= min_age
+        ]
     gateways = [p for p in descendants() if "fusionflow.remote.gateway" in _cmdline(p)]
     if fault.startswith("gateway"):
         return gateways
     return [p for g in gateways for p in descendants(g) if "ray::" in _cmdline(p)]  # actor-kill
 
 
-def inject(fault: str, rng: random.Random) -> dict:
+def inject(fault: str, rng: random.Random, min_age: float = MIN_AGE_S) -> dict:
     """Hit one process as `fault` says; what was hit (or why nothing was)."""
     if fault == "none":
         return {"fault": fault}
-    pids = victims(fault)
+    pids = victims(fault, min_age)
     if not pids:
         return {"fault": fault, "victim": None, "why": "no such process at that moment"}
     pid = rng.choice(sorted(pids))
@@ -122,6 +141,7 @@ def soak(
     jpegs=None,
     progress=print,
     per_epoch: int = 1,
+    min_age: float = MIN_AGE_S,
 ) -> dict:
     """Run the soak; a dict of per-epoch results, the loader's counters and what was left behind."""
     from fusionflow import FusionFlowLoader
@@ -155,7 +175,7 @@ def soak(
                     break
                 waits.append(time.monotonic() - t0)
                 labels += y.tolist()
-                hits += [{**inject(fault, rng), "at_batch": at} for at, fault in plan if at == len(waits) - 1]
+                hits += [{**inject(fault, rng, min_age), "at_batch": at} for at, fault in plan if at == len(waits) - 1]
                 time.sleep(step_s)
             exact = sorted(labels) == list(range(len(dataset)))
             results.append(

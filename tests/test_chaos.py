@@ -23,6 +23,8 @@ def test_every_epoch_exactly_once_under_killed_and_stopped_workers(monkeypatch):
         policy=SMALL,
         jpegs=JPEGS[:48],
         progress=lambda line: None,
+        min_age=0.5,  # only a worker just forked is spared (the soak's 3 s would spare most of this short run)
+        step_s=0.1,  # a training step, so the epochs last long enough for workers to be hit
     )
     assert [e["exactly_once"] for e in out["epochs"]] == [True] * 6
     table = chaos.summarize(out)["by_fault"]

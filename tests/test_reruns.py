@@ -143,29 +143,55 @@ def test_pick_pairs_each_straggler_with_an_idle_worker_once():
     assert picks == [(slow, a, idle)]  # one idle worker: the first straggler; c's tiny-batch is young
     reruns.started(slow, a, idle, 100.0)
     assert counters.tiny_batches_rerun == 1
-    assert reruns.pick([a, b, c, _worker(4)], 0.01, 100.0, 1)[0][0] is late  # slow runs twice already
+    idle.outstanding.append((9, slow))
+    idle.head_since, idle.idle = 100.0, False
+    assert reruns.pick([a, idle, b, c, _worker(4)], 0.01, 101.0, 1)[0][0] is late  # slow's copy is young
     assert reruns.pick([a, b, _worker(4)], 0.01, 100.0, generation=2) == []  # an older iterator's work
     assert reruns.pick([a, b, _worker(4, ready=False)], 0.01, 100.0, 1) == []  # nobody idle
 
 
-def test_settle_names_the_loser_and_counts_a_won_rerun():
+def test_a_copy_that_straggles_too_gets_another_up_to_max_copies():
+    from fusionflow.runtime.reruns import MAX_COPIES
+
+    reruns = Reruns(RuntimeCounters())
+    work = _work(1)
+    runners = [_worker(0, work, since=0.0)]
+    for k in range(1, MAX_COPIES + 1):
+        spare = _worker(10 + k)
+        picks = reruns.pick(runners + [spare], task_seconds=0.01, now=100.0 * k, generation=1)
+        if k == MAX_COPIES:
+            assert picks == []  # enough copies: the stuck bound takes it from here
+            break
+        assert [p[0] for p in picks] == [work] and picks[0][2] is spare  # every copy straggles: one more
+        reruns.started(work, runners[0], spare, 100.0 * k)
+        spare.outstanding.append((k, work))
+        spare.head_since, spare.idle = 100.0 * k - 50.0, False
+        runners.append(spare)
+    losers = reruns.settle(work, runners[-1])
+    assert losers == runners[:-1]  # the last copy won: every other copy's worker is stopped
+
+
+def test_settle_names_the_losers_and_counts_a_won_rerun():
     counters = RuntimeCounters()
     reruns = Reruns(counters)
     first, again = _work(1), _work(2)
     a, b, c, d = _worker(0, first), _worker(1), _worker(2, again), _worker(3)
     reruns.started(first, a, b, 0.0)
     reruns.started(again, c, d, 0.0)
-    assert reruns.settle(first, a) is b and counters.reruns_won == 0  # the first copy won
-    assert reruns.settle(again, d) is c and counters.reruns_won == 1  # the second copy won
-    assert reruns.settle(first, b) is None  # settled once: the late copy is no pair any more
+    assert reruns.settle(first, a) == [b] and counters.reruns_won == 0  # the first copy won
+    assert reruns.settle(again, d) == [c] and counters.reruns_won == 1  # the second copy won
+    assert reruns.settle(first, b) == []  # settled once: a late copy names nobody
     once = _work(3)
-    assert reruns.settle(once, a) is None and not reruns.forget(once)
+    assert reruns.settle(once, a) == [] and not reruns.forget(once, a)
 
 
-def test_a_copy_whose_worker_died_leaves_the_other_running_alone():
+def test_a_copy_whose_worker_died_leaves_the_others_running():
     reruns = Reruns(RuntimeCounters())
     work = _work(1)
-    a, b = _worker(0, work), _worker(1)
+    a, b, c = _worker(0, work), _worker(1), _worker(2)
     reruns.started(work, a, b, 0.0)
-    assert reruns.forget(work)  # a died: not requeued, b's copy goes on
-    assert reruns.settle(work, b) is None  # b's DONE then completes it as an ordinary tiny-batch
+    reruns.started(work, a, c, 0.0)
+    assert reruns.forget(work, a)  # a died: not requeued, b's and c's copies go on
+    assert reruns.forget(work, b)  # c's goes on, now as an ordinary tiny-batch
+    assert reruns.settle(work, c) == []  # its DONE completes it; nobody to stop
+    assert not reruns.forget(work, c)

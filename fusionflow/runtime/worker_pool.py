@@ -242,8 +242,7 @@ class WorkerPool:
             raise RuntimeError(f"worker {w.worker_id} completed task {task_id}, expected {sent_id}")
         if work is w.lost:
             return False
-        loser = self.reruns.settle(work, w)
-        if loser is not None:
+        for loser in self.reruns.settle(work, w):
             self._stop_loser(loser, work)
         now = time.monotonic()
         took = now - w.head_since
@@ -265,7 +264,7 @@ class WorkerPool:
         for k, (_tid, work) in enumerate(w.outstanding):
             if work.generation != board.generation or not board.queue.tracks(work) or work is w.lost:
                 continue
-            if self.reruns.forget(work):  # its other copy runs on
+            if self.reruns.forget(work, w):  # another copy runs on
                 continue
             if k == 0 and suspect:  # the task it was running
                 work.deaths += 1
