@@ -35,7 +35,7 @@ from experiments import harness
 
 FAULTS = ("worker-kill", "worker-stop", "gateway-kill", "gateway-stop", "actor-kill", "none")
 LOCAL_FAULTS = ("worker-kill", "worker-stop", "none")
-MIN_AGE_S = 3.0  # workers younger than this are spared: see `victims`
+MIN_AGE_S = 1.0  # workers younger than this are spared: see `victims`
 
 
 class Indexed:
