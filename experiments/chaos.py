@@ -239,6 +239,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--per-epoch", type=int, default=1, help="faults injected per epoch")
+    ap.add_argument("--step-ms", type=float, default=5.0, help="the training step: a sleep after each batch")
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--ray", action="store_true", help="one Ray actor beside the local workers (a local instance)")
     ap.add_argument("--call-timeout", type=float, default=None, help="RayWorkers(call_timeout=...)")
@@ -260,6 +261,7 @@ def main() -> None:
         args.seed,
         args.workers,
         args.batch_size,
+        step_s=args.step_ms / 1e3,
         remote_workers=remote,
         per_epoch=args.per_epoch,
     )
