@@ -10,6 +10,7 @@ os.environ["FUSIONFLOW_GM_LINGER_S"] = "0.3"
 
 from fusionflow.tools.synthetic import make_image
 
+RAY_STARTUP_S = 180.0  # Ray actors importing torch beside two CPU hogs took > 60 s (RayWorkers' default)
 LOADER_TIMEOUT_S = 120.0  # below pytest's 300 s (setup.cfg), above a cold start that compiles the kernels
 
 
@@ -51,3 +52,19 @@ def loaders_wait_with_a_bound(monkeypatch):
         init(self, *args, **kwargs)
 
     monkeypatch.setattr(FusionFlowLoader, "__init__", bounded)
+
+
+@pytest.fixture(autouse=True)
+def ray_actors_start_with_time_to_spare(monkeypatch):
+    """RayWorkers built in a test without `startup_timeout=` wait RAY_STARTUP_S for their actors: on a
+    shared machine (CI) their start-up, not the behaviour under test, is what is slow."""
+    from fusionflow.remote.config import RayWorkers
+
+    init = RayWorkers.__init__
+
+    @functools.wraps(init)
+    def patient(self, *args, **kwargs):
+        kwargs.setdefault("startup_timeout", RAY_STARTUP_S)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(RayWorkers, "__init__", patient)

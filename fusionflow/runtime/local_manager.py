@@ -29,8 +29,8 @@ Faults
     blamed on a sample: shared memory could not be backed (the ring is reserved at creation, so
     this means /dev/shm was exhausted under us); the loader fails with a `SharedMemoryError`.
   * A tiny-batch that straggles (a multiple of the recent mean, with a floor: runtime/liveness.py)
-    is started again on an idle worker; the first copy wins, the other's worker is stopped before
-    that completion counts (runtime/reruns.py).
+    is started again on an idle worker (up to 3 copies); the first copy wins, the others' workers
+    are stopped before that completion counts (runtime/reruns.py).
   * A worker that makes no progress (stopped, swapping, a read that never returns): killed once its
     oldest tiny-batch has run past the stuck bound (runtime/liveness.py), then handled as a death.
   * A sample whose decode/augment raises: reported as data (`SampleFailure`) with its traceback.

@@ -260,7 +260,7 @@ class LendingAgent:
                     g.worker_id,
                     len(g.outstanding),
                 )
-            self.pool.requeue_outstanding(g, "its connection dropped")
+            self.pool.requeue_outstanding(g, f"killed: {g.killed_for}" if g.killed_for else "its connection dropped")
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:
