@@ -32,6 +32,8 @@ import statistics
 import time
 
 from experiments import harness
+from fusionflow.runtime.procs import live_processes
+from fusionflow.tools.baseline import timed_batches
 
 FAULTS = ("worker-kill", "worker-stop", "gateway-kill", "gateway-stop", "actor-kill", "none")
 LOCAL_FAULTS = ("worker-kill", "worker-stop", "none")
@@ -62,16 +64,8 @@ def _cmdline(pid: int) -> str:
 def descendants(root: int | None = None) -> set[int]:
     """Live processes below `root` (this process by default), zombies excluded."""
     children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append(int(name))
+    for pid, fields in live_processes():
+        children.setdefault(int(fields[1]), []).append(pid)
     out, todo = set(), [root or os.getpid()]
     while todo:
         for child in children.get(todo.pop(), []):
@@ -166,14 +160,8 @@ def soak(
             plan = sorted((rng.randrange(max(1, len(loader) - 1)), rng.choice(faults)) for _ in range(per_epoch))
             labels, waits, hits = [], [], []
             start = time.monotonic()
-            batches = iter(loader)
-            while True:
-                t0 = time.monotonic()
-                try:
-                    _x, y = next(batches)
-                except StopIteration:
-                    break
-                waits.append(time.monotonic() - t0)
+            for _x, y, waited in timed_batches(loader):
+                waits.append(waited)
                 labels += y.tolist()
                 hits += [{**inject(fault, rng, min_age), "at_batch": at} for at, fault in plan if at == len(waits) - 1]
                 time.sleep(step_s)

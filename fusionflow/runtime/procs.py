@@ -64,9 +64,9 @@ def opencv_quiet_for_fork():
         cv2.setNumThreads(before)
 
 
-def session_pids(sid: int) -> list[int]:
-    """The live processes of session `sid` (a process started with `start_new_session=True` leads
-    the session of its pid, and everything it starts stays in it unless it calls setsid itself)."""
+def live_processes() -> list[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/pid/stat after the command name) of every process but zombies:
+    fields[1] is the parent's pid, fields[3] the session's."""
     out = []
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -76,9 +76,15 @@ def session_pids(sid: int) -> list[int]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if len(fields) > 3 and int(fields[3]) == sid and fields[0] != "Z":
-            out.append(int(name))
+        if len(fields) > 3 and fields[0] != "Z":
+            out.append((int(name), fields))
     return out
+
+
+def session_pids(sid: int) -> list[int]:
+    """The live processes of session `sid` (a process started with `start_new_session=True` leads
+    the session of its pid, and everything it starts stays in it unless it calls setsid itself)."""
+    return [pid for pid, fields in live_processes() if int(fields[3]) == sid]
 
 
 def kill_session(sid: int, wait_s: float = 5.0) -> list[int]:
