@@ -37,6 +37,18 @@ def image224() -> np.ndarray:
     return make_image(224, 224, seed=7)
 
 
+def _default_argument(monkeypatch, cls, name: str, value) -> None:
+    """Make `value` the default of `cls(..., name=...)` for this test (an explicit argument still wins)."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def with_default(self, *args, **kwargs):
+        kwargs.setdefault(name, value)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "__init__", with_default)
+
+
 @pytest.fixture(autouse=True)
 def loaders_wait_with_a_bound(monkeypatch):
     """A loader built in a test without `timeout=` waits at most LOADER_TIMEOUT_S for a mini-batch: a
@@ -44,14 +56,7 @@ def loaders_wait_with_a_bound(monkeypatch):
     pytest's timeout with no word. Tests of `timeout=0` (DataLoader's default: wait forever) pass it."""
     from fusionflow.loader.front import FusionFlowLoader
 
-    init = FusionFlowLoader.__init__
-
-    @functools.wraps(init)
-    def bounded(self, *args, **kwargs):
-        kwargs.setdefault("timeout", LOADER_TIMEOUT_S)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(FusionFlowLoader, "__init__", bounded)
+    _default_argument(monkeypatch, FusionFlowLoader, "timeout", LOADER_TIMEOUT_S)
 
 
 @pytest.fixture(autouse=True)
@@ -60,11 +65,4 @@ def ray_actors_start_with_time_to_spare(monkeypatch):
     shared machine (CI) their start-up, not the behaviour under test, is what is slow."""
     from fusionflow.remote.config import RayWorkers
 
-    init = RayWorkers.__init__
-
-    @functools.wraps(init)
-    def patient(self, *args, **kwargs):
-        kwargs.setdefault("startup_timeout", RAY_STARTUP_S)
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(RayWorkers, "__init__", patient)
+    _default_argument(monkeypatch, RayWorkers, "startup_timeout", RAY_STARTUP_S)

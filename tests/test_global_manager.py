@@ -143,6 +143,35 @@ def test_lending_rule_counts_incoming_workers():
 # ---------------------------------------------------------------- loaders lending to each other
 
 
+def lent_worker(lender):
+    """`lender`'s own worker once it is lent to another loader (asserted within 20 s)."""
+    found = []
+    pool = lender._manager.pool
+    assert wait_until(
+        lambda: found.extend(w for w in pool.workers if w is not None and w.lent_to is not None) or bool(found),
+        timeout=20,
+    )
+    return found[0]
+
+
+def lending_pair(dataset, **kw):
+    """Loader `a` over `dataset` (1-sample tiny-batches, batch 16) and `b` over 8 samples under one GM;
+    `b` has run an epoch, `a` has delivered its first batch: `a`, `b`, a's iterator, the labels so far."""
+    name = job()
+    a = make(dataset, name, tiny_batch_size=1, batch_size=16, **kw)
+    b = make(Bytes(8), name)
+    collect(b)
+    it = iter(a)
+    return a, b, it, next(it)[1].tolist()
+
+
+def serves_its_own_again(lender):
+    """The lender's next epoch, on its own worker(s): every sample once, in order."""
+    lender.set_epoch(1)
+    _, labels = collect(lender)
+    assert ordered(labels) == list(range(len(lender.dataset)))
+
+
 def make(ds, name, **kw):
     args = dict(
         batch_size=8, num_workers=1, policy=SMALL, persistent_workers=True, pin_workers=False, global_manager=name
@@ -296,14 +325,8 @@ def test_lender_shutting_down_mid_loan_loses_nothing_at_the_borrower():
     """The lender stops its lent worker (its own loader closes) while the worker serves the borrower:
     the borrower re-runs whatever that worker had queued, and does not count it as a death (the
     worker says LEAVING) -- with max_retries=0 a death would fail the epoch."""
-    name = job()
-    a = make(Bytes(48, sleep=0.05), name, tiny_batch_size=1, max_retries=0, batch_size=16)
-    b = make(Bytes(8), name)
-    collect(b)
-    it = iter(a)
-    got = next(it)[1].tolist()
-    lent = lambda: any(w is not None and w.lent_to is not None for w in b._manager.pool.workers)  # noqa: E731
-    assert wait_until(lent, timeout=20)
+    a, b, it, got = lending_pair(Bytes(48, sleep=0.05), max_retries=0)
+    lent_worker(b)
     b.close()  # STOP to its worker while it serves a
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))
@@ -312,23 +335,11 @@ def test_lender_shutting_down_mid_loan_loses_nothing_at_the_borrower():
 
 
 def test_lent_worker_killed_mid_task_loses_nothing_and_is_replaced_by_its_owner():
-    name = job()
-    a = make(Bytes(48, sleep=0.05), name, tiny_batch_size=1, batch_size=16)
-    b = make(Bytes(8), name)
-    collect(b)
-    it = iter(a)
-    got = next(it)[1].tolist()
-    mgr, victim = b._manager.pool, []
-    assert wait_until(
-        lambda: victim.extend(w for w in mgr.workers if w is not None and w.lent_to is not None) or bool(victim),
-        timeout=20,
-    )
-    os.kill(victim[0].process.pid, signal.SIGKILL)  # while it runs one of a's samples (or is about to)
+    a, b, it, got = lending_pair(Bytes(48, sleep=0.05))
+    os.kill(lent_worker(b).process.pid, signal.SIGKILL)  # while it runs one of a's samples (or is about to)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))  # its task went back to a's queue; nothing twice, nothing lost
-    b.set_epoch(1)
-    _, labels = collect(b)
-    assert ordered(labels) == list(range(8))
+    serves_its_own_again(b)
     a.close()
     b.close()
     assert b.stats.worker_restarts == 1  # its owner replaced it
@@ -430,21 +441,13 @@ def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_own
     from fusionflow.runtime import liveness
 
     monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 1.0)
-    name = job()
-    a = make(StopsInAGuest(48, str(tmp_path)), name, tiny_batch_size=1, batch_size=16, timeout=0)
-    b = make(Bytes(8), name)
-    collect(b)
-    it = iter(a)
-    got = next(it)[1].tolist()
+    a, b, it, got = lending_pair(StopsInAGuest(48, str(tmp_path)), timeout=0)
     (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
-    lent = [w for w in b._manager.pool.workers if w is not None]
-    assert wait_until(lambda: lent[0].lent_to is not None, timeout=20)
+    lent_worker(b)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))  # nothing twice, nothing lost, and no timeout= needed
     assert (tmp_path / "stopped").exists() and a.stats.workers_stuck == 1
-    b.set_epoch(1)
-    _, labels = collect(b)
-    assert ordered(labels) == list(range(8))
+    serves_its_own_again(b)
     a.close()
     b.close()
     assert b.stats.worker_restarts == 1  # its owner replaced it
@@ -457,24 +460,16 @@ def test_a_lent_worker_whose_borrower_falls_silent_goes_home(monkeypatch):
     from fusionflow.runtime import worker as worker_module
 
     monkeypatch.setattr(worker_module, "BORROWER_SILENT_S", 1.0)
-    name = job()
-    a = make(Bytes(48, sleep=0.05), name, tiny_batch_size=1, batch_size=16)
-    b = make(Bytes(8), name)
-    collect(b)
-    it = iter(a)
-    got = next(it)[1].tolist()
-    lent = [w for w in b._manager.pool.workers if w is not None]
-    assert wait_until(lambda: lent[0].lent_to is not None, timeout=20)
+    a, b, it, got = lending_pair(Bytes(48, sleep=0.05))
+    worker = lent_worker(b)
     pool, agent = a._manager.pool, a._manager.agent
     dispatch = pool.dispatch
     monkeypatch.setattr(pool, "dispatch", lambda guests, per_worker: dispatch((), per_worker))  # guests: nothing
     monkeypatch.setattr(agent, "return_finished_guests", lambda: None)  # ... and no RETURN either
-    assert wait_until(lambda: lent[0].lent_to is None, timeout=60)  # home, though the borrower never said so
+    assert wait_until(lambda: worker.lent_to is None, timeout=60)  # home, though the borrower never said so
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))
-    b.set_epoch(1)
-    _, labels = collect(b)  # the worker serves its owner again
-    assert ordered(labels) == list(range(8))
+    serves_its_own_again(b)  # the worker serves its owner again
     a.close()
     b.close()
     assert b.stats.worker_restarts == 0
