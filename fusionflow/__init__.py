@@ -74,6 +74,10 @@ def __getattr__(name):
         from fusionflow.shared.producer import SharedLoader
 
         return SharedLoader
+    if name == "timm":  # fusionflow.timm.create_loader: timm's create_loader, FusionFlow underneath (needs timm)
+        import importlib
+
+        return importlib.import_module("fusionflow.timm")
     if name == "SharedLoaderClient":
         from fusionflow.shared.client import SharedLoaderClient
 

@@ -12,6 +12,8 @@ def dali_declines(policy) -> str | None:
     none of timm's augmentations, AugMix's mixtures, ColorJitter, RandomGrayscale or the Hue op."""
     if policy is None:
         return None
+    if policy.views > 1:
+        return f"views={policy.views} (AugMix splits: the DALI graph draws no view-shared crop)"
     if policy.crop_interpolation != "bilinear":
         return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
     if policy.augment.timm is not None:

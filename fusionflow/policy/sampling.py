@@ -21,6 +21,7 @@ and log-uniform aspect ratio, then a centre crop of the clamped ratio).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -107,8 +108,29 @@ class _Stream:
         return min(int(self.random() * high), high - 1)
 
 
+_VIEW_BASE = 1 << 63  # the shared crop's stream of a sample with views: an index no sample has
+
+
 def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> SampleDraw:
-    """The sample's draw; `copy` is the occurrence of `index` in the epoch (0 for the first)."""
+    """The sample's draw; `copy` is the occurrence of `index` in the epoch (0 for the first).
+
+    A policy with `views` = S > 1 (timm's AugMix splits): `index` is view index % S of sample index // S.
+    Every view of a sample shares the crop, flip and crop filter (drawn from the sample's own stream,
+    keyed apart from every view's); view 0 is the clean view (crop and flip only, as timm's AugMixDataset
+    normalises its first split), the others draw their augmentation and erasing each from their own stream."""
+    if policy.views == 1:
+        return _draw(policy, seed, epoch, index, copy)
+    if _check("index", index) >= _VIEW_BASE:
+        raise ValueError(f"index={index} must be below 2**63 with views")
+    base = _draw(policy, seed, epoch, _VIEW_BASE | index // policy.views, copy)
+    own = _draw(policy, seed, epoch, index, copy)
+    shared = dict(crop_u=base.crop_u, flip=base.flip, crop_resample=base.crop_resample)
+    if index % policy.views == 0:
+        shared.update(ops=(), mix=None, steps=(), jitter=(), grayscale=False)
+    return dataclasses.replace(own, **shared)
+
+
+def _draw(policy: Policy, seed: int, epoch: int, index: int, copy: int) -> SampleDraw:
     rng = _Stream(seed, epoch, index, copy)
     crop_u = tuple(rng.random(CROP_TRIES * 4))
     flip = bool(rng.random() < policy.flip)

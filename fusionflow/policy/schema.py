@@ -177,6 +177,8 @@ class Policy:
     jitter: Jitter | None = None  # ColorJitter after the flip, before the augment ops; None: off
     grayscale: float = 0.0  # RandomGrayscale's probability, after the jitter
     crop_interpolation: str = "bilinear"  # the crop's / Resize's filter: bilinear, bicubic, nearest
+    views: int = 1  # AugMix splits (timm's num_aug_splits, set by fusionflow.timm): index v is view v % views of
+    # sample v // views -- one crop, flip and filter per sample, view 0 without the augment ops (sampling.draw)
 
     @property
     def decode_mode(self) -> str:

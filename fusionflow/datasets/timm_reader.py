@@ -1,0 +1,64 @@
+"""A timm `ImageDataset` read as FusionFlow reads datasets: encoded bytes and targets, no decoding.
+
+timm's dataset opens each file and decodes it to a PIL image (then applies its transform); FusionFlow
+decodes itself, so `timm_samples(dataset)` reads the same samples through the dataset's reader: a
+folder reader (timm's `ReaderImageFolder`: its `samples` list) becomes FusionFlow's ImageFolder of the
+same files in the same order (sizes from the directory scan, for the size-sorted tiny-batches); any
+other reader is read item by item (`TimmSamples`: a file object's bytes, or the image it gives). The
+dataset's `target_transform` applies, and a missing target is -1, as timm's dataset has it. timm's
+dataset skips an unreadable file by reading the next index; FusionFlow reports it (`on_error`)."""
+
+from __future__ import annotations
+
+import os
+
+
+def timm_samples(dataset):
+    """`dataset` (timm's ImageDataset) as raw samples; the refusals name what to change."""
+    if getattr(dataset, "additional_features", None):
+        raise ValueError(
+            "dataset: a timm ImageDataset with additional_features: FusionFlow delivers (image, target) "
+            "pairs; leave additional_features unset"
+        )
+    mode = getattr(dataset, "input_img_mode", "RGB")
+    if mode not in ("RGB", None):
+        raise ValueError(
+            f"dataset: input_img_mode={mode!r}: FusionFlow delivers 3-channel RGB images (input_img_mode='RGB')"
+        )
+    reader = dataset.reader
+    if type(reader).__name__ == "ReaderImageFolder" and dataset.target_transform is None:
+        from fusionflow.datasets.folder import ImageFolder
+
+        classes = sorted(reader.class_to_idx, key=reader.class_to_idx.get)
+        return ImageFolder.of_samples(reader.root, reader.samples, classes)
+    return TimmSamples(reader, dataset.target_transform)
+
+
+class TimmSamples:
+    """A timm reader's items as (encoded bytes or image, target)."""
+
+    def __init__(self, reader, target_transform=None):
+        self.reader, self.target_transform = reader, target_transform
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, index: int):
+        image, target, *_ = self.reader[index]
+        if hasattr(image, "read"):
+            with image:
+                image = image.read()
+        elif isinstance(image, (str, os.PathLike)):
+            with open(image, "rb") as f:
+                image = f.read()
+        if target is None:
+            target = -1
+        elif self.target_transform is not None:
+            target = self.target_transform(target)
+        return image, target
+
+    def describe(self, index: int) -> str:
+        try:
+            return str(self.reader.filename(index, absolute=True))
+        except Exception:  # a reader without file names
+            return f"sample {index}"

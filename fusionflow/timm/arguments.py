@@ -1,0 +1,278 @@
+"""create_loader's arguments checked and turned into FusionFlow's parts: the policy (timm's own
+`create_transform` read by `policy_from_transform`), the dataset as raw samples, the sampler timm
+builds, the FusionFlowLoader, and the batch-level work of timm's prefetcher and mixup collate
+(fusionflow/timm/batch.py). Everything FusionFlow cannot express is refused here, at build time,
+naming the argument and what to do -- never per sample."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+SCHEDULED = ("input_size_choices", "batch_size_choices", "batch_choice_weights", "num_batches")
+TRANSFORM_ARGS = (
+    "is_training no_aug train_crop_mode scale ratio hflip vflip color_jitter color_jitter_prob grayscale_prob "
+    "gaussian_blur_prob auto_augment interpolation mean std crop_pct crop_mode crop_border_pixels re_prob re_mode "
+    "re_count tf_preprocessing"
+).split()
+# what in a refused transform names the create_loader argument behind it
+CAUSES = {
+    "RandomVerticalFlip": "vflip",
+    "GaussianBlur": "gaussian_blur_prob",
+    "Desaturate": "auto_augment",
+    "RandomResizedCropAndInterpolation": "scale / ratio / interpolation",
+    "ResizeKeepRatio": "train_crop_mode / crop_mode",
+    "RandomCropOrPad": "train_crop_mode",
+    "ResizeCenterCrop": "crop_mode",
+}
+
+
+@dataclass
+class TimmArguments:
+    """timm.data.create_loader's arguments, as given (fusionflow/timm/loader.py has the signature)."""
+
+    input_size: Any
+    batch_size: int
+    is_training: bool
+    no_aug: bool
+    re_prob: float
+    re_mode: str
+    re_count: int
+    re_split: bool
+    train_crop_mode: Any
+    scale: Any
+    ratio: Any
+    hflip: float
+    vflip: float
+    color_jitter: Any
+    color_jitter_prob: Any
+    grayscale_prob: float
+    gaussian_blur_prob: float
+    auto_augment: Any
+    num_aug_repeats: int
+    num_aug_splits: int
+    interpolation: str
+    mean: Any
+    std: Any
+    num_workers: int
+    distributed: bool
+    crop_pct: Any
+    crop_mode: Any
+    crop_border_pixels: Any
+    collate_fn: Any
+    pin_memory: bool
+    fp16: bool
+    img_dtype: Any
+    device: Any
+    use_prefetcher: bool
+    use_multi_epochs_loader: bool
+    persistent_workers: bool
+    worker_seeding: Any
+    tf_preprocessing: bool
+    input_size_choices: Any
+    batch_size_choices: Any
+    batch_choice_weights: Any
+    batch_choice_seed: int
+    batch_choice_schedule: str
+    batch_schedule_epochs: Any
+    batch_schedule_spread: float
+    batch_schedule_random_mix: float
+    num_batches: Any
+
+
+@dataclass
+class Built:
+    loader: Any  # the FusionFlowLoader
+    prep: Any  # BatchPrep or None
+    sampler: Any  # the sampler timm would have built, or None
+
+
+def refuse(argument: str, why: str):
+    raise ValueError(f"fusionflow.timm.create_loader({argument}): {why}")
+
+
+def check(dataset, a: TimmArguments) -> int:
+    """The refusals that need no transform; returns the AugMix views per sample (1: none)."""
+    for name in SCHEDULED:
+        if getattr(a, name) is not None:
+            refuse(f"{name}=...", "scheduled input and batch sizes are not supported; use timm.data.create_loader")
+    if a.tf_preprocessing:
+        refuse("tf_preprocessing=True", "TF's preprocessing is timm's port-testing path; use timm.data.create_loader")
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        refuse(
+            f"dataset={type(dataset).__name__}",
+            "a stream (timm's IterableImageDataset, e.g. wds/tfds): FusionFlow needs random access; "
+            "for tar shards use fusionflow.TarShards with FusionFlowLoader",
+        )
+    size = a.input_size
+    if isinstance(size, (tuple, list)) and len(size) == 3 and size[0] != 3:
+        refuse(f"input_size={tuple(size)}", "FusionFlow delivers 3-channel RGB images")
+    augmix = type(dataset).__name__ == "AugMixDataset"
+    if a.num_aug_splits == 1 or a.num_aug_splits < 0:
+        refuse(f"num_aug_splits={a.num_aug_splits}", "use 0 (no splits) or >= 2, as timm's train.py requires")
+    if a.num_aug_splits and not augmix:
+        refuse(
+            f"num_aug_splits={a.num_aug_splits}",
+            "the dataset must be timm's AugMixDataset(dataset, num_splits=...), as train.py wraps it",
+        )
+    if augmix and a.num_aug_splits != dataset.num_splits:
+        refuse(
+            f"num_aug_splits={a.num_aug_splits}",
+            f"the AugMixDataset has num_splits={dataset.num_splits}; pass the same number",
+        )
+    if a.num_aug_repeats and not a.distributed:
+        refuse(f"num_aug_repeats={a.num_aug_repeats}", "repeated augmentation needs distributed=True, as in timm")
+    mixup = fast_mixup(a.collate_fn)
+    if mixup is not None and "half" in mixup.mode:
+        refuse("collate_fn=FastCollateMixup(mode='half')", "mode 'half' is not supported; use 'elem'")
+    if mixup is not None and a.num_aug_splits:
+        refuse("collate_fn=FastCollateMixup", "with num_aug_splits: not defined by timm either (train.py asserts)")
+    if mixup is not None and not a.use_prefetcher:
+        refuse("collate_fn=FastCollateMixup", "needs use_prefetcher=True (without it, apply timm's Mixup in the loop)")
+    return a.num_aug_splits or 1
+
+
+def fast_mixup(collate_fn):
+    """timm's FastCollateMixup when that is the collate_fn, else None."""
+    if collate_fn is None:
+        return None
+    try:
+        from timm.data.mixup import FastCollateMixup
+    except ImportError:
+        return None
+    return collate_fn if isinstance(collate_fn, FastCollateMixup) else None
+
+
+def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool):
+    """The policy of the transform timm's create_loader would set on the dataset."""
+    from timm.data import create_transform
+
+    from fusionflow.policy.from_torchvision import policy_from_transform
+
+    kw = {name: getattr(a, name) for name in TRANSFORM_ARGS}
+    kw["re_num_splits"] = (a.num_aug_splits or 2) if a.re_split else 0
+    if a.use_prefetcher and normalize_in_workers:
+        kw.update(use_prefetcher=False, re_prob=0.0)  # normalised by the workers, erased on the batch
+    else:
+        kw["use_prefetcher"] = a.use_prefetcher
+    transform = create_transform(a.input_size, separate=views > 1, **kw)
+    if views > 1:
+        import torchvision.transforms as T
+
+        transform = T.Compose([t for part in transform for t in part.transforms])
+    try:
+        policy = policy_from_transform(transform)
+    except ValueError as e:
+        cause = next((arg for name, arg in CAUSES.items() if name in str(e)), None)
+        args = cause or ", ".join(f"{k}={v!r}" for k, v in kw.items() if v not in (None, 0, 0.0, False))
+        refuse(args, f"timm's transform for these arguments is not expressible: {e}")
+    return dataclasses.replace(policy, views=views) if views > 1 else policy
+
+
+def build_sampler(dataset, a: TimmArguments):
+    """The sampler timm's create_loader builds (None: batches from shuffle / sequential order)."""
+    if not a.distributed:
+        return None
+    from timm.data.distributed_sampler import OrderedDistributedSampler, RepeatAugSampler
+
+    if not a.is_training:
+        return OrderedDistributedSampler(dataset)
+    if a.num_aug_repeats:
+        return RepeatAugSampler(dataset, num_repeats=a.num_aug_repeats)
+    return torch.utils.data.distributed.DistributedSampler(dataset)
+
+
+class WorkerSeeding:
+    """timm's `worker_seeding` in a FusionFlow worker: 'all' seeds random, torch and numpy from the
+    worker's seed (the loader's seed + worker id, as DataLoader's base seed + id), 'part' random and
+    torch only, a callable gets an object with `id`, `seed`, `num_workers` and returns the seed."""
+
+    def __init__(self, mode, seed: int, num_workers: int):
+        if not callable(mode) and mode not in ("all", "part"):
+            refuse(f"worker_seeding={mode!r}", "use 'all', 'part' or a callable, as timm")
+        self.mode, self.seed, self.num_workers = mode, seed, num_workers
+
+    def __call__(self, worker_id: int) -> None:
+        seed = (self.seed + worker_id) % 2**63
+        if callable(self.mode):
+            from types import SimpleNamespace
+
+            seed = self.mode(SimpleNamespace(id=worker_id, seed=seed, num_workers=self.num_workers))
+        random.seed(seed)
+        torch.manual_seed(seed)
+        if self.mode != "part":
+            np.random.seed(seed % (2**32 - 1))
+
+
+def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
+    from fusionflow.datasets.timm_reader import timm_samples
+    from fusionflow.datasets.views import SplitBatches, SplitViews
+    from fusionflow.loader import FusionFlowLoader
+    from fusionflow.loader.config import resolve_seed
+    from fusionflow.timm.batch import BatchPrep
+
+    views = check(dataset, a)
+    device = torch.device(a.device) if a.use_prefetcher else torch.device("cpu")
+    on_device = device.type != "cpu"  # uint8 to the device, normalised there; on the CPU the workers normalise
+    policy = build_policy(a, views, normalize_in_workers=not on_device)
+    base = dataset.dataset if views > 1 else dataset
+    samples = timm_samples(base)
+    sampler = build_sampler(base, a)
+    seed = resolve_seed(loader_kwargs.pop("seed", None), loader_kwargs.get("generator"))
+    kw = dict(
+        num_workers=a.num_workers,
+        pin_memory=a.pin_memory,
+        persistent_workers=a.persistent_workers and a.num_workers > 0,
+        worker_init_fn=WorkerSeeding(a.worker_seeding, seed, a.num_workers),
+        policy=policy,
+        device=device,
+        seed=seed,
+        collate_fn=None if fast_mixup(a.collate_fn) is not None or _is_plain(a.collate_fn) else a.collate_fn,
+    )
+    kw.update(loader_kwargs)
+    batching = dict(
+        batch_size=a.batch_size,
+        shuffle=sampler is None and a.is_training,
+        sampler=sampler,
+        drop_last=a.is_training,
+    )
+    if views > 1:
+        samples = SplitViews(samples, views)
+        inner = torch.utils.data.BatchSampler(
+            sampler
+            if sampler is not None
+            else (torch.utils.data.RandomSampler if a.is_training else torch.utils.data.SequentialSampler)(base),
+            a.batch_size,
+            a.is_training,
+        )
+        batching = dict(batch_sampler=SplitBatches(inner, views))
+    loader = FusionFlowLoader(samples, **batching, **kw)
+    prep = None
+    if a.use_prefetcher:
+        img_dtype = torch.float16 if a.fp16 else (a.img_dtype or torch.float32)
+        re_prob = a.re_prob if a.is_training and not a.no_aug else 0.0
+        erasing = None
+        if re_prob > 0:
+            from timm.data.random_erasing import RandomErasing
+
+            splits = kw_splits(a)
+            erasing = RandomErasing(re_prob, mode=a.re_mode, max_count=a.re_count, num_splits=splits, device=device)
+        prep = BatchPrep(a.mean, a.std, img_dtype, device, on_device, fast_mixup(a.collate_fn), erasing)
+    return Built(loader, prep, sampler)
+
+
+def kw_splits(a: TimmArguments) -> int:
+    """RandomErasing's num_splits as timm's create_loader sets it (re_split: the first split is left clean)."""
+    return (a.num_aug_splits or 2) if a.re_split else 0
+
+
+def _is_plain(collate_fn) -> bool:
+    """No collating to do: None, DataLoader's default_collate, or timm's fast_collate (stacks uint8)."""
+    if collate_fn is None or collate_fn is torch.utils.data.default_collate:
+        return True
+    return getattr(collate_fn, "__name__", None) == "fast_collate" and "timm" in getattr(collate_fn, "__module__", "")

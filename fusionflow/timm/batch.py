@@ -1,0 +1,43 @@
+"""What timm's loader does to a whole batch, done to FusionFlow's delivered batch in the training process:
+the prefetcher's normalisation (to `img_dtype`, on the device), FastCollateMixup's mixing and its soft
+targets, the prefetcher's RandomErasing -- in timm's order (mix, normalise, erase; mixing is linear, so
+mixing the normalised batch equals normalising the mixed one, but for timm's rounding of the mix to
+uint8: at most half a grey level). The mixing and the erasing are timm's own objects (the collate_fn the
+script passed, and timm.data.RandomErasing as timm's prefetcher builds it), called on the batch."""
+
+from __future__ import annotations
+
+import torch
+
+
+class BatchPrep:
+    """`prep(images, targets)` -> (images, targets) as timm's prefetching loader yields them.
+
+    `normalize`: the images arrive as uint8 and are normalised here (on the device, as timm's
+    prefetcher does); False: they arrive normalised (FusionFlow's CPU workers did it: on a CPU device
+    that is where it is cheapest) and are only cast. `mixup`: timm's FastCollateMixup (or None), whose
+    batch-level semantics (timm's Mixup.__call__: batch, pair and elem modes, cutmix, label smoothing,
+    `mixup_enabled`) are applied to the batch. `erasing`: timm's RandomErasing (or None)."""
+
+    def __init__(self, mean, std, img_dtype, device, normalize: bool, mixup=None, erasing=None):
+        self.device, self.img_dtype, self.normalize = device, img_dtype, normalize
+        shape = (1, len(mean), 1, 1)
+        self.mean = torch.tensor([m * 255 for m in mean], device=device, dtype=img_dtype).view(shape)
+        self.std = torch.tensor([s * 255 for s in std], device=device, dtype=img_dtype).view(shape)
+        self.mixup, self.erasing = mixup, erasing
+
+    def __call__(self, images: torch.Tensor, targets):
+        images = images.to(self.device, non_blocking=True)
+        if isinstance(targets, torch.Tensor):
+            targets = targets.to(self.device, non_blocking=True)
+        if self.normalize:
+            images = images.to(self.img_dtype).sub_(self.mean).div_(self.std)
+        else:
+            images = images.to(self.img_dtype)
+        if self.mixup is not None:
+            from timm.data.mixup import Mixup
+
+            images, targets = Mixup.__call__(self.mixup, images, targets)
+        if self.erasing is not None:
+            images = self.erasing(images)
+        return images, targets

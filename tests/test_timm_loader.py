@@ -1,0 +1,263 @@
+"""fusionflow.timm.create_loader against timm's own create_loader: the calls timm's train.py makes (its
+create_dataset, mixup collate, AugMix splits, model dtype, losses), the batch-level semantics (timm's
+FastCollateMixup + PrefetchLoader given the same random draws), every sample once per epoch, the
+samplers timm builds, and the refusals at build time that name the argument."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+timm = pytest.importorskip("timm")
+from timm.data import AugMixDataset, FastCollateMixup, Mixup, create_dataset  # noqa: E402
+from timm.data import create_loader as timm_create_loader  # noqa: E402
+from timm.data.loader import PrefetchLoader  # noqa: E402
+from timm.loss import JsdCrossEntropy, SoftTargetCrossEntropy  # noqa: E402
+
+from fusionflow.policy import draw  # noqa: E402
+from fusionflow.timm import create_loader  # noqa: E402
+from fusionflow.tools.synthetic import make_image_folder  # noqa: E402
+
+CPU = torch.device("cpu")
+SIZE = (3, 48, 48)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """5 classes x 8 images: timm's create_dataset reads it as train.py does."""
+    return make_image_folder(str(tmp_path_factory.mktemp("timm5")), 5, 8, min_side=60, max_side=200, seed=5)
+
+
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    """24 classes of one image each: a sample's target names it (exact sample sets)."""
+    return make_image_folder(str(tmp_path_factory.mktemp("timm24")), 24, 1, min_side=60, max_side=160, seed=6)
+
+
+def train_dataset(root):
+    return create_dataset("", root=root, split="train", is_training=True)
+
+
+def steps(loader, model, loss_fn, n=3, dtype=None):
+    """A few training steps, as train.py's train_one_epoch takes them with the prefetcher on."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    losses = []
+    for i, (x, y) in enumerate(loader):
+        if i == n:
+            break
+        out = model(x if dtype is None else x.to(dtype))
+        loss = loss_fn(out.float(), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert len(losses) == n and all(np.isfinite(losses))
+    return losses
+
+
+def tiny_model(dtype=torch.float32):
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, stride=4), torch.nn.Flatten(), torch.nn.LazyLinear(5)).to(dtype)
+
+
+def test_train_py_example_flags_with_the_prefetcher(folder):
+    """--mixup 0.2 --aa rand-m9-mstd0.5-inc1 --reprob 0.25 --remode pixel, prefetcher on: train.py
+    passes FastCollateMixup as collate_fn and trains on soft targets with SoftTargetCrossEntropy."""
+    mixup = FastCollateMixup(mixup_alpha=0.2, label_smoothing=0.1, num_classes=5)
+    loader = create_loader(
+        train_dataset(folder), SIZE, 8, is_training=True, re_prob=0.25, re_mode="pixel",
+        auto_augment="rand-m9-mstd0.5-inc1", interpolation="random", collate_fn=mixup, num_workers=2, device=CPU,
+    )  # fmt: skip
+    with loader.fusionflow:
+        model = tiny_model()
+        model(torch.zeros(1, *SIZE))
+        steps(loader, model, SoftTargetCrossEntropy())
+        x, y = next(iter(loader))
+        assert x.dtype == torch.float32 and x.shape == (8, *SIZE) and y.shape == (8, 5)
+        assert torch.allclose(y.sum(1), torch.ones(8)) and loader.mixup_enabled
+        loader.mixup_enabled = False  # train.py at --mixup-off-epoch
+        assert not mixup.mixup_enabled and not loader.mixup_enabled
+        x, y = next(iter(loader))
+        assert sorted(y.max(1).values.tolist()) == [pytest.approx(0.92)] * 8  # smoothed one-hot, unmixed
+        assert len(loader) == 5
+
+
+def test_train_py_without_the_prefetcher_applies_mixup_in_the_loop(folder):
+    loader = create_loader(
+        train_dataset(folder), SIZE, 8, is_training=True, re_prob=0.25, re_mode="pixel",
+        auto_augment="rand-m9-mstd0.5-inc1", use_prefetcher=False, num_workers=2, device=CPU,
+    )  # fmt: skip
+    mixup = Mixup(mixup_alpha=0.2, num_classes=5)
+    with loader.fusionflow:
+        x, y = next(iter(loader))
+        assert x.dtype == torch.float32 and x.device == CPU and y.dtype == torch.int64
+        assert float(x.min()) < 0 and float(x.max()) < 8  # normalised (erased with normal noise), not 0..255
+        x, y = mixup(x, y)
+        assert y.shape == (8, 5)
+
+
+def test_aug_splits_with_jsd_loss_and_bfloat16(folder):
+    """--aug-splits 3 --jsd-loss --model-dtype bfloat16: train.py wraps the dataset in AugMixDataset."""
+    ds = AugMixDataset(train_dataset(folder), num_splits=3)
+    loader = create_loader(
+        ds, SIZE, 8, is_training=True, auto_augment="augmix-m3-w3", num_aug_splits=3, re_prob=0.25, re_split=True,
+        num_workers=2, device=CPU, img_dtype=torch.bfloat16,
+    )  # fmt: skip
+    with loader.fusionflow:
+        x, y = next(iter(loader))
+        assert x.shape == (24, *SIZE) and x.dtype == torch.bfloat16 and y.shape == (24,)
+        assert torch.equal(y[:8], y[8:16]) and torch.equal(y[:8], y[16:])  # timm's fast collate order
+        model = tiny_model(torch.bfloat16)
+        model(torch.zeros(1, *SIZE, dtype=torch.bfloat16))
+        steps(loader, model, JsdCrossEntropy(num_splits=3, smoothing=0.1))
+
+
+def test_views_share_the_crop_and_the_first_is_clean(folder):
+    ds = AugMixDataset(train_dataset(folder), num_splits=3)
+    loader = create_loader(ds, SIZE, 4, is_training=True, auto_augment="augmix-m3-w3", num_aug_splits=3, device=CPU)
+    policy = loader.fusionflow.policy
+    assert policy.views == 3
+    for sample in range(6):
+        views = [draw(policy, 1, 0, sample * 3 + v) for v in range(3)]
+        assert len({d.crop_u for d in views}) == 1 and len({d.flip for d in views}) == 1
+        assert views[0].mix is None and not views[0].steps and views[1].mix is not None and views[2].mix is not None
+        assert views[1].mix != views[2].mix
+    plain = draw(policy.__class__(**{**policy.__dict__, "views": 1}), 1, 0, 7)
+    assert plain.crop_u != draw(policy, 1, 0, 7).crop_u  # a view's crop is its sample's, not its own index's
+    with loader.fusionflow:
+        x, _ = next(iter(loader))
+    assert x.shape == (12, *SIZE) and not torch.equal(x[:4], x[4:8])
+
+
+def test_mixup_and_erasing_equal_timm_s_collate_and_prefetcher_given_the_same_draws():
+    """The batch-level work against timm's own objects on the same uint8 batch and the same numpy /
+    random state: FastCollateMixup then PrefetchLoader's normalisation and RandomErasing. Equal but
+    for timm's rounding of a mixed image to uint8 (half a grey level, in normalised units)."""
+    from timm.data.random_erasing import RandomErasing
+
+    from fusionflow.timm.batch import BatchPrep
+
+    rng = np.random.default_rng(0)
+    images = torch.from_numpy(rng.integers(0, 256, (8, *SIZE), dtype=np.uint8))
+    targets = torch.arange(8) % 5
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+    for mode, cutmix in (("batch", 0.0), ("pair", 0.0), ("elem", 0.0), ("batch", 1.0), ("elem", 1.0)):
+        kw = dict(mixup_alpha=0.2, cutmix_alpha=cutmix, mode=mode, label_smoothing=0.1, num_classes=5)
+        np.random.seed(3), random.seed(4), torch.manual_seed(5)  # mixup, erasing's rectangles, its noise
+        out, want_y = FastCollateMixup(**kw)([(img.numpy(), int(t)) for img, t in zip(images, targets)])
+        prefetch = PrefetchLoader([(out, want_y)], mean=mean, std=std, device=CPU, re_prob=0.5, re_mode="pixel")
+        want_x, want_y = next(iter(prefetch))
+        np.random.seed(3), random.seed(4), torch.manual_seed(5)  # mixup, erasing's rectangles, its noise
+        erasing = RandomErasing(0.5, mode="pixel", device=CPU)
+        prep = BatchPrep(mean, std, torch.float32, CPU, True, FastCollateMixup(**kw), erasing)
+        got_x, got_y = prep(images.clone(), targets.clone())
+        torch.testing.assert_close(got_y, want_y)
+        half_level = 0.5 / 255 / min(std) + 1e-5
+        assert float((got_x - want_x).abs().max()) <= half_level, mode
+
+
+def test_every_sample_once_per_epoch_and_eval_in_order(singles):
+    ds = train_dataset(singles)
+    loader = create_loader(ds, SIZE, 5, is_training=True, num_workers=2, device=CPU, auto_augment="rand-m9")
+    with loader.fusionflow:
+        for _ in range(2):
+            seen = [int(t) for _, y in loader for t in y]
+            assert len(seen) == 20 and len(set(seen)) == 20  # drop_last for training, as timm
+    evaluation = create_loader(ds, SIZE, 5, is_training=False, num_workers=1, device=CPU, crop_pct=0.9)
+    with evaluation.fusionflow:
+        batches = list(evaluation)
+        seen = [int(t) for _, y in batches for t in y]
+        assert all(x.dtype == torch.float32 and x.shape[1:] == SIZE for x, _ in batches)
+    assert seen == [int(ds.reader.samples[i][1]) for i in range(24)]
+
+
+def test_eval_batches_match_timm_s_loader_within_the_fast_mode_bound(folder):
+    ds = create_dataset("", root=folder, split="train")
+    kw = dict(is_training=False, num_workers=0, device=CPU, crop_pct=0.875, interpolation="bilinear")
+    ours = create_loader(ds, SIZE, 8, **kw)
+    ds_timm = create_dataset("", root=folder, split="train")
+    theirs = timm_create_loader(ds_timm, SIZE, 8, **kw)
+    for (x, y), (tx, ty) in zip(ours, theirs):
+        assert torch.equal(y, ty) and x.shape == tx.shape and x.dtype == tx.dtype
+        assert float((x - tx).abs().median()) < 0.05  # normalised units: fast mode's decode and resize
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(vflip=0.5), r"create_loader\(vflip\)"),
+        (dict(gaussian_blur_prob=0.2), r"create_loader\(gaussian_blur_prob\)"),
+        (dict(input_size_choices=[32, 48]), r"input_size_choices"),
+        (dict(tf_preprocessing=True), r"tf_preprocessing"),
+        (dict(num_aug_splits=3), r"AugMixDataset"),
+        (dict(num_aug_repeats=3), r"distributed=True"),
+        (dict(collate_fn=FastCollateMixup(mode="half")), r"mode 'half'"),
+        (dict(use_prefetcher=False, collate_fn=FastCollateMixup()), r"use_prefetcher=True"),
+        (dict(worker_seeding="some"), r"worker_seeding='some'"),
+    ],
+)
+def test_what_cannot_be_expressed_is_refused_when_built_naming_the_argument(folder, kw, match):
+    with pytest.raises(ValueError, match=match):
+        create_loader(train_dataset(folder), SIZE, 8, is_training=True, device=CPU, **kw)
+
+
+def test_refusals_of_the_dataset_and_channels(folder):
+    with pytest.raises(ValueError, match=r"input_size=\(1, 48, 48\).*RGB"):
+        create_loader(train_dataset(folder), (1, 48, 48), 8, is_training=True, device=CPU)
+    ds = AugMixDataset(train_dataset(folder), num_splits=2)
+    with pytest.raises(ValueError, match="num_splits=2; pass the same number"):
+        create_loader(ds, SIZE, 8, is_training=True, device=CPU, num_aug_splits=3)
+
+
+def test_worker_seeding_callable_and_part(folder):
+    from fusionflow.timm.arguments import WorkerSeeding
+
+    calls = []
+    WorkerSeeding(lambda info: calls.append((info.id, info.seed)) or 11, 100, 2)(1)
+    assert calls == [(1, 101)] and random.random() == random.Random(11).random()
+    np.random.seed(5)
+    WorkerSeeding("part", 7, 2)(0)
+    assert np.random.randint(1 << 30) == np.random.RandomState(5).randint(1 << 30)  # numpy left as it was
+    assert random.random() == random.Random(7).random()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("repeats", [0, 3])
+def test_two_ranks_under_torchrun_get_timm_s_shares(singles, tmp_path, repeats):
+    """distributed=True: each rank its DistributedSampler half (disjoint, the union the dataset);
+    num_aug_repeats=3: each rank what timm's RepeatAugSampler deals it, a repeated index augmented anew."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from test_ddp import _free_port
+    from timm.data.distributed_sampler import RepeatAugSampler
+    from torch.utils.data import DistributedSampler
+
+    script = os.path.join(os.path.dirname(__file__), "timm_ddp_rank.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), script, singles, str(tmp_path), str(repeats)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ds = train_dataset(singles)
+    target_of = [int(t) for _, t in ds.reader.samples]
+    for epoch in ("0", "1"):
+        got = [json.loads((tmp_path / f"rank{r}.json").read_text())["seen"][epoch] for r in range(2)]
+        for rank in range(2):
+            if repeats:
+                ref = RepeatAugSampler(ds, num_replicas=2, rank=rank, num_repeats=repeats)
+            else:
+                ref = DistributedSampler(ds, num_replicas=2, rank=rank)
+            ref.set_epoch(int(epoch))
+            want = [target_of[i] for i in ref][: len(ref) // 4 * 4]  # drop_last, as timm's training loader
+            assert sorted(t for t, _ in got[rank]) == sorted(want), (rank, epoch)
+        if not repeats:
+            union = [t for rank in got for t, _ in rank]
+            assert sorted(union) == sorted(target_of)  # disjoint halves, the whole dataset
+        else:
+            by_target = {}
+            for t, checksum in got[0]:
+                by_target.setdefault(t, []).append(checksum)
+            repeated = [v for v in by_target.values() if len(v) > 1]
+            assert repeated and all(len(set(v)) == len(v) for v in repeated)  # each copy its own augmentation
