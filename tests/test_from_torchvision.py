@@ -125,6 +125,20 @@ def test_eval_form_and_uint8_output():
     assert np.abs(ours * 255 - ref.numpy()).mean() < 2.0  # the eval policy's documented sub-pixel window rounding
 
 
+def test_squashed_resize_then_center_crop():
+    """Resize((h, w)) squashes the image to exactly h x w (timm's no-aug and 'squash' crops); the exact
+    mode resamples the same fractional box torchvision keeps."""
+    p = policy_from_transform(T.Compose([T.Resize((240, 260)), T.CenterCrop(224), T.PILToTensor()]), decode="exact")
+    assert p.center_resize == (240, 260) and p.size == (224, 224)
+    for data in JPEGS[:3]:
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        ref = F.center_crop(F.resize(F.pil_to_tensor(img), [240, 260], antialias=True), [224])
+        ours = CpuPipeline(p)(data, 0)
+        assert np.abs(ours.astype(np.float64) - ref.numpy()).mean() < 2.0  # as the eval form's bound above
+    with pytest.raises(ValueError, match=r"crop.resize: \[200, 300\] is smaller than the 224x224"):
+        load_policy({"output": {"size": 224}, "crop": {"mode": "center", "resize": [200, 300]}, "augment": {"type": "none"}})
+
+
 @pytest.mark.parametrize(
     "pipeline, match",
     [
@@ -164,7 +178,7 @@ def test_eval_form_and_uint8_output():
             r"no FusionFlow equivalent: .*erase\.value: 'random'",
         ),
         ([T.Resize(256)], r"transform 0 \(Resize.*followed by CenterCrop"),
-        ([T.Resize((256, 256)), T.CenterCrop(224)], r"only Resize\(int\)"),
+        ([T.Resize(256, max_size=300), T.CenterCrop(224)], r"only Resize\(int\) .* or Resize\(\(h, w\)\)"),
         ([], r"the pipeline is empty"),
     ],
 )

@@ -151,18 +151,19 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
         pos += 1
     elif isinstance(t, T.Resize):
         mode = _check_resize_mode(t, fail, pos)
-        if len(t.size) != 1 or t.max_size is not None:
+        if len(t.size) not in (1, 2) or t.max_size is not None:
             fail(
                 pos,
-                "only Resize(int) (the shorter side, no max_size) is expressible: the eval policy "
-                "is Resize(resize) + CenterCrop(size)",
+                "only Resize(int) (the shorter side) or Resize((h, w)) (squashed), without max_size, is "
+                "expressible: the eval policy is Resize(resize) + CenterCrop(size)",
             )
         if pos + 1 >= len(steps) or not isinstance(steps[pos + 1], T.CenterCrop):
             fail(
                 pos, "Resize must be followed by CenterCrop (the eval form); for training start with RandomResizedCrop"
             )
         cfg["output"] = {"size": list(steps[pos + 1].size)}
-        cfg["crop"] = {"mode": "center", "resize": int(t.size[0]), "interpolation": mode}
+        resize = int(t.size[0]) if len(t.size) == 1 else [int(v) for v in t.size]
+        cfg["crop"] = {"mode": "center", "resize": resize, "interpolation": mode}
         pos += 2
     else:
         fail(

@@ -185,7 +185,7 @@ def parse_erase(r: Reader, raw: Any, path: str, normalize) -> Erase:
     return Erase(p, scale, ratio, value, count=count)
 
 
-def _center_crop(r: Reader, crop: dict, size: tuple[int, int]) -> int | None:
+def _center_crop(r: Reader, crop: dict, size: tuple[int, int]) -> int | tuple[int, int] | None:
     """crop.mode center (evaluation): the resize of the shorter side; None for the random resized crop."""
     mode = r.choice(crop.get("mode", "random"), "crop.mode", ("random", "center"))
     if mode == "random":
@@ -200,7 +200,16 @@ def _center_crop(r: Reader, crop: dict, size: tuple[int, int]) -> int | None:
     return check_center_resize(r, crop["resize"], "crop.resize", size)
 
 
-def check_center_resize(r: Reader, raw: Any, path: str, size: tuple[int, int]) -> int:
+def check_center_resize(r: Reader, raw: Any, path: str, size: tuple[int, int]) -> int | tuple[int, int]:
+    """An int (Resize(int): the shorter side) or [height, width] (Resize((h, w)): the image squashed to
+    exactly that size, as timm's no-aug and 'squash' transforms resize), at least the crop's size."""
+    if isinstance(raw, (list, tuple)):
+        if len(raw) != 2:
+            r.fail(path, f"{list(raw)!r}: give the shorter side (an int) or [height, width]")
+        both = tuple(r.integer(v, path, 8, 16384) for v in raw)
+        if both[0] < size[0] or both[1] < size[1]:
+            r.fail(path, f"{list(both)} is smaller than the {size[0]}x{size[1]} center crop")
+        return both
     resize = r.integer(raw, path, 8, 16384)
     if resize < max(size):
         r.fail(path, f"{resize} is smaller than the {size[0]}x{size[1]} center crop: use resize >= {max(size)}")

@@ -285,19 +285,23 @@ def random_window(policy: Policy, crop_u, height: int, width: int) -> tuple[int,
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def center_box(resize: int, size: tuple[int, int], height: int, width: int) -> tuple[float, float, float, float]:
+def center_box(resize, size: tuple[int, int], height: int, width: int) -> tuple[float, float, float, float]:
     """(x0, y0, x1, y1) in the source image, fractional: the region torchvision's Resize(resize) +
-    CenterCrop(size) keeps -- the resized image's centre crop mapped back through the resize."""
-    short, long = (height, width) if height <= width else (width, height)
-    new_short, new_long = resize, int(resize * long / short)  # torchvision's Resize(int) output size
-    new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
+    CenterCrop(size) keeps -- the resized image's centre crop mapped back through the resize. `resize`
+    an int: the shorter side; (h, w): the image squashed to that size."""
+    if isinstance(resize, tuple):
+        new_h, new_w = resize
+    else:
+        short, long = (height, width) if height <= width else (width, height)
+        new_short, new_long = resize, int(resize * long / short)  # torchvision's Resize(int) output size
+        new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
     crop_h, crop_w = size
     top_r, left_r = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))  # CenterCrop
     sy, sx = height / new_h, width / new_w
     return left_r * sx, top_r * sy, (left_r + crop_w) * sx, (top_r + crop_h) * sy
 
 
-def center_window(resize: int, size: tuple[int, int], height: int, width: int) -> tuple[int, int, int, int]:
+def center_window(resize, size: tuple[int, int], height: int, width: int) -> tuple[int, int, int, int]:
     """(top, left, crop_height, crop_width) in the source image of torchvision's Resize(resize) +
     CenterCrop(size): `center_box` rounded to whole source pixels (so it differs from torchvision by
     under half a source pixel at the edges; the exact mode resamples the fractional box itself)."""

@@ -19,7 +19,8 @@ The schema (documented for users in configs/README.md):
                                        for evaluation; takes resize, not scale/ratio
       scale: [lo, hi]                  area fraction, 0 < lo <= hi <= 1
       ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
-      resize: int                      center: the shorter side is resized to this, >= output.size
+      resize: int | [h, w]             center: the shorter side is resized to this, >= output.size;
+                                       [h, w]: the image is squashed to h x w (torchvision's Resize((h, w)))
       interpolation: bilinear | bicubic | nearest | random   the crop's (or Resize's) filter, Pillow's
                                        as torchvision's PIL path uses it (antialiased); default bilinear;
                                        random: bilinear or bicubic drawn per sample (timm's
@@ -171,7 +172,8 @@ class Policy:
     augment: Augment
     normalize: tuple[tuple[float, float, float], tuple[float, float, float]] | None = None
     fast_downscale: bool = True  # decode.mode == "fast" (the field keeps the key's older name)
-    center_resize: int | None = None  # crop.mode center: Resize(center_resize) + CenterCrop(size); None: random
+    center_resize: int | tuple[int, int] | None = None  # crop.mode center: Resize(center_resize) + CenterCrop(size)
+    # (an int: the shorter side; (h, w): squashed to that size); None: the random resized crop
     max_pixels: int | None = DEFAULT_MAX_PIXELS  # decode.max_pixels; None: no limit
     erase: Erase | None = None  # RandomErasing on the output (after normalisation); None: off
     jitter: Jitter | None = None  # ColorJitter after the flip, before the augment ops; None: off
