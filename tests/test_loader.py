@@ -399,6 +399,26 @@ def test_batch_sampler_and_set_epoch_forwarding():
     assert [i for y in labels for i in y.tolist()] == list(ref)
 
 
+def test_any_batch_sampler_dataloader_accepts():
+    """A list of index lists and a batch sampler without `batch_size` (DataLoader needs neither): the
+    batches as DataLoader yields them, uneven sizes included; shared memory sized for the longest."""
+
+    class Pairs:  # a batch sampler of one's own: re-iterable, no batch_size attribute
+        def __iter__(self):
+            return iter([[7, 1], [2, 3, 4], [0]])
+
+        def __len__(self):
+            return 3
+
+    for batches in ([[5, 0, 3], [1], [2, 4, 6, 7]], Pairs()):
+        want = [list(b) for b in batches]
+        loader = FusionFlowLoader(Bytes(8), batch_sampler=batches, num_workers=1, policy=SMALL)
+        with loader:
+            for _ in range(2):
+                assert [y.tolist() for _, y in loader] == want
+        assert loader.capacity == max(len(b) for b in want) and len(loader) == len(want)
+
+
 @pytest.mark.gpu
 def test_cuda_delivery_matches_cpu():
     ds = Bytes(16)

@@ -136,7 +136,8 @@ ERRORS = [
         ValueError,
         "batch_sampler is mutually exclusive with batch_size",
     ),
-    (dict(batch_sampler=[[0, 1]]), None, ValueError, "batch_sampler needs an int attribute batch_size"),
+    (dict(batch_sampler=iter([[0, 1]])), None, ValueError, "a one-pass iterator"),
+    (dict(batch_sampler=[[]]), None, ValueError, "yields no non-empty batch"),
     (dict(batch_size=0), None, ValueError, "batch_size=0 must be an integer >= 1"),
     (dict(batch_size=None), None, ValueError, "batch_size=None must be an integer >= 1"),
     (

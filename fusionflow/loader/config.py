@@ -109,12 +109,7 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
                 "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
                 "drop_last: leave those at their defaults when you pass a batch_sampler"
             )
-        capacity = getattr(batch_sampler, "batch_size", None)
-        if not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(
-                "batch_sampler needs an int attribute batch_size (its largest batch): "
-                "FusionFlowLoader allocates shared memory for that many samples up front"
-            )
+        capacity = batch_capacity(batch_sampler)
     else:
         if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not supported)")
@@ -128,6 +123,27 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
         batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         capacity = batch_size
     return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity
+
+
+def batch_capacity(batch_sampler) -> int:
+    """The largest batch a batch_sampler gives (shared memory is allocated for it up front): its
+    `batch_size` attribute (torch's BatchSampler), else the longest batch of one pass over it -- any
+    re-iterable of index lists DataLoader accepts (a list of lists, a sampler class of one's own)."""
+    capacity = getattr(batch_sampler, "batch_size", None)
+    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1:
+        return capacity
+    if iter(batch_sampler) is batch_sampler:
+        raise ValueError(
+            f"batch_sampler={type(batch_sampler).__name__}: a one-pass iterator (a generator) gives one epoch "
+            "at most; pass something iterable once per epoch (a list of index lists, a Sampler of batches)"
+        )
+    try:
+        capacity = max((len(batch) for batch in batch_sampler), default=0)
+    except TypeError as e:
+        raise ValueError(f"batch_sampler must yield lists of indices ({e})") from None
+    if capacity < 1:
+        raise ValueError("batch_sampler yields no non-empty batch")
+    return capacity
 
 
 def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
