@@ -136,7 +136,9 @@ def test_squashed_resize_then_center_crop():
         ours = CpuPipeline(p)(data, 0)
         assert np.abs(ours.astype(np.float64) - ref.numpy()).mean() < 2.0  # as the eval form's bound above
     with pytest.raises(ValueError, match=r"crop.resize: \[200, 300\] is smaller than the 224x224"):
-        load_policy({"output": {"size": 224}, "crop": {"mode": "center", "resize": [200, 300]}, "augment": {"type": "none"}})
+        load_policy(
+            {"output": {"size": 224}, "crop": {"mode": "center", "resize": [200, 300]}, "augment": {"type": "none"}}
+        )
 
 
 @pytest.mark.parametrize(

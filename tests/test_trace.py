@@ -1,6 +1,7 @@
 """Observability: the trace (format, exactly-once tiny-batch coverage, waits = stats), stage timing,
 the timeline PNG, and the profile / bench commands."""
 
+import argparse
 import json
 import math
 import struct
@@ -237,6 +238,29 @@ def test_bench_command_compares_both_loaders(folder, tmp_path):
         res["results"]["FusionFlowLoader"]["samples_per_s_median"]
         / res["results"]["DataLoader+torchvision"]["samples_per_s_median"]
     )
+    assert res["output"] == "float" and res["data"] == folder
+
+
+def test_bench_finds_the_train_split_or_says_what_it_expected(folder, tmp_path):
+    from fusionflow.tools.bench import IMAGENET_NORMALIZE, _loaders, image_root
+
+    splits = tmp_path / "splits"
+    (splits / "val").mkdir(parents=True)
+    (splits / "train").symlink_to(folder)
+    assert image_root(str(splits)) == str(splits / "train")
+    assert image_root(folder) == folder
+    with pytest.raises(SystemExit, match=r"not an ImageFolder root .*expected .*/<class>/<image>\.jpg"):
+        image_root(str(splits / "val"))
+    # both loaders deliver the recipe's normalised float32, not uint8
+    args = argparse.Namespace(policy="randaugment", size=32, workers=1, output="float")
+    from fusionflow import ImageFolder
+
+    loaders = _loaders(args, ImageFolder(folder), 4)
+    with loaders["FusionFlowLoader"]:
+        for name, loader in loaders.items():
+            x, _ = next(iter(loader))
+            assert x.dtype == torch.float32 and float(x.min()) < 0, name
+    assert loaders["FusionFlowLoader"].policy.normalize == IMAGENET_NORMALIZE
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ transform as the policy."""
 from __future__ import annotations
 
 import logging
+import warnings
 
 import numpy as np
 import torch
@@ -44,14 +45,12 @@ def adopt_folder(dataset, policy):
     from fusionflow.policy.from_torchvision import policy_from_transform
 
     adopted = policy_from_transform(dataset.transform)  # raises, naming the transform, when not expressible
-    log.info(
-        "fusionflow: reading the %d files of torchvision %s %r itself, augmenting with its transform "
-        "(policy_from_transform: output %s, augment %s)",
-        len(dataset.samples),
-        name,
-        dataset.root,
-        "x".join(map(str, adopted.size)),
-        adopted.augment.type,
+    warnings.warn(  # visible in a script that never configures logging; Python shows it once per call site
+        f"fusionflow: reading the {len(dataset.samples)} files of torchvision {name} {dataset.root!r} itself, "
+        f"augmenting with its transform (policy_from_transform: output {'x'.join(map(str, adopted.size))}, "
+        f"augment {adopted.augment.type}); pass policy= to choose the augmentation yourself",
+        UserWarning,
+        stacklevel=3,
     )
     return ImageFolder.of_samples(dataset.root, dataset.samples, dataset.classes), adopted
 

@@ -10,10 +10,11 @@ TV_POLICIES = ("default", "randaugment", "trivialaugment", "autoaugment")
 
 
 class TorchvisionSamples:
-    """Baseline dataset: decode with PIL, augment with torchvision.transforms.v2."""
+    """Baseline dataset: decode with PIL, augment with torchvision.transforms.v2 (`normalize`: (mean, std),
+    then float32 normalised output; None: uint8)."""
 
-    def __init__(self, ds, policy_name: str, size: int):
-        self.ds, self.policy_name, self.size = ds, policy_name, size
+    def __init__(self, ds, policy_name: str, size: int, normalize=None):
+        self.ds, self.policy_name, self.size, self.normalize = ds, policy_name, size, normalize
         self._tf = None
 
     def _transform(self):
@@ -25,9 +26,12 @@ class TorchvisionSamples:
             "trivialaugment": [T.TrivialAugmentWide()],
             "autoaugment": [T.AutoAugment()],
         }[self.policy_name]
-        return T.Compose(
-            [T.RandomResizedCrop(self.size, antialias=True), T.RandomHorizontalFlip(), *aug, T.PILToTensor()]
-        )
+        tail = [T.PILToTensor()]
+        if self.normalize is not None:  # (mean, std) in 0..1 units: float32 out, as a training recipe delivers
+            import torch
+
+            tail += [T.ToDtype(torch.float32, scale=True), T.Normalize(*self.normalize)]
+        return T.Compose([T.RandomResizedCrop(self.size, antialias=True), T.RandomHorizontalFlip(), *aug, *tail])
 
     def __len__(self):
         return len(self.ds)

@@ -6,6 +6,10 @@ AutoAugment or none, after RandomResizedCrop + flip), batch size and worker coun
 workers. After one warm-up pass each, repeats alternate between them (A B A B ...) so drifts in the
 machine's load hit both alike; each repeat times --batches mini-batches after the first (start-up
 excluded). Reported: samples/s medians, wait at next() mean, and FusionFlow's ratio.
+
+Both deliver what a training recipe feeds the model: float32 normalised with ImageNet's mean and std
+(`--output uint8`: the raw crops, cheaper for both). `--data` is an ImageFolder root, or a folder of
+splits (train/, val/): the `train` split (else the first that holds class folders) is measured.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batches", type=int, default=30, help="mini-batches timed per repeat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--size", type=int, default=224, help="output side in pixels (both loaders)")
+    p.add_argument("--output", default="float", choices=("float", "uint8"), help="normalised float32 or uint8")
     p.add_argument("--json", default=None, help="also write the result as JSON there")
 
 
@@ -64,7 +69,8 @@ def run(args) -> int:
     from fusionflow import ImageFolder
 
     torch.set_num_threads(1)
-    ds = ImageFolder(args.data)
+    root = image_root(args.data)
+    ds = ImageFolder(root)
     batch_size = min(args.batch_size, len(ds))
     if len(ds) // batch_size < 2:
         raise SystemExit(
@@ -73,7 +79,8 @@ def run(args) -> int:
         )
     per_pass = min(args.batches, len(ds) // batch_size - 1)
     print(
-        f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, {args.workers} workers, "
+        f"{len(ds)} images in {root}, policy {args.policy} ({args.output} output), batch {batch_size}, "
+        f"{args.workers} workers, "
         f"{args.repeats} repeats x {per_pass} mini-batches"
     )
     loaders = _loaders(args, ds, batch_size)
@@ -90,7 +97,8 @@ def run(args) -> int:
         with open(args.json, "w") as f:
             json.dump(
                 {
-                    "data": args.data,
+                    "data": root,
+                    "output": args.output,
                     "images": len(ds),
                     "policy": args.policy,
                     "workers": args.workers,
@@ -106,6 +114,33 @@ def run(args) -> int:
     return 0
 
 
+IMAGENET_NORMALIZE = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+
+
+def image_root(path: str) -> str:
+    """`path` when it is an ImageFolder root (class folders of images), else its split that is one
+    (`train` first, as torchvision's and timm's layouts name it), else a SystemExit saying what was expected."""
+    from fusionflow import ImageFolder
+
+    try:
+        ImageFolder(path)
+        return path
+    except ValueError as e:
+        why = e
+    splits = sorted(e.name for e in os.scandir(path) if e.is_dir())
+    for name in sorted(splits, key=lambda n: (n != "train", n)):
+        try:
+            ImageFolder(os.path.join(path, name))
+        except ValueError:
+            continue
+        print(f"bench: {path} holds splits; measuring its {name!r} split")
+        return os.path.join(path, name)
+    raise SystemExit(
+        f"bench: --data {path!r} is not an ImageFolder root ({why}); expected {path}/<class>/<image>.jpg, "
+        f"or a folder of splits such as {path}/train/<class>/<image>.jpg"
+    )
+
+
 def _loaders(args, ds, batch_size: int) -> dict:
     """The two loaders under test, with the same dataset, policy, batch size and workers."""
     from torch.utils.data import DataLoader
@@ -116,9 +151,11 @@ def _loaders(args, ds, batch_size: int) -> dict:
     common = dict(
         batch_size=batch_size, shuffle=True, num_workers=args.workers, drop_last=True, persistent_workers=True
     )
+    normalize = IMAGENET_NORMALIZE if getattr(args, "output", "float") == "float" else None
+    policy = load_policy(args.policy, size=args.size, normalize=normalize)
     return {
-        "DataLoader+torchvision": DataLoader(TorchvisionSamples(ds, args.policy, args.size), **common),
-        "FusionFlowLoader": FusionFlowLoader(ds, policy=load_policy(args.policy, size=args.size), seed=0, **common),
+        "DataLoader+torchvision": DataLoader(TorchvisionSamples(ds, args.policy, args.size, normalize), **common),
+        "FusionFlowLoader": FusionFlowLoader(ds, policy=policy, seed=0, **common),
     }
 
 
