@@ -131,14 +131,17 @@ def test_the_torchvision_drop_in_diff_is_the_two_loader_lines():
     assert "the two loader lines" in README.read_text()
 
 
-def test_the_timm_section_calls_from_timm_with_create_transform_arguments():
-    import ast
+def test_the_timm_section_is_one_import_with_timm_s_signature():
+    """README's diff for timm's train.py adds one import; the imported create_loader takes every argument
+    timm's does, with timm's defaults (tests/test_timm_loader.py runs train.py's calls through it)."""
     import inspect
 
     timm_data = __import__("pytest").importorskip("timm.data")
-    code = next(b for b in _blocks("python") if "from_timm(" in b)
-    calls = [
-        n for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call) and getattr(n.func, "attr", "") == "from_timm"
-    ]
-    accepted = set(inspect.signature(timm_data.create_transform).parameters)
-    assert calls and {k.arg for k in calls[0].keywords} <= accepted
+    diff = next(b for b in _blocks("diff") if "timm" in b)
+    changed = [line for line in diff.splitlines() if line[:1] in "+-"]
+    assert changed == ["+from fusionflow.timm import create_loader"], changed
+    from fusionflow.timm import create_loader
+
+    ours = inspect.signature(create_loader).parameters
+    for name, p in inspect.signature(timm_data.create_loader).parameters.items():
+        assert name in ours and ours[name].default == p.default, name

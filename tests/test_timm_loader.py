@@ -236,10 +236,12 @@ def test_worker_seeding_callable_and_part(folder):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kind", ["timm", "torchvision"])
 @pytest.mark.parametrize("repeats", [0, 3])
-def test_two_ranks_under_torchrun_get_timm_s_shares(singles, tmp_path, repeats):
-    """distributed=True: each rank its DistributedSampler half (disjoint, the union the dataset);
-    num_aug_repeats=3: each rank what timm's RepeatAugSampler deals it, a repeated index augmented anew."""
+def test_two_ranks_under_torchrun_get_their_sampler_s_shares(singles, tmp_path, kind, repeats):
+    """timm's train.py (distributed=True, num_aug_repeats) and torchvision's (its own DistributedSampler or
+    RASampler kept, FusionFlowLoader in DataLoader's place): each rank gets what the sampler deals it --
+    disjoint halves whose union is the dataset; with 3 repeats a repeated index augmented anew."""
     import json
     import os
     import subprocess
@@ -249,13 +251,20 @@ def test_two_ranks_under_torchrun_get_timm_s_shares(singles, tmp_path, repeats):
     from timm.data.distributed_sampler import RepeatAugSampler
     from torch.utils.data import DistributedSampler
 
-    script = os.path.join(os.path.dirname(__file__), "timm_ddp_rank.py")
+    script = os.path.join(os.path.dirname(__file__), "dropin_ddp_rank.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), script, singles, str(tmp_path), str(repeats)]  # fmt: skip
+           "--master_port", str(_free_port()), script, kind, singles, str(tmp_path), str(repeats)]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ds = train_dataset(singles)
-    target_of = [int(t) for _, t in ds.reader.samples]
+    if kind == "timm":
+        ds = train_dataset(singles)
+        target_of = [int(t) for _, t in ds.reader.samples]
+    else:
+        import torchvision
+
+        ds = torchvision.datasets.ImageFolder(singles)
+        target_of = list(ds.targets)
+    drop_last = kind == "timm"  # timm's training loader drops the last incomplete batch; DataLoader's default keeps it
     for epoch in ("0", "1"):
         got = [json.loads((tmp_path / f"rank{r}.json").read_text())["seen"][epoch] for r in range(2)]
         for rank in range(2):
@@ -264,7 +273,8 @@ def test_two_ranks_under_torchrun_get_timm_s_shares(singles, tmp_path, repeats):
             else:
                 ref = DistributedSampler(ds, num_replicas=2, rank=rank)
             ref.set_epoch(int(epoch))
-            want = [target_of[i] for i in ref][: len(ref) // 4 * 4]  # drop_last, as timm's training loader
+            want = [target_of[i] for i in ref]
+            want = want[: len(want) // 4 * 4] if drop_last else want
             assert sorted(t for t, _ in got[rank]) == sorted(want), (rank, epoch)
         if not repeats:
             union = [t for rank in got for t, _ in rank]
