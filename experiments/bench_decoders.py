@@ -93,7 +93,7 @@ def main() -> None:
             for d, H, W, (t, l, h, w) in jobs:
                 cs = nv.CodeStream(d).get_sub_code_stream(region=nv.Region(t, l, t + h, l + w))
                 arr = np.asarray(dec.decode(cs, params=params).cpu())
-                resample.resize_bilinear_aa(arr, out, out)
+                resample.resize_antialiased(arr, out, out)
 
         candidates["nvimgcodec_roi"] = nvimgcodec_roi
     except Exception as exc:  # not installed, or no CPU backend in this build
@@ -107,7 +107,7 @@ def main() -> None:
                 arr = simplejpeg.decode_jpeg(d, colorspace="RGB", min_height=-(-H // r), min_width=-(-W // r))
                 sy, sx = arr.shape[0] / H, arr.shape[1] / W
                 win = arr[round(t * sy) : round((t + h) * sy), round(l * sx) : round((l + w) * sx)]
-                resample.resize_bilinear_aa(np.ascontiguousarray(win), out, out)
+                resample.resize_antialiased(np.ascontiguousarray(win), out, out)
 
         candidates["simplejpeg_scaled"] = simplejpeg_scaled
     except ImportError as exc:

@@ -212,7 +212,7 @@ def _resize_candidates(out: int = 224) -> dict:
         return np.asarray(Image.fromarray(arr).resize((out, out), Image.Resampling.BILINEAR, reducing_gap=None))
 
     def torch_aa(data, win, arr, scaled=None):
-        return np.asarray(resample.resize_bilinear_aa(arr, out, out))
+        return np.asarray(resample.resize_antialiased(arr, out, out))
 
     def cv_linear(data, win, arr, scaled=None):
         return cv2.resize(arr, (out, out), interpolation=cv2.INTER_LINEAR)

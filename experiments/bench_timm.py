@@ -10,6 +10,15 @@ For each recipe, one process and one thread each, in one run, candidates interle
 Medians over repeats; ratios against timm.
 
     .venv/bin/python -m experiments.bench_timm [--images 100] [--repeats 3] [--sizes imagenet]
+
+`--mode loader`: the loaders a timm train.py builds, alternated pass by pass in one run -- timm's own
+`timm.data.create_loader` (DataLoader workers, its prefetcher normalising and erasing in the training
+process) vs `fusionflow.timm.create_loader` with the same arguments -- over timm's `create_dataset` of an
+ImageFolder of the chosen sizes, `--workers` workers each, the training loop doing nothing but touch the
+batch; img/s over each pass after its first batch, medians over repeats, the ratio. `--mixup 0.2` adds
+timm's FastCollateMixup as collate_fn (train.py's --mixup with the prefetcher).
+
+    .venv/bin/python -m experiments.bench_timm --mode loader --images 512 --workers 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -18,6 +27,7 @@ import argparse
 import dataclasses
 import io
 import os
+import time
 import warnings
 
 import numpy as np
@@ -29,17 +39,30 @@ RECIPES = {
     "augmix-m5-w4-d2": dict(auto_augment="augmix-m5-w4-d2"),
     "original-mstd0.5": dict(auto_augment="original-mstd0.5", re_prob=0.25, re_mode="pixel"),
     "jitter-0.4": dict(),  # timm's default train transform: no auto_augment, so ColorJitter(0.4, 0.4, 0.4)
+    # the loader mode's default: train.py's example flags without the magnitude noise, whose level-10 draws
+    # make timm's PosterizeIncreasing keep 0 bits, which Pillow 13 refuses (a ValueError in timm's workers)
+    "rand-m9-inc1-pixel": dict(auto_augment="rand-m9-inc1", interpolation="random", re_prob=0.25, re_mode="pixel"),
 }
+LOADER_RECIPE = "rand-m9-inc1-pixel"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mode", default="pipeline", choices=["pipeline", "loader"])
+    ap.add_argument("--workers", type=int, default=2, help="loader mode: workers per loader")
+    ap.add_argument("--batch-size", type=int, default=64, help="loader mode")
+    ap.add_argument("--mixup", type=float, default=0.0, help="loader mode: FastCollateMixup's mixup_alpha")
     ap.add_argument("--images", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="imagenet", choices=["200-1000", "imagenet", "800-2000"])
-    ap.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated keys of RECIPES")
-    ap.add_argument("--out", default=os.path.join(RESULTS, "timm_pipeline.json"))
+    ap.add_argument(
+        "--recipes", default=None, help=f"comma-separated keys of RECIPES (default: all; loader mode: {LOADER_RECIPE})"
+    )
+    ap.add_argument("--out", default=None, help="default: results/timm_pipeline.json or timm_loader.json")
     args = ap.parse_args()
+    if args.mode == "loader":
+        return loader_main(args)
+    args.out = args.out or os.path.join(RESULTS, "timm_pipeline.json")
 
     import cv2
     import torch
@@ -56,7 +79,7 @@ def main() -> None:
     data = sample_set(args.sizes, args.images, seed=11)
     print(f"{len(data)} JPEGs ({args.sizes}), {sum(map(len, data)) / len(data) / 1024:.0f} KiB average")
     results = {}
-    for name in args.recipes.split(","):
+    for name in (args.recipes or ",".join(k for k in RECIPES if k != LOADER_RECIPE)).split(","):
         recipe = RECIPES[name]
         tf = create_transform(224, is_training=True, **recipe)
         policy = fusionflow.from_timm(224, is_training=True, **recipe)
@@ -84,6 +107,77 @@ def main() -> None:
         }
         print(f"{name}: " + ", ".join(f"{c} {rate[c]:.0f} img/s ({rate[c] / rate['timm']:.2f}x)" for c in rate))
     write_json({"provenance": provenance(), "images": len(data), "sizes": args.sizes, "results": results}, args.out)
+
+
+def loader_main(args) -> None:
+    import statistics
+
+    import torch
+    from timm.data import FastCollateMixup, create_dataset
+    from timm.data import create_loader as timm_create_loader
+
+    from experiments.harness import data_path, rounds
+    from fusionflow.timm import create_loader as ff_create_loader
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    root = _folder(data_path(f"timm_{args.sizes}_{args.images}"), args.sizes, args.images)
+    recipes = (args.recipes or LOADER_RECIPE).split(",")
+    results = {}
+    for name in recipes:
+        recipe = dict(RECIPES[name], is_training=True, num_workers=args.workers, device=torch.device("cpu"))
+
+        def build(make):
+            ds = create_dataset("", root=root, split="train", is_training=True)
+            collate = FastCollateMixup(mixup_alpha=args.mixup, num_classes=4) if args.mixup else None
+            return make(ds, (3, 224, 224), args.batch_size, collate_fn=collate, **recipe)
+
+        loaders = {"timm": build(timm_create_loader), "fusionflow": build(ff_create_loader)}
+
+        def one_pass(loader):
+            def go() -> float:
+                t0, n = None, 0
+                for x, _ in loader:
+                    float(x[:, 0, 0, 0].sum())  # touch the batch
+                    if t0 is None:
+                        t0 = time.perf_counter()
+                        continue
+                    n += len(x)
+                return (time.perf_counter() - t0) / n  # seconds per image
+
+            return go
+
+        try:
+            secs = rounds({k: one_pass(v) for k, v in loaders.items()}, args.repeats, rotate=True, report=_report(name))
+        finally:
+            loaders["fusionflow"].close()
+        rate = {k: 1 / statistics.median(v) for k, v in secs.items()}
+        results[name] = {"recipe": RECIPES[name], "img_per_s": rate, "ratio": rate["fusionflow"] / rate["timm"]}
+        print(f"{name}: timm {rate['timm']:.0f} img/s, fusionflow {rate['fusionflow']:.0f} img/s, "
+              f"{results[name]['ratio']:.2f}x")  # fmt: skip
+    out = args.out or os.path.join(RESULTS, "timm_loader.json")
+    setup = {k: getattr(args, k) for k in ("images", "sizes", "workers", "batch_size", "mixup", "repeats")}
+    write_json({"provenance": provenance(), **setup, "results": results}, out)
+
+
+def _report(name: str):
+    def report(r: int, times: dict) -> None:
+        print(f"{name} repeat {r + 1}: " + ", ".join(f"{k} {1 / t[-1]:.0f} img/s" for k, t in times.items()))
+
+    return report
+
+
+def _folder(root: str, sizes: str, images: int) -> str:
+    """root/train/class_k/*.jpg: `images` JPEGs of the chosen sizes in 4 classes (kept once written)."""
+    from fusionflow.tools.synthetic import sample_set
+
+    train = os.path.join(root, "train")
+    if not os.path.isdir(train):
+        for i, data in enumerate(sample_set(sizes, images, seed=11)):
+            os.makedirs(os.path.join(train, f"class_{i % 4}"), exist_ok=True)
+            with open(os.path.join(train, f"class_{i % 4}", f"{i:05d}.jpg"), "wb") as f:
+                f.write(data)
+    return root
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 import torchvision.transforms.v2 as T
 from PIL import Image
 from torchvision.transforms.v2 import InterpolationMode
-from tv_reference import tv_sample
+from tv_reference import psnr, tv_sample
 
 from fusionflow import load_policy, policy_from_transform
 from fusionflow.loader import FusionFlowLoader
@@ -39,6 +39,9 @@ def _policy(crop: str, ops: str, fast: bool):
     return dataclasses.replace(p, fast_downscale=fast)
 
 
+FAST_BICUBIC_DB = 30.0  # fast mode's bicubic crop against torchvision's: the fast bilinear crop's bound
+
+
 @pytest.mark.parametrize("crop,ops", [("bicubic", "bicubic"), ("nearest", "nearest"), ("bicubic", "nearest")])
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_crop_and_ops_equal_torchvision_to_the_bit(crop, ops, fast):
@@ -54,6 +57,9 @@ def test_crop_and_ops_equal_torchvision_to_the_bit(crop, ops, fast):
             if fast and any(op.name in ("Brightness", "Color", "Contrast", "Sharpness") for op in d.ops):
                 continue  # the fast blends round where Pillow truncates (test_ops_fast bounds them)
             compared += 1
+            if fast and crop == "bicubic":  # a window of 2x the output or more: DCT-scaled, then Pillow's bicubic
+                assert psnr(ours, ref) >= FAST_BICUBIC_DB, (i, epoch, psnr(ours, ref))
+                continue
             assert np.array_equal(ours, ref), (i, epoch, [op.name for op in d.ops])
     assert compared >= 10
 

@@ -42,7 +42,7 @@ from PIL import Image, UnidentifiedImageError
 
 from fusionflow.errors import DecodeError, ImageTooLargeError
 from fusionflow.ops import jpeg
-from fusionflow.ops.resample import resample_box, resize_bilinear_aa, resize_window
+from fusionflow.ops.resample import resample_box, resize_antialiased, resize_window
 
 
 def _window_decodable(data) -> bool:  # complete JPEG bytes, and the window decoder loaded
@@ -246,11 +246,28 @@ def _load_rgb(img: Image.Image, what) -> Image.Image:
 
 
 def decode_crop_resize_filtered(
-    data, window_fn, out_size: tuple[int, int], resample, what: str | None = None, max_pixels: int | None = None
+    data,
+    window_fn,
+    out_size: tuple[int, int],
+    resample,
+    what: str | None = None,
+    max_pixels: int | None = None,
+    fast: bool = False,
 ) -> Image.Image:
-    """decode_crop_resize with Pillow's bicubic or nearest, in both decode modes: the full-scale window
-    (a full decode's pixels) resized by Pillow, torchvision's PIL path (crop, then resize) to the bit."""
+    """decode_crop_resize with Pillow's bicubic or nearest: the full-scale window (a full decode's pixels)
+    resized by Pillow, torchvision's PIL path (crop, then resize) to the bit. `fast` and bicubic: a JPEG
+    window of 2x the output or more is decoded at the coarsest DCT scale covering the output and Pillow's
+    bicubic resamples its fractional box, as the fast mode's bilinear crop does; a smaller one is resized
+    by torch's antialiased bicubic (timm's 'random' interpolation sends half the samples here)."""
     out_h, out_w = out_size
+    if fast and resample == Image.Resampling.BICUBIC and _window_decodable(data) and jpeg.can_scale():
+        try:
+            arr, box = decode_fast_window(bytes(data), window_fn, out_size, what, max_pixels)
+            if box is None:  # full scale: torch's antialiased bicubic (Pillow's filter, a quarter of its time)
+                return resize_antialiased(arr, out_h, out_w, "bicubic")
+            return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
+        except jpeg.WindowDecodeError:
+            pass  # CMYK, corrupt data, ...: the full-scale path below decodes it or raises its usual error
     if _window_decodable(data):
         data = bytes(data)
         height, width = _checked_header(data, what, max_pixels)
@@ -336,7 +353,7 @@ def _jpeg_window_crop_resize(
         if arr.shape[:2] != (h, w):
             raise jpeg.WindowDecodeError(f"decoded window {arr.shape[:2]} != {(h, w)}")
         if fast:
-            return resize_bilinear_aa(arr, out_h, out_w)
+            return resize_antialiased(arr, out_h, out_w)
         return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
     arr, box = decode_scaled_window(data, height, width, (top, left, h, w), r)
     return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)

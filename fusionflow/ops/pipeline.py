@@ -133,11 +133,12 @@ class CpuPipeline:
         return decode_box_resize(data, box_fn, p.size, p.fast_downscale, what, p.max_pixels, resample)
 
     def _filtered(self, data, d: SampleDraw, what) -> Image.Image:
-        """A random resized crop with bicubic or nearest: Pillow's filter on the full-scale window in
-        both modes (the fast mode's kernels are bilinear ones)."""
+        """A random resized crop with bicubic or nearest: Pillow's filter on the full-scale window (the fast
+        mode's kernels are bilinear ones); fast mode's bicubic on the DCT-scaled window (decode.py)."""
         p = self.policy
         resample = exact.RESAMPLE[d.crop_resample or p.crop_interpolation]
-        return decode_crop_resize_filtered(data, partial(crop_window, p, d), p.size, resample, what, p.max_pixels)
+        window = partial(crop_window, p, d)
+        return decode_crop_resize_filtered(data, window, p.size, resample, what, p.max_pixels, p.fast_downscale)
 
     def array(self, data, d: SampleDraw, what: str | None = None, tick=None) -> np.ndarray:
         """fast mode: the augmented sample as a uint8 HWC RGB array of the output size."""

@@ -74,13 +74,14 @@ def resample_box(arr: np.ndarray, box, out_h: int, out_w: int) -> np.ndarray:
     )
 
 
-def resize_bilinear_aa(arr: np.ndarray, out_h: int, out_w: int) -> Image.Image:
-    """uint8 HWC -> RGB image of (out_h, out_w): antialiased bilinear with torch's vectorised uint8
-    kernel (channels-last input, no float copy); its planar output is interleaved by Pillow's merge,
-    several times faster than a strided numpy transpose."""
+def resize_antialiased(arr: np.ndarray, out_h: int, out_w: int, mode: str = "bilinear") -> Image.Image:
+    """uint8 HWC -> RGB image of (out_h, out_w): antialiased bilinear (or `mode` "bicubic": Pillow's
+    antialiased bicubic to ~70 dB, at a quarter of Pillow's time) with torch's vectorised uint8 kernel
+    (channels-last input, no float copy); its planar output is interleaved by Pillow's merge, several
+    times faster than a strided numpy transpose."""
     if arr.shape[:2] == (out_h, out_w):
         return Image.fromarray(arr)
     x = torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)  # a channels-last view, no copy
-    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode="bilinear", antialias=True, align_corners=False)
+    y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode=mode, antialias=True, align_corners=False)
     planes = y[0].contiguous().numpy()
     return Image.merge("RGB", [Image.fromarray(p) for p in planes])
