@@ -56,8 +56,9 @@ def test_crop_and_ops_equal_torchvision_to_the_bit(crop, ops, fast):
             ours = pipe(data, i, seed=1, epoch=epoch)
             if fast and any(op.name in ("Brightness", "Color", "Contrast", "Sharpness") for op in d.ops):
                 continue  # the fast blends round where Pillow truncates (test_ops_fast bounds them)
+            warped = ops == "bicubic" and any(op.name in ("Rotate", "ShearX", "ShearY") for op in d.ops)
             compared += 1
-            if fast and crop == "bicubic":  # a window of 2x the output or more: DCT-scaled, then Pillow's bicubic
+            if fast and (crop == "bicubic" or warped):  # torch's / DCT-scaled crop, OpenCV's cubic warp
                 assert psnr(ours, ref) >= FAST_BICUBIC_DB, (i, epoch, psnr(ours, ref))
                 continue
             assert np.array_equal(ours, ref), (i, epoch, [op.name for op in d.ops])
@@ -65,14 +66,22 @@ def test_crop_and_ops_equal_torchvision_to_the_bit(crop, ops, fast):
 
 
 @pytest.mark.parametrize("name", ["ShearX", "ShearY", "Rotate", "TranslateX", "TranslateY"])
-def test_bicubic_warps_fast_equal_exact(name):
+def test_bicubic_warps_fast_within_their_bound_of_exact(name):
+    """The exact kernels are Pillow's bicubic to the bit; the fast ones OpenCV's cubic warp (a = -0.75
+    where Pillow's is -0.5): >= 35 dB from Pillow's on these images, 38.8 the worst seen, on the small
+    high-contrast one (the translations stay whole-pixel
+    copies, equal)."""
     style = exact.Style("bicubic", (128, 30, 200))
-    for arr in (make_image(224, 224, 1), make_image(97, 61, 3)):
+    for arr in (make_image(224, 224, 1), make_image(97, 61, 3), np.asarray(Image.open(io.BytesIO(JPEGS[0])))):
         for value in (-30.0, -0.3, 0.2, 17.0, 90.0):
             params = OPS[name].resolve(value, (0.3, 0.7), *arr.shape[:2])
             want = np.asarray(exact.apply(name, Image.fromarray(arr), value, params, style))
-            np.testing.assert_array_equal(fast.FAST[name](arr, value, params, style), want)
             np.testing.assert_array_equal(fast.EXACT[name](arr, value, params, style), want)
+            got = fast.FAST[name](arr, value, params, style)
+            if name.startswith("Translate"):
+                np.testing.assert_array_equal(got, want)
+            else:
+                assert psnr(got, want) >= 35.0, (name, value, arr.shape, psnr(got, want))
 
 
 @pytest.mark.parametrize("mode", ["bicubic", "nearest"])

@@ -224,6 +224,11 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     samples = timm_samples(base)
     sampler = build_sampler(base, a)
     seed = resolve_seed(loader_kwargs.pop("seed", None), loader_kwargs.get("generator"))
+    if a.is_training and sampler is None and "generator" not in loader_kwargs:
+        # the shuffle's own generator, seeded once from torch's: an order drawn from the global generator
+        # would move with every draw the training process makes (the prefetcher's erasing noise, dropout),
+        # so the next epoch's order could not be known ahead and its speculated work was thrown away
+        loader_kwargs["generator"] = torch.Generator().manual_seed(int(torch.randint(2**62, ()).item()))
     kw = dict(
         num_workers=a.num_workers,
         pin_memory=a.pin_memory,
@@ -243,13 +248,13 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     )
     if views > 1:
         samples = SplitViews(samples, views)
-        inner = torch.utils.data.BatchSampler(
-            sampler
-            if sampler is not None
-            else (torch.utils.data.RandomSampler if a.is_training else torch.utils.data.SequentialSampler)(base),
-            a.batch_size,
-            a.is_training,
-        )
+        if sampler is not None:
+            order = sampler
+        elif a.is_training:
+            order = torch.utils.data.RandomSampler(base, generator=loader_kwargs.pop("generator"))
+        else:
+            order = torch.utils.data.SequentialSampler(base)
+        inner = torch.utils.data.BatchSampler(order, a.batch_size, a.is_training)
         batching = dict(batch_sampler=SplitBatches(inner, views))
     loader = FusionFlowLoader(samples, **batching, **kw)
     prep = None
