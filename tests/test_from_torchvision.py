@@ -11,11 +11,11 @@ import torchvision.transforms.v2 as T
 import torchvision.transforms.v2.functional as F
 from PIL import Image
 from torchvision.transforms.v2 import AutoAugmentPolicy, InterpolationMode
-from tv_reference import tv_recipe
+from tv_reference import psnr, tv_recipe, tv_sample
 
 from fusionflow import load_policy, policy_from_transform
 from fusionflow.ops.pipeline import CpuPipeline
-from fusionflow.policy import draw
+from fusionflow.policy import crop_window, draw
 from fusionflow.tools.synthetic import make_jpegs
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -123,6 +123,26 @@ def test_eval_form_and_uint8_output():
     ref = F.center_crop(F.resize(F.pil_to_tensor(img), [256], antialias=True), [224])
     ours = CpuPipeline(dataclasses.replace(scaled, fast_downscale=False))(data, 0)
     assert np.abs(ours * 255 - ref.numpy()).mean() < 2.0  # the eval policy's documented sub-pixel window rounding
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_vertical_flip_equals_torchvision_to_the_bit(fast):
+    """RandomVerticalFlip (timm's vflip) after the horizontal flip, drawn last: with p=0 the other draws are
+    a policy's without it. The pixels equal torchvision's for the same draws."""
+    t = T.Compose([T.RandomResizedCrop(96), T.RandomHorizontalFlip(), T.RandomVerticalFlip(0.5), T.PILToTensor()])
+    policy = dataclasses.replace(policy_from_transform(t, decode="exact"), fast_downscale=fast)
+    assert policy.vflip == 0.5 and policy.flip == 0.5
+    pipe, flipped = CpuPipeline(policy), 0
+    for i, data in enumerate(JPEGS):
+        d = draw(policy, 3, 1, i)
+        flipped += d.vflip
+        W, H = Image.open(io.BytesIO(data)).size
+        ref = tv_sample(policy, data, d, crop_window(policy, d, H, W))
+        got = pipe(data, i, seed=3, epoch=1)
+        assert np.array_equal(got, ref) if not fast else psnr(got, ref) >= 30, i
+    assert 0 < flipped < len(JPEGS)
+    unflipped = dataclasses.replace(policy, vflip=0.0)
+    assert dataclasses.replace(draw(policy, 3, 1, 0), vflip=False) == draw(unflipped, 3, 1, 0)
 
 
 def test_squashed_resize_then_center_crop():

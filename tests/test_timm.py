@@ -282,7 +282,6 @@ def test_what_converts_reads_timm_objects():
     [
         (dict(gaussian_blur_prob=0.2), r"transform 3 \(RandomApply.*only around a single ColorJitter"),
         (dict(auto_augment="3a"), r"op 'Desaturate' has no FusionFlow implementation"),
-        (dict(auto_augment="rand-m9", vflip=0.5), r"RandomVerticalFlip has no FusionFlow equivalent"),
     ],
 )
 def test_what_does_not_convert_says_why(kw, match):

@@ -66,6 +66,8 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
     img = F.resized_crop(img, top, left, h, w, list(policy.size), mode, antialias=True)
     if d.flip:
         img = F.horizontal_flip(img)
+    if getattr(d, "vflip", False):
+        img = F.vertical_flip(img)
     if getattr(policy, "jitter", None) is not None:
         img = tv_color_jitter(policy.jitter, img, d)
     if getattr(d, "grayscale", False):

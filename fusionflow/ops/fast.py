@@ -337,8 +337,8 @@ def grayscale(arr: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(np.asarray(Image.fromarray(arr).convert("L")), cv2.COLOR_GRAY2RGB)
 
 
-def flip(arr: np.ndarray) -> np.ndarray:
-    return cv2.flip(arr, 1)
+def flip(arr: np.ndarray, vertical: bool = False) -> np.ndarray:
+    return cv2.flip(arr, 0 if vertical else 1)
 
 
 @_register(EXACT, "FlipX")

@@ -66,6 +66,8 @@ class CpuPipeline:
             tick("decode+crop+resize")
         if d.flip:
             img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if d.vflip:
+            img = img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
         if tick is not None:
             tick("flip")
         img = self._run_ops(img, d.jitter, self._pillow_op, tick)  # ColorJitter, in its drawn order
@@ -154,6 +156,8 @@ class CpuPipeline:
             tick("decode+crop+resize")
         if d.flip:
             arr = fast.flip(arr)
+        if d.vflip:
+            arr = fast.flip(arr, vertical=True)
         if tick is not None:
             tick("flip")
         arr = self._run_ops(arr, d.jitter, self._array_op, tick)

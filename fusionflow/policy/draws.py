@@ -100,3 +100,4 @@ class SampleDraw:
     # None: the policy's crop
     jitter: tuple[OpDraw, ...] = ()  # ColorJitter's adjustments in their drawn order, after the flip, before `ops`
     grayscale: bool = False  # RandomGrayscale drew this sample: Pillow's luma in all three channels, after the jitter
+    vflip: bool = False  # flipped top to bottom, after the horizontal flip

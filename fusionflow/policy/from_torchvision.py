@@ -82,12 +82,14 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
     size = tuple(cfg["output"]["size"])
 
-    # 2. flip, colour jitter, grayscale (the flip in any place: it commutes with both), then one
+    # 2. flips, colour jitter, grayscale (the flips in any place: they commute with both), then one
     # auto-augmentation
     while pos < len(steps):
         t = steps[pos]
         if isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
             cfg["flip"] = float(t.p)
+        elif isinstance(t, T.RandomVerticalFlip) and "vflip" not in cfg:
+            cfg["vflip"] = float(t.p)
         elif (jitter := _jitter_section(t, T)) is not None and not {"jitter", "grayscale"} & set(cfg):
             cfg["jitter"] = jitter
         elif (gray := _grayscale_p(t, T)) is not None and "grayscale" not in cfg:
@@ -186,8 +188,9 @@ def _misplaced(t, name: str) -> str | None:
         return _RANDOM_APPLY
     if name not in _TENSOR_STEPS:
         return (
-            f"cannot be expressed here: after the crop come RandomHorizontalFlip, ColorJitter, RandomGrayscale, one of "
-            f"RandAugment / AutoAugment / TrivialAugmentWide, then {' / '.join(_TENSOR_STEPS)}, in that order"
+            "cannot be expressed here: after the crop come RandomHorizontalFlip, RandomVerticalFlip, ColorJitter, "
+            "RandomGrayscale, one of RandAugment / AutoAugment / TrivialAugmentWide, "
+            f"then {' / '.join(_TENSOR_STEPS)}, in that order"
         )
     return None
 
@@ -302,6 +305,7 @@ def _as_v2(t) -> list | None:
         "Resize": lambda: T.Resize(t.size, t.interpolation, t.max_size, t.antialias),
         "CenterCrop": lambda: T.CenterCrop(t.size),
         "RandomHorizontalFlip": lambda: T.RandomHorizontalFlip(t.p),
+        "RandomVerticalFlip": lambda: T.RandomVerticalFlip(t.p),
         "ColorJitter": lambda: T.ColorJitter(t.brightness, t.contrast, t.saturation, t.hue),
         "RandomGrayscale": lambda: T.RandomGrayscale(t.p),
         "Grayscale": lambda: T.Grayscale(t.num_output_channels),

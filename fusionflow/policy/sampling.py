@@ -85,7 +85,7 @@ def uniforms(seed: int, epoch: int, index: int, copy: int = 0, n: int = _DRAWS) 
     """The first n uniforms in [0, 1) of the sample's stream (float64, 53 random bits each): a pure
     function of (seed, epoch, index, copy) that any process, thread or retry recomputes. `draw`
     consumes them in a fixed order: crop (40), flip (1), then the policy's ops, then erasing, then
-    the crop's filter when drawn, then ColorJitter (9), then RandomGrayscale (1)."""
+    the crop's filter when drawn, then ColorJitter (9), then RandomGrayscale (1), then the vertical flip (1)."""
     return _generator(seed, epoch, index, copy).random(n)
 
 
@@ -124,7 +124,7 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
         raise ValueError(f"index={index} must be below 2**63 with views")
     base = _draw(policy, seed, epoch, _VIEW_BASE | index // policy.views, copy)
     own = _draw(policy, seed, epoch, index, copy)
-    shared = dict(crop_u=base.crop_u, flip=base.flip, crop_resample=base.crop_resample)
+    shared = dict(crop_u=base.crop_u, flip=base.flip, vflip=base.vflip, crop_resample=base.crop_resample)
     if index % policy.views == 0:
         shared.update(ops=(), mix=None, steps=(), jitter=(), grayscale=False)
     return dataclasses.replace(own, **shared)
@@ -165,7 +165,8 @@ def _draw(policy: Policy, seed: int, epoch: int, index: int, copy: int) -> Sampl
         crop_resample = "bilinear" if rng.random() < 0.5 else "bicubic"
     jitter = _jitter(policy.jitter, rng) if policy.jitter is not None else ()
     gray = bool(rng.random() < policy.grayscale) if policy.grayscale > 0 else False
-    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops, jitter, gray)
+    vflip = bool(rng.random() < policy.vflip) if policy.vflip > 0 else False  # last: other draws stay as they were
+    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops, jitter, gray, vflip)
 
 
 def _jitter(jitter: Jitter, rng: _Stream) -> tuple[OpDraw, ...]:

@@ -27,6 +27,8 @@ The schema (documented for users in configs/README.md):
                                        RandomResizedCropAndInterpolation). Not bilinear: the DALI
                                        accelerator declines the policy
     flip: float                        horizontal flip probability
+    vflip: float                       vertical flip probability (timm's vflip), after the horizontal
+                                       flip; default 0. CPU only (the DALI accelerator declines it)
     jitter:                            torchvision's ColorJitter, after the flip, before augment
       brightness: v | [lo, hi]         factor drawn uniformly from [max(0, 1 - v), 1 + v] or [lo, hi]
       contrast: v | [lo, hi]           likewise (blend with the mean grey)
@@ -179,6 +181,7 @@ class Policy:
     jitter: Jitter | None = None  # ColorJitter after the flip, before the augment ops; None: off
     grayscale: float = 0.0  # RandomGrayscale's probability, after the jitter
     crop_interpolation: str = "bilinear"  # the crop's / Resize's filter: bilinear, bicubic, nearest
+    vflip: float = 0.0  # RandomVerticalFlip's probability, after the horizontal flip
     views: int = 1  # AugMix splits (timm's num_aug_splits, set by fusionflow.timm): index v is view v % views of
     # sample v // views -- one crop, flip and filter per sample, view 0 without the augment ops (sampling.draw)
 
@@ -197,7 +200,12 @@ class Policy:
 
 def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom") -> Policy:
     r = Reader(source)
-    top = r.mapping(raw, "", ("output", "augment"), ("name", "decode", "crop", "flip", "jitter", "grayscale", "erase"))
+    top = r.mapping(
+        raw,
+        "",
+        ("output", "augment"),
+        ("name", "decode", "crop", "flip", "vflip", "jitter", "grayscale", "erase"),
+    )
 
     name = top.get("name", default_name)
     if not isinstance(name, str) or not name:
@@ -207,6 +215,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     fast, max_pixels = parse_decode(r, top)
     scale, ratio, center_resize, crop_interpolation = parse_crop(r, top, size)
     flip = r.number(top.get("flip", 0.0), "flip", 0.0, 1.0)
+    vflip = r.number(top.get("vflip", 0.0), "vflip", 0.0, 1.0)
 
     augment = _parse_augment(r, top["augment"], size)
     erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
@@ -228,6 +237,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         jitter=jitter,
         grayscale=grayscale,
         crop_interpolation=crop_interpolation,
+        vflip=vflip,
     )
 
 

@@ -12,7 +12,7 @@ interpolation), MaybeToTensor / MaybePILToTensor and timm's RandomErasing (modes
 counts). Everything else in timm's pipelines is torchvision's (RandomHorizontalFlip, Resize,
 CenterCrop, Normalize, ColorJitter: the train default without auto_augment, color_jitter_prob's
 RandomApply, grayscale_prob's RandomGrayscale) and is read as such. Not expressible, with the reason:
-RandomVerticalFlip, gaussian_blur_prob's blur, the '3a' ops (Desaturate, GaussianBlur), the rkrc/rkrr
+gaussian_blur_prob's blur, the '3a' ops (Desaturate, GaussianBlur), the rkrc/rkrr
 crops and the eval 'squash' / 'border' crops.
 
 The policy's semantics are in fusionflow/policy/timm_augment.py; tests/test_timm.py checks the pixels
