@@ -14,6 +14,7 @@ from torchvision.transforms.v2 import AutoAugmentPolicy, InterpolationMode
 from tv_reference import psnr, tv_recipe, tv_sample
 
 from fusionflow import load_policy, policy_from_transform
+from fusionflow.ops import fast
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw
 from fusionflow.tools.synthetic import make_jpegs
@@ -143,6 +144,38 @@ def test_vertical_flip_equals_torchvision_to_the_bit(fast):
     assert 0 < flipped < len(JPEGS)
     unflipped = dataclasses.replace(policy, vflip=0.0)
     assert dataclasses.replace(draw(policy, 3, 1, 0), vflip=False) == draw(unflipped, 3, 1, 0)
+
+
+@pytest.mark.parametrize("v1", [False, True], ids=["v2", "v1"])
+def test_gaussian_blur_in_random_apply_equals_torchvision(v1):
+    """timm's gaussian_blur_prob: RandomApply([GaussianBlur(23)], p) after the augmentation. The exact
+    mode runs torchvision's kernel (the pixels to the bit, given the draw's sigma); the fast mode OpenCV's,
+    within a level."""
+    import torchvision.transforms as T1
+
+    M = T1 if v1 else T
+    blur = M.RandomApply([M.GaussianBlur(23, (0.1, 2.0))], p=0.5)
+    t = M.Compose([M.RandomResizedCrop(96), M.RandomHorizontalFlip(), M.RandAugment(), blur])
+    policy = policy_from_transform(t, decode="exact")
+    assert (policy.blur.kernel_size, policy.blur.sigma, policy.blur.p) == ((23, 23), (0.1, 2.0), 0.5)
+    fast_policy, blurred = dataclasses.replace(policy, fast_downscale=True), 0
+    for i, data in enumerate(JPEGS):
+        d = draw(policy, 3, 1, i)
+        unblurred = CpuPipeline(dataclasses.replace(policy, blur=None)).run_draw(
+            data, dataclasses.replace(d, blur=None)
+        )
+        if d.blur is None:
+            assert np.array_equal(CpuPipeline(policy)(data, i, seed=3, epoch=1), unblurred)
+            continue
+        blurred += 1
+        assert 0.1 <= d.blur <= 2.0
+        want = F.gaussian_blur(torch.from_numpy(unblurred), [23, 23], [d.blur, d.blur]).numpy()
+        np.testing.assert_array_equal(CpuPipeline(policy)(data, i, seed=3, epoch=1), want)
+        arr = np.ascontiguousarray(unblurred.transpose(1, 2, 0))
+        got = fast.gaussian_blur(arr, (23, 23), d.blur).transpose(2, 0, 1)
+        assert np.abs(got.astype(int) - want).max() <= 1
+    assert 0 < blurred < len(JPEGS)
+    assert fast_policy.blur == policy.blur
 
 
 def test_squashed_resize_then_center_crop():

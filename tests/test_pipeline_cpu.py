@@ -12,7 +12,8 @@ from torchvision.io import ImageReadMode, decode_image
 from tv_reference import psnr, tv_sample
 
 from fusionflow import DecodeError, load_policy
-from fusionflow.ops.decode import decode_crop_resize, open_image, to_rgb
+from fusionflow.ops.decode import decode_crop_resize, open_image
+from fusionflow.ops.decoded import to_rgb
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.policy import crop_window, draw, shipped_policies
 from fusionflow.tools.synthetic import encode, make_image, make_jpegs

@@ -280,7 +280,6 @@ def test_what_converts_reads_timm_objects():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(gaussian_blur_prob=0.2), r"transform 3 \(RandomApply.*only around a single ColorJitter"),
         (dict(auto_augment="3a"), r"op 'Desaturate' has no FusionFlow implementation"),
     ],
 )

@@ -199,7 +199,7 @@ def test_deterministic_batches_match_timm_s_loader_within_the_fast_mode_bound(si
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(gaussian_blur_prob=0.2), r"create_loader\(gaussian_blur_prob\)"),
+        (dict(auto_augment="3a"), r"create_loader\(auto_augment\).*Desaturate"),
         (dict(input_size_choices=[32, 48]), r"input_size_choices"),
         (dict(tf_preprocessing=True), r"tf_preprocessing"),
         (dict(num_aug_splits=3), r"AugMixDataset"),
@@ -290,11 +290,13 @@ def test_transform_arguments_reach_the_policy(folder):
     """Each create_transform argument lands where timm puts it (the pixels per op: tests/test_timm.py)."""
     loader = create_loader(
         train_dataset(folder), SIZE, 8, is_training=True, scale=(0.5, 0.9), ratio=(0.8, 1.2), hflip=0.3, vflip=0.2,
-        color_jitter=0.3, color_jitter_prob=0.6, grayscale_prob=0.1, interpolation="bicubic", device=CPU,
+        color_jitter=0.3, color_jitter_prob=0.6, grayscale_prob=0.1, gaussian_blur_prob=0.4, interpolation="bicubic",
+        device=CPU,
     )  # fmt: skip
     p = loader.fusionflow.policy
     assert (p.scale, p.ratio, p.flip, p.vflip, p.grayscale) == ((0.5, 0.9), (0.8, 1.2), 0.3, 0.2, 0.1)
     assert p.jitter.p == 0.6 and p.jitter.brightness == pytest.approx((0.7, 1.3)) and p.crop_interpolation == "bicubic"
+    assert (p.blur.p, p.blur.kernel_size, p.blur.sigma) == (0.4, (23, 23), (0.1, 2.0))
     assert p.normalize is not None and p.erase is None  # CPU device: the workers normalise; no erasing asked
     with loader.fusionflow:
         x, y = next(iter(loader))

@@ -12,6 +12,8 @@ def dali_declines(policy) -> str | None:
     none of timm's augmentations, AugMix's mixtures, ColorJitter, RandomGrayscale or the Hue op."""
     if policy is None:
         return None
+    if policy.blur is not None:
+        return "blur (GaussianBlur is CPU-only)"
     if policy.vflip > 0:
         return "vflip (the DALI graph flips horizontally only)"
     if policy.views > 1:

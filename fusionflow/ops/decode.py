@@ -3,10 +3,7 @@
 Accepts JPEG/PNG/any Pillow-readable bytes, a PIL image, a uint8 HW / HWC numpy array, or a uint8
 torch tensor. Grayscale, palette, RGBA/LA (alpha dropped) and 16-bit inputs come out as 8-bit RGB.
 
-Layout of a 3-d tensor (torchvision's decoders give CHW): CHW when its first dimension is 1, 3 or 4
-channels, else HWC when its last is; so a 3x3x4 tensor is CHW, and an HWC tensor only 1, 3 or 4
-pixels tall must be permuted to CHW (or passed as a numpy array, which is always HWC, as
-np.asarray(pil_image) gives). A tensor gives the same pixels as the equivalent array.
+Decoded samples (arrays, tensors) and modes other than RGB: fusionflow/ops/decoded.py.
 
 A complete JPEG (baseline or progressive, grayscale or YCbCr) goes through the window decoder
 (`fusionflow.ops.jpeg`: our libjpeg-turbo kernel, else nvImageCodec's CPU backend): only the crop
@@ -42,6 +39,7 @@ from PIL import Image, UnidentifiedImageError
 
 from fusionflow.errors import DecodeError, ImageTooLargeError
 from fusionflow.ops import jpeg
+from fusionflow.ops.decoded import from_array, tensor_to_hwc, to_rgb
 from fusionflow.ops.resample import resample_box, resize_antialiased, resize_window
 
 
@@ -118,9 +116,9 @@ def open_image(data, what: str | None = None, max_pixels: int | None = None) -> 
             check_pixels(*data.size, max_pixels, what)
         return data
     if isinstance(data, np.ndarray):
-        return _from_array(data, what)
+        return from_array(data, what)
     if isinstance(data, torch.Tensor):
-        return _from_array(_tensor_to_hwc(data, what), what)
+        return from_array(tensor_to_hwc(data, what), what)
     if isinstance(data, (bytes, bytearray, memoryview)):
         try:
             img = open_encoded(data, what, max_pixels)
@@ -135,54 +133,6 @@ def open_image(data, what: str | None = None, max_pixels: int | None = None) -> 
         f"{what or 'sample'}: expected encoded bytes, a PIL image, a uint8 array or a uint8 tensor, "
         f"got {type(data).__name__}"
     )
-
-
-CHANNELS = (1, 3, 4)
-
-
-def _tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
-    """A uint8 CPU tensor (HW, CHW or HWC; see the module docstring for the 3-d rule) as an HW/HWC array."""
-    shape = tuple(t.shape)
-    if (
-        t.dtype != torch.uint8
-        or t.ndim not in (2, 3)
-        or (t.ndim == 3 and shape[0] not in CHANNELS and shape[2] not in CHANNELS)
-    ):
-        raise TypeError(
-            f"{what or 'sample'}: a tensor sample must be uint8 HW, CHW or HWC with 1, 3 or 4 "
-            f"channels, got {t.dtype} {shape}"
-        )
-    if t.device.type != "cpu":
-        raise TypeError(
-            f"{what or 'sample'}: a tensor sample must be on the CPU, got one on {t.device}; "
-            "return it before moving it (workers write into host shared memory)"
-        )
-    if t.ndim == 3 and shape[0] in CHANNELS:
-        t = t.permute(1, 2, 0)  # CHW -> HWC (a view; _from_array makes it contiguous)
-    return t.numpy()
-
-
-def _from_array(arr: np.ndarray, what) -> Image.Image:
-    if arr.dtype != np.uint8 or arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[2] not in (1, 3, 4)):
-        raise TypeError(
-            f"{what or 'sample'}: an array sample must be uint8 HW or HWC with 1, 3 or 4 "
-            f"channels, got {arr.dtype} {arr.shape}"
-        )
-    if arr.ndim == 3 and arr.shape[2] == 1:
-        arr = arr[:, :, 0]
-    return Image.fromarray(np.ascontiguousarray(arr))
-
-
-def to_rgb(img: Image.Image) -> Image.Image:
-    if img.mode == "RGB":
-        return img
-    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-        arr = np.asarray(img)
-        arr = (arr >> 8) if img.mode.startswith("I;16") else np.clip(arr, 0, 255)
-        return Image.fromarray(arr.astype(np.uint8)).convert("RGB")
-    if img.mode == "P" and "transparency" in img.info:
-        img = img.convert("RGBA")
-    return img.convert("RGB")
 
 
 def dct_reduction(crop_h: int, crop_w: int, out_h: int, out_w: int) -> int:

@@ -248,3 +248,11 @@ def cutout(img, value, params, style):
 
 def apply(name: str, img: Image.Image, value: float, params: tuple, style: Style) -> Image.Image:
     return CPU_IMPLS[name](img, value, params, style)
+
+
+def gaussian_blur(img: Image.Image, kernel_size, sigma: float) -> Image.Image:
+    """torchvision's GaussianBlur on the image: its own functional kernel (separable float convolution,
+    reflected borders, rounded back to uint8), so the exact mode's pixels are torchvision's."""
+    import torchvision.transforms.v2.functional as F
+
+    return F.gaussian_blur(img, list(kernel_size), [sigma, sigma])

@@ -337,6 +337,12 @@ def grayscale(arr: np.ndarray) -> np.ndarray:
     return cv2.cvtColor(np.asarray(Image.fromarray(arr).convert("L")), cv2.COLOR_GRAY2RGB)
 
 
+def gaussian_blur(arr: np.ndarray, kernel_size: tuple[int, int], sigma: float) -> np.ndarray:
+    """torchvision's GaussianBlur (its kernel, reflected borders) by OpenCV's fixed-point filter: within
+    a level of torchvision's rounding (tests/test_from_torchvision.py)."""
+    return cv2.GaussianBlur(arr, tuple(kernel_size), sigmaX=sigma, sigmaY=sigma, borderType=cv2.BORDER_REFLECT_101)
+
+
 def flip(arr: np.ndarray, vertical: bool = False) -> np.ndarray:
     return cv2.flip(arr, 0 if vertical else 1)
 

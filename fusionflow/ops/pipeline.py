@@ -20,7 +20,7 @@ from fusionflow.ops.decode import (
     decode_crop_resize_array,
     decode_crop_resize_filtered,
 )
-from fusionflow.ops.stages import GRAYSCALE
+from fusionflow.ops.stages import BLUR, GRAYSCALE
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
 from fusionflow.policy.sampling import center_box
 
@@ -75,7 +75,12 @@ class CpuPipeline:
             img = img.convert("L").convert("RGB")
             if tick is not None:
                 tick(GRAYSCALE)
-        return self.augment_image(img, d, tick)
+        img = self.augment_image(img, d, tick)
+        if d.blur is not None:  # torchvision's own kernel: the reference's pixels to the bit
+            img = exact.gaussian_blur(img, self.policy.blur.kernel_size, d.blur)
+            if tick is not None:
+                tick(BLUR)
+        return img
 
     def augment_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
         """The draw's ops (and an AugMix mixture) on an output-size image, exact mode's kernels: Pillow's,
@@ -165,7 +170,12 @@ class CpuPipeline:
             arr = fast.grayscale(arr)
             if tick is not None:
                 tick(GRAYSCALE)
-        return self.augment_array(arr, d, tick)
+        arr = self.augment_array(arr, d, tick)
+        if d.blur is not None:
+            arr = fast.gaussian_blur(arr, self.policy.blur.kernel_size, d.blur)
+            if tick is not None:
+                tick(BLUR)
+        return arr
 
     def run_draw(
         self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None, tick=None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 READ, DECODE, FLIP, GRAYSCALE, WRITE = "read", "decode+crop+resize", "flip", "grayscale", "write"
+BLUR = "blur"
 
 
 def stage_names(policy) -> tuple[str, ...]:
@@ -36,6 +37,7 @@ def stage_names(policy) -> tuple[str, ...]:
         from fusionflow.policy.deepaa import fusionflow_ops
 
         names += fusionflow_ops(aug.deepaa)
+    names += [BLUR] if policy.blur is not None else []
     return (READ, DECODE, FLIP, *dict.fromkeys(names), WRITE)
 
 

@@ -101,3 +101,4 @@ class SampleDraw:
     jitter: tuple[OpDraw, ...] = ()  # ColorJitter's adjustments in their drawn order, after the flip, before `ops`
     grayscale: bool = False  # RandomGrayscale drew this sample: Pillow's luma in all three channels, after the jitter
     vflip: bool = False  # flipped top to bottom, after the horizontal flip
+    blur: float | None = None  # GaussianBlur's sigma, after the augment ops; None: not blurred

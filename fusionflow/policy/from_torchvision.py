@@ -20,6 +20,7 @@ What it reads, in this order (the order torchvision's classification recipe uses
          [RandomGrayscale(p) | Grayscale(3)]   (in this order; the flip may stand anywhere among them)
          [RandAugment | AutoAugment | TrivialAugmentWide, with their arguments; interpolation
           nearest, bilinear or bicubic, fill a number or [r, g, b] of integers]
+         [GaussianBlur(kernel_size, sigma) | RandomApply([GaussianBlur(...)], p)]
   eval:  Resize(int, bilinear | bicubic | nearest, antialias=True) + CenterCrop(size)
   then:  [PILToTensor | ToImage] [ToDtype(torch.float32, scale=True) | ConvertImageDtype(torch.float32)]
          [Normalize(mean, std)] [RandomErasing(p, scale, ratio, value)] [ToPureTensor]
@@ -42,8 +43,8 @@ from typing import Any
 from fusionflow.policy import timm_transforms
 from fusionflow.policy.schema import Policy, parse_policy
 from fusionflow.policy.torchvision_tables import INTERPOLATIONS, augment_section, mode_name
+from fusionflow.policy.tv_sections import RANDOM_APPLY, blur_section, grayscale_p, jitter_section
 
-_RANDOM_APPLY = "RandomApply is expressible only around a single ColorJitter (after the crop)"
 _TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing", "ToPureTensor")
 
 
@@ -82,23 +83,7 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
     size = tuple(cfg["output"]["size"])
 
-    # 2. flips, colour jitter, grayscale (the flips in any place: they commute with both), then one
-    # auto-augmentation
-    while pos < len(steps):
-        t = steps[pos]
-        if isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
-            cfg["flip"] = float(t.p)
-        elif isinstance(t, T.RandomVerticalFlip) and "vflip" not in cfg:
-            cfg["vflip"] = float(t.p)
-        elif (jitter := _jitter_section(t, T)) is not None and not {"jitter", "grayscale"} & set(cfg):
-            cfg["jitter"] = jitter
-        elif (gray := _grayscale_p(t, T)) is not None and "grayscale" not in cfg:
-            cfg["grayscale"] = gray
-        else:
-            break
-        pos += 1
-    if not cfg.get("jitter", True):
-        del cfg["jitter"]  # a ColorJitter that adjusts nothing
+    pos = _read_colour_steps(steps, pos, cfg, T)  # 2. flips, colour jitter, grayscale
     if pos < len(steps) and isinstance(steps[pos], (T.RandAugment, T.AutoAugment, T.TrivialAugmentWide, T.AugMix)):
         cfg["augment"] = augment_section(steps[pos], size, lambda why, k=pos: fail(k, why))
         pos += 1
@@ -106,6 +91,9 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         cfg["augment"] = steps[pos].cfg
         pos += 1
 
+    if pos < len(steps) and (blur := blur_section(steps[pos], T)) is not None:  # timm's gaussian_blur_prob
+        cfg["blur"] = blur
+        pos += 1
     _read_tensor_steps(steps, pos, cfg, fail)  # 3. to tensor, dtype, normalisation, erasing
     try:
         return parse_policy(cfg, f"policy_from_transform({type(transform).__name__})", default_name="from_torchvision")
@@ -113,27 +101,25 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         raise ValueError(f"policy_from_transform: the pipeline has no FusionFlow equivalent: {exc}") from None
 
 
-def _jitter_section(t, T) -> dict | None:
-    """ColorJitter, or RandomApply([ColorJitter], p) (SimCLR's, timm's color_jitter_prob), as the
-    policy's jitter section ({} when it adjusts nothing); None for any other transform."""
-    p = 1.0
-    if type(t) is T.RandomApply and len(t.transforms) == 1:
-        p, t = float(t.p), t.transforms[0]
-    if type(t) is not T.ColorJitter:
-        return None
-    keys = ("brightness", "contrast", "saturation", "hue")
-    section = {k: [float(v) for v in getattr(t, k)] for k in keys if getattr(t, k) is not None}
-    return {**section, "p": p} if section else {}
-
-
-def _grayscale_p(t, T) -> float | None:
-    """RandomGrayscale(p) -> p, Grayscale(3) -> 1; None for any other transform (Grayscale(1) too:
-    FusionFlow's output has three channels)."""
-    if type(t) is T.RandomGrayscale:
-        return float(t.p)
-    if type(t) is T.Grayscale and t.num_output_channels == 3:
-        return 1.0
-    return None
+def _read_colour_steps(steps, pos: int, cfg: dict, T) -> int:
+    """The flips, colour jitter and grayscale after the crop (the flips in any place: they commute with
+    both), into cfg; returns the index of the next step."""
+    while pos < len(steps):
+        t = steps[pos]
+        if isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
+            cfg["flip"] = float(t.p)
+        elif isinstance(t, T.RandomVerticalFlip) and "vflip" not in cfg:
+            cfg["vflip"] = float(t.p)
+        elif (jitter := jitter_section(t, T)) is not None and not {"jitter", "grayscale"} & set(cfg):
+            cfg["jitter"] = jitter
+        elif (gray := grayscale_p(t, T)) is not None and "grayscale" not in cfg:
+            cfg["grayscale"] = gray
+        else:
+            break
+        pos += 1
+    if not cfg.get("jitter", True):
+        del cfg["jitter"]  # a ColorJitter that adjusts nothing
+    return pos
 
 
 def _read_crop(steps, T, cfg: dict, fail) -> int:
@@ -184,8 +170,8 @@ def _misplaced(t, name: str) -> str | None:
         return f"torchvision's {name} has no FusionFlow equivalent (a policy's stages run in a fixed order)"
     if name == "Grayscale":
         return "only Grayscale(num_output_channels=3) is expressible (FusionFlow's output has three channels)"
-    if name == "RandomApply" and _jitter_section(t, T) is None:
-        return _RANDOM_APPLY
+    if name == "RandomApply" and jitter_section(t, T) is None and blur_section(t, T) is None:
+        return RANDOM_APPLY
     if name not in _TENSOR_STEPS:
         return (
             "cannot be expressed here: after the crop come RandomHorizontalFlip, RandomVerticalFlip, ColorJitter, "
@@ -306,6 +292,7 @@ def _as_v2(t) -> list | None:
         "CenterCrop": lambda: T.CenterCrop(t.size),
         "RandomHorizontalFlip": lambda: T.RandomHorizontalFlip(t.p),
         "RandomVerticalFlip": lambda: T.RandomVerticalFlip(t.p),
+        "GaussianBlur": lambda: T.GaussianBlur(t.kernel_size, t.sigma),
         "ColorJitter": lambda: T.ColorJitter(t.brightness, t.contrast, t.saturation, t.hue),
         "RandomGrayscale": lambda: T.RandomGrayscale(t.p),
         "Grayscale": lambda: T.Grayscale(t.num_output_channels),
@@ -335,7 +322,7 @@ def _unreadable(t) -> str:
 
     name = type(t).__name__
     if name == "RandomApply" and type(t) in (T1.RandomApply, T.RandomApply):
-        return _RANDOM_APPLY
+        return RANDOM_APPLY
     if type(t) in (getattr(T1, name, None), getattr(T, name, None)) and name != "Lambda":
         return f"torchvision's {name} has no FusionFlow equivalent"
     return (

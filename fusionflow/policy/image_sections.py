@@ -52,6 +52,33 @@ class Jitter:
         return (self.brightness, self.contrast, self.saturation, self.hue)
 
 
+@dataclass(frozen=True)
+class Blur:
+    """torchvision's GaussianBlur(kernel_size, sigma) in RandomApply(p) (timm's gaussian_blur_prob):
+    after the augment ops, sigma drawn uniformly per sample, reflected borders."""
+
+    kernel_size: tuple[int, int] = (23, 23)  # as torchvision's kernel_size: (x, y), odd
+    sigma: tuple[float, float] = (0.1, 2.0)
+    p: float = 1.0
+
+
+def parse_blur(r: Reader, raw: Any, path: str = "blur") -> Blur:
+    b = r.mapping(raw, path, (), ("kernel_size", "sigma", "p"))
+    k = b.get("kernel_size", 23)
+    k = [k, k] if not isinstance(k, (list, tuple)) else list(k)
+    if len(k) != 2:
+        r.fail(f"{path}.kernel_size", f"{k!r}: an odd integer or [x, y] of them")
+    kernel = tuple(r.integer(v, f"{path}.kernel_size", 1, 255) for v in k)
+    if any(v % 2 == 0 for v in kernel):
+        r.fail(f"{path}.kernel_size", f"{list(kernel)}: must be odd, as torchvision's GaussianBlur requires")
+    s = b.get("sigma", [0.1, 2.0])
+    s = [s, s] if not isinstance(s, (list, tuple)) else list(s)
+    sigma = tuple(r.number(v, f"{path}.sigma", 1e-6, 1e3) for v in s)
+    if len(sigma) != 2 or sigma[0] > sigma[1]:
+        r.fail(f"{path}.sigma", f"{s!r}: a number or [lo, hi] with 0 < lo <= hi")
+    return Blur(kernel, sigma, r.number(b.get("p", 1.0), f"{path}.p", 0.0, 1.0))
+
+
 def parse_jitter(r: Reader, raw: Any, path: str = "jitter") -> Jitter | None:
     """A `jitter:` mapping (or a Jitter) -> Jitter; None when it adjusts nothing. A number v means
     torchvision's [max(0, 1 - v), 1 + v] (hue: [-v, v], v <= 0.5); a pair is the range itself."""

@@ -85,7 +85,8 @@ def uniforms(seed: int, epoch: int, index: int, copy: int = 0, n: int = _DRAWS) 
     """The first n uniforms in [0, 1) of the sample's stream (float64, 53 random bits each): a pure
     function of (seed, epoch, index, copy) that any process, thread or retry recomputes. `draw`
     consumes them in a fixed order: crop (40), flip (1), then the policy's ops, then erasing, then
-    the crop's filter when drawn, then ColorJitter (9), then RandomGrayscale (1), then the vertical flip (1)."""
+    the crop's filter when drawn, then ColorJitter (9), then RandomGrayscale (1), then the vertical flip (1),
+    then GaussianBlur (2)."""
     return _generator(seed, epoch, index, copy).random(n)
 
 
@@ -166,7 +167,15 @@ def _draw(policy: Policy, seed: int, epoch: int, index: int, copy: int) -> Sampl
     jitter = _jitter(policy.jitter, rng) if policy.jitter is not None else ()
     gray = bool(rng.random() < policy.grayscale) if policy.grayscale > 0 else False
     vflip = bool(rng.random() < policy.vflip) if policy.vflip > 0 else False  # last: other draws stay as they were
-    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops, jitter, gray, vflip)
+    blur = _blur(policy.blur, rng) if policy.blur is not None else None
+    return SampleDraw(crop_u, flip, tuple(ops), erase, mix, crop_resample, steps, crops, jitter, gray, vflip, blur)
+
+
+def _blur(blur, rng: _Stream) -> float | None:
+    """GaussianBlur's sigma (two uniforms: whether it applies, the sigma), or None."""
+    apply, u = rng.random() < blur.p, rng.random()
+    lo, hi = blur.sigma
+    return lo + u * (hi - lo) if apply else None
 
 
 def _jitter(jitter: Jitter, rng: _Stream) -> tuple[OpDraw, ...]:

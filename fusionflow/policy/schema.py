@@ -37,6 +37,9 @@ The schema (documented for users in configs/README.md):
       p: float                         probability the jitter applies at all (RandomApply), default 1
                                        The four run in a random order per sample, as torchvision's.
                                        CPU only: the DALI accelerator declines a policy with jitter
+    blur: {kernel_size, sigma, p}      torchvision's GaussianBlur in RandomApply(p), after the augment ops
+                                       (timm's gaussian_blur_prob); sigma a number or [lo, hi] drawn per
+                                       sample. CPU only (the DALI accelerator declines it)
     grayscale: float                   torchvision's RandomGrayscale(p), after jitter: Pillow's luma in
                                        all three channels; default 0. CPU only (the accelerator declines)
     erase:                             torchvision's RandomErasing, last (after normalisation if any)
@@ -81,8 +84,10 @@ import yaml
 from fusionflow.policy.deepaa import DeepAASettings, parse_deepaa
 from fusionflow.policy.image_sections import (
     DEFAULT_MAX_PIXELS,
+    Blur,
     Erase,
     Jitter,
+    parse_blur,
     parse_crop,
     parse_decode,
     parse_erase,
@@ -182,6 +187,7 @@ class Policy:
     grayscale: float = 0.0  # RandomGrayscale's probability, after the jitter
     crop_interpolation: str = "bilinear"  # the crop's / Resize's filter: bilinear, bicubic, nearest
     vflip: float = 0.0  # RandomVerticalFlip's probability, after the horizontal flip
+    blur: Blur | None = None  # GaussianBlur after the augment ops (RandomApply's p); None: off
     views: int = 1  # AugMix splits (timm's num_aug_splits, set by fusionflow.timm): index v is view v % views of
     # sample v // views -- one crop, flip and filter per sample, view 0 without the augment ops (sampling.draw)
 
@@ -204,7 +210,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         raw,
         "",
         ("output", "augment"),
-        ("name", "decode", "crop", "flip", "vflip", "jitter", "grayscale", "erase"),
+        ("name", "decode", "crop", "flip", "vflip", "jitter", "grayscale", "blur", "erase"),
     )
 
     name = top.get("name", default_name)
@@ -221,6 +227,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
     jitter = parse_jitter(r, top["jitter"]) if top.get("jitter") is not None else None
     grayscale = r.number(top.get("grayscale", 0.0), "grayscale", 0.0, 1.0)
+    blur = parse_blur(r, top["blur"]) if top.get("blur") is not None else None
     return Policy(
         name=name,
         source=source,
@@ -238,6 +245,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         grayscale=grayscale,
         crop_interpolation=crop_interpolation,
         vflip=vflip,
+        blur=blur,
     )
 
 

@@ -1,0 +1,62 @@
+"""Samples that come decoded (a uint8 numpy array or torch tensor, a PIL image of any mode) as the RGB
+Pillow images the pipeline starts from.
+
+Layout of a 3-d tensor (torchvision's decoders give CHW): CHW when its first dimension is 1, 3 or 4
+channels, else HWC when its last is; so a 3x3x4 tensor is CHW, and an HWC tensor only 1, 3 or 4
+pixels tall must be permuted to CHW (or passed as a numpy array, which is always HWC, as
+np.asarray(pil_image) gives). A tensor gives the same pixels as the equivalent array. Grayscale,
+palette, RGBA/LA (alpha dropped) and 16-bit inputs come out as 8-bit RGB (`to_rgb`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image
+
+CHANNELS = (1, 3, 4)
+
+
+def tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
+    """A uint8 CPU tensor (HW, CHW or HWC; see the module docstring for the 3-d rule) as an HW/HWC array."""
+    shape = tuple(t.shape)
+    if (
+        t.dtype != torch.uint8
+        or t.ndim not in (2, 3)
+        or (t.ndim == 3 and shape[0] not in CHANNELS and shape[2] not in CHANNELS)
+    ):
+        raise TypeError(
+            f"{what or 'sample'}: a tensor sample must be uint8 HW, CHW or HWC with 1, 3 or 4 "
+            f"channels, got {t.dtype} {shape}"
+        )
+    if t.device.type != "cpu":
+        raise TypeError(
+            f"{what or 'sample'}: a tensor sample must be on the CPU, got one on {t.device}; "
+            "return it before moving it (workers write into host shared memory)"
+        )
+    if t.ndim == 3 and shape[0] in CHANNELS:
+        t = t.permute(1, 2, 0)  # CHW -> HWC (a view; _from_array makes it contiguous)
+    return t.numpy()
+
+
+def from_array(arr: np.ndarray, what) -> Image.Image:
+    if arr.dtype != np.uint8 or arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[2] not in (1, 3, 4)):
+        raise TypeError(
+            f"{what or 'sample'}: an array sample must be uint8 HW or HWC with 1, 3 or 4 "
+            f"channels, got {arr.dtype} {arr.shape}"
+        )
+    if arr.ndim == 3 and arr.shape[2] == 1:
+        arr = arr[:, :, 0]
+    return Image.fromarray(np.ascontiguousarray(arr))
+
+
+def to_rgb(img: Image.Image) -> Image.Image:
+    if img.mode == "RGB":
+        return img
+    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
+        arr = np.asarray(img)
+        arr = (arr >> 8) if img.mode.startswith("I;16") else np.clip(arr, 0, 255)
+        return Image.fromarray(arr.astype(np.uint8)).convert("RGB")
+    if img.mode == "P" and "transparency" in img.info:
+        img = img.convert("RGBA")
+    return img.convert("RGB")
