@@ -200,6 +200,8 @@ def test_deterministic_batches_match_timm_s_loader_within_the_fast_mode_bound(si
     "kw,match",
     [
         (dict(auto_augment="3a"), r"create_loader\(auto_augment\).*Desaturate"),
+        (dict(auto_augment="rand-m9", grayscale_prob=0.2), r"create_loader\(grayscale_prob\).*RandomGrayscale"),
+        (dict(train_crop_mode="rkrr"), r"create_loader\(train_crop_mode / crop_mode\).*ResizeKeepRatio"),
         (dict(input_size_choices=[32, 48]), r"input_size_choices"),
         (dict(tf_preprocessing=True), r"tf_preprocessing"),
         (dict(num_aug_splits=3), r"AugMixDataset"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,15 +21,21 @@ TRANSFORM_ARGS = (
     "gaussian_blur_prob auto_augment interpolation mean std crop_pct crop_mode crop_border_pixels re_prob re_mode "
     "re_count tf_preprocessing"
 ).split()
-# what in a refused transform names the create_loader argument behind it
+# the transform policy_from_transform refused -> the create_loader argument that put it there
 CAUSES = {
-    "RandomVerticalFlip": "vflip",
+    "RandomGrayscale": "grayscale_prob",
+    "RandomApply": "color_jitter_prob / gaussian_blur_prob",
     "GaussianBlur": "gaussian_blur_prob",
-    "Desaturate": "auto_augment",
+    "ColorJitter": "color_jitter",
+    "AutoAugment": "auto_augment",
+    "RandAugment": "auto_augment",
+    "AugMixAugment": "auto_augment",
     "RandomResizedCropAndInterpolation": "scale / ratio / interpolation",
     "ResizeKeepRatio": "train_crop_mode / crop_mode",
     "RandomCropOrPad": "train_crop_mode",
-    "ResizeCenterCrop": "crop_mode",
+    "CenterCropOrPad": "crop_mode / crop_border_pixels",
+    "Resize": "crop_mode / crop_pct",
+    "CenterCrop": "crop_mode / crop_pct",
 }
 
 
@@ -168,7 +175,8 @@ def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool):
     try:
         policy = policy_from_transform(transform)
     except ValueError as e:
-        cause = next((arg for name, arg in CAUSES.items() if name in str(e)), None)
+        refused = re.search(r"transform \d+ \((\w+)", str(e))
+        cause = CAUSES.get(refused.group(1)) if refused else None
         args = cause or ", ".join(f"{k}={v!r}" for k, v in kw.items() if v not in (None, 0, 0.0, False))
         refuse(args, f"timm's transform for these arguments is not expressible: {e}")
     return dataclasses.replace(policy, views=views) if views > 1 else policy
