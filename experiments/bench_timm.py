@@ -39,11 +39,25 @@ RECIPES = {
     "augmix-m5-w4-d2": dict(auto_augment="augmix-m5-w4-d2"),
     "original-mstd0.5": dict(auto_augment="original-mstd0.5", re_prob=0.25, re_mode="pixel"),
     "jitter-0.4": dict(),  # timm's default train transform: no auto_augment, so ColorJitter(0.4, 0.4, 0.4)
-    # the loader mode's default: train.py's example flags without the magnitude noise, whose level-10 draws
-    # make timm's PosterizeIncreasing keep 0 bits, which Pillow 13 refuses (a ValueError in timm's workers)
-    "rand-m9-inc1-pixel": dict(auto_augment="rand-m9-inc1", interpolation="random", re_prob=0.25, re_mode="pixel"),
+    # the loader mode's default: train.py's example flags (--aa rand-m9-mstd0.5-inc1 --reprob 0.25 --remode
+    # pixel; its --train-interpolation default is random)
+    "train-py-example": dict(
+        auto_augment="rand-m9-mstd0.5-inc1", interpolation="random", re_prob=0.25, re_mode="pixel"
+    ),
 }
-LOADER_RECIPE = "rand-m9-inc1-pixel"
+LOADER_RECIPE = "train-py-example"
+
+
+def keep_timm_running_on_pillow_13() -> None:
+    """timm 1.0.31's Posterize ops keep 0 bits at level 10 (a magnitude-noise draw reaches it), which
+    Pillow 13 refuses with a ValueError that ends timm's run; keep 1 bit there instead (the same cost)."""
+    from PIL import ImageOps
+    from timm.data import auto_augment as aa
+
+    def posterize(img, bits_to_keep, **__):
+        return img if bits_to_keep >= 8 else ImageOps.posterize(img, max(1, bits_to_keep))
+
+    aa.NAME_TO_OP.update({k: posterize for k, v in aa.NAME_TO_OP.items() if v is aa.posterize})
 
 
 def main() -> None:
@@ -63,6 +77,7 @@ def main() -> None:
     if args.mode == "loader":
         return loader_main(args)
     args.out = args.out or os.path.join(RESULTS, "timm_pipeline.json")
+    keep_timm_running_on_pillow_13()
 
     import cv2
     import torch
@@ -121,6 +136,7 @@ def loader_main(args) -> None:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", category=DeprecationWarning)
+    keep_timm_running_on_pillow_13()  # (DataLoader's forked workers inherit the patch)
     root = _folder(data_path(f"timm_{args.sizes}_{args.images}"), args.sizes, args.images)
     recipes = (args.recipes or LOADER_RECIPE).split(",")
     results = {}

@@ -155,6 +155,10 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
         "pipe._first_iter": "DALI 2.4's first schedule_run runs prefetch_queue_depth iterations; fed one run "
         "at a time (feed_input), each schedule_run must run exactly one",
     },
+    "fusionflow/timm/batch.py": {
+        "mixup._params_per_batch": "timm's Mixup draws a batch's (lambda, cutmix) only there: called, so the "
+        "draws are timm's own",
+    },
     "fusionflow/runtime/targets.py": {
         "hasattr(obj, '_fields')": "how a namedtuple is told from a tuple (Python's own protocol)",
     },

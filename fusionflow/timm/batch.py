@@ -35,9 +35,29 @@ class BatchPrep:
         else:
             images = images.to(self.img_dtype)
         if self.mixup is not None:
-            from timm.data.mixup import Mixup
-
-            images, targets = Mixup.__call__(self.mixup, images, targets)
+            images, targets = mix(self.mixup, images, targets)
         if self.erasing is not None:
             images = self.erasing(images)
         return images, targets
+
+
+def mix(mixup, images: torch.Tensor, targets):
+    """timm's Mixup.__call__ on the batch. Its batch mode's blend (the common case) in one pass over the
+    batch and its mirror, `lerp_` (timm's takes four: the mirror scaled, the batch scaled, the sum):
+    the mixing is in the training process, where every pass over a float batch costs the loop time."""
+    from timm.data.mixup import Mixup, mixup_target
+
+    if mixup.mode != "batch":
+        return Mixup.__call__(mixup, images, targets)
+    assert len(images) % 2 == 0, "Batch size should be even when using this"  # timm's own check
+    lam, use_cutmix = mixup._params_per_batch()
+    if lam != 1.0 and use_cutmix:
+        from timm.data.mixup import cutmix_bbox_and_lam
+
+        (yl, yh, xl, xh), lam = cutmix_bbox_and_lam(
+            images.shape, lam, ratio_minmax=mixup.cutmix_minmax, correct_lam=mixup.correct_lam
+        )
+        images[:, :, yl:yh, xl:xh] = images.flip(0)[:, :, yl:yh, xl:xh]
+    elif lam != 1.0:
+        images.lerp_(images.flip(0), 1.0 - lam)
+    return images, mixup_target(targets, mixup.num_classes, lam, mixup.label_smoothing, mixup.multi_label)
