@@ -178,6 +178,30 @@ def test_gaussian_blur_in_random_apply_equals_torchvision(v1):
     assert fast_policy.blur == policy.blur
 
 
+def test_color_jitter_and_grayscale_after_the_augmentation_equal_torchvision():
+    """ColorJitter and RandomGrayscale after RandAugment (timm's order for '3a' and for an auto_augment with
+    grayscale_prob): the policy keeps the order, and the exact mode's pixels are torchvision's to the bit."""
+    t = T.Compose(
+        [
+            T.RandomResizedCrop(96),
+            T.RandomHorizontalFlip(),
+            T.RandAugment(),
+            T.ColorJitter(0.4, 0.4, 0.4),
+            T.RandomGrayscale(0.3),
+        ]
+    )
+    policy = policy_from_transform(t, decode="exact")
+    assert policy.color_after_augment and policy.jitter is not None and policy.grayscale == 0.3
+    pipe, grey = CpuPipeline(policy), 0
+    for i, data in enumerate(JPEGS):
+        d = draw(policy, 3, 1, i)
+        grey += d.grayscale
+        W, H = Image.open(io.BytesIO(data)).size
+        ref = tv_sample(policy, data, d, crop_window(policy, d, H, W))
+        assert np.array_equal(pipe(data, i, seed=3, epoch=1), ref), (i, [op.name for op in d.ops])
+    assert grey > 0
+
+
 def test_squashed_resize_then_center_crop():
     """Resize((h, w)) squashes the image to exactly h x w (timm's no-aug and 'squash' crops); the exact
     mode resamples the same fractional box torchvision keeps."""
@@ -204,8 +228,8 @@ def test_squashed_resize_then_center_crop():
         ([T.RandomResizedCrop(224, antialias=False)], r"transform 0 .*antialias=False"),
         ([T.RandomHorizontalFlip(), T.RandomResizedCrop(224)], r"transform 0 \(RandomHorizontalFlip.*must start with"),
         (
-            [T.RandomResizedCrop(224), T.RandAugment(), T.ColorJitter(0.4)],
-            r"transform 2 \(ColorJitter.*cannot be expressed here",
+            [T.RandomResizedCrop(224), T.ColorJitter(0.4), T.RandAugment(), T.ColorJitter(0.2)],
+            r"transform 3 \(ColorJitter.*cannot be expressed here",
         ),
         (
             [T.RandomResizedCrop(224), T.RandomApply([T.RandomHorizontalFlip()], p=0.5)],

@@ -56,6 +56,15 @@ def tv_op(name: str, img: Image.Image, value: float, fill=(0, 0, 0), interpolati
     return aug._apply_image_or_video_transform(img, name, magnitude, interpolation=aug.interpolation, fill=aug._fill)
 
 
+def _tv_color(policy, img, d):
+    """ColorJitter in the draw's order, then RandomGrayscale: torchvision's functional ops."""
+    if getattr(policy, "jitter", None) is not None:
+        img = tv_color_jitter(policy.jitter, img, d)
+    if getattr(d, "grayscale", False):
+        img = F.rgb_to_grayscale(img, num_output_channels=3)
+    return img
+
+
 def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
     """torchvision's path for one drawn sample: decode, resized_crop, flip, ops -> uint8 CHW."""
     import io
@@ -68,13 +77,12 @@ def tv_sample(policy, data: bytes, d, crop) -> np.ndarray:
         img = F.horizontal_flip(img)
     if getattr(d, "vflip", False):
         img = F.vertical_flip(img)
-    if getattr(policy, "jitter", None) is not None:
-        img = tv_color_jitter(policy.jitter, img, d)
-    if getattr(d, "grayscale", False):
-        img = F.rgb_to_grayscale(img, num_output_channels=3)
+    after = getattr(policy, "color_after_augment", False)
+    img = img if after else _tv_color(policy, img, d)
     aug = policy.augment
     for op in d.ops:
         img = tv_op(op.name, img, op.value, op.fill or aug.fill, aug.interpolation, op.aux)
+    img = _tv_color(policy, img, d) if after else img
     if aug.type == "augmix":
         img = Image.fromarray(tv_augmix(augmix_transform(aug), img, d))
     return np.asarray(img).transpose(2, 0, 1)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
-from PIL import Image, ImageEnhance
+from PIL import Image, ImageEnhance, ImageFilter
 
 from fusionflow.policy.op_specs import registrar
 
@@ -234,6 +234,12 @@ def equalize(img, value, params, style):
 @cpu_impl("Invert")
 def invert(img, value, params, style):
     return _point(img, rgb_lut("invert", 0.0))
+
+
+@cpu_impl("GaussianBlur")
+def gaussian_blur_op(img, value, params, style):
+    """Pillow's GaussianBlur (timm's GaussianBlur / GaussianBlurRand ops, 3a): radius `value`."""
+    return img.filter(ImageFilter.GaussianBlur(radius=float(value))) if value > 0 else img
 
 
 @cpu_impl("Cutout")

@@ -74,8 +74,10 @@ for _name in (
     "Color",
     "Sharpness",
     "Hue",
+    "GaussianBlur",
 ):
     EXACT[_name] = via_pillow(_name)
+FAST["GaussianBlur"] = EXACT["GaussianBlur"]  # Pillow's box-approximated blur is its own: kept exact
 
 
 @_register(EXACT, "Identity")

@@ -70,17 +70,33 @@ class CpuPipeline:
             img = img.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
         if tick is not None:
             tick("flip")
-        img = self._run_ops(img, d.jitter, self._pillow_op, tick)  # ColorJitter, in its drawn order
-        if d.grayscale:  # torchvision's rgb_to_grayscale(3 channels) on PIL: the L image in each channel
-            img = img.convert("L").convert("RGB")
-            if tick is not None:
-                tick(GRAYSCALE)
+        after = self.policy.color_after_augment
+        img = img if after else self._color_image(img, d, tick)
         img = self.augment_image(img, d, tick)
+        img = self._color_image(img, d, tick) if after else img
         if d.blur is not None:  # torchvision's own kernel: the reference's pixels to the bit
             img = exact.gaussian_blur(img, self.policy.blur.kernel_size, d.blur)
             if tick is not None:
                 tick(BLUR)
         return img
+
+    def _color_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
+        """ColorJitter in its drawn order, then RandomGrayscale (torchvision's rgb_to_grayscale with 3
+        channels on PIL: the L image in each channel)."""
+        img = self._run_ops(img, d.jitter, self._pillow_op, tick)
+        if d.grayscale:
+            img = img.convert("L").convert("RGB")
+            if tick is not None:
+                tick(GRAYSCALE)
+        return img
+
+    def _color_array(self, arr: np.ndarray, d: SampleDraw, tick=None) -> np.ndarray:
+        arr = self._run_ops(arr, d.jitter, self._array_op, tick)
+        if d.grayscale:
+            arr = fast.grayscale(arr)
+            if tick is not None:
+                tick(GRAYSCALE)
+        return arr
 
     def augment_image(self, img: Image.Image, d: SampleDraw, tick=None) -> Image.Image:
         """The draw's ops (and an AugMix mixture) on an output-size image, exact mode's kernels: Pillow's,
@@ -165,12 +181,10 @@ class CpuPipeline:
             arr = fast.flip(arr, vertical=True)
         if tick is not None:
             tick("flip")
-        arr = self._run_ops(arr, d.jitter, self._array_op, tick)
-        if d.grayscale:
-            arr = fast.grayscale(arr)
-            if tick is not None:
-                tick(GRAYSCALE)
+        after = self.policy.color_after_augment
+        arr = arr if after else self._color_array(arr, d, tick)
         arr = self.augment_array(arr, d, tick)
+        arr = self._color_array(arr, d, tick) if after else arr
         if d.blur is not None:
             arr = fast.gaussian_blur(arr, self.policy.blur.kernel_size, d.blur)
             if tick is not None:

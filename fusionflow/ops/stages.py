@@ -22,9 +22,10 @@ def stage_names(policy) -> tuple[str, ...]:
     """The stages a policy's samples go through, in pipeline order (each op once, by name; an AugMix
     mixture, its chains included, as one stage "augmix")."""
     aug = policy.augment
-    jitter = policy.jitter  # ColorJitter's ops come first, after the flip, then the grayscale
-    names = [op for op, r in zip(jitter.OPS, jitter.ranges) if r is not None] if jitter is not None else []
-    names += [GRAYSCALE] if policy.grayscale > 0 else []
+    jitter = policy.jitter  # ColorJitter's ops, then the grayscale: after the flip (or after the augment ops)
+    color = [op for op, r in zip(jitter.OPS, jitter.ranges) if r is not None] if jitter is not None else []
+    color += [GRAYSCALE] if policy.grayscale > 0 else []
+    names = [] if policy.color_after_augment else color
     names += [op.name for op in aug.ops]
     if aug.type in ("augmix", "timm-augmix"):
         names.append("augmix")
@@ -37,6 +38,7 @@ def stage_names(policy) -> tuple[str, ...]:
         from fusionflow.policy.deepaa import fusionflow_ops
 
         names += fusionflow_ops(aug.deepaa)
+    names += color if policy.color_after_augment else []
     names += [BLUR] if policy.blur is not None else []
     return (READ, DECODE, FLIP, *dict.fromkeys(names), WRITE)
 

@@ -69,6 +69,7 @@ class TimmStep:
     negate: bool
     resample: str
     group: int = 0
+    aux: float = 0.0  # an argument timm draws inside the op (GaussianBlurRand's radius), as drawn
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,8 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         cfg["augment"] = steps[pos].cfg
         pos += 1
 
+    if not {"jitter", "grayscale"} & set(cfg) and (after := _read_colour_steps(steps, pos, cfg, T, False)) > pos:
+        cfg["color_after_augment"], pos = True, after  # timm's order: its 3a, then ColorJitter / RandomGrayscale
     if pos < len(steps) and (blur := blur_section(steps[pos], T)) is not None:  # timm's gaussian_blur_prob
         cfg["blur"] = blur
         pos += 1
@@ -101,14 +103,15 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
         raise ValueError(f"policy_from_transform: the pipeline has no FusionFlow equivalent: {exc}") from None
 
 
-def _read_colour_steps(steps, pos: int, cfg: dict, T) -> int:
+def _read_colour_steps(steps, pos: int, cfg: dict, T, flips: bool = True) -> int:
     """The flips, colour jitter and grayscale after the crop (the flips in any place: they commute with
-    both), into cfg; returns the index of the next step."""
+    both; not after the augmentation, whose warps they do not commute with), into cfg; returns the index
+    of the next step."""
     while pos < len(steps):
         t = steps[pos]
-        if isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
+        if flips and isinstance(t, T.RandomHorizontalFlip) and "flip" not in cfg:
             cfg["flip"] = float(t.p)
-        elif isinstance(t, T.RandomVerticalFlip) and "vflip" not in cfg:
+        elif flips and isinstance(t, T.RandomVerticalFlip) and "vflip" not in cfg:
             cfg["vflip"] = float(t.p)
         elif (jitter := jitter_section(t, T)) is not None and not {"jitter", "grayscale"} & set(cfg):
             cfg["jitter"] = jitter

@@ -179,6 +179,14 @@ _SPECS = [
     OpSpec("Invert", False, resolve=_none, doc="255 - pixel"),
     OpSpec("FlipX", False, resolve=_none, doc="mirror left-right (DeepAA's RandFlip, an op of its policy)"),
     OpSpec(
+        "GaussianBlur",
+        True,
+        (0.0, 50.0),
+        resolve=_scalar,
+        doc="Pillow's GaussianBlur, radius v (timm's 3a)",
+        dali=False,
+    ),
+    OpSpec(
         "Cutout",
         True,
         (0.0, 1.0),

@@ -37,6 +37,8 @@ The schema (documented for users in configs/README.md):
       p: float                         probability the jitter applies at all (RandomApply), default 1
                                        The four run in a random order per sample, as torchvision's.
                                        CPU only: the DALI accelerator declines a policy with jitter
+    color_after_augment: bool          jitter and grayscale after the augment ops instead of before (timm's
+                                       order: its 3a then ColorJitter, an auto_augment then RandomGrayscale)
     blur: {kernel_size, sigma, p}      torchvision's GaussianBlur in RandomApply(p), after the augment ops
                                        (timm's gaussian_blur_prob); sigma a number or [lo, hi] drawn per
                                        sample. CPU only (the DALI accelerator declines it)
@@ -188,6 +190,7 @@ class Policy:
     crop_interpolation: str = "bilinear"  # the crop's / Resize's filter: bilinear, bicubic, nearest
     vflip: float = 0.0  # RandomVerticalFlip's probability, after the horizontal flip
     blur: Blur | None = None  # GaussianBlur after the augment ops (RandomApply's p); None: off
+    color_after_augment: bool = False  # jitter and grayscale after the augment ops (timm's order), not before
     views: int = 1  # AugMix splits (timm's num_aug_splits, set by fusionflow.timm): index v is view v % views of
     # sample v // views -- one crop, flip and filter per sample, view 0 without the augment ops (sampling.draw)
 
@@ -210,7 +213,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         raw,
         "",
         ("output", "augment"),
-        ("name", "decode", "crop", "flip", "vflip", "jitter", "grayscale", "blur", "erase"),
+        ("name", "decode", "crop", "flip", "vflip", "jitter", "grayscale", "color_after_augment", "blur", "erase"),
     )
 
     name = top.get("name", default_name)
@@ -228,6 +231,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     jitter = parse_jitter(r, top["jitter"]) if top.get("jitter") is not None else None
     grayscale = r.number(top.get("grayscale", 0.0), "grayscale", 0.0, 1.0)
     blur = parse_blur(r, top["blur"]) if top.get("blur") is not None else None
+    color_after_augment = r.boolean(top.get("color_after_augment", False), "color_after_augment")
     return Policy(
         name=name,
         source=source,
@@ -246,6 +250,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         crop_interpolation=crop_interpolation,
         vflip=vflip,
         blur=blur,
+        color_after_augment=color_after_augment,
     )
 
 

@@ -49,6 +49,14 @@ def _enhance_increasing(level, negate, t, h, w):  # timm: factor = max(0.1, 1 +-
     return max(0.1, 1.0 + _signed((level / LEVEL_DENOM) * 0.9, negate)) - 1.0
 
 
+def _minmax(level: float, lo: float, hi: float) -> float:  # timm's _minmax_level_to_arg, clamped
+    return max(lo, min(hi, lo + (hi - lo) * (level / LEVEL_DENOM)))
+
+
+def _desaturate(level, negate, t, h, w):  # timm: Color enhance by min(1, max(0, 1 - level's 0.5..1 arg))
+    return min(1.0, max(0.0, 1.0 - _minmax(level, 0.5, 1.0))) - 1.0
+
+
 def _posterize(level, negate, t, h, w):  # bits kept 0..4
     return int((level / LEVEL_DENOM) * 4)
 
@@ -93,7 +101,12 @@ TIMM_OPS = {
     "TranslateY": ("ShiftY", _translate_abs),
     "TranslateXRel": ("ShiftX", _translate_rel_x),
     "TranslateYRel": ("ShiftY", _translate_rel_y),
+    # timm's 3a (DeiT III's three augmentations): its own ops
+    "Desaturate": ("Color", _desaturate),
+    "GaussianBlur": ("GaussianBlur", lambda level, n, t, h, w: _minmax(level, 0.1, 2.0)),
+    "GaussianBlurRand": ("GaussianBlur", None),  # radius uniform in [0.1, 2 * level / 10]: drawn (RANDOM_RADIUS)
 }
+RANDOM_RADIUS = {"GaussianBlurRand"}  # ops whose argument timm draws inside the op: TimmStep.aux holds it
 
 
 @dataclass(frozen=True)
@@ -253,7 +266,11 @@ def _step(augment, t: TimmAugment, name: str, prob: float, magnitude: float, rng
     resample = augment.interpolation
     if resample == "random":
         resample = "bilinear" if u_interp < 0.5 else "bicubic"
-    return TimmStep(name, applied, level, u_sign > 0.5, resample, group)
+    aux = 0.0
+    if name in RANDOM_RADIUS:  # unsigned: the sign's uniform draws timm's random.uniform(0.1, 2 * factor)
+        factor = _minmax(max(0.0, min(level, t.magnitude_max or LEVEL_DENOM)), 0.0, 1.0)
+        aux = 0.1 + (2.0 * factor - 0.1) * u_sign
+    return TimmStep(name, applied, level, u_sign > 0.5, resample, group, aux)
 
 
 def _op(step: TimmStep, t: TimmAugment, size: tuple[int, int]) -> OpDraw | None:
@@ -263,6 +280,8 @@ def _op(step: TimmStep, t: TimmAugment, size: tuple[int, int]) -> OpDraw | None:
     level = max(0.0, min(step.level, upper))
     name, value = TIMM_OPS[step.op]
     h, w = size
+    if step.op in RANDOM_RADIUS:
+        return OpDraw(name, step.aux, (0.0, 0.0), step.resample)
     return OpDraw(name, 0.0 if value is None else float(value(level, step.negate, t, h, w)), (0.0, 0.0), step.resample)
 
 

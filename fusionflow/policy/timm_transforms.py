@@ -11,9 +11,11 @@ their hparams: magnitude_std, magnitude_max, translate_pct / translate_const, fi
 interpolation), MaybeToTensor / MaybePILToTensor and timm's RandomErasing (modes const / rand / pixel,
 counts). Everything else in timm's pipelines is torchvision's (RandomHorizontalFlip, Resize,
 CenterCrop, Normalize, ColorJitter: the train default without auto_augment, color_jitter_prob's
-RandomApply, grayscale_prob's RandomGrayscale) and is read as such. Not expressible, with the reason:
-gaussian_blur_prob's blur, the '3a' ops (Desaturate, GaussianBlur), the rkrc/rkrr
-crops and the eval 'squash' / 'border' crops.
+RandomApply, grayscale_prob's RandomGrayscale -- after an auto_augment, as timm orders them with '3a' or
+grayscale_prob, the policy's color_after_augment --, RandomVerticalFlip, gaussian_blur_prob's
+GaussianBlur, Resize((h, w)) of no_aug and the eval 'squash' crop) and is read as such; the '3a' ops
+(Desaturate, GaussianBlur, GaussianBlurRand) are timm's own (fusionflow/policy/timm_augment.py). Not
+expressible, with the reason: the rkrc/rkrr crops (ResizeKeepRatio) and the eval 'border' crop.
 
 The policy's semantics are in fusionflow/policy/timm_augment.py; tests/test_timm.py checks the pixels
 against timm's objects given the same draws.
