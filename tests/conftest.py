@@ -7,6 +7,9 @@ import pytest
 # Global managers spawned by the tests (and by the torchrun ranks they start) exit 0.3 s after their
 # last loader instead of 2 s, so the leak checks need not wait for them.
 os.environ["FUSIONFLOW_GM_LINGER_S"] = "0.3"
+# Ray's workers (the tests' actors) at normal priority: at Ray's default niceness 15, a busy CI machine
+# starves them (beside two busy loops each test's actors took ~95 s to start)
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 from fusionflow.tools.synthetic import make_image
 

@@ -126,6 +126,15 @@ def test_eval_form_and_uint8_output():
     assert np.abs(ours * 255 - ref.numpy()).mean() < 2.0  # the eval policy's documented sub-pixel window rounding
 
 
+def ours_and_torchvision(policy, seed=3, epoch=1):
+    """(index, draw, our pixels, torchvision's pixels for the same draw) for each of JPEGS."""
+    pipe = CpuPipeline(policy)
+    for i, data in enumerate(JPEGS):
+        d = draw(policy, seed, epoch, i)
+        W, H = Image.open(io.BytesIO(data)).size
+        yield i, d, pipe(data, i, seed=seed, epoch=epoch), tv_sample(policy, data, d, crop_window(policy, d, H, W))
+
+
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
 def test_vertical_flip_equals_torchvision_to_the_bit(fast):
     """RandomVerticalFlip (timm's vflip) after the horizontal flip, drawn last: with p=0 the other draws are
@@ -133,13 +142,9 @@ def test_vertical_flip_equals_torchvision_to_the_bit(fast):
     t = T.Compose([T.RandomResizedCrop(96), T.RandomHorizontalFlip(), T.RandomVerticalFlip(0.5), T.PILToTensor()])
     policy = dataclasses.replace(policy_from_transform(t, decode="exact"), fast_downscale=fast)
     assert policy.vflip == 0.5 and policy.flip == 0.5
-    pipe, flipped = CpuPipeline(policy), 0
-    for i, data in enumerate(JPEGS):
-        d = draw(policy, 3, 1, i)
+    flipped = 0
+    for i, d, got, ref in ours_and_torchvision(policy):
         flipped += d.vflip
-        W, H = Image.open(io.BytesIO(data)).size
-        ref = tv_sample(policy, data, d, crop_window(policy, d, H, W))
-        got = pipe(data, i, seed=3, epoch=1)
         assert np.array_equal(got, ref) if not fast else psnr(got, ref) >= 30, i
     assert 0 < flipped < len(JPEGS)
     unflipped = dataclasses.replace(policy, vflip=0.0)
@@ -192,13 +197,10 @@ def test_color_jitter_and_grayscale_after_the_augmentation_equal_torchvision():
     )
     policy = policy_from_transform(t, decode="exact")
     assert policy.color_after_augment and policy.jitter is not None and policy.grayscale == 0.3
-    pipe, grey = CpuPipeline(policy), 0
-    for i, data in enumerate(JPEGS):
-        d = draw(policy, 3, 1, i)
+    grey = 0
+    for i, d, got, ref in ours_and_torchvision(policy):
         grey += d.grayscale
-        W, H = Image.open(io.BytesIO(data)).size
-        ref = tv_sample(policy, data, d, crop_window(policy, d, H, W))
-        assert np.array_equal(pipe(data, i, seed=3, epoch=1), ref), (i, [op.name for op in d.ops])
+        assert np.array_equal(got, ref), (i, [op.name for op in d.ops])
     assert grey > 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,9 @@ def connect(config: RayWorkers, joined: str | None = None):
             )
     if config.num_workers != "auto":
         kwargs.setdefault("num_cpus", int(-(-config.num_workers * config.cpus_per_worker // 1)))
+    # the local instance's actors are this job's data workers: at Ray's default worker niceness (15) any
+    # busy process on the node starves them (beside two busy loops an actor took ~95 s to start)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(**kwargs)
     log.info(
         "fusionflow started a local Ray instance for its remote workers (%s CPUs)",
