@@ -168,7 +168,13 @@ def loader_main(args) -> None:
         finally:
             loaders["fusionflow"].close()
         rate = {k: 1 / statistics.median(v) for k, v in secs.items()}
-        results[name] = {"recipe": RECIPES[name], "img_per_s": rate, "ratio": rate["fusionflow"] / rate["timm"]}
+        results[name] = {
+            "recipe": RECIPES[name],
+            "img_per_s": rate,
+            "ratio": rate["fusionflow"] / rate["timm"],
+            "img_per_s_per_repeat": {k: [1 / s for s in v] for k, v in secs.items()},
+            "ratio_per_repeat": [t / f for t, f in zip(secs["timm"], secs["fusionflow"])],
+        }
         print(f"{name}: timm {rate['timm']:.0f} img/s, fusionflow {rate['fusionflow']:.0f} img/s, "
               f"{results[name]['ratio']:.2f}x")  # fmt: skip
     out = args.out or os.path.join(RESULTS, "timm_loader.json")

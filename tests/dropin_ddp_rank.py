@@ -3,6 +3,7 @@ makes its loader: timm's train.py (create_dataset + fusionflow.timm.create_loade
 torchvision's reference train.py (its ImageFolder with a transform, its DistributedSampler or RASampler,
 given to FusionFlowLoader instead of DataLoader). Writes what the rank saw."""
 
+import hashlib
 import json
 import os
 import sys
@@ -31,7 +32,7 @@ def torchvision_loader(root: str, repeats: int):
 
     from fusionflow import FusionFlowLoader
 
-    tf = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.PILToTensor()])
+    tf = T.Compose([T.RandomResizedCrop(32), T.RandomHorizontalFlip(), T.RandAugment(), T.PILToTensor()])
     ds = torchvision.datasets.ImageFolder(root, tf)
     sampler = RepeatAugSampler(ds, num_repeats=repeats) if repeats else DistributedSampler(ds)
     return FusionFlowLoader(ds, batch_size=4, sampler=sampler, num_workers=1, pin_workers=False, timeout=120)
@@ -46,7 +47,10 @@ def main(kind: str, root: str, out_dir: str, repeats: int) -> None:
     try:
         for epoch in range(2):
             loader.sampler.set_epoch(epoch)  # as both scripts do
-            seen[epoch] = [(int(t), float(x[i].double().sum())) for x, y in loader for i, t in enumerate(y)]
+            # a sample's pixels by their hash (a sum would not tell a crop from its mirror image)
+            seen[epoch] = [
+                (int(t), hashlib.sha1(x[i].numpy().tobytes()).hexdigest()) for x, y in loader for i, t in enumerate(y)
+            ]
     finally:
         loader.close()
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:

@@ -281,8 +281,8 @@ def test_two_ranks_under_torchrun_get_their_sampler_s_shares(singles, tmp_path, 
             assert sorted(union) == sorted(target_of)  # disjoint halves, the whole dataset
         else:
             by_target = {}
-            for t, checksum in got[0]:
-                by_target.setdefault(t, []).append(checksum)
+            for t, digest in got[0]:
+                by_target.setdefault(t, []).append(digest)
             repeated = [v for v in by_target.values() if len(v) > 1]
             assert repeated and all(len(set(v)) == len(v) for v in repeated)  # each copy its own augmentation
 
