@@ -216,6 +216,9 @@ def test_what_cannot_be_expressed_is_refused_when_built_naming_the_argument(fold
 
 
 def test_refusals_of_the_dataset_and_channels(folder):
+    with pytest.raises(ValueError, match=r"on_error='skip'.*views misaligned"):
+        ds = AugMixDataset(train_dataset(folder), num_splits=3)
+        create_loader(ds, SIZE, 8, is_training=True, num_aug_splits=3, device=CPU, on_error="skip")
     with pytest.raises(ValueError, match=r"input_size=\(1, 48, 48\).*RGB"):
         create_loader(train_dataset(folder), (1, 48, 48), 8, is_training=True, device=CPU)
     ds = AugMixDataset(train_dataset(folder), num_splits=2)

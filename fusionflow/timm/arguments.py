@@ -222,9 +222,12 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     from fusionflow.datasets.views import SplitBatches, SplitViews
     from fusionflow.loader import FusionFlowLoader
     from fusionflow.loader.config import resolve_seed
-    from fusionflow.timm.batch import BatchPrep
 
     views = check(dataset, a)
+    if views > 1 and loader_kwargs.get("on_error") == "skip":
+        refuse(
+            "on_error='skip'", "with num_aug_splits a skipped sample would leave its views misaligned (keep 'raise')"
+        )
     device = torch.device(a.device) if a.use_prefetcher else torch.device("cpu")
     on_device = device.type != "cpu"  # uint8 to the device, normalised there; on the CPU the workers normalise
     policy = build_policy(a, views, normalize_in_workers=not on_device)
@@ -265,18 +268,22 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
         inner = torch.utils.data.BatchSampler(order, a.batch_size, a.is_training)
         batching = dict(batch_sampler=SplitBatches(inner, views))
     loader = FusionFlowLoader(samples, **batching, **kw)
-    prep = None
-    if a.use_prefetcher:
-        img_dtype = torch.float16 if a.fp16 else (a.img_dtype or torch.float32)
-        re_prob = a.re_prob if a.is_training and not a.no_aug else 0.0
-        erasing = None
-        if re_prob > 0:
-            from timm.data.random_erasing import RandomErasing
+    return Built(loader, _prep(a, device, on_device) if a.use_prefetcher else None, sampler)
 
-            splits = kw_splits(a)
-            erasing = RandomErasing(re_prob, mode=a.re_mode, max_count=a.re_count, num_splits=splits, device=device)
-        prep = BatchPrep(a.mean, a.std, img_dtype, device, on_device, fast_mixup(a.collate_fn), erasing)
-    return Built(loader, prep, sampler)
+
+def _prep(a: TimmArguments, device, on_device: bool):
+    """timm's prefetcher's work on each delivered batch: normalise (on the device, or only cast when the
+    workers normalised), FastCollateMixup's mixing, RandomErasing."""
+    from fusionflow.timm.batch import BatchPrep
+
+    img_dtype = torch.float16 if a.fp16 else (a.img_dtype or torch.float32)
+    re_prob = a.re_prob if a.is_training and not a.no_aug else 0.0
+    erasing = None
+    if re_prob > 0:
+        from timm.data.random_erasing import RandomErasing
+
+        erasing = RandomErasing(re_prob, mode=a.re_mode, max_count=a.re_count, num_splits=kw_splits(a), device=device)
+    return BatchPrep(a.mean, a.std, img_dtype, device, on_device, fast_mixup(a.collate_fn), erasing)
 
 
 def kw_splits(a: TimmArguments) -> int:

@@ -60,4 +60,5 @@ def mix(mixup, images: torch.Tensor, targets):
         images[:, :, yl:yh, xl:xh] = images.flip(0)[:, :, yl:yh, xl:xh]
     elif lam != 1.0:
         images.lerp_(images.flip(0), 1.0 - lam)
-    return images, mixup_target(targets, mixup.num_classes, lam, mixup.label_smoothing, mixup.multi_label)
+    multi = {"multi_label": mixup.multi_label} if hasattr(mixup, "multi_label") else {}  # newer timm only
+    return images, mixup_target(targets, mixup.num_classes, lam, mixup.label_smoothing, **multi)
