@@ -115,13 +115,16 @@ def test_aug_splits_with_jsd_loss_and_bfloat16(folder):
 
 def test_views_share_the_crop_and_the_first_is_clean(folder):
     ds = AugMixDataset(train_dataset(folder), num_splits=3)
-    loader = create_loader(ds, SIZE, 4, is_training=True, auto_augment="augmix-m3-w3", num_aug_splits=3, device=CPU)
+    loader = create_loader(
+        ds, SIZE, 4, is_training=True, auto_augment="augmix-m3-w3", num_aug_splits=3, gaussian_blur_prob=1.0, device=CPU
+    )
     policy = loader.fusionflow.policy
-    assert policy.views == 3
+    assert policy.views == 3 and policy.blur.p == 1.0
     for sample in range(6):
         views = [draw(policy, 1, 0, sample * 3 + v) for v in range(3)]
         assert len({d.crop_u for d in views}) == 1 and len({d.flip for d in views}) == 1
         assert views[0].mix is None and not views[0].steps and views[1].mix is not None and views[2].mix is not None
+        assert views[0].blur is None and views[1].blur is not None  # timm's secondary (the blur too) skips view 0
         assert views[1].mix != views[2].mix
     plain = draw(policy.__class__(**{**policy.__dict__, "views": 1}), 1, 0, 7)
     assert plain.crop_u != draw(policy, 1, 0, 7).crop_u  # a view's crop is its sample's, not its own index's

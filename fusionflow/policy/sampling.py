@@ -117,8 +117,9 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
 
     A policy with `views` = S > 1 (timm's AugMix splits): `index` is view index % S of sample index // S.
     Every view of a sample shares the crop, flip and crop filter (drawn from the sample's own stream,
-    keyed apart from every view's); view 0 is the clean view (crop and flip only, as timm's AugMixDataset
-    normalises its first split), the others draw their augmentation and erasing each from their own stream."""
+    keyed apart from every view's); view 0 is the clean view (crop and flips only: no augment ops, jitter,
+    grayscale or blur, as timm's AugMixDataset normalises its first split), the others draw their
+    augmentation and erasing each from their own stream."""
     if policy.views == 1:
         return _draw(policy, seed, epoch, index, copy)
     if _check("index", index) >= _VIEW_BASE:
@@ -127,7 +128,7 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
     own = _draw(policy, seed, epoch, index, copy)
     shared = dict(crop_u=base.crop_u, flip=base.flip, vflip=base.vflip, crop_resample=base.crop_resample)
     if index % policy.views == 0:
-        shared.update(ops=(), mix=None, steps=(), jitter=(), grayscale=False)
+        shared.update(ops=(), mix=None, steps=(), jitter=(), grayscale=False, blur=None)  # timm's secondary: off
     return dataclasses.replace(own, **shared)
 
 
