@@ -5,7 +5,7 @@ Public API: `FusionFlowLoader`, `DaliAccelerator` (the DALI accelerator's settin
 `SharedLoaderClient` (one loader's batches shared by co-located training jobs), `ImageFolder`,
 `TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`
 (torchvision and timm transforms), `from_timm` (timm's create_transform arguments), `Policy`, and
-FusionFlow's errors.
+FusionFlow's errors; `fusionflow.timm.create_loader` is timm's create_loader with FusionFlow underneath.
 `FusionFlowLoader` and the shared loader (which import torch) are loaded on first use, so policy tooling stays light.
 """
 
