@@ -83,11 +83,11 @@ def fixed_ops_pipeline_class():
             names = ["encoded", "anchor", "shape", "flip"] + (["params"] if self.fixed_params else [])
             return names, cols[:4] + (cols[5:6] if self.fixed_params else [])
 
-        def prepare(self, data, index, seed, epoch, what=None, copy=0):
+        def prepare(self, data, index, seed, epoch, what=None, copy=0, size=None):
             drawn = tuple(op.name for op in draw(self.policy, seed, epoch, index, copy).ops)
             if drawn != self.fixed_ops:
                 raise ValueError(f"sample {index} draws {list(drawn)}, this pipeline runs {list(self.fixed_ops)}")
-            return super().prepare(data, index, seed, epoch, what, copy)
+            return super().prepare(data, index, seed, epoch, what, copy, size)
 
     return FixedOpsPipeline
 

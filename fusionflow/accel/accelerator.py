@@ -3,49 +3,37 @@ largest tiny-batches of the local manager's queue and writes each output to its 
 
 One DALI run takes the accelerator's share of a mini-batch: its G largest samples, as whole
 tiny-batches (the board's `reserved`; more than one run only above `max_images` samples), with the
-whole shares of up to MERGE_SHARES - 1 next mini-batches that fit. G comes
-from the split rule (scheduling/split.py), fed here: each mini-batch done (`batch_done`: the CPU
-workers' time per tiny-batch, whether training waited for it, the period) and each run's completion
-interval. (A run's cost hardly depends on its size below a hundred images on a GPU: runs of one
-tiny-batch left an H100 at ~270 img/s, DALI alone at 6,800; docs/experiments-log.md, 2026-11-24.)
+whole shares of up to MERGE_SHARES - 1 next mini-batches that fit. G comes from the split rule
+(scheduling/split.py), fed here: each mini-batch done (`batch_done`: the CPU workers' time per
+tiny-batch, whether training waited for it, the period) and each run's completion interval.
 
-Running ahead, as DALI's own iterators do: up to DEPTH runs are in flight (DALI's dynamic executor,
-prefetch queue of DEPTH): the thread takes the share of the oldest mini-batch whose share nobody has
-taken -- ahead of the one training waits for -- prepares and submits it while DALI works on the one
-before, and collects runs in order. When training waits for a mini-batch whose CPU side is late,
-it takes a tail run of that mini-batch's largest unstarted tiny-batches (the share's fraction).
-Header sizes are read once (accel/header_sizes.py); inputs go to DALI as dense arrays. Its thread's
-CPU time is `accelerator_feed_cpu_seconds`: what the GPU half costs the training process.
+Running ahead, as DALI's own iterators do: up to DEPTH runs are in flight (DALI's dynamic executor):
+the thread takes the share of the oldest mini-batch whose share nobody has taken -- ahead of the one
+training waits for -- submits it while DALI works on the one before, and collects runs in order. When
+training waits for a mini-batch whose CPU side is late, it takes a tail run of that mini-batch's
+largest unstarted tiny-batches (the share's fraction). Header sizes are read once
+(accel/header_sizes.py); each run's draws, windows and op parameters are made by a helper process as
+dense arrays (accel/host_inputs.py; in this thread if it is gone); the encoded bytes go to DALI
+without a copy. The thread's CPU time is `accelerator_feed_cpu_seconds`: what the GPU half costs the
+training process (the helper's: `accelerator_inputs_cpu_seconds`).
 
-`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU; outputs land in a device ring
-(`DeviceRing`) that the loader merges with the CPU workers' positions at delivery. `device="cpu"`:
-DALI's CPU backend stands in for the GPU (machines without one, and the tests): outputs land in
-the shared host ring like a CPU worker's.
+`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`)
+that the loader merges with the CPU workers' positions at delivery. `device="cpu"`: DALI's CPU
+backend stands in (machines without a GPU, the tests): outputs land in the shared host ring.
 
-A tiny-batch it cannot run (a sample that is not encoded bytes, one whose header declares more
-pixels than the policy's decode.max_pixels -- read on the host, DALI never sees it --, or one DALI
-cannot decode) goes back to the queue marked CPU-only; the CPU workers then produce it or report
-the precise sample (an over-limit one as ImageTooLargeError).
+A tiny-batch it cannot run (not encoded bytes, a header over the policy's decode.max_pixels -- DALI
+never sees it --, or one DALI cannot decode) goes back to the queue marked CPU-only; the CPU workers
+produce it or report the precise sample (an over-limit one as ImageTooLargeError).
 
-Sharing the GPU with training (device="gpu"): in `temporal` mode the thread works only inside the
-loader's prep window (from the start of next() until the mini-batch is ready), one run in flight,
-each after a blocking CUDA event of the training work queued before next(): DALI never runs beside
-a training step. `spatial`: concurrently. Copies into the device ring go on its own CUDA stream.
+Sharing the GPU with training: `temporal` works only inside the loader's prep window (one run in
+flight, each after a blocking CUDA event of the training work queued before next()), with the
+allocator bridge lending PyTorch's free blocks to DALI for the window; `spatial` runs concurrently.
 
-With the allocator bridge (temporal only) PyTorch's free blocks are lent to DALI for the window (the
-thread asks before a run); the loader closes a window once the run in flight is done (`wait_idle`).
-
-A worker kind (runtime/board.py, `add_worker_kind`): it uses the board's interface only (`cond`,
-`take_accel`, `complete`, `requeue`, `draining`, `wake`, `ring`, `trace`, `sizes`, `reserve`,
-`drop_reservations`) and counts into the counters it is given (runtime/counters.py).
-
-Failures: DALI's pipeline is shut down and rebuilt after a failed run (never kept broken); out of
-device memory is logged as such, not as a corrupt sample. After `MAX_FAILURES` failed runs in a row,
-or a pipeline that cannot be rebuilt, the accelerator retires: the CPU workers take everything.
-
-Pipelines are closed explicitly: at `stop()`, and (the DALI-Naive ablation, aot=False) after each
-run it built one for. A failed run discards the pipeline and with it every run in flight: all their
-tiny-batches go to the CPU workers; the runs still in flight at `stop()` go back to the queue.
+A worker kind (runtime/board.py, `add_worker_kind`): it uses the board's interface only. A failed run
+discards the pipeline (rebuilt on the next run) and every run in flight: the CPU workers take them;
+out of device memory is logged as such. After `MAX_FAILURES` failed runs in a row, or a pipeline that
+cannot be rebuilt, the accelerator retires. Pipelines and the helper are closed at `stop()`; the
+DALI-Naive ablation (aot=False) closes each after its run.
 """
 
 from __future__ import annotations
@@ -88,6 +76,7 @@ class AcceleratorWorker:
         split=None,
         cpu_workers: int = 1,
         tiny_batch_size: int = 1,
+        inputs=None,
     ):
         from fusionflow.accel.dali_graph import DaliPolicyPipeline
         from fusionflow.policy import load_policy
@@ -100,6 +89,7 @@ class AcceleratorWorker:
             policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=DEPTH
         )
         self.max_images = max_images  # samples per DALI run: several tiny-batches of one mini-batch
+        self.inputs = inputs  # the InputHelper (accel/host_inputs.py), owned from here; None: inputs made here
         t0 = time.perf_counter()
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
@@ -185,6 +175,8 @@ class AcceleratorWorker:
                 )
             else:
                 pipeline.close()
+        if self.inputs is not None:
+            self.inputs.close()
 
     def _retire(self, why: str) -> None:
         """Under board.cond: take no more work; the CPU workers get everything, reservations included."""
@@ -307,6 +299,7 @@ class AcceleratorWorker:
             self.counters.accelerator_builds += 1
         indices = [i for w in runnable for i in w.indices]
         copies = [c for w in runnable for c in (w.copies or (0,) * len(w.indices))]
+        copies = copies if any(copies) else None
         with board.cond:  # the run in flight is what DALI was given
             entry = next(e for e in self._active if e[0] is group)
             self._active[self._active.index(entry)] = (runnable, entry[1], (pipeline, labels))
@@ -319,7 +312,8 @@ class AcceleratorWorker:
                 log.exception("allocator bridge failed to lend; continuing without it")
                 self.bridge = None
         try:
-            pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies if any(copies) else None, sizes)
+            columns = self._columns(indices, copies, sizes, runnable[0].epoch)
+            pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns)
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
             return
@@ -328,6 +322,15 @@ class AcceleratorWorker:
                 self._collect(None)
             finally:
                 pipeline.close()
+
+    def _columns(self, indices, copies, sizes, epoch: int):
+        """The run's host inputs from the helper process; None (`submit` makes them here) once it is gone."""
+        helper = self.inputs
+        if helper is None:
+            return None
+        columns = helper.columns_or_none(indices, copies, sizes, self.seed, epoch)
+        self.inputs, self.counters.accelerator_inputs_cpu_seconds = helper if helper.alive else None, helper.cpu_seconds
+        return columns
 
     def _collect(self, _unused) -> None:
         """Wait for the oldest run in flight, write its samples into their ring positions, account it."""

@@ -28,9 +28,9 @@ import numpy as np
 
 from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle
 from fusionflow.accel.declines import dali_declines
+from fusionflow.accel.host_inputs import ERASE_INPUTS, HostInputs, op_names
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
-from fusionflow.policy import Policy, crop_window, draw, load_policy
-from fusionflow.policy.op_specs import NUM_PARAMS
+from fusionflow.policy import Policy, load_policy
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +68,9 @@ class DaliPolicyPipeline:
         _check_fill(self.policy)
         aug = self.policy.augment
         self.batch_size, self.device = batch_size, device
-        # local op ids: 0 is Identity (empty slot), then the policy's ops in file order
-        self.op_names = ["Identity"] + [o.name for o in aug.ops if o.name != "Identity"]
-        self._local = {name: i for i, name in enumerate(self.op_names)}
+        self.op_names = op_names(self.policy)  # local op ids: 0 is Identity (empty slot), then the policy's ops
         self.slots = self.slot_count()
+        self.host = HostInputs(self.policy, self.slots)
         augment = self.op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
         graph = _policy_graph(self.policy, device, augment)
         self._make = lambda: graph(
@@ -82,7 +81,8 @@ class DaliPolicyPipeline:
             prefetch_queue_depth=depth,
         )
         self.depth = depth  # runs that may be in flight at once (submit ahead, collect in order)
-        self._pending: deque = deque()  # the dataset indices of each run submitted and not collected
+        self._pending: deque = deque()  # (dataset indices, encoded bytes) of each run submitted, not collected
+        self._consumed = None  # the last run collected: its bytes are released at the next collect
         self.rebuilds = 0
         self._closed = False
         t0 = time.perf_counter()
@@ -133,40 +133,8 @@ class DaliPolicyPipeline:
     def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None, copy: int = 0, size=None):
         """Host-side inputs for one sample: the same draw a CPU worker would make. `size`: the image's
         (height, width) when the caller knows it (else read from its header)."""
-        d = draw(self.policy, seed, epoch, index, copy)
-        height, width = size if size is not None else image_size(data, what or f"sample {index}")
-        top, left, h, w = crop_window(self.policy, d, height, width)
-        out_h, out_w = self.policy.size
-        op_ids = np.zeros(self.slots, np.int32)
-        params = np.zeros((self.slots, NUM_PARAMS), np.float32)
-        for k, op in enumerate(d.ops):
-            op_ids[k] = self._local[op.name]
-            params[k] = op.params(out_h, out_w)
-        cols = (
-            np.frombuffer(data, np.uint8),
-            np.array([left, top], np.float32),
-            np.array([w, h], np.float32),
-            np.int32(d.flip),
-            op_ids,
-            params,
-        )
-        return cols + self._erase_inputs(d)
-
-    def _erase_inputs(self, d) -> tuple:
-        """(anchor [top, left], shape [h, w]) of the erased rectangle ([0, 0] when not erased), and for
-        value 'random' the noise as a full-size CHW image, zero outside the rectangle."""
-        erase = self.policy.erase
-        if erase is None:
-            return ()
-        e = d.erase
-        anchor = np.array([e.top, e.left] if e else [0, 0], np.float32)
-        shape = np.array([e.height, e.width] if e else [0, 0], np.float32)
-        if erase.value is not None:
-            return (anchor, shape)
-        noise = np.zeros(self.policy.out_shape, np.float32)
-        if e is not None:
-            noise[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(erase)
-        return (anchor, shape, noise)
+        size = size if size is not None else image_size(data, what or f"sample {index}")
+        return (np.frombuffer(data, np.uint8),) + self.host.sample(index, seed, epoch, copy, size)
 
     def run(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None):
         """Augment encoded `samples` (sample i has dataset index indices[i], and is that index's
@@ -175,28 +143,29 @@ class DaliPolicyPipeline:
         self.submit(samples, indices, seed, epoch, copies)
         return self.collect()
 
-    def submit(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None, sizes=None) -> None:
+    def submit(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None, sizes=None, columns=None) -> None:
         """Feed one run and schedule it without waiting for it (at most `depth` in flight); `collect`
         returns the outputs of the runs in the order they were submitted. `sizes`: each sample's
-        (height, width), when known. Raises as `run` does; a failure loses every run in flight."""
+        (height, width), when known; `columns`: the run's host inputs made already (`HostInputs.columns`:
+        the accelerator's helper process), else made here sample by sample. Raises as `run` does; a
+        failure loses every run in flight."""
         n = len(samples)
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
         if len(self._pending) >= self.depth:
             raise RuntimeError(f"{self.depth} runs are in flight already: collect one first")
-        copies = [0] * n if copies is None else copies
-        sizes = [None] * n if sizes is None else sizes
-        cols = list(
-            zip(
-                *(
-                    self.prepare(s, i, seed, epoch, copy=c, size=z)
-                    for s, i, c, z in zip(samples, indices, copies, sizes)
-                )
+        # DALI reads the encoded bytes in place (no_copy): they stay referenced until the run is collected
+        encoded = [np.frombuffer(s, np.uint8) for s in samples]
+        if columns is None:
+            copies = [0] * n if copies is None else copies
+            sizes = [None] * n if sizes is None else sizes
+            per_sample = (
+                self.prepare(s, i, seed, epoch, copy=c, size=z) for s, i, c, z in zip(samples, indices, copies, sizes)
             )
-        )
-        names, op_cols = self.op_feeds(cols[:6])
-        erase_cols = cols[6:]
-        names, cols = names + _ERASE_INPUTS[: len(erase_cols)], op_cols + erase_cols
+            columns = [np.stack(col) for col in list(zip(*per_sample))[1:]]
+        names, op_cols = self.op_feeds([encoded, *columns[:5]])
+        erase_cols = columns[5:]
+        names, cols = names + list(ERASE_INPUTS[: len(erase_cols)]), op_cols + erase_cols
         if self._closed:
             raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
@@ -207,19 +176,19 @@ class DaliPolicyPipeline:
                 raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
             self.rebuilds += 1
         with self._failures(indices):
-            for k, (name, col) in enumerate(zip(names, cols)):
-                # the encoded bytes are ragged: a list of views; every other input one dense array
-                self._pipe.feed_input(name, list(col) if k == 0 else np.stack(col))
+            for name, col in zip(names, cols):  # the encoded bytes ragged (a list), every other input dense
+                self._pipe.feed_input(name, col)
             self._pipe.schedule_run()
-        self._pending.append(list(indices))
+        self._pending.append((list(indices), encoded))
 
     def collect(self):
         """The outputs of the oldest run in flight (waits for it)."""
         if not self._pending:
             raise RuntimeError("no run in flight: submit one first")
-        with self._failures(self._pending[0]):
+        with self._failures(self._pending[0][0]):
             (out,) = self._pipe.outputs()
-        self._pending.popleft()
+        # its bytes stay referenced one run more: DALI may read fed memory until its outputs are consumed
+        self._consumed = self._pending.popleft()
         return out
 
     @property
@@ -251,8 +220,9 @@ class DaliPolicyPipeline:
     def _discard(self) -> None:
         """Shut down DALI's pipeline now (a failed one is never run again; the next run rebuilds)."""
         pipe, self._pipe = self._pipe, None
+        _shutdown(pipe)  # before the fed bytes are let go
         self._pending.clear()
-        _shutdown(pipe)
+        self._consumed = None
 
     def close(self) -> None:
         """Shut DALI's pipeline down now (its threads, streams and memory), not whenever the last
@@ -297,7 +267,8 @@ def _policy_graph(policy: Policy, device: str, augment):
 
     @pipeline_def(enable_conditionals=True)
     def graph():
-        encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1)
+        # read in place: DaliPolicyPipeline keeps each run's bytes referenced until the run is collected
+        encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1, no_copy=True)
         anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
         shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
         flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
@@ -344,9 +315,6 @@ def _shutdown(pipe) -> None:
 def _last_line(exc: BaseException) -> str:
     lines = str(exc).strip().splitlines()
     return lines[-1] if lines else type(exc).__name__
-
-
-_ERASE_INPUTS = ["erase_anchor", "erase_shape", "erase_noise"]
 
 
 def _erase(images, erase, device):

@@ -70,11 +70,7 @@ class GpuSession:
     ) -> None:
         """Start the accelerator as a worker kind on `mgr` (the bridge first, on the GPU), with the
         policy, seed and sizes of the manager's RuntimeSpec."""
-        spec = mgr.spec
-        policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
-        from fusionflow.accel.accelerator import RUN_IMAGES, AcceleratorWorker
-        from fusionflow.scheduling.split import ShareController
-
+        capacity = mgr.spec.layout.batch_size
         on_gpu = self.accelerator == "dali-gpu"
         if on_gpu and self.bridge_why_off is None and self.bridge is None:
             self._start_bridge()  # before any DALI pipeline exists, so all of DALI's memory passes through it
@@ -83,26 +79,7 @@ class GpuSession:
             from fusionflow.accel.device_ring import DeviceRing
 
             device_ring = DeviceRing(mgr.spec.layout, self.device, alloc_device)
-        sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        accel = AcceleratorWorker(
-            mgr.board,
-            dataset,
-            policy,
-            min(capacity, max(tiny_batch_size, RUN_IMAGES)),  # samples per DALI run (several tiny-batches)
-            seed,
-            device="gpu" if on_gpu else "cpu",
-            device_id=self.device.index if on_gpu else None,
-            aot=self.aot,
-            largest_first=self.taas,
-            device_ring=device_ring,
-            sharing=sharing,
-            counters=self.stats,
-            bridge=self.bridge,
-            num_threads=self.threads,
-            split=ShareController(shares_device=on_gpu, step=tiny_batch_size) if self.taas_last_k else None,
-            cpu_workers=spec.num_workers,
-            tiny_batch_size=tiny_batch_size,
-        )
+        accel = self._accelerator(mgr, dataset, on_gpu, device_ring)
         mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
         # anything below, or start(), raises
         self.accel, self.device_ring, self.alloc_device = accel, device_ring, alloc_device
@@ -126,6 +103,43 @@ class GpuSession:
 
             self.profiler = SharingProfiler(accel)
         accel.start()
+
+    def _accelerator(self, mgr: LocalManager, dataset, on_gpu: bool, device_ring):
+        """The AcceleratorWorker for `mgr`'s spec, given its input helper (closed here if it fails to start)."""
+        from fusionflow.accel.accelerator import RUN_IMAGES, AcceleratorWorker
+        from fusionflow.accel.host_inputs import start_helper
+        from fusionflow.scheduling.split import ShareController
+
+        spec = mgr.spec
+        policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
+        sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
+        inputs = start_helper(policy, spec.mp_context)  # a process: started before DALI's threads are
+        try:
+            accel = AcceleratorWorker(
+                mgr.board,
+                dataset,
+                policy,
+                min(capacity, max(tiny_batch_size, RUN_IMAGES)),  # samples per DALI run (several tiny-batches)
+                seed,
+                device="gpu" if on_gpu else "cpu",
+                device_id=self.device.index if on_gpu else None,
+                aot=self.aot,
+                largest_first=self.taas,
+                device_ring=device_ring,
+                sharing=sharing,
+                counters=self.stats,
+                bridge=self.bridge,
+                num_threads=self.threads,
+                split=ShareController(shares_device=on_gpu, step=tiny_batch_size) if self.taas_last_k else None,
+                cpu_workers=spec.num_workers,
+                inputs=inputs,
+                tiny_batch_size=tiny_batch_size,
+            )
+        except BaseException:
+            if inputs is not None:  # the accelerator would have owned it
+                inputs.close()
+            raise
+        return accel
 
     def _start_bridge(self) -> None:
         from fusionflow.native import BridgeError

@@ -1,0 +1,213 @@
+"""The DALI graph's host inputs as dense columns, and the helper process that makes them.
+
+Every sample a DALI run takes needs its draw resolved on the host: the crop window (from the image's
+size), the flips, each op slot's op id and parameters, the erased rectangle. That is the same
+`SampleDraw` a CPU worker makes -- a pure function of (seed, epoch, index, copy) -- and costs ~30 us of
+Python per sample (the draw ~20, the window and parameters ~6, small arrays the rest). In the
+training process that is GIL taken from the training loop: at a GPU share of 5,000 img/s, 15% of a
+core (issue 41's budget for everything the accelerator does there is 20 us a sample).
+
+`HostInputs` makes the columns for a whole run at once: one array per DALI input, a row per sample.
+`InputHelper` runs it in a helper process (one per accelerator, the CPU workers' multiprocessing
+context): the accelerator thread sends a run's (indices, copies, sizes) and receives the columns, two
+messages per run whatever its size, its thread asleep meanwhile. The helper's CPU time is reported with
+each reply (`cpu_seconds`), so the cost is moved, not hidden.
+
+The helper is an optimisation, never a dependency: if it dies, stops answering within `timeout`, or
+cannot start, the accelerator logs it and makes the columns in its own thread (`HostInputs.columns`,
+the same function); a helper is not used for erasing with noise (`erase.value` None: a full-size
+noise image per sample is cheaper made where DALI is fed than sent through a pipe). It ignores SIGINT
+(the terminal's Ctrl-C is the training process's to handle) and ends on its pipe's end-of-file, so a
+killed training process leaves no helper behind.
+
+Imports numpy and the policy package only: a spawned helper stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+
+import numpy as np
+
+from fusionflow.policy import Policy, crop_window, draw
+from fusionflow.policy.op_specs import NUM_PARAMS
+
+log = logging.getLogger(__name__)
+ERASE_INPUTS = ("erase_anchor", "erase_shape", "erase_noise")
+
+
+def op_names(policy: Policy) -> list[str]:
+    """The DALI graph's local op ids: 0 is Identity (an empty slot), then the policy's ops in file order."""
+    return ["Identity"] + [o.name for o in policy.augment.ops if o.name != "Identity"]
+
+
+class HostInputs:
+    """A policy's DALI host inputs: per sample (`sample`) or per run as dense columns (`columns`).
+    Column order: anchor [left, top], shape [w, h], flip, op ids, op parameters, then the erase inputs
+    when the policy erases (anchor [top, left], shape [h, w], and for noise the full-size noise)."""
+
+    def __init__(self, policy: Policy, slots: int | None = None):
+        self.policy = policy
+        self.local = {name: i for i, name in enumerate(op_names(policy))}
+        self.slots = policy.augment.max_ops if slots is None else slots
+
+    def sample(self, index: int, seed: int, epoch: int, copy: int, size: tuple[int, int]) -> tuple:
+        """One sample's inputs (after the encoded bytes), as `DaliPolicyPipeline.prepare` returns them."""
+        d = draw(self.policy, seed, epoch, index, copy)
+        top, left, h, w = crop_window(self.policy, d, *size)
+        out_h, out_w = self.policy.size
+        op_ids = np.zeros(self.slots, np.int32)
+        params = np.zeros((self.slots, NUM_PARAMS), np.float32)
+        for k, op in enumerate(d.ops):
+            op_ids[k] = self.local[op.name]
+            params[k] = op.params(out_h, out_w)
+        cols = (np.array([left, top], np.float32), np.array([w, h], np.float32), np.int32(d.flip), op_ids, params)
+        return cols + self._erase(d)
+
+    def columns(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray]:
+        """The inputs of a run: sample i has dataset index indices[i], occurrence copies[i] (None: all 0)
+        and (height, width) sizes[i]. One array per input, a row per sample."""
+        n = len(indices)
+        copies = np.zeros(n, np.int64) if copies is None else copies
+        out_h, out_w = self.policy.size
+        anchor, shape = np.empty((n, 2), np.float32), np.empty((n, 2), np.float32)  # [left, top], [w, h]
+        flip = np.empty(n, np.int32)
+        op_ids = np.zeros((n, self.slots), np.int32)
+        params = np.zeros((n, self.slots, NUM_PARAMS), np.float32)
+        erase = [] if self.policy.erase is None else [None] * n
+        local, policy = self.local, self.policy
+        for i in range(n):
+            d = draw(policy, seed, epoch, int(indices[i]), int(copies[i]))
+            top, left, h, w = crop_window(policy, d, int(sizes[i][0]), int(sizes[i][1]))
+            anchor[i], shape[i] = (left, top), (w, h)
+            flip[i] = d.flip
+            for k, op in enumerate(d.ops):
+                op_ids[i, k] = local[op.name]
+                params[i, k] = op.params(out_h, out_w)
+            if erase:
+                erase[i] = self._erase(d)
+        cols = [anchor, shape, flip, op_ids, params]
+        if erase:
+            cols += [np.stack(c) for c in zip(*erase)]
+        return cols
+
+    def _erase(self, d) -> tuple:
+        """(anchor [top, left], shape [h, w]) of the erased rectangle ([0, 0] when not erased), and for
+        value 'random' the noise as a full-size CHW image, zero outside the rectangle."""
+        erase = self.policy.erase
+        if erase is None:
+            return ()
+        e = d.erase
+        anchor = np.array([e.top, e.left] if e else [0, 0], np.float32)
+        shape = np.array([e.height, e.width] if e else [0, 0], np.float32)
+        if erase.value is not None:
+            return (anchor, shape)
+        noise = np.zeros(self.policy.out_shape, np.float32)
+        if e is not None:
+            noise[:, e.top : e.top + e.height, e.left : e.left + e.width] = e.fill(erase)
+        return (anchor, shape, noise)
+
+
+class InputHelper:
+    """`HostInputs.columns` in a helper process. `columns` raises what the helper raised computing
+    them, or HelperGone when the helper is dead, unreachable or silent for `timeout` seconds (the
+    caller then makes them itself); `close` ends it (idempotent, bounded)."""
+
+    def __init__(self, inputs: HostInputs, ctx, timeout: float = 60.0):
+        self.timeout, self.cpu_seconds = timeout, 0.0  # the helper's CPU time so far (its last reply's)
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(inputs, child), name="fusionflow-dali-inputs", daemon=True)
+        self._proc.start()
+        child.close()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def columns(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray]:
+        request = (
+            np.asarray(indices, np.int64),
+            None if copies is None else np.asarray(copies, np.int64),
+            np.asarray(sizes, np.int64).reshape(-1, 2),
+            seed,
+            epoch,
+        )
+        try:
+            self._conn.send(request)
+            if not self._conn.poll(self.timeout):
+                raise HelperGone(f"the DALI input helper gave no answer within {self.timeout:.0f} s")
+            ok, payload, cpu = self._conn.recv()
+        except (EOFError, OSError) as exc:  # BrokenPipeError and a closed connection included
+            raise HelperGone(f"the DALI input helper is gone ({exc!r})") from exc
+        self.cpu_seconds = cpu
+        if not ok:
+            raise payload
+        return payload
+
+    def columns_or_none(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray] | None:
+        """`columns`, or None once the helper is gone (said once, in the log; the helper is closed)."""
+        try:
+            return self.columns(indices, copies, sizes, seed, epoch)
+        except HelperGone as exc:
+            log.warning("%s; the accelerator makes its inputs in its own thread from now on", exc)
+            self.close()
+            return None
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            self._conn.send(None)
+        except (OSError, ValueError):
+            pass
+        self._conn.close()
+        proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5.0)
+
+
+class HelperGone(RuntimeError):
+    """The input helper cannot answer: the accelerator makes its inputs itself from then on."""
+
+
+def serve(inputs: HostInputs, conn) -> None:
+    """The helper's loop: a request in, its columns (or the exception) out, until None or end-of-file."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return
+        if request is None:
+            return
+        try:
+            reply = (True, inputs.columns(*request), time.process_time())
+        except Exception as exc:  # sent back: the accelerator handles it as its own run's failure
+            reply = (False, exc, time.process_time())
+        try:
+            conn.send(reply)
+        except (OSError, ValueError):
+            return
+        except Exception as exc:  # an exception that does not pickle: its text instead
+            conn.send((False, RuntimeError(f"{reply[1]!r} ({exc!r})"), reply[2]))
+
+
+def start_helper(policy, ctx=None) -> InputHelper | None:
+    """An InputHelper for `policy` in multiprocessing context `ctx` (None: the default), or None where
+    the accelerator makes its inputs itself: erasing with noise, or a helper that cannot start."""
+    import multiprocessing
+
+    from fusionflow.policy import load_policy
+
+    policy = load_policy(policy)
+    if policy.erase is not None and policy.erase.value is None:
+        return None
+    try:
+        return InputHelper(HostInputs(policy), ctx if ctx is not None else multiprocessing.get_context())
+    except Exception as exc:  # the accelerator works without one
+        log.warning("the DALI input helper did not start (%r); the accelerator makes its inputs itself", exc)
+        return None

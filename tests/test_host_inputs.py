@@ -1,0 +1,137 @@
+"""The accelerator's host inputs made per run (accel/host_inputs.py) and by its helper process."""
+
+import multiprocessing as mp
+import os
+import signal
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nvidia.dali")
+
+from dali_numpy import run_numpy  # noqa: E402
+from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: E402,F401
+
+from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
+from fusionflow.accel.header_sizes import HeaderSizes  # noqa: E402
+from fusionflow.accel.host_inputs import HelperGone, HostInputs, InputHelper, start_helper  # noqa: E402
+from fusionflow.loader import FusionFlowLoader  # noqa: E402
+from fusionflow.policy import crop_window, draw, load_policy  # noqa: E402
+
+warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+MEAN_STD = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+ERASING = load_policy(SMALL, normalize=MEAN_STD, erase={"p": 0.5, "value": [0.2, 0.4, 0.6]})
+NOISE = load_policy(SMALL, normalize=MEAN_STD, erase={"p": 0.5, "value": "random"})
+
+
+def sizes_of(ds):
+    dims = HeaderSizes(len(ds.data))
+    return [dims.get(i, d) for i, d in enumerate(ds.data)]
+
+
+@pytest.mark.parametrize("policy", [SMALL, ERASING, "randaugment", "trivialaugment"])
+def test_a_runs_columns_are_its_samples_draws(policy):
+    """Row i of each column is sample i's draw resolved as a CPU worker resolves it: the crop window of
+    its image size, its flip, its ops' local ids and parameters, its erased rectangle."""
+    p = load_policy(policy)
+    host = HostInputs(p)
+    indices, copies = [5, 0, 17, 3, 3], [0, 0, 1, 0, 2]
+    sizes = [(90, 60), (31, 47), (200, 120), (64, 64), (64, 64)]
+    cols = host.columns(indices, copies, sizes, seed=9, epoch=2)
+    names = ["Identity"] + [o.name for o in p.augment.ops if o.name != "Identity"]
+    for row, (i, c, (h, w)) in enumerate(zip(indices, copies, sizes)):
+        d = draw(p, 9, 2, i, c)
+        top, left, ch, cw = crop_window(p, d, h, w)
+        assert cols[0][row].tolist() == [left, top] and cols[1][row].tolist() == [cw, ch]
+        assert cols[2][row] == d.flip
+        assert cols[3][row].tolist() == [names.index(op.name) for op in d.ops] + [0] * (host.slots - len(d.ops))
+        for k, op in enumerate(d.ops):
+            np.testing.assert_array_equal(cols[4][row, k], np.asarray(op.params(*p.size), np.float32))
+        if p.erase is not None:
+            e = d.erase
+            assert cols[5][row].tolist() == ([e.top, e.left] if e else [0, 0])
+            assert cols[6][row].tolist() == ([e.height, e.width] if e else [0, 0])
+    assert len(cols) == 5 + (2 if p.erase is not None else 0)
+    assert all(c.flags.c_contiguous and len(c) == len(indices) for c in cols)
+
+
+@pytest.mark.parametrize("policy", [SMALL, ERASING])
+def test_dali_fed_a_runs_columns_makes_the_per_sample_pixels(policy):
+    ds = Bytes(12)
+    sizes = sizes_of(ds)
+    pipe = DaliPolicyPipeline(policy, batch_size=12)
+    idx = list(range(12))
+    per_sample = run_numpy(pipe, ds.data, idx, seed=3, epoch=1)
+    cols = HostInputs(pipe.policy).columns(idx, None, sizes, seed=3, epoch=1)
+    pipe.submit(ds.data, idx, 3, 1, sizes=sizes, columns=cols)
+    out = pipe.collect()
+    np.testing.assert_array_equal(np.stack([np.array(out[i]) for i in range(12)]), per_sample)
+    pipe.close()
+
+
+class Failing(HostInputs):
+    def columns(self, indices, copies, sizes, seed, epoch):
+        raise ValueError(f"no columns for {np.asarray(indices).tolist()}")
+
+
+def test_the_helper_answers_as_the_thread_would_and_ends_on_close(no_leaks):
+    p = load_policy("randaugment")
+    helper = InputHelper(HostInputs(p), mp.get_context())
+    indices, sizes = list(range(40)), [(100 + i, 80 + 2 * i) for i in range(40)]
+    got = helper.columns(indices, [1] * 40, sizes, 5, 7)
+    want = HostInputs(p).columns(indices, [1] * 40, sizes, 5, 7)
+    assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want))
+    assert helper.cpu_seconds > 0  # its CPU time is reported, not hidden
+    helper.close()
+    helper.close()  # idempotent
+    assert not helper.alive
+
+
+def test_the_helpers_error_is_raised_and_a_dead_helper_says_so(no_leaks):
+    failing = InputHelper(Failing(load_policy(SMALL)), mp.get_context())
+    with pytest.raises(ValueError, match=r"no columns for \[1, 2\]"):
+        failing.columns([1, 2], None, [(30, 30)] * 2, 0, 0)
+    assert failing.alive  # an error computing a run is that run's, not the helper's end
+    failing.close()
+    helper = InputHelper(HostInputs(load_policy(SMALL)), mp.get_context())
+    os.kill(helper._proc.pid, signal.SIGKILL)
+    helper._proc.join(30)
+    with pytest.raises(HelperGone, match="gone"):
+        helper.columns([1], None, [(30, 30)], 0, 0)
+    helper.close()
+
+
+def test_no_helper_for_noise_erasing():
+    assert start_helper(load_policy(NOISE)) is None
+
+
+def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, caplog):
+    """The helper killed after the first mini-batch: every sample still arrives once, the accelerator
+    keeps producing (in its own thread from then on), and it says so."""
+    ds = Bytes(61)
+    ld = FusionFlowLoader(
+        ds,
+        batch_size=12,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        accelerator="dali-cpu",
+        seed=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(2),
+    )
+    order, before = [], None
+    with caplog.at_level("WARNING", logger="fusionflow.accel.host_inputs"):
+        for k, (_, y) in enumerate(ld):
+            order += y.tolist()
+            if k == 0:
+                accel = ld.parts.gpu.accel
+                os.kill(accel.inputs._proc.pid, signal.SIGKILL)
+                before = ld.stats.accelerator_samples
+    assert sorted(order) == list(range(61))
+    assert accel.inputs is None and "makes its inputs in its own thread" in caplog.text
+    assert ld.stats.accelerator_samples > before  # it went on producing
+    ld.close()
