@@ -97,11 +97,20 @@ def test_its_defaults_are_the_loaders_loose_defaults():
 
 
 def test_threads_is_set_on_the_object_only_and_reaches_the_loaders_config():
-    assert DaliAccelerator("cpu").threads == 1 and "threads" not in DaliAccelerator("cpu").loader_arguments()
-    for bad in (0, -1, 1.5, True, "2"):
+    assert DaliAccelerator("cpu").threads == "auto" and "threads" not in DaliAccelerator("cpu").loader_arguments()
+    for bad in (0, -1, 1.5, True, "2", "Auto"):
         with pytest.raises(ValueError, match="threads"):
             DaliAccelerator("cpu", threads=bad)
     assert repr(DaliAccelerator("cpu", threads=3)) == "DaliAccelerator(device='cpu', threads=3)"
+
+
+def test_auto_threads_take_the_cores_the_cpu_workers_leave_on_the_gpu_only():
+    from fusionflow.accel.config import AUTO_THREADS, auto_threads
+
+    assert auto_threads("dali-gpu", 16, 4) == AUTO_THREADS == 4  # 11 cores left: at most 4
+    assert auto_threads("dali-gpu", 16, 13) == 2 and auto_threads("dali-gpu", 16, 15) == 1
+    assert auto_threads("dali-gpu", 2, 1) == 1  # never below one
+    assert auto_threads("dali-cpu", 16, 1) == 1  # the CPU backend's threads are its compute: asked for, not taken
 
 
 def test_importing_and_building_it_loads_neither_torch_nor_dali():

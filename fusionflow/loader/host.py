@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, SHARING, DaliAccelerator
+from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, SHARING, DaliAccelerator, auto_threads
 from fusionflow.accel.declines import dali_declines
 from fusionflow.runtime.host import Host
 
@@ -55,7 +55,9 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
     accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy, given)
     check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given)
     gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
-    threads = given.threads if given is not None else 1
+    threads = given.threads if given is not None else "auto"
+    if threads == "auto":
+        threads = auto_threads(accelerator, host.cores(), num_workers)
     return {
         **loose,
         "accelerator": accelerator,
