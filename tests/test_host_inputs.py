@@ -109,8 +109,9 @@ def test_no_helper_for_noise_erasing():
 
 
 def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, caplog):
-    """The helper killed after the first mini-batch: every sample still arrives once, the accelerator
-    keeps producing (in its own thread from then on), and it says so."""
+    """The helper killed after the first mini-batch: every sample of both epochs still arrives once, the
+    same accelerator keeps producing (in its own thread from then on: the next epoch's runs are made
+    after the kill), and it says so."""
     ds = Bytes(61)
     ld = FusionFlowLoader(
         ds,
@@ -122,16 +123,21 @@ def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, cap
         seed=4,
         shuffle=True,
         generator=torch.Generator().manual_seed(2),
+        persistent_workers=True,
     )
-    order, before = [], None
+    before = None
     with caplog.at_level("WARNING", logger="fusionflow.accel.host_inputs"):
-        for k, (_, y) in enumerate(ld):
-            order += y.tolist()
-            if k == 0:
-                accel = ld.parts.gpu.accel
-                os.kill(accel.inputs._proc.pid, signal.SIGKILL)
-                before = ld.stats.accelerator_samples
-    assert sorted(order) == list(range(61))
-    assert accel.inputs is None and "makes its inputs in its own thread" in caplog.text
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            order = []
+            for _, y in ld:
+                order += y.tolist()
+                if before is None:
+                    accel = ld.parts.gpu.accel
+                    os.kill(accel.inputs._proc.pid, signal.SIGKILL)
+                    before = ld.stats.accelerator_samples
+            assert sorted(order) == list(range(61)), epoch
+    assert ld.parts.gpu.accel is accel and accel.inputs is None
+    assert "makes its inputs in its own thread" in caplog.text
     assert ld.stats.accelerator_samples > before  # it went on producing
     ld.close()
