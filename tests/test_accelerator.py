@@ -355,3 +355,54 @@ def test_accelerator_counts_go_on_across_epochs_without_persistent_workers():
         assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
     assert ld.stats.accelerator_builds == 2  # one ahead-of-time build per epoch's manager
     ld.close()
+
+
+def test_a_hung_dali_run_is_given_up_and_its_late_outputs_dropped(monkeypatch, no_leaks):
+    """DALI hangs in the first run's outputs (a hung GPU, a deadlock): past the stall bound the manager
+    thread retires the accelerator and the CPU workers take every run in flight; the epoch completes
+    with each sample once, and when the hung run's outputs arrive at last they are dropped -- the
+    positions hold the CPU workers' pixels."""
+    import threading
+    import types
+
+    from fusionflow.accel import accelerator as acc
+
+    monkeypatch.setattr(acc, "liveness", types.SimpleNamespace(stuck_bound=lambda mean: 1.0))
+    real, release, hung = DaliPolicyPipeline.collect, threading.Event(), []
+
+    def collect(self):
+        if not hung:
+            hung.append([i for i in self._pending[0][0]])
+            assert release.wait(120), "the test never released the hung run"
+        return real(self)
+
+    monkeypatch.setattr(DaliPolicyPipeline, "collect", collect)
+    stored = []  # the runs whose outputs the accelerator wrote (it stores their targets right after)
+
+    def store_works(labels, group, side):
+        stored.append([i for w in group for i in w.indices])
+        return real_targets.store_works(labels, group, side)
+
+    real_targets = acc.targets
+    monkeypatch.setattr(acc, "targets", types.SimpleNamespace(store_works=store_works))
+    ds = Bytes(36)
+    ld = loader(ds, batch_size=6, timeout=120)
+    cpu = CpuPipeline(SMALL)
+    seen = {}
+    for x, y in ld:
+        if ld.stats.accelerator_retired:
+            release.set()  # the hung run's outputs now come, after the CPU workers took its samples
+        seen.update({i: img for img, i in zip(x.numpy(), y.tolist())})
+    release.set()
+    s = ld.stats
+    ld.close()
+    assert sorted(seen) == list(range(36))
+    assert hung and "made no progress" in (s.accelerator_retired or "")
+    assert hung[0] not in stored  # its late outputs were dropped (close() waited for the thread to get them)
+    for i in hung[0]:  # the given-up run's samples: made by the CPU workers
+        np.testing.assert_array_equal(seen[i], cpu(ds.data[i], i, seed=4))
+    dali = DaliPolicyPipeline(SMALL, batch_size=1)
+    for i, img in seen.items():  # and no late write landed in a later batch's positions
+        if not np.array_equal(img, cpu(ds.data[i], i, seed=4)):
+            np.testing.assert_array_equal(img, run_numpy(dali, [ds.data[i]], [i], seed=4)[0])
+    dali.close()

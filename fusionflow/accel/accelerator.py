@@ -4,8 +4,7 @@ largest tiny-batches of the local manager's queue and writes each output to its 
 One DALI run takes the accelerator's share of a mini-batch: its G largest samples, as whole
 tiny-batches (the board's `reserved`; more than one run only above `max_images` samples), with the
 whole shares of up to MERGE_SHARES - 1 next mini-batches that fit. G comes from the split rule
-(scheduling/split.py), fed here: each mini-batch done (`batch_done`: the CPU workers' time per
-tiny-batch, whether training waited for it, the period) and each run's completion interval.
+(scheduling/split.py), fed by `shares` (accel/share_feed.py).
 
 Running ahead, as DALI's own iterators do: up to DEPTH runs are in flight (DALI's dynamic executor):
 the thread takes the share of the oldest mini-batch whose share nobody has taken -- ahead of the one
@@ -31,8 +30,8 @@ allocator bridge lending PyTorch's free blocks to DALI for the window; `spatial`
 
 A worker kind (runtime/board.py, `add_worker_kind`): it uses the board's interface only. A failed run
 discards the pipeline (rebuilt on the next run) and every run in flight: the CPU workers take them;
-out of device memory is logged as such. After `MAX_FAILURES` failed runs in a row, or a pipeline that
-cannot be rebuilt, the accelerator retires. Pipelines and the helper are closed at `stop()`; the
+out of device memory is logged as such. After `MAX_FAILURES` failed runs in a row, a pipeline that
+cannot be rebuilt, or a run past the stall bound (`watch`, from the manager thread), it retires. Pipelines and the helper are closed at `stop()`; the
 DALI-Naive ablation (aot=False) closes each after its run.
 """
 
@@ -45,8 +44,9 @@ import time
 import numpy as np
 
 from fusionflow.accel.header_sizes import HeaderSizes
+from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
-from fusionflow.runtime import targets
+from fusionflow.runtime import liveness, targets
 from fusionflow.runtime.sample import split_item
 
 log = logging.getLogger(__name__)
@@ -100,13 +100,13 @@ class AcceleratorWorker:
         self.step_event = None  # the training work before the loader's last next() (mark_step)
         self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails
         self.window_open = False  # the loader's prep window (open_window / close_window; consulted while gated)
-        self.split = split  # the ShareController (scheduling/split.py) that sets the share; None: the ablations
-        self.cpu_workers, self.tiny_batch_size = cpu_workers, tiny_batch_size
-        self.tail_fraction: float | None = None  # the share's fraction of a mini-batch, once the split rule runs
+        # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
+        self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers) if split is not None else None
         self.dims = HeaderSizes(len(dataset) if hasattr(dataset, "__len__") else 0)  # (height, width) per sample
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
         self._last_done = 0.0  # when the last run completed (its completion interval)
-        self._last_batch_at = 0.0  # when the last mini-batch completed (the split rule's period)
+        self._run_seconds = 0.0  # running mean of a run's time from take to completion (the stall bound's)
+        self._writing = False  # the thread is writing a collected run's outputs (`watch` leaves it be)
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
 
@@ -188,31 +188,17 @@ class AcceleratorWorker:
             why,
         )
 
-    # ---------------------------------------------------------------- the split rule (under board.cond)
-    def batch_done(self, state, cpu_task_seconds: float, awaited: bool, now: float) -> None:
-        """A mini-batch is complete (the board's on_batch_done): feed the split rule its observations and
-        reserve the next share. `cpu_task_seconds`: the CPU workers' running mean per tiny-batch;
-        `awaited`: training was waiting for this mini-batch."""
-        split = self.split
-        if split is None or self.retired:
+    def watch(self, now: float) -> None:
+        """Under board.cond, from the manager thread each turn: the oldest run in flight past the stall bound
+        (the CPU workers' stuck bound, runtime/liveness.py, over the mean run time from take to outputs:
+        DALI hung, or a read that never returns, and this thread blocked) retires the accelerator and
+        gives every run in flight to the CPU workers; outputs that come later are dropped."""
+        waited = now - self._active[0][1] if self._active else 0.0
+        if self.retired or self._writing or waited <= liveness.stuck_bound(self._run_seconds):
             return
-        if cpu_task_seconds > 0:
-            split.cpu_tiny_batch(cpu_task_seconds, self.tiny_batch_size)
-        if self._last_batch_at:
-            cpu_last = state.cpu_done_at >= state.accel_done_at
-            split.iteration(now - self._last_batch_at, state.size, cpu_bound=awaited and cpu_last)
-        self._last_batch_at = now
-        self.reserve_share(state.size)
-
-    def reserve_share(self, batch: int) -> None:
-        """Under board.cond: the split rule's share of the next mini-batches of `batch` samples (at start:
-        half, until rates are measured), and the tail runs' fraction with it."""
-        share = self.split.share(batch, self.cpu_workers)
-        self.tail_fraction = share / batch
-        self.board.reserve(-(-share // self.tiny_batch_size), steal=True)
-
-    def capacity(self, workers: int) -> None:
-        self.cpu_workers = workers  # the CPU workers now live (the board's owner tells, under board.cond)
+        first = list(self._active[0][0][0].indices)
+        self._retire(f"a DALI run (samples {first}, ...) made no progress for {waited:.0f} s")
+        self._lose_all()
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
@@ -228,7 +214,8 @@ class AcceleratorWorker:
                         board.draining() or (self.gated and not self.window_open)
                     ):
                         merge = 1 if self.gated else MERGE_SHARES
-                        group = board.take_accel(self.largest_first, self.max_images, self.tail_fraction, merge)
+                        tail = self.shares.tail_fraction if self.shares is not None else None
+                        group = board.take_accel(self.largest_first, self.max_images, tail, merge)
                         if group:
                             break
                     if inflight:
@@ -344,16 +331,27 @@ class AcceleratorWorker:
             return
         slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
         positions = [p for w in group for p in w.positions]
-        if self.device_ring is not None:
-            self.device_ring.write(slots, positions, out)
-        else:
-            self.board.ring.images[slots, positions] = np.asarray(out.as_tensor())
-        done = targets.store_works(self.board.ring.labels, group, labels)  # [(work, targets not in the ring)]
+        with self.board.cond:
+            if not self._active or self._active[0][0] is not group:  # given up by `watch`: not ours to write
+                return
+            self._writing = True
+        try:
+            if self.device_ring is not None:
+                self.device_ring.write(slots, positions, out)
+            else:
+                self.board.ring.images[slots, positions] = np.asarray(out.as_tensor())
+            done = targets.store_works(self.board.ring.labels, group, labels)  # [(work, targets not in the ring)]
+        finally:
+            with self.board.cond:
+                self._writing = False
         now = time.monotonic()
         with self.board.cond:
             self._active.pop(0)
-            if self.split is not None:  # the completion interval: from the later of the last completion and its start
-                self.split.accel_run(now - max(started, self._last_done), len(indices))
+            self._run_seconds = (
+                now - started if not self._run_seconds else 0.8 * self._run_seconds + 0.2 * (now - started)
+            )
+            if self.shares is not None:  # the completion interval: from the later of the last completion and its start
+                self.shares.run_done(now - max(started, self._last_done), len(indices))
             self._last_done = now
             self._account(done, [], True, int(started * 1e9))
             self.counters.accelerator_samples += len(indices)

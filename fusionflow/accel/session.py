@@ -87,13 +87,13 @@ class GpuSession:
         # The callbacks live on the manager: they must not refer to the loader or this session (they
         # would live as long as the manager) nor strongly to the manager or the accelerator.
         accel_ref = weakref.ref(accel)
-        if accel.split is not None:
+        if accel.shares is not None:
             with mgr.board.cond:  # the first mini-batches' share, until rates are measured
-                accel.reserve_share(capacity)
+                accel.shares.reserve(capacity)
         mgr.attach(
             on_batch_done=(
                 functools.partial(_split_feedback, weakref.ref(mgr), accel_ref, self.stats.taas_k)
-                if accel.split is not None
+                if accel.shares is not None
                 else None
             ),
             on_capacity_change=functools.partial(_capacity, accel_ref),
@@ -244,15 +244,15 @@ def _split_feedback(mgr_ref, accel_ref, history, state) -> None:
         return
     board = mgr.board
     awaited = board.queue.awaited == (board.generation, state.seq)
-    accel.batch_done(state, mgr.pool.task_seconds if mgr.pool is not None else 0.0, awaited, time.monotonic())
+    accel.shares.batch_done(state, mgr.pool.task_seconds if mgr.pool is not None else 0.0, awaited, time.monotonic())
     history.append(board.reserved)
 
 
 def _capacity(accel_ref, workers: int) -> None:
     """The manager's on_capacity_change (under the board's lock): the CPU workers now live."""
     accel = accel_ref()
-    if accel is not None:
-        accel.capacity(workers)
+    if accel is not None and accel.shares is not None:
+        accel.shares.capacity(workers)
 
 
 def close_bridge_window(bridge) -> None:

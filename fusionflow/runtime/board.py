@@ -107,6 +107,15 @@ class Board:
         for kind in reversed(kinds):
             kind.stop()
 
+    def watch_kinds(self, now: float) -> None:
+        """(lock held; the manager thread, each turn) Each registered kind's `watch(now)`, where it has one:
+        a kind whose own thread can block where it cannot notice (the DALI accelerator in DALI) bounds
+        itself there."""
+        for kind in self.kinds:
+            watch = getattr(kind, "watch", None)
+            if watch is not None:
+                watch(now)
+
     def watch_stale(self, part) -> None:
         """Let `draining()` ask `part.busy_with_stale(generation)` too: a part that takes work from this
         board but whose start and stop its owner drives itself (the CPU worker pool, the lending agent),

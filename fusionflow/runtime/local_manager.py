@@ -291,6 +291,7 @@ class LocalManager:
             while not self._closed:
                 with board.cond:
                     self._kill_stuck()
+                    board.watch_kinds(time.monotonic())
                     if not board.draining():
                         self.pool.rerun_stragglers(time.monotonic())
                     self._dispatch()

@@ -1,0 +1,44 @@
+"""The split rule's observations from the accelerator's side, and the share it reserves on the board.
+
+The ShareController (scheduling/split.py) is pure: it turns observed rates into G, the accelerator's
+share of each mini-batch. This object feeds it what the loader sees -- each mini-batch done (the CPU
+workers' time per tiny-batch, whether training waited for it, the period), each DALI run's completion
+interval -- and reserves the share it returns on the board (whole tiny-batches), keeping the share's
+fraction for the accelerator's tail runs. Everything here runs under the board's lock.
+"""
+
+from __future__ import annotations
+
+
+class ShareFeed:
+    def __init__(self, split, board, tiny_batch_size: int, cpu_workers: int):
+        self.split, self.board, self.tiny_batch_size = split, board, tiny_batch_size
+        self.cpu_workers = cpu_workers  # the CPU workers now live (the board's owner tells: `capacity`)
+        self.tail_fraction: float | None = None  # the share's fraction of a mini-batch, once reserved
+        self._last_batch_at = 0.0  # when the last mini-batch completed (the split rule's period)
+
+    def batch_done(self, state, cpu_task_seconds: float, awaited: bool, now: float) -> None:
+        """A mini-batch is complete: feed the split rule and reserve the next share. `cpu_task_seconds`:
+        the CPU workers' running mean per tiny-batch; `awaited`: training was waiting for it."""
+        split = self.split
+        if cpu_task_seconds > 0:
+            split.cpu_tiny_batch(cpu_task_seconds, self.tiny_batch_size)
+        if self._last_batch_at:
+            cpu_last = state.cpu_done_at >= state.accel_done_at
+            split.iteration(now - self._last_batch_at, state.size, cpu_bound=awaited and cpu_last)
+        self._last_batch_at = now
+        self.reserve(state.size)
+
+    def reserve(self, batch: int) -> None:
+        """The split rule's share of the next mini-batches of `batch` samples (at start: half, until rates
+        are measured), and the tail runs' fraction with it."""
+        share = self.split.share(batch, self.cpu_workers)
+        self.tail_fraction = share / batch
+        self.board.reserve(-(-share // self.tiny_batch_size), steal=True)
+
+    def capacity(self, workers: int) -> None:
+        self.cpu_workers = workers
+
+    def run_done(self, seconds: float, samples: int) -> None:
+        """A DALI run of `samples` completed `seconds` after the later of its start and the last completion."""
+        self.split.accel_run(seconds, samples)
