@@ -65,6 +65,9 @@ def main() -> None:
     ap.add_argument("--mode", default="pipeline", choices=["pipeline", "loader"])
     ap.add_argument("--workers", type=int, default=2, help="loader mode: workers per loader")
     ap.add_argument("--batch-size", type=int, default=64, help="loader mode")
+    ap.add_argument(
+        "--device", default="cpu", help="loader mode: both loaders' device= (cuda: timm's prefetcher on the GPU)"
+    )
     ap.add_argument("--mixup", type=float, default=0.0, help="loader mode: FastCollateMixup's mixup_alpha")
     ap.add_argument("--images", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
@@ -141,7 +144,7 @@ def loader_main(args) -> None:
     recipes = (args.recipes or LOADER_RECIPE).split(",")
     results = {}
     for name in recipes:
-        recipe = dict(RECIPES[name], is_training=True, num_workers=args.workers, device=torch.device("cpu"))
+        recipe = dict(RECIPES[name], is_training=True, num_workers=args.workers, device=torch.device(args.device))
 
         def build(make):
             ds = create_dataset("", root=root, split="train", is_training=True)
@@ -178,7 +181,7 @@ def loader_main(args) -> None:
         print(f"{name}: timm {rate['timm']:.0f} img/s, fusionflow {rate['fusionflow']:.0f} img/s, "
               f"{results[name]['ratio']:.2f}x")  # fmt: skip
     out = args.out or os.path.join(RESULTS, "timm_loader.json")
-    setup = {k: getattr(args, k) for k in ("images", "sizes", "workers", "batch_size", "mixup", "repeats")}
+    setup = {k: getattr(args, k) for k in ("images", "sizes", "workers", "batch_size", "mixup", "repeats", "device")}
     write_json({"provenance": provenance(), **setup, "results": results}, out)
 
 

@@ -11,6 +11,9 @@
 #   experiments/gpu_run.sh bench ARGS      python3 -m experiments.gpu_bench ARGS
 #   experiments/gpu_run.sh memory ARGS     python3 -m experiments.gpu_memory ARGS
 #   experiments/gpu_run.sh aot ARGS        python3 -m experiments.bench_aot --device gpu ARGS
+#   experiments/gpu_run.sh timm ARGS       fusionflow.timm's CUDA leg: bench_timm --mode loader --device cuda ARGS;
+#                                          timm travels as one wheel (`pip download --no-deps timm==1.0.31 -d .whl`,
+#                                          carry .whl; timm.data needs neither huggingface_hub nor safetensors)
 # Every step runs from the repository root (the script cds there), so `-m experiments.<name>` imports this
 # checkout's experiments and fusionflow; /tmp/site (the installed DALI wheels) comes first on PYTHONPATH.
 set -uo pipefail
@@ -55,6 +58,11 @@ tests)
     ;;
 bench)
     python3 -m experiments.gpu_bench --out "$OUT/gpu_bench.json" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
+    ;;
+timm)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/timm-*.whl &&
+        python3 -m experiments.bench_timm --mode loader --device cuda --out "$OUT/timm_loader_gpu.json" "$@" 2>&1 |
+        tee "$OUT/timm_loader_gpu.log"
     ;;
 memory)
     python3 -m experiments.gpu_memory --out "$OUT/gpu_memory.json" "$@" 2>&1 | tee "$OUT/gpu_memory.log"
