@@ -104,6 +104,21 @@ def test_the_helpers_error_is_raised_and_a_dead_helper_says_so(no_leaks):
     helper.close()
 
 
+def test_a_forked_helper_keeps_none_of_the_training_processes_descriptors(no_leaks):
+    """A pipe's write end open in the training process when the helper forks: once the training process
+    closes it, its reader sees end-of-file -- the helper did not keep a copy."""
+    r, w = os.pipe()
+    helper = InputHelper(HostInputs(load_policy(SMALL)), mp.get_context("fork"))
+    helper.columns([0], None, [(30, 30)], 0, 0)  # it is past its start-up
+    os.close(w)
+    os.set_blocking(r, False)
+    try:
+        assert os.read(r, 1) == b""  # EOF, not BlockingIOError (a writer left open)
+    finally:
+        os.close(r)
+        helper.close()
+
+
 def test_no_helper_for_noise_erasing():
     assert start_helper(load_policy(NOISE)) is None
 

@@ -31,8 +31,8 @@ allocator bridge lending PyTorch's free blocks to DALI for the window; `spatial`
 A worker kind (runtime/board.py, `add_worker_kind`): it uses the board's interface only. A failed run
 discards the pipeline (rebuilt on the next run) and every run in flight: the CPU workers take them;
 out of device memory is logged as such. After `MAX_FAILURES` failed runs in a row, a pipeline that
-cannot be rebuilt, or a run past the stall bound (`watch`, from the manager thread), it retires. Pipelines and the helper are closed at `stop()`; the
-DALI-Naive ablation (aot=False) closes each after its run.
+cannot be rebuilt, or a run past the stall bound (`watch`, from the manager thread), it retires.
+Pipelines and the helper are closed at `stop()`; the DALI-Naive ablation closes each after its run.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ The helper is an optimisation, never a dependency: if it dies, stops answering w
 cannot start, the accelerator logs it and makes the columns in its own thread (`HostInputs.columns`,
 the same function); a helper is not used for erasing with noise (`erase.value` None: a full-size
 noise image per sample is cheaper made where DALI is fed than sent through a pipe). It ignores SIGINT
-(the terminal's Ctrl-C is the training process's to handle) and ends on its pipe's end-of-file, so a
-killed training process leaves no helper behind.
+(the terminal's Ctrl-C is the training process's to handle), closes the descriptors a fork gave it,
+and ends on its pipe's end-of-file, so a killed training process leaves no helper behind.
 
 Imports numpy and the policy package only: a spawned helper stays light.
 """
@@ -26,6 +26,7 @@ Imports numpy and the policy package only: a spawned helper stays light.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 
@@ -118,7 +119,8 @@ class InputHelper:
     def __init__(self, inputs: HostInputs, ctx, timeout: float = 60.0):
         self.timeout, self.cpu_seconds = timeout, 0.0  # the helper's CPU time so far (its last reply's)
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=serve, args=(inputs, child), name="fusionflow-dali-inputs", daemon=True)
+        forked = ctx.get_start_method() == "fork"  # then it inherits every descriptor of the training process
+        self._proc = ctx.Process(target=serve, args=(inputs, child, forked), name="fusionflow-dali-inputs", daemon=True)
         self._proc.start()
         child.close()
 
@@ -174,9 +176,16 @@ class HelperGone(RuntimeError):
     """The input helper cannot answer: the accelerator makes its inputs itself from then on."""
 
 
-def serve(inputs: HostInputs, conn) -> None:
-    """The helper's loop: a request in, its columns (or the exception) out, until None or end-of-file."""
+def serve(inputs: HostInputs, conn, close_inherited: bool = False) -> None:
+    """The helper's loop: a request in, its columns (or the exception) out, until None or end-of-file.
+    `close_inherited` (a forked helper): every descriptor but stdio and its pipe is closed first, so the
+    helper never keeps a socket, pipe or shared-memory segment of the training process open past its
+    owner's close (a peer waiting for end-of-file would wait for this process instead)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if close_inherited:
+        fd = conn.fileno()
+        os.closerange(3, fd)
+        os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
     while True:
         try:
             request = conn.recv()
