@@ -12,12 +12,12 @@ import torch
 pytest.importorskip("nvidia.dali")
 
 from dali_numpy import run_numpy  # noqa: E402
+from test_accelerator import loader  # noqa: E402
 from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: E402,F401
 
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
 from fusionflow.accel.header_sizes import HeaderSizes  # noqa: E402
 from fusionflow.accel.host_inputs import HelperGone, HostInputs, InputHelper, start_helper  # noqa: E402
-from fusionflow.loader import FusionFlowLoader  # noqa: E402
 from fusionflow.policy import crop_window, draw, load_policy  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -127,19 +127,8 @@ def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, cap
     """The helper killed after the first mini-batch: every sample of both epochs still arrives once, the
     same accelerator keeps producing (in its own thread from then on: the next epoch's runs are made
     after the kill), and it says so."""
-    ds = Bytes(61)
-    ld = FusionFlowLoader(
-        ds,
-        batch_size=12,
-        num_workers=1,
-        policy=SMALL,
-        tiny_batch_size=2,
-        accelerator="dali-cpu",
-        seed=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(2),
-        persistent_workers=True,
-    )
+    ds = Bytes(61)  # test_accelerator's loader: batch 12, one CPU worker, tiny-batches of 2, DALI's CPU backend
+    ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(2), persistent_workers=True)
     before = None
     with caplog.at_level("WARNING", logger="fusionflow.accel.host_inputs"):
         for epoch in (0, 1):

@@ -316,7 +316,9 @@ class AcceleratorWorker:
         if helper is None:
             return None
         columns = helper.columns_or_none(indices, copies, sizes, self.seed, epoch)
-        self.inputs, self.counters.accelerator_inputs_cpu_seconds = helper if helper.alive else None, helper.cpu_seconds
+        self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
+        if columns is None:  # the helper is gone (columns_or_none closed it): this thread makes them from now on
+            self.inputs = None
         return columns
 
     def _collect(self, _unused) -> None:

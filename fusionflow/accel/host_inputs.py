@@ -69,30 +69,12 @@ class HostInputs:
 
     def columns(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray]:
         """The inputs of a run: sample i has dataset index indices[i], occurrence copies[i] (None: all 0)
-        and (height, width) sizes[i]. One array per input, a row per sample."""
-        n = len(indices)
-        copies = np.zeros(n, np.int64) if copies is None else copies
-        out_h, out_w = self.policy.size
-        anchor, shape = np.empty((n, 2), np.float32), np.empty((n, 2), np.float32)  # [left, top], [w, h]
-        flip = np.empty(n, np.int32)
-        op_ids = np.zeros((n, self.slots), np.int32)
-        params = np.zeros((n, self.slots, NUM_PARAMS), np.float32)
-        erase = [] if self.policy.erase is None else [None] * n
-        local, policy = self.local, self.policy
-        for i in range(n):
-            d = draw(policy, seed, epoch, int(indices[i]), int(copies[i]))
-            top, left, h, w = crop_window(policy, d, int(sizes[i][0]), int(sizes[i][1]))
-            anchor[i], shape[i] = (left, top), (w, h)
-            flip[i] = d.flip
-            for k, op in enumerate(d.ops):
-                op_ids[i, k] = local[op.name]
-                params[i, k] = op.params(out_h, out_w)
-            if erase:
-                erase[i] = self._erase(d)
-        cols = [anchor, shape, flip, op_ids, params]
-        if erase:
-            cols += [np.stack(c) for c in zip(*erase)]
-        return cols
+        and (height, width) sizes[i]. One array per input, a row per sample (`sample`'s, stacked)."""
+        copies = np.zeros(len(indices), np.int64) if copies is None else copies
+        rows = (
+            self.sample(int(i), seed, epoch, int(c), (int(z[0]), int(z[1]))) for i, c, z in zip(indices, copies, sizes)
+        )
+        return [np.stack(col) for col in zip(*rows)]
 
     def _erase(self, d) -> tuple:
         """(anchor [top, left], shape [h, w]) of the erased rectangle ([0, 0] when not erased), and for
