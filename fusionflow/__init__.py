@@ -1,7 +1,8 @@
 """FusionFlow: CPU-GPU cooperative data augmentation for PyTorch training.
 
 Public API: `FusionFlowLoader`, `DaliAccelerator` (the DALI accelerator's settings, `accelerator=`),
-`RayWorkers` (remote CPU workers; needs the `ray` extra), `SharedLoader` and
+`DecodedCache` (the node's cache of decoded images, `cache=`), `RayWorkers` (remote CPU workers; needs the
+`ray` extra), `SharedLoader` and
 `SharedLoaderClient` (one loader's batches shared by co-located training jobs), `ImageFolder`,
 `TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`
 (torchvision and timm transforms), `from_timm` (timm's create_transform arguments), `Policy`, and
@@ -10,6 +11,7 @@ FusionFlow's errors; `fusionflow.timm.create_loader` is timm's create_loader wit
 """
 
 from fusionflow.accel.config import DaliAccelerator  # no torch, no DALI: a frozen, checked configuration
+from fusionflow.cache.config import DecodedCache  # no torch: the decoded-image cache's settings (cache=)
 from fusionflow.datasets.folder import ImageFolder
 from fusionflow.datasets.shards import ShardError, TarShards
 from fusionflow.datasets.wrappers import DictSamples
@@ -36,6 +38,7 @@ __all__ = [
     "BridgeError",
     "DaliAccelerator",
     "DecodeError",
+    "DecodedCache",
     "DeviceOutOfMemory",
     "DictSamples",
     "FusionFlowError",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from fusionflow.cache.config import resolve_cache
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
 from fusionflow.policy import load_policy
@@ -70,6 +71,7 @@ class LoaderConfig:
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
     read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
+    cache: Any = None  # a fusionflow.DecodedCache (cache= resolved), or None
 
     def with_config(self, **changes) -> LoaderConfig:
         """A copy with `changes` (field=value): a loader's resumed seed, a SharedLoader's ring depth.
@@ -282,6 +284,7 @@ def resolve_config(
     remote_workers=None,
     sample_keys=None,
     read_ahead=None,
+    cache=None,
     host: Host | None = None,
     notes: list | None = None,
 ) -> LoaderConfig:
@@ -311,6 +314,7 @@ def resolve_config(
     trace_path = resolve_trace(trace)
     stage_names = resolve_stage_names(stage_times, policy)
     check_remote_workers(remote_workers, num_workers, persistent_workers, notes)
+    cache = resolve_cache(cache, policy)
     return LoaderConfig(
         batch_sampler=batch_sampler,
         sampler=sampler,
@@ -341,4 +345,5 @@ def resolve_config(
         remote_workers=remote_workers,
         sample_keys=sample_keys,
         read_ahead=read_ahead,
+        cache=cache,
     )

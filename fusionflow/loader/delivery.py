@@ -97,6 +97,7 @@ class Delivery:
     def account(self, wait: float, n: int) -> None:
         """One batch of `n` samples delivered after the training loop waited `wait` s for it."""
         self.stats.batches += 1
+        self.stats.refresh_cache()
         self.stats.samples += n
         self.stats.wait_seconds.append(wait)
 

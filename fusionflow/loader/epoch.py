@@ -69,7 +69,7 @@ class EpochIterator:
         # the samples as the loader reads them (sample_keys, read_ahead: loader/dataset.py wrap_samples)
         self.dataset, self.epoch, self.progress = parts.runtime.dataset, epoch, progress
         self._checkpoint, self._delivery, self._tracing = parts.checkpoint, parts.delivery, parts.tracing
-        self._stats = parts.stats
+        self._stats, self._runtime = parts.stats, parts.runtime
         self._started = self._ended = False
 
     def __iter__(self):
@@ -135,7 +135,7 @@ class WorkerIterator(EpochIterator):
 
     def __init__(self, parts, config, epoch: int, progress, slots: SlotPool | None = None):
         super().__init__(parts, config, epoch, progress)
-        self._runtime, self._gpu, self._next_epoch = parts.runtime, parts.gpu, parts.next_epoch
+        self._gpu, self._next_epoch = parts.gpu, parts.next_epoch
         self._mgr = None  # the runtime this epoch runs on (started at the first next())
         self._gen = None  # this epoch's generation on it
         # ring slots with no mini-batch in them (all of them, unless the caller holds some: a SharedLoader)
@@ -264,7 +264,8 @@ class InlineIterator(EpochIterator):
         from fusionflow.ops.pipeline import CpuPipeline
 
         cfg = self.config
-        self._pipe = CpuPipeline(cfg.policy)
+        cache = self._runtime.cache(cfg)
+        self._pipe = CpuPipeline(cfg.policy, cache=cache.reader() if cache is not None else None)
         self._buf = np.empty((cfg.capacity, *cfg.policy.out_shape), cfg.policy.out_dtype)
         self._labels = np.empty(cfg.capacity, np.int64)
         self._copies = copies_for(cfg.sampler)

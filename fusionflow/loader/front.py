@@ -94,6 +94,12 @@ class FusionFlowLoader:
     (fusionflow/loader/config.py: every default chosen, every value checked; nothing is started or built
     until the first iteration).
 
+    `cache` (None): a decoded-image cache for the node -- a byte budget ("64GB", an int) or a
+    fusionflow.DecodedCache(size, max_side=320, path=None, admission="score"): every sample is decoded
+    once, kept at a short side of at most max_side in memory every loader over the same dataset on the
+    node shares, and later epochs crop from it (fast mode only; fusionflow/cache/, docs/cache.md).
+    `loader.stats.cache` counts its hits, misses, bytes and the decode time saved.
+
     `num_workers` above the usable CPU cores warns (as DataLoader does) and runs; the workers then share cores.
     `sample_keys` ((image key, target key), or (image key,) for no targets): the dataset's samples are
     dicts -- WebDataset/`wids` samples (`("jpg", "cls")`, dotted keys match too), Hugging Face datasets
@@ -162,6 +168,7 @@ class FusionFlowLoader:
         remote_workers=None,
         sample_keys=None,
         read_ahead=None,
+        cache=None,
     ):
         # ---- resolution and validation (fusionflow/loader/config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
@@ -202,6 +209,7 @@ class FusionFlowLoader:
                 remote_workers=remote_workers,
                 sample_keys=sample_keys,
                 read_ahead=read_ahead,
+                cache=cache,
                 host=Host(cores=lambda: _usable_cpus()),
                 notes=notes,
             )

@@ -30,7 +30,8 @@ class LoaderRuntime:
         self.dataset, self.stats, self.tracing, self.gpu = dataset, stats, tracing, gpu
         self.manager: LocalManager | None = None
         self._spec = None  # what workers lent to this loader need (pickled once per loader)
-        self._box = [None, gpu]  # what the finalizer shuts down: [manager, GpuSession]
+        self._box = [None, gpu, None]  # what the finalizer shuts down: [manager, GpuSession, CacheAttachment]
+        self._cache_tried = False
         self._finalizer = weakref.finalize(self, shutdown_runtime, self._box)
         tracing.on_change = functools.partial(_set_trace, weakref.ref(self))  # weak: no cycle through tracing
 
@@ -60,6 +61,7 @@ class LoaderRuntime:
             tiny_batch_size=cfg.tiny_batch_size,
             stages=cfg.stage_names,
             job=cfg.job,
+            cache=self.cache(cfg),
         )
         self.manager = self._box[0] = LocalManager(
             self.dataset,
@@ -83,6 +85,23 @@ class LoaderRuntime:
             self.stop()
             raise
         return self.manager
+
+    @property
+    def cache_attachment(self):
+        """The open CacheAttachment (fusionflow/cache/attach.py: its store, keeper link, rows), or None."""
+        return self._box[2]
+
+    def cache(self, cfg):
+        """The loader's CacheAttachment, opened at its first start and kept until close(); None without
+        `cache=` or when it could not be set up (logged once)."""
+        if cfg.cache is not None and self._box[2] is None and not self._cache_tried:
+            from fusionflow.cache.attach import CacheAttachment
+
+            self._cache_tried = True
+            self._box[2] = CacheAttachment.open(cfg.cache, self.dataset, cfg.num_workers)
+            if self._box[2] is not None:
+                self.stats.watch_cache(self._box[2].counts)
+        return self._box[2]
 
     def _stage_times(self, cfg):
         """Where workers' per-stage totals go (the stats object, not the loader: the runtime must not
@@ -132,8 +151,10 @@ class LoaderRuntime:
         shutdown_runtime(self._box, self.stats, keep_bridge=True)
 
     def close(self) -> None:
-        """Shut everything down, the allocator bridge too (the loader may start again after)."""
+        """Shut everything down, the allocator bridge and the cache attachment too (the loader may start
+        again after)."""
         self.manager = None
+        self._cache_tried = False
         shutdown_runtime(self._box, self.stats)
 
 
@@ -159,7 +180,7 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
        counters into `stats` (`GpuSession.manager_stopped`); unless it is kept for the next
        manager, shut it down (every block goes back, the ledger is unlinked).
     """
-    mgr, gpu = box
+    mgr, gpu, cache = box
     box[0] = None
     if mgr is not None:
         if gpu is not None:
@@ -169,3 +190,9 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
             gpu.manager_stopped(stats)
     if gpu is not None and not keep_bridge:
         gpu.shutdown_bridge()
+    if cache is not None and not keep_bridge:
+        if stats is not None:
+            stats.refresh_cache()
+            stats.watch_cache(None)
+        box[2] = None
+        cache.close()

@@ -10,6 +10,9 @@ import numpy as np
 
 from fusionflow.runtime.counters import RuntimeCounters
 
+# the cache's counters that count this loader's run (reset() starts them again); the others describe the cache
+_CACHE_RUN = ("hits", "misses", "fills", "fill_bytes", "hit_seconds", "seconds_saved")
+
 
 @dataclass
 class LoaderStats(RuntimeCounters):
@@ -41,6 +44,10 @@ class LoaderStats(RuntimeCounters):
     next_epoch_speculated: int = 0
     next_epoch_adopted: int = 0
     next_epoch_discarded: int = 0
+    # the decoded-image cache (cache=): this loader's hits, misses, fills, fill_bytes, hit_seconds and
+    # seconds_saved (the decodes its hits skipped, as measured when filled) since reset(); the cache's
+    # entries, bytes, budget, refused (not admitted) and full, node-wide. Empty without a cache.
+    cache: dict = field(default_factory=dict)
 
     # The two maxima were first named like totals; the old names stay as read-only deprecated aliases.
     @property
@@ -130,7 +137,21 @@ class LoaderStats(RuntimeCounters):
             "remote_tiny_batches": self.remote_tiny_batches,
             "remote_workers_lost": self.remote_workers_lost,
             "remote_gateways_lost": self.remote_gateways_lost,
+            "cache": dict(self.cache),
         }
+
+    def watch_cache(self, counts) -> None:
+        """`counts()`: the cache attachment's counters (fusionflow/cache/attach.py), or None."""
+        self.__dict__["_cache_counts"] = counts
+        self.__dict__["_cache_base"] = {}
+        self.refresh_cache()
+
+    def refresh_cache(self) -> None:
+        counts = self.__dict__.get("_cache_counts")
+        if counts is None:
+            return
+        now, base = counts(), self.__dict__.get("_cache_base", {})
+        self.cache = {k: v - base.get(k, 0) if k in _CACHE_RUN else v for k, v in now.items()}
 
     def reset(self) -> None:
         """Every field back to its default (fresh lists and dicts), except what describes the loader's
@@ -140,3 +161,7 @@ class LoaderStats(RuntimeCounters):
             if f.name in ("startup_seconds", "memory_bridge", "global_manager", "accelerator_retired"):
                 continue
             setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+        counts = self.__dict__.get("_cache_counts")
+        if counts is not None:
+            self.__dict__["_cache_base"] = {k: v for k, v in counts().items() if k in _CACHE_RUN}
+            self.refresh_cache()

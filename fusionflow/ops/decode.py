@@ -43,11 +43,11 @@ from fusionflow.ops.decoded import from_array, tensor_to_hwc, to_rgb
 from fusionflow.ops.resample import resample_box, resize_antialiased, resize_window
 
 
-def _window_decodable(data) -> bool:  # complete JPEG bytes, and the window decoder loaded
+def window_decodable(data) -> bool:  # complete JPEG bytes, and the window decoder loaded
     return isinstance(data, (bytes, bytearray, memoryview)) and jpeg.is_complete_jpeg(data) and jpeg.available()
 
 
-def _checked_header(data: bytes, what, max_pixels) -> tuple[int, int]:  # refused before decoding
+def checked_header(data: bytes, what, max_pixels) -> tuple[int, int]:  # refused before decoding
     height, width, _ = jpeg.info(data)
     check_pixels(width, height, max_pixels, what)
     return height, width
@@ -149,7 +149,7 @@ def decode_crop_resize(
     """Decode `data`, crop the window `window_fn(height, width)` returns, resize to `out_size`
     (height, width) with antialiased bilinear filtering. Returns an RGB image. An encoded image
     whose header declares more than `max_pixels` pixels raises ImageTooLargeError undecoded."""
-    if _window_decodable(data):
+    if window_decodable(data):
         try:
             return _jpeg_window_crop_resize(bytes(data), window_fn, out_size, fast, what, max_pixels)
         except jpeg.WindowDecodeError:
@@ -170,14 +170,14 @@ def decode_crop_resize(
                 box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
     except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode {img.format or 'image'} {width}x{height}: {exc}", what) from exc
-    img = _load_rgb(img, what)
+    img = load_rgb(img, what)
     if isinstance(box[0], float):  # reduced image: resample straight from the fractional box
         return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
     # crop first so border pixels never read outside the window (torchvision's resized_crop)
     return img.crop(box).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
 
 
-def _load_rgb(img: Image.Image, what) -> Image.Image:
+def load_rgb(img: Image.Image, what) -> Image.Image:
     """Decode a lazily opened image (its errors named) and convert it to RGB."""
     width, height = img.size
     try:
@@ -210,7 +210,7 @@ def decode_crop_resize_filtered(
     bicubic resamples its fractional box, as the fast mode's bilinear crop does; a smaller one is resized
     by torch's antialiased bicubic (timm's 'random' interpolation sends half the samples here)."""
     out_h, out_w = out_size
-    if fast and resample == Image.Resampling.BICUBIC and _window_decodable(data) and jpeg.can_scale():
+    if fast and resample == Image.Resampling.BICUBIC and window_decodable(data) and jpeg.can_scale():
         try:
             arr, box = decode_fast_window(bytes(data), window_fn, out_size, what, max_pixels)
             if box is None:  # full scale: torch's antialiased bicubic (Pillow's filter, a quarter of its time)
@@ -218,9 +218,9 @@ def decode_crop_resize_filtered(
             return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: the full-scale path below decodes it or raises its usual error
-    if _window_decodable(data):
+    if window_decodable(data):
         data = bytes(data)
-        height, width = _checked_header(data, what, max_pixels)
+        height, width = checked_header(data, what, max_pixels)
         top, left, h, w = window_fn(height, width)
         try:
             arr, _ = jpeg.decode_window(data, top, left, h, w)
@@ -228,7 +228,7 @@ def decode_crop_resize_filtered(
                 return Image.fromarray(arr).resize((out_w, out_h), resample, reducing_gap=None)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
-    img = _load_rgb(open_image(data, what, max_pixels), what)
+    img = load_rgb(open_image(data, what, max_pixels), what)
     top, left, h, w = window_fn(img.size[1], img.size[0])
     return img.crop((left, top, left + w, top + h)).resize((out_w, out_h), resample, reducing_gap=None)
 
@@ -248,9 +248,9 @@ def decode_box_resize(
     coefficients from the box can round differently). A JPEG decodes only the box and the filter's
     support; `fast` and bilinear: a box of 2x the output or more is decoded at a DCT scale first."""
     out_h, out_w = out_size
-    if _window_decodable(data):
+    if window_decodable(data):
         data = bytes(data)
-        height, width = _checked_header(data, what, max_pixels)
+        height, width = checked_header(data, what, max_pixels)
         x0, y0, x1, y1 = box_fn(height, width)
         scaled = fast and jpeg.can_scale() and resample == Image.Resampling.BILINEAR  # others: Pillow's
         r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if scaled else 1
@@ -272,7 +272,7 @@ def decode_box_resize(
                 return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
-    img = _load_rgb(open_image(data, what, max_pixels), what)
+    img = load_rgb(open_image(data, what, max_pixels), what)
     box = box_fn(img.size[1], img.size[0])
     return img.resize((out_w, out_h), resample, box=box, reducing_gap=None)
 
@@ -294,7 +294,7 @@ def _jpeg_window_crop_resize(
     them measured slower) with a margin, and resampled by Pillow from the window's exact fractional
     box in the scaled image -- the geometry of a full-image Pillow draft(), so the crop is exactly
     the drawn one (rounding it to the scaled grid for torch's resize measured 2-4 dB worse)."""
-    height, width = _checked_header(data, what, max_pixels)
+    height, width = checked_header(data, what, max_pixels)
     top, left, h, w = window_fn(height, width)
     out_h, out_w = out_size
     r = dct_reduction(h, w, out_h, out_w) if fast else 1
@@ -333,7 +333,7 @@ def decode_crop_resize_array(
     """The fast mode's decode_crop_resize as a uint8 HWC RGB array (the array pipeline's input): a
     JPEG's window through the window decoder and OpenCV/torch resampling (`_jpeg_window_array`),
     anything else through the Pillow path."""
-    if _window_decodable(data):
+    if window_decodable(data):
         try:
             return _jpeg_window_array(bytes(data), window_fn, out_size, what, max_pixels)
         except jpeg.WindowDecodeError:
@@ -356,7 +356,7 @@ def decode_fast_window(data: bytes, window_fn, out_size, what=None, max_pixels: 
     decode-only column): the window `window_fn(height, width)` of a JPEG decoded at the coarsest DCT
     scale that still covers `out_size`, as (uint8 HWC array, None) at full scale or (array, the
     window's fractional box in it) when scaled (`decode_scaled_window`)."""
-    height, width = _checked_header(data, what, max_pixels)
+    height, width = checked_header(data, what, max_pixels)
     top, left, h, w = window_fn(height, width)
     r = dct_reduction(h, w, *out_size)
     if r == 1:

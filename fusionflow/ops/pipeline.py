@@ -8,12 +8,14 @@ to the per-op tolerances in tests/test_ops_dali.py.
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 import numpy as np
 from PIL import Image
 
 from fusionflow.ops import augmix, augmix_torchvision, exact, fast, jpeg
+from fusionflow.ops.cached import crop_cached
 from fusionflow.ops.decode import (
     decode_box_resize,
     decode_crop_resize,
@@ -32,8 +34,10 @@ class CpuPipeline:
     arrays from the window decoder to the ring, with each op's fastest kernel
     (fusionflow/ops/fast.py) and OpenCV's split writing the planes straight into the slot."""
 
-    def __init__(self, policy):
+    def __init__(self, policy, cache=None):
+        """`cache`: a fusionflow.ops.cached.CacheReader (fast mode only), or None."""
         self.policy: Policy = load_policy(policy)
+        self.cache = cache if self.policy.fast_downscale else None
         aug = self.policy.augment
         self.style = exact.Style(aug.interpolation, aug.fill)
         # ops whose interpolation is drawn per op (timm's 'random') carry it: one style per filter
@@ -163,9 +167,13 @@ class CpuPipeline:
         window = partial(crop_window, p, d)
         return decode_crop_resize_filtered(data, window, p.size, resample, what, p.max_pixels, p.fast_downscale)
 
-    def array(self, data, d: SampleDraw, what: str | None = None, tick=None) -> np.ndarray:
-        """fast mode: the augmented sample as a uint8 HWC RGB array of the output size."""
-        if self.policy.center_resize is not None:
+    def array(self, data, d: SampleDraw, what: str | None = None, tick=None, index: int | None = None) -> np.ndarray:
+        """fast mode: the augmented sample as a uint8 HWC RGB array of the output size (through the
+        decoded-image cache, when there is one, for sample `index`)."""
+        arr = self._from_cache(data, d, what, index) if self.cache is not None and index is not None else None
+        if arr is not None:
+            pass
+        elif self.policy.center_resize is not None:
             arr = np.asarray(self._center(data, what))
         elif (d.crop_resample or self.policy.crop_interpolation) != "bilinear":
             arr = np.asarray(self._filtered(data, d, what))
@@ -191,13 +199,37 @@ class CpuPipeline:
                 tick(BLUR)
         return arr
 
+    def _from_cache(self, data, d: SampleDraw, what, index: int) -> np.ndarray | None:
+        """The decode, crop and resize from the cached image (fusionflow/ops/cached.py), or None."""
+        t0 = time.perf_counter_ns()
+        p = self.policy
+        got = self.cache.source(data, index, what, p.max_pixels)
+        if got is None:
+            return None
+        img, (height, width), hit = got
+        if p.center_resize is not None:
+            box, resample = center_box(p.center_resize, p.size, height, width), p.crop_interpolation
+        else:
+            top, left, h, w = crop_window(p, d, height, width)
+            box, resample = (left, top, left + w, top + h), d.crop_resample or p.crop_interpolation
+        arr = crop_cached(img, (height, width), box, p.size, resample)
+        if hit:
+            self.cache.hit_time(time.perf_counter_ns() - t0)
+        return arr
+
     def run_draw(
-        self, data, d: SampleDraw, out: np.ndarray | None = None, what: str | None = None, tick=None
+        self,
+        data,
+        d: SampleDraw,
+        out: np.ndarray | None = None,
+        what: str | None = None,
+        tick=None,
+        index: int | None = None,
     ) -> np.ndarray:
         if out is None:
             out = np.empty(self.out_shape, self.out_dtype)
         if self.fast:
-            self._write_array(self.array(data, d, what, tick), out)
+            self._write_array(self.array(data, d, what, tick, index), out)
         else:
             self._write_image(self.image(data, d, what, tick), out)
         if d.erase is not None:  # torchvision's / timm's erase on the output tensor: each rectangle := fill
@@ -245,4 +277,5 @@ class CpuPipeline:
             out,
             what if what is not None else f"sample {index}",
             tick,
+            index,
         )

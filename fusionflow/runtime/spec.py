@@ -29,3 +29,4 @@ class RuntimeSpec:
     tiny_batch_size: int = 4  # samples per tiny-batch
     stages: tuple[str, ...] | None = None  # stage names workers time per sample, or None
     job: str | None = None  # the global manager's job (worker lending), or None
+    cache: Any = None  # the loader's CacheAttachment (fusionflow/cache/attach.py): workers get handles, or None

@@ -200,8 +200,10 @@ def worker_loop(
     cpu: int | None,
     spec_hash: bytes | None = None,
     stages: tuple[str, ...] | None = None,
+    cache=None,
 ) -> None:
-    """`stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None: no stage timing."""
+    """`stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None: no stage timing.
+    `cache`: a CacheHandle (fusionflow/cache/attach.py), or None: no decoded-image cache."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     close_inherited()
     ring = None
@@ -220,7 +222,7 @@ def worker_loop(
         from fusionflow.ops.pipeline import CpuPipeline
 
         cv2.setNumThreads(1)  # one sample at a time per worker: OpenCV's own threads would only contend
-        pipe = CpuPipeline(policy)
+        pipe = CpuPipeline(policy, cache=cache.reader() if cache is not None else None)
         clock = None
         if stages:
             from fusionflow.ops.stages import StageClock

@@ -104,6 +104,7 @@ class WorkerPool:
                 self.cores.core_of(wid),
                 self.spec_hash,
                 spec.stages,
+                spec.cache.handle(wid) if spec.cache is not None else None,
             ),
         )
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins

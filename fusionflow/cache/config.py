@@ -1,0 +1,104 @@
+"""`cache=`: what a user gives FusionFlowLoader, checked when the loader is built.
+
+`cache="64GB"` (or an int of bytes) is `DecodedCache(size="64GB")`; a `DecodedCache` says more. Sizes:
+an int of bytes, or a number with a unit -- KB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB (and K/M/G/T,
+as docker's --shm-size reads them) powers of 1024.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from fusionflow.cache.store import ADMISSIONS
+
+# The short side the cache keeps at most: at 320 a 224 random resized crop of an ImageNet-sized
+# image keeps a median 40 dB of the uncached fast mode (experiments/bench_cache.py's fidelity table).
+DEFAULT_MAX_SIDE = 320
+MIN_SIZE = 1 << 20
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_UNITS.update({f"{u}ib": v for u, v in list(_UNITS.items()) if u not in ("", "b")})
+_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+_EXAMPLE = "e.g. cache='64GB', cache=8 * 2**30, or cache=fusionflow.DecodedCache(size='64GB', max_side=320)"
+
+
+def parse_size(value, what: str = "cache") -> int:
+    """Bytes from an int or a string such as '64GB', '512MiB', '1.5G'."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(f"{what}={value!r} must be a byte budget (an int or a string with a unit), {_EXAMPLE}")
+    given = value
+    if isinstance(value, str):
+        found = _SIZE_RE.fullmatch(value)
+        unit = found and _UNITS.get(found[2].lower())
+        if not found or unit is None:
+            raise ValueError(
+                f"{what}={value!r} is not a size: write a number and a unit (KB, MB, GB, TB or KiB, MiB, GiB, "
+                f"TiB), {_EXAMPLE}"
+            )
+        value = int(float(found[1]) * unit)
+    if value < MIN_SIZE:
+        raise ValueError(
+            f"{what}={given!r} ({value} bytes) is too small for a decoded-image cache: give at least 1 MiB, {_EXAMPLE}"
+        )
+    return value
+
+
+class DecodedCache:
+    """A node-wide cache of decoded images for FusionFlowLoader (`cache=`).
+
+    size       the memory it may take: bytes, or a string such as "64GB" (see `parse_size`)
+    max_side   the cached images' short side at most (pixels); the random resized crop is taken from
+               the cached image, so below the crop's own size it loses detail (DEFAULT_MAX_SIDE's note)
+    path       None: shared memory (/dev/shm); a directory on a local disk: a nameless file there, mapped
+               (the page cache holds what fits, the disk the rest)
+    admission  "score" (default): when the budget is below the dataset, keep the images that save the
+               most decode time per stored byte; "first": keep whatever comes first while room is left
+
+    Loaders over the same dataset with the same max_side and admission on one node share one cache
+    (the first one's size governs), and it is released when the last of them closes.
+    """
+
+    def __init__(self, size, max_side: int = DEFAULT_MAX_SIDE, path: str | None = None, admission: str = "score"):
+        self.size = parse_size(size, "DecodedCache size")
+        if isinstance(max_side, bool) or not isinstance(max_side, int) or not 16 <= max_side <= 65535:
+            raise ValueError(f"DecodedCache(max_side={max_side!r}) must be an int of pixels in [16, 65535], e.g. 320")
+        if path is not None and not (isinstance(path, (str, os.PathLike)) and os.path.isdir(path)):
+            raise ValueError(
+                f"DecodedCache(path={path!r}) must be an existing directory on a local disk (the cache's file "
+                "is made there, nameless), or None for shared memory"
+            )
+        if admission not in ADMISSIONS:
+            raise ValueError(f"DecodedCache(admission={admission!r}) must be one of {ADMISSIONS}")
+        self.max_side, self.admission = max_side, admission
+        self.path = os.fspath(path) if path is not None else None
+
+    def __repr__(self) -> str:
+        return (
+            f"DecodedCache(size={self.size}, max_side={self.max_side}, path={self.path!r}, "
+            f"admission={self.admission!r})"
+        )
+
+
+def resolve_cache(cache, policy) -> DecodedCache | None:
+    """`cache=` as a DecodedCache (None: no cache), refused with the reason where it cannot work."""
+    if cache is None:
+        return None
+    if not isinstance(cache, DecodedCache):
+        if isinstance(cache, bool) or not isinstance(cache, (int, str)):
+            raise TypeError(f"cache={cache!r} must be None, a byte budget or a fusionflow.DecodedCache, {_EXAMPLE}")
+        cache = DecodedCache(parse_size(cache, "cache"))
+    if not policy.fast_downscale:
+        raise ValueError(
+            f"cache= needs the policy's decode.mode fast ({policy.source} is exact): exact mode reproduces "
+            "torchvision's pixels from the full-resolution decode, and the cache crops from images kept at "
+            f"max_side={cache.max_side}. Use a fast policy (decode: {{mode: fast}}) or cache=None"
+        )
+    short = min(policy.size)
+    if cache.max_side < short:
+        raise ValueError(
+            f"DecodedCache(max_side={cache.max_side}) is below the policy's output size {policy.size}: every "
+            f"crop would be enlarged from a smaller image than the output; use max_side >= {short} "
+            f"(the default is {DEFAULT_MAX_SIDE})"
+        )
+    return cache

@@ -1,0 +1,231 @@
+"""One decoded-image cache per node and dataset: the keeper process that owns it, and how a loader
+finds it.
+
+The keeper is a small process (double-forked from the first loader that asks, so it is nobody's
+child and never a zombie) that creates the cache segment, unlinks its name at once (nothing in
+/dev/shm survives any SIGKILL: the memory goes with the last process that maps it), listens on an
+abstract Unix socket and hands the segment's descriptor to every loader that attaches (SCM_RIGHTS,
+after runtime/authsock.py's handshake both ways). It counts its loaders by their connections -- the
+kernel closes a dead process's socket -- and exits when the last one has gone.
+
+Rendezvous: the key is a hash of (uid, the dataset's fingerprint, max_side, admission); the keeper
+writes {pid, address, secret} to `<userdir>/cache-<key>.json` (0600, runtime/userdir.py) and a
+loader looks there under an flock of `cache-<key>.lock`, so two loaders starting together find one
+keeper. A record whose pid is gone is stale and replaced.
+
+Wire (pickled tuples on the authenticated connection): loader -> ("attach", entries) then, at close,
+("detach",); keeper -> ("ok", size, max_side) + the descriptor, or ("refused", why); ("bye", left).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+import select
+import signal
+import time
+from multiprocessing.connection import Connection
+
+import posix_ipc
+
+from fusionflow.cache.store import CacheStore
+from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout
+from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.shm import recv_fd, send_fd
+from fusionflow.runtime.userdir import directory
+
+log = logging.getLogger("fusionflow.cache")
+START_S = 20.0  # a keeper that has not said it is ready by then is given up on
+FIRST_CLIENT_S = 30.0  # a keeper nobody attaches to this long after it started exits
+GONE_S = 5.0  # the last loader to detach waits this long for the keeper to exit
+
+
+def cache_key(fingerprint: str, max_side: int, admission: str) -> str:
+    return hashlib.sha256(f"{os.getuid()}\0{fingerprint}\0{max_side}\0{admission}".encode()).hexdigest()[:24]
+
+
+class KeeperLink:
+    """A loader's attachment to its node's keeper: the connection (held open: it is how the keeper
+    counts this loader) and the mapped store."""
+
+    def __init__(self, conn: Connection, store: CacheStore, pid: int):
+        self.conn, self.store, self.keeper_pid = conn, store, pid
+
+    def close(self) -> None:
+        """Detach; the last loader waits (bounded) until the keeper has exited, so nothing is left
+        running when close() returns."""
+        left = None
+        try:
+            set_receive_timeout(self.conn, 2)
+            self.conn.send(("detach",))
+            reply = self.conn.recv()
+            left = reply[1] if reply and reply[0] == "bye" else None
+        except (OSError, EOFError, BlockingIOError):
+            pass
+        self.conn.close()
+        if left == 0:
+            deadline = time.monotonic() + GONE_S
+            while pid_alive(self.keeper_pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+
+def attach(
+    key: str, entries: int, size: int, max_side: int, admission: str, path: str | None, check=None
+) -> KeeperLink:
+    """The node's cache for `key`: the running keeper's, or a new keeper's. Raises OSError (or
+    ValueError for a keeper that refuses) when neither works; the caller falls back. `check()` runs
+    before a new keeper is started (the room for a new segment)."""
+    folder = directory()
+    record, lock = os.path.join(folder, f"cache-{key}.json"), os.path.join(folder, f"cache-{key}.lock")
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        rec = _read(record)
+        if rec is not None and pid_alive(rec["pid"]):
+            try:
+                return _attach_to(rec, entries)
+            except (OSError, EOFError):
+                pass  # it is exiting (its last loader just left): start another
+        if check is not None:
+            check()
+        _start_keeper(record, entries, size, max_side, admission, path)
+        return _attach_to(_read(record), entries)
+    finally:
+        os.close(fd)  # drops the flock
+
+
+def _read(record: str) -> dict | None:
+    try:
+        with open(record) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _attach_to(rec: dict, entries: int) -> KeeperLink:
+    conn = connect(rec["address"], bytes.fromhex(rec["secret"]))
+    try:
+        conn.send(("attach", entries))
+        reply = conn.recv()
+        if reply[0] != "ok":
+            raise ValueError(reply[1])
+        fd = recv_fd(conn)
+        set_receive_timeout(conn, 0)
+        try:
+            store = CacheStore(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        return KeeperLink(conn, store, rec["pid"])
+    except BaseException:
+        conn.close()
+        raise
+
+
+def _start_keeper(record: str, entries: int, size: int, max_side: int, admission: str, path: str | None) -> None:
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the intermediate: fork the keeper and leave at once, so it is adopted by init
+        try:
+            os.close(r)
+            os.setsid()
+            if os.fork() == 0:
+                _keeper_main(w, record, entries, size, max_side, admission, path)
+        finally:
+            os._exit(0)
+    os.close(w)
+    try:
+        os.waitpid(pid, 0)
+        ready, _, _ = select.select([r], [], [], START_S)
+        answer = os.read(r, 4096).decode() if ready else "no answer"
+    finally:
+        os.close(r)
+    if answer != "ok":
+        raise OSError(f"the cache keeper did not start: {answer}")
+
+
+def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, admission: str, path) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.closerange(3, w)
+    os.closerange(w + 1, 1 << 16)
+    try:
+        seg = segment(path)
+        store = CacheStore.create(seg, entries, size, max_side, admission)
+        store.close()
+        secret = secrets.token_bytes(32)
+        address = f"fusionflow-cache-{os.getuid()}-{secrets.token_hex(8)}"
+        listener = listen(address)
+        tmp = f"{record}.{os.getpid()}"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"pid": os.getpid(), "address": address, "secret": secret.hex()}, f)
+        os.replace(tmp, record)
+    except BaseException as exc:
+        os.write(w, f"{type(exc).__name__}: {exc}".encode())
+        os._exit(1)
+    os.write(w, b"ok")
+    os.close(w)
+    try:
+        _serve(listener, secret, seg, entries)
+    finally:
+        if (_read(record) or {}).get("pid") == os.getpid():
+            os.unlink(record)
+        os._exit(0)
+
+
+def segment(path: str | None) -> int:
+    """A descriptor of a new, nameless file: in /dev/shm (named, then unlinked at once), or in `path`."""
+    if path is not None:
+        return os.open(path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    name = "/ff_cache_" + secrets.token_hex(10)
+    seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    posix_ipc.unlink_shared_memory(name)
+    return seg.fd
+
+
+def _serve(listener, secret: bytes, seg: int, entries: int) -> None:
+    clients: list[Connection] = []
+    started, ever = time.monotonic(), False
+    while clients or (not ever and time.monotonic() - started < FIRST_CLIENT_S):
+        ready, _, _ = select.select([listener, *clients], [], [], 1.0)
+        for conn in [c for c in ready if c is not listener]:
+            try:
+                msg = conn.recv()
+            except (OSError, EOFError):
+                msg = None
+            clients.remove(conn)
+            if msg is not None and msg[0] == "detach":
+                try:
+                    conn.send(("bye", len(clients)))
+                except OSError:
+                    pass
+            conn.close()
+        if listener in ready:
+            conn = accept(listener, secret, "the decoded-image cache")
+            if conn is None:
+                continue
+            if _welcome(conn, seg, entries):
+                clients.append(conn)
+                ever = True
+            else:
+                conn.close()
+
+
+def _welcome(conn: Connection, seg: int, entries: int) -> bool:
+    try:
+        set_receive_timeout(conn, 2)
+        msg = conn.recv()
+        if msg[0] != "attach":
+            return False
+        if msg[1] != entries:
+            conn.send(("refused", f"the node's cache for this dataset holds {entries} samples, not {msg[1]}"))
+            return False
+        conn.send(("ok",))
+        send_fd(conn, seg)
+        set_receive_timeout(conn, 0)
+        return True
+    except (OSError, EOFError, BlockingIOError):
+        return False
