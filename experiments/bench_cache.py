@@ -104,7 +104,7 @@ def per_core(data, policy: str, repeats: int, max_side: int) -> dict:
     def fresh_fill() -> None:
         if state["reader"] is not None:
             drop_cache(state["reader"])
-        state["reader"] = private_cache(n, 64 << 30, max_side)
+        state["reader"] = private_cache(n, 4 << 30, max_side)
         epoch_runner(CpuPipeline(policy, cache=state["reader"]), data, out)(0)
 
     def warm() -> None:
@@ -155,7 +155,7 @@ def loader_epochs(data, policy: str, workers: int, epochs: int, repeats: int, ma
     for r in range(repeats):
         order = ("uncached", "cached") if r % 2 == 0 else ("cached", "uncached")
         for kind in order:
-            cache = DecodedCache(size=64 << 30, max_side=max_side) if kind == "cached" else None
+            cache = DecodedCache(size=4 << 30, max_side=max_side) if kind == "cached" else None
             loader = FusionFlowLoader(
                 ds, batch_size=32, shuffle=True, num_workers=workers, policy=policy, seed=r,
                 persistent_workers=True, pin_workers=False, cache=cache,
@@ -189,7 +189,7 @@ def budget_run(data, policy: str, share: float, repeats: int, max_side: int) -> 
     from fusionflow.ops.pipeline import CpuPipeline
 
     n = len(data)
-    full = private_cache(n, 64 << 30, max_side)
+    full = private_cache(n, 4 << 30, max_side)
     out = np.empty(CpuPipeline(policy).out_shape, np.uint8)
     epoch_runner(CpuPipeline(policy, cache=full), data, out)(0)
     total = full.store.counts([])["bytes"]
@@ -230,7 +230,7 @@ def fidelity(data, policies, max_side: int, epochs: int = 2) -> dict:
 
     table = {}
     for policy in policies:
-        plain, reader = CpuPipeline(policy), private_cache(len(data), 64 << 30, max_side)
+        plain, reader = CpuPipeline(policy), private_cache(len(data), 4 << 30, max_side)
         cached = CpuPipeline(policy, cache=reader)
         values = [psnr(plain(d, i, 0, e), cached(d, i, 0, e)) for e in range(epochs) for i, d in enumerate(data)]
         drop_cache(reader)

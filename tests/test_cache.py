@@ -365,3 +365,48 @@ def test_the_pipeline_s_cache_reader_counts_hits_and_misses():
     assert store.counts([])["entries"] == 10
     store.close()
     os.close(fd)
+
+
+def test_a_stopped_lock_holder_costs_a_fill_not_the_run(monkeypatch):
+    """A worker stopped (SIGSTOP) while it holds the record lock: the others wait LOCK_S, then run the
+    sample uncached -- its pixels are still made."""
+    from fusionflow.cache import store as st
+
+    monkeypatch.setattr(st, "LOCK_S", 0.3)
+    fd = keeper.segment(None)
+    store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with CacheStore(fd)._locked():
+                os.write(w, b"x")
+                os.kill(os.getpid(), signal.SIGSTOP)
+        finally:
+            os._exit(0)
+    try:
+        os.read(r, 1)
+        pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
+        out = pipe(JPEGS[0], 0, 0, 0)
+        assert out.shape == (3, 32, 32) and store.get(0, len(JPEGS[0])) is None
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(r)
+        os.close(w)
+    assert store.claim(0, (8, 8, 3), (8, 8), len(JPEGS[0]), 1) is not None  # the dead holder's lock is gone
+    store.close()
+    os.close(fd)
+
+
+def test_a_cache_on_a_local_disk_leaves_no_file(tmp_path):
+    loader = FusionFlowLoader(
+        Indexed(),
+        batch_size=8,
+        num_workers=1,
+        policy=SMALL,
+        cache=DecodedCache("64MB", max_side=MAX_SIDE, path=tmp_path),
+    )
+    epochs(loader, 2)
+    assert loader.stats.cache["hits"] >= len(JPEGS) and os.listdir(tmp_path) == []
+    loader.close()

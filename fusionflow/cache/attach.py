@@ -118,7 +118,10 @@ class CacheAttachment:
         if store is None:
             return
         self._reader = None
-        store.release_rows(self.rows)
+        try:
+            store.release_rows(self.rows)
+        except TimeoutError:
+            pass  # a stopped worker holds the lock: the rows are freed when this process is gone
         fd = store.fd
         store.close()
         os.close(fd)

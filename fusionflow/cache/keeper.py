@@ -83,7 +83,7 @@ def attach(
     record, lock = os.path.join(folder, f"cache-{key}.json"), os.path.join(folder, f"cache-{key}.lock")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _flock(fd, lock)
         rec = _read(record)
         if rec is not None and pid_alive(rec["pid"]):
             try:
@@ -96,6 +96,22 @@ def attach(
         return _attach_to(_read(record), entries)
     finally:
         os.close(fd)  # drops the flock
+
+
+def _flock(fd: int, path: str) -> None:
+    """The rendezvous lock, waited for at most START_S + 10 s (its holder starts a keeper at most
+    START_S): a holder stopped with SIGSTOP costs this loader its cache, not its run."""
+    deadline = time.monotonic() + START_S + 10
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise OSError(
+                    f"{path} stayed locked over {START_S + 10:.0f} s (a loader stopped while starting a keeper?)"
+                ) from None
+            time.sleep(0.01)
 
 
 def _read(record: str) -> dict | None:

@@ -35,6 +35,7 @@ import fcntl
 import math
 import mmap
 import os
+import time
 from contextlib import contextmanager
 
 import numpy as np
@@ -50,6 +51,7 @@ ROW_FIELDS = 8
 ENTRY_FIELDS = 8
 ALIGN = 64
 CHUNK = 64 << 20  # pages reserved per step as the arena fills
+LOCK_S = 10.0  # the longest a process waits for the record lock (its holders keep it for microseconds)
 
 # header words
 H_MAGIC, H_VERSION, H_ENTRIES, H_ARENA_OFF, H_ARENA_SIZE, H_BUMP, H_RESERVED = range(7)
@@ -133,7 +135,20 @@ class CacheStore:
 
     @contextmanager
     def _locked(self):
-        fcntl.lockf(self.fd, fcntl.LOCK_EX, 1, 0, os.SEEK_SET)
+        """The record lock, waited for at most LOCK_S (a holder stopped with SIGSTOP must not stop every
+        other worker: past the bound, TimeoutError, and the caller gives up that fill or publication)."""
+        deadline, pause = None, 0.0002
+        while True:
+            try:
+                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
+                break
+            except (BlockingIOError, PermissionError):
+                now = time.monotonic()
+                deadline = deadline or now + LOCK_S
+                if now > deadline:
+                    raise TimeoutError(f"the decoded-image cache's lock was held over {LOCK_S} s") from None
+                time.sleep(pause)
+                pause = min(0.01, pause * 2)
         try:
             yield
         finally:
