@@ -14,6 +14,8 @@ jittered 10%; 800-2000: sides uniform in 800..2000 px), policy --policy (RandAug
   loader     FusionFlowLoader, --workers CPU workers (persistent), batch 32: per repeat a loader
              without the cache and one with a fresh cache, --epochs epochs each: epoch 1 (both
              start their workers: fill vs uncached), then the warm epochs vs uncached ones
+  paced      per core, DecodedCache(fill_share=--fill-share): each of --paced-epochs epochs against an
+             uncached epoch timed beside it, and the share of the set cached after it
   budget     per core, a cache of --budget-share (25%) of the set's decoded bytes, with admission
              "score" (decode time per stored byte) vs "first" (first come): the warm epochs' rate
              and hit share; the set is the chosen one unless --budget-sizes names another (mixed
@@ -23,7 +25,7 @@ jittered 10%; 800-2000: sides uniform in 800..2000 px), policy --policy (RandAug
 
     .venv/bin/python -m experiments.bench_cache [--sizes imagenet] [--images 256] [--repeats 3]
         [--workers 2] [--epochs 3] [--budget-share 0.25] [--budget-sizes 200-2000]
-        [--max-sides 256,320,384,448] [--skip loader,budget,fidelity]
+        [--max-sides 256,320,384,448] [--fill-share 0.1] [--paced-epochs 8] [--skip loader,paced,budget,fidelity]
 """
 
 from __future__ import annotations
@@ -216,6 +218,30 @@ def budget_run(data, policy: str, share: float, repeats: int, max_side: int) -> 
     return result
 
 
+def paced_run(data, policy: str, share: float, epochs: int, max_side: int) -> dict:
+    """Per core, a fresh cache filled with `fill_share=share`: each epoch's rate over an uncached epoch
+    timed beside it, and the share of the set cached after it."""
+    from fusionflow.cache.reader import CacheReader
+    from fusionflow.ops.pipeline import CpuPipeline
+
+    n = len(data)
+    plain = CpuPipeline(policy)
+    out = np.empty(plain.out_shape, np.uint8)
+    eager = private_cache(n, 4 << 30, max_side)
+    reader = CacheReader(eager.store, reader_row(eager), fill_share=share)
+    paced = CpuPipeline(policy, cache=reader)
+    ratios, cached = [], []
+    for e in range(epochs):
+        base = _timed(lambda: epoch_runner(plain, data, out)(e))  # noqa: B023 (called at once)
+        ratios.append(base / _timed(lambda: epoch_runner(paced, data, out)(e)))  # noqa: B023
+        cached.append(eager.store.counts([])["entries"] / n)
+        print(
+            f"paced fill_share={share}, epoch {e + 1}: {ratios[-1]:.2f}x uncached, {cached[-1]:.0%} cached", flush=True
+        )
+    drop_cache(eager)
+    return {"fill_share": share, "over_uncached_per_epoch": ratios, "cached_share_per_epoch": cached}
+
+
 def reader_row(reader) -> int:
     return next(r for r in range(len(reader.store.rows)) if reader.store.rows[r, 0] == os.getpid())
 
@@ -255,7 +281,9 @@ def main() -> None:
     ap.add_argument("--budget-sizes", default="200-2000")
     ap.add_argument("--max-sides", default="256,320,384,448")
     ap.add_argument("--fidelity-images", type=int, default=64)
-    ap.add_argument("--skip", default="", help="comma-separated: per_core, loader, budget, fidelity")
+    ap.add_argument("--fill-share", type=float, default=0.1)
+    ap.add_argument("--paced-epochs", type=int, default=8)
+    ap.add_argument("--skip", default="", help="comma-separated: per_core, loader, paced, budget, fidelity")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -265,6 +293,8 @@ def main() -> None:
         result["per_core"] = per_core(data, args.policy, args.repeats, args.max_side)
     if "loader" not in skip:
         result["loader"] = loader_epochs(data, args.policy, args.workers, args.epochs, args.repeats, args.max_side)
+    if "paced" not in skip:
+        result["paced"] = paced_run(data, args.policy, args.fill_share, args.paced_epochs, args.max_side)
     if "budget" not in skip:
         mixed = sample_set(args.budget_sizes, args.images) if args.budget_sizes != args.sizes else data
         result["budget"] = budget_run(mixed, args.policy, args.budget_share, args.repeats, args.max_side)

@@ -410,3 +410,35 @@ def test_a_cache_on_a_local_disk_leaves_no_file(tmp_path):
     epochs(loader, 2)
     assert loader.stats.cache["hits"] >= len(JPEGS) and os.listdir(tmp_path) == []
     loader.close()
+
+
+def test_paced_filling_spends_at_most_its_share_of_time_and_completes(monkeypatch):
+    """fill_share: whole-image decodes take at most that share of a process's time (a clock that advances
+    1 us per reading here, so the test does not race the machine's), the rest of the misses take the
+    uncached path, and later epochs fill what is left."""
+    from fusionflow.cache import reader as reader_module
+
+    ticks = iter(range(0, 10**12, 1000))
+
+    class Clock:
+        @staticmethod
+        def perf_counter_ns():
+            return next(ticks)
+
+    monkeypatch.setattr(reader_module, "time", Clock)
+    fd = keeper.segment(None)
+    store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
+    reader = CacheReader(store, None, fill_share=0.25)
+    pipe = CpuPipeline(SMALL, cache=reader)
+    cached = []
+    for epoch in range(24):
+        for i, d in enumerate(JPEGS):
+            assert pipe(d, i, 0, epoch).shape == (3, 32, 32)
+        cached.append(store.counts([])["entries"])
+    assert 0 < cached[0] < len(JPEGS) / 2, cached  # paced: part of the first epoch's misses filled
+    assert cached == sorted(cached) and cached[-1] == len(JPEGS), cached  # and it completes
+    assert reader._fill_ns <= 0.25 * (next(ticks) - reader._started) + 4000
+    store.close()
+    os.close(fd)
+    with pytest.raises(ValueError, match=r"fill_share=1.5\) must be None"):
+        DecodedCache("1GB", fill_share=1.5)

@@ -53,19 +53,19 @@ def check_room(spec: DecodedCache, entries: int) -> None:
 class CacheHandle:
     """What a CPU worker needs: the segment's descriptor and its counter row (picklable for spawn)."""
 
-    def __init__(self, fd: int, row: int | None):
-        self.fd, self.row = ChildFd(fd), row
+    def __init__(self, fd: int, row: int | None, fill_share: float | None = None):
+        self.fd, self.row, self.fill_share = ChildFd(fd), row, fill_share
 
     def reader(self):
         """In the worker: the CacheReader its pipeline uses (the descriptor stays open: the lock is on it)."""
         from fusionflow.cache.reader import CacheReader
 
-        return CacheReader(CacheStore(self.fd.fd), self.row)
+        return CacheReader(CacheStore(self.fd.fd), self.row, self.fill_share)
 
 
 class CacheAttachment:
-    def __init__(self, store: CacheStore, link, workers: int):
-        self.store, self.link = store, link
+    def __init__(self, store: CacheStore, link, workers: int, fill_share: float | None = None):
+        self.store, self.link, self.fill_share = store, link, fill_share
         self.rows = store.claim_rows(workers + 1, os.getpid())  # the last: the training process's own
         self._reader = None
 
@@ -81,12 +81,12 @@ class CacheAttachment:
                     "fusionflow: the dataset has no fingerprint (it does not pickle): its cache is this loader's own"
                 )
                 check_room(spec, entries)
-                return cls(_private(spec, entries), None, workers)
+                return cls(_private(spec, entries), None, workers, spec.fill_share)
             key = keeper.cache_key(found, spec.max_side, spec.admission)
             link = keeper.attach(
                 key, entries, spec.size, spec.max_side, spec.admission, spec.path, lambda: check_room(spec, entries)
             )
-            return cls(link.store, link, workers)
+            return cls(link.store, link, workers, spec.fill_share)
         except (OSError, ValueError) as exc:
             log.warning(
                 "fusionflow: the decoded-image cache could not be set up (%s); this loader runs without it", exc
@@ -95,14 +95,14 @@ class CacheAttachment:
 
     def handle(self, wid: int) -> CacheHandle:
         rows = self.rows
-        return CacheHandle(self.store.fd, rows[wid] if wid < len(rows) - 1 else None)
+        return CacheHandle(self.store.fd, rows[wid] if wid < len(rows) - 1 else None, self.fill_share)
 
     def reader(self):
         """The training process's own CacheReader (num_workers=0)."""
         if self._reader is None:
             from fusionflow.cache.reader import CacheReader
 
-            self._reader = CacheReader(self.store, self.rows[-1] if self.rows else None)
+            self._reader = CacheReader(self.store, self.rows[-1] if self.rows else None, self.fill_share)
         return self._reader
 
     @property

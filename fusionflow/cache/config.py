@@ -54,12 +54,23 @@ class DecodedCache:
                (the page cache holds what fits, the disk the rest)
     admission  "score" (default): when the budget is below the dataset, keep the images that save the
                most decode time per stored byte; "first": keep whatever comes first while room is left
+    fill_share None (default): every sample is written the first time it is decoded (the first epoch
+               pays the whole-image decodes); a share of time in (0, 1], e.g. 0.1: each worker spends at
+               most that share of its time decoding images for the cache, so no epoch is slowed much and
+               the cache fills over several epochs
 
     Loaders over the same dataset with the same max_side and admission on one node share one cache
     (the first one's size governs), and it is released when the last of them closes.
     """
 
-    def __init__(self, size, max_side: int = DEFAULT_MAX_SIDE, path: str | None = None, admission: str = "score"):
+    def __init__(
+        self,
+        size,
+        max_side: int = DEFAULT_MAX_SIDE,
+        path: str | None = None,
+        admission: str = "score",
+        fill_share: float | None = None,
+    ):
         self.size = parse_size(size, "DecodedCache size")
         if isinstance(max_side, bool) or not isinstance(max_side, int) or not 16 <= max_side <= 65535:
             raise ValueError(f"DecodedCache(max_side={max_side!r}) must be an int of pixels in [16, 65535], e.g. 320")
@@ -70,13 +81,20 @@ class DecodedCache:
             )
         if admission not in ADMISSIONS:
             raise ValueError(f"DecodedCache(admission={admission!r}) must be one of {ADMISSIONS}")
-        self.max_side, self.admission = max_side, admission
+        if fill_share is not None and (
+            isinstance(fill_share, bool) or not isinstance(fill_share, (int, float)) or not 0 < fill_share <= 1
+        ):
+            raise ValueError(
+                f"DecodedCache(fill_share={fill_share!r}) must be None (fill as samples come) or a share of time "
+                "in (0, 1], e.g. 0.1"
+            )
+        self.max_side, self.admission, self.fill_share = max_side, admission, fill_share
         self.path = os.fspath(path) if path is not None else None
 
     def __repr__(self) -> str:
         return (
             f"DecodedCache(size={self.size}, max_side={self.max_side}, path={self.path!r}, "
-            f"admission={self.admission!r})"
+            f"admission={self.admission!r}, fill_share={self.fill_share!r})"
         )
 
 
