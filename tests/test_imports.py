@@ -113,7 +113,7 @@ MAY_IMPORT = {
     "timm": {"loader", "policy", "datasets"} | BASE,  # timm's create_loader over the loader
     "loader": {"accel", "remote", "shared", "cache", "runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
     "shared": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
-    "cache": {"runtime", "ops", "policy"} | BASE,  # the decoded-image cache: its store, keeper, reader
+    "cache": {"runtime", "ops", "policy", "datasets"} | BASE,  # the decoded-image cache: its store, keeper, reader
     "accel": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
     "remote": {"runtime", "scheduling", "ops", "policy", "datasets"} | BASE,
     "runtime": {"scheduling", "ops", "policy", "datasets"} | BASE,

@@ -18,8 +18,9 @@ import pickle
 from fusionflow.cache import keeper
 from fusionflow.cache.config import DecodedCache
 from fusionflow.cache.store import CacheStore, segment_bytes
+from fusionflow.datasets.wrappers import ReadAhead
 from fusionflow.errors import SharedMemoryError
-from fusionflow.runtime.shm import SHM_DIR, ChildFd, free_bytes
+from fusionflow.runtime.shm import SHM_DIR, ChildFd, disown_fd, free_bytes, own_fd
 
 log = logging.getLogger("fusionflow.cache")
 
@@ -27,6 +28,8 @@ log = logging.getLogger("fusionflow.cache")
 def fingerprint(dataset) -> str | None:
     """What identifies a dataset across processes: its own `fingerprint()`, else a hash of its pickle
     (its file list, root, ...); None when it has neither."""
+    if isinstance(dataset, ReadAhead):  # how it reads, not what: its inner dataset says what
+        dataset = dataset.dataset
     fn = getattr(dataset, "fingerprint", None)
     if callable(fn):
         return f"{type(dataset).__qualname__}:{fn()}"
@@ -56,18 +59,30 @@ class CacheHandle:
     def __init__(self, fd: int, row: int | None, fill_share: float | None = None):
         self.fd, self.row, self.fill_share = ChildFd(fd), row, fill_share
 
-    def reader(self):
-        """In the worker: the CacheReader its pipeline uses (the descriptor stays open: the lock is on it)."""
+    def take(self) -> int:
+        """In the worker, before it closes the parent's descriptors (`map_from_child_fd`, which closes the
+        inherited number): a duplicate of its own, for `reader`."""
+        return os.dup(self.fd.fd)
+
+    def reader(self, fd: int):
+        """The CacheReader the worker's pipeline uses, on `fd` from `take` (kept open: the lock is on it)."""
         from fusionflow.cache.reader import CacheReader
 
-        return CacheReader(CacheStore(self.fd.fd), self.row, self.fill_share)
+        return CacheReader(CacheStore(fd), self.row, self.fill_share)
 
 
 class CacheAttachment:
     def __init__(self, store: CacheStore, link, workers: int, fill_share: float | None = None):
         self.store, self.link, self.fill_share = store, link, fill_share
-        self.rows = store.claim_rows(workers + 1, os.getpid())  # the last: the training process's own
-        self._reader = None
+        self.rows, self._reader = [], None
+        self._owned = [store.fd] + ([link.conn.fileno()] if link is not None else [])
+        for fd in self._owned:  # forked workers (of any loader) close them: they must not keep this cache alive
+            own_fd(fd)
+        try:
+            self.rows = store.claim_rows(workers + 1, os.getpid())  # the last: the training process's own
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def open(cls, spec: DecodedCache, dataset, workers: int) -> CacheAttachment | None:
@@ -87,9 +102,11 @@ class CacheAttachment:
                 key, entries, spec.size, spec.max_side, spec.admission, spec.path, lambda: check_room(spec, entries)
             )
             return cls(link.store, link, workers, spec.fill_share)
-        except (OSError, ValueError) as exc:
+        except SharedMemoryError:
+            raise  # the budget does not fit: the user's to fix (the message says how)
+        except Exception as exc:  # the keeper, its socket, a refused attach, a malformed record, ...
             log.warning(
-                "fusionflow: the decoded-image cache could not be set up (%s); this loader runs without it", exc
+                "fusionflow: the decoded-image cache could not be set up (%r); this loader runs without it", exc
             )
             return None
 
@@ -110,8 +127,9 @@ class CacheAttachment:
         """The node's keeper process serving this cache (None: a private cache)."""
         return self.link.keeper_pid if self.link is not None else None
 
-    def counts(self) -> dict:
-        return self.store.counts(self.rows)
+    def counts(self) -> dict | None:
+        """This loader's counters and the cache's size; None once closed."""
+        return self.store.counts(self.rows) if self.store is not None else None
 
     def close(self) -> None:
         store, self.store = self.store, None
@@ -122,6 +140,8 @@ class CacheAttachment:
             store.release_rows(self.rows)
         except TimeoutError:
             pass  # a stopped worker holds the lock: the rows are freed when this process is gone
+        for fd in self._owned:
+            disown_fd(fd)
         fd = store.fd
         store.close()
         os.close(fd)

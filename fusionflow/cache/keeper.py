@@ -1,8 +1,9 @@
 """One decoded-image cache per node and dataset: the keeper process that owns it, and how a loader
 finds it.
 
-The keeper is a small process (double-forked from the first loader that asks, so it is nobody's
-child and never a zombie) that creates the cache segment, unlinks its name at once (nothing in
+The keeper is a small program of its own (`python -m fusionflow.cache.keeper`, started by the first
+loader that asks; its launcher forks it and exits, so it is nobody's child and maps nothing of the
+training process) that creates the cache segment, unlinks its name at once (nothing in
 /dev/shm survives any SIGKILL: the memory goes with the last process that maps it), listens on an
 abstract Unix socket and hands the segment's descriptor to every loader that attaches (SCM_RIGHTS,
 after runtime/authsock.py's handshake both ways). It counts its loaders by their connections -- the
@@ -27,6 +28,8 @@ import os
 import secrets
 import select
 import signal
+import subprocess
+import sys
 import time
 from multiprocessing.connection import Connection
 
@@ -71,6 +74,10 @@ class KeeperLink:
             deadline = time.monotonic() + GONE_S
             while pid_alive(self.keeper_pid) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            try:  # adopted by this process (PID 1 of a container, a subreaper): reap it
+                os.waitpid(self.keeper_pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
 
 
 def attach(
@@ -130,8 +137,8 @@ def _attach_to(rec: dict, entries: int) -> KeeperLink:
         if reply[0] != "ok":
             raise ValueError(reply[1])
         fd = recv_fd(conn)
-        set_receive_timeout(conn, 0)
         try:
+            set_receive_timeout(conn, 0)
             store = CacheStore(fd)
         except BaseException:
             os.close(fd)
@@ -143,31 +150,51 @@ def _attach_to(rec: dict, entries: int) -> KeeperLink:
 
 
 def _start_keeper(record: str, entries: int, size: int, max_side: int, admission: str, path: str | None) -> None:
+    """Start a keeper as a program of its own (`python -m fusionflow.cache.keeper`): a fresh
+    interpreter, so it maps nothing of the training process (its rings, other caches, its heap). That
+    launcher forks the keeper and exits at once (reaped here), so the keeper is nobody's child; it says
+    "ok" (or why not) on the pipe."""
     r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the intermediate: fork the keeper and leave at once, so it is adopted by init
-        try:
-            os.close(r)
-            os.setsid()
-            if os.fork() == 0:
-                _keeper_main(w, record, entries, size, max_side, admission, path)
-        finally:
-            os._exit(0)
-    os.close(w)
     try:
-        os.waitpid(pid, 0)
+        args = [record, entries, size, max_side, admission, path or "", w]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "fusionflow.cache.keeper", *map(str, args)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=(w,),
+        )
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+    try:
         ready, _, _ = select.select([r], [], [], START_S)
         answer = os.read(r, 4096).decode() if ready else "no answer"
     finally:
         os.close(r)
+        try:
+            proc.wait(START_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     if answer != "ok":
-        raise OSError(f"the cache keeper did not start: {answer}")
+        raise OSError(f"the cache keeper did not start: {answer or 'it exited'}")
+
+
+def main(argv: list[str]) -> None:
+    """The launcher: fork the keeper, leave."""
+    record, entries, size, max_side, admission, path, w = argv
+    if os.fork() != 0:
+        os._exit(0)
+    _keeper_main(int(w), record, int(entries), int(size), int(max_side), admission, path or None)
 
 
 def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, admission: str, path) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.closerange(3, w)
-    os.closerange(w + 1, 1 << 16)
     try:
         seg = segment(path)
         store = CacheStore.create(seg, entries, size, max_side, admission)
@@ -245,3 +272,7 @@ def _welcome(conn: Connection, seg: int, entries: int) -> bool:
         return True
     except (OSError, EOFError, BlockingIOError):
         return False
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -8,28 +8,56 @@ cached image) is fusionflow/ops/cached.py's.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 
 import numpy as np
 
 from fusionflow.cache import store as st
+from fusionflow.errors import DecodeError
 from fusionflow.ops.cached import decode_reduced
 from fusionflow.ops.decode import check_pixels
 
+log = logging.getLogger("fusionflow.cache")
+PACE_BURST_NS = 200_000_000  # paced filling: at most 0.2 s of fills saved up
+
 
 class CacheReader:
-    """One process's use of the cache: lookups, fills, and its counter row (only it writes there)."""
+    """One process's use of the cache: lookups, fills, and its counter row (only it writes there).
+
+    A fault of the cache itself (a lock the filesystem refuses, a store closed under a running
+    iterator, ...) never fails a sample: the sample takes the uncached path, and so does every later
+    one of this process, said once in the log. A sample's own fault (a corrupt file) takes the
+    uncached path too, which reports it as it always does."""
 
     def __init__(self, store: st.CacheStore, row: int | None, fill_share: float | None = None):
         """`row`: this process's counter row (None: not counted); `fill_share`: DecodedCache's pacing."""
         self.store, self.max_side, self.fill_share = store, store.max_side, fill_share
         self.row = store.rows[row] if row is not None else np.zeros(st.ROW_FIELDS, np.int64)
-        self._fill_ns, self._started = 0, None
+        self.broken: str | None = None  # why this process stopped using the cache
+        self._fill_ns, self._started = 0, None  # fill time so far; the first lookup's time
+        self._credit, self._last = 0.0, None  # paced filling: fill time allowed now (ns)
 
     def source(self, data, index: int, what=None, max_pixels: int | None = None):
         """(image at the cache's resolution, (source h, w), hit) for encoded `data`, from the cache or
-        decoded and filled now; None: take the uncached path (not encoded, or the cache will not take it)."""
-        if not isinstance(data, (bytes, bytearray, memoryview)) or not 0 <= index < self.store.entries_count:
+        decoded and filled now; None: take the uncached path (not encoded, the cache will not take it,
+        or a fault)."""
+        if self.broken is not None or not isinstance(data, (bytes, bytearray, memoryview)):
+            return None
+        try:
+            return self._source(data, index, what, max_pixels)
+        except DecodeError:
+            return None  # the sample's own fault: the uncached path reports it (or decodes its window)
+        except Exception as exc:
+            self.broken = repr(exc)
+            log.warning(
+                "fusionflow: the decoded-image cache failed in process %d (%r); it runs uncached", os.getpid(), exc
+            )
+            return None
+
+    def _source(self, data, index: int, what, max_pixels):
+        if not 0 <= index < self.store.entries_count:
             return None
         row = self.row
         got = self.store.get(index, len(data))
@@ -55,18 +83,23 @@ class CacheReader:
         except TimeoutError:
             pass  # the lock's holder is stopped: this sample stays uncached (a later epoch may fill it)
         row[st.R_FILL_NS] += spent
-        self._fill_ns += time.perf_counter_ns() - t0  # pacing counts the claim and the copy too
+        took = time.perf_counter_ns() - t0  # pacing counts the claim and the copy too
+        self._fill_ns += took
+        self._credit -= took
         return img, source, False
 
     def _may_fill(self) -> bool:
-        """Paced filling (`fill_share`): whether this process's whole-image decodes so far leave room for
-        one more within that share of its time since its first lookup."""
+        """Paced filling (`fill_share`): a token bucket of fill time, earning `fill_share` of the time
+        that passes and holding at most PACE_BURST_NS, so time spent idle (an evaluation, a pause
+        between epochs) cannot be spent later as one long burst of fills."""
         if self.fill_share is None:
             return True
         now = time.perf_counter_ns()
-        if self._started is None:
-            self._started = now
-        return self._fill_ns <= self.fill_share * (now - self._started)
+        if self._last is None:
+            self._started = self._last = now
+        self._credit = min(PACE_BURST_NS, self._credit + self.fill_share * (now - self._last))
+        self._last = now
+        return self._credit >= 0
 
     def hit_time(self, ns: int) -> None:
         self.row[st.R_HIT_NS] += ns

@@ -35,12 +35,14 @@ import fcntl
 import math
 import mmap
 import os
+import threading
 import time
 from contextlib import contextmanager
 
 import numpy as np
 
 from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.shm import disown_fd, own_fd
 
 MAGIC = 0x46464443_41434845  # "FFDCACHE"
 VERSION = 1
@@ -51,6 +53,7 @@ ROW_FIELDS = 8
 ENTRY_FIELDS = 8
 ALIGN = 64
 CHUNK = 64 << 20  # pages reserved per step as the arena fills
+FULL_BELOW = 1 << 20  # the cache counts as full (no more fills tried) with less room than this
 LOCK_S = 10.0  # the longest a process waits for the record lock (its holders keep it for microseconds)
 
 # header words
@@ -90,7 +93,9 @@ class CacheStore:
     def __init__(self, fd: int):
         self.fd = fd
         total = os.fstat(fd).st_size
-        self._map = mmap.mmap(fd, total)
+        self._map, self._map_fds = _mapped(fd, total)
+        if hasattr(mmap, "MADV_DONTFORK"):  # forked workers map their own loader's cache from its descriptor
+            self._map.madvise(mmap.MADV_DONTFORK)
         words = np.frombuffer(self._map, np.int64, count=HEADER)
         if words[H_MAGIC] != MAGIC or words[H_VERSION] != VERSION:
             self._map.close()
@@ -125,7 +130,14 @@ class CacheStore:
         return cls(fd)
 
     def close(self) -> None:
-        self.header = self.hist = self.rows = self.entries = self._arena = None
+        with _THREADS:  # not while a thread of this process holds the record lock (see `_locked`)
+            self._close()
+
+    def _close(self) -> None:
+        self.header = self.hist = self.kept = self.rows = self.entries = self._arena = None
+        for extra in self._map_fds:
+            disown_fd(extra)
+        self._map_fds = ()
         if self._map is not None:
             try:
                 self._map.close()
@@ -136,7 +148,20 @@ class CacheStore:
     @contextmanager
     def _locked(self):
         """The record lock, waited for at most LOCK_S (a holder stopped with SIGSTOP must not stop every
-        other worker: past the bound, TimeoutError, and the caller gives up that fill or publication)."""
+        other worker: past the bound, TimeoutError, and the caller gives up that fill or publication).
+        A record lock belongs to the process, not the thread, and closing any descriptor of the file
+        drops it: `_THREADS` keeps this process's threads out of each other's sections and out of
+        `close`."""
+        if not _THREADS.acquire(timeout=LOCK_S):
+            raise TimeoutError(f"another thread held the decoded-image cache's lock over {LOCK_S} s")
+        try:
+            with self._record_lock():
+                yield
+        finally:
+            _THREADS.release()
+
+    @contextmanager
+    def _record_lock(self):
         deadline, pause = None, 0.0002
         while True:
             try:
@@ -196,12 +221,15 @@ class CacheStore:
                 head[H_SEEN] += 1
                 head[H_SEEN_BYTES] += nbytes
                 self.hist[_bin(score)] += nbytes
+            elif state == WRITING:  # its writer died: what it had claimed is not kept
+                self.kept[_bin(int(e[E_DECODE_NS]) / max(1, int(e[E_NBYTES])))] -= int(e[E_NBYTES])
             if head[H_FULL] or not self._admits(score, nbytes):
                 return self._pass(e, decode_ns, nbytes)
             start = int(head[H_BUMP])
             end = start + nbytes
             if end > self.size or not self._reserved_to(end):
-                head[H_FULL] = 1
+                if self.size - start < FULL_BELOW or end <= self.size:  # nearly no room, or no memory left
+                    head[H_FULL] = 1
                 return self._pass(e, decode_ns, nbytes)
             head[H_BUMP] = -(-end // ALIGN) * ALIGN
             self.kept[_bin(score)] += nbytes
@@ -234,9 +262,9 @@ class CacheStore:
     def _admits(self, score: float, nbytes: int) -> bool:
         """Room for this sample once the room the better-scoring samples still to come will want
         (estimated over the whole dataset from those seen, less what of theirs is in) is set aside."""
-        if self.admission == "first":
-            return True
         head = self.header
+        if self.admission == "first":
+            return int(head[H_BUMP]) + nbytes <= self.size
         seen, seen_bytes = int(head[H_SEEN]), int(head[H_SEEN_BYTES])
         scale = self.entries_count / max(1, seen)  # the dataset's bytes estimated from the samples seen
         if seen_bytes * scale <= self.size:
@@ -295,6 +323,48 @@ class CacheStore:
             "refused": int(head[H_REFUSED]),
             "full": bool(head[H_FULL]),
         }
+
+
+def _mapped(fd: int, size: int):
+    """(mmap of `fd`, the descriptor Python's mmap duplicated for itself). That duplicate is registered
+    with the runtime's owned descriptors, so a worker forked later (of any loader) closes it and keeps
+    no closed cache's memory alive. Found as the descriptor of the same file that the call added to
+    /proc/self/fd."""
+    before = _same_file(fd)
+    m = mmap.mmap(fd, size)
+    extra = tuple(_same_file(fd) - before)
+    for x in extra:
+        own_fd(x)
+    return m, extra
+
+
+def _same_file(fd: int) -> set[int]:
+    """This process's descriptors of the file `fd` is open on (none where there is no /proc)."""
+    me = os.fstat(fd)
+    found = set()
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for name in names:
+        try:
+            st = os.stat(f"/proc/self/fd/{name}")
+        except OSError:  # the listing's own descriptor, or one closed meanwhile
+            continue
+        if (st.st_dev, st.st_ino) == (me.st_dev, me.st_ino):
+            found.add(int(name))
+    return found
+
+
+_THREADS = threading.RLock()
+
+
+def _new_lock_after_fork() -> None:  # a fork while another thread held it must not leave the child locked
+    global _THREADS
+    _THREADS = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
 def _reserve(fd: int, offset: int, length: int) -> None:

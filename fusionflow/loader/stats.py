@@ -141,17 +141,24 @@ class LoaderStats(RuntimeCounters):
         }
 
     def watch_cache(self, counts) -> None:
-        """`counts()`: the cache attachment's counters (fusionflow/cache/attach.py), or None."""
+        """`counts()`: the cache attachment's counters (fusionflow/cache/attach.py; None once it is
+        closed), or None. A new attachment (the loader iterated again after close()) continues the
+        counts: its own start at 0."""
         self.__dict__["_cache_counts"] = counts
-        self.__dict__["_cache_base"] = {}
+        self.__dict__["_cache_base"] = {k: -v for k, v in self.cache.items() if k in _CACHE_RUN}
         self.refresh_cache()
 
     def refresh_cache(self) -> None:
         counts = self.__dict__.get("_cache_counts")
-        if counts is None:
-            return
-        now, base = counts(), self.__dict__.get("_cache_base", {})
+        now = counts() if counts is not None else None
+        if now is None:
+            return  # no cache, or closed: the last counts stay
+        base = self.__dict__.get("_cache_base", {})
         self.cache = {k: v - base.get(k, 0) if k in _CACHE_RUN else v for k, v in now.items()}
+
+    def __getstate__(self) -> dict:
+        """Pickled and copied without the live cache's callback (a copy is a snapshot)."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("_cache_counts", "_cache_base")}
 
     def reset(self) -> None:
         """Every field back to its default (fresh lists and dicts), except what describes the loader's
@@ -162,6 +169,7 @@ class LoaderStats(RuntimeCounters):
                 continue
             setattr(self, f.name, f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
         counts = self.__dict__.get("_cache_counts")
-        if counts is not None:
-            self.__dict__["_cache_base"] = {k: v for k, v in counts().items() if k in _CACHE_RUN}
+        now = counts() if counts is not None else None
+        if now is not None:
+            self.__dict__["_cache_base"] = {k: v for k, v in now.items() if k in _CACHE_RUN}
             self.refresh_cache()

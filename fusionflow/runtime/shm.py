@@ -110,7 +110,18 @@ class BatchRing:
             self._map = None
 
 
-_OWNED_FDS: set[int] = set()  # this process's ring descriptors (owner side), closed in forked children
+_OWNED_FDS: set[int] = set()  # this process's ring (and cache) descriptors, closed in forked workers
+
+
+def own_fd(fd: int) -> None:
+    """A descriptor of this process that forked workers must not keep (they close it in
+    `map_from_child_fd`): e.g. a decoded-image cache's segment and keeper socket, which a worker of
+    another loader would otherwise keep alive."""
+    _OWNED_FDS.add(fd)
+
+
+def disown_fd(fd: int) -> None:
+    _OWNED_FDS.discard(fd)
 
 
 class ChildFd:

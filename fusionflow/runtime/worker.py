@@ -222,13 +222,14 @@ def worker_loop(
         from fusionflow.ops.pipeline import CpuPipeline
 
         cv2.setNumThreads(1)  # one sample at a time per worker: OpenCV's own threads would only contend
-        pipe = CpuPipeline(policy, cache=cache.reader() if cache is not None else None)
+        cache_fd = cache.take() if cache is not None else None  # before the parent's descriptors are closed
+        ring = map_from_child_fd(layout, ring_fd)
+        pipe = CpuPipeline(policy, cache=cache.reader(cache_fd) if cache is not None else None)
         clock = None
         if stages:
             from fusionflow.ops.stages import StageClock
 
             clock = StageClock(stages)
-        ring = map_from_child_fd(layout, ring_fd)
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
     except BaseException:
