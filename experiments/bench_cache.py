@@ -16,6 +16,8 @@ jittered 10%; 800-2000: sides uniform in 800..2000 px), policy --policy (RandAug
              start their workers: fill vs uncached), then the warm epochs vs uncached ones
   paced      per core, DecodedCache(fill_share=--fill-share): each of --paced-epochs epochs against an
              uncached epoch timed beside it, and the share of the set cached after it
+  refurbish  per core, warm: a new crop each epoch vs DecodedCache(reuse_crop_epochs=--reuse), over
+             --paced-epochs epochs, and the diversity each gives (pairwise PSNR, distinct crops)
   budget     per core, a cache of --budget-share (25%) of the set's decoded bytes, with admission
              "score" (decode time per stored byte) vs "first" (first come): the warm epochs' rate
              and hit share; the set is the chosen one unless --budget-sizes names another (mixed
@@ -242,6 +244,57 @@ def paced_run(data, policy: str, share: float, epochs: int, max_side: int) -> di
     return {"fill_share": share, "over_uncached_per_epoch": ratios, "cached_share_per_epoch": cached}
 
 
+def refurbish_run(data, policy: str, reuse: int, epochs: int, max_side: int) -> dict:
+    """Per core, warm from the cache, a new crop every epoch vs `reuse_crop_epochs=reuse` (the crop
+    kept): each epoch's rate side by side, and what reuse does to diversity -- per sample, the PSNR
+    between its outputs of every two epochs (higher: more alike), and the distinct crops it got."""
+    import dataclasses
+    import itertools
+
+    from fusionflow.cache.crops import CropStore
+    from fusionflow.cache.keeper import segment
+    from fusionflow.cache.reader import CacheReader
+    from fusionflow.ops.pipeline import CpuPipeline
+    from fusionflow.policy import draw, load_policy
+
+    n, base = len(data), load_policy(policy)
+    kept = dataclasses.replace(base, crop_epochs=reuse)
+    shared = private_cache(n, 4 << 30, max_side)
+    crop_fd = segment(None)
+    crops = CropStore.create(crop_fd, n, base.size)
+    pipes = {
+        "new_crop": CpuPipeline(base, cache=shared),
+        "kept_crop": CpuPipeline(kept, cache=CacheReader(shared.store, None, None, crops)),
+    }
+    out = np.empty(base.out_shape, np.uint8)
+    epoch_runner(pipes["new_crop"], data, out)(0)  # fill the decoded cache first: both runs are warm
+    rates = {k: [] for k in pipes}
+    for e in range(epochs):
+        for name in ("new_crop", "kept_crop") if e % 2 == 0 else ("kept_crop", "new_crop"):
+            rates[name].append(n / _timed(lambda: epoch_runner(pipes[name], data, out)(e)))  # noqa: B023
+        print(f"refurbish epoch {e + 1}: " + ", ".join(f"{k} {v[-1]:.0f} img/s" for k, v in rates.items()), flush=True)
+    few = range(min(n, 48))
+    similarity, distinct = {}, {}
+    for name, pol in (("new_crop", base), ("kept_crop", kept)):
+        outs = {i: [pipes[name](data[i], i, 0, e) for e in range(epochs)] for i in few}
+        pairs = [psnr(a, b) for i in few for a, b in itertools.combinations(outs[i], 2)]
+        similarity[name] = float(np.median([min(p, 60.0) for p in pairs]))
+        distinct[name] = float(np.mean([len({draw(pol, 0, e, i).crop_u for e in range(epochs)}) for i in few]))
+    drop_cache(shared)
+    crops.close()
+    os.close(crop_fd)
+    later = {k: statistics.median(v[1:]) for k, v in rates.items()}
+    return {
+        "reuse_crop_epochs": reuse,
+        "img_per_s_per_epoch": rates,
+        "median_img_per_s": later,
+        "kept_over_new": later["kept_crop"] / later["new_crop"],
+        "pairwise_psnr_median_db": similarity,
+        "distinct_crops_per_sample": distinct,
+        "epochs": epochs,
+    }
+
+
 def reader_row(reader) -> int:
     return next(r for r in range(len(reader.store.rows)) if reader.store.rows[r, 0] == os.getpid())
 
@@ -283,7 +336,8 @@ def main() -> None:
     ap.add_argument("--fidelity-images", type=int, default=64)
     ap.add_argument("--fill-share", type=float, default=0.1)
     ap.add_argument("--paced-epochs", type=int, default=8)
-    ap.add_argument("--skip", default="", help="comma-separated: per_core, loader, paced, budget, fidelity")
+    ap.add_argument("--reuse", type=int, default=3, help="reuse_crop_epochs for the refurbish part")
+    ap.add_argument("--skip", default="", help="comma-separated: per_core, loader, paced, refurbish, budget, fidelity")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -295,6 +349,8 @@ def main() -> None:
         result["loader"] = loader_epochs(data, args.policy, args.workers, args.epochs, args.repeats, args.max_side)
     if "paced" not in skip:
         result["paced"] = paced_run(data, args.policy, args.fill_share, args.paced_epochs, args.max_side)
+    if "refurbish" not in skip:
+        result["refurbish"] = refurbish_run(data, args.policy, args.reuse, args.paced_epochs, args.max_side)
     if "budget" not in skip:
         mixed = sample_set(args.budget_sizes, args.images) if args.budget_sizes != args.sizes else data
         result["budget"] = budget_run(mixed, args.policy, args.budget_share, args.repeats, args.max_side)

@@ -515,3 +515,50 @@ def test_a_shared_loader_s_producer_uses_the_node_s_cache():
         assert theirs.keeper_pid == plain.parts.runtime.cache_attachment.keeper_pid
         assert theirs.counts()["entries"] == len(JPEGS)  # filled by the other loader, counted once
     plain.close()
+
+
+# ---------------------------------------------------------------- refurbishing (reuse_crop_epochs)
+def test_the_draw_reuses_the_crop_for_r_epochs_and_draws_everything_else_anew():
+    import dataclasses
+
+    from fusionflow.policy import draw, load_policy
+
+    policy = dataclasses.replace(load_policy(SMALL), crop_epochs=3)
+    plain = load_policy(SMALL)
+    for index in range(20):
+        d = [draw(policy, 7, e, index) for e in range(6)]
+        assert all((x.crop_u, x.flip) == (d[0].crop_u, d[0].flip) for x in d[:3])
+        assert all((x.crop_u, x.flip) == (d[3].crop_u, d[3].flip) for x in d[3:])
+        assert d[3].crop_u != d[0].crop_u
+        assert [x.ops for x in d] == [draw(plain, 7, e, index).ops for e in range(6)]  # the ops: each epoch's own
+        assert d[0] == draw(plain, 7, 0, index) and d[3].crop_u == draw(plain, 7, 3, index).crop_u
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_refurbished_epochs_reuse_the_kept_crop_and_lose_nothing(num_workers):
+    crop_only = {**SMALL, "augment": {"type": "none"}}
+    loader = FusionFlowLoader(
+        Indexed(),
+        batch_size=8,
+        shuffle=True,
+        num_workers=num_workers,
+        policy=crop_only,
+        seed=2,
+        cache=DecodedCache("64MB", max_side=MAX_SIDE, reuse_crop_epochs=2),
+        persistent_workers=num_workers > 0,
+    )
+    got = epochs(loader, 4)
+    c = dict(loader.stats.cache)
+    loader.close()
+    n = len(JPEGS)
+    assert loader.config.policy.crop_epochs == 2
+    assert all(torch.equal(got[1][i], got[0][i]) and torch.equal(got[3][i], got[2][i]) for i in range(n))
+    assert sum(torch.equal(got[2][i], got[0][i]) for i in range(n)) < n // 4  # a new crop every 2 epochs
+    assert c["crop_hits"] >= 2 * n  # epochs 1 and 3 from the kept crops
+
+
+def test_reuse_crop_epochs_is_checked():
+    with pytest.raises(ValueError, match=r"reuse_crop_epochs=0\) must be None"):
+        DecodedCache("1GB", reuse_crop_epochs=0)
+    with pytest.raises(ValueError, match="Deep AutoAugment's crops"):
+        FusionFlowLoader(Indexed(), batch_size=4, policy="deepaa", cache=DecodedCache("1GB", reuse_crop_epochs=2))

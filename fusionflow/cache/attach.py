@@ -54,40 +54,52 @@ def check_room(spec: DecodedCache, entries: int) -> None:
 
 
 class CacheHandle:
-    """What a CPU worker needs: the segment's descriptor and its counter row (picklable for spawn)."""
+    """What a CPU worker needs: the segment's descriptor (and the crop store's, when crops are reused)
+    and its counter row (picklable for spawn)."""
 
-    def __init__(self, fd: int, row: int | None, fill_share: float | None = None):
+    def __init__(self, fd: int, row: int | None, fill_share: float | None = None, crops_fd: int | None = None):
         self.fd, self.row, self.fill_share = ChildFd(fd), row, fill_share
+        self.crops_fd = ChildFd(crops_fd) if crops_fd is not None else None
 
-    def take(self) -> int:
+    def take(self) -> tuple:
         """In the worker, before it closes the parent's descriptors (`map_from_child_fd`, which closes the
-        inherited number): a duplicate of its own, for `reader`."""
-        return os.dup(self.fd.fd)
+        inherited numbers): duplicates of its own, for `reader`."""
+        return os.dup(self.fd.fd), (os.dup(self.crops_fd.fd) if self.crops_fd is not None else None)
 
-    def reader(self, fd: int):
-        """The CacheReader the worker's pipeline uses, on `fd` from `take` (kept open: the lock is on it)."""
+    def reader(self, fds: tuple):
+        """The CacheReader the worker's pipeline uses, on the descriptors from `take` (kept open: the
+        lock is on the store's)."""
+        from fusionflow.cache.crops import CropStore
         from fusionflow.cache.reader import CacheReader
 
-        return CacheReader(CacheStore(fd), self.row, self.fill_share)
+        fd, crops_fd = fds
+        crops = CropStore(crops_fd) if crops_fd is not None else None
+        return CacheReader(CacheStore(fd), self.row, self.fill_share, crops)
 
 
 class CacheAttachment:
-    def __init__(self, store: CacheStore, link, workers: int, fill_share: float | None = None):
-        self.store, self.link, self.fill_share = store, link, fill_share
+    def __init__(self, store: CacheStore, link, workers: int, spec: DecodedCache, crop_size=None):
+        """`crop_size`: the policy's output size when crops are reused (its crop store is made here)."""
+        self.store, self.link, self.fill_share, self.crops = store, link, spec.fill_share, None
         self.rows, self._reader = [], None
         self._owned = [store.fd] + ([link.conn.fileno()] if link is not None else [])
         for fd in self._owned:  # forked workers (of any loader) close them: they must not keep this cache alive
             own_fd(fd)
         try:
             self.rows = store.claim_rows(workers + 1, os.getpid())  # the last: the training process's own
+            if crop_size is not None:
+                self.crops = _crop_store(spec, len(store.entries), crop_size)
+                self._owned.append(self.crops.fd)
+                own_fd(self.crops.fd)
         except BaseException:
             self.close()
             raise
 
     @classmethod
-    def open(cls, spec: DecodedCache, dataset, workers: int) -> CacheAttachment | None:
+    def open(cls, spec: DecodedCache, dataset, workers: int, crop_size=None) -> CacheAttachment | None:
         """The node's cache for `dataset` (shared when it has a fingerprint), or None when it could not
-        be set up (one log line: the loader runs without it). A budget the node cannot hold raises."""
+        be set up (one log line: the loader runs without it). A budget the node cannot hold raises, as
+        does a crop store (`crop_size`: the output size, when crops are reused) that does not fit."""
         entries = len(dataset)
         found = fingerprint(dataset)
         try:
@@ -96,12 +108,12 @@ class CacheAttachment:
                     "fusionflow: the dataset has no fingerprint (it does not pickle): its cache is this loader's own"
                 )
                 check_room(spec, entries)
-                return cls(_private(spec, entries), None, workers, spec.fill_share)
+                return cls(_private(spec, entries), None, workers, spec, crop_size)
             key = keeper.cache_key(found, spec.max_side, spec.admission)
             link = keeper.attach(
                 key, entries, spec.size, spec.max_side, spec.admission, spec.path, lambda: check_room(spec, entries)
             )
-            return cls(link.store, link, workers, spec.fill_share)
+            return cls(link.store, link, workers, spec, crop_size)  # on failure it closes what it was given
         except SharedMemoryError:
             raise  # the budget does not fit: the user's to fix (the message says how)
         except Exception as exc:  # the keeper, its socket, a refused attach, a malformed record, ...
@@ -112,14 +124,16 @@ class CacheAttachment:
 
     def handle(self, wid: int) -> CacheHandle:
         rows = self.rows
-        return CacheHandle(self.store.fd, rows[wid] if wid < len(rows) - 1 else None, self.fill_share)
+        crops_fd = self.crops.fd if self.crops is not None else None
+        return CacheHandle(self.store.fd, rows[wid] if wid < len(rows) - 1 else None, self.fill_share, crops_fd)
 
     def reader(self):
         """The training process's own CacheReader (num_workers=0)."""
         if self._reader is None:
             from fusionflow.cache.reader import CacheReader
 
-            self._reader = CacheReader(self.store, self.rows[-1] if self.rows else None, self.fill_share)
+            row = self.rows[-1] if self.rows else None
+            self._reader = CacheReader(self.store, row, self.fill_share, self.crops)
         return self._reader
 
     @property
@@ -142,11 +156,34 @@ class CacheAttachment:
             pass  # a stopped worker holds the lock: the rows are freed when this process is gone
         for fd in self._owned:
             disown_fd(fd)
-        fd = store.fd
-        store.close()
-        os.close(fd)
+        crops, self.crops = self.crops, None
+        for part in (store, crops):
+            if part is not None:
+                fd = part.fd
+                part.close()
+                os.close(fd)
         if self.link is not None:
             self.link.close()
+
+
+def _crop_store(spec: DecodedCache, entries: int, size):
+    """The loader's own crop store (refurbishing), its every page reserved now; refused with the fix
+    when the room is not there."""
+    from fusionflow.cache.crops import CropStore, crops_bytes
+
+    need, free = crops_bytes(entries, size), free_bytes(spec.path or SHM_DIR)
+    if free is not None and free < need:
+        raise SharedMemoryError(
+            f"reuse_crop_epochs keeps every sample's crop: {need / 2**30:.2f} GiB ({entries} samples of "
+            f"{size[0]}x{size[1]}x3) but {spec.path or SHM_DIR} has {free / 2**30:.2f} GiB free. Fixes: "
+            "reuse_crop_epochs=None, a larger /dev/shm, or DecodedCache(path='/a/local/disk/dir')"
+        )
+    fd = keeper.segment(spec.path)
+    try:
+        return CropStore.create(fd, entries, size)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _private(spec: DecodedCache, entries: int) -> CacheStore:

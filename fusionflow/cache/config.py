@@ -54,6 +54,11 @@ class DecodedCache:
                (the page cache holds what fits, the disk the rest)
     admission  "score" (default): when the budget is below the dataset, keep the images that save the
                most decode time per stored byte; "first": keep whatever comes first while room is left
+    reuse_crop_epochs
+               None (default): a new crop every epoch. R > 1: refurbishing -- each sample's crop and flips
+               are drawn once per R epochs and its cropped image kept for them (a loader's own memory:
+               len(dataset) x the output's bytes, reserved up front), so those epochs only draw and apply
+               their ops; fewer distinct crops per sample (docs/cache.md says what that does)
     fill_share None (default): every sample is written the first time it is decoded (the first epoch
                pays the whole-image decodes); a share of time in (0, 1], e.g. 0.1: each worker spends at
                most that share of its time decoding images for the cache, so no epoch is slowed much and
@@ -70,6 +75,7 @@ class DecodedCache:
         path: str | None = None,
         admission: str = "score",
         fill_share: float | None = None,
+        reuse_crop_epochs: int | None = None,
     ):
         self.size = parse_size(size, "DecodedCache size")
         if isinstance(max_side, bool) or not isinstance(max_side, int) or not 16 <= max_side <= 65535:
@@ -88,13 +94,22 @@ class DecodedCache:
                 f"DecodedCache(fill_share={fill_share!r}) must be None (fill as samples come) or a share of time "
                 "in (0, 1], e.g. 0.1"
             )
+        if reuse_crop_epochs is not None and (
+            isinstance(reuse_crop_epochs, bool) or not isinstance(reuse_crop_epochs, int) or reuse_crop_epochs < 1
+        ):
+            raise ValueError(
+                f"DecodedCache(reuse_crop_epochs={reuse_crop_epochs!r}) must be None (a new crop every epoch) or an "
+                "int >= 1 of epochs that reuse a sample's crop, e.g. 2"
+            )
         self.max_side, self.admission, self.fill_share = max_side, admission, fill_share
+        self.reuse_crop_epochs = reuse_crop_epochs or 1
         self.path = os.fspath(path) if path is not None else None
 
     def __repr__(self) -> str:
         return (
             f"DecodedCache(size={self.size}, max_side={self.max_side}, path={self.path!r}, "
-            f"admission={self.admission!r}, fill_share={self.fill_share!r})"
+            f"admission={self.admission!r}, fill_share={self.fill_share!r}, "
+            f"reuse_crop_epochs={self.reuse_crop_epochs!r})"
         )
 
 
@@ -111,6 +126,11 @@ def resolve_cache(cache, policy) -> DecodedCache | None:
             f"cache= needs the policy's decode.mode fast ({policy.source} is exact): exact mode reproduces "
             "torchvision's pixels from the full-resolution decode, and the cache crops from images kept at "
             f"max_side={cache.max_side}. Use a fast policy (decode: {{mode: fast}}) or cache=None"
+        )
+    if cache.reuse_crop_epochs > 1 and policy.augment.type == "deepaa":
+        raise ValueError(
+            f"DecodedCache(reuse_crop_epochs={cache.reuse_crop_epochs}) cannot apply to {policy.source}: Deep "
+            "AutoAugment's crops are layers of its augmentation, drawn with its ops; use reuse_crop_epochs=None"
         )
     short = min(policy.size)
     if cache.max_side < short:

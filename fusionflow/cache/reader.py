@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from fusionflow.cache import store as st
+from fusionflow.cache.crops import crop_tag
 from fusionflow.errors import DecodeError
 from fusionflow.ops.cached import decode_reduced
 from fusionflow.ops.decode import check_pixels
@@ -31,9 +32,10 @@ class CacheReader:
     one of this process, said once in the log. A sample's own fault (a corrupt file) takes the
     uncached path too, which reports it as it always does."""
 
-    def __init__(self, store: st.CacheStore, row: int | None, fill_share: float | None = None):
-        """`row`: this process's counter row (None: not counted); `fill_share`: DecodedCache's pacing."""
-        self.store, self.max_side, self.fill_share = store, store.max_side, fill_share
+    def __init__(self, store: st.CacheStore, row: int | None, fill_share: float | None = None, crops=None):
+        """`row`: this process's counter row (None: not counted); `fill_share`: DecodedCache's pacing;
+        `crops`: the loader's CropStore when crops are reused (refurbishing), else None."""
+        self.store, self.max_side, self.fill_share, self.crops = store, store.max_side, fill_share, crops
         self.row = store.rows[row] if row is not None else np.zeros(st.ROW_FIELDS, np.int64)
         self.broken: str | None = None  # why this process stopped using the cache
         self._fill_ns, self._started = 0, None  # fill time so far; the first lookup's time
@@ -100,6 +102,19 @@ class CacheReader:
         self._credit = min(PACE_BURST_NS, self._credit + self.fill_share * (now - self._last))
         self._last = now
         return self._credit >= 0
+
+    def kept_crop(self, index: int, d):
+        """Sample `index`'s cropped image kept for draw `d`'s crop (refurbishing), a copy, or None."""
+        if self.crops is None or self.broken is not None:
+            return None
+        got = self.crops.get(index, crop_tag(d))
+        if got is not None:
+            self.row[st.R_CROP_HITS] += 1
+        return got
+
+    def keep_crop(self, index: int, d, arr) -> None:
+        if self.crops is not None and self.broken is None:
+            self.crops.put(index, crop_tag(d), arr)
 
     def hit_time(self, ns: int) -> None:
         self.row[st.R_HIT_NS] += ns

@@ -45,11 +45,11 @@ from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import disown_fd, own_fd
 
 MAGIC = 0x46464443_41434845  # "FFDCACHE"
-VERSION = 1
+VERSION = 2
 HEADER = 32
 BINS = 64
 ROWS = 256
-ROW_FIELDS = 8
+ROW_FIELDS = 10
 ENTRY_FIELDS = 8
 ALIGN = 64
 CHUNK = 64 << 20  # pages reserved per step as the arena fills
@@ -63,7 +63,7 @@ H_READY, H_READY_BYTES, H_MAX_SIDE, H_ADMISSION, H_SEEN, H_SEEN_BYTES, H_FULL, H
 E_STATE, E_OFFSET, E_SHAPE, E_SOURCE, E_ENCODED, E_DECODE_NS, E_PID, E_NBYTES = range(ENTRY_FIELDS)
 EMPTY, WRITING, READY, PASSED = 0, 1, 2, 3  # PASSED: seen, not admitted (counted in the histogram once)
 # row fields: a worker adds to its own row only (no lock): pid, then counters
-R_PID, R_HITS, R_MISSES, R_HIT_NS, R_SAVED_NS, R_FILLS, R_FILL_BYTES, R_FILL_NS = range(ROW_FIELDS)
+R_PID, R_HITS, R_MISSES, R_HIT_NS, R_SAVED_NS, R_FILLS, R_FILL_BYTES, R_FILL_NS, R_CROP_HITS = range(9)
 ADMISSIONS = ("score", "first")
 # score bins: log2(ns per byte) from 2**-8 to 2**8, four bins per octave
 _BIN_LO, _BIN_STEP = -8.0, 0.25
@@ -93,7 +93,7 @@ class CacheStore:
     def __init__(self, fd: int):
         self.fd = fd
         total = os.fstat(fd).st_size
-        self._map, self._map_fds = _mapped(fd, total)
+        self._map, self._map_fds = map_shared(fd, total)
         if hasattr(mmap, "MADV_DONTFORK"):  # forked workers map their own loader's cache from its descriptor
             self._map.madvise(mmap.MADV_DONTFORK)
         words = np.frombuffer(self._map, np.int64, count=HEADER)
@@ -122,7 +122,7 @@ class CacheStore:
         pages are reserved as it fills (`claim`)."""
         off = _arena_offset(entries)
         os.ftruncate(fd, off + size)
-        _reserve(fd, 0, off)
+        reserve(fd, 0, off)
         head = np.zeros(HEADER, np.int64)
         head[[H_MAGIC, H_VERSION, H_ENTRIES, H_ARENA_OFF, H_ARENA_SIZE]] = [MAGIC, VERSION, entries, off, size]
         head[H_MAX_SIDE], head[H_ADMISSION], head[H_RESERVED] = max_side, ADMISSIONS.index(admission), 0
@@ -279,7 +279,7 @@ class CacheStore:
             return True
         new = min(self.size, -(-end // CHUNK) * CHUNK)
         try:
-            _reserve(self.fd, self.arena_offset + reserved, new - reserved)
+            reserve(self.fd, self.arena_offset + reserved, new - reserved)
         except OSError:
             return False
         self.header[H_RESERVED] = new
@@ -317,6 +317,7 @@ class CacheStore:
             "fill_bytes": int(mine[R_FILL_BYTES]),
             "hit_seconds": int(mine[R_HIT_NS]) / 1e9,
             "seconds_saved": int(mine[R_SAVED_NS]) / 1e9,
+            "crop_hits": int(mine[R_CROP_HITS]),
             "entries": int(head[H_READY]),
             "bytes": int(head[H_READY_BYTES]),
             "budget": self.size,
@@ -325,7 +326,7 @@ class CacheStore:
         }
 
 
-def _mapped(fd: int, size: int):
+def map_shared(fd: int, size: int):
     """(mmap of `fd`, the descriptor Python's mmap duplicated for itself). That duplicate is registered
     with the runtime's owned descriptors, so a worker forked later (of any loader) closes it and keeps
     no closed cache's memory alive. Found as the descriptor of the same file that the call added to
@@ -367,7 +368,7 @@ def _new_lock_after_fork() -> None:  # a fork while another thread held it must 
 os.register_at_fork(after_in_child=_new_lock_after_fork)
 
 
-def _reserve(fd: int, offset: int, length: int) -> None:
+def reserve(fd: int, offset: int, length: int) -> None:
     if length <= 0 or not hasattr(os, "posix_fallocate"):
         return
     try:

@@ -315,6 +315,8 @@ def resolve_config(
     stage_names = resolve_stage_names(stage_times, policy)
     check_remote_workers(remote_workers, num_workers, persistent_workers, notes)
     cache = resolve_cache(cache, policy)
+    if cache is not None and cache.reuse_crop_epochs > 1:  # in the draw: every worker kind reuses alike
+        policy = dataclasses.replace(policy, crop_epochs=cache.reuse_crop_epochs)
     return LoaderConfig(
         batch_sampler=batch_sampler,
         sampler=sampler,

@@ -98,7 +98,8 @@ class LoaderRuntime:
             from fusionflow.cache.attach import CacheAttachment
 
             self._cache_tried = True
-            self._box[2] = CacheAttachment.open(cfg.cache, self.dataset, cfg.num_workers)
+            crop_size = cfg.policy.size if cfg.policy.crop_epochs > 1 else None
+            self._box[2] = CacheAttachment.open(cfg.cache, self.dataset, cfg.num_workers, crop_size)
             if self._box[2] is not None:
                 self.stats.watch_cache(self._box[2].counts)
         return self._box[2]

@@ -11,7 +11,7 @@ import numpy as np
 from fusionflow.runtime.counters import RuntimeCounters
 
 # the cache's counters that count this loader's run (reset() starts them again); the others describe the cache
-_CACHE_RUN = ("hits", "misses", "fills", "fill_bytes", "hit_seconds", "seconds_saved")
+_CACHE_RUN = ("hits", "misses", "fills", "fill_bytes", "hit_seconds", "seconds_saved", "crop_hits")
 
 
 @dataclass
@@ -45,7 +45,8 @@ class LoaderStats(RuntimeCounters):
     next_epoch_adopted: int = 0
     next_epoch_discarded: int = 0
     # the decoded-image cache (cache=): this loader's hits, misses, fills, fill_bytes, hit_seconds and
-    # seconds_saved (the decodes its hits skipped, as measured when filled) since reset(); the cache's
+    # seconds_saved (the decodes its hits skipped, as measured when filled), crop_hits (samples whose kept
+    # crop was reused: DecodedCache(reuse_crop_epochs)) since reset(); the cache's
     # entries, bytes, budget, refused (not admitted) and full, node-wide. Empty without a cache.
     cache: dict = field(default_factory=dict)
 

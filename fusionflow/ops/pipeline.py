@@ -170,17 +170,14 @@ class CpuPipeline:
     def array(self, data, d: SampleDraw, what: str | None = None, tick=None, index: int | None = None) -> np.ndarray:
         """fast mode: the augmented sample as a uint8 HWC RGB array of the output size (through the
         decoded-image cache, when there is one, for sample `index`)."""
-        arr = self._from_cache(data, d, what, index) if self.cache is not None and index is not None else None
-        if arr is not None:
-            pass
-        elif self.policy.center_resize is not None:
-            arr = np.asarray(self._center(data, what))
-        elif (d.crop_resample or self.policy.crop_interpolation) != "bilinear":
-            arr = np.asarray(self._filtered(data, d, what))
-        else:
-            arr = decode_crop_resize_array(
-                data, partial(crop_window, self.policy, d), self.policy.size, what, self.policy.max_pixels
-            )
+        cache = self.cache if index is not None else None
+        arr = cache.kept_crop(index, d) if cache is not None else None  # refurbishing: the crop kept
+        if arr is None:
+            arr = self._from_cache(data, d, what, index) if cache is not None else None
+            if arr is None:
+                arr = self._cropped(data, d, what)
+            if cache is not None:
+                cache.keep_crop(index, d, arr)
         if tick is not None:
             tick("decode+crop+resize")
         if d.flip:
@@ -198,6 +195,16 @@ class CpuPipeline:
             if tick is not None:
                 tick(BLUR)
         return arr
+
+    def _cropped(self, data, d: SampleDraw, what) -> np.ndarray:
+        """The uncached decode + crop + resize."""
+        if self.policy.center_resize is not None:
+            return np.asarray(self._center(data, what))
+        if (d.crop_resample or self.policy.crop_interpolation) != "bilinear":
+            return np.asarray(self._filtered(data, d, what))
+        return decode_crop_resize_array(
+            data, partial(crop_window, self.policy, d), self.policy.size, what, self.policy.max_pixels
+        )
 
     def _from_cache(self, data, d: SampleDraw, what, index: int) -> np.ndarray | None:
         """The decode, crop and resize from the cached image (fusionflow/ops/cached.py), or None."""

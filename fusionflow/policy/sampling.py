@@ -115,6 +115,23 @@ _VIEW_BASE = 1 << 63  # the shared crop's stream of a sample with views: an inde
 def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> SampleDraw:
     """The sample's draw; `copy` is the occurrence of `index` in the epoch (0 for the first).
 
+    A policy with `crop_epochs` = R > 1 (refurbishing, `DecodedCache(reuse_crop_epochs=R)`): the crop,
+    its filter and the flips are those drawn for epoch R * (epoch // R); everything else is this epoch's.
+    So every worker kind draws the same reused crop, and a CPU worker with the cache may keep the
+    cropped sample for those R epochs (fusionflow/cache/crops.py)."""
+    d = _draw_views(policy, seed, epoch, index, copy)
+    reuse = policy.crop_epochs
+    if reuse > 1 and epoch % reuse:
+        base = _draw_views(policy, seed, epoch - epoch % reuse, index, copy)
+        d = dataclasses.replace(
+            d, crop_u=base.crop_u, flip=base.flip, vflip=base.vflip, crop_resample=base.crop_resample
+        )
+    return d
+
+
+def _draw_views(policy: Policy, seed: int, epoch: int, index: int, copy: int) -> SampleDraw:
+    """`draw` without crop reuse.
+
     A policy with `views` = S > 1 (timm's AugMix splits): `index` is view index % S of sample index // S.
     Every view of a sample shares the crop, flip and crop filter (drawn from the sample's own stream,
     keyed apart from every view's); view 0 is the clean view (crop and flips only: no augment ops, jitter,

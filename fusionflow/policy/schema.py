@@ -191,6 +191,7 @@ class Policy:
     vflip: float = 0.0  # RandomVerticalFlip's probability, after the horizontal flip
     blur: Blur | None = None  # GaussianBlur after the augment ops (RandomApply's p); None: off
     color_after_augment: bool = False  # jitter and grayscale after the augment ops (timm's order), not before
+    crop_epochs: int = 1  # the crop and flips drawn once per this many epochs (DecodedCache(reuse_crop_epochs))
     views: int = 1  # AugMix splits (timm's num_aug_splits, set by fusionflow.timm): index v is view v % views of
     # sample v // views -- one crop, flip and filter per sample, view 0 without the augment ops (sampling.draw)
 
