@@ -25,8 +25,14 @@ HEADER = 8
 
 
 def crop_tag(d) -> int:
-    """A non-zero 63-bit tag of the draw's crop (its uniforms and filter; the flips are applied after)."""
-    return (hash((d.crop_u, d.crops, d.crop_resample)) & (2**62 - 1)) | 1
+    """A non-zero 62-bit tag of the draw's crop (its uniforms and filter; the flips are applied after),
+    the same in every process: Python hashes floats, ints and their tuples alike everywhere, but not
+    None (its address, before 3.12) or a str (randomised per process), so those enter as codes."""
+    resample = _RESAMPLE_CODES.get(d.crop_resample, len(_RESAMPLE_CODES))
+    return (hash((d.crop_u, d.crops or (), resample)) & (2**62 - 1)) | 1
+
+
+_RESAMPLE_CODES = {None: 0, "bilinear": 1, "bicubic": 2, "nearest": 3}
 
 
 def crops_bytes(entries: int, size: tuple[int, int]) -> int:
