@@ -2,6 +2,7 @@
 
     .venv/bin/python -m experiments.chaos --epochs 30 --images 128
     .venv/bin/python -m experiments.chaos --epochs 12 --ray --faults gateway-kill,gateway-stop,actor-kill
+    .venv/bin/python -m experiments.chaos --epochs 20 --images 128 --cache 1GB
 
 Each epoch draws `--per-epoch` faults from `--faults`, each with a random mini-batch after whose
 receipt the training loop injects it:
@@ -32,7 +33,7 @@ import statistics
 import time
 
 from experiments import harness
-from fusionflow.runtime.procs import live_processes
+from fusionflow.runtime.procs import live_processes, pid_alive
 from fusionflow.tools.baseline import timed_batches
 
 FAULTS = ("worker-kill", "worker-stop", "gateway-kill", "gateway-stop", "actor-kill", "none")
@@ -136,8 +137,11 @@ def soak(
     progress=print,
     per_epoch: int = 1,
     min_age: float = MIN_AGE_S,
+    cache=None,
 ) -> dict:
-    """Run the soak; a dict of per-epoch results, the loader's counters and what was left behind."""
+    """Run the soak; a dict of per-epoch results, the loader's counters and what was left behind.
+    `cache`: the loader's `cache=` (a decoded-image cache: faults then also hit workers filling it;
+    its keeper, not a descendant, must be gone at the end too)."""
     from fusionflow import FusionFlowLoader
 
     rng = random.Random(seed)
@@ -152,8 +156,9 @@ def soak(
         seed=seed,
         persistent_workers=True,
         remote_workers=remote_workers,
+        cache=cache,
     )
-    results = []
+    results, keeper = [], None
     with loader:
         for epoch in range(epochs):
             loader.set_epoch(epoch)
@@ -161,6 +166,8 @@ def soak(
             labels, waits, hits = [], [], []
             start = time.monotonic()
             for _x, y, waited in timed_batches(loader):
+                attached = loader.parts.runtime.cache_attachment
+                keeper = keeper or (attached.keeper_pid if attached is not None else None)
                 waits.append(waited)
                 labels += y.tolist()
                 hits += [{**inject(fault, rng, min_age), "at_batch": at} for at, fault in plan if at == len(waits) - 1]
@@ -186,13 +193,17 @@ def soak(
     deadline = time.monotonic() + 20  # what close() ended may take a moment to be reaped
     while time.monotonic() < deadline and (descendants() - before_procs or shm_segments() - before_shm):
         time.sleep(0.2)
+    left = descendants() - before_procs
+    if keeper is not None and pid_alive(keeper):
+        left.add(keeper)
     return {
         "epochs": results,
         "counters": {
             k: stats.get(k)
             for k in ("worker_restarts", "workers_stuck", "tiny_batches_rerun", "reruns_won", "remote_gateways_lost")
         },
-        "processes_left": sorted(_cmdline(p)[:100] for p in descendants() - before_procs),
+        "processes_left": sorted(_cmdline(p)[:100] for p in left),
+        "cache": stats.get("cache", {}),
         "shm_left": sorted(shm_segments() - before_shm),
     }
 
@@ -231,6 +242,7 @@ def main() -> None:
     ap.add_argument("--faults", default=None, help=f"comma-separated, of {', '.join(FAULTS)}")
     ap.add_argument("--ray", action="store_true", help="one Ray actor beside the local workers (a local instance)")
     ap.add_argument("--call-timeout", type=float, default=None, help="RayWorkers(call_timeout=...)")
+    ap.add_argument("--cache", default=None, help="the loader's cache= (a byte budget, e.g. 1GB)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     faults = tuple(args.faults.split(",")) if args.faults else (FAULTS if args.ray else LOCAL_FAULTS)
@@ -252,6 +264,7 @@ def main() -> None:
         step_s=args.step_ms / 1e3,
         remote_workers=remote,
         per_epoch=args.per_epoch,
+        cache=args.cache,
     )
     summary = summarize(out)
     print(summary, out["counters"], "left:", out["processes_left"], out["shm_left"])

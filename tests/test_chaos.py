@@ -32,3 +32,27 @@ def test_every_epoch_exactly_once_under_killed_and_stopped_workers(monkeypatch):
     assert table["worker-stop"]["longest_stall_s"] < liveness.STUCK_FLOOR_S  # bounded well below the stuck bound
     assert out["counters"]["worker_restarts"] >= 1  # what was hit was replaced (the last hit may not be yet)
     assert out["processes_left"] == [] and out["shm_left"] == []
+
+
+@pytest.mark.slow
+def test_exactly_once_with_the_decoded_cache_under_killed_and_stopped_workers(monkeypatch):
+    """The same faults while workers fill and read the decoded-image cache: a worker killed mid-fill
+    leaves no entry visible (its claim is taken again), every epoch is exact, the keeper is gone at the end."""
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1.0)
+    monkeypatch.setattr(liveness, "START_S", 2.0)
+    out = chaos.soak(
+        epochs=5,
+        images=48,
+        faults=("worker-kill", "worker-stop"),
+        seed=2,
+        batch_size=8,
+        policy=SMALL,
+        jpegs=JPEGS[:48],
+        progress=lambda line: None,
+        min_age=0.5,
+        step_s=0.1,
+        cache="64MB",
+    )
+    assert [e["exactly_once"] for e in out["epochs"]] == [True] * 5
+    assert out["cache"]["hits"] > 0 and out["cache"]["entries"] == 48
+    assert out["processes_left"] == [] and out["shm_left"] == []

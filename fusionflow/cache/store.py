@@ -16,6 +16,10 @@ blocks nobody. Pixels are written outside the lock, between the claim and the pu
 reader sees an entry only once it is complete: it reads the state word first, and a READY entry
 never changes again (entries are never evicted). An entry left WRITING by a dead writer is claimed
 again by the next process that decodes that sample; the bytes it had claimed stay unused.
+(Ordering: the pixels are stored before the state word, and the publication's lock call is a full
+barrier on the writer's side; a reader on x86 sees them in that order. On a weakly ordered CPU
+(aarch64) the reader has no acquire barrier between the state word and the pixels: not observed,
+not proven.)
 
 Pages are reserved (posix_fallocate) in CHUNK steps as the bump pointer passes them, under the
 lock: a node that runs out of memory makes the cache full (admission stops), never a SIGBUS.
