@@ -20,7 +20,6 @@ Wire (pickled tuples on the authenticated connection): loader -> ("attach", entr
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import logging
@@ -39,7 +38,7 @@ from fusionflow.cache.store import CacheStore
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import recv_fd, send_fd
-from fusionflow.runtime.userdir import directory
+from fusionflow.runtime.userdir import directory, flock_within
 
 log = logging.getLogger("fusionflow.cache")
 START_S = 20.0  # a keeper that has not said it is ready by then is given up on
@@ -90,7 +89,7 @@ def attach(
     record, lock = os.path.join(folder, f"cache-{key}.json"), os.path.join(folder, f"cache-{key}.lock")
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        _flock(fd, lock)
+        flock_within(fd, START_S + 10, lock)  # its holder starts a keeper in START_S at most
         rec = _read(record)
         if rec is not None and pid_alive(rec["pid"]):
             try:
@@ -103,22 +102,6 @@ def attach(
         return _attach_to(_read(record), entries)
     finally:
         os.close(fd)  # drops the flock
-
-
-def _flock(fd: int, path: str) -> None:
-    """The rendezvous lock, waited for at most START_S + 10 s (its holder starts a keeper at most
-    START_S): a holder stopped with SIGSTOP costs this loader its cache, not its run."""
-    deadline = time.monotonic() + START_S + 10
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            if time.monotonic() > deadline:
-                raise OSError(
-                    f"{path} stayed locked over {START_S + 10:.0f} s (a loader stopped while starting a keeper?)"
-                ) from None
-            time.sleep(0.01)
 
 
 def _read(record: str) -> dict | None:

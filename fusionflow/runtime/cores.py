@@ -19,15 +19,15 @@ A claims file that cannot be used (unwritable directory) leaves `"auto"` unpinne
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import uuid
 
-from fusionflow.runtime.userdir import directory
+from fusionflow.runtime.userdir import directory, flock_within
 
 log = logging.getLogger("fusionflow")
+LOCK_S = 10.0  # the longest a loader waits for the claims file's lock
 
 FILE = "cores.json"
 
@@ -57,7 +57,7 @@ def _claims():
     path = os.path.join(directory(), FILE)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     with os.fdopen(fd, "r+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        flock_within(f.fileno(), LOCK_S, path)  # a stopped loader holding it: workers unpinned, logged
         try:
             claims = json.loads(f.read() or "{}")
         except ValueError:

@@ -4,8 +4,10 @@ pinned workers to (runtime/cores.py). `$XDG_RUNTIME_DIR/fusionflow`, or `/tmp/fu
 
 from __future__ import annotations
 
+import fcntl
 import os
 import stat
+import time
 
 
 def directory() -> str:
@@ -23,3 +25,20 @@ def directory() -> str:
             f"core claims); it is mode {stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}: remove it or fix it"
         )
     return path
+
+
+def flock_within(fd: int, seconds: float, what: str) -> None:
+    """An exclusive flock on `fd`, waited for at most `seconds` (polled): a holder stopped with SIGSTOP
+    costs the caller what it wanted the lock for, never its run. Past the bound, TimeoutError (an
+    OSError) naming `what`."""
+    deadline = time.monotonic() + seconds
+    pause = 0.001
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} stayed locked over {seconds:.0f} s (its holder stopped?)") from None
+            time.sleep(pause)
+            pause = min(0.02, pause * 2)
