@@ -473,3 +473,29 @@ def test_a_lent_worker_whose_borrower_falls_silent_goes_home(monkeypatch):
     a.close()
     b.close()
     assert b.stats.worker_restarts == 0
+
+
+def test_a_stopped_gm_is_reported_once_and_loaders_keep_their_workers(monkeypatch, caplog):
+    """A GM stopped (SIGSTOP) keeps its pid: its heartbeat says it is gone after GM_SILENT_S (lowered
+    here); the loader logs it once and trains on alone, and its close unlinks the table (nobody else will)."""
+    from fusionflow.runtime.gm import link, tables
+
+    monkeypatch.setattr(link, "GM_SILENT_S", 1.0)
+    monkeypatch.setattr(tables, "GM_SILENT_S", 1.0)
+    name = job()
+    a = make(Bytes(24, sleep=0.01), name)
+    collect(a)
+    pid = gm_pid_of(gt.table_name(name))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        for epoch in range(3):
+            a.set_epoch(epoch + 1)
+            _, labels = collect(a)
+            assert ordered(labels) == list(range(24))
+            time.sleep(0.6)
+        a.close()
+        assert a.stats.global_manager == "lost"
+        assert caplog.text.count("global manager of this job") == 1 and "silent" in caplog.text
+        assert not os.path.exists("/dev/shm" + gt.table_name(name))
+    finally:
+        os.kill(pid, signal.SIGKILL)

@@ -33,7 +33,7 @@ from multiprocessing.connection import Connection
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout  # noqa: F401 (re-exported)
 from fusionflow.runtime.gm import tables as gt
-from fusionflow.runtime.gm.timing import GM_START_S, LIVENESS_S
+from fusionflow.runtime.gm.timing import GM_SILENT_S, GM_START_S, LIVENESS_S
 from fusionflow.runtime.procs import pid_alive
 
 log = logging.getLogger(__name__)
@@ -208,13 +208,17 @@ class GMLink:
         pid = self.tables.gm_pid
         if pid == 0 and time.monotonic() - self.joined_at < GM_START_S:
             return True
-        if pid and pid_alive(pid):
+        silent = self.tables.gm_silent_s()
+        if pid and pid_alive(pid) and silent < GM_SILENT_S:
             return True
         self.gm_lost = True
+        why = (
+            "never started" if not pid else f"pid {pid}" if not pid_alive(pid) else f"pid {pid}, silent {silent:.0f} s"
+        )
         log.warning(
             "fusionflow: the global manager of this job (%s) is gone; this loader keeps training with "
             "its own workers, without lending or borrowing",
-            f"pid {pid}" if pid else "never started",
+            why,
         )
         return False
 
@@ -230,13 +234,14 @@ class GMLink:
             # a GM that never claimed the table is not waited for by the last LM out: if it starts
             # later, it finds no LM and lingers out
             unclaimed_and_empty = t.gm_pid == 0 and not t.active_rows()
-            orphaned = spawned_gone or unclaimed_and_empty or not t.gm_alive()
+            gm_gone = not t.gm_alive()  # dead, or silent for GM_SILENT_S (stopped, hung)
+            orphaned = spawned_gone or unclaimed_and_empty or gm_gone
             if orphaned:  # nobody reclaims dead LMs' rows and rings if we do not
                 t.reclaim_dead()
                 orphaned = not t.active_rows()
             if orphaned:
                 t.header["state"] = gt.CLOSING
-        if orphaned and (self.gm_proc is None or self.gm_proc.poll() is not None):
+        if orphaned and (self.gm_proc is None or self.gm_proc.poll() is not None or gm_gone):
             t.unlink()
         t.close()
         if self.gm_proc is not None:

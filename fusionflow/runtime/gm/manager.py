@@ -83,6 +83,7 @@ class GlobalManager:
     def step(self) -> int:
         """One poll; returns how many LMs are active."""
         t, now = self.t, time.monotonic()
+        t.header["gm_heartbeat"] = now  # LMs take a GM silent for GM_SILENT_S as gone (stopped, hung)
         live = np.flatnonzero(t.progress["state"] == gt.ACTIVE)
         if now - self.checked_at > LIVENESS_S:
             self.checked_at = now

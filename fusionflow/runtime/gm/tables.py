@@ -34,12 +34,12 @@ from contextlib import contextmanager
 import numpy as np
 import posix_ipc
 
-from fusionflow.runtime.gm.timing import START_S
+from fusionflow.runtime.gm.timing import GM_SILENT_S, START_S
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import unlink
 
 PREFIX = "/ff_gm_"
-MAGIC = 0x46_46_47_4D_0002  # "FFGM" v2 (layout changes bump it)
+MAGIC = 0x46_46_47_4D_0003  # "FFGM" v3 (layout changes bump it)
 MAX_LMS = 64
 MAX_ACTIVE = 64
 FREE, ACTIVE = 0, 1  # progress row states
@@ -55,6 +55,7 @@ HEADER = np.dtype(
         ("registered_total", "<i8"),
         ("target_seq", "<i8"),
         ("target_workers", "<i4"),
+        ("gm_heartbeat", "<f8"),  # CLOCK_MONOTONIC of the GM's latest poll (0: none yet)
     ],
     align=True,
 )  # job-wide elastic target
@@ -215,11 +216,17 @@ class Tables:
         return dead
 
     def gm_alive(self) -> bool:
-        """The GM is running, or was spawned and has not claimed the table yet."""
+        """The GM is running (its process lives and its heartbeat is recent), or was spawned and has
+        not claimed the table yet."""
         pid = self.gm_pid
         if pid:
-            return pid_alive(pid)
+            return pid_alive(pid) and self.gm_silent_s() < GM_SILENT_S
         return time.time() - float(self.header["created"][0]) < START_S
+
+    def gm_silent_s(self) -> float:
+        """Seconds since the GM's latest poll (0 before its first: the pid and START_S judge then)."""
+        beat = float(self.header["gm_heartbeat"][0])
+        return time.monotonic() - beat if beat else 0.0
 
     def close(self) -> None:
         self.header = self.progress = self.action = None

@@ -22,3 +22,4 @@ POLL_S = 0.002  # the GM's loop period
 LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
 INCOMING_TTL_S = 1.0  # workers lent but never accepted within this are written off
 STALE_S = 2.0  # an LM whose row has not been published for this long neither lends nor borrows
+GM_SILENT_S = 10.0  # a GM whose heartbeat is this old (stopped, hung) counts as gone, though its pid lives
