@@ -11,7 +11,9 @@ import time
 
 import numpy as np
 import pytest
+import test_loader
 import torch
+from stopped_holder import held_by_a_stopped_process
 
 from fusionflow import DecodedCache, SharedMemoryError
 from fusionflow.cache import keeper
@@ -23,18 +25,7 @@ from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.tools.synthetic import make_jpegs
 
-SMALL = {
-    "output": {"size": 32},
-    "flip": 0.5,
-    "crop": {"scale": [0.3, 1.0]},
-    "augment": {
-        "type": "rand",
-        "num_ops": 2,
-        "magnitude": 5,
-        "num_bins": 11,
-        "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Posterize": {"range": [8, 4]}, "Equalize": {}},
-    },
-}
+SMALL = {**test_loader.SMALL, "output": {"size": 32}}  # RandAugment's kind: Rotate, Posterize, Equalize
 JPEGS = make_jpegs(48, 40, 160, seed=7)
 LARGER = make_jpegs(32, 150, 300, seed=8)  # ~100 KB each at max_side 160: a few fit in 1 MiB
 MAX_SIDE = 64  # below most of the images' short sides: the cache shrinks them
@@ -382,25 +373,10 @@ def test_a_stopped_lock_holder_costs_a_fill_not_the_run(monkeypatch):
     monkeypatch.setattr(st, "LOCK_S", 0.3)
     fd = keeper.segment(None)
     store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            with CacheStore(fd)._locked():
-                os.write(w, b"x")
-                os.kill(os.getpid(), signal.SIGSTOP)
-        finally:
-            os._exit(0)
-    try:
-        os.read(r, 1)
+    with held_by_a_stopped_process(CacheStore(fd)._locked):
         pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
         out = pipe(JPEGS[0], 0, 0, 0)
         assert out.shape == (3, 32, 32) and store.get(0, len(JPEGS[0])) is None
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
-        os.close(w)
     assert store.claim(0, (8, 8, 3), (8, 8), len(JPEGS[0]), 1) is not None  # the dead holder's lock is gone
     store.close()
     os.close(fd)

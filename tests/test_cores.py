@@ -115,30 +115,23 @@ def test_two_loaders_in_one_process_do_not_pin_onto_the_same_core(tmp_path, monk
 def test_a_stopped_holder_of_the_claims_file_costs_the_pinning_not_the_run(node, monkeypatch, caplog):
     """Another loader stopped (SIGSTOP) while it holds the claims file's lock: this one waits LOCK_S,
     then runs unpinned ('auto', logged) or pinned without a claim (True) -- it never hangs."""
+    import contextlib
     import fcntl
-    import signal
+
+    from stopped_holder import held_by_a_stopped_process
 
     monkeypatch.setattr(cores, "LOCK_S", 0.3)
     CoreClaim(1, "auto").release()  # the file exists
     path = node / "fusionflow" / cores.FILE
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            with open(path) as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
-                os.write(w, b"x")
-                os.kill(os.getpid(), signal.SIGSTOP)
-        finally:
-            os._exit(0)
-    try:
-        os.read(r, 1)
+
+    @contextlib.contextmanager
+    def locked():
+        with open(path) as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    with held_by_a_stopped_process(locked):
         with caplog.at_level("WARNING", logger="fusionflow"):
             assert CoreClaim(3, "auto").cores == [None, None, None]
         assert any("unpinned" in m and "locked over" in m for m in caplog.messages), caplog.messages
         assert CoreClaim(2, True).cores == [0, 1]
-    finally:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(r)
-        os.close(w)

@@ -15,10 +15,11 @@ Two workers writing one slot (a straggler's second copy) write the same pixels.
 from __future__ import annotations
 
 import os
+import weakref
 
 import numpy as np
 
-from fusionflow.cache.store import map_shared, reserve
+from fusionflow.cache.store import disown_all, map_shared, reserve
 
 MAGIC = 0x46464352_4F505331  # "FFCROPS1"
 HEADER = 8
@@ -42,7 +43,8 @@ def crops_bytes(entries: int, size: tuple[int, int]) -> int:
 class CropStore:
     def __init__(self, fd: int):
         self.fd = fd
-        self._map, self._map_fds = map_shared(fd, os.fstat(fd).st_size)
+        self._map, map_fds = map_shared(fd, os.fstat(fd).st_size)
+        self._disown = weakref.finalize(self, disown_all, map_fds)  # as CacheStore's
         head = np.frombuffer(self._map, np.int64, HEADER)
         if head[0] != MAGIC:
             raise ValueError("not a FusionFlow crop store")
@@ -74,11 +76,8 @@ class CropStore:
         self.tags[index] = tag
 
     def close(self) -> None:
-        from fusionflow.runtime.shm import disown_fd
-
         self.tags = self.slots = None
-        for extra in self._map_fds:
-            disown_fd(extra)
+        self._disown()
         try:
             self._map.close()
         except BufferError:

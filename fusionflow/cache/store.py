@@ -41,6 +41,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 
 import numpy as np
@@ -97,7 +98,10 @@ class CacheStore:
     def __init__(self, fd: int):
         self.fd = fd
         total = os.fstat(fd).st_size
-        self._map, self._map_fds = map_shared(fd, total)
+        self._map, map_fds = map_shared(fd, total)
+        # the mmap's own descriptor leaves the owned set when this store is closed or collected, before
+        # its number can be reused (a forked worker closes every owned number)
+        self._disown = weakref.finalize(self, disown_all, map_fds)
         if hasattr(mmap, "MADV_DONTFORK"):  # forked workers map their own loader's cache from its descriptor
             self._map.madvise(mmap.MADV_DONTFORK)
         words = np.frombuffer(self._map, np.int64, count=HEADER)
@@ -139,9 +143,7 @@ class CacheStore:
 
     def _close(self) -> None:
         self.header = self.hist = self.kept = self.rows = self.entries = self._arena = None
-        for extra in self._map_fds:
-            disown_fd(extra)
-        self._map_fds = ()
+        self._disown()
         if self._map is not None:
             try:
                 self._map.close()
@@ -341,6 +343,11 @@ def map_shared(fd: int, size: int):
     for x in extra:
         own_fd(x)
     return m, extra
+
+
+def disown_all(fds) -> None:
+    for fd in fds:
+        disown_fd(fd)
 
 
 def _same_file(fd: int) -> set[int]:
