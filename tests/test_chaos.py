@@ -10,22 +10,28 @@ from experiments import chaos
 from fusionflow.runtime import liveness
 
 
-@pytest.mark.slow
-def test_every_epoch_exactly_once_under_killed_and_stopped_workers(monkeypatch):
+def short_soak(monkeypatch, epochs: int, seed: int, **kw) -> dict:
+    """The soak's short form: 48 images, worker kills and stops, the bounds lowered."""
     monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1.0)
     monkeypatch.setattr(liveness, "START_S", 2.0)  # a worker may be hit while it starts (a replacement)
-    out = chaos.soak(
-        epochs=6,
+    return chaos.soak(
+        epochs=epochs,
         images=48,
         faults=("worker-kill", "worker-stop"),
-        seed=1,
+        seed=seed,
         batch_size=8,
         policy=SMALL,
         jpegs=JPEGS[:48],
         progress=lambda line: None,
         min_age=0.5,  # only a worker just forked is spared (the soak's 3 s would spare most of this short run)
         step_s=0.1,  # a training step, so the epochs last long enough for workers to be hit
+        **kw,
     )
+
+
+@pytest.mark.slow
+def test_every_epoch_exactly_once_under_killed_and_stopped_workers(monkeypatch):
+    out = short_soak(monkeypatch, epochs=6, seed=1)
     assert [e["exactly_once"] for e in out["epochs"]] == [True] * 6
     table = chaos.summarize(out)["by_fault"]
     assert {f for f, row in table.items() if row["injected"]} == {"worker-kill", "worker-stop"}, out["epochs"]
@@ -38,21 +44,7 @@ def test_every_epoch_exactly_once_under_killed_and_stopped_workers(monkeypatch):
 def test_exactly_once_with_the_decoded_cache_under_killed_and_stopped_workers(monkeypatch):
     """The same faults while workers fill and read the decoded-image cache: a worker killed mid-fill
     leaves no entry visible (its claim is taken again), every epoch is exact, the keeper is gone at the end."""
-    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1.0)
-    monkeypatch.setattr(liveness, "START_S", 2.0)
-    out = chaos.soak(
-        epochs=5,
-        images=48,
-        faults=("worker-kill", "worker-stop"),
-        seed=2,
-        batch_size=8,
-        policy=SMALL,
-        jpegs=JPEGS[:48],
-        progress=lambda line: None,
-        min_age=0.5,
-        step_s=0.1,
-        cache="64MB",
-    )
+    out = short_soak(monkeypatch, epochs=5, seed=2, cache="64MB")
     assert [e["exactly_once"] for e in out["epochs"]] == [True] * 5
     assert out["cache"]["hits"] > 0 and out["cache"]["entries"] == 48
     assert out["processes_left"] == [] and out["shm_left"] == []

@@ -19,7 +19,8 @@ import weakref
 
 import numpy as np
 
-from fusionflow.cache.store import disown_all, map_shared, reserve
+from fusionflow.cache.store import disown_all, map_shared
+from fusionflow.runtime.shm import allocate
 
 MAGIC = 0x46464352_4F505331  # "FFCROPS1"
 HEADER = 8
@@ -57,7 +58,7 @@ class CropStore:
         """Size the segment and reserve every page now (it is refused up front if it cannot be had)."""
         total = crops_bytes(entries, size)
         os.ftruncate(fd, total)
-        reserve(fd, 0, total)
+        allocate(fd, 0, total)
         os.pwrite(fd, np.array([MAGIC, entries, *size, 0, 0, 0, 0], np.int64).tobytes(), 0)
         return cls(fd)
 

@@ -34,7 +34,6 @@ per byte, the marginal score bin first come. `first` mode admits whatever comes 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import math
 import mmap
@@ -47,7 +46,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import disown_fd, own_fd
+from fusionflow.runtime.shm import allocate, disown_fd, own_fd
 
 MAGIC = 0x46464443_41434845  # "FFDCACHE"
 VERSION = 2
@@ -130,7 +129,7 @@ class CacheStore:
         pages are reserved as it fills (`claim`)."""
         off = _arena_offset(entries)
         os.ftruncate(fd, off + size)
-        reserve(fd, 0, off)
+        allocate(fd, 0, off)
         head = np.zeros(HEADER, np.int64)
         head[[H_MAGIC, H_VERSION, H_ENTRIES, H_ARENA_OFF, H_ARENA_SIZE]] = [MAGIC, VERSION, entries, off, size]
         head[H_MAX_SIDE], head[H_ADMISSION], head[H_RESERVED] = max_side, ADMISSIONS.index(admission), 0
@@ -285,7 +284,7 @@ class CacheStore:
             return True
         new = min(self.size, -(-end // CHUNK) * CHUNK)
         try:
-            reserve(self.fd, self.arena_offset + reserved, new - reserved)
+            allocate(self.fd, self.arena_offset + reserved, new - reserved)
         except OSError:
             return False
         self.header[H_RESERVED] = new
@@ -377,14 +376,3 @@ def _new_lock_after_fork() -> None:  # a fork while another thread held it must 
 
 
 os.register_at_fork(after_in_child=_new_lock_after_fork)
-
-
-def reserve(fd: int, offset: int, length: int) -> None:
-    if length <= 0 or not hasattr(os, "posix_fallocate"):
-        return
-    try:
-        os.posix_fallocate(fd, offset, length)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: sparse
-            return
-        raise

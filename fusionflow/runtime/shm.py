@@ -207,14 +207,22 @@ def check_room(layout: RingLayout) -> None:
 def reserve(fd: int, layout: RingLayout) -> None:
     """Allocate every page of the segment now (tmpfs honours posix_fallocate), so running out of
     shared memory is an error here and never a SIGBUS in a worker."""
-    if not hasattr(os, "posix_fallocate"):  # not Linux: nothing to reserve with
+    try:
+        allocate(fd, 0, layout.nbytes)
+    except OSError as exc:
+        raise _too_small(layout, free_bytes(), f"reserving it failed ({exc.strerror})") from None
+
+
+def allocate(fd: int, offset: int, length: int) -> None:
+    """posix_fallocate of [offset, offset + length); nothing where there is none (not Linux) or the
+    filesystem cannot (then the file stays sparse); OSError when the pages cannot be had."""
+    if length <= 0 or not hasattr(os, "posix_fallocate"):
         return
     try:
-        os.posix_fallocate(fd, 0, layout.nbytes)
+        os.posix_fallocate(fd, offset, length)
     except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # a filesystem without fallocate: sparse, as before
-            return
-        raise _too_small(layout, free_bytes(), f"reserving it failed ({exc.strerror})") from None
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
 
 
 def unlink(name: str) -> None:
