@@ -282,11 +282,21 @@ def test_what_converts_reads_timm_objects():
 
 @pytest.mark.parametrize(
     "kw,match",
-    [],
+    [
+        (dict(naflex=True), r"RandomResizedCropToSequence has no FusionFlow equivalent"),
+        (dict(train_crop_mode="rkrr", drop="crop_or_pad"), r"ResizeKeepRatio must be followed by RandomCropOrPad"),
+        (dict(train_crop_mode="rkrc", pad="edge"), r"padding_mode 'edge' is not expressible"),
+    ],
 )
 def test_what_does_not_convert_says_why(kw, match):
+    drop, pad = kw.pop("drop", None), kw.pop("pad", None)
+    transform = create_transform(224, is_training=True, **kw)
+    if drop:  # a pipeline timm does not build but a user could: the resize without its crop
+        transform.transforms = [t for t in transform.transforms if not type(t).__name__.endswith("CropOrPad")]
+    if pad:
+        transform.transforms[1].padding_mode = pad
     with pytest.raises(ValueError, match=match):
-        fusionflow.from_timm(224, is_training=True, **kw)
+        fusionflow.policy_from_transform(transform)
 
 
 def test_draw_frequencies_follow_timm():

@@ -181,6 +181,7 @@ def test_every_sample_once_per_epoch_and_eval_in_order(singles):
         dict(is_training=False, crop_pct=0.875, interpolation="bilinear"),
         dict(is_training=False, crop_pct=0.9, crop_mode="squash", interpolation="bicubic"),
         dict(is_training=True, no_aug=True),  # timm squashes to the input size (Resize((h, w))), shuffled
+        dict(is_training=False, crop_pct=0.9, crop_mode="border", crop_border_pixels=2, interpolation="bicubic"),
     ],
 )
 def test_deterministic_batches_match_timm_s_loader_within_the_fast_mode_bound(singles, kw):
@@ -203,7 +204,6 @@ def test_deterministic_batches_match_timm_s_loader_within_the_fast_mode_bound(si
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(train_crop_mode="rkrr"), r"create_loader\(train_crop_mode / crop_mode\).*ResizeKeepRatio"),
         (dict(input_size_choices=[32, 48]), r"input_size_choices"),
         (dict(tf_preprocessing=True), r"tf_preprocessing"),
         (dict(num_aug_splits=3), r"AugMixDataset"),
@@ -308,6 +308,27 @@ def test_transform_arguments_reach_the_policy(folder):
     with loader.fusionflow:
         x, y = next(iter(loader))
     assert x.shape == (8, *SIZE) and x.dtype == torch.float32
+
+
+@pytest.mark.parametrize("mode", ["rkrr", "rkrc"])
+def test_train_crop_mode_keep_ratio_reaches_the_policy_and_trains(folder, mode):
+    """timm's keep-ratio crops (pixels against timm's own: tests/test_timm_crops.py)."""
+    kw = dict(is_training=True, train_crop_mode=mode, scale=(0.6, 1.0), ratio=(0.8, 1.25), device=CPU, num_workers=1)
+    loader = create_loader(train_dataset(folder), SIZE, 8, **kw)
+    kr = loader.fusionflow.policy.keep_ratio
+    place = {"rkrr": "random", "rkrc": "center"}[mode]
+    assert (kr.scale, kr.ratio, kr.place, kr.pad, kr.scale_p, kr.ratio_p) == (
+        (0.6, 1.0),
+        (0.8, 1.25),
+        place,
+        None,
+        0.5,
+        0.5,
+    )
+    with loader.fusionflow:
+        batches = list(loader)
+    assert all(x.shape == (8, *SIZE) and torch.isfinite(x).all() for x, _ in batches)
+    assert sorted(int(t) for _, y in batches for t in y) == [c for c in range(5) for _ in range(8)]
 
 
 def test_3a_and_an_auto_augment_with_grayscale_keep_timm_s_order(folder):

@@ -18,6 +18,8 @@ def dali_declines(policy) -> str | None:
         return "vflip (the DALI graph flips horizontally only)"
     if policy.views > 1:
         return f"views={policy.views} (AugMix splits: the DALI graph draws no view-shared crop)"
+    if policy.keep_ratio is not None:
+        return "crop.mode keep_ratio (timm's keep-ratio crops pad the image: CPU only)"
     if policy.crop_interpolation != "bilinear":
         return f"crop.interpolation {policy.crop_interpolation!r} (DALI's resize does not match Pillow's)"
     if policy.augment.timm is not None:

@@ -235,29 +235,29 @@ def decode_crop_resize_filtered(
 
 def decode_box_resize(
     data,
-    box_fn,
-    out_size: tuple[int, int],
+    plan_fn,
     fast: bool,
     what: str | None = None,
     max_pixels: int | None = None,
     resample=Image.Resampling.BILINEAR,
-) -> Image.Image:
-    """The fractional box `box_fn(height, width)` = (x0, y0, x1, y1) resampled to `out_size` by Pillow's
-    antialiased filter `resample` at the box's own scale: torchvision's Resize + CenterCrop (the eval
-    policy) without rounding the crop to whole source pixels (within a level or two: Pillow's
-    coefficients from the box can round differently). A JPEG decodes only the box and the filter's
-    support; `fast` and bilinear: a box of 2x the output or more is decoded at a DCT scale first."""
-    out_h, out_w = out_size
+) -> tuple[Image.Image, tuple[int, int]]:
+    """(image, (source height, width)): `plan_fn(height, width)` = ((x0, y0, x1, y1), (out_h, out_w), ...),
+    the fractional box resampled to that size by Pillow's antialiased filter `resample` at the box's
+    own scale: torchvision's Resize + CenterCrop (the eval policy) and timm's resize-then-crop without
+    rounding the crop to whole source pixels (within a level or two: Pillow's coefficients from the
+    box can round differently). A JPEG decodes only the box and the filter's support; `fast` and
+    bilinear: a box of 2x the output or more is decoded at a DCT scale first."""
     if window_decodable(data):
         data = bytes(data)
         height, width = checked_header(data, what, max_pixels)
-        x0, y0, x1, y1 = box_fn(height, width)
+        (x0, y0, x1, y1), (out_h, out_w) = plan_fn(height, width)[:2]
         scaled = fast and jpeg.can_scale() and resample == Image.Resampling.BILINEAR  # others: Pillow's
         r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if scaled else 1
         if r > 1:
             try:
                 arr, box = decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
-                return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
+                img = Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
+                return img, (height, width)
             except jpeg.WindowDecodeError:
                 pass
         # the filter reads support x max(1, scale) pixels either side of each centre: decode them too
@@ -269,12 +269,13 @@ def decode_box_resize(
             arr, _ = jpeg.decode_window(data, wy0, wx0, wy1 - wy0, wx1 - wx0)
             if arr.shape[:2] == (wy1 - wy0, wx1 - wx0):
                 box = (x0 - wx0, y0 - wy0, x1 - wx0, y1 - wy0)
-                return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
+                img = Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
+                return img, (height, width)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
     img = load_rgb(open_image(data, what, max_pixels), what)
-    box = box_fn(img.size[1], img.size[0])
-    return img.resize((out_w, out_h), resample, box=box, reducing_gap=None)
+    box, (out_h, out_w) = plan_fn(img.size[1], img.size[0])[:2]
+    return img.resize((out_w, out_h), resample, box=box, reducing_gap=None), (img.size[1], img.size[0])
 
 
 # Scaled-image pixels read around a fractional box: the bilinear filter's support at a downscale of

@@ -1,5 +1,5 @@
-"""The whole per-sample CPU pipeline of a policy: decode -> random resized crop -> flip -> colour
-jitter -> grayscale -> policy ops -> uint8 CHW (or normalised float32) -> random erasing, written into a
+"""The whole per-sample CPU pipeline of a policy: decode -> crop (random resized, centre, keep-ratio) ->
+flip -> colour jitter -> grayscale -> policy ops -> uint8 CHW (or normalised float32) -> random erasing, written into a
 caller-provided buffer.
 
 This is what a CPU worker runs; its output for (seed, epoch, index) equals the DALI pipeline's up
@@ -21,10 +21,12 @@ from fusionflow.ops.decode import (
     decode_crop_resize,
     decode_crop_resize_array,
     decode_crop_resize_filtered,
+    load_rgb,
+    open_image,
 )
 from fusionflow.ops.stages import BLUR, GRAYSCALE
-from fusionflow.policy import Policy, SampleDraw, crop_window, draw, load_policy
-from fusionflow.policy.sampling import center_box
+from fusionflow.policy import Policy, SampleDraw, crop_window, draw, keep_ratio, load_policy
+from fusionflow.policy.sampling import crop_plan, trim_side
 
 
 class CpuPipeline:
@@ -60,8 +62,8 @@ class CpuPipeline:
         """The augmented sample as an RGB image of the output size. `tick(stage)`, if given, is called
         after each stage (fusionflow/ops/stages.py)."""
         p = self.policy
-        if p.center_resize is not None:  # eval: the unrounded centre crop
-            img = self._center(data, what)
+        if p.center_resize is not None or p.keep_ratio is not None:  # the unrounded box crops
+            img = self._boxed(data, d, what)
         elif (d.crop_resample or p.crop_interpolation) != "bilinear":
             img = self._filtered(data, d, what)
         else:
@@ -151,13 +153,29 @@ class CpuPipeline:
                 tick(op.name)
         return img
 
-    def _center(self, data, what) -> Image.Image:
-        """The eval policy's Resize + CenterCrop from the fractional box (both modes: eval has no ops, so
-        the fast mode's only saving would be the rounded crop, which moved 1-3 px patterns by half a pixel)."""
+    def _boxed(self, data, d: SampleDraw, what) -> Image.Image:
+        """The eval policy's Resize + CenterCrop and the keep_ratio crops (policy/keep_ratio.py) from the
+        fractional box, then the keep_ratio pads (both modes: eval has no ops, so the fast mode's only
+        saving would be the rounded crop, which moved 1-3 px patterns by half a pixel). Exact mode's
+        keep_ratio resizes the whole image first, as timm does: its pixels to the bit."""
         p = self.policy
-        box_fn = partial(center_box, p.center_resize, p.size)
-        resample = exact.RESAMPLE[p.crop_interpolation]
-        return decode_box_resize(data, box_fn, p.size, p.fast_downscale, what, p.max_pixels, resample)
+        resample = exact.RESAMPLE[d.crop_resample or p.crop_interpolation]
+        if p.keep_ratio is not None and not p.fast_downscale:
+            return self._keep_ratio_exact(data, d, what, resample)
+        plan = partial(crop_plan, p, d)
+        img, source = decode_box_resize(data, plan, p.fast_downscale, what, p.max_pixels, resample)
+        pads = plan(*source)[2]
+        return img if not any(pads) else Image.fromarray(keep_ratio.pad(np.asarray(img), pads, p.keep_ratio.pad))
+
+    def _keep_ratio_exact(self, data, d: SampleDraw, what, resample) -> Image.Image:
+        p = self.policy
+        img = load_rgb(open_image(data, what, p.max_pixels), what)
+        (ty, th), (tx, tw) = trim_side(p.trim, img.height), trim_side(p.trim, img.width)
+        if (th, tw) != (img.height, img.width):  # timm's TrimBorder
+            img = img.crop((tx, ty, tx + tw, ty + th))
+        (rh, rw), (y0, y1, x0, x1), pads = keep_ratio.layout(p.keep_ratio, p.size, d.crop_u, th, tw)
+        arr = np.asarray(img.resize((rw, rh), resample))[y0:y1, x0:x1]  # torchvision's F.resize on PIL
+        return Image.fromarray(keep_ratio.pad(arr, pads, p.keep_ratio.pad))
 
     def _filtered(self, data, d: SampleDraw, what) -> Image.Image:
         """A random resized crop with bicubic or nearest: Pillow's filter on the full-scale window (the fast
@@ -198,8 +216,8 @@ class CpuPipeline:
 
     def _cropped(self, data, d: SampleDraw, what) -> np.ndarray:
         """The uncached decode + crop + resize."""
-        if self.policy.center_resize is not None:
-            return np.asarray(self._center(data, what))
+        if self.policy.center_resize is not None or self.policy.keep_ratio is not None:
+            return np.asarray(self._boxed(data, d, what))
         if (d.crop_resample or self.policy.crop_interpolation) != "bilinear":
             return np.asarray(self._filtered(data, d, what))
         return decode_crop_resize_array(
@@ -214,12 +232,15 @@ class CpuPipeline:
         if got is None:
             return None
         img, (height, width), hit = got
-        if p.center_resize is not None:
-            box, resample = center_box(p.center_resize, p.size, height, width), p.crop_interpolation
+        resample, pads = d.crop_resample or p.crop_interpolation, None
+        if p.center_resize is not None or p.keep_ratio is not None:
+            box, covered, pads = crop_plan(p, d, height, width)
         else:
-            top, left, h, w = crop_window(p, d, height, width)
-            box, resample = (left, top, left + w, top + h), d.crop_resample or p.crop_interpolation
-        arr = crop_cached(img, (height, width), box, p.size, resample)
+            (top, left, h, w), covered = crop_window(p, d, height, width), p.size
+            box = (left, top, left + w, top + h)
+        arr = crop_cached(img, (height, width), box, covered, resample)
+        if pads is not None and any(pads):
+            arr = keep_ratio.pad(arr, pads, p.keep_ratio.pad)
         if hit:
             self.cache.hit_time(time.perf_counter_ns() - t0)
         return arr

@@ -128,9 +128,20 @@ def _read_colour_steps(steps, pos: int, cfg: dict, T, flips: bool = True) -> int
 def _read_crop(steps, T, cfg: dict, fail) -> int:
     """The pipeline's first step(s): RandomResizedCrop, or Resize + CenterCrop, into cfg's output and
     crop; returns the index of the next step."""
-    pos = 0
+    pos, trim = 0, None
+    if _part(steps[pos], "trim"):  # timm's TrimBorder (crop_border_pixels), before its eval crop
+        trim, pos = steps[pos].cfg["trim"], pos + 1
+        if pos >= len(steps):
+            fail(pos - 1, "TrimBorder must be followed by the crop")
     t = steps[pos]
-    if _part(t, "crop"):  # timm's RandomResizedCropAndInterpolation
+    if _part(t, "keep_ratio"):  # timm's ResizeKeepRatio + RandomCropOrPad / CenterCropOrPad
+        if pos + 1 >= len(steps) or not _part(steps[pos + 1], "crop_or_pad"):
+            fail(pos, "ResizeKeepRatio must be followed by RandomCropOrPad or CenterCropOrPad (timm's rkrr / rkrc)")
+        place = steps[pos + 1].cfg
+        cfg["output"] = {"size": place["size"]}
+        cfg["crop"] = dict(t.cfg, place=place["place"], pad=place["pad"])
+        pos += 2
+    elif _part(t, "crop"):  # timm's RandomResizedCropAndInterpolation
         cfg["output"] = {"size": t.cfg["size"]}
         cfg["crop"] = {k: t.cfg[k] for k in ("scale", "ratio", "interpolation")}
         pos += 1
@@ -162,6 +173,8 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
             "the pipeline must start with RandomResizedCrop (training) or Resize + CenterCrop "
             "(evaluation): FusionFlow decodes only the crop window, so the crop comes first",
         )
+    if trim:
+        cfg["crop"]["trim"] = trim
     return pos
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from fusionflow.policy import keep_ratio
 from fusionflow.policy.reader import Reader
 
 DECODE_MODES = ("exact", "fast")
@@ -144,25 +145,34 @@ def parse_decode(r: Reader, top: dict) -> tuple[bool, int | None]:
 CROP_INTERPOLATIONS = ("bilinear", "bicubic", "nearest", "random")  # random: bilinear or bicubic per sample (timm)
 
 
-def parse_crop(r: Reader, top: dict, size: tuple[int, int]):
-    """The top level's `crop:` section -> (scale, ratio, center_resize: None for the random resized
-    crop, interpolation of its resize); without the section, the random resized crop with
-    torchvision's scale, ratio and (antialiased) bilinear resize."""
-    scale, ratio = (0.08, 1.0), (3.0 / 4.0, 4.0 / 3.0)
+def parse_crop(r: Reader, top: dict, size: tuple[int, int]) -> dict:
+    """The top level's `crop:` section -> the Policy's crop fields (scale, ratio, center_resize: None
+    but for mode center, crop_interpolation, keep_ratio: None but for mode keep_ratio, trim); without
+    the section, the random resized crop with torchvision's scale, ratio and (antialiased) bilinear resize."""
+    out = dict(scale=(0.08, 1.0), ratio=(3.0 / 4.0, 4.0 / 3.0), center_resize=None, crop_interpolation="bilinear")
     if "crop" not in top:
-        return scale, ratio, None, "bilinear"
-    crop = r.mapping(top["crop"], "crop", (), ("mode", "scale", "ratio", "resize", "interpolation"))
-    interpolation = r.choice(crop.get("interpolation", "bilinear"), "crop.interpolation", CROP_INTERPOLATIONS)
-    center_resize = _center_crop(r, crop, size)
-    if center_resize is not None and interpolation == "random":
-        r.fail("crop.interpolation", "'random' (drawn per sample) is for the random resized crop, not crop.mode center")
+        return out
+    crop = r.mapping(top["crop"], "crop", (), ("interpolation", "trim", *keep_ratio.KEYS))
+    out["crop_interpolation"] = interpolation = r.choice(
+        crop.get("interpolation", "bilinear"), "crop.interpolation", CROP_INTERPOLATIONS
+    )
+    out["trim"] = r.integer(crop.get("trim", 0), "crop.trim", 0, 4096)
+    mode = r.choice(crop.get("mode", "random"), "crop.mode", ("random", "center", "keep_ratio"))
+    if mode == "keep_ratio":
+        out["keep_ratio"] = keep_ratio.parse(r, crop, size)
+        return out
+    for key in sorted(set(crop) & set(keep_ratio.ONLY)):
+        r.fail(f"crop.{key}", "applies to crop.mode keep_ratio: add mode: keep_ratio, or remove it")
+    out["center_resize"] = _center_crop(r, crop, mode, size)
+    if out["center_resize"] is not None and interpolation == "random":
+        r.fail("crop.interpolation", "'random' (drawn per sample) is for the random crops, not crop.mode center")
     if "scale" in crop:
-        scale = r.pair(crop["scale"], "crop.scale", 0.0, 1.0)
-        if scale[0] <= 0:
+        out["scale"] = r.pair(crop["scale"], "crop.scale", 0.0, 1.0)
+        if out["scale"][0] <= 0:
             r.fail("crop.scale[0]", "must be > 0 (an empty crop cannot be resized)")
     if "ratio" in crop:
-        ratio = r.pair(crop["ratio"], "crop.ratio", 1e-3, 1e3)
-    return scale, ratio, center_resize, interpolation
+        out["ratio"] = r.pair(crop["ratio"], "crop.ratio", 1e-3, 1e3)
+    return out
 
 
 def parse_erase(r: Reader, raw: Any, path: str, normalize) -> Erase:
@@ -212,9 +222,8 @@ def parse_erase(r: Reader, raw: Any, path: str, normalize) -> Erase:
     return Erase(p, scale, ratio, value, count=count)
 
 
-def _center_crop(r: Reader, crop: dict, size: tuple[int, int]) -> int | tuple[int, int] | None:
+def _center_crop(r: Reader, crop: dict, mode: str, size: tuple[int, int]) -> int | tuple[int, int] | None:
     """crop.mode center (evaluation): the resize of the shorter side; None for the random resized crop."""
-    mode = r.choice(crop.get("mode", "random"), "crop.mode", ("random", "center"))
     if mode == "random":
         if "resize" in crop:
             r.fail("crop.resize", "applies to crop.mode center (Resize + CenterCrop): add mode: center")

@@ -27,6 +27,7 @@ import threading
 
 import numpy as np
 
+from fusionflow.policy import keep_ratio
 from fusionflow.policy.deepaa import draw_deepaa
 from fusionflow.policy.draws import EraseDraw, MixDraw, OpDraw, SampleDraw, TimmStep
 from fusionflow.policy.image_sections import Erase, Jitter
@@ -271,7 +272,16 @@ def _op(choice, bin_index: int, num_bins: int, rng: _Stream) -> OpDraw:
 
 
 def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple[int, int, int, int]:
-    """(top, left, crop_height, crop_width) of the random resized crop for an image of this size."""
+    """(top, left, crop_height, crop_width) of the crop for an image of this size, in whole source
+    pixels (a keep_ratio crop: the part of the source its output covers)."""
+    if policy.trim:
+        (ty, th), (tx, tw) = trim_side(policy.trim, height), trim_side(policy.trim, width)
+        top, left, h, w = crop_window(dataclasses.replace(policy, trim=0), d, th, tw)
+        return top + ty, left + tx, h, w
+    if policy.keep_ratio is not None:
+        return _whole_pixels(
+            *keep_ratio.plan(policy.keep_ratio, policy.size, d.crop_u, height, width)[0], height, width
+        )
     if policy.center_resize is not None:
         return center_window(policy.center_resize, policy.size, height, width)
     if d.crops is not None:
@@ -294,6 +304,24 @@ def layered_window(policy: Policy, crops, height: int, width: int) -> tuple[int,
         sy, sx = h / out_h, w / out_w
         top, left, h, w = top + t2 * sy, left + l2 * sx, h2 * sy, w2 * sx
     return _whole_pixels(left, top, left + w, top + h, height, width)
+
+
+def crop_plan(policy: Policy, d: SampleDraw, height: int, width: int):
+    """The evaluation and keep_ratio crops, unrounded: (source box (x0, y0, x1, y1), the size it is
+    resampled to, pads (top, bottom, left, right) to output.size after it -- all zero for the centre
+    crop); crop.trim applied."""
+    (ty, th), (tx, tw) = trim_side(policy.trim, height), trim_side(policy.trim, width)
+    if policy.keep_ratio is not None:
+        box, covered, pads = keep_ratio.plan(policy.keep_ratio, policy.size, d.crop_u, th, tw)
+    else:
+        box, covered, pads = center_box(policy.center_resize, policy.size, th, tw), policy.size, (0, 0, 0, 0)
+    return (box[0] + tx, box[1] + ty, box[2] + tx, box[3] + ty), covered, pads
+
+
+def trim_side(trim: int, side: int) -> tuple[int, int]:
+    """(offset, length) of one side after cutting `trim` pixels from each edge (at least 1 pixel kept)."""
+    t = min(trim, (side - 1) // 2)
+    return t, side - 2 * t
 
 
 def random_window(policy: Policy, crop_u, height: int, width: int) -> tuple[int, int, int, int]:

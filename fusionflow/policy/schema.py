@@ -15,17 +15,18 @@ The schema (documented for users in configs/README.md):
                                        DEFAULT_MAX_PIXELS = 178,956,970, the size at which Pillow's
                                        own default raises DecompressionBombError; null: no limit
     crop:                              random resized crop, torchvision's algorithm
-      mode: random | center            center: torchvision's Resize(resize) + CenterCrop(output.size),
-                                       for evaluation; takes resize, not scale/ratio
+      mode: random | center | keep_ratio   center: torchvision's Resize(resize) + CenterCrop(output.size),
+                                       for evaluation (takes resize, not scale/ratio); keep_ratio: timm's
+                                       rkrr / rkrc / eval 'border' crops (their keys: policy/keep_ratio.py)
       scale: [lo, hi]                  area fraction, 0 < lo <= hi <= 1
       ratio: [lo, hi]                  aspect ratio w/h, 0 < lo <= hi
       resize: int | [h, w]             center: the shorter side is resized to this, >= output.size;
                                        [h, w]: the image is squashed to h x w (torchvision's Resize((h, w)))
       interpolation: bilinear | bicubic | nearest | random   the crop's (or Resize's) filter, Pillow's
                                        as torchvision's PIL path uses it (antialiased); default bilinear;
-                                       random: bilinear or bicubic drawn per sample (timm's
-                                       RandomResizedCropAndInterpolation). Not bilinear: the DALI
-                                       accelerator declines the policy
+                                       random: bilinear or bicubic drawn per sample (timm's 'random').
+                                       Not bilinear: the DALI accelerator declines the policy
+      trim: int                        pixels cut from each edge of the image first (timm's crop_border_pixels)
     flip: float                        horizontal flip probability
     vflip: float                       vertical flip probability (timm's vflip), after the horizontal
                                        flip; default 0. CPU only (the DALI accelerator declines it)
@@ -96,6 +97,7 @@ from fusionflow.policy.image_sections import (
     parse_jitter,
     parse_output,
 )
+from fusionflow.policy.keep_ratio import KeepRatio
 from fusionflow.policy.op_specs import OPS
 from fusionflow.policy.reader import Reader
 from fusionflow.policy.timm_augment import TIMM_TYPES, TimmAugment, parse_timm
@@ -192,6 +194,8 @@ class Policy:
     blur: Blur | None = None  # GaussianBlur after the augment ops (RandomApply's p); None: off
     color_after_augment: bool = False  # jitter and grayscale after the augment ops (timm's order), not before
     crop_epochs: int = 1  # the crop and flips drawn once per this many epochs (DecodedCache(reuse_crop_epochs))
+    keep_ratio: KeepRatio | None = None  # crop.mode keep_ratio (timm's rkrr / rkrc / border), policy/keep_ratio.py
+    trim: int = 0  # crop.trim: pixels cut from each edge of the source first (timm's crop_border_pixels)
     views: int = 1  # AugMix splits (timm's num_aug_splits, set by fusionflow.timm): index v is view v % views of
     # sample v // views -- one crop, flip and filter per sample, view 0 without the augment ops (sampling.draw)
 
@@ -223,7 +227,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
 
     size, normalize = parse_output(r, top["output"])
     fast, max_pixels = parse_decode(r, top)
-    scale, ratio, center_resize, crop_interpolation = parse_crop(r, top, size)
+    crop = parse_crop(r, top, size)
     flip = r.number(top.get("flip", 0.0), "flip", 0.0, 1.0)
     vflip = r.number(top.get("vflip", 0.0), "vflip", 0.0, 1.0)
 
@@ -237,18 +241,15 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
         name=name,
         source=source,
         size=size,
-        scale=scale,
-        ratio=ratio,
+        **crop,
         flip=flip,
         augment=augment,
         normalize=normalize,
         fast_downscale=fast,
-        center_resize=center_resize,
         max_pixels=max_pixels,
         erase=erase,
         jitter=jitter,
         grayscale=grayscale,
-        crop_interpolation=crop_interpolation,
         vflip=vflip,
         blur=blur,
         color_after_augment=color_after_augment,

@@ -14,8 +14,10 @@ CenterCrop, Normalize, ColorJitter: the train default without auto_augment, colo
 RandomApply, grayscale_prob's RandomGrayscale -- after an auto_augment, as timm orders them with '3a' or
 grayscale_prob, the policy's color_after_augment --, RandomVerticalFlip, gaussian_blur_prob's
 GaussianBlur, Resize((h, w)) of no_aug and the eval 'squash' crop) and is read as such; the '3a' ops
-(Desaturate, GaussianBlur, GaussianBlurRand) are timm's own (fusionflow/policy/timm_augment.py). Not
-expressible, with the reason: the rkrc/rkrr crops (ResizeKeepRatio) and the eval 'border' crop.
+(Desaturate, GaussianBlur, GaussianBlurRand) are timm's own (fusionflow/policy/timm_augment.py); its
+ResizeKeepRatio followed by RandomCropOrPad / CenterCropOrPad (train_crop_mode 'rkrr' / 'rkrc', the
+eval crop_mode 'border') are crop.mode keep_ratio (fusionflow/policy/keep_ratio.py), its TrimBorder
+(crop_border_pixels) crop.trim.
 
 The policy's semantics are in fusionflow/policy/timm_augment.py; tests/test_timm.py checks the pixels
 against timm's objects given the same draws.
@@ -59,13 +61,20 @@ def convert(t, fail) -> list:
         return [T.PILToTensor()]
     if name == "RandomResizedCropAndInterpolation":
         return [TimmPart("crop", _crop(t, fail), t)]
+    if name == "ResizeKeepRatio":
+        return [TimmPart("keep_ratio", _keep_ratio(t, fail), t)]
+    if name in ("RandomCropOrPad", "CenterCropOrPad"):
+        return [TimmPart("crop_or_pad", _crop_or_pad(t, fail), t)]
+    if name == "TrimBorder":
+        return [TimmPart("trim", {"trim": int(t.border_size)}, t)]
     if name in ("RandAugment", "AutoAugment", "AugMixAugment"):
         return [TimmPart("augment", _augment(t, fail), t)]
     if name == "RandomErasing":
         return [TimmPart("erase", _erasing(t, fail), t)]
     fail(
-        f"timm's {name} has no FusionFlow equivalent (readable: RandomResizedCropAndInterpolation, timm's "
-        "RandAugment / AutoAugment / AugMixAugment, MaybeToTensor, RandomErasing, and torchvision's transforms)"
+        f"timm's {name} has no FusionFlow equivalent (readable: RandomResizedCropAndInterpolation, ResizeKeepRatio "
+        "+ RandomCropOrPad / CenterCropOrPad, TrimBorder, timm's RandAugment / AutoAugment / AugMixAugment, "
+        "MaybeToTensor, RandomErasing, and torchvision's transforms)"
     )
 
 
@@ -93,6 +102,36 @@ def _crop(t, fail) -> dict:
         "ratio": [float(v) for v in t.ratio],
         "interpolation": _mode(t.interpolation, fail, "RandomResizedCropAndInterpolation"),
     }
+
+
+def _keep_ratio(t, fail) -> dict:
+    """ResizeKeepRatio's settings as crop.mode keep_ratio's keys (policy/keep_ratio.py)."""
+    return {
+        "mode": "keep_ratio",
+        "resize": [int(v) for v in t.size],
+        "longest": float(t.longest),
+        "scale": [float(v) for v in t.random_scale_range],
+        "scale_p": float(t.random_scale_prob),
+        "scale_area": bool(t.random_scale_area),
+        "ratio": [float(v) for v in t.random_aspect_range],
+        "ratio_p": float(t.random_aspect_prob),
+        "interpolation": _mode(t.interpolation, fail, "ResizeKeepRatio"),
+    }
+
+
+def _crop_or_pad(t, fail) -> dict:
+    """RandomCropOrPad / CenterCropOrPad: the output size, the placement and the padding."""
+    if t.padding_mode == "reflect":
+        pad = "reflect"
+    elif t.padding_mode == "constant":
+        fill = t.fill
+        pad = [int(fill)] * 3 if isinstance(fill, (int, float)) else [int(v) for v in fill]
+        if len(pad) == 1:
+            pad *= 3
+    else:
+        fail(f"padding_mode {t.padding_mode!r} is not expressible (reflect or constant)")
+    place = "random" if type(t).__name__ == "RandomCropOrPad" else "center"
+    return {"size": [int(v) for v in t.size], "place": place, "pad": pad}
 
 
 def _settings(ops, fail) -> dict:

@@ -9,6 +9,8 @@ FusionFlow cannot express, naming the argument):
   `grayscale_prob`, `auto_augment`, `interpolation`, `crop_pct`, `crop_mode`, `re_*`, `mean`/`std`, ...):
   timm's own `create_transform` builds the transform, `policy_from_transform` reads it into the policy
   the CPU workers run (tests/test_timm.py: the pixels equal timm's given the same draws);
+  `train_crop_mode` 'rkrr' / 'rkrc', `crop_mode` 'border' and `crop_border_pixels` are the policy's
+  crop.mode keep_ratio and crop.trim (tests/test_timm_crops.py);
 - `use_prefetcher`: as timm's PrefetchLoader: batches normalised to `img_dtype` and randomly erased on
   `device`, targets there too (fusionflow/timm/batch.py); on a CUDA device the workers deliver uint8
   and the device normalises, on the CPU the workers normalise. False: the transform's own ToTensor,
