@@ -40,7 +40,7 @@ from PIL import Image, UnidentifiedImageError
 from fusionflow.errors import DecodeError, ImageTooLargeError
 from fusionflow.ops import jpeg
 from fusionflow.ops.decoded import from_array, tensor_to_hwc, to_rgb
-from fusionflow.ops.resample import resample_box, resize_antialiased, resize_window
+from fusionflow.ops.resample import resample_box, resize_antialiased, resize_window, resize_window_cubic
 
 
 def window_decodable(data) -> bool:  # complete JPEG bytes, and the window decoder loaded
@@ -207,17 +207,13 @@ def decode_crop_resize_filtered(
     """decode_crop_resize with Pillow's bicubic or nearest: the full-scale window (a full decode's pixels)
     resized by Pillow, torchvision's PIL path (crop, then resize) to the bit. `fast` and bicubic: a JPEG
     window of 2x the output or more is decoded at the coarsest DCT scale covering the output and Pillow's
-    bicubic resamples its fractional box, as the fast mode's bilinear crop does; a smaller one is resized
-    by torch's antialiased bicubic (timm's 'random' interpolation sends half the samples here)."""
+    bicubic resamples its fractional box, as the fast mode's bilinear crop does; a smaller one by
+    `resize_window_cubic` (`fast_bicubic_array`; timm's 'random' interpolation sends half the samples here)."""
     out_h, out_w = out_size
-    if fast and resample == Image.Resampling.BICUBIC and window_decodable(data) and jpeg.can_scale():
-        try:
-            arr, box = decode_fast_window(bytes(data), window_fn, out_size, what, max_pixels)
-            if box is None:  # full scale: torch's antialiased bicubic (Pillow's filter, a quarter of its time)
-                return resize_antialiased(arr, out_h, out_w, "bicubic")
-            return Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
-        except jpeg.WindowDecodeError:
-            pass  # CMYK, corrupt data, ...: the full-scale path below decodes it or raises its usual error
+    if fast and resample == Image.Resampling.BICUBIC:
+        arr = fast_bicubic_array(data, window_fn, out_size, what, max_pixels)
+        if arr is not None:
+            return Image.fromarray(arr)
     if window_decodable(data):
         data = bytes(data)
         height, width = checked_header(data, what, max_pixels)
@@ -231,6 +227,21 @@ def decode_crop_resize_filtered(
     img = load_rgb(open_image(data, what, max_pixels), what)
     top, left, h, w = window_fn(img.size[1], img.size[0])
     return img.crop((left, top, left + w, top + h)).resize((out_w, out_h), resample, reducing_gap=None)
+
+
+def fast_bicubic_array(data, window_fn, out_size: tuple[int, int], what=None, max_pixels=None) -> np.ndarray | None:
+    """The fast mode's bicubic crop of a JPEG as uint8 HWC, or None (not a JPEG the window decoder
+    takes: the caller's full-scale path decodes it or reports it)."""
+    if not (window_decodable(data) and jpeg.can_scale()):
+        return None
+    out_h, out_w = out_size
+    try:
+        arr, box = decode_fast_window(bytes(data), window_fn, out_size, what, max_pixels)
+    except jpeg.WindowDecodeError:
+        return None  # CMYK, corrupt data, ...
+    if box is None:  # full scale (resample.py: OpenCV's cubic after the pre-blur, or torch's antialiased one)
+        return resize_window_cubic(arr, out_h, out_w)
+    return np.asarray(Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BICUBIC, box=box, reducing_gap=None))
 
 
 def decode_box_resize(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from functools import partial
 
+import cv2
 import numpy as np
 from PIL import Image
 
@@ -21,6 +22,7 @@ from fusionflow.ops.decode import (
     decode_crop_resize,
     decode_crop_resize_array,
     decode_crop_resize_filtered,
+    fast_bicubic_array,
     load_rgb,
     open_image,
 )
@@ -51,6 +53,7 @@ class CpuPipeline:
         if self.policy.normalize:
             mean, std = (np.asarray(v, np.float32).reshape(3, 1, 1) for v in self.policy.normalize)
             self._scale, self._shift = 1.0 / (255.0 * std), -mean / std
+            self._gain, self._bias = [float(v) for v in self._scale.ravel()], [float(v) for v in self._shift.ravel()]
         jpeg.available()  # build/load the window decoder now (once, logged if it cannot), not on a sample
         missing = [o.name for o in aug.ops if o.name not in exact.CPU_IMPLS]
         if missing:
@@ -218,11 +221,13 @@ class CpuPipeline:
         """The uncached decode + crop + resize."""
         if self.policy.center_resize is not None or self.policy.keep_ratio is not None:
             return np.asarray(self._boxed(data, d, what))
-        if (d.crop_resample or self.policy.crop_interpolation) != "bilinear":
+        p, window = self.policy, partial(crop_window, self.policy, d)
+        resample = d.crop_resample or p.crop_interpolation
+        if resample == "bicubic" and (arr := fast_bicubic_array(data, window, p.size, what, p.max_pixels)) is not None:
+            return arr  # timm's 'random' interpolation sends half the samples here
+        if resample != "bilinear":
             return np.asarray(self._filtered(data, d, what))
-        return decode_crop_resize_array(
-            data, partial(crop_window, self.policy, d), self.policy.size, what, self.policy.max_pixels
-        )
+        return decode_crop_resize_array(data, window, p.size, what, p.max_pixels)
 
     def _from_cache(self, data, d: SampleDraw, what, index: int) -> np.ndarray | None:
         """The decode, crop and resize from the cached image (fusionflow/ops/cached.py), or None."""
@@ -277,10 +282,9 @@ class CpuPipeline:
                 plane[...] = np.asarray(band)
 
     def _write_array(self, arr: np.ndarray, out: np.ndarray) -> None:
-        if self.policy.normalize:
+        if self.policy.normalize:  # (v / 255 - mean) / std in one pass per plane, into the slot
             for c, plane in enumerate(fast.split(arr)):
-                np.multiply(plane, self._scale[c], out=out[c], casting="unsafe")
-                out[c] += self._shift[c]
+                cv2.addWeighted(plane, self._gain[c], plane, 0.0, self._bias[c], dst=out[c], dtype=cv2.CV_32F)
         elif out.flags.c_contiguous and out.dtype == np.uint8:
             fast.write_planes(arr, out)  # straight into the slot's planes
         else:

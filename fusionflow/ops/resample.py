@@ -30,6 +30,18 @@ def resize_window(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     return cv2.resize(arr, (out_w, out_h), interpolation=cv2.INTER_LINEAR)
 
 
+def resize_window_cubic(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
+    """A full-scale window (under 2x the output) to (out_h, out_w) with a bicubic filter, HWC uint8.
+    Shrinking along both axes: the same pre-blur as `resize_window`, then OpenCV's cubic (a = -0.75 where
+    Pillow's is -0.5; the blur dominates the difference): 49-52 dB from Pillow's antialiased bicubic at
+    about half the time of torch's. Enlarging along an axis, where the kernels' difference shows:
+    torch's antialiased bicubic (Pillow's to ~70 dB)."""
+    h, w = arr.shape[:2]
+    if h < out_h or w < out_w:
+        return resize_antialiased_array(arr, out_h, out_w, "bicubic")
+    return cv2.resize(pre_blur(arr, out_h, out_w), (out_w, out_h), interpolation=cv2.INTER_CUBIC)
+
+
 def pre_blur(arr: np.ndarray, out_h: int, out_w: int) -> np.ndarray:
     """The Gaussian that takes the aliasing out of a bilinear shrink of `arr` to (out_h, out_w):
     sigma = PRE_BLUR * sqrt(s^2 - 1) along each axis shrunk by s, none along the others."""
@@ -75,13 +87,18 @@ def resample_box(arr: np.ndarray, box, out_h: int, out_w: int) -> np.ndarray:
 
 
 def resize_antialiased(arr: np.ndarray, out_h: int, out_w: int, mode: str = "bilinear") -> Image.Image:
-    """uint8 HWC -> RGB image of (out_h, out_w): antialiased bilinear (or `mode` "bicubic": Pillow's
+    """`resize_antialiased_array` as an RGB image."""
+    return Image.fromarray(resize_antialiased_array(arr, out_h, out_w, mode))
+
+
+def resize_antialiased_array(arr: np.ndarray, out_h: int, out_w: int, mode: str = "bilinear") -> np.ndarray:
+    """uint8 HWC -> uint8 HWC of (out_h, out_w): antialiased bilinear (or `mode` "bicubic": Pillow's
     antialiased bicubic to ~70 dB, at a quarter of Pillow's time) with torch's vectorised uint8 kernel
-    (channels-last input, no float copy); its planar output is interleaved by Pillow's merge, several
-    times faster than a strided numpy transpose."""
+    (channels-last input, no float copy); its planar output is interleaved by OpenCV's merge, several
+    times faster than a strided numpy transpose or Pillow's merge."""
     if arr.shape[:2] == (out_h, out_w):
-        return Image.fromarray(arr)
+        return arr
     x = torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(0)  # a channels-last view, no copy
     y = torch.nn.functional.interpolate(x, size=(out_h, out_w), mode=mode, antialias=True, align_corners=False)
     planes = y[0].contiguous().numpy()
-    return Image.merge("RGB", [Image.fromarray(p) for p in planes])
+    return cv2.merge([planes[0], planes[1], planes[2]])
