@@ -198,6 +198,38 @@ def test_a_sigkilled_client_is_detached_and_the_others_finish(jobs):
         assert [samples(e) for e in jobs.result(f"c{i}")["epochs"]] == [samples(r) for r in ref]
 
 
+def test_a_stopped_client_is_let_go_the_others_finish_and_resumed_it_raises(jobs):
+    producer = jobs.start("producer", "--batch-size", 4, "--n", 40, "--epochs", 2, "--min-clients", 3, "--buffer", 2)
+    gate = ("--pause-after", 1, "--paused", jobs.file("paused_c1"), "--resume-after", jobs.file("go_c1"))
+    good = [jobs.client("c0", "--epochs", 2), jobs.client("c1", "--epochs", 2, *gate)]
+    victim = jobs.client(
+        "victim", "--epochs", 2, "--pause-after", 1, "--paused", jobs.file("paused"), "--resume-after", jobs.file("go")
+    )
+    jobs.until_exists("paused")  # it holds slots now, and with buffer=2 the producer waits for it
+    jobs.until_exists("paused_c1")  # c1 too, running: so the producer is still serving when the victim resumes
+    victim.send_signal(signal.SIGSTOP)
+    t0 = time.time()
+    try:
+        while "has been stopped for" not in jobs.log("producer"):
+            assert time.time() - t0 < 60 and producer.poll() is None, jobs.dump()
+            time.sleep(0.05)
+        assert time.time() - t0 >= 9.5  # STOPPED_S = 10 s: not before
+        assert f"client pid {victim.pid}" in jobs.log("producer")
+    finally:
+        open(jobs.file("go"), "w").close()
+        victim.send_signal(signal.SIGCONT)
+    assert jobs.wait(victim) != 0  # its next batch's slot was given back while it was stopped: not returned
+    said = jobs.log("clientvictim")
+    assert "SharedLoaderError" in said and "detached this client while it held a batch" in said, said
+    assert not os.path.exists(jobs.file("victim.json"))
+    open(jobs.file("go_c1"), "w").close()
+    for p in [*good, producer]:
+        assert jobs.wait(p) == 0, jobs.dump()
+    ref = reference(4, 40, 2)
+    for i in range(2):
+        assert [samples(e) for e in jobs.result(f"c{i}")["epochs"]] == [samples(r) for r in ref]
+
+
 def test_a_dead_client_is_detached_within_a_second(jobs):
     with SharedLoader(make_loader(4, 8, False), name=jobs.name) as shared:
         victim = jobs.client("victim", "--pause-after", 1, "--paused", jobs.file("paused"))

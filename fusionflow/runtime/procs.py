@@ -29,6 +29,16 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
+def is_stopped(pid: int) -> bool:
+    """True while `pid` is stopped (SIGSTOP, SIGTSTP, a debugger's trace stop): alive, and holding
+    whatever it holds, but running nothing until it is continued."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
 def end_processes(processes, grace: float) -> None:
     """Join `processes` (multiprocessing.Process, already asked to stop) for up to `grace` seconds in
     all, then terminate() those still running, then kill(): each step waits up to 1 s."""

@@ -19,13 +19,16 @@ its last piece). The last partial batch follows the producer's drop_last.
 Faults: an iterator dropped mid-epoch tells the producer it left the epoch ("drop"; the next iter()
 is the next epoch); a producer that exits, is killed, closes or fails raises SharedLoaderError at
 once; one that says nothing -- not even to a ping sent every second of waiting -- for `timeout`
-seconds raises it too.
+seconds raises it too. A client stopped (SIGSTOP, a debugger) for hub.STOPPED_S while holding batches
+is let go by the producer so the other clients go on; resumed, it raises SharedLoaderError at its next
+batch (never a batch whose slot was reused).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -35,11 +38,12 @@ import torch
 
 from fusionflow.errors import SharedLoaderError
 from fusionflow.runtime import targets as ff_targets
-from fusionflow.runtime.authsock import HANDSHAKE_S, connect, set_receive_timeout
+from fusionflow.runtime.authsock import HANDSHAKE_S, SEND_TIMEOUT_S, connect, set_receive_timeout
 from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import recv_fd
 from fusionflow.shared import rendezvous
+from fusionflow.shared.hub import STOPPED_S
 
 log = logging.getLogger("fusionflow.shared")
 PING_S = 1.0  # a waiting client asks the producer whether it is there this often
@@ -200,8 +204,7 @@ class SharedLoaderClient:
                     continue
                 msg = conn.recv()
             except (EOFError, OSError):
-                how = "exited" if not pid_alive(pid) else "closed its connection"
-                raise SharedLoaderError(f"SharedLoader {self.name!r} (pid {pid}) is gone: it {how}") from None
+                raise self._gone() from None
             if msg[0] == "pong":
                 deadline = time.monotonic() + self.timeout
             elif msg[0] == "error":
@@ -221,11 +224,32 @@ class SharedLoaderClient:
             pass
 
     def _copy(self, slot: int, rows: slice, out, out_labels, at: int) -> int:
-        """Rows `rows` of ring slot `slot` into out[at:], out_labels[at:]; the number copied."""
+        """Rows `rows` of ring slot `slot` into out[at:], out_labels[at:]; the number copied. Raises
+        if the producer had detached this client by the end of the copy: it shuts the connection down
+        before giving the client's slots back (hub.py), so the slot may hold another batch by now."""
         src = self._ring.images[slot][rows]
         np.copyto(out.numpy()[at : at + len(src)], src)
         np.copyto(out_labels.numpy()[at : at + len(src)], self._ring.labels[slot][rows])
+        if self._hung_up() and not pid_alive(self.producer.pid):
+            raise self._gone()  # killed or exited: what it wrote last may be incomplete
+        if self._hung_up():
+            raise SharedLoaderError(
+                f"SharedLoader {self.name!r} (pid {self.producer.pid}) detached this client while it held a "
+                f"batch (a client stopped for {STOPPED_S:g} s or more, or one that read nothing for "
+                f"{SEND_TIMEOUT_S:g} s, is let go so the others go on): that batch's slot may hold other data "
+                "by now, so it is not returned; attach a new client to go on"
+            )
         return len(src)
+
+    def _gone(self) -> SharedLoaderError:
+        pid = self.producer.pid
+        how = "exited" if not pid_alive(pid) else "closed its connection"
+        return SharedLoaderError(f"SharedLoader {self.name!r} (pid {pid}) is gone: it {how}")
+
+    def _hung_up(self) -> bool:
+        poll = select.poll()
+        poll.register(self._conn.fileno(), select.POLLRDHUP | select.POLLHUP)
+        return bool(poll.poll(0))
 
     def _alloc(self, rows: int):
         layout = self.producer.layout

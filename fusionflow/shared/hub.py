@@ -5,8 +5,11 @@ thread that serves their connections.
 client's connection, and the slot holds: a slot published to an epoch's recipients is held by each
 of them until it says "release" (it copied the batch out), says "drop" (it left the epoch), or is
 detached (its connection closed: close(), exit, SIGKILL -- the kernel closes a dead process's
-socket, so a dead client is seen at once). A slot that nobody holds any more goes back to the
-producer (`on_free`, called with the lock held).
+socket, so a dead client is seen at once; or let go: a client stopped for STOPPED_S while holding
+slots, or one whose socket stayed full for SEND_TIMEOUT_S). A slot that nobody holds any more goes
+back to the producer (`on_free`, called with the lock held). A detached client's connection is shut
+down *before* its holds are released, so a client resumed later finds it hung up after copying a
+batch whose slot may have been reused, and raises instead of returning it (client.py `_copy`).
 
 Threads: the hub's thread accepts, authenticates (both ways, and the peer's uid) and reads clients;
 the producer's main thread (fusionflow/shared/producer.py) begins epochs, publishes batches and
@@ -23,14 +26,17 @@ import selectors
 import socket
 import struct
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
 from fusionflow.runtime.authsock import HANDSHAKE_S, accept, listen, set_receive_timeout
+from fusionflow.runtime.procs import is_stopped
 from fusionflow.runtime.shm import send_fd
 from fusionflow.shared import rendezvous
 
 log = logging.getLogger("fusionflow.shared")
+STOPPED_S = 10.0  # a client stopped this long while holding slots is let go (the others go on)
 
 
 @dataclass(eq=False)
@@ -41,6 +47,17 @@ class Client:
     holds: dict = field(default_factory=dict)  # slot -> (epoch, seq) this client has not released
     ready: bool = False  # it accepted the producer's terms (batch size): it counts, and gets epochs
     gone: str | None = None  # why it was detached (its connection is closed by the hub's thread)
+    stopped_since: float | None = None  # monotonic time it was first seen stopped while holding slots
+
+
+def _hang_up(conn) -> None:
+    """Shut the connection down both ways now (the hub's thread closes it later): the peer's socket
+    reports the hang-up at once, even with messages still queued for it."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected: nothing to tell
 
 
 def _unpublish(name: str, pid: int) -> None:
@@ -159,6 +176,7 @@ class Hub:
         if c.gone is not None:
             return
         c.gone = why
+        _hang_up(c.conn)  # before its slots can be reused: a resumed client must see it (module doc)
         self.recipients.discard(c.cid)
         for slot, stamp in list(c.holds.items()):
             self._release(c, slot, stamp)
@@ -173,6 +191,26 @@ class Hub:
         except OSError as exc:  # a dead client (EPIPE), or one whose socket stayed full for SEND_TIMEOUT_S
             self._detach(c, f"sending failed: {exc!r}")
 
+    def _let_go_of_stopped(self) -> None:
+        """Detach a client that has been stopped for STOPPED_S while holding slots: a stopped process
+        never releases them, and the producer (so every other client) would wait for it forever."""
+        now = time.monotonic()
+        for c in list(self.clients.values()):
+            if c.gone is not None or not c.holds or not is_stopped(c.pid):
+                c.stopped_since = None
+            elif c.stopped_since is None:
+                c.stopped_since = now
+            elif now - c.stopped_since >= STOPPED_S:
+                log.warning(
+                    "fusionflow: SharedLoader %r: client pid %d has been stopped for %.0f s holding %d batches: "
+                    "detached, so the producer and the other clients go on (resumed, it raises SharedLoaderError)",
+                    self.name,
+                    c.pid,
+                    now - c.stopped_since,
+                    len(c.holds),
+                )
+                self._detach(c, f"stopped for {now - c.stopped_since:.0f} s")
+
     # ---------------------------------------------------------------- the hub's thread
     def _run(self) -> None:
         while True:
@@ -184,6 +222,7 @@ class Hub:
                 else:
                     self._read(key.data)
             with self.cond:
+                self._let_go_of_stopped()
                 for c in [c for c in self.clients.values() if c.gone is not None]:
                     self._sel.unregister(c.conn)
                     c.conn.close()
