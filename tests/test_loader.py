@@ -533,12 +533,16 @@ class StopsItselfAt(Bytes):
         return super().__getitem__(i)
 
 
-def test_a_stopped_worker_is_killed_and_replaced_and_the_epoch_completes_without_a_timeout(tmp_path, monkeypatch):
+def test_a_stopped_worker_is_killed_and_replaced_and_the_epoch_completes_without_a_timeout(
+    tmp_path, monkeypatch, caplog
+):
     """timeout=0 (wait forever, DataLoader's default): the stuck worker is killed past the stuck bound
-    (lowered here from 30 s), its tiny-batches run again, every sample arrives exactly once."""
+    (lowered here from 25 s), its tiny-batches run again, every sample arrives exactly once; meanwhile
+    the training loop is told what it waits for (after WAIT_SAY_S, lowered from 60 s)."""
     from fusionflow.runtime import liveness
 
     monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 2.0)
+    monkeypatch.setattr(liveness, "WAIT_SAY_S", 0.3)
     monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1e9)  # no second copy (tests/test_reruns.py): the kill itself
     loader = FusionFlowLoader(StopsItselfAt(32, str(tmp_path)), batch_size=4, num_workers=2, policy=SMALL, timeout=0)
     _, labels = collect(loader)
@@ -546,6 +550,9 @@ def test_a_stopped_worker_is_killed_and_replaced_and_the_epoch_completes_without
     assert os.path.exists(os.path.join(tmp_path, "stopped"))
     assert loader.stats.workers_stuck >= 1 and loader.stats.worker_restarts >= 1
     assert loader.stats.summary()["workers_stuck"] == loader.stats.workers_stuck
+    said = [r.getMessage() for r in caplog.records if "the training loop has waited" in r.getMessage()]
+    assert said and "samples outstanding" in said[0] and "CPU worker" in said[0], said
+    assert len(said) <= 6  # doubling intervals, not one line per second
 
 
 def test_the_stuck_bound_follows_the_tiny_batch_time_above_a_floor():

@@ -16,7 +16,8 @@ of (seed, epoch, index, copy), so the work runs again elsewhere with the same re
 The bound: `STUCK_FACTOR` times the running mean of a tiny-batch's time, never below `STUCK_FLOOR_S`
 (a busy machine slows every tiny-batch alike: the mean follows it), and `FIRST_TASK_S` while no
 tiny-batch has finished yet (a worker's first one may build native kernels). DataLoader's `timeout=`
-stays the last resort.
+stays the last resort; with the default `timeout=0`, a training loop that has waited WAIT_SAY_S for one
+mini-batch is told what it waits for (`waiting_on`), again at each doubling of the wait.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ FIRST_TASK_S = 120.0
 START_S = 120.0  # a worker not READY this long after its start (stopped, or a worker_init_fn that hangs) is killed
 STRAGGLER_FLOOR_S = 5.0
 STRAGGLER_FACTOR = 8.0
+WAIT_SAY_S = 60.0  # a mini-batch awaited this long is reported (then at 120 s, 240 s, ...)
 
 
 def straggler_bound(task_seconds: float) -> float:
@@ -50,3 +52,15 @@ def stuck_bound(task_seconds: float) -> float:
 
 def is_stuck(running_for: float, task_seconds: float) -> bool:
     return running_for > stuck_bound(task_seconds)
+
+
+def waiting_on(seq: int, waited: float, remaining: int, size: int, queued: int, running, others) -> str:
+    """The warning for a training loop waiting `waited` s for mini-batch `seq`: `running` = [(who,
+    seconds on its oldest tiny-batch)], `others` = the other worker kinds' names (Ray, the accelerator)."""
+    busy = ", ".join(f"{who} {secs:.0f} s" for who, secs in sorted(running, key=lambda r: -r[1])) or "none"
+    return (
+        f"fusionflow: the training loop has waited {waited:.0f} s for mini-batch {seq} ({remaining} of {size} "
+        f"samples outstanding; {queued} tiny-batches queued; running, on their oldest tiny-batch: {busy}"
+        + (f"; other worker kinds: {', '.join(others)}" if others else "")
+        + "). A stuck CPU worker is killed and its work run again at the stuck bound; timeout= ends the wait"
+    )

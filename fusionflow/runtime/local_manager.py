@@ -165,7 +165,8 @@ class LocalManager:
 
     def _wait(self, key, seq: int, deadline: float | None, timeout: float | None) -> BatchState:
         """`wait`'s loop, lock held."""
-        board = self.board
+        board, since = self.board, time.monotonic()
+        say = since + liveness.WAIT_SAY_S
         while True:
             if self.fatal is not None:
                 raise self.fatal
@@ -195,13 +196,25 @@ class LocalManager:
             if state.remaining == 0:
                 board.queue.forget(key)
                 return state
-            left = None if deadline is None else deadline - time.monotonic()
+            now = time.monotonic()
+            if now >= say:
+                say = since + 2 * (now - since)
+                log.warning(self._waiting_on(key, seq, state, now - since))
+            left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 raise FusionFlowError(
                     f"mini-batch {seq} was not ready within timeout={timeout} s "
                     f"({state.remaining} of {state.size} samples outstanding)"
                 )
             board.cond.wait(left if left is not None else 1.0)
+
+    def _waiting_on(self, key, seq: int, state: BatchState, waited: float) -> str:
+        now, guests = time.monotonic(), self.agent.guests if self.agent is not None else ()
+        running = [(f"CPU worker {w.worker_id}", now - w.head_since) for w in self.pool.workers if w and w.outstanding]
+        running += [(f"lent worker {g.worker_id}", now - g.head_since) for g in guests if g.alive and g.outstanding]
+        others = [type(k).__name__ for k in self.board.kinds if k is not self.pool]
+        q = self.board.queue
+        return liveness.waiting_on(seq, waited, state.remaining, state.size, q.waiting(key), running, others)
 
     def abandon(self, generation: int) -> None:
         """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""
