@@ -499,3 +499,40 @@ def test_a_stopped_gm_is_reported_once_and_loaders_keep_their_workers(monkeypatc
         assert not os.path.exists("/dev/shm" + gt.table_name(name))
     finally:
         os.kill(pid, signal.SIGKILL)
+
+
+def test_a_stopped_holder_of_the_table_lock_costs_lending_not_the_run(monkeypatch, caplog):
+    """A process stopped (SIGSTOP) while it holds the GM table's lock: a loader joining the job waits
+    at most LOCK_S (lowered here from 10 s), then trains without lending and says so; the loader
+    already there trains on (nothing in its training takes the lock)."""
+    import contextlib
+
+    from stopped_holder import held_by_a_stopped_process
+
+    monkeypatch.setattr(gt, "LOCK_S", 1.0)
+    name = job()
+    a = make(Bytes(16), name)
+    collect(a)
+    table = a._manager.agent.link.name
+
+    @contextlib.contextmanager
+    def take():  # its own open of the table: flock locks belong to the open file, not the process
+        t = gt.Tables.attach(table)
+        with t.locked():
+            yield
+
+    with held_by_a_stopped_process(take), caplog.at_level("WARNING", logger="fusionflow"):
+        b = make(Bytes(16), name)
+        try:
+            t0 = time.monotonic()
+            _, labels = collect(b)  # its workers start: it tries to join the job's table
+            assert time.monotonic() - t0 < 30 and ordered(labels) == list(range(16))
+            assert b._manager.agent is None and b.stats.global_manager == "lost"
+            said = [r.getMessage() for r in caplog.records]
+            assert any("stayed locked" in m and "without worker lending" in m for m in said), said
+            a.set_epoch(1)
+            _, labels = collect(a)
+            assert ordered(labels) == list(range(16))
+        finally:
+            b.close()
+    a.close()

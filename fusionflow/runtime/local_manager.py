@@ -105,7 +105,7 @@ class LocalManager:
             if spec.job is not None:
                 from fusionflow.runtime.gm.agent import LendingAgent
 
-                self.agent = LendingAgent(board, spec.job, lend_spec)
+                self.agent = LendingAgent.join(board, spec.job, lend_spec)  # None: no lending (said why)
             self.pool = WorkerPool(
                 board,
                 dataset,

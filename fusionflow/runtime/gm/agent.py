@@ -46,6 +46,17 @@ class LendingAgent:
         self._bell = None
         board.counters.global_manager = "active"
 
+    @classmethod
+    def join(cls, board, job: str, spec: bytes | None) -> LendingAgent | None:
+        """The agent of job `job`, or None when its table cannot be joined in time (its lock held by a
+        stopped process, gm/tables.py LOCK_S): the loader then trains without lending, saying so."""
+        try:
+            return cls(board, job, spec)
+        except TimeoutError as exc:
+            log.warning("fusionflow: %s; this loader runs without worker lending", exc)
+            board.counters.global_manager = "lost"
+            return None
+
     @property
     def spec_hash(self) -> bytes | None:
         return self.link.spec_hash

@@ -20,6 +20,7 @@ serves.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -91,7 +92,7 @@ class GMLink:
         try:
             self.listener = listen(self.address)
         except BaseException:  # give the row back: an ACTIVE row of a live pid would keep the GM up
-            with self.tables.locked():
+            with contextlib.suppress(OSError), self.tables.locked():  # (else reclaimed when this process exits)
                 self.tables.progress[self.lm]["state"] = gt.FREE
             self.tables.close()
             raise
@@ -105,16 +106,20 @@ class GMLink:
 
     def _join(self):
         for _ in range(500):  # a closing GM unlinks its table within its linger time
-            t = gt.Tables.create(self.name)
+            t = created = gt.Tables.create(self.name)
             if t is not None:
                 self.gm_proc = spawn(self.name)
             else:
                 t = gt.Tables.attach(self.name)
                 if t is None:
                     continue  # unlinked between our create and attach: try again
-                if self._stale(t):
+            try:
+                if created is None and self._stale(t):
                     continue
-            lm = t.register(os.getpid())
+                lm = t.register(os.getpid())
+            except TimeoutError:  # the table's lock held by a stopped process (tables.LOCK_S)
+                t.close()
+                raise
             if lm is not None:
                 return t, lm
             full = int(t.header["state"][0]) != gt.CLOSING
@@ -228,6 +233,21 @@ class GMLink:
         t, self.tables = self.tables, None
         _LISTENERS.discard(self.listener.fileno())
         self.listener.close()
+        try:
+            orphaned = self._leave(t)
+        except TimeoutError as exc:  # our row stays ACTIVE: the GM frees it once this process has exited
+            log.warning("fusionflow: %s; left without freeing this loader's row", exc)
+            orphaned = gm_gone = False
+        else:
+            gm_gone = not t.gm_alive()
+        if orphaned and (self.gm_proc is None or self.gm_proc.poll() is not None or gm_gone):
+            t.unlink()
+        t.close()
+        if self.gm_proc is not None:
+            self.gm_proc.poll()  # reap it if it has exited
+
+    def _leave(self, t) -> bool:
+        """Free our row (lock held); whether the table is orphaned and closing, for us to unlink."""
         with t.locked():
             t.progress[self.lm]["state"] = gt.FREE
             spawned_gone = self.gm_proc is not None and self.gm_proc.poll() is not None
@@ -241,8 +261,4 @@ class GMLink:
                 orphaned = not t.active_rows()
             if orphaned:
                 t.header["state"] = gt.CLOSING
-        if orphaned and (self.gm_proc is None or self.gm_proc.poll() is not None or gm_gone):
-            t.unlink()
-        t.close()
-        if self.gm_proc is not None:
-            self.gm_proc.poll()  # reap it if it has exited
+        return orphaned

@@ -72,6 +72,12 @@ class GlobalManager:
         self.checked_at = 0.0
 
     def reclaim(self) -> None:
+        try:
+            self._reclaim()
+        except TimeoutError as exc:  # a stopped holder of the table's lock: next poll
+            log.warning("fusionflow GM: %s; reclaiming later", exc)
+
+    def _reclaim(self) -> None:
         with self.t.locked():
             for lm in self.t.reclaim_dead():
                 log.warning(
@@ -203,8 +209,7 @@ class GlobalManager:
                 n = self.step()
                 time.sleep(POLL_S)
             except KeyboardInterrupt:
-                with self.t.locked():
-                    self.t.header["state"] = gt.CLOSING
+                self.t.header["state"] = gt.CLOSING  # without the lock if need be: we are leaving
                 self.t.unlink()
                 return
             now = time.monotonic()
@@ -214,11 +219,15 @@ class GlobalManager:
                 continue
             ever = int(self.t.header["registered_total"][0]) > 0
             if (ever and now - last_seen > linger) or (not ever and now - started > START_S):
-                with self.t.locked():
-                    if self.t.active_rows():
-                        last_seen = now  # one registered meanwhile
-                        continue
-                    self.t.header["state"] = gt.CLOSING
+                try:
+                    with self.t.locked():
+                        if self.t.active_rows():
+                            last_seen = now  # one registered meanwhile
+                            continue
+                        self.t.header["state"] = gt.CLOSING
+                except TimeoutError:  # a stopped LM holds the lock: it is a user; look again later
+                    last_seen = now
+                    continue
                 self.t.unlink()
                 return
 
@@ -286,7 +295,15 @@ class GlobalManagerClient:
 
 
 def _claim(tables: gt.Tables) -> bool:
-    """Become the table's GM unless a live one already is."""
+    """Become the table's GM unless a live one already is (False too if the table's lock stays held:
+    its loaders then find no GM and train without lending)."""
+    try:
+        return _claim_locked(tables)
+    except TimeoutError:
+        return False
+
+
+def _claim_locked(tables: gt.Tables) -> bool:
     with tables.locked():
         other = tables.gm_pid
         if other and other != os.getpid() and pid_alive(other):

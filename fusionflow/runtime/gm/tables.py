@@ -37,11 +37,13 @@ import posix_ipc
 from fusionflow.runtime.gm.timing import GM_SILENT_S, START_S
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import unlink
+from fusionflow.runtime.userdir import flock_within
 
 PREFIX = "/ff_gm_"
 MAGIC = 0x46_46_47_4D_0003  # "FFGM" v3 (layout changes bump it)
 MAX_LMS = 64
 MAX_ACTIVE = 64
+LOCK_S = 10.0  # the longest anyone waits for the table's lock (its holder stopped)
 FREE, ACTIVE = 0, 1  # progress row states
 CLOSING = 1  # header state (0: open)
 
@@ -170,7 +172,9 @@ class Tables:
 
     @contextmanager
     def locked(self):
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        """The table's lock (held for microseconds), waited for at most LOCK_S: a holder stopped with
+        SIGSTOP costs each caller what it wanted the lock for (TimeoutError, an OSError), never its run."""
+        flock_within(self._fd, LOCK_S, f"the global-manager table {self.name}")
         try:
             yield
         finally:
