@@ -19,6 +19,7 @@ from fusionflow.tools.synthetic import make_jpegs
 
 timm = pytest.importorskip("timm")
 timm_tf = pytest.importorskip("timm.data.transforms")
+from test_cache import Indexed, epochs  # noqa: E402
 from test_timm import Replay  # noqa: E402
 from timm.data import create_transform  # noqa: E402
 
@@ -121,35 +122,13 @@ RKRR = {
 }
 
 
-class Indexed:
-    def __init__(self, images):
-        self.data = images
-
-    def __len__(self):
-        return len(self.data)
-
-    def __getitem__(self, i):
-        return self.data[i], i
-
-
-def epoch(loader, e):
-    loader.set_epoch(e)
-    got = {}
-    for x, y in loader:
-        for img, i in zip(x, y.tolist()):
-            assert i not in got, f"sample {i} twice"
-            got[i] = img.numpy()
-    assert sorted(got) == list(range(len(loader.dataset)))
-    return got
-
-
 def test_loader_runs_keep_ratio_crops_exactly_once_with_the_cache_and_the_accelerator_declines():
-    data = Indexed(make_jpegs(24, 40, 160, seed=3))
+    data = Indexed(24, make_jpegs(24, 40, 160, seed=3))
     kw = dict(batch_size=6, shuffle=True, policy=RKRR, num_workers=2, seed=1)
     with fusionflow.FusionFlowLoader(data, **kw) as plain:
-        want = [epoch(plain, e) for e in range(2)]
+        want = epochs(plain, 2)  # each sample exactly once per epoch (test_cache's check)
     with fusionflow.FusionFlowLoader(data, cache=fusionflow.DecodedCache("64MB", max_side=56), **kw) as cached:
-        got = [epoch(cached, e) for e in range(2)]
+        got = epochs(cached, 2)
         assert cached.stats.cache["fills"] == 24 and cached.stats.cache["hits"] >= 24
     values = [psnr(got[e][i], want[e][i]) for e in range(2) for i in range(24)]
     assert np.median(values) > 35 and min(values) > 20, sorted(values)[:3]  # the cache's resampling bound

@@ -282,9 +282,13 @@ class CpuPipeline:
                 plane[...] = np.asarray(band)
 
     def _write_array(self, arr: np.ndarray, out: np.ndarray) -> None:
-        if self.policy.normalize:  # (v / 255 - mean) / std in one pass per plane, into the slot
-            for c, plane in enumerate(fast.split(arr)):
+        if self.policy.normalize and out.dtype == np.float32 and out.flags.c_contiguous:
+            for c, plane in enumerate(fast.split(arr)):  # (v / 255 - mean) / std, one pass per plane, in place
                 cv2.addWeighted(plane, self._gain[c], plane, 0.0, self._bias[c], dst=out[c], dtype=cv2.CV_32F)
+        elif self.policy.normalize:  # a caller's `out` of another dtype or layout
+            for c, plane in enumerate(fast.split(arr)):
+                np.multiply(plane, self._scale[c], out=out[c], casting="unsafe")
+                out[c] += self._shift[c]
         elif out.flags.c_contiguous and out.dtype == np.uint8:
             fast.write_planes(arr, out)  # straight into the slot's planes
         else:
