@@ -276,8 +276,12 @@ def crop_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple
     pixels (a keep_ratio crop: the part of the source its output covers)."""
     if policy.trim:
         (ty, th), (tx, tw) = trim_side(policy.trim, height), trim_side(policy.trim, width)
-        top, left, h, w = crop_window(dataclasses.replace(policy, trim=0), d, th, tw)
+        top, left, h, w = _untrimmed_window(policy, d, th, tw)
         return top + ty, left + tx, h, w
+    return _untrimmed_window(policy, d, height, width)
+
+
+def _untrimmed_window(policy: Policy, d: SampleDraw, height: int, width: int) -> tuple[int, int, int, int]:
     if policy.keep_ratio is not None:
         return _whole_pixels(
             *keep_ratio.plan(policy.keep_ratio, policy.size, d.crop_u, height, width)[0], height, width
