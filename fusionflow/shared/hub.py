@@ -78,6 +78,7 @@ class Hub:
         self.running: tuple | None = None  # [epoch, published] while an epoch runs
         self._next_cid = 0
         self._stopping = False
+        self._stop_check = 0.0  # when `_let_go_of_stopped` last looked
         self._ro_fd = rendezvous.read_only_fd(ring_fd)
         existing = rendezvous.read(name)
         if existing is not None:
@@ -195,6 +196,9 @@ class Hub:
         """Detach a client that has been stopped for STOPPED_S while holding slots: a stopped process
         never releases them, and the producer (so every other client) would wait for it forever."""
         now = time.monotonic()
+        if now - self._stop_check < 1.0:  # once a second, not per message (each reads /proc)
+            return
+        self._stop_check = now
         for c in list(self.clients.values()):
             if c.gone is not None or not c.holds or not is_stopped(c.pid):
                 c.stopped_since = None
