@@ -251,9 +251,9 @@ def decode_box_resize(
     what: str | None = None,
     max_pixels: int | None = None,
     resample=Image.Resampling.BILINEAR,
-) -> tuple[Image.Image, tuple[int, int]]:
-    """(image, (source height, width)): `plan_fn(height, width)` = ((x0, y0, x1, y1), (out_h, out_w), ...),
-    the fractional box resampled to that size by Pillow's antialiased filter `resample` at the box's
+) -> tuple[Image.Image, tuple]:
+    """(image, the plan): `plan_fn(height, width)` = ((x0, y0, x1, y1), (out_h, out_w), ...) for the
+    source's size, the fractional box resampled to that size by Pillow's antialiased filter `resample` at the box's
     own scale: torchvision's Resize + CenterCrop (the eval policy) and timm's resize-then-crop without
     rounding the crop to whole source pixels (within a level or two: Pillow's coefficients from the
     box can round differently). A JPEG decodes only the box and the filter's support; `fast` and
@@ -261,14 +261,15 @@ def decode_box_resize(
     if window_decodable(data):
         data = bytes(data)
         height, width = checked_header(data, what, max_pixels)
-        (x0, y0, x1, y1), (out_h, out_w) = plan_fn(height, width)[:2]
+        plan = plan_fn(height, width)
+        (x0, y0, x1, y1), (out_h, out_w) = plan[:2]
         scaled = fast and jpeg.can_scale() and resample == Image.Resampling.BILINEAR  # others: Pillow's
         r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if scaled else 1
         if r > 1:
             try:
                 arr, box = decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
                 img = Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
-                return img, (height, width)
+                return img, plan
             except jpeg.WindowDecodeError:
                 pass
         # the filter reads support x max(1, scale) pixels either side of each centre: decode them too
@@ -281,12 +282,13 @@ def decode_box_resize(
             if arr.shape[:2] == (wy1 - wy0, wx1 - wx0):
                 box = (x0 - wx0, y0 - wy0, x1 - wx0, y1 - wy0)
                 img = Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
-                return img, (height, width)
+                return img, plan
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
     img = load_rgb(open_image(data, what, max_pixels), what)
-    box, (out_h, out_w) = plan_fn(img.size[1], img.size[0])[:2]
-    return img.resize((out_w, out_h), resample, box=box, reducing_gap=None), (img.size[1], img.size[0])
+    plan = plan_fn(img.size[1], img.size[0])
+    box, (out_h, out_w) = plan[:2]
+    return img.resize((out_w, out_h), resample, box=box, reducing_gap=None), plan
 
 
 # Scaled-image pixels read around a fractional box: the bilinear filter's support at a downscale of

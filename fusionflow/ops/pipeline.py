@@ -165,9 +165,9 @@ class CpuPipeline:
         resample = exact.RESAMPLE[d.crop_resample or p.crop_interpolation]
         if p.keep_ratio is not None and not p.fast_downscale:
             return self._keep_ratio_exact(data, d, what, resample)
-        plan = partial(crop_plan, p, d)
-        img, source = decode_box_resize(data, plan, p.fast_downscale, what, p.max_pixels, resample)
-        pads = plan(*source)[2]
+        img, (_, _, pads) = decode_box_resize(
+            data, partial(crop_plan, p, d), p.fast_downscale, what, p.max_pixels, resample
+        )
         return img if not any(pads) else Image.fromarray(keep_ratio.pad(np.asarray(img), pads, p.keep_ratio.pad))
 
     def _keep_ratio_exact(self, data, d: SampleDraw, what, resample) -> Image.Image:
