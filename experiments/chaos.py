@@ -11,15 +11,18 @@ receipt the training loop injects it:
   gateway-kill  SIGKILL the Ray gateway process (with --ray)
   gateway-stop  SIGSTOP it (with --ray; the call deadline, `--call-timeout`, must end it)
   actor-kill    SIGKILL one Ray actor process of the gateway's session (with --ray)
+  actor-stop    SIGSTOP it (with --ray; the gateway ends a call hung that long, and that actor)
+  raylet-kill   SIGKILL the raylet of the gateway's local Ray instance (with --ray; the gateway's
+                pulse sees it gone and exits)
+  agent-kill    SIGKILL that node's dashboard agent (with --ray; the raylet fate-shares with it)
   none          nothing (a control epoch)
 Per epoch it checks that every sample arrived exactly once (the label is the index) and records the
 longest wait at next() -- the stall the fault cost -- beside the epoch's median wait. At the end, after
 close(): no process this run started is left, and no /dev/shm segment. The loader's own counters say
 what handled each fault (reruns, stuck kills, restarts, gateways lost).
 
-Not here (they need several ranks or jobs): lent workers and the global manager (tests/test_ddp.py,
-tests/test_global_manager.py), the shared loader's producer and clients (tests/test_shared.py), the
-raylet and dashboard agent (tests/test_remote_gateway.py). tests/test_chaos.py runs a short form.
+Lent workers and the global manager, the shared loader's producer and clients: experiments/chaos_jobs.py.
+tests/test_chaos.py runs a short form of both.
 """
 
 from __future__ import annotations
@@ -36,7 +39,17 @@ from experiments import harness
 from fusionflow.runtime.procs import live_processes, pid_alive
 from fusionflow.tools.baseline import timed_batches
 
-FAULTS = ("worker-kill", "worker-stop", "gateway-kill", "gateway-stop", "actor-kill", "none")
+FAULTS = (
+    "worker-kill",
+    "worker-stop",
+    "gateway-kill",
+    "gateway-stop",
+    "actor-kill",
+    "actor-stop",
+    "raylet-kill",
+    "agent-kill",
+    "none",
+)
 LOCAL_FAULTS = ("worker-kill", "worker-stop", "none")
 MIN_AGE_S = 1.0  # workers younger than this are spared: see `victims`
 
@@ -104,7 +117,12 @@ def victims(fault: str, min_age: float = MIN_AGE_S) -> list[int]:
     gateways = [p for p in descendants() if "fusionflow.remote.gateway" in _cmdline(p)]
     if fault.startswith("gateway"):
         return gateways
-    return [p for g in gateways for p in descendants(g) if "ray::" in _cmdline(p)]  # actor-kill
+    below = [p for g in gateways for p in descendants(g)]
+    if fault == "raylet-kill":
+        return [p for p in below if os.path.basename(_cmdline(p).split(" ", 1)[0]) == "raylet"]
+    if fault == "agent-kill":
+        return [p for p in below if "ray::DashboardAgent" in _cmdline(p)]
+    return [p for p in below if _cmdline(p).startswith("ray::RemoteTask")]  # actor-kill, actor-stop
 
 
 def inject(fault: str, rng: random.Random, min_age: float = MIN_AGE_S) -> dict:

@@ -434,19 +434,24 @@ class StopsInAGuest(Bytes):
         return super().__getitem__(i)
 
 
-def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_owner(monkeypatch, tmp_path):
-    """A worker lent to `a` stops (SIGSTOP) while it runs a's tiny-batch: past the stuck bound (lowered
-    here) `a` kills it by its pid (a borrower cannot leave it alive: it may write into a reused slot),
-    re-runs its tiny-batch, and its owner `b` replaces it."""
+@pytest.mark.parametrize("bound", ["STUCK_FLOOR_S", "STRAGGLER_FLOOR_S"])
+def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_owner(
+    monkeypatch, tmp_path, caplog, bound
+):
+    """A worker lent to `a` stops (SIGSTOP) while it runs a's tiny-batch: past the stuck bound, or past
+    the straggler bound once a's own worker is idle (each lowered here in turn), `a` kills it by its pid
+    (a borrower cannot leave it alive: it may write into a reused slot), re-runs its tiny-batch, and its
+    owner `b` replaces it."""
     from fusionflow.runtime import liveness
 
-    monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 1.0)
+    monkeypatch.setattr(liveness, bound, 1.0)
     a, b, it, got = lending_pair(StopsInAGuest(48, str(tmp_path)), timeout=0)
     (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
     lent_worker(b)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))  # nothing twice, nothing lost, and no timeout= needed
     assert (tmp_path / "stopped").exists() and a.stats.workers_stuck == 1
+    assert ("while an own worker is idle" in caplog.text) == (bound == "STRAGGLER_FLOOR_S"), caplog.text
     serves_its_own_again(b)
     a.close()
     b.close()
@@ -477,7 +482,8 @@ def test_a_lent_worker_whose_borrower_falls_silent_goes_home(monkeypatch):
 
 def test_a_stopped_gm_is_reported_once_and_loaders_keep_their_workers(monkeypatch, caplog):
     """A GM stopped (SIGSTOP) keeps its pid: its heartbeat says it is gone after GM_SILENT_S (lowered
-    here); the loader logs it once and trains on alone, and its close unlinks the table (nobody else will)."""
+    here); the loader logs it once and trains on alone, and its close unlinks the table and ends the
+    stopped GM (nobody else will: a stopped process never goes by itself)."""
     from fusionflow.runtime.gm import link, tables
 
     monkeypatch.setattr(link, "GM_SILENT_S", 1.0)
@@ -497,8 +503,30 @@ def test_a_stopped_gm_is_reported_once_and_loaders_keep_their_workers(monkeypatc
         assert a.stats.global_manager == "lost"
         assert caplog.text.count("global manager of this job") == 1 and "silent" in caplog.text
         assert not os.path.exists("/dev/shm" + gt.table_name(name))
+        assert wait_until(lambda: not pid_alive(pid), timeout=30), "the stopped GM outlived its job"
+        assert f"ended this job's global manager (pid {pid})" in caplog.text
     finally:
-        os.kill(pid, signal.SIGKILL)
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_gm_stopped_just_before_its_job_ends_goes_with_the_last_loader(caplog):
+    """Found by experiments/chaos_jobs.py: a GM stopped less than GM_SILENT_S before the last loader
+    closed outlived its job, stopped for good, its table left in /dev/shm. A stopped GM counts as gone
+    at once for the last loader out, which unlinks the table and ends the GM."""
+    name = job()
+    a = make(Bytes(16), name)
+    collect(a)
+    pid = gm_pid_of(gt.table_name(name))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        a.close()
+        assert wait_until(lambda: not pid_alive(pid), timeout=30), "the stopped GM outlived its job"
+        assert not os.path.exists("/dev/shm" + gt.table_name(name))
+        assert f"ended this job's global manager (pid {pid})" in caplog.text
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_stopped_holder_of_the_table_lock_costs_lending_not_the_run(monkeypatch, caplog):

@@ -186,13 +186,98 @@ class TestWhatTheKindReports:
             assert loader.stats.remote_gateways_lost == 1
         assert "returned nothing for" in caplog.text and "call deadline 2 s" in caplog.text
 
+    def test_an_idle_stopped_gateway_is_found_by_its_silence(self, monkeypatch, caplog):
+        """A gateway holding nothing used to be noticed only when it was next given work; its pulse
+        (a beat a second from a thread that never calls Ray) ends it while it is idle."""
+        import signal
+
+        from fusionflow import RayWorkers
+        from fusionflow.remote import pulse
+
+        monkeypatch.setattr(pulse, "SILENT_S", 3.0)
+        with _loader(Bytes(24, sleep=0.01), RayWorkers(1)) as loader:
+            collect(loader)
+            kind = loader._manager.board.kinds[0]
+            assert loader.stats.remote_tiny_batches > 0 and loader.stats.remote_gateways_lost == 0
+            os.kill(kind.sessions[0], signal.SIGSTOP)
+            with caplog.at_level("WARNING", logger="fusionflow.remote.kind"):
+                deadline = time.monotonic() + 120  # 3 s of silence and a feeder turn; generous for a busy CI
+                while loader.stats.remote_gateways_lost == 0 and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            assert loader.stats.remote_gateways_lost == 1  # found with no tiny-batch given to it
+            _x, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(24))
+        assert "said nothing for" in caplog.text
+
+    def test_a_call_hung_on_one_actor_ends_that_actor_not_the_gateway(self, tmp_path, caplog):
+        """A read that hangs on one Ray worker (a stuck network file system) ends that worker's call at
+        half the call deadline: the worker is killed and replaced, its tiny-batches run locally, and the
+        gateway lives on."""
+        from fusionflow import RayWorkers
+
+        flag = tmp_path / "hang"
+        with _loader(HangsOnRay(48, str(flag), os.getpid()), RayWorkers(1, call_timeout=8.0)) as loader:
+            collect(loader)
+            assert loader.stats.remote_tiny_batches > 0
+            flag.touch()
+            with caplog.at_level("WARNING", logger="fusionflow.remote.kind"):
+                _x, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(48))
+            assert loader.stats.remote_workers_lost >= 1 and loader.stats.remote_gateways_lost == 0
+        assert "returned nothing for" in caplog.text and "bound 4 s" in caplog.text
+
+
+class HangsOnRay(Bytes):
+    """Bytes whose reads hang for an hour in a Ray worker (not in the loader's own) once `flag` exists."""
+
+    def __init__(self, n, flag, owner):
+        super().__init__(n, sleep=0.01)
+        self.flag, self.owner = flag, owner
+
+    def __getitem__(self, i):
+        if self.owner not in (os.getpid(), os.getppid()) and os.path.exists(self.flag):
+            time.sleep(3600)
+        return super().__getitem__(i)
+
+
+def test_the_pulse_beats_and_ends_the_gateway_when_its_raylet_is_gone():
+    """No Ray needed: a stand-in "raylet" (a process whose command line is a raylet's) is found by its
+    socket name, the pulse beats, and when the stand-in dies the pulse ends the process (here a stub)."""
+    import threading
+
+    from fusionflow.remote.pulse import Pulse, find_raylet, silence
+
+    sock = f"/tmp/ff-test-raylet-{os.getpid()}"
+    raylet = subprocess.Popen(
+        ["raylet", "-c", "import time; time.sleep(300)", f"--raylet_socket_name={sock}"], executable=sys.executable
+    )
+    beats, exited = [], threading.Event()
+    try:
+        deadline = time.monotonic() + 60
+        while (pid := find_raylet(sock)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # its command line is there once it has exec'd
+        assert pid == raylet.pid and find_raylet(sock + "-other") is None and find_raylet(None) is None
+        pulse = Pulse(beats.append, pid, on_raylet_gone=exited.set)
+        pulse.start()
+        deadline = time.monotonic() + 60
+        while len(beats) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert beats[:2] == [("alive",), ("alive",)] and not exited.is_set()
+        raylet.kill()  # a zombie until reaped: gone all the same
+        assert exited.wait(60)
+    finally:
+        raylet.kill()
+        raylet.wait()
+    assert silence(100.0, 105.0) is None and "said nothing for 11 s" in silence(100.0, 111.0)
+
 
 def test_the_call_deadline_is_measured_or_given_and_checked(monkeypatch):
     _ray()
     from types import SimpleNamespace
 
     from fusionflow import RayWorkers
-    from fusionflow.remote.kind import CALL_FACTOR, CALL_FLOOR_S, RemoteWorkers
+    from fusionflow.remote.kind import RemoteWorkers
+    from fusionflow.remote.pulse import CALL_FACTOR, CALL_FLOOR_S
 
     for bad in (0, -1.0, True, "30"):
         with pytest.raises(ValueError, match="call_timeout"):

@@ -35,6 +35,8 @@ import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
+from fusionflow.remote.pulse import ACTOR_SHARE, Pulse, call_deadline, find_raylet, running_mean
+
 WATCHDOG_S = 0.5
 MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
 log = logging.getLogger("fusionflow.remote.kind")
@@ -73,6 +75,9 @@ class Gateway:
         self._wake_r, self._wake_w = os.pipe()
         fcntl.fcntl(self._wake_w, fcntl.F_SETFL, os.O_NONBLOCK)
         self._next_maintain = time.monotonic() + MAINTAIN_S
+        self.call_started: dict = {}  # ObjectRef -> when its call was made (monotonic), for the same calls
+        self.call_mean = 0.0  # running mean of a call's time (made -> result), seconds
+        self.pulse = None
 
     def send(self, event: tuple) -> None:
         with self._send_lock:
@@ -100,6 +105,8 @@ class Gateway:
         self.actors.start_up()
         self._watch_probes()
         self.send(("started", {"started_instance": started, "actors": self.table()}))
+        self.pulse = Pulse(self.send, find_raylet(_raylet_socket(self.ray)))
+        self.pulse.start()
 
     def table(self) -> list:
         return [(a.number, a.name, a.host, a.pid, a.ready) for a in self.actors]
@@ -143,6 +150,7 @@ class Gateway:
                 os.read(self._wake_r, 4096)
             while self.finished:
                 self._on_finished(*self.finished.popleft())
+            self._end_hung_calls()
             if time.monotonic() >= self._next_maintain:
                 self._next_maintain = time.monotonic() + MAINTAIN_S
                 if not self.retired:
@@ -155,10 +163,15 @@ class Gateway:
 
     def _fill(self) -> None:
         """Queue calls on every ready actor with room (in turns, so each gets some); a call carries
-        up to `per_call` tiny-batches (Ray's cost is per call)."""
+        up to `per_call` tiny-batches (Ray's cost is per call). With no actor ready (the loader sent work
+        before it heard of a loss), what is queued goes back at once: a replacement may never come up."""
         if self.retired:
             return
         ready = [a for a in self.actors if a.ready]
+        if not ready and self.fifo:
+            queued, self.fifo = list(self.fifo), collections.deque()
+            self.send(("back", [t.task_id for t in queued], "no Ray worker ready"))
+            return
         for depth in range(1, self.config.in_flight + 1):
             for a in ready:
                 if not self.fifo:
@@ -168,6 +181,7 @@ class Gateway:
                 tasks = [self.fifo.popleft() for _ in range(min(self.config.per_call, len(self.fifo)))]
                 ref = a.handle.run_many.remote([(t.epoch, t.positions, t.indices, t.copies) for t in tasks])
                 self.calls[ref] = (a, tasks)
+                self.call_started[ref] = time.monotonic()
                 a.inflight += 1
                 self._watch(ref)
 
@@ -179,8 +193,10 @@ class Gateway:
                 self.send(("actors", self.table()))
             return
         entry = self.calls.pop(ref, None)
+        made = self.call_started.pop(ref, None)
         if entry is None:  # its actor was lost meanwhile: its tiny-batches went back then
             return
+        self.call_mean = running_mean(self.call_mean, time.monotonic() - made)
         actor, tasks = entry
         actor.inflight -= 1
         try:
@@ -253,6 +269,7 @@ class Gateway:
         tasks = list(tasks) + [t for a, ts in self.calls.values() if a is actor for t in ts]
         for ref in [ref for ref, (a, _t) in self.calls.items() if a is actor]:
             del self.calls[ref]
+            self.call_started.pop(ref, None)
         if actor in self.actors:
             self.actors.remove(actor)
         self.send(("back", [t.task_id for t in tasks], "lost"))
@@ -275,13 +292,48 @@ class Gateway:
             self.send(("back", [t.task_id for t in queued], "retired"))
             self.send(("retired", self.retired))
 
+    def _end_hung_calls(self) -> None:
+        """A call away longer than ACTOR_SHARE of the call deadline (a stuck read, a stopped actor
+        process) ends its actor, not this gateway: the actor is killed and replaced, and the call's
+        tiny-batches, with the rest queued on that actor, run locally (as for a lost actor)."""
+        if not self.call_started:
+            return
+        ref, made = next(iter(self.call_started.items()))  # the oldest call
+        bound = ACTOR_SHARE * call_deadline(self.config.call_timeout, self.call_mean)
+        away = time.monotonic() - made
+        if away <= bound or ref not in self.calls:
+            return
+        actor, tasks = self.calls[ref]
+        log.warning(
+            "remote_workers: a call on Ray worker %s returned nothing for %.0f s (bound %.0f s); that worker is "
+            "killed and replaced, its tiny-batches run locally",
+            actor.name,
+            away,
+            bound,
+        )
+        self.calls.pop(ref)
+        self.call_started.pop(ref)
+        actor.inflight -= 1
+        self._lost(actor, tasks, TimeoutError(f"a call hung {away:.0f} s"))
+
     def shutdown(self) -> None:
+        if self.pulse is not None:
+            self.pulse.stop()
         if self.actors is not None:
             self.actors.kill_all()
         if self.ray is not None and self.ray.is_initialized():
             self.ray.shutdown()
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
+
+
+def _raylet_socket(ray) -> str | None:
+    """The socket of the raylet this driver is connected to (None if Ray does not say)."""
+    try:
+        here = ray.get_runtime_context().get_node_id()
+        return next((n.get("RayletSocketName") for n in ray.nodes() if n.get("NodeID") == here), None)
+    except Exception:
+        return None
 
 
 def _error(exc: BaseException) -> tuple:

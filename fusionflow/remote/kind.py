@@ -14,12 +14,11 @@ gateway's log records as its own.
 
 Faults: an actor that dies or whose node goes away loses nothing (the gateway gives its tiny-batches
 back for the local workers, counted in `counters.remote_workers_lost`, and asks for a replacement).
-The gateway may die -- Ray ends a driver whose raylet died, and a raylet dies with its dashboard
-agent, the OOM killer's usual pick -- or be killed, also by this kind when it holds a tiny-batch past
-the call deadline (`call_deadline`: stopped, stuck in a Ray call, alive with its raylet gone).
-Then everything it held goes back to the local workers as a dead worker's does, one warning says
-how it ended and its last Ray error, its session (its Ray instance, what Ray left) is killed, the
-epoch goes on, and a new gateway is started at the next epoch or after a back-off; after
+The gateway may die (its raylet died: the OOM killer's usual pick is its dashboard agent) or be
+killed by this kind when its pulse falls silent or it holds a tiny-batch past the call deadline
+(remote/pulse.py). Then what it held goes back to the local workers as a dead worker's does, one
+warning says how it ended and its last Ray error, its session (its Ray instance, what Ray left) is
+killed, the epoch goes on, and a new gateway is started at the next epoch or after a back-off; after
 `MAX_GATEWAY_FAILURES` in a row with nothing delivered between them the remote workers retire.
 
 Start-up (`start`, on the training thread): the dataset must pickle (a TypeError naming it, here),
@@ -37,12 +36,12 @@ import time
 from typing import NamedTuple
 
 from fusionflow.remote.link import GatewayLink, forward_log, pickle_spec
+from fusionflow.remote.pulse import call_deadline, running_mean, silence
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.spec import RuntimeSpec
 
 log = logging.getLogger(__name__)
 MAX_GATEWAY_FAILURES = 3  # gateway deaths (or failed restarts) in a row before the remote workers retire
-CALL_FLOOR_S, CALL_FACTOR = 10.0, 20.0  # call_timeout=None: the call deadline, max(10 s, 20x the mean round trip)
 BACKOFF_S = 10.0  # a new gateway after this long (doubling with each failure), or at the next epoch
 
 
@@ -63,7 +62,8 @@ class _Gateway:
         self.link = link
         self.outstanding: dict = {}  # task id -> Work sent to it and neither done nor given back
         self.sent_at: dict = {}  # task id -> when it was sent (monotonic), for the same tasks
-        self.unresponsive: str | None = None  # why it was killed for holding work too long
+        self.unresponsive: str | None = None  # why it was killed (silent, or holding work too long)
+        self.heard_at = time.monotonic()  # its last message (a result, an event, its pulse)
         self.delivered = 0
         self.last_error: str | None = None
         self.reader: threading.Thread | None = None
@@ -255,20 +255,21 @@ class RemoteWorkers:
 
     def call_deadline(self) -> float:
         """Seconds a tiny-batch may be away at the gateway before the gateway counts as unresponsive:
-        RayWorkers(call_timeout=...), or max(CALL_FLOOR_S, CALL_FACTOR x the mean round trip)."""
-        if self.config.call_timeout is not None:
-            return self.config.call_timeout
-        return max(CALL_FLOOR_S, CALL_FACTOR * self._round_trip)
+        RayWorkers(call_timeout=...), or a multiple of the mean round trip (remote/pulse.py)."""
+        return call_deadline(self.config.call_timeout, self._round_trip)
 
     def _overdue(self, gw: _Gateway) -> bool:
-        """Lock held: whether `gw` has held a tiny-batch past the call deadline (it is marked, once)."""
-        if gw.unresponsive is not None or not gw.sent_at:
+        """Lock held: whether `gw` fell silent (no pulse) or held a tiny-batch past the call deadline
+        (it is marked, once)."""
+        if gw.unresponsive is not None:
             return False
-        away, deadline = time.monotonic() - min(gw.sent_at.values()), self.call_deadline()
-        if away <= deadline:
-            return False
-        gw.unresponsive = f"returned nothing for {away:.0f} s (call deadline {deadline:.0f} s) and was killed"
-        return True
+        now = time.monotonic()
+        gw.unresponsive = silence(gw.heard_at, now)
+        if gw.unresponsive is None and gw.sent_at:
+            away, deadline = now - min(gw.sent_at.values()), self.call_deadline()
+            if away > deadline:
+                gw.unresponsive = f"returned nothing for {away:.0f} s (call deadline {deadline:.0f} s) and was killed"
+        return gw.unresponsive is not None
 
     def _restart_due(self) -> bool:
         return self.board.generation != self._restart_gen or time.monotonic() >= self._retry_at
@@ -299,8 +300,7 @@ class RemoteWorkers:
         self._retry_at = time.monotonic() + BACKOFF_S * 2 ** (self._deaths_in_a_row - 1)
 
     def _retire(self, why: str) -> None:
-        """Lock held: no more work for the remote workers this run (the gateway's calls failed, or
-        gateways did)."""
+        """Lock held: no more work for the remote workers this run (their calls failed, or gateways did)."""
         self.retired = why
         log.warning(
             "remote_workers: retired for the rest of this loader's run (%s); the local workers take every tiny-batch",
@@ -348,15 +348,15 @@ class RemoteWorkers:
             board.cond.notify_all()
 
     def _on_message(self, gw: _Gateway, msg: bytes) -> None:
-        """Lock held: a DONE (complete it on the board) or an EVENT from the gateway."""
-        board = self.board
+        """Lock held: a DONE (complete it on the board) or an EVENT from the gateway (its pulse, too)."""
+        board, gw.heard_at = self.board, time.monotonic()
         if m.kind_of(msg) == m.DONE:
             task_id, _gen, failures, side = m.unpack_done(msg)
             work = gw.outstanding.pop(task_id, None)
             if work is None:
                 return
             away = time.monotonic() - gw.sent_at.pop(task_id)
-            self._round_trip = away if not self._round_trip else 0.8 * self._round_trip + 0.2 * away
+            self._round_trip = running_mean(self._round_trip, away)
             gw.delivered += 1
             self.counters.remote_tiny_batches += 1
             if board.trace is not None or self.on_stage_times is not None:

@@ -363,14 +363,20 @@ class LocalManager:
         self._kill_stuck_guests(now)
 
     def _kill_stuck_guests(self, now: float) -> None:
-        """(lock held) Workers lent to this loader whose oldest tiny-batch has run past the stuck bound:
-        SIGKILLed by pid (their connection then drops, and the agent requeues what they held)."""
+        """(lock held) Workers lent to this loader whose oldest tiny-batch has run past the stuck bound,
+        or past the straggler bound while an own worker is idle (a stopped guest then costs seconds):
+        SIGKILLed by pid (their connection then drops, the agent requeues what they held, their owner
+        replaces them). A guest is killed rather than raced (runtime/reruns.py): it is its owner's."""
+        idle_own = any(w is not None and w.idle for w in self.pool.workers)
         for g in self.agent.guests if self.agent is not None else ():
             if not g.alive or not g.outstanding or g.peer_pid is None or g.killed_for is not None:
                 continue
-            running_for = now - g.head_since
-            if liveness.is_stuck(running_for, self.pool.task_seconds):
+            running_for, task_s = now - g.head_since, self.pool.task_seconds
+            if liveness.is_stuck(running_for, task_s):
                 g.killed_for = f"no progress for {running_for:.0f} s"
+            elif idle_own and liveness.is_straggler(running_for, task_s):
+                g.killed_for = f"no progress for {running_for:.0f} s while an own worker is idle"
+            if g.killed_for is not None:
                 log.warning("fusionflow worker %s lent to this loader made %s; killing it", g.worker_id, g.killed_for)
                 self.board.counters.workers_stuck += 1
                 try:

@@ -26,6 +26,7 @@ import logging
 import os
 import pickle
 import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -242,9 +243,28 @@ class GMLink:
             gm_gone = not t.gm_alive()
         if orphaned and (self.gm_proc is None or self.gm_proc.poll() is not None or gm_gone):
             t.unlink()
+            if gm_gone:
+                self._end_silent_gm(t.gm_pid)
         t.close()
         if self.gm_proc is not None:
             self.gm_proc.poll()  # reap it if it has exited
+
+    def _end_silent_gm(self, pid: int) -> None:
+        """The last loader out of a job whose GM is stopped or fell silent (hung) ends it: a stopped
+        process never goes by itself, and no loader is left to need it. Only that job's GM process."""
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            return  # gone
+        if not pid_alive(pid) or b"fusionflow.runtime.gm.manager" not in args or self.name.encode() not in args:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            log.warning("fusionflow: ended this job's global manager (pid %d): stopped or silent, no loader left", pid)
+        if self.gm_proc is not None and self.gm_proc.pid == pid:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.gm_proc.wait(timeout=5.0)
 
     def _leave(self, t) -> bool:
         """Free our row (lock held); whether the table is orphaned and closing, for us to unlink."""

@@ -35,7 +35,7 @@ import numpy as np
 import posix_ipc
 
 from fusionflow.runtime.gm.timing import GM_SILENT_S, START_S
-from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.runtime.shm import unlink
 from fusionflow.runtime.userdir import flock_within
 
@@ -220,11 +220,11 @@ class Tables:
         return dead
 
     def gm_alive(self) -> bool:
-        """The GM is running (its process lives and its heartbeat is recent), or was spawned and has
+        """The GM is running (its process lives, is not stopped, and its heartbeat is recent), or was spawned and has
         not claimed the table yet."""
         pid = self.gm_pid
         if pid:
-            return pid_alive(pid) and self.gm_silent_s() < GM_SILENT_S
+            return pid_alive(pid) and not is_stopped(pid) and self.gm_silent_s() < GM_SILENT_S
         return time.time() - float(self.header["created"][0]) < START_S
 
     def gm_silent_s(self) -> float:
