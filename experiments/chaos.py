@@ -125,10 +125,26 @@ def victims(fault: str, min_age: float = MIN_AGE_S) -> list[int]:
     return [p for p in below if _cmdline(p).startswith("ray::RemoteTask")]  # actor-kill, actor-stop
 
 
-def inject(fault: str, rng: random.Random, min_age: float = MIN_AGE_S) -> dict:
-    """Hit one process as `fault` says; what was hit (or why nothing was)."""
+RAY_READY_S = 180.0  # a Ray fault first waits (a training step) this long for a gateway with a ready actor
+
+
+def ray_ready(loader) -> float:
+    """Wait, up to RAY_READY_S, until the loader's Ray workers have a gateway and a ready actor (the
+    last fault's replacement is up), so that each fault hits a working path; seconds waited."""
+    kinds = [k for k in loader.parts.runtime.manager.board.kinds if hasattr(k, "live")]
+    t0 = time.monotonic()
+    while kinds and not kinds[0].live and kinds[0].retired is None and time.monotonic() - t0 < RAY_READY_S:
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def inject(fault: str, rng: random.Random, min_age: float = MIN_AGE_S, loader=None) -> dict:
+    """Hit one process as `fault` says; what was hit (or why nothing was). With `loader`, a Ray fault
+    first waits for its Ray workers to be up again (`ray_ready`)."""
     if fault == "none":
         return {"fault": fault}
+    if loader is not None and not fault.startswith("worker"):
+        ray_ready(loader)
     pids = victims(fault, min_age)
     if not pids:
         return {"fault": fault, "victim": None, "why": "no such process at that moment"}
@@ -188,7 +204,11 @@ def soak(
                 keeper = keeper or (attached.keeper_pid if attached is not None else None)
                 waits.append(waited)
                 labels += y.tolist()
-                hits += [{**inject(fault, rng, min_age), "at_batch": at} for at, fault in plan if at == len(waits) - 1]
+                hits += [
+                    {**inject(fault, rng, min_age, loader), "at_batch": at}
+                    for at, fault in plan
+                    if at == len(waits) - 1
+                ]
                 time.sleep(step_s)
             exact = sorted(labels) == list(range(len(dataset)))
             results.append(
@@ -270,6 +290,12 @@ def main() -> None:
     remote = None
     if args.ray:
         from fusionflow import RayWorkers
+        from fusionflow.remote import kind
+
+        # Faults on every epoch kill gateways "in a row" on purpose (often before they delivered): the
+        # soak keeps the remote workers from retiring (MAX_GATEWAY_FAILURES) or backing off for minutes
+        # (BACKOFF_S doubles per failure: zero here), so that each fault hits a working Ray path.
+        kind.MAX_GATEWAY_FAILURES, kind.BACKOFF_S = 1 << 30, 0.0
 
         remote = RayWorkers(1, call_timeout=args.call_timeout, init_kwargs={"num_cpus": 1})
     out = soak(

@@ -301,7 +301,10 @@ class Gateway:
         ref, made = next(iter(self.call_started.items()))  # the oldest call
         bound = ACTOR_SHARE * call_deadline(self.config.call_timeout, self.call_mean)
         away = time.monotonic() - made
-        if away <= bound or ref not in self.calls:
+        if ref not in self.calls:  # its actor was lost meanwhile
+            del self.call_started[ref]
+            return
+        if away <= bound:
             return
         actor, tasks = self.calls[ref]
         log.warning(

@@ -147,7 +147,7 @@ class RemoteWorkers:
                 self._starting = None
         gw = _Gateway(link)
         with self.board.cond:
-            if self._stopped:  # stop() came during the handshake and found no gateway to stop
+            if self._stopped or self.retired:  # stop() (or retirement) came during the handshake
                 link.discard()
                 return
             self._gw = gw

@@ -367,8 +367,10 @@ class LocalManager:
         or past the straggler bound while an own worker is idle (a stopped guest then costs seconds):
         SIGKILLed by pid (their connection then drops, the agent requeues what they held, their owner
         replaces them). A guest is killed rather than raced (runtime/reruns.py): it is its owner's."""
+        if self.agent is None or not self.agent.guests:
+            return
         idle_own = any(w is not None and w.idle for w in self.pool.workers)
-        for g in self.agent.guests if self.agent is not None else ():
+        for g in self.agent.guests:
             if not g.alive or not g.outstanding or g.peer_pid is None or g.killed_for is not None:
                 continue
             running_for, task_s = now - g.head_since, self.pool.task_seconds
