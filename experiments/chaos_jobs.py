@@ -73,7 +73,7 @@ def gm_pids(job: str) -> list[int]:
 
 
 def lent_pids(lender) -> list[int]:
-    workers = lender._manager.pool.workers
+    workers = lender.parts.runtime.manager.pool.workers
     return [w.process.pid for w in workers if w is not None and w.lent_to is not None and w.process.is_alive()]
 
 

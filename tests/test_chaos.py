@@ -55,7 +55,8 @@ def test_exactly_once_with_the_decoded_cache_under_killed_and_stopped_workers(mo
 @pytest.mark.slow
 def test_lent_workers_and_the_global_manager_killed_and_stopped(monkeypatch):
     """experiments/chaos_jobs.py's lending scenario, one job: a's epochs stay exact while b's lent worker
-    is SIGKILLed, then SIGSTOPped (killed by `a` past the straggler bound, lowered here), then the GM is
+    is SIGKILLed, then SIGSTOPped (killed by `a` past the straggler bound, lowered here, when it was
+    running a's tiny-batch; a worker stopped idle or mid-handshake costs nothing), then the GM is
     stopped; the last loader out ends the stopped GM, and nothing is left."""
     import random
     import uuid
@@ -74,7 +75,6 @@ def test_lent_workers_and_the_global_manager_killed_and_stopped(monkeypatch):
     hits = [h for r in rows for h in r["faults"]]
     assert [h["fault"] for h in hits] == plan and all(h.get("victim") for h in hits), hits
     assert hits[-1]["as_expected"], "the stopped GM outlived its job"
-    assert rows[-1]["stats"]["a"]["workers_stuck"] == 1  # the stopped guest, killed by its borrower
     assert chaos.descendants() - before_procs == set() and chaos.shm_segments() - before_shm == set()
 
 
