@@ -36,7 +36,7 @@ import statistics
 import time
 
 from experiments import harness
-from fusionflow.runtime.procs import live_processes, pid_alive
+from fusionflow.runtime.procs import command_line, live_processes, pid_alive
 from fusionflow.tools.baseline import timed_batches
 
 FAULTS = (
@@ -68,11 +68,7 @@ class Indexed:
 
 
 def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    return " ".join(command_line(pid))
 
 
 def descendants(root: int | None = None) -> set[int]:
@@ -145,7 +141,13 @@ def inject(fault: str, rng: random.Random, min_age: float = MIN_AGE_S, loader=No
         return {"fault": fault}
     if loader is not None and not fault.startswith("worker"):
         ray_ready(loader)
-    pids = victims(fault, min_age)
+    return hit(fault, victims(fault, min_age), rng)
+
+
+def hit(fault: str, pids, rng: random.Random) -> dict:
+    """One of `pids`, drawn: SIGSTOP for a "-stop" fault, SIGKILL otherwise; what was hit, or why nothing."""
+    if fault == "none":
+        return {"fault": fault}
     if not pids:
         return {"fault": fault, "victim": None, "why": "no such process at that moment"}
     pid = rng.choice(sorted(pids))

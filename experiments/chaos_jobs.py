@@ -43,7 +43,7 @@ import time
 import uuid
 
 from experiments import harness
-from experiments.chaos import Indexed, _cmdline, descendants, shm_segments
+from experiments.chaos import Indexed, _cmdline, descendants, hit, shm_segments
 from fusionflow.tools.baseline import timed_batches
 
 LENDING = ("lent-kill", "lent-stop", "gm-kill", "gm-stop", "none")
@@ -84,19 +84,6 @@ def _lent_soon(lender) -> list[int]:
     while not (pids := lent_pids(lender)) and time.monotonic() < deadline:
         time.sleep(0.01)
     return pids
-
-
-def hit(fault: str, pids: list[int], rng: random.Random) -> dict:
-    if fault == "none":
-        return {"fault": fault}
-    if not pids:
-        return {"fault": fault, "victim": None, "why": "no such process at that moment"}
-    pid = rng.choice(sorted(pids))
-    try:
-        os.kill(pid, signal.SIGSTOP if fault.endswith("stop") else signal.SIGKILL)
-    except ProcessLookupError:
-        return {"fault": fault, "victim": None, "why": "it exited first"}
-    return {"fault": fault, "victim": pid}
 
 
 def lending_round(job: str, epochs: int, faults, rng, jpegs, policy: str, sleep_s: float, progress, plan=None) -> list:

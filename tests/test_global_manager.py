@@ -5,6 +5,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -432,6 +433,45 @@ class StopsInAGuest(Bytes):
                     open(self.stopped, "w").close()
                     os.kill(os.getpid(), signal.SIGSTOP)
         return super().__getitem__(i)
+
+
+class StopsMidMessageInAGuest(StopsInAGuest):
+    """As StopsInAGuest, but first the guest writes the start of a message to its borrower (a frame's head
+    announcing 100 kB, and 10 bytes): a lent worker paused while it wrote a large DONE."""
+
+    def __getitem__(self, i):
+        if os.path.exists(self.own) and not os.path.exists(self.stopped):
+            with open(self.own) as f:
+                if str(os.getpid()) not in f.read().split():
+                    open(self.stopped, "w").close()
+                    frame = sys._getframe()
+                    while frame.f_code.co_name != "run_task":  # its connection to the borrower: run_task's `out`
+                        frame = frame.f_back
+                    os.write(frame.f_locals["out"].fileno(), struct.pack("!i", 100_000) + b"0123456789")
+                    os.kill(os.getpid(), signal.SIGSTOP)
+        return Bytes.__getitem__(self, i)
+
+
+def test_a_lent_worker_stopped_in_the_middle_of_a_message_is_killed_by_its_borrower(monkeypatch, tmp_path, caplog):
+    """The borrower's manager thread reads its guests: one stopped mid-message would hold it (and the
+    borrower's every worker) forever. Past authsock.REST_S (lowered from 5 s) the borrower kills it by its
+    pid, re-runs its tiny-batch, and its owner replaces it; the stuck and straggler bounds are out of reach."""
+    from fusionflow.runtime import authsock, liveness
+
+    monkeypatch.setattr(authsock, "REST_S", 1.0)
+    monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 1e9)
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1e9)
+    a, b, it, got = lending_pair(StopsMidMessageInAGuest(48, str(tmp_path)), timeout=0)
+    (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
+    lent_worker(b)
+    got += [i for _, y in it for i in y.tolist()]
+    assert got == list(range(48))
+    assert (tmp_path / "stopped").exists() and a.stats.workers_stuck == 1
+    assert "stopped in the middle of a message (nothing more within 1 s; 10 of 100000 bytes read)" in caplog.text
+    serves_its_own_again(b)
+    a.close()
+    b.close()
+    assert b.stats.worker_restarts == 1
 
 
 @pytest.mark.parametrize("bound", ["STUCK_FLOOR_S", "STRAGGLER_FLOOR_S"])

@@ -4,6 +4,7 @@ import multiprocessing as mp
 import os
 import re
 import signal
+import struct
 import subprocess
 import sys
 import textwrap
@@ -553,6 +554,39 @@ def test_a_stopped_worker_is_killed_and_replaced_and_the_epoch_completes_without
     said = [r.getMessage() for r in caplog.records if "the training loop has waited" in r.getMessage()]
     assert said and "samples outstanding" in said[0] and "CPU worker" in said[0], said
     assert len(said) <= 6  # doubling intervals, not one line per second
+
+
+class StopsMidMessageAt(StopsItselfAt):
+    """Sample 13's worker, the first time, writes the start of a message to its loader (the head of a
+    frame announcing 100 kB, and 10 bytes of it) and stops itself (SIGSTOP): a worker paused while it
+    wrote a DONE larger than the pipe takes at once (a failure's traceback, non-int targets)."""
+
+    def __getitem__(self, i):
+        if i == 13 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            frame = sys._getframe()
+            while frame.f_code.co_name != "run_task":  # the worker's connection to its loader: run_task's `out`
+                frame = frame.f_back
+            os.write(frame.f_locals["out"].fileno(), struct.pack("!i", 100_000) + b"0123456789")
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return Bytes.__getitem__(self, i)
+
+
+def test_a_worker_stopped_in_the_middle_of_a_message_is_killed_and_the_epoch_completes(tmp_path, monkeypatch, caplog):
+    """The manager thread reads each worker's messages: one stopped mid-message used to hold that thread,
+    and so every worker and the training loop, forever. Now the rest of a begun message must come within
+    authsock.REST_S (lowered here from 5 s): past it the worker is killed, its tiny-batches run again,
+    every sample arrives exactly once, with timeout=0."""
+    from fusionflow.runtime import authsock, liveness
+
+    monkeypatch.setattr(authsock, "REST_S", 1.0)
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1e9)  # no second copy: the message's bound itself
+    loader = FusionFlowLoader(StopsMidMessageAt(32, str(tmp_path)), batch_size=4, num_workers=2, policy=SMALL)
+    _, labels = collect(loader)
+    assert sorted(torch.cat(labels).tolist()) == list(range(32))
+    assert os.path.exists(os.path.join(tmp_path, "stopped"))
+    assert loader.stats.workers_stuck == 1 and loader.stats.worker_restarts >= 1
+    assert "stopped in the middle of a message (nothing more within 1 s; 10 of 100000 bytes read)" in caplog.text
 
 
 def test_the_stuck_bound_follows_the_tiny_batch_time_above_a_floor():

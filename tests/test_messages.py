@@ -1,5 +1,6 @@
 """The message kinds' wire values and the typed lending messages' round trips."""
 
+import os
 import pickle
 
 import pytest
@@ -79,3 +80,55 @@ def test_done_carries_the_gateways_actor_number_and_events_round_trip():
     assert m.unpack_done_worker(m.pack_done(1, 1, [])) == 0  # a CPU worker's
     event = ("back", [1, 2], "lost")
     assert m.unpack_control(m.pack_control(m.EVENT, event)) == event
+
+
+def _pipe_with(raw: bytes):
+    """A pipe whose reading end is a multiprocessing Connection, `raw` already written into it."""
+    from multiprocessing.connection import Connection
+
+    r, w = os.pipe()
+    os.write(w, raw)
+    return Connection(r, writable=False), w
+
+
+@pytest.mark.parametrize("size", [0, 7, 4096, 70_000])
+def test_recv_whole_reads_what_multiprocessing_writes(size):
+    import multiprocessing as mp
+    import threading
+
+    from fusionflow.runtime.authsock import recv_whole
+
+    reader, writer = mp.Pipe(duplex=False)
+    payload = os.urandom(size)
+    t = threading.Thread(target=writer.send_bytes, args=(payload,))  # 70 kB: more than a pipe holds
+    t.start()
+    try:
+        assert recv_whole(reader, rest_s=30) == payload
+    finally:
+        t.join(30)
+        reader.close()
+        writer.close()
+
+
+def test_recv_whole_bounds_a_message_whose_sender_stopped_midway():
+    """4 of 1000 announced bytes, then nothing (a sender SIGSTOPped mid-write): TimeoutError naming how far it
+    got, after the bound and not long after; a sender that hung up midway: EOFError."""
+    import struct
+    import time
+
+    from fusionflow.runtime.authsock import recv_whole
+
+    conn, w = _pipe_with(struct.pack("!i", 1000) + b"abcd")
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match=r"nothing more within 0.3 s; 4 of 1000 bytes read"):
+            recv_whole(conn, rest_s=0.3)
+        assert 0.3 <= time.monotonic() - t0 < 10
+    finally:
+        conn.close()
+        os.close(w)
+    conn, w = _pipe_with(struct.pack("!i", 1000) + b"abcd")
+    os.close(w)
+    with pytest.raises(EOFError, match="4 of 1000"):
+        recv_whole(conn, rest_s=30)
+    conn.close()

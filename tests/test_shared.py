@@ -7,6 +7,7 @@ new in /dev/shm, no rendezvous record left."""
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -228,6 +229,32 @@ def test_a_stopped_client_is_let_go_the_others_finish_and_resumed_it_raises(jobs
     ref = reference(4, 40, 2)
     for i in range(2):
         assert [samples(e) for e in jobs.result(f"c{i}")["epochs"]] == [samples(r) for r in ref]
+
+
+def test_a_client_stopped_in_the_middle_of_a_message_is_let_go_and_the_hub_serves_on(jobs, monkeypatch, caplog):
+    """The hub's one thread reads every client: a client stopped after the first bytes of a message used
+    to hold it, and so every client, forever. Past authsock.REST_S (lowered from 5 s) it is let go."""
+    from fusionflow.runtime import authsock
+
+    monkeypatch.setattr(authsock, "REST_S", 1.0)
+    with SharedLoader(make_loader(4, 8, False), name=jobs.name) as shared:
+        stalled = SharedLoaderClient(jobs.name, timeout=60)
+        assert wait_for(lambda: shared.clients == 1)
+        os.write(stalled._conn.fileno(), struct.pack("!i", 1000) + b"12345")  # then nothing, as if stopped
+        assert wait_for(lambda: shared.clients == 0)
+        assert "stopped in the middle of a message (nothing more within 1 s; 5 of 1000 bytes read)" in caplog.text
+        with SharedLoaderClient(jobs.name, timeout=60):  # the hub's thread is free: it admits the next one
+            assert wait_for(lambda: shared.clients == 1)
+        stalled.close()
+
+
+def wait_for(cond, bound_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + bound_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_a_dead_client_is_detached_within_a_second(jobs):

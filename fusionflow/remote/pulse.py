@@ -22,7 +22,7 @@ import os
 import signal
 import threading
 
-from fusionflow.runtime.procs import live_processes, pid_alive
+from fusionflow.runtime.procs import command_line, live_processes, pid_alive
 
 PULSE_S = 1.0  # the gateway's heartbeat
 SILENT_S = 10.0  # a gateway that said nothing (no beat, no result) this long is killed
@@ -61,11 +61,7 @@ def find_raylet(socket_name: str | None) -> int | None:
         return None
     flag = f"--raylet_socket_name={socket_name}"
     for pid, _fields in live_processes():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
+        args = command_line(pid)
         if args and os.path.basename(args[0]) == "raylet" and flag in args:
             return pid
     return None

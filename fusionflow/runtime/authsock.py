@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import socket
 import struct
+import time
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_S = 2  # each step of connecting to a peer's socket (connect, authenticate, first message)
 SEND_TIMEOUT_S = 5  # a peer that stops reading cannot block a sending thread longer
+REST_S = 5  # a message once begun arrives whole within this, or its sender counts as stopped mid-message
 
 
 def sockopt_seconds(sock: socket.socket, opt: int, seconds: float) -> None:
@@ -52,6 +55,42 @@ def peer_pid(conn: Connection) -> int | None:
     return pid or None
 
 
+def recv_whole(conn: Connection, rest_s: float | None = None) -> bytes:
+    """`conn.recv_bytes()` for a reader that was told a message has begun (a wait said `conn` is readable):
+    the whole message must arrive within `rest_s` (default REST_S), else TimeoutError (an OSError). A sender stopped in
+    the middle of a message (SIGSTOP, a paused container; a message over PIPE_BUF is not written at
+    once) would otherwise hold the reading thread forever. EOFError if the peer hung up. Reads the frame
+    multiprocessing.connection writes: a 4-byte big-endian length (-1: an 8-byte one follows), then it."""
+    rest_s = REST_S if rest_s is None else rest_s
+    deadline = time.monotonic() + rest_s
+    fd = conn.fileno()
+    try:
+        (size,) = struct.unpack("!i", _read_exactly(fd, 4, deadline))
+        if size == -1:
+            (size,) = struct.unpack("!Q", _read_exactly(fd, 8, deadline))
+        return _read_exactly(fd, size, deadline)
+    except TimeoutError as exc:
+        raise TimeoutError(f"nothing more within {rest_s:g} s; {exc}") from None
+
+
+def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
+    chunks, got = [], 0
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"{got} of {size} bytes read")
+            continue
+        chunk = os.read(fd, min(size - got, 1 << 20))
+        if not chunk:
+            raise EOFError(f"the peer hung up in the middle of a message ({got} of {size} bytes read)")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
 def _set_timeout(conn: Connection, opt: int, seconds: float) -> None:
     s = socket.socket(fileno=os.dup(conn.fileno()))  # options belong to the socket: set them through a dup
     sockopt_seconds(s, opt, seconds)
@@ -72,7 +111,8 @@ def listen(address: str, backlog: int = 64) -> socket.socket:
 
 
 def connect(address: str, secret: bytes) -> Connection:
-    """Connect to abstract `address` and authenticate both ways, each step bounded by HANDSHAKE_S."""
+    """Connect to abstract `address` and authenticate both ways, each step bounded by HANDSHAKE_S; sends
+    stay bounded by SEND_TIMEOUT_S (a send that cannot progress raises BlockingIOError, an OSError)."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(HANDSHAKE_S)
@@ -84,6 +124,7 @@ def connect(address: str, secret: bytes) -> Connection:
         raise
     try:
         set_receive_timeout(conn, HANDSHAKE_S)
+        set_send_timeout(conn, SEND_TIMEOUT_S)  # a listener that stops reading cannot hold our sends
         answer_challenge(conn, secret)
         deliver_challenge(conn, secret)
     except BaseException:

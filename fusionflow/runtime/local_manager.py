@@ -53,8 +53,6 @@ If the training process is killed alone, workers notice within `worker.WATCHDOG_
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from multiprocessing.connection import wait as mp_wait
@@ -375,16 +373,9 @@ class LocalManager:
                 continue
             running_for, task_s = now - g.head_since, self.pool.task_seconds
             if liveness.is_stuck(running_for, task_s):
-                g.killed_for = f"no progress for {running_for:.0f} s"
+                self.agent.kill_guest(g, f"made no progress for {running_for:.0f} s")
             elif idle_own and liveness.is_straggler(running_for, task_s):
-                g.killed_for = f"no progress for {running_for:.0f} s while an own worker is idle"
-            if g.killed_for is not None:
-                log.warning("fusionflow worker %s lent to this loader made %s; killing it", g.worker_id, g.killed_for)
-                self.board.counters.workers_stuck += 1
-                try:
-                    os.kill(g.peer_pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                self.agent.kill_guest(g, f"made no progress for {running_for:.0f} s while an own worker is idle")
 
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""

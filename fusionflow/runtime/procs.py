@@ -74,6 +74,16 @@ def opencv_quiet_for_fork():
         cv2.setNumThreads(before)
 
 
+def command_line(pid: int) -> list[str]:
+    """`pid`'s argv as /proc shows it ([] once it is gone, or for a kernel thread)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").split("\0")[:-1] if raw else []
+
+
 def live_processes() -> list[tuple[int, list[str]]]:
     """(pid, the fields of /proc/pid/stat after the command name) of every process but zombies:
     fields[1] is the parent's pid, fields[3] the session's."""

@@ -24,6 +24,7 @@ from multiprocessing import AuthenticationError
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.gm.link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
@@ -172,7 +173,7 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
                     _leave(bconn)
                     raise _Stopped
             if bconn in ready:
-                msg = bconn.recv_bytes()
+                msg = recv_whole(bconn)  # a borrower stopped mid-message: TimeoutError, home
                 if m.kind_of(msg) == m.RETURN:
                     return done
                 run_task(m.unpack_task(msg), dataset, pipe, ring, seed, bconn)

@@ -32,6 +32,7 @@ import time
 
 from fusionflow.errors import SampleKilledWorkersError, WorkerStartError
 from fusionflow.runtime import messages as m
+from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_worker_task
 from fusionflow.runtime.procs import end_processes, opencv_quiet_for_fork
@@ -318,7 +319,10 @@ class WorkerPool:
     def _on_message(self, w: WorkerConn) -> None:
         board = self.board
         try:
-            msg = w.conn.recv_bytes()
+            msg = recv_whole(w.conn)
+        except TimeoutError as exc:  # stopped mid-message: it would hold the manager thread, so every worker
+            self._kill(w, f"stopped in the middle of a message ({exc})")
+            return
         except (EOFError, OSError):
             w.process.join(timeout=1.0)
             self._on_death(w)
@@ -341,6 +345,16 @@ class WorkerPool:
                 if self.on_done(w, msg):
                     count_worker_task(board.counters, w.worker_id)
             board.cond.notify_all()
+
+    def _kill(self, w: WorkerConn, why: str) -> None:
+        """Kill a worker that stopped mid-message, reap it, and take its death as any other's (requeue, replace)."""
+        log.warning("fusionflow CPU worker %d %s; killing it: its tiny-batches run again", w.worker_id, why)
+        with self.board.cond:
+            self.board.counters.workers_stuck += 1
+            w.killed_for = why
+        w.process.kill()
+        w.process.join(timeout=1.0)
+        self._on_death(w)
 
     def _killed_while_starting(self, w: WorkerConn, code, how: str) -> bool:
         """(lock held) A worker that a signal from outside ended before it was ready (not SIGBUS: that

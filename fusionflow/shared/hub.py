@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import secrets
 import selectors
 import socket
@@ -30,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from fusionflow.runtime.authsock import HANDSHAKE_S, accept, listen, set_receive_timeout
+from fusionflow.runtime.authsock import HANDSHAKE_S, accept, listen, recv_whole, set_receive_timeout
 from fusionflow.runtime.procs import is_stopped
 from fusionflow.runtime.shm import send_fd
 from fusionflow.shared import rendezvous
@@ -270,15 +271,19 @@ class Hub:
             self._sel.register(conn, selectors.EVENT_READ, c)
 
     def _read(self, c: Client) -> None:
+        why = "its connection closed"
         try:
-            msg = c.conn.recv()
-        except (EOFError, OSError):
+            msg = pickle.loads(recv_whole(c.conn))
+        except TimeoutError as exc:  # stopped in the middle of a message: it would hold this thread, and every client
+            msg, why = None, f"it stopped in the middle of a message ({exc})"
+            log.warning("fusionflow: SharedLoader %r: client pid %d %s: letting it go", self.name, c.pid, why[3:])
+        except (EOFError, OSError, pickle.UnpicklingError):
             msg = None
         with self.cond:
             if c.gone is not None:
                 return
             if msg is None:
-                self._detach(c, "its connection closed")
+                self._detach(c, why)
             elif msg[0] == "ready":
                 c.ready = True
                 log.info("fusionflow: SharedLoader %r: client pid %d attached", self.name, c.pid)

@@ -23,9 +23,11 @@ drives it: `step()` on every turn of its loop, `waitables()` / `handle(ready)` i
 from __future__ import annotations
 
 import logging
+import os
+import signal
 
 from fusionflow.runtime import messages as m
-from fusionflow.runtime.authsock import peer_pid
+from fusionflow.runtime.authsock import peer_pid, recv_whole
 from fusionflow.runtime.shm import send_fd
 from fusionflow.runtime.worker_conn import WorkerConn
 
@@ -152,6 +154,19 @@ class LendingAgent:
             pass
         self._drop_guest(g)
 
+    def kill_guest(self, g: WorkerConn, why: str) -> None:
+        """(lock held or not) SIGKILL a guest by its pid (SO_PEERCRED at accept): one that made no progress
+        or stopped mid-message must never write into a slot reused after its tiny-batches are requeued.
+        Its connection then drops (`_on_lost` requeues); its owner replaces it."""
+        g.killed_for = why
+        log.warning("fusionflow worker %s lent to this loader %s; killing it", g.worker_id, why)
+        self.board.counters.workers_stuck += 1
+        if g.peer_pid is not None:
+            try:
+                os.kill(g.peer_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
     def _drop_guest(self, g: WorkerConn) -> None:
         g.alive = False
         g.conn.close()
@@ -197,7 +212,12 @@ class LendingAgent:
 
     def _on_message(self, g: WorkerConn) -> None:
         try:
-            msg = g.conn.recv_bytes()
+            msg = recv_whole(g.conn)
+        except TimeoutError as exc:  # stopped mid-message: killed, it must never write into a slot reused later
+            with self.board.cond:
+                self.kill_guest(g, f"stopped in the middle of a message ({exc})")
+            self._on_lost(g)
+            return
         except (EOFError, OSError):
             self._on_lost(g)
             return

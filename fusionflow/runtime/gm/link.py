@@ -36,7 +36,7 @@ from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout  # noqa: F401 (re-exported)
 from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime.gm.timing import GM_SILENT_S, GM_START_S, LIVENESS_S
-from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.procs import command_line, pid_alive
 
 log = logging.getLogger(__name__)
 _LISTENERS: set[int] = set()  # fds of this process's listening sockets
@@ -252,12 +252,8 @@ class GMLink:
     def _end_silent_gm(self, pid: int) -> None:
         """The last loader out of a job whose GM is stopped or fell silent (hung) ends it: a stopped
         process never goes by itself, and no loader is left to need it. Only that job's GM process."""
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                args = f.read().split(b"\0")
-        except OSError:
-            return  # gone
-        if not pid_alive(pid) or b"fusionflow.runtime.gm.manager" not in args or self.name.encode() not in args:
+        args = command_line(pid)  # [] once gone
+        if not pid_alive(pid) or "fusionflow.runtime.gm.manager" not in args or self.name not in args:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
