@@ -12,8 +12,10 @@ jittered 10%; 800-2000: sides uniform in 800..2000 px), policy --policy (RandAug
                no_decode  the limit: each sample's decoded window made beforehand, then resample +
                           flip + ops + write only (the issue's "resize + ops alone")
   loader     FusionFlowLoader, --workers CPU workers (persistent), batch 32: per repeat a loader
-             without the cache and one with a fresh cache, --epochs epochs each: epoch 1 (both
-             start their workers: fill vs uncached), then the warm epochs vs uncached ones
+             without the cache, one with a fresh cache filled as samples come (fill_share=None) and
+             one with the default fill_share="auto", --epochs epochs each, a training step of
+             --step-ms per batch (0: loader-bound): epoch 1 (all start their workers: fill vs
+             uncached, and the share cached), then the later epochs vs uncached ones
   paced      per core, DecodedCache(fill_share=--fill-share): each of --paced-epochs epochs against an
              uncached epoch timed beside it, and the share of the set cached after it
   refurbish  per core, warm: a new crop each epoch vs DecodedCache(reuse_crop_epochs=--reuse), over
@@ -26,7 +28,7 @@ jittered 10%; 800-2000: sides uniform in 800..2000 px), policy --policy (RandAug
              percentile), at the default max_side and, for --policy, at each of --max-sides
 
     .venv/bin/python -m experiments.bench_cache [--sizes imagenet] [--images 256] [--repeats 3]
-        [--workers 2] [--epochs 3] [--budget-share 0.25] [--budget-sizes 200-2000]
+        [--workers 2] [--epochs 3] [--step-ms 0] [--budget-share 0.25] [--budget-sizes 200-2000]
         [--max-sides 256,320,384,448] [--fill-share 0.1] [--paced-epochs 8] [--skip loader,paced,budget,fidelity]
 """
 
@@ -150,16 +152,24 @@ def _rates(values: dict, n: int) -> str:
     return ", ".join(f"{k} {n / v[-1]:.0f} img/s" for k, v in values.items())
 
 
-def loader_epochs(data, policy: str, workers: int, epochs: int, repeats: int, max_side: int) -> dict:
+LOADER_FILLS = {"uncached": "off", "cached": None, "auto": "auto"}  # kind -> DecodedCache(fill_share=...)
+
+
+def loader_epochs(data, policy: str, workers: int, epochs: int, repeats: int, max_side: int, step_ms: float = 0):
+    """Per repeat, one loader per kind (rotated): no cache, a fresh cache filled as samples come
+    (fill_share=None), and one with the default fill_share="auto"; each `epochs` epochs, the training
+    loop taking `step_ms` per batch (0: as fast as batches come, a loader-bound job). Epoch 1 is the
+    filling one; what share of the set it cached is reported per kind."""
     from fusionflow import DecodedCache, FusionFlowLoader
     from fusionflow.tools.synthetic import EncodedImages
 
-    ds = EncodedImages(data)
-    times = {"uncached": [], "cached": []}
+    ds, n = EncodedImages(data), len(data)
+    times, cached1 = {k: [] for k in LOADER_FILLS}, {k: [] for k in LOADER_FILLS if k != "uncached"}
     for r in range(repeats):
-        order = ("uncached", "cached") if r % 2 == 0 else ("cached", "uncached")
-        for kind in order:
-            cache = DecodedCache(size=4 << 30, max_side=max_side) if kind == "cached" else None
+        kinds = list(LOADER_FILLS)
+        for kind in kinds[r % 3 :] + kinds[: r % 3]:
+            fill = LOADER_FILLS[kind]
+            cache = None if fill == "off" else DecodedCache(size=4 << 30, max_side=max_side, fill_share=fill)
             loader = FusionFlowLoader(
                 ds, batch_size=32, shuffle=True, num_workers=workers, policy=policy, seed=r,
                 persistent_workers=True, pin_workers=False, cache=cache,
@@ -169,23 +179,26 @@ def loader_epochs(data, policy: str, workers: int, epochs: int, repeats: int, ma
                 loader.set_epoch(e)
                 t0 = time.perf_counter()
                 for _ in loader:
-                    pass
+                    if step_ms:
+                        time.sleep(step_ms / 1000)
                 per_epoch.append(time.perf_counter() - t0)
-            if kind == "cached":
-                hits = loader.stats.cache.get("hits", 0)
+                if e == 0 and cache is not None:
+                    cached1[kind].append(loader.stats.cache.get("entries", 0) / n)
             loader.close()
             times[kind].append(per_epoch)
-            print(f"loader {kind}, repeat {r + 1}: " + ", ".join(f"{len(data) / t:.0f}" for t in per_epoch), flush=True)
-    n = len(data)
+            print(f"loader {kind}, repeat {r + 1}: " + ", ".join(f"{n / t:.0f}" for t in per_epoch), flush=True)
     first = {k: n / statistics.median(v[0] for v in runs) for k, runs in times.items()}
     later = {k: n / statistics.median(t for v in runs for t in v[1:]) for k, runs in times.items()}
     return {
+        "step_ms": step_ms,
         "seconds_per_epoch": times,
         "epoch1_img_per_s": first,
         "later_img_per_s": later,
+        "cached_after_epoch1": {k: statistics.median(v) for k, v in cached1.items()},
         "fill_over_uncached": first["cached"] / first["uncached"],
         "warm_over_uncached": later["cached"] / later["uncached"],
-        "last_cached_loader_hits": hits,
+        "auto_fill_over_uncached": first["auto"] / first["uncached"],
+        "auto_later_over_uncached": later["auto"] / later["uncached"],
     }
 
 
@@ -335,6 +348,7 @@ def main() -> None:
     ap.add_argument("--max-sides", default="256,320,384,448")
     ap.add_argument("--fidelity-images", type=int, default=64)
     ap.add_argument("--fill-share", type=float, default=0.1)
+    ap.add_argument("--step-ms", type=float, default=0.0, help="loader part: the training step per batch (sleep)")
     ap.add_argument("--paced-epochs", type=int, default=8)
     ap.add_argument("--reuse", type=int, default=3, help="reuse_crop_epochs for the refurbish part")
     ap.add_argument("--skip", default="", help="comma-separated: per_core, loader, paced, refurbish, budget, fidelity")
@@ -346,7 +360,9 @@ def main() -> None:
     if "per_core" not in skip:
         result["per_core"] = per_core(data, args.policy, args.repeats, args.max_side)
     if "loader" not in skip:
-        result["loader"] = loader_epochs(data, args.policy, args.workers, args.epochs, args.repeats, args.max_side)
+        result["loader"] = loader_epochs(
+            data, args.policy, args.workers, args.epochs, args.repeats, args.max_side, args.step_ms
+        )
     if "paced" not in skip:
         result["paced"] = paced_run(data, args.policy, args.fill_share, args.paced_epochs, args.max_side)
     if "refurbish" not in skip:
@@ -367,6 +383,12 @@ def main() -> None:
         if part in result:
             r = result[part]
             print(f"{part}: warm/uncached {r['warm_over_uncached']:.2f}x, fill/uncached {r['fill_over_uncached']:.2f}x")
+    if "loader" in result:
+        r = result["loader"]
+        print(
+            f"loader, fill_share='auto': epoch 1 {r['auto_fill_over_uncached']:.2f}x uncached "
+            f"({r['cached_after_epoch1']['auto']:.0%} cached), later epochs {r['auto_later_over_uncached']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

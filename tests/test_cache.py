@@ -72,6 +72,8 @@ def nothing_left():
 
 
 def cache(size="64MB", **kw):
+    """Filling as samples come (fill_share=None), unless a test says otherwise: these tests count fills."""
+    kw.setdefault("fill_share", None)
     return DecodedCache(size=size, max_side=kw.pop("max_side", MAX_SIDE), **kw)
 
 
@@ -388,7 +390,7 @@ def test_a_cache_on_a_local_disk_leaves_no_file(tmp_path):
         batch_size=8,
         num_workers=1,
         policy=SMALL,
-        cache=DecodedCache("64MB", max_side=MAX_SIDE, path=tmp_path),
+        cache=cache(path=tmp_path),
     )
     epochs(loader, 2)
     assert loader.stats.cache["hits"] >= len(JPEGS) and os.listdir(tmp_path) == []
@@ -423,8 +425,88 @@ def test_paced_filling_spends_at_most_its_share_of_time_and_completes(monkeypatc
     assert reader._fill_ns <= 0.25 * (next(ticks) - reader._started) + 10_000  # within the share (+ one fill)
     store.close()
     os.close(fd)
-    with pytest.raises(ValueError, match=r"fill_share=1.5\) must be None"):
+    with pytest.raises(ValueError, match=r"fill_share=1.5\) must be 'auto' .*, None .* or a share of time"):
         DecodedCache("1GB", fill_share=1.5)
+    assert DecodedCache("1GB").fill_share == "auto"
+
+
+def test_auto_filling_fills_every_miss_unless_the_loader_says_its_training_loop_waits(monkeypatch):
+    """fill_share="auto" (the default): R_PACE 0 in the process's row (the loader's training loop does
+    not wait) -> every miss filled; R_PACE 1 -> paced at AUTO_SHARE of the time, as fill_share=0.1."""
+    from fusionflow.cache import reader as reader_module
+    from fusionflow.cache.store import R_PACE
+
+    ticks = iter(range(0, 10**12, 1000))
+
+    class Clock:
+        @staticmethod
+        def perf_counter_ns():
+            return next(ticks)
+
+    monkeypatch.setattr(reader_module, "time", Clock)
+    filled = []
+    for pace in (0, 1):
+        fd = keeper.segment(None)
+        store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
+        reader = CacheReader(store, None, fill_share="auto")
+        reader.row[R_PACE] = pace
+        pipe = CpuPipeline(SMALL, cache=reader)
+        for i, d in enumerate(JPEGS):
+            pipe(d, i, 0, 0)
+        filled.append(store.counts([])["entries"])
+        store.close()
+        os.close(fd)
+    assert filled[0] == len(JPEGS) and 0 < filled[1] < len(JPEGS) / 2, filled
+
+
+def test_the_fill_pacer_paces_while_the_training_loop_waits_and_stops_when_it_no_longer_does():
+    from fusionflow.cache.attach import PACE_ABOVE, FillPacer
+
+    pacer, now = FillPacer(), 0.0
+    assert pacer.delivered(0.0, now)  # the first batch: nothing measured yet -> paced until shown spare time
+    for _ in range(20):  # a GPU-bound loop: 100 ms steps, batches ready before they are asked for
+        now += 0.1
+        assert not pacer.delivered(0.0, now)
+    now += 0.1
+    assert pacer.delivered(0.1, now)  # a loader-bound loop: the whole interval spent waiting -> pace at once
+    paced = []
+    for _ in range(30):  # the loader caught up: no more waiting; the average decays below PACE_ABOVE
+        now += 0.1
+        paced.append(pacer.delivered(0.0, now))
+    assert paced[0] and not paced[-1] and paced == sorted(paced, reverse=True), paced
+    assert pacer.waiting_share < PACE_ABOVE
+    for _ in range(20):  # waiting 2% of the time: within the spare-time band, no pacing
+        now += 0.1
+        assert not pacer.delivered(0.002, now)
+
+
+@pytest.mark.parametrize("step_s", [0.0, 0.25])
+def test_auto_filling_in_a_loader_paces_only_when_training_waits_for_it(step_s):
+    """The loader tells its workers (paced until it has measured a batch's interval): a training step of
+    0.25 s leaves them spare time -> they fill freely (the set is cached by the end of epoch 2, the rows say
+    not to pace); a loop that takes batches as fast as they come waits for each -> paced (its first epoch
+    fills only part of the set; the rows say pace)."""
+    from fusionflow.cache.store import R_PACE
+
+    data = Indexed(48 if step_s else 144, images=JPEGS * 3)
+    loader = FusionFlowLoader(
+        data, batch_size=8, shuffle=True, num_workers=2, policy=SMALL, seed=3, cache=cache(fill_share="auto")
+    )
+    att, pacing = loader.parts.runtime.cache_attachment, []
+    for _ in range(2 if step_s else 1):
+        seen = []
+        for _, labels in loader:
+            seen += labels.tolist()
+            time.sleep(step_s)
+        assert sorted(seen) == list(range(len(data)))
+        att = loader.parts.runtime.cache_attachment
+        pacing.append(att.store.rows[att.rows, R_PACE].tolist())
+    stats = dict(loader.stats.cache)
+    loader.close()
+    if step_s:
+        assert stats["entries"] == len(data) and not any(pacing[0] + pacing[1]), (stats, pacing)
+    else:
+        assert stats["fills"] < len(data) * 0.75 and all(pacing[0]), (stats, pacing)
 
 
 def test_concurrent_fills_never_share_bytes():
@@ -520,7 +602,7 @@ def test_refurbished_epochs_reuse_the_kept_crop_and_lose_nothing(num_workers):
         num_workers=num_workers,
         policy=crop_only,
         seed=2,
-        cache=DecodedCache("64MB", max_side=MAX_SIDE, reuse_crop_epochs=2),
+        cache=cache(reuse_crop_epochs=2),
         persistent_workers=num_workers > 0,
     )
     got = epochs(loader, 4)

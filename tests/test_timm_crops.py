@@ -127,7 +127,8 @@ def test_loader_runs_keep_ratio_crops_exactly_once_with_the_cache_and_the_accele
     kw = dict(batch_size=6, shuffle=True, policy=RKRR, num_workers=2, seed=1)
     with fusionflow.FusionFlowLoader(data, **kw) as plain:
         want = epochs(plain, 2)  # each sample exactly once per epoch (test_cache's check)
-    with fusionflow.FusionFlowLoader(data, cache=fusionflow.DecodedCache("64MB", max_side=56), **kw) as cached:
+    eager = fusionflow.DecodedCache("64MB", max_side=56, fill_share=None)  # every sample filled in epoch 1
+    with fusionflow.FusionFlowLoader(data, cache=eager, **kw) as cached:
         got = epochs(cached, 2)
         assert cached.stats.cache["fills"] == 24 and cached.stats.cache["hits"] >= 24
     values = [psnr(got[e][i], want[e][i]) for e in range(2) for i in range(24)]

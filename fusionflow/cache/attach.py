@@ -5,7 +5,8 @@ It owns the link to the node's keeper (fusionflow/cache/keeper.py) -- or, for a 
 fingerprint (it does not pickle and has no `fingerprint()`), a private segment its workers share --
 the store mapped in the training process, and the counter rows of its CPU workers (one each) and of
 the training process itself (num_workers=0). Workers get `CacheHandle`s: the descriptor (inherited
-or passed as the ring's is) and their row.
+or passed as the ring's is) and their row. With fill_share="auto" it also tells those rows whether
+the training loop waits for the loader (`FillPacer`): the workers then pace their fills.
 """
 
 from __future__ import annotations
@@ -14,15 +15,41 @@ import hashlib
 import logging
 import os
 import pickle
+import time
 
 from fusionflow.cache import keeper
 from fusionflow.cache.config import DecodedCache
-from fusionflow.cache.store import CacheStore, segment_bytes
+from fusionflow.cache.store import R_PACE, CacheStore, segment_bytes
 from fusionflow.datasets.wrappers import ReadAhead
 from fusionflow.errors import SharedMemoryError
 from fusionflow.runtime.shm import SHM_DIR, ChildFd, disown_fd, free_bytes, own_fd
 
 log = logging.getLogger("fusionflow.cache")
+PACE_ABOVE = 0.05  # "auto" fills are paced while the training loop waits for the loader more than this share
+PACE_SMOOTHING = 0.2  # weight of the newest batch in the moving average of that share
+
+
+class FillPacer:
+    """fill_share="auto": is the training loop waiting for the loader? The share of the time between
+    two batches spent waiting for the second, averaged over recent batches. While it is above
+    PACE_ABOVE the loader is the bottleneck and a whole-image decode would slow training: fills are
+    paced; below it the workers have spare time and fill as samples come (the feedback settles the
+    fill rate at what the spare time allows). Paced until the first interval is measured: free filling
+    must be earned, or a loader-bound job's first batches would pay it."""
+
+    def __init__(self):
+        self.waiting_share: float | None = None
+        self._last: float | None = None
+
+    def delivered(self, waited_s: float, now: float | None = None) -> bool:
+        """A batch was delivered after the training loop waited `waited_s` for it; whether to pace now."""
+        now = time.monotonic() if now is None else now
+        if self._last is not None:
+            share = min(1.0, waited_s / (now - self._last)) if now > self._last else 1.0
+            old = self.waiting_share
+            self.waiting_share = share if old is None else old + PACE_SMOOTHING * (share - old)
+        self._last = now
+        return self.waiting_share is None or self.waiting_share > PACE_ABOVE
 
 
 def fingerprint(dataset) -> str | None:
@@ -57,7 +84,7 @@ class CacheHandle:
     """What a CPU worker needs: the segment's descriptor (and the crop store's, when crops are reused)
     and its counter row (picklable for spawn)."""
 
-    def __init__(self, fd: int, row: int | None, fill_share: float | None = None, crops_fd: int | None = None):
+    def __init__(self, fd: int, row: int | None, fill_share: float | str | None = None, crops_fd: int | None = None):
         self.fd, self.row, self.fill_share = ChildFd(fd), row, fill_share
         self.crops_fd = ChildFd(crops_fd) if crops_fd is not None else None
 
@@ -82,11 +109,14 @@ class CacheAttachment:
         """`crop_size`: the policy's output size when crops are reused (its crop store is made here)."""
         self.store, self.link, self.fill_share, self.crops = store, link, spec.fill_share, None
         self.rows, self._reader = [], None
+        self.pacer = FillPacer() if spec.fill_share == "auto" else None
         self._owned = [store.fd] + ([link.conn.fileno()] if link is not None else [])
         for fd in self._owned:  # forked workers (of any loader) close them: they must not keep this cache alive
             own_fd(fd)
         try:
             self.rows = store.claim_rows(workers + 1, os.getpid())  # the last: the training process's own
+            if self.pacer is not None:
+                store.rows[self.rows, R_PACE] = 1  # paced until the training loop is seen not to wait
             if crop_size is not None:
                 self.crops = _crop_store(spec, len(store.entries), crop_size)
                 self._owned.append(self.crops.fd)
@@ -135,6 +165,11 @@ class CacheAttachment:
             row = self.rows[-1] if self.rows else None
             self._reader = CacheReader(self.store, row, self.fill_share, self.crops)
         return self._reader
+
+    def delivered(self, waited_s: float) -> None:
+        """A batch went to the training loop after it waited `waited_s` (fill_share="auto": pace or not)."""
+        if self.pacer is not None and self.store is not None and self.rows:
+            self.store.rows[self.rows, R_PACE] = int(self.pacer.delivered(waited_s))
 
     @property
     def keeper_pid(self) -> int | None:

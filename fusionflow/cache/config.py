@@ -61,10 +61,12 @@ class DecodedCache:
                are drawn once per R epochs and its cropped image kept for them (a loader's own memory:
                len(dataset) x the output's bytes, reserved up front), so those epochs only draw and apply
                their ops; fewer distinct crops per sample (docs/cache.md says what that does)
-    fill_share None (default): every sample is written the first time it is decoded (the first epoch
-               pays the whole-image decodes); a share of time in (0, 1], e.g. 0.1: each worker spends at
-               most that share of its time decoding images for the cache, so no epoch is slowed much and
-               the cache fills over several epochs
+    fill_share "auto" (default): fill as samples come while the training loop does not wait for the
+               loader (the workers' spare time pays the whole-image decodes), and paced at 0.1 while it
+               does (the loader is the bottleneck: epochs slow by at most ~10%, the cache fills over ~9);
+               None: every sample is written the first time it is decoded (the first epoch pays the
+               whole-image decodes, ~0.5x); a share of time in (0, 1], e.g. 0.1: each worker spends at
+               most that share of its time decoding images for the cache, always
 
     Loaders over the same dataset with the same max_side and admission on one node share one cache
     (the first one's size governs), and it is released when the last of them closes.
@@ -76,7 +78,7 @@ class DecodedCache:
         max_side: int = DEFAULT_MAX_SIDE,
         path: str | None = None,
         admission: str = "score",
-        fill_share: float | None = None,
+        fill_share: float | str | None = "auto",
         reuse_crop_epochs: int | None = None,
     ):
         self.size = parse_size(size, "DecodedCache size")
@@ -89,12 +91,14 @@ class DecodedCache:
             )
         if admission not in ADMISSIONS:
             raise ValueError(f"DecodedCache(admission={admission!r}) must be one of {ADMISSIONS}")
-        if fill_share is not None and (
-            isinstance(fill_share, bool) or not isinstance(fill_share, (int, float)) or not 0 < fill_share <= 1
+        if (
+            fill_share is not None
+            and fill_share != "auto"
+            and (isinstance(fill_share, bool) or not isinstance(fill_share, (int, float)) or not 0 < fill_share <= 1)
         ):
             raise ValueError(
-                f"DecodedCache(fill_share={fill_share!r}) must be None (fill as samples come) or a share of time "
-                "in (0, 1], e.g. 0.1"
+                f"DecodedCache(fill_share={fill_share!r}) must be 'auto' (paced only while training waits for the "
+                "loader), None (fill as samples come) or a share of time in (0, 1], e.g. 0.1"
             )
         if reuse_crop_epochs is not None and (
             isinstance(reuse_crop_epochs, bool) or not isinstance(reuse_crop_epochs, int) or reuse_crop_epochs < 1

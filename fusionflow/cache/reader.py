@@ -22,6 +22,7 @@ from fusionflow.ops.decode import check_pixels
 
 log = logging.getLogger("fusionflow.cache")
 PACE_BURST_NS = 200_000_000  # paced filling: at most 0.2 s of fills saved up
+AUTO_SHARE = 0.1  # fill_share="auto": the share of time a process fills while its training loop waits
 
 
 class CacheReader:
@@ -32,7 +33,7 @@ class CacheReader:
     one of this process, said once in the log. A sample's own fault (a corrupt file) takes the
     uncached path too, which reports it as it always does."""
 
-    def __init__(self, store: st.CacheStore, row: int | None, fill_share: float | None = None, crops=None):
+    def __init__(self, store: st.CacheStore, row: int | None, fill_share: float | str | None = None, crops=None):
         """`row`: this process's counter row (None: not counted); `fill_share`: DecodedCache's pacing;
         `crops`: the loader's CropStore when crops are reused (refurbishing), else None."""
         self.store, self.max_side, self.fill_share, self.crops = store, store.max_side, fill_share, crops
@@ -93,13 +94,20 @@ class CacheReader:
     def _may_fill(self) -> bool:
         """Paced filling (`fill_share`): a token bucket of fill time, earning `fill_share` of the time
         that passes and holding at most PACE_BURST_NS, so time spent idle (an evaluation, a pause
-        between epochs) cannot be spent later as one long burst of fills."""
-        if self.fill_share is None:
+        between epochs) cannot be spent later as one long burst of fills. "auto": every fill while the
+        loader says its training loop does not wait (R_PACE 0), AUTO_SHARE while it does."""
+        share = self.fill_share
+        if share is None:
             return True
         now = time.perf_counter_ns()
         if self._last is None:
             self._started = self._last = now
-        self._credit = min(PACE_BURST_NS, self._credit + self.fill_share * (now - self._last))
+        if share == "auto":
+            if not self.row[st.R_PACE]:
+                self._credit, self._last = 0.0, now  # filling freely: pacing, when it starts, starts even
+                return True
+            share = AUTO_SHARE
+        self._credit = min(PACE_BURST_NS, self._credit + share * (now - self._last))
         self._last = now
         return self._credit >= 0
 

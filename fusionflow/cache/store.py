@@ -66,8 +66,9 @@ H_READY, H_READY_BYTES, H_MAX_SIDE, H_ADMISSION, H_SEEN, H_SEEN_BYTES, H_FULL, H
 # entry fields
 E_STATE, E_OFFSET, E_SHAPE, E_SOURCE, E_ENCODED, E_DECODE_NS, E_PID, E_NBYTES = range(ENTRY_FIELDS)
 EMPTY, WRITING, READY, PASSED = 0, 1, 2, 3  # PASSED: seen, not admitted (counted in the histogram once)
-# row fields: a worker adds to its own row only (no lock): pid, then counters
-R_PID, R_HITS, R_MISSES, R_HIT_NS, R_SAVED_NS, R_FILLS, R_FILL_BYTES, R_FILL_NS, R_CROP_HITS = range(9)
+# row fields: a worker adds to its own row only (no lock): pid, then counters; R_PACE alone is written by
+# the row's loader (1 while its training loop waits for it: fill_share="auto" paces, attach.FillPacer)
+R_PID, R_HITS, R_MISSES, R_HIT_NS, R_SAVED_NS, R_FILLS, R_FILL_BYTES, R_FILL_NS, R_CROP_HITS, R_PACE = range(10)
 ADMISSIONS = ("score", "first")
 # score bins: log2(ns per byte) from 2**-8 to 2**8, four bins per octave
 _BIN_LO, _BIN_STEP = -8.0, 0.25

@@ -197,10 +197,17 @@ class WorkerIterator(EpochIterator):
         seq, t0 = self._delivered, time.perf_counter()
         state = self._mgr.wait(seq, self._gen, self.config.timeout)
         self._delivered += 1
-        wait = time.perf_counter() - t0
-        self._delivery.account(wait, state.size)
-        self._tracing.wait(wait, seq, state.size)
+        self._waited(time.perf_counter() - t0, seq, state.size)
         return state
+
+    def _waited(self, wait: float, seq: int, n: int) -> None:
+        """Mini-batch `seq` of `n` samples delivered after the training loop waited `wait` s: counted in
+        stats and the trace, and told to the decoded-image cache (fill_share="auto" paces while it waits)."""
+        self._delivery.account(wait, n)
+        self._tracing.wait(wait, seq, n)
+        cache = self._runtime.cache_attachment
+        if cache is not None:
+            cache.delivered(wait)
 
     def give_back(self, slot: int) -> None:
         """A ring slot taken with `wait_next` is free again: the next mini-batch is submitted into it."""
@@ -229,8 +236,7 @@ class WorkerIterator(EpochIterator):
                 gpu.close_window(mgr)
         wait = time.perf_counter() - t0
         images_t, labels_t, objs, event = self._delivery.from_ring(mgr, state, gpu)
-        self._delivery.account(wait, len(images_t))
-        self._tracing.wait(wait, self._delivered, len(images_t))
+        self._waited(wait, self._delivered, len(images_t))
         if gpu is not None:
             gpu.sync_stats()
         self._delivered += 1

@@ -95,9 +95,10 @@ class FusionFlowLoader:
     until the first iteration).
 
     `cache` (None): a decoded-image cache for the node -- a byte budget ("64GB", an int) or a
-    fusionflow.DecodedCache(size, max_side=320, path=None, admission="score"): every sample is decoded
-    once, kept at a short side of at most max_side in memory every loader over the same dataset on the
-    node shares, and later epochs crop from it (fast mode only; fusionflow/cache/, docs/cache.md).
+    fusionflow.DecodedCache(size, max_side=320, path=None, admission="score", fill_share="auto"): every
+    sample is decoded once, kept at a short side of at most max_side in memory every loader over the same
+    dataset on the node shares, and later epochs crop from it (fast mode only; fusionflow/cache/,
+    docs/cache.md). Filling uses the workers' spare time, paced while training waits for the loader.
     `loader.stats.cache` counts its hits, misses, bytes and the decode time saved.
 
     `num_workers` above the usable CPU cores warns (as DataLoader does) and runs; the workers then share cores.
