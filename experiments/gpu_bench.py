@@ -60,7 +60,7 @@ class TvDataset:
         return self.tf(Image.open(io.BytesIO(self.data[i])).convert("RGB")), i % self.classes
 
 
-def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
+def dali_batches(data, batch_size, device, num_threads, iters, classes=1000, size=224):
     """DALI alone: external source of encoded bytes -> random crop decode -> resize -> flip ->
     auto_aug RandAugment (n=2, m=9) -> CHW uint8, yielded as torch tensors on the device. The
     source is a callback and the pipeline prefetches DALI_PREFETCH batches, so DALI works ahead of
@@ -89,9 +89,9 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000):
     def pipe():
         enc = fn.external_source(source=source, batch=True, batch_info=True, dtype=types.UINT8, ndim=1)
         img = fn.decoders.image_random_crop(enc, device="mixed" if gpu else "cpu", output_type=types.RGB)
-        img = fn.resize(img, resize_x=224, resize_y=224, antialias=True)
+        img = fn.resize(img, resize_x=size, resize_y=size, antialias=True)
         img = fn.flip(img, horizontal=fn.random.coin_flip())
-        img = rand_augment.rand_augment(img, n=2, m=9, shape=[224, 224])
+        img = rand_augment.rand_augment(img, n=2, m=9, shape=[size, size])
         return fn.transpose(img, perm=[2, 0, 1])
 
     p = pipe()
