@@ -42,6 +42,12 @@ class RuntimeCounters:
     remote_gateways_lost: int = 0  # Ray gateway processes that died (their tiny-batches re-ran locally)
 
 
+def count_stuck_kill(counters) -> None:
+    """A worker (own or lent to this loader) killed for making no progress or stopping mid-message:
+    the local manager's stuck bound, the pool's and the lending agent's mid-message bound count here."""
+    counters.workers_stuck += 1
+
+
 def count_worker_task(counters, worker_id: int) -> None:
     """One more tiny-batch done by own worker `worker_id` (the list grows as the pool does)."""
     per = counters.tiny_batches_per_worker

@@ -60,6 +60,7 @@ from multiprocessing.connection import wait as mp_wait
 from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, WorkerStartError
 from fusionflow.runtime import liveness
 from fusionflow.runtime.board import Board
+from fusionflow.runtime.counters import count_stuck_kill
 from fusionflow.runtime.shm import BatchRing
 from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.runtime.worker_pool import PER_WORKER, WorkerPool
@@ -354,7 +355,7 @@ class LocalManager:
                 list(work.indices),
                 liveness.stuck_bound(pool.task_seconds),
             )
-            self.board.counters.workers_stuck += 1
+            count_stuck_kill(self.board.counters)
             w.killed_for = f"no progress for {running_for:.0f} s"
             w.process.kill()  # SIGKILL reaches a stopped process too; its sentinel wakes this thread
             w.head_since = now  # not killed again while it dies

@@ -34,7 +34,7 @@ from fusionflow.errors import SampleKilledWorkersError, WorkerStartError
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import CoreClaim
-from fusionflow.runtime.counters import count_worker_task
+from fusionflow.runtime.counters import count_stuck_kill, count_worker_task
 from fusionflow.runtime.procs import end_processes, opencv_quiet_for_fork
 from fusionflow.runtime.reruns import Reruns
 from fusionflow.runtime.shm import ChildFd, sigbus_error
@@ -350,7 +350,7 @@ class WorkerPool:
         """Kill a worker that stopped mid-message, reap it, and take its death as any other's (requeue, replace)."""
         log.warning("fusionflow CPU worker %d %s; killing it: its tiny-batches run again", w.worker_id, why)
         with self.board.cond:
-            self.board.counters.workers_stuck += 1
+            count_stuck_kill(self.board.counters)
             w.killed_for = why
         w.process.kill()
         w.process.join(timeout=1.0)

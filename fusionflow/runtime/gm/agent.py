@@ -28,6 +28,7 @@ import signal
 
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import peer_pid, recv_whole
+from fusionflow.runtime.counters import count_stuck_kill
 from fusionflow.runtime.shm import send_fd
 from fusionflow.runtime.worker_conn import WorkerConn
 
@@ -160,7 +161,7 @@ class LendingAgent:
         Its connection then drops (`_on_lost` requeues); its owner replaces it."""
         g.killed_for = why
         log.warning("fusionflow worker %s lent to this loader %s; killing it", g.worker_id, why)
-        self.board.counters.workers_stuck += 1
+        count_stuck_kill(self.board.counters)
         if g.peer_pid is not None:
             try:
                 os.kill(g.peer_pid, signal.SIGKILL)
