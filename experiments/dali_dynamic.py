@@ -147,17 +147,25 @@ def time_dynamic(data: list, batch_size: int, batches: int, seed: int, size: int
     d, rng = Counting(ndd), np.random.default_rng(seed)
     for _ in range(WARM_RUNS):  # operator instances made (per op and sub-batch shape), as a warm engine's are
         dynamic_run(d, types, data[:batch_size], rng, size)
-    d.calls, wall, cpu, every = 0, time.perf_counter(), time.thread_time(), time.process_time()
-    for b in range(batches):
-        start = (b * batch_size) % max(1, len(data) - batch_size + 1)
-        dynamic_run(d, types, data[start : start + batch_size], rng, size)
+    d.calls = 0
+
+    def runs():
+        for b in range(batches):
+            start = (b * batch_size) % max(1, len(data) - batch_size + 1)
+            dynamic_run(d, types, data[start : start + batch_size], rng, size)
+
+    return {**timed_runs(runs, batch_size * batches), "calls_per_run": d.calls / batches}
+
+
+def timed_runs(go, n: int) -> dict:
+    """`go()` timed: img/s over `n` images, and CPU per image of the calling thread and of the process."""
+    wall, cpu, every = time.perf_counter(), time.thread_time(), time.process_time()
+    go()
     wall, cpu, every = time.perf_counter() - wall, time.thread_time() - cpu, time.process_time() - every
-    n = batch_size * batches
     return {
         "img_per_s": n / wall,
         "thread_cpu_us_per_sample": 1e6 * cpu / n,
         "process_cpu_us_per_sample": 1e6 * every / n,
-        "calls_per_run": d.calls / batches,
     }
 
 
@@ -169,16 +177,7 @@ def time_graph(data: list, batch_size: int, batches: int, size: int) -> dict:
     it = dali_batches(data, batch_size, torch.device("cpu"), 1, batches + 2, size=size)
     next(it)  # built and primed
     next(it)
-    wall, cpu, every = time.perf_counter(), time.thread_time(), time.process_time()
-    for _ in it:
-        pass
-    wall, cpu, every = time.perf_counter() - wall, time.thread_time() - cpu, time.process_time() - every
-    n = batch_size * batches
-    return {
-        "img_per_s": n / wall,
-        "thread_cpu_us_per_sample": 1e6 * cpu / n,
-        "process_cpu_us_per_sample": 1e6 * every / n,
-    }
+    return timed_runs(lambda: [None for _ in it], batch_size * batches)
 
 
 def main() -> None:

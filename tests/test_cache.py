@@ -397,10 +397,8 @@ def test_a_cache_on_a_local_disk_leaves_no_file(tmp_path):
     loader.close()
 
 
-def test_paced_filling_spends_at_most_its_share_of_time_and_completes(monkeypatch):
-    """fill_share: whole-image decodes take at most that share of a process's time (a clock that advances
-    1 us per reading here, so the test does not race the machine's), the rest of the misses take the
-    uncached path, and later epochs fill what is left."""
+def fake_reader_clock(monkeypatch):
+    """The cache reader's clock, advancing 1 us per reading (pacing tests do not race the machine's)."""
     from fusionflow.cache import reader as reader_module
 
     ticks = iter(range(0, 10**12, 1000))
@@ -411,6 +409,14 @@ def test_paced_filling_spends_at_most_its_share_of_time_and_completes(monkeypatc
             return next(ticks)
 
     monkeypatch.setattr(reader_module, "time", Clock)
+    return ticks
+
+
+def test_paced_filling_spends_at_most_its_share_of_time_and_completes(monkeypatch):
+    """fill_share: whole-image decodes take at most that share of a process's time (a clock that advances
+    1 us per reading here, so the test does not race the machine's), the rest of the misses take the
+    uncached path, and later epochs fill what is left."""
+    ticks = fake_reader_clock(monkeypatch)
     fd = keeper.segment(None)
     store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
     reader = CacheReader(store, None, fill_share=0.25)
@@ -433,17 +439,9 @@ def test_paced_filling_spends_at_most_its_share_of_time_and_completes(monkeypatc
 def test_auto_filling_fills_every_miss_unless_the_loader_says_its_training_loop_waits(monkeypatch):
     """fill_share="auto" (the default): R_PACE 0 in the process's row (the loader's training loop does
     not wait) -> every miss filled; R_PACE 1 -> paced at AUTO_SHARE of the time, as fill_share=0.1."""
-    from fusionflow.cache import reader as reader_module
     from fusionflow.cache.store import R_PACE
 
-    ticks = iter(range(0, 10**12, 1000))
-
-    class Clock:
-        @staticmethod
-        def perf_counter_ns():
-            return next(ticks)
-
-    monkeypatch.setattr(reader_module, "time", Clock)
+    fake_reader_clock(monkeypatch)
     filled = []
     for pace in (0, 1):
         fd = keeper.segment(None)
