@@ -16,6 +16,7 @@ import uuid
 import pytest
 import torch
 from shared_jobs import digests, make_loader
+from test_global_manager import wait_until
 from test_loader import ff_segments
 
 from fusionflow import SharedLoader, SharedLoaderClient, SharedLoaderError
@@ -239,22 +240,13 @@ def test_a_client_stopped_in_the_middle_of_a_message_is_let_go_and_the_hub_serve
     monkeypatch.setattr(authsock, "REST_S", 1.0)
     with SharedLoader(make_loader(4, 8, False), name=jobs.name) as shared:
         stalled = SharedLoaderClient(jobs.name, timeout=60)
-        assert wait_for(lambda: shared.clients == 1)
+        assert wait_until(lambda: shared.clients == 1, 60)
         os.write(stalled._conn.fileno(), struct.pack("!i", 1000) + b"12345")  # then nothing, as if stopped
-        assert wait_for(lambda: shared.clients == 0)
+        assert wait_until(lambda: shared.clients == 0, 60)
         assert "stopped in the middle of a message (nothing more within 1 s; 5 of 1000 bytes read)" in caplog.text
         with SharedLoaderClient(jobs.name, timeout=60):  # the hub's thread is free: it admits the next one
-            assert wait_for(lambda: shared.clients == 1)
+            assert wait_until(lambda: shared.clients == 1, 60)
         stalled.close()
-
-
-def wait_for(cond, bound_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + bound_s
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_dead_client_is_detached_within_a_second(jobs):

@@ -275,8 +275,9 @@ class Hub:
         try:
             msg = pickle.loads(recv_whole(c.conn))
         except TimeoutError as exc:  # stopped in the middle of a message: it would hold this thread, and every client
-            msg, why = None, f"it stopped in the middle of a message ({exc})"
-            log.warning("fusionflow: SharedLoader %r: client pid %d %s: letting it go", self.name, c.pid, why[3:])
+            stopped = f"stopped in the middle of a message ({exc})"
+            msg, why = None, f"it {stopped}"
+            log.warning("fusionflow: SharedLoader %r: client pid %d %s: letting it go", self.name, c.pid, stopped)
         except (EOFError, OSError, pickle.UnpicklingError):
             msg = None
         with self.cond:
