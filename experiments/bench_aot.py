@@ -51,12 +51,11 @@ def to_numpy(out, device):
 def fixed_ops_pipeline_class():
     """DaliPolicyPipeline for one op sequence, without conditionals: the paper's one pipeline per
     op combination. Every sample fed to it must draw exactly that sequence."""
-    from nvidia.dali import fn, types
 
     from fusionflow.accel.dali_graph import DaliPolicyPipeline
     from fusionflow.accel.dali_ops import DALI_IMPLS
     from fusionflow.policy import draw
-    from fusionflow.policy.op_specs import OPS
+    from fusionflow.policy.op_specs import NUM_PARAMS, OPS
 
     class FixedOpsPipeline(DaliPolicyPipeline):
         def __init__(self, policy, batch_size: int, fixed_ops: tuple[str, ...], **kw):
@@ -70,18 +69,15 @@ def fixed_ops_pipeline_class():
 
         def op_graph(self, style):
             fixed, with_params = self.fixed_ops, self.fixed_params
+            start = self.layout.span("params")[0]  # each slot's parameters in the packed host row
 
-            def augment(images):
-                params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2) if with_params else None
+            def augment(images, host):
                 for k, name in enumerate(fixed):
-                    images = DALI_IMPLS[name](images, params[k] if params is not None else None, style)
+                    params = host[start + k * NUM_PARAMS : start + (k + 1) * NUM_PARAMS] if with_params else None
+                    images = DALI_IMPLS[name](images, params, style)
                 return images
 
             return augment
-
-        def op_feeds(self, cols):
-            names = ["encoded", "anchor", "shape", "flip"] + (["params"] if self.fixed_params else [])
-            return names, cols[:4] + (cols[5:6] if self.fixed_params else [])
 
         def prepare(self, data, index, seed, epoch, what=None, copy=0, size=None):
             drawn = tuple(op.name for op in draw(self.policy, seed, epoch, index, copy).ops)

@@ -6,6 +6,8 @@ DALI's CPU backend stands in for the GPU. One run, rounds interleaved (the order
                 same encoded bytes from an external source, `--dali-threads` threads, prefetch 2
   X  ff_dali    FusionFlowLoader, `--workers` CPU workers + accelerator="dali-cpu" with
                 `--dali-threads` DALI threads: the same cores as Y and Z together
+  X' ff_dali_smallest (`--smallest`) X with the accelerator's share made of each mini-batch's smallest
+                samples instead of its largest (`DaliAccelerator(taas=False)`)
 The training step sleeps `--step-us` per image (the GIL released, as a GPU step's host side mostly
 is). The accelerator's gain is (X - Y) / Z, the share of DALI alone's rate it adds on top of the CPU
 workers (issue 41: required >= 0.6, goal >= 0.85). Also reported for X, from `loader.stats`: the
@@ -56,6 +58,12 @@ def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
     )
     z = dali_batches(data, batch_size, torch.device("cpu"), args.dali_threads, 10**9)
     streams = {"cpu_only": endless(y), "dali_alone": z, "ff_dali": endless(x)}
+    loaders = {"cpu_only": y, "ff_dali": x}
+    if args.smallest:  # X', the accelerator's share made of each mini-batch's smallest samples
+        loaders["ff_dali_smallest"] = ff_loader(
+            data, 1000 * batches, batch_size, args.workers, "cpu", accelerator=dali_cpu(args.dali_threads, taas=False)
+        )
+        streams["ff_dali_smallest"] = endless(loaders["ff_dali_smallest"])
 
     def timed(stream):
         def go():  # the round's rate, img/s
@@ -64,18 +72,18 @@ def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
 
         return go
 
-    return {name: timed(s) for name, s in streams.items()}, {"cpu_only": y, "ff_dali": x}
+    return {name: timed(s) for name, s in streams.items()}, loaders
 
 
-def dali_cpu(threads: int):
+def dali_cpu(threads: int, **knobs):
     """The accelerator on DALI's CPU backend with `threads` DALI threads; "dali-cpu" (one thread) in a
     tree whose DaliAccelerator does not take threads yet (the before side of a comparison)."""
     try:
         from fusionflow import DaliAccelerator
 
-        return DaliAccelerator("cpu", threads=threads)
+        return DaliAccelerator("cpu", threads=threads, **knobs)
     except (ImportError, TypeError):
-        if threads != 1:
+        if threads != 1 or knobs:
             raise SystemExit(f"--dali-threads {threads}: this tree's accelerator runs one DALI thread") from None
         return "dali-cpu"
 
@@ -85,6 +93,7 @@ def run_batch_size(data, args, batch_size: int) -> dict:
     for go in runs.values():  # warm-up: pipelines built, workers started, caches filled
         go()
     x_stats0 = dict(vars(loaders["ff_dali"].stats))
+    xs_stats0 = dict(vars(loaders["ff_dali_smallest"].stats)) if "ff_dali_smallest" in loaders else {}
 
     def report(r: int, rates: dict) -> None:
         shown = ", ".join(f"{n} {v[-1]:.0f} img/s" for n, v in rates.items())
@@ -101,6 +110,14 @@ def run_batch_size(data, args, batch_size: int) -> dict:
         "x_over_y_plus_z": x / (y + z),
         "accelerator": accelerator_stats(loaders["ff_dali"].stats, x_stats0),
     }
+    if "ff_dali_smallest" in med:
+        row["gain_smallest"] = (med["ff_dali_smallest"] - y) / z
+        row["accelerator_smallest"] = accelerator_stats(loaders["ff_dali_smallest"].stats, xs_stats0)
+        print(
+            f"batch {batch_size}: X' (smallest to DALI) {med['ff_dali_smallest']:.0f} img/s, gain "
+            f"{row['gain_smallest']:.2f}; {row['accelerator_smallest']}",
+            flush=True,
+        )
     for loader in loaders.values():
         loader.close()
     print(
@@ -146,6 +163,7 @@ def main() -> None:
     ap.add_argument("--dali-threads", type=int, default=1)
     ap.add_argument("--prefetch", type=int, default=None, help="prefetch_factor of both loaders (default: theirs)")
     ap.add_argument("--step-us", type=float, default=100.0, help="training step's sleep per image")
+    ap.add_argument("--smallest", action="store_true", help="also X': the accelerator takes the smallest samples")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = mixed_jpegs(args.data)

@@ -146,13 +146,12 @@ def time_dynamic(data: list, batch_size: int, batches: int, seed: int, size: int
 
     d, rng = Counting(ndd), np.random.default_rng(seed)
     for _ in range(WARM_RUNS):  # operator instances made (per op and sub-batch shape), as a warm engine's are
-        dynamic_run(d, types, data[:batch_size], rng, size)
+        dynamic_run(d, types, [data[j % len(data)] for j in range(batch_size)], rng, size)
     d.calls = 0
 
     def runs():
-        for b in range(batches):
-            start = (b * batch_size) % max(1, len(data) - batch_size + 1)
-            dynamic_run(d, types, data[start : start + batch_size], rng, size)
+        for b in range(batches):  # the samples cycle through the set, as the graph's source does
+            dynamic_run(d, types, [data[(b * batch_size + j) % len(data)] for j in range(batch_size)], rng, size)
 
     return {**timed_runs(runs, batch_size * batches), "calls_per_run": d.calls / batches}
 

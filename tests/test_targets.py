@@ -90,6 +90,23 @@ def test_store_works_puts_each_target_in_its_works_slot_in_order():
     assert [(w is works[i], side) for i, (w, side) in enumerate(done)] == [(True, {0: "cat"}), (True, {})]
 
 
+def test_store_works_all_ints_in_one_assignment_agrees_with_one_by_one():
+    """The all-int path stores exactly what the per-sample path stores; an int beyond int64 or a bool
+    among them sends the run the per-sample way (the odd one on the side)."""
+    works = [Work(0, 1, 1, 0, (2, 0), (7, 5)), Work(0, 1, 0, 0, (3, 1), (9, 4))]
+    for targets in ([11, 12, 13, 14], [11, 2**63, 13, 14], [11, True, 13, 14]):
+        fast, slow = np.zeros((2, 4), np.int64), np.zeros((2, 4), np.int64)
+        done = store_works(fast, works, targets)
+        sides, k = [], 0
+        for w in works:
+            side = {}
+            for pos in w.positions:
+                store(slow[w.slot], pos, targets[k], side)
+                k += 1
+            sides.append(side)
+        assert fast.tolist() == slow.tolist() and [side for _, side in done] == sides
+
+
 def test_float_label_keeps_its_fraction():
     loader = FusionFlowLoader(Targets("float", n=4), batch_size=4, policy=SMALL)
     _, (y,) = collect(loader)

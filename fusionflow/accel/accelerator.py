@@ -10,10 +10,11 @@ Running ahead, as DALI's own iterators do: up to DEPTH runs are in flight (DALI'
 the thread takes the share of the oldest mini-batch whose share nobody has taken -- ahead of the one
 training waits for -- submits it while DALI works on the one before, and collects runs in order. When
 training waits for a mini-batch whose CPU side is late, it takes a tail run of that mini-batch's
-largest unstarted tiny-batches (the share's fraction). Header sizes are read once
-(accel/header_sizes.py); each run's draws, windows and op parameters are made by a helper process as
-dense arrays (accel/host_inputs.py; in this thread if it is gone); the encoded bytes go to DALI
-without a copy. The thread's CPU time is `accelerator_feed_cpu_seconds`: what the GPU half costs the
+largest unstarted tiny-batches (the share's fraction). A run's samples are read with whole-run
+operations (accel/run_read.py: the dataset's batched read, header sizes read once and gathered,
+accel/header_sizes.py); its draws, windows and op parameters are made by a helper process as dense
+arrays (accel/host_inputs.py; in this thread if it is gone) and fed as one packed array; the encoded
+bytes go to DALI without a copy. The thread's CPU time is `accelerator_feed_cpu_seconds`: what the GPU half costs the
 training process (the helper's: `accelerator_inputs_cpu_seconds`).
 
 `device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`)
@@ -44,10 +45,10 @@ import time
 import numpy as np
 
 from fusionflow.accel.header_sizes import HeaderSizes
+from fusionflow.accel.run_read import read_run
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.runtime import liveness, targets
-from fusionflow.runtime.sample import split_item
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
@@ -260,17 +261,14 @@ class AcceleratorWorker:
         """Prepare the group's samples and submit its DALI run; a tiny-batch that is not DALI's kind of
         sample (not encoded bytes, or over the policy's max_pixels: the CPU path refuses it by name)
         is given back and the rest run."""
-        runnable, samples, labels, sizes, given_back = [], [], [], [], []
-        for work in group:
-            items = [split_item(self.dataset[index], index) for index in work.indices]
-            dims = [self.dims.get(index, s) for index, (s, _) in zip(work.indices, items)]
-            if all(d is not None and (self.max_pixels is None or d[0] * d[1] <= self.max_pixels) for d in dims):
-                runnable.append(work)
-                samples += [s for s, _ in items]
-                labels += [label for _, label in items]
-                sizes += dims
-            else:
-                given_back.append(work)
+        read = read_run(self.dataset, group, self.dims, self.max_pixels)
+        runnable, samples, labels, sizes, given_back = (
+            read.runnable,
+            read.samples,
+            read.labels,
+            read.sizes,
+            read.given_back,
+        )
         board = self.board
         if given_back:
             with board.cond:

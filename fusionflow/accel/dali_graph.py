@@ -20,6 +20,7 @@ GPU (`device="gpu"`: decoding with the mixed nvJPEG decoder).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections import deque
@@ -28,9 +29,10 @@ import numpy as np
 
 from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle
 from fusionflow.accel.declines import dali_declines
-from fusionflow.accel.host_inputs import ERASE_INPUTS, HostInputs, op_names
+from fusionflow.accel.host_inputs import HostInputs, HostLayout, op_names
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.policy import Policy, load_policy
+from fusionflow.policy.op_specs import NUM_PARAMS
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +73,9 @@ class DaliPolicyPipeline:
         self.op_names = op_names(self.policy)  # local op ids: 0 is Identity (empty slot), then the policy's ops
         self.slots = self.slot_count()
         self.host = HostInputs(self.policy, self.slots)
+        self.layout = HostLayout(self.slots, self.policy.erase is not None)
         augment = self.op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
-        graph = _policy_graph(self.policy, device, augment)
+        graph = _policy_graph(self.policy, device, augment, self.layout)
         self._make = lambda: graph(
             batch_size=batch_size,
             num_threads=num_threads,
@@ -81,7 +84,9 @@ class DaliPolicyPipeline:
             prefetch_queue_depth=depth,
         )
         self.depth = depth  # runs that may be in flight at once (submit ahead, collect in order)
-        self._pending: deque = deque()  # (dataset indices, encoded bytes) of each run submitted, not collected
+        self._pending: deque = (
+            deque()
+        )  # (dataset indices, what DALI reads in place) of each run submitted, not collected
         self._consumed = None  # the last run collected: its bytes are released at the next collect
         self.rebuilds = 0
         self._closed = False
@@ -89,37 +94,32 @@ class DaliPolicyPipeline:
         self._pipe = self._build()
         self.build_seconds = time.perf_counter() - t0
 
-    # The graph's op section, as three methods so that an experiment can build another design of it
+    # The graph's op section, as two methods so that an experiment can build another design of it
     # (experiments/bench_aot.py: one pipeline per op combination) on the same decode, feed and output.
     def slot_count(self) -> int:
         """How many op slots a sample has (its draw's ops fill the first ones, Identity the rest).
-        With `op_graph` and `op_feeds`, the hooks a variant graph overrides (experiments/bench_aot.py)."""
+        With `op_graph`, the hooks a variant graph overrides (experiments/bench_aot.py)."""
         return self.policy.augment.max_ops
 
     def op_graph(self, style):
-        """The op slots, as a function of the graph's images: slot k of a sample runs the op its draw
-        names there (a per-sample conditional). It holds plain values, never `self`: DALI keeps the
-        graph as long as its pipeline, which must go with this object's last reference."""
+        """The op slots, as a function of the graph's images and its packed host input (`HostLayout`):
+        slot k of a sample runs the op its draw names there (a per-sample conditional). It holds plain
+        values, never `self`: DALI keeps the graph as long as its pipeline, which must go with this
+        object's last reference."""
         from nvidia.dali import fn, types
 
         slots, names = self.slots, self.op_names
+        (ids, _), (params, _) = self.layout.span("op_ids"), self.layout.span("params")
 
-        def augment(images):
-            if not slots:
-                return images
-            op_ids = fn.external_source(name="op_ids", dtype=types.INT32, ndim=1)
-            params = fn.external_source(name="params", dtype=types.FLOAT, ndim=2)
+        def augment(images, host):
             for k in range(slots):
-                images = _apply_slot(images, op_ids[k], params[k], names, style)
+                op_id = fn.cast(host[ids + k], dtype=types.INT32)
+                images = _apply_slot(
+                    images, op_id, host[params + k * NUM_PARAMS : params + (k + 1) * NUM_PARAMS], names, style
+                )
             return images
 
         return augment
-
-    def op_feeds(self, cols: list) -> tuple[list[str], list]:
-        """The external sources `graph` declares, and their columns out of `prepare`'s first six
-        (encoded, anchor, shape, flip, op ids, params)."""
-        names = ["encoded", "anchor", "shape", "flip"] + (["op_ids", "params"] if self.slots else [])
-        return names, cols[: len(names)]
 
     def _build(self):
         pipe = self._make()
@@ -154,8 +154,11 @@ class DaliPolicyPipeline:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
         if len(self._pending) >= self.depth:
             raise RuntimeError(f"{self.depth} runs are in flight already: collect one first")
-        # DALI reads the encoded bytes in place (no_copy): they stay referenced until the run is collected
-        encoded = [np.frombuffer(s, np.uint8) for s in samples]
+        # DALI reads the encoded bytes in place (no_copy): they stay referenced until the run is collected.
+        # As DALI tensors wrapping them (no copy), made by C-level calls: DALI's feed then skips its
+        # per-sample conversion of arrays (~6 interpreter calls a sample)
+        arrays = list(map(_bytes_as_u8, samples))
+        encoded = list(map(_TensorCPU(), arrays))
         if columns is None:
             copies = [0] * n if copies is None else copies
             sizes = [None] * n if sizes is None else sizes
@@ -163,9 +166,9 @@ class DaliPolicyPipeline:
                 self.prepare(s, i, seed, epoch, copy=c, size=z) for s, i, c, z in zip(samples, indices, copies, sizes)
             )
             columns = [np.stack(col) for col in list(zip(*per_sample))[1:]]
-        names, op_cols = self.op_feeds([encoded, *columns[:5]])
-        erase_cols = columns[5:]
-        names, cols = names + list(ERASE_INPUTS[: len(erase_cols)]), op_cols + erase_cols
+        names, cols = ["encoded", "host"], [encoded, self.layout.pack(columns)]
+        if len(columns) > len(self.layout.spans):  # erasing with noise: a full-size image per sample
+            names, cols = names + ["erase_noise"], cols + [columns[-1]]
         if self._closed:
             raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
@@ -179,7 +182,7 @@ class DaliPolicyPipeline:
             for name, col in zip(names, cols):  # the encoded bytes ragged (a list), every other input dense
                 self._pipe.feed_input(name, col)
             self._pipe.schedule_run()
-        self._pending.append((list(indices), encoded))
+        self._pending.append((list(indices), (samples, arrays, encoded)))
 
     def collect(self):
         """The outputs of the oldest run in flight (waits for it)."""
@@ -237,6 +240,15 @@ class DaliPolicyPipeline:
         self.close()
 
 
+_bytes_as_u8 = functools.partial(np.frombuffer, dtype=np.uint8)
+
+
+def _TensorCPU():  # noqa: N802 -- DALI's class, imported where DALI is
+    from nvidia.dali.backend import TensorCPU
+
+    return TensorCPU
+
+
 def _check_args(batch_size: int, device: str, device_id: int | None) -> None:
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device={device!r} must be 'cpu' or 'gpu'")
@@ -256,10 +268,11 @@ def _check_fill(policy: Policy) -> None:
         )
 
 
-def _policy_graph(policy: Policy, device: str, augment):
+def _policy_graph(policy: Policy, device: str, augment, layout: HostLayout):
     """The pipeline definition (DALI's `pipeline_def`): feed -> decode+crop -> resize -> flip ->
-    `augment` (the op slots) -> normalize or transpose to CHW -> erase. It holds plain values, never
-    the DaliPolicyPipeline: DALI keeps the graph as long as its pipeline."""
+    `augment` (the op slots) -> normalize or transpose to CHW -> erase. Two inputs (three when erasing
+    with noise): the encoded bytes and each sample's packed host row (`layout`). It holds plain values,
+    never the DaliPolicyPipeline: DALI keeps the graph as long as its pipeline."""
     from nvidia.dali import fn, pipeline_def, types
 
     out_h, out_w = policy.size
@@ -269,13 +282,12 @@ def _policy_graph(policy: Policy, device: str, augment):
     def graph():
         # read in place: DaliPolicyPipeline keeps each run's bytes referenced until the run is collected
         encoded = fn.external_source(name="encoded", dtype=types.UINT8, ndim=1, no_copy=True)
-        anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
-        shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
-        flip = fn.external_source(name="flip", dtype=types.INT32, ndim=0)
+        host = fn.external_source(name="host", dtype=types.FLOAT, ndim=1)
+        part = lambda name: host[slice(*layout.span(name))]  # noqa: E731
         images = fn.decoders.image_slice(
             encoded,
-            anchor,
-            shape,
+            part("anchor"),
+            part("shape"),
             device="mixed" if device == "gpu" else "cpu",
             output_type=types.RGB,
             normalized_anchor=False,
@@ -284,8 +296,8 @@ def _policy_graph(policy: Policy, device: str, augment):
             adjust_orientation=False,
         )
         images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR, antialias=True)
-        images = fn.flip(images, horizontal=flip)
-        images = augment(images)
+        images = fn.flip(images, horizontal=fn.cast(host[layout.span("flip")[0]], dtype=types.INT32))
+        images = augment(images, host)
         if normalize:
             mean, std = normalize
             images = fn.crop_mirror_normalize(
@@ -298,7 +310,7 @@ def _policy_graph(policy: Policy, device: str, augment):
         else:
             images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
         if erase is not None:
-            images = _erase(images, erase, device)
+            images = _erase(images, erase, device, part("erase_anchor"), part("erase_shape"))
         return images
 
     return graph
@@ -317,14 +329,13 @@ def _last_line(exc: BaseException) -> str:
     return lines[-1] if lines else type(exc).__name__
 
 
-def _erase(images, erase, device):
-    """torchvision's RandomErasing on CHW output: the drawn rectangle (empty when the sample is not
-    erased) set to the policy's value; for 'random', set to 0 and the host's noise (zero outside
-    the rectangle) added, so the rectangle holds exactly the CPU path's noise."""
+def _erase(images, erase, device, anchor, shape):
+    """torchvision's RandomErasing on CHW output: the drawn rectangle (`anchor` [top, left], `shape`
+    [h, w]; empty when the sample is not erased) set to the policy's value; for 'random', set to 0 and
+    the host's noise (zero outside the rectangle) added, so the rectangle holds exactly the CPU path's
+    noise."""
     from nvidia.dali import fn, types
 
-    anchor = fn.external_source(name="erase_anchor", dtype=types.FLOAT, ndim=1)
-    shape = fn.external_source(name="erase_shape", dtype=types.FLOAT, ndim=1)
     fill = [0.0, 0.0, 0.0] if erase.value is None else [float(v) for v in erase.value]
     images = fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=fill)
     if erase.value is None:

@@ -30,6 +30,19 @@ class HeaderSizes:
                 self._hw[index] = (h, w)
         return (int(h), int(w)) if h > 0 else None
 
+    def many(self, indices, samples) -> np.ndarray:
+        """(height, width) of each of a run's samples as an (n, 2) int64 array, (0, 0) where unreadable:
+        one gather for the sizes known, a header read for each sample met the first time."""
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        inside = (idx >= 0) & (idx < len(self._hw))
+        hw = np.full((len(idx), 2), -1, np.int64)
+        hw[inside] = self._hw[idx[inside]]
+        for k in np.flatnonzero(hw[:, 0] < 0).tolist():
+            hw[k] = _header_size(samples[k])
+            if inside[k]:
+                self._hw[idx[k]] = hw[k]
+        return hw
+
 
 def _header_size(data) -> tuple[int, int]:
     """(height, width) from an encoded image's header, (0, 0) when it is not bytes or cannot be read."""

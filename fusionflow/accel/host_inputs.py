@@ -36,7 +36,33 @@ from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
 
 log = logging.getLogger(__name__)
-ERASE_INPUTS = ("erase_anchor", "erase_shape", "erase_noise")
+
+
+class HostLayout:
+    """Where a sample's dense host inputs sit in its one packed float32 row: DALI gets a run's inputs as
+    one array (`pack`), not one feed per input -- each of DALI's `feed_input` calls costs ~0.1-0.2 ms
+    of Python in the training process whatever the run's size -- and the graph slices them back out
+    (`span`). Op ids and flips are small integers: exact in float32. The erase noise (a full-size image
+    per sample) stays an input of its own."""
+
+    NAMES = ("anchor", "shape", "flip", "op_ids", "params", "erase_anchor", "erase_shape")
+
+    def __init__(self, slots: int, erases: bool):
+        widths = (2, 2, 1, slots, slots * NUM_PARAMS) + ((2, 2) if erases else ())
+        self.spans, start = {}, 0
+        for name, width in zip(self.NAMES, widths):
+            self.spans[name] = (start, start + width)
+            start += width
+        self.width = start
+
+    def span(self, name: str) -> tuple[int, int]:
+        return self.spans[name]
+
+    def pack(self, columns: list[np.ndarray]) -> np.ndarray:
+        """The (n, width) float32 rows of `HostInputs.columns`' dense columns (the noise, if any, excluded)."""
+        dense = columns[: len(self.spans)]
+        n = len(dense[0])
+        return np.concatenate([np.asarray(c, np.float32).reshape(n, -1) for c in dense], axis=1)
 
 
 def op_names(policy: Policy) -> list[str]:

@@ -19,6 +19,8 @@ would deliver them.
 
 from __future__ import annotations
 
+import numpy as np
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
@@ -38,7 +40,17 @@ def store(labels_row, position: int, target, side: dict) -> None:
 
 def store_works(ring_labels, works, targets) -> list:
     """Store `targets` (in the order of the works' positions) for each work's ring slot; returns
-    [(work, its side dict of targets that are not ints)], as `complete` takes them."""
+    [(work, its side dict of targets that are not ints)], as `complete` takes them. When every target
+    is a ring int (the common case), one array assignment stores them all."""
+    if targets and set(map(type, targets)) == {int}:
+        try:
+            values = np.asarray(targets, np.int64)
+        except OverflowError:  # beyond int64: the per-sample path sends those on the side
+            values = None
+        if values is not None:
+            slots = np.repeat([w.slot for w in works], [len(w.positions) for w in works])
+            ring_labels[slots, [p for w in works for p in w.positions]] = values
+            return [(w, {}) for w in works]
     done, k = [], 0
     for work in works:
         side = {}

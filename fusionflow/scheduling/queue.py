@@ -23,9 +23,11 @@ from fusionflow.scheduling.tiny_batches import TinyBatch
 Key = tuple[int, int]  # (generation, seq): generations order iterators, seqs mini-batches within one
 
 
-@dataclass
+@dataclass(eq=False)
 class Work:
-    """One tiny-batch to run: which ring slot, which positions of the mini-batch, which samples."""
+    """One tiny-batch to run: which ring slot, which positions of the mini-batch, which samples. Compared
+    by identity: each is one piece of work (a rerun's copies are told apart by it), and the queue's and the
+    accelerator's list searches stay one pointer test per element."""
 
     seq: int
     generation: int
@@ -185,8 +187,11 @@ class TinyBatchQueue:
                 break
             group.append(work)
             images += len(work.positions)
-        for work in group:
-            q.remove(work)
+        if group:  # one pass, not a search per work taken
+            taken = {id(w) for w in group}
+            kept = [w for w in q if id(w) not in taken]
+            q.clear()
+            q.extend(kept)
         return group
 
     def requeue(self, works: Iterable[Work]) -> None:

@@ -87,6 +87,10 @@ class EncodedImages:
     def __getitem__(self, i):
         return self.data[i], i % self.classes
 
+    def __getitems__(self, indices):
+        """PyTorch's batched read (DataLoader's fetcher and the DALI accelerator use it)."""
+        return [(self.data[i], i % self.classes) for i in indices]
+
     def describe(self, i):
         return f"synthetic image {i}"
 

@@ -1,0 +1,155 @@
+"""Issue 41's feeder bar: what the accelerator costs the training process per sample it runs, and how
+many Python calls a DALI run takes there (required: <= 20 us a sample, calls per run independent of
+the run's size; goal <= 10 us).
+
+DALI's CPU backend stands in for the GPU. A FusionFlowLoader with `--workers` CPU workers and
+`DaliAccelerator("cpu", threads=1)` runs RandAugment over an in-memory set of `--images` JPEGs for
+`--epochs` epochs at each batch size (a run holds at most one mini-batch's share; the CPU workers'
+reads take `--worker-delay-ms` longer, so the accelerator's share approaches the whole mini-batch and
+its runs the batch size: the sizes the bar names); the first epoch is
+untimed (header sizes are read once per loader, then kept: later epochs are the steady state).
+Reported per batch size, over the timed epochs:
+  feed_us_per_sample    CPU time of the training process's accelerator thread over the samples DALI
+                        ran (thread time: what it takes from the training loop's cores and GIL)
+  inputs_us_per_sample  CPU time of the accelerator's input helper process (draws, windows, op
+                        parameters: moved out of the training process, not hidden)
+  calls_per_run         Python and C function calls the accelerator thread makes per DALI run, counted
+                        by a profile hook in a second pass (the hook slows the thread, so the first
+                        pass times it without one), and calls per sample with it
+  samples_per_run       the runs' mean size
+With `--tiny` the images are 32 px (16 px out): DALI's own work vanishes and the 2-core machine is not
+saturated, so thread times are the feeder's, not contention's. Medians over `--rounds`.
+
+    .venv/bin/python -m experiments.bench_feeder [--batch-sizes 32,256] [--tiny] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+
+from experiments.harness import provenance, result_path, write_json
+from fusionflow.tools.synthetic import EncodedImages
+
+THREAD = "fusionflow-accelerator"  # the accelerator thread's name (accel/accelerator.py)
+
+
+class CallCounter:
+    """A profile hook counting the calls of the accelerator thread only: installed for every thread
+    started after `install`, it removes itself from any thread of another name at its first event."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def hook(self, frame, event, arg):
+        if threading.current_thread().name != THREAD:
+            sys.setprofile(None)
+            return
+        if event in ("call", "c_call"):
+            self.calls += 1
+
+    def install(self):
+        threading.setprofile(self.hook)
+
+    def remove(self):
+        threading.setprofile(None)
+
+
+class SlowInWorkers(EncodedImages):
+    """EncodedImages whose reads take `delay` seconds longer in any process but the one that made it:
+    the CPU workers are slowed, so the split rule gives the accelerator (reading in the training process)
+    most of each mini-batch and its runs approach the batch size."""
+
+    def __init__(self, data, delay: float):
+        super().__init__(data, classes=1000)
+        self.delay, self.home = delay, os.getpid()
+
+    def __getitem__(self, i):
+        if self.delay and os.getpid() != self.home:
+            time.sleep(self.delay)
+        return super().__getitem__(i)
+
+
+def one_pass(data, args, batch_size: int, counter: CallCounter | None) -> dict:
+    from fusionflow import DaliAccelerator, FusionFlowLoader
+
+    if counter is not None:  # for every thread the loader starts (the accelerator's starts with the first epoch)
+        counter.install()
+    loader = FusionFlowLoader(
+        SlowInWorkers(data, args.worker_delay_ms * 1e-3),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        policy="randaugment",
+        persistent_workers=True,
+        drop_last=True,
+        tiny_batch_size=4,
+        accelerator=DaliAccelerator("cpu", threads=1),
+    )
+    try:
+        for _ in loader:  # epoch 1: pipelines warm, every header read once
+            pass
+        before, calls0 = dict(vars(loader.stats)), counter.calls if counter else 0
+        for _ in range(args.epochs - 1):
+            for _ in loader:
+                pass
+        after = dict(vars(loader.stats))
+    finally:
+        loader.close()
+        if counter is not None:
+            counter.remove()
+    grew = {k: after[k] - before[k] for k in ("accelerator_samples", "accelerator_runs", "samples")}
+    samples, runs = grew["accelerator_samples"], grew["accelerator_runs"]
+    row = {
+        "samples": samples,
+        "runs": runs,
+        "share": samples / max(1, grew["samples"]),
+        "samples_per_run": samples / max(1, runs),
+    }
+    if counter is None:
+        feed = after["accelerator_feed_cpu_seconds"] - before["accelerator_feed_cpu_seconds"]
+        inputs = after["accelerator_inputs_cpu_seconds"] - before["accelerator_inputs_cpu_seconds"]
+        row.update(feed_us_per_sample=1e6 * feed / max(1, samples), inputs_us_per_sample=1e6 * inputs / max(1, samples))
+    else:
+        calls = counter.calls - calls0
+        row.update(calls_per_run=calls / max(1, runs), calls_per_sample=calls / max(1, samples))
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="32,256")
+    ap.add_argument("--images", type=int, default=1024, help="JPEGs in the set (one epoch)")
+    ap.add_argument("--epochs", type=int, default=3, help="epochs per pass, the first untimed")
+    ap.add_argument("--workers", type=int, default=1)
+    ap.add_argument("--worker-delay-ms", type=float, default=20.0, help="added to each read in a CPU worker")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tiny", action="store_true", help="32 px images: the feeder's cost without DALI's work")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from experiments.harness import mixed_jpegs
+    from fusionflow.tools.synthetic import make_jpegs
+
+    data = make_jpegs(args.images, 32, 33, seed=1) if args.tiny else mixed_jpegs(args.images)
+    result = {**provenance(), "args": vars(args), "batch_sizes": {}}
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        timed = [one_pass(data, args, bs, None) for _ in range(args.rounds)]
+        counted = one_pass(data, args, bs, CallCounter())
+        med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+        med.update(calls_per_run=counted["calls_per_run"], calls_per_sample=counted["calls_per_sample"])
+        result["batch_sizes"][bs] = {"timed": timed, "counted": counted, "median": med}
+        print(
+            f"batch {bs}: {med['samples_per_run']:.0f} samples per run, share {med['share']:.2f}; feeding thread "
+            f"{med['feed_us_per_sample']:.1f} us/sample, input helper {med['inputs_us_per_sample']:.1f} us/sample; "
+            f"{med['calls_per_run']:.0f} calls per run ({med['calls_per_sample']:.1f} per sample)",
+            flush=True,
+        )
+    write_json(result, result_path(args.out, "bench_feeder" + ("_tiny" if args.tiny else "") + ".json"))
+
+
+if __name__ == "__main__":
+    main()

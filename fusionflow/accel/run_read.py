@@ -1,0 +1,82 @@
+"""A DALI run's samples, read in the training process with a fixed number of Python calls per run.
+
+The accelerator thread reads each sample of a run (its encoded bytes and target), looks up its image
+size (accel/header_sizes.py) and checks it against the policy's pixel limit before DALI sees it. Done
+sample by sample in Python that cost ~50 interpreter calls a sample (issue 41: the GIL taken from the
+training loop grows with the GPU's share). Here the common case is whole-run operations:
+  * the dataset's batched read, `__getitems__(indices)` (PyTorch's protocol, which DataLoader's fetcher
+    uses too), where the dataset has one; else one `dataset[i]` per sample;
+  * (sample, target) pairs checked and split with C-level calls (`map`, `zip`);
+  * sizes looked up in one gather (a header is read only the first time a sample is met);
+  * the pixel limit checked as one array comparison, per tiny-batch with `reduceat`.
+Anything unusual -- an item that is not a (sample, target) pair, a header that cannot be read, a
+sample over the limit -- takes the per-tiny-batch path, whose tiny-batches are given back to the CPU
+workers (they report the sample precisely) or raise as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from fusionflow.runtime.sample import split_item
+
+
+@dataclass
+class RunRead:
+    """What a run's tiny-batches gave: the ones DALI may run (their samples, targets and (height, width)
+    sizes, in order) and the ones given back to the CPU workers."""
+
+    runnable: list = field(default_factory=list)
+    samples: list = field(default_factory=list)
+    labels: list = field(default_factory=list)
+    sizes: np.ndarray | list = field(default_factory=list)
+    given_back: list = field(default_factory=list)
+
+
+def read_items(dataset, indices: list) -> list:
+    """dataset[i] for each of `indices`, by the dataset's batched read when it has one."""
+    many = getattr(dataset, "__getitems__", None)
+    if many is not None:
+        items = many(indices)
+        if len(items) != len(indices):
+            raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(items)} items for {len(indices)}")
+        return list(items)
+    return [dataset[i] for i in indices]
+
+
+def _pairs(items: list, indices: list) -> tuple[list, list]:
+    """([sample], [target]) of (sample, target) items; split_item's errors for anything else."""
+    if set(map(type, items)) <= {tuple, list} and set(map(len, items)) <= {2}:
+        samples, labels = zip(*items) if items else ((), ())
+        return list(samples), list(labels)
+    pairs = [split_item(item, index) for item, index in zip(items, indices)]  # raises, naming the index
+    return [s for s, _ in pairs], [t for _, t in pairs]
+
+
+def read_run(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
+    """Read the samples of `group` (tiny-batches, in order) for one DALI run. `dims`: the loader's
+    HeaderSizes; a tiny-batch with a sample whose header cannot be read (not encoded bytes, or not
+    an image) or over `max_pixels` is given back whole."""
+    indices = [i for w in group for i in w.indices]
+    samples, labels = _pairs(read_items(dataset, indices), indices)
+    hw = dims.many(indices, samples)
+    ok = hw[:, 0] > 0
+    if max_pixels is not None:
+        ok &= hw[:, 0] * hw[:, 1] <= max_pixels
+    if ok.all():
+        return RunRead(list(group), samples, labels, hw, [])
+    starts = np.cumsum([0] + [len(w.indices) for w in group[:-1]])
+    works_ok = np.logical_and.reduceat(ok, starts)  # every tiny-batch holds at least one sample
+    read = RunRead(sizes=[])
+    for work, fine, start in zip(group, works_ok.tolist(), starts.tolist()):
+        if not fine:
+            read.given_back.append(work)
+            continue
+        end = start + len(work.indices)
+        read.runnable.append(work)
+        read.samples += samples[start:end]
+        read.labels += labels[start:end]
+        read.sizes += [tuple(z) for z in hw[start:end].tolist()]
+    return read

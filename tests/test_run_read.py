@@ -1,0 +1,121 @@
+"""A DALI run's samples read with whole-run operations (accel/run_read.py): the same samples, targets
+and sizes as one by one, tiny-batches DALI must not see given back whole, malformed items refused by
+index, and a fixed number of Python calls per run whatever its size (issue 41's feeder bar)."""
+
+import sys
+
+import numpy as np
+import pytest
+
+from fusionflow.accel.header_sizes import HeaderSizes
+from fusionflow.accel.run_read import read_run
+from fusionflow.scheduling.queue import Work
+from fusionflow.tools.synthetic import EncodedImages, make_jpegs
+
+JPEGS = make_jpegs(8, 20, 60, seed=3)
+
+
+class OneByOne:
+    """A dataset without a batched read."""
+
+    def __init__(self, items):
+        self.items = items
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+def works_of(indices, per=2):
+    return [
+        Work(0, 1, 0, 0, tuple(range(k, k + len(indices[k : k + per]))), tuple(indices[k : k + per]))
+        for k in range(0, len(indices), per)
+    ]
+
+
+def header_hw(data):
+    import io
+
+    from PIL import Image
+
+    w, h = Image.open(io.BytesIO(data)).size
+    return h, w
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_run_reads_each_samples_bytes_target_and_size(batched):
+    ds = EncodedImages(JPEGS, classes=3)
+    if not batched:
+        ds = OneByOne([ds[i] for i in range(len(ds))])
+    order = [5, 2, 7, 0, 3]
+    read = read_run(ds, works_of(order), HeaderSizes(len(JPEGS)), None)
+    assert read.given_back == [] and len(read.runnable) == 3
+    assert read.samples == [JPEGS[i] for i in order] and read.labels == [i % 3 for i in order]
+    assert [tuple(z) for z in np.asarray(read.sizes).tolist()] == [header_hw(JPEGS[i]) for i in order]
+
+
+def test_tiny_batches_over_the_pixel_limit_or_unreadable_are_given_back_whole():
+    sizes = [header_hw(d) for d in JPEGS]
+    big = max(range(len(JPEGS)), key=lambda i: sizes[i][0] * sizes[i][1])
+    limit = sizes[big][0] * sizes[big][1] - 1
+    items = [(d, i) for i, d in enumerate(JPEGS)]
+    items[6] = (b"not an image", 6)
+    others = [i for i in range(len(JPEGS)) if i not in (big, 6)]
+    order = [others[0], big, others[1], others[2], 6, others[3]]
+    works = works_of(order)
+    read = read_run(OneByOne(items), works, HeaderSizes(len(items)), limit)
+    assert read.given_back == [w for w in works if big in w.indices or 6 in w.indices]
+    kept = [i for w in read.runnable for i in w.indices]
+    assert read.samples == [items[i][0] for i in kept] and read.labels == kept
+    assert [tuple(z) for z in read.sizes] == [sizes[i] for i in kept]
+
+
+@pytest.mark.parametrize("item", [{"image": b"x", "label": 1}, (b"x",), "ab"])
+def test_an_item_that_is_not_a_sample_target_pair_is_refused_naming_its_index(item):
+    items = [(JPEGS[0], 0), item, (JPEGS[2], 2)]
+    with pytest.raises((TypeError, ValueError), match="1"):
+        read_run(OneByOne(items), works_of([0, 1, 2], per=3), HeaderSizes(3), None)
+
+
+def test_header_sizes_are_read_once_then_gathered():
+    dims = HeaderSizes(len(JPEGS))
+    first = dims.many([1, 4], [JPEGS[1], JPEGS[4]])
+    assert [tuple(z) for z in first.tolist()] == [header_hw(JPEGS[1]), header_hw(JPEGS[4])]
+    again = dims.many([4, 1], [None, None])  # known: the bytes are not looked at
+    assert [tuple(z) for z in again.tolist()] == [header_hw(JPEGS[4]), header_hw(JPEGS[1])]
+    assert dims.many([99], [b"junk"]).tolist() == [[0, 0]]
+
+
+def calls_of(fn) -> int:
+    calls = 0
+
+    def hook(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_runs_read_and_target_store_take_calls_per_tiny_batch_not_per_sample():
+    """With a batched dataset, sizes known and int targets, reading a run and storing its targets take
+    the same number of Python calls for 8 samples and for 256 in tiny-batches of as many samples."""
+    from fusionflow.runtime.targets import store_works
+
+    data = JPEGS * 32
+    ds, dims = EncodedImages(data, classes=10), HeaderSizes(len(data))
+    dims.many(list(range(len(data))), data)
+
+    def read_and_store(n: int, per: int) -> int:
+        works, ring = works_of(list(range(n)), per=per), np.zeros((1, 256), np.int64)
+        calls = calls_of(lambda: store_works(ring, works, read_run(ds, works, dims, 10**6).labels))
+        assert ring[0, :n].tolist() == [i % 10 for i in range(n)]
+        return calls
+
+    assert read_and_store(8, 4) == read_and_store(256, 128)
