@@ -406,3 +406,39 @@ def test_a_hung_dali_run_is_given_up_and_its_late_outputs_dropped(monkeypatch, n
         if not np.array_equal(img, cpu(ds.data[i], i, seed=4)):
             np.testing.assert_array_equal(img, run_numpy(dali, [ds.data[i]], [i], seed=4)[0])
     dali.close()
+
+
+def test_an_unclosed_loaders_accelerator_stops_before_dalis_exit_hook():
+    """A script that ends without close(): the exit hook stops the accelerator (its thread ends, its
+    pipeline is closed) before DALI shuts its pipelines down under it -- which used to fail the run in
+    flight and rebuild the graph mid-teardown, with tracebacks on the way out."""
+    from fusionflow.accel import session
+
+    ld = loader(Bytes(24), persistent_workers=True)
+    try:
+        next(iter(ld))
+        accel = ld.parts.gpu.accel
+        assert accel in session._LIVE
+        session._stop_live()  # what the interpreter runs at exit, before DALI's hook
+        assert accel.pipeline is None and not accel._thread.is_alive()
+    finally:
+        ld.close()
+
+
+def test_a_script_that_exits_without_close_leaves_no_traceback():
+    import subprocess
+    import sys
+
+    script = (
+        "from fusionflow import FusionFlowLoader\n"
+        "from fusionflow.tools.synthetic import EncodedImages, make_jpegs\n"
+        "ld = FusionFlowLoader(EncodedImages(make_jpegs(48, 60, 200)), batch_size=16, num_workers=1,\n"
+        "    policy='randaugment', accelerator='dali-cpu', persistent_workers=True)\n"
+        "it = iter(ld)\n"
+        "next(it)\n"
+        "next(it)\n"
+        "print('done', flush=True)\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-2000:]

@@ -1,6 +1,7 @@
 """Worker pinning agreed between co-located loaders (runtime/cores.py): claims in the user's node
 directory keep jobs and local ranks off each other's cores; 'auto' pins only with a whole claim free."""
 
+import json
 import multiprocessing
 import os
 
@@ -35,6 +36,36 @@ def test_auto_claims_disjoint_cores_and_leaves_one_to_each_trainer(node):
     assert CoreClaim(8, "auto").cores == [None] * 8  # 8 workers + a trainer > 8 cores
     assert CoreClaim(2, False).cores == [None, None]
     assert os.stat(node / "fusionflow" / cores.FILE).st_mode & 0o777 == 0o600
+
+
+def test_an_accelerators_dali_threads_get_cores_of_the_claim_too(node):
+    """DALI's threads run in the training process: 'auto' claims a core for each beside the trainer's,
+    and pins only when all of them are free."""
+    a = CoreClaim(3, "auto", trainer_cores=3)
+    assert a.cores == [0, 1, 2]  # cores 3-5 left to the trainer and two DALI threads
+    assert CoreClaim(2, "auto").cores == [None, None]  # cores 6-7 cannot hold 2 workers + a trainer
+    c = CoreClaim(1, "auto")
+    assert c.cores == [6]
+    c.release()
+    assert CoreClaim(6, "auto", trainer_cores=3).cores == [None] * 6  # 6 + 3 > 8 cores
+    assert CoreClaim(1, True, trainer_cores=3).cores == [6]  # forced: pinned with what is free
+
+
+def test_a_loader_with_an_accelerator_claims_its_dali_threads_cores(node):
+    pytest.importorskip("nvidia.dali")
+    from fusionflow import DaliAccelerator
+
+    loader = FusionFlowLoader(
+        Bytes(8), batch_size=4, num_workers=1, policy=SMALL, accelerator=DaliAccelerator("cpu", threads=2)
+    )
+    try:
+        it = iter(loader)  # kept: the claim lives as long as the run
+        next(it)
+        with open(node / "fusionflow" / cores.FILE) as f:
+            (claim,) = json.load(f).values()
+        assert claim["cores"] == [0, 1, 2, 3]  # the worker's, the trainer's, two DALI threads'
+    finally:
+        loader.close()
 
 
 def test_forced_pinning_takes_free_cores_first_then_wraps(node):

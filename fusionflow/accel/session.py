@@ -7,8 +7,10 @@ the manager is passed to each call)."""
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
+import os
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -82,6 +84,7 @@ class GpuSession:
         accel = self._accelerator(mgr, dataset, on_gpu, device_ring)
         mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
         # anything below, or start(), raises
+        stop_at_exit(accel)
         self.accel, self.device_ring, self.alloc_device = accel, device_ring, alloc_device
         self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader or this session (they
@@ -234,6 +237,31 @@ class GpuSession:
         bridge, self.bridge = self.bridge, None
         if bridge is not None:
             bridge.shutdown()
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # accelerators started in this process (stop() is idempotent)
+_EXIT_HOOK_PID: list[int] = []  # the process that registered the exit hook (a forked child inherits it)
+
+
+def stop_at_exit(accel) -> None:
+    """Stop `accel` at interpreter exit if its loader was never closed. DALI shuts every pipeline down in
+    its own exit hook, under a running accelerator thread: the run in flight failed, the thread rebuilt
+    the graph mid-teardown, and the user saw DALI's and our tracebacks. Registered after DALI's import
+    (a pipeline exists), this hook runs before DALI's."""
+    _LIVE.add(accel)
+    if os.getpid() not in _EXIT_HOOK_PID:
+        _EXIT_HOOK_PID.append(os.getpid())
+        atexit.register(_stop_live)
+
+
+def _stop_live() -> None:
+    if os.getpid() not in _EXIT_HOOK_PID:  # a forked child that runs exit hooks: not its accelerators
+        return
+    for accel in list(_LIVE):
+        try:
+            accel.stop()
+        except Exception:  # exiting anyway: one that cannot stop must not keep the others running
+            log.exception("stopping the DALI accelerator at exit failed")
 
 
 def _split_feedback(mgr_ref, accel_ref, history, state) -> None:

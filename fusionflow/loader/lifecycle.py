@@ -57,6 +57,7 @@ class LoaderRuntime:
             worker_init_fn=cfg.worker_init_fn,
             mp_context=ctx,
             pin_workers=cfg.pin_workers,
+            trainer_cores=1 + (cfg.dali_threads if cfg.accelerator else 0),  # DALI's threads run in this process
             max_retries=cfg.max_retries,
             tiny_batch_size=cfg.tiny_batch_size,
             stages=cfg.stage_names,

@@ -6,7 +6,9 @@ on the same cores while others idle (three 1-worker jobs on 2 cores: 537 vs 940 
 So loaders claim cores in a file of the user's node directory (runtime/userdir.py), `cores.json`,
 read and rewritten under an exclusive `flock`: a claim is the workers' cores and, for
 `pin_workers="auto"`, one more left to the loader's training process (a pinned worker cannot move off
-a core its trainer holds while another idles: 690 vs 762 img/s pinned on 2 cores, 2 workers). Claims
+a core its trainer holds while another idles: 690 vs 762 img/s pinned on 2 cores, 2 workers) -- and with
+a DALI accelerator, one more per DALI thread (they run in the training process: issue 41's cores reserved
+for DALI, so that another loader's pinned workers do not land on them). Claims
 of processes that are gone (pid and start time both checked, so a reused pid frees them too) are
 dropped by whoever claims next; a loader drops its own at stop.
 
@@ -72,29 +74,30 @@ def _claims():
 class CoreClaim:
     """This pool's cores: `cores[wid]` is worker wid's core, or None (unpinned)."""
 
-    def __init__(self, num_workers: int, mode: bool | str):
+    def __init__(self, num_workers: int, mode: bool | str, trainer_cores: int = 1):
         self.cores: list[int | None] = [None] * num_workers
         self._key: str | None = None
         if not mode or num_workers < 1:
             return
         cpus = sorted(os.sched_getaffinity(0))
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if mode == "auto" and (num_workers + 1) * ranks > len(cpus):
-            return  # not even the whole node would give every rank's workers and trainer a core
+        trainer_cores = max(1, trainer_cores)
+        if mode == "auto" and (num_workers + trainer_cores) * ranks > len(cpus):
+            return  # not even the whole node would give every rank's workers and trainer (and DALI) a core
         try:
-            self._claim(cpus, num_workers, mode)
+            self._claim(cpus, num_workers, mode, trainer_cores)
         except OSError as e:
             if mode == "auto":
                 log.warning("fusionflow: workers left unpinned: the core claims file is unusable (%s)", e)
                 return
             self.cores = [cpus[i % len(cpus)] for i in range(num_workers)]
 
-    def _claim(self, cpus: list[int], num_workers: int, mode: bool | str) -> None:
+    def _claim(self, cpus: list[int], num_workers: int, mode: bool | str, trainer_cores: int) -> None:
         with _claims() as claims:
             taken = {c for v in claims.values() for c in v["cores"]}
             free = [c for c in cpus if c not in taken]
-            if len(free) > num_workers:
-                mine = free[: num_workers + 1]  # the last one left to the training process
+            if len(free) >= num_workers + (trainer_cores if mode == "auto" else 1):
+                mine = free[: num_workers + trainer_cores]  # the last ones left to the training process (and DALI)
                 self.cores = list(mine[:num_workers])
             elif mode == "auto":
                 return

@@ -25,6 +25,7 @@ class RuntimeSpec:
     worker_init_fn: Any = None  # called in each worker at its start, with its id
     mp_context: Any = None  # a multiprocessing context (None: the default one)
     pin_workers: bool | str = True  # True, False or "auto": workers pinned to cores claimed node-wide
+    trainer_cores: int = 1  # cores the pinning claim leaves to the training process: 1, + DALI's threads
     max_retries: int = 2  # worker deaths a sample may cause before its mini-batch fails
     tiny_batch_size: int = 4  # samples per tiny-batch
     stages: tuple[str, ...] | None = None  # stage names workers time per sample, or None

@@ -80,7 +80,7 @@ class WorkerPool:
     # ---------------------------------------------------------------- processes (main thread)
     def start(self) -> None:
         """Claim cores, then start every worker process (the training thread: forking happens there only)."""
-        self.cores = CoreClaim(self.spec.num_workers, self.spec.pin_workers)
+        self.cores = CoreClaim(self.spec.num_workers, self.spec.pin_workers, self.spec.trainer_cores)
         for wid in range(self.spec.num_workers):
             self.start_worker(wid)
 
