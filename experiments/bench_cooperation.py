@@ -8,6 +8,8 @@ DALI's CPU backend stands in for the GPU. One run, rounds interleaved (the order
                 `--dali-threads` DALI threads: the same cores as Y and Z together
   X' ff_dali_smallest (`--smallest`) X with the accelerator's share made of each mini-batch's smallest
                 samples instead of its largest (`DaliAccelerator(taas=False)`)
+  Y+Z side_by_side (`--side-by-side`) Y and Z at once, DALI alone in a process of its own: the two
+                halves as two jobs sharing the machine without cooperating; X / (Y+Z side by side)
 The training step sleeps `--step-us` per image (the GIL released, as a GPU step's host side mostly
 is). The accelerator's gain is (X - Y) / Z, the share of DALI alone's rate it adds on top of the CPU
 workers (issue 41: required >= 0.6, goal >= 0.85). Also reported for X, from `loader.stats`: the
@@ -47,7 +49,7 @@ def take(batches, n: int, step_s: float) -> tuple[int, float]:
 
 
 def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
-    """({name: a function consuming one round's batches, returning (images, seconds)}, {name: loader})."""
+    """({name: a function consuming one round's batches, returning its rate}, {name: what to close after})."""
     import torch
 
     batches = max(args.min_batches, args.images // batch_size)
@@ -73,7 +75,63 @@ def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
 
         return go
 
-    return {name: timed(s) for name, s in streams.items()}, loaders
+    runs = {name: timed(s) for name, s in streams.items()}
+    if args.side_by_side:  # closed with the loaders
+        loaders["side_by_side"] = SideBySide(data, args, batch_size, batches, streams["cpu_only"])
+        runs["side_by_side"] = loaders["side_by_side"].round
+    return runs, loaders
+
+
+class SideBySide:
+    """Y and Z at once, as two jobs sharing the machine: DALI alone in a process of its own (started
+    here, spawned), the CPU workers' loader in this one, both timed over the same round. Y and Z are
+    each measured with the other core idle; side by side they slow each other (memory, caches, the
+    clock): their sum is what running both without cooperation gives, the fair reference for X.
+    `round()` returns the sum; `parts` keeps (Y, Z) per round."""
+
+    def __init__(self, data, args, batch_size: int, batches: int, y_stream):
+        import multiprocessing as mp
+
+        self.y, self.batches, self.step_s, self.parts = y_stream, batches, args.step_us * 1e-6, []
+        self.conn, child = mp.get_context("spawn").Pipe()
+        work = (data, batch_size, args.dali_threads, batches, self.step_s)
+        self.proc = mp.get_context("spawn").Process(target=dali_server, args=(child, *work), daemon=True)
+        self.proc.start()
+        child.close()
+        self.conn.recv()  # built and primed
+
+    def round(self) -> float:
+        """DALI's round of `batches` batches in its process; the CPU loader timed here until DALI's is done,
+        so each runs beside the other for the whole of its window."""
+        self.conn.send(True)
+        for x, _ in itertools.islice(self.y, SKIP):  # its bank, untimed, as DALI's own take() skips
+            time.sleep(self.step_s * len(x))
+        images, t0 = 0, time.perf_counter()
+        while not self.conn.poll():
+            x, _ = next(self.y)
+            images += len(x)
+            time.sleep(self.step_s * len(x))
+        y, z = images / (time.perf_counter() - t0), self.conn.recv()
+        self.parts.append((y, z))
+        return y + z
+
+    def close(self) -> None:
+        self.conn.send(False)
+        self.proc.join(30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def dali_server(conn, data, batch_size: int, threads: int, batches: int, step_s: float) -> None:
+    """DALI alone in its own process: one round's rate per request, until told to stop."""
+    import torch
+
+    z = dali_batches(data, batch_size, torch.device("cpu"), threads, 10**9)
+    next(z)
+    conn.send(None)
+    while conn.recv():
+        images, seconds = take(z, batches, step_s)
+        conn.send(images / seconds)
 
 
 def dali_cpu(threads: int, **knobs):
@@ -100,6 +158,9 @@ def run_batch_size(data, args, batch_size: int) -> dict:
         shown = ", ".join(f"{n} {v[-1]:.0f} img/s" for n, v in rates.items())
         print(f"batch {batch_size} round {r + 1}/{args.rounds}: {shown}", flush=True)
 
+    side = loaders.get("side_by_side")
+    if side is not None:
+        side.parts.clear()  # the warm-up's
     rates = rounds(runs, args.rounds, warmup=False, rotate=True, report=report)
     med = medians(rates)
     y, z, x = med["cpu_only"], med["dali_alone"], med["ff_dali"]
@@ -116,6 +177,15 @@ def run_batch_size(data, args, batch_size: int) -> dict:
         "x_over_y_plus_z": x / (y + z),
         "accelerator": accelerator_stats(loaders["ff_dali"].stats, x_stats0),
     }
+    if side is not None:
+        ys, zs = zip(*side.parts)
+        row["side_by_side"] = {"y": statistics.median(ys), "z": statistics.median(zs), "parts": side.parts}
+        row["x_over_side_by_side"] = x / med["side_by_side"]
+        print(
+            f"batch {batch_size}: Y and Z side by side {statistics.median(ys):.0f} + {statistics.median(zs):.0f} "
+            f"img/s (sum, median {med['side_by_side']:.0f}); X / that {row['x_over_side_by_side']:.2f}",
+            flush=True,
+        )
     if "ff_dali_smallest" in med:
         row["gain_smallest"] = (med["ff_dali_smallest"] - y) / z
         row["accelerator_smallest"] = accelerator_stats(loaders["ff_dali_smallest"].stats, xs_stats0)
@@ -171,6 +241,7 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, default=None, help="prefetch_factor of both loaders (default: theirs)")
     ap.add_argument("--step-us", type=float, default=100.0, help="training step's sleep per image")
     ap.add_argument("--smallest", action="store_true", help="also X': the accelerator takes the smallest samples")
+    ap.add_argument("--side-by-side", action="store_true", help="also Y and Z at once, DALI in its own process")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = mixed_jpegs(args.data)

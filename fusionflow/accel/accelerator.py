@@ -14,8 +14,8 @@ largest unstarted tiny-batches (the share's fraction). A run's samples are read 
 operations (accel/run_read.py: the dataset's batched read, header sizes read once and gathered,
 accel/header_sizes.py); its draws, windows and op parameters are made by a helper process as dense
 arrays (accel/host_inputs.py; in this thread if it is gone) and fed as one packed array; the encoded
-bytes go to DALI without a copy. The thread's CPU time is `accelerator_feed_cpu_seconds`: what the GPU half costs the
-training process (the helper's: `accelerator_inputs_cpu_seconds`).
+bytes go to DALI without a copy. The thread's CPU time is `accelerator_feed_cpu_seconds`: what the
+GPU half costs the training process (the helper's: `accelerator_inputs_cpu_seconds`).
 
 `device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`)
 that the loader merges with the CPU workers' positions at delivery. `device="cpu"`: DALI's CPU
@@ -262,13 +262,8 @@ class AcceleratorWorker:
         sample (not encoded bytes, or over the policy's max_pixels: the CPU path refuses it by name)
         is given back and the rest run."""
         read = read_run(self.dataset, group, self.dims, self.max_pixels)
-        runnable, samples, labels, sizes, given_back = (
-            read.runnable,
-            read.samples,
-            read.labels,
-            read.sizes,
-            read.given_back,
-        )
+        runnable, given_back = read.runnable, read.given_back
+        samples, labels, sizes = read.samples, read.labels, read.sizes
         board = self.board
         if given_back:
             with board.cond:

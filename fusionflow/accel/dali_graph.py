@@ -26,6 +26,7 @@ import time
 from collections import deque
 
 import numpy as np
+from nvidia.dali.backend import TensorCPU  # dali_ops imports DALI at import time too
 
 from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle
 from fusionflow.accel.declines import dali_declines
@@ -84,9 +85,7 @@ class DaliPolicyPipeline:
             prefetch_queue_depth=depth,
         )
         self.depth = depth  # runs that may be in flight at once (submit ahead, collect in order)
-        self._pending: deque = (
-            deque()
-        )  # (dataset indices, what DALI reads in place) of each run submitted, not collected
+        self._pending: deque = deque()  # (indices, what DALI reads in place) per run submitted, not collected
         self._consumed = None  # the last run collected: its bytes are released at the next collect
         self.rebuilds = 0
         self._closed = False
@@ -158,7 +157,7 @@ class DaliPolicyPipeline:
         # As DALI tensors wrapping them (no copy), made by C-level calls: DALI's feed then skips its
         # per-sample conversion of arrays (~6 interpreter calls a sample)
         arrays = list(map(_bytes_as_u8, samples))
-        encoded = list(map(_TensorCPU(), arrays))
+        encoded = list(map(TensorCPU, arrays))
         if columns is None:
             copies = [0] * n if copies is None else copies
             sizes = [None] * n if sizes is None else sizes
@@ -241,12 +240,6 @@ class DaliPolicyPipeline:
 
 
 _bytes_as_u8 = functools.partial(np.frombuffer, dtype=np.uint8)
-
-
-def _TensorCPU():  # noqa: N802 -- DALI's class, imported where DALI is
-    from nvidia.dali.backend import TensorCPU
-
-    return TensorCPU
 
 
 def _check_args(batch_size: int, device: str, device_id: int | None) -> None:

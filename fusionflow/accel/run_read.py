@@ -1,9 +1,10 @@
-"""A DALI run's samples, read in the training process with a fixed number of Python calls per run.
+"""A DALI run's samples, read in the training process with whole-run operations.
 
 The accelerator thread reads each sample of a run (its encoded bytes and target), looks up its image
 size (accel/header_sizes.py) and checks it against the policy's pixel limit before DALI sees it. Done
 sample by sample in Python that cost ~50 interpreter calls a sample (issue 41: the GIL taken from the
-training loop grows with the GPU's share). Here the common case is whole-run operations:
+training loop grows with the GPU's share). Here the common case takes the same calls whatever the
+run's size (tests/test_run_read.py counts them):
   * the dataset's batched read, `__getitems__(indices)` (PyTorch's protocol, which DataLoader's fetcher
     uses too), where the dataset has one; else one `dataset[i]` per sample;
   * (sample, target) pairs checked and split with C-level calls (`map`, `zip`);
