@@ -94,17 +94,12 @@ def test_store_works_all_ints_in_one_assignment_agrees_with_one_by_one():
     """The all-int path stores exactly what the per-sample path stores; an int beyond int64 or a bool
     among them sends the run the per-sample way (the odd one on the side)."""
     works = [Work(0, 1, 1, 0, (2, 0), (7, 5)), Work(0, 1, 0, 0, (3, 1), (9, 4))]
-    for targets in ([11, 12, 13, 14], [11, 2**63, 13, 14], [11, True, 13, 14]):
-        fast, slow = np.zeros((2, 4), np.int64), np.zeros((2, 4), np.int64)
-        done = store_works(fast, works, targets)
-        sides, k = [], 0
-        for w in works:
-            side = {}
-            for pos in w.positions:
-                store(slow[w.slot], pos, targets[k], side)
-                k += 1
-            sides.append(side)
-        assert fast.tolist() == slow.tolist() and [side for _, side in done] == sides
+    for second, ring_value, side in ((12, 12, {}), (2**63, 0, {0: 2**63}), (True, 0, {0: True})):
+        ring = np.zeros((2, 4), np.int64)
+        done = store_works(ring, works, [11, second, 13, 14])
+        assert ring.tolist() == [[0, 14, 0, 13], [ring_value, 0, 11, 0]]  # slot 1: positions 2, 0; slot 0: 3, 1
+        assert [(w is works[i], s) for i, (w, s) in enumerate(done)] == [(True, side), (True, {})]
+        assert all(type(v) is type(second) for v in side.values())
 
 
 def test_float_label_keeps_its_fraction():
