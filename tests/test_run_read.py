@@ -119,3 +119,13 @@ def test_a_runs_read_and_target_store_take_calls_per_tiny_batch_not_per_sample()
         return calls
 
     assert read_and_store(8, 4) == read_and_store(256, 128)
+
+
+def test_a_subclass_that_reads_its_own_way_is_read_through_its_getitem():
+    class Renamed(EncodedImages):
+        def __getitem__(self, i):
+            return b"x" + self.data[i], -i
+
+    ds = Renamed(JPEGS[:3])
+    assert ds.__getitems__([2, 0]) == [(b"x" + JPEGS[2], -2), (b"x" + JPEGS[0], 0)]
+    assert EncodedImages(JPEGS[:3], classes=2).__getitems__([2, 1]) == [(JPEGS[2], 0), (JPEGS[1], 1)]

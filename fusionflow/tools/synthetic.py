@@ -88,7 +88,10 @@ class EncodedImages:
         return self.data[i], i % self.classes
 
     def __getitems__(self, indices):
-        """PyTorch's batched read (DataLoader's fetcher and the DALI accelerator use it)."""
+        """PyTorch's batched read (DataLoader's fetcher and the DALI accelerator use it); a subclass that
+        reads its own way (`__getitem__` overridden) is read through it."""
+        if type(self).__getitem__ is not EncodedImages.__getitem__:
+            return [self[i] for i in indices]
         return [(self.data[i], i % self.classes) for i in indices]
 
     def describe(self, i):
