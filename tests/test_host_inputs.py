@@ -29,7 +29,7 @@ NOISE = load_policy(SMALL, normalize=MEAN_STD, erase={"p": 0.5, "value": "random
 
 def sizes_of(ds):
     dims = HeaderSizes(len(ds.data))
-    return [dims.get(i, d) for i, d in enumerate(ds.data)]
+    return [tuple(hw) for hw in dims.many(range(len(ds.data)), ds.data).tolist()]
 
 
 @pytest.mark.parametrize("policy", [SMALL, ERASING, "randaugment", "trivialaugment"])

@@ -16,19 +16,11 @@ from fusionflow.errors import DecodeError
 class HeaderSizes:
     """Each sample's (height, width), read from its encoded header the first time the accelerator meets
     it (libjpeg-turbo's header read for JPEGs, else Pillow's) and kept: an image does not change, so
-    later epochs read no header at all. None for a sample whose header cannot be read (not bytes,
+    later epochs read no header at all. (0, 0) for a sample whose header cannot be read (not bytes,
     or unreadable: the CPU path reports it precisely)."""
 
     def __init__(self, n: int):
         self._hw = np.full((n, 2), -1, np.int64)  # -1: not read yet; 0: unreadable
-
-    def get(self, index: int, data) -> tuple[int, int] | None:
-        h, w = self._hw[index] if 0 <= index < len(self._hw) else (-1, -1)
-        if h < 0:
-            h, w = _header_size(data)
-            if 0 <= index < len(self._hw):
-                self._hw[index] = (h, w)
-        return (int(h), int(w)) if h > 0 else None
 
     def many(self, indices, samples) -> np.ndarray:
         """(height, width) of each of a run's samples as an (n, 2) int64 array, (0, 0) where unreadable:

@@ -53,7 +53,6 @@ class HostLayout:
         for name, width in zip(self.NAMES, widths):
             self.spans[name] = (start, start + width)
             start += width
-        self.width = start
 
     def span(self, name: str) -> tuple[int, int]:
         return self.spans[name]
