@@ -106,10 +106,13 @@ def test_a_run_merges_whole_shares_of_the_next_mini_batches_that_fit():
 def test_tail_run_only_for_the_awaited_mini_batch_sized_by_the_fraction():
     q = queue_with([30, 10, 20, 40, 50, 60], [7, 8], reserved=1)
     assert [w.indices for w in q.take_accel(tail_fraction=0.5)] == [(5,)]  # mini-batch 0's share
+    assert not q.took_tail
     assert [w.indices for w in q.take_accel(tail_fraction=0.5)] == [(101,)]  # mini-batch 1's
     assert q.take_accel(tail_fraction=0.5) == []  # nobody waits: the CPU side is not late
+    assert not q.took_tail
     q.awaited = (1, 0)
     assert [w.indices for w in q.take_accel(max_images=10, tail_fraction=0.5)] == [(4,), (3,), (0,)]  # half of 5
+    assert q.took_tail  # told apart: its rate is not the share's (scheduling/split.py)
     assert [q.take_cpu().indices for _ in range(2)] == [(1,), (2,)]
     q.awaited = (1, 7)  # no longer tracked
     assert q.take_accel(tail_fraction=0.5) == []

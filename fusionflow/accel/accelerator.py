@@ -227,8 +227,8 @@ class AcceleratorWorker:
                     board.requeue([w for g, *_ in lost for w in g])
                     board.cond.notify_all()
                     return
-                if group:
-                    inflight.append((group, time.monotonic(), None))
+                if group:  # (tiny-batches, taken at, a tail run, what DALI was given)
+                    inflight.append((group, time.monotonic(), board.took_tail, None))
             cpu0 = time.thread_time()
             if group:
                 self._guarded(self._submit, group)
@@ -282,7 +282,7 @@ class AcceleratorWorker:
         copies = copies if any(copies) else None
         with board.cond:  # the run in flight is what DALI was given
             entry = next(e for e in self._active if e[0] is group)
-            self._active[self._active.index(entry)] = (runnable, entry[1], (pipeline, labels))
+            self._active[self._active.index(entry)] = (runnable, entry[1], entry[2], (pipeline, labels))
         if self.sharing == "temporal" and self.step_event is not None:
             self.step_event.synchronize()  # training work queued before the last next() is done
         if self.gated and self.bridge is not None:
@@ -317,7 +317,7 @@ class AcceleratorWorker:
     def _collect(self, _unused) -> None:
         """Wait for the oldest run in flight, write its samples into their ring positions, account it."""
         with self.board.cond:
-            group, started, (pipeline, labels) = self._active[0]
+            group, started, tail, (pipeline, labels) = self._active[0]
         indices = [i for w in group for i in w.indices]
         try:
             out = pipeline.collect()
@@ -346,7 +346,7 @@ class AcceleratorWorker:
                 now - started if not self._run_seconds else 0.8 * self._run_seconds + 0.2 * (now - started)
             )
             if self.shares is not None:  # the completion interval: from the later of the last completion and its start
-                self.shares.run_done(now - max(started, self._last_done), len(indices))
+                self.shares.run_done(now - max(started, self._last_done), len(indices), tail)
             self._last_done = now
             self._account(done, [], True, int(started * 1e9))
             self.counters.accelerator_samples += len(indices)

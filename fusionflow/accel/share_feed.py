@@ -39,6 +39,10 @@ class ShareFeed:
     def capacity(self, workers: int) -> None:
         self.cpu_workers = workers
 
-    def run_done(self, seconds: float, samples: int) -> None:
-        """A DALI run of `samples` completed `seconds` after the later of its start and the last completion."""
-        self.split.accel_run(seconds, samples)
+    def run_done(self, seconds: float, samples: int, tail: bool = False) -> None:
+        """A DALI run of `samples` completed `seconds` after the later of its start and the last completion.
+        A tail run (a few tiny-batches training waits for) is not the share's rate: its fixed cost spread
+        over a few samples would read as a slow accelerator and shrink G (the twin: runs of 4-40 between
+        shares of 150, G down to 55), so only share runs feed the split rule."""
+        if not tail:
+            self.split.accel_run(seconds, samples)

@@ -181,6 +181,11 @@ class Board:
         tail run of the mini-batch training waits for (scheduling/queue.py, `TinyBatchQueue.take_accel`)."""
         return self.queue.take_accel(largest_first, max_images, tail_fraction, merge)
 
+    @property
+    def took_tail(self) -> bool:
+        """The last `take_accel` gave a tail run, not a share (cond held)."""
+        return self.queue.took_tail
+
     def requeue(self, works) -> None:
         """Put work back at the front of its mini-batch's queue (it was interrupted)."""
         self.queue.requeue(works)

@@ -76,6 +76,7 @@ class TinyBatchQueue:
         self.share_taken: dict[Key, int] = {}  # per mini-batch, tiny-batches of the accelerator's share it took
         self.awaited: Key | None = None  # the mini-batch the training loop is waiting for, while it waits
         self.steal = False  # CPU workers with nothing else take from shares the accelerator has not taken
+        self.took_tail = False  # the accelerator's last run taken was a tail run (not a share: not its rate)
 
     def add(
         self,
@@ -132,6 +133,7 @@ class TinyBatchQueue:
         tiny-batches of the mini-batch training is waiting for (`awaited`), that fraction of them
         (at least one). Without `tail_fraction` (the ablations: no split, or FIFO), the oldest
         mini-batch's largest tiny-batch (its smallest with `largest_first` False), as before shares."""
+        self.took_tail = False
         for key, q in self.queues.items():
             left = self._share_left(key)
             if not left:
@@ -151,7 +153,9 @@ class TinyBatchQueue:
         if not q:
             return []
         unstarted = sum(not w.cpu_only for w in q)
-        return self._largest(q, largest_first, max(1, math.ceil(unstarted * tail_fraction)), max_images)
+        group = self._largest(q, largest_first, max(1, math.ceil(unstarted * tail_fraction)), max_images)
+        self.took_tail = bool(group)
+        return group
 
     def _merged(self, first: Key, group: list[Work], largest_first: bool, max_images: int, shares: int) -> list[Work]:
         """Up to `shares` whole shares of the mini-batches after `first` (its iterator and epoch) that fit

@@ -18,13 +18,17 @@ The model, per mini-batch of B samples with G on the accelerator:
         G* = B * (p - t) / (g + p), clamped to [0, B].
 In throughput terms, with c = 1/p: R = (1 + c*g) / (t + g) when the device bounds it (issue 41's R).
 
-`ShareController` estimates p, g and t online (moving averages) and returns G for the next
-mini-batch: p from the CPU workers' tiny-batch times and how many live, g from the accelerator's completion intervals
-(taken at the size it runs, so a run's fixed cost f is folded in: g = g0 + f/G, whose fixed point is
-the exact optimum of the model with f), and t from the iteration period whenever the CPU side was
-not what training waited for (then the period is the device's: t*B + G*g). While the CPU side is
-the bottleneck the period bounds t from above, and t is decayed a little, so a training step that
-got faster is noticed. G never falls below one
+`ShareController` estimates p, g and t online and returns G for the next mini-batch: p from the CPU
+workers' tiny-batch times and how many live (a moving average), g from the accelerator's completion
+intervals of its share runs (taken at the size it runs, so a run's fixed cost f is folded in: g = g0 +
+f/G, whose fixed point is the exact optimum of the model with f; the median of the last ACCEL_WINDOW,
+so one run slowed by something else is not a new rate), and t from the iteration period whenever the
+CPU side was not what training waited for (then the period is the device's: t*B + G*g; the median of
+the last TRAIN_WINDOW, so one long pause -- validation, a checkpoint -- is not a slower model, while a
+faster step is taken at once). While the CPU side is the bottleneck the period bounds t from above,
+so a training step that got faster is noticed. Tail runs (a few tiny-batches of the mini-batch
+training waits for) are not observed: a run's fixed cost over a few samples reads as a slow
+accelerator (experiments/twin_gpu.py: G fell from ~190 to 55 that way). G never falls below one
 tiny-batch (the accelerator's rate stays measured) nor leaves the CPU side less than one (its rate
 too): neither side starves -- except where training needs the whole device (c*t >= 1, or a run's
 fixed cost is not worth paying): then G is 0 until the CPU side bounds iterations again, which
@@ -34,9 +38,13 @@ pushes G up from 0 as above.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 MARGIN = 0.02  # a measured device time this much below the estimate contradicts it
+ACCEL_WINDOW = 5  # the accelerator's rate: the median of its last runs' (one slow run is not a new rate)
+TRAIN_WINDOW = 3  # the training step's device time: the median of its last device-bound iterations
 
 
 def best_share(batch: int, cpu_s: float, accel_s: float, train_s: float = 0.0) -> int:
@@ -68,7 +76,7 @@ class ShareController:
     `shares_device`: the accelerator runs on the device training runs on (DALI on the GPU), so the
     training step's time there counts against it; False for DALI's CPU backend.
     `step`: the smallest share and the smallest CPU remainder (a tiny-batch's samples).
-    `alpha`: the moving averages' weight of a new observation."""
+    `alpha`: the CPU side's moving average's weight of a new observation."""
 
     shares_device: bool = True
     step: int = 1
@@ -79,6 +87,8 @@ class ShareController:
     last_share: int | None = None  # the G last returned, and the one the observations were made at
     _push: int = 0  # samples added to the model's G while the CPU side keeps bounding iterations
     _cpu_bound: bool = False  # the last iteration was the CPU side's
+    _accel_seen: deque = field(default_factory=lambda: deque(maxlen=ACCEL_WINDOW))  # seconds per sample
+    _train_seen: deque = field(default_factory=lambda: deque(maxlen=TRAIN_WINDOW))  # seconds per sample
 
     def cpu_tiny_batch(self, seconds: float, samples: int) -> None:
         """A CPU worker took `seconds` for a tiny-batch of `samples` samples."""
@@ -89,7 +99,8 @@ class ShareController:
         """The accelerator completed a run of `samples` samples `seconds` after the later of its previous
         completion and its own start (its completion interval while busy)."""
         if samples > 0 and seconds >= 0:
-            self.accel_s = self._avg(self.accel_s, seconds / samples)
+            self._accel_seen.append(seconds / samples)
+            self.accel_s = statistics.median(self._accel_seen)
 
     def iteration(self, seconds: float, batch: int, cpu_bound: bool) -> None:
         """Training took a mini-batch of `batch` samples `seconds` after the previous one; `cpu_bound`:
@@ -98,7 +109,11 @@ class ShareController:
             return
         device = max(0.0, seconds - self.last_share * self.accel_s) / batch  # exact when the device bounded it
         if not cpu_bound:
-            self.train_s, self._push, self._cpu_bound = device, 0, False
+            # a faster step is taken at once, a slower one once it is the median (a pause for validation
+            # or a checkpoint is one long iteration, not a slower model)
+            self._train_seen.append(device)
+            self.train_s = min(device, statistics.median(self._train_seen))
+            self._push, self._cpu_bound = 0, False
             return
         # The period was the CPU side's: the device's time is at most that. If the estimate said more,
         # it was wrong (training got faster); if the CPU side bounds twice in a row, G is too small.
@@ -106,6 +121,7 @@ class ShareController:
         # which measures t afresh.
         contradicted = device < (1 - MARGIN) * self.train_s
         self.train_s = min(self.train_s, device)
+        self._train_seen = deque((min(x, device) for x in self._train_seen), maxlen=TRAIN_WINDOW)
         self._push = max(2 * self.step, 2 * self._push) if contradicted or self._cpu_bound else 0
         self._cpu_bound = True
 

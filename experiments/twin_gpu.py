@@ -1,0 +1,275 @@
+"""Issue 41's machinery at GPU rates, on the CPU: a timed twin of the device.
+
+The H100 run (experiments/README.md, "GPU benchmarks") left FusionFlow CPU + GPU at 0.50x DALI alone,
+and a GPU is lent rarely. What the loader's own machinery -- the split rule, the board, the accelerator
+thread's runs, merges, depth and tail runs, the ring -- makes of GPU-like rates can be measured without
+one: everything here is the real FusionFlowLoader except the two things a GPU does, which are timed.
+
+  the device   one timeline (`DeviceClock`) that training steps and DALI runs queue on, in the order
+               they are issued; the issue's model treats their device times as additive, and so does this
+  training     each step occupies the device `--train-us` per image and the host waits for it (a step
+               that synchronises at its loss)
+  DALI         `TimedPipeline` stands in for DaliPolicyPipeline: a run of n samples occupies the device
+               `--run-ms` + n * `--sample-us` (a run's fixed cost and its per-sample cost), at most
+               DALI's depth of runs in flight; its outputs are zeros (pixels are not what is measured)
+  CPU workers  real worker processes on tiny images (32 px in, 16 px out), each read slowed by
+               `--worker-delay-ms`: `--workers` of them make the CPU side's rate (measured, not assumed)
+
+Candidates, interleaved rounds, medians:
+  dali_alone   DALI's own loop: a run of a whole mini-batch per iteration, `DALI_PREFETCH` runs ahead,
+               the training step after each
+  ff_cpu       FusionFlowLoader, CPU workers only, the training step after each mini-batch
+  ff_twin      FusionFlowLoader, CPU workers + accelerator="dali-cpu" running `TimedPipeline`, with the
+               split rule told that DALI shares the training's device (as it does on a GPU)
+and the model's bound for ff_twin from the measured ff_cpu rate c: the best G of a mini-batch of B,
+    period(G) = max(t*B + f*runs + G*g, (B - G) / c),     R = B / min over G of period(G)
+with runs = 1/MERGE where MERGE shares fit in a run of 256 (else one run or more per share), and DALI
+alone's B / (t*B + f + B*g).
+Defaults: the H100 figures of issue 41 (ResNet-18's 86 us/img; DALI alone without training 10,283
+img/s at runs of 256, taken as 10 ms a run + 58 us a sample; ~450 img/s per CPU worker).
+
+    .venv/bin/python -m experiments.twin_gpu [--workers 4] [--batch-size 256] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import threading
+import time
+from collections import deque
+
+import numpy as np
+
+from experiments.bench_feeder import SlowInWorkers
+from experiments.harness import provenance, result_path, rotation, write_json
+
+RUN_IMAGES = 256  # the accelerator's samples per DALI run at most (fusionflow/accel/accelerator.py)
+
+DALI_PREFETCH = 2  # DALI alone's runs queued ahead of the one training takes (its iterators' default)
+POLICY = {  # a light policy: the CPU workers' own work is small beside the delay that sets their rate
+    "output": {"size": 16},
+    "flip": 0.5,
+    "crop": {"scale": [0.3, 1.0]},
+    "augment": {
+        "type": "rand",
+        "num_ops": 2,
+        "magnitude": 5,
+        "num_bins": 11,
+        "ops": {"Rotate": {"range": [0, 30], "signed": True}, "Posterize": {"range": [8, 4]}, "Equalize": {}},
+    },
+}
+
+
+class DeviceClock:
+    """One device's timeline: work occupies it in the order it is issued."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+        self.busy = 0.0  # seconds of work issued
+
+    def occupy(self, seconds: float) -> float:
+        """Queue `seconds` of work; returns when it ends (time.monotonic())."""
+        with self._lock:
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = start + seconds
+            self.busy += seconds
+            return self._free_at
+
+
+def wait_until(t: float) -> None:
+    left = t - time.monotonic()
+    if left > 0:
+        time.sleep(left)
+
+
+class TimedOutput:
+    def __init__(self, array):
+        self.array = array
+
+    def as_tensor(self):
+        return self.array
+
+
+def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list):
+    """A stand-in class for DaliPolicyPipeline (the interface the accelerator thread uses) whose runs
+    occupy `clock`; every run's size is appended to `runs`."""
+    from fusionflow.policy import load_policy
+
+    class TimedPipeline:
+        def __init__(self, policy, batch_size, device="cpu", device_id=None, num_threads=1, depth=2, **_):
+            size = load_policy(policy).size
+            self.batch_size, self.depth = batch_size, depth
+            self.zeros = np.zeros((batch_size, 3, *size), np.uint8)  # size: (height, width)
+            self.pending: deque = deque()
+            self.build_seconds, self.rebuilds = 0.0, 0
+
+        def submit(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None):
+            n = len(samples)
+            if not 1 <= n <= self.batch_size or len(self.pending) >= self.depth:
+                raise RuntimeError(f"run of {n} with {len(self.pending)} in flight")
+            runs.append(n)
+            self.pending.append((n, clock.occupy(run_s + n * sample_s)))
+
+        def collect(self):
+            n, end = self.pending.popleft()
+            wait_until(end)
+            return TimedOutput(self.zeros[:n])
+
+        @property
+        def in_flight(self):
+            return len(self.pending)
+
+        def reset(self):
+            self.pending.clear()
+
+        def close(self):
+            self.pending.clear()
+
+    return TimedPipeline
+
+
+def dali_alone(clock: DeviceClock, batch: int, run_s: float, sample_s: float):
+    """DALI's own loop: whole mini-batch runs, DALI_PREFETCH of them queued ahead of the one yielded."""
+    ends: deque = deque()
+    while True:
+        while len(ends) <= DALI_PREFETCH:
+            ends.append(clock.occupy(run_s + batch * sample_s))
+        wait_until(ends.popleft())
+        yield batch
+
+
+def ff_loader(data, args, clock=None, runs=None):
+    """The FusionFlowLoader; with `clock`, its accelerator runs TimedPipeline on it."""
+    import fusionflow.accel.dali_graph as dali_graph
+    import fusionflow.scheduling.split as split
+    from fusionflow import DaliAccelerator, FusionFlowLoader
+
+    kw = {}
+    if clock is not None:
+        kw["accelerator"] = DaliAccelerator("cpu", threads=1)
+    real_pipeline, real_controller = dali_graph.DaliPolicyPipeline, split.ShareController
+    if clock is not None:  # the stand-ins are picked up while the loader builds its accelerator
+        dali_graph.DaliPolicyPipeline = timed_pipeline(clock, args.run_ms * 1e-3, args.sample_us * 1e-6, runs)
+        split.ShareController = lambda **k: real_controller(**{**k, "shares_device": True})
+    try:
+        loader = FusionFlowLoader(
+            SlowInWorkers(data, args.worker_delay_ms * 1e-3),
+            batch_size=args.batch_size,
+            shuffle=True,
+            num_workers=args.workers,
+            policy=POLICY,
+            persistent_workers=True,
+            drop_last=True,
+            tiny_batch_size=args.tiny_batch_size,
+            **kw,
+        )
+        it = iter(loader)
+        next(it)  # the accelerator (built lazily at the first epoch) exists from here
+    finally:
+        dali_graph.DaliPolicyPipeline, split.ShareController = real_pipeline, real_controller
+
+    def batches():
+        nonlocal it
+        while True:
+            for x, _ in it:
+                yield len(x)
+            it = iter(loader)
+
+    return loader, batches()
+
+
+def model(args, cpu_rate: float) -> dict:
+    """The issue's additive model: DALI alone's rate, and the best FusionFlow rate over G."""
+    b, t, f, g = args.batch_size, args.train_us * 1e-6, args.run_ms * 1e-3, args.sample_us * 1e-6
+
+    def period(share):
+        # a run holds up to `merge` whole shares within RUN_IMAGES samples (the accelerator's cap)
+        runs = 1 / args.merge if share * args.merge <= RUN_IMAGES else math.ceil(share / RUN_IMAGES)
+        return max(t * b + (f * runs if share else 0.0) + share * g, (b - share) / cpu_rate)
+
+    best = min(range(b + 1), key=period)
+    return {"dali_alone": b / (t * b + f + b * g), "ff_bound": b / period(best), "ff_best_share": best}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--tiny-batch-size", type=int, default=4)
+    ap.add_argument("--train-us", type=float, default=86.0, help="training step's device time per image")
+    ap.add_argument("--run-ms", type=float, default=10.0, help="a DALI run's fixed device time")
+    ap.add_argument("--sample-us", type=float, default=58.0, help="a DALI run's device time per sample")
+    ap.add_argument("--worker-delay-ms", type=float, default=2.0, help="added to each read in a CPU worker")
+    ap.add_argument("--merge", type=int, default=2, help="mini-batch shares a run holds (the model's)")
+    ap.add_argument("--batches", type=int, default=40, help="timed mini-batches per round and candidate")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--images", type=int, default=2048, help="distinct 32 px JPEGs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from fusionflow.tools.synthetic import make_jpegs
+
+    data = make_jpegs(args.images, 32, 33, seed=1)
+    clock, runs = DeviceClock(), []
+    y_loader, y = ff_loader(data, args)
+    x_loader, x = ff_loader(data, args, clock, runs)
+    streams = {"dali_alone": dali_alone(clock, args.batch_size, args.run_ms * 1e-3, args.sample_us * 1e-6)}
+    streams.update(ff_cpu=y, ff_twin=x)
+    step_s = args.train_us * 1e-6 * args.batch_size
+    rates: dict = {k: [] for k in streams}
+    accel: list = []
+    try:
+        for r in range(args.rounds):
+            for name in rotation(streams, r):
+                s = streams[name]
+                for _ in range(3):  # what it banked while the others ran
+                    next(s)
+                    wait_until(clock.occupy(step_s))
+                before = (x_loader.stats.samples, x_loader.stats.accelerator_samples, len(runs))
+                t0, images = time.monotonic(), 0
+                for _ in range(args.batches):
+                    images += next(s)
+                    wait_until(clock.occupy(step_s))
+                rates[name].append(images / (time.monotonic() - t0))
+                if name == "ff_twin":
+                    st = x_loader.stats
+                    done = runs[before[2] :]
+                    accel.append(
+                        {
+                            "share": (st.accelerator_samples - before[1]) / max(1, st.samples - before[0]),
+                            "samples_per_run": sum(done) / max(1, len(done)),
+                        }
+                    )
+                print(f"round {r + 1}/{args.rounds}: {name} {rates[name][-1]:.0f} img/s", flush=True)
+    finally:
+        x_loader.close()
+        y_loader.close()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    bound = model(args, med["ff_cpu"])
+    share = statistics.median(a["share"] for a in accel)
+    per_run = statistics.median(a["samples_per_run"] for a in accel)
+    print(
+        f"DALI alone {med['dali_alone']:.0f} (model {bound['dali_alone']:.0f}), FF CPU {med['ff_cpu']:.0f}, "
+        f"FF CPU + twin {med['ff_twin']:.0f} img/s: {med['ff_twin'] / med['dali_alone']:.2f}x DALI alone, "
+        f"{med['ff_twin'] / bound['ff_bound']:.2f} of the model's bound {bound['ff_bound']:.0f} "
+        f"(its share {bound['ff_best_share']} of {args.batch_size}); the accelerator took {share:.0%} in runs of "
+        f"{per_run:.0f}"
+    )
+    result = {
+        "benchmark": "twin_gpu",
+        "args": vars(args),
+        "provenance": provenance(),
+        "rates": rates,
+        "medians": med,
+        "model": bound,
+        "accelerator": accel,
+        "ff_over_dali_alone": med["ff_twin"] / med["dali_alone"],
+        "ff_over_bound": med["ff_twin"] / bound["ff_bound"],
+    }
+    write_json(result, result_path(args.out, "twin_gpu.json"))
+
+
+if __name__ == "__main__":
+    main()
