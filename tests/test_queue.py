@@ -114,6 +114,7 @@ def test_tail_run_only_for_the_awaited_mini_batch_sized_by_the_fraction():
     assert [w.indices for w in q.take_accel(max_images=10, tail_fraction=0.5)] == [(4,), (3,), (0,)]  # half of 5
     assert q.took_tail  # told apart: its rate is not the share's (scheduling/split.py)
     assert [q.take_cpu().indices for _ in range(2)] == [(1,), (2,)]
+    assert q.take_accel(tail_fraction=0.0) == []  # no share (the device left to training): no tail either
     q.awaited = (1, 7)  # no longer tracked
     assert q.take_accel(tail_fraction=0.5) == []
 

@@ -107,6 +107,17 @@ def test_one_pause_or_one_slow_run_does_not_move_the_share(name, what):
         assert_converges(out)
 
 
+def test_no_share_where_a_runs_fixed_cost_outweighs_what_the_cpu_side_gains():
+    """ResNet-50's step with CPU workers almost as fast as training (3,775 img/s, the twin's 15 workers)
+    and a 10 ms run: the best is no run at all, not the smallest share (which took ~10% of the rate)."""
+    out = simulate([(40, 254e-6, 3775, 15)], fixed_s=0.010)
+    assert_converges(out)
+    assert out[-1][0] == 0
+    out = simulate([(40, 254e-6, 3775, 15)])  # without a fixed cost a small share pays
+    assert_converges(out)
+    assert out[-1][0] > 0
+
+
 def test_without_a_shared_device_the_sides_finish_together():
     """DALI's CPU backend: training's time does not count against the accelerator."""
     out = simulate([(20, 500e-6, 700, 1)], shares_device=False)

@@ -131,8 +131,9 @@ class TinyBatchQueue:
         unless training is waiting for the first one.
         Then, with `tail_fraction`, a tail run when the CPU side is late: the largest unstarted
         tiny-batches of the mini-batch training is waiting for (`awaited`), that fraction of them
-        (at least one). Without `tail_fraction` (the ablations: no split, or FIFO), the oldest
-        mini-batch's largest tiny-batch (its smallest with `largest_first` False), as before shares."""
+        (at least one; none when the fraction is 0: a run's fixed cost would hold up training).
+        Without `tail_fraction` (the ablations: no split, or FIFO), the oldest mini-batch's largest
+        tiny-batch (its smallest with `largest_first` False), as before shares."""
         self.took_tail = False
         for key, q in self.queues.items():
             left = self._share_left(key)
@@ -150,7 +151,7 @@ class TinyBatchQueue:
                     return group
             return []
         q = self.queues.get(self.awaited) if self.awaited is not None else None
-        if not q:
+        if not q or tail_fraction <= 0:  # no share: the split rule left the device to training, tails too
             return []
         unstarted = sum(not w.cpu_only for w in q)
         group = self._largest(q, largest_first, max(1, math.ceil(unstarted * tail_fraction)), max_images)
