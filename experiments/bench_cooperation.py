@@ -8,6 +8,8 @@ DALI's CPU backend stands in for the GPU. One run, rounds interleaved (the order
                 `--dali-threads` DALI threads: the same cores as Y and Z together
   X' ff_dali_smallest (`--smallest`) X with the accelerator's share made of each mini-batch's smallest
                 samples instead of its largest (`DaliAccelerator(taas=False)`)
+  X'' ff_dali_pinned (`--pinned`) X with pin_workers=True: the CPU workers pinned to cores (DALI's threads,
+                in the training process, are not)
   Y+Z side_by_side (`--side-by-side`) Y and Z at once, DALI alone in a process of its own: the two
                 halves as two jobs sharing the machine without cooperating; X / (Y+Z side by side)
 The training step sleeps `--step-us` per image (the GIL released, as a GPU step's host side mostly
@@ -67,6 +69,17 @@ def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
             data, 1000 * batches, batch_size, args.workers, "cpu", accelerator=dali_cpu(args.dali_threads, taas=False)
         )
         streams["ff_dali_smallest"] = endless(loaders["ff_dali_smallest"])
+    if args.pinned:  # X'' with its CPU workers pinned
+        loaders["ff_dali_pinned"] = ff_loader(
+            data,
+            1000 * batches,
+            batch_size,
+            args.workers,
+            "cpu",
+            accelerator=dali_cpu(args.dali_threads),
+            pin_workers=True,
+        )
+        streams["ff_dali_pinned"] = endless(loaders["ff_dali_pinned"])
 
     def timed(stream):
         def go():  # the round's rate, img/s
@@ -153,6 +166,7 @@ def run_batch_size(data, args, batch_size: int) -> dict:
         go()
     x_stats0 = dict(vars(loaders["ff_dali"].stats))
     xs_stats0 = dict(vars(loaders["ff_dali_smallest"].stats)) if "ff_dali_smallest" in loaders else {}
+    xp_stats0 = dict(vars(loaders["ff_dali_pinned"].stats)) if "ff_dali_pinned" in loaders else {}
 
     def report(r: int, rates: dict) -> None:
         shown = ", ".join(f"{n} {v[-1]:.0f} img/s" for n, v in rates.items())
@@ -192,6 +206,17 @@ def run_batch_size(data, args, batch_size: int) -> dict:
         print(
             f"batch {batch_size}: X' (smallest to DALI) {med['ff_dali_smallest']:.0f} img/s, gain "
             f"{row['gain_smallest']:.2f}; {row['accelerator_smallest']}",
+            flush=True,
+        )
+    if "ff_dali_pinned" in med:
+        row["gain_pinned"] = (med["ff_dali_pinned"] - y) / z
+        row["gain_pinned_paired"] = statistics.median(
+            (xr - yr) / zr for xr, yr, zr in zip(rates["ff_dali_pinned"], rates["cpu_only"], rates["dali_alone"])
+        )
+        row["accelerator_pinned"] = accelerator_stats(loaders["ff_dali_pinned"].stats, xp_stats0)
+        print(
+            f"batch {batch_size}: X'' (workers pinned) {med['ff_dali_pinned']:.0f} img/s, "
+            f"gain {row['gain_pinned']:.2f} (per round {row['gain_pinned_paired']:.2f}); {row['accelerator_pinned']}",
             flush=True,
         )
     for loader in loaders.values():
@@ -242,6 +267,7 @@ def main() -> None:
     ap.add_argument("--step-us", type=float, default=100.0, help="training step's sleep per image")
     ap.add_argument("--smallest", action="store_true", help="also X': the accelerator takes the smallest samples")
     ap.add_argument("--side-by-side", action="store_true", help="also Y and Z at once, DALI in its own process")
+    ap.add_argument("--pinned", action="store_true", help="also X'': X with pin_workers=True")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     data = mixed_jpegs(args.data)

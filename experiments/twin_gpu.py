@@ -164,6 +164,7 @@ def ff_loader(data, args, clock=None, runs=None):
             persistent_workers=True,
             drop_last=True,
             tiny_batch_size=args.tiny_batch_size,
+            prefetch_factor=args.prefetch,
             **kw,
         )
         it = iter(loader)
@@ -204,6 +205,7 @@ def main() -> None:
     ap.add_argument("--sample-us", type=float, default=58.0, help="a DALI run's device time per sample")
     ap.add_argument("--worker-delay-ms", type=float, default=2.0, help="added to each read in a CPU worker")
     ap.add_argument("--merge", type=int, default=2, help="mini-batch shares a run holds (the model's)")
+    ap.add_argument("--prefetch", type=int, default=None, help="the loaders' prefetch_factor (default: theirs)")
     ap.add_argument("--batches", type=int, default=40, help="timed mini-batches per round and candidate")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--images", type=int, default=2048, help="distinct 32 px JPEGs")
