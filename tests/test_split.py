@@ -108,12 +108,14 @@ def test_one_pause_or_one_slow_run_does_not_move_the_share(name, what):
 
 
 def test_no_share_where_a_runs_fixed_cost_outweighs_what_the_cpu_side_gains():
-    """ResNet-50's step with CPU workers almost as fast as training (3,775 img/s, the twin's 15 workers)
-    and a 10 ms run: the best is no run at all, not the smallest share (which took ~10% of the rate)."""
-    out = simulate([(40, 254e-6, 3775, 15)], fixed_s=0.010)
+    """ResNet-50's step with CPU workers almost as fast as training (3,500 img/s; the twin's 15 workers)
+    and a 10 ms run: the model's G is 2, but a run of 2-4 samples costs the device more than the CPU side
+    gains: the best is no run at all, not the smallest share (3,386 img/s here; with the tail runs it
+    drew, 10% of the rate in the twin)."""
+    out = simulate([(40, 254e-6, 3500, 15)], fixed_s=0.010)
     assert_converges(out)
-    assert out[-1][0] == 0
-    out = simulate([(40, 254e-6, 3775, 15)])  # without a fixed cost a small share pays
+    assert [g for g, *_ in out[-10:]] == [0] * 10 and out[-1][1] == pytest.approx(out[-1][2])
+    out = simulate([(40, 254e-6, 3500, 15)])  # without a fixed cost a small share pays
     assert_converges(out)
     assert out[-1][0] > 0
 
