@@ -56,6 +56,19 @@ def test_exactly_once_in_order_and_each_sample_is_its_cpu_or_dali_output():
     assert len(s.taas_k) == 12 + s.next_epoch_discarded and all(0 <= k <= k_max for k in s.taas_k)
 
 
+def test_the_shares_are_recorded_after_a_stats_reset():
+    ld = loader(Bytes(24), persistent_workers=True)
+    try:
+        collect(ld)
+        assert ld.stats.taas_k
+        ld.stats.reset()
+        assert ld.stats.taas_k == []
+        collect(ld)  # reset() gave taas_k a new list: the shares go to it
+        assert len(ld.stats.taas_k) >= 2 and all(0 <= k <= 6 for k in ld.stats.taas_k)
+    finally:
+        ld.close()
+
+
 def test_without_aot_a_pipeline_is_built_per_run():
     ld = loader(Bytes(24), aot=False)
     collect(ld)

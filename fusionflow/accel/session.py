@@ -95,7 +95,7 @@ class GpuSession:
                 accel.shares.reserve(capacity)
         mgr.attach(
             on_batch_done=(
-                functools.partial(_split_feedback, weakref.ref(mgr), accel_ref, self.stats.taas_k)
+                functools.partial(_split_feedback, weakref.ref(mgr), accel_ref, self.stats)
                 if accel.shares is not None
                 else None
             ),
@@ -264,16 +264,17 @@ def _stop_live() -> None:
             log.exception("stopping the DALI accelerator at exit failed")
 
 
-def _split_feedback(mgr_ref, accel_ref, history, state) -> None:
+def _split_feedback(mgr_ref, accel_ref, stats, state) -> None:
     """The board's on_batch_done (under its lock, once per completed mini-batch): the split rule's
-    observations, and the next share (scheduling/split.py)."""
+    observations, and the next share (scheduling/split.py), recorded in `stats.taas_k` (looked up each
+    time: `stats.reset()` gives it a new list)."""
     mgr, accel = mgr_ref(), accel_ref()
     if mgr is None or accel is None or accel.retired:
         return
     board = mgr.board
     awaited = board.queue.awaited == (board.generation, state.seq)
     accel.shares.batch_done(state, mgr.pool.task_seconds if mgr.pool is not None else 0.0, awaited, time.monotonic())
-    history.append(board.reserved)
+    stats.taas_k.append(board.reserved)
 
 
 def _capacity(accel_ref, workers: int) -> None:
