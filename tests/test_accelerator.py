@@ -460,3 +460,81 @@ def test_a_script_that_exits_without_close_leaves_no_traceback():
     assert run.returncode == 0 and run.stdout.strip() == "done", run.stderr[-2000:]
     assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-2000:]
 
+
+def _threads() -> dict[int, int]:
+    """{thread id: nice} of this process's threads (DALI's name themselves once running: told by when they
+    appear, as the pipeline tells them)."""
+    import os
+
+    out = {}
+    for tid in map(int, os.listdir("/proc/self/task")):
+        with contextlib.suppress(OSError):
+            out[tid] = os.getpriority(os.PRIO_PROCESS, tid)
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="per-thread priorities: Linux")
+def test_dali_cpu_backend_threads_yield_to_the_cpu_workers_and_no_other_pipeline_is_touched():
+    """On DALI's CPU backend the pipeline's own threads run CPU_BACKEND_NICE above the process's nice (a
+    core both want goes to a CPU worker), after a rebuild too; threads of a pipeline built with
+    thread_nice=0 (or of anyone else's DALI pipeline) keep theirs."""
+    import os
+
+    from fusionflow.accel.dali_graph import CPU_BACKEND_NICE
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    want = min(19, base + CPU_BACKEND_NICE)
+    assert CPU_BACKEND_NICE > 0 and want > base
+    before = _threads()
+    plain = DaliPolicyPipeline(SMALL, batch_size=2, thread_nice=0)
+    mine = set(_threads()) - set(before)
+    assert mine and all(_threads()[t] == base for t in mine)
+    try:
+        niced = DaliPolicyPipeline(SMALL, batch_size=2)
+        theirs = set(_threads()) - set(before) - mine
+        assert theirs and {_threads()[t] for t in theirs} == {want}
+        assert all(_threads()[t] == base for t in mine)  # the other pipeline's threads are untouched
+        niced.reset()  # a failed run discards the pipeline: the next submit rebuilds it, niced again
+        data = Bytes(2)
+        run_numpy(niced, [data.data[0], data.data[1]], [0, 1], seed=1)
+        rebuilt = set(_threads()) - set(before) - mine
+        assert rebuilt and {_threads()[t] for t in rebuilt} == {want}
+        niced.close()
+    finally:
+        plain.close()
+
+
+def test_shares_taken_ahead_on_a_shared_device_lose_and_repeat_no_sample(monkeypatch):
+    """Where DALI shares the device with training (the split rule told so, as on a GPU), a lone share may
+    take the next mini-batch's share ahead in one run (queue's `_borrowed`): over three epochs every sample
+    still arrives exactly once, with its own pixels' label, and such runs did happen."""
+    import fusionflow.scheduling.split as split
+    from fusionflow.scheduling.queue import TinyBatchQueue
+
+    class SharedDevice(split.ShareController):  # a GPU's split rule, at a share of 3 in 8 whatever the rates
+        def share(self, batch, workers=1):
+            super().share(batch, workers)
+            self.last_share = 3
+            return 3
+
+    monkeypatch.setattr(split, "ShareController", lambda **kw: SharedDevice(**{**kw, "shares_device": True}))
+    taken_ahead, borrowed = [], TinyBatchQueue._borrowed
+
+    def spy(self, *args):
+        more = borrowed(self, *args)
+        taken_ahead.append(len(more))
+        return more
+
+    monkeypatch.setattr(TinyBatchQueue, "_borrowed", spy)
+    ds = Bytes(61)
+    ld = loader(ds, batch_size=8, tiny_batch_size=1, persistent_workers=True)
+    try:
+        for _ in range(3):
+            labels = []
+            for _, y in ld:
+                labels += y.tolist()
+                time.sleep(0.02)  # a training step: the ring fills, the newest mini-batch has three before it
+            assert sorted(labels) == list(range(61))
+        assert ld.stats.accelerator_samples > 0 and any(taken_ahead)
+    finally:
+        ld.close()

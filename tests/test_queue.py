@@ -103,6 +103,70 @@ def test_a_run_merges_whole_shares_of_the_next_mini_batches_that_fit():
     assert len(q.take_accel(max_images=100, merge=2)) == 2  # the next epoch's mini-batch is not merged
 
 
+def add_batch(q, seq, sizes, epoch=0):
+    """Queue mini-batch `seq` of generation 1 (sample indices 100 * seq + position), one sample a tiny-batch."""
+    indices = [100 * seq + p for p in range(len(sizes))]
+    size_of = [0] * indices[0] + list(sizes)
+    q.add(1, seq, slot=seq, epoch=epoch, tiny=split_sorted(indices, size_of, 1), size=len(sizes), submitted_at=0.0)
+
+
+def test_a_lone_share_runs_ahead_with_the_next_ones_and_that_one_is_the_cpu_workers():
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], reserved=2)
+    assert (
+        len(q.take_accel(max_images=100, merge=2, borrow=True)) == 4
+    )  # mini-batches 0 and 1: two queued shares merged
+    # mini-batch 2 is the newest, two queued before it, none after: the next one's share is taken ahead
+    assert [w.indices for w in q.take_accel(max_images=100, merge=2, borrow=True)] == [(205,), (204,), (203,), (202,)]
+    add_batch(q, 3, [1, 2, 3, 4, 5, 6])
+    assert (
+        q.take_accel(max_images=100, merge=2, borrow=True, tail_fraction=0.5) == []
+    )  # its share ran in mini-batch 2's run
+    assert q.waiting((1, 3)) == 6  # all six are the CPU workers'
+    add_batch(q, 4, [1, 2, 3, 4, 5, 6])
+    assert len(q.take_accel(max_images=100, merge=2, borrow=True)) == 4  # mini-batch 4 has its share again, and 5's
+    add_batch(q, 5, [1, 2, 3, 4, 5, 6])
+    assert q.waiting((1, 5)) == 6 and q.take_accel(max_images=100, merge=2, borrow=True, tail_fraction=0.5) == []
+
+
+def test_no_share_runs_ahead_where_it_would_be_late_or_cannot_fit():
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], reserved=2)
+    q.take_accel(max_images=100, merge=2)
+    assert len(q.take_accel(max_images=100, merge=2)) == 2 and q.credit is None  # not asked to (DALI's CPU backend)
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], reserved=2)
+    q.take_accel(max_images=100, merge=2, borrow=True)  # both shares
+    add_batch(q, 2, [1, 2, 3, 4, 5, 6])
+    q.forget((1, 0))  # one queued before the newest: a run twice as long would be late
+    assert len(q.take_accel(max_images=100, merge=2, borrow=True)) == 2
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], reserved=2)
+    q.take_accel(max_images=100, merge=2, borrow=True)
+    q.awaited = (1, 2)  # training waits for it
+    assert len(q.take_accel(max_images=100, merge=2, borrow=True)) == 2
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3], reserved=2)
+    q.take_accel(max_images=100, merge=2, borrow=True)
+    assert (
+        len(q.take_accel(max_images=100, merge=2, borrow=True)) == 2
+    )  # a share ahead would leave the CPU side nothing
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2], reserved=2)
+    q.take_accel(max_images=100, merge=2, borrow=True)
+    assert len(q.take_accel(max_images=100, merge=2, borrow=True)) == 2 and q.credit is None  # the share took it all
+    add_batch(q, 3, [1, 2, 3, 4, 5, 6])
+    assert len(q.take_accel(max_images=100, merge=1)) == 2  # its share is still its own
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], reserved=2)
+    q.take_accel(max_images=100, merge=2, borrow=True)
+    assert (
+        len(q.take_accel(max_images=3, merge=2, borrow=True)) == 2
+    )  # the next share would not fit whole: not taken ahead
+    add_batch(q, 3, [1, 2, 3, 4, 5, 6])
+    assert (
+        len(q.take_accel(max_images=4, merge=2, borrow=True)) == 4
+    )  # nothing owed: mini-batch 3 has its share (and 4's)
+    q = queue_with([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6], reserved=2)
+    q.take_accel(max_images=100, merge=2, borrow=True)
+    assert len(q.take_accel(max_images=100, merge=2, borrow=True)) == 4
+    add_batch(q, 3, [1, 2, 3, 4, 5, 6], epoch=1)  # the next epoch's first mini-batch owes nothing
+    assert len(q.take_accel(max_images=100, merge=1)) == 2
+
+
 def test_tail_run_only_for_the_awaited_mini_batch_sized_by_the_fraction():
     q = queue_with([30, 10, 20, 40, 50, 60], [7, 8], reserved=1)
     assert [w.indices for w in q.take_accel(tail_fraction=0.5)] == [(5,)]  # mini-batch 0's share

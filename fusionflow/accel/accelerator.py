@@ -103,6 +103,9 @@ class AcceleratorWorker:
         self.window_open = False  # the loader's prep window (open_window / close_window; consulted while gated)
         # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
         self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers) if split is not None else None
+        # shares taken ahead on a shared device (a GPU): a run's fixed cost ~170 samples' work there, ~3 on
+        # DALI's CPU backend, where a share taken ahead is work idle CPU workers can no longer steal
+        self.borrow = split is not None and split.shares_device
         self.dims = HeaderSizes(len(dataset) if hasattr(dataset, "__len__") else 0)  # (height, width) per sample
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
         self._last_done = 0.0  # when the last run completed (its completion interval)
@@ -216,7 +219,7 @@ class AcceleratorWorker:
                     ):
                         merge = 1 if self.gated else MERGE_SHARES
                         tail = self.shares.tail_fraction if self.shares is not None else None
-                        group = board.take_accel(self.largest_first, self.max_images, tail, merge)
+                        group = board.take_accel(self.largest_first, self.max_images, tail, merge, self.borrow)
                         if group:
                             break
                     if inflight:

@@ -174,12 +174,18 @@ class Board:
         return self.queue.take_cpu(upto)
 
     def take_accel(
-        self, largest_first: bool = True, max_images: int = 0, tail_fraction: float | None = None, merge: int = 1
+        self,
+        largest_first: bool = True,
+        max_images: int = 0,
+        tail_fraction: float | None = None,
+        merge: int = 1,
+        borrow: bool = False,
     ) -> list[Work]:
         """The accelerator's next DALI run: its share (the `reserved` largest tiny-batches) of the
-        oldest mini-batch whose share it has not taken (and of up to `merge` - 1 next ones), else a
-        tail run of the mini-batch training waits for (scheduling/queue.py, `TinyBatchQueue.take_accel`)."""
-        return self.queue.take_accel(largest_first, max_images, tail_fraction, merge)
+        oldest mini-batch whose share it has not taken (and of up to `merge` - 1 next ones, or with
+        `borrow` their shares taken ahead), else a tail run of the mini-batch training waits for
+        (scheduling/queue.py, `TinyBatchQueue.take_accel`)."""
+        return self.queue.take_accel(largest_first, max_images, tail_fraction, merge, borrow)
 
     @property
     def took_tail(self) -> bool:

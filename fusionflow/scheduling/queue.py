@@ -21,6 +21,7 @@ from fusionflow.scheduling.taas import cpu_may_take
 from fusionflow.scheduling.tiny_batches import TinyBatch
 
 Key = tuple[int, int]  # (generation, seq): generations order iterators, seqs mini-batches within one
+RAN_AHEAD = math.inf  # share_taken of a mini-batch whose share ran in the previous one's run: none left
 
 
 @dataclass(eq=False)
@@ -77,6 +78,7 @@ class TinyBatchQueue:
         self.awaited: Key | None = None  # the mini-batch the training loop is waiting for, while it waits
         self.steal = False  # CPU workers with nothing else take from shares the accelerator has not taken
         self.took_tail = False  # the accelerator's last run taken was a tail run (not a share: not its rate)
+        self.credit: tuple | None = None  # (generation, epoch, mini-batches) whose shares ran ahead in a run
 
     def add(
         self,
@@ -91,6 +93,11 @@ class TinyBatchQueue:
         """Queue mini-batch `seq` of `generation` (its `size` samples as `tiny`, sorted ascending)."""
         state = BatchState(seq, slot, size, size, submitted_at=submitted_at)
         self.batches[(generation, seq)] = state
+        if self.credit is not None:  # its share ran ahead, in the previous mini-batch's run: all CPU work
+            owed_by, owed = self.credit[:2], self.credit[2] - 1
+            if owed_by == (generation, epoch):
+                self.share_taken[(generation, seq)] = RAN_AHEAD
+            self.credit = (*owed_by, owed) if owed and owed_by == (generation, epoch) else None
         self.queues[(generation, seq)] = deque(
             Work(seq, generation, slot, epoch, t.positions, t.indices, copies=t.copies) for t in tiny
         )
@@ -118,7 +125,12 @@ class TinyBatchQueue:
         return None
 
     def take_accel(
-        self, largest_first: bool = True, max_images: int = 0, tail_fraction: float | None = None, merge: int = 1
+        self,
+        largest_first: bool = True,
+        max_images: int = 0,
+        tail_fraction: float | None = None,
+        merge: int = 1,
+        borrow: bool = False,
     ) -> list[Work]:
         """The accelerator's next run, [] when there is none.
 
@@ -128,7 +140,8 @@ class TinyBatchQueue:
         taken. Once taken, that mini-batch's other tiny-batches are the CPU workers'. With `merge`
         > 1, the whole shares of the next mini-batches (of the same iterator and epoch) join the run,
         up to `merge` shares and `max_images` samples -- a run's fixed cost paid once for them --
-        unless training is waiting for the first one.
+        unless training is waiting for the first one; with `borrow`, when none is queued yet, the
+        next shares are taken ahead from this mini-batch (`_borrowed`).
         Then, with `tail_fraction`, a tail run when the CPU side is late: the largest unstarted
         tiny-batches of the mini-batch training is waiting for (`awaited`), that fraction of them
         (at least one; none when the fraction is 0: a run's fixed cost would hold up training).
@@ -143,7 +156,10 @@ class TinyBatchQueue:
             self.share_taken[key] = self.share_taken.get(key, 0) + (len(group) or left)  # none left to take: done
             if group:
                 if merge > 1 and key != self.awaited:
-                    group += self._merged(key, group, largest_first, max_images, merge - 1)
+                    more = self._merged(key, group, largest_first, max_images, merge - 1)
+                    if not more and borrow:
+                        more = self._borrowed(key, q, group, largest_first, max_images, merge - 1)
+                    group += more
                 return group
         if tail_fraction is None:
             for q in self.queues.values():
@@ -177,6 +193,28 @@ class TinyBatchQueue:
             more += self._largest(q, largest_first, left, max_images)
             self.share_taken[key] = self.share_taken.get(key, 0) + left
             images, shares = images + size, shares - 1
+        return more
+
+    def _borrowed(self, key: Key, q: deque, group: list[Work], largest_first: bool, max_images: int, shares: int):
+        """With no next share queued to merge, the next `shares` mini-batches' shares taken ahead from this
+        one's largest (whole tiny-batches, one at least left to the CPU workers, within `max_images`), and
+        owed: the next mini-batches added, of its iterator and epoch, are the CPU workers' alone
+        (`credit`, in whole shares). A run's fixed cost is paid once for two shares and the work on each side stays the
+        same. Only for the newest mini-batch with `shares` + 1 queued before it: its run, twice as long,
+        is still done before training reaches it (the accelerator's one run in flight beside)."""
+        keys = list(self.queues)
+        if keys[-1] != key or len(keys) <= shares + 1 or self.credit is not None:
+            return []
+        candidates = [w for w in q if not w.cpu_only][:: -1 if largest_first else 1]
+        room = max_images - sum(len(w.positions) for w in group)
+        owed = max(0, min(len(candidates) - 1, shares * self.reserved)) // self.reserved if self.reserved else 0
+        while owed and sum(len(w.positions) for w in candidates[: owed * self.reserved]) > room:
+            owed -= 1
+        if not owed:
+            return []
+        more = self._largest(q, largest_first, owed * self.reserved, room)
+        self.share_taken[key] = self.share_taken.get(key, 0) + len(more)
+        self.credit = (key[0], group[0].epoch, owed)
         return more
 
     @staticmethod
@@ -237,6 +275,8 @@ class TinyBatchQueue:
 
     def forget_generation(self, generation: int) -> None:
         """An iterator stopped early: forget its unfinished mini-batches."""
+        if self.credit is not None and self.credit[0] == generation:
+            self.credit = None
         for key in [k for k in self.batches if k[0] == generation]:
             self.forget(key)
 
