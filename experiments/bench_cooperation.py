@@ -12,12 +12,14 @@ DALI's CPU backend stands in for the GPU. One run, rounds interleaved (the order
                 in the training process, are not)
   Y+Z side_by_side (`--side-by-side`) Y and Z at once, DALI alone in a process of its own: the two
                 halves as two jobs sharing the machine without cooperating; X / (Y+Z side by side)
-The training step sleeps `--step-us` per image (the GIL released, as a GPU step's host side mostly
-is). The accelerator's gain is (X - Y) / Z, the share of DALI alone's rate it adds on top of the CPU
-workers (issue 41: required >= 0.6, goal >= 0.85). Also reported for X, from `loader.stats`: the
-accelerator's share of the samples, its runs and samples per run, and the feeding thread's CPU time
-per accelerator sample (thread CPU time of the training process's accelerator thread: what the GPU
-half costs the training process's cores).
+The training step sleeps `--step-us` per image (the GIL released, as a GPU step's host side mostly is). Each
+candidate runs ahead of its consumer and refills its bank after its round: before a round the machine is let
+go quiet (`harness.settle`) so that no neighbour's refill runs in it, and the round's first batches (the
+candidate's bank, then SETTLED more) are not timed. The accelerator's gain is (X - Y) / Z, the share of DALI
+alone's rate it adds on top of the CPU workers (issue 41: required >= 0.6, goal >= 0.85). Also reported for
+X, from `loader.stats`: the accelerator's share of the samples, its runs and samples per run, and the
+feeding thread's CPU time per accelerator sample (thread CPU time of the training process's accelerator
+thread: what the GPU half costs the training process's cores).
 
     .venv/bin/python -m experiments.bench_cooperation [--batch-sizes 64,256] [--rounds 5] [--images 512]
 """
@@ -29,22 +31,22 @@ import itertools
 import statistics
 import time
 
-from experiments.gpu_bench import dali_batches, endless, ff_loader
-from experiments.harness import medians, mixed_jpegs, provenance, result_path, rounds, write_json
+from experiments.gpu_bench import DALI_PREFETCH, dali_batches, endless, ff_loader
+from experiments.harness import medians, mixed_jpegs, provenance, result_path, rounds, settle, write_json
 
-SKIP = 3  # batches consumed untimed at a round's start: what the pipeline banked while the others ran
+SETTLED = 2  # batches consumed untimed after a candidate's bank, so its pipeline is at its steady rate
 
 
-def take(batches, n: int, step_s: float) -> tuple[int, float]:
-    """Consume SKIP + `n` batches from the iterator `batches`, sleeping `step_s` per image after each
-    (the training step); returns (images, seconds) of the last `n`. Every candidate runs ahead of its
-    consumer (a ring of prefetched mini-batches, DALI's prefetch queue) and fills it while the other
-    candidates are timed: the first SKIP batches drain that bank, so a round times production."""
-    images, t0 = 0, None
-    for k, (x, _) in enumerate(itertools.islice(batches, SKIP + n)):
-        if k == SKIP:
+def take(batches, n: int, step_s: float, bank: int) -> tuple[int, float]:
+    """Consume `bank` + SETTLED + `n` batches from the iterator `batches`, sleeping `step_s` per image
+    after each (the training step); returns (images, seconds) of the last `n`. Every candidate runs
+    ahead of its consumer (a loader's ring of `bank` mini-batches, DALI's prefetch queue) and fills it
+    between its rounds: the untimed batches drain that bank, so a round times production."""
+    images, t0, skip = 0, None, bank + SETTLED
+    for k, (x, _) in enumerate(itertools.islice(batches, skip + n)):
+        if k == skip:
             t0 = time.perf_counter()
-        if k >= SKIP:
+        if k >= skip:
             images += len(x)
         time.sleep(step_s * len(x))
     return images, time.perf_counter() - t0
@@ -81,18 +83,22 @@ def candidates(data, args, batch_size: int) -> tuple[dict, dict]:
         )
         streams["ff_dali_pinned"] = endless(loaders["ff_dali_pinned"])
 
-    def timed(stream):
-        def go():  # the round's rate, img/s
-            images, seconds = take(stream, batches, step_s)
+    def timed(name, stream):
+        bank = loaders[name].prefetch_factor if name in loaders else DALI_PREFETCH
+
+        def go():  # the round's rate, img/s, once the others' refills are done
+            settled[name].append(settle())
+            images, seconds = take(stream, batches, step_s, bank)
             return images / seconds
 
         return go
 
-    runs = {name: timed(s) for name, s in streams.items()}
+    settled = {name: [] for name in streams}
+    runs = {name: timed(name, s) for name, s in streams.items()}
     if args.side_by_side:  # closed with the loaders
-        loaders["side_by_side"] = SideBySide(data, args, batch_size, batches, streams["cpu_only"])
+        loaders["side_by_side"] = SideBySide(data, args, batch_size, batches, streams["cpu_only"], y.prefetch_factor)
         runs["side_by_side"] = loaders["side_by_side"].round
-    return runs, loaders
+    return runs, loaders, settled
 
 
 class SideBySide:
@@ -102,10 +108,10 @@ class SideBySide:
     clock): their sum is what running both without cooperation gives, the fair reference for X.
     `round()` returns the sum; `parts` keeps (Y, Z) per round."""
 
-    def __init__(self, data, args, batch_size: int, batches: int, y_stream):
+    def __init__(self, data, args, batch_size: int, batches: int, y_stream, bank: int):
         import multiprocessing as mp
 
-        self.y, self.batches, self.step_s, self.parts = y_stream, batches, args.step_us * 1e-6, []
+        self.y, self.bank, self.batches, self.step_s, self.parts = y_stream, batches, args.step_us * 1e-6, []
         self.conn, child = mp.get_context("spawn").Pipe()
         work = (data, batch_size, args.dali_threads, batches, self.step_s)
         self.proc = mp.get_context("spawn").Process(target=dali_server, args=(child, *work), daemon=True)
@@ -116,8 +122,9 @@ class SideBySide:
     def round(self) -> float:
         """DALI's round of `batches` batches in its process; the CPU loader timed here until DALI's is done,
         so each runs beside the other for the whole of its window."""
+        settle()
         self.conn.send(True)
-        for x, _ in itertools.islice(self.y, SKIP):  # its bank, untimed, as DALI's own take() skips
+        for x, _ in itertools.islice(self.y, self.bank + SETTLED):  # its bank, untimed, as DALI's take() skips
             time.sleep(self.step_s * len(x))
         images, t0 = 0, time.perf_counter()
         while not self.conn.poll():
@@ -143,7 +150,7 @@ def dali_server(conn, data, batch_size: int, threads: int, batches: int, step_s:
     next(z)
     conn.send(None)
     while conn.recv():
-        images, seconds = take(z, batches, step_s)
+        images, seconds = take(z, batches, step_s, DALI_PREFETCH)
         conn.send(images / seconds)
 
 
@@ -161,9 +168,11 @@ def dali_cpu(threads: int, **knobs):
 
 
 def run_batch_size(data, args, batch_size: int) -> dict:
-    runs, loaders = candidates(data, args, batch_size)
+    runs, loaders, settled = candidates(data, args, batch_size)
     for go in runs.values():  # warm-up: pipelines built, workers started, caches filled
         go()
+    for waits in settled.values():
+        waits.clear()  # the warm-up's
     x_stats0 = dict(vars(loaders["ff_dali"].stats))
     xs_stats0 = dict(vars(loaders["ff_dali_smallest"].stats)) if "ff_dali_smallest" in loaders else {}
     xp_stats0 = dict(vars(loaders["ff_dali_pinned"].stats)) if "ff_dali_pinned" in loaders else {}
@@ -181,6 +190,7 @@ def run_batch_size(data, args, batch_size: int) -> dict:
     row = {
         "batch_size": batch_size,
         "rates": rates,
+        "settle_seconds": settled,  # each round's wait for the machine to go quiet before it
         "median": med,
         "gain": (x - y) / z,
         # the same per round, then the median: the rounds' candidates ran side by side, so a slow
@@ -224,7 +234,8 @@ def run_batch_size(data, args, batch_size: int) -> dict:
     print(
         f"batch {batch_size}: Y (CPU workers) {y:.0f}, Z (DALI alone) {z:.0f}, X (CPU workers + DALI) {x:.0f} "
         f"img/s; gain (X-Y)/Z {row['gain']:.2f} (per round, median {row['gain_paired']:.2f}), "
-        f"X/(Y+Z) {row['x_over_y_plus_z']:.2f}; {row['accelerator']}",
+        f"X/(Y+Z) {row['x_over_y_plus_z']:.2f}; {row['accelerator']}; waits for quiet before each round (s): "
+        + ", ".join(f"{n} {statistics.median(v):.1f}" for n, v in settled.items() if v),
         flush=True,
     )
     return row

@@ -76,6 +76,36 @@ def mixed_jpegs(n: int, procs: int | None = None) -> list[bytes]:
 
 
 # ---------------------------------------------------------------- timing
+def cpu_idle_fraction(seconds: float) -> float:
+    """The machine's idle share of all its cores over the next `seconds` (from /proc/stat; 1.0 where
+    there is no /proc)."""
+
+    def sample():
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all (guest time is in user)
+
+    try:
+        idle0, total0 = sample()
+        time.sleep(seconds)
+        idle1, total1 = sample()
+    except OSError:
+        time.sleep(seconds)
+        return 1.0
+    return (idle1 - idle0) / max(1, total1 - total0)
+
+
+def settle(idle: float = 0.85, window: float = 0.25, limit: float = 60.0) -> float:
+    """Wait until the machine is quiet -- `idle` of its cores idle over a `window` -- or `limit` seconds
+    have passed; returns the seconds waited. A candidate that runs ahead of its consumer (a loader's
+    ring, DALI's prefetch queue) refills its bank after its round: without this, that refill runs in the
+    next candidate's timed window and a candidate is timed against its neighbour's leftovers."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit and cpu_idle_fraction(window) < idle:
+        pass
+    return time.perf_counter() - t0
+
+
 def rotation(names: Iterable, r: int) -> list:
     """`names` in round r's order: rotated by r, so who goes first changes every round (two names
     alternate: A B, B A, A B ...) and neither a drift in the machine's load nor a place in the round

@@ -19,7 +19,9 @@ themselves, runs `python experiments/<bench>.py`. So "before" may be any old com
 Metrics: `loader` reads FusionFlowLoader's img/s and its ratio to DataLoader + torchvision (that
 ratio cancels most of the machine's drift); `cpu` reads the per-core pipeline's fast and exact modes
 against torchvision (bench_cpu_pipeline); `ddp` reads the lending-on img/s and the on/off ratio;
-`remote` reads bench_remote.py's 1 local + 1 actor and 2 local img/s, the training process's CPU per
+`cooperation` reads bench_cooperation's first batch size: the gain (X - Y)/Z, its per-round median, X's
+img/s and X/(Y+Z) (give both trees the same bench_cooperation to compare the loaders alone); `remote` reads
+bench_remote.py's 1 local + 1 actor and 2 local img/s, the training process's CPU per
 image with and without the actor, and the bare Ray round trip.
 """
 
@@ -58,6 +60,15 @@ BENCHES = {
             "lending_on_img_per_s": ("median", "on", "img_per_s"),
             "lending_off_img_per_s": ("median", "off", "img_per_s"),
             "on_over_off": ("ratio", "throughput_on_over_off"),
+        },
+    ),
+    "cooperation": (
+        "bench_cooperation",
+        {
+            "gain": ("rows", 0, "gain"),
+            "gain_per_round": ("rows", 0, "gain_paired"),
+            "x_img_per_s": ("rows", 0, "median", "ff_dali"),
+            "x_over_y_plus_z": ("rows", 0, "x_over_y_plus_z"),
         },
     ),
     "remote": (
