@@ -18,7 +18,9 @@ Reported per batch size, over the timed epochs:
                         pass times it without one), and calls per sample with it
   samples_per_run       the runs' mean size
 With `--tiny` the images are 32 px (16 px out): DALI's own work vanishes and the 2-core machine is not
-saturated, so thread times are the feeder's, not contention's. Medians over `--rounds`.
+saturated, so thread times are the feeder's, not contention's. With `--step-us` the training loop sleeps that
+long per image: training is the bottleneck, the loader runs ahead and nobody waits for a run in flight, as
+on a GPU-bound training (by default training waits for every run). Medians over `--rounds`.
 
     .venv/bin/python -m experiments.bench_feeder [--batch-sizes 32,256] [--tiny] [--rounds 3]
 """
@@ -100,8 +102,8 @@ def one_pass(data, args, batch_size: int, counter: CallCounter | None) -> dict:
             pass
         before, calls0 = dict(vars(loader.stats)), counter.calls if counter else 0
         for _ in range(args.epochs - 1):
-            for _ in loader:
-                pass
+            for x, _ in loader:
+                time.sleep(args.step_us * 1e-6 * len(x))  # a training step (GIL released), 0 by default
         after = dict(vars(loader.stats))
     finally:
         loader.close()
@@ -134,6 +136,9 @@ def main() -> None:
     ap.add_argument("--worker-delay-ms", type=float, default=20.0, help="added to each read in a CPU worker")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tiny", action="store_true", help="32 px images: the feeder's cost without DALI's work")
+    ap.add_argument(
+        "--step-us", type=float, default=0.0, help="training step's sleep per image: > 0 lets the loader run ahead"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from experiments.harness import mixed_jpegs

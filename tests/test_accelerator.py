@@ -538,3 +538,39 @@ def test_shares_taken_ahead_on_a_shared_device_lose_and_repeat_no_sample(monkeyp
         assert ld.stats.accelerator_samples > 0 and any(taken_ahead)
     finally:
         ld.close()
+
+
+def test_a_full_pipeline_collects_an_unawaited_share_run_near_its_expected_end_not_at_once():
+    """DALI's outputs() polls while it waits (CPU of the training process): with DEPTH runs in flight the
+    thread waits on the board instead, until 0.95 of the oldest share run's expected time (its samples at the
+    split rule's rate, from the later of its start and the last completion). It collects at once when that
+    run is awaited, a tail run, fewer than DEPTH are in flight, the rate is not measured yet, or it is late."""
+    from types import SimpleNamespace
+
+    from fusionflow.accel.accelerator import DEPTH, AcceleratorWorker
+    from fusionflow.scheduling.queue import Work
+
+    def work(seq):
+        return Work(seq, 1, 0, 0, (0, 1, 2, 3), (0, 1, 2, 3))
+
+    now = time.monotonic()
+    oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
+    others = [([work(2)], now, False, ("pipeline", None))] * (DEPTH - 1)
+
+    def early(entry=oldest, accel_s=0.01, awaited=None, active=None, last_done=0.0, gated=False):
+        me = SimpleNamespace(
+            shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s)),
+            gated=gated,
+            _active=[entry, *others] if active is None else active,
+            _last_done=last_done,
+            board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited)),
+        )
+        return AcceleratorWorker._early(me, entry)
+
+    assert 0.95 * 0.08 - 0.01 - 0.005 < early() <= 0.95 * 0.08 - 0.01  # 8 samples at 10 ms, begun 10 ms ago
+    assert early(last_done=now) > early()  # it began when the run before it completed
+    assert early(awaited=(1, 1)) == 0.0  # training waits for mini-batch 1: no waiting
+    assert early(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
+    assert early(active=[oldest]) == 0.0  # a run could be submitted meanwhile: the old blocking collect
+    assert early(accel_s=None) == 0.0 and early(gated=True) == 0.0
+    assert early(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end

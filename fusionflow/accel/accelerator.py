@@ -1,39 +1,32 @@
 """The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline the
 largest tiny-batches of the local manager's queue and writes each output to its mini-batch position.
 
-One DALI run takes the accelerator's share of a mini-batch: its G largest samples, as whole
-tiny-batches (the board's `reserved`; more than one run only above `max_images` samples), with the
-whole shares of up to MERGE_SHARES - 1 next mini-batches that fit. G comes from the split rule
-(scheduling/split.py), fed by `shares` (accel/share_feed.py).
+One DALI run takes the accelerator's share of a mini-batch (its G largest samples, whole tiny-batches,
+from the split rule: scheduling/split.py fed by accel/share_feed.py), with up to MERGE_SHARES - 1 next
+shares that fit (or, on a GPU, taken ahead: the queue's `_borrowed`).
 
-Running ahead, as DALI's own iterators do: up to DEPTH runs are in flight (DALI's dynamic executor):
-the thread takes the share of the oldest mini-batch whose share nobody has taken -- ahead of the one
-training waits for -- submits it while DALI works on the one before, and collects runs in order. When
-training waits for a mini-batch whose CPU side is late, it takes a tail run of that mini-batch's
-largest unstarted tiny-batches (the share's fraction). A run's samples are read with whole-run
-operations (accel/run_read.py: the dataset's batched read, header sizes read once and gathered,
-accel/header_sizes.py); its draws, windows and op parameters are made by a helper process as dense
-arrays (accel/host_inputs.py; in this thread if it is gone) and fed as one packed array; the encoded
-bytes go to DALI without a copy. The thread's CPU time is `accelerator_feed_cpu_seconds`: what the
-GPU half costs the training process (the helper's: `accelerator_inputs_cpu_seconds`).
+Running ahead, as DALI's own iterators do: up to DEPTH runs in flight (DALI's dynamic executor): the
+share of the oldest mini-batch whose share nobody took -- ahead of the one training waits for -- is
+submitted while DALI works on the one before; runs are collected in order. When training waits for a
+mini-batch whose CPU side is late, a tail run takes its largest unstarted tiny-batches (the share's
+fraction). A run is read with whole-run operations (accel/run_read.py, accel/header_sizes.py); its draws
+and op parameters come from a helper process as dense arrays (accel/host_inputs.py), fed as one packed
+array; encoded bytes go to DALI uncopied. The thread's CPU time is `accelerator_feed_cpu_seconds` (the
+helper's: `accelerator_inputs_cpu_seconds`).
 
-`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`)
-that the loader merges with the CPU workers' positions at delivery. `device="cpu"`: DALI's CPU
-backend stands in (machines without a GPU, the tests): outputs land in the shared host ring.
+`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged
+with the CPU workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring.
 
-A tiny-batch it cannot run (not encoded bytes, a header over the policy's decode.max_pixels -- DALI
-never sees it --, or one DALI cannot decode) goes back to the queue marked CPU-only; the CPU workers
-produce it or report the precise sample (an over-limit one as ImageTooLargeError).
+A tiny-batch it cannot run (not encoded bytes, a header over decode.max_pixels, one DALI cannot decode)
+goes back marked CPU-only; the CPU workers produce it or report the precise sample.
 
 Sharing the GPU with training: `temporal` works only inside the loader's prep window (one run in
 flight, each after a blocking CUDA event of the training work queued before next()), with the
 allocator bridge lending PyTorch's free blocks to DALI for the window; `spatial` runs concurrently.
 
-A worker kind (runtime/board.py, `add_worker_kind`): it uses the board's interface only. A failed run
-discards the pipeline (rebuilt on the next run) and every run in flight: the CPU workers take them;
-out of device memory is logged as such. After `MAX_FAILURES` failed runs in a row, a pipeline that
-cannot be rebuilt, or a run past the stall bound (`watch`, from the manager thread), it retires.
-Pipelines and the helper are closed at `stop()`; the DALI-Naive ablation closes each after its run.
+A worker kind (runtime/board.py, `add_worker_kind`). A failed run discards the pipeline (rebuilt on the next
+run) and every run in flight: the CPU workers take them. After `MAX_FAILURES` failed runs in a row, a pipeline
+that cannot be rebuilt, or a run past the stall bound (`watch`), it retires. `stop()` closes pipelines and helper.
 """
 
 from __future__ import annotations
@@ -173,10 +166,7 @@ class AcceleratorWorker:
         pipeline, self.pipeline = self.pipeline, None
         if pipeline is not None:
             if self._thread.is_alive() and self._thread is not threading.current_thread():  # stuck in a tiny-batch
-                log.warning(
-                    "the accelerator thread did not stop within 10 s; its DALI pipeline is left to "
-                    "the garbage collector"
-                )
+                log.warning("the accelerator thread did not stop within 10 s; its DALI pipeline is left to the GC")
             else:
                 pipeline.close()
         if self.inputs is not None:
@@ -186,11 +176,7 @@ class AcceleratorWorker:
         """Under board.cond: take no more work; the CPU workers get everything, reservations included."""
         self.retired = self.counters.accelerator_retired = why
         self.board.drop_reservations()
-        log.warning(
-            "the DALI accelerator is retired for the rest of this loader's run (%s); the CPU workers "
-            "take every tiny-batch",
-            why,
-        )
+        log.warning("the DALI accelerator is retired for this loader's run (%s); the CPU workers take all", why)
 
     def watch(self, now: float) -> None:
         """Under board.cond, from the manager thread each turn: the oldest run in flight past the stall bound
@@ -222,9 +208,9 @@ class AcceleratorWorker:
                         group = board.take_accel(self.largest_first, self.max_images, tail, merge, self.borrow)
                         if group:
                             break
-                    if inflight:
+                    if inflight and not (early := self._early(inflight[0])):
                         break
-                    board.cond.wait(0.5)
+                    board.cond.wait(early if inflight else 0.5)
                 if self._stop or self.retired:
                     lost, inflight[:] = list(inflight), []
                     board.requeue([w for g, *_ in lost for w in g])
@@ -240,6 +226,20 @@ class AcceleratorWorker:
             with board.cond:
                 self.counters.accelerator_feed_cpu_seconds += time.thread_time() - cpu0
             board.wake()
+
+    def _early(self, entry) -> float:
+        """Under board.cond: seconds until the oldest run should be done, if worth waiting (0: collect now).
+        DALI's outputs() polls while it waits (~2 ms of CPU a 170 ms run on its CPU backend, 0.4 once done):
+        with DEPTH runs in flight (nothing to submit meanwhile), a share run nobody awaits is collected at
+        0.95 of its expected time (the split rule's rate)."""
+        group, started, tail, payload = entry
+        g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
+        if g is None or tail or payload is None or len(self._active) < DEPTH:
+            return 0.0
+        if self.board.queue.awaited in {w.key for w in group}:
+            return 0.0
+        left = max(started, self._last_done) + 0.95 * g * sum(len(w.positions) for w in group) - time.monotonic()
+        return left if left > 0.002 else 0.0
 
     def _guarded(self, step, group) -> None:
         """Run `step` (submit or collect); an unexpected failure gives every run in flight back to the
