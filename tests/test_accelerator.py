@@ -533,7 +533,7 @@ def test_shares_taken_ahead_on_a_shared_device_lose_and_repeat_no_sample(monkeyp
             labels = []
             for _, y in ld:
                 labels += y.tolist()
-                time.sleep(0.02)  # a training step: the ring fills, the newest mini-batch has three before it
+                time.sleep(0.05)  # a training step: the ring fills, the newest mini-batch has three before it
             assert sorted(labels) == list(range(61))
         assert ld.stats.accelerator_samples > 0 and any(taken_ahead)
     finally:

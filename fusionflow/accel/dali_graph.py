@@ -40,8 +40,9 @@ from fusionflow.policy.op_specs import NUM_PARAMS
 log = logging.getLogger(__name__)
 
 # DALI's CPU backend yields a contended core to the loader's CPU workers: they make ~3.4x its images per
-# core (1,012 against 283 img/s, bench_cooperation 2026-11-27), and beside it they ran 0.89 of a core,
-# waiting 0.09 to be scheduled (0.95 and 0.02 with this). On a GPU its threads feed the device: left as is.
+# core (1,012 against 283 img/s, bench_cooperation 2026-11-27), and beside it a worker ran 0.86-0.89 of a
+# core, waiting 0.09 to be scheduled (0.92-0.95 and 0.02-0.04 with this; its effect on the rate is within
+# that benchmark's noise). On a GPU its threads feed the device: left as they are.
 CPU_BACKEND_NICE = 10
 
 
@@ -266,8 +267,9 @@ def _thread_ids() -> set[int]:
 def _lower_priority(threads: set[int], nice: int) -> None:
     """Raise by `nice` the nice value of `threads`, those that appeared while DALI built a pipeline: DALI's
     (each names itself "[DALI]..." once it runs, maybe only after the build returned, so they are known
-    by when they appeared, not by name). Linux's nice is per thread; raising it needs no privilege. A
-    thread gone already is skipped."""
+    by when they appeared, not by name; a thread another part of the process started in that instant
+    would be lowered too). Linux's nice is per thread; raising it needs no privilege. A thread gone
+    already is skipped."""
     for tid in threads - {threading.get_native_id()}:
         try:
             os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
