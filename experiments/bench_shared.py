@@ -40,7 +40,17 @@ import threading
 import time
 import uuid
 
-from experiments.harness import RESULTS, ROOT, data_path, image_folder, module_command, provenance, rotation, write_json
+from experiments.harness import (
+    RESULTS,
+    ROOT,
+    cpu_ticks,
+    data_path,
+    image_folder,
+    module_command,
+    provenance,
+    rotation,
+    write_json,
+)
 
 DATA = data_path("shared")
 
@@ -88,11 +98,9 @@ def job(a) -> int:
 
 
 def _busy_cpu_seconds() -> float:
-    """CPU time this machine has spent busy, all cores (from /proc/stat)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+    """CPU time this machine has spent busy, all cores (harness.cpu_ticks)."""
+    idle, total = cpu_ticks()
+    return (total - idle) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuSampler:

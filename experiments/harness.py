@@ -76,19 +76,20 @@ def mixed_jpegs(n: int, procs: int | None = None) -> list[bytes]:
 
 
 # ---------------------------------------------------------------- timing
+def cpu_ticks() -> tuple[int, int]:
+    """(idle, all) clock ticks this machine's cores have spent since boot, from /proc/stat (idle counts
+    iowait; guest time is inside user). Raises OSError where there is no /proc."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])
+
+
 def cpu_idle_fraction(seconds: float) -> float:
-    """The machine's idle share of all its cores over the next `seconds` (from /proc/stat; 1.0 where
-    there is no /proc)."""
-
-    def sample():
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-        return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all (guest time is in user)
-
+    """The machine's idle share of all its cores over the next `seconds` (1.0 where there is no /proc)."""
     try:
-        idle0, total0 = sample()
+        idle0, total0 = cpu_ticks()
         time.sleep(seconds)
-        idle1, total1 = sample()
+        idle1, total1 = cpu_ticks()
     except OSError:
         time.sleep(seconds)
         return 1.0
