@@ -540,11 +540,12 @@ def test_shares_taken_ahead_on_a_shared_device_lose_and_repeat_no_sample(monkeyp
         ld.close()
 
 
-def test_a_full_pipeline_collects_an_unawaited_share_run_near_its_expected_end_not_at_once():
-    """DALI's outputs() polls while it waits (CPU of the training process): with DEPTH runs in flight the
-    thread waits on the board instead, until 0.95 of the oldest share run's expected time (its samples at the
-    split rule's rate, from the later of its start and the last completion). It collects at once when that
-    run is awaited, a tail run, fewer than DEPTH are in flight, the rate is not measured yet, or it is late."""
+def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once():
+    """DALI's outputs() wakes at every task its executor finishes while it waits (CPU of the training
+    process): the thread waits on the board instead, until 0.95 of the oldest share run's expected time (its
+    samples at the split rule's rate, from the later of its start and the last completion), with one run in
+    flight or DEPTH. The time chosen is kept while it waits; it collects at once when that run is awaited, a
+    tail run, the rate is not measured yet, temporal sharing gates it, or it is late."""
     from types import SimpleNamespace
 
     from fusionflow.accel.accelerator import DEPTH, AcceleratorWorker
@@ -557,7 +558,7 @@ def test_a_full_pipeline_collects_an_unawaited_share_run_near_its_expected_end_n
     oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
     others = [([work(2)], now, False, ("pipeline", None))] * (DEPTH - 1)
 
-    def early(entry=oldest, accel_s=0.01, awaited=None, active=None, last_done=0.0, gated=False):
+    def due(entry=oldest, accel_s=0.01, awaited=None, active=None, last_done=0.0, gated=False, chosen=0.0):
         me = SimpleNamespace(
             shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s)),
             gated=gated,
@@ -565,12 +566,13 @@ def test_a_full_pipeline_collects_an_unawaited_share_run_near_its_expected_end_n
             _last_done=last_done,
             board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited)),
         )
-        return AcceleratorWorker._early(me, entry)
+        return AcceleratorWorker._due(me, entry, chosen)
 
-    assert 0.95 * 0.08 - 0.01 - 0.005 < early() <= 0.95 * 0.08 - 0.01  # 8 samples at 10 ms, begun 10 ms ago
-    assert early(last_done=now) > early()  # it began when the run before it completed
-    assert early(awaited=(1, 1)) == 0.0  # training waits for mini-batch 1: no waiting
-    assert early(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
-    assert early(active=[oldest]) == 0.0  # a run could be submitted meanwhile: the old blocking collect
-    assert early(accel_s=None) == 0.0 and early(gated=True) == 0.0
-    assert early(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end
+    assert abs(due() - (now - 0.01 + 0.95 * 0.08)) < 1e-9  # 8 samples at 10 ms, begun 10 ms ago
+    assert abs(due(active=[oldest]) - due()) < 1e-9  # alone in flight: the same (the blocking wait burnt CPU)
+    assert due(last_done=now) > due()  # it began when the run before it completed
+    assert due(chosen=now + 0.5) == now + 0.5  # chosen before: kept, whatever the rate says now
+    assert due(awaited=(1, 1)) == 0.0 and due(awaited=(1, 1), chosen=now + 0.5) == 0.0  # training waits for it
+    assert due(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
+    assert due(accel_s=None) == 0.0 and due(gated=True) == 0.0
+    assert due(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end

@@ -227,24 +227,41 @@ def test_requeue_puts_work_back_at_the_front_in_order_and_drops_forgotten_work()
 def test_complete_counts_per_mini_batch():
     q = queue_with([3, 1, 2, 4], tiny_batch_size=2)
     a, b = q.take_cpu(), accel(q)
-    state = q.complete(a, ["f"], on_accelerator=False, targets={0: "x"}, now=11.0)
+    (state,) = q.complete([(a, {0: "x"})], ["f"], on_accelerator=False, now=11.0)
     assert state.remaining == 2 and state.failures == ["f"] and state.targets == {0: "x"}
     assert state.cpu_done_at == 11.0 and state.accel_done_at == 0.0
-    state = q.complete(b, [], on_accelerator=True, targets=None, now=12.5)
+    assert q.complete([(b, None)], [], on_accelerator=True, now=12.5) == [state]
     assert state.remaining == 0 and state.accel_done_at == 12.5
     assert sorted(state.accel_positions) == sorted(b.positions)
     assert q.current_key() is None  # done: it stays tracked until forgotten
     assert (1, 0) in q.batches
     q.forget((1, 0))
-    assert q.complete(a, [], on_accelerator=False, targets=None, now=13.0) is None
+    assert q.complete([(a, None)], [], on_accelerator=False, now=13.0) == []
     assert not q.tracks(a)
+
+
+def test_complete_takes_a_run_of_tiny_batches_over_mini_batches():
+    """An accelerator run's tiny-batches, two mini-batches' shares and one no longer tracked: each state
+    once, in order, every sample counted, positions and targets merged."""
+    q = queue_with([5, 1, 4, 2], [8, 3, 7, 6], [9, 9], tiny_batch_size=1)
+    works = [w for key in list(q.queues) for w in q.queues[key]]
+    first, second, gone = [w for w in works if w.seq == 0], [w for w in works if w.seq == 1], works[-1]
+    q.forget(gone.key)
+    done = [(w, {w.positions[0]: "t"} if w is first[0] else None) for w in first[:3] + second + [gone]]
+    states = q.complete(done, ["f"], on_accelerator=True, now=2.0)
+    assert [(s.seq, s.remaining) for s in states] == [(0, 1), (1, 0)]
+    assert states[0].failures == ["f"] and states[1].failures == []
+    assert sorted(states[0].accel_positions) == sorted(p for w in first[:3] for p in w.positions)
+    assert sorted(states[1].accel_positions) == [0, 1, 2, 3]
+    assert states[0].targets == {first[0].positions[0]: "t"} and states[1].targets == {}
+    assert all(s.accel_done_at == 2.0 and s.cpu_done_at == 0.0 for s in states)
 
 
 def test_current_key_and_waiting():
     q = queue_with([1, 2, 3], [4, 5], reserved=1)
     assert q.current_key() == (1, 0) and q.waiting((1, 0)) == 2 and q.waiting(None) == 0
     for work in [q.take_cpu(), q.take_cpu(), accel(q)]:
-        q.complete(work, [], False, None, 0.0)
+        q.complete([(work, None)], [], False, 0.0)
     assert q.current_key() == (1, 1) and q.waiting((1, 0)) == 0
 
 

@@ -11,8 +11,8 @@ submitted while DALI works on the one before; runs are collected in order. When 
 mini-batch whose CPU side is late, a tail run takes its largest unstarted tiny-batches (the share's
 fraction). A run is read with whole-run operations (accel/run_read.py, accel/header_sizes.py); its draws
 and op parameters come from a helper process as dense arrays (accel/host_inputs.py), fed as one packed
-array; encoded bytes go to DALI uncopied. The thread's CPU time is `accelerator_feed_cpu_seconds` (the
-helper's: `accelerator_inputs_cpu_seconds`).
+array; encoded bytes go to DALI uncopied. The thread's CPU time is `accelerator_feed_cpu_seconds`, landing
+outputs in the ring `accelerator_land_cpu_seconds` of it (the helper's: `accelerator_inputs_cpu_seconds`).
 
 `device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged
 with the CPU workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring.
@@ -32,6 +32,7 @@ that cannot be rebuilt, or a run past the stall bound (`watch`), it retires. `st
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 import time
 
@@ -42,12 +43,14 @@ from fusionflow.accel.run_read import read_run
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.runtime import liveness, targets
+from fusionflow.scheduling.queue import images
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
 RUN_IMAGES = 256  # samples per DALI run at most: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
 DEPTH = 2  # DALI runs in flight at once (not gated): DALI works on one while the next is prepared
 MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed cost paid once for them
+_KEY, _COPIES = operator.attrgetter("generation", "seq"), operator.attrgetter("copies")  # a Work's key, copies
 
 
 class AcceleratorWorker:
@@ -117,7 +120,7 @@ class AcceleratorWorker:
         return len(self._active)
 
     def busy_with_stale(self, generation: int) -> bool:
-        return any(w.generation != generation for group, *_ in self._active for w in group)
+        return any(group[0].generation != generation for group, *_ in self._active)  # a run is one iterator's
 
     @property
     def gated(self) -> bool:
@@ -194,23 +197,23 @@ class AcceleratorWorker:
     def _run(self) -> None:
         """Take a run, prepare and submit it, and collect the oldest when `DEPTH` are in flight (one
         while gated: temporal sharing's window must close on a finished run) or nothing else is to be
-        had: DALI works on one run while this thread prepares the next."""
+        had: DALI works on one run while this thread prepares the next. Once it chose to wait for the oldest
+        (`_due`), it takes nothing more until that is collected, as if blocked in DALI's outputs()."""
         board, inflight = self.board, self._active
         while True:
             with board.cond:
-                group = None
+                group, due = None, 0.0
                 while not self._stop and not self.retired:
-                    if len(inflight) < (1 if self.gated else DEPTH) and not (
-                        board.draining() or (self.gated and not self.window_open)
-                    ):
+                    room = not due and len(inflight) < (1 if self.gated else DEPTH)
+                    if room and not (board.draining() or (self.gated and not self.window_open)):
                         merge = 1 if self.gated else MERGE_SHARES
                         tail = self.shares.tail_fraction if self.shares is not None else None
                         group = board.take_accel(self.largest_first, self.max_images, tail, merge, self.borrow)
                         if group:
                             break
-                    if inflight and not (early := self._early(inflight[0])):
+                    if inflight and not (due := self._due(inflight[0], due)):
                         break
-                    board.cond.wait(early if inflight else 0.5)
+                    board.cond.wait(due - time.monotonic() if inflight else 0.5)
                 if self._stop or self.retired:
                     lost, inflight[:] = list(inflight), []
                     board.requeue([w for g, *_ in lost for w in g])
@@ -227,19 +230,17 @@ class AcceleratorWorker:
                 self.counters.accelerator_feed_cpu_seconds += time.thread_time() - cpu0
             board.wake()
 
-    def _early(self, entry) -> float:
-        """Under board.cond: seconds until the oldest run should be done, if worth waiting (0: collect now).
-        DALI's outputs() polls while it waits (~2 ms of CPU a 170 ms run on its CPU backend, 0.4 once done):
-        with DEPTH runs in flight (nothing to submit meanwhile), a share run nobody awaits is collected at
-        0.95 of its expected time (the split rule's rate)."""
+    def _due(self, entry, due: float) -> float:
+        """Under board.cond: when to collect the oldest run (`due`: the time chosen before; 0: now). DALI's
+        outputs() wakes at every task its executor finishes while it waits (~2 ms of CPU a 170 ms run on
+        the CPU backend, 0.4 once done): a share run nobody awaits is collected at 0.95 of its expected time
+        (the split rule's rate), the thread waiting on the board meanwhile; at once when training awaits it."""
         group, started, tail, payload = entry
         g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
-        if g is None or tail or payload is None or len(self._active) < DEPTH:
+        if g is None or tail or payload is None or self.board.queue.awaited in set(map(_KEY, group)):
             return 0.0
-        if self.board.queue.awaited in {w.key for w in group}:
-            return 0.0
-        left = max(started, self._last_done) + 0.95 * g * sum(len(w.positions) for w in group) - time.monotonic()
-        return left if left > 0.002 else 0.0
+        due = due or max(started, self._last_done) + 0.95 * g * images(group)
+        return due if due - time.monotonic() > 0.002 else 0.0
 
     def _guarded(self, step, group) -> None:
         """Run `step` (submit or collect); an unexpected failure gives every run in flight back to the
@@ -281,8 +282,8 @@ class AcceleratorWorker:
             pipeline = self._make()
             self.counters.accelerator_builds += 1
         indices = [i for w in runnable for i in w.indices]
-        copies = [c for w in runnable for c in (w.copies or (0,) * len(w.indices))]
-        copies = copies if any(copies) else None
+        any_copies = any(map(_COPIES, runnable))
+        copies = [c for w in runnable for c in (w.copies or (0,) * len(w.indices))] if any_copies else None
         with board.cond:  # the run in flight is what DALI was given
             entry = next(e for e in self._active if e[0] is group)
             self._active[self._active.index(entry)] = (runnable, entry[1], entry[2], (pipeline, labels))
@@ -333,6 +334,7 @@ class AcceleratorWorker:
             if not self._active or self._active[0][0] is not group:  # given up by `watch`: not ours to write
                 return
             self._writing = True
+        land = time.thread_time()
         try:
             if self.device_ring is not None:
                 self.device_ring.write(slots, positions, out)
@@ -342,6 +344,7 @@ class AcceleratorWorker:
         finally:
             with self.board.cond:
                 self._writing = False
+                self.counters.accelerator_land_cpu_seconds += time.thread_time() - land
         now = time.monotonic()
         with self.board.cond:
             self._active.pop(0)
@@ -366,13 +369,12 @@ class AcceleratorWorker:
         """Under board.cond: complete what DALI produced, give the rest back to the CPU workers (marked
         CPU-only); `ok` False counts a failed DALI run, None (not DALI's kind of sample) does not."""
         board = self.board
-        for work, side in done:
-            self.tiny_batches += 1
-            self.counters.accelerator_tiny_batches += 1
-            if board.trace is not None:
-                board.trace.tiny_batch(None, work, started, time.monotonic_ns(), board.sizes)
-            board.complete(work, [], on_accelerator=True, targets=side)
-        if done:
+        self.tiny_batches += len(done)
+        self.counters.accelerator_tiny_batches += len(done)
+        for work, _ in done if board.trace is not None else ():
+            board.trace.tiny_batch(None, work, started, time.monotonic_ns(), board.sizes)
+        if done:  # the run's tiny-batches in one go: the calls of one whatever their number
+            board.complete_many(done, [], on_accelerator=True)
             self.counters.accelerator_runs += 1
             self.failures_in_a_row = 0
         self.failures_in_a_row += ok is False

@@ -114,6 +114,7 @@ class LoaderStats(RuntimeCounters):
             "accelerator_samples": self.accelerator_samples,
             "accelerator_feed_cpu_seconds": self.accelerator_feed_cpu_seconds,
             "accelerator_inputs_cpu_seconds": self.accelerator_inputs_cpu_seconds,
+            "accelerator_land_cpu_seconds": self.accelerator_land_cpu_seconds,
             "accelerator_given_back": self.accelerator_given_back,
             "accelerator_builds": self.accelerator_builds,
             "accelerator_build_seconds": self.accelerator_build_seconds,

@@ -200,16 +200,20 @@ class Board:
     def complete(self, work: Work, failures, on_accelerator: bool, targets: dict | None = None) -> None:
         """Account a finished tiny-batch (lock held); `targets`: {position: target} of its samples whose
         target is not an int (runtime/targets.py)."""
+        self.complete_many([(work, targets)], failures, on_accelerator)
+
+    def complete_many(self, done: list, failures, on_accelerator: bool) -> None:
+        """Account finished tiny-batches, [(work, targets)] as `complete` takes one (lock held): an
+        accelerator run's, with the calls of one (the queue's `complete`)."""
         now = time.monotonic()
-        state = self.queue.complete(work, failures, on_accelerator, targets, now)
-        if state is None:
-            return
-        if state.remaining == 0:
-            self.completed_batches += 1
-            if self.trace is not None:
-                self.trace.mini_batch(state.slot, state.seq, state.size, int(state.submitted_at * 1e9), int(now * 1e9))
-            if self.on_batch_done is not None:
-                self.on_batch_done(state)
+        for state in self.queue.complete(done, failures, on_accelerator, now):
+            if state.remaining == 0:
+                self.completed_batches += 1
+                if self.trace is not None:
+                    start, end = int(state.submitted_at * 1e9), int(now * 1e9)
+                    self.trace.mini_batch(state.slot, state.seq, state.size, start, end)
+                if self.on_batch_done is not None:
+                    self.on_batch_done(state)
         self.cond.notify_all()
 
     def close_wake_pipe(self) -> None:

@@ -12,7 +12,10 @@ takes it (`forget`), or its iterator is abandoned (`forget_generation`).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
+import operator
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,6 +25,13 @@ from fusionflow.scheduling.tiny_batches import TinyBatch
 
 Key = tuple[int, int]  # (generation, seq): generations order iterators, seqs mini-batches within one
 RAN_AHEAD = math.inf  # share_taken of a mini-batch whose share ran in the previous one's run: none left
+_positions, _first = operator.attrgetter("positions"), operator.itemgetter(0)
+
+
+def images(works) -> int:
+    """Samples in `works`, counted by C-level calls (the accelerator's paths take the same number of
+    interpreter calls whatever a run's size: issue 41's feeder bar)."""
+    return sum(map(len, map(_positions, works)))
 
 
 @dataclass(eq=False)
@@ -169,7 +179,7 @@ class TinyBatchQueue:
         q = self.queues.get(self.awaited) if self.awaited is not None else None
         if not q or tail_fraction <= 0:  # no share: the split rule left the device to training, tails too
             return []
-        unstarted = sum(not w.cpu_only for w in q)
+        unstarted = len([w for w in q if not w.cpu_only])
         group = self._largest(q, largest_first, max(1, math.ceil(unstarted * tail_fraction)), max_images)
         self.took_tail = bool(group)
         return group
@@ -177,7 +187,7 @@ class TinyBatchQueue:
     def _merged(self, first: Key, group: list[Work], largest_first: bool, max_images: int, shares: int) -> list[Work]:
         """Up to `shares` whole shares of the mini-batches after `first` (its iterator and epoch) that fit
         in `max_images` beside `group`."""
-        images, more, epoch = sum(len(w.positions) for w in group), [], group[0].epoch
+        taken, more, epoch = images(group), [], group[0].epoch
         for key, q in self.queues.items():
             if key <= first or not q:
                 continue
@@ -187,12 +197,12 @@ class TinyBatchQueue:
             if not left:
                 continue
             candidates = [w for w in q if not w.cpu_only][:: -1 if largest_first else 1][:left]
-            size = sum(len(w.positions) for w in candidates)
-            if len(candidates) < left or images + size > max_images:
+            size = images(candidates)
+            if len(candidates) < left or taken + size > max_images:
                 break
             more += self._largest(q, largest_first, left, max_images)
             self.share_taken[key] = self.share_taken.get(key, 0) + left
-            images, shares = images + size, shares - 1
+            taken, shares = taken + size, shares - 1
         return more
 
     def _borrowed(self, key: Key, q: deque, group: list[Work], largest_first: bool, max_images: int, shares: int):
@@ -206,9 +216,9 @@ class TinyBatchQueue:
         if keys[-1] != key or len(keys) <= shares + 1 or self.credit is not None:
             return []
         candidates = [w for w in q if not w.cpu_only][:: -1 if largest_first else 1]
-        room = max_images - sum(len(w.positions) for w in group)
+        room = max_images - images(group)
         owed = max(0, min(len(candidates) - 1, shares * self.reserved)) // self.reserved if self.reserved else 0
-        while owed and sum(len(w.positions) for w in candidates[: owed * self.reserved]) > room:
+        while owed and images(candidates[: owed * self.reserved]) > room:
             owed -= 1
         if not owed:
             return []
@@ -224,15 +234,13 @@ class TinyBatchQueue:
         candidates = [w for w in q if not w.cpu_only]
         if largest_first:
             candidates.reverse()
-        group, images = [], 0
-        for work in candidates[:count]:
-            if group and images + len(work.positions) > max_images:
-                break
-            group.append(work)
-            images += len(work.positions)
-        if group:  # one pass, not a search per work taken
-            taken = {id(w) for w in group}
-            kept = [w for w in q if id(w) not in taken]
+        candidates = candidates[:count]
+        # the longest prefix within max_images, at least one: found by C-level calls, not a loop of calls
+        running = list(itertools.accumulate(map(len, map(_positions, candidates))))
+        group = candidates[: max(1, bisect.bisect_right(running, max_images))] if candidates else []
+        if group:  # one pass, not a search per work taken (works hash by identity)
+            taken = set(group)
+            kept = [w for w in q if w not in taken]
             q.clear()
             q.extend(kept)
         return group
@@ -246,23 +254,32 @@ class TinyBatchQueue:
                 q.appendleft(work)
 
     def complete(
-        self, work: Work, failures, on_accelerator: bool, targets: dict | None, now: float
-    ) -> BatchState | None:
-        """Count a finished tiny-batch; its mini-batch's state (done when `remaining` is 0), or None
-        when that mini-batch is no longer tracked."""
-        state = self.batches.get(work.key)
-        if state is None:
-            return None
-        state.failures.extend(failures)
-        if targets:
-            state.targets.update(targets)
-        state.remaining -= len(work.positions)
-        if on_accelerator:
-            state.accel_done_at = now
-            state.accel_positions.extend(work.positions)
-        else:
-            state.cpu_done_at = now
-        return state
+        self, done: list[tuple[Work, dict | None]], failures, on_accelerator: bool, now: float
+    ) -> list[BatchState]:
+        """Count finished tiny-batches (`done`: (work, its {position: target} not in the ring, or None),
+        `failures` those of the first); the states of their mini-batches still tracked, each once, in
+        order (one is done when its `remaining` is 0). The loop's body makes no calls: an accelerator
+        run's many tiny-batches cost the interpreter calls of one (issue 41's feeder bar)."""
+        states, batches = [], self.batches
+        for (work, targets), count in zip(done, map(len, map(_positions, map(_first, done)))):
+            key = (work.generation, work.seq)
+            state = batches[key] if key in batches else None
+            if state is None:
+                continue
+            if failures:
+                state.failures += failures
+                failures = None
+            if targets:
+                state.targets |= targets
+            state.remaining -= count
+            if on_accelerator:
+                state.accel_done_at = now
+                state.accel_positions += work.positions
+            else:
+                state.cpu_done_at = now
+            if not states or states[-1] is not state:
+                states.append(state)
+        return states
 
     def tracks(self, work: Work) -> bool:
         return work.key in self.batches
