@@ -19,9 +19,10 @@ Reported per batch size, over the timed epochs:
                         by a profile hook in a second pass (the hook slows the thread, so the first
                         pass times it without one), and calls per sample with it
   samples_per_run       the runs' mean size
-With `--tiny` the images are 32 px (16 px out): DALI's own work vanishes and the 2-core machine is not
-saturated, so thread times are the feeder's, not contention's. With `--step-us` the training loop sleeps that
-long per image: training is the bottleneck, the loader runs ahead and nobody waits for a run in flight, as
+With `--tiny` the images are 32 px (still 224 px out: the policy's size, resized up and landed): DALI's
+decoding shrinks and the 2-core machine is less saturated, so thread times are more the feeder's than
+contention's. With `--step-us` the training loop sleeps that long per image: training is the bottleneck,
+the loader runs ahead and nobody waits for a run in flight, as
 on a GPU-bound training (by default training waits for every run). Medians over `--rounds`.
 
     .venv/bin/python -m experiments.bench_feeder [--batch-sizes 32,256] [--tiny] [--rounds 3]

@@ -113,7 +113,7 @@ def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list
             runs.append(n)
             self.pending.append((n, clock.occupy(run_s + n * sample_s)))
 
-        def collect(self):
+        def collect(self, stream=None):
             n, end = self.pending.popleft()
             wait_until(end)
             return TimedOutput(self.zeros[:n])

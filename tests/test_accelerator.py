@@ -387,11 +387,11 @@ def test_a_hung_dali_run_is_given_up_and_its_late_outputs_dropped(monkeypatch, n
     monkeypatch.setattr(acc, "liveness", types.SimpleNamespace(stuck_bound=lambda mean: 1.0))
     real, release, hung = DaliPolicyPipeline.collect, threading.Event(), []
 
-    def collect(self):
+    def collect(self, stream=None):
         if not hung:
             hung.append([i for i in self._pending[0][0]])
             assert release.wait(120), "the test never released the hung run"
-        return real(self)
+        return real(self, stream)
 
     monkeypatch.setattr(DaliPolicyPipeline, "collect", collect)
     stored = []  # the runs whose outputs the accelerator wrote (it stores their targets right after)

@@ -30,9 +30,15 @@ from fusionflow.runtime import cuda_host  # noqa: E402
 class CpuStandIn(dali_graph.DaliPolicyPipeline):
     """The accelerator's 'GPU' pipeline, on DALI's CPU backend."""
 
+    collected_on: list = []  # the stream each collect was given (class-wide: the accelerator builds its own)
+
     def __init__(self, policy, batch_size, device="cpu", device_id=None, **kw):
         self.asked = (device, device_id)
         super().__init__(policy, batch_size, device="cpu", device_id=None, **kw)
+
+    def collect(self, stream=None):
+        CpuStandIn.collected_on.append(stream)
+        return super().collect(stream)  # a CPU pipeline: DALI's outputs are host-ordered whatever the stream
 
 
 @pytest.fixture
@@ -40,6 +46,7 @@ def fake(monkeypatch):
     cuda = FakeCuda(devices=2)
     cuda.install(monkeypatch, torch)
     monkeypatch.setattr(dali_graph, "DaliPolicyPipeline", CpuStandIn)
+    monkeypatch.setattr(CpuStandIn, "collected_on", [])
 
     def copy_out(out, dst, stream):  # DALI's copy_to_external, on `stream`
         cuda.log("copy", stream=stream)
@@ -120,6 +127,8 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
     assert len(accel_stream) == 1
     (accel_stream,) = accel_stream
     assert not accel_stream.default and accel_stream.device_index == 1
+    # DALI's outputs are asked for ordered on that stream: the host waits for no GPU work of DALI's
+    assert CpuStandIn.collected_on and all(s is accel_stream for s in CpuStandIn.collected_on)
     # 1. nothing on a default stream, every CUDA call with the loader's device current
     for x in r:
         if "stream" in x:

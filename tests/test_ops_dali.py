@@ -115,6 +115,31 @@ def test_variable_batch_and_no_rebuild(monkeypatch):
         dp.run(JPEGS[:5], list(range(5)))
 
 
+def test_collect_orders_a_gpu_pipelines_outputs_on_the_copy_stream_and_leaves_a_cpu_ones_host_ordered():
+    """DALI's host-ordered outputs wait on the host for the run's GPU work (a cudaEventSynchronize): on a
+    GPU, `collect(stream)` asks for them ordered on the stream the accelerator copies them on instead. DALI's
+    own call is recorded here (the pipeline runs on the CPU backend; only `device` says GPU)."""
+
+    class Recording:
+        def __init__(self, pipe):
+            self.pipe, self.streams = pipe, []
+
+        def outputs(self, cuda_stream=None):
+            self.streams.append(cuda_stream)
+            return self.pipe.outputs()  # the CPU backend's outputs, whatever was asked
+
+        def __getattr__(self, name):
+            return getattr(self.pipe, name)
+
+    with DaliPolicyPipeline("randaugment", batch_size=2) as dp:
+        dp._pipe = rec = Recording(dp._pipe)
+        for device, stream in [("cpu", "copy-stream"), ("gpu", None), ("gpu", "copy-stream")]:
+            dp.device = device
+            dp.submit(JPEGS[:2], [0, 1])
+            assert len(dp.collect(stream)) == 2
+        assert rec.streams == [None, None, "copy-stream"]
+
+
 def test_normalized_output_matches_cpu():
     cfg = {
         "output": {"size": 96, "normalize": {"mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}},

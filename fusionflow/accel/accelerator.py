@@ -324,7 +324,7 @@ class AcceleratorWorker:
             group, started, tail, (pipeline, labels) = self._active[0]
         indices = [i for w in group for i in w.indices]
         try:
-            out = pipeline.collect()
+            out = pipeline.collect(self.device_ring.stream if self.device_ring is not None else None)
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
             return

@@ -197,12 +197,16 @@ class DaliPolicyPipeline:
             self._pipe.schedule_run()
         self._pending.append((list(indices), (samples, arrays, encoded)))
 
-    def collect(self):
-        """The outputs of the oldest run in flight (waits for it)."""
+    def collect(self, stream=None):
+        """The outputs of the oldest run in flight (waits for DALI to have launched all its work). On a GPU
+        with `stream` (where they will be copied: a torch.cuda.Stream), ordered on that stream: the host
+        does not wait for the run's GPU work, which DALI's host order does with a cudaEventSynchronize (a
+        spinning wait under CUDA's default scheduling). The outputs' memory lives while `out` does."""
         if not self._pending:
             raise RuntimeError("no run in flight: submit one first")
+        on_stream = stream is not None and self.device == "gpu"
         with self._failures(self._pending[0][0]):
-            (out,) = self._pipe.outputs()
+            (out,) = self._pipe.outputs(cuda_stream=stream) if on_stream else self._pipe.outputs()
         # its bytes stay referenced one run more: DALI may read fed memory until its outputs are consumed
         self._consumed = self._pending.popleft()
         return out

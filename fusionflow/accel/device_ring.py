@@ -6,7 +6,9 @@ runtime/cuda_host.py's).
 Streams and events (one device: the loader's, resolved to an index once, made current with a
 `torch.cuda.device` guard around every CUDA call, whatever device the calling thread has):
   * the accelerator copies DALI's output on its own stream (`DeviceRing.stream`), never on the
-    legacy default stream, so it does not serialise behind training;
+    legacy default stream, so it does not serialise behind training; DALI hands its outputs over
+    ordered on that stream (`DaliPolicyPipeline.collect(stream)`): the copy waits for DALI's work on
+    the device, the host never does;
   * after a copy it records a blocking event on that stream and waits for it on the host (its own
     thread; a blocking event sleeps instead of spinning a core): DALI may free or reuse its output
     buffer once `run()`'s result is dropped, which DALI orders on its streams, not on ours;
