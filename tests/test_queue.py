@@ -255,6 +255,11 @@ def test_complete_takes_a_run_of_tiny_batches_over_mini_batches():
     assert sorted(states[1].accel_positions) == [0, 1, 2, 3]
     assert states[0].targets == {first[0].positions[0]: "t"} and states[1].targets == {}
     assert all(s.accel_done_at == 2.0 and s.cpu_done_at == 0.0 for s in states)
+    # a mini-batch met again after another is still one state (its completion is accounted once)
+    q = queue_with([1, 2], [3, 4], tiny_batch_size=1)
+    (a1, a2), (b1, b2) = ([q.queues[k].popleft(), q.queues[k].popleft()] for k in list(q.queues))
+    states = q.complete([(a1, None), (b1, None), (a2, None)], [], on_accelerator=True, now=3.0)
+    assert [(s.seq, s.remaining) for s in states] == [(0, 0), (1, 1)]
 
 
 def test_current_key_and_waiting():

@@ -257,18 +257,17 @@ class TinyBatchQueue:
         self, done: list[tuple[Work, dict | None]], failures, on_accelerator: bool, now: float
     ) -> list[BatchState]:
         """Count finished tiny-batches (`done`: (work, its {position: target} not in the ring, or None),
-        `failures` those of the first); the states of their mini-batches still tracked, each once, in
-        order (one is done when its `remaining` is 0). The loop's body makes no calls: an accelerator
-        run's many tiny-batches cost the interpreter calls of one (issue 41's feeder bar)."""
-        states, batches = [], self.batches
+        `failures` the first one's); the states of their mini-batches still tracked, each once, in order
+        (one is done when its `remaining` is 0). The loop's body makes no calls: an accelerator run's many
+        tiny-batches cost the interpreter calls of one (issue 41's feeder bar)."""
+        states, batches, first = [], self.batches, done[0][0] if done else None
         for (work, targets), count in zip(done, map(len, map(_positions, map(_first, done)))):
             key = (work.generation, work.seq)
             state = batches[key] if key in batches else None
             if state is None:
                 continue
-            if failures:
+            if failures and work is first:
                 state.failures += failures
-                failures = None
             if targets:
                 state.targets |= targets
             state.remaining -= count
@@ -279,7 +278,7 @@ class TinyBatchQueue:
                 state.cpu_done_at = now
             if not states or states[-1] is not state:
                 states.append(state)
-        return states
+        return list({id(s): s for s in states}.values()) if len(states) > 1 else states  # A, B, A: A once
 
     def tracks(self, work: Work) -> bool:
         return work.key in self.batches
