@@ -140,7 +140,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--worker-delay-ms", type=float, default=20.0, help="added to each read in a CPU worker")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--tiny", action="store_true", help="32 px images: the feeder's cost without DALI's work")
+    ap.add_argument("--tiny", action="store_true", help="32 px images: less of DALI's decoding")
     ap.add_argument(
         "--step-us", type=float, default=0.0, help="training step's sleep per image: > 0 lets the loader run ahead"
     )

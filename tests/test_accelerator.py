@@ -371,6 +371,8 @@ def test_accelerator_counts_go_on_across_epochs_without_persistent_workers():
         _, labels = collect(ld)
         assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
     assert ld.stats.accelerator_builds == 2  # one ahead-of-time build per epoch's manager
+    # the feeding thread's CPU, of which landing the outputs in the ring (a host copy here) is a part
+    assert 0 < ld.stats.accelerator_land_cpu_seconds < ld.stats.accelerator_feed_cpu_seconds
     ld.close()
 
 
@@ -545,7 +547,8 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     process): the thread waits on the board instead, until 0.95 of the oldest share run's expected time (its
     samples at the split rule's rate, from the later of its start and the last completion), with one run in
     flight or DEPTH. The time chosen is kept while it waits; it collects at once when that run is awaited, a
-    tail run, the rate is not measured yet, temporal sharing gates it, or it is late."""
+    tail run, an abandoned iterator's (the new one's work waits for it), the rate is not measured yet,
+    temporal sharing gates it, or it is late."""
     from types import SimpleNamespace
 
     from fusionflow.accel.accelerator import DEPTH, AcceleratorWorker
@@ -558,18 +561,19 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
     others = [([work(2)], now, False, ("pipeline", None))] * (DEPTH - 1)
 
-    def due(entry=oldest, accel_s=0.01, awaited=None, active=None, last_done=0.0, gated=False, chosen=0.0):
+    def due(entry=oldest, accel_s=0.01, awaited=None, active=None, last_done=0.0, gated=False, chosen=0.0, gen=1):
         me = SimpleNamespace(
             shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s)),
             gated=gated,
             _active=[entry, *others] if active is None else active,
             _last_done=last_done,
-            board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited)),
+            board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited), generation=gen),
         )
         return AcceleratorWorker._due(me, entry, chosen)
 
     assert abs(due() - (now - 0.01 + 0.95 * 0.08)) < 1e-9  # 8 samples at 10 ms, begun 10 ms ago
     assert abs(due(active=[oldest]) - due()) < 1e-9  # alone in flight: the same (the blocking wait burnt CPU)
+    assert due(gen=2) == 0.0  # the loader's iterator is a newer one: this run's mini-batches were abandoned
     assert due(last_done=now) > due()  # it began when the run before it completed
     assert due(chosen=now + 0.5) == now + 0.5  # chosen before: kept, whatever the rate says now
     assert due(awaited=(1, 1)) == 0.0 and due(awaited=(1, 1), chosen=now + 0.5) == 0.0  # training waits for it

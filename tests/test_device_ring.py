@@ -127,8 +127,14 @@ def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_co
     assert len(accel_stream) == 1
     (accel_stream,) = accel_stream
     assert not accel_stream.default and accel_stream.device_index == 1
-    # DALI's outputs are asked for ordered on that stream: the host waits for no GPU work of DALI's
+    # DALI's outputs are asked for ordered on that stream, and the host waits for DALI's work on it through a
+    # blocking event before each copy (asleep; outside the ring write, so `watch` may give a hung run up)
     assert CpuStandIn.collected_on and all(s is accel_stream for s in CpuStandIn.collected_on)
+    mine = [x for x in r if x["thread"] == "fusionflow-accelerator" and x["kind"] in ("copy", "host_wait")]
+    mine = [x["kind"] for x in mine if x["kind"] == "copy" or x["event"].stream is accel_stream]
+    assert mine and all(
+        mine[i - 1 : i + 2] == ["host_wait", "copy", "host_wait"] for i, k in enumerate(mine) if k == "copy"
+    )
     # 1. nothing on a default stream, every CUDA call with the loader's device current
     for x in r:
         if "stream" in x:

@@ -248,9 +248,11 @@ def test_complete_takes_a_run_of_tiny_batches_over_mini_batches():
     first, second, gone = [w for w in works if w.seq == 0], [w for w in works if w.seq == 1], works[-1]
     q.forget(gone.key)
     done = [(w, {w.positions[0]: "t"} if w is first[0] else None) for w in first[:3] + second + [gone]]
-    states = q.complete(done, ["f"], on_accelerator=True, now=2.0)
+    with pytest.raises(ValueError, match="failures come with one tiny-batch"):
+        q.complete(done, ["f"], on_accelerator=True, now=2.0)  # a CPU worker's failures are its tiny-batch's
+    states = q.complete(done, [], on_accelerator=True, now=2.0)
     assert [(s.seq, s.remaining) for s in states] == [(0, 1), (1, 0)]
-    assert states[0].failures == ["f"] and states[1].failures == []
+    assert states[0].failures == [] and states[1].failures == []
     assert sorted(states[0].accel_positions) == sorted(p for w in first[:3] for p in w.positions)
     assert sorted(states[1].accel_positions) == [0, 1, 2, 3]
     assert states[0].targets == {first[0].positions[0]: "t"} and states[1].targets == {}

@@ -5,24 +5,23 @@ One DALI run takes the accelerator's share of a mini-batch (its G largest sample
 from the split rule: scheduling/split.py fed by accel/share_feed.py), with up to MERGE_SHARES - 1 next
 shares that fit (or, on a GPU, taken ahead: the queue's `_borrowed`).
 
-Running ahead, as DALI's own iterators do: up to DEPTH runs in flight (DALI's dynamic executor): the
-share of the oldest mini-batch whose share nobody took -- ahead of the one training waits for -- is
-submitted while DALI works on the one before; runs are collected in order. When training waits for a
-mini-batch whose CPU side is late, a tail run takes its largest unstarted tiny-batches (the share's
-fraction). A run is read with whole-run operations (accel/run_read.py, accel/header_sizes.py); its draws
-and op parameters come from a helper process as dense arrays (accel/host_inputs.py), fed as one packed
-array; encoded bytes go to DALI uncopied. The thread's CPU time is `accelerator_feed_cpu_seconds`, landing
-outputs in the ring `accelerator_land_cpu_seconds` of it (the helper's: `accelerator_inputs_cpu_seconds`).
+Running ahead, as DALI's own iterators do: up to DEPTH runs in flight (DALI's dynamic executor): the share of the
+oldest mini-batch whose share nobody took -- ahead of the one training waits for -- is submitted while DALI works on
+the one before; runs are collected in order. When training waits for a mini-batch whose CPU side is late, a tail run
+takes its largest unstarted tiny-batches (the share's fraction). A run is read with whole-run operations
+(accel/run_read.py, accel/header_sizes.py); its draws and op parameters come from a helper process as dense arrays
+(accel/host_inputs.py), fed as one packed array; encoded bytes go to DALI uncopied. The thread's CPU time is
+`accelerator_feed_cpu_seconds`, landing outputs (and labels) in the ring `accelerator_land_cpu_seconds` of it (the
+helper's: `accelerator_inputs_cpu_seconds`).
 
-`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged
-with the CPU workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring.
+`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged with the
+CPU workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring. A tiny-batch it cannot
+run (not encoded bytes, a header over decode.max_pixels, one DALI cannot decode) goes back marked CPU-only; the CPU
+workers produce it or report the precise sample.
 
-A tiny-batch it cannot run (not encoded bytes, a header over decode.max_pixels, one DALI cannot decode)
-goes back marked CPU-only; the CPU workers produce it or report the precise sample.
-
-Sharing the GPU with training: `temporal` works only inside the loader's prep window (one run in
-flight, each after a blocking CUDA event of the training work queued before next()), with the
-allocator bridge lending PyTorch's free blocks to DALI for the window; `spatial` runs concurrently.
+Sharing the GPU with training: `temporal` works only inside the loader's prep window (one run in flight, each after
+a blocking CUDA event of the training work queued before next()), with the allocator bridge lending PyTorch's free
+blocks to DALI for the window; `spatial` runs concurrently.
 
 A worker kind (runtime/board.py, `add_worker_kind`). A failed run discards the pipeline (rebuilt on the next
 run) and every run in flight: the CPU workers take them. After `MAX_FAILURES` failed runs in a row, a pipeline
@@ -234,10 +233,12 @@ class AcceleratorWorker:
         """Under board.cond: when to collect the oldest run (`due`: the time chosen before; 0: now). DALI's
         outputs() wakes at every task its executor finishes while it waits (~2 ms of CPU a 170 ms run on
         the CPU backend, 0.4 once done): a share run nobody awaits is collected at 0.95 of its expected time
-        (the split rule's rate), the thread waiting on the board meanwhile; at once when training awaits it."""
+        (the split rule's rate), the thread waiting on the board meanwhile; at once when training awaits it.
+        A run done earlier reads as done then: a faster DALI is followed ~5% a run (the rate's median of 5)."""
         group, started, tail, payload = entry
         g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
-        if g is None or tail or payload is None or self.board.queue.awaited in set(map(_KEY, group)):
+        awaited, gen = self.board.queue.awaited, self.board.generation  # a run of an older iterator: drained now
+        if g is None or tail or payload is None or awaited in set(map(_KEY, group)) or group[0].generation != gen:
             return 0.0
         due = due or max(started, self._last_done) + 0.95 * g * images(group)
         return due if due - time.monotonic() > 0.002 else 0.0
@@ -328,13 +329,14 @@ class AcceleratorWorker:
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
             return
+        if self.device_ring is not None:  # DALI's run on the device, waited for asleep and within `watch`'s bound
+            self.device_ring.wait_for_outputs()
         slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
         positions = [p for w in group for p in w.positions]
         with self.board.cond:
             if not self._active or self._active[0][0] is not group:  # given up by `watch`: not ours to write
                 return
-            self._writing = True
-        land = time.thread_time()
+            self._writing, land = True, time.thread_time()
         try:
             if self.device_ring is not None:
                 self.device_ring.write(slots, positions, out)

@@ -199,9 +199,10 @@ class DaliPolicyPipeline:
 
     def collect(self, stream=None):
         """The outputs of the oldest run in flight (waits for DALI to have launched all its work). On a GPU
-        with `stream` (where they will be copied: a torch.cuda.Stream), ordered on that stream: the host
+        with `stream` (where they will be copied: a torch.cuda.Stream), ordered on that stream: this call
         does not wait for the run's GPU work, which DALI's host order does with a cudaEventSynchronize (a
-        spinning wait under CUDA's default scheduling). The outputs' memory lives while `out` does."""
+        spinning wait under CUDA's default scheduling); the caller waits asleep if it must
+        (`DeviceRing.wait_for_outputs`). The outputs' memory lives while `out` does."""
         if not self._pending:
             raise RuntimeError("no run in flight: submit one first")
         on_stream = stream is not None and self.device == "gpu"

@@ -7,8 +7,9 @@ Streams and events (one device: the loader's, resolved to an index once, made cu
 `torch.cuda.device` guard around every CUDA call, whatever device the calling thread has):
   * the accelerator copies DALI's output on its own stream (`DeviceRing.stream`), never on the
     legacy default stream, so it does not serialise behind training; DALI hands its outputs over
-    ordered on that stream (`DaliPolicyPipeline.collect(stream)`): the copy waits for DALI's work on
-    the device, the host never does;
+    ordered on that stream (`DaliPolicyPipeline.collect(stream)`), so the host waits for DALI's work
+    on the device only through a blocking event (`wait_for_outputs`: asleep, where DALI's own host
+    order spins), outside the ring write, within the accelerator's stall bound;
   * after a copy it records a blocking event on that stream and waits for it on the host (its own
     thread; a blocking event sleeps instead of spinning a core): DALI may free or reuse its output
     buffer once `run()`'s result is dropped, which DALI orders on its streams, not on ours;
@@ -51,6 +52,14 @@ class DeviceRing:
             )
             self.stream = torch.cuda.Stream(device=device)
         self.ready = [None] * layout.depth  # per slot: the event of the accelerator's last copy into it
+
+    def wait_for_outputs(self) -> None:
+        """Wait on the host, asleep (a blocking event), until the ring's stream reaches what was queued on it:
+        after `collect(stream)`, the DALI run whose outputs were ordered on it is done on the device."""
+        with torch.cuda.device(self.index):
+            event = torch.cuda.Event(blocking=True)
+            event.record(self.stream)
+        event.synchronize()
 
     def write(self, slot, positions, out) -> None:
         """Copy a DALI GPU TensorList (one sample per position, in order) into the ring; returns once

@@ -15,6 +15,7 @@ A worker kind -- the DALI accelerator thread, remote (Ray) workers, anything tha
     take_cpu(upto=None) -> Work | None          cond held
     take_accel(largest_first, max_images) -> [Work]   cond held
     complete(work, failures, on_accelerator, targets=None)   cond held
+    complete_many([(work, targets)], failures, on_accelerator)   cond held: a run's, with one call
     requeue(works)                              cond held
     draining() -> bool                          cond held: an abandoned iterator's work still runs
     wake()                                      WITHOUT the lock: wakes the manager thread

@@ -260,6 +260,8 @@ class TinyBatchQueue:
         `failures` the first one's); the states of their mini-batches still tracked, each once, in order
         (one is done when its `remaining` is 0). The loop's body makes no calls: an accelerator run's many
         tiny-batches cost the interpreter calls of one (issue 41's feeder bar)."""
+        if failures and len(done) != 1:
+            raise ValueError(f"failures come with one tiny-batch, not {len(done)}")
         states, batches, first = [], self.batches, done[0][0] if done else None
         for (work, targets), count in zip(done, map(len, map(_positions, map(_first, done)))):
             key = (work.generation, work.seq)
