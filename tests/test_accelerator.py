@@ -580,3 +580,37 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     assert due(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
     assert due(accel_s=None) == 0.0 and due(gated=True) == 0.0
     assert due(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end
+
+
+def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_due(monkeypatch):
+    """The thread waits on the board, not in DALI's outputs(), for a share run nobody awaits (one run in
+    flight or two). With its due time pushed past the end of the test, every share run collected once the
+    accelerator's rate is known is collected while training waits for one of its mini-batches (the
+    training loop's `wait` notifies the board), and every sample still arrives exactly once."""
+    from fusionflow.accel import accelerator as acc
+
+    monkeypatch.setattr(acc, "images", lambda works: 10**6)  # a run's expected time: hours
+    seen, real = [], acc.AcceleratorWorker._collect
+
+    def collect_run(self, unused):
+        with self.board.cond:
+            group, _, tail, _ = self._active[0]
+            keys = {(w.generation, w.seq) for w in group}
+            rate_known = self.shares is not None and self.shares.split.accel_s is not None
+            current = group[0].generation == self.board.generation  # else collected at once: drained
+            seen.append((rate_known and not tail and current, self.board.queue.awaited in keys))
+        return real(self, unused)
+
+    monkeypatch.setattr(acc.AcceleratorWorker, "_collect", collect_run)
+    ld = loader(Bytes(61), batch_size=8, persistent_workers=True)
+    try:
+        for _ in range(2):
+            labels = []
+            for _, y in ld:
+                labels += y.tolist()
+                time.sleep(0.1)  # a training step: the loader runs ahead of it
+            assert sorted(labels) == list(range(61))
+    finally:
+        ld.close()
+    judged = [awaited for rated, awaited in seen if rated]
+    assert judged and all(judged), seen
