@@ -546,12 +546,12 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     """DALI's outputs() wakes at every task its executor finishes while it waits (CPU of the training
     process): the thread waits on the board instead, until 0.95 of the oldest share run's expected time (its
     samples at the split rule's rate, from the later of its start and the last completion), with one run in
-    flight or DEPTH. The time chosen is kept while it waits; it collects at once when that run is awaited, a
-    tail run, an abandoned iterator's (the new one's work waits for it), the rate is not measured yet,
-    temporal sharing gates it, or it is late."""
+    flight or DEPTH (the loop: the test below). The time chosen is kept while it waits; it collects at once
+    when that run is awaited, a tail run, an abandoned iterator's (the new one's work waits for it), the rate
+    is not measured yet, temporal sharing gates it, or it is late."""
     from types import SimpleNamespace
 
-    from fusionflow.accel.accelerator import DEPTH, AcceleratorWorker
+    from fusionflow.accel.accelerator import AcceleratorWorker
     from fusionflow.scheduling.queue import Work
 
     def work(seq):
@@ -559,20 +559,17 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
 
     now = time.monotonic()
     oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
-    others = [([work(2)], now, False, ("pipeline", None))] * (DEPTH - 1)
 
-    def due(entry=oldest, accel_s=0.01, awaited=None, active=None, last_done=0.0, gated=False, chosen=0.0, gen=1):
+    def due(entry=oldest, accel_s=0.01, awaited=None, last_done=0.0, gated=False, chosen=0.0, gen=1):
         me = SimpleNamespace(
             shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s)),
             gated=gated,
-            _active=[entry, *others] if active is None else active,
             _last_done=last_done,
             board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited), generation=gen),
         )
         return AcceleratorWorker._due(me, entry, chosen)
 
     assert abs(due() - (now - 0.01 + 0.95 * 0.08)) < 1e-9  # 8 samples at 10 ms, begun 10 ms ago
-    assert abs(due(active=[oldest]) - due()) < 1e-9  # alone in flight: the same (the blocking wait burnt CPU)
     assert due(gen=2) == 0.0  # the loader's iterator is a newer one: this run's mini-batches were abandoned
     assert due(last_done=now) > due()  # it began when the run before it completed
     assert due(chosen=now + 0.5) == now + 0.5  # chosen before: kept, whatever the rate says now

@@ -42,14 +42,14 @@ from fusionflow.accel.run_read import read_run
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.runtime import liveness, targets
-from fusionflow.scheduling.queue import images
+from fusionflow.scheduling.queue import images, key_of
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
 RUN_IMAGES = 256  # samples per DALI run at most: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
 DEPTH = 2  # DALI runs in flight at once (not gated): DALI works on one while the next is prepared
 MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed cost paid once for them
-_KEY, _COPIES = operator.attrgetter("generation", "seq"), operator.attrgetter("copies")  # a Work's key, copies
+_COPIES = operator.attrgetter("copies")  # a Work's copies, as one C-level call
 
 
 class AcceleratorWorker:
@@ -238,7 +238,7 @@ class AcceleratorWorker:
         group, started, tail, payload = entry
         g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
         awaited, gen = self.board.queue.awaited, self.board.generation  # a run of an older iterator: drained now
-        if g is None or tail or payload is None or awaited in set(map(_KEY, group)) or group[0].generation != gen:
+        if g is None or tail or payload is None or awaited in set(map(key_of, group)) or group[0].generation != gen:
             return 0.0
         due = due or max(started, self._last_done) + 0.95 * g * images(group)
         return due if due - time.monotonic() > 0.002 else 0.0

@@ -19,12 +19,11 @@ would deliver them.
 
 from __future__ import annotations
 
-import operator
-
 import numpy as np
 
+from fusionflow.scheduling.queue import positions_of
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-_positions = operator.attrgetter("positions")
 
 
 def in_ring(target) -> bool:
@@ -51,7 +50,7 @@ def store_works(ring_labels, works, targets) -> list:
         except OverflowError:  # beyond int64: the per-sample path sends those on the side
             values = None
         if values is not None:
-            slots = np.repeat([w.slot for w in works], list(map(len, map(_positions, works))))
+            slots = np.repeat([w.slot for w in works], list(map(len, map(positions_of, works))))
             ring_labels[slots, [p for w in works for p in w.positions]] = values
             return [(w, {}) for w in works]
     done, k = [], 0

@@ -25,13 +25,20 @@ from fusionflow.scheduling.tiny_batches import TinyBatch
 
 Key = tuple[int, int]  # (generation, seq): generations order iterators, seqs mini-batches within one
 RAN_AHEAD = math.inf  # share_taken of a mini-batch whose share ran in the previous one's run: none left
-_positions, _first = operator.attrgetter("positions"), operator.itemgetter(0)
+positions_of, _first = operator.attrgetter("positions"), operator.itemgetter(0)
+key_of = operator.attrgetter("generation", "seq")  # Work.key, as one C-level call (map(key_of, works))
+
+
+def accel_order(q, largest_first: bool) -> list:
+    """`q`'s tiny-batches the accelerator may run (not marked CPU-only), largest first (smallest with
+    `largest_first` False): where its take, merge and borrow choose from."""
+    return [w for w in q if not w.cpu_only][:: -1 if largest_first else 1]
 
 
 def images(works) -> int:
     """Samples in `works`, counted by C-level calls (the accelerator's paths take the same number of
     interpreter calls whatever a run's size: issue 41's feeder bar)."""
-    return sum(map(len, map(_positions, works)))
+    return sum(map(len, map(positions_of, works)))
 
 
 @dataclass(eq=False)
@@ -196,7 +203,7 @@ class TinyBatchQueue:
                 break
             if not left:
                 continue
-            candidates = [w for w in q if not w.cpu_only][:: -1 if largest_first else 1][:left]
+            candidates = accel_order(q, largest_first)[:left]
             size = images(candidates)
             if len(candidates) < left or taken + size > max_images:
                 break
@@ -215,7 +222,7 @@ class TinyBatchQueue:
         keys = list(self.queues)
         if keys[-1] != key or len(keys) <= shares + 1 or self.credit is not None:
             return []
-        candidates = [w for w in q if not w.cpu_only][:: -1 if largest_first else 1]
+        candidates = accel_order(q, largest_first)
         room = max_images - images(group)
         owed = max(0, min(len(candidates) - 1, shares * self.reserved)) // self.reserved if self.reserved else 0
         while owed and images(candidates[: owed * self.reserved]) > room:
@@ -231,12 +238,9 @@ class TinyBatchQueue:
     def _largest(q: deque, largest_first: bool, count: int, max_images: int) -> list[Work]:
         """Remove and return up to `count` of `q`'s tiny-batches the accelerator may run, largest first
         (smallest with `largest_first` False), within `max_images` samples (at least one tiny-batch)."""
-        candidates = [w for w in q if not w.cpu_only]
-        if largest_first:
-            candidates.reverse()
-        candidates = candidates[:count]
+        candidates = accel_order(q, largest_first)[:count]
         # the longest prefix within max_images, at least one: found by C-level calls, not a loop of calls
-        running = list(itertools.accumulate(map(len, map(_positions, candidates))))
+        running = list(itertools.accumulate(map(len, map(positions_of, candidates))))
         group = candidates[: max(1, bisect.bisect_right(running, max_images))] if candidates else []
         if group:  # one pass, not a search per work taken (works hash by identity)
             taken = set(group)
@@ -262,13 +266,13 @@ class TinyBatchQueue:
         tiny-batches cost the interpreter calls of one (issue 41's feeder bar)."""
         if failures and len(done) != 1:
             raise ValueError(f"failures come with one tiny-batch, not {len(done)}")
-        states, batches, first = [], self.batches, done[0][0] if done else None
-        for (work, targets), count in zip(done, map(len, map(_positions, map(_first, done)))):
+        states, batches = {}, self.batches  # by key: a mini-batch met again (A, B, A) is one state
+        for (work, targets), count in zip(done, map(len, map(positions_of, map(_first, done)))):
             key = (work.generation, work.seq)
             state = batches[key] if key in batches else None
             if state is None:
                 continue
-            if failures and work is first:
+            if failures:
                 state.failures += failures
             if targets:
                 state.targets |= targets
@@ -278,9 +282,8 @@ class TinyBatchQueue:
                 state.accel_positions += work.positions
             else:
                 state.cpu_done_at = now
-            if not states or states[-1] is not state:
-                states.append(state)
-        return list({id(s): s for s in states}.values()) if len(states) > 1 else states  # A, B, A: A once
+            states[key] = state
+        return list(states.values())
 
     def tracks(self, work: Work) -> bool:
         return work.key in self.batches
