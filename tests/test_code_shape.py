@@ -158,6 +158,8 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
         "getattr(pipe, '_shutdown')": "DALI's pipeline teardown, called when present (its close is not enough)",
         "pipe._first_iter": "DALI 2.4's first schedule_run runs prefetch_queue_depth iterations; fed one run "
         "at a time (feed_input), each schedule_run must run exactly one",
+        "self._pipe._ops": "DALI keeps the built graph's operators there and counts them nowhere public: "
+        "`graph_nodes`, what each run's Run walks",
     },
     "fusionflow/timm/batch.py": {
         "mixup._params_per_batch": "timm's Mixup draws a batch's (lambda, cutmix) only there: called, so the "

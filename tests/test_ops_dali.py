@@ -15,7 +15,7 @@ from tv_reference import psnr  # noqa: E402
 from experiments.dali_agreement import CASES, nvjpeg_gap, run_cpu_op, run_dali_op  # noqa: E402
 from fusionflow import DecodeError, FusionFlowError, load_policy  # noqa: E402
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
-from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle  # noqa: E402
+from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle, slot_branches  # noqa: E402
 from fusionflow.accel.declines import dali_declines  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.policy import shipped_policies  # noqa: E402
@@ -28,7 +28,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 # allowed to differ by more than level, mean |diff|). Exact unless stated:
 #  - Rotate: nearest-neighbour sampling rounds differently from Pillow's rotate on a few pixels
 #    whose source coordinate lands within float error of a pixel boundary;
-#  - AutoContrast: (x - lo) * scale vs Pillow's x * scale + offset, one level on rare pixels;
+#  - AutoContrast: x * scale - lo * scale in float32 vs Pillow's LUT in double, one level on rare pixels;
 #  - Equalize: DALI's histogram equalisation rounds its LUT differently from Pillow's.
 DEFAULT_TOL = (0, 0.0, 0.0)
 TOLERANCE = {"Rotate": (0, 0.01, 1.0), "AutoContrast": (1, 0.0, 0.02), "Equalize": (24, 0.0, 3.0)}
@@ -74,6 +74,38 @@ def test_dali_bilinear_and_gray_fill(name, value):
 
 def test_every_op_has_a_dali_impl_or_says_it_has_none():
     assert set(DALI_IMPLS) == {n for n in OP_NAMES if OPS[n].dali}
+
+
+def test_autocontrast_leaves_a_flat_channel_as_it_is_and_stretches_the_others():
+    """Pillow maps a flat channel (its min equals its max) to itself: DALI's per-channel gain is 1 and its
+    offset 0 there, whatever the channel's level, and the other channels are stretched as the CPU op's."""
+    img = make_image(224, 224, 4)
+    img[..., 0], img[..., 2] = 7, 255  # red flat and dark, blue flat at the top
+    ours = run_dali_op("AutoContrast", 0.0, DaliStyle(device="cpu"), [img])[0].astype(int)
+    ref = run_cpu_op("AutoContrast", 0.0, DaliStyle(), [img])[0].astype(int)
+    assert (ours[..., 0] == 7).all() and (ours[..., 2] == 255).all()
+    assert ours[..., 1].min() == 0 and ours[..., 1].max() == 255  # the green channel spans the range
+    assert np.abs(ours - ref).max() <= TOLERANCE["AutoContrast"][0]
+
+
+def test_ops_sharing_a_dali_fragment_share_one_branch_of_the_slot():
+    """Each op slot has one conditional per distinct DALI fragment, not per op: the affine ops (their
+    matrix a parameter) are one branch, so adding ShearY, TranslateX and Rotate beside ShearX adds no
+    node to the graph, where Brightness (a fragment of its own) adds some."""
+    names = ["Identity", "ShearX", "Brightness", "Rotate", "Invert", "TranslateY"]
+    fragments, keys, values = slot_branches(names)
+    assert fragments == [DALI_IMPLS["ShearX"], DALI_IMPLS["Brightness"], DALI_IMPLS["Invert"]]
+    assert dict(zip(keys, values)) == {1: 1, 2: 2, 3: 1, 4: 3, 5: 1}
+
+    def nodes(*ops):
+        cfg = {"output": {"size": 64}, "augment": {"type": "trivial", "num_bins": 5, "fill": [128] * 3}}
+        cfg["augment"]["ops"] = {op: {"range": [0.0, 0.3]} for op in ops}
+        with DaliPolicyPipeline(cfg, batch_size=2) as dp:
+            return dp.graph_nodes
+
+    one = nodes("ShearX", "Brightness")
+    assert nodes("ShearX", "ShearY", "TranslateX", "Rotate", "Brightness") == one
+    assert nodes("ShearX") < one
 
 
 JPEGS = make_jpegs(16, 200, 1000, seed=1)

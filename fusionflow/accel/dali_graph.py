@@ -30,7 +30,7 @@ from collections import deque
 import numpy as np
 from nvidia.dali.backend import TensorCPU, TensorListCPU  # dali_ops imports DALI at import time too
 
-from fusionflow.accel.dali_ops import DALI_IMPLS, DaliStyle
+from fusionflow.accel.dali_ops import DaliStyle, apply_slot, slot_branches
 from fusionflow.accel.declines import dali_declines
 from fusionflow.accel.host_inputs import HostInputs, HostLayout, op_names
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
@@ -118,14 +118,16 @@ class DaliPolicyPipeline:
         object's last reference."""
         from nvidia.dali import fn, types
 
-        slots, names = self.slots, self.op_names
+        slots, (fragments, keys, branches) = self.slots, slot_branches(self.op_names)
         (ids, _), (params, _) = self.layout.span("op_ids"), self.layout.span("params")
 
         def augment(images, host):
             for k in range(slots):
-                op_id = fn.cast(host[ids + k], dtype=types.INT32)
-                images = _apply_slot(
-                    images, op_id, host[params + k * NUM_PARAMS : params + (k + 1) * NUM_PARAMS], names, style
+                branch = fn.lookup_table(
+                    fn.cast(host[ids + k], dtype=types.INT32), keys=keys, values=branches, dtype=types.INT32
+                )  # 0 for an empty slot
+                images = apply_slot(
+                    images, branch, host[params + k * NUM_PARAMS : params + (k + 1) * NUM_PARAMS], fragments, style
                 )
             return images
 
@@ -216,6 +218,12 @@ class DaliPolicyPipeline:
     def in_flight(self) -> int:
         """Runs submitted and not yet collected."""
         return len(self._pending)
+
+    @property
+    def graph_nodes(self) -> int | None:
+        """The DALI operators of the built pipeline (conditionals' splits and merges included): what
+        DALI's `Run` walks in the calling thread every run, whatever its size. None once closed."""
+        return None if self._pipe is None else len(self._pipe._ops)
 
     @contextlib.contextmanager
     def _failures(self, indices):
@@ -375,12 +383,3 @@ def _erase(images, erase, device, anchor, shape):
         noise = fn.external_source(name="erase_noise", dtype=types.FLOAT, ndim=3, layout="CHW")
         images = images + (noise.gpu() if device == "gpu" else noise)
     return images
-
-
-def _apply_slot(images, op_id, params, names, style):
-    """images after the op whose local id is `op_id` (a per-sample DALI conditional)."""
-    out = images
-    for i, name in enumerate(names):
-        if i and op_id == i:
-            out = DALI_IMPLS[name](images, params, style)
-    return out

@@ -7,6 +7,10 @@ on the host -- the same numbers the CPU implementation gets -- and returns uint8
 The pixel arithmetic reproduces Pillow's where DALI allows it (blends truncate like Pillow's,
 gray is Pillow's fixed-point ITU-R 601 luma); Equalize uses DALI's own histogram equalisation,
 whose rounding differs. tests/test_ops_dali.py states each op's tolerance against the CPU ops.
+
+Each fragment is written in as few DALI operators as give the same pixels: every operator is a node
+that DALI's `Run` walks in the calling thread and a task its scheduler signals, on every run, whatever
+the run's size (on a GPU, a kernel launch too). A pipeline's fixed cost per run follows its node count.
 """
 
 from __future__ import annotations
@@ -50,21 +54,30 @@ _INTERP = {"nearest": types.INTERP_NN, "bilinear": types.INTERP_LINEAR}
 dali_impl = registrar(DALI_IMPLS, "dali_impl")
 
 
+# DALI's cast saturates (ConvertSat on the CPU and the GPU): after a floor, casting to uint8 is
+# Pillow's clamp-then-truncate in one operator.
 def _u8(x):
     """float -> uint8 the way Pillow stores blend results: clamp, then truncate."""
-    return fn.cast(dmath.floor(dmath.clamp(x, 0.0, 255.0)), dtype=types.UINT8)
+    return fn.cast(dmath.floor(x), dtype=types.UINT8)
+
+
+# Pillow's L = (R*19595 + G*38470 + B*7471 + 2^15) >> 16 as one weighted sum over the channels, with the
+# weights divided by 2^16: every product and partial sum is a multiple of 2^-16 below 256, exact in
+# float32's 24 bits in any order of evaluation, so the floor is the shift's result exactly.
+_GRAY_M = [19595 / 65536, 38470 / 65536, 7471 / 65536]
 
 
 def _gray(images):
-    """Pillow's RGB -> L: (R*19595 + G*38470 + B*7471 + 2^15) >> 16, as int32 HxWx1."""
-    x = fn.cast(images, dtype=types.INT32)
-    return (x[:, :, 0:1] * 19595 + x[:, :, 1:2] * 38470 + x[:, :, 2:3] * 7471 + 32768) >> 16
+    """Pillow's RGB -> L as float HxWx1 (integer values)."""
+    return dmath.floor(fn.coord_transform(images, M=_GRAY_M, T=[0.5], dtype=types.FLOAT))
 
 
 def _blend(images, degenerate, factor):
-    """Pillow's ImageEnhance: degenerate + factor * (image - degenerate), truncated."""
-    d = fn.cast(degenerate, dtype=types.FLOAT)
-    return _u8(d + factor * (fn.cast(images, dtype=types.FLOAT) - d))
+    """Pillow's ImageEnhance: degenerate + factor * (image - degenerate), truncated (`degenerate` float)."""
+    return _u8(degenerate + factor * (fn.cast(images, dtype=types.FLOAT) - degenerate))
+
+
+_U255 = types.Constant(255, dtype=types.UINT8)  # keeps uint8 arithmetic in uint8
 
 
 @dali_impl("Identity")
@@ -102,8 +115,7 @@ def color(images, params, style):
 
 @dali_impl("Contrast")
 def contrast(images, params, style):
-    mean = fn.reductions.mean(fn.cast(_gray(images), dtype=types.FLOAT))
-    return _blend(images, dmath.floor(mean + 0.5), style.dev(params[0]))
+    return _blend(images, dmath.floor(fn.reductions.mean(_gray(images)) + 0.5), style.dev(params[0]))
 
 
 _SMOOTH = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13.0
@@ -115,7 +127,7 @@ def sharpness(images, params, style):
     img = fn.cast(images, dtype=types.FLOAT)
     smooth = dmath.floor(fn.filter(images, _SMOOTH, border="clamp", dtype=types.FLOAT) + 0.5)
     mask = style.constant(_interior_mask(*style.size))
-    degenerate = smooth * mask + img * (1.0 - mask)
+    degenerate = img + mask * (smooth - img)  # integers below 256 and a 0/1 mask: exact either side
     return _u8(degenerate + style.dev(params[0]) * (img - degenerate))
 
 
@@ -132,27 +144,28 @@ def posterize(images, params, style):
 
 @dali_impl("Solarize")
 def solarize(images, params, style):
-    x = fn.cast(images, dtype=types.INT32)
-    flip = fn.cast(fn.cast(images, dtype=types.FLOAT) >= style.dev(params[0]), dtype=types.INT32)
-    return fn.cast(x + flip * (255 - 2 * x), dtype=types.UINT8)
+    # 255 - x is x ^ 255 for uint8: the pixels at or above the threshold xor-ed with 255
+    return images ^ ((images >= style.dev(params[0])) * _U255)
 
 
 @dali_impl("SolarizeAdd")
 def solarize_add(images, params, style):
     x = fn.cast(images, dtype=types.FLOAT)
-    low = fn.cast(x < 128.0, dtype=types.FLOAT)
-    return _u8(x + low * style.dev(dmath.floor(params[0])))
+    return _u8(x + (x < 128.0) * style.dev(dmath.floor(params[0])))
 
 
 @dali_impl("AutoContrast")
 def autocontrast(images, params, style):
+    # Pillow maps each channel by x * scale - lo * scale, scale = 255 / (hi - lo), and leaves a flat
+    # channel (hi == lo) as it is. The per-channel gain and offset below give exactly those values
+    # (the gain is 1 and the offset 0 for a flat channel), so only three operators touch every pixel.
     x = fn.cast(images, dtype=types.FLOAT)
     lo = fn.reductions.min(x, axes=[0, 1])
     hi = fn.reductions.max(x, axes=[0, 1])
-    spread = fn.cast(hi > lo, dtype=types.FLOAT)  # flat channels stay as they are, as in Pillow
-    scale = 255.0 / dmath.max(hi - lo, 1.0)
-    stretched = dmath.floor(dmath.clamp(x * scale - lo * scale, 0.0, 255.0))
-    return fn.cast(stretched * spread + x * (1.0 - spread), dtype=types.UINT8)
+    spread = hi - lo
+    gain = 255.0 / dmath.max(spread, (spread == 0.0) * 255.0)
+    offset = lo * gain * (spread > 0.0)
+    return _u8(x * gain - offset)
 
 
 @dali_impl("Equalize")
@@ -162,7 +175,7 @@ def equalize(images, params, style):
 
 @dali_impl("Invert")
 def invert(images, params, style):
-    return fn.cast(255 - fn.cast(images, dtype=types.INT32), dtype=types.UINT8)
+    return _U255 - images
 
 
 @dali_impl("Cutout")
@@ -170,3 +183,26 @@ def cutout(images, params, style):
     return fn.erase(
         images, anchor=params[0:2], shape=params[2:4], axis_names="HW", fill_value=[float(c) for c in style.fill]
     )
+
+
+def slot_branches(names) -> tuple[list, list[int], list[int]]:
+    """The op slot's branches for local op ids `names`: one per distinct DALI fragment, so that ops
+    sharing one (the affine ops: their matrix is a parameter) share one conditional. Returns the
+    fragments in order of first use, and the (keys, values) of the lookup table from local op id to
+    branch number (1 on; 0, Identity's and an empty slot's, runs no branch)."""
+    fragments, values = [], []
+    for name in names[1:]:
+        impl = DALI_IMPLS[name]
+        if impl is not DALI_IMPLS["Identity"] and impl not in fragments:
+            fragments.append(impl)
+        values.append(fragments.index(impl) + 1 if impl in fragments else 0)
+    return fragments, list(range(1, len(names))), values
+
+
+def apply_slot(images, branch, params, fragments, style):
+    """images after the op of each sample's `branch`: one per-sample DALI conditional per fragment, each
+    reassigning the images of the samples it takes (a sample takes at most one)."""
+    for b, impl in enumerate(fragments, 1):
+        if branch == b:
+            images = impl(images, params, style)
+    return images

@@ -1,0 +1,106 @@
+"""FusionFlow's DALI graph against DALI's own: what a run costs the accelerator, whatever its size.
+
+The accelerator runs a policy as one prebuilt DALI pipeline whose op slots pick each sample's op by
+per-sample conditionals (fusionflow/accel/dali_graph.py). DALI's `Run` walks every node of that graph
+in the calling thread on every run, and every node is a task whose completion wakes the thread
+waiting for the outputs; on a GPU each is a kernel launch too. So a run's fixed cost follows the
+graph's node count: issue 41's feeder bar at runs of 32 is mostly this.
+
+DALI's CPU backend, one DALI thread, one process; per batch size, the two candidates interleaved
+over `--rounds`, medians:
+  dali  DALI alone: its own auto_aug RandAugment (n=2, m=9) pipeline (experiments/gpu_bench.py
+        dali_batches: external source of the encoded bytes, random-crop decode, resize, flip),
+        prefetch 2, `run()` per batch
+  ours  FusionFlow's RandAugment graph (`DaliPolicyPipeline`, depth 2: a run submitted while the
+        previous one is collected, as the accelerator runs it), its host inputs made before the clock
+        starts (in the loader a helper process makes them)
+Each: img/s, the calling thread's CPU per sample (thread time: what the training process pays) and
+the graph's nodes (ours: `DaliPolicyPipeline.graph_nodes`). With `--tiny` (32 px in, 16 px out)
+little is computed per pixel and what is left is each graph's fixed cost per run.
+
+    .venv/bin/python -m experiments.bench_graph [--batch-sizes 4,32,256] [--rounds 5] [--tiny]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+from experiments.dali_dynamic import time_graph, timed_runs
+from experiments.harness import provenance, result_path, rotation, write_json
+
+
+def time_ours(pipe, data: list, host: list, batch_size: int, batches: int) -> dict:
+    """`batches` runs of `pipe` over `data` (run b takes samples b*batch_size.. cyclically, with their
+    host columns `host[b % len(host)]`), two in flight."""
+
+    def run_slice(b):
+        idx = [(b * batch_size + j) % len(data) for j in range(batch_size)]
+        pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
+
+    def go():
+        run_slice(0)
+        for b in range(1, batches):
+            run_slice(b)
+            pipe.collect()
+        pipe.collect()
+
+    return {**timed_runs(go, batch_size * batches), "graph_nodes": pipe.graph_nodes}
+
+
+def host_columns(pipe, data: list, batch_size: int, count: int) -> list:
+    """The host inputs of runs 0..count-1 (HostInputs.columns, as the accelerator's helper makes them)."""
+    from fusionflow.accel.dali_graph import image_size
+
+    sizes = [image_size(d) for d in data]
+    out = []
+    for b in range(count):
+        idx = [(b * batch_size + j) % len(data) for j in range(batch_size)]
+        out.append(pipe.host.columns(idx, None, [sizes[i] for i in idx], seed=0, epoch=0))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch-sizes", default="4,32,256")
+    ap.add_argument("--images", type=int, default=512, help="samples timed per candidate, round and batch size")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tiny", action="store_true", help="32 px images, 16 px out: the graphs' fixed costs")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+    from fusionflow.policy import load_policy
+    from fusionflow.tools.synthetic import make_jpegs, sample_set
+
+    data = make_jpegs(64, 32, 33, seed=1) if args.tiny else sample_set("imagenet", 64)
+    size = 16 if args.tiny else 224
+    policy = load_policy("randaugment", size=size)
+    result = {"args": vars(args), **provenance(), "batch_sizes": {}}
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        batches = max(4, math.ceil(args.images / bs))
+        pipe = DaliPolicyPipeline(policy, bs, device="cpu", num_threads=1)
+        host = host_columns(pipe, data, bs, min(batches, 16))
+        time_ours(pipe, data, host, bs, 3)  # warm: DALI's buffers sized
+        runs: dict = {"dali": [], "ours": []}
+        for r in range(args.rounds):
+            for name in rotation(runs, r):
+                if name == "dali":
+                    got = time_graph(data, bs, batches, size)
+                else:
+                    got = time_ours(pipe, data, host, bs, batches)
+                runs[name].append(got)
+                print(f"batch {bs}, round {r + 1}, {name}: {got}", flush=True)
+        pipe.close()
+        med = {name: {k: statistics.median(g[k] for g in got) for k in got[0]} for name, got in runs.items()}
+        med["ours_over_dali_img_per_s"] = med["ours"]["img_per_s"] / med["dali"]["img_per_s"]
+        med["ours_over_dali_thread_cpu"] = (
+            med["ours"]["thread_cpu_us_per_sample"] / med["dali"]["thread_cpu_us_per_sample"]
+        )
+        result["batch_sizes"][bs] = {"runs": runs, "medians": med}
+        print(f"batch {bs}: {med}", flush=True)
+    write_json(result, result_path(args.out, "bench_graph" + ("_tiny" if args.tiny else "") + ".json"))
+
+
+if __name__ == "__main__":
+    main()
