@@ -6,8 +6,9 @@ in the calling thread on every run, and every node is a task whose completion wa
 waiting for the outputs; on a GPU each is a kernel launch too. So a run's fixed cost follows the
 graph's node count: issue 41's feeder bar at runs of 32 is mostly this.
 
-DALI's CPU backend, one DALI thread, one process; per batch size, the two candidates interleaved
-over `--rounds`, medians:
+DALI's CPU backend (or the GPU with `--device cuda`: decoding on the mixed decoder, ops on the GPU),
+`--threads` DALI threads, one process; per batch size, the two candidates interleaved over `--rounds`,
+medians:
   dali  DALI alone: its own auto_aug RandAugment (n=2, m=9) pipeline (experiments/gpu_bench.py
         dali_batches: external source of the encoded bytes, random-crop decode, resize, flip),
         prefetch 2, `run()` per batch
@@ -18,7 +19,7 @@ Each: img/s, the calling thread's CPU per sample (thread time: what the training
 the graph's nodes (ours: `DaliPolicyPipeline.graph_nodes`). With `--tiny` (32 px in, 16 px out)
 little is computed per pixel and what is left is each graph's fixed cost per run.
 
-    .venv/bin/python -m experiments.bench_graph [--batch-sizes 4,32,256] [--rounds 5] [--tiny]
+    .venv/bin/python -m experiments.bench_graph [--batch-sizes 4,32,256] [--rounds 5] [--tiny] [--device cuda]
 """
 
 from __future__ import annotations
@@ -27,8 +28,27 @@ import argparse
 import math
 import statistics
 
-from experiments.dali_dynamic import time_graph, timed_runs
+from experiments.dali_dynamic import timed_runs
 from experiments.harness import provenance, result_path, rotation, write_json
+
+
+def time_dali(data: list, batch_size: int, batches: int, size: int, device: str, threads: int) -> dict:
+    """DALI alone (gpu_bench's `dali_batches`, its batches landed in torch tensors on `device`)."""
+    import torch
+
+    from experiments.gpu_bench import dali_batches
+
+    it = dali_batches(data, batch_size, torch.device(device), threads, batches + 2, size=size)
+    next(it)  # built and primed
+    next(it)
+
+    def go():
+        for _ in it:
+            pass
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return timed_runs(go, batch_size * batches)
 
 
 def time_ours(pipe, data: list, host: list, batch_size: int, batches: int) -> dict:
@@ -45,6 +65,10 @@ def time_ours(pipe, data: list, host: list, batch_size: int, batches: int) -> di
             run_slice(b)
             pipe.collect()
         pipe.collect()
+        if pipe.device == "gpu":
+            import torch
+
+            torch.cuda.synchronize()
 
     return {**timed_runs(go, batch_size * batches), "graph_nodes": pipe.graph_nodes}
 
@@ -67,6 +91,8 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=512, help="samples timed per candidate, round and batch size")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="32 px images, 16 px out: the graphs' fixed costs")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--threads", type=int, default=1, help="DALI threads, both candidates")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from fusionflow.accel.dali_graph import DaliPolicyPipeline
@@ -79,14 +105,17 @@ def main() -> None:
     result = {"args": vars(args), **provenance(), "batch_sizes": {}}
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         batches = max(4, math.ceil(args.images / bs))
-        pipe = DaliPolicyPipeline(policy, bs, device="cpu", num_threads=1)
+        gpu = args.device == "cuda"
+        pipe = DaliPolicyPipeline(
+            policy, bs, device="gpu" if gpu else "cpu", device_id=0 if gpu else None, num_threads=args.threads
+        )
         host = host_columns(pipe, data, bs, min(batches, 16))
         time_ours(pipe, data, host, bs, 3)  # warm: DALI's buffers sized
         runs: dict = {"dali": [], "ours": []}
         for r in range(args.rounds):
             for name in rotation(runs, r):
                 if name == "dali":
-                    got = time_graph(data, bs, batches, size)
+                    got = time_dali(data, bs, batches, size, args.device, args.threads)
                 else:
                     got = time_ours(pipe, data, host, bs, batches)
                 runs[name].append(got)
@@ -99,7 +128,8 @@ def main() -> None:
         )
         result["batch_sizes"][bs] = {"runs": runs, "medians": med}
         print(f"batch {bs}: {med}", flush=True)
-    write_json(result, result_path(args.out, "bench_graph" + ("_tiny" if args.tiny else "") + ".json"))
+    name = "bench_graph" + ("_gpu" if args.device == "cuda" else "") + ("_tiny" if args.tiny else "")
+    write_json(result, result_path(args.out, name + ".json"))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@
 #   experiments/gpu_run.sh bench ARGS      python3 -m experiments.gpu_bench ARGS
 #   experiments/gpu_run.sh memory ARGS     python3 -m experiments.gpu_memory ARGS
 #   experiments/gpu_run.sh aot ARGS        python3 -m experiments.bench_aot --device gpu ARGS
+#   experiments/gpu_run.sh graph ARGS      python3 -m experiments.bench_graph --device cuda ARGS (our DALI graph
+#                                          alone against DALI's own RandAugment graph, per run size)
 #   experiments/gpu_run.sh timm ARGS       fusionflow.timm's CUDA leg: bench_timm --mode loader --device cuda ARGS;
 #                                          timm travels as one wheel (`pip download --no-deps timm==1.0.31 -d .whl`,
 #                                          carry .whl; timm.data needs neither huggingface_hub nor safetensors)
@@ -66,6 +68,10 @@ timm)
     ;;
 memory)
     python3 -m experiments.gpu_memory --out "$OUT/gpu_memory.json" "$@" 2>&1 | tee "$OUT/gpu_memory.log"
+    ;;
+graph)
+    python3 -m experiments.bench_graph --device cuda --out "$OUT/bench_graph_gpu.json" "$@" 2>&1 |
+        tee "$OUT/bench_graph_gpu.log"
     ;;
 aot)
     python3 -m experiments.bench_aot --device gpu --out "$OUT/aot_gpu.json" "$@" 2>&1 | tee "$OUT/aot_gpu.log"

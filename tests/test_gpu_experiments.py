@@ -122,6 +122,22 @@ def test_the_loader_summary_has_one_owner():
     assert abs(row["wait_mean_ms"] - 20.0) < 1e-9 and 20.0 < row["wait_p95_ms"] <= 30.0
 
 
+def test_bench_graph_times_both_graphs_at_each_run_size(tmp_path):
+    """experiments/bench_graph.py, the step `gpu_run.sh graph` runs on a GPU, here on DALI's CPU backend: both
+    graphs timed at the run size asked, ours with its node count."""
+    import json
+
+    import pytest
+
+    pytest.importorskip("nvidia.dali")
+    out = tmp_path / "graph.json"
+    args = ["--tiny", "--batch-sizes", "4", "--rounds", "1", "--images", "8", "--out", str(out)]
+    subprocess.run([sys.executable, "-m", "experiments.bench_graph", *args], cwd=EXPERIMENTS.parent, check=True)
+    med = json.loads(out.read_text())["batch_sizes"]["4"]["medians"]
+    assert med["dali"]["img_per_s"] > 0 and med["ours"]["img_per_s"] > 0
+    assert 10 < med["ours"]["graph_nodes"] < 372  # RandAugment's graph had 372 before session 25
+
+
 def _scripts():
     return [p for p in sorted(EXPERIMENTS.glob("*.py")) if 'if __name__ == "__main__":' in p.read_text()]
 
