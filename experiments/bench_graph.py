@@ -11,10 +11,11 @@ DALI's CPU backend (or the GPU with `--device cuda`: decoding on the mixed decod
 medians:
   dali  DALI alone: its own auto_aug RandAugment (n=2, m=9) pipeline (experiments/gpu_bench.py
         dali_batches: external source of the encoded bytes, random-crop decode, resize, flip),
-        prefetch 2, `run()` per batch
+        prefetch 2, `run()` per batch, its random draws made in the graph
   ours  FusionFlow's RandAugment graph (`DaliPolicyPipeline`, depth 2: a run submitted while the
-        previous one is collected, as the accelerator runs it), its host inputs made before the clock
-        starts (in the loader a helper process makes them)
+        previous one is collected, as the accelerator runs it), its host inputs (the draws) made before
+        the clock starts (in the loader a helper process makes them)
+Both land each batch and its labels in torch tensors on the device the same way.
 Each: img/s, the calling thread's CPU per sample (thread time: what the training process pays) and
 the graph's nodes (ours: `DaliPolicyPipeline.graph_nodes`). With `--tiny` (32 px in, 16 px out)
 little is computed per pixel and what is left is each graph's fixed cost per run.
@@ -51,21 +52,35 @@ def time_dali(data: list, batch_size: int, batches: int, size: int, device: str,
     return timed_runs(go, batch_size * batches)
 
 
-def time_ours(pipe, data: list, host: list, batch_size: int, batches: int) -> dict:
-    """`batches` runs of `pipe` over `data` (run b takes samples b*batch_size.. cyclically, with their
-    host columns `host[b % len(host)]`), two in flight."""
+def land(out, idx: list, device: str):
+    """A run's outputs and labels as torch tensors on `device`, the way gpu_bench's `dali_batches` lands DALI
+    alone's (a host copy on the CPU, a device copy on the current stream on the GPU): the same work after
+    either graph."""
+    import numpy as np
+    import torch
 
-    def run_slice(b):
-        idx = [(b * batch_size + j) % len(data) for j in range(batch_size)]
-        pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
+    t = out.as_tensor()
+    if device == "cuda":
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        x = feed_ndarray(t, torch.empty(t.shape(), dtype=torch.uint8, device=device), torch.cuda.current_stream())
+    else:
+        x = torch.from_numpy(np.array(t))
+    return x, torch.tensor([i % 1000 for i in idx], device=device)
+
+
+def time_ours(pipe, data: list, host: list, batch_size: int, batches: int, device: str) -> dict:
+    """`batches` runs of `pipe` over `data` (run b takes samples b*batch_size.. cyclically, with their
+    host columns `host[b % len(host)]`), two in flight, each landed as DALI alone's batches are."""
+    runs = [[(b * batch_size + j) % len(data) for j in range(batch_size)] for b in range(batches)]
 
     def go():
-        run_slice(0)
-        for b in range(1, batches):
-            run_slice(b)
-            pipe.collect()
-        pipe.collect()
-        if pipe.device == "gpu":
+        for b, idx in enumerate(runs):
+            pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
+            if b:
+                land(pipe.collect(), runs[b - 1], device)
+        land(pipe.collect(), runs[-1], device)
+        if device == "cuda":
             import torch
 
             torch.cuda.synchronize()
@@ -88,7 +103,7 @@ def host_columns(pipe, data: list, batch_size: int, count: int) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch-sizes", default="4,32,256")
-    ap.add_argument("--images", type=int, default=512, help="samples timed per candidate, round and batch size")
+    ap.add_argument("--images", type=int, default=1024, help="samples timed per candidate, round and batch size")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tiny", action="store_true", help="32 px images, 16 px out: the graphs' fixed costs")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -104,20 +119,20 @@ def main() -> None:
     policy = load_policy("randaugment", size=size)
     result = {"args": vars(args), **provenance(), "batch_sizes": {}}
     for bs in (int(b) for b in args.batch_sizes.split(",")):
-        batches = max(4, math.ceil(args.images / bs))
+        batches = max(8, math.ceil(args.images / bs))
         gpu = args.device == "cuda"
         pipe = DaliPolicyPipeline(
             policy, bs, device="gpu" if gpu else "cpu", device_id=0 if gpu else None, num_threads=args.threads
         )
         host = host_columns(pipe, data, bs, min(batches, 16))
-        time_ours(pipe, data, host, bs, 3)  # warm: DALI's buffers sized
+        time_ours(pipe, data, host, bs, 3, args.device)  # warm: DALI's buffers sized
         runs: dict = {"dali": [], "ours": []}
         for r in range(args.rounds):
             for name in rotation(runs, r):
                 if name == "dali":
                     got = time_dali(data, bs, batches, size, args.device, args.threads)
                 else:
-                    got = time_ours(pipe, data, host, bs, batches)
+                    got = time_ours(pipe, data, host, bs, batches, args.device)
                 runs[name].append(got)
                 print(f"batch {bs}, round {r + 1}, {name}: {got}", flush=True)
         pipe.close()

@@ -79,12 +79,15 @@ def test_every_op_has_a_dali_impl_or_says_it_has_none():
 def test_autocontrast_leaves_a_flat_channel_as_it_is_and_stretches_the_others():
     """Pillow maps a flat channel (its min equals its max) to itself: DALI's per-channel gain is 1 and its
     offset 0 there, whatever the channel's level, and the other channels are stretched as the CPU op's."""
-    img = make_image(224, 224, 4)
-    img[..., 0], img[..., 2] = 7, 255  # red flat and dark, blue flat at the top
-    ours = run_dali_op("AutoContrast", 0.0, DaliStyle(device="cpu"), [img])[0].astype(int)
-    ref = run_cpu_op("AutoContrast", 0.0, DaliStyle(), [img])[0].astype(int)
-    assert (ours[..., 0] == 7).all() and (ours[..., 2] == 255).all()
-    assert ours[..., 1].min() == 0 and ours[..., 1].max() == 255  # the green channel spans the range
+    flat = make_image(224, 224, 4)
+    flat[..., 0], flat[..., 2] = 7, 255  # red flat and dark, blue flat at the top
+    two = make_image(224, 224, 5)
+    two[..., 1] = 100 + (np.arange(224) % 2)  # green holds two adjacent levels: stretched to 0 and 255
+    ours = run_dali_op("AutoContrast", 0.0, DaliStyle(device="cpu"), [flat, two]).astype(int)
+    ref = run_cpu_op("AutoContrast", 0.0, DaliStyle(), [flat, two]).astype(int)
+    assert (ours[0, ..., 0] == 7).all() and (ours[0, ..., 2] == 255).all()
+    assert ours[0, ..., 1].min() == 0 and ours[0, ..., 1].max() == 255  # the green channel spans the range
+    assert set(np.unique(ours[1, ..., 1])) == {0, 255}
     assert np.abs(ours - ref).max() <= TOLERANCE["AutoContrast"][0]
 
 

@@ -122,7 +122,7 @@ class DaliPolicyPipeline:
         (ids, _), (params, _) = self.layout.span("op_ids"), self.layout.span("params")
 
         def augment(images, host):
-            for k in range(slots):
+            for k in range(slots if fragments else 0):  # no fragment: every op is Identity
                 branch = fn.lookup_table(
                     fn.cast(host[ids + k], dtype=types.INT32), keys=keys, values=branches, dtype=types.INT32
                 )  # 0 for an empty slot
@@ -222,7 +222,8 @@ class DaliPolicyPipeline:
     @property
     def graph_nodes(self) -> int | None:
         """The DALI operators of the built pipeline (conditionals' splits and merges included): what
-        DALI's `Run` walks in the calling thread every run, whatever its size. None once closed."""
+        DALI's `Run` walks in the calling thread every run, whatever its size. None while there is no
+        pipeline (closed, or discarded after a failed run until the next submit rebuilds it)."""
         return None if self._pipe is None else len(self._pipe._ops)
 
     @contextlib.contextmanager
