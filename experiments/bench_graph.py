@@ -29,44 +29,9 @@ import argparse
 import math
 import statistics
 
-from experiments.dali_dynamic import timed_runs
+from experiments.dali_dynamic import time_graph, timed_runs
+from experiments.gpu_bench import land_batch
 from experiments.harness import provenance, result_path, rotation, write_json
-
-
-def time_dali(data: list, batch_size: int, batches: int, size: int, device: str, threads: int) -> dict:
-    """DALI alone (gpu_bench's `dali_batches`, its batches landed in torch tensors on `device`)."""
-    import torch
-
-    from experiments.gpu_bench import dali_batches
-
-    it = dali_batches(data, batch_size, torch.device(device), threads, batches + 2, size=size)
-    next(it)  # built and primed
-    next(it)
-
-    def go():
-        for _ in it:
-            pass
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    return timed_runs(go, batch_size * batches)
-
-
-def land(out, idx: list, device: str):
-    """A run's outputs and labels as torch tensors on `device`, the way gpu_bench's `dali_batches` lands DALI
-    alone's (a host copy on the CPU, a device copy on the current stream on the GPU): the same work after
-    either graph."""
-    import numpy as np
-    import torch
-
-    t = out.as_tensor()
-    if device == "cuda":
-        from nvidia.dali.plugin.pytorch import feed_ndarray
-
-        x = feed_ndarray(t, torch.empty(t.shape(), dtype=torch.uint8, device=device), torch.cuda.current_stream())
-    else:
-        x = torch.from_numpy(np.array(t))
-    return x, torch.tensor([i % 1000 for i in idx], device=device)
 
 
 def time_ours(pipe, data: list, host: list, batch_size: int, batches: int, device: str) -> dict:
@@ -78,8 +43,8 @@ def time_ours(pipe, data: list, host: list, batch_size: int, batches: int, devic
         for b, idx in enumerate(runs):
             pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
             if b:
-                land(pipe.collect(), runs[b - 1], device)
-        land(pipe.collect(), runs[-1], device)
+                land_batch(pipe.collect(), runs[b - 1], device)
+        land_batch(pipe.collect(), runs[-1], device)
         if device == "cuda":
             import torch
 
@@ -130,7 +95,7 @@ def main() -> None:
         for r in range(args.rounds):
             for name in rotation(runs, r):
                 if name == "dali":
-                    got = time_dali(data, bs, batches, size, args.device, args.threads)
+                    got = time_graph(data, bs, batches, size, args.device, args.threads)
                 else:
                     got = time_ours(pipe, data, host, bs, batches, args.device)
                 runs[name].append(got)

@@ -168,15 +168,24 @@ def timed_runs(go, n: int) -> dict:
     }
 
 
-def time_graph(data: list, batch_size: int, batches: int, size: int) -> dict:
+def time_graph(data: list, batch_size: int, batches: int, size: int, device: str = "cpu", threads: int = 1) -> dict:
+    """DALI alone (gpu_bench's `dali_batches`, its batches landed in torch tensors on `device`) over `batches`
+    batches, after two untimed ones."""
     import torch
 
     from experiments.gpu_bench import dali_batches
 
-    it = dali_batches(data, batch_size, torch.device("cpu"), 1, batches + 2, size=size)
+    it = dali_batches(data, batch_size, torch.device(device), threads, batches + 2, size=size)
     next(it)  # built and primed
     next(it)
-    return timed_runs(lambda: [None for _ in it], batch_size * batches)
+
+    def go():
+        for _ in it:
+            pass
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return timed_runs(go, batch_size * batches)
 
 
 def main() -> None:

@@ -65,7 +65,6 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000, siz
     auto_aug RandAugment (n=2, m=9) -> CHW uint8, yielded as torch tensors on the device. The
     source is a callback and the pipeline prefetches DALI_PREFETCH batches, so DALI works ahead of
     the training step as its own framework iterators run it."""
-    import torch
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.auto_aug import rand_augment
 
@@ -98,16 +97,23 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000, siz
     p.build()
     for _ in range(iters):
         (out,) = p.run()
-        idx = order.pop(0)
-        t = out.as_tensor()
-        if gpu:
-            from nvidia.dali.plugin.pytorch import feed_ndarray
+        yield land_batch(out, order.pop(0), device, classes)
 
-            x = torch.empty(t.shape(), dtype=torch.uint8, device=device)
-            feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream())
-        else:
-            x = torch.from_numpy(np.array(t))
-        yield x, torch.tensor([i % classes for i in idx], device=device)
+
+def land_batch(out, idx: list, device, classes: int = 1000):
+    """A DALI batch (`out`, one TensorList of CHW uint8) and its labels (samples `idx`) as torch tensors on
+    `device`: a host copy on the CPU, a device copy on the current stream on a GPU."""
+    import torch
+
+    t = out.as_tensor()
+    if torch.device(device).type == "cuda":
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        x = torch.empty(t.shape(), dtype=torch.uint8, device=device)
+        feed_ndarray(t, x, cuda_stream=torch.cuda.current_stream())
+    else:
+        x = torch.from_numpy(np.array(t))
+    return x, torch.tensor([i % classes for i in idx], device=device)
 
 
 def ff_warmup(warmup: int, profiling: bool) -> int:
