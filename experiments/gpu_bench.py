@@ -218,10 +218,16 @@ def parse_args() -> argparse.Namespace:
         choices=["auto", "temporal", "spatial"],
         help="ff_cpu_gpu's gpu_sharing; 'auto' profiles both modes during an extended warm-up",
     )
-    ap.add_argument("--dali-threads", type=int, default=1, help="ff_cpu_gpu's DaliAccelerator(threads=...)")
+    ap.add_argument(
+        "--dali-threads",
+        type=lambda s: s if s == "auto" else int(s),
+        default=1,
+        help="ff_cpu_gpu's DaliAccelerator(threads=...): a number or 'auto'",
+    )
     ap.add_argument(
         "--cpu-smoke", action="store_true", help="tiny run on the CPU (DALI CPU backend) to check the script"
     )
+    ap.add_argument("--trace", default=None, help="a folder: a Perfetto timeline of each FusionFlow row there")
     ap.add_argument("--out", default=None)
     return ap.parse_args()
 
@@ -298,7 +304,10 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
         from fusionflow import DaliAccelerator
 
         accel = DaliAccelerator(accel.removeprefix("dali-"), sharing=args.gpu_sharing, threads=args.dali_threads)
-    with ff_loader(data, warmup + args.iters + 1, bs, workers, device, accelerator=accel) as ff:
+    extra = {}
+    if args.trace:  # the run's timeline: which side each mini-batch waited for, the runs' gaps
+        extra["trace"] = os.path.join(args.trace, f"trace_{model_name}_w{workers}_{variant}.json")
+    with ff_loader(data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, **extra) as ff:
         rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs)
         stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
         stats["gpu_sharing"] = ff.stats.gpu_sharing
@@ -389,9 +398,12 @@ def main() -> None:
         "dali_threads": args.dali_threads,
         "runs": {},
     }
+    name = "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"
+    path = result_path(args.out, name, os.environ.get("OUT", RESULTS))
     for model_name in args.models.split(","):
         for workers in (int(w) for w in args.workers.split(",")):
             result["runs"][f"{model_name}/w{workers}"] = run_row(data, model_name, workers, device, args)
+            write_json(result, path)  # each row as it lands: a run stopped at its time limit keeps the rows done
     if device.type == "cuda":
         try:  # the DALI GPU ops against the CPU ops on identical input (tests/test_ops_dali.py's cases)
             from experiments.dali_agreement import agreement
@@ -399,8 +411,7 @@ def main() -> None:
             result["op_agreement_gpu_vs_cpu"] = agreement("gpu")
         except Exception as exc:
             result["op_agreement_error"] = repr(exc)
-    name = "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"
-    write_json(result, result_path(args.out, name, os.environ.get("OUT", RESULTS)))
+    write_json(result, path)
 
 
 if __name__ == "__main__":
