@@ -560,9 +560,9 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     now = time.monotonic()
     oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
 
-    def due(entry=oldest, accel_s=0.01, awaited=None, last_done=0.0, gated=False, chosen=0.0, gen=1):
+    def due(entry=oldest, accel_s=0.01, awaited=None, last_done=0.0, gated=False, chosen=0.0, gen=1, collect_at=0.95):
         me = SimpleNamespace(
-            shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s)),
+            shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s), collect_at=collect_at),
             gated=gated,
             _last_done=last_done,
             board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited), generation=gen),
@@ -570,6 +570,7 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
         return AcceleratorWorker._due(me, entry, chosen)
 
     assert abs(due() - (now - 0.01 + 0.95 * 0.08)) < 1e-9  # 8 samples at 10 ms, begun 10 ms ago
+    assert abs(due(collect_at=0.5) - (now - 0.01 + 0.5 * 0.08)) < 1e-9  # the last run was found done: sooner
     assert due(gen=2) == 0.0  # the loader's iterator is a newer one: this run's mini-batches were abandoned
     assert due(last_done=now) > due()  # it began when the run before it completed
     assert due(chosen=now + 0.5) == now + 0.5  # chosen before: kept, whatever the rate says now
@@ -577,6 +578,35 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     assert due(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
     assert due(accel_s=None) == 0.0 and due(gated=True) == 0.0
     assert due(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end
+
+
+def test_share_runs_found_done_when_collected_are_collected_sooner_until_one_is_waited_for():
+    """The completion interval of a run found done when collected is only the time the thread chose to
+    wait (from the rate itself): a faster DALI would be followed 5% a run. Each run found done halves the
+    fraction of the expected time at which the next is collected, down to a floor; one waited for restores
+    it. A simulated DALI 5x faster than the first rate says is followed within a few runs."""
+    from fusionflow.accel.share_feed import COLLECT_AT, COLLECT_MIN, READY_S, ShareFeed
+    from fusionflow.scheduling.split import ShareController
+
+    feed = ShareFeed(ShareController(), board=None, tiny_batch_size=4, cpu_workers=1)
+    assert feed.collect_at == COLLECT_AT
+    feed.collected(0.0)
+    assert feed.collect_at == COLLECT_AT / 2
+    for _ in range(10):
+        feed.collected(READY_S / 10)
+    assert feed.collect_at == COLLECT_MIN
+    feed.collected(0.02)
+    assert feed.collect_at == COLLECT_AT
+
+    true_s, split = 0.0002, feed.split  # DALI's seconds a sample; the rate starts at 5x that
+    for _ in range(5):
+        split.accel_run(0.001 * 100, 100)
+    for _ in range(12):
+        asked = feed.collect_at * split.accel_s * 100  # when the thread asks for the run's outputs
+        done = max(asked, true_s * 100)  # outputs() returns at the run's end, or at once if it was over
+        split.accel_run(done, 100)
+        feed.collected(done - asked)
+    assert abs(split.accel_s - true_s) / true_s < 0.2, split.accel_s
 
 
 def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_due(monkeypatch):

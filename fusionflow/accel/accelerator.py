@@ -196,14 +196,13 @@ class AcceleratorWorker:
     def _run(self) -> None:
         """Take a run, prepare and submit it, and collect the oldest when `DEPTH` are in flight (one
         while gated: temporal sharing's window must close on a finished run) or nothing else is to be
-        had: DALI works on one run while this thread prepares the next. Once it chose to wait for the oldest
-        (`_due`), it takes nothing more until that is collected, as if blocked in DALI's outputs()."""
+        had: DALI works on one run while this thread prepares the next, also while awaiting the oldest's due."""
         board, inflight = self.board, self._active
         while True:
             with board.cond:
                 group, due = None, 0.0
                 while not self._stop and not self.retired:
-                    room = not due and len(inflight) < (1 if self.gated else DEPTH)
+                    room = len(inflight) < (1 if self.gated else DEPTH)
                     if room and not (board.draining() or (self.gated and not self.window_open)):
                         merge = 1 if self.gated else MERGE_SHARES
                         tail = self.shares.tail_fraction if self.shares is not None else None
@@ -232,15 +231,14 @@ class AcceleratorWorker:
     def _due(self, entry, due: float) -> float:
         """Under board.cond: when to collect the oldest run (`due`: the time chosen before; 0: now). DALI's
         outputs() wakes at every task its executor finishes while it waits (~2 ms of CPU a 170 ms run on
-        the CPU backend, 0.4 once done): a share run nobody awaits is collected at 0.95 of its expected time
-        (the split rule's rate), the thread waiting on the board meanwhile; at once when training awaits it.
-        A run done earlier reads as done then: a faster DALI is followed ~5% a run (the rate's median of 5)."""
+        the CPU backend, 0.4 once done): a share run nobody awaits is collected at `collect_at` of its expected
+        time (the split rule's rate; share_feed.py), waiting on the board meanwhile; at once when awaited."""
         group, started, tail, payload = entry
         g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
         awaited, gen = self.board.queue.awaited, self.board.generation  # a run of an older iterator: drained now
         if g is None or tail or payload is None or awaited in set(map(key_of, group)) or group[0].generation != gen:
             return 0.0
-        due = due or max(started, self._last_done) + 0.95 * g * images(group)
+        due = due or max(started, self._last_done) + self.shares.collect_at * g * images(group)
         return due if due - time.monotonic() > 0.002 else 0.0
 
     def _guarded(self, step, group) -> None:
@@ -323,7 +321,7 @@ class AcceleratorWorker:
         """Wait for the oldest run in flight, write its samples into their ring positions, account it."""
         with self.board.cond:
             group, started, tail, (pipeline, labels) = self._active[0]
-        indices = [i for w in group for i in w.indices]
+        indices, asked = [i for w in group for i in w.indices], time.monotonic()
         try:
             out = pipeline.collect(self.device_ring.stream if self.device_ring is not None else None)
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
@@ -331,6 +329,8 @@ class AcceleratorWorker:
             return
         if self.device_ring is not None:  # DALI's run on the device, waited for asleep and within `watch`'s bound
             self.device_ring.wait_for_outputs()
+        if self.shares is not None and not tail:  # ready when asked for: collect the next share run sooner
+            self.shares.collected(time.monotonic() - asked)
         slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
         positions = [p for w in group for p in w.positions]
         with self.board.cond:

@@ -9,6 +9,10 @@ fraction for the accelerator's tail runs. Everything here runs under the board's
 
 from __future__ import annotations
 
+COLLECT_AT = 0.95  # a share run's outputs are asked for at this fraction of its expected time...
+COLLECT_MIN = 0.25  # ...or, while runs are found done when asked for, at half the last fraction, down to this
+READY_S = 0.001  # outputs that came within this were ready before they were asked for
+
 
 class ShareFeed:
     def __init__(self, split, board, tiny_batch_size: int, cpu_workers: int):
@@ -16,6 +20,7 @@ class ShareFeed:
         self.cpu_workers = cpu_workers  # the CPU workers now live (the board's owner tells: `capacity`)
         self.tail_fraction: float | None = None  # the share's fraction of a mini-batch, once reserved
         self._last_batch_at = 0.0  # when the last mini-batch completed (the split rule's period)
+        self.collect_at = COLLECT_AT  # the fraction of a share run's expected time at which it is collected
 
     def batch_done(self, state, cpu_task_seconds: float, awaited: bool, now: float) -> None:
         """A mini-batch is complete: feed the split rule and reserve the next share. `cpu_task_seconds`:
@@ -46,3 +51,13 @@ class ShareFeed:
         shares of 150, G down to 55), so only share runs feed the split rule."""
         if not tail:
             self.split.accel_run(seconds, samples)
+
+    def collected(self, waited: float) -> None:
+        """A share run's outputs came `waited` seconds after they were asked for. Waited for: the run's
+        completion interval was exact, and the next is asked for at COLLECT_AT of its expected time. Ready
+        already: the interval was only an upper bound -- the time the thread chose to wait, from the rate
+        itself -- so a DALI faster than the rate says would be followed 5% a run (the H100, 2026-11-28:
+        runs collected at ~0.5 ms a sample for a whole benchmark, training waiting on CPU-only mini-batches
+        meanwhile); the next is asked for at half the fraction, down to COLLECT_MIN, so the rate falls to
+        DALI's own in a few runs."""
+        self.collect_at = COLLECT_AT if waited >= READY_S else max(COLLECT_MIN, self.collect_at / 2)
