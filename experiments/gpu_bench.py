@@ -11,8 +11,10 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
 and, from t, g and ff_cpu's rate c, issue 41's model bound R = (1 + c*g)/(t + g) (CPU workers and
 DALI sharing each mini-batch, the GPU running training and DALI) with each FusionFlow rate's share of it
 plus per-op agreement of FusionFlow's DALI GPU ops with its CPU ops, and the AoT-design numbers.
-Medians over timed iterations after warm-up, synchronised; JSON to $OUT (or --out). From the
-repository root (on the device machine: experiments/gpu_run.sh bench ARGS):
+Medians over timed iterations after warm-up, synchronised, and over `--repeats` runs of each variant (the
+order rotating: one run of 20 iterations varied +-15% on the H100); JSON to $OUT (or --out), each row as it
+lands. `--trace DIR`: each FusionFlow run's timeline there. From the repository root (on the device machine:
+experiments/gpu_run.sh bench ARGS):
 
     export PYTHONPATH=/tmp/site; python3 -m experiments.gpu_bench --out $OUT/gpu_bench.json
     .venv/bin/python -m experiments.gpu_bench --cpu-smoke      # tiny run of every code path without a GPU
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import statistics
 import time
 import traceback
 import warnings
@@ -209,6 +212,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each variant per row, interleaved: medians")
     ap.add_argument("--models", default="resnet18,resnet50")
     ap.add_argument("--workers", default="4,15")
     ap.add_argument("--variants", default="staged,dali_only,dataloader_tv,dali,ff_cpu,ff_cpu_gpu")
@@ -323,29 +327,37 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     return rate
 
 
+def variant_rate(variant, data, model_name, workers, device, args, row) -> float:
+    """One timed run of `variant` (FusionFlow's stats go into `row`: the last repeat's)."""
+    if variant == "staged":
+        return staged_rate(model_name, device, args)
+    if variant == "dataloader_tv":
+        return dataloader_rate(data, model_name, workers, device, args)
+    if variant == "dali":
+        return dali_rate(data, model_name, workers, device, args)
+    if variant == "dali_only":
+        return dali_only_rate(data, workers, device, args)
+    return fusionflow_rate(variant, data, model_name, workers, device, args, row)
+
+
 def run_row(data, model_name, workers, device, args) -> dict:
     """Every variant's rate for one model and worker count (a failed variant: None and its error),
     and the ratios between them."""
-    row = {}
-    for variant in args.variants.split(","):
-        key = f"{model_name}/w{workers}/{variant}"
-        try:
-            if variant == "staged":
-                rate = staged_rate(model_name, device, args)
-            elif variant == "dataloader_tv":
-                rate = dataloader_rate(data, model_name, workers, device, args)
-            elif variant == "dali":
-                rate = dali_rate(data, model_name, workers, device, args)
-            elif variant == "dali_only":
-                rate = dali_only_rate(data, workers, device, args)
-            else:
-                rate = fusionflow_rate(variant, data, model_name, workers, device, args, row)
-            row[variant] = rate
-            print(f"{key}: {rate:.0f} img/s", flush=True)
-        except Exception as exc:  # one broken variant must not lose the others' numbers
-            row[variant] = None
-            row[f"{variant}_error"] = "".join(traceback.format_exception(exc))[-2000:]
-            print(f"{key}: FAILED {exc!r}", flush=True)
+    row, variants = {}, args.variants.split(",")
+    rates: dict[str, list[float]] = {v: [] for v in variants}
+    for rep in range(args.repeats):  # the order rotates each repeat: no variant always runs first
+        for variant in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
+            key = f"{model_name}/w{workers}/{variant}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "")
+            try:
+                rates[variant].append(variant_rate(variant, data, model_name, workers, device, args, row))
+                print(f"{key}: {rates[variant][-1]:.0f} img/s", flush=True)
+            except Exception as exc:  # one broken variant must not lose the others' numbers
+                row[f"{variant}_error"] = "".join(traceback.format_exception(exc))[-2000:]
+                print(f"{key}: FAILED {exc!r}", flush=True)
+    for variant, got in rates.items():  # the median of the repeats that ran (None: none did)
+        row[variant] = statistics.median(got) if got else None
+        if args.repeats > 1:
+            row[f"{variant}_repeats"] = got
     base = row.get("dataloader_tv")
     for v in ("dali", "ff_cpu", "ff_cpu_gpu"):
         if row.get(v) and base:
