@@ -215,7 +215,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each variant per row, interleaved: medians")
     ap.add_argument("--models", default="resnet18,resnet50")
     ap.add_argument("--workers", default="4,15")
-    ap.add_argument("--variants", default="staged,dali_only,dataloader_tv,dali,ff_cpu,ff_cpu_gpu")
+    ap.add_argument(
+        "--variants",
+        default="staged,dali_only,dataloader_tv,dali,ff_cpu,ff_cpu_gpu",
+        help="ff_cpu_gpu@N: ff_cpu_gpu with DaliAccelerator(run_samples=N) (several allowed: a sweep)",
+    )
     ap.add_argument(
         "--gpu-sharing",
         default="auto",
@@ -296,10 +300,12 @@ def model_bound(train_rate_: float, dali_rate_: float, cpu_rate: float) -> float
 
 
 def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> float:
-    """FusionFlowLoader's rate, CPU workers only (ff_cpu) or with the DALI accelerator (ff_cpu_gpu); its
-    stats go into `row`. A run whose accelerator fell back to the CPU workers raises: not comparable."""
+    """FusionFlowLoader's rate, CPU workers only (ff_cpu) or with the DALI accelerator (ff_cpu_gpu; ff_cpu_gpu@N:
+    with DaliAccelerator(run_samples=N)); its stats go into `row`. A run whose accelerator fell back to the CPU
+    workers raises: not comparable."""
     bs = args.batch_size
-    accel = None if variant != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
+    name, _, run_samples = variant.partition("@")
+    accel = None if name != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
     profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
@@ -307,7 +313,10 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     if accel is not None:  # DALI's knobs as one object: its CPU threads have no loose argument
         from fusionflow import DaliAccelerator
 
-        accel = DaliAccelerator(accel.removeprefix("dali-"), sharing=args.gpu_sharing, threads=args.dali_threads)
+        knobs = dict(sharing=args.gpu_sharing, threads=args.dali_threads)
+        accel = DaliAccelerator(
+            accel.removeprefix("dali-"), **knobs, **({"run_samples": int(run_samples)} if run_samples else {})
+        )
     extra = {}
     if args.trace:  # the run's timeline: which side each mini-batch waited for, the runs' gaps
         extra["trace"] = os.path.join(args.trace, f"trace_{model_name}_w{workers}_{variant}.json")
@@ -362,8 +371,9 @@ def run_row(data, model_name, workers, device, args) -> dict:
     for v in ("dali", "ff_cpu", "ff_cpu_gpu"):
         if row.get(v) and base:
             row[f"{v}_vs_dataloader_tv"] = row[v] / base
-    if row.get("ff_cpu_gpu") and row.get("dali"):
-        row["ff_cpu_gpu_vs_dali"] = row["ff_cpu_gpu"] / row["dali"]
+    for v in [v for v in variants if v.startswith("ff_cpu_gpu")]:  # ff_cpu_gpu and its run_samples (@N) sweeps
+        if row.get(v) and row.get("dali"):
+            row[f"{v}_vs_dali"] = row[v] / row["dali"]
     if row.get("ff_cpu_gpu") and row.get("staged"):
         row["ff_cpu_gpu_of_staged"] = row["ff_cpu_gpu"] / row["staged"]
     if row.get("staged") and row.get("dali_only") and row.get("ff_cpu"):

@@ -45,7 +45,7 @@ import numpy as np
 from experiments.bench_feeder import SlowInWorkers
 from experiments.harness import provenance, result_path, rotation, write_json
 
-RUN_IMAGES = 256  # the accelerator's samples per DALI run at most (fusionflow/accel/accelerator.py)
+RUN_IMAGES = 256  # the accelerator's samples per DALI run at most (DaliAccelerator.run_samples' default)
 
 DALI_PREFETCH = 2  # DALI alone's runs queued ahead of the one training takes (its iterators' default)
 POLICY = {  # a light policy: the CPU workers' own work is small beside the delay that sets their rate

@@ -580,6 +580,26 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     assert due(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end
 
 
+def test_run_samples_caps_every_dali_run_and_a_larger_share_goes_as_several_runs():
+    """DaliAccelerator(run_samples=N): no DALI run holds more than N samples (its pipeline is built for N),
+    so a share of a mini-batch above N is cut into several runs; every sample still arrives exactly once."""
+    from fusionflow import DaliAccelerator
+
+    ds = Bytes(61)
+    ld = loader(ds, accelerator=DaliAccelerator("cpu", run_samples=2), shuffle=True, persistent_workers=True)
+    try:
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            _, labels = collect(ld)
+            assert sorted(i for y in labels for i in y.tolist()) == list(range(61))
+        s = ld.stats
+        assert ld.config.dali_run_samples == 2
+        assert s.accelerator_tiny_batches > 0 and s.accelerator_runs == s.accelerator_tiny_batches  # one each
+        assert s.accelerator_samples <= 2 * s.accelerator_runs
+    finally:
+        ld.close()
+
+
 def test_share_runs_found_done_when_collected_are_collected_sooner_until_one_is_waited_for():
     """The completion interval of a run found done when collected is only the time the thread chose to
     wait (from the rate itself): a faster DALI would be followed 5% a run. Each run found done halves the

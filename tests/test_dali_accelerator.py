@@ -104,6 +104,20 @@ def test_threads_is_set_on_the_object_only_and_reaches_the_loaders_config():
     assert repr(DaliAccelerator("cpu", threads=3)) == "DaliAccelerator(device='cpu', threads=3)"
 
 
+def test_run_samples_is_set_on_the_object_only_and_reaches_the_loaders_config():
+    from fusionflow.accel.config import RUN_SAMPLES
+
+    acc = DaliAccelerator("cpu")
+    assert acc.run_samples == RUN_SAMPLES == 256 and "run_samples" not in acc.loader_arguments()
+    for bad in (0, -4, 2.0, True, "64", None):
+        with pytest.raises(ValueError, match=r"run_samples=.* must be an int >= 1 \(the most samples in one DALI run"):
+            DaliAccelerator("cpu", run_samples=bad)
+    assert repr(DaliAccelerator("cpu", run_samples=64)) == "DaliAccelerator(device='cpu', run_samples=64)"
+    by_object, _ = resolve(dict(num_workers=1, accelerator=DaliAccelerator("cpu", run_samples=64)), DALI)
+    by_strings, _ = resolve(dict(num_workers=1, accelerator="dali-cpu"), DALI)
+    assert (by_object.dali_run_samples, by_strings.dali_run_samples) == (64, RUN_SAMPLES)
+
+
 def test_auto_threads_take_the_cores_the_cpu_workers_leave_on_the_gpu_only():
     from fusionflow.accel.config import AUTO_THREADS, auto_threads
 

@@ -46,7 +46,6 @@ from fusionflow.scheduling.queue import images, key_of
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
-RUN_IMAGES = 256  # samples per DALI run at most: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
 DEPTH = 2  # DALI runs in flight at once (not gated): DALI works on one while the next is prepared
 MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed cost paid once for them
 _COPIES = operator.attrgetter("copies")  # a Work's copies, as one C-level call

@@ -16,7 +16,7 @@ DEVICES = ("gpu", "cpu", "auto")
 SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
 ACCELERATOR_OF = {"gpu": "dali-gpu", "cpu": "dali-cpu", "auto": "auto"}  # device -> the string form
-OBJECT_ONLY = ("threads",)  # fields with no loose FusionFlowLoader argument: set on the object only
+OBJECT_ONLY = ("threads", "run_samples")  # fields with no loose FusionFlowLoader argument: set on the object only
 ARGUMENT_OF = {  # each other field -> the loose FusionFlowLoader argument it stands for
     "device": "accelerator",
     "sharing": "gpu_sharing",
@@ -42,6 +42,7 @@ def _device_hint(device) -> str:
 
 
 AUTO_THREADS = 4  # threads="auto"'s most: DALI alone's threads at the benchmarks' 4 CPU workers
+RUN_SAMPLES = 256  # run_samples' default: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
 
 
 def auto_threads(accelerator: str | None, cores: int, num_workers: int) -> int:
@@ -74,6 +75,10 @@ class DaliAccelerator:
         AUTO_THREADS; on DALI's CPU backend 1 (its threads are the accelerator's whole compute). On an
         H100 with 4 CPU workers, 4 threads trained ResNet-18 at 4,126 img/s, 1 thread at 2,852
         (docs/experiments-log.md, 2026-11-26). No loose form: `loader_arguments` leaves it out.
+    run_samples: the most samples one DALI run holds (never more than the batch size). It bounds DALI's
+        memory (two runs in flight, each sized for this many samples) and how a mini-batch's share is cut:
+        a share above it goes to DALI as several runs, which DALI works on at once (on an H100 two runs in
+        flight completed at about twice one run's rate, 2026-11-28). No loose form either.
 
     Frozen and checked here (the machine -- CUDA, DALI, the loader's device -- is checked by the
     loader); `dataclasses.replace(acc, sharing="spatial")` derives another, checked again.
@@ -86,6 +91,7 @@ class DaliAccelerator:
     taas: bool = field(default=True, kw_only=True)
     taas_last_k: bool = field(default=True, kw_only=True)
     threads: int | str = field(default="auto", kw_only=True)
+    run_samples: int = field(default=RUN_SAMPLES, kw_only=True)
 
     def __post_init__(self):
         device, sharing, memory_bridge = self.device, self.sharing, self.memory_bridge
@@ -98,6 +104,9 @@ class DaliAccelerator:
         threads = self.threads
         if threads != "auto" and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise ValueError(f"threads={threads!r} must be an int >= 1 (DALI's CPU threads) or 'auto'")
+        run = self.run_samples
+        if isinstance(run, bool) or not isinstance(run, int) or run < 1:
+            raise ValueError(f"run_samples={run!r} must be an int >= 1 (the most samples in one DALI run)")
         for name in ("aot", "taas", "taas_last_k"):
             value = getattr(self, name)
             if not isinstance(value, bool):

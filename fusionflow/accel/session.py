@@ -37,11 +37,13 @@ class GpuSession:
         memory_bridge: str,
         bridge_why_off: str | None,
         threads: int = 1,
+        run_samples: int = 256,
     ):
         self.stats = stats
         self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing
         self.aot, self.taas, self.taas_last_k, self.memory_bridge = aot, taas, taas_last_k, memory_bridge
         self.threads = threads  # DALI's CPU threads
+        self.run_samples = run_samples  # the most samples in one DALI run
         self.bridge = None  # the MemoryBridge, while it runs (kept across managers until close())
         self.bridge_why_off = bridge_why_off  # None: start the bridge with the accelerator (again after close())
         self.accel = None  # the accelerator worker kind this session started, while its manager runs
@@ -62,6 +64,7 @@ class GpuSession:
             memory_bridge=cfg.memory_bridge,
             bridge_why_off=cfg.bridge_why_off,
             threads=cfg.dali_threads,
+            run_samples=cfg.dali_run_samples,
         )
 
     def start(
@@ -109,7 +112,7 @@ class GpuSession:
 
     def _accelerator(self, mgr: LocalManager, dataset, on_gpu: bool, device_ring):
         """The AcceleratorWorker for `mgr`'s spec, given its input helper (closed here if it fails to start)."""
-        from fusionflow.accel.accelerator import RUN_IMAGES, AcceleratorWorker
+        from fusionflow.accel.accelerator import AcceleratorWorker
         from fusionflow.accel.host_inputs import start_helper
         from fusionflow.scheduling.split import ShareController
 
@@ -122,7 +125,7 @@ class GpuSession:
                 mgr.board,
                 dataset,
                 policy,
-                min(capacity, max(tiny_batch_size, RUN_IMAGES)),  # samples per DALI run (several tiny-batches)
+                min(capacity, max(tiny_batch_size, self.run_samples)),  # samples per DALI run (several tiny-batches)
                 seed,
                 device="gpu" if on_gpu else "cpu",
                 device_id=self.device.index if on_gpu else None,

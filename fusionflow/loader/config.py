@@ -70,6 +70,7 @@ class LoaderConfig:
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
+    dali_run_samples: int = 256  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
     read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
     cache: Any = None  # a fusionflow.DecodedCache (cache= resolved), or None
 
@@ -335,7 +336,7 @@ def resolve_config(
         seed_given=seed_given,
         device=resolved,
         policy=policy,
-        **dali,  # accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge, bridge_why_off, dali_threads
+        **dali,  # accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge, bridge_why_off, dali_threads, ...
         job=job,
         collate_fn=collate_fn,
         collate=collate,

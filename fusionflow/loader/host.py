@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, SHARING, DaliAccelerator, auto_threads
+from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, RUN_SAMPLES, SHARING, DaliAccelerator, auto_threads
 from fusionflow.accel.declines import dali_declines
 from fusionflow.runtime.host import Host
 
@@ -47,8 +47,9 @@ def unpack_accelerator(accelerator, loose: dict) -> tuple[Any, dict]:
 
 def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_workers: int, host: Host, policy):
     """The accelerator's LoaderConfig fields (accelerator, gpu_sharing, aot, taas, taas_last_k,
-    memory_bridge, bridge_why_off, dali_threads) from the loader's `accelerator` -- a string form or a DaliAccelerator
-    -- and its loose arguments (`loose`, by name): the object is resolved as the strings it stands for."""
+    memory_bridge, bridge_why_off, dali_threads, dali_run_samples) from the loader's `accelerator` -- a string
+    form or a DaliAccelerator -- and its loose arguments (`loose`, by name): the object is resolved as the strings
+    it stands for."""
     given = accelerator if isinstance(accelerator, DaliAccelerator) else None
     accelerator, loose = unpack_accelerator(accelerator, loose)
     gpu_sharing, memory_bridge = loose["gpu_sharing"], loose["memory_bridge"]
@@ -64,6 +65,7 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
         "gpu_sharing": gpu_sharing,
         "bridge_why_off": why_off,
         "dali_threads": threads,
+        "dali_run_samples": given.run_samples if given is not None else RUN_SAMPLES,
     }
 
 
