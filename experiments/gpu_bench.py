@@ -13,8 +13,8 @@ DALI sharing each mini-batch, the GPU running training and DALI) with each Fusio
 plus per-op agreement of FusionFlow's DALI GPU ops with its CPU ops, and the AoT-design numbers.
 Medians over timed iterations after warm-up, synchronised, and over `--repeats` runs of each variant (the
 order rotating: one run of 20 iterations varied +-15% on the H100); JSON to $OUT (or --out), each row as it
-lands. `--trace DIR`: each FusionFlow run's timeline there. From the repository root (on the device machine:
-experiments/gpu_run.sh bench ARGS):
+lands. `--trace DIR`: each FusionFlow variant's timeline there (its first repeat). From the repository root
+(on the device machine: experiments/gpu_run.sh bench ARGS):
 
     export PYTHONPATH=/tmp/site; python3 -m experiments.gpu_bench --out $OUT/gpu_bench.json
     .venv/bin/python -m experiments.gpu_bench --cpu-smoke      # tiny run of every code path without a GPU
@@ -318,8 +318,10 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
             accel.removeprefix("dali-"), **knobs, **({"run_samples": int(run_samples)} if run_samples else {})
         )
     extra = {}
-    if args.trace:  # the run's timeline: which side each mini-batch waited for, the runs' gaps
-        extra["trace"] = os.path.join(args.trace, f"trace_{model_name}_w{workers}_{variant}.json")
+    trace_name = f"trace_{model_name}_w{workers}_{variant.replace('@', '_run')}.json"  # names a lease returns
+    path = os.path.join(args.trace, trace_name) if args.trace else None
+    if path and not os.path.exists(path):  # the first repeat's timeline: which side each mini-batch waited for
+        extra["trace"] = path
     with ff_loader(data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, **extra) as ff:
         rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs)
         stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
@@ -408,6 +410,8 @@ def main() -> None:
             raise SystemExit("experiments.gpu_bench needs a CUDA GPU (use --cpu-smoke to check the script here)")
         device = torch.device("cuda:0")
         torch.backends.cudnn.benchmark = True
+    if args.trace:
+        os.makedirs(args.trace, exist_ok=True)
     t0 = time.time()
     data = mixed_jpegs(args.images)
     print(f"{len(data)} JPEGs made in {time.time() - t0:.0f} s", flush=True)
@@ -418,6 +422,8 @@ def main() -> None:
         "torch": torch.__version__,
         "batch_size": args.batch_size,
         "dali_threads": args.dali_threads,
+        "repeats": args.repeats,
+        "traced": bool(args.trace),  # a timeline recorded in each FusionFlow variant's first repeat
         "runs": {},
     }
     name = "gpu_bench.json" if device.type == "cuda" else "gpu_bench_cpu_smoke.json"

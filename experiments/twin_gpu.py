@@ -44,8 +44,9 @@ import numpy as np
 
 from experiments.bench_feeder import SlowInWorkers
 from experiments.harness import provenance, result_path, rotation, write_json
+from fusionflow.accel.config import RUN_SAMPLES
 
-RUN_IMAGES = 256  # the accelerator's samples per DALI run at most (DaliAccelerator.run_samples' default)
+RUN_IMAGES = RUN_SAMPLES  # the accelerator's samples per DALI run at most (DaliAccelerator.run_samples' default)
 
 DALI_PREFETCH = 2  # DALI alone's runs queued ahead of the one training takes (its iterators' default)
 POLICY = {  # a light policy: the CPU workers' own work is small beside the delay that sets their rate

@@ -561,7 +561,9 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
 
     def due(entry=oldest, accel_s=0.01, awaited=None, last_done=0.0, gated=False, chosen=0.0, gen=1, collect_at=0.95):
+        behind = ([work(2)], now, True, ("pipeline", None))  # a tail run submitted after it
         me = SimpleNamespace(
+            _active=[entry, behind],
             shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s), collect_at=collect_at),
             gated=gated,
             _last_done=last_done,
@@ -575,6 +577,8 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     assert due(last_done=now) > due()  # it began when the run before it completed
     assert due(chosen=now + 0.5) == now + 0.5  # chosen before: kept, whatever the rate says now
     assert due(awaited=(1, 1)) == 0.0 and due(awaited=(1, 1), chosen=now + 0.5) == 0.0  # training waits for it
+    assert due(awaited=(1, 2)) == 0.0  # ... or for the run behind it: outputs come in order
+    assert due(awaited=(1, 3)) > 0.0  # not for one no run in flight holds
     assert due(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
     assert due(accel_s=None) == 0.0 and due(gated=True) == 0.0
     assert due(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end
@@ -595,7 +599,6 @@ def test_run_samples_caps_every_dali_run_and_a_larger_share_goes_as_several_runs
         s = ld.stats
         assert ld.config.dali_run_samples == 2
         assert s.accelerator_tiny_batches > 0 and s.accelerator_runs == s.accelerator_tiny_batches  # one each
-        assert s.accelerator_samples <= 2 * s.accelerator_runs
     finally:
         ld.close()
 
@@ -610,13 +613,25 @@ def test_share_runs_found_done_when_collected_are_collected_sooner_until_one_is_
 
     feed = ShareFeed(ShareController(), board=None, tiny_batch_size=4, cpu_workers=1)
     assert feed.collect_at == COLLECT_AT
-    feed.collected(0.0)
+    feed.collected(0.0, 100)
     assert feed.collect_at == COLLECT_AT / 2
     for _ in range(10):
-        feed.collected(READY_S / 10)
+        feed.collected(READY_S / 10, 100)
     assert feed.collect_at == COLLECT_MIN
-    feed.collected(0.02)
+    feed.collected(0.02, 100)
     assert feed.collect_at == COLLECT_AT
+    for _ in range(5):
+        feed.split.accel_run(0.1, 100)  # 1 ms a sample: a run of 100 is expected to take 100 ms
+    feed.collected(0.004, 100)  # 4 ms (the GIL taken back, say) of 100: it was ready
+    assert feed.collect_at == COLLECT_AT / 2
+    feed.collected(0.006, 100)  # beyond READY_SHARE of the expected time: waited for
+    assert feed.collect_at == COLLECT_AT
+    feed.run_done(0.05, 100, tail=False, waited=0.0)  # a share run's timing: judged before it joins the rate
+    feed.run_done(0.05, 100, tail=True, waited=0.0)  # a tail run's: neither
+    assert feed.collect_at == COLLECT_AT / 2
+    feed.run_done(0.05, 100, waited=None)  # no timing (temporal sharing, an abandoned iterator's run)
+    assert feed.collect_at == COLLECT_AT / 2
+    feed = ShareFeed(ShareController(), board=None, tiny_batch_size=4, cpu_workers=1)
 
     true_s, split = 0.0002, feed.split  # DALI's seconds a sample; the rate starts at 5x that
     for _ in range(5):
@@ -624,8 +639,7 @@ def test_share_runs_found_done_when_collected_are_collected_sooner_until_one_is_
     for _ in range(12):
         asked = feed.collect_at * split.accel_s * 100  # when the thread asks for the run's outputs
         done = max(asked, true_s * 100)  # outputs() returns at the run's end, or at once if it was over
-        split.accel_run(done, 100)
-        feed.collected(done - asked)
+        feed.run_done(done, 100, waited=done - asked)
     assert abs(split.accel_s - true_s) / true_s < 0.2, split.accel_s
 
 
@@ -637,7 +651,7 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
     from fusionflow.accel import accelerator as acc
 
     monkeypatch.setattr(acc, "images", lambda works: 10**6)  # a run's expected time: hours
-    seen, real = [], acc.AcceleratorWorker._collect
+    seen, depths, real = [], [], acc.AcceleratorWorker._collect
 
     def collect_run(self, unused):
         with self.board.cond:
@@ -646,6 +660,7 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
             rate_known = self.shares is not None and self.shares.split.accel_s is not None
             current = group[0].generation == self.board.generation  # else collected at once: drained
             seen.append((rate_known and not tail and current, self.board.queue.awaited in keys))
+            depths.append(len(self._active))
         return real(self, unused)
 
     monkeypatch.setattr(acc.AcceleratorWorker, "_collect", collect_run)
@@ -661,3 +676,4 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
         ld.close()
     judged = [awaited for rated, awaited in seen if rated]
     assert judged and all(judged), seen
+    assert max(depths) == acc.DEPTH  # while it waits for the oldest, the next run is taken and submitted

@@ -235,7 +235,8 @@ class AcceleratorWorker:
         group, started, tail, payload = entry
         g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
         awaited, gen = self.board.queue.awaited, self.board.generation  # a run of an older iterator: drained now
-        if g is None or tail or payload is None or awaited in set(map(key_of, group)) or group[0].generation != gen:
+        in_flight = any(awaited in set(map(key_of, run[0])) for run in self._active)  # awaited: collect in order
+        if g is None or tail or payload is None or in_flight or group[0].generation != gen:
             return 0.0
         due = due or max(started, self._last_done) + self.shares.collect_at * g * images(group)
         return due if due - time.monotonic() > 0.002 else 0.0
@@ -328,8 +329,7 @@ class AcceleratorWorker:
             return
         if self.device_ring is not None:  # DALI's run on the device, waited for asleep and within `watch`'s bound
             self.device_ring.wait_for_outputs()
-        if self.shares is not None and not tail:  # ready when asked for: collect the next share run sooner
-            self.shares.collected(time.monotonic() - asked)
+        waited = time.monotonic() - asked  # ~0: ready when asked for (ShareFeed.collected)
         slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
         positions = [p for w in group for p in w.positions]
         with self.board.cond:
@@ -353,7 +353,8 @@ class AcceleratorWorker:
                 now - started if not self._run_seconds else 0.8 * self._run_seconds + 0.2 * (now - started)
             )
             if self.shares is not None:  # the completion interval: from the later of the last completion and its start
-                self.shares.run_done(now - max(started, self._last_done), len(indices), tail)
+                timed = not self.gated and pipeline is self.pipeline and group[0].generation == self.board.generation
+                self.shares.run_done(now - max(started, self._last_done), len(indices), tail, waited if timed else None)
             self._last_done = now
             self._account(done, [], True, int(started * 1e9))
             self.counters.accelerator_samples += len(indices)

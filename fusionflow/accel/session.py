@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fusionflow.accel.config import RUN_SAMPLES
+
 if TYPE_CHECKING:
     from fusionflow.runtime.local_manager import LocalManager
 
@@ -37,7 +39,7 @@ class GpuSession:
         memory_bridge: str,
         bridge_why_off: str | None,
         threads: int = 1,
-        run_samples: int = 256,
+        run_samples: int = RUN_SAMPLES,
     ):
         self.stats = stats
         self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing

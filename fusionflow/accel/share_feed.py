@@ -11,7 +11,8 @@ from __future__ import annotations
 
 COLLECT_AT = 0.95  # a share run's outputs are asked for at this fraction of its expected time...
 COLLECT_MIN = 0.25  # ...or, while runs are found done when asked for, at half the last fraction, down to this
-READY_S = 0.001  # outputs that came within this were ready before they were asked for
+READY_S = 0.001  # outputs that came within this (or READY_SHARE of the run's expected time) were ready already
+READY_SHARE = 0.05  # (the thread may wait for the GIL on return: up to the 5 ms switch interval)
 
 
 class ShareFeed:
@@ -44,20 +45,25 @@ class ShareFeed:
     def capacity(self, workers: int) -> None:
         self.cpu_workers = workers
 
-    def run_done(self, seconds: float, samples: int, tail: bool = False) -> None:
+    def run_done(self, seconds: float, samples: int, tail: bool = False, waited: float | None = None) -> None:
         """A DALI run of `samples` completed `seconds` after the later of its start and the last completion.
         A tail run (a few tiny-batches training waits for) is not the share's rate: its fixed cost spread
         over a few samples would read as a slow accelerator and shrink G (the twin: runs of 4-40 between
-        shares of 150, G down to 55), so only share runs feed the split rule."""
+        shares of 150, G down to 55), so only share runs feed the split rule. `waited`: how long its outputs
+        took once asked for (`collected`), None where that says nothing of DALI's pace."""
         if not tail:
+            if waited is not None:
+                self.collected(waited, samples)
             self.split.accel_run(seconds, samples)
 
-    def collected(self, waited: float) -> None:
+    def collected(self, waited: float, samples: int) -> None:
         """A share run's outputs came `waited` seconds after they were asked for. Waited for: the run's
         completion interval was exact, and the next is asked for at COLLECT_AT of its expected time. Ready
         already: the interval was only an upper bound -- the time the thread chose to wait, from the rate
         itself -- so a DALI faster than the rate says would be followed 5% a run (the H100, 2026-11-28:
         runs collected at ~0.5 ms a sample for a whole benchmark, training waiting on CPU-only mini-batches
         meanwhile); the next is asked for at half the fraction, down to COLLECT_MIN, so the rate falls to
-        DALI's own in a few runs."""
-        self.collect_at = COLLECT_AT if waited >= READY_S else max(COLLECT_MIN, self.collect_at / 2)
+        DALI's own in a few runs. Judged before the run's own interval joins the rate."""
+        expected = (self.split.accel_s or 0.0) * samples
+        ready = waited < max(READY_S, READY_SHARE * expected)
+        self.collect_at = max(COLLECT_MIN, self.collect_at / 2) if ready else COLLECT_AT

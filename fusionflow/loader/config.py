@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
+from fusionflow.accel.config import RUN_SAMPLES
 from fusionflow.cache.config import resolve_cache
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
@@ -70,7 +71,7 @@ class LoaderConfig:
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
-    dali_run_samples: int = 256  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
+    dali_run_samples: int = RUN_SAMPLES  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
     read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
     cache: Any = None  # a fusionflow.DecodedCache (cache= resolved), or None
 
