@@ -315,9 +315,9 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
         from fusionflow import DaliAccelerator
 
         knobs = dict(sharing=args.gpu_sharing, threads=args.dali_threads)
-        accel = DaliAccelerator(
-            accel.removeprefix("dali-"), **knobs, **({"run_samples": int(run_samples)} if run_samples else {})
-        )
+        if run_samples:  # ff_cpu_gpu@N
+            knobs["run_samples"] = int(run_samples)
+        accel = DaliAccelerator(accel.removeprefix("dali-"), **knobs)
     extra = {}
     trace_name = f"trace_{model_name}_w{workers}_{variant.replace('@', '_run')}.json"  # names a lease returns
     path = os.path.join(args.trace, trace_name) if args.trace else None
