@@ -1,31 +1,26 @@
-"""The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline the
-largest tiny-batches of the local manager's queue and writes each output to its mini-batch position.
+"""The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline the largest
+tiny-batches of the local manager's queue and writes each output to its mini-batch position.
 
-One DALI run takes the accelerator's share of a mini-batch (its G largest samples, whole tiny-batches,
-from the split rule: scheduling/split.py fed by accel/share_feed.py), with up to MERGE_SHARES - 1 next
-shares that fit (or, on a GPU, taken ahead: the queue's `_borrowed`).
+One DALI run takes the accelerator's share of a mini-batch (its G largest samples, whole tiny-batches, from the split
+rule: scheduling/split.py fed by accel/share_feed.py), with up to MERGE_SHARES - 1 next shares that fit (or, on a GPU,
+taken ahead: the queue's `_borrowed`). Running ahead, as DALI's own iterators do: up to DEPTH runs in flight; the
+share of the oldest mini-batch whose share nobody took is submitted while DALI works on the one before; runs are
+collected in order. When training waits for a mini-batch whose CPU side is late, a tail run takes its largest
+unstarted tiny-batches (the share's fraction). A run is read with whole-run operations (accel/run_read.py,
+accel/header_sizes.py); its draws and op parameters come from helper processes as dense arrays (accel/host_inputs.py),
+fed as one packed array; encoded bytes go to DALI uncopied. CPU time: the thread's `accelerator_feed_cpu_seconds`,
+landing outputs in the ring `accelerator_land_cpu_seconds` of it, the helpers' `accelerator_inputs_cpu_seconds`; a
+trace shows each step of the loop (read, inputs, submit, outputs, land) with its wall and CPU time.
 
-Running ahead, as DALI's own iterators do: up to DEPTH runs in flight (DALI's dynamic executor): the share of the
-oldest mini-batch whose share nobody took -- ahead of the one training waits for -- is submitted while DALI works on
-the one before; runs are collected in order. When training waits for a mini-batch whose CPU side is late, a tail run
-takes its largest unstarted tiny-batches (the share's fraction). A run is read with whole-run operations
-(accel/run_read.py, accel/header_sizes.py); its draws and op parameters come from a helper process as dense arrays
-(accel/host_inputs.py), fed as one packed array; encoded bytes go to DALI uncopied. The thread's CPU time is
-`accelerator_feed_cpu_seconds`, landing outputs (and labels) in the ring `accelerator_land_cpu_seconds` of it (the
-helper's: `accelerator_inputs_cpu_seconds`).
-
-`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged with the
-CPU workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring. A tiny-batch it cannot
-run (not encoded bytes, a header over decode.max_pixels, one DALI cannot decode) goes back marked CPU-only; the CPU
-workers produce it or report the precise sample.
-
-Sharing the GPU with training: `temporal` works only inside the loader's prep window (one run in flight, each after
-a blocking CUDA event of the training work queued before next()), with the allocator bridge lending PyTorch's free
-blocks to DALI for the window; `spatial` runs concurrently.
-
-A worker kind (runtime/board.py, `add_worker_kind`). A failed run discards the pipeline (rebuilt on the next
-run) and every run in flight: the CPU workers take them. After `MAX_FAILURES` failed runs in a row, a pipeline
-that cannot be rebuilt, or a run past the stall bound (`watch`), it retires. `stop()` closes pipelines and helper.
+`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged with the CPU
+workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring. A tiny-batch it cannot run
+(not encoded bytes, a header over decode.max_pixels, one DALI cannot decode) goes back marked CPU-only. Sharing the
+GPU with training: `temporal` works only inside the loader's prep window (one run in flight, each after a blocking
+CUDA event of the training work queued before next()), with the allocator bridge lending PyTorch's free blocks to DALI
+for the window; `spatial` runs concurrently. A worker kind (runtime/board.py, `add_worker_kind`). A failed run
+discards the pipeline (rebuilt on the next run) and every run in flight: the CPU workers take them. After
+`MAX_FAILURES` failed runs in a row, a pipeline that cannot be rebuilt, or a run past the stall bound (`watch`), it
+retires. `stop()` closes pipelines and helpers.
 """
 
 from __future__ import annotations
@@ -41,6 +36,7 @@ from fusionflow.accel.header_sizes import HeaderSizes
 from fusionflow.accel.run_read import read_run
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
+from fusionflow.loader.trace import StepClock
 from fusionflow.runtime import liveness, targets
 from fusionflow.scheduling.queue import images, key_of
 
@@ -128,8 +124,7 @@ class AcceleratorWorker:
 
     # ---------------------------------------------------------------- the loader's prep window (GpuSession)
     def mark_step(self, event) -> None:
-        """Temporal sharing: the training work queued before the loader's next() ends with `event`;
-        each DALI run waits for it first."""
+        """Temporal sharing: the training work queued before the loader's next() ends with `event`; each run waits."""
         self.step_event = event
 
     def open_window(self, stream) -> None:
@@ -142,8 +137,7 @@ class AcceleratorWorker:
             self.board.cond.notify_all()
 
     def close_window(self) -> bool:
-        """The mini-batch is ready: the run in flight finishes, and no other starts until the next
-        window. False when no window was open."""
+        """The mini-batch is ready: the run in flight finishes, none starts until the next window (False: none open)."""
         if not self.window_open:
             return False
         with self.board.cond:
@@ -264,10 +258,11 @@ class AcceleratorWorker:
         """Prepare the group's samples and submit its DALI run; a tiny-batch that is not DALI's kind of
         sample (not encoded bytes, or over the policy's max_pixels: the CPU path refuses it by name)
         is given back and the rest run."""
+        board = self.board
+        clock = StepClock(board.trace)  # the loop's steps on the trace's own track (its wall and CPU time)
         read = read_run(self.dataset, group, self.dims, self.max_pixels)
         runnable, given_back = read.runnable, read.given_back
         samples, labels, sizes = read.samples, read.labels, read.sizes
-        board = self.board
         if given_back:
             with board.cond:
                 self._account([], given_back, None, 0)
@@ -295,8 +290,11 @@ class AcceleratorWorker:
                 log.exception("allocator bridge failed to lend; continuing without it")
                 self.bridge = None
         try:
+            clock.mark("read", runnable[0].seq, len(indices))
             columns = self._columns(indices, copies, sizes, runnable[0].epoch)
+            clock.mark("inputs", runnable[0].seq, len(indices))
             pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns)
+            clock.mark("submit", runnable[0].seq, len(indices))
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
             return
@@ -321,7 +319,7 @@ class AcceleratorWorker:
         """Wait for the oldest run in flight, write its samples into their ring positions, account it."""
         with self.board.cond:
             group, started, tail, (pipeline, labels) = self._active[0]
-        indices, asked = [i for w in group for i in w.indices], time.monotonic()
+        indices, asked, clock = [i for w in group for i in w.indices], time.monotonic(), StepClock(self.board.trace)
         try:
             out = pipeline.collect(self.device_ring.stream if self.device_ring is not None else None)
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
@@ -330,6 +328,7 @@ class AcceleratorWorker:
         if self.device_ring is not None:  # DALI's run on the device, waited for asleep and within `watch`'s bound
             self.device_ring.wait_for_outputs()
         waited = time.monotonic() - asked  # ~0: ready when asked for (ShareFeed.collected)
+        clock.mark("outputs", group[0].seq, len(indices))
         slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
         positions = [p for w in group for p in w.positions]
         with self.board.cond:
@@ -347,6 +346,7 @@ class AcceleratorWorker:
                 self._writing = False
                 self.counters.accelerator_land_cpu_seconds += time.thread_time() - land
         now = time.monotonic()
+        clock.mark("land", group[0].seq, len(indices))
         with self.board.cond:
             self._active.pop(0)
             self._run_seconds = (

@@ -10,7 +10,10 @@ one track (thread) each for:
   * each ring slot: a span per mini-batch from submission to its last sample (ready);
   * each CPU worker: a span per tiny-batch it ran (args: mini-batch, samples, dataset indices,
     encoded bytes), and a "lent to LM n" span while the global manager had lent it out;
-  * the accelerator (DALI) thread: a span per tiny-batch it ran;
+  * the accelerator (DALI) thread: a span per tiny-batch it ran (from the run's take to its landing), and on
+    a track of its own each step of its loop (read, inputs, submit, outputs, land; args: the thread's CPU
+    time in it, so a step whose wall time is far above its CPU time was waiting -- on DALI, the input
+    helper or the GIL);
   * each borrowed worker (another rank's worker lent to this loader): its tiny-batches.
 
 Clock: `time.monotonic_ns()` everywhere -- CLOCK_MONOTONIC on Linux, one clock for every process of
@@ -31,7 +34,7 @@ import time
 from collections import deque
 
 DEFAULT_MAX_EVENTS = 200_000  # ~ 60 MB of Python tuples at worst; a few hundred epochs of a small run
-TID_TRAINING, TID_ACCEL, TID_SLOT, TID_CPU, TID_GUEST = 1, 2, 10, 100, 1000
+TID_TRAINING, TID_ACCEL, TID_ACCEL_STEPS, TID_SLOT, TID_CPU, TID_GUEST = 1, 2, 3, 10, 100, 1000
 PID = 1
 
 
@@ -105,6 +108,12 @@ class TraceRecorder:
         self._sizes = sizes
         self._span(tid, "tiny-batch", start_ns, end_ns, work.seq, len(work.indices), work.indices)
 
+    def accel_step(self, step: str, start_ns: int, end_ns: int, seq: int, samples: int, cpu_ns: int) -> None:
+        """One step of the accelerator thread's loop for a run of `samples` (mini-batch `seq` first), and the
+        thread's CPU time in it."""
+        self._tracks.setdefault(TID_ACCEL_STEPS, "accelerator thread: steps")
+        self._span(TID_ACCEL_STEPS, "step", start_ns, end_ns, seq, samples, (step, cpu_ns))
+
     def discarded(self, worker: int, work, start_ns: int, end_ns: int) -> None:
         """Own CPU worker `worker`'s copy of a tiny-batch that ran twice (runtime/reruns.py), stopped
         because the other copy finished first."""
@@ -142,6 +151,8 @@ class TraceRecorder:
         for tid, kind, start, end, seq, samples, detail in list(self._events):
             if kind == "lent":
                 name, args = f"lent to LM {detail}", {"tiny_batches": samples, "borrower": detail}
+            elif kind == "step":
+                name, args = detail[0], {"mini_batch": seq, "samples": samples, "thread_cpu_us": detail[1] / 1e3}
             else:
                 name = f"wait mb{seq}" if kind == "wait" else f"mb{seq}"
                 name += " (discarded: its other copy finished first)" if kind == "discarded" else ""
@@ -181,6 +192,20 @@ class TraceRecorder:
         with open(tmp, "w") as f:
             f.write(text)
         os.replace(tmp, path)
+
+
+class StepClock:
+    """Times the accelerator thread's steps one after another: `mark(step, ...)` records the span from the
+    last mark (or the clock's making) to now. `StepClock(None)` (not tracing) records nothing."""
+
+    def __init__(self, recorder):
+        self.recorder, self.wall, self.cpu = recorder, time.monotonic_ns(), time.thread_time_ns()
+
+    def mark(self, step: str, seq: int, samples: int) -> None:
+        if self.recorder is not None:
+            wall, cpu = time.monotonic_ns(), time.thread_time_ns()
+            self.recorder.accel_step(step, self.wall, wall, seq, samples, cpu - self.cpu)
+            self.wall, self.cpu = wall, cpu
 
 
 def load(path) -> dict:

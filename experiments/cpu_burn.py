@@ -1,0 +1,61 @@
+"""Run a command while N processes keep N cores busy the way CPU workers do: a diagnostic for whether DALI's
+host threads lose to CPU workers for cores (issue 41: on a 16-vCPU GPU machine FusionFlow's CPU workers and
+DALI's threads share cores that DALI alone has to itself).
+
+Each burner decodes and resizes synthetic JPEGs of the benchmarks' sizes with OpenCV on one thread, as a
+CPU worker's decode does, until the command ends; the burners are then stopped and waited for.
+
+    python3 -m experiments.cpu_burn --procs 4 -- python3 -m experiments.bench_graph --device cuda ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import subprocess
+import sys
+
+
+def burn(seed: int, stop) -> None:
+    import cv2
+    import numpy as np
+
+    cv2.setNumThreads(1)
+    rng = np.random.default_rng(seed)
+    jpegs = []
+    for _ in range(8):
+        h, w = (int(x) for x in rng.integers(200, 1000, 2))
+        img = cv2.resize(rng.integers(0, 256, (h // 8, w // 8, 3), dtype=np.uint8), (w, h))
+        jpegs.append(cv2.imencode(".jpg", img)[1])
+    n = 0
+    while not stop.is_set():
+        img = cv2.imdecode(jpegs[n % len(jpegs)], cv2.IMREAD_COLOR)
+        cv2.resize(img, (224, 224), interpolation=cv2.INTER_AREA)
+        n += 1
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--procs", type=int, required=True, help="busy processes beside the command")
+    ap.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
+    args = ap.parse_args()
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.procs < 0 or not command:
+        ap.error("needs --procs >= 0 and a command after --")
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=burn, args=(i, stop), daemon=True) for i in range(args.procs)]
+    for p in procs:
+        p.start()
+    try:
+        return subprocess.call(command)
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
