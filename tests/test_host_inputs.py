@@ -17,7 +17,14 @@ from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: E402,F401
 
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
 from fusionflow.accel.header_sizes import HeaderSizes  # noqa: E402
-from fusionflow.accel.host_inputs import HelperGone, HostInputs, InputHelper, start_helper  # noqa: E402
+from fusionflow.accel.host_inputs import (  # noqa: E402
+    MIN_SHARE,
+    HelperGone,
+    HostInputs,
+    InputHelper,
+    helper_processes,
+    start_helper,
+)
 from fusionflow.policy import crop_window, draw, load_policy  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -97,11 +104,61 @@ def test_the_helpers_error_is_raised_and_a_dead_helper_says_so(no_leaks):
     assert failing.alive  # an error computing a run is that run's, not the helper's end
     failing.close()
     helper = InputHelper(HostInputs(load_policy(SMALL)), mp.get_context())
-    os.kill(helper._proc.pid, signal.SIGKILL)
-    helper._proc.join(30)
+    os.kill(helper._procs[0].pid, signal.SIGKILL)
+    helper._procs[0].join(30)
     with pytest.raises(HelperGone, match="gone"):
         helper.columns([1], None, [(30, 30)], 0, 0)
     helper.close()
+
+
+class FailingFrom(HostInputs):
+    """Fails any share holding a sample index >= `bad`."""
+
+    bad = 10**9
+
+    def columns(self, indices, copies, sizes, seed, epoch):
+        if max(np.asarray(indices).tolist()) >= self.bad:
+            raise ValueError("a share failed")
+        return super().columns(indices, copies, sizes, seed, epoch)
+
+
+def test_helpers_cut_a_run_into_shares_and_answer_as_the_thread_would(no_leaks):
+    """Three helpers: a run cut into contiguous shares (all three busy at 3 * MIN_SHARE samples, fewer below)
+    gives the thread's columns exactly; one share's error is raised and the pipes stay in step (the next run is
+    right); a helper killed makes the next run say HelperGone."""
+    p = load_policy("randaugment")
+    host = HostInputs(p)
+    failing = FailingFrom(p)
+    failing.bad = 1000
+    helper = InputHelper(failing, mp.get_context(), processes=3)
+    assert helper.alive and len(helper._procs) == 3
+    for n in (1, MIN_SHARE, 2 * MIN_SHARE + 1, 3 * MIN_SHARE, 100):
+        indices, sizes = list(range(7, 7 + n)), [(100 + i, 80 + 2 * i) for i in range(n)]
+        copies = [i % 3 for i in range(n)]
+        got = helper.columns(indices, copies, sizes, 5, 7)
+        want = host.columns(indices, copies, sizes, 5, 7)
+        assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), n
+    with pytest.raises(ValueError, match="a share failed"):  # the last share fails, the others answer
+        helper.columns(list(range(950, 1050)), None, [(64, 64)] * 100, 0, 0)
+    got = helper.columns(list(range(60)), None, [(64, 64)] * 60, 1, 1)
+    assert all(np.array_equal(a, b) for a, b in zip(got, host.columns(list(range(60)), None, [(64, 64)] * 60, 1, 1)))
+    assert helper.cpu_seconds > 0
+    os.kill(helper._procs[2].pid, signal.SIGKILL)
+    helper._procs[2].join(30)
+    assert not helper.alive
+    with pytest.raises(HelperGone):
+        helper.columns(list(range(60)), None, [(64, 64)] * 60, 1, 1)
+    helper.close()
+    assert not helper._procs
+
+
+def test_helper_processes_take_the_cores_left_on_a_gpu_only():
+    assert helper_processes(False, 16, 4, 4) == 1  # DALI's CPU backend: the CPU workers need the cores
+    assert helper_processes(True, 16, 4, 4) == 4  # 7 cores left: at most MAX_HELPERS
+    assert helper_processes(True, 16, 4, 9) == 2
+    assert helper_processes(True, 16, 15, 1) == 1  # none left: still one (the thread's own work is dearer)
+    with pytest.raises(ValueError, match="processes=0"):
+        InputHelper(HostInputs(load_policy(SMALL)), mp.get_context(), processes=0)
 
 
 def test_a_forked_helper_keeps_none_of_the_training_processes_descriptors(no_leaks):
@@ -138,7 +195,7 @@ def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, cap
                 order += y.tolist()
                 if before is None:
                     accel = ld.parts.gpu.accel
-                    os.kill(accel.inputs._proc.pid, signal.SIGKILL)
+                    os.kill(accel.inputs._procs[0].pid, signal.SIGKILL)
                     before = ld.stats.accelerator_samples
             assert sorted(order) == list(range(61)), epoch
     assert ld.parts.gpu.accel is accel and accel.inputs is None

@@ -36,6 +36,8 @@ from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
 
 log = logging.getLogger(__name__)
+MAX_HELPERS = 4  # helper processes at most (a run's inputs cut into this many shares)
+MIN_SHARE = 16  # the fewest samples worth a helper's message of their own (a message costs ~0.1 ms)
 
 
 class HostLayout:
@@ -119,44 +121,64 @@ class HostInputs:
 
 
 class InputHelper:
-    """`HostInputs.columns` in a helper process. `columns` raises what the helper raised computing
-    them, or HelperGone when the helper is dead, unreachable or silent for `timeout` seconds (the
-    caller then makes them itself); `close` ends it (idempotent, bounded)."""
+    """`HostInputs.columns` in `processes` helper processes: a run of at least 2 * MIN_SHARE samples is cut
+    into contiguous shares, one per helper, all sent before any answer is awaited, so the accelerator
+    thread waits for the slowest share, not the sum (the H200, 2026-11-28: one helper's answer was 29% of
+    the thread's wall time, ~70 us a sample of its ~140). `columns` raises what a helper raised computing
+    them, or HelperGone when a helper is dead, unreachable or silent for `timeout` seconds (the caller then
+    makes them itself); `close` ends them all (idempotent, bounded)."""
 
-    def __init__(self, inputs: HostInputs, ctx, timeout: float = 60.0):
-        self.timeout, self.cpu_seconds = timeout, 0.0  # the helper's CPU time so far (its last reply's)
-        self._conn, child = ctx.Pipe()
-        forked = ctx.get_start_method() == "fork"  # then it inherits every descriptor of the training process
-        self._proc = ctx.Process(target=serve, args=(inputs, child, forked), name="fusionflow-dali-inputs", daemon=True)
-        self._proc.start()
-        child.close()
+    def __init__(self, inputs: HostInputs, ctx, timeout: float = 60.0, processes: int = 1):
+        if processes < 1:
+            raise ValueError(f"processes={processes} must be >= 1")
+        self.timeout, self.cpu_seconds = timeout, 0.0  # the helpers' CPU time so far (their last replies')
+        self._conns, self._procs, self._cpu = [], [], [0.0] * processes
+        forked = ctx.get_start_method() == "fork"  # then each inherits every descriptor of the training process
+        try:
+            for k in range(processes):
+                conn, child = ctx.Pipe()
+                proc = ctx.Process(target=serve, args=(inputs, child, forked), name=f"fusionflow-dali-inputs-{k}")
+                proc.daemon = True
+                self._conns.append(conn)
+                proc.start()
+                self._procs.append(proc)
+                child.close()
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def alive(self) -> bool:
-        return self._proc is not None and self._proc.is_alive()
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def columns(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray]:
-        request = (
-            np.asarray(indices, np.int64),
-            None if copies is None else np.asarray(copies, np.int64),
-            np.asarray(sizes, np.int64).reshape(-1, 2),
-            seed,
-            epoch,
-        )
+        indices = np.asarray(indices, np.int64)
+        copies = None if copies is None else np.asarray(copies, np.int64)
+        sizes = np.asarray(sizes, np.int64).reshape(-1, 2)
+        shares = max(1, min(len(self._conns), len(indices) // MIN_SHARE))
+        cuts = [len(indices) * k // shares for k in range(shares + 1)]
+        parts = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
         try:
-            self._conn.send(request)
-            if not self._conn.poll(self.timeout):
-                raise HelperGone(f"the DALI input helper gave no answer within {self.timeout:.0f} s")
-            ok, payload, cpu = self._conn.recv()
+            for conn, part in zip(self._conns, parts):
+                conn.send((indices[part], None if copies is None else copies[part], sizes[part], seed, epoch))
+            replies = []
+            for k, conn in enumerate(self._conns[:shares]):  # every answer read: the pipes stay in step
+                if not conn.poll(self.timeout):
+                    raise HelperGone(f"DALI input helper {k} gave no answer within {self.timeout:.0f} s")
+                replies.append(conn.recv())
+                self._cpu[k] = replies[-1][2]
         except (EOFError, OSError) as exc:  # BrokenPipeError and a closed connection included
-            raise HelperGone(f"the DALI input helper is gone ({exc!r})") from exc
-        self.cpu_seconds = cpu
-        if not ok:
-            raise payload
-        return payload
+            raise HelperGone(f"a DALI input helper is gone ({exc!r})") from exc
+        self.cpu_seconds = sum(self._cpu)
+        failed = next((payload for ok, payload, _ in replies if not ok), None)
+        if failed is not None:
+            raise failed
+        if shares == 1:
+            return replies[0][1]
+        return [np.concatenate(col) for col in zip(*(payload for _, payload, _ in replies))]
 
     def columns_or_none(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray] | None:
-        """`columns`, or None once the helper is gone (said once, in the log; the helper is closed)."""
+        """`columns`, or None once a helper is gone (said once, in the log; the helpers are closed)."""
         try:
             return self.columns(indices, copies, sizes, seed, epoch)
         except HelperGone as exc:
@@ -165,18 +187,18 @@ class InputHelper:
             return None
 
     def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            self._conn.send(None)
-        except (OSError, ValueError):
-            pass
-        self._conn.close()
-        proc.join(5.0)
-        if proc.is_alive():
-            proc.kill()
+        conns, procs, self._conns, self._procs = self._conns, self._procs, [], []
+        for conn in conns:
+            try:
+                conn.send(None)
+            except (OSError, ValueError):
+                pass
+            conn.close()
+        for proc in procs:
             proc.join(5.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5.0)
 
 
 class HelperGone(RuntimeError):
@@ -212,9 +234,15 @@ def serve(inputs: HostInputs, conn, close_inherited: bool = False) -> None:
             conn.send((False, RuntimeError(f"{reply[1]!r} ({exc!r})"), reply[2]))
 
 
-def start_helper(policy, ctx=None) -> InputHelper | None:
-    """An InputHelper for `policy` in multiprocessing context `ctx` (None: the default), or None where
-    the accelerator makes its inputs itself: erasing with noise, or a helper that cannot start."""
+def helper_processes(on_gpu: bool, cores: int, workers: int, threads: int) -> int:
+    """How many helper processes: on a GPU the cores left beside the CPU workers, DALI's threads and the
+    training loop (1 to MAX_HELPERS); on DALI's CPU backend 1 (the CPU workers and DALI have the cores)."""
+    return max(1, min(MAX_HELPERS, cores - workers - threads - 1)) if on_gpu else 1
+
+
+def start_helper(policy, ctx=None, processes: int = 1) -> InputHelper | None:
+    """An InputHelper of `processes` helpers for `policy` in multiprocessing context `ctx` (None: the default),
+    or None where the accelerator makes its inputs itself: erasing with noise, or a helper that cannot start."""
     import multiprocessing
 
     from fusionflow.policy import load_policy
@@ -223,7 +251,8 @@ def start_helper(policy, ctx=None) -> InputHelper | None:
     if policy.erase is not None and policy.erase.value is None:
         return None
     try:
-        return InputHelper(HostInputs(policy), ctx if ctx is not None else multiprocessing.get_context())
+        ctx = ctx if ctx is not None else multiprocessing.get_context()
+        return InputHelper(HostInputs(policy), ctx, processes=processes)
     except Exception as exc:  # the accelerator works without one
         log.warning("the DALI input helper did not start (%r); the accelerator makes its inputs itself", exc)
         return None

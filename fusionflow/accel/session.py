@@ -115,13 +115,14 @@ class GpuSession:
     def _accelerator(self, mgr: LocalManager, dataset, on_gpu: bool, device_ring):
         """The AcceleratorWorker for `mgr`'s spec, given its input helper (closed here if it fails to start)."""
         from fusionflow.accel.accelerator import AcceleratorWorker
-        from fusionflow.accel.host_inputs import start_helper
+        from fusionflow.accel.host_inputs import helper_processes, start_helper
         from fusionflow.scheduling.split import ShareController
 
         spec = mgr.spec
         policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        inputs = start_helper(policy, spec.mp_context)  # a process: started before DALI's threads are
+        helpers = helper_processes(on_gpu, len(os.sched_getaffinity(0)), spec.num_workers, self.threads)
+        inputs = start_helper(policy, spec.mp_context, helpers)  # processes: started before DALI's threads are
         try:
             accel = AcceleratorWorker(
                 mgr.board,
