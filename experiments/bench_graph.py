@@ -30,39 +30,23 @@ import math
 import statistics
 
 from experiments.dali_dynamic import time_graph, timed_runs
-from experiments.gpu_bench import land_batch
+from experiments.gpu_bench import host_columns, ours_batches
 from experiments.harness import provenance, result_path, rotation, write_json
 
 
 def time_ours(pipe, data: list, host: list, batch_size: int, batches: int, device: str) -> dict:
-    """`batches` runs of `pipe` over `data` (run b takes samples b*batch_size.. cyclically, with their
-    host columns `host[b % len(host)]`), two in flight, each landed as DALI alone's batches are."""
-    runs = [[(b * batch_size + j) % len(data) for j in range(batch_size)] for b in range(batches)]
+    """`batches` runs of `pipe` over `data`, two in flight, each landed as DALI alone's batches are
+    (gpu_bench.ours_batches: the loop gpu_bench's `ours` variant trains on)."""
 
     def go():
-        for b, idx in enumerate(runs):
-            pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
-            if b:
-                land_batch(pipe.collect(), runs[b - 1], device)
-        land_batch(pipe.collect(), runs[-1], device)
+        for _ in ours_batches(pipe, data, host, batch_size, batches, device):
+            pass
         if device == "cuda":
             import torch
 
             torch.cuda.synchronize()
 
     return {**timed_runs(go, batch_size * batches), "graph_nodes": pipe.graph_nodes}
-
-
-def host_columns(pipe, data: list, batch_size: int, count: int) -> list:
-    """The host inputs of runs 0..count-1 (HostInputs.columns, as the accelerator's helper makes them)."""
-    from fusionflow.accel.dali_graph import image_size
-
-    sizes = [image_size(d) for d in data]
-    out = []
-    for b in range(count):
-        idx = [(b * batch_size + j) % len(data) for j in range(batch_size)]
-        out.append(pipe.host.columns(idx, None, [sizes[i] for i in idx], seed=0, epoch=0))
-    return out
 
 
 def main() -> None:
@@ -89,7 +73,7 @@ def main() -> None:
         pipe = DaliPolicyPipeline(
             policy, bs, device="gpu" if gpu else "cpu", device_id=0 if gpu else None, num_threads=args.threads
         )
-        host = host_columns(pipe, data, bs, min(batches, 16))
+        host = host_columns(pipe, data, bs)
         time_ours(pipe, data, host, bs, 3, args.device)  # warm: DALI's buffers sized
         runs: dict = {"dali": [], "ours": []}
         for r in range(args.rounds):

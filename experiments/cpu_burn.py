@@ -5,7 +5,8 @@ DALI's threads share cores that DALI alone has to itself).
 Each burner decodes and resizes synthetic JPEGs of the benchmarks' sizes with OpenCV on one thread, as a
 CPU worker's decode does, until the command ends; the burners are then stopped and waited for.
 
-    python3 -m experiments.cpu_burn --procs 4 -- python3 -m experiments.bench_graph --device cuda ...
+    .venv/bin/python -m experiments.cpu_burn --procs 4 -- .venv/bin/python -m experiments.bench_graph ...
+    (on the device machine: python3 -m experiments.cpu_burn --procs 4 -- python3 -m experiments.bench_graph ...)
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
   (d) ff_cpu_gpu      FusionFlowLoader, CPU workers + DALI accelerator on the GPU (TAAS)
   (e) staged          training on batches already on the GPU (the no-stall ceiling): t = 1/staged
   (f) dali_only       DALI alone's pipeline without training: its augmentation time g = 1/dali_only
+  (g) ours            FusionFlow's DALI graph (the accelerator's) fed whole mini-batches as DALI alone is, two
+                      in flight, its draws made before the clock (the loader's helpers make them): the graph
+                      beside training without the loader around it (graph against integration)
 and, from t, g and ff_cpu's rate c, issue 41's model bound R = (1 + c*g)/(t + g) (CPU workers and
 DALI sharing each mini-batch, the GPU running training and DALI) with each FusionFlow rate's share of it,
 the host bound min(staged, c + dali_only) for where DALI's host threads, not GPU time, hold dali_only,
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import math
 import os
 import statistics
 import time
@@ -102,6 +106,32 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000, siz
     for _ in range(iters):
         (out,) = p.run()
         yield land_batch(out, order.pop(0), device, classes)
+
+
+def host_columns(pipe, data: list, batch_size: int) -> list:
+    """The host inputs of the runs of `pipe` (a DaliPolicyPipeline) over `data`, run b taking samples
+    b*batch_size.. cyclically, for one whole cycle of runs (after it run b is run b - cycle again), as the
+    accelerator's helpers make them (HostInputs.columns)."""
+    from fusionflow.accel.dali_graph import image_size
+
+    sizes = [image_size(d) for d in data]
+    out = []
+    for b in range(len(data) // math.gcd(len(data), batch_size)):
+        idx = [(b * batch_size + j) % len(data) for j in range(batch_size)]
+        out.append(pipe.host.columns(idx, None, [sizes[i] for i in idx], seed=0, epoch=0))
+    return out
+
+
+def ours_batches(pipe, data: list, host: list, batch_size: int, batches: int, device):
+    """`batches` runs of `pipe` over `data` (run b takes samples b*batch_size.. cyclically, with host columns
+    `host[b % len(host)]`: host_columns' cycle), two in flight -- run b+1 submitted before b is collected, as
+    the accelerator runs them -- each landed and yielded as DALI alone's batches are."""
+    runs = [[(b * batch_size + j) % len(data) for j in range(batch_size)] for b in range(batches)]
+    for b, idx in enumerate(runs):
+        pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
+        if b:
+            yield land_batch(pipe.collect(), runs[b - 1], device)
+    yield land_batch(pipe.collect(), runs[-1], device)
 
 
 def land_batch(out, idx: list, device, classes: int = 1000):
@@ -276,6 +306,26 @@ def dali_rate(data, model_name, workers, device, args) -> float:
     return train_rate(batches, model_name, device, args.iters, warmup, bs)
 
 
+def ours_rate(data, model_name, workers, device, args) -> float:
+    """Training on FusionFlow's DALI graph alone (variant `ours`), DALI threads as DALI alone's (`workers`)."""
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+    from fusionflow.policy import load_policy
+
+    bs = args.batch_size
+    warmup = drain_warmup(args.warmup, DALI_PREFETCH)
+    gpu = device.type == "cuda"
+    device_id = 0 if gpu else None
+    pipe = DaliPolicyPipeline(
+        load_policy("randaugment"), bs, device="gpu" if gpu else "cpu", device_id=device_id, num_threads=workers
+    )
+    try:
+        host = host_columns(pipe, data, bs)
+        batches = lambda: ours_batches(pipe, data, host, bs, args.iters + warmup + 1, device)  # noqa: E731
+        return train_rate(batches, model_name, device, args.iters, warmup, bs)
+    finally:
+        pipe.close()
+
+
 def dali_only_rate(data, workers, device, args) -> float:
     """DALI alone's pipeline without training (synchronised at both ends): g, its time per image."""
     import torch
@@ -349,6 +399,8 @@ def variant_rate(variant, data, model_name, workers, device, args, row) -> float
         return dali_rate(data, model_name, workers, device, args)
     if variant == "dali_only":
         return dali_only_rate(data, workers, device, args)
+    if variant == "ours":
+        return ours_rate(data, model_name, workers, device, args)
     return fusionflow_rate(variant, data, model_name, workers, device, args, row)
 
 
@@ -374,7 +426,7 @@ def run_row(data, model_name, workers, device, args) -> dict:
     for v in ("dali", "ff_cpu", "ff_cpu_gpu"):
         if row.get(v) and base:
             row[f"{v}_vs_dataloader_tv"] = row[v] / base
-    for v in [v for v in variants if v.startswith("ff_cpu_gpu")]:  # ff_cpu_gpu and its run_samples (@N) sweeps
+    for v in [v for v in variants if v.startswith("ff_cpu_gpu") or v == "ours"]:  # and ff_cpu_gpu@N sweeps
         if row.get(v) and row.get("dali"):
             row[f"{v}_vs_dali"] = row[v] / row["dali"]
     if row.get("ff_cpu_gpu") and row.get("staged"):

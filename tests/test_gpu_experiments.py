@@ -142,6 +142,32 @@ def test_bench_graph_times_both_graphs_at_each_run_size(tmp_path):
         assert med["ours"]["graph_nodes"] == pipe.graph_nodes
 
 
+def test_ours_batches_are_the_runs_in_order_each_as_the_pipeline_makes_it():
+    """gpu_bench's `ours` variant trains on ours_batches: run b of the cyclic order, labels its indices, pixels
+    those of the same run submitted alone (two in flight changes no sample), the last run collected too."""
+    import pytest
+
+    pytest.importorskip("nvidia.dali")
+    import torch
+
+    from fusionflow import load_policy
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+    from fusionflow.tools.synthetic import make_jpegs
+
+    data = make_jpegs(5, 24, 40, seed=3)
+    with DaliPolicyPipeline(load_policy("randaugment", size=16), batch_size=3) as pipe:
+        host = gpu_bench.host_columns(pipe, data, 3)
+        assert len(host) == 5  # the cycle: 5 runs of 3 cover the 5 samples 3 times
+        got = list(gpu_bench.ours_batches(pipe, data, host, 3, 7, torch.device("cpu")))
+        assert len(got) == 7
+        for b, (x, y) in enumerate(got):
+            idx = [(3 * b + j) % 5 for j in range(3)]
+            assert y.tolist() == idx and x.shape == (3, 3, 16, 16)
+            pipe.submit([data[i] for i in idx], idx, columns=host[b % 5])
+            alone, _ = gpu_bench.land_batch(pipe.collect(), idx, torch.device("cpu"))
+            assert torch.equal(x, alone), b
+
+
 def _scripts():
     return [p for p in sorted(EXPERIMENTS.glob("*.py")) if 'if __name__ == "__main__":' in p.read_text()]
 
