@@ -35,8 +35,8 @@ import numpy as np
 from fusionflow.accel.header_sizes import HeaderSizes
 from fusionflow.accel.run_read import read_run
 from fusionflow.accel.share_feed import ShareFeed
+from fusionflow.accel.step_clock import StepClock
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
-from fusionflow.loader.trace import StepClock
 from fusionflow.runtime import liveness, targets
 from fusionflow.scheduling.queue import images, key_of
 

@@ -194,20 +194,6 @@ class TraceRecorder:
         os.replace(tmp, path)
 
 
-class StepClock:
-    """Times the accelerator thread's steps one after another: `mark(step, ...)` records the span from the
-    last mark (or the clock's making) to now. `StepClock(None)` (not tracing) records nothing."""
-
-    def __init__(self, recorder):
-        self.recorder, self.wall, self.cpu = recorder, time.monotonic_ns(), time.thread_time_ns()
-
-    def mark(self, step: str, seq: int, samples: int) -> None:
-        if self.recorder is not None:
-            wall, cpu = time.monotonic_ns(), time.thread_time_ns()
-            self.recorder.accel_step(step, self.wall, wall, seq, samples, cpu - self.cpu)
-            self.wall, self.cpu = wall, cpu
-
-
 def load(path) -> dict:
     with open(path) as f:
         return json.load(f)
