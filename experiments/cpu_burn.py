@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import queue
 import subprocess
 import sys
 
 
-def burn(seed: int, stop) -> None:
+def burn(seed: int, stop, started) -> None:
     import cv2
     import numpy as np
 
@@ -29,6 +30,7 @@ def burn(seed: int, stop) -> None:
         img = cv2.resize(rng.integers(0, 256, (h // 8, w // 8, 3), dtype=np.uint8), (w, h))
         jpegs.append(cv2.imencode(".jpg", img)[1])
     n = 0
+    started.put(seed)  # busy from here on
     while not stop.is_set():
         img = cv2.imdecode(jpegs[n % len(jpegs)], cv2.IMREAD_COLOR)
         cv2.resize(img, (224, 224), interpolation=cv2.INTER_AREA)
@@ -44,11 +46,16 @@ def main() -> int:
     if args.procs < 0 or not command:
         ap.error("needs --procs >= 0 and a command after --")
     ctx = mp.get_context("spawn")
-    stop = ctx.Event()
-    procs = [ctx.Process(target=burn, args=(i, stop), daemon=True) for i in range(args.procs)]
+    stop, started = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=burn, args=(i, stop, started), daemon=True) for i in range(args.procs)]
     for p in procs:
         p.start()
     try:
+        for _ in procs:  # every burner busy before the command starts, or no run under a load that is not there
+            try:
+                started.get(timeout=120)
+            except queue.Empty:
+                raise SystemExit("a burner did not start within 120 s (OpenCV missing? see its traceback)") from None
         return subprocess.call(command)
     finally:
         stop.set()

@@ -127,6 +127,8 @@ def ours_batches(pipe, data: list, host: list, batch_size: int, batches: int, de
     `host[b % len(host)]`: host_columns' cycle), two in flight -- run b+1 submitted before b is collected, as
     the accelerator runs them -- each landed and yielded as DALI alone's batches are."""
     runs = [[(b * batch_size + j) % len(data) for j in range(batch_size)] for b in range(batches)]
+    if not runs:
+        return
     for b, idx in enumerate(runs):
         pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
         if b:

@@ -3,6 +3,7 @@
 import multiprocessing as mp
 import os
 import signal
+import time
 import warnings
 
 import numpy as np
@@ -138,7 +139,7 @@ def test_helpers_cut_a_run_into_shares_and_answer_as_the_thread_would(no_leaks):
         got = helper.columns(indices, copies, sizes, 5, 7)
         want = host.columns(indices, copies, sizes, 5, 7)
         assert len(got) == len(want) and all(np.array_equal(a, b) for a, b in zip(got, want)), n
-    with pytest.raises(ValueError, match="a share failed"):  # the last share fails, the others answer
+    with pytest.raises(ValueError, match="a share failed"):  # the last shares fail, the first answers
         helper.columns(list(range(950, 1050)), None, [(64, 64)] * 100, 0, 0)
     got = helper.columns(list(range(60)), None, [(64, 64)] * 60, 1, 1)
     assert all(np.array_equal(a, b) for a, b in zip(got, host.columns(list(range(60)), None, [(64, 64)] * 60, 1, 1)))
@@ -150,6 +151,55 @@ def test_helpers_cut_a_run_into_shares_and_answer_as_the_thread_would(no_leaks):
         helper.columns(list(range(60)), None, [(64, 64)] * 60, 1, 1)
     helper.close()
     assert not helper._procs
+
+
+class Hanging(HostInputs):
+    def columns(self, indices, copies, sizes, seed, epoch):
+        time.sleep(3600)
+
+
+class Stubborn(Exception):
+    def __init__(self, a, b):  # pickles as Stubborn(a): unpickling it fails in the training process
+        super().__init__(a)
+
+
+class Unreadable(HostInputs):
+    def columns(self, indices, copies, sizes, seed, epoch):
+        raise Stubborn("x", "y")
+
+
+def test_a_silent_helper_is_given_up_on_and_closing_it_is_bounded(no_leaks):
+    """A helper that never answers: the run says HelperGone after `timeout`, and close() ends within its own
+    bound (a forked helper closed the descriptor join waits on: join alone would wait for it forever)."""
+    helper = InputHelper(Hanging(load_policy(SMALL)), mp.get_context("fork"), timeout=0.5, processes=2)
+    with pytest.raises(HelperGone, match="no answer"):
+        helper.columns(list(range(40)), None, [(30, 30)] * 40, 0, 0)
+    assert not helper._procs  # given up on: closed, within close()'s bound, the hung one killed
+    with pytest.raises(HelperGone, match="closed"):  # and a run asked of a closed helper says so
+        helper.columns([1], None, [(30, 30)], 0, 0)
+    hung = InputHelper(Hanging(load_policy(SMALL)), mp.get_context("fork"), timeout=60)
+    hung._conns[0].send((np.arange(2), None, np.full((2, 2), 30), 0, 0))  # busy for an hour
+    t0 = time.monotonic()
+    hung.close(timeout=0.5)
+    assert time.monotonic() - t0 < 30 and not hung._procs
+
+
+def test_an_answer_that_cannot_be_read_closes_the_helpers():
+    """An exception that pickles but does not unpickle: the pipes would be out of step (the other helpers'
+    answers unread), so the helpers are closed and the run says HelperGone (the thread makes inputs)."""
+    helper = InputHelper(Unreadable(load_policy(SMALL)), mp.get_context(), processes=2)
+    with pytest.raises(HelperGone, match="unreadable"):
+        helper.columns(list(range(40)), None, [(30, 30)] * 40, 0, 0)
+    assert not helper._procs
+
+
+def test_helpers_count_this_ranks_cores_only(monkeypatch):
+    from fusionflow.runtime.cores import rank_cores
+
+    assert rank_cores(16) == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # four ranks on the node: a quarter each
+    assert rank_cores(16) == 4 and rank_cores(2) == 1
+    assert helper_processes(True, rank_cores(16), 2, 1) == 1
 
 
 def test_helper_processes_take_the_cores_left_on_a_gpu_only():

@@ -294,20 +294,20 @@ def test_accelerator_tiny_batches_get_their_own_track(tmp_path):
     assert sorted(i for e in tiny for i in e["args"]["indices"]) == list(range(36))  # CPU + DALI: each once
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert "accelerator (DALI)" in names and "accelerator thread: steps" in names
-    # the thread's steps, on their own track: each run read, given inputs, submitted, its outputs awaited and
-    # landed, in that order, without overlap (one thread); the landed samples are the accelerator's
+    # the thread's steps, on their own track: each run read, prepared, given inputs, submitted, its outputs
+    # awaited and landed, in that order, without overlap (one thread); the landed samples are the accelerator's
     steps = sorted(x_events(trace, "step"), key=lambda e: e["ts"])
     assert {e["tid"] for e in steps} == {3}
     runs = [e for e in steps if e["name"] == "land"]
     assert sum(e["args"]["samples"] for e in runs) == loader.stats.accelerator_samples
     assert len(runs) == loader.stats.accelerator_runs
-    for name in ("read", "inputs", "submit", "outputs"):
+    for name in ("read", "prepare", "inputs", "submit", "outputs"):
         assert len([e for e in steps if e["name"] == name]) == len(runs), name
     for a, b in zip(steps, steps[1:]):
         assert a["ts"] + a["dur"] <= b["ts"] + 1e-3  # microseconds, as written
         assert 0 <= a["args"]["thread_cpu_us"] <= a["dur"] + 50  # CPU time within the wall time (clock steps)
     for i, e in enumerate(steps):
-        after = {"read": "inputs", "inputs": "submit", "outputs": "land"}.get(e["name"])
+        after = {"read": "prepare", "prepare": "inputs", "inputs": "submit", "outputs": "land"}.get(e["name"])
         assert after is None or steps[i + 1]["name"] == after, (e["name"], steps[i + 1]["name"])
 
 

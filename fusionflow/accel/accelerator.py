@@ -79,7 +79,7 @@ class AcceleratorWorker:
         self._make = lambda: DaliPolicyPipeline(
             policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=DEPTH
         )
-        self.max_images = max_images  # samples per DALI run: several tiny-batches of one mini-batch
+        self.max_images = max_images  # samples per DALI run: tiny-batches of up to MERGE_SHARES mini-batches
         self.inputs = inputs  # the InputHelper (accel/host_inputs.py), owned from here; None: inputs made here
         t0 = time.perf_counter()
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
@@ -260,9 +260,9 @@ class AcceleratorWorker:
         is given back and the rest run."""
         board = self.board
         clock = StepClock(board.trace)  # the loop's steps on the trace's own track (its wall and CPU time)
-        read = read_run(self.dataset, group, self.dims, self.max_pixels)
-        runnable, given_back = read.runnable, read.given_back
-        samples, labels, sizes = read.samples, read.labels, read.sizes
+        r = read_run(self.dataset, group, self.dims, self.max_pixels)
+        runnable, given_back, samples, labels, sizes = r.runnable, r.given_back, r.samples, r.labels, r.sizes
+        clock.mark("read", group[0].seq, len(samples))
         if given_back:
             with board.cond:
                 self._account([], given_back, None, 0)
@@ -290,7 +290,7 @@ class AcceleratorWorker:
                 log.exception("allocator bridge failed to lend; continuing without it")
                 self.bridge = None
         try:
-            clock.mark("read", runnable[0].seq, len(indices))
+            clock.mark("prepare", runnable[0].seq, len(indices))  # given back, gated waits, the naive ablation's build
             columns = self._columns(indices, copies, sizes, runnable[0].epoch)
             clock.mark("inputs", runnable[0].seq, len(indices))
             pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns)
@@ -305,7 +305,7 @@ class AcceleratorWorker:
                 pipeline.close()
 
     def _columns(self, indices, copies, sizes, epoch: int):
-        """The run's host inputs from the helper process; None (`submit` makes them here) once it is gone."""
+        """The run's host inputs from the helper processes; None (`submit` makes them here) once they are gone."""
         helper = self.inputs
         if helper is None:
             return None

@@ -137,12 +137,14 @@ class InputHelper:
         try:
             for k in range(processes):
                 conn, child = ctx.Pipe()
-                proc = ctx.Process(target=serve, args=(inputs, child, forked), name=f"fusionflow-dali-inputs-{k}")
-                proc.daemon = True
                 self._conns.append(conn)
-                proc.start()
-                self._procs.append(proc)
-                child.close()
+                try:
+                    proc = ctx.Process(target=serve, args=(inputs, child, forked), name=f"fusionflow-dali-inputs-{k}")
+                    proc.daemon = True
+                    proc.start()
+                    self._procs.append(proc)
+                finally:
+                    child.close()
         except BaseException:
             self.close()
             raise
@@ -152,6 +154,8 @@ class InputHelper:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def columns(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray]:
+        if not self._conns:
+            raise HelperGone("the DALI input helpers are closed")
         indices = np.asarray(indices, np.int64)
         copies = None if copies is None else np.asarray(copies, np.int64)
         sizes = np.asarray(sizes, np.int64).reshape(-1, 2)
@@ -167,8 +171,11 @@ class InputHelper:
                     raise HelperGone(f"DALI input helper {k} gave no answer within {self.timeout:.0f} s")
                 replies.append(conn.recv())
                 self._cpu[k] = replies[-1][2]
-        except (EOFError, OSError) as exc:  # BrokenPipeError and a closed connection included
-            raise HelperGone(f"a DALI input helper is gone ({exc!r})") from exc
+        except Exception as exc:  # an answer left unread would be the next run's: the helpers are done
+            self.close()
+            if isinstance(exc, HelperGone):
+                raise
+            raise HelperGone(f"a DALI input helper is gone or its answer unreadable ({exc!r})") from exc
         self.cpu_seconds = sum(self._cpu)
         failed = next((payload for ok, payload, _ in replies if not ok), None)
         if failed is not None:
@@ -186,7 +193,10 @@ class InputHelper:
             self.close()
             return None
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """End every helper within `timeout` seconds in all, killing those that have not ended by then. Polled:
+        a forked helper closes the descriptor `join` waits on (serve's close_inherited), so `join` would block
+        in waitpid for a helper that does not end."""
         conns, procs, self._conns, self._procs = self._conns, self._procs, [], []
         for conn in conns:
             try:
@@ -194,11 +204,13 @@ class InputHelper:
             except (OSError, ValueError):
                 pass
             conn.close()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.01)
         for proc in procs:
-            proc.join(5.0)
             if proc.is_alive():
                 proc.kill()
-                proc.join(5.0)
+            proc.join()  # ended or killed: waitpid returns
 
 
 class HelperGone(RuntimeError):
@@ -236,7 +248,8 @@ def serve(inputs: HostInputs, conn, close_inherited: bool = False) -> None:
 
 def helper_processes(on_gpu: bool, cores: int, workers: int, threads: int) -> int:
     """How many helper processes: on a GPU the cores left beside the CPU workers, DALI's threads and the
-    training loop (1 to MAX_HELPERS); on DALI's CPU backend 1 (the CPU workers and DALI have the cores)."""
+    training loop (1 to MAX_HELPERS; `cores`: this rank's, runtime/cores.py rank_cores); on DALI's CPU backend
+    1 (the CPU workers and DALI have the cores)."""
     return max(1, min(MAX_HELPERS, cores - workers - threads - 1)) if on_gpu else 1
 
 

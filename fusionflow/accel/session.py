@@ -116,12 +116,13 @@ class GpuSession:
         """The AcceleratorWorker for `mgr`'s spec, given its input helper (closed here if it fails to start)."""
         from fusionflow.accel.accelerator import AcceleratorWorker
         from fusionflow.accel.host_inputs import helper_processes, start_helper
+        from fusionflow.runtime.cores import rank_cores
         from fusionflow.scheduling.split import ShareController
 
         spec = mgr.spec
         policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        helpers = helper_processes(on_gpu, len(os.sched_getaffinity(0)), spec.num_workers, self.threads)
+        helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
         inputs = start_helper(policy, spec.mp_context, helpers)  # processes: started before DALI's threads are
         try:
             accel = AcceleratorWorker(

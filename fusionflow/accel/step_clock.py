@@ -1,7 +1,7 @@
 """The accelerator thread's steps timed one after another for the loader's trace (its "accelerator thread:
 steps" track, fusionflow/loader/trace.py `TraceRecorder.accel_step`): each step's wall time and the thread's
 CPU time in it, so a step whose wall time is far above its CPU time shows the thread waiting -- on DALI, the
-input helpers or the GIL. Not tracing, it records nothing (two clock reads a step)."""
+input helpers or the GIL. Not tracing, it records nothing (two clock reads a clock made, none a step)."""
 
 from __future__ import annotations
 

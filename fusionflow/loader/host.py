@@ -17,6 +17,7 @@ import torch
 
 from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, RUN_SAMPLES, SHARING, DaliAccelerator, auto_threads
 from fusionflow.accel.declines import dali_declines
+from fusionflow.runtime.cores import rank_cores
 from fusionflow.runtime.host import Host
 
 ACCELERATORS = (None, "dali-cpu", "dali-gpu")
@@ -58,7 +59,7 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
     gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
     threads = given.threads if given is not None else "auto"
     if threads == "auto":
-        threads = auto_threads(accelerator, host.cores(), num_workers)
+        threads = auto_threads(accelerator, rank_cores(host.cores()), num_workers)  # the node's other ranks too
     return {
         **loose,
         "accelerator": accelerator,

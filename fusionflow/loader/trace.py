@@ -11,7 +11,7 @@ one track (thread) each for:
   * each CPU worker: a span per tiny-batch it ran (args: mini-batch, samples, dataset indices,
     encoded bytes), and a "lent to LM n" span while the global manager had lent it out;
   * the accelerator (DALI) thread: a span per tiny-batch it ran (from the run's take to its landing), and on
-    a track of its own each step of its loop (read, inputs, submit, outputs, land; args: the thread's CPU
+    a track of its own each step of its loop (read, prepare, inputs, submit, outputs, land; args: the thread's CPU
     time in it, so a step whose wall time is far above its CPU time was waiting -- on DALI, the input
     helper or the GIL);
   * each borrowed worker (another rank's worker lent to this loader): its tiny-batches.

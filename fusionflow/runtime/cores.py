@@ -34,6 +34,16 @@ LOCK_S = 10.0  # the longest a loader waits for the claims file's lock
 FILE = "cores.json"
 
 
+def local_ranks() -> int:
+    """The training processes of this node (torchrun's LOCAL_WORLD_SIZE; 1 outside it)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def rank_cores(cores: int) -> int:
+    """This rank's part of the node's `cores` (at least 1): what one rank may count on for its own threads."""
+    return max(1, cores // local_ranks())
+
+
 def _start_time(pid: int) -> int | None:
     """The process's start time (clock ticks since boot), or None when there is no such process."""
     try:
@@ -80,7 +90,7 @@ class CoreClaim:
         if not mode or num_workers < 1:
             return
         cpus = sorted(os.sched_getaffinity(0))
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        ranks = local_ranks()
         trainer_cores = max(1, trainer_cores)
         if mode == "auto" and (num_workers + trainer_cores) * ranks > len(cpus):
             return  # not even the whole node would give every rank's workers and trainer (and DALI) a core
