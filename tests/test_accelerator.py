@@ -603,6 +603,27 @@ def test_run_samples_caps_every_dali_run_and_a_larger_share_goes_as_several_runs
         ld.close()
 
 
+def test_run_samples_above_the_batch_lets_one_run_hold_two_mini_batches_shares_and_no_more():
+    """run_samples above the batch size: the run cap is two mini-batches (MERGE_SHARES), whatever larger
+    number was asked -- DALI's pipeline is built for the cap -- and every sample still arrives exactly once;
+    below the batch size it is as asked."""
+    from fusionflow import DaliAccelerator
+    from fusionflow.accel.accelerator import MERGE_SHARES
+
+    ds = Bytes(61)
+    for asked, cap in ((1000, MERGE_SHARES * 12), (5, 5)):
+        ld = loader(ds, accelerator=DaliAccelerator("cpu", run_samples=asked), shuffle=True)
+        try:
+            order, caps = [], set()
+            for _, y in ld:
+                order += y.tolist()
+                caps.add(ld.parts.gpu.accel.max_images)
+            assert sorted(order) == list(range(61)) and caps == {cap}, asked
+            assert ld.config.dali_run_samples == asked and ld.stats.accelerator_samples > 0
+        finally:
+            ld.close()
+
+
 def test_share_runs_found_done_when_collected_are_collected_sooner_until_one_is_waited_for():
     """The completion interval of a run found done when collected is only the time the thread chose to
     wait (from the rate itself): a faster DALI would be followed 5% a run. Each run found done halves the

@@ -114,7 +114,7 @@ class GpuSession:
 
     def _accelerator(self, mgr: LocalManager, dataset, on_gpu: bool, device_ring):
         """The AcceleratorWorker for `mgr`'s spec, given its input helper (closed here if it fails to start)."""
-        from fusionflow.accel.accelerator import AcceleratorWorker
+        from fusionflow.accel.accelerator import MERGE_SHARES, AcceleratorWorker
         from fusionflow.accel.host_inputs import helper_processes, start_helper
         from fusionflow.runtime.cores import rank_cores
         from fusionflow.scheduling.split import ShareController
@@ -122,6 +122,7 @@ class GpuSession:
         spec = mgr.spec
         policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
+        merged = 1 if self.gpu_sharing == "temporal" else MERGE_SHARES  # shares a run may hold (temporal: one)
         helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
         inputs = start_helper(policy, spec.mp_context, helpers)  # processes: started before DALI's threads are
         try:
@@ -129,7 +130,7 @@ class GpuSession:
                 mgr.board,
                 dataset,
                 policy,
-                min(capacity, max(tiny_batch_size, self.run_samples)),  # samples per DALI run (several tiny-batches)
+                min(capacity * merged, max(tiny_batch_size, self.run_samples)),  # samples a DALI run holds
                 seed,
                 device="gpu" if on_gpu else "cpu",
                 device_id=self.device.index if on_gpu else None,
