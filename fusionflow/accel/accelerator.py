@@ -10,7 +10,7 @@ unstarted tiny-batches (the share's fraction). A run is read with whole-run oper
 accel/header_sizes.py); its draws and op parameters come from helper processes as dense arrays (accel/host_inputs.py),
 fed as one packed array; encoded bytes go to DALI uncopied. CPU time: the thread's `accelerator_feed_cpu_seconds`,
 landing outputs in the ring `accelerator_land_cpu_seconds` of it, the helpers' `accelerator_inputs_cpu_seconds`; a
-trace shows each step of the loop (read, inputs, submit, outputs, land) with its wall and CPU time.
+trace shows the loop's steps (read, prepare, inputs, submit, outputs, land) with wall and CPU time.
 
 `device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged with the CPU
 workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring. A tiny-batch it cannot run

@@ -13,7 +13,7 @@ one track (thread) each for:
   * the accelerator (DALI) thread: a span per tiny-batch it ran (from the run's take to its landing), and on
     a track of its own each step of its loop (read, prepare, inputs, submit, outputs, land; args: the thread's CPU
     time in it, so a step whose wall time is far above its CPU time was waiting -- on DALI, the input
-    helper or the GIL);
+    helpers or the GIL);
   * each borrowed worker (another rank's worker lent to this loader): its tiny-batches.
 
 Clock: `time.monotonic_ns()` everywhere -- CLOCK_MONOTONIC on Linux, one clock for every process of

@@ -23,7 +23,7 @@ class RuntimeCounters:
     tiny_batches_rerun: int = 0  # straggling tiny-batches started again on an idle worker (runtime/reruns.py)
     reruns_won: int = 0  # of those, the ones whose second copy finished first (the first's worker was stopped)
     accelerator_tiny_batches: int = 0  # run by the DALI accelerator worker
-    accelerator_runs: int = 0  # its DALI runs that produced them (one run: several tiny-batches of one mini-batch)
+    accelerator_runs: int = 0  # its DALI runs that produced them (one run: tiny-batches of one or two mini-batches)
     accelerator_samples: int = 0  # samples those runs produced
     accelerator_feed_cpu_seconds: float = 0.0  # CPU time of the training process's accelerator thread
     accelerator_inputs_cpu_seconds: float = 0.0  # CPU time of its input helper processes (accel/host_inputs.py)
