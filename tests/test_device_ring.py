@@ -6,6 +6,7 @@ the accelerator copies on its own stream; every event blocking and recorded on t
 the work; the training stream waits for the accelerator's copies; no synchronous host-to-device
 copy per batch; the ring registered portable and unregistered only after the last copy finished."""
 
+import os
 import time
 
 import numpy as np
@@ -80,13 +81,28 @@ def fake(monkeypatch):
     return cuda
 
 
+class WorkerSlowBytes(Bytes):
+    """Bytes read 20 ms slower in a CPU worker (not in the training process): in temporal mode the accelerator
+    runs only inside next()'s window, and a fast worker on a busy machine could otherwise take every share
+    before a window opens (the run checks the accelerator's delivery, so it must get work)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.home = os.getpid()
+
+    def __getitem__(self, i):
+        if os.getpid() != self.home:
+            time.sleep(0.02)
+        return super().__getitem__(i)
+
+
 @pytest.mark.parametrize("sharing", ["temporal", "spatial"])
 def test_gpu_delivery_uses_one_device_own_streams_blocking_events_and_no_sync_copies(
     fake, no_leaks, sharing, monkeypatch
 ):
     train = fake.Stream(device=1)  # the training loop's stream on the loader's device
     ld = FusionFlowLoader(
-        Bytes(40),
+        WorkerSlowBytes(40),
         batch_size=8,
         num_workers=1,
         policy=SMALL,
