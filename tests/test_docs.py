@@ -94,6 +94,26 @@ def test_the_readme_names_no_issue_numbers():
     assert not found, f"README.md refers to issue numbers its readers cannot see: {found}"
 
 
+def _anchors(page: Path) -> set[str]:
+    """The anchors of a markdown page's headings, as GitHub makes them (lower case, punctuation dropped,
+    spaces as hyphens)."""
+    headings = re.findall(r"^#+\s+(.+?)\s*$", page.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in headings}
+
+
+def test_every_link_to_a_section_finds_its_heading():
+    """A measurement moved from one page to another (experiments/README.md keeps today's numbers only, the
+    rest goes to the log) must not leave links to a section that is gone."""
+    pages = [README, EXPERIMENTS_README, *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", page.read_text()):
+            linked = (page.parent / target).resolve() if target else page
+            if linked.suffix == ".md" and linked.exists() and anchor not in _anchors(linked):
+                broken.append(f"{page.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, "links to headings that do not exist: " + "; ".join(broken)
+
+
 def test_the_readme_links_nothing_outside_the_repository():
     found = re.findall(r".{0,30}\.\./.{0,30}", README.read_text())
     assert not found, f"README.md points outside the repository: {found}"
