@@ -80,8 +80,7 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000, siz
     order: list[list[int]] = []
 
     def source(info):  # batch_info: DALI asks for batches in order, ahead of run()
-        start = info.iteration * batch_size
-        idx = [(start + j) % len(data) for j in range(batch_size)]
+        idx = cyclic_run(info.iteration, batch_size, len(data))
         order.append(idx)
         return [np.frombuffer(data[i], np.uint8) for i in idx]
 
@@ -108,6 +107,11 @@ def dali_batches(data, batch_size, device, num_threads, iters, classes=1000, siz
         yield land_batch(out, order.pop(0), device, classes)
 
 
+def cyclic_run(b: int, batch_size: int, n: int) -> list[int]:
+    """Run b's samples when runs of `batch_size` take `n` samples cyclically: b*batch_size.. mod n."""
+    return [(b * batch_size + j) % n for j in range(batch_size)]
+
+
 def host_columns(pipe, data: list, batch_size: int) -> list:
     """The host inputs of the runs of `pipe` (a DaliPolicyPipeline) over `data`, run b taking samples
     b*batch_size.. cyclically, for one whole cycle of runs (after it run b is run b - cycle again), as the
@@ -117,7 +121,7 @@ def host_columns(pipe, data: list, batch_size: int) -> list:
     sizes = [image_size(d) for d in data]
     out = []
     for b in range(len(data) // math.gcd(len(data), batch_size)):
-        idx = [(b * batch_size + j) % len(data) for j in range(batch_size)]
+        idx = cyclic_run(b, batch_size, len(data))
         out.append(pipe.host.columns(idx, None, [sizes[i] for i in idx], seed=0, epoch=0))
     return out
 
@@ -126,7 +130,7 @@ def ours_batches(pipe, data: list, host: list, batch_size: int, batches: int, de
     """`batches` runs of `pipe` over `data` (run b takes samples b*batch_size.. cyclically, with host columns
     `host[b % len(host)]`: host_columns' cycle), two in flight -- run b+1 submitted before b is collected, as
     the accelerator runs them -- each landed and yielded as DALI alone's batches are."""
-    runs = [[(b * batch_size + j) % len(data) for j in range(batch_size)] for b in range(batches)]
+    runs = [cyclic_run(b, batch_size, len(data)) for b in range(batches)]
     if not runs:
         return
     for b, idx in enumerate(runs):
