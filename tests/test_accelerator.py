@@ -52,8 +52,10 @@ def test_exactly_once_in_order_and_each_sample_is_its_cpu_or_dali_output():
     assert s.accelerator_tiny_batches > 0
     assert s.accelerator_builds == 1  # ahead of time: one pipeline, never rebuilt on the hot path
     k_max = 6  # 12 / 2 tiny-batches per mini-batch
-    # one K per mini-batch submitted: the 12 of the two epochs, and those speculated for a third
-    assert len(s.taas_k) == 12 + s.next_epoch_discarded and all(0 <= k <= k_max for k in s.taas_k)
+    # one K per mini-batch completed: the 12 of the two epochs, and those speculated for a third that completed
+    # before close() discarded them (a speculated one still in a DALI run -- now possibly one holding two
+    # mini-batches' shares -- is discarded uncompleted: CI saw 15 of 16 once)
+    assert 12 <= len(s.taas_k) <= 12 + s.next_epoch_discarded and all(0 <= k <= k_max for k in s.taas_k)
 
 
 def test_the_shares_are_recorded_after_a_stats_reset():
