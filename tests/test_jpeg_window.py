@@ -83,6 +83,28 @@ def test_cmyk_and_truncated_jpegs_go_to_pillow():
         CpuPipeline("randaugment")(good[:-100], 3)
 
 
+def test_headers_read_together_equal_pillows_sizes_and_refuse_what_is_not_a_complete_jpeg():
+    """`info_many` reads a run's headers in one call: Pillow's (height, width) for every complete JPEG (baseline,
+    progressive, grayscale, CMYK, trailing padding), (0, 0) for what is not one -- truncated, a PNG, junk, a
+    stray SOI -- without losing the images after it."""
+    good = make_jpegs(6, 20, 900, seed=5)
+    progressive = _jpeg(make_image(61, 37, seed=1), progressive=True)
+    gray = _jpeg(make_image(30, 50, seed=2)[..., 0])
+    cmyk = _jpeg(make_image(44, 28, seed=4), mode="CMYK")
+    png = io.BytesIO()
+    Image.fromarray(make_image(10, 12, seed=3)).save(png, "PNG")
+    items = [good[0], good[1][:-100], progressive, png.getvalue(), gray, b"junk", b"\xff\xd8\xff\xd9"]
+    items += [cmyk, good[2] + b"\0\r\n ", good[3][:30] + good[3][-2:], *good[4:]]
+    hw = jpeg.info_many(items)
+    assert hw.shape == (len(items), 2)
+    for item, (h, w) in zip(items, hw.tolist()):
+        if jpeg.is_complete_jpeg(item) and (h, w) != (0, 0):
+            assert (w, h) == Image.open(io.BytesIO(item)).size
+    refused = [k for k, z in enumerate(hw.tolist()) if z == [0, 0]]
+    assert refused == [1, 3, 5, 6, 9]  # truncated, PNG, junk, SOI+EOI only, a header cut short
+    assert jpeg.info_many([]).shape == (0, 2)
+
+
 @pytest.mark.parametrize("damage", ["stray_marker", "flipped_bits"])
 def test_corrupt_entropy_data_gives_what_pillow_gives(damage, monkeypatch):
     """A stream libjpeg only warns about is handed to Pillow: the result (pixels, or the error naming

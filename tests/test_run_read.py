@@ -88,6 +88,34 @@ def test_header_sizes_are_read_once_then_gathered():
     assert dims.many([99], [b"junk"]).tolist() == [[0, 0]]
 
 
+def test_first_met_headers_are_read_in_one_native_call_and_the_rest_one_by_one(monkeypatch):
+    """A run's new JPEG bytes go to the native reader together (one call); a PNG, a JPEG it refuses and
+    other buffer types are read one by one as before; all sizes equal Pillow's, (0, 0) where unreadable."""
+    import io
+
+    from PIL import Image
+
+    from fusionflow.ops import jpeg
+
+    png = io.BytesIO()
+    Image.new("RGB", (13, 7)).save(png, "PNG")
+    cmyk = io.BytesIO()
+    Image.new("CMYK", (9, 5)).save(cmyk, "JPEG")
+    items = [JPEGS[0], png.getvalue(), JPEGS[1], b"junk", cmyk.getvalue(), JPEGS[2]]
+    batches = []
+    real = jpeg.info_many
+    monkeypatch.setattr(jpeg, "info_many", lambda data: batches.append(len(data)) or real(data))
+    dims = HeaderSizes(len(items) + 1)
+    hw = dims.many(list(range(len(items))), items)
+    expected = [header_hw(d) for d in items[:3]] + [(0, 0)] + [header_hw(d) for d in items[4:]]
+    assert [tuple(z) for z in hw.tolist()] == expected
+    assert batches == [len(items)]
+    assert dims.many([6], [bytearray(JPEGS[3])]).tolist() == [list(header_hw(JPEGS[3]))]  # not bytes: one by one
+    assert batches == [len(items)]  # a bytearray is not sent to the batched reader
+    again = dims.many([5, 0, 3], [None, None, None])  # known, unreadable included: nothing read again
+    assert [tuple(z) for z in again.tolist()] == [expected[5], expected[0], (0, 0)]
+
+
 def calls_of(fn) -> int:
     calls = 0
 

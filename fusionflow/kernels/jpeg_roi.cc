@@ -76,6 +76,54 @@ int ff_jpeg_info(const unsigned char* data, unsigned long size, int* dims, char*
   return 0;
 }
 
+// SOI first and EOI last, up to trailing padding (NUL, CR, LF, space) in the last 16 bytes: the same test as
+// fusionflow/ops/jpeg.py's is_complete_jpeg (a truncated file is left to Pillow, which names the fault).
+static bool complete_jpeg(const unsigned char* data, unsigned long size) {
+  if (size < 4 || data[0] != 0xFF || data[1] != 0xD8) return false;
+  unsigned long lower = size > 16 ? size - 16 : 0, end = size;
+  while (end > lower && (data[end - 1] == 0 || data[end - 1] == '\r' || data[end - 1] == '\n' || data[end - 1] == ' '))
+    --end;
+  return end - lower >= 2 && data[end - 2] == 0xFF && data[end - 1] == 0xD9;
+}
+
+// One header into hw[0..1] with a decompressor made once for many (aborted after each header); the
+// setjmp lives in this frame, so an error in one image returns here and the next image goes on.
+static bool header_into(jpeg_decompress_struct* cinfo, ErrorManager* jerr, const unsigned char* data,
+                        unsigned long size, int* hw) {
+  if (setjmp(jerr->jump)) {
+    jpeg_abort_decompress(cinfo);
+    return false;
+  }
+  jpeg_mem_src(cinfo, data, size);
+  jpeg_read_header(cinfo, TRUE);
+  hw[0] = static_cast<int>(cinfo->image_height);
+  hw[1] = static_cast<int>(cinfo->image_width);
+  jpeg_abort_decompress(cinfo);
+  return true;
+}
+
+// A run of headers in one call: hw[2k], hw[2k + 1] = height, width of image k, or 0, 0 where it is not a
+// complete JPEG or its header cannot be read (the caller reads those another way). Returns how many were read.
+int ff_jpeg_info_many(const unsigned char* const* data, const unsigned long* sizes, int n, int* hw) {
+  jpeg_decompress_struct cinfo;
+  ErrorManager jerr;
+  attach_errors(&cinfo, &jerr);
+  if (setjmp(jerr.jump)) {  // creating the decompressor failed (out of memory): nothing read
+    std::memset(hw, 0, sizeof(int) * 2 * static_cast<size_t>(n));
+    return 0;
+  }
+  jpeg_create_decompress(&cinfo);
+  int read = 0;
+  for (int k = 0; k < n; ++k) {
+    hw[2 * k] = hw[2 * k + 1] = 0;
+    const unsigned char* image = data[k];
+    if (image != nullptr && complete_jpeg(image, sizes[k]) && header_into(&cinfo, &jerr, image, sizes[k], hw + 2 * k))
+      ++read;
+  }
+  jpeg_destroy_decompress(&cinfo);
+  return read;
+}
+
 // Decode rows [top, top + height) and columns [left, left + width) of the image scaled by
 // scale_num/scale_denom (libjpeg-turbo: M/8, M = 1..16; coordinates in the scaled image) as RGB into `out`,
 // row-major with `out_stride` bytes per row, at most `out_rows` rows of `out_stride / 3` pixels.

@@ -69,6 +69,8 @@ def _load():
     p, ul, i, ip, s = ctypes.c_char_p, ctypes.c_ulong, ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.c_char_p
     lib.ff_jpeg_info.restype = i
     lib.ff_jpeg_info.argtypes = [p, ul, ip, s, i]
+    lib.ff_jpeg_info_many.restype = i
+    lib.ff_jpeg_info_many.argtypes = [ctypes.POINTER(p), ctypes.c_void_p, i, ctypes.c_void_p]
     lib.ff_jpeg_decode_window.restype = i
     lib.ff_jpeg_decode_window.argtypes = [p, ul, i, i, i, i, i, i, ctypes.c_void_p, i, i, ip, s, i]
     _LIB = lib
@@ -149,6 +151,21 @@ def info(data: bytes) -> tuple[int, int, int]:
     if lib.ff_jpeg_info(data, len(data), dims, err, _ERRLEN) != 0:
         raise WindowDecodeError(err.value.decode(errors="replace"))
     return dims[0], dims[1], dims[2]
+
+
+def info_many(data: list) -> np.ndarray | None:
+    """(height, width) of each of `data` (bytes objects) as an (n, 2) int32 array, read in one native call (one
+    decompressor, the GIL released once: a run's headers, not a Python round trip each); (0, 0) where an item is
+    not a complete JPEG or its header cannot be read (read those another way). None without the native library."""
+    lib = _LIB or _load()
+    if lib is None:
+        return None
+    n = len(data)
+    hw = np.zeros((n, 2), np.int32)
+    if n:
+        sizes = np.fromiter(map(len, data), np.uint64, n)  # unsigned long: 64 bits on the Linux ABIs we build for
+        lib.ff_jpeg_info_many((ctypes.c_char_p * n)(*data), sizes.ctypes.data, n, hw.ctypes.data)
+    return hw
 
 
 def decode_window(
