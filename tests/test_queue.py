@@ -87,6 +87,22 @@ def test_accelerator_group_is_the_reserved_largest_of_one_mini_batch_within_max_
     assert [w.indices for w in q.take_accel(largest_first=False, max_images=100)] == [(1,), (2,), (0,)]
 
 
+def test_a_share_once_taken_stays_taken_when_the_split_rule_raises_the_reservation():
+    """G rising by one after the accelerator took a mini-batch's share gives no run of that one tiny-batch (a
+    DALI run's fixed cost for a few samples): the rest of that mini-batch is the CPU workers', and the larger
+    share applies to the mini-batches whose share is untaken. A share above the run cap still goes as runs."""
+    q = queue_with([30, 10, 20, 40, 50], [7, 8, 9, 6, 5], reserved=2)
+    assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(4,), (3,)]
+    q.reserved = 3  # the split rule's next G
+    assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(102,), (101,), (100,)]
+    assert q.take_accel(max_images=100, tail_fraction=0.5) == []  # no top-up of mini-batch 0
+    assert [q.take_cpu().indices for _ in range(3)] == [(1,), (2,), (0,)]  # all the CPU workers'
+    q = queue_with([30, 10, 20, 40, 50, 60], reserved=3)
+    assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(5,), (4,)]  # above the cap
+    q.reserved = 4
+    assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(3,), (0,)]  # the share's rest
+
+
 def test_a_run_merges_whole_shares_of_the_next_mini_batches_that_fit():
     q = queue_with([30, 10, 20, 40], [7, 8, 9], [1, 2, 3], reserved=2)
     run = q.take_accel(max_images=100, merge=2)

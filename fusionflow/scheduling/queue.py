@@ -137,7 +137,7 @@ class TinyBatchQueue:
             if upto is not None and key > upto:
                 break
             if q and self._share_left(key):
-                self.share_taken[key] = self.share_taken.get(key, 0) + 1
+                self._took(key, 1)
                 return q.popleft()
         return None
 
@@ -170,7 +170,7 @@ class TinyBatchQueue:
             if not left:
                 continue
             group = self._largest(q, largest_first, left, max_images)
-            self.share_taken[key] = self.share_taken.get(key, 0) + (len(group) or left)  # none left to take: done
+            self._took(key, len(group) or left)  # none left to take: done
             if group:
                 if merge > 1 and key != self.awaited:
                     more = self._merged(key, group, largest_first, max_images, merge - 1)
@@ -208,7 +208,7 @@ class TinyBatchQueue:
             if len(candidates) < left or taken + size > max_images:
                 break
             more += self._largest(q, largest_first, left, max_images)
-            self.share_taken[key] = self.share_taken.get(key, 0) + left
+            self._took(key, left)
             taken, shares = taken + size, shares - 1
         return more
 
@@ -230,7 +230,7 @@ class TinyBatchQueue:
         if not owed:
             return []
         more = self._largest(q, largest_first, owed * self.reserved, room)
-        self.share_taken[key] = self.share_taken.get(key, 0) + len(more)
+        self._took(key, len(more))
         self.credit = (key[0], group[0].epoch, owed)
         return more
 
@@ -309,6 +309,14 @@ class TinyBatchQueue:
     def waiting(self, key: Key | None) -> int:
         """Tiny-batches of mini-batch `key` that no worker has started and CPU workers may take."""
         return max(0, len(self.queues[key]) - self._share_left(key)) if key is not None else 0
+
+    def _took(self, key: Key, count: int) -> None:
+        """`count` more tiny-batches of mini-batch `key`'s share taken (by the accelerator, or stolen by a CPU
+        worker). Once the whole share is, as reserved now, it stays taken whatever later reservations say: the
+        split rule raising G by one after the accelerator took a share gave it a run of that one tiny-batch
+        (a run's fixed cost for 4 samples: a third of the runs in the twin at 3 runs in flight, 2026-11-28)."""
+        taken = self.share_taken.get(key, 0) + count
+        self.share_taken[key] = RAN_AHEAD if taken >= self.reserved else taken
 
     def _share_left(self, key: Key) -> int:
         """Tiny-batches of mini-batch `key`'s share that the accelerator has yet to take."""
