@@ -9,8 +9,10 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
   (e) staged          training on batches already on the GPU (the no-stall ceiling): t = 1/staged
   (f) dali_only       DALI alone's pipeline without training: its augmentation time g = 1/dali_only
   (g) ours            FusionFlow's DALI graph (the accelerator's) fed whole mini-batches as DALI alone is, two
-                      in flight, its draws made before the clock (the loader's helpers make them): the graph
-                      beside training without the loader around it (graph against integration)
+                      in flight also while training steps (DALI alone's prefetch queue), its draws made before
+                      the clock (the loader's helpers make them): the graph beside training without the loader
+                      around it (graph against integration)
+  ff_cpu_gpu@N/dK     (d) with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional
 and, from t, g and ff_cpu's rate c, issue 41's model bound R = (1 + c*g)/(t + g) (CPU workers and
 DALI sharing each mini-batch, the GPU running training and DALI) with each FusionFlow rate's share of it,
 the host bound min(staged, c + dali_only) for where DALI's host threads, not GPU time, hold dali_only,
@@ -30,6 +32,7 @@ import argparse
 import io
 import math
 import os
+import re
 import statistics
 import time
 import traceback
@@ -128,16 +131,23 @@ def host_columns(pipe, data: list, batch_size: int) -> list:
 
 def ours_batches(pipe, data: list, host: list, batch_size: int, batches: int, device):
     """`batches` runs of `pipe` over `data` (run b takes samples b*batch_size.. cyclically, with host columns
-    `host[b % len(host)]`: host_columns' cycle), two in flight -- run b+1 submitted before b is collected, as
-    the accelerator runs them -- each landed and yielded as DALI alone's batches are."""
+    `host[b % len(host)]`: host_columns' cycle), each landed and yielded as DALI alone's batches are, with
+    `pipe.depth` runs in flight also while the consumer trains on a batch -- run b + depth is submitted once b
+    is landed, before b is yielded -- as DALI alone's pipeline keeps its prefetch queue full. On a GPU a run's
+    outputs are ordered on the current stream, the one its copy goes on (DALI may reuse their memory once
+    they are dropped, in that stream's order)."""
+    import torch
+
     runs = [cyclic_run(b, batch_size, len(data)) for b in range(batches)]
-    if not runs:
-        return
+    stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
+    for b in range(min(pipe.depth, len(runs))):
+        pipe.submit([data[i] for i in runs[b]], runs[b], columns=host[b % len(host)])
     for b, idx in enumerate(runs):
-        pipe.submit([data[i] for i in idx], idx, columns=host[b % len(host)])
-        if b:
-            yield land_batch(pipe.collect(), runs[b - 1], device)
-    yield land_batch(pipe.collect(), runs[-1], device)
+        landed = land_batch(pipe.collect(stream), idx, device)
+        ahead = b + pipe.depth
+        if ahead < len(runs):
+            pipe.submit([data[i] for i in runs[ahead]], runs[ahead], columns=host[ahead % len(host)])
+        yield landed
 
 
 def land_batch(out, idx: list, device, classes: int = 1000):
@@ -255,7 +265,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument(
         "--variants",
         default="staged,dali_only,dataloader_tv,dali,ff_cpu,ff_cpu_gpu",
-        help="ff_cpu_gpu@N: ff_cpu_gpu with DaliAccelerator(run_samples=N) (several allowed: a sweep)",
+        help="ff_cpu_gpu@N: ff_cpu_gpu with DaliAccelerator(run_samples=N); ff_cpu_gpu/dK: with runs_in_flight=K; "
+        "both: ff_cpu_gpu@N/dK (several allowed: a sweep)",
     )
     ap.add_argument(
         "--gpu-sharing",
@@ -357,11 +368,11 @@ def model_bound(train_rate_: float, dali_rate_: float, cpu_rate: float) -> float
 
 
 def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> float:
-    """FusionFlowLoader's rate, CPU workers only (ff_cpu) or with the DALI accelerator (ff_cpu_gpu; ff_cpu_gpu@N:
-    with DaliAccelerator(run_samples=N)); its stats go into `row`. A run whose accelerator fell back to the CPU
-    workers raises: not comparable."""
+    """FusionFlowLoader's rate, CPU workers only (ff_cpu) or with the DALI accelerator (ff_cpu_gpu; ff_cpu_gpu@N/dK:
+    with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional); its stats go into `row`. A run
+    whose accelerator fell back to the CPU workers raises: not comparable."""
     bs = args.batch_size
-    name, _, run_samples = variant.partition("@")
+    name, run_samples, depth = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?", variant).groups()
     accel = None if name != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
@@ -373,9 +384,12 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
         knobs = dict(sharing=args.gpu_sharing, threads=args.dali_threads)
         if run_samples:  # ff_cpu_gpu@N
             knobs["run_samples"] = int(run_samples)
+        if depth:  # ff_cpu_gpu/dK
+            knobs["runs_in_flight"] = int(depth)
         accel = DaliAccelerator(accel.removeprefix("dali-"), **knobs)
     extra = {}
-    trace_name = f"trace_{model_name}_w{workers}_{variant.replace('@', '_run')}.json"  # names a lease returns
+    tag = variant.replace("@", "_run").replace("/", "_")
+    trace_name = f"trace_{model_name}_w{workers}_{tag}.json"  # names a lease returns
     path = os.path.join(args.trace, trace_name) if args.trace else None
     if path and not os.path.exists(path):  # the first repeat's timeline: which side each mini-batch waited for
         extra["trace"] = path
@@ -383,6 +397,7 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
         rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs)
         stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
         stats["gpu_sharing"] = ff.stats.gpu_sharing
+        stats["runs_in_flight"] = ff.config.dali_runs_in_flight if accel is not None else None
     if profiling and ff.stats.gpu_sharing is None:
         raise RuntimeError("gpu_sharing='auto' had not chosen a mode by the end of the warm-up")
     fell_back = not stats["accelerator_tiny_batches"] or stats["accelerator_retired"]

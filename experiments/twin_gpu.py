@@ -11,7 +11,10 @@ one: everything here is the real FusionFlowLoader except the two things a GPU do
                that synchronises at its loss)
   DALI         `TimedPipeline` stands in for DaliPolicyPipeline: a run of n samples occupies the device
                `--run-ms` + n * `--sample-us` (a run's fixed cost and its per-sample cost), at most
-               DALI's depth of runs in flight; its outputs are zeros (pixels are not what is measured)
+               DALI's depth of runs in flight; its outputs are zeros (pixels are not what is measured);
+               with `--run-latency-ms` L a run's device work starts no earlier than L after its submit
+               (DALI's host stages -- its threads' decoding, its launches -- which overlap across the
+               runs it holds: on an H100 two runs in flight completed at about twice one run's rate)
   CPU workers  real worker processes on tiny images (32 px in, 16 px out), each read slowed by
                `--worker-delay-ms`: `--workers` of them make the CPU side's rate (measured, not assumed)
 
@@ -20,7 +23,8 @@ Candidates, interleaved rounds, medians:
                the training step after each
   ff_cpu       FusionFlowLoader, CPU workers only, the training step after each mini-batch
   ff_twin      FusionFlowLoader, CPU workers + accelerator="dali-cpu" running `TimedPipeline`, with the
-               split rule told that DALI shares the training's device (as it does on a GPU)
+               split rule told that DALI shares the training's device (as it does on a GPU); one
+               candidate ff_twin_dK per K of `--runs-in-flight` (DaliAccelerator(runs_in_flight=K))
 and the model's bound for ff_twin from the measured ff_cpu rate c: the best G of a mini-batch of B,
     period(G) = max(t*B + f*runs + G*g, (B - G) / c),     R = B / min over G of period(G)
 with runs = 1/MERGE where MERGE shares fit in a run of 256 (else one run or more per share), and DALI
@@ -29,11 +33,13 @@ Defaults: the H100 figures of issue 41 (ResNet-18's 86 us/img; DALI alone withou
 img/s at runs of 256, taken as 10 ms a run + 58 us a sample; ~450 img/s per CPU worker).
 
     .venv/bin/python -m experiments.twin_gpu [--workers 4] [--batch-size 256] [--rounds 5]
+        [--run-latency-ms 20 --runs-in-flight 2,3]
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import math
 import statistics
 import threading
@@ -64,20 +70,28 @@ POLICY = {  # a light policy: the CPU workers' own work is small beside the dela
 
 
 class DeviceClock:
-    """One device's timeline: work occupies it in the order it is issued."""
+    """One device's timeline: work occupies it in the order it is issued, except that work which may not start
+    yet (`not_before`: a DALI run's host stages) leaves the time before it to work issued later (another
+    stream's: training's steps), as a GPU runs kernels of several streams."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._free_at = 0.0
+        self._spans: list = []  # (start, end) of the work queued, sorted
         self.busy = 0.0  # seconds of work issued
 
-    def occupy(self, seconds: float) -> float:
-        """Queue `seconds` of work; returns when it ends (time.monotonic())."""
+    def occupy(self, seconds: float, not_before: float = 0.0) -> float:
+        """Queue `seconds` of work in the first gap from `not_before` (and now) on; returns when it ends."""
         with self._lock:
-            start = max(time.monotonic(), self._free_at)
-            self._free_at = start + seconds
+            now = time.monotonic()
+            self._spans = [span for span in self._spans if span[1] > now]
+            start = max(now, not_before)
+            for a, b in self._spans:
+                if start + seconds <= a:
+                    break
+                start = max(start, b)
+            bisect.insort(self._spans, (start, start + seconds))
             self.busy += seconds
-            return self._free_at
+            return start + seconds
 
 
 def wait_until(t: float) -> None:
@@ -94,9 +108,9 @@ class TimedOutput:
         return self.array
 
 
-def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list):
+def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list, latency_s: float = 0.0):
     """A stand-in class for DaliPolicyPipeline (the interface the accelerator thread uses) whose runs
-    occupy `clock`; every run's size is appended to `runs`."""
+    occupy `clock`, each from `latency_s` after its submit at the earliest; every run's size is appended to `runs`."""
     from fusionflow.policy import load_policy
 
     class TimedPipeline:
@@ -112,7 +126,7 @@ def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list
             if not 1 <= n <= self.batch_size or len(self.pending) >= self.depth:
                 raise RuntimeError(f"run of {n} with {len(self.pending)} in flight")
             runs.append(n)
-            self.pending.append((n, clock.occupy(run_s + n * sample_s)))
+            self.pending.append((n, clock.occupy(run_s + n * sample_s, time.monotonic() + latency_s)))
 
         def collect(self, stream=None):
             n, end = self.pending.popleft()
@@ -132,28 +146,30 @@ def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list
     return TimedPipeline
 
 
-def dali_alone(clock: DeviceClock, batch: int, run_s: float, sample_s: float):
+def dali_alone(clock: DeviceClock, batch: int, run_s: float, sample_s: float, latency_s: float = 0.0):
     """DALI's own loop: whole mini-batch runs, DALI_PREFETCH of them queued ahead of the one yielded."""
     ends: deque = deque()
     while True:
         while len(ends) <= DALI_PREFETCH:
-            ends.append(clock.occupy(run_s + batch * sample_s))
+            ends.append(clock.occupy(run_s + batch * sample_s, time.monotonic() + latency_s))
         wait_until(ends.popleft())
         yield batch
 
 
-def ff_loader(data, args, clock=None, runs=None):
-    """The FusionFlowLoader; with `clock`, its accelerator runs TimedPipeline on it."""
+def ff_loader(data, args, clock=None, runs=None, depth: int = 2):
+    """The FusionFlowLoader; with `clock`, its accelerator runs TimedPipeline on it, `depth` runs in flight."""
     import fusionflow.accel.dali_graph as dali_graph
     import fusionflow.scheduling.split as split
     from fusionflow import DaliAccelerator, FusionFlowLoader
 
     kw = {}
     if clock is not None:
-        kw["accelerator"] = DaliAccelerator("cpu", threads=1)
+        kw["accelerator"] = DaliAccelerator("cpu", threads=1, runs_in_flight=depth)
     real_pipeline, real_controller = dali_graph.DaliPolicyPipeline, split.ShareController
     if clock is not None:  # the stand-ins are picked up while the loader builds its accelerator
-        dali_graph.DaliPolicyPipeline = timed_pipeline(clock, args.run_ms * 1e-3, args.sample_us * 1e-6, runs)
+        dali_graph.DaliPolicyPipeline = timed_pipeline(
+            clock, args.run_ms * 1e-3, args.sample_us * 1e-6, runs, args.run_latency_ms * 1e-3
+        )
         split.ShareController = lambda **k: real_controller(**{**k, "shares_device": True})
     try:
         loader = FusionFlowLoader(
@@ -204,6 +220,8 @@ def main() -> None:
     ap.add_argument("--train-us", type=float, default=86.0, help="training step's device time per image")
     ap.add_argument("--run-ms", type=float, default=10.0, help="a DALI run's fixed device time")
     ap.add_argument("--sample-us", type=float, default=58.0, help="a DALI run's device time per sample")
+    ap.add_argument("--run-latency-ms", type=float, default=0.0, help="a DALI run's host stages before its device work")
+    ap.add_argument("--runs-in-flight", default="2", help="the accelerator's runs in flight: one candidate per value")
     ap.add_argument("--worker-delay-ms", type=float, default=2.0, help="added to each read in a CPU worker")
     ap.add_argument("--merge", type=int, default=2, help="mini-batch shares a run holds (the model's)")
     ap.add_argument("--prefetch", type=int, default=None, help="the loaders' prefetch_factor (default: theirs)")
@@ -215,14 +233,16 @@ def main() -> None:
     from fusionflow.tools.synthetic import make_jpegs
 
     data = make_jpegs(args.images, 32, 33, seed=1)
-    clock, runs = DeviceClock(), []
+    clock, depths = DeviceClock(), [int(k) for k in args.runs_in_flight.split(",")]
     y_loader, y = ff_loader(data, args)
-    x_loader, x = ff_loader(data, args, clock, runs)
-    streams = {"dali_alone": dali_alone(clock, args.batch_size, args.run_ms * 1e-3, args.sample_us * 1e-6)}
-    streams.update(ff_cpu=y, ff_twin=x)
+    runs = {f"ff_twin_d{k}": [] for k in depths}  # each candidate's run sizes
+    twins = {name: ff_loader(data, args, clock, runs[name], k) for name, k in zip(runs, depths)}
+    latency_s = args.run_latency_ms * 1e-3
+    streams = {"dali_alone": dali_alone(clock, args.batch_size, args.run_ms * 1e-3, args.sample_us * 1e-6, latency_s)}
+    streams.update(ff_cpu=y, **{name: batches for name, (_, batches) in twins.items()})
     step_s = args.train_us * 1e-6 * args.batch_size
     rates: dict = {k: [] for k in streams}
-    accel: list = []
+    accel: dict = {name: [] for name in twins}
     try:
         for r in range(args.rounds):
             for name in rotation(streams, r):
@@ -230,16 +250,18 @@ def main() -> None:
                 for _ in range(3):  # what it banked while the others ran
                     next(s)
                     wait_until(clock.occupy(step_s))
-                before = (x_loader.stats.samples, x_loader.stats.accelerator_samples, len(runs))
+                x_loader = twins[name][0] if name in twins else None
+                st = x_loader.stats if x_loader is not None else None
+                before = (st.samples, st.accelerator_samples, len(runs[name])) if st is not None else None
                 t0, images = time.monotonic(), 0
                 for _ in range(args.batches):
                     images += next(s)
                     wait_until(clock.occupy(step_s))
                 rates[name].append(images / (time.monotonic() - t0))
-                if name == "ff_twin":
+                if x_loader is not None:
                     st = x_loader.stats
-                    done = runs[before[2] :]
-                    accel.append(
+                    done = runs[name][before[2] :]
+                    accel[name].append(
                         {
                             "share": (st.accelerator_samples - before[1]) / max(1, st.samples - before[0]),
                             "samples_per_run": sum(done) / max(1, len(done)),
@@ -247,19 +269,20 @@ def main() -> None:
                     )
                 print(f"round {r + 1}/{args.rounds}: {name} {rates[name][-1]:.0f} img/s", flush=True)
     finally:
-        x_loader.close()
+        for loader, _ in twins.values():
+            loader.close()
         y_loader.close()
     med = {k: statistics.median(v) for k, v in rates.items()}
-    bound = model(args, med["ff_cpu"])
-    share = statistics.median(a["share"] for a in accel)
-    per_run = statistics.median(a["samples_per_run"] for a in accel)
-    print(
-        f"DALI alone {med['dali_alone']:.0f} (model {bound['dali_alone']:.0f}), FF CPU {med['ff_cpu']:.0f}, "
-        f"FF CPU + twin {med['ff_twin']:.0f} img/s: {med['ff_twin'] / med['dali_alone']:.2f}x DALI alone, "
-        f"{med['ff_twin'] / bound['ff_bound']:.2f} of the model's bound {bound['ff_bound']:.0f} "
-        f"(its share {bound['ff_best_share']} of {args.batch_size}); the accelerator took {share:.0%} in runs of "
-        f"{per_run:.0f}"
-    )
+    bound = model(args, med["ff_cpu"])  # the additive model: device time only (no run latency)
+    print(f"DALI alone {med['dali_alone']:.0f} (model {bound['dali_alone']:.0f}), FF CPU {med['ff_cpu']:.0f}")
+    for name in twins:
+        share = statistics.median(a["share"] for a in accel[name])
+        per_run = statistics.median(a["samples_per_run"] for a in accel[name])
+        print(
+            f"{name}: FF CPU + twin {med[name]:.0f} img/s: {med[name] / med['dali_alone']:.2f}x DALI alone, "
+            f"{med[name] / bound['ff_bound']:.2f} of the model's bound {bound['ff_bound']:.0f} (its share "
+            f"{bound['ff_best_share']} of {args.batch_size}); the accelerator took {share:.0%} in runs of {per_run:.0f}"
+        )
     result = {
         "benchmark": "twin_gpu",
         "args": vars(args),
@@ -268,8 +291,8 @@ def main() -> None:
         "medians": med,
         "model": bound,
         "accelerator": accel,
-        "ff_over_dali_alone": med["ff_twin"] / med["dali_alone"],
-        "ff_over_bound": med["ff_twin"] / bound["ff_bound"],
+        "ff_over_dali_alone": {name: med[name] / med["dali_alone"] for name in twins},
+        "ff_over_bound": {name: med[name] / bound["ff_bound"] for name in twins},
     }
     write_json(result, result_path(args.out, "twin_gpu.json"))
 

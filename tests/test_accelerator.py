@@ -13,6 +13,7 @@ pytest.importorskip("nvidia.dali")
 from dali_numpy import run_numpy  # noqa: E402
 from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
 
+from fusionflow import DaliAccelerator  # noqa: E402
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
 from fusionflow.errors import SampleError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
@@ -589,7 +590,6 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
 def test_run_samples_caps_every_dali_run_and_a_larger_share_goes_as_several_runs():
     """DaliAccelerator(run_samples=N): no DALI run holds more than N samples (its pipeline is built for N),
     so a share of a mini-batch above N is cut into several runs; every sample still arrives exactly once."""
-    from fusionflow import DaliAccelerator
 
     ds = Bytes(61)
     ld = loader(ds, accelerator=DaliAccelerator("cpu", run_samples=2), shuffle=True, persistent_workers=True)
@@ -609,7 +609,6 @@ def test_run_samples_above_the_batch_lets_one_run_hold_two_mini_batches_shares_a
     """run_samples above the batch size: the run cap is two mini-batches (MERGE_SHARES), whatever larger
     number was asked -- DALI's pipeline is built for the cap -- and every sample still arrives exactly once;
     below the batch size it is as asked."""
-    from fusionflow import DaliAccelerator
     from fusionflow.accel.accelerator import MERGE_SHARES
 
     ds = Bytes(61)
@@ -666,11 +665,13 @@ def test_share_runs_found_done_when_collected_are_collected_sooner_until_one_is_
     assert abs(split.accel_s - true_s) / true_s < 0.2, split.accel_s
 
 
-def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_due(monkeypatch):
+@pytest.mark.parametrize("depth", ["auto", 3])
+def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_due(monkeypatch, depth):
     """The thread waits on the board, not in DALI's outputs(), for a share run nobody awaits (one run in
-    flight or two). With its due time pushed past the end of the test, every share run collected once the
+    flight or more). With its due time pushed past the end of the test, every share run collected once the
     accelerator's rate is known is collected while training waits for one of its mini-batches (the
-    training loop's `wait` notifies the board), and every sample still arrives exactly once."""
+    training loop's `wait` notifies the board), and every sample still arrives exactly once. Up to
+    runs_in_flight runs are in DALI at once (auto: DEPTH on DALI's CPU backend), never more."""
     from fusionflow.accel import accelerator as acc
 
     monkeypatch.setattr(acc, "images", lambda works: 10**6)  # a run's expected time: hours
@@ -687,7 +688,9 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
         return real(self, unused)
 
     monkeypatch.setattr(acc.AcceleratorWorker, "_collect", collect_run)
-    ld = loader(Bytes(61), batch_size=8, persistent_workers=True)
+    ld = loader(
+        Bytes(61), batch_size=8, persistent_workers=True, accelerator=DaliAccelerator("cpu", runs_in_flight=depth)
+    )
     try:
         for _ in range(2):
             labels = []
@@ -699,4 +702,7 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
         ld.close()
     judged = [awaited for rated, awaited in seen if rated]
     assert judged and all(judged), seen
-    assert max(depths) == acc.DEPTH  # while it waits for the oldest, the next run is taken and submitted
+    assert ld.config.dali_runs_in_flight == (acc.DEPTH if depth == "auto" else depth)
+    assert (
+        max(depths) == ld.config.dali_runs_in_flight
+    )  # while it waits for the oldest, the next are taken and submitted

@@ -118,6 +118,25 @@ def test_run_samples_is_set_on_the_object_only_and_reaches_the_loaders_config():
     assert (by_object.dali_run_samples, by_strings.dali_run_samples) == (64, RUN_SAMPLES)
 
 
+def test_runs_in_flight_is_set_on_the_object_only_auto_by_backend_and_reaches_the_loaders_config():
+    from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU, RUNS_IN_FLIGHT_GPU, auto_runs_in_flight
+
+    acc = DaliAccelerator("cpu")
+    assert acc.runs_in_flight == "auto" and "runs_in_flight" not in acc.loader_arguments()
+    for bad in (0, -1, 2.0, True, "3", None, "Auto"):
+        with pytest.raises(ValueError, match=r"runs_in_flight=.* must be an int >= 1 \(DALI runs in flight at most\)"):
+            DaliAccelerator("cpu", runs_in_flight=bad)
+    assert repr(DaliAccelerator("cpu", runs_in_flight=4)) == "DaliAccelerator(device='cpu', runs_in_flight=4)"
+    assert (auto_runs_in_flight("dali-gpu"), auto_runs_in_flight("dali-cpu")) == (
+        RUNS_IN_FLIGHT_GPU,
+        RUNS_IN_FLIGHT_CPU,
+    )
+    assert RUNS_IN_FLIGHT_GPU > RUNS_IN_FLIGHT_CPU == 2
+    by_object, _ = resolve(dict(num_workers=1, accelerator=DaliAccelerator("cpu", runs_in_flight=4)), DALI)
+    by_strings, _ = resolve(dict(num_workers=1, accelerator="dali-cpu"), DALI)
+    assert (by_object.dali_runs_in_flight, by_strings.dali_runs_in_flight) == (4, RUNS_IN_FLIGHT_CPU)
+
+
 def test_auto_threads_take_the_cores_the_cpu_workers_leave_on_the_gpu_only():
     from fusionflow.accel.config import AUTO_THREADS, auto_threads
 

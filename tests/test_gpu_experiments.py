@@ -144,7 +144,8 @@ def test_bench_graph_times_both_graphs_at_each_run_size(tmp_path):
 
 def test_ours_batches_are_the_runs_in_order_each_as_the_pipeline_makes_it():
     """gpu_bench's `ours` variant trains on ours_batches: run b of the cyclic order, labels its indices, pixels
-    those of the same run submitted alone (two in flight changes no sample), the last run collected too."""
+    those of the same run submitted alone (runs in flight change no sample), the last run collected too; while
+    the consumer holds a batch, the pipeline's depth of runs is in flight (DALI alone's prefetch queue)."""
     import pytest
 
     pytest.importorskip("nvidia.dali")
@@ -158,8 +159,11 @@ def test_ours_batches_are_the_runs_in_order_each_as_the_pipeline_makes_it():
     with DaliPolicyPipeline(load_policy("randaugment", size=16), batch_size=3) as pipe:
         host = gpu_bench.host_columns(pipe, data, 3)
         assert len(host) == 5  # the cycle: 5 runs of 3 cover the 5 samples 3 times
-        got = list(gpu_bench.ours_batches(pipe, data, host, 3, 7, torch.device("cpu")))
-        assert len(got) == 7
+        got, held = [], []
+        for batch in gpu_bench.ours_batches(pipe, data, host, 3, 7, torch.device("cpu")):
+            got.append(batch)
+            held.append(pipe.in_flight)  # the consumer trains on batch b now
+        assert len(got) == 7 and held == [2, 2, 2, 2, 2, 1, 0] and pipe.depth == 2
         for b, (x, y) in enumerate(got):
             idx = [(3 * b + j) % 5 for j in range(3)]
             assert y.tolist() == idx and x.shape == (3, 3, 16, 16)

@@ -29,3 +29,15 @@ def test_tail_runs_do_not_read_as_the_accelerators_rate():
     for _ in range(3):
         feed.run_done(0.030, 4)
     assert split.accel_s == 0.030 / 4 and split.share(256, 4) < share
+
+
+def test_no_tail_run_behind_two_runs_in_flight():
+    """The tail runs' fraction is the share's with fewer than TAIL_BEHIND runs in DALI, 0 (none) with more
+    (runs come out in order: a tail queued behind two would come late), None before any share is reserved."""
+    from fusionflow.accel.share_feed import TAIL_BEHIND
+
+    feed = ShareFeed(ShareController(shares_device=True, step=4), Board(), tiny_batch_size=4, cpu_workers=4)
+    assert feed.tail(0) is None and feed.tail(TAIL_BEHIND) is None
+    feed.reserve(256)
+    assert feed.tail_fraction == 0.5  # half, until rates are measured
+    assert [feed.tail(n) for n in range(TAIL_BEHIND + 2)] == [0.5] * TAIL_BEHIND + [0.0, 0.0]

@@ -3,14 +3,14 @@ tiny-batches of the local manager's queue and writes each output to its mini-bat
 
 One DALI run takes the accelerator's share of a mini-batch (its G largest samples, whole tiny-batches, from the split
 rule: scheduling/split.py fed by accel/share_feed.py), with up to MERGE_SHARES - 1 next shares that fit (or, on a GPU,
-taken ahead: the queue's `_borrowed`). Running ahead, as DALI's own iterators do: up to DEPTH runs in flight; the
-share of the oldest mini-batch whose share nobody took is submitted while DALI works on the one before; runs are
-collected in order. When training waits for a mini-batch whose CPU side is late, a tail run takes its largest
-unstarted tiny-batches (the share's fraction). A run is read with whole-run operations (accel/run_read.py,
-accel/header_sizes.py); its draws and op parameters come from helper processes as dense arrays (accel/host_inputs.py),
-fed as one packed array; encoded bytes go to DALI uncopied. CPU time: the thread's `accelerator_feed_cpu_seconds`,
-landing outputs in the ring `accelerator_land_cpu_seconds` of it, the helpers' `accelerator_inputs_cpu_seconds`; a
-trace shows the loop's steps (read, prepare, inputs, submit, outputs, land) with wall and CPU time.
+taken ahead: the queue's `_borrowed`). Running ahead, as DALI's own iterators do: up to `depth` runs in flight
+(DaliAccelerator's runs_in_flight); the share of the oldest mini-batch whose share nobody took is submitted while DALI
+works on those before; runs are collected in order. When training waits for a mini-batch whose CPU side is late, a
+tail run takes its largest unstarted tiny-batches (the share's fraction). A run is read with whole-run operations
+(accel/run_read.py, accel/header_sizes.py); its draws and op parameters come from helper processes as dense arrays
+(accel/host_inputs.py), fed as one packed array; encoded bytes go to DALI uncopied. CPU time: the thread's
+`accelerator_feed_cpu_seconds`, landing outputs in the ring `accelerator_land_cpu_seconds` of it, the helpers'
+`accelerator_inputs_cpu_seconds`; a trace shows the loop's steps (read, prepare, inputs, submit, outputs, land).
 
 `device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged with the CPU
 workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring. A tiny-batch it cannot run
@@ -19,8 +19,7 @@ GPU with training: `temporal` works only inside the loader's prep window (one ru
 CUDA event of the training work queued before next()), with the allocator bridge lending PyTorch's free blocks to DALI
 for the window; `spatial` runs concurrently. A worker kind (runtime/board.py, `add_worker_kind`). A failed run
 discards the pipeline (rebuilt on the next run) and every run in flight: the CPU workers take them. After
-`MAX_FAILURES` failed runs in a row, a pipeline that cannot be rebuilt, or a run past the stall bound (`watch`), it
-retires. `stop()` closes pipelines and helpers.
+`MAX_FAILURES` failed runs in a row, an unbuildable pipeline, or a run past the stall bound (`watch`), it retires.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from fusionflow.scheduling.queue import images, key_of
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
-DEPTH = 2  # DALI runs in flight at once (not gated): DALI works on one while the next is prepared
+DEPTH = 2  # DALI runs in flight at once by default (not gated): DALI works on one while the next is prepared
 MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed cost paid once for them
 _COPIES = operator.attrgetter("copies")  # a Work's copies, as one C-level call
 
@@ -68,6 +67,7 @@ class AcceleratorWorker:
         cpu_workers: int = 1,
         tiny_batch_size: int = 1,
         inputs=None,
+        depth: int = DEPTH,
     ):
         from fusionflow.accel.dali_graph import DaliPolicyPipeline
         from fusionflow.policy import load_policy
@@ -77,9 +77,9 @@ class AcceleratorWorker:
         self.max_pixels = load_policy(policy).max_pixels
         self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
         self._make = lambda: DaliPolicyPipeline(
-            policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=DEPTH
+            policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=depth
         )
-        self.max_images = max_images  # samples per DALI run: tiny-batches of up to MERGE_SHARES mini-batches
+        self.max_images, self.depth = max_images, depth  # a run's samples (<= MERGE_SHARES shares); runs in flight
         self.inputs = inputs  # the InputHelper (accel/host_inputs.py), owned from here; None: inputs made here
         t0 = time.perf_counter()
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
@@ -187,7 +187,7 @@ class AcceleratorWorker:
 
     # ---------------------------------------------------------------- the thread
     def _run(self) -> None:
-        """Take a run, prepare and submit it, and collect the oldest when `DEPTH` are in flight (one
+        """Take a run, prepare and submit it, and collect the oldest when `depth` are in flight (one
         while gated: temporal sharing's window must close on a finished run) or nothing else is to be
         had: DALI works on one run while this thread prepares the next, also while awaiting the oldest's due."""
         board, inflight = self.board, self._active
@@ -195,10 +195,10 @@ class AcceleratorWorker:
             with board.cond:
                 group, due = None, 0.0
                 while not self._stop and not self.retired:
-                    room = len(inflight) < (1 if self.gated else DEPTH)
+                    room = len(inflight) < (1 if self.gated else self.depth)
                     if room and not (board.draining() or (self.gated and not self.window_open)):
                         merge = 1 if self.gated else MERGE_SHARES
-                        tail = self.shares.tail_fraction if self.shares is not None else None
+                        tail = self.shares.tail(len(inflight)) if self.shares is not None else None
                         group = board.take_accel(self.largest_first, self.max_images, tail, merge, self.borrow)
                         if group:
                             break

@@ -16,7 +16,11 @@ DEVICES = ("gpu", "cpu", "auto")
 SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
 ACCELERATOR_OF = {"gpu": "dali-gpu", "cpu": "dali-cpu", "auto": "auto"}  # device -> the string form
-OBJECT_ONLY = ("threads", "run_samples")  # fields with no loose FusionFlowLoader argument: set on the object only
+OBJECT_ONLY = (
+    "threads",
+    "run_samples",
+    "runs_in_flight",
+)  # fields with no loose FusionFlowLoader argument: set on the object only
 ARGUMENT_OF = {  # each other field -> the loose FusionFlowLoader argument it stands for
     "device": "accelerator",
     "sharing": "gpu_sharing",
@@ -43,6 +47,13 @@ def _device_hint(device) -> str:
 
 AUTO_THREADS = 4  # threads="auto"'s most: DALI alone's threads at the benchmarks' 4 CPU workers
 RUN_SAMPLES = 256  # run_samples' default: on an H100 one run of 4 took ~15 ms (AoT bench, 2026-11-24)
+RUNS_IN_FLIGHT_GPU = 3  # runs_in_flight="auto" on a GPU: two stay in DALI while the thread lands one and feeds the next
+RUNS_IN_FLIGHT_CPU = 2  # ... on DALI's CPU backend: a run taken ahead is work idle CPU workers can no longer steal
+
+
+def auto_runs_in_flight(accelerator: str | None) -> int:
+    """DALI runs in flight for runs_in_flight="auto" (see DaliAccelerator)."""
+    return RUNS_IN_FLIGHT_GPU if accelerator == "dali-gpu" else RUNS_IN_FLIGHT_CPU
 
 
 def auto_threads(accelerator: str | None, cores: int, num_workers: int) -> int:
@@ -76,12 +87,18 @@ class DaliAccelerator:
         H100 with 4 CPU workers, 4 threads trained ResNet-18 at 4,126 img/s, 1 thread at 2,852
         (docs/experiments-log.md, 2026-11-26). No loose form: `loader_arguments` leaves it out.
     run_samples: the most samples one DALI run holds (within two mini-batches -- one under temporal sharing,
-        whose runs hold one share -- and one tiny-batch at least). It bounds DALI's memory (two runs in flight,
+        whose runs hold one share -- and one tiny-batch at least). It bounds DALI's memory (runs_in_flight runs,
         each sized for this many samples) and how a mini-batch's share is cut: a share above it goes to DALI as
         several runs, which DALI works on at once (on an H100 two runs in flight completed at about twice one
         run's rate, 2026-11-28); above the batch size, the shares of two mini-batches may go as one run, its
         fixed cost paid once (so at batches under 256 the default sizes DALI for up to two batches: on DALI's
         CPU backend at batch 64 the accelerator's gain rose 0.97 -> 1.15). No loose form either.
+    runs_in_flight: DALI runs submitted and not yet collected, at most (one under temporal sharing), or "auto":
+        RUNS_IN_FLIGHT_GPU on a GPU, RUNS_IN_FLIGHT_CPU on DALI's CPU backend. DALI overlaps the runs it holds
+        (on an H100 two runs in flight completed at about twice one run's rate), and while the accelerator
+        thread lands a run and feeds the next (~30% of its time on an H200, 2026-11-28) one run fewer is in
+        DALI: with two at most, DALI held only one 37% of that benchmark. DALI's memory grows with it (each run
+        in flight is sized for run_samples). No loose form either.
 
     Frozen and checked here (the machine -- CUDA, DALI, the loader's device -- is checked by the
     loader); `dataclasses.replace(acc, sharing="spatial")` derives another, checked again.
@@ -95,6 +112,7 @@ class DaliAccelerator:
     taas_last_k: bool = field(default=True, kw_only=True)
     threads: int | str = field(default="auto", kw_only=True)
     run_samples: int = field(default=RUN_SAMPLES, kw_only=True)
+    runs_in_flight: int | str = field(default="auto", kw_only=True)
 
     def __post_init__(self):
         device, sharing, memory_bridge = self.device, self.sharing, self.memory_bridge
@@ -110,6 +128,9 @@ class DaliAccelerator:
         run = self.run_samples
         if isinstance(run, bool) or not isinstance(run, int) or run < 1:
             raise ValueError(f"run_samples={run!r} must be an int >= 1 (the most samples in one DALI run)")
+        depth = self.runs_in_flight
+        if depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
+            raise ValueError(f"runs_in_flight={depth!r} must be an int >= 1 (DALI runs in flight at most) or 'auto'")
         for name in ("aot", "taas", "taas_last_k"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -40,12 +40,13 @@ class GpuSession:
         bridge_why_off: str | None,
         threads: int = 1,
         run_samples: int = RUN_SAMPLES,
+        runs_in_flight: int = 2,
     ):
         self.stats = stats
         self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing
         self.aot, self.taas, self.taas_last_k, self.memory_bridge = aot, taas, taas_last_k, memory_bridge
         self.threads = threads  # DALI's CPU threads
-        self.run_samples = run_samples  # the most samples in one DALI run
+        self.run_samples, self.runs_in_flight = run_samples, runs_in_flight  # a DALI run's most samples; runs at once
         self.bridge = None  # the MemoryBridge, while it runs (kept across managers until close())
         self.bridge_why_off = bridge_why_off  # None: start the bridge with the accelerator (again after close())
         self.accel = None  # the accelerator worker kind this session started, while its manager runs
@@ -67,6 +68,7 @@ class GpuSession:
             bridge_why_off=cfg.bridge_why_off,
             threads=cfg.dali_threads,
             run_samples=cfg.dali_run_samples,
+            runs_in_flight=cfg.dali_runs_in_flight,
         )
 
     def start(
@@ -145,6 +147,7 @@ class GpuSession:
                 cpu_workers=spec.num_workers,
                 inputs=inputs,
                 tiny_batch_size=tiny_batch_size,
+                depth=self.runs_in_flight,
             )
         except BaseException:
             if inputs is not None:  # the accelerator would have owned it

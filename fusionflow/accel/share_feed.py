@@ -13,6 +13,7 @@ COLLECT_AT = 0.95  # a share run's outputs are asked for at this fraction of its
 COLLECT_MIN = 0.25  # ...or, while runs are found done when asked for, at half the last fraction, down to this
 READY_S = 0.001  # outputs that came within this (or READY_SHARE of the run's expected time) were ready already
 READY_SHARE = 0.05  # (the thread may wait for the GIL on return: up to the 5 ms switch interval)
+TAIL_BEHIND = 2  # no tail run with this many DALI runs in flight: it would come out after them
 
 
 class ShareFeed:
@@ -41,6 +42,12 @@ class ShareFeed:
         share = self.split.share(batch, self.cpu_workers)
         self.tail_fraction = share / batch
         self.board.reserve(-(-share // self.tiny_batch_size), steal=True)
+
+    def tail(self, in_flight: int) -> float | None:
+        """The tail runs' fraction for the accelerator's next take with `in_flight` runs in DALI: 0 (none) behind
+        TAIL_BEHIND of them -- runs are collected in order, so a tail run would come out after them, by when
+        the CPU workers have mostly done the awaited mini-batch, and its fixed cost would delay the shares."""
+        return self.tail_fraction if in_flight < TAIL_BEHIND or self.tail_fraction is None else 0.0
 
     def capacity(self, workers: int) -> None:
         self.cpu_workers = workers

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-from fusionflow.accel.config import ARGUMENT_OF, BRIDGE, RUN_SAMPLES, SHARING, DaliAccelerator, auto_threads
+from fusionflow.accel.config import (
+    ARGUMENT_OF,
+    BRIDGE,
+    RUN_SAMPLES,
+    SHARING,
+    DaliAccelerator,
+    auto_runs_in_flight,
+    auto_threads,
+)
 from fusionflow.accel.declines import dali_declines
 from fusionflow.runtime.cores import rank_cores
 from fusionflow.runtime.host import Host
@@ -47,8 +55,8 @@ def unpack_accelerator(accelerator, loose: dict) -> tuple[Any, dict]:
 
 
 def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_workers: int, host: Host, policy):
-    """The accelerator's LoaderConfig fields (accelerator, gpu_sharing, aot, taas, taas_last_k,
-    memory_bridge, bridge_why_off, dali_threads, dali_run_samples) from the loader's `accelerator` -- a string
+    """The accelerator's LoaderConfig fields (accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge,
+    bridge_why_off, dali_threads, dali_run_samples, dali_runs_in_flight) from the loader's `accelerator` -- a string
     form or a DaliAccelerator -- and its loose arguments (`loose`, by name): the object is resolved as the strings
     it stands for."""
     given = accelerator if isinstance(accelerator, DaliAccelerator) else None
@@ -60,6 +68,7 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
     threads = given.threads if given is not None else "auto"
     if threads == "auto":
         threads = auto_threads(accelerator, rank_cores(host.cores()), num_workers)  # the node's other ranks too
+    depth = given.runs_in_flight if given is not None else "auto"
     return {
         **loose,
         "accelerator": accelerator,
@@ -67,6 +76,7 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
         "bridge_why_off": why_off,
         "dali_threads": threads,
         "dali_run_samples": given.run_samples if given is not None else RUN_SAMPLES,
+        "dali_runs_in_flight": auto_runs_in_flight(accelerator) if depth == "auto" else depth,
     }
 
 
