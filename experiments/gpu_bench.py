@@ -139,11 +139,11 @@ def ours_batches(pipe, data: list, host: list, batch_size: int, batches: int, de
     import torch
 
     runs = [cyclic_run(b, batch_size, len(data)) for b in range(batches)]
-    stream = torch.cuda.current_stream(device) if torch.device(device).type == "cuda" else None
+    on_gpu = torch.device(device).type == "cuda"
     for b in range(min(pipe.depth, len(runs))):
         pipe.submit([data[i] for i in runs[b]], runs[b], columns=host[b % len(host)])
     for b, idx in enumerate(runs):
-        landed = land_batch(pipe.collect(stream), idx, device)
+        landed = land_batch(pipe.collect(torch.cuda.current_stream(device) if on_gpu else None), idx, device)
         ahead = b + pipe.depth
         if ahead < len(runs):
             pipe.submit([data[i] for i in runs[ahead]], runs[ahead], columns=host[ahead % len(host)])
@@ -372,7 +372,10 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional); its stats go into `row`. A run
     whose accelerator fell back to the CPU workers raises: not comparable."""
     bs = args.batch_size
-    name, run_samples, depth = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?", variant).groups()
+    parsed = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?", variant)
+    if parsed is None:
+        raise ValueError(f"variant {variant!r}: write ff_cpu_gpu, ff_cpu_gpu@N, ff_cpu_gpu/dK or ff_cpu_gpu@N/dK")
+    name, run_samples, depth = parsed.groups()
     accel = None if name != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window

@@ -72,7 +72,8 @@ POLICY = {  # a light policy: the CPU workers' own work is small beside the dela
 class DeviceClock:
     """One device's timeline: work occupies it in the order it is issued, except that work which may not start
     yet (`not_before`: a DALI run's host stages) leaves the time before it to work issued later (another
-    stream's: training's steps), as a GPU runs kernels of several streams."""
+    stream's: training's steps), as a GPU runs kernels of several streams. Work of one stream passes its
+    last end as `not_before` (the first gap that fits could lie before it)."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -110,7 +111,8 @@ class TimedOutput:
 
 def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list, latency_s: float = 0.0):
     """A stand-in class for DaliPolicyPipeline (the interface the accelerator thread uses) whose runs
-    occupy `clock`, each from `latency_s` after its submit at the earliest; every run's size is appended to `runs`."""
+    occupy `clock` in order (one DALI stream), each from `latency_s` after its submit at the earliest; every run's
+    size is appended to `runs`."""
     from fusionflow.policy import load_policy
 
     class TimedPipeline:
@@ -120,13 +122,15 @@ def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list
             self.zeros = np.zeros((batch_size, 3, *size), np.uint8)  # size: (height, width)
             self.pending: deque = deque()
             self.build_seconds, self.rebuilds = 0.0, 0
+            self.last_end = 0.0  # when the last run submitted ends: the next starts after it
 
         def submit(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None):
             n = len(samples)
             if not 1 <= n <= self.batch_size or len(self.pending) >= self.depth:
                 raise RuntimeError(f"run of {n} with {len(self.pending)} in flight")
             runs.append(n)
-            self.pending.append((n, clock.occupy(run_s + n * sample_s, time.monotonic() + latency_s)))
+            self.last_end = clock.occupy(run_s + n * sample_s, max(time.monotonic() + latency_s, self.last_end))
+            self.pending.append((n, self.last_end))
 
         def collect(self, stream=None):
             n, end = self.pending.popleft()
@@ -149,9 +153,11 @@ def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list
 def dali_alone(clock: DeviceClock, batch: int, run_s: float, sample_s: float, latency_s: float = 0.0):
     """DALI's own loop: whole mini-batch runs, DALI_PREFETCH of them queued ahead of the one yielded."""
     ends: deque = deque()
+    last = 0.0  # its runs in order, as on one stream
     while True:
         while len(ends) <= DALI_PREFETCH:
-            ends.append(clock.occupy(run_s + batch * sample_s, time.monotonic() + latency_s))
+            last = clock.occupy(run_s + batch * sample_s, max(time.monotonic() + latency_s, last))
+            ends.append(last)
         wait_until(ends.popleft())
         yield batch
 
@@ -233,7 +239,7 @@ def main() -> None:
     from fusionflow.tools.synthetic import make_jpegs
 
     data = make_jpegs(args.images, 32, 33, seed=1)
-    clock, depths = DeviceClock(), [int(k) for k in args.runs_in_flight.split(",")]
+    clock, depths = DeviceClock(), list(dict.fromkeys(int(k) for k in args.runs_in_flight.split(",")))
     y_loader, y = ff_loader(data, args)
     runs = {f"ff_twin_d{k}": [] for k in depths}  # each candidate's run sizes
     twins = {name: ff_loader(data, args, clock, runs[name], k) for name, k in zip(runs, depths)}

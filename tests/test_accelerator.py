@@ -14,6 +14,7 @@ from dali_numpy import run_numpy  # noqa: E402
 from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
 
 from fusionflow import DaliAccelerator  # noqa: E402
+from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU  # noqa: E402
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
 from fusionflow.errors import SampleError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
@@ -702,7 +703,7 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
         ld.close()
     judged = [awaited for rated, awaited in seen if rated]
     assert judged and all(judged), seen
-    assert ld.config.dali_runs_in_flight == (acc.DEPTH if depth == "auto" else depth)
+    assert ld.config.dali_runs_in_flight == (RUNS_IN_FLIGHT_CPU if depth == "auto" else depth)
     assert (
         max(depths) == ld.config.dali_runs_in_flight
     )  # while it waits for the oldest, the next are taken and submitted

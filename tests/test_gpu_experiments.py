@@ -202,3 +202,21 @@ def test_no_experiment_touches_sys_path_or_a_private_fusionflow_name():
                 if private and node.value.id != "self":  # a fusionflow module's or object's private name
                     offenders.append(f"{where} {node.value.id}.{node.attr}")
     assert not offenders, offenders
+
+
+def test_the_twins_device_clock_fills_gaps_with_later_work_keeps_a_streams_order_and_forgets_the_past(monkeypatch):
+    """twin_gpu.DeviceClock: work that may not start yet leaves the time before it to work issued later; work
+    that names its stream's last end as not_before comes after it even where an earlier gap would fit."""
+    from experiments import twin_gpu
+
+    now = [100.0]
+    monkeypatch.setattr(twin_gpu.time, "monotonic", lambda: now[0])
+    clock = twin_gpu.DeviceClock()
+    dali = clock.occupy(1.0, not_before=105.0)  # a DALI run whose host stages end at 105: [105, 106]
+    step = clock.occupy(2.0)  # a training step issued after it fits before it: [100, 102]
+    long = clock.occupy(4.0)  # no room before 105 for 4 s: after the run, [106, 110]
+    assert (dali, step, long) == (106.0, 102.0, 110.0)
+    assert clock.occupy(0.5, not_before=dali) == 110.5  # the same stream's next run: not in [102, 105]
+    assert clock.occupy(0.5) == 102.5  # anyone else's half second: the gap
+    now[0] = 200.0  # everything ended: the past is forgotten, work starts now
+    assert clock.occupy(1.0) == 201.0 and clock.busy == 9.0

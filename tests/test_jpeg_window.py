@@ -83,6 +83,7 @@ def test_cmyk_and_truncated_jpegs_go_to_pillow():
         CpuPipeline("randaugment")(good[:-100], 3)
 
 
+@pytest.mark.skipif(not jpeg.can_scale(), reason="the native decoder (info_many) is not built: nvImageCodec only")
 def test_headers_read_together_equal_pillows_sizes_and_refuse_what_is_not_a_complete_jpeg():
     """`info_many` reads a run's headers in one call: Pillow's (height, width) for every complete JPEG (baseline,
     progressive, grayscale, CMYK, trailing padding), (0, 0) for what is not one -- truncated, a PNG, junk, a

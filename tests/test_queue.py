@@ -90,7 +90,8 @@ def test_accelerator_group_is_the_reserved_largest_of_one_mini_batch_within_max_
 def test_a_share_once_taken_stays_taken_when_the_split_rule_raises_the_reservation():
     """G rising by one after the accelerator took a mini-batch's share gives no run of that one tiny-batch (a
     DALI run's fixed cost for a few samples): the rest of that mini-batch is the CPU workers', and the larger
-    share applies to the mini-batches whose share is untaken. A share above the run cap still goes as runs."""
+    share applies to the mini-batches whose share is untaken. A share above the run cap still goes as runs; one
+    partly taken that a smaller G completes stays complete."""
     q = queue_with([30, 10, 20, 40, 50], [7, 8, 9, 6, 5], reserved=2)
     assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(4,), (3,)]
     q.reserved = 3  # the split rule's next G
@@ -101,6 +102,12 @@ def test_a_share_once_taken_stays_taken_when_the_split_rule_raises_the_reservati
     assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(5,), (4,)]  # above the cap
     q.reserved = 4
     assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(3,), (0,)]  # the share's rest
+    q = queue_with([30, 10, 20, 40, 50, 60, 70], reserved=4)
+    assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(6,), (5,)]  # half, at the cap
+    q.reserved = 2  # G shrinks to what was taken: the share is done...
+    assert q.take_accel(max_images=2, tail_fraction=0.5) == []
+    q.reserved = 3  # ...and stays done when G grows again
+    assert q.take_accel(max_images=2, tail_fraction=0.5) == []
 
 
 def test_a_run_merges_whole_shares_of_the_next_mini_batches_that_fit():

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fusionflow.accel.config import RUN_SAMPLES
+from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU
 
 if TYPE_CHECKING:
     from fusionflow.runtime.local_manager import LocalManager
@@ -40,7 +40,7 @@ class GpuSession:
         bridge_why_off: str | None,
         threads: int = 1,
         run_samples: int = RUN_SAMPLES,
-        runs_in_flight: int = 2,
+        runs_in_flight: int = RUNS_IN_FLIGHT_CPU,
     ):
         self.stats = stats
         self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing

@@ -120,6 +120,7 @@ int ff_jpeg_info_many(const unsigned char* const* data, const unsigned long* siz
     if (image != nullptr && complete_jpeg(image, sizes[k]) && header_into(&cinfo, &jerr, image, sizes[k], hw + 2 * k))
       ++read;
   }
+  // jerr.jump still names header_into's finished frame: safe only because destroying raises no error
   jpeg_destroy_decompress(&cinfo);
   return read;
 }

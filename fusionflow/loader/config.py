@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from fusionflow.accel.config import RUN_SAMPLES
+from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU
 from fusionflow.cache.config import resolve_cache
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
@@ -72,7 +72,7 @@ class LoaderConfig:
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
     dali_run_samples: int = RUN_SAMPLES  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
-    dali_runs_in_flight: int = 2  # DALI runs in flight at most (DaliAccelerator(runs_in_flight=...))
+    dali_runs_in_flight: int = RUNS_IN_FLIGHT_CPU  # DALI runs in flight at most (DaliAccelerator(runs_in_flight=...))
     read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
     cache: Any = None  # a fusionflow.DecodedCache (cache= resolved), or None
 

@@ -163,7 +163,7 @@ def info_many(data: list) -> np.ndarray | None:
     n = len(data)
     hw = np.zeros((n, 2), np.int32)
     if n:
-        sizes = np.fromiter(map(len, data), np.uint64, n)  # unsigned long: 64 bits on the Linux ABIs we build for
+        sizes = np.fromiter(map(len, data), f"u{ctypes.sizeof(ctypes.c_ulong)}", n)  # C's unsigned long
         lib.ff_jpeg_info_many((ctypes.c_char_p * n)(*data), sizes.ctypes.data, n, hw.ctypes.data)
     return hw
 

@@ -24,7 +24,7 @@ from fusionflow.scheduling.taas import cpu_may_take
 from fusionflow.scheduling.tiny_batches import TinyBatch
 
 Key = tuple[int, int]  # (generation, seq): generations order iterators, seqs mini-batches within one
-RAN_AHEAD = math.inf  # share_taken of a mini-batch whose share ran in the previous one's run: none left
+RAN_AHEAD = math.inf  # share_taken of a mini-batch whose whole share is taken (or ran in an earlier one's run)
 positions_of, _first = operator.attrgetter("positions"), operator.itemgetter(0)
 key_of = operator.attrgetter("generation", "seq")  # Work.key, as one C-level call (map(key_of, works))
 
@@ -91,7 +91,7 @@ class TinyBatchQueue:
         self.queues: dict[Key, deque[Work]] = {}  # insertion order = age: oldest mini-batch first
         self.batches: dict[Key, BatchState] = {}
         self.reserved = 0  # TAAS's K: the largest tiny-batches of a mini-batch left to the accelerator
-        self.share_taken: dict[Key, int] = {}  # per mini-batch, tiny-batches of the accelerator's share it took
+        self.share_taken: dict[Key, float] = {}  # per mini-batch, its share's tiny-batches taken (RAN_AHEAD: all)
         self.awaited: Key | None = None  # the mini-batch the training loop is waiting for, while it waits
         self.steal = False  # CPU workers with nothing else take from shares the accelerator has not taken
         self.took_tail = False  # the accelerator's last run taken was a tail run (not a share: not its rate)
@@ -167,7 +167,9 @@ class TinyBatchQueue:
         self.took_tail = False
         for key, q in self.queues.items():
             left = self._share_left(key)
-            if not left:
+            if not left:  # a share partly taken (cut by the run cap, or stolen) that G has since shrunk to: done
+                if key in self.share_taken:
+                    self.share_taken[key] = RAN_AHEAD
                 continue
             group = self._largest(q, largest_first, left, max_images)
             self._took(key, len(group) or left)  # none left to take: done
@@ -218,7 +220,7 @@ class TinyBatchQueue:
         owed: the next mini-batches added, of its iterator and epoch, are the CPU workers' alone
         (`credit`, in whole shares). A run's fixed cost is paid once for two shares and the work on each side stays the
         same. Only for the newest mini-batch with `shares` + 1 queued before it: its run, twice as long,
-        is still done before training reaches it (the accelerator's one run in flight beside)."""
+        is still done before training reaches it (beside the accelerator's other runs in flight)."""
         keys = list(self.queues)
         if keys[-1] != key or len(keys) <= shares + 1 or self.credit is not None:
             return []
@@ -312,7 +314,8 @@ class TinyBatchQueue:
 
     def _took(self, key: Key, count: int) -> None:
         """`count` more tiny-batches of mini-batch `key`'s share taken (by the accelerator, or stolen by a CPU
-        worker). Once the whole share is, as reserved now, it stays taken whatever later reservations say: the
+        worker). Once the whole share is, as reserved now, it stays taken whatever later reservations say (as a
+        share partly taken that a smaller G completes: `take_accel`): the
         split rule raising G by one after the accelerator took a share gave it a run of that one tiny-batch
         (a run's fixed cost for 4 samples: a third of the runs in the twin at 3 runs in flight, 2026-11-28)."""
         taken = self.share_taken.get(key, 0) + count
