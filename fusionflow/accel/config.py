@@ -16,11 +16,8 @@ DEVICES = ("gpu", "cpu", "auto")
 SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
 ACCELERATOR_OF = {"gpu": "dali-gpu", "cpu": "dali-cpu", "auto": "auto"}  # device -> the string form
-OBJECT_ONLY = (
-    "threads",
-    "run_samples",
-    "runs_in_flight",
-)  # fields with no loose FusionFlowLoader argument: set on the object only
+# fields with no loose FusionFlowLoader argument: set on the object only
+OBJECT_ONLY = ("threads", "run_samples", "runs_in_flight")
 ARGUMENT_OF = {  # each other field -> the loose FusionFlowLoader argument it stands for
     "device": "accelerator",
     "sharing": "gpu_sharing",
