@@ -321,6 +321,32 @@ def test_dali_naive_ablation_closes_each_pipeline(monkeypatch):
     assert len(closed) == ld.stats.accelerator_builds and all(p is not None for p in closed)
 
 
+def test_a_failure_of_the_accelerator_thread_itself_retires_it_and_loses_no_sample(monkeypatch, caplog):
+    """A bug outside a DALI step (here the tail rule raising at the thread's sixth take, with runs in flight) ends
+    the thread: the accelerator retires saying so, its runs go to the CPU workers, and both epochs still hold
+    every sample once (before, the thread ended silently and training could wait for its work for good)."""
+    from fusionflow.accel.share_feed import ShareFeed
+
+    takes, real = [], ShareFeed.tail
+
+    def tail(self, in_flight):
+        takes.append(in_flight)
+        if len(takes) == 6:
+            raise RuntimeError("a bug in the accelerator's loop")
+        return real(self, in_flight)
+
+    monkeypatch.setattr(ShareFeed, "tail", tail)
+    ld = loader(Bytes(61), batch_size=8, persistent_workers=True, timeout=120)
+    try:
+        for _ in range(2):
+            labels = [i for _, y in ld for i in y.tolist()]
+            assert sorted(labels) == list(range(61))
+    finally:
+        ld.close()
+    assert len(takes) >= 6 and "its thread failed" in (ld.stats.accelerator_retired or "")
+    assert "a bug in the accelerator's loop" in caplog.text
+
+
 def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerator(monkeypatch, caplog):
     """DALI out of memory on every run: its tiny-batches go to the CPU workers (not reported as a corrupt
     sample), and after MAX_FAILURES runs in a row the accelerator retires -- no reservation is left for

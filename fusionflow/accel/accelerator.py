@@ -1,25 +1,21 @@
-"""The accelerator worker: a thread in the training process that feeds a prebuilt DALI pipeline the largest
-tiny-batches of the local manager's queue and writes each output to its mini-batch position.
+"""The accelerator worker: a thread in the training process feeding a prebuilt DALI pipeline the largest tiny-batches
+of the local manager's queue, each output written to its mini-batch position.
 
-One DALI run takes the accelerator's share of a mini-batch (its G largest samples, whole tiny-batches, from the split
-rule: scheduling/split.py fed by accel/share_feed.py), with up to MERGE_SHARES - 1 next shares that fit (or, on a GPU,
-taken ahead: the queue's `_borrowed`). Running ahead, as DALI's own iterators do: up to `depth` runs in flight
-(DaliAccelerator's runs_in_flight); the share of the oldest mini-batch whose share nobody took is submitted while DALI
-works on those before; runs are collected in order. When training waits for a mini-batch whose CPU side is late, a
-tail run takes its largest unstarted tiny-batches (the share's fraction). A run is read with whole-run operations
-(accel/run_read.py, accel/header_sizes.py); its draws and op parameters come from helper processes as dense arrays
-(accel/host_inputs.py), fed as one packed array; encoded bytes go to DALI uncopied. CPU time: the thread's
-`accelerator_feed_cpu_seconds`, landing outputs in the ring `accelerator_land_cpu_seconds` of it, the helpers'
+A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via
+accel/share_feed.py), with up to MERGE_SHARES - 1 next shares that fit (on a GPU also taken ahead: `_borrowed`); up
+to `depth` runs are in flight (DaliAccelerator's runs_in_flight), collected in order. A mini-batch whose CPU side is
+late when training waits for it gets a tail run of its largest unstarted tiny-batches. Runs are read whole
+(accel/run_read.py, header_sizes.py), their draws made by helper processes (host_inputs.py), the bytes fed uncopied.
+CPU time: `accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds` of it), the helpers'
 `accelerator_inputs_cpu_seconds`; a trace shows the loop's steps (read, prepare, inputs, submit, outputs, land).
 
-`device="gpu"`: DALI decodes with nvJPEG and augments on the GPU into a device ring (`DeviceRing`) merged with the CPU
-workers' positions at delivery; `device="cpu"`: DALI's CPU backend, into the host ring. A tiny-batch it cannot run
-(not encoded bytes, a header over decode.max_pixels, one DALI cannot decode) goes back marked CPU-only. Sharing the
-GPU with training: `temporal` works only inside the loader's prep window (one run in flight, each after a blocking
-CUDA event of the training work queued before next()), with the allocator bridge lending PyTorch's free blocks to DALI
-for the window; `spatial` runs concurrently. A worker kind (runtime/board.py, `add_worker_kind`). A failed run
-discards the pipeline (rebuilt on the next run) and every run in flight: the CPU workers take them. After
-`MAX_FAILURES` failed runs in a row, an unbuildable pipeline, or a run past the stall bound (`watch`), it retires.
+`device="gpu"`: nvJPEG and GPU ops into a device ring (`DeviceRing`) merged with the CPU workers' positions at
+delivery; `device="cpu"`: DALI's CPU backend into the host ring. What DALI cannot run (not encoded bytes, over
+decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing works only inside the prep window (one
+run in flight, after a blocking event of the training work queued before next(); the bridge lends PyTorch's free
+blocks), `spatial` concurrently. A worker kind (runtime/board.py). A failed run discards the pipeline (rebuilt next
+run) and the runs in flight go to the CPU workers; MAX_FAILURES in a row, an unbuildable pipeline, a run past the
+stall bound (`watch`) or a failure of the thread itself retire it.
 """
 
 from __future__ import annotations
@@ -102,7 +98,7 @@ class AcceleratorWorker:
         self._run_seconds = 0.0  # running mean of a run's time from take to completion (the stall bound's)
         self._writing = False  # the thread is writing a collected run's outputs (`watch` leaves it be)
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="fusionflow-accelerator", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name="fusionflow-accelerator", daemon=True)
 
     def start(self) -> None:
         """Start the thread (after the board's `add_worker_kind`)."""
@@ -118,8 +114,7 @@ class AcceleratorWorker:
 
     @property
     def gated(self) -> bool:
-        """Works only inside the loader's prep window: temporal sharing of a GPU (with or without
-        the bridge; with DALI's CPU backend only when a bridge stands in, as in the tests)."""
+        """Works only inside the prep window: temporal sharing of a GPU (on DALI's CPU backend with a bridge: tests)."""
         return self.sharing == "temporal" and (self.device_ring is not None or self.bridge is not None)
 
     # ---------------------------------------------------------------- the loader's prep window (GpuSession)
@@ -128,8 +123,7 @@ class AcceleratorWorker:
         self.step_event = event
 
     def open_window(self, stream) -> None:
-        """The loader waits for a mini-batch: a gated accelerator may run now (and borrow the blocks
-        the bridge lends, armed on the training `stream`)."""
+        """The loader waits for a mini-batch: a gated accelerator may run now (borrowing the bridge's blocks)."""
         with self.board.cond:
             if self.bridge is not None:
                 self.bridge.arm(stream)
@@ -186,10 +180,19 @@ class AcceleratorWorker:
         self._lose_all()
 
     # ---------------------------------------------------------------- the thread
+    def _thread_main(self) -> None:
+        """`_run`; a failure outside a DALI step (a bug) retires the accelerator, its runs to the CPU workers."""
+        try:
+            self._run()
+        except BaseException as exc:  # a thread ended silently with work taken would leave training waiting
+            log.exception("the accelerator thread failed")
+            with self.board.cond:
+                self._lose_all()
+                self._retire(f"its thread failed: {exc!r}")
+
     def _run(self) -> None:
-        """Take a run, prepare and submit it, and collect the oldest when `depth` are in flight (one
-        while gated: temporal sharing's window must close on a finished run) or nothing else is to be
-        had: DALI works on one run while this thread prepares the next, also while awaiting the oldest's due."""
+        """Take a run, prepare and submit it, and collect the oldest when `depth` are in flight (one while gated: the
+        window must close on a finished run) or nothing else is to be had, also while awaiting the oldest's due."""
         board, inflight = self.board, self._active
         while True:
             with board.cond:
@@ -200,7 +203,8 @@ class AcceleratorWorker:
                         merge = 1 if self.gated else MERGE_SHARES
                         tail = self.shares.tail(len(inflight)) if self.shares is not None else None
                         group = board.take_accel(self.largest_first, self.max_images, tail, merge, self.borrow)
-                        if group:
+                        if group:  # (tiny-batches, taken at, a tail run, what DALI was given): held nowhere else
+                            inflight.append((group, time.monotonic(), board.took_tail, None))
                             break
                     if inflight and not (due := self._due(inflight[0], due)):
                         break
@@ -210,8 +214,6 @@ class AcceleratorWorker:
                     board.requeue([w for g, *_ in lost for w in g])
                     board.cond.notify_all()
                     return
-                if group:  # (tiny-batches, taken at, a tail run, what DALI was given)
-                    inflight.append((group, time.monotonic(), board.took_tail, None))
             cpu0 = time.thread_time()
             if group:
                 self._guarded(self._submit, group)
@@ -222,10 +224,9 @@ class AcceleratorWorker:
             board.wake()
 
     def _due(self, entry, due: float) -> float:
-        """Under board.cond: when to collect the oldest run (`due`: the time chosen before; 0: now). DALI's
-        outputs() wakes at every task its executor finishes while it waits (~2 ms of CPU a 170 ms run on
-        the CPU backend, 0.4 once done): a share run nobody awaits is collected at `collect_at` of its expected
-        time (the split rule's rate; share_feed.py), waiting on the board meanwhile; at once when awaited."""
+        """Under board.cond: when to collect the oldest run (`due`: the time chosen before; 0: now). DALI's outputs()
+        wakes at every task its executor finishes while it waits (~2 ms of CPU a 170 ms run on the CPU backend, 0.4
+        once done): a share run nobody awaits is collected at `collect_at` of its expected time (share_feed.py)."""
         group, started, tail, payload = entry
         g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
         awaited, gen = self.board.queue.awaited, self.board.generation  # a run of an older iterator: drained now
@@ -255,9 +256,8 @@ class AcceleratorWorker:
                 self._retire(fatal)
 
     def _submit(self, group) -> None:
-        """Prepare the group's samples and submit its DALI run; a tiny-batch that is not DALI's kind of
-        sample (not encoded bytes, or over the policy's max_pixels: the CPU path refuses it by name)
-        is given back and the rest run."""
+        """Prepare the group's samples and submit its DALI run; a tiny-batch not DALI's kind of sample (not encoded
+        bytes, or over the policy's max_pixels: the CPU path refuses it by name) is given back, the rest run."""
         board = self.board
         clock = StepClock(board.trace)  # the loop's steps on the trace's own track (its wall and CPU time)
         r = read_run(self.dataset, group, self.dims, self.max_pixels)
