@@ -91,18 +91,28 @@ def test_a_share_once_taken_stays_taken_when_the_split_rule_raises_the_reservati
     """G rising by one after the accelerator took a mini-batch's share gives no run of that one tiny-batch (a
     DALI run's fixed cost for a few samples): the rest of that mini-batch is the CPU workers', and the larger
     share applies to the mini-batches whose share is untaken. A share above the run cap still goes as runs; one
-    partly taken that a smaller G completes stays complete."""
+    partly taken that a smaller G completes stays complete. That is `final_shares` (a GPU, where a run's fixed
+    cost is ~170 samples' work); without it (DALI's CPU backend: ~3) the grown share is topped up."""
     q = queue_with([30, 10, 20, 40, 50], [7, 8, 9, 6, 5], reserved=2)
+    q.reserved, q.final_shares = 2, False
+    assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(4,), (3,)]
+    q.reserved = 3
+    assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(0,)]  # the top-up, oldest first
+    assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(102,), (101,), (100,)]
+    q = queue_with([30, 10, 20, 40, 50], [7, 8, 9, 6, 5], reserved=2)
+    q.final_shares = True
     assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(4,), (3,)]
     q.reserved = 3  # the split rule's next G
     assert [w.indices for w in q.take_accel(max_images=100, tail_fraction=0.5)] == [(102,), (101,), (100,)]
     assert q.take_accel(max_images=100, tail_fraction=0.5) == []  # no top-up of mini-batch 0
     assert [q.take_cpu().indices for _ in range(3)] == [(1,), (2,), (0,)]  # all the CPU workers'
     q = queue_with([30, 10, 20, 40, 50, 60], reserved=3)
+    q.final_shares = True
     assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(5,), (4,)]  # above the cap
     q.reserved = 4
     assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(3,), (0,)]  # the share's rest
     q = queue_with([30, 10, 20, 40, 50, 60, 70], reserved=4)
+    q.final_shares = True
     assert [w.indices for w in q.take_accel(max_images=2, tail_fraction=0.5)] == [(6,), (5,)]  # half, at the cap
     q.reserved = 2  # G shrinks to what was taken: the share is done...
     assert q.take_accel(max_images=2, tail_fraction=0.5) == []

@@ -8,8 +8,9 @@ class Board:
     def __init__(self):
         self.reserved = []
 
-    def reserve(self, tiny_batches, steal=False):
+    def reserve(self, tiny_batches, steal=False, final=False):
         self.reserved.append(tiny_batches)
+        self.final = final
 
 
 def test_tail_runs_do_not_read_as_the_accelerators_rate():
@@ -40,4 +41,5 @@ def test_no_tail_run_behind_two_runs_in_flight():
     assert feed.tail(0) is None and feed.tail(TAIL_BEHIND) is None
     feed.reserve(256)
     assert feed.tail_fraction == 0.5  # half, until rates are measured
+    assert feed.board.final  # shares taken on a shared device (the GPU) get no top-up runs
     assert [feed.tail(n) for n in range(TAIL_BEHIND + 2)] == [0.5] * TAIL_BEHIND + [0.0, 0.0]

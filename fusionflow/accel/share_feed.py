@@ -41,7 +41,8 @@ class ShareFeed:
         are measured), and the tail runs' fraction with it."""
         share = self.split.share(batch, self.cpu_workers)
         self.tail_fraction = share / batch
-        self.board.reserve(-(-share // self.tiny_batch_size), steal=True)
+        # on a shared device (a GPU) a run's fixed cost is ~170 samples' work: no top-up runs of a share taken
+        self.board.reserve(-(-share // self.tiny_batch_size), steal=True, final=self.split.shares_device)
 
     def tail(self, in_flight: int) -> float | None:
         """The tail runs' fraction for the accelerator's next take with `in_flight` runs in DALI: 0 (none) behind

@@ -159,10 +159,11 @@ class Board:
         search sets it; the accelerator clears it when it retires)."""
         return self.queue.reserved
 
-    def reserve(self, k: int, steal: bool = False) -> None:
+    def reserve(self, k: int, steal: bool = False, final: bool = False) -> None:
         """TAAS's K for the mini-batches from now on: the accelerator's share (the split rule's G in
-        tiny-batches). `steal`: CPU workers with nothing else to do take from shares it has not taken."""
-        self.queue.reserved, self.queue.steal = k, steal
+        tiny-batches). `steal`: CPU workers with nothing else to do take from shares it has not taken;
+        `final`: a share once taken stays taken when K grows (no top-up runs; scheduling/queue.py `_took`)."""
+        self.queue.reserved, self.queue.steal, self.queue.final_shares = k, steal, final
 
     def drop_reservations(self) -> None:
         """The accelerator takes no more work (it retired): the CPU workers may take every tiny-batch."""
