@@ -140,13 +140,16 @@ def ours_batches(pipe, data: list, host: list, batch_size: int, batches: int, de
 
     runs = [cyclic_run(b, batch_size, len(data)) for b in range(batches)]
     on_gpu = torch.device(device).type == "cuda"
-    for b in range(min(pipe.depth, len(runs))):
+
+    def submit(b: int) -> None:
         pipe.submit([data[i] for i in runs[b]], runs[b], columns=host[b % len(host)])
+
+    for b in range(min(pipe.depth, len(runs))):
+        submit(b)
     for b, idx in enumerate(runs):
         landed = land_batch(pipe.collect(torch.cuda.current_stream(device) if on_gpu else None), idx, device)
-        ahead = b + pipe.depth
-        if ahead < len(runs):
-            pipe.submit([data[i] for i in runs[ahead]], runs[ahead], columns=host[ahead % len(host)])
+        if b + pipe.depth < len(runs):
+            submit(b + pipe.depth)
         yield landed
 
 
