@@ -4,8 +4,9 @@ phase.
 
 Pipelines (RandAugment N=2 M=9, 224 px, AMP bf16, channels_last; JPEGs of mixed sizes made here):
   dali             DALI alone: its auto_aug RandAugment pipeline on the GPU, batch = training batch
-  ff_bridge_off    FusionFlowLoader, CPU workers + DALI accelerator, temporal sharing, DALI's own pool
-  ff_bridge_on     the same with the allocator bridge: PyTorch lends its free blocks to DALI
+  ff_bridge_off    FusionFlowLoader, CPU workers + DALI accelerator (--gpu-sharing, spatial by default), DALI's
+                   own pool
+  ff_bridge_on     the same with the allocator bridge: DALI's memory one arena carved from PyTorch's allocator
   ff_async_pool    route (b): both libraries on CUDA's stream-ordered pool (PyTorch's cudaMallocAsync
                    backend, DALI_USE_CUDA_MALLOC_ASYNC=1), bridge off
 
@@ -65,7 +66,15 @@ def ff_outcome(stats: dict) -> dict:
 
 
 def run_trial(
-    pipeline: str, batch: int, iters: int, warmup: int, data_path: str, workers: int, gpu_gb: float, smoke: bool
+    pipeline: str,
+    batch: int,
+    iters: int,
+    warmup: int,
+    data_path: str,
+    workers: int,
+    gpu_gb: float,
+    smoke: bool,
+    sharing: str = "spatial",
 ) -> dict:
     """One training run in this process; returns what happened (ok / oom / error) and the numbers."""
     import torch
@@ -101,7 +110,7 @@ def run_trial(
             warmup = drain_warmup(warmup, 2)  # FusionFlowLoader's prefetch_factor
             accel = dict(
                 accelerator=accel,
-                gpu_sharing="off" if smoke else "temporal",
+                gpu_sharing="off" if smoke else sharing,
                 memory_bridge="off" if smoke else bridge,
             )
             with ff_loader(data, warmup + iters + 1, batch, workers, device, **accel) as ff:
@@ -147,6 +156,8 @@ def spawn(args, pipeline: str, batch: int, iters: int, warmup: int) -> dict:
         str(args.workers),
         "--gpu-gb",
         str(args.gpu_gb),
+        "--gpu-sharing",
+        getattr(args, "gpu_sharing", "spatial"),
     ] + (["--cpu-smoke"] if args.cpu_smoke else [])
     t0 = time.time()
     try:
@@ -229,6 +240,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--trial-timeout", type=int, default=300)
+    ap.add_argument("--gpu-sharing", default="spatial", choices=("spatial", "temporal"), help="the FusionFlow trials'")
     ap.add_argument("--cpu-smoke", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--trial", help=argparse.SUPPRESS)
@@ -239,7 +251,15 @@ def main() -> None:
 
     if args.trial:
         res = run_trial(
-            args.trial, args.batch, args.iters, args.warmup, args.data, args.workers, args.gpu_gb, args.cpu_smoke
+            args.trial,
+            args.batch,
+            args.iters,
+            args.warmup,
+            args.data,
+            args.workers,
+            args.gpu_gb,
+            args.cpu_smoke,
+            args.gpu_sharing,
         )
         print(json.dumps(res), flush=True)
         return

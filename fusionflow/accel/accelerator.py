@@ -12,10 +12,10 @@ CPU time: `accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds` of it),
 `device="gpu"`: nvJPEG and GPU ops into a device ring (`DeviceRing`) merged with the CPU workers' positions at
 delivery; `device="cpu"`: DALI's CPU backend into the host ring. What DALI cannot run (not encoded bytes, over
 decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing works only inside the prep window (one
-run in flight, after a blocking event of the training work queued before next(); the bridge lends PyTorch's free
-blocks), `spatial` concurrently. A worker kind (runtime/board.py). A failed run discards the pipeline (rebuilt next
-run) and the runs in flight go to the CPU workers; MAX_FAILURES in a row, an unbuildable pipeline, a run past the
-stall bound (`watch`) or a failure of the thread itself retire it.
+run in flight, after a blocking event of the training work queued before next()), `spatial` concurrently; with the
+bridge, DALI's memory is an arena lent once before a run. A worker kind (runtime/board.py). A failed run discards
+the pipeline (rebuilt next run) and the runs in flight go to the CPU workers; MAX_FAILURES in a row, an unbuildable
+pipeline, a run past the stall bound (`watch`) or a failure of the thread itself retire it.
 """
 
 from __future__ import annotations
@@ -123,10 +123,8 @@ class AcceleratorWorker:
         self.step_event = event
 
     def open_window(self, stream) -> None:
-        """The loader waits for a mini-batch: a gated accelerator may run now (borrowing the bridge's blocks)."""
+        """The loader waits for a mini-batch: a gated accelerator may run now."""
         with self.board.cond:
-            if self.bridge is not None:
-                self.bridge.arm(stream)
             self.window_open = True
             self.board.cond.notify_all()
 
@@ -283,7 +281,7 @@ class AcceleratorWorker:
             self._active[self._active.index(entry)] = (runnable, entry[1], entry[2], (pipeline, labels))
         if self.sharing == "temporal" and self.step_event is not None:
             self.step_event.synchronize()  # training work queued before the last next() is done
-        if self.gated and self.bridge is not None:
+        if self.bridge is not None:  # lends its arena once (a no-op before the loader armed it and after)
             try:
                 self.bridge.lend(self.tiny_batches)
             except Exception:  # DALI still has its own pool: carry on without the bridge

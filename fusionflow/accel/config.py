@@ -72,9 +72,10 @@ class DaliAccelerator:
     sharing: how DALI shares the GPU with training: "auto" (measured: both modes timed, the faster kept),
         "temporal" (only inside next(), between training steps), "spatial" (concurrently), "off" (the
         accelerator does not run). The string form's gpu_sharing.
-    memory_bridge: "auto" (PyTorch lends its free cached GPU blocks to DALI for each temporal prep window
-        when DALI runs on the GPU and the bridge's native part builds), "on" (required: an error says what
-        is missing; fixes sharing="auto" to "temporal"), "off" (DALI keeps a pool of its own).
+    memory_bridge: "auto" (DALI's GPU memory is one arena carved out of PyTorch's caching allocator before the
+        accelerator's first run, and given back when it stops -- bounded, counted in PyTorch's memory stats,
+        nothing done per step -- when DALI runs on the GPU and the bridge's native part builds), "on"
+        (required: an error says what is missing), "off" (DALI keeps a pool of its own). Either sharing mode.
     aot, taas, taas_last_k: the paper's ablations; False: a DALI pipeline built per run (DALI-Naive);
         tiny-batches first in, first out instead of the largest to DALI; no share of each mini-batch
         reserved (the split rule off: the accelerator takes one tiny-batch at a time).
@@ -134,15 +135,13 @@ class DaliAccelerator:
                 raise TypeError(f"{name}={value!r} must be True or False")
         if memory_bridge == "on" and device == "cpu":
             raise ValueError(
-                "memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but device='cpu' "
+                "memory_bridge='on' lends DALI GPU memory carved from PyTorch's allocator, but device='cpu' "
                 "runs DALI's CPU backend: use device='gpu', or memory_bridge='auto'/'off'"
             )
-        if memory_bridge == "on" and sharing in ("spatial", "off"):
+        if memory_bridge == "on" and sharing == "off":
             raise ValueError(
-                f"memory_bridge='on' needs DALI's prep to run between training steps, when PyTorch's blocks "
-                f"are free, but {sharing=!r} "
-                + ("runs it during them" if sharing == "spatial" else "turns the accelerator off")
-                + ": use sharing='temporal' or 'auto', or memory_bridge='auto'/'off'"
+                "memory_bridge='on' lends DALI GPU memory, but sharing='off' turns the accelerator off: use "
+                "sharing='auto', 'spatial' or 'temporal', or memory_bridge='auto'/'off'"
             )
 
     def loader_arguments(self) -> dict:

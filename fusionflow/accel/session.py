@@ -82,7 +82,9 @@ class GpuSession:
         capacity = mgr.spec.layout.batch_size
         on_gpu = self.accelerator == "dali-gpu"
         if on_gpu and self.bridge_why_off is None and self.bridge is None:
-            self._start_bridge()  # before any DALI pipeline exists, so all of DALI's memory passes through it
+            self._start_bridge(mgr.spec)  # before any DALI pipeline exists, so all of DALI's memory passes through it
+        if on_gpu and self.bridge is not None:
+            self.bridge.arm(torch.cuda.current_stream(self.device))  # the training thread's: the arena is carved there
         device_ring = None
         if on_gpu:
             from fusionflow.accel.device_ring import DeviceRing
@@ -155,13 +157,19 @@ class GpuSession:
             raise
         return accel
 
-    def _start_bridge(self) -> None:
+    def _start_bridge(self, spec) -> None:
+        import numpy as np
+
+        from fusionflow.accel.accelerator import MERGE_SHARES
         from fusionflow.native import BridgeError
 
         try:
-            from fusionflow.accel.bridge.memory_bridge import MemoryBridge  # posix_ipc, ctypes, the native build
+            from fusionflow.accel.bridge.memory_bridge import MemoryBridge, arena_bytes  # posix_ipc, the native build
 
-            self.bridge = MemoryBridge(self.device)
+            layout = spec.layout  # the arena: DALI's runs in flight at their most samples (spatial sharing's figures)
+            run = min(layout.batch_size * MERGE_SHARES, max(spec.tiny_batch_size, self.run_samples))
+            size = arena_bytes(run, self.runs_in_flight, layout.sample_shape, np.dtype(layout.dtype).itemsize)
+            self.bridge = MemoryBridge(self.device, size)
         except Exception as exc:  # not built, not importable, or CUDA/DALI refused the install
             if self.memory_bridge == "on":
                 if isinstance(exc, BridgeError):
@@ -187,21 +195,29 @@ class GpuSession:
             accel.mark_step(event)
 
     def open_window(self, mgr: LocalManager) -> None:
-        """Temporal sharing on the GPU: the accelerator may work (and, with the bridge, borrow) from now on."""
+        """At next(): the bridge learns the training stream (its arena is carved there); under temporal sharing
+        on the GPU the accelerator may work from now on."""
         accel = self.accel
-        if self.bridge is not None and (accel is None or accel.bridge is None or accel.sharing != "temporal"):
-            close_bridge_window(self.bridge)  # no windows now (spatial, lending failed): what DALI let go goes back
-        if accel is None or not accel.gated:
+        if accel is None or (not accel.gated and self.bridge is None):
             return
-        accel.open_window(torch.cuda.current_stream(self.device))
+        stream = torch.cuda.current_stream(self.device)
+        if self.bridge is not None:
+            self.bridge.arm(stream)
+        if accel.gated:
+            accel.open_window(stream)
 
     def close_window(self, mgr: LocalManager) -> None:
-        """The mini-batch is ready: let the tiny-batch in flight finish, then PyTorch takes its blocks back."""
-        if self.accel is not None and self.accel.close_window():
-            close_bridge_window(self.bridge)
+        """The mini-batch is ready: under temporal sharing, the DALI run in flight finishes before training goes on."""
+        if self.accel is not None:
+            self.accel.close_window()
 
     def sync_stats(self) -> None:
         """The allocator bridge's own counters into loader.stats (the manager's parts count there directly)."""
+        if self.bridge is not None:
+            try:
+                self.bridge.poll()
+            except Exception:  # bookkeeping only: training goes on, the counters keep their last values
+                log.exception("allocator bridge: reading its counters failed")
         copy_bridge_stats(self.bridge, self.stats)
 
     def deliver_merged(self, mgr: LocalManager, state, keep):
@@ -230,15 +246,14 @@ class GpuSession:
 
     # ---------------------------------------------------------------- the shutdown procedure's GPU steps
     def end_window_now(self, mgr: LocalManager) -> None:
-        """Shutdown, before the manager's: close an open prep window (the tiny-batch in flight
-        finishes first, then PyTorch takes its lent blocks back)."""
-        if self.accel is not None and self.accel.close_window():
-            close_bridge_window(self.bridge)
+        """Shutdown, before the manager's: close an open prep window (the DALI run in flight finishes first)."""
+        if self.accel is not None:
+            self.accel.close_window()
 
     def manager_stopped(self, stats=None) -> None:
-        """Shutdown, after the manager's: take back what DALI's pipelines held (they are gone now),
+        """Shutdown, after the manager's: take back the arena DALI's pipelines used (they are gone now),
         copy the bridge's counters into `stats`, forget the accelerator and what belonged to it."""
-        close_bridge_window(self.bridge)
+        close_bridge(self.bridge)
         if stats is not None:
             copy_bridge_stats(self.bridge, stats)
         self.accel = self.device_ring = self.profiler = None
@@ -295,16 +310,16 @@ def _capacity(accel_ref, workers: int) -> None:
         accel.shares.capacity(workers)
 
 
-def close_bridge_window(bridge) -> None:
+def close_bridge(bridge) -> None:
     if bridge is None:
         return
     try:
         bridge.close()
-    except Exception:  # training goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
-        log.exception("allocator bridge: closing the prep window failed")
+    except Exception:  # the loader goes on; what could not be returned stays lent (stats: bridge_pinned_bytes)
+        log.exception("allocator bridge: giving the arena back failed")
 
 
-# loader.stats field <- MemoryBridge.stats field (the bridge's lent/borrowed bytes are maxima over windows)
+# loader.stats field <- MemoryBridge.stats field (the lent/borrowed bytes are maxima over arenas)
 BRIDGE_STATS = (
     ("bridge_windows", "windows"),
     ("bridge_max_lent_bytes", "lent_bytes"),

@@ -54,12 +54,12 @@ class LoaderConfig:
     device: torch.device  # "cpu", or "cuda" with its index resolved
     policy: Any  # the frozen Policy
     accelerator: str | None  # None, "dali-cpu" or "dali-gpu" ("auto" and a DaliAccelerator resolved)
-    gpu_sharing: str  # "auto", "temporal", "spatial" or "off" (memory_bridge="on" fixes auto to temporal)
+    gpu_sharing: str  # "auto", "temporal", "spatial" or "off"
     aot: bool
     taas: bool
     taas_last_k: bool
     memory_bridge: str  # as given (or a DaliAccelerator's): "auto", "on" or "off"
-    bridge_why_off: str | None  # None: lend PyTorch's blocks to DALI (if the bridge starts)
+    bridge_why_off: str | None  # None: lend DALI an arena of PyTorch's memory (if the bridge starts)
     job: str | None  # the global manager's job name; None: no lending
     collate_fn: Any  # as given
     collate: Any  # None: batches as delivered (None or default_collate); else the callable

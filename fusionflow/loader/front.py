@@ -59,11 +59,10 @@ class FusionFlowLoader:
     taas_last_k=True)` (fusionflow/accel/config.py): `device` "gpu" (the loader's device must be CUDA),
     "cpu" (DALI's CPU backend) or "auto" (the GPU when device is CUDA and DALI is installed, else no
     accelerator); `sharing` ("auto", "temporal", "spatial", "off") how DALI shares the GPU with training;
-    the ablations `aot`, `taas`, `taas_last_k`. `memory_bridge` ("auto", "on", "off"): in temporal sharing,
-    PyTorch lends its free cached GPU blocks to DALI for each prep window instead of DALI growing a pool
-    of its own (fusionflow/accel/bridge/memory_bridge.py); "auto" turns it on when the accelerator is DALI
-    on the GPU and the native part builds (it lends only while sharing is temporal), "on" makes that a
-    requirement (an error says what is missing) and fixes sharing="auto" to "temporal".
+    the ablations `aot`, `taas`, `taas_last_k`. `memory_bridge` ("auto", "on", "off"): DALI's GPU memory
+    is one arena carved out of PyTorch's caching allocator once, not a pool DALI grows beside it
+    (fusionflow/accel/bridge/memory_bridge.py); "auto" turns it on when the accelerator is DALI on the GPU
+    and the native part builds, "on" makes that a requirement (an error says what is missing).
     The string forms are still accepted and resolve to the same `loader.config`: `accelerator="dali-gpu"`,
     "dali-cpu" or "auto" with the loose arguments `gpu_sharing`, `memory_bridge`, `aot`, `taas`,
     `taas_last_k`; a loose one set beside a DaliAccelerator is refused (set it on the object).

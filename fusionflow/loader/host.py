@@ -64,7 +64,7 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
     gpu_sharing, memory_bridge = loose["gpu_sharing"], loose["memory_bridge"]
     accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy, given)
     check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given)
-    gpu_sharing, why_off = resolve_bridge(memory_bridge, accelerator, gpu_sharing)
+    why_off = bridge_off_reason(memory_bridge, accelerator)
     threads = given.threads if given is not None else "auto"
     if threads == "auto":
         threads = auto_threads(accelerator, rank_cores(host.cores()), num_workers)  # the node's other ranks too
@@ -125,40 +125,25 @@ def check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given=N
         raise ValueError(f"memory_bridge={memory_bridge!r} must be one of {BRIDGE}")
     if memory_bridge == "on" and accelerator != "dali-gpu" and given is not None:
         raise ValueError(
-            f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but accelerator={given!r} "
+            f"memory_bridge='on' lends DALI GPU memory carved from PyTorch's allocator, but accelerator={given!r} "
             f"resolved to {accelerator!r} (device={device!r}): use DaliAccelerator('gpu', memory_bridge='on') "
             "with a CUDA device, or memory_bridge='auto'/'off'"
         )
     if memory_bridge == "on" and accelerator != "dali-gpu":
         raise ValueError(
-            f"memory_bridge='on' lends PyTorch's free GPU blocks to DALI on the GPU, but "
+            f"memory_bridge='on' lends DALI GPU memory carved from PyTorch's allocator, but "
             f"accelerator={accelerator!r} (device={device!r}, gpu_sharing={gpu_sharing!r}): use "
             "accelerator='dali-gpu' with a CUDA device, or memory_bridge='auto'/'off'"
         )
-    if memory_bridge == "on" and gpu_sharing == "spatial":
-        raise ValueError(
-            "memory_bridge='on' needs prep to run between training steps, when PyTorch's blocks "
-            "are free, but gpu_sharing='spatial' runs it during them: use gpu_sharing='temporal' "
-            "or 'auto', or memory_bridge='off'"
-        )
 
 
-def resolve_bridge(memory_bridge, accelerator, gpu_sharing):
-    """(gpu_sharing, why the bridge is off or None). memory_bridge='on' fixes gpu_sharing='auto' to
-    'temporal' (the bridge only lends between steps: no spatial trial). Whether its native part builds
-    is found out at the first iteration, when the accelerator starts ('on': an error naming what is missing)."""
-    if memory_bridge == "on" and gpu_sharing == "auto":
-        gpu_sharing = "temporal"
-    why_off = (
-        "memory_bridge='off'"
-        if memory_bridge == "off"
-        else "no DALI GPU accelerator"
-        if accelerator != "dali-gpu"
-        else "gpu_sharing='spatial'"
-        if gpu_sharing == "spatial"
-        else None
-    )
-    return gpu_sharing, why_off
+def bridge_off_reason(memory_bridge, accelerator) -> str | None:
+    """Why the allocator bridge is off, or None. It lends DALI one arena for the accelerator's life under either
+    GPU sharing mode; whether its native part builds is found out at the first iteration, when the accelerator
+    starts ('on': an error naming what is missing)."""
+    if memory_bridge == "off":
+        return "memory_bridge='off'"
+    return None if accelerator == "dali-gpu" else "no DALI GPU accelerator"
 
 
 def resolve_job(global_manager, num_workers: int, job_key: Callable[[], Any]):

@@ -1,34 +1,37 @@
-"""The allocator bridge: PyTorch lends its free cached GPU blocks to DALI for the prep window of
-each iteration and takes them back before the training step needs them (temporal GPU sharing).
+"""The allocator bridge: DALI's GPU memory as one arena carved out of PyTorch's caching allocator, lent
+once, before the accelerator's first run, and given back when its pipelines are gone.
 
-Route (see issue 6): DALI runs in the training process (the accelerator thread), so the bridge is
-a DALI device memory resource (kernels/dali_bridge_resource.cc, installed with the stock
-libdali_core's SetDefaultDeviceResource) that serves DALI's allocations from the lent blocks and
-passes the rest to DALI's own pool. The blocks DALI holds are also recorded in a `BlockLedger`,
-private to this process: its shared-memory names are unlinked at creation, so nothing outlives a
-SIGKILL and no other process can attach or read it. Nothing reads it today (the bridge's stats come
-from its own bookkeeping); it is kept as the protocol a borrower in another process would use
-(`BlockLedger(name=...)`, tests/test_ledger.py), the one the bridge would switch to for such a
-borrower. There is no command that shows it.
+Route (see issue 6, and issue 41's memory bar): DALI runs in the training process (the accelerator
+thread), so the bridge is a DALI device memory resource (kernels/dali_bridge_resource.cc, installed with
+the stock libdali_core's SetDefaultDeviceResource) that serves DALI's allocations from the lent arena and
+passes the rest to DALI's own pool (`fallback_bytes`: what did not fit). The arena's size bounds DALI's
+memory by design: the samples a run holds x the runs in flight x a per-sample estimate (`arena_bytes`).
+The blocks DALI holds are also recorded in a `BlockLedger`, private to this process: its shared-memory
+names are unlinked at creation, so nothing outlives a SIGKILL and no other process can attach or read
+it. Nothing reads it today (the bridge's stats come from its own bookkeeping); it is kept as the
+protocol a borrower in another process would use (`BlockLedger(name=...)`, tests/test_ledger.py).
 
-One window, driven by the loader at every next() in temporal mode:
-  arm(stream)     the training thread has queued its step; `stream` is its current CUDA stream
-  lend()          (accelerator thread, before its first tiny-batch of the window) PyTorch's free
-                  blocks -> the native resource -> an event on PyTorch's stream that DALI's
-                  streams wait for; the ledger records them BORROWED by this process
-  close()         (training thread, once the mini-batch is ready, before anything is allocated
-                  for it) the native resource stops serving, PyTorch's stream is ordered after
-                  DALI's streams, every block DALI no longer uses goes back to PyTorch; a block
-                  DALI still holds stays lent ("pinned") and goes back at a later close
-  shutdown()      after the DALI pipelines are gone: a last close, then the ledger is unmapped (its
-                  names were unlinked at creation)
+Once per accelerator start, in either GPU sharing mode:
+  arm(stream)     the training thread (as it starts the accelerator, and at next()): `stream` is its current
+                  CUDA stream, the one the arena is carved on (until the arena is lent; later calls change nothing)
+  lend()          (accelerator thread, before each run: the first lends) the arena out of PyTorch's allocator ->
+                  the native resource -> an event on PyTorch's stream that DALI's streams wait for; the
+                  ledger records it BORROWED by this process. Every later call returns at once.
+  close()         (training thread, after the accelerator's pipelines are destroyed) PyTorch's stream is
+                  ordered after DALI's streams, the arena goes back to PyTorch; a region DALI still holds
+                  stays lent ("pinned") and goes back at a later close
+  shutdown()      a last close, then the ledger is unmapped (its names were unlinked at creation)
+
+Until 2026-11-28 the bridge lent every free cached block for each temporal prep window and took them
+back at its end (so it could not work under spatial sharing at all): on an H100 that cost ~54 ms a
+window and 24% of the throughput at batch 256, while DALI borrowed at most 14 MB of the 3.7 GB lent.
+Lending once costs nothing per step; what it gives up is DALI using, between steps, memory the training
+step needs during them (which, measured there, gave no larger batch).
 
 One MemoryBridge per CUDA device and process at a time (the native resource is per device): a
 second loader asking for one gets a BridgeError ("auto": it runs with the bridge off, saying why).
-
-Release path for lent blocks: close() (every window; every next() while there are no windows) and
-shutdown(); a block pinned at shutdown stays allocated inside PyTorch's allocator (never freed
-under DALI), is reported, and goes back through the next bridge on that device.
+A region still pinned at shutdown stays allocated inside PyTorch's allocator (never freed under DALI),
+is reported, and goes back through the next bridge on that device.
 """
 
 from __future__ import annotations
@@ -43,26 +46,42 @@ from fusionflow import native
 from fusionflow.accel.bridge.ledger import Block, BlockLedger
 
 log = logging.getLogger(__name__)
-WARMUP_TINY_BATCHES = 2  # DALI's lasting buffers (decoder state, ...) go to its own pool first
+# tiny-batches DALI runs on its own pool before the arena is lent: none. DALI's lasting buffers (decoder state)
+# pin nothing in an arena lent for the accelerator's life (the per-window lending this replaced waited for 2).
+WARMUP_TINY_BATCHES = 0
+# uint8 images of the output's size a sample holds in DALI's graph at once, besides its output: the decoded
+# crop window (larger than the output where the crop is), resized, flipped, the op slots' outputs. An
+# estimate, not yet measured on a GPU (loader.stats.bridge_max_borrowed_bytes is what DALI really took).
+WORKING_IMAGES = 6
 _IN_USE: set[int] = set()  # devices whose native resource a live MemoryBridge drives (one per process)
-# Blocks lent to the native resource and not yet given back, per device. Process-wide like the
-# resource itself: a block still pinned when a bridge shuts down is returned by the next one.
+# Regions lent to the native resource and not yet given back, per device. Process-wide like the
+# resource itself: a region still pinned when a bridge shuts down is returned by the next one.
 _HELD: dict[int, dict[int, Block]] = {}
+
+
+def arena_bytes(run_samples: int, runs: int, sample_shape, itemsize: int) -> int:
+    """The arena for `runs` DALI runs in flight of `run_samples` samples each, a sample `sample_shape` (the
+    output's C, H, W) of `itemsize`-byte elements: WORKING_IMAGES uint8 images of that size plus the output."""
+    pixels = 1
+    for n in sample_shape:
+        pixels *= int(n)
+    return int(run_samples) * int(runs) * pixels * (WORKING_IMAGES + int(itemsize))
 
 
 @dataclass
 class BridgeStats:
-    windows: int = 0  # prep windows in which blocks were lent
-    lent_bytes: int = 0  # most bytes lent in one window
-    borrowed_bytes: int = 0  # most bytes DALI had allocated from lent blocks at once
-    fallback_bytes: int = 0  # bytes DALI took from its own pool during windows (lent blocks did not fit)
+    windows: int = 0  # arenas lent (one per accelerator start)
+    lent_bytes: int = 0  # the largest arena lent
+    borrowed_bytes: int = 0  # most bytes DALI had allocated from the arena at once
+    fallback_bytes: int = 0  # bytes DALI took from its own pool while an arena was lent (they did not fit)
     pinned_bytes: int = 0  # lent bytes DALI still held at the last close
-    seconds: float = 0.0  # time spent lending and taking back, all windows
-    refused: int = 0  # lends undone because PyTorch would have had to reserve more
+    seconds: float = 0.0  # time spent lending and taking back
+    refused: int = 0  # arena requests PyTorch could not serve (each halved the next)
 
 
 class MemoryBridge:
-    def __init__(self, device, budget: int | None = None, warmup: int = WARMUP_TINY_BATCHES):
+    def __init__(self, device, budget: int, warmup: int = WARMUP_TINY_BATCHES):
+        """`budget`: the arena's bytes (`arena_bytes`)."""
         import torch
 
         from fusionflow.accel.bridge.torch_side import TorchLender
@@ -70,12 +89,11 @@ class MemoryBridge:
         self.torch = torch
         self.device = torch.device(device)
         self.index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        if self.index in _IN_USE:  # the native resource is per device and process: one driver of its windows
+        if self.index in _IN_USE:  # the native resource is per device and process: one driver of its arena
             raise native.BridgeError(
-                f"another loader in this process already lends PyTorch's blocks to DALI on "
-                f"cuda:{self.index}; this one does not lend (its DALI may still use blocks "
-                "the other lends, inside that loader's windows); close the other first to "
-                "give the bridge to this one"
+                f"another loader in this process already lends PyTorch's memory to DALI on "
+                f"cuda:{self.index}; this one does not lend (its DALI may still use the arena "
+                "the other lends); close the other first to give the bridge to this one"
             )
         self.lib = native.load_bridge()
         native.call(self.lib.ff_bridge_install, self.index)
@@ -84,26 +102,27 @@ class MemoryBridge:
         self.budget, self.warmup = budget, warmup
         self.stats = BridgeStats()
         self._lock = threading.Lock()
-        self._stream = None  # the training stream of the armed window
-        self._lent_now = False
-        self._held = _HELD.setdefault(self.index, {})  # address -> block lent and not yet taken back
-        self._ledger_add(list(self._held.values()))  # pinned blocks a previous bridge left
+        self._stream = None  # the training stream the arena is carved on
+        self._lent_now = False  # an arena is lent (until close)
+        self._held = _HELD.setdefault(self.index, {})  # address -> region lent and not yet taken back
+        self._ledger_add(list(self._held.values()))  # pinned regions a previous bridge left
         _IN_USE.add(self.index)
 
-    # ------------------------------------------------------------ window
     def arm(self, stream) -> None:
+        """The training thread's current stream: where the arena will be carved (until it is lent)."""
         with self._lock:
-            self._stream = stream
+            if not self._lent_now:
+                self._stream = stream
 
     def lend(self, tiny_batches_done: int) -> None:
-        """Lend for the armed window, once; a no-op during warm-up or when nothing is armed. On any
-        failure nothing stays half-lent: the window is closed and every block goes back."""
+        """Lend the arena, once (until `close`); a no-op before the warm-up is over, before `arm`, or once
+        lent. On any failure nothing stays half-lent: every region goes back."""
         with self._lock:
             if self._stream is None or self._lent_now or tiny_batches_done < self.warmup:
                 return
             t0 = time.perf_counter()
-            self._lent_now = True  # from here on, close() has something to undo
-            blocks = self.lender.lend(self.budget, self._stream)
+            self._lent_now = True  # from here on, close() has something to undo (and nothing is tried again)
+            blocks = self.lender.carve(self.budget, self._stream)
             self.stats.refused = self.lender.refused
             handed = []
             try:
@@ -111,20 +130,27 @@ class MemoryBridge:
                     native.call(self.lib.ff_bridge_lend, self.index, b.address, b.size)
                     self._held[b.address] = b
                     handed.append(b)
-                # the event goes on PyTorch's stream after the blocks were taken: DALI orders after both
+                # the event goes on PyTorch's stream after the arena was taken: DALI orders after both
                 native.call(self.lib.ff_bridge_open, self.index, self._stream.cuda_stream)
             except BaseException:
                 self.lender.take_back(blocks[len(handed) :])
                 self._close_locked(self._stream)
                 raise
             self._ledger_add(handed)
-            if self._held:
+            if handed:
                 self.stats.windows += 1
-                self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in self._held.values()))
+                self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in handed))
             self.stats.seconds += time.perf_counter() - t0
 
+    def poll(self) -> None:
+        """Read what DALI has taken from the arena so far (most at once) and from its own pool into `stats`."""
+        with self._lock:
+            if self._lent_now:
+                self._read_native_stats()
+
     def close(self) -> None:
-        """End the window: give PyTorch back every block DALI is done with."""
+        """Give PyTorch back every region DALI is done with; call once DALI's pipelines are gone. A later
+        `lend` (the accelerator's next start) carves a new arena."""
         with self._lock:
             stream, self._stream = self._stream, None
             if not self._lent_now and not self._held:
@@ -143,11 +169,14 @@ class MemoryBridge:
         returned = [self._held.pop(bases[i]) for i in range(back)]
         self.lender.take_back(returned)
         self._ledger_remove(returned)
-        out = (ctypes.c_uint64 * 7)()
+        self._read_native_stats()
+        self.stats.pinned_bytes = sum(b.size for b in self._held.values())
+
+    def _read_native_stats(self) -> None:
+        out = (ctypes.c_uint64 * 7)()  # lent, live, peak live, served, allocations, regions, fallback
         native.call(self.lib.ff_bridge_stats, self.index, out)
         self.stats.borrowed_bytes = max(self.stats.borrowed_bytes, out[2])
         self.stats.fallback_bytes = out[6]
-        self.stats.pinned_bytes = sum(b.size for b in self._held.values())
 
     # The private ledger mirrors what DALI holds (`BORROWED` by this process); see the module docstring.
     # Bookkeeping only: a ledger fault is logged and never stops the bridge.
