@@ -107,7 +107,7 @@ def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_
             bridge.lend(tiny_batches_done=done)
         assert len(alloc.asked) == 3 and lib.opened == [11]
         st = bridge.stats
-        assert (st.windows, st.lent_bytes, st.refused) == (1, 256 * MIB, 2)
+        assert (st.lends, st.lent_bytes, st.refused) == (1, 256 * MIB, 2)
         lib.peak, lib.fallback = 90 * MIB, 5 * MIB
         bridge.poll()
         assert (st.borrowed_bytes, st.fallback_bytes) == (90 * MIB, 5 * MIB)
@@ -117,7 +117,7 @@ def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_
         lib.held.clear()
         bridge.arm(s2)
         bridge.lend(tiny_batches_done=99)  # the accelerator's next start: a new arena, on the stream armed now
-        assert alloc.asked[-1] == (256 * MIB, s2) and lib.opened == [11, 22] and st.windows == 2
+        assert alloc.asked[-1] == (256 * MIB, s2) and lib.opened == [11, 22] and st.lends == 2
         bridge.close()
         assert alloc.live == {} and lib.lent == {} and st.pinned_bytes == 0
     finally:
@@ -208,7 +208,7 @@ class RecordingBridge:
 
         self.armed, self.lends, self.closes, self.lent_outside, self.shutdowns, self.polls = False, 0, 0, 0, 0, 0
         self.stats = type(
-            "S", (), dict(windows=0, lent_bytes=0, borrowed_bytes=0, fallback_bytes=0, pinned_bytes=0, seconds=0.0)
+            "S", (), dict(lends=0, lent_bytes=0, borrowed_bytes=0, fallback_bytes=0, pinned_bytes=0, seconds=0.0)
         )()
         self.main = threading.get_ident()
 
@@ -310,7 +310,7 @@ def test_dali_runs_in_the_arena_and_gives_it_back_once_its_pipeline_is_gone():
         assert np.array_equal(got, want)  # same output from the arena
     assert torch.cuda.memory_allocated(dev) == allocated + 512 * MIB  # the arena is PyTorch's allocation
     bridge.poll()
-    assert bridge.stats.windows == 1 and bridge.stats.lent_bytes == 512 * MIB
+    assert bridge.stats.lends == 1 and bridge.stats.lent_bytes == 512 * MIB
     assert bridge.stats.borrowed_bytes > 0  # DALI really allocated from the arena
     pipe.close()
     del pipe
@@ -344,7 +344,7 @@ def test_loader_with_bridge_delivers_every_sample_once(sharing):
         assert sorted(i for y in labels for i in y.tolist()) == list(range(48))
     s = ld.stats
     assert s.memory_bridge == "on" and s.accelerator_tiny_batches > 0
-    assert s.bridge_windows >= 1 and s.bridge_max_lent_bytes > 0 and s.bridge_max_borrowed_bytes > 0
+    assert s.bridge_lends >= 1 and s.bridge_max_lent_bytes > 0 and s.bridge_max_borrowed_bytes > 0
     ld.close()
     assert ld.stats.bridge_pinned_bytes == 0
 

@@ -141,7 +141,7 @@ class _Bridge:
             "S",
             (),
             {
-                "windows": 2,
+                "lends": 2,
                 "lent_bytes": 10,
                 "borrowed_bytes": 5,
                 "fallback_bytes": 0,
@@ -173,7 +173,7 @@ def test_gpu_session_shutdown_steps_with_nothing_started():
     bridge = gpu.bridge = _Bridge()
     gpu.end_window_now(mgr=None)  # no accelerator: no window to close
     gpu.manager_stopped(stats)
-    assert bridge.closes == 1 and stats.bridge_windows == 2 and stats.bridge_max_lent_bytes == 10
+    assert bridge.closes == 1 and stats.bridge_lends == 2 and stats.bridge_max_lent_bytes == 10
     assert gpu.accel is None and gpu.device_ring is None and gpu.profiler is None
     gpu.shutdown_bridge()
     gpu.shutdown_bridge()  # idempotent

@@ -321,7 +321,7 @@ def close_bridge(bridge) -> None:
 
 # loader.stats field <- MemoryBridge.stats field (the lent/borrowed bytes are maxima over arenas)
 BRIDGE_STATS = (
-    ("bridge_windows", "windows"),
+    ("bridge_lends", "lends"),
     ("bridge_max_lent_bytes", "lent_bytes"),
     ("bridge_max_borrowed_bytes", "borrowed_bytes"),
     ("bridge_fallback_bytes", "fallback_bytes"),

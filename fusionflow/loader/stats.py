@@ -33,12 +33,12 @@ class LoaderStats(RuntimeCounters):
     taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
     gpu_sharing: str | None = None  # what gpu_sharing="auto" chose, once profiled
     memory_bridge: str | None = None  # "on", or "off: <why>"
-    bridge_windows: int = 0  # prep windows in which PyTorch lent blocks to DALI
-    bridge_max_lent_bytes: int = 0  # most bytes lent in one window
-    bridge_max_borrowed_bytes: int = 0  # most bytes DALI had allocated from lent blocks at once
-    bridge_fallback_bytes: int = 0  # bytes DALI took from its own pool inside windows
-    bridge_pinned_bytes: int = 0  # lent bytes DALI still held at the last window's end
-    bridge_seconds: float = 0.0  # time spent lending and taking back blocks, all windows
+    bridge_lends: int = 0  # arenas of PyTorch's memory lent to DALI (one per accelerator start)
+    bridge_max_lent_bytes: int = 0  # the largest arena lent
+    bridge_max_borrowed_bytes: int = 0  # most bytes DALI had allocated from the arena at once
+    bridge_fallback_bytes: int = 0  # bytes DALI took from its own pool while an arena was lent (they did not fit)
+    bridge_pinned_bytes: int = 0  # lent bytes DALI still held when the arena was last given back
+    bridge_seconds: float = 0.0  # time spent lending and taking back
     stage_ns: dict = field(default_factory=dict)  # stage_times=True: worker -> {stage: ns}, summed over samples
     # persistent workers: next-epoch mini-batches submitted before its iter(), then taken or discarded
     next_epoch_speculated: int = 0
@@ -50,10 +50,21 @@ class LoaderStats(RuntimeCounters):
     # entries, bytes, budget, refused (not admitted) and full, node-wide. Empty without a cache.
     cache: dict = field(default_factory=dict)
 
-    # The two maxima were first named like totals; the old names stay as read-only deprecated aliases.
+    # The two maxima were first named like totals, and the lends counted prep windows (until 2026-11-28, when
+    # the bridge lent per window); the old names stay as read-only deprecated aliases.
+    @property
+    def bridge_windows(self) -> int:
+        """Deprecated: `bridge_lends` (the bridge lends one arena per accelerator start, not one per window)."""
+        warnings.warn(
+            "LoaderStats.bridge_windows is deprecated: use bridge_lends (arenas lent, one per accelerator start)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.bridge_lends
+
     @property
     def bridge_lent_bytes(self) -> int:
-        """Deprecated: `bridge_max_lent_bytes` (a maximum over windows, not a total)."""
+        """Deprecated: `bridge_max_lent_bytes` (a maximum over arenas, not a total)."""
         warnings.warn(
             "LoaderStats.bridge_lent_bytes is deprecated: use bridge_max_lent_bytes (a maximum, not a total)",
             DeprecationWarning,
@@ -127,7 +138,8 @@ class LoaderStats(RuntimeCounters):
             "lent_tiny_batches": self.lent_tiny_batches,
             "borrowed_tiny_batches": self.borrowed_tiny_batches,
             "memory_bridge": self.memory_bridge,
-            "bridge_windows": self.bridge_windows,
+            "bridge_lends": self.bridge_lends,
+            "bridge_windows": self.bridge_lends,
             "bridge_max_lent_bytes": self.bridge_max_lent_bytes,
             "bridge_max_borrowed_bytes": self.bridge_max_borrowed_bytes,
             "bridge_lent_bytes": self.bridge_max_lent_bytes,

@@ -70,7 +70,7 @@ def arena_bytes(run_samples: int, runs: int, sample_shape, itemsize: int) -> int
 
 @dataclass
 class BridgeStats:
-    windows: int = 0  # arenas lent (one per accelerator start)
+    lends: int = 0  # arenas lent (one per accelerator start)
     lent_bytes: int = 0  # the largest arena lent
     borrowed_bytes: int = 0  # most bytes DALI had allocated from the arena at once
     fallback_bytes: int = 0  # bytes DALI took from its own pool while an arena was lent (they did not fit)
@@ -138,7 +138,7 @@ class MemoryBridge:
                 raise
             self._ledger_add(handed)
             if handed:
-                self.stats.windows += 1
+                self.stats.lends += 1
                 self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in handed))
             self.stats.seconds += time.perf_counter() - t0
 
