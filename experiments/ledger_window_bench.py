@@ -1,4 +1,5 @@
-"""The allocator bridge's ledger bookkeeping per prep window, at many lent blocks: what lending
+"""The allocator bridge's ledger bookkeeping at many lent blocks, as the bridge did it per prep window until
+2026-11-28 (since then it lends one arena, once: one record): what lending
 `n` blocks and taking them back costs in the shared ledger, the way the bridge did it before (one
 `yield_blocks`, then one `borrow_block` and later one `release_block` per block, each scanning the
 ledger: O(n^2)) against the bulk calls it makes now (`lend_to_self`, `release_blocks`: one pass
@@ -18,7 +19,7 @@ import time
 from experiments.harness import RESULTS, medians, provenance, rounds, write_json
 from fusionflow.accel.bridge.ledger import Block, BlockLedger
 
-PIECE = 64 << 20  # the bridge lends in pieces of at most 64 MiB
+PIECE = 64 << 20  # the per-window bridge lent in pieces of at most 64 MiB
 
 
 def per_block(ledger: BlockLedger, blocks: list[Block]) -> None:

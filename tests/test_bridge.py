@@ -81,45 +81,53 @@ class AllocatorStandIn:
 
 def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_out(monkeypatch):
     """MemoryBridge against stand-ins of the native resource and PyTorch's allocator: nothing before the
-    loader armed it or before the warm-up; then one arena on the armed stream (halved while PyTorch is out of
-    memory), lent and opened once however often it is asked; DALI's counters read on poll; close gives back
-    what DALI no longer holds on that stream, a held region later; a later start carves anew."""
+    loader armed it or before the warm-up; then one arena on the armed stream (at most half the device's free
+    memory, halved while PyTorch is out of memory), lent and opened once however often it is asked, each later
+    ask reading DALI's counters; close gives back what DALI no longer holds, ordered on the arena's stream; a
+    region still held is lent again by the next start (on its own stream, no new arena) and goes back later;
+    a later start after a refusal asks for what PyTorch gave."""
     from fusionflow.accel.bridge import memory_bridge as mb
 
     lib, alloc = NativeStandIn(), AllocatorStandIn(limit=300 * MIB)
     monkeypatch.setattr(native, "load_bridge", lambda: lib)
     monkeypatch.setattr(torch.cuda, "caching_allocator_alloc", alloc.alloc)
     monkeypatch.setattr(torch.cuda, "caching_allocator_delete", alloc.delete)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1536 * MIB, 80 << 30))
     monkeypatch.setattr(mb, "_HELD", {})
+    monkeypatch.setattr(mb, "_HELD_STREAM", {})
     s1, s2 = types.SimpleNamespace(cuda_stream=11), types.SimpleNamespace(cuda_stream=22)
     bridge = mb.MemoryBridge("cuda:0", 1024 * MIB, warmup=2)
     try:
         bridge.lend(tiny_batches_done=5)  # not armed yet: no training stream to carve on
         bridge.arm(s1)
-        bridge.lend(tiny_batches_done=1)  # DALI's lasting buffers first
+        bridge.lend(tiny_batches_done=1)  # the warm-up
         assert alloc.asked == [] and lib.opened == []
-        bridge.lend(tiny_batches_done=2)
-        assert alloc.asked == [(1024 * MIB, s1), (512 * MIB, s1), (256 * MIB, s1)]
+        bridge.lend(tiny_batches_done=2)  # 1024 MiB wanted, 768 (half the free memory) asked, then halved
+        assert alloc.asked == [(768 * MIB, s1), (384 * MIB, s1), (192 * MIB, s1)]
         (base,) = alloc.live
-        assert lib.lent == {base: 256 * MIB} and lib.opened == [11]
+        assert lib.lent == {base: 192 * MIB} and lib.opened == [11]
         bridge.arm(s2)  # lent: the arena stays where it was carved
-        for done in (3, 4, 50):
-            bridge.lend(tiny_batches_done=done)
-        assert len(alloc.asked) == 3 and lib.opened == [11]
         st = bridge.stats
-        assert (st.lends, st.lent_bytes, st.refused) == (1, 256 * MIB, 2)
+        assert (st.lends, st.lent_bytes, st.refused, st.borrowed_bytes) == (1, 192 * MIB, 2, 0)
         lib.peak, lib.fallback = 90 * MIB, 5 * MIB
-        bridge.poll()
+        for done in (3, 4, 50):
+            bridge.lend(tiny_batches_done=done)  # each reads DALI's counters, none lends again
+        assert len(alloc.asked) == 3 and lib.opened == [11]
         assert (st.borrowed_bytes, st.fallback_bytes) == (90 * MIB, 5 * MIB)
         lib.held.add(base)  # DALI still holds part of it: pinned, not given back
         bridge.close()
-        assert lib.closed_on == [11] and alloc.live == {base: 256 * MIB} and st.pinned_bytes == 256 * MIB
-        lib.held.clear()
+        assert lib.closed_on == [11] and alloc.live == {base: 192 * MIB} and st.pinned_bytes == 192 * MIB
         bridge.arm(s2)
-        bridge.lend(tiny_batches_done=99)  # the accelerator's next start: a new arena, on the stream armed now
-        assert alloc.asked[-1] == (256 * MIB, s2) and lib.opened == [11, 22] and st.lends == 2
+        bridge.lend(tiny_batches_done=99)  # the next start: the pinned arena again, on its stream, nothing new
+        assert len(alloc.asked) == 3 and lib.opened == [11, 11] and st.lends == 2
+        lib.held.clear()
         bridge.close()
-        assert alloc.live == {} and lib.lent == {} and st.pinned_bytes == 0
+        assert lib.closed_on == [11, 11] and alloc.live == {} and lib.lent == {} and st.pinned_bytes == 0
+        bridge.arm(s2)
+        bridge.lend(tiny_batches_done=99)  # nothing pinned now: a new arena, as big as PyTorch gave last time
+        assert alloc.asked[-1] == (192 * MIB, s2) and len(alloc.asked) == 4 and lib.opened[-1] == 22
+        bridge.close()
+        assert lib.closed_on[-1] == 22 and alloc.live == {}
     finally:
         bridge.shutdown()
     assert 0 not in mb._IN_USE and bridge.ledger is None
@@ -128,15 +136,20 @@ def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_
 def test_no_arena_when_pytorch_cannot_give_the_smallest():
     from fusionflow.accel.bridge.torch_side import MIN_ARENA, TorchLender
 
-    lender = TorchLender.__new__(TorchLender)  # the CUDA-free part: carve's halving
+    lender = TorchLender.__new__(TorchLender)  # the CUDA-free part: carve's sizes
     alloc = AllocatorStandIn(limit=MIN_ARENA - 1)
-    lender.torch = types.SimpleNamespace(
-        cuda=types.SimpleNamespace(caching_allocator_alloc=alloc.alloc), OutOfMemoryError=torch.OutOfMemoryError
-    )
+    cuda = types.SimpleNamespace(caching_allocator_alloc=alloc.alloc, mem_get_info=lambda i: (64 * MIN_ARENA, 0))
+    lender.torch = types.SimpleNamespace(cuda=cuda, OutOfMemoryError=torch.OutOfMemoryError)
     lender.index, lender.min_arena, lender.refused = 0, MIN_ARENA, 0
     assert lender.carve(4 * MIN_ARENA, None) == [] and lender.refused == 3
     assert [size for size, _ in alloc.asked] == [4 * MIN_ARENA, 2 * MIN_ARENA, MIN_ARENA]
-    assert lender.carve(MIN_ARENA - 1, None) == [] and len(alloc.asked) == 3  # under the floor: not even asked
+    alloc.limit = MIN_ARENA // 4
+    assert lender.carve(MIN_ARENA // 2, None) == [] and len(alloc.asked) == 4  # under the floor: asked once, not halved
+    (arena,) = lender.carve(MIN_ARENA // 4, None)  # an arena under the floor is fine when it is all that is wanted
+    assert arena.size == MIN_ARENA // 4
+    alloc.limit, cuda.mem_get_info = 1 << 40, lambda i: (MIN_ARENA, 0)
+    (arena,) = lender.carve(4 * MIN_ARENA, None)  # never more than half the free memory
+    assert arena.size == MIN_ARENA // 2
 
 
 def test_bridge_library_builds_against_the_stock_dali_wheel():
@@ -206,14 +219,19 @@ class RecordingBridge:
     def __init__(self):
         import threading
 
-        self.armed, self.lends, self.closes, self.lent_outside, self.shutdowns, self.polls = False, 0, 0, 0, 0, 0
+        self.armed, self.lends, self.closes, self.lent_outside, self.shutdowns, self.early = False, 0, 0, 0, 0, 0
+        self.session = None  # the GpuSession it serves, when a test wants close() checked against it
         self.stats = type(
             "S", (), dict(lends=0, lent_bytes=0, borrowed_bytes=0, fallback_bytes=0, pinned_bytes=0, seconds=0.0)
         )()
         self.main = threading.get_ident()
 
     def arm(self, stream):
+        import inspect
+
         assert threading_ident() == self.main  # the training thread, at next()
+        if not self.armed:  # who armed it first (GpuSession.start, as it starts the accelerator, before any run)
+            self.first_armed_by = inspect.stack()[1].function
         self.armed = True
 
     def lend(self, tiny_batches_done):
@@ -221,11 +239,11 @@ class RecordingBridge:
         self.lends += 1
         self.lent_outside += not self.armed
 
-    def poll(self):
-        self.polls += 1
-
     def close(self):
         self.closes += 1
+        accel = self.session.accel if self.session is not None else None
+        if accel is not None and (accel._thread.is_alive() or accel.pipeline is not None):
+            self.early += 1  # DALI's pipelines still there: what they hold in the arena would stay pinned
 
     def shutdown(self):
         self.shutdowns += 1
@@ -240,11 +258,11 @@ def threading_ident():
 @pytest.mark.parametrize("sharing", ["temporal", "spatial"])
 def test_the_bridge_is_armed_at_next_asked_before_each_run_and_closed_once_the_pipelines_are_gone(monkeypatch, sharing):
     """The arena's protocol in either sharing mode: the training thread arms the bridge at next() (the stream to
-    carve on), the accelerator thread asks it to lend before every DALI run (MemoryBridge lends once, later
-    asks return at once), its counters are read as the stats are, and it is closed only when the accelerator's
-    pipelines are gone -- never per mini-batch. Temporal sharing stays strict: the accelerator works only between
-    the start of next() and the batch being ready. Real loader, real DALI (CPU backend); the CUDA calls are what
-    the stand-in replaces."""
+    carve on; first as it starts the accelerator), the accelerator thread asks it to lend before every DALI run
+    (MemoryBridge lends once, later asks read its counters), and it is closed only when the accelerator's
+    pipelines are gone (its thread ended, its pipeline closed) -- never per mini-batch. Temporal sharing stays
+    strict: the accelerator works only between the start of next() and the batch being ready. Real loader, real
+    DALI (CPU backend); the CUDA calls are what the stand-in replaces."""
     rec = RecordingBridge()
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     ld = FusionFlowLoader(
@@ -257,7 +275,7 @@ def test_the_bridge_is_armed_at_next_asked_before_each_run_and_closed_once_the_p
         gpu_sharing=sharing,
         seed=4,
     )
-    ld.parts.gpu.bridge = rec  # what GpuSession._start_bridge sets up on a GPU
+    ld.parts.gpu.bridge, rec.session = rec, ld.parts.gpu  # what GpuSession._start_bridge sets up on a GPU
     seen = []
     for _, y in ld:
         accel = ld.parts.gpu.accel
@@ -267,9 +285,8 @@ def test_the_bridge_is_armed_at_next_asked_before_each_run_and_closed_once_the_p
         seen += y.tolist()
     assert sorted(seen) == list(range(40))
     assert ld.stats.accelerator_tiny_batches > 0 and rec.lends == ld.stats.accelerator_runs
-    if sharing == "temporal":  # every run inside a window, so after the first arm
-        assert rec.lent_outside == 0
-    assert rec.polls >= 5 and rec.closes == 1  # the epoch ended: its workers and the accelerator stopped
+    assert rec.lent_outside == 0 and rec.first_armed_by == "start"  # armed as the accelerator started
+    assert rec.closes == 1 and rec.early == 0  # the epoch ended: its workers and the accelerator stopped
     ld.close()
     assert rec.closes == 1 and rec.shutdowns == 1
 

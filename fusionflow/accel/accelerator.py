@@ -81,7 +81,7 @@ class AcceleratorWorker:
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
         self.counters.accelerator_builds += 1 if aot else 0
-        self.tiny_batches = 0  # done by this accelerator (the bridge lends after a warm-up count of them)
+        self.tiny_batches = 0  # done by this accelerator (the bridge may wait for a warm-up count of them)
         self.failures_in_a_row = 0
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # the training work before the loader's last next() (mark_step)
@@ -122,20 +122,19 @@ class AcceleratorWorker:
         """Temporal sharing: the training work queued before the loader's next() ends with `event`; each run waits."""
         self.step_event = event
 
-    def open_window(self, stream) -> None:
+    def open_window(self) -> None:
         """The loader waits for a mini-batch: a gated accelerator may run now."""
         with self.board.cond:
             self.window_open = True
             self.board.cond.notify_all()
 
-    def close_window(self) -> bool:
-        """The mini-batch is ready: the run in flight finishes, none starts until the next window (False: none open)."""
+    def close_window(self) -> None:
+        """The mini-batch is ready: the run in flight finishes, none starts until the next window (if one is open)."""
         if not self.window_open:
-            return False
+            return
         with self.board.cond:
             self.window_open = False
             self.wait_idle()
-        return True
 
     def wait_idle(self, timeout: float = 30.0) -> None:
         """Under board.cond: wait for the tiny-batch in flight (if any) to finish."""

@@ -83,7 +83,7 @@ class GpuSession:
         on_gpu = self.accelerator == "dali-gpu"
         if on_gpu and self.bridge_why_off is None and self.bridge is None:
             self._start_bridge(mgr.spec)  # before any DALI pipeline exists, so all of DALI's memory passes through it
-        if on_gpu and self.bridge is not None:
+        if self.bridge is not None:
             self.bridge.arm(torch.cuda.current_stream(self.device))  # the training thread's: the arena is carved there
         device_ring = None
         if on_gpu:
@@ -166,9 +166,12 @@ class GpuSession:
         try:
             from fusionflow.accel.bridge.memory_bridge import MemoryBridge, arena_bytes  # posix_ipc, the native build
 
-            layout = spec.layout  # the arena: DALI's runs in flight at their most samples (spatial sharing's figures)
-            run = min(layout.batch_size * MERGE_SHARES, max(spec.tiny_batch_size, self.run_samples))
-            size = arena_bytes(run, self.runs_in_flight, layout.sample_shape, np.dtype(layout.dtype).itemsize)
+            # the arena: DALI's runs in flight at their most samples, as AcceleratorWorker sizes them ("auto" sharing
+            # may go spatial); under temporal sharing one run of one share
+            layout, temporal = spec.layout, self.gpu_sharing == "temporal"
+            shares, runs = (1, 1) if temporal else (MERGE_SHARES, self.runs_in_flight)
+            run = min(layout.batch_size * shares, max(spec.tiny_batch_size, self.run_samples))
+            size = arena_bytes(run, runs, layout.sample_shape, np.dtype(layout.dtype).itemsize)
             self.bridge = MemoryBridge(self.device, size)
         except Exception as exc:  # not built, not importable, or CUDA/DALI refused the install
             if self.memory_bridge == "on":
@@ -198,13 +201,12 @@ class GpuSession:
         """At next(): the bridge learns the training stream (its arena is carved there); under temporal sharing
         on the GPU the accelerator may work from now on."""
         accel = self.accel
-        if accel is None or (not accel.gated and self.bridge is None):
+        if accel is None:
             return
-        stream = torch.cuda.current_stream(self.device)
         if self.bridge is not None:
-            self.bridge.arm(stream)
+            self.bridge.arm(torch.cuda.current_stream(self.device))
         if accel.gated:
-            accel.open_window(stream)
+            accel.open_window()
 
     def close_window(self, mgr: LocalManager) -> None:
         """The mini-batch is ready: under temporal sharing, the DALI run in flight finishes before training goes on."""
@@ -212,12 +214,8 @@ class GpuSession:
             self.accel.close_window()
 
     def sync_stats(self) -> None:
-        """The allocator bridge's own counters into loader.stats (the manager's parts count there directly)."""
-        if self.bridge is not None:
-            try:
-                self.bridge.poll()
-            except Exception:  # bookkeeping only: training goes on, the counters keep their last values
-                log.exception("allocator bridge: reading its counters failed")
+        """The allocator bridge's own counters into loader.stats (the manager's parts count there directly;
+        the bridge reads DALI's in the accelerator thread, before each run)."""
         copy_bridge_stats(self.bridge, self.stats)
 
     def deliver_merged(self, mgr: LocalManager, state, keep):

@@ -1,7 +1,9 @@
 // FusionFlow allocator bridge, DALI side: a device memory resource installed as DALI's default
 // (dali::mm::SetDefaultDeviceResource, exported by the stock libdali_core) that serves DALI's
-// allocations from GPU blocks PyTorch lends for a prep window, and passes everything else to the
-// resource DALI had before (its own pool, still reachable through with_upstream).
+// allocations from GPU blocks PyTorch lends for a window, and passes everything else to the
+// resource DALI had before (its own pool, still reachable through with_upstream). A window is the
+// time from open() to close(): the bridge (fusionflow/accel/bridge/memory_bridge.py) opens one when it
+// lends DALI its arena, before the accelerator's first run, and closes it once DALI's pipelines are gone.
 //
 // Stream ordering, without host waits on the stream-ordered path:
 //   - open(torch_stream), called after the blocks are lent, records an event on PyTorch's stream;

@@ -1,5 +1,5 @@
-// FusionFlow allocator bridge: a sub-allocator over GPU blocks that PyTorch lends for one prep
-// window. Pure address arithmetic (it never touches the memory), so it is unit-tested on a machine
+// FusionFlow allocator bridge: a sub-allocator over GPU blocks that PyTorch lends for one window (the
+// bridge's arena, from the accelerator's start until its pipelines are gone). Pure address arithmetic (it never touches the memory), so it is unit-tested on a machine
 // without a GPU through lent_arena_capi.cc; dali_bridge_resource.cc wraps it as DALI's device
 // memory resource.
 //

@@ -174,13 +174,13 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
     holds only `box`, [manager, GpuSession or None], never the loader). Idempotent.
 
     1. Take the manager out of the box: a second run finds nothing to stop.
-    2. Close the accelerator's prep window, if open: the tiny-batch in flight finishes first
-       (`wait_idle`), then PyTorch takes its lent blocks back (`GpuSession.end_window_now`).
+    2. Close the accelerator's prep window, if open: the DALI run in flight finishes first
+       (`wait_idle`, `GpuSession.end_window_now`).
     3. Shut the manager down (`LocalManager.shutdown`, its own numbered procedure: worker kinds,
        manager thread, lending agent, worker processes, ring).
-    4. Allocator bridge: take back what DALI's pipelines held (they are gone now) and copy its
+    4. Allocator bridge: take back the arena DALI's pipelines used (they are gone now) and copy its
        counters into `stats` (`GpuSession.manager_stopped`); unless it is kept for the next
-       manager, shut it down (every block goes back, the ledger is unlinked).
+       manager, shut it down (what is still lent goes back, the ledger is unlinked).
     """
     mgr, gpu, cache = box
     box[0] = None

@@ -5,7 +5,7 @@ step's GPU work) then spatial (prep runs concurrently) -- recording the iteratio
 successive next() calls) and the least free GPU memory seen. Spatial wins only if it was faster
 and left headroom; otherwise temporal: prep then runs only inside next(), never alongside a training
 step's kernels. That does not make an out-of-memory impossible: DALI's own pool keeps what it grew
-across steps (the allocator bridge, accel/bridge/memory_bridge.py, is what lends it PyTorch's free blocks instead).
+across steps (the allocator bridge, accel/bridge/memory_bridge.py, gives it one arena of PyTorch's memory instead).
 """
 
 from __future__ import annotations

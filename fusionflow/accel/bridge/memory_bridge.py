@@ -14,19 +14,28 @@ protocol a borrower in another process would use (`BlockLedger(name=...)`, tests
 Once per accelerator start, in either GPU sharing mode:
   arm(stream)     the training thread (as it starts the accelerator, and at next()): `stream` is its current
                   CUDA stream, the one the arena is carved on (until the arena is lent; later calls change nothing)
-  lend()          (accelerator thread, before each run: the first lends) the arena out of PyTorch's allocator ->
+  lend()          (accelerator thread, before each run) the first: the arena out of PyTorch's allocator ->
                   the native resource -> an event on PyTorch's stream that DALI's streams wait for; the
-                  ledger records it BORROWED by this process. Every later call returns at once.
+                  ledger records it BORROWED by this process. Every later one reads DALI's counters into `stats`
+                  (there, not in the training thread: the native lock may wait behind a DALI allocation).
   close()         (training thread, after the accelerator's pipelines are destroyed) PyTorch's stream is
                   ordered after DALI's streams, the arena goes back to PyTorch; a region DALI still holds
-                  stays lent ("pinned") and goes back at a later close
+                  stays lent ("pinned"), is lent again by the next start instead of a new one, and goes back
+                  at a later close -- always ordered on the stream it was carved on
   shutdown()      a last close, then the ledger is unmapped (its names were unlinked at creation)
+
+What the arena serves: DALI's run-time allocations (its pipeline is built before the first run: what the build
+allocates stays in DALI's own pool), and, as the native resource is the process's default DALI device resource,
+any other DALI pipeline on that device while the arena is lent (a user's own validation pipeline too). PyTorch
+counts the arena in `torch.cuda.memory_allocated`.
 
 Until 2026-11-28 the bridge lent every free cached block for each temporal prep window and took them
 back at its end (so it could not work under spatial sharing at all): on an H100 that cost ~54 ms a
 window and 24% of the throughput at batch 256, while DALI borrowed at most 14 MB of the 3.7 GB lent.
 Lending once costs nothing per step; what it gives up is DALI using, between steps, memory the training
-step needs during them (which, measured there, gave no larger batch).
+step needs during them (which, measured there, gave no larger batch); and the arena is taken before training
+reaches its own peak, so its whole size is memory training cannot have -- an estimate until a GPU measures
+what DALI takes (`bridge_max_borrowed_bytes`).
 
 One MemoryBridge per CUDA device and process at a time (the native resource is per device): a
 second loader asking for one gets a BridgeError ("auto": it runs with the bridge off, saying why).
@@ -54,9 +63,11 @@ WARMUP_TINY_BATCHES = 0
 # estimate, not yet measured on a GPU (loader.stats.bridge_max_borrowed_bytes is what DALI really took).
 WORKING_IMAGES = 6
 _IN_USE: set[int] = set()  # devices whose native resource a live MemoryBridge drives (one per process)
-# Regions lent to the native resource and not yet given back, per device. Process-wide like the
-# resource itself: a region still pinned when a bridge shuts down is returned by the next one.
+# Regions lent to the native resource and not yet given back, per device, and the stream they were carved on.
+# Process-wide like the resource itself: a region still pinned when a bridge shuts down is reused and returned
+# by the next one, ordered on its own stream.
 _HELD: dict[int, dict[int, Block]] = {}
+_HELD_STREAM: dict[int, object] = {}
 
 
 def arena_bytes(run_samples: int, runs: int, sample_shape, itemsize: int) -> int:
@@ -73,7 +84,7 @@ class BridgeStats:
     lends: int = 0  # arenas lent (one per accelerator start)
     lent_bytes: int = 0  # the largest arena lent
     borrowed_bytes: int = 0  # most bytes DALI had allocated from the arena at once
-    fallback_bytes: int = 0  # bytes DALI took from its own pool while an arena was lent (they did not fit)
+    fallback_bytes: int = 0  # bytes DALI allocated from its own pool while an arena was lent, in all (not a peak)
     pinned_bytes: int = 0  # lent bytes DALI still held at the last close
     seconds: float = 0.0  # time spent lending and taking back
     refused: int = 0  # arena requests PyTorch could not serve (each halved the next)
@@ -102,7 +113,7 @@ class MemoryBridge:
         self.budget, self.warmup = budget, warmup
         self.stats = BridgeStats()
         self._lock = threading.Lock()
-        self._stream = None  # the training stream the arena is carved on
+        self._stream = None  # the training stream, armed: where an arena is carved
         self._lent_now = False  # an arena is lent (until close)
         self._held = _HELD.setdefault(self.index, {})  # address -> region lent and not yet taken back
         self._ledger_add(list(self._held.values()))  # pinned regions a previous bridge left
@@ -115,60 +126,66 @@ class MemoryBridge:
                 self._stream = stream
 
     def lend(self, tiny_batches_done: int) -> None:
-        """Lend the arena, once (until `close`); a no-op before the warm-up is over, before `arm`, or once
-        lent. On any failure nothing stays half-lent: every region goes back."""
+        """Before each DALI run (the accelerator thread): the first, once armed and past the warm-up, lends the
+        arena; every later one reads DALI's counters into `stats`. Regions still pinned from an earlier arena
+        are lent again first (on the stream they were carved on), so a pinned arena is reused, never doubled.
+        On any failure nothing stays half-lent: every region goes back."""
         with self._lock:
-            if self._stream is None or self._lent_now or tiny_batches_done < self.warmup:
+            if self._lent_now:
+                self._read_native_stats()
+                return
+            stream = _HELD_STREAM.get(self.index) if self._held else self._stream
+            if stream is None or tiny_batches_done < self.warmup:
                 return
             t0 = time.perf_counter()
             self._lent_now = True  # from here on, close() has something to undo (and nothing is tried again)
-            blocks = self.lender.carve(self.budget, self._stream)
+            held = sum(b.size for b in self._held.values())
+            blocks = self.lender.carve(self.budget - held, stream) if self.budget > held else []
+            if self.lender.refused > self.stats.refused:  # PyTorch had less: later starts ask for what it gave
+                self.budget = held + sum(b.size for b in blocks)
             self.stats.refused = self.lender.refused
-            handed = []
             try:
                 for b in blocks:
                     native.call(self.lib.ff_bridge_lend, self.index, b.address, b.size)
                     self._held[b.address] = b
-                    handed.append(b)
-                # the event goes on PyTorch's stream after the arena was taken: DALI orders after both
-                native.call(self.lib.ff_bridge_open, self.index, self._stream.cuda_stream)
+                if self._held:  # the event goes on PyTorch's stream after the arena was taken: DALI orders after both
+                    _HELD_STREAM[self.index] = stream
+                    native.call(self.lib.ff_bridge_open, self.index, stream.cuda_stream)
             except BaseException:
-                self.lender.take_back(blocks[len(handed) :])
-                self._close_locked(self._stream)
+                self.lender.take_back([b for b in blocks if b.address not in self._held])
+                self._close_locked()
                 raise
-            self._ledger_add(handed)
-            if handed:
+            self._ledger_add(blocks)
+            if self._held:
                 self.stats.lends += 1
-                self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in handed))
+                self.stats.lent_bytes = max(self.stats.lent_bytes, sum(b.size for b in self._held.values()))
+            else:
+                log.warning("allocator bridge: PyTorch had no memory for DALI's arena; DALI keeps its own pool")
             self.stats.seconds += time.perf_counter() - t0
-
-    def poll(self) -> None:
-        """Read what DALI has taken from the arena so far (most at once) and from its own pool into `stats`."""
-        with self._lock:
-            if self._lent_now:
-                self._read_native_stats()
 
     def close(self) -> None:
         """Give PyTorch back every region DALI is done with; call once DALI's pipelines are gone. A later
-        `lend` (the accelerator's next start) carves a new arena."""
+        `lend` (the accelerator's next start) lends again."""
         with self._lock:
-            stream, self._stream = self._stream, None
+            self._stream = None
             if not self._lent_now and not self._held:
                 return
             t0 = time.perf_counter()
-            self._close_locked(stream)
+            self._close_locked()
             self.stats.seconds += time.perf_counter() - t0
 
-    def _close_locked(self, stream) -> None:
+    def _close_locked(self) -> None:
+        """Order the stream the regions were carved on after DALI's frees, and give back what DALI let go."""
         self._lent_now = False
-        if stream is None:
-            stream = self.torch.cuda.current_stream(self.index)
+        stream = _HELD_STREAM.get(self.index) or self.torch.cuda.current_stream(self.index)
         cap = max(len(self._held), 1)
         bases, sizes = (ctypes.c_uint64 * cap)(), (ctypes.c_uint64 * cap)()
         back = native.call(self.lib.ff_bridge_close, self.index, stream.cuda_stream, bases, sizes, cap)
         returned = [self._held.pop(bases[i]) for i in range(back)]
         self.lender.take_back(returned)
         self._ledger_remove(returned)
+        if not self._held:
+            _HELD_STREAM.pop(self.index, None)
         self._read_native_stats()
         self.stats.pinned_bytes = sum(b.size for b in self._held.values())
 

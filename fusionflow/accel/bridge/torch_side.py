@@ -6,8 +6,10 @@ PyTorch serves it from its free cached blocks by best fit, or maps a new segment
 allocator owns the memory (`torch.cuda.memory_reserved` and `memory_allocated` count it, and its
 out-of-memory handling can free its other cached blocks to make room) and nothing in PyTorch can be handed
 it until it comes back. One piece, so a DALI allocation of any size up to the arena fits (the native
-arena never merges separate regions). If PyTorch cannot find that much, the request is halved until it
-can, or until it would be under MIN_ARENA: then nothing is lent and DALI keeps its own pool.
+arena never merges separate regions). It asks for at most half the memory free on the device, so PyTorch's
+out-of-memory path -- which frees its whole cache, synchronising the device, and counts an OOM -- is not
+taken in the normal case; if PyTorch still cannot find it, the request is halved while it stays at or above
+MIN_ARENA, else nothing is lent and DALI keeps its own pool.
 
 Until 2026-11-28 the bridge lent every free cached block for each temporal prep window and took them back
 at its end: on an H100 that cost ~54 ms a window (a snapshot of the allocator, ~58 requests) and 24% of the
@@ -37,14 +39,17 @@ class TorchLender:
         self.refused = 0  # requests PyTorch could not serve (out of memory): each halved the next
 
     def carve(self, size: int, stream) -> list[Block]:
-        """[the arena] of at most `size` bytes from PyTorch's allocator on `stream`, halved while PyTorch
-        runs out of memory; [] when even MIN_ARENA cannot be had (or `size` is under it)."""
+        """[the arena] of at most `size` bytes (and half the device's free memory) from PyTorch's allocator on
+        `stream`, halved while PyTorch runs out of memory and it stays >= MIN_ARENA; [] when none can be had."""
         cuda = self.torch.cuda
-        while size >= self.min_arena:
+        size = min(size, cuda.mem_get_info(self.index)[0] // 2)
+        while size > 0:
             try:
                 return [Block(cuda.caching_allocator_alloc(size, self.index, stream), size, self.index)]
             except self.torch.OutOfMemoryError:
                 self.refused += 1
+                if size // 2 < self.min_arena:
+                    return []
                 log.info("allocator bridge: PyTorch could not give a %d-byte arena; asking for half", size)
                 size //= 2
         return []
