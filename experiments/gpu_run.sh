@@ -10,6 +10,8 @@
 #   experiments/gpu_run.sh tests           pytest -m gpu (every GPU test)
 #   experiments/gpu_run.sh bench ARGS      python3 -m experiments.gpu_bench ARGS
 #   experiments/gpu_run.sh memory ARGS     python3 -m experiments.gpu_memory ARGS
+#   experiments/gpu_run.sh dalimem ARGS    python3 -m experiments.dali_memory --device cuda ARGS (the bridge
+#                                          arena's calibration: DALI's device memory per sample of a run)
 #   experiments/gpu_run.sh aot ARGS        python3 -m experiments.bench_aot --device gpu ARGS
 #   experiments/gpu_run.sh graph ARGS      python3 -m experiments.bench_graph --device cuda ARGS (our DALI graph
 #                                          alone against DALI's own RandAugment graph, per run size)
@@ -68,6 +70,10 @@ timm)
     ;;
 memory)
     python3 -m experiments.gpu_memory --out "$OUT/gpu_memory.json" "$@" 2>&1 | tee "$OUT/gpu_memory.log"
+    ;;
+dalimem)
+    python3 -m experiments.dali_memory --device cuda --out "$OUT/dali_memory_cuda.json" "$@" 2>&1 |
+        grep -v -i deprecat | tee "$OUT/dali_memory_cuda.log"
     ;;
 graph)
     python3 -m experiments.bench_graph --device cuda --out "$OUT/bench_graph_gpu.json" "$@" 2>&1 |

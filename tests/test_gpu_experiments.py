@@ -142,6 +142,19 @@ def test_bench_graph_times_both_graphs_at_each_run_size(tmp_path):
         assert med["ours"]["graph_nodes"] == pipe.graph_nodes
 
 
+def test_dali_memory_fits_the_growth_per_sample_and_measures_one_run_size_in_a_process():
+    """experiments/dali_memory.py (the arena's calibration): its least-squares line is exact on a line, and one
+    run size on DALI's CPU backend reports what the build and the runs took."""
+    import pytest
+
+    from experiments import dali_memory
+
+    assert dali_memory.slope([32, 64, 128], [100 + 3 * x for x in (32, 64, 128)]) == pytest.approx((3.0, 100.0))
+    pytest.importorskip("nvidia.dali")
+    row = dali_memory.one_size(4, 2, 2, "cpu")
+    assert row["run"] == 4 and row["build_bytes"] >= 0 and row["run_growth_bytes"] >= 0
+
+
 def test_ours_batches_are_the_runs_in_order_each_as_the_pipeline_makes_it():
     """gpu_bench's `ours` variant trains on ours_batches: run b of the cyclic order, labels its indices, pixels
     those of the same run submitted alone (runs in flight change no sample), the last run collected too; while
