@@ -14,6 +14,27 @@ from fusionflow.runtime.counters import RuntimeCounters
 _CACHE_RUN = ("hits", "misses", "fills", "fill_bytes", "hit_seconds", "seconds_saved", "crop_hits")
 
 
+class _FormerName:
+    """A stats field's former name: reading it warns (DeprecationWarning) and reads the field; writing it
+    raises (a write by the old name would otherwise be lost silently)."""
+
+    def __init__(self, field_name: str, why: str):
+        self.field_name, self.why = field_name, why
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        message = f"LoaderStats.{self.name} is deprecated: use {self.field_name} ({self.why})"
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        return getattr(obj, self.field_name)
+
+    def __set__(self, obj, value) -> None:
+        raise AttributeError(f"LoaderStats.{self.name} is a deprecated, read-only name: set {self.field_name}")
+
+
 @dataclass
 class LoaderStats(RuntimeCounters):
     """What the loader did, for tuning and for the tests. Reset by `reset()`. The runtime's parts
@@ -52,35 +73,9 @@ class LoaderStats(RuntimeCounters):
 
     # The two maxima were first named like totals, and the lends counted prep windows (until 2026-11-28, when
     # the bridge lent per window); the old names stay as read-only deprecated aliases.
-    @property
-    def bridge_windows(self) -> int:
-        """Deprecated: `bridge_lends` (the bridge lends one arena per accelerator start, not one per window)."""
-        warnings.warn(
-            "LoaderStats.bridge_windows is deprecated: use bridge_lends (arenas lent, one per accelerator start)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.bridge_lends
-
-    @property
-    def bridge_lent_bytes(self) -> int:
-        """Deprecated: `bridge_max_lent_bytes` (a maximum over arenas, not a total)."""
-        warnings.warn(
-            "LoaderStats.bridge_lent_bytes is deprecated: use bridge_max_lent_bytes (a maximum, not a total)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.bridge_max_lent_bytes
-
-    @property
-    def bridge_borrowed_bytes(self) -> int:
-        """Deprecated: `bridge_max_borrowed_bytes` (a maximum, not a total)."""
-        warnings.warn(
-            "LoaderStats.bridge_borrowed_bytes is deprecated: use bridge_max_borrowed_bytes (a maximum, not a total)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.bridge_max_borrowed_bytes
+    bridge_windows = _FormerName("bridge_lends", "arenas lent, one per accelerator start")
+    bridge_lent_bytes = _FormerName("bridge_max_lent_bytes", "a maximum, not a total")
+    bridge_borrowed_bytes = _FormerName("bridge_max_borrowed_bytes", "a maximum, not a total")
 
     def add_stage_times(self, names, worker, ns) -> None:
         """A task's per-stage totals from `worker` (the manager thread, under its lock)."""
