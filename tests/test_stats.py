@@ -37,6 +37,13 @@ def test_reset_restores_every_default_but_what_describes_the_loader():
     assert s.wait_seconds is not lists  # a fresh list, not the old one emptied
 
 
+def test_the_waits_summary_reads_one_long_wait_apart_from_the_rest():
+    s = LoaderStats(wait_seconds=[0.002] * 39 + [1.0])
+    summary = s.summary()
+    assert summary["wait_median_ms"] == pytest.approx(2.0) and summary["wait_mean_ms"] == pytest.approx(26.95)
+    assert summary["wait_p95_ms"] < summary["wait_mean_ms"]  # the shape session 27's ResNet-50 / 15 run had
+
+
 def test_the_bridge_maxima_and_their_deprecated_names():
     s = LoaderStats(bridge_max_lent_bytes=5, bridge_max_borrowed_bytes=3)
     with pytest.deprecated_call():

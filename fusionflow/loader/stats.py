@@ -108,6 +108,7 @@ class LoaderStats(RuntimeCounters):
             "skipped": self.skipped,
             "skipped_by_cause": dict(self.skipped_by_cause),
             "wait_mean_ms": 1e3 * float(w.mean()),
+            "wait_median_ms": 1e3 * float(np.median(w)),  # one long wait (a start-up, a pause) moves the mean only
             "wait_p95_ms": 1e3 * float(np.percentile(w, 95)),
             "tiny_batches_per_worker": list(self.tiny_batches_per_worker),
             "worker_restarts": self.worker_restarts,
