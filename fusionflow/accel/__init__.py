@@ -8,7 +8,7 @@
   dali_graph.py   a policy as one prebuilt DALI pipeline (decode+crop, resize, flip, op slots)
   dali_ops.py     each registered op as a DALI graph fragment
   declines.py     which policies the DALI graph cannot run (importable without DALI)
-  bridge/         the allocator bridge: PyTorch's free cached blocks lent to DALI
+  bridge/         the allocator bridge: one arena of PyTorch's GPU memory lent to DALI
 
 It builds on `runtime/` (the board a worker kind joins) and `ops/`/`policy/`; the loader imports it,
 never the reverse.
