@@ -265,7 +265,6 @@ def main() -> None:
                     wait_until(clock.occupy(step_s))
                 rates[name].append(images / (time.monotonic() - t0))
                 if x_loader is not None:
-                    st = x_loader.stats
                     done = runs[name][before[2] :]
                     accel[name].append(
                         {

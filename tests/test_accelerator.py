@@ -576,7 +576,7 @@ def test_an_unawaited_share_run_is_collected_near_its_expected_end_not_at_once()
     """DALI's outputs() wakes at every task its executor finishes while it waits (CPU of the training
     process): the thread waits on the board instead, until 0.95 of the oldest share run's expected time (its
     samples at the split rule's rate, from the later of its start and the last completion), with one run in
-    flight or DEPTH (the loop: the test below). The time chosen is kept while it waits; it collects at once
+    flight or more (the loop: the test below). The time chosen is kept while it waits; it collects at once
     when that run is awaited, a tail run, an abandoned iterator's (the new one's work waits for it), the rate
     is not measured yet, temporal sharing gates it, or it is late."""
     from types import SimpleNamespace
@@ -698,7 +698,7 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
     flight or more). With its due time pushed past the end of the test, every share run collected once the
     accelerator's rate is known is collected while training waits for one of its mini-batches (the
     training loop's `wait` notifies the board), and every sample still arrives exactly once. Up to
-    runs_in_flight runs are in DALI at once (auto: DEPTH on DALI's CPU backend), never more."""
+    runs_in_flight runs are in DALI at once (auto: RUNS_IN_FLIGHT_CPU on DALI's CPU backend), never more."""
     from fusionflow.accel import accelerator as acc
 
     monkeypatch.setattr(acc, "images", lambda works: 10**6)  # a run's expected time: hours

@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU
 from fusionflow.accel.header_sizes import HeaderSizes
 from fusionflow.accel.run_read import read_run
 from fusionflow.accel.share_feed import ShareFeed
@@ -37,7 +38,6 @@ from fusionflow.scheduling.queue import images, key_of
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
-DEPTH = 2  # DALI runs in flight at once by default (not gated): DALI works on one while the next is prepared
 MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed cost paid once for them
 _COPIES = operator.attrgetter("copies")  # a Work's copies, as one C-level call
 
@@ -63,7 +63,7 @@ class AcceleratorWorker:
         cpu_workers: int = 1,
         tiny_batch_size: int = 1,
         inputs=None,
-        depth: int = DEPTH,
+        depth: int = RUNS_IN_FLIGHT_CPU,  # DALI runs in flight (not gated): the loader passes runs_in_flight
     ):
         from fusionflow.accel.dali_graph import DaliPolicyPipeline
         from fusionflow.policy import load_policy

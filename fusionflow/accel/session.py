@@ -118,15 +118,14 @@ class GpuSession:
 
     def _accelerator(self, mgr: LocalManager, dataset, on_gpu: bool, device_ring):
         """The AcceleratorWorker for `mgr`'s spec, given its input helper (closed here if it fails to start)."""
-        from fusionflow.accel.accelerator import MERGE_SHARES, AcceleratorWorker
+        from fusionflow.accel.accelerator import AcceleratorWorker
         from fusionflow.accel.host_inputs import helper_processes, start_helper
         from fusionflow.runtime.cores import rank_cores
         from fusionflow.scheduling.split import ShareController
 
         spec = mgr.spec
-        policy, seed, capacity, tiny_batch_size = spec.policy, spec.seed, spec.layout.batch_size, spec.tiny_batch_size
+        policy, seed, tiny_batch_size = spec.policy, spec.seed, spec.tiny_batch_size
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
-        merged = 1 if self.gpu_sharing == "temporal" else MERGE_SHARES  # shares a run may hold (temporal: one)
         helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
         inputs = start_helper(policy, spec.mp_context, helpers)  # processes: started before DALI's threads are
         try:
@@ -134,7 +133,7 @@ class GpuSession:
                 mgr.board,
                 dataset,
                 policy,
-                min(capacity * merged, max(tiny_batch_size, self.run_samples)),  # samples a DALI run holds
+                self._run_samples(spec),
                 seed,
                 device="gpu" if on_gpu else "cpu",
                 device_id=self.device.index if on_gpu else None,
@@ -157,21 +156,25 @@ class GpuSession:
             raise
         return accel
 
+    def _run_samples(self, spec) -> int:
+        """The most samples one DALI run holds: run_samples, within MERGE_SHARES mini-batches (one under temporal
+        sharing, whose runs hold one share) and one tiny-batch at least."""
+        from fusionflow.accel.accelerator import MERGE_SHARES
+
+        shares = 1 if self.gpu_sharing == "temporal" else MERGE_SHARES
+        return min(spec.layout.batch_size * shares, max(spec.tiny_batch_size, self.run_samples))
+
     def _start_bridge(self, spec) -> None:
         import numpy as np
 
-        from fusionflow.accel.accelerator import MERGE_SHARES
         from fusionflow.native import BridgeError
 
         try:
             from fusionflow.accel.bridge.memory_bridge import MemoryBridge, arena_bytes  # posix_ipc, the native build
 
-            # the arena: DALI's runs in flight at their most samples, as AcceleratorWorker sizes them ("auto" sharing
-            # may go spatial); under temporal sharing one run of one share
-            layout, temporal = spec.layout, self.gpu_sharing == "temporal"
-            shares, runs = (1, 1) if temporal else (MERGE_SHARES, self.runs_in_flight)
-            run = min(layout.batch_size * shares, max(spec.tiny_batch_size, self.run_samples))
-            size = arena_bytes(run, runs, layout.sample_shape, np.dtype(layout.dtype).itemsize)
+            # the arena: DALI's runs in flight at their most samples ("auto" sharing may go spatial; temporal: one)
+            layout, runs = spec.layout, 1 if self.gpu_sharing == "temporal" else self.runs_in_flight
+            size = arena_bytes(self._run_samples(spec), runs, layout.sample_shape, np.dtype(layout.dtype).itemsize)
             self.bridge = MemoryBridge(self.device, size)
         except Exception as exc:  # not built, not importable, or CUDA/DALI refused the install
             if self.memory_bridge == "on":

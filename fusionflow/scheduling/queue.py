@@ -169,7 +169,7 @@ class TinyBatchQueue:
         for key, q in self.queues.items():
             left = self._share_left(key)
             if not left:  # a share partly taken (cut by the run cap, or stolen) that G has since shrunk to: done
-                if key in self.share_taken:
+                if self.final_shares and self.share_taken.get(key, RAN_AHEAD) < RAN_AHEAD:  # (once, not every take)
                     self._took(key, 0)
                 continue
             group = self._largest(q, largest_first, left, max_images)
