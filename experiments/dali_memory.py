@@ -6,7 +6,7 @@ estimate. This measures what FusionFlow's RandAugment graph (`DaliPolicyPipeline
 takes: for each run size, in a fresh process, the pipeline is built, then `--runs` runs of that many JPEGs
 (200-1000 px, experiments/harness.py `mixed_jpegs`) are made, `--depth` in flight as the accelerator keeps
 them; what grew from the built pipeline to the end is recorded:
-  cpu   DALI's CPU backend: the process's peak resident memory (ru_maxrss): DALI's host buffers, and what the
+  cpu   DALI's CPU backend: the process's peak resident memory (VmHWM): DALI's host buffers, and what the
         C allocator keeps of them
   cuda  the GPU (decoding on the mixed decoder): device memory in use (cudaMemGetInfo), which DALI's own pool
         keeps once grown (run it with memory_bridge off: nothing else in the process allocates)
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
@@ -31,13 +30,15 @@ OUTPUT_SHAPE = (3, 224, 224)  # RandAugment's output (the policy's size), float3
 
 
 def in_use(device: str) -> int:
-    """Bytes in use: the process's peak resident memory (cpu), or the device's memory in use (cuda)."""
+    """Bytes in use: the process's peak resident memory (cpu: VmHWM, this process's own -- getrusage's ru_maxrss
+    starts from the parent's peak when a large process started it), or the device's memory in use (cuda)."""
     if device == "cuda":
         import torch
 
         free, total = torch.cuda.mem_get_info(0)
         return total - free
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def one_size(run: int, runs: int, depth: int, device: str) -> dict:
