@@ -17,7 +17,9 @@ Reported per batch size, over the timed epochs:
                         parameters: moved out of the training process, not hidden)
   calls_per_run         Python and C function calls the accelerator thread makes per DALI run, counted
                         by a profile hook in a second pass (the hook slows the thread, so the first
-                        pass times it without one), and calls per sample with it
+                        pass times it without one), and calls per sample with it; work_calls_per_run: of
+                        those, the ones inside the run's own submit and collect (the rest: the loop's take
+                        attempts and wake-ups while a run is in flight, more the longer a run takes)
   samples_per_run       the runs' mean size
 With `--tiny` the images are 32 px (still 224 px out: the policy's size, resized up and landed): DALI's
 decoding shrinks and the 2-core machine is less saturated, so thread times are more the feeder's than
@@ -41,14 +43,19 @@ from experiments.harness import provenance, result_path, write_json
 from fusionflow.tools.synthetic import EncodedImages
 
 THREAD = "fusionflow-accelerator"  # the accelerator thread's name (accel/accelerator.py)
+LOOP, WORK_STEPS = os.path.join("accel", "accelerator.py"), ("_submit", "_collect")  # a run's own steps
 
 
 class CallCounter:
     """A profile hook counting the calls of the accelerator thread only: installed for every thread
-    started after `install`, it removes itself from any thread of another name at its first event."""
+    started after `install`, it removes itself from any thread of another name at its first event. `work`
+    counts those made inside a run's submit or collect (accel/accelerator.py's loop steps, told by their code
+    names); the rest are the loop's own: take attempts and wake-ups while runs are in flight, whose number
+    follows how long a run takes (the board's events meanwhile), not its samples."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls = self.work = 0
+        self._depth = 0  # submit/collect frames open
 
     def hook(self, frame, event, arg):
         if threading.current_thread().name != THREAD:
@@ -56,6 +63,11 @@ class CallCounter:
             return
         if event in ("call", "c_call"):
             self.calls += 1
+            self.work += self._depth > 0
+            if event == "call" and frame.f_code.co_name in WORK_STEPS and frame.f_code.co_filename.endswith(LOOP):
+                self._depth += 1
+        elif event == "return" and frame.f_code.co_name in WORK_STEPS and frame.f_code.co_filename.endswith(LOOP):
+            self._depth -= 1
 
     def install(self):
         threading.setprofile(self.hook)
@@ -103,7 +115,7 @@ def one_pass(data, args, batch_size: int, counter: CallCounter | None) -> dict:
     try:
         for _ in loader:  # epoch 1: pipelines warm, every header read once
             pass
-        before, calls0 = dict(vars(loader.stats)), counter.calls if counter else 0
+        before, calls0, work0 = dict(vars(loader.stats)), *((counter.calls, counter.work) if counter else (0, 0))
         for _ in range(args.epochs - 1):
             for x, _ in loader:
                 time.sleep(args.step_us * 1e-6 * len(x))  # a training step (GIL released), 0 by default
@@ -127,8 +139,12 @@ def one_pass(data, args, batch_size: int, counter: CallCounter | None) -> dict:
         per = 1e6 / max(1, samples)
         row.update(feed_us_per_sample=feed * per, land_us_per_sample=land * per, inputs_us_per_sample=inputs * per)
     else:
-        calls = counter.calls - calls0
-        row.update(calls_per_run=calls / max(1, runs), calls_per_sample=calls / max(1, samples))
+        calls, work = counter.calls - calls0, counter.work - work0
+        row.update(
+            calls_per_run=calls / max(1, runs),
+            calls_per_sample=calls / max(1, samples),
+            work_calls_per_run=work / max(1, runs),
+        )
     return row
 
 
@@ -155,13 +171,14 @@ def main() -> None:
         timed = [one_pass(data, args, bs, None) for _ in range(args.rounds)]
         counted = one_pass(data, args, bs, CallCounter())
         med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
-        med.update(calls_per_run=counted["calls_per_run"], calls_per_sample=counted["calls_per_sample"])
+        med.update({k: counted[k] for k in ("calls_per_run", "calls_per_sample", "work_calls_per_run")})
         result["batch_sizes"][bs] = {"timed": timed, "counted": counted, "median": med}
         print(
             f"batch {bs}: {med['samples_per_run']:.0f} samples per run, share {med['share']:.2f}; feeding thread "
             f"{med['feed_us_per_sample']:.1f} us/sample ({med['land_us_per_sample']:.1f} landing), "
             f"input helper {med['inputs_us_per_sample']:.1f} us/sample; "
-            f"{med['calls_per_run']:.0f} calls per run ({med['calls_per_sample']:.1f} per sample)",
+            f"{med['calls_per_run']:.0f} calls per run ({med['calls_per_sample']:.1f} per sample; "
+            f"{med['work_calls_per_run']:.0f} in its submit and collect, the rest the loop's waits)",
             flush=True,
         )
     write_json(result, result_path(args.out, "bench_feeder" + ("_tiny" if args.tiny else "") + ".json"))

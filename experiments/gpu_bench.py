@@ -17,7 +17,9 @@ and, from t, g and ff_cpu's rate c, issue 41's model bound R = (1 + c*g)/(t + g)
 DALI sharing each mini-batch, the GPU running training and DALI) with each FusionFlow rate's share of it,
 the host bound min(staged, c + dali_only) for where DALI's host threads, not GPU time, hold dali_only,
 plus per-op agreement of FusionFlow's DALI GPU ops with its CPU ops, and the AoT-design numbers.
-Medians over timed iterations after warm-up, synchronised, and over `--repeats` runs of each variant (the
+Each variant's `_window_waits`, per repeat: its timed window's next() waits (median, p95, longest, their share
+of the window: a steady loss or one long wait). Medians over timed iterations after warm-up, synchronised, and
+over `--repeats` runs of each variant (the
 order rotating: one run of 20 iterations varied +-15% on the H100); JSON to $OUT (or --out), each row as it
 lands. `--trace DIR`: each FusionFlow variant's timeline there (its first repeat). From the repository root
 (on the device machine: experiments/gpu_run.sh bench ARGS):
@@ -45,6 +47,8 @@ from fusionflow.accel.sharing_profiler import PROFILE_BATCHES
 from fusionflow.loader.config import ACCELERATOR_PREFETCH
 
 DALI_PREFETCH = 2  # batches DALI runs ahead (its pipelines' default)
+# the last train_rate's timed window: each iteration's wait in next() (s) and the window's wall time (s)
+WINDOW: dict = {"waits": [], "seconds": 0.0}
 TV_PREFETCH = 2  # DataLoader's prefetch_factor (its default): workers x 2 batches buffered
 
 
@@ -195,12 +199,15 @@ def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
     std = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     it = make_batches()
-    t_start = None
+    t_start, waits = None, []
     for k in range(warmup + iters):
         if k == warmup:
             sync()
             t_start = time.perf_counter()
+        t_ask = time.perf_counter()
         x, y = next(it)
+        if t_start is not None:
+            waits.append(time.perf_counter() - t_ask)
         x = x.to(device, non_blocking=True)
         y = y.to(device, non_blocking=True)
         x = ((x.float() - mean) / std).contiguous(memory_format=torch.channels_last)
@@ -210,7 +217,22 @@ def train_rate(make_batches, model_name, device, iters, warmup, batch_size):
         loss.backward()
         opt.step()
     sync()
-    return iters * batch_size / (time.perf_counter() - t_start)
+    WINDOW.update(waits=waits, seconds=time.perf_counter() - t_start)
+    return iters * batch_size / WINDOW["seconds"]
+
+
+def window_waits() -> dict:
+    """The last timed window's next() waits: median, p95 and longest (ms), and their sum's share of the window --
+    a loss spread over every iteration (a steady-state rate) against one long wait (a start-up or a stall)."""
+    waits = sorted(WINDOW["waits"])
+    if not waits:
+        return {}
+    return {
+        "median_ms": 1e3 * statistics.median(waits),
+        "p95_ms": 1e3 * waits[min(len(waits) - 1, math.ceil(0.95 * len(waits)) - 1)],
+        "max_ms": 1e3 * waits[-1],
+        "share": sum(waits) / WINDOW["seconds"],
+    }
 
 
 def drain_warmup(warmup: int, buffered: int) -> int:
@@ -440,7 +462,9 @@ def run_row(data, model_name, workers, device, args) -> dict:
         for variant in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
             key = f"{model_name}/w{workers}/{variant}" + (f" (repeat {rep + 1})" if args.repeats > 1 else "")
             try:
+                WINDOW.update(waits=[], seconds=0.0)
                 rates[variant].append(variant_rate(variant, data, model_name, workers, device, args, row))
+                row.setdefault(f"{variant}_window_waits", []).append(window_waits())  # one per repeat
                 print(f"{key}: {rates[variant][-1]:.0f} img/s", flush=True)
             except Exception as exc:  # one broken variant must not lose the others' numbers
                 row[f"{variant}_error"] = "".join(traceback.format_exception(exc))[-2000:]

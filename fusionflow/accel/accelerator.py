@@ -192,6 +192,7 @@ class AcceleratorWorker:
         window must close on a finished run) or nothing else is to be had, also while awaiting the oldest's due."""
         board, inflight = self.board, self._active
         while True:
+            cpu0 = time.thread_time()  # the whole loop's CPU: take attempts and wake-ups too (waits sleep)
             with board.cond:
                 group, due = None, 0.0
                 while not self._stop and not self.retired:
@@ -211,7 +212,6 @@ class AcceleratorWorker:
                     board.requeue([w for g, *_ in lost for w in g])
                     board.cond.notify_all()
                     return
-            cpu0 = time.thread_time()
             if group:
                 self._guarded(self._submit, group)
             else:
