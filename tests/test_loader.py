@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -241,6 +242,29 @@ def test_exception_and_keyboard_interrupt_in_training_loop_clean_up():
             for _ in loader:
                 raise exc
         # the fixture checks that no worker and no segment is left
+
+
+def test_a_ctrl_c_while_the_manager_starts_leaves_no_worker_or_thread(monkeypatch):
+    """An interrupt landing in the manager thread's start (found by raising KeyboardInterrupt a few ms into the
+    first iteration): the started workers and the thread go with the failed start; the next epoch is whole."""
+    start = threading.Thread.start
+
+    def interrupted_start(thread):
+        start(thread)
+        if thread.name == "fusionflow-manager" and not fired:
+            fired.append(thread)
+            raise KeyboardInterrupt
+
+    fired: list = []
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    loader = FusionFlowLoader(Bytes(24), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(loader))
+    fired[0].join(timeout=30)
+    assert not fired[0].is_alive() and not mp.active_children()
+    _, labels = collect(loader)
+    assert [i for y in labels for i in y.tolist()] == list(range(24))
+    loader.close()
 
 
 def test_break_then_iterate_again_with_persistent_workers():

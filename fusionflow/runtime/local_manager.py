@@ -119,11 +119,11 @@ class LocalManager:
                 self.agent.pool = self.pool
                 board.watch_stale(self.agent)
             self.pool.start()
-        except BaseException:
+            self._thread = threading.Thread(target=self._run, name="fusionflow-manager", daemon=True)
+            self._thread.start()
+        except BaseException:  # a Ctrl-C here too: nothing started may outlive the failed start
             self.shutdown()
             raise
-        self._thread = threading.Thread(target=self._run, name="fusionflow-manager", daemon=True)
-        self._thread.start()
 
     def attach(self, on_batch_done=None, on_capacity_change=None) -> None:
         """Set the loader's callbacks (called under the lock; they must not refer to the loader)."""
@@ -273,8 +273,8 @@ class LocalManager:
         board.on_batch_done = self.on_capacity_change = None
         thread = self._thread  # 2
         board.wake()
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5.0)
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout=5.0)  # (not alive: never started, its start interrupted; it sees _closed if it runs)
         agent, pool, self.agent, self.pool = self.agent, self.pool, None, None  # they refer back to the board
         board.unwatch_stale()
         if agent is not None:  # 3
