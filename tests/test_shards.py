@@ -247,6 +247,16 @@ def test_dict_samples_through_sample_keys(folder, style, keys):
     assert DictSamples(DictDataset(folder, style), keys[0])[4] == (folder[4][0], None)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("keys", [("jpg",), "jpg"])
+def test_samples_without_targets_deliver_the_same_images_and_none(folder, keys, num_workers):
+    """sample_keys=(image key,): every batch is (the images the (image, target) dataset gives, None)."""
+    kw = dict(batch_size=6, num_workers=num_workers, policy=SMALL, seed=1)
+    want = _batches(FusionFlowLoader(folder, **kw))
+    got = [(x, y) for x, y in FusionFlowLoader(DictDataset(folder, "wids"), sample_keys=keys, **kw)]
+    assert len(got) == len(want) and all(y is None and torch.equal(x, x2) for (x, y), (x2, _) in zip(got, want))
+
+
 def test_dict_samples_without_sample_keys_say_which_keys_to_give(folder):
     with pytest.raises(ValueError, match=r"keys: '__key__', '.jpg', '.cls'.*sample_keys=\('.jpg', '.cls'\)"):
         FusionFlowLoader(DictDataset(folder, "wids"), batch_size=4, policy=SMALL)

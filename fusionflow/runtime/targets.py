@@ -14,7 +14,8 @@ target was an int (the common case) as the ring's int64 tensor, exactly what `de
 of Python ints; otherwise it rebuilds the list of targets -- ring ints as Python ints, the others as
 they arrived -- and collates it with `torch.utils.data.default_collate`, so floats arrive as float64,
 tensors stacked, strings as lists, dicts and tuples collated per key / field, exactly as DataLoader
-would deliver them.
+would deliver them. A mini-batch whose targets are all None (samples without targets: `sample_keys=(image
+key,)`, a shard set's `target_key=None`) delivers None in their place.
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def collate(objs: list, device=None, pin_memory: bool = False):
     moved to `device` (a torch.device, or None to stay on the host), else pinned if `pin_memory`."""
     from torch.utils.data import default_collate
 
+    if all(o is None for o in objs):  # samples without targets (sample_keys=(image key,), target_key=None)
+        return None
     collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
     # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
     if device is not None:
