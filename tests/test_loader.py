@@ -424,6 +424,22 @@ def test_batch_sampler_and_set_epoch_forwarding():
     assert [i for y in labels for i in y.tolist()] == list(ref)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_indices_of_any_integer_type_are_the_same_samples_and_others_are_refused_by_name(num_workers):
+    """A sampler over torch.arange yields 0-d tensors, numpy's yields np.int64: the same batches and pixels as
+    Python ints (the inline path refused tensors); a float or a negative index is refused, saying which."""
+    kw = dict(batch_size=4, num_workers=num_workers, policy=SMALL, seed=2)
+    want = [(x, y.tolist()) for x, y in FusionFlowLoader(Bytes(8), sampler=[5, 0, 3, 1, 2, 7], **kw)]
+    for sampler in (list(torch.tensor([5, 0, 3, 1, 2, 7])), list(np.array([5, 0, 3, 1, 2, 7]))):
+        got = [(x, y.tolist()) for x, y in FusionFlowLoader(Bytes(8), sampler=sampler, **kw)]
+        assert [y for _, y in got] == [y for _, y in want] == [[5, 0, 3, 1], [2, 7]]
+        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, want))
+    with pytest.raises(TypeError, match=r"index 1.0 \(float\): indices must be integers"):
+        list(FusionFlowLoader(Bytes(8), sampler=[0, 1.0], **kw))
+    with pytest.raises(ValueError, match=r"index -1: FusionFlow takes indices 0..len\(dataset\)-1"):
+        list(FusionFlowLoader(Bytes(8), sampler=[0, -1], **kw))
+
+
 def test_any_batch_sampler_dataloader_accepts():
     """A list of index lists and a batch sampler without `batch_size` (DataLoader needs neither): the
     batches as DataLoader yields them, uneven sizes included; shared memory sized for the longest."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import operator
 import warnings
 from dataclasses import dataclass
 
@@ -146,6 +147,7 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
     else:
         snapshot = capture(batch_sampler, sampler)
         batches = iter(batch_sampler)
+    batches = map(_as_indices, batches)
     for _ in range(skip):
         skipped = next(batches, None)
         if skipped is None:
@@ -153,6 +155,23 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
         if on_skip is not None:
             on_skip(skipped)
     return batches, snapshot
+
+
+def _as_indices(batch) -> list[int]:
+    """A batch of the batch sampler as Python ints, whatever integer type it yields (a sampler over
+    `torch.arange` yields 0-d tensors, numpy's ints): a sample is its index wherever it runs."""
+    indices = []
+    for i in batch:
+        try:
+            indices.append(operator.index(i))
+        except TypeError:
+            raise TypeError(f"the sampler yielded index {i!r} ({type(i).__name__}): indices must be integers") from None
+    if indices and min(indices) < 0:
+        raise ValueError(
+            f"the sampler yielded index {min(indices)}: FusionFlow takes indices 0..len(dataset)-1 (a sample's "
+            "augmentation is drawn from its index, so -1 and len(dataset)-1 would be two different samples)"
+        )
+    return indices
 
 
 _PEEKABLE = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
