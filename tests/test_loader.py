@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
 
 from fusionflow import FusionFlowError
 from fusionflow.errors import SampleError
@@ -141,8 +141,11 @@ def test_every_sample_once_in_sampler_order(num_workers, shuffle, drop_last, bat
         seed=1,
         generator=gen,
     )
-    sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3)) if shuffle else SequentialSampler(ds)
-    expected = list(BatchSampler(sampler, batch_size, drop_last))
+    # DataLoader's order with the same generator (its iterator draws a base seed from it before the sampler)
+    reference = torch.utils.data.DataLoader(
+        range(len(ds)), batch_size, shuffle, drop_last=drop_last, generator=torch.Generator().manual_seed(3)
+    )
+    expected = [b.tolist() for b in reference]
     images, labels = collect(loader)
     assert [y.tolist() for y in labels] == expected
     assert len(loader) == len(expected)
@@ -151,6 +154,32 @@ def test_every_sample_once_in_sampler_order(num_workers, shuffle, drop_last, bat
         assert x.dtype == torch.uint8 and x.shape == (len(idx), 3, 24, 24)
         for k in (0, len(idx) - 1):
             assert np.array_equal(x[k].numpy(), pipe(ds.data[idx[k]], idx[k], seed=1, epoch=0))
+
+
+@pytest.mark.parametrize("generator", [None, 4])
+def test_shuffled_order_is_dataloaders_whatever_num_workers_and_persistence(generator):
+    """Each epoch's iterator draws DataLoader's base seed (from the loader's generator, else torch's RNG) before
+    the sampler draws: the same order with 0 or 2 workers, persistent or not, as DataLoader's (num_workers=0,
+    whose iterator draws once an epoch; before, num_workers=0 skipped that draw and a generator was not used)."""
+
+    def orders(make, labels):
+        torch.manual_seed(5)
+        loader = make(torch.Generator().manual_seed(generator) if generator is not None else None)
+        return [[i for batch in loader for i in labels(batch).tolist()] for _ in range(3)]
+
+    want = orders(lambda g: torch.utils.data.DataLoader(range(20), 4, shuffle=True, generator=g), lambda b: b)
+    assert len({tuple(o) for o in want}) == 3  # three different epochs
+    for workers, persistent in ((0, False), (2, False), (2, True)):
+        kw = dict(batch_size=4, shuffle=True, num_workers=workers, persistent_workers=persistent, policy=SMALL)
+        made = []
+
+        def make(g, kw=kw, made=made):
+            made.append(FusionFlowLoader(Bytes(20), generator=g, **kw))
+            return made[-1]
+
+        got = orders(make, lambda batch: batch[1])
+        made[0].close()
+        assert got == want, (workers, persistent)
 
 
 @pytest.mark.parametrize("replicas", [2, 3])

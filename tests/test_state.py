@@ -159,10 +159,8 @@ def test_shuffle_without_generator_resumes_the_epoch_and_follows_torchs_rng():
 
 def test_order_of_shuffle_without_generator_is_still_dataloaders():
     """Capturing the epoch's draw does not change the order a seeded DataLoader gives."""
-    from torch.utils.data import BatchSampler, RandomSampler
-
     torch.manual_seed(31)
-    expected = [list(b) for b in BatchSampler(RandomSampler(DS), 6, False)]
+    expected = [b.tolist() for b in torch.utils.data.DataLoader(range(len(DS)), 6, shuffle=True)]
     torch.manual_seed(31)
     got = [y for _, y in batches(make("sequential", 0, shuffle=True, batch_size=6))]
     assert got == expected

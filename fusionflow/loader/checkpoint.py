@@ -68,15 +68,21 @@ def order_owner(batch_sampler, sampler):
     return sampler, "none"
 
 
-def capture(batch_sampler, sampler) -> dict:
-    """The order's state now, without side effects (for a state taken between epochs)."""
+def capture(batch_sampler, sampler, draws_first=None) -> dict:
+    """The order's state now, without side effects (for a state taken between epochs). `draws_first`: the
+    generator the next iteration takes its base seed from before the sampler draws (lifecycle.base_seed):
+    where that is the sampler's, the state after that draw, as the epoch will find it."""
     owner, kind = order_owner(batch_sampler, sampler)
     if kind == "state_dict":
         return {"kind": kind, "state": copy.deepcopy(owner.state_dict())}
     if kind == "random_seed":
         return {"kind": kind, "seed": None}  # drawn from torch's global RNG when the epoch starts
     if kind == "generator":
-        return {"kind": kind, "state": owner.generator.get_state()}
+        generator = owner.generator
+        if draws_first is not None and draws_first is generator:
+            generator = torch.Generator().set_state(generator.get_state())  # a copy: the draw leaves it alone
+            torch.empty((), dtype=torch.int64).random_(generator=generator)
+        return {"kind": kind, "state": generator.get_state()}
     if kind == "epoch":
         return {
             "kind": kind,
@@ -177,13 +183,14 @@ def _as_indices(batch) -> list[int]:
 _PEEKABLE = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
 
 
-def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int) -> list | None:
+def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int, base=None) -> list | None:
     """The first `k` batches the next epoch's `start_epoch` will draw if nothing changes until then,
     computed now and leaving every state as it was: the sampler's, its generator's, torch's global
     RNG. None where that cannot be known without side effects: a batch sampler other than torch's
     BatchSampler, or a sampler other than torch's own (a custom one might draw from a global RNG or
     count its iterations), or a resume pending. A guess, not a promise: the caller compares it with
-    the batches the epoch really draws (the user may reseed torch or call set_epoch in between)."""
+    the batches the epoch really draws (the user may reseed torch or call set_epoch in between). `base`: the
+    generator the epoch's base seed is drawn from first (lifecycle.base_seed; None: torch's global RNG)."""
     if type(batch_sampler) is not BatchSampler or type(sampler) not in _PEEKABLE:
         return None
     owner, kind = order_owner(batch_sampler, sampler)
@@ -194,6 +201,8 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int) -> li
     take = lambda: list(itertools.islice(iter(batch_sampler), k))  # noqa: E731
     if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
         rng = torch.Generator().set_state(torch.get_rng_state())
+        if base is None:  # after the base seed's draw
+            torch.empty((), dtype=torch.int64).random_(generator=rng)
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
         sampler.generator = torch.Generator().manual_seed(seed)
         try:
@@ -203,6 +212,8 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int) -> li
     if kind == "generator":
         state = sampler.generator.get_state()
         try:
+            if base is sampler.generator:  # after the base seed's draw
+                torch.empty((), dtype=torch.int64).random_(generator=base)
             return take()
         finally:
             sampler.generator.set_state(state)
@@ -278,7 +289,7 @@ class Checkpoint:
             progress.start, progress.yielded = snapshot, skip
         return batches
 
-    def state_dict(self, shape: dict, seed: int, batch_sampler, sampler) -> dict:
+    def state_dict(self, shape: dict, seed: int, batch_sampler, sampler, draws_first=None) -> dict:
         """See FusionFlowLoader.state_dict; `shape`: the loader's dataset_len, batch_size,
         drop_last and num_batches."""
         cur = self.current
@@ -292,7 +303,9 @@ class Checkpoint:
             "epoch_set": self.epoch_set,
             "iterations": self.iterations,
             "batches_yielded": cur.yielded if in_epoch else None,
-            "sampler": (cur.start if in_epoch and cur.start is not None else capture(batch_sampler, sampler)),
+            "sampler": (
+                cur.start if in_epoch and cur.start is not None else capture(batch_sampler, sampler, draws_first)
+            ),
         }
 
     def load_state_dict(self, state: dict, shape: dict, batch_sampler, sampler) -> None:

@@ -69,6 +69,7 @@ class LoaderConfig:
     worker_init_fn: Any
     multiprocessing_context: Any
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
+    generator: Any = None  # as given: each iteration's base-seed draw takes from it, as DataLoader's does
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
     dali_run_samples: int = RUN_SAMPLES  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
@@ -349,6 +350,7 @@ def resolve_config(
         multiprocessing_context=multiprocessing_context,
         remote_workers=remote_workers,
         sample_keys=sample_keys,
+        generator=generator,
         read_ahead=read_ahead,
         cache=cache,
     )

@@ -24,6 +24,7 @@ import torch
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.slots import SlotPool
+from fusionflow.runtime.spec import base_seed
 from fusionflow.scheduling.tiny_batches import Copies
 
 
@@ -145,7 +146,8 @@ class WorkerIterator(EpochIterator):
         self._exhausted = False
 
     def _start(self) -> None:
-        self._mgr = mgr = self._runtime.start(self.config, self._delivery.alloc_device)
+        seed = base_seed(self.config.generator)  # every epoch, as DataLoader's iterator (used if a runtime starts)
+        self._mgr = mgr = self._runtime.start(self.config, self._delivery.alloc_device, seed)
         copies = self._copies = copies_for(self.config.sampler)
         # (indices, copy numbers) of each mini-batch; the generator must not refer to self (no cycle:
         # a dropped iterator ends at once)
@@ -270,6 +272,7 @@ class InlineIterator(EpochIterator):
         from fusionflow.ops.pipeline import CpuPipeline
 
         cfg = self.config
+        base_seed(cfg.generator)  # unused here (no worker to seed), drawn as DataLoader's iterator draws it
         cache = self._runtime.cache(cfg)
         self._pipe = CpuPipeline(cfg.policy, cache=cache.reader() if cache is not None else None)
         self._buf = np.empty((cfg.capacity, *cfg.policy.out_shape), cfg.policy.out_dtype)

@@ -20,7 +20,7 @@ import torch
 
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
-from fusionflow.runtime.spec import RuntimeSpec
+from fusionflow.runtime.spec import RuntimeSpec, base_seed
 
 log = logging.getLogger("fusionflow.loader")
 
@@ -35,9 +35,10 @@ class LoaderRuntime:
         self._finalizer = weakref.finalize(self, shutdown_runtime, self._box)
         tracing.on_change = functools.partial(_set_trace, weakref.ref(self))  # weak: no cycle through tracing
 
-    def start(self, config, alloc_device: torch.device) -> LocalManager:
+    def start(self, config, alloc_device: torch.device, seed: int | None = None) -> LocalManager:
         """The running manager, started now if there is none (with the accelerator and remote
-        workers the config asks for). A start that fails half-way leaves nothing running."""
+        workers the config asks for; `seed`: the iteration's base seed, drawn now if None). A start that
+        fails half-way leaves nothing running."""
         if self.manager is not None:
             return self.manager
         cfg = config
@@ -53,7 +54,7 @@ class LoaderRuntime:
             layout=layout,
             num_workers=cfg.num_workers,
             seed=cfg.seed,
-            base_seed=int(torch.empty((), dtype=torch.int64).random_().item()) % 2**31,
+            base_seed=(base_seed(cfg.generator) if seed is None else seed) % 2**31,
             worker_init_fn=cfg.worker_init_fn,
             mp_context=ctx,
             pin_workers=cfg.pin_workers,

@@ -99,7 +99,9 @@ class NextEpoch:
         checkpoint, config, epoch = self._checkpoint, tail.config, tail.epoch
         if checkpoint.resume is not None or checkpoint.current is not tail.owner.progress:
             return None  # a load_state_dict is pending, or a newer iterator began
-        guessed = peek_next(config.batch_sampler, config.sampler, epoch, epoch + 1, config.prefetch_factor)
+        guessed = peek_next(
+            config.batch_sampler, config.sampler, epoch, epoch + 1, config.prefetch_factor, config.generator
+        )
         if not guessed:
             return None
         copies = copies_for(config.sampler)

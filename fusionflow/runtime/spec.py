@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fusionflow.runtime.shm import RingLayout
 
 
@@ -31,3 +33,18 @@ class RuntimeSpec:
     stages: tuple[str, ...] | None = None  # stage names workers time per sample, or None
     job: str | None = None  # the global manager's job (worker lending), or None
     cache: Any = None  # the loader's CacheAttachment (fusionflow/cache/attach.py): workers get handles, or None
+
+
+def base_seed(generator=None) -> int:
+    """The draw DataLoader makes as an iterator starts (from the loader's generator, else torch's global RNG),
+    made by every epoch's iterator at that point, before the sampler's: the order is DataLoader's whatever
+    num_workers and persistent_workers (DataLoader's persistent workers draw once, so from its second epoch
+    its order differs from its own without them), and a state resumes in a loader of either kind."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def next_base_seed(generator=None) -> int:
+    """The base seed the next iteration will draw, drawn from a copy (the RNG is left as it was): for a runtime
+    started ahead of its first epoch (a SharedLoader's), so the epochs' own draws stay the iterators'."""
+    state = generator.get_state() if generator is not None else torch.get_rng_state()
+    return base_seed(torch.Generator().set_state(state))

@@ -28,6 +28,7 @@ import os
 from fusionflow.errors import FusionFlowError
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.slots import SlotPool
+from fusionflow.runtime.spec import next_base_seed
 from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import Hub
 
@@ -113,7 +114,8 @@ class SharedLoader:
         parts = loader.parts
         parts.runtime.stop()  # a running runtime has the old ring depth
         try:
-            self._mgr = parts.runtime.start(self.config, parts.delivery.alloc_device)
+            seed = next_base_seed(self.config.generator)  # its first epoch's draw, left to that epoch to make
+            self._mgr = parts.runtime.start(self.config, parts.delivery.alloc_device, seed)
             self._hub = Hub(self.name, self._mgr.board.ring.fd, self._hello, self._slot_free)
         except BaseException:
             loader.close()
