@@ -29,11 +29,15 @@ class ImageTooLargeError(DecodeError):
 class SampleError(FusionFlowError):
     """A sample failed to load, decode or augment in a worker; carries the worker's traceback."""
 
-    def __init__(self, index: int, what: str, exc_type: str, message: str, worker_traceback: str):
+    def __init__(self, index: int, what: str, exc_type: str, message: str, worker_traceback: str, hint=None):
+        if hint is None:  # a sample the dataset gave in a form FusionFlow cannot take is the dataset's to fix
+            hint = (
+                "fix the dataset's __getitem__ (on_error='skip' would drop every sample it returns so)"
+                if exc_type == "TypeError"
+                else "pass on_error='skip' to drop such samples"
+            )
         super().__init__(
-            f"{what} failed: {exc_type}: {message}\n"
-            f"(pass on_error='skip' to drop such samples)\n\n"
-            f"Original traceback in the worker:\n{worker_traceback}"
+            f"{what} failed: {exc_type}: {message}\n({hint})\n\nOriginal traceback in the worker:\n{worker_traceback}"
         )
         self.index, self.what, self.exc_type, self.worker_traceback = index, what, exc_type, worker_traceback
 
@@ -82,3 +86,8 @@ class SharedLoaderError(FusionFlowError):
     """A SharedLoaderClient lost its producer: the SharedLoader it named is not serving, exited, was
     killed, stopped, failed (its error is in the message), or did not answer within the client's
     timeout. The message names the producer (its name and pid)."""
+
+
+class EmptyBatch(Exception):
+    """Not raised to the caller: on_error='skip' left a mini-batch no sample, so the iterator (or a
+    SharedLoader) goes on to the next one instead of delivering it."""

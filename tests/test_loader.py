@@ -264,6 +264,21 @@ def test_corrupt_images_skipped_counted_and_warned_once(num_workers):
     assert loader.stats.skipped == 3 and sorted(loader.stats.skipped_indices) == [3, 11, 12]
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skip_never_delivers_an_empty_batch_and_a_dataset_failing_every_sample_raises(num_workers):
+    kw = dict(batch_size=4, num_workers=num_workers, policy=SMALL, on_error="skip")
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        _, labels = collect(FusionFlowLoader(Bytes(16, bad={4, 5, 6, 7, 9}), **kw))
+    assert [y.tolist() for y in labels] == [[0, 1, 2, 3], [8, 10, 11], [12, 13, 14, 15]]  # not an empty [4..7]
+    with pytest.warns(UserWarning), pytest.raises(SampleError, match="every sample of the first 2 mini-batches"):
+        collect(FusionFlowLoader(Bytes(16, bad=set(range(16))), **kw))
+
+
+def test_a_sample_of_the_wrong_type_says_to_fix_the_dataset_not_to_skip():
+    with pytest.raises(SampleError, match=r"got NoneType\n\(fix the dataset's __getitem__"):
+        collect(FusionFlowLoader([(None, 0)] * 4, batch_size=2, policy=SMALL))
+
+
 def test_exception_and_keyboard_interrupt_in_training_loop_clean_up():
     for exc in (RuntimeError("boom"), KeyboardInterrupt()):
         loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL)

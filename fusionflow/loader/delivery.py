@@ -15,11 +15,12 @@ import warnings
 import numpy as np
 import torch
 
-from fusionflow.errors import SampleError
+from fusionflow.errors import EmptyBatch, SampleError
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.cuda_host import record_copies
 
 SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
+SYSTEMATIC = 2  # mini-batches wholly skipped before a loader delivered any sample: the dataset fails every one
 
 
 class Delivery:
@@ -31,6 +32,7 @@ class Delivery:
         self.stats, self.device, self.pin_memory, self.on_error = stats, device, pin_memory, on_error
         self.alloc_device = device
         self.warned_skip = False  # on_error='skip' warns once per loader
+        self.empty_batches = 0  # mini-batches on_error='skip' left empty (not delivered)
 
     def from_ring(self, mgr, state, gpu=None):
         """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them
@@ -71,7 +73,8 @@ class Delivery:
         return torch.from_numpy(images.copy()), torch.from_numpy(labels.copy()), None
 
     def select(self, n: int, failures):
-        """Positions of a batch of `n` to deliver after applying on_error to its failures (None: all)."""
+        """Positions of a batch of `n` to deliver after applying on_error to its failures (None: all); raises
+        EmptyBatch where none is left (SampleError where no sample of the loader's got through yet, twice)."""
         if not failures:
             return None
         failures = sorted(failures, key=lambda f: f.position)
@@ -92,7 +95,22 @@ class Delivery:
                 f"counted in loader.stats.skipped without another warning",
                 stacklevel=4,
             )
-        return [p for p in range(n) if p not in bad]
+        keep = [p for p in range(n) if p not in bad]
+        if not keep:  # an empty batch is not delivered (a training step on none fails or gives NaN)
+            self.empty_batches += 1
+            if self.stats.samples == 0 and self.empty_batches >= SYSTEMATIC:
+                f = failures[0]
+                raise SampleError(
+                    f.index,
+                    f.what,
+                    f.exc_type,
+                    f.message,
+                    f.traceback,
+                    hint=f"every sample of the first {self.empty_batches} mini-batches failed, none was delivered: "
+                    "on_error='skip' drops a bad sample, not a dataset that fails them all",
+                )
+            raise EmptyBatch
+        return keep
 
     def account(self, wait: float, n: int) -> None:
         """One batch of `n` samples delivered after the training loop waited `wait` s for it."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from fusionflow.errors import EmptyBatch
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.slots import SlotPool
@@ -95,7 +96,12 @@ class EpochIterator:
             if not self._started:
                 self._started = True
                 self._start()
-            out = step()
+            while True:
+                try:
+                    out = step()
+                    break
+                except EmptyBatch:  # on_error='skip' left it no sample: the next one instead (a resume skips it)
+                    self.progress.yielded += 1
         except StopIteration:
             self.progress.done = True  # the epoch is complete
             self._end(finished=True)
@@ -237,7 +243,13 @@ class WorkerIterator(EpochIterator):
             if gpu is not None:
                 gpu.close_window(mgr)
         wait = time.perf_counter() - t0
-        images_t, labels_t, objs, event = self._delivery.from_ring(mgr, state, gpu)
+        try:
+            images_t, labels_t, objs, event = self._delivery.from_ring(mgr, state, gpu)
+        except EmptyBatch:  # nothing was copied out: its slot goes back (the caller goes on to the next)
+            self._delivered += 1
+            self._slots.give(state.slot)
+            self._refill()
+            raise
         self._waited(wait, self._delivered, len(images_t))
         if gpu is not None:
             gpu.sync_stats()
@@ -302,7 +314,7 @@ class InlineIterator(EpochIterator):
             if failure is not None:
                 failures.append(failure)
         n = len(indices)
-        keep = self._delivery.select(n, failures)
+        keep = self._delivery.select(n, failures)  # EmptyBatch: the caller goes on to the next
         imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
         objs = ff_targets.gather(labels, range(n) if keep is None else keep, side) if side else None
         wait = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 
-from fusionflow.errors import FusionFlowError
+from fusionflow.errors import EmptyBatch, FusionFlowError
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.slots import SlotPool
 from fusionflow.runtime.spec import next_base_seed
@@ -198,7 +198,11 @@ class SharedLoader:
                             "fusionflow: SharedLoader %r: epoch %d has no client left; ended early", self.name, epoch
                         )
                         break
-                    n, targets = self._compact(state)
+                    try:
+                        n, targets = self._compact(state)
+                    except EmptyBatch:  # on_error='skip' left it none: not published, its slot free again
+                        it.release(state.slot)
+                        continue
                     hub.publish(state.slot, n, targets)
             except BaseException as exc:
                 hub.broadcast(("error", f"{type(exc).__name__}: {exc}"))
