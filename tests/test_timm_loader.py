@@ -211,6 +211,9 @@ def test_deterministic_batches_match_timm_s_loader_within_the_fast_mode_bound(si
         (dict(collate_fn=FastCollateMixup(mode="half")), r"mode 'half'"),
         (dict(use_prefetcher=False, collate_fn=FastCollateMixup()), r"use_prefetcher=True"),
         (dict(worker_seeding="some"), r"worker_seeding='some'"),
+        (dict(policy="eval"), r"create_loader\(policy=...\): the policy is the transform timm's arguments"),
+        (dict(shuffle=False), r"create_loader\(shuffle=...\): is_training=True shuffles"),
+        (dict(sampler=[0, 1]), r"create_loader\(sampler=...\)"),
     ],
 )
 def test_what_cannot_be_expressed_is_refused_when_built_naming_the_argument(folder, kw, match):

@@ -99,6 +99,19 @@ class Built:
     sampler: Any  # the sampler timm would have built, or None
 
 
+# FusionFlowLoader arguments create_loader derives from timm's, refused among its extra keywords (a policy given
+# there replaced the transform and its normalisation silently; the others clashed with timm's own)
+DERIVED = {
+    "policy": "the policy is the transform timm's arguments describe (input_size, auto_augment, mean/std, ...); "
+    "set those, or use FusionFlowLoader(policy=...) directly",
+    "shuffle": "is_training=True shuffles (and drops the last partial batch), as timm's loader does",
+    "drop_last": "is_training=True drops the last partial batch, as timm's loader does",
+    "sampler": "timm's loader picks its sampler from distributed= and num_aug_repeats=",
+    "batch_sampler": "timm's loader batches by batch_size=",
+    "worker_init_fn": "worker_seeding= is timm's worker seeding",
+}
+
+
 def refuse(argument: str, why: str):
     raise ValueError(f"fusionflow.timm.create_loader({argument}): {why}")
 
@@ -224,6 +237,9 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     from fusionflow.loader.config import resolve_seed
 
     views = check(dataset, a)
+    for name, why in DERIVED.items():  # FusionFlowLoader arguments create_loader makes from timm's own
+        if name in loader_kwargs:
+            refuse(f"{name}=...", why)
     if views > 1 and loader_kwargs.get("on_error") == "skip":
         refuse(
             "on_error='skip'", "with num_aug_splits a skipped sample would leave its views misaligned (keep 'raise')"

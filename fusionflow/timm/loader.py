@@ -25,7 +25,8 @@ FusionFlow cannot express, naming the argument):
 - `num_workers`, `pin_memory`, `persistent_workers`, `worker_seeding`: as timm's (the seeding applies
   to the workers' `random`/numpy/torch; FusionFlow's augmentation draws are its own, a function of
   (seed, epoch, index)); `use_multi_epochs_loader`: FusionFlow's workers outlive epochs anyway.
-Keyword arguments beyond timm's go to FusionFlowLoader (`seed=`, `accelerator=`, `timeout=`, ...).
+Keyword arguments beyond timm's go to FusionFlowLoader (`seed=`, `accelerator=`, `timeout=`, ...), except those
+it derives from timm's (`policy`, `shuffle`, `drop_last`, `sampler`, `batch_sampler`, `worker_init_fn`): refused.
 """
 
 from __future__ import annotations
