@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 from test_loader import SMALL, Bytes, _our_tree, collect, no_leaks  # noqa: F401  (autouse: no process or segment left)
-from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
+from torch.utils.data import BatchSampler, DistributedSampler
 
 from fusionflow import FusionFlowLoader, RemoteWorkerError
 from fusionflow.ops.pipeline import CpuPipeline
@@ -145,6 +145,12 @@ def _loader(ds, remote=None, **kw):
     )
     args.update(kw)
     return FusionFlowLoader(ds, remote_workers=remote, **args)
+
+
+def dataloaders_order(n: int) -> list:
+    """The batches DataLoader draws with _loader's batch size, shuffle and generator."""
+    loader = torch.utils.data.DataLoader(range(n), 8, shuffle=True, generator=torch.Generator().manual_seed(3))
+    return [b.tolist() for b in loader]
 
 
 def _expected_pixels(ds, images, batches, epoch, copy=0):
@@ -303,8 +309,7 @@ class TestLocalRay:
 
         ds = Bytes(48, sleep=0.01)
         with _loader(ds, RayWorkers(2)) as loader:
-            sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
-            expected = list(BatchSampler(sampler, 8, False))
+            expected = dataloaders_order(len(ds))
             it = iter(loader)
             first = next(it)
             kind = loader._manager.board.kinds[0]
@@ -408,8 +413,7 @@ class TestSimulatedCluster:
 
         ds = Bytes(48, sleep=0.01)
         with _loader(ds, RayWorkers(2)) as loader:
-            sampler = RandomSampler(ds, generator=torch.Generator().manual_seed(3))
-            expected = list(BatchSampler(sampler, 8, False))
+            expected = dataloaders_order(len(ds))
             it = iter(loader)
             first = next(it)
             kind = loader._manager.board.kinds[0]
