@@ -277,6 +277,8 @@ def test_skip_never_delivers_an_empty_batch_and_a_dataset_failing_every_sample_r
 def test_a_sample_of_the_wrong_type_says_to_fix_the_dataset_not_to_skip():
     with pytest.raises(SampleError, match=r"got NoneType\n\(fix the dataset's __getitem__"):
         collect(FusionFlowLoader([(None, 0)] * 4, batch_size=2, policy=SMALL))
+    with pytest.raises(SampleError, match=r"must return \(sample, target\), got a tuple of 3"):
+        collect(FusionFlowLoader([(JPEGS[0], 0, "extra")] * 4, batch_size=2, policy=SMALL))
 
 
 def test_exception_and_keyboard_interrupt_in_training_loop_clean_up():

@@ -220,3 +220,7 @@ def test_tensor_layout_rule_and_errors():
         CpuPipeline("default")(torch.zeros(3, 8, 8), 2)
     with pytest.raises(TypeError, match=r"got torch\.uint8 \(5, 6, 7\)"):
         open_image(torch.zeros(5, 6, 7, dtype=torch.uint8), "sample 2")
+    encoded = np.frombuffer(make_jpegs(1, 20, 21)[0], np.uint8)  # a file's bytes as torchvision.io.read_file has them
+    for flat in (torch.from_numpy(encoded.copy()), encoded):
+        with pytest.raises(TypeError, match=r"holds an encoded file .* return its bytes: bytes\(x\.numpy\(\)\)"):
+            open_image(flat, "sample 2")

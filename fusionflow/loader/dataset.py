@@ -138,5 +138,6 @@ def check_raw_samples(dataset) -> None:
         raise ValueError(
             f"dataset[0] returns an already-transformed {type(sample).__name__} of dtype {dtype} "
             f"(shape {tuple(sample.shape)}): FusionFlow decodes and augments the samples itself; "
-            "give FusionFlow the raw images (fusionflow.ImageFolder) and a policy"
+            "give FusionFlow the raw images (fusionflow.ImageFolder, or this dataset without its transform: "
+            "transform=None) and a policy"
         )

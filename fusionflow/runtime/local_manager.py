@@ -171,8 +171,9 @@ class LocalManager:
                 raise self.fatal
             if self._closed:
                 raise FusionFlowError(
-                    f"mini-batch {seq} cannot arrive: the loader's workers were shut down "
-                    "during this iteration (close(), or load_state_dict with a new seed)"
+                    f"mini-batch {seq} cannot arrive: the loader's workers were shut down during this iteration "
+                    "(close(), load_state_dict with a new seed, or a newer iter(loader) that ran to its end: without "
+                    "persistent_workers an epoch's end stops them; iterate one epoch at a time)"
                 )
             state = board.queue.batches.get(key)
             if state is None:

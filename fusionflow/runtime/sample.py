@@ -28,7 +28,8 @@ def split_item(item, index: int):
 
         raise dict_sample_error(item, index)
     if not isinstance(item, (tuple, list)) or len(item) != 2:
-        raise TypeError(f"dataset[{index}] must return (sample, target), got {type(item).__name__}")
+        size = f" of {len(item)}" if isinstance(item, (tuple, list)) else ""
+        raise TypeError(f"dataset[{index}] must return (sample, target), got a {type(item).__name__}{size}")
     return item[0], item[1]
 
 
