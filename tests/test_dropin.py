@@ -187,7 +187,7 @@ class TransformedArrays(Transformed):
 
 @pytest.mark.parametrize("ds", [Transformed(), TransformedArrays()])
 def test_already_transformed_dataset_is_refused_at_construction(ds):
-    with pytest.raises(ValueError, match=r"give FusionFlow the raw images \(fusionflow.ImageFolder\) and a policy"):
+    with pytest.raises(ValueError, match=r"raw images \(fusionflow.ImageFolder, or this dataset without its transform"):
         FusionFlowLoader(ds, batch_size=2, policy=EXACT)
 
 

@@ -270,8 +270,57 @@ def test_skip_never_delivers_an_empty_batch_and_a_dataset_failing_every_sample_r
     with pytest.warns(UserWarning, match="on_error='skip'"):
         _, labels = collect(FusionFlowLoader(Bytes(16, bad={4, 5, 6, 7, 9}), **kw))
     assert [y.tolist() for y in labels] == [[0, 1, 2, 3], [8, 10, 11], [12, 13, 14, 15]]  # not an empty [4..7]
-    with pytest.warns(UserWarning), pytest.raises(SampleError, match="every sample of the first 2 mini-batches"):
-        collect(FusionFlowLoader(Bytes(16, bad=set(range(16))), **kw))
+    loader = FusionFlowLoader(Bytes(16, bad={4, 5, 6, 7, 9}), **kw)
+    it = iter(loader)
+    with pytest.warns(UserWarning):
+        next(it), next(it)  # [0..3], then [8, 10, 11] past the dropped batch
+    resumed = FusionFlowLoader(Bytes(16, bad={4, 5, 6, 7, 9}), **kw)
+    resumed.load_state_dict(loader.state_dict())  # the dropped batch counts as passed: nothing comes twice
+    assert [y.tolist() for _, y in resumed] == [[12, 13, 14, 15]]
+    loader.close()
+    with pytest.warns(UserWarning), pytest.raises(SampleError, match=r"every sample of the first 4 mini-batches"):
+        collect(FusionFlowLoader(Bytes(16, bad=set(range(16))), **kw))  # 16 samples at least: 4 batches of 4
+
+
+def test_skip_judges_a_dataset_failing_every_sample_by_what_it_kept_not_by_the_stats_and_not_under_ddp(monkeypatch):
+    from fusionflow.loader import delivery as dl
+    from fusionflow.loader.stats import LoaderStats
+    from fusionflow.runtime.messages import SampleFailure
+
+    def failed(n):
+        return [SampleFailure(p, p, f"sample {p}", "DecodeError", "bad", "") for p in range(n)]
+
+    stats = LoaderStats()
+    d = dl.Delivery(stats, torch.device("cpu"), False, "skip")
+    with pytest.warns(UserWarning):
+        assert d.select(8, failed(3)) == [3, 4, 5, 6, 7]
+    stats.reset()  # (stats.samples back to 0, as in a fresh process after load_state_dict)
+    for _ in range(4):  # a sample was kept: empty batches are dropped, never a SampleError
+        with pytest.raises(dl.EmptyBatch):
+            d.select(8, failed(8))
+    fresh = dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip")
+    with pytest.warns(UserWarning), pytest.raises(dl.EmptyBatch):
+        fresh.select(8, failed(8))
+    with pytest.raises(SampleError, match="first 2 mini-batches"):
+        fresh.select(8, failed(8))
+    monkeypatch.setattr(dl, "distributed", lambda: True)  # a DDP rank steps with an empty batch, as its peers step
+    assert dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip").select(4, failed(4)) == []
+
+
+def test_a_state_taken_right_after_loading_one_is_that_state():
+    """A save at start-up (a preemption handler) must not lose the position a resume is about to take."""
+    kw = dict(batch_size=4, shuffle=True, num_workers=0, policy=SMALL, generator=torch.Generator().manual_seed(1))
+    loader = FusionFlowLoader(Bytes(16), **kw)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    rest = [y.tolist() for _, y in it]
+    resumed = FusionFlowLoader(Bytes(16), **{**kw, "generator": torch.Generator().manual_seed(1)})
+    resumed.load_state_dict(state)
+    again = FusionFlowLoader(Bytes(16), **{**kw, "generator": torch.Generator().manual_seed(1)})
+    again.load_state_dict(resumed.state_dict())
+    assert resumed.state_dict()["batches_yielded"] == 2
+    assert [y.tolist() for _, y in again] == rest and len(rest) == 2
 
 
 def test_a_sample_of_the_wrong_type_says_to_fix_the_dataset_not_to_skip():

@@ -214,6 +214,8 @@ def test_deterministic_batches_match_timm_s_loader_within_the_fast_mode_bound(si
         (dict(policy="eval"), r"create_loader\(policy=...\): the policy is the transform timm's arguments"),
         (dict(shuffle=False), r"create_loader\(shuffle=...\): is_training=True shuffles"),
         (dict(sampler=[0, 1]), r"create_loader\(sampler=...\)"),
+        (dict(drop_last=False), r"create_loader\(drop_last=...\)"),
+        (dict(batch_sampler=[[0, 1]]), r"create_loader\(batch_sampler=...\)"),
     ],
 )
 def test_what_cannot_be_expressed_is_refused_when_built_naming_the_argument(folder, kw, match):
@@ -238,6 +240,9 @@ def test_worker_seeding_callable_and_part(folder):
     calls = []
     WorkerSeeding(lambda info: calls.append((info.id, info.seed)) or 11, 100, 2)(1)
     assert calls == [(1, 101)] and random.random() == random.Random(11).random()
+    seen = []  # a worker_init_fn among create_loader's extra keywords runs after timm's seeding
+    WorkerSeeding("all", 100, 2, then=lambda wid: seen.append((wid, random.random())))(1)
+    assert seen == [(1, random.Random(101).random())]
     np.random.seed(5)
     WorkerSeeding("part", 7, 2)(0)
     assert np.random.randint(1 << 30) == np.random.RandomState(5).randint(1 << 30)  # numpy left as it was

@@ -70,7 +70,7 @@ def order_owner(batch_sampler, sampler):
 
 def capture(batch_sampler, sampler, draws_first=None) -> dict:
     """The order's state now, without side effects (for a state taken between epochs). `draws_first`: the
-    generator the next iteration takes its base seed from before the sampler draws (lifecycle.base_seed):
+    generator the next iteration takes its base seed from before the sampler draws (runtime/spec.py base_seed):
     where that is the sampler's, the state after that draw, as the epoch will find it."""
     owner, kind = order_owner(batch_sampler, sampler)
     if kind == "state_dict":
@@ -190,7 +190,7 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int, base=
     BatchSampler, or a sampler other than torch's own (a custom one might draw from a global RNG or
     count its iterations), or a resume pending. A guess, not a promise: the caller compares it with
     the batches the epoch really draws (the user may reseed torch or call set_epoch in between). `base`: the
-    generator the epoch's base seed is drawn from first (lifecycle.base_seed; None: torch's global RNG)."""
+    generator the epoch's base seed is drawn from first (runtime/spec.py base_seed; None: torch's global RNG)."""
     if type(batch_sampler) is not BatchSampler or type(sampler) not in _PEEKABLE:
         return None
     owner, kind = order_owner(batch_sampler, sampler)
@@ -198,7 +198,16 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int, base=
         return None
     if kind == "none" and type(sampler) is not SequentialSampler:
         return None  # e.g. SubsetRandomSampler / WeightedRandomSampler without a generator: global RNG
-    take = lambda: list(itertools.islice(iter(batch_sampler), k))  # noqa: E731
+
+    def take():  # the batches as start_epoch hands them on (ints); a batch it would refuse ends the guess
+        guess = []
+        for batch in itertools.islice(iter(batch_sampler), k):
+            try:
+                guess.append(_as_indices(batch))
+            except (TypeError, ValueError):
+                break
+        return guess
+
     if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
         rng = torch.Generator().set_state(torch.get_rng_state())
         if base is None:  # after the base seed's draw
@@ -247,6 +256,7 @@ class Checkpoint:
         self.epoch, self.epoch_set, self.iterations = 0, False, 0
         self.resume: tuple | None = None  # (sampler state, batches to skip) for the next iteration
         self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
+        self.loaded: dict | None = None  # the state load_state_dict took, while nothing has moved since
 
     def set_epoch(self, epoch: int, sampler) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
@@ -262,7 +272,7 @@ class Checkpoint:
             )
             saved = self.resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one
             self.resume = None if saved.get("kind") == "epoch" else (saved, 0)
-        self.epoch, self.epoch_set = epoch, True
+        self.epoch, self.epoch_set, self.loaded = epoch, True, None
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
 
@@ -271,7 +281,7 @@ class Checkpoint:
         progress, which becomes the current one (an epoch is in progress from iter() on)."""
         if self.iterations and not self.epoch_set:
             self.epoch += 1
-        self.epoch_set = False
+        self.epoch_set, self.loaded = False, None
         self.iterations += 1
         start, yielded = self.resume if self.resume is not None else (None, 0)
         self.current = EpochProgress(yielded=yielded, start=start)
@@ -295,6 +305,8 @@ class Checkpoint:
         cur = self.current
         in_epoch = cur is not None and not cur.done
         warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
+        if self.loaded is not None:  # taken right after load_state_dict (a save at start-up): that state again
+            return copy.deepcopy({**self.loaded, **shape, "seed": seed})
         return {
             "version": VERSION,
             **shape,
@@ -331,4 +343,4 @@ class Checkpoint:
         if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
             self.epoch_set, self.iterations = True, max(0, self.iterations - 1)
         self.resume = (state["sampler"], yielded or 0)
-        self.current = None
+        self.current, self.loaded = None, copy.deepcopy(state)

@@ -20,7 +20,8 @@ from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.cuda_host import record_copies
 
 SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
-SYSTEMATIC = 2  # mini-batches wholly skipped before a loader delivered any sample: the dataset fails every one
+# before the loader kept any sample, this many mini-batches and samples wholly skipped: the dataset fails every one
+SYSTEMATIC_BATCHES, SYSTEMATIC_SAMPLES = 2, 16
 
 
 class Delivery:
@@ -33,6 +34,8 @@ class Delivery:
         self.alloc_device = device
         self.warned_skip = False  # on_error='skip' warns once per loader
         self.empty_batches = 0  # mini-batches on_error='skip' left empty (not delivered)
+        self.failed_only = 0  # samples skipped before any was kept (the loader's life, whatever stats.reset does)
+        self.kept_any = False  # a sample of this loader's was kept
 
     def from_ring(self, mgr, state, gpu=None):
         """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them
@@ -74,8 +77,10 @@ class Delivery:
 
     def select(self, n: int, failures):
         """Positions of a batch of `n` to deliver after applying on_error to its failures (None: all); raises
-        EmptyBatch where none is left (SampleError where no sample of the loader's got through yet, twice)."""
+        EmptyBatch where none is left (not under DDP: an empty batch then), SampleError where none of the
+        loader's was kept yet over SYSTEMATIC_BATCHES mini-batches and SYSTEMATIC_SAMPLES samples."""
         if not failures:
+            self.kept_any = True
             return None
         failures = sorted(failures, key=lambda f: f.position)
         if self.on_error == "raise":
@@ -96,9 +101,15 @@ class Delivery:
                 stacklevel=4,
             )
         keep = [p for p in range(n) if p not in bad]
-        if not keep:  # an empty batch is not delivered (a training step on none fails or gives NaN)
+        self.kept_any = self.kept_any or bool(keep)
+        if not keep:  # an empty batch is not delivered (a training step on none fails or gives NaN) ...
             self.empty_batches += 1
-            if self.stats.samples == 0 and self.empty_batches >= SYSTEMATIC:
+            self.failed_only += 0 if self.kept_any else n
+            if (
+                not self.kept_any
+                and self.empty_batches >= SYSTEMATIC_BATCHES
+                and self.failed_only >= SYSTEMATIC_SAMPLES
+            ):
                 f = failures[0]
                 raise SampleError(
                     f.index,
@@ -109,7 +120,8 @@ class Delivery:
                     hint=f"every sample of the first {self.empty_batches} mini-batches failed, none was delivered: "
                     "on_error='skip' drops a bad sample, not a dataset that fails them all",
                 )
-            raise EmptyBatch
+            if not distributed():  # ... but under DDP every rank must step as often as the others
+                raise EmptyBatch
         return keep
 
     def account(self, wait: float, n: int) -> None:
@@ -122,3 +134,9 @@ class Delivery:
     def collate_targets(self, objs: list):
         """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""
         return ff_targets.collate(objs, self.alloc_device if self.device.type == "cuda" else None, self.pin_memory)
+
+
+def distributed() -> bool:
+    """Whether this process is one rank of several (torch.distributed initialised, world size > 1)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

@@ -290,7 +290,7 @@ class FusionFlowLoader:
         epoch, same indices and pixels -- and the same epochs after it. A loader that stopped
         mid-epoch (`break`) resumes that epoch's remaining batches."""
         cfg = self.config
-        # (an epoch's start draws its base seed before the sampler draws: lifecycle.base_seed)
+        # (an epoch's start draws its base seed before the sampler draws: runtime/spec.py base_seed)
         return self.parts.checkpoint.state_dict(self._shape(), cfg.seed, cfg.batch_sampler, cfg.sampler, cfg.generator)
 
     def load_state_dict(self, state: dict) -> None:

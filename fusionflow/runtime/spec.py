@@ -39,7 +39,9 @@ def base_seed(generator=None) -> int:
     """The draw DataLoader makes as an iterator starts (from the loader's generator, else torch's global RNG),
     made by every epoch's iterator at that point, before the sampler's: the order is DataLoader's whatever
     num_workers and persistent_workers (DataLoader's persistent workers draw once, so from its second epoch
-    its order differs from its own without them), and a state resumes in a loader of either kind."""
+    its order differs from its own without them), and a state resumes in a loader of either kind. Drawn at the
+    epoch's first next() (FusionFlow's iterators start lazily), where DataLoader draws it at iter(): RNG draws made
+    between the two (two loaders zipped) come in another order than DataLoader's."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 

@@ -100,7 +100,8 @@ class Built:
 
 
 # FusionFlowLoader arguments create_loader derives from timm's, refused among its extra keywords (a policy given
-# there replaced the transform and its normalisation silently; the others clashed with timm's own)
+# there replaced the transform and its normalisation silently; the others clashed with timm's own). A worker_init_fn
+# there runs after timm's worker seeding.
 DERIVED = {
     "policy": "the policy is the transform timm's arguments describe (input_size, auto_augment, mean/std, ...); "
     "set those, or use FusionFlowLoader(policy=...) directly",
@@ -108,7 +109,6 @@ DERIVED = {
     "drop_last": "is_training=True drops the last partial batch, as timm's loader does",
     "sampler": "timm's loader picks its sampler from distributed= and num_aug_repeats=",
     "batch_sampler": "timm's loader batches by batch_size=",
-    "worker_init_fn": "worker_seeding= is timm's worker seeding",
 }
 
 
@@ -213,10 +213,11 @@ class WorkerSeeding:
     worker's seed (the loader's seed + worker id, as DataLoader's base seed + id), 'part' random and
     torch only, a callable gets an object with `id`, `seed`, `num_workers` and returns the seed."""
 
-    def __init__(self, mode, seed: int, num_workers: int):
+    def __init__(self, mode, seed: int, num_workers: int, then=None):
         if not callable(mode) and mode not in ("all", "part"):
             refuse(f"worker_seeding={mode!r}", "use 'all', 'part' or a callable, as timm")
         self.mode, self.seed, self.num_workers = mode, seed, num_workers
+        self.then = then  # a worker_init_fn given among create_loader's extra keywords: called after the seeding
 
     def __call__(self, worker_id: int) -> None:
         seed = (self.seed + worker_id) % 2**63
@@ -228,6 +229,8 @@ class WorkerSeeding:
         torch.manual_seed(seed)
         if self.mode != "part":
             np.random.seed(seed % (2**32 - 1))
+        if self.then is not None:
+            self.then(worker_id)
 
 
 def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
@@ -260,7 +263,7 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
         num_workers=a.num_workers,
         pin_memory=a.pin_memory,
         persistent_workers=a.persistent_workers and a.num_workers > 0,
-        worker_init_fn=WorkerSeeding(a.worker_seeding, seed, a.num_workers),
+        worker_init_fn=WorkerSeeding(a.worker_seeding, seed, a.num_workers, loader_kwargs.pop("worker_init_fn", None)),
         policy=policy,
         device=device,
         seed=seed,

@@ -26,7 +26,8 @@ FusionFlow cannot express, naming the argument):
   to the workers' `random`/numpy/torch; FusionFlow's augmentation draws are its own, a function of
   (seed, epoch, index)); `use_multi_epochs_loader`: FusionFlow's workers outlive epochs anyway.
 Keyword arguments beyond timm's go to FusionFlowLoader (`seed=`, `accelerator=`, `timeout=`, ...), except those
-it derives from timm's (`policy`, `shuffle`, `drop_last`, `sampler`, `batch_sampler`, `worker_init_fn`): refused.
+it derives from timm's (`policy`, `shuffle`, `drop_last`, `sampler`, `batch_sampler`): refused; a `worker_init_fn` runs
+after timm's worker seeding.
 """
 
 from __future__ import annotations
