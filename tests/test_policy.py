@@ -117,6 +117,7 @@ def _with(path, value):
         (("augment", "num_op"), 2, r"augment\.num_op: unknown key; did you mean 'num_ops'"),
         (("augment", "num_ops"), KeyError, r"augment\.num_ops: missing required key"),
         (("output",), KeyError, r"output: missing required key"),
+        (("augment",), KeyError, r"augment: missing required key \(write augment: \{type: none\} for no augmentation"),
         (("flipp",), 0.5, r"flipp: unknown key; did you mean 'flip'"),
         (("flip",), 1.5, r"flip: 1.5 is out of range"),
         (("augment", "ops", "Rotate"), {"range": [0, 300]}, r"augment\.ops\.Rotate\.range\[1\]: 300 is out of range"),

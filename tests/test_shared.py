@@ -134,6 +134,14 @@ def samples(epoch: dict) -> tuple:
     return epoch["labels"], epoch["digests"]
 
 
+@pytest.mark.parametrize("bad", [0, -4, 2.5, True])
+def test_an_impossible_client_batch_size_is_refused_before_waiting_for_a_producer(bad):
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"batch_size=.* must be an integer >= 1"):
+        SharedLoaderClient(f"nobody-{uuid.uuid4().hex[:8]}", batch_size=bad, timeout=600)
+    assert time.monotonic() - t0 < 300  # not after the 600 s the client would wait for a producer
+
+
 def test_three_clients_get_identical_epochs_each_sample_once(jobs):
     producer = jobs.start("producer", "--batch-size", 8, "--n", 40, "--epochs", 2, "--min-clients", 3)
     clients = [jobs.client(f"c{i}", "--epochs", 2) for i in range(3)]

@@ -10,6 +10,9 @@ from typing import Any
 
 from fusionflow.policy.op_specs import OPS, OpSpec
 
+# what to write for a required key a config often leaves out
+MISSING_HINTS = {"augment": "write augment: {type: none} for no augmentation, or a type such as rand, trivial, augmix"}
+
 
 class Reader:
     """Walks a parsed config, checking keys and types, and raises errors that name the key path."""
@@ -31,7 +34,8 @@ class Reader:
                 self.fail(_join(path, key), f"unknown key; {fix}")
         for key in required:
             if key not in obj:
-                self.fail(_join(path, key), "missing required key")
+                hint = MISSING_HINTS.get(_join(path, key))
+                self.fail(_join(path, key), "missing required key" + (f" ({hint})" if hint else ""))
         return dict(obj)
 
     def number(self, obj: Any, path: str, lo: float | None = None, hi: float | None = None) -> float:

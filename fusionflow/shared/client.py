@@ -134,6 +134,8 @@ class SharedLoaderClient:
             log.warning("fusionflow: %s", note)
         self.timeout, self.pin_memory = float(timeout), pin_memory
         self.stats = ClientStats()
+        if batch_size is not None:  # what needs no producer is checked before waiting for one
+            _check_batch_size(batch_size, batch_size if isinstance(batch_size, int) and batch_size > 0 else 1)
         self._conn, self.producer, self._ring = _attach(self.name, self.timeout)
         try:
             self.batch_size = _check_batch_size(batch_size, self.producer.batch_size)
