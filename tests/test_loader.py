@@ -304,7 +304,8 @@ def test_skip_judges_a_dataset_failing_every_sample_by_what_it_kept_not_by_the_s
     with pytest.raises(SampleError, match="first 2 mini-batches"):
         fresh.select(8, failed(8))
     monkeypatch.setattr(dl, "distributed", lambda: True)  # a DDP rank steps with an empty batch, as its peers step
-    assert dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip").select(4, failed(4)) == []
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        assert dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip").select(4, failed(4)) == []
 
 
 def test_a_state_taken_right_after_loading_one_is_that_state():

@@ -208,6 +208,14 @@ def test_warnings_are_notes_for_the_caller_even_when_a_later_argument_is_refused
     assert len(notes) == 1 and "exceeds the 4 CPU cores" in notes[0]
 
 
+def test_the_accelerators_knobs_without_an_accelerator_say_so():
+    """gpu_sharing= and the ablations do nothing with accelerator=None: a note names them and what to pass."""
+    _, notes = resolve(dict(gpu_sharing="spatial", taas=False))
+    assert len(notes) == 1 and notes[0].startswith("gpu_sharing='spatial', taas=False set without an accelerator")
+    assert "accelerator='dali-gpu'" in notes[0]
+    assert resolve({})[1] == []  # the defaults: no note
+
+
 def test_an_already_transformed_dataset_is_refused():
     floats = [(np.zeros((3, 4, 4), np.float32), 0)]
     with pytest.raises(ValueError, match="dataset\\[0\\] returns an already-transformed ndarray of dtype float32"):

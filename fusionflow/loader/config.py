@@ -30,6 +30,8 @@ from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 
 log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
 ON_ERROR = ("raise", "skip")
+# FusionFlowLoader's defaults for the accelerator's loose arguments (set otherwise with accelerator=None: a note)
+ACCELERATOR_DEFAULTS = {"gpu_sharing": "auto", "aot": True, "taas": True, "taas_last_k": True, "memory_bridge": "auto"}
 
 
 @dataclass(frozen=True)
@@ -312,6 +314,12 @@ def resolve_config(
     policy = resolve_policy(policy)
     loose = dict(gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k, memory_bridge=memory_bridge)
     dali = resolve_dali(accelerator, loose, device, resolved, num_workers, host, policy)  # a DaliAccelerator too
+    unused = [f"{k}={v!r}" for k, v in loose.items() if v != ACCELERATOR_DEFAULTS[k]]
+    if accelerator is None and unused:  # the accelerator's knobs set, the accelerator itself left out
+        notes.append(
+            f"{', '.join(unused)} set without an accelerator: it does nothing with accelerator=None (the default); "
+            "pass accelerator='dali-gpu' (or a fusionflow.DaliAccelerator) to run DALI beside the CPU workers"
+        )
     if prefetch_factor is None and dali["accelerator"] is not None:
         prefetch = ACCELERATOR_PREFETCH  # the accelerator runs ahead: its shares of the next mini-batches
     job = resolve_job(global_manager, num_workers, host.job_key)
