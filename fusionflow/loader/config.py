@@ -206,6 +206,16 @@ def default_seed(generator, initial_seed: Callable[[], int] = torch.initial_seed
     return initial_seed() % 2**63
 
 
+def note_unused_knobs(accelerator, loose: dict, notes: list) -> None:
+    """The accelerator's loose arguments set, the accelerator itself left out (None): a note that they do nothing."""
+    unused = [f"{k}={v!r}" for k, v in loose.items() if v != ACCELERATOR_DEFAULTS[k]]
+    if accelerator is None and unused:
+        notes.append(
+            f"{', '.join(unused)} set without an accelerator: it does nothing with accelerator=None (the default); "
+            "pass accelerator='dali-gpu' (or a fusionflow.DaliAccelerator) to run DALI beside the CPU workers"
+        )
+
+
 def resolve_seed(seed, generator, initial_seed: Callable[[], int] = torch.initial_seed) -> int:
     if seed is None:
         seed = default_seed(generator, initial_seed)
@@ -314,12 +324,7 @@ def resolve_config(
     policy = resolve_policy(policy)
     loose = dict(gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k, memory_bridge=memory_bridge)
     dali = resolve_dali(accelerator, loose, device, resolved, num_workers, host, policy)  # a DaliAccelerator too
-    unused = [f"{k}={v!r}" for k, v in loose.items() if v != ACCELERATOR_DEFAULTS[k]]
-    if accelerator is None and unused:  # the accelerator's knobs set, the accelerator itself left out
-        notes.append(
-            f"{', '.join(unused)} set without an accelerator: it does nothing with accelerator=None (the default); "
-            "pass accelerator='dali-gpu' (or a fusionflow.DaliAccelerator) to run DALI beside the CPU workers"
-        )
+    note_unused_knobs(accelerator, loose, notes)
     if prefetch_factor is None and dali["accelerator"] is not None:
         prefetch = ACCELERATOR_PREFETCH  # the accelerator runs ahead: its shares of the next mini-batches
     job = resolve_job(global_manager, num_workers, host.job_key)
