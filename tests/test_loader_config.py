@@ -214,6 +214,13 @@ def test_the_accelerators_knobs_without_an_accelerator_say_so():
     assert len(notes) == 1 and notes[0].startswith("gpu_sharing='spatial', taas=False set without an accelerator")
     assert "accelerator='dali-gpu'" in notes[0]
     assert resolve({})[1] == []  # the defaults: no note
+    import inspect
+
+    from fusionflow.accel.config import loose_defaults
+    from fusionflow.loader import FusionFlowLoader
+
+    signature = inspect.signature(FusionFlowLoader.__init__).parameters
+    assert loose_defaults() == {k: signature[k].default for k in loose_defaults()}  # the loader's, read off one place
 
 
 def test_an_already_transformed_dataset_is_refused():

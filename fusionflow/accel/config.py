@@ -160,3 +160,11 @@ class DaliAccelerator:
             if f.name != "device" and getattr(self, f.name) != f.default
         ]
         return f"DaliAccelerator({', '.join(shown)})"
+
+
+def loose_defaults() -> dict:
+    """The loose FusionFlowLoader arguments' defaults (gpu_sharing, aot, ...), read off DaliAccelerator's fields, which
+    the loader's own defaults are (one place for both)."""
+    return {
+        ARGUMENT_OF[f.name]: f.default for f in fields(DaliAccelerator) if f.name in ARGUMENT_OF and f.name != "device"
+    }

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
-from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU
+from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU, loose_defaults
 from fusionflow.cache.config import resolve_cache
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
@@ -30,8 +30,6 @@ from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 
 log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
 ON_ERROR = ("raise", "skip")
-# FusionFlowLoader's defaults for the accelerator's loose arguments (set otherwise with accelerator=None: a note)
-ACCELERATOR_DEFAULTS = {"gpu_sharing": "auto", "aot": True, "taas": True, "taas_last_k": True, "memory_bridge": "auto"}
 
 
 @dataclass(frozen=True)
@@ -208,7 +206,8 @@ def default_seed(generator, initial_seed: Callable[[], int] = torch.initial_seed
 
 def note_unused_knobs(accelerator, loose: dict, notes: list) -> None:
     """The accelerator's loose arguments set, the accelerator itself left out (None): a note that they do nothing."""
-    unused = [f"{k}={v!r}" for k, v in loose.items() if v != ACCELERATOR_DEFAULTS[k]]
+    defaults = loose_defaults()
+    unused = [f"{k}={v!r}" for k, v in loose.items() if v != defaults[k]]
     if accelerator is None and unused:
         notes.append(
             f"{', '.join(unused)} set without an accelerator: it does nothing with accelerator=None (the default); "

@@ -136,7 +136,12 @@ class Delivery:
         return ff_targets.collate(objs, self.alloc_device if self.device.type == "cuda" else None, self.pin_memory)
 
 
+def torch_rank_world() -> tuple[int, int]:
+    """This process's (rank, world size) in torch.distributed; (0, 1) where it is not initialised."""
+    dist = torch.distributed
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
 def distributed() -> bool:
     """Whether this process is one rank of several (torch.distributed initialised, world size > 1)."""
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return torch_rank_world()[1] > 1

@@ -19,9 +19,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from fusionflow.errors import EmptyBatch
+from fusionflow.loader.delivery import torch_rank_world
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.slots import SlotPool
@@ -34,10 +34,7 @@ def copies_for(sampler) -> Copies:
     rank/num_replicas, else torch.distributed's, else 0/1."""
     rank, world = getattr(sampler, "rank", None), getattr(sampler, "num_replicas", None)
     if not (isinstance(rank, int) and isinstance(world, int)):
-        dist = torch.distributed
-        rank, world = (
-            (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
-        )
+        rank, world = torch_rank_world()
     return Copies(rank, world)
 
 
