@@ -262,3 +262,52 @@ def test_a_torchvision_imagefolder_with_its_transform_is_the_whole_change(tmp_pa
     ds.target_transform, ds.transform = None, v2.Compose([v2.ColorJitter(0.4), v2.PILToTensor()])
     with pytest.raises(ValueError, match="transform 0 .*ColorJitter"):
         FusionFlowLoader(ds, batch_size=4)
+
+
+# ---------------------------------------------------------------- DataLoader's whole signature
+def test_every_dataloader_argument_is_taken_with_dataloaders_default():
+    """A script's DataLoader(...) call, any keyword of it, works with FusionFlowLoader unchanged."""
+    import inspect
+
+    ours = inspect.signature(FusionFlowLoader.__init__).parameters
+    for name, param in inspect.signature(DataLoader.__init__).parameters.items():
+        assert name in ours, f"DataLoader's {name}= is not taken"
+        if param.default is not inspect.Parameter.empty and name != "batch_size":
+            assert ours[name].default == param.default, name
+        if param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:  # positional where DataLoader's is
+            assert ours[name].kind is param.kind, name
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_in_order_and_pin_memory_device_are_taken_as_dataloader_takes_them(num_workers):
+    gen = torch.Generator().manual_seed(5)
+    ff = FusionFlowLoader(
+        Raw(),
+        batch_size=6,
+        num_workers=num_workers,
+        policy=EXACT,
+        seed=3,
+        in_order=False,
+        pin_memory_device="",
+        generator=gen,
+        shuffle=True,
+    )
+    assert ff.in_order is False and ff.pin_memory_device == "" and ff.generator is gen
+    reference = DataLoader(
+        Torchvision(EXACT, seed=3), batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+    for (x, y), (rx, ry) in zip(ff, reference, strict=True):  # in order: a permitted order under in_order=False
+        assert torch.equal(y, ry) and torch.equal(x, rx)
+
+
+def test_pin_memory_device_is_ignored_with_dataloaders_deprecation_and_bad_types_are_refused(monkeypatch):
+    from fusionflow.runtime import host
+
+    monkeypatch.setattr(host.torch.cuda, "is_available", lambda: True)
+    with pytest.warns(UserWarning, match="pin_memory_device='cuda:0' is deprecated in DataLoader and ignored"):
+        loader = FusionFlowLoader(Raw(), batch_size=6, policy=EXACT, pin_memory=True, pin_memory_device="cuda:0")
+    assert loader.pin_memory_device == "cuda:0"
+    with pytest.raises(TypeError, match="in_order=1 must be True or False"):
+        FusionFlowLoader(Raw(), batch_size=6, policy=EXACT, in_order=1)
+    with pytest.raises(TypeError, match="pin_memory_device=0 must be a str"):
+        FusionFlowLoader(Raw(), batch_size=6, policy=EXACT, pin_memory_device=0)

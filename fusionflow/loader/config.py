@@ -76,6 +76,8 @@ class LoaderConfig:
     dali_runs_in_flight: int = RUNS_IN_FLIGHT_CPU  # DALI runs in flight at most (DaliAccelerator(runs_in_flight=...))
     read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
     cache: Any = None  # a fusionflow.DecodedCache (cache= resolved), or None
+    pin_memory_device: str = ""  # as given: DataLoader's, deprecated there and ignored here
+    in_order: bool = True  # as given: batches are delivered in order either way
 
     def with_config(self, **changes) -> LoaderConfig:
         """A copy with `changes` (field=value): a loader's resumed seed, a SharedLoader's ring depth.
@@ -191,6 +193,25 @@ def check_run_options(persistent_workers, num_workers: int, timeout, on_error, m
         raise ValueError(f"pin_workers={pin_workers!r} must be 'auto', True or False")
 
 
+def resolve_pinning(pin_memory, pin_memory_device, in_order, device: torch.device, host: Host, notes: list) -> dict:
+    """pin_memory resolved, with DataLoader's newer keywords taken as it takes them: `pin_memory_device`
+    (deprecated there: the current accelerator is pinned for) and `in_order` (False lets DataLoader return a
+    batch whose workers finished early before an older one; here each mini-batch is spread over all the
+    workers as tiny-batches, so none waits behind one worker's slow batch, and they come in order either way:
+    a permitted order)."""
+    if not isinstance(pin_memory_device, str):
+        raise TypeError(f"pin_memory_device={pin_memory_device!r} must be a str (DataLoader's; deprecated there)")
+    if not isinstance(in_order, bool):
+        raise TypeError(f"in_order={in_order!r} must be True or False")
+    if pin_memory and pin_memory_device:
+        notes.append(
+            f"pin_memory_device={pin_memory_device!r} is deprecated in DataLoader and ignored here too: "
+            "batches are pinned for the loader's CUDA device"
+        )
+    pin = resolve_pin_memory(pin_memory, device, host.cuda_available, notes)
+    return dict(pin_memory=pin, pin_memory_device=pin_memory_device, in_order=in_order)
+
+
 def default_seed(generator, initial_seed: Callable[[], int] = torch.initial_seed) -> int:
     """seed=None: derived as DataLoader derives its base seed -- from `generator` if given, else from
     torch's initial seed -- but once per loader (augmentation is a function of (seed, epoch, index), so
@@ -300,6 +321,8 @@ def resolve_config(
     sample_keys=None,
     read_ahead=None,
     cache=None,
+    pin_memory_device="",
+    in_order=True,
     host: Host | None = None,
     notes: list | None = None,
 ) -> LoaderConfig:
@@ -317,9 +340,9 @@ def resolve_config(
     tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
     prefetch = resolve_prefetch(prefetch_factor, num_workers)
     check_run_options(persistent_workers, num_workers, timeout, on_error, max_retries, pin_workers)
-    seed_given = seed is not None
-    seed = resolve_seed(seed, generator, host.initial_seed)
+    seed_given, seed = seed is not None, resolve_seed(seed, generator, host.initial_seed)
     resolved = resolve_device(device, host)
+    pinning = resolve_pinning(pin_memory, pin_memory_device, in_order, resolved, host, notes)
     policy = resolve_policy(policy)
     loose = dict(gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k, memory_bridge=memory_bridge)
     dali = resolve_dali(accelerator, loose, device, resolved, num_workers, host, policy)  # a DaliAccelerator too
@@ -355,7 +378,7 @@ def resolve_config(
         job=job,
         collate_fn=collate_fn,
         collate=collate,
-        pin_memory=resolve_pin_memory(pin_memory, resolved, host.cuda_available, notes),
+        **pinning,  # pin_memory, and DataLoader's pin_memory_device and in_order as given
         trace_path=trace_path,
         stage_names=stage_names,
         worker_init_fn=worker_init_fn,

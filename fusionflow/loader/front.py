@@ -149,6 +149,8 @@ class FusionFlowLoader:
         *,
         prefetch_factor: int | None = None,
         persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
         policy=None,
         tiny_batch_size: int | None = None,
         seed: int | None = None,
@@ -190,6 +192,8 @@ class FusionFlowLoader:
                 generator=generator,
                 prefetch_factor=prefetch_factor,
                 persistent_workers=persistent_workers,
+                pin_memory_device=pin_memory_device,
+                in_order=in_order,
                 policy=policy,
                 tiny_batch_size=tiny_batch_size,
                 seed=seed,
@@ -234,6 +238,9 @@ class FusionFlowLoader:
     multiprocessing_context = _configured("multiprocessing_context", "How worker processes start.")
     collate_fn = _configured("collate_fn", "As given (None or default_collate: batches as delivered).")
     pin_memory = _configured("pin_memory", "Whether CPU batches are delivered in page-locked memory.")
+    pin_memory_device = _configured("pin_memory_device", "As given (deprecated in DataLoader: ignored).")
+    in_order = _configured("in_order", "As given; batches come in the sampler's order either way.")
+    generator = _configured("generator", "As given: the sampler's and each iteration's base-seed draws take from it.")
     # ---------------------------------------------------------------- FusionFlow's own
     policy = _configured("policy", "The frozen augmentation Policy.")
     tiny_batch_size = _configured("tiny_batch_size", "Samples per tiny-batch.")
