@@ -165,6 +165,12 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
         "mixup._params_per_batch": "timm's Mixup draws a batch's (lambda, cutmix) only there: called, so the "
         "draws are timm's own",
     },
+    "fusionflow/runtime/worker.py": {
+        "torch_worker._worker_info": "what torch.utils.data.get_worker_info() returns: DataLoader's worker sets it "
+        "there, and so must ours for datasets and worker_init_fns that read it",
+        "getattr(torch_worker, '_generate_state')": "DataLoader's NumPy seed for a worker (base seed, worker id), "
+        "used when present",
+    },
     "fusionflow/runtime/targets.py": {
         "hasattr(obj, '_fields')": "how a namedtuple is told from a tuple (Python's own protocol)",
     },

@@ -311,3 +311,62 @@ def test_pin_memory_device_is_ignored_with_dataloaders_deprecation_and_bad_types
         FusionFlowLoader(Raw(), batch_size=6, policy=EXACT, in_order=1)
     with pytest.raises(TypeError, match="pin_memory_device=0 must be a str"):
         FusionFlowLoader(Raw(), batch_size=6, policy=EXACT, pin_memory_device=0)
+
+
+# ---------------------------------------------------------------- the workers as DataLoader's
+def _record_worker(worker_id):
+    """worker_init_fn: what DataLoader's worker has set up by then (its info, its RNGs' first draws)."""
+    import json
+    import random
+
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    state = [info.id, info.num_workers, info.seed, type(info.dataset).__name__, torch.initial_seed()]
+    state += [random.random(), float(np.random.random()), float(torch.rand(()))]
+    with open(os.path.join(os.environ["FF_TEST_DIR"], f"{os.getpid()}-{worker_id}.json"), "w") as f:
+        json.dump(state, f)
+
+
+class WorkerTagged(Raw):
+    """Each sample's target: the id of the worker that read it (get_worker_info() in the dataset), -1 in
+    the main process."""
+
+    def __getitem__(self, i):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        return JPEGS[i], -1 if info is None else info.id
+
+
+def _as_list(batch):
+    return batch
+
+
+def _records(directory) -> list:
+    import json
+
+    found = sorted(json.load(open(os.path.join(directory, n))) for n in os.listdir(directory))
+    for n in os.listdir(directory):
+        os.remove(os.path.join(directory, n))
+    return found
+
+
+@pytest.mark.parametrize("context", [None, "spawn"])
+def test_workers_are_seeded_and_described_as_dataloaders_are(tmp_path, monkeypatch, context):
+    """get_worker_info() in worker_init_fn and in the dataset, and the workers' Python/NumPy/torch RNGs, as
+    DataLoader's, epoch after epoch (its workers restart each epoch with a new base seed)."""
+    monkeypatch.setenv("FF_TEST_DIR", str(tmp_path))
+    kwargs = dict(batch_size=6, num_workers=2, shuffle=True, worker_init_fn=_record_worker)
+    kwargs.update(multiprocessing_context=context)
+    ff = FusionFlowLoader(WorkerTagged(), policy=EXACT, generator=torch.Generator().manual_seed(7), **kwargs)
+    dl = DataLoader(WorkerTagged(), generator=torch.Generator().manual_seed(7), collate_fn=_as_list, **kwargs)
+    for epoch in range(2):
+        tags = torch.cat([y for _, y in ff])
+        ours = _records(tmp_path)
+        list(dl)
+        assert ours == _records(tmp_path), f"epoch {epoch}"
+        assert len(ours) == 2 and ours[0][:2] == [0, 2] and ours[0][3] == "WorkerTagged"
+        assert set(tags.tolist()) <= {0, 1} and len(tags) == len(JPEGS)
+    inline = FusionFlowLoader(WorkerTagged(), batch_size=6, policy=EXACT)  # in the main process: None
+    assert set(torch.cat([y for _, y in inline]).tolist()) == {-1}

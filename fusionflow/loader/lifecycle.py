@@ -54,7 +54,7 @@ class LoaderRuntime:
             layout=layout,
             num_workers=cfg.num_workers,
             seed=cfg.seed,
-            base_seed=(base_seed(cfg.generator) if seed is None else seed) % 2**31,
+            base_seed=base_seed(cfg.generator) if seed is None else seed,
             worker_init_fn=cfg.worker_init_fn,
             mp_context=ctx,
             pin_workers=cfg.pin_workers,

@@ -17,7 +17,6 @@ import logging
 import os
 import random
 import signal
-import sys
 import time
 import traceback
 from multiprocessing import AuthenticationError
@@ -39,6 +38,47 @@ class _Orphaned(Exception):
 
 class _Stopped(Exception):
     """The owner sent STOP while this worker was lent."""
+
+
+def seed_as_dataloader(base_seed: int, worker_id: int, num_workers: int, dataset) -> None:
+    """What DataLoader's worker does before `worker_init_fn`: seed Python's, torch's and NumPy's RNGs from
+    `base_seed + worker_id` (NumPy's from torch's own mix of the two), and set torch's worker info, so that
+    `torch.utils.data.get_worker_info()` -- in `worker_init_fn` and in the dataset, e.g. to open a file
+    handle per worker -- gives this worker's id, the loader's num_workers, its seed and the dataset."""
+    import numpy as np
+    import torch
+    from torch.utils.data._utils import worker as torch_worker
+
+    seed = base_seed + worker_id
+    random.seed(seed)
+    torch.manual_seed(seed)
+    mix = getattr(torch_worker, "_generate_state", None)  # torch's private helper: NumPy's seed as DataLoader's
+    np.random.seed(mix(base_seed, worker_id) if mix is not None else seed % 2**32)
+    torch_worker._worker_info = torch_worker.WorkerInfo(
+        id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset
+    )
+
+
+class _InfoFor:
+    """torch's worker info naming `dataset` while this worker serves a borrower (another loader's dataset),
+    the home loader's again after."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __enter__(self):
+        from torch.utils.data._utils import worker as torch_worker
+
+        self.home = home = torch_worker._worker_info
+        if home is not None:
+            torch_worker._worker_info = torch_worker.WorkerInfo(
+                id=home.id, num_workers=home.num_workers, seed=home.seed, dataset=self.dataset
+            )
+
+    def __exit__(self, *exc):
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = self.home
 
 
 def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
@@ -103,7 +143,8 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
         spec = m.unpack_message(spec, m.Spec)
         dataset, pipe = spec.dataset, CpuPipeline(spec.policy)
         if spec.worker_init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
-            spec.worker_init_fn(worker_id)
+            with _InfoFor(dataset):
+                spec.worker_init_fn(worker_id)
     except Exception:
         bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
         return None
@@ -176,7 +217,8 @@ def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pi
                 msg = recv_whole(bconn)  # a borrower stopped mid-message: TimeoutError, home
                 if m.kind_of(msg) == m.RETURN:
                     return done
-                run_task(m.unpack_task(msg), dataset, pipe, ring, seed, bconn)
+                with _InfoFor(dataset):
+                    run_task(m.unpack_task(msg), dataset, pipe, ring, seed, bconn)
                 done += 1
                 heard = time.monotonic()
     except (EOFError, OSError):
@@ -202,23 +244,22 @@ def worker_loop(
     spec_hash: bytes | None = None,
     stages: tuple[str, ...] | None = None,
     cache=None,
+    num_workers: int = 1,
 ) -> None:
     """`stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None: no stage timing.
-    `cache`: a CacheHandle (fusionflow/cache/attach.py), or None: no decoded-image cache."""
+    `cache`: a CacheHandle (fusionflow/cache/attach.py), or None: no decoded-image cache. `num_workers`: the
+    loader's (torch's worker info says it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     close_inherited()
     ring = None
     try:
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
-        random.seed(base_seed + worker_id)
-        if "numpy" in sys.modules:
-            sys.modules["numpy"].random.seed((base_seed + worker_id) % 2**32)
-        if "torch" in sys.modules:
-            torch = sys.modules["torch"]
-            torch.set_num_threads(1)
-            torch.manual_seed(base_seed + worker_id)
+        seed_as_dataloader(base_seed, worker_id, num_workers, dataset)
         import cv2
+        import torch
+
+        torch.set_num_threads(1)
 
         from fusionflow.ops.pipeline import CpuPipeline
 

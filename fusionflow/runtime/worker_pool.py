@@ -61,13 +61,12 @@ class WorkerPool:
     ):
         self.board, self.dataset, self.spec = board, dataset, spec
         self.ctx = spec.mp_context if spec.mp_context is not None else mp.get_context()
-        num_workers = spec.num_workers
         self.spec_hash = spec_hash  # the lending spec's hash (workers lent to other LMs check it), or None
         self.on_stage_times = on_stage_times  # callback(worker label, stage ns totals) under the lock
         self.on_capacity = on_capacity  # callback(live worker count) under the lock: the count changed
         self.on_fatal = on_fatal  # callback(exception) under the lock: a fault the owner's next wait raises
-        self.workers: list[WorkerConn | None] = [None] * num_workers
-        self.target_workers = num_workers
+        self.workers: list[WorkerConn | None] = [None] * spec.num_workers
+        self.target_workers = spec.num_workers
         self.task_ids = itertools.count()
         self.task_seconds = 0.0  # running mean of a tiny-batch's time on a worker
         self.cores = CoreClaim(0, False)  # workers' cores, claimed node-wide at start
@@ -75,7 +74,7 @@ class WorkerPool:
         self._stopped = False
         self._start_kills: dict[int, int] = {}  # worker id -> start-ups in a row a signal ended (before READY)
         self.reruns = Reruns(board.counters)  # stragglers running on a second worker (runtime/reruns.py)
-        board.counters.tiny_batches_per_worker = [0] * num_workers
+        board.counters.tiny_batches_per_worker = [0] * spec.num_workers
 
     # ---------------------------------------------------------------- processes (main thread)
     def start(self) -> None:
@@ -106,6 +105,7 @@ class WorkerPool:
                 self.spec_hash,
                 spec.stages,
                 spec.cache.handle(wid) if spec.cache is not None else None,
+                spec.num_workers,
             ),
         )
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
