@@ -133,6 +133,32 @@ def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_
     assert 0 not in mb._IN_USE and bridge.ledger is None
 
 
+def test_a_failing_close_at_shutdown_still_frees_the_device_and_unlinks_the_ledger(monkeypatch, caplog):
+    """A native close that fails as the loader shuts down (a CUDA fault) is logged; the ledger's shared memory
+    is still unlinked and the device is free for the next loader's bridge (not 'another loader lends')."""
+    from fusionflow.accel.bridge import memory_bridge as mb
+
+    lib, alloc = NativeStandIn(), AllocatorStandIn(limit=300 * MIB)
+    monkeypatch.setattr(native, "load_bridge", lambda: lib)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_alloc", alloc.alloc)
+    monkeypatch.setattr(torch.cuda, "caching_allocator_delete", alloc.delete)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1536 * MIB, 80 << 30))
+    monkeypatch.setattr(mb, "_HELD", {})
+    monkeypatch.setattr(mb, "_HELD_STREAM", {})
+    bridge = mb.MemoryBridge("cuda:0", 64 * MIB, warmup=0)
+    bridge.arm(types.SimpleNamespace(cuda_stream=11))
+    bridge.lend(tiny_batches_done=1)
+    assert lib.lent and 0 in mb._IN_USE
+    ledger = bridge.ledger.name
+    lib.ff_bridge_close = lambda *args: -1  # native.call raises BridgeError
+    with caplog.at_level("ERROR", logger=mb.__name__):
+        bridge.shutdown()
+    assert "giving the arena back failed at shutdown" in caplog.text
+    assert 0 not in mb._IN_USE and bridge.ledger is None
+    assert not os.path.exists("/dev/shm/" + ledger.lstrip("/"))
+    mb.MemoryBridge("cuda:0", 64 * MIB, warmup=0).shutdown()  # the device is free for the next loader
+
+
 def test_no_arena_when_pytorch_cannot_give_the_smallest():
     from fusionflow.accel.bridge.torch_side import MIN_ARENA, TorchLender
 
