@@ -55,7 +55,7 @@ print('nvJPEG vs libjpeg-turbo (mean levels, median PSNR dB):', nvjpeg_gap(make_
     ;;
 tests)
     files=("$@")
-    [ ${#files[@]} -gt 0 ] || files=(tests/test_ops_dali.py tests/test_accelerator.py tests/test_bridge.py
+    [ ${#files[@]} -gt 0 ] || files=(tests/test_device_ring.py tests/test_ops_dali.py tests/test_accelerator.py tests/test_bridge.py
         tests/test_loader.py tests/test_loader_parts.py tests/test_trace.py tests/test_erase.py)
     python3 -m pytest -m gpu -p no:cacheprovider -q -rs --timeout 240 --junitxml="$OUT/gpu_tests.xml" \
         "${files[@]}" 2>&1 | tee "$OUT/gpu_tests.log"

@@ -492,9 +492,7 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_a_failing_close_is_cont
     cuda.install(monkeypatch, torch)
     monkeypatch.setattr(dali_graph, "DaliPolicyPipeline", CpuStandIn)
     monkeypatch.setattr(
-        device_ring,
-        "copy_out",
-        lambda out, dst, stream: dst.copy_(torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))]))),
+        device_ring, "dali_view", lambda out: torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))]))
     )
 
     def no_posix_ipc(device, budget):

@@ -10,9 +10,11 @@ Streams and events (one device: the loader's, resolved to an index once, made cu
     ordered on that stream (`DaliPolicyPipeline.collect(stream)`), so the host waits for DALI's work
     on the device only through a blocking event (`wait_for_outputs`: asleep, where DALI's own host
     order spins), outside the ring write, within the accelerator's stall bound;
-  * after a copy it records a blocking event on that stream and waits for it on the host (its own
-    thread; a blocking event sleeps instead of spinning a core): DALI may free or reuse its output
-    buffer once `run()`'s result is dropped, which DALI orders on its streams, not on ours;
+  * it reads DALI's outputs in place (`dali_view`: DLPack, no further synchronisation; DALI's
+    copy_to_external would also wait for the later runs' work queued on DALI's stream), copies them
+    into the ring slice by slice, records a blocking event on its stream and waits for it on the host
+    (its own thread; a blocking event sleeps instead of spinning a core) before it lets DALI's buffer
+    go: DALI would free it ordered on its own streams, not on ours;
   * the event is also kept per ring slot, and the loader makes the training stream wait for it
     before it reads the slot (`wait_slot`), so the training stream is ordered after the copy by
     CUDA itself.
@@ -30,11 +32,14 @@ log = logging.getLogger(__name__)
 _DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
 
 
-def copy_out(out, dst: torch.Tensor, stream) -> None:
-    """Copy a DALI GPU TensorList into `dst` on `stream` (asynchronously)."""
-    from nvidia.dali.plugin.pytorch import feed_ndarray
-
-    feed_ndarray(out.as_tensor(), dst, cuda_stream=stream)
+def dali_view(out) -> torch.Tensor:
+    """A DALI GPU TensorList (dense) as a torch tensor sharing its memory, taken through DLPack with no
+    synchronisation of DALI's (stream -1): `DaliPolicyPipeline.collect(stream)` has already made the ring's
+    stream wait for the run's own completion event, which is all a copy on that stream must wait for. (DALI's
+    `copy_to_external` -- `feed_ndarray` -- also makes the copy's stream wait for everything queued on the
+    output's stream so far: with several runs in flight, the later runs' work too, and the host's wait after
+    the copy with it.) The view keeps DALI's buffer alive until it is dropped."""
+    return torch.from_dlpack(out.as_tensor().__dlpack__(stream=-1))
 
 
 class DeviceRing:
@@ -62,28 +67,27 @@ class DeviceRing:
         event.synchronize()
 
     def write(self, slot, positions, out) -> None:
-        """Copy a DALI GPU TensorList (one sample per position, in order) into the ring; returns once
-        the copy is complete (the slots may then be reported done). `slot`: the ring slot, or each
-        sample's (a run holding the shares of several mini-batches)."""
+        """Copy a DALI GPU TensorList (one sample per position, in order) into the ring on the ring's stream, a
+        device copy per run of adjacent positions; returns once the copies are complete (the slots may then be
+        reported done, and DALI's buffer let go). `slot`: the ring slot, or each sample's (a run holding the
+        shares of several mini-batches)."""
         slots = [slot] * len(positions) if isinstance(slot, int) else list(slot)
-        runs = _runs_in_order(positions, slots)
         with torch.cuda.device(self.index):
-            if len(runs) == 1:  # one tiny-batch, or adjacent ones of one slot
-                s, a, b = runs[0]
-                copy_out(out, self.images[s, a:b], self.stream)
-            else:  # staged, then a device copy per run of positions
-                with torch.cuda.stream(self.stream):  # the staging block belongs to the accelerator's stream
-                    staged = torch.empty(
-                        (len(positions), *self.images.shape[2:]), dtype=self.images.dtype, device=self.images.device
-                    )
-                    copy_out(out, staged, self.stream)
-                    k = 0
-                    for s, a, b in runs:
-                        self.images[s, a:b].copy_(staged[k : k + b - a], non_blocking=True)
-                        k += b - a
+            view = dali_view(out)
+            want = (len(positions), *self.images.shape[2:])
+            if tuple(view.shape) != want or view.dtype != self.images.dtype:
+                raise ValueError(
+                    f"DALI gave {tuple(view.shape)} {view.dtype}, the ring takes {want} {self.images.dtype}"
+                )
+            with torch.cuda.stream(self.stream):
+                k = 0
+                for s, a, b in _runs_in_order(positions, slots):
+                    self.images[s, a:b].copy_(view[k : k + b - a], non_blocking=True)
+                    k += b - a
             event = torch.cuda.Event(blocking=True)
             event.record(self.stream)
         event.synchronize()
+        del view  # DALI's buffer: only once the copies that read it are done
         for s in set(slots):
             self.ready[s] = event
 
