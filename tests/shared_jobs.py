@@ -80,7 +80,9 @@ def client(a) -> int:
     out = {"len": len(loader), "epochs": []}
     for _ in range(a.epochs):
         got = {"sizes": [], "labels": [], "digests": []}
-        for i, (images, labels) in enumerate(loader):
+        for i, batch in enumerate(loader):
+            assert type(batch) is list  # as DataLoader's default_collate gives it
+            images, labels = batch
             assert images.dtype == torch.uint8 and images.shape[1:] == (3, 24, 24)
             got["sizes"].append(len(labels))
             got["labels"] += labels.tolist()

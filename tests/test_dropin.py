@@ -370,3 +370,12 @@ def test_workers_are_seeded_and_described_as_dataloaders_are(tmp_path, monkeypat
         assert set(tags.tolist()) <= {0, 1} and len(tags) == len(JPEGS)
     inline = FusionFlowLoader(WorkerTagged(), batch_size=6, policy=EXACT)  # in the main process: None
     assert set(torch.cat([y for _, y in inline]).tolist()) == {-1}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_batch_is_a_list_as_dataloaders_is(num_workers):
+    """default_collate makes a list of (image, target) tuples' columns: scripts assign into it."""
+    ff = next(iter(FusionFlowLoader(Raw(), batch_size=6, num_workers=num_workers, policy=EXACT, seed=3)))
+    dl = next(iter(DataLoader(Torchvision(EXACT, seed=3), batch_size=6)))
+    assert type(ff) is type(dl) is list and len(ff) == len(dl) == 2
+    ff[0] = ff[0].float()  # e.g. batch[0] = batch[0].cuda(non_blocking=True)

@@ -77,8 +77,8 @@ class EpochIterator:
     def __next__(self):
         images_t, labels_t, objs = self._advance(self._next_batch)
         collate = self.config.collate
-        if collate is None:
-            return images_t, labels_t
+        if collate is None:  # a list, as default_collate makes of (image, target) tuples: DataLoader's batch
+            return [images_t, labels_t]
         # DataLoader's collate_fn contract: the batch as a list of (image, target) samples -- images
         # are views of the delivered batch tensor (on the loader's device), targets as the dataset
         # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
