@@ -6,6 +6,9 @@ these, so training scripts can catch FusionFlow's failures as one family.
 """
 
 
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not a builtin type
+
+
 class FusionFlowError(RuntimeError):
     """Base class of every runtime fault FusionFlow raises."""
 
@@ -27,19 +30,71 @@ class ImageTooLargeError(DecodeError):
 
 
 class SampleError(FusionFlowError):
-    """A sample failed to load, decode or augment in a worker; carries the worker's traceback."""
+    """A sample failed to load, decode or augment in a worker; carries the worker's traceback. Raised through
+    `sample_error`, it is also an instance of the worker's exception class where that can be had (so
+    `except FileNotFoundError:` catches it, as DataLoader re-raises a worker's exception as its own type)."""
+
+    def __new__(cls, index, what, exc_type, message, worker_traceback, hint=None):
+        # the builtin exception whose memory layout the class has (OSError's, combined with an OSError) makes it
+        builtin = max((t for t in cls.__mro__ if not t.__flags__ & _HEAPTYPE), key=lambda t: t.__basicsize__)
+        return builtin.__new__(cls, _sample_text(what, exc_type, message, worker_traceback, hint))
 
     def __init__(self, index: int, what: str, exc_type: str, message: str, worker_traceback: str, hint=None):
-        if hint is None:  # a sample the dataset gave in a form FusionFlow cannot take is the dataset's to fix
-            hint = (
-                "fix the dataset's __getitem__ (on_error='skip' would drop every sample it returns so)"
-                if exc_type == "TypeError"
-                else "pass on_error='skip' to drop such samples"
-            )
-        super().__init__(
-            f"{what} failed: {exc_type}: {message}\n({hint})\n\nOriginal traceback in the worker:\n{worker_traceback}"
-        )
+        super().__init__(_sample_text(what, exc_type, message, worker_traceback, hint))
         self.index, self.what, self.exc_type, self.worker_traceback = index, what, exc_type, worker_traceback
+        self._fields = (index, what, exc_type, message, worker_traceback, hint)
+
+    def __str__(self) -> str:  # the text whatever the worker's class would make of it (KeyError quotes, OSError...)
+        return str(self.args[0]) if self.args else ""
+
+    def __reduce__(self):  # a plain SampleError (a class made by sample_error is not importable by name)
+        return SampleError, self._fields
+
+
+def _sample_text(what, exc_type, message, worker_traceback, hint) -> str:
+    if hint is None:  # a sample the dataset gave in a form FusionFlow cannot take is the dataset's to fix
+        hint = (
+            "fix the dataset's __getitem__ (on_error='skip' would drop every sample it returns so)"
+            if exc_type == "TypeError"
+            else "pass on_error='skip' to drop such samples"
+        )
+    return f"{what} failed: {exc_type}: {message}\n({hint})\n\nOriginal traceback in the worker:\n{worker_traceback}"
+
+
+_AS_ALSO: dict = {}  # the worker's exception class -> SampleError combined with it (None: cannot be)
+
+
+def sample_error(index, what, exc_type, message, worker_traceback, hint=None, exc_class: str = "") -> SampleError:
+    """A SampleError that is also an instance of the worker's exception class, named by `exc_class`
+    ("module:qualname"), when this process has that module loaded and the two classes combine; else a plain
+    SampleError (a class whose constructor takes other arguments, one that is not an Exception)."""
+    args = (index, what, exc_type, message, worker_traceback, hint)
+    cls = _class_named(exc_class)
+    if cls is None or issubclass(cls, SampleError):
+        return SampleError(*args)
+    if cls not in _AS_ALSO:
+        try:
+            _AS_ALSO[cls] = type(f"SampleError[{cls.__name__}]", (SampleError, cls), {"__module__": __name__})
+        except TypeError:  # layouts that do not combine
+            _AS_ALSO[cls] = None
+    both = _AS_ALSO[cls]
+    try:
+        return both(*args) if both is not None else SampleError(*args)
+    except Exception:  # the class's own __new__/__init__ refuse one message
+        return SampleError(*args)
+
+
+def _class_named(name: str):
+    """The exception class `module:qualname` names, if its module is loaded here (nothing is imported)."""
+    import sys
+
+    module, _, qualname = name.partition(":")
+    module = "__main__" if module == "__mp_main__" else module  # a spawned worker's name for the main script
+    obj = sys.modules.get(module)
+    for part in qualname.split(".") if obj is not None and qualname else ():
+        obj = getattr(obj, part, None)
+    ok = isinstance(obj, type) and issubclass(obj, Exception) and obj.__module__ in (module, "__mp_main__")
+    return obj if ok else None
 
 
 class SharedMemoryError(FusionFlowError):

@@ -379,3 +379,85 @@ def test_a_batch_is_a_list_as_dataloaders_is(num_workers):
     dl = next(iter(DataLoader(Torchvision(EXACT, seed=3), batch_size=6)))
     assert type(ff) is type(dl) is list and len(ff) == len(dl) == 2
     ff[0] = ff[0].float()  # e.g. batch[0] = batch[0].cuda(non_blocking=True)
+
+
+# ---------------------------------------------------------------- a sample's exception, as DataLoader raises it
+class DatasetOwnError(Exception):
+    """A training script's own exception class."""
+
+
+class TwoArgError(Exception):
+    def __init__(self, code, detail):
+        super().__init__(code, detail)
+
+
+class FinalError(Exception):
+    """A class that refuses subclasses: raised as a plain SampleError."""
+
+    def __init_subclass__(cls, **kwargs):
+        raise TypeError("FinalError cannot be subclassed")
+
+
+class Failing(Raw):
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __getitem__(self, i):
+        if i == 7:
+            raise self.exc
+        return super().__getitem__(i)
+
+
+def _dataloader_raises(dataset, num_workers):
+    """The type of what DataLoader raises over `dataset` (its workers shut down before this returns)."""
+    import gc
+
+    kind = None
+    try:
+        list(DataLoader(dataset, batch_size=6, num_workers=num_workers, collate_fn=_as_list))
+    except Exception as e:  # (e and its traceback, which holds the iterator, go at the block's end)
+        kind = type(e)
+    gc.collect()  # the iterator's finalizer stops the workers
+    return kind
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        FileNotFoundError(2, "No such file", "/data/7.jpg"),
+        KeyError("label"),
+        DatasetOwnError("bad"),
+        TwoArgError(3, "x"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_samples_exception_is_raised_as_its_own_type_too(num_workers, exc):
+    """DataLoader re-raises a worker's exception as its type (RuntimeError where the type cannot be made
+    from one message): `except FileNotFoundError:` catches it. Here it is that type (whatever its constructor)
+    and a SampleError (the worker's traceback in its message), at the same batch; pickled, a plain SampleError."""
+    import pickle
+
+    from fusionflow.errors import SampleError
+
+    caught_by_dataloader = _dataloader_raises(Failing(exc), num_workers)  # (RuntimeError for TwoArgError's kind)
+    loader = FusionFlowLoader(Failing(exc), batch_size=6, num_workers=num_workers, policy=EXACT, seed=3)
+    it = iter(loader)
+    next(it)  # samples 0-5
+    with pytest.raises(type(exc)) as caught:
+        next(it)
+    err = caught.value
+    assert isinstance(err, caught_by_dataloader)  # what a script catches around DataLoader catches this too
+    assert isinstance(err, SampleError) and err.index == 7 and err.exc_type == type(exc).__name__
+    assert f"sample 7 failed: {type(exc).__name__}" in str(err) and "Original traceback" in str(err)
+    assert type(pickle.loads(pickle.dumps(err))) is SampleError
+    loader.close()
+
+
+def test_an_exception_class_that_cannot_be_combined_is_a_plain_sample_error():
+    from fusionflow.errors import SampleError
+
+    loader = FusionFlowLoader(Failing(FinalError("s")), batch_size=8, num_workers=2, policy=EXACT, seed=3)
+    with pytest.raises(SampleError, match="FinalError: s") as caught:
+        list(loader)
+    assert type(caught.value) is SampleError

@@ -15,7 +15,7 @@ import warnings
 import numpy as np
 import torch
 
-from fusionflow.errors import EmptyBatch, SampleError
+from fusionflow.errors import EmptyBatch, sample_error
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.cuda_host import record_copies
 
@@ -85,7 +85,7 @@ class Delivery:
         failures = sorted(failures, key=lambda f: f.position)
         if self.on_error == "raise":
             f = failures[0]
-            raise SampleError(f.index, f.what, f.exc_type, f.message, f.traceback)
+            raise sample_error(f.index, f.what, f.exc_type, f.message, f.traceback, exc_class=f.exc_class)
         bad = {f.position for f in failures}
         self.stats.skipped += len(bad)
         self.stats.skipped_indices.extend(f.index for f in failures)
@@ -111,7 +111,7 @@ class Delivery:
                 and self.failed_only >= SYSTEMATIC_SAMPLES
             ):
                 f = failures[0]
-                raise SampleError(
+                raise sample_error(
                     f.index,
                     f.what,
                     f.exc_type,
@@ -119,6 +119,7 @@ class Delivery:
                     f.traceback,
                     hint=f"every sample of the first {self.empty_batches} mini-batches failed, none was delivered: "
                     "on_error='skip' drops a bad sample, not a dataset that fails them all",
+                    exc_class=f.exc_class,
                 )
             if not distributed():  # ... but under DDP every rank must step as often as the others
                 raise EmptyBatch

@@ -71,6 +71,7 @@ class SampleFailure:
     exc_type: str
     message: str
     traceback: str
+    exc_class: str = ""  # "module:qualname" of the exception (raised in the training process as one, too)
 
 
 def pack_task(t: Task) -> bytes:

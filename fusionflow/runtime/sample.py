@@ -49,5 +49,14 @@ def run_sample(
         pipe(sample, index, seed, epoch, out=images[pos], what=describe(dataset, index), tick=clock, copy=copy)
         targets.store(labels, pos, target, side)
     except Exception as exc:
-        return SampleFailure(pos, index, describe(dataset, index), type(exc).__name__, str(exc), traceback.format_exc())
+        kind = type(exc)
+        return SampleFailure(
+            pos,
+            index,
+            describe(dataset, index),
+            kind.__name__,
+            str(exc),
+            traceback.format_exc(),
+            f"{kind.__module__}:{kind.__qualname__}",
+        )
     return None
