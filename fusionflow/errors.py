@@ -5,7 +5,6 @@ a fix); faults found while data flows (an image that cannot be decoded, a worker
 these, so training scripts can catch FusionFlow's failures as one family.
 """
 
-
 _HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, not a builtin type
 
 
