@@ -461,3 +461,17 @@ def test_an_exception_class_that_cannot_be_combined_is_a_plain_sample_error():
     with pytest.raises(SampleError, match="FinalError: s") as caught:
         list(loader)
     assert type(caught.value) is SampleError
+
+
+def test_attributes_a_script_reads_are_dataloaders():
+    """batch_size is None beside a batch_sampler, collate_fn is default_collate when none is given, and an
+    epoch's iterator has a length: as DataLoader's."""
+    from torch.utils.data import BatchSampler, SequentialSampler
+
+    batches = BatchSampler(SequentialSampler(range(len(JPEGS))), 4, False)
+    for kwargs in ({"batch_size": 6}, {"batch_sampler": batches}, {"batch_size": 6, "collate_fn": _as_list}):
+        ff, dl = FusionFlowLoader(Raw(), policy=EXACT, **kwargs), DataLoader(Raw(), **kwargs)
+        assert (ff.batch_size, ff.collate_fn, ff.drop_last) == (dl.batch_size, dl.collate_fn, dl.drop_last)
+        it = iter(ff)
+        assert len(it) == len(iter(dl)) == len(ff)
+        it.close()

@@ -73,8 +73,8 @@ RESOLVED = [
     (
         dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 5, False)),
         None,
-        dict(capacity=5, tiny_batch_size=4, batch_size=1),
-    ),  # batch_size stays as given (its default)
+        dict(capacity=5, tiny_batch_size=4, batch_size=None),
+    ),  # batch_size None beside a batch_sampler, as DataLoader's
     (dict(num_workers=2, prefetch_factor=3), None, dict(prefetch_factor=3)),
     (dict(seed=7), None, dict(seed=7, seed_given=True)),
     (dict(generator=torch.Generator().manual_seed(5)), None, dict(seed=5, seed_given=False)),

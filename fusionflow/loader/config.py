@@ -38,7 +38,7 @@ class LoaderConfig:
 
     batch_sampler: Any  # the caller's, or BatchSampler(sampler, batch_size, drop_last)
     sampler: Any  # what the batch sampler draws from (set_epoch and checkpoints reach it)
-    batch_size: int | None  # as given (1 by default, also when a batch_sampler is given)
+    batch_size: int | None  # as given (1 by default); None with a batch_sampler, as DataLoader's
     drop_last: bool
     capacity: int  # the largest mini-batch: shared memory is allocated for this many samples
     tiny_batch_size: int
@@ -334,8 +334,9 @@ def resolve_config(
     collate = resolve_collate(collate_fn)
     num_workers = resolve_num_workers(num_workers, host.cores(), notes)
     sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead)
-    batch_sampler, sampler, capacity = resolve_batching(
-        dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
+    given_batches, (batch_sampler, sampler, capacity) = (
+        batch_sampler,
+        resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator),
     )
     tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
     prefetch = resolve_prefetch(prefetch_factor, num_workers)
@@ -359,7 +360,7 @@ def resolve_config(
     return LoaderConfig(
         batch_sampler=batch_sampler,
         sampler=sampler,
-        batch_size=batch_size,
+        batch_size=None if given_batches is not None else batch_size,  # DataLoader's: None beside a batch_sampler
         drop_last=drop_last,
         capacity=capacity,
         tiny_batch_size=tiny_batch_size,

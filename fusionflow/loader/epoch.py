@@ -74,6 +74,10 @@ class EpochIterator:
     def __iter__(self):
         return self
 
+    def __len__(self) -> int:
+        """The epoch's mini-batches, as DataLoader's iterator says (its batch sampler's length)."""
+        return len(self.config.batch_sampler)
+
     def __next__(self):
         images_t, labels_t, objs = self._advance(self._next_batch)
         collate = self.config.collate

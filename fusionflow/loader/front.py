@@ -226,7 +226,7 @@ class FusionFlowLoader:
         self.stats = self.parts.stats
 
     # ---------------------------------------------------------------- configuration, as DataLoader names it
-    batch_size = _configured("batch_size", "As given (1 by default, also when a batch_sampler is given).")
+    batch_size = _configured("batch_size", "As given (1 by default); None with a batch_sampler, as DataLoader's.")
     drop_last = _configured("drop_last", "Whether the last incomplete batch is dropped.")
     sampler = _configured("sampler", "What the batch sampler draws indices from.")
     batch_sampler = _configured("batch_sampler", "The batch sampler in use (the caller's, or built).")
@@ -236,7 +236,15 @@ class FusionFlowLoader:
     timeout = _configured("timeout", "Seconds a batch may take (0: no limit).")
     worker_init_fn = _configured("worker_init_fn", "Called in each worker process at its start.")
     multiprocessing_context = _configured("multiprocessing_context", "How worker processes start.")
-    collate_fn = _configured("collate_fn", "As given (None or default_collate: batches as delivered).")
+
+    @property
+    def collate_fn(self):
+        """As given, or DataLoader's default_collate for None (either way, batches are delivered as collated)."""
+        from torch.utils.data import default_collate
+
+        given = self.config.collate_fn
+        return default_collate if given is None else given
+
     pin_memory = _configured("pin_memory", "Whether CPU batches are delivered in page-locked memory.")
     pin_memory_device = _configured("pin_memory_device", "As given (deprecated in DataLoader: ignored).")
     in_order = _configured("in_order", "As given; batches come in the sampler's order either way.")
