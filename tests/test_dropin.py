@@ -475,3 +475,69 @@ def test_attributes_a_script_reads_are_dataloaders():
         it = iter(ff)
         assert len(it) == len(iter(dl)) == len(ff)
         it.close()
+
+
+# ---------------------------------------------------------------- samples that are not (image, target) pairs
+class Triples(Raw):
+    """(image, class, index): a third column, as noisy-label and contrastive scripts return."""
+
+    def __getitem__(self, i):
+        return JPEGS[i], i % NUM_CLASSES, f"id{i}"
+
+
+class TorchvisionTriples(Torchvision):
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, y, f"id{i}"
+
+
+class BareImages(Raw):
+    def __getitem__(self, i):
+        return JPEGS[i]
+
+
+class TorchvisionBare(Torchvision):
+    def __getitem__(self, i):
+        return super().__getitem__(i)[0]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_samples_of_three_columns_and_bare_images_are_batched_as_dataloader_batches_them(num_workers):
+    for ours, reference in ((Triples(), TorchvisionTriples(EXACT, seed=3)), (BareImages(), TorchvisionBare(EXACT, 3))):
+        ff = list(FusionFlowLoader(ours, batch_size=6, num_workers=num_workers, policy=EXACT, seed=3))
+        dl = list(DataLoader(reference, batch_size=6))
+        assert len(ff) == len(dl) == 4
+        for got, want in zip(ff, dl):
+            assert type(got) is type(want)
+            if isinstance(want, torch.Tensor):  # bare images: the images tensor alone
+                assert torch.equal(got, want)
+                continue
+            assert len(got) == len(want) == 3 and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert got[2] == want[2]  # strings: as default_collate gives them
+
+
+def test_a_collate_fn_gets_samples_shaped_as_the_dataset_gave_them():
+    seen = []
+
+    def keep(batch):
+        seen.append([tuple(type(v).__name__ for v in (s if isinstance(s, tuple) else (s,))) for s in batch])
+        return len(batch)
+
+    assert list(FusionFlowLoader(Triples(), batch_size=8, policy=EXACT, collate_fn=keep)) == [8, 8, 5]
+    assert seen[0][0] == ("Tensor", "int", "str")
+    assert list(FusionFlowLoader(BareImages(), batch_size=8, policy=EXACT, collate_fn=keep)) == [8, 8, 5]
+    assert seen[-1][0] == ("Tensor",)
+
+
+class Ragged(Raw):
+    def __getitem__(self, i):
+        return (JPEGS[i], 0, 1) if i < 10 else (JPEGS[i], 0)
+
+
+def test_a_sample_of_another_shape_than_the_first_is_refused_by_index():
+    from fusionflow.errors import SampleError
+
+    with pytest.raises(
+        SampleError, match=r"dataset\[10\] is a tuple of 2, where dataset\[0\] was \(image, 2 targets\)"
+    ):
+        list(FusionFlowLoader(Ragged(), batch_size=6, policy=EXACT, num_workers=1))

@@ -71,6 +71,7 @@ class LoaderConfig:
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
     generator: Any = None  # as given: each iteration's base-seed draw takes from it, as DataLoader's does
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
+    target_columns: int | None = None  # None: (image, target) samples; 0: bare images; k: (image, k targets)
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
     dali_run_samples: int = RUN_SAMPLES  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
     dali_runs_in_flight: int = RUNS_IN_FLIGHT_CPU  # DALI runs in flight at most (DaliAccelerator(runs_in_flight=...))
@@ -110,14 +111,15 @@ def resolve_num_workers(num_workers, cores: int, notes: list) -> int:
 
 
 def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator):
-    """(batch_sampler, sampler, capacity) as DataLoader combines its arguments; capacity is the largest batch."""
+    """(batch_sampler, sampler, capacity, batch_size) as DataLoader combines its arguments; capacity is the
+    largest batch, batch_size the loader's attribute (None beside a batch_sampler, as DataLoader's)."""
     if batch_sampler is not None:
         if batch_size != 1 or shuffle or sampler is not None or drop_last:
             raise ValueError(
                 "batch_sampler is mutually exclusive with batch_size, shuffle, sampler and "
                 "drop_last: leave those at their defaults when you pass a batch_sampler"
             )
-        capacity = batch_capacity(batch_sampler)
+        capacity, batch_size = batch_capacity(batch_sampler), None
     else:
         if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not supported)")
@@ -130,7 +132,7 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
             sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         capacity = batch_size
-    return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity
+    return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity, batch_size
 
 
 def batch_capacity(batch_sampler) -> int:
@@ -333,10 +335,9 @@ def resolve_config(
     notes = [] if notes is None else notes
     collate = resolve_collate(collate_fn)
     num_workers = resolve_num_workers(num_workers, host.cores(), notes)
-    sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead)
-    given_batches, (batch_sampler, sampler, capacity) = (
-        batch_sampler,
-        resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator),
+    samples = resolve_samples(dataset, sample_keys, read_ahead)  # sample_keys, read_ahead, target_columns
+    batch_sampler, sampler, capacity, batch_size = resolve_batching(
+        dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
     )
     tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
     prefetch = resolve_prefetch(prefetch_factor, num_workers)
@@ -360,7 +361,7 @@ def resolve_config(
     return LoaderConfig(
         batch_sampler=batch_sampler,
         sampler=sampler,
-        batch_size=None if given_batches is not None else batch_size,  # DataLoader's: None beside a batch_sampler
+        batch_size=batch_size,  # None beside a batch_sampler, as DataLoader's
         drop_last=drop_last,
         capacity=capacity,
         tiny_batch_size=tiny_batch_size,
@@ -385,8 +386,7 @@ def resolve_config(
         worker_init_fn=worker_init_fn,
         multiprocessing_context=multiprocessing_context,
         remote_workers=remote_workers,
-        sample_keys=sample_keys,
         generator=generator,
-        read_ahead=read_ahead,
+        **samples,
         cache=cache,
     )
