@@ -541,3 +541,21 @@ def test_a_sample_of_another_shape_than_the_first_is_refused_by_index():
         SampleError, match=r"dataset\[10\] is a tuple of 2, where dataset\[0\] was \(image, 2 targets\)"
     ):
         list(FusionFlowLoader(Ragged(), batch_size=6, policy=EXACT, num_workers=1))
+
+
+class InfoNamed(Raw):
+    """Each sample's target: the class of get_worker_info().dataset where it was read."""
+
+    def __getitem__(self, i):
+        from torch.utils.data import get_worker_info
+
+        info = get_worker_info()
+        return JPEGS[i], "main process" if info is None else type(info.dataset).__name__, i
+
+
+def test_worker_info_names_the_users_dataset_not_the_loaders_view_of_it():
+    """Read ahead (a wrapper of the loader's) and three-column samples (another): get_worker_info().dataset
+    is still the dataset the script gave, as in DataLoader's workers."""
+    loader = FusionFlowLoader(InfoNamed(), batch_size=6, num_workers=2, policy=EXACT, read_ahead=2)
+    names = {n for _, batch_names, _ in loader for n in batch_names}
+    assert names == {"InfoNamed"}

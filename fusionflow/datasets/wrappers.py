@@ -22,6 +22,8 @@ class DictSamples:
     `describe` carry over; pickles as the dataset does.
     """
 
+    loader_wrapper = True  # the loader's view of the user's dataset (`dataset`): unwrapped for get_worker_info()
+
     def __init__(self, dataset, image_key, target_key=None):
         self.dataset = dataset
         self.image_keys = _dict_keys(image_key, "sample_keys' image key")
@@ -49,6 +51,8 @@ class SampleColumns:
     (image, None); an (image, a, b, ...) tuple (`columns` its targets' count, >= 2) as (image, (a, b, ...)).
     FusionFlowLoader wraps a dataset so when its dataset[0] is such an item, and delivers the batch as
     DataLoader's default_collate does: the images tensor alone, or [images, a's, b's, ...]."""
+
+    loader_wrapper = True  # the loader's view of the user's dataset (`dataset`): unwrapped for get_worker_info()
 
     def __init__(self, dataset, columns: int):
         self.dataset, self.columns = dataset, columns
@@ -155,6 +159,8 @@ class ReadAhead:
     that fails raises when its sample is taken, exactly where the plain read would have. The
     dataset's `sizes` and `describe` carry over; pickles without its pool (each process starts its own).
     """
+
+    loader_wrapper = True  # the loader's view of the user's dataset (`dataset`): unwrapped for get_worker_info()
 
     def __init__(self, dataset, threads: int):
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:

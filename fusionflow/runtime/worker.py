@@ -49,6 +49,8 @@ def seed_as_dataloader(base_seed: int, worker_id: int, num_workers: int, dataset
     import torch
     from torch.utils.data._utils import worker as torch_worker
 
+    while getattr(dataset, "loader_wrapper", False):  # the user's dataset, not the loader's view of it
+        dataset = dataset.dataset
     seed = base_seed + worker_id
     random.seed(seed)
     torch.manual_seed(seed)
@@ -64,6 +66,8 @@ class _InfoFor:
     the home loader's again after."""
 
     def __init__(self, dataset):
+        while getattr(dataset, "loader_wrapper", False):
+            dataset = dataset.dataset
         self.dataset = dataset
 
     def __enter__(self):
