@@ -13,6 +13,9 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
                       the clock (the loader's helpers make them): the graph beside training without the loader
                       around it (graph against integration)
   ff_cpu_gpu@N/dK     (d) with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional
+  .../copyext         (d) landing DALI's outputs as before session 31: DALI's copy_to_external into a staging block
+                      (its copy waits for everything queued on DALI's stream at the call: with runs in flight, the
+                      later runs' work), then slices; against the device ring's DLPack read, in the same call
 and, from t, g and ff_cpu's rate c, issue 41's model bound R = (1 + c*g)/(t + g) (CPU workers and
 DALI sharing each mini-batch, the GPU running training and DALI) with each FusionFlow rate's share of it,
 the host bound min(staged, c + dali_only) for where DALI's host threads, not GPU time, hold dali_only,
@@ -31,6 +34,7 @@ lands. `--trace DIR`: each FusionFlow variant's timeline there (its first repeat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import math
 import os
@@ -291,7 +295,7 @@ def parse_args() -> argparse.Namespace:
         "--variants",
         default="staged,dali_only,dataloader_tv,dali,ff_cpu,ff_cpu_gpu",
         help="ff_cpu_gpu@N: ff_cpu_gpu with DaliAccelerator(run_samples=N); ff_cpu_gpu/dK: with runs_in_flight=K; "
-        "both: ff_cpu_gpu@N/dK (several allowed: a sweep)",
+        "both: ff_cpu_gpu@N/dK (several allowed: a sweep); a /copyext suffix: landing by DALI's copy_to_external",
     )
     ap.add_argument(
         "--gpu-sharing",
@@ -397,10 +401,12 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional); its stats go into `row`. A run
     whose accelerator fell back to the CPU workers raises: not comparable."""
     bs = args.batch_size
-    parsed = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?", variant)
+    parsed = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?(/copyext)?", variant)
     if parsed is None:
-        raise ValueError(f"variant {variant!r}: write ff_cpu_gpu, ff_cpu_gpu@N, ff_cpu_gpu/dK or ff_cpu_gpu@N/dK")
-    name, run_samples, depth = parsed.groups()
+        raise ValueError(
+            f"variant {variant!r}: write ff_cpu_gpu, ff_cpu_gpu@N, ff_cpu_gpu/dK or ff_cpu_gpu@N/dK (+ /copyext)"
+        )
+    name, run_samples, depth, copyext = parsed.groups()
     accel = None if name != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
@@ -421,7 +427,8 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     path = os.path.join(args.trace, trace_name) if args.trace else None
     if path and not os.path.exists(path):  # the first repeat's timeline: which side each mini-batch waited for
         extra["trace"] = path
-    with ff_loader(data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, **extra) as ff:
+    landing = copy_to_external_landing() if copyext else contextlib.nullcontext()
+    with landing, ff_loader(data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, **extra) as ff:
         rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs)
         stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
         stats["gpu_sharing"] = ff.stats.gpu_sharing
@@ -436,6 +443,45 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
             f"out of memory {stats['accelerator_out_of_memory']}x): not comparable"
         )
     return rate
+
+
+@contextlib.contextmanager
+def copy_to_external_landing():
+    """The device ring's landing as before session 31 (`ff_cpu_gpu.../copyext`): DALI's copy_to_external
+    (feed_ndarray) into a staging block on the ring's stream, then one device copy per run of adjacent
+    positions, the host waiting for the copies; DeviceRing.write is replaced while the block runs."""
+    import torch
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    from fusionflow.accel import device_ring
+
+    def write(ring, slot, positions, out):
+        slots = [slot] * len(positions) if isinstance(slot, int) else list(slot)
+        with torch.cuda.device(ring.index):
+            with torch.cuda.stream(ring.stream):
+                staged = torch.empty(
+                    (len(positions), *ring.images.shape[2:]), dtype=ring.images.dtype, device=ring.images.device
+                )
+                feed_ndarray(out.as_tensor(), staged, cuda_stream=ring.stream)
+                k = 0
+                while k < len(positions):  # runs of adjacent positions of one slot
+                    end = k + 1
+                    while end < len(positions) and slots[end] == slots[k] and positions[end] == positions[end - 1] + 1:
+                        end += 1
+                    ring.images[slots[k], positions[k] : positions[k] + end - k].copy_(staged[k:end], non_blocking=True)
+                    k = end
+            event = torch.cuda.Event(blocking=True)
+            event.record(ring.stream)
+        event.synchronize()
+        for s in set(slots):
+            ring.ready[s] = event
+
+    before = device_ring.DeviceRing.write
+    device_ring.DeviceRing.write = write
+    try:
+        yield
+    finally:
+        device_ring.DeviceRing.write = before
 
 
 def variant_rate(variant, data, model_name, workers, device, args, row) -> float:
