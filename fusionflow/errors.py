@@ -63,24 +63,46 @@ def _sample_text(what, exc_type, message, worker_traceback, hint) -> str:
 _AS_ALSO: dict = {}  # the worker's exception class -> SampleError combined with it (None: cannot be)
 
 
-def sample_error(index, what, exc_type, message, worker_traceback, hint=None, exc_class: str = "") -> SampleError:
+def sample_error(
+    index, what, exc_type, message, worker_traceback, hint=None, exc_class: str = "", attributes=None
+) -> SampleError:
     """A SampleError that is also an instance of the worker's exception class, named by `exc_class`
-    ("module:qualname"), when this process has that module loaded and the two classes combine; else a plain
-    SampleError (a class whose constructor takes other arguments, one that is not an Exception)."""
+    ("module:qualname"), when this process has that module loaded, the class can be made from one message (as
+    DataLoader re-raises: RuntimeError otherwise, which a SampleError is) and the two classes combine; its
+    `attributes` (the worker's exception's errno, filename, ... as sent) set on it. Else a plain SampleError.
+    Never a StopIteration: a loop would take it for the epoch's end."""
     args = (index, what, exc_type, message, worker_traceback, hint)
     cls = _class_named(exc_class)
-    if cls is None or issubclass(cls, SampleError):
+    if cls is None or issubclass(cls, (SampleError, StopIteration, StopAsyncIteration)):
         return SampleError(*args)
-    if cls not in _AS_ALSO:
-        try:
-            _AS_ALSO[cls] = type(f"SampleError[{cls.__name__}]", (SampleError, cls), {"__module__": __name__})
-        except TypeError:  # layouts that do not combine
-            _AS_ALSO[cls] = None
-    both = _AS_ALSO[cls]
     try:
-        return both(*args) if both is not None else SampleError(*args)
-    except Exception:  # the class's own __new__/__init__ refuse one message
+        cls(message)  # DataLoader's test: a class its re-raise could make
+        if cls not in _AS_ALSO:
+            _AS_ALSO[cls] = type(f"SampleError[{cls.__name__}]", (SampleError, cls), {"__module__": __name__})
+        err = _AS_ALSO[cls](*args)
+    except Exception:  # a constructor that wants more, layouts that do not combine, a class refusing subclasses
         return SampleError(*args)
+    for name, value in (attributes or {}).items():
+        try:
+            setattr(err, name, value)
+        except Exception:  # read-only on this class: left as the constructor made it
+            pass
+    return err
+
+
+def exception_attributes(exc) -> dict:
+    """What a worker sends of an exception beside its message: OSError's errno/strerror/filename/filename2 and the
+    instance's own attributes that pickle (set by the class's __init__), so a handler reading e.filename works."""
+    import pickle
+
+    found = {k: getattr(exc, k) for k in ("errno", "strerror", "filename", "filename2") if isinstance(exc, OSError)}
+    for name, value in vars(exc).items() if hasattr(exc, "__dict__") else ():
+        try:
+            pickle.dumps(value)
+        except Exception:  # an open file, a lock: not sent
+            continue
+        found[name] = value
+    return found
 
 
 def _class_named(name: str):

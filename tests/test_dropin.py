@@ -429,25 +429,34 @@ def _dataloader_raises(dataset, num_workers):
         KeyError("label"),
         DatasetOwnError("bad"),
         TwoArgError(3, "x"),
+        StopIteration("a next() on an exhausted iterator in __getitem__"),
     ],
     ids=lambda e: type(e).__name__,
 )
 def test_a_samples_exception_is_raised_as_its_own_type_too(num_workers, exc):
-    """DataLoader re-raises a worker's exception as its type (RuntimeError where the type cannot be made
-    from one message): `except FileNotFoundError:` catches it. Here it is that type (whatever its constructor)
-    and a SampleError (the worker's traceback in its message), at the same batch; pickled, a plain SampleError."""
+    """DataLoader re-raises a worker's exception as its type, made from one message (RuntimeError where the
+    type cannot be): `except FileNotFoundError:` catches it. Here it is that type and a SampleError (the worker's
+    traceback in its message), at the same batch, with the exception's attributes (errno, filename); a plain
+    SampleError where DataLoader's is a RuntimeError, and never a StopIteration (DataLoader's then ends the
+    epoch early, silently: ours raises); pickled, a plain SampleError."""
     import pickle
 
     from fusionflow.errors import SampleError
 
-    caught_by_dataloader = _dataloader_raises(Failing(exc), num_workers)  # (RuntimeError for TwoArgError's kind)
+    if num_workers and not isinstance(exc, StopIteration):  # DataLoader's workers (without: the original object)
+        assert issubclass(
+            _dataloader_raises(Failing(exc), num_workers), type(exc) if exc.args[0] != 3 else RuntimeError
+        )
+    combined = not isinstance(exc, (TwoArgError, StopIteration))
     loader = FusionFlowLoader(Failing(exc), batch_size=6, num_workers=num_workers, policy=EXACT, seed=3)
     it = iter(loader)
     next(it)  # samples 0-5
-    with pytest.raises(type(exc)) as caught:
+    with pytest.raises(type(exc) if combined else SampleError) as caught:
         next(it)
     err = caught.value
-    assert isinstance(err, caught_by_dataloader)  # what a script catches around DataLoader catches this too
+    assert isinstance(err, type(exc)) == combined and not isinstance(err, StopIteration)
+    if isinstance(exc, OSError):
+        assert (err.errno, err.filename) == (2, "/data/7.jpg")
     assert isinstance(err, SampleError) and err.index == 7 and err.exc_type == type(exc).__name__
     assert f"sample 7 failed: {type(exc).__name__}" in str(err) and "Original traceback" in str(err)
     assert type(pickle.loads(pickle.dumps(err))) is SampleError

@@ -85,7 +85,9 @@ class Delivery:
         failures = sorted(failures, key=lambda f: f.position)
         if self.on_error == "raise":
             f = failures[0]
-            raise sample_error(f.index, f.what, f.exc_type, f.message, f.traceback, exc_class=f.exc_class)
+            raise sample_error(
+                f.index, f.what, f.exc_type, f.message, f.traceback, exc_class=f.exc_class, attributes=f.attributes
+            )
         bad = {f.position for f in failures}
         self.stats.skipped += len(bad)
         self.stats.skipped_indices.extend(f.index for f in failures)
@@ -120,6 +122,7 @@ class Delivery:
                     hint=f"every sample of the first {self.empty_batches} mini-batches failed, none was delivered: "
                     "on_error='skip' drops a bad sample, not a dataset that fails them all",
                     exc_class=f.exc_class,
+                    attributes=f.attributes,
                 )
             if not distributed():  # ... but under DDP every rank must step as often as the others
                 raise EmptyBatch

@@ -72,6 +72,7 @@ class SampleFailure:
     message: str
     traceback: str
     exc_class: str = ""  # "module:qualname" of the exception (raised in the training process as one, too)
+    attributes: dict | None = None  # its errno, filename, ... (errors.exception_attributes)
 
 
 def pack_task(t: Task) -> bytes:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import traceback
 
+from fusionflow.errors import exception_attributes
 from fusionflow.runtime import targets
 from fusionflow.runtime.messages import SampleFailure
 
@@ -58,5 +59,6 @@ def run_sample(
             str(exc),
             traceback.format_exc(),
             f"{kind.__module__}:{kind.__qualname__}",
+            exception_attributes(exc),
         )
     return None
