@@ -543,13 +543,42 @@ class Ragged(Raw):
         return (JPEGS[i], 0, 1) if i < 10 else (JPEGS[i], 0)
 
 
-def test_a_sample_of_another_shape_than_the_first_is_refused_by_index():
-    from fusionflow.errors import SampleError
-
-    with pytest.raises(
-        SampleError, match=r"dataset\[10\] is a tuple of 2, where dataset\[0\] was \(image, 2 targets\)"
-    ):
+def test_a_batch_mixing_sample_shapes_is_refused():
+    with pytest.raises(TypeError, match="one batch holds samples of different shapes"):
         list(FusionFlowLoader(Ragged(), batch_size=6, policy=EXACT, num_workers=1))
+
+
+class OpenedInWorkers(Raw):
+    """Bare images read through a handle each worker opens in worker_init_fn (get_worker_info()): dataset[0]
+    cannot be read in the training process, so a sample's shape is told where it is read, not at construction."""
+
+    handle = None
+
+    def __getitem__(self, i):
+        if self.handle is None:
+            raise RuntimeError("no handle: open it in worker_init_fn")
+        if i == 0 and self.handle == "skip 0":
+            raise ValueError("a corrupt first file")
+        return (JPEGS[i], i % NUM_CLASSES, f"id{i}") if self.handle == "skip 0" else JPEGS[i]
+
+
+def _open_handle(worker_id):
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    info.dataset.handle = "skip 0" if info.dataset.skip_first else "open"
+
+
+def test_sample_shapes_need_not_be_readable_at_construction():
+    ds = OpenedInWorkers()
+    ds.skip_first = False
+    batches = list(FusionFlowLoader(ds, batch_size=6, num_workers=2, policy=EXACT, worker_init_fn=_open_handle))
+    assert len(batches) == 4 and all(isinstance(b, torch.Tensor) for b in batches)  # the images alone
+    ds.skip_first = True  # (image, class, id) samples, the first one corrupt: dropped, the rest delivered
+    with pytest.warns(UserWarning, match="dropping sample 0"):
+        kw = dict(batch_size=6, num_workers=2, policy=EXACT, worker_init_fn=_open_handle, on_error="skip")
+        batches = list(FusionFlowLoader(ds, **kw))
+    assert [i for _, _, ids in batches for i in ids] == [f"id{i}" for i in range(1, len(JPEGS))]
 
 
 class InfoNamed(Raw):

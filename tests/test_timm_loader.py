@@ -104,6 +104,7 @@ def test_aug_splits_with_jsd_loss_and_bfloat16(folder):
         ds, SIZE, 8, is_training=True, auto_augment="augmix-m3-w3", num_aug_splits=3, re_prob=0.25, re_split=True,
         num_workers=2, device=CPU, img_dtype=torch.bfloat16,
     )  # fmt: skip
+    assert loader.batch_size == 8  # create_loader's, as timm's loader says it (its views are built as batches)
     with loader.fusionflow:
         x, y = next(iter(loader))
         assert x.shape == (24, *SIZE) and x.dtype == torch.bfloat16 and y.shape == (24,)

@@ -46,33 +46,6 @@ class DictSamples:
         return image, _target_value(_lookup(item, self.target_keys, index, "target"))
 
 
-class SampleColumns:
-    """A dataset whose items are not (image, target) pairs, seen as pairs: a bare image (`columns` 0) as
-    (image, None); an (image, a, b, ...) tuple (`columns` its targets' count, >= 2) as (image, (a, b, ...)).
-    FusionFlowLoader wraps a dataset so when its dataset[0] is such an item, and delivers the batch as
-    DataLoader's default_collate does: the images tensor alone, or [images, a's, b's, ...]."""
-
-    loader_wrapper = True  # the loader's view of the user's dataset (`dataset`): unwrapped for get_worker_info()
-
-    def __init__(self, dataset, columns: int):
-        self.dataset, self.columns = dataset, columns
-        _carry_sizes_and_names(self, dataset)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):
-        item = self.dataset[index]
-        sequence = isinstance(item, (tuple, list))
-        if self.columns == 0 and not sequence and not isinstance(item, dict):
-            return item, None
-        if self.columns and sequence and len(item) == self.columns + 1:
-            return item[0], tuple(item[1:])
-        got = f"a {type(item).__name__}" + (f" of {len(item)}" if sequence else "")
-        want = "a bare image" if self.columns == 0 else f"(image, {self.columns} targets)"
-        raise TypeError(f"dataset[{index}] is {got}, where dataset[0] was {want}: every sample must have one shape")
-
-
 def _carry_sizes_and_names(wrapper, dataset) -> None:
     """What the loader reads from a dataset besides its samples (`sizes`, `describe`), on a wrapper,
     where the dataset has them."""

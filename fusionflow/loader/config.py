@@ -71,7 +71,6 @@ class LoaderConfig:
     remote_workers: Any = None  # a fusionflow.RayWorkers, or None
     generator: Any = None  # as given: each iteration's base-seed draw takes from it, as DataLoader's does
     sample_keys: tuple | None = None  # (image key[, target key]) for dict samples (datasets/wrappers.py DictSamples)
-    target_columns: int | None = None  # None: (image, target) samples; 0: bare images; k: (image, k targets)
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
     dali_run_samples: int = RUN_SAMPLES  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
     dali_runs_in_flight: int = RUNS_IN_FLIGHT_CPU  # DALI runs in flight at most (DaliAccelerator(runs_in_flight=...))
@@ -335,7 +334,7 @@ def resolve_config(
     notes = [] if notes is None else notes
     collate = resolve_collate(collate_fn)
     num_workers = resolve_num_workers(num_workers, host.cores(), notes)
-    samples = resolve_samples(dataset, sample_keys, read_ahead)  # sample_keys, read_ahead, target_columns
+    sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead)
     batch_sampler, sampler, capacity, batch_size = resolve_batching(
         dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
     )
@@ -387,6 +386,7 @@ def resolve_config(
         multiprocessing_context=multiprocessing_context,
         remote_workers=remote_workers,
         generator=generator,
-        **samples,
+        sample_keys=sample_keys,
+        read_ahead=read_ahead,
         cache=cache,
     )

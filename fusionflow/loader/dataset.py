@@ -55,19 +55,11 @@ def adopt_folder(dataset, policy):
     return ImageFolder.of_samples(dataset.root, dataset.samples, dataset.classes), adopted
 
 
-def resolve_samples(dataset, sample_keys, read_ahead) -> dict:
-    """{sample_keys, read_ahead, target_columns} resolved, after the dataset they describe was checked.
-    Target columns (datasets/wrappers.py SampleColumns): None for (image, target) samples, 0 for bare
-    images, k for (image, k targets) with k >= 2 -- told by dataset[0], as DataLoader's collate would."""
+def resolve_samples(dataset, sample_keys, read_ahead) -> tuple[tuple | None, int | None]:
+    """(sample_keys, read_ahead) resolved, after the dataset they describe was checked."""
     sample_keys, read_ahead = resolve_sample_keys(sample_keys), resolve_read_ahead(read_ahead)
-    first = check_raw_samples(wrap_samples(dataset, sample_keys))
-    columns = None
-    if sample_keys is None and first is not None:
-        if isinstance(first, (tuple, list)):
-            columns = len(first) - 1 if len(first) > 2 else None
-        elif isinstance(first, (bytes, bytearray, memoryview, np.ndarray, torch.Tensor)) or hasattr(first, "getpixel"):
-            columns = 0  # a bare image (encoded bytes, an array, a PIL image)
-    return dict(sample_keys=sample_keys, read_ahead=read_ahead, target_columns=columns)
+    check_raw_samples(wrap_samples(dataset, sample_keys))
+    return sample_keys, read_ahead
 
 
 def check_map_style(dataset) -> None:
@@ -106,33 +98,31 @@ def resolve_read_ahead(read_ahead) -> int | None:
     return read_ahead
 
 
-def wrap_samples(dataset, sample_keys, read_ahead=None, columns=None):
+def wrap_samples(dataset, sample_keys, read_ahead=None):
     """The dataset as the loader reads it: `dataset` itself, its dict samples seen through
     `sample_keys` (resolved; datasets/wrappers.py DictSamples), its reads started ahead (`read_ahead`,
     datasets/wrappers.py ReadAhead). A stream is refused (check_map_style)."""
     check_map_style(dataset)
-    from fusionflow.datasets.wrappers import DictSamples, ReadAhead, SampleColumns
+    from fusionflow.datasets.wrappers import DictSamples, ReadAhead
 
     if sample_keys is not None:
         dataset = DictSamples(dataset, *sample_keys)
-    if columns is not None:
-        dataset = SampleColumns(dataset, columns)
     if read_ahead is not None:
         dataset = ReadAhead(dataset, read_ahead)
     return dataset
 
 
-def check_raw_samples(dataset):
+def check_raw_samples(dataset) -> None:
     """FusionFlow augments raw images itself; a dataset that already transforms (float tensors or
     arrays) would be augmented twice or fail at the first batch, so say so now. Dict samples without
-    sample_keys: say which keys to give. Returns dataset[0] (None when it could not be read)."""
+    sample_keys: say which keys to give."""
     try:
         if len(dataset) == 0:
-            return None
+            return
         item = dataset[0]
     except Exception:  # a dataset whose first sample fails is reported, with its index, at the first batch
         log.debug("dataset[0] could not be read at construction; not checked", exc_info=True)
-        return None
+        return
     if isinstance(item, dict):
         from fusionflow.datasets.wrappers import dict_sample_error
 
@@ -151,4 +141,3 @@ def check_raw_samples(dataset):
             "give FusionFlow the raw images (fusionflow.ImageFolder, or this dataset without its transform: "
             "transform=None) and a policy"
         )
-    return item

@@ -80,17 +80,14 @@ class EpochIterator:
 
     def __next__(self):
         images_t, labels_t, objs = self._advance(self._next_batch)
-        collate, columns = self.config.collate, self.config.target_columns
-        if collate is None:  # as default_collate makes the batch: a list of (image, target) tuples' columns
-            return images_t if columns == 0 else [images_t, *(labels_t if columns else [labels_t])]
-        # DataLoader's collate_fn contract: the batch as a list of samples shaped as the dataset gave them
-        # -- images are views of the delivered batch tensor (on the loader's device), targets as the dataset
+        collate = self.config.collate
+        if collate is None:  # as default_collate shapes the samples: [images, targets] (runtime/targets.py batch_of)
+            return ff_targets.batch_of(images_t, labels_t)
+        # DataLoader's collate_fn contract: the batch as a list of samples shaped as the dataset gave them --
+        # images are views of the delivered batch tensor (on the loader's device), targets as the dataset
         # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
-        images = images_t.unbind(0)
-        if columns == 0:
-            return collate(list(images))
         targets = labels_t.tolist() if objs is None else objs
-        return collate([(x, *t) for x, t in zip(images, targets)] if columns else list(zip(images, targets)))
+        return collate([ff_targets.sample_of(x, t) for x, t in zip(images_t.unbind(0), targets)])
 
     def _advance(self, step):
         """One step of the iteration (the epoch starts at the first): what `step()` returns. The

@@ -109,8 +109,8 @@ class FusionFlowLoader:
     at once, ahead of the sample it augments (fusionflow.datasets.wrappers.ReadAhead; e.g. 4 on a network filesystem).
     A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
     float tensor/array (already transformed) is refused at construction. Items are (sample, target), or
-    (sample, target, more, ...), or a bare sample (dataset[0] tells), batched as default_collate batches them:
-    [images, targets], [images, targets, mores, ...], or the images alone (datasets/wrappers.py SampleColumns).
+    (sample, target, more, ...), or a bare sample, batched as default_collate batches them: [images, targets],
+    [images, targets, mores, ...], or the images alone (runtime/targets.py batch_of).
 
     Targets: any type `default_collate` handles, delivered as DataLoader delivers them (floats as float64,
     tensors stacked, strings as a tuple of str, dicts per key). Python int targets travel as int64 in shared memory;

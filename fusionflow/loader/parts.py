@@ -52,7 +52,7 @@ class LoaderParts:
             from fusionflow.accel.session import GpuSession
 
             gpu = GpuSession.for_config(stats, cfg)
-        samples = wrap_samples(dataset, cfg.sample_keys, cfg.read_ahead, cfg.target_columns)  # dicts, columns, reads
+        samples = wrap_samples(dataset, cfg.sample_keys, cfg.read_ahead)  # dict samples, reads ahead
         checkpoint = Checkpoint()
         return cls(
             stats=stats,

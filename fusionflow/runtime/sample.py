@@ -22,16 +22,35 @@ def describe(dataset, index: int) -> str:
 
 
 def split_item(item, index: int):
-    """(sample, target): the target is returned as the dataset gave it (runtime/targets.py says how
-    it travels)."""
+    """(sample, target): the target as the dataset gave it (runtime/targets.py says how it travels); for an
+    item of several targets, (sample, a, b, ...), the target `Columns((a, b, ...))`; for a bare sample (an
+    image alone: bytes, an array or tensor, a PIL image) `NO_TARGET`. Batches take the shape back."""
     if isinstance(item, dict):
         from fusionflow.datasets.wrappers import dict_sample_error
 
         raise dict_sample_error(item, index)
-    if not isinstance(item, (tuple, list)) or len(item) != 2:
-        size = f" of {len(item)}" if isinstance(item, (tuple, list)) else ""
-        raise TypeError(f"dataset[{index}] must return (sample, target), got a {type(item).__name__}{size}")
-    return item[0], item[1]
+    if isinstance(item, (tuple, list)):
+        if len(item) == 2:
+            return item[0], item[1]
+        if len(item) > 2:
+            return item[0], targets.Columns(item[1:])
+    elif _bare_image(item):
+        return item, targets.NO_TARGET
+    size = f" of {len(item)}" if isinstance(item, (tuple, list)) else ""
+    raise TypeError(
+        f"dataset[{index}] must return (sample, target), (sample, target, ...) or a bare image, "
+        f"got a {type(item).__name__}{size}"
+    )
+
+
+def _bare_image(item) -> bool:
+    """Encoded bytes, a (uint8) array or tensor, or a PIL image."""
+    return (
+        isinstance(item, (bytes, bytearray, memoryview))
+        or hasattr(item, "__array_interface__")
+        or (type(item).__module__.startswith("torch") and hasattr(item, "dtype"))
+        or hasattr(item, "getpixel")
+    )
 
 
 def run_sample(

@@ -15,7 +15,9 @@ of Python ints; otherwise it rebuilds the list of targets -- ring ints as Python
 they arrived -- and collates it with `torch.utils.data.default_collate`, so floats arrive as float64,
 tensors stacked, strings as lists, dicts and tuples collated per key / field, exactly as DataLoader
 would deliver them. A mini-batch whose targets are all None (samples without targets: `sample_keys=(image
-key,)`, a shard set's `target_key=None`) delivers None in their place.
+key,)`, a shard set's `target_key=None`) delivers None in their place. A dataset whose items are the image
+alone, or (image, a, b, ...), has its samples' targets marked (`NO_TARGET`, `Columns`: runtime/sample.py
+split_item) and its batches shaped as default_collate shapes them (`batch_of`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,47 @@ import numpy as np
 from fusionflow.scheduling.queue import positions_of
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class Columns(tuple):
+    """A sample's targets when dataset[i] was (sample, a, b, ...): (a, b, ...), delivered as default_collate
+    delivers such samples -- [images, a's, b's, ...] -- and given to a collate_fn as (image, a, b, ...)."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return Columns, (tuple(self),)
+
+
+class NoTarget:
+    """The target of a bare sample (dataset[i] was the image alone): the batch is the images tensor alone, as
+    default_collate makes it. One instance, `NO_TARGET`, kept by pickling."""
+
+    __slots__ = ()
+
+    def __reduce__(self):
+        return "NO_TARGET"
+
+    def __repr__(self) -> str:
+        return "NO_TARGET"
+
+
+NO_TARGET = NoTarget()
+
+
+def batch_of(images, targets):
+    """The delivered batch, shaped as default_collate shapes the dataset's samples: [images, targets], the
+    images alone (bare samples), or [images, a's, b's, ...] (samples of several targets)."""
+    if targets is NO_TARGET:
+        return images
+    return [images, *targets] if type(targets) is Columns else [images, targets]
+
+
+def sample_of(image, target):
+    """One sample for a collate_fn, shaped as the dataset returned it."""
+    if target is NO_TARGET:
+        return image
+    return (image, *target) if type(target) is Columns else (image, target)
 
 
 def in_ring(target) -> bool:
@@ -76,8 +119,17 @@ def collate(objs: list, device=None, pin_memory: bool = False):
 
     if all(o is None for o in objs):  # samples without targets (sample_keys=(image key,), target_key=None)
         return None
+    shapes = {NoTarget if o is NO_TARGET else type(o) is Columns and len(o) for o in objs}
+    if len(shapes) > 1 and (NoTarget in shapes or any(type(k) is int for k in shapes)):
+        raise TypeError(
+            "one batch holds samples of different shapes (bare samples, (sample, target) pairs, "
+            "(sample, target, ...) of different lengths): every dataset[i] must have one shape"
+        )
+    if objs and objs[0] is NO_TARGET:
+        return NO_TARGET
     collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
     # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
+    collated = Columns(collated) if objs and type(objs[0]) is Columns else collated  # its columns, marked
     if device is not None:
         return map_tensors(collated, lambda t: t.to(device))
     if pin_memory:

@@ -267,7 +267,7 @@ class SharedLoaderClient:
             labels = ff_targets.collate(objs, self.device if self.device.type == "cuda" else None, self.pin_memory)
         self.stats.batches += 1
         self.stats.samples += len(images)
-        return [images, labels]  # a list, as DataLoader's default_collate makes of (image, target) samples
+        return ff_targets.batch_of(images, labels)  # as default_collate shapes the samples: [images, targets]
 
 
 class _ClientEpoch:

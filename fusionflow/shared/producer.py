@@ -96,12 +96,6 @@ class SharedLoader:
                 f"SharedLoader serves batches made in shared memory; accelerator={cfg.accelerator!r} makes "
                 "part of each batch on the GPU: build the loader with accelerator=None"
             )
-        if cfg.target_columns is not None:
-            raise ValueError(
-                "SharedLoader serves (image, target) samples; this loader's dataset returns "
-                + ("bare images" if cfg.target_columns == 0 else f"(image, {cfg.target_columns} targets)")
-                + ": give it (image, target) items (several targets as one tuple target)"
-            )
         if cfg.collate is not None:
             raise ValueError(
                 "SharedLoader sends (images, targets): pass collate_fn to nothing, apply it in each client"

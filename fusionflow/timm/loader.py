@@ -98,15 +98,16 @@ def create_loader(
     becomes). Returns a TimmLoader: iterate it as timm's loader; `.fusionflow` is the FusionFlowLoader."""
     args = TimmArguments(**{k: v for k, v in locals().items() if k not in ("dataset", "loader_kwargs")})
     built = resolve(dataset, args, loader_kwargs)
-    return TimmLoader(built.loader, built.prep, dataset, built.sampler)
+    return TimmLoader(built.loader, built.prep, dataset, built.sampler, batch_size)
 
 
 class TimmLoader:
     """What `create_loader` returns: timm's loader surface (`len`, iteration, `sampler`, `batch_sampler`,
     `dataset`, `mixup_enabled`) over a FusionFlowLoader (`.fusionflow`: stats, state_dict, traces)."""
 
-    def __init__(self, loader, prep, dataset, sampler):
+    def __init__(self, loader, prep, dataset, sampler, batch_size: int):
         self.fusionflow, self.prep, self.dataset, self._sampler = loader, prep, dataset, sampler
+        self._batch_size = batch_size  # create_loader's (the FusionFlowLoader's is None beside its batch_sampler)
 
     def __iter__(self):
         prep = self.prep
@@ -127,7 +128,8 @@ class TimmLoader:
 
     @property
     def batch_size(self) -> int:
-        return self.fusionflow.batch_size
+        """create_loader's batch_size, as timm's loader reports it."""
+        return self._batch_size
 
     @property
     def mixup_enabled(self) -> bool:

@@ -221,6 +221,7 @@ class MemoryBridge:
             self.close()
         except Exception:  # a CUDA fault at the end: what DALI held stays pinned, the ledger still goes
             log.exception("allocator bridge: giving the arena back failed at shutdown")
+            self.stats.pinned_bytes = sum(b.size for b in self._held.values())
         _IN_USE.discard(self.index)
         if self._held:
             log.warning(
