@@ -79,13 +79,9 @@ class AllocatorStandIn:
         del self.live[ptr]
 
 
-def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_out(monkeypatch):
-    """MemoryBridge against stand-ins of the native resource and PyTorch's allocator: nothing before the
-    loader armed it or before the warm-up; then one arena on the armed stream (at most half the device's free
-    memory, halved while PyTorch is out of memory), lent and opened once however often it is asked, each later
-    ask reading DALI's counters; close gives back what DALI no longer holds, ordered on the arena's stream; a
-    region still held is lent again by the next start (on its own stream, no new arena) and goes back later;
-    a later start after a refusal asks for what PyTorch gave."""
+def stand_ins(monkeypatch):
+    """(the bridge module, the native stand-in, the allocator stand-in: 300 MiB at most a request) installed,
+    the device showing 1.5 GiB free, nothing held from an earlier bridge."""
     from fusionflow.accel.bridge import memory_bridge as mb
 
     lib, alloc = NativeStandIn(), AllocatorStandIn(limit=300 * MIB)
@@ -95,6 +91,17 @@ def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1536 * MIB, 80 << 30))
     monkeypatch.setattr(mb, "_HELD", {})
     monkeypatch.setattr(mb, "_HELD_STREAM", {})
+    return mb, lib, alloc
+
+
+def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_out(monkeypatch):
+    """MemoryBridge against stand-ins of the native resource and PyTorch's allocator: nothing before the
+    loader armed it or before the warm-up; then one arena on the armed stream (at most half the device's free
+    memory, halved while PyTorch is out of memory), lent and opened once however often it is asked, each later
+    ask reading DALI's counters; close gives back what DALI no longer holds, ordered on the arena's stream; a
+    region still held is lent again by the next start (on its own stream, no new arena) and goes back later;
+    a later start after a refusal asks for what PyTorch gave."""
+    mb, lib, alloc = stand_ins(monkeypatch)
     s1, s2 = types.SimpleNamespace(cuda_stream=11), types.SimpleNamespace(cuda_stream=22)
     bridge = mb.MemoryBridge("cuda:0", 1024 * MIB, warmup=2)
     try:
@@ -136,15 +143,7 @@ def test_the_arena_is_carved_once_lent_until_close_and_halved_when_pytorch_runs_
 def test_a_failing_close_at_shutdown_still_frees_the_device_and_unlinks_the_ledger(monkeypatch, caplog):
     """A native close that fails as the loader shuts down (a CUDA fault) is logged; the ledger's shared memory
     is still unlinked and the device is free for the next loader's bridge (not 'another loader lends')."""
-    from fusionflow.accel.bridge import memory_bridge as mb
-
-    lib, alloc = NativeStandIn(), AllocatorStandIn(limit=300 * MIB)
-    monkeypatch.setattr(native, "load_bridge", lambda: lib)
-    monkeypatch.setattr(torch.cuda, "caching_allocator_alloc", alloc.alloc)
-    monkeypatch.setattr(torch.cuda, "caching_allocator_delete", alloc.delete)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1536 * MIB, 80 << 30))
-    monkeypatch.setattr(mb, "_HELD", {})
-    monkeypatch.setattr(mb, "_HELD_STREAM", {})
+    mb, lib, alloc = stand_ins(monkeypatch)
     bridge = mb.MemoryBridge("cuda:0", 64 * MIB, warmup=0)
     bridge.arm(types.SimpleNamespace(cuda_stream=11))
     bridge.lend(tiny_batches_done=1)
