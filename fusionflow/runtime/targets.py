@@ -119,8 +119,7 @@ def collate(objs: list, device=None, pin_memory: bool = False):
 
     if all(o is None for o in objs):  # samples without targets (sample_keys=(image key,), target_key=None)
         return None
-    shapes = {NoTarget if o is NO_TARGET else type(o) is Columns and len(o) for o in objs}
-    if len(shapes) > 1 and (NoTarget in shapes or any(type(k) is int for k in shapes)):
+    if len(set(map(_shape, objs))) > 1:
         raise TypeError(
             "one batch holds samples of different shapes (bare samples, (sample, target) pairs, "
             "(sample, target, ...) of different lengths): every dataset[i] must have one shape"
@@ -135,6 +134,11 @@ def collate(objs: list, device=None, pin_memory: bool = False):
     if pin_memory:
         return map_tensors(collated, lambda t: t.pin_memory())
     return collated
+
+
+def _shape(target):
+    """The shape of the sample a target came with: "bare", "pair", or its targets' count."""
+    return "bare" if target is NO_TARGET else len(target) if type(target) is Columns else "pair"
 
 
 def map_tensors(obj, fn):

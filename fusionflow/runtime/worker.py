@@ -49,8 +49,7 @@ def seed_as_dataloader(base_seed: int, worker_id: int, num_workers: int, dataset
     import torch
     from torch.utils.data._utils import worker as torch_worker
 
-    while getattr(dataset, "loader_wrapper", False):  # the user's dataset, not the loader's view of it
-        dataset = dataset.dataset
+    dataset = users_dataset(dataset)
     seed = base_seed + worker_id
     random.seed(seed)
     torch.manual_seed(seed)
@@ -61,14 +60,19 @@ def seed_as_dataloader(base_seed: int, worker_id: int, num_workers: int, dataset
     )
 
 
+def users_dataset(dataset):
+    """The dataset the script gave, under the loader's views of it (read ahead, dict samples: loader_wrapper)."""
+    while getattr(dataset, "loader_wrapper", False):
+        dataset = dataset.dataset
+    return dataset
+
+
 class _InfoFor:
     """torch's worker info naming `dataset` while this worker serves a borrower (another loader's dataset),
     the home loader's again after."""
 
     def __init__(self, dataset):
-        while getattr(dataset, "loader_wrapper", False):
-            dataset = dataset.dataset
-        self.dataset = dataset
+        self.dataset = users_dataset(dataset)
 
     def __enter__(self):
         from torch.utils.data._utils import worker as torch_worker
