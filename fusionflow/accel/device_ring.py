@@ -73,21 +73,22 @@ class DeviceRing:
         shares of several mini-batches)."""
         slots = [slot] * len(positions) if isinstance(slot, int) else list(slot)
         with torch.cuda.device(self.index):
-            view = dali_view(out)
-            want = (len(positions), *self.images.shape[2:])
-            if tuple(view.shape) != want or view.dtype != self.images.dtype:
-                raise ValueError(
-                    f"DALI gave {tuple(view.shape)} {view.dtype}, the ring takes {want} {self.images.dtype}"
-                )
-            with torch.cuda.stream(self.stream):
-                k = 0
-                for s, a, b in _runs_in_order(positions, slots):
-                    self.images[s, a:b].copy_(view[k : k + b - a], non_blocking=True)
-                    k += b - a
-            event = torch.cuda.Event(blocking=True)
-            event.record(self.stream)
-        event.synchronize()
-        del view  # DALI's buffer: only once the copies that read it are done
+            view, event = dali_view(out), torch.cuda.Event(blocking=True)
+            try:
+                want = (len(positions), *self.images.shape[2:])
+                if tuple(view.shape) != want or view.dtype != self.images.dtype:
+                    raise ValueError(
+                        f"DALI gave {tuple(view.shape)} {view.dtype}, the ring takes {want} {self.images.dtype}"
+                    )
+                with torch.cuda.stream(self.stream):
+                    k = 0
+                    for s, a, b in _runs_in_order(positions, slots):
+                        self.images[s, a:b].copy_(view[k : k + b - a], non_blocking=True)
+                        k += b - a
+            finally:  # DALI's buffer goes only once the copies that read it are done, a failed write's too
+                event.record(self.stream)
+                event.synchronize()
+                del view
         for s in set(slots):
             self.ready[s] = event
 
