@@ -733,3 +733,32 @@ def test_a_run_nobody_awaits_is_left_in_dali_until_training_needs_it_or_it_is_du
     assert (
         max(depths) == ld.config.dali_runs_in_flight
     )  # while it waits for the oldest, the next are taken and submitted
+
+
+@pytest.mark.parametrize(
+    "message,kind",
+    [
+        ("Error in MIXED operator `decoders.image`:\nCan't allocate 5242880 bytes on device 0.", "DeviceOutOfMemory"),
+        ("Error in GPU operator `rotate`: CUDA allocation failed", "DeviceOutOfMemory"),
+        ("nvjpeg error (5): NVJPEG_STATUS_ALLOCATOR_FAILURE", "DeviceOutOfMemory"),
+        ("Error in MIXED operator `decoders.image`: Unrecognized image format", "DecodeError"),
+    ],
+)  # fmt: skip
+def test_dalis_out_of_memory_inside_an_operator_is_told_from_a_decode_fault(message, kind):
+    """DALI's executor rethrows an operator's bad_alloc as a RuntimeError (PropagateError): told by its text, so it
+    counts as out of memory, not as a likely corrupt sample."""
+    from fusionflow.errors import DecodeError, DeviceOutOfMemory
+
+    pipe = DaliPolicyPipeline(SMALL, 2, device="cpu")
+    try:
+        pipe.submit([Bytes(2)[0][0], Bytes(2)[1][0]], [0, 1])
+
+        def failing(*args, **kwargs):
+            raise RuntimeError(message)
+
+        pipe._pipe.outputs = failing
+        with pytest.raises(DeviceOutOfMemory if kind == "DeviceOutOfMemory" else DecodeError) as caught:
+            pipe.collect()
+        assert type(caught.value).__name__ == kind and pipe.in_flight == 0  # the pipeline was discarded
+    finally:
+        pipe.close()

@@ -23,6 +23,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -231,13 +232,12 @@ class DaliPolicyPipeline:
         """DALI's errors as ours; the pipeline is discarded (and the runs in flight with it)."""
         try:
             yield
-        except MemoryError as exc:  # DALI's CUDABadAlloc (a std::bad_alloc) arrives as MemoryError
+        except (MemoryError, RuntimeError) as exc:  # DALI reports decode faults as RuntimeError, unusable after
             self._discard()
-            raise DeviceOutOfMemory(
-                f"DALI ran out of memory on samples {list(indices)} ({self.device}): {_last_line(exc)}"
-            ) from exc
-        except RuntimeError as exc:  # DALI reports decode faults as RuntimeError and is unusable after
-            self._discard()
+            if isinstance(exc, MemoryError) or OUT_OF_MEMORY.search(str(exc)):
+                raise DeviceOutOfMemory(
+                    f"DALI ran out of memory on samples {list(indices)} ({self.device}): {_last_line(exc)}"
+                ) from exc
             raise DecodeError(
                 f"DALI could not process samples {list(indices)} (one is likely corrupt or "
                 f"truncated): {_last_line(exc)}"
@@ -364,6 +364,16 @@ def _shutdown(pipe) -> None:
         shutdown = getattr(pipe, "_shutdown", None)
         if shutdown is not None:
             shutdown()
+
+
+# DALI's executor rethrows an operator's std::bad_alloc (its CUDABadAlloc: "CUDA allocation failed", "Can't allocate N
+# bytes on device D.") as a std::runtime_error (PropagateError): a RuntimeError here, told by its text, as are CUDA's
+# and nvJPEG's own out-of-memory codes; a bad_alloc outside an operator arrives as MemoryError
+OUT_OF_MEMORY = re.compile(
+    r"CUDA allocation failed|Can't allocate \d+ bytes|std::bad_alloc|out of memory|cudaErrorMemoryAllocation"
+    r"|CUDA_ERROR_OUT_OF_MEMORY|ALLOCATOR_FAILURE",
+    re.IGNORECASE,
+)
 
 
 def _last_line(exc: BaseException) -> str:
