@@ -597,3 +597,39 @@ def test_worker_info_names_the_users_dataset_not_the_loaders_view_of_it():
     loader = FusionFlowLoader(InfoNamed(), batch_size=6, num_workers=2, policy=EXACT, read_ahead=2)
     names = {n for _, batch_names, _ in loader for n in batch_names}
     assert names == {"InfoNamed"}
+
+
+class CountingBuckets:
+    """A batch sampler of its own without a batch_size: it counts its passes and shuffles buckets with torch's
+    global RNG and with a generator of its own (as bucketing and curriculum samplers do)."""
+
+    def __init__(self, n):
+        self.n, self.passes, self.generator = n, 0, torch.Generator().manual_seed(9)
+
+    def __iter__(self):
+        self.passes += 1
+        order = torch.randperm(self.n).tolist()
+        sizes = torch.randint(2, 6, (self.n,), generator=self.generator).tolist()
+        k = 0
+        while k < self.n:
+            yield order[k : k + sizes[k]]
+            k += sizes[k]
+
+    def __len__(self):
+        return self.n  # an upper bound, as some samplers give
+
+
+def test_sizing_shared_memory_leaves_a_batch_samplers_state_and_the_rng_streams_alone():
+    """Without a batch_size attribute the loader reads one pass to size shared memory; DataLoader reads none.
+    That pass must not show: not in the sampler's pass count, its generator, or torch's global stream (model
+    initialisation after building the loader, the epoch's order)."""
+    torch.manual_seed(1)
+    sampler = CountingBuckets(len(JPEGS))
+    loader = FusionFlowLoader(Raw(), batch_sampler=sampler, policy=EXACT, num_workers=2)
+    after = torch.rand(3)
+    ours = [y.tolist() for _, y in loader]
+    torch.manual_seed(1)
+    reference = CountingBuckets(len(JPEGS))
+    dl = DataLoader(Raw(), batch_sampler=reference, collate_fn=_as_list)
+    assert torch.equal(torch.rand(3), after) and sampler.passes == 1  # the epoch's pass only
+    assert ours == [[t for _, t in batch] for batch in dl]

@@ -23,6 +23,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU, loose_defaults
 from fusionflow.cache.config import resolve_cache
+from fusionflow.loader.batch_capacity import batch_capacity
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
 from fusionflow.policy import load_policy
@@ -132,27 +133,6 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
         batch_sampler = BatchSampler(sampler, batch_size, drop_last)
         capacity = batch_size
     return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity, batch_size
-
-
-def batch_capacity(batch_sampler) -> int:
-    """The largest batch a batch_sampler gives (shared memory is allocated for it up front): its
-    `batch_size` attribute (torch's BatchSampler), else the longest batch of one pass over it -- any
-    re-iterable of index lists DataLoader accepts (a list of lists, a sampler class of one's own)."""
-    capacity = getattr(batch_sampler, "batch_size", None)
-    if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1:
-        return capacity
-    if iter(batch_sampler) is batch_sampler:
-        raise ValueError(
-            f"batch_sampler={type(batch_sampler).__name__}: a one-pass iterator (a generator) gives one epoch "
-            "at most; pass something iterable once per epoch (a list of index lists, a Sampler of batches)"
-        )
-    try:
-        capacity = max((len(batch) for batch in batch_sampler), default=0)
-    except TypeError as e:
-        raise ValueError(f"batch_sampler must yield lists of indices ({e})") from None
-    if capacity < 1:
-        raise ValueError("batch_sampler yields no non-empty batch")
-    return capacity
 
 
 def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
