@@ -92,17 +92,21 @@ def sample_error(
 
 def exception_attributes(exc) -> dict:
     """What a worker sends of an exception beside its message: OSError's errno/strerror/filename/filename2 and the
-    instance's own attributes that pickle (set by the class's __init__), so a handler reading e.filename works."""
-    import pickle
-
+    instance's own attributes (set by the class's __init__) that are small plain values -- numbers, strings,
+    short bytes, tuples of them: a handler reading e.filename or e.code works, and nothing large travels."""
     found = {k: getattr(exc, k) for k in ("errno", "strerror", "filename", "filename2") if isinstance(exc, OSError)}
-    for name, value in vars(exc).items() if hasattr(exc, "__dict__") else ():
-        try:
-            pickle.dumps(value)
-        except Exception:  # an open file, a lock: not sent
-            continue
-        found[name] = value
-    return found
+    mine = vars(exc) if hasattr(exc, "__dict__") else {}
+    return found | {k: v for k, v in mine.items() if _plain(v)}
+
+
+def _plain(value, depth: int = 0) -> bool:
+    if value is None or isinstance(value, (bool, int, float, complex)):
+        return True
+    if isinstance(value, (str, bytes)):
+        return len(value) <= 4096
+    if isinstance(value, (tuple, list)) and depth == 0:
+        return len(value) <= 16 and all(_plain(v, 1) for v in value)
+    return False
 
 
 def _class_named(name: str):

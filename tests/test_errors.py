@@ -56,3 +56,19 @@ def test_errors_keep_their_old_import_paths():
 def test_sample_killed_workers_error_names_the_samples():
     err = fusionflow.SampleKilledWorkersError("killed 3 workers", [4, 7])
     assert err.indices == [4, 7] and "killed 3 workers" in str(err)
+
+
+def test_a_workers_exception_sends_its_small_plain_attributes_only():
+    """errno/filename and what the class's __init__ set, when small and plain: nothing large travels with a
+    failure (a dataset or a buffer held by an exception stays in the worker)."""
+    from fusionflow.errors import exception_attributes
+
+    class Http(Exception):
+        def __init__(self, message, code, body):
+            super().__init__(message)
+            self.code, self.body, self.tags, self.big = code, body, ("a", 1), b"x" * 100_000
+
+    assert exception_attributes(Http("no", 404, object())) == {"code": 404, "tags": ("a", 1)}
+    assert exception_attributes(FileNotFoundError(2, "No such file", "/a.jpg")) == {
+        "errno": 2, "strerror": "No such file", "filename": "/a.jpg", "filename2": None,
+    }  # fmt: skip
