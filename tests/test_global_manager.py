@@ -19,7 +19,7 @@ from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime.gm.manager import GlobalManager, GlobalManagerClient
-from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.runtime.shm import BatchRing, RingLayout
 from fusionflow.scheduling.lending import Loan, Progress, plan_lending
 
@@ -560,6 +560,8 @@ def test_a_gm_stopped_just_before_its_job_ends_goes_with_the_last_loader(caplog)
     pid = gm_pid_of(gt.table_name(name))
     os.kill(pid, signal.SIGSTOP)
     try:
+        # the signal stops it when the kernel next schedules it: on a busy machine close() could run first
+        assert wait_until(lambda: is_stopped(pid), timeout=30)
         a.close()
         assert wait_until(lambda: not pid_alive(pid), timeout=30), "the stopped GM outlived its job"
         assert not os.path.exists("/dev/shm" + gt.table_name(name))
