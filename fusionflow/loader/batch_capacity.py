@@ -1,6 +1,6 @@
 """How many samples a caller's batch_sampler puts in a batch at most: shared memory is allocated for that many
 up front. Its `batch_size` attribute where it has one (torch's BatchSampler), else the longest batch of one pass
-over it, a pass that leaves no trace (`unobserved_pass`): DataLoader never iterates a batch sampler before the
+over it, a pass that leaves no trace (`largest_batch`): DataLoader never iterates a batch sampler before the
 first epoch, so ours must not shift its pass count or the random streams it draws from."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def batch_capacity(batch_sampler) -> int:
             "at most; pass something iterable once per epoch (a list of index lists, a Sampler of batches)"
         )
     try:
-        capacity = max(map(len, unobserved_pass(batch_sampler)), default=0)
+        capacity = largest_batch(batch_sampler)
     except TypeError as e:
         raise ValueError(f"batch_sampler must yield lists of indices ({e})") from None
     if capacity < 1:
@@ -29,10 +29,10 @@ def batch_capacity(batch_sampler) -> int:
     return capacity
 
 
-def unobserved_pass(batch_sampler) -> list:
-    """One pass over `batch_sampler` that leaves no trace (DataLoader's own first pass is the first epoch's): over a
-    shallow copy (a pass counter of its own advances on the copy), with the random generators it or its sampler
-    hold and Python's, NumPy's and torch's global ones put back where they were."""
+def largest_batch(batch_sampler) -> int:
+    """The longest batch of one pass over `batch_sampler` (0 for none), a pass that leaves no trace (DataLoader's
+    own first pass is the first epoch's): over a shallow copy (a pass counter of its own advances on the copy), with
+    the random generators it or its sampler hold and Python's, NumPy's and torch's global ones put back after."""
     import copy
     import random
 
@@ -47,7 +47,7 @@ def unobserved_pass(batch_sampler) -> list:
     generators = [g for g in held if isinstance(g, torch.Generator)]
     states = [g.get_state() for g in generators], random.getstate(), np.random.get_state(), torch.get_rng_state()
     try:
-        return list(probe)
+        return max(map(len, probe), default=0)
     finally:
         for g, state in zip(generators, states[0]):
             g.set_state(state)
