@@ -464,12 +464,9 @@ def copy_to_external_landing():
                 )
                 feed_ndarray(out.as_tensor(), staged, cuda_stream=ring.stream)
                 k = 0
-                while k < len(positions):  # runs of adjacent positions of one slot
-                    end = k + 1
-                    while end < len(positions) and slots[end] == slots[k] and positions[end] == positions[end - 1] + 1:
-                        end += 1
-                    ring.images[slots[k], positions[k] : positions[k] + end - k].copy_(staged[k:end], non_blocking=True)
-                    k = end
+                for s, a, b in device_ring.runs_in_order(positions, slots):  # runs of adjacent positions of a slot
+                    ring.images[s, a:b].copy_(staged[k : k + b - a], non_blocking=True)
+                    k += b - a
             event = torch.cuda.Event(blocking=True)
             event.record(ring.stream)
         event.synchronize()

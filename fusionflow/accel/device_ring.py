@@ -82,7 +82,7 @@ class DeviceRing:
                     )
                 with torch.cuda.stream(self.stream):
                     k = 0
-                    for s, a, b in _runs_in_order(positions, slots):
+                    for s, a, b in runs_in_order(positions, slots):
                         self.images[s, a:b].copy_(view[k : k + b - a], non_blocking=True)
                         k += b - a
             finally:  # DALI's buffer goes only once the copies that read it are done, a failed write's too
@@ -103,10 +103,10 @@ class DeviceRing:
 def accel_runs(positions) -> list[tuple[int, int]]:
     """[start, stop) runs of consecutive positions (the accelerator's tiny-batches, merged where
     adjacent): the merged delivery copies slices, so it needs no index tensor on the device."""
-    return [(a, b) for _, a, b in _runs_in_order(sorted(positions))]
+    return [(a, b) for _, a, b in runs_in_order(sorted(positions))]
 
 
-def _runs_in_order(positions, slots=None) -> list[tuple[int, int, int]]:
+def runs_in_order(positions, slots=None) -> list[tuple[int, int, int]]:
     """(slot, start, stop) runs of consecutive positions of one slot, in the order given (a DALI run's
     samples); `slots`: each position's slot (all 0 when None)."""
     runs: list[list[int]] = []
