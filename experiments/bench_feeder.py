@@ -13,8 +13,8 @@ Reported per batch size, over the timed epochs:
                         ran (thread time: what it takes from the training loop's cores and GIL)
   land_us_per_sample    of that, landing DALI's outputs in the batch ring: on the CPU backend a host copy of
                         the pixels (~150 KB a sample at 224 px), on a GPU a device copy the thread only issues
-  inputs_us_per_sample  CPU time of the accelerator's input helper process (draws, windows, op
-                        parameters: moved out of the training process, not hidden)
+  inputs_us_per_sample  CPU time of the accelerator's input helper process (reads, header sizes, draws,
+                        windows, op parameters: moved out of the training process, not hidden)
   calls_per_run         Python and C function calls the accelerator thread makes per DALI run, counted
                         by a profile hook in a second pass (the hook slows the thread, so the first
                         pass times it without one), and calls per sample with it; work_calls_per_run: of
@@ -23,11 +23,13 @@ Reported per batch size, over the timed epochs:
   samples_per_run       the runs' mean size
 With `--tiny` the images are 32 px (still 224 px out: the policy's size, resized up and landed): DALI's
 decoding shrinks and the 2-core machine is less saturated, so thread times are more the feeder's than
-contention's. With `--step-us` the training loop sleeps that long per image: training is the bottleneck,
+contention's. With `--files` the set is JPEG files read as fusionflow.ImageFolder reads them (open, read,
+close per sample), not bytes in memory: what reading costs whoever reads (the CPU workers' delay still
+applies). With `--step-us` the training loop sleeps that long per image: training is the bottleneck,
 the loader runs ahead and nobody waits for a run in flight, as
 on a GPU-bound training (by default training waits for every run). Medians over `--rounds`.
 
-    .venv/bin/python -m experiments.bench_feeder [--batch-sizes 32,256] [--tiny] [--rounds 3]
+    .venv/bin/python -m experiments.bench_feeder [--batch-sizes 32,256] [--tiny] [--files] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import threading
 import time
 
 from experiments.harness import provenance, result_path, write_json
+from fusionflow.datasets.folder import ImageFolder
 from fusionflow.tools.synthetic import EncodedImages
 
 THREAD = "fusionflow-accelerator"  # the accelerator thread's name (accel/accelerator.py)
@@ -76,24 +80,46 @@ class CallCounter:
         threading.setprofile(None)
 
 
+def in_cpu_worker() -> bool:
+    """In one of the loader's CPU worker processes (they set DataLoader's worker info; the training process and
+    the accelerator's input helpers do not)."""
+    import torch.utils.data
+
+    return torch.utils.data.get_worker_info() is not None
+
+
 class SlowInWorkers(EncodedImages):
-    """EncodedImages whose reads take `delay` seconds longer in any process but the one that made it:
-    the CPU workers are slowed, so the split rule gives the accelerator (reading in the training process)
-    most of each mini-batch and its runs approach the batch size."""
+    """EncodedImages whose reads take `delay` seconds longer in a CPU worker: the CPU workers are slowed, so
+    the split rule gives the accelerator (read by its input helpers, or the training process) most of each
+    mini-batch and its runs approach the batch size."""
 
     def __init__(self, data, delay: float):
         super().__init__(data, classes=1000)
-        self.delay, self.home = delay, os.getpid()
+        self.delay = delay
 
     def __getitem__(self, i):
-        if self.delay and os.getpid() != self.home:
+        if self.delay and in_cpu_worker():
             time.sleep(self.delay)
         return super().__getitem__(i)
 
     def __getitems__(self, indices):  # the batched read, kept (EncodedImages reads a subclass item by item)
-        if self.delay and os.getpid() != self.home:
+        if self.delay and in_cpu_worker():
             time.sleep(self.delay * len(indices))
         return [(self.data[i], i % self.classes) for i in indices]
+
+
+class SlowFolder(ImageFolder):
+    """The set as files read as fusionflow.ImageFolder reads them (open, read, close: what a real dataset costs
+    whoever reads it), slowed in the CPU workers as SlowInWorkers is."""
+
+    def __init__(self, root: str, delay: float):
+        super().__init__(root)
+        self.delay = delay
+
+    def __getitem__(self, i):
+        if self.delay and in_cpu_worker():
+            time.sleep(self.delay)
+        return super().__getitem__(i)
 
 
 def one_pass(data, args, batch_size: int, counter: CallCounter | None) -> dict:
@@ -101,8 +127,9 @@ def one_pass(data, args, batch_size: int, counter: CallCounter | None) -> dict:
 
     if counter is not None:  # for every thread the loader starts (the accelerator's starts with the first epoch)
         counter.install()
+    delay = args.worker_delay_ms * 1e-3
     loader = FusionFlowLoader(
-        SlowInWorkers(data, args.worker_delay_ms * 1e-3),
+        SlowFolder(data, delay) if isinstance(data, str) else SlowInWorkers(data, delay),
         batch_size=batch_size,
         shuffle=True,
         num_workers=args.workers,
@@ -160,19 +187,35 @@ def main() -> None:
     ap.add_argument(
         "--step-us", type=float, default=0.0, help="training step's sleep per image: > 0 lets the loader run ahead"
     )
+    ap.add_argument(
+        "--files", action="store_true", help="the set as JPEG files on disk (read per sample), not in memory"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     from experiments.harness import mixed_jpegs
     from fusionflow.tools.synthetic import make_jpegs
 
     data = make_jpegs(args.images, 32, 33, seed=1) if args.tiny else mixed_jpegs(args.images)
-    result = {**provenance(), "args": vars(args), "batch_sizes": {}}
+    result = {**provenance(), "args": vars(args), "batch_sizes": {}, "rows": []}
+    with tempfile.TemporaryDirectory(prefix="bench_feeder_") as root:
+        if args.files:
+            os.makedirs(os.path.join(root, "c0"))
+            for i, jpeg in enumerate(data):
+                with open(os.path.join(root, "c0", f"{i:06d}.jpg"), "wb") as f:
+                    f.write(jpeg)
+        measure(root if args.files else data, args, result)
+    name = "bench_feeder" + ("_tiny" if args.tiny else "") + ("_files" if args.files else "")
+    write_json(result, result_path(args.out, name + ".json"))
+
+
+def measure(data, args, result: dict) -> None:
     for bs in (int(b) for b in args.batch_sizes.split(",")):
         timed = [one_pass(data, args, bs, None) for _ in range(args.rounds)]
         counted = one_pass(data, args, bs, CallCounter())
         med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
         med.update({k: counted[k] for k in ("calls_per_run", "calls_per_sample", "work_calls_per_run")})
         result["batch_sizes"][bs] = {"timed": timed, "counted": counted, "median": med}
+        result["rows"].append({"batch_size": bs, **med})  # in --batch-sizes order (paired_trees reads the first)
         print(
             f"batch {bs}: {med['samples_per_run']:.0f} samples per run, share {med['share']:.2f}; feeding thread "
             f"{med['feed_us_per_sample']:.1f} us/sample ({med['land_us_per_sample']:.1f} landing), "
@@ -181,7 +224,6 @@ def main() -> None:
             f"{med['work_calls_per_run']:.0f} in its submit and collect, the rest the loop's waits)",
             flush=True,
         )
-    write_json(result, result_path(args.out, "bench_feeder" + ("_tiny" if args.tiny else "") + ".json"))
 
 
 if __name__ == "__main__":

@@ -127,7 +127,7 @@ def host_columns(pipe, data: list, batch_size: int) -> list:
     """The host inputs of the runs of `pipe` (a DaliPolicyPipeline) over `data`, run b taking samples
     b*batch_size.. cyclically, for one whole cycle of runs (after it run b is run b - cycle again), as the
     accelerator's helpers make them (HostInputs.columns)."""
-    from fusionflow.accel.dali_graph import image_size
+    from fusionflow.accel.header_sizes import image_size
 
     sizes = [image_size(d) for d in data]
     out = []

@@ -20,9 +20,10 @@ Metrics: `loader` reads FusionFlowLoader's img/s and its ratio to DataLoader + t
 ratio cancels most of the machine's drift); `cpu` reads the per-core pipeline's fast and exact modes
 against torchvision (bench_cpu_pipeline); `ddp` reads the lending-on img/s and the on/off ratio;
 `cooperation` reads bench_cooperation's first batch size: the gain (X - Y)/Z, its per-round median, X's
-img/s and X/(Y+Z) (give both trees the same bench_cooperation to compare the loaders alone); `remote` reads
-bench_remote.py's 1 local + 1 actor and 2 local img/s, the training process's CPU per
-image with and without the actor, and the bare Ray round trip.
+img/s and X/(Y+Z) (give both trees the same bench_cooperation to compare the loaders alone); `feeder`
+reads bench_feeder's first batch size: the accelerator thread's and its helpers' CPU per sample, the runs'
+size (the same bench_feeder in both trees); `remote` reads bench_remote.py's 1 local + 1 actor and 2 local
+img/s, the training process's CPU per image with and without the actor, and the bare Ray round trip.
 """
 
 from __future__ import annotations
@@ -69,6 +70,14 @@ BENCHES = {
             "gain_per_round": ("rows", 0, "gain_paired"),
             "x_img_per_s": ("rows", 0, "median", "ff_dali"),
             "x_over_y_plus_z": ("rows", 0, "x_over_y_plus_z"),
+        },
+    ),
+    "feeder": (
+        "bench_feeder",
+        {
+            "feed_us_per_sample": ("rows", 0, "feed_us_per_sample"),
+            "helper_us_per_sample": ("rows", 0, "inputs_us_per_sample"),
+            "samples_per_run": ("rows", 0, "samples_per_run"),
         },
     ),
     "remote": (

@@ -354,7 +354,7 @@ def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerat
     from fusionflow.accel import accelerator as acc
     from fusionflow.errors import DeviceOutOfMemory
 
-    def oom(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None):
+    def oom(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None, keep=None):
         raise DeviceOutOfMemory(f"out of memory on samples {list(indices)}")
 
     monkeypatch.setattr(DaliPolicyPipeline, "submit", oom)

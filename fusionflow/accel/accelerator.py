@@ -4,10 +4,9 @@ of the local manager's queue, each output written to its mini-batch position.
 A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via
 accel/share_feed.py), with up to MERGE_SHARES - 1 next shares that fit (on a GPU also taken ahead: `_borrowed`); up
 to `depth` runs are in flight (DaliAccelerator's runs_in_flight), collected in order. A mini-batch whose CPU side is
-late when training waits for it gets a tail run of its largest unstarted tiny-batches. Runs are read whole
-(accel/run_read.py, header_sizes.py), their draws made by helper processes (host_inputs.py), the bytes fed uncopied.
-CPU time: `accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds` of it), the helpers'
-`accelerator_inputs_cpu_seconds`; a trace shows the loop's steps (read, prepare, inputs, submit, outputs, land).
+late when training waits for it gets a tail run of its largest unstarted tiny-batches. Runs are read and drawn by
+helper processes (host_inputs.py, helper_reads.py; else read whole here: run_read.py), the bytes fed uncopied. CPU:
+`accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds` of it), the helpers' `accelerator_inputs_cpu_seconds`.
 
 `device="gpu"`: nvJPEG and GPU ops into a device ring (`DeviceRing`) merged with the CPU workers' positions at
 delivery; `device="cpu"`: DALI's CPU backend into the host ring. What DALI cannot run (not encoded bytes, over
@@ -29,7 +28,8 @@ import numpy as np
 
 from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU
 from fusionflow.accel.header_sizes import HeaderSizes
-from fusionflow.accel.run_read import read_run
+from fusionflow.accel.host_inputs import HelperGone
+from fusionflow.accel.run_read import read_by_helpers, read_run
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.accel.step_clock import StepClock
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
@@ -81,8 +81,7 @@ class AcceleratorWorker:
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
         self.counters.accelerator_builds += 1 if aot else 0
-        self.tiny_batches = 0  # done by this accelerator (the bridge may wait for a warm-up count of them)
-        self.failures_in_a_row = 0
+        self.tiny_batches = self.failures_in_a_row = 0  # tiny-batches done (the bridge's warm-up); failed runs in a row
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # the training work before the loader's last next() (mark_step)
         self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails
@@ -96,12 +95,10 @@ class AcceleratorWorker:
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
         self._last_done = 0.0  # when the last run completed (its completion interval)
         self._run_seconds = 0.0  # running mean of a run's time from take to completion (the stall bound's)
-        self._writing = False  # the thread is writing a collected run's outputs (`watch` leaves it be)
-        self._stop = False
+        self._writing = self._stop = False  # writing a collected run's outputs (`watch` leaves it be); stopping
         self._thread = threading.Thread(target=self._thread_main, name="fusionflow-accelerator", daemon=True)
 
-    def start(self) -> None:
-        """Start the thread (after the board's `add_worker_kind`)."""
+    def start(self) -> None:  # after the board's `add_worker_kind`
         self._thread.start()
 
     @property
@@ -136,8 +133,7 @@ class AcceleratorWorker:
             self.window_open = False
             self.wait_idle()
 
-    def wait_idle(self, timeout: float = 30.0) -> None:
-        """Under board.cond: wait for the tiny-batch in flight (if any) to finish."""
+    def wait_idle(self, timeout: float = 30.0) -> None:  # under board.cond: the tiny-batch in flight finishes
         deadline = time.monotonic() + timeout
         while self._active and self._thread.is_alive() and time.monotonic() < deadline:
             self.board.cond.wait(0.05)
@@ -177,8 +173,7 @@ class AcceleratorWorker:
         self._lose_all()
 
     # ---------------------------------------------------------------- the thread
-    def _thread_main(self) -> None:
-        """`_run`; a failure outside a DALI step (a bug) retires the accelerator, its runs to the CPU workers."""
+    def _thread_main(self) -> None:  # `_run`; a failure outside a DALI step (a bug) retires the accelerator
         try:
             self._run()
         except BaseException as exc:  # a thread ended silently with work taken would leave training waiting
@@ -257,7 +252,7 @@ class AcceleratorWorker:
         bytes, or over the policy's max_pixels: the CPU path refuses it by name) is given back, the rest run."""
         board = self.board
         clock = StepClock(board.trace)  # the loop's steps on the trace's own track (its wall and CPU time)
-        r = read_run(self.dataset, group, self.dims, self.max_pixels)
+        r = self._read(group)
         runnable, given_back, samples, labels, sizes = r.runnable, r.given_back, r.samples, r.labels, r.sizes
         clock.mark("read", group[0].seq, len(samples))
         if given_back:
@@ -288,9 +283,9 @@ class AcceleratorWorker:
                 self.bridge = None
         try:
             clock.mark("prepare", runnable[0].seq, len(indices))  # given back, gated waits, the naive ablation's build
-            columns = self._columns(indices, copies, sizes, runnable[0].epoch)
+            columns = r.columns if r.columns is not None else self._columns(indices, copies, sizes, runnable[0].epoch)
             clock.mark("inputs", runnable[0].seq, len(indices))
-            pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns)
+            pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns, keep=r.keep)
             clock.mark("submit", runnable[0].seq, len(indices))
         except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
             self._failed_run(exc, indices)
@@ -301,15 +296,25 @@ class AcceleratorWorker:
             finally:
                 pipeline.close()
 
+    def _read(self, group):
+        """The run read by the input helpers where they read it (with its host inputs), else here."""
+        helper, r = self.inputs, None
+        try:
+            r = read_by_helpers(helper, self.dataset, group, self.max_pixels, self.seed) if helper else None
+        except HelperGone as exc:  # closed: this thread reads and makes the inputs from now on
+            log.warning("%s; the accelerator reads its runs and makes its inputs in its own thread from now on", exc)
+            self.inputs = None
+        if helper is not None:
+            self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
+        return r or read_run(self.dataset, group, self.dims, self.max_pixels)
+
     def _columns(self, indices, copies, sizes, epoch: int):
         """The run's host inputs from the helper processes; None (`submit` makes them here) once they are gone."""
         helper = self.inputs
-        if helper is None:
-            return None
-        columns = helper.columns_or_none(indices, copies, sizes, self.seed, epoch)
-        self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
-        if columns is None:  # the helper is gone (columns_or_none closed it): this thread makes them from now on
-            self.inputs = None
+        columns = helper.columns_or_none(indices, copies, sizes, self.seed, epoch) if helper is not None else None
+        if helper is not None:
+            self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
+            self.inputs = helper if columns is not None else None  # gone (columns_or_none closed them): made here
         return columns
 
     def _collect(self, _unused) -> None:
@@ -358,8 +363,7 @@ class AcceleratorWorker:
             self.board.cond.notify_all()
 
     def _lose_all(self) -> None:
-        """Under board.cond: the runs in flight are lost (a failed DALI run discards the pipeline): their
-        tiny-batches go to the CPU workers, counted as one failed run."""
+        """Under board.cond: the runs in flight are lost, their tiny-batches to the CPU workers (one failed run)."""
         lost, self._active[:] = list(self._active), []
         self._account([], [w for g, *_ in lost for w in g], False, 0)
         self.board.cond.notify_all()
@@ -386,8 +390,7 @@ class AcceleratorWorker:
             self._retire(f"{self.failures_in_a_row} DALI runs in a row failed")
 
     def _failed_run(self, exc, indices) -> None:
-        """A DALI run failed (out of memory, or a sample it could not decode): the pipeline is discarded,
-        and every run in flight with it goes to the CPU workers."""
+        """A DALI run failed (out of memory, or an undecodable sample): every run in flight to the CPU workers."""
         if isinstance(exc, DeviceOutOfMemory):
             self.counters.accelerator_out_of_memory += 1
             log.warning("accelerator out of memory on samples %s; the CPU workers take them: %s", indices, exc)

@@ -33,6 +33,7 @@ from nvidia.dali.backend import TensorCPU, TensorListCPU  # dali_ops imports DAL
 
 from fusionflow.accel.dali_ops import DaliStyle, apply_slot, slot_branches
 from fusionflow.accel.declines import dali_declines
+from fusionflow.accel.header_sizes import image_size
 from fusionflow.accel.host_inputs import HostInputs, HostLayout, op_names
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.policy import Policy, load_policy
@@ -45,18 +46,6 @@ log = logging.getLogger(__name__)
 # core, waiting 0.09 to be scheduled (0.92-0.95 and 0.02-0.04 with this; its effect on the rate is within
 # that benchmark's noise). On a GPU its threads feed the device: left as they are.
 CPU_BACKEND_NICE = 10
-
-
-def image_size(data, what: str | None = None) -> tuple[int, int]:
-    """(height, width) from an encoded image's header, without decoding it."""
-    from fusionflow.ops.decode import open_encoded
-
-    try:
-        with open_encoded(data, what) as img:  # Pillow's bomb warning silenced: the policy's limit governs
-            w, h = img.size
-    except Exception as exc:  # Pillow raises several types for unreadable headers
-        raise DecodeError(f"cannot read the image header of {len(data)} bytes: {exc}", what) from exc
-    return h, w
 
 
 class DaliPolicyPipeline:
@@ -159,12 +148,14 @@ class DaliPolicyPipeline:
         self.submit(samples, indices, seed, epoch, copies)
         return self.collect()
 
-    def submit(self, samples, indices, seed: int = 0, epoch: int = 0, copies=None, sizes=None, columns=None) -> None:
+    def submit(
+        self, samples, indices, seed: int = 0, epoch: int = 0, copies=None, sizes=None, columns=None, keep=None
+    ) -> None:
         """Feed one run and schedule it without waiting for it (at most `depth` in flight); `collect`
         returns the outputs of the runs in the order they were submitted. `sizes`: each sample's
         (height, width), when known; `columns`: the run's host inputs made already (`HostInputs.columns`:
-        the accelerator's helper process), else made here sample by sample. Raises as `run` does; a
-        failure loses every run in flight."""
+        the accelerator's helper process), else made here sample by sample; `keep`: held as long as the samples
+        (what they are views of). Raises as `run` does; a failure loses every run in flight."""
         n = len(samples)
         if not 1 <= n <= self.batch_size:
             raise ValueError(f"got {n} samples; this pipeline takes 1..{self.batch_size} per run")
@@ -198,7 +189,7 @@ class DaliPolicyPipeline:
             for name, col in zip(names, cols):  # the encoded bytes ragged, every other input dense
                 self._pipe.feed_input(name, col)
             self._pipe.schedule_run()
-        self._pending.append((list(indices), (samples, arrays, encoded)))
+        self._pending.append((list(indices), (samples, arrays, encoded, keep)))
 
     def collect(self, stream=None):
         """The outputs of the oldest run in flight (waits for DALI to have launched all its work). On a GPU

@@ -54,7 +54,6 @@ def _header_size(data) -> tuple[int, int]:
     """(height, width) from an encoded image's header, (0, 0) when it is not bytes or cannot be read."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         return 0, 0
-    from fusionflow.accel.dali_graph import image_size
     from fusionflow.ops import jpeg
 
     if jpeg.is_complete_jpeg(data) and jpeg.available():
@@ -67,3 +66,15 @@ def _header_size(data) -> tuple[int, int]:
         return image_size(data)
     except DecodeError:
         return 0, 0
+
+
+def image_size(data, what: str | None = None) -> tuple[int, int]:
+    """(height, width) from an encoded image's header, without decoding it."""
+    from fusionflow.ops.decode import open_encoded
+
+    try:
+        with open_encoded(data, what) as img:  # Pillow's bomb warning silenced: the policy's limit governs
+            w, h = img.size
+    except Exception as exc:  # Pillow raises several types for unreadable headers
+        raise DecodeError(f"cannot read the image header of {len(data)} bytes: {exc}", what) from exc
+    return h, w

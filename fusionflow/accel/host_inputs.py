@@ -29,15 +29,18 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from fusionflow.accel.helper_reads import HelperReader
 from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
 
 log = logging.getLogger(__name__)
 MAX_HELPERS = 4  # helper processes at most (a run's inputs cut into this many shares)
 MIN_SHARE = 16  # the fewest samples worth a helper's message of their own (a message costs ~0.1 ms)
+MAX_READ_FAILURES = 3  # runs the helpers failed to read before the accelerator reads every run itself
 
 
 class HostLayout:
@@ -120,6 +123,21 @@ class HostInputs:
         return (anchor, shape, noise)
 
 
+@dataclass
+class HelperRun:
+    """A run as the helpers read it: per sample (height, width) ((0, 0): not an image they could read), target,
+    host inputs (one array per input, a row per sample) and encoded bytes (views of the slot's shared memory;
+    empty at `unplaced`: samples that did not fit in their helper's slot, for the caller to read), and the
+    slot (helper_reads.Slot), which DALI's pipeline holds while it may read the views."""
+
+    hw: np.ndarray
+    labels: list
+    columns: list
+    samples: list
+    unplaced: list
+    slot: object
+
+
 class InputHelper:
     """`HostInputs.columns` in `processes` helper processes: a run of at least 2 * MIN_SHARE samples is cut
     into contiguous shares, one per helper, all sent before any answer is awaited, so the accelerator
@@ -128,18 +146,28 @@ class InputHelper:
     them, or HelperGone when a helper is dead, unreachable or silent for `timeout` seconds (the caller then
     makes them itself); `close` ends them all (idempotent, bounded)."""
 
-    def __init__(self, inputs: HostInputs, ctx, timeout: float = 60.0, processes: int = 1):
+    def __init__(self, inputs: HostInputs, ctx, timeout: float = 60.0, processes: int = 1, reads=None):
+        """`reads`: (dataset, run_samples, runs_in_flight) to have the helpers read the runs too (`read`)."""
         if processes < 1:
             raise ValueError(f"processes={processes} must be >= 1")
         self.timeout, self.cpu_seconds = timeout, 0.0  # the helpers' CPU time so far (their last replies')
         self._conns, self._procs, self._cpu = [], [], [0.0] * processes
+        self.slots, self.read_failures = _byte_slots(reads, processes), 0
         forked = ctx.get_start_method() == "fork"  # then each inherits every descriptor of the training process
         try:
             for k in range(processes):
                 conn, child = ctx.Pipe()
                 self._conns.append(conn)
+                reader = None
+                if self.slots is not None:
+                    siblings = [c.fileno() for c in self._conns[:-1]] + self.slots.fds_but(k)  # its forked copies
+                    reader = HelperReader(
+                        reads[0], self.slots.child_fd(k), self.slots.slots, self.slots.slot_bytes, siblings
+                    )
                 try:
-                    proc = ctx.Process(target=serve, args=(inputs, child, forked), name=f"fusionflow-dali-inputs-{k}")
+                    proc = ctx.Process(
+                        target=serve, args=(inputs, child, forked, reader), name=f"fusionflow-dali-inputs-{k}"
+                    )
                     proc.daemon = True
                     proc.start()
                     self._procs.append(proc)
@@ -148,23 +176,59 @@ class InputHelper:
         except BaseException:
             self.close()
             raise
+        finally:
+            if self.slots is not None:
+                self.slots.forget_fds()  # the helpers have theirs (inherited, or passed at start)
 
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def columns(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray]:
-        if not self._conns:
-            raise HelperGone("the DALI input helpers are closed")
         indices = np.asarray(indices, np.int64)
         copies = None if copies is None else np.asarray(copies, np.int64)
         sizes = np.asarray(sizes, np.int64).reshape(-1, 2)
-        shares = max(1, min(len(self._conns), len(indices) // MIN_SHARE))
-        cuts = [len(indices) * k // shares for k in range(shares + 1)]
-        parts = [slice(a, b) for a, b in zip(cuts, cuts[1:])]
+        replies = self._ask(len(indices), lambda p: ("columns", indices[p], _part(copies, p), sizes[p], seed, epoch))
+        return replies[0] if len(replies) == 1 else [np.concatenate(col) for col in zip(*replies)]
+
+    def read(self, indices, copies, seed: int, epoch: int):
+        """The run's samples read by the helpers (their dataset's batched read, header sizes, draws), the encoded
+        bytes in a slot of shared memory (a HelperRun). None where the helpers do not read (none do, no slot is
+        free, or a helper's read failed: the caller reads the run, so an error is raised where it always was).
+        Raises as `columns` does (HelperGone: the helpers are gone)."""
+        slot = self.slots.take() if self.slots is not None else None
+        if slot is None:
+            return None
+        indices = np.asarray(indices, np.int64)
+        copies = None if copies is None else np.asarray(copies, np.int64)
         try:
-            for conn, part in zip(self._conns, parts):
-                conn.send((indices[part], None if copies is None else copies[part], sizes[part], seed, epoch))
+            replies = self._ask(len(indices), lambda p: ("read", indices[p], _part(copies, p), seed, epoch, slot.index))
+        except ReadFailed as exc:
+            slot.release()
+            self.read_failures += 1
+            if self.read_failures >= MAX_READ_FAILURES:
+                log.warning("the DALI input helpers could not read the dataset (%s); the accelerator reads it", exc)
+                self.slots = None  # the segments stay mapped until the helpers close (the runs in flight read them)
+            return None
+        samples, labels = [], []
+        for segment, (_, targets, offsets, lengths, _) in zip(self.slots.segments, replies):  # helper k's segment
+            samples += map(segment.__getitem__, map(slice, offsets.tolist(), (offsets + lengths).tolist()))
+            labels += targets
+        hw = np.concatenate([reply[0] for reply in replies])
+        offsets = np.concatenate([reply[2] for reply in replies])
+        columns = [np.concatenate(col) for col in zip(*(reply[4] for reply in replies))]
+        return HelperRun(hw, labels, columns, samples, np.flatnonzero((offsets < 0) & (hw[:, 0] > 0)).tolist(), slot)
+
+    def _ask(self, n: int, request) -> list:
+        """Send `request(part)` to each helper for a contiguous part of n samples (one part per helper, at least
+        MIN_SHARE samples each), then read every answer: the payloads, in order."""
+        if not self._conns:
+            raise HelperGone("the DALI input helpers are closed")
+        shares = max(1, min(len(self._conns), n // MIN_SHARE))
+        cuts = [n * k // shares for k in range(shares + 1)]
+        try:
+            for conn, a, b in zip(self._conns, cuts, cuts[1:]):
+                conn.send(request(slice(a, b)))
             replies = []
             for k, conn in enumerate(self._conns[:shares]):  # every answer read: the pipes stay in step
                 if not conn.poll(self.timeout):
@@ -180,9 +244,7 @@ class InputHelper:
         failed = next((payload for ok, payload, _ in replies if not ok), None)
         if failed is not None:
             raise failed
-        if shares == 1:
-            return replies[0][1]
-        return [np.concatenate(col) for col in zip(*(payload for _, payload, _ in replies))]
+        return [payload for _, payload, _ in replies]
 
     def columns_or_none(self, indices, copies, sizes, seed: int, epoch: int) -> list[np.ndarray] | None:
         """`columns`, or None once a helper is gone (said once, in the log; the helpers are closed)."""
@@ -211,19 +273,48 @@ class InputHelper:
             if proc.is_alive():
                 proc.kill()
             proc.join()  # ended or killed: waitpid returns
+        if self.slots is not None:
+            self.slots.close()
+            self.slots = None
 
 
 class HelperGone(RuntimeError):
     """The input helper cannot answer: the accelerator makes its inputs itself from then on."""
 
 
-def serve(inputs: HostInputs, conn, close_inherited: bool = False) -> None:
-    """The helper's loop: a request in, its columns (or the exception) out, until None or end-of-file.
+class ReadFailed(RuntimeError):
+    """A helper could not read its share of a run from the dataset (the training process reads it instead)."""
+
+
+def _part(copies, p):
+    return None if copies is None else copies[p]
+
+
+def _byte_slots(reads, processes: int):
+    """The helpers' shared byte slots for `reads` (dataset, run_samples, runs_in_flight), or None (no reads)."""
+    if reads is None:
+        return None
+    from fusionflow.accel.helper_reads import ByteSlots, slot_bytes
+
+    _, run_samples, depth = reads
+    try:  # two runs more than in flight: the one DALI's pipeline keeps after its collection, the one being fed
+        return ByteSlots(processes, depth + 2, slot_bytes(run_samples, processes, MIN_SHARE))
+    except (OSError, AttributeError) as exc:  # AttributeError: no memfd_create (not Linux)
+        log.warning("no shared memory for the DALI input helpers' reads (%s); the accelerator reads the runs", exc)
+        return None
+
+
+def serve(inputs: HostInputs, conn, close_inherited: bool = False, reader=None) -> None:
+    """The helper's loop: a request in, its payload (or the exception) out, until None or end-of-file.
     `close_inherited` (a forked helper): every descriptor but stdio and its pipe is closed first, so the
     helper never keeps a socket, pipe or shared-memory segment of the training process open past its
-    owner's close (a peer waiting for end-of-file would wait for this process instead)."""
+    owner's close (a peer waiting for end-of-file would wait for this process instead). `reader`
+    (helper_reads.HelperReader): the helper reads runs too, and closes only what a CPU worker does (`attach`:
+    the dataset's own descriptors stay)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if close_inherited:
+    if reader is not None:
+        reader.attach(close_inherited)
+    elif close_inherited:
         fd = conn.fileno()
         os.closerange(3, fd)
         os.closerange(fd + 1, os.sysconf("SC_OPEN_MAX"))
@@ -235,15 +326,27 @@ def serve(inputs: HostInputs, conn, close_inherited: bool = False) -> None:
         if request is None:
             return
         try:
-            reply = (True, inputs.columns(*request), time.process_time())
+            reply = (True, _answer(inputs, reader, request), time.process_time())
         except Exception as exc:  # sent back: the accelerator handles it as its own run's failure
             reply = (False, exc, time.process_time())
         try:
             conn.send(reply)
         except (OSError, ValueError):
             return
-        except Exception as exc:  # an exception that does not pickle: its text instead
+        except Exception as exc:  # an exception (or a target) that does not pickle: its text instead
             conn.send((False, RuntimeError(f"{reply[1]!r} ({exc!r})"), reply[2]))
+
+
+def _answer(inputs: HostInputs, reader, request):
+    kind, *args = request
+    if kind == "columns":
+        return inputs.columns(*args)
+    indices, copies, seed, epoch, slot = args
+    try:
+        hw, labels, offsets, lengths = reader.read(indices, slot)
+    except Exception as exc:
+        raise ReadFailed(repr(exc)) from None
+    return hw, labels, offsets, lengths, inputs.columns(indices, copies, np.where(hw > 0, hw, 1), seed, epoch)
 
 
 def helper_processes(on_gpu: bool, cores: int, workers: int, threads: int) -> int:
@@ -253,9 +356,10 @@ def helper_processes(on_gpu: bool, cores: int, workers: int, threads: int) -> in
     return max(1, min(MAX_HELPERS, cores - workers - threads - 1)) if on_gpu else 1
 
 
-def start_helper(policy, ctx=None, processes: int = 1) -> InputHelper | None:
+def start_helper(policy, ctx=None, processes: int = 1, reads=None) -> InputHelper | None:
     """An InputHelper of `processes` helpers for `policy` in multiprocessing context `ctx` (None: the default),
-    or None where the accelerator makes its inputs itself: erasing with noise, or a helper that cannot start."""
+    or None where the accelerator makes its inputs itself: erasing with noise, or a helper that cannot start.
+    `reads`: (dataset, run_samples, runs_in_flight): the helpers read the runs too (InputHelper.read)."""
     import multiprocessing
 
     from fusionflow.policy import load_policy
@@ -265,7 +369,13 @@ def start_helper(policy, ctx=None, processes: int = 1) -> InputHelper | None:
         return None
     try:
         ctx = ctx if ctx is not None else multiprocessing.get_context()
-        return InputHelper(HostInputs(policy), ctx, processes=processes)
+        try:
+            return InputHelper(HostInputs(policy), ctx, processes=processes, reads=reads)
+        except Exception as exc:  # e.g. a dataset that does not pickle (spawn): they make the draws only
+            if reads is None:
+                raise
+            log.warning("the DALI input helpers cannot read the dataset (%r); the accelerator reads its runs", exc)
+            return InputHelper(HostInputs(policy), ctx, processes=processes)
     except Exception as exc:  # the accelerator works without one
         log.warning("the DALI input helper did not start (%r); the accelerator makes its inputs itself", exc)
         return None

@@ -17,11 +17,14 @@ workers (they report the sample precisely) or raise as before.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from fusionflow.runtime.sample import split_item
+
+_COPIES = operator.attrgetter("copies")  # a Work's copies
 
 
 @dataclass
@@ -34,6 +37,8 @@ class RunRead:
     labels: list = field(default_factory=list)
     sizes: np.ndarray | list = field(default_factory=list)
     given_back: list = field(default_factory=list)
+    columns: list | None = None  # the runnable samples' host inputs, when the helpers made them with the read
+    keep: object = None  # what DALI's pipeline holds while it may read the samples (helper_reads.Slot)
 
 
 def read_items(dataset, indices: list) -> list:
@@ -47,7 +52,7 @@ def read_items(dataset, indices: list) -> list:
     return [dataset[i] for i in indices]
 
 
-def _pairs(items: list, indices: list) -> tuple[list, list]:
+def pairs(items: list, indices: list) -> tuple[list, list]:
     """([sample], [target]) of (sample, target) items; split_item's errors for anything else."""
     if set(map(type, items)) <= {tuple, list} and set(map(len, items)) <= {2}:
         samples, labels = zip(*items) if items else ((), ())
@@ -61,16 +66,22 @@ def read_run(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
     HeaderSizes; a tiny-batch with a sample whose header cannot be read (not encoded bytes, or not
     an image) or over `max_pixels` is given back whole."""
     indices = [i for w in group for i in w.indices]
-    samples, labels = _pairs(read_items(dataset, indices), indices)
-    hw = dims.many(indices, samples)
+    samples, labels = pairs(read_items(dataset, indices), indices)
+    return runnable(group, samples, labels, dims.many(indices, samples), max_pixels)
+
+
+def runnable(group: list, samples: list, labels: list, hw: np.ndarray, max_pixels: int | None, columns=None) -> RunRead:
+    """The run's tiny-batches DALI may take, given each sample's (height, width) `hw` ((0, 0): unreadable) and,
+    when made already, the host inputs `columns` (one array per input, a row per sample): a tiny-batch with a
+    sample unreadable or over `max_pixels` is given back whole, its rows dropped."""
     ok = hw[:, 0] > 0
     if max_pixels is not None:
         ok &= hw[:, 0] * hw[:, 1] <= max_pixels
     if ok.all():
-        return RunRead(list(group), samples, labels, hw, [])
+        return RunRead(list(group), samples, labels, hw, [], columns)
     starts = np.cumsum([0] + [len(w.indices) for w in group[:-1]])
     works_ok = np.logical_and.reduceat(ok, starts)  # every tiny-batch holds at least one sample
-    read = RunRead(sizes=[])
+    read, rows = RunRead(sizes=[]), np.zeros(len(samples), bool)
     for work, fine, start in zip(group, works_ok.tolist(), starts.tolist()):
         if not fine:
             read.given_back.append(work)
@@ -80,4 +91,25 @@ def read_run(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
         read.samples += samples[start:end]
         read.labels += labels[start:end]
         read.sizes += [tuple(z) for z in hw[start:end].tolist()]
+        rows[start:end] = True
+    if columns is not None:
+        read.columns = [c[rows] for c in columns]
+    return read
+
+
+def read_by_helpers(helper, dataset, group: list, max_pixels: int | None, seed: int) -> RunRead | None:
+    """`group` read by the input helpers (InputHelper.read: bytes in shared memory, with the run's host inputs), the
+    samples that did not fit in their slots read here; None where the helpers do not read it (the caller does)."""
+    indices = [i for w in group for i in w.indices]
+    any_copies = any(map(_COPIES, group))  # C-level calls: a run's Python calls do not grow with its tiny-batches
+    copies = [c for w in group for c in (w.copies or (0,) * len(w.indices))] if any_copies else None
+    got = helper.read(indices, copies, seed, group[0].epoch)
+    if got is None:
+        return None
+    if got.unplaced:
+        more = [indices[k] for k in got.unplaced]
+        for k, sample in zip(got.unplaced, pairs(read_items(dataset, more), more)[0]):
+            got.samples[k] = sample
+    read = runnable(group, got.samples, got.labels, got.hw, max_pixels, got.columns)
+    read.keep = got.slot
     return read

@@ -127,13 +127,14 @@ class GpuSession:
         policy, seed, tiny_batch_size = spec.policy, spec.seed, spec.tiny_batch_size
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
         helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
-        inputs = start_helper(policy, spec.mp_context, helpers)  # processes: started before DALI's threads are
+        run_samples = self._run_samples(spec)  # the helpers read the runs too (accel/helper_reads.py)
+        inputs = start_helper(policy, spec.mp_context, helpers, (dataset, run_samples, self.runs_in_flight))
         try:
             accel = AcceleratorWorker(
                 mgr.board,
                 dataset,
                 policy,
-                self._run_samples(spec),
+                run_samples,
                 seed,
                 device="gpu" if on_gpu else "cpu",
                 device_id=self.device.index if on_gpu else None,

@@ -147,13 +147,18 @@ def map_from_child_fd(layout: RingLayout, child_fd: ChildFd) -> BatchRing:
     descriptor inherited from the parent (its own included: the mapping keeps the memory), so a
     worker never keeps another loader's ring alive."""
     ring = BatchRing(layout, fd=child_fd.fd)
-    for fd in _OWNED_FDS | {child_fd.fd}:
+    close_owned_fds(child_fd.fd)
+    return ring
+
+
+def close_owned_fds(*more: int) -> None:
+    """In a forked child: close the ring (and cache) descriptors inherited from the parent, and `more`."""
+    for fd in _OWNED_FDS | set(more):
         try:
             os.close(fd)
         except OSError:
             pass
     _OWNED_FDS.clear()
-    return ring
 
 
 def send_fd(conn, fd: int) -> None:

@@ -1,0 +1,147 @@
+"""A DALI run's encoded bytes read by the input helpers, not in the training process.
+
+Reading a run's samples costs the training process CPU and GIL: a file-backed dataset's open + read + close is
+~20 us a sample of thread CPU on the H200 (2026-11-28, session 27's step track: the largest step of the accelerator
+thread's after the input helpers took the draws) and 40-95 us on the 2-core VM for 170 KB JPEGs, over issue 41's
+budget of 20 us for everything the accelerator does there. So the helpers (host_inputs.py's InputHelper) read
+their share of each run too -- the dataset's batched read, header sizes, the draws -- and write the encoded bytes
+into memory shared with the training process, which feeds DALI views of it (DALI reads them in place, as it read
+the bytes objects before).
+
+The memory: one anonymous segment per helper (`os.memfd_create`: no name in /dev/shm to leak, not counted against
+a container's /dev/shm size; the training process and the helper map it, the memory goes with the last mapping),
+cut into `slots` slots of `slot_bytes`. Each run takes a slot (the same in every helper) for as long as DALI may
+read the bytes: the pipeline holds a run's `keep` (a `Slot`) until the next run is collected, as it held its bytes
+objects (dali_graph.py), so `slots` = the runs in flight + 2. A sample that does not fit in its helper's slot is
+left unplaced and read by the training process; so is a whole run when no slot is free. `SAMPLE_BYTES` sizes a
+slot for the run's share of samples at 256 KiB each (ImageNet's JPEGs average ~110 KB), at most `MAX_SLOT_BYTES`.
+Pages are touched only as bytes are written (a slot holds what the largest run that used it wrote).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+from fusionflow.accel.header_sizes import HeaderSizes
+from fusionflow.accel.run_read import pairs, read_items
+from fusionflow.runtime.gm.link import close_inherited
+from fusionflow.runtime.shm import ChildFd, close_owned_fds
+
+SAMPLE_BYTES = 256 * 1024  # a slot's room per sample of the helper's share
+MAX_SLOT_BYTES = 64 << 20  # one slot of one helper at most
+
+
+def slot_bytes(run_samples: int, helpers: int, min_share: int) -> int:
+    """A slot's bytes: room for the most samples one helper is given of a run of `run_samples` (a run under
+    2 * min_share samples goes to one helper whole)."""
+    share = max(-(-run_samples // helpers), min(run_samples, 2 * min_share - 1))
+    return min(MAX_SLOT_BYTES, share * SAMPLE_BYTES)
+
+
+class Slot:
+    """A slot taken for one run; it goes back to its ByteSlots when released or let go (garbage)."""
+
+    def __init__(self, owner: ByteSlots, index: int):
+        self.index = index
+        self._finalizer = weakref.finalize(self, owner.give_back, index)
+
+    def release(self) -> None:
+        self._finalizer()
+
+
+class ByteSlots:
+    """The training process's side: one shared segment per helper (`child_fd(k)` hands helper k its
+    descriptor; `forget_fds` once every helper has started), `take` a slot per run, `views(k)` the bytes."""
+
+    def __init__(self, helpers: int, slots: int, slot_bytes: int):
+        self.slots, self.slot_bytes = slots, slot_bytes
+        self._fds: list[int] = []
+        self._maps: list[mmap.mmap] = []
+        self.segments: list[np.ndarray] = []
+        self._free = list(range(slots))
+        self._lock = threading.Lock()
+        try:
+            for k in range(helpers):
+                fd = os.memfd_create(f"fusionflow-dali-bytes-{k}", os.MFD_CLOEXEC)
+                self._fds.append(fd)
+                os.ftruncate(fd, slots * slot_bytes)
+                self._maps.append(mmap.mmap(fd, slots * slot_bytes))
+                self.segments.append(np.frombuffer(self._maps[-1], np.uint8))
+        except BaseException:
+            self.close()
+            raise
+
+    def child_fd(self, k: int) -> ChildFd:
+        return ChildFd(self._fds[k])
+
+    def fds_but(self, k: int) -> list[int]:
+        """The descriptors of every segment but helper k's (a forked helper closes its copies of them)."""
+        return [fd for j, fd in enumerate(self._fds) if j != k]
+
+    def forget_fds(self) -> None:
+        """Close this process's descriptors (the helpers have theirs; the mappings stay)."""
+        fds, self._fds = self._fds, []
+        for fd in fds:
+            os.close(fd)
+
+    def take(self) -> Slot | None:
+        """A free slot, or None (every slot still read by DALI: the run is read by the training process)."""
+        with self._lock:
+            return Slot(self, self._free.pop()) if self._free else None
+
+    def give_back(self, index: int) -> None:  # a Slot let go
+        with self._lock:
+            self._free.append(index)
+
+    def close(self) -> None:
+        """Unmap (a view DALI still holds keeps its mapping until it goes)."""
+        self.forget_fds()
+        self.segments = []
+        maps, self._maps = self._maps, []
+        for m in maps:
+            try:
+                m.close()
+            except BufferError:  # a view still exported: the mapping goes with it
+                pass
+
+
+class HelperReader:
+    """A helper's side: reads its share of a run from `dataset`, writes the bytes into its slot, and
+    returns what the training process needs: per sample (height, width) ((0, 0): not an image it can read),
+    the targets, the offset and length of its bytes in the segment (offset -1: not placed)."""
+
+    def __init__(self, dataset, fd: ChildFd, slots: int, slot_bytes: int, siblings=()):
+        """`siblings`: the training process's ends of the helpers started before this one (closed if forked)."""
+        self.dataset, self.fd, self.slots, self.slot_bytes = dataset, fd, slots, slot_bytes
+        self.siblings, self.segment = list(siblings), None
+
+    def attach(self, forked: bool) -> None:
+        """In the helper, first: map the segment (the mapping outlives the descriptor). A forked helper then closes
+        what a forked CPU worker closes -- the loaders' rings, caches and listening sockets -- and keeps every
+        other inherited descriptor: the dataset's may be among them (a file it holds open), and closing one
+        under it could have it read another file that got its number."""
+        m = mmap.mmap(self.fd.fd, self.slots * self.slot_bytes)
+        os.close(self.fd.fd)
+        self.segment = np.frombuffer(m, np.uint8)
+        self.dims = HeaderSizes(len(self.dataset) if hasattr(self.dataset, "__len__") else 0)
+        if forked:
+            close_inherited()
+            close_owned_fds(*self.siblings)
+
+    def read(self, indices: np.ndarray, slot: int):
+        idx = indices.tolist()
+        samples, labels = pairs(read_items(self.dataset, idx), idx)
+        hw = self.dims.many(indices, samples)
+        offsets, lengths = np.full(len(idx), -1, np.int64), np.zeros(len(idx), np.int64)
+        pos, end = slot * self.slot_bytes, (slot + 1) * self.slot_bytes
+        for k in np.flatnonzero(hw[:, 0] > 0).tolist():
+            data = np.frombuffer(samples[k], np.uint8)
+            if pos + len(data) <= end:
+                self.segment[pos : pos + len(data)] = data
+                offsets[k], lengths[k], pos = pos, len(data), pos + len(data)
+        return hw, labels, offsets, lengths
