@@ -409,6 +409,7 @@ wait S2 for E1
 p3 0x10000000
 upstream allocates 8388608 on S1
 host waits for E0
+the resource's lock is free meanwhile
 q 0x10200000
 record E2 on S2
 fallback 8388608 live 1572864
@@ -438,7 +439,8 @@ def test_dali_resource_orders_streams_by_events(tmp_path):
     calls it makes replaced by logging fakes (tests/native/bridge_resource_harness.cc): outside a
     window everything goes to DALI's pool; inside, the first use of lent memory on a stream waits
     for the lender's event, reuse of a range freed on another stream waits for that free's event, a
-    host-synchronous allocation waits on the host, a free records its stream's event at the free, and
+    host-synchronous allocation waits on the host (outside the resource's lock: another thread reads
+    the counters meanwhile), a free records its stream's event at the free, and
     close makes the lender's stream wait for exactly the frees since the last close, returning only
     blocks nothing holds. A free whose event record fails (cudaErrorCudartUnloading at exit) never
     throws into DALI's deleter (that would be std::terminate): the host waits for the stream instead."""

@@ -144,16 +144,27 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
     }
   }
 
-  // Host-synchronous allocation: the memory must be usable by any stream when this returns.
+  // Host-synchronous allocation: the memory must be usable by any stream when this returns. The range is
+  // taken under the lock and waited for outside it, so DALI's other allocations and frees (and close) do
+  // not wait behind this host wait. An event re-recorded meanwhile (a later free on its stream) only makes
+  // the wait longer: it marks a later point of the same stream. If a wait fails, the range goes back as
+  // freed on every stream (its next user waits for them all).
   void *do_allocate(size_t bytes, size_t alignment) override {
+    std::vector<cudaEvent_t> events;
+    void *p = nullptr;
     {
       std::lock_guard<std::mutex> g(m_);
-      if (void *p = take(bytes, alignment, nullptr, true, [](cudaEvent_t ev) {
-            check(cudaEventSynchronize(ev), "cudaEventSynchronize(lent memory)");
-          }))
-        return p;
+      p = take(bytes, alignment, nullptr, true, [&](cudaEvent_t ev) { events.push_back(ev); });
     }
-    return upstream_->allocate(bytes, alignment);
+    if (!p) return upstream_->allocate(bytes, alignment);
+    try {
+      for (cudaEvent_t ev : events) check(cudaEventSynchronize(ev), "cudaEventSynchronize(lent memory)");
+    } catch (...) {
+      std::lock_guard<std::mutex> g(m_);
+      arena_.deallocate(reinterpret_cast<uintptr_t>(p), LentArena::kMixed);
+      throw;
+    }
+    return p;
   }
 
   // Host-synchronous free: no work is pending on the memory, so no stream needs to wait for it.

@@ -3,15 +3,19 @@
 // themselves (events E0, E1, ... in creation order; streams T, S1, S2), and its upstream is a fake
 // resource. tests/test_bridge.py compiles this, runs it, and checks the log against the ordering
 // protocol written at the top of dali_bridge_resource.cc.
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dali_bridge_resource.cc"  // NOLINT: the class under test lives in that file's anonymous namespace
 
 namespace {
 std::map<const void *, std::string> g_names;
+bool (*g_lock_free)() = nullptr;  // set by main: whether another thread can take the resource's lock now
 int g_events = 0;
 bool g_fail_record = false;  // cudaEventRecord fails as it does while the CUDA runtime unloads
 
@@ -42,7 +46,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
   say("wait " + name(s) + " for " + name(e));
   return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t e) { say("host waits for " + name(e)); return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  say("host waits for " + name(e));
+  if (g_lock_free) say(g_lock_free() ? "the resource's lock is free meanwhile" : "the resource's lock is HELD meanwhile");
+  return cudaSuccess;
+}
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { say("host syncs " + name(s)); return cudaSuccess; }
 }
 
@@ -74,6 +82,17 @@ int main() {
   g_names[S2] = "S2";
   auto up = std::make_shared<FakeUpstream>();
   fusionflow::BridgeResource res(0, up);
+  static fusionflow::BridgeResource *resp = &res;
+  g_lock_free = [] {  // another thread reads the counters (takes the lock) within 2 s, or it is held
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    std::thread([done] {
+      uint64_t out[7];
+      resp->stats(out);
+      *done = true;
+    }).detach();
+    for (int i = 0; i < 200 && !*done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    return done->load();
+  };
   say(std::string("upstream reachable: ") + (res.upstream() == up.get() ? "yes" : "no"));
   auto at = [](void *p) { char b[32]; std::snprintf(b, sizeof b, "%#lx", (unsigned long)(uintptr_t)p); return std::string(b); };
 
