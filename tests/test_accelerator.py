@@ -254,6 +254,48 @@ def test_gpu_accelerator_matches_and_delivers_on_device(sharing):
     assert np.median(psnrs) > 30  # nvJPEG vs libjpeg-turbo decode
 
 
+@pytest.mark.gpu
+def test_gpu_accelerator_samples_are_dalis_own_on_the_same_bytes_over_epochs():
+    """Spatial sharing, runs in flight, three epochs (the input helpers' byte slots reused many times): every
+    sample is its CPU output or DALI's GPU pipeline run on that sample's bytes alone -- within the gap of
+    nvJPEG's hardware and CUDA decoders (which one decodes a sample depends on the batch), far above what
+    another sample's bytes would give (~10 dB): no run read bytes its slot had been given for another."""
+    ds = Bytes(61)
+    ld = FusionFlowLoader(
+        ds,
+        batch_size=12,
+        num_workers=1,
+        policy=SMALL,
+        tiny_batch_size=2,
+        device="cuda:0",
+        accelerator="dali-gpu",
+        gpu_sharing="spatial",
+        seed=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+        persistent_workers=True,
+    )
+    cpu, dali = CpuPipeline(SMALL), DaliPolicyPipeline(SMALL, batch_size=1, device="gpu", device_id=0)
+    try:
+        from_dali = 0
+        for epoch in (0, 1, 2):
+            ld.set_epoch(epoch)
+            images, labels = collect(ld)
+            assert sorted(i for y in labels for i in y.tolist()) == list(range(61))
+            for x, y in zip(images, labels):
+                for img, i in zip(x.cpu().numpy(), y.tolist()):
+                    if np.array_equal(img, cpu(ds.data[i], i, seed=4, epoch=epoch)):
+                        continue
+                    own = run_numpy(dali, [ds.data[i]], [i], seed=4, epoch=epoch)[0].astype(np.float64)
+                    mse = np.mean((img.astype(np.float64) - own) ** 2)
+                    assert mse == 0 or 10 * np.log10(255**2 / mse) > 25, (epoch, i, mse)
+                    from_dali += 1
+        assert from_dali > 0 and ld.stats.accelerator_runs > 3
+    finally:
+        ld.close()
+        dali.close()
+
+
 def _collect_garbage(worker_id):
     import gc
 
