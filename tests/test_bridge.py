@@ -420,13 +420,13 @@ close returned 0
 record E1 on S1
 upstream allocates 1048576 on S1
 -- window 2
-record E0 on T
+record E3 on T
 wait T for E1
 close returned 1 0x10000000
 close refused: cap
 -- a free whose event record fails
-record E0 on T
-wait S2 for E0
+record E4 on T
+wait S2 for E4
 r 0x20000000
 record E2 on S2 fails
 host syncs S2
@@ -440,10 +440,11 @@ def test_dali_resource_orders_streams_by_events(tmp_path):
     window everything goes to DALI's pool; inside, the first use of lent memory on a stream waits
     for the lender's event, reuse of a range freed on another stream waits for that free's event, a
     host-synchronous allocation waits on the host (outside the resource's lock: another thread reads
-    the counters meanwhile), a free records its stream's event at the free, and
-    close makes the lender's stream wait for exactly the frees since the last close, returning only
-    blocks nothing holds. A free whose event record fails (cudaErrorCudartUnloading at exit) never
-    throws into DALI's deleter (that would be std::terminate): the host waits for the stream instead."""
+    the counters meanwhile), each window has an event of its own (E0, E3, E4), a free records its
+    stream's event at the free, and close makes the lender's stream wait for exactly the frees since
+    the last close, returning only blocks nothing holds. A free whose event record fails
+    (cudaErrorCudartUnloading at exit) never throws into DALI's deleter (that would be
+    std::terminate): the host waits for the stream instead."""
     import subprocess
 
     dali_inc, dali_lib = native.dali_paths()

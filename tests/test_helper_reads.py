@@ -104,20 +104,23 @@ def test_a_slot_is_held_while_its_run_may_be_read_and_comes_back_after(no_leaks)
         helper.close()
 
 
-def test_samples_too_big_for_the_slot_are_read_by_the_training_process(no_leaks, monkeypatch):
-    """A slot with room for about two samples: the rest of the run are left unplaced by the helper and
-    read_by_helpers reads them here; the run is whole, in order, with the helpers' draws."""
-    monkeypatch.setattr(helper_reads, "SAMPLE_BYTES", max(map(len, JPEGS[:12])) * 2 // 12)
-    ds = CountsHome(12)
-    helper = helper_for(ds, run_samples=12)
+@pytest.mark.parametrize("processes,n", [(1, 8), (3, 60)])
+def test_samples_too_big_for_the_slot_are_read_by_the_training_process(no_leaks, monkeypatch, processes, n):
+    """A slot with room for a few samples: the rest of the run are left unplaced by the helpers (one, or three
+    with a share each) and read_by_helpers reads them here; the run is whole, in order, with the helpers' draws."""
+    monkeypatch.setattr(helper_reads, "SAMPLE_BYTES", max(map(len, JPEGS[:61])) * 3 // 60)
+    ds = CountsHome(61)
+    helper = helper_for(ds, processes=processes, run_samples=60)
     try:
-        order = [11, 3, 0, 7, 5, 2, 9, 1]
+        order = np.random.default_rng(n).permutation(61)[:n].tolist()
         read = read_by_helpers(helper, ds, works_of(order), None, seed=1)
         assert read is not None and read.keep is not None
         assert [bytes(s) for s in read.samples] == [ds.data[i] for i in order]
         assert read.labels == order and read.given_back == []
-        assert 0 < len(ds.home_reads) < len(order)  # some placed by the helper, the others read here
-        assert read.columns is not None and len(read.columns[0]) == len(order)
+        assert 0 < len(ds.home_reads) < len(order)  # some placed by the helpers, the others read here
+        hw = HeaderSizes(61).many(order, [ds.data[i] for i in order])
+        want = HostInputs(POLICY).columns(order, None, hw, 1, 0)
+        assert all(np.array_equal(a, b) for a, b in zip(read.columns, want))
     finally:
         helper.close()
 
@@ -140,14 +143,19 @@ def test_a_run_with_unreadable_samples_gives_their_tiny_batches_back_and_keeps_t
 
 
 def test_a_dataset_the_helpers_cannot_read_is_read_by_the_training_process(no_leaks):
-    """The helpers' reads fail: each such run is left to the training process (None, its slot free again), and
-    after MAX_READ_FAILURES the helpers stop reading (they still make the draws)."""
+    """The helpers' reads fail: each such run is left to the training process (None, its slot free again); a
+    failure counts once the training process has read that run (`read_here`), and after MAX_READ_FAILURES the
+    helpers stop reading (they still make the draws)."""
     ds = NotInHelpers(12)
     helper = helper_for(ds)
     try:
+        for _ in range(MAX_READ_FAILURES + 2):  # the training process failed too: the dataset's failure, not theirs
+            assert helper.read([0, 1], None, 0, 0) is None
+        assert helper.slots is not None and helper.read_failures == 0
         for _ in range(MAX_READ_FAILURES):
             assert helper.slots is not None
             assert helper.read([0, 1], None, 0, 0) is None
+            helper.read_here()
         assert helper.slots is None and helper.read([0, 1], None, 0, 0) is None
         assert helper.columns([0], None, [(30, 30)], 0, 0)[0].shape == (1, 2)
     finally:
@@ -243,3 +251,106 @@ def test_a_run_read_by_the_helpers_takes_as_many_calls_in_the_training_process_w
         assert calls(8, 4) == calls(120, 60)
     finally:
         helper.close()
+
+
+def test_the_pipeline_holds_a_runs_slot_until_dali_is_done_with_its_bytes(no_leaks):
+    """DALI reads the views in place: the slot goes back only when the pipeline lets the run go -- one run after
+    its collection (DALI may read fed memory until then), or when it is discarded."""
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+    from fusionflow.policy import load_policy
+
+    ds = Bytes(8)
+    helper = helper_for(ds, run_samples=4, depth=0)  # two slots
+    pipe = DaliPolicyPipeline(load_policy(POLICY, size=(32, 32)), 4, depth=2)
+    try:
+        first = read_by_helpers(helper, ds, works_of([0, 1, 2, 3]), None, 0)
+        pipe.submit(first.samples, [0, 1, 2, 3], 0, 0, None, first.sizes, first.columns, keep=first.keep)
+        second = read_by_helpers(helper, ds, works_of([4, 5]), None, 0)
+        pipe.submit(second.samples, [4, 5], 0, 0, None, second.sizes, second.columns, keep=second.keep)
+        del first, second
+        gc.collect()
+        assert helper.read([6], None, 0, 0) is None  # both slots held by the runs in flight
+        pipe.collect()
+        gc.collect()
+        assert helper.read([6], None, 0, 0) is None  # the first run's bytes are kept one run more
+        pipe.collect()
+        gc.collect()
+        third = helper.read([6], None, 0, 0)
+        assert third is not None  # the first run's slot is back
+        assert helper.read([7], None, 0, 0) is None  # the second's is still kept
+        pipe.reset()
+        gc.collect()
+        assert helper.read([7], None, 0, 0) is not None  # discarded with the pipeline's runs
+    finally:
+        pipe.close()
+        helper.close()
+
+
+class TensorTargets(Bytes):
+    def __getitem__(self, i):
+        return self.data[i], torch.tensor(i)
+
+
+def test_targets_other_than_numbers_are_read_by_the_training_process(no_leaks):
+    """Tensor targets would cost the training process more to unpickle than to read: the helpers leave those
+    runs to it (and after MAX_READ_FAILURES leave it every run); the accelerator keeps producing, every sample
+    once, with its own target."""
+    ds = TensorTargets(61)
+    ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(5), persistent_workers=True)
+    try:
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            order = [i for _, y in ld for i in y.tolist()]
+            assert sorted(order) == list(range(61)), epoch
+        accel = ld.parts.gpu.accel
+        assert ld.stats.accelerator_samples > 0 and accel.retired is None
+        assert accel.inputs is not None and accel.inputs.slots is None  # still drawing, no longer reading
+    finally:
+        ld.close()
+
+
+def test_reading_helpers_end_when_the_training_process_is_killed(tmp_path):
+    """SIGKILL of the training process: its forked reading helpers see their pipe's end and exit (none keeps
+    the training process's end of its own pipe, or another's)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "train.py"
+    script.write_text(
+        f"""
+import multiprocessing as mp, sys, time
+sys.path[:0] = [{here!r}]
+from test_helper_reads import helper_for
+from test_loader import Bytes
+helper = helper_for(Bytes(20), "fork", processes=3)
+assert helper.read(list(range(20)), None, 0, 0) is not None
+print(" ".join(str(p.pid) for p in helper._procs), flush=True)
+time.sleep(600)
+"""
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=here)
+    try:
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) == 3
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    deadline = time.monotonic() + 30
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and "zombie" not in _state(p)]
+        time.sleep(0.05)
+    for pid in alive:  # nothing left behind by a failing run either
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"reading helpers left running after the training process died: {alive}"
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((line.lower() for line in f if line.startswith("State:")), "")
+    except OSError:
+        return "zombie"

@@ -29,7 +29,7 @@ import numpy as np
 from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU
 from fusionflow.accel.header_sizes import HeaderSizes
 from fusionflow.accel.host_inputs import HelperGone
-from fusionflow.accel.run_read import read_by_helpers, read_run
+from fusionflow.accel.run_read import read_for_run, read_run
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.accel.step_clock import StepClock
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
@@ -297,16 +297,16 @@ class AcceleratorWorker:
                 pipeline.close()
 
     def _read(self, group):
-        """The run read by the input helpers where they read it (with its host inputs), else here."""
-        helper, r = self.inputs, None
+        helper = self.inputs  # the run read by the input helpers where they read it (with its host inputs), else here
         try:
-            r = read_by_helpers(helper, self.dataset, group, self.max_pixels, self.seed) if helper else None
+            return read_for_run(helper, self.dataset, group, self.dims, self.max_pixels, self.seed)
         except HelperGone as exc:  # closed: this thread reads and makes the inputs from now on
             log.warning("%s; the accelerator reads its runs and makes its inputs in its own thread from now on", exc)
             self.inputs = None
-        if helper is not None:
-            self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
-        return r or read_run(self.dataset, group, self.dims, self.max_pixels)
+            return read_run(self.dataset, group, self.dims, self.max_pixels)
+        finally:
+            if helper is not None:
+                self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
 
     def _columns(self, indices, copies, sizes, epoch: int):
         """The run's host inputs from the helper processes; None (`submit` makes them here) once they are gone."""

@@ -16,6 +16,12 @@ objects (dali_graph.py), so `slots` = the runs in flight + 2. A sample that does
 left unplaced and read by the training process; so is a whole run when no slot is free. `SAMPLE_BYTES` sizes a
 slot for the run's share of samples at 256 KiB each (ImageNet's JPEGs average ~110 KB), at most `MAX_SLOT_BYTES`.
 Pages are touched only as bytes are written (a slot holds what the largest run that used it wrote).
+
+The helpers carry back targets that are numbers or strings (`PLAIN_TARGETS`); a run with others (tensors, arrays,
+dicts: costlier to unpickle in the training process than to read there) is read by the training process, as is a
+run a helper failed to read; once the training process has read MAX_READ_FAILURES such runs itself (a failure that
+is the dataset's -- a corrupt file fails there too -- is not counted) the helpers stop reading. A helper reseeds
+Python's, NumPy's and torch's random streams; get_worker_info() is None there, as in the training process.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ import numpy as np
 from fusionflow.accel.header_sizes import HeaderSizes
 from fusionflow.accel.run_read import pairs, read_items
 from fusionflow.runtime.gm.link import close_inherited
-from fusionflow.runtime.shm import ChildFd, close_owned_fds
+from fusionflow.runtime.shm import ChildFd, close_owned_fds, disown_fd, own_fd
+from fusionflow.runtime.targets import NoTarget
 
 SAMPLE_BYTES = 256 * 1024  # a slot's room per sample of the helper's share
 MAX_SLOT_BYTES = 64 << 20  # one slot of one helper at most
@@ -61,6 +68,7 @@ class ByteSlots:
     def __init__(self, helpers: int, slots: int, slot_bytes: int):
         self.slots, self.slot_bytes = slots, slot_bytes
         self._fds: list[int] = []
+        self._dups: list[int] = []  # the descriptors the mappings keep (mmap duplicates the one it maps)
         self._maps: list[mmap.mmap] = []
         self.segments: list[np.ndarray] = []
         self._free = list(range(slots))
@@ -71,17 +79,20 @@ class ByteSlots:
                 self._fds.append(fd)
                 os.ftruncate(fd, slots * slot_bytes)
                 self._maps.append(mmap.mmap(fd, slots * slot_bytes))
+                self._dups += copies_of(fd)
                 self.segments.append(np.frombuffer(self._maps[-1], np.uint8))
         except BaseException:
             self.close()
             raise
+        for dup in self._dups:  # forked CPU workers close them (runtime/shm.py), as they close the ring's
+            own_fd(dup)
 
     def child_fd(self, k: int) -> ChildFd:
         return ChildFd(self._fds[k])
 
     def fds_but(self, k: int) -> list[int]:
-        """The descriptors of every segment but helper k's (a forked helper closes its copies of them)."""
-        return [fd for j, fd in enumerate(self._fds) if j != k]
+        """This process's descriptors of the segments but helper k's own (a forked helper closes its copies)."""
+        return [fd for j, fd in enumerate(self._fds) if j != k] + self._dups
 
     def forget_fds(self) -> None:
         """Close this process's descriptors (the helpers have theirs; the mappings stay)."""
@@ -101,6 +112,9 @@ class ByteSlots:
     def close(self) -> None:
         """Unmap (a view DALI still holds keeps its mapping until it goes)."""
         self.forget_fds()
+        for dup in self._dups:  # closed with their mappings (or when the last view goes)
+            disown_fd(dup)
+        self._dups = []
         self.segments = []
         maps, self._maps = self._maps, []
         for m in maps:
@@ -108,6 +122,23 @@ class ByteSlots:
                 m.close()
             except BufferError:  # a view still exported: the mapping goes with it
                 pass
+
+
+def copies_of(fd: int) -> list[int]:
+    """This process's other descriptors of `fd`'s file (the one an mmap of it keeps, found by inode)."""
+    ino = os.fstat(fd).st_ino
+    found = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            other = int(name)
+            if other != fd and os.fstat(other).st_ino == ino:
+                found.append(other)
+        except (OSError, ValueError):
+            pass  # closed meanwhile, or the listing's own descriptor
+    return found
+
+
+PLAIN_TARGETS = {int, float, bool, str, type(None), NoTarget}  # what a helper's reply carries cheaply
 
 
 class HelperReader:
@@ -132,10 +163,13 @@ class HelperReader:
         if forked:
             close_inherited()
             close_owned_fds(*self.siblings)
+        reseed()  # forked helpers would share the training process's random streams with each other
 
     def read(self, indices: np.ndarray, slot: int):
         idx = indices.tolist()
         samples, labels = pairs(read_items(self.dataset, idx), idx)
+        if not set(map(type, labels)) <= PLAIN_TARGETS:  # tensors, arrays, dicts: the training process reads them
+            raise TypeError("targets other than numbers and strings are read where they are used")
         hw = self.dims.many(indices, samples)
         offsets, lengths = np.full(len(idx), -1, np.int64), np.zeros(len(idx), np.int64)
         pos, end = slot * self.slot_bytes, (slot + 1) * self.slot_bytes
@@ -145,3 +179,15 @@ class HelperReader:
                 self.segment[pos : pos + len(data)] = data
                 offsets[k], lengths[k], pos = pos, len(data), pos + len(data)
         return hw, labels, offsets, lengths
+
+
+def reseed() -> None:
+    """Fresh random streams for Python, NumPy and (where loaded) torch in a helper: a dataset drawing at random
+    in its reads gets a stream of its own there, as in a DataLoader worker."""
+    import random
+    import sys
+
+    random.seed()
+    np.random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()

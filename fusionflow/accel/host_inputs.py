@@ -152,7 +152,7 @@ class InputHelper:
             raise ValueError(f"processes={processes} must be >= 1")
         self.timeout, self.cpu_seconds = timeout, 0.0  # the helpers' CPU time so far (their last replies')
         self._conns, self._procs, self._cpu = [], [], [0.0] * processes
-        self.slots, self.read_failures = _byte_slots(reads, processes), 0
+        self.slots, self.read_failures, self._unconfirmed = _byte_slots(reads, processes), 0, None
         forked = ctx.get_start_method() == "fork"  # then each inherits every descriptor of the training process
         try:
             for k in range(processes):
@@ -160,7 +160,9 @@ class InputHelper:
                 self._conns.append(conn)
                 reader = None
                 if self.slots is not None:
-                    siblings = [c.fileno() for c in self._conns[:-1]] + self.slots.fds_but(k)  # its forked copies
+                    # what a forked helper closes: the training process's ends of every helper's pipe (its own
+                    # included: else it never sees end-of-file when the training process dies), the other segments
+                    siblings = [c.fileno() for c in self._conns] + self.slots.fds_but(k)
                     reader = HelperReader(
                         reads[0], self.slots.child_fd(k), self.slots.slots, self.slots.slot_bytes, siblings
                     )
@@ -196,6 +198,7 @@ class InputHelper:
         bytes in a slot of shared memory (a HelperRun). None where the helpers do not read (none do, no slot is
         free, or a helper's read failed: the caller reads the run, so an error is raised where it always was).
         Raises as `columns` does (HelperGone: the helpers are gone)."""
+        self._unconfirmed = None
         slot = self.slots.take() if self.slots is not None else None
         if slot is None:
             return None
@@ -203,13 +206,13 @@ class InputHelper:
         copies = None if copies is None else np.asarray(copies, np.int64)
         try:
             replies = self._ask(len(indices), lambda p: ("read", indices[p], _part(copies, p), seed, epoch, slot.index))
-        except ReadFailed as exc:
+        except ReadFailed as exc:  # counted once the training process has read the run (`read_here`)
             slot.release()
-            self.read_failures += 1
-            if self.read_failures >= MAX_READ_FAILURES:
-                log.warning("the DALI input helpers could not read the dataset (%s); the accelerator reads it", exc)
-                self.slots = None  # the segments stay mapped until the helpers close (the runs in flight read them)
+            self._unconfirmed = exc
             return None
+        except BaseException:
+            slot.release()
+            raise
         samples, labels = [], []
         for segment, (_, targets, offsets, lengths, _) in zip(self.slots.segments, replies):  # helper k's segment
             samples += map(segment.__getitem__, map(slice, offsets.tolist(), (offsets + lengths).tolist()))
@@ -218,6 +221,18 @@ class InputHelper:
         offsets = np.concatenate([reply[2] for reply in replies])
         columns = [np.concatenate(col) for col in zip(*(reply[4] for reply in replies))]
         return HelperRun(hw, labels, columns, samples, np.flatnonzero((offsets < 0) & (hw[:, 0] > 0)).tolist(), slot)
+
+    def read_here(self) -> None:
+        """The training process read the run the helpers failed to read: their failure was theirs, not the
+        dataset's (a corrupt sample fails there too, and is not counted). MAX_READ_FAILURES such runs and the
+        helpers read no more (the segments stay mapped until they close: runs in flight read them)."""
+        failed, self._unconfirmed = self._unconfirmed, None
+        if failed is None or self.slots is None:
+            return
+        self.read_failures += 1
+        if self.read_failures >= MAX_READ_FAILURES:
+            log.warning("the DALI input helpers cannot read this dataset (%s); the accelerator reads its runs", failed)
+            self.slots = None
 
     def _ask(self, n: int, request) -> list:
         """Send `request(part)` to each helper for a contiguous part of n samples (one part per helper, at least
@@ -334,7 +349,9 @@ def serve(inputs: HostInputs, conn, close_inherited: bool = False, reader=None) 
         except (OSError, ValueError):
             return
         except Exception as exc:  # an exception (or a target) that does not pickle: its text instead
-            conn.send((False, RuntimeError(f"{reply[1]!r} ({exc!r})"), reply[2]))
+            what = "the reply" if reply[0] else repr(reply[1])
+            failed = ReadFailed if request[0] == "read" else RuntimeError  # a read: the training process reads it
+            conn.send((False, failed(f"{what} does not pickle ({exc!r})"), reply[2]))
 
 
 def _answer(inputs: HostInputs, reader, request):

@@ -113,3 +113,15 @@ def read_by_helpers(helper, dataset, group: list, max_pixels: int | None, seed: 
     read = runnable(group, got.samples, got.labels, got.hw, max_pixels, got.columns)
     read.keep = got.slot
     return read
+
+
+def read_for_run(helper, dataset, group: list, dims, max_pixels: int | None, seed: int) -> RunRead:
+    """`group` read by the input helpers where they read it (`read_by_helpers`), else here (`read_run`, which raises
+    what the dataset raises); a run the helpers failed and this process read is theirs (InputHelper.read_here)."""
+    if helper is None:
+        return read_run(dataset, group, dims, max_pixels)
+    read = read_by_helpers(helper, dataset, group, max_pixels, seed)
+    if read is None:
+        read = read_run(dataset, group, dims, max_pixels)
+        helper.read_here()
+    return read

@@ -6,7 +6,7 @@
 // lends DALI its arena, before the accelerator's first run, and closes it once DALI's pipelines are gone.
 //
 // Stream ordering, without host waits on the stream-ordered path:
-//   - open(torch_stream), called after the blocks are lent, records an event on PyTorch's stream;
+//   - open(torch_stream), called after the blocks are lent, records a new event on PyTorch's stream;
 //     the first time a DALI stream takes lent memory in the window it waits for that event (the
 //     blocks were free in PyTorch's cache, but kernels queued before may still be reading them);
 //   - every free of lent memory on stream s records s's own event right there, so the free's
@@ -71,16 +71,19 @@ using device_kind = dali::mm::memory_kind::device;
 class BridgeResource : public dali::mm::device_async_resource, public dali::mm::with_upstream<device_kind> {
  public:
   BridgeResource(int device, std::shared_ptr<dali::mm::device_async_resource> upstream)
-      : device_(device), upstream_(std::move(upstream)) {
-    DeviceGuard d(device_);
-    check(cudaEventCreateWithFlags(&open_event_, cudaEventDisableTiming), "cudaEventCreate");
-  }
+      : device_(device), upstream_(std::move(upstream)) {}
 
   dali::mm::memory_resource<device_kind> *upstream() const override { return upstream_.get(); }
 
   void open(cudaStream_t torch_stream) {
     std::lock_guard<std::mutex> g(m_);
     DeviceGuard d(device_);
+    // an event of this window's own: a host-synchronous allocation waiting (outside the lock) on the last
+    // window's keeps waiting on what it was given, never on a record made here on another stream
+    cudaEvent_t ev = nullptr;
+    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    open_events_.push_back(ev);  // never destroyed (as the frees' events): a wait may still hold an old one
+    open_event_ = ev;
     check(cudaEventRecord(open_event_, torch_stream), "cudaEventRecord(open)");
     waited_.clear();
     arena_.reset_peak();
@@ -277,7 +280,8 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   std::shared_ptr<dali::mm::device_async_resource> upstream_;
   std::mutex m_;
   LentArena arena_;
-  cudaEvent_t open_event_ = nullptr;
+  cudaEvent_t open_event_ = nullptr;         // this window's (the last of open_events_)
+  std::vector<cudaEvent_t> open_events_;      // one per window opened
   std::vector<cudaStream_t> waited_;          // streams ordered after this window's open event
   std::map<cudaStream_t, Freed> freed_;       // per stream that freed lent memory: its last free's event
   uint64_t fallback_bytes_ = 0;               // bytes DALI took from its own pool while a window was open
