@@ -56,7 +56,7 @@ class CountsHome(Bytes):
 
 
 def helper_for(ds, ctx="fork", processes=1, run_samples=64, depth=2):
-    return InputHelper(HostInputs(POLICY), mp.get_context(ctx), processes=processes, reads=(ds, run_samples, depth))
+    return InputHelper(HostInputs(POLICY), mp.get_context(ctx), processes=processes, reads=(ds, run_samples, depth, 0))
 
 
 @pytest.mark.parametrize("ctx,processes", [("fork", 1), ("fork", 3), ("spawn", 2)])
@@ -221,7 +221,7 @@ def test_helpers_that_cannot_take_the_dataset_still_make_the_draws(no_leaks, cap
     from fusionflow.accel.host_inputs import start_helper
 
     with caplog.at_level("WARNING", logger="fusionflow.accel.host_inputs"):
-        helper = start_helper(POLICY, mp.get_context("spawn"), 1, (Unpicklable(5), 16, 2))
+        helper = start_helper(POLICY, mp.get_context("spawn"), 1, (Unpicklable(5), 16, 2, 0))
     try:
         assert helper is not None and helper.slots is None and helper.read([0], None, 0, 0) is None
         assert "cannot read the dataset" in caplog.text
@@ -354,3 +354,66 @@ def _state(pid: int) -> str:
             return next((line.lower() for line in f if line.startswith("State:")), "")
     except OSError:
         return "zombie"
+
+
+class NumpyTargets(CountsHome):
+    """Targets from an array, as `self.targets = np.array(...)` gives them (np.int64), and (image, a, b) items."""
+
+    def __getitem__(self, i):
+        data, _ = super().__getitem__(i)
+        return data, np.int64(i), float(i) / 2
+
+
+def test_numpy_and_several_targets_travel_with_the_helpers_reads(no_leaks):
+    """np.int64 targets and (image, a, b) items are read by the helpers (only tensors stay home): the training
+    process reads none of the accelerator's samples, every sample once with its own targets."""
+    ds = NumpyTargets(61)
+    ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(5), persistent_workers=True)
+    ds.home_reads.clear()
+    try:
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            got = [(int(i), float(h)) for _, a, b in ld for i, h in zip(a.tolist(), b.tolist())]
+            assert sorted(got) == [(i, i / 2) for i in range(61)], epoch
+        assert ld.stats.accelerator_samples > 0 and ds.home_reads == []
+        assert ld.parts.gpu.accel.inputs.slots is not None
+    finally:
+        ld.close()
+
+
+def _closes_owned_and_checks(fd, conn):
+    from fusionflow.runtime.shm import close_owned_fds
+
+    close_owned_fds()
+    try:
+        os.fstat(fd)
+        conn.send(True)
+    except OSError:
+        conn.send(False)
+
+
+def test_no_descriptor_is_left_for_forked_children_to_close_after_the_helpers_stop_reading(no_leaks, tmp_path):
+    """Helpers that stopped reading, then closed: the descriptors their segments' mappings kept are no longer on the
+    list forked children close, so a file opened afterwards (which may get one of those numbers) stays open in a
+    child that closes the list, as a CPU worker does."""
+    ds = NotInHelpers(12)
+    helper = helper_for(ds)
+    for _ in range(MAX_READ_FAILURES):
+        assert helper.read([0, 1], None, 0, 0) is None
+        helper.read_here()
+    assert helper.slots is None
+    helper.close()
+    gc.collect()
+    files = [open(tmp_path / f"f{k}", "wb") for k in range(8)]  # noqa: SIM115 -- closed below
+    try:
+        for f in files:
+            parent, child = mp.get_context("fork").Pipe()
+            proc = mp.get_context("fork").Process(target=_closes_owned_and_checks, args=(f.fileno(), child))
+            proc.start()
+            assert parent.recv(), f"a forked child closed descriptor {f.fileno()}"
+            proc.join(30)
+            parent.close()
+            child.close()
+    finally:
+        for f in files:
+            f.close()

@@ -17,19 +17,21 @@ left unplaced and read by the training process; so is a whole run when no slot i
 slot for the run's share of samples at 256 KiB each (ImageNet's JPEGs average ~110 KB), at most `MAX_SLOT_BYTES`.
 Pages are touched only as bytes are written (a slot holds what the largest run that used it wrote).
 
-The helpers carry back targets that are numbers or strings (`PLAIN_TARGETS`); a run with others (tensors, arrays,
-dicts: costlier to unpickle in the training process than to read there) is read by the training process, as is a
-run a helper failed to read; once the training process has read MAX_READ_FAILURES such runs itself (a failure that
-is the dataset's -- a corrupt file fails there too -- is not counted) the helpers stop reading. A helper reseeds
-Python's, NumPy's and torch's random streams; get_worker_info() is None there, as in the training process.
+The helpers carry the targets back pickled, unless they hold tensors (costlier to unpickle in the training process
+than to read there: then it reads every run, `TargetsStayHome`). A run a helper failed to read is read by the
+training process; once it has read MAX_READ_FAILURES such runs itself (a failure that is the dataset's -- a corrupt
+file fails there too -- is not counted) the helpers stop reading. A helper seeds Python's, NumPy's and torch's
+random streams from the loader's seed and its number; get_worker_info() is None there, as in the training process.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
 import weakref
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,6 +41,7 @@ from fusionflow.runtime.gm.link import close_inherited
 from fusionflow.runtime.shm import ChildFd, close_owned_fds, disown_fd, own_fd
 from fusionflow.runtime.targets import NoTarget
 
+log = logging.getLogger(__name__)
 SAMPLE_BYTES = 256 * 1024  # a slot's room per sample of the helper's share
 MAX_SLOT_BYTES = 64 << 20  # one slot of one helper at most
 
@@ -86,6 +89,9 @@ class ByteSlots:
             raise
         for dup in self._dups:  # forked CPU workers close them (runtime/shm.py), as they close the ring's
             own_fd(dup)
+        # dropped unclosed, they are disowned all the same: a number left owned after its mapping closed it could
+        # name another file later, which forked children would then close
+        weakref.finalize(self, _disown, list(self._dups))
 
     def child_fd(self, k: int) -> ChildFd:
         return ChildFd(self._fds[k])
@@ -112,8 +118,7 @@ class ByteSlots:
     def close(self) -> None:
         """Unmap (a view DALI still holds keeps its mapping until it goes)."""
         self.forget_fds()
-        for dup in self._dups:  # closed with their mappings (or when the last view goes)
-            disown_fd(dup)
+        _disown(self._dups)  # closed with their mappings (or when the last view goes)
         self._dups = []
         self.segments = []
         maps, self._maps = self._maps, []
@@ -125,20 +130,73 @@ class ByteSlots:
 
 
 def copies_of(fd: int) -> list[int]:
-    """This process's other descriptors of `fd`'s file (the one an mmap of it keeps, found by inode)."""
-    ino = os.fstat(fd).st_ino
+    """The process's other descriptors of `fd`'s file, told by device and inode: for a memfd just made and mapped,
+    the one the mapping keeps (Python's mmap duplicates the descriptor it maps)."""
+    st = os.fstat(fd)
     found = []
     for name in os.listdir("/proc/self/fd"):
         try:
-            other = int(name)
-            if other != fd and os.fstat(other).st_ino == ino:
-                found.append(other)
+            other = os.fstat(int(name))
+            if int(name) != fd and (other.st_dev, other.st_ino) == (st.st_dev, st.st_ino):
+                found.append(int(name))
         except (OSError, ValueError):
             pass  # closed meanwhile, or the listing's own descriptor
     return found
 
 
-PLAIN_TARGETS = {int, float, bool, str, type(None), NoTarget}  # what a helper's reply carries cheaply
+def _disown(fds) -> None:
+    for fd in fds:
+        disown_fd(fd)
+
+
+class ReadFailed(RuntimeError):
+    """A helper could not read its share of a run from the dataset (the training process reads it instead)."""
+
+
+class TargetsStayHome(ReadFailed):
+    """The dataset's targets hold tensors: unpickling them costs the training process more than reading them (torch's
+    shared-memory pickling, ~2 ms a run of 61): it reads every run from now on."""
+
+
+SIMPLE_TARGETS = {int, float, bool, str, bytes, type(None), NoTarget}  # the common case, told in one set check
+
+
+def holds_tensor(value) -> bool:
+    """A torch tensor in `value` (a target: a number, a string, an array, or tuples, lists, dicts of them)."""
+    if type(value).__module__.startswith("torch"):
+        return True
+    if isinstance(value, (tuple, list)):
+        return any(map(holds_tensor, value))
+    if isinstance(value, dict):
+        return any(map(holds_tensor, value.values()))
+    return False
+
+
+@dataclass
+class HelperRun:
+    """A run as the helpers read it: per sample (height, width) ((0, 0): not an image they could read), target,
+    host inputs (one array per input, a row per sample) and encoded bytes (views of the slot's shared memory;
+    empty at `unplaced`: samples that did not fit in their helper's slot, for the caller to read), and the
+    slot (helper_reads.Slot), which DALI's pipeline holds while it may read the views."""
+
+    hw: np.ndarray
+    labels: list
+    columns: list
+    samples: list
+    unplaced: list
+    slot: object
+
+
+def byte_slots(reads, processes: int, min_share: int):
+    """The helpers' shared byte slots for `reads` (dataset, run_samples, runs_in_flight, seed), or None (no reads)."""
+    if reads is None:
+        return None
+    _, run_samples, depth, _ = reads
+    try:  # two runs more than in flight: the one DALI's pipeline keeps after its collection, the one being fed
+        return ByteSlots(processes, depth + 2, slot_bytes(run_samples, processes, min_share))
+    except (OSError, AttributeError) as exc:  # AttributeError: no memfd_create (not Linux)
+        log.warning("no shared memory for the DALI input helpers' reads (%s); the accelerator reads the runs", exc)
+        return None
 
 
 class HelperReader:
@@ -147,29 +205,30 @@ class HelperReader:
     the targets, the offset and length of its bytes in the segment (offset -1: not placed)."""
 
     def __init__(self, dataset, fd: ChildFd, slots: int, slot_bytes: int, siblings=()):
-        """`siblings`: the training process's ends of the helpers started before this one (closed if forked)."""
+        """`siblings`: descriptors a forked helper closes: the training process's ends of the helpers' pipes, and its
+        descriptors of the segments but this helper's own."""
         self.dataset, self.fd, self.slots, self.slot_bytes = dataset, fd, slots, slot_bytes
         self.siblings, self.segment = list(siblings), None
 
-    def attach(self, forked: bool) -> None:
-        """In the helper, first: map the segment (the mapping outlives the descriptor). A forked helper then closes
-        what a forked CPU worker closes -- the loaders' rings, caches and listening sockets -- and keeps every
-        other inherited descriptor: the dataset's may be among them (a file it holds open), and closing one
-        under it could have it read another file that got its number."""
+    def attach(self, forked: bool, seed: int) -> None:
+        """In the helper, first. A forked helper closes what a forked CPU worker closes -- the loaders' rings, caches
+        and listening sockets -- and its `siblings`, and keeps every other inherited descriptor: the dataset's may be
+        among them (a file it holds open), and closing one under it could have it read another file that got its
+        number. Then the segment is mapped (the mapping outlives the descriptor) and the random streams seeded."""
+        if forked:
+            close_inherited()
+            close_owned_fds(*self.siblings)
         m = mmap.mmap(self.fd.fd, self.slots * self.slot_bytes)
         os.close(self.fd.fd)
         self.segment = np.frombuffer(m, np.uint8)
         self.dims = HeaderSizes(len(self.dataset) if hasattr(self.dataset, "__len__") else 0)
-        if forked:
-            close_inherited()
-            close_owned_fds(*self.siblings)
-        reseed()  # forked helpers would share the training process's random streams with each other
+        reseed(seed)
 
     def read(self, indices: np.ndarray, slot: int):
         idx = indices.tolist()
         samples, labels = pairs(read_items(self.dataset, idx), idx)
-        if not set(map(type, labels)) <= PLAIN_TARGETS:  # tensors, arrays, dicts: the training process reads them
-            raise TypeError("targets other than numbers and strings are read where they are used")
+        if not set(map(type, labels)) <= SIMPLE_TARGETS and any(map(holds_tensor, labels)):
+            raise TargetsStayHome("the dataset's targets hold tensors")
         hw = self.dims.many(indices, samples)
         offsets, lengths = np.full(len(idx), -1, np.int64), np.zeros(len(idx), np.int64)
         pos, end = slot * self.slot_bytes, (slot + 1) * self.slot_bytes
@@ -181,13 +240,14 @@ class HelperReader:
         return hw, labels, offsets, lengths
 
 
-def reseed() -> None:
-    """Fresh random streams for Python, NumPy and (where loaded) torch in a helper: a dataset drawing at random
-    in its reads gets a stream of its own there, as in a DataLoader worker."""
+def reseed(seed: int) -> None:
+    """Python's, NumPy's and (where loaded) torch's random streams in a helper, from `seed` (the loader's seed and the
+    helper's number): a dataset drawing at random in its reads gets a stream of its own there, reproducible with
+    the loader's seed, not the training process's stream copied at the fork."""
     import random
     import sys
 
-    random.seed()
-    np.random.seed()
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
     if "torch" in sys.modules:
-        sys.modules["torch"].seed()
+        sys.modules["torch"].manual_seed(seed)

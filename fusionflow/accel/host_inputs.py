@@ -29,13 +29,13 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
-from fusionflow.accel.helper_reads import HelperReader
+from fusionflow.accel.helper_reads import HelperReader, HelperRun, ReadFailed, TargetsStayHome, byte_slots
 from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
+from fusionflow.runtime.shm import disown_fd, own_fd
 
 log = logging.getLogger(__name__)
 MAX_HELPERS = 4  # helper processes at most (a run's inputs cut into this many shares)
@@ -123,21 +123,6 @@ class HostInputs:
         return (anchor, shape, noise)
 
 
-@dataclass
-class HelperRun:
-    """A run as the helpers read it: per sample (height, width) ((0, 0): not an image they could read), target,
-    host inputs (one array per input, a row per sample) and encoded bytes (views of the slot's shared memory;
-    empty at `unplaced`: samples that did not fit in their helper's slot, for the caller to read), and the
-    slot (helper_reads.Slot), which DALI's pipeline holds while it may read the views."""
-
-    hw: np.ndarray
-    labels: list
-    columns: list
-    samples: list
-    unplaced: list
-    slot: object
-
-
 class InputHelper:
     """`HostInputs.columns` in `processes` helper processes: a run of at least 2 * MIN_SHARE samples is cut
     into contiguous shares, one per helper, all sent before any answer is awaited, so the accelerator
@@ -147,17 +132,19 @@ class InputHelper:
     makes them itself); `close` ends them all (idempotent, bounded)."""
 
     def __init__(self, inputs: HostInputs, ctx, timeout: float = 60.0, processes: int = 1, reads=None):
-        """`reads`: (dataset, run_samples, runs_in_flight) to have the helpers read the runs too (`read`)."""
+        """`reads`: (dataset, run_samples, runs_in_flight, seed) to have the helpers read the runs too (`read`)."""
         if processes < 1:
             raise ValueError(f"processes={processes} must be >= 1")
         self.timeout, self.cpu_seconds = timeout, 0.0  # the helpers' CPU time so far (their last replies')
         self._conns, self._procs, self._cpu = [], [], [0.0] * processes
-        self.slots, self.read_failures, self._unconfirmed = _byte_slots(reads, processes), 0, None
+        self.slots, self.read_failures, self._unconfirmed = byte_slots(reads, processes, MIN_SHARE), 0, None
+        self._retired = []  # slots of helpers that read no more: mapped until the helpers close (runs read them)
         forked = ctx.get_start_method() == "fork"  # then each inherits every descriptor of the training process
         try:
             for k in range(processes):
                 conn, child = ctx.Pipe()
                 self._conns.append(conn)
+                own_fd(conn.fileno())  # a CPU worker forked later closes it: only this process keeps a helper going
                 reader = None
                 if self.slots is not None:
                     # what a forked helper closes: the training process's ends of every helper's pipe (its own
@@ -167,8 +154,9 @@ class InputHelper:
                         reads[0], self.slots.child_fd(k), self.slots.slots, self.slots.slot_bytes, siblings
                     )
                 try:
+                    seed = None if reads is None else (reads[3] * 1_000_003 + k + 1) % 2**63
                     proc = ctx.Process(
-                        target=serve, args=(inputs, child, forked, reader), name=f"fusionflow-dali-inputs-{k}"
+                        target=serve, args=(inputs, child, forked, reader, seed), name=f"fusionflow-dali-inputs-{k}"
                     )
                     proc.daemon = True
                     proc.start()
@@ -206,6 +194,10 @@ class InputHelper:
         copies = None if copies is None else np.asarray(copies, np.int64)
         try:
             replies = self._ask(len(indices), lambda p: ("read", indices[p], _part(copies, p), seed, epoch, slot.index))
+        except TargetsStayHome as exc:  # the training process reads every run from now on
+            slot.release()
+            self._stop_reading(exc)
+            return None
         except ReadFailed as exc:  # counted once the training process has read the run (`read_here`)
             slot.release()
             self._unconfirmed = exc
@@ -231,8 +223,12 @@ class InputHelper:
             return
         self.read_failures += 1
         if self.read_failures >= MAX_READ_FAILURES:
-            log.warning("the DALI input helpers cannot read this dataset (%s); the accelerator reads its runs", failed)
-            self.slots = None
+            self._stop_reading(failed)
+
+    def _stop_reading(self, why) -> None:
+        log.warning("the DALI input helpers cannot read this dataset (%s); the accelerator reads its runs", why)
+        self._retired.append(self.slots)
+        self.slots = None
 
     def _ask(self, n: int, request) -> list:
         """Send `request(part)` to each helper for a contiguous part of n samples (one part per helper, at least
@@ -280,6 +276,7 @@ class InputHelper:
                 conn.send(None)
             except (OSError, ValueError):
                 pass
+            disown_fd(conn.fileno())
             conn.close()
         deadline = time.monotonic() + timeout
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
@@ -288,38 +285,21 @@ class InputHelper:
             if proc.is_alive():
                 proc.kill()
             proc.join()  # ended or killed: waitpid returns
-        if self.slots is not None:
-            self.slots.close()
-            self.slots = None
+        for slots in [self.slots, *self._retired]:
+            if slots is not None:
+                slots.close()
+        self.slots, self._retired = None, []
 
 
 class HelperGone(RuntimeError):
     """The input helper cannot answer: the accelerator makes its inputs itself from then on."""
 
 
-class ReadFailed(RuntimeError):
-    """A helper could not read its share of a run from the dataset (the training process reads it instead)."""
-
-
 def _part(copies, p):
     return None if copies is None else copies[p]
 
 
-def _byte_slots(reads, processes: int):
-    """The helpers' shared byte slots for `reads` (dataset, run_samples, runs_in_flight), or None (no reads)."""
-    if reads is None:
-        return None
-    from fusionflow.accel.helper_reads import ByteSlots, slot_bytes
-
-    _, run_samples, depth = reads
-    try:  # two runs more than in flight: the one DALI's pipeline keeps after its collection, the one being fed
-        return ByteSlots(processes, depth + 2, slot_bytes(run_samples, processes, MIN_SHARE))
-    except (OSError, AttributeError) as exc:  # AttributeError: no memfd_create (not Linux)
-        log.warning("no shared memory for the DALI input helpers' reads (%s); the accelerator reads the runs", exc)
-        return None
-
-
-def serve(inputs: HostInputs, conn, close_inherited: bool = False, reader=None) -> None:
+def serve(inputs: HostInputs, conn, close_inherited: bool = False, reader=None, seed=None) -> None:
     """The helper's loop: a request in, its payload (or the exception) out, until None or end-of-file.
     `close_inherited` (a forked helper): every descriptor but stdio and its pipe is closed first, so the
     helper never keeps a socket, pipe or shared-memory segment of the training process open past its
@@ -328,7 +308,7 @@ def serve(inputs: HostInputs, conn, close_inherited: bool = False, reader=None) 
     the dataset's own descriptors stay)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if reader is not None:
-        reader.attach(close_inherited)
+        reader.attach(close_inherited, seed)
     elif close_inherited:
         fd = conn.fileno()
         os.closerange(3, fd)
@@ -361,6 +341,8 @@ def _answer(inputs: HostInputs, reader, request):
     indices, copies, seed, epoch, slot = args
     try:
         hw, labels, offsets, lengths = reader.read(indices, slot)
+    except ReadFailed:
+        raise
     except Exception as exc:
         raise ReadFailed(repr(exc)) from None
     return hw, labels, offsets, lengths, inputs.columns(indices, copies, np.where(hw > 0, hw, 1), seed, epoch)
@@ -376,7 +358,7 @@ def helper_processes(on_gpu: bool, cores: int, workers: int, threads: int) -> in
 def start_helper(policy, ctx=None, processes: int = 1, reads=None) -> InputHelper | None:
     """An InputHelper of `processes` helpers for `policy` in multiprocessing context `ctx` (None: the default),
     or None where the accelerator makes its inputs itself: erasing with noise, or a helper that cannot start.
-    `reads`: (dataset, run_samples, runs_in_flight): the helpers read the runs too (InputHelper.read)."""
+    `reads`: (dataset, run_samples, runs_in_flight, seed): the helpers read the runs too (InputHelper.read)."""
     import multiprocessing
 
     from fusionflow.policy import load_policy

@@ -108,8 +108,12 @@ def read_by_helpers(helper, dataset, group: list, max_pixels: int | None, seed: 
         return None
     if got.unplaced:
         more = [indices[k] for k in got.unplaced]
-        for k, sample in zip(got.unplaced, pairs(read_items(dataset, more), more)[0]):
-            got.samples[k] = sample
+        try:
+            for k, sample in zip(got.unplaced, pairs(read_items(dataset, more), more)[0]):
+                got.samples[k] = sample
+        except BaseException:
+            got.slot.release()  # now, not when the traceback goes
+            raise
     read = runnable(group, got.samples, got.labels, got.hw, max_pixels, got.columns)
     read.keep = got.slot
     return read

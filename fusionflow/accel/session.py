@@ -128,7 +128,7 @@ class GpuSession:
         sharing = "temporal" if self.gpu_sharing == "auto" else self.gpu_sharing  # auto starts by profiling
         helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
         run_samples = self._run_samples(spec)  # the helpers read the runs too (accel/helper_reads.py)
-        inputs = start_helper(policy, spec.mp_context, helpers, (dataset, run_samples, self.runs_in_flight))
+        inputs = start_helper(policy, spec.mp_context, helpers, (dataset, run_samples, self.runs_in_flight, seed))
         try:
             accel = AcceleratorWorker(
                 mgr.board,

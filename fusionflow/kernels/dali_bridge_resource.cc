@@ -83,8 +83,8 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
     cudaEvent_t ev = nullptr;
     check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
     open_events_.push_back(ev);  // never destroyed (as the frees' events): a wait may still hold an old one
-    open_event_ = ev;
-    check(cudaEventRecord(open_event_, torch_stream), "cudaEventRecord(open)");
+    check(cudaEventRecord(ev, torch_stream), "cudaEventRecord(open)");
+    open_event_ = ev;  // published once recorded
     waited_.clear();
     arena_.reset_peak();
     arena_.set_accepting(true);
