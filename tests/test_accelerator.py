@@ -261,19 +261,8 @@ def test_gpu_accelerator_samples_are_dalis_own_on_the_same_bytes_over_epochs():
     nvJPEG's hardware and CUDA decoders (which one decodes a sample depends on the batch), far above what
     another sample's bytes would give (~10 dB): no run read bytes its slot had been given for another."""
     ds = Bytes(61)
-    ld = FusionFlowLoader(
-        ds,
-        batch_size=12,
-        num_workers=1,
-        policy=SMALL,
-        tiny_batch_size=2,
-        device="cuda:0",
-        accelerator="dali-gpu",
-        gpu_sharing="spatial",
-        seed=4,
-        shuffle=True,
-        generator=torch.Generator().manual_seed(3),
-        persistent_workers=True,
+    ld = loader(
+        ds, device="cuda:0", accelerator="dali-gpu", gpu_sharing="spatial", shuffle=True, persistent_workers=True
     )
     cpu, dali = CpuPipeline(SMALL), DaliPolicyPipeline(SMALL, batch_size=1, device="gpu", device_id=0)
     try:

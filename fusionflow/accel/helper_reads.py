@@ -66,7 +66,7 @@ class Slot:
 
 class ByteSlots:
     """The training process's side: one shared segment per helper (`child_fd(k)` hands helper k its
-    descriptor; `forget_fds` once every helper has started), `take` a slot per run, `views(k)` the bytes."""
+    descriptor; `forget_fds` once every helper has started), `take` a slot per run, `segments[k]` helper k's bytes."""
 
     def __init__(self, helpers: int, slots: int, slot_bytes: int):
         self.slots, self.slot_bytes = slots, slot_bytes
@@ -91,7 +91,7 @@ class ByteSlots:
             own_fd(dup)
         # dropped unclosed, they are disowned all the same: a number left owned after its mapping closed it could
         # name another file later, which forked children would then close
-        weakref.finalize(self, _disown, list(self._dups))
+        self._disown_at_gc = weakref.finalize(self, _disown, list(self._dups))
 
     def child_fd(self, k: int) -> ChildFd:
         return ChildFd(self._fds[k])
@@ -118,6 +118,8 @@ class ByteSlots:
     def close(self) -> None:
         """Unmap (a view DALI still holds keeps its mapping until it goes)."""
         self.forget_fds()
+        if getattr(self, "_disown_at_gc", None) is not None:
+            self._disown_at_gc.detach()  # not later: by then another segment may own the numbers again
         _disown(self._dups)  # closed with their mappings (or when the last view goes)
         self._dups = []
         self.segments = []
