@@ -196,6 +196,7 @@ def load_bridge() -> ctypes.CDLL:
         _declare(lib, "ff_bridge_lend", i, i, u64, u64, s, i)
         _declare(lib, "ff_bridge_close", i, i, u64, arr, arr, i, s, i)
         _declare(lib, "ff_bridge_stats", i, i, arr, s, i)
+        _declare(lib, "ff_bridge_pause", i, i, i, s, i)
         _BRIDGE = lib
     return _BRIDGE
 

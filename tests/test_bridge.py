@@ -58,7 +58,19 @@ class NativeStandIn:
             out[2], out[6] = self.peak, self.fallback
             return 0
 
-        for fn in (ff_bridge_install, ff_bridge_lend, ff_bridge_open, ff_bridge_close, ff_bridge_stats):
+        def ff_bridge_pause(device, paused, err, errlen):
+            self.pauses.append(paused)
+            return 0
+
+        self.pauses = []
+        for fn in (
+            ff_bridge_install,
+            ff_bridge_lend,
+            ff_bridge_open,
+            ff_bridge_close,
+            ff_bridge_stats,
+            ff_bridge_pause,
+        ):
             setattr(self, fn.__name__, fn)
 
 
@@ -259,6 +271,11 @@ class RecordingBridge:
             self.first_armed_by = inspect.stack()[1].function
         self.armed = True
 
+    def paused(self):  # around a rebuild (none in these tests)
+        import contextlib
+
+        return contextlib.nullcontext()
+
     def lend(self, tiny_batches_done):
         assert threading_ident() != self.main  # the accelerator thread asks, before each run
         self.lends += 1
@@ -431,6 +448,14 @@ r 0x20000000
 record E2 on S2 fails
 host syncs S2
 close returned 1 0x20000000
+-- paused (a rebuild): DALI's own pool while the window is open, lent memory again after
+record E5 on T
+upstream allocates 1048576 on S1
+wait S1 for E5
+u 0x30000000
+record E1 on S1
+wait T for E1
+close returned 1 0x30000000
 """
 
 
@@ -535,3 +560,58 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_a_failing_close_is_cont
     # not per mini-batch: once, when the epoch's end stopped the accelerator and its pipelines were gone
     assert failing.closes == 1 and "giving the arena back failed" in caplog.text
     ld.close()
+
+
+def test_a_rebuild_runs_with_the_arena_paused_and_a_failing_pause_never_stops_it(monkeypatch, caplog):
+    """MemoryBridge.paused: nothing before the arena is lent; while lent, DALI's own pool for the body (native
+    pause, then resume); a native failure is logged and the body runs all the same."""
+    mb, lib, alloc = stand_ins(monkeypatch)
+    bridge = mb.MemoryBridge("cuda:0", 64 * MIB)
+    try:
+        with bridge.paused():
+            pass
+        assert lib.pauses == []  # nothing lent yet
+        bridge.arm(types.SimpleNamespace(cuda_stream=11))
+        bridge.lend(tiny_batches_done=0)
+        ran = []
+        with bridge.paused():
+            ran.append(list(lib.pauses))
+        assert ran == [[1]] and lib.pauses == [1, 0]
+
+        def failing(device, paused, err, errlen):
+            raise RuntimeError("native pause failed (stand-in)")
+
+        lib.ff_bridge_pause = failing
+        with caplog.at_level("ERROR", logger="fusionflow.accel.bridge.memory_bridge"), bridge.paused():
+            ran.append("body")
+        assert ran[-1] == "body" and "pausing the arena failed" in caplog.text
+    finally:
+        bridge.shutdown()
+
+
+def test_the_pipeline_is_rebuilt_inside_its_build_guard_only():
+    """DaliPolicyPipeline: the first build (ahead of time) outside the guard, a rebuild after a discarded run
+    inside it (the accelerator sets the bridge's `paused` there)."""
+    pytest.importorskip("nvidia.dali")
+    import contextlib
+
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+
+    entered = []
+
+    @contextlib.contextmanager
+    def guard():
+        entered.append("in")
+        yield
+
+    data = Bytes(2)
+    pipe = DaliPolicyPipeline(SMALL, 2)
+    try:
+        pipe.build_guard = guard
+        pipe.run([data[0][0], data[1][0]], [0, 1])
+        assert entered == []
+        pipe.reset()  # a failure outside DALI: the next submit rebuilds
+        pipe.run([data[0][0], data[1][0]], [0, 1])
+        assert entered == ["in"] and pipe.rebuilds == 1
+    finally:
+        pipe.close()

@@ -76,7 +76,7 @@ class AcceleratorWorker:
             policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=depth
         )
         self.max_images, self.depth = max_images, depth  # a run's samples (<= MERGE_SHARES shares); runs in flight
-        self.inputs = inputs  # the InputHelper (accel/host_inputs.py), owned from here; None: inputs made here
+        self.inputs = inputs  # the InputHelper (host_inputs.py), owned from here; None: inputs made here
         t0 = time.perf_counter()
         self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
@@ -84,13 +84,14 @@ class AcceleratorWorker:
         self.tiny_batches = self.failures_in_a_row = 0  # tiny-batches done (the bridge's warm-up); failed runs in a row
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # the training work before the loader's last next() (mark_step)
-        self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails
-        self.window_open = False  # the loader's prep window (open_window / close_window; consulted while gated)
+        self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails; paused around a rebuild
+        if bridge is not None and aot:
+            self.pipeline.build_guard = bridge.paused
+        self.window_open = False  # the loader's prep window (consulted while gated)
         # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
         self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers) if split is not None else None
-        # shares taken ahead on a shared device (a GPU): a run's fixed cost ~170 samples' work there, ~3 on
-        # DALI's CPU backend, where a share taken ahead is work idle CPU workers can no longer steal
-        self.borrow = split is not None and split.shares_device
+        # shares taken ahead on a shared device (a GPU): a run's fixed cost ~170 samples' work there, ~3 on the
+        self.borrow = split is not None and split.shares_device  # CPU backend (where idle CPU workers steal them)
         self.dims = HeaderSizes(len(dataset) if hasattr(dataset, "__len__") else 0)  # (height, width) per sample
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
         self._last_done = 0.0  # when the last run completed (its completion interval)
@@ -102,8 +103,7 @@ class AcceleratorWorker:
         self._thread.start()
 
     @property
-    def in_flight(self) -> int:
-        """DALI runs taken and not yet accounted."""
+    def in_flight(self) -> int:  # DALI runs taken and not yet accounted
         return len(self._active)
 
     def busy_with_stale(self, generation: int) -> bool:

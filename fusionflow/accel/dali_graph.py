@@ -87,6 +87,7 @@ class DaliPolicyPipeline:
         # added to the nice value of the threads DALI starts for this pipeline (None: CPU_BACKEND_NICE on the CPU)
         self.thread_nice = (CPU_BACKEND_NICE if device == "cpu" else 0) if thread_nice is None else thread_nice
         self._pending: deque = deque()  # (indices, what DALI reads in place) per run submitted, not collected
+        self.build_guard = contextlib.nullcontext  # entered around a rebuild after a failed run
         self._consumed = None  # the last run collected: its bytes are released at the next collect
         self.rebuilds = 0
         self._closed = False
@@ -181,7 +182,8 @@ class DaliPolicyPipeline:
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
             log.warning("rebuilding the DALI pipeline of %s after a failed batch", self.policy.name)
             try:
-                self._pipe = self._build()
+                with self.build_guard():  # the accelerator's: its bridge paused (MemoryBridge.paused)
+                    self._pipe = self._build()
             except Exception as exc:
                 raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
             self.rebuilds += 1

@@ -87,7 +87,16 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
     open_event_ = ev;  // published once recorded
     waited_.clear();
     arena_.reset_peak();
-    arena_.set_accepting(true);
+    open_ = true;
+    arena_.set_accepting(!paused_);
+  }
+
+  // Paused, DALI's allocations go to its own pool while a window stays open: a pipeline rebuilt after a failed
+  // run allocates its lasting buffers there, not in the arena sized for the runs.
+  void pause(bool paused) {
+    std::lock_guard<std::mutex> g(m_);
+    paused_ = paused;
+    arena_.set_accepting(open_ && !paused_);
   }
 
   void lend(uintptr_t base, size_t size) {
@@ -97,6 +106,7 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
 
   std::vector<LentArena::Range> close(cudaStream_t torch_stream, int cap) {
     std::lock_guard<std::mutex> g(m_);
+    open_ = false;
     arena_.set_accepting(false);  // first: whatever fails below, DALI stops taking lent memory
     if (arena_.stats().regions > static_cast<size_t>(cap))  // checked before anything is handed back
       throw std::length_error("close: output arrays smaller than the number of lent regions");
@@ -282,6 +292,8 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   LentArena arena_;
   cudaEvent_t open_event_ = nullptr;         // this window's (the last of open_events_)
   std::vector<cudaEvent_t> open_events_;      // one per window opened
+  bool open_ = false;                         // a window is open (open() .. close())
+  bool paused_ = false;                       // lent memory refused meanwhile (pause())
   std::vector<cudaStream_t> waited_;          // streams ordered after this window's open event
   std::map<cudaStream_t, Freed> freed_;       // per stream that freed lent memory: its last free's event
   uint64_t fallback_bytes_ = 0;               // bytes DALI took from its own pool while a window was open
@@ -348,6 +360,13 @@ int ff_bridge_close(int device, uint64_t torch_stream, uint64_t *bases, uint64_t
   return c_call(err, errlen, -1, [&] {
     auto back = fusionflow::resource(device)->close(reinterpret_cast<cudaStream_t>(torch_stream), cap);
     return fusionflow::write_ranges(back, bases, sizes);
+  });
+}
+
+int ff_bridge_pause(int device, int paused, char *err, int errlen) {
+  return c_call(err, errlen, -1, [&] {
+    fusionflow::resource(device)->pause(paused != 0);
+    return 0;
   });
 }
 

@@ -141,5 +141,16 @@ int main() {
   g_fail_record = false;
   back = res.close(T, 4);
   say("close returned " + std::to_string(back.size()) + (back.empty() ? "" : " " + at((void *)back[0].base)));
+  say("-- paused (a rebuild): DALI's own pool while the window is open, lent memory again after");
+  res.lend(0x30000000, 4 * MiB);
+  res.pause(true);
+  res.open(T);
+  res.allocate_async(MiB, 256, S1);
+  res.pause(false);
+  void *u = res.allocate_async(MiB, 256, S1);
+  say("u " + at(u));
+  res.deallocate_async(u, MiB, 256, S1);
+  back = res.close(T, 4);
+  say("close returned " + std::to_string(back.size()) + (back.empty() ? "" : " " + at((void *)back[0].base)));
   return 0;
 }

@@ -45,6 +45,7 @@ is reported, and goes back through the next bridge on that device.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -162,6 +163,29 @@ class MemoryBridge:
             else:
                 log.warning("allocator bridge: PyTorch had no memory for DALI's arena; DALI keeps its own pool")
             self.stats.seconds += time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """DALI allocates from its own pool meanwhile (the arena stays lent): around a DALI pipeline's rebuild after
+        a failed run, whose lasting buffers would otherwise sit in the arena sized for the runs until it closes. A
+        native failure is logged: a rebuild never fails for the bridge."""
+        paused = False
+        try:
+            with self._lock:
+                if self._lent_now:
+                    native.call(self.lib.ff_bridge_pause, self.index, 1)
+                    paused = True
+        except Exception:
+            log.exception("allocator bridge: pausing the arena failed; the rebuild allocates from it")
+        try:
+            yield
+        finally:
+            if paused:
+                try:
+                    with self._lock:
+                        native.call(self.lib.ff_bridge_pause, self.index, 0)
+                except Exception:
+                    log.exception("allocator bridge: resuming the arena failed; DALI keeps its own pool")
 
     def close(self) -> None:
         """Give PyTorch back every region DALI is done with; call once DALI's pipelines are gone. A later
