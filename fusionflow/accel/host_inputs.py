@@ -35,7 +35,6 @@ import numpy as np
 from fusionflow.accel.helper_reads import HelperReader, HelperRun, ReadFailed, TargetsStayHome, byte_slots
 from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
-from fusionflow.runtime.shm import disown_fd, own_fd
 
 log = logging.getLogger(__name__)
 MAX_HELPERS = 4  # helper processes at most (a run's inputs cut into this many shares)
@@ -144,7 +143,6 @@ class InputHelper:
             for k in range(processes):
                 conn, child = ctx.Pipe()
                 self._conns.append(conn)
-                own_fd(conn.fileno())  # a CPU worker forked later closes it: only this process keeps a helper going
                 reader = None
                 if self.slots is not None:
                     # what a forked helper closes: the training process's ends of every helper's pipe (its own
@@ -276,7 +274,6 @@ class InputHelper:
                 conn.send(None)
             except (OSError, ValueError):
                 pass
-            disown_fd(conn.fileno())
             conn.close()
         deadline = time.monotonic() + timeout
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
