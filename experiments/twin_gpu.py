@@ -29,6 +29,11 @@ and the model's bound for ff_twin from the measured ff_cpu rate c: the best G of
     period(G) = max(t*B + f*runs + G*g, (B - G) / c),     R = B / min over G of period(G)
 with runs = 1/MERGE where MERGE shares fit in a run of 256 (else one run or more per share), and DALI
 alone's B / (t*B + f + B*g).
+With `--overlap F` a fraction F of each DALI run's device time runs beside training's kernels (spatial
+sharing fills what training leaves idle) and only the rest delays training, while the run still takes its
+whole time to complete: the model's DALI term in training's way is then (1 - F)(f*runs + G*g), and its own
+stream's f*runs + G*g must also fit the period. The split rule then reads a run's completion time as more
+device time than training lost to it, and so training's own time per sample as less than it is.
 Defaults: the H100 figures of issue 41 (ResNet-18's 86 us/img; DALI alone without training 10,283
 img/s at runs of 256, taken as 10 ms a run + 58 us a sample; ~450 img/s per CPU worker).
 
@@ -94,6 +99,12 @@ class DeviceClock:
             self.busy += seconds
             return start + seconds
 
+    def run(self, seconds: float, not_before: float, overlap: float = 0.0) -> float:
+        """A DALI run of `seconds` on the device, of which the fraction `overlap` runs beside other streams' work
+        (spatial sharing: its kernels fill what training's leave idle) and only the rest occupies the timeline;
+        returns when the whole run is done."""
+        return self.occupy((1 - overlap) * seconds, not_before) + overlap * seconds
+
 
 def wait_until(t: float) -> None:
     left = t - time.monotonic()
@@ -109,7 +120,9 @@ class TimedOutput:
         return self.array
 
 
-def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list, latency_s: float = 0.0):
+def timed_pipeline(
+    clock: DeviceClock, run_s: float, sample_s: float, runs: list, latency_s: float = 0.0, overlap: float = 0.0
+):
     """A stand-in class for DaliPolicyPipeline (the interface the accelerator thread uses) whose runs
     occupy `clock` in order (one DALI stream), each from `latency_s` after its submit at the earliest; every run's
     size is appended to `runs`."""
@@ -124,12 +137,12 @@ def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list
             self.build_seconds, self.rebuilds = 0.0, 0
             self.last_end = 0.0  # when the last run submitted ends: the next starts after it
 
-        def submit(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None):
-            n = len(samples)
+        def submit(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None, keep=None):
+            n = len(samples)  # `keep` (the helpers' byte slot) is held by the caller's run, as DALI's would be
             if not 1 <= n <= self.batch_size or len(self.pending) >= self.depth:
                 raise RuntimeError(f"run of {n} with {len(self.pending)} in flight")
             runs.append(n)
-            self.last_end = clock.occupy(run_s + n * sample_s, max(time.monotonic() + latency_s, self.last_end))
+            self.last_end = clock.run(run_s + n * sample_s, max(time.monotonic() + latency_s, self.last_end), overlap)
             self.pending.append((n, self.last_end))
 
         def collect(self, stream=None):
@@ -150,13 +163,15 @@ def timed_pipeline(clock: DeviceClock, run_s: float, sample_s: float, runs: list
     return TimedPipeline
 
 
-def dali_alone(clock: DeviceClock, batch: int, run_s: float, sample_s: float, latency_s: float = 0.0):
+def dali_alone(
+    clock: DeviceClock, batch: int, run_s: float, sample_s: float, latency_s: float = 0.0, overlap: float = 0.0
+):
     """DALI's own loop: whole mini-batch runs, DALI_PREFETCH of them queued ahead of the one yielded."""
     ends: deque = deque()
     last = 0.0  # its runs in order, as on one stream
     while True:
         while len(ends) <= DALI_PREFETCH:
-            last = clock.occupy(run_s + batch * sample_s, max(time.monotonic() + latency_s, last))
+            last = clock.run(run_s + batch * sample_s, max(time.monotonic() + latency_s, last), overlap)
             ends.append(last)
         wait_until(ends.popleft())
         yield batch
@@ -174,7 +189,7 @@ def ff_loader(data, args, clock=None, runs=None, depth: int = 2):
     real_pipeline, real_controller = dali_graph.DaliPolicyPipeline, split.ShareController
     if clock is not None:  # the stand-ins are picked up while the loader builds its accelerator
         dali_graph.DaliPolicyPipeline = timed_pipeline(
-            clock, args.run_ms * 1e-3, args.sample_us * 1e-6, runs, args.run_latency_ms * 1e-3
+            clock, args.run_ms * 1e-3, args.sample_us * 1e-6, runs, args.run_latency_ms * 1e-3, args.overlap
         )
         split.ShareController = lambda **k: real_controller(**{**k, "shares_device": True})
     try:
@@ -209,13 +224,17 @@ def model(args, cpu_rate: float) -> dict:
     """The issue's additive model: DALI alone's rate, and the best FusionFlow rate over G."""
     b, t, f, g = args.batch_size, args.train_us * 1e-6, args.run_ms * 1e-3, args.sample_us * 1e-6
 
+    o = args.overlap  # the part of DALI's device time beside training's, not in its way (its stream's still)
+
     def period(share):
         # a run holds up to `merge` whole shares within RUN_IMAGES samples (the accelerator's cap)
         runs = 1 / args.merge if share * args.merge <= RUN_IMAGES else math.ceil(share / RUN_IMAGES)
-        return max(t * b + (f * runs if share else 0.0) + share * g, (b - share) / cpu_rate)
+        dali = (f * runs if share else 0.0) + share * g
+        return max(t * b + (1 - o) * dali, dali, (b - share) / cpu_rate)
 
     best = min(range(b + 1), key=period)
-    return {"dali_alone": b / (t * b + f + b * g), "ff_bound": b / period(best), "ff_best_share": best}
+    alone = max(t * b + (1 - o) * (f + b * g), f + b * g)
+    return {"dali_alone": b / alone, "ff_bound": b / period(best), "ff_best_share": best}
 
 
 def main() -> None:
@@ -227,6 +246,12 @@ def main() -> None:
     ap.add_argument("--run-ms", type=float, default=10.0, help="a DALI run's fixed device time")
     ap.add_argument("--sample-us", type=float, default=58.0, help="a DALI run's device time per sample")
     ap.add_argument("--run-latency-ms", type=float, default=0.0, help="a DALI run's host stages before its device work")
+    ap.add_argument(
+        "--overlap",
+        type=float,
+        default=0.0,
+        help="the fraction of a DALI run's device time spent beside training's work rather than in its way",
+    )
     ap.add_argument("--runs-in-flight", default="2", help="the accelerator's runs in flight: one candidate per value")
     ap.add_argument("--worker-delay-ms", type=float, default=2.0, help="added to each read in a CPU worker")
     ap.add_argument("--merge", type=int, default=2, help="mini-batch shares a run holds (the model's)")
@@ -244,7 +269,11 @@ def main() -> None:
     runs = {f"ff_twin_d{k}": [] for k in depths}  # each candidate's run sizes
     twins = {name: ff_loader(data, args, clock, runs[name], k) for name, k in zip(runs, depths)}
     latency_s = args.run_latency_ms * 1e-3
-    streams = {"dali_alone": dali_alone(clock, args.batch_size, args.run_ms * 1e-3, args.sample_us * 1e-6, latency_s)}
+    streams = {
+        "dali_alone": dali_alone(
+            clock, args.batch_size, args.run_ms * 1e-3, args.sample_us * 1e-6, latency_s, args.overlap
+        )
+    }
     streams.update(ff_cpu=y, **{name: batches for name, (_, batches) in twins.items()})
     step_s = args.train_us * 1e-6 * args.batch_size
     rates: dict = {k: [] for k in streams}

@@ -9,6 +9,8 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
+
 from experiments import gpu_bench, gpu_memory, harness, paired_trees
 from fusionflow.accel.sharing_profiler import PROFILE_BATCHES, SharingProfiler
 
@@ -239,3 +241,32 @@ def test_the_twins_device_clock_fills_gaps_with_later_work_keeps_a_streams_order
     assert clock.occupy(0.5) == 102.5  # anyone else's half second: the gap
     now[0] = 200.0  # everything ended: the past is forgotten, work starts now
     assert clock.occupy(1.0) == 201.0 and clock.busy == 9.0
+
+
+def test_a_run_beside_training_delays_it_only_by_its_part_in_the_way_and_completes_after_its_whole_time(monkeypatch):
+    """twin_gpu.DeviceClock.run with overlap: of a DALI run's device time only (1 - overlap) occupies the timeline
+    (training's steps queue behind that part), while the run itself completes after all of it."""
+    from experiments import twin_gpu
+
+    now = [100.0]
+    monkeypatch.setattr(twin_gpu.time, "monotonic", lambda: now[0])
+    clock = twin_gpu.DeviceClock()
+    assert clock.run(4.0, not_before=0.0, overlap=0.75) == 104.0  # in the way for 1 s, done after 4
+    assert clock.occupy(2.0) == 103.0  # training's step waits for the 1 s in its way only
+    assert clock.run(2.0, not_before=0.0) == 105.0  # no overlap: all of it in the way, after the step
+
+
+def test_the_twins_pipeline_takes_what_the_accelerator_passes_the_real_one():
+    """The twin's stand-in for DaliPolicyPipeline has the real one's submit and collect parameters: a parameter
+    added to the real one (session 32's `keep`) once failed every twin run, which then measured the CPU
+    workers alone as "FF CPU + twin"."""
+    import inspect
+
+    pytest.importorskip("nvidia.dali")
+    from experiments import twin_gpu
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+
+    twin = twin_gpu.timed_pipeline(twin_gpu.DeviceClock(), 0.0, 0.0, [])
+    for name in ("submit", "collect"):
+        real_params = list(inspect.signature(getattr(DaliPolicyPipeline, name)).parameters)
+        assert list(inspect.signature(getattr(twin, name)).parameters) == real_params, name
