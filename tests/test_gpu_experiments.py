@@ -221,8 +221,14 @@ def test_no_experiment_touches_sys_path_or_a_private_fusionflow_name():
                     offenders.append(f"{where} sys.path")
                 private = node.attr.startswith("_") and not node.attr.startswith("__")
                 if private and node.value.id != "self":  # a fusionflow module's or object's private name
-                    offenders.append(f"{where} {node.value.id}.{node.attr}")
+                    if f"{node.value.id}.{node.attr}" not in NOT_FUSIONFLOWS.get(path.name, ()):
+                        offenders.append(f"{where} {node.value.id}.{node.attr}")
     assert not offenders, offenders
+
+
+# private names of other packages an experiment needs, by script: dali_tv_api.py works around DALI 2.4 asking
+# torch.cuda for a stream when fed a CPU tensor (raises where torch is a CUDA build without a GPU)
+NOT_FUSIONFLOWS = {"dali_tv_api.py": ("types._get_default_stream_for_array",)}
 
 
 def test_the_twins_device_clock_fills_gaps_with_later_work_keeps_a_streams_order_and_forgets_the_past(monkeypatch):
