@@ -13,6 +13,9 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
                       the clock (the loader's helpers make them): the graph beside training without the loader
                       around it (graph against integration)
   ff_cpu_gpu@N/dK     (d) with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional
+  .../small           (d) with the accelerator's share made of each mini-batch's smallest samples, not its largest
+                      (DaliAccelerator(taas=False)): the CPU workers' DCT-scaled decode gains most on large images,
+                      nvJPEG's full-resolution window decode does not (on DALI's CPU backend smallest-first lost)
   .../copyext         (d) landing DALI's outputs as before session 31: DALI's copy_to_external into a staging block
                       (its copy waits for everything queued on DALI's stream at the call: with runs in flight, the
                       later runs' work), then slices; against the device ring's DLPack read, in the same call
@@ -295,7 +298,8 @@ def parse_args() -> argparse.Namespace:
         "--variants",
         default="staged,dali_only,dataloader_tv,dali,ff_cpu,ff_cpu_gpu",
         help="ff_cpu_gpu@N: ff_cpu_gpu with DaliAccelerator(run_samples=N); ff_cpu_gpu/dK: with runs_in_flight=K; "
-        "both: ff_cpu_gpu@N/dK (several allowed: a sweep); a /copyext suffix: landing by DALI's copy_to_external",
+        "both: ff_cpu_gpu@N/dK (several allowed: a sweep); a /copyext suffix: landing by DALI's copy_to_external; "
+        "/small: the accelerator takes each mini-batch's smallest samples",
     )
     ap.add_argument(
         "--gpu-sharing",
@@ -401,12 +405,13 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional); its stats go into `row`. A run
     whose accelerator fell back to the CPU workers raises: not comparable."""
     bs = args.batch_size
-    parsed = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?(/copyext)?", variant)
+    parsed = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?(/copyext)?(/small)?", variant)
     if parsed is None:
         raise ValueError(
-            f"variant {variant!r}: write ff_cpu_gpu, ff_cpu_gpu@N, ff_cpu_gpu/dK or ff_cpu_gpu@N/dK (+ /copyext)"
+            f"variant {variant!r}: write ff_cpu_gpu, ff_cpu_gpu@N, ff_cpu_gpu/dK or ff_cpu_gpu@N/dK "
+            "(+ /copyext, + /small)"
         )
-    name, run_samples, depth, copyext = parsed.groups()
+    name, run_samples, depth, copyext, small = parsed.groups()
     accel = None if name != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
@@ -420,6 +425,8 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
             knobs["run_samples"] = int(run_samples)
         if depth:  # ff_cpu_gpu/dK
             knobs["runs_in_flight"] = int(depth)
+        if small:  # ff_cpu_gpu/small: the share made of each mini-batch's smallest samples (TAAS off)
+            knobs["taas"] = False
         accel = DaliAccelerator(accel.removeprefix("dali-"), **knobs)
     extra = {}
     tag = variant.replace("@", "_run").replace("/", "_")
