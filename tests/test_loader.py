@@ -1,5 +1,6 @@
 """FusionFlowLoader: exactly-once delivery in sampler order, faults, cleanup, argument errors."""
 
+import gc
 import multiprocessing as mp
 import os
 import re
@@ -735,15 +736,26 @@ def test_the_stuck_bound_follows_the_tiny_batch_time_above_a_floor():
     assert liveness.is_stuck(floor + 1.0, 0.01) and not liveness.is_stuck(floor - 1.0, 0.01)
 
 
-def test_superseded_iterator_says_so():
-    loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("old_ends_by", ["next", "del"])
+def test_superseded_iterator_says_so_and_the_newer_one_goes_on(persistent, old_ends_by):
+    """An older iterator, superseded by a newer iter(loader), says so when asked for more; its end -- that error,
+    or being dropped -- leaves the newer one running, which yields its whole epoch. Without persistent workers the
+    older one's end used to stop the workers the newer one ran on (session 33): it failed at its next batch."""
+    loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=persistent)
     first = iter(loader)
     next(first)
     second = iter(loader)
-    next(second)
-    with pytest.raises(FusionFlowError, match="a newer iter\\(loader\\) abandoned it"):
-        next(first)
-    assert [i for y in [next(second)[1]] for i in y.tolist()] == [4, 5, 6, 7]
+    labels = next(second)[1].tolist()
+    if old_ends_by == "next":
+        with pytest.raises(FusionFlowError, match="a newer iter\\(loader\\) abandoned it"):
+            next(first)
+    else:
+        del first
+        gc.collect()
+    labels += [i for _, y in second for i in y.tolist()]
+    assert labels == list(range(40))
+    assert labels == [i for _, y in loader for i in y.tolist()]  # and the loader goes on
     loader.close()
 
 

@@ -141,11 +141,12 @@ class LoaderRuntime:
 
     def end_iteration(self, mgr: LocalManager, generation: int, finished: bool, persistent: bool) -> None:
         """An iteration on `mgr` ended (its last batch, an exception, or the caller dropped it): forget
-        its unfinished work; without persistent workers, stop the runtime (the bridge stays)."""
+        its unfinished work; without persistent workers, stop the runtime (the bridge stays) -- unless a
+        newer iterator runs on it (the older one, abandoned, was dropped or raised after the newer began)."""
         if self.manager is mgr:
             if not finished:
                 mgr.abandon(generation)
-            if not persistent:
+            if not persistent and generation == mgr.generation:
                 self.stop()
 
     def stop(self) -> None:
