@@ -57,9 +57,10 @@ class RingLayout:
 class BatchRing:
     """A mapping of the ring segment; `images` and `labels` are numpy views into it.
 
-    `BatchRing(layout)` creates and reserves the segment and keeps its descriptor (`fd`) open, so
-    the owner can unlink the name at once (`unlink`) and hand the descriptor to the processes that
-    map it later (forked workers inherit it; lent workers receive it over their Unix socket).
+    `BatchRing(layout)` creates and reserves the segment, unlinks its name at once and keeps its
+    descriptor (`fd`) open: the descriptor goes to the processes that map it later (forked workers
+    inherit it; lent workers receive it over their Unix socket), and no name is left in /dev/shm by a
+    job killed, or interrupted (Ctrl-C) while the ring is being made.
     `BatchRing(layout, fd=fd)` maps a received descriptor; `BatchRing(layout, name)` attaches by name.
     """
 
@@ -72,18 +73,22 @@ class BatchRing:
             check_room(layout)
             seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=layout.nbytes)
             try:
+                unlink(name)  # before anything that can fail or be interrupted: the descriptor is the handle
                 reserve(seg.fd, layout)
             except BaseException:
                 seg.close_fd()
-                unlink(name)
                 raise
-            self.fd = seg.fd  # kept: the owner's handle once the name is gone
+            self.fd = seg.fd  # kept: the owner's handle (the name is gone)
             _OWNED_FDS.add(self.fd)
         elif fd is None:
             seg = posix_ipc.SharedMemory(name)
         self.name = name
         try:
             self._map = mmap.mmap(fd if fd is not None else seg.fd, layout.nbytes)
+        except BaseException:
+            self._map = None
+            self.close()  # the owner's descriptor: nothing else refers to the segment
+            raise
         finally:
             if fd is None and not self.owner:
                 seg.close_fd()
@@ -92,7 +97,7 @@ class BatchRing:
         self.images = buf[: layout.image_bytes].view(layout.dtype).reshape(shape)
         self.labels = buf[layout.image_bytes : layout.nbytes].view(np.int64).reshape(layout.depth, layout.batch_size)
 
-    def unlink(self) -> None:
+    def unlink(self) -> None:  # an owner's name is unlinked already; an attached ring's is its owner's to keep
         unlink(self.name)
 
     def close(self) -> None:
