@@ -759,6 +759,47 @@ def test_superseded_iterator_says_so_and_the_newer_one_goes_on(persistent, old_e
     loader.close()
 
 
+def _in_forked_child(loader, queue, live_iterator=None):
+    """A forked process's use of its parent's loader: the parent's live iterator (if given), then a new epoch."""
+    try:
+        if live_iterator is not None:
+            try:
+                next(live_iterator)
+                queue.put("the parent's iterator went on")
+            except FusionFlowError as exc:
+                queue.put(str(exc))
+        queue.put(sorted(i for _, y in loader for i in y.tolist()))
+        loader.close()
+    except BaseException as exc:  # the parent's assertion says what
+        queue.put(repr(exc))
+
+
+@pytest.mark.parametrize("persistent", [True, False])
+def test_a_forked_process_iterates_with_workers_of_its_own_and_leaves_the_parents_running(persistent):
+    """A process forked from the training process (a fork-context Process, os.fork) that iterates the inherited
+    loader starts workers of its own, as DataLoader does: it used to reuse the parent's manager -- no manager
+    thread there, the workers the parent's -- and wait for good (session 33's sweep). The parent's iterator
+    alive at the fork says it cannot go on there, before it touches a lock the fork may have copied held; the
+    parent's workers and epochs go on untouched, and nothing is left behind."""
+    loader = FusionFlowLoader(Bytes(40), batch_size=4, num_workers=1, policy=SMALL, persistent_workers=persistent)
+    assert sorted(i for _, y in loader for i in y.tolist()) == list(range(40))  # the parent's workers started
+    live = iter(loader)
+    first = next(live)[1].tolist()
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_in_forked_child, args=(loader, queue, live))
+    child.start()
+    said, labels = queue.get(timeout=120), queue.get(timeout=120)
+    child.join(60)
+    assert child.exitcode == 0
+    assert "cannot arrive in this process" in said and f"process {os.getpid()}" in said, said
+    assert labels == list(range(40)), labels
+    rest = [i for _, y in live for i in y.tolist()]  # the parent's own iteration is untouched
+    assert first + rest == list(range(40))
+    assert sorted(i for _, y in loader for i in y.tolist()) == list(range(40))
+    loader.close()
+
+
 class BusErrorAt(Bytes):
     """Sample 13's worker dies of SIGBUS, as one does touching shared memory tmpfs cannot back."""
 

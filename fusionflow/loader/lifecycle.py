@@ -4,15 +4,18 @@ GpuSession, Ray remote workers) -- started at the first iteration, stopped by on
 (`shutdown_runtime`) on every path, and a finalizer that runs that procedure when the loader is
 collected or the interpreter exits.
 
-The finalizer holds only `box` ([manager, GpuSession or None]), never the loader or this object:
-nothing in the runtime refers back to the loader, so an abandoned loader is collected and its
-workers, shared memory and lent GPU blocks go with it.
+The finalizer holds only `box` ([manager, GpuSession or None, cache attachment, the pid they belong to]),
+never the loader or this object: nothing in the runtime refers back to the loader, so an abandoned loader
+is collected and its workers, shared memory and lent GPU blocks go with it. A process forked from the
+loader's (os.fork, a fork-context Pool) inherits the box: there it is another process's runtime, which it
+neither uses nor stops -- a new iteration there starts a runtime of its own.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import weakref
 
@@ -30,7 +33,8 @@ class LoaderRuntime:
         self.dataset, self.stats, self.tracing, self.gpu = dataset, stats, tracing, gpu
         self.manager: LocalManager | None = None
         self._spec = None  # what workers lent to this loader need (pickled once per loader)
-        self._box = [None, gpu, None]  # what the finalizer shuts down: [manager, GpuSession, CacheAttachment]
+        # what the finalizer shuts down: [manager, GpuSession, CacheAttachment, the process they belong to]
+        self._box = [None, gpu, None, os.getpid()]
         self._cache_tried = False
         self._finalizer = weakref.finalize(self, shutdown_runtime, self._box)
         tracing.on_change = functools.partial(_set_trace, weakref.ref(self))  # weak: no cycle through tracing
@@ -38,7 +42,11 @@ class LoaderRuntime:
     def start(self, config, alloc_device: torch.device, seed: int | None = None) -> LocalManager:
         """The running manager, started now if there is none (with the accelerator and remote
         workers the config asks for; `seed`: the iteration's base seed, drawn now if None). A start that
-        fails half-way leaves nothing running."""
+        fails half-way leaves nothing running. In a process forked from the one that started the manager, that
+        one is forgotten (its workers and thread are the other process's) and a new one starts."""
+        if self._box[3] != os.getpid():
+            self.manager = self._box[0] = self._box[2] = None
+            self._box[3], self._cache_tried = os.getpid(), False
         if self.manager is not None:
             return self.manager
         cfg = config
@@ -143,7 +151,7 @@ class LoaderRuntime:
         """An iteration on `mgr` ended (its last batch, an exception, or the caller dropped it): forget
         its unfinished work; without persistent workers, stop the runtime (the bridge stays) -- unless a
         newer iterator runs on it (the older one, abandoned, was dropped or raised after the newer began)."""
-        if self.manager is mgr:
+        if self.manager is mgr and self._box[3] == os.getpid():
             if not finished:
                 mgr.abandon(generation)
             if not persistent and generation == mgr.generation:
@@ -173,7 +181,8 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
     """The loader's one shutdown procedure for its manager and allocator bridge, run by every path:
     `close()`, the end of an iteration without persistent workers, a new seed, a manager that failed
     to start its accelerator, and the finalizer at the loader's collection or interpreter exit (which
-    holds only `box`, [manager, GpuSession or None], never the loader). Idempotent.
+    holds only `box`, never the loader). Idempotent. In a process forked from the box's (`box[3]`), nothing
+    is stopped: the copy is dropped.
 
     1. Take the manager out of the box: a second run finds nothing to stop.
     2. Close the accelerator's prep window, if open: the DALI run in flight finishes first
@@ -184,8 +193,11 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
        counters into `stats` (`GpuSession.manager_stopped`); unless it is kept for the next
        manager, shut it down (what is still lent goes back, the ledger is unlinked).
     """
-    mgr, gpu, cache = box
+    mgr, gpu, cache, pid = box
     box[0] = None
+    if pid != os.getpid():  # a forked copy: the process that started the runtime stops it
+        box[2] = None
+        return
     if mgr is not None:
         if gpu is not None:
             gpu.end_window_now(mgr)

@@ -53,6 +53,7 @@ If the training process is killed alone, workers notice within `worker.WATCHDOG_
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from multiprocessing.connection import wait as mp_wait
@@ -86,8 +87,7 @@ class LocalManager:
         on_batch_done=None,
         on_capacity_change=None,
     ):
-        ring = BatchRing(spec.layout)
-        ring.unlink()  # no name to outlive a job killed as a whole: workers get the descriptor
+        ring = BatchRing(spec.layout)  # its name unlinked already: workers get the descriptor
         self.board = board = Board(ring, sizes, counters, trace)
         self.spec = spec  # the ring layout, tiny-batch size, ... this manager runs with
         board.on_batch_done = on_batch_done  # callback(state) under the lock, e.g. TAAS feedback
@@ -100,6 +100,7 @@ class LocalManager:
         self.pool = None
         self._closed = False
         self._thread = None
+        self.pid = os.getpid()  # the process whose workers and thread these are (a fork inherits the object)
         try:
             if spec.job is not None:
                 from fusionflow.runtime.gm.agent import LendingAgent
@@ -151,6 +152,11 @@ class LocalManager:
 
     def wait(self, seq: int, generation: int, timeout: float | None) -> BatchState:
         """Block until mini-batch `seq` is complete; restarts dead workers meanwhile."""
+        if os.getpid() != self.pid:  # before its lock: another thread may have held it at the fork
+            raise FusionFlowError(
+                f"mini-batch {seq} cannot arrive in this process: the iteration runs on the workers of process "
+                f"{self.pid}, which forked this one; a new iteration here (iter(loader)) starts workers of its own"
+            )
         deadline = None if not timeout else time.monotonic() + timeout
         key = (generation, seq)
         board = self.board
@@ -292,8 +298,7 @@ class LocalManager:
             with torch.cuda.device(self.cuda_device):
                 torch.cuda.cudart().cudaHostUnregister(board.ring.images.ctypes.data)
             self.cuda_registered = False
-        board.ring.close()
-        board.ring.unlink()
+        board.ring.close()  # its name was unlinked when it was made
 
     # ---------------------------------------------------------------- manager thread
     def _run(self) -> None:
