@@ -406,12 +406,22 @@ class SlowBytes(Bytes):
         return super().__getitem__(i)
 
 
+class SlowInCpuWorkers(Bytes):
+    """Slow in the CPU worker processes only (DataLoader's worker info is set there, not in the accelerator's
+    helpers or the training process)."""
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(0.05)
+        return super().__getitem__(i)
+
+
 def test_over_the_pixel_limit_never_reaches_dali_and_is_refused_by_the_cpu_path():
     import io
 
     from PIL import Image
 
-    ds = Bytes(24)
+    ds = SlowInCpuWorkers(24)  # else one CPU worker may take all 24 before the accelerator's first run (a busy CI)
     pixels = [np.prod(Image.open(io.BytesIO(d)).size) for d in ds.data]
     limit = int(np.median(pixels))
     over = [i for i, p in enumerate(pixels) if p > limit]
