@@ -97,9 +97,6 @@ class BatchRing:
         self.images = buf[: layout.image_bytes].view(layout.dtype).reshape(shape)
         self.labels = buf[layout.image_bytes : layout.nbytes].view(np.int64).reshape(layout.depth, layout.batch_size)
 
-    def unlink(self) -> None:  # an owner's name is unlinked already; an attached ring's is its owner's to keep
-        unlink(self.name)
-
     def close(self) -> None:
         """Drop this process's mapping and descriptor (views must not be used afterwards)."""
         self.images = self.labels = None
