@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 
 
@@ -52,6 +53,29 @@ def end_processes(processes, grace: float) -> None:
         if proc.is_alive():
             proc.kill()
             proc.join(timeout=1.0)
+
+
+@contextlib.contextmanager
+def interrupts_deferred():
+    """Ctrl-C (SIGINT) held back while the block runs, then delivered as the handler in place would have it: an
+    interrupt inside a fork (in its at-fork handlers: logging's lock left held, and a later DALI build hung on
+    it) or between a process's start and its record (a process nobody stops) would leave either behind. Only
+    in the main thread, where Python runs signal handlers; elsewhere, or under a handler Python did not set, a
+    no-op."""
+    old = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or old is None:
+        yield
+        return
+    got: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and old is signal.SIG_DFL:
+            os.kill(os.getpid(), signal.SIGINT)
+        elif got and callable(old):
+            old(signal.SIGINT, None)  # Python's default handler raises KeyboardInterrupt here
 
 
 @contextlib.contextmanager

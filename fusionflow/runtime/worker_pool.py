@@ -35,7 +35,7 @@ from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_stuck_kill, count_worker_task
-from fusionflow.runtime.procs import end_processes, opencv_quiet_for_fork
+from fusionflow.runtime.procs import end_processes, interrupts_deferred, opencv_quiet_for_fork
 from fusionflow.runtime.reruns import Reruns
 from fusionflow.runtime.shm import ChildFd, sigbus_error
 from fusionflow.runtime.spec import RuntimeSpec
@@ -112,14 +112,14 @@ class WorkerPool:
         # threads that only exist here) must never be finalized in the child: frozen objects are
         # skipped by the child's collector, and the parent collects them after unfreezing.
         gc.freeze()
-        try:
-            with opencv_quiet_for_fork():  # the user's (or our inline) OpenCV work must not hang the child
+        try:  # the user's (or our inline) OpenCV work must not hang the child; a Ctrl-C waits until it is listed
+            with opencv_quiet_for_fork(), interrupts_deferred():
                 proc.start()
+                with board.cond:
+                    self.workers[wid] = WorkerConn(wid, proc, parent)
         finally:
             gc.unfreeze()
         child.close()
-        with board.cond:
-            self.workers[wid] = WorkerConn(wid, proc, parent)
         board.wake()
 
     def wanted(self) -> tuple[list[int], int]:
