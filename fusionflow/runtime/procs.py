@@ -61,7 +61,8 @@ def interrupts_deferred():
     interrupt inside a fork (in its at-fork handlers: logging's lock left held, and a later DALI build hung on
     it) or between a process's start and its record (a process nobody stops) would leave either behind. Only
     in the main thread, where Python runs signal handlers; elsewhere, or under a handler Python did not set, a
-    no-op."""
+    no-op. A child forked in the block inherits the recording handler until it sets its own (our workers ignore
+    SIGINT first thing: Ctrl-C is the training process's)."""
     old = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or old is None:
         yield
