@@ -126,17 +126,26 @@ def test_the_loader_summary_has_one_owner():
 
 def test_bench_graph_times_both_graphs_at_each_run_size(tmp_path):
     """experiments/bench_graph.py, the step `gpu_run.sh graph` runs on a GPU, here on DALI's CPU backend: both
-    graphs timed at the run size asked, ours with its node count."""
+    graphs timed at the run size asked, ours with its node count, and with --classic ours on DALI's classic
+    executor too (refused on a GPU)."""
     import json
 
     import pytest
 
     pytest.importorskip("nvidia.dali")
     out = tmp_path / "graph.json"
-    args = ["--tiny", "--batch-sizes", "4", "--rounds", "1", "--images", "8", "--out", str(out)]
+    args = ["--tiny", "--batch-sizes", "4", "--rounds", "1", "--images", "8", "--out", str(out), "--classic"]
     subprocess.run([sys.executable, "-m", "experiments.bench_graph", *args], cwd=EXPERIMENTS.parent, check=True)
     med = json.loads(out.read_text())["batch_sizes"]["4"]["medians"]
-    assert med["dali"]["img_per_s"] > 0 and med["ours"]["img_per_s"] > 0
+    assert med["dali"]["img_per_s"] > 0 and med["ours"]["img_per_s"] > 0 and med["ours_classic"]["img_per_s"] > 0
+    assert med["classic_over_ours_thread_cpu"] > 0
+    refused = subprocess.run(
+        [sys.executable, "-m", "experiments.bench_graph", "--classic", "--device", "cuda"],
+        cwd=EXPERIMENTS.parent,
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "classic executor" in refused.stderr
     from fusionflow import load_policy
     from fusionflow.accel.dali_graph import DaliPolicyPipeline
 

@@ -49,7 +49,10 @@ CPU_BACKEND_NICE = 10
 
 
 class DaliPolicyPipeline:
-    """Runs `policy` on batches of up to `batch_size` encoded samples through DALI."""
+    """Runs `policy` on batches of up to `batch_size` encoded samples through DALI. `exec_dynamic`: DALI's dynamic
+    executor, the accelerator's (outputs ordered on a CUDA stream, alive while referenced). False, its classic one,
+    costs the calling thread less on the CPU backend (experiments/bench_graph.py --classic) but on a GPU waits for a
+    run on the host and reuses its output buffers with no stream order: for experiments on the CPU backend only."""
 
     def __init__(
         self,
