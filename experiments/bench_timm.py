@@ -19,6 +19,9 @@ batch; img/s over each pass after its first batch, medians over repeats, the rat
 timm's FastCollateMixup as collate_fn (train.py's --mixup with the prefetcher).
 
     .venv/bin/python -m experiments.bench_timm --mode loader --images 512 --workers 2 --repeats 3
+
+`--eval` (loader mode): the evaluation loaders instead (is_training=False: resize, centre crop), where
+FusionFlow decodes exactly by default (timm's pixels); `fusionflow_fast` is the same with decode="fast".
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ def main() -> None:
         "--device", default="cpu", help="loader mode: both loaders' device= (cuda: timm's prefetcher on the GPU)"
     )
     ap.add_argument("--mixup", type=float, default=0.0, help="loader mode: FastCollateMixup's mixup_alpha")
+    ap.add_argument("--eval", action="store_true", help="loader mode: the evaluation loaders (is_training=False)")
     ap.add_argument("--images", type=int, default=100)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sizes", default="imagenet", choices=["200-1000", "imagenet", "800-2000"])
@@ -144,14 +148,17 @@ def loader_main(args) -> None:
     recipes = (args.recipes or LOADER_RECIPE).split(",")
     results = {}
     for name in recipes:
-        recipe = dict(RECIPES[name], is_training=True, num_workers=args.workers, device=torch.device(args.device))
+        training = not args.eval
+        recipe = dict(RECIPES[name], is_training=training, num_workers=args.workers, device=torch.device(args.device))
 
-        def build(make):
-            ds = create_dataset("", root=root, split="train", is_training=True)
+        def build(make, **more):
+            ds = create_dataset("", root=root, split="train", is_training=training)
             collate = FastCollateMixup(mixup_alpha=args.mixup, num_classes=4) if args.mixup else None
-            return make(ds, (3, 224, 224), args.batch_size, collate_fn=collate, **recipe)
+            return make(ds, (3, 224, 224), args.batch_size, collate_fn=collate, **recipe, **more)
 
         loaders = {"timm": build(timm_create_loader), "fusionflow": build(ff_create_loader)}
+        if args.eval:
+            loaders["fusionflow_fast"] = build(ff_create_loader, decode="fast")
 
         def one_pass(loader):
             def go() -> float:
@@ -169,7 +176,9 @@ def loader_main(args) -> None:
         try:
             secs = rounds({k: one_pass(v) for k, v in loaders.items()}, args.repeats, rotate=True, report=_report(name))
         finally:
-            loaders["fusionflow"].close()
+            for k in ("fusionflow", "fusionflow_fast"):
+                if k in loaders:
+                    loaders[k].close()
         rate = {k: 1 / statistics.median(v) for k, v in secs.items()}
         results[name] = {
             "recipe": RECIPES[name],
@@ -178,10 +187,13 @@ def loader_main(args) -> None:
             "img_per_s_per_repeat": {k: [1 / s for s in v] for k, v in secs.items()},
             "ratio_per_repeat": [t / f for t, f in zip(secs["timm"], secs["fusionflow"])],
         }
+        if "fusionflow_fast" in rate:
+            results[name]["ratio_fast"] = rate["fusionflow_fast"] / rate["timm"]
         print(f"{name}: timm {rate['timm']:.0f} img/s, fusionflow {rate['fusionflow']:.0f} img/s, "
               f"{results[name]['ratio']:.2f}x")  # fmt: skip
     out = args.out or os.path.join(RESULTS, "timm_loader.json")
-    setup = {k: getattr(args, k) for k in ("images", "sizes", "workers", "batch_size", "mixup", "repeats", "device")}
+    keys = ("images", "sizes", "workers", "batch_size", "mixup", "repeats", "device", "eval")
+    setup = {k: getattr(args, k) for k in keys}
     write_json({"provenance": provenance(), **setup, "results": results}, out)
 
 

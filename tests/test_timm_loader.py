@@ -21,6 +21,7 @@ from fusionflow.timm import create_loader  # noqa: E402
 from fusionflow.tools.synthetic import make_image_folder  # noqa: E402
 
 CPU = torch.device("cpu")
+IMAGENET_STD = (0.229, 0.224, 0.225)  # timm's default std
 SIZE = (3, 48, 48)
 
 
@@ -114,6 +115,20 @@ def test_aug_splits_with_jsd_loss_and_bfloat16(folder):
         steps(loader, model, JsdCrossEntropy(num_splits=3, smoothing=0.1))
 
 
+def test_aug_splits_without_the_prefetcher_are_a_list_of_views_as_timm_s_default_collate(folder):
+    kw = dict(is_training=True, auto_augment="augmix-m3-w3", num_aug_splits=3, use_prefetcher=False, device=CPU)
+    got = {}
+    for name, make in (("ours", create_loader), ("timm", timm_create_loader)):
+        loader = make(AugMixDataset(train_dataset(folder), num_splits=3), SIZE, 4, num_workers=0, **kw)
+        got[name] = next(iter(loader))
+        if name == "ours":
+            loader.close()
+    (x, y), (tx, ty) = got["ours"], got["timm"]
+    assert isinstance(x, list) and isinstance(tx, list) and len(x) == len(tx) == 3
+    assert all(v.shape == t.shape == (4, *SIZE) and v.dtype == t.dtype for v, t in zip(x, tx))
+    assert y.shape == ty.shape == (4,)
+
+
 def test_views_share_the_crop_and_the_first_is_clean(folder):
     ds = AugMixDataset(train_dataset(folder), num_splits=3)
     loader = create_loader(
@@ -202,6 +217,93 @@ def test_deterministic_batches_match_timm_s_loader_within_the_fast_mode_bound(si
         assert float((mine[t] - timms[t]).abs().median()) < 0.05, t  # normalised units: fast mode's resize
 
 
+def test_a_collate_fn_of_the_script_s_own_gets_uint8_and_its_batch_is_normalised_as_timm_s(folder):
+    """With the prefetcher, timm's collate_fn gets uint8 samples and the prefetcher normalises what it returns;
+    a script's own wrapper of fast_collate must see the same here, not samples the workers normalised."""
+    from timm.data.loader import fast_collate
+
+    seen = set()
+
+    def my_collate(batch):
+        seen.add(batch[0][0].dtype)
+        return fast_collate(batch)
+
+    got = {}
+    for name, make in (("ours", create_loader), ("timm", timm_create_loader)):
+        kw = dict(is_training=False, num_workers=0, device=CPU, collate_fn=my_collate)
+        loader = make(create_dataset("", root=folder, split="train"), SIZE, 8, **kw)
+        got[name] = next(iter(loader))
+        close = getattr(loader, "fusionflow", None)
+        if close is not None:
+            close.close()
+    assert seen == {torch.uint8}
+    (x, y), (tx, ty) = got["ours"], got["timm"]
+    assert x.dtype == tx.dtype == torch.float32 and torch.equal(y, ty)
+    assert float((x - tx).abs().median()) < 0.05 and abs(float(x.mean() - tx.mean())) < 0.05  # normalised both
+
+
+@pytest.mark.parametrize("kind", ["torch/image_folder", "FakeData"])
+def test_timm_s_torch_datasets_load_as_timm_loads_them(singles, kind):
+    """train.py's --dataset torch/<name>: create_dataset gives torchvision's own dataset (no timm reader): a
+    folder's files, or PIL images in memory (torchvision's FakeData standing in for CIFAR10)."""
+    import torchvision
+
+    def make():
+        if kind == "FakeData":
+            return torchvision.datasets.FakeData(size=12, image_size=(3, 60, 80), num_classes=4, random_offset=3)
+        return create_dataset(kind, root=singles, split="train", is_training=False)
+
+    kw = dict(is_training=False, num_workers=0, device=CPU, interpolation="bicubic")
+    ours, theirs = create_loader(make(), SIZE, 8, **kw), timm_create_loader(make(), SIZE, 8, **kw)
+    with ours.fusionflow:
+        mine = list(ours)
+    timms = list(theirs)
+    assert [y.tolist() for _, y in mine] == [y.tolist() for _, y in timms]
+    for (x, _), (tx, _) in zip(mine, timms):
+        assert x.shape == tx.shape and float((x - tx).abs().median()) < 0.05
+    dressed = make()
+    dressed.transform = torchvision.transforms.ToTensor()
+    with pytest.raises(ValueError, match="with a transform: create_loader makes the augmentation"):
+        create_loader(dressed, SIZE, 8, **kw)
+
+
+def test_evaluation_decodes_exactly_as_timm_and_training_fast_unless_asked(singles, tmp_path):
+    """Eval pixels are timm's (Pillow's decode and resize; accuracy comparable with timm's) even where fast mode's
+    DCT-scaled decoding would read 33-50 dB from them (a 4-10x shrink); training decodes fast; `decode=` chooses."""
+    from fusionflow.tools.synthetic import make_image_folder
+
+    big = make_image_folder(str(tmp_path / "big"), 6, 1, min_side=300, max_side=480, seed=7)
+    kw = dict(is_training=False, num_workers=0, device=CPU)
+    ours = create_loader(create_dataset("", root=big, split="train"), SIZE, 6, **kw)
+    (x, _), (tx, _) = (
+        next(iter(ours)),
+        next(iter(timm_create_loader(create_dataset("", root=big, split="train"), SIZE, 6, **kw))),
+    )
+    assert ours.fusionflow.config.policy.decode_mode == "exact"
+    assert float((x - tx).abs().max()) <= 1.01 / 255 / min(IMAGENET_STD)  # a level: the normalisation's rounding
+    ours.fusionflow.close()
+    for is_training, decode, want in ((True, None, "fast"), (False, "fast", "fast"), (True, "exact", "exact")):
+        loader = create_loader(train_dataset(singles), SIZE, 4, is_training=is_training, device=CPU, decode=decode)
+        assert loader.fusionflow.config.policy.decode_mode == want
+        loader.fusionflow.close()
+    with pytest.raises(ValueError, match=r"decode='bit'.*'fast' or 'exact'"):
+        create_loader(train_dataset(singles), SIZE, 4, is_training=True, device=CPU, decode="bit")
+
+
+@pytest.mark.parametrize("crop_pct", [0.875, 1.15])
+def test_eval_at_a_non_square_size_crops_and_pads_as_timm(singles, crop_pct):
+    """timm's default eval crop at a non-square input_size is ResizeKeepRatio + torchvision's CenterCrop (which
+    pads with 0 where crop_pct > 1 leaves the resized image smaller than the crop)."""
+    kw = dict(is_training=False, num_workers=0, device=CPU, crop_pct=crop_pct)
+    ours = create_loader(create_dataset("", root=singles, split="train"), (3, 40, 56), 8, **kw)
+    theirs = timm_create_loader(create_dataset("", root=singles, split="train"), (3, 40, 56), 8, **kw)
+    with ours.fusionflow:
+        mine = list(ours)
+    for (x, y), (tx, ty) in zip(mine, theirs, strict=True):
+        assert torch.equal(y, ty) and x.shape == tx.shape == (8, 3, 40, 56)
+        assert float((x - tx).abs().max()) <= 1.01 / 255 / min(IMAGENET_STD)
+
+
 @pytest.mark.parametrize(
     "kw,match",
     [
@@ -233,6 +335,24 @@ def test_refusals_of_the_dataset_and_channels(folder):
     ds = AugMixDataset(train_dataset(folder), num_splits=2)
     with pytest.raises(ValueError, match="num_splits=2; pass the same number"):
         create_loader(ds, SIZE, 8, is_training=True, device=CPU, num_aug_splits=3)
+
+
+def _seed_noting_the_dataset(path, info):
+    with open(path, "a") as f:
+        f.write(f"{info.id} {type(info.dataset).__name__}\n")
+    return info.seed
+
+
+def test_a_worker_seeding_callable_gets_the_worker_s_dataset_as_timm_s(folder, tmp_path):
+    import functools
+
+    note = tmp_path / "seen.txt"
+    seeding = functools.partial(_seed_noting_the_dataset, str(note))
+    ds = train_dataset(folder)
+    loader = create_loader(ds, SIZE, 4, is_training=True, num_workers=2, device=CPU, worker_seeding=seeding)
+    with loader.fusionflow:
+        next(iter(loader))
+    assert sorted(note.read_text().split("\n")[:-1]) == ["0 ImageFolder", "1 ImageFolder"]  # what the workers read
 
 
 def test_worker_seeding_callable_and_part(folder):

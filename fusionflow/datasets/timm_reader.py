@@ -6,7 +6,9 @@ folder reader (timm's `ReaderImageFolder`: its `samples` list) becomes FusionFlo
 same files in the same order (sizes from the directory scan, for the size-sorted tiny-batches); any
 other reader is read item by item (`TimmSamples`: a file object's bytes, or the image it gives). The
 dataset's `target_transform` applies, and a missing target is -1, as timm's dataset has it. timm's
-dataset skips an unreadable file by reading the next index; FusionFlow reports it (`on_error`)."""
+dataset skips an unreadable file by reading the next index; FusionFlow reports it (`on_error`).
+A dataset without a reader (timm's `torch/...` datasets: torchvision's ImageFolder, CIFAR10, ...) is read
+through torchvision's own items (`torch_samples`)."""
 
 from __future__ import annotations
 
@@ -25,13 +27,42 @@ def timm_samples(dataset):
         raise ValueError(
             f"dataset: input_img_mode={mode!r}: FusionFlow delivers 3-channel RGB images (input_img_mode='RGB')"
         )
-    reader = dataset.reader
+    reader = getattr(dataset, "reader", None)
+    if reader is None:
+        return torch_samples(dataset)
     if type(reader).__name__ == "ReaderImageFolder" and dataset.target_transform is None:
         from fusionflow.datasets.folder import ImageFolder
 
         classes = sorted(reader.class_to_idx, key=reader.class_to_idx.get)
         return ImageFolder.of_samples(reader.root, reader.samples, classes)
     return TimmSamples(reader, dataset.target_transform)
+
+
+def torch_samples(dataset):
+    """A map-style dataset with no timm reader, as create_dataset("torch/...") makes them: a torchvision
+    DatasetFolder of files read with torchvision's default loader becomes FusionFlow's ImageFolder of the same
+    files; any other (CIFAR10, FakeData: PIL images in memory) is read item by item as it is, its images
+    decoded from there. Its transform must be None: timm's create_loader sets it from its arguments, and
+    FusionFlow makes its policy from those same arguments instead."""
+    name = type(dataset).__name__
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        raise ValueError(f"dataset: a {name} is not a map-style dataset (timm's ImageDataset or a torchvision one)")
+    if getattr(dataset, "transform", None) is not None:
+        raise ValueError(
+            f"dataset: a {name} with a transform: create_loader makes the augmentation from its own arguments "
+            "(timm's overwrites the dataset's transform with them); leave its transform None"
+        )
+    try:
+        from torchvision.datasets import DatasetFolder
+        from torchvision.datasets.folder import default_loader, pil_loader
+    except ImportError:
+        return dataset
+    files = isinstance(dataset, DatasetFolder) and dataset.loader in (default_loader, pil_loader)
+    if files and dataset.target_transform is None:
+        from fusionflow.datasets.folder import ImageFolder
+
+        return ImageFolder.of_samples(dataset.root, dataset.samples, dataset.classes)
+    return dataset
 
 
 class TimmSamples:

@@ -134,10 +134,11 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
         if pos >= len(steps):
             fail(pos - 1, "TrimBorder must be followed by the crop")
     t = steps[pos]
-    if _part(t, "keep_ratio"):  # timm's ResizeKeepRatio + RandomCropOrPad / CenterCropOrPad
-        if pos + 1 >= len(steps) or not _part(steps[pos + 1], "crop_or_pad"):
-            fail(pos, "ResizeKeepRatio must be followed by RandomCropOrPad or CenterCropOrPad (timm's rkrr / rkrc)")
-        place = steps[pos + 1].cfg
+    if _part(t, "keep_ratio"):  # timm's ResizeKeepRatio + RandomCropOrPad / CenterCropOrPad (or CenterCrop)
+        after = steps[pos + 1] if pos + 1 < len(steps) else None
+        if not (_part(after, "crop_or_pad") or isinstance(after, T.CenterCrop)):
+            fail(pos, "ResizeKeepRatio must be followed by RandomCropOrPad, CenterCropOrPad or CenterCrop")
+        place = timm_transforms.center_crop_cfg(after) if isinstance(after, T.CenterCrop) else after.cfg
         cfg["output"] = {"size": place["size"]}
         cfg["crop"] = dict(t.cfg, place=place["place"], pad=place["pad"])
         pos += 2

@@ -134,6 +134,13 @@ def _crop_or_pad(t, fail) -> dict:
     return {"size": [int(v) for v in t.size], "place": place, "pad": pad}
 
 
+def center_crop_cfg(t) -> dict:
+    """torchvision's CenterCrop after ResizeKeepRatio (timm's eval crop at a non-square size) as `_crop_or_pad`'s
+    settings: it pads with 0 and places the crop as CenterCropOrPad(fill=0) does (the same arithmetic)."""
+    size = [int(v) for v in t.size]
+    return {"size": size * 2 if len(size) == 1 else size, "place": "center", "pad": [0, 0, 0]}
+
+
 def _settings(ops, fail) -> dict:
     """The hparams every AugmentOp of one augmentation shares (timm builds them from one dict)."""
     first = ops[0]

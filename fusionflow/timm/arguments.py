@@ -97,6 +97,7 @@ class Built:
     loader: Any  # the FusionFlowLoader
     prep: Any  # BatchPrep or None
     sampler: Any  # the sampler timm would have built, or None
+    views: int = 1  # AugMix splits: without the prefetcher a batch is a list of one tensor per view, as timm's
 
 
 # FusionFlowLoader arguments create_loader derives from timm's, refused among its extra keywords (a policy given
@@ -168,8 +169,8 @@ def fast_mixup(collate_fn):
     return collate_fn if isinstance(collate_fn, FastCollateMixup) else None
 
 
-def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool):
-    """The policy of the transform timm's create_loader would set on the dataset."""
+def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool, decode: str = "fast"):
+    """The policy of the transform timm's create_loader would set on the dataset, decoding in `decode` mode."""
     from timm.data import create_transform
 
     from fusionflow.policy.from_torchvision import policy_from_transform
@@ -186,13 +187,24 @@ def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool):
 
         transform = T.Compose([t for part in transform for t in part.transforms])
     try:
-        policy = policy_from_transform(transform)
+        policy = policy_from_transform(transform, decode=decode)
     except ValueError as e:
         refused = re.search(r"transform \d+ \((\w+)", str(e))
         cause = CAUSES.get(refused.group(1)) if refused else None
         args = cause or ", ".join(f"{k}={v!r}" for k, v in kw.items() if v not in (None, 0, 0.0, False))
         refuse(args, f"timm's transform for these arguments is not expressible: {e}")
     return dataclasses.replace(policy, views=views) if views > 1 else policy
+
+
+def decode_mode(decode, a: TimmArguments) -> str:
+    """FusionFlow's `decode=` keyword: "fast" (DCT-scaled decoding, resized by faster filters) or "exact" (timm's
+    pixels: Pillow's decode and resize). None: fast for training, where augmentation dwarfs the difference, exact
+    for evaluation, whose accuracy is then timm's (a large shrink reads 33-50 dB from Pillow's in fast mode)."""
+    if decode is None:
+        return "fast" if a.is_training else "exact"
+    if decode not in ("fast", "exact"):
+        refuse(f"decode={decode!r}", "use 'fast' or 'exact' (None: fast for training, exact for evaluation)")
+    return decode
 
 
 def build_sampler(dataset, a: TimmArguments):
@@ -211,7 +223,7 @@ def build_sampler(dataset, a: TimmArguments):
 class WorkerSeeding:
     """timm's `worker_seeding` in a FusionFlow worker: 'all' seeds random, torch and numpy from the
     worker's seed (the loader's seed + worker id, as DataLoader's base seed + id), 'part' random and
-    torch only, a callable gets an object with `id`, `seed`, `num_workers` and returns the seed."""
+    torch only, a callable gets an object with `id`, `seed`, `num_workers`, `dataset` and returns the seed."""
 
     def __init__(self, mode, seed: int, num_workers: int, then=None):
         if not callable(mode) and mode not in ("all", "part"):
@@ -221,10 +233,12 @@ class WorkerSeeding:
 
     def __call__(self, worker_id: int) -> None:
         seed = (self.seed + worker_id) % 2**63
-        if callable(self.mode):
+        if callable(self.mode):  # timm passes torch's WorkerInfo: the dataset too (the worker's get_worker_info's)
             from types import SimpleNamespace
 
-            seed = self.mode(SimpleNamespace(id=worker_id, seed=seed, num_workers=self.num_workers))
+            info = torch.utils.data.get_worker_info()
+            dataset = info.dataset if info is not None else None
+            seed = self.mode(SimpleNamespace(id=worker_id, seed=seed, num_workers=self.num_workers, dataset=dataset))
         random.seed(seed)
         torch.manual_seed(seed)
         if self.mode != "part":
@@ -248,8 +262,11 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
             "on_error='skip'", "with num_aug_splits a skipped sample would leave its views misaligned (keep 'raise')"
         )
     device = torch.device(a.device) if a.use_prefetcher else torch.device("cpu")
-    on_device = device.type != "cpu"  # uint8 to the device, normalised there; on the CPU the workers normalise
-    policy = build_policy(a, views, normalize_in_workers=not on_device)
+    custom = fast_mixup(a.collate_fn) is None and not _is_plain(a.collate_fn)  # the script's collate_fn: uint8 in
+    # uint8 to the device, normalised there; on the CPU the workers normalise, unless a collate_fn of the script's
+    # own comes between (timm's gets uint8 samples and its prefetcher normalises the collated batch)
+    normalize_after = device.type != "cpu" or custom
+    policy = build_policy(a, views, not normalize_after, decode_mode(loader_kwargs.pop("decode", None), a))
     base = dataset.dataset if views > 1 else dataset
     samples = timm_samples(base)
     sampler = build_sampler(base, a)
@@ -267,7 +284,7 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
         policy=policy,
         device=device,
         seed=seed,
-        collate_fn=None if fast_mixup(a.collate_fn) is not None or _is_plain(a.collate_fn) else a.collate_fn,
+        collate_fn=a.collate_fn if custom else None,
     )
     kw.update(loader_kwargs)
     batching = dict(
@@ -287,12 +304,12 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
         inner = torch.utils.data.BatchSampler(order, a.batch_size, a.is_training)
         batching = dict(batch_sampler=SplitBatches(inner, views))
     loader = FusionFlowLoader(samples, **batching, **kw)
-    return Built(loader, _prep(a, device, on_device) if a.use_prefetcher else None, sampler)
+    return Built(loader, _prep(a, device, normalize_after) if a.use_prefetcher else None, sampler, views)
 
 
-def _prep(a: TimmArguments, device, on_device: bool):
-    """timm's prefetcher's work on each delivered batch: normalise (on the device, or only cast when the
-    workers normalised), FastCollateMixup's mixing, RandomErasing."""
+def _prep(a: TimmArguments, device, normalize: bool):
+    """timm's prefetcher's work on each delivered batch: normalise (`normalize`: uint8 delivered; else only a cast,
+    the workers normalised), FastCollateMixup's mixing, RandomErasing."""
     from fusionflow.timm.batch import BatchPrep
 
     img_dtype = torch.float16 if a.fp16 else (a.img_dtype or torch.float32)
@@ -302,7 +319,7 @@ def _prep(a: TimmArguments, device, on_device: bool):
         from timm.data.random_erasing import RandomErasing
 
         erasing = RandomErasing(re_prob, mode=a.re_mode, max_count=a.re_count, num_splits=kw_splits(a), device=device)
-    return BatchPrep(a.mean, a.std, img_dtype, device, on_device, fast_mixup(a.collate_fn), erasing)
+    return BatchPrep(a.mean, a.std, img_dtype, device, normalize, fast_mixup(a.collate_fn), erasing)
 
 
 def kw_splits(a: TimmArguments) -> int:

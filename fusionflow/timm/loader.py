@@ -25,7 +25,9 @@ FusionFlow cannot express, naming the argument):
 - `num_workers`, `pin_memory`, `persistent_workers`, `worker_seeding`: as timm's (the seeding applies
   to the workers' `random`/numpy/torch; FusionFlow's augmentation draws are its own, a function of
   (seed, epoch, index)); `use_multi_epochs_loader`: FusionFlow's workers outlive epochs anyway.
-Keyword arguments beyond timm's go to FusionFlowLoader (`seed=`, `accelerator=`, `timeout=`, ...), except those
+`decode=` (FusionFlow's): "fast" or "exact" decoding (fusionflow/timm/arguments.py decode_mode); by default fast for
+training and exact for evaluation (is_training=False: timm's pixels, so its accuracy is timm's).
+Other keyword arguments beyond timm's go to FusionFlowLoader (`seed=`, `accelerator=`, `timeout=`, ...), except those
 it derives from timm's (`policy`, `shuffle`, `drop_last`, `sampler`, `batch_sampler`): refused; a `worker_init_fn` runs
 after timm's worker seeding.
 """
@@ -98,21 +100,27 @@ def create_loader(
     becomes). Returns a TimmLoader: iterate it as timm's loader; `.fusionflow` is the FusionFlowLoader."""
     args = TimmArguments(**{k: v for k, v in locals().items() if k not in ("dataset", "loader_kwargs")})
     built = resolve(dataset, args, loader_kwargs)
-    return TimmLoader(built.loader, built.prep, dataset, built.sampler, batch_size)
+    return TimmLoader(built.loader, built.prep, dataset, built.sampler, batch_size, built.views)
 
 
 class TimmLoader:
     """What `create_loader` returns: timm's loader surface (`len`, iteration, `sampler`, `batch_sampler`,
     `dataset`, `mixup_enabled`) over a FusionFlowLoader (`.fusionflow`: stats, state_dict, traces)."""
 
-    def __init__(self, loader, prep, dataset, sampler, batch_size: int):
+    def __init__(self, loader, prep, dataset, sampler, batch_size: int, views: int = 1):
         self.fusionflow, self.prep, self.dataset, self._sampler = loader, prep, dataset, sampler
         self._batch_size = batch_size  # create_loader's (the FusionFlowLoader's is None beside its batch_sampler)
+        self.views = views  # AugMix splits: the batches hold each sample's views, view-major
 
     def __iter__(self):
-        prep = self.prep
+        prep, views = self.prep, self.views
         for images, targets in self.fusionflow:
-            yield prep(images, targets) if prep is not None else (images, targets)
+            if prep is not None:
+                yield prep(images, targets)
+            elif views > 1:  # timm's default_collate of AugMixDataset's tuples: one tensor a view, targets once
+                yield list(images.chunk(views)), targets[: len(targets) // views]
+            else:
+                yield images, targets
 
     def __len__(self) -> int:
         return len(self.fusionflow)
