@@ -152,3 +152,21 @@ def test_the_accelerator_declines_and_the_cpu_workers_deliver_every_sample(crop,
     with loader:
         seen = sorted(int(v) for _, y in loader for v in y)
     assert seen == list(range(24)) and loader.stats.accelerator_tiny_batches == 0
+
+
+def test_an_rgb_fill_for_geometric_ops_is_declined_when_built_not_at_the_first_epoch(caplog):
+    """DALI's geometric ops fill with one gray level: the loader declines the accelerator with its log line, as for
+    the filters; a DaliPolicyPipeline built directly refuses it."""
+    pytest.importorskip("nvidia.dali")
+    plain = load_policy("randaugment", size=32)
+    policy = dataclasses.replace(plain, augment=dataclasses.replace(plain.augment, fill=(10, 20, 30)))
+    with caplog.at_level(logging.WARNING, logger="fusionflow.loader"):
+        loader = FusionFlowLoader(Bytes(12), batch_size=6, num_workers=1, policy=policy, accelerator="dali-cpu")
+    said = [r.getMessage() for r in caplog.records if "declines policy" in r.getMessage()]
+    assert len(said) == 1 and "augment.fill [10, 20, 30]" in said[0] and loader.config.accelerator is None
+    with loader:
+        assert sorted(int(v) for _, y in loader for v in y) == list(range(12))
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+
+    with pytest.raises(ValueError, match=r"cannot run augment.fill \[10, 20, 30\]"):
+        DaliPolicyPipeline(policy, 4)

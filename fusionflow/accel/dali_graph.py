@@ -70,7 +70,6 @@ class DaliPolicyPipeline:
         why = dali_declines(self.policy)
         if why is not None:
             raise ValueError(f"{self.policy.source}: the DALI pipeline cannot run {why}; the CPU pipeline runs it")
-        _check_fill(self.policy)
         aug = self.policy.augment
         self.batch_size, self.device = batch_size, device
         self.op_names = op_names(self.policy)  # local op ids: 0 is Identity (empty slot), then the policy's ops
@@ -294,16 +293,6 @@ def _check_args(batch_size: int, device: str, device_id: int | None) -> None:
         raise ValueError("device='gpu' needs a device_id (the CUDA device index)")
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
-
-
-def _check_fill(policy: Policy) -> None:
-    """DALI's geometric ops fill with one gray level: an RGB fill is refused (Cutout alone may have one)."""
-    aug = policy.augment
-    if len(set(aug.fill)) != 1 and any(o.name != "Cutout" and o.range is not None for o in aug.ops):
-        raise ValueError(
-            f"{policy.source}: augment.fill {list(aug.fill)}: the DALI pipeline fills "
-            "geometric ops with one gray level; use a single value such as 128"
-        )
 
 
 def _policy_graph(policy: Policy, device: str, augment, layout: HostLayout):

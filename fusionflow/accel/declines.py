@@ -9,7 +9,8 @@ from fusionflow.policy.op_specs import OPS
 def dali_declines(policy) -> str | None:
     """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
     filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
-    none of timm's augmentations, AugMix's mixtures, ColorJitter, RandomGrayscale or the Hue op."""
+    none of timm's augmentations, AugMix's mixtures, ColorJitter, RandomGrayscale or the Hue op; its geometric
+    ops fill with one gray level."""
     if policy is None:
         return None
     if policy.blur is not None:
@@ -34,6 +35,9 @@ def dali_declines(policy) -> str | None:
         return "jitter (ColorJitter: its random order and Pillow's HSV hue are CPU-only)"
     if policy.grayscale > 0:
         return "grayscale (RandomGrayscale is CPU-only)"
+    aug = policy.augment
+    if len(set(aug.fill)) != 1 and any(o.name != "Cutout" and o.range is not None for o in aug.ops):
+        return f"augment.fill {list(aug.fill)} (DALI's geometric ops fill with one gray level; Cutout alone may not)"
     cpu_only = [o.name for o in policy.augment.ops if not OPS[o.name].dali]
     if cpu_only:
         return f"augment.ops {cpu_only} (no DALI implementation)"
