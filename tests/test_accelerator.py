@@ -803,3 +803,22 @@ def test_dalis_out_of_memory_inside_an_operator_is_told_from_a_decode_fault(mess
         assert type(caught.value).__name__ == kind and pipe.in_flight == 0  # the pipeline was discarded
     finally:
         pipe.close()
+
+
+def test_a_format_dali_does_not_decode_is_given_back_by_its_header_not_failed_in_a_run():
+    """A GIF sent to DALI failed its whole run (its neighbours to the CPU workers, a failure towards retirement);
+    its header now marks it unreadable for DALI, as bytes that are no image, so its tiny-batch goes back alone."""
+    import io
+
+    from PIL import Image
+
+    from fusionflow.accel.header_sizes import HeaderSizes
+
+    def encoded(fmt):
+        out = io.BytesIO()
+        Image.new("RGB", (30, 20), (9, 99, 199)).save(out, fmt)
+        return out.getvalue()
+
+    samples = [encoded("GIF"), encoded("PNG"), encoded("JPEG"), encoded("BMP"), b"no image"]
+    hw = HeaderSizes(5).many([0, 1, 2, 3, 4], samples)
+    assert hw.tolist() == [[0, 0], [20, 30], [20, 30], [20, 30], [0, 0]]

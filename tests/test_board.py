@@ -222,3 +222,31 @@ def test_waiting_on_a_shut_down_manager_fails_clearly_instead_of_hanging():
     mgr.shutdown()
     with pytest.raises(FusionFlowError, match="shut down during this iteration"):
         mgr.wait(0, gen, timeout=0)
+
+
+class InterruptedKind(ThreadKind):
+    """A kind whose stop is interrupted (a Ctrl-C in the accelerator's DALI shutdown) after it stopped its thread."""
+
+    def stop(self):
+        super().stop()
+        raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_in_a_kind_s_stop_still_ends_every_worker_and_the_ring_then_propagates():
+    """The manager's shutdown went no further than the raising kind, and marked itself closed first: the CPU
+    workers and the ring outlived it and no later close() could stop them (a helper's sweep: 4 of 49 Ctrl-Cs)."""
+    batches = [list(range(0, 8)), list(range(8, 16))]
+    mgr = _manager(Bytes(16), 2, batches)
+    first, later = InterruptedKind(mgr.board), ThreadKind(mgr.board)
+    for kind in (first, later):
+        mgr.board.add_worker_kind(kind)
+        kind.start()
+    _run_batches(mgr, batches)
+    procs = [w.process for w in mgr.pool.workers if w is not None]
+    assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.shutdown()
+    assert first.stops == later.stops == 1  # the kind registered before it was stopped too
+    assert not any(p.is_alive() for p in procs) and mgr.pool is None
+    assert mgr.board.ring.images is None and mgr.board.ring.fd is None  # unmapped, its descriptor closed
+    mgr.shutdown()  # idempotent

@@ -890,6 +890,19 @@ def test_workers_started_without_fork_map_the_unnamed_ring(method):
     assert np.array_equal(images[2][3].numpy(), CpuPipeline(SMALL)(ds.data[11], 11, seed=2, epoch=0))
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_workers_started_without_fork_stay_while_training_is_slow(method):
+    """A worker idle past its watchdog checks that the training process still runs; under forkserver its parent is
+    the fork server, and every idle worker took itself for an orphan, exited and was restarted (a helper's sweep)."""
+    loader = FusionFlowLoader(
+        Bytes(8), batch_size=4, num_workers=1, policy=SMALL, multiprocessing_context=method, persistent_workers=True
+    )
+    with loader:
+        for _ in loader:
+            time.sleep(1.5)  # a slow training step: the ring is full and the worker idles past WATCHDOG_S
+        assert loader.stats.worker_restarts == 0
+
+
 def test_pin_workers_is_checked():
     with pytest.raises(ValueError, match=r"pin_workers='yes' must be 'auto', True or False"):
         FusionFlowLoader(Bytes(8), batch_size=4, pin_workers="yes")

@@ -84,3 +84,52 @@ def test_a_ctrl_c_between_a_workers_start_and_its_record_leaves_no_process(pytho
     while mp.active_children() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not mp.active_children()
+
+
+def test_run_every_runs_each_step_whatever_an_earlier_one_raised_then_raises_the_first():
+    from fusionflow.runtime.procs import run_every
+
+    ran = []
+
+    def interrupted():
+        ran.append("a")
+        raise KeyboardInterrupt
+
+    def failing():
+        ran.append("b")
+        raise ValueError("second")
+
+    with pytest.raises(KeyboardInterrupt):
+        run_every(interrupted, failing, lambda: ran.append("c"))
+    assert ran == ["a", "b", "c"]
+    run_every()  # nothing to do
+
+
+class _Stubborn:
+    """A process that ignored its stop; its first join is interrupted (a Ctrl-C in the grace)."""
+
+    def __init__(self):
+        self.alive, self.joins, self.ended_by = True, 0, None
+
+    def join(self, timeout=None):
+        self.joins += 1
+        if self.joins == 1:
+            raise KeyboardInterrupt
+
+    def is_alive(self):
+        return self.alive
+
+    def terminate(self):
+        self.alive, self.ended_by = False, "terminate"
+
+    def kill(self):
+        self.alive, self.ended_by = False, "kill"
+
+
+def test_end_processes_interrupted_in_its_grace_still_ends_every_process():
+    from fusionflow.runtime.procs import end_processes
+
+    procs = [_Stubborn(), _Stubborn()]
+    with pytest.raises(KeyboardInterrupt):
+        end_processes(procs, grace=30.0)
+    assert [p.ended_by for p in procs] == ["terminate", "terminate"]

@@ -1,20 +1,19 @@
 """The accelerator worker: a thread in the training process feeding a prebuilt DALI pipeline the largest tiny-batches
 of the local manager's queue, each output written to its mini-batch position.
 
-A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via
-accel/share_feed.py), with up to MERGE_SHARES - 1 next shares that fit (on a GPU also taken ahead: `_borrowed`); up
-to `depth` runs are in flight (DaliAccelerator's runs_in_flight), collected in order. A mini-batch whose CPU side is
-late when training waits for it gets a tail run of its largest unstarted tiny-batches. Runs are read and drawn by
-helper processes (host_inputs.py, helper_reads.py; else read whole here: run_read.py), the bytes fed uncopied. CPU:
+A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via share_feed.py),
+with up to MERGE_SHARES - 1 next shares that fit (on a GPU also taken ahead: `_borrowed`); up to `depth` runs are in
+flight (DaliAccelerator's runs_in_flight), collected in order. A mini-batch whose CPU side is late when training waits
+for it gets a tail run of its largest unstarted tiny-batches. Runs are read and drawn by helper processes
+(host_inputs.py, helper_reads.py; else read whole here: run_read.py), the bytes fed uncopied. CPU:
 `accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds` of it), the helpers' `accelerator_inputs_cpu_seconds`.
 
-`device="gpu"`: nvJPEG and GPU ops into a device ring (`DeviceRing`) merged with the CPU workers' positions at
-delivery; `device="cpu"`: DALI's CPU backend into the host ring. What DALI cannot run (not encoded bytes, over
-decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing works only inside the prep window (one
-run in flight, after a blocking event of the training work queued before next()), `spatial` concurrently; with the
-bridge, DALI's memory is an arena lent once before a run. A worker kind (runtime/board.py). A failed run discards
-the pipeline (rebuilt next run) and the runs in flight go to the CPU workers; MAX_FAILURES in a row, an unbuildable
-pipeline, a run past the stall bound (`watch`) or a failure of the thread itself retire it.
+`device="gpu"`: nvJPEG and GPU ops into a device ring (`DeviceRing`), merged with the CPU workers' at delivery;
+`device="cpu"`: DALI's CPU backend into the host ring. What DALI cannot run (not encoded bytes, over decode.max_pixels,
+undecodable) goes back marked CPU-only. `temporal` sharing works only in the prep window (one run in flight, after a
+blocking event of the training work queued before next()), `spatial` concurrently; with the bridge, DALI's memory is an
+arena lent once before a run. A worker kind (runtime/board.py). A failed run drops the pipeline (rebuilt next run) and
+gives its runs in flight to the CPU workers; MAX_FAILURES in a row, an unbuildable pipeline or a stalled run retire it.
 """
 
 from __future__ import annotations
@@ -90,8 +89,7 @@ class AcceleratorWorker:
         self.window_open = False  # the loader's prep window (consulted while gated)
         # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
         self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers) if split is not None else None
-        # shares taken ahead on a shared device (a GPU): a run's fixed cost ~170 samples' work there, ~3 on the
-        self.borrow = split is not None and split.shares_device  # CPU backend (where idle CPU workers steal them)
+        self.borrow = split is not None and split.shares_device  # shares taken ahead on a GPU (a run's fixed cost)
         self.dims = HeaderSizes(len(dataset) if hasattr(dataset, "__len__") else 0)  # (height, width) per sample
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
         self._last_done = 0.0  # when the last run completed (its completion interval)
@@ -139,20 +137,22 @@ class AcceleratorWorker:
             self.board.cond.wait(0.05)
 
     def stop(self) -> None:
-        """Idempotent: the tiny-batch in flight finishes, the thread ends, the pipeline is closed."""
+        """Idempotent: the tiny-batch in flight finishes, the thread ends, the pipeline closes, the helpers end."""
         with self.board.cond:
             self._stop = True
             self.board.cond.notify_all()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout=10.0)
-        pipeline, self.pipeline = self.pipeline, None
-        if pipeline is not None:
-            if self._thread.is_alive() and self._thread is not threading.current_thread():  # stuck in a tiny-batch
+        other = self._thread is not threading.current_thread()
+        try:  # the input helpers end even if this raised (a Ctrl-C in DALI's shutdown left them running)
+            if self._thread.is_alive() and other:
+                self._thread.join(timeout=10.0)
+            pipeline, self.pipeline = self.pipeline, None
+            if pipeline is not None and self._thread.is_alive() and other:  # stuck in a tiny-batch
                 log.warning("the accelerator thread did not stop within 10 s; its DALI pipeline is left to the GC")
-            else:
+            elif pipeline is not None:
                 pipeline.close()
-        if self.inputs is not None:
-            self.inputs.close()
+        finally:
+            if self.inputs is not None:
+                self.inputs.close()
 
     def _retire(self, why: str) -> None:
         """Under board.cond: take no more work; the CPU workers get everything, reservations included."""

@@ -38,6 +38,7 @@ from fusionflow.accel.host_inputs import HostInputs, HostLayout, op_names
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.policy import Policy, load_policy
 from fusionflow.policy.op_specs import NUM_PARAMS
+from fusionflow.runtime.procs import interrupts_deferred
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,9 @@ class DaliPolicyPipeline:
 
     def _build(self):
         before = _thread_ids()
-        pipe = self._make()
-        pipe.build()
+        with interrupts_deferred():  # a Ctrl-C inside DALI's graph definition broke its pipeline stack (IndexError)
+            pipe = self._make()
+            pipe.build()
         if self.thread_nice:
             _lower_priority(_thread_ids() - before, self.thread_nice)
         # DALI 2.4's first schedule_run() runs `prefetch_queue_depth` iterations at once, for sources

@@ -37,6 +37,11 @@ class HeaderSizes:
         return hw
 
 
+# What DALI's image decoders read (Pillow's names): another format (a GIF) goes to the CPU workers, not into a DALI run
+# that fails whole, its neighbours with it, and counts towards the accelerator's retirement
+DALI_FORMATS = frozenset({"JPEG", "PNG", "BMP", "TIFF", "PPM", "JPEG2000", "WEBP"})
+
+
 def _header_sizes(data: list) -> np.ndarray:
     """(height, width) of each encoded image of `data`, (0, 0) where unreadable: the JPEGs among bytes objects
     in one native call (ops/jpeg.py `info_many`: a first epoch meets every sample, ~170 a run on a GPU), the
@@ -51,7 +56,8 @@ def _header_sizes(data: list) -> np.ndarray:
 
 
 def _header_size(data) -> tuple[int, int]:
-    """(height, width) from an encoded image's header, (0, 0) when it is not bytes or cannot be read."""
+    """(height, width) from an encoded image's header, (0, 0) when it is not bytes, cannot be read or is in a
+    format DALI does not decode."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         return 0, 0
     from fusionflow.ops import jpeg
@@ -62,10 +68,15 @@ def _header_size(data) -> tuple[int, int]:
             return height, width
         except jpeg.WindowDecodeError:
             pass
+    from fusionflow.ops.decode import open_encoded
+
     try:
-        return image_size(data)
-    except DecodeError:
+        with open_encoded(data, None) as img:
+            w, h = img.size
+            known = img.format in DALI_FORMATS
+    except Exception:  # Pillow raises several types for unreadable headers
         return 0, 0
+    return (h, w) if known else (0, 0)
 
 
 def image_size(data, what: str | None = None) -> tuple[int, int]:

@@ -35,6 +35,7 @@ import numpy as np
 from fusionflow.accel.helper_reads import HelperReader, HelperRun, ReadFailed, TargetsStayHome, byte_slots
 from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
+from fusionflow.runtime.procs import interrupts_deferred
 
 log = logging.getLogger(__name__)
 MAX_HELPERS = 4  # helper processes at most (a run's inputs cut into this many shares)
@@ -157,8 +158,9 @@ class InputHelper:
                         target=serve, args=(inputs, child, forked, reader, seed), name=f"fusionflow-dali-inputs-{k}"
                     )
                     proc.daemon = True
-                    proc.start()
-                    self._procs.append(proc)
+                    with interrupts_deferred():  # a Ctrl-C in the fork left a helper nobody joined (a zombie)
+                        proc.start()
+                        self._procs.append(proc)
                 finally:
                     child.close()
         except BaseException:
@@ -276,16 +278,18 @@ class InputHelper:
                 pass
             conn.close()
         deadline = time.monotonic() + timeout
-        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join()  # ended or killed: waitpid returns
-        for slots in [self.slots, *self._retired]:
-            if slots is not None:
-                slots.close()
-        self.slots, self._retired = None, []
+        try:
+            while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:  # interrupted too (a Ctrl-C in the wait): no helper left running, no segment left mapped
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join()  # ended or killed: waitpid returns
+            for slots in [self.slots, *self._retired]:
+                if slots is not None:
+                    slots.close()
+            self.slots, self._retired = None, []
 
 
 class HelperGone(RuntimeError):

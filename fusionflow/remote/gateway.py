@@ -36,6 +36,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.remote.pulse import ACTOR_SHARE, Pulse, call_deadline, find_raylet, running_mean
+from fusionflow.runtime.procs import parent_gone
 
 WATCHDOG_S = 0.5
 MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
@@ -136,7 +137,7 @@ class Gateway:
         while True:
             timeout = max(0.0, min(WATCHDOG_S, self._next_maintain - time.monotonic()))
             ready = mp_wait([self.conn, self._wake_r], timeout)
-            if os.getppid() != self.parent_pid:
+            if parent_gone(self.parent_pid):
                 return  # orphaned: the loader's process is gone
             if self.conn in ready:
                 while self.conn.poll():

@@ -43,6 +43,7 @@ import time
 from typing import Protocol, runtime_checkable
 
 from fusionflow.runtime.counters import RuntimeCounters
+from fusionflow.runtime.procs import run_every
 from fusionflow.scheduling.queue import TinyBatchQueue, Work
 
 
@@ -105,8 +106,7 @@ class Board:
         """Stop every registered kind (latest first) and forget them: they refer back to the board."""
         with self.cond:
             kinds, self.kinds, self._kinds_stopped = self.kinds, [], True
-        for kind in reversed(kinds):
-            kind.stop()
+        run_every(*(kind.stop for kind in reversed(kinds)))  # each stops, whatever an earlier one raised
 
     def watch_kinds(self, now: float) -> None:
         """(lock held; the manager thread, each turn) Each registered kind's `watch(now)`, where it has one:

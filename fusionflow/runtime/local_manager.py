@@ -62,6 +62,7 @@ from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, WorkerS
 from fusionflow.runtime import liveness
 from fusionflow.runtime.board import Board
 from fusionflow.runtime.counters import count_stuck_kill
+from fusionflow.runtime.procs import run_every
 from fusionflow.runtime.shm import BatchRing
 from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.runtime.worker_pool import PER_WORKER, WorkerPool
@@ -262,33 +263,35 @@ class LocalManager:
            tiny-batch and closes its DALI pipeline) and forget them; drop the loader's callbacks (they
            refer back to this manager, so no cycle outlives it).
         2. Stop the manager thread (wake it; it sees `_closed`) and join it.
-        3. Drop the pool and the agent (they refer back to the board), and the board's watch of
-           them. Lending agent, if any:
-           RETURN to guests, close their connections and the doorbell (their owners' workers go
+        3. Drop the pool and the agent (they refer back to the board), and the board's watch of them. Lending
+           agent, if any: RETURN to guests, close their connections and the doorbell (their owners' workers go
            home); leave the global manager's table (free the row, close the socket).
         4. Worker pool: STOP to every worker (a lent one stops too: its borrower requeues what it
            held); join each for up to 2 s; terminate() the rest, then kill(); close their pipes.
         5. Close the wake pipe; wait (host) for the last batch's copies out of the ring
            (`copy_event`, GPU delivery); unregister the ring from CUDA if registered; drop the
            ring's mapping and descriptor.
+        Each step runs even if an earlier one raised (a Ctrl-C in the accelerator's stop), which then propagates.
         """
         if self._closed:
             return
         self._closed = True
-        board = self.board
-        board.stop_worker_kinds()  # 1
-        board.on_batch_done = self.on_capacity_change = None
-        thread = self._thread  # 2
-        board.wake()
+        run_every(self.board.stop_worker_kinds, self._join_thread, self._close_pool, self._close_ring)  # 1, 2, 3-4, 5
+
+    def _join_thread(self) -> None:
+        self.board.on_batch_done = self.on_capacity_change = None
+        thread = self._thread
+        self.board.wake()
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout=5.0)  # (not alive: never started, its start interrupted; it sees _closed if it runs)
+
+    def _close_pool(self) -> None:
         agent, pool, self.agent, self.pool = self.agent, self.pool, None, None  # they refer back to the board
-        board.unwatch_stale()
-        if agent is not None:  # 3
-            agent.close()
-        if pool is not None:  # 4
-            pool.stop()
-        board.close_wake_pipe()  # 5
+        self.board.unwatch_stale()
+        run_every(*(step for step in (getattr(agent, "close", None), getattr(pool, "stop", None)) if step is not None))
+
+    def _close_ring(self) -> None:
+        (board := self.board).close_wake_pipe()
         event, self.copy_event = self.copy_event, None
         if event is not None:  # the last batch's copies out of the ring may still run: wait before unmapping
             event.synchronize()

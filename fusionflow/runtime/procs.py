@@ -12,6 +12,25 @@ import threading
 import time
 
 
+def run_every(*steps) -> None:
+    """Call each of `steps` in order even when an earlier one raised -- a Ctrl-C landing in one step of a
+    shutdown must not leave the later steps' processes and segments behind -- then raise the first error."""
+    first = None
+    for step in steps:
+        try:
+            step()
+        except BaseException as exc:  # KeyboardInterrupt included: the rest still runs, then it propagates
+            first = exc if first is None else first
+    if first is not None:
+        raise first
+
+
+def parent_gone(parent_pid: int) -> bool:
+    """In a process the training process (`parent_pid`) started: whether that process is gone. Its parent is the
+    training process under fork and spawn, a fork server under forkserver (the training process then only alive)."""
+    return os.getppid() != parent_pid and not pid_alive(parent_pid)
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs; False once it has exited, including as a zombie its parent has not
     reaped yet (it will never release anything again)."""
@@ -41,18 +60,20 @@ def is_stopped(pid: int) -> bool:
 
 
 def end_processes(processes, grace: float) -> None:
-    """Join `processes` (multiprocessing.Process, already asked to stop) for up to `grace` seconds in
-    all, then terminate() those still running, then kill(): each step waits up to 1 s."""
+    """Join `processes` (multiprocessing.Process, already asked to stop) for up to `grace` seconds in all,
+    then terminate() those still running, then kill(): each step waits up to 1 s (interrupted: at once)."""
     deadline = time.monotonic() + grace
-    for proc in processes:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
-            proc.join(timeout=1.0)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(timeout=1.0)
+    try:
+        for proc in processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    finally:  # interrupted too (a Ctrl-C in the grace): none is left running
+        for proc in processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=1.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=1.0)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from multiprocessing.connection import wait as mp_wait
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.gm.link import close_inherited, connect, set_receive_timeout
+from fusionflow.runtime.procs import parent_gone
 from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 
@@ -129,7 +130,7 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
 
 
 def _check_orphan(parent_pid: int) -> None:
-    if os.getppid() != parent_pid:
+    if parent_gone(parent_pid):  # (under forkserver the parent is the fork server: it used to stop every idle worker)
         raise _Orphaned
 
 

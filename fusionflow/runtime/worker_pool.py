@@ -35,7 +35,7 @@ from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_stuck_kill, count_worker_task
-from fusionflow.runtime.procs import end_processes, interrupts_deferred, opencv_quiet_for_fork
+from fusionflow.runtime.procs import end_processes, interrupts_deferred, opencv_quiet_for_fork, run_every
 from fusionflow.runtime.reruns import Reruns
 from fusionflow.runtime.shm import ChildFd, sigbus_error
 from fusionflow.runtime.spec import RuntimeSpec
@@ -187,12 +187,11 @@ class WorkerPool:
             return
         self._stopped = True
         workers = [w for w in self.workers if w is not None]
-        for w in workers:
-            w.send_stop()
-        end_processes([w.process for w in workers], STOP_GRACE_S)
-        for w in workers:
-            w.conn.close()
-        self.cores.release()
+        try:  # a Ctrl-C in any step still ends every worker, closes the pipes and releases the cores
+            run_every(*(w.send_stop for w in workers))
+        finally:
+            ends = [lambda: end_processes([w.process for w in workers], STOP_GRACE_S)]
+            run_every(*ends, *(w.conn.close for w in workers), self.cores.release)
 
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
