@@ -150,6 +150,8 @@ def loader_main(args) -> None:
     for name in recipes:
         training = not args.eval
         recipe = dict(RECIPES[name], is_training=training, num_workers=args.workers, device=torch.device(args.device))
+        if args.eval:  # timm's evaluation: its default filter (it has no random one), the recipe's augmentation unused
+            recipe["interpolation"] = "bilinear"
 
         def build(make, **more):
             ds = create_dataset("", root=root, split="train", is_training=training)
@@ -181,7 +183,7 @@ def loader_main(args) -> None:
                     loaders[k].close()
         rate = {k: 1 / statistics.median(v) for k, v in secs.items()}
         results[name] = {
-            "recipe": RECIPES[name],
+            "recipe": {k: v for k, v in recipe.items() if k in RECIPES[name]},  # as run (--eval: bilinear)
             "img_per_s": rate,
             "ratio": rate["fusionflow"] / rate["timm"],
             "img_per_s_per_repeat": {k: [1 / s for s in v] for k, v in secs.items()},
