@@ -39,7 +39,7 @@ class HeaderSizes:
 
 # What DALI's image decoders read (Pillow's names): another format (a GIF) goes to the CPU workers, not into a DALI run
 # that fails whole, its neighbours with it, and counts towards the accelerator's retirement
-DALI_FORMATS = frozenset({"JPEG", "PNG", "BMP", "TIFF", "PPM", "JPEG2000", "WEBP"})
+DALI_FORMATS = frozenset({"JPEG", "MPO", "PNG", "BMP", "TIFF", "PPM", "JPEG2000", "WEBP"})  # MPO: a camera's JPEG
 
 
 def _header_sizes(data: list) -> np.ndarray:

@@ -27,7 +27,8 @@ def run_every(*steps) -> None:
 
 def parent_gone(parent_pid: int) -> bool:
     """In a process the training process (`parent_pid`) started: whether that process is gone. Its parent is the
-    training process under fork and spawn, a fork server under forkserver (the training process then only alive)."""
+    training process under fork and spawn; under forkserver it is the fork server, so the training process is
+    looked up by its pid."""
     return os.getppid() != parent_pid and not pid_alive(parent_pid)
 
 

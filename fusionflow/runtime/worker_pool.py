@@ -22,6 +22,7 @@ lending agent (runtime/gm/agent.py), but get tasks and report completions here l
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -190,8 +191,8 @@ class WorkerPool:
         try:  # a Ctrl-C in any step still ends every worker, closes the pipes and releases the cores
             run_every(*(w.send_stop for w in workers))
         finally:
-            ends = [lambda: end_processes([w.process for w in workers], STOP_GRACE_S)]
-            run_every(*ends, *(w.conn.close for w in workers), self.cores.release)
+            end = functools.partial(end_processes, [w.process for w in workers], STOP_GRACE_S)
+            run_every(end, *(w.conn.close for w in workers), self.cores.release)
 
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
