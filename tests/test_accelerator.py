@@ -822,3 +822,29 @@ def test_a_format_dali_does_not_decode_is_given_back_by_its_header_not_failed_in
     samples = [encoded("GIF"), encoded("PNG"), encoded("JPEG"), encoded("BMP"), b"no image"]
     hw = HeaderSizes(5).many([0, 1, 2, 3, 4], samples)
     assert hw.tolist() == [[0, 0], [20, 30], [20, 30], [20, 30], [0, 0]]
+
+
+class MissingFiles(Bytes):
+    """Bytes whose reads of some indices raise, as a dataset with a few missing files."""
+
+    def __init__(self, n, missing):
+        super().__init__(n)
+        self.missing = set(missing)
+
+    def __getitem__(self, i):
+        if i in self.missing:
+            raise FileNotFoundError(f"/data/img_{i}.jpg")
+        return super().__getitem__(i)
+
+
+def test_a_few_unreadable_samples_are_skipped_by_the_cpu_workers_and_never_retire_dali():
+    """Each mini-batch holds an unreadable sample: its read failed the accelerator's whole run (four in a row
+    retired it). Now its tiny-batch goes to the CPU workers, which skip it as on_error says, and DALI goes on."""
+    missing = {1, 14, 27, 40, 53}
+    ld = loader(MissingFiles(60, missing), on_error="skip", persistent_workers=True)
+    with ld, pytest.warns(UserWarning, match="on_error='skip'"):
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            _, labels = collect(ld)
+            assert sorted(i for y in labels for i in y.tolist()) == [i for i in range(60) if i not in missing]
+        assert ld.stats.accelerator_retired is None and ld.stats.accelerator_tiny_batches > 0

@@ -73,10 +73,42 @@ def test_tiny_batches_over_the_pixel_limit_or_unreadable_are_given_back_whole():
 
 
 @pytest.mark.parametrize("item", [{"image": b"x", "label": 1}, (b"x",), "ab"])
-def test_an_item_that_is_not_a_sample_target_pair_is_refused_naming_its_index(item):
+def test_an_item_that_is_not_a_sample_target_pair_goes_back_for_the_cpu_workers_to_refuse(item):
+    """Given back with its tiny-batch (the CPU workers refuse it naming its index: test_loader), never a failed run."""
     items = [(JPEGS[0], 0), item, (JPEGS[2], 2)]
-    with pytest.raises((TypeError, ValueError), match="1"):
-        read_run(OneByOne(items), works_of([0, 1, 2], per=3), HeaderSizes(3), None)
+    works = works_of([0, 1, 2], per=1)
+    read = read_run(OneByOne(items), works, HeaderSizes(3), None)
+    assert read.given_back == [works[1]] and read.runnable == [works[0], works[2]] and read.unreadable
+    assert read.samples == [JPEGS[0], JPEGS[2]] and read.labels == [0, 2]
+
+
+class Raising(OneByOne):
+    """A dataset whose read of some indices raises (a missing file), by the batched read too."""
+
+    def __init__(self, items, bad):
+        super().__init__(items)
+        self.bad = bad
+
+    def __getitem__(self, i):
+        if i in self.bad:
+            raise FileNotFoundError(f"sample {i}")
+        return super().__getitem__(i)
+
+    def __getitems__(self, indices):
+        return [self[i] for i in indices]
+
+
+def test_a_sample_the_dataset_cannot_read_gives_back_its_tiny_batch_only():
+    """A run's read that raised failed the whole run, counted towards the accelerator's retirement: with a few
+    bad files among many (on_error='skip') DALI retired. Now its tiny-batch goes back, the rest run."""
+    items = [(d, i) for i, d in enumerate(JPEGS)]
+    works = works_of(list(range(6)), per=2)
+    read = read_run(Raising(items, {3}), works, HeaderSizes(len(items)), None)
+    assert read.given_back == [works[1]] and read.runnable == [works[0], works[2]] and read.unreadable
+    assert read.labels == [0, 1, 4, 5] and read.samples == [JPEGS[i] for i in (0, 1, 4, 5)]
+    assert len(read.sizes) == 4
+    whole = read_run(Raising(items, {9}), works, HeaderSizes(len(items)), None)
+    assert not whole.given_back and not whole.unreadable
 
 
 def test_header_sizes_are_read_once_then_gathered():

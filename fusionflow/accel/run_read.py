@@ -10,9 +10,9 @@ run's size (tests/test_run_read.py counts them):
   * (sample, target) pairs checked and split with C-level calls (`map`, `zip`);
   * sizes looked up in one gather (a header is read only the first time a sample is met);
   * the pixel limit checked as one array comparison, per tiny-batch with `reduceat`.
-Anything unusual -- an item that is not a (sample, target) pair, a header that cannot be read, a
-sample over the limit -- takes the per-tiny-batch path, whose tiny-batches are given back to the CPU
-workers (they report the sample precisely) or raise as before.
+Anything unusual -- a read that raises, an item that is not a (sample, target) pair, a header that cannot be
+read, a sample over the limit -- takes the per-tiny-batch path, whose tiny-batches are given back to the CPU
+workers (they report the sample precisely), never counted as a failed DALI run.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class RunRead:
     given_back: list = field(default_factory=list)
     columns: list | None = None  # the runnable samples' host inputs, when the helpers made them with the read
     keep: object = None  # what DALI's pipeline holds while it may read the samples (helper_reads.Slot)
+    unreadable: bool = False  # a sample's read raised here (its tiny-batch given back): the dataset's failure
 
 
 def read_items(dataset, indices: list) -> list:
@@ -66,8 +67,31 @@ def read_run(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
     HeaderSizes; a tiny-batch with a sample whose header cannot be read (not encoded bytes, or not
     an image) or over `max_pixels` is given back whole."""
     indices = [i for w in group for i in w.indices]
-    samples, labels = pairs(read_items(dataset, indices), indices)
+    try:
+        samples, labels = pairs(read_items(dataset, indices), indices)
+    except Exception:  # a sample the dataset cannot read: not a failed DALI run (a few bad files retired DALI)
+        return read_each(dataset, group, dims, max_pixels)
     return runnable(group, samples, labels, dims.many(indices, samples), max_pixels)
+
+
+def read_each(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
+    """`read_run` tiny-batch by tiny-batch, after the run's read raised: a tiny-batch whose read raises is given
+    back to the CPU workers, which report its sample as on_error says (or skip it), the rest run."""
+    ok, back, samples, labels = [], [], [], []
+    for work in group:
+        try:
+            got = pairs(read_items(dataset, list(work.indices)), list(work.indices))
+        except Exception:
+            back.append(work)
+            continue
+        ok.append(work)
+        samples += got[0]
+        labels += got[1]
+    indices = [i for w in ok for i in w.indices]
+    read = runnable(ok, samples, labels, dims.many(indices, samples), max_pixels) if ok else RunRead(sizes=[])
+    read.given_back += back
+    read.unreadable = bool(back)
+    return read
 
 
 def runnable(group: list, samples: list, labels: list, hw: np.ndarray, max_pixels: int | None, columns=None) -> RunRead:
@@ -111,6 +135,9 @@ def read_by_helpers(helper, dataset, group: list, max_pixels: int | None, seed: 
         try:
             for k, sample in zip(got.unplaced, pairs(read_items(dataset, more), more)[0]):
                 got.samples[k] = sample
+        except Exception:  # a sample the dataset cannot read: the caller reads the run tiny-batch by tiny-batch
+            got.slot.release()
+            return None
         except BaseException:
             got.slot.release()  # now, not when the traceback goes
             raise
@@ -120,12 +147,14 @@ def read_by_helpers(helper, dataset, group: list, max_pixels: int | None, seed: 
 
 
 def read_for_run(helper, dataset, group: list, dims, max_pixels: int | None, seed: int) -> RunRead:
-    """`group` read by the input helpers where they read it (`read_by_helpers`), else here (`read_run`, which raises
-    what the dataset raises); a run the helpers failed and this process read is theirs (InputHelper.read_here)."""
+    """`group` read by the input helpers where they read it (`read_by_helpers`), else here (`read_run`: a tiny-batch
+    the dataset cannot read is given back); a run the helpers failed and this process read whole is theirs
+    (InputHelper.read_here)."""
     if helper is None:
         return read_run(dataset, group, dims, max_pixels)
     read = read_by_helpers(helper, dataset, group, max_pixels, seed)
     if read is None:
         read = read_run(dataset, group, dims, max_pixels)
-        helper.read_here()
+        if not read.unreadable:  # else the helpers' failure (if any) was the dataset's: not counted against them
+            helper.read_here()
     return read
