@@ -189,6 +189,23 @@ def test_warm_pixels_equal_cold_ones_from_a_shared_cache():
     b.close()
 
 
+def test_a_forked_process_reads_no_stats_from_the_parent_s_unmapped_cache():
+    """The segment is mapped MADV_DONTFORK: a fork's copy of loader.stats read the parent's rows there (SIGSEGV
+    at stats.reset() or stats.cache); it now reports no cache counts until the child starts its own."""
+    loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, seed=5, cache=cache())
+    epochs(loader, 1)
+    pid = os.fork()
+    if pid == 0:  # the child: touch the stats, then leave without running any exit handler
+        try:
+            loader.stats.reset()
+            os._exit(0 if loader.stats.cache is not None else 3)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    loader.close()
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+
+
 def test_a_small_budget_keeps_part_and_loses_nothing():
     loader = FusionFlowLoader(
         Indexed(images=LARGER), batch_size=8, num_workers=2, policy=SMALL, cache=cache(size="1MiB", max_side=160)

@@ -395,3 +395,23 @@ def test_wids_and_hugging_face_datasets_through_sample_keys(folder, shards, tmp_
     decoded = wids.ShardListDataset(spec, cache_dir=str(tmp_path / "wids2"))  # its default: PIL images, int targets
     labels = [int(v) for _, y in FusionFlowLoader(decoded, sample_keys=("jpg", "cls"), **kw) for v in y]
     assert labels == [int(v) for _, y in want for v in y]
+
+
+def test_the_cache_fingerprint_is_the_same_in_another_process_and_moves_with_the_shards(shards, tmp_path):
+    """The decoded-image cache finds its segment by this fingerprint: a pickle's hash held the process id, so no
+    two processes (DDP ranks, co-located jobs) shared one cache of the same shards."""
+    import subprocess
+    import sys
+
+    from fusionflow.cache.attach import fingerprint
+
+    ds = TarShards(shards)
+    code = (
+        "from fusionflow import TarShards; from fusionflow.cache.attach import fingerprint; "
+        f"print(fingerprint(TarShards({shards!r})))"
+    )
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert fingerprint(ds) == other and fingerprint(pickle.loads(pickle.dumps(ds))) == other
+    first = ds.shards[0]
+    os.utime(first, ns=(time.time_ns(), time.time_ns() + 10**9))  # rewritten: its modification time moves
+    assert fingerprint(TarShards(shards)) != other

@@ -108,7 +108,7 @@ class CacheAttachment:
     def __init__(self, store: CacheStore, link, workers: int, spec: DecodedCache, crop_size=None):
         """`crop_size`: the policy's output size when crops are reused (its crop store is made here)."""
         self.store, self.link, self.fill_share, self.crops = store, link, spec.fill_share, None
-        self.rows, self._reader = [], None
+        self.rows, self._reader, self._pid = [], None, os.getpid()  # the mapping is not inherited by a fork
         self.pacer = FillPacer() if spec.fill_share == "auto" else None
         self._owned = [store.fd] + ([link.conn.fileno()] if link is not None else [])
         for fd in self._owned:  # forked workers (of any loader) close them: they must not keep this cache alive
@@ -177,8 +177,9 @@ class CacheAttachment:
         return self.link.keeper_pid if self.link is not None else None
 
     def counts(self) -> dict | None:
-        """This loader's counters and the cache's size; None once closed."""
-        return self.store.counts(self.rows) if self.store is not None else None
+        """This loader's counters and the cache's size; None once closed, and in a forked process (the segment is
+        mapped MADV_DONTFORK: reading the parent's rows there crashed it with SIGSEGV)."""
+        return self.store.counts(self.rows) if self.store is not None and self._pid == os.getpid() else None
 
     def close(self) -> None:
         store, self.store = self.store, None
