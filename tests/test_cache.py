@@ -637,3 +637,26 @@ def test_reuse_crop_epochs_is_checked():
         DecodedCache("1GB", reuse_crop_epochs=0)
     with pytest.raises(ValueError, match="Deep AutoAugment's crops"):
         FusionFlowLoader(Indexed(), batch_size=4, policy="deepaa", cache=DecodedCache("1GB", reuse_crop_epochs=2))
+
+
+def test_an_image_folder_s_fingerprint_moves_when_a_file_is_rewritten_at_the_same_length(tmp_path):
+    """The cache is found by this fingerprint: with paths and sizes only, a file replaced by another image of the
+    same length was served from the old one's entry (a helper's sweep)."""
+    from fusionflow import ImageFolder
+    from fusionflow.cache.attach import fingerprint
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), 2, 3, min_side=40, max_side=80, seed=3)
+    ds = ImageFolder(root)
+    same = ImageFolder(root)
+    assert (
+        fingerprint(ds)
+        == fingerprint(same)
+        == fingerprint(ImageFolder.of_samples(root, zip(ds.paths, ds.targets), ds.classes))
+    )
+    with open(ds.paths[0], "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(data[:-1] + bytes([data[-1] ^ 1]))  # the same length, other bytes
+    os.utime(ds.paths[0], ns=(time.time_ns(), os.stat(ds.paths[0]).st_mtime_ns + 10**9))
+    assert fingerprint(ImageFolder(root)) != fingerprint(ds)

@@ -6,6 +6,7 @@ bytes. `sizes` lets the loader sort tiny-batches by encoded size without reading
 
 from __future__ import annotations
 
+import hashlib
 import os
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
@@ -29,6 +30,7 @@ class ImageFolder:
         self.paths: list[str] = []
         self.targets: list[int] = []
         self.sizes: list[int] = []
+        stats = []  # what the files held at the scan: `fingerprint`
         exts = tuple(e.lower() for e in extensions)
         for c in self.classes:
             entries = sorted(
@@ -36,22 +38,34 @@ class ImageFolder:
                 key=lambda e: e.name,
             )
             for e in entries:
+                stats.append(e.stat())
                 self.paths.append(e.path)
                 self.targets.append(self.class_to_idx[c])
-                self.sizes.append(e.stat().st_size)
+                self.sizes.append(stats[-1].st_size)
         if not self.paths:
             raise ValueError(f"ImageFolder root {root!r} holds no files ending in {', '.join(exts)}")
+        self._content = _content_of(self.paths, stats, self.targets)
 
     @classmethod
     def of_samples(cls, root: str, samples, classes) -> ImageFolder:
         """The reader of a list of (path, class index), e.g. torchvision's `ImageFolder.samples`, in its order."""
-        self = cls.__new__(cls)
+        self, samples = cls.__new__(cls), list(samples)  # (an iterator is read once)
         self.root, self.classes = root, list(classes)
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.paths = [os.fspath(p) for p, _ in samples]
         self.targets = [int(t) for _, t in samples]
-        self.sizes = [os.stat(p).st_size for p in self.paths]
+        stats = [os.stat(p) for p in self.paths]
+        self.sizes = [st.st_size for st in stats]
+        self._content = _content_of(self.paths, stats, self.targets)
         return self
+
+    def fingerprint(self) -> str:
+        """What identifies these samples across processes (the decoded-image cache's key): every file's path, size,
+        modification time and class, as scanned. A file rewritten since, even at the same length, makes another."""
+        content = getattr(self, "_content", None)  # (a subclass that skipped the scan: its files read now)
+        if content is None:
+            content = _content_of(self.paths, [os.stat(p) for p in self.paths], self.targets)
+        return f"{len(self.paths)}:{content}"
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -62,3 +76,11 @@ class ImageFolder:
 
     def describe(self, index: int) -> str:
         return self.paths[index]
+
+
+def _content_of(paths, stats, targets) -> str:
+    """A digest of every file's path, size, modification time and class."""
+    content = hashlib.sha256()
+    for path, st, target in zip(paths, stats, targets):
+        content.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n".encode())
+    return content.hexdigest()
