@@ -80,7 +80,5 @@ class ImageFolder:
 
 def _content_of(paths, stats, targets) -> str:
     """A digest of every file's path, size, modification time and class."""
-    content = hashlib.sha256()
-    for path, st, target in zip(paths, stats, targets):
-        content.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n".encode())
-    return content.hexdigest()
+    lines = [f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n" for path, st, target in zip(paths, stats, targets)]
+    return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
