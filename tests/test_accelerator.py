@@ -848,3 +848,33 @@ def test_a_few_unreadable_samples_are_skipped_by_the_cpu_workers_and_never_retir
             _, labels = collect(ld)
             assert sorted(i for y in labels for i in y.tolist()) == [i for i in range(60) if i not in missing]
         assert ld.stats.accelerator_retired is None and ld.stats.accelerator_tiny_batches > 0
+
+
+_IN_A_WORKER = []  # set by the workers' worker_init_fn (each worker process its own copy)
+
+
+def _opened_in_the_worker(worker_id):
+    _IN_A_WORKER.append(worker_id)
+
+
+class WorkersOnly(Bytes):
+    """A dataset readable only where worker_init_fn opened it (an h5py / LMDB handle opened per worker): the
+    training process, where the accelerator reads its runs, and the input helpers cannot read it."""
+
+    def __getitem__(self, i):
+        if not _IN_A_WORKER:
+            raise RuntimeError("the handle is opened in worker_init_fn")
+        return super().__getitem__(i)
+
+
+def test_a_dataset_the_accelerator_can_never_read_retires_it_and_the_cpu_workers_deliver_everything():
+    """A run none of whose tiny-batches could be read counts as a failed run: unreadable everywhere but in the
+    workers, the accelerator retires instead of taking, reading and giving back each mini-batch's share forever."""
+    ld = loader(WorkersOnly(36), worker_init_fn=_opened_in_the_worker, persistent_workers=True)
+    with ld:
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            _, labels = collect(ld)
+            assert sorted(i for y in labels for i in y.tolist()) == list(range(36))
+        assert "in a row failed" in (ld.stats.accelerator_retired or "")
+        assert ld.stats.accelerator_tiny_batches == 0

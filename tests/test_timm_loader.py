@@ -129,6 +129,18 @@ def test_aug_splits_without_the_prefetcher_are_a_list_of_views_as_timm_s_default
     assert y.shape == ty.shape == (4,)
 
 
+def test_aug_splits_with_a_collate_fn_of_the_script_s_own_are_refused_naming_it(folder):
+    """timm's collate_fn gets a tuple of views per sample; FusionFlow delivers each view as a sample, so a script's
+    own collate_fn would see another structure (and the list of views was cut from what it returned)."""
+
+    def my_collate(batch):
+        return batch
+
+    kw = dict(is_training=True, auto_augment="augmix-m3-w3", num_aug_splits=2, use_prefetcher=False, device=CPU)
+    with pytest.raises(ValueError, match=r"collate_fn=...\): with num_aug_splits"):
+        create_loader(AugMixDataset(train_dataset(folder), num_splits=2), SIZE, 4, collate_fn=my_collate, **kw)
+
+
 def test_views_share_the_crop_and_the_first_is_clean(folder):
     ds = AugMixDataset(train_dataset(folder), num_splits=3)
     loader = create_loader(

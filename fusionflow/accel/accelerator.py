@@ -257,7 +257,7 @@ class AcceleratorWorker:
         clock.mark("read", group[0].seq, len(samples))
         if given_back:
             with board.cond:
-                self._account([], given_back, None, 0)
+                self._account([], given_back, False if r.unreadable and not runnable else None, 0)  # none read: failed
         if not runnable:
             with board.cond:
                 self._active.remove(next(e for e in self._active if e[0] is group))

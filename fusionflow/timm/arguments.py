@@ -151,6 +151,12 @@ def check(dataset, a: TimmArguments) -> int:
     mixup = fast_mixup(a.collate_fn)
     if mixup is not None and "half" in mixup.mode:
         refuse("collate_fn=FastCollateMixup(mode='half')", "mode 'half' is not supported; use 'elem'")
+    if a.num_aug_splits and mixup is None and not _is_plain(a.collate_fn):
+        refuse(
+            "collate_fn=...",
+            "with num_aug_splits FusionFlow delivers each view as a sample, where timm's collate_fn gets a tuple of "
+            "views per sample: leave collate_fn unset (timm's fast collate or default_collate)",
+        )
     if mixup is not None and a.num_aug_splits:
         refuse("collate_fn=FastCollateMixup", "with num_aug_splits: not defined by timm either (train.py asserts)")
     if mixup is not None and not a.use_prefetcher:
