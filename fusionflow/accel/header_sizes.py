@@ -68,24 +68,25 @@ def _header_size(data) -> tuple[int, int]:
             return height, width
         except jpeg.WindowDecodeError:
             pass
-    from fusionflow.ops.decode import open_encoded
-
     try:
-        with open_encoded(data, None) as img:
-            w, h = img.size
-            known = img.format in DALI_FORMATS
-    except Exception:  # Pillow raises several types for unreadable headers
+        h, w, fmt = _pillow_header(data, None)
+    except DecodeError:
         return 0, 0
-    return (h, w) if known else (0, 0)
+    return (h, w) if fmt in DALI_FORMATS else (0, 0)
 
 
 def image_size(data, what: str | None = None) -> tuple[int, int]:
     """(height, width) from an encoded image's header, without decoding it."""
+    return _pillow_header(data, what)[:2]
+
+
+def _pillow_header(data, what) -> tuple[int, int, str | None]:
+    """(height, width, Pillow's format name) from the header, or DecodeError."""
     from fusionflow.ops.decode import open_encoded
 
     try:
         with open_encoded(data, what) as img:  # Pillow's bomb warning silenced: the policy's limit governs
             w, h = img.size
+            return h, w, img.format
     except Exception as exc:  # Pillow raises several types for unreadable headers
         raise DecodeError(f"cannot read the image header of {len(data)} bytes: {exc}", what) from exc
-    return h, w

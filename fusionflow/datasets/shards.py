@@ -199,8 +199,6 @@ class TarShards:
         """What identifies these samples across processes (the decoded-image cache's key): the shards' paths, sizes
         and modification times, the keys read and the samples' places; not the process that opened them (a
         pickle's hash held its pid, so no two processes shared a cache)."""
-        import hashlib
-
         stats = [(p, st.st_size, st.st_mtime_ns) for p in self.shards for st in [os.stat(p)]]
         what = repr((stats, self.image_keys, self.target_keys, self._where, self._targets)).encode()
         return f"{len(self)}:{hashlib.sha256(what).hexdigest()}"

@@ -188,11 +188,9 @@ class WorkerPool:
             return
         self._stopped = True
         workers = [w for w in self.workers if w is not None]
-        try:  # a Ctrl-C in any step still ends every worker, closes the pipes and releases the cores
-            run_every(*(w.send_stop for w in workers))
-        finally:
-            end = functools.partial(end_processes, [w.process for w in workers], STOP_GRACE_S)
-            run_every(end, *(w.conn.close for w in workers), self.cores.release)
+        end = functools.partial(end_processes, [w.process for w in workers], STOP_GRACE_S)
+        # a Ctrl-C in any step still ends every worker, closes the pipes and releases the cores
+        run_every(*(w.send_stop for w in workers), end, *(w.conn.close for w in workers), self.cores.release)
 
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
