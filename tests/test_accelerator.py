@@ -877,4 +877,28 @@ def test_a_dataset_the_accelerator_can_never_read_retires_it_and_the_cpu_workers
             _, labels = collect(ld)
             assert sorted(i for y in labels for i in y.tolist()) == list(range(36))
         assert "in a row failed" in (ld.stats.accelerator_retired or "")
+        assert "opened in worker_init_fn" in ld.stats.accelerator_retired  # the last failure, named
         assert ld.stats.accelerator_tiny_batches == 0
+
+
+class TruncatedEven(SlowInCpuWorkers):
+    """Even samples cut in half: a valid header (so DALI is given them), a decode that fails on both sides."""
+
+    def __getitem__(self, i):
+        data, label = super().__getitem__(i)
+        return (data[: len(data) // 2] if i % 2 == 0 else data), label
+
+
+def test_failed_runs_rebuild_the_pipeline_counted_and_the_retirement_names_the_last_failure():
+    """Each failed DALI run discards the pipeline and the next run rebuilds it: the rebuilds are builds in the
+    stats, and the retirement after MAX_FAILURES says what the last failure was."""
+    from fusionflow.accel import accelerator as acc
+
+    ld = loader(TruncatedEven(48), on_error="skip", timeout=120)
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        _, labels = collect(ld)
+    assert sorted(i for y in labels for i in y.tolist()) == list(range(1, 48, 2))
+    s = ld.stats
+    assert s.accelerator_runs == 0 and s.accelerator_retired.startswith(f"{acc.MAX_FAILURES} DALI runs in a row")
+    assert "likely corrupt" in s.accelerator_retired
+    assert s.accelerator_builds == acc.MAX_FAILURES  # the ahead-of-time build, then one after each failure but the last

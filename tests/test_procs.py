@@ -86,7 +86,8 @@ def test_a_ctrl_c_between_a_workers_start_and_its_record_leaves_no_process(pytho
     assert not mp.active_children()
 
 
-def test_run_every_runs_each_step_whatever_an_earlier_one_raised_then_raises_the_first():
+def test_run_every_runs_each_step_whatever_an_earlier_one_raised_then_raises_the_first(caplog):
+    """...and logs a later step's error, which would otherwise be lost (a second Ctrl-C is not logged)."""
     from fusionflow.runtime.procs import run_every
 
     ran = []
@@ -99,9 +100,11 @@ def test_run_every_runs_each_step_whatever_an_earlier_one_raised_then_raises_the
         ran.append("b")
         raise ValueError("second")
 
-    with pytest.raises(KeyboardInterrupt):
-        run_every(interrupted, failing, lambda: ran.append("c"))
-    assert ran == ["a", "b", "c"]
+    with pytest.raises(KeyboardInterrupt), caplog.at_level("ERROR", logger="fusionflow.runtime.procs"):
+        run_every(interrupted, failing, interrupted, lambda: ran.append("c"))
+    assert ran == ["a", "b", "a", "c"]
+    logged = [r for r in caplog.records if r.name == "fusionflow.runtime.procs"]
+    assert len(logged) == 1 and "second" in str(logged[0].exc_info[1])
     run_every()  # nothing to do
 
 

@@ -4,20 +4,20 @@ of the local manager's queue, each output written to its mini-batch position.
 A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via share_feed.py),
 with up to MERGE_SHARES - 1 next shares that fit (on a GPU also taken ahead: `_borrowed`); up to `depth` runs are in
 flight (DaliAccelerator's runs_in_flight), collected in order. A mini-batch whose CPU side is late when training waits
-for it gets a tail run of its largest unstarted tiny-batches. Runs are read and drawn by helper processes
-(host_inputs.py, helper_reads.py; else read whole here: run_read.py), the bytes fed uncopied. CPU:
-`accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds` of it), the helpers' `accelerator_inputs_cpu_seconds`.
-
-`device="gpu"`: nvJPEG and GPU ops into a device ring (`DeviceRing`), merged with the CPU workers' at delivery;
-`device="cpu"`: DALI's CPU backend into the host ring. What DALI cannot run (not encoded bytes, over decode.max_pixels,
-undecodable) goes back marked CPU-only. `temporal` sharing works only in the prep window (one run in flight, after a
-blocking event of the training work queued before next()), `spatial` concurrently; with the bridge, DALI's memory is an
-arena lent once before a run. A worker kind (runtime/board.py). A failed run drops the pipeline (rebuilt next run) and
-gives its runs in flight to the CPU workers; MAX_FAILURES in a row, an unbuildable pipeline or a stalled run retire it.
+for it gets a tail run of its largest unstarted tiny-batches. Helper processes read and draw the runs (host_inputs.py,
+helper_reads.py; else run_read.py here), the bytes fed uncopied. `device="gpu"`: nvJPEG and GPU ops into a device ring
+(`DeviceRing`), merged with the CPU workers' at delivery; "cpu": DALI's CPU backend into the host ring. What DALI
+cannot run (not encoded bytes, over decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing works
+only in the prep window (one run in flight, after a blocking event of the training work queued before next()),
+`spatial` concurrently; with the bridge, DALI's memory is an arena lent once before a run. A worker kind
+(runtime/board.py). A failed run drops the pipeline (rebuilt next run) and gives its runs in flight to the CPU workers;
+MAX_FAILURES in a row, an unbuildable pipeline or a stalled run retire it. CPU: `accelerator_feed_cpu_seconds`
+(`accelerator_land_cpu_seconds` of it), the helpers' `accelerator_inputs_cpu_seconds`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import operator
 import threading
@@ -82,11 +82,10 @@ class AcceleratorWorker:
         self.counters.accelerator_builds += 1 if aot else 0
         self.tiny_batches = self.failures_in_a_row = 0  # tiny-batches done (the bridge's warm-up); failed runs in a row
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
-        self.step_event = None  # the training work before the loader's last next() (mark_step)
+        self.step_event = None  # temporal sharing: the training work queued before next() ends with it (GpuSession)
         self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails; paused around a rebuild
-        if bridge is not None and aot:
-            self.pipeline.build_guard = bridge.paused
-        self.window_open = False  # the loader's prep window (consulted while gated)
+        if aot:
+            self.pipeline.build_guard = self._rebuilding
         # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
         self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers) if split is not None else None
         self.borrow = split is not None and split.shares_device  # shares taken ahead on a GPU (a run's fixed cost)
@@ -95,6 +94,7 @@ class AcceleratorWorker:
         self._last_done = 0.0  # when the last run completed (its completion interval)
         self._run_seconds = 0.0  # running mean of a run's time from take to completion (the stall bound's)
         self._writing = self._stop = False  # writing a collected run's outputs (`watch` leaves it be); stopping
+        self.window_open = False  # the loader's prep window (GpuSession; consulted while gated)
         self._thread = threading.Thread(target=self._thread_main, name="fusionflow-accelerator", daemon=True)
 
     def start(self) -> None:  # after the board's `add_worker_kind`
@@ -112,11 +112,6 @@ class AcceleratorWorker:
         """Works only inside the prep window: temporal sharing of a GPU (on DALI's CPU backend with a bridge: tests)."""
         return self.sharing == "temporal" and (self.device_ring is not None or self.bridge is not None)
 
-    # ---------------------------------------------------------------- the loader's prep window (GpuSession)
-    def mark_step(self, event) -> None:
-        """Temporal sharing: the training work queued before the loader's next() ends with `event`; each run waits."""
-        self.step_event = event
-
     def open_window(self) -> None:
         """The loader waits for a mini-batch: a gated accelerator may run now."""
         with self.board.cond:
@@ -129,12 +124,9 @@ class AcceleratorWorker:
             return
         with self.board.cond:
             self.window_open = False
-            self.wait_idle()
-
-    def wait_idle(self, timeout: float = 30.0) -> None:  # under board.cond: the tiny-batch in flight finishes
-        deadline = time.monotonic() + timeout
-        while self._active and self._thread.is_alive() and time.monotonic() < deadline:
-            self.board.cond.wait(0.05)
+            deadline = time.monotonic() + 30.0  # the run in flight finishes
+            while self._active and self._thread.is_alive() and time.monotonic() < deadline:
+                self.board.cond.wait(0.05)
 
     def stop(self) -> None:
         """Idempotent: the tiny-batch in flight finishes, the thread ends, the pipeline closes, the helpers end."""
@@ -154,6 +146,12 @@ class AcceleratorWorker:
             if self.inputs is not None:
                 self.inputs.close()
 
+    @contextlib.contextmanager
+    def _rebuilding(self):  # around the pipeline's rebuild after a failed run (in its submit): the bridge paused
+        with self.bridge.paused() if self.bridge is not None else contextlib.nullcontext():
+            yield
+        self.counters.accelerator_builds += 1
+
     def _retire(self, why: str) -> None:
         """Under board.cond: take no more work; the CPU workers get everything, reservations included."""
         self.retired = self.counters.accelerator_retired = why
@@ -172,7 +170,6 @@ class AcceleratorWorker:
         self._retire(f"a DALI run (samples {first}, ...) made no progress for {waited:.0f} s")
         self._lose_all()
 
-    # ---------------------------------------------------------------- the thread
     def _thread_main(self) -> None:  # `_run`; a failure outside a DALI step (a bug) retires the accelerator
         try:
             self._run()
@@ -243,7 +240,7 @@ class AcceleratorWorker:
         if self.pipeline is not None:
             self.pipeline.close() if fatal else self.pipeline.reset()
         with self.board.cond:
-            self._lose_all()
+            self._lose_all(fatal or "an unexpected error (logged)")
             if fatal is not None:
                 self._retire(fatal)
 
@@ -256,8 +253,8 @@ class AcceleratorWorker:
         runnable, given_back, samples, labels, sizes = r.runnable, r.given_back, r.samples, r.labels, r.sizes
         clock.mark("read", group[0].seq, len(samples))
         if given_back:
-            with board.cond:
-                self._account([], given_back, False if r.unreadable and not runnable else None, 0)  # none read: failed
+            with board.cond:  # none read: a failed run
+                self._account([], given_back, False if r.unreadable and not runnable else None, 0, r.unreadable)
         if not runnable:
             with board.cond:
                 self._active.remove(next(e for e in self._active if e[0] is group))
@@ -362,15 +359,16 @@ class AcceleratorWorker:
             self.counters.accelerator_samples += len(indices)
             self.board.cond.notify_all()
 
-    def _lose_all(self) -> None:
+    def _lose_all(self, why: str = "") -> None:
         """Under board.cond: the runs in flight are lost, their tiny-batches to the CPU workers (one failed run)."""
         lost, self._active[:] = list(self._active), []
-        self._account([], [w for g, *_ in lost for w in g], False, 0)
+        self._account([], [w for g, *_ in lost for w in g], False, 0, why)
         self.board.cond.notify_all()
 
-    def _account(self, done, given_back, ok: bool | None, started: int) -> None:
+    def _account(self, done, given_back, ok: bool | None, started: int, why: str = "") -> None:
         """Under board.cond: complete what DALI produced, give the rest back to the CPU workers (marked
-        CPU-only); `ok` False counts a failed DALI run, None (not DALI's kind of sample) does not."""
+        CPU-only); `ok` False counts a failed DALI run (`why`: its cause, for a retirement), None (not DALI's kind
+        of sample) does not."""
         board = self.board
         self.tiny_batches += len(done)
         self.counters.accelerator_tiny_batches += len(done)
@@ -387,7 +385,7 @@ class AcceleratorWorker:
         if given_back:
             board.requeue(given_back)
         if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
-            self._retire(f"{self.failures_in_a_row} DALI runs in a row failed")
+            self._retire(f"{self.failures_in_a_row} DALI runs in a row failed" + (f"; the last: {why}" if why else ""))
 
     def _failed_run(self, exc, indices) -> None:
         """A DALI run failed (out of memory, or an undecodable sample): every run in flight to the CPU workers."""
@@ -397,4 +395,4 @@ class AcceleratorWorker:
         else:
             log.info("accelerator could not decode %s: %s", indices, exc)
         with self.board.cond:
-            self._lose_all()
+            self._lose_all(str(exc))

@@ -39,7 +39,7 @@ class RunRead:
     given_back: list = field(default_factory=list)
     columns: list | None = None  # the runnable samples' host inputs, when the helpers made them with the read
     keep: object = None  # what DALI's pipeline holds while it may read the samples (helper_reads.Slot)
-    unreadable: bool = False  # a sample's read raised here (its tiny-batch given back): the dataset's failure
+    unreadable: str = ""  # why a sample's read raised here (its tiny-batch given back): the dataset's failure
 
 
 def read_items(dataset, indices: list) -> list:
@@ -77,12 +77,13 @@ def read_run(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
 def read_each(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
     """`read_run` tiny-batch by tiny-batch, after the run's read raised: a tiny-batch whose read raises is given
     back to the CPU workers, which report its sample as on_error says (or skip it), the rest run."""
-    ok, back, samples, labels = [], [], [], []
+    ok, back, samples, labels, why = [], [], [], [], ""
     for work in group:
         try:
             got = pairs(read_items(dataset, list(work.indices)), list(work.indices))
-        except Exception:
+        except Exception as exc:
             back.append(work)
+            why = why or f"reading samples {list(work.indices)} raised {exc!r}"
             continue
         ok.append(work)
         samples += got[0]
@@ -90,7 +91,7 @@ def read_each(dataset, group: list, dims, max_pixels: int | None) -> RunRead:
     indices = [i for w in ok for i in w.indices]
     read = runnable(ok, samples, labels, dims.many(indices, samples), max_pixels) if ok else RunRead(sizes=[])
     read.given_back += back
-    read.unreadable = bool(back)
+    read.unreadable = why
     return read
 
 

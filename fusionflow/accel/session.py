@@ -199,7 +199,7 @@ class GpuSession:
             with torch.cuda.device(self.device.index):
                 event = torch.cuda.Event(blocking=True)
                 event.record(torch.cuda.current_stream(self.device))
-            accel.mark_step(event)
+            accel.step_event = event  # each run waits for the training work queued before next()
 
     def open_window(self, mgr: LocalManager) -> None:
         """At next(): the bridge learns the training stream (its arena is carved there); under temporal sharing

@@ -186,7 +186,7 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
 
     1. Take the manager out of the box: a second run finds nothing to stop.
     2. Close the accelerator's prep window, if open: the DALI run in flight finishes first
-       (`wait_idle`, `GpuSession.end_window_now`).
+       (`AcceleratorWorker.close_window`, `GpuSession.end_window_now`).
     3. Shut the manager down (`LocalManager.shutdown`, its own numbered procedure: worker kinds,
        manager thread, lending agent, worker processes, ring).
     4. Allocator bridge: take back the arena DALI's pipelines used (they are gone now) and copy its

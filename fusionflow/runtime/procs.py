@@ -5,21 +5,27 @@ child that led one, and whatever it started)."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
 import threading
 import time
 
+log = logging.getLogger(__name__)
+
 
 def run_every(*steps) -> None:
     """Call each of `steps` in order even when an earlier one raised -- a Ctrl-C landing in one step of a
-    shutdown must not leave the later steps' processes and segments behind -- then raise the first error."""
+    shutdown must not leave the later steps' processes and segments behind -- then raise the first error; a
+    later step's error (not a second Ctrl-C) is logged, since only the first propagates."""
     first = None
     for step in steps:
         try:
             step()
         except BaseException as exc:  # KeyboardInterrupt included: the rest still runs, then it propagates
+            if first is not None and not isinstance(exc, KeyboardInterrupt):
+                log.error("a later shutdown step failed too (after %r)", first, exc_info=exc)
             first = exc if first is None else first
     if first is not None:
         raise first
