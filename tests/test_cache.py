@@ -22,6 +22,7 @@ from fusionflow.cache.reader import CacheReader
 from fusionflow.cache.store import CacheStore
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
+from fusionflow.runtime import userdir
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.tools.synthetic import make_jpegs
 
@@ -125,6 +126,15 @@ def test_decoded_cache_arguments_are_checked(tmp_path):
         FusionFlowLoader(Indexed(), batch_size=4, policy={**SMALL, "output": {"size": 48}}, cache=cache(max_side=40))
     with pytest.raises(ValueError, match="decode.mode fast"):
         FusionFlowLoader(Indexed(), batch_size=4, policy={**SMALL, "decode": {"mode": "exact"}}, cache="1GB")
+
+
+def test_numpy_numbers_are_taken_as_plain_numbers():
+    """Sizes and counts computed with numpy (np.int64 budgets, np.float64 shares) are numbers, not refused."""
+    c = DecodedCache(np.int64(2**30), max_side=np.int32(256), fill_share=np.float64(0.2), reuse_crop_epochs=np.int64(2))
+    assert (c.size, c.max_side, c.fill_share, c.reuse_crop_epochs) == (2**30, 256, 0.2, 2)
+    assert all(type(v) in (int, float) for v in (c.size, c.max_side, c.fill_share, c.reuse_crop_epochs))
+    ld = FusionFlowLoader(Indexed(), batch_size=4, policy=SMALL, cache=np.int64(2**30))
+    assert ld.config.cache.size == 2**30
 
 
 def test_sizes_read_as_documented():
@@ -337,6 +347,44 @@ def test_a_budget_the_node_cannot_hold_is_refused_with_the_fix():
     with pytest.raises(SharedMemoryError, match=r"--shm-size.*path="):
         next(iter(loader))
     loader.close()
+
+
+def test_a_keeper_that_exits_removes_its_record_and_lock_file():
+    """Rendezvous files do not pile up in the user's directory: the keeper's record and lock file go with it."""
+    folder = userdir.directory()
+    loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache())
+    epochs(loader, 1)
+    pid = loader.parts.runtime.cache_attachment.keeper_pid
+    records = [f for f in os.listdir(folder) if f.startswith("cache-") and f.endswith(".json")]
+    (record,) = [f for f in records if (keeper._read(f"{folder}/{f}") or {}).get("pid") == pid]
+    made = {record, record.replace(".json", ".lock")}  # (the lock file may be older than this keeper)
+    assert made <= set(os.listdir(folder))
+    loader.close()
+    deadline = time.monotonic() + 60
+    while (pid_alive(pid) or made & set(os.listdir(folder))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(pid) and not made & set(os.listdir(folder))
+
+
+def test_a_lock_file_removed_while_a_waiter_waits_is_opened_again(tmp_path):
+    """The waiter on a removed lock file takes the lock of the file now at the path, never of the removed one."""
+    import threading
+
+    path, got = str(tmp_path / "x.lock"), []
+    with userdir.lock_file(path, 5, "x") as held:
+        first = os.fstat(held).st_ino
+
+        def waiter():
+            with userdir.lock_file(path, 60, "x") as fd:
+                got.append((os.fstat(fd).st_ino, os.stat(path).st_ino))
+
+        t = threading.Thread(target=waiter)
+        t.start()
+        time.sleep(0.2)  # the waiter has opened the old file and polls its lock (if not yet, it opens the new one)
+        userdir.remove_locked(path)
+    t.join(60)
+    assert len(got) == 1 and got[0][0] == got[0][1] and os.path.exists(path)
+    assert got[0][0] != first or os.stat(path).st_ino == first  # (a reused inode number is the new file's)
 
 
 def test_job_killed_as_a_whole_leaves_no_keeper_and_no_segment():

@@ -7,6 +7,7 @@ as docker's --shm-size reads them) powers of 1024.
 
 from __future__ import annotations
 
+import numbers
 import os
 import re
 
@@ -27,9 +28,9 @@ _EXAMPLE = "e.g. cache='64GB', cache=8 * 2**30, or cache=fusionflow.DecodedCache
 
 def parse_size(value, what: str = "cache") -> int:
     """Bytes from an int or a string such as '64GB', '512MiB', '1.5G'."""
-    if isinstance(value, bool) or not isinstance(value, (int, str)):
+    if isinstance(value, bool) or not isinstance(value, (numbers.Integral, str)):
         raise TypeError(f"{what}={value!r} must be a byte budget (an int or a string with a unit), {_EXAMPLE}")
-    given = value
+    given, value = value, value if isinstance(value, str) else int(value)  # numpy's ints too
     if isinstance(value, str):
         found = _SIZE_RE.fullmatch(value)
         unit = found and _UNITS.get(found[2].lower())
@@ -82,7 +83,7 @@ class DecodedCache:
         reuse_crop_epochs: int | None = None,
     ):
         self.size = parse_size(size, "DecodedCache size")
-        if isinstance(max_side, bool) or not isinstance(max_side, int) or not 16 <= max_side <= 65535:
+        if isinstance(max_side, bool) or not isinstance(max_side, numbers.Integral) or not 16 <= max_side <= 65535:
             raise ValueError(f"DecodedCache(max_side={max_side!r}) must be an int of pixels in [16, 65535], e.g. 320")
         if path is not None and not (isinstance(path, (str, os.PathLike)) and os.path.isdir(path)):
             raise ValueError(
@@ -94,21 +95,24 @@ class DecodedCache:
         if (
             fill_share is not None
             and fill_share != "auto"
-            and (isinstance(fill_share, bool) or not isinstance(fill_share, (int, float)) or not 0 < fill_share <= 1)
+            and (isinstance(fill_share, bool) or not isinstance(fill_share, numbers.Real) or not 0 < fill_share <= 1)
         ):
             raise ValueError(
                 f"DecodedCache(fill_share={fill_share!r}) must be 'auto' (paced only while training waits for the "
                 "loader), None (fill as samples come) or a share of time in (0, 1], e.g. 0.1"
             )
         if reuse_crop_epochs is not None and (
-            isinstance(reuse_crop_epochs, bool) or not isinstance(reuse_crop_epochs, int) or reuse_crop_epochs < 1
+            isinstance(reuse_crop_epochs, bool)
+            or not isinstance(reuse_crop_epochs, numbers.Integral)
+            or reuse_crop_epochs < 1
         ):
             raise ValueError(
                 f"DecodedCache(reuse_crop_epochs={reuse_crop_epochs!r}) must be None (a new crop every epoch) or an "
                 "int >= 1 of epochs that reuse a sample's crop, e.g. 2"
             )
-        self.max_side, self.admission, self.fill_share = max_side, admission, fill_share
-        self.reuse_crop_epochs = reuse_crop_epochs or 1
+        self.max_side, self.admission = int(max_side), admission  # plain Python numbers from numpy's too
+        self.fill_share = float(fill_share) if fill_share not in (None, "auto") else fill_share
+        self.reuse_crop_epochs = int(reuse_crop_epochs or 1)
         self.path = os.fspath(path) if path is not None else None
 
     def __repr__(self) -> str:
@@ -124,7 +128,7 @@ def resolve_cache(cache, policy) -> DecodedCache | None:
     if cache is None:
         return None
     if not isinstance(cache, DecodedCache):
-        if isinstance(cache, bool) or not isinstance(cache, (int, str)):
+        if isinstance(cache, bool) or not isinstance(cache, (numbers.Integral, str)):
             raise TypeError(f"cache={cache!r} must be None, a byte budget or a fusionflow.DecodedCache, {_EXAMPLE}")
         cache = DecodedCache(parse_size(cache, "cache"))
     if not policy.fast_downscale:

@@ -38,7 +38,7 @@ from fusionflow.cache.store import CacheStore
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import recv_fd, send_fd
-from fusionflow.runtime.userdir import directory, flock_within
+from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
 log = logging.getLogger("fusionflow.cache")
 START_S = 20.0  # a keeper that has not said it is ready by then is given up on
@@ -87,9 +87,7 @@ def attach(
     before a new keeper is started (the room for a new segment)."""
     folder = directory()
     record, lock = os.path.join(folder, f"cache-{key}.json"), os.path.join(folder, f"cache-{key}.lock")
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        flock_within(fd, START_S + 10, lock)  # its holder starts a keeper in START_S at most
+    with lock_file(lock, START_S + 10, lock):  # its holder starts a keeper in START_S at most
         rec = _read(record)
         if rec is not None and pid_alive(rec["pid"]):
             try:
@@ -100,8 +98,6 @@ def attach(
             check()
         _start_keeper(record, entries, size, max_side, admission, path)
         return _attach_to(_read(record), entries)
-    finally:
-        os.close(fd)  # drops the flock
 
 
 def _read(record: str) -> dict | None:
@@ -197,9 +193,22 @@ def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, ad
     try:
         _serve(listener, secret, seg, entries)
     finally:
-        if (_read(record) or {}).get("pid") == os.getpid():
-            os.unlink(record)
+        _leave(listener, record)
         os._exit(0)
+
+
+def _leave(listener, record: str) -> None:
+    """The keeper's exit: no more connections, then its record and lock file go (unless a new keeper's record
+    replaced it), under the lock: a loader waiting there finds no keeper and starts one."""
+    listener.close()
+    lock = record[: -len(".json")] + ".lock"
+    try:
+        with lock_file(lock, START_S + 10, lock):
+            if (_read(record) or {}).get("pid") == os.getpid():
+                os.unlink(record)
+                remove_locked(lock)
+    except OSError:  # the lock's holder stopped: the next loader replaces a record whose pid is gone
+        pass
 
 
 def segment(path: str | None) -> int:

@@ -1,9 +1,11 @@
 """The user's own directory on this node for what FusionFlow's processes agree on between them:
-shared loaders' rendezvous records (fusionflow/shared/rendezvous.py) and the cores loaders have
-pinned workers to (runtime/cores.py). `$XDG_RUNTIME_DIR/fusionflow`, or `/tmp/fusionflow-<uid>`."""
+shared loaders' rendezvous records (fusionflow/shared/rendezvous.py), decoded-image cache keepers' records and
+lock files (cache/keeper.py) and the cores loaders have pinned workers to (runtime/cores.py).
+`$XDG_RUNTIME_DIR/fusionflow`, or `/tmp/fusionflow-<uid>`."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
@@ -42,3 +44,29 @@ def flock_within(fd: int, seconds: float, what: str) -> None:
                 raise TimeoutError(f"{what} stayed locked over {seconds:.0f} s (its holder stopped?)") from None
             time.sleep(pause)
             pause = min(0.02, pause * 2)
+
+
+@contextlib.contextmanager
+def lock_file(path: str, seconds: float, what: str):
+    """Hold an exclusive flock of the lock file `path` (made 0600 if missing; `flock_within`'s bound), yielding
+    its descriptor. The lock is the file now at `path`: one removed (by `remove_locked`, under the lock) while
+    this waited is opened again, so removing lock files is safe and they do not pile up."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            flock_within(fd, seconds, what)
+            try:
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                yield fd
+                return
+        finally:
+            os.close(fd)  # drops the flock
+
+
+def remove_locked(path: str) -> None:
+    """Remove the lock file `path`, while holding its lock (`lock_file`): waiters open the next one."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
