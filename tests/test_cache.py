@@ -416,6 +416,41 @@ def test_job_killed_as_a_whole_leaves_no_keeper_and_no_segment():
     assert not shm_names() - before
 
 
+def test_a_forked_child_does_not_keep_a_killed_trainer_s_keeper_alive():
+    """A child the training script forks (after its loader attached) does not hold the keeper's connection: once
+    the trainer is SIGKILLed, the keeper exits while that child still runs."""
+    script = textwrap.dedent(f"""
+        import os, sys, time
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_cache import Indexed, SMALL, cache
+        from fusionflow.loader import FusionFlowLoader
+        loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache(),
+                                  persistent_workers=True)
+        it = iter(loader); next(it)
+        child = os.fork()
+        if child == 0:
+            time.sleep(120)
+            os._exit(0)
+        print(loader.parts.runtime.cache_attachment.keeper_pid, child, flush=True)
+        sys.stdin.read()  # until the test kills this process
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    keeper_pid = child = None
+    try:
+        keeper_pid, child = map(int, proc.stdout.readline().split())
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while pid_alive(keeper_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pid_alive(child) and not pid_alive(keeper_pid), "the forked child kept the keeper alive"
+    finally:
+        for pid in (proc.pid, child, keeper_pid):
+            if pid is not None and pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_the_pipeline_s_cache_reader_counts_hits_and_misses():
     fd = keeper.segment(None)
     store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)

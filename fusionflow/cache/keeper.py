@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from multiprocessing.connection import Connection
 
 import posix_ipc
@@ -56,6 +57,7 @@ class KeeperLink:
 
     def __init__(self, conn: Connection, store: CacheStore, pid: int):
         self.conn, self.store, self.keeper_pid = conn, store, pid
+        _LINKS.add(self)
 
     def close(self) -> None:
         """Detach; the last loader waits (bounded) until the keeper has exited, so nothing is left
@@ -77,6 +79,20 @@ class KeeperLink:
                 os.waitpid(self.keeper_pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+
+
+_LINKS: weakref.WeakSet = weakref.WeakSet()  # this process's open links
+
+
+def _close_links_in_child() -> None:
+    """In a fork's child: close the inherited copies of the links' sockets (the parent's connections stay open). A
+    copy kept open would keep the keeper counting the parent's loader after that process died (a SIGKILL)."""
+    for link in list(_LINKS):
+        link.conn.close()
+    _LINKS.clear()
+
+
+os.register_at_fork(after_in_child=_close_links_in_child)
 
 
 def attach(
