@@ -38,7 +38,7 @@ import posix_ipc
 from fusionflow.cache.store import CacheStore
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import recv_fd, send_fd
+from fusionflow.runtime.shm import disown_fd, recv_fd, send_fd
 from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
 log = logging.getLogger("fusionflow.cache")
@@ -88,7 +88,9 @@ def _close_links_in_child() -> None:
     """In a fork's child: close the inherited copies of the links' sockets (the parent's connections stay open). A
     copy kept open would keep the keeper counting the parent's loader after that process died (a SIGKILL)."""
     for link in list(_LINKS):
-        link.conn.close()
+        if not link.conn.closed:
+            disown_fd(link.conn.fileno())  # closed here: a worker's close_owned_fds must not close its reused number
+            link.conn.close()
     _LINKS.clear()
 
 
