@@ -3,7 +3,8 @@
 Public API: `FusionFlowLoader`, `DaliAccelerator` (the DALI accelerator's settings, `accelerator=`),
 `DecodedCache` (the node's cache of decoded images, `cache=`), `RayWorkers` (remote CPU workers; needs the
 `ray` extra), `SharedLoader` and
-`SharedLoaderClient` (one loader's batches shared by co-located training jobs), `ImageFolder`,
+`SharedLoaderClient` (one loader's batches shared by co-located training jobs), `GlobalManagerClient` (a DDP
+job's worker lending: its local managers, `set_workers`), `ImageFolder`,
 `TarShards` (WebDataset tar shards, indexed), `DictSamples`, `load_policy`, `policy_from_transform`
 (torchvision and timm transforms), `from_timm` (timm's create_transform arguments), `Policy`, and
 FusionFlow's errors; `fusionflow.timm.create_loader` is timm's create_loader with FusionFlow underneath.
@@ -43,6 +44,7 @@ __all__ = [
     "DictSamples",
     "FusionFlowError",
     "FusionFlowLoader",
+    "GlobalManagerClient",
     "ImageFolder",
     "ImageTooLargeError",
     "NativeBuildError",
@@ -81,6 +83,10 @@ def __getattr__(name):
         import importlib
 
         return importlib.import_module("fusionflow.timm")
+    if name == "GlobalManagerClient":  # a DDP job's worker lending: look at it, set its worker count
+        from fusionflow.runtime.gm.manager import GlobalManagerClient
+
+        return GlobalManagerClient
     if name == "SharedLoaderClient":
         from fusionflow.shared.client import SharedLoaderClient
 

@@ -265,6 +265,30 @@ def test_elastic_workers_added_and_removed_while_training():
     assert a.stats.worker_count_changes >= 2
 
 
+def test_a_client_follows_its_job_to_a_new_global_manager_and_says_when_none_runs():
+    """A client whose GM ended does not write into the removed table: it raises while none runs, and takes the
+    job's next GM once one does. An lm of the wrong type is named as given."""
+    import fusionflow
+
+    assert fusionflow.GlobalManagerClient is GlobalManagerClient
+    name = job()
+    a = make(Bytes(8), name)
+    collect(a)
+    client = GlobalManagerClient(name)
+    with pytest.raises(ValueError, match=r"lm='0' is not an active local manager; active: \[0\]"):
+        client.set_workers(1, lm="0")
+    a.close()
+    assert wait_until(lambda: client.t.removed, 60)  # the GM leaves LINGER_S after the job's last loader
+    with pytest.raises(ValueError, match=f"the global manager of job {name!r} has ended"):
+        client.set_workers(1)
+    b = make(Bytes(8), name)
+    collect(b)
+    client.set_workers(1)
+    assert [row["pid"] for row in client.local_managers()] == [os.getpid()] and not client.t.removed
+    client.close()
+    b.close()
+
+
 BORROWER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
@@ -496,6 +520,23 @@ def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_own
     a.close()
     b.close()
     assert b.stats.worker_restarts == 1  # its owner replaced it
+
+
+def test_a_lent_straggler_killed_by_its_borrower_costs_its_sample_no_death(monkeypatch, tmp_path, caplog):
+    """A lent worker past the straggler bound while an own worker idles is killed for being slow, not for a
+    sample that kills workers: its tiny-batch runs again without a death counted, so even max_retries=0
+    delivers everything (a death used to fail the epoch with SampleKilledWorkersError)."""
+    from fusionflow.runtime import liveness
+
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1.0)
+    a, b, it, got = lending_pair(StopsInAGuest(48, str(tmp_path)), timeout=0, max_retries=0)
+    (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
+    lent_worker(b)
+    got += [i for _, y in it for i in y.tolist()]
+    assert got == list(range(48)) and a.stats.workers_stuck == 1
+    assert "while an own worker is idle" in caplog.text
+    a.close()
+    b.close()
 
 
 def test_a_lent_worker_whose_borrower_falls_silent_goes_home(monkeypatch):

@@ -372,9 +372,9 @@ class LocalManager:
 
     def _kill_stuck_guests(self, now: float) -> None:
         """(lock held) Workers lent to this loader whose oldest tiny-batch has run past the stuck bound,
-        or past the straggler bound while an own worker is idle (a stopped guest then costs seconds):
-        SIGKILLed by pid (their connection then drops, the agent requeues what they held, their owner
-        replaces them). A guest is killed rather than raced (runtime/reruns.py): it is its owner's."""
+        or past the straggler bound while an own worker is idle (a stopped guest then costs seconds): SIGKILLed
+        by pid (the agent requeues what they held, a straggler's task with no death counted; their owner replaces
+        them). A guest is killed rather than raced (runtime/reruns.py): it is its owner's."""
         if self.agent is None or not self.agent.guests:
             return
         idle_own = any(w is not None and w.idle for w in self.pool.workers)
@@ -385,7 +385,7 @@ class LocalManager:
             if liveness.is_stuck(running_for, task_s):
                 self.agent.kill_guest(g, f"made no progress for {running_for:.0f} s")
             elif idle_own and liveness.is_straggler(running_for, task_s):
-                self.agent.kill_guest(g, f"made no progress for {running_for:.0f} s while an own worker is idle")
+                self.agent.kill_guest(g, f"made no progress for {running_for:.0f} s while an own worker is idle", False)
 
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""

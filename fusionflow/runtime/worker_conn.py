@@ -28,6 +28,7 @@ class WorkerConn:
         self.lost: Work | None = None  # another copy of this tiny-batch finished first: being stopped
         self.started_at = time.monotonic()  # when its process was started (a start-up is bounded too)
         self.killed_for: str | None = None  # why the manager killed it, for the death's log line and error
+        self.kill_counts = True  # a guest killed for straggling (killed_for) costs its task no death: it was slow
         self.peer_pid: int | None = None  # a guest's process (SO_PEERCRED): killed here if it gets stuck
 
     @property

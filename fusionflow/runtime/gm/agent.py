@@ -155,11 +155,12 @@ class LendingAgent:
             pass
         self._drop_guest(g)
 
-    def kill_guest(self, g: WorkerConn, why: str) -> None:
+    def kill_guest(self, g: WorkerConn, why: str, suspect: bool = True) -> None:
         """(lock held or not) SIGKILL a guest by its pid (SO_PEERCRED at accept): one that made no progress
         or stopped mid-message must never write into a slot reused after its tiny-batches are requeued.
-        Its connection then drops (`_on_lost` requeues); its owner replaces it."""
-        g.killed_for = why
+        Its connection then drops (`_on_lost` requeues: the task it ran counts a death if `suspect`, as for
+        a stuck one, not for a straggler, whose sample was only slow); its owner replaces it."""
+        g.killed_for, g.kill_counts = why, suspect
         log.warning("fusionflow worker %s lent to this loader %s; killing it", g.worker_id, why)
         count_stuck_kill(self.board.counters)
         if g.peer_pid is not None:
@@ -292,7 +293,8 @@ class LendingAgent:
                     g.worker_id,
                     len(g.outstanding),
                 )
-            self.pool.requeue_outstanding(g, f"killed: {g.killed_for}" if g.killed_for else "its connection dropped")
+            how = f"killed: {g.killed_for}" if g.killed_for else "its connection dropped"
+            self.pool.requeue_outstanding(g, how, suspect=g.kill_counts)
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:

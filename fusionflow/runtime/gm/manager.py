@@ -243,14 +243,24 @@ class GlobalManagerClient:
         job = job if job is not None else gt.job_key()
         if job is None:
             raise ValueError("job=None outside torchrun: pass the name given to FusionFlowLoader(global_manager=...)")
-        self.t = gt.Tables.attach(gt.table_name(job))
+        self.job, self.t = job, gt.Tables.attach(gt.table_name(job))
         if self.t is None:
             raise ValueError(f"no global manager runs for job {job!r} on this node (no loader has registered)")
 
+    def _tables(self) -> gt.Tables:
+        """The job's tables: those of its running GM (after the one this client found ended, a newer one's)."""
+        if self.t.removed:
+            again = gt.Tables.attach(gt.table_name(self.job))
+            if again is None:
+                raise ValueError(f"the global manager of job {self.job!r} has ended and no other runs on this node")
+            self.t.close()
+            self.t = again
+        return self.t
+
     def local_managers(self) -> list[dict]:
-        out = []
-        for lm in self.t.active_rows():
-            row = self.t.progress[lm]
+        out, t = [], self._tables()
+        for lm in t.active_rows():
+            row = t.progress[lm]
             out.append(
                 {
                     "lm": lm,
@@ -263,8 +273,8 @@ class GlobalManagerClient:
                     "guests": int(row["guests"]),
                     "lent_total": int(row["lent_total"]),
                     "guests_total": int(row["guests_total"]),
-                    "orders_received": int(self.t.action[lm]["yield_seq"]),
-                    "borrow_notices": int(self.t.action[lm]["borrow_seq"]),
+                    "orders_received": int(t.action[lm]["yield_seq"]),
+                    "borrow_notices": int(t.action[lm]["borrow_seq"]),
                 }
             )
         return out
@@ -279,14 +289,15 @@ class GlobalManagerClient:
                 f"workers={workers!r} must be an integer from 1 (an LM with no workers of its own "
                 f"could wait forever when nobody lends) to {cores} (the cores here)"
             )
+        t = self._tables()
         if lm is None:
-            h = self.t.header[0]
+            h = t.header[0]
             h["target_workers"] = workers
             h["target_seq"] = int(h["target_seq"]) + 1
             return
-        if lm not in self.t.active_rows():
-            raise ValueError(f"lm={lm} is not an active local manager; active: {self.t.active_rows()}")
-        a = self.t.action[lm]
+        if lm not in t.active_rows():  # (an int: "0" is not the row 0)
+            raise ValueError(f"lm={lm!r} is not an active local manager; active: {t.active_rows()}")
+        a = t.action[lm]
         a["target_workers"] = workers
         a["target_seq"] = int(a["target_seq"]) + 1
 

@@ -185,6 +185,11 @@ class Tables:
         return bytes(self.header["secret"][0])
 
     @property
+    def removed(self) -> bool:
+        """Whether this mapping's segment has been unlinked (its job's GM has ended; a new one makes another)."""
+        return os.fstat(self._fd).st_nlink == 0
+
+    @property
     def gm_pid(self) -> int:
         return int(self.header["gm_pid"][0])
 
