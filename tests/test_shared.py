@@ -172,15 +172,21 @@ def test_a_producer_that_exits_without_close_removes_its_record(jobs):
 def test_client_batch_sizes_reslice_the_producers_batches(jobs, drop_last):
     n = 100  # 3 full batches of 32 and 4 left over
     flags = ["--drop-last"] if drop_last else []
-    producer = jobs.start("producer", "--batch-size", 32, "--n", n, "--epochs", 1, "--min-clients", 4, *flags)
-    sizes = {"b16": 16, "b32": 32, "b64": 64, "none": None}
+    producer = jobs.start("producer", "--batch-size", 32, "--n", n, "--epochs", 1, "--min-clients", 5, *flags)
+    sizes = {"b16": 16, "b32": 32, "b64": 64, "b96": 96, "none": None}  # b96: 4 producer batches, 3 a batch
     clients = [jobs.client(tag, "--epochs", 1, *(["--batch-size", b] if b else [])) for tag, b in sizes.items()]
     for p in [*clients, producer]:
         assert jobs.wait(p) == 0, jobs.dump()
     (ref,) = reference(32, n, 1, drop_last)
     expect_sizes = {
-        False: {"b16": [16] * 6 + [4], "b32": [32, 32, 32, 4], "b64": [64, 36], "none": [32, 32, 32, 4]},
-        True: {"b16": [16] * 6, "b32": [32] * 3, "b64": [64], "none": [32] * 3},
+        False: {
+            "b16": [16] * 6 + [4],
+            "b32": [32, 32, 32, 4],
+            "b64": [64, 36],
+            "b96": [96, 4],
+            "none": [32, 32, 32, 4],
+        },
+        True: {"b16": [16] * 6, "b32": [32] * 3, "b64": [64], "b96": [96], "none": [32] * 3},
     }[drop_last]
     kept = sum(expect_sizes["b64"])  # drop_last: the last group of fewer than 2 producer batches goes
     for tag in sizes:
@@ -190,7 +196,7 @@ def test_client_batch_sizes_reslice_the_producers_batches(jobs, drop_last):
         assert got["len"] == len(expect_sizes[tag]), tag
         m = len(epoch["labels"])
         assert (epoch["labels"], epoch["digests"]) == (ref["labels"][:m], ref["digests"][:m]), tag
-        assert m == (kept if tag == "b64" else sum(ref["sizes"])), tag
+        assert m == (kept if tag == "b64" else sum(ref["sizes"])), tag  # (b96 keeps all 3 with drop_last)
 
 
 def test_a_sigkilled_client_is_detached_and_the_others_finish(jobs):
@@ -417,6 +423,24 @@ def test_serve_refuses_data_it_cannot_read(jobs, tmp_path):
         assert says in jobs.log("serve"), jobs.dump()
 
 
+def test_serve_refuses_bad_arguments_with_a_usage_error_not_a_traceback(jobs, tmp_path):
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), num_classes=2, per_class=2, min_side=40, max_side=60)
+    (tmp_path / "empty").mkdir()
+    for args, says in (
+        (["--data", root, "--name", "bad name"], "--name 'bad name' must be 1-64 characters"),
+        (["--data", root, "--buffer", 0], "--buffer must be >= 1, got 0"),
+        (["--data", root, "--tiny-batch-size", 0], "--tiny-batch-size must be >= 1, got 0"),
+        (["--data", root, "--policy", "nope"], "nope"),
+        (["--data", tmp_path / "empty"], "has no class sub-directories"),
+    ):
+        p = jobs.serve("--epochs", 1, *args)
+        assert jobs.wait(p) == 2, jobs.dump()
+        out = jobs.log("serve")
+        assert says in out and "Traceback" not in out and "python -m fusionflow serve: error:" in out, out
+
+
 def test_the_producer_derives_its_config_and_holds_slots_through_the_loaders_parts(jobs):
     """In this process, no client: the SharedLoader runs the loader's runtime on a configuration of its
     own (buffer slots, persistent workers) and leaves `loader.config` as built; an epoch held slot by
@@ -463,3 +487,67 @@ def test_the_producer_derives_its_config_and_holds_slots_through_the_loaders_par
     labels += [y for _, y in epoch]
     assert sorted(torch.cat(labels).tolist()) == list(range(40))
     loader.close()
+
+
+@pytest.mark.parametrize("batch_size", [4, 8])  # a piece of the producer's batch held, or whole ones
+def test_a_client_whose_producer_was_stopped_gets_its_last_word_and_serve_ends_on_sigterm(jobs, tmp_path, batch_size):
+    """`serve` stopped by SIGTERM (kill, docker stop) tells its clients it was interrupted and removes its record;
+    a client that holds a batch meanwhile raises that (it used to say the producer detached it)."""
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), num_classes=2, per_class=24, min_side=40, max_side=90)
+    producer = jobs.serve("--data", root, "--epochs", 2, "--batch-size", 8, "--workers", 1, "--buffer", 2)
+    with SharedLoaderClient(jobs.name, batch_size=batch_size, timeout=60) as c:
+        it = iter(c)
+        next(it)
+        producer.send_signal(signal.SIGTERM)
+        assert jobs.wait(producer) == 130, jobs.dump()
+        with pytest.raises(SharedLoaderError, match=r"failed: KeyboardInterrupt: signal SIGTERM"):
+            for _ in it:
+                pass
+    assert not os.path.exists(rendezvous.path_of(jobs.name)), "the record outlived a SIGTERMed serve"
+
+
+def test_a_closed_client_says_so_when_iterated_in_the_middle_of_a_piece(jobs):
+    producer = jobs.start("producer", "--batch-size", 8, "--n", 16, "--epochs", 1)
+    c = SharedLoaderClient(jobs.name, batch_size=4, timeout=60)
+    it = iter(c)
+    next(it)  # the first half of the producer's first batch: its slot is held for the second
+    c.close()
+    with pytest.raises(SharedLoaderError, match="was closed"):
+        next(it)
+    assert jobs.wait(producer) == 0, jobs.dump()
+
+
+def test_two_producers_of_one_name_starting_together_one_is_refused(tmp_path):
+    """The look for a live producer of the name and the publishing of the record are one step under the name's
+    lock: of two started at the same moment one serves, the other is refused (both used to publish, the second
+    record replacing the first)."""
+    import threading
+
+    from fusionflow.shared.hub import Hub
+
+    fd = os.open(tmp_path / "ring", os.O_RDWR | os.O_CREAT, 0o600)
+
+    def one(name, start, out):
+        start.wait()
+        try:
+            out.append(Hub(name, fd, None, None))
+        except ValueError as e:
+            out.append(e)
+
+    try:
+        for _ in range(10):
+            name, start, out = f"race-{uuid.uuid4().hex[:8]}", threading.Barrier(2), []
+            threads = [threading.Thread(target=one, args=(name, start, out)) for _ in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(60)
+            hubs = [h for h in out if isinstance(h, Hub)]
+            for h in hubs:
+                h.close()
+            assert len(hubs) == 1 and "already serving" in str(next(e for e in out if isinstance(e, ValueError)))
+            assert not os.path.exists(rendezvous.path_of(name))
+    finally:
+        os.close(fd)

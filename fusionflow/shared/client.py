@@ -27,7 +27,6 @@ batch (never a batch whose slot was reused).
 from __future__ import annotations
 
 import logging
-import os
 import select
 import time
 import weakref
@@ -38,10 +37,9 @@ import torch
 
 from fusionflow.errors import SharedLoaderError
 from fusionflow.runtime import targets as ff_targets
-from fusionflow.runtime.authsock import HANDSHAKE_S, SEND_TIMEOUT_S, connect, set_receive_timeout
+from fusionflow.runtime.authsock import SEND_TIMEOUT_S
 from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import recv_fd
 from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import STOPPED_S
 
@@ -71,46 +69,6 @@ def _check_batch_size(batch_size, producer: int) -> int:
     return batch_size
 
 
-def _attach(name: str, timeout: float):
-    """(connection, Hello, ring) of producer `name`, waiting up to `timeout` s for it to appear."""
-    deadline, said = time.monotonic() + timeout, False
-    while True:
-        rec = rendezvous.read(name)
-        if rec is not None:
-            try:
-                conn = connect(rec["address"], rec["secret"])
-                break
-            except OSError:  # starting or just gone: look again
-                pass
-        if time.monotonic() >= deadline:
-            raise SharedLoaderError(
-                f"no SharedLoader named {name!r} is serving on this node (waited {timeout:g} s for "
-                f"{rendezvous.path_of(name)}): start it first (SharedLoader(loader, name={name!r}) or "
-                f"`python -m fusionflow serve --name {name} ...`), or check the name"
-            )
-        if not said and time.monotonic() > deadline - timeout + 1.0:
-            said = True
-            log.warning("fusionflow: waiting up to %g s for SharedLoader %r to start", timeout, name)
-        time.sleep(0.05)
-    try:
-        conn.send(("attach", os.getpid()))
-        set_receive_timeout(conn, HANDSHAKE_S)
-        kind, hello = conn.recv()
-        ring = rendezvous.ReadOnlyRing(hello.layout, recv_fd(conn))
-        set_receive_timeout(conn, 0)
-    except (OSError, EOFError, ValueError) as exc:
-        conn.close()
-        raise SharedLoaderError(
-            f"SharedLoader {name!r} (pid {rec['pid']}) did not complete the attach: {exc!r}"
-        ) from None
-    return conn, hello, ring
-
-
-def _release_all(conn, ring) -> None:
-    conn.close()
-    ring.close()
-
-
 class SharedLoaderClient:
     """The batches of SharedLoader `name` on this node, as a DataLoader would give them.
 
@@ -136,14 +94,14 @@ class SharedLoaderClient:
         self.stats = ClientStats()
         if batch_size is not None:  # what needs no producer is checked before waiting for one
             _check_batch_size(batch_size, batch_size if isinstance(batch_size, int) and batch_size > 0 else 1)
-        self._conn, self.producer, self._ring = _attach(self.name, self.timeout)
+        self._conn, self.producer, self._ring = rendezvous.attach(self.name, self.timeout)
         try:
             self.batch_size = _check_batch_size(batch_size, self.producer.batch_size)
         except ValueError:
-            _release_all(self._conn, self._ring)
+            rendezvous.release(self._conn, self._ring)
             raise
         self._send(("ready",))
-        self._finalizer = weakref.finalize(self, _release_all, self._conn, self._ring)
+        self._finalizer = weakref.finalize(self, rendezvous.release, self._conn, self._ring)
         self._dropped: set = set()  # producer epochs this client left before their end
         self._iterator = None  # weakref to the newest iterator
         self.epoch = None  # the producer's epoch of the newest iteration
@@ -209,15 +167,30 @@ class SharedLoaderClient:
                 raise self._gone() from None
             if msg[0] == "pong":
                 deadline = time.monotonic() + self.timeout
-            elif msg[0] == "error":
-                raise SharedLoaderError(f"SharedLoader {self.name!r} (pid {pid}) failed: {msg[1]}")
-            elif msg[0] == "finished":
-                raise SharedLoaderError(
-                    f"SharedLoader {self.name!r} (pid {pid}) finished after serving {msg[1]} epochs; this client "
-                    f"iterated {self.stats.epochs}"
-                )
+            elif msg[0] in ("error", "finished"):
+                raise self._parting(msg)
             else:
                 return msg
+
+    def _parting(self, msg) -> SharedLoaderError:
+        """The producer's last word: it failed (`error`) or served all its epochs (`finished`)."""
+        head = f"SharedLoader {self.name!r} (pid {self.producer.pid})"
+        if msg[0] == "error":
+            return SharedLoaderError(f"{head} failed: {msg[1]}")
+        return SharedLoaderError(
+            f"{head} finished after serving {msg[1]} epochs; this client iterated {self.stats.epochs}"
+        )
+
+    def _last_word(self) -> SharedLoaderError | None:
+        """After a hang-up: the producer's last word, if it said one (it hangs up on every client as it ends)."""
+        try:
+            while self._conn.poll(0):
+                msg = self._conn.recv()
+                if msg[0] in ("error", "finished"):
+                    return self._parting(msg)
+        except (EOFError, OSError):
+            pass
+        return None
 
     def _send(self, msg) -> None:
         try:
@@ -229,11 +202,13 @@ class SharedLoaderClient:
         """Rows `rows` of ring slot `slot` into out[at:], out_labels[at:]; the number copied. Raises
         if the producer had detached this client by the end of the copy: it shuts the connection down
         before giving the client's slots back (hub.py), so the slot may hold another batch by now."""
+        if self._conn.closed:
+            raise SharedLoaderError(f"this client of SharedLoader {self.name!r} was closed")
         src = self._ring.images[slot][rows]
         np.copyto(out.numpy()[at : at + len(src)], src)
         np.copyto(out_labels.numpy()[at : at + len(src)], self._ring.labels[slot][rows])
-        if self._hung_up() and not pid_alive(self.producer.pid):
-            raise self._gone()  # killed or exited: what it wrote last may be incomplete
+        if self._hung_up() and (word := self._last_word() or (None if pid_alive(self.producer.pid) else self._gone())):
+            raise word  # it ended (failed, finished, killed or exited): what it wrote last may be incomplete
         if self._hung_up():
             raise SharedLoaderError(
                 f"SharedLoader {self.name!r} (pid {self.producer.pid}) detached this client while it held a "
@@ -276,7 +251,7 @@ class _ClientEpoch:
     def __init__(self, client: SharedLoaderClient):
         self._c = client
         self.epoch = None
-        self._ended = False
+        self._ended = self._end_seen = False  # the epoch is over for this iterator; its "end" was read already
         self._piece = None  # [batch message, next row] of a producer batch given out in pieces
         self._wait = 0.0
 
@@ -350,10 +325,10 @@ class _ClientEpoch:
         k = c.batch_size // c.producer.batch_size
         images = labels = None
         got, objs, complete = 0, [], True
-        for _ in range(k):
+        for _ in range(k if not self._end_seen else 0):
             msg = self._next_batch()
-            if msg is None:
-                complete = False
+            if msg is None:  # the last, short batch goes out now: the next call ends the epoch
+                complete, self._end_seen = False, True
                 break
             _, _, _, slot, n, targets = msg
             if images is None:

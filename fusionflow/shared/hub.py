@@ -67,6 +67,13 @@ def _unpublish(name: str, pid: int) -> None:
         rendezvous.remove(name, pid)
 
 
+def _taken(name: str, existing: dict) -> ValueError:
+    return ValueError(
+        f"a SharedLoader named {name!r} is already serving on this node (pid {existing['pid']}): "
+        "give this one another name, or stop that one"
+    )
+
+
 class Hub:
     def __init__(self, name: str, ring_fd: int, hello, on_free):
         """`hello(running)`: the Hello a new client gets; `on_free(slot)`: a slot nobody holds."""
@@ -84,10 +91,7 @@ class Hub:
         existing = rendezvous.read(name)
         if existing is not None:
             os.close(self._ro_fd)
-            raise ValueError(
-                f"a SharedLoader named {name!r} is already serving on this node (pid {existing['pid']}): "
-                "give this one another name, or stop that one"
-            )
+            raise _taken(name, existing)
         self._secret = secrets.token_bytes(32)
         self.address = f"fusionflow-shared-{os.getuid()}-{name}-{secrets.token_hex(8)}"
         self._listener = listen(self.address)
@@ -95,7 +99,14 @@ class Hub:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self.path = rendezvous.write(name, self.address, self._secret)
+        existing = rendezvous.publish(name, self.address, self._secret)
+        if existing is not None:  # published since the look above
+            self._sel.close()
+            for fd in (self._wake_r, self._wake_w, self._ro_fd):
+                os.close(fd)
+            self._listener.close()
+            raise _taken(name, existing)
+        self.path = rendezvous.path_of(name)
         # at close, at collection, or at interpreter exit when close() never ran
         self._unpublish = weakref.finalize(self, _unpublish, name, os.getpid())
         self._thread = threading.Thread(target=self._run, name=f"fusionflow-shared-{name}", daemon=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 
-from fusionflow.errors import EmptyBatch, FusionFlowError
+from fusionflow.errors import EmptyBatch, FusionFlowError, SharedLoaderError
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.slots import SlotPool
 from fusionflow.runtime.spec import next_base_seed
@@ -129,7 +129,9 @@ class SharedLoader:
 
     @property
     def clients(self) -> int:
-        """Clients attached now."""
+        """Clients attached now (0 once closed)."""
+        if self._hub is None:
+            return 0
         with self._hub.cond:
             return len(self._hub.live())
 
@@ -141,6 +143,8 @@ class SharedLoader:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what}={value!r} must be an integer >= 1")
         hub = self._hub
+        if hub is None:
+            raise SharedLoaderError(f"SharedLoader {self.name!r} is closed: make a new one to serve again")
         for _ in range(epochs):
             self._wait_for(min_clients if not self._waited else 1)
             self._waited = True

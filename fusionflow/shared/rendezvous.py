@@ -25,18 +25,25 @@ recipient) from "ready" on: one that refuses the producer's terms (its batch siz
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import mmap
 import os
 import re
+import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from fusionflow.errors import SharedLoaderError
+from fusionflow.runtime.authsock import HANDSHAKE_S, connect, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import RingLayout
-from fusionflow.runtime.userdir import directory
+from fusionflow.runtime.shm import RingLayout, recv_fd
+from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
+log = logging.getLogger("fusionflow.shared")
+LOCK_S = 10.0  # the longest a producer waits for its name's lock (a holder stopped with SIGSTOP)
 NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -68,19 +75,25 @@ def path_of(name: str) -> str:
     return os.path.join(directory(), f"{name}.json")
 
 
-def write(name: str, address: str, secret: bytes) -> str:
-    """Publish this process as producer `name` (atomically, 0600). Returns the file's path."""
-    path = path_of(name)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "address": address, "secret": secret.hex()}, f)
-    os.replace(tmp, path)
-    return path
+def publish(name: str, address: str, secret: bytes) -> dict | None:
+    """Publish this process as producer `name` (0600) unless a live producer of that name is published: then
+    its record, and nothing written. Under the name's lock file, so two producers starting together cannot
+    both publish (the second's record would replace the first's, which then waits for clients forever)."""
+    with _locked(name):
+        existing = read(name, locked=True)
+        if existing is None:
+            path = path_of(name)
+            tmp = f"{path}.{os.getpid()}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"pid": os.getpid(), "address": address, "secret": secret.hex()}, f)
+            os.replace(tmp, path)
+        return existing
 
 
-def read(name: str) -> dict | None:
-    """The producer's record, or None when there is none (a stale record of a dead pid is removed)."""
+def read(name: str, locked: bool = False) -> dict | None:
+    """The producer's record, or None when there is none (a stale record of a dead pid is removed; `locked`: the
+    name's lock is held by the caller)."""
     path = path_of(name)
     try:
         with open(path) as f:
@@ -89,21 +102,80 @@ def read(name: str) -> dict | None:
     except (OSError, ValueError, KeyError):
         return None
     if not pid_alive(int(rec["pid"])):
-        remove(name, int(rec["pid"]))
+        _remove_if(name, int(rec["pid"])) if locked else remove(name, int(rec["pid"]))
         return None
     return rec
 
 
 def remove(name: str, pid: int) -> None:
-    """Remove `name`'s record if it is still `pid`'s (a newer producer's stays)."""
+    """Remove `name`'s record if it is still `pid`'s (a newer producer's stays), and then its lock file."""
+    try:
+        with _locked(name) as lock:
+            if _remove_if(name, pid):
+                remove_locked(lock)
+    except OSError:  # the lock's holder stopped: a stale record is removed by the next reader
+        pass
+
+
+def _remove_if(name: str, pid: int) -> bool:
     path = path_of(name)
     try:
         with open(path) as f:
             if int(json.load(f)["pid"]) != pid:
-                return
+                return False
         os.unlink(path)
+        return True
     except (OSError, ValueError, KeyError):
-        pass
+        return False
+
+
+@contextlib.contextmanager
+def _locked(name: str):
+    lock = os.path.join(directory(), f"{name}.lock")
+    with lock_file(lock, LOCK_S, f"the shared loader name {name!r} ({lock})"):
+        yield lock
+
+
+def attach(name: str, timeout: float):
+    """(connection, Hello, ring) of producer `name`, waiting up to `timeout` s for it to appear."""
+    deadline, said = time.monotonic() + timeout, False
+    while True:
+        rec = read(name)
+        if rec is not None:
+            try:
+                conn = connect(rec["address"], rec["secret"])
+                break
+            except OSError:  # starting or just gone: look again
+                pass
+        if time.monotonic() >= deadline:
+            raise SharedLoaderError(
+                f"no SharedLoader named {name!r} is serving on this node (waited {timeout:g} s for "
+                f"{path_of(name)}): start it first (SharedLoader(loader, name={name!r}) or "
+                f"`python -m fusionflow serve --name {name} ...`), or check the name"
+            )
+        if not said and time.monotonic() > deadline - timeout + 1.0:
+            said = True
+            log.warning("fusionflow: waiting up to %g s for SharedLoader %r to start", timeout, name)
+        time.sleep(0.05)
+    try:
+        conn.send(("attach", os.getpid()))
+        set_receive_timeout(conn, HANDSHAKE_S)
+        kind, hello = conn.recv()
+        ring = ReadOnlyRing(hello.layout, recv_fd(conn))
+        set_receive_timeout(conn, 0)
+    except (OSError, EOFError, ValueError) as exc:
+        conn.close()
+        why = "it hung up: it is ending (it finished, failed or was closed)" if isinstance(exc, EOFError) else repr(exc)
+        raise SharedLoaderError(
+            f"SharedLoader {name!r} (pid {rec['pid']}) did not complete the attach: {why}"
+        ) from None
+    return conn, hello, ring
+
+
+def release(conn, ring) -> None:
+    """A client's end of the rendezvous: its connection and its ring mapping."""
+    conn.close()
+    ring.close()
 
 
 def read_only_fd(fd: int) -> int:

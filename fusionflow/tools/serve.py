@@ -6,7 +6,7 @@ or brace notation: `/data/train-{000000..000146}.tar`) with --image-key / --targ
 One producer per (dataset, policy, seed) on a node: it augments each epoch once and serves it to
 every training job that opened `SharedLoaderClient(NAME)`. It waits for --min-clients before the
 first epoch, prints a line per epoch, and exits 0 once every epoch went to every attached client
-(Ctrl-C stops it; the clients then raise SharedLoaderError).
+(Ctrl-C or SIGTERM stops it; the clients then raise SharedLoaderError).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -42,39 +43,35 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     ap = parser()
     a = ap.parse_args(argv)
-    for name in ("epochs", "batch_size", "workers", "min_clients"):
-        if getattr(a, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    is_shards = a.data.endswith(".tar") or (not os.path.isdir(a.data) and any(c in a.data for c in "*?[{"))
-    if not os.path.isdir(a.data) and not is_shards:
-        ap.error(
-            f"--data {a.data!r} is neither a directory (an ImageFolder root: one folder per class) nor tar "
-            "shards (a .tar path, a glob or brace notation)"
-        )
+    is_shards = _check(ap, a)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
     from fusionflow import FusionFlowLoader, ImageFolder, SharedLoader, TarShards
 
-    if is_shards:
-        try:
+    try:
+        if is_shards:
             target = None if a.target_key == "none" else tuple(a.target_key.split(","))
             ds = TarShards(a.data, image_key=tuple(a.image_key.split(",")), target_key=target)
-        except (OSError, ValueError) as e:
-            ap.error(f"--data {a.data!r}: {e}")
-    else:
-        ds = ImageFolder(a.data)
-    loader = FusionFlowLoader(
-        ds,
-        batch_size=a.batch_size,
-        shuffle=not a.no_shuffle,
-        num_workers=a.workers,
-        policy=a.policy,
-        seed=a.seed,
-        generator=torch.Generator().manual_seed(a.seed),
-        tiny_batch_size=a.tiny_batch_size,
-        drop_last=a.drop_last,
-    )
+        else:
+            ds = ImageFolder(a.data)
+    except (OSError, ValueError) as e:
+        ap.error(f"--data {a.data!r}: {e}")
+    try:
+        loader = FusionFlowLoader(
+            ds,
+            batch_size=a.batch_size,
+            shuffle=not a.no_shuffle,
+            num_workers=a.workers,
+            policy=a.policy,
+            seed=a.seed,
+            generator=torch.Generator().manual_seed(a.seed),
+            tiny_batch_size=a.tiny_batch_size,
+            drop_last=a.drop_last,
+        )
+    except (OSError, ValueError, TypeError) as e:  # the policy's file or keys, above all
+        ap.error(str(e))
+    signal.signal(signal.SIGTERM, _interrupted)  # kill, docker stop, scancel: the clients are told, the record goes
     try:
         with SharedLoader(loader, name=a.name, buffer=a.buffer) as shared:
             print(f"serving {len(ds)} images of {a.data} as {a.name!r}: {a.epochs} epochs of {len(loader)} batches")
@@ -91,3 +88,27 @@ def main(argv=None) -> int:
         print("interrupted: the clients were told the producer stopped", file=sys.stderr)
         return 130
     return 0
+
+
+def _check(ap, a) -> bool:
+    """Refuse what can be refused before the dataset's scan (a usage error, exit 2); whether DATA is tar shards."""
+    for name in ("epochs", "batch_size", "workers", "min_clients", "buffer", "tiny_batch_size"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    from fusionflow.shared.rendezvous import check_name
+
+    try:
+        check_name(a.name)
+    except ValueError as e:
+        ap.error(str(e).replace("name=", "--name "))
+    is_shards = a.data.endswith(".tar") or (not os.path.isdir(a.data) and any(c in a.data for c in "*?[{"))
+    if not os.path.isdir(a.data) and not is_shards:
+        ap.error(
+            f"--data {a.data!r} is neither a directory (an ImageFolder root: one folder per class) nor tar "
+            "shards (a .tar path, a glob or brace notation)"
+        )
+    return is_shards
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
