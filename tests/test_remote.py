@@ -132,6 +132,26 @@ class FloatTargets(Bytes):
         return sample, index + 0.5
 
 
+class WorkerIds(Bytes):
+    """The label says which worker read the sample: worker id * 1000 + index."""
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return self.data[i], info.id * 1000 + i
+
+
+class SlowOnActors(Bytes):
+    """3 s a sample on a Ray actor (a worker id past the one local worker's), 0.2 s locally."""
+
+    def __getitem__(self, i):
+        time.sleep(3 if torch.utils.data.get_worker_info().id >= 1 else 0.2)
+        return super().__getitem__(i)
+
+
+def _needs_worker_info(worker_id):
+    assert torch.utils.data.get_worker_info().id == worker_id
+
+
 def _loader(ds, remote=None, **kw):
     args = dict(
         batch_size=8,
@@ -185,6 +205,17 @@ def test_argument_errors():
         RayWorkers(1, in_flight=0)
     with pytest.raises(ValueError, match="per_call=0"):
         RayWorkers(1, per_call=0)
+    for bad in ("10", None, float("nan")):
+        with pytest.raises(ValueError, match=r"startup_timeout=.* must be a number of seconds > 0"):
+            RayWorkers(1, startup_timeout=bad)
+    with pytest.raises(ValueError, match=r"call_timeout=nan must be None \(measured\)"):
+        RayWorkers(1, call_timeout=float("nan"))
+    with pytest.raises(TypeError, match=r"init_kwargs=\[1, 2\] must be None or a dict"):
+        RayWorkers(1, init_kwargs=[1, 2])
+    with pytest.raises(TypeError, match="runtime_env='py_modules' must be None or a dict"):
+        RayWorkers(1, runtime_env="py_modules")
+    with pytest.raises(TypeError, match="address='' must be None"):
+        RayWorkers(1, address="")
 
 
 @pytest.mark.ray
@@ -206,6 +237,45 @@ class TestFusionFlowOwnsRay:
         loader.close()
         assert not ray.is_initialized()
         assert _wait_gone() == [], "Ray processes left after close()"
+
+    def test_a_named_address_where_nothing_listens_raises_connection_error_soon(self, monkeypatch):
+        """ray.init retries an address for minutes: the gateway looks first, and the error names the address."""
+        _ray()
+        from fusionflow import RayWorkers
+
+        _init_env(monkeypatch)
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError, match=r"address='127.0.0.1:1'\): no Ray cluster there \(nothing answers"):
+            collect(_loader(Bytes(8), RayWorkers(1, address="127.0.0.1:1", startup_timeout=5)))
+        assert time.monotonic() - t0 < 100  # (it used to say "did not start within 120 s", after 121 s)
+        assert _wait_gone() == [], "Ray processes left"
+
+    def test_two_loaders_start_an_instance_each_and_one_s_close_leaves_the_other_s(self, monkeypatch):
+        """A second loader (validation beside training) does not join the first's private instance (sized for
+        the first, and stopped with it): it starts its own, and keeps its remote workers when the first closes."""
+        ray = _ray()
+        from fusionflow import RayWorkers
+
+        _init_env(monkeypatch)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        a, b = _loader(Bytes(16), RayWorkers(1)), _loader(Bytes(24), RayWorkers(1))
+        for epoch in range(20):  # on a busy machine a local worker may run a whole epoch alone
+            for ld in (a, b):
+                ld.set_epoch(epoch)
+                assert sorted(torch.cat(collect(ld)[1]).tolist()) == list(range(len(ld.dataset)))
+            if b.stats.remote_tiny_batches > 0:
+                break
+        assert b.stats.remote_tiny_batches > 0
+        a.close()
+        before = b.stats.remote_tiny_batches
+        for epoch in range(20, 40):
+            b.set_epoch(epoch)
+            assert sorted(torch.cat(collect(b)[1]).tolist()) == list(range(24))
+            if b.stats.remote_tiny_batches > before:
+                break
+        assert b.stats.remote_tiny_batches > before and b.stats.remote_gateways_lost == 0
+        b.close()
+        assert not ray.is_initialized() and _wait_gone() == [], "Ray processes left after close()"
 
     def test_auto_address_without_a_cluster_starts_a_local_instance(self, monkeypatch, caplog):
         ray = _ray()
@@ -270,6 +340,38 @@ class TestLocalRay:
         assert sorted(torch.cat(labels).tolist()) == list(range(40))
         _expected_pixels(ds, images, [y.tolist() for y in labels], epoch=0)
 
+    def test_actors_have_dataloaders_worker_info_after_the_local_workers(self):
+        """get_worker_info() in a Ray actor (DataLoader's pattern: a handle per worker in worker_init_fn, or in
+        the dataset) gives its id, after the local workers' ids, and its seed, base_seed + id."""
+        from fusionflow import RayWorkers
+
+        with _loader(WorkerIds(24), RayWorkers(2), shuffle=False, worker_init_fn=_needs_worker_info) as loader:
+            for epoch in range(20):  # on a busy machine the local worker may run a whole epoch alone
+                loader.set_epoch(epoch)
+                labels = torch.cat(collect(loader)[1]).tolist()
+                assert sorted(y % 1000 for y in labels) == list(range(24))
+                if loader.stats.remote_tiny_batches > 0:
+                    break
+        ids = {y // 1000 for y in labels}
+        assert loader.stats.remote_tiny_batches > 0 and ids - {0} and ids <= {0, 1, 2}, ids
+
+    def test_calls_that_hang_in_a_row_retire_the_remote_workers(self):
+        """Each call away past half of call_timeout ends its actor; such calls in a row retire the remote workers
+        (they used to replace actors for ever), and every sample is delivered once."""
+        from fusionflow import RayWorkers
+
+        # a call (a tiny-batch of 2) takes 6 s on an actor: ended at 3 s, half the call deadline
+        with _loader(SlowOnActors(16), RayWorkers(1, call_timeout=6, per_call=1), shuffle=False) as loader:
+            deadline, epoch = time.monotonic() + 300, 0  # a replaced actor starts in seconds: an epoch may miss it
+            while time.monotonic() < deadline:
+                loader.set_epoch(epoch)
+                assert sorted(torch.cat(collect(loader)[1]).tolist()) == list(range(16))
+                kind, epoch = loader._manager.board.kinds[0], epoch + 1
+                if kind.retired is not None:
+                    break
+            assert kind.retired is not None and "in a row failed" in kind.retired
+            assert loader.stats.remote_tiny_batches == 0 and loader.stats.remote_gateways_lost == 0
+
     def test_targets_that_are_not_ints(self):
         from fusionflow import RayWorkers
 
@@ -332,7 +434,7 @@ class TestLocalRay:
         from fusionflow.remote.task import actor_class
 
         ds = Bytes(8, bad={3})
-        actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, 0)
+        actor = actor_class(local_ray).options(num_cpus=1).remote(local_ray.put(ds), SMALL, 1, (0, 0, 1))
         try:
             images, labels, failures, _s = local_ray.get(actor.run.remote(0, (5, 6), (2, 3), ()), timeout=60)
         finally:

@@ -29,18 +29,11 @@ class RemoteActors:
     still probing), in the order they were asked for. Used by the kind's thread (and by its stop()
     once that thread has ended)."""
 
-    def __init__(
-        self, ray, config, dataset, policy, seed: int, first_worker_id: int = 0, worker_init_fn=None, stages=None
-    ):
-        """Put `dataset` into Ray's object store (a TypeError naming it if it cannot be pickled); no
-        actor is asked for yet (`start_up`). `stages`: the stage names actors time, or None."""
-        self.ray, self.config, self.stages = ray, config, stages
-        self.policy, self.seed, self.first_worker_id, self.worker_init_fn = (
-            policy,
-            seed,
-            first_worker_id,
-            worker_init_fn,
-        )
+    def __init__(self, ray, config, spec: dict):
+        """Put the `spec`'s dataset into Ray's object store (a TypeError naming it if it cannot be pickled); no
+        actor is asked for yet (`start_up`). `spec`: remote/kind.py's (dataset, policy, seed, first_worker_id,
+        worker_init_fn, base_seed, stages: the stage names actors time, or None)."""
+        self.ray, self.config, self.spec, dataset = ray, config, spec, spec["dataset"]
         try:
             self._dataset_ref = ray.put(dataset)
         except Exception as exc:
@@ -125,8 +118,11 @@ class RemoteActors:
         options = {"num_cpus": self.config.cpus_per_worker, "max_restarts": 0}
         if self.config.runtime_env is not None:
             options["runtime_env"] = self.config.runtime_env
+        s, worker_id = self.spec, self.spec["first_worker_id"] + k
+        workers = worker_id + 1 if self.config.num_workers == "auto" else s["first_worker_id"] + self.config.num_workers
+        seeding = (s["base_seed"], worker_id, workers)  # as a local worker's (DataLoader's): RNGs and worker info
         handle = self._cls.options(**options).remote(
-            self._dataset_ref, self.policy, self.seed, self.first_worker_id + k, self.worker_init_fn, self.stages
+            self._dataset_ref, s["policy"], s["seed"], seeding, s["worker_init_fn"], s["stages"]
         )
         self._actors.append(Actor(k, handle, handle.probe.remote(0)))
 

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
+import socket
 import sys
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = (
     "remote_workers=RayWorkers(...) needs Ray and cloudpickle: pip install 'fusionflow[ray]' "
-    "(or pip install ray==2.60.0 cloudpickle==3.1.2)"
+    "(or pip install 'ray[client]==2.60.0' cloudpickle==3.1.2)"
 )
 TAKE = ("back", "front")
+PROBE_S = 10.0  # the longest a named cluster's address is waited for before ray.init (which retries for minutes)
+PRIVATE = "fusionflow_private_instance"  # a resource marking a local Ray instance a gateway started for its loader
 
 
 def ray_installed() -> bool:
@@ -85,6 +89,9 @@ class RayWorkers:
     call_timeout: seconds a tiny-batch may be away at the gateway (sent, not back) before the gateway
         counts as unresponsive: it is killed, what it held runs on the local workers, and a new one is
         tried at the next epoch. None (the default): 20x the mean round trip measured, at least 10 s.
+        A call on one actor away for half of it ends that actor only (killed and replaced, its tiny-batches
+        run locally; measured: the next bound is twice that call's time, so slow calls are not ended for
+        ever); MAX_FAILURES such calls in a row retire the remote workers for the loader's run.
     """
 
     def __init__(
@@ -106,7 +113,7 @@ class RayWorkers:
             isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1
         ):
             raise ValueError(f"{num_workers=} must be an integer >= 1 or 'auto'")
-        if address is not None and not isinstance(address, str):
+        if address is not None and (not isinstance(address, str) or not address.strip()):
             raise TypeError(f"address={address!r} must be None, 'auto', 'host:port' or 'ray://host:port'")
         if isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, (int, float)) or cpus_per_worker <= 0:
             raise ValueError(f"{cpus_per_worker=} must be a number > 0")
@@ -116,12 +123,14 @@ class RayWorkers:
             raise ValueError(f"{per_call=} must be an integer >= 1")
         if take not in TAKE:
             raise ValueError(f"take={take!r} must be one of {TAKE}")
-        if startup_timeout <= 0:
-            raise ValueError(f"{startup_timeout=} must be > 0")
-        if call_timeout is not None and (
-            isinstance(call_timeout, bool) or not isinstance(call_timeout, (int, float)) or call_timeout <= 0
-        ):
+        if not _seconds(startup_timeout):
+            raise ValueError(f"{startup_timeout=} must be a number of seconds > 0")
+        if call_timeout is not None and not _seconds(call_timeout):
             raise ValueError(f"{call_timeout=} must be None (measured) or a number of seconds > 0")
+        if init_kwargs is not None and not isinstance(init_kwargs, dict):
+            raise TypeError(f"init_kwargs={init_kwargs!r} must be None or a dict of ray.init's keyword arguments")
+        if runtime_env is not None and not isinstance(runtime_env, dict):
+            raise TypeError(f"runtime_env={runtime_env!r} must be None or a dict (Ray's runtime_env)")
         self.num_workers, self.address, self.cpus_per_worker = num_workers, address, cpus_per_worker
         self.in_flight, self.take, self.runtime_env, self.per_call = in_flight, take, runtime_env, per_call
         self.startup_timeout, self.init_kwargs = startup_timeout, dict(init_kwargs or {})
@@ -132,6 +141,21 @@ class RayWorkers:
             f"RayWorkers({self.num_workers!r}, address={self.address!r}, cpus_per_worker={self.cpus_per_worker}, "
             f"in_flight={self.in_flight}, per_call={self.per_call}, take={self.take!r})"
         )
+
+
+def _reachable(address: str, seconds: float) -> None:
+    """ConnectionError unless something listens at the address's host:port (a `ray://` one's too)."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), timeout=seconds).close()
+    except ValueError:
+        raise ConnectionError(f"{address!r} is not host:port") from None
+    except OSError as exc:
+        raise ConnectionError(f"nothing answers at {host}:{port}: {exc}") from None
+
+
+def _seconds(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
 
 def connect(config: RayWorkers, joined: str | None = None):
@@ -145,6 +169,7 @@ def connect(config: RayWorkers, joined: str | None = None):
         return ray, False
     if config.address not in (None, "auto"):  # a named cluster: it must be there
         try:
+            _reachable(config.address, min(PROBE_S, config.startup_timeout))  # ray.init retries for minutes
             ray.init(address=config.address, **kwargs)
         except ConnectionError as exc:
             raise ConnectionError(
@@ -155,7 +180,9 @@ def connect(config: RayWorkers, joined: str | None = None):
         return ray, False
     try:
         ray.init(address="auto", **kwargs)
-        return ray, False
+        if PRIVATE not in ray.cluster_resources():
+            return ray, False
+        ray.shutdown()  # another loader's gateway started it for itself (and stops it with that loader)
     except ConnectionError:  # no cluster is running: start a local one
         if config.address == "auto":
             log.warning(
@@ -167,7 +194,8 @@ def connect(config: RayWorkers, joined: str | None = None):
     # the local instance's actors are this job's data workers: at Ray's default worker niceness (15) any
     # busy process on the node starves them (beside two busy loops an actor took ~95 s to start)
     os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(**kwargs)
+    kwargs["resources"] = {**kwargs.get("resources", {}), PRIVATE: 1}  # marked: no other loader joins it
+    ray.init(address="local", **kwargs)
     log.info(
         "fusionflow started a local Ray instance for its remote workers (%s CPUs)",
         ray.cluster_resources().get("CPU"),

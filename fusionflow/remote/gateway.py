@@ -35,7 +35,7 @@ import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
-from fusionflow.remote.pulse import ACTOR_SHARE, Pulse, call_deadline, find_raylet, running_mean
+from fusionflow.remote.pulse import ACTOR_SHARE, CALL_FACTOR, Pulse, call_deadline, find_raylet, running_mean
 from fusionflow.runtime.procs import parent_gone
 
 WATCHDOG_S = 0.5
@@ -93,16 +93,7 @@ class Gateway:
 
         spec = self.spec
         self.ray, started = remote_config.connect(self.config, spec["joined"])
-        self.actors = RemoteActors(
-            self.ray,
-            self.config,
-            spec["dataset"],
-            spec["policy"],
-            spec["seed"],
-            spec["first_worker_id"],
-            spec["worker_init_fn"],
-            spec["stages"],
-        )
+        self.actors = RemoteActors(self.ray, self.config, spec)
         self.actors.start_up()
         self._watch_probes()
         self.send(("started", {"started_instance": started, "actors": self.table()}))
@@ -166,7 +157,10 @@ class Gateway:
         """Queue calls on every ready actor with room (in turns, so each gets some); a call carries
         up to `per_call` tiny-batches (Ray's cost is per call). With no actor ready (the loader sent work
         before it heard of a loss), what is queued goes back at once: a replacement may never come up."""
-        if self.retired:
+        if self.retired:  # what the loader sent before it heard: back at once, not left to its call deadline
+            if self.fifo:
+                queued, self.fifo = list(self.fifo), collections.deque()
+                self.send(("back", [t.task_id for t in queued], "retired"))
             return
         ready = [a for a in self.actors if a.ready]
         if not ready and self.fifo:
@@ -281,11 +275,14 @@ class Gateway:
     def _give_back(self, tasks, failed: bool) -> None:
         """Tiny-batches that failed on the remote path (not a sample's fault) run locally; after
         MAX_FAILURES failed calls in a row the remote workers retire."""
+        self.send(("back", [t.task_id for t in tasks], "failed"))
+        if failed:
+            self._failed_call()
+
+    def _failed_call(self) -> None:
+        """A call failed on the remote path or hung: MAX_FAILURES in a row retire the remote workers."""
         from fusionflow.remote.actors import MAX_FAILURES
 
-        self.send(("back", [t.task_id for t in tasks], "failed"))
-        if not failed:
-            return
         self.failures_in_a_row += 1
         if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
             self.retired = f"{self.failures_in_a_row} calls in a row failed on the Ray workers"
@@ -318,7 +315,10 @@ class Gateway:
         self.calls.pop(ref)
         self.call_started.pop(ref)
         actor.inflight -= 1
+        # a call may be slow, not hung (nothing measured yet, or slower samples): the next bound is twice this one
+        self.call_mean = max(self.call_mean, 2 * away / (ACTOR_SHARE * CALL_FACTOR))
         self._lost(actor, tasks, TimeoutError(f"a call hung {away:.0f} s"))
+        self._failed_call()  # hung calls in a row retire the remote workers (each killed an actor)
 
     def shutdown(self) -> None:
         if self.pulse is not None:

@@ -84,12 +84,11 @@ class RemoteWorkers:
         on_stage_times=None,
     ):
         """`config`: the RayWorkers; `spec`: the local runtime's (the actors augment with its policy,
-        seed, worker_init_fn and stage names; their worker ids follow the local workers')."""
+        seed, worker_init_fn, base_seed and stage names; their worker ids follow the local workers')."""
         self.board, self.config, self.dataset, self.spec = board, config, dataset, spec
         self.counters = counters if counters is not None else board.counters
         self.on_stage_times = on_stage_times  # callback(actor name, stage ns totals) under the lock
-        self.actors: list[ActorInfo] = []
-        self.retired: str | None = None
+        self.actors, self.retired = [], None  # list[ActorInfo]; why the remote workers stopped taking work
         self.sessions: list[int] = []
         self._spec: bytes | None = None
         self._gw: _Gateway | None = None  # the running gateway, if any
@@ -119,6 +118,7 @@ class RemoteWorkers:
                 "seed": self.spec.seed,
                 "first_worker_id": self.spec.num_workers,
                 "worker_init_fn": self.spec.worker_init_fn,
+                "base_seed": self.spec.base_seed,
                 "stages": self.spec.stages,
                 "layout": self.board.ring.layout,
                 "joined": app_address(),

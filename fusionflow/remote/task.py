@@ -14,9 +14,11 @@ class RemoteTask:
     """The body of the Ray actor (wrapped with ray.remote by `actor_class`): a local CPU worker's
     tiny-batch code, returning its output instead of writing into shared memory."""
 
-    def __init__(self, dataset, policy, seed: int, worker_id: int, worker_init_fn=None, stages=None):
-        """`stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None."""
+    def __init__(self, dataset, policy, seed: int, seeding: tuple, worker_init_fn=None, stages=None):
+        """`seeding`: (base_seed, worker id, num_workers), as a local worker's (its RNGs and torch's worker info,
+        then `worker_init_fn`); `stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None."""
         from fusionflow.ops.pipeline import CpuPipeline
+        from fusionflow.runtime.worker import seed_as_dataloader
 
         self.dataset, self.seed = dataset, seed
         self.pipe = CpuPipeline(policy)
@@ -25,8 +27,9 @@ class RemoteTask:
             from fusionflow.ops.stages import StageClock
 
             self.clock = StageClock(stages)
+        seed_as_dataloader(*seeding, dataset)
         if worker_init_fn is not None:
-            worker_init_fn(worker_id)
+            worker_init_fn(seeding[1])
 
     def probe(self, index: int) -> dict:
         """Where this actor runs, and whether it can read sample `index` there (None: yes)."""
