@@ -148,6 +148,15 @@ class SlowOnActors(Bytes):
         return super().__getitem__(i)
 
 
+class FailsOnActors(Bytes):
+    """Sample 5 cannot be read on the Ray actors (worker ids past the one local worker's)."""
+
+    def __getitem__(self, i):
+        if i == 5 and torch.utils.data.get_worker_info().id >= 1:
+            raise FileNotFoundError(2, "No such file or directory", "/data/img_5.jpg")
+        return super().__getitem__(i)
+
+
 def _needs_worker_info(worker_id):
     assert torch.utils.data.get_worker_info().id == worker_id
 
@@ -429,6 +438,20 @@ class TestLocalRay:
             _x, labels = collect(loader)
             assert sorted(torch.cat(labels).tolist()) == list(range(48))
             assert loader.stats.remote_tiny_batches > before
+
+    def test_a_sample_failing_on_a_ray_worker_says_where(self):
+        """A file missing on a Ray node only: the error names the actor and its host, not only the path."""
+        from fusionflow import RayWorkers, SampleError
+
+        with _loader(FailsOnActors(16), RayWorkers(2), shuffle=False) as loader:
+            for epoch in range(30):  # until an actor, not the local worker, reads sample 5
+                loader.set_epoch(epoch)
+                try:
+                    collect(loader)
+                except SampleError as e:
+                    assert "sample 5 (/data/img_5.jpg) on Ray worker ray" in str(e) and "(host " in str(e), e
+                    return
+        pytest.fail("no Ray worker read sample 5 in 30 epochs")
 
     def test_a_failing_sample_travels_as_data(self, local_ray):
         from fusionflow.remote.task import actor_class

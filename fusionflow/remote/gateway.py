@@ -23,6 +23,7 @@ stops: the gateway leads its own session, and the loader kills that session (run
 from __future__ import annotations
 
 import collections
+import dataclasses
 import fcntl
 import logging
 import os
@@ -222,6 +223,8 @@ class Gateway:
         failed = []
         for task, (images, labels, failures, seconds) in zip(tasks, results):
             side, bad = {}, {f.position for f in failures}
+            where = f" on Ray worker {actor.name} (host {actor.host})"  # a file missing there only, say
+            failures = [dataclasses.replace(f, what=f.what + where) for f in failures]
             try:
                 for k, (pos, target) in enumerate(zip(task.positions, labels)):
                     if pos not in bad:
