@@ -146,10 +146,10 @@ class RayWorkers:
 def _reachable(address: str, seconds: float) -> None:
     """ConnectionError unless something listens at the address's host:port (a `ray://` one's too)."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not port.isdigit():
+        return  # no port given: Ray's own default and error apply
     try:
-        socket.create_connection((host or "127.0.0.1", int(port)), timeout=seconds).close()
-    except ValueError:
-        raise ConnectionError(f"{address!r} is not host:port") from None
+        socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=seconds).close()  # [IPv6]
     except OSError as exc:
         raise ConnectionError(f"nothing answers at {host}:{port}: {exc}") from None
 
