@@ -136,3 +136,28 @@ def test_end_processes_interrupted_in_its_grace_still_ends_every_process():
     with pytest.raises(KeyboardInterrupt):
         end_processes(procs, grace=30.0)
     assert [p.ended_by for p in procs] == ["terminate", "terminate"]
+
+
+def test_a_cpu_worker_ends_quietly_on_sigterm_whatever_handler_the_script_installed():
+    """A script's SIGTERM handler (`python -m fusionflow serve` has one) is not a worker's: SIGTERMed (scancel,
+    kill of the process group), a worker ends by the signal, not in the script's handler mid-sample."""
+    from test_loader import SMALL, Bytes, collect
+
+    from fusionflow.loader import FusionFlowLoader
+
+    def scripts(signum, frame):
+        raise KeyboardInterrupt("the script's handler")
+
+    old = signal.signal(signal.SIGTERM, scripts)
+    try:
+        ld = FusionFlowLoader(Bytes(16), batch_size=4, num_workers=1, policy=SMALL, persistent_workers=True)
+        collect(ld)
+        proc = ld._manager.pool.workers[0].process
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(60)
+    assert proc.exitcode == -signal.SIGTERM
+    ld.set_epoch(1)
+    assert sorted(i for y in collect(ld)[1] for i in y.tolist()) == list(range(16))  # a new worker took over
+    ld.close()

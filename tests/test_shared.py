@@ -551,3 +551,22 @@ def test_two_producers_of_one_name_starting_together_one_is_refused(tmp_path):
             assert not os.path.exists(rendezvous.path_of(name))
     finally:
         os.close(fd)
+
+
+def test_a_producer_whose_publish_fails_leaves_no_descriptor_open(tmp_path, monkeypatch):
+    """The name's lock held past its bound (a stopped process), a Ctrl-C: the Hub's socket, pipes and ring
+    descriptor are closed before the error propagates."""
+    from fusionflow.shared.hub import Hub
+
+    def stuck(*args):
+        raise TimeoutError("the shared loader name's lock stayed locked over 10 s (its holder stopped?)")
+
+    monkeypatch.setattr(rendezvous, "publish", stuck)
+    fd = os.open(tmp_path / "ring", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(TimeoutError, match="stayed locked"):
+            Hub(f"stuck-{uuid.uuid4().hex[:8]}", fd, None, None)
+        assert set(os.listdir("/proc/self/fd")) <= before
+    finally:
+        os.close(fd)

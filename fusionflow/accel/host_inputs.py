@@ -308,6 +308,7 @@ def serve(inputs: HostInputs, conn, close_inherited: bool = False, reader=None, 
     (helper_reads.HelperReader): the helper reads runs too, and closes only what a CPU worker does (`attach`:
     the dataset's own descriptors stay)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler of the script's: end quietly
     if reader is not None:
         reader.attach(close_inherited, seed)
     elif close_inherited:

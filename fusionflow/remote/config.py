@@ -92,6 +92,10 @@ class RayWorkers:
         A call on one actor away for half of it ends that actor only (killed and replaced, its tiny-batches
         run locally; measured: the next bound is twice that call's time, so slow calls are not ended for
         ever); MAX_FAILURES such calls in a row retire the remote workers for the loader's run.
+
+    In an actor, `torch.utils.data.get_worker_info()` and the RNGs are set as in a local worker: ids follow the
+    local workers', num_workers is the local workers' plus `num_workers` (with "auto": the actor's id + 1), the
+    seed is the loader's base seed + id; then `worker_init_fn(id)` runs.
     """
 
     def __init__(

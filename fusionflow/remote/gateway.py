@@ -318,8 +318,9 @@ class Gateway:
         self.calls.pop(ref)
         self.call_started.pop(ref)
         actor.inflight -= 1
-        # a call may be slow, not hung (nothing measured yet, or slower samples): the next bound is twice this one
-        self.call_mean = max(self.call_mean, 2 * away / (ACTOR_SHARE * CALL_FACTOR))
+        # a call may be slow, not hung (nothing measured yet, or slower samples): the next bound is twice this one,
+        # as the loader's call deadline doubles at this loss (remote/kind.py): an actor's bound stays half of it
+        self.call_mean = max(self.call_mean, 2 * bound / (ACTOR_SHARE * CALL_FACTOR))
         self._lost(actor, tasks, TimeoutError(f"a call hung {away:.0f} s"))
         self._failed_call()  # hung calls in a row retire the remote workers (each killed an actor)
 

@@ -36,11 +36,14 @@ import time
 from typing import NamedTuple
 
 from fusionflow.remote.link import GatewayLink, forward_log, pickle_spec
-from fusionflow.remote.pulse import call_deadline, running_mean, silence
+from fusionflow.remote.pulse import CALL_FACTOR, call_deadline, running_mean, silence
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.spec import RuntimeSpec
 
 log = logging.getLogger(__name__)
+_LOST = (
+    "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking for a replacement"
+)
 MAX_GATEWAY_FAILURES = 3  # gateway deaths (or failed restarts) in a row before the remote workers retire
 BACKOFF_S = 10.0  # a new gateway after this long (doubling with each failure), or at the next epoch
 
@@ -388,13 +391,8 @@ class RemoteWorkers:
             _what, name, host, error, n = event
             self.counters.remote_workers_lost += 1
             gw.last_error = f"Ray worker {name} on {host} lost ({error})"
-            log.warning(
-                "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking "
-                "the cluster for a replacement",
-                name,
-                host,
-                error,
-                n,
-            )
+            if error == "TimeoutError":  # a call ended as hung: the gateway doubled its bound, the deadline doubles
+                self._round_trip = max(self._round_trip, 2 * self.call_deadline() / CALL_FACTOR)
+            log.warning(_LOST, name, host, error, n)
         elif what == "retired":
             self._retire(event[1])

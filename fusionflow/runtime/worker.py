@@ -259,6 +259,7 @@ def worker_loop(
     `cache`: a CacheHandle (fusionflow/cache/attach.py), or None: no decoded-image cache. `num_workers`: the
     loader's (torch's worker info says it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler of the script's (`serve` has one): end quietly
     close_inherited()
     ring = None
     try:

@@ -99,18 +99,26 @@ class Hub:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        existing = rendezvous.publish(name, self.address, self._secret)
+        try:
+            existing = rendezvous.publish(name, self.address, self._secret)
+        except BaseException:  # the name's lock held by a stopped process past its bound, a Ctrl-C
+            existing = None
+            self._close_fds()
+            raise
         if existing is not None:  # published since the look above
-            self._sel.close()
-            for fd in (self._wake_r, self._wake_w, self._ro_fd):
-                os.close(fd)
-            self._listener.close()
+            self._close_fds()
             raise _taken(name, existing)
         self.path = rendezvous.path_of(name)
         # at close, at collection, or at interpreter exit when close() never ran
         self._unpublish = weakref.finalize(self, _unpublish, name, os.getpid())
         self._thread = threading.Thread(target=self._run, name=f"fusionflow-shared-{name}", daemon=True)
         self._thread.start()
+
+    def _close_fds(self) -> None:  # a Hub that did not start
+        self._sel.close()
+        self._listener.close()
+        for fd in (self._wake_r, self._wake_w, self._ro_fd):
+            os.close(fd)
 
     # ---------------------------------------------------------------- the producer's main thread (lock held)
     def live(self) -> list[Client]:
