@@ -417,8 +417,9 @@ def test_job_killed_as_a_whole_leaves_no_keeper_and_no_segment():
 
 
 def test_a_forked_child_does_not_keep_a_killed_trainer_s_keeper_alive():
-    """A child the training script forks (after its loader attached) does not hold the keeper's connection: once
-    the trainer is SIGKILLed, the keeper exits while that child still runs."""
+    """A child the training script forks (after its loader attached) holds neither the keeper's connection nor the
+    cache's segment: once the trainer is SIGKILLed, the keeper exits while that child still runs, and the segment's
+    memory goes with it."""
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {os.path.dirname(__file__)!r})
@@ -438,6 +439,8 @@ def test_a_forked_child_does_not_keep_a_killed_trainer_s_keeper_alive():
     keeper_pid = child = None
     try:
         keeper_pid, child = map(int, proc.stdout.readline().split())
+        held = [os.readlink(f"/proc/{child}/fd/{fd}") for fd in os.listdir(f"/proc/{child}/fd")]
+        assert not [link for link in held if "ff_cache" in link], held  # (the keeper's socket: its exit below)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
         deadline = time.monotonic() + 60

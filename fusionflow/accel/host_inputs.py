@@ -36,6 +36,7 @@ from fusionflow.accel.helper_reads import HelperReader, HelperRun, ReadFailed, T
 from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
 from fusionflow.runtime.procs import interrupts_deferred
+from fusionflow.runtime.shm import forking_ours
 
 log = logging.getLogger(__name__)
 MAX_HELPERS = 4  # helper processes at most (a run's inputs cut into this many shares)
@@ -158,7 +159,7 @@ class InputHelper:
                         target=serve, args=(inputs, child, forked, reader, seed), name=f"fusionflow-dali-inputs-{k}"
                     )
                     proc.daemon = True
-                    with interrupts_deferred():  # a Ctrl-C in the fork left a helper nobody joined (a zombie)
+                    with interrupts_deferred(), forking_ours():  # a Ctrl-C in the fork left a zombie helper
                         proc.start()
                         self._procs.append(proc)
                 finally:

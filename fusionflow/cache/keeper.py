@@ -38,7 +38,7 @@ import posix_ipc
 from fusionflow.cache.store import CacheStore
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import disown_fd, recv_fd, send_fd
+from fusionflow.runtime.shm import disown_fd, on_foreign_fork, recv_fd, send_fd
 from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
 log = logging.getLogger("fusionflow.cache")
@@ -85,8 +85,9 @@ _LINKS: weakref.WeakSet = weakref.WeakSet()  # this process's open links
 
 
 def _close_links_in_child() -> None:
-    """In a fork's child: close the inherited copies of the links' sockets (the parent's connections stay open). A
-    copy kept open would keep the keeper counting the parent's loader after that process died (a SIGKILL)."""
+    """In the child of a fork FusionFlow did not make: close the inherited copies of the links' sockets (the parent's
+    connections stay open). A copy kept open would keep the keeper counting the parent's loader after that process
+    died (a SIGKILL). Its CPU workers close theirs with the other owned descriptors (runtime/shm.py)."""
     for link in list(_LINKS):
         if not link.conn.closed:
             disown_fd(link.conn.fileno())  # closed here: a worker's close_owned_fds must not close its reused number
@@ -94,7 +95,7 @@ def _close_links_in_child() -> None:
     _LINKS.clear()
 
 
-os.register_at_fork(after_in_child=_close_links_in_child)
+on_foreign_fork(_close_links_in_child)
 
 
 def attach(

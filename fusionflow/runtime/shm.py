@@ -22,11 +22,13 @@ find them by name.)
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import mmap
 import os
 import secrets
 import socket
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,6 +153,41 @@ def map_from_child_fd(layout: RingLayout, child_fd: ChildFd) -> BatchRing:
     ring = BatchRing(layout, fd=child_fd.fd)
     close_owned_fds(child_fd.fd)
     return ring
+
+
+_OUR_FORKS = [0, threading.Lock()]  # forks FusionFlow is making now: its children close what they inherit themselves
+_ON_FOREIGN_FORK: list = []  # callables run first in the child of a fork FusionFlow did not make
+
+
+@contextlib.contextmanager
+def forking_ours():
+    """Around FusionFlow's own fork of a worker or helper (they close the owned descriptors they do not need)."""
+    with _OUR_FORKS[1]:
+        _OUR_FORKS[0] += 1
+    try:
+        yield
+    finally:
+        with _OUR_FORKS[1]:
+            _OUR_FORKS[0] -= 1
+
+
+def on_foreign_fork(closer) -> None:
+    """Run `closer()` in the child of every fork FusionFlow does not make, before the owned descriptors close."""
+    _ON_FOREIGN_FORK.append(closer)
+
+
+def _after_fork_in_child() -> None:
+    """A child the script forks (its own helper, another library's workers) keeps nothing of the loaders': the
+    owned descriptors (a cache's segment, its keeper's socket, the input helpers' memory) would keep them alive."""
+    if _OUR_FORKS[0]:
+        return
+    _OUR_FORKS[1] = threading.Lock()  # (a lock held by another thread at the fork stays held in the child)
+    for closer in _ON_FOREIGN_FORK:
+        closer()
+    close_owned_fds()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def close_owned_fds(*more: int) -> None:
