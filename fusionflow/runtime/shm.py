@@ -114,7 +114,7 @@ class BatchRing:
             self._map = None
 
 
-_OWNED_FDS: set[int] = set()  # this process's ring (and cache) descriptors, closed in forked workers
+_OWNED_FDS: set[int] = set()  # this process's ring, cache and helper descriptors, closed in any forked child
 
 
 def own_fd(fd: int) -> None:

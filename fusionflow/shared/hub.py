@@ -67,13 +67,6 @@ def _unpublish(name: str, pid: int) -> None:
         rendezvous.remove(name, pid)
 
 
-def _taken(name: str, existing: dict) -> ValueError:
-    return ValueError(
-        f"a SharedLoader named {name!r} is already serving on this node (pid {existing['pid']}): "
-        "give this one another name, or stop that one"
-    )
-
-
 class Hub:
     def __init__(self, name: str, ring_fd: int, hello, on_free):
         """`hello(running)`: the Hello a new client gets; `on_free(slot)`: a slot nobody holds."""
@@ -88,10 +81,6 @@ class Hub:
         self._stopping = False
         self._stop_check = 0.0  # when `_let_go_of_stopped` last looked
         self._ro_fd = rendezvous.read_only_fd(ring_fd)
-        existing = rendezvous.read(name)
-        if existing is not None:
-            os.close(self._ro_fd)
-            raise _taken(name, existing)
         self._secret = secrets.token_bytes(32)
         self.address = f"fusionflow-shared-{os.getuid()}-{name}-{secrets.token_hex(8)}"
         self._listener = listen(self.address)
@@ -99,15 +88,17 @@ class Hub:
         self._sel = selectors.DefaultSelector()
         self._sel.register(self._listener, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        try:
+        try:  # the look for a live producer of the name and the publish: one step, under the name's lock
             existing = rendezvous.publish(name, self.address, self._secret)
-        except BaseException:  # the name's lock held by a stopped process past its bound, a Ctrl-C
-            existing = None
+        except BaseException:  # the lock held by a stopped process past its bound, a Ctrl-C
             self._close_fds()
             raise
-        if existing is not None:  # published since the look above
+        if existing is not None:
             self._close_fds()
-            raise _taken(name, existing)
+            raise ValueError(
+                f"a SharedLoader named {name!r} is already serving on this node (pid {existing['pid']}): "
+                "give this one another name, or stop that one"
+            )
         self.path = rendezvous.path_of(name)
         # at close, at collection, or at interpreter exit when close() never ran
         self._unpublish = weakref.finalize(self, _unpublish, name, os.getpid())
