@@ -432,10 +432,13 @@ def test_a_forked_child_does_not_keep_a_killed_trainer_s_keeper_alive():
         loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache(),
                                   persistent_workers=True)
         it = iter(loader); next(it)
+        ready, say_ready = os.pipe()
         child = os.fork()
-        if child == 0:
+        if child == 0:  # the at-fork hooks have run by the time fork() returns here
+            os.write(say_ready, b"x")
             time.sleep(120)
             os._exit(0)
+        os.read(ready, 1)  # the child's hooks, not the scheduler's order, decide what it holds
         print(loader.parts.runtime.cache_attachment.keeper_pid, child, flush=True)
         sys.stdin.read()  # until the test kills this process
     """)
