@@ -11,14 +11,6 @@
 import sys
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["gm"]:
-        from fusionflow.runtime.gm.manager import cli
-
-        sys.exit(cli(sys.argv[2:]))
-    if sys.argv[1:2] == ["serve"]:
-        from fusionflow.tools.serve import main as serve
-
-        sys.exit(serve(sys.argv[2:]))
     from fusionflow.tools.demo import main
 
     sys.exit(main(sys.argv[1:]))

@@ -14,6 +14,8 @@ from fusionflow.policy.op_specs import OP_NAMES, OPS
 from fusionflow.tools.synthetic import make_image
 
 VALUES = {**VALUES, "Cutout": [0.0, 40.0, 300.0]}
+for _name in ("Brightness", "Color", "Contrast", "Sharpness"):  # to the schema's largest factor, 11
+    VALUES[_name] = [*VALUES[_name], 3.0, 10.0]
 # Fast kernels and what they may differ by from the exact op: "same" pixels; "level": at most one or
 # two levels anywhere (they round where Pillow truncates); "geometry": pixels whose source lies on a
 # sampling boundary take the neighbour, and bilinear weights round a level apart (at most 2% of

@@ -129,6 +129,12 @@ def _with(path, value):
         (("output", "size"), [224], r"output\.size: expected an int or \[height, width\]"),
         (("crop",), {"scale": [0.9, 0.1]}, r"crop\.scale: lower bound 0.9 is greater than upper bound 0.1"),
         (("augment", "ops", "Rotate", "signed"), "yes", r"augment\.ops\.Rotate\.signed: expected true or false"),
+        # NaN passes every comparison, inf an open bound: both refused where a number is read
+        (("flip",), float("nan"), r"flip: expected a finite number, got nan"),
+        (("augment", "ops", "Rotate"), {"range": [0, float("inf")]}, r"Rotate\.range\[1\]: expected a finite number"),
+        (("jitter",), {"brightness": float("inf")}, r"jitter\.brightness: expected a finite number, got inf"),
+        (("augment", "fill"), [127.9, 0.5, 3], r"augment\.fill\[0\]: expected an integer, got float 127\.9"),
+        (("augment", "fill"), [1, 2], r"augment\.fill: expected a list of three integers"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path, path, value, expect):
@@ -169,6 +175,66 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_policy(str(bad))
     with pytest.raises(TypeError, match="policy must be a path"):
         load_policy(42)
+
+
+def test_a_key_given_twice_is_refused_with_its_line(tmp_path):
+    """YAML keeps the last of two equal keys silently: a policy file's second `flip` or second op is refused."""
+    path = tmp_path / "twice.yaml"
+    path.write_text(yaml.safe_dump(BASE, sort_keys=False) + "flip: 0.5\nflip: 0.0\n")
+    with pytest.raises(ValueError, match=r"twice\.yaml: line \d+: key 'flip' given twice"):
+        load_policy(str(path))
+    merged = tmp_path / "merged.yaml"  # a YAML merge overridden by the mapping's own key is not a repeat
+    merged.write_text("base: &b {a: 1, b: 2}\ntop: {<<: *b, a: 3}\n")
+    from fusionflow.policy.reader import read_yaml
+
+    assert read_yaml(str(merged))["top"] == {"a": 3, "b": 2}
+    with pytest.raises(ValueError, match=r"policy file .* cannot be read: .*Is a directory"):
+        load_policy(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "augment,expect",
+    [
+        (
+            {"type": "subpolicy", "num_bins": 11, "ops": {"Rotate": {"range": [0, 30]}}, "subpolicies": [[[["R"], 1]]]},
+            r"subpolicies\[0\]\[0\]\[0\]: expected an op name, got list",
+        ),
+        ({"type": "timm-rand", "ops": [["Rotate"]]}, r"augment\.ops\[0\]: expected a timm op name, got list"),
+        (
+            {
+                "type": "deepaa",
+                "magnitude_bins": 2,
+                "ops": {"Rotate": [0, 30]},
+                "pairs": [[["Rotate"], 1]],
+                "layers": [[1]],
+            },
+            r"augment\.pairs\[0\]: op \['Rotate'\] is not one of augment\.ops",
+        ),
+        (  # DeepAA's ranges in the authors' units, bounded by the mapped op's domain
+            {
+                "type": "deepaa",
+                "magnitude_bins": 2,
+                "ops": {"Posterize": [0, 100]},
+                "pairs": [["Posterize", 1]],
+                "layers": [[1]],
+            },
+            r"augment\.ops\.Posterize\[1\]: 100 is out of range \[0\.0, 8\.0\]",
+        ),
+        (
+            {
+                "type": "deepaa",
+                "magnitude_bins": 2,
+                "ops": {"Color": [0, 12]},
+                "pairs": [["Color", 1]],
+                "layers": [[1]],
+            },
+            r"augment\.ops\.Color\[1\]: 12 is out of range \[0\.0, 11\.0\]",
+        ),
+    ],
+)
+def test_a_wrong_shape_where_an_op_or_its_range_belongs_names_the_key(augment, expect):
+    with pytest.raises(ValueError, match=expect):
+        load_policy({"output": {"size": 32}, "augment": augment})
 
 
 def test_user_subset_policy(tmp_path):

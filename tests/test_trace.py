@@ -269,9 +269,17 @@ def test_bench_finds_the_train_split_or_says_what_it_expected(folder, tmp_path):
         (["profile", "--data", "/no/such/dir"], "--data '/no/such/dir' is not a directory"),
         (["profile", "--data", ".", "--batches", "0"], "--batches must be >= 1"),
         (["bench", "--data", ".", "--repeats", "0"], "--repeats must be >= 1"),
+        (["profile", "--data", ".", "--step-ms", "nan"], "--step-ms must be a number of milliseconds >= 0"),
+        (["profile", "--data", "EMPTY"], "has no class sub-directories"),  # the dataset's error, as usage
+        (["profile", "--data", "FOLDER", "--policy", "nosuch"], "policy file 'nosuch' does not exist"),
+        (["demo", "--data", "/no/such/dir"], "--data '/no/such/dir' is not a directory"),
+        (["demo", "--data", "EMPTY"], "has no class sub-directories"),
+        (["nosuch"], "choose from 'demo', 'profile', 'bench', 'serve', 'gm'"),  # every command listed
     ],
 )
-def test_commands_reject_bad_arguments(argv, match, capsys):
+def test_commands_reject_bad_arguments(argv, match, capsys, tmp_path, folder):
+    (tmp_path / "empty").mkdir()
+    argv = [{"EMPTY": str(tmp_path / "empty"), "FOLDER": folder}.get(a, a) for a in argv]
     with pytest.raises(SystemExit) as exc:
         cli(argv)
     assert exc.value.code == 2 and match in capsys.readouterr().err

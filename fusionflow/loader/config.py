@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import multiprocessing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -99,7 +101,9 @@ def resolve_collate(collate_fn):
     return None if collate_fn is None or collate_fn is default_collate else collate_fn
 
 
-def resolve_num_workers(num_workers, cores: int, notes: list) -> int:
+def resolve_num_workers(num_workers, cores: int, notes: list, context=None) -> int:
+    """num_workers checked (a count above the cores a note), and `context`, how they start (check_context)."""
+    check_context(context)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
     if num_workers > cores:  # as DataLoader does: a warning, not an error (workers then share cores)
@@ -135,10 +139,14 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
     return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity, batch_size
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
     if tiny_batch_size is None:
         tiny_batch_size = min(4, capacity)
-    if not isinstance(tiny_batch_size, int) or tiny_batch_size < 1:
+    if not _is_int(tiny_batch_size) or tiny_batch_size < 1:
         raise ValueError(f"tiny_batch_size={tiny_batch_size!r} must be an integer >= 1")
     if tiny_batch_size > capacity:
         raise ValueError(
@@ -156,19 +164,34 @@ def resolve_prefetch(prefetch_factor, num_workers: int) -> int:
         prefetch_factor = 2
     elif num_workers == 0:
         raise ValueError("prefetch_factor needs num_workers > 0 (with 0 workers nothing runs ahead)")
-    if not isinstance(prefetch_factor, int) or prefetch_factor < 1:
+    if not _is_int(prefetch_factor) or prefetch_factor < 1:
         raise ValueError(f"prefetch_factor={prefetch_factor!r} must be an integer >= 1 (mini-batches in flight)")
     return prefetch_factor
+
+
+def check_context(ctx) -> None:
+    """multiprocessing_context as DataLoader takes it: a start method's name or a context, refused here, not at
+    the first iteration."""
+    if isinstance(ctx, str):
+        try:
+            multiprocessing.get_context(ctx)
+        except ValueError:
+            methods = ", ".join(multiprocessing.get_all_start_methods())
+            raise ValueError(
+                f"multiprocessing_context={ctx!r} is not a start method here; use one of {methods}"
+            ) from None
+    elif ctx is not None and not isinstance(ctx, multiprocessing.context.BaseContext):
+        raise TypeError(f"multiprocessing_context={ctx!r} must be a start method's name or a multiprocessing context")
 
 
 def check_run_options(persistent_workers, num_workers: int, timeout, on_error, max_retries, pin_workers) -> None:
     if persistent_workers and num_workers == 0:
         raise ValueError("persistent_workers=True needs num_workers > 0")
-    if timeout < 0:
-        raise ValueError(f"timeout={timeout} must be >= 0 (0 waits forever)")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+        raise ValueError(f"timeout={timeout!r} must be a number of seconds >= 0 (0 waits forever)")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")
-    if not isinstance(max_retries, int) or max_retries < 0:
+    if not _is_int(max_retries) or max_retries < 0:
         raise ValueError(f"max_retries={max_retries!r} must be an integer >= 0")
     if pin_workers not in (True, False, "auto"):
         raise ValueError(f"pin_workers={pin_workers!r} must be 'auto', True or False")
@@ -310,10 +333,9 @@ def resolve_config(
     """FusionFlowLoader's arguments (the same names; no defaults here: the loader's signature holds
     them) resolved and checked, in the order the loader reports them. Warnings to give the caller
     (UserWarning) are appended to `notes` as messages, also when a later argument raises."""
-    host = Host() if host is None else host
-    notes = [] if notes is None else notes
+    host, notes = (Host() if host is None else host), ([] if notes is None else notes)
     collate = resolve_collate(collate_fn)
-    num_workers = resolve_num_workers(num_workers, host.cores(), notes)
+    num_workers = resolve_num_workers(num_workers, host.cores(), notes, multiprocessing_context)
     sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead)
     batch_sampler, sampler, capacity, batch_size = resolve_batching(
         dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator

@@ -298,10 +298,18 @@ def rotate(arr, value, params, style):
     return warp(arr, value, params, style)
 
 
+# Beyond this enhancement factor (value 1) the fast Color and Sharpness run Pillow's kernel: their degenerate
+# image rounds to a level where Pillow's does not, and the blend multiplies that by |1 - factor| (at factor 11,
+# a policy's largest, up to 10 levels off). Up to 2 they stay within two levels (tests/test_ops_fast.py).
+FAST_FACTOR_MAX = 2.0
+
+
 @_register(FAST, "Color")
 def color_fast(arr, value, params, style):
-    grey = cv2.cvtColor(cv2.cvtColor(arr, cv2.COLOR_RGB2GRAY), cv2.COLOR_GRAY2RGB)
     f = float(params[0])
+    if not 0.0 <= f <= FAST_FACTOR_MAX:
+        return EXACT["Color"](arr, value, params, style)
+    grey = cv2.cvtColor(cv2.cvtColor(arr, cv2.COLOR_RGB2GRAY), cv2.COLOR_GRAY2RGB)
     return cv2.addWeighted(arr, f, grey, 1.0 - f, 0.0)
 
 
@@ -324,10 +332,13 @@ def hue_fast(arr, value, params, style):
 def sharpness_fast(arr, value, params, style):
     """blend(smooth, image, f) with Pillow's SMOOTH kernel (1 1 1 / 1 5 1 / 1 1 1) / 13, which is
     (9 * box3x3 + 4 * centre) / 13: one SIMD box blur and one weighted sum (the box mean rounds to a
-    level, so within two of Pillow). The one-pixel border stays unfiltered as in Pillow."""
+    level, so within two of Pillow up to FAST_FACTOR_MAX; Pillow's kernel beyond). The one-pixel border
+    stays unfiltered as in Pillow."""
     if arr.shape[0] < 3 or arr.shape[1] < 3:
         return arr
     f = float(params[0])
+    if not 0.0 <= f <= FAST_FACTOR_MAX:
+        return EXACT["Sharpness"](arr, value, params, style)
     box = cv2.blur(arr, (3, 3), borderType=cv2.BORDER_REPLICATE)
     out = cv2.addWeighted(arr, f + (1.0 - f) * 4.0 / 13.0, box, (1.0 - f) * 9.0 / 13.0, 0.0)
     out[0], out[-1], out[:, 0], out[:, -1] = arr[0], arr[-1], arr[:, 0], arr[:, -1]

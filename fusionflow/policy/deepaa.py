@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusionflow.policy.draws import OpDraw, TimmStep
+from fusionflow.policy.op_specs import OPS
 from fusionflow.policy.reader import Reader
 
 CROP_OP = "RandResizeCrop_imagenet"
@@ -62,7 +63,8 @@ _MAPPED = {
     CROP_OP: None,
 }
 RANGED = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate", "Solarize", "Posterize")
-RANGED += ("Contrast", "Color", "Brightness", "Sharpness")
+ENHANCEMENTS = ("Contrast", "Color", "Brightness", "Sharpness")  # Pillow's factor v: FusionFlow's value v - 1
+RANGED += ENHANCEMENTS
 MIRRORED = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")  # their random_mirror
 LAYER_UNIFORMS = 4  # per layer before the crop's: choice, sign / flip, cutout position x, y
 
@@ -106,7 +108,7 @@ def parse_deepaa(r: Reader, raw: Mapping):
         cdfs=cdfs,
         magnitude_bins=bins,
         cutout_side=r.integer(cut.get("side", 60), "augment.cutout.side", 0, 10000),
-        cutout_fill=tuple(int(v) for v in r.triple(cut.get("fill", [125, 123, 114]), "augment.cutout.fill", 0, 255)),
+        cutout_fill=r.fill(cut.get("fill", [125, 123, 114]), "augment.cutout.fill"),
     )
     interpolation = r.choice(a.get("interpolation", "nearest"), "augment.interpolation", ("nearest", "bilinear"))
     fill = r.fill(a.get("fill", 0), "augment.fill")
@@ -130,13 +132,20 @@ def _ranges(r: Reader, raw: Any) -> tuple[tuple[tuple[str, float, float], ...], 
         if name not in _MAPPED:
             r.fail(path, f"unknown DeepAA op {name!r}; DeepAA's ops here: {', '.join(_MAPPED)}")
         if name in RANGED:
-            lo, hi = r.pair(rng, path, ordered=False)
+            lo, hi = r.pair(rng, path, *_limits(name), ordered=False)
             out.append((name, lo, hi))
         elif rng is not None:
             r.fail(path, f"{name} takes no magnitude: write null")
         else:
             plain.add(name)
     return tuple(out), plain
+
+
+def _limits(name: str) -> tuple[float, float]:
+    """The values a DeepAA op's range may hold, in the authors' units: the mapped FusionFlow op's domain
+    (translations as fractions of the side, enhancement factors v where FusionFlow's value is v - 1)."""
+    lo, hi = OPS[_MAPPED[name]].domain
+    return (lo + 1.0, hi + 1.0) if name in ENHANCEMENTS else (lo, hi)
 
 
 def _pairs(r: Reader, raw: Any, known: set[str], bins: int) -> tuple[tuple[str, int], ...]:
@@ -147,7 +156,7 @@ def _pairs(r: Reader, raw: Any, known: set[str], bins: int) -> tuple[tuple[str, 
         path = f"augment.pairs[{i}]"
         if not isinstance(pair, (list, tuple)) or len(pair) != 2:
             r.fail(path, f"expected [op, bin], got {pair!r}")
-        if pair[0] not in known:
+        if not isinstance(pair[0], str) or pair[0] not in known:
             r.fail(path, f"op {pair[0]!r} is not one of augment.ops")
         out.append((pair[0], r.integer(pair[1], f"{path}[1]", 0, bins - 1)))
     return tuple(out)
@@ -201,7 +210,7 @@ def _op(name: str, v: float, aux, s: DeepAASettings, h: int, w: int) -> OpDraw:
         return OpDraw(ff, -v * h, (0.0, 0.0))
     if name == "Posterize":
         return OpDraw(ff, float(max(1, int(v))), (0.0, 0.0))
-    if name in ("Contrast", "Color", "Brightness", "Sharpness"):
+    if name in ENHANCEMENTS:
         return OpDraw(ff, v - 1.0, (0.0, 0.0))
     if name == "RandCutout":  # int(x - side/2) .. int(x + side/2) inclusive: a square of side + 1
         return OpDraw(ff, float(2 * (s.cutout_side // 2) + 1), aux, fill=s.cutout_fill)

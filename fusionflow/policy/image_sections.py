@@ -210,7 +210,7 @@ def parse_erase(r: Reader, raw: Any, path: str, normalize) -> Erase:
     if isinstance(raw_value, (list, tuple)):
         value = r.triple(raw_value, f"{path}.value")
     elif isinstance(raw_value, (int, float)) and not isinstance(raw_value, bool):
-        value = (float(raw_value),) * 3
+        value = (r.number(raw_value, f"{path}.value"),) * 3
     else:
         r.fail(f"{path}.value", f"expected a number, [r, g, b], 'random' or 'random_color', got {raw_value!r}")
     if normalize is None and not all(v == int(v) and 0 <= v <= 255 for v in value):

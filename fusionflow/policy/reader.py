@@ -5,8 +5,11 @@ Used by schema.py (the file) and overrides.py (load_policy's keyword overrides).
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+import math
+from collections.abc import Hashable, Mapping
 from typing import Any
+
+import yaml
 
 from fusionflow.policy.op_specs import OPS, OpSpec
 
@@ -41,6 +44,8 @@ class Reader:
     def number(self, obj: Any, path: str, lo: float | None = None, hi: float | None = None) -> float:
         if isinstance(obj, bool) or not isinstance(obj, (int, float)):
             self.fail(path, f"expected a number, got {type(obj).__name__} {obj!r}")
+        if not math.isfinite(obj):  # NaN passes every comparison below; inf would pass an open bound
+            self.fail(path, f"expected a finite number, got {obj!r}")
         if (lo is not None and obj < lo) or (hi is not None and obj > hi):
             self.fail(path, f"{obj!r} is out of range [{lo}, {hi}]")
         return float(obj)
@@ -81,7 +86,9 @@ class Reader:
     def fill(self, obj: Any, path: str) -> tuple[int, int, int]:
         """A fill colour: one integer 0..255 for every channel, or [r, g, b]."""
         if isinstance(obj, (list, tuple)):
-            return tuple(int(v) for v in self.triple(obj, path, 0, 255))
+            if len(obj) != 3:
+                self.fail(path, f"expected a list of three integers 0..255 (one per RGB channel), got {obj!r}")
+            return tuple(self.integer(v, f"{path}[{i}]", 0, 255) for i, v in enumerate(obj))
         return (int(self.integer(obj, path, 0, 255)),) * 3
 
     def subpolicy_steps(self, raw: Any, path: str, shape: str):
@@ -96,6 +103,8 @@ class Reader:
                 yield i, f"{path}[{i}][{j}]", step
 
     def op_name(self, obj: Any, path: str) -> OpSpec:
+        if not isinstance(obj, str):
+            self.fail(path, f"expected an op name, got {type(obj).__name__} {obj!r}")
         if obj not in OPS:
             hint = difflib.get_close_matches(str(obj), list(OPS), n=1)
             fix = f"did you mean {hint[0]!r}?" if hint else f"registered ops: {', '.join(OPS)}"
@@ -105,3 +114,35 @@ class Reader:
 
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader refusing a key given twice in one mapping (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:  # the mapping's own keys ("<<: *anchor" merges may be overridden)
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                continue  # refused by the constructor below, as YAML refuses it
+            if key in seen:
+                mark = key_node.start_mark
+                raise ValueError(
+                    f"{mark.name}: line {mark.line + 1}: key {key!r} given twice (YAML keeps only the last)"
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: str) -> Any:
+    """A policy file parsed: a ValueError naming the file for a file that cannot be read, invalid YAML or a
+    key given twice in one mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=_UniqueKeys)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
+        raise ValueError(f"policy file {path!r} cannot be read: {exc}") from None

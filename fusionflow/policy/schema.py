@@ -82,8 +82,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import yaml
-
 from fusionflow.policy.deepaa import DeepAASettings, parse_deepaa
 from fusionflow.policy.image_sections import (
     DEFAULT_MAX_PIXELS,
@@ -99,7 +97,7 @@ from fusionflow.policy.image_sections import (
 )
 from fusionflow.policy.keep_ratio import KeepRatio
 from fusionflow.policy.op_specs import OPS
-from fusionflow.policy.reader import Reader
+from fusionflow.policy.reader import Reader, read_yaml
 from fusionflow.policy.timm_augment import TIMM_TYPES, TimmAugment, parse_timm
 from fusionflow.policy.timm_augment import max_ops as timm_max_ops
 from fusionflow.policy.tv_augmix import AugMixSettings, parse_augmix
@@ -371,11 +369,7 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
                 f"{', '.join(shipped_policies())} (or give a path to your own YAML file)"
             )
         path = shipped
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = yaml.safe_load(f)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    raw = read_yaml(path)
     stem = os.path.splitext(os.path.basename(path))[0]
     return parse_policy(raw, path, default_name=stem)
 

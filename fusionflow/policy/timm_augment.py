@@ -164,7 +164,7 @@ def parse_timm(r: Reader, raw: Mapping, kind: str):
         fields["blended"] = r.boolean(a.get("blended", False), "augment.blended")
     interpolation = r.choice(a.get("interpolation", "bilinear"), "augment.interpolation", TIMM_INTERPOLATIONS)
     fill_raw = a.get("fill", [128, 128, 128])
-    fill = tuple(int(v) for v in r.triple(fill_raw, "augment.fill", 0, 255))
+    fill = r.fill(fill_raw, "augment.fill")
     return TimmAugment(**fields), interpolation, fill
 
 
@@ -177,6 +177,8 @@ def _op_names(r: Reader, raw: Any, path: str) -> tuple[str, ...]:
 
 
 def _timm_op_name(r: Reader, name: Any, path: str) -> None:
+    if not isinstance(name, str):
+        r.fail(path, f"expected a timm op name, got {type(name).__name__} {name!r}")
     if name not in TIMM_OPS:
         import difflib
 

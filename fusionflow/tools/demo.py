@@ -1,5 +1,5 @@
-"""`python -m fusionflow demo | profile | bench`. The main job (demo): a short training run, FusionFlow's augmentation
-vs torch DataLoader + torchvision.
+"""`python -m fusionflow demo | profile | bench | serve | gm`. The main job (demo): a short training run,
+FusionFlow's augmentation vs torch DataLoader + torchvision.
 
 Makes a small ImageFolder dataset of mixed-size JPEGs if none is given, trains a small CNN for a
 few epochs with each input pipeline -- same policy semantics, same workers, same batches -- shows
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import numpy as np
@@ -121,17 +122,29 @@ def _parser():
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     bench.add_arguments(b)
+    # listed here, parsed by their own modules (main hands them their arguments before this parser runs)
+    sub.add_parser("serve", help="a SharedLoader for co-located jobs (serve --help)", add_help=False)
+    sub.add_parser("gm", help="a DDP job's global manager: serve, status, workers (gm --help)", add_help=False)
     return ap, p, b
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gm"]:
+        from fusionflow.runtime.gm.manager import cli
+
+        return cli(argv[1:])
+    if argv[:1] == ["serve"]:
+        from fusionflow.tools.serve import main as serve
+
+        return serve(argv[1:])
     from fusionflow.tools import bench, profile
 
     ap, p, b = _parser()
     args = ap.parse_args(argv)
     if args.command == "profile":
         profile.check_arguments(p, args)
-        return profile.run(args)
+        return profile.run(args, p)
     if args.command == "bench":
         bench.check_arguments(b, args)
         return bench.run(args)
@@ -140,10 +153,12 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.workers < 0:
         ap.error("--workers must be >= 0")
-    return demo(args)
+    if args.data is not None and not os.path.isdir(args.data):
+        ap.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
+    return demo(args, ap)
 
 
-def demo(args) -> int:
+def demo(args, ap=None) -> int:
     """The main job: train with DataLoader + torchvision, then with FusionFlowLoader; print both."""
     import torch
 
@@ -156,7 +171,12 @@ def demo(args) -> int:
         root = DEFAULT_DATA
         print(f"making a synthetic dataset of mixed-size JPEGs (200-1000 px) in {root} ...", flush=True)
         make_image_folder(root, num_classes=4, per_class=args.images_per_class)
-    ds = ImageFolder(root)
+    try:
+        ds = ImageFolder(root)
+    except (OSError, ValueError) as e:  # no class folders, no images
+        if ap is None:
+            raise
+        ap.error(f"--data {root!r}: {e}")
     print(
         f"{len(ds)} images, {len(ds.classes)} classes, policy {args.policy}, batch {args.batch_size}, "
         f"{args.workers} workers, {args.epochs} epochs"

@@ -10,6 +10,7 @@ training step) with tracing and stage timing on, and writes to --out:
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -34,8 +35,8 @@ def check_arguments(p, args) -> None:
     for name in ("workers", "batches", "batch_size", "tiny_batch_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.step_ms < 0:
-        p.error(f"--step-ms must be >= 0, got {args.step_ms}")
+    if not 0 <= args.step_ms < math.inf:
+        p.error(f"--step-ms must be a number of milliseconds >= 0, got {args.step_ms}")
     if not os.path.isdir(args.data):
         p.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
 
@@ -55,14 +56,15 @@ def stage_seconds_by_track(stats) -> dict:
     return dict(sorted(out.items(), key=lambda kv: (not kv[0].startswith("CPU"), len(kv[0]), kv[0])))
 
 
-def run(args) -> int:
+def run(args, parser=None) -> int:
+    """Profile as `args` say; the dataset's or the policy's error is `parser`'s usage error (exit 2) when given."""
     from tqdm import tqdm
 
-    from fusionflow import FusionFlowLoader, ImageFolder
+    from fusionflow import FusionFlowLoader
     from fusionflow.loader.trace import load
     from fusionflow.tools.timeline import format_summary, plot_timeline, summarize
 
-    ds = ImageFolder(args.data)
+    ds = _dataset(args, parser)
     os.makedirs(args.out, exist_ok=True)
     trace_path = os.path.join(args.out, "trace.json")
     png_path = os.path.join(args.out, "timeline.png")
@@ -116,6 +118,21 @@ def run(args) -> int:
     print(text)
     print(f"trace: {trace_path} (open at https://ui.perfetto.dev)\ntimeline: {png_path}")
     return 0
+
+
+def _dataset(args, parser):
+    """The ImageFolder at --data, the policy checked: their errors are `parser`'s usage errors when given."""
+    from fusionflow import ImageFolder
+    from fusionflow.policy import load_policy
+
+    try:
+        ds = ImageFolder(args.data)
+        load_policy(args.policy)  # a wrong name or key is told before anything starts
+    except (OSError, ValueError, TypeError) as e:
+        if parser is None:
+            raise
+        parser.error(str(e))
+    return ds
 
 
 def _shares(seconds: dict) -> dict:
