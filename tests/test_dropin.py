@@ -191,6 +191,37 @@ def test_already_transformed_dataset_is_refused_at_construction(ds):
         FusionFlowLoader(ds, batch_size=2, policy=EXACT)
 
 
+class OpensAtFirstRead(Raw):
+    """A dataset that opens its file at its first read (the HDF5/LMDB pattern): which processes read it."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __getitem__(self, i):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return super().__getitem__(i)
+
+
+def test_with_workers_the_training_process_reads_no_sample(tmp_path):
+    """A lazily opened file opened in the training process would be shared by forked workers (one offset: other
+    samples' bytes) and could not be pickled to spawned ones: with workers, only workers read."""
+    log = tmp_path / "reads"
+    with FusionFlowLoader(OpensAtFirstRead(log), batch_size=4, num_workers=1, policy=EXACT) as loader:
+        assert not log.exists()  # construction read nothing
+        assert sum(len(y) for _, y in loader) == len(Raw())
+    assert str(os.getpid()) not in log.read_text().split()
+
+
+def test_already_transformed_samples_read_by_workers_say_so():
+    from fusionflow.errors import SampleError
+
+    with pytest.raises(SampleError, match=r"already-transformed sample\? FusionFlow decodes and augments"):
+        with FusionFlowLoader(Transformed(), batch_size=2, num_workers=1, policy=EXACT) as loader:
+            next(iter(loader))
+
+
 def test_seed_defaults_from_torch_initial_seed_like_dataloader():
     state = torch.get_rng_state()
     try:

@@ -336,7 +336,7 @@ def resolve_config(
     host, notes = (Host() if host is None else host), ([] if notes is None else notes)
     collate = resolve_collate(collate_fn)
     num_workers = resolve_num_workers(num_workers, host.cores(), notes, multiprocessing_context)
-    sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead)
+    sample_keys, read_ahead = resolve_samples(dataset, sample_keys, read_ahead, num_workers)
     batch_sampler, sampler, capacity, batch_size = resolve_batching(
         dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
     )

@@ -2,7 +2,8 @@
 is refused, saying what to use), its dict samples seen through `sample_keys`
 (fusionflow.datasets.wrappers.DictSamples), its reads started ahead with `read_ahead`
 (fusionflow.datasets.wrappers.ReadAhead),
-and a look at dataset[0] (already-transformed samples and dicts without sample_keys are refused).
+and, with num_workers=0, a look at dataset[0] (already-transformed samples and dicts without sample_keys are
+refused; with workers, the workers' first reads refuse them).
 A torchvision ImageFolder given without `policy=` is adopted (`adopt_folder`): its files, and its
 transform as the policy."""
 
@@ -55,10 +56,16 @@ def adopt_folder(dataset, policy):
     return ImageFolder.of_samples(dataset.root, dataset.samples, dataset.classes), adopted
 
 
-def resolve_samples(dataset, sample_keys, read_ahead) -> tuple[tuple | None, int | None]:
-    """(sample_keys, read_ahead) resolved, after the dataset they describe was checked."""
+def resolve_samples(dataset, sample_keys, read_ahead, num_workers: int = 0) -> tuple[tuple | None, int | None]:
+    """(sample_keys, read_ahead) resolved, after the dataset they describe was checked: its first sample read
+    here only when this process reads the samples (num_workers=0). With workers, a dataset that opens its file
+    at its first read (HDF5, LMDB, a raw file) must not open it here: forked workers would share the handle's
+    offset (other samples' bytes) and a spawned one could not take the dataset; a worker's first sample says
+    the same (ops/decoded.py, runtime/sample.py)."""
     sample_keys, read_ahead = resolve_sample_keys(sample_keys), resolve_read_ahead(read_ahead)
-    check_raw_samples(wrap_samples(dataset, sample_keys))
+    wrapped = wrap_samples(dataset, sample_keys)
+    if num_workers == 0:
+        check_raw_samples(wrapped)
     return sample_keys, read_ahead
 
 

@@ -108,7 +108,9 @@ class FusionFlowLoader:
     fusionflow.TarShards. `read_ahead` (None): for slow storage, the number of reads each CPU worker runs
     at once, ahead of the sample it augments (fusionflow.datasets.wrappers.ReadAhead; e.g. 4 on a network filesystem).
     A dataset must give raw samples (encoded bytes, PIL images or uint8 arrays): one whose dataset[0] is a
-    float tensor/array (already transformed) is refused at construction. Items are (sample, target), or
+    float tensor/array (already transformed) is refused: at construction with num_workers=0, at its first read
+    in a worker otherwise (the loader reads no sample in this process then, so a dataset that opens its file at
+    its first read opens it in each worker, as with DataLoader). Items are (sample, target), or
     (sample, target, more, ...), or a bare sample, batched as default_collate batches them: [images, targets],
     [images, targets, mores, ...], or the images alone (runtime/targets.py batch_of).
 

@@ -17,6 +17,15 @@ from PIL import Image
 CHANNELS = (1, 3, 4)
 # a 1-D uint8 tensor or array is most often a file's encoded bytes (torchvision.io.read_file gives one)
 ENCODED_HINT = "; if it holds an encoded file (torchvision.io.read_file), return its bytes: bytes(x.numpy())"
+# a float sample is most often one the dataset's own transform made (ToTensor, Normalize)
+TRANSFORMED_HINT = (
+    "; an already-transformed sample? FusionFlow decodes and augments the raw images itself: give it them "
+    "(fusionflow.ImageFolder, or the dataset without its transform: transform=None) and a policy"
+)
+
+
+def _hint(dtype, ndim: int, floating: bool) -> str:
+    return TRANSFORMED_HINT if floating else ENCODED_HINT if ndim == 1 and dtype in (torch.uint8, np.uint8) else ""
 
 
 def tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
@@ -29,7 +38,7 @@ def tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
     ):
         raise TypeError(
             f"{what or 'sample'}: a tensor sample must be uint8 HW, CHW or HWC with 1, 3 or 4 "
-            f"channels, got {t.dtype} {shape}" + (ENCODED_HINT if t.ndim == 1 and t.dtype == torch.uint8 else "")
+            f"channels, got {t.dtype} {shape}" + _hint(t.dtype, t.ndim, t.is_floating_point())
         )
     if t.device.type != "cpu":
         raise TypeError(
@@ -45,7 +54,7 @@ def from_array(arr: np.ndarray, what) -> Image.Image:
     if arr.dtype != np.uint8 or arr.ndim not in (2, 3) or (arr.ndim == 3 and arr.shape[2] not in (1, 3, 4)):
         raise TypeError(
             f"{what or 'sample'}: an array sample must be uint8 HW or HWC with 1, 3 or 4 "
-            f"channels, got {arr.dtype} {arr.shape}" + (ENCODED_HINT if arr.ndim == 1 and arr.dtype == np.uint8 else "")
+            f"channels, got {arr.dtype} {arr.shape}" + _hint(arr.dtype, arr.ndim, np.issubdtype(arr.dtype, np.floating))
         )
     if arr.ndim == 3 and arr.shape[2] == 1:
         arr = arr[:, :, 0]
