@@ -635,16 +635,27 @@ class CountingBuckets:
     global RNG and with a generator of its own (as bucketing and curriculum samplers do)."""
 
     def __init__(self, n):
+        import random
+
         self.n, self.passes, self.generator = n, 0, torch.Generator().manual_seed(9)
+        self.numpy_rng, self.legacy_rng, self.python_rng = (
+            np.random.default_rng(3),
+            np.random.RandomState(4),
+            random.Random(5),
+        )
 
     def __iter__(self):
         self.passes += 1
         order = torch.randperm(self.n).tolist()
         sizes = torch.randint(2, 6, (self.n,), generator=self.generator).tolist()
-        k = 0
+        batches, k = [], 0
         while k < self.n:
-            yield order[k : k + sizes[k]]
+            batches.append(order[k : k + sizes[k]])
             k += sizes[k]
+        self.numpy_rng.shuffle(batches)  # the buckets' order from generators of each other kind
+        self.legacy_rng.shuffle(batches)
+        self.python_rng.shuffle(batches)
+        yield from batches
 
     def __len__(self):
         return self.n  # an upper bound, as some samplers give

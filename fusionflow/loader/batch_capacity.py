@@ -32,11 +32,9 @@ def batch_capacity(batch_sampler) -> int:
 def largest_batch(batch_sampler) -> int:
     """The longest batch of one pass over `batch_sampler` (0 for none), a pass that leaves no trace (DataLoader's
     own first pass is the first epoch's): over a shallow copy (a pass counter of its own advances on the copy), with
-    the random generators it or its sampler hold and Python's, NumPy's and torch's global ones put back after."""
+    the random generators it or its sampler hold (torch's, NumPy's, Python's) and Python's, NumPy's and torch's
+    global ones put back after."""
     import copy
-    import random
-
-    import numpy as np
 
     try:
         probe = copy.copy(batch_sampler)
@@ -44,13 +42,42 @@ def largest_batch(batch_sampler) -> int:
         probe = batch_sampler
     owners = [probe, getattr(probe, "sampler", None)]
     held = [g for o in owners if o is not None and hasattr(o, "__dict__") for g in vars(o).values()]
-    generators = [g for g in held if isinstance(g, torch.Generator)]
-    states = [g.get_state() for g in generators], random.getstate(), np.random.get_state(), torch.get_rng_state()
+    kept = [(restore, state) for restore, state in [*map(_saved, held), *_global_states()] if restore is not None]
     try:
         return max(map(len, probe), default=0)
     finally:
-        for g, state in zip(generators, states[0]):
-            g.set_state(state)
-        random.setstate(states[1])
-        np.random.set_state(states[2])
-        torch.set_rng_state(states[3])
+        for restore, state in kept:
+            restore(state)
+
+
+def _global_states() -> list:
+    """(how to put it back, its state now) for Python's, NumPy's and torch's global generators."""
+    import random
+
+    import numpy as np
+
+    return [
+        (random.setstate, random.getstate()),
+        (np.random.set_state, np.random.get_state()),
+        (torch.set_rng_state, torch.get_rng_state()),
+    ]
+
+
+def _saved(rng):
+    """(how to put `rng`'s state back, its state now) for a random generator (torch's, NumPy's, Python's);
+    (None, None) for anything else."""
+    import random
+
+    import numpy as np
+
+    if isinstance(rng, torch.Generator):
+        return rng.set_state, rng.get_state()
+    if isinstance(rng, random.Random):
+        return rng.setstate, rng.getstate()
+    if isinstance(rng, np.random.RandomState):
+        return rng.set_state, rng.get_state()
+    if isinstance(rng, np.random.Generator):
+        bits = rng.bit_generator
+        return (lambda state: setattr(bits, "state", state)), bits.state
+    return None, None
+
