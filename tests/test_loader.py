@@ -501,7 +501,7 @@ def test_float_output_when_policy_normalizes():
         ({"on_error": "ignore"}, r"on_error='ignore' must be one of"),
         ({"device": "cuda:0"} if not torch.cuda.is_available() else {"device": "tpu"}, r"device="),
         ({"num_workers": 1, "prefetch_factor": 0}, r"prefetch_factor=0 must be an integer >= 1"),
-        ({"timeout": -1}, r"timeout=-1 must be >= 0"),
+        ({"timeout": -1}, r"timeout=-1 must be a number of seconds >= 0"),
         ({"seed": -1}, r"seed=-1 must be a non-negative integer"),
     ],
 )

@@ -252,3 +252,94 @@ def test_only_the_newest_iteration_counts_into_the_state(num_workers):
     assert state["batches_yielded"] == 2 and state["epoch"] == 1
     del old, new
     loader.close()
+
+
+@pytest.mark.parametrize("restore_rng", ["before", "after"])
+def test_shuffle_without_generator_repeats_later_epochs_whenever_torchs_rng_is_restored(restore_rng):
+    """A script restores torch's RNG state with the loader's before the resumed epoch (as it loads its checkpoint):
+    the resumed epoch reuses the base seed its original drew, so the global RNG is where the saved run had it."""
+    torch.manual_seed(123)
+    loader = make("sequential", 2, shuffle=True, seed=5)
+    it = iter(loader)
+    next(it)
+    state, rng = loader.state_dict(), torch.get_rng_state()
+    rest, following, third = batches(it), batches(loader), batches(loader)
+    loader.close()
+    torch.manual_seed(999)
+    fresh = make("sequential", 2, shuffle=True)
+    fresh.load_state_dict(through_torch_save(state))
+    if restore_rng == "before":
+        torch.set_rng_state(rng)
+    same_batches(batches(fresh), rest)
+    if restore_rng == "after":
+        torch.set_rng_state(rng)
+    same_batches(batches(fresh), following)
+    same_batches(batches(fresh), third)
+    fresh.close()
+
+
+@pytest.mark.parametrize("how", ["loader", "sampler"])
+def test_a_distributed_state_between_epochs_takes_the_epoch_the_script_sets(how):
+    """Saved after epoch 0, loaded, then set_epoch(1) -- the loader's, or the sampler's own as torchvision's
+    reference script calls it: epoch 1's order, not a replay of epoch 0's."""
+    loader = make("distributed", 0, seed=5)
+    loader.set_epoch(0)
+    batches(loader)
+    state = loader.state_dict()
+    loader.set_epoch(1)
+    expected = batches(loader)
+    fresh = make("distributed", 0)
+    fresh.load_state_dict(state)
+    (fresh if how == "loader" else fresh.config.sampler).set_epoch(1)
+    same_batches(batches(fresh), expected)
+
+
+def test_a_state_taken_after_loading_and_set_epoch_keeps_the_position():
+    """load_state_dict(mid-epoch state), set_epoch(that epoch) -- a training loop's first steps -- and a save
+    before the first batch (a preemption there): the same position, not the epoch from its start."""
+    loader = make("shuffle_generator", 0, seed=5)
+    loader.set_epoch(2)
+    it = iter(loader)
+    head = [next(it) for _ in range(3)]
+    state = loader.state_dict()
+    rest = batches(it)
+    fresh = make("shuffle_generator", 0)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(2)
+    again = fresh.state_dict()
+    assert again["batches_yielded"] == 3 and again["epoch"] == 2
+    last = make("shuffle_generator", 0)
+    last.load_state_dict(again)
+    last.set_epoch(2)
+    got = batches(last)
+    same_batches(got, rest)
+    assert len(head) + len(got) == len(loader)
+
+
+class NoLength:
+    """A batch sampler without __len__ (DataLoader iterates it; len(loader) raises as DataLoader's does)."""
+
+    def __iter__(self):
+        return iter([list(range(k, min(k + 4, len(DS)))) for k in range(0, len(DS), 4)])
+
+
+def test_a_batch_sampler_without_len_can_be_checkpointed():
+    loader = FusionFlowLoader(DS, batch_sampler=NoLength(), policy=SMALL)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert state["num_batches"] is None and state["batches_yielded"] == 1
+    rest = batches(it)
+    fresh = FusionFlowLoader(DS, batch_sampler=NoLength(), policy=SMALL)
+    fresh.load_state_dict(state)
+    same_batches(batches(fresh), rest)
+
+
+@pytest.mark.parametrize("key,value", [("shuffle", False), ("seed", 10), ("drop_last", True)])
+def test_a_distributed_state_into_a_sampler_built_otherwise_is_refused(key, value):
+    """The order follows the sampler's shuffle, seed and drop_last: another one would lose and repeat samples."""
+    state = make("distributed", 0).state_dict()
+    kw = {**dict(num_replicas=2, rank=1, shuffle=True, seed=9), key: value}
+    other = make("distributed", 0, sampler=DistributedSampler(DS, **kw))
+    with pytest.raises(ValueError, match=f"DistributedSampler with {key}="):
+        other.load_state_dict(state)

@@ -80,4 +80,3 @@ def _saved(rng):
         bits = rng.bit_generator
         return (lambda state: setattr(bits, "state", state)), bits.state
     return None, None
-

@@ -46,7 +46,11 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
+from fusionflow.runtime.spec import base_seed
+
 VERSION = 1
+# what an epoch-ordered sampler's (DistributedSampler's) order follows besides its epoch: a state fits one alike
+EPOCH_SAMPLER_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
 
 
 def _stateful(obj) -> bool:
@@ -84,12 +88,7 @@ def capture(batch_sampler, sampler, draws_first=None) -> dict:
             torch.empty((), dtype=torch.int64).random_(generator=generator)
         return {"kind": kind, "state": generator.get_state()}
     if kind == "epoch":
-        return {
-            "kind": kind,
-            "epoch": owner.epoch,
-            "num_replicas": getattr(owner, "num_replicas", None),
-            "rank": getattr(owner, "rank", None),
-        }
+        return {"kind": kind, "epoch": owner.epoch, **{key: getattr(owner, key, None) for key in EPOCH_SAMPLER_KEYS}}
     return {"kind": kind}
 
 
@@ -117,12 +116,13 @@ def check(saved: dict, batch_sampler, sampler) -> None:
             "sampler (and generator=... or not) as the one that saved the state"
         )
     if kind == "epoch":
-        for key in ("num_replicas", "rank"):
+        for key in EPOCH_SAMPLER_KEYS:
             mine = getattr(owner, key, None)
-            if saved.get(key) != mine:
+            if key in saved and saved[key] != mine:  # (a state of an older version lacks shuffle, seed, drop_last)
+                fix = "load each rank's own state into that rank's loader" if key == "rank" else "build it as saved"
                 raise ValueError(
-                    f"the state is from a {type(owner).__name__} with {key}={saved.get(key)}, this "
-                    f"loader's has {key}={mine}: load each rank's own state into that rank's loader"
+                    f"the state is from a {type(owner).__name__} with {key}={saved[key]}, this "
+                    f"loader's has {key}={mine}: {fix} (the order follows it)"
                 )
 
 
@@ -257,6 +257,7 @@ class Checkpoint:
         self.resume: tuple | None = None  # (sampler state, batches to skip) for the next iteration
         self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
         self.loaded: dict | None = None  # the state load_state_dict took, while nothing has moved since
+        self._base_seed: int | None = None  # the newest epoch's base seed (`base_seed`)
 
     def set_epoch(self, epoch: int, sampler) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
@@ -272,7 +273,10 @@ class Checkpoint:
             )
             saved = self.resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one
             self.resume = None if saved.get("kind") == "epoch" else (saved, 0)
-        self.epoch, self.epoch_set, self.loaded = epoch, True, None
+        mid_epoch = self.loaded is not None and self.loaded.get("batches_yielded") is not None
+        if not (mid_epoch and epoch == self.epoch):  # (the loaded epoch's own number: still that state)
+            self.loaded = None
+        self.epoch, self.epoch_set = epoch, True
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
 
@@ -284,7 +288,7 @@ class Checkpoint:
         self.epoch_set, self.loaded = False, None
         self.iterations += 1
         start, yielded = self.resume if self.resume is not None else (None, 0)
-        self.current = EpochProgress(yielded=yielded, start=start)
+        self.current = EpochProgress(yielded=yielded or 0, start=start)
         return self.epoch, self.current
 
     def batches(self, progress: EpochProgress, batch_sampler, sampler, copies=None):
@@ -292,12 +296,25 @@ class Checkpoint:
         them (or restores it, resuming). Batches skipped on resume still pass through `copies`
         (repeated augmentation's counter), so the copies after the resume point get the numbers
         they would have had."""
-        saved, skip = self.resume if self.resume is not None else (None, 0)
+        saved, skip = self.resume if self.resume is not None else (None, None)
         self.resume = None
-        batches, snapshot = start_epoch(batch_sampler, sampler, saved, skip, on_skip=copies)
+        if saved is not None and saved.get("kind") == "epoch" and skip is None:
+            saved = None  # between epochs the sampler's epoch is the script's (set_epoch, the loader's or its own)
+        batches, snapshot = start_epoch(batch_sampler, sampler, saved, skip or 0, on_skip=copies)
+        if snapshot.get("kind") == "random_seed":  # the draw before it, from the same global RNG
+            snapshot["base_seed"] = self._base_seed
         if progress is self.current:
-            progress.start, progress.yielded = snapshot, skip
+            progress.start, progress.yielded = snapshot, skip or 0
         return batches
+
+    def base_seed(self, generator) -> int:
+        """The epoch's base seed (runtime/spec.py base_seed), drawn as the iteration starts, before `batches`;
+        resuming an epoch whose order came from torch's global RNG, the one that epoch drew: a script that restores
+        torch's RNG state with the loader's finds it where the saved run had it, so later epochs repeat too."""
+        saved = self.resume[0] if self.resume is not None else None
+        seed = saved.get("base_seed") if isinstance(saved, dict) and saved.get("kind") == "random_seed" else None
+        self._base_seed = base_seed(generator) if seed is None else seed
+        return self._base_seed
 
     def state_dict(self, shape: dict, seed: int, batch_sampler, sampler, draws_first=None) -> dict:
         """See FusionFlowLoader.state_dict; `shape`: the loader's dataset_len, batch_size,
@@ -337,10 +354,12 @@ class Checkpoint:
                 )
         check(state["sampler"], batch_sampler, sampler)
         yielded, num_batches = state["batches_yielded"], shape["num_batches"]
-        if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= num_batches):
-            raise ValueError(f"state['batches_yielded']={yielded!r} must be an int in [0, {num_batches}]")
+        most = num_batches if num_batches is not None else float("inf")  # a batch sampler without len()
+        if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= most):
+            raise ValueError(f"state['batches_yielded']={yielded!r} must be an int in [0, {most}]")
         self.epoch, self.epoch_set, self.iterations = state["epoch"], state["epoch_set"], state["iterations"]
         if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
             self.epoch_set, self.iterations = True, max(0, self.iterations - 1)
-        self.resume = (state["sampler"], yielded or 0)
+        self.resume = (state["sampler"], yielded)  # yielded None: a state between epochs
+        self.current = None  # an older iteration's progress is not this loader's position any more
         self.current, self.loaded = None, copy.deepcopy(state)

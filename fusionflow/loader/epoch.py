@@ -25,7 +25,6 @@ from fusionflow.loader.delivery import torch_rank_world
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
 from fusionflow.runtime.slots import SlotPool
-from fusionflow.runtime.spec import base_seed
 from fusionflow.scheduling.tiny_batches import Copies
 
 
@@ -156,7 +155,7 @@ class WorkerIterator(EpochIterator):
         self._exhausted = False
 
     def _start(self) -> None:
-        seed = base_seed(self.config.generator)  # every epoch, as DataLoader's iterator (used if a runtime starts)
+        seed = self._checkpoint.base_seed(self.config.generator)  # every epoch, as DataLoader's iterator draws one
         self._mgr = mgr = self._runtime.start(self.config, self._delivery.alloc_device, seed)
         copies = self._copies = copies_for(self.config.sampler)
         # (indices, copy numbers) of each mini-batch; the generator must not refer to self (no cycle:
@@ -288,7 +287,7 @@ class InlineIterator(EpochIterator):
         from fusionflow.ops.pipeline import CpuPipeline
 
         cfg = self.config
-        base_seed(cfg.generator)  # unused here (no worker to seed), drawn as DataLoader's iterator draws it
+        self._checkpoint.base_seed(cfg.generator)  # unused here (no worker to seed), drawn as DataLoader's iterator
         cache = self._runtime.cache(cfg)
         self._pipe = CpuPipeline(cfg.policy, cache=cache.reader() if cache is not None else None)
         self._buf = np.empty((cfg.capacity, *cfg.policy.out_shape), cfg.policy.out_dtype)

@@ -338,7 +338,7 @@ class FusionFlowLoader:
             "dataset_len": len(self.dataset),
             "batch_size": cfg.capacity,
             "drop_last": cfg.drop_last,
-            "num_batches": len(self),
+            "num_batches": len(self) if hasattr(self.config.batch_sampler, "__len__") else None,  # None: no len()
         }
 
     # ---------------------------------------------------------------- tracing (fusionflow/loader/trace.py)
