@@ -28,6 +28,22 @@ def test_image_folder_lists_every_image_once(folder):
         assert ds.sizes[i] == len(data) and ds.describe(i) == ds.paths[i]
 
 
+def test_image_folder_lists_what_torchvisions_lists_at_any_depth(tmp_path):
+    """Images in sub-folders of a class folder (and a linked one) are that class's, in torchvision's order."""
+    from torchvision.datasets import ImageFolder as TorchvisionFolder
+
+    root = tmp_path / "data"
+    for rel in ["cat/a.jpg", "cat/sub/b.JPG", "cat/sub/deeper/c.jpg", "cat/sub b/e.png", "dog/d.jpg", "dog/x.txt"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(b"\xff\xd8" + rel.encode())
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "f.jpg").write_bytes(b"\xff\xd8f")
+    os.symlink(tmp_path / "elsewhere", root / "dog" / "linked")
+    ours, theirs = ImageFolder(str(root)), TorchvisionFolder(str(root), loader=lambda p: p)
+    assert list(zip(ours.paths, ours.targets)) == theirs.samples and len(ours) == 6
+    assert ours.class_to_idx == theirs.class_to_idx
+
+
 def test_image_folder_errors(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         ImageFolder(str(tmp_path / "missing"))

@@ -81,6 +81,11 @@ def test_shard_lists_globs_and_braces(folder, shards, tmp_path):
     assert expand_shards("a-{08..11}.tar") == ["a-08.tar", "a-09.tar", "a-10.tar", "a-11.tar"]
     assert expand_shards("{train,val}-{0..1}.tar") == ["train-0.tar", "train-1.tar", "val-0.tar", "val-1.tar"]
     assert split_member("d.x/k.seg.jpg") == ("d.x/k", "seg.jpg") and split_member("d/noext") is None
+    loose = str(tmp_path / "shards" / "train-*")  # a glob that also matches the indexes written beside them
+    assert expand_shards(loose) == paths and os.listdir(tmp_path / "shards") and TarShards(loose).sizes
+    (tmp_path / "shards" / "train-000000.tar.ffindex.123.tmp").write_bytes(b"")  # an index being written
+    assert any(n.endswith(".ffindex") for n in os.listdir(tmp_path / "shards")) and TarShards(loose).sizes
+    assert expand_shards(loose) == paths
     with pytest.raises(ShardError, match="no file matches"):
         TarShards(str(tmp_path / "nothing-*.tar"))
     with pytest.raises(ShardError, match="cannot be opened"):

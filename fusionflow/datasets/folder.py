@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -15,6 +16,8 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", "
 class ImageFolder:
     """``root/<class>/<image>`` -> (encoded bytes, class index), classes sorted by name.
 
+    A class folder's images are found at any depth, in torchvision's ImageFolder order (directories by path,
+    sorted; each one's files by name; linked directories followed), so both give the same samples.
     ``sizes[i]`` is sample i's file size in bytes (from the directory scan, not from reading it);
     ``describe(i)`` names it (its path) for error messages.
     """
@@ -33,15 +36,11 @@ class ImageFolder:
         stats = []  # what the files held at the scan: `fingerprint`
         exts = tuple(e.lower() for e in extensions)
         for c in self.classes:
-            entries = sorted(
-                (e for e in os.scandir(os.path.join(root, c)) if e.is_file() and e.name.lower().endswith(exts)),
-                key=lambda e: e.name,
-            )
-            for e in entries:
-                stats.append(e.stat())
-                self.paths.append(e.path)
+            for path, st in _images_under(os.path.join(root, c), exts):
+                stats.append(st)
+                self.paths.append(path)
                 self.targets.append(self.class_to_idx[c])
-                self.sizes.append(stats[-1].st_size)
+                self.sizes.append(st.st_size)
         if not self.paths:
             raise ValueError(f"ImageFolder root {root!r} holds no files ending in {', '.join(exts)}")
         self._content = _content_of(self.paths, stats, self.targets)
@@ -82,3 +81,20 @@ def _content_of(paths, stats, targets) -> str:
     """A digest of every file's path, size, modification time and class."""
     lines = [f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n" for path, st, target in zip(paths, stats, targets)]
     return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def _images_under(folder: str, exts: tuple[str, ...]):
+    """(path, stat) of each regular file (or link to one) ending in `exts` under `folder`, at any depth, in the
+    order torchvision's ImageFolder lists them: sorted(os.walk(folder, followlinks=True)), each directory's files
+    sorted by name. A dangling link is left out (there is nothing to read)."""
+    for where, _dirs, names in sorted(os.walk(folder, followlinks=True)):
+        for name in sorted(names):
+            if not name.lower().endswith(exts):
+                continue
+            path = os.path.join(where, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield path, st

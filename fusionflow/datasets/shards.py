@@ -51,7 +51,7 @@ def expand_shards(shards) -> list[str]:
     for spec in specs:
         for name in _expand_braces(spec):
             if any(c in name for c in "*?["):
-                found = sorted(globlib.glob(name))
+                found = sorted(p for p in globlib.glob(name) if not _is_index(p))  # "train-*": not our indexes
                 if not found:
                     raise ShardError(f"TarShards: no file matches {name!r}")
                 paths.extend(found)
@@ -60,6 +60,11 @@ def expand_shards(shards) -> list[str]:
     if not paths:
         raise ShardError("TarShards: no shards given")
     return paths
+
+
+def _is_index(path: str) -> bool:
+    """An index TarShards writes beside a shard (or its file being written): never a shard itself."""
+    return path.endswith(INDEX_SUFFIX) or re.search(re.escape(INDEX_SUFFIX) + r"\.\d+\.tmp$", path) is not None
 
 
 def _expand_braces(spec: str) -> list[str]:
