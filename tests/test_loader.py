@@ -434,6 +434,43 @@ def test_training_process_killed_leaves_nothing():
     assert not any(_alive(int(p)) for p in pids), "workers outlived the killed training process"
 
 
+class SlowAfterFirst(Bytes):
+    """Each sample past the first mini-batch takes 4 s: a worker holds tens of seconds of queued work."""
+
+    def __getitem__(self, i):
+        if i >= 8:
+            time.sleep(4)
+        return super().__getitem__(i)
+
+
+def test_busy_workers_of_a_killed_training_process_stop_within_seconds():
+    """Work queued before the training process was SIGKILLed is not run for nobody: a busy worker looks for its
+    owner between samples too (it looked only when idle, so here ~30 s of queued samples ran on)."""
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_loader import SMALL, SlowAfterFirst
+        from fusionflow.loader import FusionFlowLoader
+        loader = FusionFlowLoader(SlowAfterFirst(64), batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=8)
+        it = iter(loader); next(it)
+        print(*[w.process.pid for w in loader._manager.pool.workers], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in proc.stdout.readline().split()]  # (the workers hold the pipe too: no read to its end)
+    proc.wait(timeout=120)
+    gone = time.monotonic()
+    proc.stdout.close()
+    try:
+        while any(_alive(p) for p in pids) and time.monotonic() - gone < 15:  # a task of 8 samples: ~30 s
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "busy workers ran on after their training process was killed"
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

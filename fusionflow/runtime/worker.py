@@ -90,10 +90,11 @@ class _InfoFor:
         torch_worker._worker_info = self.home
 
 
-def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
+def run_task(task, dataset, pipe, ring, seed: int, out, clock=None, watch=None) -> None:
     """Decode + augment a tiny-batch into `ring`; report DONE on `out`: failures as data, targets that are
     not ints (runtime/targets.py; ints go into the ring's label slot), the task's start and end on
-    CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals."""
+    CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals. `watch`: called before
+    each sample (it raises to stop: the owner is gone)."""
     failures, side = [], {}
     started = time.monotonic_ns()
     prefetch = getattr(dataset, "prefetch", None)  # fusionflow.datasets.wrappers.ReadAhead: the reads start now
@@ -101,6 +102,8 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
         prefetch(task.indices)
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
+        if watch is not None:
+            watch()
         failure = run_sample(
             dataset,
             pipe,
@@ -127,6 +130,19 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
             targets=side,
         )
     )
+
+
+class _Watch:
+    """Looks for the owner at most every WATCHDOG_S while the worker is busy (raises _Orphaned once it is gone)."""
+
+    def __init__(self, parent_pid: int):
+        self.parent_pid, self.looked = parent_pid, time.monotonic()
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.looked >= WATCHDOG_S:
+            self.looked = now
+            _check_orphan(self.parent_pid)
 
 
 def _check_orphan(parent_pid: int) -> None:
@@ -289,6 +305,7 @@ def worker_loop(
         return
     conn.send_bytes(m.pack_ready(worker_id))
     spec_cache = {}  # other LMs' (dataset, pipeline), by spec hash, for when this worker is lent
+    watch = _Watch(parent_pid)  # busy too, sample by sample: the work queued before the owner died is not done
     try:
         while True:
             if not conn.poll(WATCHDOG_S):
@@ -304,7 +321,7 @@ def worker_loop(
                 )
                 conn.send_bytes(m.pack_message(m.Home(done)))
                 continue
-            run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn, clock)
+            run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn, clock, watch)
     except (_Orphaned, _Stopped, EOFError, OSError, BrokenPipeError):
         pass  # the owner is gone (or stopped us): nothing named is left to clean up
     finally:
