@@ -881,12 +881,41 @@ def test_a_dataset_the_accelerator_can_never_read_retires_it_and_the_cpu_workers
         assert ld.stats.accelerator_tiny_batches == 0
 
 
-class TruncatedEven(SlowInCpuWorkers):
-    """Even samples cut in half: a valid header (so DALI is given them), a decode that fails on both sides."""
+def bogus_huffman_tables(data: bytes) -> bytes:
+    """A complete JPEG whose first Huffman table is corrupt: its header reads (so DALI is given it), its decode
+    fails on both sides. (A truncated JPEG is not DALI's: header_sizes sends it to the CPU workers.)"""
+    k, corrupt = data.index(b"\xff\xc4"), bytearray(data)
+    corrupt[k + 5 : k + 21] = b"\xff" * 16  # the table's 16 code-length counts, far past the 256 codes
+    return bytes(corrupt)
+
+
+class CorruptEven(SlowInCpuWorkers):
+    """Even samples with corrupt Huffman tables."""
 
     def __getitem__(self, i):
         data, label = super().__getitem__(i)
-        return (data[: len(data) // 2] if i % 2 == 0 else data), label
+        return (bogus_huffman_tables(data) if i % 2 == 0 else data), label
+
+
+class TruncatedEven(SlowInCpuWorkers):
+    """Even samples cut short (no end marker): DALI's window decode would deliver one whose crop lies before the
+    cut and fail the whole run otherwise, so an epoch's sample set would hang on where the crop fell."""
+
+    def __getitem__(self, i):
+        data, label = super().__getitem__(i)
+        return (data[: len(data) * 6 // 10] if i % 2 == 0 else data), label
+
+
+def test_truncated_jpegs_go_to_the_cpu_workers_which_report_them_every_epoch():
+    ld = loader(TruncatedEven(48), on_error="skip", timeout=120, persistent_workers=True, tiny_batch_size=1)
+    for epoch in (0, 1):
+        ld.set_epoch(epoch)
+        with pytest.warns(UserWarning, match="on_error='skip'") if epoch == 0 else contextlib.nullcontext():
+            _, labels = collect(ld)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(1, 48, 2))
+    s = ld.stats
+    ld.close()
+    assert s.accelerator_samples > 0 and s.accelerator_builds == 1 and not s.accelerator_retired  # no run failed
 
 
 def test_failed_runs_rebuild_the_pipeline_counted_and_the_retirement_names_the_last_failure():
@@ -894,7 +923,7 @@ def test_failed_runs_rebuild_the_pipeline_counted_and_the_retirement_names_the_l
     stats, and the retirement after MAX_FAILURES says what the last failure was."""
     from fusionflow.accel import accelerator as acc
 
-    ld = loader(TruncatedEven(48), on_error="skip", timeout=120)
+    ld = loader(CorruptEven(48), on_error="skip", timeout=120)
     with pytest.warns(UserWarning, match="on_error='skip'"):
         _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(1, 48, 2))

@@ -120,6 +120,19 @@ def test_header_sizes_are_read_once_then_gathered():
     assert dims.many([99], [b"junk"]).tolist() == [[0, 0]]
 
 
+def test_a_truncated_jpeg_is_no_runs_sample():
+    """A JPEG without its end: DALI's window decode succeeds where the crop lies before the missing bytes, so it
+    would be delivered in one epoch and fail in the next; (0, 0) sends it to the CPU workers, which report it."""
+    cut = JPEGS[3][: len(JPEGS[3]) * 85 // 100]
+    padded = JPEGS[3] + b"\x00" * 8  # a complete one with trailing padding still runs
+    dims = HeaderSizes(3)
+    assert dims.many([0, 1, 2], [cut, padded, JPEGS[4]]).tolist() == [
+        [0, 0],
+        list(header_hw(JPEGS[3])),
+        list(header_hw(JPEGS[4])),
+    ]
+
+
 def test_first_met_headers_are_read_in_one_native_call_and_the_rest_one_by_one(monkeypatch):
     """A run's new JPEG bytes go to the native reader together (one call); a PNG, a JPEG it refuses and
     other buffer types are read one by one as before; all sizes equal Pillow's, (0, 0) where unreadable."""

@@ -56,13 +56,18 @@ def _header_sizes(data: list) -> np.ndarray:
 
 
 def _header_size(data) -> tuple[int, int]:
-    """(height, width) from an encoded image's header, (0, 0) when it is not bytes, cannot be read or is in a
-    format DALI does not decode."""
+    """(height, width) from an encoded image's header, (0, 0) when it is not bytes, cannot be read, is in a
+    format DALI does not decode or is a JPEG without its end (truncated): the CPU workers take those, and Pillow
+    reports a truncated file there every epoch, where DALI's window decode succeeds whenever the crop window
+    lies before the missing bytes (a corrupt sample delivered in one epoch, an error in the next)."""
     if not isinstance(data, (bytes, bytearray, memoryview)):
         return 0, 0
     from fusionflow.ops import jpeg
 
-    if jpeg.is_complete_jpeg(data) and jpeg.available():
+    complete = jpeg.is_complete_jpeg(data)
+    if not complete and bytes(data[:2]) == jpeg.SOI:
+        return 0, 0
+    if complete and jpeg.available():
         try:
             height, width, _ = jpeg.info(bytes(data))
             return height, width
