@@ -42,6 +42,8 @@ def test_image_folder_lists_what_torchvisions_lists_at_any_depth(tmp_path):
     ours, theirs = ImageFolder(str(root)), TorchvisionFolder(str(root), loader=lambda p: p)
     assert list(zip(ours.paths, ours.targets)) == theirs.samples and len(ours) == 6
     assert ours.class_to_idx == theirs.class_to_idx
+    os.symlink(root / "cat", root / "cat" / "sub" / "up")  # a loop: each image once (torchvision's repeats them)
+    assert ImageFolder(str(root)).paths == ours.paths
 
 
 def test_image_folder_errors(tmp_path):

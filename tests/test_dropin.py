@@ -661,6 +661,25 @@ class CountingBuckets:
         return self.n  # an upper bound, as some samplers give
 
 
+class SystemShuffled:
+    """A batch sampler drawing from the OS's entropy (random.SystemRandom: no state to save or put back)."""
+
+    def __init__(self):
+        import random
+
+        self.rng = random.SystemRandom()
+
+    def __iter__(self):
+        order = list(range(len(JPEGS)))
+        self.rng.shuffle(order)
+        return iter([order[k : k + 4] for k in range(0, len(order), 4)])
+
+
+def test_a_batch_sampler_on_the_systems_entropy_is_sized_too():
+    batches = list(FusionFlowLoader(Raw(), batch_sampler=SystemShuffled(), policy=EXACT))
+    assert sorted(int(t) for _, y in batches for t in y) == sorted(i % NUM_CLASSES for i in range(len(JPEGS)))
+
+
 def test_sizing_shared_memory_leaves_a_batch_samplers_state_and_the_rng_streams_alone():
     """Without a batch_size attribute the loader reads one pass to size shared memory; DataLoader reads none.
     That pass must not show: not in the sampler's pass count, its generator, or torch's global stream (model

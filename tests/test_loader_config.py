@@ -114,6 +114,8 @@ RESOLVED = [
     (dict(pin_memory=True), GPU, dict(pin_memory=True)),
     (dict(pin_memory=True, device="cuda"), GPU, dict(pin_memory=False)),  # delivered on the GPU: nothing to pin
     (dict(stage_times=True), None, dict(stage_names=("read", "decode+crop+resize", "flip", "write"))),
+    (dict(timeout=np.int64(30)), None, dict(timeout=30)),  # NumPy numbers, as DataLoader takes them
+    (dict(timeout=np.float32(2.5)), None, dict(timeout=2.5)),
 ]
 
 

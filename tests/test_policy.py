@@ -133,7 +133,8 @@ def _with(path, value):
         (("flip",), float("nan"), r"flip: expected a finite number, got nan"),
         (("augment", "ops", "Rotate"), {"range": [0, float("inf")]}, r"Rotate\.range\[1\]: expected a finite number"),
         (("jitter",), {"brightness": float("inf")}, r"jitter\.brightness: expected a finite number, got inf"),
-        (("augment", "fill"), [127.9, 0.5, 3], r"augment\.fill\[0\]: expected an integer, got float 127\.9"),
+        (("augment", "fill"), [127.9, 0.5, 3], r"augment\.fill\[0\]: expected an integer 0\.\.255, got 127\.9"),
+        (("augment", "fill"), 0.5, r"augment\.fill: expected an integer 0\.\.255, got 0\.5"),
         (("augment", "fill"), [1, 2], r"augment\.fill: expected a list of three integers"),
     ],
 )
@@ -175,6 +176,10 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_policy(str(bad))
     with pytest.raises(TypeError, match="policy must be a path"):
         load_policy(42)
+
+
+def test_a_colour_may_be_written_as_whole_floats():
+    assert load_policy({**BASE, "augment": {**BASE["augment"], "fill": [128.0, 0, 3.0]}}).augment.fill == (128, 0, 3)
 
 
 def test_a_key_given_twice_is_refused_with_its_line(tmp_path):

@@ -125,12 +125,10 @@ def test_a_truncated_jpeg_is_no_runs_sample():
     would be delivered in one epoch and fail in the next; (0, 0) sends it to the CPU workers, which report it."""
     cut = JPEGS[3][: len(JPEGS[3]) * 85 // 100]
     padded = JPEGS[3] + b"\x00" * 8  # a complete one with trailing padding still runs
-    dims = HeaderSizes(3)
-    assert dims.many([0, 1, 2], [cut, padded, JPEGS[4]]).tolist() == [
-        [0, 0],
-        list(header_hw(JPEGS[3])),
-        list(header_hw(JPEGS[4])),
-    ]
+    trailer = JPEGS[3] + bytes(range(32))  # and one with a trailer past its end
+    whole, other = list(header_hw(JPEGS[3])), list(header_hw(JPEGS[4]))
+    got = HeaderSizes(4).many([0, 1, 2, 3], [cut, padded, trailer, JPEGS[4]]).tolist()
+    assert got == [[0, 0], whole, whole, other]
 
 
 def test_first_met_headers_are_read_in_one_native_call_and_the_rest_one_by_one(monkeypatch):

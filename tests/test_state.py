@@ -343,3 +343,41 @@ def test_a_distributed_state_into_a_sampler_built_otherwise_is_refused(key, valu
     other = make("distributed", 0, sampler=DistributedSampler(DS, **kw))
     with pytest.raises(ValueError, match=f"DistributedSampler with {key}="):
         other.load_state_dict(state)
+
+
+def test_a_distributed_state_saved_after_set_epoch_resumes_that_epochs_order():
+    """set_epoch(2), a save before iterating, a fresh loader iterated without set_epoch: epoch 2's order. And a
+    state taken right after iter() in the resumed loader records the sampler's epoch it will draw."""
+    loader = make("distributed", 0, seed=5)
+    loader.set_epoch(2)
+    state = loader.state_dict()
+    expected = batches(loader)
+    fresh = make("distributed", 0)
+    fresh.load_state_dict(state)
+    same_batches(batches(fresh), expected)
+    again = make("distributed", 0)
+    again.load_state_dict(state)
+    again.set_epoch(3)
+    it = iter(again)
+    mid = again.state_dict()
+    assert mid["sampler"]["epoch"] == 3
+    loader.set_epoch(3)
+    same_batches(batches(it), batches(loader))
+
+
+def test_a_batch_sampler_over_a_sampler_without_len_can_be_checkpointed():
+    from torch.utils.data import BatchSampler
+
+    class Unsized(Sampler):
+        def __iter__(self):
+            return iter(range(len(DS)))
+
+    loader = FusionFlowLoader(DS, batch_sampler=BatchSampler(Unsized(), 4, False), policy=SMALL)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert state["num_batches"] is None
+    rest = batches(it)
+    fresh = FusionFlowLoader(DS, batch_sampler=BatchSampler(Unsized(), 4, False), policy=SMALL)
+    fresh.load_state_dict(state)
+    same_batches(batches(fresh), rest)

@@ -86,8 +86,16 @@ def _content_of(paths, stats, targets) -> str:
 def _images_under(folder: str, exts: tuple[str, ...]):
     """(path, stat) of each regular file (or link to one) ending in `exts` under `folder`, at any depth, in the
     order torchvision's ImageFolder lists them: sorted(os.walk(folder, followlinks=True)), each directory's files
-    sorted by name. A dangling link is left out (there is nothing to read)."""
-    for where, _dirs, names in sorted(os.walk(folder, followlinks=True)):
+    sorted by name. A dangling link is left out (there is nothing to read), and so is a linked directory met before
+    (a link to an ancestor would list the same images again down to the system's link limit)."""
+    seen, found = {os.path.realpath(folder)}, []
+    for where, dirs, names in os.walk(folder, followlinks=True):
+        dirs.sort()  # which of two links to one directory is kept: the first by name
+        real = [os.path.realpath(os.path.join(where, d)) for d in dirs]
+        dirs[:] = [d for d, r in zip(dirs, real) if r not in seen]
+        seen.update(real)
+        found.append((where, dirs, names))
+    for where, _dirs, names in sorted(found):
         for name in sorted(names):
             if not name.lower().endswith(exts):
                 continue

@@ -72,7 +72,7 @@ def _saved(rng):
 
     if isinstance(rng, torch.Generator):
         return rng.set_state, rng.get_state()
-    if isinstance(rng, random.Random):
+    if isinstance(rng, random.Random) and not isinstance(rng, random.SystemRandom):  # (the OS's: no state)
         return rng.setstate, rng.getstate()
     if isinstance(rng, np.random.RandomState):
         return rng.set_state, rng.get_state()

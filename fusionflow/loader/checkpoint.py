@@ -51,6 +51,7 @@ from fusionflow.runtime.spec import base_seed
 VERSION = 1
 # what an epoch-ordered sampler's (DistributedSampler's) order follows besides its epoch: a state fits one alike
 EPOCH_SAMPLER_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
+_PLAIN = (bool, int, float, str, type(None))
 
 
 def _stateful(obj) -> bool:
@@ -88,7 +89,8 @@ def capture(batch_sampler, sampler, draws_first=None) -> dict:
             torch.empty((), dtype=torch.int64).random_(generator=generator)
         return {"kind": kind, "state": generator.get_state()}
     if kind == "epoch":
-        return {"kind": kind, "epoch": owner.epoch, **{key: getattr(owner, key, None) for key in EPOCH_SAMPLER_KEYS}}
+        keys = {key: getattr(owner, key, None) for key in EPOCH_SAMPLER_KEYS}  # plain values: a sampler of one's own
+        return {"kind": kind, "epoch": owner.epoch, **{k: v for k, v in keys.items() if isinstance(v, _PLAIN)}}
     return {"kind": kind}
 
 
@@ -271,8 +273,8 @@ class Checkpoint:
                 UserWarning,
                 stacklevel=3,
             )
-            saved = self.resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one
-            self.resume = None if saved.get("kind") == "epoch" else (saved, 0)
+            saved = self.resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one; an order
+            self.resume = None if saved.get("kind") in ("epoch", "random_seed") else (saved, 0)  # drawn anew too
         mid_epoch = self.loaded is not None and self.loaded.get("batches_yielded") is not None
         if not (mid_epoch and epoch == self.epoch):  # (the loaded epoch's own number: still that state)
             self.loaded = None
@@ -298,8 +300,6 @@ class Checkpoint:
         they would have had."""
         saved, skip = self.resume if self.resume is not None else (None, None)
         self.resume = None
-        if saved is not None and saved.get("kind") == "epoch" and skip is None:
-            saved = None  # between epochs the sampler's epoch is the script's (set_epoch, the loader's or its own)
         batches, snapshot = start_epoch(batch_sampler, sampler, saved, skip or 0, on_skip=copies)
         if snapshot.get("kind") == "random_seed":  # the draw before it, from the same global RNG
             snapshot["base_seed"] = self._base_seed
@@ -360,6 +360,10 @@ class Checkpoint:
         self.epoch, self.epoch_set, self.iterations = state["epoch"], state["epoch_set"], state["iterations"]
         if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
             self.epoch_set, self.iterations = True, max(0, self.iterations - 1)
-        self.resume = (state["sampler"], yielded)  # yielded None: a state between epochs
+        saved = state["sampler"]
+        if yielded is None and saved.get("kind") == "epoch":  # between epochs: the sampler's epoch now, and a
+            order_owner(batch_sampler, sampler)[0].set_epoch(saved["epoch"])  # set_epoch after it wins, as a script's
+            saved = None
+        self.resume = (saved, yielded)  # yielded None: a state between epochs
         self.current = None  # an older iteration's progress is not this loader's position any more
         self.current, self.loaded = None, copy.deepcopy(state)

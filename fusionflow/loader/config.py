@@ -16,6 +16,7 @@ import dataclasses
 import logging
 import math
 import multiprocessing
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -187,7 +188,7 @@ def check_context(ctx) -> None:
 def check_run_options(persistent_workers, num_workers: int, timeout, on_error, max_retries, pin_workers) -> None:
     if persistent_workers and num_workers == 0:
         raise ValueError("persistent_workers=True needs num_workers > 0")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 <= timeout < math.inf:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not 0 <= timeout < math.inf:
         raise ValueError(f"timeout={timeout!r} must be a number of seconds >= 0 (0 waits forever)")
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error={on_error!r} must be one of {ON_ERROR}")

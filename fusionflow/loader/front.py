@@ -338,7 +338,7 @@ class FusionFlowLoader:
             "dataset_len": len(self.dataset),
             "batch_size": cfg.capacity,
             "drop_last": cfg.drop_last,
-            "num_batches": len(self) if hasattr(self.config.batch_sampler, "__len__") else None,  # None: no len()
+            "num_batches": _length(self),  # None: a batch sampler (or its sampler) without len()
         }
 
     # ---------------------------------------------------------------- tracing (fusionflow/loader/trace.py)
@@ -357,3 +357,10 @@ class FusionFlowLoader:
     def _collate(self):
         """None when batches are delivered as they are (no collate_fn, or default_collate)."""
         return self.config.collate
+
+
+def _length(loader) -> int | None:
+    try:
+        return len(loader)
+    except TypeError:
+        return None

@@ -84,12 +84,18 @@ class Reader:
         return tuple(self.number(v, f"{path}[{i}]", lo, hi) for i, v in enumerate(obj))
 
     def fill(self, obj: Any, path: str) -> tuple[int, int, int]:
-        """A fill colour: one integer 0..255 for every channel, or [r, g, b]."""
+        """A fill colour: one integer 0..255 for every channel, or [r, g, b] (128.0 is 128; 127.5 is refused)."""
         if isinstance(obj, (list, tuple)):
             if len(obj) != 3:
                 self.fail(path, f"expected a list of three integers 0..255 (one per RGB channel), got {obj!r}")
-            return tuple(self.integer(v, f"{path}[{i}]", 0, 255) for i, v in enumerate(obj))
-        return (int(self.integer(obj, path, 0, 255)),) * 3
+            return tuple(self._level(v, f"{path}[{i}]") for i, v in enumerate(obj))
+        return (self._level(obj, path),) * 3
+
+    def _level(self, obj: Any, path: str) -> int:
+        value = self.number(obj, path, 0, 255)
+        if value != int(value):
+            self.fail(path, f"expected an integer 0..255, got {obj!r}")
+        return int(value)
 
     def subpolicy_steps(self, raw: Any, path: str, shape: str):
         """A non-empty list of sub-policies, each a non-empty list of steps: yields (sub-policy index,
