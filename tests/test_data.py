@@ -46,6 +46,14 @@ def test_image_folder_lists_what_torchvisions_lists_at_any_depth(tmp_path):
     assert ImageFolder(str(root)).paths == ours.paths
 
 
+def test_a_root_of_splits_is_said_to_be_one(folder, tmp_path):
+    """Images count at any depth, so a root of train/ and val/ reads as two classes (as torchvision's does): say so."""
+    (tmp_path / "train").symlink_to(folder)
+    (tmp_path / "val").symlink_to(folder)
+    with pytest.warns(UserWarning, match=r"look like a dataset's splits .*pass a split's own folder"):
+        assert ImageFolder(str(tmp_path)).classes == ["train", "val"]
+
+
 def test_image_folder_errors(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         ImageFolder(str(tmp_path / "missing"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
+import warnings
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -43,6 +44,13 @@ class ImageFolder:
                 self.sizes.append(st.st_size)
         if not self.paths:
             raise ValueError(f"ImageFolder root {root!r} holds no files ending in {', '.join(exts)}")
+        if looks_like_splits(self.classes):  # nested images count (as torchvision's): say what this most likely is
+            warnings.warn(
+                f"ImageFolder root {root!r} has the classes {self.classes}: they look like a dataset's splits "
+                f"(each one class here); pass a split's own folder, e.g. {os.path.join(root, self.classes[0])!r}",
+                UserWarning,
+                stacklevel=2,
+            )
         self._content = _content_of(self.paths, stats, self.targets)
 
     @classmethod
@@ -81,6 +89,15 @@ def _content_of(paths, stats, targets) -> str:
     """A digest of every file's path, size, modification time and class."""
     lines = [f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n" for path, st, target in zip(paths, stats, targets)]
     return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
+
+
+SPLIT_NAMES = {"train", "training", "val", "valid", "validation", "test", "testing", "eval"}
+
+
+def looks_like_splits(classes) -> bool:
+    """Whether the class folders are named as a dataset's splits (train/, val/): images found under them at any
+    depth would make each split one class."""
+    return bool(classes) and {c.lower() for c in classes} <= SPLIT_NAMES
 
 
 def _images_under(folder: str, exts: tuple[str, ...]):

@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import time
+import warnings
 
 import numpy as np
 
@@ -121,10 +122,15 @@ def image_root(path: str) -> str:
     """`path` when it is an ImageFolder root (class folders of images), else its split that is one
     (`train` first, as torchvision's and timm's layouts name it), else a SystemExit saying what was expected."""
     from fusionflow import ImageFolder
+    from fusionflow.datasets.folder import looks_like_splits
 
     try:
-        ImageFolder(path)
-        return path
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a root of splits is told apart below
+            classes = ImageFolder(path).classes
+        if not looks_like_splits(classes):
+            return path
+        why = f"its folders {classes} are splits, not classes"
     except ValueError as e:
         why = e
     splits = sorted(e.name for e in os.scandir(path) if e.is_dir())
