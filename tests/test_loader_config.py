@@ -171,6 +171,8 @@ ERRORS = [
     (dict(generator=5), None, TypeError, "generator=5 must be a torch.Generator or None"),
     (dict(device="cuda"), None, ValueError, "device='cuda' but CUDA is not available here"),
     (dict(device="meta"), None, ValueError, "device='meta': FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'"),
+    (dict(device="tpu"), None, ValueError, "device='tpu': FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'"),
+    (dict(device=3.5), None, ValueError, "device=3.5: FusionFlowLoader delivers to 'cpu' or 'cuda[:N]'"),
     (dict(device="cuda:2"), GPU, ValueError, "device='cuda:2': this process sees 2 CUDA device(s)"),
     (dict(policy="no-such-policy"), None, ValueError, "policy file 'no-such-policy' does not exist"),
     (dict(gpu_sharing="sometimes"), None, ValueError, "gpu_sharing='sometimes' must be one of"),

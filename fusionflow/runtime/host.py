@@ -45,7 +45,10 @@ class Host:
 
 def resolve_device(device, host: Host, who: str = "FusionFlowLoader") -> torch.device:
     """'cpu', or 'cuda' with one device index, resolved now, for every CUDA call after."""
-    resolved = torch.device(device)
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):  # a name or type torch does not know ("tpu", 3.5)
+        raise ValueError(f"device={device!r}: {who} delivers to 'cpu' or 'cuda[:N]'") from None
     if resolved.type == "cuda" and not host.cuda_available():
         raise ValueError(f"device={device!r} but CUDA is not available here: use device='cpu'")
     if resolved.type not in ("cpu", "cuda"):

@@ -83,6 +83,14 @@ def end_processes(processes, grace: float) -> None:
                 proc.join(timeout=1.0)
 
 
+def terminate_alive(processes) -> None:
+    """SIGTERM to each of `processes` still running: at shutdown, a worker running a task reads its STOP only after
+    it, and the task is nobody's now (the iteration ended, or raised, e.g. at `timeout`): not worth the stop grace."""
+    for proc in processes:
+        if proc.is_alive():
+            proc.terminate()
+
+
 @contextlib.contextmanager
 def interrupts_deferred():
     """Ctrl-C (SIGINT) held back while the block runs, then delivered as the handler in place would have it: an

@@ -33,6 +33,7 @@ import time
 
 from fusionflow.errors import SampleKilledWorkersError, WorkerStartError
 from fusionflow.runtime import messages as m
+from fusionflow.runtime import procs
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_stuck_kill, count_worker_task
@@ -181,16 +182,17 @@ class WorkerPool:
         w.conn.close()
 
     def stop(self) -> None:
-        """Shutdown step: STOP to every worker (a lent one stops too: its borrower requeues what it
-        held); join each for up to STOP_GRACE_S in all; terminate() the rest, then kill(); close the pipes;
-        release the cores once no worker runs on them. Idempotent."""
+        """Shutdown step: STOP to every worker (a lent one's borrower requeues what it held), SIGTERM to a busy
+        one (its STOP waits behind a task nobody awaits); join each for up to STOP_GRACE_S in all; terminate() the
+        rest, then kill(); close the pipes; release the cores once no worker runs on them. Idempotent."""
         if self._stopped:
             return
         self._stopped = True
         workers = [w for w in self.workers if w is not None]
         end = functools.partial(end_processes, [w.process for w in workers], STOP_GRACE_S)
+        busy = functools.partial(procs.terminate_alive, [w.process for w in workers if w.outstanding])
         # a Ctrl-C in any step still ends every worker, closes the pipes and releases the cores
-        run_every(*(w.send_stop for w in workers), end, *(w.conn.close for w in workers), self.cores.release)
+        run_every(*(w.send_stop for w in workers), busy, end, *(w.conn.close for w in workers), self.cores.release)
 
     # ---------------------------------------------------------------- tasks (lock held)
     def busy_with_stale(self, generation: int) -> bool:
