@@ -346,11 +346,15 @@ def test_a_cache_that_cannot_be_made_is_left_out_with_one_log_line(monkeypatch, 
     assert len(lines) == 1 and "no keeper today" in lines[0] and loader.stats.cache == {}
 
 
-def test_a_budget_the_node_cannot_hold_is_refused_with_the_fix():
+def test_a_budget_the_node_cannot_hold_is_refused_with_the_fix(monkeypatch):
+    """... and leaves no lock file: no keeper started, so none would remove it."""
+    keys, real = [], keeper.attach
+    monkeypatch.setattr(keeper, "attach", lambda key, *a, **kw: keys.append(key) or real(key, *a, **kw))
     loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache="900TB")
     with pytest.raises(SharedMemoryError, match=r"--shm-size.*path="):
         next(iter(loader))
     loader.close()
+    assert keys and not any(os.path.exists(f"{userdir.directory()}/cache-{key}.lock") for key in keys)
 
 
 def test_a_keeper_that_exits_removes_its_record_and_lock_file():

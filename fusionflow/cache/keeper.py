@@ -15,7 +15,7 @@ loader looks there under an flock of `cache-<key>.lock`, so two loaders starting
 keeper. A record whose pid is gone is stale and replaced.
 
 Wire (pickled tuples on the authenticated connection): loader -> ("attach", entries) then, at close,
-("detach",); keeper -> ("ok", size, max_side) + the descriptor, or ("refused", why); ("bye", left).
+("detach",); keeper -> ("ok",) + the descriptor, or ("refused", why); ("bye", left).
 """
 
 from __future__ import annotations
@@ -113,9 +113,15 @@ def attach(
                 return _attach_to(rec, entries)
             except (OSError, EOFError):
                 pass  # it is exiting (its last loader just left): start another
-        if check is not None:
-            check()
-        _start_keeper(record, entries, size, max_side, admission, path)
+        try:
+            if check is not None:
+                check()
+            _start_keeper(record, entries, size, max_side, admission, path)
+        except BaseException:  # no keeper of this key runs: nobody else would remove its lock file
+            rec = _read(record)
+            if rec is None or not pid_alive(rec["pid"]):
+                remove_locked(lock)
+            raise
         return _attach_to(_read(record), entries)
 
 
