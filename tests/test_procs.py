@@ -156,7 +156,9 @@ def test_a_cpu_worker_ends_quietly_on_sigterm_whatever_handler_the_script_instal
     finally:
         signal.signal(signal.SIGTERM, old)
     os.kill(proc.pid, signal.SIGTERM)
-    proc.join(60)
+    deadline = time.monotonic() + 60  # (the loader's thread reaps it too: a join here may return before its status)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert proc.exitcode == -signal.SIGTERM
     ld.set_epoch(1)
     assert sorted(i for y in collect(ld)[1] for i in y.tolist()) == list(range(16))  # a new worker took over
