@@ -365,5 +365,4 @@ class Checkpoint:
             order_owner(batch_sampler, sampler)[0].set_epoch(saved["epoch"])  # set_epoch after it wins, as a script's
             saved = None
         self.resume = (saved, yielded)  # yielded None: a state between epochs
-        self.current = None  # an older iteration's progress is not this loader's position any more
         self.current, self.loaded = None, copy.deepcopy(state)
