@@ -4,9 +4,11 @@ the timeline PNG, and the profile / bench commands."""
 import argparse
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -41,8 +43,8 @@ def check_trace_events(trace: dict) -> None:
             assert e["name"] in ("process_name", "thread_name", "thread_sort_index") and "args" in e
 
 
-def x_events(trace, cat):
-    return [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") == cat]
+def x_events(trace, cat=None):
+    return [e for e in trace["traceEvents"] if e["ph"] == "X" and (cat is None or e.get("cat") == cat)]
 
 
 def test_trace_file_covers_every_sample_once_and_its_waits_are_the_stats(tmp_path):
@@ -128,12 +130,64 @@ def test_inline_loader_traces_its_waits(tmp_path):
         ({"trace": 123}, TypeError, "trace=123"),
         ({"trace": ""}, ValueError, "trace=''"),
         ({"trace": "/no/such/dir/run.json"}, ValueError, "/no/such/dir"),
+        ({"trace": "/tmp"}, ValueError, "trace='/tmp' is a directory"),
         ({"stage_times": "yes"}, TypeError, "stage_times='yes'"),
     ],
 )
 def test_bad_observability_arguments_name_the_value(kwargs, error, match):
     with pytest.raises(error, match=match):
         FusionFlowLoader(Bytes(8), batch_size=4, policy=SMALL, **kwargs)
+
+
+def test_a_trace_that_cannot_be_written_warns_and_changes_nothing_training_sees(tmp_path):
+    """A trace is a diagnostic: its directory gone, the epoch still ends as it would, the loop's own exception is
+    the one raised, and no temporary file is left."""
+    import shutil
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    loader = FusionFlowLoader(Bytes(12), batch_size=4, num_workers=1, policy=SMALL, trace=gone / "run.json")
+    shutil.rmtree(gone)
+    with pytest.warns(RuntimeWarning, match="trace could not be written"):
+        assert sum(len(y) for _, y in loader) == 12  # StopIteration, not FileNotFoundError
+        loader.close()
+    other = FusionFlowLoader(Bytes(12), batch_size=4, num_workers=1, policy=SMALL)
+    (tmp_path / "also").mkdir()
+    with pytest.warns(RuntimeWarning), pytest.raises(KeyError, match="the loop's own"):
+        with other.trace(tmp_path / "also" / "t.json"):
+            next(iter(other))
+            shutil.rmtree(tmp_path / "also")
+            raise KeyError("the loop's own")
+    other.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_block_entered_mid_epoch_starts_no_span_before_it(tmp_path, monkeypatch):
+    """Work submitted before loader.trace() began is drawn from the trace's start (Perfetto drops negative times),
+    and a wait span ends when its batch was ready, not after the batch was copied out of the ring."""
+    from fusionflow.loader.delivery import Delivery
+
+    slow_copy = Delivery.from_ring
+
+    def from_ring(self, *args, **kwargs):
+        time.sleep(0.3)
+        return slow_copy(self, *args, **kwargs)
+
+    loader = FusionFlowLoader(Bytes(24), batch_size=4, num_workers=1, policy=SMALL)
+    it = iter(loader)
+    next(it)
+    monkeypatch.setattr(Delivery, "from_ring", from_ring)
+    with loader.trace(tmp_path / "t.json"):
+        next(it)
+        returned = time.monotonic_ns()
+    loader.close()
+    trace = load(tmp_path / "t.json")
+    events = x_events(trace)
+    assert events and all(e["ts"] >= 0 and e["dur"] >= 0 for e in events)
+    assert any("started_before_trace_us" in e["args"] for e in events)
+    (wait,) = x_events(trace, "wait")
+    wait_end = trace["otherData"]["origin_monotonic_ns"] + (wait["ts"] + wait["dur"]) * 1e3
+    assert returned - wait_end >= 0.25e9  # the copy's 0.3 s came after the wait's end
 
 
 def test_bad_trace_sizes_and_paths():
@@ -195,6 +249,18 @@ def test_timeline_png_and_summary(tmp_path):
     png = plot_timeline(trace, str(tmp_path / "t.png"), stage_seconds_by_track(loader.stats))
     data = open(png, "rb").read()
     assert data[:8] == PNG_MAGIC and len(data) > 10_000
+
+
+def test_idle_shares_start_at_the_first_tiny_batch():
+    """The stretch a worker's idle share is of starts where work starts: the wait for the first batch before any
+    worker ran (start-up) is not idleness."""
+    rec = TraceRecorder()
+    o = rec.origin_ns
+    rec.wait(o, o + 100_000_000, 0, 4)  # 100 ms waiting while the worker starts
+    work = argparse.Namespace(seq=0, indices=(0, 1, 2, 3))
+    rec.tiny_batch(0, work, o + 100_000_000, o + 200_000_000)
+    (worker,) = summarize(rec.to_dict())["workers"].values()
+    assert worker["idle_share"] == pytest.approx(0.0, abs=1e-6)
 
 
 @pytest.fixture(scope="module")

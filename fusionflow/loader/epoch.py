@@ -211,11 +211,12 @@ class WorkerIterator(EpochIterator):
         self._waited(time.perf_counter() - t0, seq, state.size)
         return state
 
-    def _waited(self, wait: float, seq: int, n: int) -> None:
-        """Mini-batch `seq` of `n` samples delivered after the training loop waited `wait` s: counted in
-        stats and the trace, and told to the decoded-image cache (fill_share="auto" paces while it waits)."""
+    def _waited(self, wait: float, seq: int, n: int, ready_ns: int | None = None) -> None:
+        """Mini-batch `seq` of `n` samples delivered after the training loop waited `wait` s (until `ready_ns`,
+        monotonic; default now): counted in stats and the trace, and told to the decoded-image cache
+        (fill_share="auto" paces while it waits)."""
         self._delivery.account(wait, n)
-        self._tracing.wait(wait, seq, n)
+        self._tracing.wait(wait, seq, n, ready_ns)
         cache = self._runtime.cache_attachment
         if cache is not None:
             cache.delivered(wait)
@@ -245,7 +246,7 @@ class WorkerIterator(EpochIterator):
         finally:
             if gpu is not None:
                 gpu.close_window(mgr)
-        wait = time.perf_counter() - t0
+        wait, ready_ns = time.perf_counter() - t0, time.monotonic_ns()  # (before the copy out of the ring)
         try:
             images_t, labels_t, objs, event = self._delivery.from_ring(mgr, state, gpu)
         except EmptyBatch:  # nothing was copied out: its slot goes back (the caller goes on to the next)
@@ -253,7 +254,7 @@ class WorkerIterator(EpochIterator):
             self._slots.give(state.slot)
             self._refill()
             raise
-        self._waited(wait, self._delivered, len(images_t))
+        self._waited(wait, self._delivered, len(images_t), ready_ns)
         if gpu is not None:
             gpu.sync_stats()
         self._delivered += 1

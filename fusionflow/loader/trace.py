@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import time
+import warnings
 from collections import deque
 
 DEFAULT_MAX_EVENTS = 200_000  # ~ 60 MB of Python tuples at worst; a few hundred epochs of a small run
@@ -47,6 +48,8 @@ def check_path(path, name: str = "trace"):
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"{name}={path!r}: directory {parent!r} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"{name}={path!r} is a directory: give a file name in it, such as 'run.json'")
     return path
 
 
@@ -140,6 +143,7 @@ class TraceRecorder:
     def to_dict(self) -> dict:
         """The trace-event document (JSON object format)."""
         o, sizes = self.origin_ns, self._sizes
+        spans = list(self._events)  # first: a track a span names is in _tracks by then
         events = [
             {"ph": "M", "pid": PID, "tid": 0, "ts": 0, "name": "process_name", "args": {"name": "fusionflow loader"}}
         ]
@@ -148,7 +152,7 @@ class TraceRecorder:
             events.append(
                 {"ph": "M", "pid": PID, "tid": tid, "ts": 0, "name": "thread_sort_index", "args": {"sort_index": tid}}
             )
-        for tid, kind, start, end, seq, samples, detail in list(self._events):
+        for tid, kind, start, end, seq, samples, detail in spans:
             if kind == "lent":
                 name, args = f"lent to LM {detail}", {"tiny_batches": samples, "borrower": detail}
             elif kind == "step":
@@ -168,9 +172,9 @@ class TraceRecorder:
                     "tid": tid,
                     "name": name,
                     "cat": kind,
-                    "ts": (start - o) / 1e3,
-                    "dur": max(0, end - start) / 1e3,
-                    "args": args,
+                    "ts": max(0, start - o) / 1e3,  # begun before the recorder: drawn from its start
+                    "dur": max(0, end - max(start, o)) / 1e3,
+                    "args": args if start >= o else {**args, "started_before_trace_us": (o - start) / 1e3},
                 }
             )
         return {
@@ -189,9 +193,24 @@ class TraceRecorder:
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
         text = json.dumps(self.to_dict(), separators=(",", ":"))  # dumps: C encoder (dump's is Python)
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def write_or_warn(self, path) -> None:
+        """`write`, a failure (the directory gone, the disk full) a warning: a trace is a diagnostic, never the
+        reason a training loop stops or raises something other than its own error."""
+        try:
+            self.write(path)
+        except OSError as exc:
+            warnings.warn(
+                f"fusionflow: the trace could not be written to {path!r}: {exc}", RuntimeWarning, stacklevel=3
+            )
 
 
 def load(path) -> dict:
@@ -224,21 +243,21 @@ class Tracing:
             yield recorder
         finally:
             self._set(None)
-            recorder.write(path)
+            recorder.write_or_warn(path)
 
     def _set(self, recorder) -> None:
         self.recorder = recorder
         if self.on_change is not None:
             self.on_change(recorder)
 
-    def wait(self, wait: float, seq: int, samples: int) -> None:
-        """The training loop's wait just measured, ending now; its span lasts exactly `wait` (as in
-        stats.wait_seconds). Nothing when not tracing."""
+    def wait(self, wait: float, seq: int, samples: int, end: int | None = None) -> None:
+        """The training loop's wait, ending at `end` (monotonic ns; default now: pass the moment the batch was
+        ready, before it was copied out); its span lasts exactly `wait` (as in stats.wait_seconds)."""
         if self.recorder is not None:
-            end = time.monotonic_ns()
+            end = time.monotonic_ns() if end is None else end
             self.recorder.wait(end - round(wait * 1e9), end, seq, samples)
 
     def flush(self) -> None:
         """Rewrite the trace= file with what was recorded so far."""
         if self.path is not None and self.recorder is not None:
-            self.recorder.write(self.path)
+            self.recorder.write_or_warn(self.path)

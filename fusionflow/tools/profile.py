@@ -3,7 +3,7 @@
 Runs FusionFlowLoader on an ImageFolder for a number of mini-batches (optionally with a simulated
 training step) with tracing and stage timing on, and writes to --out:
   trace.json    Chrome/Perfetto trace events (open at https://ui.perfetto.dev)
-  timeline.png  workers x time, tiny-batches coloured by mini-batch, waits at next() in red,
+  timeline.png  workers x time, tiny-batches coloured by mini-batch, waits at next() in black,
                 and each worker's stage shares
   summary.txt   throughput, wait mean/p95, stage shares, idle share per worker (also printed)
 """

@@ -1,6 +1,6 @@
 """Read a loader trace (fusionflow/loader/trace.py): a short summary, and a timeline PNG (matplotlib).
 
-The PNG has one row per track -- the training loop's waits at next() (red), each ring slot's
+The PNG has one row per track -- the training loop's waits at next() (black), each ring slot's
 mini-batches, the accelerator, each CPU worker and each borrowed worker -- with every tiny-batch a
 bar coloured by its mini-batch (the same colour on the slot row), lent stretches hatched grey, and,
 when stage times are given, a second panel with each worker's stage shares.
@@ -64,7 +64,7 @@ def summarize(trace: dict) -> dict:
     if not everything:
         out.update(seconds=0.0, samples_per_s=0.0, workers={})
         return out
-    start = min(e["ts"] for e in everything)
+    start = min(e["ts"] for e in (tiny or everything))  # the first tiny-batch's start: worker start-up is not idle
     end = max(e["ts"] + e["dur"] for e in everything)
     seconds = (end - start) / 1e6
     out["seconds"] = seconds
