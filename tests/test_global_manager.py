@@ -442,6 +442,16 @@ def test_global_manager_argument_errors():
         GlobalManagerClient(job())
 
 
+def tell_own(marker_dir, borrower) -> None:
+    """The borrower's own workers' pids, for StopsInAGuest: written whole before the name appears (a worker reading
+    a half-written list, empty, took itself for a guest and stopped: an own worker killed as stuck, CI on d4e5922)."""
+    pids = " ".join(str(w.process.pid) for w in borrower._manager.pool.workers if w is not None)
+    tmp = os.path.join(marker_dir, "own.tmp")
+    with open(tmp, "w") as f:
+        f.write(pids)
+    os.replace(tmp, os.path.join(marker_dir, "own"))
+
+
 class StopsInAGuest(Bytes):
     """A sample read by a worker that is not one of the borrower's own (listed in `own`, once known)
     stops that process (SIGSTOP), the first time: a lent worker stopped mid-task."""
@@ -486,7 +496,7 @@ def test_a_lent_worker_stopped_in_the_middle_of_a_message_is_killed_by_its_borro
     monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 1e9)
     monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1e9)
     a, b, it, got = lending_pair(StopsMidMessageInAGuest(48, str(tmp_path)), timeout=0)
-    (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
+    tell_own(tmp_path, a)
     lent_worker(b)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))
@@ -510,7 +520,7 @@ def test_a_stopped_lent_worker_is_killed_by_its_borrower_and_replaced_by_its_own
 
     monkeypatch.setattr(liveness, bound, 1.0)
     a, b, it, got = lending_pair(StopsInAGuest(48, str(tmp_path)), timeout=0)
-    (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
+    tell_own(tmp_path, a)
     lent_worker(b)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48))  # nothing twice, nothing lost, and no timeout= needed
@@ -530,7 +540,7 @@ def test_a_lent_straggler_killed_by_its_borrower_costs_its_sample_no_death(monke
 
     monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1.0)
     a, b, it, got = lending_pair(StopsInAGuest(48, str(tmp_path)), timeout=0, max_retries=0)
-    (tmp_path / "own").write_text(" ".join(str(w.process.pid) for w in a._manager.pool.workers if w is not None))
+    tell_own(tmp_path, a)
     lent_worker(b)
     got += [i for _, y in it for i in y.tolist()]
     assert got == list(range(48)) and a.stats.workers_stuck == 1
