@@ -65,7 +65,7 @@ def _header_size(data) -> tuple[int, int]:
     from fusionflow.ops import jpeg
 
     complete = jpeg.is_complete_jpeg(data)
-    if not complete and _cut_short(data):
+    if not complete and jpeg.is_cut_short(data):
         return 0, 0
     if complete and jpeg.available():
         try:
@@ -78,13 +78,6 @@ def _header_size(data) -> tuple[int, int]:
     except DecodeError:
         return 0, 0
     return (h, w) if fmt in DALI_FORMATS else (0, 0)
-
-
-def _cut_short(data) -> bool:
-    """A JPEG whose last scan has no end marker after it (markers cannot occur inside entropy-coded data, and an
-    embedded thumbnail's end comes before the main image's scans); one with bytes after its end is whole."""
-    data = bytes(data)
-    return data[:2] == b"\xff\xd8" and data.rfind(b"\xff\xd9") < data.rfind(b"\xff\xda")
 
 
 def image_size(data, what: str | None = None) -> tuple[int, int]:

@@ -125,6 +125,14 @@ def why_unavailable() -> str | None:
     return _WHY_NOT
 
 
+def is_cut_short(data) -> bool:
+    """A JPEG whose last scan has no end marker after it: truncated (markers cannot occur inside entropy-coded
+    data, and an embedded thumbnail's end comes before the main image's scans); one with bytes after its end, which
+    `is_complete_jpeg`'s look at the tail misses, is whole. Reads the whole buffer: for what that look refused."""
+    data = bytes(data)
+    return data[:2] == SOI and data.rfind(EOI) < data.rfind(b"\xff\xda")
+
+
 def is_complete_jpeg(data) -> bool:
     """Starts with SOI and ends with EOI (trailing padding allowed): truncated files go to Pillow,
     which reports them as it always has."""

@@ -64,7 +64,7 @@ def run(args, parser=None) -> int:
     from fusionflow.loader.trace import load
     from fusionflow.tools.timeline import format_summary, plot_timeline, summarize
 
-    ds = _dataset(args, parser)
+    ds, policy = _dataset(args, parser)
     os.makedirs(args.out, exist_ok=True)
     trace_path = os.path.join(args.out, "trace.json")
     png_path = os.path.join(args.out, "timeline.png")
@@ -79,7 +79,7 @@ def run(args, parser=None) -> int:
         shuffle=True,
         num_workers=args.workers,
         persistent_workers=True,
-        policy=args.policy,
+        policy=policy,
         seed=0,
         tiny_batch_size=min(args.tiny_batch_size, batch_size),
         stage_times=True,
@@ -121,18 +121,17 @@ def run(args, parser=None) -> int:
 
 
 def _dataset(args, parser):
-    """The ImageFolder at --data, the policy checked: their errors are `parser`'s usage errors when given."""
+    """(the ImageFolder at --data, the policy loaded): their errors are `parser`'s usage errors when given."""
     from fusionflow import ImageFolder
     from fusionflow.policy import load_policy
 
     try:
-        ds = ImageFolder(args.data)
-        load_policy(args.policy)  # a wrong name or key is told before anything starts
+        ds, policy = ImageFolder(args.data), load_policy(args.policy)  # told before anything starts
     except (OSError, ValueError, TypeError) as e:
         if parser is None:
             raise
         parser.error(str(e))
-    return ds
+    return ds, policy
 
 
 def _shares(seconds: dict) -> dict:
