@@ -456,6 +456,18 @@ u 0x30000000
 record E1 on S1
 wait T for E1
 close returned 1 0x30000000
+-- a destroyed stream's handle reused by a new stream: waits as any other stream
+record E6 on T
+wait S2 for E6
+v 0x40000000
+record E2 on S2
+wait S2 for E6
+wait S2 for E2
+w 0x40000000
+record E7 on S2
+wait T for E2
+wait T for E7
+close returned 1 0x40000000
 """
 
 
@@ -469,7 +481,8 @@ def test_dali_resource_orders_streams_by_events(tmp_path):
     stream's event at the free, and close makes the lender's stream wait for exactly the frees since
     the last close, returning only blocks nothing holds. A free whose event record fails
     (cudaErrorCudartUnloading at exit) never throws into DALI's deleter (that would be
-    std::terminate): the host waits for the stream instead."""
+    std::terminate): the host waits for the stream instead. Streams are told by CUDA's id, not their handle:
+    a new stream given a destroyed one's handle waits for the window's event and the old stream's free."""
     import subprocess
 
     dali_inc, dali_lib = native.dali_paths()

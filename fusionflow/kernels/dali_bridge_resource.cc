@@ -19,6 +19,9 @@
 //     close() never touches a DALI stream, so a stream DALI destroyed meanwhile does no harm.
 //   - The synchronous entry points (DALI's host-synchronous allocations) wait on the host for the
 //     same events instead, and a synchronous free needs no event (nothing is pending on it).
+// Streams are told apart by CUDA's stream id (cudaStreamGetId: unique for the context's life), never by their
+// handle: a stream DALI destroys (a decoder's, with its pipeline after a failed run) may hand its handle to a new
+// stream, which has waited for nothing the old one waited for and must not skip a wait as "the same stream".
 // The CUDA calls of open/close/stats and of a free run with the resource's device current (a thread
 // may have another one, and stream 0 means "the current device's default stream"). Frees never
 // throw (they run in DALI's deleters): a failed event record falls back to a host wait.
@@ -48,6 +51,19 @@ namespace {
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Blocking-sync: a host wait on one (the host-synchronous allocations) sleeps instead of spinning a core.
+constexpr unsigned kEventFlags = cudaEventDisableTiming | cudaEventBlockingSync;
+
+// A stream's key for the bookkeeping: its CUDA id; where CUDA cannot tell it (a stream destroyed meanwhile), a
+// key used once, which matches no other stream (its range's next user waits for its event, never skips it).
+uintptr_t stream_key(cudaStream_t s) noexcept {
+  static std::atomic<uintptr_t> unknown{~uintptr_t(0) >> 1};  // far above CUDA's ids, below the arena's tags
+  unsigned long long id = 0;
+  if (cudaStreamGetId(s, &id) == cudaSuccess) return static_cast<uintptr_t>(id);
+  cudaGetLastError();
+  return unknown++;
 }
 
 class DeviceGuard {  // makes `device` current for a scope, then restores the caller's
@@ -81,7 +97,7 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
     // an event of this window's own: a host-synchronous allocation waiting (outside the lock) on the last
     // window's keeps waiting on what it was given, never on a record made here on another stream
     cudaEvent_t ev = nullptr;
-    check(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    check(cudaEventCreateWithFlags(&ev, kEventFlags), "cudaEventCreate");
     open_events_.push_back(ev);  // never destroyed (as the frees' events): a wait may still hold an old one
     check(cudaEventRecord(ev, torch_stream), "cudaEventRecord(open)");
     open_event_ = ev;  // published once recorded
@@ -212,11 +228,11 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
     bool pending = false;  // recorded since the last close
   };
 
-  Freed &freed_on(cudaStream_t s) {
-    Freed &f = freed_[s];
+  Freed &freed_on(uintptr_t key) {
+    Freed &f = freed_[key];
     if (!f.event) {
       DeviceGuard d(device_);  // the event belongs to the resource's device, whatever the freeing thread has
-      check(cudaEventCreateWithFlags(&f.event, cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(&f.event, kEventFlags), "cudaEventCreate");
     }
     return f;
   }
@@ -227,9 +243,9 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   // `s` instead and the range needs no event; if even that fails, nothing can still run on the
   // memory that is worth ordering (the context is broken or going away). Never throws.
   void free_lent(uintptr_t p, cudaStream_t s) noexcept {
-    uintptr_t tag = reinterpret_cast<uintptr_t>(s);
+    uintptr_t tag = stream_key(s);
     try {
-      Freed &f = freed_on(s);
+      Freed &f = freed_on(tag);
       DeviceGuard d(device_);
       check(cudaEventRecord(f.event, s), "cudaEventRecord(free)");  // what the free waits for, captured now
       f.pending = true;
@@ -259,9 +275,8 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   template <typename Wait>
   void *take(size_t bytes, size_t alignment, cudaStream_t s, bool host_sync, Wait wait) {
     if (!arena_.accepting()) return nullptr;
-    uintptr_t freed_on = LentArena::kNone;
-    uintptr_t p = arena_.allocate(bytes, std::max<size_t>(alignment, 256), reinterpret_cast<uintptr_t>(s),
-                                  &freed_on);
+    uintptr_t freed_on = LentArena::kNone, key = host_sync ? 0 : stream_key(s);
+    uintptr_t p = arena_.allocate(bytes, std::max<size_t>(alignment, 256), key, &freed_on);
     if (!p) {
       fallback_bytes_ += bytes;
       return nullptr;
@@ -269,14 +284,14 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
     try {
       if (host_sync) {
         wait(open_event_);
-      } else if (std::find(waited_.begin(), waited_.end(), s) == waited_.end()) {
+      } else if (std::find(waited_.begin(), waited_.end(), key) == waited_.end()) {
         wait(open_event_);
-        waited_.push_back(s);
+        waited_.push_back(key);
       }
       if (freed_on != LentArena::kNone) {
         for (auto &kv : freed_) {
-          if (!host_sync && kv.first == s) continue;  // the same stream is ordered already
-          if (freed_on == LentArena::kMixed || reinterpret_cast<uintptr_t>(kv.first) == freed_on) wait(kv.second.event);
+          if (!host_sync && kv.first == key) continue;  // the same stream is ordered already
+          if (freed_on == LentArena::kMixed || kv.first == freed_on) wait(kv.second.event);
         }
       }
     } catch (...) {
@@ -294,8 +309,8 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   std::vector<cudaEvent_t> open_events_;      // one per window opened
   bool open_ = false;                         // a window is open (open() .. close())
   bool paused_ = false;                       // lent memory refused meanwhile (pause())
-  std::vector<cudaStream_t> waited_;          // streams ordered after this window's open event
-  std::map<cudaStream_t, Freed> freed_;       // per stream that freed lent memory: its last free's event
+  std::vector<uintptr_t> waited_;             // streams (stream_key) ordered after this window's open event
+  std::map<uintptr_t, Freed> freed_;          // per stream (stream_key) that freed lent memory: its last free's event
   uint64_t fallback_bytes_ = 0;               // bytes DALI took from its own pool while a window was open
   std::atomic<int> reports_{0};               // failures written to stderr (the first few only)
 };

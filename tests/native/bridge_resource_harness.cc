@@ -18,6 +18,7 @@ std::map<const void *, std::string> g_names;
 bool (*g_lock_free)() = nullptr;  // set by main: whether another thread can take the resource's lock now
 int g_events = 0;
 bool g_fail_record = false;  // cudaEventRecord fails as it does while the CUDA runtime unloads
+std::map<const void *, unsigned long long> g_ids;  // a stream's CUDA id (its handle's value until set)
 
 std::string name(const void *p) {
   auto it = g_names.find(p);
@@ -49,6 +50,11 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned int) {
 cudaError_t cudaEventSynchronize(cudaEvent_t e) {
   say("host waits for " + name(e));
   if (g_lock_free) say(g_lock_free() ? "the resource's lock is free meanwhile" : "the resource's lock is HELD meanwhile");
+  return cudaSuccess;
+}
+cudaError_t cudaStreamGetId(cudaStream_t s, unsigned long long *id) {
+  auto it = g_ids.find(s);
+  *id = it == g_ids.end() ? reinterpret_cast<uintptr_t>(s) : it->second;
   return cudaSuccess;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t s) { say("host syncs " + name(s)); return cudaSuccess; }
@@ -150,6 +156,18 @@ int main() {
   void *u = res.allocate_async(MiB, 256, S1);
   say("u " + at(u));
   res.deallocate_async(u, MiB, 256, S1);
+  back = res.close(T, 4);
+  say("close returned " + std::to_string(back.size()) + (back.empty() ? "" : " " + at((void *)back[0].base)));
+  say("-- a destroyed stream's handle reused by a new stream: waits as any other stream");
+  res.lend(0x40000000, MiB);
+  res.open(T);
+  void *v = res.allocate_async(MiB, 256, S2);
+  say("v " + at(v));
+  res.deallocate_async(v, MiB, 256, S2);
+  g_ids[S2] = 0x9999;  // S2 destroyed (a decoder's stream, with its pipeline); a new stream got its handle
+  void *w = res.allocate_async(MiB, 256, S2);
+  say("w " + at(w));
+  res.deallocate_async(w, MiB, 256, S2);
   back = res.close(T, 4);
   say("close returned " + std::to_string(back.size()) + (back.empty() ? "" : " " + at((void *)back[0].base)));
   return 0;
