@@ -52,7 +52,7 @@ def fake(monkeypatch):
 
     views = set()  # the storages of DALI's outputs as the ring sees them
 
-    def dali_view(out):  # DALI's outputs in place (DLPack): here a host array
+    def dali_view(out):  # DALI's outputs in place (its CUDA array interface): here a host array
         view = torch.from_numpy(np.stack([np.array(out[i]) for i in range(len(out))]))
         views.add(view.untyped_storage().data_ptr())
         return view
@@ -292,8 +292,8 @@ def test_a_run_holding_shares_of_two_mini_batches_lands_in_both_slots(fake):
 @pytest.mark.gpu
 def test_dali_outputs_land_exactly_with_runs_in_flight():
     """On a GPU: three DALI runs in flight, each collected ordered on the ring's stream and written through
-    DALI's buffer in place (DLPack) -- one slot whole, one split over two slots -- equal DALI's own copy of
-    its outputs to the host, bit for bit."""
+    DALI's buffer in place (its CUDA array interface) -- one slot whole, one split over two slots -- equal
+    DALI's own copy of its outputs to the host, bit for bit."""
     from fusionflow.accel.dali_graph import DaliPolicyPipeline
     from fusionflow.runtime.shm import RingLayout
 

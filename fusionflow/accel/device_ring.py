@@ -10,8 +10,8 @@ Streams and events (one device: the loader's, resolved to an index once, made cu
     ordered on that stream (`DaliPolicyPipeline.collect(stream)`), so the host waits for DALI's work
     on the device only through a blocking event (`wait_for_outputs`: asleep, where DALI's own host
     order spins), outside the ring write, within the accelerator's stall bound;
-  * it reads DALI's outputs in place (`dali_view`: DLPack, no further synchronisation; DALI's
-    copy_to_external would also wait for the later runs' work queued on DALI's stream), copies them
+  * it reads DALI's outputs in place (`dali_view`: their CUDA array interface, no further synchronisation;
+    DALI's copy_to_external would also wait for the later runs' queued work), copies them
     into the ring slice by slice, records a blocking event on its stream and waits for it on the host
     (its own thread; a blocking event sleeps instead of spinning a core) before it lets DALI's buffer
     go: DALI would free it ordered on its own streams, not on ours;
@@ -33,13 +33,17 @@ _DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
 
 
 def dali_view(out) -> torch.Tensor:
-    """A DALI GPU TensorList (dense) as a torch tensor sharing its memory, taken through DLPack with no
-    synchronisation of DALI's (stream -1): `DaliPolicyPipeline.collect(stream)` has already made the ring's
-    stream wait for the run's own completion event, which is all a copy on that stream must wait for. (DALI's
-    `copy_to_external` -- `feed_ndarray` -- also makes the copy's stream wait for everything queued on the
-    output's stream so far: with several runs in flight, the later runs' work too, and the host's wait after
-    the copy with it.) The view keeps DALI's buffer alive until it is dropped."""
-    return torch.from_dlpack(out.as_tensor().__dlpack__(stream=-1))
+    """A DALI GPU TensorList (dense) as a torch tensor sharing its memory, with no synchronisation: taken
+    through its CUDA array interface (version 2: no stream, so neither side waits), on the current device
+    (the caller's guard: the ring's, DALI's). `DaliPolicyPipeline.collect(stream)` has already made the ring's
+    stream wait for the run's completion event, which is all a copy on that stream must wait for. The view
+    holds DALI's tensor (and its buffer) until it is dropped; DALI then frees the buffer ordered on its own
+    stream, so the caller drops it only after its copies are complete (`DeviceRing.write`). Not DLPack: DALI
+    parks every buffer a DLPack tensor let go in a thread that calls cudaDeviceSynchronize before freeing it
+    (its DLTensorGraveyard) -- a wait for the training step's kernels too, a core spun for it, and DALI's
+    memory held longer. Not `copy_to_external` either: it makes the copy wait for everything queued on the
+    output's stream so far, the later runs' work too with several runs in flight."""
+    return torch.as_tensor(out.as_tensor())
 
 
 class DeviceRing:
