@@ -181,7 +181,7 @@ def _windows(n: int, out: int = 224, sizes: str = "imagenet"):
     reduction applies), 'dct' (2x or more: decoded at 1/2, 1/4, 1/8)."""
     from PIL import Image
 
-    from fusionflow.ops import decode, jpeg
+    from fusionflow.ops import jpeg
     from fusionflow.ops.decode import dct_reduction
     from fusionflow.policy import crop_window, draw, load_policy
     from fusionflow.tools.synthetic import sample_set
@@ -195,7 +195,7 @@ def _windows(n: int, out: int = 224, sizes: str = "imagenet"):
         ref = np.asarray(Image.fromarray(arr).resize((out, out), Image.Resampling.BILINEAR, reducing_gap=None))
         r = dct_reduction(h, w, out, out)
         group = "dct" if r > 1 else ("up" if max(h, w) <= out else "down<2")
-        scaled = decode.decode_scaled_window(data, height, width, (top, left, h, w), r) if r > 1 else None
+        scaled = jpeg.decode_scaled_window(data, height, width, (top, left, h, w), r) if r > 1 else None
         rows.append((group, data, (top, left, h, w), arr, ref, scaled))
     return rows
 

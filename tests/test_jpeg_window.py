@@ -264,3 +264,32 @@ def test_pillow_draft_fallback_reduces_by_the_intended_factor(monkeypatch):
     data = _jpeg(make_image(1001, 1003, seed=1))
     decode.decode_crop_resize(data, lambda h, w: (0, 0, h, w), (224, 224), fast=True)
     assert sizes == [(251, 251)]  # ceil(1003 / 4), ceil(1001 / 4)
+
+
+@pytest.mark.parametrize("host", ["nvimgcodec", "pillow", "no-pixel-kernels"])
+def test_fast_mode_pixels_do_not_depend_on_the_hosts_decoder(host, monkeypatch):
+    """A sample's pixels are a pure function of (seed, epoch, index, copy) wherever it runs, fast mode included:
+    a host whose native decoder or pixel kernels could not be built (nvImageCodec's decoder, which cannot
+    scale; Pillow alone; OpenCV's kernels) gives the native host's pixels, bit for bit -- at every DCT scale,
+    for grayscale, progressive, 4:4:4 and CMYK JPEGs and windows far wider than tall."""
+    from fusionflow.ops import pixel_kernels
+
+    assert jpeg.can_scale() and pixel_kernels.available()  # the native host: the CPU path is never skipped
+    images = [*make_jpegs(6, 200, 1400, seed=21), _jpeg(make_image(900, 1300, seed=7))]
+    images += [_jpeg(make_image(700, 260, seed=5), 0, progressive=True), _jpeg(make_image(64, 1500, seed=6))]
+    images += [_jpeg(make_image(500, 600, seed=8), mode="L"), _jpeg(make_image(300, 400, seed=9), mode="CMYK")]
+    pipe = CpuPipeline(load_policy("randaugment"))
+    assert load_policy("randaugment").decode_mode == "fast"
+    native = [pipe(data, i, seed=3, epoch=1) for i, data in enumerate(images)]
+    if host == "no-pixel-kernels":
+        monkeypatch.setattr(pixel_kernels, "_LIB", None)
+        monkeypatch.setattr(pixel_kernels, "_WHY_NOT", "turned off by the test")
+    else:
+        monkeypatch.setattr(jpeg, "_LIB", None)
+        monkeypatch.setattr(jpeg, "_WHY_NOT", "simulated: no jpeglib.h")
+        if host == "pillow":
+            monkeypatch.setattr(jpeg, "_NV", False)
+        elif jpeg._nvimgcodec() is None:
+            pytest.skip("nvImageCodec's CPU decoder is not installed")
+    for i, data in enumerate(images):
+        np.testing.assert_array_equal(pipe(data, i, seed=3, epoch=1), native[i], err_msg=f"image {i} on {host}")

@@ -267,7 +267,7 @@ def decode_box_resize(
         r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if scaled else 1
         if r > 1:
             try:
-                arr, box = decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
+                arr, box = jpeg.decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
                 img = Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
                 return img, plan
             except jpeg.WindowDecodeError:
@@ -289,11 +289,6 @@ def decode_box_resize(
     plan = plan_fn(img.size[1], img.size[0])
     box, (out_h, out_w) = plan[:2]
     return img.resize((out_w, out_h), resample, box=box, reducing_gap=None), plan
-
-
-# Scaled-image pixels read around a fractional box: the bilinear filter's support at a downscale of
-# at most 2x (the reduction keeps the window at least the output size) is 2 pixels.
-_MARGIN = 2
 
 
 def _jpeg_window_crop_resize(
@@ -319,40 +314,49 @@ def _jpeg_window_crop_resize(
         if fast:
             return resize_antialiased(arr, out_h, out_w)
         return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
-    arr, box = decode_scaled_window(data, height, width, (top, left, h, w), r)
+    arr, box = jpeg.decode_scaled_window(data, height, width, (top, left, h, w), r)
     return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
-
-
-def decode_scaled_window(data: bytes, height: int, width: int, window, r: int):
-    """The window (top, left, h, w; whole or fractional pixels) of a height x width JPEG decoded at
-    DCT scale 1/r, with a margin of _MARGIN scaled pixels: (uint8 HWC array, the window's exact
-    fractional box (x0, y0, x1, y1) in that array)."""
-    if not jpeg.can_scale():  # nvImageCodec: no DCT scaling; Pillow's draft path scales the whole image
-        raise jpeg.WindowDecodeError("this window decoder cannot decode at a reduced scale")
-    top, left, h, w = window
-    rh, rw = -(-height // r), -(-width // r)  # libjpeg's scaled size: ceil(size / r)
-    sx, sy = rw / width, rh / height
-    fx0, fy0, fx1, fy1 = left * sx, top * sy, (left + w) * sx, (top + h) * sy
-    x0, y0 = max(0, math.floor(fx0) - _MARGIN), max(0, math.floor(fy0) - _MARGIN)
-    x1, y1 = min(rw, math.ceil(fx1) + _MARGIN), min(rh, math.ceil(fy1) + _MARGIN)
-    arr, scaled = jpeg.decode_window(data, y0, x0, y1 - y0, x1 - x0, (1, r))
-    if scaled != (rh, rw) or arr.shape[:2] != (y1 - y0, x1 - x0):
-        raise jpeg.WindowDecodeError(f"scaled size {scaled} != {(rh, rw)}")
-    return arr, (fx0 - x0, fy0 - y0, fx1 - x0, fy1 - y0)
 
 
 def decode_crop_resize_array(
     data, window_fn, out_size: tuple[int, int], what: str | None = None, max_pixels: int | None = None
 ) -> np.ndarray:
     """The fast mode's decode_crop_resize as a uint8 HWC RGB array (the array pipeline's input): a
-    JPEG's window through the window decoder and OpenCV/torch resampling (`_jpeg_window_array`),
-    anything else through the Pillow path."""
+    JPEG's window through the window decoder and OpenCV/torch resampling (`_jpeg_window_array`), or
+    where it cannot (`_pillow_jpeg_array`) the same through Pillow; anything else through the Pillow path."""
     if window_decodable(data):
         try:
             return _jpeg_window_array(bytes(data), window_fn, out_size, what, max_pixels)
         except jpeg.WindowDecodeError:
             pass
-    return np.asarray(decode_crop_resize(data, window_fn, out_size, True, what, max_pixels))
+    img = open_image(data, what, max_pixels)
+    if img.format == "JPEG":
+        return _pillow_jpeg_array(img, window_fn, out_size, what)
+    return np.asarray(decode_crop_resize(img, window_fn, out_size, True, what, max_pixels))
+
+
+def _pillow_jpeg_array(img: Image.Image, window_fn, out_size, what=None) -> np.ndarray:
+    """`_jpeg_window_array` where the window decoder cannot serve the JPEG (none on this host, nvImageCodec at
+    a reduced scale, a CMYK JPEG): Pillow decodes the whole image, at the same DCT scale (draft()), and the
+    same region and resampling follow. libjpeg-turbo's IDCTs are Pillow's too, so a sample's pixels do not
+    depend on the host's decoder (tests/test_jpeg_window.py)."""
+    width, height = img.size
+    top, left, h, w = window_fn(height, width)
+    out_h, out_w = out_size
+    r = dct_reduction(h, w, out_h, out_w)
+    try:
+        if r > 1:
+            img.draft("RGB" if img.mode == "RGB" else None, (max(1, width // r), max(1, height // r)))
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise DecodeError(f"cannot decode JPEG {width}x{height}: {exc}", what) from exc
+    arr = np.asarray(load_rgb(img, what))
+    if r == 1:
+        return resize_window(arr[top : top + h, left : left + w], out_h, out_w)
+    (y0, x0, y1, x1), box, size = jpeg.scaled_region(height, width, (top, left, h, w), r)
+    if arr.shape[:2] != size:  # draft() chose another scale: the window's box in what it gave
+        sy, sx = arr.shape[0] / height, arr.shape[1] / width
+        return resample_box(arr, (left * sx, top * sy, (left + w) * sx, (top + h) * sy), out_h, out_w)
+    return resample_box(arr[y0:y1, x0:x1], box, out_h, out_w)
 
 
 def _jpeg_window_array(data: bytes, window_fn, out_size, what=None, max_pixels: int | None = None) -> np.ndarray:
@@ -378,4 +382,4 @@ def decode_fast_window(data: bytes, window_fn, out_size, what=None, max_pixels: 
         if arr.shape[:2] != (h, w):
             raise jpeg.WindowDecodeError(f"decoded window {arr.shape[:2]} != {(h, w)}")
         return arr, None
-    return decode_scaled_window(data, height, width, (top, left, h, w), r)
+    return jpeg.decode_scaled_window(data, height, width, (top, left, h, w), r)

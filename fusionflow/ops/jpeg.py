@@ -14,13 +14,14 @@ Two backends, chosen once per process:
     for windows that a DCT scale would shrink).
 Both give a full decode's pixels for the window, bit for bit (tests/test_jpeg_window.py). If
 neither is usable, `available()` is False, the reason is logged once, and the caller decodes with
-Pillow as before (slower, same pixels in the exact mode).
+Pillow (slower, the same pixels: decode.py decodes the same region at the same DCT scale with it).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 
 import numpy as np
@@ -174,6 +175,37 @@ def info_many(data: list) -> np.ndarray | None:
         sizes = np.fromiter(map(len, data), f"u{ctypes.sizeof(ctypes.c_ulong)}", n)  # C's unsigned long
         lib.ff_jpeg_info_many((ctypes.c_char_p * n)(*data), sizes.ctypes.data, n, hw.ctypes.data)
     return hw
+
+
+# Scaled-image pixels read around a fractional box: the bilinear filter's support at a downscale of
+# at most 2x (the reduction keeps the window at least the output size) is 2 pixels.
+MARGIN = 2
+
+
+def scaled_region(height: int, width: int, window, r: int):
+    """Where the window (top, left, h, w; whole or fractional pixels) of a height x width image lies in the
+    image scaled by 1/r (libjpeg's scaled size: ceil(size / r)): ((y0, x0, y1, x1), the whole scaled pixels
+    to decode, with a margin of MARGIN; the window's exact fractional box (x0, y0, x1, y1) in them; the
+    scaled (height, width)). The window decoder and Pillow's draft() fallback both decode this region."""
+    top, left, h, w = window
+    rh, rw = -(-height // r), -(-width // r)
+    sx, sy = rw / width, rh / height
+    fx0, fy0, fx1, fy1 = left * sx, top * sy, (left + w) * sx, (top + h) * sy
+    x0, y0 = max(0, math.floor(fx0) - MARGIN), max(0, math.floor(fy0) - MARGIN)
+    x1, y1 = min(rw, math.ceil(fx1) + MARGIN), min(rh, math.ceil(fy1) + MARGIN)
+    return (y0, x0, y1, x1), (fx0 - x0, fy0 - y0, fx1 - x0, fy1 - y0), (rh, rw)
+
+
+def decode_scaled_window(data: bytes, height: int, width: int, window, r: int):
+    """The `scaled_region` of a height x width JPEG's window decoded at DCT scale 1/r: (uint8 HWC array,
+    the window's exact fractional box (x0, y0, x1, y1) in that array)."""
+    if not can_scale():  # nvImageCodec: no DCT scaling; the caller decodes the region with Pillow's draft
+        raise WindowDecodeError("this window decoder cannot decode at a reduced scale")
+    (y0, x0, y1, x1), box, size = scaled_region(height, width, window, r)
+    arr, scaled = decode_window(data, y0, x0, y1 - y0, x1 - x0, (1, r))
+    if scaled != size or arr.shape[:2] != (y1 - y0, x1 - x0):
+        raise WindowDecodeError(f"scaled size {scaled} != {size}")
+    return arr, box
 
 
 def decode_window(
