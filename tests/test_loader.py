@@ -435,17 +435,18 @@ def test_training_process_killed_leaves_nothing():
 
 
 class SlowAfterFirst(Bytes):
-    """Each sample past the first mini-batch takes 4 s: a worker holds tens of seconds of queued work."""
+    """Each sample past the first mini-batch takes 60 s: a worker is inside one read for a minute."""
 
     def __getitem__(self, i):
         if i >= 8:
-            time.sleep(4)
+            time.sleep(60)
         return super().__getitem__(i)
 
 
 def test_busy_workers_of_a_killed_training_process_stop_within_seconds():
-    """Work queued before the training process was SIGKILLed is not run for nobody: a busy worker looks for its
-    owner between samples too (it looked only when idle, so here ~30 s of queued samples ran on)."""
+    """Work queued before the training process was SIGKILLed is not run for nobody: a busy worker's watchdog
+    thread ends it within a second or so, even inside one sample's read of a minute (it looked only when idle,
+    then between samples: here the read in hand ran on for 60 s)."""
     script = textwrap.dedent(f"""
         import os, signal, sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
@@ -462,7 +463,7 @@ def test_busy_workers_of_a_killed_training_process_stop_within_seconds():
     gone = time.monotonic()
     proc.stdout.close()
     try:
-        while any(_alive(p) for p in pids) and time.monotonic() - gone < 15:  # a task of 8 samples: ~30 s
+        while any(_alive(p) for p in pids) and time.monotonic() - gone < 15:  # the read in hand: 60 s
             time.sleep(0.1)
         assert not any(_alive(p) for p in pids), "busy workers ran on after their training process was killed"
     finally:

@@ -1,10 +1,12 @@
 """The CPU worker process: take tiny-batch tasks, decode + augment each sample straight into its
 slot of the shared batch ring, report completion. Everything it touches is an argument.
 
-Watchdog: the worker waits for tasks in `WATCHDOG_S` slices; when it finds itself orphaned (the
-training process died without stopping it) it exits, so the process does not outlive the job by
-more than a slice. The ring has no name by then (the owner unlinks it at creation and hands out
-its descriptor): its memory is freed when the last process mapping it exits.
+Watchdog: a thread of the worker's own looks for the training process every `WATCHDOG_S`; when it finds
+the worker orphaned (the training process died without stopping it) it ends the process at once, whatever
+the worker is doing -- waiting for a task, or inside one sample's read that takes minutes -- so the process
+does not outlive the job by more than a slice (its idle waits also look, and end it cleanly). The ring has
+no name by then (the owner unlinks it at creation and hands out its descriptor): its memory is freed when
+the last process mapping it exits.
 
 Lending (DDP, runtime/gm/manager.py): on LEND from its owner the worker connects to another
 local manager's socket and runs that LM's tiny-batches -- with that LM's dataset, policy and seed,
@@ -17,6 +19,7 @@ import logging
 import os
 import random
 import signal
+import threading
 import time
 import traceback
 from multiprocessing import AuthenticationError
@@ -90,11 +93,10 @@ class _InfoFor:
         torch_worker._worker_info = self.home
 
 
-def run_task(task, dataset, pipe, ring, seed: int, out, clock=None, watch=None) -> None:
+def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
     """Decode + augment a tiny-batch into `ring`; report DONE on `out`: failures as data, targets that are
     not ints (runtime/targets.py; ints go into the ring's label slot), the task's start and end on
-    CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals. `watch`: called before
-    each sample (it raises to stop: the owner is gone)."""
+    CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals."""
     failures, side = [], {}
     started = time.monotonic_ns()
     prefetch = getattr(dataset, "prefetch", None)  # fusionflow.datasets.wrappers.ReadAhead: the reads start now
@@ -102,8 +104,6 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None, watch=None) 
         prefetch(task.indices)
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
-        if watch is not None:
-            watch()
         failure = run_sample(
             dataset,
             pipe,
@@ -132,17 +132,20 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None, watch=None) 
     )
 
 
-class _Watch:
-    """Looks for the owner at most every WATCHDOG_S while the worker is busy (raises _Orphaned once it is gone)."""
+def exit_when_orphaned(parent_pid: int) -> threading.Thread:
+    """Start the watchdog thread: it ends this process (os._exit, nothing left to clean up: the ring has no name)
+    within WATCHDOG_S of the training process's death. The main thread looks only between samples, and one
+    sample's read can take minutes (a slow store, a hung network read): the work queued before the owner died,
+    or the sample in hand, would run on for nobody, the ring's memory held meanwhile."""
 
-    def __init__(self, parent_pid: int):
-        self.parent_pid, self.looked = parent_pid, time.monotonic()
+    def watch() -> None:
+        while not parent_gone(parent_pid):
+            time.sleep(WATCHDOG_S)
+        os._exit(0)
 
-    def __call__(self) -> None:
-        now = time.monotonic()
-        if now - self.looked >= WATCHDOG_S:
-            self.looked = now
-            _check_orphan(self.parent_pid)
+    thread = threading.Thread(target=watch, name="fusionflow-orphan-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _check_orphan(parent_pid: int) -> None:
@@ -276,6 +279,7 @@ def worker_loop(
     loader's (torch's worker info says it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler of the script's (`serve` has one): end quietly
+    exit_when_orphaned(parent_pid)  # busy too (a worker_init_fn, a sample's read): nothing runs on for nobody
     close_inherited()
     ring = None
     try:
@@ -305,7 +309,6 @@ def worker_loop(
         return
     conn.send_bytes(m.pack_ready(worker_id))
     spec_cache = {}  # other LMs' (dataset, pipeline), by spec hash, for when this worker is lent
-    watch = _Watch(parent_pid)  # busy too, sample by sample: the work queued before the owner died is not done
     try:
         while True:
             if not conn.poll(WATCHDOG_S):
@@ -321,7 +324,7 @@ def worker_loop(
                 )
                 conn.send_bytes(m.pack_message(m.Home(done)))
                 continue
-            run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn, clock, watch)
+            run_task(m.unpack_task(msg), dataset, pipe, ring, seed, conn, clock)
     except (_Orphaned, _Stopped, EOFError, OSError, BrokenPipeError):
         pass  # the owner is gone (or stopped us): nothing named is left to clean up
     finally:
