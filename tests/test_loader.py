@@ -472,6 +472,34 @@ def test_busy_workers_of_a_killed_training_process_stop_within_seconds():
                 os.kill(p, signal.SIGKILL)
 
 
+def test_a_child_the_script_forks_leaves_the_parents_workers_alone_when_it_exits():
+    """A process the script forks (a helper of its own) that exits normally: multiprocessing's exit hook in it
+    SIGTERMed every daemon process it had inherited a record of -- the parent's workers, which the parent then
+    restarted -- and printed a traceback joining them (a helper's sweep: 2 restarts). They are not the child's."""
+    script = textwrap.dedent(f"""
+        import os, sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_loader import SMALL, Bytes
+        from fusionflow.loader import FusionFlowLoader
+        loader = FusionFlowLoader(Bytes(48), batch_size=4, num_workers=2, policy=SMALL, persistent_workers=True)
+        it = iter(loader)
+        labels = next(it)[1].tolist()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        _, status = os.waitpid(pid, 0)
+        labels += [v for _, y in it for v in y.tolist()]
+        labels += [v for _, y in loader for v in y.tolist()]  # a second epoch: a worker lost would be restarted by now
+        exact = sorted(labels) == sorted(list(range(48)) * 2)
+        print(os.waitstatus_to_exitcode(status), exact, loader.stats.worker_restarts)
+        loader.close()
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["0", "True", "0"], (run.stdout, run.stderr)
+    assert "can only join a child process" not in run.stderr
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -6,13 +6,33 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing.process
 import os
 import signal
 import sys
 import threading
 import time
 
+from fusionflow.runtime.shm import on_foreign_fork
+
 log = logging.getLogger(__name__)
+
+
+OURS = "fusionflow-"  # the name prefix of the processes a loader starts (CPU workers, DALI input helpers)
+
+
+def _forget_ours() -> None:
+    """In the child of a fork the script makes (`on_foreign_fork`): multiprocessing's records of the loaders'
+    processes, inherited from the parent, are dropped. At the child's exit multiprocessing SIGTERMs every daemon
+    process it holds a record of -- here the parent's workers, which the parent then restarts -- and fails to
+    join them (they are not the child's), with a traceback."""
+    children = getattr(multiprocessing.process, "_children", None)  # the stdlib's record (private; since 3.4)
+    for proc in list(children or ()):
+        if proc.name.startswith(OURS):
+            children.discard(proc)
+
+
+on_foreign_fork(_forget_ours)
 
 
 def run_every(*steps) -> None:
