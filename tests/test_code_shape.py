@@ -170,6 +170,12 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
         "there, and so must ours for datasets and worker_init_fns that read it",
         "getattr(torch_worker, '_generate_state')": "DataLoader's NumPy seed for a worker (base seed, worker id), "
         "used when present",
+        "os._exit": "the watchdog thread ends an orphaned worker whatever its main thread is doing (no cleanup "
+        "is owed: the ring has no name)",
+    },
+    "fusionflow/runtime/procs.py": {
+        "getattr(multiprocessing.process, '_children')": "the stdlib's record of the processes it SIGTERMs at "
+        "exit: a child the script forks drops the loaders' processes from it (they are not its children)",
     },
     "fusionflow/runtime/targets.py": {
         "hasattr(obj, '_fields')": "how a namedtuple is told from a tuple (Python's own protocol)",
