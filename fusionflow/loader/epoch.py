@@ -9,7 +9,11 @@ same batches made in the training process itself, with the per-sample body CPU w
 
 Both start lazily, as a generator would: nothing is started or drawn until the first `next()`. An
 iteration ends at its last batch, at an exception (re-raised), at `close()`, or when the iterator is
-dropped: its unfinished work is forgotten, and without persistent workers the runtime is stopped.
+dropped: its unfinished work is forgotten, and without persistent workers the runtime is stopped. A
+failing sample (SampleError, on_error='raise') is not such an exception: as DataLoader, the mini-batch
+holding it is lost and the iteration goes on at the next one if the caller calls `next()` again. After
+any other exception, the next `next()` says the iteration ended there (once; StopIteration after), so a
+caller that catches it and goes on does not take the rest of the epoch for delivered.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fusionflow.errors import EmptyBatch
+from fusionflow.errors import EmptyBatch, FusionFlowError, SampleError
 from fusionflow.loader.delivery import torch_rank_world
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
@@ -71,6 +75,7 @@ class EpochIterator:
         self._checkpoint, self._delivery, self._tracing = parts.checkpoint, parts.delivery, parts.tracing
         self._stats, self._runtime = parts.stats, parts.runtime
         self._started = self._ended = False
+        self._failed: str | None = None  # the exception that ended the iteration, until a next() has said so
 
     def __iter__(self):
         return self
@@ -92,8 +97,15 @@ class EpochIterator:
 
     def _advance(self, step):
         """One step of the iteration (the epoch starts at the first): what `step()` returns. The
-        epoch's end (StopIteration) and any exception end the iteration."""
+        epoch's end (StopIteration) and any exception but a failing sample's end the iteration."""
         if self._ended:
+            failed, self._failed = self._failed, None
+            if failed is not None:
+                raise FusionFlowError(
+                    f"this iteration ended at the {failed} an earlier next() raised: the rest of its epoch was not "
+                    "delivered. Start a new iteration (iter(loader)), or resume from a loader.state_dict() taken "
+                    "before it; a failing sample alone (SampleError) does not end an iteration"
+                )
             raise StopIteration
         try:
             if not self._started:
@@ -109,8 +121,12 @@ class EpochIterator:
             self.progress.done = True  # the epoch is complete
             self._end(finished=True)
             raise
-        except BaseException:
+        except SampleError:  # one mini-batch's failing sample (on_error='raise'): that batch is lost, as DataLoader
+            self.progress.yielded += 1  # loses it; a next() goes on with the next one (a resume skips it too)
+            raise
+        except BaseException as exc:
             self._end(finished=False)
+            self._failed = type(exc).__name__
             raise
         self.progress.yielded += 1
         return out
@@ -249,7 +265,7 @@ class WorkerIterator(EpochIterator):
         wait, ready_ns = time.perf_counter() - t0, time.monotonic_ns()  # (before the copy out of the ring)
         try:
             images_t, labels_t, objs, event = self._delivery.from_ring(mgr, state, gpu)
-        except EmptyBatch:  # nothing was copied out: its slot goes back (the caller goes on to the next)
+        except (EmptyBatch, SampleError):  # nothing was copied out: its slot goes back (the caller may go on)
             self._delivered += 1
             self._slots.give(state.slot)
             self._refill()
