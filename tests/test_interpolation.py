@@ -107,7 +107,7 @@ def test_eval_resize_follows_its_interpolation(mode):
             ref = np.asarray(tv(Image.open(io.BytesIO(data)).convert("RGB"))).transpose(2, 0, 1)
             ours = pipe(data, i)
             diff = np.abs(ours.astype(int) - ref)
-            # the fractional centre box (decode.decode_box_resize) computes Pillow's coefficients from the
+            # the fractional centre box (decode_filtered.decode_box_resize) computes Pillow's coefficients from the
             # box, not from the whole resized image: a few levels at most, bicubic's overshoot included
             assert diff.max() <= (6 if mode == "bicubic" else 0) and diff.mean() < 0.5, (mode, fast, i, diff.max())
 

@@ -150,7 +150,7 @@ def test_fast_mode_keeps_each_samples_draw(monkeypatch):
         return run
 
     monkeypatch.setattr(decode, "_jpeg_window_crop_resize", spy(decode._jpeg_window_crop_resize, False))
-    monkeypatch.setattr(decode, "_jpeg_window_array", spy(decode._jpeg_window_array, True))
+    monkeypatch.setattr(decode, "decode_fast_window", spy(decode.decode_fast_window, True))
     policy = load_policy("randaugment")
     fast, exact = CpuPipeline(policy), CpuPipeline(dataclasses.replace(policy, fast_downscale=False))
     for i, data in enumerate(make_jpegs(8, 200, 900, seed=6)):
@@ -267,19 +267,27 @@ def test_pillow_draft_fallback_reduces_by_the_intended_factor(monkeypatch):
 
 
 @pytest.mark.parametrize("host", ["nvimgcodec", "pillow", "no-pixel-kernels"])
-def test_fast_mode_pixels_do_not_depend_on_the_hosts_decoder(host, monkeypatch):
+@pytest.mark.parametrize("policy", ["randaugment", "deepaa", "eval"])
+def test_fast_mode_pixels_do_not_depend_on_the_hosts_decoder(host, policy, monkeypatch):
     """A sample's pixels are a pure function of (seed, epoch, index, copy) wherever it runs, fast mode included:
     a host whose native decoder or pixel kernels could not be built (nvImageCodec's decoder, which cannot
-    scale; Pillow alone; OpenCV's kernels) gives the native host's pixels, bit for bit -- at every DCT scale,
-    for grayscale, progressive, 4:4:4 and CMYK JPEGs and windows far wider than tall."""
+    scale; Pillow alone; OpenCV's kernels) gives the native host's pixels, bit for bit -- the bilinear crop
+    (randaugment), the bicubic one (deepaa) and evaluation's box resize, at every DCT scale, for grayscale,
+    progressive, 4:4:4, CMYK and multi-picture (MPO) JPEGs and windows far wider than tall."""
     from fusionflow.ops import pixel_kernels
 
     assert jpeg.can_scale() and pixel_kernels.available()  # the native host: the CPU path is never skipped
     images = [*make_jpegs(6, 200, 1400, seed=21), _jpeg(make_image(900, 1300, seed=7))]
     images += [_jpeg(make_image(700, 260, seed=5), 0, progressive=True), _jpeg(make_image(64, 1500, seed=6))]
     images += [_jpeg(make_image(500, 600, seed=8), mode="L"), _jpeg(make_image(300, 400, seed=9), mode="CMYK")]
-    pipe = CpuPipeline(load_policy("randaugment"))
-    assert load_policy("randaugment").decode_mode == "fast"
+    mpo = io.BytesIO()
+    second = Image.fromarray(make_image(200, 250, seed=11))
+    Image.fromarray(make_image(800, 1000, seed=10)).save(mpo, "MPO", save_all=True, append_images=[second])
+    images.append(mpo.getvalue())
+    assert Image.open(io.BytesIO(images[-1])).format == "MPO"
+    loaded = load_policy(policy)
+    assert loaded.decode_mode == "fast"
+    pipe = CpuPipeline(loaded)
     native = [pipe(data, i, seed=3, epoch=1) for i, data in enumerate(images)]
     if host == "no-pixel-kernels":
         monkeypatch.setattr(pixel_kernels, "_LIB", None)

@@ -13,7 +13,9 @@ window is decoded. Both modes draw the same window:
   fast   the window at the coarsest DCT scale (1/2, 1/4, 1/8) that still covers the output, then
          OpenCV's kernels (fusionflow/ops/resample.py); fidelity: bench_cpu_pipeline.py, the tests.
 Everything else (PNG, CMYK or corrupt JPEGs, arrays, PIL images, no window decoder) takes the Pillow
-path (fast mode: Pillow's draft() DCT scaling of the whole JPEG); its errors name the sample.
+path; its errors name the sample. A JPEG there is decoded into the same pixels the window decoder gives
+(fast mode: at the same DCT scale, Pillow's draft(), and the same region), so a sample's pixels do not
+depend on which decoder the host has (`fast_jpeg_array`; Pillow's other filters: decode_filtered.py).
 
 Pixel limit (decompression bombs): `max_pixels` (the policy's decode.max_pixels; None: no limit) is
 checked against the size in the image's header before any pixel is decoded, on both paths: the
@@ -29,7 +31,6 @@ Decoded inputs (arrays, tensors) are not checked: their memory is already spent.
 from __future__ import annotations
 
 import io
-import math
 import re
 import warnings
 
@@ -40,7 +41,7 @@ from PIL import Image, UnidentifiedImageError
 from fusionflow.errors import DecodeError, ImageTooLargeError
 from fusionflow.ops import jpeg
 from fusionflow.ops.decoded import from_array, tensor_to_hwc, to_rgb
-from fusionflow.ops.resample import resample_box, resize_antialiased, resize_window, resize_window_cubic
+from fusionflow.ops.resample import resample_box, resize_antialiased, resize_window
 
 
 def window_decodable(data) -> bool:  # complete JPEG bytes, and the window decoder loaded
@@ -195,102 +196,6 @@ def load_rgb(img: Image.Image, what) -> Image.Image:
     return to_rgb(img)
 
 
-def decode_crop_resize_filtered(
-    data,
-    window_fn,
-    out_size: tuple[int, int],
-    resample,
-    what: str | None = None,
-    max_pixels: int | None = None,
-    fast: bool = False,
-) -> Image.Image:
-    """decode_crop_resize with Pillow's bicubic or nearest: the full-scale window (a full decode's pixels)
-    resized by Pillow, torchvision's PIL path (crop, then resize) to the bit. `fast` and bicubic: a JPEG
-    window of 2x the output or more is decoded at the coarsest DCT scale covering the output and Pillow's
-    bicubic resamples its fractional box, as the fast mode's bilinear crop does; a smaller one by
-    `resize_window_cubic` (`fast_bicubic_array`; timm's 'random' interpolation sends half the samples here)."""
-    out_h, out_w = out_size
-    if fast and resample == Image.Resampling.BICUBIC:
-        arr = fast_bicubic_array(data, window_fn, out_size, what, max_pixels)
-        if arr is not None:
-            return Image.fromarray(arr)
-    if window_decodable(data):
-        data = bytes(data)
-        height, width = checked_header(data, what, max_pixels)
-        top, left, h, w = window_fn(height, width)
-        try:
-            arr, _ = jpeg.decode_window(data, top, left, h, w)
-            if arr.shape[:2] == (h, w):
-                return Image.fromarray(arr).resize((out_w, out_h), resample, reducing_gap=None)
-        except jpeg.WindowDecodeError:
-            pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
-    img = load_rgb(open_image(data, what, max_pixels), what)
-    top, left, h, w = window_fn(img.size[1], img.size[0])
-    return img.crop((left, top, left + w, top + h)).resize((out_w, out_h), resample, reducing_gap=None)
-
-
-def fast_bicubic_array(data, window_fn, out_size: tuple[int, int], what=None, max_pixels=None) -> np.ndarray | None:
-    """The fast mode's bicubic crop of a JPEG as uint8 HWC, or None (not a JPEG the window decoder
-    takes: the caller's full-scale path decodes it or reports it)."""
-    if not (window_decodable(data) and jpeg.can_scale()):
-        return None
-    out_h, out_w = out_size
-    try:
-        arr, box = decode_fast_window(bytes(data), window_fn, out_size, what, max_pixels)
-    except jpeg.WindowDecodeError:
-        return None  # CMYK, corrupt data, ...
-    if box is None:  # full scale (resample.py: OpenCV's cubic after the pre-blur, or torch's antialiased one)
-        return resize_window_cubic(arr, out_h, out_w)
-    return np.asarray(Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BICUBIC, box=box, reducing_gap=None))
-
-
-def decode_box_resize(
-    data,
-    plan_fn,
-    fast: bool,
-    what: str | None = None,
-    max_pixels: int | None = None,
-    resample=Image.Resampling.BILINEAR,
-) -> tuple[Image.Image, tuple]:
-    """(image, the plan): `plan_fn(height, width)` = ((x0, y0, x1, y1), (out_h, out_w), ...) for the
-    source's size, the fractional box resampled to that size by Pillow's antialiased filter `resample` at the box's
-    own scale: torchvision's Resize + CenterCrop (the eval policy) and timm's resize-then-crop without
-    rounding the crop to whole source pixels (within a level or two: Pillow's coefficients from the
-    box can round differently). A JPEG decodes only the box and the filter's support; `fast` and
-    bilinear: a box of 2x the output or more is decoded at a DCT scale first."""
-    if window_decodable(data):
-        data = bytes(data)
-        height, width = checked_header(data, what, max_pixels)
-        plan = plan_fn(height, width)
-        (x0, y0, x1, y1), (out_h, out_w) = plan[:2]
-        scaled = fast and jpeg.can_scale() and resample == Image.Resampling.BILINEAR  # others: Pillow's
-        r = dct_reduction(int(y1 - y0), int(x1 - x0), out_h, out_w) if scaled else 1
-        if r > 1:
-            try:
-                arr, box = jpeg.decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
-                img = Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
-                return img, plan
-            except jpeg.WindowDecodeError:
-                pass
-        # the filter reads support x max(1, scale) pixels either side of each centre: decode them too
-        support = 2.0 if resample == Image.Resampling.BICUBIC else 1.0
-        mx, my = (math.ceil(support * max(1.0, v / o)) + 2 for v, o in ((x1 - x0, out_w), (y1 - y0, out_h)))
-        wx0, wy0 = max(0, math.floor(x0) - mx), max(0, math.floor(y0) - my)
-        wx1, wy1 = min(width, math.ceil(x1) + mx), min(height, math.ceil(y1) + my)
-        try:
-            arr, _ = jpeg.decode_window(data, wy0, wx0, wy1 - wy0, wx1 - wx0)
-            if arr.shape[:2] == (wy1 - wy0, wx1 - wx0):
-                box = (x0 - wx0, y0 - wy0, x1 - wx0, y1 - wy0)
-                img = Image.fromarray(arr).resize((out_w, out_h), resample, box=box, reducing_gap=None)
-                return img, plan
-        except jpeg.WindowDecodeError:
-            pass  # CMYK, corrupt data, ...: Pillow decodes it or raises its usual error below
-    img = load_rgb(open_image(data, what, max_pixels), what)
-    plan = plan_fn(img.size[1], img.size[0])
-    box, (out_h, out_w) = plan[:2]
-    return img.resize((out_w, out_h), resample, box=box, reducing_gap=None), plan
-
-
 def _jpeg_window_crop_resize(
     data: bytes, window_fn, out_size, fast: bool, what=None, max_pixels: int | None = None
 ) -> Image.Image:
@@ -318,55 +223,63 @@ def _jpeg_window_crop_resize(
     return Image.fromarray(arr).resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
 
 
+JPEG_FORMATS = ("JPEG", "MPO")  # Pillow's names for a JPEG (MPO: a camera's multi-picture JPEG)
+BILINEAR_FAST = (resize_window, resample_box)  # the fast mode's resamplers: a full-scale window, a DCT-scaled box
+
+
 def decode_crop_resize_array(
     data, window_fn, out_size: tuple[int, int], what: str | None = None, max_pixels: int | None = None
 ) -> np.ndarray:
-    """The fast mode's decode_crop_resize as a uint8 HWC RGB array (the array pipeline's input): a
-    JPEG's window through the window decoder and OpenCV/torch resampling (`_jpeg_window_array`), or
-    where it cannot (`_pillow_jpeg_array`) the same through Pillow; anything else through the Pillow path."""
+    """The fast mode's decode_crop_resize as a uint8 HWC RGB array (the array pipeline's input): a JPEG
+    through `fast_jpeg_array`, anything else through the Pillow path."""
+    arr = fast_jpeg_array(data, window_fn, out_size, BILINEAR_FAST, what, max_pixels)
+    if arr is not None:
+        return arr
+    return np.asarray(decode_crop_resize(data, window_fn, out_size, True, what, max_pixels))
+
+
+def fast_jpeg_array(data, window_fn, out_size, resamplers, what=None, max_pixels: int | None = None):
+    """The fast mode's crop of a JPEG as uint8 HWC, or None (not a JPEG): the window decoded at the coarsest
+    DCT scale that still covers the output (`decode_fast_window`), resampled by `resamplers` (full-scale
+    window, DCT-scaled box). Where the window decoder cannot serve the JPEG (none on this host, nvImageCodec
+    at a reduced scale, a CMYK JPEG), Pillow decodes it at the same DCT scale (draft()) and the same region
+    and resampling follow: libjpeg-turbo's IDCTs are Pillow's too, so a sample's pixels do not depend on the
+    host's decoder (tests/test_jpeg_window.py)."""
+    full, scaled = resamplers
     if window_decodable(data):
         try:
-            return _jpeg_window_array(bytes(data), window_fn, out_size, what, max_pixels)
+            arr, box = decode_fast_window(bytes(data), window_fn, out_size, what, max_pixels)
+            return full(arr, *out_size) if box is None else scaled(arr, box, *out_size)
         except jpeg.WindowDecodeError:
             pass
     img = open_image(data, what, max_pixels)
-    if img.format == "JPEG":
-        return _pillow_jpeg_array(img, window_fn, out_size, what)
-    return np.asarray(decode_crop_resize(img, window_fn, out_size, True, what, max_pixels))
-
-
-def _pillow_jpeg_array(img: Image.Image, window_fn, out_size, what=None) -> np.ndarray:
-    """`_jpeg_window_array` where the window decoder cannot serve the JPEG (none on this host, nvImageCodec at
-    a reduced scale, a CMYK JPEG): Pillow decodes the whole image, at the same DCT scale (draft()), and the
-    same region and resampling follow. libjpeg-turbo's IDCTs are Pillow's too, so a sample's pixels do not
-    depend on the host's decoder (tests/test_jpeg_window.py)."""
+    if img.format not in JPEG_FORMATS:
+        return None
     width, height = img.size
     top, left, h, w = window_fn(height, width)
-    out_h, out_w = out_size
-    r = dct_reduction(h, w, out_h, out_w)
+    r = dct_reduction(h, w, *out_size)
+    if r == 1:
+        return full(
+            np.array(load_rgb(img, what))[top : top + h, left : left + w], *out_size
+        )  # (writable: torch reads it)
+    return scaled(*pillow_scaled_region(img, (top, left, h, w), r, what), *out_size)
+
+
+def pillow_scaled_region(img: Image.Image, window, r: int, what=None):
+    """`jpeg.decode_scaled_window` by Pillow: the `jpeg.scaled_region` of a lazily opened JPEG's window decoded at
+    DCT scale 1/r (draft()), as (uint8 HWC array, the window's fractional box in it)."""
+    width, height = img.size
     try:
-        if r > 1:
-            img.draft("RGB" if img.mode == "RGB" else None, (max(1, width // r), max(1, height // r)))
+        img.draft("RGB" if img.mode == "RGB" else None, (max(1, width // r), max(1, height // r)))
     except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode JPEG {width}x{height}: {exc}", what) from exc
     arr = np.asarray(load_rgb(img, what))
-    if r == 1:
-        return resize_window(arr[top : top + h, left : left + w], out_h, out_w)
-    (y0, x0, y1, x1), box, size = jpeg.scaled_region(height, width, (top, left, h, w), r)
+    (y0, x0, y1, x1), box, size = jpeg.scaled_region(height, width, window, r)
     if arr.shape[:2] != size:  # draft() chose another scale: the window's box in what it gave
+        top, left, h, w = window
         sy, sx = arr.shape[0] / height, arr.shape[1] / width
-        return resample_box(arr, (left * sx, top * sy, (left + w) * sx, (top + h) * sy), out_h, out_w)
-    return resample_box(arr[y0:y1, x0:x1], box, out_h, out_w)
-
-
-def _jpeg_window_array(data: bytes, window_fn, out_size, what=None, max_pixels: int | None = None) -> np.ndarray:
-    """The window decoded at the coarsest DCT scale that still covers the output
-    (`decode_fast_window`), resampled to the output by `resize_window` (full scale) or
-    `resample_box` (DCT-scaled, from the window's exact fractional box)."""
-    arr, box = decode_fast_window(data, window_fn, out_size, what, max_pixels)
-    if box is None:
-        return resize_window(arr, *out_size)
-    return resample_box(arr, box, *out_size)
+        return arr, (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
+    return arr[y0:y1, x0:x1], box
 
 
 def decode_fast_window(data: bytes, window_fn, out_size, what=None, max_pixels: int | None = None):

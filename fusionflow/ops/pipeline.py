@@ -17,15 +17,8 @@ from PIL import Image
 
 from fusionflow.ops import augmix, augmix_torchvision, exact, fast, jpeg
 from fusionflow.ops.cached import crop_cached
-from fusionflow.ops.decode import (
-    decode_box_resize,
-    decode_crop_resize,
-    decode_crop_resize_array,
-    decode_crop_resize_filtered,
-    fast_bicubic_array,
-    load_rgb,
-    open_image,
-)
+from fusionflow.ops.decode import decode_crop_resize, decode_crop_resize_array, load_rgb, open_image
+from fusionflow.ops.decode_filtered import decode_box_resize, decode_crop_resize_filtered, fast_bicubic_array
 from fusionflow.ops.stages import BLUR, GRAYSCALE
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, keep_ratio, load_policy
 from fusionflow.policy.sampling import crop_plan, trim_side
