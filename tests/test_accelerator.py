@@ -617,13 +617,16 @@ def test_a_share_run_is_collected_near_its_expected_end_not_at_once_awaited_or_n
     """DALI's outputs() wakes at every task its executor finishes while it waits (CPU of the training
     process): the thread waits on the board instead, until 0.95 of the oldest share run's expected time (its
     samples at the split rule's rate, from the later of its start and the last completion), with one run in
-    flight or more (the loop: the test below), whether or not training awaits it. The time chosen is kept while
-    it waits; it collects at once a tail run, an abandoned iterator's (the new one's work waits for it), when the
-    rate is not measured yet, temporal sharing gates it, or it is late."""
+    flight or more (the loop: the test below), whether or not training awaits it -- the awaited one once
+    ACCEL_WINDOW timed runs made the rate. The time chosen is kept while it waits; it collects at once a tail run,
+    an abandoned iterator's (the new one's work waits for it), when the rate is not measured yet, temporal
+    sharing gates it, or it is late."""
     from types import SimpleNamespace
 
     from fusionflow.accel.accelerator import AcceleratorWorker
+    from fusionflow.accel.share_feed import ShareFeed
     from fusionflow.scheduling.queue import Work
+    from fusionflow.scheduling.split import ShareController
 
     def work(seq):
         return Work(seq, 1, 0, 0, (0, 1, 2, 3), (0, 1, 2, 3))
@@ -631,11 +634,23 @@ def test_a_share_run_is_collected_near_its_expected_end_not_at_once_awaited_or_n
     now = time.monotonic()
     oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
 
-    def due(entry=oldest, accel_s=0.01, awaited=None, last_done=0.0, gated=False, chosen=0.0, gen=1, collect_at=0.95):
+    def due(
+        entry=oldest,
+        accel_s=0.01,
+        awaited=None,
+        last_done=0.0,
+        gated=False,
+        chosen=0.0,
+        gen=1,
+        collect_at=0.95,
+        timed=5,
+    ):
         behind = ([work(2)], now, True, ("pipeline", None))  # a tail run submitted after it
+        shares = ShareFeed(ShareController(), board=None, tiny_batch_size=4, cpu_workers=1)
+        shares.split.accel_s, shares.collect_at, shares.timed_runs = accel_s, collect_at, timed
         me = SimpleNamespace(
             _active=[entry, behind],
-            shares=SimpleNamespace(split=SimpleNamespace(accel_s=accel_s), collect_at=collect_at),
+            shares=shares,
             gated=gated,
             _last_done=last_done,
             board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited), generation=gen),
@@ -650,6 +665,9 @@ def test_a_share_run_is_collected_near_its_expected_end_not_at_once_awaited_or_n
     assert due(chosen=now + 0.5) == now + 0.5  # chosen before: kept, whatever the rate says now
     for awaited in ((1, 1), (1, 2), (1, 3)):  # training waits for it, for the run behind it, for neither
         assert abs(due(awaited=awaited) - expected) < 1e-9
+    # before ACCEL_WINDOW timed runs made the rate (a start-up run, temporal sharing's) the awaited one goes at once
+    assert due(awaited=(1, 1), timed=4) == due(awaited=(1, 2), timed=4) == 0.0
+    assert abs(due(awaited=(1, 3), timed=0) - expected) < 1e-9
     assert due(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
     assert due(accel_s=None) == 0.0 and due(gated=True) == 0.0
     assert due(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end
@@ -721,6 +739,7 @@ def test_share_runs_found_done_when_collected_are_collected_sooner_until_one_is_
     assert feed.collect_at == COLLECT_AT / 2
     feed.run_done(0.05, 100, waited=None)  # no timing (temporal sharing, an abandoned iterator's run)
     assert feed.collect_at == COLLECT_AT / 2
+    assert feed.timed_runs == 1 and feed.may_wait(False) and not feed.may_wait(True)  # timed: the first share run
     feed = ShareFeed(ShareController(), board=None, tiny_batch_size=4, cpu_workers=1)
 
     true_s, split = 0.0002, feed.split  # DALI's seconds a sample; the rate starts at 5x that

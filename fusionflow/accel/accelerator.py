@@ -33,7 +33,7 @@ from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.accel.step_clock import StepClock
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.runtime import liveness, targets
-from fusionflow.scheduling.queue import images
+from fusionflow.scheduling.queue import images, key_of
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
@@ -214,14 +214,15 @@ class AcceleratorWorker:
 
     def _due(self, entry, due: float) -> float:
         """Under board.cond: when to collect the oldest run (`due`: the time chosen before; 0: now). DALI's outputs()
-        wakes at every task its executor finishes while it waits, those of the runs behind it too (~2 ms of CPU a
-        170 ms run on the CPU backend, 0.4 once done): a share run is collected at `collect_at` of its expected time
-        (share_feed.py), also when training awaits it -- it waits for the run's end either way, and the median rate
-        and collect_at's halving keep the lateness small (bench_feeder at runs of ~36: 103 -> 80 us a sample, the
-        img/s unchanged). A tail run, an abandoned iterator's, or one before the rate is measured: at once."""
+        wakes at every task its executor finishes while it waits, the runs' behind it too: a share run is collected at
+        `collect_at` of its expected time, the awaited one too once the rate is settled (share_feed.py `may_wait`).
+        At once: a tail run, an abandoned iterator's, or any before the rate is measured."""
         group, started, tail, payload = entry
         g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
         if g is None or tail or payload is None or group[0].generation != self.board.generation:
+            return 0.0
+        awaited = self.board.queue.awaited  # in a run in flight: training waits for it (outputs come in order)
+        if not self.shares.may_wait(any(awaited in set(map(key_of, run[0])) for run in self._active)):
             return 0.0
         due = due or max(started, self._last_done) + self.shares.collect_at * g * images(group)
         return due if due - time.monotonic() > 0.002 else 0.0

@@ -9,6 +9,8 @@ fraction for the accelerator's tail runs. Everything here runs under the board's
 
 from __future__ import annotations
 
+from fusionflow.scheduling.split import ACCEL_WINDOW
+
 COLLECT_AT = 0.95  # a share run's outputs are asked for at this fraction of its expected time...
 COLLECT_MIN = 0.25  # ...or, while runs are found done when asked for, at half the last fraction, down to this
 READY_S = 0.001  # outputs that came within this (or READY_SHARE of the run's expected time) were ready already
@@ -23,6 +25,7 @@ class ShareFeed:
         self.tail_fraction: float | None = None  # the share's fraction of a mini-batch, once reserved
         self._last_batch_at = 0.0  # when the last mini-batch completed (the split rule's period)
         self.collect_at = COLLECT_AT  # the fraction of a share run's expected time at which it is collected
+        self.timed_runs = 0  # share runs whose completion said DALI's pace (spatial sharing, the current pipeline)
 
     def batch_done(self, state, cpu_task_seconds: float, awaited: bool, now: float) -> None:
         """A mini-batch is complete: feed the split rule and reserve the next share. `cpu_task_seconds`:
@@ -61,8 +64,16 @@ class ShareFeed:
         took once asked for (`collected`), None where that says nothing of DALI's pace."""
         if not tail:
             if waited is not None:
+                self.timed_runs += 1
                 self.collected(waited, samples)
             self.split.accel_run(seconds, samples)
+
+    def may_wait(self, awaited: bool) -> bool:
+        """Whether a share run may be left in DALI until its due time rather than waited for inside DALI's
+        outputs(): one nobody awaits, always; the one training awaits once ACCEL_WINDOW timed runs make the
+        rate -- before, the first run's start-up, or temporal sharing's runs (their intervals hold the training
+        step), could make the median too long, and the run training waits for would be collected that late."""
+        return not awaited or self.timed_runs >= ACCEL_WINDOW
 
     def collected(self, waited: float, samples: int) -> None:
         """A share run's outputs came `waited` seconds after they were asked for. Waited for: the run's
