@@ -464,9 +464,9 @@ record E2 on S2
 wait S2 for E6
 wait S2 for E2
 w 0x40000000
-record E7 on S2
+record E1 on S2
 wait T for E2
-wait T for E7
+wait T for E1
 close returned 1 0x40000000
 """
 
@@ -482,7 +482,9 @@ def test_dali_resource_orders_streams_by_events(tmp_path):
     the last close, returning only blocks nothing holds. A free whose event record fails
     (cudaErrorCudartUnloading at exit) never throws into DALI's deleter (that would be
     std::terminate): the host waits for the stream instead. Streams are told by CUDA's id, not their handle:
-    a new stream given a destroyed one's handle waits for the window's event and the old stream's free."""
+    a new stream given a destroyed one's handle waits for the window's event and the old stream's free. A close
+    forgets the streams that freed lent memory (no range names them after it) and keeps their events for the
+    next ones (E1, E2 reused): streams come and go with rebuilt pipelines, entries do not pile up."""
     import subprocess
 
     dali_inc, dali_lib = native.dali_paths()

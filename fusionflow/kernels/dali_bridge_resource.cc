@@ -132,6 +132,11 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
       check(cudaStreamWaitEvent(torch_stream, kv.second.event, 0), "cudaStreamWaitEvent(close)");
       kv.second.pending = false;
     }
+    // no range's tag names these streams after reclaim(): their entries go (streams come and go with rebuilt
+    // pipelines, and every new one would add an entry for good), their events to the spares (a host wait may
+    // still hold one: never destroyed)
+    for (auto &kv : freed_) spare_events_.push_back(kv.second.event);
+    freed_.clear();
     return arena_.reclaim();
   }
 
@@ -230,7 +235,10 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
 
   Freed &freed_on(uintptr_t key) {
     Freed &f = freed_[key];
-    if (!f.event) {
+    if (!f.event && !spare_events_.empty()) {
+      f.event = spare_events_.front();
+      spare_events_.erase(spare_events_.begin());
+    } else if (!f.event) {
       DeviceGuard d(device_);  // the event belongs to the resource's device, whatever the freeing thread has
       check(cudaEventCreateWithFlags(&f.event, kEventFlags), "cudaEventCreate");
     }
@@ -243,10 +251,11 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   // `s` instead and the range needs no event; if even that fails, nothing can still run on the
   // memory that is worth ordering (the context is broken or going away). Never throws.
   void free_lent(uintptr_t p, cudaStream_t s) noexcept {
-    uintptr_t tag = stream_key(s);
+    uintptr_t tag = LentArena::kNone;
     try {
+      DeviceGuard d(device_);  // (stream 0 is the current device's default stream: the resource's)
+      tag = stream_key(s);
       Freed &f = freed_on(tag);
-      DeviceGuard d(device_);
       check(cudaEventRecord(f.event, s), "cudaEventRecord(free)");  // what the free waits for, captured now
       f.pending = true;
     } catch (const std::exception &e) {
@@ -311,6 +320,7 @@ class BridgeResource : public dali::mm::device_async_resource, public dali::mm::
   bool paused_ = false;                       // lent memory refused meanwhile (pause())
   std::vector<uintptr_t> waited_;             // streams (stream_key) ordered after this window's open event
   std::map<uintptr_t, Freed> freed_;          // per stream (stream_key) that freed lent memory: its last free's event
+  std::vector<cudaEvent_t> spare_events_;     // events of streams forgotten at a close, for the next ones
   uint64_t fallback_bytes_ = 0;               // bytes DALI took from its own pool while a window was open
   std::atomic<int> reports_{0};               // failures written to stderr (the first few only)
 };
