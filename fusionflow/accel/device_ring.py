@@ -34,8 +34,8 @@ _DTYPES = {"uint8": torch.uint8, "float32": torch.float32}
 
 def dali_view(out) -> torch.Tensor:
     """A DALI GPU TensorList (dense) as a torch tensor sharing its memory, with no synchronisation: taken
-    through its CUDA array interface (version 2: no stream, so neither side waits), on the current device
-    (the caller's guard: the ring's, DALI's). `DaliPolicyPipeline.collect(stream)` has already made the ring's
+    through its CUDA array interface (version 2: no stream, so neither side waits), on the device its pointer
+    is on (DALI's, the ring's). `DaliPolicyPipeline.collect(stream)` has already made the ring's
     stream wait for the run's completion event, which is all a copy on that stream must wait for. The view
     holds DALI's tensor (and its buffer) until it is dropped; DALI then frees the buffer ordered on its own
     stream, so the caller drops it only after its copies are complete (`DeviceRing.write`). Not DLPack: DALI

@@ -11,9 +11,11 @@ Both start lazily, as a generator would: nothing is started or drawn until the f
 iteration ends at its last batch, at an exception (re-raised), at `close()`, or when the iterator is
 dropped: its unfinished work is forgotten, and without persistent workers the runtime is stopped. A
 failing sample (SampleError, on_error='raise') is not such an exception: as DataLoader, the mini-batch
-holding it is lost and the iteration goes on at the next one if the caller calls `next()` again. After
-any other exception, the next `next()` says the iteration ended there (once; StopIteration after), so a
-caller that catches it and goes on does not take the rest of the epoch for delivered.
+holding it is lost and the iteration goes on at the next one if the caller calls `next()` again (its
+workers, without persistent_workers, stay until the iterator is dropped -- as DataLoader's -- which the
+exception's traceback delays while it is kept). After any other exception, the next `next()` says the
+iteration ended there (once; StopIteration after), so a caller that catches it and goes on does not take
+the rest of the epoch for delivered.
 """
 
 from __future__ import annotations
@@ -334,7 +336,11 @@ class InlineIterator(EpochIterator):
             if failure is not None:
                 failures.append(failure)
         n = len(indices)
-        keep = self._delivery.select(n, failures)  # EmptyBatch: the caller goes on to the next
+        try:
+            keep = self._delivery.select(n, failures)  # EmptyBatch, SampleError: the caller may go on to the next
+        except (EmptyBatch, SampleError):
+            self._seq += 1  # its number stays its own, as on the workers' path
+            raise
         imgs, labs = (buf[:n], labels[:n]) if keep is None else (buf[keep], labels[keep])
         objs = ff_targets.gather(labels, range(n) if keep is None else keep, side) if side else None
         wait = time.perf_counter() - t0

@@ -2,8 +2,9 @@
 slot of the shared batch ring, report completion. Everything it touches is an argument.
 
 Watchdog: a thread of the worker's own looks for the training process every `WATCHDOG_S`; when it finds
-the worker orphaned (the training process died without stopping it) it ends the process at once, whatever
-the worker is doing -- waiting for a task, or inside one sample's read that takes minutes -- so the process
+the worker orphaned (the training process died without stopping it) it ends the process at once, whether
+the worker waits for a task or is inside one sample's read that takes minutes (a call that holds the GIL
+that long holds the watchdog too) -- so the process
 does not outlive the job by more than a slice (its idle waits also look, and end it cleanly). The ring has
 no name by then (the owner unlinks it at creation and hands out its descriptor): its memory is freed when
 the last process mapping it exits.
