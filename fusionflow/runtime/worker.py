@@ -4,10 +4,9 @@ slot of the shared batch ring, report completion. Everything it touches is an ar
 Watchdog: a thread of the worker's own looks for the training process every `WATCHDOG_S`; when it finds
 the worker orphaned (the training process died without stopping it) it ends the process at once, whether
 the worker waits for a task or is inside one sample's read that takes minutes (a call that holds the GIL
-that long holds the watchdog too) -- so the process
-does not outlive the job by more than a slice (its idle waits also look, and end it cleanly). The ring has
-no name by then (the owner unlinks it at creation and hands out its descriptor): its memory is freed when
-the last process mapping it exits.
+that long holds the watchdog too), so the process does not outlive the job by more than a slice (its idle
+waits also look, and end it cleanly). The ring has no name by then (the owner unlinks it at creation and
+hands out its descriptor): its memory is freed when the last process mapping it exits.
 
 Lending (DDP, runtime/gm/manager.py): on LEND from its owner the worker connects to another
 local manager's socket and runs that LM's tiny-batches -- with that LM's dataset, policy and seed,
