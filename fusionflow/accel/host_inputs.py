@@ -35,7 +35,7 @@ import numpy as np
 from fusionflow.accel.helper_reads import HelperReader, HelperRun, ReadFailed, TargetsStayHome, byte_slots
 from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
-from fusionflow.runtime.procs import interrupts_deferred
+from fusionflow.runtime.procs import OURS, interrupts_deferred
 from fusionflow.runtime.shm import forking_ours
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class InputHelper:
                 try:
                     seed = None if reads is None else (reads[3] * 1_000_003 + k + 1) % 2**63
                     proc = ctx.Process(
-                        target=serve, args=(inputs, child, forked, reader, seed), name=f"fusionflow-dali-inputs-{k}"
+                        target=serve, args=(inputs, child, forked, reader, seed), name=f"{OURS}dali-inputs-{k}"
                     )
                     proc.daemon = True
                     with interrupts_deferred(), forking_ours():  # a Ctrl-C in the fork left a zombie helper

@@ -284,11 +284,7 @@ def warp(arr, value, params, style):
         if out is not None:
             return out
         if arr.dtype == np.uint8 and arr.ndim == 3 and arr.shape[2] == 3:
-            img = Image.fromarray(arr)
-            fill = tuple(int(v) for v in style.fill)
-            return np.asarray(
-                img.transform(img.size, Image.Transform.AFFINE, params[:6], Image.NEAREST, fillcolor=fill)
-            )
+            return np.asarray(exact.affine(Image.fromarray(arr), value, params, style))  # the kernel's reference
     h, w = arr.shape[:2]
     return cv2.warpAffine(
         arr,

@@ -18,7 +18,7 @@ from fusionflow.runtime.shm import on_foreign_fork
 log = logging.getLogger(__name__)
 
 
-OURS = "fusionflow-"  # the name prefix of the processes a loader starts (CPU workers, DALI input helpers)
+OURS = "fusionflow-"  # the name prefix of every process a loader starts (CPU workers, DALI input helpers)
 
 
 def _forget_ours() -> None:

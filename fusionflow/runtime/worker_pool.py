@@ -90,7 +90,7 @@ class WorkerPool:
         parent, child = self.ctx.Pipe(duplex=True)
         proc = self.ctx.Process(
             target=worker_loop,
-            name=f"fusionflow-worker-{wid}",
+            name=f"{procs.OURS}worker-{wid}",
             daemon=True,
             args=(
                 wid,
