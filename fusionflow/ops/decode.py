@@ -252,6 +252,8 @@ def fast_jpeg_array(data, window_fn, out_size, resamplers, what=None, max_pixels
             return full(arr, *out_size) if box is None else scaled(arr, box, *out_size)
         except jpeg.WindowDecodeError:
             pass
+    if not _may_be_jpeg(data):  # (a PNG, an array: not opened here, where its caller's path opens it again)
+        return None
     img = open_image(data, what, max_pixels)
     if img.format not in JPEG_FORMATS:
         return None
@@ -263,6 +265,12 @@ def fast_jpeg_array(data, window_fn, out_size, resamplers, what=None, max_pixels
             np.array(load_rgb(img, what))[top : top + h, left : left + w], *out_size
         )  # (writable: torch reads it)
     return scaled(*pillow_scaled_region(img, (top, left, h, w), r, what), *out_size)
+
+
+def _may_be_jpeg(data) -> bool:
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return bytes(data[:2]) == jpeg.SOI
+    return isinstance(data, Image.Image) and data.format in JPEG_FORMATS
 
 
 def pillow_scaled_region(img: Image.Image, window, r: int, what=None):
