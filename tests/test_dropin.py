@@ -439,10 +439,16 @@ class Failing(Raw):
         return super().__getitem__(i)
 
 
-def _dataloader_raises(dataset, num_workers):
-    """The type of what DataLoader raises over `dataset` (its workers shut down before this returns)."""
+def _dataloader_raises(dataset, num_workers, monkeypatch):
+    """The type of what DataLoader raises over `dataset` (its workers shut down before this returns). After a
+    worker's exception torch's workers miss the shutdown's stop message (pytorch/pytorch#39570): the shutdown
+    joins each for MP_STATUS_CHECK_INTERVAL (5 s) and then terminates it -- 10 s a call of nothing but waiting,
+    shortened here (what it raises does not depend on it)."""
     import gc
 
+    import torch.utils.data._utils as dataloader_utils
+
+    monkeypatch.setattr(dataloader_utils, "MP_STATUS_CHECK_INTERVAL", 0.2)
     kind = None
     try:
         list(DataLoader(dataset, batch_size=6, num_workers=num_workers, collate_fn=_as_list))
@@ -464,7 +470,7 @@ def _dataloader_raises(dataset, num_workers):
     ],
     ids=lambda e: type(e).__name__,
 )
-def test_a_samples_exception_is_raised_as_its_own_type_too(num_workers, exc):
+def test_a_samples_exception_is_raised_as_its_own_type_too(num_workers, exc, monkeypatch):
     """DataLoader re-raises a worker's exception as its type, made from one message (RuntimeError where the
     type cannot be): `except FileNotFoundError:` catches it. Here it is that type and a SampleError (the worker's
     traceback in its message), at the same batch, with the exception's attributes (errno, filename); a plain
@@ -476,7 +482,7 @@ def test_a_samples_exception_is_raised_as_its_own_type_too(num_workers, exc):
 
     if num_workers and not isinstance(exc, StopIteration):  # DataLoader's workers (without: the original object)
         assert issubclass(
-            _dataloader_raises(Failing(exc), num_workers), type(exc) if exc.args[0] != 3 else RuntimeError
+            _dataloader_raises(Failing(exc), num_workers, monkeypatch), type(exc) if exc.args[0] != 3 else RuntimeError
         )
     combined = not isinstance(exc, (TwoArgError, StopIteration))
     loader = FusionFlowLoader(Failing(exc), batch_size=6, num_workers=num_workers, policy=EXACT, seed=3)
