@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-import fusionflow.accel.host_inputs as host_inputs
+import fusionflow.accel.input_helpers as input_helpers
 from experiments import bench_cooperation
 from experiments.gpu_bench import endless, ff_loader
 from experiments.harness import mixed_jpegs, provenance, result_path, settle, write_json
@@ -29,12 +29,12 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    start_helper, reads = host_inputs.start_helper, {"on": True}
+    start_helper, reads = input_helpers.start_helper, {"on": True}
 
     def start_as_asked(policy, ctx=None, processes=1, read=None):
         return start_helper(policy, ctx, processes, read if reads["on"] else None)
 
-    host_inputs.start_helper = start_as_asked  # looked up at each accelerator start (accel/session.py)
+    input_helpers.start_helper = start_as_asked  # looked up at each accelerator start (accel/session.py)
     data, batches = mixed_jpegs(args.images), max(4, args.images // args.batch_size)
     loaders, streams = {}, {}
     try:
@@ -54,7 +54,7 @@ def main() -> None:
                 print(f"round {r + 1}/{args.rounds}: {name} {rates[name][-1]:.0f} img/s", flush=True)
         stats = {name: dict(vars(ld.stats)) for name, ld in loaders.items()}
     finally:
-        host_inputs.start_helper = start_helper
+        input_helpers.start_helper = start_helper
         for ld in loaders.values():
             ld.close()
     med = {name: statistics.median(v) for name, v in rates.items()}

@@ -447,6 +447,37 @@ def test_accelerator_counts_go_on_across_epochs_without_persistent_workers():
     ld.close()
 
 
+def test_a_run_given_up_during_its_read_is_dropped_quietly(monkeypatch, no_leaks, caplog):
+    """The first run's read outlasts the stall bound (a stopped input helper, a slow file system): `watch` gives its
+    tiny-batches to the CPU workers while the thread still reads. When the read returns the run is no longer the
+    thread's: it is dropped without a word (it raised StopIteration, logged as the accelerator failing), and no
+    sample comes twice."""
+    import threading
+    import types
+
+    from fusionflow.accel import accelerator as acc
+    from fusionflow.accel.input_helpers import RunSource
+
+    monkeypatch.setattr(acc, "liveness", types.SimpleNamespace(stuck_bound=lambda mean: 1.0))
+    real, slow = RunSource.read, threading.Event()
+
+    def read(self, group):
+        if not slow.is_set():
+            slow.set()
+            time.sleep(3.0)  # past the bound: the manager thread looks once a turn
+        return real(self, group)
+
+    monkeypatch.setattr(RunSource, "read", read)
+    ld = loader(Bytes(36), batch_size=6, timeout=120)
+    with caplog.at_level("INFO", logger="fusionflow.accel.accelerator"):
+        labels = [i for _, y in ld for i in y.tolist()]
+        s = ld.stats
+        ld.close()
+    assert sorted(labels) == list(range(36))
+    assert slow.is_set() and "made no progress" in (s.accelerator_retired or "")
+    assert "accelerator failed" not in caplog.text and "StopIteration" not in caplog.text
+
+
 def test_a_hung_dali_run_is_given_up_and_its_late_outputs_dropped(monkeypatch, no_leaks):
     """DALI hangs in the first run's outputs (a hung GPU, a deadlock): past the stall bound the manager
     thread retires the accelerator and the CPU workers take every run in flight; the epoch completes

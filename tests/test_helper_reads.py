@@ -1,4 +1,4 @@
-"""A DALI run read by the input helpers (accel/helper_reads.py, host_inputs.py's InputHelper.read): the bytes,
+"""A DALI run read by the input helpers (accel/helper_reads.py, input_helpers.py's InputHelper.read): the bytes,
 targets, sizes and draws the training process would have read and made itself, the bytes in shared memory
 that DALI reads in place; slots held while DALI may read them; anything the helpers cannot do read by the
 training process, with nothing lost."""
@@ -19,7 +19,8 @@ from test_run_read import works_of  # noqa: E402
 
 from fusionflow.accel import helper_reads  # noqa: E402
 from fusionflow.accel.header_sizes import HeaderSizes  # noqa: E402
-from fusionflow.accel.host_inputs import MAX_READ_FAILURES, HostInputs, InputHelper  # noqa: E402
+from fusionflow.accel.host_inputs import HostInputs  # noqa: E402
+from fusionflow.accel.input_helpers import MAX_READ_FAILURES, InputHelper  # noqa: E402
 from fusionflow.accel.run_read import read_by_helpers  # noqa: E402
 from fusionflow.policy import load_policy  # noqa: E402
 
@@ -218,9 +219,9 @@ class Unpicklable(Bytes):
 def test_helpers_that_cannot_take_the_dataset_still_make_the_draws(no_leaks, caplog):
     """Spawned helpers need the dataset pickled: where it does not pickle they start without it (the accelerator
     reads its runs) and say so."""
-    from fusionflow.accel.host_inputs import start_helper
+    from fusionflow.accel.input_helpers import start_helper
 
-    with caplog.at_level("WARNING", logger="fusionflow.accel.host_inputs"):
+    with caplog.at_level("WARNING", logger="fusionflow.accel.input_helpers"):
         helper = start_helper(POLICY, mp.get_context("spawn"), 1, (Unpicklable(5), 16, 2, 0))
     try:
         assert helper is not None and helper.slots is None and helper.read([0], None, 0, 0) is None
@@ -304,7 +305,7 @@ def test_targets_other_than_numbers_are_read_by_the_training_process(no_leaks):
             assert sorted(order) == list(range(61)), epoch
         accel = ld.parts.gpu.accel
         assert ld.stats.accelerator_samples > 0 and accel.retired is None
-        assert accel.inputs is not None and accel.inputs.slots is None  # still drawing, no longer reading
+        assert accel.source.helper is not None and accel.source.helper.slots is None  # still drawing, no longer reading
     finally:
         ld.close()
 
@@ -376,7 +377,7 @@ def test_numpy_and_several_targets_travel_with_the_helpers_reads(no_leaks):
             got = [(int(i), float(h)) for _, a, b in ld for i, h in zip(a.tolist(), b.tolist())]
             assert sorted(got) == [(i, i / 2) for i in range(61)], epoch
         assert ld.stats.accelerator_samples > 0 and ds.home_reads == []
-        assert ld.parts.gpu.accel.inputs.slots is not None
+        assert ld.parts.gpu.accel.source.helper.slots is not None
     finally:
         ld.close()
 

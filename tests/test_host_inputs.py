@@ -1,9 +1,11 @@
-"""The accelerator's host inputs made per run (accel/host_inputs.py) and by its helper process."""
+"""The accelerator's host inputs made per run (accel/host_inputs.py) and by its helpers (accel/input_helpers.py)."""
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
 import time
+import types
 import warnings
 
 import numpy as np
@@ -18,10 +20,11 @@ from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: E402,F401
 
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
 from fusionflow.accel.header_sizes import HeaderSizes  # noqa: E402
-from fusionflow.accel.host_inputs import (  # noqa: E402
+from fusionflow.accel.host_inputs import HostInputs  # noqa: E402
+from fusionflow.accel.input_helpers import (  # noqa: E402
     MIN_SHARE,
+    STOPPED_S,
     HelperGone,
-    HostInputs,
     InputHelper,
     helper_processes,
     start_helper,
@@ -237,7 +240,7 @@ def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, cap
     ds = Bytes(61)  # test_accelerator's loader: batch 12, one CPU worker, tiny-batches of 2, DALI's CPU backend
     ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(2), persistent_workers=True)
     before = None
-    with caplog.at_level("WARNING", logger="fusionflow.accel.host_inputs"):
+    with caplog.at_level("WARNING", logger="fusionflow.accel.input_helpers"):
         for epoch in (0, 1):
             ld.set_epoch(epoch)
             order = []
@@ -245,10 +248,90 @@ def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, cap
                 order += y.tolist()
                 if before is None:
                     accel = ld.parts.gpu.accel
-                    os.kill(accel.inputs._procs[0].pid, signal.SIGKILL)
+                    os.kill(accel.source.helper._procs[0].pid, signal.SIGKILL)
                     before = ld.stats.accelerator_samples
             assert sorted(order) == list(range(61)), epoch
-    assert ld.parts.gpu.accel is accel and accel.inputs is None
+    assert ld.parts.gpu.accel is accel and accel.source.helper is None
     assert "makes its inputs in its own thread" in caplog.text
     assert ld.stats.accelerator_samples > before  # it went on producing
     ld.close()
+
+
+def test_a_stopped_helper_is_given_up_within_seconds_and_killed(no_leaks):
+    """A helper stopped (SIGSTOP, a paused debugger) while the thread awaits its answer: HelperGone once it has been
+    stopped STOPPED_S, well before the bound a running helper gets (until 2026-11-29 the thread waited 60 s, past
+    the accelerator's 25 s stall bound: a helper stopped mid-run retired the accelerator), and the stopped helper
+    is killed at once, not after close()'s grace."""
+    helper = InputHelper(HostInputs(load_policy(SMALL)), mp.get_context("fork"))
+    helper.columns([0], None, [(30, 30)], 0, 0)  # past its start-up
+    pid = helper._procs[0].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HelperGone, match=rf"helper 0 \(pid {pid}\) has been stopped for"):
+            helper.columns(list(range(8)), None, [(30, 30)] * 8, 0, 0)
+        took = time.monotonic() - t0
+        assert STOPPED_S <= took < helper.answer_bound(), took
+        assert not helper._procs  # closed: the stopped helper killed
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+def test_a_running_helper_is_given_up_before_the_run_it_holds():
+    """A running helper's answer bound stays under the stall bound `watch` puts on a run that lasts as long as the
+    helpers' answers (a run lasts at least that): the accelerator loses its helpers, never the run."""
+    from fusionflow.runtime import liveness
+
+    helper = InputHelper(HostInputs(load_policy(SMALL)), mp.get_context("fork"))
+    try:
+        for mean in (0.0, 0.002, 0.5, 30.0):  # none measured yet (the first run may build), fast, slow, very slow
+            helper.answer_seconds = mean
+            assert 0 < helper.answer_bound() < liveness.stuck_bound(mean)
+        helper.columns([0], None, [(30, 30)], 0, 0)
+        assert 0 < helper.answer_seconds < 30  # measured from the answers
+    finally:
+        helper.close()
+    assert InputHelper.answer_bound(types.SimpleNamespace(timeout=0.5)) == 0.5  # a given timeout wins
+
+
+def test_an_interrupt_ends_the_wait_for_a_hung_helper(no_leaks):
+    """The accelerator's stop interrupts a wait for a helper that never answers: HelperGone within a slice, not
+    at the answer bound (the thread that did not stop within 10 s left its DALI pipeline to the collector)."""
+    import threading
+
+    helper = InputHelper(Hanging(load_policy(SMALL)), mp.get_context("fork"))
+    threading.Timer(0.5, helper.interrupt).start()
+    t0 = time.monotonic()
+    with pytest.raises(HelperGone, match="interrupted"):
+        helper.columns(list(range(8)), None, [(30, 30)] * 8, 0, 0)
+    assert time.monotonic() - t0 < helper.answer_bound() / 2
+    assert not helper._procs
+
+
+def test_a_helper_stopped_mid_epoch_costs_seconds_not_the_accelerator(no_leaks, caplog):
+    """A helper SIGSTOPped after the first mini-batch (and never continued): the epoch completes with every sample
+    once, the accelerator is not retired and goes on producing in its own thread, and the log says why."""
+    ds = Bytes(61)  # test_accelerator's loader: batch 12, one CPU worker, tiny-batches of 2, DALI's CPU backend
+    ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(3), persistent_workers=True)
+    before, pid = None, None
+    try:
+        with caplog.at_level("WARNING", logger="fusionflow.accel.input_helpers"):
+            for epoch in (0, 1):
+                ld.set_epoch(epoch)
+                order = []
+                for _, y in ld:
+                    order += y.tolist()
+                    if before is None:
+                        accel = ld.parts.gpu.accel
+                        pid = accel.source.helper._procs[0].pid
+                        os.kill(pid, signal.SIGSTOP)
+                        before = ld.stats.accelerator_samples
+                assert sorted(order) == list(range(61)), epoch
+        assert ld.stats.accelerator_retired is None and accel.source.helper is None
+        assert f"(pid {pid}) has been stopped for" in caplog.text
+        assert ld.stats.accelerator_samples > before  # it went on producing
+    finally:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(pid, signal.SIGCONT)
+        ld.close()

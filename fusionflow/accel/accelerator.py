@@ -4,15 +4,15 @@ of the local manager's queue, each output written to its mini-batch position.
 A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via share_feed.py),
 with up to MERGE_SHARES - 1 next shares that fit (on a GPU also taken ahead: `_borrowed`); up to `depth` runs are in
 flight (DaliAccelerator's runs_in_flight), collected in order. A mini-batch whose CPU side is late when training waits
-for it gets a tail run of its largest unstarted tiny-batches. Helper processes read and draw the runs (host_inputs.py,
+for it gets a tail run of its largest unstarted tiny-batches. Helper processes read and draw the runs (input_helpers.py,
 helper_reads.py; else run_read.py here), the bytes fed uncopied. `device="gpu"`: nvJPEG and GPU ops into a device ring
 (`DeviceRing`), merged with the CPU workers' at delivery; "cpu": DALI's CPU backend into the host ring. What DALI
-cannot run (not encoded bytes, over decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing works
-only in the prep window (one run in flight, after a blocking event of the training work queued before next()),
-`spatial` concurrently; with the bridge, DALI's memory is an arena lent once before a run. A worker kind
-(runtime/board.py). A failed run drops the pipeline (rebuilt next run) and gives its runs in flight to the CPU workers;
-MAX_FAILURES in a row, an unbuildable pipeline or a stalled run retire it. CPU: `accelerator_feed_cpu_seconds`
-(`accelerator_land_cpu_seconds` of it), the helpers' `accelerator_inputs_cpu_seconds`.
+cannot run (not encoded bytes, over decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing: only
+in the prep window (one run in flight, after a blocking event of the training work queued before next()); `spatial`:
+concurrently; with the bridge, DALI's memory is an arena lent once before a run. A worker kind (runtime/board.py). A
+failed run drops the pipeline (rebuilt next run) and gives its runs in flight to the CPU workers; MAX_FAILURES in a row,
+an unbuildable pipeline or a stalled run retire it. CPU: `accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds`
+of it), the helpers' `accelerator_inputs_cpu_seconds`.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ import time
 import numpy as np
 
 from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU
-from fusionflow.accel.header_sizes import HeaderSizes
-from fusionflow.accel.host_inputs import HelperGone
-from fusionflow.accel.run_read import read_for_run, read_run
+from fusionflow.accel.input_helpers import RunSource
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.accel.step_clock import StepClock
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
@@ -67,19 +65,18 @@ class AcceleratorWorker:
         from fusionflow.accel.dali_graph import DaliPolicyPipeline
         from fusionflow.policy import load_policy
 
-        self.board, self.dataset, self.seed = board, dataset, seed
+        self.board, self.seed = board, seed
         self.counters = counters if counters is not None else board.counters
-        self.max_pixels = load_policy(policy).max_pixels
         self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
         self._make = lambda: DaliPolicyPipeline(
             policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=depth
         )
         self.max_images, self.depth = max_images, depth  # a run's samples (<= MERGE_SHARES shares); runs in flight
-        self.inputs = inputs  # the InputHelper (host_inputs.py), owned from here; None: inputs made here
-        t0 = time.perf_counter()
-        self.pipeline = self._make() if aot else None  # ahead of time: nothing is built on the hot path
+        # the runs' samples and host inputs: the input helpers (`inputs`, owned from here) while they answer, else here
+        self.source = RunSource(inputs, dataset, load_policy(policy).max_pixels, seed, self.counters)
+        t0, self.pipeline = time.perf_counter(), self._make() if aot else None  # aot: nothing built on the hot path
         self.build_seconds = time.perf_counter() - t0 if aot else 0.0
-        self.counters.accelerator_builds += 1 if aot else 0
+        self.counters.accelerator_builds += int(aot)
         self.tiny_batches = self.failures_in_a_row = 0  # tiny-batches done (the bridge's warm-up); failed runs in a row
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # temporal sharing: the training work queued before next() ends with it (GpuSession)
@@ -89,7 +86,6 @@ class AcceleratorWorker:
         # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
         self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers) if split is not None else None
         self.borrow = split is not None and split.shares_device  # shares taken ahead on a GPU (a run's fixed cost)
-        self.dims = HeaderSizes(len(dataset) if hasattr(dataset, "__len__") else 0)  # (height, width) per sample
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
         self._last_done = 0.0  # when the last run completed (its completion interval)
         self._run_seconds = 0.0  # running mean of a run's time from take to completion (the stall bound's)
@@ -133,6 +129,7 @@ class AcceleratorWorker:
         with self.board.cond:
             self._stop = True
             self.board.cond.notify_all()
+        self.source.interrupt()  # a run's read or inputs awaited from the helpers: given up within a slice
         other = self._thread is not threading.current_thread()
         try:  # the input helpers end even if this raised (a Ctrl-C in DALI's shutdown left them running)
             if self._thread.is_alive() and other:
@@ -143,8 +140,7 @@ class AcceleratorWorker:
             elif pipeline is not None:
                 pipeline.close()
         finally:
-            if self.inputs is not None:
-                self.inputs.close()
+            self.source.close()
 
     @contextlib.contextmanager
     def _rebuilding(self):  # around the pipeline's rebuild after a failed run (in its submit): the bridge paused
@@ -251,27 +247,29 @@ class AcceleratorWorker:
         bytes, or over the policy's max_pixels: the CPU path refuses it by name) is given back, the rest run."""
         board = self.board
         clock = StepClock(board.trace)  # the loop's steps on the trace's own track (its wall and CPU time)
-        r = self._read(group)
+        r = self.source.read(group)
         runnable, given_back, samples, labels, sizes = r.runnable, r.given_back, r.samples, r.labels, r.sizes
         clock.mark("read", group[0].seq, len(samples))
-        if given_back:
-            with board.cond:  # none read: a failed run
-                self._account([], given_back, False if r.unreadable and not runnable else None, 0, r.unreadable)
-        if not runnable:
-            with board.cond:
-                self._active.remove(next(e for e in self._active if e[0] is group))
-                board.cond.notify_all()
-            return
         pipeline = self.pipeline
-        if pipeline is None:  # the DALI-Naive ablation: build for every run, close after it
+        if pipeline is None and runnable:  # the DALI-Naive ablation: build for every run, close after it
             pipeline = self._make()
             self.counters.accelerator_builds += 1
+        with board.cond:  # the run in flight becomes what DALI is given, unless `watch` gave it up during a long read
+            entry = next((e for e in self._active if e[0] is group), None)  # (the CPU workers have it), or stopping
+            if self._stop or entry is None:  # (`_run` gives back what is still in flight when it sees `_stop`)
+                if pipeline is not self.pipeline:
+                    pipeline.close()
+                return
+            if given_back:  # none read: a failed run
+                self._account([], given_back, False if r.unreadable and not runnable else None, 0, r.unreadable)
+            if not runnable:
+                self._active.remove(entry)
+                board.cond.notify_all()
+                return
+            self._active[self._active.index(entry)] = (runnable, entry[1], entry[2], (pipeline, labels))
         indices = [i for w in runnable for i in w.indices]
         any_copies = any(map(_COPIES, runnable))
         copies = [c for w in runnable for c in (w.copies or (0,) * len(w.indices))] if any_copies else None
-        with board.cond:  # the run in flight is what DALI was given
-            entry = next(e for e in self._active if e[0] is group)
-            self._active[self._active.index(entry)] = (runnable, entry[1], entry[2], (pipeline, labels))
         if self.sharing == "temporal" and self.step_event is not None:
             self.step_event.synchronize()  # training work queued before the last next() is done
         if self.bridge is not None:  # lends its arena once (a no-op before the loader armed it and after)
@@ -282,7 +280,9 @@ class AcceleratorWorker:
                 self.bridge = None
         try:
             clock.mark("prepare", runnable[0].seq, len(indices))  # given back, gated waits, the naive ablation's build
-            columns = r.columns if r.columns is not None else self._columns(indices, copies, sizes, runnable[0].epoch)
+            columns = (
+                r.columns if r.columns is not None else self.source.columns(indices, copies, sizes, runnable[0].epoch)
+            )
             clock.mark("inputs", runnable[0].seq, len(indices))
             pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns, keep=r.keep)
             clock.mark("submit", runnable[0].seq, len(indices))
@@ -294,27 +294,6 @@ class AcceleratorWorker:
                 self._collect(None)
             finally:
                 pipeline.close()
-
-    def _read(self, group):
-        helper = self.inputs  # the run read by the input helpers where they read it (with its host inputs), else here
-        try:
-            return read_for_run(helper, self.dataset, group, self.dims, self.max_pixels, self.seed)
-        except HelperGone as exc:  # closed: this thread reads and makes the inputs from now on
-            log.warning("%s; the accelerator reads its runs and makes its inputs in its own thread from now on", exc)
-            self.inputs = None
-            return read_run(self.dataset, group, self.dims, self.max_pixels)
-        finally:
-            if helper is not None:
-                self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
-
-    def _columns(self, indices, copies, sizes, epoch: int):
-        """The run's host inputs from the helper processes; None (`submit` makes them here) once they are gone."""
-        helper = self.inputs
-        columns = helper.columns_or_none(indices, copies, sizes, self.seed, epoch) if helper is not None else None
-        if helper is not None:
-            self.counters.accelerator_inputs_cpu_seconds = helper.cpu_seconds
-            self.inputs = helper if columns is not None else None  # gone (columns_or_none closed them): made here
-        return columns
 
     def _collect(self, _unused) -> None:
         """Wait for the oldest run in flight, write its samples into their ring positions, account it."""
@@ -350,9 +329,8 @@ class AcceleratorWorker:
         clock.mark("land", group[0].seq, len(indices))
         with self.board.cond:
             self._active.pop(0)
-            self._run_seconds = (
-                now - started if not self._run_seconds else 0.8 * self._run_seconds + 0.2 * (now - started)
-            )
+            took = now - started
+            self._run_seconds = 0.8 * self._run_seconds + 0.2 * took if self._run_seconds else took
             if self.shares is not None:  # the completion interval: from the later of the last completion and its start
                 timed = not self.gated and pipeline is self.pipeline and group[0].generation == self.board.generation
                 self.shares.run_done(now - max(started, self._last_done), len(indices), tail, waited if timed else None)

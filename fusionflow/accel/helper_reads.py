@@ -3,7 +3,7 @@
 Reading a run's samples costs the training process CPU and GIL: a file-backed dataset's open + read + close is
 ~20 us a sample of thread CPU on the H200 (2026-11-28, session 27's step track: the largest step of the accelerator
 thread's after the input helpers took the draws) and 40-95 us on the 2-core VM for 170 KB JPEGs, over issue 41's
-budget of 20 us for everything the accelerator does there. So the helpers (host_inputs.py's InputHelper) read
+budget of 20 us for everything the accelerator does there. So the helpers (input_helpers.py's InputHelper) read
 their share of each run too -- the dataset's batched read, header sizes, the draws -- and write the encoded bytes
 into memory shared with the training process, which feeds DALI views of it (DALI reads them in place, as it read
 the bytes objects before).

@@ -119,7 +119,7 @@ class GpuSession:
     def _accelerator(self, mgr: LocalManager, dataset, on_gpu: bool, device_ring):
         """The AcceleratorWorker for `mgr`'s spec, given its input helper (closed here if it fails to start)."""
         from fusionflow.accel.accelerator import AcceleratorWorker
-        from fusionflow.accel.host_inputs import helper_processes, start_helper
+        from fusionflow.accel.input_helpers import helper_processes, start_helper
         from fusionflow.runtime.cores import rank_cores
         from fusionflow.scheduling.split import ShareController
 

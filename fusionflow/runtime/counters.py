@@ -26,7 +26,7 @@ class RuntimeCounters:
     accelerator_runs: int = 0  # its DALI runs that produced them (one run: tiny-batches of one or two mini-batches)
     accelerator_samples: int = 0  # samples those runs produced
     accelerator_feed_cpu_seconds: float = 0.0  # CPU time of the training process's accelerator thread
-    accelerator_inputs_cpu_seconds: float = 0.0  # CPU time of its input helper processes (accel/host_inputs.py)
+    accelerator_inputs_cpu_seconds: float = 0.0  # CPU time of its input helper processes (accel/input_helpers.py)
     accelerator_land_cpu_seconds: float = 0.0  # of the thread's, landing DALI's outputs in the ring (host copy on CPU)
     accelerator_given_back: int = 0  # handed to the CPU workers (undecodable by DALI, or not bytes)
     accelerator_builds: int = 0  # DALI pipeline builds (AoT: 1, +1 after each failed run; one per run without)
