@@ -23,7 +23,7 @@ from fusionflow.cache.store import CacheStore
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime import userdir
-from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.tools.synthetic import make_jpegs
 
 SMALL = {**test_loader.SMALL, "output": {"size": 32}}  # RandAugment's kind: Rotate, Posterize, Equalize
@@ -372,6 +372,52 @@ def test_a_keeper_that_exits_removes_its_record_and_lock_file():
     while (pid_alive(pid) or made & set(os.listdir(folder))) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(pid) and not made & set(os.listdir(folder))
+
+
+def test_a_stopped_keeper_is_killed_by_its_last_loader_and_replaced_by_the_next(caplog):
+    """A keeper stopped (SIGSTOP) serves nobody and never sees its last loader leave: it held its cache's memory
+    past the job, with no parent to continue it, and the next loader paid the handshake's bound and started a second
+    keeper beside it. The last loader's close() now kills it (said in the log) and the next loader starts afresh."""
+    loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache())
+    epochs(loader, 1)
+    pid = loader.parts.runtime.cache_attachment.keeper_pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level("WARNING", logger="fusionflow.cache"):
+            epochs(loader, 1)  # the cache is mapped: training does not need its keeper
+            loader.close()
+        assert not pid_alive(pid), "a stopped keeper outlived its last loader"
+        folder = userdir.directory()
+        assert not any((keeper._read(f"{folder}/{f}") or {}).get("pid") == pid for f in os.listdir(folder))
+        assert f"keeper (pid {pid}) is stopped; it is killed" in caplog.text
+        again = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache())
+        epochs(again, 1)
+        second = again.parts.runtime.cache_attachment.keeper_pid
+        os.kill(second, signal.SIGSTOP)  # stopped while another loader attaches: that one replaces it
+        other = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache())
+        epochs(other, 1)
+        assert other.parts.runtime.cache_attachment.keeper_pid not in (None, second) and not pid_alive(second)
+        again.close()
+        other.close()
+    finally:
+        for p in (pid, locals().get("second")):
+            if p is not None and pid_alive(p):
+                os.kill(p, signal.SIGKILL)
+
+
+def test_a_keeper_is_told_from_a_process_that_reused_its_pid(tmp_path):
+    """Only the keeper of that record is ever killed: a stopped process of another program is left alone."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while not is_stopped(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not keeper.end_if_stopped(proc.pid, str(tmp_path / "cache-x.json"))
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_a_lock_file_removed_while_a_waiter_waits_is_opened_again(tmp_path):

@@ -37,7 +37,7 @@ import posix_ipc
 
 from fusionflow.cache.store import CacheStore
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout
-from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.procs import command_line, is_stopped, pid_alive
 from fusionflow.runtime.shm import disown_fd, on_foreign_fork, recv_fd, send_fd
 from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
@@ -45,6 +45,7 @@ log = logging.getLogger("fusionflow.cache")
 START_S = 20.0  # a keeper that has not said it is ready by then is given up on
 FIRST_CLIENT_S = 30.0  # a keeper nobody attaches to this long after it started exits
 GONE_S = 5.0  # the last loader to detach waits this long for the keeper to exit
+KEEPER_MODULE = "fusionflow.cache.keeper"  # the keeper's program: python -m KEEPER_MODULE <record> ...
 
 
 def cache_key(fingerprint: str, max_side: int, admission: str) -> str:
@@ -55,13 +56,13 @@ class KeeperLink:
     """A loader's attachment to its node's keeper: the connection (held open: it is how the keeper
     counts this loader) and the mapped store."""
 
-    def __init__(self, conn: Connection, store: CacheStore, pid: int):
-        self.conn, self.store, self.keeper_pid = conn, store, pid
+    def __init__(self, conn: Connection, store: CacheStore, pid: int, record: str):
+        self.conn, self.store, self.keeper_pid, self.record = conn, store, pid, record
         _LINKS.add(self)
 
     def close(self) -> None:
         """Detach; the last loader waits (bounded) until the keeper has exited, so nothing is left
-        running when close() returns."""
+        running when close() returns. A keeper that does not answer because it is stopped is killed."""
         left = None
         try:
             set_receive_timeout(self.conn, 2)
@@ -71,7 +72,8 @@ class KeeperLink:
         except (OSError, EOFError, BlockingIOError):
             pass
         self.conn.close()
-        if left == 0:
+        killed = left is None and end_if_stopped(self.keeper_pid, self.record)
+        if left == 0 or killed:  # waited for (its segment goes with it)
             deadline = time.monotonic() + GONE_S
             while pid_alive(self.keeper_pid) and time.monotonic() < deadline:
                 time.sleep(0.01)
@@ -79,9 +81,27 @@ class KeeperLink:
                 os.waitpid(self.keeper_pid, os.WNOHANG)
             except ChildProcessError:
                 pass
+        if killed:  # it could not remove its rendezvous files
+            remove_record(self.record, self.keeper_pid)
 
 
 _LINKS: weakref.WeakSet = weakref.WeakSet()  # this process's open links
+
+
+def end_if_stopped(pid: int, record: str) -> bool:
+    """Kill the keeper of `record` if it is stopped (SIGSTOP, a paused debugger): stopped, it serves no loader and
+    never sees its last one leave, so it would hold its cache's memory until continued -- past the job, with
+    nobody left to continue it. The loaders that map the cache keep it; the next to attach starts a new keeper.
+    True if it was ours and stopped (its command line names the record: not a process that reused the pid)."""
+    cmd = command_line(pid) if is_stopped(pid) else []
+    if KEEPER_MODULE not in cmd or record not in cmd:  # (`python -m fusionflow.cache.keeper <record> ...`)
+        return False
+    log.warning("the decoded-image cache's keeper (pid %d) is stopped; it is killed", pid)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return True
 
 
 def _close_links_in_child() -> None:
@@ -108,9 +128,9 @@ def attach(
     record, lock = os.path.join(folder, f"cache-{key}.json"), os.path.join(folder, f"cache-{key}.lock")
     with lock_file(lock, START_S + 10, lock):  # its holder starts a keeper in START_S at most
         rec = _read(record)
-        if rec is not None and pid_alive(rec["pid"]):
+        if rec is not None and pid_alive(rec["pid"]) and not end_if_stopped(rec["pid"], record):
             try:
-                return _attach_to(rec, entries)
+                return _attach_to(rec, entries, record)
             except (OSError, EOFError):
                 pass  # it is exiting (its last loader just left): start another
         try:
@@ -122,7 +142,7 @@ def attach(
             if rec is None or not pid_alive(rec["pid"]):
                 remove_locked(lock)
             raise
-        return _attach_to(_read(record), entries)
+        return _attach_to(_read(record), entries, record)
 
 
 def _read(record: str) -> dict | None:
@@ -133,7 +153,7 @@ def _read(record: str) -> dict | None:
         return None
 
 
-def _attach_to(rec: dict, entries: int) -> KeeperLink:
+def _attach_to(rec: dict, entries: int, record: str) -> KeeperLink:
     conn = connect(rec["address"], bytes.fromhex(rec["secret"]))
     try:
         conn.send(("attach", entries))
@@ -147,7 +167,7 @@ def _attach_to(rec: dict, entries: int) -> KeeperLink:
         except BaseException:
             os.close(fd)
             raise
-        return KeeperLink(conn, store, rec["pid"])
+        return KeeperLink(conn, store, rec["pid"], record)
     except BaseException:
         conn.close()
         raise
@@ -162,7 +182,7 @@ def _start_keeper(record: str, entries: int, size: int, max_side: int, admission
     try:
         args = [record, entries, size, max_side, admission, path or "", w]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fusionflow.cache.keeper", *map(str, args)],
+            [sys.executable, "-m", KEEPER_MODULE, *map(str, args)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -223,13 +243,18 @@ def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, ad
 
 
 def _leave(listener, record: str) -> None:
-    """The keeper's exit: no more connections, then its record and lock file go (unless a new keeper's record
-    replaced it), under the lock: a loader waiting there finds no keeper and starts one."""
+    """The keeper's exit: no more connections, then its record and lock file go."""
     listener.close()
+    remove_record(record, os.getpid())
+
+
+def remove_record(record: str, pid: int) -> None:
+    """The record and lock file of keeper `pid` go (unless a new keeper's record replaced it), under the lock: a
+    loader waiting there finds no keeper and starts one."""
     lock = record[: -len(".json")] + ".lock"
     try:
         with lock_file(lock, START_S + 10, lock):
-            if (_read(record) or {}).get("pid") == os.getpid():
+            if (_read(record) or {}).get("pid") == pid:
                 os.unlink(record)
                 remove_locked(lock)
     except OSError:  # the lock's holder stopped: the next loader replaces a record whose pid is gone
