@@ -4,6 +4,7 @@ producer's loader iterated in this process: every client of an epoch must get ex
 in its order, with its pixels. After each test: no process of the test's producer left, nothing
 new in /dev/shm, no rendezvous record left."""
 
+import contextlib
 import json
 import os
 import signal
@@ -275,6 +276,48 @@ def test_a_dead_client_is_detached_within_a_second(jobs):
         while shared.clients:
             time.sleep(0.01)
         assert time.monotonic() - t0 < 1.0
+
+
+CLIENT_WITH_A_CHILD = """
+import os, signal, subprocess, sys, time
+from fusionflow import SharedLoaderClient
+client = SharedLoaderClient(sys.argv[1], timeout=60)
+if sys.argv[2] == "fork":  # a validation DataLoader's worker, forked after the client: then the client closes
+    child = os.fork()
+    if child == 0:
+        time.sleep(60)
+        os._exit(0)
+    print(child, flush=True)
+    client.close()
+    time.sleep(60)
+else:  # a child given the connection some other way (no fork hook closes it), then this process is killed
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], pass_fds=(client._conn.fileno(),))
+    print(child.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.parametrize("how", ["fork", "killed"])
+def test_a_client_gone_is_detached_though_a_child_of_it_holds_its_connection(jobs, how):
+    """A client that closed (or died) while a process it forked lives: that child's copy of the connection kept it
+    open, so the producer -- and every other client -- waited for the closed client for as long as the child lived
+    (a helper's repro: 71 s for 3 epochs instead of 9). A forked child now closes its copy, close() shuts the
+    connection down, and the hub detaches a client whose process is gone."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path])}
+    with SharedLoader(make_loader(4, 8, False), name=jobs.name) as shared:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CLIENT_WITH_A_CHILD, jobs.name, how], stdout=subprocess.PIPE, text=True, env=env
+        )
+        child = None
+        try:
+            child = int(proc.stdout.readline())
+            assert wait_until(lambda: shared.clients == 0, 30), "the client gone was not detached"
+        finally:
+            for pid in (proc.pid, child):
+                if pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_a_late_client_starts_at_the_next_epoch_and_says_so(jobs):

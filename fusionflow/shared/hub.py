@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from fusionflow.runtime.authsock import HANDSHAKE_S, accept, listen, recv_whole, set_receive_timeout
-from fusionflow.runtime.procs import is_stopped
+from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.runtime.shm import send_fd
 from fusionflow.shared import rendezvous
 
@@ -49,6 +49,7 @@ class Client:
     ready: bool = False  # it accepted the producer's terms (batch size): it counts, and gets epochs
     gone: str | None = None  # why it was detached (its connection is closed by the hub's thread)
     stopped_since: float | None = None  # monotonic time it was first seen stopped while holding slots
+    seen_pid: int = 0  # its pid as the kernel tells it here (SO_PEERCRED; 0 where its pid namespace hides it)
 
 
 def _hang_up(conn) -> None:
@@ -205,13 +206,16 @@ class Hub:
 
     def _let_go_of_stopped(self) -> None:
         """Detach a client that has been stopped for STOPPED_S while holding slots: a stopped process
-        never releases them, and the producer (so every other client) would wait for it forever."""
+        never releases them, and the producer (so every other client) would wait for it forever. So would
+        a dead one whose connection a child it forked still holds open (no end-of-file comes): detached."""
         now = time.monotonic()
         if now - self._stop_check < 1.0:  # once a second, not per message (each reads /proc)
             return
         self._stop_check = now
         for c in list(self.clients.values()):
-            if c.gone is not None or not c.holds or not is_stopped(c.pid):
+            if c.gone is None and c.seen_pid > 0 and not pid_alive(c.seen_pid):
+                self._detach(c, "its process is gone (a child it forked held its connection open)")
+            elif c.gone is not None or not c.holds or not is_stopped(c.pid):
                 c.stopped_since = None
             elif c.stopped_since is None:
                 c.stopped_since = now
@@ -253,7 +257,7 @@ class Hub:
             return
         try:
             with socket.socket(fileno=os.dup(conn.fileno())) as s:
-                _, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+                seen, uid, _ = struct.unpack("3i", s.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
             if uid != os.getuid():
                 raise PermissionError(f"peer uid {uid} is not this user's")
             set_receive_timeout(conn, HANDSHAKE_S)
@@ -269,7 +273,7 @@ class Hub:
             if self._stopping:
                 conn.close()
                 return
-            c = Client(self._next_cid, conn, int(pid))
+            c = Client(self._next_cid, conn, int(pid), seen_pid=seen)
             self._next_cid += 1
             try:
                 conn.send(("hello", self._hello(None if self.running is None else tuple(self.running))))

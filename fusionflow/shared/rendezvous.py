@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import re
+import socket
 import time
 from dataclasses import dataclass
 
@@ -39,7 +40,7 @@ import numpy as np
 from fusionflow.errors import SharedLoaderError
 from fusionflow.runtime.authsock import HANDSHAKE_S, connect, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import RingLayout, recv_fd
+from fusionflow.runtime.shm import RingLayout, disown_fd, own_fd, recv_fd
 from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
 log = logging.getLogger("fusionflow.shared")
@@ -163,6 +164,7 @@ def attach(name: str, timeout: float):
         kind, hello = conn.recv()
         ring = ReadOnlyRing(hello.layout, recv_fd(conn))
         set_receive_timeout(conn, 0)
+        own_fd(conn.fileno())  # a child the script forks (a validation DataLoader's workers) closes its copy
     except (OSError, EOFError, ValueError) as exc:
         conn.close()
         why = "it hung up: it is ending (it finished, failed or was closed)" if isinstance(exc, EOFError) else repr(exc)
@@ -173,7 +175,16 @@ def attach(name: str, timeout: float):
 
 
 def release(conn, ring) -> None:
-    """A client's end of the rendezvous: its connection and its ring mapping."""
+    """A client's end of the rendezvous: its connection and its ring mapping. The connection is shut down before
+    it is closed: a copy a forked child still holds (one forked before this code closed them in such children, or
+    by a fork the process made some other way) would keep it open, and the producer waiting for this client."""
+    if not conn.closed:
+        disown_fd(conn.fileno())
+        try:
+            with socket.socket(fileno=os.dup(conn.fileno())) as s:
+                s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # the producer hung up already
     conn.close()
     ring.close()
 
