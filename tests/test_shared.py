@@ -320,6 +320,38 @@ def test_a_client_gone_is_detached_though_a_child_of_it_holds_its_connection(job
             proc.wait()
 
 
+def test_a_producer_block_that_raises_tells_its_clients_it_failed_not_finished(jobs):
+    """A `with SharedLoader` block that raises (or is interrupted) after serving: its clients were told the producer
+    "finished after serving N epochs", which a training loop may take for a normal end. They are told it failed."""
+    with pytest.raises(RuntimeError, match="the script's own error"):
+        with SharedLoader(make_loader(4, 8, False), name=jobs.name) as shared:
+            client = SharedLoaderClient(jobs.name, timeout=60)
+            assert wait_until(lambda: shared.clients == 1, 60)
+            raise RuntimeError("the script's own error")
+    with pytest.raises(SharedLoaderError, match=r"failed: RuntimeError: the script's own error"):
+        next(iter(client))
+    client.close()
+
+
+def test_an_epoch_every_client_left_is_not_counted_and_another_is_served(jobs):
+    """serve(epochs=1): the only client leaves after one batch, so the epoch ends early. It used to count as served
+    (serve returned; a client attaching then got nothing); now the next client gets a whole epoch."""
+    import threading
+
+    with SharedLoader(make_loader(4, 16, False), name=jobs.name) as shared:
+        first = SharedLoaderClient(jobs.name, timeout=60)
+        serving = threading.Thread(target=shared.serve, kwargs=dict(epochs=1), daemon=True)
+        serving.start()
+        next(iter(first))
+        first.close()  # the epoch has no client left
+        assert wait_until(lambda: shared.clients == 0, 60)
+        with SharedLoaderClient(jobs.name, timeout=60) as second:
+            labels = [i for _, y in second for i in y.tolist()]
+        serving.join(60)
+        assert not serving.is_alive() and shared.epochs_served == 1
+    assert sorted(labels) == list(range(16))
+
+
 def test_a_late_client_starts_at_the_next_epoch_and_says_so(jobs):
     producer = jobs.start("producer", "--batch-size", 4, "--n", 24, "--epochs", 3, "--min-clients", 1, "--buffer", 2)
     early = jobs.client(

@@ -105,7 +105,8 @@ class SharedLoader:
         if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
             raise ValueError(f"buffer={buffer!r} must be an integer >= 1 (mini-batches ahead of the slowest client)")
         self.name, self.buffer, self.loader = rendezvous.check_name(name), buffer, loader
-        self.epochs_served = 0
+        self.epochs_served = 0  # epochs served whole (one every client left before its end is not)
+        self._told = False  # the clients were given the producer's last word
         self.epoch_clients = 0  # clients the latest epoch went to (those attached when it began)
         self._current, self._waited = None, False
         # the producer's own configuration, derived from the loader's (which stays as the user built it):
@@ -124,7 +125,9 @@ class SharedLoader:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, kind, exc, tb):
+        if exc is not None:  # the block failed or was interrupted: its clients are told so, not that it finished
+            self._fail(exc)
         self.close()
 
     @property
@@ -137,31 +140,48 @@ class SharedLoader:
 
     def serve(self, epochs: int, min_clients: int = 1) -> None:
         """Run `epochs` epochs of the loader and hand each to the clients attached when it begins; the
-        first waits for `min_clients` of them, each later one for at least one. Returns once every
-        batch went to (was released by, or left with) every client it was published to."""
+        first waits for `min_clients` of them, each later one for at least one. An epoch every client left
+        before its end does not count: another is served in its place. Returns once every batch went to
+        (was released by, or left with) every client it was published to. A failure or an interrupt here is
+        told to the clients ("failed: ...") before it is raised."""
         for value, what in ((epochs, "epochs"), (min_clients, "min_clients")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{what}={value!r} must be an integer >= 1")
         hub = self._hub
         if hub is None:
             raise SharedLoaderError(f"SharedLoader {self.name!r} is closed: make a new one to serve again")
-        for _ in range(epochs):
-            self._wait_for(min_clients if not self._waited else 1)
-            self._waited = True
-            self._serve_epoch()
-        with hub.cond:
-            while hub.held_slots():
-                hub.cond.wait(0.5)
+        try:
+            served = 0
+            while served < epochs:
+                self._wait_for(min_clients if not self._waited else 1)
+                self._waited = True
+                served += self._serve_epoch()
+            with hub.cond:
+                while hub.held_slots():
+                    hub.cond.wait(0.5)
+        except BaseException as exc:
+            self._fail(exc)
+            raise
 
     def close(self) -> None:
-        """Tell the clients this producer finished, close their connections, close the loader."""
+        """Tell the clients this producer finished (unless they were told it failed), close their connections,
+        close the loader."""
         hub, self._hub = getattr(self, "_hub", None), None
         if hub is None:
             return
         with hub.cond:
-            hub.broadcast(("finished", self.epochs_served))
+            if not self._told:
+                hub.broadcast(("finished", self.epochs_served))
         hub.close()
         self.loader.close()  # its runtime ran with the producer's ring depth: the next iteration starts its own
+
+    def _fail(self, exc: BaseException) -> None:
+        """Tell the clients why this producer ends (once): they raise it, not that it finished."""
+        hub = getattr(self, "_hub", None)
+        if hub is not None and not self._told:
+            self._told = True
+            with hub.cond:
+                hub.broadcast(("error", f"{type(exc).__name__}: {exc}"))
 
     # ---------------------------------------------------------------- epochs
     def _wait_for(self, k: int) -> None:
@@ -181,7 +201,8 @@ class SharedLoader:
                     )
                 hub.cond.wait(1.0)
 
-    def _serve_epoch(self) -> None:
+    def _serve_epoch(self) -> bool:
+        """One epoch to the clients attached now; whether it was served whole (not left by every client)."""
         hub, loader, parts = self._hub, self.loader, self.loader.parts
         if parts.runtime.manager is not self._mgr:
             raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
@@ -190,7 +211,7 @@ class SharedLoader:
             it = self._current = _HeldEpoch(parts.held_epoch(self.config, free), hub.cond, lambda: not hub.recipients)
             epoch = it.epoch
             hub.begin_epoch(epoch, len(loader))
-            self.epoch_clients = len(hub.recipients)
+            self.epoch_clients, whole = len(hub.recipients), True
             try:
                 while True:
                     try:
@@ -198,8 +219,11 @@ class SharedLoader:
                     except StopIteration:
                         break
                     except _Unwanted:
+                        whole = False
                         log.info(
-                            "fusionflow: SharedLoader %r: epoch %d has no client left; ended early", self.name, epoch
+                            "fusionflow: SharedLoader %r: epoch %d has no client left; ended early (not counted)",
+                            self.name,
+                            epoch,
                         )
                         break
                     try:
@@ -208,14 +232,12 @@ class SharedLoader:
                         it.release(state.slot)
                         continue
                     hub.publish(state.slot, n, targets)
-            except BaseException as exc:
-                hub.broadcast(("error", f"{type(exc).__name__}: {exc}"))
-                raise
             finally:
                 self._current = None
                 it.close()
             hub.end_epoch()
-            self.epochs_served += 1
+            self.epochs_served += whole
+            return whole
 
     def _compact(self, state) -> tuple[int, list | None]:
         """on_error applied to a completed slot (kept samples moved to its front, in order); its size
