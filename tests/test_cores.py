@@ -16,7 +16,7 @@ from fusionflow.runtime.cores import CoreClaim
 @pytest.fixture
 def node(tmp_path, monkeypatch):
     """An 8-core process affinity and a fresh user directory."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("FUSIONFLOW_RUNTIME_DIR", str(tmp_path / "fusionflow"))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     return tmp_path
@@ -81,7 +81,7 @@ def test_local_ranks_get_their_own_cores_and_auto_needs_room_for_all(node, monke
 
 
 def _claim_and_die(tmp, conn):
-    os.environ["XDG_RUNTIME_DIR"] = tmp
+    os.environ["FUSIONFLOW_RUNTIME_DIR"] = os.path.join(tmp, "fusionflow")
     os.sched_getaffinity = lambda pid: set(range(8))
     conn.send(CoreClaim(3, "auto").cores)
     os._exit(0)  # no release: the claim must free itself with the process
@@ -123,7 +123,7 @@ def test_an_unusable_claims_directory_leaves_auto_unpinned(node, monkeypatch, ca
 def test_two_loaders_in_one_process_do_not_pin_onto_the_same_core(tmp_path, monkeypatch):
     """Real workers: the first loader pins its worker, the second finds no free core and leaves its
     worker to the scheduler; the claim goes with the first loader's workers."""
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    monkeypatch.setenv("FUSIONFLOW_RUNTIME_DIR", str(tmp_path / "fusionflow"))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     cpus = os.sched_getaffinity(0)
     if len(cpus) < 2:

@@ -352,6 +352,21 @@ def test_an_epoch_every_client_left_is_not_counted_and_another_is_served(jobs):
     assert sorted(labels) == list(range(16))
 
 
+def test_a_producer_and_a_client_meet_whatever_their_xdg_runtime_dir(jobs, tmp_path, monkeypatch):
+    """A producer started from a login shell ($XDG_RUNTIME_DIR set) and a client from a batch job or `docker exec`
+    (unset): the record was written in one directory and looked for in another ("no SharedLoader named ... is
+    serving"). Both now use the one directory of runtime/userdir.py."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    with SharedLoader(make_loader(4, 8, False), name=jobs.name) as shared:
+        env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path])
+        code = f"from fusionflow import SharedLoaderClient; SharedLoaderClient({jobs.name!r}, timeout=30).close()"
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert shared.clients == 0
+    assert not os.listdir(tmp_path)
+
+
 def test_a_late_client_starts_at_the_next_epoch_and_says_so(jobs):
     producer = jobs.start("producer", "--batch-size", 4, "--n", 24, "--epochs", 3, "--min-clients", 1, "--buffer", 2)
     early = jobs.client(

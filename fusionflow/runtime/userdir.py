@@ -1,7 +1,9 @@
 """The user's own directory on this node for what FusionFlow's processes agree on between them:
 shared loaders' rendezvous records (fusionflow/shared/rendezvous.py), decoded-image cache keepers' records and
 lock files (cache/keeper.py) and the cores loaders have pinned workers to (runtime/cores.py).
-`$XDG_RUNTIME_DIR/fusionflow`, or `/tmp/fusionflow-<uid>`."""
+`/tmp/fusionflow-<uid>`, or `$FUSIONFLOW_RUNTIME_DIR` where set (the same for every process that must meet).
+Not `$XDG_RUNTIME_DIR` (used until 2026-11-29): a login shell has it and a batch job, a cron job or `docker exec`
+has not, so a producer and its clients started from the two looked in two places and never met."""
 
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ import time
 
 def directory() -> str:
     """The directory, created 0700; refused if it is not the user's alone."""
-    base = os.environ.get("XDG_RUNTIME_DIR")
-    path = os.path.join(base, "fusionflow") if base and os.path.isdir(base) else f"/tmp/fusionflow-{os.getuid()}"
+    path = os.environ.get("FUSIONFLOW_RUNTIME_DIR") or f"/tmp/fusionflow-{os.getuid()}"
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

@@ -1,8 +1,8 @@
 """How a SharedLoaderClient finds its producer, and what they say to each other.
 
 The rendezvous: a producer named `name` listens on an abstract Unix socket at a random address and
-writes {pid, address, secret} to `<dir>/<name>.json`, mode 0600, where `<dir>` is
-`$XDG_RUNTIME_DIR/fusionflow` (or `/tmp/fusionflow-<uid>`), a 0700 directory that must be the user's
+writes {pid, address, secret} to `<dir>/<name>.json`, mode 0600, where `<dir>` is runtime/userdir.py's
+(`/tmp/fusionflow-<uid>`, whatever the process's environment), a 0700 directory that must be the user's
 own (a directory another user could write is refused). So only the user's processes learn the
 secret, and every connection proves it both ways (runtime/authsock.py); the producer also checks
 the peer's uid (SO_PEERCRED). Nothing is in /dev/shm: the ring's name is unlinked at birth and its
