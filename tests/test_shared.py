@@ -531,6 +531,18 @@ def test_serve_refuses_bad_arguments_with_a_usage_error_not_a_traceback(jobs, tm
         assert says in out and "Traceback" not in out and "python -m fusionflow serve: error:" in out, out
 
 
+def test_serve_of_a_name_already_served_is_a_usage_error_not_a_traceback(jobs, tmp_path):
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), num_classes=2, per_class=2, min_side=40, max_side=60)
+    with SharedLoader(make_loader(4, 8, False), name=jobs.name):
+        p = jobs.serve("--data", root, "--epochs", 1)
+        assert jobs.wait(p) == 2, jobs.dump()
+    out = jobs.log("serve")
+    assert "is already serving on this node" in out and "Traceback" not in out, out
+    assert "python -m fusionflow serve: error:" in out, out
+
+
 def test_the_producer_derives_its_config_and_holds_slots_through_the_loaders_parts(jobs):
     """In this process, no client: the SharedLoader runs the loader's runtime on a configuration of its
     own (buffer slots, persistent workers) and leaves `loader.config` as built; an epoch held slot by

@@ -48,6 +48,7 @@ def main(argv=None) -> int:
     import torch
 
     from fusionflow import FusionFlowLoader, ImageFolder, SharedLoader, TarShards
+    from fusionflow.errors import FusionFlowError
 
     try:
         if is_shards:
@@ -73,7 +74,15 @@ def main(argv=None) -> int:
         ap.error(str(e))
     signal.signal(signal.SIGTERM, _interrupted)  # kill, docker stop, scancel: the clients are told, the record goes
     try:
-        with SharedLoader(loader, name=a.name, buffer=a.buffer) as shared:
+        shared = SharedLoader(loader, name=a.name, buffer=a.buffer)
+    except (
+        ValueError,
+        FusionFlowError,
+    ) as e:  # the name served already, a ring /dev/shm cannot hold: said, no traceback
+        loader.close()
+        ap.error(str(e))
+    try:
+        with shared:
             print(f"serving {len(ds)} images of {a.data} as {a.name!r}: {a.epochs} epochs of {len(loader)} batches")
             for epoch in range(a.epochs):
                 t0, before = time.perf_counter(), loader.stats.samples
