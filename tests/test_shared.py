@@ -367,6 +367,35 @@ def test_a_producer_and_a_client_meet_whatever_their_xdg_runtime_dir(jobs, tmp_p
     assert not os.listdir(tmp_path)
 
 
+def test_a_shared_loader_dropped_without_close_is_collected_and_frees_its_name(jobs, caplog):
+    """A notebook cell run again: `shared = SharedLoader(...)` a second time drops the first without close(). Its
+    hub's thread held it (a bound method), so it was never collected: its workers ran on and its name stayed taken
+    ("already serving on this node (pid <this process>)") with no handle left to close it. Now it is collected and
+    closed: its client told, its workers ended, its name free."""
+    import gc
+    import multiprocessing as mp
+    import weakref
+
+    before = set(mp.active_children())
+    shared = SharedLoader(make_loader(4, 8, False), name=jobs.name)
+    client = SharedLoaderClient(jobs.name, timeout=60)
+    deadline = time.monotonic() + 60
+    while shared.clients != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert shared.clients == 1
+    gone = weakref.ref(shared)
+    with caplog.at_level("WARNING", logger="fusionflow.shared"):
+        del shared
+        gc.collect()
+    assert gone() is None and "was dropped without close()" in caplog.text
+    assert wait_until(lambda: not set(mp.active_children()) - before, 30), "its workers outlived it"
+    with pytest.raises(SharedLoaderError, match="dropped without close"):
+        next(iter(client))
+    client.close()
+    with SharedLoader(make_loader(4, 8, False), name=jobs.name) as again:  # the name is free
+        assert again.clients == 0
+
+
 def test_a_late_client_starts_at_the_next_epoch_and_says_so(jobs):
     producer = jobs.start("producer", "--batch-size", 4, "--n", 24, "--epochs", 3, "--min-clients", 1, "--buffer", 2)
     early = jobs.client(

@@ -62,6 +62,19 @@ def _hang_up(conn) -> None:
         pass  # already closed or never connected: nothing to tell
 
 
+def _weakly(method):
+    """A weak handle on a bound method (None: none): called, the method, or None once its object is gone."""
+    return weakref.WeakMethod(method) if method is not None else lambda: None
+
+
+def _hub_thread(ref) -> None:
+    """The hub's thread: it holds its Hub only for a turn, so a SharedLoader dropped without close() is collected
+    and closed (producer.py `_dropped`), where a thread running a bound method kept it, its workers and its name
+    taken until the process exited."""
+    while (hub := ref()) is not None and hub._turn():
+        del hub
+
+
 def _unpublish(name: str, pid: int) -> None:
     """Remove the record, in the process that wrote it only (a forked child inherits atexit hooks)."""
     if os.getpid() == pid:
@@ -72,7 +85,7 @@ class Hub:
     def __init__(self, name: str, ring_fd: int, hello, on_free):
         """`hello(running)`: the Hello a new client gets; `on_free(slot)`: a slot nobody holds."""
         self.name, self.cond = name, threading.Condition()
-        self._hello, self._on_free = hello, on_free
+        self._hello, self._on_free = _weakly(hello), _weakly(on_free)  # the SharedLoader's: not kept alive by this
         self.clients: dict[int, Client] = {}
         self.holders: dict[int, set] = {}  # slot -> cids holding it
         self.stamps: dict[int, tuple] = {}  # slot -> (epoch, seq) it was published as
@@ -103,7 +116,9 @@ class Hub:
         self.path = rendezvous.path_of(name)
         # at close, at collection, or at interpreter exit when close() never ran
         self._unpublish = weakref.finalize(self, _unpublish, name, os.getpid())
-        self._thread = threading.Thread(target=self._run, name=f"fusionflow-shared-{name}", daemon=True)
+        self._thread = threading.Thread(
+            target=_hub_thread, args=(weakref.ref(self),), name=f"fusionflow-shared-{name}", daemon=True
+        )
         self._thread.start()
 
     def _close_fds(self) -> None:  # a Hub that did not start
@@ -127,7 +142,7 @@ class Hub:
         epoch, seq = self.running
         self.running[1] += 1
         if not self.recipients:
-            self._on_free(slot)
+            self._freed(slot)
             return
         self.holders[slot], self.stamps[slot] = set(self.recipients), (epoch, seq)
         for cid in self.recipients:
@@ -164,8 +179,13 @@ class Hub:
     def _free(self, slot: int) -> None:
         self.holders.pop(slot, None)
         self.stamps.pop(slot, None)
-        self._on_free(slot)
+        self._freed(slot)
         self.cond.notify_all()
+
+    def _freed(self, slot: int) -> None:
+        on_free = self._on_free()
+        if on_free is not None:
+            on_free(slot)
 
     def _release(self, c: Client, slot: int, stamp: tuple) -> None:
         if c.holds.get(slot) != stamp:  # a release of an older use of the slot, or of a dropped epoch
@@ -231,25 +251,26 @@ class Hub:
                 self._detach(c, f"stopped for {now - c.stopped_since:.0f} s")
 
     # ---------------------------------------------------------------- the hub's thread
-    def _run(self) -> None:
-        while True:
-            for key, _ in self._sel.select(timeout=1.0):
-                if key.data is None:
-                    self._admit()
-                elif key.data == "wake":
-                    os.read(self._wake_r, 4096)
-                else:
-                    self._read(key.data)
-            with self.cond:
-                self._let_go_of_stopped()
-                for c in [c for c in self.clients.values() if c.gone is not None]:
-                    self._sel.unregister(c.conn)
-                    c.conn.close()
-                    del self.clients[c.cid]
-                if self._stopping:
-                    break
+    def _turn(self) -> bool:
+        """One turn of the hub's thread (at most a second's wait); False once it stopped."""
+        for key, _ in self._sel.select(timeout=1.0):
+            if key.data is None:
+                self._admit()
+            elif key.data == "wake":
+                os.read(self._wake_r, 4096)
+            else:
+                self._read(key.data)
+        with self.cond:
+            self._let_go_of_stopped()
+            for c in [c for c in self.clients.values() if c.gone is not None]:
+                self._sel.unregister(c.conn)
+                c.conn.close()
+                del self.clients[c.cid]
+            if not self._stopping:
+                return True
         self._sel.close()
         self._listener.close()
+        return False
 
     def _admit(self) -> None:
         conn = accept(self._listener, self._secret, f"SharedLoader {self.name!r}")
@@ -275,8 +296,12 @@ class Hub:
                 return
             c = Client(self._next_cid, conn, int(pid), seen_pid=seen)
             self._next_cid += 1
+            hello = self._hello()
+            if hello is None:  # its SharedLoader is being collected
+                conn.close()
+                return
             try:
-                conn.send(("hello", self._hello(None if self.running is None else tuple(self.running))))
+                conn.send(("hello", hello(None if self.running is None else tuple(self.running))))
                 send_fd(conn, self._ro_fd)
             except OSError:
                 conn.close()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 
 from fusionflow.errors import EmptyBatch, FusionFlowError, SharedLoaderError
 from fusionflow.runtime import targets as ff_targets
@@ -75,6 +76,16 @@ class _HeldEpoch:
             self._cond.acquire()
 
 
+def _dropped(hub, loader, name: str) -> None:
+    """A SharedLoader collected without close() (a notebook cell run again): its clients are told, its hub and loader
+    closed, so its name is free and its workers end."""
+    log.warning("fusionflow: SharedLoader %r was dropped without close(): closed at its collection", name)
+    with hub.cond:
+        hub.broadcast(("error", "the SharedLoader was dropped without close() (closed at its collection)"))
+    hub.close()
+    loader.close()
+
+
 class SharedLoader:
     """Serve `loader`'s batches to `SharedLoaderClient(name)`s on this node: every client of an epoch
     gets every sample once, in the loader's order, with identical pixels and targets.
@@ -121,6 +132,8 @@ class SharedLoader:
         except BaseException:
             loader.close()
             raise
+        self._on_drop = weakref.finalize(self, _dropped, self._hub, loader, self.name)  # collected without close()
+        self._on_drop.atexit = False  # (at exit the hub's own finalizer removes the record, the workers end)
 
     def __enter__(self):
         return self
@@ -169,6 +182,7 @@ class SharedLoader:
         hub, self._hub = getattr(self, "_hub", None), None
         if hub is None:
             return
+        self._on_drop.detach()
         with hub.cond:
             if not self._told:
                 hub.broadcast(("finished", self.epochs_served))
