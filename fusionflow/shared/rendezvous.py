@@ -33,6 +33,7 @@ import os
 import re
 import socket
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +41,7 @@ import numpy as np
 from fusionflow.errors import SharedLoaderError
 from fusionflow.runtime.authsock import HANDSHAKE_S, connect, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import RingLayout, disown_fd, own_fd, recv_fd
+from fusionflow.runtime.shm import RingLayout, disown_fd, on_foreign_fork, own_fd, recv_fd
 from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
 log = logging.getLogger("fusionflow.shared")
@@ -165,6 +166,7 @@ def attach(name: str, timeout: float):
         ring = ReadOnlyRing(hello.layout, recv_fd(conn))
         set_receive_timeout(conn, 0)
         own_fd(conn.fileno())  # a child the script forks (a validation DataLoader's workers) closes its copy
+        _CONNS.add(conn)
     except (OSError, EOFError, ValueError) as exc:
         conn.close()
         why = "it hung up: it is ending (it finished, failed or was closed)" if isinstance(exc, EOFError) else repr(exc)
@@ -172,6 +174,23 @@ def attach(name: str, timeout: float):
             f"SharedLoader {name!r} (pid {rec['pid']}) did not complete the attach: {why}"
         ) from None
     return conn, hello, ring
+
+
+_CONNS: weakref.WeakSet = weakref.WeakSet()  # this process's clients' connections
+
+
+def _close_clients_in_child() -> None:
+    """In the child of a fork FusionFlow did not make: close the inherited copies of the clients' connections (the
+    parent's stay open), through their Connection objects, which then know it. A copy kept open kept the producer
+    waiting for a client that closed or died, for as long as the child lived."""
+    for conn in list(_CONNS):
+        if not conn.closed:
+            disown_fd(conn.fileno())
+            conn.close()
+    _CONNS.clear()
+
+
+on_foreign_fork(_close_clients_in_child)
 
 
 def release(conn, ring) -> None:
