@@ -406,14 +406,17 @@ def test_a_stopped_keeper_is_killed_by_its_last_loader_and_replaced_by_the_next(
 
 
 def test_a_keeper_is_told_from_a_process_that_reused_its_pid(tmp_path):
-    """Only the keeper of that record is ever killed: a stopped process of another program is left alone."""
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    """Only the keeper of that record is ever killed: a stopped process of another program, or another record's
+    keeper, is left alone."""
+    mine, other = str(tmp_path / "cache-x.json"), str(tmp_path / "cache-y.json")
+    code = "import time; time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code, keeper.KEEPER_MODULE, other])  # a keeper's look, not mine
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 60
         while not is_stopped(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not keeper.end_if_stopped(proc.pid, str(tmp_path / "cache-x.json"))
+        assert not keeper.end_if_stopped(proc.pid, mine)
         assert proc.poll() is None
     finally:
         proc.kill()

@@ -259,6 +259,8 @@ class AcceleratorWorker:
             if self._stop or entry is None:  # (`_run` gives back what is still in flight when it sees `_stop`)
                 if pipeline is not self.pipeline:
                     pipeline.close()
+                if r.keep is not None:  # the helpers' slot of its bytes: nobody will read them
+                    r.keep.release()
                 return
             if given_back:  # none read: a failed run
                 self._account([], given_back, False if r.unreadable and not runnable else None, 0, r.unreadable)

@@ -39,7 +39,8 @@ MAX_HELPERS = 4  # helper processes at most (a run's inputs cut into this many s
 MIN_SHARE = 16  # the fewest samples worth a helper's message of their own (a message costs ~0.1 ms)
 MAX_READ_FAILURES = 3  # runs the helpers failed to read before the accelerator reads every run itself
 STOPPED_S = liveness.STRAGGLER_FLOOR_S  # a helper stopped this long is given up (a CPU worker's is rerun by then)
-ANSWER_SHARE = 0.8  # a running helper's answer bound: this share of the stall bound of a run as long as its answers
+ANSWER_SHARE = 0.5  # a running helper's answer bound: this share of the stall bound of a run as long as its answers
+# (the other half: the run's time before it was asked for, and the thread's own read of it once the helpers are gone)
 SLICE_S = 0.25  # an answer is awaited in slices this long, to see a stopped helper or an `interrupt`
 
 
@@ -170,8 +171,8 @@ class InputHelper:
                 self._cpu[k] = replies[-1][2]
             took = time.monotonic() - asked
             self.answer_seconds = 0.8 * self.answer_seconds + 0.2 * took if self.answer_seconds else took
-        except Exception as exc:  # an answer left unread would be the next run's: the helpers are done
-            self.close()
+        except Exception as exc:  # an answer left unread would be the next run's: the helpers are done, killed now
+            self.close(timeout=0.0)
             if isinstance(exc, HelperGone):
                 raise
             raise HelperGone(f"a DALI input helper is gone or its answer unreadable ({exc!r})") from exc

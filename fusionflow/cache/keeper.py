@@ -89,10 +89,11 @@ _LINKS: weakref.WeakSet = weakref.WeakSet()  # this process's open links
 
 
 def end_if_stopped(pid: int, record: str) -> bool:
-    """Kill the keeper of `record` if it is stopped (SIGSTOP, a paused debugger): stopped, it serves no loader and
-    never sees its last one leave, so it would hold its cache's memory until continued -- past the job, with
-    nobody left to continue it. The loaders that map the cache keep it; the next to attach starts a new keeper.
-    True if it was ours and stopped (its command line names the record: not a process that reused the pid)."""
+    """Kill the keeper of `record` if it is stopped (SIGSTOP, a paused debugger; a loader that got no answer from it
+    asks): stopped, it serves no loader and never sees its last one leave, so it would hold its cache's memory
+    until continued -- past the job, with nobody left to continue it. The loaders that map the cache keep it; the
+    next to attach starts a new keeper. True if it was ours and stopped (its command line names the record: not a
+    process that reused the pid)."""
     cmd = command_line(pid) if is_stopped(pid) else []
     if KEEPER_MODULE not in cmd or record not in cmd:  # (`python -m fusionflow.cache.keeper <record> ...`)
         return False
@@ -128,11 +129,11 @@ def attach(
     record, lock = os.path.join(folder, f"cache-{key}.json"), os.path.join(folder, f"cache-{key}.lock")
     with lock_file(lock, START_S + 10, lock):  # its holder starts a keeper in START_S at most
         rec = _read(record)
-        if rec is not None and pid_alive(rec["pid"]) and not end_if_stopped(rec["pid"], record):
+        if rec is not None and pid_alive(rec["pid"]):
             try:
                 return _attach_to(rec, entries, record)
-            except (OSError, EOFError):
-                pass  # it is exiting (its last loader just left): start another
+            except (OSError, EOFError):  # it is exiting (its last loader just left), or stopped: start another
+                end_if_stopped(rec["pid"], record)
         try:
             if check is not None:
                 check()

@@ -16,7 +16,7 @@ import time
 
 def directory() -> str:
     """The directory, created 0700; refused if it is not the user's alone."""
-    path = os.environ.get("FUSIONFLOW_RUNTIME_DIR") or f"/tmp/fusionflow-{os.getuid()}"
+    path = os.path.abspath(os.environ.get("FUSIONFLOW_RUNTIME_DIR") or f"/tmp/fusionflow-{os.getuid()}")
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:

@@ -109,6 +109,11 @@ class Hub:
             raise
         if existing is not None:
             self._close_fds()
+            if existing["pid"] == os.getpid():  # a notebook cell run again: the old one is still bound
+                raise ValueError(
+                    f"a SharedLoader named {name!r} is already serving in this process: close() it (or `del` it) "
+                    "before making another of that name, or give this one another name"
+                )
             raise ValueError(
                 f"a SharedLoader named {name!r} is already serving on this node (pid {existing['pid']}): "
                 "give this one another name, or stop that one"

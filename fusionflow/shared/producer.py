@@ -13,8 +13,9 @@ mini-batches ahead of the slowest client; the loader's next-epoch speculation fi
 an epoch's last batches, as in a plain loader.
 
 Shutdown (`close()`, the `with` block's end): the clients are told the producer finished (after an
-error, that error first), their connections closed, the rendezvous record removed, the loader
-closed (its configuration was never changed: the producer runs with its own, derived from it).
+error or an interrupt, in serve() or in the block: that it failed, and no more), their connections
+closed, the rendezvous record removed, the loader closed (its configuration was never changed: the
+producer runs with its own, derived from it). Collected without close(), it is closed as it goes.
 SIGKILLed instead, the kernel closes the socket (clients raise SharedLoaderError at once), the
 workers' watchdogs end them, and the ring's memory goes with the last process that maps it; its name
 was never in /dev/shm after creation.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 
 from fusionflow.errors import EmptyBatch, FusionFlowError, SharedLoaderError
@@ -77,13 +79,20 @@ class _HeldEpoch:
 
 
 def _dropped(hub, loader, name: str) -> None:
-    """A SharedLoader collected without close() (a notebook cell run again): its clients are told, its hub and loader
-    closed, so its name is free and its workers end."""
+    """A SharedLoader collected without close() (`del`, or its name rebound): its clients are told, its hub and loader
+    closed, so its name is free and its workers end -- in a thread of its own: the collection may happen on the hub's
+    thread (its last reference let go there) or the loader's, which cannot join themselves."""
     log.warning("fusionflow: SharedLoader %r was dropped without close(): closed at its collection", name)
-    with hub.cond:
-        hub.broadcast(("error", "the SharedLoader was dropped without close() (closed at its collection)"))
-    hub.close()
-    loader.close()
+
+    def close() -> None:
+        try:
+            with hub.cond:
+                hub.broadcast(("error", "the SharedLoader was dropped without close() (closed at its collection)"))
+            hub.close()
+        finally:
+            loader.close()
+
+    threading.Thread(target=close, name=f"fusionflow-shared-{name}-close").start()
 
 
 class SharedLoader:
@@ -153,8 +162,8 @@ class SharedLoader:
 
     def serve(self, epochs: int, min_clients: int = 1) -> None:
         """Run `epochs` epochs of the loader and hand each to the clients attached when it begins; the
-        first waits for `min_clients` of them, each later one for at least one. An epoch every client left
-        before its end does not count: another is served in its place. Returns once every batch went to
+        first waits for `min_clients` of them, each later one for at least one (an epoch every client left
+        before its end is not counted in `epochs_served`). Returns once every batch went to
         (was released by, or left with) every client it was published to. A failure or an interrupt here is
         told to the clients ("failed: ...") before it is raised."""
         for value, what in ((epochs, "epochs"), (min_clients, "min_clients")):
@@ -164,11 +173,10 @@ class SharedLoader:
         if hub is None:
             raise SharedLoaderError(f"SharedLoader {self.name!r} is closed: make a new one to serve again")
         try:
-            served = 0
-            while served < epochs:
+            for _ in range(epochs):
                 self._wait_for(min_clients if not self._waited else 1)
                 self._waited = True
-                served += self._serve_epoch()
+                self._serve_epoch()
             with hub.cond:
                 while hub.held_slots():
                     hub.cond.wait(0.5)
