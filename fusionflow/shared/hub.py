@@ -71,7 +71,7 @@ def _hub_thread(ref) -> None:
     """The hub's thread: it holds its Hub only for a turn, so a SharedLoader dropped without close() is collected
     and closed (producer.py `_dropped`), where a thread running a bound method kept it, its workers and its name
     taken until the process exited."""
-    while (hub := ref()) is not None and hub._turn():
+    while (hub := ref()) is not None and hub.turn():
         del hub
 
 
@@ -256,7 +256,7 @@ class Hub:
                 self._detach(c, f"stopped for {now - c.stopped_since:.0f} s")
 
     # ---------------------------------------------------------------- the hub's thread
-    def _turn(self) -> bool:
+    def turn(self) -> bool:
         """One turn of the hub's thread (at most a second's wait); False once it stopped."""
         for key, _ in self._sel.select(timeout=1.0):
             if key.data is None:
