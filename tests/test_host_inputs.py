@@ -236,28 +236,36 @@ def test_no_helper_for_noise_erasing():
     assert start_helper(load_policy(NOISE)) is None
 
 
-def test_a_killed_helper_costs_nothing_the_thread_makes_the_inputs(no_leaks, caplog):
-    """The helper killed after the first mini-batch: every sample of both epochs still arrives once, the
-    same accelerator keeps producing (in its own thread from then on: the next epoch's runs are made
-    after the kill), and it says so."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_helper_killed_or_stopped_costs_seconds_the_thread_makes_the_inputs(no_leaks, caplog, sig):
+    """The helper killed, or stopped and never continued, after the first mini-batch: every sample of both epochs
+    still arrives once, the same accelerator keeps producing (in its own thread from then on: the next epoch's runs
+    are made after it), it is not retired, and the log says why. Stopped, it retired the accelerator at the stall
+    bound (25 s) until 2026-11-29."""
     ds = Bytes(61)  # test_accelerator's loader: batch 12, one CPU worker, tiny-batches of 2, DALI's CPU backend
     ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(2), persistent_workers=True)
-    before = None
-    with caplog.at_level("WARNING", logger="fusionflow.accel.input_helpers"):
-        for epoch in (0, 1):
-            ld.set_epoch(epoch)
-            order = []
-            for _, y in ld:
-                order += y.tolist()
-                if before is None:
-                    accel = ld.parts.gpu.accel
-                    os.kill(accel.source.helper._procs[0].pid, signal.SIGKILL)
-                    before = ld.stats.accelerator_samples
-            assert sorted(order) == list(range(61)), epoch
-    assert ld.parts.gpu.accel is accel and accel.source.helper is None
-    assert "makes its inputs in its own thread" in caplog.text
-    assert ld.stats.accelerator_samples > before  # it went on producing
-    ld.close()
+    before, pid = None, None
+    try:
+        with caplog.at_level("WARNING", logger="fusionflow.accel.input_helpers"):
+            for epoch in (0, 1):
+                ld.set_epoch(epoch)
+                order = []
+                for _, y in ld:
+                    order += y.tolist()
+                    if before is None:
+                        accel = ld.parts.gpu.accel
+                        pid = accel.source.helper._procs[0].pid
+                        os.kill(pid, sig)
+                        before = ld.stats.accelerator_samples
+                assert sorted(order) == list(range(61)), epoch
+        assert ld.parts.gpu.accel is accel and accel.source.helper is None and ld.stats.accelerator_retired is None
+        assert "makes its inputs in its own thread" in caplog.text
+        assert sig == signal.SIGKILL or f"(pid {pid}) has been stopped for" in caplog.text
+        assert ld.stats.accelerator_samples > before  # it went on producing
+    finally:
+        with contextlib.suppress(ProcessLookupError, TypeError):
+            os.kill(pid, signal.SIGCONT)
+        ld.close()
 
 
 def test_a_stopped_helper_is_given_up_within_seconds_and_killed(no_leaks):
@@ -311,31 +319,3 @@ def test_an_interrupt_ends_the_wait_for_a_hung_helper(no_leaks):
         helper.columns(list(range(8)), None, [(30, 30)] * 8, 0, 0)
     assert time.monotonic() - t0 < helper.answer_bound() / 2
     assert not helper._procs
-
-
-def test_a_helper_stopped_mid_epoch_costs_seconds_not_the_accelerator(no_leaks, caplog):
-    """A helper SIGSTOPped after the first mini-batch (and never continued): the epoch completes with every sample
-    once, the accelerator is not retired and goes on producing in its own thread, and the log says why."""
-    ds = Bytes(61)  # test_accelerator's loader: batch 12, one CPU worker, tiny-batches of 2, DALI's CPU backend
-    ld = loader(ds, shuffle=True, generator=torch.Generator().manual_seed(3), persistent_workers=True)
-    before, pid = None, None
-    try:
-        with caplog.at_level("WARNING", logger="fusionflow.accel.input_helpers"):
-            for epoch in (0, 1):
-                ld.set_epoch(epoch)
-                order = []
-                for _, y in ld:
-                    order += y.tolist()
-                    if before is None:
-                        accel = ld.parts.gpu.accel
-                        pid = accel.source.helper._procs[0].pid
-                        os.kill(pid, signal.SIGSTOP)
-                        before = ld.stats.accelerator_samples
-                assert sorted(order) == list(range(61)), epoch
-        assert ld.stats.accelerator_retired is None and accel.source.helper is None
-        assert f"(pid {pid}) has been stopped for" in caplog.text
-        assert ld.stats.accelerator_samples > before  # it went on producing
-    finally:
-        with contextlib.suppress(ProcessLookupError, TypeError):
-            os.kill(pid, signal.SIGCONT)
-        ld.close()

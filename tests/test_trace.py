@@ -162,6 +162,15 @@ def test_a_trace_that_cannot_be_written_warns_and_changes_nothing_training_sees(
     assert os.listdir(tmp_path) == []
 
 
+class SlowBytes(Bytes):
+    """50 ms a sample: a worker is always mid-tiny-batch when the training loop gets a batch (on a quiet machine
+    the worker could finish the whole epoch of Bytes before the block began: no span started before it)."""
+
+    def __getitem__(self, i):
+        time.sleep(0.05)
+        return super().__getitem__(i)
+
+
 def test_a_block_entered_mid_epoch_starts_no_span_before_it(tmp_path, monkeypatch):
     """Work submitted before loader.trace() began is drawn from the trace's start (Perfetto drops negative times),
     and a wait span ends when its batch was ready, not after the batch was copied out of the ring."""
@@ -173,7 +182,7 @@ def test_a_block_entered_mid_epoch_starts_no_span_before_it(tmp_path, monkeypatc
         time.sleep(0.3)
         return slow_copy(self, *args, **kwargs)
 
-    loader = FusionFlowLoader(Bytes(24), batch_size=4, num_workers=1, policy=SMALL)
+    loader = FusionFlowLoader(SlowBytes(24), batch_size=4, num_workers=1, policy=SMALL)
     it = iter(loader)
     next(it)
     monkeypatch.setattr(Delivery, "from_ring", from_ring)
