@@ -478,6 +478,33 @@ def test_a_run_given_up_during_its_read_is_dropped_quietly(monkeypatch, no_leaks
     assert "accelerator failed" not in caplog.text and "StopIteration" not in caplog.text
 
 
+def test_runs_given_up_between_the_choice_to_collect_and_the_collect_are_dropped_quietly(monkeypatch, no_leaks, caplog):
+    """The manager thread's `watch` gives every run in flight up after the accelerator thread chose to collect the
+    oldest and before its collect looked at it (the thread had let the board's lock go): the collect finds nothing
+    of its own and returns without a word (it raised IndexError, logged as the accelerator failing); no sample is
+    lost or comes twice."""
+    from fusionflow.accel.accelerator import AcceleratorWorker
+
+    real, raced = AcceleratorWorker._collect, []
+
+    def collect(self, unused):
+        if not raced:
+            with self.board.cond:  # the interleaving: `watch` runs past the stall bound right here
+                raced.append(len(self._active))
+                self.watch(time.monotonic() + 1e6)
+        return real(self, unused)
+
+    monkeypatch.setattr(AcceleratorWorker, "_collect", collect)
+    ld = loader(Bytes(36), batch_size=6, timeout=120)
+    with caplog.at_level("INFO", logger="fusionflow.accel.accelerator"):
+        labels = [i for _, y in ld for i in y.tolist()]
+        s = ld.stats
+        ld.close()
+    assert sorted(labels) == list(range(36))
+    assert raced and raced[0] > 0 and "made no progress" in (s.accelerator_retired or "")
+    assert "accelerator failed" not in caplog.text and "IndexError" not in caplog.text
+
+
 def test_a_hung_dali_run_is_given_up_and_its_late_outputs_dropped(monkeypatch, no_leaks):
     """DALI hangs in the first run's outputs (a hung GPU, a deadlock): past the stall bound the manager
     thread retires the accelerator and the CPU workers take every run in flight; the epoch completes

@@ -52,7 +52,8 @@ class Unpicklable(Indexed):
 
 
 def shm_names() -> set:
-    return set(os.listdir("/dev/shm"))
+    """The cache segments' names in /dev/shm (only theirs: other jobs on a shared machine make their own)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("ff_cache_")}
 
 
 def cache_maps() -> list[str]:

@@ -300,6 +300,8 @@ class AcceleratorWorker:
     def _collect(self, _unused) -> None:
         """Wait for the oldest run in flight, write its samples into their ring positions, account it."""
         with self.board.cond:
+            if not self._active:  # given up by `watch` since `_run` chose to collect: nothing of ours to wait for
+                return
             group, started, tail, (pipeline, labels) = self._active[0]
         indices, asked, clock = [i for w in group for i in w.indices], time.monotonic(), StepClock(self.board.trace)
         try:

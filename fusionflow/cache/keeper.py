@@ -30,7 +30,6 @@ import signal
 import subprocess
 import sys
 import time
-import weakref
 from multiprocessing.connection import Connection
 
 import posix_ipc
@@ -38,7 +37,7 @@ import posix_ipc
 from fusionflow.cache.store import CacheStore
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout
 from fusionflow.runtime.procs import command_line, is_stopped, pid_alive
-from fusionflow.runtime.shm import disown_fd, on_foreign_fork, recv_fd, send_fd
+from fusionflow.runtime.shm import closed_in_foreign_children, recv_fd, send_fd
 from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
 log = logging.getLogger("fusionflow.cache")
@@ -58,7 +57,7 @@ class KeeperLink:
 
     def __init__(self, conn: Connection, store: CacheStore, pid: int, record: str):
         self.conn, self.store, self.keeper_pid, self.record = conn, store, pid, record
-        _LINKS.add(self)
+        _LINKS.add(conn)
 
     def close(self) -> None:
         """Detach; the last loader waits (bounded) until the keeper has exited, so nothing is left
@@ -85,7 +84,7 @@ class KeeperLink:
             remove_record(self.record, self.keeper_pid)
 
 
-_LINKS: weakref.WeakSet = weakref.WeakSet()  # this process's open links
+_LINKS = closed_in_foreign_children()  # this process's links' connections (a CPU worker closes them as owned fds)
 
 
 def end_if_stopped(pid: int, record: str) -> bool:
@@ -103,20 +102,6 @@ def end_if_stopped(pid: int, record: str) -> bool:
     except ProcessLookupError:
         pass
     return True
-
-
-def _close_links_in_child() -> None:
-    """In the child of a fork FusionFlow did not make: close the inherited copies of the links' sockets (the parent's
-    connections stay open). A copy kept open would keep the keeper counting the parent's loader after that process
-    died (a SIGKILL). Its CPU workers close theirs with the other owned descriptors (runtime/shm.py)."""
-    for link in list(_LINKS):
-        if not link.conn.closed:
-            disown_fd(link.conn.fileno())  # closed here: a worker's close_owned_fds must not close its reused number
-            link.conn.close()
-    _LINKS.clear()
-
-
-on_foreign_fork(_close_links_in_child)
 
 
 def attach(

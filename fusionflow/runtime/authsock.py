@@ -97,6 +97,16 @@ def _set_timeout(conn: Connection, opt: int, seconds: float) -> None:
     s.close()
 
 
+def hang_up(conn: Connection) -> None:
+    """Shut the connection down both ways now (closing it is the owner's): the peer's socket reports the hang-up at
+    once, even with messages still queued for it or a copy of the descriptor open in a forked child."""
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already closed or never connected: nothing to tell
+
+
 def listen(address: str, backlog: int = 64) -> socket.socket:
     """A non-blocking listening socket at abstract `address`."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

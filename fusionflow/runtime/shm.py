@@ -29,6 +29,7 @@ import os
 import secrets
 import socket
 import threading
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -188,6 +189,24 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def closed_in_foreign_children() -> weakref.WeakSet:
+    """A set for this process's open connections (multiprocessing Connections) to a FusionFlow process: the child of
+    a fork FusionFlow did not make closes its inherited copies of them (the parent's stay open), through their
+    Connection objects, which then know it. A copy kept open would keep the peer counting a process that closed
+    or died (a SharedLoader's producer its client, a keeper its loader), for as long as the child lived."""
+    conns: weakref.WeakSet = weakref.WeakSet()
+
+    def close_in_child() -> None:
+        for conn in list(conns):
+            if not conn.closed:
+                disown_fd(conn.fileno())  # closed here: a worker's close_owned_fds must not close its reused number
+                conn.close()
+        conns.clear()
+
+    on_foreign_fork(close_in_child)
+    return conns
 
 
 def close_owned_fds(*more: int) -> None:

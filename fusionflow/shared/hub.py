@@ -31,7 +31,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from fusionflow.runtime.authsock import HANDSHAKE_S, accept, listen, recv_whole, set_receive_timeout
+from fusionflow.runtime.authsock import HANDSHAKE_S, accept, hang_up, listen, recv_whole, set_receive_timeout
 from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.runtime.shm import send_fd
 from fusionflow.shared import rendezvous
@@ -50,16 +50,6 @@ class Client:
     gone: str | None = None  # why it was detached (its connection is closed by the hub's thread)
     stopped_since: float | None = None  # monotonic time it was first seen stopped while holding slots
     seen_pid: int = 0  # its pid as the kernel tells it here (SO_PEERCRED; 0 where its pid namespace hides it)
-
-
-def _hang_up(conn) -> None:
-    """Shut the connection down both ways now (the hub's thread closes it later): the peer's socket
-    reports the hang-up at once, even with messages still queued for it."""
-    try:
-        with socket.socket(fileno=os.dup(conn.fileno())) as s:
-            s.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already closed or never connected: nothing to tell
 
 
 def _weakly(method):
@@ -214,7 +204,7 @@ class Hub:
         if c.gone is not None:
             return
         c.gone = why
-        _hang_up(c.conn)  # before its slots can be reused: a resumed client must see it (module doc)
+        hang_up(c.conn)  # before its slots can be reused: a resumed client must see it (module doc)
         self.recipients.discard(c.cid)
         for slot, stamp in list(c.holds.items()):
             self._release(c, slot, stamp)

@@ -31,17 +31,15 @@ import logging
 import mmap
 import os
 import re
-import socket
 import time
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from fusionflow.errors import SharedLoaderError
-from fusionflow.runtime.authsock import HANDSHAKE_S, connect, set_receive_timeout
+from fusionflow.runtime.authsock import HANDSHAKE_S, connect, hang_up, set_receive_timeout
 from fusionflow.runtime.procs import pid_alive
-from fusionflow.runtime.shm import RingLayout, disown_fd, on_foreign_fork, own_fd, recv_fd
+from fusionflow.runtime.shm import RingLayout, closed_in_foreign_children, disown_fd, own_fd, recv_fd
 from fusionflow.runtime.userdir import directory, lock_file, remove_locked
 
 log = logging.getLogger("fusionflow.shared")
@@ -176,21 +174,7 @@ def attach(name: str, timeout: float):
     return conn, hello, ring
 
 
-_CONNS: weakref.WeakSet = weakref.WeakSet()  # this process's clients' connections
-
-
-def _close_clients_in_child() -> None:
-    """In the child of a fork FusionFlow did not make: close the inherited copies of the clients' connections (the
-    parent's stay open), through their Connection objects, which then know it. A copy kept open kept the producer
-    waiting for a client that closed or died, for as long as the child lived."""
-    for conn in list(_CONNS):
-        if not conn.closed:
-            disown_fd(conn.fileno())
-            conn.close()
-    _CONNS.clear()
-
-
-on_foreign_fork(_close_clients_in_child)
+_CONNS = closed_in_foreign_children()  # this process's clients' connections
 
 
 def release(conn, ring) -> None:
@@ -199,11 +183,7 @@ def release(conn, ring) -> None:
     by a fork the process made some other way) would keep it open, and the producer waiting for this client."""
     if not conn.closed:
         disown_fd(conn.fileno())
-        try:
-            with socket.socket(fileno=os.dup(conn.fileno())) as s:
-                s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # the producer hung up already
+        hang_up(conn)
     conn.close()
     ring.close()
 
