@@ -505,6 +505,39 @@ def test_runs_given_up_between_the_choice_to_collect_and_the_collect_are_dropped
     assert "accelerator failed" not in caplog.text and "IndexError" not in caplog.text
 
 
+def test_a_run_that_landed_is_never_given_up_before_it_is_accounted(monkeypatch, no_leaks, caplog):
+    """The manager thread's `watch` runs after a run's outputs landed in the ring and before the run was accounted
+    (the accelerator thread marks the landing on its trace in between): it must leave the run alone. It used to see
+    no write under way, retire the accelerator and give the landed run to the CPU workers, and the thread's
+    accounting then raised IndexError (logged as the accelerator failing)."""
+    from fusionflow.accel import accelerator as acc
+
+    workers, raced, real_collect = [], [], acc.AcceleratorWorker._collect
+
+    def collect(self, unused):
+        workers[:] = [self]
+        return real_collect(self, unused)
+
+    class RacingClock(acc.StepClock):
+        def mark(self, step, seq, n):
+            super().mark(step, seq, n)
+            if step == "land" and not raced:
+                with workers[0].board.cond:  # the manager thread's turn, past the stall bound, right here
+                    raced.append(step)
+                    workers[0].watch(time.monotonic() + 1e6)
+
+    monkeypatch.setattr(acc.AcceleratorWorker, "_collect", collect)
+    monkeypatch.setattr(acc, "StepClock", RacingClock)
+    ld = loader(Bytes(36), batch_size=6, timeout=120)
+    with caplog.at_level("INFO", logger="fusionflow.accel.accelerator"):
+        labels = [i for _, y in ld for i in y.tolist()]
+        s = ld.stats
+        ld.close()
+    assert sorted(labels) == list(range(36))
+    assert raced and s.accelerator_retired is None and s.accelerator_samples > 0
+    assert "accelerator failed" not in caplog.text and "IndexError" not in caplog.text
+
+
 def test_a_hung_dali_run_is_given_up_and_its_late_outputs_dropped(monkeypatch, no_leaks):
     """DALI hangs in the first run's outputs (a hung GPU, a deadlock): past the stall bound the manager
     thread retires the accelerator and the CPU workers take every run in flight; the epoch completes

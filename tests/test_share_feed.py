@@ -1,5 +1,7 @@
 """ShareFeed (fusionflow/accel/share_feed.py): what reaches the split rule from the accelerator's runs."""
 
+import pytest
+
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.scheduling.split import ShareController
 
@@ -43,3 +45,52 @@ def test_no_tail_run_behind_two_runs_in_flight():
     assert feed.tail_fraction == 0.5  # half, until rates are measured
     assert feed.board.final  # shares taken on a shared device (the GPU) get no top-up runs
     assert [feed.tail(n) for n in range(TAIL_BEHIND + 2)] == [0.5] * TAIL_BEHIND + [0.0, 0.0]
+
+
+class Recording:
+    """A split rule that records what it is fed."""
+
+    shares_device, accel_s = True, None
+
+    def __init__(self):
+        self.periods, self.batches = [], []
+
+    def cpu_tiny_batch(self, seconds, samples):
+        pass
+
+    def iteration(self, seconds, batch, cpu_bound):
+        self.periods.append(seconds)
+
+    def share(self, batch, workers):
+        self.batches.append(batch)
+        return batch // 2
+
+
+class Done:
+    def __init__(self, size):
+        self.size, self.cpu_done_at, self.accel_done_at = size, 0.0, 0.0
+
+
+def test_mini_batches_completed_together_are_one_period_not_a_period_of_zero():
+    """A run holding two mini-batches' shares completes both at once: the split rule gets one observation, the
+    period between such completions over the mini-batches in it, and never a period of ~0 s (it read as a
+    training step of 0 s, taken at once: G jumped on a GPU)."""
+    split = Recording()
+    feed = ShareFeed(split, Board(), tiny_batch_size=4, cpu_workers=2)
+    t = 100.0
+    feed.batch_done(Done(8), 0.0, False, t)  # the first: no period yet
+    for k in range(3):  # pairs completed together every 20 ms
+        feed.batch_done(Done(8), 0.0, False, t + 0.020 * (k + 1) - 1e-6)
+        feed.batch_done(Done(8), 0.0, False, t + 0.020 * (k + 1))
+    assert len(split.periods) == 3 and split.periods[0] == pytest.approx(0.020 - 1e-6)
+    assert split.periods[1:] == pytest.approx([0.010, 0.010])
+
+
+def test_a_short_last_mini_batch_does_not_size_the_next_share():
+    """The epoch's last mini-batch holds 5 of 64: the share reserved after it is still the one for 64 (the next
+    epoch's mini-batches, started already), not the one for 5."""
+    split = Recording()
+    feed = ShareFeed(split, Board(), tiny_batch_size=4, cpu_workers=2, batch_size=64)
+    feed.batch_done(Done(64), 0.0, False, 1.0)
+    feed.batch_done(Done(5), 0.0, False, 2.0)
+    assert split.batches == [64, 64] and feed.board.reserved == [8, 8]

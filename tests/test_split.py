@@ -144,3 +144,20 @@ def test_no_workers_all_to_the_accelerator_and_unknown_rates_split_half():
     assert c.share(B, workers=2) == B // 2
     with pytest.raises(ValueError):
         best_share(0, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 7])
+def test_a_mini_batch_under_two_tiny_batches_keeps_one_for_the_accelerator(batch):
+    """Batches of fewer than two tiny-batches of 4: the accelerator keeps at least one sample's share (one
+    tiny-batch), before the rates are measured (half of 1 was 0) and, on DALI's CPU backend, when the model's
+    balance rounds to none, so its rate stays measured; it used to get G = 0 and never run again. (On a shared
+    device G = 0 stays possible: training needs the device, and CPU-bound iterations push G up again.)"""
+    for shares_device in (False, True):
+        c = ShareController(shares_device=shares_device, step=4)
+        assert c.share(batch, workers=1) >= 1
+        assert c.share(batch, workers=0) == batch
+    c = ShareController(shares_device=False, step=4)
+    c.cpu_tiny_batch(4 * 1e-4, 4)  # a CPU side 100x the accelerator's rate: the balance is G = 0
+    c.accel_run(1e-2 * 4, 4)
+    assert best_share(batch, 1e-4, 1e-2) == 0
+    assert 1 <= c.share(batch, workers=1) <= batch

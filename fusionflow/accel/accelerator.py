@@ -84,7 +84,8 @@ class AcceleratorWorker:
         if aot:
             self.pipeline.build_guard = self._rebuilding
         # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
-        self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers) if split is not None else None
+        batch = board.ring.layout.batch_size  # (a short last mini-batch does not set the share)
+        self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers, batch) if split is not None else None
         self.borrow = split is not None and split.shares_device  # shares taken ahead on a GPU (a run's fixed cost)
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
         self._last_done = 0.0  # when the last run completed (its completion interval)
@@ -325,13 +326,15 @@ class AcceleratorWorker:
             else:
                 self.board.ring.images[slots, positions] = np.asarray(out.as_tensor())
             done = targets.store_works(self.board.ring.labels, group, labels)  # [(work, targets not in the ring)]
-        finally:
+        except BaseException:
             with self.board.cond:
                 self._writing = False
-                self.counters.accelerator_land_cpu_seconds += time.thread_time() - land
-        now = time.monotonic()
+            raise
+        now, land = time.monotonic(), time.thread_time() - land
         clock.mark("land", group[0].seq, len(indices))
-        with self.board.cond:
+        with self.board.cond:  # `_writing` ends with the run accounted: `watch` must not give up a run that landed
+            self._writing = False
+            self.counters.accelerator_land_cpu_seconds += land
             self._active.pop(0)
             took = now - started
             self._run_seconds = 0.8 * self._run_seconds + 0.2 * took if self._run_seconds else took

@@ -11,7 +11,6 @@ import atexit
 import functools
 import logging
 import os
-import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -301,7 +300,8 @@ def _split_feedback(mgr_ref, accel_ref, stats, state) -> None:
         return
     board = mgr.board
     awaited = board.queue.awaited == (board.generation, state.seq)
-    accel.shares.batch_done(state, mgr.pool.task_seconds if mgr.pool is not None else 0.0, awaited, time.monotonic())
+    done_at = max(state.cpu_done_at, state.accel_done_at)  # the completing call's one clock reading
+    accel.shares.batch_done(state, mgr.pool.task_seconds if mgr.pool is not None else 0.0, awaited, done_at)
     stats.taas_k.append(board.reserved)
 
 

@@ -16,14 +16,17 @@ COLLECT_MIN = 0.25  # ...or, while runs are found done when asked for, at half t
 READY_S = 0.001  # outputs that came within this (or READY_SHARE of the run's expected time) were ready already
 READY_SHARE = 0.05  # (the thread may wait for the GIL on return: up to the 5 ms switch interval)
 TAIL_BEHIND = 2  # no tail run with this many DALI runs in flight: it would come out after them
+BURST_S = 0.001  # mini-batches completed within this of the one before were done together (one run held both)
 
 
 class ShareFeed:
-    def __init__(self, split, board, tiny_batch_size: int, cpu_workers: int):
+    def __init__(self, split, board, tiny_batch_size: int, cpu_workers: int, batch_size: int = 0):
         self.split, self.board, self.tiny_batch_size = split, board, tiny_batch_size
         self.cpu_workers = cpu_workers  # the CPU workers now live (the board's owner tells: `capacity`)
+        self.batch_size = batch_size  # the loader's mini-batch (the ring's): a short last one does not set the share
         self.tail_fraction: float | None = None  # the share's fraction of a mini-batch, once reserved
-        self._last_batch_at = 0.0  # when the last mini-batch completed (the split rule's period)
+        self._last_batch_at = 0.0  # when the last observed period ended (the split rule's period)
+        self._batches = 0  # mini-batches completed since then
         self.collect_at = COLLECT_AT  # the fraction of a share run's expected time at which it is collected
         self.timed_runs = 0  # share runs whose completion said DALI's pace (spatial sharing, the current pipeline)
 
@@ -33,11 +36,15 @@ class ShareFeed:
         split = self.split
         if cpu_task_seconds > 0:
             split.cpu_tiny_batch(cpu_task_seconds, self.tiny_batch_size)
-        if self._last_batch_at:
-            cpu_last = state.cpu_done_at >= state.accel_done_at
-            split.iteration(now - self._last_batch_at, state.size, cpu_bound=awaited and cpu_last)
-        self._last_batch_at = now
-        self.reserve(state.size)
+        self._batches += 1
+        if not self._last_batch_at:
+            self._last_batch_at, self._batches = now, 0
+        elif now - self._last_batch_at >= BURST_S:  # else done with the one before (a run held both): one period
+            cpu_last = state.cpu_done_at >= state.accel_done_at  # (a period of 0 read as a training step of 0 s)
+            period = (now - self._last_batch_at) / self._batches
+            split.iteration(period, state.size, cpu_bound=awaited and cpu_last)
+            self._last_batch_at, self._batches = now, 0
+        self.reserve(max(state.size, self.batch_size))
 
     def reserve(self, batch: int) -> None:
         """The split rule's share of the next mini-batches of `batch` samples (at start: half, until rates

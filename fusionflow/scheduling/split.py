@@ -30,9 +30,10 @@ so a training step that got faster is noticed. Tail runs (a few tiny-batches of 
 training waits for) are not observed: a run's fixed cost over a few samples reads as a slow
 accelerator (experiments/twin_gpu.py: G fell from ~190 to 55 that way). G never falls below one
 tiny-batch (the accelerator's rate stays measured) nor leaves the CPU side less than one (its rate
-too): neither side starves -- except where training needs the whole device (c*t >= 1, or a run's
-fixed cost is not worth paying): then G is 0 until the CPU side bounds iterations again, which
-pushes G up from 0 as above.
+too; a mini-batch of fewer than two tiny-batches keeps one for the accelerator, and idle CPU workers
+take the ones it has not started): neither side starves -- except where training needs the whole
+device (c*t >= 1, or a run's fixed cost is not worth paying): then G is 0 until the CPU side bounds
+iterations again, which pushes G up from 0 as above.
 """
 
 from __future__ import annotations
@@ -143,6 +144,10 @@ class ShareController:
             g = min(max(g, step), batch - step)
             if g == step and self._idle_is_better(batch, step, workers):
                 g = 0
+        elif workers >= 1:  # under two tiny-batches: one for the accelerator (its rate stays measured; idle CPU
+            g = min(
+                max(g, 1), batch
+            )  # workers take what it has not taken: whole mini-batches alternate when B <= step)
         self.last_share = g
         return g
 
