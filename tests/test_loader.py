@@ -800,6 +800,47 @@ def test_a_stopped_worker_is_killed_and_replaced_and_the_epoch_completes_without
     assert len(said) <= 6  # doubling intervals, not one line per second
 
 
+class SlowAt(Bytes):
+    """Sample 13 takes `seconds` every time it is read (a network read that stalls, a lazy download)."""
+
+    def __init__(self, n, seconds):
+        super().__init__(n)
+        self.seconds = seconds
+
+    def __getitem__(self, i):
+        if i == 13:
+            time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
+def test_a_sample_slower_than_the_stuck_bound_finishes_on_a_later_try(monkeypatch):
+    """A sample that takes 6 s every time, against a stuck bound lowered to 4 s: its first try's worker is killed
+    as stuck, its retry's bound doubles (8 s) and it finishes there -- the epoch completes, each sample once. It
+    used to be killed at the same bound every try and fail its mini-batch as a sample that kills workers."""
+    from fusionflow.runtime import liveness
+
+    monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 4.0)
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1e9)  # no second copy (tests/test_reruns.py): the bound itself
+    loader = FusionFlowLoader(SlowAt(24, 6.0), batch_size=4, num_workers=2, policy=SMALL, timeout=0)
+    _, labels = collect(loader)
+    assert sorted(torch.cat(labels).tolist()) == list(range(24))
+    assert loader.stats.workers_stuck == 1
+
+
+def test_a_sample_that_never_returns_is_reported_as_slow_by_name(monkeypatch):
+    """A read that never returns still fails its mini-batch after max_retries tries (bounds 1 s, then 2 s), with an
+    error naming the sample and saying it was slow -- not that it crashed the decoder."""
+    from fusionflow.runtime import liveness
+
+    monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 1.0)
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 1e9)
+    loader = FusionFlowLoader(SlowAt(24, 3600.0), batch_size=4, num_workers=2, policy=SMALL, max_retries=1)
+    with pytest.raises(SampleKilledWorkersError, match=r"sample 13 killed 2 CPU worker processes") as info:
+        collect(loader)
+    assert "stuck bound" in str(info.value) and "crashes the decoder" not in str(info.value)
+    loader.close()
+
+
 class StopsMidMessageAt(StopsItselfAt):
     """Sample 13's worker, the first time, writes the start of a message to its loader (the head of a
     frame announcing 100 kB, and 10 bytes of it) and stops itself (SIGSTOP): a worker paused while it

@@ -7,7 +7,7 @@ A straggler -- a tiny-batch running `STRAGGLER_FACTOR` times longer than the rec
 A worker that is stopped (SIGSTOP, a paused container), swapping, or caught in a read that never
 returns makes no progress and sends nothing: its pipe and its process sentinel stay quiet, so
 nothing else wakes the manager. The manager thread looks at each own worker's oldest outstanding
-tiny-batch once a second (runtime/local_manager.py); past the bound it kills the worker, which then
+tiny-batch once a second (runtime/stuck.py); past the bound it kills the worker, which then
 goes through the death path like any other: its tiny-batches requeued (the one it was running
 retried sample by sample, counted against `max_retries`, so a sample that hangs every worker is
 reported by name), a replacement started at the next `wait`. A sample's pixels are a pure function
@@ -15,9 +15,11 @@ of (seed, epoch, index, copy), so the work runs again elsewhere with the same re
 
 The bound: `STUCK_FACTOR` times the running mean of a tiny-batch's time, never below `STUCK_FLOOR_S`
 (a busy machine slows every tiny-batch alike: the mean follows it), and `FIRST_TASK_S` while no
-tiny-batch has finished yet (a worker's first one may build native kernels). DataLoader's `timeout=`
-stays the last resort; with the default `timeout=0`, a training loop that has waited WAIT_SAY_S for one
-mini-batch is told what it waits for (`waiting_on`), again at each doubling of the wait.
+tiny-batch has finished yet (a worker's first one may build native kernels); doubled for each worker the
+tiny-batch killed before (at most MAX_DOUBLINGS times), so a sample merely slower than the bound
+finishes. DataLoader's `timeout=` stays the last resort; with the default `timeout=0`, a training loop that
+has waited WAIT_SAY_S for one mini-batch is told what it waits for (`waiting_on`), again at each doubling of
+the wait.
 """
 
 from __future__ import annotations
@@ -43,15 +45,21 @@ def is_straggler(running_for: float, task_seconds: float) -> bool:
     return running_for > straggler_bound(task_seconds)
 
 
-def stuck_bound(task_seconds: float) -> float:
-    """Seconds a worker's oldest outstanding tiny-batch may run before the worker counts as stuck."""
+MAX_DOUBLINGS = 3  # the stuck bound grows at most 8-fold over a tiny-batch's tries
+
+
+def stuck_bound(task_seconds: float, tries: int = 0) -> float:
+    """Seconds a worker's oldest outstanding tiny-batch may run before the worker counts as stuck; doubled for each
+    worker the tiny-batch killed before (`tries`, its `deaths`): a sample merely slower than the bound (a stalled
+    network read) finishes on a later try instead of failing its mini-batch, while one that never returns is still
+    reported by name after max_retries tries (25 + 50 + 100 s at the floor and the default max_retries=2)."""
     if task_seconds <= 0:
-        return max(FIRST_TASK_S, STUCK_FLOOR_S)
-    return max(STUCK_FLOOR_S, STUCK_FACTOR * task_seconds)
+        return max(FIRST_TASK_S, STUCK_FLOOR_S) * 2 ** min(tries, MAX_DOUBLINGS)
+    return max(STUCK_FLOOR_S, STUCK_FACTOR * task_seconds) * 2 ** min(tries, MAX_DOUBLINGS)
 
 
-def is_stuck(running_for: float, task_seconds: float) -> bool:
-    return running_for > stuck_bound(task_seconds)
+def is_stuck(running_for: float, task_seconds: float, tries: int = 0) -> bool:
+    return running_for > stuck_bound(task_seconds, tries)
 
 
 def waiting_on(seq: int, waited: float, remaining: int, size: int, queued: int, running, others) -> str:
@@ -64,3 +72,14 @@ def waiting_on(seq: int, waited: float, remaining: int, size: int, queued: int, 
         + (f"; other worker kinds: {', '.join(others)}" if others else "")
         + "). A stuck CPU worker is killed and its work run again at the stuck bound; timeout= ends the wait"
     )
+
+
+def culprit_advice(how: str) -> str:
+    """What to check about a sample whose tries killed workers, by how the last one ended."""
+    if "no progress" in how:  # killed past the stuck bound, doubled at each try
+        return (
+            "Its last try ran past the stuck bound (25 s or 20x the mean tiny-batch, doubled at each retry): check "
+            "that sample's read (dataset.describe / path: a network read that stalls, a lock); raise max_retries to "
+            "let a sample that slow finish."
+        )
+    return "Check that sample (dataset.describe / path) for a file that crashes the decoder or exhausts memory."

@@ -32,8 +32,8 @@ import signal
 import time
 
 from fusionflow.errors import SampleKilledWorkersError, WorkerStartError
+from fusionflow.runtime import liveness, procs
 from fusionflow.runtime import messages as m
-from fusionflow.runtime import procs
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_stuck_kill, count_worker_task
@@ -276,8 +276,7 @@ class WorkerPool:
                 if work.deaths > self.spec.max_retries:
                     board.queue.batches[work.key].error = SampleKilledWorkersError(
                         f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
-                        f"giving up after max_retries={self.spec.max_retries}. Check that sample "
-                        f"(dataset.describe / path) for a file that crashes the decoder or exhausts memory.",
+                        f"giving up after max_retries={self.spec.max_retries}. " + liveness.culprit_advice(how),
                         list(work.indices),
                     )
                     continue
