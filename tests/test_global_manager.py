@@ -1,6 +1,7 @@
 """The global manager: its tables, its loop, and loaders lending workers through it (in one process
 and across processes), with exactly-once delivery, faults on either side, and elastic capacity."""
 
+import contextlib
 import os
 import secrets
 import signal
@@ -207,6 +208,110 @@ def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws()
     assert wait_until(lambda: not os.path.exists("/dev/shm" + gt.table_name(name)))  # the GM left
 
 
+_ROLE = ["borrower"]  # which loader's process a worker was forked in: its copy of this list says
+
+
+def _stop_if_lent(worker_id):
+    """a's worker_init_fn: run by a worker b lent to a (forked while this said "lender"), it stops itself there."""
+    if _ROLE[0] == "lender":
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def test_a_worker_stopped_while_lent_is_ended_by_its_owner_which_trains_on(caplog, monkeypatch):
+    """b lends its only worker to a, and the worker stops (SIGSTOP) while it sets up a's work: a drops the guest
+    that never became ready, and b waited for its HOME for ever -- its next epoch hung (with timeout=0). Now b kills
+    its lent worker once it has stayed stopped STOPPED_S (lowered from 10 s), a replacement starts, and b's next
+    epoch completes."""
+    from fusionflow.runtime import stuck
+
+    name = job()
+    a = make(Bytes(48, sleep=0.2), name, tiny_batch_size=1, batch_size=16, worker_init_fn=_stop_if_lent)
+    monkeypatch.setattr(stuck, "STOPPED_S", 3.0)
+    b = make(Bytes(24), name, timeout=120)
+    try:
+        _ROLE[0] = "lender"
+        collect(b)  # b's worker is forked now, and idle from now on
+        _ROLE[0] = "borrower"
+        pool = b._manager.pool
+        it = iter(a)
+        got = ordered([next(it)[1]])
+        assert wait_until(lambda: any(w is not None and w.lent_to is not None for w in pool.workers), 60)
+        lent = next(w for w in pool.workers if w is not None and w.lent_to is not None)
+        assert wait_until(lambda: is_stopped(lent.process.pid), 60)  # in a's worker_init_fn
+        got += ordered(y for _, y in it)
+        assert got == list(range(48))
+        b.set_epoch(1)
+        _, labels = collect(b)
+        assert ordered(labels) == list(range(24))
+        assert "while lent to loader" in caplog.text and b.stats.workers_stuck >= 1
+    finally:
+        _ROLE[0] = "borrower"
+        a.close()
+        b.close()
+
+
+def test_a_lender_closing_mid_loan_costs_its_borrowers_sample_no_death(caplog):
+    """b closes while its worker, lent to a, is inside one of a's samples (8 s each): b's close stops the worker
+    mid-task after its grace (2 s). a re-runs that tiny-batch as no death: with max_retries=0 its epoch completes.
+    It used to count a death against the innocent sample and fail the mini-batch with SampleKilledWorkersError."""
+    name = job()
+    a = make(Bytes(4, sleep=8.0), name, tiny_batch_size=1, batch_size=2, max_retries=0, timeout=120)
+    b = make(Bytes(8), name)
+    try:
+        collect(b)
+        it = iter(a)
+        got = ordered([next(it)[1]])
+        agent = a._manager.agent
+        assert wait_until(lambda: any(g.outstanding for g in list(agent.guests)), 60)
+        time.sleep(0.5)  # inside the sample
+        b.close()
+        got += ordered(y for _, y in it)
+        assert sorted(got) == list(range(4))
+        assert a.stats.workers_borrowed >= 1 and "left with 1 tiny-batches" in caplog.text  # lost mid-task
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_gm_stopped_holding_its_tables_lock_is_ended_by_the_last_loader_out(monkeypatch):
+    """The GM takes its table's lock 4 times a second; stopped (SIGSTOP) while it held it, the job's last loader
+    timed out leaving, kept its row, and the stopped GM and its table stayed for good. Now that loader ends the
+    stopped GM (its death frees the lock: played here by the test, which holds the lock until the GM is gone),
+    leaves, and the table goes."""
+    import fcntl
+    import threading
+
+    import posix_ipc
+
+    monkeypatch.setattr(gt, "LOCK_S", 5.0)
+    name = job()
+    tname = gt.table_name(name)
+    a = make(Bytes(8), name)
+    collect(a)
+    gm = gm_pid_of(tname)
+    seg = posix_ipc.SharedMemory(tname)
+    try:
+        fcntl.flock(seg.fd, fcntl.LOCK_EX)  # "the GM's" hold of the lock...
+        os.kill(gm, signal.SIGSTOP)
+        assert wait_until(lambda: is_stopped(gm))
+
+        def release_once_the_gm_is_gone():
+            wait_until(lambda: not pid_alive(gm), 60)
+            fcntl.flock(seg.fd, fcntl.LOCK_UN)  # ...ends with it
+
+        watcher = threading.Thread(target=release_once_the_gm_is_gone)
+        watcher.start()
+        a.close()
+        watcher.join(60)
+        assert not pid_alive(gm) and not os.path.exists("/dev/shm" + tname)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(gm, signal.SIGKILL)
+        seg.close_fd()
+        with contextlib.suppress(posix_ipc.ExistentialError):
+            posix_ipc.unlink_shared_memory(tname)
+
+
 def test_a_dataset_that_does_not_pickle_is_never_borrowed_for(caplog):
     name = job()
     a, b = make(Unpicklable(24, sleep=0.02), name), make(Bytes(24), name)
@@ -401,6 +506,83 @@ def test_a_stale_table_of_an_earlier_job_is_replaced():
     fresh.close()
     a.close()
     assert a.stats.global_manager == "active"
+
+
+def test_a_table_whose_gm_is_only_stopped_is_not_taken_for_stale():
+    """A loader joining between epochs while its job's GM is stopped (a debugger, py-spy) must join that table: it
+    used to take it for an earlier job's, unlink it and start a second GM, and the job's loaders were split over
+    two tables that never lend to each other."""
+    from fusionflow.runtime.gm.link import GMLink
+
+    t = gt.Tables.create(gt.table_name(job()))
+    gm = subprocess.Popen(["sleep", "120"])
+    try:
+        os.kill(gm.pid, signal.SIGSTOP)
+        assert wait_until(lambda: is_stopped(gm.pid))
+        t.header["gm_pid"] = gm.pid
+        assert not t.gm_alive() and not t.active_rows()  # not serving, nobody registered: yet the job's table
+        assert not GMLink._stale(t) and os.path.exists("/dev/shm" + t.name)
+        gm.kill()
+        gm.wait()
+        assert GMLink._stale(t) and not os.path.exists("/dev/shm" + t.name)  # its GM died: an earlier job's
+    finally:
+        gm.kill()
+        gm.wait()
+        t.unlink()
+
+
+def test_a_table_unlinks_its_name_only_while_the_name_is_its_own():
+    """A GM (or last loader) of a table another job's loader replaced under the same name must not remove the new
+    table's name: the next loader of that job could not find it and would start a third."""
+    name = gt.table_name(job())
+    old = gt.Tables.create(name)
+    newcomer = gt.Tables.attach(name)
+    newcomer.unlink()  # judged stale by a newcomer, which then makes its own
+    newcomer.close()
+    new = gt.Tables.create(name)
+    try:
+        old.unlink()
+        assert os.path.exists("/dev/shm" + name)
+        old.close()
+    finally:
+        new.unlink()
+        new.close()
+    assert not os.path.exists("/dev/shm" + name)
+
+
+def test_the_gms_doorbell_retries_back_off_and_skip_a_stopped_lm(tables, monkeypatch):
+    """An LM whose socket does not accept (hung) costs the GM's loop a handshake's bound each try: tries follow
+    from the end of the last one at delays doubling to BELL_RETRY_MAX_S (a retry due at once held the GM in
+    handshakes, polling 4 times in 6 s). A stopped LM is not tried at all."""
+    from fusionflow.runtime.gm import manager, timing
+
+    tries = []
+
+    def connect(address, secret):
+        tries.append(address)
+        raise TimeoutError("the handshake's bound")
+
+    monkeypatch.setattr(manager, "connect", connect)
+    _row(tables, 0)
+    row = manager._P(*tables.progress[0].tolist())  # the GM's view of the row
+    gm = GlobalManager(tables)
+    delays = []
+    for _ in range(7):
+        gm._hang_bell(0, row)
+        delays.append(gm.bell_retry[0][2])
+        assert gm.bell_retry[0][1] >= time.monotonic() + delays[-1] - 1.0
+    assert len(tries) == 7 and delays == [1.0, 2.0, 4.0, 8.0, 16.0, 16.0, 16.0]
+    assert timing.BELL_RETRY_S == 1.0 and timing.BELL_RETRY_MAX_S == 16.0
+    stopped = subprocess.Popen(["sleep", "120"])
+    try:
+        os.kill(stopped.pid, signal.SIGSTOP)
+        assert wait_until(lambda: is_stopped(stopped.pid))
+        tables.progress[0]["pid"] = stopped.pid
+        gm._hang_bell(0, row)
+        assert len(tries) == 7 and 0 in gm.bell_retry  # not tried; tried again later
+    finally:
+        stopped.kill()
+        stopped.wait()
 
 
 def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():

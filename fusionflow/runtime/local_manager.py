@@ -59,9 +59,8 @@ import time
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.errors import FusionFlowError, SampleKilledWorkersError, WorkerStartError
-from fusionflow.runtime import liveness
+from fusionflow.runtime import liveness, stuck
 from fusionflow.runtime.board import Board
-from fusionflow.runtime.counters import count_stuck_kill
 from fusionflow.runtime.procs import run_every
 from fusionflow.runtime.shm import BatchRing
 from fusionflow.runtime.spec import RuntimeSpec
@@ -311,7 +310,7 @@ class LocalManager:
                 agent.serving()  # the listener is in every wait below from now on
             while not self._closed:
                 with board.cond:
-                    self._kill_stuck()
+                    stuck.kill_stuck(self.pool, agent, board.counters)
                     board.watch_kinds(time.monotonic())
                     if not board.draining():
                         self.pool.rerun_stragglers(time.monotonic())
@@ -332,60 +331,6 @@ class LocalManager:
             with board.cond:
                 self.fatal = FusionFlowError(f"the loader's manager thread failed: {exc!r}")
                 board.cond.notify_all()
-
-    def _kill_stuck(self) -> None:
-        """(lock held) Kill own workers whose oldest tiny-batch has run past the stuck bound, or that
-        are not ready START_S after their start (runtime/liveness.py); the death path requeues their
-        work and the next `wait` replaces them (a start-up: `max_retries` times in a row)."""
-        pool, now = self.pool, time.monotonic()
-        for w in pool.workers:
-            if w is None or not w.alive or w.process is None or w.lent_to is not None or w.lost is not None:
-                continue  # (lost: being stopped already, its tiny-batch's other copy won)
-            if not w.ready and now - w.started_at > liveness.START_S and w.killed_for is None:
-                w.killed_for = f"not ready {now - w.started_at:.0f} s after its start"
-                log.warning(
-                    "fusionflow CPU worker %d is %s (stopped, or worker_init_fn hangs?); killing it",
-                    w.worker_id,
-                    w.killed_for,
-                )
-                w.process.kill()
-                continue
-            if not w.outstanding:
-                continue
-            running_for = now - w.head_since
-            if not liveness.is_stuck(running_for, pool.task_seconds):
-                continue
-            work = w.outstanding[0][1]
-            log.warning(
-                "fusionflow CPU worker %d made no progress for %.0f s on samples %s (bound %.0f s); killing "
-                "it: its tiny-batches run again, a replacement starts",
-                w.worker_id,
-                running_for,
-                list(work.indices),
-                liveness.stuck_bound(pool.task_seconds),
-            )
-            count_stuck_kill(self.board.counters)
-            w.killed_for = f"no progress for {running_for:.0f} s"
-            w.process.kill()  # SIGKILL reaches a stopped process too; its sentinel wakes this thread
-            w.head_since = now  # not killed again while it dies
-        self._kill_stuck_guests(now)
-
-    def _kill_stuck_guests(self, now: float) -> None:
-        """(lock held) Workers lent to this loader whose oldest tiny-batch has run past the stuck bound,
-        or past the straggler bound while an own worker is idle (a stopped guest then costs seconds): SIGKILLed
-        by pid (the agent requeues what they held, a straggler's task with no death counted; their owner replaces
-        them). A guest is killed rather than raced (runtime/reruns.py): it is its owner's."""
-        if self.agent is None or not self.agent.guests:
-            return
-        idle_own = any(w is not None and w.idle for w in self.pool.workers)
-        for g in self.agent.guests:
-            if not g.alive or not g.outstanding or g.peer_pid is None or g.killed_for is not None:
-                continue
-            running_for, task_s = now - g.head_since, self.pool.task_seconds
-            if liveness.is_stuck(running_for, task_s):
-                self.agent.kill_guest(g, f"made no progress for {running_for:.0f} s")
-            elif idle_own and liveness.is_straggler(running_for, task_s):
-                self.agent.kill_guest(g, f"made no progress for {running_for:.0f} s while an own worker is idle", False)
 
     def _dispatch(self) -> None:
         """Give queued work to workers with room (holding the lock)."""

@@ -30,6 +30,8 @@ class WorkerConn:
         self.killed_for: str | None = None  # why the manager killed it, for the death's log line and error
         self.kill_counts = True  # a guest killed for straggling (killed_for) costs its task no death: it was slow
         self.peer_pid: int | None = None  # a guest's process (SO_PEERCRED): killed here if it gets stuck
+        self.stopped_since: float | None = None  # lent out: since when it has been seen stopped (runtime/stuck.py)
+        self.owner: tuple[int, int, int] | None = None  # a guest's owner LM: (row, registration number, pid)
 
     @property
     def idle(self) -> bool:

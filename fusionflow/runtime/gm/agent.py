@@ -12,8 +12,8 @@ drives it: `step()` on every turn of its loop, `waitables()` / `handle(ready)` i
   * Borrowing: workers lent *to* this LM ("guests") arrive on its socket (`GMLink.accept`), get the
     ring, seed and spec (the handshake), then take tiny-batches like own workers -- but only of the
     mini-batches submitted before they arrived (the iteration they were lent for). When none is left
-    for a guest, it is sent RETURN. A guest whose connection drops has its tasks requeued exactly as
-    a dead worker's.
+    for a guest, it is sent RETURN. A guest whose connection drops has its tasks requeued as a dead
+    worker's -- with no death counted once its owner has left or died (it stops its lent workers then).
   * A guest whose tiny-batch runs past the stuck bound (stopped, swapping) is SIGKILLed here by its
     pid (SO_PEERCRED; a borrower may reuse the ring slot, so it must never write again): its
     connection drops, its tasks run again here, its owner restarts it as a dead worker.
@@ -29,6 +29,8 @@ import signal
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import peer_pid, recv_whole
 from fusionflow.runtime.counters import count_stuck_kill
+from fusionflow.runtime.gm import tables as gt
+from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import send_fd
 from fusionflow.runtime.worker_conn import WorkerConn
 
@@ -236,6 +238,9 @@ class LendingAgent:
             if kind == m.HELLO:
                 hello = m.unpack_message(msg, m.Hello)
                 g.worker_id = f"lm{hello.owner_lm}:w{hello.worker_id}"
+                if link.tables is not None and 0 <= hello.owner_lm < len(link.tables.progress):  # its owner as of now:
+                    row = link.tables.progress[hello.owner_lm]  # a loss after it left is no death
+                    g.owner = (hello.owner_lm, int(row["reg"]), int(row["pid"]))
                 g.conn.send_bytes(
                     m.pack_message(m.Setup(board.ring.name, self.pool.spec.layout, self.pool.spec.seed, link.spec_hash))
                 )
@@ -294,7 +299,17 @@ class LendingAgent:
                     len(g.outstanding),
                 )
             how = f"killed: {g.killed_for}" if g.killed_for else "its connection dropped"
-            self.pool.requeue_outstanding(g, how, suspect=g.kill_counts)
+            self.pool.requeue_outstanding(g, how, suspect=g.kill_counts and not self._owner_left(g))
+
+    def _owner_left(self, g: WorkerConn) -> bool:
+        """Whether the guest's owner closed or died: it then stops its lent workers wherever they are (a close
+        SIGTERMs one mid-task after a grace; a SIGKILLed owner's worker exits) -- its task is no suspect. It
+        used to count a death against an innocent sample (and fail its mini-batch with max_retries=0)."""
+        if g.owner is None:
+            return False
+        lm, reg, pid = g.owner
+        row = self.link.tables.progress[lm] if self.link.tables is not None else None
+        return row is None or int(row["state"]) != gt.ACTIVE or int(row["reg"]) != reg or not pid_alive(pid)
 
     # ---------------------------------------------------------------- shutdown
     def close(self) -> None:

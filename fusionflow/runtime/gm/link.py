@@ -36,7 +36,7 @@ from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import accept, connect, listen, set_receive_timeout  # noqa: F401 (re-exported)
 from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime.gm.timing import GM_SILENT_S, GM_START_S, LIVENESS_S
-from fusionflow.runtime.procs import command_line, pid_alive
+from fusionflow.runtime.procs import command_line, is_stopped, pid_alive
 
 log = logging.getLogger(__name__)
 _LISTENERS: set[int] = set()  # fds of this process's listening sockets
@@ -136,9 +136,10 @@ class GMLink:
     @staticmethod
     def _stale(t: gt.Tables) -> bool:
         """A table left by an earlier job under the same name whose GM died (e.g. torchrun reusing a
-        run id and port): unlink it so this job starts its own. Closes `t` if so."""
+        run id and port): unlink it so this job starts its own. Closes `t` if so. A GM that exists but is stopped
+        (a debugger's pause, py-spy) is not a dead one: its job's loaders would be split over two tables."""
         with t.locked():
-            stale = not t.gm_alive() and not t.active_rows()
+            stale = not t.gm_exists() and not t.active_rows()
             if stale:
                 t.header["state"] = gt.CLOSING
                 t.unlink()
@@ -237,8 +238,14 @@ class GMLink:
         try:
             orphaned = self._leave(t)
         except TimeoutError as exc:  # our row stays ACTIVE: the GM frees it once this process has exited
-            log.warning("fusionflow: %s; left without freeing this loader's row", exc)
             orphaned = gm_gone = False
+            # a stopped GM most likely holds the lock (it takes it 4 times a second) and serves no loader: ended, its
+            # death frees the lock (else the job's last loader out left it and its table for good)
+            if t.gm_pid and is_stopped(t.gm_pid) and self._end_silent_gm(t.gm_pid):
+                with contextlib.suppress(TimeoutError):
+                    orphaned, gm_gone = self._leave(t), True
+            if not gm_gone:
+                log.warning("fusionflow: %s; left without freeing this loader's row", exc)
         else:
             gm_gone = not t.gm_alive()
         if orphaned and (self.gm_proc is None or self.gm_proc.poll() is not None or gm_gone):
@@ -249,18 +256,20 @@ class GMLink:
         if self.gm_proc is not None:
             self.gm_proc.poll()  # reap it if it has exited
 
-    def _end_silent_gm(self, pid: int) -> None:
+    def _end_silent_gm(self, pid: int) -> bool:
         """The last loader out of a job whose GM is stopped or fell silent (hung) ends it: a stopped
-        process never goes by itself, and no loader is left to need it. Only that job's GM process."""
+        process never goes by itself, and no loader is left to need it. Only that job's GM process (one started by
+        a loader, not by `gm serve`); whether it was ended here."""
         args = command_line(pid)  # [] once gone
         if not pid_alive(pid) or "fusionflow.runtime.gm.manager" not in args or self.name not in args:
-            return
+            return False
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-            log.warning("fusionflow: ended this job's global manager (pid %d): stopped or silent, no loader left", pid)
+            log.warning("fusionflow: ended this job's global manager (pid %d): stopped or silent", pid)
         if self.gm_proc is not None and self.gm_proc.pid == pid:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.gm_proc.wait(timeout=5.0)
+        return True
 
     def _leave(self, t) -> bool:
         """Free our row (lock held); whether the table is orphaned and closing, for us to unlink."""

@@ -5,9 +5,8 @@ managers (LMs, one per loader, i.e. per rank) that are done to LMs that still ha
     python -m fusionflow gm serve --job NAME                      # or started explicitly (see `cli`)
 
 Loop, every `POLL_S`:
-  1. Read the progress table (runtime/gm/tables.py). An ACTIVE row whose process is gone is
-     reclaimed: its batch-ring segment is unlinked, the row freed (its workers notice their owner is
-     gone and exit; workers it borrowed see the connection close and go home).
+  1. Read the progress table (runtime/gm/tables.py). An ACTIVE row whose process is gone is freed (its
+     workers notice their owner is gone and exit; workers it borrowed see the connection close and go home).
   2. Turn the rows into `scheduling.lending.Progress` -- fractions done from the Active tiny-batches'
      start times and the LM's mean tiny-batch time -- and ask `plan_lending` for loans. An LM with an
      order it has not acknowledged yet lends nothing more; workers confirmed lent to a borrower that
@@ -26,12 +25,10 @@ Elastic capacity: `GlobalManagerClient(job).set_workers(n)` writes a worker targ
 rows; each LM starts or retires workers to match without blocking training, and its split rule
 starts over.
 
-Who owns the workers: each LM forks and owns its own; the GM owns none, it only moves them. (The
-issue sketched a GM that owns the node's workers.) Forked from their rank, workers inherit its
-dataset, worker_init_fn and imports for free; a GM-owned pool would need every rank's dataset
-shipped to one process before the first batch, and a GM crash would take every worker with it,
-where now it only stops lending. Each LM starting every iteration with its own `num_workers`
-is the issue's "equal share"; a lent worker returns when the borrower's iteration is complete.
+Who owns the workers: each LM forks and owns its own; the GM only moves them. Forked from their rank, workers
+inherit its dataset, worker_init_fn and imports; a GM-owned pool would need every rank's dataset shipped to one
+process, and a GM crash would take every worker with it, where now it only stops lending. Each LM starts every
+iteration with its own `num_workers`; a lent worker returns when the borrower's iteration is complete.
 """
 
 from __future__ import annotations
@@ -47,9 +44,10 @@ import numpy as np
 
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.gm import tables as gt
+from fusionflow.runtime.gm import timing
 from fusionflow.runtime.gm.link import connect
 from fusionflow.runtime.gm.timing import INCOMING_TTL_S, LINGER_S, LIVENESS_S, POLL_S, STALE_S, START_S
-from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.scheduling.lending import Progress, plan_lending
 
 log = logging.getLogger("fusionflow.gm")
@@ -68,7 +66,7 @@ class GlobalManager:
         self.pending_since = {}  # borrower -> since when some confirmed worker has not arrived
         self.counted_acks = {}  # lender -> yield seq whose ack is already counted in `sent`
         self.bells = {}  # row -> (registration number, connection to that LM's socket)
-        self.bell_retry = {}  # row -> (registration number, when to try connecting again)
+        self.bell_retry = {}  # row -> (registration number, when to try connecting again, the delay it waited)
         self.checked_at = 0.0
 
     def reclaim(self) -> None:
@@ -81,7 +79,7 @@ class GlobalManager:
         with self.t.locked():
             for lm in self.t.reclaim_dead():
                 log.warning(
-                    "fusionflow GM: local manager %d (pid %d) died; its ring is unlinked, its row freed",
+                    "fusionflow GM: local manager %d (pid %d) died; its row is freed",
                     lm,
                     int(self.t.progress[lm]["pid"]),
                 )
@@ -116,7 +114,7 @@ class GlobalManager:
             if row.listening and self.bells.get(lm, (None,))[0] != row.reg:
                 retry = self.bell_retry.get(lm)
                 if retry is None or retry[0] != row.reg or now >= retry[1]:
-                    self._hang_bell(lm, row, now)
+                    self._hang_bell(lm, row)
         live_set = set(lms)
         for lm in [lm for lm, (reg, _) in self.bells.items() if self.reg.get(lm) != reg or lm not in live_set]:
             self.bells.pop(lm)[1].close()  # that LM left
@@ -173,19 +171,22 @@ class GlobalManager:
             b["borrow_seq"] = int(b["borrow_seq"]) + 1
             self._ring(loan.lender)
 
-    def _hang_bell(self, lm: int, row, now: float) -> None:
-        """Connect to a newly registered LM's socket (its manager thread then sleeps until rung);
-        on failure, try again in a second."""
+    def _hang_bell(self, lm: int, row) -> None:
+        """Connect to a newly registered LM's socket (its manager thread then sleeps until rung); see BELL_RETRY_S."""
         old = self.bells.pop(lm, None)
         if old is not None:
             old[1].close()
-        self.bell_retry[lm] = (row.reg, now + 1.0)
+        last = self.bell_retry.get(lm, (None, 0.0, 0.0))
+        delay = min(2 * last[2], timing.BELL_RETRY_MAX_S) if last[0] == row.reg else timing.BELL_RETRY_S
         try:
+            if is_stopped(int(self.t.progress[lm]["pid"])):
+                raise ConnectionError("its process is stopped")
             conn = connect(row.address.decode(), self.t.secret)
             conn.send_bytes(_BELL)
             os.set_blocking(conn.fileno(), False)  # a bell an LM does not read never stalls this loop
         except Exception as exc:  # it left already, or is stuck: it reads its row every GM_IDLE_S anyway
             log.info("fusionflow GM: no doorbell for LM %d yet: %r", lm, exc)
+            self.bell_retry[lm] = (row.reg, time.monotonic() + delay, delay)
             return
         self.bells[lm] = (row.reg, conn)
         self.bell_retry.pop(lm, None)

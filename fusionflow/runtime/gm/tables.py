@@ -215,7 +215,7 @@ class Tables:
         return np.flatnonzero(self.progress["state"] == ACTIVE).tolist()
 
     def reclaim_dead(self) -> list[int]:
-        """Free the rows of LMs whose process is gone and unlink their rings (lock held)."""
+        """Free the rows of LMs whose process is gone, and unlink their rings' names if any were left (lock held)."""
         dead = [lm for lm in self.active_rows() if not pid_alive(int(self.progress[lm]["pid"]))]
         for lm in dead:
             ring = bytes(self.progress[lm]["ring"]).decode()
@@ -250,4 +250,20 @@ class Tables:
             self._fd = None
 
     def unlink(self) -> None:
-        unlink(self.name)
+        """Remove the table's name -- only while it still names this mapping's segment: a later job's loader may
+        have replaced a table it judged stale by a new one under the same name, which must stay findable."""
+        if self._fd is None or self.removed:
+            return
+        try:
+            named = os.stat(f"/dev/shm/{self.name.lstrip('/')}")
+        except FileNotFoundError:
+            return
+        mine = os.fstat(self._fd)
+        if (named.st_dev, named.st_ino) == (mine.st_dev, mine.st_ino):
+            unlink(self.name)
+
+    def gm_exists(self) -> bool:
+        """The GM serves (`gm_alive`), or its process is stopped (SIGSTOP, a debugger's ptrace) rather than dead: the
+        table is a job's, not a stale one. (A live pid with a silent heartbeat that is not stopped is taken for a
+        pid reused since the GM died.)"""
+        return self.gm_alive() or (self.gm_pid != 0 and is_stopped(self.gm_pid))

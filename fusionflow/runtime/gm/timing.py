@@ -23,3 +23,8 @@ LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
 INCOMING_TTL_S = 1.0  # workers lent but never accepted within this are written off
 STALE_S = 2.0  # an LM whose row has not been published for this long neither lends nor borrows
 GM_SILENT_S = 10.0  # a GM whose heartbeat is this old (stopped, hung) counts as gone, though its pid lives
+# A GM's doorbell not hung on an LM (it does not accept: hung, or stopped, and then not tried while it stays so) is
+# tried again after BELL_RETRY_S, doubling up to BELL_RETRY_MAX_S, counted from the end of each try: a try may wait
+# out the handshake's bound, and a retry due at once held the GM's whole loop in handshakes (a 1000-fold slower GM).
+BELL_RETRY_S = 1.0
+BELL_RETRY_MAX_S = 16.0
