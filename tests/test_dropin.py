@@ -222,25 +222,55 @@ def test_already_transformed_samples_read_by_workers_say_so():
             next(iter(loader))
 
 
-def test_seed_defaults_from_torch_initial_seed_like_dataloader():
+def test_seed_default_is_reproducible_and_differs_between_loaders_as_dataloaders_base_seed():
+    """seed=None: derived from the state of torch's generator (or of `generator`), read not drawn. As DataLoader's
+    base seeds: re-seeding reproduces (a notebook cell re-run), two loaders built back to back differ, a loader built
+    anew after an epoch differs (they all took torch.initial_seed() and augmented alike), and loaders given equal
+    fresh generators agree."""
     state = torch.get_rng_state()
     try:
         torch.manual_seed(1234)
-        a = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)
-        assert a.seed == 1234
-        torch.manual_seed(99)
-        b = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)
-        assert b.seed == 99
-        # differently seeded launches augment differently; the same seed reproduces
+        a, b = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT), FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)
+        assert a.seed != b.seed
         xa, xb = next(iter(a))[0], next(iter(b))[0]
         assert not torch.equal(xa, xb)
+        c = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)  # built after epochs drew from the generator
+        assert c.seed not in (a.seed, b.seed)
         torch.manual_seed(1234)
-        assert torch.equal(next(iter(FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)))[0], xa)
+        again = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)
+        assert again.seed == a.seed and torch.equal(next(iter(again))[0], xa)
+        torch.manual_seed(99)
+        assert FusionFlowLoader(Raw(), batch_size=4, policy=EXACT).seed != a.seed
+        seeded = [FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, generator=torch.Generator().manual_seed(77))]
+        seeded.append(FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, generator=torch.Generator().manual_seed(77)))
+        assert seeded[0].seed == seeded[1].seed != a.seed  # each its own generator, in the same state
         gen = torch.Generator().manual_seed(77)
-        assert FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, generator=gen).seed == 77
         assert FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, seed=5, generator=gen).seed == 5
     finally:
         torch.set_rng_state(state)
+
+
+def test_a_seeded_script_repeats_its_loaders_seeds_and_two_loaders_differ():
+    """Launches of one script calling torch.manual_seed(1234) build the same two loaders' seeds, different from each
+    other; a launch seeded 99 gets others."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from fusionflow.loader import FusionFlowLoader\n"
+        "torch.manual_seed(int(sys.argv[1]))\n"
+        "print([FusionFlowLoader([(b'x', 0)], batch_size=1, policy='default').seed for _ in range(2)])"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def launch(seed):
+        cmd = [sys.executable, "-c", code, str(seed)]
+        return eval(subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=root, timeout=120).stdout)
+
+    first, again, other = launch(1234), launch(1234), launch(99)
+    assert first == again and first[0] != first[1]
+    assert set(other).isdisjoint(first)
 
 
 def test_seed_default_does_not_consume_torch_rng():

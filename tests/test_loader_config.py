@@ -30,7 +30,7 @@ CPU_HOST = dict(
     device_count=lambda: 0,
     has_dali=lambda: False,
     job_key=lambda: None,
-    initial_seed=lambda: 2**64 + 123,
+    derive_seed=lambda generator: 123 if generator is None else generator.initial_seed(),  # (a stand-in)
 )
 GPU = dict(cuda_available=lambda: True, current_device=lambda: 1, device_count=lambda: 2)
 DALI = dict(GPU, has_dali=lambda: True)
@@ -257,7 +257,13 @@ def test_host_facts_are_asked_only_when_an_argument_needs_them():
 
     resolve(
         dict(num_workers=2, global_manager="train", seed=1),
-        dict(current_device=never, device_count=never, has_dali=never, job_key=never, initial_seed=never),
+        dict(
+            current_device=never,
+            device_count=never,
+            has_dali=never,
+            job_key=never,
+            derive_seed=never,
+        ),
     )
 
 

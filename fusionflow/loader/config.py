@@ -17,7 +17,6 @@ import logging
 import math
 import multiprocessing
 import numbers
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from fusionflow.loader.batch_capacity import batch_capacity
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
 from fusionflow.policy import load_policy
-from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
+from fusionflow.runtime.host import Host, default_seed, resolve_device, resolve_pin_memory
 
 log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
 ON_ERROR = ("raise", "skip")
@@ -217,19 +216,6 @@ def resolve_pinning(pin_memory, pin_memory_device, in_order, device: torch.devic
     return dict(pin_memory=pin, pin_memory_device=pin_memory_device, in_order=in_order)
 
 
-def default_seed(generator, initial_seed: Callable[[], int] = torch.initial_seed) -> int:
-    """seed=None: derived as DataLoader derives its base seed -- from `generator` if given, else from
-    torch's initial seed -- but once per loader (augmentation is a function of (seed, epoch, index), so
-    it must not change between epochs). torch's initial seed differs between launches unless the
-    script calls torch.manual_seed, so two launches do not repeat the same augmentation, and a seeded
-    script stays reproducible. Nothing is drawn from torch's RNG, so the caller's random stream is unchanged."""
-    if generator is not None:
-        if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
-        return generator.initial_seed() % 2**63
-    return initial_seed() % 2**63
-
-
 def note_unused_knobs(accelerator, loose: dict, notes: list) -> None:
     """The accelerator's loose arguments set, the accelerator itself left out (None): a note that they do nothing."""
     defaults = loose_defaults()
@@ -241,13 +227,15 @@ def note_unused_knobs(accelerator, loose: dict, notes: list) -> None:
         )
 
 
-def resolve_seed(seed, generator, initial_seed: Callable[[], int] = torch.initial_seed) -> int:
+def resolve_seed(seed, generator, host: Host | None = None) -> int:
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
     if seed is None:
-        seed = default_seed(generator, initial_seed)
+        seed = host.derive_seed(generator) if host is not None else default_seed(generator)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
         raise ValueError(
-            f"seed={seed!r} must be a non-negative integer (or None: derived from torch's "
-            "initial seed, or from generator's)"
+            f"seed={seed!r} must be a non-negative integer (or None: derived from the state of torch's "
+            "generator, or of generator's)"
         )
     return seed
 
@@ -344,7 +332,7 @@ def resolve_config(
     tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
     prefetch = resolve_prefetch(prefetch_factor, num_workers)
     check_run_options(persistent_workers, num_workers, timeout, on_error, max_retries, pin_workers)
-    seed_given, seed = seed is not None, resolve_seed(seed, generator, host.initial_seed)
+    seed_given, seed = seed is not None, resolve_seed(seed, generator, host)
     resolved = resolve_device(device, host)
     pinning = resolve_pinning(pin_memory, pin_memory_device, in_order, resolved, host, notes)
     policy = resolve_policy(policy)

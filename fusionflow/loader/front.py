@@ -84,9 +84,10 @@ class FusionFlowLoader:
     runs on the GPU
     when device is CUDA).
 
-    `seed`: None (the default) derives it once per loader as DataLoader derives its base seed: from
-    `generator.initial_seed()` if a generator is given, else from `torch.initial_seed()` -- different at
-    every launch unless the script calls `torch.manual_seed`, which makes it reproducible. Pass an int to
+    `seed`: None (the default) derives it once per loader from the state of `generator` if given, else of torch's
+    generator -- read, not drawn, so a shuffle's order stays DataLoader's -- and from how many loaders were built
+    at that state before: different at every launch and for every loader, unless the script calls
+    `torch.manual_seed`, which makes it reproducible (runtime/host.py `default_seed`). Pass an int to
     fix it (e.g. to resume a run with the same augmentation); `loader.seed` holds the one in use.
 
     The arguments are resolved once, at construction, into `loader.config`, a frozen LoaderConfig
