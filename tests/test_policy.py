@@ -170,6 +170,9 @@ def test_subpolicy_errors(tmp_path):
 def test_missing_file_and_bad_yaml(tmp_path):
     with pytest.raises(ValueError, match=r"does not exist; shipped policies: .*randaugment"):
         load_policy(str(tmp_path / "nope.yaml"))
+    for typo in ("randaugmnet", "RandAugment", "trivialaugmnt"):  # a near miss of a shipped name is named
+        with pytest.raises(ValueError, match=r"does not exist; did you mean '(randaugment|trivialaugment)'\? shipped"):
+            load_policy(typo)
     bad = tmp_path / "bad.yaml"
     bad.write_text("output: {size: 224\naugment: [")
     with pytest.raises(ValueError, match=r"bad\.yaml: not valid YAML"):

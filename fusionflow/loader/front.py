@@ -306,9 +306,9 @@ class FusionFlowLoader:
 
         Taken anywhere -- between epochs, or mid-epoch after k batches were yielded -- and loaded into
         a fresh loader over the same dataset (any num_workers) with `load_state_dict`, the resumed
-        loader yields exactly the batches the original would have yielded next -- the rest of the
-        epoch, same indices and pixels -- and the same epochs after it. A loader that stopped
-        mid-epoch (`break`) resumes that epoch's remaining batches."""
+        loader yields the rest of the epoch the state was taken in -- same indices and pixels -- and
+        the same epochs after it. A state taken after a `break` resumes that epoch's remaining batches
+        too, while the original loader, iterated again, starts its next epoch (as DataLoader does)."""
         cfg = self.config
         # (an epoch's start draws its base seed before the sampler draws: runtime/spec.py base_seed)
         return self.parts.checkpoint.state_dict(self._shape(), cfg.seed, cfg.batch_sampler, cfg.sampler, cfg.generator)

@@ -77,6 +77,7 @@ Every problem raises ValueError naming the file and the key path, e.g.
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -364,9 +365,11 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
     if not os.path.exists(path):
         shipped = _shipped_config(path)
         if shipped is None:
+            close = difflib.get_close_matches(os.path.basename(path).lower(), shipped_policies(), n=1, cutoff=0.75)
             raise ValueError(
-                f"policy file {path!r} does not exist; shipped policies: "
-                f"{', '.join(shipped_policies())} (or give a path to your own YAML file)"
+                f"policy file {path!r} does not exist; "
+                + (f"did you mean {close[0]!r}? " if close else "")
+                + f"shipped policies: {', '.join(shipped_policies())} (or give a path to your own YAML file)"
             )
         path = shipped
     raw = read_yaml(path)
