@@ -447,6 +447,17 @@ def test_accelerator_counts_go_on_across_epochs_without_persistent_workers():
     ld.close()
 
 
+def one_logged_epoch(caplog):
+    """An epoch of 36 samples in mini-batches of 6 with the accelerator's log captured: each sample once; its stats."""
+    ld = loader(Bytes(36), batch_size=6, timeout=120)
+    with caplog.at_level("INFO", logger="fusionflow.accel.accelerator"):
+        labels = [i for _, y in ld for i in y.tolist()]
+        s = ld.stats
+        ld.close()
+    assert sorted(labels) == list(range(36))
+    return s
+
+
 def test_a_run_given_up_during_its_read_is_dropped_quietly(monkeypatch, no_leaks, caplog):
     """The first run's read outlasts the stall bound (a stopped input helper, a slow file system): `watch` gives its
     tiny-batches to the CPU workers while the thread still reads. When the read returns the run is no longer the
@@ -468,12 +479,7 @@ def test_a_run_given_up_during_its_read_is_dropped_quietly(monkeypatch, no_leaks
         return real(self, group)
 
     monkeypatch.setattr(RunSource, "read", read)
-    ld = loader(Bytes(36), batch_size=6, timeout=120)
-    with caplog.at_level("INFO", logger="fusionflow.accel.accelerator"):
-        labels = [i for _, y in ld for i in y.tolist()]
-        s = ld.stats
-        ld.close()
-    assert sorted(labels) == list(range(36))
+    s = one_logged_epoch(caplog)
     assert slow.is_set() and "made no progress" in (s.accelerator_retired or "")
     assert "accelerator failed" not in caplog.text and "StopIteration" not in caplog.text
 
@@ -495,12 +501,7 @@ def test_runs_given_up_between_the_choice_to_collect_and_the_collect_are_dropped
         return real(self, unused)
 
     monkeypatch.setattr(AcceleratorWorker, "_collect", collect)
-    ld = loader(Bytes(36), batch_size=6, timeout=120)
-    with caplog.at_level("INFO", logger="fusionflow.accel.accelerator"):
-        labels = [i for _, y in ld for i in y.tolist()]
-        s = ld.stats
-        ld.close()
-    assert sorted(labels) == list(range(36))
+    s = one_logged_epoch(caplog)
     assert raced and raced[0] > 0 and "made no progress" in (s.accelerator_retired or "")
     assert "accelerator failed" not in caplog.text and "IndexError" not in caplog.text
 
@@ -528,12 +529,7 @@ def test_a_run_that_landed_is_never_given_up_before_it_is_accounted(monkeypatch,
 
     monkeypatch.setattr(acc.AcceleratorWorker, "_collect", collect)
     monkeypatch.setattr(acc, "StepClock", RacingClock)
-    ld = loader(Bytes(36), batch_size=6, timeout=120)
-    with caplog.at_level("INFO", logger="fusionflow.accel.accelerator"):
-        labels = [i for _, y in ld for i in y.tolist()]
-        s = ld.stats
-        ld.close()
-    assert sorted(labels) == list(range(36))
+    s = one_logged_epoch(caplog)
     assert raced and s.accelerator_retired is None and s.accelerator_samples > 0
     assert "accelerator failed" not in caplog.text and "IndexError" not in caplog.text
 

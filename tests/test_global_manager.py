@@ -251,11 +251,11 @@ def test_a_worker_stopped_while_lent_is_ended_by_its_owner_which_trains_on(caplo
 
 
 def test_a_lender_closing_mid_loan_costs_its_borrowers_sample_no_death(caplog):
-    """b closes while its worker, lent to a, is inside one of a's samples (8 s each): b's close stops the worker
+    """b closes while its worker, lent to a, is inside one of a's samples (6 s each): b's close stops the worker
     mid-task after its grace (2 s). a re-runs that tiny-batch as no death: with max_retries=0 its epoch completes.
     It used to count a death against the innocent sample and fail the mini-batch with SampleKilledWorkersError."""
     name = job()
-    a = make(Bytes(4, sleep=8.0), name, tiny_batch_size=1, batch_size=2, max_retries=0, timeout=120)
+    a = make(Bytes(4, sleep=6.0), name, tiny_batch_size=1, batch_size=2, max_retries=0, timeout=120)
     b = make(Bytes(8), name)
     try:
         collect(b)
