@@ -214,6 +214,15 @@ def test_squashed_resize_then_center_crop():
         ref = F.center_crop(F.resize(F.pil_to_tensor(img), [240, 260], antialias=True), [224])
         ours = CpuPipeline(p)(data, 0)
         assert np.abs(ours.astype(np.float64) - ref.numpy()).mean() < 2.0  # as the eval form's bound above
+    alone = policy_from_transform(T.Compose([T.Resize((64, 96)), T.PILToTensor()]), decode="exact")
+    assert alone.center_resize == (64, 96) and alone.size == (64, 96)  # Resize((h, w)) alone: the squashed image
+    for data in JPEGS[:3]:
+        img = Image.open(io.BytesIO(data)).convert("RGB")
+        ref = F.resize(F.pil_to_tensor(img), [64, 96], antialias=True)
+        ours = CpuPipeline(alone)(data, 0)
+        assert ours.shape == tuple(ref.shape) and np.abs(ours.astype(np.float64) - ref.numpy()).mean() < 2.0
+    with pytest.raises(ValueError, match=r"Resize\(int\) must be followed by CenterCrop"):
+        policy_from_transform(T.Compose([T.Resize(64), T.PILToTensor()]))
     with pytest.raises(ValueError, match=r"crop.resize: \[200, 300\] is smaller than the 224x224"):
         load_policy(
             {"output": {"size": 224}, "crop": {"mode": "center", "resize": [200, 300]}, "augment": {"type": "none"}}

@@ -21,7 +21,8 @@ What it reads, in this order (the order torchvision's classification recipe uses
          [RandAugment | AutoAugment | TrivialAugmentWide, with their arguments; interpolation
           nearest, bilinear or bicubic, fill a number or [r, g, b] of integers]
          [GaussianBlur(kernel_size, sigma) | RandomApply([GaussianBlur(...)], p)]
-  eval:  Resize(int, bilinear | bicubic | nearest, antialias=True) + CenterCrop(size)
+  eval:  Resize(int | (h, w), bilinear | bicubic | nearest, antialias=True) + CenterCrop(size), or Resize((h, w))
+         alone (the whole image squashed to h x w)
   then:  [PILToTensor | ToImage] [ToDtype(torch.float32, scale=True) | ConvertImageDtype(torch.float32)]
          [Normalize(mean, std)] [RandomErasing(p, scale, ratio, value)] [ToPureTensor]
 Anything else -- another transform, another order, an argument FusionFlow does not implement
@@ -160,14 +161,17 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
                 "only Resize(int) (the shorter side) or Resize((h, w)) (squashed), without max_size, is "
                 "expressible: the eval policy is Resize(resize) + CenterCrop(size)",
             )
-        if pos + 1 >= len(steps) or not isinstance(steps[pos + 1], T.CenterCrop):
+        cropped = pos + 1 < len(steps) and isinstance(steps[pos + 1], T.CenterCrop)
+        if not cropped and len(t.size) == 1:
             fail(
-                pos, "Resize must be followed by CenterCrop (the eval form); for training start with RandomResizedCrop"
+                pos,
+                "Resize(int) must be followed by CenterCrop (the eval form: a batch needs one size), or squash with "
+                "Resize((h, w)); for training start with RandomResizedCrop",
             )
-        cfg["output"] = {"size": list(steps[pos + 1].size)}
         resize = int(t.size[0]) if len(t.size) == 1 else [int(v) for v in t.size]
+        cfg["output"] = {"size": list(steps[pos + 1].size) if cropped else resize}  # alone: the whole squashed image
         cfg["crop"] = {"mode": "center", "resize": resize, "interpolation": mode}
-        pos += 2
+        pos += 2 if cropped else 1
     else:
         fail(
             pos,
