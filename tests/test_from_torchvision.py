@@ -221,7 +221,7 @@ def test_squashed_resize_then_center_crop():
         ref = F.resize(F.pil_to_tensor(img), [64, 96], antialias=True)
         ours = CpuPipeline(alone)(data, 0)
         assert ours.shape == tuple(ref.shape) and np.abs(ours.astype(np.float64) - ref.numpy()).mean() < 2.0
-    with pytest.raises(ValueError, match=r"Resize\(int\) must be followed by CenterCrop"):
+    with pytest.raises(ValueError, match=r"only Resize\(int\) \(the shorter side\) \+ CenterCrop"):
         policy_from_transform(T.Compose([T.Resize(64), T.PILToTensor()]))
     with pytest.raises(ValueError, match=r"crop.resize: \[200, 300\] is smaller than the 224x224"):
         load_policy(
@@ -267,7 +267,7 @@ def test_squashed_resize_then_center_crop():
             [T.RandomResizedCrop(224), T.PILToTensor(), T.RandomErasing(value="random")],
             r"no FusionFlow equivalent: .*erase\.value: 'random'",
         ),
-        ([T.Resize(256)], r"transform 0 \(Resize.*followed by CenterCrop"),
+        ([T.Resize(256)], r"transform 0 \(Resize.*only Resize\(int\) \(the shorter side\) \+ CenterCrop"),
         ([T.Resize(256, max_size=300), T.CenterCrop(224)], r"only Resize\(int\) .* or Resize\(\(h, w\)\)"),
         ([], r"the pipeline is empty"),
     ],

@@ -155,18 +155,13 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
         pos += 1
     elif isinstance(t, T.Resize):
         mode = _check_resize_mode(t, fail, pos)
-        if len(t.size) not in (1, 2) or t.max_size is not None:
-            fail(
-                pos,
-                "only Resize(int) (the shorter side) or Resize((h, w)) (squashed), without max_size, is "
-                "expressible: the eval policy is Resize(resize) + CenterCrop(size)",
-            )
         cropped = pos + 1 < len(steps) and isinstance(steps[pos + 1], T.CenterCrop)
-        if not cropped and len(t.size) == 1:
+        if len(t.size) not in (1, 2) or t.max_size is not None or (not cropped and len(t.size) == 1):
             fail(
                 pos,
-                "Resize(int) must be followed by CenterCrop (the eval form: a batch needs one size), or squash with "
-                "Resize((h, w)); for training start with RandomResizedCrop",
+                "only Resize(int) (the shorter side) + CenterCrop (a batch needs one size), or Resize((h, w)) "
+                "(squashed, with or without CenterCrop), without max_size, is expressible for evaluation; for "
+                "training start with RandomResizedCrop",
             )
         resize = int(t.size[0]) if len(t.size) == 1 else [int(v) for v in t.size]
         cfg["output"] = {"size": list(steps[pos + 1].size) if cropped else resize}  # alone: the whole squashed image
