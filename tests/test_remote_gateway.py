@@ -168,6 +168,33 @@ class TestWhatTheKindReports:
                 time.sleep(0.1)
             assert kind.retired is not None and "Ray gateways in a row failed" in kind.retired
 
+    def test_a_dead_gateway_is_replaced_at_the_next_epoch_or_after_its_back_off(self, monkeypatch, caplog):
+        """A gateway that dies mid-epoch: its work runs locally and no new gateway starts within that epoch before the
+        back-off (a minute here). One started at once (the feeding thread, woken by the requeue, saw a restart due
+        before the death was accounted) while the warning said "at the next epoch"; now the warning says when."""
+        import signal
+
+        from fusionflow import RayWorkers
+        from fusionflow.remote import kind as remote_kind
+
+        monkeypatch.setattr(remote_kind, "BACKOFF_S", 60.0)
+        with _loader(Bytes(60, sleep=0.05), RayWorkers(1)) as loader:
+            collect(loader)
+            kind = loader._manager.board.kinds[0]
+            with caplog.at_level("WARNING", logger="fusionflow.remote.kind"):
+                it = iter(loader)
+                labels = [next(it)[1]]
+                os.kill(kind.sessions[0], signal.SIGKILL)
+                labels += [y for _x, y in it]
+                during = list(kind.sessions)
+                said = "run on the local workers; a new gateway at the next epoch or in 60 s"
+                deadline = time.time() + 60  # (said once the dead gateway's session is killed: seconds)
+                while said not in caplog.text and time.time() < deadline:
+                    time.sleep(0.1)
+            assert sorted(torch.cat(labels).tolist()) == list(range(60))
+            assert len(during) == 1 and loader.stats.remote_gateways_lost == 1
+        assert said in caplog.text
+
     def test_a_stopped_gateway_is_killed_past_the_call_deadline_and_its_work_runs_locally(self, caplog):
         """A gateway alive but silent (SIGSTOP here; in the field, stuck in a Ray call or alive with its
         raylet gone) holds its tiny-batches: past `call_timeout` it is killed, they run locally."""
@@ -313,3 +340,28 @@ def test_a_gateway_stopped_before_it_reads_its_start_up_spec_cannot_hold_the_loa
         assert link.proc.returncode is not None and session_pids(link.pid) == []
     finally:
         os.close(fd)
+
+
+def test_a_gateway_that_takes_nothing_from_its_socket_is_killed_not_waited_for(monkeypatch):
+    """The loader's sends to its gateway were unbounded: one that stopped reading with its socket full (hundreds of
+    tasks queued on a large cluster) held the feeding thread -- which also runs the call-deadline and silence checks
+    -- and close() for ever. Now a send waits SEND_BOUND_S (lowered here), then the gateway is killed (a frame cut
+    short cannot be finished) and the send reports failure; its reader then requeues what it held."""
+    import socket
+
+    from fusionflow.remote import link as remote_link
+
+    monkeypatch.setattr(remote_link, "SEND_BOUND_S", 1.0)
+    ours, theirs = socket.socketpair()
+    gateway = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands in for a gateway that reads nothing
+    try:
+        gw = remote_link.GatewayLink.__new__(remote_link.GatewayLink)
+        gw.conn, gw.proc, gw.pid = remote_link.Connection(ours.detach()), gateway, gateway.pid
+        remote_link.set_send_timeout(gw.conn, remote_link.SEND_BOUND_S)
+        big = b"x" * (64 << 20)  # more than any socket buffer holds
+        assert gw.send(big) is False
+        assert gateway.poll() is not None  # killed and reaped
+    finally:
+        gateway.kill()
+        gateway.wait()
+        theirs.close()

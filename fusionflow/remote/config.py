@@ -88,7 +88,8 @@ class RayWorkers:
     init_kwargs: extra keyword arguments for `ray.init` (e.g. num_cpus of a local instance).
     call_timeout: seconds a tiny-batch may be away at the gateway (sent, not back) before the gateway
         counts as unresponsive: it is killed, what it held runs on the local workers, and a new one is
-        tried at the next epoch. None (the default): 20x the mean round trip measured, at least 10 s.
+        tried at the next epoch or after a back-off (10 s, doubling). None (the default): 20x the mean round trip
+        measured, at least 10 s.
         A call on one actor away for half of it ends that actor only (killed and replaced, its tiny-batches
         run locally; measured: the next bound is twice that call's time, so slow calls are not ended for
         ever); MAX_FAILURES such calls in a row retire the remote workers for the loader's run.

@@ -41,9 +41,7 @@ from fusionflow.runtime import messages as m
 from fusionflow.runtime.spec import RuntimeSpec
 
 log = logging.getLogger(__name__)
-_LOST = (
-    "remote_workers: Ray worker %s on %s was lost (%s); re-running its %d tiny-batches, and asking for a replacement"
-)
+_LOST = "remote_workers: Ray worker %s on %s was lost (%s); its %d tiny-batches run again, a replacement is asked for"
 MAX_GATEWAY_FAILURES = 3  # gateway deaths (or failed restarts) in a row before the remote workers retire
 BACKOFF_S = 10.0  # a new gateway after this long (doubling with each failure), or at the next epoch
 
@@ -131,14 +129,14 @@ class RemoteWorkers:
         self._launch()  # raises the start-up errors
         self._thread.start()
 
-    def _launch(self) -> None:
-        """Start a gateway and wait for its actors (raises what its start-up raises)."""
+    def _launch(self) -> bool:
+        """Start a gateway, wait for its actors (raises its start-up's errors); False: stopped or retired meanwhile."""
         link = GatewayLink(self._spec, self.board.ring.fd)
         with self.board.cond:
             self.sessions.append(link.pid)
             if self._stopped:
                 link.discard()
-                return
+                return False
             self._starting = link
         try:
             info = link.wait_started(self.config.startup_timeout + 60.0)  # + connecting, starting Ray
@@ -152,12 +150,13 @@ class RemoteWorkers:
         with self.board.cond:
             if self._stopped or self.retired:  # stop() (or retirement) came during the handshake
                 link.discard()
-                return
+                return False
             self._gw = gw
             self._set_actors(info["actors"])
             self.board.cond.notify_all()
         gw.reader = threading.Thread(target=self._read, args=(gw,), name="fusionflow-gateway-reader", daemon=True)
         gw.reader.start()
+        return True
 
     def stop(self) -> None:
         """Idempotent: stop the threads and the gateway (and its session), give back what it held."""
@@ -227,9 +226,8 @@ class RemoteWorkers:
             with board.cond:
                 self.retired = "the remote worker thread failed"
                 gw = self._gw
-                if gw is not None:
-                    board.requeue(list(gw.outstanding.values()))
-                    gw.outstanding.clear()
+            if gw is not None:  # killed first (its calls in flight write into the ring); its reader requeues its work
+                gw.link.kill()
             board.wake()
 
     def _take(self, gw: _Gateway) -> list:
@@ -274,14 +272,17 @@ class RemoteWorkers:
                 gw.unresponsive = f"returned nothing for {away:.0f} s (call deadline {deadline:.0f} s) and was killed"
         return gw.unresponsive is not None
 
-    def _restart_due(self) -> bool:
-        return self.board.generation != self._restart_gen or time.monotonic() >= self._retry_at
+    def _restart_due(self) -> bool:  # at the next epoch (iterator) or after the back-off, whichever comes first
+        return self.board.generation != self._restart_gen or self._retry_in() <= 0
+
+    def _retry_in(self) -> float:
+        return self._retry_at - time.monotonic()
 
     def _restart(self) -> None:
         """A new gateway (on this thread: a fresh process, no fork of the training process)."""
         generation = self.board.generation
         try:
-            self._launch()
+            up = self._launch()
         except Exception as exc:
             with self.board.cond:
                 if self._stopped:
@@ -290,11 +291,11 @@ class RemoteWorkers:
                 log.warning("remote_workers: %s", why)
                 self._failed(why, generation)
             return
-        log.warning("remote_workers: a new Ray gateway is up (%d Ray workers ready)", self.live)
+        if up:
+            log.warning("remote_workers: a new Ray gateway is up (%d Ray workers ready)", self.live)
 
     def _failed(self, why: str, generation: int) -> None:
-        """Lock held: a gateway died or did not start while iterator `generation` ran; retire after too
-        many in a row, else try again at the next epoch (iterator) or after the back-off."""
+        """Lock held: a gateway died or failed to start in iterator `generation`: retire, or retry (`_restart_due`)."""
         self._deaths_in_a_row += 1
         if self._deaths_in_a_row >= MAX_GATEWAY_FAILURES:
             self._retire(f"{why}; {self._deaths_in_a_row} Ray gateways in a row failed")
@@ -322,6 +323,7 @@ class RemoteWorkers:
             pass  # the gateway ended (stopped, or died)
         except Exception:
             log.exception("remote_workers: a message from the Ray gateway could not be read; it is stopped")
+            gw.link.kill()  # first: alive, its calls in flight would write into slots reused once requeued
         with board.cond:  # first of all, what it held goes to the local workers
             died_in = board.generation
             works = list(gw.outstanding.values())
@@ -332,6 +334,8 @@ class RemoteWorkers:
                 self.actors = []
             lost = not self._stopped  # counted now: stop() may come while its session is killed below
             self.counters.remote_gateways_lost += lost
+            if lost:  # no new gateway before this death is accounted below (the feeding thread started one at once)
+                self._restart_gen, self._retry_at = died_in, float("inf")
         board.wake()
         gw.link.kill()  # whatever ended it: its Ray processes go with it (this may take seconds)
         with board.cond:
@@ -339,15 +343,12 @@ class RemoteWorkers:
                 why = f"the Ray gateway (pid {gw.link.pid}) {gw.unresponsive or gw.link.how_it_ended()}"
                 if gw.last_error:
                     why += f"; its last Ray error: {gw.last_error}"
-                log.warning(
-                    "remote_workers: %s; its %d tiny-batches in flight run on the local workers, and a new "
-                    "gateway is tried at the next epoch",
-                    why,
-                    len(works),
-                )
                 if gw.delivered:  # failures in a row: gateways that died with nothing delivered
                     self._deaths_in_a_row = 0
-                self._failed(why, died_in)
+                if not self.retired:  # (retired meanwhile: nothing to restart)
+                    self._failed(why, died_in)
+                then = "" if self.retired else f"; a new gateway at the next epoch or in {self._retry_in():.0f} s"
+                log.warning("remote_workers: %s; its %d tiny-batches run on the local workers%s", why, len(works), then)
             board.cond.notify_all()
 
     def _on_message(self, gw: _Gateway, msg: bytes) -> None:

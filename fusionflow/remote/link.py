@@ -28,12 +28,17 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.errors import RemoteWorkerError
+from fusionflow.remote.pulse import SILENT_S
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import set_send_timeout
 from fusionflow.runtime.procs import kill_session
 
 log = logging.getLogger("fusionflow.remote.kind")
 STOP_GRACE_S = 10.0  # the gateway's ray.shutdown() of a local instance takes a few seconds
+# a gateway that takes nothing from its socket this long while a send waits (a full buffer: hundreds of tasks queued
+# on a large cluster, its loop held in a Ray call) is killed: the sending thread also runs the call-deadline and
+# silence checks, which a send blocked for ever turned off (and close() hung on STOP)
+SEND_BOUND_S = SILENT_S
 ERRORS = {"TypeError": TypeError, "ConnectionError": ConnectionError, "ImportError": ImportError}
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -98,7 +103,7 @@ class GatewayLink:
                 f"remote_workers: the Ray gateway did not take its start-up spec within {timeout:.0f} s ({exc!r})"
             ) from None
         finally:
-            set_send_timeout(self.conn, 0)
+            set_send_timeout(self.conn, SEND_BOUND_S)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not mp_wait([self.conn], min(left, 1.0)):
@@ -135,7 +140,12 @@ class GatewayLink:
         try:
             self.conn.send_bytes(msg)
             return True
-        except OSError:  # it died: its reader finds out and requeues
+        except OSError:  # it died (its reader finds out and requeues), or took nothing for SEND_BOUND_S: a frame
+            if self.proc.poll() is None:  # cut short cannot be finished, so it is killed (its reader then requeues)
+                log.warning(
+                    "remote_workers: the Ray gateway took nothing from its socket for %.0f s; killing it", SEND_BOUND_S
+                )
+                self.kill()
             return False
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
