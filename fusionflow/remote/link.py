@@ -140,12 +140,13 @@ class GatewayLink:
         try:
             self.conn.send_bytes(msg)
             return True
-        except OSError:  # it died (its reader finds out and requeues), or took nothing for SEND_BOUND_S: a frame
-            if self.proc.poll() is None:  # cut short cannot be finished, so it is killed (its reader then requeues)
-                log.warning(
-                    "remote_workers: the Ray gateway took nothing from its socket for %.0f s; killing it", SEND_BOUND_S
-                )
-                self.kill()
+        except (BlockingIOError, TimeoutError):  # took nothing for SEND_BOUND_S: a frame cut short cannot be
+            log.warning(  # finished, so it is killed (its reader then requeues)
+                "remote_workers: the Ray gateway took nothing from its socket for %.0f s; killing it", SEND_BOUND_S
+            )
+            self.kill()
+            return False
+        except OSError:  # it died: its reader finds out and requeues
             return False
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
