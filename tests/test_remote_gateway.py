@@ -356,7 +356,7 @@ def test_a_gateway_that_takes_nothing_from_its_socket_is_killed_not_waited_for(m
     gateway = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands in for a gateway that reads nothing
     try:
         gw = remote_link.GatewayLink.__new__(remote_link.GatewayLink)
-        gw.conn, gw.proc, gw.pid = remote_link.Connection(ours.detach()), gateway, gateway.pid
+        gw.conn, gw.proc, gw.pid, gw.session_dir = remote_link.Connection(ours.detach()), gateway, gateway.pid, None
         remote_link.set_send_timeout(gw.conn, remote_link.SEND_BOUND_S)
         big = b"x" * (64 << 20)  # more than any socket buffer holds
         assert gw.send(big) is False
@@ -365,3 +365,20 @@ def test_a_gateway_that_takes_nothing_from_its_socket_is_killed_not_waited_for(m
         gateway.kill()
         gateway.wait()
         theirs.close()
+
+
+@pytest.mark.ray
+def test_close_removes_the_session_folder_of_the_ray_instance_it_started(monkeypatch):
+    """A loader whose gateway started a private Ray instance (none runs in this process) leaves no session folder
+    (its logs and sockets, tens of MB) under /tmp/ray after close(); every run left one until session 39."""
+    from fusionflow import RayWorkers
+
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the instance's actors import the tests' dataset
+
+    with _loader(Bytes(16), RayWorkers(1)) as loader:
+        collect(loader)
+        session = loader._manager.board.kinds[0]._gw.link.session_dir
+        assert session and os.path.isdir(session)
+    assert not os.path.exists(session)
+    latest = os.path.join(os.path.dirname(session), "session_latest")
+    assert not (os.path.islink(latest) and os.path.basename(os.readlink(latest)) == os.path.basename(session))

@@ -171,7 +171,7 @@ def connect(config: RayWorkers, joined: str | None = None):
     kwargs = {"include_dashboard": False, "logging_level": logging.WARNING, **config.init_kwargs}
     if joined is not None and config.address in (None, "auto"):
         ray.init(address=joined, **kwargs)
-        return ray, False
+        return ray, False, None
     if config.address not in (None, "auto"):  # a named cluster: it must be there
         try:
             _reachable(config.address, min(PROBE_S, config.startup_timeout))  # ray.init retries for minutes
@@ -182,11 +182,11 @@ def connect(config: RayWorkers, joined: str | None = None):
                 "Start one (`ray start --head` / your cluster launcher), or pass "
                 "address=None to start a local one"
             ) from exc
-        return ray, False
+        return ray, False, None
     try:
         ray.init(address="auto", **kwargs)
         if PRIVATE not in ray.cluster_resources():
-            return ray, False
+            return ray, False, None
         ray.shutdown()  # another loader's gateway started it for itself (and stops it with that loader)
     except ConnectionError:  # no cluster is running: start a local one
         if config.address == "auto":
@@ -200,9 +200,9 @@ def connect(config: RayWorkers, joined: str | None = None):
     # busy process on the node starves them (beside two busy loops an actor took ~95 s to start)
     os.environ.setdefault("RAY_worker_niceness", "0")
     kwargs["resources"] = {**kwargs.get("resources", {}), PRIVATE: 1}  # marked: no other loader joins it
-    ray.init(address="local", **kwargs)
+    context = ray.init(address="local", **kwargs)
     log.info(
         "fusionflow started a local Ray instance for its remote workers (%s CPUs)",
         ray.cluster_resources().get("CPU"),
     )
-    return ray, True
+    return ray, True, context.address_info.get("session_dir")

@@ -93,11 +93,11 @@ class Gateway:
         from fusionflow.remote.actors import RemoteActors
 
         spec = self.spec
-        self.ray, started = remote_config.connect(self.config, spec["joined"])
+        self.ray, started, session_dir = remote_config.connect(self.config, spec["joined"])
         self.actors = RemoteActors(self.ray, self.config, spec)
         self.actors.start_up()
         self._watch_probes()
-        self.send(("started", {"started_instance": started, "actors": self.table()}))
+        self.send(("started", {"started_instance": started, "session_dir": session_dir, "actors": self.table()}))
         self.pulse = Pulse(self.send, find_raylet(_raylet_socket(self.ray)))
         self.pulse.start()
 

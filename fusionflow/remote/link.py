@@ -16,9 +16,11 @@ under it (a raylet's agents) -- so no Ray process of ours outlives the loader.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -87,6 +89,7 @@ class GatewayLink:
         os.set_inheritable(self.conn.fileno(), False)
         self._hello = pickle.dumps({"sys_path": list(sys.path), "spec": spec_bytes})  # sent by wait_started
         self.last_error: str | None = None  # the last Ray error the gateway reported
+        self.session_dir: str | None = None  # the Ray instance the gateway started for itself: its session folder
 
     def wait_started(self, timeout: float) -> dict:
         """The gateway's ("started", info), after forwarding its log records; raises the error it
@@ -169,6 +172,7 @@ class GatewayLink:
         left = kill_session(self.pid)
         if left:
             log.warning("remote_workers: processes %s of the Ray gateway's session did not exit", left)
+        remove_session_dir(self.session_dir)
 
     def close(self) -> None:
         """Close the socket (after its reader has ended: the gateway's death is its EOF)."""
@@ -178,6 +182,19 @@ class GatewayLink:
         """A gateway that never got a reader (its start-up failed or was cut short): kill, close."""
         self.kill()
         self.close()
+
+
+def remove_session_dir(path: str | None) -> None:
+    """The session folder of a Ray instance a gateway started for itself (its logs and sockets: tens of MB, left under
+    /tmp/ray by every run until session 39), once its processes are gone; Ray's session_latest link too if it names
+    it. Ray leaves the folders of instances it did not start to whoever started them."""
+    if not path or not os.path.basename(path.rstrip("/")).startswith("session_"):
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    latest = os.path.join(os.path.dirname(path.rstrip("/")), "session_latest")
+    with contextlib.suppress(OSError):
+        if os.path.basename(os.readlink(latest).rstrip("/")) == os.path.basename(path.rstrip("/")):
+            os.unlink(latest)
 
 
 def forward_log(event) -> None:
