@@ -188,12 +188,13 @@ def remove_session_dir(path: str | None) -> None:
     """The session folder of a Ray instance a gateway started for itself (its logs and sockets: tens of MB, left under
     /tmp/ray by every run until session 39), once its processes are gone; Ray's session_latest link too if it names
     it. Ray leaves the folders of instances it did not start to whoever started them."""
-    if not path or not os.path.basename(path.rstrip("/")).startswith("session_"):
+    path = (path or "").rstrip("/")
+    if not os.path.basename(path).startswith("session_"):
         return
     shutil.rmtree(path, ignore_errors=True)
-    latest = os.path.join(os.path.dirname(path.rstrip("/")), "session_latest")
+    latest = os.path.join(os.path.dirname(path), "session_latest")
     with contextlib.suppress(OSError):
-        if os.path.basename(os.readlink(latest).rstrip("/")) == os.path.basename(path.rstrip("/")):
+        if os.path.basename(os.readlink(latest).rstrip("/")) == os.path.basename(path):
             os.unlink(latest)
 
 

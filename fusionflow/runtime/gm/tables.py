@@ -36,7 +36,7 @@ import posix_ipc
 
 from fusionflow.runtime.gm.timing import GM_SILENT_S, START_S
 from fusionflow.runtime.procs import is_stopped, pid_alive
-from fusionflow.runtime.shm import unlink
+from fusionflow.runtime.shm import SHM_DIR, unlink
 from fusionflow.runtime.userdir import flock_within
 
 PREFIX = "/ff_gm_"
@@ -252,10 +252,10 @@ class Tables:
     def unlink(self) -> None:
         """Remove the table's name -- only while it still names this mapping's segment: a later job's loader may
         have replaced a table it judged stale by a new one under the same name, which must stay findable."""
-        if self._fd is None or self.removed:
+        if self._fd is None:
             return
         try:
-            named = os.stat(f"/dev/shm/{self.name.lstrip('/')}")
+            named = os.stat(os.path.join(SHM_DIR, self.name.lstrip("/")))
         except FileNotFoundError:
             return
         mine = os.fstat(self._fd)
