@@ -7,9 +7,12 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
+
+UNSHARDED = "gives every rank the whole dataset"  # fusionflow/loader/delivery.py warn_if_unsharded
 
 
 def timm_loader(root: str, repeats: int):
@@ -45,16 +48,28 @@ def main(kind: str, root: str, out_dir: str, repeats: int) -> None:
     loader = (timm_loader if kind == "timm" else torchvision_loader)(root, repeats)
     seen = {}
     try:
-        for epoch in range(2):
-            loader.sampler.set_epoch(epoch)  # as both scripts do
-            # a sample's pixels by their hash (a sum would not tell a crop from its mirror image)
-            seen[epoch] = [
-                (int(t), hashlib.sha1(x[i].numpy().tobytes()).hexdigest()) for x, y in loader for i, t in enumerate(y)
-            ]
+        with warnings.catch_warnings(record=True) as caught:  # a sampler that deals shares: never warned about
+            warnings.simplefilter("always")
+            for epoch in range(2):
+                loader.sampler.set_epoch(epoch)  # as both scripts do
+                # a sample's pixels by their hash (a sum would not tell a crop from its mirror image)
+                seen[epoch] = [
+                    (int(t), hashlib.sha1(x[i].numpy().tobytes()).hexdigest())
+                    for x, y in loader
+                    for i, t in enumerate(y)
+                ]
     finally:
         loader.close()
+    from fusionflow import FusionFlowLoader, ImageFolder
+
+    # the script Lightning or Accelerate would run: shuffle=True, no DistributedSampler (they insert one into
+    # DataLoaders only): every rank would read the whole set, which the loader says
+    with warnings.catch_warnings(record=True) as plain, FusionFlowLoader(ImageFolder(root), 4, shuffle=True) as whole:
+        warnings.simplefilter("always")
+        next(iter(whole))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"seen": seen, "sampler": type(loader.sampler).__name__}, f)
+        unsharded = [sum(UNSHARDED in str(w.message) for w in ws) for ws in (caught, plain)]
+        json.dump({"seen": seen, "sampler": type(loader.sampler).__name__, "unsharded": unsharded}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -730,3 +730,38 @@ def test_sizing_shared_memory_leaves_a_batch_samplers_state_and_the_rng_streams_
     dl = DataLoader(Raw(), batch_sampler=reference, collate_fn=_as_list)
     assert torch.equal(torch.rand(3), after) and sampler.passes == 1  # the epoch's pass only
     assert ours == [[t for _, t in batch] for batch in dl]
+
+
+def test_under_ddp_a_sampler_that_gives_every_rank_the_whole_set_is_warned_about(monkeypatch):
+    """torch's stock samplers under DDP (world size > 1) deal each rank the whole set: what a Lightning or
+    Accelerate script gets, as they put a DistributedSampler into torch DataLoaders only. Iterating warns at the
+    script's line; a DistributedSampler, a sampler of the script's own class, or one process does not. (Real
+    ranks under torchrun: tests/test_timm_loader.py.)"""
+    import warnings
+
+    from torch.utils.data import BatchSampler, DistributedSampler, SequentialSampler
+
+    from fusionflow.loader import delivery
+
+    class Halves(torch.utils.data.Sampler):  # the script's own: it may shard, not judged
+        def __iter__(self):
+            return iter(range(0, 8, 2))
+
+        def __len__(self):
+            return 4
+
+    def warned(world: int, **kw) -> list:
+        monkeypatch.setattr(delivery, "torch_rank_world", lambda: (1, world))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with FusionFlowLoader(Raw(), policy=EXACT, **kw) as loader:
+                next(iter(loader))
+        return [w for w in caught if "gives every rank the whole dataset" in str(w.message)]
+
+    (w,) = warned(4, batch_size=4, shuffle=True)
+    assert "rank 1 of 4" in str(w.message) and "RandomSampler" in str(w.message) and "read 4 times" in str(w.message)
+    assert w.filename == __file__  # at the line that iterates, where Python's filter shows it once
+    assert len(warned(2, batch_sampler=BatchSampler(SequentialSampler(range(8)), 4, False))) == 1
+    assert warned(4, batch_size=4, sampler=DistributedSampler(Raw(), num_replicas=4, rank=1)) == []
+    assert warned(4, batch_size=4, sampler=Halves()) == []
+    assert warned(1, batch_size=4, shuffle=True) == []

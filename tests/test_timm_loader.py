@@ -388,7 +388,9 @@ def test_worker_seeding_callable_and_part(folder):
 def test_two_ranks_under_torchrun_get_their_sampler_s_shares(singles, tmp_path, kind, repeats):
     """timm's train.py (distributed=True, num_aug_repeats) and torchvision's (its own DistributedSampler or
     RASampler kept, FusionFlowLoader in DataLoader's place): each rank gets what the sampler deals it --
-    disjoint halves whose union is the dataset; with 3 repeats a repeated index augmented anew."""
+    disjoint halves whose union is the dataset; with 3 repeats a repeated index augmented anew. A loader over
+    the same set with shuffle=True and no distributed sampler (what Lightning or Accelerate leave to a
+    FusionFlowLoader) warns that every rank reads the whole set; the sharded ones do not."""
     import json
     import os
     import subprocess
@@ -432,6 +434,8 @@ def test_two_ranks_under_torchrun_get_their_sampler_s_shares(singles, tmp_path, 
                 by_target.setdefault(t, []).append(digest)
             repeated = [v for v in by_target.values() if len(v) > 1]
             assert repeated and all(len(set(v)) == len(v) for v in repeated)  # each copy its own augmentation
+    for rank in range(2):  # DDP: no warning about the sampler's shares; one for a loader that has none
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text())["unsharded"] == [0, 1]
 
 
 def test_transform_arguments_reach_the_policy(folder):

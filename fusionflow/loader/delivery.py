@@ -149,3 +149,35 @@ def torch_rank_world() -> tuple[int, int]:
 def distributed() -> bool:
     """Whether this process is one rank of several (torch.distributed initialised, world size > 1)."""
     return torch_rank_world()[1] > 1
+
+
+# torch's samplers that deal every rank the whole dataset (a subclass may shard: not judged)
+_WHOLE_SET = (
+    torch.utils.data.RandomSampler,
+    torch.utils.data.SequentialSampler,
+    torch.utils.data.SubsetRandomSampler,
+    torch.utils.data.WeightedRandomSampler,
+)
+
+
+def warn_if_unsharded(sampler, stacklevel: int) -> bool:
+    """Under DDP, warn (at the caller's `stacklevel`) when the loader's sampler is one of torch's stock samplers,
+    which give every rank the whole dataset: what a script gets from a framework that puts a DistributedSampler
+    into torch DataLoaders only (PyTorch Lightning's `use_distributed_sampler`, Accelerate's `prepare`), each
+    sample then trained on once per rank an epoch. Python shows it once per line that iterates. Whether it warned."""
+    if type(sampler) not in _WHOLE_SET:
+        return False
+    rank, world = torch_rank_world()
+    if world <= 1:
+        return False
+    warnings.warn(
+        f"FusionFlowLoader: this process is rank {rank} of {world} (torch.distributed), but the loader's sampler, "
+        f"a {type(sampler).__name__}, gives every rank the whole dataset: each sample is read {world} times an "
+        "epoch. Pass sampler=torch.utils.data.DistributedSampler(dataset) (and call loader.set_epoch(epoch) each "
+        "epoch); PyTorch Lightning and Hugging Face Accelerate insert one into a torch DataLoader only, never into "
+        "a FusionFlowLoader. If each rank is meant to read the whole set (evaluation on one rank, a dataset split "
+        "per rank already), ignore this warning.",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return True

@@ -17,6 +17,7 @@ from torch.utils.data import Sampler
 from fusionflow.accel.config import DaliAccelerator
 from fusionflow.loader.config import resolve_config
 from fusionflow.loader.dataset import adopt_folder
+from fusionflow.loader.delivery import warn_if_unsharded
 from fusionflow.loader.epoch import InlineIterator, WorkerIterator
 from fusionflow.loader.parts import LoaderParts
 from fusionflow.loader.stats import LoaderStats  # noqa: F401 (re-exported, as the loader module always did)
@@ -126,6 +127,10 @@ class FusionFlowLoader:
     Augmentation is a pure function of (seed, epoch, sample index). `set_epoch` sets the epoch (and
     forwards it to a DistributedSampler); an iteration that was not preceded by `set_epoch` uses the
     previous epoch + 1, so forgetting it never repeats last epoch's augmentation.
+
+    DDP: the sampler deals each rank its share (a DistributedSampler, as with DataLoader). Iterating with one of
+    torch's stock samplers under DDP, where each rank would read the whole set, warns: PyTorch Lightning and
+    Accelerate put a DistributedSampler into torch DataLoaders only, never into this loader.
 
     Repeated augmentation: a sampler that yields an index several times in an epoch (timm's/DeiT's and
     torchvision's RASampler) gets a different augmentation for every copy. Each sample carries a copy
@@ -283,6 +288,7 @@ class FusionFlowLoader:
 
     def __iter__(self):
         """A new epoch: its iterator (it starts the workers, if they are not running, at its first next())."""
+        warn_if_unsharded(self.config.sampler, stacklevel=2)  # DDP without a DistributedSampler: each rank reads all
         epoch, progress = self.parts.checkpoint.begin()
         kind = InlineIterator if self.config.num_workers == 0 else WorkerIterator
         return kind(self.parts, self.config, epoch, progress)
