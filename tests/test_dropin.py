@@ -222,36 +222,55 @@ def test_already_transformed_samples_read_by_workers_say_so():
             next(iter(loader))
 
 
-def test_seed_default_is_reproducible_and_differs_between_loaders_as_dataloaders_base_seed():
-    """seed=None: derived from the state of torch's generator (or of `generator`), read not drawn. As DataLoader's
-    base seeds: re-seeding reproduces (a notebook cell re-run), two loaders built back to back differ, a loader built
-    anew after an epoch differs (they all took torch.initial_seed() and augmented alike), and loaders given equal
-    fresh generators agree."""
+def _first(loader):
+    """The first batch's images (an epoch starts: a seed=None loader draws its seed)."""
+    return next(iter(loader))[0]
+
+
+def test_seed_default_is_the_first_epochs_base_seed_as_dataloader_draws_it():
+    """seed=None: the base seed the first epoch draws where DataLoader's iterator draws its own (no extra draw), kept
+    after. So, as with DataLoader: re-seeding before the first epoch reproduces -- also after the loader was built,
+    and a notebook cell (seed, build) run twice --, two loaders differ even zipped, a loader built anew differs
+    (until session 40 the seed was read at construction: none of the three held), equal fresh generators agree."""
     state = torch.get_rng_state()
+
+    def make(**kw):
+        return FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, **kw)
+
     try:
         torch.manual_seed(1234)
-        a, b = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT), FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)
-        assert a.seed != b.seed
-        xa, xb = next(iter(a))[0], next(iter(b))[0]
-        assert not torch.equal(xa, xb)
-        c = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)  # built after epochs drew from the generator
-        assert c.seed not in (a.seed, b.seed)
+        base = iter(DataLoader(Raw(), batch_size=4))._base_seed  # DataLoader's draw, the reference
         torch.manual_seed(1234)
-        again = FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)
-        assert again.seed == a.seed and torch.equal(next(iter(again))[0], xa)
-        torch.manual_seed(99)
-        assert FusionFlowLoader(Raw(), batch_size=4, policy=EXACT).seed != a.seed
-        seeded = [FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, generator=torch.Generator().manual_seed(77))]
-        seeded.append(FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, generator=torch.Generator().manual_seed(77)))
-        assert seeded[0].seed == seeded[1].seed != a.seed  # each its own generator, in the same state
-        gen = torch.Generator().manual_seed(77)
-        assert FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, seed=5, generator=gen).seed == 5
+        a, b = make(), make()
+        assert a.seed is None and b.seed is None  # not drawn before the first epoch
+        xa, xb = _first(a), _first(b)
+        assert a.seed == base and b.seed not in (None, base) and not torch.equal(xa, xb)
+        for _ in a:  # later epochs keep it
+            pass
+        assert a.seed == base
+        c = make()
+        assert not torch.equal(_first(c), xa) and c.seed not in (a.seed, b.seed)
+        late = make()
+        torch.manual_seed(1234)  # after construction, before the first epoch: DataLoader reproduces, so does this
+        assert torch.equal(_first(late), xa)
+        torch.manual_seed(1234)
+        make()
+        torch.manual_seed(1234)  # the same cell run twice
+        assert torch.equal(_first(make()), xa)
+        torch.manual_seed(1234)
+        p, q = make(), make()
+        for (xp, _), (xq, _) in zip(p, q):  # both iterators made before either draws
+            assert p.seed != q.seed and not torch.equal(xp, xq)
+            break
+        seeded = [make(generator=torch.Generator().manual_seed(77)) for _ in range(2)]
+        assert torch.equal(_first(seeded[0]), _first(seeded[1])) and seeded[0].seed == seeded[1].seed != a.seed
+        assert make(seed=5, generator=torch.Generator().manual_seed(77)).seed == 5
     finally:
         torch.set_rng_state(state)
 
 
 def test_a_seeded_script_repeats_its_loaders_seeds_and_two_loaders_differ():
-    """Launches of one script calling torch.manual_seed(1234) build the same two loaders' seeds, different from each
+    """Launches of one script calling torch.manual_seed(1234) draw the same two loaders' seeds, different from each
     other; a launch seeded 99 gets others."""
     import subprocess
     import sys
@@ -259,8 +278,10 @@ def test_a_seeded_script_repeats_its_loaders_seeds_and_two_loaders_differ():
     code = (
         "import sys, torch\n"
         "from fusionflow.loader import FusionFlowLoader\n"
+        "from fusionflow.tools.synthetic import make_jpegs\n"
         "torch.manual_seed(int(sys.argv[1]))\n"
-        "print([FusionFlowLoader([(b'x', 0)], batch_size=1, policy='default').seed for _ in range(2)])"
+        "loaders = [FusionFlowLoader([(j, 0) for j in make_jpegs(2, 16, 17)], policy='default') for _ in range(2)]\n"
+        "print([next(iter(ld)) and ld.seed for ld in loaders])"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -274,21 +295,28 @@ def test_a_seeded_script_repeats_its_loaders_seeds_and_two_loaders_differ():
 
 
 def test_seed_default_does_not_consume_torch_rng():
+    """Building draws nothing; an epoch draws what DataLoader's iterator draws (its base seed) and no more."""
     torch.manual_seed(5)
+    for _ in DataLoader(Raw(), batch_size=4):
+        pass
     expected = torch.rand(3)
     torch.manual_seed(5)
-    FusionFlowLoader(Raw(), batch_size=4, policy=EXACT)
+    for _ in FusionFlowLoader(Raw(), batch_size=4, policy=EXACT):
+        pass
     assert torch.equal(torch.rand(3), expected)
 
 
 def test_launches_without_manual_seed_differ():
-    """A fresh process (torch seeds itself from the OS) gets a fresh seed; DataLoader's base seed does too."""
+    """A fresh process (torch seeds itself from the OS) draws a fresh seed; DataLoader's base seed does too."""
     import subprocess
     import sys
 
     code = (
         "from fusionflow.loader import FusionFlowLoader\n"
-        "print(FusionFlowLoader([(b'x', 0)], batch_size=1, policy='default').seed)"
+        "from fusionflow.tools.synthetic import make_jpegs\n"
+        "ld = FusionFlowLoader([(j, 0) for j in make_jpegs(2, 16, 17)], policy='default')\n"
+        "next(iter(ld))\n"
+        "print(ld.seed)"
     )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     seeds = {

@@ -30,7 +30,6 @@ CPU_HOST = dict(
     device_count=lambda: 0,
     has_dali=lambda: False,
     job_key=lambda: None,
-    derive_seed=lambda generator: 123 if generator is None else generator.initial_seed(),  # (a stand-in)
 )
 GPU = dict(cuda_available=lambda: True, current_device=lambda: 1, device_count=lambda: 2)
 DALI = dict(GPU, has_dali=lambda: True)
@@ -55,7 +54,7 @@ RESOLVED = [
             capacity=1,
             tiny_batch_size=1,
             prefetch_factor=2,
-            seed=123,
+            seed=None,
             seed_given=False,
             device=torch.device("cpu"),
             accelerator=None,
@@ -77,7 +76,7 @@ RESOLVED = [
     ),  # batch_size None beside a batch_sampler, as DataLoader's
     (dict(num_workers=2, prefetch_factor=3), None, dict(prefetch_factor=3)),
     (dict(seed=7), None, dict(seed=7, seed_given=True)),
-    (dict(generator=torch.Generator().manual_seed(5)), None, dict(seed=5, seed_given=False)),
+    (dict(generator=torch.Generator().manual_seed(5)), None, dict(seed=None, seed_given=False)),
     (dict(num_workers=2), dict(job_key=lambda: "torchrun:x"), dict(job="torchrun:x")),
     (dict(num_workers=2, global_manager="train"), None, dict(job="train")),
     (dict(num_workers=0, global_manager="train"), None, dict(job=None)),  # no workers: nothing to lend
@@ -262,7 +261,6 @@ def test_host_facts_are_asked_only_when_an_argument_needs_them():
             device_count=never,
             has_dali=never,
             job_key=never,
-            derive_seed=never,
         ),
     )
 

@@ -260,6 +260,7 @@ class Checkpoint:
         self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
         self.loaded: dict | None = None  # the state load_state_dict took, while nothing has moved since
         self._base_seed: int | None = None  # the newest epoch's base seed (`base_seed`)
+        self._settled: tuple | None = None  # (a seedless configuration, it with the seed drawn): `settled`
 
     def set_epoch(self, epoch: int, sampler) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
@@ -316,7 +317,27 @@ class Checkpoint:
         self._base_seed = base_seed(generator) if seed is None else seed
         return self._base_seed
 
-    def state_dict(self, shape: dict, seed: int, batch_sampler, sampler, draws_first=None) -> dict:
+    def settled(self, config):
+        """`config` with the augmentation seed in use, after the epoch's `base_seed`: its own, or for seed=None the
+        first epoch's base seed -- drawn where DataLoader draws its iterators' (from the loader's generator, else
+        torch's), so a script seeding torch before its first epoch reproduces, a loader built anew draws anew, and
+        two loaders zipped draw two -- kept for every epoch after (the same object: next_epoch.py adopts by it)."""
+        if config.seed is not None:
+            return config
+        if self._settled is None or self._settled[0] is not config:
+            self._settled = (config, config.with_config(seed=self._base_seed))
+        return self._settled[1]
+
+    @property
+    def seed(self) -> int | None:
+        """The seed drawn for a loader given none (`settled`), None before its first epoch starts."""
+        return None if self._settled is None else self._settled[1].seed
+
+    def forget_seed(self) -> None:
+        """A state without a seed was loaded (saved before any epoch started): the next epoch draws one anew."""
+        self._settled = None
+
+    def state_dict(self, shape: dict, seed: int | None, batch_sampler, sampler, draws_first=None) -> dict:
         """See FusionFlowLoader.state_dict; `shape`: the loader's dataset_len, batch_size,
         drop_last and num_batches."""
         cur = self.current

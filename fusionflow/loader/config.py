@@ -29,7 +29,7 @@ from fusionflow.loader.batch_capacity import batch_capacity
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
 from fusionflow.policy import load_policy
-from fusionflow.runtime.host import Host, default_seed, resolve_device, resolve_pin_memory
+from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 
 log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
 ON_ERROR = ("raise", "skip")
@@ -52,8 +52,8 @@ class LoaderConfig:
     on_error: str
     max_retries: int
     pin_workers: bool | str
-    seed: int
-    seed_given: bool  # False: derived (torch's initial seed, or the generator's)
+    seed: int | None  # None: the first epoch's base seed, once drawn (loader/checkpoint.py `Checkpoint.settled`)
+    seed_given: bool  # False: derived
     device: torch.device  # "cpu", or "cuda" with its index resolved
     policy: Any  # the frozen Policy
     accelerator: str | None  # None, "dali-cpu" or "dali-gpu" ("auto" and a DaliAccelerator resolved)
@@ -227,15 +227,14 @@ def note_unused_knobs(accelerator, loose: dict, notes: list) -> None:
         )
 
 
-def resolve_seed(seed, generator, host: Host | None = None) -> int:
+def resolve_seed(seed, generator) -> int | None:
+    """The seed as given, checked (None: the loader takes its first epoch's base seed, drawn when it starts)."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
-    if seed is None:
-        seed = host.derive_seed(generator) if host is not None else default_seed(generator)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(
-            f"seed={seed!r} must be a non-negative integer (or None: derived from the state of torch's "
-            "generator, or of generator's)"
+            f"seed={seed!r} must be a non-negative integer (or None: drawn as the first epoch starts, from "
+            "generator if given, else from torch's generator, as DataLoader draws its base seed)"
         )
     return seed
 
@@ -332,7 +331,7 @@ def resolve_config(
     tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
     prefetch = resolve_prefetch(prefetch_factor, num_workers)
     check_run_options(persistent_workers, num_workers, timeout, on_error, max_retries, pin_workers)
-    seed_given, seed = seed is not None, resolve_seed(seed, generator, host)
+    seed_given, seed = seed is not None, resolve_seed(seed, generator)
     resolved = resolve_device(device, host)
     pinning = resolve_pinning(pin_memory, pin_memory_device, in_order, resolved, host, notes)
     policy = resolve_policy(policy)

@@ -174,6 +174,7 @@ class WorkerIterator(EpochIterator):
 
     def _start(self) -> None:
         seed = self._checkpoint.base_seed(self.config.generator)  # every epoch, as DataLoader's iterator draws one
+        self.config = self._checkpoint.settled(self.config)  # seed=None: the first epoch's base seed
         self._mgr = mgr = self._runtime.start(self.config, self._delivery.alloc_device, seed)
         copies = self._copies = copies_for(self.config.sampler)
         # (indices, copy numbers) of each mini-batch; the generator must not refer to self (no cycle:
@@ -305,8 +306,8 @@ class InlineIterator(EpochIterator):
     def _start(self) -> None:
         from fusionflow.ops.pipeline import CpuPipeline
 
-        cfg = self.config
-        self._checkpoint.base_seed(cfg.generator)  # unused here (no worker to seed), drawn as DataLoader's iterator
+        self._checkpoint.base_seed(self.config.generator)  # drawn as DataLoader's iterator draws it
+        cfg = self.config = self._checkpoint.settled(self.config)  # seed=None: the first epoch's base seed
         cache = self._runtime.cache(cfg)
         self._pipe = CpuPipeline(cfg.policy, cache=cache.reader() if cache is not None else None)
         self._buf = np.empty((cfg.capacity, *cfg.policy.out_shape), cfg.policy.out_dtype)

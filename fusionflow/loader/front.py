@@ -85,11 +85,11 @@ class FusionFlowLoader:
     runs on the GPU
     when device is CUDA).
 
-    `seed`: None (the default) derives it once per loader from the state of `generator` if given, else of torch's
-    generator -- read, not drawn, so a shuffle's order stays DataLoader's -- and from how many loaders were built
-    at that state before: different at every launch and for every loader, unless the script calls
-    `torch.manual_seed`, which makes it reproducible (runtime/host.py `default_seed`). Pass an int to
-    fix it (e.g. to resume a run with the same augmentation); `loader.seed` holds the one in use.
+    `seed`: None (the default) takes the base seed the first epoch draws where DataLoader's iterator draws its own
+    (from `generator` if given, else from torch's generator; no extra draw, so a shuffle's order stays DataLoader's):
+    different at every launch and for every loader, reproducible where the script calls `torch.manual_seed` before
+    its first epoch; kept for the loader's later epochs. Pass an int to fix it (e.g. to resume a run with the same
+    augmentation); `loader.seed` holds the one in use (None before the first epoch starts).
 
     The arguments are resolved once, at construction, into `loader.config`, a frozen LoaderConfig
     (fusionflow/loader/config.py: every default chosen, every value checked; nothing is started or built
@@ -263,7 +263,13 @@ class FusionFlowLoader:
     policy = _configured("policy", "The frozen augmentation Policy.")
     tiny_batch_size = _configured("tiny_batch_size", "Samples per tiny-batch.")
     capacity = _configured("capacity", "The largest mini-batch (shared memory is sized for it).")
-    seed = _configured("seed", "The augmentation seed in use (a state loaded with load_state_dict sets it).")
+
+    @property
+    def seed(self) -> int | None:
+        """The augmentation seed in use: as given, or loaded with load_state_dict, or (seed=None) drawn as the first
+        epoch starts (None until then)."""
+        return self.config.seed if self.config.seed is not None else self.parts.checkpoint.seed
+
     device = _configured("device", "Where batches are delivered (torch.device).")
     on_error = _configured("on_error", "'raise' or 'skip': what a sample that fails does.")
     max_retries = _configured("max_retries", "Worker deaths a sample may cause before its batch fails.")
@@ -317,7 +323,7 @@ class FusionFlowLoader:
         too, while the original loader, iterated again, starts its next epoch (as DataLoader does)."""
         cfg = self.config
         # (an epoch's start draws its base seed before the sampler draws: runtime/spec.py base_seed)
-        return self.parts.checkpoint.state_dict(self._shape(), cfg.seed, cfg.batch_sampler, cfg.sampler, cfg.generator)
+        return self.parts.checkpoint.state_dict(self._shape(), self.seed, cfg.batch_sampler, cfg.sampler, cfg.generator)
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`: the next iteration continues where that loader was. The state's
@@ -327,6 +333,11 @@ class FusionFlowLoader:
         self.parts.checkpoint.load_state_dict(state, self._shape(), cfg.batch_sampler, cfg.sampler)
         self.parts.next_epoch.discard()
         seed = state["seed"]
+        if seed is None:  # saved before any epoch started: none drawn yet (this loader draws its own anew)
+            if not cfg.seed_given and self.seed is not None:
+                self.parts.runtime.stop()  # running workers hold the seed drawn before
+                self.parts.checkpoint.forget_seed()
+            return
         if cfg.seed_given and seed != cfg.seed:
             warnings.warn(
                 f"seed={cfg.seed} was given, but the state was saved with seed={seed}: the state's seed "
@@ -334,9 +345,10 @@ class FusionFlowLoader:
                 UserWarning,
                 stacklevel=2,
             )
+        if self.seed != seed:
+            self.parts.runtime.stop()  # running workers hold the old seed
         if cfg.seed != seed:
             self.config = cfg.with_config(seed=seed)
-            self.parts.runtime.stop()  # running workers hold the old seed
 
     def _shape(self) -> dict:
         """What a state is checked against: a state fits only a loader of the same shape."""

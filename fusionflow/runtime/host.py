@@ -6,7 +6,6 @@ arguments (the accelerator, the bridge, the job, remote workers) are resolved in
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,32 +28,6 @@ def _job_key():
     return job_key()
 
 
-_READ_AT = [None, 0]  # the generator state the last derived seed was read at, and how many loaders read it there
-
-
-def default_seed(generator=None) -> int:
-    """seed=None: derived once per loader (augmentation is a function of (seed, epoch, index), so it must not change
-    between epochs) from the state of `generator` if given, else of torch's global generator -- read, not drawn: the
-    caller's random stream, and so a shuffle's order, stay DataLoader's -- and from how many loaders were built at
-    that same state of that same generator before (two built back to back). So, as with DataLoader, whose iterators
-    each draw a base seed: a script calling torch.manual_seed is reproducible (a notebook cell re-run too), two
-    loaders of one script do not augment alike, nor does a loader built anew after an epoch (which drew from the
-    generator), and two launches without manual_seed differ. (Until session 39 it was the generator's initial seed:
-    every loader of a process augmented alike.) `generator_moved` restarts the count whenever FusionFlow draws."""
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
-    state = (generator.get_state() if generator is not None else torch.get_rng_state()).numpy().tobytes()
-    key = (id(generator), hashlib.blake2b(state, digest_size=16).digest())
-    k = _READ_AT[1] + 1 if _READ_AT[0] == key else 0
-    _READ_AT[:] = [key, k]
-    return int.from_bytes(hashlib.blake2b(key[1] + k.to_bytes(8, "little"), digest_size=8).digest(), "little") % 2**63
-
-
-def generator_moved() -> None:
-    """FusionFlow drew from a generator (an epoch's base seed): a loader built next reads a state of its own."""
-    _READ_AT[:] = [None, 0]
-
-
 @dataclass(frozen=True)
 class Host:
     """What resolution reads from this process, each asked only when an argument needs it (a CPU
@@ -67,7 +40,6 @@ class Host:
     device_count: Callable[[], int] = lambda: torch.cuda.device_count()
     has_dali: Callable[[], bool] = lambda: _has_dali()
     job_key: Callable[[], Any] = lambda: _job_key()  # the torchrun job (global_manager="auto"), or None
-    derive_seed: Callable[[Any], int] = lambda generator: default_seed(generator)  # seed=None
 
 
 def resolve_device(device, host: Host, who: str = "FusionFlowLoader") -> torch.device:

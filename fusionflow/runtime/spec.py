@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from fusionflow.runtime.host import generator_moved
 from fusionflow.runtime.shm import RingLayout
 
 
@@ -43,7 +42,6 @@ def base_seed(generator=None) -> int:
     its order differs from its own without them), and a state resumes in a loader of either kind. Drawn at the
     epoch's first next() (FusionFlow's iterators start lazily), where DataLoader draws it at iter(): RNG draws made
     between the two (two loaders zipped) come in another order than DataLoader's."""
-    generator_moved()  # (a loader built next derives its seed from a state of its own: runtime/host.py)
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 

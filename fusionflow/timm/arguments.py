@@ -277,6 +277,8 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     samples = timm_samples(base)
     sampler = build_sampler(base, a)
     seed = resolve_seed(loader_kwargs.pop("seed", None), loader_kwargs.get("generator"))
+    if seed is None:  # drawn now: timm's worker seeding is made here, before the loader's first epoch
+        seed = int(torch.randint(2**62, ()).item())
     if a.is_training and sampler is None and "generator" not in loader_kwargs:
         # the shuffle's own generator, seeded once from torch's: an order drawn from the global generator
         # would move with every draw the training process makes (the prefetcher's erasing noise, dropout),
