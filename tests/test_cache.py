@@ -548,6 +548,37 @@ def test_a_stopped_lock_holder_costs_a_fill_not_the_run(monkeypatch):
     os.close(fd)
 
 
+def test_a_stopped_lock_holder_is_seen_and_not_waited_for(monkeypatch):
+    """A paused job's worker (SIGSTOP) holding the record lock of a cache it shares: another job's miss used to wait
+    LOCK_S (10 s) on every miss, its attach 10 s more. The holder is looked up (F_GETLK) and seen stopped: the fill
+    is given up at once and none is tried for FILL_BACKOFF_S, the sample made uncached; counting rows gives up too."""
+    from fusionflow.cache import reader as reader_module
+    from fusionflow.cache import store as st
+
+    fd = keeper.segment(None)
+    store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
+    claims = []
+    real_claim = store.claim
+    monkeypatch.setattr(store, "claim", lambda *a: claims.append(a[0]) or real_claim(*a))
+    with held_by_a_stopped_process(CacheStore(fd)._locked) as holder:
+        while not is_stopped(holder):  # (it stops itself right after taking the lock)
+            time.sleep(0.01)
+        pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
+        t0 = time.monotonic()
+        assert pipe(JPEGS[0], 0, 0, 0).shape == (3, 32, 32)
+        assert pipe(JPEGS[1], 1, 0, 0).shape == (3, 32, 32)  # within the back-off: no fill tried
+        with pytest.raises(TimeoutError, match="stopped process"):
+            store.claim_rows(2, os.getpid())
+        assert time.monotonic() - t0 < st.LOCK_S / 2  # (a generous bound: each wait ends after ~10 ms)
+        assert claims == [0] and store.counts([])["entries"] == 0
+    monkeypatch.setattr(reader_module, "FILL_BACKOFF_S", 0.0)
+    pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
+    pipe(JPEGS[1], 1, 0, 0)  # the holder gone: filled
+    assert store.counts([])["entries"] == 1
+    store.close()
+    os.close(fd)
+
+
 def test_a_cache_on_a_local_disk_leaves_no_file(tmp_path):
     loader = FusionFlowLoader(
         Indexed(),

@@ -531,6 +531,26 @@ def test_a_table_whose_gm_is_only_stopped_is_not_taken_for_stale():
         t.unlink()
 
 
+def test_a_closing_table_whose_gm_is_stopped_is_taken_for_stale():
+    """A GM stopped after it marked its table CLOSING (no loader left) and before unlinking it: every later loader of
+    the job retried joining for ~5 s and ran without lending, at each start, while it stayed stopped. Such a table
+    serves nobody: it is replaced (its GM, continued, unlinks only a name still its own)."""
+    from fusionflow.runtime.gm.link import GMLink
+
+    t = gt.Tables.create(gt.table_name(job()))
+    gm = subprocess.Popen(["sleep", "120"])
+    try:
+        os.kill(gm.pid, signal.SIGSTOP)
+        assert wait_until(lambda: is_stopped(gm.pid))
+        t.header["gm_pid"] = gm.pid
+        t.header["state"] = gt.CLOSING
+        assert GMLink._stale(t) and not os.path.exists("/dev/shm" + t.name)
+    finally:
+        gm.kill()
+        gm.wait()
+        t.unlink()
+
+
 def test_a_table_unlinks_its_name_only_while_the_name_is_its_own():
     """A GM (or last loader) of a table another job's loader replaced under the same name must not remove the new
     table's name: the next loader of that job could not find it and would start a third."""

@@ -4,6 +4,7 @@ import contextlib
 import multiprocessing as mp
 import os
 import signal
+import struct
 import time
 import types
 import warnings
@@ -287,6 +288,24 @@ def test_a_stopped_helper_is_given_up_within_seconds_and_killed(no_leaks):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGCONT)
+
+
+def test_a_helper_stopped_in_the_middle_of_its_answer_is_given_up_within_seconds(no_leaks):
+    """An answer begun and not finished (a helper stopped while writing a reply larger than a pipe holds): the thread
+    waited in recv() until the accelerator's stall bound retired it. Now the rest must come within STOPPED_S. The
+    helper's pipe is swapped for one whose other end wrote a frame's length and ten bytes, then nothing."""
+    helper = InputHelper(HostInputs(load_policy(SMALL)), mp.get_context("fork"))
+    mine, theirs = mp.Pipe()
+    try:
+        os.write(theirs.fileno(), struct.pack("!i", 1 << 20) + b"x" * 10)
+        helper._conns[0] = mine
+        t0 = time.monotonic()
+        with pytest.raises(HelperGone, match="gone or its answer unreadable .*10 of 1048576"):
+            helper.columns([0], None, [(30, 30)], 0, 0)
+        assert time.monotonic() - t0 < helper.answer_bound() and not helper._procs  # its helpers closed
+    finally:
+        theirs.close()
+        helper.close()
 
 
 def test_a_running_helper_is_given_up_before_the_run_it_holds():

@@ -699,3 +699,21 @@ def test_a_producer_whose_publish_fails_leaves_no_descriptor_open(tmp_path, monk
         assert set(os.listdir("/proc/self/fd")) <= before
     finally:
         os.close(fd)
+
+
+def test_a_producer_stopped_in_the_middle_of_a_message_fails_the_client_within_its_timeout():
+    """A message begun and not finished (a producer SIGSTOPped while sending a batch with large targets, more than
+    the socket holds): the client waited in recv() for ever, whatever its timeout. Now the rest must come within it.
+    The producer's end here writes a frame's length and ten of its bytes, then nothing."""
+    import multiprocessing
+    from types import SimpleNamespace
+
+    mine, producers = multiprocessing.Pipe()
+    try:
+        os.write(producers.fileno(), struct.pack("!i", 1 << 20) + b"x" * 10)
+        client = SimpleNamespace(_conn=mine, producer=SimpleNamespace(pid=os.getpid()), timeout=0.5, name="half")
+        with pytest.raises(SharedLoaderError, match=r"'half' .* stopped in the middle of a message .*10 of 1048576"):
+            SharedLoaderClient._recv(client)
+    finally:
+        mine.close()
+        producers.close()

@@ -23,6 +23,7 @@ import logging
 import os
 import signal
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from fusionflow.accel.helper_reads import HelperReader, HelperRun, ReadFailed, T
 from fusionflow.accel.host_inputs import HostInputs
 from fusionflow.accel.run_read import RunRead, read_for_run, read_run
 from fusionflow.runtime import liveness
+from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.procs import OURS, interrupts_deferred, is_stopped
 from fusionflow.runtime.shm import forking_ours
 
@@ -166,8 +168,8 @@ class InputHelper:
                 conn.send(request(slice(a, b)))
             replies, asked = [], time.monotonic()
             for k, conn in enumerate(self._conns[:shares]):  # every answer read: the pipes stay in step
-                self._await_answer(k, conn, asked)
-                replies.append(conn.recv())
+                self._await_answer(k, conn, asked)  # begun: the rest within STOPPED_S (a helper stopped mid-write)
+                replies.append(ForkingPickler.loads(recv_whole(conn, rest_s=STOPPED_S)))
                 self._cpu[k] = replies[-1][2]
             took = time.monotonic() - asked
             self.answer_seconds = 0.8 * self.answer_seconds + 0.2 * took if self.answer_seconds else took

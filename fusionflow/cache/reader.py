@@ -23,6 +23,7 @@ from fusionflow.ops.decode import check_pixels
 log = logging.getLogger("fusionflow.cache")
 PACE_BURST_NS = 200_000_000  # paced filling: at most 0.2 s of fills saved up
 AUTO_SHARE = 0.1  # fill_share="auto": the share of time a process fills while its training loop waits
+FILL_BACKOFF_S = 5.0  # a fill that found the lock held by a stopped process (or busy): no fill tried for this long
 
 
 class CacheReader:
@@ -41,6 +42,7 @@ class CacheReader:
         self.broken: str | None = None  # why this process stopped using the cache
         self._fill_ns, self._started = 0, None  # fill time so far; the first lookup's time
         self._credit, self._last = 0.0, None  # paced filling: fill time allowed now (ns)
+        self._fill_after = 0  # perf_counter_ns before which no fill is tried (the lock's holder was stopped), or 0
 
     def source(self, data, index: int, what=None, max_pixels: int | None = None):
         """(image at the cache's resolution, (source h, w), hit) for encoded `data`, from the cache or
@@ -71,6 +73,8 @@ class CacheReader:
             row[st.R_SAVED_NS] += decode_ns
             return img, source, True
         row[st.R_MISSES] += 1
+        if self._fill_after and time.perf_counter_ns() < self._fill_after:
+            return None
         if not self.store.wants(index) or not self._may_fill():
             return None
         t0 = time.perf_counter_ns()
@@ -83,8 +87,10 @@ class CacheReader:
                 self.store.publish(index)
                 row[st.R_FILLS] += 1
                 row[st.R_FILL_BYTES] += img.nbytes
-        except TimeoutError:
-            pass  # the lock's holder is stopped: this sample stays uncached (a later epoch may fill it)
+        except (
+            TimeoutError
+        ):  # the lock's holder is stopped (a paused job's worker): uncached, and no fill tried a while
+            self._fill_after = time.perf_counter_ns() + int(FILL_BACKOFF_S * 1e9)
         row[st.R_FILL_NS] += spent
         took = time.perf_counter_ns() - t0  # pacing counts the claim and the copy too
         self._fill_ns += took

@@ -38,6 +38,7 @@ import fcntl
 import math
 import mmap
 import os
+import struct
 import threading
 import time
 import weakref
@@ -45,7 +46,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from fusionflow.runtime.procs import pid_alive
+from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.runtime.shm import allocate, disown_fd, own_fd
 
 MAGIC = 0x46464443_41434845  # "FFDCACHE"
@@ -58,7 +59,10 @@ ENTRY_FIELDS = 8
 ALIGN = 64
 CHUNK = 64 << 20  # pages reserved per step as the arena fills
 FULL_BELOW = 1 << 20  # the cache counts as full (no more fills tried) with less room than this
-LOCK_S = 10.0  # the longest a process waits for the record lock (its holders keep it for microseconds)
+LOCK_S = 10.0  # the longest a process waits for the record lock (its holders keep it for microseconds)...
+FILL_LOCK_S = 0.05  # ...for a fill's claim, which is optional: a busy lock costs that fill only
+HOLDER_CHECK_S = 0.01  # waited this long (and every 10x that after), the lock's holder is looked up: stopped, no wait
+_FLOCK = "hhqqi4x"  # Linux's struct flock: l_type, l_whence, l_start, l_len, l_pid (and padding)
 
 # header words
 H_MAGIC, H_VERSION, H_ENTRIES, H_ARENA_OFF, H_ARENA_SIZE, H_BUMP, H_RESERVED = range(7)
@@ -152,32 +156,47 @@ class CacheStore:
             self._map = None
 
     @contextmanager
-    def _locked(self):
-        """The record lock, waited for at most LOCK_S (a holder stopped with SIGSTOP must not stop every
-        other worker: past the bound, TimeoutError, and the caller gives up that fill or publication).
-        A record lock belongs to the process, not the thread, and closing any descriptor of the file
-        drops it: `_THREADS` keeps this process's threads out of each other's sections and out of
-        `close`."""
-        if not _THREADS.acquire(timeout=LOCK_S):
-            raise TimeoutError(f"another thread held the decoded-image cache's lock over {LOCK_S} s")
+    def _locked(self, bound: float = LOCK_S):
+        """The record lock, waited for at most `bound` (a holder stopped with SIGSTOP -- a worker of a paused job
+        sharing the cache -- must not stop every other worker: past the bound, or as soon as its holder is seen
+        stopped, TimeoutError, and the caller gives up that fill, publication or count). A record lock belongs
+        to the process, not the thread, and closing any descriptor of the file drops it: `_THREADS` keeps this
+        process's threads out of each other's sections and out of `close`."""
+        if not _THREADS.acquire(timeout=bound):
+            raise TimeoutError(f"another thread held the decoded-image cache's lock over {bound} s")
         try:
-            with self._record_lock():
+            with self._record_lock(bound):
                 yield
         finally:
             _THREADS.release()
 
+    def _holder(self) -> int | None:
+        """The pid of the process holding the record lock (fcntl F_GETLK), None if free or unknown."""
+        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
+        try:
+            kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(self.fd, fcntl.F_GETLK, query))
+        except OSError:
+            return None
+        return None if kind == fcntl.F_UNLCK or pid <= 0 else pid
+
     @contextmanager
-    def _record_lock(self):
-        deadline, pause = None, 0.0002
+    def _record_lock(self, bound: float):
+        deadline, pause, check_at = None, 0.0002, None
         while True:
             try:
                 fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
                 break
             except (BlockingIOError, PermissionError):
                 now = time.monotonic()
-                deadline = deadline or now + LOCK_S
+                deadline, check_at = deadline or now + bound, check_at or now + HOLDER_CHECK_S
                 if now > deadline:
-                    raise TimeoutError(f"the decoded-image cache's lock was held over {LOCK_S} s") from None
+                    raise TimeoutError(f"the decoded-image cache's lock was held over {bound} s") from None
+                if now > check_at:  # held past a section's length: by a stopped process?
+                    check_at, holder = now + 10 * HOLDER_CHECK_S, self._holder()
+                    if holder is not None and is_stopped(holder):
+                        raise TimeoutError(
+                            f"the decoded-image cache's lock is held by stopped process {holder}"
+                        ) from None
                 time.sleep(pause)
                 pause = min(0.01, pause * 2)
         try:
@@ -218,7 +237,7 @@ class CacheStore:
         nbytes = h * w * 3
         score = decode_ns / max(1, nbytes)
         me = os.getpid()
-        with self._locked():
+        with self._locked(FILL_LOCK_S):
             e, head = self.entries[index], self.header
             state = int(e[E_STATE])
             if state == READY or (state == WRITING and pid_alive(int(e[E_PID]))):
@@ -258,7 +277,7 @@ class CacheStore:
 
     def publish(self, index: int) -> None:
         """The claimed entry's pixels are written: make it visible."""
-        with self._locked():
+        with self._locked():  # (a holder seen stopped ends the wait at once)
             e = self.entries[index]
             if e[E_STATE] == WRITING and e[E_PID] == os.getpid():
                 e[E_STATE] = READY
@@ -308,6 +327,8 @@ class CacheStore:
         return got
 
     def release_rows(self, rows) -> None:
+        if not rows:  # none claimed (the claim timed out): nothing to wait for the lock for
+            return
         with self._locked():
             for r in rows:
                 self.rows[r] = 0

@@ -31,13 +31,14 @@ import select
 import time
 import weakref
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
 
 from fusionflow.errors import SharedLoaderError
 from fusionflow.runtime import targets as ff_targets
-from fusionflow.runtime.authsock import SEND_TIMEOUT_S
+from fusionflow.runtime.authsock import SEND_TIMEOUT_S, recv_whole
 from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.shared import rendezvous
@@ -146,7 +147,9 @@ class SharedLoaderClient:
 
     # ---------------------------------------------------------------- the connection
     def _recv(self):
-        """The next message from the producer, waiting at most `timeout` s for any word from it."""
+        """The next message from the producer, waiting at most `timeout` s for any word from it, and as long for the
+        rest of a message once it began (a producer stopped part-way through a large one -- its targets, a batch's
+        soft labels -- held the client in recv() for ever, whatever `timeout`)."""
         conn, pid = self._conn, self.producer.pid
         if conn.closed:
             raise SharedLoaderError(f"this client of SharedLoader {self.name!r} was closed")
@@ -162,7 +165,12 @@ class SharedLoaderClient:
                 if not conn.poll(min(left, PING_S)):
                     conn.send(("ping",))
                     continue
-                msg = conn.recv()
+                msg = ForkingPickler.loads(recv_whole(conn, rest_s=self.timeout))
+            except TimeoutError as exc:  # (before OSError: it is one)
+                raise SharedLoaderError(
+                    f"SharedLoader {self.name!r} (pid {pid}) stopped in the middle of a message ({exc}): it hangs "
+                    "or is stopped"
+                ) from None
             except (EOFError, OSError):
                 raise self._gone() from None
             if msg[0] == "pong":

@@ -137,9 +137,12 @@ class GMLink:
     def _stale(t: gt.Tables) -> bool:
         """A table left by an earlier job under the same name whose GM died (e.g. torchrun reusing a
         run id and port): unlink it so this job starts its own. Closes `t` if so. A GM that exists but is stopped
-        (a debugger's pause, py-spy) is not a dead one: its job's loaders would be split over two tables."""
+        (a debugger's pause, py-spy) is not a dead one: its job's loaders would be split over two tables -- unless
+        it was closing (no loader left to split) when it stopped: its table would hold every later loader of the
+        job in `_join`'s retries (5 s a start) for as long as it stays stopped."""
         with t.locked():
-            stale = not t.gm_exists() and not t.active_rows()
+            closing = int(t.header["state"][0]) == gt.CLOSING and is_stopped(t.gm_pid)
+            stale = (closing or not t.gm_exists()) and not t.active_rows()
             if stale:
                 t.header["state"] = gt.CLOSING
                 t.unlink()
