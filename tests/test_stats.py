@@ -113,3 +113,23 @@ def test_every_stats_field_has_one_writer():
     assert {"worker_restarts", "batches", "next_epoch_adopted", "bridge_lends"} <= set(writers)
     several = {name: sorted(mods) for name, mods in writers.items() if len(mods) > 1}
     assert not several, f"fields written by more than one module: {several}"
+
+
+def test_a_per_batch_series_stays_bounded_and_keeps_its_newest(monkeypatch):
+    """stats.wait_seconds (and taas_k) gained an entry per batch for the loader's life: ~120 MB over a 90-epoch
+    ImageNet run at batch 32. Past SERIES_MAX the older half goes; a loader's own series is bounded the same way."""
+    from fusionflow.runtime import counters
+
+    monkeypatch.setattr(counters, "SERIES_MAX", 8)
+    series = []
+    for k in range(100):
+        counters.append_bounded(series, k)
+        assert len(series) <= 8 and series[-1] == k and series == list(range(series[0], k + 1))
+    from fusionflow.loader import FusionFlowLoader
+    from fusionflow.tools.synthetic import make_jpegs
+
+    with FusionFlowLoader([(j, 0) for j in make_jpegs(24, 16, 17)], batch_size=1, policy="default") as loader:
+        for _ in range(2):
+            for _ in loader:
+                pass
+        assert loader.stats.batches == 48 and 4 <= len(loader.stats.wait_seconds) <= 8

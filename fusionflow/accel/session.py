@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU
+from fusionflow.runtime.counters import append_bounded
 
 if TYPE_CHECKING:
     from fusionflow.runtime.local_manager import LocalManager
@@ -302,7 +303,7 @@ def _split_feedback(mgr_ref, accel_ref, stats, state) -> None:
     awaited = board.queue.awaited == (board.generation, state.seq)
     done_at = max(state.cpu_done_at, state.accel_done_at)  # the completing call's one clock reading
     accel.shares.batch_done(state, mgr.pool.task_seconds if mgr.pool is not None else 0.0, awaited, done_at)
-    stats.taas_k.append(board.reserved)
+    append_bounded(stats.taas_k, board.reserved)
 
 
 def _capacity(accel_ref, workers: int) -> None:

@@ -17,6 +17,7 @@ import torch
 
 from fusionflow.errors import EmptyBatch, sample_error
 from fusionflow.runtime import targets as ff_targets
+from fusionflow.runtime.counters import append_bounded
 from fusionflow.runtime.cuda_host import record_copies
 
 SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
@@ -133,7 +134,7 @@ class Delivery:
         self.stats.batches += 1
         self.stats.refresh_cache()
         self.stats.samples += n
-        self.stats.wait_seconds.append(wait)
+        append_bounded(self.stats.wait_seconds, wait)
 
     def collate_targets(self, objs: list):
         """Targets that are not all ints, as DataLoader delivers them: default_collate, then to the device."""

@@ -48,10 +48,10 @@ class LoaderStats(RuntimeCounters):
     # on_error="skip": samples dropped per cause: "pixel_limit" (over decode.max_pixels), "corrupt"
     # (could not be decoded), "error" (anything else, e.g. the dataset raised)
     skipped_by_cause: dict = field(default_factory=dict)
-    wait_seconds: list = field(default_factory=list)  # time blocked in next(), per batch
+    wait_seconds: list = field(default_factory=list)  # time blocked in next(), per batch (the newest 65-131k)
     startup_seconds: float | None = None  # worker start-up, first time
     accelerator_build_seconds: float | None = None
-    taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch
+    taas_k: list = field(default_factory=list)  # tiny-batches reserved for the accelerator, per mini-batch (ditto)
     gpu_sharing: str | None = None  # what gpu_sharing="auto" chose, once profiled
     memory_bridge: str | None = None  # "on", or "off: <why>"
     bridge_lends: int = 0  # arenas of PyTorch's memory lent to DALI (one per accelerator start)

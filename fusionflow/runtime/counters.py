@@ -14,6 +14,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SERIES_MAX = 1 << 17  # a per-batch series keeps its newest entries, at most this many (~4 MB of floats)
+
+
+def append_bounded(series: list, value) -> None:
+    """`series.append(value)`, keeping a per-batch series (stats' wait_seconds, taas_k) bounded in a long run:
+    past SERIES_MAX entries its older half is dropped (amortised O(1); it stays a list: indexing, slicing). A
+    90-epoch ImageNet run at batch 32 appended 3.6 million waits, ~120 MB, for the loader's life."""
+    series.append(value)
+    if len(series) > SERIES_MAX:
+        del series[: len(series) - SERIES_MAX // 2]
+
 
 @dataclass
 class RuntimeCounters:

@@ -39,6 +39,7 @@ import torch
 from fusionflow.errors import SharedLoaderError
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.authsock import SEND_TIMEOUT_S, recv_whole
+from fusionflow.runtime.counters import append_bounded
 from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 from fusionflow.runtime.procs import pid_alive
 from fusionflow.shared import rendezvous
@@ -281,7 +282,7 @@ class _ClientEpoch:
         except BaseException:
             self.close()
             raise
-        self._c.stats.wait_seconds.append(self._wait)
+        append_bounded(self._c.stats.wait_seconds, self._wait)
         return out
 
     def close(self) -> None:
