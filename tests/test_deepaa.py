@@ -137,6 +137,33 @@ def test_samples_cropped_first_are_the_authors_order():
     assert len(scores) >= 5 and np.median(scores) > 35.0, scores
 
 
+@pytest.mark.parametrize("mode", ["exact", "fast"])
+def test_the_authors_order_is_the_authors_sample_to_the_bit(mode):
+    """order="authors": every class of draw -- cropped first, ops before the crop, cropped twice, uncropped -- is the
+    authors' sample bit for bit (their order re-expressed independently, experiments/deepaa_reference.py), in
+    either decode mode (this order runs the exact kernels on the whole image); crop_first differs where an op
+    precedes the crop."""
+    from experiments.deepaa_fidelity import sample_class
+
+    policy = load_policy("deepaa", order="authors")
+    policy = policy if mode == "fast" else dataclasses.replace(policy, fast_downscale=False)
+    pipe, crop_first = CpuPipeline(policy), CpuPipeline(dataclasses.replace(POLICY, fast_downscale=False))
+    data = sample_set("imagenet", 24, seed=5) + make_jpegs(4, 100, 180, seed=3)  # some smaller than the output
+    seen, differs = set(), 0
+    for i, jpeg in enumerate(data):
+        d = draw(policy, 0, 0, i)
+        seen.add(sample_class(d) + ("_twice" if len(d.crops) > 1 else ""))
+        ref = np.asarray(authors_sample(policy, jpeg, d)).transpose(2, 0, 1)
+        assert np.array_equal(pipe(jpeg, i), ref), (i, [s.op for s in d.steps])
+        differs += not np.array_equal(crop_first(jpeg, i), ref)
+    assert {"crop_first", "other_ops_first", "uncropped"} <= seen and differs > 0, seen
+    assert POLICY.augment.deepaa.order == "crop_first"  # the default stays
+    with pytest.raises(ValueError, match=r"order: 'author' is not valid; did you mean 'authors'"):
+        load_policy("deepaa", order="author")
+    with pytest.raises(ValueError, match="order: applies to augment.type 'deepaa'"):
+        load_policy("randaugment", order="authors")
+
+
 @pytest.mark.parametrize(
     "change, match",
     [
@@ -145,6 +172,7 @@ def test_samples_cropped_first_are_the_authors_order():
         (lambda a: a["layers"][1].pop(), r"augment.layers\[1\]: expected 139 probabilities"),
         (lambda a: a["pairs"].__setitem__(3, ["Rotate", 13]), r"augment.pairs\[3\]\[1\]"),
         (lambda a: a.update(num_ops=2), r"augment.*num_ops"),
+        (lambda a: a.update(order="authors_order"), r"augment.order: 'authors_order' is not valid"),
     ],
 )
 def test_bad_files_name_the_key(change, match):

@@ -19,6 +19,7 @@ from fusionflow.ops import augmix, augmix_torchvision, exact, fast, jpeg
 from fusionflow.ops.cached import crop_cached
 from fusionflow.ops.decode import decode_crop_resize, decode_crop_resize_array, load_rgb, open_image
 from fusionflow.ops.decode_filtered import decode_box_resize, decode_crop_resize_filtered, fast_bicubic_array
+from fusionflow.ops.deepaa_order import authors_image
 from fusionflow.ops.stages import BLUR, GRAYSCALE
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, keep_ratio, load_policy
 from fusionflow.policy.sampling import crop_plan, trim_side
@@ -42,6 +43,10 @@ class CpuPipeline:
         self.out_shape = self.policy.out_shape
         self.out_dtype = np.dtype(self.policy.out_dtype)
         self.fast = self.policy.fast_downscale
+        deepaa = aug.deepaa
+        self.authors_order = deepaa is not None and deepaa.order == "authors"
+        if self.authors_order:
+            self.cache = None  # it decodes whole images at their own size
         self._kernels = fast.FAST  # used in fast mode only; exact mode runs exact.py on Pillow images
         if self.policy.normalize:
             mean, std = (np.asarray(v, np.float32).reshape(3, 1, 1) for v in self.policy.normalize)
@@ -254,7 +259,11 @@ class CpuPipeline:
     ) -> np.ndarray:
         if out is None:
             out = np.empty(self.out_shape, self.out_dtype)
-        if self.fast:
+        if self.authors_order:  # DeepAA in the authors' order: the whole image, exact kernels (ops/deepaa_order.py)
+            self._write_image(authors_image(self.policy, data, d, what, self._style), out)
+            if tick is not None:
+                tick("decode+crop+resize")
+        elif self.fast:
             self._write_array(self.array(data, d, what, tick, index), out)
         else:
             self._write_image(self.image(data, d, what, tick), out)

@@ -21,11 +21,14 @@ authors' evaluation code in meaning (their PIL functions): level = bin / (bins -
 
 and a sample no layer cropped ends as the centre output-size crop of the image at its own resolution.
 
-FusionFlow decodes and crops first (the JPEG window decoder is where its speed comes from), so here the
-draw's crops -- all of them, composed into one window of the source image -- come first and the other
-ops run in layer order on the output-size image. Where the authors' order differs (an op drawn before
-the layer that crops runs, in theirs, on the full image), the result differs; docs/deepaa.md lists each
-difference and measures it.
+By default (`augment.order: crop_first`) FusionFlow decodes and crops first (the JPEG window decoder is where
+its speed comes from), so the draw's crops -- all of them, composed into one window of the source image -- come
+first and the other ops run in layer order on the output-size image. Where the authors' order differs (an op
+drawn before the layer that crops runs, in theirs, on the full image), the result differs; docs/deepaa.md lists
+each difference and measures it. `order: authors` (or `load_policy("deepaa", order="authors")`) runs theirs:
+the whole image decoded, each layer in order at the image's size then (`op_at`: translations and the cutout's
+box follow it), each crop resampled as drawn, an uncropped image padded and centre-cropped
+(fusionflow/ops/deepaa_order.py; exact kernels in either decode mode, at full resolution: slower).
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ ENHANCEMENTS = ("Contrast", "Color", "Brightness", "Sharpness")  # Pillow's fact
 RANGED += ENHANCEMENTS
 MIRRORED = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")  # their random_mirror
 LAYER_UNIFORMS = 4  # per layer before the crop's: choice, sign / flip, cutout position x, y
+ORDERS = ("crop_first", "authors")  # augment.order: see the module docstring
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class DeepAASettings:
     magnitude_bins: int = 13
     cutout_side: int = 60
     cutout_fill: tuple[int, int, int] = (125, 123, 114)
+    order: str = "crop_first"  # ORDERS: the crops first (FusionFlow's window decode), or the authors' layer order
 
     @property
     def max_ops(self) -> int:
@@ -96,7 +101,7 @@ def fusionflow_ops(s: DeepAASettings) -> list[str]:
 def parse_deepaa(r: Reader, raw: Mapping):
     """`augment:` of type deepaa -> (DeepAASettings, interpolation, fill); ValueError naming the key."""
     keys = ("magnitude_bins", "ops", "pairs", "layers")
-    a = r.mapping(raw, "augment", ("type", *keys), ("interpolation", "fill", "cutout"))
+    a = r.mapping(raw, "augment", ("type", *keys), ("interpolation", "fill", "cutout", "order"))
     bins = r.integer(a["magnitude_bins"], "augment.magnitude_bins", 2, 1000)
     ranges, plain = _ranges(r, a["ops"])
     pairs = _pairs(r, a["pairs"], {name for name, *_ in ranges} | plain, bins)
@@ -109,6 +114,7 @@ def parse_deepaa(r: Reader, raw: Mapping):
         magnitude_bins=bins,
         cutout_side=r.integer(cut.get("side", 60), "augment.cutout.side", 0, 10000),
         cutout_fill=r.fill(cut.get("fill", [125, 123, 114]), "augment.cutout.fill"),
+        order=r.choice(a.get("order", "crop_first"), "augment.order", ORDERS),
     )
     interpolation = r.choice(a.get("interpolation", "nearest"), "augment.interpolation", ("nearest", "bilinear"))
     fill = r.fill(a.get("fill", 0), "augment.fill")
@@ -200,6 +206,19 @@ def draw_deepaa(s: DeepAASettings, size: tuple[int, int], rng, crop_uniforms: in
             v = -v if negate else v
         ops.append(_op(name, v, (u_x, u_y), s, h, w))
     return tuple(ops), tuple(crops), tuple(steps)
+
+
+def op_at(s: DeepAASettings, step, aux, h: int, w: int) -> OpDraw:
+    """The op of a non-crop `step` of a draw (its op, bin and sign) on an h x w image: what `draw_deepaa` makes at
+    the output size, at any size (the authors' order runs ops before a crop on the full image). `aux`: the cutout
+    position's uniforms (the draw's OpDraw's)."""
+    v = 0.0
+    ranges = {name: (lo, hi) for name, lo, hi in s.ranges}
+    if step.op in ranges:
+        lo, hi = ranges[step.op]
+        v = lo + (step.level / (s.magnitude_bins - 1)) * (hi - lo)
+        v = -v if step.op in MIRRORED and step.negate else v
+    return _op(step.op, v, aux, s, h, w)
 
 
 def _op(name: str, v: float, aux, s: DeepAASettings, h: int, w: int) -> OpDraw:

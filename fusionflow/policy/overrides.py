@@ -29,6 +29,7 @@ Overrides (each validated; an unknown or invalid one raises ValueError naming it
                  and saturation v), a tuple (brightness, contrast, saturation[, hue]) as ColorJitter's
                  arguments, a Jitter, or None / 0 to turn it off. CPU only (the DALI accelerator declines).
   grayscale      float: RandomGrayscale's probability (after the jitter), 0..1; CPU only.
+  order          "crop_first" | "authors": a DeepAA policy's order (augment.order, policy/deepaa.py)
 
 Pure Python, like the rest of `fusionflow.policy`: no torch, no DALI.
 """
@@ -42,6 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fusionflow.policy import schema
+from fusionflow.policy.deepaa import ORDERS
 from fusionflow.policy.image_sections import Erase, Jitter, check_center_resize, parse_erase, parse_jitter
 from fusionflow.policy.op_specs import OPS
 from fusionflow.policy.reader import Reader
@@ -58,6 +60,7 @@ OVERRIDES = (
     "jitter",
     "grayscale",
     "erase",
+    "order",
 )
 
 
@@ -83,6 +86,11 @@ def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
     aug = _rand_counts(r, policy.name, aug, overrides)
     if "interpolation" in overrides:
         aug = _interpolation(r, policy.name, aug, overrides["interpolation"])
+    if "order" in overrides:
+        if aug.deepaa is None:
+            r.fail("order", f"applies to augment.type 'deepaa'; policy {policy.name!r} is {aug.type!r}")
+        order = r.choice(overrides["order"], "order", ORDERS)
+        aug = dataclasses.replace(aug, deepaa=dataclasses.replace(aug.deepaa, order=order))
     if "normalize" in overrides:
         changes["normalize"] = _normalize(r, overrides["normalize"])
     if "flip" in overrides:
