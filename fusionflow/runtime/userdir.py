@@ -13,6 +13,8 @@ import os
 import stat
 import time
 
+from fusionflow.runtime.procs import is_stopped
+
 
 def directory() -> str:
     """The directory, created 0700; refused if it is not the user's alone."""
@@ -30,21 +32,45 @@ def directory() -> str:
     return path
 
 
+HOLDER_CHECK_S = 0.01  # a lock held this long (and every 10x that after): is its holder stopped?
+
+
 def flock_within(fd: int, seconds: float, what: str) -> None:
     """An exclusive flock on `fd`, waited for at most `seconds` (polled): a holder stopped with SIGSTOP
-    costs the caller what it wanted the lock for, never its run. Past the bound, TimeoutError (an
-    OSError) naming `what`."""
-    deadline = time.monotonic() + seconds
-    pause = 0.001
+    costs the caller what it wanted the lock for, never its run. Past the bound, or once the holder is seen
+    stopped (`flock_holder`; since session 40: a GM waiting out a stopped holder skipped 10 s of polls a try),
+    TimeoutError (an OSError) naming `what`."""
+    now = time.monotonic()
+    deadline, check_at, pause = now + seconds, now + HOLDER_CHECK_S, 0.001
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 raise TimeoutError(f"{what} stayed locked over {seconds:.0f} s (its holder stopped?)") from None
+            if now > check_at:
+                check_at, holder = now + 10 * HOLDER_CHECK_S, flock_holder(fd)
+                if holder is not None and is_stopped(holder):
+                    raise TimeoutError(f"{what} is locked by stopped process {holder}") from None
             time.sleep(pause)
             pause = min(0.02, pause * 2)
+
+
+def flock_holder(fd: int) -> int | None:
+    """The pid that took the flock on `fd`'s file (Linux's /proc/locks), None if none or not known."""
+    st = os.fstat(fd)
+    key = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == key:  # (a waiter's line has "->")
+                    return int(fields[4])
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 @contextlib.contextmanager
