@@ -61,7 +61,7 @@ CHUNK = 64 << 20  # pages reserved per step as the arena fills
 FULL_BELOW = 1 << 20  # the cache counts as full (no more fills tried) with less room than this
 LOCK_S = 10.0  # the longest a process waits for the record lock (its holders keep it for microseconds)...
 FILL_LOCK_S = 0.05  # ...for a fill's claim, which is optional: a busy lock costs that fill only
-HOLDER_CHECK_S = 0.01  # waited this long (and every 10x that after), the lock's holder is looked up: stopped, no wait
+HOLDER_CHECK_S = 0.01  # waited this long (and every 10x after), the lock's holder looked up: stopped twice, no wait
 _FLOCK = "hhqqi4x"  # Linux's struct flock: l_type, l_whence, l_start, l_len, l_pid (and padding)
 
 # header words
@@ -181,7 +181,7 @@ class CacheStore:
 
     @contextmanager
     def _record_lock(self, bound: float):
-        deadline, pause, check_at = None, 0.0002, None
+        deadline, pause, check_at, seen = None, 0.0002, None, None
         while True:
             try:
                 fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
@@ -191,12 +191,14 @@ class CacheStore:
                 deadline, check_at = deadline or now + bound, check_at or now + HOLDER_CHECK_S
                 if now > deadline:
                     raise TimeoutError(f"the decoded-image cache's lock was held over {bound} s") from None
-                if now > check_at:  # held past a section's length: by a stopped process?
+                if now > check_at:  # held past a section's length: by a process stopped (at two looks 0.1 s apart)?
                     check_at, holder = now + 10 * HOLDER_CHECK_S, self._holder()
-                    if holder is not None and is_stopped(holder):
+                    stopped = holder if holder is not None and is_stopped(holder) else None
+                    if stopped is not None and stopped == seen:
                         raise TimeoutError(
                             f"the decoded-image cache's lock is held by stopped process {holder}"
                         ) from None
+                    seen = stopped
                 time.sleep(pause)
                 pause = min(0.01, pause * 2)
         try:

@@ -32,7 +32,8 @@ def directory() -> str:
     return path
 
 
-HOLDER_CHECK_S = 0.01  # a lock held this long (and every 10x that after): is its holder stopped?
+HOLDER_CHECK_S = 0.01  # a lock held this long (and every 10x that after): is its holder stopped? (twice in a row:
+# a profiler's sampling stop, py-spy's, lasts well under the 0.1 s between two looks)
 
 
 def flock_within(fd: int, seconds: float, what: str) -> None:
@@ -41,7 +42,7 @@ def flock_within(fd: int, seconds: float, what: str) -> None:
     stopped (`flock_holder`; since session 40: a GM waiting out a stopped holder skipped 10 s of polls a try),
     TimeoutError (an OSError) naming `what`."""
     now = time.monotonic()
-    deadline, check_at, pause = now + seconds, now + HOLDER_CHECK_S, 0.001
+    deadline, check_at, pause, seen = now + seconds, now + HOLDER_CHECK_S, 0.001, None
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -52,8 +53,10 @@ def flock_within(fd: int, seconds: float, what: str) -> None:
                 raise TimeoutError(f"{what} stayed locked over {seconds:.0f} s (its holder stopped?)") from None
             if now > check_at:
                 check_at, holder = now + 10 * HOLDER_CHECK_S, flock_holder(fd)
-                if holder is not None and is_stopped(holder):
+                stopped = holder if holder is not None and is_stopped(holder) else None
+                if stopped is not None and stopped == seen:
                     raise TimeoutError(f"{what} is locked by stopped process {holder}") from None
+                seen = stopped
             time.sleep(pause)
             pause = min(0.02, pause * 2)
 
