@@ -579,6 +579,27 @@ def test_a_stopped_lock_holder_is_seen_and_not_waited_for(monkeypatch):
     os.close(fd)
 
 
+def test_a_publish_that_meets_a_stopped_lock_holder_is_made_at_the_next_lock():
+    """A written entry whose publish finds the lock held by a stopped process (given up at once): it stayed
+    WRITING under this live pid, passed by by every process for good. It is published under the next lock."""
+    from fusionflow.cache import store as st
+
+    fd = keeper.segment(None)
+    store = CacheStore.create(fd, 4, 16 << 20, MAX_SIDE)
+    view = store.claim(0, (8, 8, 3), (8, 8), 100, 1000)
+    view[...] = 7
+    with held_by_a_stopped_process(CacheStore(fd)._locked) as holder:
+        while not is_stopped(holder):
+            time.sleep(0.01)
+        with pytest.raises(TimeoutError, match="stopped process"):
+            store.publish(0)
+    assert store.entries[0][st.E_STATE] == st.WRITING and store.get(0, 100) is None
+    assert store.claim(1, (8, 8, 3), (8, 8), 100, 1000) is not None  # the next lock: entry 0 published
+    assert store.entries[0][st.E_STATE] == st.READY and (store.get(0, 100)[0] == 7).all()
+    store.close()
+    os.close(fd)
+
+
 def test_a_cache_on_a_local_disk_leaves_no_file(tmp_path):
     loader = FusionFlowLoader(
         Indexed(),

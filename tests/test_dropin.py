@@ -792,4 +792,9 @@ def test_under_ddp_a_sampler_that_gives_every_rank_the_whole_set_is_warned_about
     assert len(warned(2, batch_sampler=BatchSampler(SequentialSampler(range(8)), 4, False))) == 1
     assert warned(4, batch_size=4, sampler=DistributedSampler(Raw(), num_replicas=4, rank=1)) == []
     assert warned(4, batch_size=4, sampler=Halves()) == []
+
+    class Sharding(BatchSampler):  # the script's own batch sampler (it may shard), over a stock sampler
+        pass
+
+    assert warned(4, batch_sampler=Sharding(SequentialSampler(range(8)), 4, False)) == []
     assert warned(1, batch_size=4, shuffle=True) == []

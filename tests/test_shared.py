@@ -717,3 +717,36 @@ def test_a_producer_stopped_in_the_middle_of_a_message_fails_the_client_within_i
     finally:
         mine.close()
         producers.close()
+
+
+def test_a_seedless_loader_keeps_the_seed_it_was_served_with(jobs):
+    """seed=None: the producer draws the loader's seed as its first epoch would (it starts ahead of it) and records
+    it as the loader's: loader.seed and its state_dict carry it, its later epochs and another SharedLoader over it
+    keep it (the producer used to keep its draw to itself: the state said None, a plain epoch drew another)."""
+    import threading
+
+    from shared_jobs import SMALL, Indexed
+
+    from fusionflow import FusionFlowLoader
+
+    def make(**kw):
+        return FusionFlowLoader(Indexed(8), batch_size=4, num_workers=1, policy=SMALL, global_manager=None, **kw)
+
+    with make() as loader:
+        with SharedLoader(loader, name=jobs.name) as shared:
+            client = SharedLoaderClient(jobs.name, timeout=60)
+            serving = threading.Thread(target=shared.serve, kwargs=dict(epochs=1), daemon=True)
+            serving.start()
+            served = {int(t): d for x, y in client for t, d in zip(y, digests(x))}
+            client.close()
+            serving.join(60)
+        seed = loader.seed
+        assert seed is not None and loader.state_dict()["seed"] == seed and len(served) == 8
+        for _ in loader:  # a plain epoch after serving
+            pass
+        assert loader.seed == seed
+        with SharedLoader(loader, name=jobs.name + "-2") as again:
+            assert again.config.seed == seed
+    with make(seed=seed) as reference:
+        first = {int(t): d for x, y in reference for t, d in zip(y, digests(x))}
+    assert first == served  # (epoch 0, either order: pixels follow (seed, epoch, index))

@@ -178,6 +178,26 @@ def test_resumed_loader_takes_the_states_seed():
     assert given.seed == 77
 
 
+def test_a_state_saved_before_any_epoch_leaves_the_seed_to_be_drawn_even_after_another_state():
+    """seed=None: a state taken before the first epoch has no seed (none was drawn); loaded -- also into a loader
+    that drew one, or took another state's -- the next epoch draws anew, as the saved loader would have."""
+    unsaved = make("sequential", 0)
+    early = unsaved.state_dict()
+    assert early["seed"] is None
+    torch.manual_seed(5)
+    expected = batches(unsaved)
+    other = make("sequential", 0, seed=77).state_dict()
+    for before in (None, other):
+        loader = make("sequential", 0)
+        batches(loader)  # draws a seed
+        if before is not None:
+            loader.load_state_dict(before)
+        loader.load_state_dict(early)
+        assert loader.seed is None
+        torch.manual_seed(5)
+        same_batches(batches(loader), expected)
+
+
 @pytest.mark.parametrize(
     "change,match",
     [

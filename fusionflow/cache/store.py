@@ -127,6 +127,7 @@ class CacheStore:
         self.max_side = int(words[H_MAX_SIDE])
         self.admission = ADMISSIONS[int(words[H_ADMISSION])]
         self._arena = np.frombuffer(self._map, np.uint8, self.size, self.arena_offset)
+        self._unpublished: list[int] = []  # entries written whose publish met a stopped lock holder: `_publish_now`
 
     @classmethod
     def create(cls, fd: int, entries: int, size: int, max_side: int, admission: str = "score") -> CacheStore:
@@ -240,6 +241,7 @@ class CacheStore:
         score = decode_ns / max(1, nbytes)
         me = os.getpid()
         with self._locked(FILL_LOCK_S):
+            self._publish_now()
             e, head = self.entries[index], self.header
             state = int(e[E_STATE])
             if state == READY or (state == WRITING and pid_alive(int(e[E_PID]))):
@@ -278,13 +280,23 @@ class CacheStore:
         self.header[H_REFUSED] += 1
 
     def publish(self, index: int) -> None:
-        """The claimed entry's pixels are written: make it visible."""
-        with self._locked():  # (a holder seen stopped ends the wait at once)
+        """The claimed entry's pixels are written: make it visible. A lock holder seen stopped ends the wait
+        (TimeoutError): the entry is published under the next lock this process takes (`claim`, `claim_rows`,
+        `release_rows`) -- left WRITING under a live pid, every process would pass it by for good."""
+        self._unpublished.append(index)
+        with self._locked():
+            self._publish_now()
+
+    def _publish_now(self) -> None:
+        """(lock held) Publish what this process wrote (`publish`)."""
+        me = os.getpid()
+        for index in self._unpublished:
             e = self.entries[index]
-            if e[E_STATE] == WRITING and e[E_PID] == os.getpid():
+            if e[E_STATE] == WRITING and e[E_PID] == me:
                 e[E_STATE] = READY
                 self.header[H_READY] += 1
                 self.header[H_READY_BYTES] += e[E_NBYTES]
+        self._unpublished.clear()
 
     def _admits(self, score: float, nbytes: int) -> bool:
         """Room for this sample once the room the better-scoring samples still to come will want
@@ -318,6 +330,7 @@ class CacheStore:
         when `owner`'s process is gone); fewer when the table is full."""
         got = []
         with self._locked():
+            self._publish_now()
             for r in range(ROWS):
                 if len(got) == count:
                     break
@@ -329,9 +342,10 @@ class CacheStore:
         return got
 
     def release_rows(self, rows) -> None:
-        if not rows:  # none claimed (the claim timed out): nothing to wait for the lock for
+        if not rows and not self._unpublished:  # none claimed (the claim timed out): nothing to take the lock for
             return
         with self._locked():
+            self._publish_now()
             for r in rows:
                 self.rows[r] = 0
 

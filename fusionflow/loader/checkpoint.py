@@ -260,7 +260,8 @@ class Checkpoint:
         self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
         self.loaded: dict | None = None  # the state load_state_dict took, while nothing has moved since
         self._base_seed: int | None = None  # the newest epoch's base seed (`base_seed`)
-        self._settled: tuple | None = None  # (a seedless configuration, it with the seed drawn): `settled`
+        self._seed: int | None = None  # the augmentation seed drawn for a loader given none (`settled`)
+        self._settled: tuple | None = None  # (a seedless configuration, it with that seed): `settled`
 
     def set_epoch(self, epoch: int, sampler) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
@@ -322,20 +323,27 @@ class Checkpoint:
         first epoch's base seed -- drawn where DataLoader draws its iterators' (from the loader's generator, else
         torch's), so a script seeding torch before its first epoch reproduces, a loader built anew draws anew, and
         two loaders zipped draw two -- kept for every epoch after (the same object: next_epoch.py adopts by it)."""
+        return self.seeded(config, self._base_seed)
+
+    def seeded(self, config, drawn: int):
+        """`config` with the augmentation seed in use: its own, else the one drawn for this loader before, else
+        `drawn` (from now on the loader's: a SharedLoader's first epoch, served ahead, draws it so)."""
         if config.seed is not None:
             return config
+        if self._seed is None:
+            self._seed = drawn
         if self._settled is None or self._settled[0] is not config:
-            self._settled = (config, config.with_config(seed=self._base_seed))
+            self._settled = (config, config.with_config(seed=self._seed))
         return self._settled[1]
 
     @property
     def seed(self) -> int | None:
         """The seed drawn for a loader given none (`settled`), None before its first epoch starts."""
-        return None if self._settled is None else self._settled[1].seed
+        return self._seed
 
     def forget_seed(self) -> None:
         """A state without a seed was loaded (saved before any epoch started): the next epoch draws one anew."""
-        self._settled = None
+        self._seed = self._settled = None
 
     def state_dict(self, shape: dict, seed: int | None, batch_sampler, sampler, draws_first=None) -> dict:
         """See FusionFlowLoader.state_dict; `shape`: the loader's dataset_len, batch_size,

@@ -161,12 +161,13 @@ _WHOLE_SET = (
 )
 
 
-def warn_if_unsharded(sampler, stacklevel: int) -> bool:
+def warn_if_unsharded(sampler, batch_sampler, stacklevel: int) -> bool:
     """Under DDP, warn (at the caller's `stacklevel`) when the loader's sampler is one of torch's stock samplers,
     which give every rank the whole dataset: what a script gets from a framework that puts a DistributedSampler
     into torch DataLoaders only (PyTorch Lightning's `use_distributed_sampler`, Accelerate's `prepare`), each
-    sample then trained on once per rank an epoch. Python shows it once per line that iterates. Whether it warned."""
-    if type(sampler) not in _WHOLE_SET:
+    sample then trained on once per rank an epoch. Python shows it once per line that iterates. Whether it warned.
+    A batch sampler of the script's own class is not judged (it may shard, whatever sampler it exposes)."""
+    if type(sampler) not in _WHOLE_SET or type(batch_sampler) is not torch.utils.data.BatchSampler:
         return False
     rank, world = torch_rank_world()
     if world <= 1:

@@ -294,7 +294,9 @@ class FusionFlowLoader:
 
     def __iter__(self):
         """A new epoch: its iterator (it starts the workers, if they are not running, at its first next())."""
-        warn_if_unsharded(self.config.sampler, stacklevel=2)  # DDP without a DistributedSampler: each rank reads all
+        warn_if_unsharded(
+            self.config.sampler, self.config.batch_sampler, stacklevel=2
+        )  # DDP without a DistributedSampler: each rank reads all
         epoch, progress = self.parts.checkpoint.begin()
         kind = InlineIterator if self.config.num_workers == 0 else WorkerIterator
         return kind(self.parts, self.config, epoch, progress)
@@ -334,9 +336,10 @@ class FusionFlowLoader:
         self.parts.next_epoch.discard()
         seed = state["seed"]
         if seed is None:  # saved before any epoch started: none drawn yet (this loader draws its own anew)
-            if not cfg.seed_given and self.seed is not None:
-                self.parts.runtime.stop()  # running workers hold the seed drawn before
+            if not cfg.seed_given and self.seed is not None:  # drawn, or loaded from another state
+                self.parts.runtime.stop()  # running workers hold that seed
                 self.parts.checkpoint.forget_seed()
+                self.config = cfg.with_config(seed=None)
             return
         if cfg.seed_given and seed != cfg.seed:
             warnings.warn(

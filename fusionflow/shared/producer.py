@@ -136,8 +136,9 @@ class SharedLoader:
         parts.runtime.stop()  # a running runtime has the old ring depth
         try:
             seed = next_base_seed(self.config.generator)  # its first epoch's draw, left to that epoch to make
-            if self.config.seed is None:  # the loader's augmentation seed, as its first epoch would take it
-                self.config = self.config.with_config(seed=seed)
+            # the loader's augmentation seed: its own, or drawn by an epoch before, else this first epoch's (the
+            # loader's from now on: its state_dict, its later epochs)
+            self.config = parts.checkpoint.seeded(self.config, seed)
             self._mgr = parts.runtime.start(self.config, parts.delivery.alloc_device, seed)
             self._hub = Hub(self.name, self._mgr.board.ring.fd, self._hello, self._slot_free)
         except BaseException:
