@@ -83,6 +83,10 @@ def test_sixteen_bit_png_and_array_and_pil_inputs():
     Image.fromarray(arr16).save(buf, "PNG")
     img = to_rgb(open_image(buf.getvalue()))
     assert img.mode == "RGB" and np.array_equal(np.asarray(img)[:, :, 0], (arr16 >> 8).astype(np.uint8))
+    for fmt in ("PPM", "TIFF"):  # the same 16-bit image in another container: the same pixels (a PGM opened as
+        buf = io.BytesIO()  # Pillow's 32-bit "I" was clipped at 255, nearly white, until session 40)
+        Image.fromarray(arr16).save(buf, fmt)
+        assert np.array_equal(np.asarray(to_rgb(open_image(buf.getvalue()))), np.asarray(img)), fmt
     pipe = CpuPipeline("randaugment")
     rgb = make_image(300, 400, 9)
     from_bytes = pipe(encode(rgb, "PNG"), 3)

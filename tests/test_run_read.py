@@ -131,9 +131,42 @@ def test_a_truncated_jpeg_is_no_runs_sample():
     assert got == [[0, 0], whole, whole, other]
 
 
+def test_what_dali_decodes_otherwise_or_fails_whole_runs_on_goes_to_the_cpu_workers():
+    """A sample DALI decodes differently from the CPU path, or fails its whole run on (its neighbours redone on the
+    CPU, the pipeline rebuilt, every epoch): no size for a run. A CMYK JPEG without an Adobe marker came out black;
+    16-bit and float images scaled otherwise; a cut PNG or BMP passes a header read. Plain ones keep theirs."""
+    import io
+
+    from PIL import Image
+
+    def enc(img, fmt, **kw):
+        out = io.BytesIO()
+        img.save(out, fmt, **kw)
+        return out.getvalue()
+
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 50, 3), np.uint8))
+    png, bmp = enc(rgb, "PNG"), enc(rgb, "BMP")
+    plain = [enc(rgb, "JPEG"), enc(rgb.convert("L"), "JPEG"), png, bmp, enc(rgb.convert("P"), "PNG"), enc(rgb, "WEBP")]
+    cmyk = enc(rgb.convert("CMYK"), "JPEG")
+    no_adobe = cmyk.replace(b"\xff\xeeAdobe", b"\xff\xeeXdobe")  # the marker's name changed: not read as Adobe's
+    odd = [
+        cmyk,
+        no_adobe,
+        enc(Image.fromarray(np.full((40, 50), 40000, np.uint16)), "PNG"),  # 16-bit
+        enc(Image.fromarray(np.zeros((40, 50), np.float32)), "TIFF"),
+        enc(rgb, "TIFF"),  # TIFF: a cut one cannot be told from its header
+        png[: len(png) // 2],
+        bmp[: len(bmp) // 2],
+    ]
+    dims = HeaderSizes(len(plain) + len(odd))
+    hw = dims.many(list(range(len(plain) + len(odd))), plain + odd).tolist()
+    assert hw[: len(plain)] == [[40, 50]] * len(plain) and hw[len(plain) :] == [[0, 0]] * len(odd), hw
+
+
 def test_first_met_headers_are_read_in_one_native_call_and_the_rest_one_by_one(monkeypatch):
     """A run's new JPEG bytes go to the native reader together (one call); a PNG, a JPEG it refuses and
-    other buffer types are read one by one as before; all sizes equal Pillow's, (0, 0) where unreadable."""
+    other buffer types are read one by one as before; all sizes equal Pillow's, (0, 0) where unreadable (or a CMYK
+    JPEG: the CPU workers', since session 40)."""
     import io
 
     from PIL import Image
@@ -150,7 +183,7 @@ def test_first_met_headers_are_read_in_one_native_call_and_the_rest_one_by_one(m
     monkeypatch.setattr(jpeg, "info_many", lambda data: batches.append(len(data)) or real(data))
     dims = HeaderSizes(len(items) + 1)
     hw = dims.many(list(range(len(items))), items)
-    expected = [header_hw(d) for d in items[:3]] + [(0, 0)] + [header_hw(d) for d in items[4:]]
+    expected = [header_hw(d) for d in items[:3]] + [(0, 0), (0, 0), header_hw(items[5])]  # junk; CMYK: the CPU's
     assert [tuple(z) for z in hw.tolist()] == expected
     assert batches == [len(items)]
     assert dims.many([6], [bytearray(JPEGS[3])]).tolist() == [list(header_hw(JPEGS[3]))]  # not bytes: one by one

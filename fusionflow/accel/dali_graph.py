@@ -364,8 +364,12 @@ OUT_OF_MEMORY = re.compile(
 
 
 def _last_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[-1] if lines else type(exc).__name__
+    """DALI's cause in its message: the last line that names an error, else the last line ("Current pipeline object
+    is no longer valid." closes a decoder's failure, whose cause -- a PNG parser's error, say -- comes before it)."""
+    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
+    lines = [ln for ln in lines if "no longer valid" not in ln] or lines
+    named = [ln for ln in lines if "rror" in ln]
+    return (named or lines)[-1] if lines else type(exc).__name__
 
 
 def _erase(images, erase, device, anchor, shape):

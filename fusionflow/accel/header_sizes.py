@@ -38,8 +38,13 @@ class HeaderSizes:
 
 
 # What DALI's image decoders read (Pillow's names): another format (a GIF) goes to the CPU workers, not into a DALI run
-# that fails whole, its neighbours with it, and counts towards the accelerator's retirement
-DALI_FORMATS = frozenset({"JPEG", "MPO", "PNG", "BMP", "TIFF", "PPM", "JPEG2000", "WEBP"})  # MPO: a camera's JPEG
+# that fails whole, its neighbours with it, and counts towards the accelerator's retirement. Not TIFF (since session
+# 40): a truncated one passes a header read and fails its whole run, every epoch (it cannot be told cheaply).
+DALI_FORMATS = frozenset({"JPEG", "MPO", "PNG", "BMP", "PPM", "JPEG2000", "WEBP"})  # MPO: a camera's JPEG
+# the pixel modes DALI decodes as the CPU path does (Pillow's names): 16-bit, float, LAB, CMYK go to the CPU workers
+# (a CMYK JPEG without an Adobe marker came out black from DALI; 16-bit and float images scaled otherwise)
+DALI_MODES = frozenset({"RGB", "RGBA", "L", "LA", "P", "PA", "1"})
+PNG_END = b"\x00\x00\x00\x00IEND\xaeB`\x82"  # a PNG's last chunk
 
 
 def _header_sizes(data: list) -> np.ndarray:
@@ -69,15 +74,25 @@ def _header_size(data) -> tuple[int, int]:
         return 0, 0
     if complete and jpeg.available():
         try:
-            height, width, _ = jpeg.info(bytes(data))
-            return height, width
+            height, width, components = jpeg.info(bytes(data))
+            return (height, width) if components in (1, 3) else (0, 0)  # CMYK, YCCK: the CPU workers'
         except jpeg.WindowDecodeError:
             pass
     try:
-        h, w, fmt = _pillow_header(data, None)
+        h, w, fmt, mode = _pillow_header(data, None)
     except DecodeError:
         return 0, 0
-    return (h, w) if fmt in DALI_FORMATS else (0, 0)
+    return (h, w) if fmt in DALI_FORMATS and mode in DALI_MODES and _whole(data, fmt) else (0, 0)
+
+
+def _whole(data, fmt: str) -> bool:
+    """Not visibly truncated: a PNG ends with its IEND chunk, a BMP is at least its header's file size (a header
+    read succeeds on a cut file; DALI's decode of it fails its whole run, the CPU path reports the sample)."""
+    if fmt == "PNG":
+        return bytes(data[-12:]) == PNG_END
+    if fmt == "BMP" and len(data) >= 6:
+        return int.from_bytes(bytes(data[2:6]), "little") <= len(data)
+    return True
 
 
 def image_size(data, what: str | None = None) -> tuple[int, int]:
@@ -85,13 +100,13 @@ def image_size(data, what: str | None = None) -> tuple[int, int]:
     return _pillow_header(data, what)[:2]
 
 
-def _pillow_header(data, what) -> tuple[int, int, str | None]:
-    """(height, width, Pillow's format name) from the header, or DecodeError."""
+def _pillow_header(data, what) -> tuple[int, int, str | None, str]:
+    """(height, width, Pillow's format name, its mode) from the header, or DecodeError."""
     from fusionflow.ops.decode import open_encoded
 
     try:
         with open_encoded(data, what) as img:  # Pillow's bomb warning silenced: the policy's limit governs
             w, h = img.size
-            return h, w, img.format
+            return h, w, img.format, img.mode
     except Exception as exc:  # Pillow raises several types for unreadable headers
         raise DecodeError(f"cannot read the image header of {len(data)} bytes: {exc}", what) from exc

@@ -96,14 +96,16 @@ static bool header_into(jpeg_decompress_struct* cinfo, ErrorManager* jerr, const
   }
   jpeg_mem_src(cinfo, data, size);
   jpeg_read_header(cinfo, TRUE);
-  hw[0] = static_cast<int>(cinfo->image_height);
-  hw[1] = static_cast<int>(cinfo->image_width);
+  const bool plain = cinfo->num_components == 1 || cinfo->num_components == 3;  // not CMYK / YCCK
+  hw[0] = plain ? static_cast<int>(cinfo->image_height) : 0;
+  hw[1] = plain ? static_cast<int>(cinfo->image_width) : 0;
   jpeg_abort_decompress(cinfo);
-  return true;
+  return plain;
 }
 
 // A run of headers in one call: hw[2k], hw[2k + 1] = height, width of image k, or 0, 0 where it is not a
-// complete JPEG or its header cannot be read (the caller reads those another way). Returns how many were read.
+// complete JPEG, its header cannot be read, or it has neither 1 nor 3 components (CMYK, YCCK) (the caller reads
+// those another way). Returns how many were read.
 int ff_jpeg_info_many(const unsigned char* const* data, const unsigned long* sizes, int n, int* hw) {
   jpeg_decompress_struct cinfo;
   ErrorManager jerr;

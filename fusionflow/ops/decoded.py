@@ -62,12 +62,16 @@ def from_array(arr: np.ndarray, what) -> Image.Image:
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
+    """`img` as 8-bit RGB. 16-bit images -- PNG/TIFF's I;16, and a 16-bit PGM/PPM, which Pillow opens as 32-bit "I" --
+    keep their high byte (>> 8): Pillow's own convert("RGB"), which torchvision's ImageFolder loader calls, clips them
+    at 255, nearly all white (so here, and only here, decode.mode exact differs from torchvision); other "I" images
+    are clipped as Pillow clips them. Palette transparency goes through RGBA, as Pillow advises."""
     if img.mode == "RGB":
         return img
-    if img.mode in ("I;16", "I;16B", "I;16L", "I"):
-        arr = np.asarray(img)
-        arr = (arr >> 8) if img.mode.startswith("I;16") else np.clip(arr, 0, 255)
-        return Image.fromarray(arr.astype(np.uint8)).convert("RGB")
+    if img.mode.startswith("I;16") or (img.mode == "I" and img.format == "PPM"):
+        return Image.fromarray((np.asarray(img) >> 8).astype(np.uint8)).convert("RGB")
+    if img.mode == "I":
+        return Image.fromarray(np.clip(np.asarray(img), 0, 255).astype(np.uint8)).convert("RGB")
     if img.mode == "P" and "transparency" in img.info:
         img = img.convert("RGBA")
     return img.convert("RGB")
