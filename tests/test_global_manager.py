@@ -511,44 +511,31 @@ def test_a_stale_table_of_an_earlier_job_is_replaced():
 def test_a_table_whose_gm_is_only_stopped_is_not_taken_for_stale():
     """A loader joining between epochs while its job's GM is stopped (a debugger, py-spy) must join that table: it
     used to take it for an earlier job's, unlink it and start a second GM, and the job's loaders were split over
-    two tables that never lend to each other."""
+    two tables that never lend to each other. Unless the stopped GM was closing its table (no loader left): every
+    later loader of the job then retried joining ~5 s and ran without lending, at each start (until session 40).
+    A table whose GM died is an earlier job's."""
     from fusionflow.runtime.gm.link import GMLink
 
-    t = gt.Tables.create(gt.table_name(job()))
     gm = subprocess.Popen(["sleep", "120"])
+    tables = []
     try:
         os.kill(gm.pid, signal.SIGSTOP)
         assert wait_until(lambda: is_stopped(gm.pid))
-        t.header["gm_pid"] = gm.pid
-        assert not t.gm_alive() and not t.active_rows()  # not serving, nobody registered: yet the job's table
-        assert not GMLink._stale(t) and os.path.exists("/dev/shm" + t.name)
-        gm.kill()
-        gm.wait()
-        assert GMLink._stale(t) and not os.path.exists("/dev/shm" + t.name)  # its GM died: an earlier job's
+        for closing, stale in ((False, False), (True, True), (False, True)):  # the last: its GM killed
+            tables.append(t := gt.Tables.create(gt.table_name(job())))
+            t.header["gm_pid"] = gm.pid
+            if closing:
+                t.header["state"] = gt.CLOSING
+            if len(tables) == 3:
+                gm.kill()
+                gm.wait()
+            assert not t.gm_alive() and not t.active_rows()  # not serving, nobody registered
+            assert GMLink._stale(t) == stale and os.path.exists("/dev/shm" + t.name) != stale, (closing, stale)
     finally:
         gm.kill()
         gm.wait()
-        t.unlink()
-
-
-def test_a_closing_table_whose_gm_is_stopped_is_taken_for_stale():
-    """A GM stopped after it marked its table CLOSING (no loader left) and before unlinking it: every later loader of
-    the job retried joining for ~5 s and ran without lending, at each start, while it stayed stopped. Such a table
-    serves nobody: it is replaced (its GM, continued, unlinks only a name still its own)."""
-    from fusionflow.runtime.gm.link import GMLink
-
-    t = gt.Tables.create(gt.table_name(job()))
-    gm = subprocess.Popen(["sleep", "120"])
-    try:
-        os.kill(gm.pid, signal.SIGSTOP)
-        assert wait_until(lambda: is_stopped(gm.pid))
-        t.header["gm_pid"] = gm.pid
-        t.header["state"] = gt.CLOSING
-        assert GMLink._stale(t) and not os.path.exists("/dev/shm" + t.name)
-    finally:
-        gm.kill()
-        gm.wait()
-        t.unlink()
+        for t in tables:
+            t.unlink()
 
 
 def test_a_table_unlinks_its_name_only_while_the_name_is_its_own():
