@@ -534,9 +534,9 @@ def test_the_pipeline_s_cache_reader_counts_hits_and_misses():
 def test_a_stopped_lock_holder_costs_a_fill_not_the_run(monkeypatch):
     """A worker stopped (SIGSTOP) while it holds the record lock: the others wait LOCK_S, then run the
     sample uncached -- its pixels are still made."""
-    from fusionflow.cache import store as st
+    from fusionflow.cache import record_lock
 
-    monkeypatch.setattr(st, "LOCK_S", 0.3)
+    monkeypatch.setattr(record_lock, "LOCK_S", 0.3)
     fd = keeper.segment(None)
     store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
     with held_by_a_stopped_process(CacheStore(fd)._locked):
@@ -553,7 +553,7 @@ def test_a_stopped_lock_holder_is_seen_and_not_waited_for(monkeypatch):
     LOCK_S (10 s) on every miss, its attach 10 s more. The holder is looked up (F_GETLK) and seen stopped: the fill
     is given up at once and none is tried for FILL_BACKOFF_S, the sample made uncached; counting rows gives up too."""
     from fusionflow.cache import reader as reader_module
-    from fusionflow.cache import store as st
+    from fusionflow.cache import record_lock
 
     fd = keeper.segment(None)
     store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
@@ -569,7 +569,7 @@ def test_a_stopped_lock_holder_is_seen_and_not_waited_for(monkeypatch):
         assert pipe(JPEGS[1], 1, 0, 0).shape == (3, 32, 32)  # within the back-off: no fill tried
         with pytest.raises(TimeoutError, match="stopped process"):
             store.claim_rows(2, os.getpid())
-        assert time.monotonic() - t0 < st.LOCK_S / 2  # (a generous bound: each wait ends after ~10 ms)
+        assert time.monotonic() - t0 < record_lock.LOCK_S / 2  # (a generous bound: each wait ends after ~0.1 s)
         assert claims == [0] and store.counts([])["entries"] == 0
     monkeypatch.setattr(reader_module, "FILL_BACKOFF_S", 0.0)
     pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))

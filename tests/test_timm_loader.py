@@ -302,6 +302,26 @@ def test_evaluation_decodes_exactly_as_timm_and_training_fast_unless_asked(singl
         create_loader(train_dataset(singles), SIZE, 4, is_training=True, device=CPU, decode="bit")
 
 
+@pytest.mark.parametrize("interpolation", ["bicubic", "bilinear"])
+def test_eval_of_small_images_is_timms_to_the_level(tmp_path, interpolation):
+    """The default centre crop of small noisy images: the box was resized from a window cut around it, whose offset
+    moved Pillow's coefficients (bicubic up to 6 levels on 15% of pixels): exact mode now resizes it from the whole
+    image, as timm's Resize does. (Nearest still samples a row or column off now and then: timm resizes, then crops
+    whole pixels; one resize of the fractional box rounds its edge otherwise.)"""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for c, hw in enumerate([(168, 67), (104, 116), (90, 150)]):
+        (tmp_path / "val" / f"c{c}").mkdir(parents=True)
+        Image.fromarray(rng.integers(0, 256, (*hw, 3), dtype=np.uint8)).save(tmp_path / "val" / f"c{c}" / "a.jpg")
+    kw = dict(is_training=False, num_workers=0, device=CPU, interpolation=interpolation, crop_pct=0.875)
+    ours = create_loader(create_dataset("", root=str(tmp_path), split="val"), (3, 56, 56), 3, **kw)
+    theirs = timm_create_loader(create_dataset("", root=str(tmp_path), split="val"), (3, 56, 56), 3, **kw)
+    with ours.fusionflow:
+        (x, y), (tx, ty) = next(iter(ours)), next(iter(theirs))
+    assert torch.equal(y, ty) and float((x - tx).abs().max()) <= 1.01 / 255 / min(IMAGENET_STD)
+
+
 @pytest.mark.parametrize("crop_pct", [0.875, 1.15])
 def test_eval_at_a_non_square_size_crops_and_pads_as_timm(singles, crop_pct):
     """timm's default eval crop at a non-square input_size is ResizeKeepRatio + torchvision's CenterCrop (which
@@ -336,6 +356,23 @@ def test_eval_at_a_non_square_size_crops_and_pads_as_timm(singles, crop_pct):
 def test_what_cannot_be_expressed_is_refused_when_built_naming_the_argument(folder, kw, match):
     with pytest.raises(ValueError, match=match):
         create_loader(train_dataset(folder), SIZE, 8, is_training=True, device=CPU, **kw)
+
+
+def test_what_timm_takes_or_ignores_is_taken(folder):
+    """A scalar mean/std (timm's prefetcher repeats it per channel; it crashed at build), tf_preprocessing without
+    the prefetcher (timm's create_transform ignores it; it was refused), and a refused eval interpolation names
+    interpolation (it named crop_mode / crop_pct, which the caller had not passed)."""
+    kw = dict(is_training=False, num_workers=0, device=CPU, mean=0.5, std=0.25)
+    ours = create_loader(create_dataset("", root=folder, split="train"), SIZE, 8, **kw)
+    theirs = timm_create_loader(create_dataset("", root=folder, split="train"), SIZE, 8, **kw)
+    with ours.fusionflow:
+        (x, _), (tx, _) = next(iter(ours)), next(iter(theirs))
+    assert float((x - tx).abs().max()) <= 1.01 / 255 / 0.25
+    create_loader(train_dataset(folder), SIZE, 8, is_training=True, device=CPU, use_prefetcher=False,
+                  tf_preprocessing=True).fusionflow.close()  # fmt: skip
+    with pytest.raises(ValueError, match=r"create_loader\(crop_mode / crop_pct / interpolation\)"):
+        create_loader(create_dataset("", root=folder, split="train"), SIZE, 8, is_training=False, device=CPU,
+                      interpolation="hamming")  # fmt: skip
 
 
 def test_refusals_of_the_dataset_and_channels(folder):
@@ -503,3 +540,16 @@ def test_3a_and_an_auto_augment_with_grayscale_keep_timm_s_order(folder):
         before = pipe.augment_image(base.convert("L").convert("RGB"), d)
         differs += not np.array_equal(np.asarray(before), np.asarray(want))
     assert differs > 0  # the order matters for these draws: the test can tell them apart
+
+
+@pytest.mark.parametrize("mode", ["elem", "pair"])
+def test_per_sample_mixup_of_a_half_precision_batch_keeps_its_soft_targets_exact(mode):
+    """timm's Mixup makes its per-sample lam in the batch's dtype: on a bfloat16 batch (img_dtype) the soft targets'
+    rows summed to 1 only within 2e-3. The batch is mixed in float32, then stored back."""
+    from fusionflow.timm.batch import mix
+
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, mode=mode, num_classes=10, label_smoothing=0.1)
+    images = torch.rand(8, 3, 16, 16).to(torch.bfloat16)
+    out, targets = mix(mixup, images, torch.arange(8))
+    assert out is images and out.dtype == torch.bfloat16
+    assert float((targets.sum(1) - 1).abs().max()) < 1e-6

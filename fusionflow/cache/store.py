@@ -34,19 +34,15 @@ per byte, the marginal score bin first come. `first` mode admits whatever comes 
 
 from __future__ import annotations
 
-import fcntl
 import math
 import mmap
 import os
-import struct
-import threading
-import time
 import weakref
-from contextlib import contextmanager
 
 import numpy as np
 
-from fusionflow.runtime.procs import is_stopped, pid_alive
+from fusionflow.cache import record_lock
+from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import allocate, disown_fd, own_fd
 
 MAGIC = 0x46464443_41434845  # "FFDCACHE"
@@ -59,10 +55,6 @@ ENTRY_FIELDS = 8
 ALIGN = 64
 CHUNK = 64 << 20  # pages reserved per step as the arena fills
 FULL_BELOW = 1 << 20  # the cache counts as full (no more fills tried) with less room than this
-LOCK_S = 10.0  # the longest a process waits for the record lock (its holders keep it for microseconds)...
-FILL_LOCK_S = 0.05  # ...for a fill's claim, which is optional: a busy lock costs that fill only
-HOLDER_CHECK_S = 0.01  # waited this long (and every 10x after), the lock's holder looked up: stopped twice, no wait
-_FLOCK = "hhqqi4x"  # Linux's struct flock: l_type, l_whence, l_start, l_len, l_pid (and padding)
 
 # header words
 H_MAGIC, H_VERSION, H_ENTRIES, H_ARENA_OFF, H_ARENA_SIZE, H_BUMP, H_RESERVED = range(7)
@@ -143,7 +135,7 @@ class CacheStore:
         return cls(fd)
 
     def close(self) -> None:
-        with _THREADS:  # not while a thread of this process holds the record lock (see `_locked`)
+        with record_lock.threads():  # not while a thread of this process holds the record lock
             self._close()
 
     def _close(self) -> None:
@@ -156,56 +148,10 @@ class CacheStore:
                 pass
             self._map = None
 
-    @contextmanager
-    def _locked(self, bound: float = LOCK_S):
-        """The record lock, waited for at most `bound` (a holder stopped with SIGSTOP -- a worker of a paused job
-        sharing the cache -- must not stop every other worker: past the bound, or as soon as its holder is seen
-        stopped, TimeoutError, and the caller gives up that fill, publication or count). A record lock belongs
-        to the process, not the thread, and closing any descriptor of the file drops it: `_THREADS` keeps this
-        process's threads out of each other's sections and out of `close`."""
-        if not _THREADS.acquire(timeout=bound):
-            raise TimeoutError(f"another thread held the decoded-image cache's lock over {bound} s")
-        try:
-            with self._record_lock(bound):
-                yield
-        finally:
-            _THREADS.release()
-
-    def _holder(self) -> int | None:
-        """The pid of the process holding the record lock (fcntl F_GETLK), None if free or unknown."""
-        query = struct.pack(_FLOCK, fcntl.F_WRLCK, os.SEEK_SET, 0, 1, 0)
-        try:
-            kind, _, _, _, pid = struct.unpack(_FLOCK, fcntl.fcntl(self.fd, fcntl.F_GETLK, query))
-        except OSError:
-            return None
-        return None if kind == fcntl.F_UNLCK or pid <= 0 else pid
-
-    @contextmanager
-    def _record_lock(self, bound: float):
-        deadline, pause, check_at, seen = None, 0.0002, None, None
-        while True:
-            try:
-                fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
-                break
-            except (BlockingIOError, PermissionError):
-                now = time.monotonic()
-                deadline, check_at = deadline or now + bound, check_at or now + HOLDER_CHECK_S
-                if now > deadline:
-                    raise TimeoutError(f"the decoded-image cache's lock was held over {bound} s") from None
-                if now > check_at:  # held past a section's length: by a process stopped (at two looks 0.1 s apart)?
-                    check_at, holder = now + 10 * HOLDER_CHECK_S, self._holder()
-                    stopped = holder if holder is not None and is_stopped(holder) else None
-                    if stopped is not None and stopped == seen:
-                        raise TimeoutError(
-                            f"the decoded-image cache's lock is held by stopped process {holder}"
-                        ) from None
-                    seen = stopped
-                time.sleep(pause)
-                pause = min(0.01, pause * 2)
-        try:
-            yield
-        finally:
-            fcntl.lockf(self.fd, fcntl.LOCK_UN, 1, 0, os.SEEK_SET)
+    def _locked(self, bound: float | None = None):
+        """The segment's record lock (cache/record_lock.py): TimeoutError past `bound` or once its holder is seen
+        stopped, and the caller gives up that fill, publication or count."""
+        return record_lock.locked(self.fd, bound)
 
     # ------------------------------------------------------------------ reading (no lock)
     def get(self, index: int, encoded_len: int):
@@ -240,7 +186,7 @@ class CacheStore:
         nbytes = h * w * 3
         score = decode_ns / max(1, nbytes)
         me = os.getpid()
-        with self._locked(FILL_LOCK_S):
+        with self._locked(record_lock.FILL_LOCK_S):
             self._publish_now()
             e, head = self.entries[index], self.header
             state = int(e[E_STATE])
@@ -403,14 +349,3 @@ def _same_file(fd: int) -> set[int]:
         if (st.st_dev, st.st_ino) == (me.st_dev, me.st_ino):
             found.add(int(name))
     return found
-
-
-_THREADS = threading.RLock()
-
-
-def _new_lock_after_fork() -> None:  # a fork while another thread held it must not leave the child locked
-    global _THREADS
-    _THREADS = threading.RLock()
-
-
-os.register_at_fork(after_in_child=_new_lock_after_fork)

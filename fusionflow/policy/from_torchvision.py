@@ -320,7 +320,9 @@ def _as_v2(t) -> list | None:
         ),
         "PILToTensor": lambda: T.PILToTensor(),
         "ConvertImageDtype": lambda: T.ConvertImageDtype(t.dtype),
-        "Normalize": lambda: T.Normalize(t.mean, t.std),
+        "Normalize": lambda: T.Normalize(  # a scalar too: timm's create_transform makes a 0-d tensor of mean=0.5
+            *(torch.as_tensor(v, dtype=torch.float64).view(-1).tolist() for v in (t.mean, t.std))
+        ),
         "RandomErasing": lambda: T.RandomErasing(t.p, t.scale, t.ratio, t.value),
     }
     if name == "ToTensor":

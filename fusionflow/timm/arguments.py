@@ -34,7 +34,7 @@ CAUSES = {
     "ResizeKeepRatio": "train_crop_mode / crop_mode",
     "RandomCropOrPad": "train_crop_mode",
     "CenterCropOrPad": "crop_mode / crop_border_pixels",
-    "Resize": "crop_mode / crop_pct",
+    "Resize": "crop_mode / crop_pct / interpolation",
     "CenterCrop": "crop_mode / crop_pct",
 }
 
@@ -122,7 +122,7 @@ def check(dataset, a: TimmArguments) -> int:
     for name in SCHEDULED:
         if getattr(a, name) is not None:
             refuse(f"{name}=...", "scheduled input and batch sizes are not supported; use timm.data.create_loader")
-    if a.tf_preprocessing:
+    if a.tf_preprocessing and a.use_prefetcher:  # (without the prefetcher timm's create_transform ignores it)
         refuse("tf_preprocessing=True", "TF's preprocessing is timm's port-testing path; use timm.data.create_loader")
     if isinstance(dataset, torch.utils.data.IterableDataset):
         refuse(

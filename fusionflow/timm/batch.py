@@ -21,9 +21,9 @@ class BatchPrep:
 
     def __init__(self, mean, std, img_dtype, device, normalize: bool, mixup=None, erasing=None):
         self.device, self.img_dtype, self.normalize = device, img_dtype, normalize
-        shape = (1, len(mean), 1, 1)
-        self.mean = torch.tensor([m * 255 for m in mean], device=device, dtype=img_dtype).view(shape)
-        self.std = torch.tensor([s * 255 for s in std], device=device, dtype=img_dtype).view(shape)
+        # per channel, a scalar repeated (timm's PrefetchLoader takes mean=0.5 as (0.5, 0.5, 0.5))
+        mean, std = (torch.as_tensor(v, dtype=torch.float64).reshape(-1).expand(3) * 255 for v in (mean, std))
+        self.mean, self.std = (v.to(device, img_dtype).view(1, 3, 1, 1) for v in (mean, std))
         self.mixup, self.erasing = mixup, erasing
 
     def __call__(self, images: torch.Tensor, targets):
@@ -47,7 +47,10 @@ def mix(mixup, images: torch.Tensor, targets):
     the mixing is in the training process, where every pass over a float batch costs the loop time."""
     from timm.data.mixup import Mixup, mixup_target
 
-    if mixup.mode != "batch":
+    if mixup.mode != "batch":  # its per-sample lam is made in the batch's dtype: a float16/bfloat16 batch is mixed
+        if images.dtype in (torch.float16, torch.bfloat16):  # in float32, else the soft targets lose precision
+            wide, targets = Mixup.__call__(mixup, images.float(), targets)  # (rows summing to 1 within 2e-3)
+            return images.copy_(wide), targets
         return Mixup.__call__(mixup, images, targets)
     assert len(images) % 2 == 0, "Batch size should be even when using this"  # timm's own check
     lam, use_cutmix = mixup._params_per_batch()
