@@ -87,9 +87,7 @@ class CacheReader:
                 self.store.publish(index)
                 row[st.R_FILLS] += 1
                 row[st.R_FILL_BYTES] += img.nbytes
-        except (
-            TimeoutError
-        ):  # the lock's holder is stopped (a paused job's worker): uncached, and no fill tried a while
+        except TimeoutError:  # the lock's holder is stopped (a paused job's worker): uncached, no fill for a while
             self._fill_after = time.perf_counter_ns() + int(FILL_BACKOFF_S * 1e9)
         row[st.R_FILL_NS] += spent
         took = time.perf_counter_ns() - t0  # pacing counts the claim and the copy too

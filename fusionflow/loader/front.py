@@ -294,9 +294,8 @@ class FusionFlowLoader:
 
     def __iter__(self):
         """A new epoch: its iterator (it starts the workers, if they are not running, at its first next())."""
-        warn_if_unsharded(
-            self.config.sampler, self.config.batch_sampler, stacklevel=2
-        )  # DDP without a DistributedSampler: each rank reads all
+        # under DDP without a DistributedSampler each rank reads the whole set: said once per line that iterates
+        warn_if_unsharded(self.config.sampler, self.config.batch_sampler, stacklevel=2)
         epoch, progress = self.parts.checkpoint.begin()
         kind = InlineIterator if self.config.num_workers == 0 else WorkerIterator
         return kind(self.parts, self.config, epoch, progress)
