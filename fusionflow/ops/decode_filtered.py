@@ -82,9 +82,9 @@ def decode_box_resize(
     own scale: torchvision's Resize + CenterCrop (the eval policy) and timm's resize-then-crop without
     rounding the crop to whole source pixels. `fast`: a JPEG decodes only the box and the filter's support
     (`_support`; within a level or two: Pillow's coefficients follow the box's offset in what it resizes), and with
-    bilinear a box of 2x the output or more is decoded at a DCT scale first; else the whole image (a centre crop's
-    box is most of it), so the coefficients are those of the reference's resize: its pixels (since session 40: up
-    to 6 levels apart on small images). Where the window decoder cannot
+    bilinear a box of 2x the output or more is decoded at a DCT scale first; else the whole image (`_window`: a
+    centre crop's box is most of it), so the coefficients are those of the reference's resize: its pixels (since
+    session 40: up to 6 levels apart on small images). Where the window decoder cannot
     serve a JPEG, Pillow decodes the same pixels (`_pillow_box_resize`): a JPEG's result is the same on every host."""
     if window_decodable(data):
         data = bytes(data)
@@ -96,7 +96,7 @@ def decode_box_resize(
             if r > 1:
                 arr, box = jpeg.decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
                 return Image.fromarray(arr).resize(out_size[::-1], resample, box=box, reducing_gap=None), plan
-            window = _support(plan[0], out_size, width, height, resample) if fast else (0, 0, width, height)
+            window = _window(plan[0], out_size, width, height, resample, fast)
             wx0, wy0, wx1, wy1 = window
             arr, _ = jpeg.decode_window(data, wy0, wx0, wy1 - wy0, wx1 - wx0)
             if arr.shape[:2] == (wy1 - wy0, wx1 - wx0):
@@ -113,6 +113,16 @@ def decode_box_resize(
 
 def _scales(fast: bool, resample) -> bool:
     return fast and resample == Image.Resampling.BILINEAR  # others: Pillow's filter at full scale
+
+
+def _window(box, out_size, width: int, height: int, resample, fast: bool) -> tuple[int, int, int, int]:
+    """What to decode for `box`: its filter's support (`_support`), or in exact mode the whole image, so that a
+    bilinear or bicubic filter's coefficients are those of a resize of the whole image (the reference's). Nearest
+    keeps the support: its sampled pixel follows the box's float offset either way, and from the support it
+    matched torchvision's Resize + CenterCrop (tests/test_interpolation.py)."""
+    if fast or resample == Image.Resampling.NEAREST:
+        return _support(box, out_size, width, height, resample)
+    return 0, 0, width, height
 
 
 def _support(box, out_size, width: int, height: int, resample) -> tuple[int, int, int, int]:
@@ -147,6 +157,6 @@ def _pillow_box_resize(img: Image.Image, plan, fast: bool, resample, what) -> Im
     if r > 1:
         arr, box = pillow_scaled_region(img, (y0, x0, y1 - y0, x1 - x0), r, what)
         return Image.fromarray(arr).resize(out_size[::-1], resample, box=box, reducing_gap=None)
-    window = _support(plan[0], out_size, width, height, resample) if fast else (0, 0, width, height)
+    window = _window(plan[0], out_size, width, height, resample, fast)
     full = np.asarray(load_rgb(img, what))
     return _resize_in(full[window[1] : window[3], window[0] : window[2]], window, plan[0], out_size, resample)
