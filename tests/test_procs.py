@@ -163,3 +163,17 @@ def test_a_cpu_worker_ends_quietly_on_sigterm_whatever_handler_the_script_instal
     ld.set_epoch(1)
     assert sorted(i for y in collect(ld)[1] for i in y.tolist()) == list(range(16))  # a new worker took over
     ld.close()
+
+
+def test_a_lock_holder_counts_as_stopped_only_at_two_looks_in_a_row(monkeypatch):
+    """StoppedHolder: a waiter gives up on a lock's holder seen stopped at two looks 0.1 s apart; a stop seen once
+    (a profiler's sampling stop) does not count, and nothing is looked up before CHECK_S of waiting."""
+    from fusionflow.runtime import procs
+
+    states = iter([True, False, True, True])  # the holder's state at each look
+    looks = []
+    monkeypatch.setattr(procs, "is_stopped", lambda pid: looks.append(pid) or next(states))
+    watch = procs.StoppedHolder(lambda: 42, began=0.0)
+    assert watch.seen_stopped(0.005) is None and looks == []  # too early to look
+    got = [watch.seen_stopped(t) for t in (0.02, 0.05, 0.13, 0.24, 0.35)]  # 0.05: before the next look is due
+    assert got == [None, None, None, None, 42] and looks == [42] * 4

@@ -2,8 +2,8 @@
 that claims, publishes or counts (cache/store.py), and held for microseconds.
 
 A holder stopped with SIGSTOP -- a worker of a paused job sharing the cache -- must not stop every other worker: a
-waiter gives up past its bound, or at once when it sees the holder stopped at two looks HOLDER_CHECK_S x 10 apart
-(F_GETLK names the holder; a profiler's sampling stop is shorter), and its caller gives up that fill, publication or
+waiter gives up past its bound, or at once when it sees the holder stopped at two looks 0.1 s apart (F_GETLK names
+the holder; runtime/procs.py `StoppedHolder`), and its caller gives up that fill, publication or
 count. A record lock belongs to the process, not the thread, and closing any descriptor of the file drops it: one
 re-entrant lock per process (`threads()`) keeps its threads out of each other's sections and out of a store's close.
 """
@@ -17,11 +17,10 @@ import threading
 import time
 from contextlib import contextmanager
 
-from fusionflow.runtime.procs import is_stopped
+from fusionflow.runtime.procs import StoppedHolder
 
 LOCK_S = 10.0  # the longest a process waits for the record lock (its holders keep it for microseconds)...
 FILL_LOCK_S = 0.05  # ...for a fill's claim, which is optional: a busy lock costs that fill only
-HOLDER_CHECK_S = 0.01  # waited this long (and every 10x after), the lock's holder looked up: stopped twice, no wait
 _FLOCK = "hhqqi4x"  # Linux's struct flock: l_type, l_whence, l_start, l_len, l_pid (and padding)
 _THREADS = threading.RLock()
 
@@ -59,22 +58,19 @@ def holder(fd: int) -> int | None:
 
 
 def _take(fd: int, bound: float) -> None:
-    deadline, pause, check_at, seen = None, 0.0002, None, None
+    deadline, pause, watch = None, 0.0002, None
     while True:
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, os.SEEK_SET)
             return
         except (BlockingIOError, PermissionError):
             now = time.monotonic()
-            deadline, check_at = deadline or now + bound, check_at or now + HOLDER_CHECK_S
+            deadline = deadline or now + bound
+            watch = watch or StoppedHolder(lambda: holder(fd), now)
             if now > deadline:
                 raise TimeoutError(f"the decoded-image cache's lock was held over {bound} s") from None
-            if now > check_at:  # held past a section's length: by a process stopped (at two looks 0.1 s apart)?
-                check_at, pid = now + 10 * HOLDER_CHECK_S, holder(fd)
-                stopped = pid if pid is not None and is_stopped(pid) else None
-                if stopped is not None and stopped == seen:
-                    raise TimeoutError(f"the decoded-image cache's lock is held by stopped process {pid}") from None
-                seen = stopped
+            if (pid := watch.seen_stopped(now)) is not None:
+                raise TimeoutError(f"the decoded-image cache's lock is held by stopped process {pid}") from None
             time.sleep(pause)
             pause = min(0.01, pause * 2)
 

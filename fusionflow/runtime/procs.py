@@ -86,6 +86,26 @@ def is_stopped(pid: int) -> bool:
         return False
 
 
+class StoppedHolder:
+    """A lock's holder, looked up while a waiter polls the lock: `seen_stopped(now)` is its pid once it was found
+    stopped at two looks 10 x CHECK_S apart (a profiler's sampling stop, py-spy's, is shorter), else None. The first
+    look comes CHECK_S after the wait began (a holder keeps such locks for microseconds). `find()`: the holder's
+    pid or None (cache/record_lock.py: F_GETLK; runtime/userdir.py: /proc/locks)."""
+
+    CHECK_S = 0.01
+
+    def __init__(self, find, began: float):
+        self.find, self.look_at, self.seen = find, began + self.CHECK_S, None
+
+    def seen_stopped(self, now: float) -> int | None:
+        if now <= self.look_at:
+            return None
+        self.look_at, pid = now + 10 * self.CHECK_S, self.find()
+        stopped, before = (pid if pid is not None and is_stopped(pid) else None), self.seen
+        self.seen = stopped
+        return stopped if stopped is not None and stopped == before else None
+
+
 def end_processes(processes, grace: float) -> None:
     """Join `processes` (multiprocessing.Process, already asked to stop) for up to `grace` seconds in all,
     then terminate() those still running, then kill(): each step waits up to 1 s (interrupted: at once)."""

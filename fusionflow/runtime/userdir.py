@@ -13,7 +13,7 @@ import os
 import stat
 import time
 
-from fusionflow.runtime.procs import is_stopped
+from fusionflow.runtime.procs import StoppedHolder
 
 
 def directory() -> str:
@@ -32,17 +32,13 @@ def directory() -> str:
     return path
 
 
-HOLDER_CHECK_S = 0.01  # a lock held this long (and every 10x that after): is its holder stopped? (twice in a row:
-# a profiler's sampling stop, py-spy's, lasts well under the 0.1 s between two looks)
-
-
 def flock_within(fd: int, seconds: float, what: str) -> None:
     """An exclusive flock on `fd`, waited for at most `seconds` (polled): a holder stopped with SIGSTOP
     costs the caller what it wanted the lock for, never its run. Past the bound, or once the holder is seen
     stopped (`flock_holder`; since session 40: a GM waiting out a stopped holder skipped 10 s of polls a try),
     TimeoutError (an OSError) naming `what`."""
     now = time.monotonic()
-    deadline, check_at, pause, seen = now + seconds, now + HOLDER_CHECK_S, 0.001, None
+    deadline, pause, watch = now + seconds, 0.001, StoppedHolder(lambda: flock_holder(fd), now)
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -51,12 +47,8 @@ def flock_within(fd: int, seconds: float, what: str) -> None:
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"{what} stayed locked over {seconds:.0f} s (its holder stopped?)") from None
-            if now > check_at:
-                check_at, holder = now + 10 * HOLDER_CHECK_S, flock_holder(fd)
-                stopped = holder if holder is not None and is_stopped(holder) else None
-                if stopped is not None and stopped == seen:
-                    raise TimeoutError(f"{what} is locked by stopped process {holder}") from None
-                seen = stopped
+            if (holder := watch.seen_stopped(now)) is not None:
+                raise TimeoutError(f"{what} is locked by stopped process {holder}") from None
             time.sleep(pause)
             pause = min(0.02, pause * 2)
 
