@@ -551,11 +551,35 @@ def test_serve_refuses_bad_arguments_with_a_usage_error_not_a_traceback(jobs, tm
         (["--data", root, "--tiny-batch-size", 0], "--tiny-batch-size must be >= 1, got 0"),
         (["--data", root, "--policy", "nope"], "nope"),
         (["--data", tmp_path / "empty"], "has no class sub-directories"),
+        (["--data", root, "--batch-size", 8, "--drop-last"], "the 4 images make no mini-batch"),  # epochs of nothing
     ):
         p = jobs.serve("--epochs", 1, *args)
         assert jobs.wait(p) == 2, jobs.dump()
         out = jobs.log("serve")
         assert says in out and "Traceback" not in out and "python -m fusionflow serve: error:" in out, out
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_serve_on_a_corrupt_image_says_which_in_a_line_or_skips_it(jobs, tmp_path, on_error):
+    """One corrupt JPEG: `serve` printed three tracebacks and advised on_error='skip', which it had no option for."""
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), num_classes=2, per_class=4, min_side=40, max_side=60)
+    victim = sorted(os.scandir(sorted(os.scandir(root), key=lambda e: e.name)[0].path), key=lambda e: e.name)[0]
+    with open(victim.path, "wb") as f:
+        f.write(b"\xff\xd8\xff\xe0 not a JPEG")
+    producer = jobs.serve("--data", root, "--epochs", 1, "--batch-size", 2, "--workers", 1, "--on-error", on_error)
+    with SharedLoaderClient(jobs.name, timeout=60) as client:
+        if on_error == "skip":
+            assert sum(len(y) for _, y in client) == 7
+        else:
+            with pytest.raises(SharedLoaderError, match=victim.name):
+                list(client)
+    code, out = jobs.wait(producer), jobs.log("serve")
+    if on_error == "skip":
+        assert code == 0, out
+    else:
+        assert code == 1 and "Traceback" not in out and "--on-error skip drops such" in out, out
 
 
 def test_serve_of_a_name_already_served_is_a_usage_error_not_a_traceback(jobs, tmp_path):
@@ -750,3 +774,39 @@ def test_a_seedless_loader_keeps_the_seed_it_was_served_with(jobs):
     with make(seed=seed) as reference:
         first = {int(t): d for x, y in reference for t, d in zip(y, digests(x))}
     assert first == served  # (epoch 0, either order: pixels follow (seed, epoch, index))
+
+
+def test_a_longest_name_fits_the_socket_address_of_any_uid():
+    """`serve --name` of 64 characters (the longest allowed) failed with 'AF_UNIX path too long' for a user whose
+    uid has 8 or more digits: the whole name went into the producer's abstract address."""
+    import socket
+
+    from fusionflow.shared.hub import address_of
+
+    name = rendezvous.check_name("n" * 64)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind("\0" + address_of(name, 2**32 - 2))  # the largest uid Linux gives
+    finally:
+        sock.close()
+
+
+def test_a_producer_named_cores_keeps_its_record_when_a_loader_claims_cores(tmp_path):
+    """The record of a producer named 'cores' was the node's core-claims file: the next loader's claim rewrote it
+    and clients found no producer. The records now have a name of their own."""
+    from fusionflow.runtime import cores
+    from fusionflow.shared.hub import Hub
+
+    fd = os.open(tmp_path / "ring", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        hub = Hub("cores", fd, None, None)
+        try:
+            with cores._claims() as claims:  # what a loader with pin_workers does at start
+                claims.clear()
+            rec = rendezvous.read("cores")
+            assert rec is not None and rec["address"] == hub.address
+        finally:
+            hub.close()
+        assert rendezvous.read("cores") is None
+    finally:
+        os.close(fd)

@@ -57,6 +57,12 @@ def _weakly(method):
     return weakref.WeakMethod(method) if method is not None else lambda: None
 
 
+def address_of(name: str, uid: int) -> str:
+    """A new abstract socket address for producer `name`: the name's first 32 characters only, as an abstract
+    address holds 107 bytes and a uid may have 10 digits (a 64-character name did not fit past 7)."""
+    return f"fusionflow-shared-{uid}-{name[:32]}-{secrets.token_hex(8)}"
+
+
 def _hub_thread(ref) -> None:
     """The hub's thread: it holds its Hub only for a turn, so a SharedLoader dropped without close() is collected
     and closed (producer.py `_dropped`), where a thread running a bound method kept it, its workers and its name
@@ -86,7 +92,7 @@ class Hub:
         self._stop_check = 0.0  # when `_let_go_of_stopped` last looked
         self._ro_fd = rendezvous.read_only_fd(ring_fd)
         self._secret = secrets.token_bytes(32)
-        self.address = f"fusionflow-shared-{os.getuid()}-{name}-{secrets.token_hex(8)}"
+        self.address = address_of(name, os.getuid())
         self._listener = listen(self.address)
         self._wake_r, self._wake_w = os.pipe()
         self._sel = selectors.DefaultSelector()

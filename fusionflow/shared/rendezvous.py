@@ -1,7 +1,8 @@
 """How a SharedLoaderClient finds its producer, and what they say to each other.
 
 The rendezvous: a producer named `name` listens on an abstract Unix socket at a random address and
-writes {pid, address, secret} to `<dir>/<name>.json`, mode 0600, where `<dir>` is runtime/userdir.py's
+writes {pid, address, secret} to `<dir>/shared-<name>.json`, mode 0600 (the prefix keeps a name such as
+`cores` off the directory's other files), where `<dir>` is runtime/userdir.py's
 (`/tmp/fusionflow-<uid>`, whatever the process's environment), a 0700 directory that must be the user's
 own (a directory another user could write is refused). So only the user's processes learn the
 secret, and every connection proves it both ways (runtime/authsock.py); the producer also checks
@@ -72,7 +73,7 @@ class Hello:
 
 
 def path_of(name: str) -> str:
-    return os.path.join(directory(), f"{name}.json")
+    return os.path.join(directory(), f"shared-{name}.json")  # prefixed: `cores` must not be cores.json
 
 
 def publish(name: str, address: str, secret: bytes) -> dict | None:
@@ -131,7 +132,7 @@ def _remove_if(name: str, pid: int) -> bool:
 
 @contextlib.contextmanager
 def _locked(name: str):
-    lock = os.path.join(directory(), f"{name}.lock")
+    lock = os.path.join(directory(), f"shared-{name}.lock")
     with lock_file(lock, LOCK_S, f"the shared loader name {name!r} ({lock})"):
         yield lock
 
