@@ -42,6 +42,8 @@ def check_arguments(p, args) -> None:
     for name in ("workers", "batch_size", "batches", "repeats", "size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 8 <= args.size <= 8192:  # the policy's own range (policy/overrides.py)
+        p.error(f"--size must be 8 to 8192 pixels, got {args.size}")
     if not os.path.isdir(args.data):
         p.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
 
@@ -64,20 +66,29 @@ def time_pass(loader, batches: int, bar) -> tuple[float, list[float]]:
     return (samples / (time.perf_counter() - t0) if samples else float("nan")), waits
 
 
-def run(args) -> int:
+def run(args, parser=None) -> int:
+    """Bench as `args` say; data that cannot be benched is `parser`'s usage error (exit 2) when given."""
     import torch
 
     from fusionflow import ImageFolder
 
     torch.set_num_threads(1)
-    root = image_root(args.data)
+    try:
+        root = image_root(args.data)
+    except SystemExit as e:
+        if parser is None:
+            raise
+        parser.error(str(e).removeprefix("bench: "))
     ds = ImageFolder(root)
     batch_size = min(args.batch_size, len(ds))
     if len(ds) // batch_size < 2:
-        raise SystemExit(
-            f"bench: {len(ds)} images make fewer than 2 mini-batches of {batch_size}: use a smaller "
-            "--batch-size (the first mini-batch of each pass is not timed)"
+        why = (
+            f"{len(ds)} images make fewer than 2 mini-batches of {batch_size}: use a smaller --batch-size (the first "
+            "mini-batch of each pass is not timed)"
         )
+        if parser is None:
+            raise SystemExit(f"bench: {why}")
+        parser.error(why)
     per_pass = min(args.batches, len(ds) // batch_size - 1)
     print(
         f"{len(ds)} images in {root}, policy {args.policy} ({args.output} output), batch {batch_size}, "

@@ -18,11 +18,23 @@ import time
 
 import numpy as np
 
+from fusionflow.errors import SampleError
 from fusionflow.tools.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
+from fusionflow.tools.cli import failed_sample, interrupted
 
-# the repository's experiments/data (fusionflow/tools/demo.py -> three levels up), as `make clean` expects
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEFAULT_DATA = os.path.join(REPO, "experiments", "data", "demo")
+
+def data_home() -> str:
+    """Where the demo writes: a checkout's experiments/data (fusionflow/tools/demo.py -> three levels up), as `make
+    clean` expects; for an installed package (site-packages is no place to write, nor writable to a user) the
+    user's cache directory."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if os.path.isfile(os.path.join(repo, "setup.cfg")) and os.path.isdir(os.path.join(repo, "experiments")):
+        return os.path.join(repo, "experiments", "data")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "fusionflow")
+
+
+IMAGES_PER_CLASS = 96  # the synthetic set's, 4 classes
 
 
 def small_cnn(num_classes: int):
@@ -89,7 +101,7 @@ def train(name: str, loader, set_epoch, num_classes: int, args) -> dict:
 
 
 def _parser():
-    """The command line: (parser, profile's subparser, bench's subparser)."""
+    """The command line: (parser, demo's, profile's and bench's subparsers)."""
     ap = argparse.ArgumentParser(
         prog="python -m fusionflow", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -100,11 +112,14 @@ def _parser():
     d.add_argument("--epochs", type=int, default=2)
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1))
-    d.add_argument("--images-per-class", type=int, default=96)
+    d.add_argument(
+        "--images-per-class", type=int, default=None, help=f"the synthetic set's (default {IMAGES_PER_CLASS})"
+    )
     d.add_argument(
         "--profile-dir",
         default=None,
-        help="where the FusionFlow run's trace.json and timeline.png go (default: experiments/data/demo_profile)",
+        help="where the FusionFlow run's trace.json and timeline.png go (default: demo_profile beside the "
+        "synthetic set: experiments/data in a checkout, else ~/.cache/fusionflow)",
     )
     from fusionflow.tools import bench, profile
 
@@ -125,7 +140,7 @@ def _parser():
     # listed here, parsed by their own modules (main hands them their arguments before this parser runs)
     sub.add_parser("serve", help="a SharedLoader for co-located jobs (serve --help)", add_help=False)
     sub.add_parser("gm", help="a DDP job's global manager: serve, status, workers (gm --help)", add_help=False)
-    return ap, p, b
+    return ap, d, p, b
 
 
 def main(argv=None) -> int:
@@ -140,14 +155,27 @@ def main(argv=None) -> int:
         return serve(argv[1:])
     from fusionflow.tools import bench, profile
 
-    ap, p, b = _parser()
+    ap, d, p, b = _parser()
     args = ap.parse_args(argv)
-    if args.command == "profile":
-        profile.check_arguments(p, args)
-        return profile.run(args, p)
-    if args.command == "bench":
-        bench.check_arguments(b, args)
-        return bench.run(args)
+    prog = f"python -m fusionflow {args.command}"
+    try:
+        if args.command == "profile":
+            profile.check_arguments(p, args)
+            return profile.run(args, p)
+        if args.command == "bench":
+            bench.check_arguments(b, args)
+            return bench.run(args, b)
+        return _demo_main(d, args)
+    except SampleError as e:  # a corrupt image in the user's data: said in a line, with the option that goes on
+        return failed_sample(prog, e)
+    except KeyboardInterrupt:  # the loaders closed on the way out (with blocks, finally)
+        return interrupted(prog)
+
+
+def _demo_main(ap, args) -> int:
+    if args.data is not None and args.images_per_class is not None:
+        ap.error("--images-per-class sizes the synthetic set: it has no effect with --data")
+    args.images_per_class = args.images_per_class or IMAGES_PER_CLASS
     for name in ("epochs", "batch_size", "images_per_class"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -168,7 +196,7 @@ def demo(args, ap=None) -> int:
     torch.set_num_threads(1)  # the CPUs are the loaders' to share; the tiny model needs little
     root = args.data
     if root is None:
-        root = DEFAULT_DATA
+        root = os.path.join(data_home(), "demo")
         print(f"making a synthetic dataset of mixed-size JPEGs (200-1000 px) in {root} ...", flush=True)
         make_image_folder(root, num_classes=4, per_class=args.images_per_class)
     try:
@@ -177,6 +205,11 @@ def demo(args, ap=None) -> int:
         if ap is None:
             raise
         ap.error(f"--data {root!r}: {e}")
+    if len(ds) // args.batch_size < 2 and ap is not None:  # drop_last; the first batch of a pass is not timed
+        ap.error(
+            f"--batch-size {args.batch_size}: {len(ds)} images make {len(ds) // args.batch_size} full mini-batches "
+            "an epoch, and the demo times the ones after the first: use a smaller --batch-size or more images"
+        )
     print(
         f"{len(ds)} images, {len(ds.classes)} classes, policy {args.policy}, batch {args.batch_size}, "
         f"{args.workers} workers, {args.epochs} epochs"
@@ -194,7 +227,7 @@ def demo(args, ap=None) -> int:
     )
     baseline = DataLoader(TorchvisionSamples(ds, args.policy, 224), **common)
     base = train("DataLoader+torchvision", baseline, lambda e: None, len(ds.classes), args)
-    out_dir = args.profile_dir or os.path.join(os.path.dirname(DEFAULT_DATA), "demo_profile")
+    out_dir = args.profile_dir or os.path.join(data_home(), "demo_profile")
     os.makedirs(out_dir, exist_ok=True)
     trace_path = os.path.join(out_dir, "trace.json")
     with FusionFlowLoader(ds, policy=args.policy, seed=0, **common) as loader, loader.trace(trace_path):

@@ -14,6 +14,8 @@ import math
 import os
 import time
 
+from fusionflow.tools.cli import add_on_error
+
 
 def add_arguments(p) -> None:
     p.add_argument("--data", required=True, help="ImageFolder root (class folders of images)")
@@ -29,6 +31,7 @@ def add_arguments(p) -> None:
         help="simulated training step per mini-batch (sleep), to see prefetch at work",
     )
     p.add_argument("--out", default="fusionflow-profile", help="directory for trace.json, timeline.png, summary.txt")
+    add_on_error(p)
 
 
 def check_arguments(p, args) -> None:
@@ -39,6 +42,8 @@ def check_arguments(p, args) -> None:
         p.error(f"--step-ms must be a number of milliseconds >= 0, got {args.step_ms}")
     if not os.path.isdir(args.data):
         p.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out!r} is a file: name a directory (trace.json, timeline.png and summary.txt go there)")
 
 
 def stage_seconds_by_track(stats) -> dict:
@@ -60,7 +65,6 @@ def run(args, parser=None) -> int:
     """Profile as `args` say; the dataset's or the policy's error is `parser`'s usage error (exit 2) when given."""
     from tqdm import tqdm
 
-    from fusionflow import FusionFlowLoader
     from fusionflow.loader.trace import load
     from fusionflow.tools.timeline import format_summary, plot_timeline, summarize
 
@@ -73,17 +77,7 @@ def run(args, parser=None) -> int:
         f"{len(ds)} images in {args.data}, policy {args.policy}, batch {batch_size}, "
         f"{args.workers} workers, {args.batches} mini-batches"
     )
-    loader = FusionFlowLoader(
-        ds,
-        batch_size=batch_size,
-        shuffle=True,
-        num_workers=args.workers,
-        persistent_workers=True,
-        policy=policy,
-        seed=0,
-        tiny_batch_size=min(args.tiny_batch_size, batch_size),
-        stage_times=True,
-    )
+    loader = _loader(args, ds, policy, batch_size)
     done, samples = 0, 0
     t_first = None
     try:
@@ -118,6 +112,24 @@ def run(args, parser=None) -> int:
     print(text)
     print(f"trace: {trace_path} (open at https://ui.perfetto.dev)\ntimeline: {png_path}")
     return 0
+
+
+def _loader(args, ds, policy, batch_size: int):
+    """The loader profiled: shuffled, persistent workers, stage times on."""
+    from fusionflow import FusionFlowLoader
+
+    return FusionFlowLoader(
+        ds,
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        persistent_workers=True,
+        policy=policy,
+        seed=0,
+        tiny_batch_size=min(args.tiny_batch_size, batch_size),
+        stage_times=True,
+        on_error=args.on_error,
+    )
 
 
 def _dataset(args, parser):

@@ -18,6 +18,8 @@ import signal
 import sys
 import time
 
+from fusionflow.tools.cli import add_on_error, failed_sample
+
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
@@ -37,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tiny-batch-size", type=int, default=None)
     ap.add_argument("--drop-last", action="store_true")
     ap.add_argument("--no-shuffle", action="store_true")
+    add_on_error(ap)
     return ap
 
 
@@ -47,17 +50,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
-    from fusionflow import FusionFlowLoader, ImageFolder, SharedLoader, TarShards
-    from fusionflow.errors import FusionFlowError
+    from fusionflow import FusionFlowLoader, SharedLoader
+    from fusionflow.errors import FusionFlowError, SampleError
 
-    try:
-        if is_shards:
-            target = None if a.target_key == "none" else tuple(a.target_key.split(","))
-            ds = TarShards(a.data, image_key=tuple(a.image_key.split(",")), target_key=target)
-        else:
-            ds = ImageFolder(a.data)
-    except (OSError, ValueError) as e:
-        ap.error(f"--data {a.data!r}: {e}")
+    ds = _dataset(ap, a, is_shards)
     try:
         loader = FusionFlowLoader(
             ds,
@@ -69,9 +65,13 @@ def main(argv=None) -> int:
             generator=torch.Generator().manual_seed(a.seed),
             tiny_batch_size=a.tiny_batch_size,
             drop_last=a.drop_last,
+            on_error=a.on_error,
         )
     except (OSError, ValueError, TypeError) as e:  # the policy's file or keys, above all
         ap.error(str(e))
+    if len(loader) == 0:
+        loader.close()
+        ap.error(f"--batch-size {a.batch_size} with --drop-last: the {len(ds)} images make no mini-batch")
     signal.signal(signal.SIGTERM, _interrupted)  # kill, docker stop, scancel: the clients are told, the record goes
     try:
         shared = SharedLoader(loader, name=a.name, buffer=a.buffer)
@@ -96,7 +96,22 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted: the clients were told the producer stopped", file=sys.stderr)
         return 130
+    except SampleError as e:  # the clients were told it failed, and why
+        return failed_sample("python -m fusionflow serve", e)
     return 0
+
+
+def _dataset(ap, a, is_shards: bool):
+    """The ImageFolder or TarShards DATA names; what cannot be read is a usage error."""
+    from fusionflow import ImageFolder, TarShards
+
+    try:
+        if is_shards:
+            target = None if a.target_key == "none" else tuple(a.target_key.split(","))
+            return TarShards(a.data, image_key=tuple(a.image_key.split(",")), target_key=target)
+        return ImageFolder(a.data)
+    except (OSError, ValueError) as e:
+        ap.error(f"--data {a.data!r}: {e}")
 
 
 def _check(ap, a) -> bool:

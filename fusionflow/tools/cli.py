@@ -1,0 +1,28 @@
+"""What the command-line tools share: the `--on-error` option and how a failed sample or a Ctrl-C ends a
+command (a short line naming the cause and the fix, exit 1 or 130, never a traceback: a corrupt image is the
+data's fault, not a bug to report)."""
+
+from __future__ import annotations
+
+import sys
+
+from fusionflow.errors import SampleError
+
+ON_ERROR_HELP = "a sample that fails to load or decode: 'raise' stops (the default), 'skip' drops it and goes on"
+
+
+def add_on_error(p) -> None:
+    p.add_argument("--on-error", choices=("raise", "skip"), default="raise", help=ON_ERROR_HELP)
+
+
+def failed_sample(prog: str, e: SampleError) -> int:
+    """Say which sample failed and how to go on (exit status 1): the first line of its error, not the workers'
+    tracebacks."""
+    first = str(e).split("\n", 1)[0]
+    print(f"{prog}: {first}\n(--on-error skip drops such samples and goes on)", file=sys.stderr)
+    return 1
+
+
+def interrupted(prog: str) -> int:
+    print(f"{prog}: interrupted", file=sys.stderr)
+    return 130
