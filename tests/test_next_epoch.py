@@ -19,8 +19,7 @@ from torch.utils.data import (
 )
 
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.loader.checkpoint import peek_next
-from fusionflow.loader.next_epoch import NextEpoch
+from fusionflow.loader.next_epoch import NextEpoch, peek_next
 
 
 def make(speculate: bool, monkeypatch, **kw):
@@ -251,8 +250,8 @@ class Failing(Sampler):
 def test_a_guess_that_fails_leaves_the_epoch_alone(monkeypatch):
     # made peekable for the test: a SequentialSampler-typed object whose second iteration raises
     sampler = Failing()
-    monkeypatch.setattr("fusionflow.loader.checkpoint.SequentialSampler", Failing)
-    monkeypatch.setattr("fusionflow.loader.checkpoint._PEEKABLE", (Failing,))
+    monkeypatch.setattr("fusionflow.loader.next_epoch.SequentialSampler", Failing)
+    monkeypatch.setattr("fusionflow.loader.next_epoch._PEEKABLE", (Failing,))
     loader = make(True, monkeypatch, sampler=sampler)
     assert [i for _, y in loader for i in y.tolist()] == list(range(30))  # the guess raised inside this epoch
     assert sampler.calls == 2 and loader.stats.next_epoch_speculated == 0  # it was tried, and dropped

@@ -259,6 +259,39 @@ def test_set_epoch_to_another_epoch_after_a_mid_epoch_state_warns_and_starts_tha
     same_batches(batches(fresh), batches(loader))
 
 
+@pytest.mark.parametrize("workers, save_before_the_epoch", [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_set_epoch_after_a_mid_epoch_state_gives_the_order_the_saved_run_gives_next(
+    case, workers, save_before_the_epoch
+):
+    """A run that leaves epoch 2 early (a step limit), saves, and goes on with set_epoch(3); resumed from that save
+    with set_epoch(3), epoch 3 came in epoch 2's order for a generator's or a sampler's own state: the saved state
+    (before epoch 2's draw) was restored, and the draw epoch 2 had made was not made again. Also through a save
+    taken after set_epoch(3), before the epoch's first batch. With workers the saved run had drawn batches ahead."""
+    loader = make(case, workers, seed=5)
+    loader.set_epoch(2)
+    it = iter(loader)
+    head = [next(it) for _ in range(2)]
+    state = loader.state_dict()
+    del it
+    loader.set_epoch(3)
+    expected = batches(loader)
+    loader.close()
+    assert [y for _, y in head] != [y for _, y in expected[:2]] or case == "sequential"
+    fresh = make(case, 0)
+    fresh.load_state_dict(state)
+    with pytest.warns(UserWarning, match="set_epoch\\(3\\)"):
+        fresh.set_epoch(3)
+    if save_before_the_epoch:  # a preemption before epoch 3's first batch, and a resume from there
+        again = fresh.state_dict()
+        fresh.close()
+        fresh = make(case, 0)
+        fresh.load_state_dict(again)
+        fresh.set_epoch(3)
+    same_batches(batches(fresh), expected)
+    fresh.close()
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_only_the_newest_iteration_counts_into_the_state(num_workers):
     loader = make("sequential", num_workers, seed=5)

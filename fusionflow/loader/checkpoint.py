@@ -38,12 +38,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.data import (
-    BatchSampler,
-    DistributedSampler,
     RandomSampler,
-    SequentialSampler,
-    SubsetRandomSampler,
-    WeightedRandomSampler,
 )
 
 from fusionflow.runtime.spec import base_seed
@@ -155,7 +150,7 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
     else:
         snapshot = capture(batch_sampler, sampler)
         batches = iter(batch_sampler)
-    batches = map(_as_indices, batches)
+    batches = map(as_indices, batches)
     for _ in range(skip):
         skipped = next(batches, None)
         if skipped is None:
@@ -165,7 +160,7 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
     return batches, snapshot
 
 
-def _as_indices(batch) -> list[int]:
+def as_indices(batch) -> list[int]:
     """A batch of the batch sampler as Python ints, whatever integer type it yields (a sampler over
     `torch.arange` yields 0-d tensors, numpy's ints): a sample is its index wherever it runs."""
     indices = []
@@ -182,60 +177,12 @@ def _as_indices(batch) -> list[int]:
     return indices
 
 
-_PEEKABLE = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
-
-
-def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int, base=None) -> list | None:
-    """The first `k` batches the next epoch's `start_epoch` will draw if nothing changes until then,
-    computed now and leaving every state as it was: the sampler's, its generator's, torch's global
-    RNG. None where that cannot be known without side effects: a batch sampler other than torch's
-    BatchSampler, or a sampler other than torch's own (a custom one might draw from a global RNG or
-    count its iterations), or a resume pending. A guess, not a promise: the caller compares it with
-    the batches the epoch really draws (the user may reseed torch or call set_epoch in between). `base`: the
-    generator the epoch's base seed is drawn from first (runtime/spec.py base_seed; None: torch's global RNG)."""
-    if type(batch_sampler) is not BatchSampler or type(sampler) not in _PEEKABLE:
-        return None
-    owner, kind = order_owner(batch_sampler, sampler)
-    if owner is not sampler or kind == "state_dict":
-        return None
-    if kind == "none" and type(sampler) is not SequentialSampler:
-        return None  # e.g. SubsetRandomSampler / WeightedRandomSampler without a generator: global RNG
-
-    def take():  # the batches as start_epoch hands them on (ints); a batch it would refuse ends the guess
-        guess = []
-        for batch in itertools.islice(iter(batch_sampler), k):
-            try:
-                guess.append(_as_indices(batch))
-            except (TypeError, ValueError):
-                break
-        return guess
-
-    if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
-        rng = torch.Generator().set_state(torch.get_rng_state())
-        if base is None:  # after the base seed's draw
-            torch.empty((), dtype=torch.int64).random_(generator=rng)
-        seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
-        sampler.generator = torch.Generator().manual_seed(seed)
-        try:
-            return take()
-        finally:
-            sampler.generator = None
-    if kind == "generator":
-        state = sampler.generator.get_state()
-        try:
-            if base is sampler.generator:  # after the base seed's draw
-                torch.empty((), dtype=torch.int64).random_(generator=base)
-            return take()
-        finally:
-            sampler.generator.set_state(state)
-    if kind == "epoch":  # DistributedSampler: an epoch that follows the loader's is taken to go on doing so
-        was = sampler.epoch
-        sampler.set_epoch(was + next_epoch - epoch if was == epoch else was)
-        try:
-            return take()
-        finally:
-            sampler.set_epoch(was)
-    return take()  # SequentialSampler: the same order every epoch
+def _counted(batches, progress):
+    """`batches`, counted into `progress` as the loader takes them (what a left epoch's `_redraw` repeats)."""
+    for batch in batches:
+        progress.drawn += 1
+        yield batch
+    progress.drawn_all = True
 
 
 @dataclass
@@ -247,6 +194,8 @@ class EpochProgress:
     yielded: int = 0
     start: dict | None = None
     done: bool = False
+    drawn: int = 0  # batches taken from the batch sampler (ahead of `yielded` by the prefetch)
+    drawn_all: bool = False  # the batch sampler's iteration ended (a sampler may draw again at its end)
 
 
 class Checkpoint:
@@ -257,6 +206,8 @@ class Checkpoint:
     def __init__(self):
         self.epoch, self.epoch_set, self.iterations = 0, False, 0
         self.resume: tuple | None = None  # (sampler state, batches to skip) for the next iteration
+        self.abandoned: tuple | None = None  # a loaded epoch left by set_epoch: (its order's state, _drawn)
+        self._drawn: tuple = (None, True)  # the loaded epoch's batches drawn and whether all were (`_redraw`)
         self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
         self.loaded: dict | None = None  # the state load_state_dict took, while nothing has moved since
         self._base_seed: int | None = None  # the newest epoch's base seed (`base_seed`)
@@ -275,8 +226,9 @@ class Checkpoint:
                 UserWarning,
                 stacklevel=3,
             )
-            saved = self.resume[0]  # a sampler ordered by epoch (DistributedSampler) takes the new one; an order
-            self.resume = None if saved.get("kind") in ("epoch", "random_seed") else (saved, 0)  # drawn anew too
+            saved, self.resume = self.resume[0], None  # a sampler ordered by epoch (DistributedSampler) takes the
+            if saved.get("kind") not in ("epoch", "random_seed"):  # new one, a seed is drawn anew; a generator's or
+                self.abandoned = (saved, *self._drawn)  # a state_dict's goes on from where the left epoch left it
         mid_epoch = self.loaded is not None and self.loaded.get("batches_yielded") is not None
         if not (mid_epoch and epoch == self.epoch):  # (the loaded epoch's own number: still that state)
             self.loaded = None
@@ -307,15 +259,28 @@ class Checkpoint:
             snapshot["base_seed"] = self._base_seed
         if progress is self.current:
             progress.start, progress.yielded = snapshot, skip or 0
-        return batches
+        progress.drawn = skip or 0
+        return _counted(batches, progress)
 
-    def base_seed(self, generator) -> int:
-        """The epoch's base seed (runtime/spec.py base_seed), drawn as the iteration starts, before `batches`;
+    def _redraw(self, batch_sampler, sampler) -> None:
+        """The left epoch's draw, made again from its saved state and dropped: the saved run had drawn that epoch's
+        order (when its iteration started) before the next, which it drew from the state that draw left. Restoring
+        the saved state alone replayed the left epoch's order as the next one's."""
+        if self.abandoned is not None:
+            (left, drawn, drawn_all), self.abandoned = self.abandoned, None
+            batches = start_epoch(batch_sampler, sampler, left, 0)[0]  # as far as the saved run had taken it
+            for _ in batches if drawn is None or drawn_all else itertools.islice(batches, drawn):
+                pass
+
+    def base_seed(self, config) -> int:
+        """The epoch's base seed (runtime/spec.py base_seed) from `config.generator`, drawn as the iteration starts,
+        before `batches` (after a left epoch's draw made again, `_redraw`, as the saved run made that one first);
         resuming an epoch whose order came from torch's global RNG, the one that epoch drew: a script that restores
         torch's RNG state with the loader's finds it where the saved run had it, so later epochs repeat too."""
+        self._redraw(config.batch_sampler, config.sampler)
         saved = self.resume[0] if self.resume is not None else None
         seed = saved.get("base_seed") if isinstance(saved, dict) and saved.get("kind") == "random_seed" else None
-        self._base_seed = base_seed(generator) if seed is None else seed
+        self._base_seed = base_seed(config.generator) if seed is None else seed
         return self._base_seed
 
     def settled(self, config):
@@ -353,6 +318,8 @@ class Checkpoint:
         warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
         if self.loaded is not None:  # taken right after load_state_dict (a save at start-up): that state again
             return copy.deepcopy({**self.loaded, **shape, "seed": seed})
+        if not in_epoch:
+            self._redraw(batch_sampler, sampler)  # so the state captured is the one the next epoch draws from
         return {
             "version": VERSION,
             **shape,
@@ -361,6 +328,7 @@ class Checkpoint:
             "epoch_set": self.epoch_set,
             "iterations": self.iterations,
             "batches_yielded": cur.yielded if in_epoch else None,
+            "batches_drawn": [cur.drawn, cur.drawn_all] if in_epoch else None,
             "sampler": (
                 cur.start if in_epoch and cur.start is not None else capture(batch_sampler, sampler, draws_first)
             ),
@@ -393,5 +361,9 @@ class Checkpoint:
         if yielded is None and saved.get("kind") == "epoch":  # between epochs: the sampler's epoch now, and a
             order_owner(batch_sampler, sampler)[0].set_epoch(saved["epoch"])  # set_epoch after it wins, as a script's
             saved = None
-        self.resume = (saved, yielded)  # yielded None: a state between epochs
+        self.resume, self.abandoned = (saved, yielded), None  # yielded None: a state between epochs
+        drawn = state.get("batches_drawn")  # absent from a state saved before session 41: taken as all drawn
+        self._drawn = (
+            (int(drawn[0]), bool(drawn[1])) if isinstance(drawn, (list, tuple)) and len(drawn) == 2 else (None, True)
+        )
         self.current, self.loaded = None, copy.deepcopy(state)

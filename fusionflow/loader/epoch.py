@@ -173,7 +173,7 @@ class WorkerIterator(EpochIterator):
         self._exhausted = False
 
     def _start(self) -> None:
-        seed = self._checkpoint.base_seed(self.config.generator)  # every epoch, as DataLoader's iterator draws one
+        seed = self._checkpoint.base_seed(self.config)  # every epoch, as DataLoader's iterator draws one
         self.config = self._checkpoint.settled(self.config)  # seed=None: the first epoch's base seed
         self._mgr = mgr = self._runtime.start(self.config, self._delivery.alloc_device, seed)
         copies = self._copies = copies_for(self.config.sampler)
@@ -306,7 +306,7 @@ class InlineIterator(EpochIterator):
     def _start(self) -> None:
         from fusionflow.ops.pipeline import CpuPipeline
 
-        self._checkpoint.base_seed(self.config.generator)  # drawn as DataLoader's iterator draws it
+        self._checkpoint.base_seed(self.config)  # drawn as DataLoader's iterator draws it
         cfg = self.config = self._checkpoint.settled(self.config)  # seed=None: the first epoch's base seed
         cache = self._runtime.cache(cfg)
         self._pipe = CpuPipeline(cfg.policy, cache=cache.reader() if cache is not None else None)

@@ -8,7 +8,7 @@ it guessed, the batches it drew and the ring slots they were submitted into.
 1. The current epoch's iterator has submitted its last mini-batch; each ring slot it frees from then
    on is offered here (`offer`). The first offer guesses the next epoch: this epoch + 1 (what
    `set_epoch(e + 1)` or no `set_epoch` gives) and its first `prefetch_factor` batches, drawn by
-   `checkpoint.peek_next` without changing any state (samplers where that cannot be known without
+   `peek_next` without changing any state (samplers where that cannot be known without
    side effects are not speculated on). Each offered slot gets the next guessed batch, submitted in
    the same generation, with seq numbers after the epoch's own.
 2. The iterator ends: having delivered all its batches, the speculation stays (`seal`); otherwise
@@ -26,11 +26,22 @@ work sooner); the check at adoption alone keeps every batch, order and exactly-o
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from dataclasses import dataclass, field
 
-from fusionflow.loader.checkpoint import peek_next
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    DistributedSampler,
+    RandomSampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+
+from fusionflow.loader.checkpoint import as_indices, order_owner
 from fusionflow.loader.epoch import check_batch, copies_for
 
 log = logging.getLogger("fusionflow.loader")
@@ -97,7 +108,11 @@ class NextEpoch:
 
     def _make(self, tail) -> _Guess | None:
         checkpoint, config, epoch = self._checkpoint, tail.config, tail.epoch
-        if checkpoint.resume is not None or checkpoint.current is not tail.owner.progress:
+        if (
+            checkpoint.resume is not None
+            or checkpoint.abandoned is not None
+            or checkpoint.current is not tail.owner.progress
+        ):
             return None  # a load_state_dict is pending, or a newer iterator began
         guessed = peek_next(
             config.batch_sampler, config.sampler, epoch, epoch + 1, config.prefetch_factor, config.generator
@@ -167,3 +182,59 @@ class NextEpoch:
         self._stats.next_epoch_adopted += len(g.slots)
         first = g.next_seq - len(g.slots)
         return Adoption(g.generation, first, g.next_seq, list(g.slots)), []
+
+
+_PEEKABLE = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
+
+
+def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int, base=None) -> list | None:
+    """The first `k` batches the next epoch's `start_epoch` will draw if nothing changes until then,
+    computed now and leaving every state as it was: the sampler's, its generator's, torch's global
+    RNG. None where that cannot be known without side effects: a batch sampler other than torch's
+    BatchSampler, or a sampler other than torch's own (a custom one might draw from a global RNG or
+    count its iterations), or a resume pending. A guess, not a promise: the caller compares it with
+    the batches the epoch really draws (the user may reseed torch or call set_epoch in between). `base`: the
+    generator the epoch's base seed is drawn from first (runtime/spec.py base_seed; None: torch's global RNG)."""
+    if type(batch_sampler) is not BatchSampler or type(sampler) not in _PEEKABLE:
+        return None
+    owner, kind = order_owner(batch_sampler, sampler)
+    if owner is not sampler or kind == "state_dict":
+        return None
+    if kind == "none" and type(sampler) is not SequentialSampler:
+        return None  # e.g. SubsetRandomSampler / WeightedRandomSampler without a generator: global RNG
+
+    def take():  # the batches as start_epoch hands them on (ints); a batch it would refuse ends the guess
+        guess = []
+        for batch in itertools.islice(iter(batch_sampler), k):
+            try:
+                guess.append(as_indices(batch))
+            except (TypeError, ValueError):
+                break
+        return guess
+
+    if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
+        rng = torch.Generator().set_state(torch.get_rng_state())
+        if base is None:  # after the base seed's draw
+            torch.empty((), dtype=torch.int64).random_(generator=rng)
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
+        sampler.generator = torch.Generator().manual_seed(seed)
+        try:
+            return take()
+        finally:
+            sampler.generator = None
+    if kind == "generator":
+        state = sampler.generator.get_state()
+        try:
+            if base is sampler.generator:  # after the base seed's draw
+                torch.empty((), dtype=torch.int64).random_(generator=base)
+            return take()
+        finally:
+            sampler.generator.set_state(state)
+    if kind == "epoch":  # DistributedSampler: an epoch that follows the loader's is taken to go on doing so
+        was = sampler.epoch
+        sampler.set_epoch(was + next_epoch - epoch if was == epoch else was)
+        try:
+            return take()
+        finally:
+            sampler.set_epoch(was)
+    return take()  # SequentialSampler: the same order every epoch
