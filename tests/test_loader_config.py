@@ -220,6 +220,18 @@ def test_warnings_are_notes_for_the_caller_even_when_a_later_argument_is_refused
     assert len(notes) == 1 and "exceeds the 4 CPU cores" in notes[0]
 
 
+def test_workers_past_this_ranks_share_of_the_cores_are_a_note_under_torchrun(monkeypatch):
+    """Two ranks of 3 workers each on 4 cores: each rank's count was weighed against all 4 cores (no note) while the
+    node ran 6 workers. The note now weighs it against the rank's share and says why."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    _, notes = resolve(dict(num_workers=3))
+    assert notes == [
+        "num_workers=3 exceeds this rank's 2 of the 4 CPU cores this process may use (2 ranks share them); "
+        "FusionFlow runs best with one worker per core: use num_workers<=2"
+    ]
+    assert resolve(dict(num_workers=2))[1] == []
+
+
 def test_the_accelerators_knobs_without_an_accelerator_say_so():
     """gpu_sharing= and the ablations do nothing with accelerator=None: a note names them and what to pass."""
     _, notes = resolve(dict(gpu_sharing="spatial", taas=False))

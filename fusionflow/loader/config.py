@@ -29,6 +29,7 @@ from fusionflow.loader.batch_capacity import batch_capacity
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
 from fusionflow.policy import load_policy
+from fusionflow.runtime.cores import local_ranks, rank_cores
 from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 
 log = logging.getLogger("fusionflow.loader")  # its messages keep the loader's logger name, as before the move
@@ -106,10 +107,16 @@ def resolve_num_workers(num_workers, cores: int, notes: list, context=None) -> i
     check_context(context)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
-    if num_workers > cores:  # as DataLoader does: a warning, not an error (workers then share cores)
+    share = rank_cores(cores)  # under torchrun, this rank's part of the node's cores: the other ranks have workers
+    if num_workers > share:  # as DataLoader does: a warning, not an error (workers then share cores)
+        whose = (
+            f"the {cores} CPU cores this process may use"
+            if share == cores
+            else f"this rank's {share} of the {cores} CPU cores this process may use ({local_ranks()} ranks share them)"
+        )
         notes.append(
-            f"num_workers={num_workers} exceeds the {cores} CPU cores this process may use; "
-            f"FusionFlow runs best with one worker per core: use num_workers<={cores}"
+            f"num_workers={num_workers} exceeds {whose}; FusionFlow runs best with one worker per core: "
+            f"use num_workers<={share}"
         )
     return num_workers
 
