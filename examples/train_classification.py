@@ -245,7 +245,7 @@ def parse_args(argv=None):
     p.add_argument("--ra-magnitude", type=int, default=9)
     p.add_argument("--augmix-severity", type=int, default=3)
     p.add_argument("--hflip-prob", type=float, default=0.5)
-    p.add_argument("--interpolation", default="bilinear", help="bilinear (FusionFlow also takes nearest)")
+    p.add_argument("--interpolation", default="bilinear", help="bilinear, bicubic or nearest")
     p.add_argument("--train-crop-size", type=int, default=224)
     p.add_argument("--val-resize-size", type=int, default=256)
     p.add_argument("--val-crop-size", type=int, default=224)

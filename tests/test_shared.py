@@ -810,3 +810,27 @@ def test_a_producer_named_cores_keeps_its_record_when_a_loader_claims_cores(tmp_
         assert rendezvous.read("cores") is None
     finally:
         os.close(fd)
+
+
+def test_a_client_that_stops_iterating_is_named_by_the_producer(jobs, caplog, monkeypatch):
+    """A client that keeps its connection and stops iterating (a validation pass) holds every ring slot: the producer
+    and the other clients waited without a word (their timeouts never fire: the producer answers them). The
+    producer now says which client holds the oldest batch."""
+    import threading
+
+    from fusionflow.shared import producer
+
+    monkeypatch.setattr(producer, "HELD_WARN_S", 1.0)
+    with SharedLoader(make_loader(4, 24, False), name=jobs.name, buffer=2) as shared:
+        client = SharedLoaderClient(jobs.name, timeout=60)
+        served = threading.Thread(target=shared.serve, kwargs=dict(epochs=1, min_clients=1))
+        with caplog.at_level("WARNING", logger="fusionflow.shared"):
+            served.start()
+            it = iter(client)
+            next(it)  # and no further: it holds the ring
+            assert wait_until(lambda: "hold the oldest batch" in caplog.text, 60), caplog.text
+        assert f"client pid(s) {os.getpid()} hold" in caplog.text
+        assert sum(1 for _ in it) == 24 // 4 - 1  # iterating again, it gets the rest
+        served.join(60)
+        client.close()
+    assert not served.is_alive()

@@ -160,6 +160,13 @@ class Hub:
     def held_slots(self) -> set:
         return set(self.holders)
 
+    def laggards(self) -> list[int]:
+        """The pids of the live clients holding the oldest published batch."""
+        if not self.stamps:
+            return []
+        oldest = min(self.stamps, key=self.stamps.get)
+        return sorted(self.clients[cid].pid for cid in self.holders.get(oldest, ()) if cid in self.clients)
+
     def broadcast(self, msg) -> None:
         for c in self.live():
             self._send(c, msg)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 
 from fusionflow.errors import EmptyBatch, FusionFlowError, SharedLoaderError
@@ -36,10 +37,25 @@ from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import Hub
 
 log = logging.getLogger("fusionflow.shared")
+HELD_WARN_S = 10.0  # every ring slot held by clients this long: the producer says which clients hold it back
 
 
 class _Unwanted(Exception):
     """Every recipient of the running epoch left it: the epoch is not worth finishing."""
+
+
+def _say_held(hub, seconds: float) -> None:
+    """Every slot held by clients for `seconds`: say which hold the oldest batch. A client that stopped iterating
+    (validating, checkpointing) holds back the producer and every other client, whose own timeout never fires (the
+    producer answers them): without this line nothing told them why."""
+    log.warning(
+        "fusionflow: SharedLoader %r: every ring slot has been held by clients for %.0f s; client pid(s) %s hold "
+        "the oldest batch, so the producer and the other clients wait for them (a client that pauses, e.g. to "
+        "validate, holds the others back: close it, keep it iterating, or give the SharedLoader a larger buffer)",
+        hub.name,
+        seconds,
+        ", ".join(map(str, hub.laggards())) or "-",
+    )
 
 
 class _HeldEpoch:
@@ -48,9 +64,9 @@ class _HeldEpoch:
     lock held (`cond`), except in `wait_next` (the wait for workers, and counting it in stats and
     trace); `release` is called with it held, from either thread."""
 
-    def __init__(self, it, cond, unwanted):
+    def __init__(self, it, cond, unwanted, hub=None):
         self.it, self.epoch = it, it.epoch  # a WorkerIterator of the loader (LoaderParts.held_epoch)
-        self._cond, self._unwanted = cond, unwanted
+        self._cond, self._unwanted, self._hub = cond, unwanted, hub
 
     def next_held(self):
         """The next completed mini-batch's state (its slot stays taken until `release`)."""
@@ -63,12 +79,16 @@ class _HeldEpoch:
         self.it.close()
 
     def _next_held(self):
+        held_since = time.monotonic()
         while not (flight := self.it.in_flight()):
             if flight is None:
                 raise StopIteration
             if self._unwanted():
                 raise _Unwanted
             self._cond.wait(0.5)  # every slot is held by clients: a release refills
+            if held_since is not None and time.monotonic() - held_since >= HELD_WARN_S and self._hub is not None:
+                _say_held(self._hub, time.monotonic() - held_since)
+                held_since = None  # once a wait
         if self._unwanted():
             raise _Unwanted
         self._cond.release()
@@ -233,7 +253,9 @@ class SharedLoader:
             raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
         with hub.cond:
             free = SlotPool(s for s in range(self.buffer) if s not in hub.held_slots())
-            it = self._current = _HeldEpoch(parts.held_epoch(self.config, free), hub.cond, lambda: not hub.recipients)
+            it = self._current = _HeldEpoch(
+                parts.held_epoch(self.config, free), hub.cond, lambda: not hub.recipients, hub
+            )
             epoch = it.epoch
             hub.begin_epoch(epoch, len(loader))
             self.epoch_clients, whole = len(hub.recipients), True
