@@ -7,6 +7,7 @@ or the exact error type and a fragment of its message.
 
 import dataclasses
 import inspect
+import os
 
 import numpy as np
 import pytest
@@ -224,12 +225,15 @@ def test_workers_past_this_ranks_share_of_the_cores_are_a_note_under_torchrun(mo
     """Two ranks of 3 workers each on 4 cores: each rank's count was weighed against all 4 cores (no note) while the
     node ran 6 workers. The note now weighs it against the rank's share and says why."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # the node's: the process may use all of them
     _, notes = resolve(dict(num_workers=3))
     assert notes == [
         "num_workers=3 exceeds this rank's 2 of the 4 CPU cores this process may use (2 ranks share them); "
         "FusionFlow runs best with one worker per core: use num_workers<=2"
     ]
     assert resolve(dict(num_workers=2))[1] == []
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)  # the launcher bound each rank to 4 of the node's 8: its part
+    assert resolve(dict(num_workers=3))[1] == []
 
 
 def test_the_accelerators_knobs_without_an_accelerator_say_so():

@@ -791,18 +791,19 @@ def test_a_longest_name_fits_the_socket_address_of_any_uid():
         sock.close()
 
 
-def test_a_producer_named_cores_keeps_its_record_when_a_loader_claims_cores(tmp_path):
+def test_a_producer_named_cores_keeps_its_record_when_a_loader_claims_cores(tmp_path, monkeypatch):
     """The record of a producer named 'cores' was the node's core-claims file: the next loader's claim rewrote it
     and clients found no producer. The records now have a name of their own."""
     from fusionflow.runtime import cores
     from fusionflow.shared.hub import Hub
 
+    monkeypatch.setenv("FUSIONFLOW_RUNTIME_DIR", str(tmp_path / "fusionflow"))  # not the user's own claims
     fd = os.open(tmp_path / "ring", os.O_RDWR | os.O_CREAT, 0o600)
     try:
         hub = Hub("cores", fd, None, None)
         try:
-            with cores._claims() as claims:  # what a loader with pin_workers does at start
-                claims.clear()
+            with cores._claims():  # what a loader with pin_workers does at start: the file rewritten
+                pass
             rec = rendezvous.read("cores")
             assert rec is not None and rec["address"] == hub.address
         finally:

@@ -259,7 +259,7 @@ def test_set_epoch_to_another_epoch_after_a_mid_epoch_state_warns_and_starts_tha
     same_batches(batches(fresh), batches(loader))
 
 
-@pytest.mark.parametrize("workers, save_before_the_epoch", [(0, False), (2, False), (0, True)])
+@pytest.mark.parametrize("workers, save_before_the_epoch", [(0, False), (2, False), (0, True), (0, "after iter()")])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_set_epoch_after_a_mid_epoch_state_gives_the_order_the_saved_run_gives_next(
     case, workers, save_before_the_epoch
@@ -283,10 +283,40 @@ def test_set_epoch_after_a_mid_epoch_state_gives_the_order_the_saved_run_gives_n
     with pytest.warns(UserWarning, match="set_epoch\\(3\\)"):
         fresh.set_epoch(3)
     if save_before_the_epoch:  # a preemption before epoch 3's first batch, and a resume from there
+        if save_before_the_epoch == "after iter()":
+            iter(fresh)
         again = fresh.state_dict()
         fresh.close()
         fresh = make(case, 0)
         fresh.load_state_dict(again)
+        fresh.set_epoch(3)
+    same_batches(batches(fresh), expected)
+    fresh.close()
+
+
+def test_set_epoch_after_a_mid_epoch_state_of_a_sampler_on_torchs_rng_draws_as_the_saved_run():
+    """A sampler drawing from torch's global RNG (no generator): nothing of it is in the state, so the left epoch's
+    draw is not made again (it would take a permutation from the global RNG a restored script had put back)."""
+    from torch.utils.data import SubsetRandomSampler
+
+    def build(**kw):
+        sampler = SubsetRandomSampler(range(len(DS)))
+        return FusionFlowLoader(DS, policy=SMALL, tiny_batch_size=2, num_workers=0, batch_size=4, sampler=sampler, **kw)
+
+    with pytest.warns(UserWarning, match="a resumed epoch will not repeat it"):
+        loader = build(seed=5)
+        loader.set_epoch(2)
+        it = iter(loader)
+        next(it)
+        state, rng = loader.state_dict(), torch.get_rng_state()
+    del it
+    loader.set_epoch(3)
+    expected = batches(loader)
+    loader.close()
+    fresh = build()
+    fresh.load_state_dict(state)
+    torch.set_rng_state(rng)  # the script restores torch's RNG with the loader's state
+    with pytest.warns(UserWarning, match="set_epoch\\(3\\)"):
         fresh.set_epoch(3)
     same_batches(batches(fresh), expected)
     fresh.close()

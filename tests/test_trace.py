@@ -359,6 +359,7 @@ def test_bench_finds_the_train_split_or_says_what_it_expected(folder, tmp_path):
         (["demo", "--data", "FOLDER", "--batch-size", "12"], "16 images make 1 full mini-batches"),
         (["demo", "--data", "FOLDER", "--images-per-class", "5"], "--images-per-class sizes the synthetic set"),
         (["demo", "--epochs", "0"], "python -m fusionflow demo: error: --epochs must be >= 1"),  # demo's own name
+        (["demo", "--images-per-class", "0"], "--images-per-class must be >= 1"),
     ],
 )
 def test_commands_reject_bad_arguments(argv, match, capsys, tmp_path, folder):

@@ -227,7 +227,7 @@ class Checkpoint:
                 stacklevel=3,
             )
             saved, self.resume = self.resume[0], None  # a sampler ordered by epoch (DistributedSampler) takes the
-            if saved.get("kind") not in ("epoch", "random_seed"):  # new one, a seed is drawn anew; a generator's or
+            if saved.get("kind") in ("generator", "state_dict"):  # new one, a seed is drawn anew; a generator's or
                 self.abandoned = (saved, *self._drawn)  # a state_dict's goes on from where the left epoch left it
         mid_epoch = self.loaded is not None and self.loaded.get("batches_yielded") is not None
         if not (mid_epoch and epoch == self.epoch):  # (the loaded epoch's own number: still that state)
@@ -318,7 +318,7 @@ class Checkpoint:
         warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
         if self.loaded is not None:  # taken right after load_state_dict (a save at start-up): that state again
             return copy.deepcopy({**self.loaded, **shape, "seed": seed})
-        if not in_epoch:
+        if not in_epoch or cur.start is None:  # (iter() called, its first batch not yet drawn)
             self._redraw(batch_sampler, sampler)  # so the state captured is the one the next epoch draws from
         return {
             "version": VERSION,

@@ -17,6 +17,7 @@ import logging
 import math
 import multiprocessing
 import numbers
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +108,9 @@ def resolve_num_workers(num_workers, cores: int, notes: list, context=None) -> i
     check_context(context)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
-    share = rank_cores(cores)  # under torchrun, this rank's part of the node's cores: the other ranks have workers
+    # under torchrun, this rank's part of the node's cores (the other ranks have workers), unless the launcher
+    # already bound this process to fewer cores than the node has (then `cores` is its part)
+    share = rank_cores(cores) if cores >= (os.cpu_count() or cores) else cores
     if num_workers > share:  # as DataLoader does: a warning, not an error (workers then share cores)
         whose = (
             f"the {cores} CPU cores this process may use"

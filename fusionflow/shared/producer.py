@@ -67,6 +67,7 @@ class _HeldEpoch:
     def __init__(self, it, cond, unwanted, hub=None):
         self.it, self.epoch = it, it.epoch  # a WorkerIterator of the loader (LoaderParts.held_epoch)
         self._cond, self._unwanted, self._hub = cond, unwanted, hub
+        self._said = hub is None  # `_say_held` once an epoch (a client that trains slowly is not nagged each batch)
 
     def next_held(self):
         """The next completed mini-batch's state (its slot stays taken until `release`)."""
@@ -86,9 +87,9 @@ class _HeldEpoch:
             if self._unwanted():
                 raise _Unwanted
             self._cond.wait(0.5)  # every slot is held by clients: a release refills
-            if held_since is not None and time.monotonic() - held_since >= HELD_WARN_S and self._hub is not None:
+            if not self._said and time.monotonic() - held_since >= HELD_WARN_S:
                 _say_held(self._hub, time.monotonic() - held_since)
-                held_since = None  # once a wait
+                self._said = True
         if self._unwanted():
             raise _Unwanted
         self._cond.release()

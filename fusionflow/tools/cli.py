@@ -15,11 +15,13 @@ def add_on_error(p) -> None:
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise", help=ON_ERROR_HELP)
 
 
-def failed_sample(prog: str, e: SampleError) -> int:
+def failed_sample(prog: str, e: SampleError, skip_option: bool = True) -> int:
     """Say which sample failed and how to go on (exit status 1): the first line of its error, not the workers'
-    tracebacks."""
+    tracebacks. `skip_option`: the command has --on-error (a comparison with torchvision's loader has not: both
+    must read the same images)."""
     first = str(e).split("\n", 1)[0]
-    print(f"{prog}: {first}\n(--on-error skip drops such samples and goes on)", file=sys.stderr)
+    fix = "--on-error skip drops such samples and goes on" if skip_option else "fix or remove that file"
+    print(f"{prog}: {first}\n({fix})", file=sys.stderr)
     return 1
 
 

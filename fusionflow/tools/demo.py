@@ -167,7 +167,7 @@ def main(argv=None) -> int:
             return bench.run(args, b)
         return _demo_main(d, args)
     except SampleError as e:  # a corrupt image in the user's data: said in a line, with the option that goes on
-        return failed_sample(prog, e)
+        return failed_sample(prog, e, skip_option=args.command == "profile")
     except KeyboardInterrupt:  # the loaders closed on the way out (with blocks, finally)
         return interrupted(prog)
 
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
 def _demo_main(ap, args) -> int:
     if args.data is not None and args.images_per_class is not None:
         ap.error("--images-per-class sizes the synthetic set: it has no effect with --data")
-    args.images_per_class = args.images_per_class or IMAGES_PER_CLASS
+    args.images_per_class = IMAGES_PER_CLASS if args.images_per_class is None else args.images_per_class
     for name in ("epochs", "batch_size", "images_per_class"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
