@@ -13,7 +13,9 @@ A couple of steps on a synthetic ImageFolder, on the CPU:
         --steps 2 --auto-augment ra --random-erase 0.25 --mixup-alpha 0.2 --cutmix-alpha 1.0 --ra-sampler
 
 Under torchrun (DDP) each rank loads its share through the sampler (DistributedSampler or RASampler);
-FusionFlow's ranks also lend each other CPU workers.
+FusionFlow's ranks also lend each other CPU workers. --output-dir saves a checkpoint per rank after each epoch
+(--save-every N steps also mid-epoch: FusionFlow's state_dict() says which batches are done); --resume DIR goes on
+from it, a mid-epoch one with the epoch's remaining batches.
 """
 
 from __future__ import annotations
@@ -182,47 +184,97 @@ def main(argv=None) -> dict:
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=args.label_smoothing)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     result = {"loader": args.loader, "train_losses": [], "val_acc": []}
-    for epoch in range(args.epochs):
-        if hasattr(train_sampler, "set_epoch"):
-            train_sampler.set_epoch(epoch)
-        if hasattr(train, "set_epoch"):  # FusionFlowLoader: the augmentation epoch (forwards to the sampler)
-            train.set_epoch(epoch)
-        model.train()
-        t0 = time.perf_counter()
-        for step, (images, targets) in enumerate(train):
-            images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            loss = criterion(model(images), targets)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            result["train_losses"].append(loss.item())
-            log.info(
-                "epoch %d step %d loss %.4f (%s, %.2f s)",
-                epoch,
-                step,
-                result["train_losses"][-1],
-                args.loader,
-                time.perf_counter() - t0,
-            )
-            if args.steps and step + 1 >= args.steps:
-                break
-        model.eval()
-        correct = seen = 0
-        with torch.inference_mode():
-            for step, (images, targets) in enumerate(val):
-                out = model(images.to(device))
-                correct += int((out.argmax(1).cpu() == targets).sum())
-                seen += len(targets)
-                if args.steps and step + 1 >= args.steps:
-                    break
-        result["val_acc"].append(correct / max(seen, 1))
-        log.info("epoch %d val acc %.3f on %d images", epoch, result["val_acc"][-1], seen)
-    for ld in (train, val):
-        if hasattr(ld, "close"):
-            ld.close()
+    try:
+        start_epoch = resume(args, rank, model, optimizer, train)
+        for epoch in range(start_epoch, args.epochs):
+            train_one_epoch(args, epoch, rank, model, optimizer, criterion, train, train_sampler, result)
+            validate(args, epoch, model, val, result)
+            save(args, rank, epoch, False, model, optimizer, train)
+    finally:  # a failure (or a preemption) mid-run still ends the loaders' workers
+        for ld in (train, val):
+            if hasattr(ld, "close"):
+                ld.close()
     if world > 1:
         dist.destroy_process_group()
     return result
+
+
+def train_one_epoch(args, epoch: int, rank: int, model, optimizer, criterion, train, train_sampler, result) -> None:
+    device = torch.device(args.device)
+    if hasattr(train_sampler, "set_epoch"):
+        train_sampler.set_epoch(epoch)
+    if hasattr(train, "set_epoch"):  # FusionFlowLoader: the augmentation epoch (forwards to the sampler)
+        train.set_epoch(epoch)
+    model.train()
+    t0 = time.perf_counter()
+    for step, (images, targets) in enumerate(train):
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        loss = criterion(model(images), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        result["train_losses"].append(loss.item())
+        log.info(
+            "epoch %d step %d loss %.4f (%s, %.2f s)",
+            epoch,
+            step,
+            result["train_losses"][-1],
+            args.loader,
+            time.perf_counter() - t0,
+        )
+        if args.save_every and (step + 1) % args.save_every == 0:  # FusionFlow resumes the rest of this epoch
+            save(args, rank, epoch, True, model, optimizer, train)
+        if args.steps and step + 1 >= args.steps:
+            break
+
+
+def validate(args, epoch: int, model, val, result) -> None:
+    model.eval()
+    correct = seen = 0
+    with torch.inference_mode():
+        for step, (images, targets) in enumerate(val):
+            out = model(images.to(args.device))
+            correct += int((out.argmax(1).cpu() == targets).sum())
+            seen += len(targets)
+            if args.steps and step + 1 >= args.steps:
+                break
+    result["val_acc"].append(correct / max(seen, 1))
+    log.info("epoch %d val acc %.3f on %d images", epoch, result["val_acc"][-1], seen)
+
+
+def save(args, rank: int, epoch: int, mid_epoch: bool, model, optimizer, train) -> None:
+    """A checkpoint per rank in --output-dir (each rank's loader has its own position): model, optimiser, epoch and,
+    with FusionFlow, the loader's state_dict() -- which batches of the epoch are done, whatever the prefetch."""
+    if not args.output_dir:
+        return
+    os.makedirs(args.output_dir, exist_ok=True)
+    state = {
+        "model": getattr(model, "module", model).state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "epoch": epoch,
+        "mid_epoch": mid_epoch,
+        "loader": train.state_dict() if hasattr(train, "state_dict") else None,  # DataLoader has none
+    }
+    path = os.path.join(args.output_dir, f"checkpoint_rank{rank}.pth")
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # a run killed while saving keeps the previous checkpoint
+
+
+def resume(args, rank: int, model, optimizer, train) -> int:
+    """Load --resume (a checkpoint file, or a --output-dir holding this rank's): the epoch to start at. A checkpoint
+    taken mid-epoch resumes that epoch; FusionFlow's loader then yields only the batches not yet trained on."""
+    if not args.resume:
+        return 0
+    path = args.resume
+    if os.path.isdir(path):
+        path = os.path.join(path, f"checkpoint_rank{rank}.pth")
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    getattr(model, "module", model).load_state_dict(ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+    if ckpt["loader"] is not None and hasattr(train, "load_state_dict"):
+        train.load_state_dict(ckpt["loader"])
+    log.info("resumed from %s: epoch %d%s", path, ckpt["epoch"], " (mid-epoch)" if ckpt["mid_epoch"] else "")
+    return ckpt["epoch"] + (0 if ckpt["mid_epoch"] else 1)
 
 
 def parse_args(argv=None):
@@ -254,6 +306,9 @@ def parse_args(argv=None):
     p.add_argument("--random-erase", type=float, default=0.0)
     p.add_argument("--ra-sampler", action="store_true", help="repeated augmentation sampler")
     p.add_argument("--ra-reps", type=int, default=3)
+    p.add_argument("--output-dir", default=None, help="save a checkpoint per rank there after each epoch")
+    p.add_argument("--save-every", type=int, default=0, help="also every this many steps (mid-epoch)")
+    p.add_argument("--resume", default=None, help="a checkpoint, or an --output-dir holding this rank's")
     return p.parse_args(argv)
 
 

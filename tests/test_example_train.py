@@ -103,3 +103,33 @@ def test_the_scripts_recipes_convert(auto_augment):
     assert train_bicubic.crop_interpolation == "bicubic"
     assert train_bicubic.augment.type == "none" or train_bicubic.augment.interpolation == "bicubic"
     assert policy_from_transform(mod.eval_transform(bicubic)).crop_interpolation == "bicubic"
+
+
+def test_script_resumes_mid_epoch_with_the_remaining_batches(tmp_path_factory, tmp_path):
+    """--save-every saves mid-epoch (the loader's state_dict with the model's); a run preempted after such a save,
+    resumed with --resume, trains on that epoch's batches not yet trained on, then the next epoch whole."""
+    root = str(tmp_path_factory.getbasetemp() / "synthetic-imagefolder")
+    flags = list(FLAGS)
+    flags[flags.index("--steps") + 1] = "0"  # whole epochs
+    full = _script().main(["--data-path", root, "--loader", "fusionflow", *flags])
+    per_epoch = len(full["train_losses"])
+    assert per_epoch > 3
+
+    class Preempted(Exception):
+        pass
+
+    mod = _script()
+    real_save = mod.save
+
+    def save_then_die(args, rank, epoch, mid_epoch, *rest):
+        real_save(args, rank, epoch, mid_epoch, *rest)
+        if mid_epoch:
+            raise Preempted
+
+    mod.save = save_then_die
+    out = str(tmp_path / "ckpt")
+    with pytest.raises(Preempted):
+        mod.main(["--data-path", root, "--loader", "fusionflow", *flags, "--output-dir", out, "--save-every", "2"])
+    resumed = _script().main(["--data-path", root, "--loader", "fusionflow", *flags, "--resume", out, "--epochs", "2"])
+    assert len(resumed["train_losses"]) == (per_epoch - 2) + per_epoch
+    assert len(resumed["val_acc"]) == 2
