@@ -152,7 +152,9 @@ class InputHelper:
             self._stop_reading(failed)
 
     def _stop_reading(self, why) -> None:
-        log.warning("the DALI input helpers cannot read this dataset (%s); the accelerator reads its runs", why)
+        log.warning(
+            "fusionflow: the DALI input helpers cannot read this dataset (%s); the accelerator reads its runs", why
+        )
         self._retired.append(self.slots)
         self.slots = None
 
@@ -214,7 +216,7 @@ class InputHelper:
         try:
             return self.columns(indices, copies, sizes, seed, epoch)
         except HelperGone as exc:
-            log.warning("%s; the accelerator makes its inputs in its own thread from now on", exc)
+            log.warning("fusionflow: %s; the accelerator makes its inputs in its own thread from now on", exc)
             self.close()
             return None
 
@@ -263,7 +265,9 @@ class RunSource:
         except HelperGone as exc:  # closed: the accelerator's thread reads and makes the inputs from now on
             if self.stopping:
                 return RunRead(sizes=[])
-            log.warning("%s; the accelerator reads its runs and makes its inputs in its own thread from now on", exc)
+            log.warning(
+                "fusionflow: %s; the accelerator reads its runs and makes its inputs in its own thread from now on", exc
+            )
             self.helper = None
             return read_run(self.dataset, group, self.dims, self.max_pixels)
         finally:
@@ -373,8 +377,12 @@ def start_helper(policy, ctx=None, processes: int = 1, reads=None) -> InputHelpe
         except Exception as exc:  # e.g. a dataset that does not pickle (spawn): they make the draws only
             if reads is None:
                 raise
-            log.warning("the DALI input helpers cannot read the dataset (%r); the accelerator reads its runs", exc)
+            log.warning(
+                "fusionflow: the DALI input helpers cannot read the dataset (%r); the accelerator reads its runs", exc
+            )
             return InputHelper(HostInputs(policy), ctx, processes=processes)
     except Exception as exc:  # the accelerator works without one
-        log.warning("the DALI input helper did not start (%r); the accelerator makes its inputs itself", exc)
+        log.warning(
+            "fusionflow: the DALI input helper did not start (%r); the accelerator makes its inputs itself", exc
+        )
         return None
