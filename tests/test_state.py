@@ -294,6 +294,26 @@ def test_set_epoch_after_a_mid_epoch_state_gives_the_order_the_saved_run_gives_n
     fresh.close()
 
 
+def test_a_state_saved_before_batches_drawn_was_recorded_still_resumes_into_the_next_epoch():
+    """States of session 40 and before lack `batches_drawn`: the batches yielded are taken as drawn (a loop that
+    leaves an epoch early, the case set_epoch(next) meets), never the whole sampler (which may be endless)."""
+    loader = make("shuffle_generator", 0, seed=5)
+    loader.set_epoch(2)
+    it = iter(loader)
+    next(it), next(it)
+    state = loader.state_dict()
+    del it, state["batches_drawn"]
+    loader.set_epoch(3)
+    expected = batches(loader)
+    loader.close()
+    fresh = make("shuffle_generator", 0)
+    fresh.load_state_dict(state)
+    with pytest.warns(UserWarning, match="set_epoch\\(3\\)"):
+        fresh.set_epoch(3)
+    same_batches(batches(fresh), expected)
+    fresh.close()
+
+
 def test_set_epoch_after_a_mid_epoch_state_of_a_sampler_on_torchs_rng_draws_as_the_saved_run():
     """A sampler drawing from torch's global RNG (no generator): nothing of it is in the state, so the left epoch's
     draw is not made again (it would take a permutation from the global RNG a restored script had put back)."""

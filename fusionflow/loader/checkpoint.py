@@ -207,7 +207,7 @@ class Checkpoint:
         self.epoch, self.epoch_set, self.iterations = 0, False, 0
         self.resume: tuple | None = None  # (sampler state, batches to skip) for the next iteration
         self.abandoned: tuple | None = None  # a loaded epoch left by set_epoch: (its order's state, _drawn)
-        self._drawn: tuple = (None, True)  # the loaded epoch's batches drawn and whether all were (`_redraw`)
+        self._drawn: tuple = (1, False)  # the loaded epoch's batches drawn and whether all were (`_redraw`)
         self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
         self.loaded: dict | None = None  # the state load_state_dict took, while nothing has moved since
         self._base_seed: int | None = None  # the newest epoch's base seed (`base_seed`)
@@ -269,7 +269,7 @@ class Checkpoint:
         if self.abandoned is not None:
             (left, drawn, drawn_all), self.abandoned = self.abandoned, None
             batches = start_epoch(batch_sampler, sampler, left, 0)[0]  # as far as the saved run had taken it
-            for _ in batches if drawn is None or drawn_all else itertools.islice(batches, drawn):
+            for _ in batches if drawn_all else itertools.islice(batches, drawn):
                 pass
 
     def base_seed(self, config) -> int:
@@ -362,8 +362,7 @@ class Checkpoint:
             order_owner(batch_sampler, sampler)[0].set_epoch(saved["epoch"])  # set_epoch after it wins, as a script's
             saved = None
         self.resume, self.abandoned = (saved, yielded), None  # yielded None: a state between epochs
-        drawn = state.get("batches_drawn")  # absent from a state saved before session 41: taken as all drawn
-        self._drawn = (
-            (int(drawn[0]), bool(drawn[1])) if isinstance(drawn, (list, tuple)) and len(drawn) == 2 else (None, True)
-        )
+        drawn = state.get("batches_drawn")  # absent from a state saved before session 41: at least the batches
+        ok = isinstance(drawn, (list, tuple)) and len(drawn) == 2  # yielded were drawn (and an endless batch
+        self._drawn = (int(drawn[0]), bool(drawn[1])) if ok else (max(1, yielded or 0), False)  # sampler ends)
         self.current, self.loaded = None, copy.deepcopy(state)
