@@ -6,6 +6,7 @@ SIGKILLed. The training process must finish every epoch with every sample exactl
 ray, exit 0, and leave no process of the gateways' sessions behind. Plus what the kind reports:
 stage times and trace spans per actor. Skipped only when ray is not installed."""
 
+import glob
 import json
 import os
 import subprocess
@@ -16,6 +17,8 @@ import pytest
 import torch
 from test_loader import SMALL, Bytes, collect, no_leaks  # noqa: F401  (autouse: no process or segment left)
 from test_remote import PYTHONPATH, _loader, _ray, local_instance, no_ray_sessions_left  # noqa: F401
+
+from fusionflow.runtime.procs import pid_alive
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -386,3 +389,74 @@ def test_close_removes_the_session_folder_of_the_ray_instance_it_started(monkeyp
     assert not os.path.exists(session)
     latest = os.path.join(os.path.dirname(session), "session_latest")
     assert not (os.path.islink(latest) and os.path.basename(os.readlink(latest)) == os.path.basename(session))
+
+
+def _sessions() -> set:
+    return {p for p in glob.glob("/tmp/ray/session_*") if not p.endswith("session_latest")}
+
+
+def test_a_start_up_that_fails_removes_the_folder_of_the_instance_it_started(monkeypatch):
+    """The actors cannot read the dataset (its files are on this node only): the start-up fails clearly, and the
+    private instance's session folder went with it (it was left: the gateway said where it was only once started)."""
+    from test_remote import LocalFiles
+
+    from fusionflow import RayWorkers, RemoteWorkerError
+
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the instance's actors import the tests' dataset
+    before = _sessions()
+    loader = _loader(LocalFiles(), RayWorkers(1))
+    with pytest.raises(RemoteWorkerError, match="cannot read the dataset there"):
+        next(iter(loader))
+    loader.close()
+    assert _sessions() - before == set()
+
+
+def test_a_gateway_killed_before_it_said_where_its_instance_is_still_has_the_folder_removed(tmp_path, monkeypatch):
+    """close() while a new gateway is still in ray.init: Ray names the folder after the process that started the
+    instance (session_<date>_<pid>), so the loader finds it by the gateway's pid."""
+    from fusionflow.remote.link import session_dir_of
+
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    mine = tmp_path / "ray" / "session_2026-11-29_23-00-00_000001_4242"
+    (tmp_path / "ray" / "session_2026-11-29_23-00-00_000002_14242").mkdir(parents=True)  # another pid's
+    mine.mkdir()
+    assert session_dir_of(4242) == str(mine) and session_dir_of(99) is None
+
+
+ORPHAN = r"""
+import os, sys, time
+from test_loader import SMALL, Bytes
+from fusionflow import FusionFlowLoader, RayWorkers
+loader = FusionFlowLoader(Bytes(400, sleep=0.02), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=2,
+                          persistent_workers=True, remote_workers=RayWorkers(1))
+for k, _ in enumerate(loader):
+    kind = loader._manager.board.kinds[0]
+    if loader.stats.remote_tiny_batches and kind._gw is not None and kind._gw.link.session_dir:
+        print("SESSION", kind._gw.link.session_dir, kind._gw.link.pid, flush=True)
+        time.sleep(600)
+"""
+
+
+def test_a_training_process_ended_by_sigterm_leaves_no_session_folder(tmp_path):
+    """SIGTERM (a job scheduler's stop) ends the training process without its close(): its gateway, orphaned,
+    stopped Ray but left the instance's folder, which only the loader removed."""
+    import signal
+
+    _ray()
+    script = tmp_path / "orphan.py"
+    script.write_text(ORPHAN)
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=HERE, stdout=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # once a remote tiny-batch came back
+        assert line.startswith("SESSION "), line
+        _, session, gateway = line.split()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        deadline = time.time() + 120
+        while (os.path.exists(session) or pid_alive(int(gateway))) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not pid_alive(int(gateway)) and not os.path.exists(session)
+    finally:
+        proc.kill()
+        proc.wait()

@@ -6,18 +6,18 @@ It connects to Ray (remote/config.py `connect`), starts the actors (remote/actor
 its loader over one socket, as a CPU worker serves its pipe: TASK in (the tiny-batches the loader's
 worker kind, remote/kind.py, took from its board), DONE out once the result is written into the
 loader's batch ring (mapped from the descriptor the loader passed, as workers map it), and EVENT out
-for the rest: ("started", info) or ("error", type name, message) once at start-up, ("actors", table)
-when the actors change, ("back", task ids, why) for tiny-batches the local workers must run,
-("lost", actor, host, error) for a lost actor, ("retired", why), and ("log", level, logger, message)
-for FusionFlow's log records, which the loader logs as its own.
+for the rest: ("session", folder) then ("started", info) or ("error", type name, message) at start-up,
+("actors", table) when the actors change, ("back", task ids, why) for tiny-batches the local workers
+must run, ("lost", actor, host, error), ("retired", why), and ("log", level, logger, message) for
+FusionFlow's log records, which the loader logs as its own.
 
 No polling: each Ray call's future wakes the main loop through a pipe, and the loop waits on that
 pipe and the socket at once (`multiprocessing.connection.wait`), in slices of `WATCHDOG_S`: a
 gateway whose loader is gone (its parent changed) shuts down like an orphaned worker.
 
-Shutdown (STOP, the socket closing, orphaned): kill the actors, ray.shutdown() (stops a local
-instance it started), exit. What it cannot stop itself (it was SIGKILLed, Ray ended it) its loader
-stops: the gateway leads its own session, and the loader kills that session (runtime/procs.py).
+Shutdown (STOP, the socket closing, orphaned): kill the actors, ray.shutdown() (stops a local instance it
+started; orphaned, it removes that instance's folder too), exit. What it cannot stop itself (it was SIGKILLed,
+Ray ended it) its loader stops: the gateway leads its own session, which the loader kills (runtime/procs.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import traceback
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
+from fusionflow.remote.link import remove_session_dir
 from fusionflow.remote.pulse import ACTOR_SHARE, CALL_FACTOR, Pulse, call_deadline, find_raylet, running_mean
 from fusionflow.runtime.procs import parent_gone
 
@@ -67,6 +68,7 @@ class Gateway:
         self.m, self.conn, self.ring, self.spec, self.parent_pid = m, conn, ring, spec, parent_pid
         self.config = spec["config"]
         self.ray = self.actors = None
+        self.session_dir, self.orphaned = None, False  # its own Ray instance's folder; the loader gone without a STOP
         self.fifo: collections.deque = collections.deque()  # tasks received, not yet on an actor
         self.calls: dict = {}  # ObjectRef -> (actor, [task, ...]) of one Ray call
         self.probes: dict = {}  # ObjectRef -> actor still starting (after start-up)
@@ -93,11 +95,12 @@ class Gateway:
         from fusionflow.remote.actors import RemoteActors
 
         spec = self.spec
-        self.ray, started, session_dir = remote_config.connect(self.config, spec["joined"])
+        self.ray, started, self.session_dir = remote_config.connect(self.config, spec["joined"])
+        self.send(("session", self.session_dir))  # first: a start-up that fails below still has it removed
         self.actors = RemoteActors(self.ray, self.config, spec)
         self.actors.start_up()
         self._watch_probes()
-        self.send(("started", {"started_instance": started, "session_dir": session_dir, "actors": self.table()}))
+        self.send(("started", {"started_instance": started, "session_dir": self.session_dir, "actors": self.table()}))
         self.pulse = Pulse(self.send, find_raylet(_raylet_socket(self.ray)))
         self.pulse.start()
 
@@ -129,8 +132,9 @@ class Gateway:
         while True:
             timeout = max(0.0, min(WATCHDOG_S, self._next_maintain - time.monotonic()))
             ready = mp_wait([self.conn, self._wake_r], timeout)
-            if parent_gone(self.parent_pid):
-                return  # orphaned: the loader's process is gone
+            if parent_gone(self.parent_pid):  # the loader's process is gone: no one else removes the session folder
+                self.orphaned = True
+                return
             if self.conn in ready:
                 while self.conn.poll():
                     msg = self.conn.recv_bytes()  # EOFError: the loader closed
@@ -370,26 +374,26 @@ def main(argv) -> int:
         logging.getLogger("fusionflow").propagate = False
         gateway.start()
     except BaseException as exc:
+        from fusionflow.runtime import messages as m
+
         try:
-            conn.send_bytes(_start_error(exc))
+            conn.send_bytes(m.pack_control(m.EVENT, _error(exc)))
         finally:
             if gateway is not None:
                 gateway.shutdown()
         return 1
     try:
         gateway.serve()
-    except (EOFError, OSError):
-        pass  # the loader closed its end (it stopped, or died)
+    except (EOFError, OSError):  # the loader's end closed without a STOP: its process is ending (SIGTERM, SIGKILL)
+        deadline = time.monotonic() + 5.0  # (this process is re-parented once the loader's has exited)
+        while not (gone := parent_gone(parent_pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        gateway.orphaned = gone
     finally:
         gateway.shutdown()
         ring.close()
+        remove_session_dir(gateway.session_dir if gateway.orphaned else None)  # (its loader's to remove, if alive)
     return 0
-
-
-def _start_error(exc: BaseException) -> bytes:
-    from fusionflow.runtime import messages as m
-
-    return m.pack_control(m.EVENT, _error(exc))
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ class RemoteWorkers:
         finally:
             with self.board.cond:
                 self._starting = None
-        gw, link.session_dir = _Gateway(link), info.get("session_dir")
+        gw, link.session_dir = _Gateway(link), info.get("session_dir") or link.session_dir
         with self.board.cond:
             if self._stopped or self.retired:  # stop() (or retirement) came during the handshake
                 link.discard()

@@ -17,6 +17,7 @@ under it (a raylet's agents) -- so no Ray process of ours outlives the loader.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import pickle
@@ -128,6 +129,8 @@ class GatewayLink:
                 forward_log(event)
             elif event[0] == "error":
                 raise ERRORS.get(event[1], RemoteWorkerError)(event[2])
+            elif event[0] == "session":  # the instance it started: removed by kill() even if start-up fails
+                self.session_dir = event[1]
             elif event[0] == "started":
                 return event[1]
 
@@ -172,7 +175,7 @@ class GatewayLink:
         left = kill_session(self.pid)
         if left:
             log.warning("remote_workers: processes %s of the Ray gateway's session did not exit", left)
-        remove_session_dir(self.session_dir)
+        remove_session_dir(self.session_dir or session_dir_of(self.pid))
 
     def close(self) -> None:
         """Close the socket (after its reader has ended: the gateway's death is its EOF)."""
@@ -182,6 +185,15 @@ class GatewayLink:
         """A gateway that never got a reader (its start-up failed or was cut short): kill, close."""
         self.kill()
         self.close()
+
+
+def session_dir_of(pid: int) -> str | None:
+    """The session folder of a Ray instance that process `pid` started (Ray names it session_<date>_<pid> under its
+    temp root: $RAY_TMPDIR, else $TMPDIR, else /tmp, + /ray), for a gateway killed before it could say which: while
+    `ray.init` was still starting the instance. None when there is none. A driver that joined a cluster has none."""
+    root = os.path.join(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp", "ray")
+    found = glob.glob(os.path.join(root, f"session_*_{pid}"))
+    return found[0] if len(found) == 1 else None
 
 
 def remove_session_dir(path: str | None) -> None:
