@@ -75,20 +75,17 @@ def run(args, parser=None) -> int:
     torch.set_num_threads(1)
     try:
         root = image_root(args.data)
-    except SystemExit as e:
+        ds = ImageFolder(root)
+        batch_size = min(args.batch_size, len(ds))
+        if len(ds) // batch_size < 2:
+            raise SystemExit(
+                f"bench: {len(ds)} images make fewer than 2 mini-batches of {batch_size}: use a smaller --batch-size "
+                "(the first mini-batch of each pass is not timed)"
+            )
+    except SystemExit as e:  # the data cannot be benched: the parser's usage error (exit 2) when there is one
         if parser is None:
             raise
         parser.error(str(e).removeprefix("bench: "))
-    ds = ImageFolder(root)
-    batch_size = min(args.batch_size, len(ds))
-    if len(ds) // batch_size < 2:
-        why = (
-            f"{len(ds)} images make fewer than 2 mini-batches of {batch_size}: use a smaller --batch-size (the first "
-            "mini-batch of each pass is not timed)"
-        )
-        if parser is None:
-            raise SystemExit(f"bench: {why}")
-        parser.error(why)
     per_pass = min(args.batches, len(ds) // batch_size - 1)
     print(
         f"{len(ds)} images in {root}, policy {args.policy} ({args.output} output), batch {batch_size}, "
