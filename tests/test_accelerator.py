@@ -441,10 +441,98 @@ def test_accelerator_counts_go_on_across_epochs_without_persistent_workers():
         ld.set_epoch(epoch)
         _, labels = collect(ld)
         assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
-    assert ld.stats.accelerator_builds == 2  # one ahead-of-time build per epoch's manager
+    assert ld.stats.accelerator_builds == 1  # the first epoch's pipeline ran the second's too (not built again)
     # the feeding thread's CPU, of which landing the outputs in the ring (a host copy here) is a part
     assert 0 < ld.stats.accelerator_land_cpu_seconds < ld.stats.accelerator_feed_cpu_seconds
     ld.close()
+
+
+def test_the_next_epochs_accelerator_runs_the_pipeline_the_last_left_idle():
+    """Without persistent workers each epoch has a new runtime and accelerator: they take the DALI pipeline the
+    last one left idle rather than build the graph again (seconds on a GPU), and its samples are those of a fresh
+    pipeline; close() closes the kept one, and a loader started again builds anew."""
+    ds = Bytes(24)
+    ld = loader(ds)
+    cpu, dali = CpuPipeline(SMALL), DaliPolicyPipeline(SMALL, batch_size=1)
+    try:
+        pipelines, from_dali = [], 0
+        for epoch in range(3):
+            ld.set_epoch(epoch)
+            images, labels = [], []
+            for x, y in ld:
+                images.append(x)
+                labels.append(y)
+                if len(images) == 1:  # the runtime, and its accelerator, started with the first batch
+                    pipelines.append(ld.parts.gpu.accel.pipeline)
+            assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
+            for x, y in zip(images, labels):  # a function of (seed, epoch, index), whichever pipeline ran it
+                for img, i in zip(x.numpy(), y.tolist()):
+                    if not np.array_equal(img, cpu(ds.data[i], i, seed=4, epoch=epoch)):
+                        assert np.array_equal(img, run_numpy(dali, [ds.data[i]], [i], seed=4, epoch=epoch)[0]), i
+                        from_dali += 1
+            assert ld.parts.gpu.accel is None and ld.parts.gpu._spares == [pipelines[0]]  # idle, kept
+        assert from_dali > 0 and pipelines[0] is pipelines[1] is pipelines[2] and pipelines[0].idle
+        assert ld.stats.accelerator_builds == 1 and ld.stats.accelerator_build_seconds > 0
+        assert pipelines[0].build_guard is contextlib.nullcontext  # refers to no accelerator of an ended epoch
+        ld.close()
+        assert not pipelines[0].idle and ld.parts.gpu._spares == []  # closed with the loader
+        ld.set_epoch(3)
+        it = iter(ld)
+        next(it)
+        assert ld.stats.accelerator_builds == 2 and ld.parts.gpu.accel.pipeline is not pipelines[0]
+        del it
+    finally:
+        ld.close()
+        dali.close()
+
+
+class _StubPipeline:
+    def __init__(self, idle):
+        self.idle, self.closed, self.build_guard = idle, False, "an accelerator's"
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("idle, retired, keeps", [(True, None, True), (False, None, False), (True, "failed", False)])
+def test_a_stopped_accelerator_keeps_only_an_idle_pipeline_of_a_working_accelerator(idle, retired, keeps):
+    """Runs still in flight (an epoch broken off) or a retired accelerator: the pipeline is closed, not kept."""
+    from fusionflow.accel.accelerator import AcceleratorWorker
+
+    kept, stub = [], _StubPipeline(idle)
+    accel = AcceleratorWorker.__new__(AcceleratorWorker)
+    accel.keep_pipeline, accel.retired = kept.append, retired
+    accel._release(stub)
+    assert (kept == [stub], stub.closed) == (keeps, not keeps)
+    assert stub.build_guard is contextlib.nullcontext if keeps else stub.build_guard == "an accelerator's"
+
+
+def test_an_epoch_left_early_keeps_its_pipeline_only_when_no_run_is_in_flight():
+    ld = loader(SlowInCpuWorkers(48), batch_size=24)
+    try:
+        it = iter(ld)
+        next(it)
+        pipeline = ld.parts.gpu.accel.pipeline
+        del it  # the epoch is left: its runtime stops
+        spares = ld.parts.gpu._spares
+        assert spares == [pipeline] and pipeline.idle or spares == [] and not pipeline.idle
+    finally:
+        ld.close()
+    assert not pipeline.idle
+
+
+def test_the_exit_hook_closes_a_pipeline_kept_for_the_next_epoch():
+    from fusionflow.accel import session
+
+    ld = loader(Bytes(24))
+    try:
+        collect(ld)
+        (pipeline,) = ld.parts.gpu._spares
+        assert pipeline in session._IDLE and pipeline.idle
+        session._stop_live()  # what the interpreter runs at exit, before DALI's hook
+        assert not pipeline.idle
+    finally:
+        ld.close()
 
 
 def one_logged_epoch(caplog):

@@ -61,6 +61,8 @@ class AcceleratorWorker:
         tiny_batch_size: int = 1,
         inputs=None,
         depth: int = RUNS_IN_FLIGHT_CPU,  # DALI runs in flight (not gated): the loader passes runs_in_flight
+        pipeline=None,  # a DaliPolicyPipeline of this kind left idle by an earlier accelerator: run, not built again
+        keep_pipeline=None,  # stop() hands it the pipeline when it can run again (GpuSession: for the next epoch)
     ):
         from fusionflow.accel.dali_graph import DaliPolicyPipeline
         from fusionflow.policy import load_policy
@@ -74,14 +76,16 @@ class AcceleratorWorker:
         self.max_images, self.depth = max_images, depth  # a run's samples (<= MERGE_SHARES shares); runs in flight
         # the runs' samples and host inputs: the input helpers (`inputs`, owned from here) while they answer, else here
         self.source = RunSource(inputs, dataset, load_policy(policy).max_pixels, seed, self.counters)
-        t0, self.pipeline = time.perf_counter(), self._make() if aot else None  # aot: nothing built on the hot path
-        self.build_seconds = time.perf_counter() - t0 if aot else 0.0
-        self.counters.accelerator_builds += int(aot)
+        built = aot and pipeline is None  # aot: nothing built on the hot path
+        t0, self.pipeline = time.perf_counter(), self._make() if built else pipeline
+        self.build_seconds = time.perf_counter() - t0 if built else 0.0
+        self.counters.accelerator_builds += int(built)
+        self.keep_pipeline = keep_pipeline
         self.tiny_batches = self.failures_in_a_row = 0  # tiny-batches done (the bridge's warm-up); failed runs in a row
         self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # temporal sharing: the training work queued before next() ends with it (GpuSession)
         self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails; paused around a rebuild
-        if aot:
+        if self.pipeline is not None:
             self.pipeline.build_guard = self._rebuilding
         # the split rule's feed (accel/share_feed.py); None: the ablations (one tiny-batch at a time)
         batch = board.ring.layout.batch_size  # (a short last mini-batch does not set the share)
@@ -139,9 +143,18 @@ class AcceleratorWorker:
             if pipeline is not None and self._thread.is_alive() and other:  # stuck in a tiny-batch
                 log.warning("the accelerator thread did not stop within 10 s; its DALI pipeline is left to the GC")
             elif pipeline is not None:
-                pipeline.close()
+                self._release(pipeline)
         finally:
             self.source.close()
+
+    def _release(self, pipeline) -> None:
+        """The stopped thread's pipeline: kept (`keep_pipeline`) if it can run again -- no run in flight, never
+        failed for good -- else closed. A kept one refers to this accelerator no more."""
+        if self.keep_pipeline is None or self.retired or not pipeline.idle:
+            pipeline.close()
+            return
+        pipeline.build_guard = contextlib.nullcontext
+        self.keep_pipeline(pipeline)
 
     @contextlib.contextmanager
     def _rebuilding(self):  # around the pipeline's rebuild after a failed run (in its submit): the bridge paused

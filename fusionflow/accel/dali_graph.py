@@ -218,6 +218,11 @@ class DaliPolicyPipeline:
         return len(self._pending)
 
     @property
+    def idle(self) -> bool:
+        """Built, open and with no run in flight: it can run again for another accelerator as it is."""
+        return not self._closed and self._pipe is not None and not self._pending
+
+    @property
     def graph_nodes(self) -> int | None:
         """The DALI operators of the built pipeline (conditionals' splits and merges included): what
         DALI's `Run` walks in the calling thread every run, whatever its size. None while there is no

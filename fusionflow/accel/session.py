@@ -2,8 +2,9 @@
 the allocator bridge before any DALI pipeline exists), TAAS's K search fed by completed mini-batches,
 temporal sharing's prep windows around each wait, and delivery of mini-batches made partly on the
 GPU. One per loader built with an accelerator; it owns the bridge, the device ring, the sharing
-profiler and the loader's reference to the accelerator it started (never the loader or its manager:
-the manager is passed to each call)."""
+profiler, the loader's reference to the accelerator it started (never the loader or its manager:
+the manager is passed to each call) and the DALI pipeline an ended runtime's accelerator left idle,
+which the next one runs (an epoch without persistent workers does not build the graph again)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,9 @@ class GpuSession:
         self.accel = None  # the accelerator worker kind this session started, while its manager runs
         self.device_ring = None
         self.profiler = None  # gpu_sharing="auto" on a GPU
+        # the DALI pipeline an accelerator left idle when its manager stopped (an epoch without persistent workers):
+        # the next manager's accelerator runs it rather than building the graph again (seconds on a GPU)
+        self._spares: list = []
 
     @classmethod
     def for_config(cls, stats, cfg) -> GpuSession:
@@ -95,7 +99,8 @@ class GpuSession:
         # anything below, or start(), raises
         stop_at_exit(accel)
         self.accel, self.device_ring, self.alloc_device = accel, device_ring, alloc_device
-        self.stats.accelerator_build_seconds = accel.build_seconds
+        if accel.build_seconds or self.stats.accelerator_build_seconds is None:  # not for a pipeline run again
+            self.stats.accelerator_build_seconds = accel.build_seconds
         # The callbacks live on the manager: they must not refer to the loader or this session (they
         # would live as long as the manager) nor strongly to the manager or the accelerator.
         accel_ref = weakref.ref(accel)
@@ -129,6 +134,7 @@ class GpuSession:
         helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
         run_samples = self._run_samples(spec)  # the helpers read the runs too (accel/helper_reads.py)
         inputs = start_helper(policy, spec.mp_context, helpers, (dataset, run_samples, self.runs_in_flight, seed))
+        spare = self._spares.pop() if self._spares else None  # this loader's: the same policy, run size and depth
         try:
             accel = AcceleratorWorker(
                 mgr.board,
@@ -150,10 +156,14 @@ class GpuSession:
                 inputs=inputs,
                 tiny_batch_size=tiny_batch_size,
                 depth=self.runs_in_flight,
+                pipeline=spare,
+                keep_pipeline=functools.partial(_keep_idle, self._spares) if self.aot else None,
             )
         except BaseException:
             if inputs is not None:  # the accelerator would have owned it
                 inputs.close()
+            if spare is not None:
+                spare.close()
             raise
         return accel
 
@@ -252,22 +262,36 @@ class GpuSession:
         if self.accel is not None:
             self.accel.close_window()
 
-    def manager_stopped(self, stats=None) -> None:
-        """Shutdown, after the manager's: take back the arena DALI's pipelines used (they are gone now),
-        copy the bridge's counters into `stats`, forget the accelerator and what belonged to it."""
-        close_bridge(self.bridge)
+    def manager_stopped(self, stats=None, keep: bool = False) -> None:
+        """Shutdown, after the manager's: unless `keep` (another manager follows), close the pipeline the
+        accelerator left idle; once no DALI pipeline is left, take back the arena they used; copy the bridge's
+        counters into `stats`, forget the accelerator and what belonged to it."""
+        if not keep:
+            self.close_spares()
+        if not self._spares:  # a pipeline kept keeps its buffers in the arena: it stays lent with it
+            close_bridge(self.bridge)
         if stats is not None:
             copy_bridge_stats(self.bridge, stats)
         self.accel = self.device_ring = self.profiler = None
 
+    def close_spares(self) -> None:
+        """Close the DALI pipeline kept for the next manager, if any."""
+        spares, self._spares[:] = list(self._spares), []
+        for pipeline in spares:
+            pipeline.close()
+
     def shutdown_bridge(self) -> None:
-        """Every lent block goes back and the ledger is unlinked; a later start builds a new bridge."""
+        """No DALI pipeline stays (the kept one is closed), every lent block goes back and the ledger is
+        unlinked; a later start builds a new bridge."""
+        self.close_spares()
         bridge, self.bridge = self.bridge, None
         if bridge is not None:
             bridge.shutdown()
+            copy_bridge_stats(bridge, self.stats)  # what a kept pipeline held in the arena, given back only now
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # accelerators started in this process (stop() is idempotent)
+_IDLE: weakref.WeakSet = weakref.WeakSet()  # DALI pipelines kept for a loader's next manager (close() is idempotent)
 _EXIT_HOOK_PID: list[int] = []  # the process that registered the exit hook (a forked child inherits it)
 
 
@@ -286,10 +310,22 @@ def _stop_live() -> None:
     if os.getpid() not in _EXIT_HOOK_PID:  # a forked child that runs exit hooks: not its accelerators
         return
     for accel in list(_LIVE):
+        accel.keep_pipeline = None  # closed now, not kept for a next epoch
         try:
             accel.stop()
         except Exception:  # exiting anyway: one that cannot stop must not keep the others running
             log.exception("stopping the DALI accelerator at exit failed")
+    for pipeline in list(_IDLE):  # before DALI's hook too: a loader's finalizer may run after it
+        try:
+            pipeline.close()
+        except Exception:
+            log.exception("closing an idle DALI pipeline at exit failed")
+
+
+def _keep_idle(spares: list, pipeline) -> None:
+    """An accelerator's keep_pipeline: the session's list (never the session: the accelerator lives on the manager)."""
+    spares.append(pipeline)
+    _IDLE.add(pipeline)
 
 
 def _split_feedback(mgr_ref, accel_ref, stats, state) -> None:

@@ -189,9 +189,10 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
        (`AcceleratorWorker.close_window`, `GpuSession.end_window_now`).
     3. Shut the manager down (`LocalManager.shutdown`, its own numbered procedure: worker kinds,
        manager thread, lending agent, worker processes, ring).
-    4. Allocator bridge: take back the arena DALI's pipelines used (they are gone now) and copy its
-       counters into `stats` (`GpuSession.manager_stopped`); unless it is kept for the next
-       manager, shut it down (what is still lent goes back, the ledger is unlinked).
+    4. The accelerator's DALI pipeline, left idle, is kept for the next manager (`keep_bridge`: not a close) or
+       closed; once none is kept, the allocator bridge takes back the arena DALI's pipelines used and its counters
+       go into `stats` (`GpuSession.manager_stopped`); unless kept for the next manager, the bridge is shut down
+       (what is still lent goes back, the ledger is unlinked).
     """
     mgr, gpu, cache, pid = box
     box[0] = None
@@ -203,7 +204,7 @@ def shutdown_runtime(box, stats=None, keep_bridge: bool = False) -> None:
             gpu.end_window_now(mgr)
         mgr.shutdown()
         if gpu is not None:
-            gpu.manager_stopped(stats)
+            gpu.manager_stopped(stats, keep=keep_bridge)
     if gpu is not None and not keep_bridge:
         gpu.shutdown_bridge()
     if cache is not None and not keep_bridge:

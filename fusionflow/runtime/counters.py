@@ -40,8 +40,8 @@ class RuntimeCounters:
     accelerator_inputs_cpu_seconds: float = 0.0  # CPU time of its input helper processes (accel/input_helpers.py)
     accelerator_land_cpu_seconds: float = 0.0  # of the thread's, landing DALI's outputs in the ring (host copy on CPU)
     accelerator_given_back: int = 0  # handed to the CPU workers (undecodable by DALI, or not bytes)
-    # DALI pipeline builds (AoT: 1 a runtime -- so 1 an epoch without persistent workers --, +1 after each failed
-    # run; one per run without)
+    # DALI pipeline builds (AoT: 1 a loader -- a runtime runs the pipeline the last one left idle (accel/session.py)
+    # --, +1 after each failed run or a retirement; one per run without)
     accelerator_builds: int = 0
     accelerator_out_of_memory: int = 0  # DALI runs out of memory (their tiny-batches went to the CPU workers)
     accelerator_retired: str | None = None  # why the accelerator stopped taking work (repeated failures)
