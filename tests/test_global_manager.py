@@ -614,6 +614,8 @@ def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():
         assert wait_until(lambda: collect(a) and sum(w is not None for w in a._manager.pool.workers) == 2)
         a.close()
         assert gm.poll() is None  # an explicit GM stays up between jobs' loaders
+        empty = subprocess.run(cli + ["status", "--job", name], capture_output=True, text=True, timeout=60)
+        assert empty.returncode == 0 and "no local manager is registered" in empty.stdout, empty  # not silence
         gm.send_signal(signal.SIGTERM)
         assert gm.wait(timeout=10) == 0
     finally:

@@ -146,9 +146,9 @@ def _parser():
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["gm"]:
-        from fusionflow.runtime.gm.manager import cli
+        from fusionflow.tools.gm import main as gm
 
-        return cli(argv[1:])
+        return gm(argv[1:])
     if argv[:1] == ["serve"]:
         from fusionflow.tools.serve import main as serve
 

@@ -2,7 +2,7 @@
 managers (LMs, one per loader, i.e. per rank) that are done to LMs that still have work.
 
     python -m fusionflow.runtime.gm.manager <table name>      # spawned by the first LM of a job
-    python -m fusionflow gm serve --job NAME                      # or started explicitly (see `cli`)
+    python -m fusionflow gm serve --job NAME                      # or started explicitly (tools/gm.py)
 
 Loop, every `POLL_S`:
   1. Read the progress table (runtime/gm/tables.py). An ACTIVE row whose process is gone is freed (its
@@ -306,7 +306,7 @@ class GlobalManagerClient:
         self.t.close()
 
 
-def _claim(tables: gt.Tables) -> bool:
+def claim(tables: gt.Tables) -> bool:
     """Become the table's GM unless a live one already is (False too if the table's lock stays held:
     its loaders then find no GM and train without lending)."""
     try:
@@ -324,59 +324,6 @@ def _claim_locked(tables: gt.Tables) -> bool:
     return True
 
 
-def cli(argv: list[str]) -> int:
-    """`python -m fusionflow gm ...`: run a job's GM explicitly, look at it, resize its workers."""
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m fusionflow gm", description=cli.__doc__)
-    sub = ap.add_subparsers(dest="action", required=True)
-    serve = sub.add_parser(
-        "serve",
-        help="run the GM of JOB in the foreground until Ctrl-C; loaders created with global_manager=JOB join it",
-    )
-    status = sub.add_parser("status", help="print the job's local managers and their lending counters")
-    workers = sub.add_parser("workers", help="set the CPU worker count of every (or one) local manager")
-    workers.add_argument("count", type=int)
-    workers.add_argument("--lm", type=int, default=None, help="only this local manager (see status)")
-    for p in (serve, status, workers):
-        p.add_argument("--job", required=True, help="the name given to FusionFlowLoader(global_manager=...)")
-    args = ap.parse_args(argv)
-    if args.action == "serve":
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-        name = gt.table_name(args.job)
-        tables = gt.Tables.create(name) or gt.Tables.attach(name)
-        if tables is None or not _claim(tables):
-            print(
-                f"a global manager already runs for job {args.job!r} (pid {tables.gm_pid if tables else '?'})",
-                file=sys.stderr,
-            )
-            return 1
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
-        log.info("fusionflow GM for job %r: table /dev/shm%s; Ctrl-C stops it", args.job, name)
-        try:
-            GlobalManager(tables).run(linger=None)
-        finally:
-            tables.close()
-        return 0
-    try:
-        client = GlobalManagerClient(args.job)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    try:
-        if args.action == "status":
-            for row in client.local_managers():
-                print(" ".join(f"{k}={v}" for k, v in row.items()))
-        else:
-            client.set_workers(args.count, lm=args.lm)
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 1
-    finally:
-        client.close()
-    return 0
-
-
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or not argv[0].startswith(gt.PREFIX):
         print(f"usage: python -m fusionflow.runtime.gm.manager {gt.PREFIX}<id>", file=sys.stderr)
@@ -386,7 +333,7 @@ def main(argv: list[str]) -> int:
     tables = gt.Tables.attach(argv[0])
     if tables is None:
         return 0  # its creator already gave up on it
-    if not _claim(tables):
+    if not claim(tables):
         tables.close()
         return 0  # one GM per table
     try:

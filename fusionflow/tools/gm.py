@@ -1,0 +1,71 @@
+"""`python -m fusionflow gm ...`: run a DDP job's global manager explicitly (runtime/gm/manager.py), look at its
+local managers, resize their CPU workers."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+from fusionflow.runtime.gm import tables as gt
+from fusionflow.runtime.gm.manager import GlobalManager, GlobalManagerClient, claim
+
+log = logging.getLogger("fusionflow.runtime.gm.manager")
+
+
+def main(argv: list[str]) -> int:
+    """Run a job's GM explicitly, look at it, resize its workers."""
+    ap = argparse.ArgumentParser(prog="python -m fusionflow gm", description=main.__doc__)
+    sub = ap.add_subparsers(dest="action", required=True)
+    serve = sub.add_parser(
+        "serve",
+        help="run the GM of JOB in the foreground until Ctrl-C; loaders created with global_manager=JOB join it",
+    )
+    status = sub.add_parser("status", help="print the job's local managers and their lending counters")
+    workers = sub.add_parser("workers", help="set the CPU worker count of every (or one) local manager")
+    workers.add_argument("count", type=int)
+    workers.add_argument("--lm", type=int, default=None, help="only this local manager (see status)")
+    for p in (serve, status, workers):
+        p.add_argument("--job", required=True, help="the name given to FusionFlowLoader(global_manager=...)")
+    args = ap.parse_args(argv)
+    if args.action == "serve":
+        return _serve(args.job)
+    try:
+        client = GlobalManagerClient(args.job)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    try:
+        if args.action == "status":
+            rows = client.local_managers()
+            for row in rows:
+                print(" ".join(f"{k}={v}" for k, v in row.items()))
+            if not rows:
+                print(f"job {args.job!r}: no local manager is registered (no loader of the job runs now)")
+        else:
+            client.set_workers(args.count, lm=args.lm)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+    return 0
+
+
+def _serve(job: str) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    name = gt.table_name(job)
+    tables = gt.Tables.create(name) or gt.Tables.attach(name)
+    if tables is None or not claim(tables):
+        print(
+            f"a global manager already runs for job {job!r} (pid {tables.gm_pid if tables else '?'})", file=sys.stderr
+        )
+        return 1
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    log.info("fusionflow GM for job %r: table /dev/shm%s; Ctrl-C stops it", job, name)
+    try:
+        GlobalManager(tables).run(linger=None)
+    finally:
+        tables.close()
+    return 0
