@@ -552,6 +552,8 @@ def test_serve_refuses_bad_arguments_with_a_usage_error_not_a_traceback(jobs, tm
         (["--data", root, "--policy", "nope"], "nope"),
         (["--data", tmp_path / "empty"], "has no class sub-directories"),
         (["--data", root, "--batch-size", 8, "--drop-last"], "the 4 images make no mini-batch"),  # epochs of nothing
+        (["--data", root, "--image-key", "png"], f"--image-key name tar shard members; --data {root!r} is an Imag"),
+        (["--data", root, "--target-key", "none"], "--target-key name tar shard members"),  # ignored, it was
     ):
         p = jobs.serve("--epochs", 1, *args)
         assert jobs.wait(p) == 2, jobs.dump()

@@ -26,8 +26,8 @@ def parser() -> argparse.ArgumentParser:
         prog="python -m fusionflow serve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--data", required=True, help="an ImageFolder root, or tar shards (path, glob, {a..b})")
-    ap.add_argument("--image-key", default="jpg", help="tar shards: the image member's extension(s), comma-separated")
-    ap.add_argument("--target-key", default="cls", help="tar shards: the target member's extension ('none': none)")
+    ap.add_argument("--image-key", help="tar shards: the image member's extension(s), comma-separated (default: jpg)")
+    ap.add_argument("--target-key", help="tar shards: the target member's extension, 'none' for none (default: cls)")
     ap.add_argument("--name", required=True, help="what clients call it: SharedLoaderClient(NAME)")
     ap.add_argument("--epochs", type=int, required=True)
     ap.add_argument("--batch-size", type=int, default=32)
@@ -107,8 +107,9 @@ def _dataset(ap, a, is_shards: bool):
 
     try:
         if is_shards:
-            target = None if a.target_key == "none" else tuple(a.target_key.split(","))
-            return TarShards(a.data, image_key=tuple(a.image_key.split(",")), target_key=target)
+            target_key, image_key = a.target_key or "cls", a.image_key or "jpg"
+            target = None if target_key == "none" else tuple(target_key.split(","))
+            return TarShards(a.data, image_key=tuple(image_key.split(",")), target_key=target)
         return ImageFolder(a.data)
     except (OSError, ValueError) as e:
         ap.error(f"--data {a.data!r}: {e}")
@@ -131,6 +132,9 @@ def _check(ap, a) -> bool:
             f"--data {a.data!r} is neither a directory (an ImageFolder root: one folder per class) nor tar "
             "shards (a .tar path, a glob or brace notation)"
         )
+    keys = [f"--{k}" for k in ("image-key", "target-key") if getattr(a, k.replace("-", "_")) is not None]
+    if keys and not is_shards:  # an ImageFolder's images are its files, its targets its folders
+        ap.error(f"{' and '.join(keys)} name tar shard members; --data {a.data!r} is an ImageFolder root")
     return is_shards
 
 
