@@ -1127,3 +1127,14 @@ def test_failed_runs_rebuild_the_pipeline_counted_and_the_retirement_names_the_l
     assert s.accelerator_runs == 0 and s.accelerator_retired.startswith(f"{acc.MAX_FAILURES} DALI runs in a row")
     assert "likely corrupt" in s.accelerator_retired
     assert s.accelerator_builds == acc.MAX_FAILURES  # the ahead-of-time build, then one after each failure but the last
+
+
+def test_the_accelerator_declines_exact_mode_whose_promise_is_torchvisions_pixels(caplog):
+    """decode.mode exact is torchvision's pixels to the bit; DALI's decoder and filters made some of each batch
+    (up to 5 levels off) without a word."""
+    from test_augmix import loader_runs_it_once_and_dali_declines
+
+    from fusionflow import load_policy
+
+    exact = load_policy({**SMALL, "decode": {"mode": "exact"}})
+    loader_runs_it_once_and_dali_declines(exact, caplog, "decode.mode exact")

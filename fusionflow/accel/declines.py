@@ -6,8 +6,17 @@ from __future__ import annotations
 from fusionflow.policy.op_specs import OPS
 
 
+def accelerator_declines(policy) -> str | None:
+    """Why the loader's DALI accelerator does not take `policy`, or None: what its graph cannot run (`dali_declines`),
+    and exact mode, whose promise is torchvision's pixels to the bit, which nvJPEG and DALI's filters do not make
+    (the graph's outputs are within the CPU fast path's bounds)."""
+    if policy is not None and not policy.fast_downscale:
+        return "decode.mode exact (torchvision's pixels to the bit: the CPU path's decoder and filters)"
+    return dali_declines(policy)
+
+
 def dali_declines(policy) -> str | None:
-    """Why the DALI accelerator cannot run `policy` with the CPU path's pixels, or None: DALI has no
+    """Why the DALI graph cannot run `policy` with the CPU path's pixels, or None: DALI has no
     filter matching Pillow's bicubic or nearest crop resize, its warp_affine no bicubic, and the graph
     none of timm's augmentations, AugMix's mixtures, ColorJitter, RandomGrayscale or the Hue op; its geometric
     ops fill with one gray level."""

@@ -24,7 +24,7 @@ from fusionflow.accel.config import (
     auto_runs_in_flight,
     auto_threads,
 )
-from fusionflow.accel.declines import dali_declines
+from fusionflow.accel.declines import accelerator_declines
 from fusionflow.runtime.cores import rank_cores
 from fusionflow.runtime.host import Host
 
@@ -86,7 +86,7 @@ def resolve_accelerator(
     """The accelerator to run (None, 'dali-cpu', 'dali-gpu'): 'auto' is DALI on the GPU when the
     device is CUDA; gpu_sharing='off' turns any accelerator off. `device` is the argument as given
     (for the messages), `resolved` the device; `given`: the DaliAccelerator the strings came from, named
-    in the messages instead of them. A policy DALI cannot run (dali_declines) turns it off with one log
+    in the messages instead of them. A policy DALI cannot run (accelerator_declines) turns it off with one log
     line: the CPU workers take every tiny-batch, and the policy means the same pixels."""
     if gpu_sharing not in SHARING:
         raise ValueError(f"gpu_sharing={gpu_sharing!r} must be one of {SHARING}")
@@ -107,7 +107,7 @@ def resolve_accelerator(
         raise ValueError(f"accelerator={shown!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
     if accelerator is not None and num_workers == 0:
         raise ValueError(f"accelerator={shown!r} shares mini-batches with CPU workers: use num_workers >= 1")
-    why = dali_declines(policy) if accelerator is not None and gpu_sharing != "off" else None
+    why = accelerator_declines(policy) if accelerator is not None and gpu_sharing != "off" else None
     if why is not None:
         log.warning(
             "FusionFlowLoader: accelerator=%r declines policy %r: %s; the CPU workers take every tiny-batch",
