@@ -142,3 +142,26 @@ def test_crop_window_fallback_equals_torchvision():
     img = torch.empty(3, 10, 10000)
     ref = T.RandomResizedCrop.get_params(img, [0.08, 1.0], [3 / 4, 4 / 3])
     assert crop_window(p, draw(p, 0, 0, 0), 10, 10000) == tuple(ref)
+
+
+@pytest.mark.parametrize("ratio, hw", [((0.25, 0.4), (1, 50)), ((200, 300), (48, 64)), ((0.004, 0.005), (48, 64))])
+def test_the_fallback_window_is_never_empty(ratio, hw):
+    """torchvision's fallback rounds a side to 0 here (its resize then fails); ours keeps one pixel, and the sample
+    is made in both modes (a 50x1 image with a tall output's ratio: OpenCV refused the empty crop in fast mode)."""
+    import dataclasses
+    import io
+
+    from PIL import Image
+
+    from fusionflow.ops.pipeline import CpuPipeline
+
+    p = load_policy(
+        {"name": "tall", "output": {"size": [64, 16]}, "crop": {"ratio": list(ratio)}, "augment": {"type": "none"}}
+    )
+    top, left, h, w = crop_window(p, draw(p, 0, 0, 0), *hw)
+    assert h >= 1 and w >= 1 and 0 <= top <= hw[0] - h and 0 <= left <= hw[1] - w
+    data = io.BytesIO()
+    Image.new("RGB", hw[::-1], (200, 10, 30)).save(data, "JPEG")
+    for fast in (True, False):
+        out = CpuPipeline(dataclasses.replace(p, fast_downscale=fast))(data.getvalue(), 0, seed=0)
+        assert out.shape == (3, 64, 16)

@@ -22,7 +22,7 @@ from fusionflow.ops.decode_filtered import decode_box_resize, decode_crop_resize
 from fusionflow.ops.deepaa_order import authors_image
 from fusionflow.ops.stages import BLUR, GRAYSCALE
 from fusionflow.policy import Policy, SampleDraw, crop_window, draw, keep_ratio, load_policy
-from fusionflow.policy.sampling import crop_plan, trim_side
+from fusionflow.policy.sampling import center_layout, crop_plan, trim_side
 
 
 class CpuPipeline:
@@ -156,24 +156,34 @@ class CpuPipeline:
 
     def _boxed(self, data, d: SampleDraw, what) -> Image.Image:
         """The eval policy's Resize + CenterCrop and the keep_ratio crops (policy/keep_ratio.py) from the
-        fractional box, then the keep_ratio pads (both modes: eval has no ops, so the fast mode's only
-        saving would be the rounded crop, which moved 1-3 px patterns by half a pixel). Exact mode's
-        keep_ratio resizes the whole image first, as timm does: its pixels to the bit."""
+        fractional box, then the keep_ratio pads (fast mode: eval has no ops, so its only saving would be the
+        rounded crop, which moved 1-3 px patterns by half a pixel). Exact mode resizes the whole image first,
+        as torchvision and timm do: their pixels to the bit, whatever the filter (a box's nearest or bicubic
+        samples drifted by a source pixel or 21 levels)."""
         p = self.policy
         resample = exact.RESAMPLE[d.crop_resample or p.crop_interpolation]
-        if p.keep_ratio is not None and not p.fast_downscale:
-            return self._keep_ratio_exact(data, d, what, resample)
+        if not p.fast_downscale:
+            return (self._keep_ratio_exact if p.keep_ratio is not None else self._center_exact)(data, what, d, resample)
         img, (_, _, pads) = decode_box_resize(
             data, partial(crop_plan, p, d), p.fast_downscale, what, p.max_pixels, resample
         )
         return img if not any(pads) else Image.fromarray(keep_ratio.pad(np.asarray(img), pads, p.keep_ratio.pad))
 
-    def _keep_ratio_exact(self, data, d: SampleDraw, what, resample) -> Image.Image:
+    def _trimmed(self, data, what) -> Image.Image:
         p = self.policy
         img = load_rgb(open_image(data, what, p.max_pixels), what)
         (ty, th), (tx, tw) = trim_side(p.trim, img.height), trim_side(p.trim, img.width)
-        if (th, tw) != (img.height, img.width):  # timm's TrimBorder
-            img = img.crop((tx, ty, tx + tw, ty + th))
+        return img if (th, tw) == (img.height, img.width) else img.crop((tx, ty, tx + tw, ty + th))  # TrimBorder
+
+    def _center_exact(self, data, what, d: SampleDraw, resample) -> Image.Image:
+        p, img = self.policy, self._trimmed(data, what)
+        (rh, rw), (top, left) = center_layout(p.center_resize, p.size, img.height, img.width)
+        return img.resize((rw, rh), resample).crop((left, top, left + p.size[1], top + p.size[0]))
+
+    def _keep_ratio_exact(self, data, what, d: SampleDraw, resample) -> Image.Image:
+        p = self.policy
+        img = self._trimmed(data, what)
+        th, tw = img.height, img.width
         (rh, rw), (y0, y1, x0, x1), pads = keep_ratio.layout(p.keep_ratio, p.size, d.crop_u, th, tw)
         arr = np.asarray(img.resize((rw, rh), resample))[y0:y1, x0:x1]  # torchvision's F.resize on PIL
         return Image.fromarray(keep_ratio.pad(arr, pads, p.keep_ratio.pad))

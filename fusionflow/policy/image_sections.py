@@ -63,7 +63,8 @@ class Blur:
     p: float = 1.0
 
 
-def parse_blur(r: Reader, raw: Any, path: str = "blur") -> Blur:
+def parse_blur(r: Reader, raw: Any, path: str = "blur", size: tuple[int, int] | None = None) -> Blur:
+    """A `blur:` mapping; with `size`, the output's (height, width), its kernel checked to fit (`check_blur_fits`)."""
     b = r.mapping(raw, path, (), ("kernel_size", "sigma", "p"))
     k = b.get("kernel_size", 23)
     k = [k, k] if not isinstance(k, (list, tuple)) else list(k)
@@ -77,7 +78,21 @@ def parse_blur(r: Reader, raw: Any, path: str = "blur") -> Blur:
     sigma = tuple(r.number(v, f"{path}.sigma", 1e-6, 1e3) for v in s)
     if len(sigma) != 2 or sigma[0] > sigma[1]:
         r.fail(f"{path}.sigma", f"{s!r}: a number or [lo, hi] with 0 < lo <= hi")
-    return Blur(kernel, sigma, r.number(b.get("p", 1.0), f"{path}.p", 0.0, 1.0))
+    blur = Blur(kernel, sigma, r.number(b.get("p", 1.0), f"{path}.p", 0.0, 1.0))
+    if size is not None:
+        check_blur_fits(r, blur, size, f"{path}.kernel_size")
+    return blur
+
+
+def check_blur_fits(r: Reader, blur: Blur, size: tuple[int, int], path: str) -> None:
+    """GaussianBlur pads the output image by half its kernel (reflecting, as torchvision's): half a side at most."""
+    (kx, ky), (height, width) = blur.kernel_size, size
+    if kx // 2 >= width or ky // 2 >= height:
+        r.fail(
+            path,
+            f"{list(blur.kernel_size)} does not fit the {height}x{width} output (torchvision's GaussianBlur pads by "
+            f"half the kernel and needs that below the side): at most {2 * width - 1} wide and {2 * height - 1} high",
+        )
 
 
 def parse_jitter(r: Reader, raw: Any, path: str = "jitter") -> Jitter | None:

@@ -52,6 +52,7 @@ class KeepRatio:
     ratio_p: float = 0.0
     place: str = "random"  # random | center
     pad: tuple[int, int, int] | None = None  # None: reflect; else this constant colour
+    resize_is_size: bool = False  # no crop.resize given: the output size's (a size override changes both)
 
 
 def parse(r: Reader, crop: dict, size: tuple[int, int]) -> KeepRatio:
@@ -66,6 +67,7 @@ def parse(r: Reader, crop: dict, size: tuple[int, int]) -> KeepRatio:
     pad: Any = crop.get("pad", "reflect")
     return KeepRatio(
         resize=resize,
+        resize_is_size="resize" not in crop,
         longest=r.number(crop.get("longest", 0.0), "crop.longest", 0.0, 1.0),
         scale=r.pair(crop.get("scale", (1.0, 1.0)), "crop.scale", 1e-3, 1e3),
         scale_p=r.number(crop.get("scale_p", 0.0), "crop.scale_p", 0.0, 1.0),

@@ -44,7 +44,14 @@ from typing import Any
 
 from fusionflow.policy import schema
 from fusionflow.policy.deepaa import ORDERS
-from fusionflow.policy.image_sections import Erase, Jitter, check_center_resize, parse_erase, parse_jitter
+from fusionflow.policy.image_sections import (
+    Erase,
+    Jitter,
+    check_blur_fits,
+    check_center_resize,
+    parse_erase,
+    parse_jitter,
+)
 from fusionflow.policy.op_specs import OPS
 from fusionflow.policy.reader import Reader
 from fusionflow.policy.schema import INTERPOLATIONS, Augment, OpChoice, Policy
@@ -81,6 +88,10 @@ def apply_overrides(policy: Policy, overrides: Mapping[str, Any]) -> Policy:
         size = _size(r, overrides["size"])
         aug = dataclasses.replace(aug, ops=tuple(_rescale(r, c, policy.size, size) for c in aug.ops))
         changes["size"] = size
+        if policy.keep_ratio is not None and policy.keep_ratio.resize_is_size:  # its default resize is the size
+            changes["keep_ratio"] = dataclasses.replace(policy.keep_ratio, resize=size)
+        if policy.blur is not None:
+            check_blur_fits(r, policy.blur, size, "size")
     if "resize" in overrides or policy.center_resize is not None:
         changes["center_resize"] = _center_resize(r, policy, overrides, changes.get("size", policy.size))
     aug = _rand_counts(r, policy.name, aug, overrides)

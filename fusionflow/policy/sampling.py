@@ -336,19 +336,18 @@ def random_window(policy: Policy, crop_u, height: int, width: int) -> tuple[int,
             left = min(int(ul * (width - w + 1)), width - w)
             return top, left, h, w
     in_ratio, (r0, r1) = width / height, policy.ratio  # no try fit: centre crop of the clamped ratio
-    if in_ratio < r0:
-        w, h = width, int(round(width / r0))
+    if in_ratio < r0:  # (torchvision's rounding, but never to an empty window: its resize then fails)
+        w, h = width, max(1, int(round(width / r0)))
     elif in_ratio > r1:
-        h, w = height, int(round(height * r1))
+        h, w = height, max(1, int(round(height * r1)))
     else:
         w, h = width, height
     return (height - h) // 2, (width - w) // 2, h, w
 
 
-def center_box(resize, size: tuple[int, int], height: int, width: int) -> tuple[float, float, float, float]:
-    """(x0, y0, x1, y1) in the source image, fractional: the region torchvision's Resize(resize) +
-    CenterCrop(size) keeps -- the resized image's centre crop mapped back through the resize. `resize`
-    an int: the shorter side; (h, w): the image squashed to that size."""
+def center_layout(resize, size: tuple[int, int], height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """torchvision's Resize(resize) + CenterCrop(size) of a height x width image: ((the resized height, width),
+    (the crop's top, left) in it). `resize` an int: the shorter side; (h, w): the image squashed to that size."""
     if isinstance(resize, tuple):
         new_h, new_w = resize
     else:
@@ -356,7 +355,14 @@ def center_box(resize, size: tuple[int, int], height: int, width: int) -> tuple[
         new_short, new_long = resize, int(resize * long / short)  # torchvision's Resize(int) output size
         new_h, new_w = (new_short, new_long) if height <= width else (new_long, new_short)
     crop_h, crop_w = size
-    top_r, left_r = int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0))  # CenterCrop
+    return (new_h, new_w), (int(round((new_h - crop_h) / 2.0)), int(round((new_w - crop_w) / 2.0)))  # CenterCrop
+
+
+def center_box(resize, size: tuple[int, int], height: int, width: int) -> tuple[float, float, float, float]:
+    """(x0, y0, x1, y1) in the source image, fractional: the region torchvision's Resize(resize) +
+    CenterCrop(size) keeps -- the resized image's centre crop mapped back through the resize (`center_layout`)."""
+    (new_h, new_w), (top_r, left_r) = center_layout(resize, size, height, width)
+    crop_h, crop_w = size
     sy, sx = height / new_h, width / new_w
     return left_r * sx, top_r * sy, (left_r + crop_w) * sx, (top_r + crop_h) * sy
 

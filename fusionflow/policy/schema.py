@@ -234,7 +234,7 @@ def parse_policy(raw: Any, source: str = "<dict>", default_name: str = "custom")
     erase = parse_erase(r, top["erase"], "erase", normalize) if top.get("erase") is not None else None
     jitter = parse_jitter(r, top["jitter"]) if top.get("jitter") is not None else None
     grayscale = r.number(top.get("grayscale", 0.0), "grayscale", 0.0, 1.0)
-    blur = parse_blur(r, top["blur"]) if top.get("blur") is not None else None
+    blur = parse_blur(r, top["blur"], size=size) if top.get("blur") is not None else None
     color_after_augment = r.boolean(top.get("color_after_augment", False), "color_after_augment")
     return Policy(
         name=name,
