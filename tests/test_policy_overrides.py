@@ -3,6 +3,7 @@ num_ops, interpolation, normalisation, flip) applied to a policy, checked agains
 
 import dataclasses
 import io
+import os
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ import torchvision.transforms.v2 as T
 from PIL import Image
 from tv_reference import tv_sample
 
+import fusionflow
 from fusionflow import load_policy
 from fusionflow.ops.decode import dct_reduction
 from fusionflow.ops.pipeline import CpuPipeline
@@ -351,3 +353,30 @@ def test_a_blur_kernel_larger_than_the_output_allows_is_refused_at_load(size, ke
     with pytest.raises(ValueError, match=r"size: .* does not fit the"):
         load_policy(fits, size=size)
     load_policy({**cfg, "output": {"size": 12}, "blur": {"kernel_size": 23}})  # 11 < 12: torchvision's limit
+
+
+@pytest.mark.parametrize(
+    "augment, good, bad",
+    [
+        ({"type": "timm-rand", "num_ops": 2, "magnitude": 9, "ops": ["Rotate", "ShearX"]}, "random", "nearest"),
+        ("augmix", "nearest", "bicubic"),
+        ("deepaa", "bilinear", "bicubic"),
+        ("randaugment", "bicubic", "random"),
+    ],
+)
+def test_the_interpolation_override_accepts_what_the_policy_file_accepts(augment, good, bad):
+    """The override checked the generic list: timm's types took 'nearest' (their files refuse it) and refused
+    'random' (their files take it); DeepAA took 'bicubic'."""
+    if isinstance(augment, str):  # a shipped policy's augment section
+        import yaml
+
+        with open(os.path.join(os.path.dirname(fusionflow.__file__), "configs", f"{augment}.yaml")) as f:
+            augment = yaml.safe_load(f)["augment"]
+        augment.pop("interpolation", None)
+    cfg = {"name": "i", "output": {"size": 224}, "augment": augment}
+    assert load_policy(cfg, interpolation=good).augment.interpolation == good
+    assert load_policy({**cfg, "augment": {**augment, "interpolation": good}}).augment.interpolation == good
+    with pytest.raises(ValueError, match=f"interpolation: '{bad}'"):
+        load_policy(cfg, interpolation=bad)
+    with pytest.raises(ValueError, match="augment.interpolation"):
+        load_policy({**cfg, "augment": {**augment, "interpolation": bad}})

@@ -71,6 +71,7 @@ RANGED += ENHANCEMENTS
 MIRRORED = ("ShearX", "ShearY", "TranslateX", "TranslateY", "Rotate")  # their random_mirror
 LAYER_UNIFORMS = 4  # per layer before the crop's: choice, sign / flip, cutout position x, y
 ORDERS = ("crop_first", "authors")  # augment.order: see the module docstring
+INTERPOLATIONS = ("nearest", "bilinear")  # the authors' ops resample with these two
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def parse_deepaa(r: Reader, raw: Mapping):
         cutout_fill=r.fill(cut.get("fill", [125, 123, 114]), "augment.cutout.fill"),
         order=r.choice(a.get("order", "crop_first"), "augment.order", ORDERS),
     )
-    interpolation = r.choice(a.get("interpolation", "nearest"), "augment.interpolation", ("nearest", "bilinear"))
+    interpolation = r.choice(a.get("interpolation", "nearest"), "augment.interpolation", INTERPOLATIONS)
     fill = r.fill(a.get("fill", 0), "augment.fill")
     return settings, interpolation, fill
 

@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fusionflow.policy import schema
+from fusionflow.policy.deepaa import INTERPOLATIONS as DEEPAA_INTERPOLATIONS
 from fusionflow.policy.deepaa import ORDERS
 from fusionflow.policy.image_sections import (
     Erase,
@@ -55,6 +56,8 @@ from fusionflow.policy.image_sections import (
 from fusionflow.policy.op_specs import OPS
 from fusionflow.policy.reader import Reader
 from fusionflow.policy.schema import INTERPOLATIONS, Augment, OpChoice, Policy
+from fusionflow.policy.timm_augment import TIMM_INTERPOLATIONS
+from fusionflow.policy.tv_augmix import INTERPOLATIONS as AUGMIX_INTERPOLATIONS
 
 OVERRIDES = (
     "size",
@@ -155,20 +158,22 @@ def _rand_counts(r: Reader, name: str, aug: Augment, overrides: Mapping[str, Any
 
 
 def _interpolation(r: Reader, name: str, aug: Augment, value: Any) -> Augment:
-    """The ops' geometric resampling; a policy without ops only accepts 'bilinear' (its crop's)."""
-    value = r.choice(value, "interpolation", INTERPOLATIONS)
+    """The ops' geometric resampling, from what the policy file's augment.interpolation accepts for its type; a
+    policy without ops only accepts 'bilinear' (its crop's)."""
+    if aug.timm is not None:
+        allowed = TIMM_INTERPOLATIONS
+    else:
+        allowed = {"augmix": AUGMIX_INTERPOLATIONS, "deepaa": DEEPAA_INTERPOLATIONS}.get(aug.type, INTERPOLATIONS)
+    value = r.choice(value, "interpolation", INTERPOLATIONS + tuple(v for v in allowed if v not in INTERPOLATIONS))
     if aug.type == "none" and value != "bilinear":
         r.fail(
             "interpolation",
             f"policy {name!r} has no ops to resample: leave interpolation out or pass 'bilinear' (the "
             f"crop's own filter is the policy file's crop.interpolation)",
         )
-    if aug.type == "augmix" and value not in ("nearest", "bilinear"):
-        r.fail(
-            "interpolation",
-            f"policy {name!r} is torchvision's AugMix, whose chains run on tensors: nearest or bilinear "
-            f"(torchvision itself raises on {value!r})",
-        )
+    if aug.type != "none" and value not in allowed:
+        why = " (torchvision's AugMix runs on tensors and raises on it)" if aug.type == "augmix" else ""
+        r.fail("interpolation", f"{value!r}: policy {name!r} ({aug.type}) takes {', '.join(allowed)}{why}")
     return aug if aug.type == "none" else dataclasses.replace(aug, interpolation=value)
 
 
