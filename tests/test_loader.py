@@ -701,11 +701,19 @@ def test_a_worker_killed_while_it_starts_is_replaced_and_nothing_is_lost(tmp_pat
     import functools
 
     init = functools.partial(_killed_at_first_start, str(tmp_path))
-    loader = FusionFlowLoader(Bytes(24), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=init, timeout=120)
+    loader = FusionFlowLoader(
+        Bytes(24), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=init, timeout=120, persistent_workers=True
+    )
     _, labels = collect(loader)
     assert sorted(torch.cat(labels).tolist()) == list(range(24))  # every sample once
-    assert loader.stats.worker_restarts == 2  # each worker's first start was killed, the second came up
+    # each worker's first start was killed and the second came up -- one may only after the other made the whole
+    # epoch (a busy machine): the runtime, kept, replaces it all the same
+    deadline = time.monotonic() + 60
+    while loader.stats.worker_restarts < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert loader.stats.worker_restarts == 2
     assert sorted(os.listdir(tmp_path)) == ["started-0", "started-1"]
+    loader.close()
 
 
 def _stopped_at_first_start(marker_dir, worker_id):
