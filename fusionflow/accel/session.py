@@ -134,7 +134,10 @@ class GpuSession:
         helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
         run_samples = self._run_samples(spec)  # the helpers read the runs too (accel/helper_reads.py)
         inputs = start_helper(policy, spec.mp_context, helpers, (dataset, run_samples, self.runs_in_flight, seed))
-        spare = self._spares.pop() if self._spares else None  # this loader's: the same policy, run size and depth
+        spare = self._spares.pop() if self._spares else None  # this loader's: its policy, threads and device
+        if spare is not None and (spare.batch_size, spare.depth) != (run_samples, self.runs_in_flight):
+            spare.close()  # built for runs of another size or depth: never this loader's today, a safety net
+            spare = None
         try:
             accel = AcceleratorWorker(
                 mgr.board,
