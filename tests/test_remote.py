@@ -259,6 +259,17 @@ class TestFusionFlowOwnsRay:
         assert time.monotonic() - t0 < 100  # (it used to say "did not start within 120 s", after 121 s)
         assert _wait_gone() == [], "Ray processes left"
 
+    def test_an_address_ray_cannot_parse_is_refused_in_one_line(self, monkeypatch):
+        """The message was the gateway's traceback, ending in Ray's 'Invalid address format'."""
+        _ray()
+        from fusionflow import RayWorkers
+
+        _init_env(monkeypatch)
+        with pytest.raises(ConnectionError, match=r"address='garbage'\): Ray does not take this address") as info:
+            collect(_loader(Bytes(8), RayWorkers(1, address="garbage", startup_timeout=5)))
+        assert "Traceback" not in str(info.value)
+        assert _wait_gone() == [], "Ray processes left"
+
     def test_two_loaders_start_an_instance_each_and_one_s_close_leaves_the_other_s(self, monkeypatch):
         """A second loader (validation beside training) does not join the first's private instance (sized for
         the first, and stopped with it): it starts its own, and keeps its remote workers when the first closes."""

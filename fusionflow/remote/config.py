@@ -182,6 +182,11 @@ def connect(config: RayWorkers, joined: str | None = None):
                 "Start one (`ray start --head` / your cluster launcher), or pass "
                 "address=None to start a local one"
             ) from exc
+        except ValueError as exc:  # Ray's word on an address it cannot parse, without its traceback
+            raise ConnectionError(
+                f"RayWorkers(address={config.address!r}): Ray does not take this address ({exc}); give "
+                "'host:port' of a cluster's head, 'ray://host:port', 'auto', or None for a local instance"
+            ) from exc
         return ray, False, None
     try:
         ray.init(address="auto", **kwargs)
