@@ -500,3 +500,20 @@ def test_profile_on_a_corrupt_image_says_which_in_a_line_or_skips_it(folder, tmp
     else:
         assert code == 1 and "Traceback" not in err and "--on-error skip drops such samples" in err
         assert victim.name in err, err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_a_corrupt_image_met_by_the_torchvision_baseline_is_named_in_a_line(folder, tmp_path, capsys, command):
+    """demo and bench time DataLoader + torchvision first: a corrupt JPEG ended them with Pillow's bare 'Truncated
+    File Read' under a worker's traceback, no file named."""
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(folder, data)
+    victim = sorted((data / sorted(os.listdir(data))[0]).iterdir())[0]
+    victim.write_bytes(b"\xff\xd8\xff\xe0 not a JPEG")
+    extra = ["--epochs", "1", "--profile-dir", str(tmp_path / "p")] if command == "demo" else ["--repeats", "1"]
+    code = cli([command, "--data", str(data), "--workers", "1", "--batch-size", "2", *extra])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert f"the torchvision baseline could not read {victim}" in err and "fix or remove that file" in err, err

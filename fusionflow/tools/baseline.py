@@ -9,6 +9,20 @@ import time
 TV_POLICIES = ("default", "randaugment", "trivialaugment", "autoaugment")
 
 
+class BaselineSampleError(RuntimeError):
+    """A sample the torchvision baseline could not read or augment. Its line naming the sample starts with
+    BASELINE_FAILED (from a DataLoader worker it comes after DataLoader's own first lines: `failed_line`)."""
+
+
+BASELINE_FAILED = "the torchvision baseline could not read "
+
+
+def failed_line(e: BaselineSampleError) -> str:
+    """The line of `e` naming the sample, wherever DataLoader's re-raise put it."""
+    text = str(e)
+    return next((line[line.index(BASELINE_FAILED) :] for line in text.splitlines() if BASELINE_FAILED in line), text)
+
+
 class TorchvisionSamples:
     """Baseline dataset: decode with PIL, augment with torchvision.transforms.v2 (`normalize`: (mean, std),
     then float32 normalised output; None: uint8)."""
@@ -42,7 +56,11 @@ class TorchvisionSamples:
         if self._tf is None:
             self._tf = self._transform()
         data, label = self.ds[i]
-        return self._tf(Image.open(io.BytesIO(data)).convert("RGB")), label
+        try:
+            return self._tf(Image.open(io.BytesIO(data)).convert("RGB")), label
+        except Exception as e:  # a corrupt image: named, not a bare Pillow error from a worker
+            what = self.ds.describe(i) if hasattr(self.ds, "describe") else f"sample {i}"
+            raise BaselineSampleError(f"{BASELINE_FAILED}{what}: {type(e).__name__}: {e}") from e
 
 
 def timed_batches(loader):

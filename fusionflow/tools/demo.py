@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from fusionflow.errors import SampleError
-from fusionflow.tools.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
+from fusionflow.tools.baseline import TV_POLICIES, BaselineSampleError, TorchvisionSamples, failed_line, timed_batches
 from fusionflow.tools.cli import failed_sample, interrupted
 
 
@@ -168,6 +168,12 @@ def main(argv=None) -> int:
         return _demo_main(d, args)
     except SampleError as e:  # a corrupt image in the user's data: said in a line, with the option that goes on
         return failed_sample(prog, e, skip_option=args.command == "profile")
+    except BaselineSampleError as e:  # the same, met first by the comparison's DataLoader + torchvision
+        print(
+            f"{prog}: {failed_line(e)}\n(fix or remove that file: both loaders are timed on the same images)",
+            file=sys.stderr,
+        )
+        return 1
     except KeyboardInterrupt:  # the loaders closed on the way out (with blocks, finally)
         return interrupted(prog)
 
