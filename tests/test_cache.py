@@ -231,6 +231,7 @@ def test_a_small_budget_keeps_part_and_loses_nothing():
     n = len(LARGER)
     assert 0 < c["entries"] < n and c["bytes"] <= 1 << 20
     assert c["refused"] > 0 and 0 < c["hits"] < 2 * n
+    assert c["entries"] + c["refused"] <= n  # samples not admitted, once each (refusals were counted each epoch)
 
 
 # ---------------------------------------------------------------- one cache per node and dataset
@@ -274,6 +275,24 @@ def test_an_unpicklable_dataset_gets_a_cache_of_its_own():
             epochs(loader, 1)
         assert loader.parts.runtime.cache_attachment.keeper_pid is None
         assert loader.stats.cache["hits"] >= len(JPEGS)
+
+
+def test_a_file_replaced_by_another_image_of_the_same_length_is_not_served_the_old_pixels():
+    """The entry was checked against the encoded length alone: a file replaced under the same index by an image of
+    the same length (or any same-size uncompressed format) came back with the old picture and the new label."""
+    ds = Indexed(8)
+    old, new = LARGER[0], ds.data[0]  # another picture, shorter: padded past JPEG's end marker (decoders ignore it)
+    new = new + b"\x00" * (len(old) - len(new))
+    ds.data[5], ds.sizes[5] = old, len(old)
+    with FusionFlowLoader(ds, batch_size=4, num_workers=1, policy=SMALL, seed=3, cache=cache()) as loader:
+        epochs(loader, 1)
+        while loader.stats.cache["fills"] < len(ds):  # every sample cached (a fill may be put off on a busy machine)
+            epochs(loader, 1)
+        ds.data[5] = new  # same index, same length, another picture
+        loader.set_epoch(7)
+        got = {i: img for x, y in loader for img, i in zip(x, y.tolist())}
+    expected = CpuPipeline(SMALL)(new, 5, seed=3, epoch=7)  # uncached: the entry is not this file's
+    np.testing.assert_array_equal(got[5].numpy(), expected)
 
 
 # ---------------------------------------------------------------- faults and cleanup

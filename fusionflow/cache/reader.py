@@ -65,7 +65,8 @@ class CacheReader:
         if not 0 <= index < self.store.entries_count:
             return None
         row = self.row
-        got = self.store.get(index, len(data))
+        content = st.content_key(data)
+        got = self.store.get(index, content)
         if got is not None:
             img, source, decode_ns = got
             check_pixels(source[1], source[0], max_pixels, what)
@@ -81,7 +82,7 @@ class CacheReader:
         img, source = decode_reduced(data, self.max_side, what, max_pixels)
         spent = time.perf_counter_ns() - t0
         try:
-            view = self.store.claim(index, img.shape, source, len(data), spent)
+            view = self.store.claim(index, img.shape, source, content, spent)
             if view is not None:
                 view[...] = img
                 self.store.publish(index)

@@ -38,6 +38,7 @@ import math
 import mmap
 import os
 import weakref
+import zlib
 
 import numpy as np
 
@@ -46,7 +47,7 @@ from fusionflow.runtime.procs import pid_alive
 from fusionflow.runtime.shm import allocate, disown_fd, own_fd
 
 MAGIC = 0x46464443_41434845  # "FFDCACHE"
-VERSION = 2
+VERSION = 3  # 3: E_CONTENT holds `content_key` (2: the encoded length alone)
 HEADER = 32
 BINS = 64
 ROWS = 256
@@ -60,7 +61,7 @@ FULL_BELOW = 1 << 20  # the cache counts as full (no more fills tried) with less
 H_MAGIC, H_VERSION, H_ENTRIES, H_ARENA_OFF, H_ARENA_SIZE, H_BUMP, H_RESERVED = range(7)
 H_READY, H_READY_BYTES, H_MAX_SIDE, H_ADMISSION, H_SEEN, H_SEEN_BYTES, H_FULL, H_REFUSED = range(7, 15)
 # entry fields
-E_STATE, E_OFFSET, E_SHAPE, E_SOURCE, E_ENCODED, E_DECODE_NS, E_PID, E_NBYTES = range(ENTRY_FIELDS)
+E_STATE, E_OFFSET, E_SHAPE, E_SOURCE, E_CONTENT, E_DECODE_NS, E_PID, E_NBYTES = range(ENTRY_FIELDS)
 EMPTY, WRITING, READY, PASSED = 0, 1, 2, 3  # PASSED: seen, not admitted (counted in the histogram once)
 # row fields: a worker adds to its own row only (no lock): pid, then counters; R_PACE alone is written by
 # the row's loader (1 while its training loop waits for it: fill_share="auto" paces, attach.FillPacer)
@@ -68,6 +69,23 @@ R_PID, R_HITS, R_MISSES, R_HIT_NS, R_SAVED_NS, R_FILLS, R_FILL_BYTES, R_FILL_NS,
 ADMISSIONS = ("score", "first")
 # score bins: log2(ns per byte) from 2**-8 to 2**8, four bins per octave
 _BIN_LO, _BIN_STEP = -8.0, 0.25
+
+
+KEY_SPAN = 4096  # bytes of each end of an encoded sample in its content key
+
+
+def content_key(data) -> int:
+    """What an entry is checked against: the encoded sample's length and a CRC-32 of its first and last KEY_SPAN
+    bytes (all of it when shorter). A file replaced under the same index -- by another image of the same length
+    too -- is not served the old pixels; an edit of an uncompressed file (BMP, PPM) confined to its middle and
+    keeping its length is not seen (compressed formats change to the end). ~4 us a sample, not the ~60 of a
+    whole 110 KB file's CRC."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.itemsize != 1:
+        view = view.cast("B")
+    n = len(view)
+    crc = zlib.crc32(view) if n <= 2 * KEY_SPAN else zlib.crc32(view[n - KEY_SPAN :], zlib.crc32(view[:KEY_SPAN]))
+    return (n << 32) | crc
 
 
 def segment_bytes(entries: int, size: int) -> int:
@@ -154,11 +172,11 @@ class CacheStore:
         return record_lock.locked(self.fd, bound)
 
     # ------------------------------------------------------------------ reading (no lock)
-    def get(self, index: int, encoded_len: int):
+    def get(self, index: int, content: int):
         """(cached image view HWC uint8, (source height, source width), decode ns) of a READY entry
-        whose encoded length matches, else None."""
+        whose `content_key` matches the sample's, else None (a file replaced under the same index)."""
         e = self.entries[index]
-        if e[E_STATE] != READY or e[E_ENCODED] != encoded_len:
+        if e[E_STATE] != READY or e[E_CONTENT] != content:
             return None
         shape, source = int(e[E_SHAPE]), int(e[E_SOURCE])
         h, w = shape >> 32, shape & 0xFFFFFFFF
@@ -178,7 +196,7 @@ class CacheStore:
         return state != PASSED or self._admits(int(e[E_DECODE_NS]) / max(1, nbytes), nbytes)
 
     # ------------------------------------------------------------------ filling (under the lock)
-    def claim(self, index: int, shape, source, encoded_len: int, decode_ns: int):
+    def claim(self, index: int, shape, source, content: int, decode_ns: int):
         """Room for sample `index`'s decoded image of `shape` (h, w, 3): the arena view to write it into
         (then `publish(index)`), or None (another process has it or is writing it, not admitted, or the
         cache is full)."""
@@ -208,11 +226,12 @@ class CacheStore:
                 return self._pass(e, decode_ns, nbytes)
             head[H_BUMP] = -(-end // ALIGN) * ALIGN
             self.kept[_bin(score)] += nbytes
-            e[[E_OFFSET, E_SHAPE, E_SOURCE, E_ENCODED, E_DECODE_NS, E_PID, E_NBYTES]] = [
+            head[H_REFUSED] -= state == PASSED  # passed over before, admitted now
+            e[[E_OFFSET, E_SHAPE, E_SOURCE, E_CONTENT, E_DECODE_NS, E_PID, E_NBYTES]] = [
                 start,
                 (h << 32) | w,
                 (int(source[0]) << 32) | int(source[1]),
-                encoded_len,
+                content,
                 decode_ns,
                 me,
                 nbytes,
@@ -221,9 +240,10 @@ class CacheStore:
         return self._arena[start:end].reshape(h, w, 3)
 
     def _pass(self, e, decode_ns: int, nbytes: int) -> None:
-        """(lock held) Not admitted: remember its score for a later epoch's `wants`."""
+        """(lock held) Not admitted: remember its score for a later epoch's `wants`; H_REFUSED counts samples
+        passed over and not admitted since (not each time one is)."""
+        self.header[H_REFUSED] += int(e[E_STATE]) != PASSED
         e[E_DECODE_NS], e[E_NBYTES], e[E_STATE] = decode_ns, nbytes, PASSED
-        self.header[H_REFUSED] += 1
 
     def publish(self, index: int) -> None:
         """The claimed entry's pixels are written: make it visible. A lock holder seen stopped ends the wait
