@@ -508,6 +508,63 @@ def test_a_stale_table_of_an_earlier_job_is_replaced():
     assert a.stats.global_manager == "active"
 
 
+def test_a_job_sigkilled_as_a_whole_leaves_its_table_to_the_next_loader_on_the_node():
+    """Every process of a job gone (OOM killer, scancel): its GM and loaders never unlinked the table, and nothing
+    did; the next loader of any job on the node removes it. Tables of a live loader, of a stopped GM or just made
+    (their GM starting) stay."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stopped = subprocess.Popen(["sleep", "120"])
+    os.kill(stopped.pid, signal.SIGSTOP)
+    names = {k: gt.table_name(job()) for k in ("killed", "live_loader", "stopped_gm", "just_made")}
+    tables = {k: gt.Tables.create(n) for k, n in names.items()}
+    try:
+        for k, gm, lm in (
+            ("killed", dead.pid, dead.pid),
+            ("live_loader", dead.pid, os.getpid()),
+            ("stopped_gm", stopped.pid, None),
+        ):
+            tables[k].header["gm_pid"] = gm
+            if lm is not None:
+                tables[k].register(lm)
+        assert wait_until(lambda: is_stopped(stopped.pid))
+        a = make(Bytes(16), job())
+        collect(a)
+        a.close()
+        assert not os.path.exists("/dev/shm" + names["killed"])
+        assert all(os.path.exists("/dev/shm" + names[k]) for k in ("live_loader", "stopped_gm", "just_made"))
+    finally:
+        stopped.kill()
+        stopped.wait()
+        for t in tables.values():
+            t.unlink()
+            t.close()
+
+
+def test_a_gm_killed_under_a_running_job_is_started_again_by_the_next_loader_to_join():
+    """A GM SIGKILLed while its job trains: loaders that saw it gone train on alone, and each epoch's new loader
+    (persistent workers off) joined the dead GM's table and warned again, lending never coming back. The next
+    loader to join starts another GM for the table."""
+    name = job()
+    a = make(Bytes(16), name)  # stays registered: the table is a live job's
+    collect(a)
+    first = gm_pid_of(gt.table_name(name))
+    os.kill(first, signal.SIGKILL)
+    assert wait_until(lambda: not pid_alive(first))
+    b = make(Bytes(16), name, persistent_workers=False)
+    try:
+        assert sorted(ordered(collect(b)[1])) == list(range(16))
+        t = gt.Tables.attach(gt.table_name(name))
+        try:
+            assert wait_until(lambda: t.gm_pid not in (0, first) and pid_alive(t.gm_pid), 60)
+        finally:
+            t.close()
+        assert b.stats.global_manager == "active"
+    finally:
+        b.close()
+        a.close()
+
+
 def test_a_table_whose_gm_is_only_stopped_is_not_taken_for_stale():
     """A loader joining between epochs while its job's GM is stopped (a debugger, py-spy) must join that table: it
     used to take it for an earlier job's, unlink it and start a second GM, and the job's loaders were split over

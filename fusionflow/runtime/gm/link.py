@@ -37,6 +37,7 @@ from fusionflow.runtime.authsock import accept, connect, listen, set_receive_tim
 from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime.gm.timing import GM_SILENT_S, GM_START_S, LIVENESS_S
 from fusionflow.runtime.procs import command_line, is_stopped, pid_alive
+from fusionflow.runtime.shm import SHM_DIR
 
 log = logging.getLogger(__name__)
 _LISTENERS: set[int] = set()  # fds of this process's listening sockets
@@ -52,6 +53,38 @@ def spawn(name: str) -> subprocess.Popen:
         start_new_session=True,
         close_fds=True,
     )
+
+
+def sweep_stale_tables(keep: str) -> None:
+    """Remove other jobs' tables that every process of theirs left -- the GM's and each loader's, as when a job is
+    SIGKILLed as a whole (OOM killer, scancel): only the GM unlinks a table otherwise. Run as a loader joins; a table
+    another user's, not yet sized, or just made (its GM starting: `gm_exists`) is left alone."""
+    try:
+        names = ["/" + n for n in os.listdir(SHM_DIR) if n.startswith(gt.PREFIX.lstrip("/"))]
+    except OSError:
+        return
+    for name in names:
+        if name == keep:
+            continue
+        try:
+            t = gt.Tables.attach(name, timeout=0.2)
+        except Exception:  # not ours to read (another user's 0600 table), or never sized: not judged
+            continue
+        if t is None:
+            continue
+        try:
+            with t.locked():
+                t.reclaim_dead()  # rows of loaders whose process is gone (and their rings' names)
+                gone = not t.gm_exists() and not t.active_rows()
+                if gone:
+                    t.header["state"] = gt.CLOSING
+                    t.unlink()
+            if gone:
+                log.info("fusionflow: removed the global-manager table %s of a job whose processes are all gone", name)
+        except Exception:  # its lock held by a stopped process, or a table of another layout: left alone
+            pass
+        finally:
+            t.close()
 
 
 def close_inherited() -> None:
@@ -106,6 +139,7 @@ class GMLink:
         # lent worker knocking earlier would wait out its handshake timeout while workers start
 
     def _join(self):
+        sweep_stale_tables(self.name)
         for _ in range(500):  # a closing GM unlinks its table within its linger time
             t = created = gt.Tables.create(self.name)
             if t is not None:
@@ -117,6 +151,8 @@ class GMLink:
             try:
                 if created is None and self._stale(t):
                     continue
+                if created is None and self._gm_died(t):
+                    self.gm_proc = spawn(self.name)  # claims the table: lending comes back for loaders joining now
                 lm = t.register(os.getpid())
             except TimeoutError:  # the table's lock held by a stopped process (tables.LOCK_S)
                 t.close()
@@ -150,6 +186,19 @@ class GMLink:
             log.info("fusionflow: removed a stale global-manager table %s (its GM is gone)", t.name)
             t.close()
         return stale
+
+    def _gm_died(self, t: gt.Tables) -> bool:
+        """A live job's table (loaders registered) whose GM died -- killed, out of memory -- not merely stopped:
+        made to look as a table just created (its GM starting), and True: the caller starts another GM. The
+        loaders that saw the old one gone train on alone; those joining from now on lend and borrow again."""
+        with t.locked():
+            old = t.gm_pid
+            dead = old != 0 and not pid_alive(old)  # (a live one merely silent might come back: two GMs then)
+            if dead:
+                t.header["gm_pid"], t.header["gm_heartbeat"], t.header["created"] = 0, 0.0, time.time()
+        if dead:
+            log.warning("fusionflow: the global manager of job %r (pid %d) is gone; starting another", self.job, old)
+        return dead
 
     # ---------------------------------------------------------------- guests
     def accept(self) -> Connection | None:
@@ -222,6 +271,7 @@ class GMLink:
         if pid and pid_alive(pid) and silent < GM_SILENT_S:
             return True
         self.gm_lost = True
+        self.disable_borrowing()  # a GM started later for the job (`_gm_died`) sends this loader no workers
         why = (
             "never started" if not pid else f"pid {pid}" if not pid_alive(pid) else f"pid {pid}, silent {silent:.0f} s"
         )
