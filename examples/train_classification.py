@@ -15,7 +15,7 @@ A couple of steps on a synthetic ImageFolder, on the CPU:
 Under torchrun (DDP) each rank loads its share through the sampler (DistributedSampler or RASampler);
 FusionFlow's ranks also lend each other CPU workers. --output-dir saves a checkpoint per rank after each epoch
 (--save-every N steps also mid-epoch: FusionFlow's state_dict() says which batches are done); --resume DIR goes on
-from it, a mid-epoch one with the epoch's remaining batches.
+from the newest save every rank finished, a mid-epoch one with the epoch's remaining batches.
 """
 
 from __future__ import annotations
@@ -244,31 +244,62 @@ def validate(args, epoch: int, model, val, result) -> None:
 
 def save(args, rank: int, epoch: int, mid_epoch: bool, model, optimizer, train) -> None:
     """A checkpoint per rank in --output-dir (each rank's loader has its own position): model, optimiser, epoch and,
-    with FusionFlow, the loader's state_dict() -- which batches of the epoch are done, whatever the prefetch."""
+    with FusionFlow, the loader's state_dict() -- which batches of the epoch are done, whatever the prefetch. Every
+    rank saves at the same steps; the n-th save is checkpoint_rank{r}_{n}.pth, and each rank keeps its last two: a
+    job killed while some ranks had written save n and others not resumes from save n - 1, which all have."""
     if not args.output_dir:
         return
     os.makedirs(args.output_dir, exist_ok=True)
+    args.save_index += 1
     state = {
         "model": getattr(model, "module", model).state_dict(),
         "optimizer": optimizer.state_dict(),
         "epoch": epoch,
         "mid_epoch": mid_epoch,
         "loader": train.state_dict() if hasattr(train, "state_dict") else None,  # DataLoader has none
+        "save_index": args.save_index,
     }
-    path = os.path.join(args.output_dir, f"checkpoint_rank{rank}.pth")
+    path = os.path.join(args.output_dir, f"checkpoint_rank{rank}_{args.save_index:06d}.pth")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # a run killed while saving keeps the previous checkpoint
+    for older in _saves(args.output_dir, rank)[:-2]:
+        os.remove(os.path.join(args.output_dir, f"checkpoint_rank{rank}_{older:06d}.pth"))
+    for name in os.listdir(args.output_dir):  # what a run killed while saving left half-written
+        if name.startswith(f"checkpoint_rank{rank}_") and name.endswith(".pth.tmp"):
+            os.remove(os.path.join(args.output_dir, name))
+
+
+def _saves(directory: str, rank: int) -> list[int]:
+    """The save numbers of this rank's complete checkpoints in `directory`, oldest first."""
+    head = f"checkpoint_rank{rank}_"
+    return sorted(int(n[len(head) : -4]) for n in os.listdir(directory) if n.startswith(head) and n.endswith(".pth"))
+
+
+def _agreed(latest: int) -> int:
+    """The smallest of every rank's `latest` (the newest save all ranks finished); `latest` itself without DDP."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return latest
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    t = torch.tensor([latest], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def resume(args, rank: int, model, optimizer, train) -> int:
-    """Load --resume (a checkpoint file, or a --output-dir holding this rank's): the epoch to start at. A checkpoint
-    taken mid-epoch resumes that epoch; FusionFlow's loader then yields only the batches not yet trained on."""
+    """Load --resume (a checkpoint file, or an --output-dir holding every rank's): the epoch to start at. From a
+    directory, the newest save every rank finished. A checkpoint taken mid-epoch resumes that epoch; FusionFlow's
+    loader then yields only the batches not yet trained on."""
     if not args.resume:
         return 0
     path = args.resume
     if os.path.isdir(path):
-        path = os.path.join(path, f"checkpoint_rank{rank}.pth")
+        mine = _saves(path, rank)
+        n = _agreed(mine[-1] if mine else -1)
+        if n < 0 or n not in mine:
+            raise SystemExit(f"--resume {path}: no checkpoint every rank saved (rank {rank} has saves {mine})")
+        path = os.path.join(path, f"checkpoint_rank{rank}_{n:06d}.pth")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    args.save_index = ckpt.get("save_index", 0)  # the next save numbers on from the one resumed
     getattr(model, "module", model).load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     if ckpt["loader"] is not None and hasattr(train, "load_state_dict"):
@@ -308,8 +339,10 @@ def parse_args(argv=None):
     p.add_argument("--ra-reps", type=int, default=3)
     p.add_argument("--output-dir", default=None, help="save a checkpoint per rank there after each epoch")
     p.add_argument("--save-every", type=int, default=0, help="also every this many steps (mid-epoch)")
-    p.add_argument("--resume", default=None, help="a checkpoint, or an --output-dir holding this rank's")
-    return p.parse_args(argv)
+    p.add_argument("--resume", default=None, help="a checkpoint, or an --output-dir: the newest save of every rank")
+    args = p.parse_args(argv)
+    args.save_index = 0  # checkpoints saved so far (`save`; set by `resume`)
+    return args
 
 
 if __name__ == "__main__":

@@ -133,3 +133,47 @@ def test_script_resumes_mid_epoch_with_the_remaining_batches(tmp_path_factory, t
     resumed = _script().main(["--data-path", root, "--loader", "fusionflow", *flags, "--resume", out, "--epochs", "2"])
     assert len(resumed["train_losses"]) == (per_epoch - 2) + per_epoch
     assert len(resumed["val_acc"]) == 2
+
+
+def _resume_as_rank(rank: int, store: str, directory: str, answers) -> None:
+    """A rank of a 2-rank gloo job: resume from `directory` and report the epoch of the checkpoint it loaded."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        mod = _script()
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+        model = torch.nn.Linear(2, 2)
+        args = mod.parse_args(["--data-path", directory, "--resume", directory])
+        start = mod.resume(args, rank, model, torch.optim.SGD(model.parameters(), lr=0.1), object())
+        answers.put((rank, start, args.save_index))
+        dist.destroy_process_group()
+    except BaseException as exc:  # the verdict is the parent's
+        answers.put((rank, repr(exc), None))
+
+
+def test_ranks_resume_from_the_newest_save_every_rank_finished(tmp_path):
+    """A job killed while one rank had written its mid-epoch checkpoint and the other not: each rank loaded its own
+    newest, 2 batches apart, and gloo aborted on mismatched collectives. The ranks now agree on the newest save both
+    have; each keeps its last two."""
+    import multiprocessing as mp
+
+    import torch
+
+    mod, out = _script(), str(tmp_path / "ckpt")
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for rank, saves in ((0, 4), (1, 3)):  # rank 1 was killed before its 4th save
+        args = mod.parse_args(["--data-path", out, "--output-dir", out])
+        for epoch in range(saves):
+            mod.save(args, rank, epoch, False, model, opt, object())
+    assert mod._saves(out, 0) == [3, 4] and mod._saves(out, 1) == [2, 3]  # the last two each
+    ctx = mp.get_context("fork")
+    answers = ctx.Queue()
+    ranks = [ctx.Process(target=_resume_as_rank, args=(r, str(tmp_path / "store"), out, answers)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    got = sorted(answers.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+    assert got == [(0, 3, 3), (1, 3, 3)], got  # save 3 (epoch 2) on both: the next epoch is 3; saves go on from 3
