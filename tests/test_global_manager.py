@@ -662,6 +662,9 @@ def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():
         cli = [sys.executable, "-m", "fusionflow", "gm"]
         out = subprocess.run(cli + ["status", "--job", name], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0 and out.stdout.startswith(f"lm=0 pid={os.getpid()}"), out
+        # without --job: every job on the node, by name (under torchrun the default name holds a random run id)
+        listed = subprocess.run(cli + ["status"], capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0 and f"job {name!r}:\nlm=0 pid={os.getpid()}" in listed.stdout, listed
         bad = subprocess.run(cli + ["workers", "0", "--job", name], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 1 and "must be an integer from 1" in bad.stderr
         ok = subprocess.run(cli + ["workers", "2", "--job", name], capture_output=True, text=True, timeout=60)

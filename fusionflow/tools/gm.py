@@ -26,23 +26,42 @@ def main(argv: list[str]) -> int:
     workers = sub.add_parser("workers", help="set the CPU worker count of every (or one) local manager")
     workers.add_argument("count", type=int)
     workers.add_argument("--lm", type=int, default=None, help="only this local manager (see status)")
-    for p in (serve, status, workers):
-        p.add_argument("--job", required=True, help="the name given to FusionFlowLoader(global_manager=...)")
+    serve.add_argument("--job", required=True, help="the name given to FusionFlowLoader(global_manager=...)")
+    for p in (status, workers):
+        p.add_argument(
+            "--job",
+            help="the name given to FusionFlowLoader(global_manager=...); `status` without it lists every job on this "
+            "node, `workers` takes the only one",
+        )
     args = ap.parse_args(argv)
     if args.action == "serve":
         return _serve(args.job)
+    jobs = [args.job] if args.job is not None else sorted(gt.jobs_on_this_node())
+    if not jobs:
+        print("no global manager runs on this node (no DDP job of yours with lending)", file=sys.stderr)
+        return 1
+    if args.action == "workers" and len(jobs) > 1:
+        print(f"{len(jobs)} jobs run on this node: pass --job, one of {jobs}", file=sys.stderr)
+        return 1
+    return max(_one(job, args) for job in jobs)
+
+
+def _one(job: str, args) -> int:
+    """`status` or `workers` for one job (exit status)."""
     try:
-        client = GlobalManagerClient(args.job)
+        client = GlobalManagerClient(job)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1
     try:
         if args.action == "status":
             rows = client.local_managers()
+            if args.job is None:  # listing the node's jobs: say whose rows these are
+                print(f"job {job!r}:")
             for row in rows:
                 print(" ".join(f"{k}={v}" for k, v in row.items()))
             if not rows:
-                print(f"job {args.job!r}: no local manager is registered (no loader of the job runs now)")
+                print(f"job {job!r}: no local manager is registered (no loader of the job runs now)")
         else:
             client.set_workers(args.count, lm=args.lm)
     except ValueError as exc:
@@ -56,7 +75,7 @@ def main(argv: list[str]) -> int:
 def _serve(job: str) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     name = gt.table_name(job)
-    tables = gt.Tables.create(name) or gt.Tables.attach(name)
+    tables = gt.Tables.create(name, job) or gt.Tables.attach(name)
     if tables is None or not claim(tables):
         print(
             f"a global manager already runs for job {job!r} (pid {tables.gm_pid if tables else '?'})", file=sys.stderr

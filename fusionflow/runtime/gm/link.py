@@ -141,7 +141,7 @@ class GMLink:
     def _join(self):
         sweep_stale_tables(self.name)
         for _ in range(500):  # a closing GM unlinks its table within its linger time
-            t = created = gt.Tables.create(self.name)
+            t = created = gt.Tables.create(self.name, self.job)
             if t is not None:
                 self.gm_proc = spawn(self.name)
             else:

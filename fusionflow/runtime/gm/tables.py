@@ -40,7 +40,7 @@ from fusionflow.runtime.shm import SHM_DIR, unlink
 from fusionflow.runtime.userdir import flock_within
 
 PREFIX = "/ff_gm_"
-MAGIC = 0x46_46_47_4D_0003  # "FFGM" v3 (layout changes bump it)
+MAGIC = 0x46_46_47_4D_0004  # "FFGM" v4 (layout changes bump it; 4: the job's name in the header)
 MAX_LMS = 64
 MAX_ACTIVE = 64
 LOCK_S = 10.0  # the longest anyone waits for the table's lock (its holder stopped)
@@ -58,6 +58,7 @@ HEADER = np.dtype(
         ("target_seq", "<i8"),
         ("target_workers", "<i4"),
         ("gm_heartbeat", "<f8"),  # CLOCK_MONOTONIC of the GM's latest poll (0: none yet)
+        ("job", "S192"),  # the job's name (global_manager=, or job_key's under torchrun): `gm status` lists them
     ],
     align=True,
 )  # job-wide elastic target
@@ -111,6 +112,25 @@ def job_key() -> str | None:
     )
 
 
+def jobs_on_this_node() -> dict[str, str]:
+    """{job name: table name} of this user's global-manager tables on the node (those it can open)."""
+    out = {}
+    for entry in os.listdir(SHM_DIR):
+        if not entry.startswith(PREFIX.lstrip("/")):
+            continue
+        try:
+            t = Tables.attach("/" + entry, timeout=0.2)
+        except Exception:  # another user's (0600), or never sized or initialised
+            continue
+        if t is not None:
+            try:
+                if int(t.header["state"][0]) != CLOSING:
+                    out[bytes(t.header["job"][0]).decode(errors="replace")] = t.name
+            finally:
+                t.close()
+    return out
+
+
 def table_name(job: str) -> str:
     return PREFIX + hashlib.sha256(f"{job}\0{os.getuid()}".encode()).hexdigest()[:20]
 
@@ -134,8 +154,8 @@ class Tables:
         self.action = buf[off_a:size].view(ACTION)
 
     @classmethod
-    def create(cls, name: str) -> Tables | None:
-        """Create and initialise the segment; None if it already exists."""
+    def create(cls, name: str, job: str = "") -> Tables | None:
+        """Create and initialise the segment (`job`: the name it is the table of); None if it already exists."""
         try:
             seg = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=_layout()[2])
         except posix_ipc.ExistentialError:
@@ -144,6 +164,7 @@ class Tables:
         h = t.header[0]
         h["created"] = time.time()
         h["secret"] = secrets.token_hex(16).encode()
+        h["job"] = job.encode()[: HEADER["job"].itemsize]
         t.header["magic"] = MAGIC  # last: attachers wait for it
         return t
 
