@@ -1,6 +1,7 @@
 """Per-core throughput of the whole CPU augmentation pipeline, FusionFlow vs torchvision.
 
-decode + RandomResizedCrop(224) + flip + RandAugment(N=2, M=9) (or --policy's) on synthetic JPEGs
+decode + RandomResizedCrop(224) + flip + RandAugment(N=2, M=9) (or --policy's; eval: Resize(256) + CenterCrop(224))
+on synthetic JPEGs
 (quality 90), one process, one thread each, in one run:
   torchvision        torchvision.transforms.v2 on PIL images (Image.open(...).convert("RGB")); for
                      --policy augmix its AugMix; for --policy deepaa, which torchvision does not ship,
@@ -51,7 +52,9 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
-        "--policy", default="randaugment", choices=["randaugment", "trivialaugment", "autoaugment", "augmix", "deepaa"]
+        "--policy",
+        default="randaugment",
+        choices=["randaugment", "trivialaugment", "autoaugment", "augmix", "deepaa", "eval"],
     )
     ap.add_argument("--sizes", default="200-1000", choices=["200-1000", "imagenet", "800-2000"])
     ap.add_argument("--no-dali", action="store_true")
@@ -94,6 +97,13 @@ def main() -> None:
         def run_tv():
             for d, dr in zip(data, draws):
                 T.functional.pil_to_tensor(authors_sample(policy, d, dr))
+
+    elif args.policy == "eval":  # validation: Resize(256) + CenterCrop(224), exact mode to the bit
+        tv = T.Compose([T.Resize(policy.center_resize, antialias=True), T.CenterCrop(224), T.PILToTensor()])
+
+        def run_tv():
+            for d in data:
+                tv(Image.open(io.BytesIO(d)).convert("RGB"))
 
     else:
         tv_aug = {
