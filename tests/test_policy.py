@@ -272,3 +272,16 @@ def test_decode_max_pixels_default_null_and_bad_values():
         load_policy({**base, "decode": {"max_pixels": 0}})
     with pytest.raises(ValueError, match=r"decode\.max_pixels: expected an integer, got str"):
         load_policy({**base, "decode": {"max_pixels": "1e9"}})
+
+
+def test_a_number_yaml_reads_as_text_is_refused_with_how_to_write_it(tmp_path):
+    """PyYAML (YAML 1.1) reads 5e-1 as the string '5e-1': the error said 'expected a number, got str' and no more."""
+    path = tmp_path / "p.yaml"
+    path.write_text("name: p\noutput: {size: 32}\nflip: 5e-1\naugment: {type: none}\n")
+    with pytest.raises(
+        ValueError, match=r"flip: expected a number, got str '5e-1' \(YAML reads 5e-1 as text: .* 0\.5\)"
+    ):
+        load_policy(str(path))
+    path.write_text("name: p\noutput: {size: 32}\nflip: often\naugment: {type: none}\n")
+    with pytest.raises(ValueError, match=r"flip: expected a number, got str 'often'$"):
+        load_policy(str(path))

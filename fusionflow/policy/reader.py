@@ -43,7 +43,7 @@ class Reader:
 
     def number(self, obj: Any, path: str, lo: float | None = None, hi: float | None = None) -> float:
         if isinstance(obj, bool) or not isinstance(obj, (int, float)):
-            self.fail(path, f"expected a number, got {type(obj).__name__} {obj!r}")
+            self.fail(path, f"expected a number, got {type(obj).__name__} {obj!r}{_yaml_number_hint(obj)}")
         if not math.isfinite(obj):  # NaN passes every comparison below; inf would pass an open bound
             self.fail(path, f"expected a finite number, got {obj!r}")
         if (lo is not None and obj < lo) or (hi is not None and obj > hi):
@@ -152,3 +152,12 @@ def read_yaml(path: str) -> Any:
         raise ValueError(f"{path}: not valid YAML: {exc}") from None
     except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, not text
         raise ValueError(f"policy file {path!r} cannot be read: {exc}") from None
+
+
+def _yaml_number_hint(obj: Any) -> str:
+    """YAML 1.1 (PyYAML) reads an exponent without a dot, such as 5e-1 or 1e3, as a string: say how to write it."""
+    try:
+        value = float(obj) if isinstance(obj, str) else math.nan
+    except ValueError:
+        value = math.nan
+    return f" (YAML reads {obj} as text: write it with a dot, e.g. {value!r})" if math.isfinite(value) else ""
