@@ -285,3 +285,20 @@ def test_a_number_yaml_reads_as_text_is_refused_with_how_to_write_it(tmp_path):
     path.write_text("name: p\noutput: {size: 32}\nflip: often\naugment: {type: none}\n")
     with pytest.raises(ValueError, match=r"flip: expected a number, got str 'often'$"):
         load_policy(str(path))
+
+
+def test_a_key_given_to_an_op_that_takes_none_says_so():
+    """An op without a magnitude given a range: 'unknown key; allowed keys: ' with an empty list."""
+    cfg = {"name": "x", "output": {"size": 32}}
+    cfg["augment"] = {
+        "type": "rand",
+        "num_ops": 1,
+        "magnitude": 5,
+        "num_bins": 11,
+        "ops": {"Equalize": {"range": [0, 1]}},
+    }
+    with pytest.raises(
+        ValueError,
+        match=r"augment\.ops\.Equalize\.range: unknown key; augment\.ops\.Equalize takes no keys: give it as \{\}",
+    ):
+        load_policy(cfg)

@@ -34,6 +34,8 @@ class Reader:
             if key not in allowed:
                 hint = difflib.get_close_matches(str(key), allowed, n=1)
                 fix = f"did you mean {hint[0]!r}?" if hint else f"allowed keys: {', '.join(allowed)}"
+                if not allowed:  # e.g. an op without a magnitude: nothing to set
+                    fix = f"{path or 'this'} takes no keys: give it as {{}}"
                 self.fail(_join(path, key), f"unknown key; {fix}")
         for key in required:
             if key not in obj:
