@@ -487,11 +487,37 @@ def test_the_next_epochs_accelerator_runs_the_pipeline_the_last_left_idle():
 
 
 class _StubPipeline:
-    def __init__(self, idle):
+    def __init__(self, idle, batch_size=8, depth=2):
         self.idle, self.closed, self.build_guard = idle, False, "an accelerator's"
+        self.batch_size, self.depth, self.forgot = batch_size, depth, False
 
     def close(self):
         self.closed = True
+
+    def forget_last_run(self):
+        self.forgot = True
+
+
+def test_a_kept_pipeline_runs_again_only_in_its_own_process_idle_and_for_its_own_run_size(monkeypatch):
+    """A forked copy of the loader drops the parent's pipeline unclosed (its DALI threads are the parent's: closing
+    one in a child hung); one no longer idle, or built for another run size, is closed; a pipeline taken again is no
+    longer the exit hook's to close (its accelerator's is)."""
+    import os
+
+    from fusionflow.accel import session
+
+    gpu = session.GpuSession.__new__(session.GpuSession)
+    gpu._spares, gpu._spares_pid, gpu.runs_in_flight = [], os.getpid(), 2
+    good, other_size, not_idle, forked = _StubPipeline(True), _StubPipeline(True, 16), _StubPipeline(False), None
+    for stub in (good, other_size, not_idle):
+        session._keep_idle(gpu._spares, stub)
+        assert stub in session._IDLE
+        taken = gpu._take_spare(8)
+        assert (taken is stub) == (stub is good) and stub.closed == (stub is not good) and stub not in session._IDLE
+    forked = _StubPipeline(True)
+    session._keep_idle(gpu._spares, forked)
+    monkeypatch.setattr(session.os, "getpid", lambda: -1)  # as in a child forked after the keep
+    assert gpu._take_spare(8) is None and not forked.closed and gpu._spares == []
 
 
 @pytest.mark.parametrize("idle, retired, keeps", [(True, None, True), (False, None, False), (True, "failed", False)])
@@ -503,7 +529,7 @@ def test_a_stopped_accelerator_keeps_only_an_idle_pipeline_of_a_working_accelera
     accel = AcceleratorWorker.__new__(AcceleratorWorker)
     accel.keep_pipeline, accel.retired = kept.append, retired
     accel._release(stub)
-    assert (kept == [stub], stub.closed) == (keeps, not keeps)
+    assert (kept == [stub], stub.closed, stub.forgot) == (keeps, not keeps, keeps)
     assert stub.build_guard is contextlib.nullcontext if keeps else stub.build_guard == "an accelerator's"
 
 

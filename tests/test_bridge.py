@@ -304,8 +304,8 @@ def test_the_bridge_is_armed_at_next_asked_before_each_run_and_closed_once_the_p
     """The arena's protocol in either sharing mode: the training thread arms the bridge at next() (the stream to
     carve on; first as it starts the accelerator), the accelerator thread asks it to lend before every DALI run
     (MemoryBridge lends once, later asks read its counters), and it is closed only when the accelerator's
-    pipelines are gone (its thread ended, its pipeline closed; the pipeline an epoch left idle is kept for the next
-    and the arena with it, until close()) -- never per mini-batch. Temporal sharing stays
+    pipelines are gone (its thread ended, its pipeline closed or kept idle for the next epoch: what that one holds of
+    the arena stays pinned, DALI allocating meanwhile uses its own pool) -- never per mini-batch. Temporal sharing stays
     strict: the accelerator works only between the start of next() and the batch being ready. Real loader, real
     DALI (CPU backend); the CUDA calls are what the stand-in replaces."""
     rec = RecordingBridge()
@@ -331,10 +331,10 @@ def test_the_bridge_is_armed_at_next_asked_before_each_run_and_closed_once_the_p
     assert sorted(seen) == list(range(40))
     assert ld.stats.accelerator_tiny_batches > 0 and rec.lends == ld.stats.accelerator_runs
     assert rec.lent_outside == 0 and rec.first_armed_by == "start"  # armed as the accelerator started
-    # the epoch ended: its workers and the accelerator stopped; its pipeline, kept for the next, holds the arena
-    assert rec.closes == 0 and ld.parts.gpu._spares
+    assert rec.closes == 1 and rec.early == 0  # the epoch ended: its workers and the accelerator stopped
+    assert ld.parts.gpu._spares  # its pipeline kept for the next epoch (its buffers' part of the arena pinned)
     ld.close()
-    assert rec.shutdowns == 1 and rec.early == 0 and rec.closes == 0  # (MemoryBridge.shutdown closes it)
+    assert rec.closes == 1 and rec.shutdowns == 1 and rec.early == 0  # the kept pipeline closed before the shutdown
 
 
 # ---------------------------------------------------------------------------------------- GPU
@@ -575,15 +575,10 @@ def test_auto_bridge_falls_back_on_any_start_failure_and_a_failing_close_is_cont
     ld.parts.delivery.alloc_device = torch.device("cpu")
     with caplog.at_level("ERROR", logger="fusionflow.loader"):
         _, labels = collect(ld)
-        assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
-        assert failing.closes == 0  # the epoch's pipeline is kept for the next, the arena with it
-        ld.set_epoch(1)
-        it = iter(ld)
-        next(it)
-        ld.close()  # mid-epoch: the pipelines are gone, then the arena goes back
-    # not per mini-batch: once, when close() stopped the accelerator and its pipelines were gone
+    assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
+    # not per mini-batch: once, when the epoch's end stopped the accelerator and its pipelines were gone
     assert failing.closes == 1 and "giving the arena back failed" in caplog.text
-    del it
+    ld.close()
 
 
 def test_a_rebuild_runs_with_the_arena_paused_and_a_failing_pause_never_stops_it(monkeypatch, caplog):

@@ -154,6 +154,7 @@ class AcceleratorWorker:
             pipeline.close()
             return
         pipeline.build_guard = contextlib.nullcontext
+        pipeline.forget_last_run()  # this epoch's input helpers' bytes: not held through the gap
         self.keep_pipeline(pipeline)
 
     @contextlib.contextmanager

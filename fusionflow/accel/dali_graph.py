@@ -217,6 +217,12 @@ class DaliPolicyPipeline:
         """Runs submitted and not yet collected."""
         return len(self._pending)
 
+    def forget_last_run(self) -> None:
+        """With no run in flight: let the last collected run's bytes go (DALI's host stages read them before its
+        outputs came; `collect` keeps them one run more only because a next run may follow at once)."""
+        if not self._pending:
+            self._consumed = None
+
     @property
     def idle(self) -> bool:
         """Built, open and with no run in flight: it can run again for another accelerator as it is."""

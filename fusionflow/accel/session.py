@@ -56,6 +56,7 @@ class GpuSession:
         # the DALI pipeline an accelerator left idle when its manager stopped (an epoch without persistent workers):
         # the next manager's accelerator runs it rather than building the graph again (seconds on a GPU)
         self._spares: list = []
+        self._spares_pid = os.getpid()  # the process whose DALI threads they are
 
     @classmethod
     def for_config(cls, stats, cfg) -> GpuSession:
@@ -134,10 +135,7 @@ class GpuSession:
         helpers = helper_processes(on_gpu, rank_cores(len(os.sched_getaffinity(0))), spec.num_workers, self.threads)
         run_samples = self._run_samples(spec)  # the helpers read the runs too (accel/helper_reads.py)
         inputs = start_helper(policy, spec.mp_context, helpers, (dataset, run_samples, self.runs_in_flight, seed))
-        spare = self._spares.pop() if self._spares else None  # this loader's: its policy, threads and device
-        if spare is not None and (spare.batch_size, spare.depth) != (run_samples, self.runs_in_flight):
-            spare.close()  # built for runs of another size or depth: never this loader's today, a safety net
-            spare = None
+        spare = self._take_spare(run_samples)
         try:
             accel = AcceleratorWorker(
                 mgr.board,
@@ -169,6 +167,22 @@ class GpuSession:
                 spare.close()
             raise
         return accel
+
+    def _take_spare(self, run_samples: int):
+        """The pipeline the last accelerator left idle, if it can run this one's runs (its policy, threads and device
+        are this loader's): None in a process forked from the one that built it (its DALI threads are the parent's:
+        dropped, not closed), if it is no longer idle, or if built for another run size or depth (closed)."""
+        if self._spares_pid != os.getpid():
+            self._spares[:] = []
+            self._spares_pid = os.getpid()
+        spare = self._spares.pop() if self._spares else None
+        if spare is None:
+            return None
+        _IDLE.discard(spare)  # in use again: the exit hook stops its accelerator instead
+        if spare.idle and (spare.batch_size, spare.depth) == (run_samples, self.runs_in_flight):
+            return spare
+        spare.close()  # (never so for one loader today: a safety net)
+        return None
 
     def _run_samples(self, spec) -> int:
         """The most samples one DALI run holds: run_samples, within MERGE_SHARES mini-batches (one under temporal
@@ -271,16 +285,18 @@ class GpuSession:
         counters into `stats`, forget the accelerator and what belonged to it."""
         if not keep:
             self.close_spares()
-        if not self._spares:  # a pipeline kept keeps its buffers in the arena: it stays lent with it
-            close_bridge(self.bridge)
+        # the arena goes back either way: what a kept pipeline's buffers hold of it stays pinned (MemoryBridge lends
+        # it again first at the next start), and DALI allocating meanwhile -- a validation loader's pipeline -- does
+        # so from its own pool, not from this loader's arena
+        close_bridge(self.bridge)
         if stats is not None:
             copy_bridge_stats(self.bridge, stats)
         self.accel = self.device_ring = self.profiler = None
 
     def close_spares(self) -> None:
-        """Close the DALI pipeline kept for the next manager, if any."""
+        """Close the DALI pipeline kept for the next manager, if any (in a forked copy: forget it)."""
         spares, self._spares[:] = list(self._spares), []
-        for pipeline in spares:
+        for pipeline in spares if self._spares_pid == os.getpid() else ():
             pipeline.close()
 
     def shutdown_bridge(self) -> None:
