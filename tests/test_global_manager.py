@@ -516,26 +516,34 @@ def test_a_job_sigkilled_as_a_whole_leaves_its_table_to_the_next_loader_on_the_n
     dead.wait()
     stopped = subprocess.Popen(["sleep", "120"])
     os.kill(stopped.pid, signal.SIGSTOP)
-    names = {k: gt.table_name(job()) for k in ("killed", "live_loader", "stopped_gm", "just_made")}
+    import posix_ipc
+
+    kept = ("live_loader", "stopped_gm", "just_made", "other_pid_namespace")
+    names = {k: gt.table_name(job()) for k in ("killed", *kept)}
     tables = {k: gt.Tables.create(n) for k, n in names.items()}
+    older = posix_ipc.SharedMemory(gt.table_name(job()), posix_ipc.O_CREX, mode=0o600, size=4096)  # another layout's
     try:
         for k, gm, lm in (
             ("killed", dead.pid, dead.pid),
             ("live_loader", dead.pid, os.getpid()),
             ("stopped_gm", stopped.pid, None),
+            ("other_pid_namespace", dead.pid, dead.pid),  # its pids are another namespace's: not judged here
         ):
             tables[k].header["gm_pid"] = gm
             if lm is not None:
                 tables[k].register(lm)
+        tables["other_pid_namespace"].header["pid_ns"] = gt.pid_namespace() + 1
         assert wait_until(lambda: is_stopped(stopped.pid))
         a = make(Bytes(16), job())
         collect(a)
         a.close()
         assert not os.path.exists("/dev/shm" + names["killed"])
-        assert all(os.path.exists("/dev/shm" + names[k]) for k in ("live_loader", "stopped_gm", "just_made"))
+        assert all(os.path.exists("/dev/shm" + names[k]) for k in kept) and os.path.exists("/dev/shm" + older.name)
     finally:
         stopped.kill()
         stopped.wait()
+        older.unlink()
+        older.close_fd()
         for t in tables.values():
             t.unlink()
             t.close()

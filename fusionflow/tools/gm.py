@@ -36,20 +36,20 @@ def main(argv: list[str]) -> int:
     args = ap.parse_args(argv)
     if args.action == "serve":
         return _serve(args.job)
-    jobs = [args.job] if args.job is not None else sorted(gt.jobs_on_this_node())
+    jobs = {args.job: None} if args.job is not None else gt.jobs_on_this_node()  # {name: its table, if found}
     if not jobs:
         print("no global manager runs on this node (no DDP job of yours with lending)", file=sys.stderr)
         return 1
     if args.action == "workers" and len(jobs) > 1:
-        print(f"{len(jobs)} jobs run on this node: pass --job, one of {jobs}", file=sys.stderr)
+        print(f"{len(jobs)} jobs run on this node: pass --job, one of {sorted(jobs)}", file=sys.stderr)
         return 1
-    return max(_one(job, args) for job in jobs)
+    return max(_one(job, table, args) for job, table in sorted(jobs.items()))
 
 
-def _one(job: str, args) -> int:
+def _one(job: str, table: str | None, args) -> int:
     """`status` or `workers` for one job (exit status)."""
     try:
-        client = GlobalManagerClient(job)
+        client = GlobalManagerClient(job, table)
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1

@@ -37,7 +37,6 @@ from fusionflow.runtime.authsock import accept, connect, listen, set_receive_tim
 from fusionflow.runtime.gm import tables as gt
 from fusionflow.runtime.gm.timing import GM_SILENT_S, GM_START_S, LIVENESS_S
 from fusionflow.runtime.procs import command_line, is_stopped, pid_alive
-from fusionflow.runtime.shm import SHM_DIR
 
 log = logging.getLogger(__name__)
 _LISTENERS: set[int] = set()  # fds of this process's listening sockets
@@ -57,22 +56,23 @@ def spawn(name: str) -> subprocess.Popen:
 
 def sweep_stale_tables(keep: str) -> None:
     """Remove other jobs' tables that every process of theirs left -- the GM's and each loader's, as when a job is
-    SIGKILLed as a whole (OOM killer, scancel): only the GM unlinks a table otherwise. Run as a loader joins; a table
-    another user's, not yet sized, or just made (its GM starting: `gm_exists`) is left alone."""
-    try:
-        names = ["/" + n for n in os.listdir(SHM_DIR) if n.startswith(gt.PREFIX.lstrip("/"))]
-    except OSError:
-        return
-    for name in names:
+    SIGKILLed as a whole (OOM killer, scancel): only the GM unlinks a table otherwise. Run as a loader joins. Left
+    alone: a table of another user, of another layout (an older FusionFlow's), not yet made, just made (its GM
+    starting: `gm_exists`), or made in another PID namespace (a container sharing /dev/shm but not pids: its
+    processes' pids mean nothing here)."""
+    ns = gt.pid_namespace()
+    for name in gt.table_names():
         if name == keep:
             continue
         try:
-            t = gt.Tables.attach(name, timeout=0.2)
-        except Exception:  # not ours to read (another user's 0600 table), or never sized: not judged
+            t = gt.Tables.attach(name, timeout=0.0)
+        except Exception:  # not ours to read, or not a table of this layout: not judged
             continue
         if t is None:
             continue
         try:
+            if int(t.header["pid_ns"][0]) != ns:
+                continue
             with t.locked():
                 t.reclaim_dead()  # rows of loaders whose process is gone (and their rings' names)
                 gone = not t.gm_exists() and not t.active_rows()
@@ -192,8 +192,8 @@ class GMLink:
         made to look as a table just created (its GM starting), and True: the caller starts another GM. The
         loaders that saw the old one gone train on alone; those joining from now on lend and borrow again."""
         with t.locked():
-            old = t.gm_pid
-            dead = old != 0 and not pid_alive(old)  # (a live one merely silent might come back: two GMs then)
+            old, here = t.gm_pid, int(t.header["pid_ns"][0]) == gt.pid_namespace()  # (else its pids mean nothing)
+            dead = here and old != 0 and not pid_alive(old)  # (a live one merely silent might come back: two GMs)
             if dead:
                 t.header["gm_pid"], t.header["gm_heartbeat"], t.header["created"] = 0, 0.0, time.time()
         if dead:

@@ -240,11 +240,12 @@ class GlobalManagerClient:
     client.set_workers(3)                    # every LM of the job: 3 CPU workers each
     """
 
-    def __init__(self, job: str | None = None):
+    def __init__(self, job: str | None = None, table: str | None = None):
+        """`table`: the job's table name as found in /dev/shm (`tables.jobs_on_this_node`), else made from `job`."""
         job = job if job is not None else gt.job_key()
         if job is None:
             raise ValueError("job=None outside torchrun: pass the name given to FusionFlowLoader(global_manager=...)")
-        self.job, self.t = job, gt.Tables.attach(gt.table_name(job))
+        self.job, self.t = job, gt.Tables.attach(table or gt.table_name(job))
         if self.t is None:
             raise ValueError(f"no global manager runs for job {job!r} on this node (no loader has registered)")
 

@@ -59,6 +59,7 @@ HEADER = np.dtype(
         ("target_workers", "<i4"),
         ("gm_heartbeat", "<f8"),  # CLOCK_MONOTONIC of the GM's latest poll (0: none yet)
         ("job", "S192"),  # the job's name (global_manager=, or job_key's under torchrun): `gm status` lists them
+        ("pid_ns", "<u8"),  # its creator's PID namespace: pids in the table mean something only there
     ],
     align=True,
 )  # job-wide elastic target
@@ -112,15 +113,29 @@ def job_key() -> str | None:
     )
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (0 if unknown): containers sharing /dev/shm need not share pids."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def table_names() -> list[str]:
+    """The global-manager tables' names in /dev/shm (every user's)."""
+    try:
+        return ["/" + n for n in os.listdir(SHM_DIR) if n.startswith(PREFIX.lstrip("/"))]
+    except OSError:
+        return []
+
+
 def jobs_on_this_node() -> dict[str, str]:
     """{job name: table name} of this user's global-manager tables on the node (those it can open)."""
     out = {}
-    for entry in os.listdir(SHM_DIR):
-        if not entry.startswith(PREFIX.lstrip("/")):
-            continue
+    for name in table_names():
         try:
-            t = Tables.attach("/" + entry, timeout=0.2)
-        except Exception:  # another user's (0600), or never sized or initialised
+            t = Tables.attach(name, timeout=0.0)
+        except Exception:  # another user's (0600), another layout's (an older FusionFlow's), or not yet made
             continue
         if t is not None:
             try:
@@ -165,6 +180,7 @@ class Tables:
         h["created"] = time.time()
         h["secret"] = secrets.token_hex(16).encode()
         h["job"] = job.encode()[: HEADER["job"].itemsize]
+        h["pid_ns"] = pid_namespace()
         t.header["magic"] = MAGIC  # last: attachers wait for it
         return t
 
