@@ -262,8 +262,9 @@ def save(args, rank: int, epoch: int, mid_epoch: bool, model, optimizer, train) 
     path = os.path.join(args.output_dir, f"checkpoint_rank{rank}_{args.save_index:06d}.pth")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # a run killed while saving keeps the previous checkpoint
-    for older in _saves(args.output_dir, rank)[:-2]:
-        os.remove(os.path.join(args.output_dir, f"checkpoint_rank{rank}_{older:06d}.pth"))
+    for other in _saves(args.output_dir, rank):  # this save and the one before it stay (a later one: a dead run's)
+        if other not in (args.save_index, args.save_index - 1):
+            os.remove(os.path.join(args.output_dir, f"checkpoint_rank{rank}_{other:06d}.pth"))
     for name in os.listdir(args.output_dir):  # what a run killed while saving left half-written
         if name.startswith(f"checkpoint_rank{rank}_") and name.endswith(".pth.tmp"):
             os.remove(os.path.join(args.output_dir, name))
@@ -295,8 +296,10 @@ def resume(args, rank: int, model, optimizer, train) -> int:
     if os.path.isdir(path):
         mine = _saves(path, rank)
         n = _agreed(mine[-1] if mine else -1)
-        if n < 0 or n not in mine:
+        if _agreed(int(n in mine)) == 0:  # every rank stops, not only those lacking it (the others would hang)
             raise SystemExit(f"--resume {path}: no checkpoint every rank saved (rank {rank} has saves {mine})")
+        for later in (k for k in mine if k > n):  # the killed run's, past what every rank has: never resumed from
+            os.remove(os.path.join(path, f"checkpoint_rank{rank}_{later:06d}.pth"))
         path = os.path.join(path, f"checkpoint_rank{rank}_{n:06d}.pth")
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     args.save_index = ckpt.get("save_index", 0)  # the next save numbers on from the one resumed

@@ -556,6 +556,7 @@ def test_a_stopped_lock_holder_costs_a_fill_not_the_run(monkeypatch):
     """A worker stopped (SIGSTOP) while it holds the record lock: the others wait LOCK_S, then run the
     sample uncached -- its pixels are still made."""
     from fusionflow.cache import record_lock
+    from fusionflow.cache import store as st
 
     monkeypatch.setattr(record_lock, "LOCK_S", 0.3)
     fd = keeper.segment(None)
@@ -563,8 +564,8 @@ def test_a_stopped_lock_holder_costs_a_fill_not_the_run(monkeypatch):
     with held_by_a_stopped_process(CacheStore(fd)._locked):
         pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
         out = pipe(JPEGS[0], 0, 0, 0)
-        assert out.shape == (3, 32, 32) and store.get(0, len(JPEGS[0])) is None
-    assert store.claim(0, (8, 8, 3), (8, 8), len(JPEGS[0]), 1) is not None  # the dead holder's lock is gone
+        assert out.shape == (3, 32, 32) and store.get(0, st.content_key(JPEGS[0])) is None
+    assert store.claim(0, (8, 8, 3), (8, 8), st.content_key(JPEGS[0]), 1) is not None  # the dead holder's lock is gone
     store.close()
     os.close(fd)
 

@@ -177,3 +177,33 @@ def test_ranks_resume_from_the_newest_save_every_rank_finished(tmp_path):
     for p in ranks:
         p.join(timeout=60)
     assert got == [(0, 3, 3), (1, 3, 3)], got  # save 3 (epoch 2) on both: the next epoch is 3; saves go on from 3
+    assert mod._saves(out, 0) == [3]  # rank 0's save 4, past what both have, is gone: a later resume never takes it
+    args = mod.parse_args(["--data-path", out, "--output-dir", out])
+    args.save_index = 1  # a run resumed from an older file: its saves number below those on disk
+    mod.save(args, 0, 0, False, model, opt, object())
+    assert mod._saves(out, 0) == [2]  # the new save kept, the higher-numbered one of an earlier run removed
+
+
+def test_ranks_without_a_common_save_all_stop(tmp_path):
+    """Only the rank lacking the agreed save stopped; the others loaded theirs and hung in the next collective."""
+    import multiprocessing as mp
+
+    import torch
+
+    mod, out = _script(), str(tmp_path / "ckpt")
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for rank, saves in ((0, (3, 4)), (1, (1, 2))):
+        args = mod.parse_args(["--data-path", out, "--output-dir", out])
+        for n in saves:
+            args.save_index = n - 1
+            mod.save(args, rank, n, False, model, opt, object())
+    ctx = mp.get_context("fork")
+    answers = ctx.Queue()
+    ranks = [ctx.Process(target=_resume_as_rank, args=(r, str(tmp_path / "store"), out, answers)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    got = sorted(answers.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+    assert [g[0] for g in got] == [0, 1] and all("no checkpoint every rank saved" in g[1] for g in got), got
