@@ -735,6 +735,37 @@ def test_a_script_that_exits_without_close_leaves_no_traceback():
     assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("child", ["exits", "iterates"])
+def test_a_process_forked_while_a_dali_pipeline_exists_exits_cleanly(child, persistent):
+    """A script's os.fork() after an epoch: the loader keeps its idle DALI pipeline between epochs (and holds its
+    accelerator's with persistent workers), whose threads are the parent's. The child's exit ran DALI's own exit
+    hook on it and aborted ('terminate called after throwing std::system_error') or hung; a child that iterated the
+    loader aborted at once. accel/dali_fork.py lets the child's copies go unshut."""
+    import subprocess
+    import sys
+
+    script = (
+        "import os, sys\n"
+        "from fusionflow import FusionFlowLoader\n"
+        "from fusionflow.tools.synthetic import EncodedImages, make_jpegs\n"
+        "ld = FusionFlowLoader(EncodedImages(make_jpegs(24, 60, 200)), batch_size=8, num_workers=1,\n"
+        f"    policy='randaugment', accelerator='dali-cpu', seed=1, persistent_workers={persistent})\n"
+        "assert sum(len(y) for _, y in ld) == 24\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        f"    if {child == 'iterates'}:\n"
+        "        assert sum(len(y) for _, y in ld) == 24\n"
+        "    sys.exit(0)\n"
+        "_, status = os.waitpid(pid, 0)\n"
+        "print('child', status, flush=True)\n"
+        "ld.close()\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", script], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0 and run.stdout.strip() == "child 0", (run.stdout, run.stderr[-2000:])
+    assert "terminate called" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 def _threads() -> dict[int, int]:
     """{thread id: nice} of this process's threads (DALI's name themselves once running: told by when they
     appear, as the pipeline tells them)."""

@@ -154,6 +154,11 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
         "t._AUGMENTATION_SPACE": "torchvision keeps its auto-augmentation op tables private; we convert them",
         "t._policies": "torchvision's AutoAugment sub-policies, private too",
     },
+    "fusionflow/accel/dali_fork.py": {
+        "getattr(pipe, '_pipe')": "DALI's pipeline backend: a forked child takes it from the Pipeline unshut (DALI has "
+        "no public way to drop a pipeline without Shutdown, which joins the parent's threads)",
+        "pipe._pipe": "the same backend, cleared so that DALI's exit hook and __del__ find nothing to shut down",
+    },
     "fusionflow/accel/dali_graph.py": {
         "getattr(pipe, '_shutdown')": "DALI's pipeline teardown, called when present (its close is not enough)",
         "pipe._first_iter": "DALI 2.4's first schedule_run runs prefetch_queue_depth iterations; fed one run "

@@ -31,6 +31,7 @@ from collections import deque
 import numpy as np
 from nvidia.dali.backend import TensorCPU, TensorListCPU  # dali_ops imports DALI at import time too
 
+from fusionflow.accel import dali_fork
 from fusionflow.accel.dali_ops import DaliStyle, apply_slot, slot_branches
 from fusionflow.accel.declines import dali_declines
 from fusionflow.accel.header_sizes import image_size
@@ -131,6 +132,7 @@ class DaliPolicyPipeline:
         before = _thread_ids()
         with interrupts_deferred():  # a Ctrl-C inside DALI's graph definition broke its pipeline stack (IndexError)
             pipe = self._make()
+            dali_fork.track(pipe)  # a process forked from this one lets it go unshut (accel/dali_fork.py)
             pipe.build()
         if self.thread_nice:
             _lower_priority(_thread_ids() - before, self.thread_nice)

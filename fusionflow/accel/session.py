@@ -309,7 +309,7 @@ class GpuSession:
             copy_bridge_stats(bridge, self.stats)  # what a kept pipeline held in the arena, given back only now
 
 
-_LIVE: weakref.WeakSet = weakref.WeakSet()  # accelerators started in this process (stop() is idempotent)
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accelerator -> the pid that started it
 _IDLE: weakref.WeakSet = weakref.WeakSet()  # DALI pipelines kept for a loader's next manager (close() is idempotent)
 _EXIT_HOOK_PID: list[int] = []  # the process that registered the exit hook (a forked child inherits it)
 
@@ -319,7 +319,7 @@ def stop_at_exit(accel) -> None:
     its own exit hook, under a running accelerator thread: the run in flight failed, the thread rebuilt
     the graph mid-teardown, and the user saw DALI's and our tracebacks. Registered after DALI's import
     (a pipeline exists), this hook runs before DALI's."""
-    _LIVE.add(accel)
+    _LIVE[accel] = os.getpid()
     if os.getpid() not in _EXIT_HOOK_PID:
         _EXIT_HOOK_PID.append(os.getpid())
         atexit.register(_stop_live)
@@ -328,7 +328,7 @@ def stop_at_exit(accel) -> None:
 def _stop_live() -> None:
     if os.getpid() not in _EXIT_HOOK_PID:  # a forked child that runs exit hooks: not its accelerators
         return
-    for accel in list(_LIVE):
+    for accel in [a for a, pid in list(_LIVE.items()) if pid == os.getpid()]:  # (a forked copy's: the parent's)
         accel.keep_pipeline = None  # closed now, not kept for a next epoch
         try:
             accel.stop()
