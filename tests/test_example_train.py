@@ -152,12 +152,25 @@ def _resume_as_rank(rank: int, store: str, directory: str, answers) -> None:
         answers.put((rank, repr(exc), None))
 
 
+def _resume_two_ranks(store: str, directory: str) -> list:
+    """Both ranks of a 2-rank gloo job resume from `directory` (forked processes): their answers, by rank."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    answers = ctx.Queue()
+    ranks = [ctx.Process(target=_resume_as_rank, args=(r, store, directory, answers)) for r in (0, 1)]
+    for p in ranks:
+        p.start()
+    got = sorted(answers.get(timeout=120) for _ in ranks)
+    for p in ranks:
+        p.join(timeout=60)
+    return got
+
+
 def test_ranks_resume_from_the_newest_save_every_rank_finished(tmp_path):
     """A job killed while one rank had written its mid-epoch checkpoint and the other not: each rank loaded its own
     newest, 2 batches apart, and gloo aborted on mismatched collectives. The ranks now agree on the newest save both
     have; each keeps its last two."""
-    import multiprocessing as mp
-
     import torch
 
     mod, out = _script(), str(tmp_path / "ckpt")
@@ -168,14 +181,7 @@ def test_ranks_resume_from_the_newest_save_every_rank_finished(tmp_path):
         for epoch in range(saves):
             mod.save(args, rank, epoch, False, model, opt, object())
     assert mod._saves(out, 0) == [3, 4] and mod._saves(out, 1) == [2, 3]  # the last two each
-    ctx = mp.get_context("fork")
-    answers = ctx.Queue()
-    ranks = [ctx.Process(target=_resume_as_rank, args=(r, str(tmp_path / "store"), out, answers)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    got = sorted(answers.get(timeout=120) for _ in ranks)
-    for p in ranks:
-        p.join(timeout=60)
+    got = _resume_two_ranks(str(tmp_path / "store"), out)
     assert got == [(0, 3, 3), (1, 3, 3)], got  # save 3 (epoch 2) on both: the next epoch is 3; saves go on from 3
     assert mod._saves(out, 0) == [3]  # rank 0's save 4, past what both have, is gone: a later resume never takes it
     args = mod.parse_args(["--data-path", out, "--output-dir", out])
@@ -186,8 +192,6 @@ def test_ranks_resume_from_the_newest_save_every_rank_finished(tmp_path):
 
 def test_ranks_without_a_common_save_all_stop(tmp_path):
     """Only the rank lacking the agreed save stopped; the others loaded theirs and hung in the next collective."""
-    import multiprocessing as mp
-
     import torch
 
     mod, out = _script(), str(tmp_path / "ckpt")
@@ -198,12 +202,5 @@ def test_ranks_without_a_common_save_all_stop(tmp_path):
         for n in saves:
             args.save_index = n - 1
             mod.save(args, rank, n, False, model, opt, object())
-    ctx = mp.get_context("fork")
-    answers = ctx.Queue()
-    ranks = [ctx.Process(target=_resume_as_rank, args=(r, str(tmp_path / "store"), out, answers)) for r in (0, 1)]
-    for p in ranks:
-        p.start()
-    got = sorted(answers.get(timeout=120) for _ in ranks)
-    for p in ranks:
-        p.join(timeout=60)
+    got = _resume_two_ranks(str(tmp_path / "store"), out)
     assert [g[0] for g in got] == [0, 1] and all("no checkpoint every rank saved" in g[1] for g in got), got
