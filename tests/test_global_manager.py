@@ -595,7 +595,7 @@ def test_a_table_whose_gm_is_only_stopped_is_not_taken_for_stale():
                 gm.kill()
                 gm.wait()
             assert not t.gm_alive() and not t.active_rows()  # not serving, nobody registered
-            assert GMLink._stale(t) == stale and os.path.exists("/dev/shm" + t.name) != stale, (closing, stale)
+            assert GMLink.unlink_if_stale(t) == stale and os.path.exists("/dev/shm" + t.name) != stale, (closing, stale)
     finally:
         gm.kill()
         gm.wait()

@@ -75,12 +75,7 @@ def sweep_stale_tables(keep: str) -> None:
                 continue
             with t.locked():
                 t.reclaim_dead()  # rows of loaders whose process is gone (and their rings' names)
-                gone = not t.gm_exists() and not t.active_rows()
-                if gone:
-                    t.header["state"] = gt.CLOSING
-                    t.unlink()
-            if gone:
-                log.info("fusionflow: removed the global-manager table %s of a job whose processes are all gone", name)
+            GMLink.unlink_if_stale(t)  # then the rule a joining loader applies to its own job's table
         except Exception:  # its lock held by a stopped process, or a table of another layout: left alone
             pass
         finally:
@@ -149,7 +144,7 @@ class GMLink:
                 if t is None:
                     continue  # unlinked between our create and attach: try again
             try:
-                if created is None and self._stale(t):
+                if created is None and self.unlink_if_stale(t):
                     continue
                 if created is None and self._gm_died(t):
                     self.gm_proc = spawn(self.name)  # claims the table: lending comes back for loaders joining now
@@ -170,7 +165,7 @@ class GMLink:
         raise TimeoutError(f"could not join the global-manager table {self.name}")
 
     @staticmethod
-    def _stale(t: gt.Tables) -> bool:
+    def unlink_if_stale(t: gt.Tables) -> bool:
         """A table left by an earlier job under the same name whose GM died (e.g. torchrun reusing a
         run id and port): unlink it so this job starts its own. Closes `t` if so. A GM that exists but is stopped
         (a debugger's pause, py-spy) is not a dead one: its job's loaders would be split over two tables -- unless
