@@ -15,7 +15,7 @@ import test_loader
 import torch
 from stopped_holder import held_by_a_stopped_process
 
-from fusionflow import DecodedCache, SharedMemoryError
+from fusionflow import DecodedCache, DecodeError, SharedMemoryError
 from fusionflow.cache import keeper
 from fusionflow.cache.config import parse_size
 from fusionflow.cache.reader import CacheReader
@@ -548,6 +548,26 @@ def test_the_pipeline_s_cache_reader_counts_hits_and_misses():
     assert (c["hits"], c["misses"], c["fills"], c["entries"]) == (10, 10, 10, 10)
     pipe(np.zeros((50, 50, 3), np.uint8), 11, 0, 0)  # a decoded sample: nothing to cache
     assert store.counts([])["entries"] == 10
+    store.close()
+    os.close(fd)
+
+
+def test_a_corrupt_jpeg_header_fails_its_sample_and_the_cache_goes_on_for_the_rest():
+    """A sample whose JPEG header libjpeg-turbo cannot read is its own fault: it fails with the DecodeError
+    naming it (as uncached), and this process's cache stays on: the next samples are filled, then hit."""
+    fd = keeper.segment(None)
+    store = CacheStore.create(fd, 3, 64 << 20, MAX_SIDE)
+    reader = CacheReader(store, store.claim_rows(1, os.getpid())[0])
+    pipe = CpuPipeline(SMALL, cache=reader)
+    corrupt = b"\xff\xd8" + b"\x00garbage" * 50 + b"\xff\xd9"  # SOI ... EOI: looks whole, header unreadable
+    with pytest.raises(DecodeError, match="sample 0"):
+        pipe(corrupt, 0, 0, 0, what="sample 0")
+    assert reader.broken is None
+    for epoch in range(2):
+        for i in (1, 2):
+            pipe(JPEGS[i], i, 0, epoch)
+    c = store.counts([int(np.flatnonzero(store.rows[:, 0] == os.getpid())[0])])
+    assert (c["fills"], c["hits"], c["entries"]) == (2, 2, 2)
     store.close()
     os.close(fd)
 

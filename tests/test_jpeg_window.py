@@ -107,6 +107,27 @@ def test_headers_read_together_equal_pillows_sizes_and_refuse_what_is_not_a_comp
     assert jpeg.info_many([]).shape == (0, 2)
 
 
+@pytest.mark.parametrize("crop", ["bilinear", "bicubic", "centre"])
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "exact"])
+def test_a_jpeg_header_the_window_decoder_cannot_read_is_reported_as_pillow_reports_it(crop, fast, monkeypatch):
+    """SOI ... EOI with garbage between: every decode path (window, filtered, centre box) hands it to
+    Pillow, whose DecodeError names the sample, as on a host without the window decoder."""
+    spec = {"output": {"size": 32}, "augment": {"type": "none"}, "crop": {"interpolation": crop}}
+    policy = load_policy("eval", size=32) if crop == "centre" else load_policy(spec)
+    policy = dataclasses.replace(policy, fast_downscale=fast)
+    pipe = CpuPipeline(policy)
+    corrupt = b"\xff\xd8" + b"\x00garbage" * 50 + b"\xff\xd9"
+
+    def outcome():
+        with pytest.raises(DecodeError) as got:
+            pipe(corrupt, 0, what="sample 7")
+        return str(got.value)
+
+    with_window = outcome()
+    monkeypatch.setattr(decode.jpeg, "available", lambda: False)
+    assert "sample 7" in with_window and with_window == outcome()
+
+
 @pytest.mark.parametrize("damage", ["stray_marker", "flipped_bits"])
 def test_corrupt_entropy_data_gives_what_pillow_gives(damage, monkeypatch):
     """A stream libjpeg only warns about is handed to Pillow: the result (pixels, or the error naming

@@ -45,8 +45,8 @@ def decode_reduced(data, max_side: int, what=None, max_pixels: int | None = None
     """(uint8 HWC RGB image at the cache's resolution, (source height, source width))."""
     if window_decodable(data):
         data = bytes(data)
-        height, width = checked_header(data, what, max_pixels)
-        try:
+        try:  # a header libjpeg-turbo cannot read is Pillow's to decode or report, as the uncached path does
+            height, width = checked_header(data, what, max_pixels)
             return _jpeg_reduced(data, height, width, max_side), (height, width)
         except jpeg.WindowDecodeError:
             pass  # CMYK, corrupt data, ...: Pillow decodes it or reports it below

@@ -125,8 +125,10 @@ def open_image(data, what: str | None = None, max_pixels: int | None = None) -> 
             img = open_encoded(data, what, max_pixels)
         except (UnidentifiedImageError, OSError, ValueError) as exc:
             head = bytes(data[:8]).hex()
+            # (Pillow's own text for it names a BytesIO at an address: no news)
+            why = "no format Pillow reads" if isinstance(exc, UnidentifiedImageError) else exc
             raise DecodeError(
-                f"cannot identify an image in {len(data)} bytes (first bytes {head}): {exc}", what
+                f"cannot identify an image in {len(data)} bytes (first bytes {head}): {why}", what
             ) from exc
         check_pixels(*img.size, max_pixels, what)
         return img

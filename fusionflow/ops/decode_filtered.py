@@ -45,9 +45,9 @@ def decode_crop_resize_filtered(
             return Image.fromarray(arr)
     if window_decodable(data):
         data = bytes(data)
-        height, width = checked_header(data, what, max_pixels)
-        top, left, h, w = window_fn(height, width)
-        try:
+        try:  # (the header too: one libjpeg-turbo cannot read is Pillow's to decode or report)
+            height, width = checked_header(data, what, max_pixels)
+            top, left, h, w = window_fn(height, width)
             arr, _ = jpeg.decode_window(data, top, left, h, w)
             if arr.shape[:2] == (h, w):
                 return Image.fromarray(arr).resize((out_w, out_h), resample, reducing_gap=None)
@@ -88,11 +88,11 @@ def decode_box_resize(
     serve a JPEG, Pillow decodes the same pixels (`_pillow_box_resize`): a JPEG's result is the same on every host."""
     if window_decodable(data):
         data = bytes(data)
-        height, width = checked_header(data, what, max_pixels)
-        plan = plan_fn(height, width)
-        (x0, y0, x1, y1), out_size = plan[:2]
-        r = dct_reduction(int(y1 - y0), int(x1 - x0), *out_size) if _scales(fast, resample) else 1
-        try:
+        try:  # (the header too: one libjpeg-turbo cannot read is Pillow's to decode or report)
+            height, width = checked_header(data, what, max_pixels)
+            plan = plan_fn(height, width)
+            (x0, y0, x1, y1), out_size = plan[:2]
+            r = dct_reduction(int(y1 - y0), int(x1 - x0), *out_size) if _scales(fast, resample) else 1
             if r > 1:
                 arr, box = jpeg.decode_scaled_window(data, height, width, (y0, x0, y1 - y0, x1 - x0), r)
                 return Image.fromarray(arr).resize(out_size[::-1], resample, box=box, reducing_gap=None), plan
