@@ -18,7 +18,7 @@ from stopped_holder import held_by_a_stopped_process
 from fusionflow import DecodedCache, DecodeError, SharedMemoryError
 from fusionflow.cache import keeper
 from fusionflow.cache.config import parse_size
-from fusionflow.cache.reader import CacheReader
+from fusionflow.cache.reader import CacheReader, CacheRendering
 from fusionflow.cache.store import CacheStore
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.ops.pipeline import CpuPipeline
@@ -548,6 +548,23 @@ def test_the_pipeline_s_cache_reader_counts_hits_and_misses():
     assert (c["hits"], c["misses"], c["fills"], c["entries"]) == (10, 10, 10, 10)
     pipe(np.zeros((50, 50, 3), np.uint8), 11, 0, 0)  # a decoded sample: nothing to cache
     assert store.counts([])["entries"] == 10
+    store.close()
+    os.close(fd)
+
+
+def test_the_cache_s_rendering_without_its_store_gives_a_cached_sample_s_pixels():
+    """CacheRendering (a Ray actor's, a lent worker's of another spec) equals the store's fill and its hits."""
+    fd = keeper.segment(None)
+    store = CacheStore.create(fd, 12, 64 << 20, MAX_SIDE)
+    cached = CpuPipeline(SMALL, cache=CacheReader(store, store.claim_rows(1, os.getpid())[0]))
+    storeless, uncached = CpuPipeline(SMALL, cache=CacheRendering(MAX_SIDE)), CpuPipeline(SMALL)
+    differs = 0
+    for epoch in range(2):  # a fill, then hits
+        for i, data in enumerate(LARGER[:12]):
+            want = cached(data, i, 0, epoch)
+            assert np.array_equal(storeless(data, i, 0, epoch), want), (epoch, i)
+            differs += not np.array_equal(uncached(data, i, 0, epoch), want)
+    assert store.counts([])["entries"] == 12 and differs > 0  # (the uncached rendering is another)
     store.close()
     os.close(fd)
 

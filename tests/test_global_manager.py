@@ -208,6 +208,30 @@ def test_idle_loader_lends_to_a_busy_one_exactly_once_with_the_borrowers_draws()
     assert wait_until(lambda: not os.path.exists("/dev/shm" + gt.table_name(name)))  # the GM left
 
 
+@pytest.mark.parametrize("cached", ["borrower", "lender"])
+def test_a_lent_worker_renders_the_borrowers_samples_as_the_borrower_renders_them(cached):
+    """One dataset, one policy, the decoded-image cache on one side only: a lent worker renders the
+    borrower's samples as the borrower's own workers do -- from the cache's resolution when the borrower has
+    a cache (the lender's worker has no store of it), uncached when only the lender has one."""
+    from fusionflow import DecodedCache
+    from fusionflow.cache.reader import CacheRendering
+
+    name, ds = job(), Bytes(40, sleep=0.04)
+    cache = DecodedCache("16MB", max_side=28, fill_share=None)  # below most images' sides
+    b = make(ds, name, seed=3, cache=cache if cached == "lender" else None)
+    collect(b)  # b's worker is idle from now on
+    a = make(ds, name, seed=11, tiny_batch_size=1, cache=cache if cached == "borrower" else None)
+    pipe = CpuPipeline(SMALL, cache=CacheRendering(28) if cached == "borrower" else None)
+    images, labels = collect(a)
+    assert ordered(labels) == list(range(40))
+    for x, y in zip(images, labels):
+        for img, i in zip(x.numpy(), y.tolist()):
+            assert np.array_equal(img, pipe(ds.data[i], i, seed=11, epoch=0)), i
+    a.close()
+    b.close()
+    assert a.stats.borrowed_tiny_batches > 0
+
+
 _ROLE = ["borrower"]  # which loader's process a worker was forked in: its copy of this list says
 
 

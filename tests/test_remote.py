@@ -337,6 +337,23 @@ class TestLocalRay:
         assert [y.tolist() for y in got_y] == [y.tolist() for y in want_y]
         assert all(torch.equal(a, b) for a, b in zip(got_x, want_x))
 
+    def test_with_the_decoded_cache_actors_render_as_a_cached_sample_is_rendered(self):
+        """docs/cache.md's recipe for repeatable runs (fill_share=None, a budget that holds the set) holds with
+        Ray: an actor has no store, but it renders from the cache's resolution, so a run's pixels do not
+        depend on which samples went remote."""
+        from fusionflow import DecodedCache, RayWorkers
+
+        ds, cache = Bytes(40), DecodedCache("16MB", max_side=28, fill_share=None)  # below the images' sides
+        with _loader(ds, cache=cache) as local:
+            local.set_epoch(2)
+            want_x, want_y = collect(local)
+        with _loader(ds, RayWorkers(2, take="front"), cache=cache) as both:
+            both.set_epoch(2)
+            got_x, got_y = collect(both)
+            assert both.stats.remote_tiny_batches > 0
+        assert [y.tolist() for y in got_y] == [y.tolist() for y in want_y]
+        assert all(torch.equal(a, b) for a, b in zip(got_x, want_x))
+
     def test_results_that_cannot_be_written_run_locally_and_retire_the_remote_workers(self, monkeypatch):
         # an actor of another FusionFlow version would return another shape: stand in for it with a
         # policy of another output size on the actors; nothing it returns may reach a batch

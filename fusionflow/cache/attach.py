@@ -152,6 +152,10 @@ class CacheAttachment:
             )
             return None
 
+    @property
+    def max_side(self) -> int:
+        return self.store.max_side
+
     def handle(self, wid: int) -> CacheHandle:
         rows = self.rows
         crops_fd = self.crops.fd if self.crops is not None else None

@@ -144,7 +144,10 @@ class LoaderRuntime:
         if self._spec is None:
             from fusionflow.runtime.gm.link import make_spec
 
-            self._spec = make_spec(self.dataset, cfg.policy, cfg.worker_init_fn)
+            cache = self._box[2]  # opened before this (start): its rendering is part of the spec
+            self._spec = make_spec(
+                self.dataset, cfg.policy, cfg.worker_init_fn, cache.max_side if cache is not None else None
+            )
         return self._spec
 
     def end_iteration(self, mgr: LocalManager, generation: int, finished: bool, persistent: bool) -> None:

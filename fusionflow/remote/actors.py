@@ -32,7 +32,8 @@ class RemoteActors:
     def __init__(self, ray, config, spec: dict):
         """Put the `spec`'s dataset into Ray's object store (a TypeError naming it if it cannot be pickled); no
         actor is asked for yet (`start_up`). `spec`: remote/kind.py's (dataset, policy, seed, first_worker_id,
-        worker_init_fn, base_seed, stages: the stage names actors time, or None)."""
+        worker_init_fn, base_seed, stages: the stage names actors time, or None, cache_side: the decoded-image
+        cache's max_side, rendered without its store, or None)."""
         self.ray, self.config, self.spec, dataset = ray, config, spec, spec["dataset"]
         try:
             self._dataset_ref = ray.put(dataset)
@@ -122,7 +123,7 @@ class RemoteActors:
         workers = worker_id + 1 if self.config.num_workers == "auto" else s["first_worker_id"] + self.config.num_workers
         seeding = (s["base_seed"], worker_id, workers)  # as a local worker's (DataLoader's): RNGs and worker info
         handle = self._cls.options(**options).remote(
-            self._dataset_ref, s["policy"], s["seed"], seeding, s["worker_init_fn"], s["stages"]
+            self._dataset_ref, s["policy"], s["seed"], seeding, s["worker_init_fn"], s["stages"], s["cache_side"]
         )
         self._actors.append(Actor(k, handle, handle.probe.remote(0)))
 

@@ -121,6 +121,7 @@ class RemoteWorkers:
                 "worker_init_fn": self.spec.worker_init_fn,
                 "base_seed": self.spec.base_seed,
                 "stages": self.spec.stages,
+                "cache_side": self.spec.cache.max_side if self.spec.cache is not None else None,  # its rendering
                 "layout": self.board.ring.layout,
                 "joined": app_address(),
                 "log_level": logging.getLogger("fusionflow.remote").getEffectiveLevel(),

@@ -14,14 +14,16 @@ class RemoteTask:
     """The body of the Ray actor (wrapped with ray.remote by `actor_class`): a local CPU worker's
     tiny-batch code, returning its output instead of writing into shared memory."""
 
-    def __init__(self, dataset, policy, seed: int, seeding: tuple, worker_init_fn=None, stages=None):
+    def __init__(self, dataset, policy, seed: int, seeding: tuple, worker_init_fn=None, stages=None, cache_side=None):
         """`seeding`: (base_seed, worker id, num_workers), as a local worker's (its RNGs and torch's worker info,
-        then `worker_init_fn`); `stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None."""
+        then `worker_init_fn`); `stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None;
+        `cache_side`: the loader's decoded-image cache's max_side (its rendering, without its store), or None."""
+        from fusionflow.cache.reader import CacheRendering
         from fusionflow.ops.pipeline import CpuPipeline
         from fusionflow.runtime.worker import seed_as_dataloader
 
         self.dataset, self.seed = dataset, seed
-        self.pipe = CpuPipeline(policy)
+        self.pipe = CpuPipeline(policy, cache=CacheRendering(cache_side) if cache_side is not None else None)
         self.clock = None
         if stages:
             from fusionflow.ops.stages import StageClock

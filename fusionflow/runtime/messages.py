@@ -162,6 +162,7 @@ class Spec:
     dataset: Any
     policy: Any
     worker_init_fn: Any
+    cache_side: int | None = None  # the borrower's decoded-image cache's max_side: its rendering, or None (uncached)
 
 
 LENDING_MESSAGES = (Lend, Home, Hello, Setup, Spec)

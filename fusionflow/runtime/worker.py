@@ -157,6 +157,7 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
     """(dataset, pipeline) for the borrower's spec: this worker's own, one it served before, or the
     one it asks the borrower for (NEED -> SPEC); None if that cannot be set up (FATAL sent) or the
     borrower answered RETURN (it is closing)."""
+    from fusionflow.cache.reader import CacheRendering
     from fusionflow.ops.pipeline import CpuPipeline
 
     if spec_hash == home[2]:
@@ -169,7 +170,8 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
         return None
     try:
         spec = m.unpack_message(spec, m.Spec)
-        dataset, pipe = spec.dataset, CpuPipeline(spec.policy)
+        rendering = CacheRendering(spec.cache_side) if spec.cache_side is not None else None
+        dataset, pipe = spec.dataset, CpuPipeline(spec.policy, cache=rendering)
         if spec.worker_init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
             with _InfoFor(dataset):
                 spec.worker_init_fn(worker_id)

@@ -5,7 +5,8 @@ claim a progress row, and listen on an abstract Unix socket (no file; gone with 
 address is published in the row. Workers lent to this LM connect there and authenticate with the
 job's secret (HMAC challenge, multiprocessing.connection), which only the table's 0600 segment holds.
 
-The spec (`make_spec`): the loader's dataset, policy and worker_init_fn, pickled once per loader,
+The spec (`make_spec`): the loader's dataset, policy, worker_init_fn and its decoded-image cache's max_side
+(a cached sample's rendering), pickled once per loader,
 sent to a lent worker that does not have them yet (workers cache specs by hash, run the
 worker_init_fn once per spec, and a worker whose owner has the same spec uses its own). If they do
 not pickle, borrowing is off for this loader (`can_borrow` = 0, logged once); it still lends.
@@ -92,10 +93,12 @@ def close_inherited() -> None:
     _LISTENERS.clear()
 
 
-def make_spec(dataset, policy, worker_init_fn) -> bytes | None:
-    """What a lent worker needs to run this loader's samples, pickled; None (logged) if it does not pickle."""
+def make_spec(dataset, policy, worker_init_fn, cache_side: int | None = None) -> bytes | None:
+    """What a lent worker needs to run this loader's samples, pickled; None (logged) if it does not pickle.
+    `cache_side`: the loader's decoded-image cache's max_side, or None: a lent worker whose own spec differs
+    renders the samples as a cached sample is rendered (CacheRendering), or uncached."""
     try:
-        return pickle.dumps(m.Spec(dataset, policy, worker_init_fn), protocol=pickle.HIGHEST_PROTOCOL)
+        return pickle.dumps(m.Spec(dataset, policy, worker_init_fn, cache_side), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
         log.warning(
             "fusionflow: this loader's dataset, policy or worker_init_fn cannot be pickled (%r), so "
