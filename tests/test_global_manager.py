@@ -475,6 +475,52 @@ def test_lending_with_a_new_local_manager_every_epoch():
     assert borrowed[0] > 0 and borrowed[1] > borrowed[0] and borrowed[2] > borrowed[1], borrowed
 
 
+def test_a_loader_that_leaves_before_its_gm_starts_does_not_hold_the_next_one_out(monkeypatch, tmp_path):
+    """An epoch (no persistent workers) that ends before the GM it spawned has claimed the table: the table is
+    not marked closing, so the next epoch's loader joins it at once (it waited out the GM's linger, or past its
+    retries, losing lending for the run) and that GM serves it."""
+    from fusionflow.runtime.gm import link
+
+    gate, refused = tmp_path / "start", []
+    code = (
+        "import os, runpy, sys, time\n"
+        f"while not os.path.exists({str(gate)!r}): time.sleep(0.02)\n"
+        "sys.argv[1:] = [sys.argv[-1]]\n"
+        "runpy.run_module('fusionflow.runtime.gm.manager', run_name='__main__')\n"
+    )
+    monkeypatch.setattr(
+        link, "spawn", lambda name: subprocess.Popen([sys.executable, "-c", code, name], start_new_session=True)
+    )
+    register = gt.Tables.register
+
+    def counted(self, pid):
+        got = register(self, pid)
+        refused.extend([pid] if got is None else [])
+        return got
+
+    monkeypatch.setattr(gt.Tables, "register", counted)
+    name = job()
+    a = make(Bytes(8), name, persistent_workers=False)
+    try:
+        assert ordered(collect(a)[1]) == list(range(8))  # its LM has left; the GM waits at the gate
+        t = gt.Tables.attach(gt.table_name(name))
+        assert t is not None and t.gm_pid == 0 and int(t.header["state"][0]) != gt.CLOSING
+        t.close()
+        b = make(Bytes(8), name)
+        it = iter(b)
+        next(it)
+        assert refused == [] and b._manager.agent.link.tables.name == gt.table_name(name)
+        gate.touch()
+        assert wait_until(lambda: b._manager.agent.link.tables.gm_pid != 0, timeout=60)  # the GM claimed it for b
+        assert b.stats.global_manager == "active"
+        list(it)
+        b.close()
+    finally:
+        gate.touch()  # (the GM starts, and leaves after its linger)
+        a.close()
+    assert wait_until(lambda: not os.path.exists("/dev/shm" + gt.table_name(name)), timeout=30)  # the GM left
+
+
 def test_lender_shutting_down_mid_loan_loses_nothing_at_the_borrower():
     """The lender stops its lent worker (its own loader closes) while the worker serves the borrower:
     the borrower re-runs whatever that worker had queued, and does not count it as a death (the

@@ -327,9 +327,12 @@ class GMLink:
         with t.locked():
             t.progress[self.lm]["state"] = gt.FREE
             spawned_gone = self.gm_proc is not None and self.gm_proc.poll() is not None
-            # a GM that never claimed the table is not waited for by the last LM out: if it starts
-            # later, it finds no LM and lingers out
-            unclaimed_and_empty = t.gm_pid == 0 and not t.active_rows()
+            # a GM spawned for the table but not started yet (within START_S of it) claims it, lingers and closes it
+            # itself: marking it CLOSING here held every loader joining meanwhile (the next epoch's, without
+            # persistent workers; the loop after a `next(iter(loader))` peek) in `_join` until the GM's linger ended,
+            # 2 s, or past its retries (lending lost for the run). Ours, gone without claiming it: not waited for.
+            starting = t.gm_pid == 0 and t.gm_alive() and not spawned_gone
+            unclaimed_and_empty = t.gm_pid == 0 and not t.active_rows() and not starting
             gm_gone = not t.gm_alive()  # dead, or silent for GM_SILENT_S (stopped, hung)
             orphaned = spawned_gone or unclaimed_and_empty or gm_gone
             if orphaned:  # nobody reclaims dead LMs' rows and rings if we do not
