@@ -384,6 +384,53 @@ def test_shards_written_by_webdatasets_shardwriter(folder, tmp_path):
     assert [ds[i] for i in range(len(folder))] == [folder[i] for i in range(len(folder))]
 
 
+def test_a_key_met_again_later_in_a_shard_is_another_sample_as_webdataset_reads_it(folder, tmp_path):
+    """Two class folders' `img_0001` written into one shard: four samples, in member order, as WebDataset's own
+    reader gives them (they were merged into two, the later copies' bytes at the first's places). An extension
+    twice in a row for one key is refused, naming the shard and the key."""
+    wds = pytest.importorskip("webdataset")
+    path = str(tmp_path / "dup.tar")
+    order = [("img_0001", 0), ("img_0002", 1), ("img_0001", 2), ("img_0002", 3)]
+    with tarfile.open(path, "w") as tar:
+        for key, i in order:
+            _add(tar, f"{key}.jpg", folder[i][0])
+            _add(tar, f"{key}.cls", str(i).encode())
+    ds = TarShards(path)
+    assert [ds[i] for i in range(len(ds))] == [(folder[i][0], i) for _, i in order]
+    theirs = [(s["jpg"], int(s["cls"])) for s in wds.WebDataset(path, shardshuffle=False, empty_check=False)]
+    assert [ds[i] for i in range(len(ds))] == theirs and ds.keys == [k for k, _ in order]
+    twice = str(tmp_path / "twice.tar")
+    with tarfile.open(twice, "w") as tar:
+        for name in ("a.jpg", "a.cls", "a.jpg"):
+            _add(tar, name, folder[0][0] if name.endswith("jpg") else b"0")
+    with pytest.raises(ShardError, match=r"twice.tar.*two 'jpg' members for sample 'a'"):
+        TarShards(twice)
+
+
+@pytest.mark.parametrize("kind", ["folder", "shards"])
+def test_relative_paths_read_the_same_files_from_a_process_in_another_directory(kind, tmp_path, monkeypatch):
+    """A dataset made with relative paths and sent to a process whose working directory is another (a worker
+    lent by a loader started elsewhere) reads the files it was made over, and the cache tells the two apart."""
+    from fusionflow.cache.attach import fingerprint
+
+    made, read = {}, {}
+    for where, seed in (("x", 1), ("y", 2)):  # the same relative names, other images
+        root = tmp_path / where
+        make_image_folder(str(root / "data"), num_classes=2, per_class=3, min_side=40, max_side=60, seed=seed)
+        monkeypatch.chdir(root)
+        if kind == "shards":
+            write_shards(ImageFolder("data"), "shards", per_shard=4)
+            made[where] = TarShards("shards/train-{000000..000001}.tar")
+        else:
+            made[where] = ImageFolder("data")
+        read[where] = [made[where][i] for i in range(len(made[where]))]
+        made[where] = pickle.dumps(made[where])  # (no descriptor kept open)
+    assert read["x"] != read["y"]
+    sent = pickle.loads(made["x"])  # read in y, the working directory now
+    assert [sent[i] for i in range(len(sent))] == read["x"]
+    assert fingerprint(sent) != fingerprint(pickle.loads(made["y"]))
+
+
 def test_wids_and_hugging_face_datasets_through_sample_keys(folder, shards, tmp_path):
     wids = pytest.importorskip("wids")
     datasets = pytest.importorskip("datasets")

@@ -26,7 +26,7 @@ class ImageFolder:
     def __init__(self, root: str, extensions: tuple[str, ...] = IMAGE_EXTENSIONS):
         if not os.path.isdir(root):
             raise ValueError(f"ImageFolder root {root!r} is not a directory")
-        self.root = root
+        self.root, self._base = root, os.getcwd()  # paths stay as given; read from here in any process (`_file`)
         self.classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
         if not self.classes:
             raise ValueError(f"ImageFolder root {root!r} has no class sub-directories (expected root/<class>/<image>)")
@@ -51,19 +51,19 @@ class ImageFolder:
                 UserWarning,
                 stacklevel=2,
             )
-        self._content = _content_of(self.paths, stats, self.targets)
+        self._content = _content_of(self.paths, stats, self.targets, self._base)
 
     @classmethod
     def of_samples(cls, root: str, samples, classes) -> ImageFolder:
         """The reader of a list of (path, class index), e.g. torchvision's `ImageFolder.samples`, in its order."""
         self, samples = cls.__new__(cls), list(samples)  # (an iterator is read once)
-        self.root, self.classes = root, list(classes)
+        self.root, self.classes, self._base = root, list(classes), os.getcwd()
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.paths = [os.fspath(p) for p, _ in samples]
         self.targets = [int(t) for _, t in samples]
         stats = [os.stat(p) for p in self.paths]
         self.sizes = [st.st_size for st in stats]
-        self._content = _content_of(self.paths, stats, self.targets)
+        self._content = _content_of(self.paths, stats, self.targets, self._base)
         return self
 
     def fingerprint(self) -> str:
@@ -71,23 +71,33 @@ class ImageFolder:
         modification time and class, as scanned. A file rewritten since, even at the same length, makes another."""
         content = getattr(self, "_content", None)  # (a subclass that skipped the scan: its files read now)
         if content is None:
-            content = _content_of(self.paths, [os.stat(p) for p in self.paths], self.targets)
+            files = [self._file(i) for i in range(len(self.paths))]
+            content = _content_of(self.paths, [os.stat(p) for p in files], self.targets, getattr(self, "_base", ""))
         return f"{len(self.paths)}:{content}"
 
     def __len__(self) -> int:
         return len(self.paths)
 
     def __getitem__(self, index: int) -> tuple[bytes, int]:
-        with open(self.paths[index], "rb") as f:
+        with open(self._file(index), "rb") as f:
             return f.read(), self.targets[index]
+
+    def _file(self, index: int) -> str:
+        """Sample `index`'s file, a relative path taken from the directory the dataset was made in: a worker lent by
+        another process (its own working directory) reads the same files."""
+        return os.path.join(getattr(self, "_base", ""), self.paths[index])
 
     def describe(self, index: int) -> str:
         return self.paths[index]
 
 
-def _content_of(paths, stats, targets) -> str:
-    """A digest of every file's path, size, modification time and class."""
-    lines = [f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n" for path, st, target in zip(paths, stats, targets)]
+def _content_of(paths, stats, targets, base: str) -> str:
+    """A digest of every file's path (relative ones from `base`: another directory's are other files), size,
+    modification time and class."""
+    base = base if any(not os.path.isabs(p) for p in paths) else ""  # (absolute ones: one cache from anywhere)
+    lines = [f"{base}\n"] + [
+        f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n" for path, st, target in zip(paths, stats, targets)
+    ]
     return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
 
 

@@ -115,7 +115,8 @@ class TarShards:
     """
 
     def __init__(self, shards, image_key="jpg", target_key="cls", index_dir: str | os.PathLike | None = None):
-        self.shards = expand_shards(shards)
+        # absolute: a worker lent by another process (its own working directory) opens these paths
+        self.shards = [os.path.abspath(p) for p in expand_shards(shards)]
         self.image_keys = _keys(image_key, "image_key")
         self.target_keys = None if target_key is None else _keys(target_key, "target_key")
         self.index_dir = None if index_dir is None else os.fspath(index_dir)
@@ -125,7 +126,7 @@ class TarShards:
         self._targets: list[tuple[int, int, str] | None] = []  # (offset, size, ext) of the target member
         for s, path in enumerate(self.shards):
             members = load_index(path, self.index_dir)
-            for key, exts in _samples(members):
+            for key, exts in _samples(members, path):
                 image = next((exts[k] for k in self.image_keys if k in exts), None)
                 if image is None:
                     raise ShardError(
@@ -239,17 +240,27 @@ def parse_target(data: bytes, ext: str):
     return data
 
 
-def _samples(members: list[list]) -> list[tuple[str, dict[str, tuple[int, int]]]]:
-    """Members (name, offset, size) in shard order -> [(key, {ext: (offset, size)})], in the order of
-    each key's first member."""
-    samples: dict[str, dict[str, tuple[int, int]]] = {}
+def _samples(members: list[list], path: str) -> list[tuple[str, dict[str, tuple[int, int]]]]:
+    """Members (name, offset, size) in shard order -> [(key, {ext: (offset, size)})]: a run of consecutive
+    members with one key is a sample, as WebDataset groups them, so a key met again later (two class folders'
+    `img_0001`) is another sample, not merged into the first. An extension twice in one run is refused (which
+    member is the sample's?), as WebDataset does."""
+    samples: list[tuple[str, dict[str, tuple[int, int]]]] = []
     for name, offset, size in members:
         parts = split_member(name)
         if parts is None:
             continue
         key, ext = parts
-        samples.setdefault(key, {})[ext.lower()] = (offset, size)
-    return list(samples.items())
+        if not samples or samples[-1][0] != key:
+            samples.append((key, {}))
+        exts, ext = samples[-1][1], ext.lower()
+        if ext in exts:
+            raise ShardError(
+                f"TarShards: shard {path!r} holds two {ext!r} members for sample {key!r} in a row ({name!r}); "
+                "each sample's members must have one name each"
+            )
+        exts[ext] = (offset, size)
+    return samples
 
 
 # ---- the index ---------------------------------------------------------------------------------------
