@@ -2,6 +2,7 @@
 exactly the batches -- indices and pixels -- the original yields after it, and the same epochs after."""
 
 import io
+import itertools
 import pickle
 import warnings
 
@@ -417,6 +418,75 @@ def test_a_state_taken_after_loading_and_set_epoch_keeps_the_position():
     got = batches(last)
     same_batches(got, rest)
     assert len(head) + len(got) == len(loader)
+
+
+@pytest.mark.parametrize("case", ["shuffle_generator", "custom_state_dict", "distributed"])
+def test_a_state_between_epochs_saved_again_after_loading_and_set_epoch_resumes_that_epoch(case):
+    """A state from an epoch's end, loaded, set_epoch(next), saved again before its first batch (a preemption at
+    the start of the resumed run): the run resumed from that gives the next epoch's order, not the first's."""
+    loader = make(case, 0, seed=5)
+    loader.set_epoch(0)
+    first = batches(loader)
+    state = loader.state_dict()
+    loader.set_epoch(1)
+    second = batches(loader)
+    fresh = make(case, 0)
+    fresh.load_state_dict(state)
+    fresh.set_epoch(1)
+    again = fresh.state_dict()
+    last = make(case, 0)
+    last.load_state_dict(again)
+    last.set_epoch(1)
+    same_batches(batches(last), second)
+    assert [y for _, y in first] != [y for _, y in second]
+
+
+class PositionKeeping(DistributedSampler):
+    """torchdata's StatefulDistributedSampler's documented behaviour: its state_dict() is its position in the epoch
+    (reset by iter()), and a loaded position makes the next iter() skip that many indices."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.yielded, self.next_yielded = 0, None
+
+    def __iter__(self):
+        self.yielded, self.next_yielded = self.next_yielded or 0, None
+        for index in itertools.islice(super().__iter__(), self.yielded, None):
+            self.yielded += 1
+            yield index
+
+    def state_dict(self):
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state):
+        self.next_yielded = state["yielded"]
+
+
+@pytest.mark.parametrize("k", [0, 3, None])
+def test_a_distributed_sampler_keeping_its_position_resumes_as_its_epoch_gives(k):
+    """Such a sampler's order is (seed, epoch)'s: resumed by its epoch, not by its state_dict (taken before iter(),
+    it held the previous epoch's count: the resumed epoch was empty; and the loader skips what was yielded itself)."""
+
+    def make_it():
+        sampler = PositionKeeping(DS, num_replicas=2, rank=0, shuffle=True, seed=3)
+        return FusionFlowLoader(DS, batch_size=3, sampler=sampler, policy=SMALL, seed=5)
+
+    loader = make_it()
+    loader.set_epoch(0)
+    batches(loader)
+    loader.set_epoch(1)
+    if k is None:  # between epochs 0 and 1
+        state, rest = loader.state_dict(), batches(loader)
+    else:
+        it = iter(loader)
+        head = [next(it) for _ in range(k)]
+        state, rest = loader.state_dict(), batches(it)
+        assert len(head) == k
+    fresh = make_it()
+    fresh.load_state_dict(state)
+    fresh.set_epoch(1)
+    same_batches(batches(fresh), rest)
+    assert rest
 
 
 class NoLength:

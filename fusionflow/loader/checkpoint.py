@@ -9,9 +9,11 @@ and what reproduces the epoch's order -- the sampler's state as it was *before* 
 batches already yielded (index lists only: nothing is read or decoded), so the sampler also ends
 the epoch in the state it would have had, and the following epochs are the same too.
 
-How the order is captured, by sampler (checked in this order):
+How the order is captured, by sampler (checked in this order; a DistributedSampler, or a subclass of it, is
+"epoch" even with a `state_dict()`: torchdata's StatefulDistributedSampler keeps its position in the epoch there,
+which would be skipped twice):
   * "state_dict": the batch sampler (if the user gave one) or the sampler has `state_dict()` and
-    `load_state_dict()` (e.g. torchdata's stateful samplers). Required of it: a `state_dict()` taken
+    `load_state_dict()`. Required of it: a `state_dict()` taken
     before `iter()` and loaded into a fresh instance makes `iter()` yield the same order, and the
     state is picklable. (A mid-epoch position inside the sampler's own state is not used: the loader
     runs ahead of the training loop by `prefetch_factor` batches, so it counts delivered batches itself.)
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.utils.data import (
+    DistributedSampler,
     RandomSampler,
 )
 
@@ -57,13 +60,16 @@ def order_owner(batch_sampler, sampler):
     """The object whose state decides the epoch's order, and how it is captured (see the module doc)."""
     if _stateful(batch_sampler):
         return batch_sampler, "state_dict"
+    epoch_ordered = callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int)
+    if isinstance(sampler, DistributedSampler) and epoch_ordered:  # its order is (seed, epoch)'s, whatever its
+        return sampler, "epoch"  # state_dict() holds (torchdata's StatefulDistributedSampler: its position)
     if _stateful(sampler):
         return sampler, "state_dict"
     if isinstance(sampler, RandomSampler) and sampler.generator is None:
         return sampler, "random_seed"
     if isinstance(getattr(sampler, "generator", None), torch.Generator):
         return sampler, "generator"
-    if callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int):
+    if epoch_ordered:
         return sampler, "epoch"
     return sampler, "none"
 
@@ -320,6 +326,13 @@ class Checkpoint:
             return copy.deepcopy({**self.loaded, **shape, "seed": seed})
         if not in_epoch or cur.start is None:  # (iter() called, its first batch not yet drawn)
             self._redraw(batch_sampler, sampler)  # so the state captured is the one the next epoch draws from
+        # a loaded state not yet drawn from (load_state_dict, then set_epoch): the next epoch draws from it, not from
+        # the sampler's live state (a fresh generator's: the resumed run's next epoch repeated the first's order)
+        pending = self.resume[0] if self.resume is not None else None
+        if in_epoch and cur.start is not None:
+            order = cur.start
+        else:
+            order = pending if pending is not None else capture(batch_sampler, sampler, draws_first)
         return {
             "version": VERSION,
             **shape,
@@ -329,9 +342,7 @@ class Checkpoint:
             "iterations": self.iterations,
             "batches_yielded": cur.yielded if in_epoch else None,
             "batches_drawn": [cur.drawn, cur.drawn_all] if in_epoch else None,
-            "sampler": (
-                cur.start if in_epoch and cur.start is not None else capture(batch_sampler, sampler, draws_first)
-            ),
+            "sampler": copy.deepcopy(order),
         }
 
     def load_state_dict(self, state: dict, shape: dict, batch_sampler, sampler) -> None:
