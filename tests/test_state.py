@@ -489,6 +489,22 @@ def test_a_distributed_sampler_keeping_its_position_resumes_as_its_epoch_gives(k
     assert rest
 
 
+@pytest.mark.parametrize("started", [False, True])
+def test_a_seedless_loader_saved_before_its_first_batch_resumes_with_the_pixels_its_generator_gives(started):
+    """seed=None with generator=: the augmentation seed is the first epoch's draw from that generator. A state taken
+    before it is drawn (after construction, or after iter()) records it, so a loader resumed from the state with a
+    generator seeded otherwise (a new process's) renders the saved run's pixels, not its own generator's."""
+    loader = make("shuffle_generator", 0, seed=None, generator=torch.Generator().manual_seed(11))
+    it = iter(loader) if started else None
+    state = loader.state_dict()
+    want = batches(it if started else loader)
+    fresh = make("shuffle_generator", 0, seed=None, generator=torch.Generator().manual_seed(22))
+    fresh.load_state_dict(state)
+    got = batches(fresh)
+    same_batches(got, want)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(got, want)) and fresh.seed == loader.seed == state["seed"]
+
+
 class NoLength:
     """A batch sampler without __len__ (DataLoader iterates it; len(loader) raises as DataLoader's does)."""
 

@@ -44,7 +44,7 @@ from torch.utils.data import (
     RandomSampler,
 )
 
-from fusionflow.runtime.spec import base_seed
+from fusionflow.runtime.spec import base_seed, next_base_seed
 
 VERSION = 1
 # what an epoch-ordered sampler's (DistributedSampler's) order follows besides its epoch: a state fits one alike
@@ -324,6 +324,9 @@ class Checkpoint:
         warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
         if self.loaded is not None:  # taken right after load_state_dict (a save at start-up): that state again
             return copy.deepcopy({**self.loaded, **shape, "seed": seed})
+        if seed is None and draws_first is not None and self.resume is None:  # seed=None, none drawn yet: the one
+            seed = next_base_seed(draws_first)  # the first epoch will draw from the generator, so a resumed loader's
+            # pixels are this run's whatever its own generator's seed (it draws from that before the order's restored)
         if not in_epoch or cur.start is None:  # (iter() called, its first batch not yet drawn)
             self._redraw(batch_sampler, sampler)  # so the state captured is the one the next epoch draws from
         # a loaded state not yet drawn from (load_state_dict, then set_epoch): the next epoch draws from it, not from
