@@ -9,8 +9,10 @@ stage times and trace spans per actor. Skipped only when ray is not installed.""
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -375,20 +377,83 @@ def test_a_gateway_that_takes_nothing_from_its_socket_is_killed_not_waited_for(m
 
 
 @pytest.mark.ray
-def test_close_removes_the_session_folder_of_the_ray_instance_it_started(monkeypatch):
+@pytest.mark.parametrize("ctrl_c", [False, True])
+def test_close_removes_the_session_folder_of_the_ray_instance_it_started(monkeypatch, ctrl_c):
     """A loader whose gateway started a private Ray instance (none runs in this process) leaves no session folder
-    (its logs and sockets, tens of MB) under /tmp/ray after close(); every run left one until session 39."""
+    (its logs and sockets, tens of MB) under /tmp/ray after close(); every run left one until session 39. A Ctrl-C
+    while close() waits for the gateway to stop leaves none either (it skipped the removal until session 43)."""
     from fusionflow import RayWorkers
 
     monkeypatch.setenv("PYTHONPATH", PYTHONPATH)  # the instance's actors import the tests' dataset
 
-    with _loader(Bytes(16), RayWorkers(1)) as loader:
-        collect(loader)
-        session = loader._manager.board.kinds[0]._gw.link.session_dir
-        assert session and os.path.isdir(session)
+    loader = _loader(Bytes(16), RayWorkers(1))
+    collect(loader)
+    link = loader._manager.board.kinds[0]._gw.link
+    session = link.session_dir
+    assert session and os.path.isdir(session)
+    if ctrl_c:
+        wait = link.proc.wait
+
+        def interrupted(timeout=None):
+            if timeout is not None:  # the stop's grace wait: the user presses Ctrl-C there
+                raise KeyboardInterrupt
+            return wait()
+
+        monkeypatch.setattr(link.proc, "wait", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            loader.close()
+    loader.close()
     assert not os.path.exists(session)
     latest = os.path.join(os.path.dirname(session), "session_latest")
     assert not (os.path.islink(latest) and os.path.basename(os.readlink(latest)) == os.path.basename(session))
+
+
+STARTING = r"""
+import os, time
+from test_loader import SMALL, Bytes
+from fusionflow import FusionFlowLoader, RayWorkers
+
+class SlowOnActors(Bytes):  # an actor's first read (its start-up probe) takes 4 s: the gateway is still starting
+    def __getitem__(self, i):
+        if os.getpid() != MAIN:
+            time.sleep(4)
+        return super().__getitem__(i)
+
+MAIN = os.getpid()
+loader = FusionFlowLoader(SlowOnActors(16), batch_size=8, num_workers=1, policy=SMALL, remote_workers=RayWorkers(1))
+next(iter(loader))
+"""
+
+
+@pytest.mark.ray
+def test_a_training_process_ended_while_its_ray_workers_start_leaves_no_session_folder(tmp_path, monkeypatch):
+    """SIGTERM while the gateway waits for its actors: its report of the start-up met a closed socket (two
+    tracebacks on the user's terminal) and the private instance's folder was left for good."""
+    import signal
+
+    _ray()
+    script = tmp_path / "starting.py"
+    script.write_text(STARTING)
+    short = tempfile.mkdtemp(prefix="ff-ray-")  # (Ray's socket paths must stay under 108 bytes: not tmp_path)
+    folders = os.path.join(short, "ray", "session_2*")
+    env = {**os.environ, "PYTHONPATH": PYTHONPATH, "RAY_TMPDIR": short}
+    proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=HERE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while not glob.glob(folders) and time.time() < deadline:
+            time.sleep(0.05)
+        assert glob.glob(folders), "the gateway's instance never started"
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+        deadline = time.time() + 120
+        while glob.glob(folders) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not glob.glob(folders), "the instance's session folder was left"
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def _sessions() -> set:

@@ -38,7 +38,7 @@ from multiprocessing.connection import wait as mp_wait
 
 from fusionflow.remote.link import remove_session_dir
 from fusionflow.remote.pulse import ACTOR_SHARE, CALL_FACTOR, Pulse, call_deadline, find_raylet, running_mean
-from fusionflow.runtime.procs import parent_gone
+from fusionflow.runtime.procs import parent_gone, parent_gone_within
 
 WATCHDOG_S = 0.5
 MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
@@ -378,17 +378,17 @@ def main(argv) -> int:
 
         try:
             conn.send_bytes(m.pack_control(m.EVENT, _error(exc)))
-        finally:
+        except OSError:  # the loader is gone (a SIGTERM or SIGKILL while its Ray workers started): its folder is ours
             if gateway is not None:
-                gateway.shutdown()
+                gateway.orphaned = parent_gone_within(parent_pid, 5.0)
+        if gateway is not None:
+            gateway.shutdown()
+            remove_session_dir(gateway.session_dir if gateway.orphaned else None)  # (else its loader's to remove)
         return 1
     try:
         gateway.serve()
     except (EOFError, OSError):  # the loader's end closed without a STOP: its process is ending (SIGTERM, SIGKILL)
-        deadline = time.monotonic() + 5.0  # (this process is re-parented once the loader's has exited)
-        while not (gone := parent_gone(parent_pid)) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        gateway.orphaned = gone
+        gateway.orphaned = parent_gone_within(parent_pid, 5.0)
     finally:
         gateway.shutdown()
         ring.close()

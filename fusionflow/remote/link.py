@@ -162,7 +162,8 @@ class GatewayLink:
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             log.warning("remote_workers: the Ray gateway did not stop within %.0f s; killing it", grace)
-        self.kill()
+        finally:  # a Ctrl-C in the wait too: the gateway told to stop leaves its session folder to us
+            self.kill()
 
     def kill(self) -> None:
         """SIGKILL the gateway (if it still runs) and every process of its session; reap it."""

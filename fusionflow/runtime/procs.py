@@ -58,6 +58,14 @@ def parent_gone(parent_pid: int) -> bool:
     return os.getppid() != parent_pid and not pid_alive(parent_pid)
 
 
+def parent_gone_within(parent_pid: int, seconds: float) -> bool:
+    """`parent_gone`, waited for up to `seconds` (a process ending: its children are re-parented once it has exited)."""
+    deadline = time.monotonic() + seconds
+    while not (gone := parent_gone(parent_pid)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return gone
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` runs; False once it has exited, including as a zombie its parent has not
     reaped yet (it will never release anything again)."""
