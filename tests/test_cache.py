@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import numpy as np
 import pytest
@@ -394,6 +395,34 @@ def test_a_keeper_that_exits_removes_its_record_and_lock_file():
     while (pid_alive(pid) or made & set(os.listdir(folder))) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not pid_alive(pid) and not made & set(os.listdir(folder))
+
+
+def test_a_loader_interrupted_while_its_keeper_starts_leaves_no_record_or_lock_file(monkeypatch):
+    """A Ctrl-C while the loader waits for a new keeper's "ok": the keeper found the pipe closed and died without
+    removing its record and lock file (its "ok" was written outside its exit's cleanup)."""
+    folder = userdir.directory()
+
+    def interrupted(r, w, x, timeout=None):  # the user presses Ctrl-C before the keeper is ready
+        raise KeyboardInterrupt
+
+    before = set(os.listdir(folder))
+    monkeypatch.setattr(keeper, "select", types.SimpleNamespace(select=interrupted))  # (the keeper module's only)
+    loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache())
+    with pytest.raises(KeyboardInterrupt):
+        next(iter(loader))
+    loader.close()
+
+    def record():
+        new = [f for f in set(os.listdir(folder)) - before if f.startswith("cache-") and f.endswith(".json")]
+        return keeper._read(f"{folder}/{new[0]}") if new else None
+
+    deadline = time.monotonic() + 60
+    while (rec := record()) is None and time.monotonic() < deadline:  # the keeper starts after all, and says so
+        time.sleep(0.02)
+    assert rec is not None, "the keeper never wrote its record"
+    while (pid_alive(rec["pid"]) or set(os.listdir(folder)) - before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(rec["pid"]) and not set(os.listdir(folder)) - before
 
 
 def test_a_stopped_keeper_is_killed_by_its_last_loader_and_replaced_by_the_next(caplog):

@@ -521,6 +521,17 @@ def test_a_loader_that_leaves_before_its_gm_starts_does_not_hold_the_next_one_ou
     assert wait_until(lambda: not os.path.exists("/dev/shm" + gt.table_name(name)), timeout=30)  # the GM left
 
 
+def test_the_gm_a_loader_spawned_is_reaped_when_it_exits_after_the_loader_closed():
+    """The GM outlives its loaders by its linger: its Popen was dropped at close() while it ran (a ResourceWarning
+    under python -X dev) and it stayed a zombie child of the training process."""
+    name = job()
+    a = make(Bytes(8), name)
+    collect(a)
+    pid = gm_pid_of(gt.table_name(name))
+    a.close()
+    assert wait_until(lambda: not os.path.exists(f"/proc/{pid}"), timeout=60), "the GM is left a zombie"
+
+
 def test_lender_shutting_down_mid_loan_loses_nothing_at_the_borrower():
     """The lender stops its lent worker (its own loader closes) while the worker serves the borrower:
     the borrower re-runs whatever that worker had queued, and does not count it as a death (the

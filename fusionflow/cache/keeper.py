@@ -219,9 +219,9 @@ def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, ad
     except BaseException as exc:
         os.write(w, f"{type(exc).__name__}: {exc}".encode())
         os._exit(1)
-    os.write(w, b"ok")
-    os.close(w)
-    try:
+    try:  # (the "ok" too: a loader interrupted while it waited for it closed the pipe, and the record is ours)
+        os.write(w, b"ok")
+        os.close(w)
         _serve(listener, secret, seg, entries)
     finally:
         _leave(listener, record)

@@ -30,6 +30,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -304,8 +305,8 @@ class GMLink:
             if gm_gone:
                 self._end_silent_gm(t.gm_pid)
         t.close()
-        if self.gm_proc is not None:
-            self.gm_proc.poll()  # reap it if it has exited
+        if self.gm_proc is not None and self.gm_proc.poll() is None:  # it lingers for the job's next loader: reaped
+            threading.Thread(target=self.gm_proc.wait, name="fusionflow-gm-reaper", daemon=True).start()  # as it exits
 
     def _end_silent_gm(self, pid: int) -> bool:
         """The last loader out of a job whose GM is stopped or fell silent (hung) ends it: a stopped
