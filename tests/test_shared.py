@@ -656,8 +656,8 @@ def test_a_client_whose_producer_was_stopped_gets_its_last_word_and_serve_ends_o
         it = iter(c)
         next(it)
         producer.send_signal(signal.SIGTERM)
-        assert jobs.wait(producer) == 130, jobs.dump()
-        with pytest.raises(SharedLoaderError, match=r"failed: KeyboardInterrupt: signal SIGTERM"):
+        assert jobs.wait(producer) == 143, jobs.dump()  # (the shell's status for SIGTERM)
+        with pytest.raises(SharedLoaderError, match=r"Stopped: stopped by SIGTERM"):
             for _ in it:
                 pass
     assert not os.path.exists(rendezvous.path_of(jobs.name)), "the record outlived a SIGTERMed serve"

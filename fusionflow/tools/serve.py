@@ -93,9 +93,9 @@ def main(argv=None) -> int:
                     f"({n / dt:.0f} img/s)",
                     flush=True,
                 )
-    except KeyboardInterrupt:
-        print("interrupted: the clients were told the producer stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or a Stopped signal: the shell's status for it (130, 143)
+        print(f"{e if isinstance(e, Stopped) else 'interrupted'}: the clients were told", file=sys.stderr)
+        return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     except SampleError as e:  # the clients were told it failed, and why
         return failed_sample("python -m fusionflow serve", e)
     return 0
@@ -138,5 +138,13 @@ def _check(ap, a) -> bool:
     return is_shards
 
 
+class Stopped(KeyboardInterrupt):
+    """The producer stopped by a signal (SIGTERM: kill, docker stop, scancel); its clients are told so."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
 def _interrupted(signum, frame):
-    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+    raise Stopped(signum)
