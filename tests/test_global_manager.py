@@ -499,6 +499,7 @@ def test_a_loader_that_leaves_before_its_gm_starts_does_not_hold_the_next_one_ou
         return got
 
     monkeypatch.setattr(gt.Tables, "register", counted)
+    monkeypatch.setattr(link, "GM_START_S", 600.0)  # (b waits for its held GM as long as the test holds it)
     name = job()
     a = make(Bytes(8), name, persistent_workers=False)
     try:

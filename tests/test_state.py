@@ -462,6 +462,19 @@ class PositionKeeping(DistributedSampler):
         self.next_yielded = state["yielded"]
 
 
+def test_a_distributed_sampler_whose_state_is_more_than_its_position_is_resumed_by_that_state():
+    """Only a position (torchdata's `yielded`) is left to the epoch: a subclass whose state_dict holds its order's
+    state keeps it as the order's state."""
+    from fusionflow.loader.checkpoint import order_owner
+
+    class OwnOrder(PositionKeeping):
+        def state_dict(self):
+            return {"yielded": self.yielded, "permutation_seed": 7}
+
+    keeping, own = (cls(DS, num_replicas=2, rank=0) for cls in (PositionKeeping, OwnOrder))
+    assert order_owner(None, keeping)[1] == "epoch" and order_owner(None, own)[1] == "state_dict"
+
+
 @pytest.mark.parametrize("k", [0, 3, None])
 def test_a_distributed_sampler_keeping_its_position_resumes_as_its_epoch_gives(k):
     """Such a sampler's order is (seed, epoch)'s: resumed by its epoch, not by its state_dict (taken before iter(),

@@ -152,7 +152,7 @@ class CacheRendering:
             return None
         try:
             img, source = decode_reduced(data, self.max_side, what, max_pixels)
-        except DecodeError:
+        except Exception:  # the sample's own fault, or another: the uncached path renders or reports it
             return None
         return img, source, False
 

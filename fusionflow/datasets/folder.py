@@ -26,7 +26,7 @@ class ImageFolder:
     def __init__(self, root: str, extensions: tuple[str, ...] = IMAGE_EXTENSIONS):
         if not os.path.isdir(root):
             raise ValueError(f"ImageFolder root {root!r} is not a directory")
-        self.root, self._base = root, os.getcwd()  # paths stay as given; read from here in any process (`_file`)
+        self.root, self._base = root, _cwd()  # paths stay as given; read from here in any process (`_file`)
         self.classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
         if not self.classes:
             raise ValueError(f"ImageFolder root {root!r} has no class sub-directories (expected root/<class>/<image>)")
@@ -57,7 +57,7 @@ class ImageFolder:
     def of_samples(cls, root: str, samples, classes) -> ImageFolder:
         """The reader of a list of (path, class index), e.g. torchvision's `ImageFolder.samples`, in its order."""
         self, samples = cls.__new__(cls), list(samples)  # (an iterator is read once)
-        self.root, self.classes, self._base = root, list(classes), os.getcwd()
+        self.root, self.classes, self._base = root, list(classes), _cwd()
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.paths = [os.fspath(p) for p, _ in samples]
         self.targets = [int(t) for _, t in samples]
@@ -89,6 +89,14 @@ class ImageFolder:
 
     def describe(self, index: int) -> str:
         return self.paths[index]
+
+
+def _cwd() -> str:
+    """The working directory, or "" where it was removed (absolute paths still read; relative ones cannot)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return ""
 
 
 def _content_of(paths, stats, targets, base: str) -> str:

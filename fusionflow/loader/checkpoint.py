@@ -9,9 +9,9 @@ and what reproduces the epoch's order -- the sampler's state as it was *before* 
 batches already yielded (index lists only: nothing is read or decoded), so the sampler also ends
 the epoch in the state it would have had, and the following epochs are the same too.
 
-How the order is captured, by sampler (checked in this order; a DistributedSampler, or a subclass of it, is
-"epoch" even with a `state_dict()`: torchdata's StatefulDistributedSampler keeps its position in the epoch there,
-which would be skipped twice):
+How the order is captured, by sampler (checked in this order; a DistributedSampler whose `state_dict()` holds only
+its position in the epoch -- torchdata's StatefulDistributedSampler: `yielded` -- is "epoch": that position, taken
+before `iter()`, was the previous epoch's count, and the loader skips what it yielded itself):
   * "state_dict": the batch sampler (if the user gave one) or the sampler has `state_dict()` and
     `load_state_dict()`. Required of it: a `state_dict()` taken
     before `iter()` and loaded into a fresh instance makes `iter()` yield the same order, and the
@@ -49,6 +49,7 @@ from fusionflow.runtime.spec import base_seed, next_base_seed
 VERSION = 1
 # what an epoch-ordered sampler's (DistributedSampler's) order follows besides its epoch: a state fits one alike
 EPOCH_SAMPLER_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
+POSITION_KEYS = {"yielded", "next_yielded"}  # a state_dict of these is a place in an epoch (torchdata's samplers)
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -56,13 +57,21 @@ def _stateful(obj) -> bool:
     return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
 
 
+def _position_only(sampler) -> bool:
+    """A stateful sampler whose state_dict() is only its position in the epoch (the loader counts that itself)."""
+    if not _stateful(sampler):
+        return True
+    state = sampler.state_dict()
+    return isinstance(state, dict) and set(state) <= POSITION_KEYS
+
+
 def order_owner(batch_sampler, sampler):
     """The object whose state decides the epoch's order, and how it is captured (see the module doc)."""
     if _stateful(batch_sampler):
         return batch_sampler, "state_dict"
     epoch_ordered = callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int)
-    if isinstance(sampler, DistributedSampler) and epoch_ordered:  # its order is (seed, epoch)'s, whatever its
-        return sampler, "epoch"  # state_dict() holds (torchdata's StatefulDistributedSampler: its position)
+    if epoch_ordered and isinstance(sampler, DistributedSampler) and _position_only(sampler):  # its order is (seed,
+        return sampler, "epoch"  # epoch)'s; its state_dict, its place in it (torchdata's StatefulDistributedSampler)
     if _stateful(sampler):
         return sampler, "state_dict"
     if isinstance(sampler, RandomSampler) and sampler.generator is None:

@@ -46,7 +46,7 @@ class LoaderRuntime:
         one is forgotten (its workers and thread are the other process's) and a new one starts."""
         if self._box[3] != os.getpid():
             self.manager = self._box[0] = self._box[2] = None
-            self._box[3], self._cache_tried = os.getpid(), False
+            self._box[3], self._cache_tried, self._spec = os.getpid(), False, None  # (the spec holds the cache's side)
         if self.manager is not None:
             return self.manager
         cfg = config
@@ -169,7 +169,7 @@ class LoaderRuntime:
         """Shut everything down, the allocator bridge and the cache attachment too (the loader may start
         again after)."""
         self.manager = None
-        self._cache_tried = False
+        self._cache_tried, self._spec = False, None  # the next start attaches the cache (and makes the spec) anew
         shutdown_runtime(self._box, self.stats)
 
 
