@@ -19,9 +19,10 @@ from stopped_holder import held_by_a_stopped_process
 from fusionflow import DecodedCache, DecodeError, SharedMemoryError
 from fusionflow.cache import keeper
 from fusionflow.cache.config import parse_size
-from fusionflow.cache.reader import CacheReader, CacheRendering
+from fusionflow.cache.reader import CacheReader
 from fusionflow.cache.store import CacheStore
 from fusionflow.loader import FusionFlowLoader
+from fusionflow.ops.cached import CacheRendering
 from fusionflow.ops.pipeline import CpuPipeline
 from fusionflow.runtime import userdir
 from fusionflow.runtime.procs import is_stopped, pid_alive

@@ -214,7 +214,7 @@ def test_a_lent_worker_renders_the_borrowers_samples_as_the_borrower_renders_the
     borrower's samples as the borrower's own workers do -- from the cache's resolution when the borrower has
     a cache (the lender's worker has no store of it), uncached when only the lender has one."""
     from fusionflow import DecodedCache
-    from fusionflow.cache.reader import CacheRendering
+    from fusionflow.ops.cached import CacheRendering
 
     name, ds = job(), Bytes(40, sleep=0.04)
     cache = DecodedCache("16MB", max_side=28, fill_share=None)  # below most images' sides

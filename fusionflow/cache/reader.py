@@ -131,36 +131,3 @@ class CacheReader:
 
     def hit_time(self, ns: int) -> None:
         self.row[st.R_HIT_NS] += ns
-
-
-class CacheRendering:
-    """The cache's rendering without its store, for a process that cannot reach the node's cache (a Ray
-    actor, on any node; a worker lent by a rank whose loader has another spec): each encoded sample is decoded
-    at the cache's resolution and cropped from there, as a fill does, so its pixels are those the loader's own
-    workers give a cached sample, wherever it runs (docs/cache.md, Repeatability). Nothing is kept or counted."""
-
-    crops = None
-    broken = None
-
-    def __init__(self, max_side: int):
-        self.max_side = max_side
-
-    def source(self, data, index: int, what=None, max_pixels: int | None = None):
-        """(image at the cache's resolution, (source h, w), False), or None: not encoded, or the sample's own
-        fault (the uncached path reports it)."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            return None
-        try:
-            img, source = decode_reduced(data, self.max_side, what, max_pixels)
-        except Exception:  # the sample's own fault, or another: the uncached path renders or reports it
-            return None
-        return img, source, False
-
-    def kept_crop(self, index: int, d):
-        return None
-
-    def keep_crop(self, index: int, d, arr) -> None:
-        pass
-
-    def hit_time(self, ns: int) -> None:
-        pass

@@ -11,7 +11,8 @@ by Pillow. Only the resampling differs from the uncached fast mode; experiments/
 measures by how much, tests/test_cache.py bounds it.
 
 The lookups and fills are fusionflow/cache/reader.py's (the pipeline gets its `CacheReader` as
-`cache=`); this module holds the image work only.
+`cache=`); this module holds the image work only, and `CacheRendering`: that work without a store, the `cache=`
+of a process that cannot reach the node's cache (a Ray actor, a lent worker of another spec).
 """
 
 from __future__ import annotations
@@ -97,3 +98,36 @@ def crop_cached(img: np.ndarray, source, box, out_size, resample: str = "bilinea
         return resample_box(sub, sub_box, out_h, out_w)
     pil = Image.fromarray(np.ascontiguousarray(sub))
     return np.asarray(pil.resize((out_w, out_h), _PIL_FILTERS[resample], box=sub_box, reducing_gap=None))
+
+
+class CacheRendering:
+    """The cache's rendering without its store, for a process that cannot reach the node's cache (a Ray
+    actor, on any node; a worker lent by a rank whose loader has another spec): each encoded sample is decoded
+    at the cache's resolution and cropped from there, as a fill does, so its pixels are those the loader's own
+    workers give a cached sample, wherever it runs (docs/cache.md, Repeatability). Nothing is kept or counted."""
+
+    crops = None
+    broken = None
+
+    def __init__(self, max_side: int):
+        self.max_side = max_side
+
+    def source(self, data, index: int, what=None, max_pixels: int | None = None):
+        """(image at the cache's resolution, (source h, w), False), or None: not encoded, or the sample's own
+        fault (the uncached path reports it)."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            return None
+        try:
+            img, source = decode_reduced(data, self.max_side, what, max_pixels)
+        except Exception:  # the sample's own fault, or another: the uncached path renders or reports it
+            return None
+        return img, source, False
+
+    def kept_crop(self, index: int, d):
+        return None
+
+    def keep_crop(self, index: int, d, arr) -> None:
+        pass
+
+    def hit_time(self, ns: int) -> None:
+        pass

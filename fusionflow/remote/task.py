@@ -18,7 +18,7 @@ class RemoteTask:
         """`seeding`: (base_seed, worker id, num_workers), as a local worker's (its RNGs and torch's worker info,
         then `worker_init_fn`); `stages`: the stage names to time per sample (fusionflow/ops/stages.py), or None;
         `cache_side`: the loader's decoded-image cache's max_side (its rendering, without its store), or None."""
-        from fusionflow.cache.reader import CacheRendering
+        from fusionflow.ops.cached import CacheRendering
         from fusionflow.ops.pipeline import CpuPipeline
         from fusionflow.runtime.worker import seed_as_dataloader
 

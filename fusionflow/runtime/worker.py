@@ -157,7 +157,7 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
     """(dataset, pipeline) for the borrower's spec: this worker's own, one it served before, or the
     one it asks the borrower for (NEED -> SPEC); None if that cannot be set up (FATAL sent) or the
     borrower answered RETURN (it is closing)."""
-    from fusionflow.cache.reader import CacheRendering
+    from fusionflow.ops.cached import CacheRendering
     from fusionflow.ops.pipeline import CpuPipeline
 
     if spec_hash == home[2]:
