@@ -106,9 +106,6 @@ class CacheRendering:
     at the cache's resolution and cropped from there, as a fill does, so its pixels are those the loader's own
     workers give a cached sample, wherever it runs (docs/cache.md, Repeatability). Nothing is kept or counted."""
 
-    crops = None
-    broken = None
-
     def __init__(self, max_side: int):
         self.max_side = max_side
 
