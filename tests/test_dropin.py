@@ -353,6 +353,54 @@ def test_a_torchvision_imagefolder_with_its_transform_is_the_whole_change(tmp_pa
         FusionFlowLoader(ds, batch_size=4)
 
 
+def _folder(tmp_path, n=9):
+    for k, data in enumerate(make_jpegs(n, 60, 140, seed=5)):
+        os.makedirs(tmp_path / f"c{k % 3}", exist_ok=True)
+        (tmp_path / f"c{k % 3}" / f"{k}.jpg").write_bytes(data)
+    return str(tmp_path)
+
+
+def test_a_subset_of_a_torchvision_imagefolder_is_adopted_with_its_indices(tmp_path):
+    """Subset(ImageFolder(root, transform)) (a train/val split) ran the transform in the dataset, then the default
+    policy on its output: 224 px out of a 32 px transform. Now the folder is adopted under the same indices."""
+    import torchvision
+
+    tf = v2.Compose([v2.Resize(40), v2.CenterCrop(32), v2.PILToTensor()])
+    split = torch.utils.data.Subset(torchvision.datasets.ImageFolder(_folder(tmp_path), tf), [7, 1, 4, 2, 8])
+    want = [(x.shape, y.tolist()) for x, y in DataLoader(split, batch_size=2)]
+    with pytest.warns(UserWarning, match="augmenting with its transform"):
+        loader = FusionFlowLoader(split, batch_size=2)
+    assert loader.dataset is split
+    with loader:
+        assert [(x.shape, y.tolist()) for x, y in loader] == want
+
+
+def test_a_torchvision_folder_s_transform_that_would_run_before_fusionflow_s_is_refused(tmp_path):
+    """Each of these ran the folder's transform in the dataset and FusionFlow's policy on its output (cropped
+    twice), or skipped a subclass's own __getitem__, silently."""
+    import torchvision
+
+    tf = v2.Compose([v2.Resize(40), v2.CenterCrop(32), v2.PILToTensor()])
+    root = _folder(tmp_path)
+
+    class WithPaths(torchvision.datasets.ImageFolder):
+        def __getitem__(self, index):
+            return (*super().__getitem__(index), self.samples[index][0])
+
+    with pytest.raises(ValueError, match="ImageFolder with a transform, and policy=: .*augmenting twice"):
+        FusionFlowLoader(torchvision.datasets.ImageFolder(root, tf), batch_size=2, policy="default")
+    with pytest.raises(ValueError, match="WithPaths with its own __getitem__ and a transform"):
+        FusionFlowLoader(WithPaths(root, tf), batch_size=2)
+    both = torch.utils.data.ConcatDataset([torchvision.datasets.ImageFolder(root, tf)] * 2)
+    with pytest.raises(ValueError, match="ConcatDataset holding a torchvision ImageFolder with a transform"):
+        FusionFlowLoader(both, batch_size=2, policy="default")
+    with FusionFlowLoader(WithPaths(root), batch_size=3, policy=EXACT) as loader:  # no transform: read as it is
+        images, labels, paths = next(iter(loader))
+        assert images.shape == (3, 3, 24, 24) and len(paths) == 3 and paths[0].endswith(".jpg")
+    with pytest.raises(TypeError, match=r"policy=fusionflow.policy_from_transform\(it\)"):
+        FusionFlowLoader(WithPaths(root), batch_size=2, policy=tf)
+
+
 # ---------------------------------------------------------------- DataLoader's whole signature
 def test_every_dataloader_argument_is_taken_with_dataloaders_default():
     """A script's DataLoader(...) call, any keyword of it, works with FusionFlowLoader unchanged."""

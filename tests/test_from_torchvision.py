@@ -390,3 +390,61 @@ def test_what_is_not_torchvision_is_named():
         V1.Compose([V1.RandomResizedCrop(224, interpolation=V1.InterpolationMode.BICUBIC)])
     )
     assert v1_bicubic.crop_interpolation == "bicubic"
+
+
+def test_antialias_none_is_refused_where_the_resize_sees_tensors():
+    """torchvision does not antialias a tensor resized with antialias=None: read as antialiased, its pixels
+    were 6-10 levels off on average. On the PIL path antialias is ignored, so None reads as True there."""
+    import torchvision.transforms as V1
+
+    for M in (T, V1):
+        for crop in (M.RandomResizedCrop(64, antialias=None), M.Resize(72, antialias=None)):
+            steps = [crop] + ([M.CenterCrop(64)] if isinstance(crop, M.Resize) else [])
+            with pytest.raises(ValueError, match="antialias=None on tensors"):
+                policy_from_transform([M.PILToTensor(), *steps])
+            on_pil = policy_from_transform([*steps, M.PILToTensor()])
+            crop.antialias = True
+            assert on_pil == policy_from_transform([*steps, M.PILToTensor()])
+
+
+def test_subclasses_and_containers_that_do_more_are_refused_not_read_as_torchvision_s():
+    """A v2 subclass was read as the stock transform (its own behaviour dropped), and any object holding
+    `.transforms` was opened, whatever its call returned (two views became one)."""
+
+    class InvertingFlip(T.RandomHorizontalFlip):
+        def transform(self, inpt, params):
+            return F.invert(super().transform(inpt, params))
+
+    class TwoViews:
+        def __init__(self, transforms):
+            self.transforms = transforms
+
+        def __call__(self, img):
+            return self.transforms(img), self.transforms(img)
+
+    class Logged(T.Compose):
+        def forward(self, *inputs):
+            print("augmenting")
+            return super().forward(*inputs)
+
+    for pipeline, says in (
+        ([T.RandomResizedCrop(64), InvertingFlip(1.0)], r"transform 1 \(.*subclass of torchvision's RandomHorizontalF"),
+        (TwoViews(T.Compose([T.RandomResizedCrop(64)])), r"its call does more than `return self.transforms\(img\)`"),
+        (Logged([T.RandomResizedCrop(64)]), "transform 0 .*subclass of torchvision's Compose"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            policy_from_transform(pipeline)
+
+
+def test_a_v2_random_apply_of_a_v1_jitter_reads_as_its_v2_twin():
+    import torchvision.transforms as V1
+
+    mixed = policy_from_transform([T.RandomResizedCrop(64), T.RandomApply([V1.ColorJitter(0.4, 0.4)], p=0.8)])
+    assert mixed == policy_from_transform([T.RandomResizedCrop(64), T.RandomApply([T.ColorJitter(0.4, 0.4)], p=0.8)])
+
+
+def test_odd_arguments_are_named_not_crashed_on():
+    with pytest.raises(ValueError, match=r"transform 0 \(Resize.*max_size"):
+        policy_from_transform([T.Resize(None, max_size=64), T.PILToTensor()])
+    with pytest.raises(ValueError, match="transform 2 .*a policy has one grayscale step"):
+        policy_from_transform([T.RandomResizedCrop(64), T.RandomGrayscale(0.2), T.Grayscale(3)])

@@ -279,6 +279,24 @@ def test_timm_s_torch_datasets_load_as_timm_loads_them(singles, kind):
         create_loader(dressed, SIZE, 8, **kw)
 
 
+def test_a_torchvision_folder_with_its_own_getitem_is_read_through_it(singles):
+    """A DatasetFolder subclass overriding __getitem__ was read as its files: its own reads (here targets moved
+    by 10) never ran. It is now read item by item, as timm's loader reads it."""
+    import torchvision
+
+    class Shifted(torchvision.datasets.ImageFolder):
+        def __getitem__(self, index):
+            image, target = super().__getitem__(index)
+            return image, target + 10
+
+    kw = dict(is_training=False, num_workers=0, device=CPU)
+    ours = create_loader(Shifted(singles), SIZE, 8, **kw)
+    with ours.fusionflow:
+        mine = [y.tolist() for _, y in ours]
+    assert mine == [y.tolist() for _, y in timm_create_loader(Shifted(singles), SIZE, 8, **kw)]
+    assert min(min(ys) for ys in mine) >= 10
+
+
 def test_evaluation_decodes_exactly_as_timm_and_training_fast_unless_asked(singles, tmp_path):
     """Eval pixels are timm's (Pillow's decode and resize; accuracy comparable with timm's) even where fast mode's
     DCT-scaled decoding would read 33-50 dB from them (a 4-10x shrink); training decodes fast; `decode=` chooses."""

@@ -58,6 +58,7 @@ def torch_samples(dataset):
     except ImportError:
         return dataset
     files = isinstance(dataset, DatasetFolder) and dataset.loader in (default_loader, pil_loader)
+    files = files and type(dataset).__getitem__ is DatasetFolder.__getitem__  # else its own reads
     if files and dataset.target_transform is None:
         from fusionflow.datasets.folder import ImageFolder
 

@@ -20,40 +20,86 @@ log = logging.getLogger("fusionflow.loader")
 
 def adopt_folder(dataset, policy):
     """(dataset, policy) as the loader uses them: a torchvision ImageFolder / DatasetFolder with a
-    transform and no `policy=` becomes FusionFlow's reader of the same files (same order and
-    targets) with `policy_from_transform(dataset.transform)`, said in one log line -- so replacing
-    DataLoader by FusionFlowLoader is the whole change. Anything else passes through."""
+    transform and no `policy=` (in a Subset too) becomes FusionFlow's reader of the same files (same order
+    and targets) with `policy_from_transform(dataset.transform)`, said in one warning -- so replacing
+    DataLoader by FusionFlowLoader is the whole change. A folder's transform that FusionFlow would run
+    before its own policy (augmenting twice) is refused: with `policy=`, in a ConcatDataset, or in a
+    subclass with its own __getitem__. Anything else passes through."""
     try:
         from torchvision.datasets import DatasetFolder
-        from torchvision.datasets.folder import default_loader, pil_loader
     except ImportError:
         return dataset, policy
-    if policy is not None or not isinstance(dataset, DatasetFolder) or dataset.transform is None:
+    folder, subsets = dataset, []
+    while isinstance(folder, torch.utils.data.Subset):
+        subsets.append(folder.indices)
+        folder = folder.dataset
+    if not isinstance(folder, DatasetFolder) or folder.transform is None:
+        _refuse_transformed_parts(dataset, DatasetFolder)
         return dataset, policy
-    name = type(dataset).__name__
-    if dataset.target_transform is not None:
+    name = type(folder).__name__
+    if policy is not None:
+        raise ValueError(
+            f"dataset: a torchvision {name} with a transform, and policy=: its transform would run before the "
+            "policy (augmenting twice). Set the dataset's transform=None (FusionFlow reads its files), or leave "
+            "out policy= to use the transform as the policy"
+        )
+    adopted_set, adopted = _adopted(folder, name, DatasetFolder)
+    for indices in reversed(subsets):
+        adopted_set = torch.utils.data.Subset(adopted_set, indices)
+    return adopted_set, adopted
+
+
+def _adopted(folder, name: str, DatasetFolder):
+    """(FusionFlow's ImageFolder of `folder`'s files, the policy of its transform), or ValueError saying why not."""
+    from torchvision.datasets.folder import default_loader, pil_loader
+
+    if type(folder).__getitem__ is not DatasetFolder.__getitem__:
+        raise ValueError(
+            f"dataset: a torchvision {name} with its own __getitem__ and a transform: FusionFlow reads the files "
+            "itself and would not run your __getitem__; set its transform=None and pass policy= (FusionFlow then "
+            "augments what __getitem__ returns), or pass fusionflow.ImageFolder(root) and policy="
+        )
+    if folder.target_transform is not None:
         raise ValueError(
             f"dataset: a torchvision {name} with a target_transform: FusionFlow reads the files itself and "
             "delivers class indices; apply the target transform in collate_fn, or pass fusionflow.ImageFolder(root) "
             "and policy="
         )
-    if dataset.loader not in (default_loader, pil_loader):
+    if folder.loader not in (default_loader, pil_loader):
         raise ValueError(
-            f"dataset: a torchvision {name} with its own loader {dataset.loader!r}: FusionFlow decodes the files "
+            f"dataset: a torchvision {name} with its own loader {folder.loader!r}: FusionFlow decodes the files "
             "itself; pass fusionflow.ImageFolder(root) and policy="
         )
     from fusionflow.datasets.folder import ImageFolder
     from fusionflow.policy.from_torchvision import policy_from_transform
 
-    adopted = policy_from_transform(dataset.transform)  # raises, naming the transform, when not expressible
+    adopted = policy_from_transform(folder.transform)  # raises, naming the transform, when not expressible
     warnings.warn(  # visible in a script that never configures logging; Python shows it once per call site
-        f"fusionflow: reading the {len(dataset.samples)} files of torchvision {name} {dataset.root!r} itself, "
+        f"fusionflow: reading the {len(folder.samples)} files of torchvision {name} {folder.root!r} itself, "
         f"augmenting with its transform (policy_from_transform: output {'x'.join(map(str, adopted.size))}, "
         f"augment {adopted.augment.type}); pass policy= to choose the augmentation yourself",
         UserWarning,
-        stacklevel=3,
+        stacklevel=4,
     )
-    return ImageFolder.of_samples(dataset.root, dataset.samples, dataset.classes), adopted
+    return ImageFolder.of_samples(folder.root, folder.samples, folder.classes), adopted
+
+
+def _refuse_transformed_parts(dataset, DatasetFolder) -> None:
+    """A ConcatDataset (in Subsets, nested) holding a torchvision folder with a transform: FusionFlow would
+    augment that transform's output again, so say how to give the files instead."""
+    parts = [dataset]
+    while parts:
+        part = parts.pop()
+        if isinstance(part, torch.utils.data.Subset):
+            parts.append(part.dataset)
+        elif isinstance(part, torch.utils.data.ConcatDataset):
+            parts.extend(part.datasets)
+        elif part is not dataset and isinstance(part, DatasetFolder) and part.transform is not None:
+            raise ValueError(
+                f"dataset: a {type(dataset).__name__} holding a torchvision {type(part).__name__} with a transform: "
+                "FusionFlow would augment that transform's output again. Set each part's transform=None and pass "
+                "policy= (e.g. fusionflow.policy_from_transform(the transform))"
+            )
 
 
 def resolve_samples(dataset, sample_keys, read_ahead, num_workers: int = 0) -> tuple[tuple | None, int | None]:

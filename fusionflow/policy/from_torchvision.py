@@ -44,6 +44,7 @@ from typing import Any
 from fusionflow.policy import timm_transforms
 from fusionflow.policy.schema import Policy, parse_policy
 from fusionflow.policy.torchvision_tables import INTERPOLATIONS, augment_section, mode_name
+from fusionflow.policy.tv_flatten import as_v2, flatten, unreadable
 from fusionflow.policy.tv_sections import RANDOM_APPLY, blur_section, grayscale_p, jitter_section
 
 _TENSOR_STEPS = ("PILToTensor", "ToImage", "ToDtype", "ConvertImageDtype", "Normalize", "RandomErasing", "ToPureTensor")
@@ -55,7 +56,7 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
     decode.mode ("fast", the default, or "exact" for torchvision's pixels to the bit)."""
     import torchvision.transforms.v2 as T
 
-    originals = _flatten(transform)
+    originals = flatten(transform)
     where = lambda k: f"policy_from_transform: transform {k} ({_describe(originals[k])})"  # noqa: E731
 
     def fail(k: int, why: str):
@@ -63,17 +64,19 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
 
     steps, read = [], []
     for k, t in enumerate(originals):
-        v2 = timm_transforms.convert(t, lambda why, k=k: fail(k, why)) if timm_transforms.is_timm(t) else _as_v2(t)
+        v2 = timm_transforms.convert(t, lambda why, k=k: fail(k, why)) if timm_transforms.is_timm(t) else as_v2(t)
         if v2 is None:
-            fail(k, _unreadable(t))
+            fail(k, unreadable(t))
         steps += v2
         read += [t] * len(v2)  # error messages name the transform as the caller wrote it
     originals = read
     # the tensor backend converts first (torchvision's recipe, --backend tensor); FusionFlow decodes
     # itself and computes every op with the PIL backend's arithmetic either way
+    tensors = False  # the crop's resize sees tensors: antialias=None then means none (torchvision's rule)
     while steps and type(steps[0]).__name__ in ("PILToTensor", "ToImage"):
         steps.pop(0)
         originals.pop(0)
+        tensors = True
     cfg: dict[str, Any] = {"decode": {"mode": decode}, "augment": {"type": "none"}}
     if not steps:
         raise ValueError(
@@ -81,7 +84,7 @@ def policy_from_transform(transform: Any, decode: str = "fast") -> Policy:
             "(training) or Resize + CenterCrop (evaluation) to fix the output size"
         )
 
-    pos = _read_crop(steps, T, cfg, fail)  # 1. the crop, which fixes the output size
+    pos = _read_crop(steps, T, cfg, fail, tensors)  # 1. the crop, which fixes the output size
     size = tuple(cfg["output"]["size"])
 
     pos = _read_colour_steps(steps, pos, cfg, T)  # 2. flips, colour jitter, grayscale
@@ -126,7 +129,7 @@ def _read_colour_steps(steps, pos: int, cfg: dict, T, flips: bool = True) -> int
     return pos
 
 
-def _read_crop(steps, T, cfg: dict, fail) -> int:
+def _read_crop(steps, T, cfg: dict, fail, tensors: bool) -> int:
     """The pipeline's first step(s): RandomResizedCrop, or Resize + CenterCrop, into cfg's output and
     crop; returns the index of the next step."""
     pos, trim = 0, None
@@ -148,15 +151,15 @@ def _read_crop(steps, T, cfg: dict, fail) -> int:
         cfg["crop"] = {k: t.cfg[k] for k in ("scale", "ratio", "interpolation")}
         pos += 1
     elif isinstance(t, T.RandomResizedCrop):
-        mode = _check_resize_mode(t, fail, pos)
+        mode = _check_resize_mode(t, fail, pos, tensors)
         cfg["output"] = {"size": list(t.size)}
         cfg["crop"] = {"scale": [float(v) for v in t.scale], "ratio": [float(v) for v in t.ratio]}
         cfg["crop"]["interpolation"] = mode
         pos += 1
     elif isinstance(t, T.Resize):
-        mode = _check_resize_mode(t, fail, pos)
+        mode = _check_resize_mode(t, fail, pos, tensors)
         cropped = pos + 1 < len(steps) and isinstance(steps[pos + 1], T.CenterCrop)
-        if len(t.size) not in (1, 2) or t.max_size is not None or (not cropped and len(t.size) == 1):
+        if t.size is None or len(t.size) not in (1, 2) or t.max_size is not None or (not cropped and len(t.size) == 1):
             fail(
                 pos,
                 "only Resize(int) (the shorter side) + CenterCrop (a batch needs one size), or Resize((h, w)) "
@@ -184,8 +187,13 @@ def _misplaced(t, name: str) -> str | None:
 
     if name in ("RandomChoice", "RandomOrder"):
         return f"torchvision's {name} has no FusionFlow equivalent (a policy's stages run in a fixed order)"
-    if name == "Grayscale":
+    if name == "Grayscale" and t.num_output_channels != 3:
         return "only Grayscale(num_output_channels=3) is expressible (FusionFlow's output has three channels)"
+    if name in ("Grayscale", "RandomGrayscale"):
+        return (
+            "a policy has one grayscale step, after the crop's flips and ColorJitter (or right after the "
+            "augmentation, timm's order): this one is a second, or out of that order"
+        )
     if name == "RandomApply" and jitter_section(t, T) is None and blur_section(t, T) is None:
         return RANDOM_APPLY
     if name not in _TENSOR_STEPS:
@@ -258,95 +266,8 @@ def _read_tensor_steps(steps, pos: int, cfg: dict, fail) -> None:
             }
 
 
-def _flatten(transform) -> list:
-    """The pipeline as a flat list of transforms: a Compose (v1 or v2, nested ones opened), a list, a
-    recipe preset holding its Compose in `.transforms` (torchvision's ClassificationPresetTrain/Eval),
-    weights.transforms() (ImageClassification: Resize + CenterCrop + float + Normalize), or one transform."""
-    import torch
-    import torchvision.transforms as T1
-    import torchvision.transforms.v2 as T
-    from torchvision.transforms._presets import ImageClassification
-
-    if isinstance(transform, (list, tuple)):
-        return [t for part in transform for t in _flatten(part)]
-    if isinstance(transform, (T.Compose, T1.Compose)):
-        return _flatten(list(transform.transforms))
-    if isinstance(transform, ImageClassification):
-        return [
-            T.Resize(list(transform.resize_size), transform.interpolation, antialias=transform.antialias),
-            T.CenterCrop(list(transform.crop_size)),
-            T.PILToTensor(),
-            T.ToDtype(torch.float32, scale=True),
-            T.Normalize(list(transform.mean), list(transform.std)),
-        ]
-    if type(transform) in {getattr(mod, n) for mod in (T, T1) for n in ("RandomApply", "RandomChoice", "RandomOrder")}:
-        return [transform]  # random containers: read (RandomApply([ColorJitter])) or refused, never opened
-    inner = getattr(transform, "transforms", None)
-    if isinstance(inner, (T.Compose, T1.Compose, list, tuple)):  # a preset object wrapping its pipeline
-        return _flatten(inner)
-    return [transform]
-
-
-def _as_v2(t) -> list | None:
-    """[t] for a v2 transform; for a torchvision.transforms (v1) one, the v2 transform(s) with the same
-    parameters (ToTensor: PILToTensor + ToDtype(float32, scale=True)); None for anything else."""
-    import torch
-    import torchvision.transforms as T1
-    import torchvision.transforms.v2 as T
-
-    if isinstance(t, T.Transform):
-        return [t]
-    name = type(t).__name__
-    if type(t) is not getattr(T1, name, None):
-        return None  # a lambda, a subclass, another library's class: its behaviour may differ
-    if name == "RandomApply":
-        inner = [_as_v2(u) for u in t.transforms]
-        return None if None in inner else [T.RandomApply([u for part in inner for u in part], t.p)]
-    convert = {
-        "RandomResizedCrop": lambda: T.RandomResizedCrop(t.size, t.scale, t.ratio, t.interpolation, t.antialias),
-        "Resize": lambda: T.Resize(t.size, t.interpolation, t.max_size, t.antialias),
-        "CenterCrop": lambda: T.CenterCrop(t.size),
-        "RandomHorizontalFlip": lambda: T.RandomHorizontalFlip(t.p),
-        "RandomVerticalFlip": lambda: T.RandomVerticalFlip(t.p),
-        "GaussianBlur": lambda: T.GaussianBlur(t.kernel_size, t.sigma),
-        "ColorJitter": lambda: T.ColorJitter(t.brightness, t.contrast, t.saturation, t.hue),
-        "RandomGrayscale": lambda: T.RandomGrayscale(t.p),
-        "Grayscale": lambda: T.Grayscale(t.num_output_channels),
-        "RandAugment": lambda: T.RandAugment(t.num_ops, t.magnitude, t.num_magnitude_bins, t.interpolation, t.fill),
-        "TrivialAugmentWide": lambda: T.TrivialAugmentWide(t.num_magnitude_bins, t.interpolation, t.fill),
-        "AutoAugment": lambda: T.AutoAugment(t.policy, t.interpolation, t.fill),
-        "AugMix": lambda: T.AugMix(
-            t.severity, t.mixture_width, t.chain_depth, t.alpha, t.all_ops, t.interpolation, t.fill
-        ),
-        "PILToTensor": lambda: T.PILToTensor(),
-        "ConvertImageDtype": lambda: T.ConvertImageDtype(t.dtype),
-        "Normalize": lambda: T.Normalize(  # a scalar too: timm's create_transform makes a 0-d tensor of mean=0.5
-            *(torch.as_tensor(v, dtype=torch.float64).view(-1).tolist() for v in (t.mean, t.std))
-        ),
-        "RandomErasing": lambda: T.RandomErasing(t.p, t.scale, t.ratio, t.value),
-    }
-    if name == "ToTensor":
-        return [T.PILToTensor(), T.ToDtype(torch.float32, scale=True)]
-    return [convert[name]()] if name in convert else None
-
-
 def _part(t, role: str) -> bool:
     return isinstance(t, timm_transforms.TimmPart) and t.role == role
-
-
-def _unreadable(t) -> str:
-    import torchvision.transforms as T1
-    import torchvision.transforms.v2 as T
-
-    name = type(t).__name__
-    if name == "RandomApply" and type(t) in (T1.RandomApply, T.RandomApply):
-        return RANDOM_APPLY
-    if type(t) in (getattr(T1, name, None), getattr(T, name, None)) and name != "Lambda":
-        return f"torchvision's {name} has no FusionFlow equivalent"
-    return (
-        "is not a torchvision or timm transform FusionFlow can read; build the pipeline from "
-        "torchvision.transforms(.v2) or timm.data classes (lambdas and other callables cannot be read)"
-    )
 
 
 def _describe(t) -> str:
@@ -354,18 +275,20 @@ def _describe(t) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-def _check_resize_mode(t, fail, k: int) -> str:
+def _check_resize_mode(t, fail, k: int, tensors: bool) -> str:
     """The crop's / Resize's interpolation as a policy names it. FusionFlow decodes and resizes with
     Pillow's filters, which always antialias (torchvision's PIL path ignores antialias=False too):
-    an explicit antialias=False with bilinear or bicubic asks for the tensor backend's other pixels."""
+    an explicit antialias=False with bilinear or bicubic asks for the tensor backend's other pixels, as
+    antialias=None does where the resize sees tensors (`tensors`: after a leading PILToTensor / ToImage)."""
     mode = mode_name(t.interpolation)
     if mode not in INTERPOLATIONS:
         fail(k, f"interpolation={mode!r}: the crop resizes with one of {', '.join(INTERPOLATIONS)}")
-    if t.antialias is False and mode != "nearest":
+    if (t.antialias is False or (tensors and t.antialias is None)) and mode != "nearest":
         fail(
             k,
-            f"interpolation={mode!r}, antialias=False: FusionFlow's crop resize is Pillow's antialiased filter "
-            "(torchvision's PIL path, and its default). Use antialias=True, or keep this transform on torchvision",
+            f"interpolation={mode!r}, antialias={t.antialias}{' on tensors' if tensors else ''}: FusionFlow's crop "
+            "resize is Pillow's antialiased filter (torchvision's PIL path, and its default). Use antialias=True, "
+            "or keep this transform on torchvision",
         )
     return mode
 

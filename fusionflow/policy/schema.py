@@ -360,7 +360,8 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
     if isinstance(path_or_dict, Mapping):
         return parse_policy(path_or_dict, "<dict>")
     if not isinstance(path_or_dict, (str, os.PathLike)):
-        raise TypeError(f"policy must be a path, a mapping or a Policy, got {type(path_or_dict).__name__}")
+        hint = "; for a transform pipeline use policy=fusionflow.policy_from_transform(it)" * callable(path_or_dict)
+        raise TypeError(f"policy must be a path, a mapping or a Policy, got {type(path_or_dict).__name__}{hint}")
     path = os.fspath(path_or_dict)
     if not os.path.exists(path):
         shipped = _shipped_config(path)
