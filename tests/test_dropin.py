@@ -4,6 +4,7 @@ DataLoader's contract, warnings instead of errors where DataLoader warns, raw-sa
 The reference is DataLoader itself, over a dataset that runs torchvision's pipeline with the same
 per-sample draws (tests/tv_reference.py), so "the same recipe" is checked end to end."""
 
+import collections
 import io
 import os
 
@@ -679,6 +680,88 @@ def test_a_collate_fn_gets_samples_shaped_as_the_dataset_gave_them():
     assert seen[0][0] == ("Tensor", "int", "str")
     assert list(FusionFlowLoader(BareImages(), batch_size=8, policy=EXACT, collate_fn=keep)) == [8, 8, 5]
     assert seen[-1][0] == ("Tensor",)
+
+
+Sample = collections.namedtuple("Sample", "image label")
+Sample3 = collections.namedtuple("Sample3", "image label key")
+
+
+class Named(Raw):
+    """Items as namedtuples (DataLoader's default_collate keeps their class: batch.label)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+
+    def __getitem__(self, i):
+        return self.kind(JPEGS[i], i % NUM_CLASSES, *([i * 10] if self.kind is Sample3 else []))
+
+
+class TorchvisionNamed(Torchvision):
+    def __init__(self, kind, *args):
+        super().__init__(*args)
+        self.kind = kind
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return self.kind(x, y, *([i * 10] if self.kind is Sample3 else []))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_namedtuple_samples_are_batched_as_their_namedtuple_as_dataloader_batches_them(num_workers):
+    """A namedtuple item lost its class: batch.label raised AttributeError on FusionFlow's list."""
+    for kind in (Sample, Sample3):
+        ff = list(FusionFlowLoader(Named(kind), batch_size=6, num_workers=num_workers, policy=EXACT, seed=3))
+        dl = list(DataLoader(TorchvisionNamed(kind, EXACT, 3), batch_size=6))
+        assert len(ff) == len(dl) == 4
+        for got, want in zip(ff, dl):
+            assert type(got) is type(want) is kind and got._fields == want._fields
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+    seen = []
+    list(FusionFlowLoader(Named(Sample3), batch_size=8, policy=EXACT, collate_fn=seen.extend))
+    assert type(seen[0]) is Sample3 and seen[0].key == 0 and seen[1].label == 1
+
+
+class WithPrefetch(Raw):
+    """A dataset's own attribute named `prefetch` (a flag here): FusionFlow called it with the indices."""
+
+    prefetch = True
+
+
+class WithSizes(Raw):
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_s_own_prefetch_and_odd_sizes_are_not_taken_for_fusionflow_s(num_workers):
+    """`prefetch` is ReadAhead's (read_ahead=) alone: a user's flag of that name killed every worker. `sizes` that
+    are not one encoded size per sample (w, h pairs, too few, a method) failed the epoch with a bare TypeError or
+    IndexError; they are now ignored with a warning naming them."""
+    got = [y for _, y in FusionFlowLoader(WithPrefetch(), batch_size=6, num_workers=num_workers, policy=EXACT)]
+    assert torch.cat(got).tolist() == [i % NUM_CLASSES for i in range(len(JPEGS))]
+    for bad in ([(64, 48)] * len(JPEGS), [10] * (len(JPEGS) - 3), WithSizes.__init__, [float("nan")] * len(JPEGS)):
+        with pytest.warns(UserWarning, match="WithSizes.sizes is .*ignored"):
+            loader = FusionFlowLoader(WithSizes(bad), batch_size=6, num_workers=2, policy=EXACT, shuffle=True)
+            assert sorted(torch.cat([y for _, y in loader]).tolist()) == sorted(i % NUM_CLASSES for i in range(21))
+        from fusionflow.loader import dataset
+
+        dataset._warned_sizes.clear()
+
+
+class Locked(Raw):
+    def __init__(self):
+        import threading
+
+        self.lock = threading.Lock()
+
+
+def test_a_dataset_that_cannot_be_pickled_for_spawned_workers_is_named():
+    """Under spawn, the bare error named `_thread.lock`, not the dataset, nor what to do."""
+    with pytest.raises(TypeError, match=r"the dataset \(Locked\) cannot be pickled .*cannot pickle '_thread.lock'"):
+        list(FusionFlowLoader(Locked(), batch_size=6, num_workers=1, policy=EXACT, multiprocessing_context="spawn"))
+    with pytest.raises(TypeError, match=r"the worker_init_fn \(function\) cannot be pickled .*local object"):
+        list(FusionFlowLoader(Raw(), batch_size=6, num_workers=1, policy=EXACT, multiprocessing_context="spawn",
+                              worker_init_fn=lambda wid: None))  # fmt: skip
 
 
 class Ragged(Raw):

@@ -477,6 +477,43 @@ def test_busy_workers_of_a_killed_training_process_stop_within_seconds():
                 os.kill(p, signal.SIGKILL)
 
 
+class WritesAsItReads(Bytes):
+    """Sample 9's read writes a file over 1 s (a dataset filling its own cache as it reads); `begun/` and `done/`
+    say which reads started and which returned."""
+
+    def __init__(self, folder):
+        super().__init__(24)
+        self.folder = folder
+
+    def __getitem__(self, i):
+        open(os.path.join(self.folder, f"begun-{i}"), "w").close()
+        if i == 9:
+            with open(os.path.join(self.folder, "cache-9"), "w") as f:
+                for _ in range(10):
+                    f.write("x" * 100)
+                    f.flush()
+                    time.sleep(0.1)
+        open(os.path.join(self.folder, f"done-{i}"), "w").close()
+        return super().__getitem__(i)
+
+
+def test_an_iteration_ended_early_lets_the_read_in_hand_finish(tmp_path, no_leaks):
+    """A `break` SIGTERMed busy workers at once, in the middle of dataset[i]: a file the read was writing was left
+    cut (then read back as a corrupt image). As DataLoader lets a fetch finish, the read in hand now returns first."""
+    ds = WritesAsItReads(str(tmp_path))
+    loader = FusionFlowLoader(ds, batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=4, shuffle=False)
+    it = iter(loader)
+    next(it)
+    deadline = time.monotonic() + 60
+    while not os.path.exists(tmp_path / "begun-9") and time.monotonic() < deadline:  # the read of 1 s in hand
+        time.sleep(0.01)
+    del it
+    loader.close()
+    assert os.path.getsize(tmp_path / "cache-9") == 1000
+    begun = {n.split("-")[1] for n in os.listdir(tmp_path) if n.startswith("begun-")}
+    assert begun == {n.split("-")[1] for n in os.listdir(tmp_path) if n.startswith("done-")}
+
+
 def test_a_child_the_script_forks_leaves_the_parents_workers_alone_when_it_exits():
     """A process the script forks (a helper of its own) that exits normally: multiprocessing's exit hook in it
     SIGTERMed every daemon process it had inherited a record of -- the parent's workers, which the parent then

@@ -252,6 +252,15 @@ def test_dict_samples_through_sample_keys(folder, style, keys):
     assert DictSamples(DictDataset(folder, style), keys[0])[4] == (folder[4][0], None)
 
 
+def test_a_dict_sample_s_cls_is_an_int_only_as_a_shard_s_is():
+    """b"+-3" passed DictSamples' digit check and raised int()'s ValueError; as TarShards reads it: the bytes."""
+    from fusionflow.datasets.shards import parse_target
+
+    for raw in (b"3", b" 7\n", b"-2", b"+4", b"+-3", b"--5", b"1.5", b"cat"):
+        got = DictSamples([{"jpg": b"x", "cls": raw}], "jpg", "cls")[0][1]
+        assert got == parse_target(raw, "cls"), raw
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("keys", [("jpg",), "jpg"])
 def test_samples_without_targets_deliver_the_same_images_and_none(folder, keys, num_workers):

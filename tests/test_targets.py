@@ -199,3 +199,18 @@ def test_collated_targets_move_to_the_device_structure_kept():
     collated = {"y": torch.tensor([1.0]), "p": Pair(torch.tensor([2]), ("s", "t")), "l": [torch.tensor([3])]}
     moved = _map_tensors(collated, lambda t: t + 10)
     same(moved, {"y": torch.tensor([11.0]), "p": Pair(torch.tensor([12]), ("s", "t")), "l": [torch.tensor([13])]})
+
+
+def test_namedtuple_targets_bound_for_another_job_lose_only_a_class_it_cannot_import():
+    """A SharedLoader's client is another script: a namedtuple class of the producer's __main__ is not there."""
+    import collections
+
+    from fusionflow.runtime import targets as ff_targets
+
+    local = collections.namedtuple("Local", "image label")
+    local.__module__ = "__main__"
+    kept = ff_targets.Fields(torch.utils.data.Subset, (1,))  # any importable class stands for one
+    gone = ff_targets.Fields(local, (2, "x"))
+    out = ff_targets.for_other_jobs([kept, gone, 3])
+    assert out[0] is kept and type(out[1]) is ff_targets.Columns and tuple(out[1]) == (2, "x") and out[2] == 3
+    assert ff_targets.for_other_jobs(None) is None

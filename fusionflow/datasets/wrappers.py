@@ -6,6 +6,7 @@ dataset's `sizes` and `describe` over, and return encoded samples, never decoded
 from __future__ import annotations
 
 import os
+import re
 
 
 class DictSamples:
@@ -98,7 +99,7 @@ def _target_value(value):
     value = _file_bytes(value)
     if isinstance(value, (bytes, bytearray, memoryview)):
         text = bytes(value).strip()
-        if text.lstrip(b"+-").isdigit():
+        if re.fullmatch(rb"[+-]?\d+", text):  # as TarShards reads a .cls (datasets/shards.py parse_target)
             return int(text)
         return bytes(value)
     return value
@@ -168,3 +169,10 @@ class ReadAhead:
         state = self.__dict__.copy()
         state["_pool"], state["_pending"] = None, {}
         return state
+
+
+def start_reads(dataset, indices) -> None:
+    """Start the reads of a tiny-batch's samples when `dataset` is the loader's ReadAhead (`read_ahead=`); a
+    user dataset's own `prefetch`, whatever it is, is not FusionFlow's to call."""
+    if isinstance(dataset, ReadAhead):
+        dataset.prefetch(indices)

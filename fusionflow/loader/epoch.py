@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fusionflow.datasets.wrappers import start_reads
 from fusionflow.errors import EmptyBatch, FusionFlowError, SampleError
 from fusionflow.loader.delivery import torch_rank_world
 from fusionflow.runtime import targets as ff_targets
@@ -327,9 +328,7 @@ class InlineIterator(EpochIterator):
         t0 = time.perf_counter()
         check_batch(indices, cfg.capacity)
         failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
-        prefetch = getattr(self.dataset, "prefetch", None)  # fusionflow.datasets.wrappers.ReadAhead
-        if prefetch is not None:
-            prefetch(indices)
+        start_reads(self.dataset, indices)  # read_ahead=
         for pos, (index, copy) in enumerate(zip(indices, self._copies(indices))):
             failure = run_sample(
                 self.dataset, self._pipe, pos, index, copy, cfg.seed, self.epoch, buf, labels, side, self._clock

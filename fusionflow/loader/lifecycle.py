@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from fusionflow.loader.dataset import encoded_sizes
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.spec import RuntimeSpec, base_seed
@@ -76,7 +77,7 @@ class LoaderRuntime:
         self.manager = self._box[0] = LocalManager(
             self.dataset,
             spec,
-            sizes=getattr(self.dataset, "sizes", None),
+            sizes=encoded_sizes(self.dataset),
             lend_spec=self._lending_spec(cfg),
             counters=self.stats,
             trace=self.tracing.recorder,

@@ -8,12 +8,13 @@ import contextlib
 import logging
 import multiprocessing.process
 import os
+import pickle
 import signal
 import sys
 import threading
 import time
 
-from fusionflow.runtime.shm import on_foreign_fork
+from fusionflow.runtime.shm import forking_ours, on_foreign_fork
 
 log = logging.getLogger(__name__)
 
@@ -229,3 +230,33 @@ def kill_session(sid: int, wait_s: float = 5.0) -> list[int]:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
         time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def starting_worker(dataset, spec):
+    """Around a CPU worker process's start (WorkerPool.start_worker): OpenCV quiet for the fork, a Ctrl-C
+    deferred until the worker is listed, the fork marked FusionFlow's own, pickling errors named."""
+    with opencv_quiet_for_fork(), interrupts_deferred(), forking_ours(), pickling_named(dataset, spec):
+        yield
+
+
+@contextlib.contextmanager
+def pickling_named(dataset, spec):
+    """Around a worker's start by spawn or forkserver: a pickling error of its arguments names which of the
+    dataset, the policy and the worker_init_fn cannot be pickled and how to fix it (the bare error named an
+    attribute deep inside, or a lambda, and not what was passed). Other errors pass unchanged."""
+    try:
+        yield
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        parts = {"dataset": dataset, "policy": spec.policy, "worker_init_fn": spec.worker_init_fn}
+        for name, value in parts.items():
+            try:
+                pickle.dumps(value)
+            except Exception as why:
+                raise TypeError(
+                    f"the {name} ({type(value).__name__}) cannot be pickled for workers started by spawn or "
+                    f"forkserver ({type(why).__name__}: {why}): open files, locks and handles in __getitem__ rather "
+                    "than __init__, define classes and functions at module level (no lambdas or local ones), or "
+                    "use multiprocessing_context='fork'"
+                ) from exc
+        raise

@@ -4,11 +4,41 @@ num_workers=0 (`FusionFlowLoader`'s inline iteration) -- so both report failures
 
 from __future__ import annotations
 
+import os
+import signal
 import traceback
 
 from fusionflow.errors import exception_attributes
 from fusionflow.runtime import targets
 from fusionflow.runtime.messages import SampleFailure
+
+_READ = [False, False]  # [this process is inside dataset[i], a SIGTERM came meanwhile]: end_after_read
+
+
+def end_after_read(signum=None, frame=None) -> None:
+    """A CPU worker's SIGTERM handler (an iteration that ended early ends its busy workers): inside dataset[i]
+    the process ends as soon as the read returns -- a dataset that writes a file, a cache entry or a transaction
+    as it reads is not cut in the middle, as DataLoader lets a fetch finish -- elsewhere at once, as SIGTERM's
+    default does (the stop's grace, then SIGKILL, bounds a read that does not return)."""
+    if _READ[0]:
+        _READ[1] = True
+    else:
+        _terminate()
+
+
+def _terminate() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _read(dataset, index: int):
+    _READ[0] = True
+    try:
+        return dataset[index]
+    finally:
+        _READ[0] = False
+        if _READ[1]:
+            _terminate()
 
 
 def describe(dataset, index: int) -> str:
@@ -23,12 +53,15 @@ def describe(dataset, index: int) -> str:
 
 def split_item(item, index: int):
     """(sample, target): the target as the dataset gave it (runtime/targets.py says how it travels); for an
-    item of several targets, (sample, a, b, ...), the target `Columns((a, b, ...))`; for a bare sample (an
+    item of several targets, (sample, a, b, ...), the target `Columns((a, b, ...))` (`Fields` for a namedtuple,
+    which keeps its class); for a bare sample (an
     image alone: bytes, an array or tensor, a PIL image) `NO_TARGET`. Batches take the shape back."""
     if isinstance(item, dict):
         from fusionflow.datasets.wrappers import dict_sample_error
 
         raise dict_sample_error(item, index)
+    if targets.is_namedtuple(item) and len(item) >= 2:  # a namedtuple keeps its class
+        return item[0], targets.Fields(type(item), item[1:])
     if isinstance(item, (tuple, list)):
         if len(item) == 2:
             return item[0], item[1]
@@ -63,7 +96,7 @@ def run_sample(
     try:
         if clock is not None:
             clock.start()
-        sample, target = split_item(dataset[index], index)
+        sample, target = split_item(_read(dataset, index), index)
         if clock is not None:
             clock("read")
         pipe(sample, index, seed, epoch, out=images[pos], what=describe(dataset, index), tick=clock, copy=copy)

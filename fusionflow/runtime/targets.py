@@ -39,6 +39,26 @@ class Columns(tuple):
         return Columns, (tuple(self),)
 
 
+class Fields:
+    """A sample's targets when dataset[i] was a namedtuple (sample, a, ...): its class `kind` and (a, ...),
+    delivered as default_collate delivers namedtuples -- kind(images, a's, ...) -- and given to a collate_fn
+    as kind(image, a, ...)."""
+
+    __slots__ = ("kind", "values")
+
+    def __init__(self, kind: type, values):
+        self.kind, self.values = kind, tuple(values)
+
+    def __reduce__(self):
+        return Fields, (self.kind, self.values)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is Fields and (self.kind, self.values) == (other.kind, other.values)
+
+    def __hash__(self) -> int:
+        return hash((self.kind, self.values))
+
+
 class NoTarget:
     """The target of a bare sample (dataset[i] was the image alone): the batch is the images tensor alone, as
     default_collate makes it. One instance, `NO_TARGET`, kept by pickling."""
@@ -60,6 +80,8 @@ def batch_of(images, targets):
     images alone (bare samples), or [images, a's, b's, ...] (samples of several targets)."""
     if targets is NO_TARGET:
         return images
+    if type(targets) is Fields:
+        return targets.kind(images, *targets.values)
     return [images, *targets] if type(targets) is Columns else [images, targets]
 
 
@@ -67,7 +89,17 @@ def sample_of(image, target):
     """One sample for a collate_fn, shaped as the dataset returned it."""
     if target is NO_TARGET:
         return image
+    if type(target) is Fields:
+        return target.kind(image, *target.values)
     return (image, *target) if type(target) is Columns else (image, target)
+
+
+def for_other_jobs(objs: list | None) -> list | None:
+    """Targets bound for another job's process (a SharedLoader's client): a namedtuple class defined in this
+    script's __main__ cannot be found there, so such samples' fields travel as plain columns (a list batch)."""
+    if objs is None:
+        return None
+    return [Columns(o.values) if type(o) is Fields and o.kind.__module__ == "__main__" else o for o in objs]
 
 
 def in_ring(target) -> bool:
@@ -126,19 +158,27 @@ def collate(objs: list, device=None, pin_memory: bool = False):
         )
     if objs and objs[0] is NO_TARGET:
         return NO_TARGET
-    collated = default_collate(tuple(objs))  # DataLoader collates a column of zip(*batch): a tuple
-    # (so strings arrive as a tuple of str, exactly as DataLoader delivers a (sample, str) dataset's)
-    collated = Columns(collated) if objs and type(objs[0]) is Columns else collated  # its columns, marked
+    named = objs[0].kind if objs and type(objs[0]) is Fields else None
+    collated = default_collate(tuple(o.values for o in objs) if named else tuple(objs))  # DataLoader collates a
+    # column of zip(*batch): a tuple (so strings arrive as a tuple of str, as DataLoader delivers a (sample, str)'s)
     if device is not None:
-        return map_tensors(collated, lambda t: t.to(device))
-    if pin_memory:
-        return map_tensors(collated, lambda t: t.pin_memory())
-    return collated
+        collated = map_tensors(collated, lambda t: t.to(device))
+    elif pin_memory:
+        collated = map_tensors(collated, lambda t: t.pin_memory())
+    if named:
+        return Fields(named, collated)
+    return Columns(collated) if objs and type(objs[0]) is Columns else collated  # its columns, marked
 
 
 def _shape(target):
     """The shape of the sample a target came with: "bare", "pair", or its targets' count."""
+    if type(target) is Fields:
+        return (target.kind, len(target.values))
     return "bare" if target is NO_TARGET else len(target) if type(target) is Columns else "pair"
+
+
+def is_namedtuple(obj) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
 def map_tensors(obj, fn):
@@ -153,7 +193,7 @@ def map_tensors(obj, fn):
             return out if type(obj) is dict else type(obj)(out)
         except TypeError:  # a mapping that cannot be built from a dict: as default_collate does
             return out
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+    if is_namedtuple(obj):
         return type(obj)(*(map_tensors(v, fn) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(v, fn) for v in obj)

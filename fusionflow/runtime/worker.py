@@ -25,11 +25,12 @@ import traceback
 from multiprocessing import AuthenticationError
 from multiprocessing.connection import wait as mp_wait
 
+from fusionflow.datasets.wrappers import start_reads
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.gm.link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.procs import parent_gone
-from fusionflow.runtime.sample import run_sample
+from fusionflow.runtime.sample import end_after_read, run_sample
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 
 WATCHDOG_S = 0.5
@@ -99,9 +100,7 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
     CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals."""
     failures, side = [], {}
     started = time.monotonic_ns()
-    prefetch = getattr(dataset, "prefetch", None)  # fusionflow.datasets.wrappers.ReadAhead: the reads start now
-    if prefetch is not None:
-        prefetch(task.indices)
+    start_reads(dataset, task.indices)  # read_ahead=: the reads start now
     copies = task.copies or (0,) * len(task.positions)
     for pos, index, copy in zip(task.positions, task.indices, copies):
         failure = run_sample(
@@ -280,7 +279,7 @@ def worker_loop(
     `cache`: a CacheHandle (fusionflow/cache/attach.py), or None: no decoded-image cache. `num_workers`: the
     loader's (torch's worker info says it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler of the script's (`serve` has one): end quietly
+    signal.signal(signal.SIGTERM, end_after_read)  # not the script's handler (`serve` has one): end quietly
     exit_when_orphaned(parent_pid)  # busy too (a worker_init_fn, a sample's read): nothing runs on for nobody
     close_inherited()
     ring = None

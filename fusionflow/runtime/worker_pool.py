@@ -37,9 +37,9 @@ from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import CoreClaim
 from fusionflow.runtime.counters import count_stuck_kill, count_worker_task
-from fusionflow.runtime.procs import end_processes, interrupts_deferred, opencv_quiet_for_fork, run_every
+from fusionflow.runtime.procs import end_processes, run_every
 from fusionflow.runtime.reruns import Reruns
-from fusionflow.runtime.shm import ChildFd, forking_ours, sigbus_error
+from fusionflow.runtime.shm import ChildFd, sigbus_error
 from fusionflow.runtime.spec import RuntimeSpec
 from fusionflow.runtime.worker import worker_loop
 from fusionflow.runtime.worker_conn import WorkerConn
@@ -115,7 +115,7 @@ class WorkerPool:
         # skipped by the child's collector, and the parent collects them after unfreezing.
         gc.freeze()
         try:  # the user's (or our inline) OpenCV work must not hang the child; a Ctrl-C waits until it is listed
-            with opencv_quiet_for_fork(), interrupts_deferred(), forking_ours():
+            with procs.starting_worker(self.dataset, spec):
                 proc.start()
                 with board.cond:
                     self.workers[wid] = WorkerConn(wid, proc, parent)

@@ -30,7 +30,7 @@ def split_sorted(
     tiny = []
     for start in range(0, len(indices), tiny_batch_size):
         idx = tuple(int(i) for i in indices[start : start + tiny_batch_size])
-        nbytes = sum(int(sizes[i]) for i in idx) if sizes is not None else 0
+        nbytes = sum(int(sizes[i]) for i in idx if i < len(sizes)) if sizes is not None else 0  # a grown dataset
         cps = tuple(int(c) for c in copies[start : start + tiny_batch_size]) if copies is not None else ()
         tiny.append(TinyBatch(tuple(range(start, start + len(idx))), idx, nbytes, cps if any(cps) else ()))
     tiny.sort(key=lambda t: (t.nbytes, t.positions[0]))
