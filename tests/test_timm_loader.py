@@ -397,6 +397,11 @@ def test_refusals_of_the_dataset_and_channels(folder):
     with pytest.raises(ValueError, match=r"on_error='skip'.*views misaligned"):
         ds = AugMixDataset(train_dataset(folder), num_splits=3)
         create_loader(ds, SIZE, 8, is_training=True, num_aug_splits=3, device=CPU, on_error="skip")
+    with pytest.raises(ValueError, match=r"on_error='skip'.*mixup .* needs even batches"):  # it asserted mid-epoch
+        create_loader(train_dataset(folder), SIZE, 8, is_training=True, device=CPU, collate_fn=FastCollateMixup(),
+                      on_error="skip")  # fmt: skip
+    with pytest.raises(ValueError, match=r"create_loader\(crop_pct / crop_mode\)"):  # it named every argument
+        create_loader(train_dataset(folder), SIZE, 8, is_training=False, device=CPU, crop_pct=1.15)
     with pytest.raises(ValueError, match=r"input_size=\(1, 48, 48\).*RGB"):
         create_loader(train_dataset(folder), (1, 48, 48), 8, is_training=True, device=CPU)
     ds = AugMixDataset(train_dataset(folder), num_splits=2)

@@ -196,7 +196,7 @@ def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool, decod
         policy = policy_from_transform(transform, decode=decode)
     except ValueError as e:
         refused = re.search(r"transform \d+ \((\w+)", str(e))
-        cause = CAUSES.get(refused.group(1)) if refused else None
+        cause = CAUSES.get(refused.group(1)) if refused else "crop_pct / crop_mode" if "crop.resize" in str(e) else None
         args = cause or ", ".join(f"{k}={v!r}" for k, v in kw.items() if v not in (None, 0, 0.0, False))
         refuse(args, f"timm's transform for these arguments is not expressible: {e}")
     return dataclasses.replace(policy, views=views) if views > 1 else policy
@@ -253,6 +253,20 @@ class WorkerSeeding:
             self.then(worker_id)
 
 
+def _check_skip(views: int, a: TimmArguments) -> None:
+    """on_error='skip' leaves a batch short by the samples it drops: refused where that breaks timm's batches."""
+    if views > 1:
+        refuse(
+            "on_error='skip'", "with num_aug_splits a skipped sample would leave its views misaligned (keep 'raise')"
+        )
+    if fast_mixup(a.collate_fn) is not None:
+        refuse(
+            "on_error='skip'",
+            "timm's mixup (FastCollateMixup, or Mixup in the loop) needs even batches, and a skipped sample "
+            "leaves its batch one short (keep 'raise')",
+        )
+
+
 def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     from fusionflow.datasets.timm_reader import timm_samples
     from fusionflow.datasets.views import SplitBatches, SplitViews
@@ -263,10 +277,8 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     for name, why in DERIVED.items():  # FusionFlowLoader arguments create_loader makes from timm's own
         if name in loader_kwargs:
             refuse(f"{name}=...", why)
-    if views > 1 and loader_kwargs.get("on_error") == "skip":
-        refuse(
-            "on_error='skip'", "with num_aug_splits a skipped sample would leave its views misaligned (keep 'raise')"
-        )
+    if loader_kwargs.get("on_error") == "skip":
+        _check_skip(views, a)
     device = torch.device(a.device) if a.use_prefetcher else torch.device("cpu")
     custom = fast_mixup(a.collate_fn) is None and not _is_plain(a.collate_fn)  # the script's collate_fn: uint8 in
     # uint8 to the device, normalised there; on the CPU the workers normalise, unless a collate_fn of the script's
