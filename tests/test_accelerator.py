@@ -504,18 +504,18 @@ def test_a_kept_pipeline_runs_again_only_in_its_own_process_idle_and_for_its_own
     longer the exit hook's to close (its accelerator's is)."""
     import os
 
-    from fusionflow.accel import session
+    from fusionflow.accel import at_exit, session
 
     gpu = session.GpuSession.__new__(session.GpuSession)
     gpu._spares, gpu._spares_pid, gpu.runs_in_flight = [], os.getpid(), 2
     good, other_size, not_idle, forked = _StubPipeline(True), _StubPipeline(True, 16), _StubPipeline(False), None
     for stub in (good, other_size, not_idle):
-        session._keep_idle(gpu._spares, stub)
-        assert stub in session._IDLE
+        at_exit.keep_idle(gpu._spares, stub)
+        assert stub in at_exit.IDLE
         taken = gpu._take_spare(8)
-        assert (taken is stub) == (stub is good) and stub.closed == (stub is not good) and stub not in session._IDLE
+        assert (taken is stub) == (stub is good) and stub.closed == (stub is not good) and stub not in at_exit.IDLE
     forked = _StubPipeline(True)
-    session._keep_idle(gpu._spares, forked)
+    at_exit.keep_idle(gpu._spares, forked)
     monkeypatch.setattr(session.os, "getpid", lambda: -1)  # as in a child forked after the keep
     assert gpu._take_spare(8) is None and not forked.closed and gpu._spares == []
 
@@ -548,14 +548,14 @@ def test_an_epoch_left_early_keeps_its_pipeline_only_when_no_run_is_in_flight():
 
 
 def test_the_exit_hook_closes_a_pipeline_kept_for_the_next_epoch():
-    from fusionflow.accel import session
+    from fusionflow.accel import at_exit
 
     ld = loader(Bytes(24))
     try:
         collect(ld)
         (pipeline,) = ld.parts.gpu._spares
-        assert pipeline in session._IDLE and pipeline.idle
-        session._stop_live()  # what the interpreter runs at exit, before DALI's hook
+        assert pipeline in at_exit.IDLE and pipeline.idle
+        at_exit.stop_live()  # what the interpreter runs at exit, before DALI's hook
         assert not pipeline.idle
     finally:
         ld.close()
@@ -703,14 +703,14 @@ def test_an_unclosed_loaders_accelerator_stops_before_dalis_exit_hook():
     """A script that ends without close(): the exit hook stops the accelerator (its thread ends, its
     pipeline is closed) before DALI shuts its pipelines down under it -- which used to fail the run in
     flight and rebuild the graph mid-teardown, with tracebacks on the way out."""
-    from fusionflow.accel import session
+    from fusionflow.accel import at_exit
 
     ld = loader(Bytes(24), persistent_workers=True)
     try:
         next(iter(ld))
         accel = ld.parts.gpu.accel
-        assert accel in session._LIVE
-        session._stop_live()  # what the interpreter runs at exit, before DALI's hook
+        assert accel in at_exit.LIVE
+        at_exit.stop_live()  # what the interpreter runs at exit, before DALI's hook
         assert accel.pipeline is None and not accel._thread.is_alive()
     finally:
         ld.close()
@@ -1172,6 +1172,75 @@ def test_truncated_jpegs_go_to_the_cpu_workers_which_report_them_every_epoch():
     assert s.accelerator_samples > 0 and s.accelerator_builds == 1 and not s.accelerator_retired  # no run failed
 
 
+def _garbled_scan(data: bytes) -> bytes:
+    """`data` with its entropy-coded data random from its first scan on (header, tables and end marker kept)."""
+    sos = data.index(b"\xff\xda")
+    start = sos + 2 + int.from_bytes(data[sos + 2 : sos + 4], "big")
+    noise = np.random.default_rng(len(data)).integers(0, 256, len(data) - start - 2, dtype=np.uint8).tobytes()
+    return data[:start] + noise + b"\xff\xd9"
+
+
+class GarbledEven(SlowInCpuWorkers):
+    """Even samples (200-400 px: scans of KBs) with random bytes for their scan data: libjpeg-turbo refuses them,
+    DALI's decoder went past."""
+
+    def __init__(self, n: int):
+        from fusionflow.tools.synthetic import make_jpegs
+
+        super().__init__(n)
+        self.data = make_jpegs(n, 200, 400, seed=9)
+        self.sizes = [len(d) for d in self.data]
+
+    def __getitem__(self, i):
+        data, label = super().__getitem__(i)
+        return (_garbled_scan(data) if i % 2 == 0 else data), label
+
+
+def test_jpegs_with_garbage_for_their_scan_never_reach_dali_the_cpu_path_decides():
+    """DALI delivered them as pixels (its libjpeg-turbo only warned), the CPU path refused them: which side took a
+    sample decided whether its error was reported. They now go to the CPU workers, whose answer is a function of
+    (seed, epoch, index) as any sample's (a crop window decoded before the garbage's first bad marker is delivered)."""
+    ds, cpu = GarbledEven(32), CpuPipeline(SMALL)
+
+    def cpu_delivers(i: int, epoch: int) -> bool:  # a crop window decoded before the garbage's first bad marker
+        try:
+            return cpu(ds[i][0], i, seed=4, epoch=epoch) is not None
+        except Exception:
+            return False
+
+    with loader(ds, on_error="skip", timeout=120, persistent_workers=True, tiny_batch_size=1) as ld:
+        for epoch in (0, 1):
+            ld.set_epoch(epoch)
+            with pytest.warns(UserWarning, match="on_error='skip'") if epoch == 0 else contextlib.nullcontext():
+                _, labels = collect(ld)
+            want = [i for i in range(32) if i % 2 or cpu_delivers(i, epoch)]
+            assert sorted(i for y in labels for i in y.tolist()) == want
+        assert ld.stats.accelerator_samples > 0
+
+
+def test_the_scan_check_passes_what_encoders_write():
+    """Progressive (tables between scans), restart markers, EXIF, optimised, grayscale: clean; garbage: not."""
+    import io
+
+    import cv2
+    from PIL import Image
+
+    from fusionflow.accel.header_sizes import scan_is_clean
+    from fusionflow.tools.synthetic import make_image
+
+    pixels = make_image(300, 400, seed=2)
+    flags = ((cv2.IMWRITE_JPEG_RST_INTERVAL, 4), (cv2.IMWRITE_JPEG_PROGRESSIVE, 1), (cv2.IMWRITE_JPEG_QUALITY, 100))
+    written = [cv2.imencode(".jpg", pixels, [flag, value])[1].tobytes() for flag, value in flags]
+    for kw in ({"progressive": True, "optimize": True}, {"quality": 20, "subsampling": 0}, {"exif": b"Exif\0\0II*\0"}):
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, "JPEG", **kw)
+        written.append(out.getvalue())
+    out = io.BytesIO()
+    Image.fromarray(pixels).convert("L").save(out, "JPEG", progressive=True)
+    written.append(out.getvalue())
+    assert all(map(scan_is_clean, written)) and not any(scan_is_clean(_garbled_scan(d)) for d in written)
+
+
 def test_failed_runs_rebuild_the_pipeline_counted_and_the_retirement_names_the_last_failure():
     """Each failed DALI run discards the pipeline and the next run rebuilds it: the rebuilds are builds in the
     stats, and the retirement after MAX_FAILURES says what the last failure was."""
@@ -1185,6 +1254,52 @@ def test_failed_runs_rebuild_the_pipeline_counted_and_the_retirement_names_the_l
     assert s.accelerator_runs == 0 and s.accelerator_retired.startswith(f"{acc.MAX_FAILURES} DALI runs in a row")
     assert "likely corrupt" in s.accelerator_retired
     assert s.accelerator_builds == acc.MAX_FAILURES  # the ahead-of-time build, then one after each failure but the last
+
+
+def test_a_retired_accelerator_stays_retired_in_the_epochs_after():
+    """Without persistent workers each epoch started a new accelerator: a retired one came back and failed its
+    MAX_FAILURES runs again (or waited out its stall bound again), every epoch."""
+    ld = loader(CorruptEven(48), on_error="skip", timeout=120)
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        collect(ld)
+    s = ld.stats
+    retired, builds, given_back = s.accelerator_retired, s.accelerator_builds, s.accelerator_given_back
+    assert retired is not None
+    for epoch in (1, 2):
+        ld.set_epoch(epoch)
+        _, labels = collect(ld)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(1, 48, 2))
+    assert (s.accelerator_retired, s.accelerator_builds, s.accelerator_given_back) == (retired, builds, given_back)
+    ld.close()
+
+
+def test_a_pipeline_that_cannot_be_built_at_a_later_epoch_retires_the_accelerator(monkeypatch):
+    """The pipeline built anew at a later epoch's start (out of memory beside training, say) raised DALI's bare
+    error out of `for batch in loader`, every epoch; the accelerator now retires and the CPU workers take all."""
+    ld = loader(Bytes(24), timeout=120)
+    collect(ld)
+    assert ld.stats.accelerator_samples > 0 and ld.stats.accelerator_retired is None
+
+    def no_memory(self):
+        raise RuntimeError("CUDA error: out of memory (simulated)")
+
+    monkeypatch.setattr(DaliPolicyPipeline, "_build", no_memory)
+    ld.parts.gpu.close_spares()  # the kept pipeline gone (closed after a failed run, say): the next epoch builds
+    for epoch in (1, 2):
+        ld.set_epoch(epoch)
+        _, labels = collect(ld)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
+    assert "building its DALI pipeline failed" in ld.stats.accelerator_retired
+    ld.close()
+    with loader(Bytes(24)) as first, pytest.raises(RuntimeError, match="out of memory"):  # a first build: said at once
+        collect(first)
+
+
+def test_the_loose_ablation_switches_are_checked_as_dali_accelerator_checks_them():
+    """taas_last_k='false' (truthy) was taken, and the ablation asked for did not run."""
+    for name in ("aot", "taas", "taas_last_k"):
+        with pytest.raises(TypeError, match=f"{name}='false' must be True or False"):
+            loader(Bytes(8), **{name: "false"})
 
 
 def test_the_accelerator_declines_exact_mode_whose_promise_is_torchvisions_pixels(caplog):

@@ -330,8 +330,8 @@ class AcceleratorWorker:
         clock.mark("outputs", group[0].seq, len(indices))
         slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
         positions = [p for w in group for p in w.positions]
-        with self.board.cond:
-            if not self._active or self._active[0][0] is not group:  # given up by `watch`: not ours to write
+        with self.board.cond:  # given up by `watch`, or stopping (stop() may have left the ring closed): not written
+            if self._stop or not self._active or self._active[0][0] is not group:
                 return
             self._writing, land = True, time.thread_time()
         try:

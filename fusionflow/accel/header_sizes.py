@@ -57,7 +57,32 @@ def _header_sizes(data: list) -> np.ndarray:
     hw = np.zeros((len(data), 2), np.int64) if hw is None else hw.astype(np.int64)
     for k in np.flatnonzero(hw[:, 0] <= 0).tolist():
         hw[k] = _header_size(data[k])
+    for k in np.flatnonzero(hw[:, 0] > 0).tolist():
+        if bytes(data[k][:2]) == b"\xff\xd8" and not scan_is_clean(data[k]):
+            hw[k] = 0
     return hw
+
+
+def scan_is_clean(data) -> bool:
+    """No 0xFF 0x01..0xBF pair (a marker that exists nowhere) after a JPEG's first scan header. Random bytes in
+    place of its entropy-coded data (a disk's or a copy's error) hold hundreds; libjpeg-turbo refuses the file
+    on the CPU path, where DALI's decoder went past them and delivered the garbage as pixels. False for a header
+    that cannot be walked too: a doubt costs only speed (the CPU workers take the sample and decide)."""
+    pos, n = 2, len(data)
+    while pos + 4 <= n:  # the header's segments, by their lengths, up to and over the first SOS
+        if data[pos] != 0xFF:
+            return False
+        if data[pos + 1] == 0xFF:  # a fill byte
+            pos += 1
+            continue
+        marker, pos = data[pos + 1], pos + 2 + int.from_bytes(bytes(data[pos + 2 : pos + 4]), "big")
+        if marker == 0xDA:
+            break
+    else:
+        return False
+    scan = np.frombuffer(data, np.uint8)[pos:]
+    after = scan[np.flatnonzero(scan[:-1] == 0xFF) + 1]
+    return not ((after >= 0x01) & (after <= 0xBF)).any()
 
 
 def _header_size(data) -> tuple[int, int]:

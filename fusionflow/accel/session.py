@@ -8,7 +8,6 @@ which the next one runs (an epoch without persistent workers does not build the 
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
@@ -17,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fusionflow.accel import at_exit
+from fusionflow.accel.at_exit import keep_idle, stop_at_exit
 from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU
 from fusionflow.runtime.counters import append_bounded
 
@@ -51,6 +52,8 @@ class GpuSession:
         self.bridge = None  # the MemoryBridge, while it runs (kept across managers until close())
         self.bridge_why_off = bridge_why_off  # None: start the bridge with the accelerator (again after close())
         self.accel = None  # the accelerator worker kind this session started, while its manager runs
+        self.retired: str | None = None  # why an accelerator retired: none starts again in this loader's run
+        self.started = False  # an accelerator started once: a later build that fails retires, not raises
         self.device_ring = None
         self.profiler = None  # gpu_sharing="auto" on a GPU
         # the DALI pipeline an accelerator left idle when its manager stopped (an epoch without persistent workers):
@@ -83,7 +86,10 @@ class GpuSession:
         alloc_device: torch.device,
     ) -> None:
         """Start the accelerator as a worker kind on `mgr` (the bridge first, on the GPU), with the
-        policy, seed and sizes of the manager's RuntimeSpec."""
+        policy, seed and sizes of the manager's RuntimeSpec; none once one retired (an epoch without persistent
+        workers started it anew: its failed runs, or its stall bound's wait, came again every epoch)."""
+        if self.retired is not None:
+            return
         capacity = mgr.spec.layout.batch_size
         on_gpu = self.accelerator == "dali-gpu"
         if on_gpu and self.bridge_why_off is None and self.bridge is None:
@@ -95,7 +101,15 @@ class GpuSession:
             from fusionflow.accel.device_ring import DeviceRing
 
             device_ring = DeviceRing(mgr.spec.layout, self.device, alloc_device)
-        accel = self._accelerator(mgr, dataset, on_gpu, device_ring)
+        try:
+            accel = self._accelerator(mgr, dataset, on_gpu, device_ring)
+        except Exception as exc:  # a later epoch's build (out of memory beside training): the CPU workers take all
+            if not self.started:
+                raise
+            self.retired = self.stats.accelerator_retired = f"building its DALI pipeline failed: {exc!r}"
+            log.warning("the DALI accelerator is retired for this loader's run (%s); the CPU workers take all", exc)
+            return
+        self.started = True
         mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
         # anything below, or start(), raises
         stop_at_exit(accel)
@@ -158,7 +172,7 @@ class GpuSession:
                 tiny_batch_size=tiny_batch_size,
                 depth=self.runs_in_flight,
                 pipeline=spare,
-                keep_pipeline=functools.partial(_keep_idle, self._spares) if self.aot else None,
+                keep_pipeline=functools.partial(keep_idle, self._spares) if self.aot else None,
             )
         except BaseException:
             if inputs is not None:  # the accelerator would have owned it
@@ -178,7 +192,7 @@ class GpuSession:
         spare = self._spares.pop() if self._spares else None
         if spare is None:
             return None
-        _IDLE.discard(spare)  # in use again: the exit hook stops its accelerator instead
+        at_exit.IDLE.discard(spare)  # in use again: the exit hook stops its accelerator instead
         if spare.idle and (spare.batch_size, spare.depth) == (run_samples, self.runs_in_flight):
             return spare
         spare.close()  # (never so for one loader today: a safety net)
@@ -285,6 +299,8 @@ class GpuSession:
         counters into `stats`, forget the accelerator and what belonged to it."""
         if not keep:
             self.close_spares()
+        if self.accel is not None and self.accel.retired:
+            self.retired = self.accel.retired
         # the arena goes back either way: what a kept pipeline's buffers hold of it stays pinned (MemoryBridge lends
         # it again first at the next start), and DALI allocating meanwhile -- a validation loader's pipeline -- does
         # so from its own pool, not from this loader's arena
@@ -307,44 +323,6 @@ class GpuSession:
         if bridge is not None:
             bridge.shutdown()
             copy_bridge_stats(bridge, self.stats)  # what a kept pipeline held in the arena, given back only now
-
-
-_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # accelerator -> the pid that started it
-_IDLE: weakref.WeakSet = weakref.WeakSet()  # DALI pipelines kept for a loader's next manager (close() is idempotent)
-_EXIT_HOOK_PID: list[int] = []  # the process that registered the exit hook (a forked child inherits it)
-
-
-def stop_at_exit(accel) -> None:
-    """Stop `accel` at interpreter exit if its loader was never closed. DALI shuts every pipeline down in
-    its own exit hook, under a running accelerator thread: the run in flight failed, the thread rebuilt
-    the graph mid-teardown, and the user saw DALI's and our tracebacks. Registered after DALI's import
-    (a pipeline exists), this hook runs before DALI's."""
-    _LIVE[accel] = os.getpid()
-    if os.getpid() not in _EXIT_HOOK_PID:
-        _EXIT_HOOK_PID.append(os.getpid())
-        atexit.register(_stop_live)
-
-
-def _stop_live() -> None:
-    if os.getpid() not in _EXIT_HOOK_PID:  # a forked child that runs exit hooks: not its accelerators
-        return
-    for accel in [a for a, pid in list(_LIVE.items()) if pid == os.getpid()]:  # (a forked copy's: the parent's)
-        accel.keep_pipeline = None  # closed now, not kept for a next epoch
-        try:
-            accel.stop()
-        except Exception:  # exiting anyway: one that cannot stop must not keep the others running
-            log.exception("stopping the DALI accelerator at exit failed")
-    for pipeline in list(_IDLE):  # before DALI's hook too: a loader's finalizer may run after it
-        try:
-            pipeline.close()
-        except Exception:
-            log.exception("closing an idle DALI pipeline at exit failed")
-
-
-def _keep_idle(spares: list, pipeline) -> None:
-    """An accelerator's keep_pipeline: the session's list (never the session: the accelerator lives on the manager)."""
-    spares.append(pipeline)
-    _IDLE.add(pipeline)
 
 
 def _split_feedback(mgr_ref, accel_ref, stats, state) -> None:

@@ -61,6 +61,9 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
     it stands for."""
     given = accelerator if isinstance(accelerator, DaliAccelerator) else None
     accelerator, loose = unpack_accelerator(accelerator, loose)
+    for name in ("aot", "taas", "taas_last_k"):  # as DaliAccelerator checks its own: 'false' is truthy
+        if not isinstance(loose[name], bool):
+            raise TypeError(f"{name}={loose[name]!r} must be True or False")
     gpu_sharing, memory_bridge = loose["gpu_sharing"], loose["memory_bridge"]
     accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy, given)
     check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given)
