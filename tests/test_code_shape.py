@@ -184,6 +184,8 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
     },
     "fusionflow/runtime/targets.py": {
         "hasattr(obj, '_fields')": "how a namedtuple is told from a tuple (Python's own protocol)",
+        "kind._fields": "a namedtuple's field names (Python's own protocol): how its class travels by value",
+        "getattr(kind, '_fields')": "a namedtuple's field names (Python's own protocol): the class found matches",
     },
     "fusionflow/shared/client.py": {
         f"{base}.{attr}": "the client's epoch iterator (same module) drives the client's connection and copies"

@@ -201,16 +201,23 @@ def test_collated_targets_move_to_the_device_structure_kept():
     same(moved, {"y": torch.tensor([11.0]), "p": Pair(torch.tensor([12]), ("s", "t")), "l": [torch.tensor([13])]})
 
 
-def test_namedtuple_targets_bound_for_another_job_lose_only_a_class_it_cannot_import():
-    """A SharedLoader's client is another script: a namedtuple class of the producer's __main__ is not there."""
+def test_namedtuple_targets_travel_to_a_process_that_cannot_import_their_class():
+    """A namedtuple class of the training script's __main__ cannot be imported by a Ray actor or gateway, nor by a
+    SharedLoader client: pickled by reference it ended the Ray gateway. It travels by its name and fields; where the
+    class cannot be imported a namedtuple of that name and fields stands in, where it can the class itself comes."""
     import collections
+    import pickle
 
     from fusionflow.runtime import targets as ff_targets
 
-    local = collections.namedtuple("Local", "image label")
-    local.__module__ = "__main__"
-    kept = ff_targets.Fields(torch.utils.data.Subset, (1,))  # any importable class stands for one
-    gone = ff_targets.Fields(local, (2, "x"))
-    out = ff_targets.for_other_jobs([kept, gone, 3])
-    assert out[0] is kept and type(out[1]) is ff_targets.Columns and tuple(out[1]) == (2, "x") and out[2] == 3
-    assert ff_targets.for_other_jobs(None) is None
+    here = collections.namedtuple("Here", "image label key")
+    here.__module__, here.__qualname__ = "__main__", "Nowhere"  # not importable in this process either
+    back = pickle.loads(pickle.dumps(ff_targets.Fields(here, (2, "x"))))
+    assert back.kind is not here and back.kind._fields == here._fields and back.kind.__qualname__ == "Nowhere"
+    assert back.kind(1, *back.values) == (1, 2, "x") and back.kind(1, *back.values).key == "x"
+    assert pickle.loads(pickle.dumps(back)).kind is back.kind  # one stand-in class: its batches are one class
+    kept = pickle.loads(pickle.dumps(ff_targets.Fields(Triple, (3, 4))))
+    assert kept.kind is Triple and kept == ff_targets.Fields(Triple, (3, 4))
+
+
+Triple = __import__("collections").namedtuple("Triple", "image a b")

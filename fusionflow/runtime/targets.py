@@ -22,6 +22,9 @@ split_item) and its batches shaped as default_collate shapes them (`batch_of`).
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import numpy as np
 
 from fusionflow.scheduling.queue import positions_of
@@ -49,14 +52,39 @@ class Fields:
     def __init__(self, kind: type, values):
         self.kind, self.values = kind, tuple(values)
 
-    def __reduce__(self):
-        return Fields, (self.kind, self.values)
+    def __reduce__(self):  # the class by its names: a process that cannot import it (a Ray actor, a SharedLoader
+        # client: another script's __main__) makes a namedtuple of the same name and fields (`_named`)
+        kind = self.kind
+        return _fields_of, (kind.__module__, kind.__qualname__, tuple(kind._fields), self.values)
 
     def __eq__(self, other) -> bool:
         return type(other) is Fields and (self.kind, self.values) == (other.kind, other.values)
 
     def __hash__(self) -> int:
         return hash((self.kind, self.values))
+
+
+def _fields_of(module: str, qualname: str, names: tuple, values) -> Fields:
+    return Fields(_named(module, qualname, names), values)
+
+
+@functools.cache
+def _named(module: str, qualname: str, names: tuple) -> type:
+    """The namedtuple class `module.qualname` if this process can import it (with those fields), else one made
+    here with the same name and fields (made once: its batches are all of one class)."""
+    import importlib
+
+    try:
+        kind = importlib.import_module(module)
+        for part in qualname.split("."):
+            kind = getattr(kind, part)
+        if isinstance(kind, type) and tuple(getattr(kind, "_fields", ())) == names:
+            return kind
+    except (ImportError, AttributeError):
+        pass
+    kind = collections.namedtuple(qualname.rpartition(".")[2], names)
+    kind.__module__, kind.__qualname__ = module, qualname
+    return kind
 
 
 class NoTarget:
@@ -92,14 +120,6 @@ def sample_of(image, target):
     if type(target) is Fields:
         return target.kind(image, *target.values)
     return (image, *target) if type(target) is Columns else (image, target)
-
-
-def for_other_jobs(objs: list | None) -> list | None:
-    """Targets bound for another job's process (a SharedLoader's client): a namedtuple class defined in this
-    script's __main__ cannot be found there, so such samples' fields travel as plain columns (a list batch)."""
-    if objs is None:
-        return None
-    return [Columns(o.values) if type(o) is Fields and o.kind.__module__ == "__main__" else o for o in objs]
 
 
 def in_ring(target) -> bool:

@@ -298,7 +298,7 @@ class SharedLoader:
             ring.images[slot][: len(keep)] = ring.images[slot][keep]
             ring.labels[slot][: len(keep)] = ring.labels[slot][keep]
             n = len(keep)
-        return n, ff_targets.for_other_jobs(targets)
+        return n, targets
 
     def _slot_free(self, slot: int) -> None:
         """The hub's lock held: no client holds `slot` any more."""
