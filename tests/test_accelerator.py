@@ -879,16 +879,11 @@ def test_a_share_run_is_collected_near_its_expected_end_not_at_once_awaited_or_n
         timed=5,
     ):
         behind = ([work(2)], now, True, ("pipeline", None))  # a tail run submitted after it
-        shares = ShareFeed(ShareController(), board=None, tiny_batch_size=4, cpu_workers=1)
+        board = SimpleNamespace(queue=SimpleNamespace(awaited=awaited), generation=gen)
+        shares = ShareFeed(ShareController(), board=board, tiny_batch_size=4, cpu_workers=1)
         shares.split.accel_s, shares.collect_at, shares.timed_runs = accel_s, collect_at, timed
-        me = SimpleNamespace(
-            _active=[entry, behind],
-            shares=shares,
-            gated=gated,
-            _last_done=last_done,
-            board=SimpleNamespace(queue=SimpleNamespace(awaited=awaited), generation=gen),
-        )
-        return AcceleratorWorker._due(me, entry, chosen)
+        me = SimpleNamespace(_active=[entry, behind], shares=shares, gated=gated, _last_done=last_done, board=board)
+        return AcceleratorWorker._due(me, chosen)
 
     expected = now - 0.01 + 0.95 * 0.08  # 8 samples at 10 ms, begun 10 ms ago
     assert abs(due() - expected) < 1e-9
@@ -996,10 +991,10 @@ def test_a_share_run_is_left_in_dali_until_it_is_due_and_every_sample_arrives_on
     dues, collected, depths = {}, [], []
     real_due, real_collect = acc.AcceleratorWorker._due, acc.AcceleratorWorker._collect
 
-    def due(self, entry, chosen):
-        out = real_due(self, entry, chosen)
+    def due(self, chosen):
+        out = real_due(self, chosen)
         if out:
-            dues[id(entry[0])] = out
+            dues[id(self._active[0][0])] = out
         return out
 
     def collect_run(self, unused):
@@ -1293,6 +1288,24 @@ def test_a_pipeline_that_cannot_be_built_at_a_later_epoch_retires_the_accelerato
     ld.close()
     with loader(Bytes(24)) as first, pytest.raises(RuntimeError, match="out of memory"):  # a first build: said at once
         collect(first)
+
+
+def test_an_epoch_left_early_drains_dali_s_runs_and_keeps_the_pipeline():
+    """A `break` (steps per epoch) without persistent workers left DALI runs in flight, so the stopped accelerator
+    closed its pipeline and every next epoch built it again (2-3 s on a GPU); the runs are now drained first."""
+    from fusionflow.accel.accelerator import AcceleratorWorker
+
+    pipeline, data, kept = DaliPolicyPipeline(SMALL, 4, depth=2), Bytes(8).data, []
+    try:
+        pipeline.submit(data[:4], range(4))
+        pipeline.submit(data[4:], range(4, 8))  # two runs held by DALI as the accelerator stops
+        accel = AcceleratorWorker.__new__(AcceleratorWorker)  # its stop's steps alone
+        accel.pipeline, accel.keep_pipeline, accel.retired = pipeline, kept.append, None
+        accel._drain()
+        accel._release(pipeline)
+        assert kept == [pipeline] and pipeline.idle
+    finally:
+        pipeline.close()
 
 
 def test_the_loose_ablation_switches_are_checked_as_dali_accelerator_checks_them():

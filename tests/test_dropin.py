@@ -390,6 +390,9 @@ def test_a_torchvision_folder_s_transform_that_would_run_before_fusionflow_s_is_
 
     with pytest.raises(ValueError, match="ImageFolder with a transform, and policy=: .*augmenting twice"):
         FusionFlowLoader(torchvision.datasets.ImageFolder(root, tf), batch_size=2, policy="default")
+    as_rgb = torchvision.datasets.ImageFolder(root, v2.Lambda(lambda im: im.convert("RGB")))  # a conversion: read
+    with FusionFlowLoader(as_rgb, batch_size=3, policy=EXACT) as loader:  # through it, as it was
+        assert next(iter(loader))[0].shape == (3, 3, 24, 24)
     with pytest.raises(ValueError, match="WithPaths with its own __getitem__ and a transform"):
         FusionFlowLoader(WithPaths(root, tf), batch_size=2)
     both = torch.utils.data.ConcatDataset([torchvision.datasets.ImageFolder(root, tf)] * 2)

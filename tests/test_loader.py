@@ -514,6 +514,61 @@ def test_an_iteration_ended_early_lets_the_read_in_hand_finish(tmp_path, no_leak
     assert begun == {n.split("-")[1] for n in os.listdir(tmp_path) if n.startswith("done-")}
 
 
+class Grows(Bytes):
+    """Its length grows between epochs past the `sizes` it had when the workers started (persistent workers)."""
+
+    def __init__(self):
+        super().__init__(24)
+        self.sizes, self.n = self.sizes[:8], 8
+
+    def __len__(self):
+        return self.n
+
+
+def test_a_dataset_grown_past_its_sizes_runs_its_epochs_traced(tmp_path, no_leaks):
+    """The tiny-batches' sort and the trace's byte counts read `sizes` at indices it did not have: a bare
+    IndexError at the grown epoch."""
+    ds = Grows()
+    with FusionFlowLoader(ds, batch_size=4, num_workers=1, policy=SMALL, persistent_workers=True, shuffle=False,
+                          trace=str(tmp_path / "t.json")) as loader:  # fmt: skip
+        for epoch, n in ((0, 8), (1, 16)):
+            ds.n = n
+            loader.set_epoch(epoch)
+            assert [i for _, y in loader for i in y.tolist()] == list(range(n))
+
+
+class HangsInRead(Bytes):
+    """Sample 9's first read hangs for a minute (a stalled network read)."""
+
+    def __init__(self, folder):
+        super().__init__(24)
+        self.folder = folder
+
+    def __getitem__(self, i):
+        mark = os.path.join(self.folder, f"begun-{i}")
+        if i == 9 and not os.path.exists(mark):
+            open(mark, "w").close()
+            time.sleep(60)
+        return super().__getitem__(i)
+
+
+def test_a_sigterm_ends_a_worker_at_once_even_inside_a_read(tmp_path, no_leaks):
+    """Only the pool's own stop waits for the read in hand: a SIGTERM (multiprocessing's exit handling, which then
+    waits without a bound; a scheduler) ended a worker at once before, and must still."""
+    loader = FusionFlowLoader(HangsInRead(str(tmp_path)), batch_size=8, num_workers=1, policy=SMALL, tiny_batch_size=4)
+    with loader:
+        it = iter(loader)
+        next(it)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(tmp_path / "begun-9") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc = loader._manager.pool.workers[0].process
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(timeout=20)
+        assert proc.exitcode == -signal.SIGTERM  # not after the read's minute
+        assert sorted(i for _, y in it for i in y.tolist()) == list(range(8, 24))  # run again on its replacement
+
+
 def test_a_child_the_script_forks_leaves_the_parents_workers_alone_when_it_exits():
     """A process the script forks (a helper of its own) that exits normally: multiprocessing's exit hook in it
     SIGTERMed every daemon process it had inherited a record of -- the parent's workers, which the parent then

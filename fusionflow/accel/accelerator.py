@@ -31,7 +31,6 @@ from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.accel.step_clock import StepClock
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.runtime import liveness, targets
-from fusionflow.scheduling.queue import images, key_of
 
 log = logging.getLogger(__name__)
 MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
@@ -207,14 +206,15 @@ class AcceleratorWorker:
                         if group:  # (tiny-batches, taken at, a tail run, what DALI was given): held nowhere else
                             inflight.append((group, time.monotonic(), board.took_tail, None))
                             break
-                    if inflight and not (due := self._due(inflight[0], due)):
+                    if inflight and not (due := self._due(due)):
                         break
                     board.cond.wait(due - time.monotonic() if inflight else 0.5)
-                if self._stop or self.retired:
+                if ended := self._stop or self.retired:
                     lost, inflight[:] = list(inflight), []
                     board.requeue([w for g, *_ in lost for w in g])
                     board.cond.notify_all()
-                    return
+            if ended:
+                return self._drain()
             if group:
                 self._guarded(self._submit, group)
             else:
@@ -223,20 +223,19 @@ class AcceleratorWorker:
                 self.counters.accelerator_feed_cpu_seconds += time.thread_time() - cpu0
             board.wake()
 
-    def _due(self, entry, due: float) -> float:
-        """Under board.cond: when to collect the oldest run (`due`: the time chosen before; 0: now). DALI's outputs()
-        wakes at every task its executor finishes while it waits, the runs' behind it too: a share run is collected at
-        `collect_at` of its expected time, the awaited one too once the rate is settled (share_feed.py `may_wait`).
-        At once: a tail run, an abandoned iterator's, or any before the rate is measured."""
-        group, started, tail, payload = entry
-        g = self.shares.split.accel_s if self.shares is not None and not self.gated else None
-        if g is None or tail or payload is None or group[0].generation != self.board.generation:
-            return 0.0
-        awaited = self.board.queue.awaited  # in a run in flight: training waits for it (outputs come in order)
-        if not self.shares.may_wait(any(awaited in set(map(key_of, run[0])) for run in self._active)):
-            return 0.0
-        due = due or max(started, self._last_done) + self.shares.collect_at * g * images(group)
-        return due if due - time.monotonic() > 0.002 else 0.0
+    def _due(self, due: float) -> float:  # when to collect the oldest run in flight (ShareFeed.due); 0: now
+        gated = self.shares is None or self.gated
+        return 0.0 if gated else self.shares.due(self._active, self._last_done, due)
+
+    def _drain(self) -> None:
+        """Stopping (its runs given to the CPU workers): collect and drop the runs DALI still holds, so that the
+        pipeline is idle and kept for the next epoch (an epoch left early closed it: built again, 2-3 s on a GPU)."""
+        pipeline = self.pipeline
+        try:
+            while pipeline is not None and self.keep_pipeline is not None and not self.retired and pipeline.in_flight:
+                pipeline.collect()
+        except Exception:  # a failed run: the pipeline is closed at release, not kept
+            log.debug("draining the DALI runs in flight failed", exc_info=True)
 
     def _guarded(self, step, group) -> None:
         """Run `step` (submit or collect); an unexpected failure gives every run in flight back to the

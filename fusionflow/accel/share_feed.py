@@ -9,6 +9,9 @@ fraction for the accelerator's tail runs. Everything here runs under the board's
 
 from __future__ import annotations
 
+import time
+
+from fusionflow.scheduling.queue import images, key_of
 from fusionflow.scheduling.split import ACCEL_WINDOW
 
 COLLECT_AT = 0.95  # a share run's outputs are asked for at this fraction of its expected time...
@@ -74,6 +77,22 @@ class ShareFeed:
                 self.timed_runs += 1
                 self.collected(waited, samples)
             self.split.accel_run(seconds, samples)
+
+    def due(self, active: list, last_done: float, due: float) -> float:
+        """When to collect the oldest of the DALI runs in flight `active` ((tiny-batches, taken at, a tail run, what
+        DALI was given) each; `due`: the time chosen before; 0: now). DALI's outputs() wakes at every task its executor
+        finishes while it waits, the runs' behind it too: a share run is collected at `collect_at` of its expected time
+        (from the later of its start and `last_done`, the last run's completion), the awaited one too once the rate is
+        settled (`may_wait`). At once: a tail run, an abandoned iterator's, or any before the rate is measured."""
+        group, started, tail, payload = active[0]
+        g = self.split.accel_s
+        if g is None or tail or payload is None or group[0].generation != self.board.generation:
+            return 0.0
+        awaited = self.board.queue.awaited  # in a run in flight: training waits for it (outputs come in order)
+        if not self.may_wait(any(awaited in set(map(key_of, run[0])) for run in active)):
+            return 0.0
+        due = due or max(started, last_done) + self.collect_at * g * images(group)
+        return due if due - time.monotonic() > 0.002 else 0.0
 
     def may_wait(self, awaited: bool) -> bool:
         """Whether a share run may be left in DALI until its due time rather than waited for inside DALI's

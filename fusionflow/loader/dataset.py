@@ -38,19 +38,22 @@ def adopt_folder(dataset, policy):
         return dataset, policy
     name = type(folder).__name__
     if policy is not None:
-        raise ValueError(
-            f"dataset: a torchvision {name} with a transform, and policy=: its transform would run before the "
-            "policy (augmenting twice). Set the dataset's transform=None (FusionFlow reads its files), or leave "
-            "out policy= to use the transform as the policy"
-        )
-    adopted_set, adopted = _adopted(folder, name, DatasetFolder)
-    for indices in reversed(subsets):
-        adopted_set = torch.utils.data.Subset(adopted_set, indices)
-    return adopted_set, adopted
+        if _augments(folder.transform):
+            raise ValueError(
+                f"dataset: a torchvision {name} with a transform, and policy=: its transform would run before the "
+                "policy (augmenting twice). Set the dataset's transform=None (FusionFlow reads its files), or leave "
+                "out policy= to use the transform as the policy"
+            )
+        return dataset, policy  # a conversion of the script's own (to RGB, say): read through it, as before
+    picked = None  # a Subset's folder indices (nested ones composed): the same files, with their sizes and paths
+    for indices in subsets:
+        picked = list(indices) if picked is None else [indices[i] for i in picked]
+    return _adopted(folder, name, DatasetFolder, picked)
 
 
-def _adopted(folder, name: str, DatasetFolder):
-    """(FusionFlow's ImageFolder of `folder`'s files, the policy of its transform), or ValueError saying why not."""
+def _adopted(folder, name: str, DatasetFolder, picked=None):
+    """(FusionFlow's ImageFolder of `folder`'s files -- those at `picked`, if given --, the policy of its
+    transform), or ValueError saying why not."""
     from torchvision.datasets.folder import default_loader, pil_loader
 
     if type(folder).__getitem__ is not DatasetFolder.__getitem__:
@@ -81,7 +84,29 @@ def _adopted(folder, name: str, DatasetFolder):
         UserWarning,
         stacklevel=4,
     )
-    return ImageFolder.of_samples(folder.root, folder.samples, folder.classes), adopted
+    samples = folder.samples if picked is None else [folder.samples[int(i)] for i in picked]
+    return ImageFolder.of_samples(folder.root, samples, folder.classes), adopted
+
+
+_CONVERSIONS = {"PILToTensor", "ToImage", "ToTensor", "ToDtype", "ConvertImageDtype", "Normalize", "ToPureTensor"}
+_CONVERSIONS |= {"Grayscale", "Lambda"}  # (a float output is refused at its first sample: check_raw_samples)
+
+
+def _augments(transform) -> bool:
+    """Whether a dataset's transform holds a torchvision or timm transform that resizes, crops or augments: run
+    before FusionFlow's policy, its samples would be cropped or augmented twice. Conversions, and callables of the
+    script's own, pass (as they did)."""
+    if transform is None:
+        return False
+    from fusionflow.policy.tv_flatten import flatten
+
+    try:
+        steps = flatten(transform)
+    except Exception:  # torchvision missing or an odd container: judged as a whole
+        steps = [transform]
+    return any(
+        type(t).__module__.startswith(("torchvision.", "timm.")) and type(t).__name__ not in _CONVERSIONS for t in steps
+    )
 
 
 def _refuse_transformed_parts(dataset, DatasetFolder) -> None:
@@ -94,7 +119,7 @@ def _refuse_transformed_parts(dataset, DatasetFolder) -> None:
             parts.append(part.dataset)
         elif isinstance(part, torch.utils.data.ConcatDataset):
             parts.extend(part.datasets)
-        elif part is not dataset and isinstance(part, DatasetFolder) and part.transform is not None:
+        elif part is not dataset and isinstance(part, DatasetFolder) and _augments(part.transform):
             raise ValueError(
                 f"dataset: a {type(dataset).__name__} holding a torchvision {type(part).__name__} with a transform: "
                 "FusionFlow would augment that transform's output again. Set each part's transform=None and pass "

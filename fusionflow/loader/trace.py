@@ -164,7 +164,7 @@ class TraceRecorder:
                 if kind in ("tiny-batch", "discarded"):
                     args["indices"] = list(detail)
                     if sizes is not None:
-                        args["bytes"] = int(sum(sizes[i] for i in detail))
+                        args["bytes"] = int(sum(sizes[i] for i in detail if i < len(sizes)))  # a grown dataset
             events.append(
                 {
                     "ph": "X",

@@ -13,6 +13,8 @@ import signal
 import sys
 import threading
 import time
+from multiprocessing import context as mp_context
+from multiprocessing import reduction
 
 from fusionflow.runtime.shm import forking_ours, on_foreign_fork
 
@@ -132,12 +134,17 @@ def end_processes(processes, grace: float) -> None:
                 proc.join(timeout=1.0)
 
 
-def terminate_alive(processes) -> None:
-    """SIGTERM to each of `processes` still running: at shutdown, a worker running a task reads its STOP only after
-    it, and the task is nobody's now (the iteration ended, or raised, e.g. at `timeout`): not worth the stop grace."""
+def end_after_read(processes) -> None:
+    """SIGUSR1 to each of `processes` still running: at shutdown, a worker running a task reads its STOP only after
+    it, and the task is nobody's now (the iteration ended, or raised, e.g. at `timeout`): not worth the stop grace.
+    The worker ends at once, or when the dataset read in hand returns (runtime/sample.py end_after_read: a file the
+    read writes is not cut); a SIGTERM (end_processes after the grace, multiprocessing's exit) ends it at once."""
     for proc in processes:
-        if proc.is_alive():
-            proc.terminate()
+        if proc.is_alive() and proc.pid is not None:
+            try:
+                os.kill(proc.pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
 
 
 @contextlib.contextmanager
@@ -233,6 +240,15 @@ def kill_session(sid: int, wait_s: float = 5.0) -> list[int]:
 
 
 @contextlib.contextmanager
+def _spawning():
+    mp_context.set_spawning_popen(object())  # what a Process start sets while it pickles the child's arguments
+    try:
+        yield
+    finally:
+        mp_context.set_spawning_popen(None)
+
+
+@contextlib.contextmanager
 def starting_worker(dataset, spec):
     """Around a CPU worker process's start (WorkerPool.start_worker): OpenCV quiet for the fork, a Ctrl-C
     deferred until the worker is listed, the fork marked FusionFlow's own, pickling errors named."""
@@ -248,10 +264,11 @@ def pickling_named(dataset, spec):
     try:
         yield
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        parts = {"dataset": dataset, "policy": spec.policy, "worker_init_fn": spec.worker_init_fn}
+        parts = {"worker_init_fn": spec.worker_init_fn, "policy": spec.policy, "dataset": dataset}  # small first
         for name, value in parts.items():
-            try:
-                pickle.dumps(value)
+            try:  # as the start pickles them (a multiprocessing Lock travels to a spawned child, not elsewhere)
+                with _spawning():
+                    reduction.ForkingPickler.dumps(value)
             except Exception as why:
                 raise TypeError(
                     f"the {name} ({type(value).__name__}) cannot be pickled for workers started by spawn or "

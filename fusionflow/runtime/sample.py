@@ -12,14 +12,14 @@ from fusionflow.errors import exception_attributes
 from fusionflow.runtime import targets
 from fusionflow.runtime.messages import SampleFailure
 
-_READ = [False, False]  # [this process is inside dataset[i], a SIGTERM came meanwhile]: end_after_read
+_READ = [False, False]  # [this process is inside dataset[i], a stop came meanwhile]: end_after_read
 
 
 def end_after_read(signum=None, frame=None) -> None:
-    """A CPU worker's SIGTERM handler (an iteration that ended early ends its busy workers): inside dataset[i]
-    the process ends as soon as the read returns -- a dataset that writes a file, a cache entry or a transaction
-    as it reads is not cut in the middle, as DataLoader lets a fetch finish -- elsewhere at once, as SIGTERM's
-    default does (the stop's grace, then SIGKILL, bounds a read that does not return)."""
+    """A CPU worker's SIGUSR1 handler (the pool's stop of a busy worker: an iteration that ended early): inside
+    dataset[i] the process ends as soon as the read returns -- a dataset that writes a file, a cache entry or a
+    transaction as it reads is not cut in the middle, as DataLoader lets a fetch finish -- elsewhere at once (the
+    stop's grace, then SIGTERM and SIGKILL, bound a read that does not return; any SIGTERM ends it at once)."""
     if _READ[0]:
         _READ[1] = True
     else:

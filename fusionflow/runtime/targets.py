@@ -68,10 +68,9 @@ def _fields_of(module: str, qualname: str, names: tuple, values) -> Fields:
     return Fields(_named(module, qualname, names), values)
 
 
-@functools.cache
 def _named(module: str, qualname: str, names: tuple) -> type:
-    """The namedtuple class `module.qualname` if this process can import it (with those fields), else one made
-    here with the same name and fields (made once: its batches are all of one class)."""
+    """The namedtuple class `module.qualname` if this process can import it with those fields (looked up each time:
+    a notebook may define it anew), else one made here with the same name and fields (`_stand_in`)."""
     import importlib
 
     try:
@@ -82,6 +81,12 @@ def _named(module: str, qualname: str, names: tuple) -> type:
             return kind
     except (ImportError, AttributeError):
         pass
+    return _stand_in(module, qualname, names)
+
+
+@functools.cache
+def _stand_in(module: str, qualname: str, names: tuple) -> type:
+    """Made once: the batches of a class this process cannot import are all of one class."""
     kind = collections.namedtuple(qualname.rpartition(".")[2], names)
     kind.__module__, kind.__qualname__ = module, qualname
     return kind

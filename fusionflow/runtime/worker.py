@@ -279,7 +279,8 @@ def worker_loop(
     `cache`: a CacheHandle (fusionflow/cache/attach.py), or None: no decoded-image cache. `num_workers`: the
     loader's (torch's worker info says it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle
-    signal.signal(signal.SIGTERM, end_after_read)  # not the script's handler (`serve` has one): end quietly
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not a handler of the script's (`serve` has one): end quietly
+    signal.signal(signal.SIGUSR1, end_after_read)  # the pool's stop of a busy worker: after the read in hand
     exit_when_orphaned(parent_pid)  # busy too (a worker_init_fn, a sample's read): nothing runs on for nobody
     close_inherited()
     ring = None

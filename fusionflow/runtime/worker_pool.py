@@ -182,7 +182,7 @@ class WorkerPool:
         w.conn.close()
 
     def stop(self) -> None:
-        """Shutdown step: STOP to every worker (a lent one's borrower requeues what it held), SIGTERM to a busy
+        """Shutdown step: STOP to every worker (a lent one's borrower requeues what it held), SIGUSR1 to a busy
         one (its STOP waits behind a task nobody awaits); join each for up to STOP_GRACE_S in all; terminate() the
         rest, then kill(); close the pipes; release the cores once no worker runs on them. Idempotent."""
         if self._stopped:
@@ -190,7 +190,7 @@ class WorkerPool:
         self._stopped = True
         workers = [w for w in self.workers if w is not None]
         end = functools.partial(end_processes, [w.process for w in workers], STOP_GRACE_S)
-        busy = functools.partial(procs.terminate_alive, [w.process for w in workers if w.outstanding])
+        busy = functools.partial(procs.end_after_read, [w.process for w in workers if w.outstanding])
         # a Ctrl-C in any step still ends every worker, closes the pipes and releases the cores
         run_every(*(w.send_stop for w in workers), busy, end, *(w.conn.close for w in workers), self.cores.release)
 
