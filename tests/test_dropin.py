@@ -742,13 +742,27 @@ def test_a_dataset_s_own_prefetch_and_odd_sizes_are_not_taken_for_fusionflow_s(n
     IndexError; they are now ignored with a warning naming them."""
     got = [y for _, y in FusionFlowLoader(WithPrefetch(), batch_size=6, num_workers=num_workers, policy=EXACT)]
     assert torch.cat(got).tolist() == [i % NUM_CLASSES for i in range(len(JPEGS))]
-    for bad in ([(64, 48)] * len(JPEGS), [10] * (len(JPEGS) - 3), WithSizes.__init__, [float("nan")] * len(JPEGS)):
-        with pytest.warns(UserWarning, match="WithSizes.sizes is .*ignored"):
-            loader = FusionFlowLoader(WithSizes(bad), batch_size=6, num_workers=2, policy=EXACT, shuffle=True)
-            assert sorted(torch.cat([y for _, y in loader]).tolist()) == sorted(i % NUM_CLASSES for i in range(21))
-        from fusionflow.loader import dataset
+    from fusionflow.datasets import sizes
+    from fusionflow.datasets.views import SplitViews
 
-        dataset._warned_sizes.clear()
+    pairs = [(64, 48)] * len(JPEGS)
+    for bad, says in (
+        (pairs, r"a list of shape \(21, 2\) and dtype int64, not"),
+        ([10] * (len(JPEGS) - 3), r"a list of shape \(18,\)"),
+        (WithSizes.__init__, "a function, not"),
+        ([float("nan")] * len(JPEGS), "with negative or non-finite values"),
+    ):
+        for read_ahead in (None, 2):  # named as the user's class, not the loader's wrapper
+            with pytest.warns(UserWarning, match=rf"WithSizes.sizes is {says}.*ignored"):
+                loader = FusionFlowLoader(
+                    WithSizes(bad), batch_size=6, num_workers=2, policy=EXACT, shuffle=True, read_ahead=read_ahead
+                )  # fmt: skip (num_workers=0 never reads sizes)
+                got = sorted(torch.cat([y for _, y in loader]).tolist())
+            assert got == sorted(i % NUM_CLASSES for i in range(21))
+            sizes.WARNED.clear()
+    with pytest.warns(UserWarning, match="WithSizes.sizes is a function"):  # timm's AugMix views: a TypeError before
+        assert not hasattr(SplitViews(WithSizes(WithSizes.__init__), 2), "sizes")
+    sizes.WARNED.clear()
 
 
 class Locked(Raw):

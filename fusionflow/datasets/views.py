@@ -6,6 +6,8 @@ sample's view 0, then every sample's view 1, ..."""
 
 from __future__ import annotations
 
+from fusionflow.datasets.sizes import encoded_sizes
+
 
 class SplitViews:
     """dataset[v // views] at index v; `sizes` and `describe` follow the sample."""
@@ -14,8 +16,8 @@ class SplitViews:
         if not isinstance(views, int) or views < 2:
             raise ValueError(f"views={views!r} must be an integer >= 2")
         self.dataset, self.views = dataset, views
-        if getattr(dataset, "sizes", None) is not None:
-            self.sizes = [size for size in dataset.sizes for _ in range(views)]
+        if (sizes := encoded_sizes(dataset)) is not None:  # (ignored with a warning when they are not sizes)
+            self.sizes = [size for size in sizes for _ in range(views)]
 
     def __len__(self) -> int:
         return len(self.dataset) * self.views

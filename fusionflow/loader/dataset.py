@@ -219,37 +219,3 @@ def check_raw_samples(dataset) -> None:
             "give FusionFlow the raw images (fusionflow.ImageFolder, or this dataset without its transform: "
             "transform=None) and a policy"
         )
-
-
-_warned_sizes: set = set()  # the datasets' types whose `sizes` were said to be ignored (once each)
-
-
-def encoded_sizes(dataset) -> list[int] | None:
-    """`dataset.sizes` (each sample's encoded bytes: the tiny-batches are sorted by them) as a list of ints,
-    or None when the dataset has none or they are not len(dataset) numbers >= 0 -- then a warning names the
-    attribute once and the tiny-batches go unsorted. A bad `sizes` used to fail the first epoch with a bare
-    TypeError or IndexError that never named it."""
-    sizes = getattr(dataset, "sizes", None)
-    if sizes is None:
-        return None
-    why = None
-    try:
-        values = np.asarray(sizes)
-        if values.ndim != 1 or values.dtype.kind not in "iuf" or len(values) != len(dataset):
-            why = f"a {type(sizes).__name__}" + (f" of shape {values.shape} and dtype {values.dtype}" * values.ndim)
-        elif not (np.isfinite(values).all() and (values >= 0).all()):
-            why = "with negative or non-finite values"
-    except Exception as exc:  # a method, a generator, ragged lists
-        why = f"a {type(sizes).__name__} ({type(exc).__name__}: {exc})"
-    if why is None:
-        return values.astype(np.int64).tolist()
-    if type(dataset) not in _warned_sizes:
-        _warned_sizes.add(type(dataset))
-        warnings.warn(
-            f"fusionflow: {type(dataset).__name__}.sizes is {why}, not one encoded size in bytes per sample "
-            f"({len(dataset)}): ignored, so tiny-batches are not sorted by size (rename the attribute if it means "
-            "something else)",
-            UserWarning,
-            stacklevel=2,
-        )
-    return None

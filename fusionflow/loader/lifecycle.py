@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from fusionflow.loader.dataset import encoded_sizes
+from fusionflow.datasets.sizes import encoded_sizes
 from fusionflow.runtime.local_manager import LocalManager
 from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.spec import RuntimeSpec, base_seed
