@@ -23,8 +23,8 @@ def adopt_folder(dataset, policy):
     transform and no `policy=` (in a Subset too) becomes FusionFlow's reader of the same files (same order
     and targets) with `policy_from_transform(dataset.transform)`, said in one warning -- so replacing
     DataLoader by FusionFlowLoader is the whole change. A folder's transform that FusionFlow would run
-    before its own policy (augmenting twice) is refused: with `policy=`, in a ConcatDataset, or in a
-    subclass with its own __getitem__. Anything else passes through."""
+    before its own policy (one that resizes, crops or augments: augmenting twice) is refused beside `policy=` or in
+    a ConcatDataset, as is a subclass with its own __getitem__ to adopt. Anything else passes through."""
     try:
         from torchvision.datasets import DatasetFolder
     except ImportError:
@@ -77,14 +77,14 @@ def _adopted(folder, name: str, DatasetFolder, picked=None):
     from fusionflow.policy.from_torchvision import policy_from_transform
 
     adopted = policy_from_transform(folder.transform)  # raises, naming the transform, when not expressible
+    samples = folder.samples if picked is None else [folder.samples[int(i)] for i in picked]
     warnings.warn(  # visible in a script that never configures logging; Python shows it once per call site
-        f"fusionflow: reading the {len(folder.samples)} files of torchvision {name} {folder.root!r} itself, "
+        f"fusionflow: reading the {len(samples)} files of torchvision {name} {folder.root!r} itself, "
         f"augmenting with its transform (policy_from_transform: output {'x'.join(map(str, adopted.size))}, "
         f"augment {adopted.augment.type}); pass policy= to choose the augmentation yourself",
         UserWarning,
         stacklevel=4,
     )
-    samples = folder.samples if picked is None else [folder.samples[int(i)] for i in picked]
     return ImageFolder.of_samples(folder.root, samples, folder.classes), adopted
 
 

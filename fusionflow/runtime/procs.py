@@ -134,7 +134,7 @@ def end_processes(processes, grace: float) -> None:
                 proc.join(timeout=1.0)
 
 
-def end_after_read(processes) -> None:
+def stop_after_read(processes) -> None:
     """SIGUSR1 to each of `processes` still running: at shutdown, a worker running a task reads its STOP only after
     it, and the task is nobody's now (the iteration ended, or raised, e.g. at `timeout`): not worth the stop grace.
     The worker ends at once, or when the dataset read in hand returns (runtime/sample.py end_after_read: a file the

@@ -190,7 +190,7 @@ class WorkerPool:
         self._stopped = True
         workers = [w for w in self.workers if w is not None]
         end = functools.partial(end_processes, [w.process for w in workers], STOP_GRACE_S)
-        busy = functools.partial(procs.end_after_read, [w.process for w in workers if w.outstanding])
+        busy = functools.partial(procs.stop_after_read, [w.process for w in workers if w.outstanding])
         # a Ctrl-C in any step still ends every worker, closes the pipes and releases the cores
         run_every(*(w.send_stop for w in workers), busy, end, *(w.conn.close for w in workers), self.cores.release)
 
