@@ -38,6 +38,12 @@ MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed co
 _COPIES = operator.attrgetter("copies")  # a Work's copies, as one C-level call
 
 
+def retired(counters, why: str) -> str:  # the accelerator retires (GpuSession's before a start too): said, counted
+    counters.accelerator_retired = why
+    log.warning("the DALI accelerator is retired for this loader's run (%s); the CPU workers take all", why)
+    return why
+
+
 class AcceleratorWorker:
     def __init__(
         self,
@@ -164,9 +170,8 @@ class AcceleratorWorker:
 
     def _retire(self, why: str) -> None:
         """Under board.cond: take no more work; the CPU workers get everything, reservations included."""
-        self.retired = self.counters.accelerator_retired = why
+        self.retired = retired(self.counters, why)
         self.board.drop_reservations()
-        log.warning("the DALI accelerator is retired for this loader's run (%s); the CPU workers take all", why)
 
     def watch(self, now: float) -> None:
         """Under board.cond, from the manager thread each turn: the oldest run in flight past the stall bound
@@ -224,16 +229,13 @@ class AcceleratorWorker:
             board.wake()
 
     def _due(self, due: float) -> float:  # when to collect the oldest run in flight (ShareFeed.due); 0: now
-        gated = self.shares is None or self.gated
-        return 0.0 if gated else self.shares.due(self._active, self._last_done, due)
+        return 0.0 if self.shares is None or self.gated else self.shares.due(self._active, self._last_done, due)
 
     def _drain(self) -> None:
-        """Stopping (its runs given to the CPU workers): collect and drop the runs DALI still holds, so that the
-        pipeline is idle and kept for the next epoch (an epoch left early closed it: built again, 2-3 s on a GPU)."""
-        pipeline = self.pipeline
+        """Stopping: collect and drop the runs DALI still holds, so its pipeline is kept idle for the next epoch."""
         try:
-            while pipeline is not None and self.keep_pipeline is not None and not self.retired and pipeline.in_flight:
-                pipeline.collect()
+            while self.keep_pipeline is not None and not self.retired and getattr(self.pipeline, "in_flight", 0):
+                self.pipeline.collect()
         except Exception:  # a failed run: the pipeline is closed at release, not kept
             log.debug("draining the DALI runs in flight failed", exc_info=True)
 

@@ -106,8 +106,9 @@ class GpuSession:
         except Exception as exc:  # a later epoch's build (out of memory beside training): the CPU workers take all
             if not self.started:
                 raise
-            self.retired = self.stats.accelerator_retired = f"building its DALI pipeline failed: {exc!r}"
-            log.warning("the DALI accelerator is retired for this loader's run (%s); the CPU workers take all", exc)
+            from fusionflow.accel.accelerator import retired
+
+            self.retired = retired(self.stats, f"building its DALI pipeline failed: {exc!r}")
             return
         self.started = True
         mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
