@@ -16,7 +16,7 @@ from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F4
 from fusionflow import DaliAccelerator  # noqa: E402
 from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU  # noqa: E402
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
-from fusionflow.errors import SampleError  # noqa: E402
+from fusionflow.errors import FusionFlowError, SampleError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
 from fusionflow.runtime.local_manager import LocalManager  # noqa: E402
@@ -697,6 +697,44 @@ def test_a_hung_dali_run_is_given_up_and_its_late_outputs_dropped(monkeypatch, n
         if not np.array_equal(img, cpu(ds.data[i], i, seed=4)):
             np.testing.assert_array_equal(img, run_numpy(dali, [ds.data[i]], [i], seed=4)[0])
     dali.close()
+
+
+def test_a_timeout_names_the_hung_dali_run_that_holds_the_mini_batch(monkeypatch, no_leaks):
+    """timeout= raised while a DALI run hangs: the error names who holds the outstanding samples -- the
+    accelerator's run, with its size and age -- not only how many are missing."""
+    import threading
+
+    real, release, hung = DaliPolicyPipeline.collect, threading.Event(), []
+
+    def collect(self, stream=None):
+        if not hung:
+            hung.append(list(self._pending[0][0]))
+        assert release.wait(120), "the test never released the hung run"
+        return real(self, stream)
+
+    monkeypatch.setattr(DaliPolicyPipeline, "collect", collect)
+    ld = loader(Bytes(36), batch_size=6, timeout=5, persistent_workers=True)
+    try:
+        with pytest.raises(FusionFlowError, match=r"not ready within timeout=5 s") as info:
+            for _ in ld:
+                pass
+        assert f"the DALI accelerator (a run of {len(hung[0])} samples)" in str(info.value)
+    finally:
+        release.set()
+        ld.close()
+
+
+def test_stopping_waits_one_second_for_a_collect_that_is_overdue():
+    """An epoch's end (timeout= raised without persistent workers) waits 10 s for the accelerator thread to
+    collect its runs -- unless it has waited for one past 2 s and 4 mean runs: a hung run, given 1 s."""
+    import types
+
+    from fusionflow.accel.accelerator import AcceleratorWorker
+
+    now = time.monotonic()
+    for collecting, mean, bound in [(None, 0.0, 10.0), (now, 0.0, 10.0), (now - 3, 0.0, 1.0), (now - 3, 1.0, 10.0)]:
+        accel = types.SimpleNamespace(_collecting=collecting, _run_seconds=mean)
+        assert AcceleratorWorker._stop_wait(accel) == bound, (collecting, mean)
 
 
 def test_an_unclosed_loaders_accelerator_stops_before_dalis_exit_hook():

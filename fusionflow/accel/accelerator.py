@@ -1,18 +1,15 @@
 """The accelerator worker: a thread in the training process feeding a prebuilt DALI pipeline the largest tiny-batches
-of the local manager's queue, each output written to its mini-batch position.
+of the local manager's queue, each output written to its mini-batch position. A worker kind (runtime/board.py).
 
-A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via share_feed.py),
-with up to MERGE_SHARES - 1 next shares that fit (on a GPU also taken ahead: `_borrowed`); up to `depth` runs are in
-flight (DaliAccelerator's runs_in_flight), collected in order. A mini-batch whose CPU side is late when training waits
-for it gets a tail run of its largest unstarted tiny-batches. Helper processes read and draw the runs (input_helpers.py,
-helper_reads.py; else run_read.py here), the bytes fed uncopied. `device="gpu"`: nvJPEG and GPU ops into a device ring
-(`DeviceRing`), merged with the CPU workers' at delivery; "cpu": DALI's CPU backend into the host ring. What DALI
-cannot run (not encoded bytes, over decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing: only
-in the prep window (one run in flight, after a blocking event of the training work queued before next()); `spatial`:
-concurrently; with the bridge, DALI's memory is an arena lent once before a run. A worker kind (runtime/board.py). A
-failed run drops the pipeline (rebuilt next run) and gives its runs in flight to the CPU workers; MAX_FAILURES in a row,
-an unbuildable pipeline or a stalled run retire it. CPU: `accelerator_feed_cpu_seconds` (`accelerator_land_cpu_seconds`
-of it), the helpers' `accelerator_inputs_cpu_seconds`.
+A run takes a mini-batch's share (its G largest samples as whole tiny-batches: scheduling/split.py via share_feed.py)
+and up to MERGE_SHARES - 1 next shares that fit (on a GPU taken ahead); up to `depth` runs are in flight, collected in
+order; a mini-batch late on its CPU side when training waits gets a tail run of its largest unstarted tiny-batches.
+Helper processes read and draw the runs (input_helpers.py, helper_reads.py; else run_read.py), the bytes fed uncopied.
+`device="gpu"`: into a device ring merged at delivery; "cpu": DALI's CPU backend into the host ring. What DALI cannot
+run (not encoded bytes, over decode.max_pixels, undecodable) goes back marked CPU-only. `temporal` sharing: one run
+in flight, in the prep window only, after the training work queued before next(); `spatial`: concurrently. A failed
+run drops the pipeline (rebuilt next run) and gives the runs in flight to the CPU workers; MAX_FAILURES in a row, an
+unbuildable pipeline or a stalled run retire it. CPU time: `accelerator_feed_cpu_seconds` (`..._land_...` of it).
 """
 
 from __future__ import annotations
@@ -25,6 +22,7 @@ import time
 
 import numpy as np
 
+from fusionflow.accel.at_exit import keep_or_close
 from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU
 from fusionflow.accel.input_helpers import RunSource
 from fusionflow.accel.share_feed import ShareFeed
@@ -100,6 +98,7 @@ class AcceleratorWorker:
         self._last_done = 0.0  # when the last run completed (its completion interval)
         self._run_seconds = 0.0  # running mean of a run's time from take to completion (the stall bound's)
         self._writing = self._stop = False  # writing a collected run's outputs (`watch` leaves it be); stopping
+        self._collecting: float | None = None  # since when the thread waits in DALI for a run's outputs
         self.window_open = False  # the loader's prep window (GpuSession; consulted while gated)
         self._thread = threading.Thread(target=self._thread_main, name="fusionflow-accelerator", daemon=True)
 
@@ -109,6 +108,10 @@ class AcceleratorWorker:
     @property
     def in_flight(self) -> int:  # DALI runs taken and not yet accounted
         return len(self._active)
+
+    def holding(self, key, now: float) -> list:  # under board.cond: its runs holding mini-batch `key`'s samples
+        runs = [(g, t) for g, t, *_ in self._active if any((w.generation, w.seq) == key for w in g)]
+        return [(f"the DALI accelerator (a run of {sum(len(w.indices) for w in g)} samples)", now - t) for g, t in runs]
 
     def busy_with_stale(self, generation: int) -> bool:
         return any(group[0].generation != generation for group, *_ in self._active)  # a run is one iterator's
@@ -143,24 +146,22 @@ class AcceleratorWorker:
         other = self._thread is not threading.current_thread()
         try:  # the input helpers end even if this raised (a Ctrl-C in DALI's shutdown left them running)
             if self._thread.is_alive() and other:
-                self._thread.join(timeout=10.0)
+                self._thread.join(timeout=(bound := self._stop_wait()))
             pipeline, self.pipeline = self.pipeline, None
-            if pipeline is not None and self._thread.is_alive() and other:  # stuck in a tiny-batch
-                log.warning("the accelerator thread did not stop within 10 s; its DALI pipeline is left to the GC")
+            if pipeline is not None and self._thread.is_alive() and other:  # stuck in a run
+                log.warning("the accelerator thread did not stop in %.0f s; its DALI pipeline is left to the GC", bound)
             elif pipeline is not None:
                 self._release(pipeline)
         finally:
             self.source.close()
 
-    def _release(self, pipeline) -> None:
-        """The stopped thread's pipeline: kept (`keep_pipeline`) if it can run again -- no run in flight, never
-        failed for good -- else closed. A kept one refers to this accelerator no more."""
-        if self.keep_pipeline is None or self.retired or not pipeline.idle:
-            pipeline.close()
-            return
-        pipeline.build_guard = contextlib.nullcontext
-        pipeline.forget_last_run()  # this epoch's input helpers' bytes: not held through the gap
-        self.keep_pipeline(pipeline)
+    def _stop_wait(self) -> float:
+        """stop()'s wait: 10 s to collect the runs in flight (pipeline kept), 1 s once a collect is overdue (hung)."""
+        since = self._collecting
+        return 1.0 if since is not None and time.monotonic() - since > max(2.0, 4 * self._run_seconds) else 10.0
+
+    def _release(self, pipeline) -> None:  # the stopped thread's pipeline: kept for the next epoch, or closed
+        keep_or_close(pipeline, self.keep_pipeline, self.retired)
 
     @contextlib.contextmanager
     def _rebuilding(self):  # around the pipeline's rebuild after a failed run (in its submit): the bridge paused
@@ -235,9 +236,12 @@ class AcceleratorWorker:
         """Stopping: collect and drop the runs DALI still holds, so its pipeline is kept idle for the next epoch."""
         try:
             while self.keep_pipeline is not None and not self.retired and getattr(self.pipeline, "in_flight", 0):
+                self._collecting = time.monotonic()
                 self.pipeline.collect()
         except Exception:  # a failed run: the pipeline is closed at release, not kept
             log.debug("draining the DALI runs in flight failed", exc_info=True)
+        finally:
+            self._collecting = None
 
     def _guarded(self, step, group) -> None:
         """Run `step` (submit or collect); an unexpected failure gives every run in flight back to the
@@ -246,6 +250,8 @@ class AcceleratorWorker:
         try:
             step(group)
             return
+        except (DeviceOutOfMemory, DecodeError) as exc:  # DALI discarded the pipeline, the runs in flight with it
+            return self._failed_run(exc)
         except AcceleratorError as exc:  # the pipeline cannot be rebuilt (or is closed)
             log.error("accelerator failed: %s", exc)
             fatal = str(exc)
@@ -296,17 +302,11 @@ class AcceleratorWorker:
             except Exception:  # DALI still has its own pool: carry on without the bridge
                 log.exception("allocator bridge failed to lend; continuing without it")
                 self.bridge = None
-        try:
-            clock.mark("prepare", runnable[0].seq, len(indices))  # given back, gated waits, the naive ablation's build
-            columns = (
-                r.columns if r.columns is not None else self.source.columns(indices, copies, sizes, runnable[0].epoch)
-            )
-            clock.mark("inputs", runnable[0].seq, len(indices))
-            pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns, keep=r.keep)
-            clock.mark("submit", runnable[0].seq, len(indices))
-        except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
-            self._failed_run(exc, indices)
-            return
+        clock.mark("prepare", runnable[0].seq, len(indices))  # given back, gated waits, the naive ablation's build
+        columns = r.columns if r.columns is not None else self.source.columns(indices, copies, sizes, runnable[0].epoch)
+        clock.mark("inputs", runnable[0].seq, len(indices))
+        pipeline.submit(samples, indices, self.seed, runnable[0].epoch, copies, sizes, columns, keep=r.keep)
+        clock.mark("submit", runnable[0].seq, len(indices))
         if pipeline is not self.pipeline:  # DALI-Naive: collect at once, then close
             try:
                 self._collect(None)
@@ -320,13 +320,13 @@ class AcceleratorWorker:
                 return
             group, started, tail, (pipeline, labels) = self._active[0]
         indices, asked, clock = [i for w in group for i in w.indices], time.monotonic(), StepClock(self.board.trace)
+        self._collecting = asked  # (stop() reads it: a run waited for too long is hung)
         try:
             out = pipeline.collect(self.device_ring.stream if self.device_ring is not None else None)
-        except (DeviceOutOfMemory, DecodeError) as exc:  # the pipeline is discarded, the runs in flight with it
-            self._failed_run(exc, indices)
-            return
-        if self.device_ring is not None:  # DALI's run on the device, waited for asleep and within `watch`'s bound
-            self.device_ring.wait_for_outputs()
+            if self.device_ring is not None:  # DALI's run on the device, waited for asleep and within `watch`'s bound
+                self.device_ring.wait_for_outputs()
+        finally:
+            self._collecting = None
         waited = time.monotonic() - asked  # ~0: ready when asked for (ShareFeed.collected)
         clock.mark("outputs", group[0].seq, len(indices))
         slots = [w.slot for w in group for _ in w.positions]  # shares of up to MERGE_SHARES mini-batches
@@ -389,12 +389,12 @@ class AcceleratorWorker:
         if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
             self._retire(f"{self.failures_in_a_row} DALI runs in a row failed" + (f"; the last: {why}" if why else ""))
 
-    def _failed_run(self, exc, indices) -> None:
+    def _failed_run(self, exc) -> None:
         """A DALI run failed (out of memory, or an undecodable sample): every run in flight to the CPU workers."""
         if isinstance(exc, DeviceOutOfMemory):
             self.counters.accelerator_out_of_memory += 1
-            log.warning("accelerator out of memory on samples %s; the CPU workers take them: %s", indices, exc)
+            log.warning("accelerator out of memory; the CPU workers take its runs: %s", exc)
         else:
-            log.info("accelerator could not decode %s: %s", indices, exc)
+            log.info("accelerator failed on a run: %s", exc)
         with self.board.cond:
             self._lose_all(str(exc))

@@ -1,10 +1,11 @@
 """A loader never closed: its accelerators stopped, and the DALI pipelines kept for its next epoch closed, at
 interpreter exit -- before DALI's own exit hook (registered after DALI's import, this one runs first). GpuSession
-(accel/session.py) registers each accelerator it starts and each pipeline it keeps."""
+(accel/session.py) registers each accelerator it starts and each pipeline it keeps (`keep_or_close`, `keep_idle`)."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import weakref
@@ -41,6 +42,17 @@ def stop_live() -> None:
             pipeline.close()
         except Exception:
             log.exception("closing an idle DALI pipeline at exit failed")
+
+
+def keep_or_close(pipeline, keep, retired) -> None:
+    """A stopped accelerator's pipeline: given to `keep` (its keep_pipeline) if it can run again -- no run in flight,
+    the accelerator never `retired` -- else closed. A kept one refers to its accelerator no more."""
+    if keep is None or retired or not pipeline.idle:
+        pipeline.close()
+        return
+    pipeline.build_guard = contextlib.nullcontext
+    pipeline.forget_last_run()  # this epoch's input helpers' bytes: not held through the gap
+    keep(pipeline)
 
 
 def keep_idle(spares: list, pipeline) -> None:

@@ -62,15 +62,21 @@ def is_stuck(running_for: float, task_seconds: float, tries: int = 0) -> bool:
     return running_for > stuck_bound(task_seconds, tries)
 
 
-def waiting_on(seq: int, waited: float, remaining: int, size: int, queued: int, running, others) -> str:
-    """The warning for a training loop waiting `waited` s for mini-batch `seq`: `running` = [(who,
-    seconds on its oldest tiny-batch)], `others` = the other worker kinds' names (Ray, the accelerator)."""
+def holders(queued: int, running, others) -> str:
+    """Who holds a mini-batch's outstanding samples: `running` = [(who, seconds on its oldest tiny-batch or run)],
+    `others` = the other worker kinds' names (Ray) that do not say what they hold."""
     busy = ", ".join(f"{who} {secs:.0f} s" for who, secs in sorted(running, key=lambda r: -r[1])) or "none"
+    return f"{queued} tiny-batches queued; running, on their oldest tiny-batch: {busy}" + (
+        f"; other worker kinds: {', '.join(others)}" if others else ""
+    )
+
+
+def waiting_on(seq: int, waited: float, remaining: int, size: int, held: str) -> str:
+    """The warning for a training loop waiting `waited` s for mini-batch `seq` (`held`: `holders`)."""
     return (
         f"fusionflow: the training loop has waited {waited:.0f} s for mini-batch {seq} ({remaining} of {size} "
-        f"samples outstanding; {queued} tiny-batches queued; running, on their oldest tiny-batch: {busy}"
-        + (f"; other worker kinds: {', '.join(others)}" if others else "")
-        + "). A stuck CPU worker is killed and its work run again at the stuck bound; timeout= ends the wait"
+        f"samples outstanding; {held}). A stuck CPU worker is killed and its work run again at the stuck bound; "
+        "timeout= ends the wait"
     )
 
 

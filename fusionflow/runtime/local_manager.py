@@ -205,22 +205,25 @@ class LocalManager:
             now = time.monotonic()
             if now >= say:
                 say = since + 2 * (now - since)
-                log.warning(self._waiting_on(key, seq, state, now - since))
+                log.warning(liveness.waiting_on(seq, now - since, state.remaining, state.size, self._holders(key)))
             left = None if deadline is None else deadline - now
             if left is not None and left <= 0:
                 raise FusionFlowError(
                     f"mini-batch {seq} was not ready within timeout={timeout} s "
-                    f"({state.remaining} of {state.size} samples outstanding)"
+                    f"({state.remaining} of {state.size} samples outstanding; {self._holders(key)})"
                 )
             board.cond.wait(left if left is not None else 1.0)
 
-    def _waiting_on(self, key, seq: int, state: BatchState, waited: float) -> str:
+    def _holders(self, key) -> str:
+        """Under board.cond: who holds mini-batch `key`'s outstanding samples (liveness.holders): the CPU workers
+        and lent ones busy, the worker kinds that say what they hold (`holding`: the accelerator's runs)."""
         now, guests = time.monotonic(), self.agent.guests if self.agent is not None else ()
         running = [(f"CPU worker {w.worker_id}", now - w.head_since) for w in self.pool.workers if w and w.outstanding]
         running += [(f"lent worker {g.worker_id}", now - g.head_since) for g in guests if g.alive and g.outstanding]
-        others = [type(k).__name__ for k in self.board.kinds if k is not self.pool]
-        q = self.board.queue
-        return liveness.waiting_on(seq, waited, state.remaining, state.size, q.waiting(key), running, others)
+        kinds = [k for k in self.board.kinds if k is not self.pool]
+        running += [held for k in kinds if hasattr(k, "holding") for held in k.holding(key, now)]
+        others = [type(k).__name__ for k in kinds if not hasattr(k, "holding")]
+        return liveness.holders(self.board.queue.waiting(key), running, others)
 
     def abandon(self, generation: int) -> None:
         """Forget an iterator's unfinished work (it stopped early); running tasks drain first."""
