@@ -2,6 +2,7 @@
 
 import contextlib
 import time
+import types
 import warnings
 
 import numpy as np
@@ -14,8 +15,10 @@ from dali_numpy import run_numpy  # noqa: E402
 from test_loader import SMALL, Arrays, Bytes, collect, no_leaks  # noqa: E402,F401
 
 from fusionflow import DaliAccelerator  # noqa: E402
+from fusionflow.accel.accelerator import AcceleratorWorker  # noqa: E402
 from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU  # noqa: E402
 from fusionflow.accel.dali_graph import DaliPolicyPipeline  # noqa: E402
+from fusionflow.accel.run_ledger import MAX_FAILURES  # noqa: E402
 from fusionflow.errors import FusionFlowError, SampleError  # noqa: E402
 from fusionflow.loader import FusionFlowLoader  # noqa: E402
 from fusionflow.ops.pipeline import CpuPipeline  # noqa: E402
@@ -382,7 +385,6 @@ def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerat
     """DALI out of memory on every run: its tiny-batches go to the CPU workers (not reported as a corrupt
     sample), and after MAX_FAILURES runs in a row the accelerator retires -- no reservation is left for
     it, so every later mini-batch is produced by the CPU workers alone."""
-    from fusionflow.accel import accelerator as acc
     from fusionflow.errors import DeviceOutOfMemory
 
     def oom(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None, keep=None):
@@ -394,9 +396,9 @@ def test_out_of_memory_is_handed_back_and_repeated_failures_retire_the_accelerat
         _, labels = collect(ld)
     assert [i for y in labels for i in y.tolist()] == list(range(24))
     s = ld.stats
-    assert s.accelerator_tiny_batches == 0 and s.accelerator_out_of_memory == acc.MAX_FAILURES
+    assert s.accelerator_tiny_batches == 0 and s.accelerator_out_of_memory == MAX_FAILURES
     # a failed run gives back each of its tiny-batches (a run may hold several: up to K)
-    assert s.accelerator_given_back >= acc.MAX_FAILURES and "in a row failed" in s.accelerator_retired
+    assert s.accelerator_given_back >= MAX_FAILURES and "in a row failed" in s.accelerator_retired
     assert "likely corrupt" not in caplog.text and "retired" in caplog.text
 
 
@@ -507,7 +509,7 @@ def test_a_kept_pipeline_runs_again_only_in_its_own_process_idle_and_for_its_own
     from fusionflow.accel import at_exit, session
 
     gpu = session.GpuSession.__new__(session.GpuSession)
-    gpu._spares, gpu._spares_pid, gpu.runs_in_flight = [], os.getpid(), 2
+    gpu._spares, gpu._spares_pid, gpu.runs_in_flight = at_exit.Spares(), os.getpid(), 2
     good, other_size, not_idle, forked = _StubPipeline(True), _StubPipeline(True, 16), _StubPipeline(False), None
     for stub in (good, other_size, not_idle):
         at_exit.keep_idle(gpu._spares, stub)
@@ -527,7 +529,7 @@ def test_a_stopped_accelerator_keeps_only_an_idle_pipeline_of_a_working_accelera
 
     kept, stub = [], _StubPipeline(idle)
     accel = AcceleratorWorker.__new__(AcceleratorWorker)
-    accel.keep_pipeline, accel.retired = kept.append, retired
+    accel.keep_pipeline, accel.ledger = kept.append, types.SimpleNamespace(retired=retired)
     accel._release(stub)
     assert (kept == [stub], stub.closed, stub.forgot) == (keeps, not keeps, keeps)
     assert stub.build_guard is contextlib.nullcontext if keeps else stub.build_guard == "an accelerator's"
@@ -724,17 +726,28 @@ def test_a_timeout_names_the_hung_dali_run_that_holds_the_mini_batch(monkeypatch
         ld.close()
 
 
-def test_stopping_waits_one_second_for_a_collect_that_is_overdue():
+def test_stopping_waits_one_second_for_a_run_that_is_overdue():
     """An epoch's end (timeout= raised without persistent workers) waits 10 s for the accelerator thread to
-    collect its runs -- unless it has waited for one past 2 s and 4 mean runs: a hung run, given 1 s."""
-    import types
+    collect its runs -- unless the one it waits for, or the oldest in flight, was taken over 2 s and 4 mean runs
+    ago: a hung run, given 1 s (the thread keeps or closes the pipeline itself if the run ever returns)."""
+    import threading
 
     from fusionflow.accel.accelerator import AcceleratorWorker
 
     now = time.monotonic()
-    for collecting, mean, bound in [(None, 0.0, 10.0), (now, 0.0, 10.0), (now - 3, 0.0, 1.0), (now - 3, 1.0, 10.0)]:
-        accel = types.SimpleNamespace(_collecting=collecting, _run_seconds=mean)
-        assert AcceleratorWorker._stop_wait(accel) == bound, (collecting, mean)
+    cases = [  # (waited for in a collect or a drain, the oldest run in flight, the mean run, the wait)
+        (None, None, 0.0, 10.0),
+        (now, None, 0.0, 10.0),
+        (now - 3, None, 0.0, 1.0),
+        (now - 3, None, 1.0, 10.0),
+        (None, now - 3, 0.0, 1.0),
+        (None, now - 0.5, 0.0, 10.0),
+    ]
+    for collecting, oldest, mean, bound in cases:
+        active = [] if oldest is None else [([], oldest, None, None)]
+        board = types.SimpleNamespace(cond=threading.Condition())
+        accel = types.SimpleNamespace(_collecting=collecting, _active=active, _run_seconds=mean, board=board)
+        assert AcceleratorWorker._stop_wait(accel) == bound, (collecting, oldest, mean)
 
 
 def test_an_unclosed_loaders_accelerator_stops_before_dalis_exit_hook():
@@ -1252,7 +1265,8 @@ def test_jpegs_with_garbage_for_their_scan_never_reach_dali_the_cpu_path_decides
 
 
 def test_the_scan_check_passes_what_encoders_write():
-    """Progressive (tables between scans), restart markers, EXIF, optimised, grayscale: clean; garbage: not."""
+    """Progressive (tables between scans), restart markers, EXIF, optimised, grayscale, bytes after the end: clean;
+    garbage: not."""
     import io
 
     import cv2
@@ -1272,21 +1286,23 @@ def test_the_scan_check_passes_what_encoders_write():
     Image.fromarray(pixels).convert("L").save(out, "JPEG", progressive=True)
     written.append(out.getvalue())
     assert all(map(scan_is_clean, written)) and not any(scan_is_clean(_garbled_scan(d)) for d in written)
+    out = io.BytesIO()  # what follows the image's end is not its scan: an MPO's second frame (its EXIF), a trailer
+    Image.fromarray(pixels).save(out, "JPEG", exif=b"Exif\0\0II*\0" + b"\xff\x05" * 8)
+    assert scan_is_clean(written[0] + out.getvalue()) and scan_is_clean(written[1] + b"\xff\x10 a phone's trailer")
 
 
 def test_failed_runs_rebuild_the_pipeline_counted_and_the_retirement_names_the_last_failure():
     """Each failed DALI run discards the pipeline and the next run rebuilds it: the rebuilds are builds in the
     stats, and the retirement after MAX_FAILURES says what the last failure was."""
-    from fusionflow.accel import accelerator as acc
 
     ld = loader(CorruptEven(48), on_error="skip", timeout=120)
     with pytest.warns(UserWarning, match="on_error='skip'"):
         _, labels = collect(ld)
     assert sorted(i for y in labels for i in y.tolist()) == list(range(1, 48, 2))
     s = ld.stats
-    assert s.accelerator_runs == 0 and s.accelerator_retired.startswith(f"{acc.MAX_FAILURES} DALI runs in a row")
+    assert s.accelerator_runs == 0 and s.accelerator_retired.startswith(f"{MAX_FAILURES} DALI runs in a row")
     assert "likely corrupt" in s.accelerator_retired
-    assert s.accelerator_builds == acc.MAX_FAILURES  # the ahead-of-time build, then one after each failure but the last
+    assert s.accelerator_builds == MAX_FAILURES  # the ahead-of-time build, then one after each failure but the last
 
 
 def test_a_retired_accelerator_stays_retired_in_the_epochs_after():
@@ -1322,10 +1338,80 @@ def test_a_pipeline_that_cannot_be_built_at_a_later_epoch_retires_the_accelerato
         ld.set_epoch(epoch)
         _, labels = collect(ld)
         assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
-    assert "building its DALI pipeline failed" in ld.stats.accelerator_retired
+    assert "starting it failed (its DALI pipeline" in ld.stats.accelerator_retired
     ld.close()
     with loader(Bytes(24)) as first, pytest.raises(RuntimeError, match="out of memory"):  # a first build: said at once
         collect(first)
+
+
+def _hang_a_later_run(monkeypatch):
+    """DALI's collect of the first run holding none of mini-batch 0's samples (0-5) waits for `release`."""
+    import threading
+
+    real, hang, entered, release = DaliPolicyPipeline.collect, threading.Event(), threading.Event(), threading.Event()
+
+    def collect(self, stream=None):
+        if hang.is_set() and not entered.is_set() and min(self._pending[0][0]) >= 6:
+            entered.set()
+            assert release.wait(120), "the test never released the hung run"
+        return real(self, stream)
+
+    monkeypatch.setattr(DaliPolicyPipeline, "collect", collect)
+    monkeypatch.setattr(AcceleratorWorker, "_stop_wait", lambda self: 0.2)  # stop() gives up at once
+    return hang, entered, release
+
+
+@pytest.mark.parametrize("end", ["break", "close"])
+def test_a_stop_that_gives_up_waiting_leaves_the_pipeline_to_the_thread(monkeypatch, caplog, no_leaks, end):
+    """A run still in DALI past stop()'s wait (a huge image, a hung device): the pipeline was left to the GC, so
+    the next epoch built it again while the old one still held its memory. The thread now keeps it for the next
+    epoch when the run returns (or closes it: the loader was closed, or the accelerator retired)."""
+    hang, entered, release = _hang_a_later_run(monkeypatch)
+    ld = loader(SlowInCpuWorkers(48), batch_size=6)  # no persistent workers: an epoch's end stops the accelerator
+    try:
+        with caplog.at_level("WARNING", logger="fusionflow.accel.accelerator"):
+            for _ in ld:
+                accel = ld.parts.gpu.accel
+                pipeline = accel.pipeline
+                hang.set()
+                assert entered.wait(60), "no later run was collected"
+                break
+            if end == "close":
+                ld.close()
+        assert "still in a DALI run" in caplog.text and accel._thread.is_alive()
+        release.set()
+        accel._thread.join(60)
+        assert not accel._thread.is_alive() and accel.pipeline is None
+        if end == "close":  # closed by the thread, not kept past the loader's close
+            assert ld.parts.gpu._spares == [] and not pipeline.idle
+            return
+        assert ld.parts.gpu._spares == [pipeline] and pipeline.idle  # kept: the next epoch runs it
+        ld.set_epoch(1)
+        _, labels = collect(ld)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(48))
+        assert ld.stats.accelerator_builds == 1 and ld.stats.accelerator_samples > 0
+    finally:
+        release.set()
+        ld.close()
+
+
+def test_close_ends_a_retirement_the_loader_starts_afresh(monkeypatch):
+    """A retirement lasts the loader's run (not one an epoch) -- and close() ends that run: started again, the
+    loader's accelerator works (a first build that fails raises again)."""
+    ld = loader(Bytes(24), timeout=120)
+    monkeypatch.setattr(DaliPolicyPipeline, "_build", lambda self: (_ for _ in ()).throw(RuntimeError("no GPU now")))
+    ld.parts.gpu.retired = "a retirement of this loader's run"
+    collect(ld)
+    assert ld.stats.accelerator_samples == 0
+    ld.close()
+    monkeypatch.undo()
+    try:
+        samples = ld.stats.accelerator_samples
+        _, labels = collect(ld)
+        assert sorted(i for y in labels for i in y.tolist()) == list(range(24))
+        assert ld.stats.accelerator_samples > samples and ld.parts.gpu.retired is None
+    finally:
+        ld.close()
 
 
 def test_an_epoch_left_early_drains_dali_s_runs_and_keeps_the_pipeline():
@@ -1338,7 +1424,8 @@ def test_an_epoch_left_early_drains_dali_s_runs_and_keeps_the_pipeline():
         pipeline.submit(data[:4], range(4))
         pipeline.submit(data[4:], range(4, 8))  # two runs held by DALI as the accelerator stops
         accel = AcceleratorWorker.__new__(AcceleratorWorker)  # its stop's steps alone
-        accel.pipeline, accel.keep_pipeline, accel.retired = pipeline, kept.append, None
+        accel.pipeline, accel.keep_pipeline, accel.ledger = pipeline, kept.append, types.SimpleNamespace(retired=None)
+        accel.device_ring = None  # (on a GPU: ordered on the ring's stream, waited for asleep)
         accel._drain()
         accel._release(pipeline)
         assert kept == [pipeline] and pipeline.idle

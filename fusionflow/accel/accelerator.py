@@ -25,21 +25,15 @@ import numpy as np
 from fusionflow.accel.at_exit import keep_or_close
 from fusionflow.accel.config import RUNS_IN_FLIGHT_CPU
 from fusionflow.accel.input_helpers import RunSource
+from fusionflow.accel.run_ledger import RunLedger
 from fusionflow.accel.share_feed import ShareFeed
 from fusionflow.accel.step_clock import StepClock
 from fusionflow.errors import AcceleratorError, DecodeError, DeviceOutOfMemory
 from fusionflow.runtime import liveness, targets
 
 log = logging.getLogger(__name__)
-MAX_FAILURES = 4  # failed DALI runs in a row before the accelerator retires
 MERGE_SHARES = 2  # mini-batch shares one run may hold (not gated): its fixed cost paid once for them
 _COPIES = operator.attrgetter("copies")  # a Work's copies, as one C-level call
-
-
-def retired(counters, why: str) -> str:  # the accelerator retires (GpuSession's before a start too): said, counted
-    counters.accelerator_retired = why
-    log.warning("the DALI accelerator is retired for this loader's run (%s); the CPU workers take all", why)
-    return why
 
 
 class AcceleratorWorker:
@@ -84,8 +78,6 @@ class AcceleratorWorker:
         self.build_seconds = time.perf_counter() - t0 if built else 0.0
         self.counters.accelerator_builds += int(built)
         self.keep_pipeline = keep_pipeline
-        self.tiny_batches = self.failures_in_a_row = 0  # tiny-batches done (the bridge's warm-up); failed runs in a row
-        self.retired: str | None = None  # why the accelerator stopped taking work, once it has
         self.step_event = None  # temporal sharing: the training work queued before next() ends with it (GpuSession)
         self.bridge = bridge  # MemoryBridge (memory_bridge on); dropped if lending fails; paused around a rebuild
         if self.pipeline is not None:
@@ -95,10 +87,12 @@ class AcceleratorWorker:
         self.shares = ShareFeed(split, board, tiny_batch_size, cpu_workers, batch) if split is not None else None
         self.borrow = split is not None and split.shares_device  # shares taken ahead on a GPU (a run's fixed cost)
         self._active: list = []  # the groups of tiny-batches of the DALI runs in flight, oldest first
+        self.ledger = RunLedger(board, self.counters, self._active)  # their outcomes, failures, the retirement
         self._last_done = 0.0  # when the last run completed (its completion interval)
         self._run_seconds = 0.0  # running mean of a run's time from take to completion (the stall bound's)
         self._writing = self._stop = False  # writing a collected run's outputs (`watch` leaves it be); stopping
-        self._collecting: float | None = None  # since when the thread waits in DALI for a run's outputs
+        self._collecting: float | None = None  # when the run the thread waits for in DALI was taken (`_stop_wait`)
+        self._stopped = self._ended = False  # stop() is past its wait; the thread is past its loop (`_thread_main`)
         self.window_open = False  # the loader's prep window (GpuSession; consulted while gated)
         self._thread = threading.Thread(target=self._thread_main, name="fusionflow-accelerator", daemon=True)
 
@@ -147,17 +141,21 @@ class AcceleratorWorker:
         try:  # the input helpers end even if this raised (a Ctrl-C in DALI's shutdown left them running)
             if self._thread.is_alive() and other:
                 self._thread.join(timeout=(bound := self._stop_wait()))
-            pipeline, self.pipeline = self.pipeline, None
-            if pipeline is not None and self._thread.is_alive() and other:  # stuck in a run
-                log.warning("the accelerator thread did not stop in %.0f s; its DALI pipeline is left to the GC", bound)
-            elif pipeline is not None:
+            with self.board.cond:  # the pipeline is released by the later of this and the thread's end
+                self._stopped, mine = True, self._ended or not self._thread.is_alive()
+                pipeline, self.pipeline = (self.pipeline, None) if mine else (None, self.pipeline)
+            if not mine and other:  # in DALI still: it keeps or closes the pipeline when the run returns
+                log.warning("the accelerator thread is still in a DALI run after %.0f s; it is left to end", bound)
+            if pipeline is not None:
                 self._release(pipeline)
         finally:
             self.source.close()
 
     def _stop_wait(self) -> float:
-        """stop()'s wait: 10 s to collect the runs in flight (pipeline kept), 1 s once a collect is overdue (hung)."""
-        since = self._collecting
+        """stop()'s wait: 10 s for the runs in flight to be collected (the pipeline kept), 1 s once the oldest is
+        overdue, taken over 2 s and 4 mean runs ago (hung: timeout= raised, the epoch ends, and costs no more)."""
+        with self.board.cond:
+            since = self._collecting if self._collecting is not None else self._active[0][1] if self._active else None
         return 1.0 if since is not None and time.monotonic() - since > max(2.0, 4 * self._run_seconds) else 10.0
 
     def _release(self, pipeline) -> None:  # the stopped thread's pipeline: kept for the next epoch, or closed
@@ -169,10 +167,9 @@ class AcceleratorWorker:
             yield
         self.counters.accelerator_builds += 1
 
-    def _retire(self, why: str) -> None:
-        """Under board.cond: take no more work; the CPU workers get everything, reservations included."""
-        self.retired = retired(self.counters, why)
-        self.board.drop_reservations()
+    @property
+    def retired(self) -> str | None:  # why the accelerator stopped taking work, once it has
+        return self.ledger.retired
 
     def watch(self, now: float) -> None:
         """Under board.cond, from the manager thread each turn: the oldest run in flight past the stall bound
@@ -183,8 +180,8 @@ class AcceleratorWorker:
         if self.retired or self._writing or waited <= liveness.stuck_bound(self._run_seconds):
             return
         first = list(self._active[0][0][0].indices)
-        self._retire(f"a DALI run (samples {first}, ...) made no progress for {waited:.0f} s")
-        self._lose_all()
+        self.ledger.retire(f"a DALI run (samples {first}, ...) made no progress for {waited:.0f} s")
+        self.ledger.lose_all()
 
     def _thread_main(self) -> None:  # `_run`; a failure outside a DALI step (a bug) retires the accelerator
         try:
@@ -192,8 +189,17 @@ class AcceleratorWorker:
         except BaseException as exc:  # a thread ended silently with work taken would leave training waiting
             log.exception("the accelerator thread failed")
             with self.board.cond:
-                self._lose_all()
-                self._retire(f"its thread failed: {exc!r}")
+                self.ledger.lose_all()
+                self.ledger.retire(f"its thread failed: {exc!r}")
+        finally:
+            with self.board.cond:  # stop() gave up waiting for this thread: the pipeline's release is its own
+                self._ended = True
+                pipeline, self.pipeline = (self.pipeline, None) if self._stopped else (None, self.pipeline)
+            try:
+                if pipeline is not None:
+                    self._release(pipeline)
+            except Exception:
+                log.exception("closing the DALI pipeline of a stopped accelerator failed")
 
     def _run(self) -> None:
         """Take a run, prepare and submit it, and collect the oldest when `depth` are in flight (one while gated: the
@@ -217,6 +223,7 @@ class AcceleratorWorker:
                     board.cond.wait(due - time.monotonic() if inflight else 0.5)
                 if ended := self._stop or self.retired:
                     lost, inflight[:] = list(inflight), []
+                    self._collecting = min((t for _, t, *_ in lost), default=None)  # `_drain` collects them
                     board.requeue([w for g, *_ in lost for w in g])
                     board.cond.notify_all()
             if ended:
@@ -234,10 +241,12 @@ class AcceleratorWorker:
 
     def _drain(self) -> None:
         """Stopping: collect and drop the runs DALI still holds, so its pipeline is kept idle for the next epoch."""
+        ring = self.device_ring  # on a GPU: ordered on the ring's stream and waited for asleep, not spun on
         try:
             while self.keep_pipeline is not None and not self.retired and getattr(self.pipeline, "in_flight", 0):
-                self._collecting = time.monotonic()
-                self.pipeline.collect()
+                self.pipeline.collect(ring.stream if ring is not None else None)
+                if ring is not None:
+                    ring.wait_for_outputs()
         except Exception:  # a failed run: the pipeline is closed at release, not kept
             log.debug("draining the DALI runs in flight failed", exc_info=True)
         finally:
@@ -251,7 +260,7 @@ class AcceleratorWorker:
             step(group)
             return
         except (DeviceOutOfMemory, DecodeError) as exc:  # DALI discarded the pipeline, the runs in flight with it
-            return self._failed_run(exc)
+            return self.ledger.failed_run(exc)
         except AcceleratorError as exc:  # the pipeline cannot be rebuilt (or is closed)
             log.error("accelerator failed: %s", exc)
             fatal = str(exc)
@@ -260,9 +269,9 @@ class AcceleratorWorker:
         if self.pipeline is not None:
             self.pipeline.close() if fatal else self.pipeline.reset()
         with self.board.cond:
-            self._lose_all(fatal or "an unexpected error (logged)")
+            self.ledger.lose_all(fatal or "an unexpected error (logged)")
             if fatal is not None:
-                self._retire(fatal)
+                self.ledger.retire(fatal)
 
     def _submit(self, group) -> None:
         """Prepare the group's samples and submit its DALI run; a tiny-batch not DALI's kind of sample (not encoded
@@ -285,7 +294,7 @@ class AcceleratorWorker:
                     r.keep.release()
                 return
             if given_back:  # none read: a failed run
-                self._account([], given_back, False if r.unreadable and not runnable else None, 0, r.unreadable)
+                self.ledger.account([], given_back, False if r.unreadable and not runnable else None, 0, r.unreadable)
             if not runnable:
                 self._active.remove(entry)
                 board.cond.notify_all()
@@ -298,7 +307,7 @@ class AcceleratorWorker:
             self.step_event.synchronize()  # training work queued before the last next() is done
         if self.bridge is not None:  # lends its arena once (a no-op before the loader armed it and after)
             try:
-                self.bridge.lend(self.tiny_batches)
+                self.bridge.lend(self.ledger.tiny_batches)
             except Exception:  # DALI still has its own pool: carry on without the bridge
                 log.exception("allocator bridge failed to lend; continuing without it")
                 self.bridge = None
@@ -320,7 +329,7 @@ class AcceleratorWorker:
                 return
             group, started, tail, (pipeline, labels) = self._active[0]
         indices, asked, clock = [i for w in group for i in w.indices], time.monotonic(), StepClock(self.board.trace)
-        self._collecting = asked  # (stop() reads it: a run waited for too long is hung)
+        self._collecting = started  # the run collected was taken then (stop() reads it: one overdue is hung)
         try:
             out = pipeline.collect(self.device_ring.stream if self.device_ring is not None else None)
             if self.device_ring is not None:  # DALI's run on the device, waited for asleep and within `watch`'s bound
@@ -357,44 +366,6 @@ class AcceleratorWorker:
                 timed = not self.gated and pipeline is self.pipeline and group[0].generation == self.board.generation
                 self.shares.run_done(now - max(started, self._last_done), len(indices), tail, waited if timed else None)
             self._last_done = now
-            self._account(done, [], True, int(started * 1e9))
+            self.ledger.account(done, [], True, int(started * 1e9))
             self.counters.accelerator_samples += len(indices)
             self.board.cond.notify_all()
-
-    def _lose_all(self, why: str = "") -> None:
-        """Under board.cond: the runs in flight are lost, their tiny-batches to the CPU workers (one failed run)."""
-        lost, self._active[:] = list(self._active), []
-        self._account([], [w for g, *_ in lost for w in g], False, 0, why)
-        self.board.cond.notify_all()
-
-    def _account(self, done, given_back, ok: bool | None, started: int, why: str = "") -> None:
-        """Under board.cond: complete what DALI produced, give the rest back to the CPU workers (marked
-        CPU-only); `ok` False counts a failed DALI run (`why`: its cause, for a retirement), None (not DALI's kind
-        of sample) does not."""
-        board = self.board
-        self.tiny_batches += len(done)
-        self.counters.accelerator_tiny_batches += len(done)
-        for work, _ in done if board.trace is not None else ():
-            board.trace.tiny_batch(None, work, started, time.monotonic_ns(), board.sizes)
-        if done:  # the run's tiny-batches in one go: the calls of one whatever their number
-            board.complete_many(done, [], on_accelerator=True)
-            self.counters.accelerator_runs += 1
-            self.failures_in_a_row = 0
-        self.failures_in_a_row += ok is False
-        for work in given_back:
-            self.counters.accelerator_given_back += 1
-            work.cpu_only = True
-        if given_back:
-            board.requeue(given_back)
-        if self.failures_in_a_row >= MAX_FAILURES and not self.retired:
-            self._retire(f"{self.failures_in_a_row} DALI runs in a row failed" + (f"; the last: {why}" if why else ""))
-
-    def _failed_run(self, exc) -> None:
-        """A DALI run failed (out of memory, or an undecodable sample): every run in flight to the CPU workers."""
-        if isinstance(exc, DeviceOutOfMemory):
-            self.counters.accelerator_out_of_memory += 1
-            log.warning("accelerator out of memory; the CPU workers take its runs: %s", exc)
-        else:
-            log.info("accelerator failed on a run: %s", exc)
-        with self.board.cond:
-            self._lose_all(str(exc))

@@ -8,6 +8,7 @@ import atexit
 import contextlib
 import logging
 import os
+import threading
 import weakref
 
 log = logging.getLogger("fusionflow.loader")
@@ -55,7 +56,20 @@ def keep_or_close(pipeline, keep, retired) -> None:
     keep(pipeline)
 
 
-def keep_idle(spares: list, pipeline) -> None:
-    """An accelerator's keep_pipeline: the session's list (never the session: the accelerator lives on the manager)."""
-    spares.append(pipeline)
-    IDLE.add(pipeline)
+class Spares(list):
+    """A loader's DALI pipelines kept idle for its next manager (GpuSession's). Once `shut` (the loader closed), a
+    pipeline kept later -- by an accelerator thread that outlived its stop, when its run returned -- is closed."""
+
+    def __init__(self):
+        super().__init__()
+        self.lock, self.shut = threading.Lock(), False
+
+
+def keep_idle(spares: Spares, pipeline) -> None:
+    """An accelerator's keep_pipeline: the session's Spares (not the session: the accelerator lives on the manager)."""
+    with spares.lock:
+        if not spares.shut:
+            spares.append(pipeline)
+            IDLE.add(pipeline)
+            return
+    pipeline.close()

@@ -64,10 +64,11 @@ def _header_sizes(data: list) -> np.ndarray:
 
 
 def scan_is_clean(data) -> bool:
-    """No 0xFF 0x01..0xBF pair (a marker that exists nowhere) after a JPEG's first scan header. Random bytes in
-    place of its entropy-coded data (a disk's or a copy's error) hold hundreds; libjpeg-turbo refuses the file
-    on the CPU path, where DALI's decoder went past them and delivered the garbage as pixels. False for a header
-    that cannot be walked too: a doubt costs only speed (the CPU workers take the sample and decide)."""
+    """No 0xFF 0x01..0xBF pair (a marker that exists nowhere) from a JPEG's first scan header to its end (EOI: an
+    MPO's next frame or a phone's trailer may follow). Random bytes in place of its entropy-coded data (a disk's or
+    a copy's error) hold hundreds; libjpeg-turbo refuses the file on the CPU path, where DALI's decoder went past
+    them and delivered the garbage as pixels. False for a header that cannot be walked too: a doubt costs only speed
+    (the CPU workers take the sample and decide)."""
     pos, n = 2, len(data)
     while pos + 4 <= n:  # the header's segments, by their lengths, up to and over the first SOS
         if data[pos] != 0xFF:
@@ -82,6 +83,8 @@ def scan_is_clean(data) -> bool:
         return False
     scan = np.frombuffer(data, np.uint8)[pos:]
     after = scan[np.flatnonzero(scan[:-1] == 0xFF) + 1]
+    end = np.flatnonzero(after == 0xD9)  # the image's end: what follows (an MPO's next frame, a trailer) is not its
+    after = after[: end[0]] if end.size else after  # scan (random bytes meet a bad marker ~190x sooner than FF D9)
     return not ((after >= 0x01) & (after <= 0xBF)).any()
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fusionflow.accel import at_exit
-from fusionflow.accel.at_exit import keep_idle, stop_at_exit
+from fusionflow.accel.at_exit import Spares, keep_idle, stop_at_exit
 from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU
 from fusionflow.runtime.counters import append_bounded
 
@@ -58,7 +58,7 @@ class GpuSession:
         self.profiler = None  # gpu_sharing="auto" on a GPU
         # the DALI pipeline an accelerator left idle when its manager stopped (an epoch without persistent workers):
         # the next manager's accelerator runs it rather than building the graph again (seconds on a GPU)
-        self._spares: list = []
+        self._spares = Spares()  # the pipelines kept for the next manager (accel/at_exit.py)
         self._spares_pid = os.getpid()  # the process whose DALI threads they are
 
     @classmethod
@@ -90,6 +90,7 @@ class GpuSession:
         workers started it anew: its failed runs, or its stall bound's wait, came again every epoch)."""
         if self.retired is not None:
             return
+        self._spares.shut = False  # (closed with the loader: started again)
         capacity = mgr.spec.layout.batch_size
         on_gpu = self.accelerator == "dali-gpu"
         if on_gpu and self.bridge_why_off is None and self.bridge is None:
@@ -106,9 +107,9 @@ class GpuSession:
         except Exception as exc:  # a later epoch's build (out of memory beside training): the CPU workers take all
             if not self.started:
                 raise
-            from fusionflow.accel.accelerator import retired
+            from fusionflow.accel.run_ledger import retired
 
-            self.retired = retired(self.stats, f"building its DALI pipeline failed: {exc!r}")
+            self.retired = retired(self.stats, f"starting it failed (its DALI pipeline or input helpers): {exc!r}")
             return
         self.started = True
         mgr.board.add_worker_kind(accel)  # at once: the manager's shutdown stops it (and closes its pipeline) if
@@ -310,16 +311,20 @@ class GpuSession:
             copy_bridge_stats(self.bridge, stats)
         self.accel = self.device_ring = self.profiler = None
 
-    def close_spares(self) -> None:
-        """Close the DALI pipeline kept for the next manager, if any (in a forked copy: forget it)."""
-        spares, self._spares[:] = list(self._spares), []
+    def close_spares(self, shut: bool = False) -> None:
+        """Close the DALI pipeline kept for the next manager, if any (in a forked copy: forget it); `shut` (the
+        loader closes): one kept later is closed too, until the next start."""
+        with self._spares.lock:
+            spares, self._spares[:] = list(self._spares), []
+            self._spares.shut = shut
         for pipeline in spares if self._spares_pid == os.getpid() else ():
             pipeline.close()
 
     def shutdown_bridge(self) -> None:
         """No DALI pipeline stays (the kept one is closed), every lent block goes back and the ledger is
         unlinked; a later start builds a new bridge."""
-        self.close_spares()
+        self.close_spares(shut=True)
+        self.retired, self.started = None, False  # the loader may start again: afresh (a first build failing raises)
         bridge, self.bridge = self.bridge, None
         if bridge is not None:
             bridge.shutdown()
