@@ -39,15 +39,16 @@ class Delivery:
         self.kept_any = False  # a sample of this loader's was kept
 
     def from_ring(self, mgr, state, gpu=None):
-        """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them
-        when not all are ints, the CUDA event after the copies out of the slot or None)."""
+        """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them when not all
+        are ints -- then collated by the iterator, unless a collate_fn takes them --, the CUDA event after the copies
+        out of the slot or None)."""
         n = state.size
         keep = self.select(n, state.failures)
         objs = (
             ff_targets.gather(mgr.board.ring.labels[state.slot], range(n) if keep is None else keep, state.targets)
             if state.targets
             else None
-        )  # targets that are not all ints: collated as DataLoader does
+        )  # targets that are not all ints
         merged = gpu.deliver_merged(mgr, state, keep) if gpu is not None else None
         if merged is not None:
             images_t, labels_t, event = merged
@@ -55,8 +56,6 @@ class Delivery:
             imgs, labs = mgr.board.ring.images[state.slot], mgr.board.ring.labels[state.slot]
             imgs, labs = (imgs[:n], labs[:n]) if keep is None else (imgs[keep], labs[keep])
             images_t, labels_t, event = self.deliver(imgs, labs, mgr)
-        if objs is not None:
-            labels_t = self.collate_targets(objs)
         return images_t, labels_t, objs, event
 
     def deliver(self, images: np.ndarray, labels: np.ndarray, mgr=None):

@@ -91,6 +91,8 @@ class EpochIterator:
         images_t, labels_t, objs = self._advance(self._next_batch)
         collate = self.config.collate
         if collate is None:  # as default_collate shapes the samples: [images, targets] (runtime/targets.py batch_of)
+            if objs is not None:  # targets that are not all ints: default_collate's (never before a user's collate)
+                labels_t = self._delivery.collate_targets(objs)
             return ff_targets.batch_of(images_t, labels_t)
         # DataLoader's collate_fn contract: the batch as a list of samples shaped as the dataset gave them --
         # images are views of the delivered batch tensor (on the loader's device), targets as the dataset
@@ -350,6 +352,4 @@ class InlineIterator(EpochIterator):
         self._tracing.wait(wait, self._seq, len(imgs))
         self._seq += 1
         images_t, labels_t, _ = self._delivery.deliver(imgs, labs)
-        if objs is not None:
-            labels_t = self._delivery.collate_targets(objs)
         return images_t, labels_t, objs
