@@ -6,6 +6,7 @@ per-sample draws (tests/tv_reference.py), so "the same recipe" is checked end to
 
 import collections
 import io
+import itertools
 import os
 
 import numpy as np
@@ -906,6 +907,47 @@ def test_sizing_shared_memory_leaves_a_batch_samplers_state_and_the_rng_streams_
     dl = DataLoader(Raw(), batch_sampler=reference, collate_fn=_as_list)
     assert torch.equal(torch.rand(3), after) and sampler.passes == 1  # the epoch's pass only
     assert ours == [[t for _, t in batch] for batch in dl]
+
+
+class Wrapped:
+    """A batch sampler of one's own: its random stream held a few attributes deep (a RandomSampler in an attribute
+    not named `sampler`, a NumPy generator in a dict), a len() that makes a pass, an __iter__ that draws at once."""
+
+    def __init__(self, n: int):
+        self.inner = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(1))
+        self.state = {"rng": np.random.default_rng(0)}
+
+    def __iter__(self):
+        cut = int(self.state["rng"].integers(2, 5))
+        order = list(self.inner)
+        return iter([order[k : k + cut] for k in range(0, len(order), cut)])
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
+def test_sizing_shared_memory_leaves_random_streams_held_deeper_alone():
+    ours = [y.tolist() for _, y in FusionFlowLoader(Raw(), batch_sampler=Wrapped(len(JPEGS)), policy=EXACT)]
+    dl = DataLoader(Raw(), batch_sampler=Wrapped(len(JPEGS)), collate_fn=_as_list)
+    assert ours == [[t for _, t in batch] for batch in dl]
+
+
+def test_an_endless_batch_sampler_without_a_batch_size_is_refused_not_probed_forever(monkeypatch):
+    from fusionflow.loader import batch_capacity
+
+    class Endless:
+        def __iter__(self):
+            k = 0
+            while True:
+                yield [k % 4]
+                k += 1
+
+    monkeypatch.setattr(batch_capacity, "PROBE_BATCHES", 1000)
+    with pytest.raises(ValueError, match=r"did not end within 1,000 batches .*give it a batch_size attribute"):
+        FusionFlowLoader(Raw(), batch_sampler=Endless(), policy=EXACT)
+    Endless.batch_size = 1  # what it says: sized by it, iterated as DataLoader does
+    batches = FusionFlowLoader(Raw(), batch_sampler=Endless(), policy=EXACT)
+    assert [y.tolist() for _, y in itertools.islice(batches, 3)] == [[0], [1], [2]]
 
 
 def test_under_ddp_a_sampler_that_gives_every_rank_the_whole_set_is_warned_about(monkeypatch):

@@ -5,6 +5,8 @@ first epoch, so ours must not shift its pass count or the random streams it draw
 
 from __future__ import annotations
 
+import collections.abc
+
 import torch
 
 
@@ -15,7 +17,7 @@ def batch_capacity(batch_sampler) -> int:
     capacity = getattr(batch_sampler, "batch_size", None)
     if isinstance(capacity, int) and not isinstance(capacity, bool) and capacity >= 1:
         return capacity
-    if iter(batch_sampler) is batch_sampler:
+    if isinstance(batch_sampler, collections.abc.Iterator):  # (asked without iter(): its __iter__ may draw)
         raise ValueError(
             f"batch_sampler={type(batch_sampler).__name__}: a one-pass iterator (a generator) gives one epoch "
             "at most; pass something iterable once per epoch (a list of index lists, a Sampler of batches)"
@@ -24,30 +26,74 @@ def batch_capacity(batch_sampler) -> int:
         capacity = largest_batch(batch_sampler)
     except TypeError as e:
         raise ValueError(f"batch_sampler must yield lists of indices ({e})") from None
+    if capacity is None:
+        raise ValueError(
+            f"batch_sampler={type(batch_sampler).__name__} has no batch_size attribute and no len(), and one pass "
+            f"over it did not end within {PROBE_BATCHES:,} batches (an endless sampler?): shared memory is sized for "
+            "its largest batch up front, so give it a batch_size attribute (the most indices a batch holds)"
+        )
     if capacity < 1:
         raise ValueError("batch_sampler yields no non-empty batch")
     return capacity
 
 
-def largest_batch(batch_sampler) -> int:
-    """The longest batch of one pass over `batch_sampler` (0 for none), a pass that leaves no trace (DataLoader's
-    own first pass is the first epoch's): over a shallow copy (a pass counter of its own advances on the copy), with
-    the random generators it or its sampler hold (torch's, NumPy's, Python's) and Python's, NumPy's and torch's
-    global ones put back after."""
+def largest_batch(batch_sampler) -> int | None:
+    """The longest batch of one pass over `batch_sampler` (0 for none; None: no end within PROBE_BATCHES batches and
+    no len() to say it is that long), a pass that leaves no trace (DataLoader's own first pass is the first epoch's):
+    over a shallow copy (a pass counter of its own advances on the copy), with the random generators it holds --
+    itself, its sampler, anything of theirs a few attributes deep (`_held_rngs`) -- and Python's, NumPy's and
+    torch's global ones put back after."""
     import copy
+    import itertools
 
     try:
         probe = copy.copy(batch_sampler)
     except Exception:  # cannot be copied: its own state advances by one pass
         probe = batch_sampler
-    owners = [probe, getattr(probe, "sampler", None)]
-    held = [g for o in owners if o is not None and hasattr(o, "__dict__") for g in vars(o).values()]
-    kept = [(restore, state) for restore, state in [*map(_saved, held), *_global_states()] if restore is not None]
+    kept = [(restore, state) for restore, state in [*map(_saved, _held_rngs(probe)), *_global_states()] if restore]
     try:
-        return max(map(len, probe), default=0)
+        try:
+            length = len(probe)  # (a len() of its own may make a pass too: its draws put back before ours)
+        except Exception:  # (TypeError: none; anything else: a len() of its own that fails)
+            length = None
+        for restore, state in kept:
+            restore(state)
+        bound = PROBE_BATCHES if length is None else max(PROBE_BATCHES, length + 1)
+        lengths = list(map(len, itertools.islice(probe, bound + 1)))
     finally:
         for restore, state in kept:
             restore(state)
+    return None if len(lengths) > bound and length is None else max(lengths, default=0)
+
+
+PROBE_BATCHES = 1_000_000  # batches of one pass at most, for a batch sampler without len() (an endless one)
+
+
+def _held_rngs(owner, depth: int = 3) -> list:
+    """The random generators `owner` holds up to `depth` attributes deep: in its attributes, dicts, lists and
+    tuples (a sampler wrapped in a sampler of one's own, generators kept in a dict), never in arrays or tensors."""
+    import random
+
+    import numpy as np
+
+    rngs, seen, level = [], set(), [owner]
+    rng_types = (torch.Generator, random.Random, np.random.RandomState, np.random.Generator)
+    for _ in range(depth + 1):
+        found = []
+        for obj in level:
+            if id(obj) in seen or isinstance(obj, (str, bytes, torch.Tensor, np.ndarray)):
+                continue
+            seen.add(id(obj))
+            if isinstance(obj, rng_types):
+                rngs.append(obj)
+            elif isinstance(obj, dict):
+                found += list(obj.values())[:64]
+            elif isinstance(obj, (list, tuple)):
+                found += list(obj[:64])
+            elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+                found += list(vars(obj).values())
+        level = found
+    return rngs
 
 
 def _global_states() -> list:
