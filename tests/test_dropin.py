@@ -377,6 +377,27 @@ def test_a_subset_of_a_torchvision_imagefolder_is_adopted_with_its_indices(tmp_p
         assert [(x.shape, y.tolist()) for x, y in loader] == want
 
 
+def test_an_adopted_folder_s_transform_set_later_is_refused_at_iter_not_ignored(tmp_path):
+    """Progressive resizing by `loader.dataset.transform = ...` between epochs: the loader runs the policy it read
+    at construction, so a transform that reads as another policy is refused by name at iter() (it was ignored
+    silently); the same transform made again goes on."""
+    import torchvision
+
+    def tf(size):
+        return v2.Compose([v2.RandomResizedCrop(size), v2.PILToTensor()])
+
+    split = torch.utils.data.Subset(torchvision.datasets.ImageFolder(_folder(tmp_path), tf(16)), [0, 3, 5, 6])
+    with pytest.warns(UserWarning, match="augmenting with its transform"):
+        loader = FusionFlowLoader(split, batch_size=2)
+    with loader:
+        assert [x.shape[-1] for x, _ in loader] == [16, 16]
+        split.dataset.transform = tf(16)  # made again, the same policy
+        assert [x.shape[-1] for x, _ in loader] == [16, 16]
+        split.dataset.transform = tf(24)
+        with pytest.raises(ValueError, match=r"loader.dataset.transform changed .*Build a new FusionFlowLoader"):
+            iter(loader)
+
+
 def test_a_torchvision_folder_s_transform_that_would_run_before_fusionflow_s_is_refused(tmp_path):
     """Each of these ran the folder's transform in the dataset and FusionFlow's policy on its output (cropped
     twice), or skipped a subclass's own __getitem__, silently."""

@@ -88,6 +88,41 @@ def _adopted(folder, name: str, DatasetFolder, picked=None):
     return ImageFolder.of_samples(folder.root, samples, folder.classes), adopted
 
 
+def folder_transform(dataset):
+    """The transform of the torchvision folder `dataset` is (in Subsets too), else None."""
+    while isinstance(dataset, torch.utils.data.Subset):
+        dataset = dataset.dataset
+    return getattr(dataset, "transform", None)
+
+
+class AdoptedTransform:
+    """The transform of the torchvision folder the loader adopted (`adopt_folder`), watched at each iter(): the
+    loader runs the policy it read at construction, so a transform set later (`loader.dataset.transform = ...`,
+    progressive resizing) that reads as another policy is refused, not silently ignored."""
+
+    def __init__(self, given, policy):
+        self.given, self.policy, self.transform = given, policy, folder_transform(given)
+
+    def check(self) -> None:
+        now = folder_transform(self.given)
+        if now is self.transform:
+            return
+        from fusionflow.policy.from_torchvision import policy_from_transform
+
+        try:
+            same = now is not None and policy_from_transform(now) == self.policy
+        except Exception:  # not expressible: not the adopted policy
+            same = False
+        if not same:
+            raise ValueError(
+                f"loader.dataset.transform changed since the loader was built (to another {type(now).__name__}): "
+                "FusionFlow read the folder's transform once, as its policy (policy_from_transform), and its workers "
+                "run that. Build a new FusionFlowLoader for the new transform (progressive resizing: one loader per "
+                "size), or put the transform back"
+            )
+        self.transform = now  # the same policy: a transform made again
+
+
 _CONVERSIONS = {"PILToTensor", "ToImage", "ToTensor", "ToDtype", "ConvertImageDtype", "Normalize", "ToPureTensor"}
 _CONVERSIONS |= {"Grayscale", "Lambda"}  # (a float output is refused at its first sample: check_raw_samples)
 

@@ -16,7 +16,7 @@ from torch.utils.data import Sampler
 
 from fusionflow.accel.config import DaliAccelerator
 from fusionflow.loader.config import resolve_config
-from fusionflow.loader.dataset import adopt_folder
+from fusionflow.loader.dataset import AdoptedTransform, adopt_folder
 from fusionflow.loader.delivery import warn_if_unsharded
 from fusionflow.loader.epoch import InlineIterator, WorkerIterator
 from fusionflow.loader.parts import LoaderParts
@@ -185,6 +185,7 @@ class FusionFlowLoader:
         # ---- resolution and validation (fusionflow/loader/config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
         given, (dataset, policy) = dataset, adopt_folder(dataset, policy)  # torchvision's ImageFolder + transform
+        self._adopted = AdoptedTransform(given, policy) if dataset is not given else None  # (watched at iter())
         try:
             cfg = resolve_config(
                 dataset,
@@ -296,6 +297,8 @@ class FusionFlowLoader:
         """A new epoch: its iterator (it starts the workers, if they are not running, at its first next())."""
         # under DDP without a DistributedSampler each rank reads the whole set: said once per line that iterates
         warn_if_unsharded(self.config.sampler, self.config.batch_sampler, stacklevel=2)
+        if self._adopted is not None:  # a torchvision folder's transform, read as the policy at construction
+            self._adopted.check()
         epoch, progress = self.parts.checkpoint.begin()
         kind = InlineIterator if self.config.num_workers == 0 else WorkerIterator
         return kind(self.parts, self.config, epoch, progress)
