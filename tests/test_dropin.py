@@ -148,6 +148,24 @@ def test_mixup_cutmix_collate_equals_dataloader(num_workers):
     assert any((y.max(1).values < 1).any() for _, y in ff)  # something was actually mixed
 
 
+def test_pin_memory_pins_what_the_collate_fn_returns(monkeypatch):
+    """DataLoader pins a collate_fn's output (tensors, and custom types by their pin_memory()); the loader pinned
+    the image batch before it, and the collate_fn's stack of its views came out unpinned (a synchronous copy to the
+    GPU in torchvision's recipe). Without a GPU here, CUDA is said to be there and the pinning step recorded."""
+    from fusionflow.loader import epoch
+
+    pinned = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(epoch, "pin_batch", lambda out: pinned.append(out) or out)
+
+    def stack(batch):
+        return torch.stack([x for x, _ in batch]), torch.tensor([y for _, y in batch])
+
+    with FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, collate_fn=stack, pin_memory=True) as loader:
+        batches = list(loader)
+    assert len(pinned) == len(batches) and all(p is b for p, b in zip(pinned, batches))
+
+
 def test_collate_fn_must_be_callable():
     with pytest.raises(TypeError, match=r"collate_fn=3 must be callable"):
         FusionFlowLoader(Raw(), batch_size=4, policy=EXACT, collate_fn=3)

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+from torch.utils.data._utils.pin_memory import pin_memory as pin_batch  # DataLoader's: tensors, custom types
 
 from fusionflow.datasets.wrappers import start_reads
 from fusionflow.errors import EmptyBatch, FusionFlowError, SampleError
@@ -98,7 +99,8 @@ class EpochIterator:
         # images are views of the delivered batch tensor (on the loader's device), targets as the dataset
         # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
         targets = labels_t.tolist() if objs is None else objs
-        return collate([ff_targets.sample_of(x, t) for x, t in zip(images_t.unbind(0), targets)])
+        out = collate([ff_targets.sample_of(x, t) for x, t in zip(images_t.unbind(0), targets)])
+        return pin_batch(out) if self.config.pin_memory else out  # what it returns pinned, as DataLoader pins it
 
     def _advance(self, step):
         """One step of the iteration (the epoch starts at the first): what `step()` returns. The

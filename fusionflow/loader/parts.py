@@ -57,7 +57,8 @@ class LoaderParts:
         return cls(
             stats=stats,
             checkpoint=checkpoint,
-            delivery=Delivery(stats, cfg.device, cfg.pin_memory, cfg.on_error),
+            # (with a collate_fn, its output is pinned instead, as DataLoader pins it: loader/epoch.py)
+            delivery=Delivery(stats, cfg.device, cfg.pin_memory and cfg.collate is None, cfg.on_error),
             tracing=tracing,
             gpu=gpu,
             runtime=LoaderRuntime(samples, stats, tracing, gpu),
