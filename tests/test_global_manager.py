@@ -394,6 +394,52 @@ def test_elastic_workers_added_and_removed_while_training():
     assert a.stats.worker_count_changes >= 2
 
 
+def test_a_lower_target_retires_workers_of_a_loader_that_keeps_them_busy():
+    """`gm workers 1` on a loader whose workers always hold queued tiny-batches (training faster than its data)
+    retired none until the epoch's end: only idle workers were. The least busy one now drains and stops."""
+    name = job()
+    a = make(Bytes(60, sleep=0.04), name, batch_size=6, num_workers=2, tiny_batch_size=1)
+    client = None
+    try:
+        seen, shrunk_at = [], None
+        for k, (_, y) in enumerate(a):
+            seen += y.tolist()
+            if k == 1:  # (the loader has registered)
+                client = GlobalManagerClient(name)
+                client.set_workers(1)
+            kept = sum(w is not None and not w.retiring for w in a._manager.pool.workers)
+            if shrunk_at is None and k > 1 and kept == 1:
+                shrunk_at = k
+        assert sorted(seen) == list(range(60))  # nothing lost or repeated by the retirement
+        assert shrunk_at is not None and shrunk_at < 9, shrunk_at  # within the epoch (of 10 mini-batches)
+        assert wait_until(lambda: sum(w is not None and w.alive for w in a._manager.pool.workers) == 1)
+    finally:
+        if client is not None:
+            client.close()
+        a.close()
+
+
+def test_a_worker_target_set_after_the_global_manager_died_is_still_applied():
+    """The loader reads its target from its own row: `gm workers` works on after the job's GM was killed (it went
+    unapplied, and the command said nothing)."""
+    name = job()
+    a = make(Bytes(24, sleep=0.01), name)
+    collect(a)
+    client = GlobalManagerClient(name)
+    try:
+        os.kill(gm_pid_of(gt.table_name(name)), signal.SIGKILL)
+        a.set_epoch(1)
+        collect(a)  # the loss is seen
+        client.set_workers(2)
+        a.set_epoch(2)
+        _, labels = collect(a)  # (missing workers are started while training waits for a batch)
+        assert ordered(labels) == list(range(24)) and a.stats.global_manager == "lost"
+        assert wait_until(lambda: sum(w is not None and w.alive for w in a._manager.pool.workers) == 2, 60)
+    finally:
+        client.close()
+        a.close()
+
+
 def test_a_client_follows_its_job_to_a_new_global_manager_and_says_when_none_runs():
     """A client whose GM ended does not write into the removed table: it raises while none runs, and takes the
     job's next GM once one does. An lm of the wrong type is named as given."""
@@ -755,10 +801,11 @@ def test_explicitly_started_gm_serves_loaders_and_answers_the_cli():
         # without --job: every job on the node, by name (under torchrun the default name holds a random run id)
         listed = subprocess.run(cli + ["status"], capture_output=True, text=True, timeout=60)
         assert listed.returncode == 0 and f"job {name!r}:\nlm=0 pid={os.getpid()}" in listed.stdout, listed
-        bad = subprocess.run(cli + ["workers", "0", "--job", name], capture_output=True, text=True, timeout=60)
-        assert bad.returncode == 1 and "must be an integer from 1" in bad.stderr
+        for job_args in (["--job", name], ["--job", job()]):  # the count is judged first, whether the job runs or not
+            bad = subprocess.run(cli + ["workers", "0", *job_args], capture_output=True, text=True, timeout=60)
+            assert bad.returncode == 2 and "count=0 must be 1 or more" in bad.stderr, bad
         ok = subprocess.run(cli + ["workers", "2", "--job", name], capture_output=True, text=True, timeout=60)
-        assert ok.returncode == 0, ok.stderr
+        assert ok.returncode == 0 and "CPU worker target 2 set for every local manager" in ok.stdout, ok  # not silence
         # the loader starts workers to the new target while it waits for a batch; with the next epoch's
         # first mini-batches already made (speculated) an epoch may pass before the order arrives
         assert wait_until(lambda: collect(a) and sum(w is not None for w in a._manager.pool.workers) == 2)

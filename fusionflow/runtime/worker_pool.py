@@ -107,7 +107,7 @@ class WorkerPool:
                 self.spec_hash,
                 spec.stages,
                 spec.cache.handle(wid) if spec.cache is not None else None,
-                spec.num_workers,
+                max(spec.num_workers, self.target_workers, wid + 1),  # get_worker_info(): id < num_workers, grown too
             ),
         )
         # Objects awaiting garbage collection at fork time (e.g. a DALI pipeline whose finalizer joins
@@ -164,17 +164,16 @@ class WorkerPool:
             self.on_capacity(len(self.kept_workers()))
 
     def retire_surplus(self) -> None:
-        """(lock held) Send STOP to idle workers above the target; they are not restarted."""
-        live = self.kept_workers()
-        surplus = len(live) - self.target_workers
-        for w in reversed(live):
-            if surplus <= 0:
-                break
-            if w.idle:
-                w.retiring = True
-                surplus -= 1
-                w.send_stop()
-                self.notify_capacity()
+        """(lock held) Retire workers above the target, the least busy first: nothing more is dispatched to them and
+        their STOP, sent now, is read after the tasks they hold (waiting for an idle one never shrank a loader that
+        keeps every worker busy); they are not restarted. Lent ones and ones starting wait for a later turn."""
+        kept = self.kept_workers()
+        ready = [w for w in kept if w.alive and w.ready and w.lent_to is None]
+        surplus = max(0, len(kept) - self.target_workers)
+        for w in sorted(ready, key=lambda w: (len(w.outstanding), -w.worker_id))[:surplus]:
+            w.retiring = True
+            w.send_stop()
+            self.notify_capacity()
 
     def _reap(self, wid: int) -> None:
         w = self.workers[wid]

@@ -34,6 +34,12 @@ def main(argv: list[str]) -> int:
             "node, `workers` takes the only one",
         )
     args = ap.parse_args(argv)
+    if args.action == "workers" and args.count < 1:  # said before looking for the job (as set_workers says it)
+        ap.error(
+            f"workers: count={args.count} must be 1 or more (a loader with no workers of its own could wait forever)"
+        )
+    if args.action == "serve" and not args.job:
+        ap.error("serve: --job must name the job (the name given to FusionFlowLoader(global_manager=...))")
     if args.action == "serve":
         return _serve(args.job)
     jobs = {args.job: None} if args.job is not None else gt.jobs_on_this_node()  # {name: its table, if found}
@@ -64,6 +70,13 @@ def _one(job: str, table: str | None, args) -> int:
                 print(f"job {job!r}: no local manager is registered (no loader of the job runs now)")
         else:
             client.set_workers(args.count, lm=args.lm)
+            who = f"local manager {args.lm}" if args.lm is not None else "every local manager"
+            later = (
+                " (a loader without persistent workers registers anew each epoch)"
+                if args.lm is not None
+                else (" (and those that register later)")
+            )
+            print(f"job {job!r}: CPU worker target {args.count} set for {who}{later}; `status` shows the counts")
     except ValueError as exc:
         print(exc, file=sys.stderr)
         return 1

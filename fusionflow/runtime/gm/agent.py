@@ -74,15 +74,15 @@ class LendingAgent:
     def step(self) -> float:
         """Publish progress, carry out the GM's orders; returns how long the manager thread may sleep."""
         link, pool = self.link, self.pool
-        if not link.check_gm():
-            self.board.counters.global_manager = "lost"
-            self.publish()
-            return 1.0
-        target = link.target()
+        target = link.target()  # (this loader's row: set by `gm workers` whether or not the GM still runs)
         if target is not None and target != pool.target_workers:
             pool.target_workers = target
             self.board.cond.notify_all()  # the main thread starts missing workers
         pool.retire_surplus()
+        if not link.check_gm():
+            self.board.counters.global_manager = "lost"
+            self.publish()
+            return 1.0
         order = link.yield_order()
         done = self._lend(*order) if order is not None else 0
         self.publish()  # before the ack: the GM reads the lender's counts once the ack shows
