@@ -360,13 +360,18 @@ def test_bench_finds_the_train_split_or_says_what_it_expected(folder, tmp_path):
         (["demo", "--data", "FOLDER", "--images-per-class", "5"], "--images-per-class sizes the synthetic set"),
         (["demo", "--epochs", "0"], "python -m fusionflow demo: error: --epochs must be >= 1"),  # demo's own name
         (["demo", "--images-per-class", "0"], "--images-per-class must be >= 1"),
+        # output paths, judged before the run (session 45's sweep: tracebacks after the whole benchmark or baseline)
+        (["bench", "--data", "FOLDER", "--json", "EMPTY"], "is a directory: name a file"),
+        (["bench", "--data", "FOLDER", "--json", "EMPTY/no/out.json"], "/no' does not exist"),
+        (["demo", "--profile-dir", "AFILE"], "cannot be made a directory"),
+        (["profile", "--data", "FOLDER", "--out", "AFILE/sub"], "cannot be made a directory"),
     ],
 )
 def test_commands_reject_bad_arguments(argv, match, capsys, tmp_path, folder):
     (tmp_path / "empty").mkdir()
     (tmp_path / "afile").write_text("")
     places = {"EMPTY": str(tmp_path / "empty"), "FOLDER": folder, "AFILE": str(tmp_path / "afile")}
-    argv = [places.get(a, a) for a in argv]
+    argv = [places.get(a.split("/")[0], a.split("/")[0]) + a[len(a.split("/")[0]) :] for a in argv]
     with pytest.raises(SystemExit) as exc:
         cli(argv)
     assert exc.value.code == 2 and match in capsys.readouterr().err

@@ -10,6 +10,8 @@ epoch state.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import numpy as np
@@ -100,7 +102,7 @@ class Delivery:
             warnings.warn(
                 f"on_error='skip': dropping {f.what} ({f.exc_type}: {f.message}); further skips are "
                 f"counted in loader.stats.skipped without another warning",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         keep = [p for p in range(n) if p not in bad]
         self.kept_any = self.kept_any or bool(keep)
@@ -158,6 +160,16 @@ _WHOLE_SET = (
     torch.utils.data.SubsetRandomSampler,
     torch.utils.data.WeightedRandomSampler,
 )
+
+
+def user_stacklevel() -> int:
+    """warnings.warn's stacklevel, for its caller, of the first frame outside the fusionflow package: the script's
+    line that iterates, however deep the path to the warning (the worker and inline iterators differ)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def warn_if_unsharded(sampler, batch_sampler, stacklevel: int) -> bool:

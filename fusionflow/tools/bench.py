@@ -24,6 +24,7 @@ import warnings
 import numpy as np
 
 from fusionflow.tools.baseline import TV_POLICIES, TorchvisionSamples, timed_batches
+from fusionflow.tools.cli import check_out_file
 
 
 def add_arguments(p) -> None:
@@ -46,6 +47,8 @@ def check_arguments(p, args) -> None:
         p.error(f"--size must be 8 to 8192 pixels, got {args.size}")
     if not os.path.isdir(args.data):
         p.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
+    if args.json:
+        check_out_file(p, "--json", args.json)
 
 
 def time_pass(loader, batches: int, bar) -> tuple[float, list[float]]:

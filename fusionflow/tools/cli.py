@@ -4,6 +4,7 @@ data's fault, not a bug to report)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 from fusionflow.errors import SampleError
@@ -28,3 +29,25 @@ def failed_sample(prog: str, e: SampleError, skip_option: bool = True) -> int:
 def interrupted(prog: str) -> int:
     print(f"{prog}: interrupted", file=sys.stderr)
     return 130
+
+
+def check_out_file(p, flag: str, path: str) -> None:
+    """A file the command writes at its end, judged before any work (argparse's error, exit 2): not a directory,
+    in a writable folder that exists -- not a traceback after the whole run."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        p.error(f"{flag} {path!r} is a directory: name a file")
+    if not os.path.isdir(folder):
+        p.error(f"{flag} {path!r}: its folder {folder!r} does not exist")
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        p.error(f"{flag} {path!r} is not writable here")
+
+
+def make_out_dir(p, flag: str, path: str) -> None:
+    """The directory the command writes into, made before any work (argparse's error, exit 2, if it cannot be)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        p.error(f"{flag} {path!r} cannot be made a directory ({e.strerror})")
+    if not os.access(path, os.W_OK):
+        p.error(f"{flag} {path!r} is not writable here")

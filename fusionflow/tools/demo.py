@@ -20,7 +20,7 @@ import numpy as np
 
 from fusionflow.errors import SampleError
 from fusionflow.tools.baseline import TV_POLICIES, BaselineSampleError, TorchvisionSamples, failed_line, timed_batches
-from fusionflow.tools.cli import failed_sample, interrupted
+from fusionflow.tools.cli import failed_sample, interrupted, make_out_dir
 
 
 def data_home() -> str:
@@ -189,6 +189,8 @@ def _demo_main(ap, args) -> int:
         ap.error("--workers must be >= 0")
     if args.data is not None and not os.path.isdir(args.data):
         ap.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
+    if args.profile_dir:
+        make_out_dir(ap, "--profile-dir", args.profile_dir)
     return demo(args, ap)
 
 
@@ -233,6 +235,7 @@ def demo(args, ap=None) -> int:
     )
     baseline = DataLoader(TorchvisionSamples(ds, args.policy, 224), **common)
     base = train("DataLoader+torchvision", baseline, lambda e: None, len(ds.classes), args)
+    del baseline  # its persistent workers end before FusionFlow's start (not 2 more processes through its run)
     out_dir = args.profile_dir or os.path.join(data_home(), "demo_profile")
     os.makedirs(out_dir, exist_ok=True)
     trace_path = os.path.join(out_dir, "trace.json")

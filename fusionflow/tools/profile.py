@@ -14,7 +14,7 @@ import math
 import os
 import time
 
-from fusionflow.tools.cli import add_on_error
+from fusionflow.tools.cli import add_on_error, make_out_dir
 
 
 def add_arguments(p) -> None:
@@ -44,6 +44,7 @@ def check_arguments(p, args) -> None:
         p.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out!r} is a file: name a directory (trace.json, timeline.png and summary.txt go there)")
+    make_out_dir(p, "--out", args.out)
 
 
 def stage_seconds_by_track(stats) -> dict:
