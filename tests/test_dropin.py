@@ -5,6 +5,7 @@ The reference is DataLoader itself, over a dataset that runs torchvision's pipel
 per-sample draws (tests/tv_reference.py), so "the same recipe" is checked end to end."""
 
 import collections
+import functools
 import io
 import itertools
 import os
@@ -146,6 +147,28 @@ def test_mixup_cutmix_collate_equals_dataloader(num_workers):
         # the same pixels mixed the same way; FusionFlow normalises as x*(1/255std) - mean/std (float rounding)
         torch.testing.assert_close(x, rx, rtol=0, atol=1e-5)
     assert any((y.max(1).values < 1).any() for _, y in ff)  # something was actually mixed
+
+
+def _mixup_lam(batch):  # as torchvision's reference mixup_cutmix: draws from torch's global stream
+    x, y = default_collate(batch)
+    return x, y, float(torch.distributions.Beta(torch.tensor([0.2]), torch.tensor([0.2])).sample())
+
+
+def test_a_collate_fn_that_draws_leaves_the_training_process_streams_as_dataloader_s_workers_do():
+    """With workers, DataLoader calls a collate_fn in them: the training process's random streams are untouched,
+    so later epochs' shuffles and the script's own draws follow. Ours ran it in the training process, which
+    shifted them; it now runs on streams of its own, seeded per batch (its draws reproducible)."""
+
+    def run(make):
+        torch.manual_seed(0)
+        loader = make(Raw(), batch_size=4, shuffle=True, num_workers=2, collate_fn=_mixup_lam)
+        epochs = [[(y.tolist(), lam) for _, y, lam in loader] for _ in range(2)]
+        return epochs, torch.rand(1).item()
+
+    (ours, after), (dl, dl_after) = run(functools.partial(FusionFlowLoader, policy=EXACT)), run(DataLoader)
+    assert [[y for y, _ in e] for e in ours] == [[y for y, _ in e] for e in dl] and after == dl_after
+    again, _ = run(functools.partial(FusionFlowLoader, policy=EXACT))
+    assert again == ours and len({lam for e in ours for _, lam in e}) > 1  # reproducible, drawn anew per batch
 
 
 def test_pin_memory_pins_what_the_collate_fn_returns(monkeypatch):

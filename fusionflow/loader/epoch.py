@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from torch.utils.data._utils.pin_memory import pin_memory as pin_batch  # DataLoader's: tensors, custom types
 
 from fusionflow.datasets.wrappers import start_reads
@@ -68,6 +69,26 @@ def check_batch(indices, capacity: int) -> None:
         )
 
 
+def collate_aside(collate, batch, key):
+    """`collate(batch)` on random streams of its own, as DataLoader's workers call a collate_fn: torch's (CPU),
+    Python's and NumPy's global streams are seeded from `key` (seed, epoch, batch) for the call and put back after.
+    A collate_fn that draws (mixup, cutmix) drew from the training process's streams, so with workers the next
+    epoch's shuffle (and the script's own draws) differed from DataLoader's; its draws are now reproducible too."""
+    import random
+
+    seed = hash(key) & (2**63 - 1)
+    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    torch.default_generator.manual_seed(seed)  # (the CPU's only: the GPU's stream is training's)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    try:
+        return collate(batch)
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+
+
 class EpochIterator:
     """What both iterators share: the loader's parts they use, the epoch, its progress, and the
     output as the caller gets it (the batch, or what the user's collate_fn returns)."""
@@ -99,7 +120,11 @@ class EpochIterator:
         # images are views of the delivered batch tensor (on the loader's device), targets as the dataset
         # gave them (Python ints on the fast path) -- run here, after the batch is on its device.
         targets = labels_t.tolist() if objs is None else objs
-        out = collate([ff_targets.sample_of(x, t) for x, t in zip(images_t.unbind(0), targets)])
+        batch = [ff_targets.sample_of(x, t) for x, t in zip(images_t.unbind(0), targets)]
+        if self.config.num_workers == 0:  # in the training process, as DataLoader's: its random streams
+            out = collate(batch)
+        else:  # DataLoader calls it in a worker: the training process's streams are not drawn from
+            out = collate_aside(collate, batch, (self.config.seed, self.epoch, self.progress.yielded))
         return pin_batch(out) if self.config.pin_memory else out  # what it returns pinned, as DataLoader pins it
 
     def _advance(self, step):
