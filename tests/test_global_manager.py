@@ -440,6 +440,32 @@ def test_a_worker_target_set_after_the_global_manager_died_is_still_applied():
         a.close()
 
 
+def test_a_worker_target_outlives_the_gm_that_left_between_epochs():
+    """Without persistent workers each epoch registers anew; a pause between epochs longer than the GM's linger
+    (a validation pass) ended the GM and its table, and with it `gm workers`' target: the next epoch came back
+    with num_workers. The loader now carries the target its last manager had."""
+    name = job()
+    a = make(Bytes(24, sleep=0.02), name, persistent_workers=False)
+    try:
+        it = iter(a)
+        next(it)
+        client = GlobalManagerClient(name)
+        client.set_workers(2)
+        client.close()
+        assert wait_until(lambda: a._manager.pool.target_workers == 2)
+        assert sorted(i for _, y in it for i in y.tolist()) == list(range(8, 24))
+        assert wait_until(lambda: not os.path.exists("/dev/shm" + gt.table_name(name)), 60)  # the GM has left
+        a.set_epoch(1)
+        seen, targets, most = [], set(), 0
+        for _, y in a:
+            seen += y.tolist()
+            targets.add(a._manager.pool.target_workers)
+            most = max(most, sum(w is not None and w.alive for w in a._manager.pool.workers))
+        assert sorted(seen) == list(range(24)) and targets == {2} and most == 2
+    finally:
+        a.close()
+
+
 def test_a_client_follows_its_job_to_a_new_global_manager_and_says_when_none_runs():
     """A client whose GM ended does not write into the removed table: it raises while none runs, and takes the
     job's next GM once one does. An lm of the wrong type is named as given."""

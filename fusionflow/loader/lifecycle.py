@@ -37,6 +37,7 @@ class LoaderRuntime:
         # what the finalizer shuts down: [manager, GpuSession, CacheAttachment, the process they belong to]
         self._box = [None, gpu, None, os.getpid()]
         self._cache_tried = False
+        self._worker_target = None  # a `gm workers` target an epoch's manager had: the next one's (close() ends it)
         self._finalizer = weakref.finalize(self, shutdown_runtime, self._box)
         tracing.on_change = functools.partial(_set_trace, weakref.ref(self))  # weak: no cycle through tracing
 
@@ -95,6 +96,10 @@ class LoaderRuntime:
         except BaseException:  # no half-started manager stays behind
             self.stop()
             raise
+        pool = self.manager.pool
+        if self._worker_target is not None and pool is not None:  # (the job's GM, and its table, may be gone by now)
+            with self.manager.board.cond:
+                pool.target_workers = self._worker_target
         return self.manager
 
     @property
@@ -162,14 +167,17 @@ class LoaderRuntime:
                 self.stop()
 
     def stop(self) -> None:
-        """Shut the manager down; the allocator bridge stays for the next one."""
-        self.manager = None
+        """Shut the manager down; the allocator bridge stays for the next one, and so does a worker target that
+        `gm workers` set (the job's GM leaves, with the target, when an epoch's gap outlasts its linger)."""
+        mgr, self.manager = self.manager, None
+        if mgr is not None and mgr.agent is not None and mgr.pool is not None:
+            self._worker_target = mgr.pool.target_workers if mgr.pool.target_workers != mgr.spec.num_workers else None
         shutdown_runtime(self._box, self.stats, keep_bridge=True)
 
     def close(self) -> None:
         """Shut everything down, the allocator bridge and the cache attachment too (the loader may start
         again after)."""
-        self.manager = None
+        self.manager, self._worker_target = None, None
         self._cache_tried, self._spec = False, None  # the next start attaches the cache (and makes the spec) anew
         shutdown_runtime(self._box, self.stats)
 
