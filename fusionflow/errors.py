@@ -60,7 +60,23 @@ def _sample_text(what, exc_type, message, worker_traceback, hint) -> str:
     return f"{what} failed: {exc_type}: {message}\n({hint})\n\nOriginal traceback in the worker:\n{worker_traceback}"
 
 
-_AS_ALSO: dict = {}  # the worker's exception class -> SampleError combined with it (None: cannot be)
+_AS_ALSO: dict = {}  # (our error class, the worker's exception class) -> the two combined
+
+
+def _as_also(base: type, exc_class: str, message: str, args: tuple):
+    """`base(*args)` as an instance of the worker's exception class too (`exc_class`, "module:qualname"), when this
+    process has its module loaded, it can be made from one message (DataLoader's test: a class its re-raise could
+    make) and the classes combine; else None."""
+    cls = _class_named(exc_class)
+    if cls is None or issubclass(cls, (base, StopIteration, StopAsyncIteration)):
+        return None
+    try:
+        cls(message)
+        if (base, cls) not in _AS_ALSO:
+            _AS_ALSO[base, cls] = type(f"{base.__name__}[{cls.__name__}]", (base, cls), {"__module__": __name__})
+        return _AS_ALSO[base, cls](*args)
+    except Exception:  # a constructor that wants more, layouts that do not combine, a class refusing subclasses
+        return None
 
 
 def sample_error(
@@ -72,15 +88,8 @@ def sample_error(
     `attributes` (the worker's exception's errno, filename, ... as sent) set on it. Else a plain SampleError.
     Never a StopIteration: a loop would take it for the epoch's end."""
     args = (index, what, exc_type, message, worker_traceback, hint)
-    cls = _class_named(exc_class)
-    if cls is None or issubclass(cls, (SampleError, StopIteration, StopAsyncIteration)):
-        return SampleError(*args)
-    try:
-        cls(message)  # DataLoader's test: a class its re-raise could make
-        if cls not in _AS_ALSO:
-            _AS_ALSO[cls] = type(f"SampleError[{cls.__name__}]", (SampleError, cls), {"__module__": __name__})
-        err = _AS_ALSO[cls](*args)
-    except Exception:  # a constructor that wants more, layouts that do not combine, a class refusing subclasses
+    err = _as_also(SampleError, exc_class, message, args)
+    if err is None:
         return SampleError(*args)
     for name, value in (attributes or {}).items():
         try:
@@ -139,6 +148,12 @@ class DeviceOutOfMemory(AcceleratorError):
 
 class WorkerStartError(FusionFlowError):
     """A CPU worker could not start (its traceback is in the message)."""
+
+
+def worker_start_error(message: str, exc_class: str = "") -> WorkerStartError:
+    """A WorkerStartError that is also an instance of the exception that stopped the worker (its worker_init_fn's
+    ValueError: `except ValueError` catches it, as DataLoader's re-raise), where the class allows (`_as_also`)."""
+    return _as_also(WorkerStartError, exc_class, message, (message,)) or WorkerStartError(message)
 
 
 class SampleKilledWorkersError(FusionFlowError):

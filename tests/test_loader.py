@@ -632,12 +632,20 @@ def _fail(worker_id):
     raise RuntimeError(f"init failed in {worker_id}")
 
 
+def _fail_value(worker_id):
+    int("x")
+
+
 def test_worker_init_fn(tmp_path, monkeypatch):
     monkeypatch.setenv("FF_TEST_DIR", str(tmp_path))
     collect(FusionFlowLoader(Bytes(8), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=_touch))
     assert sorted(os.listdir(tmp_path)) == ["w0", "w1"]
     with pytest.raises(WorkerStartError, match="init failed in"):
         collect(FusionFlowLoader(Bytes(8), batch_size=4, num_workers=2, policy=SMALL, worker_init_fn=_fail))
+    # as DataLoader re-raises it: the worker_init_fn's own type too (`except ValueError` catches it)
+    with pytest.raises(ValueError, match="invalid literal") as info:
+        collect(FusionFlowLoader(Bytes(8), batch_size=4, num_workers=1, policy=SMALL, worker_init_fn=_fail_value))
+    assert isinstance(info.value, WorkerStartError) and "failed to start" in str(info.value)
 
 
 def test_timeout():

@@ -10,8 +10,8 @@ epoch state.
 
 from __future__ import annotations
 
+import inspect
 import os
-import sys
 import warnings
 
 import numpy as np
@@ -166,7 +166,7 @@ def user_stacklevel() -> int:
     """warnings.warn's stacklevel, for its caller, of the first frame outside the fusionflow package: the script's
     line that iterates, however deep the path to the warning (the worker and inline iterators differ)."""
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame, level = sys._getframe(1), 1
+    frame, level = inspect.currentframe().f_back, 1
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1
     return level

@@ -110,8 +110,10 @@ def pack_ready(worker_id: int) -> bytes:
     return _HEAD.pack(READY, 0, 0, worker_id, 0, 0)
 
 
-def pack_fatal(worker_id: int, text: str) -> bytes:
-    return _HEAD.pack(FATAL, 0, 0, worker_id, 0, 0) + text.encode("utf-8", "replace")
+def pack_fatal(worker_id: int, text: str, exc: BaseException | None = None) -> bytes:
+    """A worker could not start: its traceback `text`, after the "module:qualname" of `exc`'s class (one line)."""
+    kind = f"{type(exc).__module__}:{type(exc).__qualname__}" if exc is not None else ""
+    return _HEAD.pack(FATAL, 0, 0, worker_id, 0, 0) + f"{kind}\n{text}".encode("utf-8", "replace")
 
 
 @dataclass(frozen=True)
@@ -234,5 +236,7 @@ def unpack_done_worker(msg: bytes) -> int:
     return _HEAD.unpack_from(msg)[3]
 
 
-def unpack_fatal(msg: bytes) -> str:
-    return msg[_HEAD.size :].decode("utf-8", "replace")
+def unpack_fatal(msg: bytes) -> tuple[str, str]:
+    """(the traceback, the "module:qualname" of the exception's class or "")."""
+    kind, _, text = msg[_HEAD.size :].decode("utf-8", "replace").partition("\n")
+    return text, kind

@@ -174,8 +174,8 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
         if spec.worker_init_fn is not None:  # the borrower's per-worker set-up (e.g. opening its files)
             with _InfoFor(dataset):
                 spec.worker_init_fn(worker_id)
-    except Exception:
-        bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
+    except Exception as exc:
+        bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc(), exc))
         return None
     spec_cache[spec_hash] = (dataset, pipe)
     return dataset, pipe
@@ -306,8 +306,8 @@ def worker_loop(
             clock = StageClock(stages)
         if worker_init_fn is not None:
             worker_init_fn(worker_id)
-    except BaseException:
-        conn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc()))
+    except BaseException as exc:
+        conn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc(), exc))
         return
     conn.send_bytes(m.pack_ready(worker_id))
     spec_cache = {}  # other LMs' (dataset, pipeline), by spec hash, for when this worker is lent

@@ -31,7 +31,7 @@ import os
 import signal
 import time
 
-from fusionflow.errors import SampleKilledWorkersError, WorkerStartError
+from fusionflow.errors import SampleKilledWorkersError, WorkerStartError, worker_start_error
 from fusionflow.runtime import liveness, procs
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
@@ -331,7 +331,8 @@ class WorkerPool:
                 w.ready = True
                 self._start_kills.pop(w.worker_id, None)
             elif kind == m.FATAL:
-                self._fail(WorkerStartError(f"CPU worker {w.worker_id} failed to start:\n{m.unpack_fatal(msg)}"))
+                text, kind = m.unpack_fatal(msg)  # (as DataLoader re-raises: the worker's exception's type too)
+                self._fail(worker_start_error(f"CPU worker {w.worker_id} failed to start:\n{text}", kind))
                 w.alive = False
             elif kind == m.HOME:  # back from a loan
                 w.lent_to = None

@@ -277,7 +277,7 @@ class LendingAgent:
         elif kind == m.FATAL:
             log.warning(
                 "fusionflow: a worker lent to this loader cannot run its samples, so borrowing is off for it:\n%s",
-                m.unpack_fatal(msg),
+                m.unpack_fatal(msg)[0],
             )
             self.link.disable_borrowing()
             self._return_guest(g)
