@@ -437,6 +437,12 @@ def test_an_adopted_folder_s_transform_set_later_is_refused_at_iter_not_ignored(
         split.dataset.transform = tf(24)
         with pytest.raises(ValueError, match=r"loader.dataset.transform changed .*Build a new FusionFlowLoader"):
             iter(loader)
+        split.dataset.transform = None
+        with pytest.raises(ValueError, match=r"changed since the loader was built \(to None\)"):
+            iter(loader)
+        split.dataset.transform, split.dataset.target_transform = tf(16), lambda t: t + 100
+        with pytest.raises(ValueError, match=r"target_transform was set after the loader was built"):
+            iter(loader)
 
 
 def test_a_torchvision_folder_s_transform_that_would_run_before_fusionflow_s_is_refused(tmp_path):
@@ -989,7 +995,14 @@ class Wrapped:
 
 
 def test_sizing_shared_memory_leaves_random_streams_held_deeper_alone():
-    ours = [y.tolist() for _, y in FusionFlowLoader(Raw(), batch_sampler=Wrapped(len(JPEGS)), policy=EXACT)]
+    import weakref
+
+    class Gone:
+        pass
+
+    sampler = Wrapped(len(JPEGS))
+    sampler.inner.extra = {"proxy": weakref.proxy(Gone())}  # dead at once: looked at, it raises ReferenceError
+    ours = [y.tolist() for _, y in FusionFlowLoader(Raw(), batch_sampler=sampler, policy=EXACT)]
     dl = DataLoader(Raw(), batch_sampler=Wrapped(len(JPEGS)), collate_fn=_as_list)
     assert ours == [[t for _, t in batch] for batch in dl]
 
@@ -1006,6 +1019,9 @@ def test_an_endless_batch_sampler_without_a_batch_size_is_refused_not_probed_for
 
     monkeypatch.setattr(batch_capacity, "PROBE_BATCHES", 1000)
     with pytest.raises(ValueError, match=r"did not end within 1,000 batches .*give it a batch_size attribute"):
+        FusionFlowLoader(Raw(), batch_sampler=Endless(), policy=EXACT)
+    Endless.__len__ = lambda self: 10**9  # an iteration-based sampler's length: not a bound to read to
+    with pytest.raises(ValueError, match=r"did not end within 1,000 batches"):
         FusionFlowLoader(Raw(), batch_sampler=Endless(), policy=EXACT)
     Endless.batch_size = 1  # what it says: sized by it, iterated as DataLoader does
     batches = FusionFlowLoader(Raw(), batch_sampler=Endless(), policy=EXACT)

@@ -21,6 +21,10 @@ def retired(counters, why: str) -> str:  # the accelerator retires (GpuSession's
     return why
 
 
+def unretired(counters) -> None:  # a loader closed and started again: its earlier retirement is no longer said
+    counters.accelerator_retired = None
+
+
 class RunLedger:
     def __init__(self, board, counters, active: list):
         self.board, self.counters = board, counters

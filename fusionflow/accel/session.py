@@ -90,6 +90,10 @@ class GpuSession:
         workers started it anew: its failed runs, or its stall bound's wait, came again every epoch)."""
         if self.retired is not None:
             return
+        if not self.started:  # (the first start, or the first after close(): a retirement before it is over)
+            from fusionflow.accel.run_ledger import unretired
+
+            unretired(self.stats)
         self._spares.shut = False  # (closed with the loader: started again)
         capacity = mgr.spec.layout.batch_size
         on_gpu = self.accelerator == "dali-gpu"

@@ -6,6 +6,7 @@ first epoch, so ours must not shift its pass count or the random streams it draw
 from __future__ import annotations
 
 import collections.abc
+import itertools
 
 import torch
 
@@ -28,9 +29,9 @@ def batch_capacity(batch_sampler) -> int:
         raise ValueError(f"batch_sampler must yield lists of indices ({e})") from None
     if capacity is None:
         raise ValueError(
-            f"batch_sampler={type(batch_sampler).__name__} has no batch_size attribute and no len(), and one pass "
-            f"over it did not end within {PROBE_BATCHES:,} batches (an endless sampler?): shared memory is sized for "
-            "its largest batch up front, so give it a batch_size attribute (the most indices a batch holds)"
+            f"batch_sampler={type(batch_sampler).__name__} has no batch_size attribute, and one pass over it did not "
+            f"end within {PROBE_BATCHES:,} batches (an endless sampler?): shared memory is sized for its largest "
+            "batch up front, so give it a batch_size attribute (the most indices a batch holds)"
         )
     if capacity < 1:
         raise ValueError("batch_sampler yields no non-empty batch")
@@ -38,13 +39,12 @@ def batch_capacity(batch_sampler) -> int:
 
 
 def largest_batch(batch_sampler) -> int | None:
-    """The longest batch of one pass over `batch_sampler` (0 for none; None: no end within PROBE_BATCHES batches and
-    no len() to say it is that long), a pass that leaves no trace (DataLoader's own first pass is the first epoch's):
-    over a shallow copy (a pass counter of its own advances on the copy), with the random generators it holds --
-    itself, its sampler, anything of theirs a few attributes deep (`_held_rngs`) -- and Python's, NumPy's and
-    torch's global ones put back after."""
+    """The longest batch of one pass over `batch_sampler` (0 for none; None: no end within PROBE_BATCHES batches),
+    a pass that leaves no trace (DataLoader's own first pass is the first epoch's): over a shallow copy (a pass
+    counter of its own advances on the copy), with the random generators it holds -- itself, its sampler,
+    anything of theirs a few attributes deep (`_held_rngs`) -- and Python's, NumPy's and torch's global ones put
+    back after. Its len() is not asked (one may make a pass, or say 10**9 for an endless sampler)."""
     import copy
-    import itertools
 
     try:
         probe = copy.copy(batch_sampler)
@@ -52,46 +52,45 @@ def largest_batch(batch_sampler) -> int | None:
         probe = batch_sampler
     kept = [(restore, state) for restore, state in [*map(_saved, _held_rngs(probe)), *_global_states()] if restore]
     try:
-        try:
-            length = len(probe)  # (a len() of its own may make a pass too: its draws put back before ours)
-        except Exception:  # (TypeError: none; anything else: a len() of its own that fails)
-            length = None
-        for restore, state in kept:
-            restore(state)
-        bound = PROBE_BATCHES if length is None else max(PROBE_BATCHES, length + 1)
-        lengths = list(map(len, itertools.islice(probe, bound + 1)))
+        lengths = list(map(len, itertools.islice(probe, PROBE_BATCHES + 1)))
     finally:
         for restore, state in kept:
             restore(state)
-    return None if len(lengths) > bound and length is None else max(lengths, default=0)
+    return None if len(lengths) > PROBE_BATCHES else max(lengths, default=0)
 
 
-PROBE_BATCHES = 1_000_000  # batches of one pass at most, for a batch sampler without len() (an endless one)
+PROBE_BATCHES = 1_000_000  # batches of one pass at most (an endless batch sampler is refused past them)
 
 
-def _held_rngs(owner, depth: int = 3) -> list:
+def _held_rngs(owner, depth: int = 3, breadth: int = 64) -> list:
     """The random generators `owner` holds up to `depth` attributes deep: in its attributes, dicts, lists and
-    tuples (a sampler wrapped in a sampler of one's own, generators kept in a dict), never in arrays or tensors."""
+    tuples (a sampler wrapped in a sampler of one's own, generators kept in a dict), `breadth` of each at most;
+    never in modules, arrays or tensors, nor in an object that fails to be looked at (a dead weakref proxy)."""
     import random
+    import types
 
     import numpy as np
 
     rngs, seen, level = [], set(), [owner]
     rng_types = (torch.Generator, random.Random, np.random.RandomState, np.random.Generator)
+    skip = (str, bytes, torch.Tensor, np.ndarray, types.ModuleType, type)
     for _ in range(depth + 1):
         found = []
         for obj in level:
-            if id(obj) in seen or isinstance(obj, (str, bytes, torch.Tensor, np.ndarray)):
+            try:
+                if id(obj) in seen or isinstance(obj, skip):
+                    continue
+                seen.add(id(obj))
+                if isinstance(obj, rng_types):
+                    rngs.append(obj)
+                elif isinstance(obj, dict):
+                    found += itertools.islice(obj.values(), breadth)
+                elif isinstance(obj, (list, tuple)):
+                    found += obj[:breadth]
+                elif hasattr(obj, "__dict__"):
+                    found += itertools.islice(vars(obj).values(), breadth)
+            except Exception:  # (ReferenceError: a weakref.proxy whose object is gone)
                 continue
-            seen.add(id(obj))
-            if isinstance(obj, rng_types):
-                rngs.append(obj)
-            elif isinstance(obj, dict):
-                found += list(obj.values())[:64]
-            elif isinstance(obj, (list, tuple)):
-                found += list(obj[:64])
-            elif hasattr(obj, "__dict__") and not isinstance(obj, type):
-                found += list(vars(obj).values())
         level = found
     return rngs
 

@@ -88,39 +88,45 @@ def _adopted(folder, name: str, DatasetFolder, picked=None):
     return ImageFolder.of_samples(folder.root, samples, folder.classes), adopted
 
 
-def folder_transform(dataset):
-    """The transform of the torchvision folder `dataset` is (in Subsets too), else None."""
+def folder_transforms(dataset) -> tuple:
+    """(transform, target_transform) of the torchvision folder `dataset` is (in Subsets too)."""
     while isinstance(dataset, torch.utils.data.Subset):
         dataset = dataset.dataset
-    return getattr(dataset, "transform", None)
+    return getattr(dataset, "transform", None), getattr(dataset, "target_transform", None)
 
 
 class AdoptedTransform:
-    """The transform of the torchvision folder the loader adopted (`adopt_folder`), watched at each iter(): the
-    loader runs the policy it read at construction, so a transform set later (`loader.dataset.transform = ...`,
-    progressive resizing) that reads as another policy is refused, not silently ignored."""
+    """The transforms of the torchvision folder the loader adopted (`adopt_folder`), watched at each iter(): the
+    loader runs the policy it read at construction and delivers the class indices, so a transform set later
+    (`loader.dataset.transform = ...`, progressive resizing) that reads as another policy, or a target_transform
+    set later, is refused, not silently ignored."""
 
     def __init__(self, given, policy):
-        self.given, self.policy, self.transform = given, policy, folder_transform(given)
+        self.given, self.policy, self.transforms = given, policy, folder_transforms(given)
 
     def check(self) -> None:
-        now = folder_transform(self.given)
-        if now is self.transform:
+        now = folder_transforms(self.given)
+        if now[0] is self.transforms[0] and now[1] is self.transforms[1]:
             return
+        if now[1] is not self.transforms[1]:
+            raise ValueError(
+                "loader.dataset.target_transform was set after the loader was built: FusionFlow reads the folder's "
+                "files itself and delivers their class indices; apply it in collate_fn, or build a new loader"
+            )
         from fusionflow.policy.from_torchvision import policy_from_transform
 
         try:
-            same = now is not None and policy_from_transform(now) == self.policy
+            same = now[0] is not None and policy_from_transform(now[0]) == self.policy
         except Exception:  # not expressible: not the adopted policy
             same = False
         if not same:
             raise ValueError(
-                f"loader.dataset.transform changed since the loader was built (to another {type(now).__name__}): "
-                "FusionFlow read the folder's transform once, as its policy (policy_from_transform), and its workers "
-                "run that. Build a new FusionFlowLoader for the new transform (progressive resizing: one loader per "
-                "size), or put the transform back"
+                "loader.dataset.transform changed since the loader was built (to "
+                f"{'None' if now[0] is None else 'another ' + type(now[0]).__name__}): FusionFlow read the folder's "
+                "transform once, as its policy (policy_from_transform), and its workers run that. Build a new "
+                "FusionFlowLoader for the new transform (progressive resizing: one loader per size), or put it back"
             )
-        self.transform = now  # the same policy: a transform made again
+        self.transforms = now  # the same policy: a transform made again
 
 
 _CONVERSIONS = {"PILToTensor", "ToImage", "ToTensor", "ToDtype", "ConvertImageDtype", "Normalize", "ToPureTensor"}

@@ -164,15 +164,16 @@ class WorkerPool:
             self.on_capacity(len(self.kept_workers()))
 
     def retire_surplus(self) -> None:
-        """(lock held) Retire workers above the target, the least busy first: nothing more is dispatched to them and
-        their STOP, sent now, is read after the tasks they hold (waiting for an idle one never shrank a loader that
-        keeps every worker busy); they are not restarted. Lent ones and ones starting wait for a later turn."""
+        """(lock held) Retire workers above the target, dead ones first, then the least busy: no more tasks, and STOP
+        now, read after the tasks they hold (an idle one never came in a busy loader); lent or starting: later."""
         kept = self.kept_workers()
         ready = [w for w in kept if w.alive and w.ready and w.lent_to is None]
         surplus = max(0, len(kept) - self.target_workers)
-        for w in sorted(ready, key=lambda w: (len(w.outstanding), -w.worker_id))[:surplus]:
+        dead = [w for w in kept if not w.alive]  # awaiting a restart: only reaped instead
+        for w in (dead + sorted(ready, key=lambda w: (len(w.outstanding), -w.worker_id)))[:surplus]:
             w.retiring = True
-            w.send_stop()
+            if w.alive:
+                w.send_stop()
             self.notify_capacity()
 
     def _reap(self, wid: int) -> None:
