@@ -157,7 +157,10 @@ def test_every_sample_once_cold_then_warm_and_pixels_near_the_uncached_ones(num_
     stats = dict(loader.stats.cache)
     loader.close()
     n = len(JPEGS)
-    assert stats["entries"] == n and stats["fills"] == n and stats["hits"] >= n
+    # with persistent workers the warm epoch's first mini-batches (prefetch_factor 2 of 8) are read during the cold
+    # epoch's last: a sample whose fill another worker has in hand then is a miss (seen once in a full suite run)
+    speculated = 2 * 8 if num_workers else 0
+    assert stats["entries"] == n and stats["fills"] == n and stats["hits"] >= n - speculated
     assert stats["bytes"] == stats["fill_bytes"] > 0 and stats["seconds_saved"] > 0
     # same draws, resampled from the cached image: near the uncached pipeline's pixels (Equalize and
     # Posterize magnify a level's difference: the resampling's own bound is the next test's)
