@@ -313,3 +313,43 @@ def test_dali_outputs_land_exactly_with_runs_in_flight():
             assert torch.equal(got, want), k
     finally:
         pipe.close()
+
+
+@pytest.mark.gpu
+def test_a_drained_gpu_pipeline_is_kept_and_its_next_runs_equal_a_fresh_pipeline_s():
+    """On a GPU: an epoch left with three DALI runs in flight is drained on the device ring's stream (waited for on
+    a blocking event, not DALI's spinning host order) and its pipeline kept; the next epoch's runs, collected on a
+    new ring's stream, equal a fresh pipeline's outputs bit for bit."""
+    import types
+
+    from fusionflow.accel.accelerator import AcceleratorWorker
+    from fusionflow.accel.dali_graph import DaliPolicyPipeline
+    from fusionflow.runtime.shm import RingLayout
+
+    data, layout = Bytes(12), RingLayout(3, 4, (3, 24, 24), "uint8")
+    runs = [([data[i][0] for i in range(4 * k, 4 * k + 4)], list(range(4 * k, 4 * k + 4))) for k in range(3)]
+    pipe = DaliPolicyPipeline(SMALL, 4, device="gpu", device_id=0, num_threads=2, depth=3)
+    fresh = DaliPolicyPipeline(SMALL, 4, device="gpu", device_id=0, num_threads=2, depth=3)
+    try:
+        for samples, indices in runs:
+            pipe.submit(samples, indices, seed=1, epoch=0)
+        accel, kept = AcceleratorWorker.__new__(AcceleratorWorker), []
+        accel.pipeline, accel.keep_pipeline, accel.ledger = pipe, kept.append, types.SimpleNamespace(retired=None)
+        accel.device_ring = device_ring.DeviceRing(layout, torch.device("cuda:0"))
+        accel._collecting = None
+        accel._drain()
+        accel._release(pipe)
+        assert kept == [pipe] and pipe.idle
+        ring = device_ring.DeviceRing(layout, torch.device("cuda:0"))  # the next epoch's, on a stream of its own
+        for samples, indices in runs:
+            pipe.submit(samples, indices, seed=1, epoch=1)
+            fresh.submit(samples, indices, seed=1, epoch=1)
+        for k in range(3):
+            out = pipe.collect(ring.stream)
+            ring.wait_for_outputs()
+            ring.write(k, [0, 1, 2, 3], out)
+            want = torch.from_numpy(np.asarray(fresh.collect().as_cpu().as_tensor()))
+            assert torch.equal(ring.images[k].cpu(), want), k
+    finally:
+        pipe.close()
+        fresh.close()
