@@ -143,6 +143,12 @@ class TarShards:
                 self.keys.append(key)
         if not self._where:
             raise ShardError(f"TarShards: the shards hold no samples ({', '.join(self.shards[:3])}...)")
+        if self.target_keys is not None and not any(self._targets):  # said now, not at the first batch
+            members = ", ".join(sorted(_samples_members(self.shards[0], self.index_dir))) or "none"
+            raise ShardError(
+                f"TarShards: no sample has a {_names(self.target_keys)} member for its target (the first sample's "
+                f"members: {members}); pass target_key= the target's extension, or target_key=None for no targets"
+            )
         self._fds: dict[int, int] = {}
         self._pid = os.getpid()
 
@@ -367,3 +373,10 @@ def scan(shard: str, size: int | None = None) -> list[list]:
     except OSError as exc:
         raise ShardError(f"TarShards: shard {shard!r} cannot be read: {exc}") from None
     return members
+
+
+def _samples_members(path: str, index_dir) -> set:
+    """The member extensions of the first sample of shard `path`."""
+    for _key, exts in _samples(load_index(path, index_dir), path):
+        return set(exts)
+    return set()
