@@ -118,6 +118,11 @@ def _plain(value, depth: int = 0) -> bool:
     return False
 
 
+def class_name(exc: BaseException) -> str:
+    """`exc`'s class as "module:qualname", as a worker sends it (`_class_named` looks it up)."""
+    return f"{type(exc).__module__}:{type(exc).__qualname__}"
+
+
 def _class_named(name: str):
     """The exception class `module:qualname` names, if its module is loaded here (nothing is imported)."""
     import sys

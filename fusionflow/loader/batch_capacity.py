@@ -50,7 +50,7 @@ def largest_batch(batch_sampler) -> int | None:
         probe = copy.copy(batch_sampler)
     except Exception:  # cannot be copied: its own state advances by one pass
         probe = batch_sampler
-    kept = [(restore, state) for restore, state in [*map(_saved, _held_rngs(probe)), *_global_states()] if restore]
+    kept = [(restore, state) for restore, state in [*map(_saved, _held_rngs(probe)), *global_rng_states()] if restore]
     try:
         lengths = list(map(len, itertools.islice(probe, PROBE_BATCHES + 1)))
     finally:
@@ -95,8 +95,8 @@ def _held_rngs(owner, depth: int = 3, breadth: int = 64) -> list:
     return rngs
 
 
-def _global_states() -> list:
-    """(how to put it back, its state now) for Python's, NumPy's and torch's global generators."""
+def global_rng_states() -> list:
+    """(how to put it back, its state now) for Python's, NumPy's and torch's (CPU) global generators."""
     import random
 
     import numpy as np

@@ -30,6 +30,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as pin_batch  # DataLo
 
 from fusionflow.datasets.wrappers import start_reads
 from fusionflow.errors import EmptyBatch, FusionFlowError, SampleError
+from fusionflow.loader.batch_capacity import global_rng_states
 from fusionflow.loader.delivery import torch_rank_world
 from fusionflow.runtime import targets as ff_targets
 from fusionflow.runtime.sample import run_sample
@@ -76,17 +77,15 @@ def collate_aside(collate, batch, key):
     epoch's shuffle (and the script's own draws) differed from DataLoader's; its draws are now reproducible too."""
     import random
 
-    seed = hash(key) & (2**63 - 1)
-    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    seed, saved = hash(key) & (2**63 - 1), global_rng_states()
     torch.default_generator.manual_seed(seed)  # (the CPU's only: the GPU's stream is training's)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     try:
         return collate(batch)
     finally:
-        torch.set_rng_state(saved[0])
-        random.setstate(saved[1])
-        np.random.set_state(saved[2])
+        for restore, state in saved:
+            restore(state)
 
 
 class EpochIterator:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from fusionflow.errors import class_name
+
 if TYPE_CHECKING:
     from fusionflow.runtime.shm import RingLayout
 
@@ -112,7 +114,7 @@ def pack_ready(worker_id: int) -> bytes:
 
 def pack_fatal(worker_id: int, text: str, exc: BaseException | None = None) -> bytes:
     """A worker could not start: its traceback `text`, after the "module:qualname" of `exc`'s class (one line)."""
-    kind = f"{type(exc).__module__}:{type(exc).__qualname__}" if exc is not None else ""
+    kind = class_name(exc) if exc is not None else ""
     return _HEAD.pack(FATAL, 0, 0, worker_id, 0, 0) + f"{kind}\n{text}".encode("utf-8", "replace")
 
 

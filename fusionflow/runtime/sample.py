@@ -8,7 +8,7 @@ import os
 import signal
 import traceback
 
-from fusionflow.errors import exception_attributes
+from fusionflow.errors import class_name, exception_attributes
 from fusionflow.runtime import targets
 from fusionflow.runtime.messages import SampleFailure
 
@@ -102,15 +102,14 @@ def run_sample(
         pipe(sample, index, seed, epoch, out=images[pos], what=describe(dataset, index), tick=clock, copy=copy)
         targets.store(labels, pos, target, side)
     except Exception as exc:
-        kind = type(exc)
         return SampleFailure(
             pos,
             index,
             describe(dataset, index),
-            kind.__name__,
+            type(exc).__name__,
             str(exc),
             traceback.format_exc(),
-            f"{kind.__module__}:{kind.__qualname__}",
+            class_name(exc),
             exception_attributes(exc),
         )
     return None
