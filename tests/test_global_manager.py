@@ -261,7 +261,8 @@ def test_a_worker_stopped_while_lent_is_ended_by_its_owner_which_trains_on(caplo
         got = ordered([next(it)[1]])
         assert wait_until(lambda: any(w is not None and w.lent_to is not None for w in pool.workers), 60)
         lent = next(w for w in pool.workers if w is not None and w.lent_to is not None)
-        assert wait_until(lambda: is_stopped(lent.process.pid), 60)  # in a's worker_init_fn
+        # stopped in a's worker_init_fn (or, on a busy machine, already killed for it: STOPPED_S is short)
+        assert wait_until(lambda: is_stopped(lent.process.pid) or "while lent to loader" in caplog.text, 60)
         got += ordered(y for _, y in it)
         assert got == list(range(48))
         b.set_epoch(1)

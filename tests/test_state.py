@@ -242,7 +242,11 @@ def test_sequential_sampler_state_is_tiny():
     it = iter(loader)
     next(it)
     state = loader.state_dict()
-    assert state["batches_yielded"] == 1 and state["epoch"] == 0 and state["sampler"] == {"kind": "none"}
+    assert (
+        state["batches_yielded"] == 1
+        and state["epoch"] == 0
+        and state["sampler"] == {"kind": "none", "owner": "SequentialSampler"}
+    )
     assert len(pickle.dumps(state)) < 400
 
 
@@ -465,7 +469,7 @@ class PositionKeeping(DistributedSampler):
 def test_a_distributed_sampler_whose_state_is_more_than_its_position_is_resumed_by_that_state():
     """Only a position (torchdata's `yielded`) is left to the epoch: a subclass whose state_dict holds its order's
     state keeps it as the order's state."""
-    from fusionflow.loader.checkpoint import order_owner
+    from fusionflow.loader.sampler_order import order_owner
 
     class OwnOrder(PositionKeeping):
         def state_dict(self):
@@ -583,3 +587,134 @@ def test_a_batch_sampler_over_a_sampler_without_len_can_be_checkpointed():
     fresh = FusionFlowLoader(DS, batch_sampler=BatchSampler(Unsized(), 4, False), policy=SMALL)
     fresh.load_state_dict(state)
     same_batches(batches(fresh), rest)
+
+
+@pytest.mark.parametrize("taken", ["break", "len_batches"])
+def test_a_state_taken_after_a_left_epoch_and_set_epoch_starts_that_epoch(taken):
+    """A loop of a fixed number of steps leaves each epoch early (`break`, or exactly len() batches taken with next(),
+    never seeing StopIteration), then calls set_epoch(e) and saves: the state mixed the left epoch's remaining batches
+    with epoch e's number (with len() batches taken, the resumed epoch was empty and its samples lost)."""
+    steps = 2 if taken == "break" else len(make("shuffle_generator", 0))
+    loader = make("shuffle_generator", 0, seed=5)
+    expected, state = [], None
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        if epoch == 1:
+            state = through_torch_save(loader.state_dict())
+        it = iter(loader)
+        got = batches(itertools.islice(it, steps))
+        if epoch >= 1:
+            expected += got
+    loader.close()
+    assert state["batches_yielded"] is None and state["epoch"] == 1
+    again = make("shuffle_generator", 0)
+    again.load_state_dict(state)
+    got = []
+    for epoch in (1, 2):
+        again.set_epoch(epoch)
+        got += batches(itertools.islice(iter(again), steps))
+    again.close()
+    same_batches(got, expected)
+
+
+class Buckets(Sampler):
+    """A batch sampler that shuffles its own batches (bucketing by size) from a generator of its own, or from
+    torch's global RNG with generator=None; it has no `sampler` attribute."""
+
+    def __init__(self, n, size, generator):
+        self.n, self.size, self.generator = n, size, generator
+
+    def __iter__(self):
+        batches = [list(range(i, min(i + self.size, self.n))) for i in range(0, self.n, self.size)]
+        return iter([batches[i] for i in torch.randperm(len(batches), generator=self.generator).tolist()])
+
+    def __len__(self):
+        return -(-self.n // self.size)
+
+
+def test_a_batch_samplers_own_generator_is_captured_and_a_global_one_warns():
+    """A custom batch sampler's `generator` was not captured (the state said "none", no warning): the resumed epoch
+    drew another order, duplicating and losing samples."""
+    loader = FusionFlowLoader(DS, batch_sampler=Buckets(len(DS), 4, torch.Generator().manual_seed(3)), policy=SMALL)
+    batches(loader)
+    it = iter(loader)
+    head = batches(itertools.islice(it, 2))
+    state = through_torch_save(loader.state_dict())
+    rest = batches(it)
+    loader.close()
+    again = FusionFlowLoader(DS, batch_sampler=Buckets(len(DS), 4, torch.Generator().manual_seed(99)), policy=SMALL)
+    again.load_state_dict(state)
+    got = batches(again)
+    again.close()
+    same_batches(got, rest)
+    assert sorted(i for _, y in head + got for i in y) == list(range(len(DS)))
+    on_global = FusionFlowLoader(DS, batch_sampler=Buckets(len(DS), 4, None), policy=SMALL)
+    with pytest.warns(UserWarning, match="Buckets draws its order from torch's global RNG"):
+        on_global.state_dict()
+
+
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("seed", "drop", "no 'seed'"),
+        ("seed", -1, r"state\['seed'\]=-1"),
+        ("seed", "x", r"state\['seed'\]='x'"),
+        ("epoch", -3, r"state\['epoch'\]=-3"),
+        ("iterations", 1.5, r"state\['iterations'\]"),
+        ("batches_yielded", True, r"state\['batches_yielded'\]=True"),
+        ("batches_drawn", ["a", "b"], r"state\['batches_drawn'\]"),
+        ("sampler", {"kind": "generator"}, "no state of a cpu torch.Generator"),
+        ("sampler", {"kind": "generator", "state": torch.zeros(3, dtype=torch.uint8)}, "torch.Generator"),
+    ],
+)
+def test_a_bad_state_is_refused_naming_the_field_and_changes_nothing(field, value, match):
+    """Bad values were half-applied (a missing seed raised KeyError after the resume was set) or accepted to fail
+    later: a negative seed with on_error='skip' silently delivered an empty epoch."""
+    loader = make("shuffle_generator", 0, seed=5)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    loader.close()
+    if value == "drop":
+        del state[field]
+    else:
+        state[field] = value
+    fresh, untouched = make("shuffle_generator", 0, seed=5), make("shuffle_generator", 0, seed=5)
+    with pytest.raises(ValueError, match=match):
+        fresh.load_state_dict(state)
+    same_batches(batches(fresh), batches(untouched))  # as if nothing had been loaded
+    fresh.close()
+    untouched.close()
+
+
+@pytest.mark.parametrize(
+    "sampler,match",
+    [
+        (lambda g: torch.utils.data.WeightedRandomSampler([1.0] * len(DS), len(DS), generator=g), "WeightedRandom"),
+        (lambda g: torch.utils.data.RandomSampler(DS, replacement=True, generator=g), "replacement=True"),
+    ],
+)
+def test_a_state_of_another_sampler_class_or_replacement_is_refused(sampler, match):
+    """A shuffle=True state loaded into a loader over a WeightedRandomSampler (both capture a generator) was accepted
+    and replayed another order."""
+    state = make("shuffle_generator", 0, seed=5).state_dict()
+    other = FusionFlowLoader(DS, batch_size=5, sampler=sampler(torch.Generator().manual_seed(7)), policy=SMALL)
+    with pytest.raises(ValueError, match=match):
+        other.load_state_dict(state)
+
+
+def test_a_state_between_iter_and_next_of_a_shuffle_on_torchs_rng_resumes_that_epoch_without_the_rng():
+    """shuffle=True without a generator, the state taken after iter() but before the first next(): the epoch's order,
+    not yet drawn, was left to the resumed run's RNG (a state after one batch resumed exactly)."""
+    torch.manual_seed(0)
+    loader = FusionFlowLoader(DS, batch_size=4, shuffle=True, policy=SMALL, seed=5)
+    batches(loader)
+    it = iter(loader)
+    state = loader.state_dict()
+    expected = batches(it)
+    loader.close()
+    torch.manual_seed(1)  # the resumed process's RNG, not restored
+    again = FusionFlowLoader(DS, batch_size=4, shuffle=True, policy=SMALL, seed=5)
+    again.load_state_dict(state)
+    same_batches(batches(again), expected)
+    again.close()

@@ -1,6 +1,6 @@
 """Mid-epoch checkpoint and resume: the loader's epoch bookkeeping (`Checkpoint`, which
-FusionFlowLoader's `state_dict()` / `load_state_dict()` and `set_epoch()` delegate to), what
-reproduces an epoch's batch order, and how it is restored.
+FusionFlowLoader's `state_dict()` / `load_state_dict()` and `set_epoch()` delegate to); what
+reproduces an epoch's batch order and how it is restored: loader/sampler_order.py.
 
 A sample's pixels are a pure function of (seed, epoch, index), so a loader's state needs no pixels:
 the seed, the epoch bookkeeping, the number of batches already yielded in the epoch in progress,
@@ -8,196 +8,28 @@ and what reproduces the epoch's order -- the sampler's state as it was *before* 
 `iter(batch_sampler)`. Resuming restores that state, iterates the batch sampler again and skips the
 batches already yielded (index lists only: nothing is read or decoded), so the sampler also ends
 the epoch in the state it would have had, and the following epochs are the same too.
-
-How the order is captured, by sampler (checked in this order; a DistributedSampler whose `state_dict()` holds only
-its position in the epoch -- torchdata's StatefulDistributedSampler: `yielded` -- is "epoch": that position, taken
-before `iter()`, was the previous epoch's count, and the loader skips what it yielded itself):
-  * "state_dict": the batch sampler (if the user gave one) or the sampler has `state_dict()` and
-    `load_state_dict()`. Required of it: a `state_dict()` taken
-    before `iter()` and loaded into a fresh instance makes `iter()` yield the same order, and the
-    state is picklable. (A mid-epoch position inside the sampler's own state is not used: the loader
-    runs ahead of the training loop by `prefetch_factor` batches, so it counts delivered batches itself.)
-  * "random_seed": torch's RandomSampler without a generator draws one seed from torch's global RNG
-    per epoch, as DataLoader's does; the loader records that seed, so the resumed epoch is the same.
-    The epochs after it draw from the global RNG again, exactly as DataLoader does: to have those
-    the same too, pass `generator=` (or restore `torch.get_rng_state()` alongside the checkpoint).
-  * "generator": the sampler has a `generator` attribute holding a torch.Generator (RandomSampler,
-    SubsetRandomSampler, WeightedRandomSampler with generator=...): its state is recorded.
-  * "epoch": the sampler has `set_epoch` and an `epoch` attribute (DistributedSampler): its order
-    is a function of (its seed, epoch), which is recorded and set again.
-  * "none": anything else (SequentialSampler, a custom sampler without state_dict) must yield the
-    same order every time it is iterated in the same state. A sampler that draws from torch's global
-    RNG cannot be resumed exactly: give it a `generator` attribute or a `state_dict`/`load_state_dict`.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
-import operator
 import warnings
 from dataclasses import dataclass
 
-import torch
-from torch.utils.data import (
-    DistributedSampler,
-    RandomSampler,
+from fusionflow.loader.sampler_order import (
+    capture,
+    check,
+    check_payload,
+    counted,
+    next_global_seed,
+    order_owner,
+    start_epoch,
+    warn_if_unresumable,
 )
-
 from fusionflow.runtime.spec import base_seed, next_base_seed
 
 VERSION = 1
-# what an epoch-ordered sampler's (DistributedSampler's) order follows besides its epoch: a state fits one alike
-EPOCH_SAMPLER_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
-POSITION_KEYS = {"yielded", "next_yielded"}  # a state_dict of these is a place in an epoch (torchdata's samplers)
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _stateful(obj) -> bool:
-    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
-
-
-def _position_only(sampler) -> bool:
-    """A stateful sampler whose state_dict() is only its position in the epoch (the loader counts that itself)."""
-    if not _stateful(sampler):
-        return True
-    state = sampler.state_dict()
-    return isinstance(state, dict) and set(state) <= POSITION_KEYS
-
-
-def order_owner(batch_sampler, sampler):
-    """The object whose state decides the epoch's order, and how it is captured (see the module doc)."""
-    if _stateful(batch_sampler):
-        return batch_sampler, "state_dict"
-    epoch_ordered = callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int)
-    if epoch_ordered and isinstance(sampler, DistributedSampler) and _position_only(sampler):  # its order is (seed,
-        return sampler, "epoch"  # epoch)'s; its state_dict, its place in it (torchdata's StatefulDistributedSampler)
-    if _stateful(sampler):
-        return sampler, "state_dict"
-    if isinstance(sampler, RandomSampler) and sampler.generator is None:
-        return sampler, "random_seed"
-    if isinstance(getattr(sampler, "generator", None), torch.Generator):
-        return sampler, "generator"
-    if epoch_ordered:
-        return sampler, "epoch"
-    return sampler, "none"
-
-
-def capture(batch_sampler, sampler, draws_first=None) -> dict:
-    """The order's state now, without side effects (for a state taken between epochs). `draws_first`: the
-    generator the next iteration takes its base seed from before the sampler draws (runtime/spec.py base_seed):
-    where that is the sampler's, the state after that draw, as the epoch will find it."""
-    owner, kind = order_owner(batch_sampler, sampler)
-    if kind == "state_dict":
-        return {"kind": kind, "state": copy.deepcopy(owner.state_dict())}
-    if kind == "random_seed":
-        return {"kind": kind, "seed": None}  # drawn from torch's global RNG when the epoch starts
-    if kind == "generator":
-        generator = owner.generator
-        if draws_first is not None and draws_first is generator:
-            generator = torch.Generator().set_state(generator.get_state())  # a copy: the draw leaves it alone
-            torch.empty((), dtype=torch.int64).random_(generator=generator)
-        return {"kind": kind, "state": generator.get_state()}
-    if kind == "epoch":
-        keys = {key: getattr(owner, key, None) for key in EPOCH_SAMPLER_KEYS}  # plain values: a sampler of one's own
-        return {"kind": kind, "epoch": owner.epoch, **{k: v for k, v in keys.items() if isinstance(v, _PLAIN)}}
-    return {"kind": kind}
-
-
-def warn_if_unresumable(batch_sampler, sampler, stacklevel: int = 3) -> None:
-    """A state is being taken of an order drawn from torch's global RNG: say it will not repeat."""
-    if order_owner(batch_sampler, sampler)[1] == "none" and getattr(sampler, "generator", False) is None:
-        warnings.warn(
-            f"{type(sampler).__name__} draws its order from torch's global RNG (generator=None): a "
-            "resumed epoch will not repeat it. Give the sampler a torch.Generator (generator=...) "
-            "or a state_dict()/load_state_dict() to resume it exactly",
-            UserWarning,
-            stacklevel=stacklevel,
-        )
-
-
-def check(saved: dict, batch_sampler, sampler) -> None:
-    """ValueError when `saved` cannot reproduce the order of this loader's sampler."""
-    owner, kind = order_owner(batch_sampler, sampler)
-    if not isinstance(saved, dict) or "kind" not in saved:
-        raise ValueError(f"state['sampler']={saved!r} is not a FusionFlowLoader sampler state")
-    if saved["kind"] != kind:
-        raise ValueError(
-            f"the state's order was captured as {saved['kind']!r} but this loader's "
-            f"{type(owner).__name__} is captured as {kind!r}: build the loader with the same kind of "
-            "sampler (and generator=... or not) as the one that saved the state"
-        )
-    if kind == "epoch":
-        for key in EPOCH_SAMPLER_KEYS:
-            mine = getattr(owner, key, None)
-            if key in saved and saved[key] != mine:  # (a state of an older version lacks shuffle, seed, drop_last)
-                fix = "load each rank's own state into that rank's loader" if key == "rank" else "build it as saved"
-                raise ValueError(
-                    f"the state is from a {type(owner).__name__} with {key}={saved[key]}, this "
-                    f"loader's has {key}={mine}: {fix} (the order follows it)"
-                )
-
-
-def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=None):
-    """Begin an epoch: restore `saved` (if resuming), capture the order's state, iterate the batch
-    sampler and skip `skip` batches (each handed to `on_skip`, if given). Returns (iterator of index
-    lists, the captured state)."""
-    owner, kind = order_owner(batch_sampler, sampler)
-    if saved is not None:
-        if kind == "state_dict":
-            owner.load_state_dict(copy.deepcopy(saved["state"]))
-        elif kind == "generator":
-            owner.generator.set_state(saved["state"])
-        elif kind == "epoch":
-            owner.set_epoch(saved["epoch"])
-    if kind == "random_seed":
-        seed = saved.get("seed") if saved is not None else None
-        if seed is None:  # the draw RandomSampler itself makes at the start of an epoch, at the same point
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
-        snapshot = {"kind": kind, "seed": seed}
-        owner.generator = torch.Generator().manual_seed(seed)
-        try:  # the sampler reads its generator when its iteration starts: start it, then hand it back
-            batches = iter(batch_sampler)
-            first = next(batches, None)
-        finally:
-            owner.generator = None
-        batches = iter(()) if first is None else itertools.chain([first], batches)
-    else:
-        snapshot = capture(batch_sampler, sampler)
-        batches = iter(batch_sampler)
-    batches = map(as_indices, batches)
-    for _ in range(skip):
-        skipped = next(batches, None)
-        if skipped is None:
-            break
-        if on_skip is not None:
-            on_skip(skipped)
-    return batches, snapshot
-
-
-def as_indices(batch) -> list[int]:
-    """A batch of the batch sampler as Python ints, whatever integer type it yields (a sampler over
-    `torch.arange` yields 0-d tensors, numpy's ints): a sample is its index wherever it runs."""
-    indices = []
-    for i in batch:
-        try:
-            indices.append(operator.index(i))
-        except TypeError:
-            raise TypeError(f"the sampler yielded index {i!r} ({type(i).__name__}): indices must be integers") from None
-    if indices and min(indices) < 0:
-        raise ValueError(
-            f"the sampler yielded index {min(indices)}: FusionFlow takes indices 0..len(dataset)-1 (a sample's "
-            "augmentation is drawn from its index, so -1 and len(dataset)-1 would be two different samples)"
-        )
-    return indices
-
-
-def _counted(batches, progress):
-    """`batches`, counted into `progress` as the loader takes them (what a left epoch's `_redraw` repeats)."""
-    for batch in batches:
-        progress.drawn += 1
-        yield batch
-    progress.drawn_all = True
 
 
 @dataclass
@@ -244,6 +76,8 @@ class Checkpoint:
             saved, self.resume = self.resume[0], None  # a sampler ordered by epoch (DistributedSampler) takes the
             if saved.get("kind") in ("generator", "state_dict"):  # new one, a seed is drawn anew; a generator's or
                 self.abandoned = (saved, *self._drawn)  # a state_dict's goes on from where the left epoch left it
+        if self.current is not None and not self.current.done:  # an epoch left (a `break`, or batches taken with
+            self.current = None  # next() up to its length): the next iter() starts this one anew, as a state says
         mid_epoch = self.loaded is not None and self.loaded.get("batches_yielded") is not None
         if not (mid_epoch and epoch == self.epoch):  # (the loaded epoch's own number: still that state)
             self.loaded = None
@@ -275,7 +109,7 @@ class Checkpoint:
         if progress is self.current:
             progress.start, progress.yielded = snapshot, skip or 0
         progress.drawn = skip or 0
-        return _counted(batches, progress)
+        return counted(batches, progress)
 
     def _redraw(self, batch_sampler, sampler) -> None:
         """The left epoch's draw, made again from its saved state and dropped: the saved run had drawn that epoch's
@@ -345,6 +179,10 @@ class Checkpoint:
             order = cur.start
         else:
             order = pending if pending is not None else capture(batch_sampler, sampler, draws_first)
+        if in_epoch and order.get("kind") == "random_seed" and order.get("seed") is None:  # iter() called, nothing
+            # drawn yet: the first next() draws the base seed (from `draws_first`, else torch's RNG), then the order's
+            base = next_base_seed(draws_first)
+            order = {**order, "seed": next_global_seed(after=int(draws_first is None)), "base_seed": base}
         return {
             "version": VERSION,
             **shape,
@@ -359,24 +197,11 @@ class Checkpoint:
 
     def load_state_dict(self, state: dict, shape: dict, batch_sampler, sampler) -> None:
         """Check `state` against this loader (`shape`, the sampler) and make the next iteration
-        resume it. The seed is the caller's to apply (`state["seed"]`)."""
-        if not isinstance(state, dict) or state.get("version") != VERSION:
-            raise ValueError(
-                f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
-                f"{VERSION}: pass what loader.state_dict() returned"
-            )
-        for key, value in shape.items():
-            if state.get(key) != value:
-                raise ValueError(
-                    f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
-                    f"{key}={value!r}: build the loader as the one that saved the state was built "
-                    "(same dataset length, batch_size, drop_last and sampler)"
-                )
+        resume it. The seed is the caller's to apply (`state["seed"]`). Nothing changes unless all of it is valid."""
+        validate(state, shape)
         check(state["sampler"], batch_sampler, sampler)
-        yielded, num_batches = state["batches_yielded"], shape["num_batches"]
-        most = num_batches if num_batches is not None else float("inf")  # a batch sampler without len()
-        if yielded is not None and not (isinstance(yielded, int) and 0 <= yielded <= most):
-            raise ValueError(f"state['batches_yielded']={yielded!r} must be an int in [0, {most}]")
+        check_payload(state["sampler"], order_owner(batch_sampler, sampler)[0])
+        yielded = state["batches_yielded"]
         self.epoch, self.epoch_set, self.iterations = state["epoch"], state["epoch_set"], state["iterations"]
         if yielded is not None:  # the next iteration is the saved epoch itself: no epoch + 1
             self.epoch_set, self.iterations = True, max(0, self.iterations - 1)
@@ -386,6 +211,51 @@ class Checkpoint:
             saved = None
         self.resume, self.abandoned = (saved, yielded), None  # yielded None: a state between epochs
         drawn = state.get("batches_drawn")  # absent from a state saved before session 41: at least the batches
-        ok = isinstance(drawn, (list, tuple)) and len(drawn) == 2  # yielded were drawn (and an endless batch
-        self._drawn = (int(drawn[0]), bool(drawn[1])) if ok else (max(1, yielded or 0), False)  # sampler ends)
+        self._drawn = tuple(drawn) if drawn is not None else (max(1, yielded or 0), False)  # yielded were drawn
         self.current, self.loaded = None, copy.deepcopy(state)
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def validate(state, shape: dict) -> None:
+    """ValueError naming the field when `state` is not a state_dict() this loader (`shape`) can resume."""
+    if not isinstance(state, dict) or state.get("version") != VERSION:
+        raise ValueError(
+            f"state={type(state).__name__} is not a FusionFlowLoader.state_dict() of version "
+            f"{VERSION}: pass what loader.state_dict() returned"
+        )
+    for key, value in shape.items():
+        if state.get(key) != value:
+            raise ValueError(
+                f"the state is from a loader with {key}={state.get(key)!r}, this loader has "
+                f"{key}={value!r}: build the loader as the one that saved the state was built "
+                "(same dataset length, batch_size, drop_last and sampler)"
+            )
+    most = shape["num_batches"] if shape["num_batches"] is not None else float("inf")  # a batch sampler without len()
+    drawn = state.get("batches_drawn")
+    fields = {  # field: (valid, what it must be)
+        "seed": (state.get("seed") is None or _count(state.get("seed")), "a non-negative int or None"),
+        "epoch": (_count(state.get("epoch")), "a non-negative int"),
+        "epoch_set": (isinstance(state.get("epoch_set"), bool), "a bool"),
+        "iterations": (_count(state.get("iterations")), "a non-negative int"),
+        "batches_yielded": (
+            state.get("batches_yielded") is None
+            or (_count(state["batches_yielded"]) and state["batches_yielded"] <= most),
+            f"an int in [0, {most}] or None",
+        ),
+        "batches_drawn": (
+            drawn is None
+            or (
+                isinstance(drawn, (list, tuple)) and len(drawn) == 2 and _count(drawn[0]) and isinstance(drawn[1], bool)
+            ),
+            "[an int >= 0, a bool] or None",
+        ),
+        "sampler": (isinstance(state.get("sampler"), dict), "a dict"),
+    }
+    for key, (valid, must) in fields.items():
+        if key not in state and key != "batches_drawn":  # (absent from a state saved before session 41)
+            raise ValueError(f"the state has no {key!r}: pass what loader.state_dict() returned, whole")
+        if not valid:
+            raise ValueError(f"state[{key!r}]={state[key]!r} must be {must}: pass what loader.state_dict() returned")

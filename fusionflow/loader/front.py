@@ -324,7 +324,8 @@ class FusionFlowLoader:
         a fresh loader over the same dataset (any num_workers) with `load_state_dict`, the resumed
         loader yields the rest of the epoch the state was taken in -- same indices and pixels -- and
         the same epochs after it. A state taken after a `break` resumes that epoch's remaining batches
-        too, while the original loader, iterated again, starts its next epoch (as DataLoader does)."""
+        too, while the original loader, iterated again, starts its next epoch (as DataLoader does); once
+        `set_epoch` is called after the `break`, a state starts that epoch from its first batch, as the loader will."""
         cfg = self.config
         # (an epoch's start draws its base seed before the sampler draws: runtime/spec.py base_seed)
         return self.parts.checkpoint.state_dict(self._shape(), self.seed, cfg.batch_sampler, cfg.sampler, cfg.generator)

@@ -41,8 +41,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from fusionflow.loader.checkpoint import as_indices, order_owner
 from fusionflow.loader.epoch import check_batch, copies_for
+from fusionflow.loader.sampler_order import as_indices, next_global_seed, order_owner
 
 log = logging.getLogger("fusionflow.loader")
 
@@ -213,10 +213,7 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int, base=
         return guess
 
     if kind == "random_seed":  # the seed start_epoch will draw from torch's global RNG, drawn from a copy of it
-        rng = torch.Generator().set_state(torch.get_rng_state())
-        if base is None:  # after the base seed's draw
-            torch.empty((), dtype=torch.int64).random_(generator=rng)
-        seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
+        seed = next_global_seed(after=1 if base is None else 0)  # (after the base seed's draw)
         sampler.generator = torch.Generator().manual_seed(seed)
         try:
             return take()
