@@ -1,6 +1,7 @@
 """Policy files: shipped configs equal torchvision's definitions; bad files fail with file + key."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -10,6 +11,7 @@ import yaml
 
 from fusionflow import load_policy
 from fusionflow.policy import shipped_policies
+from fusionflow.policy.schema import configs_dir
 
 
 def test_shipped_policies_load_and_are_frozen():
@@ -165,6 +167,16 @@ def test_subpolicy_errors(tmp_path):
     cfg["augment"]["subpolicies"] = [[["Invert", 1.2]]]
     with pytest.raises(ValueError, match=r"subpolicies\[0\]\[0\]\[1\]: 1.2 is out of range"):
         load_policy(cfg)
+
+
+def test_a_shipped_name_is_the_shipped_policy_beside_a_folder_of_that_name(tmp_path, monkeypatch):
+    """A project's working directory with an eval/ folder: policy="eval" read the folder ("Is a directory")."""
+    (tmp_path / "eval").mkdir()
+    (tmp_path / "mine").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert load_policy("eval") == load_policy(os.path.join(configs_dir(), "eval.yaml"))
+    with pytest.raises(ValueError, match="'mine' is a directory: give a YAML file"):
+        load_policy("mine")
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

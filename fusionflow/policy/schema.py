@@ -363,8 +363,10 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
         hint = "; for a transform pipeline use policy=fusionflow.policy_from_transform(it)" * callable(path_or_dict)
         raise TypeError(f"policy must be a path, a mapping or a Policy, got {type(path_or_dict).__name__}{hint}")
     path = os.fspath(path_or_dict)
-    if not os.path.exists(path):
+    if not os.path.isfile(path):  # (a folder named like a shipped policy -- a project's eval/ -- is not a policy)
         shipped = _shipped_config(path)
+        if shipped is None and os.path.isdir(path):
+            raise ValueError(f"policy {path!r} is a directory: give a YAML file or a shipped policy's name")
         if shipped is None:
             close = difflib.get_close_matches(os.path.basename(path).lower(), shipped_policies(), n=1, cutoff=0.75)
             raise ValueError(
