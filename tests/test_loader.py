@@ -289,6 +289,29 @@ def test_skip_never_delivers_an_empty_batch_and_a_dataset_failing_every_sample_r
         collect(FusionFlowLoader(Bytes(16, bad=set(range(16))), **kw))  # 16 samples at least: 4 batches of 4
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skip_raises_at_the_end_of_an_epoch_whose_every_sample_failed(num_workers):
+    """A small dataset failing every sample (under the 2 batches / 16 samples of the early check), or one failing
+    every sample after a good epoch (a mount lost): on_error='skip' ended such epochs as empty, silently."""
+    kw = dict(batch_size=8, num_workers=num_workers, policy=SMALL, on_error="skip")
+    with pytest.warns(UserWarning), pytest.raises(SampleError, match=r"every sample of epoch 0 failed \(2 mini-batch"):
+        collect(FusionFlowLoader(Bytes(12, bad=set(range(12))), **kw))
+    ds = Bytes(12)
+    loader = FusionFlowLoader(ds, **kw)
+    assert sum(len(y) for y in collect(loader)[1]) == 12
+    ds.bad = set(range(12))  # the files are gone
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(SampleError, match=r"(?s)sample \d+ .*every sample of epoch 1 failed"),
+    ):
+        collect(loader)
+    ds.bad = {3}
+    assert sorted(i for y in collect(loader)[1] for i in y.tolist()) == [
+        i for i in range(12) if i != 3
+    ]  # (warned once)
+    loader.close()
+
+
 def test_skip_judges_a_dataset_failing_every_sample_by_what_it_kept_not_by_the_stats_and_not_under_ddp(monkeypatch):
     from fusionflow.loader import delivery as dl
     from fusionflow.loader.stats import LoaderStats

@@ -39,6 +39,8 @@ class Delivery:
         self.empty_batches = 0  # mini-batches on_error='skip' left empty (not delivered)
         self.failed_only = 0  # samples skipped before any was kept (the loader's life, whatever stats.reset does)
         self.kept_any = False  # a sample of this loader's was kept
+        self.tally = [0, 0]  # samples kept, mini-batches left empty by on_error='skip': an iteration's `all_failed`
+        self.last_skipped = None  # the newest failure on_error='skip' dropped
 
     def from_ring(self, mgr, state, gpu=None):
         """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them when not all
@@ -83,6 +85,7 @@ class Delivery:
         loader's was kept yet over SYSTEMATIC_BATCHES mini-batches and SYSTEMATIC_SAMPLES samples."""
         if not failures:
             self.kept_any = True
+            self.tally[0] += n
             return None
         failures = sorted(failures, key=lambda f: f.position)
         if self.on_error == "raise":
@@ -106,8 +109,11 @@ class Delivery:
             )
         keep = [p for p in range(n) if p not in bad]
         self.kept_any = self.kept_any or bool(keep)
+        self.tally[0] += len(keep)
+        self.last_skipped = failures[-1]
         if not keep:  # an empty batch is not delivered (a training step on none fails or gives NaN) ...
             self.empty_batches += 1
+            self.tally[1] += 1
             self.failed_only += 0 if self.kept_any else n
             if (
                 not self.kept_any
@@ -129,6 +135,25 @@ class Delivery:
             if not distributed():  # ... but under DDP every rank must step as often as the others
                 raise EmptyBatch
         return keep
+
+    def all_failed(self, since: tuple, epoch: int):
+        """The SampleError to raise at an epoch's end when on_error='skip' dropped every one of its samples (a
+        dataset that fails them all, a mount lost after a good epoch), else None. `since`: `tally` at its start."""
+        kept, emptied = (now - then for now, then in zip(self.tally, since))
+        if kept or not emptied:
+            return None
+        f = self.last_skipped
+        return sample_error(
+            f.index,
+            f.what,
+            f.exc_type,
+            f.message,
+            f.traceback,
+            hint=f"every sample of epoch {epoch} failed ({emptied} mini-batch(es), none delivered; the newest shown): "
+            "on_error='skip' drops a bad sample, not a dataset that fails them all",
+            exc_class=f.exc_class,
+            attributes=f.attributes,
+        )
 
     def account(self, wait: float, n: int) -> None:
         """One batch of `n` samples delivered after the training loop waited `wait` s for it."""

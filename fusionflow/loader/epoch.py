@@ -140,7 +140,7 @@ class EpochIterator:
             raise StopIteration
         try:
             if not self._started:
-                self._started = True
+                self._started, self._tally = True, tuple(self._delivery.tally)
                 self._start()
             while True:
                 try:
@@ -151,6 +151,9 @@ class EpochIterator:
         except StopIteration:
             self.progress.done = True  # the epoch is complete
             self._end(finished=True)
+            failed = self._delivery.all_failed(self._tally, self.epoch)
+            if failed is not None:
+                raise failed from None
             raise
         except SampleError:  # one mini-batch's failing sample (on_error='raise'): that batch is lost, as DataLoader
             self.progress.yielded += 1  # loses it; a next() goes on with the next one (a resume skips it too)
