@@ -195,3 +195,21 @@ def test_a_copy_whose_worker_died_leaves_the_others_running():
     assert reruns.forget(work, b)  # c's goes on, now as an ordinary tiny-batch
     assert reruns.settle(work, c) == []  # its DONE completes it; nobody to stop
     assert not reruns.forget(work, c)
+
+
+def test_a_sample_that_never_returns_is_reported_also_when_its_copies_run_on_replacements(monkeypatch):
+    """Straggler copies on, stuck bound 2 s: the copy of a read that never returns was started again on each killed
+    worker's replacement, so every kill left a copy running, counted no death, and the loader killed a worker every
+    bound for ever (a helper's repro: 46 kills in 600 s, never an error). Now each kill counts, the bound doubles
+    for the copy left, no new copy starts, and the sample is named after max_retries + 1 kills."""
+    from test_loader import SlowAt
+
+    from fusionflow.errors import SampleKilledWorkersError
+
+    monkeypatch.setattr(liveness, "STUCK_FLOOR_S", 2.0)
+    monkeypatch.setattr(liveness, "STRAGGLER_FLOOR_S", 0.3)
+    loader = _loader(SlowAt(24, 3600.0), tiny_batch_size=1, max_retries=1)
+    with pytest.raises(SampleKilledWorkersError, match=r"sample 13 killed 2 CPU worker processes"):
+        collect(loader)
+    assert loader.stats.workers_stuck == 2 and loader.stats.tiny_batches_rerun == 1
+    loader.close()

@@ -11,8 +11,10 @@ is no sample's fault: the worker's other tiny-batches are requeued whole, and it
 next `wait` like any dead worker. A lost copy shows in the trace as a "discarded" span.
 
 A copy whose worker dies (or is killed as stuck) before any finished leaves the others to run on:
-nothing is requeued. A sample that hangs every worker therefore still ends as the stuck bound and
-`max_retries` say, once its last copy's worker is killed.
+nothing is requeued, but the death counts against the tiny-batch (the stuck bound doubles for the copies
+left), and a tiny-batch with a death is not started again as a straggler. A sample that hangs every
+worker therefore ends as the stuck bound and `max_retries` say, once its last copy's worker is killed
+(started again on each replacement, its copies had kept it running for ever, no death counted).
 
 A copy that straggles too (its worker stopped as well) gets a third, up to MAX_COPIES. The copies are
 owned here; the pool calls in with the board's lock held.
@@ -48,7 +50,7 @@ class Reruns:
             if not w.alive or w.lent_to is not None or not w.outstanding:
                 continue
             work = w.outstanding[0][1]
-            if work.generation != generation or id(work) in seen:
+            if work.generation != generation or id(work) in seen or work.deaths:  # (a death: the stuck bound's)
                 continue
             seen.add(id(work))
             runners = self._copies.get(id(work), (work, [w]))[1]  # each copy is the head of its worker

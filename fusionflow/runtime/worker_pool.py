@@ -6,10 +6,9 @@ tasks from the board's queue, reads their messages (READY, FATAL, DONE, HOME) an
 their process sentinels, and stops them at shutdown. The manager thread drives it: `waitables()` and
 `handle(ready)` plug into the manager's one wait.
 
-It is handed the board (runtime/board.py) and callbacks for its owner (capacity changes, stage
-times, faults). It keeps the `WorkerKind` contract, but the local manager drives its start and stop
-itself (its stop must follow the manager thread's, which waits on its pipes); the board's
-`draining()` asks it through `board.watch_stale`.
+It is handed the board (runtime/board.py) and callbacks for its owner (capacity changes, stage times, faults). It
+keeps the `WorkerKind` contract, but the local manager drives its start and stop itself (its stop must follow the
+manager thread's, which waits on its pipes); the board's `draining()` asks it through `board.watch_stale`.
 
 Retry policy (`requeue_outstanding`): a departed worker's tasks go back to the front of the queue;
 the task it was running is split into single samples so the culprit is isolated; a sample whose
@@ -266,7 +265,8 @@ class WorkerPool:
         for k, (_tid, work) in enumerate(w.outstanding):
             if work.generation != board.generation or not board.queue.tracks(work) or work is w.lost:
                 continue
-            if self.reruns.forget(work, w):  # another copy runs on
+            if self.reruns.forget(work, w):  # another copy runs on: not requeued, a death counted (runtime/reruns.py)
+                work.deaths += int(k == 0 and suspect)
                 continue
             if k == 0 and suspect:  # the task it was running
                 work.deaths += 1
