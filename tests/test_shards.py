@@ -280,6 +280,8 @@ def test_dict_samples_without_sample_keys_say_which_keys_to_give(folder):
         DictSamples(DictDataset(folder, "hf"), "png", "label")[0]
     with pytest.raises(ValueError, match="sample_keys"):
         FusionFlowLoader(DictDataset(folder, "hf"), batch_size=4, policy=SMALL, sample_keys=("a", "b", "c"))
+    with pytest.raises(ValueError, match="image key 1 must be a key such as 'jpg'"):  # (was a bare TypeError)
+        FusionFlowLoader(DictDataset(folder, "hf"), batch_size=4, policy=SMALL, sample_keys=(1, 2))
 
 
 def test_a_stream_is_refused_at_construction_with_what_to_use():

@@ -56,7 +56,7 @@ def _carry_sizes_and_names(wrapper, dataset) -> None:
 
 
 def _dict_keys(key, what: str) -> tuple[str, ...]:
-    keys = (key,) if isinstance(key, str) else tuple(key)
+    keys = (key,) if isinstance(key, str) else tuple(key) if isinstance(key, (tuple, list)) else None
     if not keys or not all(isinstance(k, str) and k.lstrip(".") for k in keys):
         raise ValueError(f"{what} {key!r} must be a key such as 'jpg' or 'image' (or a tuple of them)")
     return tuple(k.lstrip(".") for k in keys)
