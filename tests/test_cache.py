@@ -401,6 +401,25 @@ def test_a_keeper_that_exits_removes_its_record_and_lock_file():
     assert not pid_alive(pid) and not made & set(os.listdir(folder))
 
 
+def test_a_sigkilled_keeper_s_record_and_lock_file_are_removed_by_its_last_loader():
+    """A keeper SIGKILLed mid-run could not remove its rendezvous files (the record holds its socket's secret): its
+    last loader removed them only for a keeper it had itself found stopped and killed."""
+    folder = userdir.directory()
+    loader = FusionFlowLoader(Indexed(), batch_size=8, num_workers=1, policy=SMALL, cache=cache())
+    epochs(loader, 1)
+    pid = loader.parts.runtime.cache_attachment.keeper_pid
+    (record,) = [
+        f for f in os.listdir(folder) if f.endswith(".json") and (keeper._read(f"{folder}/{f}") or {}).get("pid") == pid
+    ]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    epochs(loader, 1)  # the loader carries on with the segment it maps
+    loader.close()
+    assert not {record, record.replace(".json", ".lock")} & set(os.listdir(folder))
+
+
 def test_a_loader_interrupted_while_its_keeper_starts_leaves_no_record_or_lock_file(monkeypatch):
     """A Ctrl-C while the loader waits for a new keeper's "ok": the keeper found the pipe closed and died without
     removing its record and lock file (its "ok" was written outside its exit's cleanup)."""
@@ -927,6 +946,47 @@ def test_refurbished_epochs_reuse_the_kept_crop_and_lose_nothing(num_workers):
     # epochs 1 and 3 from the kept crops -- all but those the next epoch's speculation replaced first
     # (a worker still holding epoch 1's tail while another starts epoch 2: it recomputes the same pixels)
     assert c["crop_hits"] >= 1.5 * n
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_kept_crop_is_not_reused_for_other_bytes_under_its_index(num_workers):
+    """A file rewritten between epochs (or a dataset giving each index another image per epoch): a reusing epoch
+    served the old image's kept crop under the new sample's label (16 of 16 in a helper's repro). The kept crop is
+    tagged with the sample's content key too: such a sample is cropped from its new bytes, with the reused draw."""
+    crop_only = {**SMALL, "augment": {"type": "none"}}
+    ds = Indexed(16)
+    kw = dict(batch_size=4, num_workers=num_workers, policy=crop_only, seed=2, cache=cache(reuse_crop_epochs=2))
+    loader = FusionFlowLoader(ds, **kw)
+    epochs(loader, 1)  # epoch 0: its crops kept
+    ds.data = LARGER[:16]  # every index now another picture
+    loader.set_epoch(1)  # reuses epoch 0's crop draw
+    got = {i: img for x, y in loader for img, i in zip(x, y.tolist())}
+    pol = loader.config.policy
+    loader.close()
+    for i in range(16):  # epoch 1's draw (epoch 0's crop) on the new bytes
+        np.testing.assert_array_equal(got[i].numpy(), CpuPipeline(pol)(ds.data[i], i, seed=2, epoch=1), err_msg=str(i))
+
+
+def test_a_worker_added_later_gets_a_counter_row_and_a_full_table_paces_the_uncounted(monkeypatch, caplog):
+    """Rows were claimed once, for the workers at open: a worker added later (`gm workers N`) or one past a full
+    node table read a private zero row -- uncounted in loader.stats.cache and, under fill_share="auto", filling
+    unpaced (R_PACE 0 reads "training does not wait")."""
+    from fusionflow.cache.attach import CacheAttachment
+    from fusionflow.cache.store import R_PACE
+
+    att = CacheAttachment.open(cache(fill_share="auto"), Indexed(8), workers=1)
+    try:
+        assert len(att.rows) == 2 and att.handle(0).row == att.rows[1]
+        grown = att.handle(3).row  # workers 1..3 added: their rows claimed now, paced as the others
+        assert grown is not None and len(set(att.rows)) == len(att.rows) == 5 and grown == att.rows[4]
+        assert all(att.store.rows[r, R_PACE] == 1 for r in att.rows)
+        monkeypatch.setattr(att.store, "claim_rows", lambda count, owner: [])  # the node's table full
+        with caplog.at_level(logging.WARNING, logger="fusionflow.cache"):
+            assert att.handle(7).row is None
+        assert "counter table is full" in caplog.text
+        assert CacheReader(att.store, None, "auto").row[R_PACE] == 1  # uncounted, but paced
+    finally:
+        att.close()
 
 
 def test_reuse_crop_epochs_is_checked():

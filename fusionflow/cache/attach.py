@@ -19,7 +19,7 @@ import time
 
 from fusionflow.cache import keeper
 from fusionflow.cache.config import DecodedCache
-from fusionflow.cache.store import R_PACE, CacheStore, segment_bytes
+from fusionflow.cache.store import R_PACE, ROWS, CacheStore, segment_bytes
 from fusionflow.datasets.wrappers import ReadAhead
 from fusionflow.errors import SharedMemoryError
 from fusionflow.runtime.shm import SHM_DIR, ChildFd, disown_fd, free_bytes, own_fd
@@ -109,14 +109,16 @@ class CacheAttachment:
         """`crop_size`: the policy's output size when crops are reused (its crop store is made here)."""
         self.store, self.link, self.fill_share, self.crops = store, link, spec.fill_share, None
         self.rows, self._reader, self._pid = [], None, os.getpid()  # the mapping is not inherited by a fork
+        self._said_short = False  # the node's counter table was found full (said once)
         self.pacer = FillPacer() if spec.fill_share == "auto" else None
         self._owned = [store.fd] + ([link.conn.fileno()] if link is not None else [])
         for fd in self._owned:  # forked workers (of any loader) close them: they must not keep this cache alive
             own_fd(fd)
         try:
-            self.rows = store.claim_rows(workers + 1, os.getpid())  # the last: the training process's own
-            if self.pacer is not None:
+            self.rows = store.claim_rows(workers + 1, os.getpid())  # the first: the training process's own; then
+            if self.pacer is not None:  # worker w's at 1 + w (claimed later for a worker added later: `handle`)
                 store.rows[self.rows, R_PACE] = 1  # paced until the training loop is seen not to wait
+            self._say_if_short(workers + 1)
             if crop_size is not None:
                 self.crops = _crop_store(spec, len(store.entries), crop_size)
                 self._owned.append(self.crops.fd)
@@ -157,16 +159,41 @@ class CacheAttachment:
         return self.store.max_side
 
     def handle(self, wid: int) -> CacheHandle:
-        rows = self.rows
         crops_fd = self.crops.fd if self.crops is not None else None
-        return CacheHandle(self.store.fd, rows[wid] if wid < len(rows) - 1 else None, self.fill_share, crops_fd)
+        return CacheHandle(self.store.fd, self._worker_row(wid), self.fill_share, crops_fd)
+
+    def _worker_row(self, wid: int) -> int | None:
+        """CPU worker `wid`'s counter row, claimed now for a worker beyond those of the open (a raised worker target,
+        `gm workers N`): it counted nothing and, under fill_share="auto", filled unpaced. None: the node's table is
+        full (the worker is then uncounted and paced, `CacheReader`)."""
+        missing = wid + 2 - len(self.rows)
+        if missing > 0 and self.store is not None and self._pid == os.getpid():
+            try:
+                got = self.store.claim_rows(missing, os.getpid())
+            except TimeoutError:  # a stopped process holds the lock
+                got = []
+            if self.pacer is not None and got:
+                self.store.rows[got, R_PACE] = self.store.rows[self.rows[0], R_PACE] if self.rows else 1
+            self.rows += got
+            self._say_if_short(wid + 2)
+        return self.rows[1 + wid] if 1 + wid < len(self.rows) else None
+
+    def _say_if_short(self, wanted: int) -> None:
+        if len(self.rows) < wanted and not self._said_short:
+            self._said_short = True
+            log.warning(
+                "fusionflow: the decoded-image cache's counter table is full (%d rows for the node's loaders): %d of "
+                "this loader's processes go uncounted in loader.stats.cache, and fill paced",
+                ROWS,
+                wanted - len(self.rows),
+            )
 
     def reader(self):
         """The training process's own CacheReader (num_workers=0)."""
         if self._reader is None:
             from fusionflow.cache.reader import CacheReader
 
-            row = self.rows[-1] if self.rows else None
+            row = self.rows[0] if self.rows else None
             self._reader = CacheReader(self.store, row, self.fill_share, self.crops)
         return self._reader
 

@@ -6,7 +6,8 @@ What is reused is decided by the draw (policy/sampling.py `draw`: the crop, its 
 of epoch R * (epoch // R)), not here: every worker kind augments alike whether or not this store holds
 the sample. The store only spares the work. It is one loader's (its crops depend on its seed and
 policy), in a segment of its own: `len(dataset)` slots of the output size (uint8 HWC, before the
-flip), each with a tag -- a hash of the crop's draw, 0 while the slot is being written. A reader
+flip), each with a tag -- a hash of the crop's draw and the sample's content key, 0 while the slot is
+being written. A reader
 checks the tag before and after copying the slot (a seqlock: a write of the next period's crop by
 another worker, e.g. the next epoch's speculation, makes it recompute, never read half of each).
 Two workers writing one slot (a straggler's second copy) write the same pixels.
@@ -26,12 +27,14 @@ MAGIC = 0x46464352_4F505331  # "FFCROPS1"
 HEADER = 8
 
 
-def crop_tag(d) -> int:
-    """A non-zero 62-bit tag of the draw's crop (its uniforms and filter; the flips are applied after),
-    the same in every process: Python hashes floats, ints and their tuples alike everywhere, but not
-    None (its address, before 3.12) or a str (randomised per process), so those enter as codes."""
+def crop_tag(d, content: int) -> int:
+    """A non-zero 62-bit tag of the draw's crop (its uniforms and filter; the flips are applied after) of the sample
+    whose encoded bytes have `content` (cache/store.py content_key: a file replaced under the same index, or a
+    dataset giving another image per epoch, is not served the old image's crop), the same in every process: Python
+    hashes floats, ints and their tuples alike everywhere, but not None (its address, before 3.12) or a str
+    (randomised per process), so those enter as codes."""
     resample = _RESAMPLE_CODES.get(d.crop_resample, len(_RESAMPLE_CODES))
-    return (hash((d.crop_u, d.crops or (), resample)) & (2**62 - 1)) | 1
+    return (hash((d.crop_u, d.crops or (), resample, content)) & (2**62 - 1)) | 1
 
 
 _RESAMPLE_CODES = {None: 0, "bilinear": 1, "bicubic": 2, "nearest": 3}

@@ -80,8 +80,8 @@ class KeeperLink:
                 os.waitpid(self.keeper_pid, os.WNOHANG)
             except ChildProcessError:
                 pass
-        if killed:  # it could not remove its rendezvous files
-            remove_record(self.record, self.keeper_pid)
+        if killed or (left is None and not pid_alive(self.keeper_pid)):  # it could not remove its rendezvous files
+            remove_record(self.record, self.keeper_pid)  # (killed by this loader, or gone before: SIGKILLed)
 
 
 _LINKS = closed_in_foreign_children()  # this process's links' connections (a CPU worker closes them as owned fds)

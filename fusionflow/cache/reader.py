@@ -39,6 +39,8 @@ class CacheReader:
         `crops`: the loader's CropStore when crops are reused (refurbishing), else None."""
         self.store, self.max_side, self.fill_share, self.crops = store, store.max_side, fill_share, crops
         self.row = store.rows[row] if row is not None else np.zeros(st.ROW_FIELDS, np.int64)
+        if row is None:  # uncounted (the node's table full): paced, as fill_share="auto" starts (R_PACE 1)
+            self.row[st.R_PACE] = 1
         self.broken: str | None = None  # why this process stopped using the cache
         self._fill_ns, self._started = 0, None  # fill time so far; the first lookup's time
         self._credit, self._last = 0.0, None  # paced filling: fill time allowed now (ns)
@@ -116,18 +118,24 @@ class CacheReader:
         self._last = now
         return self._credit >= 0
 
-    def kept_crop(self, index: int, d):
-        """Sample `index`'s cropped image kept for draw `d`'s crop (refurbishing), a copy, or None."""
+    def kept_crop(self, index: int, d, data):
+        """Sample `index`'s cropped image kept for draw `d`'s crop of these encoded bytes (refurbishing), a copy, or
+        None."""
         if self.crops is None or self.broken is not None:
             return None
-        got = self.crops.get(index, crop_tag(d))
+        got = self.crops.get(index, crop_tag(d, _content(data)))
         if got is not None:
             self.row[st.R_CROP_HITS] += 1
         return got
 
-    def keep_crop(self, index: int, d, arr) -> None:
+    def keep_crop(self, index: int, d, data, arr) -> None:
         if self.crops is not None and self.broken is None:
-            self.crops.put(index, crop_tag(d), arr)
+            self.crops.put(index, crop_tag(d, _content(data)), arr)
 
     def hit_time(self, ns: int) -> None:
         self.row[st.R_HIT_NS] += ns
+
+
+def _content(data) -> int:
+    """The content key of an encoded sample (0 for a decoded one: an array or an image, kept by index alone)."""
+    return st.content_key(data) if isinstance(data, (bytes, bytearray, memoryview)) else 0

@@ -77,8 +77,9 @@ KEY_SPAN = 4096  # bytes of each end of an encoded sample in its content key
 def content_key(data) -> int:
     """What an entry is checked against: the encoded sample's length and a CRC-32 of its first and last KEY_SPAN
     bytes (all of it when shorter). A file replaced under the same index -- by another image of the same length
-    too -- is not served the old pixels; an edit of an uncompressed file (BMP, PPM) confined to its middle and
-    keeping its length is not seen (compressed formats change to the end). ~4 us a sample, not the ~60 of a
+    too -- is not served the old pixels. An edit confined to the middle that keeps the length is not seen: bytes
+    overwritten in place (bit rot, a partial write), in any format, or a re-saved uncompressed file (BMP, PPM);
+    such a file is served its cached pixels and, if now corrupt, not reported. ~4 us a sample, not the ~60 of a
     whole 110 KB file's CRC."""
     view = memoryview(data)
     if view.ndim != 1 or view.itemsize != 1:

@@ -120,10 +120,10 @@ class CacheRendering:
             return None
         return img, source, False
 
-    def kept_crop(self, index: int, d):
+    def kept_crop(self, index: int, d, data):
         return None
 
-    def keep_crop(self, index: int, d, arr) -> None:
+    def keep_crop(self, index: int, d, data, arr) -> None:
         pass
 
     def hit_time(self, ns: int) -> None:

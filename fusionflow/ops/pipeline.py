@@ -200,13 +200,13 @@ class CpuPipeline:
         """fast mode: the augmented sample as a uint8 HWC RGB array of the output size (through the
         decoded-image cache, when there is one, for sample `index`)."""
         cache = self.cache if index is not None else None
-        arr = cache.kept_crop(index, d) if cache is not None else None  # refurbishing: the crop kept
+        arr = cache.kept_crop(index, d, data) if cache is not None else None  # refurbishing: the crop kept
         if arr is None:
             arr = self._from_cache(data, d, what, index) if cache is not None else None
             if arr is None:
                 arr = self._cropped(data, d, what)
             if cache is not None:
-                cache.keep_crop(index, d, arr)
+                cache.keep_crop(index, d, data, arr)
         if tick is not None:
             tick("decode+crop+resize")
         if d.flip:
