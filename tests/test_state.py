@@ -710,11 +710,18 @@ def test_a_state_between_iter_and_next_of_a_shuffle_on_torchs_rng_resumes_that_e
     loader = FusionFlowLoader(DS, batch_size=4, shuffle=True, policy=SMALL, seed=5)
     batches(loader)
     it = iter(loader)
-    state = loader.state_dict()
+    state, rng = loader.state_dict(), torch.get_rng_state()
     expected = batches(it)
+    following = batches(loader)
     loader.close()
     torch.manual_seed(1)  # the resumed process's RNG, not restored
     again = FusionFlowLoader(DS, batch_size=4, shuffle=True, policy=SMALL, seed=5)
     again.load_state_dict(state)
     same_batches(batches(again), expected)
+    again.close()
+    torch.set_rng_state(rng)  # restored with the checkpoint: the resumed epoch draws from it as the saved run did,
+    again = FusionFlowLoader(DS, batch_size=4, shuffle=True, policy=SMALL, seed=5)
+    again.load_state_dict(state)
+    same_batches(batches(again), expected)
+    same_batches(batches(again), following)  # so the next epoch repeats too
     again.close()

@@ -129,7 +129,8 @@ class Checkpoint:
         self._redraw(config.batch_sampler, config.sampler)
         saved = self.resume[0] if self.resume is not None else None
         seed = saved.get("base_seed") if isinstance(saved, dict) and saved.get("kind") == "random_seed" else None
-        self._base_seed = base_seed(config.generator) if seed is None else seed
+        drawn = base_seed(config.generator) if seed is None or saved.get("peeked") else None  # (peeked: `state_dict`)
+        self._base_seed = drawn if seed is None else seed
         return self._base_seed
 
     def settled(self, config):
@@ -182,7 +183,12 @@ class Checkpoint:
         if in_epoch and order.get("kind") == "random_seed" and order.get("seed") is None:  # iter() called, nothing
             # drawn yet: the first next() draws the base seed (from `draws_first`, else torch's RNG), then the order's
             base = next_base_seed(draws_first)
-            order = {**order, "seed": next_global_seed(after=int(draws_first is None)), "base_seed": base}
+            order = {
+                **order,
+                "seed": next_global_seed(after=int(draws_first is None)),
+                "base_seed": base,
+                "peeked": True,
+            }
         return {
             "version": VERSION,
             **shape,

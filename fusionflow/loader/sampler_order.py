@@ -196,8 +196,9 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
             owner.set_epoch(saved["epoch"])
     if kind == "random_seed":
         seed = saved.get("seed") if saved is not None else None
-        if seed is None:  # the draw RandomSampler itself makes at the start of an epoch, at the same point
-            seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        if seed is None or saved.get("peeked"):  # the draw RandomSampler makes at the start of an epoch, at the same
+            drawn = int(torch.empty((), dtype=torch.int64).random_().item())  # point (peeked: taken from the RNG as
+            seed = drawn if seed is None else seed  # the saved run took it, so a restored RNG goes on alike)
         snapshot = {"kind": kind, "seed": seed, **identity(owner)}
         owner.generator = torch.Generator().manual_seed(seed)
         try:  # the sampler reads its generator when its iteration starts: start it, then hand it back
