@@ -99,6 +99,7 @@ class EpochIterator:
         self._checkpoint, self._delivery, self._tracing = parts.checkpoint, parts.delivery, parts.tracing
         self._stats, self._runtime = parts.stats, parts.runtime
         self._started = self._ended = False
+        self._tally: tuple | None = None  # Delivery.tally as the epoch started (None: resumed, `all_failed` not asked)
         self._failed: str | None = None  # the exception that ended the iteration, until a next() has said so
 
     def __iter__(self):
@@ -140,7 +141,8 @@ class EpochIterator:
             raise StopIteration
         try:
             if not self._started:
-                self._started, self._tally = True, tuple(self._delivery.tally)
+                self._started = True
+                self._tally = tuple(self._delivery.tally) if not self.progress.yielded else None
                 self._start()
             while True:
                 try:
@@ -151,7 +153,7 @@ class EpochIterator:
         except StopIteration:
             self.progress.done = True  # the epoch is complete
             self._end(finished=True)
-            failed = self._delivery.all_failed(self._tally, self.epoch)
+            failed = self._delivery.all_failed(self._tally, self.epoch) if self._tally is not None else None
             if failed is not None:
                 raise failed from None
             raise
