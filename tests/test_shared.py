@@ -16,11 +16,11 @@ import uuid
 
 import pytest
 import torch
-from shared_jobs import digests, make_loader
+from shared_jobs import Indexed, digests, make_loader
 from test_global_manager import wait_until
-from test_loader import ff_segments
+from test_loader import SMALL, Bytes, ff_segments
 
-from fusionflow import SharedLoader, SharedLoaderClient, SharedLoaderError
+from fusionflow import FusionFlowLoader, SharedLoader, SharedLoaderClient, SharedLoaderError
 from fusionflow.shared import rendezvous
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -361,6 +361,57 @@ def test_a_producer_and_a_client_meet_whatever_their_xdg_runtime_dir(jobs, tmp_p
         assert run.returncode == 0, run.stderr[-2000:]
         assert shared.clients == 0
     assert not os.listdir(tmp_path)
+
+
+class SoftLabels(Indexed):
+    """Soft labels: each target a tensor (its index, then 1.0)."""
+
+    def __getitem__(self, i):
+        return super().__getitem__(i)[0], torch.tensor([float(i), 1.0])
+
+
+CLIENT_OF_TENSORS = """
+import sys
+from fusionflow import SharedLoaderClient
+with SharedLoaderClient(sys.argv[1], timeout=float(sys.argv[2])) as client:
+    print(sorted(int(v) for x, y in client for v in y[:, 0].tolist()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("timeout", ["60", "inf"])
+def test_tensor_targets_reach_a_client_in_an_unrelated_process(jobs, timeout):
+    """The hub pickled with multiprocessing's reducers: a tensor target went as a descriptor of its storage, which
+    only a process of the producer's family may fetch -- every client's first batch raised AuthenticationError.
+    (And timeout=inf was accepted, then the first batch raised OverflowError in the message read's poll.)"""
+    import threading
+
+    loader = FusionFlowLoader(SoftLabels(16), batch_size=8, num_workers=1, policy=SMALL, seed=7)
+    with SharedLoader(loader, name=jobs.name) as shared:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path])}
+        client = subprocess.Popen(  # a new program, as another job is: another multiprocessing authkey
+            [sys.executable, "-c", CLIENT_OF_TENSORS, jobs.name, timeout], env=env, stdout=subprocess.PIPE, text=True
+        )
+        jobs.procs.append(client)
+        serving = threading.Thread(target=shared.serve, kwargs=dict(epochs=1), daemon=True)
+        serving.start()
+        out, _ = client.communicate(timeout=120)
+        serving.join(60)
+    assert client.returncode == 0 and out.strip() == str(list(range(16)))
+
+
+def test_a_client_timeout_under_a_second_is_not_taken_for_a_silent_producer(jobs):
+    """The client pinged only after waiting min(timeout, 1 s): with timeout <= 1 s the ping went at the deadline and
+    a producer merely slower than that (its pong on the way) was reported as saying nothing, "not even to a ping"."""
+    import threading
+
+    loader = FusionFlowLoader(Bytes(8, sleep=0.4), batch_size=8, num_workers=1, policy=SMALL, seed=7)
+    with SharedLoader(loader, name=jobs.name) as shared:
+        client = SharedLoaderClient(jobs.name, timeout=0.8)  # a batch takes ~3 s: pongs keep it waiting
+        serving = threading.Thread(target=shared.serve, kwargs=dict(epochs=1), daemon=True)
+        serving.start()
+        assert sorted(int(v) for _, y in client for v in y.tolist()) == list(range(8))
+        client.close()
+        serving.join(60)
 
 
 def test_a_shared_loader_dropped_without_close_is_collected_and_frees_its_name(jobs, caplog):

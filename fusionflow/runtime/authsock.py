@@ -79,7 +79,7 @@ def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
     poller.register(fd, select.POLLIN)
     while got < size:
         left = deadline - time.monotonic()
-        if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+        if left <= 0 or not poller.poll(max(1, int(min(left, 3600.0) * 1000))):  # (poll takes an int of ms)
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"{got} of {size} bytes read")
             continue

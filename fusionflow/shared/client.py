@@ -27,11 +27,11 @@ batch (never a batch whose slot was reused).
 from __future__ import annotations
 
 import logging
+import pickle
 import select
 import time
 import weakref
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import torch
@@ -163,10 +163,10 @@ class SharedLoaderClient:
                     "ping: it hangs or is stopped"
                 )
             try:
-                if not conn.poll(min(left, PING_S)):
+                if not conn.poll(min(left / 2, PING_S)):  # (a ping at the deadline had no time for its pong)
                     conn.send(("ping",))
                     continue
-                msg = ForkingPickler.loads(recv_whole(conn, rest_s=self.timeout))
+                msg = pickle.loads(recv_whole(conn, rest_s=self.timeout))  # (the hub's `send_plain`)
             except TimeoutError as exc:  # (before OSError: it is one)
                 raise SharedLoaderError(
                     f"SharedLoader {self.name!r} (pid {pid}) stopped in the middle of a message ({exc}): it hangs "

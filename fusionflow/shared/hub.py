@@ -228,7 +228,7 @@ class Hub:
 
     def _send(self, c: Client, msg) -> None:
         try:
-            c.conn.send(msg)
+            send_plain(c.conn, msg)
         except OSError as exc:  # a dead client (EPIPE), or one whose socket stayed full for SEND_TIMEOUT_S
             self._detach(c, f"sending failed: {exc!r}")
 
@@ -309,7 +309,7 @@ class Hub:
                 conn.close()
                 return
             try:
-                conn.send(("hello", hello(None if self.running is None else tuple(self.running))))
+                send_plain(conn, ("hello", hello(None if self.running is None else tuple(self.running))))
                 send_fd(conn, self._ro_fd)
             except OSError:
                 conn.close()
@@ -344,3 +344,10 @@ class Hub:
                 self._send(c, ("pong",))
             else:
                 self._detach(c, f"it sent {msg[0]!r}")
+
+
+def send_plain(conn, msg) -> None:
+    """`msg` pickled by value (Connection.send pickles with multiprocessing's reducers: a tensor -- a batch's soft
+    labels -- went as a descriptor of its storage, fetched through multiprocessing's resource sharer, which only
+    processes of one family may ask: every client's first batch failed with AuthenticationError)."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
