@@ -714,6 +714,21 @@ def test_a_client_whose_producer_was_stopped_gets_its_last_word_and_serve_ends_o
     assert not os.path.exists(rendezvous.path_of(jobs.name)), "the record outlived a SIGTERMed serve"
 
 
+def test_serve_sigtermed_while_it_starts_its_workers_ends_with_143(jobs, tmp_path):
+    """A SIGTERM right after the loader is built, as SharedLoader forks its workers: the handler's Stopped, raised in
+    the fork's at-fork hook (logging's), was printed and dropped by CPython; serve went on waiting for clients (for
+    10 minutes in a helper's run, until a second SIGTERM) or ended with a traceback and status 1."""
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), num_classes=2, per_class=4, min_side=40, max_side=60)
+    for _ in range(3):
+        producer = jobs.serve("--data", root, "--epochs", 1, "--batch-size", 4, "--workers", 2)
+        assert wait_until(lambda: "no policy= given" in jobs.log("serve"), 120), jobs.dump()
+        producer.send_signal(signal.SIGTERM)
+        assert jobs.wait(producer, 60) == 143, jobs.log("serve")
+        assert not os.path.exists(rendezvous.path_of(jobs.name))
+
+
 def test_a_closed_client_says_so_when_iterated_in_the_middle_of_a_piece(jobs):
     producer = jobs.start("producer", "--batch-size", 8, "--n", 16, "--epochs", 1)
     c = SharedLoaderClient(jobs.name, batch_size=4, timeout=60)

@@ -81,10 +81,15 @@ def main(argv=None) -> int:
     ) as e:  # the name served already, a ring /dev/shm cannot hold: said, no traceback
         loader.close()
         ap.error(str(e))
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM while it starts: nothing served yet
+        loader.close()
+        print(f"{e if isinstance(e, Stopped) else 'interrupted'} while starting", file=sys.stderr)
+        return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     try:
         with shared:
             print(f"serving {len(ds)} images of {a.data} as {a.name!r}: {a.epochs} epochs of {len(loader)} batches")
             for epoch in range(a.epochs):
+                _raise_if_stopped()
                 t0, before = time.perf_counter(), loader.stats.samples
                 shared.serve(epochs=1, min_clients=a.min_clients)
                 n, dt = loader.stats.samples - before, time.perf_counter() - t0
@@ -146,5 +151,16 @@ class Stopped(KeyboardInterrupt):
         self.signum = signum
 
 
+_STOPPED: list[int] = []  # the signal that stopped the producer, once one came
+
+
 def _interrupted(signum, frame):
+    _STOPPED.append(signum)
     raise Stopped(signum)
+
+
+def _raise_if_stopped() -> None:
+    """A SIGTERM that came while the loader forked its workers: its Stopped, raised inside the fork's at-fork hooks
+    (logging's), was printed and dropped by CPython, and serve went on waiting for clients -- until a second one."""
+    if _STOPPED:
+        raise Stopped(_STOPPED[0])
