@@ -120,18 +120,7 @@ class Delivery:
                 and self.empty_batches >= SYSTEMATIC_BATCHES
                 and self.failed_only >= SYSTEMATIC_SAMPLES
             ):
-                f = failures[0]
-                raise sample_error(
-                    f.index,
-                    f.what,
-                    f.exc_type,
-                    f.message,
-                    f.traceback,
-                    hint=f"every sample of the first {self.empty_batches} mini-batches failed, none was delivered: "
-                    "on_error='skip' drops a bad sample, not a dataset that fails them all",
-                    exc_class=f.exc_class,
-                    attributes=f.attributes,
-                )
+                raise _fails_them_all(failures[0], f"the first {self.empty_batches} mini-batches failed, none was")
             if not distributed():  # ... but under DDP every rank must step as often as the others
                 raise EmptyBatch
         return keep
@@ -142,18 +131,7 @@ class Delivery:
         kept, emptied = (now - then for now, then in zip(self.tally, since))
         if kept or not emptied:
             return None
-        f = self.last_skipped
-        return sample_error(
-            f.index,
-            f.what,
-            f.exc_type,
-            f.message,
-            f.traceback,
-            hint=f"every sample of epoch {epoch} failed ({emptied} mini-batch(es), none delivered; the newest shown): "
-            "on_error='skip' drops a bad sample, not a dataset that fails them all",
-            exc_class=f.exc_class,
-            attributes=f.attributes,
-        )
+        return _fails_them_all(self.last_skipped, f"epoch {epoch} failed ({emptied} mini-batch(es)), none was")
 
     def account(self, wait: float, n: int) -> None:
         """One batch of `n` samples delivered after the training loop waited `wait` s for it."""
@@ -171,6 +149,21 @@ def torch_rank_world() -> tuple[int, int]:
     """This process's (rank, world size) in torch.distributed; (0, 1) where it is not initialised."""
     dist = torch.distributed
     return (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+
+
+def _fails_them_all(f, which: str):
+    """The SampleError of a dataset that fails every sample (`f`: a failure of it; `which`: what failed)."""
+    return sample_error(
+        f.index,
+        f.what,
+        f.exc_type,
+        f.message,
+        f.traceback,
+        hint=f"every sample of {which} delivered: on_error='skip' drops a bad sample, not a dataset that fails "
+        "them all",
+        exc_class=f.exc_class,
+        attributes=f.attributes,
+    )
 
 
 def distributed() -> bool:
