@@ -29,6 +29,7 @@ test: $(STAMP)
 	@log=$$(mktemp); \
 	FUSIONFLOW_RUNTIME_DIR=/tmp/fusionflow-$$(id -u)-ray-tests $(BIN)/python -m pytest -q -p no:cacheprovider \
 		$(RAY_TESTS) > $$log 2>&1 & ray=$$!; \
+	trap 'kill $$ray 2>/dev/null; rm -f $$log; exit 130' INT TERM; \
 	$(BIN)/python -m pytest -q $(addprefix --ignore=,$(RAY_TESTS)); rest=$$?; \
 	wait $$ray; rayrc=$$?; echo "---- $(RAY_TESTS), run beside the others:"; cat $$log; rm -f $$log; \
 	test $$rest -eq 0 -a $$rayrc -eq 0

@@ -177,6 +177,15 @@ def test_a_shipped_name_is_the_shipped_policy_beside_a_folder_of_that_name(tmp_p
     assert load_policy("eval") == load_policy(os.path.join(configs_dir(), "eval.yaml"))
     with pytest.raises(ValueError, match="'mine' is a directory: give a YAML file"):
         load_policy("mine")
+    read, write = os.pipe()  # a pipe (`--policy <(...)`, /dev/stdin) is read as a file
+    with open(os.path.join(configs_dir(), "eval.yaml"), "rb") as f:
+        os.write(write, f.read())
+    os.close(write)
+    try:
+        piped, shipped = load_policy(f"/dev/fd/{read}"), load_policy("eval")
+        assert dataclasses.replace(piped, name=shipped.name, source=shipped.source) == shipped
+    finally:
+        os.close(read)
 
 
 def test_missing_file_and_bad_yaml(tmp_path):

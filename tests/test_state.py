@@ -617,6 +617,25 @@ def test_a_state_taken_after_a_left_epoch_and_set_epoch_starts_that_epoch(taken)
     same_batches(got, expected)
 
 
+def test_set_epoch_of_the_epoch_being_iterated_keeps_its_position():
+    """A script calling set_epoch(e) inside its loop over epoch e (a per-step hook): the state still holds the
+    batches yielded (a first cut of the left-epoch rule above dropped them: the resumed run replayed the epoch)."""
+    loader = make("shuffle_generator", 0, seed=5)
+    loader.set_epoch(0)
+    it = iter(loader)
+    head = batches(itertools.islice(it, 2))
+    loader.set_epoch(0)
+    head += batches(itertools.islice(it, 1))
+    state = loader.state_dict()
+    rest = batches(it)
+    loader.close()
+    assert state["batches_yielded"] == 3
+    again = make("shuffle_generator", 0)
+    again.load_state_dict(state)
+    same_batches(batches(again), rest)
+    again.close()
+
+
 class Buckets(Sampler):
     """A batch sampler that shuffles its own batches (bucketing by size) from a generator of its own, or from
     torch's global RNG with generator=None; it has no `sampler` attribute."""
@@ -651,6 +670,12 @@ def test_a_batch_samplers_own_generator_is_captured_and_a_global_one_warns():
     on_global = FusionFlowLoader(DS, batch_sampler=Buckets(len(DS), 4, None), policy=SMALL)
     with pytest.warns(UserWarning, match="Buckets draws its order from torch's global RNG"):
         on_global.state_dict()
+    older = {**state, "sampler": {"kind": "none"}}  # as saved before such a generator was captured: loads, warns
+    legacy = FusionFlowLoader(DS, batch_sampler=Buckets(len(DS), 4, torch.Generator().manual_seed(3)), policy=SMALL)
+    with pytest.warns(UserWarning, match="saved before FusionFlow captured a batch sampler's own generator"):
+        legacy.load_state_dict(older)
+    assert len(batches(legacy)) == len(rest)  # the rest of the epoch, in the order it draws now
+    legacy.close()
 
 
 @pytest.mark.parametrize(

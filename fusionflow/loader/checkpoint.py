@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from fusionflow.loader.sampler_order import (
     capture,
+    captured_before_batch_generators,
     check,
     check_payload,
     counted,
@@ -43,6 +44,11 @@ class EpochProgress:
     done: bool = False
     drawn: int = 0  # batches taken from the batch sampler (ahead of `yielded` by the prefetch)
     drawn_all: bool = False  # the batch sampler's iteration ended (a sampler may draw again at its end)
+    left: bool = False  # its iterator was closed (or dropped: a `break`) before the epoch's end
+
+    def over(self) -> bool:
+        """Left, or every batch yielded (taken with next() up to its length, StopIteration never seen)."""
+        return self.done or self.left or (self.drawn_all and self.yielded >= self.drawn)
 
 
 class Checkpoint:
@@ -76,8 +82,12 @@ class Checkpoint:
             saved, self.resume = self.resume[0], None  # a sampler ordered by epoch (DistributedSampler) takes the
             if saved.get("kind") in ("generator", "state_dict"):  # new one, a seed is drawn anew; a generator's or
                 self.abandoned = (saved, *self._drawn)  # a state_dict's goes on from where the left epoch left it
-        if self.current is not None and not self.current.done:  # an epoch left (a `break`, or batches taken with
-            self.current = None  # next() up to its length): the next iter() starts this one anew, as a state says
+        # an epoch left (its iterator closed by a `break`, or every batch taken with next()), or iterated while set to
+        # another number: the next iter() starts the set epoch anew, and a state says so. The same number while it is
+        # iterated (a script calling set_epoch inside its loop) keeps its position.
+        cur = self.current
+        if cur is not None and not cur.done and (cur.over() or epoch != self.epoch):
+            self.current = None
         mid_epoch = self.loaded is not None and self.loaded.get("batches_yielded") is not None
         if not (mid_epoch and epoch == self.epoch):  # (the loaded epoch's own number: still that state)
             self.loaded = None
@@ -205,6 +215,14 @@ class Checkpoint:
         """Check `state` against this loader (`shape`, the sampler) and make the next iteration
         resume it. The seed is the caller's to apply (`state["seed"]`). Nothing changes unless all of it is valid."""
         validate(state, shape)
+        if captured_before_batch_generators(state["sampler"], batch_sampler, sampler):
+            warnings.warn(
+                "the state was saved before FusionFlow captured a batch sampler's own generator: the resumed epoch's "
+                "order is not restored (samples may repeat or be missed); a state saved now restores it",
+                UserWarning,
+                stacklevel=3,
+            )
+            state = {**state, "sampler": capture(batch_sampler, sampler)}  # as it was resumed then: nothing restored
         check(state["sampler"], batch_sampler, sampler)
         check_payload(state["sampler"], order_owner(batch_sampler, sampler)[0])
         yielded = state["batches_yielded"]

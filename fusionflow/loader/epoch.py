@@ -172,6 +172,7 @@ class EpochIterator:
         if self._started and not self._ended:
             self._end(finished=False)
         self._ended = True
+        self.progress.left = not self.progress.done  # (Checkpoint.set_epoch: a left epoch starts anew)
 
     def __del__(self):
         self.close()

@@ -119,6 +119,14 @@ def warn_if_unresumable(batch_sampler, sampler, stacklevel: int = 3) -> None:
         )
 
 
+def captured_before_batch_generators(saved, batch_sampler, sampler) -> bool:
+    """A state saved before session 46 of a batch sampler with a generator of its own: captured as "none" then (its
+    order was not restorable), "generator" now."""
+    owner, kind = order_owner(batch_sampler, sampler)
+    legacy = isinstance(saved, dict) and saved.get("kind") == "none" and "owner" not in saved
+    return legacy and kind == "generator" and owner is batch_sampler
+
+
 def check(saved: dict, batch_sampler, sampler) -> None:
     """ValueError when `saved` cannot reproduce the order of this loader's sampler."""
     owner, kind = order_owner(batch_sampler, sampler)

@@ -363,7 +363,7 @@ def load_policy(path_or_dict: str | os.PathLike | Mapping | Policy) -> Policy:
         hint = "; for a transform pipeline use policy=fusionflow.policy_from_transform(it)" * callable(path_or_dict)
         raise TypeError(f"policy must be a path, a mapping or a Policy, got {type(path_or_dict).__name__}{hint}")
     path = os.fspath(path_or_dict)
-    if not os.path.isfile(path):  # (a folder named like a shipped policy -- a project's eval/ -- is not a policy)
+    if not os.path.exists(path) or os.path.isdir(path):  # (a project's eval/ is not a policy; a pipe is read)
         shipped = _shipped_config(path)
         if shipped is None and os.path.isdir(path):
             raise ValueError(f"policy {path!r} is a directory: give a YAML file or a shipped policy's name")
