@@ -26,7 +26,7 @@ RAY_TESTS := tests/test_remote.py tests/test_remote_gateway.py
 test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
-	@log=$$(mktemp); \
+	@log=$$(mktemp $(VENV)/ray-tests.XXXXXX); \
 	FUSIONFLOW_RUNTIME_DIR=/tmp/fusionflow-$$(id -u)-ray-tests $(BIN)/python -m pytest -q -p no:cacheprovider \
 		$(RAY_TESTS) > $$log 2>&1 & ray=$$!; \
 	trap 'kill $$ray 2>/dev/null; rm -f $$log; exit 130' INT TERM; \
