@@ -38,8 +38,8 @@ class Delivery:
         self.warned_skip = False  # on_error='skip' warns once per loader
         self.empty_batches = 0  # mini-batches on_error='skip' left empty (not delivered)
         self.failed_only = 0  # samples skipped before any was kept (the loader's life, whatever stats.reset does)
-        self.kept_any = False  # a sample of this loader's was kept
-        self.tally = [0, 0]  # samples kept, mini-batches left empty by on_error='skip': an iteration's `all_failed`
+        self.tally = [0, 0]  # samples kept, mini-batches left empty by on_error="skip" (the loader's life: `kept_any`;
+        # an iteration's `all_failed` takes its difference)
         self.last_skipped = None  # the newest failure on_error='skip' dropped
 
     def from_ring(self, mgr, state, gpu=None):
@@ -84,7 +84,6 @@ class Delivery:
         EmptyBatch where none is left (not under DDP: an empty batch then), SampleError where none of the
         loader's was kept yet over SYSTEMATIC_BATCHES mini-batches and SYSTEMATIC_SAMPLES samples."""
         if not failures:
-            self.kept_any = True
             self.tally[0] += n
             return None
         failures = sorted(failures, key=lambda f: f.position)
@@ -108,7 +107,6 @@ class Delivery:
                 stacklevel=user_stacklevel(),
             )
         keep = [p for p in range(n) if p not in bad]
-        self.kept_any = self.kept_any or bool(keep)
         self.tally[0] += len(keep)
         self.last_skipped = failures[-1]
         if not keep:  # an empty batch is not delivered (a training step on none fails or gives NaN) ...
@@ -124,6 +122,11 @@ class Delivery:
             if not distributed():  # ... but under DDP every rank must step as often as the others
                 raise EmptyBatch
         return keep
+
+    @property
+    def kept_any(self) -> bool:
+        """A sample of this loader's was kept (in its life, whatever stats.reset does)."""
+        return self.tally[0] > 0
 
     def all_failed(self, since: tuple, epoch: int):
         """The SampleError to raise at an epoch's end when on_error='skip' dropped every one of its samples (a

@@ -43,6 +43,7 @@ from torch.utils.data import (
 
 from fusionflow.loader.epoch import check_batch, copies_for
 from fusionflow.loader.sampler_order import as_indices, next_global_seed, order_owner
+from fusionflow.runtime.spec import base_seed
 
 log = logging.getLogger("fusionflow.loader")
 
@@ -223,7 +224,7 @@ def peek_next(batch_sampler, sampler, epoch: int, next_epoch: int, k: int, base=
         state = sampler.generator.get_state()
         try:
             if base is sampler.generator:  # after the base seed's draw
-                torch.empty((), dtype=torch.int64).random_(generator=base)
+                base_seed(base)
             return take()
         finally:
             sampler.generator.set_state(state)

@@ -35,6 +35,8 @@ from torch.utils.data import (
     RandomSampler,
 )
 
+from fusionflow.runtime.spec import base_seed  # the one draw of a seed (an epoch's base seed, RandomSampler's)
+
 # what an epoch-ordered sampler's (DistributedSampler's) order follows besides its epoch: a state fits one alike
 EPOCH_SAMPLER_KEYS = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
 POSITION_KEYS = {"yielded", "next_yielded"}  # a state_dict of these is a place in an epoch (torchdata's samplers)
@@ -86,7 +88,7 @@ def capture(batch_sampler, sampler, draws_first=None) -> dict:
         generator = owner.generator
         if draws_first is not None and draws_first is generator:
             generator = torch.Generator().set_state(generator.get_state())  # a copy: the draw leaves it alone
-            torch.empty((), dtype=torch.int64).random_(generator=generator)
+            base_seed(generator)
         return {"kind": kind, "state": generator.get_state(), **identity(owner)}
     if kind == "epoch":
         keys = {key: getattr(owner, key, None) for key in EPOCH_SAMPLER_KEYS}  # plain values: a sampler of one's own
@@ -181,9 +183,9 @@ def check_payload(saved: dict, owner) -> None:
 def next_global_seed(after: int = 0) -> int:
     """The seed `start_epoch` would draw from torch's global RNG after `after` draws, read from a copy of it."""
     rng = torch.Generator().set_state(torch.get_rng_state())
-    for _ in range(after + 1):
-        seed = int(torch.empty((), dtype=torch.int64).random_(generator=rng).item())
-    return seed
+    for _ in range(after):
+        base_seed(rng)
+    return base_seed(rng)
 
 
 def _seed_like(value) -> bool:
@@ -205,7 +207,7 @@ def start_epoch(batch_sampler, sampler, saved: dict | None, skip: int, on_skip=N
     if kind == "random_seed":
         seed = saved.get("seed") if saved is not None else None
         if seed is None or saved.get("peeked"):  # the draw RandomSampler makes at the start of an epoch, at the same
-            drawn = int(torch.empty((), dtype=torch.int64).random_().item())  # point (peeked: taken from the RNG as
+            drawn = base_seed()  # point (peeked: taken from the RNG as
             seed = drawn if seed is None else seed  # the saved run took it, so a restored RNG goes on alike)
         snapshot = {"kind": kind, "seed": seed, **identity(owner)}
         owner.generator = torch.Generator().manual_seed(seed)
