@@ -399,6 +399,65 @@ def test_tensor_targets_reach_a_client_in_an_unrelated_process(jobs, timeout):
     assert client.returncode == 0 and out.strip() == str(list(range(16)))
 
 
+class WideTargets(Indexed):
+    """Targets of 40 KB each (a dense soft label): a batch's message fills much of a socket's buffer."""
+
+    def __getitem__(self, i):
+        target = torch.zeros(10_000)
+        target[0] = i
+        return super().__getitem__(i)[0], target
+
+
+CLIENT_THAT_PAUSES = """
+import os, sys, time
+from fusionflow import SharedLoaderClient
+name, mine, other = sys.argv[1:4]
+got, saw_other = [], None
+with SharedLoaderClient(name, timeout=120) as client:
+    for x, y in client:
+        got += [int(v) for v in y[:, 0].tolist()]
+        if len(got) == len(y) and other != "-":  # a validation pass after its first step: it reads nothing meanwhile
+            since = time.monotonic()  # past the hub's 5 s send bound twice, and until the other client is done
+            while time.monotonic() - since < 12 or not (saw_other := os.path.exists(other)):
+                if time.monotonic() - since > 90:
+                    break
+                time.sleep(0.1)
+open(mine, "w").close()
+print(sorted(got), saw_other, flush=True)
+"""
+
+
+def test_a_client_that_pauses_with_large_targets_queued_is_not_let_go_nor_holds_the_others(jobs):
+    """The producer sent each batch's message from its main thread under the hub's lock, each write bounded by 5 s: a
+    client pausing (a validation pass) while batches with large targets filled its socket was detached although
+    alive, and until then every other client waited too (no batch published, no ping answered). Messages now queue
+    per client and the hub's thread writes them as each socket takes them."""
+    import threading
+
+    n, done = 24, [str(jobs.tmp / "slow.done"), str(jobs.tmp / "fast.done")]
+    loader = FusionFlowLoader(WideTargets(n), batch_size=4, num_workers=1, policy=SMALL, seed=7)
+    with SharedLoader(loader, name=jobs.name, buffer=6) as shared:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)), *sys.path])}
+        clients = [
+            subprocess.Popen(
+                [sys.executable, "-c", CLIENT_THAT_PAUSES, jobs.name, mine, other],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for mine, other in [(done[0], done[1]), (done[1], "-")]
+        ]
+        jobs.procs.extend(clients)
+        assert wait_until(lambda: shared.clients == 2, 60)
+        serving = threading.Thread(target=shared.serve, kwargs=dict(epochs=1), daemon=True)
+        serving.start()
+        outs = [c.communicate(timeout=240)[0] for c in clients]
+        serving.join(60)
+    assert [c.returncode for c in clients] == [0, 0], outs
+    everything = str(list(range(n)))
+    assert [o.strip() for o in outs] == [f"{everything} True", f"{everything} None"]
+
+
 def test_a_client_timeout_under_a_second_is_not_taken_for_a_silent_producer(jobs):
     """The client pinged only after waiting min(timeout, 1 s): with timeout <= 1 s the ping went at the deadline and
     a producer merely slower than that (its pong on the way) was reported as saying nothing, "not even to a ping"."""

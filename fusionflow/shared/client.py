@@ -38,7 +38,7 @@ import torch
 
 from fusionflow.errors import SharedLoaderError
 from fusionflow.runtime import targets as ff_targets
-from fusionflow.runtime.authsock import SEND_TIMEOUT_S, recv_whole
+from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.counters import append_bounded
 from fusionflow.runtime.host import Host, resolve_device, resolve_pin_memory
 from fusionflow.runtime.procs import pid_alive
@@ -166,7 +166,7 @@ class SharedLoaderClient:
                 if not conn.poll(min(left / 2, PING_S)):  # (a ping at the deadline had no time for its pong)
                     conn.send(("ping",))
                     continue
-                msg = pickle.loads(recv_whole(conn, rest_s=self.timeout))  # (the hub's `send_plain`)
+                msg = pickle.loads(recv_whole(conn, rest_s=self.timeout))  # (the hub's outbox: pickled by value)
             except TimeoutError as exc:  # (before OSError: it is one)
                 raise SharedLoaderError(
                     f"SharedLoader {self.name!r} (pid {pid}) stopped in the middle of a message ({exc}): it hangs "
@@ -221,9 +221,8 @@ class SharedLoaderClient:
         if self._hung_up():
             raise SharedLoaderError(
                 f"SharedLoader {self.name!r} (pid {self.producer.pid}) detached this client while it held a "
-                f"batch (a client stopped for {STOPPED_S:g} s or more, or one that read nothing for "
-                f"{SEND_TIMEOUT_S:g} s, is let go so the others go on): that batch's slot may hold other data "
-                "by now, so it is not returned; attach a new client to go on"
+                f"batch (a client stopped for {STOPPED_S:g} s or more is let go so the others go on): that "
+                "batch's slot may hold other data by now, so it is not returned; attach a new client to go on"
             )
         return len(src)
 

@@ -1,20 +1,20 @@
-"""The producer's side of its clients: who is attached, which ring slots each still holds, and the
-thread that serves their connections.
+"""The producer's side of its clients: who is attached, which ring slots each still holds, and the thread that serves
+their connections.
 
-`Hub` owns the listening socket, the rendezvous record (fusionflow/shared/rendezvous.py), every
-client's connection, and the slot holds: a slot published to an epoch's recipients is held by each
-of them until it says "release" (it copied the batch out), says "drop" (it left the epoch), or is
-detached (its connection closed: close(), exit, SIGKILL -- the kernel closes a dead process's
-socket, so a dead client is seen at once; or let go: a client stopped for STOPPED_S while holding
-slots, or one whose socket stayed full for SEND_TIMEOUT_S). A slot that nobody holds any more goes
-back to the producer (`on_free`, called with the lock held). A detached client's connection is shut
-down *before* its holds are released, so a client resumed later finds it hung up after copying a
+`Hub` owns the listening socket, the rendezvous record (fusionflow/shared/rendezvous.py), every client's connection,
+and the slot holds: a slot published to an epoch's recipients is held by each of them until it says "release" (it
+copied the batch out), says "drop" (it left the epoch), or is detached (its connection closed: close(), exit, SIGKILL
+-- the kernel closes a dead process's socket, so a dead client is seen at once; or let go: a client stopped for
+STOPPED_S while holding slots). Messages to a client go through its outbox (fusionflow/shared/outbox.py): written at
+once where its socket has room, else by the hub's thread when it has, so a client slow to read delays only itself. A
+slot that nobody holds any more goes back to the producer (`on_free`, called with the lock held). A detached client's
+connection is shut down *before* its holds are released, so a client resumed later finds it hung up after copying a
 batch whose slot may have been reused, and raises instead of returning it (client.py `_copy`).
 
-Threads: the hub's thread accepts, authenticates (both ways, and the peer's uid) and reads clients;
-the producer's main thread (fusionflow/shared/producer.py) begins epochs, publishes batches and
-ends epochs. Both work under one Condition (`cond`), which the producer also waits on for slots; a
-connection is closed only by the hub's thread (the main thread marks a client gone and wakes it).
+Threads: the hub's thread accepts, authenticates (both ways, and the peer's uid) and reads clients; the producer's main
+thread (fusionflow/shared/producer.py) begins epochs, publishes batches and ends epochs. Both work under one Condition
+(`cond`), which the producer also waits on for slots; a connection is closed, and the selector changed, only by the
+hub's thread (the main thread marks a client gone, or its outbox waiting, and wakes it).
 """
 
 from __future__ import annotations
@@ -31,10 +31,19 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
-from fusionflow.runtime.authsock import HANDSHAKE_S, accept, hang_up, listen, recv_whole, set_receive_timeout
+from fusionflow.runtime.authsock import (
+    HANDSHAKE_S,
+    SEND_TIMEOUT_S,
+    accept,
+    hang_up,
+    listen,
+    recv_whole,
+    set_receive_timeout,
+)
 from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.runtime.shm import send_fd
 from fusionflow.shared import rendezvous
+from fusionflow.shared.outbox import Outbox, send_plain
 
 log = logging.getLogger("fusionflow.shared")
 STOPPED_S = 10.0  # a client stopped this long while holding slots is let go (the others go on)
@@ -50,6 +59,8 @@ class Client:
     gone: str | None = None  # why it was detached (its connection is closed by the hub's thread)
     stopped_since: float | None = None  # monotonic time it was first seen stopped while holding slots
     seen_pid: int = 0  # its pid as the kernel tells it here (SO_PEERCRED; 0 where its pid namespace hides it)
+    outbox: Outbox | None = None  # messages its socket has not taken yet
+    writing: bool = False  # its outbox waits: the hub's thread watches its socket for room (or is told to)
 
 
 def _weakly(method):
@@ -86,6 +97,7 @@ class Hub:
         self.holders: dict[int, set] = {}  # slot -> cids holding it
         self.stamps: dict[int, tuple] = {}  # slot -> (epoch, seq) it was published as
         self.recipients: set = set()  # cids the running epoch goes to
+        self._to_watch: list[Client] = []  # clients whose outbox began waiting off the hub's thread
         self.running: tuple | None = None  # [epoch, published] while an epoch runs
         self._next_cid = 0
         self._stopping = False
@@ -172,8 +184,14 @@ class Hub:
             self._send(c, msg)
 
     def close(self) -> None:
-        """Stop accepting and serving, close every connection (clients see the end), remove the record."""
+        """Stop accepting and serving, close every connection (clients see the end), remove the record. What the
+        clients' outboxes hold (the last batches, the parting word) gets SEND_TIMEOUT_S to be taken first."""
         with self.cond:
+            deadline = time.monotonic() + SEND_TIMEOUT_S
+            while any(c.gone is None and c.outbox.pending for c in self.clients.values()):
+                if (left := deadline - time.monotonic()) <= 0 or not self._thread.is_alive():
+                    break
+                self.cond.wait(min(left, 0.5))
             self._stopping = True
             for c in self.clients.values():
                 self._detach(c, "the producer closed")
@@ -227,10 +245,35 @@ class Hub:
             os.write(self._wake_w, b"x")  # its connection is closed by the hub's thread
 
     def _send(self, c: Client, msg) -> None:
+        if c.gone is not None:
+            return
         try:
-            send_plain(c.conn, msg)
-        except OSError as exc:  # a dead client (EPIPE), or one whose socket stayed full for SEND_TIMEOUT_S
+            waiting = c.outbox.put(msg)
+        except OSError as exc:  # a dead client (EPIPE, ECONNRESET)
             self._detach(c, f"sending failed: {exc!r}")
+            return
+        if waiting and not c.writing:
+            c.writing = True
+            if threading.current_thread() is self._thread:
+                self._sel.modify(c.conn, selectors.EVENT_READ | selectors.EVENT_WRITE, c)
+            else:
+                self._to_watch.append(c)
+                os.write(self._wake_w, b"x")
+
+    def _write(self, c: Client) -> None:
+        """The hub's thread: `c`'s socket has room for what its outbox holds."""
+        with self.cond:
+            if c.gone is not None:
+                return
+            try:
+                waiting = c.outbox.flush()
+            except OSError as exc:
+                self._detach(c, f"sending failed: {exc!r}")
+                return
+            if not waiting:
+                c.writing = False
+                self._sel.modify(c.conn, selectors.EVENT_READ, c)
+                self.cond.notify_all()  # close() waits for outboxes to empty
 
     def _let_go_of_stopped(self) -> None:
         """Detach a client that has been stopped for STOPPED_S while holding slots: a stopped process
@@ -261,18 +304,26 @@ class Hub:
     # ---------------------------------------------------------------- the hub's thread
     def turn(self) -> bool:
         """One turn of the hub's thread (at most a second's wait); False once it stopped."""
-        for key, _ in self._sel.select(timeout=1.0):
+        for key, events in self._sel.select(timeout=1.0):
             if key.data is None:
                 self._admit()
             elif key.data == "wake":
                 os.read(self._wake_r, 4096)
             else:
-                self._read(key.data)
+                if events & selectors.EVENT_WRITE:
+                    self._write(key.data)
+                if events & selectors.EVENT_READ and key.data.gone is None:
+                    self._read(key.data)
         with self.cond:
             self._let_go_of_stopped()
+            for c in self._to_watch:
+                if c.gone is None and c.writing:
+                    self._sel.modify(c.conn, selectors.EVENT_READ | selectors.EVENT_WRITE, c)
+            self._to_watch.clear()
             for c in [c for c in self.clients.values() if c.gone is not None]:
                 self._sel.unregister(c.conn)
                 c.conn.close()
+                c.outbox.close()
                 del self.clients[c.cid]
             if not self._stopping:
                 return True
@@ -314,6 +365,7 @@ class Hub:
             except OSError:
                 conn.close()
                 return
+            c.outbox = Outbox(conn)
             self.clients[c.cid] = c
             self._sel.register(conn, selectors.EVENT_READ, c)
 
@@ -344,10 +396,3 @@ class Hub:
                 self._send(c, ("pong",))
             else:
                 self._detach(c, f"it sent {msg[0]!r}")
-
-
-def send_plain(conn, msg) -> None:
-    """`msg` pickled by value (Connection.send pickles with multiprocessing's reducers: a tensor -- a batch's soft
-    labels -- went as a descriptor of its storage, fetched through multiprocessing's resource sharer, which only
-    processes of one family may ask: every client's first batch failed with AuthenticationError)."""
-    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
