@@ -297,6 +297,26 @@ def test_a_torchvision_folder_with_its_own_getitem_is_read_through_it(singles):
     assert min(min(ys) for ys in mine) >= 10
 
 
+def test_a_timm_dataset_with_its_own_getitem_is_read_through_it(singles):
+    """An ImageDataset subclass overriding __getitem__ was read through its reader: its own reads (here targets moved
+    by 100) never ran, without a word. It is now read item by item, as timm's loader reads it."""
+    from timm.data.dataset import ImageDataset
+
+    class Shifted(ImageDataset):
+        def __getitem__(self, index):
+            image, target = super().__getitem__(index)
+            return image, target + 100
+
+    kw = dict(is_training=False, num_workers=0, device=CPU)
+    ours = create_loader(Shifted(singles), SIZE, 8, **kw)
+    with ours.fusionflow:
+        mine = [(x, y.tolist()) for x, y in ours]
+    theirs = [(x, y.tolist()) for x, y in timm_create_loader(Shifted(singles), SIZE, 8, **kw)]
+    assert [y for _, y in mine] == [y for _, y in theirs]
+    assert min(min(y) for _, y in mine) >= 100
+    assert all(torch.allclose(a, b, atol=1e-5) for (a, _), (b, _) in zip(mine, theirs))  # normalised floats
+
+
 def test_evaluation_decodes_exactly_as_timm_and_training_fast_unless_asked(singles, tmp_path):
     """Eval pixels are timm's (Pillow's decode and resize; accuracy comparable with timm's) even where fast mode's
     DCT-scaled decoding would read 33-50 dB from them (a 4-10x shrink); training decodes fast; `decode=` chooses."""

@@ -7,8 +7,8 @@ same files in the same order (sizes from the directory scan, for the size-sorted
 other reader is read item by item (`TimmSamples`: a file object's bytes, or the image it gives). The
 dataset's `target_transform` applies, and a missing target is -1, as timm's dataset has it. timm's
 dataset skips an unreadable file by reading the next index; FusionFlow reports it (`on_error`).
-A dataset without a reader (timm's `torch/...` datasets: torchvision's ImageFolder, CIFAR10, ...) is read
-through torchvision's own items (`torch_samples`)."""
+A dataset without a reader (timm's `torch/...` datasets: torchvision's ImageFolder, CIFAR10, ...), or one whose
+class reads its own way (a `__getitem__` of its own), is read through its own items (`torch_samples`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def timm_samples(dataset):
             f"dataset: input_img_mode={mode!r}: FusionFlow delivers 3-channel RGB images (input_img_mode='RGB')"
         )
     reader = getattr(dataset, "reader", None)
-    if reader is None:
+    if reader is None or _reads_its_own_way(dataset):
         return torch_samples(dataset)
     if type(reader).__name__ == "ReaderImageFolder" and dataset.target_transform is None:
         from fusionflow.datasets.folder import ImageFolder
@@ -36,6 +36,16 @@ def timm_samples(dataset):
         classes = sorted(reader.class_to_idx, key=reader.class_to_idx.get)
         return ImageFolder.of_samples(reader.root, reader.samples, classes)
     return TimmSamples(reader, dataset.target_transform)
+
+
+def _reads_its_own_way(dataset) -> bool:
+    """A subclass of timm's ImageDataset with a __getitem__ of its own (remapped targets, a filter): read item by
+    item, as timm's loader reads it, not through the reader its own reads go around."""
+    try:
+        from timm.data.dataset import ImageDataset
+    except ImportError:
+        return False
+    return isinstance(dataset, ImageDataset) and type(dataset).__getitem__ is not ImageDataset.__getitem__
 
 
 def torch_samples(dataset):
