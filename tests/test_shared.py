@@ -458,6 +458,42 @@ def test_a_client_that_pauses_with_large_targets_queued_is_not_let_go_nor_holds_
     assert [o.strip() for o in outs] == [f"{everything} True", f"{everything} None"]
 
 
+@pytest.mark.parametrize("clients", [0, 1])
+def test_close_from_another_thread_ends_serve_which_returns(jobs, clients, caplog):
+    """close() from another thread (a timer, a signal handler) while serve() ran closed the hub under it: serve()
+    raised AttributeError ('NoneType' object has no attribute 'cond'). serve() now ends at its next step and returns;
+    a client in the middle of an epoch is told the producer finished."""
+    import threading
+
+    caplog.set_level("WARNING", logger="fusionflow.shared")
+    shared = SharedLoader(make_loader(4, 64, False), name=jobs.name)  # 16 batches, 4 slots: the epoch cannot end
+    raised = []
+
+    def serve():
+        try:
+            shared.serve(epochs=1000)
+        except BaseException as exc:
+            raised.append(exc)
+
+    serving = threading.Thread(target=serve, daemon=True)
+    serving.start()
+    if clients:
+        client = SharedLoaderClient(jobs.name, timeout=60)
+        batches = iter(client)
+        next(batches)
+    else:
+        with caplog.at_level("WARNING", logger="fusionflow.shared"):
+            assert wait_until(lambda: "waits for 1 client" in caplog.text, 60)
+    shared.close()
+    serving.join(60)
+    assert not serving.is_alive() and raised == []
+    if clients:
+        with pytest.raises(SharedLoaderError, match="finished after serving 0 epochs"):
+            for _ in range(100):
+                next(batches)
+        client.close()
+
+
 def test_a_client_timeout_under_a_second_is_not_taken_for_a_silent_producer(jobs):
     """The client pinged only after waiting min(timeout, 1 s): with timeout <= 1 s the ping went at the deadline and
     a producer merely slower than that (its pong on the way) was reported as saying nothing, "not even to a ping"."""

@@ -37,7 +37,12 @@ from fusionflow.shared import rendezvous
 from fusionflow.shared.hub import Hub
 
 log = logging.getLogger("fusionflow.shared")
+CLOSING_S = 60.0  # close() from another thread waits this long at most for serve() to end (a batch's wait)
 HELD_WARN_S = 10.0  # every ring slot held by clients this long: the producer says which clients hold it back
+
+
+class _Closing(Exception):
+    """close() was called from another thread while serve() ran: serve() ends at its next step and returns."""
 
 
 class _Unwanted(Exception):
@@ -150,6 +155,7 @@ class SharedLoader:
         self._told = False  # the clients were given the producer's last word
         self.epoch_clients = 0  # clients the latest epoch went to (those attached when it began)
         self._current, self._waited = None, False
+        self._serving = self._closing = False  # serve() runs (in some thread); close() asked it to end
         # the producer's own configuration, derived from the loader's (which stays as the user built it):
         # `buffer` ring slots, workers that persist while it serves
         self.config = cfg.with_config(prefetch_factor=buffer, persistent_workers=True)
@@ -196,24 +202,43 @@ class SharedLoader:
         hub = self._hub
         if hub is None:
             raise SharedLoaderError(f"SharedLoader {self.name!r} is closed: make a new one to serve again")
+        with hub.cond:
+            if self._serving:
+                raise SharedLoaderError(f"SharedLoader {self.name!r} is serving already (serve() in another thread)")
+            self._serving = True
         try:
             for _ in range(epochs):
                 self._wait_for(min_clients if not self._waited else 1)
                 self._waited = True
                 self._serve_epoch()
             with hub.cond:
-                while hub.held_slots():
+                while hub.held_slots() and not self._closing:
                     hub.cond.wait(0.5)
+        except _Closing:
+            return  # close() tells the clients the producer finished
         except BaseException as exc:
             self._fail(exc)
             raise
+        finally:
+            with hub.cond:
+                self._serving = False
+                hub.cond.notify_all()
 
     def close(self) -> None:
         """Tell the clients this producer finished (unless they were told it failed), close their connections,
-        close the loader."""
-        hub, self._hub = getattr(self, "_hub", None), None
+        close the loader. Called from another thread while serve() runs (a signal handler, a timer), it first ends
+        serve(), which returns at its next step: an epoch under way is left, its clients told the producer
+        finished."""
+        hub = getattr(self, "_hub", None)
         if hub is None:
             return
+        with hub.cond:  # serve() running in another thread ends at its next step (a batch's wait at most) first
+            self._closing = True
+            hub.cond.notify_all()
+            deadline = time.monotonic() + CLOSING_S
+            while self._serving and time.monotonic() < deadline:
+                hub.cond.wait(0.5)
+        self._hub = None
         self._on_drop.detach()
         with hub.cond:
             if not self._told:
@@ -234,6 +259,8 @@ class SharedLoader:
         hub, said = self._hub, False
         with hub.cond:
             while len(hub.live()) < k:
+                if self._closing:
+                    raise _Closing
                 if not said:
                     said = True
                     log.warning(
@@ -255,7 +282,7 @@ class SharedLoader:
         with hub.cond:
             free = SlotPool(s for s in range(self.buffer) if s not in hub.held_slots())
             it = self._current = _HeldEpoch(
-                parts.held_epoch(self.config, free), hub.cond, lambda: not hub.recipients, hub
+                parts.held_epoch(self.config, free), hub.cond, lambda: not hub.recipients or self._closing, hub
             )
             epoch = it.epoch
             hub.begin_epoch(epoch, len(loader))
@@ -267,6 +294,8 @@ class SharedLoader:
                     except StopIteration:
                         break
                     except _Unwanted:
+                        if self._closing:
+                            raise _Closing from None  # (no "end": the clients are told the producer finished)
                         whole = False
                         log.info(
                             "fusionflow: SharedLoader %r: epoch %d has no client left; ended early (not counted)",
