@@ -548,6 +548,52 @@ def test_lending_with_a_new_local_manager_every_epoch():
     assert borrowed[0] > 0 and borrowed[1] > borrowed[0] and borrowed[2] > borrowed[1], borrowed
 
 
+class Versioned(Bytes):
+    """Labels index + 1000 x `version`: a dataset whose samples change between epochs (each epoch's workers start
+    anew with persistent_workers=False, so they see the change, as DataLoader's do)."""
+
+    version = 0
+
+    def __getitem__(self, i):
+        data, label = super().__getitem__(i)
+        return data, label + 1000 * self.version
+
+
+def test_a_lent_worker_reads_the_borrowers_dataset_as_it_is_this_epoch():
+    """The spec lent workers get (the pickled dataset) was made once per loader: with persistent_workers=False a
+    borrower whose dataset changed between epochs had its later epochs' samples read by lent workers from epoch 0's
+    copy (9 of 19 samples an epoch in the sweep's run). It is made at each runtime start now."""
+    name = job()
+    slow, fast = Versioned(32, sleep=0.03), Bytes(40)
+    a = make(slow, name, persistent_workers=False)
+    b = make(fast, name)  # the lender: its worker, and what it keeps of borrowers' specs, lives across a's epochs
+    collect(b)
+    borrowed = [0]
+    for epoch in range(3):
+        slow.version = epoch
+        a.set_epoch(epoch)
+        _, labels = collect(a)
+        assert ordered(labels) == [i + 1000 * epoch for i in range(32)], epoch
+        borrowed.append(a.stats.borrowed_tiny_batches)
+    a.close()
+    b.close()
+    assert all(later > before for before, later in zip(borrowed, borrowed[1:])), borrowed  # lent workers read some
+
+
+def test_a_worker_keeps_the_latest_borrowers_specs_only():
+    """A lender's worker kept every borrower spec it was sent, for its life: a borrower making a new loader (or, now,
+    a new spec) each epoch grew it by a dataset copy an epoch (407 -> 911 MiB over 5 epochs of 100 MB datasets)."""
+    from fusionflow.runtime.worker import SpecCache
+
+    kept = SpecCache(kept=2)
+    for spec in "abc":
+        kept.put(spec, spec.upper())
+    assert kept.hashes() == ["b", "c"] and kept.get("a") is None
+    assert kept.get("b") == "B"  # used: the latest now
+    kept.put("d", "D")
+    assert kept.hashes() == ["b", "d"]
+
+
 def test_a_loader_that_leaves_before_its_gm_starts_does_not_hold_the_next_one_out(monkeypatch, tmp_path):
     """An epoch (no persistent workers) that ends before the GM it spawned has claimed the table: the table is
     not marked closing, so the next epoch's loader joins it at once (it waited out the GM's linger, or past its

@@ -33,7 +33,7 @@ class LoaderRuntime:
     def __init__(self, dataset, stats, tracing, gpu=None):
         self.dataset, self.stats, self.tracing, self.gpu = dataset, stats, tracing, gpu
         self.manager: LocalManager | None = None
-        self._spec = None  # what workers lent to this loader need (pickled once per loader)
+        self._spec = None  # what workers lent to this loader need (pickled at each start: the dataset may change)
         # what the finalizer shuts down: [manager, GpuSession, CacheAttachment, the process they belong to]
         self._box = [None, gpu, None, os.getpid()]
         self._cache_tried = False
@@ -144,7 +144,9 @@ class LoaderRuntime:
         kind.start()
 
     def _lending_spec(self, cfg) -> bytes | None:
-        """What workers lent to this loader need (pickled once per loader, not per epoch)."""
+        """What workers lent to this loader need, pickled once a runtime start: an epoch without persistent workers
+        starts its workers anew, which see the dataset as it is now, so must lent ones (a spec made once a loader
+        had them read epoch 0's copy ever after)."""
         if cfg.job is None:
             return None
         if self._spec is None:
@@ -169,7 +171,7 @@ class LoaderRuntime:
     def stop(self) -> None:
         """Shut the manager down; the allocator bridge stays for the next one, and so does a worker target that
         `gm workers` set (the job's GM leaves, with the target, when an epoch's gap outlasts its linger)."""
-        mgr, self.manager = self.manager, None
+        mgr, self.manager, self._spec = self.manager, None, None
         if mgr is not None and mgr.agent is not None and mgr.pool is not None:
             self._worker_target = mgr.pool.target_workers if mgr.pool.target_workers != mgr.spec.num_workers else None
         shutdown_runtime(self._box, self.stats, keep_bridge=True)

@@ -152,7 +152,30 @@ def _check_orphan(parent_pid: int) -> None:
         raise _Orphaned
 
 
-def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
+class SpecCache:
+    """Borrowers' (dataset, pipeline) a worker keeps by spec hash, the `kept` latest used: a lender's worker lives as
+    long as its loader, while a borrower sends a new spec at each of its runtime starts (each epoch without
+    persistent workers), so keeping every one grew the worker by a dataset copy an epoch."""
+
+    def __init__(self, kept: int = 2):
+        self.kept, self._specs = kept, {}
+
+    def get(self, spec_hash):
+        found = self._specs.pop(spec_hash, None)
+        if found is not None:
+            self._specs[spec_hash] = found  # the latest used last
+        return found
+
+    def put(self, spec_hash, found) -> None:
+        self._specs[spec_hash] = found
+        while len(self._specs) > self.kept:
+            del self._specs[next(iter(self._specs))]
+
+    def hashes(self) -> list:
+        return list(self._specs)
+
+
+def _borrower_spec(bconn, spec_hash, home, spec_cache: SpecCache, worker_id: int):
     """(dataset, pipeline) for the borrower's spec: this worker's own, one it served before, or the
     one it asks the borrower for (NEED -> SPEC); None if that cannot be set up (FATAL sent) or the
     borrower answered RETURN (it is closing)."""
@@ -161,8 +184,8 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
 
     if spec_hash == home[2]:
         return home[0], home[1]
-    if spec_hash in spec_cache:
-        return spec_cache[spec_hash]
+    if (found := spec_cache.get(spec_hash)) is not None:
+        return found
     bconn.send_bytes(m.pack_control(m.NEED))
     spec = bconn.recv_bytes()
     if m.kind_of(spec) == m.RETURN:  # the borrower is closing: nothing to set up
@@ -177,7 +200,7 @@ def _borrower_spec(bconn, spec_hash, home, spec_cache: dict, worker_id: int):
     except Exception as exc:
         bconn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc(), exc))
         return None
-    spec_cache[spec_hash] = (dataset, pipe)
+    spec_cache.put(spec_hash, (dataset, pipe))
     return dataset, pipe
 
 
@@ -189,7 +212,7 @@ def _leave(bconn) -> None:
         pass  # it closed meanwhile: nothing of ours is left there
 
 
-def serve_borrower(lend, conn, worker_id: int, home, spec_cache: dict, parent_pid: int) -> int:
+def serve_borrower(lend, conn, worker_id: int, home, spec_cache: SpecCache, parent_pid: int) -> int:
     """Serve another local manager (the borrower) until it returns this worker; returns the number of
     tiny-batches run for it. `lend` is the owner's `Lend` message; `home` = (dataset, pipe, spec hash).
 
@@ -310,7 +333,7 @@ def worker_loop(
         conn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc(), exc))
         return
     conn.send_bytes(m.pack_ready(worker_id))
-    spec_cache = {}  # other LMs' (dataset, pipeline), by spec hash, for when this worker is lent
+    spec_cache = SpecCache()  # other LMs' (dataset, pipeline), for when this worker is lent
     try:
         while True:
             if not conn.poll(WATCHDOG_S):
