@@ -316,3 +316,23 @@ def test_a_loader_without_policy_says_once_which_it_applies(caplog, monkeypatch)
     said = [r.getMessage() for r in caplog.records if "no policy= given" in r.getMessage()]
     assert len(said) == 1 and 'policy="eval"' in said[0] and "224x224" in said[0]
     assert first.policy == config.load_policy("default")
+
+
+@pytest.mark.parametrize("value", ["abc", "", "2.5"])
+def test_a_bad_launcher_variable_is_refused_naming_it(monkeypatch, value):
+    """LOCAL_WORLD_SIZE='abc' (or empty) failed the constructor with int()'s "invalid literal for int() with base
+    10", naming neither the variable nor its fix."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", value)
+    with pytest.raises(ValueError, match=f"LOCAL_WORLD_SIZE={value!r} must be an integer .*torchrun"):
+        FusionFlowLoader(DATA, batch_size=2, num_workers=1)
+
+
+def test_a_bad_linger_variable_is_refused_naming_it():
+    import subprocess
+    import sys
+
+    env = {**os.environ, "FUSIONFLOW_GM_LINGER_S": "abc"}
+    run = subprocess.run(
+        [sys.executable, "-c", "import fusionflow.runtime.gm.timing"], env=env, capture_output=True, text=True
+    )
+    assert run.returncode != 0 and "FUSIONFLOW_GM_LINGER_S='abc' must be a number" in run.stderr

@@ -26,7 +26,7 @@ import logging
 import os
 import uuid
 
-from fusionflow.runtime.userdir import directory, flock_within
+from fusionflow.runtime.userdir import directory, env_number, flock_within
 
 log = logging.getLogger("fusionflow")
 LOCK_S = 10.0  # the longest a loader waits for the claims file's lock
@@ -36,7 +36,7 @@ FILE = "cores.json"
 
 def local_ranks() -> int:
     """The training processes of this node (torchrun's LOCAL_WORLD_SIZE; 1 outside it)."""
-    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, env_number("LOCAL_WORLD_SIZE", 1, int, " (torchrun sets it: the training processes on this node)"))
 
 
 def rank_cores(cores: int) -> int:

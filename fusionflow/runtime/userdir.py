@@ -92,3 +92,16 @@ def remove_locked(path: str) -> None:
     """Remove the lock file `path`, while holding its lock (`lock_file`): waiters open the next one."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def env_number(name: str, default: float, kind=int, means: str = ""):
+    """A number from environment variable `name` (`default` where unset), of `kind` (int or float): a value that is
+    not one is refused naming the variable, its value and what it `means` (int("abc") said neither)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return kind(raw)
+    except ValueError:
+        a = "an integer" if kind is int else "a number"
+        raise ValueError(f"environment variable {name}={raw!r} must be {a}{means}: fix or unset it") from None

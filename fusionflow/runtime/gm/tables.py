@@ -34,6 +34,7 @@ from contextlib import contextmanager
 import numpy as np
 import posix_ipc
 
+from fusionflow.runtime.cores import local_ranks
 from fusionflow.runtime.gm.timing import GM_SILENT_S, START_S
 from fusionflow.runtime.procs import is_stopped, pid_alive
 from fusionflow.runtime.shm import SHM_DIR, unlink
@@ -106,7 +107,7 @@ ACTION = np.dtype(
 
 def job_key() -> str | None:
     """The job this process belongs to under torchrun (None outside torchrun or with one local rank)."""
-    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+    if local_ranks() <= 1:
         return None
     return "torchrun:{}:{}:{}".format(
         os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")

@@ -12,14 +12,14 @@ Two start-up windows, on purpose of different lengths:
               lost once and keeps training without lending (`GMLink.check_gm`).
 """
 
-import os
+from fusionflow.runtime.userdir import env_number
 
 START_S = 30.0
 GM_START_S = 10.0
 LIVENESS_S = 0.25  # how often pids are checked: GM for its LMs, an LM for its GM (a /proc read each)
 POLL_S = 0.002  # the GM's loop period
 # no LM registered for this long: the job's loaders are gone (not just between two epochs)
-LINGER_S = float(os.environ.get("FUSIONFLOW_GM_LINGER_S", "2.0"))
+LINGER_S = env_number("FUSIONFLOW_GM_LINGER_S", 2.0, float, " (seconds a job's global manager waits for a loader)")
 INCOMING_TTL_S = 1.0  # workers lent but never accepted within this are written off
 STALE_S = 2.0  # an LM whose row has not been published for this long neither lends nor borrows
 GM_SILENT_S = 10.0  # a GM whose heartbeat is this old (stopped, hung) counts as gone, though its pid lives
