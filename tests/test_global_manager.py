@@ -420,6 +420,29 @@ def test_a_lower_target_retires_workers_of_a_loader_that_keeps_them_busy():
         a.close()
 
 
+def test_of_two_targets_set_back_to_back_the_later_wins():
+    """A job-wide target, then this loader's own, within one step of its lending agent: the agent applied the own
+    first and the job-wide next, so the earlier won (3 of 3 in the sweep). Both now share one numbering."""
+    from fusionflow.runtime.gm.manager import GlobalManagerClient
+
+    name = job()
+    a = make(Bytes(40, sleep=0.05), name, batch_size=4)
+    it = iter(a)
+    next(it)
+    assert wait_until(lambda: os.path.exists("/dev/shm" + gt.table_name(name)), 30)
+    client = GlobalManagerClient(name)
+    assert wait_until(lambda: client.local_managers() != [], 30)
+    client.set_workers(2)
+    client.set_workers(1, lm=client.local_managers()[0]["lm"])
+    for _ in it:
+        pass
+    assert wait_until(lambda: a._manager.pool.target_workers == 1, 10)
+    time.sleep(0.5)  # (several of the agent's steps: the job-wide target does not come back)
+    assert a._manager.pool.target_workers == 1
+    client.close()
+    a.close()
+
+
 def test_a_worker_target_set_after_the_global_manager_died_is_still_applied():
     """The loader reads its target from its own row: `gm workers` works on after the job's GM was killed (it went
     unapplied, and the command said nothing)."""
@@ -707,6 +730,29 @@ def test_a_stale_table_of_an_earlier_job_is_replaced():
     fresh.close()
     a.close()
     assert a.stats.global_manager == "active"
+
+
+def test_the_cli_does_not_take_a_left_over_table_for_a_running_job():
+    """`gm serve` killed: its table stays in /dev/shm with no GM and no loader. `gm status` listed it as a job and
+    `gm workers 1 --job` said the target was set (rc 0), while the job's next loader replaced the table and ran with
+    its own num_workers. Now the table is no job: status lists nothing, workers fails saying why."""
+    from fusionflow.runtime.gm.manager import GlobalManagerClient
+
+    name = job()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = gt.Tables.create(gt.table_name(name), name)
+    stale.header["gm_pid"] = dead.pid
+    try:
+        assert name not in gt.jobs_on_this_node()
+        with pytest.raises(ValueError, match="has ended and no loader of the job is registered"):
+            GlobalManagerClient(name)
+        cli = [sys.executable, "-m", "fusionflow", "gm", "workers", "1", "--job", name]
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "has ended" in out.stderr and "set" not in out.stdout, out
+    finally:
+        stale.unlink()
+        stale.close()
 
 
 def test_a_job_sigkilled_as_a_whole_leaves_its_table_to_the_next_loader_on_the_node():

@@ -247,13 +247,11 @@ class GMLink:
         """A new elastic worker target (for this LM, or job-wide: whichever was set last), or None."""
         a, h = self.tables.action[self.lm], self.tables.header[0]
         own, job = (int(a["target_seq"]), int(a["target_workers"])), (int(h["target_seq"]), int(h["target_workers"]))
-        if own[0] > self.target_seen[0]:
-            self.target_seen = (own[0], self.target_seen[1])
-            return own[1]
-        if job[0] > self.target_seen[1]:
-            self.target_seen = (self.target_seen[0], job[0])
-            return job[1]
-        return None
+        new_own, new_job = own[0] > self.target_seen[0], job[0] > self.target_seen[1]
+        self.target_seen = (own[0], job[0])
+        if new_own and new_job:  # both set since the last look: their numbers say which was last (set_workers)
+            return own[1] if own[0] > job[0] else job[1]
+        return own[1] if new_own else job[1] if new_job else None
 
     def check_gm(self) -> bool:
         """Whether the GM is (still, or not yet known not to be) there; reports its loss once."""

@@ -248,6 +248,11 @@ class GlobalManagerClient:
         self.job, self.t = job, gt.Tables.attach(table or gt.table_name(job))
         if self.t is None:
             raise ValueError(f"no global manager runs for job {job!r} on this node (no loader has registered)")
+        try:
+            self._tables()
+        except ValueError:
+            self.t.close()
+            raise
 
     def _tables(self) -> gt.Tables:
         """The job's tables: those of its running GM (after the one this client found ended, a newer one's)."""
@@ -257,6 +262,11 @@ class GlobalManagerClient:
                 raise ValueError(f"the global manager of job {self.job!r} has ended and no other runs on this node")
             self.t.close()
             self.t = again
+        if self.t.left_over():
+            raise ValueError(
+                f"the global manager of job {self.job!r} has ended and no loader of the job is registered (its table "
+                "is left over; the job's next loader replaces it, with its own num_workers): start the job first"
+            )
         return self.t
 
     def local_managers(self) -> list[dict]:
@@ -292,16 +302,19 @@ class GlobalManagerClient:
                 f"could wait forever when nobody lends) to {cores} (the cores here)"
             )
         t = self._tables()
+        # one numbering for job-wide and per-LM targets: an LM that finds both new since its last look applies the
+        # later (it applied the LM's own first, so a job-wide target set just before it won)
+        stamp = 1 + max(int(t.header[0]["target_seq"]), int(t.action["target_seq"].max()))
         if lm is None:
             h = t.header[0]
             h["target_workers"] = workers
-            h["target_seq"] = int(h["target_seq"]) + 1
+            h["target_seq"] = stamp
             return
         if lm not in t.active_rows():  # (an int: "0" is not the row 0)
             raise ValueError(f"lm={lm!r} is not an active local manager; active: {t.active_rows()}")
         a = t.action[lm]
         a["target_workers"] = workers
-        a["target_seq"] = int(a["target_seq"]) + 1
+        a["target_seq"] = stamp
 
     def close(self) -> None:
         self.t.close()

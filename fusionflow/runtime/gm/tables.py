@@ -140,7 +140,7 @@ def jobs_on_this_node() -> dict[str, str]:
             continue
         if t is not None:
             try:
-                if int(t.header["state"][0]) != CLOSING:
+                if int(t.header["state"][0]) != CLOSING and not t.left_over():
                     out[bytes(t.header["job"][0]).decode(errors="replace")] = t.name
             finally:
                 t.close()
@@ -269,6 +269,11 @@ class Tables:
         if pid:
             return pid_alive(pid) and not is_stopped(pid) and self.gm_silent_s() < GM_SILENT_S
         return time.time() - float(self.header["created"][0]) < START_S
+
+    def left_over(self) -> bool:
+        """Its GM is gone and no loader is registered: no job runs on it, and the job's next loader replaces it
+        (link.py `unlink_if_stale`), so a worker target written into it would be lost."""
+        return not self.gm_exists() and not self.active_rows()
 
     def gm_silent_s(self) -> float:
         """Seconds since the GM's latest poll (0 before its first: the pid and START_S judge then)."""
