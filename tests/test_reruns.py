@@ -213,3 +213,65 @@ def test_a_sample_that_never_returns_is_reported_also_when_its_copies_run_on_rep
         collect(loader)
     assert loader.stats.workers_stuck >= 2 and loader.stats.tiny_batches_rerun >= 1  # (a busy machine: more)
     loader.close()
+
+
+FROZEN_JOB = """
+import json, os, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_loader import SMALL, Bytes
+from fusionflow.loader import FusionFlowLoader
+from fusionflow.runtime import liveness
+liveness.STUCK_FLOOR_S = liveness.FIRST_TASK_S = 3.0  # (forked workers and the manager thread share these)
+liveness.STUCK_FACTOR, liveness.STRAGGLER_FLOOR_S = 1.0, 1e9  # no copy started on the other worker: stuck kills only
+class Spins(Bytes):  # CPU time, not a deadline: a sample under way at the stop is still under way at the resume
+    def __getitem__(self, i):
+        start = time.process_time()
+        while time.process_time() - start < 0.6:
+            pass
+        return super().__getitem__(i)
+loader = FusionFlowLoader(Spins(24), batch_size=4, num_workers=2, policy=SMALL, tiny_batch_size=1)
+labels = []
+for x, y in loader:
+    labels += y.tolist()
+    if len(labels) == 4:
+        open(sys.argv[2], "w").close()  # busy workers now: the test stops the whole job here
+stats = loader.stats
+print(json.dumps({"labels": sorted(labels), "stuck": stats.workers_stuck, "restarts": stats.worker_restarts}))
+loader.close()
+"""
+
+
+def test_a_job_stopped_as_a_whole_and_resumed_kills_no_worker(tmp_path):
+    """SLURM's `scontrol suspend` (a paused VM, a laptop asleep) stops every process of the job at once. Resumed, the
+    manager thread read each busy worker's time in its tiny-batch -- the pause included -- as no progress past the
+    stuck bound and killed every one (each kill a death against its samples' max_retries). The time this process
+    itself did not run is not counted against its workers now."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "busy"
+    here = os.path.dirname(os.path.abspath(__file__))
+    job = subprocess.Popen(
+        [sys.executable, "-c", FROZEN_JOB, here, str(marker)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the job, its workers included
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert marker.exists(), job.communicate(timeout=60)
+        os.killpg(job.pid, signal.SIGSTOP)
+        time.sleep(8.0)  # past the (lowered) 3 s stuck bound, and the 5 s at which a pause is told from a slow turn
+        os.killpg(job.pid, signal.SIGCONT)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, err[-2000:]
+    got = json.loads(out.strip().splitlines()[-1])
+    assert got["labels"] == list(range(24))
+    assert got["stuck"] == 0 and got["restarts"] == 0, (got, err[-2000:])

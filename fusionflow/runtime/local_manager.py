@@ -98,6 +98,7 @@ class LocalManager:
         self.copy_event = None  # CUDA event after the last batch's copies out of the ring (GPU delivery)
         self.agent = None  # the LendingAgent, only when a global manager coordinates this job
         self.pool = None
+        self._pauses = stuck.Pauses()  # the manager thread's turns: a pause of this whole process is nobody's fault
         self._closed = False
         self._thread = None
         self.pid = os.getpid()  # the process whose workers and thread these are (a fork inherits the object)
@@ -313,7 +314,7 @@ class LocalManager:
                 agent.serving()  # the listener is in every wait below from now on
             while not self._closed:
                 with board.cond:
-                    stuck.kill_stuck(self.pool, agent, board.counters)
+                    stuck.kill_stuck(self.pool, agent, board.counters, self._pauses)
                     board.watch_kinds(time.monotonic())
                     if not board.draining():
                         self.pool.rerun_stragglers(time.monotonic())

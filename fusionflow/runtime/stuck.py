@@ -11,6 +11,11 @@ that nothing else would ever end (runtime/liveness.py holds the bounds; this mod
   worker is idle (a stopped guest then costs seconds), or not READY START_S after its HELLO: SIGKILLed by its pid
   (the agent requeues what it held, a straggler's task with no death counted; its owner replaces it). A guest is
   killed rather than raced (runtime/reruns.py): it is its owner's.
+
+A turn PAUSED_S or more after the one before means this process itself did not run: the whole job was stopped
+(SLURM's `scontrol suspend` sends SIGSTOP to every process of it; a paused VM, a laptop asleep), its workers with it.
+The time lost is added to every worker's and guest's clocks (`Pauses`), so no worker is killed at the resume for a
+pause it took no part in (each busy one was, a death against its samples' max_retries).
 """
 
 from __future__ import annotations
@@ -26,11 +31,26 @@ log = logging.getLogger("fusionflow.loader")
 # a lent worker stopped this long is ended by its owner: above the straggler floor, at which its borrower kills a
 # stopped guest with no death counted while an own worker idles (the owner's kill reads there as a death)
 STOPPED_S = 2 * liveness.STRAGGLER_FLOOR_S
+PAUSED_S = 5.0  # a turn this long after the one before (a turn waits 1 s at most): this process did not run
 
 
-def kill_stuck(pool, agent, counters) -> None:
+class Pauses:
+    """The manager thread's turns, to tell when this process itself did not run."""
+
+    def __init__(self):
+        self._last: float | None = None
+
+    def lost(self, now: float) -> float:
+        """Seconds this process did not run since the last turn (0.0: it ran)."""
+        last, self._last = self._last, now
+        return 0.0 if last is None or now - last < PAUSED_S else now - last
+
+
+def kill_stuck(pool, agent, counters, pauses: Pauses) -> None:
     """(lock held) One turn of the checks above over `pool`'s workers and `agent`'s guests (None: no lending)."""
     now = time.monotonic()
+    if lost := pauses.lost(now):
+        _forgive(pool, agent, lost)
     for w in pool.workers:
         if w is None or not w.alive or w.process is None or w.lost is not None:
             continue  # (lost: being stopped already, its tiny-batch's other copy won)
@@ -50,6 +70,15 @@ def kill_stuck(pool, agent, counters) -> None:
             _kill_if_stuck(w, now, pool.task_seconds, counters)
     if agent is not None and agent.guests:
         _kill_stuck_guests(agent, pool, now)
+
+
+def _forgive(pool, agent, lost: float) -> None:
+    """This process did not run for `lost` s: its workers' and guests' clocks move on by as much."""
+    log.info("fusionflow: this process did not run for %.0f s (stopped?); its workers' clocks skip the pause", lost)
+    for w in [*pool.workers, *(agent.guests if agent is not None else ())]:
+        if w is not None:
+            w.head_since += lost
+            w.started_at += lost
 
 
 def _kill_if_stuck(w, now: float, task_seconds: float, counters) -> None:

@@ -260,7 +260,9 @@ class GMLink:
         now = time.monotonic()
         if now - self._checked_at < LIVENESS_S:  # looking at /proc every poll would cost more than it tells
             return True
-        self._checked_at = now
+        paused, self._checked_at = now - self._checked_at > GM_SILENT_S / 2, now
+        if paused:  # this process did not run a while (the whole job stopped, resumed): the GM may not have beat yet
+            return True
         pid = self.tables.gm_pid
         if pid == 0 and time.monotonic() - self.joined_at < GM_START_S:
             return True
