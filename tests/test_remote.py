@@ -157,6 +157,17 @@ class FailsOnActors(Bytes):
         return super().__getitem__(i)
 
 
+class PicklesOnce(Bytes):
+    """Its pickle fails once `broken` is set (as a cluster gone between epochs makes the Ray workers' start fail)."""
+
+    broken = False
+
+    def __getstate__(self):
+        if PicklesOnce.broken:
+            raise TypeError("this dataset no longer pickles")
+        return self.__dict__
+
+
 def _needs_worker_info(worker_id):
     assert torch.utils.data.get_worker_info().id == worker_id
 
@@ -225,6 +236,9 @@ def test_argument_errors():
         RayWorkers(1, runtime_env="py_modules")
     with pytest.raises(TypeError, match="address='' must be None"):
         RayWorkers(1, address="")
+    for bad in (float("nan"), float("inf"), 0, True):  # nan and inf failed later, in the gateway, with a traceback
+        with pytest.raises(ValueError, match="cpus_per_worker=.* must be a finite number > 0"):
+            RayWorkers(1, cpus_per_worker=bad)
 
 
 @pytest.mark.ray
@@ -466,6 +480,49 @@ class TestLocalRay:
             _x, labels = collect(loader)
             assert sorted(torch.cat(labels).tolist()) == list(range(48))
             assert loader.stats.remote_tiny_batches > before
+
+    def test_a_replacement_actor_takes_the_worker_id_its_predecessor_left(self):
+        """A replacement's get_worker_info().id was a count of every actor asked for: past num_workers (1 local + 1
+        Ray: id 2, 3, ...), so a worker_init_fn that shards by id, or checks it, failed on each replacement until
+        the remote workers were given up. It takes the id its predecessor left now."""
+        from fusionflow import RayWorkers
+
+        with _loader(WorkerIds(24), RayWorkers(1), shuffle=False, worker_init_fn=_needs_worker_info) as loader:
+            collect(loader)
+            kind = loader._manager.board.kinds[0]
+            os.kill(kind.actors[0].pid, signal.SIGKILL)
+            deadline = time.time() + 60
+            while not (loader.stats.remote_workers_lost == 1 and kind.live == 1) and time.time() < deadline:
+                collect(loader)  # (the death is seen when a call fails; then a replacement comes up)
+            assert loader.stats.remote_workers_lost == 1 and kind.live == 1
+            before, ids = loader.stats.remote_tiny_batches, set()
+            for epoch in range(20):  # on a busy machine the local worker may run a whole epoch alone
+                loader.set_epoch(epoch)
+                labels = torch.cat(collect(loader)[1]).tolist()
+                assert sorted(y % 1000 for y in labels) == list(range(24))
+                ids |= {y // 1000 for y in labels}
+                if loader.stats.remote_tiny_batches > before:
+                    break
+        assert loader.stats.remote_tiny_batches > before and ids == {0, 1}, ids
+
+    def test_ray_workers_that_cannot_start_for_a_later_epoch_leave_it_to_the_local_workers(self, caplog):
+        """Without persistent workers each epoch starts its Ray workers anew: one whose start failed (the cluster
+        gone since the epoch before) raised from iter() and ended training, where persistent workers carried on.
+        Only the loader's first start raises now; a later one's epoch runs on the local workers."""
+        from fusionflow import RayWorkers
+
+        ds = PicklesOnce(24)
+        try:
+            with _loader(ds, RayWorkers(1), persistent_workers=False) as loader:
+                collect(loader)
+                assert loader.stats.remote_tiny_batches > 0
+                PicklesOnce.broken = True
+                for epoch in (1, 2):
+                    loader.set_epoch(epoch)
+                    assert sorted(torch.cat(collect(loader)[1]).tolist()) == list(range(24))
+        finally:
+            PicklesOnce.broken = False
+        assert caplog.text.count("did not start for this epoch") == 2 and "the next epoch tries again" in caplog.text
 
     def test_a_sample_failing_on_a_ray_worker_says_where(self):
         """A file missing on a Ray node only: the error names the actor and its host, not only the path."""

@@ -27,6 +27,8 @@ from fusionflow.runtime.shm import RingLayout
 from fusionflow.runtime.spec import RuntimeSpec, base_seed
 
 log = logging.getLogger("fusionflow.loader")
+# epochs in a row whose Ray workers failed to start (after a first start that worked) before no epoch asks again
+MAX_REMOTE_STARTS_FAILED = 3
 
 
 class LoaderRuntime:
@@ -38,6 +40,7 @@ class LoaderRuntime:
         self._box = [None, gpu, None, os.getpid()]
         self._cache_tried = False
         self._worker_target = None  # a `gm workers` target an epoch's manager had: the next one's (close() ends it)
+        self._remote_ran, self._remote_failures = False, 0  # Ray workers started once; starts failed in a row since
         self._finalizer = weakref.finalize(self, shutdown_runtime, self._box)
         tracing.on_change = functools.partial(_set_trace, weakref.ref(self))  # weak: no cycle through tracing
 
@@ -91,7 +94,7 @@ class LoaderRuntime:
                 log.warning("cudaHostRegister of the batch ring failed; host->device copies will be synchronous")
             if self.gpu is not None:
                 self.gpu.start(self.manager, self.dataset, alloc_device)
-            if cfg.remote_workers is not None:
+            if cfg.remote_workers is not None and self._remote_failures < MAX_REMOTE_STARTS_FAILED:
                 self._start_remote(cfg)
         except BaseException:  # no half-started manager stays behind
             self.stop()
@@ -141,7 +144,22 @@ class LoaderRuntime:
         )
         # registered first: the manager's shutdown stops it even if start() fails
         self.manager.board.add_worker_kind(kind)
-        kind.start()
+        try:
+            kind.start()
+        except Exception as exc:  # the loader's first start raises it; a later epoch's runs on the local workers
+            if not self._remote_ran:
+                raise
+            self._remote_failures += 1
+            log.warning(
+                "remote_workers: the Ray workers did not start for this epoch (%s: %s); the local workers run it%s",
+                type(exc).__name__,
+                str(exc).splitlines()[0] if str(exc) else "",
+                ", and no later epoch asks for them again"
+                if self._remote_failures >= MAX_REMOTE_STARTS_FAILED
+                else "; the next epoch tries again",
+            )
+            return
+        self._remote_ran, self._remote_failures = True, 0
 
     def _lending_spec(self, cfg) -> bytes | None:
         """What workers lent to this loader need, pickled once a runtime start: an epoch without persistent workers

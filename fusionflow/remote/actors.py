@@ -5,6 +5,7 @@ join, and killing them. The gateway keeps what is in flight on them and decides 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -19,8 +20,9 @@ SETTLE_S = 3.0  # start-up: how long to wait for CPUs that are being released to
 class Actor:
     """One Ray actor of the remote worker kind, as the training process tracks it."""
 
-    def __init__(self, number: int, handle, probe_ref):
+    def __init__(self, number: int, handle, probe_ref, worker_id: int):
         self.number, self.name, self.handle, self.probe_ref = number, f"ray{number}", handle, probe_ref
+        self.worker_id = worker_id  # get_worker_info().id on it: a replacement takes the id its predecessor left
         self.ready, self.host, self.pid, self.inflight = False, "?", None, 0  # inflight: calls queued on it
 
 
@@ -46,8 +48,9 @@ class RemoteActors:
             ) from exc
         self._cls = actor_class(ray)
         self._actors: list[Actor] = []
-        self._spawned = 0  # actors asked for, ever: names them (ray0, ray1, ...) and their worker ids
+        self._spawned = 0  # actors asked for, ever: names them (ray0, ray1, ...)
         self._probe_failures = 0  # actors asked for after start-up that did not come up
+        self._first_up = 0.0  # start-up: when the first actor passed its probe
         self._bad_hosts: set = set()  # nodes where an actor could not read the dataset
 
     def __iter__(self):
@@ -93,10 +96,17 @@ class RemoteActors:
         deadline = time.monotonic() + config.startup_timeout
         pending = {a.probe_ref: a for a in self._actors}
         while pending and time.monotonic() < deadline:
+            # once one is up, the others get SETTLE_S more, then are left to the gateway's watch: one asked for on
+            # CPUs Ray had not yet counted as taken may wait for a CPU as long as the job runs (it held the first
+            # batch for the whole startup_timeout)
+            if self.live:
+                deadline = min(deadline, self._first_up + SETTLE_S)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             for ref in done:
                 actor = pending.pop(ref)
                 self.on_probe(actor, ref, at_start=True)
+                if actor.ready and self.live == 1:
+                    self._first_up = time.monotonic()
         if not any(a.ready for a in self._actors):
             raise RemoteWorkerError(
                 f"remote_workers: none of the {len(self._actors)} Ray workers started within "
@@ -119,13 +129,17 @@ class RemoteActors:
         options = {"num_cpus": self.config.cpus_per_worker, "max_restarts": 0}
         if self.config.runtime_env is not None:
             options["runtime_env"] = self.config.runtime_env
-        s, worker_id = self.spec, self.spec["first_worker_id"] + k
+        s, held = self.spec, {a.worker_id for a in self._actors}
+        # the lowest id no actor holds: within first + range(num_workers), as a local replacement keeps its slot's id
+        # (a count of every actor asked for gave the replacements ids past num_workers: a worker_init_fn sharding
+        # by id, or checking it, failed on each and the remote workers were given up)
+        worker_id = next(i for i in itertools.count(s["first_worker_id"]) if i not in held)
         workers = worker_id + 1 if self.config.num_workers == "auto" else s["first_worker_id"] + self.config.num_workers
         seeding = (s["base_seed"], worker_id, workers)  # as a local worker's (DataLoader's): RNGs and worker info
         handle = self._cls.options(**options).remote(
             self._dataset_ref, s["policy"], s["seed"], seeding, s["worker_init_fn"], s["stages"], s["cache_side"]
         )
-        self._actors.append(Actor(k, handle, handle.probe.remote(0)))
+        self._actors.append(Actor(k, handle, handle.probe.remote(0), worker_id))
 
     def on_probe(self, actor: Actor, ref, at_start: bool) -> None:
         """`actor`'s probe answered: it is ready, or (at start-up) a RemoteWorkerError, or (later) it is

@@ -120,8 +120,8 @@ class RayWorkers:
             raise ValueError(f"{num_workers=} must be an integer >= 1 or 'auto'")
         if address is not None and (not isinstance(address, str) or not address.strip()):
             raise TypeError(f"address={address!r} must be None, 'auto', 'host:port' or 'ray://host:port'")
-        if isinstance(cpus_per_worker, bool) or not isinstance(cpus_per_worker, (int, float)) or cpus_per_worker <= 0:
-            raise ValueError(f"{cpus_per_worker=} must be a number > 0")
+        if not _seconds(cpus_per_worker):  # (a finite number > 0: nan and inf failed in the gateway, in Ray's hands)
+            raise ValueError(f"{cpus_per_worker=} must be a finite number > 0")
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"{in_flight=} must be an integer >= 1")
         if isinstance(per_call, bool) or not isinstance(per_call, int) or per_call < 1:

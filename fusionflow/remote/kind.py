@@ -148,6 +148,7 @@ class RemoteWorkers:
             with self.board.cond:
                 self._starting = None
         gw, link.session_dir = _Gateway(link), info.get("session_dir") or link.session_dir
+        gw.reader = threading.Thread(target=self._read, args=(gw,), name="fusionflow-gateway-reader", daemon=True)
         with self.board.cond:
             if self._stopped or self.retired:  # stop() (or retirement) came during the handshake
                 link.discard()
@@ -155,8 +156,7 @@ class RemoteWorkers:
             self._gw = gw
             self._set_actors(info["actors"])
             self.board.cond.notify_all()
-        gw.reader = threading.Thread(target=self._read, args=(gw,), name="fusionflow-gateway-reader", daemon=True)
-        gw.reader.start()
+            gw.reader.start()  # before stop() can find `gw` (it joins the reader)
         return True
 
     def stop(self) -> None:
