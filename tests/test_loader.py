@@ -1205,7 +1205,8 @@ def test_pin_workers_is_checked():
 
 def test_counters_go_on_across_managers_and_tiny_batches_are_counted_per_worker():
     """The manager counts straight into loader.stats: restarts add up over epochs that each start a
-    manager of their own; tiny_batches_per_worker is the current manager's, by worker id."""
+    manager of their own, and so do tiny_batches_per_worker, by worker id (they started again with each manager:
+    the last epoch's beside the whole run's batches and samples)."""
     loader = FusionFlowLoader(
         Bytes(16, sleep=0.02), batch_size=4, num_workers=2, policy=SMALL, tiny_batch_size=2, pin_workers=False
     )
@@ -1214,7 +1215,7 @@ def test_counters_go_on_across_managers_and_tiny_batches_are_counted_per_worker(
         _, labels = collect(loader)
         assert sorted(i for y in labels for i in y.tolist()) == list(range(16))
         assert len(loader.stats.tiny_batches_per_worker) == 2
-        assert sum(loader.stats.tiny_batches_per_worker) == 8  # this epoch's 16 samples, 2 per tiny-batch
+        assert sum(loader.stats.tiny_batches_per_worker) == 8 * (epoch + 1)  # 16 samples an epoch, 2 a tiny-batch
     assert loader._manager is None and loader.stats.worker_restarts == 0
     loader.stats.worker_restarts = 5  # counts go on from what the stats hold
     it = iter(loader)

@@ -16,7 +16,7 @@ import torch
 from test_loader import SMALL, Bytes
 
 from fusionflow.loader import FusionFlowLoader
-from fusionflow.loader.trace import TraceRecorder, load
+from fusionflow.loader.trace import TID_CPU, TraceRecorder, load
 from fusionflow.ops.stages import stage_names
 from fusionflow.policy import load_policy, shipped_policies
 from fusionflow.runtime import messages as m
@@ -70,7 +70,7 @@ def test_trace_file_covers_every_sample_once_and_its_waits_are_the_stats(tmp_pat
     assert {k: sorted(v) for k, v in by_batch.items()} == {k: sorted(b) for k, b in enumerate(batches)}
     names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
     worker_tids = {e["tid"] for e in tiny}
-    assert worker_tids <= {100, 101} and {"CPU worker 0", "CPU worker 1"} & names
+    assert worker_tids <= {TID_CPU, TID_CPU + 1} and {"CPU worker 0", "CPU worker 1"} & names
     waits = x_events(trace, "wait")
     assert [e["args"]["mini_batch"] for e in waits] == list(range(len(batches)))
     assert [e["dur"] / 1e6 for e in waits] == pytest.approx(loader.stats.wait_seconds, abs=2e-6)
@@ -89,7 +89,7 @@ def test_trace_context_records_only_its_block(tmp_path):
         loader.set_epoch(5)  # not the epoch guessed: the speculated first batches are discarded
         with loader.trace(tmp_path / "epoch2.json") as rec:
             list(loader)
-            with pytest.raises(ValueError, match="already traces"):
+            with pytest.raises(ValueError, match=f"already traces \\(to {str(tmp_path / 'epoch2.json')!r}"):
                 with loader.trace(tmp_path / "other.json"):
                     pass
         list(loader)
@@ -505,6 +505,65 @@ def test_profile_on_a_corrupt_image_says_which_in_a_line_or_skips_it(folder, tmp
     else:
         assert code == 1 and "Traceback" not in err and "--on-error skip drops such samples" in err
         assert victim.name in err, err
+
+
+def test_profile_of_data_failing_every_sample_with_skip_says_so_not_to_skip(tmp_path, capsys):
+    """Every sample failing with --on-error skip: the advice was "--on-error skip drops such samples", the option in
+    force."""
+    (tmp_path / "data" / "cls").mkdir(parents=True)
+    (tmp_path / "data" / "cls" / "b.jpg").write_bytes(b"hi\n")
+    argv = [
+        "profile",
+        "--data",
+        str(tmp_path / "data"),
+        "--workers",
+        "1",
+        "--batches",
+        "2",
+        "--out",
+        str(tmp_path / "p"),
+    ]
+    assert cli([*argv, "--on-error", "skip"]) == 1
+    err = capsys.readouterr().err
+    assert "every sample failed" in err and "drops such samples" not in err, err
+
+
+def test_a_refused_profile_leaves_no_directory_and_one_without_matplotlib_writes_its_summary(folder, tmp_path):
+    """`profile` made --out (by default ./fusionflow-profile) before the data and policy were checked: a run refused
+    for them (exit 2) left an empty directory. And without matplotlib (the `plot` extra) it ended in an ImportError
+    after the whole run, summary.txt unwritten."""
+    out = tmp_path / "never"
+    for argv in (["--data", str(tmp_path)], ["--data", folder, "--policy", "nosuch"]):  # no images; no such policy
+        run = subprocess.run(
+            [sys.executable, "-m", "fusionflow", "profile", *argv, "--out", str(out)], capture_output=True, text=True
+        )
+        assert run.returncode == 2 and not out.exists(), run.stderr[-2000:]
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from fusionflow.tools.demo import main\n"
+        f"sys.exit(main(['profile', '--data', {folder!r}, '--workers', '1', '--batches', '3', '--batch-size', '4', "
+        f"'--out', {str(out)!r}]))"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "no timeline" in run.stderr, run.stderr[-2000:]
+    assert "samples/s" in (out / "summary.txt").read_text() and not (out / "timeline.png").exists()
+
+
+def test_ring_slots_past_ninety_keep_tracks_of_their_own(tmp_path):
+    """Tracks were numbered slots from 10, CPU workers from 100: with prefetch_factor=100, slot 90's mini-batches
+    were drawn on CPU worker 0's track."""
+    ds = Bytes(8)
+    sampler = torch.utils.data.RandomSampler(ds, replacement=True, num_samples=120)  # 120 batches of 1: 100 slots
+    loader = FusionFlowLoader(ds, batch_size=1, sampler=sampler, num_workers=1, policy=SMALL, prefetch_factor=100)
+    with loader, loader.trace(tmp_path / "t.json"):
+        list(loader)
+    trace = load(tmp_path / "t.json")
+    check_trace_events(trace)
+    kinds = {}
+    for e in trace["traceEvents"]:
+        if e.get("ph") == "X":
+            kinds.setdefault(e["tid"], set()).add(e["cat"])
+    assert all(len(k) == 1 for k in kinds.values()), kinds  # no track holds both mini-batches and tiny-batches
 
 
 @pytest.mark.parametrize("command", ["demo", "bench"])

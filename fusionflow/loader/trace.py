@@ -35,7 +35,9 @@ import warnings
 from collections import deque
 
 DEFAULT_MAX_EVENTS = 200_000  # ~ 60 MB of Python tuples at worst; a few hundred epochs of a small run
-TID_TRAINING, TID_ACCEL, TID_ACCEL_STEPS, TID_SLOT, TID_CPU, TID_GUEST = 1, 2, 3, 10, 100, 1000
+# track ids: ring slots from TID_SLOT, CPU workers from TID_CPU, guests from TID_GUEST (10 and 100 apart, slot 90 of
+# prefetch_factor=100 was drawn on CPU worker 0's track)
+TID_TRAINING, TID_ACCEL, TID_ACCEL_STEPS, TID_SLOT, TID_CPU, TID_GUEST = 1, 2, 3, 1_000, 1_000_000, 2_000_000
 PID = 1
 
 
@@ -227,6 +229,7 @@ class Tracing:
         self.path = path  # the trace= file, or None
         self.recorder = None if path is None else TraceRecorder()
         self.on_change = None  # callback(recorder or None) when the recorder changes
+        self._block_path = None  # the file a running `block` writes
 
     @contextlib.contextmanager
     def block(self, path, max_events: int | None = None):
@@ -235,13 +238,16 @@ class Tracing:
         path = check_path(path, "path")
         if self.recorder is not None:
             raise ValueError(
-                f"loader.trace({path!r}): this loader already traces (to {self.path!r}); one trace at a time"
+                f"loader.trace({path!r}): this loader already traces (to {self._block_path or self.path!r}); "
+                "one trace at a time"
             )
         recorder = TraceRecorder(DEFAULT_MAX_EVENTS if max_events is None else max_events)
         self._set(recorder)
+        self._block_path = path
         try:
             yield recorder
         finally:
+            self._block_path = None
             self._set(None)
             recorder.write_or_warn(path)
 

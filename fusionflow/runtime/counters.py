@@ -7,7 +7,8 @@ thread: the CPU worker pool, the lending agent, the accelerator, the remote work
 board's lock, except the accelerator's pipeline builds and out-of-memory counts, which only its
 own thread writes. Counts go on
 across managers (a loader without persistent workers builds one per epoch) because the object does;
-`tiny_batches_per_worker` is per worker id of the current manager and starts again with each one.
+`tiny_batches_per_worker` too, by worker id (until session 47 it started again with each manager: without
+persistent workers it held the last epoch's counts beside the whole run's batches and samples).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def append_bounded(series: list, value) -> None:
 
 @dataclass
 class RuntimeCounters:
-    tiny_batches_per_worker: list = field(default_factory=list)  # by worker id, this manager's workers
+    tiny_batches_per_worker: list = field(default_factory=list)  # by worker id, over the whole run
     worker_restarts: int = 0  # CPU workers replaced after they died
     workers_stuck: int = 0  # CPU workers killed for making no progress (runtime/liveness.py), then replaced
     tiny_batches_rerun: int = 0  # straggling tiny-batches started again on an idle worker (runtime/reruns.py)

@@ -75,7 +75,7 @@ class WorkerPool:
         self._stopped = False
         self._start_kills: dict[int, int] = {}  # worker id -> start-ups in a row a signal ended (before READY)
         self.reruns = Reruns(board.counters)  # stragglers running on a second worker (runtime/reruns.py)
-        board.counters.tiny_batches_per_worker = [0] * spec.num_workers
+        (per := board.counters.tiny_batches_per_worker).extend([0] * (spec.num_workers - len(per)))  # the run's
 
     # ---------------------------------------------------------------- processes (main thread)
     def start(self) -> None:

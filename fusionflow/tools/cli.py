@@ -16,12 +16,19 @@ def add_on_error(p) -> None:
     p.add_argument("--on-error", choices=("raise", "skip"), default="raise", help=ON_ERROR_HELP)
 
 
-def failed_sample(prog: str, e: SampleError, skip_option: bool = True) -> int:
+def failed_sample(prog: str, e: SampleError, skip_option: bool = True, skipping: bool = False) -> int:
     """Say which sample failed and how to go on (exit status 1): the first line of its error, not the workers'
     tracebacks. `skip_option`: the command has --on-error (a comparison with torchvision's loader has not: both
-    must read the same images)."""
+    must read the same images); `skipping`: --on-error skip was given (so every sample failed)."""
     first = str(e).split("\n", 1)[0]
-    fix = "--on-error skip drops such samples and goes on" if skip_option else "fix or remove that file"
+    fix = (
+        "every sample failed, and --on-error skip drops a bad sample, not a dataset that fails them all: check the "
+        "data (are these images?)"
+        if skipping
+        else "--on-error skip drops such samples and goes on"
+        if skip_option
+        else "fix or remove that file"
+    )
     print(f"{prog}: {first}\n({fix})", file=sys.stderr)
     return 1
 
@@ -43,11 +50,13 @@ def check_out_file(p, flag: str, path: str) -> None:
         p.error(f"{flag} {path!r} is not writable here")
 
 
-def make_out_dir(p, flag: str, path: str) -> None:
-    """The directory the command writes into, made before any work (argparse's error, exit 2, if it cannot be)."""
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as e:
-        p.error(f"{flag} {path!r} cannot be made a directory ({e.strerror})")
-    if not os.access(path, os.W_OK):
+def check_out_dir(p, flag: str, path: str) -> None:
+    """That the directory the command writes into can be made (argparse's error, exit 2, if not), before any work;
+    not made yet: a run refused later (no images there, an unknown policy) leaves no empty directory behind."""
+    there = os.path.abspath(path)
+    while not os.path.exists(there):
+        there = os.path.dirname(there)
+    if not os.path.isdir(there):
+        p.error(f"{flag} {path!r} cannot be made a directory ({there} is a file)")
+    if not os.access(there, os.W_OK | os.X_OK):
         p.error(f"{flag} {path!r} is not writable here")

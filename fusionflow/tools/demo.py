@@ -20,7 +20,7 @@ import numpy as np
 
 from fusionflow.errors import SampleError
 from fusionflow.tools.baseline import TV_POLICIES, BaselineSampleError, TorchvisionSamples, failed_line, timed_batches
-from fusionflow.tools.cli import failed_sample, interrupted, make_out_dir
+from fusionflow.tools.cli import check_out_dir, failed_sample, interrupted
 
 
 def data_home() -> str:
@@ -167,7 +167,8 @@ def main(argv=None) -> int:
             return bench.run(args, b)
         return _demo_main(d, args)
     except SampleError as e:  # a corrupt image in the user's data: said in a line, with the option that goes on
-        return failed_sample(prog, e, skip_option=args.command == "profile")
+        skipping = args.command == "profile" and args.on_error == "skip"
+        return failed_sample(prog, e, skip_option=args.command == "profile", skipping=skipping)
     except BaselineSampleError as e:  # the same, met first by the comparison's DataLoader + torchvision
         print(
             f"{prog}: {failed_line(e)}\n(fix or remove that file: both loaders are timed on the same images)",
@@ -190,7 +191,7 @@ def _demo_main(ap, args) -> int:
     if args.data is not None and not os.path.isdir(args.data):
         ap.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
     if args.profile_dir:
-        make_out_dir(ap, "--profile-dir", args.profile_dir)
+        check_out_dir(ap, "--profile-dir", args.profile_dir)
     return demo(args, ap)
 
 
@@ -249,7 +250,11 @@ def demo(args, ap=None) -> int:
     from fusionflow.loader.trace import load
     from fusionflow.tools.timeline import plot_timeline
 
-    png = plot_timeline(load(trace_path), os.path.join(out_dir, "timeline.png"))
+    try:
+        png = plot_timeline(load(trace_path), os.path.join(out_dir, "timeline.png"))
+    except ImportError as e:  # matplotlib is the `plot` extra's: the training and its comparison stand
+        print(f"no timeline: {e}", file=sys.stderr)
+        png = "(no timeline)"
     print(
         f"where FusionFlow's time went: {png} (trace: {trace_path}, open at https://ui.perfetto.dev; "
         f"on your data: python -m fusionflow profile --data DIR)"

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 
-from fusionflow.tools.cli import add_on_error, make_out_dir
+from fusionflow.tools.cli import add_on_error, check_out_dir
 
 
 def add_arguments(p) -> None:
@@ -44,7 +45,7 @@ def check_arguments(p, args) -> None:
         p.error(f"--data {args.data!r} is not a directory (an ImageFolder root: one folder per class)")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         p.error(f"--out {args.out!r} is a file: name a directory (trace.json, timeline.png and summary.txt go there)")
-    make_out_dir(p, "--out", args.out)
+    check_out_dir(p, "--out", args.out)
 
 
 def stage_seconds_by_track(stats) -> dict:
@@ -100,7 +101,11 @@ def run(args, parser=None) -> int:
         loader.close()
     trace = load(trace_path)
     by_track = stage_seconds_by_track(loader.stats)
-    plot_timeline(trace, png_path, by_track)
+    try:
+        plot_timeline(trace, png_path, by_track)
+    except ImportError as e:  # matplotlib is the `plot` extra's: the summary needs none
+        print(f"no timeline: {e}", file=sys.stderr)
+        png_path = None
     s = summarize(trace)
     text = format_summary(s, loader.stats.stage_shares(), {k: _shares(v) for k, v in by_track.items()})
     if samples:
@@ -111,7 +116,7 @@ def run(args, parser=None) -> int:
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write(text + "\n")
     print(text)
-    print(f"trace: {trace_path} (open at https://ui.perfetto.dev)\ntimeline: {png_path}")
+    print(f"trace: {trace_path} (open at https://ui.perfetto.dev)" + (f"\ntimeline: {png_path}" if png_path else ""))
     return 0
 
 

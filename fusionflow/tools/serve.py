@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         print(f"{e if isinstance(e, Stopped) else 'interrupted'}: the clients were told", file=sys.stderr)
         return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     except SampleError as e:  # the clients were told it failed, and why
-        return failed_sample("python -m fusionflow serve", e)
+        return failed_sample("python -m fusionflow serve", e, skipping=a.on_error == "skip")
     return 0
 
 
