@@ -247,11 +247,16 @@ def demo(args, ap=None) -> int:
         f"throughput: FusionFlowLoader {ours['img_per_s']:.1f} img/s vs DataLoader+torchvision "
         f"{base['img_per_s']:.1f} img/s -> {ratio:.2f}x"
     )
+    _say_where_time_went(trace_path, os.path.join(out_dir, "timeline.png"))
+    return 0
+
+
+def _say_where_time_went(trace_path: str, png: str) -> None:
     from fusionflow.loader.trace import load
     from fusionflow.tools.timeline import plot_timeline
 
     try:
-        png = plot_timeline(load(trace_path), os.path.join(out_dir, "timeline.png"))
+        plot_timeline(load(trace_path), png)
     except ImportError as e:  # matplotlib is the `plot` extra's: the training and its comparison stand
         print(f"no timeline: {e}", file=sys.stderr)
         png = "(no timeline)"
@@ -259,4 +264,3 @@ def demo(args, ap=None) -> int:
         f"where FusionFlow's time went: {png} (trace: {trace_path}, open at https://ui.perfetto.dev; "
         f"on your data: python -m fusionflow profile --data DIR)"
     )
-    return 0
