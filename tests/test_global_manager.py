@@ -2,6 +2,7 @@
 and across processes), with exactly-once delivery, faults on either side, and elastic capacity."""
 
 import contextlib
+import math
 import os
 import secrets
 import signal
@@ -443,29 +444,34 @@ def test_of_two_targets_set_back_to_back_the_later_wins():
     a.close()
 
 
-def test_a_loader_resumed_after_the_whole_job_stopped_does_not_write_its_gm_off(monkeypatch):
-    """The whole job stopped (SLURM's suspend) for over GM_SILENT_S, then resumed: a loader whose first look came
-    before the GM's first beat took the GM's silence -- the pause -- for its loss and never lent again. A look after
-    this process itself did not run for half that bound judges nothing; the next one does."""
+@pytest.mark.parametrize("gm_started", [True, False])
+def test_a_loader_resumed_after_the_whole_job_stopped_does_not_write_its_gm_off(monkeypatch, gm_started):
+    """The whole job stopped (SLURM's suspend) for over GM_SILENT_S, then resumed: a loader whose look came before the
+    GM's first beat took the GM's silence -- the pause -- for its loss (or, with a GM still starting, the pause for
+    GM_START_S past) and never lent again. After this process itself did not run, the GM's silence and start count
+    from the resume."""
     from types import SimpleNamespace
 
     from fusionflow.runtime.gm.link import GMLink
-    from fusionflow.runtime.gm.timing import GM_SILENT_S
+    from fusionflow.runtime.gm.timing import GM_SILENT_S, GM_START_S
 
     clock = [1000.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
     beat = [clock[0]]
-    tables = SimpleNamespace(gm_pid=os.getpid(), gm_silent_s=lambda: clock[0] - beat[0])
+    tables = SimpleNamespace(gm_pid=os.getpid() if gm_started else 0, gm_silent_s=lambda: clock[0] - beat[0])
     link = GMLink.__new__(GMLink)
-    link.tables, link.gm_lost, link.joined_at, link._checked_at = tables, False, clock[0], clock[0]
+    link.tables, link.gm_lost, link.joined_at = tables, False, clock[0]
+    link._checked_at, link._resumed_at = clock[0], -math.inf
     link.disable_borrowing = lambda: None
     clock[0] += 0.5
     assert link.check_gm()
-    clock[0] += GM_SILENT_S + 20  # everything stopped: the GM did not beat, this loader did not look
-    assert link.check_gm() and not link.gm_lost  # its first look after the pause
-    beat[0] = clock[0] + 0.001  # the GM, resumed too, beats
-    clock[0] += 0.5
-    assert link.check_gm() and not link.gm_lost
+    clock[0] += max(GM_SILENT_S, GM_START_S) + 20  # everything stopped: the GM did not beat, this loader did not look
+    for _ in range(8):  # its looks after the pause, 0.5 s apart, before the GM (resumed too, but slower) beats
+        assert link.check_gm() and not link.gm_lost
+        clock[0] += 0.5
+    if not gm_started:
+        tables.gm_pid = os.getpid()  # it claims the table
+    beat[0] = clock[0]
     while clock[0] - beat[0] < GM_SILENT_S + 1:  # now the GM alone stays silent, this loader looking every 0.5 s
         clock[0] += 0.5
         link.check_gm()

@@ -261,6 +261,21 @@ class TestFusionFlowOwnsRay:
         assert not ray.is_initialized()
         assert _wait_gone() == [], "Ray processes left after close()"
 
+    def test_more_workers_than_cores_without_a_cluster_get_the_cores_and_a_warning(self, monkeypatch, caplog):
+        """RayWorkers(N) with no cluster started a local instance of N CPUs, whatever the machine had: RayWorkers(64)
+        put 64 actors of ~600 MB on the training machine, without a word."""
+        _ray()
+        from fusionflow import RayWorkers
+
+        _init_env(monkeypatch)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        cores = len(os.sched_getaffinity(0))
+        with caplog.at_level("WARNING", logger="fusionflow"), _loader(Bytes(24), RayWorkers(cores + 2)) as loader:
+            _images, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(24))
+        assert f"gets this machine's {cores} cores (room for {cores} Ray workers)" in caplog.text
+        assert _wait_gone() == [], "Ray processes left after close()"
+
     def test_a_named_address_where_nothing_listens_raises_connection_error_soon(self, monkeypatch):
         """ray.init retries an address for minutes: the gateway looks first, and the error names the address."""
         _ray()

@@ -221,7 +221,7 @@ sys.path.insert(0, sys.argv[1])
 from test_loader import SMALL, Bytes
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.runtime import liveness
-liveness.STUCK_FLOOR_S = liveness.FIRST_TASK_S = 3.0  # (forked workers and the manager thread share these)
+liveness.STUCK_FLOOR_S = liveness.FIRST_TASK_S = 6.0  # (forked workers and the manager thread share these)
 liveness.STUCK_FACTOR, liveness.STRAGGLER_FLOOR_S = 1.0, 1e9  # no copy started on the other worker: stuck kills only
 class Spins(Bytes):  # CPU time, not a deadline: a sample under way at the stop is still under way at the resume
     def __getitem__(self, i):
@@ -264,7 +264,7 @@ def test_a_job_stopped_as_a_whole_and_resumed_kills_no_worker(tmp_path):
             time.sleep(0.05)
         assert marker.exists(), job.communicate(timeout=60)
         os.killpg(job.pid, signal.SIGSTOP)
-        time.sleep(8.0)  # past the (lowered) 3 s stuck bound, and the 5 s at which a pause is told from a slow turn
+        time.sleep(14.0)  # past the (lowered) 6 s stuck bound, and the 10 s at which a pause is told from a slow turn
         os.killpg(job.pid, signal.SIGCONT)
         out, err = job.communicate(timeout=120)
     finally:

@@ -494,6 +494,27 @@ def test_close_from_another_thread_ends_serve_which_returns(jobs, clients, caplo
         client.close()
 
 
+def test_close_from_a_signal_handler_ends_serve_which_closes_as_it_ends(jobs, caplog):
+    """A signal handler runs on serve()'s own thread: close() there waited for serve() to end -- which cannot go on
+    until the handler returns -- for 60 s, then closed the hub and the loader under it."""
+    import signal
+
+    caplog.set_level("WARNING", logger="fusionflow.shared")
+    shared = SharedLoader(make_loader(4, 16, False), name=jobs.name)
+    old = signal.signal(signal.SIGALRM, lambda *_: shared.close())
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.0)  # while serve() waits for a client
+        started = time.monotonic()
+        shared.serve(epochs=1)  # returns: no client came, the handler closed it
+        assert time.monotonic() - started < 30
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    assert shared.clients == 0 and "waits for 1 client" in caplog.text
+    with pytest.raises(SharedLoaderError, match="is closed"):
+        shared.serve(epochs=1)
+
+
 def test_a_client_timeout_under_a_second_is_not_taken_for_a_silent_producer(jobs):
     """The client pinged only after waiting min(timeout, 1 s): with timeout <= 1 s the ping went at the deadline and
     a producer merely slower than that (its pong on the way) was reported as saying nothing, "not even to a ping"."""

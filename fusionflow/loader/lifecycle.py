@@ -198,6 +198,7 @@ class LoaderRuntime:
         """Shut everything down, the allocator bridge and the cache attachment too (the loader may start
         again after)."""
         self.manager, self._worker_target = None, None
+        self._remote_ran, self._remote_failures = False, 0  # the next start is the loader's first again
         self._cache_tried, self._spec = False, None  # the next start attaches the cache (and makes the spec) anew
         shutdown_runtime(self._box, self.stats)
 

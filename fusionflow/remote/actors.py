@@ -50,7 +50,6 @@ class RemoteActors:
         self._actors: list[Actor] = []
         self._spawned = 0  # actors asked for, ever: names them (ray0, ray1, ...)
         self._probe_failures = 0  # actors asked for after start-up that did not come up
-        self._first_up = 0.0  # start-up: when the first actor passed its probe
         self._bad_hosts: set = set()  # nodes where an actor could not read the dataset
 
     def __iter__(self):
@@ -96,17 +95,10 @@ class RemoteActors:
         deadline = time.monotonic() + config.startup_timeout
         pending = {a.probe_ref: a for a in self._actors}
         while pending and time.monotonic() < deadline:
-            # once one is up, the others get SETTLE_S more, then are left to the gateway's watch: one asked for on
-            # CPUs Ray had not yet counted as taken may wait for a CPU as long as the job runs (it held the first
-            # batch for the whole startup_timeout)
-            if self.live:
-                deadline = min(deadline, self._first_up + SETTLE_S)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             for ref in done:
                 actor = pending.pop(ref)
                 self.on_probe(actor, ref, at_start=True)
-                if actor.ready and self.live == 1:
-                    self._first_up = time.monotonic()
         if not any(a.ready for a in self._actors):
             raise RemoteWorkerError(
                 f"remote_workers: none of the {len(self._actors)} Ray workers started within "
@@ -116,9 +108,12 @@ class RemoteActors:
 
     def wanted(self) -> int:
         """How many more actors to ask for now: up to the target, and no more than the free CPUs allow."""
-        n = self.config.num_workers
-        free = self.ray.available_resources().get("CPU", 0.0)
-        fit = int(free // self.config.cpus_per_worker + 1e-9)
+        n, cpus = self.config.num_workers, self.config.cpus_per_worker
+        # the free CPUs less those of actors still probing: Ray counts an actor's CPUs only once it is placed, so one
+        # asked for a moment ago looked free, a second was asked for that could never fit, and start-up waited for
+        # its probe the whole startup_timeout (a placed one counted twice only delays an actor to `maintain`)
+        free = self.ray.available_resources().get("CPU", 0.0) - cpus * sum(not a.ready for a in self._actors)
+        fit = int(max(0.0, free) // cpus + 1e-9)
         if n == "auto":
             return fit if not any(not a.ready for a in self._actors) else 0
         return max(0, min(n - len(self._actors), fit))
@@ -134,7 +129,8 @@ class RemoteActors:
         # (a count of every actor asked for gave the replacements ids past num_workers: a worker_init_fn sharding
         # by id, or checking it, failed on each and the remote workers were given up)
         worker_id = next(i for i in itertools.count(s["first_worker_id"]) if i not in held)
-        workers = worker_id + 1 if self.config.num_workers == "auto" else s["first_worker_id"] + self.config.num_workers
+        auto = self.config.num_workers == "auto"  # (then as many as there are, a replacement's id among them)
+        workers = max([worker_id, *held]) + 1 if auto else s["first_worker_id"] + self.config.num_workers
         seeding = (s["base_seed"], worker_id, workers)  # as a local worker's (DataLoader's): RNGs and worker info
         handle = self._cls.options(**options).remote(
             self._dataset_ref, s["policy"], s["seed"], seeding, s["worker_init_fn"], s["stages"], s["cache_side"]

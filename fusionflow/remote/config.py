@@ -199,8 +199,17 @@ def connect(config: RayWorkers, joined: str | None = None):
                 "RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
                 "start` on this machine); starting a local Ray instance for the remote workers"
             )
-    if config.num_workers != "auto":
-        kwargs.setdefault("num_cpus", int(-(-config.num_workers * config.cpus_per_worker // 1)))
+    if config.num_workers != "auto" and "num_cpus" not in kwargs:
+        want, cores = int(-(-config.num_workers * config.cpus_per_worker // 1)), len(os.sched_getaffinity(0))
+        if want > cores:  # RayWorkers(64) without a cluster put 64 actors (~600 MB each) on the training machine
+            log.warning(
+                "RayWorkers(%d) found no Ray cluster: the local Ray instance it starts gets this machine's %d cores "
+                "(room for %d Ray workers); name a cluster (address=...) for more",
+                config.num_workers,
+                cores,
+                max(1, int(cores // config.cpus_per_worker)),
+            )
+        kwargs["num_cpus"] = max(min(want, cores), math.ceil(config.cpus_per_worker))  # (room for one at least)
     # the local instance's actors are this job's data workers: at Ray's default worker niceness (15) any
     # busy process on the node starves them (beside two busy loops an actor took ~95 s to start)
     os.environ.setdefault("RAY_worker_niceness", "0")

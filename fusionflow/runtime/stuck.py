@@ -13,7 +13,7 @@ that nothing else would ever end (runtime/liveness.py holds the bounds; this mod
   killed rather than raced (runtime/reruns.py): it is its owner's.
 
 A turn PAUSED_S or more after the one before means this process itself did not run: the whole job was stopped
-(SLURM's `scontrol suspend` sends SIGSTOP to every process of it; a paused VM, a laptop asleep), its workers with it.
+(SLURM's `scontrol suspend` sends SIGSTOP to every process of it; a paused VM), its workers with it.
 The time lost is added to every worker's and guest's clocks (`Pauses`), so no worker is killed at the resume for a
 pause it took no part in (each busy one was, a death against its samples' max_retries).
 """
@@ -31,7 +31,9 @@ log = logging.getLogger("fusionflow.loader")
 # a lent worker stopped this long is ended by its owner: above the straggler floor, at which its borrower kills a
 # stopped guest with no death counted while an own worker idles (the owner's kill reads there as a death)
 STOPPED_S = 2 * liveness.STRAGGLER_FLOOR_S
-PAUSED_S = 5.0  # a turn this long after the one before (a turn waits 1 s at most): this process did not run
+# a turn this long after the one before (a turn waits 1 s, a message begun by a stopped worker REST_S = 5 s at most):
+# this process did not run; under the stuck floor (25 s), so no pause of its own can kill a worker
+PAUSED_S = 10.0
 
 
 class Pauses:

@@ -28,6 +28,7 @@ from multiprocessing.connection import wait as mp_wait
 from fusionflow.datasets.wrappers import start_reads
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import recv_whole
+from fusionflow.runtime.cores import local_ranks
 from fusionflow.runtime.gm.link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.procs import parent_gone
 from fusionflow.runtime.sample import end_after_read, run_sample
@@ -153,9 +154,9 @@ def _check_orphan(parent_pid: int) -> None:
 
 
 class SpecCache:
-    """Borrowers' (dataset, pipeline) a worker keeps by spec hash, the `kept` latest used: a lender's worker lives as
-    long as its loader, while a borrower sends a new spec at each of its runtime starts (each epoch without
-    persistent workers), so keeping every one grew the worker by a dataset copy an epoch."""
+    """Borrowers' (dataset, pipeline) a worker keeps by spec hash, the `kept` latest used (one per rank on the node): a
+    lender's worker lives as long as its loader, while a borrower sends a new spec at each of its runtime starts
+    (each epoch without persistent workers), so keeping every one grew the worker by a dataset copy an epoch."""
 
     def __init__(self, kept: int = 2):
         self.kept, self._specs = kept, {}
@@ -333,7 +334,7 @@ def worker_loop(
         conn.send_bytes(m.pack_fatal(worker_id, traceback.format_exc(), exc))
         return
     conn.send_bytes(m.pack_ready(worker_id))
-    spec_cache = SpecCache()  # other LMs' (dataset, pipeline), for when this worker is lent
+    spec_cache = SpecCache(max(2, local_ranks()))  # other LMs' (dataset, pipeline), for when this worker is lent
     try:
         while True:
             if not conn.poll(WATCHDOG_S):

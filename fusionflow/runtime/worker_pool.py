@@ -146,8 +146,7 @@ class WorkerPool:
                 with board.cond:
                     wid = next((k for k, w in enumerate(self.workers) if w is None), len(self.workers))
                     if wid == len(self.workers):
-                        self.workers.append(None)
-                        board.counters.tiny_batches_per_worker.append(0)
+                        self.workers.append(None)  # (its count: count_worker_task extends the run's list)
                 self.start_worker(wid)
             with board.cond:
                 self.notify_capacity()

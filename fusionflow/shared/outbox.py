@@ -45,6 +45,7 @@ def frame(msg) -> bytes:
 class Outbox:
     def __init__(self, conn):
         self._sock = socket.socket(fileno=os.dup(conn.fileno()))  # its own descriptor of the connection's socket
+        self._sock.setblocking(True)  # (a socket.setdefaulttimeout() made it, and the shared reads, non-blocking)
         self._frames: collections.deque[memoryview] = collections.deque()
 
     @property

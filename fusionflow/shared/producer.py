@@ -155,7 +155,8 @@ class SharedLoader:
         self._told = False  # the clients were given the producer's last word
         self.epoch_clients = 0  # clients the latest epoch went to (those attached when it began)
         self._current, self._waited = None, False
-        self._serving = self._closing = False  # serve() runs (in some thread); close() asked it to end
+        self._serving: int | None = None  # the thread serve() runs in (its ident), while it runs
+        self._closing = self._close_at_end = False  # close() asked serve() to end; to close as it ends (a handler's)
         # the producer's own configuration, derived from the loader's (which stays as the user built it):
         # `buffer` ring slots, workers that persist while it serves
         self.config = cfg.with_config(prefetch_factor=buffer, persistent_workers=True)
@@ -205,7 +206,7 @@ class SharedLoader:
         with hub.cond:
             if self._serving:
                 raise SharedLoaderError(f"SharedLoader {self.name!r} is serving already (serve() in another thread)")
-            self._serving = True
+            self._serving = threading.get_ident()
         try:
             for _ in range(epochs):
                 self._wait_for(min_clients if not self._waited else 1)
@@ -221,20 +222,25 @@ class SharedLoader:
             raise
         finally:
             with hub.cond:
-                self._serving = False
+                self._serving = None
                 hub.cond.notify_all()
+            if self._close_at_end:  # close() came from a signal handler on this thread: it is done here
+                self.close()
 
     def close(self) -> None:
         """Tell the clients this producer finished (unless they were told it failed), close their connections,
-        close the loader. Called from another thread while serve() runs (a signal handler, a timer), it first ends
-        serve(), which returns at its next step: an epoch under way is left, its clients told the producer
-        finished."""
+        close the loader. Called while serve() runs -- from another thread (a timer), or from a signal handler (on
+        serve()'s own thread: serve() closes as it ends) -- it ends serve(), which returns at its next step: an
+        epoch under way is left, its clients told the producer finished."""
         hub = getattr(self, "_hub", None)
         if hub is None:
             return
         with hub.cond:  # serve() running in another thread ends at its next step (a batch's wait at most) first
             self._closing = True
             hub.cond.notify_all()
+            if self._serving == threading.get_ident():  # a signal handler, on serve()'s own thread: serve() cannot
+                self._close_at_end = True  # go on until the handler returns; it ends at its next step and closes then
+                return
             deadline = time.monotonic() + CLOSING_S
             while self._serving and time.monotonic() < deadline:
                 hub.cond.wait(0.5)

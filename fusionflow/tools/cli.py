@@ -51,12 +51,19 @@ def check_out_file(p, flag: str, path: str) -> None:
 
 
 def check_out_dir(p, flag: str, path: str) -> None:
-    """That the directory the command writes into can be made (argparse's error, exit 2, if not), before any work;
-    not made yet: a run refused later (no images there, an unknown policy) leaves no empty directory behind."""
-    there = os.path.abspath(path)
-    while not os.path.exists(there):
+    """That the directory the command writes into can be made and written (argparse's error, exit 2, if not), before
+    any work -- made, and removed again if this made it: a run refused later (no images there, an unknown policy)
+    leaves no empty directory behind (by default ./fusionflow-profile)."""
+    made, there = [], os.path.abspath(path)
+    while not os.path.exists(there):  # the folders this makes, deepest first
+        made.append(there)
         there = os.path.dirname(there)
-    if not os.path.isdir(there):
-        p.error(f"{flag} {path!r} cannot be made a directory ({there} is a file)")
-    if not os.access(there, os.W_OK | os.X_OK):
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        p.error(f"{flag} {path!r} cannot be made a directory ({e.strerror})")
+    writable = os.access(path, os.W_OK | os.X_OK)
+    for folder in made:
+        os.rmdir(folder)
+    if not writable:
         p.error(f"{flag} {path!r} is not writable here")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import pickle
 import secrets
@@ -116,7 +117,8 @@ class GMLink:
         self.tables, self.lm = self._join()
         self.joined_at = time.monotonic()
         self.gm_lost = False
-        self._checked_at = 0.0
+        self._checked_at = self.joined_at  # the latest look at the GM
+        self._resumed_at = -math.inf  # when this process ran again after a pause (check_gm)
         self.yield_seen = 0
         self.target_seen = (0, 0)  # (own, job-wide) target sequence numbers applied
         self.spec = spec
@@ -260,13 +262,15 @@ class GMLink:
         now = time.monotonic()
         if now - self._checked_at < LIVENESS_S:  # looking at /proc every poll would cost more than it tells
             return True
-        paused, self._checked_at = now - self._checked_at > GM_SILENT_S / 2, now
-        if paused:  # this process did not run a while (the whole job stopped, resumed): the GM may not have beat yet
+        gap, self._checked_at = now - self._checked_at, now
+        if gap > GM_SILENT_S / 2:  # this process did not run (the whole job stopped, resumed): the GM neither, so
+            self.joined_at += gap  # its start and its silence count from the resume
+            self._resumed_at = now
             return True
         pid = self.tables.gm_pid
-        if pid == 0 and time.monotonic() - self.joined_at < GM_START_S:
+        if pid == 0 and now - self.joined_at < GM_START_S:
             return True
-        silent = self.tables.gm_silent_s()
+        silent = min(self.tables.gm_silent_s(), now - self._resumed_at)
         if pid and pid_alive(pid) and silent < GM_SILENT_S:
             return True
         self.gm_lost = True

@@ -264,8 +264,9 @@ class GlobalManagerClient:
             self.t = again
         if self.t.left_over():
             raise ValueError(
-                f"the global manager of job {self.job!r} has ended and no loader of the job is registered (its table "
-                "is left over; the job's next loader replaces it, with its own num_workers): start the job first"
+                f"the global manager of job {self.job!r} has ended and no loader of the job is registered (the job "
+                "is not running, or is between epochs past its GM's linger; the job's next loader starts a new one, "
+                "with its own num_workers): set the target once a loader of the job runs"
             )
         return self.t
 
