@@ -51,9 +51,12 @@ def main(argv=None) -> int:
     import torch
 
     from fusionflow import FusionFlowLoader, SharedLoader
-    from fusionflow.errors import FusionFlowError, SampleError
+    from fusionflow.errors import FusionFlowError
 
     ds = _dataset(ap, a, is_shards)
+    # kill, docker stop, scancel: the clients are told, the record goes; set before the loader is built (a SIGTERM
+    # in between ended the process by the signal's default, -15, not 143)
+    signal.signal(signal.SIGTERM, _interrupted)
     try:
         loader = FusionFlowLoader(
             ds,
@@ -69,10 +72,12 @@ def main(argv=None) -> int:
         )
     except (OSError, ValueError, TypeError) as e:  # the policy's file or keys, above all
         ap.error(str(e))
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM while it is built: nothing runs yet
+        print(f"{e if isinstance(e, Stopped) else 'interrupted'} while starting", file=sys.stderr)
+        return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
     if len(loader) == 0:
         loader.close()
         ap.error(f"--batch-size {a.batch_size} with --drop-last: the {len(ds)} images make no mini-batch")
-    signal.signal(signal.SIGTERM, _interrupted)  # kill, docker stop, scancel: the clients are told, the record goes
     try:
         shared = SharedLoader(loader, name=a.name, buffer=a.buffer)
     except (
@@ -85,9 +90,16 @@ def main(argv=None) -> int:
         loader.close()
         print(f"{e if isinstance(e, Stopped) else 'interrupted'} while starting", file=sys.stderr)
         return 128 + (e.signum if isinstance(e, Stopped) else signal.SIGINT)
+    return _serve_epochs(shared, loader, len(ds), a)
+
+
+def _serve_epochs(shared, loader, images: int, a) -> int:
+    """The epochs, said as they end; the exit status (a signal's: 130, 143)."""
+    from fusionflow.errors import SampleError
+
     try:
         with shared:
-            print(f"serving {len(ds)} images of {a.data} as {a.name!r}: {a.epochs} epochs of {len(loader)} batches")
+            print(f"serving {images} images of {a.data} as {a.name!r}: {a.epochs} epochs of {len(loader)} batches")
             for epoch in range(a.epochs):
                 _raise_if_stopped()
                 t0, before = time.perf_counter(), loader.stats.samples
