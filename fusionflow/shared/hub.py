@@ -97,7 +97,7 @@ class Hub:
         self.holders: dict[int, set] = {}  # slot -> cids holding it
         self.stamps: dict[int, tuple] = {}  # slot -> (epoch, seq) it was published as
         self.recipients: set = set()  # cids the running epoch goes to
-        self._to_watch: list[Client] = []  # clients whose outbox began waiting off the hub's thread
+        self._to_watch: list[Client] = []  # clients whose outbox began waiting: watched for room at the turn's end
         self.running: tuple | None = None  # [epoch, published] while an epoch runs
         self._next_cid = 0
         self._stopping = False
@@ -252,12 +252,10 @@ class Hub:
         except OSError as exc:  # a dead client (EPIPE, ECONNRESET)
             self._detach(c, f"sending failed: {exc!r}")
             return
-        if waiting and not c.writing:
+        if waiting and not c.writing:  # the hub's thread watches its socket from its turn's end on
             c.writing = True
-            if threading.current_thread() is self._thread:
-                self._sel.modify(c.conn, selectors.EVENT_READ | selectors.EVENT_WRITE, c)
-            else:
-                self._to_watch.append(c)
+            self._to_watch.append(c)
+            if threading.current_thread() is not self._thread:
                 os.write(self._wake_w, b"x")
 
     def _write(self, c: Client) -> None:
