@@ -565,13 +565,14 @@ def _records(directory) -> list:
 @pytest.mark.parametrize("context", [None, "spawn"])
 def test_workers_are_seeded_and_described_as_dataloaders_are(tmp_path, monkeypatch, context):
     """get_worker_info() in worker_init_fn and in the dataset, and the workers' Python/NumPy/torch RNGs, as
-    DataLoader's, epoch after epoch (its workers restart each epoch with a new base seed)."""
+    DataLoader's, epoch after epoch (its workers restart each epoch with a new base seed). Spawned workers, one epoch:
+    each of its 4 workers imports torch anew (the suite's slowest test with two)."""
     monkeypatch.setenv("FF_TEST_DIR", str(tmp_path))
     kwargs = dict(batch_size=6, num_workers=2, shuffle=True, worker_init_fn=_record_worker)
     kwargs.update(multiprocessing_context=context)
     ff = FusionFlowLoader(WorkerTagged(), policy=EXACT, generator=torch.Generator().manual_seed(7), **kwargs)
     dl = DataLoader(WorkerTagged(), generator=torch.Generator().manual_seed(7), collate_fn=_as_list, **kwargs)
-    for epoch in range(2):
+    for epoch in range(2 if context is None else 1):
         tags = torch.cat([y for _, y in ff])
         ours = _records(tmp_path)
         list(dl)
@@ -1026,6 +1027,70 @@ def test_an_endless_batch_sampler_without_a_batch_size_is_refused_not_probed_for
     Endless.batch_size = 1  # what it says: sized by it, iterated as DataLoader does
     batches = FusionFlowLoader(Raw(), batch_sampler=Endless(), policy=EXACT)
     assert [y.tolist() for _, y in itertools.islice(batches, 3)] == [[0], [1], [2]]
+
+
+def test_sizing_a_batch_sampler_leaves_what_it_wraps_as_it_was():
+    """A batch sampler without batch_size is passed over once at construction to size shared memory, on a copy.
+    The copy was shallow: a wrapped sampler's own pass counter advanced (every epoch then drew the order DataLoader
+    draws one epoch later) and a wrapped index stream was used up (epoch 0 came empty, without a word)."""
+
+    class Big(torch.utils.data.Dataset):  # what the sampler reads: shared by the copy, never copied (gigabytes)
+        def __len__(self):
+            return len(JPEGS)
+
+        def __deepcopy__(self, memo):
+            raise AssertionError("the dataset was copied")
+
+    class Counting(torch.utils.data.Sampler):  # orders each pass by its own pass count (accelerate's seedable one)
+        def __init__(self, data):
+            self.data, self.n, self.passes = data, len(data), 0
+
+        def __iter__(self):
+            order = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.passes))
+            self.passes += 1
+            return iter(order.tolist())
+
+    class Chunks:  # a batch sampler of one's own, no batch_size attribute
+        def __init__(self, indices):
+            self.indices = indices
+
+        def __iter__(self):
+            batch = []
+            for i in self.indices:
+                batch.append(i)
+                if len(batch) == 3:
+                    yield batch
+                    batch = []
+            if batch:
+                yield batch
+
+    for make in (lambda: Chunks(Counting(Big())), lambda: Chunks(iter(range(len(JPEGS))))):
+        ours = FusionFlowLoader(Raw(), batch_sampler=make(), policy=EXACT)
+        dl = DataLoader(Raw(), batch_sampler=make(), collate_fn=_as_list)
+        assert [y.tolist() for _, y in ours] == [[t for _, t in batch] for batch in dl]
+    counting = Counting(Big())
+    FusionFlowLoader(Raw(), batch_sampler=Chunks(counting), policy=EXACT)
+    assert counting.passes == 0
+
+
+def test_a_finite_batch_sampler_longer_than_the_probe_is_taken_at_its_len(monkeypatch):
+    """A bucketing batch sampler over a large set (more batches than the probe's bound, a true len()) was refused as
+    endless; its len() now bounds the probe, up to PROBE_BY_LEN (an endless one saying 10**9 is still refused)."""
+    from fusionflow.loader import batch_capacity
+
+    class Long:
+        def __iter__(self):
+            return ([k % 4] if k % 7 else [0, k % 4] for k in range(2500))
+
+        def __len__(self):
+            return 2500
+
+    monkeypatch.setattr(batch_capacity, "PROBE_BATCHES", 1000)
+    loader = FusionFlowLoader(Raw(), batch_sampler=Long(), policy=EXACT)
+    assert loader.config.capacity == 2
+    monkeypatch.setattr(batch_capacity, "PROBE_BY_LEN", 2000)
+    with pytest.raises(ValueError, match=r"did not end within 1,000 batches"):
+        FusionFlowLoader(Raw(), batch_sampler=Long(), policy=EXACT)
 
 
 def test_under_ddp_a_sampler_that_gives_every_rank_the_whole_set_is_warned_about(monkeypatch):

@@ -163,6 +163,7 @@ ERRORS = [
     (dict(max_retries=True), None, ValueError, "max_retries=True must be an integer >= 0"),
     (dict(num_workers=1, multiprocessing_context="bogus"), None, ValueError, "'bogus' is not a start method here"),
     (dict(num_workers=1, multiprocessing_context=3), None, TypeError, "must be a start method's name or a multipro"),
+    (dict(multiprocessing_context="spawn"), None, ValueError, "starts worker processes, but num_workers=0 loads"),
     (dict(on_error="ignore"), None, ValueError, "on_error='ignore' must be one of ('raise', 'skip')"),
     (dict(max_retries=-1), None, ValueError, "max_retries=-1 must be an integer >= 0"),
     (dict(pin_workers="yes"), None, ValueError, "pin_workers='yes' must be 'auto', True or False"),
@@ -249,6 +250,21 @@ def test_the_accelerators_knobs_without_an_accelerator_say_so():
 
     signature = inspect.signature(FusionFlowLoader.__init__).parameters
     assert loose_defaults() == {k: signature[k].default for k in loose_defaults()}  # the loader's, read off one place
+
+
+def test_dali_threads_past_this_ranks_cores_are_a_note():
+    """DaliAccelerator(threads=64) on 4 cores was taken without a word (73 threads on a 2-core machine) while
+    num_workers past the cores is a note: so is it now; 'auto' and a count within the cores say nothing."""
+    from fusionflow.accel.config import DaliAccelerator
+
+    dali = dict(has_dali=lambda: True)
+    _, notes = resolve(dict(accelerator=DaliAccelerator("cpu", threads=64), num_workers=1), dali)
+    assert notes == [
+        "DaliAccelerator(device='cpu', threads=64): threads=64 exceeds this rank's 4 CPU cores; DALI's threads then "
+        "share cores (with the CPU workers too): use threads<=4, or threads='auto'"
+    ]
+    assert resolve(dict(accelerator=DaliAccelerator("cpu", threads=4), num_workers=1), dali)[1] == []
+    assert resolve(dict(accelerator=DaliAccelerator("cpu"), num_workers=1), dali)[1] == []
 
 
 def test_an_already_transformed_dataset_is_refused():

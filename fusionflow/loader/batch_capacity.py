@@ -24,13 +24,13 @@ def batch_capacity(batch_sampler) -> int:
             "at most; pass something iterable once per epoch (a list of index lists, a Sampler of batches)"
         )
     try:
-        capacity = largest_batch(batch_sampler)
+        capacity, limit = largest_batch(batch_sampler)
     except TypeError as e:
         raise ValueError(f"batch_sampler must yield lists of indices ({e})") from None
     if capacity is None:
         raise ValueError(
             f"batch_sampler={type(batch_sampler).__name__} has no batch_size attribute, and one pass over it did not "
-            f"end within {PROBE_BATCHES:,} batches (an endless sampler?): shared memory is sized for its largest "
+            f"end within {limit:,} batches (an endless sampler?): shared memory is sized for its largest "
             "batch up front, so give it a batch_size attribute (the most indices a batch holds)"
         )
     if capacity < 1:
@@ -38,41 +38,83 @@ def batch_capacity(batch_sampler) -> int:
     return capacity
 
 
-def largest_batch(batch_sampler) -> int | None:
-    """The longest batch of one pass over `batch_sampler` (0 for none; None: no end within PROBE_BATCHES batches),
-    a pass that leaves no trace (DataLoader's own first pass is the first epoch's): over a shallow copy (a pass
-    counter of its own advances on the copy), with the random generators it holds -- itself, its sampler,
-    anything of theirs a few attributes deep (`_held_rngs`) -- and Python's, NumPy's and torch's global ones put
-    back after. Its len() is not asked (one may make a pass, or say 10**9 for an endless sampler)."""
-    import copy
-
+def largest_batch(batch_sampler) -> tuple[int | None, int]:
+    """(the longest batch of one pass over `batch_sampler`: 0 for none, None for no end within the limit; the
+    limit), a pass that leaves no trace (DataLoader's own first pass is the first epoch's): over a copy
+    (`_probe_copy`: a pass counter of its own or of a sampler it wraps, or an index stream it reads, advances on the
+    copy), with the random generators it holds -- itself, its sampler, anything of theirs a few attributes deep
+    (`_held`) -- and Python's, NumPy's and torch's global ones put back after. Past PROBE_BATCHES the copy's len()
+    is asked for a longer bound (`probe_limit`), never the caller's (one may make a pass)."""
+    probe = _probe_copy(batch_sampler)
+    states = [*map(_saved, _held(probe, _is_rng)), *global_rng_states()]
+    kept = [(restore, state) for restore, state in states if restore]
+    limit = PROBE_BATCHES
     try:
-        probe = copy.copy(batch_sampler)
-    except Exception:  # cannot be copied: its own state advances by one pass
-        probe = batch_sampler
-    kept = [(restore, state) for restore, state in [*map(_saved, _held_rngs(probe)), *global_rng_states()] if restore]
-    try:
-        lengths = list(map(len, itertools.islice(probe, PROBE_BATCHES + 1)))
+        batches = iter(probe)
+        lengths = list(map(len, itertools.islice(batches, limit + 1)))
+        if len(lengths) > limit and (limit := probe_limit(probe)) > PROBE_BATCHES:
+            lengths += map(len, itertools.islice(batches, limit + 1 - len(lengths)))
     finally:
         for restore, state in kept:
             restore(state)
-    return None if len(lengths) > PROBE_BATCHES else max(lengths, default=0)
+    return (None if len(lengths) > limit else max(lengths, default=0)), limit
 
 
-PROBE_BATCHES = 1_000_000  # batches of one pass at most (an endless batch sampler is refused past them)
+PROBE_BATCHES = 1_000_000  # batches of one pass at most (an endless batch sampler is refused past them)...
+PROBE_BY_LEN = 10_000_000  # ...or as many as its len() says where that is more, up to these (a bucketing sampler
+# over a large set; an endless one that says 10**9 is refused after PROBE_BATCHES)
 
 
-def _held_rngs(owner, depth: int = 3, breadth: int = 64) -> list:
-    """The random generators `owner` holds up to `depth` attributes deep: in its attributes, dicts, lists and
-    tuples (a sampler wrapped in a sampler of one's own, generators kept in a dict), `breadth` of each at most;
-    never in modules, arrays or tensors, nor in an object that fails to be looked at (a dead weakref proxy)."""
+def probe_limit(batch_sampler) -> int:
+    """How many batches the probe's pass may take before it calls the batch sampler endless: PROBE_BATCHES, or its
+    len() where that says more, up to PROBE_BY_LEN (past it, len() is not taken for a bound)."""
+    try:
+        said = len(batch_sampler)
+    except Exception:  # (no len(), or one that fails)
+        return PROBE_BATCHES
+    return said if isinstance(said, int) and PROBE_BATCHES < said <= PROBE_BY_LEN else PROBE_BATCHES
+
+
+def _probe_copy(batch_sampler):
+    """A copy of `batch_sampler` whose pass leaves the original as it was: a deep copy, sharing the datasets it refers
+    to (a pass reads them, never changes them; copying one may cost gigabytes); a shallow one where it cannot be
+    deep-copied (a generator inside), else itself (its own state then advances by one pass)."""
+    import copy
+
+    try:
+        shared = {id(d): d for d in _held(batch_sampler, _is_dataset) if d is not batch_sampler}
+        return copy.deepcopy(batch_sampler, shared)
+    except Exception:
+        try:
+            return copy.copy(batch_sampler)
+        except Exception:
+            return batch_sampler
+
+
+def _is_rng(obj) -> bool:  # a random generator whose state a pass may advance
     import random
+
+    import numpy as np
+
+    return isinstance(obj, (torch.Generator, random.Random, np.random.RandomState, np.random.Generator))
+
+
+def _is_dataset(obj) -> bool:  # what a sampler reads and a pass never changes: a Dataset (a sampler's data_source)
+    from torch.utils.data import Dataset
+
+    return isinstance(obj, Dataset)
+
+
+def _held(owner, wanted, depth: int = 3, breadth: int = 64) -> list:
+    """The objects for which `wanted` is true that `owner` holds up to `depth` attributes deep: in its attributes,
+    dicts, lists and tuples (a sampler wrapped in a sampler of one's own, generators kept in a dict), `breadth` of
+    each at most; never in modules, arrays or tensors, nor in an object that fails to be looked at (a dead weakref
+    proxy); not inside one found."""
     import types
 
     import numpy as np
 
-    rngs, seen, level = [], set(), [owner]
-    rng_types = (torch.Generator, random.Random, np.random.RandomState, np.random.Generator)
+    held, seen, level = [], set(), [owner]
     skip = (str, bytes, torch.Tensor, np.ndarray, types.ModuleType, type)
     for _ in range(depth + 1):
         found = []
@@ -81,8 +123,8 @@ def _held_rngs(owner, depth: int = 3, breadth: int = 64) -> list:
                 if id(obj) in seen or isinstance(obj, skip):
                     continue
                 seen.add(id(obj))
-                if isinstance(obj, rng_types):
-                    rngs.append(obj)
+                if wanted(obj):
+                    held.append(obj)
                 elif isinstance(obj, dict):
                     found += itertools.islice(obj.values(), breadth)
                 elif isinstance(obj, (list, tuple)):
@@ -92,7 +134,7 @@ def _held_rngs(owner, depth: int = 3, breadth: int = 64) -> list:
             except Exception:  # (ReferenceError: a weakref.proxy whose object is gone)
                 continue
         level = found
-    return rngs
+    return held
 
 
 def global_rng_states() -> list:

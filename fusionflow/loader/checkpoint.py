@@ -67,8 +67,9 @@ class Checkpoint:
         self._seed: int | None = None  # the augmentation seed drawn for a loader given none (`settled`)
         self._settled: tuple | None = None  # (a seedless configuration, it with that seed): `settled`
 
-    def set_epoch(self, epoch: int, sampler) -> None:
-        """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
+    def set_epoch(self, epoch: int, sampler, batch_sampler=None) -> None:
+        """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler) and to a batch sampler
+        of the caller's with a set_epoch of its own (a distributed or bucketing batch sampler)."""
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"epoch={epoch!r} must be a non-negative integer")
         if self.resume is not None and self.resume[1] and epoch != self.epoch:
@@ -92,8 +93,9 @@ class Checkpoint:
         if not (mid_epoch and epoch == self.epoch):  # (the loaded epoch's own number: still that state)
             self.loaded = None
         self.epoch, self.epoch_set = epoch, True
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
+        for owner in (sampler, batch_sampler) if batch_sampler is not sampler else (sampler,):
+            if callable(getattr(owner, "set_epoch", None)):
+                owner.set_epoch(epoch)
 
     def begin(self) -> tuple[int, EpochProgress]:
         """A new iteration: its epoch (the previous + 1 unless `set_epoch` was called) and its

@@ -108,6 +108,11 @@ def resolve_num_workers(num_workers, cores: int, notes: list, context=None) -> i
     check_context(context)
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
+    if context is not None and num_workers == 0:  # as DataLoader refuses it
+        raise ValueError(
+            f"multiprocessing_context={context!r} starts worker processes, but num_workers=0 loads in this process: "
+            "pass num_workers > 0, or leave multiprocessing_context unset"
+        )
     # under torchrun, this rank's part of the node's cores (the other ranks have workers), unless the launcher
     # already bound this process to fewer cores than the node has (then `cores` is its part)
     share = rank_cores(cores) if cores >= (os.cpu_count() or cores) else cores
@@ -346,7 +351,7 @@ def resolve_config(
     pinning = resolve_pinning(pin_memory, pin_memory_device, in_order, resolved, host, notes)
     policy = resolve_policy(policy)
     loose = dict(gpu_sharing=gpu_sharing, aot=aot, taas=taas, taas_last_k=taas_last_k, memory_bridge=memory_bridge)
-    dali = resolve_dali(accelerator, loose, device, resolved, num_workers, host, policy)  # a DaliAccelerator too
+    dali = resolve_dali(accelerator, loose, device, resolved, num_workers, host, policy, notes)  # a DaliAccelerator too
     note_unused_knobs(accelerator, loose, notes)
     if prefetch_factor is None and dali["accelerator"] is not None:
         prefetch = ACCELERATOR_PREFETCH  # the accelerator runs ahead: its shares of the next mini-batches

@@ -206,6 +206,7 @@ class WorkerIterator(EpochIterator):
         self._pending = None  # (slot, CUDA event) of the batch the caller holds on the GPU path
         self._first_seq = self._submitted = self._delivered = 0
         self._exhausted = False
+        self._drawing_failed: BaseException | None = None  # the sampler's error, raised once what it drew is delivered
 
     def _start(self) -> None:
         seed = self._checkpoint.base_seed(self.config)  # every epoch, as DataLoader's iterator draws one
@@ -231,13 +232,16 @@ class WorkerIterator(EpochIterator):
         """Submit the epoch's next mini-batches into the free ring slots; once the epoch has none
         left, offer the slots to the next epoch's speculation (persistent workers only)."""
         while self._slots and not self._exhausted:
-            item = next(self._work, None)
+            try:
+                item = next(self._work, None)
+                if item is not None:
+                    check_batch(item[0], self.config.capacity)
+            except Exception as exc:  # the batch sampler raised, or drew a batch refused: the batches drawn before it
+                self._drawing_failed, item = exc, None  # are delivered first, as without workers (then it raises)
             if item is None:
                 self._exhausted = True
                 break
-            indices, copies = item
-            check_batch(indices, self.config.capacity)
-            self._mgr.submit(self._submitted, self._gen, self._slots.take(), self.epoch, list(indices), copies)
+            self._mgr.submit(self._submitted, self._gen, self._slots.take(), self.epoch, list(item[0]), item[1])
             self._submitted += 1
         if self._exhausted and self._slots and self.config.persistent_workers:
             tail = EpochTail(self, self._mgr, self._gen, self._submitted, self.config, self.epoch)
@@ -254,7 +258,9 @@ class WorkerIterator(EpochIterator):
         to submit once a slot is free; None: the epoch has nothing left."""
         if self._delivered < self._submitted:
             return True
-        return None if self._exhausted else False
+        if self._exhausted:
+            return self._raise_drawing_failure()  # (None)
+        return False
 
     def wait_next(self):
         """The next mini-batch's filled ring state, its slot kept (neither copied out nor reused):
@@ -290,6 +296,7 @@ class WorkerIterator(EpochIterator):
             self._slots.give(slot)
             self._refill()
         if self._delivered >= self._submitted:
+            self._raise_drawing_failure()
             raise StopIteration
         t0 = time.perf_counter()
         if gpu is not None:
@@ -318,6 +325,12 @@ class WorkerIterator(EpochIterator):
         else:
             self._pending = (state.slot, event)
         return images_t, labels_t, objs
+
+    def _raise_drawing_failure(self) -> None:
+        """Every batch drawn is delivered: the sampler's error that ended the drawing, if one did, is raised now."""
+        if (failed := self._drawing_failed) is not None:
+            self._drawing_failed = None
+            raise failed
 
     def _end(self, finished: bool) -> None:
         self._ended = True

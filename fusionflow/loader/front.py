@@ -289,8 +289,9 @@ class FusionFlowLoader:
         return len(self.config.batch_sampler)
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler)."""
-        self.parts.checkpoint.set_epoch(epoch, self.config.sampler)
+        """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler), and to the batch sampler
+        where it has a set_epoch of its own."""
+        self.parts.checkpoint.set_epoch(epoch, self.config.sampler, self.config.batch_sampler)
         self.parts.next_epoch.on_set_epoch(epoch)
 
     def __iter__(self):

@@ -54,11 +54,13 @@ def unpack_accelerator(accelerator, loose: dict) -> tuple[Any, dict]:
     return arguments.pop("accelerator"), arguments
 
 
-def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_workers: int, host: Host, policy):
+def resolve_dali(
+    accelerator, loose: dict, device, resolved: torch.device, num_workers: int, host: Host, policy, notes: list
+):
     """The accelerator's LoaderConfig fields (accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge,
     bridge_why_off, dali_threads, dali_run_samples, dali_runs_in_flight) from the loader's `accelerator` -- a string
     form or a DaliAccelerator -- and its loose arguments (`loose`, by name): the object is resolved as the strings
-    it stands for."""
+    it stands for. DALI threads above this rank's cores are a note, as num_workers above them is."""
     given = accelerator if isinstance(accelerator, DaliAccelerator) else None
     accelerator, loose = unpack_accelerator(accelerator, loose)
     for name in ("aot", "taas", "taas_last_k"):  # as DaliAccelerator checks its own: 'false' is truthy
@@ -68,9 +70,14 @@ def resolve_dali(accelerator, loose: dict, device, resolved: torch.device, num_w
     accelerator = resolve_accelerator(accelerator, gpu_sharing, device, resolved, num_workers, host, policy, given)
     check_memory_bridge(memory_bridge, accelerator, gpu_sharing, device, given)
     why_off = bridge_off_reason(memory_bridge, accelerator)
-    threads = given.threads if given is not None else "auto"
+    threads, cores = (given.threads if given is not None else "auto"), rank_cores(host.cores())
     if threads == "auto":
-        threads = auto_threads(accelerator, rank_cores(host.cores()), num_workers)  # the node's other ranks too
+        threads = auto_threads(accelerator, cores, num_workers)  # the node's other ranks too
+    elif accelerator is not None and threads > cores:
+        notes.append(
+            f"{given!r}: threads={threads} exceeds this rank's {cores} CPU cores; DALI's threads then share cores "
+            f"(with the CPU workers too): use threads<={cores}, or threads='auto'"
+        )
     depth = given.runs_in_flight if given is not None else "auto"
     return {
         **loose,
