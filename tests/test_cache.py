@@ -270,6 +270,61 @@ def test_two_loaders_and_another_process_share_one_cache():
     assert not pid_alive(pid), "the keeper outlived its last loader's close()"
 
 
+def test_closing_one_loader_leaves_another_loaders_lock_on_the_shared_cache_held(monkeypatch):
+    """Two loaders of one process on one cache hold two descriptors of its segment, and closing either drops every
+    record lock the process holds on it. A thread of the other loader that took the lock between the closing
+    loader's store.close() and its descriptor's close lost it inside its section (another process could enter).
+    The test holds the closing thread in that gap until the other thread is inside, or for 2 s: with the fix, the
+    other thread cannot enter before the descriptor is closed."""
+    import threading
+
+    from fusionflow.cache import record_lock
+
+    kw = dict(batch_size=8, num_workers=0, policy=SMALL, cache=cache())
+    a, b = FusionFlowLoader(Indexed(), **kw), FusionFlowLoader(Indexed(), **kw)
+    next(iter(a)), next(iter(b))
+    a_store, fd = a.parts.runtime.cache_attachment.store, b.parts.runtime.cache_attachment.store.fd
+    in_gap, inside, leave = threading.Event(), threading.Event(), threading.Event()
+    real_close = CacheStore.close
+
+    def close_then_linger(store):
+        real_close(store)
+        if store is a_store:  # the gap a preempted close() leaves
+            in_gap.set()
+            inside.wait(2.0)
+
+    monkeypatch.setattr(CacheStore, "close", close_then_linger)
+
+    def in_bs_section():
+        assert in_gap.wait(60)
+        with record_lock.locked(fd, 60.0):
+            inside.set()
+            leave.wait(60)
+
+    probe = textwrap.dedent(f"""
+        import fcntl, os
+        fd = os.open('/proc/{os.getpid()}/fd/{fd}', os.O_RDWR)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0, 0)
+            print('taken')
+        except OSError:
+            print('held')
+    """)
+    section, closing = threading.Thread(target=in_bs_section), threading.Thread(target=a.close)
+    section.start()
+    closing.start()
+    try:
+        assert inside.wait(60)
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+        assert out.stdout.strip() == "held", out.stdout + out.stderr
+    finally:
+        leave.set()
+        section.join(60)
+        closing.join(60)
+    assert not closing.is_alive()
+    b.close()
+
+
 def test_an_unpicklable_dataset_gets_a_cache_of_its_own():
     with FusionFlowLoader(
         Unpicklable(), batch_size=8, num_workers=2, policy=SMALL, cache=cache(), multiprocessing_context="fork"
@@ -668,7 +723,9 @@ def test_a_stopped_lock_holder_costs_a_fill_not_the_run(monkeypatch):
 def test_a_stopped_lock_holder_is_seen_and_not_waited_for(monkeypatch):
     """A paused job's worker (SIGSTOP) holding the record lock of a cache it shares: another job's miss used to wait
     LOCK_S (10 s) on every miss, its attach 10 s more. The holder is looked up (F_GETLK) and seen stopped: the fill
-    is given up at once and none is tried for FILL_BACKOFF_S, the sample made uncached; counting rows gives up too."""
+    is given up at once and none is tried for FILL_BACKOFF_S, counting rows gives up too. A sample missed in the
+    back-off is rendered as its entry will hold it (it went down the uncached path: other pixels than every later
+    epoch's, session 48)."""
     from fusionflow.cache import reader as reader_module
     from fusionflow.cache import record_lock
 
@@ -683,15 +740,38 @@ def test_a_stopped_lock_holder_is_seen_and_not_waited_for(monkeypatch):
         pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
         t0 = time.monotonic()
         assert pipe(JPEGS[0], 0, 0, 0).shape == (3, 32, 32)
-        assert pipe(JPEGS[1], 1, 0, 0).shape == (3, 32, 32)  # within the back-off: no fill tried
+        in_back_off = pipe(JPEGS[1], 1, 0, 0)  # within the back-off: no fill tried
         with pytest.raises(TimeoutError, match="stopped process"):
             store.claim_rows(2, os.getpid())
         assert time.monotonic() - t0 < record_lock.LOCK_S / 2  # (a generous bound: each wait ends after ~0.1 s)
         assert claims == [0] and store.counts([])["entries"] == 0
     monkeypatch.setattr(reader_module, "FILL_BACKOFF_S", 0.0)
     pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
-    pipe(JPEGS[1], 1, 0, 0)  # the holder gone: filled
+    assert np.array_equal(pipe(JPEGS[1], 1, 0, 0), in_back_off)  # the holder gone: filled, the same pixels
     assert store.counts([])["entries"] == 1
+    assert np.array_equal(pipe(JPEGS[1], 1, 0, 0), in_back_off)  # and read back
+    store.close()
+    os.close(fd)
+
+
+def test_a_sample_another_process_is_filling_is_rendered_as_its_entry_will_hold_it():
+    """Two loaders on one cache (or one with repeated augmentation) miss the same sample at once: the one that does
+    not fill it took the uncached path, so a run with fill_share=None and room for the whole set did not repeat
+    (session 48's sweep: 1-19 of 48 samples of a first epoch). It renders from the cache's resolution now."""
+    from fusionflow.cache import store as st
+    from fusionflow.ops.cached import decode_reduced
+
+    fd = keeper.segment(None)
+    store = CacheStore.create(fd, len(JPEGS), 64 << 20, MAX_SIDE)
+    img, source = decode_reduced(JPEGS[3], MAX_SIDE)
+    view = store.claim(3, img.shape, source, st.content_key(JPEGS[3]), 1)  # "another" live process writes it
+    pipe = CpuPipeline(SMALL, cache=CacheReader(store, None))
+    while_written = pipe(JPEGS[3], 3, 0, 0)
+    view[...] = img
+    store.publish(3)
+    assert store.get(3, st.content_key(JPEGS[3])) is not None
+    assert np.array_equal(pipe(JPEGS[3], 3, 0, 0), while_written)
+    assert not np.array_equal(CpuPipeline(SMALL)(JPEGS[3], 3, 0, 0), while_written)  # (the uncached path's differ)
     store.close()
     os.close(fd)
 
@@ -1017,3 +1097,22 @@ def test_an_image_folder_s_fingerprint_moves_when_a_file_is_rewritten_at_the_sam
         f.write(data[:-1] + bytes([data[-1] ^ 1]))  # the same length, other bytes
     os.utime(ds.paths[0], ns=(time.time_ns(), os.stat(ds.paths[0]).st_mtime_ns + 10**9))
     assert fingerprint(ImageFolder(root)) != fingerprint(ds)
+
+
+def test_one_folder_spelled_another_way_is_one_cache(tmp_path, monkeypatch):
+    """ImageFolder("f"), ImageFolder("/abs/f") and a symlink to it each found a cache of their own (the paths
+    were the key): the node held and filled the same images three times. The files, not their spelling, key it;
+    a copy of the folder is other files."""
+    import shutil
+
+    from fusionflow import ImageFolder
+    from fusionflow.cache.attach import fingerprint
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), 2, 3, min_side=40, max_side=80, seed=3)
+    os.symlink(root, tmp_path / "link")
+    monkeypatch.chdir(tmp_path)
+    keys = {fingerprint(ImageFolder(p)) for p in (root, "f", "link", str(tmp_path / "link"))}
+    assert len(keys) == 1
+    shutil.copytree(root, tmp_path / "copy")
+    assert fingerprint(ImageFolder("copy")) not in keys

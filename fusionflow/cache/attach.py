@@ -17,7 +17,7 @@ import os
 import pickle
 import time
 
-from fusionflow.cache import keeper
+from fusionflow.cache import keeper, record_lock
 from fusionflow.cache.config import DecodedCache
 from fusionflow.cache.store import R_PACE, ROWS, CacheStore, segment_bytes
 from fusionflow.datasets.wrappers import ReadAhead
@@ -226,9 +226,10 @@ class CacheAttachment:
         crops, self.crops = self.crops, None
         for part in (store, crops):
             if part is not None:
-                fd = part.fd
-                part.close()
-                os.close(fd)
+                with record_lock.threads():  # closing any descriptor of the segment drops this process's record
+                    fd = part.fd  # lock on it: never while another loader's thread here holds it
+                    part.close()
+                    os.close(fd)
         if self.link is not None:
             self.link.close()
 

@@ -76,9 +76,12 @@ class CacheReader:
             row[st.R_SAVED_NS] += decode_ns
             return img, source, True
         row[st.R_MISSES] += 1
-        if self._fill_after and time.perf_counter_ns() < self._fill_after:
-            return None
-        if not self.store.wants(index) or not self._may_fill():
+        backing_off = self._fill_after and time.perf_counter_ns() < self._fill_after
+        if self.store.being_written(index) or (backing_off and self.store.wants(index)):
+            # another process fills it (or this one would, but for the lock): rendered as the entry will hold it, so
+            # its pixels are every later epoch's (the uncached path's differ within the cache's bound)
+            return (*decode_reduced(data, self.max_side, what, max_pixels), False)
+        if backing_off or not self.store.wants(index) or not self._may_fill():
             return None
         t0 = time.perf_counter_ns()
         img, source = decode_reduced(data, self.max_side, what, max_pixels)

@@ -196,6 +196,12 @@ class CacheStore:
         nbytes = int(e[E_NBYTES])
         return state != PASSED or self._admits(int(e[E_DECODE_NS]) / max(1, nbytes), nbytes)
 
+    def being_written(self, index: int) -> bool:
+        """Whether a live process is writing sample `index`'s entry (read without the lock): it will hold the sample
+        at the cache's resolution, as every later epoch reads it."""
+        e = self.entries[index]
+        return int(e[E_STATE]) == WRITING and pid_alive(int(e[E_PID]))
+
     # ------------------------------------------------------------------ filling (under the lock)
     def claim(self, index: int, shape, source, content: int, decode_ns: int):
         """Room for sample `index`'s decoded image of `shape` (h, w, 3): the arena view to write it into

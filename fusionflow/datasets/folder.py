@@ -51,7 +51,7 @@ class ImageFolder:
                 UserWarning,
                 stacklevel=2,
             )
-        self._content = _content_of(self.paths, stats, self.targets, self._base)
+        self._content = _content_of(stats, self.targets)
 
     @classmethod
     def of_samples(cls, root: str, samples, classes) -> ImageFolder:
@@ -63,16 +63,17 @@ class ImageFolder:
         self.targets = [int(t) for _, t in samples]
         stats = [os.stat(p) for p in self.paths]
         self.sizes = [st.st_size for st in stats]
-        self._content = _content_of(self.paths, stats, self.targets, self._base)
+        self._content = _content_of(stats, self.targets)
         return self
 
     def fingerprint(self) -> str:
-        """What identifies these samples across processes (the decoded-image cache's key): every file's path, size,
-        modification time and class, as scanned. A file rewritten since, even at the same length, makes another."""
+        """What identifies these samples across processes (the decoded-image cache's key): every file (its device and
+        inode, not its path's spelling), size, modification time and class, as scanned. A file rewritten since, even
+        at the same length, makes another."""
         content = getattr(self, "_content", None)  # (a subclass that skipped the scan: its files read now)
         if content is None:
             files = [self._file(i) for i in range(len(self.paths))]
-            content = _content_of(self.paths, [os.stat(p) for p in files], self.targets, getattr(self, "_base", ""))
+            content = _content_of([os.stat(p) for p in files], self.targets)
         return f"{len(self.paths)}:{content}"
 
     def __len__(self) -> int:
@@ -99,12 +100,12 @@ def _cwd() -> str:
         return ""
 
 
-def _content_of(paths, stats, targets, base: str) -> str:
-    """A digest of every file's path (relative ones from `base`: another directory's are other files), size,
-    modification time and class."""
-    base = base if any(not os.path.isabs(p) for p in paths) else ""  # (absolute ones: one cache from anywhere)
-    lines = [f"{base}\n"] + [
-        f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n" for path, st, target in zip(paths, stats, targets)
+def _content_of(stats, targets) -> str:
+    """A digest of every file's identity (device and inode: one file however its path is spelled -- relative,
+    absolute, through a symlink -- and another directory's files are other files), size, modification time and
+    class, in the samples' order."""
+    lines = [
+        f"{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{target}\n" for st, target in zip(stats, targets)
     ]
     return hashlib.sha256("".join(lines).encode("utf-8", "surrogateescape")).hexdigest()
 
