@@ -608,6 +608,34 @@ def test_a_run_given_up_during_its_read_is_dropped_quietly(monkeypatch, no_leaks
     assert "accelerator failed" not in caplog.text and "StopIteration" not in caplog.text
 
 
+def test_a_pause_of_the_whole_process_does_not_retire_the_accelerator(monkeypatch, no_leaks, caplog):
+    """The whole job stopped and resumed (SLURM's `scontrol suspend`, a paused VM) with a DALI run in flight: the
+    manager's next turn found the run past the stall bound and retired the accelerator for the rest of the training
+    (session 47 moved on the CPU workers' clocks only). Played here by a read past a 1 s bound while every turn of
+    the manager counts as a pause (PAUSED_S 0): the run's clock skips the time lost, so it is not given up. The
+    same read without a pause retires it (test_a_run_given_up_during_its_read_is_dropped_quietly)."""
+    import threading
+    import types
+
+    from fusionflow.accel import accelerator as acc
+    from fusionflow.accel.input_helpers import RunSource
+    from fusionflow.runtime import stuck
+
+    monkeypatch.setattr(acc, "liveness", types.SimpleNamespace(stuck_bound=lambda mean: 1.0))
+    monkeypatch.setattr(stuck, "PAUSED_S", 0.0)
+    real, slow = RunSource.read, threading.Event()
+
+    def read(self, group):
+        if not slow.is_set():
+            slow.set()
+            time.sleep(3.0)  # past the bound, and "paused" through
+        return real(self, group)
+
+    monkeypatch.setattr(RunSource, "read", read)
+    s = one_logged_epoch(caplog)
+    assert slow.is_set() and s.accelerator_retired is None and s.accelerator_samples > 0
+
+
 def test_runs_given_up_between_the_choice_to_collect_and_the_collect_are_dropped_quietly(monkeypatch, no_leaks, caplog):
     """The manager thread's `watch` gives every run in flight up after the accelerator thread chose to collect the
     oldest and before its collect looked at it (the thread had let the board's lock go): the collect finds nothing

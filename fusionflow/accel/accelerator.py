@@ -171,11 +171,17 @@ class AcceleratorWorker:
     def retired(self) -> str | None:  # why the accelerator stopped taking work, once it has
         return self.ledger.retired
 
-    def watch(self, now: float) -> None:
+    def watch(self, now: float, lost: float = 0.0) -> None:
         """Under board.cond, from the manager thread each turn: the oldest run in flight past the stall bound
         (the CPU workers' stuck bound, runtime/liveness.py, over the mean run time from take to outputs:
         DALI hung, or a read that never returns, and this thread blocked) retires the accelerator and
-        gives every run in flight to the CPU workers; outputs that come later are dropped."""
+        gives every run in flight to the CPU workers; outputs that come later are dropped. `lost`: seconds this
+        process did not run (the whole job stopped, runtime/stuck.py): the runs' clocks skip them, so a pause
+        neither retires it nor reads as a slow run to the split."""
+        if lost:
+            self._active[:] = [(group, taken + lost, *rest) for group, taken, *rest in self._active]
+            self._last_done += lost if self._last_done else 0.0
+            self._collecting = None if self._collecting is None else self._collecting + lost
         waited = now - self._active[0][1] if self._active else 0.0
         if self.retired or self._writing or waited <= liveness.stuck_bound(self._run_seconds):
             return
@@ -359,7 +365,7 @@ class AcceleratorWorker:
         with self.board.cond:  # `_writing` ends with the run accounted: `watch` must not give up a run that landed
             self._writing = False
             self.counters.accelerator_land_cpu_seconds += land
-            self._active.pop(0)
+            started = self._active.pop(0)[1]  # (as `watch` moved it on past a pause of this process)
             took = now - started
             self._run_seconds = 0.8 * self._run_seconds + 0.2 * took if self._run_seconds else took
             if self.shares is not None:  # the completion interval: from the later of the last completion and its start

@@ -108,14 +108,15 @@ class Board:
             kinds, self.kinds, self._kinds_stopped = self.kinds, [], True
         run_every(*(kind.stop for kind in reversed(kinds)))  # each stops, whatever an earlier one raised
 
-    def watch_kinds(self, now: float) -> None:
-        """(lock held; the manager thread, each turn) Each registered kind's `watch(now)`, where it has one:
+    def watch_kinds(self, now: float, lost: float = 0.0) -> None:
+        """(lock held; the manager thread, each turn) Each registered kind's `watch(now, lost)`, where it has one:
         a kind whose own thread can block where it cannot notice (the DALI accelerator in DALI) bounds
-        itself there."""
+        itself there; `lost`: seconds this process did not run since the last turn (runtime/stuck.py Pauses), which
+        its clocks skip."""
         for kind in self.kinds:
             watch = getattr(kind, "watch", None)
             if watch is not None:
-                watch(now)
+                watch(now, lost)
 
     def watch_stale(self, part) -> None:
         """Let `draining()` ask `part.busy_with_stale(generation)` too: a part that takes work from this

@@ -155,7 +155,7 @@ class LocalManager:
         """Block until mini-batch `seq` is complete; restarts dead workers meanwhile."""
         if os.getpid() != self.pid:  # before its lock: another thread may have held it at the fork
             raise FusionFlowError(
-                f"mini-batch {seq} cannot arrive in this process: the iteration runs on the workers of process "
+                f"the next mini-batch cannot arrive in this process: the iteration runs on the workers of process "
                 f"{self.pid}, which forked this one; a new iteration here (iter(loader)) starts workers of its own"
             )
         deadline = None if not timeout else time.monotonic() + timeout
@@ -178,14 +178,14 @@ class LocalManager:
                 raise self.fatal
             if self._closed:
                 raise FusionFlowError(
-                    f"mini-batch {seq} cannot arrive: the loader's workers were shut down during this iteration "
+                    "the next mini-batch cannot arrive: the loader's workers were shut down during this iteration "
                     "(close(), load_state_dict with a new seed, or a newer iter(loader) that ran to its end: without "
                     "persistent_workers an epoch's end stops them; iterate one epoch at a time)"
                 )
             state = board.queue.batches.get(key)
             if state is None:
                 raise FusionFlowError(
-                    f"mini-batch {seq} of this iterator is no longer tracked: a newer "
+                    "the next mini-batch of this iterator is no longer tracked: a newer "
                     "iter(loader) abandoned it (iterate one epoch at a time)"
                 )
             if state.error is not None:
@@ -314,8 +314,9 @@ class LocalManager:
                 agent.serving()  # the listener is in every wait below from now on
             while not self._closed:
                 with board.cond:
-                    stuck.kill_stuck(self.pool, agent, board.counters, self._pauses)
-                    board.watch_kinds(time.monotonic())
+                    lost = self._pauses.lost(now := time.monotonic())  # (the whole job stopped: nobody's fault)
+                    stuck.kill_stuck(self.pool, agent, board.counters, lost)
+                    board.watch_kinds(now, lost)
                     if not board.draining():
                         self.pool.rerun_stragglers(time.monotonic())
                     self._dispatch()

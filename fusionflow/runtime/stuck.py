@@ -15,7 +15,8 @@ that nothing else would ever end (runtime/liveness.py holds the bounds; this mod
 A turn PAUSED_S or more after the one before means this process itself did not run: the whole job was stopped
 (SLURM's `scontrol suspend` sends SIGSTOP to every process of it; a paused VM), its workers with it.
 The time lost is added to every worker's and guest's clocks (`Pauses`), so no worker is killed at the resume for a
-pause it took no part in (each busy one was, a death against its samples' max_retries).
+pause it took no part in (each busy one was, a death against its samples' max_retries); the worker kinds are told it
+too (runtime/board.py `watch_kinds`: the accelerator's runs in flight were given up as stalled, and it retired).
 """
 
 from __future__ import annotations
@@ -48,10 +49,11 @@ class Pauses:
         return 0.0 if last is None or now - last < PAUSED_S else now - last
 
 
-def kill_stuck(pool, agent, counters, pauses: Pauses) -> None:
-    """(lock held) One turn of the checks above over `pool`'s workers and `agent`'s guests (None: no lending)."""
+def kill_stuck(pool, agent, counters, lost: float) -> None:
+    """(lock held) One turn of the checks above over `pool`'s workers and `agent`'s guests (None: no lending);
+    `lost`: the seconds this process did not run since the last turn (`Pauses.lost`)."""
     now = time.monotonic()
-    if lost := pauses.lost(now):
+    if lost:
         _forgive(pool, agent, lost)
     for w in pool.workers:
         if w is None or not w.alive or w.process is None or w.lost is not None:
