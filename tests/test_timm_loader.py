@@ -449,6 +449,32 @@ def test_worker_seeding_callable_and_part(folder):
     assert random.random() == random.Random(7).random()
 
 
+def _draws_in_its_worker(root):
+    """A timm dataset that draws from numpy and random as it reads (its target: the draws)."""
+    from timm.data.dataset import ImageDataset
+
+    class Draws(ImageDataset):
+        def __getitem__(self, i):
+            image, _ = super().__getitem__(i)
+            return image, int(np.random.randint(1000)) * 1000 + random.randint(0, 999)
+
+    return Draws(root)
+
+
+@pytest.mark.parametrize("seeding", ["all", "part"])
+def test_worker_seeding_gives_each_epoch_new_draws_without_persistent_workers(folder, seeding):
+    """timm seeds numpy in each worker from the worker's seed, new each epoch (the epoch's base seed + id). Ours
+    reseeded random, torch and numpy from one seed fixed at create_loader: without persistent workers, what a dataset
+    drew in its workers came again every epoch (1 of 3 epochs distinct at 1 worker)."""
+    ds = _draws_in_its_worker(folder)
+    kw = dict(is_training=False, num_workers=1, persistent_workers=False, device=CPU, worker_seeding=seeding)
+    loader = create_loader(ds, SIZE, len(ds), **kw)
+    with loader.fusionflow:
+        epochs = [tuple(next(iter(loader))[1].tolist()) for _ in range(3)]
+    numpys, randoms = {tuple(t // 1000 for t in e) for e in epochs}, {tuple(t % 1000 for t in e) for e in epochs}
+    assert len(numpys) == len(randoms) == 3, epochs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["timm", "torchvision"])
 @pytest.mark.parametrize("repeats", [0, 3])

@@ -227,9 +227,11 @@ def build_sampler(dataset, a: TimmArguments):
 
 
 class WorkerSeeding:
-    """timm's `worker_seeding` in a FusionFlow worker: 'all' seeds random, torch and numpy from the
-    worker's seed (the loader's seed + worker id, as DataLoader's base seed + id), 'part' random and
-    torch only, a callable gets an object with `id`, `seed`, `num_workers`, `dataset` and returns the seed."""
+    """timm's `worker_seeding` in a FusionFlow worker, as timm's worker init: 'all' seeds numpy from the worker's
+    seed (get_worker_info().seed: the epoch's base seed + id, new each epoch, as DataLoader's; random and torch are
+    seeded from it at the worker's start), 'part' leaves numpy alone, a callable gets the worker's info (`id`,
+    `seed`, `num_workers`, `dataset`) and returns the seed random, torch and numpy take. Outside a worker (no
+    worker info) the seed is the loader's seed + worker id."""
 
     def __init__(self, mode, seed: int, num_workers: int, then=None):
         if not callable(mode) and mode not in ("all", "part"):
@@ -238,15 +240,21 @@ class WorkerSeeding:
         self.then = then  # a worker_init_fn given among create_loader's extra keywords: called after the seeding
 
     def __call__(self, worker_id: int) -> None:
-        seed = (self.seed + worker_id) % 2**63
-        if callable(self.mode):  # timm passes torch's WorkerInfo: the dataset too (the worker's get_worker_info's)
-            from types import SimpleNamespace
+        from types import SimpleNamespace
 
-            info = torch.utils.data.get_worker_info()
-            dataset = info.dataset if info is not None else None
-            seed = self.mode(SimpleNamespace(id=worker_id, seed=seed, num_workers=self.num_workers, dataset=dataset))
-        random.seed(seed)
-        torch.manual_seed(seed)
+        info = torch.utils.data.get_worker_info()
+        if info is None:  # (not in a worker: seeded as one with the loader's seed would be)
+            info = SimpleNamespace(id=worker_id, seed=(self.seed + worker_id) % 2**63, num_workers=self.num_workers)
+            info.dataset = None
+            random.seed(info.seed)
+            torch.manual_seed(info.seed)
+        seed = info.seed
+        if callable(self.mode):  # timm passes torch's WorkerInfo: the dataset too (the worker's get_worker_info's)
+            seed = self.mode(
+                SimpleNamespace(id=worker_id, seed=seed, num_workers=self.num_workers, dataset=info.dataset)
+            )
+            random.seed(seed)
+            torch.manual_seed(seed)
         if self.mode != "part":
             np.random.seed(seed % (2**32 - 1))
         if self.then is not None:
