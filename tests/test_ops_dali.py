@@ -29,7 +29,9 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 #  - Rotate: nearest-neighbour sampling rounds differently from Pillow's rotate on a few pixels
 #    whose source coordinate lands within float error of a pixel boundary;
 #  - AutoContrast: x * scale - lo * scale in float32 vs Pillow's LUT in double, one level on rare pixels;
-#  - Equalize: DALI's histogram equalisation rounds its LUT differently from Pillow's.
+#  - Equalize: DALI's is OpenCV's equalizeHist (a value goes to its inclusive CDF, rescaled past the lowest level's
+#    count); Pillow's and torchvision's take the CDF below the value, rescaled without the highest level's count. The
+#    synthetic IMAGES keep within these bounds; photo-like ones do not (test_dali_equalize_on_photo_like_images).
 DEFAULT_TOL = (0, 0.0, 0.0)
 TOLERANCE = {"Rotate": (0, 0.01, 1.0), "AutoContrast": (1, 0.0, 0.02), "Equalize": (24, 0.0, 3.0)}
 # On the GPU, DALI's kernels contract multiply-adds (FMA): a nearest-neighbour source coordinate
@@ -70,6 +72,24 @@ def test_dali_cpu_op_matches_cpu_op(name, value):
 def test_dali_bilinear_and_gray_fill(name, value):
     style = DaliStyle(interpolation="bilinear", fill=(128, 128, 128), device="cpu")
     check(name, value, style, BILINEAR_TOL)
+
+
+def test_dali_equalize_on_photo_like_images_stays_within_its_stated_gap():
+    """The gap the accelerator's Equalize leaves on decoded JPEGs (the synthetic IMAGES hide it): a mean of 4.4 levels
+    and 3.4% of pixels past 24 on these 16 (up to 12 levels on one image), where the op left out scores 32 and 57%.
+    docs/status.md states it for users."""
+    import io
+
+    from PIL import Image
+
+    photos = [
+        np.array(Image.open(io.BytesIO(d)).convert("RGB").resize((224, 224))) for d in make_jpegs(16, 200, 1000, 1)
+    ]
+    ours = run_dali_op("Equalize", 0.0, DaliStyle(device="cpu"), photos).astype(int)
+    ref = run_cpu_op("Equalize", 0.0, DaliStyle(), photos).astype(int)
+    diff = np.abs(ours - ref)
+    assert diff.mean() <= 6.0 and (diff > 24).mean() <= 0.06, (diff.mean(), (diff > 24).mean())
+    assert np.abs(np.stack(photos).astype(int) - ref).mean() > 20.0  # the bound tells an equalised image from none
 
 
 def test_every_op_has_a_dali_impl_or_says_it_has_none():
