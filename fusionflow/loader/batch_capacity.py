@@ -99,10 +99,16 @@ def _is_rng(obj) -> bool:  # a random generator whose state a pass may advance
     return isinstance(obj, (torch.Generator, random.Random, np.random.RandomState, np.random.Generator))
 
 
-def _is_dataset(obj) -> bool:  # what a sampler reads and a pass never changes: a Dataset (a sampler's data_source)
-    from torch.utils.data import Dataset
+def _is_dataset(obj) -> bool:
+    """What a sampler reads and a pass never changes: a torch Dataset (a sampler's data_source), or anything else
+    indexed with a length that is no sampler nor builtin container (a Hugging Face dataset)."""
+    from torch.utils.data import Dataset, Sampler
 
-    return isinstance(obj, Dataset)
+    if isinstance(obj, Dataset):
+        return True
+    kind = type(obj)
+    indexed = callable(getattr(kind, "__getitem__", None)) and callable(getattr(kind, "__len__", None))
+    return indexed and not isinstance(obj, (Sampler, list, tuple, dict, range, str, bytes, bytearray, memoryview))
 
 
 def _held(owner, wanted, depth: int = 3, breadth: int = 64) -> list:

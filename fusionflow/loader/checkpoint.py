@@ -60,6 +60,7 @@ class Checkpoint:
         self.epoch, self.epoch_set, self.iterations = 0, False, 0
         self.resume: tuple | None = None  # (sampler state, batches to skip) for the next iteration
         self.abandoned: tuple | None = None  # a loaded epoch left by set_epoch: (its order's state, _drawn)
+        self._begun_pending = False  # an iteration began with `resume` pending (one dropped before its first next())
         self._drawn: tuple = (1, False)  # the loaded epoch's batches drawn and whether all were (`_redraw`)
         self.current: EpochProgress | None = None  # the newest iteration's progress, if an epoch is in progress
         self.loaded: dict | None = None  # the state load_state_dict took, while nothing has moved since
@@ -98,11 +99,12 @@ class Checkpoint:
                 owner.set_epoch(epoch)
 
     def begin(self) -> tuple[int, EpochProgress]:
-        """A new iteration: its epoch (the previous + 1 unless `set_epoch` was called) and its
-        progress, which becomes the current one (an epoch is in progress from iter() on)."""
-        if self.iterations and not self.epoch_set:
+        """A new iteration: its epoch (the previous + 1 unless `set_epoch` was called, or a loaded state's resume is
+        still pending: an iterator made and dropped before its first next() took none of it) and its progress, which
+        becomes the current one (an epoch is in progress from iter() on)."""
+        if self.iterations and not self.epoch_set and not (self.resume is not None and self._begun_pending):
             self.epoch += 1
-        self.epoch_set, self.loaded = False, None
+        self.epoch_set, self.loaded, self._begun_pending = False, None, self.resume is not None
         self.iterations += 1
         start, yielded = self.resume if self.resume is not None else (None, 0)
         self.current = EpochProgress(yielded=yielded or 0, start=start)
@@ -235,7 +237,7 @@ class Checkpoint:
         if yielded is None and saved.get("kind") == "epoch":  # between epochs: the sampler's epoch now, and a
             order_owner(batch_sampler, sampler)[0].set_epoch(saved["epoch"])  # set_epoch after it wins, as a script's
             saved = None
-        self.resume, self.abandoned = (saved, yielded), None  # yielded None: a state between epochs
+        self.resume, self.abandoned, self._begun_pending = (saved, yielded), None, False  # yielded None: between epochs
         drawn = state.get("batches_drawn")  # absent from a state saved before session 41: at least the batches
         self._drawn = tuple(drawn) if drawn is not None else (max(1, yielded or 0), False)  # yielded were drawn
         self.current, self.loaded = None, copy.deepcopy(state)
@@ -285,3 +287,23 @@ def validate(state, shape: dict) -> None:
             raise ValueError(f"the state has no {key!r}: pass what loader.state_dict() returned, whole")
         if not valid:
             raise ValueError(f"state[{key!r}]={state[key]!r} must be {must}: pass what loader.state_dict() returned")
+
+
+def policy_digest(policy) -> str:
+    """What a state says of the policy that made its pixels (not where the policy was read from, nor its name)."""
+    import dataclasses
+    import hashlib
+
+    return hashlib.sha256(repr(dataclasses.replace(policy, name="", source="")).encode()).hexdigest()[:16]
+
+
+def warn_if_other_policy(state: dict, policy) -> None:
+    """A state saved by a loader with another policy (a state of before session 48 says none): resumed, with a
+    warning -- the order is the saved run's, the pixels this policy's (a progressive resize changes it on purpose)."""
+    if state.get("policy", policy_digest(policy)) != policy_digest(policy):
+        warnings.warn(
+            "the state was saved by a loader with another policy: the remaining batches are the saved run's samples, "
+            "their pixels this loader's policy's (build the loader with the saved run's policy to repeat them)",
+            UserWarning,
+            stacklevel=3,
+        )

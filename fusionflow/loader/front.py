@@ -15,6 +15,7 @@ import warnings
 from torch.utils.data import Sampler
 
 from fusionflow.accel.config import DaliAccelerator
+from fusionflow.loader.checkpoint import policy_digest, warn_if_other_policy
 from fusionflow.loader.config import resolve_config
 from fusionflow.loader.dataset import AdoptedTransform, adopt_folder
 from fusionflow.loader.delivery import warn_if_unsharded
@@ -329,7 +330,10 @@ class FusionFlowLoader:
         `set_epoch` is called after the `break`, a state starts that epoch from its first batch, as the loader will."""
         cfg = self.config
         # (an epoch's start draws its base seed before the sampler draws: runtime/spec.py base_seed)
-        return self.parts.checkpoint.state_dict(self._shape(), self.seed, cfg.batch_sampler, cfg.sampler, cfg.generator)
+        state = self.parts.checkpoint.state_dict(
+            self._shape(), self.seed, cfg.batch_sampler, cfg.sampler, cfg.generator
+        )
+        return {**state, "policy": policy_digest(cfg.policy)}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from `state_dict()`: the next iteration continues where that loader was. The state's
@@ -337,6 +341,7 @@ class FusionFlowLoader:
         over a dataset of the same length with the same batch_size, drop_last and kind of sampler."""
         cfg = self.config
         self.parts.checkpoint.load_state_dict(state, self._shape(), cfg.batch_sampler, cfg.sampler)
+        warn_if_other_policy(state, cfg.policy)
         self.parts.next_epoch.discard()
         seed = state["seed"]
         if seed is None:  # saved before any epoch started: none drawn yet (this loader draws its own anew)

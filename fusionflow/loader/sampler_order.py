@@ -16,7 +16,8 @@ before `iter()`, was the previous epoch's count, and the loader skips what it yi
   * "generator": the sampler has a `generator` attribute holding a torch.Generator (RandomSampler,
     SubsetRandomSampler, WeightedRandomSampler with generator=...): its state is recorded.
   * "epoch": the sampler has `set_epoch` and an `epoch` attribute (DistributedSampler): its order
-    is a function of (its seed, epoch), which is recorded and set again.
+    is a function of (its seed, epoch), which is recorded and set again; so is a batch sampler of the caller's
+    with both (a bucketing one) over a sampler without.
   * "none": anything else (SequentialSampler, a custom sampler without state_dict) must yield the
     same order every time it is iterated in the same state. A sampler that draws from torch's global
     RNG cannot be resumed exactly: give it a `generator` attribute or a `state_dict`/`load_state_dict`.
@@ -55,11 +56,17 @@ def _position_only(sampler) -> bool:
     return isinstance(state, dict) and set(state) <= POSITION_KEYS
 
 
+def _epoch_ordered(obj) -> bool:
+    return callable(getattr(obj, "set_epoch", None)) and isinstance(getattr(obj, "epoch", None), int)
+
+
 def order_owner(batch_sampler, sampler):
     """The object whose state decides the epoch's order, and how it is captured (see the module doc)."""
     if _stateful(batch_sampler):
         return batch_sampler, "state_dict"
-    epoch_ordered = callable(getattr(sampler, "set_epoch", None)) and isinstance(getattr(sampler, "epoch", None), int)
+    epoch_ordered = _epoch_ordered(sampler)
+    if _epoch_ordered(batch_sampler) and not epoch_ordered:  # a bucketing or distributed batch sampler of one's own
+        return batch_sampler, "epoch"  # (not recorded until session 48: a resume replayed epoch 0's order)
     if epoch_ordered and isinstance(sampler, DistributedSampler) and _position_only(sampler):  # its order is (seed,
         return sampler, "epoch"  # epoch)'s; its state_dict, its place in it (torchdata's StatefulDistributedSampler)
     if _stateful(sampler):
