@@ -275,3 +275,82 @@ def test_a_job_stopped_as_a_whole_and_resumed_kills_no_worker(tmp_path):
     got = json.loads(out.strip().splitlines()[-1])
     assert got["labels"] == list(range(24))
     assert got["stuck"] == 0 and got["restarts"] == 0, (got, err[-2000:])
+
+
+class _PausingCond:
+    """A board's lock whose waits play the whole job stopped once (its clock jumps 30 s), then end the thread."""
+
+    def __init__(self, clock, kind):
+        self.clock, self.kind, self.waits = clock, kind, 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def wait(self, timeout):
+        self.waits += 1
+        self.clock[0] += 30.0 if self.waits == 1 else timeout
+        if self.waits > 1:
+            self.kind._stopped = True
+
+
+def test_a_job_stopped_as_a_whole_keeps_its_ray_gateway(monkeypatch):
+    """The Ray kind's feeding thread waits a second at a time: a wait that took 30 s means the whole job was
+    stopped (its gateway with it). The gateway's silence and its tiny-batches' time away counted the pause, and it
+    was killed at the resume (a new one took seconds). They skip it now; a gateway silent for 30 s while the thread
+    ran is still killed (remote/pulse.py)."""
+    from fusionflow.remote import kind as kind_module
+    from fusionflow.remote.link import GatewayState
+
+    clock = [1000.0]
+    monkeypatch.setattr(kind_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    killed = []
+    for paused in (True, False):
+        kind = object.__new__(kind_module.RemoteWorkers)
+        gw = object.__new__(GatewayState)
+        gw.link = SimpleNamespace(kill=lambda paused=paused: killed.append(paused))
+        gw.unresponsive, gw.heard_at, gw.sent_at = None, clock[0], {(1,): clock[0]}
+        kind._gw, kind._stopped, kind.retired = gw, False, None
+        kind.config, kind._round_trip, kind._take = SimpleNamespace(call_timeout=None), 0.0, lambda gw: []
+        kind.board = SimpleNamespace(cond=_PausingCond(clock, kind))
+        if not paused:  # the same 30 s with the thread running: the gateway is silent
+            gw.heard_at -= 30.0
+        kind._feed()
+    assert killed == [False]
+
+
+def test_a_job_stopped_as_a_whole_keeps_its_ray_actors(monkeypatch):
+    """The gateway process is stopped with the job; its Ray actors (other nodes) are not. Its loop waits half a
+    second at a time: a wait that took 30 s is the pause, and the calls away meanwhile skip it (each was taken for
+    hung, its actor killed and replaced at the resume). A call 30 s away while the loop ran is still ended."""
+    import collections
+
+    from fusionflow.remote import gateway as gateway_module
+
+    clock, lost = [1000.0], []
+    monkeypatch.setattr(gateway_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(gateway_module, "parent_gone", lambda pid: False)
+    for paused in (True, False):
+        waits = []
+
+        def wait(objects, timeout, paused=paused, waits=waits):
+            waits.append(timeout)
+            if len(waits) > 1:
+                raise EOFError  # the loader closed its end: serve() ends
+            clock[0] += 30.0 if paused else 0.0
+            return []
+
+        monkeypatch.setattr(gateway_module, "mp_wait", wait)
+        g = object.__new__(gateway_module.Gateway)
+        g.conn = g._wake_r = g.m = None
+        g.parent_pid, g._next_maintain, g.retired, g.actors = 1, clock[0] + 1e9, None, []
+        g.finished, g.fifo, g.call_mean = collections.deque(), collections.deque(), 0.0
+        g.config = SimpleNamespace(call_timeout=None, in_flight=1, per_call=1)
+        g.calls = {"call": (SimpleNamespace(name="actor", inflight=1), ["task"])}
+        g.call_started = {"call": clock[0] - (0.0 if paused else 30.0)}
+        g._lost, g._failed_call = (lambda *a, paused=paused: lost.append(paused)), (lambda: None)
+        with pytest.raises(EOFError):
+            g.serve()
+    assert lost == [False]

@@ -39,6 +39,7 @@ from multiprocessing.connection import wait as mp_wait
 from fusionflow.remote.link import remove_session_dir
 from fusionflow.remote.pulse import ACTOR_SHARE, CALL_FACTOR, Pulse, call_deadline, find_raylet, running_mean
 from fusionflow.runtime.procs import parent_gone, parent_gone_within
+from fusionflow.runtime.stuck import overslept
 
 WATCHDOG_S = 0.5
 MAINTAIN_S = 2.0  # how often missing actors are asked for again (replacements, nodes that joined)
@@ -66,22 +67,19 @@ class Gateway:
         from fusionflow.runtime import messages as m
 
         self.m, self.conn, self.ring, self.spec, self.parent_pid = m, conn, ring, spec, parent_pid
-        self.config = spec["config"]
-        self.ray = self.actors = None
+        self.config, self.ray, self.actors = spec["config"], None, None
         self.session_dir, self.orphaned = None, False  # its own Ray instance's folder; the loader gone without a STOP
         self.fifo: collections.deque = collections.deque()  # tasks received, not yet on an actor
         self.calls: dict = {}  # ObjectRef -> (actor, [task, ...]) of one Ray call
         self.probes: dict = {}  # ObjectRef -> actor still starting (after start-up)
         self.finished: collections.deque = collections.deque()  # (ref, future) whose result is there
-        self.failures_in_a_row = 0
-        self.retired: str | None = None
+        self.failures_in_a_row, self.retired = 0, None  # retired: why no call is made any more
         self._send_lock = threading.Lock()
         self._wake_r, self._wake_w = os.pipe()
         fcntl.fcntl(self._wake_w, fcntl.F_SETFL, os.O_NONBLOCK)
         self._next_maintain = time.monotonic() + MAINTAIN_S
         self.call_started: dict = {}  # ObjectRef -> when its call was made (monotonic), for the same calls
-        self.call_mean = 0.0  # running mean of a call's time (made -> result), seconds
-        self.pulse = None
+        self.call_mean, self.pulse = 0.0, None  # running mean of a call's time (made -> result), seconds
 
     def send(self, event: tuple) -> None:
         with self._send_lock:
@@ -130,8 +128,10 @@ class Gateway:
         """Until STOP, the loader's socket closing, or the loader's death."""
         m = self.m
         while True:
-            timeout = max(0.0, min(WATCHDOG_S, self._next_maintain - time.monotonic()))
+            timeout, waited_from = max(0.0, min(WATCHDOG_S, self._next_maintain - time.monotonic())), time.monotonic()
             ready = mp_wait([self.conn, self._wake_r], timeout)
+            if lost := overslept(time.monotonic() - waited_from, timeout):  # the whole job was stopped: no call was
+                self.call_started = {ref: made + lost for ref, made in self.call_started.items()}  # away meanwhile
             if parent_gone(self.parent_pid):  # the loader's process is gone: no one else removes the session folder
                 self.orphaned = True
                 return

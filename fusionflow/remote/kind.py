@@ -35,10 +35,11 @@ import threading
 import time
 from typing import NamedTuple
 
-from fusionflow.remote.link import GatewayLink, forward_log, pickle_spec
+from fusionflow.remote.link import GatewayLink, GatewayState, forward_log, pickle_spec
 from fusionflow.remote.pulse import CALL_FACTOR, call_deadline, running_mean, silence
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.spec import RuntimeSpec
+from fusionflow.runtime.stuck import overslept
 
 log = logging.getLogger(__name__)
 _LOST = "remote_workers: Ray worker %s on %s was lost (%s); its %d tiny-batches run again, a replacement is asked for"
@@ -54,20 +55,6 @@ class ActorInfo(NamedTuple):
     host: str
     pid: int | None
     ready: bool
-
-
-class _Gateway:
-    """One gateway process's life as this kind sees it: the tiny-batches it holds."""
-
-    def __init__(self, link: GatewayLink):
-        self.link = link
-        self.outstanding: dict = {}  # task id -> Work sent to it and neither done nor given back
-        self.sent_at: dict = {}  # task id -> when it was sent (monotonic), for the same tasks
-        self.unresponsive: str | None = None  # why it was killed (silent, or holding work too long)
-        self.heard_at = time.monotonic()  # its last message (a result, an event, its pulse)
-        self.delivered = 0
-        self.last_error: str | None = None
-        self.reader: threading.Thread | None = None
 
 
 class RemoteWorkers:
@@ -92,7 +79,7 @@ class RemoteWorkers:
         self.actors, self.retired = [], None  # list[ActorInfo]; why the remote workers stopped taking work
         self.sessions: list[int] = []
         self._spec: bytes | None = None
-        self._gw: _Gateway | None = None  # the running gateway, if any
+        self._gw: GatewayState | None = None  # the running gateway, if any
         self._starting: GatewayLink | None = None  # a gateway in its start-up handshake
         self._task_ids = 0
         self._round_trip = 0.0  # running mean of a tiny-batch's time away (sent -> DONE), seconds
@@ -147,7 +134,7 @@ class RemoteWorkers:
         finally:
             with self.board.cond:
                 self._starting = None
-        gw, link.session_dir = _Gateway(link), info.get("session_dir") or link.session_dir
+        gw, link.session_dir = GatewayState(link), info.get("session_dir") or link.session_dir
         gw.reader = threading.Thread(target=self._read, args=(gw,), name="fusionflow-gateway-reader", daemon=True)
         with self.board.cond:
             if self._stopped or self.retired:  # stop() (or retirement) came during the handshake
@@ -211,7 +198,10 @@ class RemoteWorkers:
                         elif gw is None and not self.retired and self._restart_due():
                             works = None
                             break
+                        waited_from = time.monotonic()
                         board.cond.wait(1.0)
+                        if gw is not None and (lost := overslept(time.monotonic() - waited_from, 1.0)):
+                            gw.skip(lost)  # the whole job was stopped: its silence and calls skip the pause
                 if overdue:  # its reader sees the socket close and requeues what it held
                     gw.link.kill()
                     continue
@@ -231,7 +221,7 @@ class RemoteWorkers:
                 gw.link.kill()
             board.wake()
 
-    def _take(self, gw: _Gateway) -> list:
+    def _take(self, gw: GatewayState) -> list:
         """Lock held: (task id, work) for the gateway, up to what its ready actors can hold."""
         board, config = self.board, self.config
         room = self.live * config.in_flight * config.per_call - len(gw.outstanding)
@@ -260,7 +250,7 @@ class RemoteWorkers:
         RayWorkers(call_timeout=...), or a multiple of the mean round trip (remote/pulse.py)."""
         return call_deadline(self.config.call_timeout, self._round_trip)
 
-    def _overdue(self, gw: _Gateway) -> bool:
+    def _overdue(self, gw: GatewayState) -> bool:
         """Lock held: whether `gw` fell silent (no pulse) or held a tiny-batch past the call deadline
         (it is marked, once)."""
         if gw.unresponsive is not None:
@@ -313,7 +303,7 @@ class RemoteWorkers:
         )
 
     # ---------------------------------------------------------------- the reading thread
-    def _read(self, gw: _Gateway) -> None:
+    def _read(self, gw: GatewayState) -> None:
         board, conn = self.board, gw.link.conn
         try:
             while True:
@@ -352,7 +342,7 @@ class RemoteWorkers:
                 log.warning("remote_workers: %s; its %d tiny-batches run on the local workers%s", why, len(works), then)
             board.cond.notify_all()
 
-    def _on_message(self, gw: _Gateway, msg: bytes) -> None:
+    def _on_message(self, gw: GatewayState, msg: bytes) -> None:
         """Lock held: a DONE (complete it on the board) or an EVENT from the gateway (its pulse, too)."""
         board, gw.heard_at = self.board, time.monotonic()
         if m.kind_of(msg) == m.DONE:

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
@@ -215,3 +216,24 @@ def forward_log(event) -> None:
     """A ("log", level, logger, message) event: logged here, under the gateway's logger name."""
     _what, level, name, text = event
     logging.getLogger(name).log(level, "%s", text)
+
+
+class GatewayState:
+    """One gateway process's life as the Ray worker kind (remote/kind.py) sees it: the tiny-batches it holds."""
+
+    def __init__(self, link: GatewayLink):
+        self.link = link
+        self.outstanding: dict = {}  # task id -> Work sent to it and neither done nor given back
+        self.sent_at: dict = {}  # task id -> when it was sent (monotonic), for the same tasks
+        self.unresponsive: str | None = None  # why it was killed (silent, or holding work too long)
+        self.heard_at = time.monotonic()  # its last message (a result, an event, its pulse)
+        self.delivered = 0
+        self.last_error: str | None = None
+        self.reader: threading.Thread | None = None
+
+    def skip(self, lost: float) -> None:
+        """The whole job did not run for `lost` s (runtime/stuck.py overslept): its silence and its calls' time away
+        count from the resume, so the pause kills no gateway."""
+        self.heard_at += lost
+        for task in self.sent_at:
+            self.sent_at[task] += lost

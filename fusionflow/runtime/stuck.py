@@ -37,6 +37,14 @@ STOPPED_S = 2 * liveness.STRAGGLER_FLOOR_S
 PAUSED_S = 10.0
 
 
+def overslept(slept: float, asked: float) -> float:
+    """Seconds a process did not run while it waited `asked` s for something and `slept` s passed: 0.0 unless the
+    wait overran by PAUSED_S or more (the whole job was stopped; a thread of its own that waits with a timeout tells,
+    as the Ray gateway's loops do)."""
+    over = slept - asked
+    return over if over >= PAUSED_S else 0.0
+
+
 class Pauses:
     """The manager thread's turns, to tell when this process itself did not run."""
 
