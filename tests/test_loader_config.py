@@ -267,6 +267,16 @@ def test_dali_threads_past_this_ranks_cores_are_a_note():
     assert resolve(dict(accelerator=DaliAccelerator("cpu"), num_workers=1), dali)[1] == []
 
 
+def test_an_accelerator_shared_off_needs_no_workers():
+    """sharing='off' is no accelerator (as the README says): it was refused with num_workers=0 as one needing CPU
+    workers to share with, while DaliAccelerator('auto', sharing='off') was taken."""
+    from fusionflow.accel.config import DaliAccelerator
+
+    for accelerator in (DaliAccelerator("cpu", sharing="off"), DaliAccelerator("auto", sharing="off")):
+        cfg, _ = resolve(dict(accelerator=accelerator), dict(has_dali=lambda: True))
+        assert cfg.accelerator is None and cfg.num_workers == 0
+
+
 def test_an_already_transformed_dataset_is_refused():
     floats = [(np.zeros((3, 4, 4), np.float32), 0)]
     with pytest.raises(ValueError, match="dataset\\[0\\] returns an already-transformed ndarray of dtype float32"):

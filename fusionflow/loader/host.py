@@ -115,7 +115,7 @@ def resolve_accelerator(
         raise ValueError(f"accelerator={shown!r} needs a CUDA device, got device={device!r}; {fix}")
     if accelerator is not None and not host.has_dali():
         raise ValueError(f"accelerator={shown!r} needs NVIDIA DALI: pip install nvidia-dali-cuda130")
-    if accelerator is not None and num_workers == 0:
+    if accelerator is not None and num_workers == 0 and gpu_sharing != "off":  # ("off": no accelerator, as documented)
         raise ValueError(f"accelerator={shown!r} shares mini-batches with CPU workers: use num_workers >= 1")
     why = accelerator_declines(policy) if accelerator is not None and gpu_sharing != "off" else None
     if why is not None:
