@@ -1116,3 +1116,22 @@ def test_one_folder_spelled_another_way_is_one_cache(tmp_path, monkeypatch):
     assert len(keys) == 1
     shutil.copytree(root, tmp_path / "copy")
     assert fingerprint(ImageFolder("copy")) not in keys
+
+
+def test_a_keeper_whose_loader_is_gone_before_attaching_does_not_wait_for_a_first_client(tmp_path):
+    """A Ctrl-C (or a kill) in a loader's first next() while it started the node's cache keeper: the keeper had said
+    "ok", nobody attached, and it lived on FIRST_CLIENT_S (30 s) with its record. It ends with the loader that
+    started it now (it looks each second)."""
+    record = str(tmp_path / "cache-gone.json")
+    script = textwrap.dedent(f"""
+        import json, os
+        from fusionflow.cache import keeper
+        keeper._start_keeper({record!r}, 8, 1 << 20, 64, "score", None)
+        print(json.load(open({record!r}))["pid"], flush=True)
+        os._exit(0)  # gone before it attaches
+    """)
+    pid = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120).stdout)
+    deadline = time.monotonic() + keeper.FIRST_CLIENT_S * 2 / 3
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not pid_alive(pid) and not os.path.exists(record)

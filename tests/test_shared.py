@@ -604,6 +604,7 @@ def test_a_sigkilled_producer_makes_clients_raise_within_their_timeout(jobs):
     seconds = float(out.split("raised after ")[1].split()[0])
     assert seconds < 10, out
     assert jobs.name in out and f"pid {producer.pid}" in out and "is gone" in out, out
+    assert not os.path.exists(rendezvous.path_of(jobs.name))  # the client that saw it end removed its record
 
 
 def test_a_stopped_producer_makes_clients_raise_after_their_timeout(jobs):

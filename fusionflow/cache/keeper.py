@@ -166,7 +166,7 @@ def _start_keeper(record: str, entries: int, size: int, max_side: int, admission
     "ok" (or why not) on the pipe."""
     r, w = os.pipe()
     try:
-        args = [record, entries, size, max_side, admission, path or "", w]
+        args = [record, entries, size, max_side, admission, path or "", w, os.getpid()]
         proc = subprocess.Popen(
             [sys.executable, "-m", KEEPER_MODULE, *map(str, args)],
             stdin=subprocess.DEVNULL,
@@ -197,13 +197,13 @@ def _start_keeper(record: str, entries: int, size: int, max_side: int, admission
 
 def main(argv: list[str]) -> None:
     """The launcher: fork the keeper, leave."""
-    record, entries, size, max_side, admission, path, w = argv
+    record, entries, size, max_side, admission, path, w, launcher = argv
     if os.fork() != 0:
         os._exit(0)
-    _keeper_main(int(w), record, int(entries), int(size), int(max_side), admission, path or None)
+    _keeper_main(int(w), record, int(entries), int(size), int(max_side), admission, path or None, int(launcher))
 
 
-def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, admission: str, path) -> None:
+def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, admission: str, path, launcher) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         seg = segment(path)
@@ -222,7 +222,7 @@ def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, ad
     try:  # (the "ok" too: a loader interrupted while it waited for it closed the pipe, and the record is ours)
         os.write(w, b"ok")
         os.close(w)
-        _serve(listener, secret, seg, entries)
+        _serve(listener, secret, seg, entries, launcher)
     finally:
         _leave(listener, record)
         os._exit(0)
@@ -257,10 +257,12 @@ def segment(path: str | None) -> int:
     return seg.fd
 
 
-def _serve(listener, secret: bytes, seg: int, entries: int) -> None:
+def _serve(listener, secret: bytes, seg: int, entries: int, launcher: int) -> None:
+    """Until its last client leaves; before the first, FIRST_CLIENT_S at most, and no longer than the loader that
+    started it lives (one killed or interrupted for good while it attached: the keeper lingered 30 s)."""
     clients: list[Connection] = []
     started, ever = time.monotonic(), False
-    while clients or (not ever and time.monotonic() - started < FIRST_CLIENT_S):
+    while clients or (not ever and time.monotonic() - started < FIRST_CLIENT_S and pid_alive(launcher)):
         ready, _, _ = select.select([listener, *clients], [], [], 1.0)
         for conn in [c for c in ready if c is not listener]:
             try:

@@ -229,6 +229,8 @@ class SharedLoaderClient:
     def _gone(self) -> SharedLoaderError:
         pid = self.producer.pid
         how = "exited" if not pid_alive(pid) else "closed its connection"
+        if how == "exited":  # a SIGTERMed or SIGKILLed producer left its record: the client that saw it end removes it
+            rendezvous.remove(self.name, pid)
         return SharedLoaderError(f"SharedLoader {self.name!r} (pid {pid}) is gone: it {how}")
 
     def _hung_up(self) -> bool:
