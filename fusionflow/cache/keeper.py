@@ -203,7 +203,9 @@ def main(argv: list[str]) -> None:
     _keeper_main(int(w), record, int(entries), int(size), int(max_side), admission, path or None, int(launcher))
 
 
-def _keeper_main(w: int, record: str, entries: int, size: int, max_side: int, admission: str, path, launcher) -> None:
+def _keeper_main(
+    w: int, record: str, entries: int, size: int, max_side: int, admission: str, path, launcher: int
+) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         seg = segment(path)

@@ -16,7 +16,8 @@ A turn PAUSED_S or more after the one before means this process itself did not r
 (SLURM's `scontrol suspend` sends SIGSTOP to every process of it; a paused VM), its workers with it.
 The time lost is added to every worker's and guest's clocks (`Pauses`), so no worker is killed at the resume for a
 pause it took no part in (each busy one was, a death against its samples' max_retries); the worker kinds are told it
-too (runtime/board.py `watch_kinds`: the accelerator's runs in flight were given up as stalled, and it retired).
+too (runtime/board.py `watch_kinds`: until session 48 the accelerator's runs in flight were given up as stalled at the
+resume, and it retired).
 """
 
 from __future__ import annotations
