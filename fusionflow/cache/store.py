@@ -191,7 +191,7 @@ class CacheStore:
         before only if its score would be admitted now."""
         e = self.entries[index]
         state = int(e[E_STATE])
-        if state == READY or self.header[H_FULL] or (state == WRITING and pid_alive(int(e[E_PID]))):
+        if state == READY or self.header[H_FULL] or self.being_written(index):
             return False
         nbytes = int(e[E_NBYTES])
         return state != PASSED or self._admits(int(e[E_DECODE_NS]) / max(1, nbytes), nbytes)

@@ -300,7 +300,8 @@ def policy_digest(policy) -> str:
 def warn_if_other_policy(state: dict, policy) -> None:
     """A state saved by a loader with another policy (a state of before session 48 says none): resumed, with a
     warning -- the order is the saved run's, the pixels this policy's (a progressive resize changes it on purpose)."""
-    if state.get("policy", policy_digest(policy)) != policy_digest(policy):
+    mine = policy_digest(policy)
+    if state.get("policy", mine) != mine:
         warnings.warn(
             "the state was saved by a loader with another policy: the remaining batches are the saved run's samples, "
             "their pixels this loader's policy's (build the loader with the saved run's policy to repeat them)",

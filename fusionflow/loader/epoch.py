@@ -259,8 +259,8 @@ class WorkerIterator(EpochIterator):
         if self._delivered < self._submitted:
             return True
         if self._exhausted:
-            return self._raise_drawing_failure()  # (None)
-        return False
+            self._raise_drawing_failure()
+        return None if self._exhausted else False
 
     def wait_next(self):
         """The next mini-batch's filled ring state, its slot kept (neither copied out nor reused):
