@@ -94,3 +94,32 @@ def test_a_short_last_mini_batch_does_not_size_the_next_share():
     feed.batch_done(Done(64), 0.0, False, 1.0)
     feed.batch_done(Done(5), 0.0, False, 2.0)
     assert split.batches == [64, 64] and feed.board.reserved == [8, 8]
+
+
+def test_a_run_taken_while_dali_was_idle_is_collected_after_its_latency():
+    """`due`: a run taken after the last completion is expected at its start plus the latency that runs taken so
+    have shown (their intervals), not at DALI's pace alone: collected earlier, the thread would wait inside DALI's
+    outputs(), taking no new share meanwhile. A run taken while another was in DALI is expected at the pace."""
+    import time
+
+    from fusionflow.accel.share_feed import COLLECT_AT
+
+    class Work:
+        generation, seq, positions = 0, 7, list(range(4))
+
+    class Queue:
+        awaited = None
+
+    board = Board()
+    board.generation, board.queue = 0, Queue()
+    split = ShareController(shares_device=True, step=4)
+    feed = ShareFeed(split, board, tiny_batch_size=4, cpu_workers=4)
+    for _ in range(5):
+        feed.run_done(100 * 2e-4, 100)  # queued runs: 0.2 ms a sample
+        feed.run_done(100 * 1e-3, 100, queued=False)  # runs that found DALI idle: 1 ms a sample with the latency
+    assert split.accel_s == 2e-4
+    group, now = [Work()] * 25, time.monotonic()
+    alone = feed.due([(group, now, False, "payload")], last_done=now - 1.0, due=0.0)
+    behind = feed.due([(group, now - 1.0, False, "payload")], last_done=now, due=0.0)
+    assert alone == pytest.approx(now + COLLECT_AT * 1e-3 * 100)
+    assert behind == pytest.approx(now + COLLECT_AT * 2e-4 * 100)

@@ -370,7 +370,10 @@ class AcceleratorWorker:
             self._run_seconds = 0.8 * self._run_seconds + 0.2 * took if self._run_seconds else took
             if self.shares is not None:  # the completion interval: from the later of the last completion and its start
                 timed = not self.gated and pipeline is self.pipeline and group[0].generation == self.board.generation
-                self.shares.run_done(now - max(started, self._last_done), len(indices), tail, waited if timed else None)
+                queued = started < self._last_done  # taken before the last run completed: its interval is DALI's pace
+                self.shares.run_done(
+                    now - max(started, self._last_done), len(indices), tail, waited if timed else None, queued
+                )
             self._last_done = now
             self.ledger.account(done, [], True, int(started * 1e9))
             self.counters.accelerator_samples += len(indices)

@@ -9,7 +9,9 @@ fraction for the accelerator's tail runs. Everything here runs under the board's
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 
 from fusionflow.scheduling.queue import images, key_of
 from fusionflow.scheduling.split import ACCEL_WINDOW
@@ -32,6 +34,7 @@ class ShareFeed:
         self._batches = 0  # mini-batches completed since then
         self.collect_at = COLLECT_AT  # the fraction of a share run's expected time at which it is collected
         self.timed_runs = 0  # share runs whose completion said DALI's pace (spatial sharing, the current pipeline)
+        self._alone: deque = deque(maxlen=ACCEL_WINDOW)  # seconds per sample of runs that found DALI idle: latency
 
     def batch_done(self, state, cpu_task_seconds: float, awaited: bool, now: float) -> None:
         """A mini-batch is complete: feed the split rule and reserve the next share. `cpu_task_seconds`:
@@ -66,17 +69,23 @@ class ShareFeed:
     def capacity(self, workers: int) -> None:
         self.cpu_workers = workers
 
-    def run_done(self, seconds: float, samples: int, tail: bool = False, waited: float | None = None) -> None:
+    def run_done(
+        self, seconds: float, samples: int, tail: bool = False, waited: float | None = None, queued: bool = True
+    ) -> None:
         """A DALI run of `samples` completed `seconds` after the later of its start and the last completion.
         A tail run (a few tiny-batches training waits for) is not the share's rate: its fixed cost spread
         over a few samples would read as a slow accelerator and shrink G (the twin: runs of 4-40 between
         shares of 150, G down to 55), so only share runs feed the split rule. `waited`: how long its outputs
-        took once asked for (`collected`), None where that says nothing of DALI's pace."""
+        took once asked for (`collected`), None where that says nothing of DALI's pace. `queued` False: the
+        run was taken after the last completion, so `seconds` is its whole latency (ShareController.accel_run),
+        kept apart for when such a run is collected (`due`)."""
         if not tail:
             if waited is not None:
                 self.timed_runs += 1
                 self.collected(waited, samples)
-            self.split.accel_run(seconds, samples)
+            self.split.accel_run(seconds, samples, queued)
+            if not queued:
+                self._alone.append(seconds / samples)
 
     def due(self, active: list, last_done: float, due: float) -> float:
         """When to collect the oldest of the DALI runs in flight `active` ((tiny-batches, taken at, a tail run, what
@@ -91,6 +100,8 @@ class ShareFeed:
         awaited = self.board.queue.awaited  # in a run in flight: training waits for it (outputs come in order)
         if not self.may_wait(any(awaited in set(map(key_of, run[0])) for run in active)):
             return 0.0
+        if started >= last_done and self._alone:  # DALI was idle when it was taken: its latency, not the pace
+            g = max(g, statistics.median(self._alone))
         due = due or max(started, last_done) + self.collect_at * g * images(group)
         return due if due - time.monotonic() > 0.002 else 0.0
 
