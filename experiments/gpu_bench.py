@@ -16,6 +16,9 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
   .../small           (d) with the accelerator's share made of each mini-batch's smallest samples, not its largest
                       (DaliAccelerator(taas=False)): the CPU workers' DCT-scaled decode gains most on large images,
                       nvJPEG's full-resolution window decode does not (on DALI's CPU backend smallest-first lost)
+  .../pN, .../tN      (d) with N ring slots (prefetch_factor=N; the accelerator's default 4), with N DALI threads
+  .../nobridge        (d) with DaliAccelerator(memory_bridge="off"): DALI's own pool (the H200, 2026-11-30: DALI's
+                      runs in the loader moved ~0.57 GB/s of JPEG, its graph alone beside training ~0.87)
   .../copyext         (d) landing DALI's outputs as before session 31: DALI's copy_to_external into a staging block
                       (its copy waits for everything queued on DALI's stream at the call: with runs in flight, the
                       later runs' work), then slices; against the device ring's DLPack read, in the same call
@@ -405,18 +408,21 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     with DaliAccelerator(run_samples=N, runs_in_flight=K), either part optional); its stats go into `row`. A run
     whose accelerator fell back to the CPU workers raises: not comparable."""
     bs = args.batch_size
-    parsed = re.fullmatch(r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?(/copyext)?(/small)?", variant)
+    parsed = re.fullmatch(
+        r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?(/copyext)?(/small)?(?:/p(\d+))?(?:/t(\d+))?(/nobridge)?", variant
+    )
     if parsed is None:
         raise ValueError(
             f"variant {variant!r}: write ff_cpu_gpu, ff_cpu_gpu@N, ff_cpu_gpu/dK or ff_cpu_gpu@N/dK "
-            "(+ /copyext, + /small)"
+            "(+ /copyext, + /small, + /pN, + /tN, + /nobridge, in that order)"
         )
-    name, run_samples, depth, copyext, small = parsed.groups()
+    name, run_samples, depth, copyext, small, prefetch, threads, nobridge = parsed.groups()
     accel = None if name != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
     profiling = accel == "dali-gpu" and args.gpu_sharing == "auto"
-    warmup = drain_warmup(ff_warmup(args.warmup, profiling), ACCELERATOR_PREFETCH if accel else 2)  # ring slots
+    slots = int(prefetch) if prefetch else ACCELERATOR_PREFETCH if accel else 2  # ring slots
+    warmup = drain_warmup(ff_warmup(args.warmup, profiling), slots)
     if accel is not None:  # DALI's knobs as one object: its CPU threads have no loose argument
         from fusionflow import DaliAccelerator
 
@@ -427,8 +433,12 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
             knobs["runs_in_flight"] = int(depth)
         if small:  # ff_cpu_gpu/small: the share made of each mini-batch's smallest samples (TAAS off)
             knobs["taas"] = False
+        if threads:  # ff_cpu_gpu/tN: N DALI threads, whatever --dali-threads says
+            knobs["threads"] = int(threads)
+        if nobridge:  # ff_cpu_gpu/nobridge: DALI's own memory pool, not an arena carved from PyTorch's
+            knobs["memory_bridge"] = "off"
         accel = DaliAccelerator(accel.removeprefix("dali-"), **knobs)
-    extra = {}
+    extra = {"prefetch_factor": int(prefetch)} if prefetch else {}  # ff_cpu_gpu/pN: N ring slots
     tag = variant.replace("@", "_run").replace("/", "_")
     trace_name = f"trace_{model_name}_w{workers}_{tag}.json"  # names a lease returns
     path = os.path.join(args.trace, trace_name) if args.trace else None

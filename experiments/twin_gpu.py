@@ -154,6 +154,13 @@ def timed_pipeline(
         def in_flight(self):
             return len(self.pending)
 
+        @property
+        def idle(self):  # no run in flight: the loader may keep it for the next epoch (accel/at_exit.py)
+            return not self.pending
+
+        def forget_last_run(self):  # DaliPolicyPipeline's: it holds no run's bytes
+            pass
+
         def reset(self):
             self.pending.clear()
 
