@@ -57,8 +57,13 @@ def _header_sizes(data: list) -> np.ndarray:
     hw = np.zeros((len(data), 2), np.int64) if hw is None else hw.astype(np.int64)
     for k in np.flatnonzero(hw[:, 0] <= 0).tolist():
         hw[k] = _header_size(data[k])
-    for k in np.flatnonzero(hw[:, 0] > 0).tolist():
-        if bytes(data[k][:2]) == b"\xff\xd8" and not scan_is_clean(data[k]):
+    jpegs = [k for k in np.flatnonzero(hw[:, 0] > 0).tolist() if bytes(data[k][:2]) == b"\xff\xd8"]
+    native = all(type(data[k]) is bytes for k in jpegs)  # the native call takes bytes objects only
+    clean = jpeg.scan_clean_many([data[k] for k in jpegs]) if jpegs and native else None
+    if clean is None:
+        clean = [scan_is_clean(data[k]) for k in jpegs]
+    for k, ok in zip(jpegs, clean):
+        if not ok:
             hw[k] = 0
     return hw
 

@@ -127,6 +127,68 @@ int ff_jpeg_info_many(const unsigned char* const* data, const unsigned long* siz
   return read;
 }
 
+// Whether the FF D9 at s[p] ends the image (s: the data after the first scan header, m bytes): what follows is
+// under two bytes or a next frame (FF D8: an MPO's), or does not itself end in FF D9 (a trailer). Random bytes in
+// place of a scan hold an FF D9 about once in 190 bytes, before the real end.
+static bool image_ends_at(const unsigned char* s, unsigned long m, unsigned long p) {
+  unsigned long rest = m - (p + 2);
+  if (rest < 2)
+    return true;
+  if (s[p + 2] == 0xFF && s[p + 3] == 0xD8)
+    return true;
+  return !(s[m - 2] == 0xFF && s[m - 1] == 0xD9);
+}
+
+// 1 when no FF followed by 01..BF (a marker that exists nowhere) lies between a JPEG's first scan header and its
+// end; 0 when one does, or when the header's segments cannot be walked to the scan. Python's reference:
+// accel/header_sizes.py scan_is_clean (the same rules, one memchr per FF byte instead of whole-array passes).
+static int scan_clean(const unsigned char* d, unsigned long n) {
+  unsigned long pos = 2;
+  for (;;) {  // the header's segments, by their lengths, up to and over the first SOS
+    if (pos + 4 > n || d[pos] != 0xFF)
+      return 0;
+    if (d[pos + 1] == 0xFF) {  // a fill byte
+      pos += 1;
+      continue;
+    }
+    unsigned char marker = d[pos + 1];
+    pos += 2 + ((static_cast<unsigned long>(d[pos + 2]) << 8) | d[pos + 3]);
+    if (marker == 0xDA)
+      break;
+  }
+  if (pos + 2 > n)
+    return 1;  // nothing after the scan header to hold a marker
+  const unsigned char* s = d + pos;
+  unsigned long m = n - pos;
+  bool first_end = true;  // only the first FF D9 may end the image early (the Python reference's rule)
+  for (unsigned long i = 0; i + 1 < m;) {
+    const void* hit = std::memchr(s + i, 0xFF, m - 1 - i);
+    if (hit == nullptr)
+      break;
+    i = static_cast<unsigned long>(static_cast<const unsigned char*>(hit) - s);
+    unsigned char after = s[i + 1];
+    if (after == 0xD9 && first_end) {
+      first_end = false;
+      if (image_ends_at(s, m, i))
+        return 1;
+    } else if (after >= 0x01 && after <= 0xBF) {
+      return 0;
+    }
+    i += 1;
+  }
+  return 1;
+}
+
+// scan_clean of each of n JPEGs into clean[k]. Returns how many are clean.
+int ff_jpeg_scan_clean_many(const unsigned char* const* data, const unsigned long* sizes, int n, int* clean) {
+  int count = 0;
+  for (int k = 0; k < n; ++k) {
+    clean[k] = data[k] != nullptr && scan_clean(data[k], sizes[k]);
+    count += clean[k];
+  }
+  return count;
+}
+
 // Decode rows [top, top + height) and columns [left, left + width) of the image scaled by
 // scale_num/scale_denom (libjpeg-turbo: M/8, M = 1..16; coordinates in the scaled image) as RGB into `out`,
 // row-major with `out_stride` bytes per row, at most `out_rows` rows of `out_stride / 3` pixels.

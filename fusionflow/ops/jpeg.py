@@ -72,6 +72,8 @@ def _load():
     lib.ff_jpeg_info.argtypes = [p, ul, ip, s, i]
     lib.ff_jpeg_info_many.restype = i
     lib.ff_jpeg_info_many.argtypes = [ctypes.POINTER(p), ctypes.c_void_p, i, ctypes.c_void_p]
+    lib.ff_jpeg_scan_clean_many.restype = i
+    lib.ff_jpeg_scan_clean_many.argtypes = [ctypes.POINTER(p), ctypes.c_void_p, i, ctypes.c_void_p]
     lib.ff_jpeg_decode_window.restype = i
     lib.ff_jpeg_decode_window.argtypes = [p, ul, i, i, i, i, i, i, ctypes.c_void_p, i, i, ip, s, i]
     _LIB = lib
@@ -175,6 +177,21 @@ def info_many(data: list) -> np.ndarray | None:
         sizes = np.fromiter(map(len, data), f"u{ctypes.sizeof(ctypes.c_ulong)}", n)  # C's unsigned long
         lib.ff_jpeg_info_many((ctypes.c_char_p * n)(*data), sizes.ctypes.data, n, hw.ctypes.data)
     return hw
+
+
+def scan_clean_many(data: list) -> np.ndarray | None:
+    """Whether each of `data` (bytes objects: JPEGs) holds no impossible marker (FF 01..BF) from its first scan header
+    to its end, as a bool array, in one native call (accel/header_sizes.py `scan_is_clean` is the reference and the
+    fallback). None without the native library."""
+    lib = _LIB or _load()
+    if lib is None:
+        return None
+    n = len(data)
+    clean = np.zeros(n, np.int32)
+    if n:
+        sizes = np.fromiter(map(len, data), f"u{ctypes.sizeof(ctypes.c_ulong)}", n)  # C's unsigned long
+        lib.ff_jpeg_scan_clean_many((ctypes.c_char_p * n)(*data), sizes.ctypes.data, n, clean.ctypes.data)
+    return clean.astype(bool)
 
 
 # Scaled-image pixels read around a fractional box: the bilinear filter's support at a downscale of
