@@ -291,16 +291,27 @@ def main() -> None:
         "largest_batch": {},
         "fixed_batch": {"batch": args.batch_size},
     }
-    try:
+    name = "gpu_memory.json" if torch.cuda.is_available() else "gpu_memory_cpu_smoke.json"
+    path = result_path(args.out, name, os.environ.get("OUT", RESULTS))
+    try:  # the JSON rewritten after each trial: a call stopped at its time limit keeps what it measured
         for p in pipelines:
             print(f"{p}: throughput at batch {args.batch_size}", flush=True)
             result["fixed_batch"][p] = spawn(args, p, args.batch_size, args.iters, args.warmup)
+            print(f"  {p}: {result['fixed_batch'][p].get('img_per_s')} img/s", flush=True)
+            write_json(summarised(result, pipelines), path)
         if not args.cpu_smoke:
             for p in pipelines:
                 print(f"{p}: largest batch", flush=True)
                 result["largest_batch"][p] = largest_batch(args, p)
+                write_json(summarised(result, pipelines), path)
     finally:
         os.unlink(args.data)
+    print(json.dumps(result["summary"], indent=1))
+
+
+def summarised(result: dict, pipelines: list) -> dict:
+    """`result` with its summary: each pipeline's largest batch and rate, against DALI's batch and the bridge-off
+    rate where both are measured."""
     lb, fb = result["largest_batch"], result["fixed_batch"]
     summary = {}
     for p in pipelines:
@@ -311,9 +322,7 @@ def main() -> None:
         if summary.get("ff_bridge_off", {}).get("img_per_s") and summary[p]["img_per_s"]:
             summary[p]["speed_vs_ff_bridge_off"] = summary[p]["img_per_s"] / summary["ff_bridge_off"]["img_per_s"]
     result["summary"] = summary
-    print(json.dumps(summary, indent=1))
-    name = "gpu_memory.json" if torch.cuda.is_available() else "gpu_memory_cpu_smoke.json"
-    write_json(result, result_path(args.out, name, os.environ.get("OUT", RESULTS)))
+    return result
 
 
 if __name__ == "__main__":
