@@ -953,7 +953,7 @@ def test_a_share_run_is_collected_near_its_expected_end_not_at_once_awaited_or_n
         return Work(seq, 1, 0, 0, (0, 1, 2, 3), (0, 1, 2, 3))
 
     now = time.monotonic()
-    oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None))  # 8 samples, taken 10 ms ago
+    oldest = ([work(0), work(1)], now - 0.01, False, ("pipeline", None, now - 0.01))  # 8 samples, taken 10 ms ago
 
     def due(
         entry=oldest,
@@ -966,7 +966,7 @@ def test_a_share_run_is_collected_near_its_expected_end_not_at_once_awaited_or_n
         collect_at=0.95,
         timed=5,
     ):
-        behind = ([work(2)], now, True, ("pipeline", None))  # a tail run submitted after it
+        behind = ([work(2)], now, True, ("pipeline", None, now))  # a tail run submitted after it
         board = SimpleNamespace(queue=SimpleNamespace(awaited=awaited), generation=gen)
         shares = ShareFeed(ShareController(), board=board, tiny_batch_size=4, cpu_workers=1)
         shares.split.accel_s, shares.collect_at, shares.timed_runs = accel_s, collect_at, timed
@@ -986,7 +986,7 @@ def test_a_share_run_is_collected_near_its_expected_end_not_at_once_awaited_or_n
     assert abs(due(awaited=(1, 3), timed=0) - expected) < 1e-9
     assert due(entry=(oldest[0], oldest[1], True, oldest[3])) == 0.0  # a tail run
     assert due(accel_s=None) == 0.0 and due(gated=True) == 0.0
-    assert due(entry=(oldest[0], now - 1.0, False, oldest[3])) == 0.0  # past its expected end
+    assert due(entry=(oldest[0], now - 1.0, False, ("pipeline", None, now - 1.0))) == 0.0  # past its expected end
 
 
 def test_run_samples_caps_every_dali_run_and_a_larger_share_goes_as_several_runs():
@@ -1103,7 +1103,7 @@ def test_a_share_run_is_left_in_dali_until_it_is_due_and_every_sample_arrives_on
     monkeypatch.setattr(acc.AcceleratorWorker, "_due", due)
     monkeypatch.setattr(acc.AcceleratorWorker, "_collect", collect_run)
     ld = loader(
-        Bytes(61), batch_size=8, persistent_workers=True, accelerator=DaliAccelerator("cpu", runs_in_flight=depth)
+        Bytes(61), batch_size=16, persistent_workers=True, accelerator=DaliAccelerator("cpu", runs_in_flight=depth)
     )
     try:
         for _ in range(2):

@@ -97,9 +97,9 @@ def test_a_short_last_mini_batch_does_not_size_the_next_share():
 
 
 def test_a_run_taken_while_dali_was_idle_is_collected_after_its_latency():
-    """`due`: a run taken after the last completion is expected at its start plus the latency that runs taken so
-    have shown (their intervals), not at DALI's pace alone: collected earlier, the thread would wait inside DALI's
-    outputs(), taking no new share meanwhile. A run taken while another was in DALI is expected at the pace."""
+    """`due`: a run taken after the last completion is expected at the end of its read plus the latency that runs
+    taken so have shown (their intervals), not at DALI's pace alone: collected earlier, the thread would wait inside
+    DALI's outputs(), taking no new share meanwhile. A run taken while another was in DALI is expected at the pace."""
     import time
 
     from fusionflow.accel.share_feed import COLLECT_AT
@@ -119,7 +119,8 @@ def test_a_run_taken_while_dali_was_idle_is_collected_after_its_latency():
         feed.run_done(100 * 1e-3, 100, queued=False)  # runs that found DALI idle: 1 ms a sample with the latency
     assert split.accel_s == 2e-4
     group, now = [Work()] * 25, time.monotonic()
-    alone = feed.due([(group, now, False, "payload")], last_done=now - 1.0, due=0.0)
-    behind = feed.due([(group, now - 1.0, False, "payload")], last_done=now, due=0.0)
-    assert alone == pytest.approx(now + COLLECT_AT * 1e-3 * 100)
+    read_at = now + 0.5  # the run's read (the helpers') ended half a second after it was taken
+    alone = feed.due([(group, now, False, (None, None, read_at))], last_done=now - 1.0, due=0.0)
+    behind = feed.due([(group, now - 1.0, False, (None, None, now - 0.5))], last_done=now, due=0.0)
+    assert alone == pytest.approx(read_at + COLLECT_AT * 1e-3 * 100)
     assert behind == pytest.approx(now + COLLECT_AT * 2e-4 * 100)

@@ -286,6 +286,7 @@ class AcceleratorWorker:
         clock = StepClock(board.trace)  # the loop's steps on the trace's own track (its wall and CPU time)
         r = self.source.read(group)
         runnable, given_back, samples, labels, sizes = r.runnable, r.given_back, r.samples, r.labels, r.sizes
+        read_at = time.monotonic()  # a run that finds DALI idle is DALI's from here (ShareFeed.run_done)
         clock.mark("read", group[0].seq, len(samples))
         pipeline = self.pipeline
         if pipeline is None and runnable:  # the DALI-Naive ablation: build for every run, close after it
@@ -305,7 +306,7 @@ class AcceleratorWorker:
                 self._active.remove(entry)
                 board.cond.notify_all()
                 return
-            self._active[self._active.index(entry)] = (runnable, entry[1], entry[2], (pipeline, labels))
+            self._active[self._active.index(entry)] = (runnable, entry[1], entry[2], (pipeline, labels, read_at))
         indices = [i for w in runnable for i in w.indices]
         any_copies = any(map(_COPIES, runnable))
         copies = [c for w in runnable for c in (w.copies or (0,) * len(w.indices))] if any_copies else None
@@ -333,7 +334,7 @@ class AcceleratorWorker:
         with self.board.cond:
             if not self._active:  # given up by `watch` since `_run` chose to collect: nothing of ours to wait for
                 return
-            group, started, tail, (pipeline, labels) = self._active[0]
+            group, started, tail, (pipeline, labels, read_at) = self._active[0]
         indices, asked, clock = [i for w in group for i in w.indices], time.monotonic(), StepClock(self.board.trace)
         self._collecting = started  # the run collected was taken then (stop() reads it: one overdue is hung)
         try:
@@ -371,9 +372,8 @@ class AcceleratorWorker:
             if self.shares is not None:  # the completion interval: from the later of the last completion and its start
                 timed = not self.gated and pipeline is self.pipeline and group[0].generation == self.board.generation
                 queued = started < self._last_done  # taken before the last run completed: its interval is DALI's pace
-                self.shares.run_done(
-                    now - max(started, self._last_done), len(indices), tail, waited if timed else None, queued
-                )
+                begun = max(started, self._last_done) if queued else max(started, read_at)  # else from its read's end
+                self.shares.run_done(now - begun, len(indices), tail, waited if timed else None, queued)
             self._last_done = now
             self.ledger.account(done, [], True, int(started * 1e9))
             self.counters.accelerator_samples += len(indices)

@@ -77,8 +77,9 @@ class ShareFeed:
         over a few samples would read as a slow accelerator and shrink G (the twin: runs of 4-40 between
         shares of 150, G down to 55), so only share runs feed the split rule. `waited`: how long its outputs
         took once asked for (`collected`), None where that says nothing of DALI's pace. `queued` False: the
-        run was taken after the last completion, so `seconds` is its whole latency (ShareController.accel_run),
-        kept apart for when such a run is collected (`due`)."""
+        run was taken after the last completion, so `seconds` (from the end of its read: not the helpers' time)
+        is DALI's latency for it, an upper bound of its pace (ShareController.accel_run), kept apart for when
+        such a run is collected (`due`)."""
         if not tail:
             if waited is not None:
                 self.timed_runs += 1
@@ -89,10 +90,12 @@ class ShareFeed:
 
     def due(self, active: list, last_done: float, due: float) -> float:
         """When to collect the oldest of the DALI runs in flight `active` ((tiny-batches, taken at, a tail run, what
-        DALI was given) each; `due`: the time chosen before; 0: now). DALI's outputs() wakes at every task its executor
-        finishes while it waits, the runs' behind it too: a share run is collected at `collect_at` of its expected time
-        (from the later of its start and `last_done`, the last run's completion), the awaited one too once the rate is
-        settled (`may_wait`). At once: a tail run, an abandoned iterator's, or any before the rate is measured."""
+        DALI was given: (pipeline, targets, its read's end)) each; `due`: the time chosen before; 0: now). DALI's
+        outputs() wakes at every task its executor finishes while it waits, the runs' behind it too: a share run is
+        collected at `collect_at` of its expected time (from the later of its start and `last_done`, the last run's
+        completion; for a run taken when DALI had none of ours, from its read's end at the latency such runs showed),
+        the awaited one too once the rate is settled (`may_wait`). At once: a tail run, an abandoned iterator's, or
+        any before the rate is measured."""
         group, started, tail, payload = active[0]
         g = self.split.accel_s
         if g is None or tail or payload is None or group[0].generation != self.board.generation:
@@ -100,9 +103,11 @@ class ShareFeed:
         awaited = self.board.queue.awaited  # in a run in flight: training waits for it (outputs come in order)
         if not self.may_wait(any(awaited in set(map(key_of, run[0])) for run in active)):
             return 0.0
-        if started >= last_done and self._alone:  # DALI was idle when it was taken: its latency, not the pace
-            g = max(g, statistics.median(self._alone))
-        due = due or max(started, last_done) + self.collect_at * g * images(group)
+        begun = max(started, last_done)
+        if started >= last_done:  # taken when DALI had none of ours: DALI's from its read's end, at such runs' latency
+            begun = max(begun, payload[2])
+            g = max(g, statistics.median(self._alone)) if self._alone else g
+        due = due or begun + self.collect_at * g * images(group)
         return due if due - time.monotonic() > 0.002 else 0.0
 
     def may_wait(self, awaited: bool) -> bool:
