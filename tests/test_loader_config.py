@@ -68,7 +68,12 @@ RESOLVED = [
             trace_path=None,
         ),
     ),
-    (dict(batch_size=32), None, dict(capacity=32, tiny_batch_size=4, batch_size=32)),
+    (dict(batch_size=8), None, dict(capacity=8, tiny_batch_size=4, batch_size=8)),
+    # a batch_size above what torch's sampler yields (10 samples): shared memory for those, batch_size as given
+    (dict(batch_size=32), None, dict(capacity=10, tiny_batch_size=4, batch_size=32)),
+    (dict(batch_size=10**12, shuffle=True), None, dict(capacity=10, batch_size=10**12)),
+    (dict(batch_size=32, sampler=[0, 1, 2]), None, dict(capacity=32)),  # a sampler of its own: its len() unknown
+    (dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 4096, False)), None, dict(capacity=10)),
     (dict(batch_size=32, tiny_batch_size=8), None, dict(tiny_batch_size=8)),
     (
         dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 5, False)),

@@ -64,9 +64,9 @@ class EpochTail:
 def check_batch(indices, capacity: int) -> None:
     if len(indices) > capacity:
         raise ValueError(
-            f"the batch sampler yielded a batch of {len(indices)} samples, more than its batch_size={capacity} "
-            "(shared memory holds that many; a batch sampler without a batch_size attribute is sized by the "
-            "largest batch of its first pass: give it a batch_size, the largest batch it can yield)"
+            f"the batch sampler yielded a batch of {len(indices)} samples, more than the {capacity} shared memory "
+            "holds (batch_size, or the sampler's length when the loader was made if smaller: make a new loader when "
+            "the dataset grows; a batch sampler without batch_size is sized by its first pass: give it the largest)"
         )
 
 

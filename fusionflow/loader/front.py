@@ -367,7 +367,7 @@ class FusionFlowLoader:
         cfg = self.config
         return {
             "dataset_len": len(self.dataset),
-            "batch_size": cfg.capacity,
+            "batch_size": cfg.capacity if cfg.batch_size is None else cfg.batch_size,  # (capacity: at most the set)
             "drop_last": cfg.drop_last,
             "num_batches": _length(self),  # None: a batch sampler (or its sampler) without len()
         }
