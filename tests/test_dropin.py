@@ -19,6 +19,7 @@ from test_loader import no_leaks  # noqa: F401  (autouse: no process or segment 
 from torch.utils.data import DataLoader, default_collate
 from tv_reference import tv_sample
 
+from fusionflow.errors import SampleError
 from fusionflow.loader import FusionFlowLoader
 from fusionflow.policy import crop_window, draw, load_policy
 from fusionflow.tools.synthetic import make_jpegs
@@ -416,6 +417,26 @@ def test_a_subset_of_a_torchvision_imagefolder_is_adopted_with_its_indices(tmp_p
     assert loader.dataset is split
     with loader:
         assert [(x.shape, y.tolist()) for x, y in loader] == want
+
+
+def test_a_torchvision_folder_with_a_file_gone_since_its_scan_fails_at_that_sample_not_at_construction(tmp_path):
+    """A file listed by torchvision's ImageFolder and removed (or a dangling link) failed the loader's construction
+    with a bare FileNotFoundError, where DataLoader fails at that sample and on_error="skip" could have skipped it.
+    Now the sample fails at its read: skipped and counted, or raised naming its index and path."""
+    import torchvision
+
+    tf = v2.Compose([v2.RandomResizedCrop(32), v2.PILToTensor()])
+    folder = torchvision.datasets.ImageFolder(_folder(tmp_path), tf)  # adopted: its files read by FusionFlow
+    gone = folder.samples[4][0]
+    os.remove(gone)
+    with pytest.warns(UserWarning, match="on_error='skip'|augmenting with its transform"):
+        with FusionFlowLoader(folder, batch_size=3, num_workers=1, on_error="skip") as loader:
+            delivered = [i for _, y in loader for i in y.tolist()]
+    assert len(delivered) == len(folder) - 1 and loader.stats.skipped == 1
+    with pytest.warns(UserWarning, match="augmenting with its transform"):
+        loader = FusionFlowLoader(folder, batch_size=3, num_workers=1)
+    with loader, pytest.raises(SampleError, match=f"sample 4 .*{os.path.basename(gone)}"):
+        list(loader)
 
 
 def test_an_adopted_folder_s_transform_set_later_is_refused_at_iter_not_ignored(tmp_path):

@@ -61,7 +61,7 @@ class ImageFolder:
         self.class_to_idx = {c: i for i, c in enumerate(self.classes)}
         self.paths = [os.fspath(p) for p, _ in samples]
         self.targets = [int(t) for _, t in samples]
-        stats = [os.stat(p) for p in self.paths]
+        stats = [_stat_or_gone(p) for p in self.paths]  # one that cannot be read fails at its read, as torchvision's
         self.sizes = [st.st_size for st in stats]
         self._content = _content_of(stats, self.targets)
         return self
@@ -98,6 +98,18 @@ def _cwd() -> str:
         return os.getcwd()
     except OSError:
         return ""
+
+
+MISSING = os.stat_result((0,) * 10)  # a listed file that cannot be stat'ed: size 0, no identity
+
+
+def _stat_or_gone(path) -> os.stat_result:
+    """os.stat(path), or MISSING where it fails (a dangling link, a file removed since the list was made): the
+    sample then fails when it is read, where on_error applies, not the loader's construction."""
+    try:
+        return os.stat(path)
+    except OSError:
+        return MISSING
 
 
 def _content_of(stats, targets) -> str:
