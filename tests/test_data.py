@@ -88,3 +88,17 @@ def test_demo_runs_and_prints_throughput_ratio(folder, capsys, tmp_path):
     png = tmp_path / "timeline.png"
     assert f"where FusionFlow's time went: {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and (tmp_path / "trace.json").exists()
+
+
+def test_a_dangling_link_and_an_empty_class_are_said(tmp_path):
+    """torchvision's ImageFolder lists a dangling link (its read fails) and refuses a class without images; ours
+    leaves the link out and keeps the class: both said, so indices that differ from torchvision's are not a surprise."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "1.jpg").write_bytes(b"\xff\xd8 one")
+    os.symlink(tmp_path / "nowhere.jpg", tmp_path / "a" / "2.jpg")
+    with pytest.warns(UserWarning) as caught:
+        ds = ImageFolder(str(tmp_path))
+    said = " ".join(str(w.message) for w in caught)
+    assert len(ds) == 1 and ds.classes == ["a", "b"]
+    assert "1 file(s) cannot be read" in said and "2.jpg" in said and "['b'] hold no image" in said

@@ -35,15 +35,16 @@ class ImageFolder:
         self.targets: list[int] = []
         self.sizes: list[int] = []
         stats = []  # what the files held at the scan: `fingerprint`
-        exts = tuple(e.lower() for e in extensions)
+        exts, left_out = tuple(e.lower() for e in extensions), []
         for c in self.classes:
-            for path, st in _images_under(os.path.join(root, c), exts):
+            for path, st in _images_under(os.path.join(root, c), exts, left_out):
                 stats.append(st)
                 self.paths.append(path)
                 self.targets.append(self.class_to_idx[c])
                 self.sizes.append(st.st_size)
         if not self.paths:
             raise ValueError(f"ImageFolder root {root!r} holds no files ending in {', '.join(exts)}")
+        _warn_left_out(root, left_out, [c for c, i in self.class_to_idx.items() if i not in set(self.targets)])
         if looks_like_splits(self.classes):  # nested images count (as torchvision's): say what this most likely is
             warnings.warn(
                 f"ImageFolder root {root!r} has the classes {self.classes}: they look like a dataset's splits "
@@ -131,11 +132,31 @@ def looks_like_splits(classes) -> bool:
     return bool(classes) and {c.lower() for c in classes} <= SPLIT_NAMES
 
 
-def _images_under(folder: str, exts: tuple[str, ...]):
+def _warn_left_out(root: str, left_out: list, empty: list) -> None:
+    """Say what torchvision's ImageFolder would have listed or refused: files that cannot be read (dangling links:
+    torchvision lists them, so its indices differ from these) and classes without an image (torchvision raises)."""
+    if left_out:
+        warnings.warn(
+            f"ImageFolder {root!r}: {len(left_out)} file(s) cannot be read and are left out (e.g. {left_out[0]!r}: a "
+            "dangling link?); torchvision's ImageFolder lists them, so sample indices differ from its",
+            UserWarning,
+            stacklevel=3,
+        )
+    if empty:
+        warnings.warn(
+            f"ImageFolder {root!r}: class folder(s) {empty[:5]} hold no image (torchvision's ImageFolder refuses "
+            "this); their class indices are kept, with no samples",
+            UserWarning,
+            stacklevel=3,
+        )
+
+
+def _images_under(folder: str, exts: tuple[str, ...], left_out: list | None = None):
     """(path, stat) of each regular file (or link to one) ending in `exts` under `folder`, at any depth, in the
     order torchvision's ImageFolder lists them: sorted(os.walk(folder, followlinks=True)), each directory's files
-    sorted by name. A dangling link is left out (there is nothing to read), and so is a linked directory met before
-    (a link to an ancestor would list the same images again down to the system's link limit)."""
+    sorted by name. A dangling link is left out (there is nothing to read; its path goes to `left_out`), and so is
+    a linked directory met before (a link to an ancestor would list the same images again down to the system's
+    link limit)."""
     seen, found = {os.path.realpath(folder)}, []
     for where, dirs, names in os.walk(folder, followlinks=True):
         dirs.sort()  # which of two links to one directory is kept: the first by name
@@ -151,6 +172,8 @@ def _images_under(folder: str, exts: tuple[str, ...]):
             try:
                 st = os.stat(path)
             except OSError:
+                if left_out is not None:
+                    left_out.append(path)
                 continue
             if stat.S_ISREG(st.st_mode):
                 yield path, st
