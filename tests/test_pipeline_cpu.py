@@ -228,3 +228,17 @@ def test_tensor_layout_rule_and_errors():
     for flat in (torch.from_numpy(encoded.copy()), encoded):
         with pytest.raises(TypeError, match=r"holds an encoded file .* return its bytes: bytes\(x\.numpy\(\)\)"):
             open_image(flat, "sample 2")
+
+
+@pytest.mark.parametrize(
+    "sample",
+    [np.zeros((0, 0, 3), np.uint8), np.zeros((0, 10), np.uint8), torch.zeros(3, 0, 4, dtype=torch.uint8), "pil"],
+    ids=["array", "array-hw", "tensor", "pil"],
+)
+def test_an_empty_image_is_named_not_a_division_by_zero(sample):
+    """A sample with no pixels (a dataset's bug: an empty crop) failed with ZeroDivisionError in the crop's window."""
+    from PIL import Image
+
+    sample = Image.new("RGB", (0, 5)) if isinstance(sample, str) else sample
+    with pytest.raises(ValueError, match=r"sample 4: an empty image \(\d+x\d+ pixels\)"):
+        CpuPipeline("default")(sample, 4)

@@ -115,6 +115,8 @@ def open_image(data, what: str | None = None, max_pixels: int | None = None) -> 
     if isinstance(data, Image.Image):
         if getattr(data, "tile", None):  # opened lazily (Image.open), nothing decoded yet
             check_pixels(*data.size, max_pixels, what)
+        if 0 in data.size:
+            raise ValueError(f"{what or 'sample'}: an empty image ({data.size[1]}x{data.size[0]} pixels)")
         return data
     if isinstance(data, np.ndarray):
         return from_array(data, what)

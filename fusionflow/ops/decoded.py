@@ -47,7 +47,14 @@ def tensor_to_hwc(t: torch.Tensor, what) -> np.ndarray:
         )
     if t.ndim == 3 and shape[0] in CHANNELS:
         t = t.permute(1, 2, 0)  # CHW -> HWC (a view; _from_array makes it contiguous)
-    return t.numpy()
+    return not_empty(t.numpy(), what)
+
+
+def not_empty(arr: np.ndarray, what) -> np.ndarray:
+    """`arr` (HW or HWC), refused when it has no pixels: the crop's window would divide by its size."""
+    if 0 in arr.shape[:2]:
+        raise ValueError(f"{what or 'sample'}: an empty image ({arr.shape[0]}x{arr.shape[1]} pixels)")
+    return arr
 
 
 def from_array(arr: np.ndarray, what) -> Image.Image:
@@ -58,7 +65,7 @@ def from_array(arr: np.ndarray, what) -> Image.Image:
         )
     if arr.ndim == 3 and arr.shape[2] == 1:
         arr = arr[:, :, 0]
-    return Image.fromarray(np.ascontiguousarray(arr))
+    return Image.fromarray(np.ascontiguousarray(not_empty(arr, what)))
 
 
 def to_rgb(img: Image.Image) -> Image.Image:
