@@ -331,8 +331,8 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
             order = torch.utils.data.SequentialSampler(base)
         inner = torch.utils.data.BatchSampler(order, a.batch_size, a.is_training)
         batching = dict(batch_sampler=SplitBatches(inner, views))
-    loader = FusionFlowLoader(samples, **batching, **kw)
-    return Built(loader, _prep(a, device, normalize_after) if a.use_prefetcher else None, sampler, views)
+    prep = _prep(a, device, normalize_after) if a.use_prefetcher else None  # (its arguments checked first)
+    return Built(FusionFlowLoader(samples, **batching, **kw), prep, sampler, views)
 
 
 def _prep(a: TimmArguments, device, normalize: bool):
@@ -341,6 +341,8 @@ def _prep(a: TimmArguments, device, normalize: bool):
     from fusionflow.timm.batch import BatchPrep
 
     img_dtype = torch.float16 if a.fp16 else (a.img_dtype or torch.float32)
+    if not (isinstance(img_dtype, torch.dtype) and img_dtype.is_floating_point):  # timm's prefetcher fails at div_
+        raise ValueError(f"img_dtype={img_dtype!r} must be a floating torch dtype: the prefetcher normalises images")
     re_prob = a.re_prob if a.is_training and not a.no_aug else 0.0
     erasing = None
     if re_prob > 0:
