@@ -71,6 +71,11 @@ def holders(queued: int, running, others) -> str:
     )
 
 
+def oldest_samples(conn) -> str:
+    """The samples of a worker's oldest outstanding tiny-batch (`conn.outstanding`: (task id, Work)), as said."""
+    return f"(samples {list(conn.outstanding[0][1].indices)})"
+
+
 def waiting_on(seq: int, waited: float, remaining: int, size: int, held: str) -> str:
     """The warning for a training loop waiting `waited` s for mini-batch `seq` (`held`: `holders`)."""
     return (

@@ -219,8 +219,9 @@ class LocalManager:
         """Under board.cond: who holds mini-batch `key`'s outstanding samples (liveness.holders): the CPU workers
         and lent ones busy, the worker kinds that say what they hold (`holding`: the accelerator's runs)."""
         now, guests = time.monotonic(), self.agent.guests if self.agent is not None else ()
-        running = [(f"CPU worker {w.worker_id}", now - w.head_since) for w in self.pool.workers if w and w.outstanding]
-        running += [(f"lent worker {g.worker_id}", now - g.head_since) for g in guests if g.alive and g.outstanding]
+        busy = [("CPU worker", w) for w in self.pool.workers if w and w.outstanding]
+        busy += [("lent worker", g) for g in guests if g.alive and g.outstanding]
+        running = [(f"{kind} {w.worker_id} {liveness.oldest_samples(w)}", now - w.head_since) for kind, w in busy]
         kinds = [k for k in self.board.kinds if k is not self.pool]
         running += [held for k in kinds if hasattr(k, "holding") for held in k.holding(key, now)]
         others = [type(k).__name__ for k in kinds if not hasattr(k, "holding")]
