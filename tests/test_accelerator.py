@@ -636,6 +636,45 @@ def test_a_pause_of_the_whole_process_does_not_retire_the_accelerator(monkeypatc
     assert slow.is_set() and s.accelerator_retired is None and s.accelerator_samples > 0
 
 
+def test_a_pause_moves_every_clock_of_the_runs_in_flight():
+    """`watch(now, lost)`: each run's taking, its read's end (the payload's third field: a lone run's interval starts
+    there) and the last completion move on by the time lost, so a pause reads as neither a stall nor a slow run."""
+    from types import SimpleNamespace
+
+    from fusionflow.accel.accelerator import AcceleratorWorker
+
+    me = SimpleNamespace(
+        _active=[("reading", 10.0, False, None), ("in DALI", 11.0, False, ("pipeline", "targets", 11.5))],
+        _last_done=9.0,
+        _collecting=None,
+        retired=None,
+        _writing=False,
+        _run_seconds=1.0,
+    )
+    AcceleratorWorker.watch(me, now=16.5, lost=5.0)
+    assert me._active == [("reading", 15.0, False, None), ("in DALI", 16.0, False, ("pipeline", "targets", 16.5))]
+    assert me._last_done == 14.0 and me._collecting is None
+
+
+def test_one_run_at_a_time_times_every_run_as_dali_s_pace(monkeypatch):
+    """With one run in flight no run is ever queued behind another, so each one's interval is DALI's pace and feeds
+    the rate whether faster or slower (a review's find: read as runs that found DALI idle, only faster readings
+    counted and the rate could only fall)."""
+    from fusionflow.accel.share_feed import ShareFeed
+
+    seen, real = [], ShareFeed.run_done
+
+    def run_done(self, seconds, samples, tail=False, waited=None, queued=True):
+        seen.append(queued)
+        return real(self, seconds, samples, tail, waited, queued)
+
+    monkeypatch.setattr(ShareFeed, "run_done", run_done)
+    ld = loader(Bytes(61), batch_size=16, persistent_workers=True, accelerator=DaliAccelerator("cpu", runs_in_flight=1))
+    with ld:
+        assert sorted(int(i) for _, y in ld for i in y) == list(range(61))
+    assert seen and all(seen)
+
+
 def test_runs_given_up_between_the_choice_to_collect_and_the_collect_are_dropped_quietly(monkeypatch, no_leaks, caplog):
     """The manager thread's `watch` gives every run in flight up after the accelerator thread chose to collect the
     oldest and before its collect looked at it (the thread had let the board's lock go): the collect finds nothing

@@ -209,6 +209,19 @@ def test_a_run_that_found_dali_idle_does_not_read_as_a_slower_dali(workers, cpu_
     assert min(g for g, _, _ in tail) > 0  # the accelerator takes a share of every mini-batch
 
 
+def test_a_rate_read_only_from_runs_that_found_dali_idle_can_rise_again():
+    """When no run is queued (DALI never holds two), a fast reading or two must not hold the rate low for good while
+    DALI got slower (a review's find): after 2 * ACCEL_WINDOW such runs in a row their readings count again."""
+    c = ShareController(shares_device=True, step=STEP)
+    c.accel_run(0.1, 100, queued=False)
+    c.accel_run(0.04, 100, queued=False)
+    c.accel_run(0.04, 100, queued=False)
+    assert c.accel_s == 0.04 / 100
+    for _ in range(2 * ACCEL_WINDOW + ACCEL_WINDOW):
+        c.accel_run(0.2, 100, queued=False)
+    assert c.accel_s == 0.2 / 100
+
+
 def test_a_run_that_found_dali_idle_only_lowers_the_rate():
     c = ShareController(shares_device=True, step=STEP)
     c.accel_run(0.05, 100, queued=False)  # the first: the only estimate there is

@@ -179,7 +179,7 @@ class AcceleratorWorker:
         process did not run (the whole job stopped, runtime/stuck.py): the runs' clocks skip them, so a pause
         neither retires it nor reads as a slow run to the split."""
         if lost:
-            self._active[:] = [(group, taken + lost, *rest) for group, taken, *rest in self._active]
+            self._active[:] = [(g, t + lost, tail, p and (*p[:2], p[2] + lost)) for g, t, tail, p in self._active]
             self._last_done += lost if self._last_done else 0.0
             self._collecting = None if self._collecting is None else self._collecting + lost
         waited = now - self._active[0][1] if self._active else 0.0
@@ -371,7 +371,8 @@ class AcceleratorWorker:
             self._run_seconds = 0.8 * self._run_seconds + 0.2 * took if self._run_seconds else took
             if self.shares is not None:  # the completion interval: from the later of the last completion and its start
                 timed = not self.gated and pipeline is self.pipeline and group[0].generation == self.board.generation
-                queued = started < self._last_done  # taken before the last run completed: its interval is DALI's pace
+                # taken before the last run completed (or one run at a time, never queued): its interval is DALI's pace
+                queued = started < self._last_done or self.gated or self.depth == 1
                 begun = max(started, self._last_done) if queued else max(started, read_at)  # else from its read's end
                 self.shares.run_done(now - begun, len(indices), tail, waited if timed else None, queued)
             self._last_done = now

@@ -85,7 +85,7 @@ class ShareFeed:
                 self.timed_runs += 1
                 self.collected(waited, samples)
             self.split.accel_run(seconds, samples, queued)
-            if not queued:
+            if not queued and samples > 0:
                 self._alone.append(seconds / samples)
 
     def due(self, active: list, last_done: float, due: float) -> float:

@@ -89,6 +89,7 @@ class ShareController:
     last_share: int | None = None  # the G last returned, and the one the observations were made at
     _push: int = 0  # samples added to the model's G while the CPU side keeps bounding iterations
     _cpu_bound: bool = False  # the last iteration was the CPU side's
+    _alone: int = 0  # runs in a row that found the accelerator idle (accel_run's `queued` False)
     _accel_seen: deque = field(default_factory=lambda: deque(maxlen=ACCEL_WINDOW))  # seconds per sample
     _train_seen: deque = field(default_factory=lambda: deque(maxlen=TRAIN_WINDOW))  # seconds per sample
 
@@ -106,7 +107,11 @@ class ShareController:
         read as the pace it shrank G, which left DALI idle between runs, whose intervals read slower still:
         with 15 CPU workers the accelerator took every other mini-batch's share and added nothing)."""
         if samples > 0 and seconds >= 0:
-            if not queued and self.accel_s is not None and seconds / samples >= self.accel_s:
+            self._alone = 0 if queued else self._alone + 1
+            # (once no run has been queued for 2 * ACCEL_WINDOW runs, the lone runs' own latency is the rate: a faster
+            # reading or two could otherwise hold it low for good while DALI got slower)
+            slower = self.accel_s is not None and seconds / samples >= self.accel_s
+            if not queued and slower and self._alone < 2 * ACCEL_WINDOW:
                 return
             self._accel_seen.append(seconds / samples)
             self.accel_s = statistics.median(self._accel_seen)
