@@ -73,7 +73,11 @@ RESOLVED = [
     (dict(batch_size=32), None, dict(capacity=10, tiny_batch_size=4, batch_size=32)),
     (dict(batch_size=10**12, shuffle=True), None, dict(capacity=10, batch_size=10**12)),
     (dict(batch_size=32, sampler=[0, 1, 2]), None, dict(capacity=32)),  # a sampler of its own: its len() unknown
-    (dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 4096, False)), None, dict(capacity=10)),
+    # a tiny-batch size is checked against the batch size given, then held within the rows
+    (dict(batch_size=32, tiny_batch_size=8), None, dict(capacity=10, tiny_batch_size=8)),
+    (dict(batch_size=32, tiny_batch_size=16), None, dict(capacity=10, tiny_batch_size=10)),
+    # beside a batch_sampler its batch_size (a state's shape and a shared producer's batch size keep it)
+    (dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 4096, False)), None, dict(capacity=4096)),
     (dict(batch_size=32, tiny_batch_size=8), None, dict(tiny_batch_size=8)),
     (
         dict(batch_sampler=BatchSampler(SequentialSampler(range(10)), 5, False)),

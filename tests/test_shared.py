@@ -200,6 +200,17 @@ def test_client_batch_sizes_reslice_the_producers_batches(jobs, drop_last):
         assert m == (kept if tag == "b64" else sum(ref["sizes"])), tag  # (b96 keeps all 3 with drop_last)
 
 
+def test_a_producer_batch_size_above_its_samples_is_the_one_clients_are_checked_against(jobs):
+    """A producer's ring holds at most its sampler's samples (40 rows at batch_size=64), but it announces the
+    batch_size given: a client's 32 divides 64 and is taken (a review's find: 40 was announced and 32 refused)."""
+    producer = jobs.start("producer", "--batch-size", 64, "--n", 40, "--epochs", 1, "--min-clients", 2)
+    clients = [jobs.client("b32", "--epochs", 1, "--batch-size", 32), jobs.client("none", "--epochs", 1)]
+    for p in [*clients, producer]:
+        assert jobs.wait(p) == 0, jobs.dump()
+    assert jobs.result("b32")["epochs"][0]["sizes"] == [32, 8]
+    assert jobs.result("none")["epochs"][0]["sizes"] == [40]
+
+
 def test_a_sigkilled_client_is_detached_and_the_others_finish(jobs):
     producer = jobs.start("producer", "--batch-size", 4, "--n", 40, "--epochs", 2, "--min-clients", 3, "--buffer", 2)
     good = [jobs.client(f"c{i}", "--epochs", 2) for i in range(2)]

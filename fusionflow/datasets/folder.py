@@ -44,7 +44,8 @@ class ImageFolder:
                 self.sizes.append(st.st_size)
         if not self.paths:
             raise ValueError(f"ImageFolder root {root!r} holds no files ending in {', '.join(exts)}")
-        _warn_left_out(root, left_out, [c for c, i in self.class_to_idx.items() if i not in set(self.targets)])
+        have = set(self.targets)
+        _warn_left_out(root, left_out, [c for c, i in self.class_to_idx.items() if i not in have])
         if looks_like_splits(self.classes):  # nested images count (as torchvision's): say what this most likely is
             warnings.warn(
                 f"ImageFolder root {root!r} has the classes {self.classes}: they look like a dataset's splits "

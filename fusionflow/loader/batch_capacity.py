@@ -187,6 +187,13 @@ def _saved(rng):
 EXACT_SAMPLERS = (SequentialSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler, DistributedSampler)
 
 
+def ring_rows(capacity: int, tiny_batch_size: int, sampler) -> tuple[int, int]:
+    """(rows, tiny_batch_size): the shared memory's rows a batch -- `capacity`, or fewer where `sampler` (batch_size's,
+    None beside a batch_sampler) is one of torch's and yields fewer samples -- and the tiny-batch size within them."""
+    rows = min(capacity, max(1, exact_len(sampler) or capacity)) if sampler is not None else capacity
+    return rows, min(tiny_batch_size, rows)
+
+
 def exact_len(sampler) -> int | None:
     """len(sampler) where it is exactly what the sampler yields (torch's own samplers), else None."""
     if type(sampler) not in EXACT_SAMPLERS:

@@ -26,7 +26,7 @@ from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
 from fusionflow.accel.config import RUN_SAMPLES, RUNS_IN_FLIGHT_CPU, loose_defaults
 from fusionflow.cache.config import resolve_cache
-from fusionflow.loader.batch_capacity import batch_capacity, exact_len
+from fusionflow.loader.batch_capacity import batch_capacity, ring_rows
 from fusionflow.loader.dataset import resolve_samples
 from fusionflow.loader.host import check_remote_workers, resolve_dali, resolve_job
 from fusionflow.policy import load_policy
@@ -139,8 +139,6 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
                 "drop_last: leave those at their defaults when you pass a batch_sampler"
             )
         capacity, batch_size = batch_capacity(batch_sampler), None
-        if type(batch_sampler) is BatchSampler:  # torch's: its batches hold at most what its sampler yields
-            capacity = min(capacity, max(1, exact_len(batch_sampler.sampler) or capacity))
     else:
         if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not supported)")
@@ -152,7 +150,7 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
         if sampler is None:
             sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
         batch_sampler = BatchSampler(sampler, batch_size, drop_last)
-        capacity = min(batch_size, max(1, exact_len(sampler) or batch_size))
+        capacity = batch_size
     return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity, batch_size
 
 
@@ -345,7 +343,8 @@ def resolve_config(
     batch_sampler, sampler, capacity, batch_size = resolve_batching(
         dataset, batch_size, shuffle, sampler, batch_sampler, drop_last, generator
     )
-    tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)
+    tiny_batch_size = resolve_tiny_batch_size(tiny_batch_size, capacity)  # against the batch size given
+    capacity, tiny_batch_size = ring_rows(capacity, tiny_batch_size, sampler if batch_size is not None else None)
     prefetch = resolve_prefetch(prefetch_factor, num_workers)
     check_run_options(persistent_workers, num_workers, timeout, on_error, max_retries, pin_workers)
     seed_given, seed = seed is not None, resolve_seed(seed, generator)

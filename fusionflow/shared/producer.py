@@ -350,7 +350,7 @@ class SharedLoader:
             self.name,
             os.getpid(),
             self._mgr.board.ring.layout,
-            cfg.capacity,
+            cfg.capacity if cfg.batch_size is None else cfg.batch_size,  # (capacity: at most the sampler's samples)
             cfg.drop_last,
             len(self.loader),
             samples,
