@@ -243,7 +243,9 @@ def test_sample_that_keeps_killing_workers_is_named():
     ds = Bytes(32, killers={13})
     loader = FusionFlowLoader(ds, batch_size=8, num_workers=2, policy=SMALL, tiny_batch_size=4, max_retries=1)
     with pytest.raises(
-        SampleKilledWorkersError, match=r"sample 13 killed 2 CPU worker processes \(last: signal SIGKILL\)"
+        SampleKilledWorkersError,
+        match=r"sample 13 killed 2 CPU worker processes \(last: signal SIGKILL; its tiny-batch's deaths count too: "
+        r"a tiny-batch that kills a worker is retried sample by sample to find which one does\)",
     ):
         collect(loader)
 

@@ -85,6 +85,13 @@ def waiting_on(seq: int, waited: float, remaining: int, size: int, held: str) ->
     )
 
 
+# why a sample's count of killed workers can exceed max_retries + 1 (max_retries=0 and 2 killed, say)
+GROUP_DEATHS = (
+    "its tiny-batch's deaths count too: a tiny-batch that kills a worker is retried sample by sample "
+    "to find which one does"
+)
+
+
 def culprit_advice(how: str) -> str:
     """What to check about a sample whose tries killed workers, by how the last one ended."""
     if "no progress" in how:  # killed past the stuck bound, doubled at each try

@@ -274,8 +274,9 @@ class WorkerPool:
                     continue
                 if work.deaths > self.spec.max_retries:
                     board.queue.batches[work.key].error = SampleKilledWorkersError(
-                        f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}); "
-                        f"giving up after max_retries={self.spec.max_retries}. " + liveness.culprit_advice(how),
+                        f"sample {work.indices[0]} killed {work.deaths} CPU worker processes (last: {how}; "
+                        + liveness.GROUP_DEATHS
+                        + f"); giving up after max_retries={self.spec.max_retries}. {liveness.culprit_advice(how)}",
                         list(work.indices),
                     )
                     continue
