@@ -359,6 +359,56 @@ def test_an_epoch_every_client_left_is_not_counted(jobs):
         assert not serving.is_alive() and shared.epochs_served == 0
 
 
+def test_a_sampler_s_epoch_follows_the_epochs_served(jobs):
+    """serve(epochs=N) runs the epochs itself, so nobody could call set_epoch between them: a DistributedSampler
+    shuffled every served epoch as its epoch 0 (a sweep's find). Each epoch is now told to the sampler."""
+    import threading
+
+    from torch.utils.data import DistributedSampler
+
+    def sampler():
+        return DistributedSampler(Indexed(24), num_replicas=1, rank=0, shuffle=True, seed=0)
+
+    loader = FusionFlowLoader(Indexed(24), batch_size=8, sampler=sampler(), num_workers=1, policy=SMALL)
+    with SharedLoader(loader, name=jobs.name, buffer=2) as shared:
+        client = SharedLoaderClient(jobs.name, timeout=60)
+        serving = threading.Thread(target=shared.serve, kwargs=dict(epochs=3), daemon=True)
+        serving.start()
+        got = [[i for _, y in client for i in y.tolist()] for _ in range(3)]
+        client.close()
+        serving.join(60)
+    want = []
+    for epoch in range(3):
+        ref = sampler()
+        ref.set_epoch(epoch)
+        want.append(list(ref))
+    assert got == want and len({tuple(order) for order in got}) == 3
+
+
+def test_an_epoch_its_only_client_peeked_at_is_served_again(jobs):
+    """A script that peeks one batch (next(iter(client)), for the shapes) and then trains serve(epochs=2)'s two
+    epochs got one full epoch and an error: the peeked epoch, left by its only client, used up one of the two. An
+    epoch left by every client who stays attached is served again; one left by clients all gone ends serve()."""
+    import threading
+
+    with SharedLoader(make_loader(8, 40, False), name=jobs.name, buffer=2) as shared:
+        client = SharedLoaderClient(jobs.name, timeout=60)
+        serving = threading.Thread(target=shared.serve, kwargs=dict(epochs=2), daemon=True)
+        serving.start()
+        next(iter(client))
+        full = [sorted(i for _, y in client for i in y.tolist()) for _ in range(2)]
+        client.close()
+        serving.join(60)
+        assert not serving.is_alive() and full == [list(range(40))] * 2 and shared.epochs_served == 2
+
+
+def test_removing_a_record_another_client_removed_leaves_no_lock_file(jobs):
+    """Two clients of a producer that died each remove its record; the second made a new lock file, found no
+    record and left the lock file behind (a sweep's find)."""
+    rendezvous.remove(jobs.name, os.getpid())  # no record: another client removed it first
+    assert not [f for f in os.listdir(rendezvous.directory()) if jobs.name in f]
+
+
 def test_a_producer_and_a_client_meet_whatever_their_xdg_runtime_dir(jobs, tmp_path, monkeypatch):
     """A producer started from a login shell ($XDG_RUNTIME_DIR set) and a client from a batch job or `docker exec`
     (unset): the record was written in one directory and looked for in another ("no SharedLoader named ... is

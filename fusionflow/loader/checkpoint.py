@@ -98,11 +98,18 @@ class Checkpoint:
             if callable(getattr(owner, "set_epoch", None)):
                 owner.set_epoch(epoch)
 
+    def upcoming(self) -> int | None:
+        """The epoch the next `begin` moves on to (the previous + 1), None where it keeps the epoch it has (the first
+        iteration, `set_epoch` called, a loaded state's resume pending): a caller running epochs itself (a shared
+        producer's serve) tells it to the sampler through set_epoch."""
+        advances = self.iterations and not self.epoch_set and not (self.resume is not None and self._begun_pending)
+        return self.epoch + 1 if advances else None
+
     def begin(self) -> tuple[int, EpochProgress]:
         """A new iteration: its epoch (the previous + 1 unless `set_epoch` was called, or a loaded state's resume is
         still pending: an iterator made and dropped before its first next() took none of it) and its progress, which
         becomes the current one (an epoch is in progress from iter() on)."""
-        if self.iterations and not self.epoch_set and not (self.resume is not None and self._begun_pending):
+        if self.upcoming() is not None:
             self.epoch += 1
         self.epoch_set, self.loaded, self._begun_pending = False, None, self.resume is not None
         self.iterations += 1

@@ -208,10 +208,14 @@ class SharedLoader:
                 raise SharedLoaderError(f"SharedLoader {self.name!r} is serving already (serve() in another thread)")
             self._serving = threading.get_ident()
         try:
-            for _ in range(epochs):
+            target = self.epochs_served + epochs  # epochs every client left early are not counted: served again
+            while self.epochs_served < target:
                 self._wait_for(min_clients if not self._waited else 1)
                 self._waited = True
-                self._serve_epoch()
+                whole = self._serve_epoch()
+                with hub.cond:
+                    if not whole and not hub.live():  # left by every client, all detached since: done
+                        break
             with hub.cond:
                 while hub.held_slots() and not self._closing:
                     hub.cond.wait(0.5)
@@ -285,6 +289,11 @@ class SharedLoader:
         hub, loader, parts = self._hub, self.loader, self.loader.parts
         if parts.runtime.manager is not self._mgr:
             raise FusionFlowError("the served loader's workers were restarted (load_state_dict, close()?)")
+        upcoming = parts.checkpoint.upcoming()
+        if (
+            upcoming is not None
+        ):  # told to the sampler (DistributedSampler's shuffle), as a loop calling set_epoch would
+            loader.set_epoch(upcoming)
         with hub.cond:
             free = SlotPool(s for s in range(self.buffer) if s not in hub.held_slots())
             it = self._current = _HeldEpoch(

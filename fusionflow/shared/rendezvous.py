@@ -111,8 +111,8 @@ def read(name: str, locked: bool = False) -> dict | None:
 def remove(name: str, pid: int) -> None:
     """Remove `name`'s record if it is still `pid`'s (a newer producer's stays), and then its lock file."""
     try:
-        with _locked(name) as lock:
-            if _remove_if(name, pid):
+        with _locked(name) as lock:  # no record left (another client removed it first): its lock file goes too
+            if _remove_if(name, pid) or not os.path.exists(path_of(name)):
                 remove_locked(lock)
     except OSError:  # the lock's holder stopped: a stale record is removed by the next reader
         pass
