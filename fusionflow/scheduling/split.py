@@ -22,8 +22,9 @@ In throughput terms, with c = 1/p: R = (1 + c*g) / (t + g) when the device bound
 workers' tiny-batch times and how many live (a moving average), g from the accelerator's completion
 intervals of its share runs (taken at the size it runs, so a run's fixed cost f is folded in: g = g0 +
 f/G, whose fixed point is the exact optimum of the model with f; the median of the last ACCEL_WINDOW,
-so one run slowed by something else is not a new rate; a run that found the accelerator idle only lowers
-it, since its interval holds its whole latency), and t from the iteration period whenever the
+so one run slowed by something else is not a new rate; a run that found the accelerator idle, timed from
+its read's end, only lowers it -- its interval holds DALI's latency -- until none has been queued for
+2 * ACCEL_WINDOW runs), and t from the iteration period whenever the
 CPU side was not what training waited for (then the period is the device's: t*B + G*g; the median of
 the last TRAIN_WINDOW, so one long pause -- validation, a checkpoint -- is not a slower model, while a
 faster step is taken at once). While the CPU side is the bottleneck the period bounds t from above,
@@ -101,9 +102,9 @@ class ShareController:
     def accel_run(self, seconds: float, samples: int, queued: bool = True) -> None:
         """The accelerator completed a run of `samples` samples `seconds` after the later of its previous
         completion and its own start (its completion interval while busy). `queued` False: the run found
-        the accelerator idle (taken after the previous run completed), so its interval holds the run's whole
-        latency -- its read, DALI's host stages -- not only the pace DALI keeps with runs queued. Such a run
-        only bounds the pace from above: a faster one is taken, a slower one is not (on the H200, 2026-11-30,
+        the accelerator idle (taken after the previous run completed), so its interval (from its read's end)
+        holds DALI's latency for it -- its host stages -- not only the pace DALI keeps with runs queued. Such a
+        run only bounds the pace from above: a faster one is taken, a slower one is not (on the H200, 2026-11-30,
         read as the pace it shrank G, which left DALI idle between runs, whose intervals read slower still:
         with 15 CPU workers the accelerator took every other mini-batch's share and added nothing)."""
         if samples > 0 and seconds >= 0:
