@@ -119,7 +119,7 @@ MAY_IMPORT = {
     "runtime": {"scheduling", "ops", "policy", "datasets"} | BASE,
     "ops": {"policy"} | BASE,
     "scheduling": BASE,
-    "policy": {"errors"},
+    "policy": {"errors", "native"},  # native: the draw's Philox kernel (policy/philox.py)
     "datasets": {"errors"},
     "native": {"errors"},
     "errors": set(),

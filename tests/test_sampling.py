@@ -1,5 +1,6 @@
 """Per-sample draws: deterministic in (seed, epoch, index), distributed as the policy says."""
 
+import dataclasses
 import itertools
 import math
 from collections import Counter
@@ -12,7 +13,8 @@ import torchvision.transforms.v2 as T
 from scipy import stats
 
 from fusionflow import load_policy
-from fusionflow.policy import crop_window, draw, uniforms
+from fusionflow.policy import crop_window, draw, philox, uniforms
+from fusionflow.policy.sampling import run_uniforms
 
 N = 6000
 P_MIN = 1e-4  # chi-square p-value below which a distribution is rejected (fixed seeds: no flakes)
@@ -48,6 +50,48 @@ def test_uniforms_are_a_counter_based_stream_per_sample():
     assert stats.kstest(flat, "uniform").pvalue > P_MIN
     firsts = np.array([uniforms(0, 0, i, n=1)[0] for i in range(4000)])
     assert abs(stats.pearsonr(firsts[:-1], firsts[1:]).statistic) < 0.07
+
+
+def test_the_native_kernel_computes_numpys_philox_streams():
+    # the kernel against numpy's own Philox positioned per sample: keys, counters at the top of their words,
+    # positions past the first block and lengths that end inside a block
+    assert philox.native()  # a compiler is part of the test machine: this must not silently test numpy twice
+    rng = np.random.default_rng(0)
+    top = 2**64 - 1
+    for key in [(0, 0), (5, 0), (top, top), tuple(int(k) for k in rng.integers(0, 2**63, 2))]:
+        for epoch in (0, 3, top):
+            indices = np.array([0, 1, 17, top, 2**63], np.uint64)
+            copies = np.array([0, 2, 0, top, 1], np.uint64)
+            for first, count in ((0, 96), (96, 96), (4, 41), (0, 1)):
+                got = philox.uniforms_many(key, epoch, indices, copies, first, count)
+                for i, c, row in zip(indices.tolist(), copies.tolist(), got):
+                    want = philox.numpy_generator(key, epoch, i, c, first).random(count)
+                    assert np.array_equal(row, want), (key, epoch, i, c, first, count)
+    assert philox.uniforms_many((1, 2), 0, [], [], 0, 96).shape == (0, 96)
+    with pytest.raises(ValueError, match="first=2"):
+        philox.uniforms_many((1, 2), 0, [0], [0], 2, 8)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_runs_uniforms_and_draws_are_each_samples_own(monkeypatch, native):
+    # run_uniforms' rows are uniforms(); a draw given its row is the draw made alone, for each draw kind
+    if not native:
+        monkeypatch.setattr(philox, "_lib", False)  # the numpy fallback where no compiler builds the kernel
+    indices, copies = np.array([3, 0, 3, 2**40, 7]), np.array([0, 0, 1, 0, 5])
+    rows = run_uniforms(11, 4, indices, copies)
+    for i, c, row in zip(indices.tolist(), copies.tolist(), rows):
+        assert np.array_equal(row, uniforms(11, 4, i, c))
+    assert np.array_equal(run_uniforms(11, 4, [3, 0]), rows[:2])  # copies default to 0
+    policies = [load_policy("randaugment"), load_policy("autoaugment"), load_policy("randaugment", num_ops=12)]
+    policies += [load_policy("trivialaugment", erase={"p": 0.5}), load_policy("augmix")]
+    policies += [dataclasses.replace(policies[0], views=3), dataclasses.replace(policies[0], crop_epochs=3)]
+    for p in policies:
+        for i, c, row in zip(indices.tolist(), copies.tolist(), rows):
+            assert draw(p, 11, 4, i, c, row) == draw(p, 11, 4, i, c)
+    with pytest.raises(ValueError, match="non-negative"):
+        run_uniforms(0, 0, [1, -1])
+    with pytest.raises(ValueError, match="epoch="):
+        run_uniforms(0, -1, [1])
 
 
 def test_a_policy_with_many_ops_reads_past_the_first_block():

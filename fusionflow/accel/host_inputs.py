@@ -20,6 +20,7 @@ import numpy as np
 
 from fusionflow.policy import Policy, crop_window, draw
 from fusionflow.policy.op_specs import NUM_PARAMS
+from fusionflow.policy.sampling import run_uniforms
 
 
 class HostLayout:
@@ -63,9 +64,10 @@ class HostInputs:
         self.local = {name: i for i, name in enumerate(op_names(policy))}
         self.slots = policy.augment.max_ops if slots is None else slots
 
-    def sample(self, index: int, seed: int, epoch: int, copy: int, size: tuple[int, int]) -> tuple:
-        """One sample's inputs (after the encoded bytes), as `DaliPolicyPipeline.prepare` returns them."""
-        d = draw(self.policy, seed, epoch, index, copy)
+    def sample(self, index: int, seed: int, epoch: int, copy: int, size: tuple[int, int], first=None) -> tuple:
+        """One sample's inputs (after the encoded bytes), as `DaliPolicyPipeline.prepare` returns them (`first`:
+        the sample's uniforms when computed with its run's, sampling.run_uniforms)."""
+        d = draw(self.policy, seed, epoch, index, copy, first)
         top, left, h, w = crop_window(self.policy, d, *size)
         out_h, out_w = self.policy.size
         op_ids = np.zeros(self.slots, np.int32)
@@ -80,8 +82,10 @@ class HostInputs:
         """The inputs of a run: sample i has dataset index indices[i], occurrence copies[i] (None: all 0)
         and (height, width) sizes[i]. One array per input, a row per sample (`sample`'s, stacked)."""
         copies = np.zeros(len(indices), np.int64) if copies is None else copies
+        streams = run_uniforms(seed, epoch, indices, copies)  # one call for the run's random streams
         rows = (
-            self.sample(int(i), seed, epoch, int(c), (int(z[0]), int(z[1]))) for i, c, z in zip(indices, copies, sizes)
+            self.sample(int(i), seed, epoch, int(c), (int(z[0]), int(z[1])), u)
+            for i, c, z, u in zip(indices, copies, sizes, streams)
         )
         return [np.stack(col) for col in zip(*rows)]
 

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import threading
 
 import numpy as np
 
-from fusionflow.policy import keep_ratio
+from fusionflow.policy import keep_ratio, philox
 from fusionflow.policy.deepaa import draw_deepaa
 from fusionflow.policy.draws import EraseDraw, MixDraw, OpDraw, SampleDraw, TimmStep
 from fusionflow.policy.image_sections import Erase, Jitter
@@ -42,7 +41,6 @@ CROP_TRIES = 10
 
 _WORD = (1 << 64) - 1
 _DRAWS = 96  # uniforms taken per sample at once: a shipped policy's draw uses 41 to about 90
-_local = threading.local()  # one Philox per thread, re-keyed per sample (cheaper than a new one)
 
 
 def _check(name: str, v) -> int:
@@ -55,53 +53,52 @@ def _check(name: str, v) -> int:
     return int(v)
 
 
-def _generator(seed: int, epoch: int, index: int, copy: int) -> np.random.Generator:
-    """numpy's Philox4x64 positioned at the start of the sample's stream: key = the seed (128 bits;
-    wider seeds fold their higher words in), counter = (position, copy, index, epoch)."""
-    seed, epoch, index, copy = (
-        _check("seed", seed),
-        _check("epoch", epoch),
-        _check("index", index),
-        _check("copy", copy),
-    )
+def _key(seed: int, epoch: int, index: int, copy: int) -> tuple[int, int]:
+    """The Philox key of `seed` (128 bits; wider seeds fold their higher words in), the other parts checked."""
+    seed = _check("seed", seed)
+    for name, v in (("epoch", epoch), ("index", index), ("copy", copy)):
+        _check(name, v)
     key0, key1 = seed & _WORD, (seed >> 64) & _WORD
     seed >>= 128
     while seed:
         key0, key1, seed = key0 ^ (seed & _WORD), key1 ^ ((seed >> 64) & _WORD), seed >> 128
-    gen = getattr(_local, "gen", None)
-    if gen is None:
-        gen = _local.gen = np.random.Generator(np.random.Philox(key=0))
-    gen.bit_generator.state = {
-        "bit_generator": "Philox",
-        "state": {"counter": np.array([0, copy, index, epoch], np.uint64), "key": np.array([key0, key1], np.uint64)},
-        "buffer": np.zeros(4, np.uint64),
-        "buffer_pos": 4,  # nothing buffered: the next word is the counter's first block
-        "has_uint32": 0,
-        "uinteger": 0,
-    }
-    return gen
+    return key0, key1
 
 
 def uniforms(seed: int, epoch: int, index: int, copy: int = 0, n: int = _DRAWS) -> np.ndarray:
     """The first n uniforms in [0, 1) of the sample's stream (float64, 53 random bits each): a pure
-    function of (seed, epoch, index, copy) that any process, thread or retry recomputes. `draw`
+    function of (seed, epoch, index, copy) that any process, thread or retry recomputes -- numpy's
+    Philox4x64 keyed by the seed, its counter (position, copy, index, epoch) (policy/philox.py). `draw`
     consumes them in a fixed order: crop (40), flip (1), then the policy's ops, then erasing, then
     the crop's filter when drawn, then ColorJitter (9), then RandomGrayscale (1), then the vertical flip (1),
     then GaussianBlur (2)."""
-    return _generator(seed, epoch, index, copy).random(n)
+    return philox.numpy_generator(_key(seed, epoch, index, copy), epoch, index, copy).random(n)
+
+
+def run_uniforms(seed: int, epoch: int, indices, copies=None) -> np.ndarray:
+    """`uniforms` of many samples of one epoch in one call, (len(indices), _DRAWS): row i is sample
+    (indices[i], copies[i] or 0)'s, what `draw(..., first=row)` takes."""
+    idx = np.asarray(indices)
+    cps = np.zeros(len(idx), np.uint64) if copies is None else np.asarray(copies)
+    if len(idx) and (idx.dtype.kind not in "iu" or cps.dtype.kind not in "iu" or min(idx.min(), cps.min()) < 0):
+        raise ValueError("indices and copies must be non-negative integers")
+    return philox.uniforms_many(_key(seed, epoch, 0, 0), int(epoch), idx, cps, 0, _DRAWS)
 
 
 class _Stream:
-    """The sample's uniforms consumed in order, with the two calls `draw` makes of a Generator."""
+    """The sample's uniforms consumed in order, with the two calls `draw` makes of a Generator. `first`: its
+    first _DRAWS uniforms when already computed (`run_uniforms`' row)."""
 
-    def __init__(self, seed: int, epoch: int, index: int, copy: int):
-        self._gen = _generator(seed, epoch, index, copy)
-        self._u = self._gen.random(_DRAWS).tolist()
+    def __init__(self, seed: int, epoch: int, index: int, copy: int, first=None):
+        self._at = (seed, epoch, index, copy)
+        self._u = (uniforms(seed, epoch, index, copy) if first is None else first).tolist()
         self._next = 0
 
     def random(self, n: int | None = None):
         while self._next + (n or 1) > len(self._u):  # a policy with many ops: the stream goes on
-            self._u += self._gen.random(_DRAWS).tolist()
+            seed, epoch, index, copy = self._at
+            gen = philox.numpy_generator(_key(seed, epoch, index, copy), epoch, index, copy, len(self._u))
+            self._u += gen.random(_DRAWS).tolist()
         i = self._next
         self._next += n or 1
         return self._u[i] if n is None else self._u[i : i + n]
@@ -113,14 +110,15 @@ class _Stream:
 _VIEW_BASE = 1 << 63  # the shared crop's stream of a sample with views: an index no sample has
 
 
-def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> SampleDraw:
-    """The sample's draw; `copy` is the occurrence of `index` in the epoch (0 for the first).
+def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0, first=None) -> SampleDraw:
+    """The sample's draw; `copy` is the occurrence of `index` in the epoch (0 for the first). `first`: the
+    sample's `run_uniforms` row when computed with its run's (the same draw, without a call of its own).
 
     A policy with `crop_epochs` = R > 1 (refurbishing, `DecodedCache(reuse_crop_epochs=R)`): the crop,
     its filter and the flips are those drawn for epoch R * (epoch // R); everything else is this epoch's.
     So every worker kind draws the same reused crop, and a CPU worker with the cache may keep the
     cropped sample for those R epochs (fusionflow/cache/crops.py)."""
-    d = _draw_views(policy, seed, epoch, index, copy)
+    d = _draw_views(policy, seed, epoch, index, copy, first)
     reuse = policy.crop_epochs
     if reuse > 1 and epoch % reuse:
         base = _draw_views(policy, seed, epoch - epoch % reuse, index, copy)
@@ -130,7 +128,7 @@ def draw(policy: Policy, seed: int, epoch: int, index: int, copy: int = 0) -> Sa
     return d
 
 
-def _draw_views(policy: Policy, seed: int, epoch: int, index: int, copy: int) -> SampleDraw:
+def _draw_views(policy: Policy, seed: int, epoch: int, index: int, copy: int, first=None) -> SampleDraw:
     """`draw` without crop reuse.
 
     A policy with `views` = S > 1 (timm's AugMix splits): `index` is view index % S of sample index // S.
@@ -139,19 +137,19 @@ def _draw_views(policy: Policy, seed: int, epoch: int, index: int, copy: int) ->
     grayscale or blur, as timm's AugMixDataset normalises its first split), the others draw their
     augmentation and erasing each from their own stream."""
     if policy.views == 1:
-        return _draw(policy, seed, epoch, index, copy)
+        return _draw(policy, seed, epoch, index, copy, first)
     if _check("index", index) >= _VIEW_BASE:
         raise ValueError(f"index={index} must be below 2**63 with views")
     base = _draw(policy, seed, epoch, _VIEW_BASE | index // policy.views, copy)
-    own = _draw(policy, seed, epoch, index, copy)
+    own = _draw(policy, seed, epoch, index, copy, first)
     shared = dict(crop_u=base.crop_u, flip=base.flip, vflip=base.vflip, crop_resample=base.crop_resample)
     if index % policy.views == 0:
         shared.update(ops=(), mix=None, steps=(), jitter=(), grayscale=False, blur=None)  # timm's secondary: off
     return dataclasses.replace(own, **shared)
 
 
-def _draw(policy: Policy, seed: int, epoch: int, index: int, copy: int) -> SampleDraw:
-    rng = _Stream(seed, epoch, index, copy)
+def _draw(policy: Policy, seed: int, epoch: int, index: int, copy: int, first=None) -> SampleDraw:
+    rng = _Stream(seed, epoch, index, copy, first)
     crop_u = tuple(rng.random(CROP_TRIES * 4))
     flip = bool(rng.random() < policy.flip)
     aug = policy.augment
