@@ -19,6 +19,10 @@ JPEGs of mixed sizes (made here, 200-1000 px), CPU workers 4 (CPU-poor, the pape
   .../pN, .../tN      (d) with N ring slots (prefetch_factor=N; the accelerator's default 4), with N DALI threads
   .../nobridge        (d) with DaliAccelerator(memory_bridge="off"): DALI's own pool (the H200, 2026-11-30: DALI's
                       runs in the loader moved ~0.57 GB/s of JPEG, its graph alone beside training ~0.87)
+  .../hwNN            (d) with DaliAccelerator(hw_decoder_load=NN/100): the share of a full run nvImageCodec's hardware
+                      JPEG decoder takes (DALI's default 0.65), the largest images; the rest DALI's hybrid decoder
+  .../nosize          (d) without the sizing run (a new pipeline's first run a full one, dali_graph.py `_sizing_run`):
+                      as before session 50, nvImageCodec then fixed the hardware decoder's count from the first share
   .../copyext         (d) landing DALI's outputs as before session 31: DALI's copy_to_external into a staging block
                       (its copy waits for everything queued on DALI's stream at the call: with runs in flight, the
                       later runs' work), then slices; against the device ring's DLPack read, in the same call
@@ -409,14 +413,15 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     whose accelerator fell back to the CPU workers raises: not comparable."""
     bs = args.batch_size
     parsed = re.fullmatch(
-        r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?(/copyext)?(/small)?(?:/p(\d+))?(?:/t(\d+))?(/nobridge)?", variant
+        r"([a-z_]+)(?:@(\d+))?(?:/d(\d+))?(/copyext)?(/small)?(?:/p(\d+))?(?:/t(\d+))?(/nobridge)?(?:/hw(\d+))?(/nosize)?",
+        variant,
     )
     if parsed is None:
         raise ValueError(
             f"variant {variant!r}: write ff_cpu_gpu, ff_cpu_gpu@N, ff_cpu_gpu/dK or ff_cpu_gpu@N/dK "
-            "(+ /copyext, + /small, + /pN, + /tN, + /nobridge, in that order)"
+            "(+ /copyext, + /small, + /pN, + /tN, + /nobridge, + /hwNN, + /nosize, in that order)"
         )
-    name, run_samples, depth, copyext, small, prefetch, threads, nobridge = parsed.groups()
+    name, run_samples, depth, copyext, small, prefetch, threads, nobridge, hw_load, nosize = parsed.groups()
     accel = None if name != "ff_cpu_gpu" else ("dali-gpu" if device.type == "cuda" else "dali-cpu")
     # gpu_sharing="auto" times PROFILE_BATCHES iterations in each mode before it
     # chooses: that happens in the warm-up, never in the timed window
@@ -437,6 +442,8 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
             knobs["threads"] = int(threads)
         if nobridge:  # ff_cpu_gpu/nobridge: DALI's own memory pool, not an arena carved from PyTorch's
             knobs["memory_bridge"] = "off"
+        if hw_load:  # ff_cpu_gpu/hwNN: the hardware JPEG decoder's share of a full run
+            knobs["hw_decoder_load"] = int(hw_load) / 100
         accel = DaliAccelerator(accel.removeprefix("dali-"), **knobs)
     extra = {"prefetch_factor": int(prefetch)} if prefetch else {}  # ff_cpu_gpu/pN: N ring slots
     tag = variant.replace("@", "_run").replace("/", "_")
@@ -445,7 +452,12 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
     if path and not os.path.exists(path):  # the first repeat's timeline: which side each mini-batch waited for
         extra["trace"] = path
     landing = copy_to_external_landing() if copyext else contextlib.nullcontext()
-    with landing, ff_loader(data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, **extra) as ff:
+    unsized = first_run_as_given() if nosize else contextlib.nullcontext()
+    with (
+        landing,
+        unsized,
+        ff_loader(data, warmup + args.iters + 1, bs, workers, device, accelerator=accel, **extra) as ff,
+    ):
         rate = train_rate(lambda: endless(ff, ff.set_epoch), model_name, device, args.iters, warmup, bs)
         stats = row[f"{variant}_stats"] = {k: v for k, v in ff.stats.summary().items()}
         stats["gpu_sharing"] = ff.stats.gpu_sharing
@@ -460,6 +472,19 @@ def fusionflow_rate(variant, data, model_name, workers, device, args, row) -> fl
             f"out of memory {stats['accelerator_out_of_memory']}x): not comparable"
         )
     return rate
+
+
+@contextlib.contextmanager
+def first_run_as_given():
+    """`ff_cpu_gpu.../nosize`: new DALI pipelines skip their sizing run (their first run is the accelerator's first
+    share, as before session 50), while the block runs."""
+    from fusionflow.accel import dali_graph
+
+    dali_graph.SIZING_RUN_ON_GPU = False
+    try:
+        yield
+    finally:
+        dali_graph.SIZING_RUN_ON_GPU = True
 
 
 @contextlib.contextmanager

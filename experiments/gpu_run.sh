@@ -12,6 +12,8 @@
 #   experiments/gpu_run.sh memory ARGS     python3 -m experiments.gpu_memory ARGS
 #   experiments/gpu_run.sh dalimem ARGS    python3 -m experiments.dali_memory --device cuda ARGS (the bridge
 #                                          arena's calibration: DALI's device memory per sample of a run)
+#   experiments/gpu_run.sh firstrun ARGS   python3 -m experiments.dali_first_run --device cuda ARGS (the hardware
+#                                          JPEG decoder's share, fixed at a pipeline's first run: sized or not)
 #   experiments/gpu_run.sh aot ARGS        python3 -m experiments.bench_aot --device gpu ARGS
 #   experiments/gpu_run.sh graph ARGS      python3 -m experiments.bench_graph --device cuda ARGS (our DALI graph
 #                                          alone against DALI's own RandAugment graph, per run size)
@@ -78,6 +80,10 @@ dalimem)
 graph)
     python3 -m experiments.bench_graph --device cuda --out "$OUT/bench_graph_gpu.json" "$@" 2>&1 |
         tee "$OUT/bench_graph_gpu.log"
+    ;;
+firstrun)
+    python3 -m experiments.dali_first_run --device cuda --out "$OUT/dali_first_run.json" "$@" 2>&1 |
+        grep -v -i deprecat | tee "$OUT/dali_first_run.log"
     ;;
 aot)
     python3 -m experiments.bench_aot --device gpu --out "$OUT/aot_gpu.json" "$@" 2>&1 | tee "$OUT/aot_gpu.log"

@@ -1580,3 +1580,74 @@ def test_the_accelerator_declines_exact_mode_whose_promise_is_torchvisions_pixel
 
     exact = load_policy({**SMALL, "decode": {"mode": "exact"}})
     loader_runs_it_once_and_dali_declines(exact, caplog, "decode.mode exact")
+
+
+def test_a_new_pipelines_first_run_is_a_full_sizing_run_whose_output_never_comes_out(monkeypatch):
+    """nvImageCodec fixes how many of a run's samples its hardware JPEG decoder takes at the decoder's first run
+    (dali_graph.py `_sizing_run`): with full_first_run (a GPU's default) a new pipeline, and one rebuilt after a
+    failed run, first runs batch_size copies of a small JPEG and drops them; every run after comes out as from a
+    pipeline without it, in order, runs in flight included."""
+    data = Bytes(6).data
+    fed = []
+    feed = DaliPolicyPipeline._feed
+    monkeypatch.setattr(
+        DaliPolicyPipeline, "_feed", lambda pipe, enc, cols: (fed.append(len(enc)), feed(pipe, enc, cols))
+    )
+    plain = DaliPolicyPipeline(SMALL, 4, depth=2, full_first_run=False)
+    sized = DaliPolicyPipeline(SMALL, 4, depth=2, full_first_run=True)
+    try:
+        assert not DaliPolicyPipeline(SMALL, 2).full_first_run  # the CPU backend: no hardware decoder to size
+        outs = {}
+        for pipe in (plain, sized):
+            fed.clear()
+            pipe.submit(data[:2], [0, 1], seed=3)
+            pipe.submit(data[2:5], [2, 3, 4], seed=3, epoch=1)
+            outs[pipe] = [np.stack([np.array(t) for t in pipe.collect()]) for _ in range(2)]
+            assert fed == ([2, 3] if pipe is plain else [4, 2, 3])
+        assert [o.shape[0] for o in outs[sized]] == [2, 3]
+        for a, b in zip(outs[plain], outs[sized]):
+            np.testing.assert_array_equal(a, b)
+        fed.clear()
+        sized.submit(data[:1], [0])  # not a new pipeline: no sizing run
+        sized.reset()  # a failure: the next submit rebuilds, and sizes the new decoder
+        np.testing.assert_array_equal(run_numpy(sized, data[2:5], [2, 3, 4], 3, 1), outs[plain][1])
+        assert fed == [1, 4, 3] and sized.rebuilds == 1
+    finally:
+        plain.close()
+        sized.close()
+
+
+def test_the_hardware_decoders_share_reaches_dalis_decoder_and_is_checked():
+    """DaliAccelerator(hw_decoder_load=...) is DALI's decoder argument of that name (a GPU's mixed decoder only)."""
+    from nvidia.dali import backend
+
+    assert backend.GetSchema("decoders__ImageSlice").HasArgument("hw_decoder_load")
+    assert DaliAccelerator(hw_decoder_load=0.9).hw_decoder_load == 0.9
+    for bad in (1.5, -0.1, "0.5", True):
+        with pytest.raises(ValueError, match="hw_decoder_load="):
+            DaliAccelerator(hw_decoder_load=bad)
+    ld = loader(Bytes(8), accelerator=DaliAccelerator("cpu", hw_decoder_load=0.8))
+    try:
+        assert ld.config.dali_hw_decoder_load == 0.8
+        assert sorted(i for y in collect(ld)[1] for i in y.tolist()) == list(range(8))
+    finally:
+        ld.close()
+
+
+@pytest.mark.gpu
+def test_gpu_pipelines_size_their_decoder_with_a_full_first_run():
+    """On a GPU a new pipeline's first run is the sizing run, and the hardware decoder's share is DALI's argument:
+    a run after it is the same samples' pixels as without it, within nvJPEG's hardware and CUDA decoders' gap."""
+    data = Bytes(6).data
+    sized = DaliPolicyPipeline(SMALL, 8, device="gpu", device_id=0, hw_decoder_load=0.9)
+    plain = DaliPolicyPipeline(SMALL, 8, device="gpu", device_id=0, full_first_run=False)
+    try:
+        assert sized.full_first_run and sized._fresh
+        a = run_numpy(sized, data[:3], [0, 1, 2], seed=1).astype(np.float64)
+        b = run_numpy(plain, data[:3], [0, 1, 2], seed=1).astype(np.float64)
+        assert not sized._fresh
+        mse = np.mean((a - b) ** 2)
+        assert mse == 0 or 10 * np.log10(255**2 / mse) > 30, mse
+    finally:
+        sized.close()
+        plain.close()

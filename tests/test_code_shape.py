@@ -159,8 +159,10 @@ ALLOWED_PRIVATE: dict[str, dict[str, str]] = {
         "no public way to drop a pipeline without Shutdown, which joins the parent's threads)",
         "pipe._pipe": "the same backend, cleared so that DALI's exit hook and __del__ find nothing to shut down",
     },
-    "fusionflow/accel/dali_graph.py": {
+    "fusionflow/accel/dali_host.py": {
         "getattr(pipe, '_shutdown')": "DALI's pipeline teardown, called when present (its close is not enough)",
+    },
+    "fusionflow/accel/dali_graph.py": {
         "pipe._first_iter": "DALI 2.4's first schedule_run runs prefetch_queue_depth iterations; fed one run "
         "at a time (feed_input), each schedule_run must run exactly one",
         "self._pipe._ops": "DALI keeps the built graph's operators there and counts them nowhere public: "

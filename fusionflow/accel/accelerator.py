@@ -49,6 +49,7 @@ class AcceleratorWorker:
         aot: bool = True,
         largest_first: bool = True,
         num_threads: int = 1,
+        hw_decoder_load: float | None = None,
         device_ring=None,
         sharing: str = "spatial",
         counters=None,
@@ -68,7 +69,13 @@ class AcceleratorWorker:
         self.counters = counters if counters is not None else board.counters
         self.largest_first, self.sharing, self.device_ring = largest_first, sharing, device_ring
         self._make = lambda: DaliPolicyPipeline(
-            policy, max_images, device=device, device_id=device_id, num_threads=num_threads, depth=depth
+            policy,
+            max_images,
+            device=device,
+            device_id=device_id,
+            num_threads=num_threads,
+            depth=depth,
+            hw_decoder_load=hw_decoder_load,
         )
         self.max_images, self.depth = max_images, depth  # a run's samples (<= MERGE_SHARES shares); runs in flight
         # the runs' samples and host inputs: the input helpers (`inputs`, owned from here) while they answer, else here

@@ -17,7 +17,7 @@ SHARING = ("auto", "temporal", "spatial", "off")
 BRIDGE = ("auto", "on", "off")
 ACCELERATOR_OF = {"gpu": "dali-gpu", "cpu": "dali-cpu", "auto": "auto"}  # device -> the string form
 # fields with no loose FusionFlowLoader argument: set on the object only
-OBJECT_ONLY = ("threads", "run_samples", "runs_in_flight")
+OBJECT_ONLY = ("threads", "run_samples", "runs_in_flight", "hw_decoder_load")
 ARGUMENT_OF = {  # each other field -> the loose FusionFlowLoader argument it stands for
     "device": "accelerator",
     "sharing": "gpu_sharing",
@@ -97,6 +97,12 @@ class DaliAccelerator:
         thread lands a run and feeds the next (~30% of its time on an H200, 2026-11-28) one run fewer is in
         DALI: with two at most, DALI held only one 37% of that benchmark. DALI's memory grows with it (each run
         in flight is sized for run_samples). No loose form either.
+    hw_decoder_load: on the GPU, the share of a full run's samples (run_samples) that the hardware JPEG decoder
+        takes, the largest images (DALI's decoder argument of that name; None: DALI's default, 0.65, as DALI
+        alone runs). The rest go to DALI's hybrid decoder, whose Huffman stage for crops under a megapixel runs on
+        DALI's CPU threads. nvImageCodec fixes the count at a pipeline's first run, which is therefore a full
+        one (dali_graph.py `_sizing_run`): a run holding fewer samples than that count goes to the hardware
+        decoder whole. A GPU without a hardware JPEG decoder (A100, H100 and H200 have one) ignores it. No loose form.
 
     Frozen and checked here (the machine -- CUDA, DALI, the loader's device -- is checked by the
     loader); `dataclasses.replace(acc, sharing="spatial")` derives another, checked again.
@@ -111,6 +117,7 @@ class DaliAccelerator:
     threads: int | str = field(default="auto", kw_only=True)
     run_samples: int = field(default=RUN_SAMPLES, kw_only=True)
     runs_in_flight: int | str = field(default="auto", kw_only=True)
+    hw_decoder_load: float | None = field(default=None, kw_only=True)
 
     def __post_init__(self):
         device, sharing, memory_bridge = self.device, self.sharing, self.memory_bridge
@@ -129,6 +136,9 @@ class DaliAccelerator:
         depth = self.runs_in_flight
         if depth != "auto" and (isinstance(depth, bool) or not isinstance(depth, int) or depth < 1):
             raise ValueError(f"runs_in_flight={depth!r} must be an int >= 1 (DALI runs in flight at most) or 'auto'")
+        load = self.hw_decoder_load
+        if load is not None and (isinstance(load, bool) or not isinstance(load, (int, float)) or not 0 <= load <= 1):
+            raise ValueError(f"hw_decoder_load={load!r} must be a number in [0, 1] (DALI's), or None (DALI's default)")
         for name in ("aot", "taas", "taas_last_k"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -22,9 +22,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
-import re
-import threading
 import time
 from collections import deque
 
@@ -32,7 +29,8 @@ import numpy as np
 from nvidia.dali.backend import TensorCPU, TensorListCPU  # dali_ops imports DALI at import time too
 
 from fusionflow.accel import dali_fork
-from fusionflow.accel.dali_ops import DaliStyle, apply_slot, slot_branches
+from fusionflow.accel.dali_host import OUT_OF_MEMORY, last_line, lower_priority, shutdown, sizing_jpeg, thread_ids
+from fusionflow.accel.dali_ops import DaliStyle, apply_slot, erase_fragment, slot_branches
 from fusionflow.accel.declines import dali_declines
 from fusionflow.accel.header_sizes import image_size
 from fusionflow.accel.host_inputs import HostInputs, HostLayout, op_names
@@ -48,6 +46,9 @@ log = logging.getLogger(__name__)
 # core, waiting 0.09 to be scheduled (0.92-0.95 and 0.02-0.04 with this; its effect on the rate is within
 # that benchmark's noise). On a GPU its threads feed the device: left as they are.
 CPU_BACKEND_NICE = 10
+# A new GPU pipeline's first run is a full one (DaliPolicyPipeline._sizing_run); experiments/gpu_bench.py's `/nosize`
+# variant turns it off to measure it
+SIZING_RUN_ON_GPU = True
 
 
 class DaliPolicyPipeline:
@@ -66,6 +67,8 @@ class DaliPolicyPipeline:
         exec_dynamic: bool = True,
         depth: int = 2,
         thread_nice: int | None = None,
+        hw_decoder_load: float | None = None,
+        full_first_run: bool | None = None,
     ):
         _check_args(batch_size, device, device_id)
         self.policy: Policy = load_policy(policy)
@@ -79,7 +82,8 @@ class DaliPolicyPipeline:
         self.host = HostInputs(self.policy, self.slots)
         self.layout = HostLayout(self.slots, self.policy.erase is not None)
         augment = self.op_graph(DaliStyle(aug.interpolation, aug.fill, self.policy.size, device))
-        graph = _policy_graph(self.policy, device, augment, self.layout)
+        decoder = {} if hw_decoder_load is None or device != "gpu" else {"hw_decoder_load": float(hw_decoder_load)}
+        graph = _policy_graph(self.policy, device, augment, self.layout, decoder)
         self._make = lambda: graph(
             batch_size=batch_size,
             num_threads=num_threads,
@@ -90,6 +94,8 @@ class DaliPolicyPipeline:
         self.depth = depth  # runs that may be in flight at once (submit ahead, collect in order)
         # added to the nice value of the threads DALI starts for this pipeline (None: CPU_BACKEND_NICE on the CPU)
         self.thread_nice = (CPU_BACKEND_NICE if device == "cpu" else 0) if thread_nice is None else thread_nice
+        # a new pipeline's first run is a full one (`_sizing_run`): on a GPU, unless told otherwise
+        self.full_first_run = device == "gpu" and SIZING_RUN_ON_GPU if full_first_run is None else full_first_run
         self._pending: deque = deque()  # (indices, what DALI reads in place) per run submitted, not collected
         self.build_guard = contextlib.nullcontext  # entered around a rebuild after a failed run
         self._consumed = None  # the last run collected: its bytes are released at the next collect
@@ -129,17 +135,18 @@ class DaliPolicyPipeline:
         return augment
 
     def _build(self):
-        before = _thread_ids()
+        before = thread_ids()
         with interrupts_deferred():  # a Ctrl-C inside DALI's graph definition broke its pipeline stack (IndexError)
             pipe = self._make()
             dali_fork.track(pipe)  # a process forked from this one lets it go unshut (accel/dali_fork.py)
             pipe.build()
         if self.thread_nice:
-            _lower_priority(_thread_ids() - before, self.thread_nice)
+            lower_priority(thread_ids() - before, self.thread_nice)
         # DALI 2.4's first schedule_run() runs `prefetch_queue_depth` iterations at once, for sources
         # that a callback fills; ours are fed one run at a time (feed_input), so every schedule_run,
         # the first included, must run exactly the one iteration just fed.
         pipe._first_iter = False
+        self._fresh = True  # its decoder has not run yet (`_sizing_run`)
         return pipe
 
     def prepare(self, data, index: int, seed: int, epoch: int, what: str | None = None, copy: int = 0, size=None):
@@ -180,9 +187,6 @@ class DaliPolicyPipeline:
                 self.prepare(s, i, seed, epoch, copy=c, size=z) for s, i, c, z in zip(samples, indices, copies, sizes)
             )
             columns = [np.stack(col) for col in list(zip(*per_sample))[1:]]
-        names, cols = ["encoded", "host"], [encoded, self.layout.pack(columns)]
-        if len(columns) > len(self.layout.spans):  # erasing with noise: a full-size image per sample
-            names, cols = names + ["erase_noise"], cols + [columns[-1]]
         if self._closed:
             raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
@@ -193,11 +197,42 @@ class DaliPolicyPipeline:
             except Exception as exc:
                 raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
             self.rebuilds += 1
+        if self._fresh:
+            self._sizing_run()
         with self._failures(indices):
-            for name, col in zip(names, cols):  # the encoded bytes ragged, every other input dense
-                self._pipe.feed_input(name, col)
-            self._pipe.schedule_run()
+            self._feed(encoded, columns)
         self._pending.append((list(indices), (samples, arrays, encoded, keep)))
+
+    def _feed(self, encoded, columns) -> None:
+        """One run's inputs into DALI, and the run scheduled: the encoded bytes ragged, the rest packed dense."""
+        names, cols = ["encoded", "host"], [encoded, self.layout.pack(columns)]
+        if len(columns) > len(self.layout.spans):  # erasing with noise: a full-size image per sample
+            names, cols = names + ["erase_noise"], cols + [columns[-1]]
+        for name, col in zip(names, cols):
+            self._pipe.feed_input(name, col)
+        self._pipe.schedule_run()
+
+    def _sizing_run(self) -> None:
+        """A new pipeline's first run, with `full_first_run`: batch_size copies of a small JPEG, run and dropped.
+
+        nvImageCodec, under DALI's mixed decoder, sets once, at the decoder's first run, how many of a run's samples
+        its hardware JPEG decoder takes: round(hw_decoder_load x that run's samples) (DALI asks for its FIXED
+        load-hint policy), and it gives them the run's largest images; the rest go to the hybrid decoder, whose
+        Huffman stage runs on DALI's few CPU threads for crops under a megapixel. DALI alone's first batch is a full
+        one; the accelerator's first run is a first share, often small, so its hardware decoder took a handful of
+        each later run and DALI's threads the rest (on an H200, 2026-11-30, the graph moved 0.57 GB/s of JPEG in the
+        loader and 0.87 fed whole batches). Run on the caller's thread after the bridge lent its arena, like any."""
+        self._fresh = False
+        if not self.full_first_run:
+            return
+        n, (data, hw) = self.batch_size, sizing_jpeg()
+        arrays = [np.frombuffer(data, np.uint8) for _ in range(n)]
+        encoded = TensorListCPU(list(map(TensorCPU, arrays)), None, False)
+        columns = self.host.columns(np.arange(n), None, [hw] * n, seed=0, epoch=0)
+        with self._failures(None):
+            self._feed(encoded, columns)
+            self._pipe.outputs()
+        self._consumed = ([], (arrays, encoded))  # DALI's reads of fed memory end with the next run's outputs
 
     def collect(self, stream=None):
         """The outputs of the oldest run in flight (waits for DALI to have launched all its work). On a GPU
@@ -239,18 +274,20 @@ class DaliPolicyPipeline:
 
     @contextlib.contextmanager
     def _failures(self, indices):
-        """DALI's errors as ours; the pipeline is discarded (and the runs in flight with it)."""
+        """DALI's errors as ours; the pipeline is discarded (and the runs in flight with it). `indices`: the run's
+        samples, or None for the sizing run (`_sizing_run`), whose failure other than memory retires the accelerator:
+        DALI cannot run a JPEG made here, so it would fail again after every rebuild."""
+        what = f"samples {list(indices)}" if indices is not None else "its first run (copies of a small JPEG)"
         try:
             yield
         except (MemoryError, RuntimeError) as exc:  # DALI reports decode faults as RuntimeError, unusable after
             self._discard()
             if isinstance(exc, MemoryError) or OUT_OF_MEMORY.search(str(exc)):
-                raise DeviceOutOfMemory(
-                    f"DALI ran out of memory on samples {list(indices)} ({self.device}): {_last_line(exc)}"
-                ) from exc
+                raise DeviceOutOfMemory(f"DALI ran out of memory on {what} ({self.device}): {last_line(exc)}") from exc
+            if indices is None:
+                raise AcceleratorError(f"DALI could not run {what}: {last_line(exc)}") from exc
             raise DecodeError(
-                f"DALI could not process samples {list(indices)} (one is likely corrupt or "
-                f"truncated): {_last_line(exc)}"
+                f"DALI could not process {what} (one is likely corrupt or truncated): {last_line(exc)}"
             ) from exc
 
     def reset(self) -> None:
@@ -260,7 +297,7 @@ class DaliPolicyPipeline:
     def _discard(self) -> None:
         """Shut down DALI's pipeline now (a failed one is never run again; the next run rebuilds)."""
         pipe, self._pipe = self._pipe, None
-        _shutdown(pipe)  # before the fed bytes are let go
+        shutdown(pipe)  # before the fed bytes are let go
         self._pending.clear()
         self._consumed = None
 
@@ -280,27 +317,6 @@ class DaliPolicyPipeline:
 _bytes_as_u8 = functools.partial(np.frombuffer, dtype=np.uint8)
 
 
-def _thread_ids() -> set[int]:
-    """This process's threads (Linux: /proc/self/task; elsewhere none are known)."""
-    try:
-        return {int(t) for t in os.listdir("/proc/self/task")}
-    except OSError:
-        return set()
-
-
-def _lower_priority(threads: set[int], nice: int) -> None:
-    """Raise by `nice` the nice value of `threads`, those that appeared while DALI built a pipeline: DALI's
-    (each names itself "[DALI]..." once it runs, maybe only after the build returned, so they are known
-    by when they appeared, not by name; a thread another part of the process started in that instant
-    would be lowered too). Linux's nice is per thread; raising it needs no privilege. A thread gone
-    already is skipped."""
-    for tid in threads - {threading.get_native_id()}:
-        try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-        except OSError:
-            continue
-
-
 def _check_args(batch_size: int, device: str, device_id: int | None) -> None:
     if device not in ("cpu", "gpu"):
         raise ValueError(f"device={device!r} must be 'cpu' or 'gpu'")
@@ -310,11 +326,11 @@ def _check_args(batch_size: int, device: str, device_id: int | None) -> None:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
 
 
-def _policy_graph(policy: Policy, device: str, augment, layout: HostLayout):
+def _policy_graph(policy: Policy, device: str, augment, layout: HostLayout, decoder: dict):
     """The pipeline definition (DALI's `pipeline_def`): feed -> decode+crop -> resize -> flip ->
     `augment` (the op slots) -> normalize or transpose to CHW -> erase. Two inputs (three when erasing
-    with noise): the encoded bytes and each sample's packed host row (`layout`). It holds plain values,
-    never the DaliPolicyPipeline: DALI keeps the graph as long as its pipeline."""
+    with noise): the encoded bytes and each sample's packed host row (`layout`). `decoder`: more arguments of the
+    decoder. It holds plain values, never the DaliPolicyPipeline: DALI keeps the graph as long as its pipeline."""
     from nvidia.dali import fn, pipeline_def, types
 
     out_h, out_w = policy.size
@@ -336,6 +352,7 @@ def _policy_graph(policy: Policy, device: str, augment, layout: HostLayout):
             normalized_shape=False,
             axis_names="WH",
             adjust_orientation=False,
+            **decoder,
         )
         images = fn.resize(images, resize_x=out_w, resize_y=out_h, interp_type=types.INTERP_LINEAR, antialias=True)
         images = fn.flip(images, horizontal=fn.cast(host[layout.span("flip")[0]], dtype=types.INT32))
@@ -352,49 +369,7 @@ def _policy_graph(policy: Policy, device: str, augment, layout: HostLayout):
         else:
             images = fn.transpose(images, perm=[2, 0, 1], output_layout="CHW")
         if erase is not None:
-            images = _erase(images, erase, device, part("erase_anchor"), part("erase_shape"))
+            images = erase_fragment(images, erase, device, part("erase_anchor"), part("erase_shape"))
         return images
 
     return graph
-
-
-def _shutdown(pipe) -> None:
-    """DALI 2.4 has no public close: `Pipeline._shutdown` is what its `__del__` runs."""
-    if pipe is not None:
-        shutdown = getattr(pipe, "_shutdown", None)
-        if shutdown is not None:
-            shutdown()
-
-
-# DALI's executor rethrows an operator's std::bad_alloc (its CUDABadAlloc: "CUDA allocation failed", "Can't allocate N
-# bytes on device D.") as a std::runtime_error (PropagateError): a RuntimeError here, told by its text, as are CUDA's
-# and nvJPEG's own out-of-memory codes; a bad_alloc outside an operator arrives as MemoryError
-OUT_OF_MEMORY = re.compile(
-    r"CUDA allocation failed|Can't allocate \d+ bytes|std::bad_alloc|out of memory|cudaErrorMemoryAllocation"
-    r"|CUDA_ERROR_OUT_OF_MEMORY|ALLOCATOR_FAILURE",
-    re.IGNORECASE,
-)
-
-
-def _last_line(exc: BaseException) -> str:
-    """DALI's cause in its message: the last line that names an error, else the last line ("Current pipeline object
-    is no longer valid." closes a decoder's failure, whose cause -- a PNG parser's error, say -- comes before it)."""
-    lines = [ln.strip() for ln in str(exc).strip().splitlines() if ln.strip()]
-    lines = [ln for ln in lines if "no longer valid" not in ln] or lines
-    named = [ln for ln in lines if "rror" in ln]
-    return (named or lines)[-1] if lines else type(exc).__name__
-
-
-def _erase(images, erase, device, anchor, shape):
-    """torchvision's RandomErasing on CHW output: the drawn rectangle (`anchor` [top, left], `shape`
-    [h, w]; empty when the sample is not erased) set to the policy's value; for 'random', set to 0 and
-    the host's noise (zero outside the rectangle) added, so the rectangle holds exactly the CPU path's
-    noise."""
-    from nvidia.dali import fn, types
-
-    fill = [0.0, 0.0, 0.0] if erase.value is None else [float(v) for v in erase.value]
-    images = fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=fill)
-    if erase.value is None:
-        noise = fn.external_source(name="erase_noise", dtype=types.FLOAT, ndim=3, layout="CHW")
-        images = images + (noise.gpu() if device == "gpu" else noise)
-    return images

@@ -206,3 +206,16 @@ def apply_slot(images, branch, params, fragments, style):
         if branch == b:
             images = impl(images, params, style)
     return images
+
+
+def erase_fragment(images, erase, device, anchor, shape):
+    """torchvision's RandomErasing on CHW output: the drawn rectangle (`anchor` [top, left], `shape`
+    [h, w]; empty when the sample is not erased) set to the policy's value; for 'random', set to 0 and
+    the host's noise (zero outside the rectangle) added, so the rectangle holds exactly the CPU path's
+    noise."""
+    fill = [0.0, 0.0, 0.0] if erase.value is None else [float(v) for v in erase.value]
+    images = fn.erase(images, anchor=anchor, shape=shape, axis_names="HW", fill_value=fill)
+    if erase.value is None:
+        noise = fn.external_source(name="erase_noise", dtype=types.FLOAT, ndim=3, layout="CHW")
+        images = images + (noise.gpu() if device == "gpu" else noise)
+    return images

@@ -43,12 +43,14 @@ class GpuSession:
         threads: int = 1,
         run_samples: int = RUN_SAMPLES,
         runs_in_flight: int = RUNS_IN_FLIGHT_CPU,
+        hw_decoder_load: float | None = None,
     ):
         self.stats = stats
         self.accelerator, self.device, self.gpu_sharing = accelerator, device, gpu_sharing
         self.aot, self.taas, self.taas_last_k, self.memory_bridge = aot, taas, taas_last_k, memory_bridge
         self.threads = threads  # DALI's CPU threads
         self.run_samples, self.runs_in_flight = run_samples, runs_in_flight  # a DALI run's most samples; runs at once
+        self.hw_decoder_load = hw_decoder_load  # DALI's decoder's (None: DALI's default)
         self.bridge = None  # the MemoryBridge, while it runs (kept across managers until close())
         self.bridge_why_off = bridge_why_off  # None: start the bridge with the accelerator (again after close())
         self.accel = None  # the accelerator worker kind this session started, while its manager runs
@@ -77,6 +79,7 @@ class GpuSession:
             threads=cfg.dali_threads,
             run_samples=cfg.dali_run_samples,
             runs_in_flight=cfg.dali_runs_in_flight,
+            hw_decoder_load=cfg.dali_hw_decoder_load,
         )
 
     def start(
@@ -172,6 +175,7 @@ class GpuSession:
                 counters=self.stats,
                 bridge=self.bridge,
                 num_threads=self.threads,
+                hw_decoder_load=self.hw_decoder_load,
                 split=ShareController(shares_device=on_gpu, step=tiny_batch_size) if self.taas_last_k else None,
                 cpu_workers=spec.num_workers,
                 inputs=inputs,

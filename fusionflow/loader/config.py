@@ -79,6 +79,7 @@ class LoaderConfig:
     dali_threads: int = 1  # DALI's CPU threads (DaliAccelerator(threads=...))
     dali_run_samples: int = RUN_SAMPLES  # the most samples in one DALI run (DaliAccelerator(run_samples=...))
     dali_runs_in_flight: int = RUNS_IN_FLIGHT_CPU  # DALI runs in flight at most (DaliAccelerator(runs_in_flight=...))
+    dali_hw_decoder_load: float | None = None  # DaliAccelerator(hw_decoder_load=...)
     read_ahead: int | None = None  # reads each CPU worker runs ahead (datasets/wrappers.py ReadAhead), or None
     cache: Any = None  # a fusionflow.DecodedCache (cache= resolved), or None
     pin_memory_device: str = ""  # as given: DataLoader's, deprecated there and ignored here

@@ -58,9 +58,10 @@ def resolve_dali(
     accelerator, loose: dict, device, resolved: torch.device, num_workers: int, host: Host, policy, notes: list
 ):
     """The accelerator's LoaderConfig fields (accelerator, gpu_sharing, aot, taas, taas_last_k, memory_bridge,
-    bridge_why_off, dali_threads, dali_run_samples, dali_runs_in_flight) from the loader's `accelerator` -- a string
-    form or a DaliAccelerator -- and its loose arguments (`loose`, by name): the object is resolved as the strings
-    it stands for. DALI threads above this rank's cores are a note, as num_workers above them is."""
+    bridge_why_off, dali_threads, dali_run_samples, dali_runs_in_flight, dali_hw_decoder_load) from the loader's
+    `accelerator` -- a string form or a DaliAccelerator -- and its loose arguments (`loose`, by name): the object is
+    resolved as the strings it stands for. DALI threads above this rank's cores are a note, as num_workers above them
+    is."""
     given = accelerator if isinstance(accelerator, DaliAccelerator) else None
     accelerator, loose = unpack_accelerator(accelerator, loose)
     for name in ("aot", "taas", "taas_last_k"):  # as DaliAccelerator checks its own: 'false' is truthy
@@ -87,6 +88,7 @@ def resolve_dali(
         "dali_threads": threads,
         "dali_run_samples": given.run_samples if given is not None else RUN_SAMPLES,
         "dali_runs_in_flight": auto_runs_in_flight(accelerator) if depth == "auto" else depth,
+        "dali_hw_decoder_load": given.hw_decoder_load if given is not None else None,
     }
 
 
