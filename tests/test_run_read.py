@@ -134,7 +134,8 @@ def test_a_truncated_jpeg_is_no_runs_sample():
 def test_what_dali_decodes_otherwise_or_fails_whole_runs_on_goes_to_the_cpu_workers():
     """A sample DALI decodes differently from the CPU path, or fails its whole run on (its neighbours redone on the
     CPU, the pipeline rebuilt, every epoch): no size for a run. A CMYK JPEG without an Adobe marker came out black;
-    16-bit and float images scaled otherwise; a cut PNG or BMP passes a header read. Plain ones keep theirs."""
+    16-bit and float images scaled otherwise; a cut PNG or BMP passes a header read, and so does a PNG with a damaged
+    chunk (a 2026-12-01 sweep: four runs holding one each retired the accelerator). Plain ones keep theirs."""
     import io
 
     from PIL import Image
@@ -143,6 +144,10 @@ def test_what_dali_decodes_otherwise_or_fails_whole_runs_on_goes_to_the_cpu_work
         out = io.BytesIO()
         img.save(out, fmt, **kw)
         return out.getvalue()
+
+    def flipped(data):
+        at = data.index(b"IDAT") + 20
+        return data[:at] + bytes([data[at] ^ 0x5A]) + data[at + 1 :]
 
     rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (40, 50, 3), np.uint8))
     png, bmp = enc(rgb, "PNG"), enc(rgb, "BMP")
@@ -157,6 +162,8 @@ def test_what_dali_decodes_otherwise_or_fails_whole_runs_on_goes_to_the_cpu_work
         enc(rgb, "TIFF"),  # TIFF: a cut one cannot be told from its header
         png[: len(png) // 2],
         bmp[: len(bmp) // 2],
+        flipped(png),  # a byte of its image data changed, its chunks' lengths and IEND intact
+        png[: len(png) // 2] + png[-12:],  # cut, and given its IEND back
     ]
     dims = HeaderSizes(len(plain) + len(odd))
     hw = dims.many(list(range(len(plain) + len(odd))), plain + odd).tolist()
