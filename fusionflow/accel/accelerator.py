@@ -152,7 +152,9 @@ class AcceleratorWorker:
                 self._stopped, mine = True, self._ended or not self._thread.is_alive()
                 pipeline, self.pipeline = (self.pipeline, None) if mine else (None, self.pipeline)
             if not mine and other:  # in DALI still: it keeps or closes the pipeline when the run returns
-                log.warning("the accelerator thread is still in a DALI run after %.0f s; it is left to end", bound)
+                log.warning(
+                    "the accelerator thread is still in a run (its read or DALI) after %.0f s; it is left to end", bound
+                )
             if pipeline is not None:
                 self._release(pipeline)
         finally:
