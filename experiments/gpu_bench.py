@@ -480,11 +480,11 @@ def first_run_as_given():
     share, as before session 50), while the block runs."""
     from fusionflow.accel import dali_graph
 
-    dali_graph.SIZING_RUN_ON_GPU = False
+    before, dali_graph.SIZING_RUN_ON_GPU = dali_graph.SIZING_RUN_ON_GPU, False
     try:
         yield
     finally:
-        dali_graph.SIZING_RUN_ON_GPU = True
+        dali_graph.SIZING_RUN_ON_GPU = before
 
 
 @contextlib.contextmanager

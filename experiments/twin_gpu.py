@@ -134,7 +134,7 @@ def timed_pipeline(
             self.batch_size, self.depth = batch_size, depth
             self.zeros = np.zeros((batch_size, 3, *size), np.uint8)  # size: (height, width)
             self.pending: deque = deque()
-            self.build_seconds, self.rebuilds = 0.0, 0
+            self.build_seconds, self.rebuilds, self.sized_at = 0.0, 0, 0.0
             self.last_end = 0.0  # when the last run submitted ends: the next starts after it
 
         def submit(self, samples, indices, seed=0, epoch=0, copies=None, sizes=None, columns=None, keep=None):

@@ -1651,3 +1651,30 @@ def test_gpu_pipelines_size_their_decoder_with_a_full_first_run():
     finally:
         sized.close()
         plain.close()
+
+
+def test_a_new_pipelines_sizing_run_is_not_read_as_its_first_runs_time(monkeypatch):
+    """The sizing run goes first inside the first run's submit: the split rule times that run from the sizing run's
+    end, not from its read's (a review of session 50: the first share read as a slow DALI and shrank G)."""
+    from conftest import _default_argument
+
+    from fusionflow.accel.share_feed import ShareFeed
+
+    _default_argument(monkeypatch, DaliPolicyPipeline, "full_first_run", True)  # as on a GPU
+    sizing, timed = DaliPolicyPipeline._sizing_run, []
+
+    def slow_sizing(pipe):
+        time.sleep(5.0 if pipe.full_first_run else 0.0)
+        sizing(pipe)
+
+    monkeypatch.setattr(DaliPolicyPipeline, "_sizing_run", slow_sizing)
+    run_done = ShareFeed.run_done
+    monkeypatch.setattr(
+        ShareFeed, "run_done", lambda feed, seconds, *a, **k: (timed.append(seconds), run_done(feed, seconds, *a, **k))
+    )
+    ld = loader(Bytes(24), persistent_workers=True)
+    try:
+        assert sorted(i for y in collect(ld)[1] for i in y.tolist()) == list(range(24))
+        assert ld.stats.accelerator_runs >= 1 and timed and max(timed) < 5.0, timed
+    finally:
+        ld.close()

@@ -68,8 +68,11 @@ def test_the_native_kernel_computes_numpys_philox_streams():
                     want = philox.numpy_generator(key, epoch, i, c, first).random(count)
                     assert np.array_equal(row, want), (key, epoch, i, c, first, count)
     assert philox.uniforms_many((1, 2), 0, [], [], 0, 96).shape == (0, 96)
-    with pytest.raises(ValueError, match="first=2"):
-        philox.uniforms_many((1, 2), 0, [0], [0], 2, 8)
+    for first, count in ((2, 8), (-4, 8), (0, -1)):
+        with pytest.raises(ValueError, match="first="):
+            philox.uniforms_many((1, 2), 0, [0], [0], first, count)
+    with pytest.raises(ValueError, match="one length"):  # the kernel would read past the copies
+        philox.uniforms_many((1, 2), 0, [0, 1], [0], 0, 8)
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -269,7 +269,8 @@ class AcceleratorWorker:
 
     def _guarded(self, step, group) -> None:
         """Run `step` (submit or collect); an unexpected failure gives every run in flight back to the
-        CPU workers (the pipeline is rebuilt on the next run), an AcceleratorError also retires."""
+        CPU workers (the pipeline is rebuilt on the next run), an AcceleratorError also retires (a pipeline that cannot
+        be rebuilt, or run its sizing run: dali_graph.py `_sizing_run`)."""
         fatal = None
         try:
             step(group)
@@ -300,6 +301,7 @@ class AcceleratorWorker:
         pipeline = self.pipeline
         if pipeline is None and runnable:  # the DALI-Naive ablation: build for every run, close after it
             pipeline = self._make()
+            pipeline.full_first_run = False  # its one run: no decoder to size for later runs (the paper's DALI-Naive)
             self.counters.accelerator_builds += 1
         with board.cond:  # the run in flight becomes what DALI is given, unless `watch` gave it up during a long read
             entry = next((e for e in self._active if e[0] is group), None)  # (the CPU workers have it), or stopping
@@ -383,6 +385,7 @@ class AcceleratorWorker:
                 # taken before the last run completed (or one run at a time, never queued): its interval is DALI's pace
                 queued = started < self._last_done or self.gated or self.depth == 1
                 begun = max(started, self._last_done) if queued else max(started, read_at)  # else from its read's end
+                begun = max(begun, pipeline.sized_at)  # after a new pipeline's sizing run, which went first
                 self.shares.run_done(now - begun, len(indices), tail, waited if timed else None, queued)
             self._last_done = now
             self.ledger.account(done, [], True, int(started * 1e9))

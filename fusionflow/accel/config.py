@@ -97,12 +97,13 @@ class DaliAccelerator:
         thread lands a run and feeds the next (~30% of its time on an H200, 2026-11-28) one run fewer is in
         DALI: with two at most, DALI held only one 37% of that benchmark. DALI's memory grows with it (each run
         in flight is sized for run_samples). No loose form either.
-    hw_decoder_load: on the GPU, the share of a full run's samples (run_samples) that the hardware JPEG decoder
-        takes, the largest images (DALI's decoder argument of that name; None: DALI's default, 0.65, as DALI
-        alone runs). The rest go to DALI's hybrid decoder, whose Huffman stage for crops under a megapixel runs on
-        DALI's CPU threads. nvImageCodec fixes the count at a pipeline's first run, which is therefore a full
-        one (dali_graph.py `_sizing_run`): a run holding fewer samples than that count goes to the hardware
-        decoder whole. A GPU without a hardware JPEG decoder (A100, H100 and H200 have one) ignores it. No loose form.
+    hw_decoder_load: on the GPU, the share of a full run's samples (its cap: run_samples, within two mini-batches)
+        that the hardware JPEG decoder takes, the largest images (DALI's decoder argument of that name; None: DALI's
+        default, 0.65, as DALI alone runs). The rest go to DALI's hybrid decoder, whose Huffman stage for crops
+        under a megapixel runs on DALI's CPU threads. nvImageCodec fixes the count at a pipeline's first run, which
+        is therefore a full one (dali_graph.py `_sizing_run`): a run holding fewer samples than that count goes to
+        the hardware decoder whole. A GPU without a hardware JPEG decoder (A100, H100 and H200 have one) ignores it.
+        No loose form.
 
     Frozen and checked here (the machine -- CUDA, DALI, the loader's device -- is checked by the
     loader); `dataclasses.replace(acc, sharing="spatial")` derives another, checked again.

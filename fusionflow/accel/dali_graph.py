@@ -100,6 +100,7 @@ class DaliPolicyPipeline:
         self.build_guard = contextlib.nullcontext  # entered around a rebuild after a failed run
         self._consumed = None  # the last run collected: its bytes are released at the next collect
         self.rebuilds = 0
+        self.sized_at = 0.0  # when the last sizing run ended (time.monotonic): the run after it starts there
         self._closed = False
         t0 = time.perf_counter()
         self._pipe = self._build()
@@ -191,12 +192,13 @@ class DaliPolicyPipeline:
             raise AcceleratorError(f"the DALI pipeline of {self.policy.name} is closed")
         if self._pipe is None:  # a previous batch broke the pipeline: the one rebuild off start-up
             log.warning("rebuilding the DALI pipeline of %s after a failed batch", self.policy.name)
-            try:
-                with self.build_guard():  # the accelerator's: its bridge paused (MemoryBridge.paused)
+            with self.build_guard():  # the accelerator's: its bridge paused (MemoryBridge.paused), as the decoder's
+                try:  # lasting state, made at the sizing run, goes to DALI's own pool
                     self._pipe = self._build()
-            except Exception as exc:
-                raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
-            self.rebuilds += 1
+                except Exception as exc:
+                    raise AcceleratorError(f"rebuilding the DALI pipeline of {self.policy.name} failed: {exc}") from exc
+                self.rebuilds += 1
+                self._sizing_run()
         if self._fresh:
             self._sizing_run()
         with self._failures(indices):
@@ -213,7 +215,8 @@ class DaliPolicyPipeline:
         self._pipe.schedule_run()
 
     def _sizing_run(self) -> None:
-        """A new pipeline's first run, with `full_first_run`: batch_size copies of a small JPEG, run and dropped.
+        """A new pipeline's first run, with `full_first_run`: batch_size (the run cap) copies of a small JPEG, run
+        and dropped.
 
         nvImageCodec, under DALI's mixed decoder, sets once, at the decoder's first run, how many of a run's samples
         its hardware JPEG decoder takes: round(hw_decoder_load x that run's samples) (DALI asks for its FIXED
@@ -233,6 +236,7 @@ class DaliPolicyPipeline:
             self._feed(encoded, columns)
             self._pipe.outputs()
         self._consumed = ([], (arrays, encoded))  # DALI's reads of fed memory end with the next run's outputs
+        self.sized_at = time.monotonic()
 
     def collect(self, stream=None):
         """The outputs of the oldest run in flight (waits for DALI to have launched all its work). On a GPU

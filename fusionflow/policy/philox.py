@@ -19,6 +19,14 @@ log = logging.getLogger("fusionflow")
 
 _lib = None  # the loaded kernel, or False once it proved unavailable in this process
 _lock = threading.Lock()
+
+
+def _new_lock() -> None:  # a child forked while another thread held the lock (building) must not wait for it
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_lock)
 _local = threading.local()  # the fallback's numpy Philox, one per thread, re-keyed per sample
 
 
@@ -55,10 +63,12 @@ def native() -> bool:
 def uniforms_many(key: tuple[int, int], epoch: int, indices, copies, first: int, count: int) -> np.ndarray:
     """(n, count) float64: row i holds uniforms first .. first+count of the stream of (indices[i], copies[i]) in
     `epoch` under the 128-bit `key` (two 64-bit words); `first` a multiple of 4 (a whole Philox block)."""
-    if first % 4:
-        raise ValueError(f"first={first} must be a multiple of 4")
+    if first < 0 or first % 4 or count < 0:
+        raise ValueError(f"first={first} must be a non-negative multiple of 4 and count={count} non-negative")
     idx = np.ascontiguousarray(indices, np.uint64)
     cps = np.ascontiguousarray(copies, np.uint64)
+    if idx.shape != cps.shape or idx.ndim != 1:
+        raise ValueError(f"indices {idx.shape} and copies {cps.shape} must be two vectors of one length")
     out = np.empty((len(idx), count), np.float64)
     lib = _load()
     if lib is not None:
