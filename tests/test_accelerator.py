@@ -810,20 +810,23 @@ def test_stopping_waits_one_second_for_a_run_that_is_overdue():
     from fusionflow.accel.accelerator import AcceleratorWorker
 
     cases = [  # (waited for in a collect or a drain, the oldest run in flight: seconds ago; the mean run; the wait)
-        (None, None, 0.0, 10.0),
-        (0.0, None, 0.0, 10.0),
-        (30.0, None, 0.0, 1.0),
-        (30.0, None, 60.0, 10.0),
-        (None, 30.0, 0.0, 1.0),
-        (None, 0.0, 0.0, 10.0),
+        (None, None, 0.0, None, 10.0),
+        (0.0, None, 0.0, None, 10.0),
+        (30.0, None, 0.0, None, 1.0),
+        (30.0, None, 60.0, None, 10.0),
+        (None, 30.0, 0.0, None, 1.0),
+        (None, 0.0, 0.0, None, 10.0),
+        (None, None, 0.0, "a run stuck past the stall bound", 1.0),  # retired: its runs given back (a sweep, s50)
     ]
-    for collecting, oldest, mean, bound in cases:
+    for collecting, oldest, mean, retired, bound in cases:
         now = time.monotonic()  # (the margins are 2 s and more: a busy machine's stall between here and the check)
         collecting, oldest = (None if t is None else now - t for t in (collecting, oldest))
         active = [] if oldest is None else [([], oldest, None, None)]
-        board = types.SimpleNamespace(cond=threading.Condition())
-        accel = types.SimpleNamespace(_collecting=collecting, _active=active, _run_seconds=mean, board=board)
-        assert AcceleratorWorker._stop_wait(accel) == bound, (collecting, oldest, mean)
+        board, ledger = types.SimpleNamespace(cond=threading.Condition()), types.SimpleNamespace(retired=retired)
+        accel = types.SimpleNamespace(
+            _collecting=collecting, _active=active, _run_seconds=mean, board=board, ledger=ledger
+        )
+        assert AcceleratorWorker._stop_wait(accel) == bound, (collecting, oldest, mean, retired)
 
 
 def test_an_unclosed_loaders_accelerator_stops_before_dalis_exit_hook():

@@ -162,10 +162,14 @@ class AcceleratorWorker:
 
     def _stop_wait(self) -> float:
         """stop()'s wait: 10 s for the runs in flight to be collected (the pipeline kept), 1 s once the oldest is
-        overdue, taken over 2 s and 4 mean runs ago (hung: timeout= raised, the epoch ends, and costs no more)."""
+        overdue, taken over 2 s and 4 mean runs ago (hung: timeout= raised, the epoch ends, and costs no more), or
+        once the accelerator retired (a run stuck past the stall bound, given to the CPU workers: the thread is
+        still in it, in DALI or a read, with nothing in flight to wait for)."""
         with self.board.cond:
             since = self._collecting if self._collecting is not None else self._active[0][1] if self._active else None
-        return 1.0 if since is not None and time.monotonic() - since > max(2.0, 4 * self._run_seconds) else 10.0
+            retired = self.ledger.retired is not None
+        overdue = since is not None and time.monotonic() - since > max(2.0, 4 * self._run_seconds)
+        return 1.0 if overdue or retired else 10.0
 
     def _release(self, pipeline) -> None:  # the stopped thread's pipeline: kept for the next epoch, or closed
         keep_or_close(pipeline, self.keep_pipeline, self.retired)
