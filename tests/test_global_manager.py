@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import numpy as np
 import pytest
@@ -115,6 +116,25 @@ def test_gm_orders_follow_the_rule_and_wait_for_acks(tables):
     tables.progress[1]["guests_total"] = 2  # they arrived; LM 1 still has 3 waiting
     gm.step()
     assert int(tables.action[2]["yield_seq"]) == 1 and int(tables.action[2]["yield_peer"]) == 1
+
+
+def test_an_interrupt_anywhere_in_the_gm_loop_unlinks_its_table(tables, monkeypatch):
+    """`gm serve` takes SIGTERM as KeyboardInterrupt: one landing between the loop's poll and its sleep (most of a
+    2 ms turn) escaped the handler that unlinks the table, and left it in /dev/shm (a sweep, session 50)."""
+    from fusionflow.runtime.gm import manager
+
+    calls = []
+
+    def monotonic():  # the loop's own clock after its first sleep: outside the step and the sleep
+        if sys._getframe(1).f_code.co_name in ("run", "_poll"):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return time.monotonic()
+
+    monkeypatch.setattr(manager, "time", types.SimpleNamespace(monotonic=monotonic, sleep=time.sleep))
+    GlobalManager(tables).run(linger=5.0)
+    assert len(calls) == 2 and not os.path.exists(os.path.join("/dev/shm", tables.name.lstrip("/")))
 
 
 def test_gm_never_lends_to_an_lm_that_cannot_borrow(tables):

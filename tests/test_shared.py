@@ -825,6 +825,26 @@ def test_serve_of_a_name_already_served_is_a_usage_error_not_a_traceback(jobs, t
     assert "python -m fusionflow serve: error:" in out, out
 
 
+def test_serve_with_an_unusable_runtime_directory_says_so_in_a_line(jobs, tmp_path):
+    """FUSIONFLOW_RUNTIME_DIR naming a file (or a directory others may enter) ended `serve` with a traceback around
+    the message that says what to fix (a sweep, session 50)."""
+    from fusionflow.tools.synthetic import make_image_folder
+
+    root = make_image_folder(str(tmp_path / "f"), num_classes=2, per_class=2, min_side=40, max_side=60)
+    (tmp_path / "a-file").write_text("")
+    before = os.environ.get("FUSIONFLOW_RUNTIME_DIR")
+    os.environ["FUSIONFLOW_RUNTIME_DIR"] = str(tmp_path / "a-file")  # the server's only: `jobs` checks at its end
+    try:
+        p = jobs.serve("--data", root, "--epochs", 1)
+    finally:
+        os.environ.pop("FUSIONFLOW_RUNTIME_DIR")
+        if before is not None:
+            os.environ["FUSIONFLOW_RUNTIME_DIR"] = before
+    assert jobs.wait(p) == 1, jobs.dump()
+    out = jobs.log("serve")
+    assert "Traceback" not in out and "python -m fusionflow serve:" in out and "a-file" in out, out
+
+
 def test_the_producer_derives_its_config_and_holds_slots_through_the_loaders_parts(jobs):
     """In this process, no client: the SharedLoader runs the loader's runtime on a configuration of its
     own (buffer slots, persistent workers) and leaves `loader.config` as built; an epoch held slot by

@@ -94,10 +94,12 @@ def _serve(job: str) -> int:
             f"a global manager already runs for job {job!r} (pid {tables.gm_pid if tables else '?'})", file=sys.stderr
         )
         return 1
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    log.info("fusionflow GM for job %r: table /dev/shm%s; Ctrl-C stops it", job, name)
     try:
-        GlobalManager(tables).run(linger=None)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        log.info("fusionflow GM for job %r: table /dev/shm%s; Ctrl-C stops it", job, name)
+        GlobalManager(tables).run(linger=None)  # unlinks the table when interrupted
+    except KeyboardInterrupt:  # before the GM's loop: its table is left to nobody
+        tables.unlink()
     finally:
         tables.close()
     return 0

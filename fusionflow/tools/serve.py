@@ -86,6 +86,10 @@ def main(argv=None) -> int:
     ) as e:  # the name served already, a ring /dev/shm cannot hold: said, no traceback
         loader.close()
         ap.error(str(e))
+    except OSError as e:  # the machine's: FUSIONFLOW_RUNTIME_DIR unusable (not a private directory of this user's)
+        loader.close()
+        print(f"python -m fusionflow serve: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM while it starts: nothing served yet
         loader.close()
         print(f"{e if isinstance(e, Stopped) else 'interrupted'} while starting", file=sys.stderr)

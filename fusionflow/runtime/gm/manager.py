@@ -204,15 +204,17 @@ class GlobalManager:
     def run(self, linger: float | None = LINGER_S) -> None:
         """Poll until no LM has been registered for `linger` seconds (None: until SIGINT/SIGTERM);
         then close and unlink the table."""
+        try:
+            self._poll(linger)
+        except KeyboardInterrupt:  # wherever in the loop it lands (SIGTERM too, for `gm serve`)
+            self.t.header["state"] = gt.CLOSING  # without the lock if need be: we are leaving
+            self.t.unlink()
+
+    def _poll(self, linger: float | None) -> None:
         started = last_seen = time.monotonic()
         while True:
-            try:
-                n = self.step()
-                time.sleep(POLL_S)
-            except KeyboardInterrupt:
-                self.t.header["state"] = gt.CLOSING  # without the lock if need be: we are leaving
-                self.t.unlink()
-                return
+            n = self.step()
+            time.sleep(POLL_S)
             now = time.monotonic()
             if n:
                 last_seen = now
