@@ -678,3 +678,38 @@ class TestSimulatedCluster:
             while kind.live < 3 and time.time() < deadline:
                 time.sleep(0.1)
             assert kind.live == 3
+
+
+def test_address_none_joins_only_a_cluster_started_as_ray_init_address_none_finds_one(monkeypatch, tmp_path):
+    """RayWorkers() (address=None) joined any Ray instance a process on the machine ran (ray.init(address="auto")'s
+    legacy scan): another job's own ray.init(), in another Python environment, whose workers could not import the
+    dataset, so every epoch failed (a sweep, session 50). Now RAY_ADDRESS or `ray start`'s address file, else a
+    private local instance; "auto" keeps Ray's scan. In the gateway's `connect`, with a stand-in ray module."""
+    import types
+
+    from fusionflow import RayWorkers
+    from fusionflow.remote import config
+
+    inits = []
+
+    def init(address=None, **kw):
+        inits.append(address)
+        return types.SimpleNamespace(address_info={"session_dir": None})
+
+    fake = types.SimpleNamespace(init=init, shutdown=lambda: None, cluster_resources=lambda: {"CPU": 2.0})
+    monkeypatch.setattr(config, "import_ray", lambda: fake)
+    monkeypatch.setattr(config, "_reachable", lambda address, seconds: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # `ray start`'s address file goes there: none yet
+    monkeypatch.setenv("RAY_worker_niceness", "0")  # (connect sets it for a local instance)
+    assert config.started_cluster() is None
+    assert config.connect(RayWorkers(1))[1] is True and inits == ["local"]  # a foreign instance is never asked
+    inits.clear()
+    assert config.connect(RayWorkers(1, address="auto"))[1] is False and inits == ["auto"]  # Ray's scan: joined
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("10.0.0.7:6379\n")
+    assert config.started_cluster() == "10.0.0.7:6379"
+    inits.clear()
+    assert config.connect(RayWorkers(1))[1] is False and inits == ["10.0.0.7:6379"]
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.8:6379")
+    assert config.started_cluster() == "10.0.0.8:6379"

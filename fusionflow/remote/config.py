@@ -70,8 +70,9 @@ class RayWorkers:
     num_workers: an int, or "auto": as many as the cluster's free CPUs allow, at start-up and as
         nodes join later.
     address: None or "auto" -- join the Ray instance the training process already uses, else a
-        running cluster (RAY_ADDRESS, or one started with `ray start` on this machine), else start a
-        local one (stopped when the loader's workers stop: at close(), or at each epoch's end without
+        running cluster (RAY_ADDRESS, or one started with `ray start` on this machine; "auto" also any
+        Ray instance a process on this machine runs, Ray's own scan), else start a private local one
+        (stopped when the loader's workers stop: at close(), or at each epoch's end without
         persistent_workers; "auto" logs a warning that it found no cluster);
         "host:port" or "ray://host:port" -- connect to that running cluster (a ConnectionError if
         there is none).
@@ -159,6 +160,25 @@ def _reachable(address: str, seconds: float) -> None:
         raise ConnectionError(f"nothing answers at {host}:{port}: {exc}") from None
 
 
+def started_cluster() -> str | None:
+    """The cluster ray.init(address=None) joins: RAY_ADDRESS, else the address the last `ray start` on this machine
+    wrote into Ray's temp folder (its file stays after `ray stop`'s cluster is gone: the caller probes it); None."""
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env:
+        return env
+    try:
+        from ray._private.utils import read_ray_address  # Ray's own reader of `ray start`'s address file
+    except ImportError:  # another Ray's layout: where Ray 2.60 keeps it
+        temp = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        path = os.path.join(temp, "ray", "ray_current_cluster")
+        try:
+            with open(path) as f:
+                return f.read().strip() or None
+        except OSError:
+            return None
+    return read_ray_address() or None
+
+
 def _seconds(value) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
 
@@ -189,7 +209,15 @@ def connect(config: RayWorkers, joined: str | None = None):
             ) from exc
         return ray, False, None
     try:
-        ray.init(address="auto", **kwargs)
+        # None: RAY_ADDRESS or `ray start`'s cluster, as ray.init(address=None) finds one; "auto" also any Ray instance
+        # a process on this machine runs (Ray's legacy scan): with None a job's own ray.init() in another Python
+        # environment was joined, and its workers could not import the dataset (a sweep, session 50)
+        found = started_cluster() if config.address is None else "auto"
+        if found is None:
+            raise ConnectionError("no cluster started with `ray start` and no RAY_ADDRESS")
+        if found != "auto":
+            _reachable(found, min(PROBE_S, config.startup_timeout))  # `ray start`'s file outlives its cluster
+        ray.init(address=found, **kwargs)
         if PRIVATE not in ray.cluster_resources():
             return ray, False, None
         ray.shutdown()  # another loader's gateway started it for itself (and stops it with that loader)
