@@ -713,3 +713,29 @@ def test_address_none_joins_only_a_cluster_started_as_ray_init_address_none_find
     assert config.connect(RayWorkers(1))[1] is False and inits == ["10.0.0.7:6379"]
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.8:6379")
     assert config.started_cluster() == "10.0.0.8:6379"
+
+
+def test_a_lost_gateway_is_due_again_at_the_next_epoch_with_persistent_workers_too():
+    """With persistent workers one iterator serves every epoch (its generation stays), so "a new gateway at the next
+    epoch" never came: only the back-off's (10 s, 20, 40, ...) restarted it (a sweep, session 50: epochs 2-4 ran
+    without Ray workers). A later epoch queued is the next epoch too."""
+    import types
+
+    from fusionflow.remote.kind import RemoteWorkers
+    from fusionflow.scheduling.queue import TinyBatchQueue
+
+    kind = RemoteWorkers.__new__(RemoteWorkers)  # its restart bookkeeping alone
+    kind.board = types.SimpleNamespace(generation=3, queue=TinyBatchQueue())
+    kind._deaths_in_a_row, kind.retired = 0, None
+    kind.board.queue.add(3, 10, 0, 1, [], 0, 0.0)  # epoch 1's mini-batch 10
+    kind._failed("the Ray gateway was killed by SIGKILL", 3)
+    assert not kind._restart_due() and kind._retry_in() > 5  # the same epoch, within the back-off
+    kind.board.queue.add(3, 11, 1, 1, [], 0, 0.0)
+    assert not kind._restart_due()
+    kind.board.queue.add(3, 12, 0, 2, [], 0, 0.0)  # epoch 2, the same iterator
+    assert kind._restart_due()
+    kind.board.generation = 4  # a new iterator (without persistent workers), as before
+    kind._failed("again", 4)
+    assert not kind._restart_due()
+    kind.board.generation = 5
+    assert kind._restart_due()

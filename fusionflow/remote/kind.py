@@ -85,6 +85,7 @@ class RemoteWorkers:
         self._round_trip = 0.0  # running mean of a tiny-batch's time away (sent -> DONE), seconds
         self._deaths_in_a_row = 0
         self._restart_gen, self._retry_at = None, 0.0  # when a new gateway is due (after a death)
+        self._restart_epoch = None  # the newest epoch queued at that death: a later one is the next epoch
         self._started = self._stopped = False
         self._thread = threading.Thread(target=self._feed, name="fusionflow-remote", daemon=True)
 
@@ -263,8 +264,12 @@ class RemoteWorkers:
                 gw.unresponsive = f"returned nothing for {away:.0f} s (call deadline {deadline:.0f} s) and was killed"
         return gw.unresponsive is not None
 
-    def _restart_due(self) -> bool:  # at the next epoch (iterator) or after the back-off, whichever comes first
-        return self.board.generation != self._restart_gen or self._retry_in() <= 0
+    def _restart_due(self) -> bool:
+        """At the next epoch -- a new iterator, or with persistent workers (one iterator) a later epoch queued -- or
+        after the back-off, whichever comes first."""
+        board = self.board
+        new_epoch = board.generation != self._restart_gen or board.queue.newest_epoch != self._restart_epoch
+        return new_epoch or self._retry_in() <= 0
 
     def _retry_in(self) -> float:
         return self._retry_at - time.monotonic()
@@ -291,7 +296,7 @@ class RemoteWorkers:
         if self._deaths_in_a_row >= MAX_GATEWAY_FAILURES:
             self._retire(f"{why}; {self._deaths_in_a_row} Ray gateways in a row failed")
             return
-        self._restart_gen = generation
+        self._restart_gen, self._restart_epoch = generation, self.board.queue.newest_epoch
         self._retry_at = time.monotonic() + BACKOFF_S * 2 ** (self._deaths_in_a_row - 1)
 
     def _retire(self, why: str) -> None:
@@ -327,6 +332,7 @@ class RemoteWorkers:
             self.counters.remote_gateways_lost += lost
             if lost:  # no new gateway before this death is accounted below (the feeding thread started one at once)
                 self._restart_gen, self._retry_at = died_in, float("inf")
+                self._restart_epoch = board.queue.newest_epoch
         board.wake()
         gw.link.kill()  # whatever ended it: its Ray processes go with it (this may take seconds)
         with board.cond:

@@ -97,6 +97,7 @@ class TinyBatchQueue:
         self.final_shares = False  # a share once taken stays taken when G grows (no top-up runs: `_took`)
         self.took_tail = False  # the accelerator's last run taken was a tail run (not a share: not its rate)
         self.credit: tuple | None = None  # (generation, epoch, mini-batches) whose shares ran ahead in a run
+        self.newest_epoch = 0  # the epoch of the newest mini-batch queued (persistent workers: one iterator, many)
 
     def add(
         self,
@@ -111,6 +112,7 @@ class TinyBatchQueue:
         """Queue mini-batch `seq` of `generation` (its `size` samples as `tiny`, sorted ascending)."""
         state = BatchState(seq, slot, size, size, submitted_at=submitted_at)
         self.batches[(generation, seq)] = state
+        self.newest_epoch = epoch
         if self.credit is not None:  # its share ran ahead, in the previous mini-batch's run: all CPU work
             owed_by, owed = self.credit[:2], self.credit[2] - 1
             if owed_by == (generation, epoch):
