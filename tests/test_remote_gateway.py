@@ -531,3 +531,64 @@ def test_a_training_process_ended_by_sigterm_leaves_no_session_folder(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
+def test_a_gateway_killed_or_stopped_while_it_starts_costs_seconds_not_the_first_epoch(monkeypatch, how):
+    """A gateway killed during the loader's first start failed epoch 0 (the first start raised every error); one
+    stopped held iter() for startup_timeout + 60 s, then failed it too (a sweep, session 50). A fault of the process
+    is not the configuration's: the local workers run the epoch, and a new gateway comes at the next epoch."""
+    import signal
+
+    from fusionflow import RayWorkers
+    from fusionflow.remote.link import GatewayLink
+
+    monkeypatch.setenv("PYTHONPATH", PYTHONPATH)
+    hit, wait_started = [], GatewayLink.wait_started
+
+    def faulted_first(link, timeout):
+        if not hit:
+            hit.append(link.pid)
+            os.kill(link.pid, getattr(signal, how))
+        return wait_started(link, timeout)
+
+    monkeypatch.setattr(GatewayLink, "wait_started", faulted_first)
+    with _loader(Bytes(24, sleep=0.02), RayWorkers(1)) as loader:
+        t0 = time.monotonic()
+        _x, labels = collect(loader)
+        assert hit and sorted(torch.cat(labels).tolist()) == list(range(24))
+        assert time.monotonic() - t0 < 100  # a stopped gateway: given up after STOPPED_S, not 120 s and an error
+        epoch, deadline = 0, time.monotonic() + 180  # a new gateway from the next epoch on (it starts Ray: seconds)
+        while not loader.stats.remote_tiny_batches and time.monotonic() < deadline:
+            epoch += 1
+            loader.set_epoch(epoch)
+            _x, labels = collect(loader)
+            assert sorted(torch.cat(labels).tolist()) == list(range(24))
+        assert loader.stats.remote_tiny_batches > 0 and len(loader._manager.board.kinds[0].sessions) >= 2
+
+
+def test_closing_beside_a_stopped_gateway_kills_it_without_waiting_out_the_grace():
+    """A gateway stopped (SIGSTOP) cannot shut Ray down: close() waited STOP_GRACE_S (10 s) for it regardless (a
+    sweep, session 50); now it is killed at once, its session with it."""
+    import signal
+    import socket
+
+    from fusionflow.remote import link as remote_link
+
+    ours, theirs = socket.socketpair()
+    gateway = subprocess.Popen(["sleep", "120"], start_new_session=True)  # stands in for a gateway
+    try:
+        os.kill(gateway.pid, signal.SIGSTOP)
+        gw = remote_link.GatewayLink.__new__(remote_link.GatewayLink)
+        gw.conn, gw.proc, gw.pid, gw.session_dir = remote_link.Connection(ours.detach()), gateway, gateway.pid, None
+        deadline = time.monotonic() + 30
+        while not remote_link.is_stopped(gateway.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        gw.stop()
+        assert gateway.poll() is not None and time.monotonic() - t0 < remote_link.STOP_GRACE_S / 2
+    finally:
+        gateway.kill()
+        gateway.wait()
+        theirs.close()

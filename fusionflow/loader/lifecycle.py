@@ -131,8 +131,10 @@ class LoaderRuntime:
     def _start_remote(self, cfg) -> None:
         """Ray actors, through a gateway process, as one more worker kind on the board
         (fusionflow/remote/kind.py); a dataset that cannot be pickled or read on a remote node fails
-        here, at start-up (the caller stops the manager)."""
+        here, at start-up (the caller stops the manager). A gateway killed or stopped while it starts is a fault of
+        the machine: the local workers run on and the kind starts a new gateway later, as after a death."""
         from fusionflow.remote.kind import RemoteWorkers
+        from fusionflow.remote.link import GatewayLost
 
         kind = RemoteWorkers(
             self.manager.board,
@@ -147,7 +149,7 @@ class LoaderRuntime:
         try:
             kind.start()
         except Exception as exc:  # the loader's first start raises it; a later epoch's runs on the local workers
-            if not self._remote_ran:
+            if not self._remote_ran and not isinstance(exc, GatewayLost):  # (a killed or stopped gateway: a fault)
                 raise
             self._remote_failures += 1
             log.warning(

@@ -35,7 +35,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from fusionflow.remote.link import GatewayLink, GatewayState, forward_log, pickle_spec
+from fusionflow.remote.link import GatewayLink, GatewayLost, GatewayState, forward_log, pickle_spec
 from fusionflow.remote.pulse import CALL_FACTOR, call_deadline, running_mean, silence
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.spec import RuntimeSpec
@@ -93,7 +93,8 @@ class RemoteWorkers:
     def start(self) -> None:
         """Pickle the spec, start the gateway and wait until its actors are up. Raises TypeError
         (dataset cannot be pickled), RemoteWorkerError (an actor cannot read the dataset, or none
-        came up), ConnectionError (no cluster at address)."""
+        came up), ConnectionError (no cluster at address), GatewayLost (the gateway killed or stopped while it
+        started: the kind runs on and starts another at the next epoch or after the back-off)."""
         if self._started:
             return
         self._started = True
@@ -115,7 +116,13 @@ class RemoteWorkers:
                 "log_level": logging.getLogger("fusionflow.remote").getEffectiveLevel(),
             }
         )
-        self._launch()  # raises the start-up errors
+        try:
+            self._launch()  # raises the start-up errors
+        except GatewayLost as exc:  # a fault, not the configuration's: a new gateway later, as after a death
+            with self.board.cond:
+                self._failed(str(exc).removeprefix("remote_workers: "), self.board.generation)
+            self._thread.start()
+            raise
         self._thread.start()
 
     def _launch(self) -> bool:

@@ -35,7 +35,7 @@ from fusionflow.errors import RemoteWorkerError
 from fusionflow.remote.pulse import SILENT_S
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import set_send_timeout
-from fusionflow.runtime.procs import kill_session
+from fusionflow.runtime.procs import is_stopped, kill_session
 
 log = logging.getLogger("fusionflow.remote.kind")
 STOP_GRACE_S = 10.0  # the gateway's ray.shutdown() of a local instance takes a few seconds
@@ -44,6 +44,15 @@ STOP_GRACE_S = 10.0  # the gateway's ray.shutdown() of a local instance takes a 
 # silence checks, which a send blocked for ever turned off (and close() hung on STOP)
 SEND_BOUND_S = SILENT_S
 ERRORS = {"TypeError": TypeError, "ConnectionError": ConnectionError, "ImportError": ImportError}
+STOPPED_S = 5.0  # a gateway stopped (SIGSTOP) this long during its start-up is given up
+
+
+class GatewayLost(RemoteWorkerError):
+    """The gateway process itself failed during start-up -- killed, ended without a word, or stopped -- rather than
+    reporting why Ray or the dataset cannot run: a fault of the machine, not of the configuration (the loader's
+    first epoch runs on the local workers and a later one tries again; a reported error is raised)."""
+
+
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -103,27 +112,32 @@ class GatewayLink:
         set_send_timeout(self.conn, timeout)
         try:
             self.conn.send_bytes(self._hello)
-        except OSError as exc:
-            raise RemoteWorkerError(
+        except OSError as exc:  # it died, or stopped reading (stopped): the process's fault
+            raise GatewayLost(
                 f"remote_workers: the Ray gateway did not take its start-up spec within {timeout:.0f} s ({exc!r})"
             ) from None
         finally:
             set_send_timeout(self.conn, SEND_BOUND_S)
+        stopped_since = None
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not mp_wait([self.conn], min(left, 1.0)):
-                if self.proc.poll() is not None or left <= 0:
-                    raise RemoteWorkerError(
-                        f"remote_workers: the Ray gateway process {self.how_it_ended()} during start-up"
-                        if self.proc.poll() is not None
-                        else f"remote_workers: the Ray gateway did not start within {timeout:.0f} s"
+                if self.proc.poll() is not None:
+                    raise GatewayLost(f"remote_workers: the Ray gateway process {self.how_it_ended()} during start-up")
+                if left <= 0:
+                    raise RemoteWorkerError(f"remote_workers: the Ray gateway did not start within {timeout:.0f} s")
+                stopped_since = (stopped_since or time.monotonic()) if is_stopped(self.proc.pid) else None
+                if stopped_since is not None and time.monotonic() - stopped_since >= STOPPED_S:
+                    raise GatewayLost(
+                        f"remote_workers: the Ray gateway process was stopped (SIGSTOP) for {STOPPED_S:.0f} s during "
+                        "start-up; it is killed"
                     )
                 continue
             try:
                 event = m.unpack_control(self.conn.recv_bytes())
             except (EOFError, OSError):
                 self.proc.wait()
-                raise RemoteWorkerError(
+                raise GatewayLost(
                     f"remote_workers: the Ray gateway process {self.how_it_ended()} during start-up"
                 ) from None
             if event[0] == "log":
@@ -157,9 +171,13 @@ class GatewayLink:
             return False
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """STOP, up to `grace` seconds to shut Ray down, then SIGKILL; then its session."""
-        self.send(m.pack_stop())
+        """STOP, up to `grace` seconds to shut Ray down, then SIGKILL; then its session. A gateway stopped (SIGSTOP)
+        would only use up the grace: killed at once (its session's processes then go with kill_session)."""
         try:
+            if is_stopped(self.pid):
+                log.warning("remote_workers: the Ray gateway is stopped (SIGSTOP); killing it")
+                return
+            self.send(m.pack_stop())
             self.proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
             log.warning("remote_workers: the Ray gateway did not stop within %.0f s; killing it", grace)
