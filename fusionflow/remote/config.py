@@ -160,6 +160,30 @@ def _reachable(address: str, seconds: float) -> None:
         raise ConnectionError(f"nothing answers at {host}:{port}: {exc}") from None
 
 
+def _join_running(ray, config: RayWorkers, kwargs: dict) -> bool:
+    """address None: RAY_ADDRESS or `ray start`'s cluster, as ray.init(address=None) finds one; "auto" also any Ray
+    instance a process on this machine runs (Ray's legacy scan; with None too before session 50: a job's own
+    ray.init() in another Python environment was joined, and its workers could not import the dataset). False:
+    none, or a loader's private instance (left alone: it stops with that loader)."""
+    try:
+        found = started_cluster() if config.address is None else "auto"
+        if found is None:
+            raise ConnectionError("no cluster started with `ray start` and no RAY_ADDRESS")
+        if found != "auto":
+            _reachable(found, min(PROBE_S, config.startup_timeout))  # `ray start`'s file outlives its cluster
+        ray.init(address=found, **kwargs)
+        if PRIVATE not in ray.cluster_resources():
+            return True
+        ray.shutdown()  # another loader's gateway started it for itself (and stops it with that loader)
+    except ConnectionError:  # no cluster is running: start a local one
+        if config.address == "auto":
+            log.warning(
+                "RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
+                "start` on this machine); starting a local Ray instance for the remote workers"
+            )
+    return False
+
+
 def started_cluster() -> str | None:
     """The cluster ray.init(address=None) joins: RAY_ADDRESS, else the address the last `ray start` on this machine
     wrote into Ray's temp folder (its file stays after `ray stop`'s cluster is gone: the caller probes it); None."""
@@ -208,25 +232,8 @@ def connect(config: RayWorkers, joined: str | None = None):
                 "'host:port' of a cluster's head, 'ray://host:port', 'auto', or None for a local instance"
             ) from exc
         return ray, False, None
-    try:
-        # None: RAY_ADDRESS or `ray start`'s cluster, as ray.init(address=None) finds one; "auto" also any Ray instance
-        # a process on this machine runs (Ray's legacy scan): with None a job's own ray.init() in another Python
-        # environment was joined, and its workers could not import the dataset (a sweep, session 50)
-        found = started_cluster() if config.address is None else "auto"
-        if found is None:
-            raise ConnectionError("no cluster started with `ray start` and no RAY_ADDRESS")
-        if found != "auto":
-            _reachable(found, min(PROBE_S, config.startup_timeout))  # `ray start`'s file outlives its cluster
-        ray.init(address=found, **kwargs)
-        if PRIVATE not in ray.cluster_resources():
-            return ray, False, None
-        ray.shutdown()  # another loader's gateway started it for itself (and stops it with that loader)
-    except ConnectionError:  # no cluster is running: start a local one
-        if config.address == "auto":
-            log.warning(
-                "RayWorkers(address='auto'): no running Ray cluster found (RAY_ADDRESS, or `ray "
-                "start` on this machine); starting a local Ray instance for the remote workers"
-            )
+    if _join_running(ray, config, kwargs):
+        return ray, False, None
     if config.num_workers != "auto" and "num_cpus" not in kwargs:
         want, cores = int(-(-config.num_workers * config.cpus_per_worker // 1)), len(os.sched_getaffinity(0))
         if want > cores:  # RayWorkers(64) without a cluster put 64 actors (~600 MB each) on the training machine

@@ -21,11 +21,10 @@ warning says how it ended and its last Ray error, its session (its Ray instance,
 killed, the epoch goes on, and a new gateway is started at the next epoch or after a back-off; after
 `MAX_GATEWAY_FAILURES` in a row with nothing delivered between them the remote workers retire.
 
-Start-up (`start`, on the training thread): the dataset must pickle (a TypeError naming it, here),
-and every actor reads one sample where it runs before it gets work (the gateway's RemoteWorkerError
-naming the node, the sample and the exception, raised here). Shutdown (`stop`, idempotent): stop the
-threads, STOP the gateway (it kills its actors and shuts down a Ray instance it started), kill its
-session, give back what was in flight.
+Start-up (`start`, on the training thread): the dataset must pickle (a TypeError naming it), and every actor reads
+one sample where it runs before it gets work (the gateway's RemoteWorkerError naming the node, the sample and the
+exception); a gateway killed or stopped meanwhile is a GatewayLost, restarted as after a death. Shutdown (`stop`):
+stop the threads, STOP the gateway (it kills its actors and a Ray instance it started), kill its session.
 """
 
 from __future__ import annotations
@@ -271,10 +270,8 @@ class RemoteWorkers:
                 gw.unresponsive = f"returned nothing for {away:.0f} s (call deadline {deadline:.0f} s) and was killed"
         return gw.unresponsive is not None
 
-    def _restart_due(self) -> bool:
-        """At the next epoch -- a new iterator, or with persistent workers (one iterator) a later epoch queued -- or
-        after the back-off, whichever comes first."""
-        board = self.board
+    def _restart_due(self) -> bool:  # at the next epoch (iterator, or with persistent workers a later epoch queued)
+        board = self.board  # or after the back-off, whichever comes first
         new_epoch = board.generation != self._restart_gen or board.queue.newest_epoch != self._restart_epoch
         return new_epoch or self._retry_in() <= 0
 
