@@ -224,7 +224,9 @@ class DaliPolicyPipeline:
         Huffman stage runs on DALI's few CPU threads for crops under a megapixel. DALI alone's first batch is a full
         one; the accelerator's first run is a first share, often small, so its hardware decoder took a handful of
         each later run and DALI's threads the rest (on an H200, 2026-11-30, the graph moved 0.57 GB/s of JPEG in the
-        loader and 0.87 fed whole batches). Run on the caller's thread after the bridge lent its arena, like any."""
+        loader and 0.87 fed whole batches). Run on the caller's thread after the bridge lent its arena, like any run
+        (a rebuild's inside its build guard, the bridge paused: the decoder's lasting state made here is not the
+        arena's)."""
         self._fresh = False
         if not self.full_first_run:
             return
