@@ -182,6 +182,12 @@ class RemoteWorkerError(FusionFlowError):
     files are not readable on a remote node); the message names the node and the sample."""
 
 
+class GatewayLost(RemoteWorkerError):
+    """The Ray gateway process itself failed while it started -- killed, ended without a word, or stopped -- rather
+    than reporting why Ray or the dataset cannot run: a fault of the machine, not of the configuration. The loader
+    does not raise it: its local workers run the epoch and a new gateway is started later (remote/kind.py)."""
+
+
 class SharedLoaderError(FusionFlowError):
     """A SharedLoaderClient lost its producer: the SharedLoader it named is not serving, exited, was
     killed, stopped, failed (its error is in the message), or did not answer within the client's

@@ -133,8 +133,8 @@ class LoaderRuntime:
         (fusionflow/remote/kind.py); a dataset that cannot be pickled or read on a remote node fails
         here, at start-up (the caller stops the manager). A gateway killed or stopped while it starts is a fault of
         the machine: the local workers run on and the kind starts a new gateway later, as after a death."""
+        from fusionflow.errors import GatewayLost
         from fusionflow.remote.kind import RemoteWorkers
-        from fusionflow.remote.link import GatewayLost
 
         kind = RemoteWorkers(
             self.manager.board,

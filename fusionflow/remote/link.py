@@ -31,7 +31,7 @@ import time
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 
-from fusionflow.errors import RemoteWorkerError
+from fusionflow.errors import GatewayLost, RemoteWorkerError
 from fusionflow.remote.pulse import SILENT_S
 from fusionflow.runtime import messages as m
 from fusionflow.runtime.authsock import set_send_timeout
@@ -44,15 +44,7 @@ STOP_GRACE_S = 10.0  # the gateway's ray.shutdown() of a local instance takes a 
 # silence checks, which a send blocked for ever turned off (and close() hung on STOP)
 SEND_BOUND_S = SILENT_S
 ERRORS = {"TypeError": TypeError, "ConnectionError": ConnectionError, "ImportError": ImportError}
-STOPPED_S = 5.0  # a gateway stopped (SIGSTOP) this long during its start-up is given up
-
-
-class GatewayLost(RemoteWorkerError):
-    """The gateway process itself failed during start-up -- killed, ended without a word, or stopped -- rather than
-    reporting why Ray or the dataset cannot run: a fault of the machine, not of the configuration (the loader's
-    first epoch runs on the local workers and a later one tries again; a reported error is raised)."""
-
-
+STOPPED_S = 5.0  # a gateway stopped (SIGSTOP) this long during its start-up is given up (GatewayLost)
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
