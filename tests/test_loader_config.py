@@ -125,6 +125,17 @@ RESOLVED = [
     (dict(stage_times=True), None, dict(stage_names=("read", "decode+crop+resize", "flip", "write"))),
     (dict(timeout=np.int64(30)), None, dict(timeout=30)),  # NumPy numbers, as DataLoader takes them
     (dict(timeout=np.float32(2.5)), None, dict(timeout=2.5)),
+    # numpy's integers as counts and seeds, held as ints (num_workers=np.int64(2) was refused: DataLoader takes it)
+    (
+        dict(num_workers=np.int64(1), batch_size=np.int32(4), seed=np.uint32(7), prefetch_factor=np.int64(3)),
+        None,
+        dict(num_workers=1, batch_size=4, seed=7, prefetch_factor=3),
+    ),
+    (
+        dict(batch_size=4, tiny_batch_size=np.int64(2), max_retries=np.int16(1)),
+        None,
+        dict(tiny_batch_size=2, max_retries=1),
+    ),
 ]
 
 
@@ -133,6 +144,8 @@ def test_resolved_values(kwargs, host, expected):
     cfg, notes = resolve(kwargs, host)
     assert isinstance(cfg, LoaderConfig)
     assert {k: getattr(cfg, k) for k in expected} == expected
+    counts = ("num_workers", "batch_size", "seed", "prefetch_factor", "tiny_batch_size", "max_retries")
+    assert all(type(getattr(cfg, k)) is int for k in counts if expected.get(k) is not None)  # not numpy's
     assert notes == []
 
 

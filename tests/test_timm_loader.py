@@ -379,11 +379,48 @@ def test_eval_at_a_non_square_size_crops_and_pads_as_timm(singles, crop_pct):
         # timm's prefetcher fails at its in-place division; ours truncated the normalised values (-2..2)
         (dict(img_dtype=torch.int32), r"img_dtype=torch.int32 must be a floating torch dtype"),
         (dict(img_dtype=torch.uint8), r"img_dtype=torch.uint8 must be a floating"),
+        # each named with its value (they listed every argument set, defaults included, and torchvision's `p`)
+        (dict(hflip=1.5), r"create_loader\(hflip=1.5\): a probability must be a number in \[0, 1\]"),
+        (dict(grayscale_prob=-0.1), r"create_loader\(grayscale_prob=-0.1\)"),
+        (dict(re_prob=2.0), r"create_loader\(re_prob=2.0\)"),  # (it ran with the prefetcher: always erased)
+        (dict(re_prob=2.0, use_prefetcher=False), r"create_loader\(re_prob=2.0\)"),
+        (dict(auto_augment="rand-m9-n0"), r"create_loader\(auto_augment='rand-m9-n0'\).*num_ops"),
+        (dict(input_size=4), r"create_loader\(input_size=4\).*output.size"),
     ],
 )
 def test_what_cannot_be_expressed_is_refused_when_built_naming_the_argument(folder, kw, match):
+    size = kw.pop("input_size", SIZE)
     with pytest.raises(ValueError, match=match):
-        create_loader(train_dataset(folder), SIZE, 8, is_training=True, device=CPU, **kw)
+        create_loader(train_dataset(folder), size, 8, is_training=True, device=CPU, **kw)
+
+
+def test_a_misspelt_keyword_names_create_loader_and_the_nearest_argument(folder):
+    """Keywords beyond timm's go to FusionFlowLoader: a misspelt one named FusionFlowLoader.__init__, which the
+    script never called."""
+    with pytest.raises(TypeError, match=r"create_loader\(\) got an unexpected keyword argument 're_porb': did you "
+                       r"mean 're_prob'\?"):  # fmt: skip
+        create_loader(train_dataset(folder), SIZE, 8, is_training=True, device=CPU, re_porb=0.25)
+    with pytest.raises(TypeError, match=r"argument 'zzz' \(neither timm's create_loader nor FusionFlowLoader"):
+        create_loader(train_dataset(folder), SIZE, 8, is_training=True, device=CPU, zzz=1)
+
+
+def test_resuming_warns_only_about_a_seed_the_script_gave(folder, recwarn):
+    """create_loader draws a seed for timm's worker seeding when none is given: a resume replaced it with a
+    warning that a seed "was given"; one the script gave still warns."""
+    kw = dict(is_training=True, device=CPU, num_workers=0)
+    first = create_loader(train_dataset(folder), SIZE, 4, **kw)
+    with first.fusionflow:
+        a = next(iter(first))[0]
+        state = first.state_dict()
+    again = create_loader(train_dataset(folder), SIZE, 4, **kw)
+    with again.fusionflow:
+        again.load_state_dict(state)
+        assert not [w for w in recwarn if "was given" in str(w.message)]
+        assert again.fusionflow.seed == state["seed"]
+    given = create_loader(train_dataset(folder), SIZE, 4, seed=state["seed"] + 1, **kw)
+    with given.fusionflow, pytest.warns(UserWarning, match="was given, but the state was saved"):
+        given.load_state_dict(state)
+    assert a.shape[0] == 4
 
 
 def test_what_timm_takes_or_ignores_is_taken(folder):

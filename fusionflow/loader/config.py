@@ -6,9 +6,7 @@ the fix; those that ask the machine (device, accelerator, memory bridge, job, re
 fusionflow/loader/host.py. Nothing here starts a process, allocates shared memory or builds
 native code: that happens at the first iteration (the allocator bridge's native part included).
 `resolve_config` applies them in the order the loader always validated its arguments, so the first
-wrong argument is the one reported. tests/test_loader_config.py drives it with a table of argument
-combinations.
-"""
+wrong argument is the one reported. tests/test_loader_config.py drives it with a table of argument combinations."""
 
 from __future__ import annotations
 
@@ -107,8 +105,9 @@ def resolve_collate(collate_fn):
 def resolve_num_workers(num_workers, cores: int, notes: list, context=None) -> int:
     """num_workers checked (a count above the cores a note), and `context`, how they start (check_context)."""
     check_context(context)
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+    if not _is_int(num_workers) or num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0 (0 runs in this process)")
+    num_workers = int(num_workers)  # numpy's integers too, as DataLoader takes them
     if context is not None and num_workers == 0:  # as DataLoader refuses it
         raise ValueError(
             f"multiprocessing_context={context!r} starts worker processes, but num_workers=0 loads in this process: "
@@ -141,8 +140,9 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
             )
         capacity, batch_size = batch_capacity(batch_sampler), None
     else:
-        if batch_size is None or isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not _is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be an integer >= 1 (unbatched loading is not supported)")
+        batch_size = int(batch_size)  # (torch's BatchSampler refuses numpy's integers)
         if sampler is not None and shuffle:
             raise ValueError(
                 "sampler is mutually exclusive with shuffle=True: shuffle inside your sampler "
@@ -155,8 +155,8 @@ def resolve_batching(dataset, batch_size, shuffle, sampler, batch_sampler, drop_
     return batch_sampler, getattr(batch_sampler, "sampler", sampler), capacity, batch_size
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _is_int(value) -> bool:  # Python's or numpy's integers (a count computed with numpy), never a bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
@@ -169,7 +169,7 @@ def resolve_tiny_batch_size(tiny_batch_size, capacity: int) -> int:
             f"tiny_batch_size={tiny_batch_size} is larger than batch_size={capacity}: "
             f"use tiny_batch_size <= batch_size (typically 1-8)"
         )
-    return tiny_batch_size
+    return int(tiny_batch_size)
 
 
 ACCELERATOR_PREFETCH = 4  # ring slots by default with an accelerator (bench_cooperation, 2026-11-25)
@@ -182,7 +182,7 @@ def resolve_prefetch(prefetch_factor, num_workers: int) -> int:
         raise ValueError("prefetch_factor needs num_workers > 0 (with 0 workers nothing runs ahead)")
     if not _is_int(prefetch_factor) or prefetch_factor < 1:
         raise ValueError(f"prefetch_factor={prefetch_factor!r} must be an integer >= 1 (mini-batches in flight)")
-    return prefetch_factor
+    return int(prefetch_factor)
 
 
 def check_context(ctx) -> None:
@@ -247,12 +247,12 @@ def resolve_seed(seed, generator) -> int | None:
     """The seed as given, checked (None: the loader takes its first epoch's base seed, drawn when it starts)."""
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator={generator!r} must be a torch.Generator or None")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+    if seed is not None and (not _is_int(seed) or seed < 0):
         raise ValueError(
             f"seed={seed!r} must be a non-negative integer (or None: drawn as the first epoch starts, from "
             "generator if given, else from torch's generator, as DataLoader draws its base seed)"
         )
-    return seed
+    return None if seed is None else int(seed)
 
 
 def resolve_trace(trace):
@@ -376,7 +376,7 @@ def resolve_config(
         persistent_workers=persistent_workers,
         timeout=timeout,
         on_error=on_error,
-        max_retries=max_retries,
+        max_retries=int(max_retries),
         pin_workers=pin_workers,
         seed=seed,
         seed_given=seed_given,

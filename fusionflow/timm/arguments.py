@@ -7,6 +7,9 @@ naming the argument and what to do -- never per sample."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import inspect
+import numbers
 import random
 import re
 from dataclasses import dataclass
@@ -15,12 +18,15 @@ from typing import Any
 import numpy as np
 import torch
 
+PROBABILITIES = ("hflip", "vflip", "grayscale_prob", "gaussian_blur_prob", "color_jitter_prob", "re_prob")
 SCHEDULED = ("input_size_choices", "batch_size_choices", "batch_choice_weights", "num_batches")
 TRANSFORM_ARGS = (
     "is_training no_aug train_crop_mode scale ratio hflip vflip color_jitter color_jitter_prob grayscale_prob "
     "gaussian_blur_prob auto_augment interpolation mean std crop_pct crop_mode crop_border_pixels re_prob re_mode "
     "re_count tf_preprocessing"
 ).split()
+# a policy field policy_from_transform refused (out of range) -> the create_loader argument that set it
+FIELDS = (("crop.resize", "crop_pct / crop_mode"), ("output.size", "input_size"), ("augment.", "auto_augment"))
 # the transform policy_from_transform refused -> the create_loader argument that put it there
 CAUSES = {
     "RandomGrayscale": "grayscale_prob",
@@ -119,6 +125,10 @@ def refuse(argument: str, why: str):
 
 def check(dataset, a: TimmArguments) -> int:
     """The refusals that need no transform; returns the AugMix views per sample (1: none)."""
+    for name in PROBABILITIES:  # timm passes them on unchecked: above 1 reads as 1, below 0 as 0
+        p = getattr(a, name)
+        if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p <= 1):
+            refuse(f"{name}={p!r}", "a probability must be a number in [0, 1] (1: always)")
     for name in SCHEDULED:
         if getattr(a, name) is not None:
             refuse(f"{name}=...", "scheduled input and batch sizes are not supported; use timm.data.create_loader")
@@ -196,7 +206,9 @@ def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool, decod
         policy = policy_from_transform(transform, decode=decode)
     except ValueError as e:
         refused = re.search(r"transform \d+ \((\w+)", str(e))
-        cause = CAUSES.get(refused.group(1)) if refused else "crop_pct / crop_mode" if "crop.resize" in str(e) else None
+        cause = CAUSES.get(refused.group(1)) if refused else next((a for f, a in FIELDS if f in str(e)), None)
+        if cause is not None and cause.isidentifier():  # one argument: named with its value
+            cause = f"{cause}={getattr(a, cause)!r}"
         args = cause or ", ".join(f"{k}={v!r}" for k, v in kw.items() if v not in (None, 0, 0.0, False))
         refuse(args, f"timm's transform for these arguments is not expressible: {e}")
     return dataclasses.replace(policy, views=views) if views > 1 else policy
@@ -279,9 +291,9 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     from fusionflow.datasets.timm_reader import timm_samples
     from fusionflow.datasets.views import SplitBatches, SplitViews
     from fusionflow.loader import FusionFlowLoader
-    from fusionflow.loader.config import resolve_seed
 
     views = check(dataset, a)
+    check_keywords(loader_kwargs, FusionFlowLoader)
     for name, why in DERIVED.items():  # FusionFlowLoader arguments create_loader makes from timm's own
         if name in loader_kwargs:
             refuse(f"{name}=...", why)
@@ -296,9 +308,7 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
     base = dataset.dataset if views > 1 else dataset
     samples = timm_samples(base)
     sampler = build_sampler(base, a)
-    seed = resolve_seed(loader_kwargs.pop("seed", None), loader_kwargs.get("generator"))
-    if seed is None:  # drawn now: timm's worker seeding is made here, before the loader's first epoch
-        seed = int(torch.randint(2**62, ()).item())
+    seed, given = _seed(loader_kwargs)
     if a.is_training and sampler is None and "generator" not in loader_kwargs:
         # the shuffle's own generator, seeded once from torch's: an order drawn from the global generator
         # would move with every draw the training process makes (the prefetcher's erasing noise, dropout),
@@ -332,7 +342,30 @@ def resolve(dataset, a: TimmArguments, loader_kwargs: dict) -> Built:
         inner = torch.utils.data.BatchSampler(order, a.batch_size, a.is_training)
         batching = dict(batch_sampler=SplitBatches(inner, views))
     prep = _prep(a, device, normalize_after) if a.use_prefetcher else None  # (its arguments checked first)
-    return Built(FusionFlowLoader(samples, **batching, **kw), prep, sampler, views)
+    loader = FusionFlowLoader(samples, **batching, **kw)
+    if not given:  # drawn here for timm's worker seeding: a resumed state's seed replaces it without a warning
+        loader.config = loader.config.with_config(seed_given=False)
+    return Built(loader, prep, sampler, views)
+
+
+def _seed(loader_kwargs: dict) -> tuple[int, bool]:
+    """The loader's seed and whether the script gave it; else drawn now: timm's worker seeding is made here, before
+    the loader's first epoch."""
+    from fusionflow.loader.config import resolve_seed
+
+    seed = resolve_seed(loader_kwargs.pop("seed", None), loader_kwargs.get("generator"))
+    return (seed, True) if seed is not None else (int(torch.randint(2**62, ()).item()), False)
+
+
+def check_keywords(loader_kwargs: dict, loader_class) -> None:
+    """Keywords beyond timm's must be FusionFlowLoader's (or `decode`): else the TypeError names create_loader
+    (not FusionFlowLoader, which the script never called) and the nearest argument of either."""
+    known = [*inspect.signature(loader_class.__init__).parameters, "decode"]
+    for name in loader_kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, [f.name for f in dataclasses.fields(TimmArguments)] + known, 1)
+            hint = f": did you mean {close[0]!r}?" if close else " (neither timm's create_loader nor FusionFlowLoader)"
+            raise TypeError(f"fusionflow.timm.create_loader() got an unexpected keyword argument {name!r}{hint}")
 
 
 def _prep(a: TimmArguments, device, normalize: bool):
