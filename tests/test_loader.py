@@ -287,14 +287,35 @@ def test_skip_never_delivers_an_empty_batch_and_a_dataset_failing_every_sample_r
     resumed.load_state_dict(loader.state_dict())  # the dropped batch counts as passed: nothing comes twice
     assert [y.tolist() for _, y in resumed] == [[12, 13, 14, 15]]
     loader.close()
-    with pytest.warns(UserWarning), pytest.raises(SampleError, match=r"every sample of the first 4 mini-batches"):
-        collect(FusionFlowLoader(Bytes(16, bad=set(range(16))), **kw))  # 16 samples at least: 4 batches of 4
+    with pytest.warns(UserWarning), pytest.raises(SampleError, match=r"every sample of epoch 0 failed \(4 mini-b"):
+        collect(FusionFlowLoader(Bytes(16, bad=set(range(16))), **kw))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_skip_delivers_every_good_sample_behind_a_run_of_failures_at_the_start(num_workers):
+    """A broken class folder that sorts first, read in order: on_error='skip' raised "every sample of the first 4
+    mini-batches failed" after 2 empty mini-batches and 16 samples, and the good ones behind were never delivered;
+    a dataset failing them all still raises, at the epoch's end, each epoch."""
+    kw = dict(batch_size=4, num_workers=num_workers, policy=SMALL, on_error="skip")
+    loader = FusionFlowLoader(Bytes(40, bad=set(range(24))), **kw)
+    with pytest.warns(UserWarning, match="on_error='skip'"):
+        for epoch in range(2):
+            _, labels = collect(loader)
+            assert sorted(i for y in labels for i in y.tolist()) == list(range(24, 40)), epoch
+    assert loader.stats.skipped == 48
+    loader.close()
+    loader = FusionFlowLoader(Bytes(24, bad=set(range(24))), **kw)
+    with pytest.warns(UserWarning):
+        for epoch in range(2):
+            with pytest.raises(SampleError, match=rf"every sample of epoch {epoch} failed \(6 mini-batch"):
+                collect(loader)
+    loader.close()
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_skip_raises_at_the_end_of_an_epoch_whose_every_sample_failed(num_workers):
-    """A small dataset failing every sample (under the 2 batches / 16 samples of the early check), or one failing
-    every sample after a good epoch (a mount lost): on_error='skip' ended such epochs as empty, silently."""
+    """A small dataset failing every sample, or one failing every sample after a good epoch (a mount lost):
+    on_error='skip' ended such epochs as empty, silently."""
     kw = dict(batch_size=8, num_workers=num_workers, policy=SMALL, on_error="skip")
     with pytest.warns(UserWarning), pytest.raises(SampleError, match=r"every sample of epoch 0 failed \(2 mini-batch"):
         collect(FusionFlowLoader(Bytes(12, bad=set(range(12))), **kw))
@@ -323,7 +344,7 @@ def test_skip_raises_at_the_end_of_an_epoch_whose_every_sample_failed(num_worker
     resumed.close()
 
 
-def test_skip_judges_a_dataset_failing_every_sample_by_what_it_kept_not_by_the_stats_and_not_under_ddp(monkeypatch):
+def test_skip_judges_an_epoch_failing_every_sample_by_what_it_kept_not_by_the_stats_and_not_under_ddp(monkeypatch):
     from fusionflow.loader import delivery as dl
     from fusionflow.loader.stats import LoaderStats
     from fusionflow.runtime.messages import SampleFailure
@@ -333,17 +354,22 @@ def test_skip_judges_a_dataset_failing_every_sample_by_what_it_kept_not_by_the_s
 
     stats = LoaderStats()
     d = dl.Delivery(stats, torch.device("cpu"), False, "skip")
+    start = tuple(d.tally)
     with pytest.warns(UserWarning):
         assert d.select(8, failed(3)) == [3, 4, 5, 6, 7]
     stats.reset()  # (stats.samples back to 0, as in a fresh process after load_state_dict)
-    for _ in range(4):  # a sample was kept: empty batches are dropped, never a SampleError
+    second = tuple(d.tally)
+    for _ in range(4):  # empty batches are dropped, never a SampleError before the epoch's end
         with pytest.raises(dl.EmptyBatch):
             d.select(8, failed(8))
+    assert d.all_failed(start, 0) is None  # the first epoch kept 5
+    with pytest.raises(SampleError, match=r"every sample of epoch 1 failed \(4 mini-batch"):
+        raise d.all_failed(second, 1)
     fresh = dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip")
-    with pytest.warns(UserWarning), pytest.raises(dl.EmptyBatch):
-        fresh.select(8, failed(8))
-    with pytest.raises(SampleError, match="first 2 mini-batches"):
-        fresh.select(8, failed(8))
+    with pytest.warns(UserWarning):
+        for _ in range(6):
+            with pytest.raises(dl.EmptyBatch):
+                fresh.select(8, failed(8))
     monkeypatch.setattr(dl, "distributed", lambda: True)  # a DDP rank steps with an empty batch, as its peers step
     with pytest.warns(UserWarning, match="on_error='skip'"):
         assert dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip").select(4, failed(4)) == []

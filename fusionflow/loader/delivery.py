@@ -23,8 +23,6 @@ from fusionflow.runtime.counters import append_bounded
 from fusionflow.runtime.cuda_host import record_copies
 
 SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
-# before the loader kept any sample, this many mini-batches and samples wholly skipped: the dataset fails every one
-SYSTEMATIC_BATCHES, SYSTEMATIC_SAMPLES = 2, 16
 
 
 class Delivery:
@@ -37,9 +35,8 @@ class Delivery:
         self.alloc_device = device
         self.warned_skip = False  # on_error='skip' warns once per loader
         self.empty_batches = 0  # mini-batches on_error='skip' left empty (not delivered)
-        self.failed_only = 0  # samples skipped before any was kept (the loader's life, whatever stats.reset does)
-        self.tally = [0, 0]  # samples kept, mini-batches left empty by on_error="skip" (the loader's life: `kept_any`;
-        # an iteration's `all_failed` takes its difference)
+        self.tally = [0, 0]  # samples kept, mini-batches left empty by on_error="skip" (the loader's life; an
+        # iteration's `all_failed` takes its difference)
         self.last_skipped = None  # the newest failure on_error='skip' dropped
 
     def from_ring(self, mgr, state, gpu=None):
@@ -81,8 +78,10 @@ class Delivery:
 
     def select(self, n: int, failures):
         """Positions of a batch of `n` to deliver after applying on_error to its failures (None: all); raises
-        EmptyBatch where none is left (not under DDP: an empty batch then), SampleError where none of the
-        loader's was kept yet over SYSTEMATIC_BATCHES mini-batches and SYSTEMATIC_SAMPLES samples."""
+        EmptyBatch where none is left (not under DDP: an empty batch then). A dataset failing every sample raises
+        at the epoch's end (`all_failed`), not sooner: a run of failures at the start (a broken class folder that
+        sorts first, a bad shard) says nothing of the samples after it (until 2026-12-01 two empty mini-batches and
+        16 samples raised, and a sequential loader lost every good sample behind them)."""
         if not failures:
             self.tally[0] += n
             return None
@@ -112,21 +111,9 @@ class Delivery:
         if not keep:  # an empty batch is not delivered (a training step on none fails or gives NaN) ...
             self.empty_batches += 1
             self.tally[1] += 1
-            self.failed_only += 0 if self.kept_any else n
-            if (
-                not self.kept_any
-                and self.empty_batches >= SYSTEMATIC_BATCHES
-                and self.failed_only >= SYSTEMATIC_SAMPLES
-            ):
-                raise _fails_them_all(failures[0], f"the first {self.empty_batches} mini-batches failed, none was")
             if not distributed():  # ... but under DDP every rank must step as often as the others
                 raise EmptyBatch
         return keep
-
-    @property
-    def kept_any(self) -> bool:
-        """A sample of this loader's was kept (in its life, whatever stats.reset does)."""
-        return self.tally[0] > 0
 
     def all_failed(self, since: tuple, epoch: int):
         """The SampleError to raise at an epoch's end when on_error='skip' dropped every one of its samples (a
