@@ -43,6 +43,11 @@ def test_checkpoint_counts_epochs_as_the_loader_does():
     assert cp.begin()[0] == 7 and cp.begin()[0] == 8
     with pytest.raises(ValueError, match=r"epoch=-1 must be a non-negative integer"):
         cp.set_epoch(-1, sampler=None)
+    # past the draw's epoch field it was taken, and every sample of that epoch and the next failed
+    with pytest.raises(ValueError, match=r"epoch=1180591620717411303424 must be a non-negative integer below 2\*\*63"):
+        cp.set_epoch(2**70, sampler=None)
+    cp.set_epoch(np.int64(3), sampler=None)  # numpy's integers, as a sampler's set_epoch takes them
+    assert cp.begin()[0] == 3 and type(cp.epoch) is int
 
 
 def test_checkpoint_reads_only_the_newest_iterations_progress():

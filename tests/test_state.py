@@ -685,6 +685,7 @@ def test_a_batch_samplers_own_generator_is_captured_and_a_global_one_warns():
         ("seed", -1, r"state\['seed'\]=-1"),
         ("seed", "x", r"state\['seed'\]='x'"),
         ("epoch", -3, r"state\['epoch'\]=-3"),
+        ("epoch", 2**64, r"state\['epoch'\]=18446744073709551616.*below 2\*\*63"),
         ("iterations", 1.5, r"state\['iterations'\]"),
         ("batches_yielded", True, r"state\['batches_yielded'\]=True"),
         ("batches_drawn", ["a", "b"], r"state\['batches_drawn'\]"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import numbers
 import warnings
 from dataclasses import dataclass
 
@@ -71,8 +72,9 @@ class Checkpoint:
     def set_epoch(self, epoch: int, sampler, batch_sampler=None) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler) and to a batch sampler
         of the caller's with a set_epoch of its own (a distributed or bucketing batch sampler)."""
-        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-            raise ValueError(f"epoch={epoch!r} must be a non-negative integer")
+        if not _count(epoch) or epoch >= EPOCHS:  # (the draw's epoch field: 2**64 and past failed every sample)
+            raise ValueError(f"epoch={epoch!r} must be a non-negative integer below 2**63")
+        epoch = int(epoch)  # numpy's integers too
         if self.resume is not None and self.resume[1] and epoch != self.epoch:
             warnings.warn(
                 f"set_epoch({epoch}) after load_state_dict of a state in the middle of epoch "
@@ -250,8 +252,11 @@ class Checkpoint:
         self.current, self.loaded = None, copy.deepcopy(state)
 
 
+EPOCHS = 2**63  # epochs a loader counts (an epoch's draws key on it; each next epoch adds one)
+
+
 def _count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
 
 
 def validate(state, shape: dict) -> None:
@@ -272,7 +277,7 @@ def validate(state, shape: dict) -> None:
     drawn = state.get("batches_drawn")
     fields = {  # field: (valid, what it must be)
         "seed": (state.get("seed") is None or _count(state.get("seed")), "a non-negative int or None"),
-        "epoch": (_count(state.get("epoch")), "a non-negative int"),
+        "epoch": (_count(state.get("epoch")) and state["epoch"] < EPOCHS, "a non-negative int below 2**63"),
         "epoch_set": (isinstance(state.get("epoch_set"), bool), "a bool"),
         "iterations": (_count(state.get("iterations")), "a non-negative int"),
         "batches_yielded": (
