@@ -81,6 +81,11 @@ def test_cmyk_and_truncated_jpegs_go_to_pillow():
     assert jpeg.is_complete_jpeg(good) and not jpeg.is_complete_jpeg(good[:-100])
     with pytest.raises(DecodeError, match=r"sample 3: cannot decode JPEG"):
         CpuPipeline("randaugment")(good[:-100], 3)
+    big = make_jpegs(1, 1200, 1600, seed=5)[0]
+    size = "x".join(map(str, Image.open(io.BytesIO(big)).size))
+    for policy in ("eval", "randaugment"):  # decoded at a DCT scale: the error named the scaled size (381x367)
+        with pytest.raises(DecodeError, match=rf"sample 4: cannot decode JPEG {size}: image file is truncated"):
+            CpuPipeline(policy)(big[: len(big) // 3], 4)
 
 
 @pytest.mark.skipif(not jpeg.can_scale(), reason="the native decoder (info_many) is not built: nvImageCodec only")

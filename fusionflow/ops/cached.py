@@ -55,7 +55,7 @@ def decode_reduced(data, max_side: int, what=None, max_pixels: int | None = None
     width, height = img.size
     if img.format == "JPEG":  # Pillow's DCT scaling, as its fast path does
         img.draft("RGB", _draft_size(height, width, max_side))
-    arr = np.asarray(load_rgb(img, what))
+    arr = np.asarray(load_rgb(img, what, (width, height)))
     return _shrink(arr, *cached_size(height, width, max_side)), (height, width)
 
 

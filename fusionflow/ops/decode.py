@@ -175,16 +175,17 @@ def decode_crop_resize(
                 box = (left * sx, top * sy, (left + w) * sx, (top + h) * sy)
     except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode {img.format or 'image'} {width}x{height}: {exc}", what) from exc
-    img = load_rgb(img, what)
+    img = load_rgb(img, what, (width, height))
     if isinstance(box[0], float):  # reduced image: resample straight from the fractional box
         return img.resize((out_w, out_h), Image.Resampling.BILINEAR, box=box, reducing_gap=None)
     # crop first so border pixels never read outside the window (torchvision's resized_crop)
     return img.crop(box).resize((out_w, out_h), Image.Resampling.BILINEAR, reducing_gap=None)
 
 
-def load_rgb(img: Image.Image, what) -> Image.Image:
-    """Decode a lazily opened image (its errors named) and convert it to RGB."""
-    width, height = img.size
+def load_rgb(img: Image.Image, what, size: tuple[int, int] | None = None) -> Image.Image:
+    """Decode a lazily opened image (its errors named, with `size`, its (width, height) before a draft() reduced
+    img.size, else img.size) and convert it to RGB."""
+    width, height = size or img.size
     try:
         with warnings.catch_warnings():  # a frame's size (GIF) is checked on load too: the policy governs
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
@@ -285,7 +286,7 @@ def pillow_scaled_region(img: Image.Image, window, r: int, what=None):
         img.draft("RGB" if img.mode == "RGB" else None, (max(1, width // r), max(1, height // r)))
     except (OSError, ValueError, SyntaxError) as exc:
         raise DecodeError(f"cannot decode JPEG {width}x{height}: {exc}", what) from exc
-    arr = np.asarray(load_rgb(img, what))
+    arr = np.asarray(load_rgb(img, what, (width, height)))
     (y0, x0, y1, x1), box, size = jpeg.scaled_region(height, width, window, r)
     if arr.shape[:2] != size:  # draft() chose another scale: the window's box in what it gave
         top, left, h, w = window
