@@ -36,6 +36,7 @@ class LoaderRuntime:
         self.dataset, self.stats, self.tracing, self.gpu = dataset, stats, tracing, gpu
         self.manager: LocalManager | None = None
         self._spec = None  # what workers lent to this loader need (pickled at each start: the dataset may change)
+        self._spec_refused = False  # it did not pickle once: said then, not again each epoch
         # what the finalizer shuts down: [manager, GpuSession, CacheAttachment, the process they belong to]
         self._box = [None, gpu, None, os.getpid()]
         self._cache_tried = False
@@ -174,8 +175,13 @@ class LoaderRuntime:
 
             cache = self._box[2]  # opened before this (start): its rendering is part of the spec
             self._spec = make_spec(
-                self.dataset, cfg.policy, cfg.worker_init_fn, cache.max_side if cache is not None else None
+                self.dataset,
+                cfg.policy,
+                cfg.worker_init_fn,
+                cache.max_side if cache is not None else None,
+                warn=not self._spec_refused,
             )
+            self._spec_refused |= self._spec is None
         return self._spec
 
     def end_iteration(self, mgr: LocalManager, generation: int, finished: bool, persistent: bool) -> None:

@@ -95,13 +95,16 @@ def close_inherited() -> None:
     _LISTENERS.clear()
 
 
-def make_spec(dataset, policy, worker_init_fn, cache_side: int | None = None) -> bytes | None:
-    """What a lent worker needs to run this loader's samples, pickled; None (logged) if it does not pickle.
-    `cache_side`: the loader's decoded-image cache's max_side, or None: a lent worker whose own spec differs
-    renders the samples as a cached sample is rendered (CacheRendering), or uncached."""
+def make_spec(dataset, policy, worker_init_fn, cache_side: int | None = None, warn: bool = True) -> bytes | None:
+    """What a lent worker needs to run this loader's samples, pickled; None (logged if `warn`: a loader says it once,
+    not at each epoch's start) if it does not pickle. `cache_side`: the loader's decoded-image cache's max_side, or
+    None: a lent worker whose own spec differs renders the samples as a cached sample is rendered (CacheRendering),
+    or uncached."""
     try:
         return pickle.dumps(m.Spec(dataset, policy, worker_init_fn, cache_side), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
+        if not warn:
+            return None
         log.warning(
             "fusionflow: this loader's dataset, policy or worker_init_fn cannot be pickled (%r), so "
             "workers lent by other ranks cannot run its samples; it still lends its own idle workers",
