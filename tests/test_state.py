@@ -617,6 +617,28 @@ def test_a_state_taken_after_a_left_epoch_and_set_epoch_starts_that_epoch(taken)
     same_batches(got, expected)
 
 
+@pytest.mark.parametrize("taken", ["break", "len_batches"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_taken_after_a_left_epoch_without_set_epoch_resumes_into_the_next_epoch(taken, num_workers):
+    """The same fixed-steps loop without set_epoch: saved after the `break` (or after len() batches taken with next()),
+    the state resumed the left epoch's remaining batches (or an empty epoch), where the original loader's next iter()
+    starts the next epoch."""
+    steps = 2 if taken == "break" else len(make("shuffle_generator", 0))
+    loader = make("shuffle_generator", num_workers, seed=5)
+    for _ in itertools.islice(loader, steps):  # (the islice's iterator is dropped here: the epoch is left)
+        pass
+    state = through_torch_save(loader.state_dict())
+    expected = [batches(iter(loader)) for _ in range(2)]  # epochs 1 and 2, whole
+    loader.close()
+    assert state["batches_yielded"] is None and state["epoch"] == 0
+    again = make("shuffle_generator", num_workers)
+    again.load_state_dict(state)
+    got = [batches(iter(again)) for _ in range(2)]
+    again.close()
+    for g, e in zip(got, expected, strict=True):
+        same_batches(g, e)
+
+
 def test_set_epoch_of_the_epoch_being_iterated_keeps_its_position():
     """A script calling set_epoch(e) inside its loop over epoch e (a per-step hook): the state still holds the
     batches yielded (a first cut of the left-epoch rule above dropped them: the resumed run replayed the epoch)."""

@@ -186,8 +186,8 @@ class Checkpoint:
     def state_dict(self, shape: dict, seed: int | None, batch_sampler, sampler, draws_first=None) -> dict:
         """See FusionFlowLoader.state_dict; `shape`: the loader's dataset_len, batch_size,
         drop_last and num_batches."""
-        cur = self.current
-        in_epoch = cur is not None and not cur.done
+        cur = self.current  # an epoch left by a `break` (or taken to its last batch with next()) is over: the next
+        in_epoch = cur is not None and not cur.over()  # iter() starts the next epoch, and so does a resumed loader's
         warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
         if self.loaded is not None:  # taken right after load_state_dict (a save at start-up): that state again
             return copy.deepcopy({**self.loaded, **shape, "seed": seed})
