@@ -1325,3 +1325,53 @@ def test_workers_start_right_after_opencv_work_in_the_training_process():
         cv2.GaussianBlur(big, (0, 0), 0.8)  # the pool's threads are busy a moment before the fork
         assert [i for _, y in loader for i in y.tolist()] == list(range(8))
     assert cv2.getNumThreads() == before  # the caller's OpenCV setting is left as it was
+
+
+class BatchedOnly(torch.utils.data.Dataset):
+    """Read only by `__getitems__` (torch's Dataset.__getitem__ raises NotImplementedError), as DataLoader's fetcher
+    reads such a dataset; `bad` samples make the batched read raise, naming the first."""
+
+    def __init__(self, n, bad=()):
+        self.inner = Bytes(n)
+        self.bad = set(bad)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitems__(self, indices):
+        if self.bad & set(indices):
+            raise ValueError(f"sample {min(self.bad & set(indices))} is corrupt")
+        return [self.inner[i] for i in indices]
+
+
+class BatchedToo(Bytes):
+    """Both reads: the batched one gives targets past 1000 (so a batch says which read made it) and raises where a
+    `bad` sample is among its indices; a bad sample's own read gives bytes that are not an image."""
+
+    def __getitems__(self, indices):
+        if self.bad & set(indices):
+            raise OSError("a batched read failed")
+        return [(self.data[i], 1000 + i) for i in indices]
+
+
+def targets_of(loader) -> list:
+    got = [i for _, y in loader for i in y.tolist()]
+    loader.close()
+    return got
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_dataset_s_batched_read_is_used_as_dataloader_uses_it(num_workers):
+    """CPU workers read each sample with dataset[i]: a dataset read by __getitems__ only failed every sample with
+    NotImplementedError, and one with both was never read batched (DataLoader's fetcher calls __getitems__)."""
+    kw = dict(batch_size=4, num_workers=num_workers, policy=SMALL, tiny_batch_size=2)
+    assert sorted(targets_of(FusionFlowLoader(BatchedOnly(14), **kw))) == list(range(14))
+    assert sorted(targets_of(FusionFlowLoader(BatchedToo(10), **kw))) == list(range(1000, 1010))  # all batched
+    # a batched read that raises: each sample read alone, the failing one told from the rest of its tiny-batch
+    with pytest.warns(UserWarning, match=r"on_error='skip': dropping sample 5 \(/data/img_5.jpg\) \(DecodeError"):
+        got = targets_of(FusionFlowLoader(BatchedToo(10, bad={5}), on_error="skip", **kw))
+    assert sorted(t % 1000 for t in got) == [i for i in range(10) if i != 5] and max(got) >= 1000
+    assert 1 <= sum(t < 1000 for t in got) < len(got)  # 5's tiny-batch read alone, the others batched
+    # ... and where a sample cannot be read alone, the batched read's error is the one reported
+    with pytest.raises(SampleError, match=r"ValueError: sample 3 is corrupt"):
+        targets_of(FusionFlowLoader(BatchedOnly(8, bad={3}), **kw))

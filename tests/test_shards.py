@@ -254,6 +254,27 @@ def test_dict_samples_through_sample_keys(folder, style, keys):
     assert DictSamples(DictDataset(folder, style), keys[0])[4] == (folder[4][0], None)
 
 
+class BatchedDicts(torch.utils.data.Dataset):
+    """Dict samples read only by `__getitems__` (a Hugging Face dataset reads a batch in one Arrow call)."""
+
+    def __init__(self, folder):
+        self.folder = folder
+
+    def __len__(self):
+        return len(self.folder)
+
+    def __getitems__(self, indices):
+        return [{"image": {"bytes": self.folder[i][0], "path": None}, "label": self.folder[i][1]} for i in indices]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dict_samples_take_the_dataset_s_batched_read(folder, num_workers):
+    """sample_keys' wrapper read item by item: a dataset's __getitems__ (Hugging Face's) was never called."""
+    kw = dict(batch_size=6, num_workers=num_workers, policy=SMALL, seed=1)
+    want = _batches(FusionFlowLoader(folder, **kw))
+    assert _same_batches(_batches(FusionFlowLoader(BatchedDicts(folder), sample_keys=("image", "label"), **kw)), want)
+
+
 def test_a_dict_sample_s_cls_is_an_int_only_as_a_shard_s_is():
     """b"+-3" passed DictSamples' digit check and raised int()'s ValueError; as TarShards reads it: the bytes."""
     from fusionflow.datasets.shards import parse_target

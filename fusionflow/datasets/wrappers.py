@@ -35,7 +35,16 @@ class DictSamples:
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        item = self.dataset[index]
+        return self._pair(self.dataset[index], index)
+
+    def __getitems__(self, indices):
+        """The dataset's batched read where it has one (a Hugging Face dataset: one Arrow read a tiny-batch, as
+        DataLoader's fetcher reads it), else item by item."""
+        many = getattr(self.dataset, "__getitems__", None)
+        items = many(list(indices)) if many is not None else [self.dataset[i] for i in indices]
+        return [self._pair(item, index) for item, index in zip(items, indices, strict=True)]
+
+    def _pair(self, item, index: int):
         if not isinstance(item, dict):
             raise TypeError(
                 f"dataset[{index}] is a {type(item).__name__}, not a dict: sample_keys applies to datasets "

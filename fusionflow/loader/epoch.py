@@ -33,7 +33,7 @@ from fusionflow.errors import EmptyBatch, FusionFlowError, SampleError
 from fusionflow.loader.batch_capacity import global_rng_states
 from fusionflow.loader.delivery import torch_rank_world
 from fusionflow.runtime import targets as ff_targets
-from fusionflow.runtime.sample import run_sample
+from fusionflow.runtime.sample import run_samples
 from fusionflow.runtime.slots import SlotPool
 from fusionflow.scheduling.tiny_batches import Copies
 
@@ -374,14 +374,10 @@ class InlineIterator(EpochIterator):
         indices = next(self._indices)  # StopIteration: the epoch is complete
         t0 = time.perf_counter()
         check_batch(indices, cfg.capacity)
-        failures, side = [], {}  # side: targets that are not ints (runtime/targets.py)
+        side = {}  # targets that are not ints (runtime/targets.py)
         start_reads(self.dataset, indices)  # read_ahead=
-        for pos, (index, copy) in enumerate(zip(indices, self._copies(indices))):
-            failure = run_sample(
-                self.dataset, self._pipe, pos, index, copy, cfg.seed, self.epoch, buf, labels, side, self._clock
-            )
-            if failure is not None:
-                failures.append(failure)
+        failures = run_samples(self.dataset, self._pipe, range(len(indices)), indices, self._copies(indices), cfg.seed,
+                               self.epoch, buf, labels, side, self._clock)  # fmt: skip
         n = len(indices)
         try:
             keep = self._delivery.select(n, failures)  # EmptyBatch, SampleError: the caller may go on to the next

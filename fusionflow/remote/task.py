@@ -53,16 +53,15 @@ class RemoteTask:
         their targets None; failures carry their ring positions, as a local worker reports them."""
         import dataclasses
 
-        from fusionflow.runtime.sample import run_sample
+        from fusionflow.runtime.sample import run_samples
 
         t0 = time.perf_counter()
         n = len(indices)
         out = np.empty((n, *self.pipe.out_shape), self.pipe.out_dtype)
-        ints, side, failures = np.zeros(n, np.int64), {}, []
-        for k, (index, copy) in enumerate(zip(indices, copies or (0,) * n)):
-            failure = run_sample(self.dataset, self.pipe, k, index, copy, self.seed, epoch, out, ints, side, self.clock)
-            if failure is not None:
-                failures.append(dataclasses.replace(failure, position=positions[k]))
+        ints, side = np.zeros(n, np.int64), {}
+        found = run_samples(self.dataset, self.pipe, range(n), indices, copies, self.seed, epoch, out, ints, side,
+                            self.clock)  # fmt: skip
+        failures = [dataclasses.replace(f, position=positions[f.position]) for f in found]
         bad = {f.position for f in failures}
         labels = [None if pos in bad else side.get(k, int(ints[k])) for k, pos in enumerate(positions)]
         return out, labels, failures, time.perf_counter() - t0

@@ -1,6 +1,9 @@
-"""One sample, read and augmented into its slot: the body that every CPU path runs per sample -- a
-CPU worker process (runtime/worker.py `run_task`) and the training process itself with
-num_workers=0 (`FusionFlowLoader`'s inline iteration) -- so both report failures and targets alike."""
+"""A tiny-batch's samples, read and augmented into their slots: the body every CPU path runs -- a CPU worker
+process (runtime/worker.py `run_task`), a Ray worker (remote/task.py) and the training process itself with
+num_workers=0 (`FusionFlowLoader`'s inline iteration) -- so all report failures and targets alike. A dataset
+with a batched read, `__getitems__(indices)` (PyTorch's protocol: DataLoader's fetcher reads a batch with it), is
+read so, a tiny-batch a call (`run_samples`); where that raises, each sample is read alone, so the failing one
+is told from the rest (and a dataset without a working `__getitem__` reports the batched read's error)."""
 
 from __future__ import annotations
 
@@ -31,14 +34,60 @@ def _terminate() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _read(dataset, index: int):
+_UNREAD = object()  # run_sample's `item`: not read yet
+
+
+def _read(dataset, index: int, batch_error: BaseException | None = None):
     _READ[0] = True
     try:
         return dataset[index]
+    except NotImplementedError:  # (torch's Dataset.__getitem__): a dataset read by __getitems__ only
+        if batch_error is not None:
+            raise batch_error from None
+        raise
     finally:
         _READ[0] = False
         if _READ[1]:
             _terminate()
+
+
+def read_many(dataset, indices, clock=None) -> tuple[list | None, BaseException | None]:
+    """(items, None) by the dataset's `__getitems__`; (None, None) where it has none; (None, the exception) where
+    it raised or gave another count of items."""
+    many = getattr(dataset, "__getitems__", None)
+    if many is None:
+        return None, None
+    if clock is not None:
+        clock.start()
+    _READ[0] = True
+    try:
+        items = list(many(list(indices)))
+        if len(items) != len(indices):
+            raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(items)} items for {len(indices)}")
+        return items, None
+    except Exception as exc:
+        return None, exc
+    finally:
+        _READ[0] = False
+        if clock is not None:
+            clock("read")
+        if _READ[1]:
+            _terminate()
+
+
+def run_samples(dataset, pipe, positions, indices, copies, seed: int, epoch: int, images, labels, side, clock=None):
+    """`run_sample` for each sample of a tiny-batch (positions, indices and copy numbers, None: all 0), read by the
+    dataset's batched read where it has one; the failures, in order."""
+    items, batch_error = read_many(dataset, indices, clock)
+    failures = []
+    for k, (pos, index, copy) in enumerate(zip(positions, indices, copies or (0,) * len(indices))):
+        item = items[k] if items is not None else _UNREAD
+        failure = run_sample(
+            dataset, pipe, pos, index, copy, seed, epoch, images, labels, side, clock, item, batch_error
+        )
+        if failure is not None:
+            failures.append(failure)
+    return failures
 
 
 def describe(dataset, index: int) -> str:
@@ -87,16 +136,29 @@ def _bare_image(item) -> bool:
 
 
 def run_sample(
-    dataset, pipe, pos: int, index: int, copy: int, seed: int, epoch: int, images, labels, side: dict, clock=None
+    dataset,
+    pipe,
+    pos: int,
+    index: int,
+    copy: int,
+    seed: int,
+    epoch: int,
+    images,
+    labels,
+    side: dict,
+    clock=None,
+    item=_UNREAD,
+    batch_error=None,
 ) -> SampleFailure | None:
-    """Read dataset[index] and augment it for (seed, epoch, copy) into images[pos]; its target goes
-    into labels[pos] if it is an int, else into `side` (runtime/targets.py). `clock` (a
-    stages.StageClock), if given, times the stages. Any exception is returned as a SampleFailure
-    (data: it travels to the training process and on_error decides), never raised."""
+    """Read dataset[index] (unless `item` holds it, read already) and augment it for (seed, epoch, copy) into
+    images[pos]; its target goes into labels[pos] if it is an int, else into `side` (runtime/targets.py). `clock`
+    (a stages.StageClock), if given, times the stages. Any exception is returned as a SampleFailure (data: it
+    travels to the training process and on_error decides), never raised."""
     try:
         if clock is not None:
             clock.start()
-        sample, target = split_item(_read(dataset, index), index)
+        item = _read(dataset, index, batch_error) if item is _UNREAD else item
+        sample, target = split_item(item, index)
         if clock is not None:
             clock("read")
         pipe(sample, index, seed, epoch, out=images[pos], what=describe(dataset, index), tick=clock, copy=copy)

@@ -31,7 +31,7 @@ from fusionflow.runtime.authsock import recv_whole
 from fusionflow.runtime.cores import local_ranks
 from fusionflow.runtime.gm.link import close_inherited, connect, set_receive_timeout
 from fusionflow.runtime.procs import parent_gone
-from fusionflow.runtime.sample import end_after_read, run_sample
+from fusionflow.runtime.sample import end_after_read, run_samples
 from fusionflow.runtime.shm import BatchRing, ChildFd, RingLayout, map_from_child_fd, recv_fd
 
 WATCHDOG_S = 0.5
@@ -99,26 +99,12 @@ def run_task(task, dataset, pipe, ring, seed: int, out, clock=None) -> None:
     """Decode + augment a tiny-batch into `ring`; report DONE on `out`: failures as data, targets that are
     not ints (runtime/targets.py; ints go into the ring's label slot), the task's start and end on
     CLOCK_MONOTONIC and, if `clock` (a stages.StageClock) is given, its stage totals."""
-    failures, side = [], {}
+    side = {}
     started = time.monotonic_ns()
     start_reads(dataset, task.indices)  # read_ahead=: the reads start now
-    copies = task.copies or (0,) * len(task.positions)
-    for pos, index, copy in zip(task.positions, task.indices, copies):
-        failure = run_sample(
-            dataset,
-            pipe,
-            pos,
-            index,
-            copy,
-            seed,
-            task.epoch,
-            ring.images[task.slot],
-            ring.labels[task.slot],
-            side,
-            clock,
-        )
-        if failure is not None:
-            failures.append(failure)
+    images, labels = ring.images[task.slot], ring.labels[task.slot]
+    failures = run_samples(dataset, pipe, task.positions, task.indices, task.copies, seed, task.epoch, images, labels,
+                           side, clock)  # fmt: skip
     out.send_bytes(
         m.pack_done(
             task.task_id,
