@@ -1152,3 +1152,32 @@ def test_under_ddp_a_sampler_that_gives_every_rank_the_whole_set_is_warned_about
 
     assert warned(4, batch_sampler=Sharding(SequentialSampler(range(8)), 4, False)) == []
     assert warned(1, batch_size=4, shuffle=True) == []
+
+
+def _local_collate(batch):  # module-level: pickles by name
+    return default_collate(batch)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_loader_pickles_and_deep_copies_as_a_new_loader_of_the_same_arguments(num_workers):
+    """DataLoader pickles; FusionFlowLoader raised "cannot pickle 'weakref.ReferenceType' object" (and a deep copy
+    copied its running parts). A copy is a new loader of the same arguments: the same batches from a fresh start,
+    its own workers; an argument that does not pickle is named by pickle, as with DataLoader."""
+    import copy
+    import pickle
+
+    kw = dict(batch_size=4, shuffle=True, num_workers=num_workers, policy=EXACT, seed=3, collate_fn=_local_collate)
+    loader = FusionFlowLoader(Raw(), generator=torch.Generator().manual_seed(5), persistent_workers=num_workers > 0,
+                              **kw)  # fmt: skip
+    thawed = pickle.loads(pickle.dumps(loader))
+    first = [x.clone() for x, _ in loader]  # the original runs (and keeps its workers) meanwhile
+    twin = copy.deepcopy(loader)  # taken after an epoch: a fresh loader, its generator as the epoch left it
+    assert isinstance(thawed, FusionFlowLoader) and thawed.batch_size == 4 and thawed.num_workers == num_workers
+    again = [x for x, _ in thawed]
+    assert len(again) == len(first) and all(torch.equal(a, b) for a, b in zip(again, first))
+    assert [x.shape[0] for x, _ in twin] == [x.shape[0] for x in first]
+    assert twin.generator is not loader.generator and twin.dataset is not loader.dataset
+    for other in (thawed, twin, loader):
+        other.close()
+    with pytest.raises((AttributeError, pickle.PicklingError, TypeError), match="local"):
+        pickle.dumps(FusionFlowLoader(Raw(), collate_fn=lambda b: b, policy=EXACT))

@@ -1,11 +1,8 @@
-"""FusionFlowLoader: the DataLoader-compatible front. It holds its configuration (`loader.config`, a
-frozen LoaderConfig; the DataLoader attributes are read from it) and its parts (`loader.parts`,
-fusionflow/loader/parts.py: checkpoint, delivery, tracing, the GPU session, the runtime, the
-next-epoch speculation), which own the rest.
-
-`iter(loader)` returns a per-epoch iterator (fusionflow/loader/epoch.py) that owns the epoch's state.
-The argument reference is FusionFlowLoader's docstring.
-"""
+"""FusionFlowLoader: the DataLoader-compatible front. It holds its configuration (`loader.config`, a frozen
+LoaderConfig; the DataLoader attributes are read from it) and its parts (`loader.parts`, fusionflow/loader/parts.py:
+checkpoint, delivery, tracing, the GPU session, the runtime, the next-epoch speculation), which own the rest.
+`iter(loader)` returns a per-epoch iterator (fusionflow/loader/epoch.py) that owns the epoch's state. The argument
+reference is FusionFlowLoader's docstring."""
 
 from __future__ import annotations
 
@@ -25,10 +22,6 @@ from fusionflow.loader.stats import LoaderStats  # noqa: F401 (re-exported, as t
 from fusionflow.runtime.host import Host
 
 __all__ = ["FusionFlowLoader", "LoaderStats"]
-
-
-def _usable_cpus() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 def _configured(name: str, doc: str) -> property:
@@ -183,6 +176,7 @@ class FusionFlowLoader:
         read_ahead=None,
         cache=None,
     ):
+        self._arguments = {k: v for k, v in locals().items() if k != "self"}  # what a pickled loader is rebuilt from
         # ---- resolution and validation (fusionflow/loader/config.py): every message names the value and the fix
         notes: list = []  # warnings for the caller, given even when a later argument is refused
         given, (dataset, policy) = dataset, adopt_folder(dataset, policy)  # torchvision's ImageFolder + transform
@@ -226,7 +220,7 @@ class FusionFlowLoader:
                 sample_keys=sample_keys,
                 read_ahead=read_ahead,
                 cache=cache,
-                host=Host(cores=lambda: _usable_cpus()),
+                host=Host(cores=lambda: len(os.sched_getaffinity(0))),
                 notes=notes,
             )
         finally:
@@ -286,6 +280,11 @@ class FusionFlowLoader:
     remote_workers = _configured("remote_workers", "A fusionflow.RayWorkers, or None.")
 
     # ---------------------------------------------------------------- DataLoader surface
+    def __reduce__(self):
+        """Pickled (and deep-copied) as its arguments: a new loader built from them, as a DataLoader unpickles before
+        its first iteration (no workers, no epoch's progress: state_dict() carries that)."""
+        return _rebuilt, (self._arguments,)
+
     def __len__(self) -> int:
         return len(self.config.batch_sampler)
 
@@ -388,6 +387,10 @@ class FusionFlowLoader:
     def _collate(self):
         """None when batches are delivered as they are (no collate_fn, or default_collate)."""
         return self.config.collate
+
+
+def _rebuilt(arguments: dict) -> FusionFlowLoader:
+    return FusionFlowLoader(**arguments)
 
 
 def _length(loader) -> int | None:
