@@ -72,7 +72,8 @@ class Checkpoint:
     def set_epoch(self, epoch: int, sampler, batch_sampler=None) -> None:
         """Set the augmentation epoch and forward it to the sampler (e.g. DistributedSampler) and to a batch sampler
         of the caller's with a set_epoch of its own (a distributed or bucketing batch sampler)."""
-        if not _count(epoch) or epoch >= EPOCHS:  # (the draw's epoch field: 2**64 and past failed every sample)
+        integer = isinstance(epoch, numbers.Integral) and not isinstance(epoch, bool)  # numpy's too
+        if not integer or not 0 <= epoch < EPOCHS:  # (the draw's epoch field: 2**64 and past failed every sample)
             raise ValueError(f"epoch={epoch!r} must be a non-negative integer below 2**63")
         epoch = int(epoch)  # numpy's integers too
         if self.resume is not None and self.resume[1] and epoch != self.epoch:
@@ -186,8 +187,9 @@ class Checkpoint:
     def state_dict(self, shape: dict, seed: int | None, batch_sampler, sampler, draws_first=None) -> dict:
         """See FusionFlowLoader.state_dict; `shape`: the loader's dataset_len, batch_size,
         drop_last and num_batches."""
-        cur = self.current  # an epoch left by a `break` (or taken to its last batch with next()) is over: the next
-        in_epoch = cur is not None and not cur.over()  # iter() starts the next epoch, and so does a resumed loader's
+        cur = self.current  # an epoch left (its iterator closed: a `break`) is over: the next iter() starts the next
+        in_epoch = cur is not None and not (cur.done or cur.left)  # epoch, and so does a resumed loader's (not so at
+        # its last batch with the iterator alive: workers may have drawn every batch before it was taken)
         warn_if_unresumable(batch_sampler, sampler, stacklevel=4)  # the caller of loader.state_dict()
         if self.loaded is not None:  # taken right after load_state_dict (a save at start-up): that state again
             return copy.deepcopy({**self.loaded, **shape, "seed": seed})
@@ -255,8 +257,8 @@ class Checkpoint:
 EPOCHS = 2**63  # epochs a loader counts (an epoch's draws key on it; each next epoch adds one)
 
 
-def _count(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0
+def _count(value) -> bool:  # (a state's numbers are Python ints: a numpy one would not load with weights_only)
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def validate(state, shape: dict) -> None:
