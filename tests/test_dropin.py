@@ -1154,6 +1154,10 @@ def test_under_ddp_a_sampler_that_gives_every_rank_the_whole_set_is_warned_about
     assert warned(1, batch_size=4, shuffle=True) == []
 
 
+class Subclassed(FusionFlowLoader):
+    pass
+
+
 def _local_collate(batch):  # module-level: pickles by name
     return default_collate(batch)
 
@@ -1179,5 +1183,8 @@ def test_a_loader_pickles_and_deep_copies_as_a_new_loader_of_the_same_arguments(
     assert twin.generator is not loader.generator and twin.dataset is not loader.dataset
     for other in (thawed, twin, loader):
         other.close()
+    sub = pickle.loads(pickle.dumps(Subclassed(Raw(), policy=EXACT)))  # its class kept
+    assert type(sub) is Subclassed
+    sub.close()
     with pytest.raises((AttributeError, pickle.PicklingError, TypeError), match="local"):
         pickle.dumps(FusionFlowLoader(Raw(), collate_fn=lambda b: b, policy=EXACT))

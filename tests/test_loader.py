@@ -370,6 +370,14 @@ def test_skip_judges_an_epoch_failing_every_sample_by_what_it_kept_not_by_the_st
         for _ in range(6):
             with pytest.raises(dl.EmptyBatch):
                 fresh.select(8, failed(8))
+    monkeypatch.setattr(dl, "NONE_KEPT_WARN", 16)  # none kept after that many: said once, and it goes on
+    told = dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip")
+    with pytest.warns(UserWarning) as record:
+        for _ in range(5):
+            with pytest.raises(dl.EmptyBatch):
+                told.select(8, failed(8))
+    said = [str(w.message) for w in record if "none of the first 16+ samples loaded" in str(w.message)]
+    assert len(said) == 1 and "the latest: sample 7, DecodeError" in said[0] and "check the data" in said[0]
     monkeypatch.setattr(dl, "distributed", lambda: True)  # a DDP rank steps with an empty batch, as its peers step
     with pytest.warns(UserWarning, match="on_error='skip'"):
         assert dl.Delivery(LoaderStats(), torch.device("cpu"), False, "skip").select(4, failed(4)) == []
@@ -1375,3 +1383,6 @@ def test_a_dataset_s_batched_read_is_used_as_dataloader_uses_it(num_workers):
     # ... and where a sample cannot be read alone, the batched read's error is the one reported
     with pytest.raises(SampleError, match=r"ValueError: sample 3 is corrupt"):
         targets_of(FusionFlowLoader(BatchedOnly(8, bad={3}), **kw))
+    # read_ahead= reads each sample apart on its threads: by __getitems__([i]) where that is the only read
+    assert sorted(targets_of(FusionFlowLoader(BatchedOnly(14), read_ahead=2, **kw))) == list(range(14))
+    assert sorted(targets_of(FusionFlowLoader(BatchedToo(10), read_ahead=2, **kw))) == list(range(10))

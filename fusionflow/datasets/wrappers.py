@@ -162,7 +162,7 @@ class ReadAhead:
 
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="fusionflow-read")
             self._pid = os.getpid()
-        read = self.dataset.__getitem__
+        read = single_read(self.dataset)
         self._pending = {}
         for i in indices:
             if i not in self._pending:
@@ -172,12 +172,23 @@ class ReadAhead:
         pending = self._pending.pop(index, None)
         if pending is not None:
             return pending.result()
-        return self.dataset[index]
+        return single_read(self.dataset)(index)
 
     def __getstate__(self):
         state = self.__dict__.copy()
         state["_pool"], state["_pending"] = None, {}
         return state
+
+
+def single_read(dataset):
+    """How ReadAhead reads one sample: dataset[i], or, for a dataset read only by `__getitems__` (no __getitem__ of
+    its own beside torch Dataset's, which raises NotImplementedError), `__getitems__([i])`: the reads run apart, on
+    the pool's threads, as read-ahead does."""
+    many, own = getattr(dataset, "__getitems__", None), getattr(type(dataset), "__getitem__", None)
+    torchs = getattr(own, "__module__", None) == "torch.utils.data.dataset"  # (Dataset's, which raises)
+    if many is not None and (own is None or torchs):
+        return lambda index: many([index])[0]
+    return dataset.__getitem__
 
 
 def start_reads(dataset, indices) -> None:

@@ -23,6 +23,7 @@ from fusionflow.runtime.counters import append_bounded
 from fusionflow.runtime.cuda_host import record_copies
 
 SKIP_CAUSES = {"ImageTooLargeError": "pixel_limit", "DecodeError": "corrupt"}  # loader.stats.skipped_by_cause
+NONE_KEPT_WARN = 256  # samples skipped before the loader kept any: said once (it goes on: a bad run may end)
 
 
 class Delivery:
@@ -38,6 +39,7 @@ class Delivery:
         self.tally = [0, 0]  # samples kept, mini-batches left empty by on_error="skip" (the loader's life; an
         # iteration's `all_failed` takes its difference)
         self.last_skipped = None  # the newest failure on_error='skip' dropped
+        self.unkept = 0  # samples skipped before any was kept (NONE_KEPT_WARN; None once said)
 
     def from_ring(self, mgr, state, gpu=None):
         """A completed mini-batch's ring slot -> (images, labels, the targets as the dataset gave them when not all
@@ -106,6 +108,15 @@ class Delivery:
                 stacklevel=user_stacklevel(),
             )
         keep = [p for p in range(n) if p not in bad]
+        self.unkept = None if self.unkept is None or self.tally[0] else self.unkept + len(bad)
+        if self.unkept is not None and self.unkept >= NONE_KEPT_WARN and not keep:
+            self.unkept = None
+            last = failures[-1]
+            warnings.warn(
+                f"on_error='skip': none of the first {NONE_KEPT_WARN}+ samples loaded (the latest: {last.what}, "
+                f"{last.exc_type}); the loader goes on, and an epoch with none raises at its end: check the data",
+                stacklevel=user_stacklevel(),
+            )
         self.tally[0] += len(keep)
         self.last_skipped = failures[-1]
         if not keep:  # an empty batch is not delivered (a training step on none fails or gives NaN) ...

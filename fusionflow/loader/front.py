@@ -281,9 +281,9 @@ class FusionFlowLoader:
 
     # ---------------------------------------------------------------- DataLoader surface
     def __reduce__(self):
-        """Pickled (and deep-copied) as its arguments: a new loader built from them, as a DataLoader unpickles before
-        its first iteration (no workers, no epoch's progress: state_dict() carries that)."""
-        return _rebuilt, (self._arguments,)
+        """Pickled (and deep-copied) as its class and arguments: a new loader of them, as a DataLoader unpickles before
+        its first iteration (no workers, no progress: state_dict() has it; a subclass's own arguments: its own)."""
+        return _rebuilt, (type(self), self._arguments)
 
     def __len__(self) -> int:
         return len(self.config.batch_sampler)
@@ -389,8 +389,8 @@ class FusionFlowLoader:
         return self.config.collate
 
 
-def _rebuilt(arguments: dict) -> FusionFlowLoader:
-    return FusionFlowLoader(**arguments)
+def _rebuilt(cls, arguments: dict) -> FusionFlowLoader:
+    return cls(**arguments)
 
 
 def _length(loader) -> int | None:
