@@ -24,15 +24,18 @@ from fusionflow.runtime.host import Host
 __all__ = ["FusionFlowLoader", "LoaderStats"]
 
 
+def _usable_cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
 def _configured(name: str, doc: str) -> property:
     """A read-only attribute of the loader that is a field of its configuration."""
     return property(lambda self: getattr(self.config, name), doc=doc)
 
 
 class FusionFlowLoader:
-    """A drop-in `torch.utils.data.DataLoader` whose batches are augmented by CPU worker processes
-    writing straight into shared memory, tiny-batch by tiny-batch (and, optionally, by DALI on the GPU
-    and by Ray actors on other nodes).
+    """A drop-in `torch.utils.data.DataLoader` whose batches are augmented by CPU worker processes writing straight
+    into shared memory, tiny-batch by tiny-batch (and, optionally, by DALI on the GPU and by Ray actors on other nodes).
 
         loader = FusionFlowLoader(ds, batch_size=256, shuffle=True, num_workers=8,
                                   policy="configs/randaugment.yaml", tiny_batch_size=4, seed=0)
@@ -45,10 +48,9 @@ class FusionFlowLoader:
     the training crop + flip, with a log line once per process), `tiny_batch_size`
     (default min(4, batch_size)), `seed`, `device` ("cpu" or "cuda[:N]": batches are delivered there),
     `on_error` ("raise" or "skip"), `max_retries` (worker deaths a sample may cause), `pin_workers`
-    ("auto": pin each worker to a core only when all local ranks' workers and their training processes
-    get a core each; True/False force it),
-    and the accelerator: `accelerator` (None -- CPU workers only, the default until the GPU path has
-    been proven on a GPU -- or `fusionflow.DaliAccelerator(...)`, which configures DALI in one checked
+    ("auto": pin each worker to a core only when all local ranks' workers and their training processes get a core
+    each; True/False force it), and the accelerator: `accelerator` (None -- CPU workers only, the default until the
+    GPU path has been proven on a GPU -- or `fusionflow.DaliAccelerator(...)`, which configures DALI in one checked
     object: DALI takes each mini-batch's largest tiny-batches while the CPU workers take the smallest).
     `DaliAccelerator(device="gpu", sharing="auto", memory_bridge="auto", aot=True, taas=True,
     taas_last_k=True)` (fusionflow/accel/config.py): `device` "gpu" (the loader's device must be CUDA),
@@ -75,9 +77,8 @@ class FusionFlowLoader:
     is already collated in place). Any other callable is called with the batch as a list of (image, target)
     samples -- images are views of the delivered batch tensor, on the loader's `device`; targets as the
     dataset returned them -- in the training process, after the batch is on its device, and the iteration
-    yields what it returns: torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged (and
-    runs on the GPU
-    when device is CUDA).
+    yields what it returns: torchvision's `collate_fn=lambda b: mixup_cutmix(*default_collate(b))` works unchanged
+    (and runs on the GPU when device is CUDA).
 
     `seed`: None (the default) takes the base seed the first epoch draws where DataLoader's iterator draws its own
     (from `generator` if given, else from torch's generator; no extra draw, so a shuffle's order stays DataLoader's):
@@ -85,9 +86,8 @@ class FusionFlowLoader:
     its first epoch; kept for the loader's later epochs. Pass an int to fix it (e.g. to resume a run with the same
     augmentation); `loader.seed` holds the one in use (None before the first epoch starts).
 
-    The arguments are resolved once, at construction, into `loader.config`, a frozen LoaderConfig
-    (fusionflow/loader/config.py: every default chosen, every value checked; nothing is started or built
-    until the first iteration).
+    The arguments are resolved once, at construction, into `loader.config`, a frozen LoaderConfig (fusionflow/loader/
+    config.py: every default chosen, every value checked; nothing is started or built until the first iteration).
 
     `cache` (None): a decoded-image cache for the node -- a byte budget ("64GB", an int) or a
     fusionflow.DecodedCache(size, max_side=320, path=None, admission="score", fill_share="auto"): every
@@ -220,7 +220,7 @@ class FusionFlowLoader:
                 sample_keys=sample_keys,
                 read_ahead=read_ahead,
                 cache=cache,
-                host=Host(cores=lambda: len(os.sched_getaffinity(0))),
+                host=Host(cores=lambda: _usable_cpus()),
                 notes=notes,
             )
         finally:
