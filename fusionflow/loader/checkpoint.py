@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import math
 import numbers
 import warnings
 from dataclasses import dataclass
@@ -142,7 +143,10 @@ class Checkpoint:
         if self.abandoned is not None:
             (left, drawn, drawn_all), self.abandoned = self.abandoned, None
             batches = start_epoch(batch_sampler, sampler, left, 0)[0]  # as far as the saved run had taken it
-            for _ in batches if drawn_all else itertools.islice(batches, drawn):
+            # every batch drawn (a save at the epoch's last batch, before the sampler's end was seen in this process):
+            # to the end, as the saved run's loop went on (torch's RandomSampler draws once more there)
+            whole = drawn_all or drawn >= _length_of(batch_sampler)
+            for _ in batches if whole else itertools.islice(batches, drawn):
                 pass
 
     def base_seed(self, config) -> int:
@@ -252,6 +256,13 @@ class Checkpoint:
         drawn = state.get("batches_drawn")  # absent from a state saved before session 41: at least the batches
         self._drawn = tuple(drawn) if drawn is not None else (max(1, yielded or 0), False)  # yielded were drawn
         self.current, self.loaded = None, copy.deepcopy(state)
+
+
+def _length_of(batch_sampler) -> float:
+    try:
+        return len(batch_sampler)
+    except TypeError:  # (no len(): never taken as wholly drawn)
+        return math.inf
 
 
 EPOCHS = 2**63  # epochs a loader counts (an epoch's draws key on it; each next epoch adds one)

@@ -324,9 +324,9 @@ class FusionFlowLoader:
         Taken anywhere -- between epochs, or mid-epoch after k batches were yielded -- and loaded into
         a fresh loader over the same dataset (any num_workers) with `load_state_dict`, the resumed
         loader yields the rest of the epoch the state was taken in -- same indices and pixels -- and
-        the same epochs after it. A state taken after a `break` resumes that epoch's remaining batches
-        too, while the original loader, iterated again, starts its next epoch (as DataLoader does); once
-        `set_epoch` is called after the `break`, a state starts that epoch from its first batch, as the loader will."""
+        the same epochs after it. A state taken after a `break` (the epoch's iterator closed) resumes into the next
+        epoch, as the original loader, iterated again, starts it (as DataLoader does; until 2026-12-01 it resumed the
+        left epoch's remaining batches); after `set_epoch`, that epoch from its first batch, as the loader will."""
         cfg = self.config
         # (an epoch's start draws its base seed before the sampler draws: runtime/spec.py base_seed)
         state = self.parts.checkpoint.state_dict(
