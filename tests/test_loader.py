@@ -1380,9 +1380,13 @@ def test_a_dataset_s_batched_read_is_used_as_dataloader_uses_it(num_workers):
         got = targets_of(FusionFlowLoader(BatchedToo(10, bad={5}), on_error="skip", **kw))
     assert sorted(t % 1000 for t in got) == [i for i in range(10) if i != 5] and max(got) >= 1000
     assert 1 <= sum(t < 1000 for t in got) < len(got)  # 5's tiny-batch read alone, the others batched
-    # ... and where a sample cannot be read alone, the batched read's error is the one reported
-    with pytest.raises(SampleError, match=r"ValueError: sample 3 is corrupt"):
+    # ... also a dataset read only so: each sample alone by __getitems__([i]) (the batched read's error was blamed
+    # on every sample of the tiny-batch, and on_error='skip' dropped them all)
+    with pytest.raises(SampleError, match=r"sample 3 failed: ValueError: sample 3 is corrupt"):
         targets_of(FusionFlowLoader(BatchedOnly(8, bad={3}), **kw))
+    with pytest.warns(UserWarning, match=r"dropping sample 5 \(ValueError: sample 5 is corrupt"):
+        got = targets_of(FusionFlowLoader(BatchedOnly(12, bad={5}), on_error="skip", **kw))
+    assert sorted(got) == [i for i in range(12) if i != 5]
     # read_ahead= reads each sample apart on its threads: by __getitems__([i]) where that is the only read
     assert sorted(targets_of(FusionFlowLoader(BatchedOnly(14), read_ahead=2, **kw))) == list(range(14))
     assert sorted(targets_of(FusionFlowLoader(BatchedToo(10), read_ahead=2, **kw))) == list(range(10))

@@ -240,3 +240,20 @@ def test_a_subclass_that_reads_its_own_way_is_read_through_its_getitem():
     ds = Renamed(JPEGS[:3])
     assert ds.__getitems__([2, 0]) == [(b"x" + JPEGS[2], -2), (b"x" + JPEGS[0], 0)]
     assert EncodedImages(JPEGS[:3], classes=2).__getitems__([2, 1]) == [(JPEGS[2], 0), (JPEGS[1], 1)]
+
+
+def test_a_batched_read_returning_a_tuple_or_a_generator_is_read_as_a_list():
+    """The accelerator's read took len() of what __getitems__ returned: a generator retired the accelerator
+    ("object of type 'generator' has no len()") and its runs went back to the CPU workers, read again."""
+    from fusionflow.accel.run_read import read_items
+
+    class Lazy(EncodedImages):
+        def __getitems__(self, indices):
+            return (self[i] for i in indices)
+
+    class Tupled(EncodedImages):
+        def __getitems__(self, indices):
+            return tuple(self[i] for i in indices)
+
+    for ds in (Lazy(JPEGS[:4], classes=3), Tupled(JPEGS[:4], classes=3)):
+        assert read_items(ds, [3, 1]) == [(JPEGS[3], 0), (JPEGS[1], 1)]

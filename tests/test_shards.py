@@ -273,6 +273,8 @@ def test_dict_samples_take_the_dataset_s_batched_read(folder, num_workers):
     kw = dict(batch_size=6, num_workers=num_workers, policy=SMALL, seed=1)
     want = _batches(FusionFlowLoader(folder, **kw))
     assert _same_batches(_batches(FusionFlowLoader(BatchedDicts(folder), sample_keys=("image", "label"), **kw)), want)
+    ahead = FusionFlowLoader(BatchedDicts(folder), sample_keys=("image", "label"), read_ahead=2, **kw)
+    assert _same_batches(_batches(ahead), want)  # (read_ahead= read each through the wrapper's dataset[i]: it failed)
 
 
 def test_a_dict_sample_s_cls_is_an_int_only_as_a_shard_s_is():

@@ -46,10 +46,10 @@ def read_items(dataset, indices: list) -> list:
     """dataset[i] for each of `indices`, by the dataset's batched read when it has one."""
     many = getattr(dataset, "__getitems__", None)
     if many is not None:
-        items = many(indices)
+        items = list(many(indices))  # (a tuple, a generator)
         if len(items) != len(indices):
             raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(items)} items for {len(indices)}")
-        return list(items)
+        return items
     return [dataset[i] for i in indices]
 
 

@@ -35,7 +35,7 @@ class DictSamples:
         return len(self.dataset)
 
     def __getitem__(self, index: int):
-        return self._pair(self.dataset[index], index)
+        return self._pair(single_read(self.dataset)(index), index)  # (a dataset read by __getitems__ only, too)
 
     def __getitems__(self, indices):
         """The dataset's batched read where it has one (a Hugging Face dataset: one Arrow read a tiny-batch, as

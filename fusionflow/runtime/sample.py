@@ -2,8 +2,8 @@
 process (runtime/worker.py `run_task`), a Ray worker (remote/task.py) and the training process itself with
 num_workers=0 (`FusionFlowLoader`'s inline iteration) -- so all report failures and targets alike. A dataset
 with a batched read, `__getitems__(indices)` (PyTorch's protocol: DataLoader's fetcher reads a batch with it), is
-read so, a tiny-batch a call (`run_samples`); where that raises, each sample is read alone, so the failing one
-is told from the rest (and a dataset without a working `__getitem__` reports the batched read's error)."""
+read so, a tiny-batch a call (`run_samples`); where that raises, each sample is read alone (by `__getitems__([i])`
+where the dataset has no __getitem__), so the failing one is told from the rest."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import os
 import signal
 import traceback
 
+from fusionflow.datasets.wrappers import single_read
 from fusionflow.errors import class_name, exception_attributes
 from fusionflow.runtime import targets
 from fusionflow.runtime.messages import SampleFailure
@@ -38,10 +39,13 @@ _UNREAD = object()  # run_sample's `item`: not read yet
 
 
 def _read(dataset, index: int, batch_error: BaseException | None = None):
+    """dataset[index]; after its batched read raised (`batch_error`), the sample alone: by `__getitems__([index])`
+    where the dataset has no __getitem__ of its own (datasets/wrappers.py single_read), so the bad sample is told
+    from its tiny-batch's others."""
     _READ[0] = True
     try:
-        return dataset[index]
-    except NotImplementedError:  # (torch's Dataset.__getitem__): a dataset read by __getitems__ only
+        return single_read(dataset)(index) if batch_error is not None else dataset[index]
+    except NotImplementedError:  # (a __getitem__ that says so): a dataset read by __getitems__ only
         if batch_error is not None:
             raise batch_error from None
         raise
