@@ -1158,6 +1158,12 @@ class Subclassed(FusionFlowLoader):
     pass
 
 
+class WithItsOwnInit(FusionFlowLoader):
+    def __init__(self, dataset, extra, **kw):
+        super().__init__(dataset, **kw)
+        self.extra = extra
+
+
 def _local_collate(batch):  # module-level: pickles by name
     return default_collate(batch)
 
@@ -1183,8 +1189,12 @@ def test_a_loader_pickles_and_deep_copies_as_a_new_loader_of_the_same_arguments(
     assert twin.generator is not loader.generator and twin.dataset is not loader.dataset
     for other in (thawed, twin, loader):
         other.close()
-    sub = pickle.loads(pickle.dumps(Subclassed(Raw(), policy=EXACT)))  # its class kept
-    assert type(sub) is Subclassed
+    tagged = Subclassed(Raw(), policy=EXACT)
+    tagged.tag = "run-7"  # an attribute the script set: it comes along, as a DataLoader's does
+    sub = pickle.loads(pickle.dumps(tagged))  # its class kept
+    assert type(sub) is Subclassed and sub.tag == "run-7" and copy.copy(tagged).tag == "run-7"
     sub.close()
+    with pytest.raises(TypeError, match=r"WithItsOwnInit cannot be pickled or copied .* give it a __reduce__"):
+        pickle.dumps(WithItsOwnInit(Raw(), "extra", policy=EXACT))  # refused when pickled, not when loaded
     with pytest.raises((AttributeError, pickle.PicklingError, TypeError), match="local"):
         pickle.dumps(FusionFlowLoader(Raw(), collate_fn=lambda b: b, policy=EXACT))

@@ -18,6 +18,7 @@ from fusionflow.loader.dataset import AdoptedTransform, adopt_folder
 from fusionflow.loader.delivery import warn_if_unsharded
 from fusionflow.loader.epoch import InlineIterator, WorkerIterator
 from fusionflow.loader.parts import LoaderParts
+from fusionflow.loader.pickling import reduce_loader
 from fusionflow.loader.stats import LoaderStats  # noqa: F401 (re-exported, as the loader module always did)
 from fusionflow.runtime.host import Host
 
@@ -281,9 +282,8 @@ class FusionFlowLoader:
 
     # ---------------------------------------------------------------- DataLoader surface
     def __reduce__(self):
-        """Pickled (and deep-copied) as its class and arguments: a new loader of them, as a DataLoader unpickles before
-        its first iteration (no workers, no progress: state_dict() has it; a subclass's own arguments: its own)."""
-        return _rebuilt, (type(self), self._arguments)
+        """Pickled and copied as its class and arguments: a new loader of them (fusionflow/loader/pickling.py)."""
+        return reduce_loader(self, FusionFlowLoader)
 
     def __len__(self) -> int:
         return len(self.config.batch_sampler)
@@ -387,10 +387,6 @@ class FusionFlowLoader:
     def _collate(self):
         """None when batches are delivered as they are (no collate_fn, or default_collate)."""
         return self.config.collate
-
-
-def _rebuilt(cls, arguments: dict) -> FusionFlowLoader:
-    return cls(**arguments)
 
 
 def _length(loader) -> int | None:
