@@ -283,7 +283,7 @@ class FusionFlowLoader:
     # ---------------------------------------------------------------- DataLoader surface
     def __reduce__(self):
         """Pickled and copied as its class and arguments: a new loader of them (fusionflow/loader/pickling.py)."""
-        return reduce_loader(self, FusionFlowLoader)
+        return reduce_loader(self, FusionFlowLoader, self._arguments)
 
     def __len__(self) -> int:
         return len(self.config.batch_sampler)

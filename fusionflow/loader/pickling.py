@@ -8,15 +8,15 @@ from __future__ import annotations
 BUILT = frozenset({"_arguments", "_adopted", "config", "dataset", "parts", "stats"})  # what the constructor makes
 
 
-def reduce_loader(loader, base: type):
-    """`loader.__reduce__()`: (rebuild, (class, arguments), the attributes set after construction)."""
+def reduce_loader(loader, base: type, arguments: dict):
+    """`loader.__reduce__()`: (rebuild, (class, its constructor's `arguments`), the attributes set after it)."""
     cls = type(loader)
     if cls.__init__ is not base.__init__:
         raise TypeError(
             f"{cls.__name__} cannot be pickled or copied as a {base.__name__} is (rebuilt from the arguments "
             f"{base.__name__}.__init__ took): its __init__ takes arguments of its own; give it a __reduce__"
         )
-    return rebuild, (cls, loader._arguments), {k: v for k, v in vars(loader).items() if k not in BUILT} or None
+    return rebuild, (cls, arguments), {k: v for k, v in vars(loader).items() if k not in BUILT} or None
 
 
 def rebuild(cls: type, arguments: dict):
