@@ -206,7 +206,7 @@ def build_policy(a: TimmArguments, views: int, normalize_in_workers: bool, decod
         policy = policy_from_transform(transform, decode=decode)
     except ValueError as e:
         refused = re.search(r"transform \d+ \((\w+)", str(e))
-        cause = CAUSES.get(refused.group(1)) if refused else next((a for f, a in FIELDS if f in str(e)), None)
+        cause = CAUSES.get(refused.group(1)) if refused else next((arg for f, arg in FIELDS if f in str(e)), None)
         if cause is not None and cause.isidentifier():  # one argument: named with its value
             cause = f"{cause}={getattr(a, cause)!r}"
         args = cause or ", ".join(f"{k}={v!r}" for k, v in kw.items() if v not in (None, 0, 0.0, False))
