@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from fusionflow.datasets.wrappers import batched_read
 from fusionflow.runtime.sample import split_item
 
 _COPIES = operator.attrgetter("copies")  # a Work's copies
@@ -44,13 +45,8 @@ class RunRead:
 
 def read_items(dataset, indices: list) -> list:
     """dataset[i] for each of `indices`, by the dataset's batched read when it has one."""
-    many = getattr(dataset, "__getitems__", None)
-    if many is not None:
-        items = list(many(indices))  # (a tuple, a generator)
-        if len(items) != len(indices):
-            raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(items)} items for {len(indices)}")
-        return items
-    return [dataset[i] for i in indices]
+    items = batched_read(dataset, indices)
+    return items if items is not None else [dataset[i] for i in indices]
 
 
 def pairs(items: list, indices: list) -> tuple[list, list]:

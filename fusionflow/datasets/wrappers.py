@@ -40,9 +40,9 @@ class DictSamples:
     def __getitems__(self, indices):
         """The dataset's batched read where it has one (a Hugging Face dataset: one Arrow read a tiny-batch, as
         DataLoader's fetcher reads it), else item by item."""
-        many = getattr(self.dataset, "__getitems__", None)
-        items = many(list(indices)) if many is not None else [self.dataset[i] for i in indices]
-        return [self._pair(item, index) for item, index in zip(items, indices, strict=True)]
+        items = batched_read(self.dataset, indices)
+        items = items if items is not None else [self.dataset[i] for i in indices]
+        return [self._pair(item, index) for item, index in zip(items, indices)]
 
     def _pair(self, item, index: int):
         if not isinstance(item, dict):
@@ -178,6 +178,19 @@ class ReadAhead:
         state = self.__dict__.copy()
         state["_pool"], state["_pending"] = None, {}
         return state
+
+
+def batched_read(dataset, indices) -> list | None:
+    """The dataset's `__getitems__(indices)` (PyTorch's batched read) as a list, its count checked; None where the
+    dataset has none. What every reader of a batch calls: the CPU workers (runtime/sample.py), the accelerator's run
+    read (accel/run_read.py), DictSamples."""
+    many = getattr(dataset, "__getitems__", None)
+    if many is None:
+        return None
+    items = list(many(list(indices)))  # (a tuple, a generator)
+    if len(items) != len(indices):
+        raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(items)} items for {len(indices)}")
+    return items
 
 
 def single_read(dataset):

@@ -11,7 +11,7 @@ import os
 import signal
 import traceback
 
-from fusionflow.datasets.wrappers import single_read
+from fusionflow.datasets.wrappers import batched_read, single_read
 from fusionflow.errors import class_name, exception_attributes
 from fusionflow.runtime import targets
 from fusionflow.runtime.messages import SampleFailure
@@ -58,17 +58,13 @@ def _read(dataset, index: int, batch_error: BaseException | None = None):
 def read_many(dataset, indices, clock=None) -> tuple[list | None, BaseException | None]:
     """(items, None) by the dataset's `__getitems__`; (None, None) where it has none; (None, the exception) where
     it raised or gave another count of items."""
-    many = getattr(dataset, "__getitems__", None)
-    if many is None:
+    if getattr(dataset, "__getitems__", None) is None:
         return None, None
     if clock is not None:
         clock.start()
     _READ[0] = True
     try:
-        items = list(many(list(indices)))
-        if len(items) != len(indices):
-            raise ValueError(f"{type(dataset).__name__}.__getitems__ returned {len(items)} items for {len(indices)}")
-        return items, None
+        return batched_read(dataset, indices), None
     except Exception as exc:
         return None, exc
     finally:
